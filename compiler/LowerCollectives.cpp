@@ -1,0 +1,102 @@
+//===- LowerCollectives.cpp - tp and dp all-reduces, the optimizer step ---===//
+//
+// Establishes:
+//  - with tp > 1, every forward and input-gradient op (fused or not) of a stage with n
+//    tensor-parallel reductions is split into n parts, each followed by an all_reduce of group
+//    tp: Megatron-LM's row-parallel output reduction after attention and after the MLP in the
+//    forward, and the conjugate reduction of the input gradient of each column-parallel block
+//    in the backward (Shoeybi et al. 2019, Fig. 3). Weight-gradient ops need none;
+//  - with dp > 1, one all_reduce of group dp per stage, right after the stage's last weight
+//    gradient (and the sends that follow it), so the reduction overlaps the rest of the step;
+//  - one optimizer_step, last on every rank.
+// The replicas of a group run the same stream, so every group issues its collectives in the
+// same order on all its members.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/Pass.h"
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/DenseMap.h"
+
+namespace pipec {
+namespace {
+
+class LowerCollectivesPass final : public Pass {
+public:
+  llvm::StringRef name() const override { return "lower-collectives"; }
+
+  llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
+    const ParallelConfig &pc = plan.parallel;
+    for (size_t r = 0; r < plan.ranks.size(); ++r) {
+      const auto &in = plan.ranks[r];
+      // Last weight-gradient op of each stage on this rank.
+      llvm::SmallDenseMap<int, size_t, 8> lastWeightGrad;
+      for (size_t n = 0; n < in.size(); ++n)
+        if (in[n].op == OpKind::BackwardWeight || in[n].op == OpKind::Backward)
+          lastWeightGrad[in[n].stage] = n;
+      std::vector<Instruction> out;
+      out.reserve(in.size() * (pc.tp > 1 ? 3 : 1) + 8);
+      llvm::SmallVector<int, 4> dpDue;  // stages whose dp all-reduce goes after the comms
+      auto emitDp = [&]() {
+        for (int s : dpDue) {
+          Instruction ar;
+          ar.op = OpKind::AllReduce;
+          ar.collective = CollectiveGroup::Dp;
+          ar.stage = s;
+          ar.bytes = plan.stages[size_t(s)].paramBytes;
+          out.push_back(ar);
+        }
+        dpDue.clear();
+      };
+      for (size_t n = 0; n < in.size(); ++n) {
+        const Instruction &i = in[n];
+        if (!i.isP2P())
+          emitDp();
+        int parts = plan.stages[size_t(std::max(i.stage, 0))].tpAllReduces;
+        bool split = pc.tp > 1 && parts > 0 && i.isCompute() && i.op != OpKind::BackwardWeight;
+        if (!split) {
+          out.push_back(i);
+        } else {
+          for (int p = 0; p < parts; ++p) {
+            Instruction part = i;
+            part.part = p;
+            part.parts = parts;
+            out.push_back(part);
+            Instruction ar;
+            ar.op = OpKind::AllReduce;
+            ar.collective = CollectiveGroup::Tp;
+            ar.phase = i.op;
+            ar.stage = i.stage;
+            ar.mb = i.mb;
+            ar.slice = i.slice;
+            ar.part = p;
+            ar.parts = parts;
+            ar.bytes = plan.stages[size_t(i.stage)].outputBytes[size_t(i.slice)];
+            out.push_back(ar);
+          }
+        }
+        if (pc.dp > 1 && i.isCompute()) {
+          auto it = lastWeightGrad.find(i.stage);
+          if (it != lastWeightGrad.end() && it->second == n)
+            dpDue.push_back(i.stage);
+        }
+      }
+      emitDp();
+      Instruction opt;
+      opt.op = OpKind::OptimizerStep;
+      out.push_back(opt);
+      plan.ranks[r] = std::move(out);
+    }
+    ctx.collectivesLowered = true;
+    return true;
+  }
+};
+
+} // namespace
+
+std::unique_ptr<Pass> createLowerCollectivesPass() {
+  return std::make_unique<LowerCollectivesPass>();
+}
+
+} // namespace pipec

@@ -1,0 +1,200 @@
+//===- Partition.cpp - Layers into stages, exactly ------------------------===//
+//
+// Establishes: P·V stages, each a contiguous non-empty layer range, placed on ranks by the
+// policy's placement, with per-slice costs, bytes and transfer times filled in.
+// The split minimises the largest stage time (F + B + W of its layers over the whole sequence)
+// exactly, by dynamic programming over prefix sums (the classic linear-partition recurrence);
+// among the splits that reach that optimum it takes the one with the least sum of squared stage
+// times (the most even), again exactly, so uniform models split as evenly as integers allow.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/Pass.h"
+
+#include "ir/Error.h"
+#include "schedules/Policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace pipec {
+namespace {
+
+/// Split `cost` into `parts` contiguous non-empty ranges; returns the end of each range.
+std::vector<int> exactPartition(const std::vector<double> &cost, int parts) {
+  size_t n = cost.size();
+  std::vector<double> prefix(n + 1, 0);
+  for (size_t i = 0; i < n; ++i)
+    prefix[i + 1] = prefix[i] + cost[i];
+  auto range = [&](size_t a, size_t b) { return prefix[b] - prefix[a]; };
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[s][l]: least possible max stage time for the first l layers in s stages.
+  std::vector<std::vector<double>> best(size_t(parts) + 1, std::vector<double>(n + 1, inf));
+  best[0][0] = 0;
+  for (size_t s = 1; s <= size_t(parts); ++s)
+    for (size_t l = s; l + (size_t(parts) - s) <= n; ++l)
+      for (size_t j = s - 1; j < l; ++j)
+        best[s][l] = std::min(best[s][l], std::max(best[s - 1][j], range(j, l)));
+  double limit = best[size_t(parts)][n];
+  double slack = limit * 1e-12 + 1e-300;
+  // Among splits with every stage <= limit: least sum of squares, earliest cut on ties.
+  std::vector<std::vector<double>> sq(size_t(parts) + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<size_t>> cut(size_t(parts) + 1, std::vector<size_t>(n + 1, 0));
+  sq[0][0] = 0;
+  for (size_t s = 1; s <= size_t(parts); ++s)
+    for (size_t l = s; l + (size_t(parts) - s) <= n; ++l)
+      for (size_t j = s - 1; j < l; ++j) {
+        double c = range(j, l);
+        if (c > limit + slack || sq[s - 1][j] == inf)
+          continue;
+        double v = sq[s - 1][j] + c * c;
+        if (v < sq[s][l] * (1 - 1e-12) || sq[s][l] == inf) {
+          sq[s][l] = v;
+          cut[s][l] = j;
+        }
+      }
+  std::vector<int> ends(static_cast<size_t>(parts));
+  size_t l = n;
+  for (size_t s = size_t(parts); s >= 1; --s) {
+    ends[s - 1] = int(l);
+    l = cut[s][l];
+  }
+  return ends;
+}
+
+/// Which link joins two pipeline ranks (Megatron's tp-dp-pp order of global ranks).
+const Link &linkBetween(const ClusterSpec &c, const ParallelConfig &pc, int a, int b) {
+  int64_t stride = int64_t(pc.dp) * pc.tp;
+  bool sameNode = (int64_t(a) * stride) / c.gpusPerNode == (int64_t(b) * stride) / c.gpusPerNode;
+  return sameNode ? c.intraNode : c.interNode;
+}
+
+double transferMs(const Link &l, double bytes) {
+  return l.latencyUs / 1000.0 + bytes / (l.bandwidthGBps * 1e9) * 1000.0;
+}
+
+/// Ring all-reduce over n members: 2(n-1)/n of the bytes cross each link.
+double allReduceMs(const Link &l, double bytes, int n) {
+  if (n <= 1)
+    return 0;
+  return l.latencyUs / 1000.0 + 2.0 * (n - 1) / n * bytes / (l.bandwidthGBps * 1e9) * 1000.0;
+}
+
+class PartitionPass final : public Pass {
+public:
+  llvm::StringRef name() const override { return "partition"; }
+
+  llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
+    const ModelSpec &model = *ctx.model;
+    const ClusterSpec &cluster = *ctx.cluster;
+    const ParallelConfig &pc = plan.parallel;
+    int numStages = pc.numStages();
+    int numLayers = int(model.layers.size());
+    if (numLayers < numStages) {
+      int pp = std::max(1, numLayers / pc.vpp);
+      return inputError("--pp {} x --vpp {} = {} stages but the model has {} layers; every "
+                        "stage needs at least one layer; try --pp {}",
+                        pc.pp, pc.vpp, numStages, numLayers, pp);
+    }
+    if (double(numStages) * numLayers * numLayers > 4e9)
+      return inputError("the model has {} layers: too many to partition exactly into {} stages "
+                        "here; merge layers with \"count\" into coarser ones",
+                        numLayers, numStages);
+    int64_t seq = model.sequenceLength(pc.seqSplits);
+    std::vector<double> whole(static_cast<size_t>(numLayers));
+    for (int l = 0; l < numLayers; ++l) {
+      SliceCost c = model.sliceCost(cluster, size_t(l), 0, seq, 0, 1, pc.tp);
+      whole[size_t(l)] = c.forward + c.backwardInput + c.backwardWeight;
+    }
+    std::vector<int> ends = exactPartition(whole, numStages);
+    plan.stages.assign(size_t(numStages), StageInfo{});
+    size_t k = size_t(pc.seqSplits);
+    for (int s = 0; s < numStages; ++s) {
+      StageInfo &st = plan.stages[size_t(s)];
+      st.stage = s;
+      st.rank = rankOfStage(plan.placement, s, pc.pp);
+      st.layerBegin = s == 0 ? 0 : ends[size_t(s - 1)];
+      st.layerEnd = ends[size_t(s)];
+      st.forward.assign(k, 0);
+      st.backwardInput.assign(k, 0);
+      st.backwardWeight.assign(k, 0);
+      st.activationBytes.assign(k, 0);
+      st.weightGradBytes.assign(k, 0);
+      st.outputBytes.assign(k, 0);
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        const Layer &layer = model.layers[size_t(l)];
+        st.paramBytes += layer.paramBytes / pc.tp;
+        st.tpAllReduces += pc.tp > 1 ? layer.tpAllReduces : 0;
+        for (size_t i = 0; i < k; ++i) {
+          auto [b, e] = plan.seqSlices[i];
+          SliceCost c = model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp);
+          st.forward[i] += c.forward;
+          st.backwardInput[i] += c.backwardInput;
+          st.backwardWeight[i] += c.backwardWeight;
+          st.activationBytes[i] += c.activationBytes;
+          st.weightGradBytes[i] += c.weightGradBytes;
+        }
+      }
+      // What leaves the stage is its last layer's output.
+      for (size_t i = 0; i < k; ++i) {
+        auto [b, e] = plan.seqSlices[i];
+        st.outputBytes[i] =
+            model.sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k), pc.tp)
+                .outputBytes;
+      }
+    }
+    fillTransferTimes(plan, model, cluster);
+    return true;
+  }
+
+private:
+  static void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster) {
+    const ParallelConfig &pc = plan.parallel;
+    size_t k = size_t(pc.seqSplits);
+    int numStages = plan.numStages();
+    const Link &tpLink = pc.tp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+    const Link &dpLink =
+        int64_t(pc.tp) * pc.dp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+    for (int s = 0; s < numStages; ++s) {
+      StageInfo &st = plan.stages[size_t(s)];
+      st.activationTransferTime.assign(k, 0);
+      st.gradientTransferTime.assign(k, 0);
+      st.tpAllReduceTime.assign(k, 0);
+      for (size_t i = 0; i < k; ++i) {
+        if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
+          st.activationTransferTime[i] =
+              model.isTransformer()
+                  ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
+                               double(st.outputBytes[i]))
+                  : model.p2pTime;
+        if (s > 0 && plan.rankOf(s - 1) != st.rank)
+          st.gradientTransferTime[i] =
+              model.isTransformer()
+                  ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
+                               double(plan.stages[size_t(s - 1)].outputBytes[i]))
+                  : model.p2pTime;
+        if (pc.tp > 1 && st.tpAllReduces > 0) {
+          if (model.isTransformer()) {
+            const TransformerConfig &t = *model.transformer;
+            auto [b, e] = plan.seqSlices[i];
+            double hidden = double(t.microbatchSize) * double(e - b) * double(t.hiddenSize) *
+                            double(t.dtypeBytes());
+            st.tpAllReduceTime[i] = allReduceMs(tpLink, hidden, pc.tp);
+          } else {
+            st.tpAllReduceTime[i] = model.allReduceTime;
+          }
+        }
+      }
+      if (pc.dp > 1)
+        st.dpAllReduceTime = model.isTransformer()
+                                 ? allReduceMs(dpLink, double(st.paramBytes), pc.dp)
+                                 : model.allReduceTime;
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<Pass> createPartitionPass() { return std::make_unique<PartitionPass>(); }
+
+} // namespace pipec

@@ -1,0 +1,77 @@
+//===- Pass.h - Passes, their registry and the pipeline ---------*- C++ -*-===//
+//
+// A pass transforms a Plan in place and says whether it changed it. Passes are registered once
+// by name (LLVM's pass registry); a pipeline is a list of names. With verifyEach the verifier
+// runs after every pass, at the strength the plan has reached (XLA's invariant checker).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_COMPILER_PASS_H
+#define PIPEC_COMPILER_PASS_H
+
+#include "ir/Model.h"
+#include "ir/Plan.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+class SchedulePolicy;
+
+/// What the user asked for (DESIGN §3.3).
+struct CompileOptions {
+  std::string schedule = "1f1b";
+  ParallelConfig parallel;
+  int64_t memoryLimit = 0;  // per rank; 0 = none
+};
+
+/// Shared state of a pipeline run.
+struct PassContext {
+  const ModelSpec *model = nullptr;
+  const ClusterSpec *cluster = nullptr;
+  CompileOptions options;
+  const SchedulePolicy *policy = nullptr;
+  bool verifyEach = false;
+  // How far lowering has come; decides how strict verification after a pass is.
+  bool scheduled = false;
+  bool commsLowered = false;
+  bool collectivesLowered = false;
+};
+
+class Pass {
+public:
+  virtual ~Pass() = default;
+  virtual llvm::StringRef name() const = 0;
+  /// Run on `plan`; true if it changed the plan.
+  virtual llvm::Expected<bool> run(Plan &plan, PassContext &ctx) = 0;
+};
+
+/// Names of all registered passes, in the default pipeline's order.
+llvm::ArrayRef<llvm::StringRef> defaultPipeline();
+/// Create a registered pass by name.
+llvm::Expected<std::unique_ptr<Pass>> createPass(llvm::StringRef name);
+/// Run the named passes in order.
+llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassContext &ctx);
+
+// The passes (each in its own file).
+std::unique_ptr<Pass> createSeqSplitPass();
+std::unique_ptr<Pass> createPartitionPass();
+std::unique_ptr<Pass> createSchedulePass();
+std::unique_ptr<Pass> createLowerCommsPass();
+std::unique_ptr<Pass> createLowerCollectivesPass();
+std::unique_ptr<Pass> createMemoryPass();
+std::unique_ptr<Pass> createSimulatePass();
+std::unique_ptr<Pass> createVerifyPass();
+
+/// Check the options, select the policy, and run the whole default pipeline.
+llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
+                                 const CompileOptions &options, bool verifyEach = false);
+
+} // namespace pipec
+
+#endif // PIPEC_COMPILER_PASS_H

@@ -1,0 +1,167 @@
+//===- Pipeline.cpp - Pass registry, the schedule/simulate/verify passes --===//
+#include "compiler/Pass.h"
+
+#include "compiler/Simulator.h"
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "schedules/Policy.h"
+
+#include "llvm/ADT/STLExtras.h"
+
+namespace pipec {
+
+namespace {
+
+/// Establishes: plan.ranks holds the policy's compute order, one stream per rank.
+class SchedulePass final : public Pass {
+public:
+  llvm::StringRef name() const override { return "schedule"; }
+  llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
+    ScheduleRequest request;
+    request.parallel = plan.parallel;
+    request.stages = plan.stages;
+    request.memoryLimit = ctx.options.memoryLimit;
+    ComputeOrder order;
+    ctx.policy->emit(request, order);
+    assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");
+    plan.ranks = std::move(order);
+    ctx.scheduled = true;
+    return true;
+  }
+};
+
+/// Establishes: stats hold the timing model's makespan, bubble ratio and per-rank times.
+class SimulatePass final : public Pass {
+public:
+  llvm::StringRef name() const override { return "simulate"; }
+  llvm::Expected<bool> run(Plan &plan, PassContext &) override {
+    Timeline t;
+    if (auto err = simulateTimeline(plan, t))
+      return err;
+    summarizeTimeline(plan, t, plan.stats);
+    return true;
+  }
+};
+
+/// Checks the whole plan (comms and collectives required); changes nothing.
+class VerifyPass final : public Pass {
+public:
+  llvm::StringRef name() const override { return "verify"; }
+  llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
+    VerifyOptions opts;
+    opts.requireComms = ctx.commsLowered;
+    opts.requireCollectives = ctx.collectivesLowered;
+    if (auto err = verifyPlan(plan, opts))
+      return err;
+    return false;
+  }
+};
+
+struct Entry {
+  llvm::StringRef name;
+  std::unique_ptr<Pass> (*create)();
+};
+
+const Entry kPasses[] = {
+    {"seq-split", createSeqSplitPass},
+    {"partition", createPartitionPass},
+    {"schedule", createSchedulePass},
+    {"lower-comms", createLowerCommsPass},
+    {"lower-collectives", createLowerCollectivesPass},
+    {"memory", createMemoryPass},
+    {"simulate", createSimulatePass},
+    {"verify", createVerifyPass},
+};
+
+} // namespace
+
+std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePass>(); }
+std::unique_ptr<Pass> createSimulatePass() { return std::make_unique<SimulatePass>(); }
+std::unique_ptr<Pass> createVerifyPass() { return std::make_unique<VerifyPass>(); }
+
+llvm::ArrayRef<llvm::StringRef> defaultPipeline() {
+  static const llvm::StringRef names[] = {"seq-split",         "partition", "schedule",
+                                          "lower-comms",       "lower-collectives",
+                                          "memory",            "simulate",  "verify"};
+  return names;
+}
+
+llvm::Expected<std::unique_ptr<Pass>> createPass(llvm::StringRef name) {
+  for (const Entry &e : kPasses)
+    if (e.name == name)
+      return e.create();
+  return inputError("unknown pass '{}'", name.str());
+}
+
+llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassContext &ctx) {
+  for (llvm::StringRef name : names) {
+    auto pass = createPass(name);
+    if (!pass)
+      return pass.takeError();
+    auto changed = (*pass)->run(plan, ctx);
+    if (!changed)
+      return changed.takeError();
+    // Invariants hold after every pass once there are streams to check.
+    if (ctx.verifyEach && ctx.scheduled && name != "verify") {
+      VerifyOptions opts;
+      opts.requireComms = ctx.commsLowered;
+      opts.requireCollectives = ctx.collectivesLowered;
+      if (auto err = verifyPlan(plan, opts))
+        return finding("after pass {}: {}", name.str(), takeMessage(std::move(err)));
+    }
+  }
+  return llvm::Error::success();
+}
+
+static llvm::Error checkOptions(const CompileOptions &o) {
+  const ParallelConfig &pc = o.parallel;
+  struct Flag {
+    const char *name;
+    int value;
+  } flags[] = {{"--pp", pc.pp},   {"--vpp", pc.vpp},
+               {"--tp", pc.tp},   {"--dp", pc.dp},
+               {"--microbatches", pc.microbatches}, {"--seq-splits", pc.seqSplits}};
+  for (const Flag &f : flags)
+    if (f.value < 1)
+      return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
+  if (int64_t(pc.pp) * pc.vpp > 4096)
+    return inputError("--pp x --vpp = {} stages is beyond what pipec plans (4096); try a smaller "
+                      "--pp",
+                      int64_t(pc.pp) * pc.vpp);
+  if (int64_t(pc.microbatches) * pc.seqSplits > (1 << 24))
+    return inputError("--microbatches x --seq-splits = {} is beyond what pipec plans (2^24)",
+                      int64_t(pc.microbatches) * pc.seqSplits);
+  if (o.memoryLimit < 0)
+    return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
+  return llvm::Error::success();
+}
+
+llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
+                                 const CompileOptions &options, bool verifyEach) {
+  if (auto err = checkOptions(options))
+    return err;
+  auto policy = findPolicy(options.schedule);
+  if (!policy)
+    return policy.takeError();
+  if (auto err = (*policy)->check(options.parallel))
+    return err;
+  PassContext ctx;
+  ctx.model = &model;
+  ctx.cluster = &cluster;
+  ctx.options = options;
+  ctx.policy = *policy;
+  ctx.verifyEach = verifyEach;
+  Plan plan;
+  plan.schedule = options.schedule;
+  plan.model = model.name;
+  plan.timeUnit = model.timeUnit().str();
+  plan.parallel = options.parallel;
+  plan.placement = (*policy)->placement();
+  plan.gpusPerNode = cluster.gpusPerNode;
+  plan.stateBytesPerParamByte = model.stateBytesPerParamByte;
+  if (auto err = runPipeline(defaultPipeline(), plan, ctx))
+    return err;
+  return plan;
+}
+
+} // namespace pipec

@@ -1,0 +1,9 @@
+"""Compiler options shared by every target (defined once, abseil style)."""
+
+PIPE_COPTS = [
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    "-Wno-deprecated-enum-enum-conversion",
+    "-Wno-deprecated-anon-enum-enum-conversion",
+]

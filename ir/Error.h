@@ -1,0 +1,59 @@
+//===- Error.h - The two kinds of recoverable error -------------*- C++ -*-===//
+//
+// Bad input (a flag, a file, a field) is an InputError: tools exit 2 with its one line.
+// A plan or schedule that is wrong is a Finding: tools exit 1 with its (multi-line) diagnostic.
+// Bugs are asserts, never errors.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_ERROR_H
+#define PIPEC_IR_ERROR_H
+
+#include "llvm/Support/Error.h"
+
+#include <fmt/format.h>
+
+#include <string>
+
+namespace pipec {
+
+class InputError : public llvm::ErrorInfo<InputError> {
+public:
+  static char ID;
+  explicit InputError(std::string msg) : msg(std::move(msg)) {}
+  void log(llvm::raw_ostream &os) const override;
+  std::error_code convertToErrorCode() const override { return llvm::inconvertibleErrorCode(); }
+
+private:
+  std::string msg;
+};
+
+class Finding : public llvm::ErrorInfo<Finding> {
+public:
+  static char ID;
+  explicit Finding(std::string msg) : msg(std::move(msg)) {}
+  void log(llvm::raw_ostream &os) const override;
+  std::error_code convertToErrorCode() const override { return llvm::inconvertibleErrorCode(); }
+
+private:
+  std::string msg;
+};
+
+template <typename... Args>
+llvm::Error inputError(fmt::format_string<Args...> f, Args &&...args) {
+  return llvm::make_error<InputError>(fmt::format(f, std::forward<Args>(args)...));
+}
+
+template <typename... Args>
+llvm::Error finding(fmt::format_string<Args...> f, Args &&...args) {
+  return llvm::make_error<Finding>(fmt::format(f, std::forward<Args>(args)...));
+}
+
+/// Exit code of a tool for an error: 1 for a Finding, 2 for anything else.
+int exitCodeFor(const llvm::Error &err);
+
+/// The message of an error, consuming it.
+std::string takeMessage(llvm::Error err);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_ERROR_H

@@ -1,0 +1,172 @@
+#include "ir/JsonRead.h"
+
+#include "llvm/ADT/STLExtras.h"
+
+#include <cmath>
+
+namespace pipec {
+
+std::string jsonPath(llvm::StringRef base, llvm::StringRef key) {
+  return fmt::format("{}.{}", base.str(), key.str());
+}
+
+std::string jsonPath(llvm::StringRef base, size_t index) {
+  return fmt::format("{}[{}]", base.str(), index);
+}
+
+std::string describeJson(const Json &j) {
+  std::string dumped = j.dump();
+  if (dumped.size() > 40)
+    dumped = dumped.substr(0, 37) + "...";
+  switch (j.type()) {
+  case Json::value_t::null:
+    return "null";
+  case Json::value_t::object:
+    return "an object";
+  case Json::value_t::array:
+    return "an array";
+  case Json::value_t::string:
+    return "string " + dumped;
+  case Json::value_t::boolean:
+    return "boolean " + dumped;
+  case Json::value_t::number_integer:
+  case Json::value_t::number_unsigned:
+  case Json::value_t::number_float:
+    return "number " + dumped;
+  case Json::value_t::binary:
+  case Json::value_t::discarded:
+    break;
+  }
+  return "an unreadable value";
+}
+
+llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
+  try {
+    return Json::parse(text.begin(), text.end());
+  } catch (const Json::parse_error &e) {
+    // Turn the byte offset into line:column for the message.
+    size_t offset = std::min<size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
+    size_t line = 1, col = 1;
+    for (size_t i = 0; i < offset; ++i) {
+      if (text[i] == '\n') {
+        ++line;
+        col = 1;
+      } else {
+        ++col;
+      }
+    }
+    return inputError("{}:{}:{}: malformed JSON ({})", source, line, col,
+                      e.byte >= text.size() ? "unexpected end of input"
+                                            : "unexpected character");
+  }
+}
+
+llvm::Error JsonReader::fail(llvm::StringRef path, llvm::StringRef expected,
+                             const Json *got) const {
+  if (!got)
+    return inputError("{}: {}: missing, expected {}", source, path.str(), expected.str());
+  return inputError("{}: {}: expected {}, got {}", source, path.str(), expected.str(),
+                    describeJson(*got));
+}
+
+llvm::Error JsonReader::expectObject(const Json &j, llvm::StringRef path) const {
+  if (j.is_object())
+    return llvm::Error::success();
+  return fail(path, "an object", &j);
+}
+
+llvm::Error JsonReader::expectArray(const Json &j, llvm::StringRef path) const {
+  if (j.is_array())
+    return llvm::Error::success();
+  return fail(path, "an array", &j);
+}
+
+llvm::Error JsonReader::onlyKeys(const Json &obj, llvm::StringRef path,
+                                 llvm::ArrayRef<llvm::StringRef> allowed) const {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    if (llvm::is_contained(allowed, llvm::StringRef(it.key())))
+      continue;
+    std::string list;
+    for (llvm::StringRef a : allowed)
+      list += (list.empty() ? "" : ", ") + a.str();
+    return inputError("{}: {}: unknown field (valid fields: {})", source,
+                      jsonPath(path, it.key()), list);
+  }
+  return llvm::Error::success();
+}
+
+static const Json *lookup(const Json &obj, llvm::StringRef key) {
+  auto it = obj.find(key.str());
+  return it == obj.end() ? nullptr : &*it;
+}
+
+llvm::Error JsonReader::getNumber(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                  double &out, bool required, double min) const {
+  const Json *v = lookup(obj, key);
+  std::string where = jsonPath(path, key);
+  std::string expected = fmt::format("a number >= {}", min);
+  if (!v)
+    return required ? fail(where, expected, nullptr) : llvm::Error::success();
+  if (!v->is_number())
+    return fail(where, expected, v);
+  double d = v->get<double>();
+  if (!std::isfinite(d) || d < min)
+    return fail(where, expected, v);
+  out = d;
+  return llvm::Error::success();
+}
+
+llvm::Error JsonReader::getInt(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                               int64_t &out, bool required, int64_t min) const {
+  const Json *v = lookup(obj, key);
+  std::string where = jsonPath(path, key);
+  std::string expected = fmt::format("an integer >= {}", min);
+  if (!v)
+    return required ? fail(where, expected, nullptr) : llvm::Error::success();
+  if (!v->is_number_integer())
+    return fail(where, expected, v);
+  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX))
+    return fail(where, expected, v);
+  int64_t i = v->get<int64_t>();
+  if (i < min)
+    return fail(where, expected, v);
+  out = i;
+  return llvm::Error::success();
+}
+
+llvm::Error JsonReader::getInt32(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                 int32_t &out, bool required, int64_t min) const {
+  int64_t wide = out;
+  if (auto err = getInt(obj, path, key, wide, required, min))
+    return err;
+  if (wide > INT32_MAX)
+    return fail(jsonPath(path, key), "an integer below 2^31", lookup(obj, key));
+  out = int32_t(wide);
+  return llvm::Error::success();
+}
+
+llvm::Error JsonReader::getString(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                  std::string &out, bool required) const {
+  const Json *v = lookup(obj, key);
+  std::string where = jsonPath(path, key);
+  if (!v)
+    return required ? fail(where, "a string", nullptr) : llvm::Error::success();
+  if (!v->is_string())
+    return fail(where, "a string", v);
+  out = v->get<std::string>();
+  return llvm::Error::success();
+}
+
+llvm::Error JsonReader::getBool(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                bool &out, bool required) const {
+  const Json *v = lookup(obj, key);
+  std::string where = jsonPath(path, key);
+  if (!v)
+    return required ? fail(where, "true or false", nullptr) : llvm::Error::success();
+  if (!v->is_boolean())
+    return fail(where, "true or false", v);
+  out = v->get<bool>();
+  return llvm::Error::success();
+}
+
+} // namespace pipec

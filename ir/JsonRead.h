@@ -1,0 +1,64 @@
+//===- JsonRead.h - Checked reading of JSON inputs --------------*- C++ -*-===//
+//
+// Every getter checks presence, type and range and reports "<source>: <json path>: expected
+// ..., got ..." as an InputError. nlohmann/json stays inside ir/; no exception escapes.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_JSONREAD_H
+#define PIPEC_IR_JSONREAD_H
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace pipec {
+
+using Json = nlohmann::json;
+
+class JsonReader {
+public:
+  explicit JsonReader(llvm::StringRef source) : source(source.str()) {}
+
+  /// Parse text; a syntax error names the line and column.
+  llvm::Expected<Json> parse(llvm::StringRef text) const;
+
+  llvm::Error fail(llvm::StringRef path, llvm::StringRef expected, const Json *got) const;
+  llvm::Error expectObject(const Json &j, llvm::StringRef path) const;
+  llvm::Error expectArray(const Json &j, llvm::StringRef path) const;
+  /// Unknown keys are errors (they are almost always typos); the message lists the valid ones.
+  llvm::Error onlyKeys(const Json &obj, llvm::StringRef path,
+                       llvm::ArrayRef<llvm::StringRef> allowed) const;
+
+  /// Getters: a missing key is an error when `required`, else `out` keeps its value.
+  llvm::Error getNumber(const Json &obj, llvm::StringRef path, llvm::StringRef key, double &out,
+                        bool required, double min = 0) const;
+  llvm::Error getInt(const Json &obj, llvm::StringRef path, llvm::StringRef key, int64_t &out,
+                     bool required, int64_t min = 0) const;
+  llvm::Error getInt32(const Json &obj, llvm::StringRef path, llvm::StringRef key, int32_t &out,
+                       bool required, int64_t min = 0) const;
+  llvm::Error getString(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                        std::string &out, bool required) const;
+  llvm::Error getBool(const Json &obj, llvm::StringRef path, llvm::StringRef key, bool &out,
+                      bool required) const;
+
+  const std::string &name() const { return source; }
+
+private:
+  std::string source;
+};
+
+/// "$.a" + "b" -> "$.a.b"; "$.a" + 3 -> "$.a[3]".
+std::string jsonPath(llvm::StringRef base, llvm::StringRef key);
+std::string jsonPath(llvm::StringRef base, size_t index);
+/// A short description of a JSON value for error messages: `string "abc"`, `number -3`.
+std::string describeJson(const Json &j);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_JSONREAD_H

@@ -1,0 +1,24 @@
+//===- PlanJson.h - pipeplan/1 JSON read and write --------------*- C++ -*-===//
+#ifndef PIPEC_IR_PLANJSON_H
+#define PIPEC_IR_PLANJSON_H
+
+#include "ir/Plan.h"
+
+#include "llvm/Support/Error.h"
+
+#include <string>
+
+namespace pipec {
+
+/// Deterministic JSON: the same plan gives byte-identical text. Ends with a newline.
+std::string writePlanJson(const Plan &plan);
+
+/// Parse a plan. Types, required fields and index ranges (stage, mb, slice, peer) are checked
+/// here and reported as InputErrors naming `source` and the JSON path; whether the streams are
+/// correct is the verifier's question.
+llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source);
+llvm::Expected<Plan> loadPlan(llvm::StringRef path);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_PLANJSON_H

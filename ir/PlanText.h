@@ -1,0 +1,52 @@
+//===- PlanText.h - Text form of instruction streams ------------*- C++ -*-===//
+//
+// Tokens in PyTorch's spelling (DESIGN §5), one rank per line:
+//   rank 1: 1RECV_F0 1F0 1SEND_F0 ...
+// Compute: <stage><F|I|W|B><mb>[.<slice>][:<part>/<parts>]   (I = backward_input, B = fused)
+// P2P (PyTorch's convention: the stage is the one that sends or receives):
+//   <s>SEND_F<mb>   activation of stage s, to the rank of s+1
+//   <s>RECV_F<mb>   activation of stage s-1, received by stage s
+//   <s>SEND_B<mb>   input gradient made by stage s, to the rank of s-1
+//   <s>RECV_B<mb>   gradient made by stage s+1, received by stage s
+//   with the same [.<slice>] and an optional #<group>.
+// Collectives: <s>ALLREDUCE_DP, <s>ALLREDUCE_EMB, <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<p>/<n>;
+// OPTIMIZER_STEP. Peers and byte counts are not spelled: they follow from the stage table, so
+// the text parses back exactly into the streams of a plan whose stages are known.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_PLANTEXT_H
+#define PIPEC_IR_PLANTEXT_H
+
+#include "ir/Plan.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/Support/Error.h"
+
+#include <string>
+
+namespace pipec {
+
+std::string formatToken(const Plan &plan, const Instruction &ins);
+/// Parse one token as an instruction of `rank` (peers and bytes derived from the stage table).
+llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringRef token);
+
+/// All streams, one "rank N: ..." line each.
+std::string formatStreams(const Plan &plan, bool computeOnly = false);
+/// Replace plan.ranks with the streams in `text` (the stage table must already be set).
+llvm::Error parseStreams(llvm::StringRef text, Plan &plan);
+
+/// A step of a rank to point at in a grid.
+struct GridMark {
+  int rank = 0;
+  size_t step = 0;
+};
+
+/// The rank x step grid (rows are steps, columns ranks, as PyTorch prints it); marked steps get
+/// "<-- here (rank r)" at the end of their row. With computeOnly, comm ops are left out (steps
+/// then count compute ops only; marks are still given in full-stream steps).
+std::string formatGrid(const Plan &plan, llvm::ArrayRef<GridMark> marks = {},
+                       bool computeOnly = false);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_PLANTEXT_H

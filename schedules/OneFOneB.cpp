@@ -1,0 +1,77 @@
+//===- OneFOneB.cpp - 1F1B (PipeDream-Flush) ------------------------------===//
+//
+// Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training" (PipeDream-2BW/Flush,
+// ICML 2021), the schedule Megatron-LM runs without interleaving. Rank r runs a warm-up of
+// p-r-1 forwards, then alternates one forward and one (fused) backward, then drains the
+// remaining backwards. Bubble with unit F and B: (p-1)/(m+p-1), as GPipe's, but rank r holds
+// at most min(p-r, m) microbatches of activations instead of m.
+// Constraints: --vpp 1, --seq-splits 1 (sub-sequences are seq1f1b's business). Any
+// --microbatches >= 1: with m < p the warm-up is cut to m, which is GPipe's order on the ranks
+// that cannot reach a steady state (PyTorch's guard against m < p is not needed here).
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+
+namespace pipec {
+namespace {
+
+class OneFOneBPolicy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "1f1b"; }
+  llvm::StringRef summary() const override {
+    return "1F1B / PipeDream-Flush (Narayanan et al. 2021): warm-up p-r-1 forwards, then one "
+           "forward one backward; memory min(p, m)·A";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp 1, --seq-splits 1; any --microbatches";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp != 1)
+      return inputError("1f1b needs --vpp 1 (got {}); for several chunks per rank use "
+                        "--schedule interleaved-1f1b",
+                        c.vpp);
+    if (c.seqSplits != 1)
+      return inputError("1f1b needs --seq-splits 1 (got {}); sub-sequence pipelining is "
+                        "--schedule seq1f1b, or use --schedule gpipe",
+                        c.seqSplits);
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    int p = c.pp, m = c.microbatches;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(2 * m));
+      // Warm-up: the first backward on rank r needs microbatch 0 to reach the last stage and
+      // come back, during which rank r can run the forwards of microbatches 1..p-r-1; so it
+      // runs p-r-1 forwards before its first 1F1B pair (fewer if there are fewer microbatches).
+      int warmup = std::min(p - r - 1, m);
+      int fwd = 0, bwd = 0;
+      for (; fwd < warmup; ++fwd)
+        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
+      // Steady state: one forward, one backward, until the forwards run out.
+      while (fwd < m) {
+        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
+        ops.push_back(Instruction::compute(OpKind::Backward, r, bwd++, 0));
+      }
+      // Cool-down: the backwards of the warm-up microbatches.
+      while (bwd < m)
+        ops.push_back(Instruction::compute(OpKind::Backward, r, bwd++, 0));
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createOneFOneBPolicy() {
+  return std::make_unique<OneFOneBPolicy>();
+}
+
+} // namespace pipec

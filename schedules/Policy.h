@@ -1,0 +1,61 @@
+//===- Policy.h - The schedule policy interface ------------------*- C++ -*-===//
+//
+// A policy decides one thing: the order of compute ops (F, B or I and W) on every rank, and the
+// stage-to-rank placement it assumes. Communication, collectives, memory and timing are passes
+// (compiler/), never a policy's business. Policies are registered once, in Registry.cpp.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_SCHEDULES_POLICY_H
+#define PIPEC_SCHEDULES_POLICY_H
+
+#include "ir/Instruction.h"
+#include "ir/Plan.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace pipec {
+
+/// What a policy may read: the configuration and the (already partitioned) stage table, for
+/// policies that weigh costs or memory.
+struct ScheduleRequest {
+  ParallelConfig parallel;
+  llvm::ArrayRef<StageInfo> stages;
+  int64_t memoryLimit = 0;  // bytes per rank; 0 = none given
+};
+
+/// Compute ops of each rank, in order (ranks[r] for pipeline rank r).
+using ComputeOrder = std::vector<std::vector<Instruction>>;
+
+class SchedulePolicy {
+public:
+  virtual ~SchedulePolicy() = default;
+  virtual llvm::StringRef name() const = 0;
+  /// One line: what the schedule does and where it comes from.
+  virtual llvm::StringRef summary() const = 0;
+  /// One line: the flags it needs, e.g. "--vpp 1, --seq-splits 1".
+  virtual llvm::StringRef constraints() const = 0;
+  virtual Placement placement() const { return Placement::Loop; }
+  /// Reject a configuration up front: name the flag, the value and the nearest valid setting.
+  virtual llvm::Error check(const ParallelConfig &config) const = 0;
+  /// Emit every rank's compute order for a configuration that passed check().
+  virtual void emit(const ScheduleRequest &request, ComputeOrder &order) const = 0;
+};
+
+/// Every registered policy, in `pipec list-schedules` order.
+llvm::ArrayRef<const SchedulePolicy *> allPolicies();
+/// The policy called `name`; an InputError listing the known names if there is none.
+llvm::Expected<const SchedulePolicy *> findPolicy(llvm::StringRef name);
+
+// Factories, one per policy file.
+std::unique_ptr<SchedulePolicy> createGPipePolicy();
+std::unique_ptr<SchedulePolicy> createOneFOneBPolicy();
+
+} // namespace pipec
+
+#endif // PIPEC_SCHEDULES_POLICY_H

@@ -1,0 +1,51 @@
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/SmallVector.h"
+
+namespace pipec {
+
+namespace {
+struct Registry {
+  std::vector<std::unique_ptr<SchedulePolicy>> owned;
+  llvm::SmallVector<const SchedulePolicy *, 16> view;
+  Registry() {
+    // The one place policies are registered; the order is list-schedules' order.
+    owned.push_back(createGPipePolicy());
+    owned.push_back(createOneFOneBPolicy());
+    for (const auto &p : owned)
+      view.push_back(p.get());
+  }
+};
+} // namespace
+
+static const Registry &registry() {
+  static const Registry r;
+  return r;
+}
+
+llvm::ArrayRef<const SchedulePolicy *> allPolicies() { return registry().view; }
+
+/// Levenshtein distance, for "did you mean".
+static unsigned editDistance(llvm::StringRef a, llvm::StringRef b) { return a.edit_distance(b); }
+
+llvm::Expected<const SchedulePolicy *> findPolicy(llvm::StringRef name) {
+  const SchedulePolicy *nearest = nullptr;
+  unsigned best = ~0u;
+  std::string names;
+  for (const SchedulePolicy *p : allPolicies()) {
+    if (p->name() == name)
+      return p;
+    unsigned d = editDistance(name, p->name());
+    if (d < best) {
+      best = d;
+      nearest = p;
+    }
+    names += (names.empty() ? "" : ", ") + p->name().str();
+  }
+  return inputError("--schedule: unknown schedule '{}' (known: {}); try {}", name.str(), names,
+                    nearest ? nearest->name().str() : std::string("1f1b"));
+}
+
+} // namespace pipec

@@ -1,0 +1,9 @@
+"""Stand-in for rules_java: re-exports Bazel's native Java rules so the build works offline."""
+
+java_binary = native.java_binary
+java_import = native.java_import
+java_library = native.java_library
+java_plugin = native.java_plugin
+java_runtime = native.java_runtime
+java_test = native.java_test
+java_toolchain = native.java_toolchain

@@ -1,0 +1,54 @@
+//===- Args.h - Command-line flags for pipec and piperun --------*- C++ -*-===//
+//
+// "--name value" and "--name=value"; every problem is an InputError that names the flag and,
+// where one exists, the nearest valid value. Relative paths are taken from the directory the
+// user ran `bazel run` in (BUILD_WORKING_DIRECTORY), so examples/ paths work both ways.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_TOOLS_ARGS_H
+#define PIPEC_TOOLS_ARGS_H
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+class Args {
+public:
+  /// Parse argv[first..]; `valued` flags take a value, `switches` take none.
+  static llvm::Expected<Args> parse(int argc, char **argv, int first,
+                                    llvm::ArrayRef<llvm::StringRef> valued,
+                                    llvm::ArrayRef<llvm::StringRef> switches,
+                                    llvm::StringRef command);
+
+  bool has(llvm::StringRef flag) const { return values.count(flag.str()) > 0; }
+  std::optional<std::string> get(llvm::StringRef flag) const;
+  llvm::Expected<std::string> required(llvm::StringRef flag) const;
+  /// An integer flag in [min, max]; `fallback` when absent.
+  llvm::Expected<int64_t> integer(llvm::StringRef flag, int64_t fallback, int64_t min,
+                                  int64_t max) const;
+  /// A byte count: 123, 80GiB, 512MiB, 1.5GB, ...
+  llvm::Expected<int64_t> bytes(llvm::StringRef flag) const;
+  /// A path flag resolved against the user's working directory.
+  std::optional<std::string> path(llvm::StringRef flag) const;
+  const std::vector<std::string> &positional() const { return pos; }
+
+private:
+  std::map<std::string, std::string> values;
+  std::vector<std::string> pos;
+};
+
+/// Resolve a relative path against BUILD_WORKING_DIRECTORY when run under `bazel run`.
+std::string userPath(llvm::StringRef path);
+
+} // namespace pipec
+
+#endif // PIPEC_TOOLS_ARGS_H
