@@ -180,7 +180,8 @@ private:
 
   /// Parts of a compute op expected: 0 means unsplit.
   int expectedParts(const Instruction &i) const {
-    if (plan.parallel.tp == 1 || i.op == OpKind::BackwardWeight)
+    // Compute is split at tp reductions by the collectives lowering.
+    if (plan.parallel.tp == 1 || i.op == OpKind::BackwardWeight || !options.requireCollectives)
       return 0;
     return plan.stages[size_t(i.stage)].tpAllReduces;
   }
@@ -225,7 +226,7 @@ private:
           lastStep[key] = uint32_t(n);
         nextPart[key] = uint32_t(part + 1);
         rankOfKey[key] = r;
-        if (i.op == OpKind::Backward) {
+        if (i.op == OpKind::Backward && i.isLastPart()) {
           if (firstStep[key + 1] != kAbsent)
             return failAt(r, n, "fused backward of an op that also has a backward_weight");
           firstStep[key + 1] = firstStep[key];

@@ -29,7 +29,8 @@ namespace pipec {
 struct VerifyOptions {
   /// Cross-rank inputs must be received (false between scheduling and comm lowering).
   bool requireComms = true;
-  /// dp all-reduces and the optimizer step must be present.
+  /// dp all-reduces and the optimizer step must be present, and with tp > 1 compute split at
+  /// the tp all-reduces (false before collective lowering).
   bool requireCollectives = true;
 };
 

@@ -423,9 +423,46 @@ struct PlanReader {
     auto it = j.find("stats");
     if (it == j.end())
       return llvm::Error::success();
-    // Stats are outputs of the compiler; `pipec simulate` recomputes them. Only the shape is
-    // checked so that a hand-edited plan still loads.
-    return r.expectObject(*it, "$.stats");
+    // Stats are outputs of the compiler (`pipec simulate` recomputes them); read them back so
+    // that a plan round-trips exactly.
+    const Json &st = *it;
+    if (auto err = r.expectObject(st, "$.stats"))
+      return err;
+    PlanStats &out = plan.stats;
+    out.simulated = st.contains("makespan");
+    if (auto err = r.getNumber(st, "$.stats", "makespan", out.makespan, false))
+      return err;
+    if (auto err = r.getNumber(st, "$.stats", "bubble_ratio", out.bubbleRatio, false, -1))
+      return err;
+    if (auto err = r.getNumber(st, "$.stats", "step_time", out.stepTime, false))
+      return err;
+    auto ranks = st.find("ranks");
+    if (ranks == st.end())
+      return llvm::Error::success();
+    if (!ranks->is_array() || ranks->size() != size_t(plan.parallel.pp))
+      return r.fail("$.stats.ranks", fmt::format("an array of pp={} entries", plan.parallel.pp),
+                    &*ranks);
+    for (size_t i = 0; i < ranks->size(); ++i) {
+      const Json &o = (*ranks)[i];
+      std::string path = jsonPath("$.stats.ranks", i);
+      if (auto err = r.expectObject(o, path))
+        return err;
+      RankStats rs;
+      rs.rank = int(i);
+      out.memory = out.memory || o.contains("peak_activation_bytes");
+      double *nums[] = {&rs.busy, &rs.span, &rs.start, &rs.end, &rs.stepEnd};
+      const char *numNames[] = {"busy", "span", "start", "end", "step_end"};
+      for (size_t n = 0; n < 5; ++n)
+        if (auto err = r.getNumber(o, path, numNames[n], *nums[n], false))
+          return err;
+      int64_t *ints[] = {&rs.peakActivationBytes, &rs.staticBytes, &rs.peakMemoryBytes};
+      const char *intNames[] = {"peak_activation_bytes", "static_bytes", "peak_memory_bytes"};
+      for (size_t n = 0; n < 3; ++n)
+        if (auto err = r.getInt(o, path, intNames[n], *ints[n], false))
+          return err;
+      out.ranks.push_back(rs);
+    }
+    return llvm::Error::success();
   }
 
   llvm::Error read(const Json &j) {

@@ -1,0 +1,240 @@
+//===- CliTest.cpp - pipec end to end: exit codes, messages, files --------===//
+//
+// Runs the real binary. Bad input: exit 2, one line on stderr naming the field or flag, and no
+// output file. A wrong plan: exit 1 with the verifier's diagnostic.
+//
+//===----------------------------------------------------------------------===//
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+namespace {
+
+std::string tmpDir() {
+  const char *d = std::getenv("TEST_TMPDIR");
+  return d ? d : "/tmp";
+}
+
+std::string slurp(const std::string &path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void spit(const std::string &path, const std::string &text) { std::ofstream(path) << text; }
+
+bool exists(const std::string &path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+Result pipec(const std::string &args) {
+  std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
+  std::string cmd = "tools/pipec " + args + " >" + out + " 2>" + err;
+  int status = std::system(cmd.c_str());
+  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+const char *kModel = "examples/uniform-8.json";
+
+std::string compileArgs(const std::string &extra) {
+  return std::string("compile --model ") + kModel + " --schedule 1f1b --pp 4 --microbatches 8 " +
+         extra;
+}
+
+size_t lines(const std::string &s) {
+  size_t n = 0;
+  for (char c : s)
+    n += c == '\n';
+  return n;
+}
+
+/// Exit 2, exactly one line on stderr containing `needle`, and no file at `out`.
+void expectBadInput(const std::string &args, const std::string &needle) {
+  std::string out = tmpDir() + "/should-not-exist.json";
+  std::remove(out.c_str());
+  Result r = pipec(args + " -o " + out);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+  EXPECT_EQ(lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_FALSE(exists(out)) << "partial output for: " << args;
+  EXPECT_FALSE(exists(out + ".tmp"));
+}
+
+TEST(CliTest, CompileWritesAPlanAndPrintsTheSummary) {
+  std::string out = tmpDir() + "/plan.json";
+  Result r = pipec(compileArgs("-o " + out));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("bubble ratio 0.2727"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("peak act"), std::string::npos) << r.out;
+  auto j = nlohmann::json::parse(slurp(out));
+  EXPECT_EQ(j["format"], "pipeplan/1");
+  EXPECT_EQ(j["ranks"].size(), 4u);
+}
+
+TEST(CliTest, IdenticalInputsGiveByteIdenticalPlans) {
+  std::string a = tmpDir() + "/a.json", b = tmpDir() + "/b.json";
+  ASSERT_EQ(pipec(compileArgs("--tp 2 --dp 2 -o " + a)).code, 0);
+  ASSERT_EQ(pipec(compileArgs("--tp 2 --dp 2 -o " + b)).code, 0);
+  EXPECT_EQ(slurp(a), slurp(b));
+  EXPECT_FALSE(slurp(a).empty());
+}
+
+TEST(CliTest, MissingModelFileIsExitTwo) {
+  expectBadInput("compile --model /no/such.json --schedule 1f1b --pp 4 --microbatches 8",
+                 "--model: /no/such.json: cannot read: No such file or directory");
+}
+
+TEST(CliTest, MalformedJsonIsExitTwoWithLineAndColumn) {
+  std::string m = tmpDir() + "/bad.json";
+  spit(m, "{\"format\": \"pipemodel/1\",\n \"layers\": [}\n");
+  expectBadInput("compile --model " + m + " --schedule 1f1b --pp 2 --microbatches 2",
+                 "bad.json:2:13: malformed JSON");
+}
+
+TEST(CliTest, StringWhereANumberBelongsNamesTheField) {
+  std::string m = tmpDir() + "/str.json";
+  spit(m, R"({"format": "pipemodel/1", "layers": [{"count": 4, "forward": "1.0",
+      "backward_input": 1, "backward_weight": 1}]})");
+  expectBadInput("compile --model " + m + " --schedule 1f1b --pp 2 --microbatches 2",
+                 "$.layers[0].forward: expected a number >= 0, got string \"1.0\"");
+}
+
+TEST(CliTest, ZeroPipelineRanksIsExitTwo) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp 0 --microbatches 8",
+                 "--pp must be at least 1 (got 0); try 1");
+}
+
+TEST(CliTest, MoreStagesThanLayersIsExitTwo) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp 16 --microbatches 8",
+                 "16 stages but the model has 8 layers; every stage needs at least one layer; "
+                 "try --pp 8");
+}
+
+TEST(CliTest, UnknownScheduleIsExitTwoAndSuggestsTheNearest) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1c --pp 4 --microbatches 8",
+                 "--schedule: unknown schedule '1f1c' (known: gpipe, 1f1b); try 1f1b");
+}
+
+TEST(CliTest, NegativeMicrobatchesIsExitTwo) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp 4 --microbatches -3",
+                 "--microbatches must be at least 1 (got -3)");
+}
+
+TEST(CliTest, NonNumericFlagIsExitTwo) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp four --microbatches 8",
+                 "--pp expects an integer (got 'four')");
+}
+
+TEST(CliTest, UnknownFlagSuggestsTheNearest) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp 4 --microbatch 8",
+                 "unknown flag --microbatch; did you mean --microbatches?");
+}
+
+TEST(CliTest, ScheduleConstraintNamesTheFlagAndTheFix) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule 1f1b --pp 4 --microbatches 8 --seq-splits 2",
+                 "1f1b needs --seq-splits 1 (got 2)");
+}
+
+TEST(CliTest, ValidateAcceptsACompiledPlanAndRejectsABrokenOne) {
+  std::string good = tmpDir() + "/good.json";
+  ASSERT_EQ(pipec(compileArgs("-o " + good)).code, 0);
+  Result ok = pipec("validate " + good);
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_NE(ok.out.find("deadlock-free"), std::string::npos);
+  // Swap rank 1's first two instructions' microbatches: a FIFO mismatch or a dependency error.
+  auto j = nlohmann::json::parse(slurp(good));
+  auto &ins = j["ranks"][0]["instructions"];
+  std::swap(ins[0], ins[2]);  // F1 before F0's send... and F0 after its own send
+  std::string bad = tmpDir() + "/broken.json";
+  spit(bad, j.dump());
+  Result r = pipec("validate " + bad);
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("<-- here"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 0 step"), std::string::npos) << r.err;
+}
+
+TEST(CliTest, ValidateOfAPlanWithAWrongFieldIsExitTwo) {
+  std::string good = tmpDir() + "/good2.json";
+  ASSERT_EQ(pipec(compileArgs("-o " + good)).code, 0);
+  auto j = nlohmann::json::parse(slurp(good));
+  j["ranks"][1]["instructions"][0]["peer"] = 9;
+  std::string bad = tmpDir() + "/badpeer.json";
+  spit(bad, j.dump());
+  Result r = pipec("validate " + bad);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("$.ranks[1].instructions[0].peer: expected a pipeline rank below 4, got "
+                       "number 9"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(CliTest, SimulateWritesAChromeTraceWithOneTrackPerRank) {
+  std::string plan = tmpDir() + "/sim.json", trace = tmpDir() + "/trace.json";
+  ASSERT_EQ(pipec(compileArgs("-o " + plan)).code, 0);
+  Result r = pipec("simulate " + plan + " --trace " + trace);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("bubble ratio 0.2727"), std::string::npos) << r.out;
+  auto j = nlohmann::json::parse(slurp(trace));
+  std::set<int> tracks;
+  int slices = 0;
+  for (const auto &e : j["traceEvents"]) {
+    if (e["ph"] == "X") {
+      tracks.insert(e["tid"].get<int>());
+      ++slices;
+      EXPECT_GE(e["dur"].get<double>(), 0);
+    }
+  }
+  EXPECT_EQ(tracks, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_EQ(slices, 4 * 8 * 2);  // every F and B of every rank
+}
+
+TEST(CliTest, ShowPrintsTheGridAndTheTextForm) {
+  std::string plan = tmpDir() + "/show.json";
+  ASSERT_EQ(pipec(compileArgs("-o " + plan)).code, 0);
+  Result grid = pipec("show " + plan + " --compute-only");
+  ASSERT_EQ(grid.code, 0);
+  EXPECT_NE(grid.out.find("step 00: 0F0"), std::string::npos) << grid.out;
+  Result text = pipec("show " + plan + " --text --compute-only");
+  EXPECT_NE(text.out.find("rank 3: 3F0 3B0 3F1 3B1"), std::string::npos) << text.out;
+}
+
+TEST(CliTest, ListSchedulesNamesEachWithItsConstraints) {
+  Result r = pipec("list-schedules");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("gpipe"), std::string::npos);
+  EXPECT_NE(r.out.find("1f1b"), std::string::npos);
+  EXPECT_NE(r.out.find("constraints:"), std::string::npos);
+}
+
+TEST(CliTest, MemoryLimitBelowThePeakIsAFinding) {
+  Result r = pipec(compileArgs("--memory-limit 4MiB"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("rank 0 holds 8.00 MiB of activations at its peak, over --memory-limit "
+                       "4.00 MiB"),
+            std::string::npos)
+      << r.err;
+}
+
+} // namespace

@@ -1,0 +1,221 @@
+//===- CompilerTest.cpp - Passes checked against independent references ---===//
+#include "tests/TestUtil.h"
+
+#include "compiler/Semantics.h"
+#include "compiler/Verifier.h"
+#include "ir/PlanText.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+namespace pipec::test {
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Partition: exact against brute force.
+//===----------------------------------------------------------------------===//
+
+/// Least possible max stage time by enumerating every split (reference, exponential).
+double bruteForceBest(const std::vector<double> &c, int parts) {
+  double best = INFINITY;
+  std::function<void(size_t, int, double)> go = [&](size_t start, int left, double worst) {
+    if (left == 0) {
+      if (start == c.size())
+        best = std::min(best, worst);
+      return;
+    }
+    double sum = 0;
+    for (size_t end = start + 1; end + size_t(left - 1) <= c.size(); ++end) {
+      sum += c[end - 1];
+      go(end, left - 1, std::max(worst, sum));
+    }
+  };
+  go(0, parts, 0);
+  return best;
+}
+
+TEST(PartitionTest, MinimisesTheLargestStageExactlyAgainstBruteForce) {
+  uint64_t seed = 7;
+  for (int trial = 0; trial < 200; ++trial) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    int layers = 2 + int((seed >> 40) % 9);
+    int pp = 1 + int((seed >> 20) % uint64_t(layers));
+    ModelSpec m = uniformModel(layers);
+    std::vector<double> cost;
+    for (Layer &l : m.layers) {
+      seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+      l.forward = double((seed >> 33) % 97 + 1);
+      l.backwardInput = l.backwardWeight = 0;
+      cost.push_back(l.forward);
+    }
+    SCOPED_TRACE(testing::Message() << "trial " << trial << " layers " << layers << " pp " << pp);
+    Plan plan = compileOrFail(m, options("gpipe", pp, 1));
+    double worst = 0;
+    for (const StageInfo &s : plan.stages) {
+      EXPECT_LT(s.layerBegin, s.layerEnd);  // never an empty stage
+      worst = std::max(worst, s.forward[0]);
+    }
+    EXPECT_DOUBLE_EQ(worst, bruteForceBest(cost, pp));
+  }
+}
+
+TEST(PartitionTest, UniformLayersSplitAsEvenlyAsIntegersAllow) {
+  Plan plan = compileOrFail(uniformModel(10), options("1f1b", 4, 4));
+  std::vector<int> sizes;
+  for (const StageInfo &s : plan.stages)
+    sizes.push_back(s.layerEnd - s.layerBegin);
+  std::sort(sizes.begin(), sizes.end());
+  EXPECT_EQ(sizes, (std::vector<int>{2, 2, 3, 3}));
+}
+
+TEST(PartitionTest, MoreStagesThanLayersIsAnErrorWithTheFix) {
+  auto plan = compilePlan(uniformModel(6), ClusterSpec::defaults(), options("1f1b", 8, 8));
+  EXPECT_EQ(errorText(plan.takeError()),
+            "--pp 8 x --vpp 1 = 8 stages but the model has 6 layers; every stage needs at least "
+            "one layer; try --pp 6");
+}
+
+//===----------------------------------------------------------------------===//
+// Transformer costs: DESIGN §3.1 against the zero-bubble paper's closed forms.
+//===----------------------------------------------------------------------===//
+
+ModelSpec gpt(int64_t layers, int64_t h, int64_t seq, int64_t heads = 32) {
+  ModelSpec m;
+  m.name = "gpt";
+  TransformerConfig t;
+  t.numLayers = layers;
+  t.hiddenSize = h;
+  t.numAttentionHeads = heads;
+  t.ffnHiddenSize = 4 * h;
+  t.vocabSize = 50304;
+  t.seqLength = seq;
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},
+      "hidden_size": {}, "num_attention_heads": {}, "vocab_size": 50304, "seq_length": {}}}}})",
+      layers, h, heads, seq);
+  auto parsed = parseModelSpec(text, "gpt.json");
+  EXPECT_TRUE(bool(parsed));
+  return parsed ? *parsed : m;
+}
+
+TEST(TransformerCostTest, BlockCostsMatchTheZeroBubblePaperWithCausalAttention) {
+  ModelSpec m = gpt(4, 4096, 4096);
+  ClusterSpec c = ClusterSpec::defaults();
+  SliceCost cost = m.sliceCost(c, /*layer=*/1, 0, 4096, 0, 1, /*tp=*/1);
+  double s = 4096, h = 4096;
+  // ZB paper Table 1 with f = 4h: F = 24sh^2 + 4hs^2, B = 24sh^2 + 8hs^2, W = 24sh^2; causal
+  // attention touches s(s+1)/2 of the s^2 positions.
+  double causal = s * (s + 1) / 2;
+  double flopsPerMs = 989e12 * 0.55 / 1e3;
+  EXPECT_NEAR(cost.forward, (24 * s * h * h + 4 * h * causal) / flopsPerMs, 1e-9);
+  EXPECT_NEAR(cost.backwardInput, (24 * s * h * h + 8 * h * causal) / flopsPerMs, 1e-9);
+  EXPECT_NEAR(cost.backwardWeight, 24 * s * h * h / flopsPerMs, 1e-9);
+  // Korthikanti et al.: 34sbh + 5as^2b, causal.
+  EXPECT_EQ(cost.activationBytes, int64_t(34 * s * h + 5 * 32 * causal));
+  EXPECT_EQ(cost.weightGradBytes, int64_t(32 * s * h));
+  EXPECT_EQ(cost.outputBytes, int64_t(2 * s * h));
+}
+
+TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {
+  ModelSpec m = gpt(8, 1024, 8192, 16);
+  Plan plan = compileOrFail(m, options("gpipe", 2, 2, 1, /*seqSplits=*/4, /*tp=*/2));
+  ASSERT_EQ(plan.seqSlices.size(), 4u);
+  double h = 1024, total = 0;
+  auto flops = [&](double a, double e) {
+    return (e - a) * 24 * h * h + 4 * h * (e * (e + 1) - a * (a + 1)) / 2;
+  };
+  total = flops(0, 8192);
+  for (auto [a, e] : plan.seqSlices) {
+    EXPECT_EQ(a % 2, 0);
+    EXPECT_EQ(e % 2, 0);
+    // Within one tp-quantum of tokens of an equal share.
+    EXPECT_NEAR(flops(double(a), double(e)), total / 4, flops(8190, 8192) * 1.01);
+  }
+  // Later slices attend to more keys, so they get fewer tokens.
+  EXPECT_GT(plan.seqSlices[0].second - plan.seqSlices[0].first,
+            plan.seqSlices[3].second - plan.seqSlices[3].first);
+  // Per-slice forward times of a block are then equal too.
+  ClusterSpec c = ClusterSpec::defaults();
+  auto blockForward = [&](size_t k) {
+    auto [a, e] = plan.seqSlices[k];
+    return m.sliceCost(c, /*layer=*/1, a, e, int(k), 4, /*tp=*/2).forward;
+  };
+  for (size_t k = 1; k < 4; ++k)
+    EXPECT_NEAR(blockForward(k), blockForward(0), blockForward(0) * 0.001);
+}
+
+TEST(TransformerCostTest, EmbeddingAndHeadAreLayersOfTheFirstAndLastStage) {
+  Plan plan = compileOrFail(gpt(6, 1024, 2048, 16), options("1f1b", 4, 8));
+  EXPECT_EQ(plan.stages.front().layerBegin, 0);
+  EXPECT_EQ(plan.stages.back().layerEnd, 8);  // embedding + 6 blocks + head
+  EXPECT_EQ(plan.timeUnit, "ms");
+  EXPECT_GT(plan.stages.back().activationTransferTime[0], -1);
+  // Pipeline neighbours on one 8-GPU node: NVLink latency 3 us + bytes / 450 GB/s.
+  double bytes = 2.0 * 2048 * 1024;
+  EXPECT_NEAR(plan.stages[0].activationTransferTime[0], 0.003 + bytes / 450e9 * 1e3, 1e-12);
+}
+
+//===----------------------------------------------------------------------===//
+// Collectives: tp parts and all-reduces, dp all-reduces, optimizer.
+//===----------------------------------------------------------------------===//
+
+TEST(LowerCollectivesTest, TensorParallelSplitsComputeAtMegatronsReductions) {
+  ModelSpec m = uniformModel(4, 1, 1, 1, 1 << 20, 0, /*p2p=*/0.25);
+  Plan plan = compileOrFail(m, options("1f1b", 2, 2, 1, 1, /*tp=*/2));
+  // Two layers per stage, two reductions per layer: forwards and backwards in 4 parts.
+  EXPECT_EQ(plan.stages[0].tpAllReduces, 4);
+  std::string text = formatStreams(plan, false);
+  EXPECT_NE(text.find("0F0:0/4 0ALLREDUCE_TP_F0:0/4 0F0:1/4 0ALLREDUCE_TP_F0:1/4"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("1B0:3/4 1ALLREDUCE_TP_B0:3/4"), std::string::npos) << text;
+  // Each of the 2 ranks spends 2 mb x (4 + 4) all-reduces x 0.25 on tp, counted as busy.
+  Plan noTp = compileOrFail(m, options("1f1b", 2, 2));
+  EXPECT_NEAR(plan.stats.ranks[0].busy - noTp.stats.ranks[0].busy, 2 * 8 * 0.25, 1e-9);
+}
+
+TEST(LowerCollectivesTest, DataParallelAllReducesEachStageAfterItsLastWeightGradient) {
+  Plan plan = compileOrFail(uniformModel(4), options("1f1b", 2, 3, 1, 1, 1, /*dp=*/2));
+  for (const auto &stream : plan.ranks) {
+    ASSERT_GE(stream.size(), 2u);
+    EXPECT_EQ(stream.back().op, OpKind::OptimizerStep);
+    const Instruction &ar = stream[stream.size() - 2];
+    EXPECT_EQ(ar.op, OpKind::AllReduce);
+    EXPECT_EQ(ar.collective, CollectiveGroup::Dp);
+    EXPECT_EQ(ar.bytes, plan.stages[size_t(ar.stage)].paramBytes);
+  }
+  // Moving the all-reduce before the last backward is caught.
+  Plan bad = plan;
+  auto &s0 = bad.ranks[0];
+  auto ar = std::find_if(s0.begin(), s0.end(),
+                         [](const Instruction &i) { return i.op == OpKind::AllReduce; });
+  Instruction moved = *ar;
+  s0.erase(ar);
+  s0.insert(s0.begin() + 1, moved);
+  std::string msg = errorText(verifyPlan(bad));
+  EXPECT_NE(msg.find("all-reduces stage 0's gradients before its last weight gradient"),
+            std::string::npos)
+      << msg;
+}
+
+//===----------------------------------------------------------------------===//
+// Fidelity: the zero-bubble paper's Table 5.
+//===----------------------------------------------------------------------===//
+
+TEST(FidelityTest, OneFOneBBubbleMatchesZeroBubblePaperTable5) {
+  // Profiled times of the paper's 1.5B model, p = 8, m = 24 (its Table 9 / ICLR Table 6).
+  ModelSpec m = uniformModel(8, 18.522, 18.086, 9.337, 1000, 500, /*p2p=*/0.601);
+  Plan plan = compileOrFail(m, options("1f1b", 8, 24));
+  EXPECT_NEAR(plan.stats.bubbleRatio, 0.2431, 0.00005);
+}
+
+TEST(SimulatorTest, TransferTimeStretchesTheWarmUpByOneHopPerStage) {
+  // GPipe with p2p c: makespan = (m + p - 1)(F + B) + 2(p - 1)c for unit layers.
+  ModelSpec m = uniformModel(4, 1, 1, 0, 1, 0, /*p2p=*/0.5);
+  Plan plan = compileOrFail(m, options("gpipe", 4, 6));
+  EXPECT_NEAR(plan.stats.makespan, (6 + 3) * 2.0 + 2 * 3 * 0.5, 1e-12);
+}
+
+} // namespace
+} // namespace pipec::test

@@ -1,0 +1,72 @@
+//===- TestUtil.h - Shared helpers for the test suites ----------*- C++ -*-===//
+#ifndef PIPEC_TESTS_TESTUTIL_H
+#define PIPEC_TESTS_TESTUTIL_H
+
+#include "compiler/Pass.h"
+#include "ir/Error.h"
+#include "ir/Model.h"
+#include "ir/Plan.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace pipec::test {
+
+/// An abstract model of `layers` identical layers.
+inline ModelSpec uniformModel(int layers, double f = 1, double b = 1, double w = 1,
+                              int64_t act = 1 << 20, int64_t wgrad = 0, double p2p = 0,
+                              int64_t out = 1 << 16, int64_t params = 1 << 22) {
+  ModelSpec m;
+  m.name = "uniform";
+  Layer l;
+  l.name = "block";
+  l.forward = f;
+  l.backwardInput = b;
+  l.backwardWeight = w;
+  l.activationBytes = act;
+  l.weightGradBytes = wgrad;
+  l.paramBytes = params;
+  l.outputBytes = out;
+  for (int i = 0; i < layers; ++i)
+    m.layers.push_back(l);
+  m.p2pTime = p2p;
+  m.allReduceTime = p2p;
+  return m;
+}
+
+inline CompileOptions options(llvm::StringRef schedule, int pp, int microbatches, int vpp = 1,
+                              int seqSplits = 1, int tp = 1, int dp = 1) {
+  CompileOptions o;
+  o.schedule = schedule.str();
+  o.parallel.pp = pp;
+  o.parallel.vpp = vpp;
+  o.parallel.microbatches = microbatches;
+  o.parallel.seqSplits = seqSplits;
+  o.parallel.tp = tp;
+  o.parallel.dp = dp;
+  return o;
+}
+
+/// Compile with the verifier after every pass; fails the test on any error.
+inline Plan compileOrFail(const ModelSpec &model, const CompileOptions &o) {
+  auto plan = compilePlan(model, ClusterSpec::defaults(), o, /*verifyEach=*/true);
+  if (!plan) {
+    ADD_FAILURE() << "compile failed: " << takeMessage(plan.takeError());
+    return Plan{};
+  }
+  return std::move(*plan);
+}
+
+/// The message of an expected error (empty, and a test failure, if there was none).
+inline std::string errorText(llvm::Error err) {
+  if (!err) {
+    ADD_FAILURE() << "expected an error";
+    return "";
+  }
+  return takeMessage(std::move(err));
+}
+
+} // namespace pipec::test
+
+#endif // PIPEC_TESTS_TESTUTIL_H
