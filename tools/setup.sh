@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine lacks to build and test pipec (DESIGN §9).
+# Idempotent: does nothing when every package is already there.
+set -euo pipefail
+packages=(bazel-bootstrap bazel-platforms nlohmann-json3-dev libfmt-dev llvm-14-dev
+          libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up and runs every test; ends with "N passed, M failed" (N, M count test cases).
+# GPU tests (tag requires-gpu) run only where nvidia-smi sees a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
+filter="--test_tag_filters=-requires-gpu"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  filter=""
+fi
+bazel test //... $filter --test_output=errors
+status=$?
+passed=0
+failed=0
+# Count test cases from each target's JUnit XML; a target with no XML counts as one failure.
+while IFS= read -r xml; do
+  head=$(grep -m1 -o '<testsuites[^>]*>' "$xml" || true)
+  tests=$(sed -n 's/.* tests="\([0-9]*\)".*/\1/p' <<<"$head")
+  fails=$(sed -n 's/.* failures="\([0-9]*\)".*/\1/p' <<<"$head")
+  errors=$(sed -n 's/.* errors="\([0-9]*\)".*/\1/p' <<<"$head")
+  disabled=$(sed -n 's/.* disabled="\([0-9]*\)".*/\1/p' <<<"$head")
+  if [ -z "$tests" ]; then
+    failed=$((failed + 1))
+    continue
+  fi
+  bad=$(( ${fails:-0} + ${errors:-0} ))
+  passed=$((passed + tests - bad - ${disabled:-0}))
+  failed=$((failed + bad))
+done < <(find -L bazel-testlogs/ -name test.xml 2>/dev/null | sort)
+if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
+  failed=1  # the build or a target failed before writing its results
+fi
+echo "${passed} passed, ${failed} failed"
+[ "$status" -eq 0 ] && [ "$failed" -eq 0 ]
