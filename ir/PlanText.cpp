@@ -270,11 +270,29 @@ std::string formatGrid(const Plan &plan, llvm::ArrayRef<GridMark> marks, bool co
   }
   size_t totalRows = rows + (rowNotes[rows].empty() ? 0 : 1);
   size_t stepDigits = std::to_string(totalRows).size();
+  // A long grid with marks shows only the rows near them (a diagnostic must stay readable).
+  constexpr size_t kContext = 6, kLongGrid = 48;
+  std::vector<bool> shown(totalRows, true);
+  if (!marks.empty() && totalRows > kLongGrid) {
+    std::fill(shown.begin(), shown.end(), false);
+    for (size_t row = 0; row < totalRows; ++row) {
+      if (rowNotes[row].empty())
+        continue;
+      size_t lo = row > kContext ? row - kContext : 0;
+      size_t hi = std::min(totalRows, row + kContext + 1);
+      std::fill(shown.begin() + long(lo), shown.begin() + long(hi), true);
+    }
+  }
   std::string out = std::string(stepDigits + 7, ' ');
   for (size_t r = 0; r < numRanks; ++r)
     out += fmt::format(" {:<{}}", fmt::format("rank {}", r), width + 1);
   out = llvm::StringRef(out).rtrim().str() + "\n";
   for (size_t row = 0; row < totalRows; ++row) {
+    if (!shown[row]) {
+      if (row == 0 || shown[row - 1])
+        out += "...\n";
+      continue;
+    }
     std::string line = fmt::format("step {:0{}}:", row, stepDigits);
     for (size_t r = 0; r < numRanks; ++r) {
       std::string cell = row < cols[r].size() ? cols[r][row] : "";

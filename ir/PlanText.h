@@ -42,7 +42,8 @@ struct GridMark {
 };
 
 /// The rank x step grid (rows are steps, columns ranks, as PyTorch prints it); marked steps get
-/// "<-- here (rank r)" at the end of their row. With computeOnly, comm ops are left out (steps
+/// "<-- here (rank r)" at the end of their row; a long grid with marks shows only the rows
+/// near them. With computeOnly, comm ops are left out (steps
 /// then count compute ops only; marks are still given in full-stream steps).
 std::string formatGrid(const Plan &plan, llvm::ArrayRef<GridMark> marks = {},
                        bool computeOnly = false);

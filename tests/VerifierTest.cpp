@@ -157,3 +157,24 @@ TEST(VerifierTest, RejectsARecvThatNoRankSends) {
 
 } // namespace
 } // namespace pipec::test
+
+namespace pipec::test {
+namespace {
+
+TEST(VerifierTest, LongGridsShowOnlyTheRowsNearTheFinding) {
+  Plan plan = compileOrFail(uniformModel(4), options("1f1b", 4, 64));
+  // Drop the last forward's recv on rank 3: found near the end of a ~400-step stream.
+  auto &s3 = plan.ranks[3];
+  for (size_t n = s3.size(); n-- > 0;)
+    if (s3[n].op == OpKind::Recv && s3[n].mb == 63) {
+      s3.erase(s3.begin() + long(n));
+      break;
+    }
+  std::string msg = errorText(verifyPlan(plan));
+  EXPECT_NE(msg.find("3F63"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("...\n"), std::string::npos) << msg;
+  EXPECT_LT(std::count(msg.begin(), msg.end(), '\n'), 30) << msg;
+}
+
+} // namespace
+} // namespace pipec::test

@@ -184,7 +184,12 @@ llvm::Error cmdCompile(int argc, char **argv) {
       return inputError("--cluster: {}", takeMessage(loaded.takeError()));
     cluster = *loaded;
   }
-  auto plan = compilePlan(*model, cluster, o);
+#ifndef NDEBUG
+  constexpr bool verifyEachPass = true;  // debug builds check the invariants after every pass
+#else
+  constexpr bool verifyEachPass = false;
+#endif
+  auto plan = compilePlan(*model, cluster, o, verifyEachPass);
   if (!plan)
     return plan.takeError();
   if (o.memoryLimit > 0) {
