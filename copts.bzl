@@ -5,5 +5,4 @@ PIPE_COPTS = [
     "-Wextra",
     "-Wno-unused-parameter",
     "-Wno-deprecated-enum-enum-conversion",
-    "-Wno-deprecated-anon-enum-enum-conversion",
 ]

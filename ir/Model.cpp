@@ -347,6 +347,45 @@ llvm::Expected<std::string> readFile(llvm::StringRef path) {
   return (*buf)->getBuffer().str();
 }
 
+static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef tmp,
+                                  llvm::StringRef contents) {
+  std::error_code ec;
+  llvm::raw_fd_ostream os(tmp, ec);
+  if (ec)
+    return inputError("{}: cannot write: {}", path.str(), ec.message());
+  os << contents;
+  os.close();
+  if (os.has_error()) {
+    os.clear_error();
+    llvm::sys::fs::remove(tmp);
+    return inputError("{}: cannot write: disk error", path.str());
+  }
+  return llvm::Error::success();
+}
+
+llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
+  std::vector<std::string> temps;
+  auto cleanup = [&]() {
+    for (const std::string &t : temps)
+      llvm::sys::fs::remove(t);
+  };
+  for (const OutputFile &f : files) {
+    std::string tmp = f.path + ".tmp";
+    if (auto err = writeTemporary(f.path, tmp, f.contents)) {
+      cleanup();
+      return inputError("{}: {}", f.flag, takeMessage(std::move(err)));
+    }
+    temps.push_back(tmp);
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (std::error_code ec = llvm::sys::fs::rename(temps[i], files[i].path)) {
+      cleanup();
+      return inputError("{}: {}: cannot write: {}", files[i].flag, files[i].path, ec.message());
+    }
+  }
+  return llvm::Error::success();
+}
+
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents) {
   llvm::SmallString<256> tmp(path);
   tmp += ".tmp";

@@ -9,6 +9,7 @@
 #ifndef PIPEC_IR_MODEL_H
 #define PIPEC_IR_MODEL_H
 
+#include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
@@ -100,6 +101,12 @@ llvm::Expected<ClusterSpec> loadClusterSpec(llvm::StringRef path);
 llvm::Expected<std::string> readFile(llvm::StringRef path);
 /// Write a file atomically: a temporary beside it, then rename.
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents);
+/// Write several files all or nothing: every temporary first, renames only if all were written.
+/// The error names the flag of the file that failed.
+struct OutputFile {
+  std::string flag, path, contents;
+};
+llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files);
 
 } // namespace pipec
 

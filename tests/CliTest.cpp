@@ -157,6 +157,16 @@ TEST(CliTest, ScheduleConstraintNamesTheFlagAndTheFix) {
                  "1f1b needs --seq-splits 1 (got 2)");
 }
 
+TEST(CliTest, AnUnwritableTraceLeavesNoPlanBehind) {
+  std::string out = tmpDir() + "/plan-with-bad-trace.json";
+  Result r = pipec(compileArgs("-o " + out + " --trace /no/such/dir/trace.json"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--trace: /no/such/dir/trace.json: cannot write"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(exists(out));
+  EXPECT_FALSE(exists(out + ".tmp"));
+}
+
 TEST(CliTest, ValidateAcceptsACompiledPlanAndRejectsABrokenOne) {
   std::string good = tmpDir() + "/good.json";
   ASSERT_EQ(pipec(compileArgs("-o " + good)).code, 0);

@@ -200,18 +200,18 @@ llvm::Error cmdCompile(int argc, char **argv) {
                        "bounds memory (1f1b holds min(p, m) microbatches)",
                        r.rank, humanBytes(r.peakActivationBytes), humanBytes(o.memoryLimit));
   }
-  // Outputs are written only once everything has passed, each atomically.
+  // Outputs are written only once everything has passed, all or nothing.
+  std::vector<OutputFile> outputs;
+  if (out)
+    outputs.push_back(OutputFile{"-o", *out, writePlanJson(*plan)});
   if (auto t = args->path("--trace")) {
     Timeline tl;
     if (auto err = simulateTimeline(*plan, tl))
       return err;
-    if (auto err = writeFileAtomically(*t, chromeTrace(*plan, tl)))
-      return inputError("--trace: {}", takeMessage(std::move(err)));
+    outputs.push_back(OutputFile{"--trace", *t, chromeTrace(*plan, tl)});
   }
-  if (out) {
-    if (auto err = writeFileAtomically(*out, writePlanJson(*plan)))
-      return inputError("-o: {}", takeMessage(std::move(err)));
-  }
+  if (auto err = writeFilesAtomically(outputs))
+    return err;
   if (!args->has("--quiet"))
     printSummary(*plan, &cluster);
   if (args->has("--show"))
