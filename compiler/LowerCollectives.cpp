@@ -8,6 +8,10 @@
 //    in the backward (Shoeybi et al. 2019, Fig. 3). Weight-gradient ops need none;
 //  - with dp > 1, one all_reduce of group dp per stage, right after the stage's last weight
 //    gradient (and the sends that follow it), so the reduction overlaps the rest of the step;
+//  - with tied input/output embeddings (and more than one stage), one all_reduce of group
+//    embedding for the first and for the last stage, summing their copies' gradients as
+//    Megatron-LM's embedding group does; last before the optimizer, after every p2p op, so it
+//    cannot wait in a cycle with them;
 //  - one optimizer_step, last on every rank.
 // The replicas of a group run the same stream, so every group issues its collectives in the
 // same order on all its members.
@@ -83,6 +87,18 @@ public:
         }
       }
       emitDp();
+      if (plan.tiedEmbeddings()) {
+        for (int s : {0, plan.numStages() - 1}) {
+          if (plan.rankOf(s) != int(r))
+            continue;
+          Instruction ar;
+          ar.op = OpKind::AllReduce;
+          ar.collective = CollectiveGroup::Embedding;
+          ar.stage = s;
+          ar.bytes = plan.tiedEmbeddingBytes();
+          out.push_back(ar);
+        }
+      }
       Instruction opt;
       opt.op = OpKind::OptimizerStep;
       out.push_back(opt);

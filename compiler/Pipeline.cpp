@@ -21,6 +21,9 @@ public:
     request.parallel = plan.parallel;
     request.stages = plan.stages;
     request.memoryLimit = ctx.options.memoryLimit;
+    // Constraints that need the costs or the memory limit (zb-auto's --memory-limit).
+    if (auto err = ctx.policy->checkRequest(request))
+      return std::move(err);
     ComputeOrder order;
     ctx.policy->emit(request, order);
     assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");
@@ -159,6 +162,7 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
   plan.placement = (*policy)->placement();
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = model.stateBytesPerParamByte;
+  plan.transformer = model.transformer;
   if (auto err = runPipeline(defaultPipeline(), plan, ctx))
     return err;
   return plan;

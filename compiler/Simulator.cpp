@@ -158,8 +158,10 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
         lastComputeEnd = ot.end;
       } else if (ins.op == OpKind::AllReduce) {
         // DP and embedding all-reduces: serial on their own stream, after what precedes them.
+        // (The embedding all-reduce is not timed: it is one matrix between two ranks.)
         double s = std::max(dpFree, lastComputeEnd);
-        dpFree = s + plan.stages[size_t(ins.stage)].dpAllReduceTime;
+        if (ins.collective == CollectiveGroup::Dp)
+          dpFree = s + plan.stages[size_t(ins.stage)].dpAllReduceTime;
       }
     }
     if (!any)

@@ -172,6 +172,15 @@ private:
                           i.part, i.parts, i.stage, plan.stages[size_t(i.stage)].tpAllReduces);
         } else if (i.collective == CollectiveGroup::Dp && pc.dp == 1) {
           return failAt(r, n, "dp all-reduce in a plan with dp = 1");
+        } else if (i.collective == CollectiveGroup::Embedding) {
+          int last = numStages - 1;
+          if (!plan.tiedEmbeddings())
+            return failAt(r, n, "embedding all-reduce in a plan without tied embeddings across "
+                                "stages");
+          if (i.stage != 0 && i.stage != last)
+            return failAt(r, n, "embedding all-reduce of stage {}: only the first (0) and last "
+                                "({}) stage hold embedding copies",
+                          i.stage, last);
         }
       }
     }
@@ -522,6 +531,7 @@ private:
         if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
           lastWeightGrad[i.stage] = n;
       }
+      llvm::SmallDenseMap<int, size_t, 2> embStep;
       size_t optimizer = kAbsent;
       size_t lastAllReduce = 0;
       bool anyAllReduce = false;
@@ -537,6 +547,21 @@ private:
           continue;
         anyAllReduce = true;
         lastAllReduce = n;
+        if (i.collective == CollectiveGroup::Embedding) {
+          if (embStep.count(i.stage))
+            return failAt(r, n, "second embedding all-reduce of stage {}", i.stage);
+          embStep[i.stage] = n;
+          auto it = lastWeightGrad.find(i.stage);
+          if (it != lastWeightGrad.end() && it->second > n)
+            return failAt(r, n, "all-reduces stage {}'s embedding gradients before its last "
+                                "weight gradient (step {})",
+                          i.stage, it->second);
+          for (size_t m = n + 1; m < stream.size(); ++m)
+            if (stream[m].isP2P())
+              return failAt(r, n, "embedding all-reduce before a send/recv (step {}): the two "
+                                  "ranks could wait for each other across communicators",
+                            m);
+        }
         if (i.collective == CollectiveGroup::Dp) {
           if (dpStep.count(i.stage))
             return failAt(r, n, "second dp all-reduce of stage {}", i.stage);
@@ -565,6 +590,12 @@ private:
         continue;
       if (optimizer == kAbsent)
         return failAt(r, stream.size(), "no optimizer step at the end of the stream");
+      if (plan.tiedEmbeddings())
+        for (int s : {0, plan.numStages() - 1})
+          if (plan.rankOf(s) == r && !embStep.count(s))
+            return failAt(r, optimizer, "embeddings are tied but stage {}'s copy is never "
+                                        "all-reduced with the other",
+                          s);
       if (pc.dp > 1)
         for (const StageInfo &s : plan.stages)
           if (s.rank == r && !dpStep.count(s.stage))

@@ -13,8 +13,9 @@
 //  5. deadlock freedom under NCCL's blocking rules: a rank posts its comm ops in stream order,
 //     a group (consecutive ops with one `group`) or a lone op completes only once every op in
 //     it has its partner posted; a stuck state is reported with the wait-for cycle;
-//  6. collectives: a dp all-reduce per stage (dp > 1) after all its weight gradients, then one
-//     optimizer step after every all-reduce.
+//  6. collectives: a dp all-reduce per stage (dp > 1) after all its weight gradients; with tied
+//     embeddings one embedding all-reduce for the first and for the last stage, after their
+//     weight gradients and every send/recv; then one optimizer step after every all-reduce.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_COMPILER_VERIFIER_H

@@ -218,7 +218,7 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   if (auto err = r.onlyKeys(t, path,
                             {"num_layers", "hidden_size", "num_attention_heads",
                              "ffn_hidden_size", "vocab_size", "seq_length", "microbatch_size",
-                             "dtype"}))
+                             "dtype", "tie_embeddings"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -237,6 +237,8 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   if (auto err = r.getInt(t, path, "microbatch_size", c.microbatchSize, false, 1))
     return err;
   if (auto err = r.getString(t, path, "dtype", c.dtype, false))
+    return err;
+  if (auto err = r.getBool(t, path, "tie_embeddings", c.tieEmbeddings, false))
     return err;
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32")
     return inputError("{}: $.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got "

@@ -56,6 +56,9 @@ struct TransformerConfig {
   int64_t numLayers = 0, hiddenSize = 0, numAttentionHeads = 0, ffnHiddenSize = 0;
   int64_t vocabSize = 0, seqLength = 0, microbatchSize = 1;
   std::string dtype = "bf16";
+  /// Input and output embeddings share one matrix; the first and last stage keep copies whose
+  /// gradients are summed (Megatron-LM's embedding group).
+  bool tieEmbeddings = false;
   int64_t dtypeBytes() const { return dtype == "fp32" ? 4 : 2; }
 };
 

@@ -34,6 +34,13 @@ int rankOfStage(Placement p, int stage, int pp) {
   llvm_unreachable("unknown Placement");
 }
 
+int64_t Plan::tiedEmbeddingBytes() const {
+  if (!transformer)
+    return 0;
+  return transformer->vocabSize * transformer->hiddenSize * transformer->dtypeBytes() /
+         parallel.tp;
+}
+
 size_t Plan::numInstructions() const {
   size_t n = 0;
   for (const auto &r : ranks)

@@ -9,11 +9,13 @@
 #define PIPEC_IR_PLAN_H
 
 #include "ir/Instruction.h"
+#include "ir/Model.h"
 
 #include "llvm/ADT/SmallVector.h"
 #include "llvm/ADT/StringRef.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -80,6 +82,8 @@ struct Plan {
   Placement placement = Placement::Loop;
   int gpusPerNode = 8;
   double stateBytesPerParamByte = 4;
+  /// The transformer the plan was compiled from (what a runtime builds); none for abstract models.
+  std::optional<TransformerConfig> transformer;
   std::vector<std::pair<int64_t, int64_t>> seqSlices;
   std::vector<StageInfo> stages;
   std::vector<std::vector<Instruction>> ranks;
@@ -90,6 +94,12 @@ struct Plan {
   int numSlices() const { return parallel.seqSplits; }
   int rankOf(int stage) const { return stages[size_t(stage)].rank; }
   size_t numInstructions() const;
+  /// Input and output embeddings are tied and live on different stages (so copies exist).
+  bool tiedEmbeddings() const {
+    return transformer && transformer->tieEmbeddings && numStages() > 1;
+  }
+  /// Bytes of the tied matrix per tp rank (vocab x hidden, sharded as Megatron does).
+  int64_t tiedEmbeddingBytes() const;
 };
 
 } // namespace pipec

@@ -79,6 +79,18 @@ std::string writePlanJson(const Plan &plan) {
   // tp-dp-pp order); node = global rank / gpus_per_node.
   j["topology"] = OJson{{"order", "tp-dp-pp"}, {"gpus_per_node", plan.gpusPerNode}};
   j["state_bytes_per_param_byte"] = plan.stateBytesPerParamByte;
+  if (plan.transformer) {
+    const TransformerConfig &t = *plan.transformer;
+    j["transformer"] = OJson{{"num_layers", t.numLayers},
+                             {"hidden_size", t.hiddenSize},
+                             {"num_attention_heads", t.numAttentionHeads},
+                             {"ffn_hidden_size", t.ffnHiddenSize},
+                             {"vocab_size", t.vocabSize},
+                             {"seq_length", t.seqLength},
+                             {"microbatch_size", t.microbatchSize},
+                             {"dtype", t.dtype},
+                             {"tie_embeddings", t.tieEmbeddings}};
+  }
   OJson slices = OJson::array();
   for (auto [b, e] : plan.seqSlices)
     slices.push_back(OJson::array({b, e}));
@@ -470,7 +482,7 @@ struct PlanReader {
       return err;
     if (auto err = r.onlyKeys(j, "$", {"format", "schedule", "model", "time_unit", "parallel",
                                        "placement", "topology", "state_bytes_per_param_byte",
-                                       "seq_slices", "stages", "ranks", "stats"}))
+                                       "transformer", "seq_slices", "stages", "ranks", "stats"}))
       return err;
     std::string format;
     if (auto err = r.getString(j, "$", "format", format, true))
@@ -501,6 +513,14 @@ struct PlanReader {
     if (auto err = r.getNumber(j, "$", "state_bytes_per_param_byte",
                                plan.stateBytesPerParamByte, false))
       return err;
+    if (auto it = j.find("transformer"); it != j.end()) {
+      // The same object and checks as a model spec's "transformer".
+      Json spec = {{"format", "pipemodel/1"}, {"transformer", *it}};
+      auto model = parseModelSpec(spec.dump(), r.name());
+      if (!model)
+        return model.takeError();
+      plan.transformer = model->transformer;
+    }
     auto slices = j.find("seq_slices");
     size_t k = size_t(plan.parallel.seqSplits);
     if (slices == j.end() || !slices->is_array() || slices->size() != k)

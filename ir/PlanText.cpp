@@ -118,7 +118,8 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
       i.collective = s == "DP" ? CollectiveGroup::Dp : CollectiveGroup::Embedding;
       if (auto err = checkRange(i))
         return err;
-      i.bytes = plan.stages[size_t(stage)].paramBytes;
+      i.bytes = i.collective == CollectiveGroup::Dp ? plan.stages[size_t(stage)].paramBytes
+                                                    : plan.tiedEmbeddingBytes();
       return i;
     }
     if (!s.consume_front("TP_") || s.empty())

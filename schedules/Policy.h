@@ -43,6 +43,11 @@ public:
   virtual Placement placement() const { return Placement::Loop; }
   /// Reject a configuration up front: name the flag, the value and the nearest valid setting.
   virtual llvm::Error check(const ParallelConfig &config) const = 0;
+  /// Reject what check() cannot see (stage costs and bytes, --memory-limit); runs on the
+  /// partitioned stages, before emit(). Most policies need nothing here.
+  virtual llvm::Error checkRequest(const ScheduleRequest &) const {
+    return llvm::Error::success();
+  }
   /// Emit every rank's compute order for a configuration that passed check().
   virtual void emit(const ScheduleRequest &request, ComputeOrder &order) const = 0;
 };
@@ -55,6 +60,14 @@ llvm::Expected<const SchedulePolicy *> findPolicy(llvm::StringRef name);
 // Factories, one per policy file.
 std::unique_ptr<SchedulePolicy> createGPipePolicy();
 std::unique_ptr<SchedulePolicy> createOneFOneBPolicy();
+std::unique_ptr<SchedulePolicy> createInterleaved1F1BPolicy();
+std::unique_ptr<SchedulePolicy> createSeq1F1BPolicy();
+std::unique_ptr<SchedulePolicy> createSeq1F1BInterleavedPolicy();
+std::unique_ptr<SchedulePolicy> createZBH1Policy();
+std::unique_ptr<SchedulePolicy> createZBH2Policy();
+std::unique_ptr<SchedulePolicy> createZBVPolicy();
+std::unique_ptr<SchedulePolicy> createZBAutoPolicy();
+std::unique_ptr<SchedulePolicy> createDualPipeVPolicy();
 
 } // namespace pipec
 
