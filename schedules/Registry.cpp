@@ -14,6 +14,14 @@ struct Registry {
     // The one place policies are registered; the order is list-schedules' order.
     owned.push_back(createGPipePolicy());
     owned.push_back(createOneFOneBPolicy());
+    owned.push_back(createInterleaved1F1BPolicy());
+    owned.push_back(createSeq1F1BPolicy());
+    owned.push_back(createSeq1F1BInterleavedPolicy());
+    owned.push_back(createZBH1Policy());
+    owned.push_back(createZBH2Policy());
+    owned.push_back(createZBVPolicy());
+    owned.push_back(createZBAutoPolicy());
+    owned.push_back(createDualPipeVPolicy());
     for (const auto &p : owned)
       view.push_back(p.get());
   }

@@ -24,6 +24,7 @@ struct GoldenCase {
   const char *name;
   const char *schedule;
   int pp, microbatches, seqSplits, tp, dp;
+  int vpp = 1;
 };
 
 const GoldenCase kCases[] = {
@@ -31,6 +32,12 @@ const GoldenCase kCases[] = {
     {"1f1b_p4_m8", "1f1b", 4, 8, 1, 1, 1},
     {"1f1b_p4_m8_tp2_dp2", "1f1b", 4, 8, 1, 2, 2},
     {"gpipe_p2_m2_k2", "gpipe", 2, 2, 2, 1, 1},
+    {"interleaved_1f1b_p4_m8_v2", "interleaved-1f1b", 4, 8, 1, 1, 1, /*vpp=*/2},
+    {"seq1f1b_p4_m8_k2", "seq1f1b", 4, 8, 2, 1, 1},
+    {"seq1f1b_interleaved_p4_m8_v2_k2", "seq1f1b-interleaved", 4, 8, 2, 1, 1, /*vpp=*/2},
+    {"zb_h1_p4_m8", "zb-h1", 4, 8, 1, 1, 1},
+    {"zb_h2_p4_m8", "zb-h2", 4, 8, 1, 1, 1},
+    {"zb_v_p4_m8_v2", "zb-v", 4, 8, 1, 1, 1, /*vpp=*/2},
 };
 
 class GoldenStreams : public ::testing::TestWithParam<GoldenCase> {};
@@ -39,7 +46,8 @@ TEST_P(GoldenStreams, MatchTheCheckedInText) {
   const GoldenCase &c = GetParam();
   // The uniform-8 example: 8 unit layers.
   Plan plan = compileOrFail(uniformModel(8),
-                            options(c.schedule, c.pp, c.microbatches, 1, c.seqSplits, c.tp, c.dp));
+                            options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp,
+                                    c.dp));
   std::string text = formatStreams(plan);
   std::string path = goldenDir + "/" + c.name + ".txt";
   if (update) {

@@ -1,0 +1,158 @@
+//===- Interleaved1F1B.cpp - Interleaved 1F1B (Megatron-LM virtual stages) ===//
+//
+// Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+// Megatron-LM" (SC 2021, §2.2.2), in the order Megatron-Core runs it (schedules.py,
+// forward_backward_pipelining_with_interleaving and its schedule table). Every rank holds V
+// model chunks; with loop placement chunk c of rank r is stage c·P + r. Microbatches go in
+// groups of G (--microbatch-group-size, default P): a group runs its forwards through chunk 0,
+// then through chunk 1, ..., and the backwards mirror that, last chunk first. Rank r warms up
+// with 2(P-r-1) + (V-1)·G forwards, then alternates one forward and one fused backward, then
+// drains. Bubble with unit costs: (P-1)/(V·m+P-1), V times less than 1F1B's, for about
+// (1 + (P-1)/(P·V))·P microbatches of activations on rank 0 instead of P.
+// Constraints (Megatron-Core's): --vpp >= 2; --seq-splits 1 (seq1f1b-interleaved does
+// sub-sequences); P <= G <= m (a group shorter than P leaves rank 0 waiting for its own
+// chunk-0 outputs to come round the ring: the silent bubble of Megatron-LM#1829); and the last
+// group, m mod G, is empty or at least P. With the default G = P: m is a multiple of P.
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace pipec {
+namespace {
+
+/// Megatron-Core's group rule: P <= G <= m, and the last group (m mod G) is empty or >= P.
+bool groupsFit(int m, int g, int p) {
+  if (g < p || g > m)
+    return false;
+  return m % g == 0 || m % g >= p;
+}
+
+/// The valid value nearest to `from` (ties go up), searching [lo, hi]; -1 if there is none.
+template <typename Valid> int nearestValid(int from, int lo, int hi, Valid valid) {
+  for (int d = 0; from - d >= lo || from + d <= hi; ++d) {
+    if (from + d <= hi && from + d >= lo && valid(from + d))
+      return from + d;
+    if (from - d >= lo && from - d <= hi && valid(from - d))
+      return from - d;
+  }
+  return -1;
+}
+
+class Interleaved1F1BPolicy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "interleaved-1f1b"; }
+  llvm::StringRef summary() const override {
+    return "interleaved 1F1B (Narayanan et al. 2021, Megatron-Core order): V chunks per rank, "
+           "microbatch groups of G through every chunk; bubble (p-1)/(v·m+p-1)";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp >= 2, --seq-splits 1; --pp <= --microbatch-group-size (default pp) <= "
+           "--microbatches, last group 0 or >= pp";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp < 2)
+      return inputError("interleaved-1f1b needs --vpp >= 2 (got {}); try --vpp 2, or "
+                        "--schedule 1f1b for one chunk per rank",
+                        c.vpp);
+    if (c.seqSplits != 1)
+      return inputError("interleaved-1f1b needs --seq-splits 1 (got {}); sub-sequences over "
+                        "chunks are --schedule seq1f1b-interleaved",
+                        c.seqSplits);
+    int p = c.pp, m = c.microbatches, g = c.microbatchGroupSize;
+    if (g > 0 && g < p)
+      return inputError("interleaved-1f1b needs --microbatch-group-size >= --pp (got {}, pp "
+                        "{}); a smaller group leaves bubbles; try {}",
+                        g, p, p);
+    if (m < p)
+      return inputError("interleaved-1f1b needs --microbatches >= --pp (got {}, pp {}); try {}",
+                        m, p, p);
+    if (g <= 0) {
+      // Default G = P: the last group is m mod P, which is 0 or < P, so m must be a multiple
+      // of P; or the user picks a group size that leaves a long enough last group.
+      if (m % p == 0)
+        return llvm::Error::success();
+      int tryM = nearestValid(m, p, 1 << 24, [&](int x) { return x % p == 0; });
+      int tryG = nearestValid(p, p, m, [&](int x) { return groupsFit(m, x, p); });
+      return inputError("interleaved-1f1b needs --microbatches to be a multiple of --pp={} "
+                        "(got {}) or a --microbatch-group-size whose last group is at least "
+                        "--pp; try {}, or --microbatch-group-size {}",
+                        p, m, tryM, tryG);
+    }
+    if (g > m)
+      return inputError("interleaved-1f1b needs --microbatch-group-size <= --microbatches (got "
+                        "{}, microbatches {}); try --microbatch-group-size {}",
+                        g, m, nearestValid(g, p, m, [&](int x) { return groupsFit(m, x, p); }));
+    if (!groupsFit(m, g, p))
+      return inputError(
+          "interleaved-1f1b needs --microbatches to be a multiple of --microbatch-group-size={} "
+          "or to leave a last group of at least --pp={} (got {}, last group {}); try {}, or "
+          "--microbatch-group-size {}",
+          g, p, m, m % g, nearestValid(m, g, 1 << 24, [&](int x) { return groupsFit(x, g, p); }),
+          nearestValid(g, p, m, [&](int x) { return groupsFit(m, x, p); }));
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    const int p = c.pp, v = c.vpp, m = c.microbatches;
+    const int g = c.microbatchGroupSize > 0 ? c.microbatchGroupSize : p;
+    // The schedule table: virtual microbatch i -> (microbatch, chunk). Groups of g microbatches
+    // run chunk 0, then chunk 1, ...; the last group is whatever is left (check() made it 0 or
+    // at least p long). Every rank walks the same table.
+    std::vector<std::pair<int, int>> table;
+    table.reserve(size_t(m) * size_t(v));
+    for (int lo = 0; lo < m; lo += g) {
+      int hi = std::min(lo + g, m);
+      for (int chunk = 0; chunk < v; ++chunk)
+        for (int mb = lo; mb < hi; ++mb)
+          table.emplace_back(mb, chunk);
+    }
+    const int total = m * v;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(2 * total));
+      // Forward i runs table[i] on chunk c, stage c·P + r.
+      auto forward = [&](int i) {
+        auto [mb, chunk] = table[size_t(i)];
+        ops.push_back(Instruction::compute(OpKind::Forward, chunk * p + r, mb, 0));
+      };
+      // Backward i mirrors forward i: the same microbatch on chunk V-1-c, so the last chunk
+      // (whose loss is computed first) leads. Each chunk still sees its microbatches in
+      // ascending order, which is the FIFO order Megatron pops them in.
+      auto backward = [&](int i) {
+        auto [mb, chunk] = table[size_t(i)];
+        ops.push_back(Instruction::compute(OpKind::Backward, (v - 1 - chunk) * p + r, mb, 0));
+      };
+      // Warm-up: the last rank's first backward is microbatch 0 on chunk V-1, which its
+      // forward reaches at table index (V-1)·g, so it runs (V-1)·g forwards first. Rank r is
+      // P-1-r hops ahead of the last rank on the way down and its first gradient needs as
+      // many hops to come back up, so it runs 2(P-r-1) more forwards to stay busy meanwhile.
+      int warmup = std::min(2 * (p - r - 1) + (v - 1) * g, total);
+      for (int i = 0; i < warmup; ++i)
+        forward(i);
+      // Steady state: one forward, then one backward (Megatron's order within a step).
+      for (int i = warmup; i < total; ++i) {
+        forward(i);
+        backward(i - warmup);
+      }
+      // Cool-down: the backwards of the warm-up forwards.
+      for (int i = total - warmup; i < total; ++i)
+        backward(i);
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createInterleaved1F1BPolicy() {
+  return std::make_unique<Interleaved1F1BPolicy>();
+}
+
+} // namespace pipec

@@ -1,0 +1,85 @@
+//===- Seq1F1B.cpp - Seq1F1B: 1F1B over sub-sequences -----------------------===//
+//
+// Sun et al., "Seq1F1B: Efficient Sequence-Level Pipeline Parallelism for Large Language Model
+// Training" (arXiv 2406.03488, NAACL 2025). Every microbatch is cut into K sub-sequences
+// (--seq-splits; the seq-split pass balances their causal-attention FLOPs) and the unit of 1F1B
+// becomes a sub-sequence: forwards run a microbatch's sub-sequences in ascending order (a later
+// one attends to the K/V of the earlier ones), backwards in descending order (a later one sends
+// dK/dV back to the earlier ones). Rank r warms up with p-r+K-2 sub-sequence forwards, then
+// alternates one forward and one fused backward. With equal-cost slices the bubble is
+// (p-1)/(K·m+p-1) and rank 0 holds at most p+K-1 slices (≈ (p+K-1)/K microbatches) of
+// activations. With K = 1 this is exactly 1F1B's order.
+// Constraints: --vpp 1 (seq1f1b-interleaved does chunks). Any --microbatches and --seq-splits.
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+
+namespace pipec {
+namespace {
+
+class Seq1F1BPolicy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "seq1f1b"; }
+  llvm::StringRef summary() const override {
+    return "Seq1F1B (Sun et al. 2024): 1F1B over K sub-sequences per microbatch, forwards "
+           "ascending, backwards descending; bubble (p-1)/(K·m+p-1), memory (p+K-1) slices";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp 1; any --seq-splits, any --microbatches";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp != 1)
+      return inputError("seq1f1b needs --vpp 1 (got {}); for several chunks per rank use "
+                        "--schedule seq1f1b-interleaved",
+                        c.vpp);
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    const int p = c.pp, m = c.microbatches, k = c.seqSplits;
+    const int total = m * k;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(2 * total));
+      // Forward unit i is sub-sequence i mod K of microbatch i / K: ascending within a
+      // microbatch. Backward unit i is sub-sequence K-1 - (i mod K) of the same microbatch:
+      // descending, since B(s,m,k) needs the dK/dV of B(s,m,k+1).
+      auto forward = [&](int i) {
+        ops.push_back(Instruction::compute(OpKind::Forward, r, i / k, i % k));
+      };
+      auto backward = [&](int i) {
+        ops.push_back(Instruction::compute(OpKind::Backward, r, i / k, k - 1 - i % k));
+      };
+      // Warm-up: the first backward is microbatch 0's last sub-sequence, K-1. The last rank
+      // must first run all K forwards of microbatch 0 (K-1 before its first 1F1B pair); rank r
+      // is p-1-r hops further from the loss, and covers the round trip with as many more
+      // forwards as 1F1B does: (p-r-1) + (K-1) = p-r+K-2 (fewer if there are fewer units).
+      int warmup = std::min(p - r + k - 2, total);
+      for (int i = 0; i < warmup; ++i)
+        forward(i);
+      // Steady state: one sub-sequence forward, one sub-sequence backward.
+      for (int i = warmup; i < total; ++i) {
+        forward(i);
+        backward(i - warmup);
+      }
+      // Cool-down: the backwards of the warm-up units.
+      for (int i = total - warmup; i < total; ++i)
+        backward(i);
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createSeq1F1BPolicy() {
+  return std::make_unique<Seq1F1BPolicy>();
+}
+
+} // namespace pipec

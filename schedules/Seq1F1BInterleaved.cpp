@@ -1,0 +1,159 @@
+//===- Seq1F1BInterleaved.cpp - Seq1F1B over interleaved 1F1B ---------------===//
+//
+// Sun et al., "Seq1F1B: Efficient Sequence-Level Pipeline Parallelism for Large Language Model
+// Training" (arXiv 2406.03488), its interleaved variant (Seq1F1B-I, the authors' Megatron
+// fork): Megatron-Core's interleaved 1F1B (see Interleaved1F1B.cpp) with the sub-sequence as
+// the unit. Microbatch u/K, slice u mod K is unit u; groups of G microbatches (G·K units,
+// --microbatch-group-size G, default ceil(P/K) so that a group has at least P units) run their
+// forwards through chunk 0, then chunk 1, ..., and the backwards mirror that, last chunk
+// first, with each microbatch's slices in descending order. Rank r warms up with
+// 2(P-r-1) + (V-1)·G·K + K-1 forwards. With equal-cost slices the bubble is at most
+// (P-1)/(V·K·m+P-1). With K = 1 this is exactly interleaved-1f1b's order.
+// Constraints: --vpp >= 2; G·K >= P (fewer units per group leave rank 0 waiting for its own
+// chunk-0 outputs); G <= m; the last group, m mod G microbatches, is empty or has at least
+// P units. G counts whole microbatches: a group that split a microbatch would need a
+// backward before the forward of the slice it depends on.
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace pipec {
+namespace {
+
+/// Group rule in microbatches: G·K >= P, G <= m, and the last group is empty or has >= P units.
+bool groupsFit(int m, int g, int k, int p) {
+  if (int64_t(g) * k < p || g > m)
+    return false;
+  return m % g == 0 || int64_t(m % g) * k >= p;
+}
+
+/// The valid value nearest to `from` (ties go up), searching [lo, hi]; -1 if there is none.
+template <typename Valid> int nearestValid(int from, int lo, int hi, Valid valid) {
+  for (int d = 0; from - d >= lo || from + d <= hi; ++d) {
+    if (from + d <= hi && from + d >= lo && valid(from + d))
+      return from + d;
+    if (from - d >= lo && from - d <= hi && valid(from - d))
+      return from - d;
+  }
+  return -1;
+}
+
+/// Smallest group that holds at least P units.
+int defaultGroupSize(int p, int k) { return (p + k - 1) / k; }
+
+class Seq1F1BInterleavedPolicy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "seq1f1b-interleaved"; }
+  llvm::StringRef summary() const override {
+    return "Seq1F1B-I (Sun et al. 2024): interleaved 1F1B over K sub-sequences per microbatch; "
+           "bubble (p-1)/(v·K·m+p-1)";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp >= 2; --microbatch-group-size G (microbatches, default ceil(pp/K)) with "
+           "G·K >= pp, G <= --microbatches, last group 0 or >= pp sub-sequences";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp < 2)
+      return inputError("seq1f1b-interleaved needs --vpp >= 2 (got {}); try --vpp 2, or "
+                        "--schedule seq1f1b for one chunk per rank",
+                        c.vpp);
+    int p = c.pp, m = c.microbatches, k = c.seqSplits, g = c.microbatchGroupSize;
+    int minG = defaultGroupSize(p, k);
+    if (g > 0 && int64_t(g) * k < p)
+      return inputError("seq1f1b-interleaved needs --microbatch-group-size x --seq-splits >= "
+                        "--pp (got {} x {}, pp {}); a smaller group leaves bubbles; try {}",
+                        g, k, p, minG);
+    if (m < minG)
+      return inputError("seq1f1b-interleaved needs --microbatches x --seq-splits >= --pp (got {} "
+                        "x {}, pp {}); try --microbatches {}",
+                        m, k, p, minG);
+    auto fitsM = [&](int x) { return groupsFit(m, x, k, p); };
+    if (g <= 0) {
+      if (groupsFit(m, minG, k, p))
+        return llvm::Error::success();
+      return inputError(
+          "seq1f1b-interleaved needs --microbatches to be a multiple of ceil(--pp/--seq-splits)"
+          "={} (got {}) or a --microbatch-group-size whose last group has at least --pp={} "
+          "sub-sequences; try {}, or --microbatch-group-size {}",
+          minG, m, p,
+          nearestValid(m, minG, 1 << 24, [&](int x) { return groupsFit(x, minG, k, p); }),
+          nearestValid(minG, minG, m, fitsM));
+    }
+    if (g > m)
+      return inputError("seq1f1b-interleaved needs --microbatch-group-size <= --microbatches "
+                        "(got {}, microbatches {}); try --microbatch-group-size {}",
+                        g, m, nearestValid(g, minG, m, fitsM));
+    if (!groupsFit(m, g, k, p))
+      return inputError(
+          "seq1f1b-interleaved needs --microbatches to be a multiple of "
+          "--microbatch-group-size={} or to leave a last group of at least --pp={} "
+          "sub-sequences (got {}, last group {} x {}); try {}, or --microbatch-group-size {}",
+          g, p, m, m % g, k,
+          nearestValid(m, g, 1 << 24, [&](int x) { return groupsFit(x, g, k, p); }),
+          nearestValid(g, minG, m, fitsM));
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    const int p = c.pp, v = c.vpp, m = c.microbatches, k = c.seqSplits;
+    const int g = c.microbatchGroupSize > 0 ? c.microbatchGroupSize : defaultGroupSize(p, k);
+    // The schedule table over units: entry i -> (unit, chunk). A group of g microbatches is
+    // g·K consecutive units; it runs chunk 0, then chunk 1, ...; the last group is what is left.
+    std::vector<std::pair<int, int>> table;
+    table.reserve(size_t(m) * size_t(k) * size_t(v));
+    for (int lo = 0; lo < m; lo += g) {
+      int hi = std::min(lo + g, m);
+      for (int chunk = 0; chunk < v; ++chunk)
+        for (int unit = lo * k; unit < hi * k; ++unit)
+          table.emplace_back(unit, chunk);
+    }
+    const int total = m * k * v;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(2 * total));
+      // Forward i: unit u = microbatch u/K, slice u mod K (ascending) on chunk c, stage c·P + r.
+      auto forward = [&](int i) {
+        auto [unit, chunk] = table[size_t(i)];
+        ops.push_back(Instruction::compute(OpKind::Forward, chunk * p + r, unit / k, unit % k));
+      };
+      // Backward i mirrors forward i: chunk V-1-c, and within the microbatch the slices run
+      // descending (slice K-1 - u mod K), since B(s,m,k) needs the dK/dV of B(s,m,k+1). The
+      // reflection stays inside the microbatch, hence inside the group.
+      auto backward = [&](int i) {
+        auto [unit, chunk] = table[size_t(i)];
+        ops.push_back(Instruction::compute(OpKind::Backward, (v - 1 - chunk) * p + r, unit / k,
+                                           k - 1 - unit % k));
+      };
+      // Warm-up: the last rank's first backward is microbatch 0, slice K-1 on chunk V-1, whose
+      // forward sits at table index (V-1)·g·K + K-1; rank r runs 2(P-r-1) more forwards while
+      // its first gradient travels down to the last rank and back (interleaved 1F1B's term).
+      int warmup = std::min(2 * (p - r - 1) + (v - 1) * g * k + k - 1, total);
+      for (int i = 0; i < warmup; ++i)
+        forward(i);
+      // Steady state: one forward unit, then one backward unit.
+      for (int i = warmup; i < total; ++i) {
+        forward(i);
+        backward(i - warmup);
+      }
+      // Cool-down: the backwards of the warm-up units.
+      for (int i = total - warmup; i < total; ++i)
+        backward(i);
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createSeq1F1BInterleavedPolicy() {
+  return std::make_unique<Seq1F1BInterleavedPolicy>();
+}
+
+} // namespace pipec

@@ -1,0 +1,85 @@
+//===- ZBH1.cpp - ZB-H1: 1F1B with the weight gradient delayed ------------===//
+//
+// Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024, arXiv 2401.10241), §2.1 and
+// Fig. 3 (top). The backward is split into I (gradient w.r.t. the input, on the critical
+// path) and W (gradient w.r.t. the weights, needed only by the optimizer). Forwards and I's
+// keep 1F1B's order (warm-up p-r-1); rank r runs the W of microbatch j only after the I of
+// microbatch j+r, and the last r W's fill its cool-down, where 1F1B waits for gradients.
+// Every rank then keeps p microbatches in flight: p-r whole (M_B each) and r waiting for
+// their W (M_W each), so rank r (worker i = r+1) peaks at (p-i+1)·M_B + (i-1)·M_W, never above
+// rank 0's p·M_B of 1F1B. Bubble with times F, B, W and no transfer time: (p-1)(F+B-W)
+// per rank against 1F1B's (p-1)(F+B+W), a third when F = B = W.
+// Constraints: --vpp 1, --seq-splits 1. Any --microbatches >= 1: with m < p the warm-up is cut
+// to m as in 1f1b, and W's that cannot be delayed by r run at the end.
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+
+namespace pipec {
+namespace {
+
+class ZBH1Policy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "zb-h1"; }
+  llvm::StringRef summary() const override {
+    return "ZB-H1 (Qi et al. 2024): 1F1B order with B split into I and W, rank r delays its "
+           "W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp 1, --seq-splits 1; any --microbatches";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp != 1)
+      return inputError("zb-h1 needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
+                        "--vpp 2",
+                        c.vpp);
+    if (c.seqSplits != 1)
+      return inputError("zb-h1 needs --seq-splits 1 (got {}); try --seq-splits 1, or "
+                        "--schedule seq1f1b",
+                        c.seqSplits);
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    int p = c.pp, m = c.microbatches;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(3 * m));
+      // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
+      // back, rank r can run the forwards of microbatches 1..p-r-1.
+      int warmup = std::min(p - r - 1, m);
+      int fwd = 0, bwd = 0, wgt = 0;
+      for (; fwd < warmup; ++fwd)
+        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
+      // Steady state and cool-down: one F (while any is left), one I, and then a W once r I's
+      // are outstanding, i.e. W(j) right after I(j+r). Why r: after rank r's last I, that
+      // gradient still has to cross ranks r-1..0 (r·B) before rank 0 is done, time in which
+      // 1F1B's rank r idles; the r W's held back fill it. Holding them back also keeps the
+      // I's of the later ranks (the critical path of every gradient) free of W's early on, and
+      // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
+      while (bwd < m) {
+        if (fwd < m)
+          ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
+        ops.push_back(Instruction::compute(OpKind::BackwardInput, r, bwd++, 0));
+        if (bwd - wgt > r)
+          ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+      }
+      // The r delayed W's (fewer when m <= r) close the stream.
+      while (wgt < m)
+        ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createZBH1Policy() { return std::make_unique<ZBH1Policy>(); }
+
+} // namespace pipec

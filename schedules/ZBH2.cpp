@@ -1,0 +1,83 @@
+//===- ZBH2.cpp - ZB-H2: zero bubble for 2p-1 microbatches of memory ------===//
+//
+// Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024, arXiv 2401.10241), §2.2 and
+// Fig. 3 (bottom). As ZB-H1, the backward is split into I (input gradient) and W (weight
+// gradient), but rank r also fills the bubble before its first I with extra forwards
+// (2(p-r)-1 of them before I(0), 1F1B has p-r) and runs its last 2r W's after its last I, which
+// turns the schedule into a parallelogram: with F = B = W and no transfer time, no rank idles
+// between its first and last op. Rank r (worker i = r+1) holds 2p-2i+1 whole microbatches and
+// 2i-2 waiting for their W: peak (2p-2i+1)·M_B + (2i-2)·M_W, (2p-1)·M_B on rank 0. With
+// transfer time c the bubble is (p-1)(F+B-2W+2c) per rank (the paper's accounting).
+// Constraints: --vpp 1, --seq-splits 1. Any --microbatches >= 1 compiles; the bubble is zero
+// (unit costs, no transfer time) once m >= 2p-1, when rank 0 can fill its warm-up.
+//
+//===----------------------------------------------------------------------===//
+#include "schedules/Policy.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+
+namespace pipec {
+namespace {
+
+class ZBH2Policy final : public SchedulePolicy {
+public:
+  llvm::StringRef name() const override { return "zb-h2"; }
+  llvm::StringRef summary() const override {
+    return "ZB-H2 (Qi et al. 2024): B split into I and W, 2(p-r-1) warm-up forwards and 2r "
+           "W's moved to the end; zero bubble when F = B = W, memory (2p-1)·M_B";
+  }
+  llvm::StringRef constraints() const override {
+    return "--vpp 1, --seq-splits 1; any --microbatches (zero bubble from 2p-1)";
+  }
+
+  llvm::Error check(const ParallelConfig &c) const override {
+    if (c.vpp != 1)
+      return inputError("zb-h2 needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
+                        "--vpp 2",
+                        c.vpp);
+    if (c.seqSplits != 1)
+      return inputError("zb-h2 needs --seq-splits 1 (got {}); try --seq-splits 1, or "
+                        "--schedule seq1f1b",
+                        c.seqSplits);
+    return llvm::Error::success();
+  }
+
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
+    const ParallelConfig &c = request.parallel;
+    int p = c.pp, m = c.microbatches;
+    order.assign(size_t(p), {});
+    for (int r = 0; r < p; ++r) {
+      auto &ops = order[size_t(r)];
+      ops.reserve(size_t(3 * m));
+      // Warm-up (unit times, no transfer time): rank r gets F(0) at time r; I(0) leaves the
+      // last rank at p+1 and reaches rank r at 2p-1-r. The 2(p-r)-1 slots in between take
+      // forwards: 2(p-r-1) here and the first steady-state F.
+      int warmup = std::min(2 * (p - r - 1), m);
+      int fwd = 0, bwd = 0, wgt = 0;
+      for (; fwd < warmup; ++fwd)
+        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
+      // Steady state: F (while any is left), I, and W once 2r I's are outstanding, i.e. W(j)
+      // right after I(j+2r). Why 2r: never idle from time r, rank r must end at r+3m; its
+      // last I ends r steps before rank 0's, which ends at 3m (rank 0 has no W to postpone).
+      // The 2r steps after it are W's.
+      while (bwd < m) {
+        if (fwd < m)
+          ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
+        ops.push_back(Instruction::compute(OpKind::BackwardInput, r, bwd++, 0));
+        if (bwd - wgt > 2 * r)
+          ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+      }
+      // Cool-down: the 2r delayed W's (fewer when m <= 2r).
+      while (wgt < m)
+        ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<SchedulePolicy> createZBH2Policy() { return std::make_unique<ZBH2Policy>(); }
+
+} // namespace pipec
