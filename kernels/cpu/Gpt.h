@@ -1,0 +1,155 @@
+//===- Gpt.h - CPU reference math of a small GPT, per pipeline stage -*- C++ -*-===//
+//
+// The fp32 reference the runtime executes and every other backend is tested against (llm.c's
+// train_gpt2.c is the model: plain loops, shapes in comments). A pipeline stage holds the layers
+// [layerBegin, layerEnd) of a GPT whose layers are numbered as the compiler numbers them:
+//   layer 0          embedding: token (wte) + position (wpe) lookup
+//   layers 1..L      transformer blocks: x += attn(ln1(x)); x += mlp(ln2(x))  (pre-LN, GELU)
+//   layer L+1        head: final layernorm, LM head (wte^T when tied, else its own matrix),
+//                    cross-entropy against the next tokens
+// Work is split as the plan splits it:
+//   - forward and backward_input of a (microbatch, slice) run in `parts`: one per tensor-parallel
+//     reduction point (embedding 1, block 2 — after attention and after the MLP — head 1), so
+//     that the runtime can all-reduce between parts exactly where the plan's tp all_reduce ops
+//     are; a part returns the buffer to sum over the tp group (empty where nothing needs it);
+//   - backward_input computes input gradients only and keeps what backward_weight needs;
+//     backward_weight accumulates the weight gradients;
+//   - sub-sequences (Seq1F1B): slice k of a microbatch attends to the K/V of slices 0..k; its
+//     backward adds dK/dV for the earlier slices into their accumulators, which their own
+//     backwards (run later, in descending slice order) consume.
+// Tensor parallelism follows Megatron-LM: attention heads and the MLP's first matrix are split by
+// columns, the attention projection and the MLP's second matrix by rows; embedding and head are
+// replicated (their tp parts reduce nothing). Every tp shard is cut from the same full
+// initialisation, so shards concatenate to the single-rank weights exactly.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CPU_GPT_H
+#define PIPEC_KERNELS_CPU_GPT_H
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace pipec::kernels {
+
+struct GptConfig {
+  int vocab = 64;
+  int seqLen = 16;      // T: tokens per sequence
+  int channels = 32;    // C
+  int heads = 4;        // H (divisible by tp)
+  int layers = 2;       // L transformer blocks
+  int ffn = 128;        // MLP hidden size (divisible by tp)
+  int microbatch = 2;   // B: sequences per microbatch
+  bool tiedEmbeddings = false;
+  int numLayers() const { return layers + 2; }  // embedding + blocks + head
+};
+
+enum class GptLayerKind { Embedding, Block, Head };
+GptLayerKind layerKind(const GptConfig &cfg, int layer);
+/// Tensor-parallel reduction points in one forward (and in one backward_input) of a layer.
+int layerParts(const GptConfig &cfg, int layer);
+
+/// Number of floats of a layer's parameters on one tp rank.
+size_t layerParamCount(const GptConfig &cfg, int layer, int tp);
+/// The full (tp = 1) initial parameters of a layer: deterministic in (seed, layer). Biases and
+/// layernorm shifts 0, layernorm scales 1, matrices N(0, 0.02) (GPT-2's init) from a
+/// counter-based generator so the values do not depend on the order of calls. With tied
+/// embeddings the head's matrix is initialised equal to the embedding's wte.
+std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed);
+/// The part of a full (tp = 1) layer tensor (parameters or gradients) that tp rank `tpRank`
+/// of `tp` holds. Replicated tensors are copied whole.
+std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int tp,
+                              std::span<const float> full);
+
+/// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
+/// backward_input saved for backward_weight. Owned by StageCompute.
+struct SliceWork;
+/// K/V of the slices of one microbatch run so far, per block, and the dK/dV that later slices'
+/// backwards accumulated for them.
+struct SequenceWork;
+
+/// The layers [layerBegin, layerEnd) of the model on one tensor-parallel rank.
+class StageCompute {
+public:
+  /// `slices`: the [begin, end) token ranges of the plan's sub-sequences (cover [0, seqLen)).
+  /// `lossScale`: every token's loss is multiplied by it (1 / tokens in the global batch, so
+  /// that summed gradients are those of the mean loss).
+  StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, int tpRank, int tp,
+               uint64_t seed, std::vector<std::pair<int, int>> slices, float lossScale);
+  ~StageCompute();
+  StageCompute(const StageCompute &) = delete;
+  StageCompute &operator=(const StageCompute &) = delete;
+
+  /// Reduction points of one forward (== of one backward_input) of the whole stage.
+  int parts() const;
+  bool hasEmbedding() const;
+  bool hasHead() const;
+
+  /// The batch of this step: tokens[mb] holds microbatch*(seqLen+1) ids (each sequence and its
+  /// next token), used by the embedding (inputs) and the head (targets).
+  void setBatch(std::vector<std::vector<int32_t>> tokens);
+
+  /// Forward part `part` of (mb, slice). Part 0 takes the input: the hidden state
+  /// (B, x, C) received from the previous stage (x = slice length), ignored on the first stage.
+  /// Returns the buffer the runtime must sum over the tp group before the next part (may be
+  /// empty); the sum is written back into it in place. The reduced sum is consumed (residual add
+  /// plus the row-parallel bias) at the start of the next part, or by output() after the last.
+  /// A forward that is never followed by a backward (evaluation) is allowed: its state is
+  /// dropped when the same (mb, slice) runs forward again (slice 0 also resets the K/V).
+  std::span<float> forward(int mb, int slice, int part, std::span<const float> input);
+  /// After the last part, once its buffer is reduced: the hidden state to send on (B, x, C);
+  /// empty on the last stage.
+  std::span<const float> output(int mb, int slice) const;
+  /// After the last part on the last stage: the (scaled) loss of the slice's tokens.
+  double loss(int mb, int slice) const;
+
+  /// backward_input part `part` of (mb, slice); parts run 0..parts()-1 (part 0 is the last
+  /// layer's last reduction point). Part 0 takes the output gradient (B, x, C) received from
+  /// the next stage (ignored on the last stage, where the loss starts the backward). Returns the
+  /// buffer to sum over the tp group, as forward().
+  std::span<float> backwardInput(int mb, int slice, int part, std::span<const float> gradOutput);
+  /// After the last part, once its buffer is reduced: the gradient of the stage input
+  /// (B, x, C); empty on the first stage.
+  std::span<const float> inputGrad(int mb, int slice) const;
+  /// backward_weight of (mb, slice): accumulates weight gradients, frees the slice's state.
+  void backwardWeight(int mb, int slice);
+
+  /// All parameters / gradients of the stage, layer after layer, as one flat array. One layer on
+  /// tp rank r of tp holds, in order (row-major; linear weights are [in, out], y = x W + b):
+  ///   embedding: wte [V, C], wpe [T, C]
+  ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, 3C/tp], qkv.b [3C/tp], attn.w [C/tp, C],
+  ///              attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, F/tp], fc.b [F/tp],
+  ///              proj.w [F/tp, C], proj.b [C]
+  ///   head:      lnf.w [C], lnf.b [C], lm.w [V, C] (logits = h lm.w^T)
+  /// qkv's columns are q | k | v, each holding the rank's heads [r H/tp, (r+1) H/tp); attn.w and
+  /// proj.w hold the matching rows; attn.b and proj.b are replicated and added once, after the
+  /// tp reduction, so every rank computes the same (full) gradient for them.
+  std::span<float> params();
+  std::span<float> grads();
+  /// The flat range of `layer`'s parameters within params() / grads().
+  std::pair<size_t, size_t> layerRange(int layer) const;
+  /// Flat range of the tied embedding matrix (wte on the first stage, the head's copy on the
+  /// last), for the embedding all-reduce; {0, 0} when the stage has none or embeddings are
+  /// untied, and also when the stage holds both copies: it then ties them itself, each copy's
+  /// gradient receiving both contributions (what the all-reduce gives across two stages).
+  std::pair<size_t, size_t> tiedEmbeddingRange() const;
+  void zeroGrads();
+  /// One Adam step on every parameter of the stage (bias-corrected; step counts from 1). Weight
+  /// decay is decoupled (AdamW, as llm.c) and applies to every parameter.
+  void adamStep(float lr, float beta1, float beta2, float eps, float weightDecay);
+  /// Bytes held by saved activations right now (for checks against the memory model): every
+  /// (mb, slice)'s saved state plus the microbatches' K/V (which grow slice by slice) and their
+  /// gradient accumulators (freed after slice 0's backward_input).
+  size_t savedBytes() const;
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl;
+};
+
+} // namespace pipec::kernels
+
+#endif // PIPEC_KERNELS_CPU_GPT_H

@@ -1,0 +1,330 @@
+//===- Ops.cpp - fp32 primitive ops of the CPU reference GPT -----------------===//
+//
+// Plain loop nests, ordered so that the innermost loop walks contiguous memory. No threads:
+// the runtime runs each rank as a thread of its own.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cpu/Ops.h"
+
+#include <cassert>
+#include <cmath>
+
+namespace pipec::kernels::ops {
+
+void matmulForward(float *__restrict__ out, const float *__restrict__ in,
+                   const float *__restrict__ w, const float *__restrict__ bias, int n, int i,
+                   int o) {
+  for (int r = 0; r < n; ++r) {
+    float *__restrict__ outRow = out + size_t(r) * o;
+    for (int c = 0; c < o; ++c)
+      outRow[c] = bias ? bias[c] : 0.0f;
+    const float *inRow = in + size_t(r) * i;
+    for (int k = 0; k < i; ++k) {
+      float a = inRow[k];
+      const float *__restrict__ wRow = w + size_t(k) * o;
+      for (int c = 0; c < o; ++c)
+        outRow[c] += a * wRow[c];
+    }
+  }
+}
+
+void matmulBackwardInput(float *__restrict__ dIn, const float *__restrict__ dOut,
+                         const float *__restrict__ w, int n, int i, int o) {
+  for (int r = 0; r < n; ++r) {
+    const float *dOutRow = dOut + size_t(r) * o;
+    for (int k = 0; k < i; ++k) {
+      const float *wRow = w + size_t(k) * o;
+      float sum = 0.0f;
+      for (int c = 0; c < o; ++c)
+        sum += dOutRow[c] * wRow[c];
+      dIn[size_t(r) * i + k] = sum;
+    }
+  }
+}
+
+void matmulBackwardWeight(float *__restrict__ dW, float *__restrict__ dBias,
+                          const float *__restrict__ in, const float *__restrict__ dOut, int n,
+                          int i, int o) {
+  for (int r = 0; r < n; ++r) {
+    const float *dOutRow = dOut + size_t(r) * o;
+    const float *inRow = in + size_t(r) * i;
+    for (int k = 0; k < i; ++k) {
+      float a = inRow[k];
+      float *__restrict__ dWRow = dW + size_t(k) * o;
+      for (int c = 0; c < o; ++c)
+        dWRow[c] += a * dOutRow[c];
+    }
+    if (dBias)
+      for (int c = 0; c < o; ++c)
+        dBias[c] += dOutRow[c];
+  }
+}
+
+void matmulTForward(float *__restrict__ out, const float *__restrict__ in,
+                    const float *__restrict__ w, int n, int i, int o) {
+  for (int r = 0; r < n; ++r) {
+    const float *inRow = in + size_t(r) * i;
+    for (int c = 0; c < o; ++c) {
+      const float *wRow = w + size_t(c) * i;
+      float sum = 0.0f;
+      for (int k = 0; k < i; ++k)
+        sum += inRow[k] * wRow[k];
+      out[size_t(r) * o + c] = sum;
+    }
+  }
+}
+
+void matmulTBackwardInput(float *__restrict__ dIn, const float *__restrict__ dOut,
+                          const float *__restrict__ w, int n, int i, int o) {
+  for (int r = 0; r < n; ++r) {
+    float *__restrict__ dInRow = dIn + size_t(r) * i;
+    for (int k = 0; k < i; ++k)
+      dInRow[k] = 0.0f;
+    for (int c = 0; c < o; ++c) {
+      float g = dOut[size_t(r) * o + c];
+      const float *__restrict__ wRow = w + size_t(c) * i;
+      for (int k = 0; k < i; ++k)
+        dInRow[k] += g * wRow[k];
+    }
+  }
+}
+
+void matmulTBackwardWeight(float *__restrict__ dW, const float *__restrict__ in,
+                           const float *__restrict__ dOut, int n, int i, int o) {
+  for (int r = 0; r < n; ++r) {
+    const float *inRow = in + size_t(r) * i;
+    for (int c = 0; c < o; ++c) {
+      float g = dOut[size_t(r) * o + c];
+      float *__restrict__ dWRow = dW + size_t(c) * i;
+      for (int k = 0; k < i; ++k)
+        dWRow[k] += g * inRow[k];
+    }
+  }
+}
+
+static constexpr float kLayernormEps = 1e-5f;
+
+void layernormForward(float *__restrict__ out, float *__restrict__ mean, float *__restrict__ rstd,
+                      const float *__restrict__ in, const float *__restrict__ w,
+                      const float *__restrict__ b, int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    const float *x = in + size_t(r) * c;
+    float m = 0.0f;
+    for (int k = 0; k < c; ++k)
+      m += x[k];
+    m /= c;
+    float var = 0.0f;
+    for (int k = 0; k < c; ++k)
+      var += (x[k] - m) * (x[k] - m);
+    var /= c;
+    float s = 1.0f / std::sqrt(var + kLayernormEps);
+    float *y = out + size_t(r) * c;
+    for (int k = 0; k < c; ++k)
+      y[k] = (x[k] - m) * s * w[k] + b[k];
+    mean[r] = m;
+    rstd[r] = s;
+  }
+}
+
+void layernormBackwardInputAccumulate(float *__restrict__ dIn, const float *__restrict__ dOut,
+                                      const float *__restrict__ in, const float *__restrict__ mean,
+                                      const float *__restrict__ rstd, const float *__restrict__ w,
+                                      int n, int c) {
+  for (int r = 0; r < n; ++r) {
+    const float *x = in + size_t(r) * c;
+    const float *dy = dOut + size_t(r) * c;
+    float m = mean[r], s = rstd[r];
+    // dx = rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)), dnorm = dy * w.
+    float dnormMean = 0.0f, dnormXhatMean = 0.0f;
+    for (int k = 0; k < c; ++k) {
+      float xhat = (x[k] - m) * s;
+      float dnorm = dy[k] * w[k];
+      dnormMean += dnorm;
+      dnormXhatMean += dnorm * xhat;
+    }
+    dnormMean /= c;
+    dnormXhatMean /= c;
+    float *dx = dIn + size_t(r) * c;
+    for (int k = 0; k < c; ++k) {
+      float xhat = (x[k] - m) * s;
+      float dnorm = dy[k] * w[k];
+      dx[k] += s * (dnorm - dnormMean - xhat * dnormXhatMean);
+    }
+  }
+}
+
+void layernormBackwardWeight(float *__restrict__ dW, float *__restrict__ dB,
+                             const float *__restrict__ dOut, const float *__restrict__ in,
+                             const float *__restrict__ mean, const float *__restrict__ rstd, int n,
+                             int c) {
+  for (int r = 0; r < n; ++r) {
+    const float *x = in + size_t(r) * c;
+    const float *dy = dOut + size_t(r) * c;
+    for (int k = 0; k < c; ++k) {
+      float xhat = (x[k] - mean[r]) * rstd[r];
+      dW[k] += dy[k] * xhat;
+      dB[k] += dy[k];
+    }
+  }
+}
+
+static constexpr float kGeluScale = 0.7978845608028654f; // sqrt(2 / pi)
+
+void geluForward(float *__restrict__ out, const float *__restrict__ in, size_t n) {
+  for (size_t k = 0; k < n; ++k) {
+    float x = in[k];
+    out[k] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+  }
+}
+
+void geluBackward(float *__restrict__ dIn, const float *__restrict__ dOut,
+                  const float *__restrict__ in, size_t n) {
+  for (size_t k = 0; k < n; ++k) {
+    float x = in[k];
+    float u = kGeluScale * (x + 0.044715f * x * x * x);
+    float th = std::tanh(u);
+    float sech2 = 1.0f - th * th;
+    float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    dIn[k] = (0.5f * (1.0f + th) + 0.5f * x * sech2 * du) * dOut[k];
+  }
+}
+
+void attentionForward(float *__restrict__ out, float *__restrict__ probs,
+                      const float *__restrict__ q, const float *__restrict__ k,
+                      const float *__restrict__ v, const AttentionShape &s) {
+  const int width = s.width(), keys = s.keys(), hd = s.headDim;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int b = 0; b < s.batch; ++b) {
+    for (int h = 0; h < s.heads; ++h) {
+      for (int t = 0; t < s.queries; ++t) {
+        const int pos = s.begin + t; // keys [0, pos] are visible (causal)
+        const float *qRow = q + (size_t(b) * s.queries + t) * width + h * hd;
+        float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
+        float maxScore = -INFINITY;
+        for (int j = 0; j <= pos; ++j) {
+          const float *kRow = k + (size_t(j) * s.batch + b) * width + h * hd;
+          float dot = 0.0f;
+          for (int d = 0; d < hd; ++d)
+            dot += qRow[d] * kRow[d];
+          p[j] = dot * scale;
+          maxScore = std::fmax(maxScore, p[j]);
+        }
+        float sum = 0.0f;
+        for (int j = 0; j <= pos; ++j) {
+          p[j] = std::exp(p[j] - maxScore);
+          sum += p[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j <= pos; ++j)
+          p[j] *= inv;
+        for (int j = pos + 1; j < keys; ++j)
+          p[j] = 0.0f;
+        float *o = out + (size_t(b) * s.queries + t) * width + h * hd;
+        for (int d = 0; d < hd; ++d)
+          o[d] = 0.0f;
+        for (int j = 0; j <= pos; ++j) {
+          const float *vRow = v + (size_t(j) * s.batch + b) * width + h * hd;
+          for (int d = 0; d < hd; ++d)
+            o[d] += p[j] * vRow[d];
+        }
+      }
+    }
+  }
+}
+
+void attentionBackward(float *__restrict__ dq, float *__restrict__ dk, float *__restrict__ dv,
+                       const float *__restrict__ dOut, const float *__restrict__ probs,
+                       const float *__restrict__ q, const float *__restrict__ k,
+                       const float *__restrict__ v, const AttentionShape &s) {
+  const int width = s.width(), keys = s.keys(), hd = s.headDim;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int b = 0; b < s.batch; ++b) {
+    for (int h = 0; h < s.heads; ++h) {
+      for (int t = 0; t < s.queries; ++t) {
+        const int pos = s.begin + t;
+        const size_t row = (size_t(b) * s.queries + t) * width + h * hd;
+        const float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
+        const float *dO = dOut + row;
+        // dP_j = dO . v_j; dv_j += p_j dO; softmax backward dS_j = p_j (dP_j - sum_i p_i dP_i).
+        float pdp = 0.0f;
+        for (int j = 0; j <= pos; ++j) {
+          const size_t kv = (size_t(j) * s.batch + b) * width + h * hd;
+          float dp = 0.0f;
+          for (int d = 0; d < hd; ++d) {
+            dp += dO[d] * v[kv + d];
+            dv[kv + d] += p[j] * dO[d];
+          }
+          pdp += p[j] * dp;
+        }
+        float *dqRow = dq + row;
+        const float *qRow = q + row;
+        for (int d = 0; d < hd; ++d)
+          dqRow[d] = 0.0f;
+        for (int j = 0; j <= pos; ++j) {
+          const size_t kv = (size_t(j) * s.batch + b) * width + h * hd;
+          float dp = 0.0f;
+          for (int d = 0; d < hd; ++d)
+            dp += dO[d] * v[kv + d];
+          const float dsScaled = p[j] * (dp - pdp) * scale;
+          for (int d = 0; d < hd; ++d) {
+            dqRow[d] += dsScaled * k[kv + d];
+            dk[kv + d] += dsScaled * qRow[d];
+          }
+        }
+      }
+    }
+  }
+}
+
+double crossEntropyForward(float *__restrict__ probs, const float *__restrict__ logits,
+                           const int32_t *__restrict__ targets, int n, int v, float scale) {
+  double loss = 0.0;
+  for (int r = 0; r < n; ++r) {
+    const float *l = logits + size_t(r) * v;
+    float *p = probs + size_t(r) * v;
+    float maxLogit = -INFINITY;
+    for (int c = 0; c < v; ++c)
+      maxLogit = std::fmax(maxLogit, l[c]);
+    double sum = 0.0;
+    for (int c = 0; c < v; ++c) {
+      p[c] = std::exp(l[c] - maxLogit);
+      sum += p[c];
+    }
+    const float inv = float(1.0 / sum);
+    for (int c = 0; c < v; ++c)
+      p[c] *= inv;
+    int32_t target = targets[r];
+    assert(target >= 0 && target < v && "target token out of the vocabulary");
+    // -log softmax = logsumexp - logit, in double so tiny probabilities keep their digits.
+    loss += (std::log(sum) + maxLogit - l[target]) * double(scale);
+  }
+  return loss;
+}
+
+void crossEntropyBackward(float *__restrict__ dLogits, const float *__restrict__ probs,
+                          const int32_t *__restrict__ targets, int n, int v, float scale) {
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < v; ++c) {
+      float onehot = c == targets[r] ? 1.0f : 0.0f;
+      dLogits[size_t(r) * v + c] = (probs[size_t(r) * v + c] - onehot) * scale;
+    }
+  }
+}
+
+void adamUpdate(float *__restrict__ params, const float *__restrict__ grads, float *__restrict__ m,
+                float *__restrict__ v, size_t n, float lr, float beta1, float beta2, float eps,
+                float weightDecay, int step) {
+  assert(step >= 1 && "adam steps count from 1");
+  const float mCorrection = 1.0f - std::pow(beta1, float(step));
+  const float vCorrection = 1.0f - std::pow(beta2, float(step));
+  for (size_t k = 0; k < n; ++k) {
+    float g = grads[k];
+    m[k] = beta1 * m[k] + (1.0f - beta1) * g;
+    v[k] = beta2 * v[k] + (1.0f - beta2) * g * g;
+    float mHat = m[k] / mCorrection;
+    float vHat = v[k] / vCorrection;
+    params[k] -= lr * (mHat / (std::sqrt(vHat) + eps) + weightDecay * params[k]);
+  }
+}
+
+} // namespace pipec::kernels::ops
