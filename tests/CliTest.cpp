@@ -42,12 +42,15 @@ struct Result {
   std::string out, err;
 };
 
-Result pipec(const std::string &args) {
+Result run(const std::string &tool, const std::string &args) {
   std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
-  std::string cmd = "tools/pipec " + args + " >" + out + " 2>" + err;
+  std::string cmd = tool + " " + args + " >" + out + " 2>" + err;
   int status = std::system(cmd.c_str());
   return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
 }
+
+Result pipec(const std::string &args) { return run("tools/pipec", args); }
+Result piperun(const std::string &args) { return run("tools/piperun", args); }
 
 const char *kModel = "examples/uniform-8.json";
 
@@ -130,7 +133,10 @@ TEST(CliTest, MoreStagesThanLayersIsExitTwo) {
 TEST(CliTest, UnknownScheduleIsExitTwoAndSuggestsTheNearest) {
   expectBadInput(std::string("compile --model ") + kModel +
                      " --schedule 1f1c --pp 4 --microbatches 8",
-                 "--schedule: unknown schedule '1f1c' (known: gpipe, 1f1b); try 1f1b");
+                 "--schedule: unknown schedule '1f1c' (known: gpipe, 1f1b, ");
+  Result r = pipec(std::string("compile --model ") + kModel +
+                   " --schedule 1f1c --pp 4 --microbatches 8");
+  EXPECT_NE(r.err.find("); try 1f1b\n"), std::string::npos) << r.err;
 }
 
 TEST(CliTest, NegativeMicrobatchesIsExitTwo) {
@@ -149,6 +155,13 @@ TEST(CliTest, UnknownFlagSuggestsTheNearest) {
   expectBadInput(std::string("compile --model ") + kModel +
                      " --schedule 1f1b --pp 4 --microbatch 8",
                  "unknown flag --microbatch; did you mean --microbatches?");
+}
+
+TEST(CliTest, ZbAutoWithoutAMemoryLimitIsExitTwoWithASuggestion) {
+  expectBadInput(std::string("compile --model ") + kModel +
+                     " --schedule zb-auto --pp 4 --microbatches 8",
+                 "zb-auto needs --memory-limit (bytes per rank of activations); try "
+                 "--memory-limit ");
 }
 
 TEST(CliTest, ScheduleConstraintNamesTheFlagAndTheFix) {
@@ -245,6 +258,63 @@ TEST(CliTest, MemoryLimitBelowThePeakIsAFinding) {
                        "4.00 MiB"),
             std::string::npos)
       << r.err;
+}
+
+std::string tinyPlan(const std::string &name, const std::string &flags) {
+  std::string plan = tmpDir() + "/" + name + ".json";
+  Result r = pipec("compile --model examples/tiny-gpt.json " + flags + " --quiet -o " + plan);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return plan;
+}
+
+TEST(PiperunTest, RunsStepsAndPrintsTheirLoss) {
+  std::string plan = tinyPlan("run", "--schedule 1f1b --pp 2 --microbatches 4");
+  Result r = piperun(plan + " --backend cpu --steps 3 --seed 5");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("step 0 loss "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step 2 loss "), std::string::npos) << r.out;
+}
+
+TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
+  std::string plan = tinyPlan("ref", "--schedule zb-h1 --pp 2 --microbatches 4 --tp 2 --dp 2");
+  Result r = piperun(plan + " --backend cpu --steps 2 --check-reference");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("max_abs_grad_diff="), std::string::npos) << r.out;
+}
+
+TEST(PiperunTest, RefusesAPlanThatFailsVerification) {
+  std::string plan = tinyPlan("bad", "--schedule gpipe --pp 2 --microbatches 2");
+  auto j = nlohmann::json::parse(slurp(plan));
+  auto &ins = j["ranks"][1]["instructions"];
+  ins.erase(ins.begin());  // rank 1 loses its first recv
+  spit(plan, j.dump());
+  Result r = piperun(plan + " --backend cpu");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("refusing to run a plan that fails verification"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("<-- here"), std::string::npos) << r.err;
+}
+
+TEST(PiperunTest, GpuBackendsSayTheyAreNotAvailableInOneLine) {
+  std::string plan = tinyPlan("gpu", "--schedule 1f1b --pp 2 --microbatches 2");
+  for (const char *b : {"cuda", "nccl"}) {
+    Result r = piperun(plan + " --backend " + b);
+    EXPECT_EQ(r.code, 2);
+    EXPECT_EQ(lines(r.err), 1u) << r.err;
+    EXPECT_NE(r.err.find(std::string("--backend ") + b), std::string::npos) << r.err;
+  }
+}
+
+TEST(PiperunTest, AnAbstractModelOrAMissingDataFileIsExitTwo) {
+  std::string abstract = tmpDir() + "/abstract.json";
+  ASSERT_EQ(pipec(compileArgs("-o " + abstract)).code, 0);
+  Result r = piperun(abstract + " --backend cpu");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("abstract layer list"), std::string::npos) << r.err;
+  std::string plan = tinyPlan("data", "--schedule 1f1b --pp 2 --microbatches 2");
+  Result d = piperun(plan + " --backend cpu --data /no/such/tokens.bin");
+  EXPECT_EQ(d.code, 2);
+  EXPECT_NE(d.err.find("--data: /no/such/tokens.bin: cannot read"), std::string::npos) << d.err;
 }
 
 } // namespace

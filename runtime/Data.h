@@ -1,0 +1,44 @@
+//===- Data.h - Training data for the CPU runtime ---------------*- C++ -*-===//
+//
+// Sequence i of a step is a pure function of (source, seed, i), so every schedule, every
+// replica and the single-rank reference see the same tokens.
+//  - synthetic: a learnable stream: a random first token, then next = (5·t + 3) mod vocab;
+//  - token file: a flat binary of token ids as llm.c and Megatron's tools write them: llm.c's
+//    .bin (a 256 x int32 header with magic 20240520; version 1 = uint16, 2 = uint32), or raw
+//    uint16 / uint32 ids; sequences are windows at seeded offsets.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_DATA_H
+#define PIPEC_RUNTIME_DATA_H
+
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace pipec {
+
+class DataSource {
+public:
+  virtual ~DataSource() = default;
+  /// Fill `out` (seqLen + 1 ids) with sequence `index`.
+  virtual void sequence(uint64_t index, std::span<int32_t> out) const = 0;
+};
+
+std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
+/// `dtype` is "uint16" or "uint32" for raw files (llm.c headers say it themselves). Every id
+/// must be below `vocab`; the error names the file and the first offending position.
+llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
+                                                          llvm::StringRef dtype, int vocab,
+                                                          int seqLen, uint64_t seed);
+
+/// The `batch` sequences of microbatch `index` (global), each seqLen + 1 ids, back to back.
+std::vector<int32_t> microbatchTokens(const DataSource &data, uint64_t index, int batch,
+                                      int seqLen);
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_DATA_H

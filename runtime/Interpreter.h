@@ -1,0 +1,58 @@
+//===- Interpreter.h - Walks one rank's instruction stream ------*- C++ -*-===//
+//
+// The one interpreter every backend shares: compute ops go to the backend, consecutive send/recv
+// ops with one group are posted together, all-reduces go to their group (tp: the tp ranks of
+// this pipeline rank and replica; dp: the dp replicas; embedding: the first and last stage's
+// ranks), the optimizer step to the backend. Progress is published for the watchdog.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_INTERPRETER_H
+#define PIPEC_RUNTIME_INTERPRETER_H
+
+#include "ir/Plan.h"
+#include "runtime/Backend.h"
+#include "runtime/Transport.h"
+
+#include <atomic>
+#include <optional>
+#include <vector>
+
+namespace pipec {
+
+/// Where a thread sits: pipeline rank, dp replica, tp rank.
+struct Coord {
+  int pp = 0, dp = 0, tp = 0;
+};
+
+/// Deliberate faults, for tests that prove a broken exchange is caught.
+struct Faults {
+  /// The send at this (pipeline rank, step) is never delivered (on every replica).
+  std::optional<std::pair<int, size_t>> dropSend;
+  /// Rank `first` sends the tensors of its steps `second.first` and `second.second` swapped.
+  std::optional<std::pair<int, std::pair<size_t, size_t>>> swapSends;
+};
+
+/// State shared by the threads of one run.
+struct RunShared {
+  const Plan &plan;
+  InProcessTransport transport;
+  Faults faults;
+  /// Per thread: index of the instruction it is executing (== done before it).
+  std::vector<std::atomic<size_t>> position;
+  std::atomic<uint64_t> progress{0};
+
+  RunShared(const Plan &plan, Faults faults);
+  int numThreads() const { return int(position.size()); }
+  /// Megatron's tp-dp-pp order.
+  int threadOf(const Coord &c) const {
+    return (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp;
+  }
+  Coord coordOf(int thread) const;
+};
+
+/// Execute rank `c.pp`'s stream once (one training step) on `backend`.
+llvm::Error interpretStep(RunShared &shared, const Coord &c, Backend &backend);
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_INTERPRETER_H

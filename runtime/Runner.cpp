@@ -1,0 +1,118 @@
+#include "runtime/Runner.h"
+
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+namespace pipec {
+
+Runner::Runner(const Plan &plan, Faults faults, double timeoutSeconds,
+               std::vector<std::unique_ptr<Backend>> backends)
+    : shared(plan, std::move(faults)), timeout(timeoutSeconds), backends(std::move(backends)) {
+  assert(int(this->backends.size()) == shared.numThreads() && "one backend per thread");
+}
+
+std::string Runner::stallReport(double seconds, int step) const {
+  const Plan &plan = shared.plan;
+  std::string lines;
+  std::vector<GridMark> marks;
+  for (int r = 0; r < plan.numRanks(); ++r) {
+    // The replica furthest behind speaks for its pipeline rank.
+    size_t pos = SIZE_MAX;
+    for (int t = 0; t < shared.numThreads(); ++t)
+      if (shared.coordOf(t).pp == r)
+        pos = std::min(pos, shared.position[size_t(t)].load());
+    const auto &stream = plan.ranks[size_t(r)];
+    std::string last = pos == 0 ? std::string("none")
+                                : fmt::format("step {} ({})", pos - 1,
+                                              formatToken(plan, stream[pos - 1]));
+    std::string pending = pos >= stream.size()
+                              ? std::string("none (finished)")
+                              : fmt::format("step {} ({})", pos, formatToken(plan, stream[pos]));
+    // A group is posted (and waits) as a whole: name every op in it.
+    if (pos < stream.size() && stream[pos].isP2P() && stream[pos].group != kNoGroup) {
+      size_t end = pos + 1;
+      while (end < stream.size() && stream[end].isP2P() && stream[end].group == stream[pos].group)
+        ++end;
+      if (end - pos > 1) {
+        std::string toks;
+        for (size_t k = pos; k < end; ++k)
+          toks += (toks.empty() ? "" : " ") + formatToken(plan, stream[k]);
+        pending = fmt::format("group of steps {}-{} ({})", pos, end - 1, toks);
+      }
+    }
+    lines += fmt::format("\n  rank {}: last completed {}, pending {}", r, last, pending);
+    if (pos < stream.size())
+      marks.push_back(GridMark{r, pos});
+  }
+  return fmt::format("watchdog: no rank made progress for {:.1f} s in step {}{}\n{}", seconds,
+                     step, lines, formatGrid(plan, marks));
+}
+
+llvm::Error Runner::step(int index) {
+  int n = shared.numThreads();
+  for (auto &p : shared.position)
+    p.store(0);
+  std::mutex mu;
+  std::string firstError;
+  bool firstIsInput = false;
+  std::atomic<int> finished{0};
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(n));
+  for (int t = 0; t < n; ++t) {
+    threads.emplace_back([&, t] {
+      Coord c = shared.coordOf(t);
+      llvm::Error err = backends[size_t(t)]->beginStep(index);
+      if (!err)
+        err = interpretStep(shared, c, *backends[size_t(t)]);
+      if (err) {
+        bool input = err.isA<InputError>();
+        std::string msg = takeMessage(std::move(err));
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          if (firstError.empty()) {
+            firstError = msg;
+            firstIsInput = input;
+          }
+        }
+        shared.transport.abort(msg);
+      }
+      finished.fetch_add(1);
+    });
+  }
+  // Watchdog: the main thread watches the progress counter.
+  using Clock = std::chrono::steady_clock;
+  uint64_t seen = shared.progress.load();
+  auto lastChange = Clock::now();
+  while (finished.load() < n) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    uint64_t now = shared.progress.load();
+    if (now != seen) {
+      seen = now;
+      lastChange = Clock::now();
+      continue;
+    }
+    double idle = std::chrono::duration<double>(Clock::now() - lastChange).count();
+    if (idle >= timeout && !shared.transport.aborted()) {
+      std::string report = stallReport(idle, index);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (firstError.empty())
+          firstError = report;
+      }
+      shared.transport.abort(report);
+    }
+  }
+  for (auto &th : threads)
+    th.join();
+  if (firstError.empty())
+    return llvm::Error::success();
+  if (firstIsInput)
+    return llvm::make_error<InputError>(firstError);
+  return llvm::make_error<Finding>(firstError);
+}
+
+} // namespace pipec

@@ -1,0 +1,149 @@
+#include "runtime/Transport.h"
+
+#include "ir/Error.h"
+
+#include <algorithm>
+#include <thread>
+
+namespace pipec {
+
+std::string describe(const TensorId &t) {
+  return fmt::format("{}({},{},{})", toString(t.kind).str(), t.stage, t.mb, t.slice);
+}
+
+InProcessTransport::InProcessTransport(int numThreads,
+                                       std::function<std::string(int, size_t)> where)
+    : numThreads(numThreads), where(std::move(where)),
+      channels(size_t(numThreads) * size_t(numThreads)) {}
+
+void InProcessTransport::matchLocked(Channel &c) {
+  while (c.sendHead < c.sends.size() && c.recvHead < c.recvs.size()) {
+    Posted *s = c.sends[c.sendHead++];
+    Posted *r = c.recvs[c.recvHead++];
+    if (!(s->op.id == r->op.id) || s->op.data.size() != r->op.data.size()) {
+      failure = fmt::format("message mismatch: {} expects {} ({} floats) but the matching send, "
+                            "{}, carries {} ({} floats); sends and recvs of a rank pair match in "
+                            "order, so these tensors would have been swapped",
+                            where(r->op.rank, r->op.step), describe(r->op.id),
+                            r->op.data.size(), where(s->op.rank, s->op.step),
+                            describe(s->op.id), s->op.data.size());
+      failed = true;
+      cv.notify_all();
+      return;
+    }
+    std::copy(s->op.data.begin(), s->op.data.end(), r->op.data.begin());
+    s->done.store(true, std::memory_order_release);
+    r->done.store(true, std::memory_order_release);
+  }
+  if (c.sendHead == c.sends.size()) {
+    c.sends.clear();
+    c.sendHead = 0;
+  }
+  if (c.recvHead == c.recvs.size()) {
+    c.recvs.clear();
+    c.recvHead = 0;
+  }
+}
+
+llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
+  // Groups are small: keep their bookkeeping off the heap.
+  Posted local[8];
+  std::unique_ptr<Posted[]> heap;
+  Posted *posted = local;
+  if (ops.size() > 8) {
+    heap = std::make_unique<Posted[]>(ops.size());
+    posted = heap.get();
+  }
+  std::span<Posted> all(posted, ops.size());
+  std::unique_lock<std::mutex> lock(mu);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    posted[i].op = ops[i];
+    posted[i].owner = self;
+    if (ops[i].send && ops[i].drop) {
+      posted[i].done.store(true);  // "sent", but nobody will ever see it
+      continue;
+    }
+    int src = ops[i].send ? self : ops[i].peer, dst = ops[i].send ? ops[i].peer : self;
+    Channel &c = channels[size_t(src) * size_t(numThreads) + size_t(dst)];
+    (ops[i].send ? c.sends : c.recvs).push_back(&posted[i]);
+    matchLocked(c);
+  }
+  cv.notify_all();
+  auto allDone = [&] {
+    return std::all_of(all.begin(), all.end(),
+                       [](const Posted &p) { return p.done.load(std::memory_order_acquire); });
+  };
+  // The partner is usually a few microseconds away: spin briefly before sleeping.
+  lock.unlock();
+  for (int spin = 0; spin < 4000 && !allDone() && !failed.load(); ++spin)
+    std::this_thread::yield();
+  lock.lock();
+  cv.wait(lock, [&] { return !failure.empty() || allDone(); });
+  if (!failure.empty()) {
+    // Take our ops out of the channels so nobody matches a dead stack frame.
+    for (Channel &c : channels) {
+      auto mine = [&](Posted *p) { return p->owner == self; };
+      c.sends.erase(std::remove_if(c.sends.begin() + long(std::min(c.sendHead, c.sends.size())),
+                                   c.sends.end(), mine),
+                    c.sends.end());
+      c.recvs.erase(std::remove_if(c.recvs.begin() + long(std::min(c.recvHead, c.recvs.size())),
+                                   c.recvs.end(), mine),
+                    c.recvs.end());
+    }
+    return llvm::make_error<Finding>(failure);
+  }
+  return llvm::Error::success();
+}
+
+llvm::Error InProcessTransport::allReduce(const std::string &key, llvm::ArrayRef<int> members,
+                                          int self, std::span<float> data) {
+  auto it = std::find(members.begin(), members.end(), self);
+  assert(it != members.end() && "all-reduce by a non-member");
+  size_t index = size_t(it - members.begin());
+  std::unique_lock<std::mutex> lock(mu);
+  Rendezvous &rv = rendezvous[key];
+  if (rv.buffers.size() != members.size())
+    rv.buffers.assign(members.size(), {});
+  uint64_t generation = rv.generation;
+  rv.buffers[index] = data;
+  if (++rv.arrived == members.size()) {
+    for (const auto &b : rv.buffers)
+      if (b.size() != data.size()) {
+        failure = fmt::format("all-reduce {}: members pass {} and {} floats", key, b.size(),
+                              data.size());
+        failed = true;
+        cv.notify_all();
+        return llvm::make_error<Finding>(failure);
+      }
+    // Sum in member order into a scratch, then hand the same bits to everyone.
+    std::vector<float> sum(data.size(), 0.0f);
+    for (const auto &b : rv.buffers)
+      for (size_t i = 0; i < sum.size(); ++i)
+        sum[i] += b[i];
+    for (auto &b : rv.buffers)
+      std::copy(sum.begin(), sum.end(), b.begin());
+    rv.arrived = 0;
+    ++rv.generation;
+    cv.notify_all();
+    return llvm::Error::success();
+  }
+  cv.wait(lock, [&] { return !failure.empty() || rv.generation != generation; });
+  if (rv.generation == generation)
+    return llvm::make_error<Finding>(failure);
+  return llvm::Error::success();
+}
+
+void InProcessTransport::abort(const std::string &why) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (failure.empty())
+    failure = why;
+  failed = true;
+  cv.notify_all();
+}
+
+bool InProcessTransport::aborted() const {
+  std::lock_guard<std::mutex> lock(mu);
+  return !failure.empty();
+}
+
+} // namespace pipec

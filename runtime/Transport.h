@@ -1,0 +1,96 @@
+//===- Transport.h - In-process transport with NCCL's rules -----*- C++ -*-===//
+//
+// Ranks are threads of one process. Point-to-point ops obey the rules the verifier assumes
+// (DESIGN §6): sends and recvs of an ordered pair of threads match in FIFO order; a thread posts
+// a group of ops at once and blocks until every op in it has met its partner (a send is a
+// rendezvous, never buffered, as NCCL's can be). A matched pair whose tensors differ (identity or
+// size) is an error naming both instructions, never a silent swap. Collectives are rendezvous
+// sums over a fixed member list, added in member order so every member gets the same bits.
+// abort() wakes every waiter with an error (the watchdog uses it).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_TRANSPORT_H
+#define PIPEC_RUNTIME_TRANSPORT_H
+
+#include "ir/Instruction.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/Support/Error.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace pipec {
+
+/// What a p2p message carries, named by its producer (DESIGN §5).
+struct TensorId {
+  TensorKind kind = TensorKind::Activation;
+  int stage = 0, mb = 0, slice = 0;
+  bool operator==(const TensorId &o) const = default;
+};
+std::string describe(const TensorId &t);
+
+struct P2POp {
+  bool send = false;
+  int peer = 0;           // thread id
+  TensorId id;
+  std::span<float> data;  // read for a send, written for a recv
+  int rank = 0;           // pipeline rank and step of the instruction, for diagnostics
+  size_t step = 0;
+  bool drop = false;      // fault injection: a send that is never delivered
+};
+
+class InProcessTransport {
+public:
+  /// `where(rank, step)` names an instruction in diagnostics ("rank 1 step 3 (1RECV_F0)").
+  InProcessTransport(int numThreads, std::function<std::string(int, size_t)> where);
+
+  /// Post every op of a group, then wait until each has matched its partner.
+  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops);
+  /// Sum `data` over `members` (thread ids, in this order). `key` names the group instance;
+  /// every member passes the same key and members.
+  llvm::Error allReduce(const std::string &key, llvm::ArrayRef<int> members, int self,
+                        std::span<float> data);
+  /// Fail every current and future wait with `why`.
+  void abort(const std::string &why);
+  bool aborted() const;
+
+private:
+  struct Posted {
+    P2POp op;
+    int owner = 0;
+    std::atomic<bool> done{false};
+  };
+  struct Channel {
+    std::vector<Posted *> sends, recvs;  // FIFO: front at index `head`
+    size_t sendHead = 0, recvHead = 0;
+  };
+  struct Rendezvous {
+    uint64_t generation = 0;
+    size_t arrived = 0;
+    std::vector<std::span<float>> buffers;
+  };
+
+  void matchLocked(Channel &c);
+
+  int numThreads;
+  std::function<std::string(int, size_t)> where;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Channel> channels;  // [src * n + dst]
+  std::map<std::string, Rendezvous> rendezvous;
+  std::string failure;
+  std::atomic<bool> failed{false};
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_TRANSPORT_H

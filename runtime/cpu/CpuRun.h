@@ -1,0 +1,49 @@
+//===- CpuRun.h - The cpu backend: real fp32 math on threads ----*- C++ -*-===//
+//
+// Every rank (pipeline x dp x tp) is a thread running the plan with the CPU reference kernels
+// (kernels/cpu/Gpt.h). With checkReference the same steps also run on one rank without
+// pipelining (all layers, all microbatches of all replicas, whole sequences, tp = 1), and the
+// gradients of every step are compared before the optimizer applies them.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CPU_CPURUN_H
+#define PIPEC_RUNTIME_CPU_CPURUN_H
+
+#include "ir/Plan.h"
+#include "kernels/cpu/Gpt.h"
+#include "runtime/Data.h"
+#include "runtime/Interpreter.h"
+
+#include <functional>
+#include <vector>
+
+namespace pipec {
+
+struct CpuRunOptions {
+  int steps = 1;
+  uint64_t seed = 1;
+  float lr = 1e-3f;
+  bool checkReference = false;
+  double timeoutSeconds = 60;
+  Faults faults;
+};
+
+struct CpuRunResult {
+  std::vector<double> losses;           // global mean loss per step
+  std::vector<double> referenceLosses;  // with checkReference
+  double maxAbsGradDiff = 0;            // over all steps and parameters
+  double gradScale = 0;                 // max |reference gradient|
+};
+
+/// The model a plan describes, for the CPU kernels; an InputError when the plan has no
+/// transformer or its sizes do not fit the kernels.
+llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan);
+
+/// Run `options.steps` steps of `plan` (already verified). `onStep(step, loss)` after each.
+llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
+                                      const CpuRunOptions &options,
+                                      const std::function<void(int, double)> &onStep = {});
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CPU_CPURUN_H

@@ -1,0 +1,234 @@
+//===- RuntimeTest.cpp - The cpu runtime against a single-rank reference --===//
+//
+// Every schedule the compiler offers runs with real fp32 math on threads and must produce the
+// gradients of one rank running the same steps without pipelining (kernels/cpu, all layers,
+// all microbatches, whole sequences, tp = 1) within 1e-5 of the gradient scale: the reference
+// shares the kernels but none of the plan, the partition, the interpreter or the transport.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/TestUtil.h"
+
+#include "compiler/Verifier.h"
+#include "ir/PlanText.h"
+#include "runtime/Data.h"
+#include "runtime/cpu/CpuRun.h"
+#include "schedules/Policy.h"
+
+#include <cstdio>
+#include <fstream>
+
+namespace pipec::test {
+namespace {
+
+ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": {},
+      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
+      "seq_length": {}, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
+      layers, seq, tied ? "true" : "false");
+  auto m = parseModelSpec(text, "tiny.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
+/// Run `steps` steps with the reference check; expect equal gradients and losses.
+void expectMatchesReference(const Plan &plan, int steps = 2) {
+  ASSERT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/7);
+  CpuRunOptions o;
+  o.steps = steps;
+  o.checkReference = true;
+  o.timeoutSeconds = 20;
+  auto result = runOnCpu(plan, *data, o);
+  ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+  EXPECT_GT(result->gradScale, 0);
+  EXPECT_LE(result->maxAbsGradDiff, 1e-5 * result->gradScale)
+      << "max |grad - reference| " << result->maxAbsGradDiff << " scale " << result->gradScale;
+  for (int s = 0; s < steps; ++s)
+    EXPECT_NEAR(result->losses[size_t(s)], result->referenceLosses[size_t(s)], 1e-5);
+}
+
+struct RunCase {
+  const char *name;
+  CompileOptions options;
+  bool tied = false;
+};
+
+CompileOptions withMemory(CompileOptions o, int64_t limit) {
+  o.memoryLimit = limit;
+  return o;
+}
+
+class EverySchedule : public ::testing::TestWithParam<RunCase> {};
+
+TEST_P(EverySchedule, GradientsEqualTheSingleRankReference) {
+  const RunCase &c = GetParam();
+  auto policy = findPolicy(c.options.schedule);
+  if (!policy) {
+    llvm::consumeError(policy.takeError());
+    GTEST_SKIP() << c.options.schedule << " is not registered in this build";
+  }
+  ModelSpec model = tinyGpt(c.tied, /*layers=*/6);
+  auto plan = compilePlan(model, ClusterSpec::defaults(), c.options, /*verifyEach=*/true);
+  ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+  expectMatchesReference(*plan);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Runtime, EverySchedule,
+    ::testing::Values(
+        RunCase{"gpipe", options("gpipe", 4, 4)},
+        RunCase{"onefoneb", options("1f1b", 4, 6)},
+        RunCase{"onefoneb_fewer_microbatches", options("1f1b", 4, 2)},
+        RunCase{"onefoneb_tp2", options("1f1b", 2, 4, 1, 1, /*tp=*/2)},
+        RunCase{"onefoneb_dp2", options("1f1b", 2, 4, 1, 1, 1, /*dp=*/2)},
+        RunCase{"onefoneb_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
+        RunCase{"gpipe_seq4", options("gpipe", 2, 3, 1, /*seqSplits=*/4)},
+        RunCase{"onefoneb_tied", options("1f1b", 4, 4), /*tied=*/true},
+        RunCase{"single_stage_tied", options("1f1b", 1, 3), /*tied=*/true},
+        RunCase{"dualpipev", options("dualpipe-v", 2, 4, /*vpp=*/2)},
+        RunCase{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true},
+        RunCase{"interleaved", options("interleaved-1f1b", 2, 4, /*vpp=*/2)},
+        RunCase{"seq1f1b_k4", options("seq1f1b", 2, 4, 1, /*seqSplits=*/4)},
+        RunCase{"seq1f1b_interleaved", options("seq1f1b-interleaved", 2, 4, 2, 2)},
+        RunCase{"zbh1", options("zb-h1", 4, 6)},
+        RunCase{"zbh2", options("zb-h2", 4, 6)},
+        RunCase{"zbv", options("zb-v", 2, 4, /*vpp=*/2)},
+        RunCase{"zbauto", withMemory(options("zb-auto", 4, 6), int64_t(1) << 40)}),
+    [](const auto &info) { return std::string(info.param.name); });
+
+TEST(RuntimeTest, LossOfALearnableTaskFallsOver40Steps) {
+  ModelSpec model = tinyGpt(false, 2, 8);
+  Plan plan = compileOrFail(model, options("1f1b", 2, 4));
+  auto data = syntheticData(32, 3);
+  CpuRunOptions o;
+  o.steps = 40;
+  o.lr = 1e-2f;
+  auto result = runOnCpu(plan, *data, o);
+  ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+  EXPECT_GT(result->losses.front(), 3.0);  // ~ln(32) at the start
+  EXPECT_LT(result->losses.back(), 0.5 * result->losses.front());
+}
+
+TEST(RuntimeTest, ADroppedMessageIsReportedByTheWatchdogInScheduleTerms) {
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
+  // Rank 0's last send (the activation of microbatch 1) never arrives: nothing else can match
+  // rank 1's recv, so it waits until the watchdog fires.
+  size_t step = plan.ranks[0].size();
+  while (plan.ranks[0][--step].op != OpKind::Send) {
+  }
+  size_t recv = 0;
+  while (!(plan.ranks[1][recv].op == OpKind::Recv && plan.ranks[1][recv].mb == 1))
+    ++recv;
+  CpuRunOptions o;
+  o.timeoutSeconds = 0.3;
+  o.faults.dropSend = {0, step};
+  auto data = syntheticData(32, 1);
+  auto result = runOnCpu(plan, *data, o);
+  ASSERT_FALSE(bool(result));
+  std::string msg = takeMessage(result.takeError());
+  EXPECT_NE(msg.find("watchdog: no rank made progress for"), std::string::npos) << msg;
+  // Rank 1 waits in the group that holds the recv of the lost message.
+  std::string lost = formatToken(plan, plan.ranks[1][recv]);
+  size_t at = msg.find("rank 1: last completed");
+  ASSERT_NE(at, std::string::npos) << msg;
+  std::string line = msg.substr(at, msg.find('\n', at) - at);
+  EXPECT_NE(line.find("pending"), std::string::npos) << line;
+  EXPECT_NE(line.find(lost), std::string::npos) << lost << "\n" << msg;
+  EXPECT_NE(msg.find("<-- here"), std::string::npos) << msg;
+}
+
+TEST(RuntimeTest, ADroppedMessageFollowedByAnotherIsAMismatch) {
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
+  size_t step = 0;
+  while (plan.ranks[0][step].op != OpKind::Send)
+    ++step;
+  CpuRunOptions o;
+  o.timeoutSeconds = 5;
+  o.faults.dropSend = {0, step};
+  auto data = syntheticData(32, 1);
+  auto result = runOnCpu(plan, *data, o);
+  ASSERT_FALSE(bool(result));
+  std::string msg = takeMessage(result.takeError());
+  // The next message from rank 0 meets the recv that waited for the lost one.
+  EXPECT_NE(msg.find("message mismatch: rank 1 step 0 (1RECV_F0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expects activation(0,0,0)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("carries activation(0,1,0)"), std::string::npos) << msg;
+}
+
+TEST(RuntimeTest, TwoSwappedMessagesAreCaughtNamingBothInstructions) {
+  Plan plan = compileOrFail(tinyGpt(), options("gpipe", 2, 2));
+  // Rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 ...: put each send's identity on the other.
+  std::vector<size_t> sends;
+  for (size_t n = 0; n < plan.ranks[0].size(); ++n)
+    if (plan.ranks[0][n].op == OpKind::Send)
+      sends.push_back(n);
+  ASSERT_GE(sends.size(), 2u);
+  CpuRunOptions o;
+  o.timeoutSeconds = 5;
+  o.faults.swapSends = {0, {sends[0], sends[1]}};
+  auto data = syntheticData(32, 1);
+  auto result = runOnCpu(plan, *data, o);
+  ASSERT_FALSE(bool(result));
+  std::string msg = takeMessage(result.takeError());
+  EXPECT_NE(msg.find("message mismatch: rank 1 step 0 (1RECV_F0#0) expects activation(0,0,0)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("rank 0 step 1 (0SEND_F0), carries activation(0,1,0)"), std::string::npos)
+      << msg;
+}
+
+TEST(RuntimeTest, AbstractModelsAreRefusedWithTheReason) {
+  Plan plan = compileOrFail(uniformModel(4), options("1f1b", 2, 2));
+  auto data = syntheticData(32, 1);
+  auto result = runOnCpu(plan, *data, CpuRunOptions{});
+  ASSERT_FALSE(bool(result));
+  EXPECT_NE(takeMessage(result.takeError()).find("is an abstract layer list"), std::string::npos);
+}
+
+TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
+  std::string dir = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string raw = dir + "/tokens.bin", llmc = dir + "/llmc.bin", bad = dir + "/bad.bin";
+  {
+    std::ofstream out(raw, std::ios::binary);
+    for (uint16_t t = 0; t < 100; ++t) {
+      uint16_t v = t % 32;
+      out.write(reinterpret_cast<const char *>(&v), 2);
+    }
+  }
+  {
+    std::ofstream out(llmc, std::ios::binary);
+    int32_t header[256] = {20240520, 2, 50};
+    out.write(reinterpret_cast<const char *>(header), sizeof(header));
+    for (uint32_t t = 0; t < 50; ++t) {
+      uint32_t v = (t * 7) % 32;
+      out.write(reinterpret_cast<const char *>(&v), 4);
+    }
+  }
+  {
+    std::ofstream out(bad, std::ios::binary);
+    for (uint16_t t = 0; t < 20; ++t) {
+      uint16_t v = t == 13 ? 40 : 1;
+      out.write(reinterpret_cast<const char *>(&v), 2);
+    }
+  }
+  auto a = tokenFileData(raw, "uint16", 32, 8, 1);
+  ASSERT_TRUE(bool(a)) << takeMessage(a.takeError());
+  std::vector<int32_t> seq(9);
+  (*a)->sequence(0, seq);
+  for (size_t i = 1; i < seq.size(); ++i)
+    EXPECT_EQ(seq[i], (seq[i - 1] + 1) % 32);  // a window of the file
+  auto b = tokenFileData(llmc, "uint16", 32, 8, 1);
+  ASSERT_TRUE(bool(b)) << takeMessage(b.takeError());
+  (*b)->sequence(3, seq);
+  for (size_t i = 1; i < seq.size(); ++i)
+    EXPECT_EQ(seq[i], (seq[i - 1] + 7) % 32);
+  auto c = tokenFileData(bad, "uint16", 32, 8, 1);
+  ASSERT_FALSE(bool(c));
+  EXPECT_NE(takeMessage(c.takeError()).find("token 40 at position 13 is outside the model's "
+                                            "vocab_size 32"),
+            std::string::npos);
+}
+
+} // namespace
+} // namespace pipec::test

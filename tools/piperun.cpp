@@ -1,0 +1,141 @@
+//===- piperun.cpp - Run a compiled plan ----------------------------------===//
+//
+//   piperun plan.json --backend cpu [--steps N] [--check-reference] [--seed S]
+//           [--data FILE [--data-dtype uint16|uint32]] [--lr LR] [--timeout SECONDS]
+// Prints "step N loss X" per step; with --check-reference also the single-rank reference's
+// loss and "max_abs_grad_diff=<value>", and exits 1 when that exceeds 1e-5 relative to the
+// largest reference gradient. A plan that fails verification is refused (exit 1).
+// Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "ir/PlanJson.h"
+#include "runtime/Data.h"
+#include "runtime/cpu/CpuRun.h"
+#include "tools/Args.h"
+
+#include <fmt/format.h>
+
+using namespace pipec;
+
+namespace {
+
+const char *kUsage = R"(usage: piperun plan.json --backend cpu [--steps N] [--check-reference]
+               [--seed S] [--data FILE [--data-dtype uint16|uint32]] [--lr LR]
+               [--timeout SECONDS]
+)";
+
+int report(llvm::Error err) {
+  int code = exitCodeFor(err);
+  std::string msg = takeMessage(std::move(err));
+  if (code == 2) {
+    for (char &c : msg)
+      if (c == '\n')
+        c = ' ';
+    fmt::print(stderr, "piperun: error: {}\n", msg);
+  } else {
+    fmt::print(stderr, "piperun: {}\n", msg);
+  }
+  return code;
+}
+
+llvm::Error run(int argc, char **argv) {
+  auto args = Args::parse(argc, argv, 1,
+                          {"--backend", "--steps", "--seed", "--data", "--data-dtype", "--lr",
+                           "--timeout"},
+                          {"--check-reference"}, "piperun");
+  if (!args)
+    return args.takeError();
+  if (args->positional().size() != 1)
+    return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
+                      args->positional().size());
+  std::string backend = args->get("--backend").value_or("cpu");
+  if (backend == "cuda" || backend == "nccl")
+    return inputError("--backend {}: this build has no GPU backend yet (the CUDA runtime is not "
+                      "implemented); use --backend cpu",
+                      backend);
+  if (backend != "cpu")
+    return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu",
+                      backend);
+  auto steps = args->integer("--steps", 1, 1, 1000000);
+  if (!steps)
+    return steps.takeError();
+  auto seed = args->integer("--seed", 1, 0, INT64_MAX);
+  if (!seed)
+    return seed.takeError();
+  CpuRunOptions o;
+  o.steps = int(*steps);
+  o.seed = uint64_t(*seed);
+  o.checkReference = args->has("--check-reference");
+  for (auto [flag, out] : {std::pair{"--lr", &o.lr}}) {
+    if (auto v = args->get(flag)) {
+      double d = 0;
+      if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || d > 10)
+        return inputError("{} expects a positive number such as 1e-3 (got '{}')", flag, *v);
+      *out = float(d);
+    }
+  }
+  if (auto v = args->get("--timeout")) {
+    double d = 0;
+    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0))
+      return inputError("--timeout expects seconds > 0 such as 30 (got '{}')", *v);
+    o.timeoutSeconds = d;
+  }
+  std::string dtype = args->get("--data-dtype").value_or("uint16");
+  if (dtype != "uint16" && dtype != "uint32")
+    return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", dtype);
+
+  auto plan = loadPlan(userPath(args->positional().front()));
+  if (!plan)
+    return plan.takeError();
+  if (auto err = verifyPlan(*plan))
+    return finding("refusing to run a plan that fails verification: {}",
+                   takeMessage(std::move(err)));
+  auto cfg = gptConfigOf(*plan);
+  if (!cfg)
+    return cfg.takeError();
+  std::unique_ptr<DataSource> data;
+  if (auto path = args->path("--data")) {
+    auto loaded = tokenFileData(*path, dtype, cfg->vocab, cfg->seqLen, o.seed);
+    if (!loaded)
+      return loaded.takeError();
+    data = std::move(*loaded);
+  } else {
+    data = syntheticData(cfg->vocab, o.seed);
+  }
+  auto result = runOnCpu(*plan, *data, o, [](int step, double loss) {
+    fmt::print("step {} loss {:.6f}\n", step, loss);
+    std::fflush(stdout);
+  });
+  if (!result)
+    return result.takeError();
+  if (!o.checkReference)
+    return llvm::Error::success();
+  fmt::print("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
+  fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
+             result->maxAbsGradDiff, result->gradScale);
+  double tolerance = 1e-5 * result->gradScale;
+  if (result->maxAbsGradDiff > tolerance)
+    return finding("gradients differ from the single-rank reference by {:.3e}, more than 1e-5 "
+                   "of the gradient scale ({:.3e})",
+                   result->maxAbsGradDiff, tolerance);
+  return llvm::Error::success();
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fmt::print(stderr, "{}", kUsage);
+    return 2;
+  }
+  llvm::StringRef first = argv[1];
+  if (first == "-h" || first == "--help") {
+    fmt::print("{}", kUsage);
+    return 0;
+  }
+  if (auto err = run(argc, argv))
+    return report(std::move(err));
+  return 0;
+}
