@@ -43,7 +43,7 @@ constexpr double kUnknown = -1.0;
 /// of them (half for the grid, the rest for the local search): a budget counted in work, not
 /// in wall-clock time, so that the result is deterministic. About 20 whole runs at p = 32,
 /// m = 256; hundreds for the paper's p = 8 settings.
-constexpr int64_t kWorkBudget = 600000;
+constexpr int64_t kWorkBudget = 480000;
 
 /// Per-rank costs (one stage per rank: loop placement with --vpp 1).
 struct RankCosts {

@@ -9,8 +9,12 @@
 // their W (M_W each), so rank r (worker i = r+1) peaks at (p-i+1)·M_B + (i-1)·M_W, never above
 // rank 0's p·M_B of 1F1B. Bubble with times F, B, W and no transfer time: (p-1)(F+B-W)
 // per rank against 1F1B's (p-1)(F+B+W), a third when F = B = W.
-// Constraints: --vpp 1, --seq-splits 1. Any --microbatches >= 1: with m < p the warm-up is cut
-// to m as in 1f1b, and W's that cannot be delayed by r run at the end.
+// With --seq-splits K (the combination the Seq1F1B paper states, arXiv 2406.03488 §4) the unit
+// of the order is a sub-sequence instead of a microbatch, as in seq1f1b: forwards take a
+// microbatch's sub-sequences in ascending order, I's and W's in descending order, and the
+// warm-up grows by K-1 (the first I is the last sub-sequence of microbatch 0).
+// Constraints: --vpp 1; any --seq-splits. Any --microbatches >= 1: with m < p the warm-up is
+// cut to the units there are, as in 1f1b, and W's that cannot be delayed by r run at the end.
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/Policy.h"
@@ -30,7 +34,7 @@ public:
            "W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B";
   }
   llvm::StringRef constraints() const override {
-    return "--vpp 1, --seq-splits 1; any --microbatches";
+    return "--vpp 1; any --seq-splits, any --microbatches";
   }
 
   llvm::Error check(const ParallelConfig &c) const override {
@@ -38,26 +42,29 @@ public:
       return inputError("zb-h1 needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
                         "--vpp 2",
                         c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("zb-h1 needs --seq-splits 1 (got {}); try --seq-splits 1, or "
-                        "--schedule seq1f1b",
-                        c.seqSplits);
     return llvm::Error::success();
   }
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    int p = c.pp, m = c.microbatches;
+    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k;  // m counts units
     order.assign(size_t(p), {});
     for (int r = 0; r < p; ++r) {
       auto &ops = order[size_t(r)];
       ops.reserve(size_t(3 * m));
+      // Unit i is sub-sequence i mod K of microbatch i / K: ascending for forwards, descending
+      // (K-1 - i mod K) for I and W, since I(k) needs the dK/dV of I(k+1).
+      auto unit = [&](OpKind op, int i) {
+        int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
+        ops.push_back(Instruction::compute(op, r, i / k, slice));
+      };
       // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
-      // back, rank r can run the forwards of microbatches 1..p-r-1.
-      int warmup = std::min(p - r - 1, m);
+      // back, rank r can run the forwards of microbatches 1..p-r-1; with K sub-sequences the
+      // first I (microbatch 0's last one) also waits for K-1 more forwards.
+      int warmup = std::min(p - r - 1 + k - 1, m);
       int fwd = 0, bwd = 0, wgt = 0;
       for (; fwd < warmup; ++fwd)
-        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
+        unit(OpKind::Forward, fwd);
       // Steady state and cool-down: one F (while any is left), one I, and then a W once r I's
       // are outstanding, i.e. W(j) right after I(j+r). Why r: after rank r's last I, that
       // gradient still has to cross ranks r-1..0 (r·B) before rank 0 is done, time in which
@@ -66,14 +73,14 @@ public:
       // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
       while (bwd < m) {
         if (fwd < m)
-          ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
-        ops.push_back(Instruction::compute(OpKind::BackwardInput, r, bwd++, 0));
+          unit(OpKind::Forward, fwd++);
+        unit(OpKind::BackwardInput, bwd++);
         if (bwd - wgt > r)
-          ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+          unit(OpKind::BackwardWeight, wgt++);
       }
       // The r delayed W's (fewer when m <= r) close the stream.
       while (wgt < m)
-        ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+        unit(OpKind::BackwardWeight, wgt++);
     }
   }
 };

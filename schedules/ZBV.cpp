@@ -9,7 +9,11 @@
 // 2p chunk activations, i.e. p·M_B of a 1F1B stage (twice a chunk): 1F1B's peak on its rank 0
 // (exactly so when the chunks are equal; uneven chunks, e.g. embedding and LM head on rank 0,
 // can put rank 0 slightly above it).
-// Constraints: --vpp 2, --seq-splits 1. Any --microbatches >= 1: for m < 2p-1 the order for
+// With --seq-splits K (the Seq1F1B paper's combination) the unit is a sub-sequence: forwards
+// ascending, I and W descending within a microbatch, and K-1 more forward pairs (and, at the
+// end, I pairs) so that the first I of a chunk, the last sub-sequence of microbatch 0, has all
+// its forwards. With F = B = W the bubble stays zero and every unit is 1/K as long.
+// Constraints: --vpp 2; any --seq-splits. Any --microbatches >= 1: for m < 2p-1 the order for
 // 2p-1 microbatches is built and the ops of the missing ones are left out (as the authors'
 // runtime does), which keeps every dependency order.
 //
@@ -33,24 +37,22 @@ public:
            "and W; zero bubble when F = B = W and m >= 2p-1, memory as 1F1B";
   }
   llvm::StringRef constraints() const override {
-    return "--vpp 2, --seq-splits 1; any --microbatches (zero bubble from 2p-1)";
+    return "--vpp 2; any --seq-splits, any --microbatches (zero bubble from 2p-1)";
   }
   Placement placement() const override { return Placement::VShape; }
 
   llvm::Error check(const ParallelConfig &c) const override {
     if (c.vpp != 2)
       return inputError("zb-v needs --vpp 2 (got {}); try --vpp 2", c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("zb-v needs --seq-splits 1 (got {}); try --seq-splits 1", c.seqSplits);
     return llvm::Error::success();
   }
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    int p = c.pp, m = c.microbatches;
+    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k;  // m, n count units
     // The order is built for at least 2p-1 microbatches (the warm-up below assumes that many
     // exist); ops of microbatches >= m are then dropped.
-    int n = std::max(2 * p - 1, m);
+    const int n = std::max(2 * p - 1, c.microbatches) * k;
     order.assign(size_t(p), {});
     for (int r = 0; r < p; ++r) {
       auto &ops = order[size_t(r)];
@@ -58,10 +60,13 @@ public:
       // V-shape placement: chunk 0 of rank r is stage r, chunk 1 is stage 2p-1-r.
       const std::array<int, 2> stage = {r, 2 * p - 1 - r};
       std::array<int, 2> f = {0, 0}, b = {0, 0}, w = {0, 0};
+      // Unit i is sub-sequence i mod K of microbatch i / K: ascending for forwards,
+      // descending for I and W (I(k) needs the dK/dV of I(k+1)).
       auto put = [&](OpKind op, int chunk, std::array<int, 2> &count) {
-        int mb = count[size_t(chunk)]++;
-        if (mb < m)
-          ops.push_back(Instruction::compute(op, stage[size_t(chunk)], mb, 0));
+        int i = count[size_t(chunk)]++;
+        int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
+        if (i < m)
+          ops.push_back(Instruction::compute(op, stage[size_t(chunk)], i / k, slice));
       };
       auto runF = [&](int chunk) { put(OpKind::Forward, chunk, f); };
       auto runI = [&](int chunk) { put(OpKind::BackwardInput, chunk, b); };
@@ -77,7 +82,9 @@ public:
       // r pairs (F1, F0) fill the time until the loss gradient I1(0), made on rank 0 at 2p,
       // comes down to rank r at 2p+r. Rank r has then run exactly 2p forwards (counting the
       // F1 that opens the next phase), its peak: 2p chunk activations.
-      for (int i = 0; i < r; ++i) {
+      // With K sub-sequences the first I of each chunk (microbatch 0's last sub-sequence)
+      // waits for K-1 more forwards of that chunk: run K-1 more pairs before it.
+      for (int i = 0; i < r + k - 1; ++i) {
         runF(1);
         runF(0);
       }
@@ -106,7 +113,7 @@ public:
       // rank r+1), so they go first and W's fill the waits, as in ZB-H1: r pairs (I0, I1)
       // while rank r still has chunk-1 gradients to pass down, then p-r pairs (I0, W0), then
       // the held W's.
-      for (int i = 0; i < r; ++i) {
+      for (int i = 0; i < r + k - 1; ++i) {
         runI(0);
         runI(1);
       }

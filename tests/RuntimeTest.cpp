@@ -94,6 +94,8 @@ INSTANTIATE_TEST_SUITE_P(
         RunCase{"zbh1", options("zb-h1", 4, 6)},
         RunCase{"zbh2", options("zb-h2", 4, 6)},
         RunCase{"zbv", options("zb-v", 2, 4, /*vpp=*/2)},
+        RunCase{"zbh1_seq2_tp2", options("zb-h1", 2, 3, 1, /*seqSplits=*/2, /*tp=*/2)},
+        RunCase{"zbv_seq2", options("zb-v", 2, 3, /*vpp=*/2, /*seqSplits=*/2)},
         RunCase{"zbauto", withMemory(options("zb-auto", 4, 6), int64_t(1) << 40)}),
     [](const auto &info) { return std::string(info.param.name); });
 
