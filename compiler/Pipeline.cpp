@@ -8,6 +8,8 @@
 
 #include "llvm/ADT/STLExtras.h"
 
+#include <algorithm>
+
 namespace pipec {
 
 namespace {
@@ -131,9 +133,18 @@ static llvm::Error checkOptions(const CompileOptions &o) {
     return inputError("--pp x --vpp = {} stages is beyond what pipec plans (4096); try a smaller "
                       "--pp",
                       int64_t(pc.pp) * pc.vpp);
-  if (int64_t(pc.microbatches) * pc.seqSplits > (1 << 24))
+  int64_t units = int64_t(pc.microbatches) * pc.seqSplits;
+  if (units > (1 << 24))
     return inputError("--microbatches x --seq-splits = {} is beyond what pipec plans (2^24)",
-                      int64_t(pc.microbatches) * pc.seqSplits);
+                      units);
+  int64_t stages = int64_t(pc.pp) * pc.vpp;
+  if (stages * units > (int64_t(1) << 24))
+    return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
+                      "plans (2^24); try --microbatches {}",
+                      stages * units, std::max<int64_t>(1, ((int64_t(1) << 24) / stages) / pc.seqSplits));
+  if (int64_t(pc.tp) * pc.dp > 65536)
+    return inputError("--tp x --dp = {} is beyond what pipec plans (65536)",
+                      int64_t(pc.tp) * pc.dp);
   if (o.memoryLimit < 0)
     return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
   return llvm::Error::success();
@@ -143,6 +154,20 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
                                  const CompileOptions &options, bool verifyEach) {
   if (auto err = checkOptions(options))
     return err;
+  if (model.transformer) {
+    // Megatron splits heads and the MLP's hidden size across tp ranks.
+    const TransformerConfig &t = *model.transformer;
+    int tp = options.parallel.tp;
+    if (t.numAttentionHeads % tp != 0 || t.ffnHiddenSize % tp != 0) {
+      int64_t best = 1;
+      for (int64_t d = 1; d <= tp; ++d)
+        if (t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0)
+          best = d;
+      return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({}); "
+                        "try --tp {}",
+                        tp, t.numAttentionHeads, t.ffnHiddenSize, best);
+    }
+  }
   auto policy = findPolicy(options.schedule);
   if (!policy)
     return policy.takeError();

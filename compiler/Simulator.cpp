@@ -148,14 +148,16 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
     for (size_t i = 0; i < plan.ranks[r].size(); ++i) {
       const Instruction &ins = plan.ranks[r][i];
       const OpTime &ot = t.ops[r][i];
-      bool occupies =
-          ins.isCompute() || (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp);
-      if (occupies) {
+      if (ins.isCompute()) {
+        // busy is compute time only (DESIGN §6); a tp all-reduce occupies the rank but is
+        // idle time for the pipeline, inside the span.
         any = true;
         busy += ot.end - ot.start;
         start = std::min(start, ot.start);
         end = std::max(end, ot.end);
         lastComputeEnd = ot.end;
+      } else if (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp) {
+        lastComputeEnd = ot.end;  // the reduced output is what the dp all-reduce waits for
       } else if (ins.op == OpKind::AllReduce) {
         // DP and embedding all-reduces: serial on their own stream, after what precedes them.
         // (The embedding all-reduce is not timed: it is one matrix between two ranks.)
@@ -234,7 +236,7 @@ std::string chromeTrace(const Plan &plan, const Timeline &t) {
   OJson j;
   j["traceEvents"] = std::move(events);
   j["displayTimeUnit"] = "ms";
-  return j.dump() + "\n";
+  return j.dump(-1, ' ', false, OJson::error_handler_t::replace) + "\n";
 }
 
 } // namespace pipec

@@ -242,17 +242,16 @@ private:
           lastStep[key + 1] = lastStep[key];
           nextPart[key + 1] = 1;
         }
-        // A tp part must be followed by its all-reduce before anything else computes.
+        // A tp part must be followed directly by its all-reduce: the part's output is only
+        // whole (and usable by a send or the next part) once it is reduced.
         if (tp && want > 0) {
           size_t m = n + 1;
-          while (m < stream.size() && stream[m].isP2P())
-            ++m;
           const Instruction *ar = m < stream.size() ? &stream[m] : nullptr;
           OpKind phase = i.op;
           if (!ar || ar->op != OpKind::AllReduce || ar->collective != CollectiveGroup::Tp ||
               ar->stage != i.stage || ar->mb != i.mb || ar->slice != i.slice ||
               ar->part != i.part || ar->phase != phase)
-            return failAt(r, n, "tp part must be followed by its tp all-reduce");
+            return failAt(r, n, "tp part must be followed directly by its tp all-reduce");
         }
       }
     }
@@ -374,23 +373,32 @@ private:
   llvm::Error checkMatching() {
     // Per ordered pair (a -> b): the sequence of tensors a sends and b receives must agree.
     size_t p = size_t(plan.numRanks());
-    std::vector<std::vector<uint32_t>> sends(p * p), recvs(p * p);
+    // Lists only for the pairs that talk (a sparse map, not p^2 vectors).
+    llvm::DenseMap<uint64_t, std::vector<uint32_t>> sends, recvs;
+    std::vector<uint64_t> pairs;
     for (size_t r = 0; r < p; ++r) {
       const auto &stream = plan.ranks[r];
       for (size_t n = 0; n < stream.size(); ++n) {
         const Instruction &i = stream[n];
-        if (i.op == OpKind::Send)
-          sends[r * p + size_t(i.peer)].push_back(uint32_t(n));
-        else if (i.op == OpKind::Recv)
-          recvs[size_t(i.peer) * p + r].push_back(uint32_t(n));
+        if (!i.isP2P())
+          continue;
+        bool send = i.op == OpKind::Send;
+        uint64_t pair = send ? uint64_t(r) * p + uint64_t(i.peer) : uint64_t(i.peer) * p + r;
+        pairs.push_back(pair);
+        (send ? sends : recvs)[pair].push_back(uint32_t(n));
       }
     }
+    std::sort(pairs.begin(), pairs.end());
+    pairs.erase(std::unique(pairs.begin(), pairs.end()), pairs.end());
+    const std::vector<uint32_t> none;
     partner.assign(p, {});
     for (size_t r = 0; r < p; ++r)
       partner[r].assign(plan.ranks[r].size(), kAbsent);
-    for (size_t a = 0; a < p; ++a)
-      for (size_t b = 0; b < p; ++b) {
-        const auto &ss = sends[a * p + b], &rs = recvs[a * p + b];
+    for (uint64_t pair : pairs) {
+      size_t a = size_t(pair / p), b = size_t(pair % p);
+        auto si = sends.find(pair), ri = recvs.find(pair);
+        const auto &ss = si == sends.end() ? none : si->second;
+        const auto &rs = ri == recvs.end() ? none : ri->second;
         size_t n = std::min(ss.size(), rs.size());
         for (size_t i = 0; i < n; ++i) {
           const Instruction &s = plan.ranks[a][ss[i]], &rv = plan.ranks[b][rs[i]];

@@ -2,6 +2,7 @@
 
 #include "llvm/ADT/STLExtras.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace pipec {
@@ -15,7 +16,10 @@ std::string jsonPath(llvm::StringRef base, size_t index) {
 }
 
 std::string describeJson(const Json &j) {
-  std::string dumped = j.dump();
+  // Only scalars are printed: dumping a (possibly deeply nested) container is not needed.
+  std::string dumped;
+  if (j.is_primitive())
+    dumped = j.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (dumped.size() > 40)
     dumped = dumped.substr(0, 37) + "...";
   switch (j.type()) {
@@ -40,9 +44,41 @@ std::string describeJson(const Json &j) {
   return "an unreadable value";
 }
 
+/// Nesting depth of JSON text (brackets outside strings), to refuse pathological inputs before
+/// anything recursive touches them.
+static size_t nestingDepth(llvm::StringRef text) {
+  size_t depth = 0, most = 0;
+  bool inString = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (inString) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        inString = false;
+      continue;
+    }
+    if (c == '"')
+      inString = true;
+    else if (c == '[' || c == '{')
+      most = std::max(most, ++depth);
+    else if ((c == ']' || c == '}') && depth > 0)
+      --depth;
+  }
+  return most;
+}
+
 llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
+  constexpr size_t kMaxDepth = 64;
+  if (size_t depth = nestingDepth(text); depth > kMaxDepth)
+    return inputError("{}: JSON nested {} levels deep; pipec's formats need at most {}", source,
+                      depth, kMaxDepth);
   try {
     return Json::parse(text.begin(), text.end());
+  } catch (const Json::out_of_range &e) {
+    return inputError("{}: a number is out of range ({})", source,
+                      llvm::StringRef(e.what()).contains("overflow") ? "too large for a double"
+                                                                      : "unreadable");
   } catch (const Json::parse_error &e) {
     // Turn the byte offset into line:column for the message.
     size_t offset = std::min<size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
@@ -58,6 +94,8 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
     return inputError("{}:{}:{}: malformed JSON ({})", source, line, col,
                       e.byte >= text.size() ? "unexpected end of input"
                                             : "unexpected character");
+  } catch (const Json::exception &e) {
+    return inputError("{}: unreadable JSON ({})", source, e.what());
   }
 }
 
@@ -110,8 +148,9 @@ llvm::Error JsonReader::getNumber(const Json &obj, llvm::StringRef path, llvm::S
   if (!v->is_number())
     return fail(where, expected, v);
   double d = v->get<double>();
-  if (!std::isfinite(d) || d < min)
-    return fail(where, expected, v);
+  // Above 1e15 no cost or time is meaningful, and sums of such values would overflow.
+  if (!std::isfinite(d) || d < min || d > 1e15)
+    return fail(where, fmt::format("a number in [{}, 1e15]", min), v);
   out = d;
   return llvm::Error::success();
 }
@@ -125,11 +164,13 @@ llvm::Error JsonReader::getInt(const Json &obj, llvm::StringRef path, llvm::Stri
     return required ? fail(where, expected, nullptr) : llvm::Error::success();
   if (!v->is_number_integer())
     return fail(where, expected, v);
-  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(INT64_MAX))
-    return fail(where, expected, v);
+  // Up to 2^53: byte counts and sizes above that are not real, and sums of them would overflow.
+  constexpr int64_t kMax = int64_t(1) << 53;
+  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(kMax))
+    return fail(where, fmt::format("an integer in [{}, 2^53]", min), v);
   int64_t i = v->get<int64_t>();
-  if (i < min)
-    return fail(where, expected, v);
+  if (i < min || i > kMax)
+    return fail(where, fmt::format("an integer in [{}, 2^53]", min), v);
   out = i;
   return llvm::Error::success();
 }

@@ -248,9 +248,20 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return inputError("{}: $.transformer.num_attention_heads: expected a divisor of hidden_size "
                       "({}), got {}",
                       r.name(), c.hiddenSize, c.numAttentionHeads);
-  if (c.numLayers > 100000)
-    return inputError("{}: $.transformer.num_layers: expected at most 100000, got {}", r.name(),
-                      c.numLayers);
+  struct Bound {
+    const char *name;
+    int64_t value, most;
+  } bounds[] = {{"num_layers", c.numLayers, 100000},
+                {"hidden_size", c.hiddenSize, 1 << 20},
+                {"num_attention_heads", c.numAttentionHeads, 1 << 16},
+                {"ffn_hidden_size", c.ffnHiddenSize, 1 << 22},
+                {"vocab_size", c.vocabSize, 1 << 27},
+                {"seq_length", c.seqLength, 1 << 27},
+                {"microbatch_size", c.microbatchSize, 1 << 20}};
+  for (const Bound &b : bounds)
+    if (b.value > b.most)
+      return inputError("{}: $.transformer.{}: expected at most {}, got {}", r.name(), b.name,
+                        b.most, b.value);
   double dt = double(c.dtypeBytes());
   double h = double(c.hiddenSize), f = double(c.ffnHiddenSize), v = double(c.vocabSize);
   Layer emb;
@@ -349,12 +360,14 @@ llvm::Expected<std::string> readFile(llvm::StringRef path) {
   return (*buf)->getBuffer().str();
 }
 
-static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef tmp,
-                                  llvm::StringRef contents) {
-  std::error_code ec;
-  llvm::raw_fd_ostream os(tmp, ec);
-  if (ec)
+/// Write `contents` to a new, uniquely named temporary beside `path`; its name goes to `tmp`.
+static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef contents,
+                                  llvm::SmallVectorImpl<char> &tmp) {
+  int fd = -1;
+  std::string model = (path + ".tmp-%%%%%%").str();
+  if (std::error_code ec = llvm::sys::fs::createUniqueFile(model, fd, tmp))
     return inputError("{}: cannot write: {}", path.str(), ec.message());
+  llvm::raw_fd_ostream os(fd, /*shouldClose=*/true);
   os << contents;
   os.close();
   if (os.has_error()) {
@@ -365,23 +378,49 @@ static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef tmp,
   return llvm::Error::success();
 }
 
+/// The absolute, normalised form of a path that may not exist yet (its directory must).
+static std::string canonicalDestination(llvm::StringRef path) {
+  llvm::SmallString<256> dir(llvm::sys::path::parent_path(path));
+  if (dir.empty())
+    dir = ".";
+  llvm::SmallString<256> real;
+  if (llvm::sys::fs::real_path(dir, real))
+    return path.str();
+  llvm::sys::path::append(real, llvm::sys::path::filename(path));
+  return std::string(real);
+}
+
 llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
-  std::vector<std::string> temps;
-  auto cleanup = [&]() {
-    for (const std::string &t : temps)
-      llvm::sys::fs::remove(t);
-  };
+  // Check every destination first, so that one bad path writes nothing at all.
+  std::vector<std::string> seen;
   for (const OutputFile &f : files) {
-    std::string tmp = f.path + ".tmp";
-    if (auto err = writeTemporary(f.path, tmp, f.contents)) {
-      cleanup();
-      return inputError("{}: {}", f.flag, takeMessage(std::move(err)));
+    if (llvm::sys::fs::is_directory(f.path))
+      return inputError("{}: {}: is a directory; give a file name", f.flag, f.path);
+    llvm::StringRef dir = llvm::sys::path::parent_path(f.path);
+    if (!dir.empty() && !llvm::sys::fs::is_directory(dir))
+      return inputError("{}: {}: cannot write: no directory {}", f.flag, f.path, dir.str());
+    std::string canonical = canonicalDestination(f.path);
+    for (size_t i = 0; i < seen.size(); ++i)
+      if (seen[i] == canonical)
+        return inputError("{}: {} is also the {} output; give each output its own file", f.flag,
+                          f.path, files[i].flag);
+    seen.push_back(canonical);
+  }
+  std::vector<llvm::SmallString<256>> temps(files.size());
+  auto cleanup = [&](size_t from) {
+    for (size_t i = from; i < temps.size(); ++i)
+      if (!temps[i].empty())
+        llvm::sys::fs::remove(temps[i]);
+  };
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (auto err = writeTemporary(files[i].path, files[i].contents, temps[i])) {
+      cleanup(0);
+      return inputError("{}: {}", files[i].flag, takeMessage(std::move(err)));
     }
-    temps.push_back(tmp);
   }
   for (size_t i = 0; i < files.size(); ++i) {
     if (std::error_code ec = llvm::sys::fs::rename(temps[i], files[i].path)) {
-      cleanup();
+      cleanup(i);
       return inputError("{}: {}: cannot write: {}", files[i].flag, files[i].path, ec.message());
     }
   }
@@ -389,21 +428,9 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
 }
 
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents) {
-  llvm::SmallString<256> tmp(path);
-  tmp += ".tmp";
-  {
-    std::error_code ec;
-    llvm::raw_fd_ostream os(tmp, ec);
-    if (ec)
-      return inputError("{}: cannot write: {}", path.str(), ec.message());
-    os << contents;
-    os.close();
-    if (os.has_error()) {
-      os.clear_error();
-      llvm::sys::fs::remove(tmp);
-      return inputError("{}: cannot write: disk error", path.str());
-    }
-  }
+  llvm::SmallString<256> tmp;
+  if (auto err = writeTemporary(path, contents, tmp))
+    return err;
   if (std::error_code ec = llvm::sys::fs::rename(tmp, path)) {
     llvm::sys::fs::remove(tmp);
     return inputError("{}: cannot write: {}", path.str(), ec.message());

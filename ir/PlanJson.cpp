@@ -158,7 +158,7 @@ std::string writePlanJson(const Plan &plan) {
     stats["ranks"] = std::move(rs);
     j["stats"] = std::move(stats);
   }
-  return j.dump(1) + "\n";
+  return j.dump(1, ' ', false, OJson::error_handler_t::replace) + "\n";
 }
 
 //===----------------------------------------------------------------------===//
@@ -190,9 +190,11 @@ struct PlanReader {
     for (size_t k = 0; k < it->size(); ++k) {
       const Json &v = (*it)[k];
       bool ok = std::is_integral_v<T> ? v.is_number_integer() : v.is_number();
-      if (!ok || v.get<double>() < 0)
+      double most = std::is_integral_v<T> ? 9007199254740992.0 : 1e15;  // 2^53, 1e15
+      if (!ok || v.get<double>() < 0 || v.get<double>() > most)
         return r.fail(jsonPath(where, k),
-                      std::is_integral_v<T> ? "an integer >= 0" : "a number >= 0", &v);
+                      std::is_integral_v<T> ? "an integer in [0, 2^53]" : "a number in [0, 1e15]",
+                      &v);
       out.push_back(v.get<T>());
     }
     return llvm::Error::success();
@@ -217,11 +219,14 @@ struct PlanReader {
         return err;
     if (auto err = r.getInt32(p, path, "microbatch_group_size", pc.microbatchGroupSize, false))
       return err;
-    if (int64_t(pc.pp) * pc.vpp > 1000000 || int64_t(pc.microbatches) * pc.seqSplits > 100000000)
+    // The same bounds as pipec compile's (per-op tables are sized stages x microbatches x
+    // slices).
+    int64_t stages = int64_t(pc.pp) * pc.vpp, units = int64_t(pc.microbatches) * pc.seqSplits;
+    if (stages > 4096 || units > (1 << 24) || stages * units > (int64_t(1) << 24) ||
+        int64_t(pc.tp) * pc.dp > 65536)
       return inputError("{}: $.parallel: too large to be a plan (pp·vpp {}, microbatches·"
-                        "seq_splits {})",
-                        r.name(), int64_t(pc.pp) * pc.vpp,
-                        int64_t(pc.microbatches) * pc.seqSplits);
+                        "seq_splits {}, their product at most 2^24; tp·dp {})",
+                        r.name(), stages, units, int64_t(pc.tp) * pc.dp);
     return llvm::Error::success();
   }
 

@@ -72,8 +72,11 @@ llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
                           header[1]);
       width = header[1] == 1 ? 2 : 4;
       offset = sizeof(header);
+      if (header[2] < 0)
+        return inputError("--data: {}: llm.c header gives a negative token count {}", path.str(),
+                          header[2]);
       count = size_t(header[2]);
-      if (offset + count * width > bytes.size())
+      if (count > (bytes.size() - offset) / width)
         return inputError("--data: {}: header says {} tokens but the file holds {}", path.str(),
                           count, (bytes.size() - offset) / width);
     }

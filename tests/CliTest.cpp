@@ -180,6 +180,33 @@ TEST(CliTest, AnUnwritableTraceLeavesNoPlanBehind) {
   EXPECT_FALSE(exists(out + ".tmp"));
 }
 
+TEST(CliTest, TheSameFileForPlanAndTraceIsRefusedBeforeWriting) {
+  std::string out = tmpDir() + "/same.json";
+  std::remove(out.c_str());
+  Result r = pipec(compileArgs("-o " + out + " --trace " + out));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("is also the -o output; give each output its own file"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(exists(out));
+}
+
+TEST(CliTest, ANumberTooLargeForADoubleIsExitTwo) {
+  std::string m = tmpDir() + "/huge.json";
+  spit(m, R"({"format": "pipemodel/1", "layers": [{"count": 4, "forward": 1e400,
+      "backward_input": 1, "backward_weight": 1}]})");
+  expectBadInput("compile --model " + m + " --schedule 1f1b --pp 2 --microbatches 2",
+                 "huge.json: a number is out of range (too large for a double)");
+}
+
+TEST(CliTest, DeeplyNestedJsonIsExitTwo) {
+  std::string p = tmpDir() + "/deep.json";
+  spit(p, "{\"format\": \"pipeplan/1\", \"parallel\": " + std::string(100000, '[') +
+              std::string(100000, ']') + "}");
+  Result r = pipec("validate " + p);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("JSON nested 100001 levels deep"), std::string::npos) << r.err;
+}
+
 TEST(CliTest, ValidateAcceptsACompiledPlanAndRejectsABrokenOne) {
   std::string good = tmpDir() + "/good.json";
   ASSERT_EQ(pipec(compileArgs("-o " + good)).code, 0);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <set>
 
 namespace pipec {
 
@@ -56,6 +57,20 @@ public:
         stages[s.stage] = std::make_unique<StageCompute>(cfg, s.layerBegin, s.layerEnd, c.tp,
                                                          pc.tp, options.seed, slicesOf(plan),
                                                          lossScale);
+    // Gradient sends placed after their op's weight gradient (valid, if unusual): that
+    // gradient must outlive the slice's state.
+    const auto &stream = plan.ranks[size_t(c.pp)];
+    std::map<uint64_t, size_t> weightDone;
+    for (size_t n = 0; n < stream.size(); ++n) {
+      const Instruction &i = stream[n];
+      if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
+        weightDone[key(TensorKind::Gradient, i.stage, i.mb, i.slice)] = n;
+      if (i.op == OpKind::Send && i.tensor == TensorKind::Gradient) {
+        uint64_t k = key(i.tensor, i.stage, i.mb, i.slice);
+        if (weightDone.count(k))
+          sentLate.insert(k);
+      }
+    }
   }
 
   double stepLoss = 0;
@@ -169,10 +184,13 @@ public:
   }
 
   /// Before a weight gradient frees the slice's state: keep the input gradient if its
-  /// consumer, stage - 1, is on this rank and may run later (V-shapes); a consumer on another
-  /// rank has been sent it already (sends follow their producer directly).
+  /// consumer, stage - 1, is on this rank and may run later (V-shapes), or if this rank sends
+  /// it only after the weight gradient (otherwise it has been sent already).
   void keepInputGrad(int stage, int mb, int slice, bool anyConsumer = false) {
-    if (stage == 0 || (!anyConsumer && plan.rankOf(stage - 1) != c.pp))
+    if (stage == 0)
+      return;
+    bool sameRank = plan.rankOf(stage - 1) == c.pp;
+    if (!anyConsumer && !sameRank && !sentLate.count(key(TensorKind::Gradient, stage, mb, slice)))
       return;
     std::span<const float> g = stages.at(stage)->inputGrad(mb, slice);
     kept[key(TensorKind::Gradient, stage, mb, slice)].assign(g.begin(), g.end());
@@ -233,6 +251,8 @@ private:
   std::map<uint64_t, std::vector<float>> recvBuffers;
   /// Input gradients of fused backwards, kept past their weight half for their consumer.
   std::map<uint64_t, std::vector<float>> kept;
+  /// Gradients whose send comes after their op's weight gradient in this rank's stream.
+  std::set<uint64_t> sentLate;
   std::span<float> pendingReduce;
 };
 
@@ -302,6 +322,16 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
+  // The threads and per-op buffers of a run must stay reasonable on one machine.
+  int64_t threads = int64_t(pc.pp) * pc.dp * pc.tp;
+  if (threads > 256)
+    return inputError("the plan needs {} threads (pp x dp x tp); the cpu backend runs at most "
+                      "256",
+                      threads);
+  if (pc.microbatches >= (1 << 20) || pc.seqSplits >= 4096)
+    return inputError("the cpu backend runs at most 2^20 microbatches and 4096 seq-splits (got "
+                      "{} and {})",
+                      pc.microbatches, pc.seqSplits);
   GptConfig cfg;
   cfg.vocab = int(t.vocabSize);
   cfg.seqLen = int(t.seqLength);
@@ -311,6 +341,25 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   cfg.ffn = int(t.ffnHiddenSize);
   cfg.microbatch = int(t.microbatchSize);
   cfg.tiedEmbeddings = t.tieEmbeddings;
+  // The stage table must describe this model (a hand-edited plan may not): all layers,
+  // the whole sequence, and with tp the kernels' reduction points.
+  if (plan.stages.empty() || plan.stages.back().layerEnd != cfg.numLayers())
+    return inputError("$.stages: the stages hold layers [0, {}) but the transformer has {} "
+                      "(embedding, {} blocks, head)",
+                      plan.stages.empty() ? 0 : plan.stages.back().layerEnd, cfg.numLayers(),
+                      cfg.layers);
+  if (plan.seqSlices.empty() || plan.seqSlices.back().second != t.seqLength)
+    return inputError("$.seq_slices: the slices end at token {} but seq_length is {}",
+                      plan.seqSlices.empty() ? 0 : plan.seqSlices.back().second, t.seqLength);
+  for (const StageInfo &s : plan.stages) {
+    int parts = 0;
+    for (int l = s.layerBegin; l < s.layerEnd; ++l)
+      parts += kernels::layerParts(cfg, l);
+    if (pc.tp > 1 && s.tpAllReduces != parts)
+      return inputError("$.stages[{}].tp_allreduces: {} but its layers have {} tensor-parallel "
+                        "reduction points",
+                        s.stage, s.tpAllReduces, parts);
+  }
   return cfg;
 }
 
