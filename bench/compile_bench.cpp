@@ -53,8 +53,7 @@ int main(int argc, char **argv) {
   for (int64_t i = 0; i < *repeat; ++i) {
     auto start = std::chrono::steady_clock::now();
     auto plan = compilePlan(model, ClusterSpec::defaults(), o);
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!plan) {
       fmt::print(stderr, "compile_bench: {}\n", takeMessage(plan.takeError()));
       return 1;

@@ -81,8 +81,8 @@ int main(int argc, char **argv) {
       fmt::print(stderr, "interpreter_bench: {}\n", takeMessage(std::move(err)));
       return 1;
     }
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                              .count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   fmt::print("schedule={} pp={} microbatches={} longest_stream={} best_step={:.4f}s "
              "per_instruction={:.3f}us\n",

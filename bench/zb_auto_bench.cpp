@@ -23,8 +23,8 @@
 using namespace pipec;
 
 int main(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--repeat"}, {},
-                          "zb_auto_bench");
+  auto args =
+      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--repeat"}, {}, "zb_auto_bench");
   if (!args) {
     fmt::print(stderr, "zb_auto_bench: {}\n", takeMessage(args.takeError()));
     return 2;
@@ -37,7 +37,7 @@ int main(int argc, char **argv) {
     fmt::print(stderr, "zb_auto_bench: {}\n", takeMessage(std::move(err)));
     return 2;
   }
-  const int64_t mb = int64_t(1) << 30;  // M_B per stage
+  const int64_t mb = int64_t(1) << 30; // M_B per stage
   ModelSpec model;
   model.name = "zb-28.3b";
   Layer l;

@@ -41,7 +41,7 @@ public:
           lastWeightGrad[in[n].stage] = n;
       std::vector<Instruction> out;
       out.reserve(in.size() * (pc.tp > 1 ? 3 : 1) + 8);
-      llvm::SmallVector<int, 4> dpDue;  // stages whose dp all-reduce goes after the comms
+      llvm::SmallVector<int, 4> dpDue; // stages whose dp all-reduce goes after the comms
       auto emitDp = [&]() {
         for (int s : dpDue) {
           Instruction ar;

@@ -59,8 +59,8 @@ public:
     refs.reserve(plan.numInstructions());
     for (size_t r = 0; r < plan.ranks.size(); ++r)
       for (size_t n = 0; n < plan.ranks[r].size(); ++n)
-        refs.push_back(Ref{timeline.ops[r][n].start, timeline.depth[r][n], int32_t(r),
-                           uint32_t(n)});
+        refs.push_back(
+            Ref{timeline.ops[r][n].start, timeline.depth[r][n], int32_t(r), uint32_t(n)});
     std::sort(refs.begin(), refs.end(), [](const Ref &a, const Ref &b) {
       return std::tie(a.start, a.depth, a.rank, a.step) <
              std::tie(b.start, b.depth, b.rank, b.step);
@@ -110,8 +110,8 @@ public:
       changed = true;
       std::sort(pending.begin(), pending.end(), [](const PendingComm &a, const PendingComm &b) {
         auto key = [](const PendingComm &c) {
-          return std::make_tuple(c.round, c.ins.op, c.ins.peer, c.ins.tensor, c.ins.stage,
-                                 c.ins.mb, c.ins.slice);
+          return std::make_tuple(c.round, c.ins.op, c.ins.peer, c.ins.tensor, c.ins.stage, c.ins.mb,
+                                 c.ins.slice);
         };
         return key(a) < key(b);
       });

@@ -74,8 +74,7 @@ public:
         case OpKind::OptimizerStep:
           break;
         }
-        if (i.op == OpKind::Forward || i.op == OpKind::BackwardInput ||
-            i.op == OpKind::Backward) {
+        if (i.op == OpKind::Forward || i.op == OpKind::BackwardInput || i.op == OpKind::Backward) {
           int64_t &b = buffered[keys.key(i)];
           bufs -= b;
           b = 0;

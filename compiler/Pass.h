@@ -27,7 +27,7 @@ class SchedulePolicy;
 struct CompileOptions {
   std::string schedule = "1f1b";
   ParallelConfig parallel;
-  int64_t memoryLimit = 0;  // per rank; 0 = none
+  int64_t memoryLimit = 0; // per rank; 0 = none
 };
 
 /// Shared state of a pipeline run.

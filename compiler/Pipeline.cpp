@@ -85,9 +85,9 @@ std::unique_ptr<Pass> createSimulatePass() { return std::make_unique<SimulatePas
 std::unique_ptr<Pass> createVerifyPass() { return std::make_unique<VerifyPass>(); }
 
 llvm::ArrayRef<llvm::StringRef> defaultPipeline() {
-  static const llvm::StringRef names[] = {"seq-split",         "partition", "schedule",
-                                          "lower-comms",       "lower-collectives",
-                                          "memory",            "simulate",  "verify"};
+  static const llvm::StringRef names[] = {
+      "seq-split",         "partition", "schedule", "lower-comms",
+      "lower-collectives", "memory",    "simulate", "verify"};
   return names;
 }
 
@@ -123,9 +123,12 @@ static llvm::Error checkOptions(const CompileOptions &o) {
   struct Flag {
     const char *name;
     int value;
-  } flags[] = {{"--pp", pc.pp},   {"--vpp", pc.vpp},
-               {"--tp", pc.tp},   {"--dp", pc.dp},
-               {"--microbatches", pc.microbatches}, {"--seq-splits", pc.seqSplits}};
+  } flags[] = {{"--pp", pc.pp},
+               {"--vpp", pc.vpp},
+               {"--tp", pc.tp},
+               {"--dp", pc.dp},
+               {"--microbatches", pc.microbatches},
+               {"--seq-splits", pc.seqSplits}};
   for (const Flag &f : flags)
     if (f.value < 1)
       return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
@@ -141,7 +144,8 @@ static llvm::Error checkOptions(const CompileOptions &o) {
   if (stages * units > (int64_t(1) << 24))
     return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
                       "plans (2^24); try --microbatches {}",
-                      stages * units, std::max<int64_t>(1, ((int64_t(1) << 24) / stages) / pc.seqSplits));
+                      stages * units,
+                      std::max<int64_t>(1, ((int64_t(1) << 24) / stages) / pc.seqSplits));
   if (int64_t(pc.tp) * pc.dp > 65536)
     return inputError("--tp x --dp = {} is beyond what pipec plans (65536)",
                       int64_t(pc.tp) * pc.dp);

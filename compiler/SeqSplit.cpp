@@ -55,7 +55,7 @@ public:
           else
             lo = mid + 1;
         }
-        end = (lo + q / 2) / q * q;  // nearest multiple of tp
+        end = (lo + q / 2) / q * q; // nearest multiple of tp
         // Keep every slice at least q tokens long, leaving q per remaining slice.
         end = std::clamp(end, prev + q, n - int64_t(k - i) * q);
       }

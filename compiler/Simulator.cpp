@@ -88,7 +88,7 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
           size_t key = keys.key(ins);
           done[key] = t.end;
           doneDepth[key] = depth + 1;
-          if (ins.op == OpKind::Backward) {  // a fused backward is also the W of its op
+          if (ins.op == OpKind::Backward) { // a fused backward is also the W of its op
             done[key + 1] = t.end;
             doneDepth[key + 1] = depth + 1;
           }
@@ -120,9 +120,10 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
     size_t slot = key % kNumSlots, rest = key / kNumSlots;
     int k = int(rest % keys.numSlices), m = int(rest / keys.numSlices % keys.numMb);
     int s = int(rest / keys.numSlices / keys.numMb);
-    Instruction needed = Instruction::compute(
-        slot == 0 ? OpKind::Forward : slot == 1 ? OpKind::BackwardInput : OpKind::BackwardWeight,
-        s, m, k);
+    Instruction needed = Instruction::compute(slot == 0   ? OpKind::Forward
+                                              : slot == 1 ? OpKind::BackwardInput
+                                                          : OpKind::BackwardWeight,
+                                              s, m, k);
     std::string neededTok = formatToken(plan, needed);
     if (slot == 1)
       neededTok += " (or fused B)";
@@ -157,7 +158,7 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
         end = std::max(end, ot.end);
         lastComputeEnd = ot.end;
       } else if (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp) {
-        lastComputeEnd = ot.end;  // the reduced output is what the dp all-reduce waits for
+        lastComputeEnd = ot.end; // the reduced output is what the dp all-reduce waits for
       } else if (ins.op == OpKind::AllReduce) {
         // DP and embedding all-reduces: serial on their own stream, after what precedes them.
         // (The embedding all-reduce is not timed: it is one matrix between two ranks.)
@@ -193,14 +194,22 @@ std::string chromeTrace(const Plan &plan, const Timeline &t) {
   // Chrome traces count microseconds: a plan in ms maps 1:1000; an abstract unit is shown as 1 ms.
   double scale = 1000.0;
   OJson events = OJson::array();
-  events.push_back(OJson{{"name", "process_name"}, {"ph", "M"}, {"pid", 0},
-                         {"args", OJson{{"name", fmt::format("{} ({}, time unit: {})",
-                                                             plan.schedule, plan.model,
-                                                             plan.timeUnit)}}}});
+  events.push_back(
+      OJson{{"name", "process_name"},
+            {"ph", "M"},
+            {"pid", 0},
+            {"args", OJson{{"name", fmt::format("{} ({}, time unit: {})", plan.schedule, plan.model,
+                                                plan.timeUnit)}}}});
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
-    events.push_back(OJson{{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+    events.push_back(OJson{{"name", "thread_name"},
+                           {"ph", "M"},
+                           {"pid", 0},
+                           {"tid", r},
                            {"args", OJson{{"name", fmt::format("rank {}", r)}}}});
-    events.push_back(OJson{{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+    events.push_back(OJson{{"name", "thread_sort_index"},
+                           {"ph", "M"},
+                           {"pid", 0},
+                           {"tid", r},
                            {"args", OJson{{"sort_index", r}}}});
   }
   for (size_t r = 0; r < plan.ranks.size(); ++r) {

@@ -81,8 +81,8 @@ private:
       auto [b, e] = plan.seqSlices[k];
       int64_t expect = k == 0 ? 0 : plan.seqSlices[k - 1].second;
       if (b != expect || e <= b)
-        return finding("seq_slices[{}] = [{}, {}) does not continue the previous slice at {}", k,
-                       b, e, expect);
+        return finding("seq_slices[{}] = [{}, {}) does not continue the previous slice at {}", k, b,
+                       e, expect);
     }
     for (const StageInfo &s : plan.stages) {
       int want = rankOfStage(plan.placement, s.stage, pc.pp);
@@ -95,11 +95,10 @@ private:
                        "layer ranges starting where the previous one ends ({})",
                        s.stage, s.layerBegin, s.layerEnd, expectBegin);
       size_t k = size_t(pc.seqSplits);
-      if (s.forward.size() != k || s.backwardInput.size() != k ||
-          s.backwardWeight.size() != k || s.activationBytes.size() != k ||
-          s.weightGradBytes.size() != k || s.outputBytes.size() != k ||
-          s.activationTransferTime.size() != k || s.gradientTransferTime.size() != k ||
-          s.tpAllReduceTime.size() != k)
+      if (s.forward.size() != k || s.backwardInput.size() != k || s.backwardWeight.size() != k ||
+          s.activationBytes.size() != k || s.weightGradBytes.size() != k ||
+          s.outputBytes.size() != k || s.activationTransferTime.size() != k ||
+          s.gradientTransferTime.size() != k || s.tpAllReduceTime.size() != k)
         return finding("stage {}: per-slice arrays must have seq_splits = {} entries", s.stage, k);
     }
     return llvm::Error::success();
@@ -118,8 +117,8 @@ private:
           return failAt(r, n, "stage outside 0..{}", numStages - 1);
         bool needsMb = i.isCompute() || i.isP2P() ||
                        (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp);
-        if (needsMb && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 ||
-                        i.slice >= pc.seqSplits))
+        if (needsMb &&
+            (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 || i.slice >= pc.seqSplits))
           return failAt(r, n, "microbatch or slice out of range");
         if (i.isCompute()) {
           if (plan.rankOf(i.stage) != r)
@@ -128,8 +127,9 @@ private:
           if (i.part >= 0) {
             int want = plan.stages[size_t(i.stage)].tpAllReduces;
             if (pc.tp == 1 || i.op == OpKind::BackwardWeight)
-              return failAt(r, n, "only forward and input-gradient ops are split into parts, "
-                                  "and only with tp > 1");
+              return failAt(r, n,
+                            "only forward and input-gradient ops are split into parts, "
+                            "and only with tp > 1");
             if (i.parts != want || i.part >= i.parts)
               return failAt(r, n, "stage {} has {} tp parts, got part {} of {}", i.stage, want,
                             i.part, i.parts);
@@ -139,16 +139,16 @@ private:
         if (i.isP2P()) {
           int consumer = consumerStage(i.tensor, i.stage);
           if (consumer < 0 || consumer >= numStages)
-            return failAt(r, n, "stage {} has no {} consumer", i.stage,
-                          toString(i.tensor).str());
+            return failAt(r, n, "stage {} has no {} consumer", i.stage, toString(i.tensor).str());
           int producerRank = plan.rankOf(i.stage), consumerRank = plan.rankOf(consumer);
           int self = i.op == OpKind::Send ? producerRank : consumerRank;
           int peer = i.op == OpKind::Send ? consumerRank : producerRank;
           if (self != r)
             return failAt(r, n, "this {} belongs on rank {}", toString(i.op).str(), self);
           if (producerRank == consumerRank)
-            return failAt(r, n, "stages {} and {} are both on rank {}: no send/recv between "
-                                "stages of one rank",
+            return failAt(r, n,
+                          "stages {} and {} are both on rank {}: no send/recv between "
+                          "stages of one rank",
                           i.stage, consumer, r);
           if (i.peer != peer)
             return failAt(r, n, "peer is {} but the {} of stage {} lives on rank {}", i.peer,
@@ -175,11 +175,13 @@ private:
         } else if (i.collective == CollectiveGroup::Embedding) {
           int last = numStages - 1;
           if (!plan.tiedEmbeddings())
-            return failAt(r, n, "embedding all-reduce in a plan without tied embeddings across "
-                                "stages");
+            return failAt(r, n,
+                          "embedding all-reduce in a plan without tied embeddings across "
+                          "stages");
           if (i.stage != 0 && i.stage != last)
-            return failAt(r, n, "embedding all-reduce of stage {}: only the first (0) and last "
-                                "({}) stage hold embedding copies",
+            return failAt(r, n,
+                          "embedding all-reduce of stage {}: only the first (0) and last "
+                          "({}) stage hold embedding copies",
                           i.stage, last);
         }
       }
@@ -216,8 +218,9 @@ private:
         else if (i.op != OpKind::Forward)
           split[op] = 1;
         if (fused[op] && split[op])
-          return failAt(r, n, "mixes a fused backward with backward_input/backward_weight for "
-                              "the same (stage, mb, slice)");
+          return failAt(r, n,
+                        "mixes a fused backward with backward_input/backward_weight for "
+                        "the same (stage, mb, slice)");
         int want = expectedParts(i);
         int part = std::max(i.part, 0);
         if (want > 0 && i.part < 0)
@@ -304,14 +307,13 @@ private:
         steps[idx] = uint32_t(n);
         if (i.op == OpKind::Send) {
           // The producer (its last part) must come first on this rank.
-          size_t producer = idx;  // slot F for activations, B for gradients
+          size_t producer = idx; // slot F for activations, B for gradients
           if (lastStep[producer] == kAbsent || lastStep[producer] > n)
             return failAt(r, n, "sends {} before its producer {} has run", describe(t),
-                          formatToken(plan, Instruction::compute(
-                                                i.tensor == TensorKind::Activation
-                                                    ? OpKind::Forward
-                                                    : OpKind::BackwardInput,
-                                                i.stage, i.mb, i.slice)));
+                          formatToken(plan, Instruction::compute(i.tensor == TensorKind::Activation
+                                                                     ? OpKind::Forward
+                                                                     : OpKind::BackwardInput,
+                                                                 i.stage, i.mb, i.slice)));
         }
       }
     }
@@ -327,11 +329,11 @@ private:
             return;
           size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
           int producerRank = plan.rankOf(in.stage);
-          std::string need = formatToken(
-              plan, Instruction::compute(in.slot == Slot::F   ? OpKind::Forward
-                                         : in.slot == Slot::B ? OpKind::BackwardInput
-                                                              : OpKind::BackwardWeight,
-                                         in.stage, in.mb, in.slice));
+          std::string need =
+              formatToken(plan, Instruction::compute(in.slot == Slot::F   ? OpKind::Forward
+                                                     : in.slot == Slot::B ? OpKind::BackwardInput
+                                                                          : OpKind::BackwardWeight,
+                                                     in.stage, in.mb, in.slice));
           if (producerRank == r) {
             if (lastStep[key] >= n)
               err = failAt(r, n, "runs before its input {} (later on this rank)", need);
@@ -342,8 +344,8 @@ private:
           TensorId t{in.stage, in.mb, in.slice, in.tensor};
           size_t idx = tensorIndex(t);
           if (recvStep[idx] == kAbsent)
-            err = failAt(r, n, "needs {} from rank {} but no recv of it precedes it",
-                         describe(t), producerRank);
+            err = failAt(r, n, "needs {} from rank {} but no recv of it precedes it", describe(t),
+                         producerRank);
           else if (recvStep[idx] > n)
             err = failAt(r, n, "needs {} from rank {} but its recv comes later (step {})",
                          describe(t), producerRank, recvStep[idx]);
@@ -396,35 +398,36 @@ private:
       partner[r].assign(plan.ranks[r].size(), kAbsent);
     for (uint64_t pair : pairs) {
       size_t a = size_t(pair / p), b = size_t(pair % p);
-        auto si = sends.find(pair), ri = recvs.find(pair);
-        const auto &ss = si == sends.end() ? none : si->second;
-        const auto &rs = ri == recvs.end() ? none : ri->second;
-        size_t n = std::min(ss.size(), rs.size());
-        for (size_t i = 0; i < n; ++i) {
-          const Instruction &s = plan.ranks[a][ss[i]], &rv = plan.ranks[b][rs[i]];
-          if (s.tensor != rv.tensor || s.stage != rv.stage || s.mb != rv.mb ||
-              s.slice != rv.slice || s.bytes != rv.bytes) {
-            TensorId st{s.stage, s.mb, s.slice, s.tensor}, rt{rv.stage, rv.mb, rv.slice, rv.tensor};
-            return finding("FIFO mismatch between rank {} and rank {}: message {} is {} on the "
-                           "sender (rank {} step {}: {}) but {} on the receiver (rank {} step {}: "
-                           "{}); NCCL matches sends and recvs of a rank pair in order, so the "
-                           "tensors would be swapped\n{}",
-                           a, b, i, describe(st), a, ss[i], tok(int(a), ss[i]), describe(rt), b,
-                           rs[i], tok(int(b), rs[i]),
-                           formatGrid(plan, {GridMark{int(a), ss[i]}, GridMark{int(b), rs[i]}}));
-          }
-          partner[a][ss[i]] = rs[i];
-          partner[b][rs[i]] = ss[i];
+      auto si = sends.find(pair), ri = recvs.find(pair);
+      const auto &ss = si == sends.end() ? none : si->second;
+      const auto &rs = ri == recvs.end() ? none : ri->second;
+      size_t n = std::min(ss.size(), rs.size());
+      for (size_t i = 0; i < n; ++i) {
+        const Instruction &s = plan.ranks[a][ss[i]], &rv = plan.ranks[b][rs[i]];
+        if (s.tensor != rv.tensor || s.stage != rv.stage || s.mb != rv.mb || s.slice != rv.slice ||
+            s.bytes != rv.bytes) {
+          TensorId st{s.stage, s.mb, s.slice, s.tensor}, rt{rv.stage, rv.mb, rv.slice, rv.tensor};
+          return finding("FIFO mismatch between rank {} and rank {}: message {} is {} on the "
+                         "sender (rank {} step {}: {}) but {} on the receiver (rank {} step {}: "
+                         "{}); NCCL matches sends and recvs of a rank pair in order, so the "
+                         "tensors would be swapped\n{}",
+                         a, b, i, describe(st), a, ss[i], tok(int(a), ss[i]), describe(rt), b,
+                         rs[i], tok(int(b), rs[i]),
+                         formatGrid(plan, {GridMark{int(a), ss[i]}, GridMark{int(b), rs[i]}}));
         }
-        if (ss.size() != rs.size()) {
-          bool moreSends = ss.size() > rs.size();
-          size_t r = moreSends ? a : b;
-          uint32_t step = moreSends ? ss[n] : rs[n];
-          return failAt(int(r), step, "rank {} sends {} messages to rank {} but rank {} posts {} "
-                                      "recvs from it",
-                        a, ss.size(), b, b, rs.size());
-        }
+        partner[a][ss[i]] = rs[i];
+        partner[b][rs[i]] = ss[i];
       }
+      if (ss.size() != rs.size()) {
+        bool moreSends = ss.size() > rs.size();
+        size_t r = moreSends ? a : b;
+        uint32_t step = moreSends ? ss[n] : rs[n];
+        return failAt(int(r), step,
+                      "rank {} sends {} messages to rank {} but rank {} posts {} "
+                      "recvs from it",
+                      a, ss.size(), b, b, rs.size());
+      }
+    }
     return llvm::Error::success();
   }
 
@@ -561,13 +564,15 @@ private:
           embStep[i.stage] = n;
           auto it = lastWeightGrad.find(i.stage);
           if (it != lastWeightGrad.end() && it->second > n)
-            return failAt(r, n, "all-reduces stage {}'s embedding gradients before its last "
-                                "weight gradient (step {})",
+            return failAt(r, n,
+                          "all-reduces stage {}'s embedding gradients before its last "
+                          "weight gradient (step {})",
                           i.stage, it->second);
           for (size_t m = n + 1; m < stream.size(); ++m)
             if (stream[m].isP2P())
-              return failAt(r, n, "embedding all-reduce before a send/recv (step {}): the two "
-                                  "ranks could wait for each other across communicators",
+              return failAt(r, n,
+                            "embedding all-reduce before a send/recv (step {}): the two "
+                            "ranks could wait for each other across communicators",
                             m);
         }
         if (i.collective == CollectiveGroup::Dp) {
@@ -576,12 +581,13 @@ private:
           dpStep[i.stage] = n;
           auto it = lastWeightGrad.find(i.stage);
           if (it != lastWeightGrad.end() && it->second > n)
-            return failAt(r, n, "all-reduces stage {}'s gradients before its last weight "
-                                "gradient (step {})",
+            return failAt(r, n,
+                          "all-reduces stage {}'s gradients before its last weight "
+                          "gradient (step {})",
                           i.stage, it->second);
           if (i.bytes != plan.stages[size_t(i.stage)].paramBytes)
-            return failAt(r, n, "carries {} bytes but stage {} has {} bytes of gradients",
-                          i.bytes, i.stage, plan.stages[size_t(i.stage)].paramBytes);
+            return failAt(r, n, "carries {} bytes but stage {} has {} bytes of gradients", i.bytes,
+                          i.stage, plan.stages[size_t(i.stage)].paramBytes);
         }
       }
       if (optimizer != kAbsent) {
@@ -590,8 +596,9 @@ private:
                         lastAllReduce);
         for (auto [stage, n] : lastWeightGrad)
           if (n > optimizer)
-            return failAt(r, optimizer, "optimizer step before stage {}'s last weight gradient "
-                                        "(step {})",
+            return failAt(r, optimizer,
+                          "optimizer step before stage {}'s last weight gradient "
+                          "(step {})",
                           stage, n);
       }
       if (!options.requireCollectives)
@@ -601,14 +608,16 @@ private:
       if (plan.tiedEmbeddings())
         for (int s : {0, plan.numStages() - 1})
           if (plan.rankOf(s) == r && !embStep.count(s))
-            return failAt(r, optimizer, "embeddings are tied but stage {}'s copy is never "
-                                        "all-reduced with the other",
+            return failAt(r, optimizer,
+                          "embeddings are tied but stage {}'s copy is never "
+                          "all-reduced with the other",
                           s);
       if (pc.dp > 1)
         for (const StageInfo &s : plan.stages)
           if (s.rank == r && !dpStep.count(s.stage))
-            return failAt(r, optimizer, "dp = {} but stage {}'s gradients are never "
-                                        "all-reduced",
+            return failAt(r, optimizer,
+                          "dp = {} but stage {}'s gradients are never "
+                          "all-reduced",
                           pc.dp, s.stage);
     }
     return llvm::Error::success();

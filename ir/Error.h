@@ -38,13 +38,11 @@ private:
   std::string msg;
 };
 
-template <typename... Args>
-llvm::Error inputError(fmt::format_string<Args...> f, Args &&...args) {
+template <typename... Args> llvm::Error inputError(fmt::format_string<Args...> f, Args &&...args) {
   return llvm::make_error<InputError>(fmt::format(f, std::forward<Args>(args)...));
 }
 
-template <typename... Args>
-llvm::Error finding(fmt::format_string<Args...> f, Args &&...args) {
+template <typename... Args> llvm::Error finding(fmt::format_string<Args...> f, Args &&...args) {
   return llvm::make_error<Finding>(fmt::format(f, std::forward<Args>(args)...));
 }
 

@@ -49,9 +49,8 @@ llvm::StringRef toString(CollectiveGroup group) {
 }
 
 bool opKindFromString(llvm::StringRef name, OpKind &out) {
-  for (OpKind k : {OpKind::Forward, OpKind::BackwardInput, OpKind::BackwardWeight,
-                   OpKind::Backward, OpKind::Send, OpKind::Recv, OpKind::AllReduce,
-                   OpKind::OptimizerStep}) {
+  for (OpKind k : {OpKind::Forward, OpKind::BackwardInput, OpKind::BackwardWeight, OpKind::Backward,
+                   OpKind::Send, OpKind::Recv, OpKind::AllReduce, OpKind::OptimizerStep}) {
     if (toString(k) == name) {
       out = k;
       return true;

@@ -54,17 +54,17 @@ constexpr int32_t kNoGroup = -1;
 /// A plan instruction. Fields that do not apply to an op are -1 (or 0 for bytes).
 struct Instruction {
   OpKind op = OpKind::Forward;
-  TensorKind tensor = TensorKind::Activation;  // Send/Recv only.
-  CollectiveGroup collective = CollectiveGroup::Dp;  // AllReduce only.
-  OpKind phase = OpKind::Forward;  // tp AllReduce only: Forward, BackwardInput or Backward.
+  TensorKind tensor = TensorKind::Activation;       // Send/Recv only.
+  CollectiveGroup collective = CollectiveGroup::Dp; // AllReduce only.
+  OpKind phase = OpKind::Forward; // tp AllReduce only: Forward, BackwardInput or Backward.
   int32_t stage = -1;
   int32_t mb = -1;
   int32_t slice = -1;
-  int32_t peer = -1;      // Send/Recv: the other pipeline rank.
-  int32_t group = kNoGroup;  // Send/Recv: ops with the same group are issued together.
-  int32_t part = -1;      // Compute split by tp all-reduces: part index, -1 when unsplit.
-  int32_t parts = 0;      // Number of parts when split.
-  int64_t bytes = 0;      // Send/Recv/AllReduce payload.
+  int32_t peer = -1;        // Send/Recv: the other pipeline rank.
+  int32_t group = kNoGroup; // Send/Recv: ops with the same group are issued together.
+  int32_t part = -1;        // Compute split by tp all-reduces: part index, -1 when unsplit.
+  int32_t parts = 0;        // Number of parts when split.
+  int64_t bytes = 0;        // Send/Recv/AllReduce payload.
 
   static Instruction compute(OpKind op, int32_t stage, int32_t mb, int32_t slice) {
     Instruction i;
@@ -76,8 +76,8 @@ struct Instruction {
   }
 
   bool isCompute() const {
-    return op == OpKind::Forward || op == OpKind::BackwardInput ||
-           op == OpKind::BackwardWeight || op == OpKind::Backward;
+    return op == OpKind::Forward || op == OpKind::BackwardInput || op == OpKind::BackwardWeight ||
+           op == OpKind::Backward;
   }
   bool isP2P() const { return op == OpKind::Send || op == OpKind::Recv; }
   /// True for the last (or only) part of a compute op: where its outputs become available.

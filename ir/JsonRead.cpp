@@ -78,7 +78,7 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
   } catch (const Json::out_of_range &e) {
     return inputError("{}: a number is out of range ({})", source,
                       llvm::StringRef(e.what()).contains("overflow") ? "too large for a double"
-                                                                      : "unreadable");
+                                                                     : "unreadable");
   } catch (const Json::parse_error &e) {
     // Turn the byte offset into line:column for the message.
     size_t offset = std::min<size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
@@ -92,8 +92,7 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
       }
     }
     return inputError("{}:{}:{}: malformed JSON ({})", source, line, col,
-                      e.byte >= text.size() ? "unexpected end of input"
-                                            : "unexpected character");
+                      e.byte >= text.size() ? "unexpected end of input" : "unexpected character");
   } catch (const Json::exception &e) {
     return inputError("{}: unreadable JSON ({})", source, e.what());
   }
@@ -127,8 +126,8 @@ llvm::Error JsonReader::onlyKeys(const Json &obj, llvm::StringRef path,
     std::string list;
     for (llvm::StringRef a : allowed)
       list += (list.empty() ? "" : ", ") + a.str();
-    return inputError("{}: {}: unknown field (valid fields: {})", source,
-                      jsonPath(path, it.key()), list);
+    return inputError("{}: {}: unknown field (valid fields: {})", source, jsonPath(path, it.key()),
+                      list);
   }
   return llvm::Error::success();
 }

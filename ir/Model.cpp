@@ -59,7 +59,7 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   double x = double(end - begin), v = double(t.vocabSize), heads = double(t.numAttentionHeads);
   double sigma = causalPositions(begin, end);
   double flopsPerMs = cluster.peakTflops * 1e12 * cluster.achievedFraction / 1e3 * tp;
-  double byteScale = double(t.dtypeBytes()) / 2.0;  // the formulas are for 2-byte types
+  double byteScale = double(t.dtypeBytes()) / 2.0; // the formulas are for 2-byte types
   double dt = double(t.dtypeBytes());
   switch (layer.kind) {
   case LayerKind::Embedding:
@@ -118,8 +118,8 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectObject(j, "$"))
     return err;
-  if (auto err = r.onlyKeys(j, "$", {"format", "device", "gpus_per_node", "intra_node",
-                                     "inter_node"}))
+  if (auto err =
+          r.onlyKeys(j, "$", {"format", "device", "gpus_per_node", "intra_node", "inter_node"}))
     return err;
   std::string format;
   if (auto err = r.getString(j, "$", "format", format, true))
@@ -215,10 +215,10 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   const char *path = "$.transformer";
   if (auto err = r.expectObject(t, path))
     return err;
-  if (auto err = r.onlyKeys(t, path,
-                            {"num_layers", "hidden_size", "num_attention_heads",
-                             "ffn_hidden_size", "vocab_size", "seq_length", "microbatch_size",
-                             "dtype", "tie_embeddings"}))
+  if (auto err =
+          r.onlyKeys(t, path,
+                     {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "vocab_size", "seq_length", "microbatch_size", "dtype", "tie_embeddings"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -267,8 +267,8 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   Layer emb;
   emb.name = "embedding";
   emb.kind = LayerKind::Embedding;
-  emb.paramBytes = int64_t(v * h * dt + double(c.seqLength) * h * dt);  // word + position
-  emb.tpAllReduces = 1;  // vocab-parallel lookup ends in an all-reduce
+  emb.paramBytes = int64_t(v * h * dt + double(c.seqLength) * h * dt); // word + position
+  emb.tpAllReduces = 1; // vocab-parallel lookup ends in an all-reduce
   m.layers.push_back(emb);
   Layer block;
   block.name = "block";
@@ -281,7 +281,7 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   Layer head;
   head.name = "lm_head";
   head.kind = LayerKind::Head;
-  head.paramBytes = int64_t((v * h + 2 * h) * dt);  // untied output embedding + final layernorm
+  head.paramBytes = int64_t((v * h + 2 * h) * dt); // untied output embedding + final layernorm
   head.tpAllReduces = 1;
   m.layers.push_back(head);
   // Megatron mixed precision: 2 (param) + 4 (fp32 grad) + 12 (fp32 master, Adam m and v)
@@ -299,16 +299,15 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
   const Json &j = *parsed;
   if (auto err = r.expectObject(j, "$"))
     return err;
-  if (auto err = r.onlyKeys(j, "$", {"format", "name", "layers", "transformer", "p2p_time",
-                                     "allreduce_time", "seq_length",
-                                     "state_bytes_per_param_byte"}))
+  if (auto err = r.onlyKeys(j, "$",
+                            {"format", "name", "layers", "transformer", "p2p_time",
+                             "allreduce_time", "seq_length", "state_bytes_per_param_byte"}))
     return err;
   std::string format;
   if (auto err = r.getString(j, "$", "format", format, true))
     return err;
   if (format != "pipemodel/1")
-    return inputError("{}: $.format: expected \"pipemodel/1\", got \"{}\"", source.str(),
-                      format);
+    return inputError("{}: $.format: expected \"pipemodel/1\", got \"{}\"", source.str(), format);
   ModelSpec m;
   m.name = llvm::sys::path::stem(source).str();
   if (auto err = r.getString(j, "$", "name", m.name, false))
@@ -330,8 +329,7 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
     if (auto err = parseTransformer(r, j, m))
       return err;
   }
-  if (auto err = r.getNumber(j, "$", "state_bytes_per_param_byte", m.stateBytesPerParamByte,
-                             false))
+  if (auto err = r.getNumber(j, "$", "state_bytes_per_param_byte", m.stateBytesPerParamByte, false))
     return err;
   return m;
 }

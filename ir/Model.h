@@ -71,11 +71,11 @@ struct SliceCost {
 /// pipemodel/1.
 struct ModelSpec {
   std::string name;
-  std::vector<Layer> layers;  // expanded: one entry per layer
-  double p2pTime = 0;         // abstract: fixed time of every transfer
+  std::vector<Layer> layers; // expanded: one entry per layer
+  double p2pTime = 0;        // abstract: fixed time of every transfer
   /// abstract: time of one tp all-reduce (defaults to p2p_time).
   double allReduceTime = 0;
-  int64_t seqLength = 0;      // abstract: optional, default = number of slices
+  int64_t seqLength = 0; // abstract: optional, default = number of slices
   /// Bytes of weights + gradients + optimizer state per byte of parameters (4 for plain Adam
   /// in the parameter precision; 9 for bf16 mixed precision: 18 bytes per parameter).
   double stateBytesPerParamByte = 4;

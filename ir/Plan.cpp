@@ -37,8 +37,7 @@ int rankOfStage(Placement p, int stage, int pp) {
 int64_t Plan::tiedEmbeddingBytes() const {
   if (!transformer)
     return 0;
-  return transformer->vocabSize * transformer->hiddenSize * transformer->dtypeBytes() /
-         parallel.tp;
+  return transformer->vocabSize * transformer->hiddenSize * transformer->dtypeBytes() / parallel.tp;
 }
 
 size_t Plan::numInstructions() const {

@@ -32,8 +32,8 @@ struct ParallelConfig {
 
 /// Stage-to-rank maps a schedule may choose.
 enum class Placement : uint8_t {
-  Loop,    // stage s on rank s % P
-  VShape,  // stage s on rank s for s < P, else 2P - 1 - s
+  Loop,   // stage s on rank s % P
+  VShape, // stage s on rank s for s < P, else 2P - 1 - s
 };
 llvm::StringRef toString(Placement p);
 bool placementFromString(llvm::StringRef name, Placement &out);
@@ -62,15 +62,15 @@ struct RankStats {
   /// When the rank's last dp all-reduce ends (== end without dp).
   double stepEnd = 0;
   int64_t peakActivationBytes = 0;
-  int64_t staticBytes = 0;  // weights, gradients and optimizer state
+  int64_t staticBytes = 0; // weights, gradients and optimizer state
   int64_t peakMemoryBytes = 0;
 };
 
 struct PlanStats {
-  bool simulated = false;  // timing fields valid
-  bool memory = false;     // memory fields valid
+  bool simulated = false; // timing fields valid
+  bool memory = false;    // memory fields valid
   double makespan = 0, bubbleRatio = 0;
-  double stepTime = 0;  // makespan plus what dp all-reduces add past the last compute
+  double stepTime = 0; // makespan plus what dp all-reduces add past the last compute
   std::vector<RankStats> ranks;
 };
 

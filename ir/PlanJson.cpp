@@ -179,8 +179,7 @@ struct PlanReader {
     size_t want = size_t(plan.parallel.seqSplits);
     if (it == obj.end()) {
       if (required)
-        return r.fail(where, fmt::format("an array of {} numbers (one per slice)", want),
-                      nullptr);
+        return r.fail(where, fmt::format("an array of {} numbers (one per slice)", want), nullptr);
       out.assign(want, T(0));
       return llvm::Error::success();
     }
@@ -190,7 +189,7 @@ struct PlanReader {
     for (size_t k = 0; k < it->size(); ++k) {
       const Json &v = (*it)[k];
       bool ok = std::is_integral_v<T> ? v.is_number_integer() : v.is_number();
-      double most = std::is_integral_v<T> ? 9007199254740992.0 : 1e15;  // 2^53, 1e15
+      double most = std::is_integral_v<T> ? 9007199254740992.0 : 1e15; // 2^53, 1e15
       if (!ok || v.get<double>() < 0 || v.get<double>() > most)
         return r.fail(jsonPath(where, k),
                       std::is_integral_v<T> ? "an integer in [0, 2^53]" : "a number in [0, 1e15]",
@@ -207,8 +206,9 @@ struct PlanReader {
     const Json &p = *it;
     if (auto err = r.expectObject(p, "$.parallel"))
       return err;
-    if (auto err = r.onlyKeys(p, "$.parallel", {"pp", "vpp", "tp", "dp", "microbatches",
-                                                "seq_splits", "microbatch_group_size"}))
+    if (auto err = r.onlyKeys(
+            p, "$.parallel",
+            {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits", "microbatch_group_size"}))
       return err;
     ParallelConfig &pc = plan.parallel;
     const char *path = "$.parallel";
@@ -234,12 +234,12 @@ struct PlanReader {
     std::string path = jsonPath("$.stages", index);
     if (auto err = r.expectObject(o, path))
       return err;
-    if (auto err = r.onlyKeys(o, path,
-                              {"stage", "rank", "layers", "forward", "backward_input",
-                               "backward_weight", "activation_bytes", "weight_grad_bytes",
-                               "output_bytes", "param_bytes", "tp_allreduces",
-                               "activation_transfer_time", "gradient_transfer_time",
-                               "tp_allreduce_time", "dp_allreduce_time"}))
+    if (auto err =
+            r.onlyKeys(o, path,
+                       {"stage", "rank", "layers", "forward", "backward_input", "backward_weight",
+                        "activation_bytes", "weight_grad_bytes", "output_bytes", "param_bytes",
+                        "tp_allreduces", "activation_transfer_time", "gradient_transfer_time",
+                        "tp_allreduce_time", "dp_allreduce_time"}))
       return err;
     StageInfo s;
     int32_t stage = -1;
@@ -252,8 +252,8 @@ struct PlanReader {
     if (auto err = r.getInt32(o, path, "rank", s.rank, true))
       return err;
     if (s.rank >= plan.parallel.pp)
-      return r.fail(jsonPath(path, "rank"),
-                    fmt::format("a rank below pp={}", plan.parallel.pp), &o["rank"]);
+      return r.fail(jsonPath(path, "rank"), fmt::format("a rank below pp={}", plan.parallel.pp),
+                    &o["rank"]);
     auto layers = o.find("layers");
     if (layers == o.end() || !layers->is_array() || layers->size() != 2 ||
         !(*layers)[0].is_number_integer() || !(*layers)[1].is_number_integer() ||
@@ -284,8 +284,7 @@ struct PlanReader {
       return err;
     if (auto err = r.getInt32(o, path, "tp_allreduces", s.tpAllReduces, false))
       return err;
-    if (auto err = readArray(o, path, "activation_transfer_time", s.activationTransferTime,
-                             false))
+    if (auto err = readArray(o, path, "activation_transfer_time", s.activationTransferTime, false))
       return err;
     if (auto err = readArray(o, path, "gradient_transfer_time", s.gradientTransferTime, false))
       return err;
@@ -347,8 +346,7 @@ struct PlanReader {
     case OpKind::Send:
     case OpKind::Recv: {
       if (auto err = r.onlyKeys(o, path,
-                                {"op", "tensor", "stage", "mb", "slice", "peer", "bytes",
-                                 "group"}))
+                                {"op", "tensor", "stage", "mb", "slice", "peer", "bytes", "group"}))
         return err;
       std::string tensor;
       if (auto err = r.getString(o, path, "tensor", tensor, true))
@@ -364,9 +362,8 @@ struct PlanReader {
       return r.getInt32(o, path, "group", i.group, false);
     }
     case OpKind::AllReduce: {
-      if (auto err = r.onlyKeys(o, path,
-                                {"op", "group", "stage", "bytes", "phase", "mb", "slice",
-                                 "part", "parts"}))
+      if (auto err = r.onlyKeys(
+              o, path, {"op", "group", "stage", "bytes", "phase", "mb", "slice", "part", "parts"}))
         return err;
       std::string group;
       if (auto err = r.getString(o, path, "group", group, true))
@@ -427,8 +424,8 @@ struct PlanReader {
       plan.ranks[rk].reserve(instrs->size());
       for (size_t n = 0; n < instrs->size(); ++n) {
         Instruction ins;
-        if (auto err = readInstruction((*instrs)[n], jsonPath(jsonPath(path, "instructions"), n),
-                                       ins))
+        if (auto err =
+                readInstruction((*instrs)[n], jsonPath(jsonPath(path, "instructions"), n), ins))
           return err;
         plan.ranks[rk].push_back(ins);
       }
@@ -485,9 +482,10 @@ struct PlanReader {
   llvm::Error read(const Json &j) {
     if (auto err = r.expectObject(j, "$"))
       return err;
-    if (auto err = r.onlyKeys(j, "$", {"format", "schedule", "model", "time_unit", "parallel",
-                                       "placement", "topology", "state_bytes_per_param_byte",
-                                       "transformer", "seq_slices", "stages", "ranks", "stats"}))
+    if (auto err = r.onlyKeys(j, "$",
+                              {"format", "schedule", "model", "time_unit", "parallel", "placement",
+                               "topology", "state_bytes_per_param_byte", "transformer",
+                               "seq_slices", "stages", "ranks", "stats"}))
       return err;
     std::string format;
     if (auto err = r.getString(j, "$", "format", format, true))
@@ -515,8 +513,8 @@ struct PlanReader {
         return err;
       plan.gpusPerNode = int(std::min<int64_t>(gpn, 1 << 20));
     }
-    if (auto err = r.getNumber(j, "$", "state_bytes_per_param_byte",
-                               plan.stateBytesPerParamByte, false))
+    if (auto err =
+            r.getNumber(j, "$", "state_bytes_per_param_byte", plan.stateBytesPerParamByte, false))
       return err;
     if (auto it = j.find("transformer"); it != j.end()) {
       // The same object and checks as a model spec's "transformer".

@@ -127,7 +127,7 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
     i.collective = CollectiveGroup::Tp;
     char letter = s.front();
     s = s.drop_front();
-    i.phase = letter == 'F' ? OpKind::Forward
+    i.phase = letter == 'F'   ? OpKind::Forward
               : letter == 'I' ? OpKind::BackwardInput
                               : OpKind::Backward;
     if ((letter != 'F' && letter != 'I' && letter != 'B') || !eatMbTail(s, i, true, false) ||
@@ -255,7 +255,7 @@ std::string formatGrid(const Plan &plan, llvm::ArrayRef<GridMark> marks, bool co
       cols[r].push_back(formatToken(plan, i));
       width = std::max(width, cols[r].back().size());
     }
-    rowOfStep[r].push_back(cols[r].size());  // one past the end: a rank that finished
+    rowOfStep[r].push_back(cols[r].size()); // one past the end: a rank that finished
     rows = std::max(rows, cols[r].size());
   }
   std::vector<std::string> rowNotes(rows + 1);

@@ -54,9 +54,8 @@ std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed) {
   return std::make_unique<Synthetic>(vocab, seed);
 }
 
-llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
-                                                          llvm::StringRef dtype, int vocab,
-                                                          int seqLen, uint64_t seed) {
+llvm::Expected<std::unique_ptr<DataSource>>
+tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed) {
   auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/false);
   if (!buf)
     return inputError("--data: {}: cannot read: {}", path.str(), buf.getError().message());
@@ -66,7 +65,7 @@ llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
   int32_t header[256];
   if (bytes.size() >= sizeof(header)) {
     std::memcpy(header, bytes.data(), sizeof(header));
-    if (header[0] == 20240520) {  // llm.c's token file
+    if (header[0] == 20240520) { // llm.c's token file
       if (header[1] != 1 && header[1] != 2)
         return inputError("--data: {}: llm.c header version {} (expected 1 or 2)", path.str(),
                           header[1]);
@@ -85,8 +84,7 @@ llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
     if (bytes.size() % width != 0)
       return inputError("--data: {}: {} bytes is not a whole number of {} ids; try "
                         "--data-dtype {}",
-                        path.str(), bytes.size(), dtype.str(),
-                        width == 2 ? "uint32" : "uint16");
+                        path.str(), bytes.size(), dtype.str(), width == 2 ? "uint32" : "uint16");
     count = bytes.size() / width;
   }
   if (count < size_t(seqLen) + 1)
@@ -116,9 +114,9 @@ std::vector<int32_t> microbatchTokens(const DataSource &data, uint64_t index, in
                                       int seqLen) {
   std::vector<int32_t> out(size_t(batch) * size_t(seqLen + 1));
   for (int b = 0; b < batch; ++b)
-    data.sequence(index * uint64_t(batch) + uint64_t(b),
-                  std::span<int32_t>(out).subspan(size_t(b) * size_t(seqLen + 1),
-                                                  size_t(seqLen + 1)));
+    data.sequence(
+        index * uint64_t(batch) + uint64_t(b),
+        std::span<int32_t>(out).subspan(size_t(b) * size_t(seqLen + 1), size_t(seqLen + 1)));
   return out;
 }
 

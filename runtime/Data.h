@@ -31,9 +31,8 @@ public:
 std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
 /// `dtype` is "uint16" or "uint32" for raw files (llm.c headers say it themselves). Every id
 /// must be below `vocab`; the error names the file and the first offending position.
-llvm::Expected<std::unique_ptr<DataSource>> tokenFileData(llvm::StringRef path,
-                                                          llvm::StringRef dtype, int vocab,
-                                                          int seqLen, uint64_t seed);
+llvm::Expected<std::unique_ptr<DataSource>>
+tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed);
 
 /// The `batch` sequences of microbatch `index` (global), each seqLen + 1 ids, back to back.
 std::vector<int32_t> microbatchTokens(const DataSource &data, uint64_t index, int batch,

@@ -6,12 +6,11 @@
 namespace pipec {
 
 RunShared::RunShared(const Plan &plan, Faults faults)
-    : plan(plan),
-      transport(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp,
-                [&plan](int rank, size_t step) {
-                  return fmt::format("rank {} step {} ({})", rank, step,
-                                     formatToken(plan, plan.ranks[size_t(rank)][step]));
-                }),
+    : plan(plan), transport(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp,
+                            [&plan](int rank, size_t step) {
+                              return fmt::format("rank {} step {} ({})", rank, step,
+                                                 formatToken(plan, plan.ranks[size_t(rank)][step]));
+                            }),
       faults(std::move(faults)),
       position(size_t(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp)) {}
 
@@ -42,8 +41,7 @@ public:
     // With tied embeddings whose copies share this rank, the later of the two ops sums them.
     if (plan.tiedEmbeddings() && plan.rankOf(0) == plan.rankOf(plan.numStages() - 1))
       for (size_t n = 0; n < stream.size(); ++n)
-        if (stream[n].op == OpKind::AllReduce &&
-            stream[n].collective == CollectiveGroup::Embedding)
+        if (stream[n].op == OpKind::AllReduce && stream[n].collective == CollectiveGroup::Embedding)
           localEmbeddingStep = n;
   }
 

@@ -26,9 +26,9 @@ std::string Runner::stallReport(double seconds, int step) const {
       if (shared.coordOf(t).pp == r)
         pos = std::min(pos, shared.position[size_t(t)].load());
     const auto &stream = plan.ranks[size_t(r)];
-    std::string last = pos == 0 ? std::string("none")
-                                : fmt::format("step {} ({})", pos - 1,
-                                              formatToken(plan, stream[pos - 1]));
+    std::string last =
+        pos == 0 ? std::string("none")
+                 : fmt::format("step {} ({})", pos - 1, formatToken(plan, stream[pos - 1]));
     std::string pending = pos >= stream.size()
                               ? std::string("none (finished)")
                               : fmt::format("step {} ({})", pos, formatToken(plan, stream[pos]));
@@ -48,8 +48,8 @@ std::string Runner::stallReport(double seconds, int step) const {
     if (pos < stream.size())
       marks.push_back(GridMark{r, pos});
   }
-  return fmt::format("watchdog: no rank made progress for {:.1f} s in step {}{}\n{}", seconds,
-                     step, lines, formatGrid(plan, marks));
+  return fmt::format("watchdog: no rank made progress for {:.1f} s in step {}{}\n{}", seconds, step,
+                     lines, formatGrid(plan, marks));
 }
 
 llvm::Error Runner::step(int index) {

@@ -24,9 +24,8 @@ void InProcessTransport::matchLocked(Channel &c) {
       failure = fmt::format("message mismatch: {} expects {} ({} floats) but the matching send, "
                             "{}, carries {} ({} floats); sends and recvs of a rank pair match in "
                             "order, so these tensors would have been swapped",
-                            where(r->op.rank, r->op.step), describe(r->op.id),
-                            r->op.data.size(), where(s->op.rank, s->op.step),
-                            describe(s->op.id), s->op.data.size());
+                            where(r->op.rank, r->op.step), describe(r->op.id), r->op.data.size(),
+                            where(s->op.rank, s->op.step), describe(s->op.id), s->op.data.size());
       failed = true;
       cv.notify_all();
       return;
@@ -60,7 +59,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     posted[i].op = ops[i];
     posted[i].owner = self;
     if (ops[i].send && ops[i].drop) {
-      posted[i].done.store(true);  // "sent", but nobody will ever see it
+      posted[i].done.store(true); // "sent", but nobody will ever see it
       continue;
     }
     int src = ops[i].send ? self : ops[i].peer, dst = ops[i].send ? ops[i].peer : self;
@@ -109,8 +108,8 @@ llvm::Error InProcessTransport::allReduce(const std::string &key, llvm::ArrayRef
   if (++rv.arrived == members.size()) {
     for (const auto &b : rv.buffers)
       if (b.size() != data.size()) {
-        failure = fmt::format("all-reduce {}: members pass {} and {} floats", key, b.size(),
-                              data.size());
+        failure =
+            fmt::format("all-reduce {}: members pass {} and {} floats", key, b.size(), data.size());
         failed = true;
         cv.notify_all();
         return llvm::make_error<Finding>(failure);

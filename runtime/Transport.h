@@ -19,8 +19,8 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <span>
@@ -40,12 +40,12 @@ std::string describe(const TensorId &t);
 
 struct P2POp {
   bool send = false;
-  int peer = 0;           // thread id
+  int peer = 0; // thread id
   TensorId id;
-  std::span<float> data;  // read for a send, written for a recv
-  int rank = 0;           // pipeline rank and step of the instruction, for diagnostics
+  std::span<float> data; // read for a send, written for a recv
+  int rank = 0;          // pipeline rank and step of the instruction, for diagnostics
   size_t step = 0;
-  bool drop = false;      // fault injection: a send that is never delivered
+  bool drop = false; // fault injection: a send that is never delivered
 };
 
 class InProcessTransport {
@@ -70,7 +70,7 @@ private:
     std::atomic<bool> done{false};
   };
   struct Channel {
-    std::vector<Posted *> sends, recvs;  // FIFO: front at index `head`
+    std::vector<Posted *> sends, recvs; // FIFO: front at index `head`
     size_t sendHead = 0, recvHead = 0;
   };
   struct Rendezvous {
@@ -85,7 +85,7 @@ private:
   std::function<std::string(int, size_t)> where;
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::vector<Channel> channels;  // [src * n + dst]
+  std::vector<Channel> channels; // [src * n + dst]
   std::map<std::string, Rendezvous> rendezvous;
   std::string failure;
   std::atomic<bool> failed{false};

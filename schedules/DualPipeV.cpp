@@ -66,7 +66,7 @@ private:
     // Chunk 0 is stage r (down the V), chunk 1 is stage 2P-1-r (back up).
     const int stage[2] = {r, 2 * p - 1 - r};
     int nextF[2] = {0, 0}, nextB[2] = {0, 0};
-    std::deque<std::pair<int, int>> deferredW;  // (stage, mb) of split backwards, in order
+    std::deque<std::pair<int, int>> deferredW; // (stage, mb) of split backwards, in order
     auto f = [&](int chunk) {
       ops.push_back(Instruction::compute(OpKind::Forward, stage[chunk], nextF[chunk]++, 0));
     };

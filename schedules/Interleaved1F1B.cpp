@@ -70,8 +70,8 @@ public:
                         "{}); a smaller group leaves bubbles; try {}",
                         g, p, p);
     if (m < p)
-      return inputError("interleaved-1f1b needs --microbatches >= --pp (got {}, pp {}); try {}",
-                        m, p, p);
+      return inputError("interleaved-1f1b needs --microbatches >= --pp (got {}, pp {}); try {}", m,
+                        p, p);
     if (g <= 0) {
       // Default G = P: the last group is m mod P, which is 0 or < P, so m must be a multiple
       // of P; or the user picks a group size that leaves a long enough last group.

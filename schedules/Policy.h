@@ -26,7 +26,7 @@ namespace pipec {
 struct ScheduleRequest {
   ParallelConfig parallel;
   llvm::ArrayRef<StageInfo> stages;
-  int64_t memoryLimit = 0;  // bytes per rank; 0 = none given
+  int64_t memoryLimit = 0; // bytes per rank; 0 = none given
 };
 
 /// Compute ops of each rank, in order (ranks[r] for pipeline rank r).
@@ -45,9 +45,7 @@ public:
   virtual llvm::Error check(const ParallelConfig &config) const = 0;
   /// Reject what check() cannot see (stage costs and bytes, --memory-limit); runs on the
   /// partitioned stages, before emit(). Most policies need nothing here.
-  virtual llvm::Error checkRequest(const ScheduleRequest &) const {
-    return llvm::Error::success();
-  }
+  virtual llvm::Error checkRequest(const ScheduleRequest &) const { return llvm::Error::success(); }
   /// Emit every rank's compute order for a configuration that passed check().
   virtual void emit(const ScheduleRequest &request, ComputeOrder &order) const = 0;
 };

@@ -78,8 +78,6 @@ public:
 
 } // namespace
 
-std::unique_ptr<SchedulePolicy> createSeq1F1BPolicy() {
-  return std::make_unique<Seq1F1BPolicy>();
-}
+std::unique_ptr<SchedulePolicy> createSeq1F1BPolicy() { return std::make_unique<Seq1F1BPolicy>(); }
 
 } // namespace pipec

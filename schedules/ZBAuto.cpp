@@ -56,9 +56,9 @@ struct RankCosts {
 
 /// How the greedy chooses when a rank is free and no input gradient is waiting.
 enum class WFill : uint8_t {
-  Eager,  // run a W whenever nothing else is ready
-  Fit,    // run a W only if it ends before the next known (or earliest possible) arrival
-  Lazy,   // run a W only when memory or the cool-down forces it
+  Eager, // run a W whenever nothing else is ready
+  Fit,   // run a W only if it ends before the next known (or earliest possible) arrival
+  Lazy,  // run a W only when memory or the cool-down forces it
 };
 
 struct Variant {
@@ -139,7 +139,7 @@ private:
   Variant v;
   ComputeOrder *out = nullptr;
   using Event = std::pair<double, int>;
-  std::vector<Event> events;  // a min-heap on (time, rank): ties in rank order
+  std::vector<Event> events; // a min-heap on (time, rank): ties in rank order
   double spanBound = kInf;
   bool pruned = false;
   std::vector<int> maxInFlight;
@@ -156,7 +156,7 @@ public:
   const std::vector<int> &inFlight() const { return maxInFlight; }
 
 private:
-  std::vector<double> fEnd, bEnd;  // [r·m + mb]; kUnknown until scheduled
+  std::vector<double> fEnd, bEnd; // [r·m + mb]; kUnknown until scheduled
   std::vector<int> nf, nb, nw, cap;
   std::vector<int64_t> mem;
   std::vector<double> clk, begin, remaining;
@@ -210,9 +210,7 @@ private:
 
   void schedule(int r, OpKind op, double start) {
     size_t ri = size_t(r);
-    double dur = op == OpKind::Forward         ? c.f[ri]
-                 : op == OpKind::BackwardInput ? c.b[ri]
-                                               : c.w[ri];
+    double dur = op == OpKind::Forward ? c.f[ri] : op == OpKind::BackwardInput ? c.b[ri] : c.w[ri];
     double end = start + dur;
     begin[ri] = std::min(begin[ri], start);
     clk[ri] = end;
@@ -267,8 +265,7 @@ private:
     double now = clk[ri];
     // 1. An input gradient that has arrived: I is on every upstream rank's critical path.
     double aB = kUnknown, nextB = kInf;
-    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] &&
-        mem[ri] + c.act[ri] <= limit) {
+    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] && mem[ri] + c.act[ri] <= limit) {
       double a = arrivalF(r, nf[ri]);
       if (a != kUnknown && a <= t) {
         schedule(r, OpKind::Forward, std::max(now, a));

@@ -47,7 +47,7 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k;  // m counts units
+    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k; // m counts units
     order.assign(size_t(p), {});
     for (int r = 0; r < p; ++r) {
       auto &ops = order[size_t(r)];

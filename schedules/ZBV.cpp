@@ -49,7 +49,7 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k;  // m, n count units
+    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k; // m, n count units
     // The order is built for at least 2p-1 microbatches (the warm-up below assumes that many
     // exist); ops of microbatches >= m are then dropped.
     const int n = std::max(2 * p - 1, c.microbatches) * k;

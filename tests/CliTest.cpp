@@ -134,8 +134,8 @@ TEST(CliTest, UnknownScheduleIsExitTwoAndSuggestsTheNearest) {
   expectBadInput(std::string("compile --model ") + kModel +
                      " --schedule 1f1c --pp 4 --microbatches 8",
                  "--schedule: unknown schedule '1f1c' (known: gpipe, 1f1b, ");
-  Result r = pipec(std::string("compile --model ") + kModel +
-                   " --schedule 1f1c --pp 4 --microbatches 8");
+  Result r =
+      pipec(std::string("compile --model ") + kModel + " --schedule 1f1c --pp 4 --microbatches 8");
   EXPECT_NE(r.err.find("); try 1f1b\n"), std::string::npos) << r.err;
 }
 
@@ -216,7 +216,7 @@ TEST(CliTest, ValidateAcceptsACompiledPlanAndRejectsABrokenOne) {
   // Swap rank 1's first two instructions' microbatches: a FIFO mismatch or a dependency error.
   auto j = nlohmann::json::parse(slurp(good));
   auto &ins = j["ranks"][0]["instructions"];
-  std::swap(ins[0], ins[2]);  // F1 before F0's send... and F0 after its own send
+  std::swap(ins[0], ins[2]); // F1 before F0's send... and F0 after its own send
   std::string bad = tmpDir() + "/broken.json";
   spit(bad, j.dump());
   Result r = pipec("validate " + bad);
@@ -257,7 +257,7 @@ TEST(CliTest, SimulateWritesAChromeTraceWithOneTrackPerRank) {
     }
   }
   EXPECT_EQ(tracks, (std::set<int>{0, 1, 2, 3}));
-  EXPECT_EQ(slices, 4 * 8 * 2);  // every F and B of every rank
+  EXPECT_EQ(slices, 4 * 8 * 2); // every F and B of every rank
 }
 
 TEST(CliTest, ShowPrintsTheGridAndTheTextForm) {
@@ -313,7 +313,7 @@ TEST(PiperunTest, RefusesAPlanThatFailsVerification) {
   std::string plan = tinyPlan("bad", "--schedule gpipe --pp 2 --microbatches 2");
   auto j = nlohmann::json::parse(slurp(plan));
   auto &ins = j["ranks"][1]["instructions"];
-  ins.erase(ins.begin());  // rank 1 loses its first recv
+  ins.erase(ins.begin()); // rank 1 loses its first recv
   spit(plan, j.dump());
   Result r = piperun(plan + " --backend cpu");
   EXPECT_EQ(r.code, 1);

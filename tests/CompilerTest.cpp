@@ -53,7 +53,7 @@ TEST(PartitionTest, MinimisesTheLargestStageExactlyAgainstBruteForce) {
     Plan plan = compileOrFail(m, options("gpipe", pp, 1));
     double worst = 0;
     for (const StageInfo &s : plan.stages) {
-      EXPECT_LT(s.layerBegin, s.layerEnd);  // never an empty stage
+      EXPECT_LT(s.layerBegin, s.layerEnd); // never an empty stage
       worst = std::max(worst, s.forward[0]);
     }
     EXPECT_DOUBLE_EQ(worst, bruteForceBest(cost, pp));
@@ -148,7 +148,7 @@ TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {
 TEST(TransformerCostTest, EmbeddingAndHeadAreLayersOfTheFirstAndLastStage) {
   Plan plan = compileOrFail(gpt(6, 1024, 2048, 16), options("1f1b", 4, 8));
   EXPECT_EQ(plan.stages.front().layerBegin, 0);
-  EXPECT_EQ(plan.stages.back().layerEnd, 8);  // embedding + 6 blocks + head
+  EXPECT_EQ(plan.stages.back().layerEnd, 8); // embedding + 6 blocks + head
   EXPECT_EQ(plan.timeUnit, "ms");
   EXPECT_GT(plan.stages.back().activationTransferTime[0], -1);
   // Pipeline neighbours on one 8-GPU node: NVLink latency 3 us + bytes / 450 GB/s.

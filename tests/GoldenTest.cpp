@@ -45,9 +45,8 @@ class GoldenStreams : public ::testing::TestWithParam<GoldenCase> {};
 TEST_P(GoldenStreams, MatchTheCheckedInText) {
   const GoldenCase &c = GetParam();
   // The uniform-8 example: 8 unit layers.
-  Plan plan = compileOrFail(uniformModel(8),
-                            options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp,
-                                    c.dp));
+  Plan plan = compileOrFail(
+      uniformModel(8), options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
   std::string text = formatStreams(plan);
   std::string path = goldenDir + "/" + c.name + ".txt";
   if (update) {

@@ -103,8 +103,7 @@ TEST(Interleaved1F1BTest, BubbleMeetsMegatronsBoundAcrossASweep) {
         int group = g > 0 ? g : p;
         for (int r = 0; r < p; ++r) {
           int warmup = std::min(2 * (p - r - 1) + (v - 1) * group, v * m);
-          EXPECT_EQ(forwardsBeforeFirstBackward(order[size_t(r)]),
-                    std::min(warmup + 1, v * m));
+          EXPECT_EQ(forwardsBeforeFirstBackward(order[size_t(r)]), std::min(warmup + 1, v * m));
         }
       }
     }
@@ -224,8 +223,7 @@ TEST(Seq1F1BTest, BubbleAndActivationsMeetThePaperAcrossASweep) {
         // Warm-up p-r+K-2 sub-sequence forwards, then the steady state's forward.
         auto order = computeOrder(plan);
         for (int r = 0; r < p; ++r)
-          EXPECT_EQ(forwardsBeforeFirstBackward(order[size_t(r)]),
-                    std::min(p - r + k - 1, k * m));
+          EXPECT_EQ(forwardsBeforeFirstBackward(order[size_t(r)]), std::min(p - r + k - 1, k * m));
       }
     }
   }
@@ -307,12 +305,11 @@ TEST(Seq1F1BInterleavedTest, BubbleMeetsTheBoundAcrossASweep) {
         int minG = (p + k - 1) / k;
         for (int m = minG; m <= 64; ++m) {
           if (m % minG != 0 && (m % minG) * k < p)
-            continue;  // needs an explicit group size; the negative tests cover it
+            continue; // needs an explicit group size; the negative tests cover it
           // Of the always-kept corner (p = 16, m = 64) only the smaller v·K.
           if (!sampled(p, m, v, k, /*budget=*/100, /*rate=*/0.1) || (m == 64 && v * k > 8))
             continue;
-          SCOPED_TRACE(testing::Message() << "p=" << p << " v=" << v << " K=" << k
-                                          << " m=" << m);
+          SCOPED_TRACE(testing::Message() << "p=" << p << " v=" << v << " K=" << k << " m=" << m);
           Plan plan = compileOrFail(model, options("seq1f1b-interleaved", p, m, v, k));
           ASSERT_EQ(plan.numRanks(), p);
           ++compiled;
@@ -359,10 +356,9 @@ TEST(Seq1F1BInterleavedTest, RejectsMicrobatchesNotAMultipleOfTheDefaultGroup) {
 }
 
 TEST(Seq1F1BInterleavedTest, RejectsAGroupLargerThanTheMicrobatches) {
-  EXPECT_EQ(
-      compileError(unitStages(8), withGroup(options("seq1f1b-interleaved", 4, 4, 2, 2), 5)),
-      "seq1f1b-interleaved needs --microbatch-group-size <= --microbatches (got 5, "
-      "microbatches 4); try --microbatch-group-size 4");
+  EXPECT_EQ(compileError(unitStages(8), withGroup(options("seq1f1b-interleaved", 4, 4, 2, 2), 5)),
+            "seq1f1b-interleaved needs --microbatch-group-size <= --microbatches (got 5, "
+            "microbatches 4); try --microbatch-group-size 4");
 }
 
 TEST(Seq1F1BInterleavedTest, RejectsAShortLastGroup) {

@@ -117,7 +117,7 @@ TEST(ClusterSpecTest, ParsesAndDefaults) {
   EXPECT_EQ(c->deviceName, "H200");
   EXPECT_EQ(c->gpusPerNode, 4);
   EXPECT_EQ(c->interNode.bandwidthGBps, 25);
-  EXPECT_EQ(c->intraNode.bandwidthGBps, 450);  // default kept
+  EXPECT_EQ(c->intraNode.bandwidthGBps, 450); // default kept
   EXPECT_EQ(c->achievedFraction, 0.55);
 }
 

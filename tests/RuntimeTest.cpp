@@ -77,8 +77,7 @@ TEST_P(EverySchedule, GradientsEqualTheSingleRankReference) {
 INSTANTIATE_TEST_SUITE_P(
     Runtime, EverySchedule,
     ::testing::Values(
-        RunCase{"gpipe", options("gpipe", 4, 4)},
-        RunCase{"onefoneb", options("1f1b", 4, 6)},
+        RunCase{"gpipe", options("gpipe", 4, 4)}, RunCase{"onefoneb", options("1f1b", 4, 6)},
         RunCase{"onefoneb_fewer_microbatches", options("1f1b", 4, 2)},
         RunCase{"onefoneb_tp2", options("1f1b", 2, 4, 1, 1, /*tp=*/2)},
         RunCase{"onefoneb_dp2", options("1f1b", 2, 4, 1, 1, 1, /*dp=*/2)},
@@ -91,8 +90,7 @@ INSTANTIATE_TEST_SUITE_P(
         RunCase{"interleaved", options("interleaved-1f1b", 2, 4, /*vpp=*/2)},
         RunCase{"seq1f1b_k4", options("seq1f1b", 2, 4, 1, /*seqSplits=*/4)},
         RunCase{"seq1f1b_interleaved", options("seq1f1b-interleaved", 2, 4, 2, 2)},
-        RunCase{"zbh1", options("zb-h1", 4, 6)},
-        RunCase{"zbh2", options("zb-h2", 4, 6)},
+        RunCase{"zbh1", options("zb-h1", 4, 6)}, RunCase{"zbh2", options("zb-h2", 4, 6)},
         RunCase{"zbv", options("zb-v", 2, 4, /*vpp=*/2)},
         RunCase{"zbh1_seq2_tp2", options("zb-h1", 2, 3, 1, /*seqSplits=*/2, /*tp=*/2)},
         RunCase{"zbv_seq2", options("zb-v", 2, 3, /*vpp=*/2, /*seqSplits=*/2)},
@@ -108,7 +106,7 @@ TEST(RuntimeTest, LossOfALearnableTaskFallsOver40Steps) {
   o.lr = 1e-2f;
   auto result = runOnCpu(plan, *data, o);
   ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
-  EXPECT_GT(result->losses.front(), 3.0);  // ~ln(32) at the start
+  EXPECT_GT(result->losses.front(), 3.0); // ~ln(32) at the start
   EXPECT_LT(result->losses.back(), 0.5 * result->losses.front());
 }
 
@@ -219,7 +217,7 @@ TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
   std::vector<int32_t> seq(9);
   (*a)->sequence(0, seq);
   for (size_t i = 1; i < seq.size(); ++i)
-    EXPECT_EQ(seq[i], (seq[i - 1] + 1) % 32);  // a window of the file
+    EXPECT_EQ(seq[i], (seq[i - 1] + 1) % 32); // a window of the file
   auto b = tokenFileData(llmc, "uint16", 32, 8, 1);
   ASSERT_TRUE(bool(b)) << takeMessage(b.takeError());
   (*b)->sequence(3, seq);
@@ -227,8 +225,9 @@ TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
     EXPECT_EQ(seq[i], (seq[i - 1] + 7) % 32);
   auto c = tokenFileData(bad, "uint16", 32, 8, 1);
   ASSERT_FALSE(bool(c));
-  EXPECT_NE(takeMessage(c.takeError()).find("token 40 at position 13 is outside the model's "
-                                            "vocab_size 32"),
+  EXPECT_NE(takeMessage(c.takeError())
+                .find("token 40 at position 13 is outside the model's "
+                      "vocab_size 32"),
             std::string::npos);
 }
 

@@ -121,8 +121,7 @@ TEST(VerifierTest, RejectsAComputeOpOnTheWrongRank) {
     rank 1: 1RECV_F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
   )");
   std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 0 step 8 (1F0): stage 1 lives on rank 1, not here"),
-            std::string::npos)
+  EXPECT_NE(msg.find("rank 0 step 8 (1F0): stage 1 lives on rank 1, not here"), std::string::npos)
       << msg;
 }
 

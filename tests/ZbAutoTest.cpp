@@ -23,13 +23,13 @@
 namespace pipec::test {
 namespace {
 
-constexpr int64_t kMB = 1 << 20;  // M_B of every stage in (a)
+constexpr int64_t kMB = 1 << 20; // M_B of every stage in (a)
 
 struct PaperSetting {
   const char *model;
   int p, m;
-  double f, b, w, comm;  // Table 9
-  double zb1p, zb2p;     // Table 5
+  double f, b, w, comm; // Table 9
+  double zb1p, zb2p;    // Table 5
   /// Where zb-auto would fall short of the paper (documented, not hidden): 0 everywhere.
   double zb2pShortfall = 0;
 };
@@ -82,8 +82,8 @@ TEST_P(PaperTable5, AtLeastAsGoodAsZB1pAndZB2p) {
   const double paper[2] = {s.zb1p, s.zb2p + s.zb2pShortfall};
   for (int k = 1; k <= 2; ++k) {
     int64_t limit = int64_t(k) * s.p * kMB;
-    SCOPED_TRACE(testing::Message() << s.model << " p=" << s.p << " m=" << s.m << " limit "
-                                    << k << "p·M_B");
+    SCOPED_TRACE(testing::Message()
+                 << s.model << " p=" << s.p << " m=" << s.m << " limit " << k << "p·M_B");
     Plan plan = compileOrFail(model, zbAuto(s.p, s.m, limit));
     ASSERT_EQ(plan.numRanks(), s.p);
     EXPECT_FALSE(bool(verifyPlan(plan)));
@@ -97,13 +97,11 @@ TEST_P(PaperTable5, AtLeastAsGoodAsZB1pAndZB2p) {
               s.model, s.p, s.m, s.zb1p, ours[0], s.zb2p, ours[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Settings, PaperTable5, ::testing::ValuesIn(kPaper),
-                         [](const auto &info) {
-                           std::string name = info.param.model;
-                           std::replace(name.begin(), name.end(), '.', '_');
-                           return name + "_p" + std::to_string(info.param.p) + "_m" +
-                                  std::to_string(info.param.m);
-                         });
+INSTANTIATE_TEST_SUITE_P(Settings, PaperTable5, ::testing::ValuesIn(kPaper), [](const auto &info) {
+  std::string name = info.param.model;
+  std::replace(name.begin(), name.end(), '.', '_');
+  return name + "_p" + std::to_string(info.param.p) + "_m" + std::to_string(info.param.m);
+});
 
 //===----------------------------------------------------------------------===//
 // (b) Sweep: uneven seeded costs, several limits.
@@ -185,7 +183,7 @@ std::vector<StageInfo> stages(int p, int64_t act) {
   std::vector<StageInfo> out(static_cast<size_t>(p));
   for (int s = 0; s < p; ++s) {
     out[size_t(s)].stage = out[size_t(s)].rank = s;
-    out[size_t(s)].activationBytes = {act + s};  // stage p-1 is the heaviest
+    out[size_t(s)].activationBytes = {act + s}; // stage p-1 is the heaviest
   }
   return out;
 }
@@ -241,14 +239,13 @@ TEST(ZbAutoDiagnosticsTest, CompileRejectsVpp2AndSeqSplits2) {
   ModelSpec model = uniformModel(8);
   CompileOptions o = zbAuto(4, 8, 8 * kMB);
   o.parallel.vpp = 2;
-  EXPECT_NE(errorText(compilePlan(model, ClusterSpec::defaults(), o).takeError())
-                .find("--vpp 1"),
+  EXPECT_NE(errorText(compilePlan(model, ClusterSpec::defaults(), o).takeError()).find("--vpp 1"),
             std::string::npos);
   o = zbAuto(4, 8, 8 * kMB);
   o.parallel.seqSplits = 2;
-  EXPECT_NE(errorText(compilePlan(model, ClusterSpec::defaults(), o).takeError())
-                .find("--seq-splits 1"),
-            std::string::npos);
+  EXPECT_NE(
+      errorText(compilePlan(model, ClusterSpec::defaults(), o).takeError()).find("--seq-splits 1"),
+      std::string::npos);
 }
 
 TEST(ZbAutoDiagnosticsTest, TheLeastLimitStillGivesAValidPlan) {
@@ -265,7 +262,7 @@ TEST(ZbAutoDiagnosticsTest, TheLeastLimitStillGivesAValidPlan) {
 //===----------------------------------------------------------------------===//
 
 TEST(ZbAutoDeterminismTest, SameInputGivesIdenticalStreams) {
-  const PaperSetting &s = kPaper[6];  // 14.6B, p = 16, m = 48
+  const PaperSetting &s = kPaper[6]; // 14.6B, p = 16, m = 48
   ModelSpec model = uniformModel(s.p, s.f, s.b, s.w, kMB, kMB / 2, s.comm);
   for (int k = 1; k <= 2; ++k) {
     Plan a = compileOrFail(model, zbAuto(s.p, s.m, k * s.p * kMB));

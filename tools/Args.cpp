@@ -107,9 +107,16 @@ llvm::Expected<int64_t> Args::bytes(llvm::StringRef flag) const {
   struct Unit {
     const char *name;
     double factor;
-  } units[] = {{"", 1},         {"B", 1},           {"KB", 1e3},        {"MB", 1e6},
-               {"GB", 1e9},     {"TB", 1e12},       {"KiB", 1024.0},    {"MiB", 1048576.0},
-               {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+  } units[] = {{"", 1},
+               {"B", 1},
+               {"KB", 1e3},
+               {"MB", 1e6},
+               {"GB", 1e9},
+               {"TB", 1e12},
+               {"KiB", 1024.0},
+               {"MiB", 1048576.0},
+               {"GiB", 1073741824.0},
+               {"TiB", 1099511627776.0}};
   double factor = -1;
   for (const Unit &u : units)
     if (unit.equals_insensitive(u.name))

@@ -76,8 +76,8 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
   const ParallelConfig &pc = plan.parallel;
   fmt::print("plan: {} on {}: pp={} vpp={} tp={} dp={} microbatches={} seq-splits={} ({} "
              "placement)\n",
-             plan.schedule, plan.model, pc.pp, pc.vpp, pc.tp, pc.dp, pc.microbatches,
-             pc.seqSplits, toString(plan.placement).str());
+             plan.schedule, plan.model, pc.pp, pc.vpp, pc.tp, pc.dp, pc.microbatches, pc.seqSplits,
+             toString(plan.placement).str());
   std::string stages;
   for (const StageInfo &s : plan.stages) {
     std::string one = fmt::format("{}:[{},{})@r{}", s.stage, s.layerBegin, s.layerEnd, s.rank);
@@ -185,7 +185,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
     cluster = *loaded;
   }
 #ifndef NDEBUG
-  constexpr bool verifyEachPass = true;  // debug builds check the invariants after every pass
+  constexpr bool verifyEachPass = true; // debug builds check the invariants after every pass
 #else
   constexpr bool verifyEachPass = false;
 #endif
@@ -278,8 +278,8 @@ llvm::Error cmdShow(int argc, char **argv) {
   if (!plan)
     return plan.takeError();
   const ParallelConfig &pc = plan->parallel;
-  fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule,
-             plan->model, pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
+  fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
+             pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else

@@ -41,10 +41,10 @@ int report(llvm::Error err) {
 }
 
 llvm::Error run(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 1,
-                          {"--backend", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                           "--timeout"},
-                          {"--check-reference"}, "piperun");
+  auto args =
+      Args::parse(argc, argv, 1,
+                  {"--backend", "--steps", "--seed", "--data", "--data-dtype", "--lr", "--timeout"},
+                  {"--check-reference"}, "piperun");
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -56,8 +56,7 @@ llvm::Error run(int argc, char **argv) {
                       "implemented); use --backend cpu",
                       backend);
   if (backend != "cpu")
-    return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu",
-                      backend);
+    return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu", backend);
   auto steps = args->integer("--steps", 1, 1, 1000000);
   if (!steps)
     return steps.takeError();

@@ -37,14 +37,14 @@ namespace pipec::kernels {
 
 struct GptConfig {
   int vocab = 64;
-  int seqLen = 16;      // T: tokens per sequence
-  int channels = 32;    // C
-  int heads = 4;        // H (divisible by tp)
-  int layers = 2;       // L transformer blocks
-  int ffn = 128;        // MLP hidden size (divisible by tp)
-  int microbatch = 2;   // B: sequences per microbatch
+  int seqLen = 16;    // T: tokens per sequence
+  int channels = 32;  // C
+  int heads = 4;      // H (divisible by tp)
+  int layers = 2;     // L transformer blocks
+  int ffn = 128;      // MLP hidden size (divisible by tp)
+  int microbatch = 2; // B: sequences per microbatch
   bool tiedEmbeddings = false;
-  int numLayers() const { return layers + 2; }  // embedding + blocks + head
+  int numLayers() const { return layers + 2; } // embedding + blocks + head
 };
 
 enum class GptLayerKind { Embedding, Block, Head };

@@ -23,9 +23,9 @@ std::vector<std::vector<int32_t>> stepBatch(const DataSource &data, const GptCon
                                             const ParallelConfig &pc, int step, int replica) {
   std::vector<std::vector<int32_t>> out;
   for (int m = 0; m < pc.microbatches; ++m) {
-    uint64_t global = (uint64_t(step) * uint64_t(pc.dp) + uint64_t(replica)) *
-                          uint64_t(pc.microbatches) +
-                      uint64_t(m);
+    uint64_t global =
+        (uint64_t(step) * uint64_t(pc.dp) + uint64_t(replica)) * uint64_t(pc.microbatches) +
+        uint64_t(m);
     out.push_back(microbatchTokens(data, global, cfg.microbatch, cfg.seqLen));
   }
   return out;
@@ -41,7 +41,7 @@ std::vector<std::pair<int, int>> slicesOf(const Plan &plan) {
 /// Gradients of one step, per stage, as the optimizer will see them (dp replica 0).
 struct GradSnapshot {
   std::mutex mu;
-  std::map<std::pair<int, int>, std::vector<float>> byStageAndTp;  // (stage, tp rank)
+  std::map<std::pair<int, int>, std::vector<float>> byStageAndTp; // (stage, tp rank)
 };
 
 class CpuBackend final : public Backend {
@@ -50,13 +50,11 @@ public:
              const CpuRunOptions &options, GradSnapshot *snapshot)
       : plan(plan), cfg(cfg), c(c), data(data), options(options), snapshot(snapshot) {
     const ParallelConfig &pc = plan.parallel;
-    float lossScale = 1.0f / float(int64_t(pc.microbatches) * pc.dp * cfg.microbatch *
-                                   cfg.seqLen);
+    float lossScale = 1.0f / float(int64_t(pc.microbatches) * pc.dp * cfg.microbatch * cfg.seqLen);
     for (const StageInfo &s : plan.stages)
       if (s.rank == c.pp)
-        stages[s.stage] = std::make_unique<StageCompute>(cfg, s.layerBegin, s.layerEnd, c.tp,
-                                                         pc.tp, options.seed, slicesOf(plan),
-                                                         lossScale);
+        stages[s.stage] = std::make_unique<StageCompute>(cfg, s.layerBegin, s.layerEnd, c.tp, pc.tp,
+                                                         options.seed, slicesOf(plan), lossScale);
     // Gradient sends placed after their op's weight gradient (valid, if unusual): that
     // gradient must outlive the slice's state.
     const auto &stream = plan.ranks[size_t(c.pp)];
@@ -137,11 +135,10 @@ public:
 
   std::span<float> sendData(const Instruction &i) override {
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
-      return it->second;  // freed at the next step
+      return it->second; // freed at the next step
     StageCompute &sc = *stages.at(i.stage);
-    std::span<const float> out = i.tensor == TensorKind::Activation
-                                     ? sc.output(i.mb, i.slice)
-                                     : sc.inputGrad(i.mb, i.slice);
+    std::span<const float> out =
+        i.tensor == TensorKind::Activation ? sc.output(i.mb, i.slice) : sc.inputGrad(i.mb, i.slice);
     // The transport only reads a send's data.
     return {const_cast<float *>(out.data()), out.size()};
   }
@@ -169,8 +166,7 @@ public:
   }
 
   llvm::Error afterAllReduce(const Instruction &i) override {
-    if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward &&
-        i.part == i.parts - 1)
+    if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward && i.part == i.parts - 1)
       finishFusedBackward(i.stage, i.mb, i.slice);
     return llvm::Error::success();
   }
@@ -263,8 +259,8 @@ public:
             const CpuRunOptions &options)
       : plan(plan), cfg(cfg), data(data), options(options),
         sc(cfg, 0, cfg.numLayers(), 0, 1, options.seed, {{0, cfg.seqLen}},
-           1.0f / float(int64_t(plan.parallel.microbatches) * plan.parallel.dp *
-                        cfg.microbatch * cfg.seqLen)) {}
+           1.0f / float(int64_t(plan.parallel.microbatches) * plan.parallel.dp * cfg.microbatch *
+                        cfg.seqLen)) {}
 
   double step(int index) {
     const ParallelConfig &pc = plan.parallel;
@@ -283,7 +279,7 @@ public:
         sc.backwardInput(m, 0, p, {});
       sc.backwardWeight(m, 0);
     }
-    return loss;  // (one stage holding both tied copies sums their gradients itself)
+    return loss; // (one stage holding both tied copies sums their gradients itself)
   }
 
   std::span<float> layerGrads(int layer) {
@@ -312,8 +308,8 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       "examples/tiny-gpt.json)",
                       plan.model);
   const TransformerConfig &t = *plan.transformer;
-  if (t.hiddenSize > 4096 || t.seqLength > 8192 || t.vocabSize > 1 << 20 ||
-      t.numLayers > 256 || t.microbatchSize > 64)
+  if (t.hiddenSize > 4096 || t.seqLength > 8192 || t.vocabSize > 1 << 20 || t.numLayers > 256 ||
+      t.microbatchSize > 64)
     return inputError("model '{}' is too large for the cpu reference backend (hidden {}, "
                       "seq_length {}, vocab {}); use a small model such as "
                       "examples/tiny-gpt.json",
