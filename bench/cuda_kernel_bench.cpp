@@ -1,0 +1,147 @@
+//===- cuda_kernel_bench.cpp - achieved TFLOP/s of the CUDA matmuls and attention ----===//
+//
+// Times the ops of kernels/cuda/CudaOps.h at the sizes of a GPT layer (8k tokens, hidden 4096,
+// 32 heads of 128) in bf16 — the matmuls of the layer in their three forms (forward, input
+// gradient, weight gradient: the B/W split) and causal attention, whole-sequence and as the
+// last of four Seq1F1B slices — and reports TFLOP/s and the fraction of the H200's dense bf16
+// peak (989 TFLOP/s). One fp32 matmul shows the strict-fp32 rate. Times are wall clock over
+// repeated launches on one stream after warm-up, with a synchronize at both ends.
+//   bazel run -c opt //bench:cuda_kernel_bench            # the full sizes
+//   bazel run -c opt //bench:cuda_kernel_bench -- --quick # 1/4 the tokens
+// Not a test: the numbers go into the README.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/CudaOps.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+using namespace pipec::kernels::cuda;
+
+namespace {
+
+constexpr double kPeakBf16TFlops = 989.0; // H200 SXM, dense bf16
+
+struct Bench {
+  CudaContext &ctx;
+  std::vector<DeviceBuffer> buffers;
+
+  /// A zeroed buffer of `n` elements of `dtype` that lives as long as the bench.
+  void *buffer(size_t n, DType dtype) {
+    llvm::Expected<DeviceBuffer> b = DeviceBuffer::allocate(n * sizeOf(dtype));
+    if (!b)
+      die(b.takeError());
+    if (llvm::Error err = ctx.memsetZero(b->data(), n * sizeOf(dtype)))
+      die(std::move(err));
+    buffers.push_back(std::move(*b));
+    return buffers.back().data();
+  }
+
+  [[noreturn]] static void die(llvm::Error err) {
+    fmt::print(stderr, "cuda_kernel_bench: error: {}\n", llvm::toString(std::move(err)));
+    std::exit(1);
+  }
+
+  /// Seconds per call of `op`: 2 warm-up calls, then as many as fit in ~0.5 s (3..50).
+  double time(const std::function<llvm::Error()> &op) {
+    using Clock = std::chrono::steady_clock;
+    auto run = [&](int calls) {
+      if (llvm::Error err = ctx.synchronize())
+        die(std::move(err));
+      auto start = Clock::now();
+      for (int k = 0; k < calls; ++k)
+        if (llvm::Error err = op())
+          die(std::move(err));
+      if (llvm::Error err = ctx.synchronize())
+        die(std::move(err));
+      return std::chrono::duration<double>(Clock::now() - start).count();
+    };
+    run(2);
+    double once = run(1);
+    int calls = std::max(3, std::min(50, int(0.5 / std::max(once, 1e-6))));
+    return run(calls) / calls;
+  }
+
+  void report(const std::string &name, double flops, double seconds) {
+    double tflops = flops / seconds / 1e12;
+    fmt::print("{:<44} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
+               tflops, 100.0 * tflops / kPeakBf16TFlops);
+    std::fflush(stdout);
+  }
+
+  // A row-major (n, i) @ (i, o) matmul in its three forms.
+  void matmul(const std::string &name, DType dt, int n, int i, int o) {
+    void *x = buffer(size_t(n) * i, dt), *w = buffer(size_t(i) * o, dt);
+    void *y = buffer(size_t(n) * o, dt), *bias = buffer(o, dt);
+    auto *dW = static_cast<float *>(buffer(size_t(i) * o, DType::F32));
+    const double flops = 2.0 * n * i * o;
+    const std::string shape = fmt::format("{} {} ({}x{}x{})", name, toString(dt), n, i, o);
+    report(shape + " fwd+bias", flops,
+           time([&] { return matmulForward(ctx, dt, y, x, w, bias, n, i, o); }));
+    report(shape + " dX (B)", flops,
+           time([&] { return matmulBackwardInput(ctx, dt, x, y, w, n, i, o); }));
+    report(shape + " dW (W)", flops,
+           time([&] { return matmulBackwardWeight(ctx, dt, dW, nullptr, x, y, n, i, o); }));
+  }
+
+  // Causal attention of queries [a, a + x) over keys [0, a + x).
+  void attention(const std::string &name, DType dt, AttentionShape s) {
+    const size_t qSize = size_t(s.batch) * s.queries * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    void *q = buffer(qSize, dt), *k = buffer(kvSize, dt), *v = buffer(kvSize, dt);
+    void *out = buffer(qSize, dt), *dOut = buffer(qSize, dt), *dq = buffer(qSize, dt);
+    void *dk = buffer(kvSize, dt), *dv = buffer(kvSize, dt);
+    auto *lse = static_cast<float *>(buffer(size_t(s.batch) * s.heads * s.queries, DType::F32));
+    // Visible (query, key) pairs: query a + t sees a + t + 1 keys.
+    const double pairs = double(s.queries) * s.begin + double(s.queries) * (s.queries + 1) / 2.0;
+    const double fwdFlops = 4.0 * s.batch * s.heads * s.headDim * pairs; // QK^T and PV
+    const std::string shape = fmt::format("{} {} (B{} x{} a{} H{} hd{})", name, toString(dt),
+                                          s.batch, s.queries, s.begin, s.heads, s.headDim);
+    report(shape + " fwd", fwdFlops,
+           time([&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); }));
+    // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
+    report(shape + " bwd", 2.5 * fwdFlops, time([&] {
+             return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
+           }));
+  }
+};
+
+} // namespace
+
+int main(int argc, char **argv) {
+  bool quick = false;
+  for (int k = 1; k < argc; ++k) {
+    if (std::strcmp(argv[k], "--quick") == 0) {
+      quick = true;
+      continue;
+    }
+    fmt::print(stderr, "cuda_kernel_bench: error: unknown flag '{}' (known: --quick)\n", argv[k]);
+    return 2;
+  }
+  llvm::Expected<std::unique_ptr<CudaContext>> ctx = CudaContext::create(/*device=*/0);
+  if (!ctx)
+    Bench::die(ctx.takeError());
+  Bench bench{**ctx, {}};
+  const int tokens = quick ? 2048 : 8192, hidden = 4096, heads = 32, headDim = 128;
+  fmt::print("cuda_kernel_bench: {} tokens, hidden {}, {} heads of {}; peak {} TFLOP/s "
+             "(H200 dense bf16)\n",
+             tokens, hidden, heads, headDim, kPeakBf16TFlops);
+  bench.matmul("qkv", DType::BF16, tokens, hidden, 3 * hidden);
+  bench.matmul("attn-proj", DType::BF16, tokens, hidden, hidden);
+  bench.matmul("mlp-up", DType::BF16, tokens, hidden, 4 * hidden);
+  bench.matmul("mlp-down", DType::BF16, tokens, 4 * hidden, hidden);
+  bench.matmul("attn-proj", DType::F32, tokens, hidden, hidden);
+  bench.attention("attention", DType::BF16,
+                  {/*batch=*/1, /*queries=*/tokens, /*begin=*/0, heads, headDim});
+  bench.attention("attention last-of-4 slice", DType::BF16,
+                  {/*batch=*/1, /*queries=*/tokens / 4, /*begin=*/3 * tokens / 4, heads, headDim});
+  return 0;
+}

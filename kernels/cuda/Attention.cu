@@ -1,0 +1,373 @@
+//===- Attention.cu - causal attention of a query slice over earlier keys ---===//
+//
+// Seq1F1B's attention: the queries of one sub-sequence, positions [a, a + x), attend to the
+// keys and values of positions [0, a + x) — the slice's own and those kept from earlier slices
+// of the same microbatch. Layouts are the CPU reference's (kernels/cpu/Ops.h):
+//   q, out, dq   (B, x, H*hd)       row (b, t), head h at columns [h*hd, (h+1)*hd)
+//   k, v, dk, dv (a + x, B, H*hd)   position-major, so a slice's K/V append to the cache
+//   lse          (B, H, x)          fp32 log-sum-exp of a query row's scaled scores
+//
+// Flash-attention structure, without tensor cores yet (correctness first): nothing quadratic is
+// stored. The forward streams tiles of 32 keys through shared memory with an online softmax; the
+// backward recomputes the probabilities from lse, in two kernels so that no gradient needs an
+// atomic: one warp per query row for dq, one warp per key row for dk and dv. Inside a tile,
+// lane L owns key (or query) L of the tile for the dot products, and dimension d = lane + 32 r
+// (r < 8, so hd <= 256) for the output accumulators; probabilities move between the two
+// ownerships by warp shuffles. Shared tiles are padded to hd + 1 floats a row, so the lanes'
+// column reads fall in distinct banks.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/Device.cuh"
+#include "kernels/cuda/Launch.h"
+
+#include <cmath>
+#include <type_traits>
+
+namespace pipec::kernels::cuda {
+namespace {
+
+using namespace device;
+
+constexpr int kTile = kWarp;     // keys (or queries) per shared tile: one per lane
+constexpr int kRowsPerBlock = 8; // warps per block, one query (or key) row each
+constexpr int kThreads = kRowsPerBlock * kWarp;
+constexpr int kPerLane = launch::kMaxHeadDim / kWarp;
+static_assert(kTile == kWarp, "lane L owns row L of a tile");
+static_assert(launch::kMaxHeadDim % kWarp == 0, "a lane owns whole strides of the head dim");
+
+struct Dims {
+  int batch, queries, begin, heads, headDim;
+  __host__ __device__ int width() const { return heads * headDim; }
+  __host__ __device__ int keys() const { return begin + queries; }
+  __device__ size_t qRow(int b, int t, int h) const {
+    return (size_t(b) * queries + t) * width() + size_t(h) * headDim;
+  }
+  __device__ size_t kvRow(int j, int b, int h) const {
+    return (size_t(j) * batch + b) * width() + size_t(h) * headDim;
+  }
+  __device__ size_t statRow(int b, int h, int t) const {
+    return (size_t(b) * heads + h) * queries + t;
+  }
+};
+
+/// Copies rows [row0, row0 + kTile) of a (b, h) head into a padded shared tile (pitch hd + 1),
+/// zeros past `rows`; `rowOffset(r)` is the element offset of row r's head. All threads call it.
+template <typename T, typename RowOffset>
+__device__ void loadTile(float *__restrict__ tile, const T *__restrict__ src, int row0, int rows,
+                         int hd, RowOffset rowOffset) {
+  for (int idx = threadIdx.x; idx < kTile * hd; idx += blockDim.x) {
+    const int r = idx / hd, d = idx % hd;
+    const int row = row0 + r;
+    tile[r * (hd + 1) + d] = row < rows ? toFloat(src[rowOffset(row) + d]) : 0.0f;
+  }
+}
+
+/// sum_d a[d] * b[d] over hd values; `a` is read with stride 1 from a warp-private row.
+__device__ __forceinline__ float dot(const float *__restrict__ a, const float *__restrict__ b,
+                                     int hd) {
+  float sum = 0.0f;
+  for (int d = 0; d < hd; ++d)
+    sum += a[d] * b[d];
+  return sum;
+}
+
+// out (B, x, H*hd), lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd).
+// grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    forwardKernel(T *__restrict__ out, float *__restrict__ lse, const T *__restrict__ q,
+                  const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
+  extern __shared__ float smem[];
+  const int hd = s.headDim, pitch = hd + 1;
+  float *ks = smem;               // (32, hd + 1)
+  float *vs = ks + kTile * pitch; // (32, hd + 1)
+  float *qs = vs + kTile * pitch; // (8, hd)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = t < s.queries;
+  const int pos = s.begin + t; // keys [0, pos] are visible
+  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
+  float *qRow = qs + warp * hd;
+  if (active)
+    for (int d = lane; d < hd; d += kWarp)
+      qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
+
+  float runMax = -INFINITY, runSum = 0.0f, acc[kPerLane] = {};
+  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
+    __syncthreads(); // the previous tile is consumed (and qs written, on the first pass)
+    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
+    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
+    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
+    __syncthreads();
+    if (!active || j0 > pos)
+      continue;
+    const int j = j0 + lane;
+    const float score = j <= pos ? dot(qRow, ks + lane * pitch, hd) * scale : -INFINITY;
+    const float newMax = fmaxf(runMax, warpMax(score)); // finite: key j0 <= pos is visible
+    const float p = j <= pos ? expf(score - newMax) : 0.0f;
+    const float correction = expf(runMax - newMax);
+    runSum = runSum * correction + warpSum(p);
+    runMax = newMax;
+#pragma unroll
+    for (int r = 0; r < kPerLane; ++r)
+      acc[r] *= correction;
+    const int visible = min(kTile, pos - j0 + 1);
+    for (int l = 0; l < visible; ++l) {
+      const float pl = __shfl_sync(kFullMask, p, l);
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd)
+          acc[r] += pl * vs[l * pitch + d];
+      }
+    }
+  }
+  if (!active)
+    return;
+  const float inv = 1.0f / runSum;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd)
+      out[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r] * inv);
+  }
+  if (lane == 0)
+    lse[s.statRow(b, h, t)] = runMax + logf(runSum);
+}
+
+// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP).
+template <typename T>
+__global__ void rowDotKernel(float *__restrict__ rowDot, const T *__restrict__ dOut,
+                             const T *__restrict__ out, Dims s) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  if (t >= s.queries)
+    return;
+  const size_t row = s.qRow(b, t, h);
+  float sum = 0.0f;
+  for (int d = lane; d < s.headDim; d += kWarp)
+    sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
+  sum = warpSum(sum);
+  if (lane == 0)
+    rowDot[s.statRow(b, h, t)] = sum;
+}
+
+// dq (B, x, H*hd) = sum_j dS_j k_j, dS_j = p_j (dO . v_j - rowDot) * scale. Grid as forward.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    backwardQueryKernel(T *__restrict__ dq, const T *__restrict__ dOut,
+                        const float *__restrict__ lse, const float *__restrict__ rowDot,
+                        const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                        Dims s, float scale) {
+  extern __shared__ float smem[];
+  const int hd = s.headDim, pitch = hd + 1;
+  float *ks = smem;                     // (32, hd + 1)
+  float *vs = ks + kTile * pitch;       // (32, hd + 1)
+  float *qs = vs + kTile * pitch;       // (8, hd)
+  float *dos = qs + kRowsPerBlock * hd; // (8, hd)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = t < s.queries;
+  const int pos = s.begin + t;
+  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
+  float *qRow = qs + warp * hd, *doRow = dos + warp * hd;
+  float rowLse = 0.0f, rowD = 0.0f;
+  if (active) {
+    for (int d = lane; d < hd; d += kWarp) {
+      qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
+      doRow[d] = toFloat(dOut[s.qRow(b, t, h) + d]);
+    }
+    rowLse = lse[s.statRow(b, h, t)];
+    rowD = rowDot[s.statRow(b, h, t)];
+  }
+  float acc[kPerLane] = {};
+  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
+    __syncthreads();
+    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
+    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
+    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
+    __syncthreads();
+    if (!active || j0 > pos)
+      continue;
+    const int j = j0 + lane;
+    float ds = 0.0f;
+    if (j <= pos) {
+      const float p = expf(dot(qRow, ks + lane * pitch, hd) * scale - rowLse);
+      ds = p * (dot(doRow, vs + lane * pitch, hd) - rowD) * scale;
+    }
+    const int visible = min(kTile, pos - j0 + 1);
+    for (int l = 0; l < visible; ++l) {
+      const float dsl = __shfl_sync(kFullMask, ds, l);
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd)
+          acc[r] += dsl * ks[l * pitch + d];
+      }
+    }
+  }
+  if (!active)
+    return;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd)
+      dq[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r]);
+  }
+}
+
+// dk, dv (a+x, B, H*hd) += over the queries t that see key j (a + t >= j):
+//   dv_j += p dO_t;  dk_j += dS q_t.
+// grid (ceil((a+x) / 8), B*H); warp w: key j = blockIdx.x * 8 + w.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    backwardKeyValueKernel(T *__restrict__ dk, T *__restrict__ dv, const T *__restrict__ dOut,
+                           const float *__restrict__ lse, const float *__restrict__ rowDot,
+                           const T *__restrict__ q, const T *__restrict__ k,
+                           const T *__restrict__ v, Dims s, float scale) {
+  extern __shared__ float smem[];
+  const int hd = s.headDim, pitch = hd + 1;
+  float *qs = smem;                            // (32, hd + 1)
+  float *dos = qs + kTile * pitch;             // (32, hd + 1)
+  float *kRows = dos + kTile * pitch;          // (8, hd)
+  float *vRows = kRows + kRowsPerBlock * hd;   // (8, hd)
+  float *lseTile = vRows + kRowsPerBlock * hd; // (32)
+  float *dTile = lseTile + kTile;              // (32)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int j = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = j < s.keys();
+  float *kRow = kRows + warp * hd, *vRow = vRows + warp * hd;
+  if (active)
+    for (int d = lane; d < hd; d += kWarp) {
+      kRow[d] = toFloat(k[s.kvRow(j, b, h) + d]);
+      vRow[d] = toFloat(v[s.kvRow(j, b, h) + d]);
+    }
+  // The block's first key is seen from query max(0, j0 - a) on.
+  const int firstQuery = max(0, int(blockIdx.x) * kRowsPerBlock - s.begin);
+  float dkAcc[kPerLane] = {}, dvAcc[kPerLane] = {};
+  for (int t0 = firstQuery / kTile * kTile; t0 < s.queries; t0 += kTile) {
+    __syncthreads();
+    auto qOffset = [&](int t) { return s.qRow(b, t, h); };
+    loadTile(qs, q, t0, s.queries, hd, qOffset);
+    loadTile(dos, dOut, t0, s.queries, hd, qOffset);
+    if (threadIdx.x < kTile) {
+      const int t = t0 + threadIdx.x;
+      lseTile[threadIdx.x] = t < s.queries ? lse[s.statRow(b, h, t)] : 0.0f;
+      dTile[threadIdx.x] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+    }
+    __syncthreads();
+    if (!active)
+      continue;
+    const int t = t0 + lane;
+    const bool sees = t < s.queries && s.begin + t >= j;
+    float p = 0.0f, ds = 0.0f;
+    if (sees) {
+      p = expf(dot(kRow, qs + lane * pitch, hd) * scale - lseTile[lane]);
+      ds = p * (dot(vRow, dos + lane * pitch, hd) - dTile[lane]) * scale;
+    }
+    for (int l = 0; l < kTile; ++l) {
+      const float pl = __shfl_sync(kFullMask, p, l);
+      const float dsl = __shfl_sync(kFullMask, ds, l);
+      if (pl == 0.0f && dsl == 0.0f)
+        continue; // uniform across the warp: masked query
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd) {
+          dvAcc[r] += pl * dos[l * pitch + d];
+          dkAcc[r] += dsl * qs[l * pitch + d];
+        }
+      }
+    }
+  }
+  if (!active)
+    return;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd) {
+      const size_t at = s.kvRow(j, b, h) + d;
+      dk[at] = fromFloat<T>(toFloat(dk[at]) + dkAcc[r]);
+      dv[at] = fromFloat<T>(toFloat(dv[at]) + dvAcc[r]);
+    }
+  }
+}
+
+Dims toDims(launch::AttentionDims d) {
+  return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim};
+}
+
+/// Launches `kernel` with `smemBytes` of dynamic shared memory, raising its limit past the
+/// 48 KiB default when the head dimension needs it.
+template <typename Kernel, typename... Args>
+cudaError_t launchWithSmem(Kernel kernel, dim3 grid, size_t smemBytes, cudaStream_t stream,
+                           Args... args) {
+  if (cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smemBytes)))
+    return err;
+  kernel<<<grid, kThreads, smemBytes, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+} // namespace
+
+namespace launch {
+
+cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
+                             const void *v, AttentionDims dims, cudaStream_t stream) {
+  const Dims s = toDims(dims);
+  if (s.batch == 0 || s.queries == 0 || s.heads == 0)
+    return cudaSuccess;
+  if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
+    return cudaErrorInvalidValue;
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
+  const size_t smem = sizeof(float) * (2 * kTile * (s.headDim + 1) + kRowsPerBlock * s.headDim);
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return launchWithSmem(forwardKernel<T>, grid, smem, stream, static_cast<T *>(out), lse,
+                          static_cast<const T *>(q), static_cast<const T *>(k),
+                          static_cast<const T *>(v), s, scale);
+  });
+}
+
+cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const void *dOut,
+                              const void *out, const float *lse, const void *q, const void *k,
+                              const void *v, float *rowDot, AttentionDims dims,
+                              cudaStream_t stream) {
+  const Dims s = toDims(dims);
+  if (s.batch == 0 || s.queries == 0 || s.heads == 0)
+    return cudaSuccess;
+  if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
+    return cudaErrorInvalidValue;
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  const dim3 queryGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
+  const dim3 keyGrid(ceilDiv(s.keys(), kRowsPerBlock), unsigned(s.batch * s.heads));
+  const size_t tiles = 2 * kTile * (s.headDim + 1) + 2 * kRowsPerBlock * s.headDim;
+  const size_t querySmem = sizeof(float) * tiles;
+  const size_t keySmem = sizeof(float) * (tiles + 2 * kTile);
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T *dOutT = static_cast<const T *>(dOut);
+    const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
+            *vT = static_cast<const T *>(v);
+    rowDotKernel<T>
+        <<<queryGrid, kThreads, 0, stream>>>(rowDot, dOutT, static_cast<const T *>(out), s);
+    if (cudaError_t err = cudaGetLastError())
+      return err;
+    if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, querySmem, stream,
+                                         static_cast<T *>(dq), dOutT, lse,
+                                         static_cast<const float *>(rowDot), qT, kT, vT, s, scale))
+      return err;
+    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, keySmem, stream, static_cast<T *>(dk),
+                          static_cast<T *>(dv), dOutT, lse, static_cast<const float *>(rowDot), qT,
+                          kT, vT, s, scale);
+  });
+}
+
+} // namespace launch
+} // namespace pipec::kernels::cuda

@@ -1,0 +1,118 @@
+//===- CrossEntropy.cu - softmax cross entropy over the vocabulary ---------===//
+//
+// One block per row of logits (n, V): each thread keeps a running (max, sum of exp) over a
+// strided share of the row — one pass, the online-softmax merge — then the block merges the
+// pairs through shared memory. The forward keeps only the row's log-sum-exp (n), not the (n, V)
+// probabilities; the backward recomputes softmax from it, and may overwrite the logits in place
+// (so that the LM head never holds two vocabulary-wide buffers). The CPU reference sums the
+// exponentials in double; here the sum is fp32 over ~V/256 terms per thread, then a tree.
+// A target outside [0, V) makes the row's loss NaN (the CPU asserts).
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/Device.cuh"
+#include "kernels/cuda/Launch.h"
+
+#include <type_traits>
+
+namespace pipec::kernels::cuda {
+namespace {
+
+using namespace device;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kWarp;
+static_assert(kThreads % kWarp == 0 && kWarps <= kWarp, "one warp merges the warps' partials");
+
+struct MaxSum {
+  float max, sum;
+};
+
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.max, b.max);
+  if (m == -INFINITY)
+    return {m, 0.0f};
+  return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+}
+
+__device__ __forceinline__ MaxSum warpMerge(MaxSum x) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    MaxSum other{__shfl_xor_sync(kFullMask, x.max, offset),
+                 __shfl_xor_sync(kFullMask, x.sum, offset)};
+    x = merge(x, other);
+  }
+  return x;
+}
+
+// rowLoss, lse (n) from logits (n, V); grid n blocks.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    forwardKernel(float *__restrict__ rowLoss, float *__restrict__ lse,
+                  const T *__restrict__ logits, const int32_t *__restrict__ targets, int v,
+                  float scale) {
+  __shared__ MaxSum partial[kWarps];
+  const size_t row = blockIdx.x;
+  const T *l = logits + row * v;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int c = threadIdx.x; c < v; c += kThreads)
+    acc = merge(acc, MaxSum{toFloat(l[c]), 1.0f});
+  acc = warpMerge(acc);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0)
+    partial[warp] = acc;
+  __syncthreads();
+  if (warp != 0)
+    return;
+  acc = warpMerge(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.0f});
+  if (lane != 0)
+    return;
+  const float rowLse = acc.max + logf(acc.sum);
+  const int32_t target = targets[row];
+  lse[row] = rowLse;
+  rowLoss[row] = target >= 0 && target < v ? (rowLse - toFloat(l[target])) * scale : NAN;
+}
+
+// dLogits (n, V) = (exp(logits - lse) - onehot(target)) * scale; may alias logits.
+template <typename T>
+__global__ void backwardKernel(T *dLogits, const T *logits, const float *__restrict__ lse,
+                               const int32_t *__restrict__ targets, int v, float scale) {
+  const size_t row = blockIdx.x;
+  const float rowLse = lse[row];
+  const int32_t target = targets[row];
+  for (int c = threadIdx.x; c < v; c += blockDim.x) {
+    const float p = expf(toFloat(logits[row * v + c]) - rowLse);
+    dLogits[row * v + c] = fromFloat<T>((p - (c == target ? 1.0f : 0.0f)) * scale);
+  }
+}
+
+} // namespace
+
+namespace launch {
+
+cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,
+                                const int32_t *targets, int n, int v, float scale,
+                                cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    forwardKernel<T><<<unsigned(n), kThreads, 0, stream>>>(
+        rowLoss, lse, static_cast<const T *>(logits), targets, v, scale);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t crossEntropyBackward(DType dtype, void *dLogits, const void *logits, const float *lse,
+                                 const int32_t *targets, int n, int v, float scale,
+                                 cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    backwardKernel<T><<<unsigned(n), kThreads, 0, stream>>>(
+        static_cast<T *>(dLogits), static_cast<const T *>(logits), lse, targets, v, scale);
+    return cudaGetLastError();
+  });
+}
+
+} // namespace launch
+} // namespace pipec::kernels::cuda

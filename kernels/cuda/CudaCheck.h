@@ -1,0 +1,46 @@
+//===- CudaCheck.h - CUDA and cuBLAS status codes to llvm::Error -*- C++ -*-===//
+//
+// The one checked funnel of the CUDA code (STYLE 9, after NCCL's checks.h without its gotos):
+// every runtime or cuBLAS(Lt) call goes through PIPEC_CUDA_TRY / PIPEC_CUBLAS_TRY, which on
+// failure return an llvm::Error reading
+//
+//   cudaMalloc(&ptr, bytes) failed: cudaErrorMemoryAllocation (2: out of memory) at
+//   kernels/cuda/CudaOps.cpp:120
+//
+// Cleanup is the caller's RAII, so an early return leaks nothing. Kernel launches are checked
+// with PIPEC_CUDA_TRY(cudaGetLastError()) right after the launch (the .cu launchers return it).
+// This header includes CUDA's; it is for kernels/cuda/ only — CudaOps.h is the public face.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_CUDACHECK_H
+#define PIPEC_KERNELS_CUDA_CUDACHECK_H
+
+#include "llvm/Support/Error.h"
+
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+namespace pipec::kernels::cuda {
+
+/// "<call> failed: <name> (<code>: <description>) at <file>:<line>".
+llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, int line);
+llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line);
+
+} // namespace pipec::kernels::cuda
+
+#define PIPEC_CUDA_TRY(call)                                                                       \
+  do {                                                                                             \
+    cudaError_t pipecCudaStatus = (call);                                                          \
+    if (pipecCudaStatus != cudaSuccess)                                                            \
+      return ::pipec::kernels::cuda::makeCudaError(#call, pipecCudaStatus, __FILE__, __LINE__);    \
+  } while (false)
+
+#define PIPEC_CUBLAS_TRY(call)                                                                     \
+  do {                                                                                             \
+    cublasStatus_t pipecCublasStatus = (call);                                                     \
+    if (pipecCublasStatus != CUBLAS_STATUS_SUCCESS)                                                \
+      return ::pipec::kernels::cuda::makeCublasError(#call, pipecCublasStatus, __FILE__,           \
+                                                     __LINE__);                                    \
+  } while (false)
+
+#endif // PIPEC_KERNELS_CUDA_CUDACHECK_H

@@ -1,0 +1,187 @@
+//===- CudaOps.h - CUDA primitive ops of the GPT, behind plain pointers -*- C++ -*-===//
+//
+// The CUDA counterparts of kernels/cpu/Ops.h, for the cuda backend's executor. Same names, same
+// shapes, same row-major layouts and the same split of every backward into an input gradient
+// and a (+=) weight gradient, so that the executor can call either backend from one interpreter
+// and the tests can hold each CUDA op against its CPU reference.
+//
+// This header has no CUDA types: pointers are device pointers passed as void* (their element
+// type is the `DType` argument), the stream lives in an opaque CudaContext, and every call
+// returns llvm::Error — a failing CUDA or cuBLAS call becomes an error naming the call, its code
+// and file:line (kernels/cuda/CudaCheck.h), a bad shape an error naming the argument.
+//
+// Precision. `DType::F32` is fp32 throughout (cuBLAS in strict fp32, no TF32), for the checks
+// against the CPU. `DType::BF16` stores activations and the weights used by the matmuls in
+// bf16 and accumulates in fp32; what must not lose bits stays fp32 in both modes: layernorm
+// statistics, softmax log-sum-exps, weight and bias gradients, and the optimizer's parameters
+// and moments (AdamW runs on fp32 master weights; `convert` makes the bf16 copy).
+//
+// Where the CUDA API departs from the CPU one, it is to avoid quadratic buffers:
+//   - attention keeps a log-sum-exp per query row (B, H, x) instead of the probabilities
+//     (B, H, x, a+x), and its backward recomputes them (flash-attention style), taking the
+//     forward's output as an input;
+//   - cross entropy keeps a log-sum-exp per row (n) instead of the probabilities (n, V) and
+//     returns the per-row losses on the device; the backward recomputes softmax from logits.
+// All calls are asynchronous on the context's stream unless they say otherwise.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_CUDAOPS_H
+#define PIPEC_KERNELS_CUDA_CUDAOPS_H
+
+#include "kernels/cuda/DType.h"
+#include "llvm/Support/Error.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace pipec::kernels::cuda {
+
+const char *toString(DType dtype);
+size_t sizeOf(DType dtype);
+
+/// Number of CUDA devices visible; an error when the driver or runtime is unusable (e.g. no GPU).
+llvm::Expected<int> deviceCount();
+
+/// A device, one stream on it, a cuBLASLt handle and its workspace. Not thread-safe: one per
+/// host thread (the executor has one per rank and stream role).
+class CudaContext {
+public:
+  /// Selects `device`, creates a non-blocking stream (or borrows `stream`, a cudaStream_t, which
+  /// the context then does not destroy), a cuBLASLt handle and a 32 MiB workspace.
+  static llvm::Expected<std::unique_ptr<CudaContext>> create(int device, void *stream = nullptr);
+  ~CudaContext();
+  CudaContext(const CudaContext &) = delete;
+  CudaContext &operator=(const CudaContext &) = delete;
+
+  int device() const;
+  void *stream() const; ///< the cudaStream_t
+  /// Blocks until everything queued on the stream has run; reports asynchronous kernel faults.
+  llvm::Error synchronize();
+
+  /// Synchronous copies (they synchronize the stream) and an asynchronous memset.
+  llvm::Error upload(void *device, const void *host, size_t bytes);
+  llvm::Error download(void *host, const void *device, size_t bytes);
+  llvm::Error memsetZero(void *device, size_t bytes);
+
+  struct Impl;
+  Impl &impl() { return *impl_; }
+
+private:
+  explicit CudaContext(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Owning device memory (cudaMalloc / cudaFree).
+class DeviceBuffer {
+public:
+  static llvm::Expected<DeviceBuffer> allocate(size_t bytes);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer &&other) noexcept;
+  DeviceBuffer &operator=(DeviceBuffer &&other) noexcept;
+  DeviceBuffer(const DeviceBuffer &) = delete;
+  DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+  ~DeviceBuffer();
+
+  void *data() const { return ptr_; }
+  template <typename T> T *as() const { return static_cast<T *>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+private:
+  void *ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// dst (n) = src (n) converted (fp32 -> bf16 rounds to nearest even); same dtypes copy.
+llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
+                    size_t n);
+
+//===--- Matmuls (cuBLASLt): the B/W split of kernels/cpu/Ops.h ------------===//
+// `dtype` is that of in, w, out, dOut, dIn and bias; weight and bias gradients are fp32.
+
+/// out (n, o) = in (n, i) @ w (i, o) + bias (o); `bias` may be null.
+llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
+                          const void *bias, int n, int i, int o);
+/// dIn (n, i) = dOut (n, o) @ w^T.
+llvm::Error matmulBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
+                                const void *w, int n, int i, int o);
+/// dW (i, o) += in^T @ dOut; dBias (o) += column sums of dOut (`dBias` may be null).
+llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dBias,
+                                 const void *in, const void *dOut, int n, int i, int o);
+/// The LM head's transposed weight w (o, i): out (n, o) = in (n, i) @ w^T.
+llvm::Error matmulTForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
+                           int n, int i, int o);
+/// dIn (n, i) = dOut (n, o) @ w.
+llvm::Error matmulTBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
+                                 const void *w, int n, int i, int o);
+/// dW (o, i) += dOut^T @ in.
+llvm::Error matmulTBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *in,
+                                  const void *dOut, int n, int i, int o);
+
+//===--- Layernorm (eps 1e-5); w, b in `dtype`, statistics and gradients of w, b fp32 ------===//
+
+/// out (n, c) = (in - mean) * rstd * w + b; mean, rstd (n) fp32.
+llvm::Error layernormForward(CudaContext &ctx, DType dtype, void *out, float *mean, float *rstd,
+                             const void *in, const void *w, const void *b, int n, int c);
+/// dIn (n, c) += the gradient of in from dOut (n, c).
+llvm::Error layernormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
+                                             const void *dOut, const void *in, const float *mean,
+                                             const float *rstd, const void *w, int n, int c);
+/// dW (c) += sum over rows of dOut * xhat; dB (c) += sum over rows of dOut.
+llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dB,
+                                    const void *dOut, const void *in, const float *mean,
+                                    const float *rstd, int n, int c);
+
+//===--- GELU (tanh approximation) ----------------------------------------===//
+
+/// out (n) = gelu(in).
+llvm::Error geluForward(CudaContext &ctx, DType dtype, void *out, const void *in, size_t n);
+/// dIn (n) = gelu'(in) * dOut.
+llvm::Error geluBackward(CudaContext &ctx, DType dtype, void *dIn, const void *dOut, const void *in,
+                         size_t n);
+
+//===--- Causal attention of a query slice [a, a + x) over keys [0, a + x) ----===//
+
+/// The CPU's shape: q, out (B, x, H*hd); k, v (a + x, B, H*hd), position-major. headDim <= 256.
+struct AttentionShape {
+  int batch;   // B
+  int queries; // x: tokens of the slice
+  int begin;   // a: position of the slice's first token
+  int heads;   // H
+  int headDim; // hd
+  int keys() const { return begin + queries; }
+  int width() const { return heads * headDim; }
+};
+/// out (B, x, H*hd) = softmax(q k^T / sqrt(hd), causal) v; lse (B, H, x) fp32, the log-sum-exp
+/// of each query row's scaled scores, for the backward.
+llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
+                             const void *k, const void *v, const AttentionShape &s);
+/// dq (B, x, H*hd) = the gradient of q; dk, dv (a + x, B, H*hd) += those of keys and values.
+/// `out` and `lse` are the forward's.
+llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
+                              const void *dOut, const void *out, const float *lse, const void *q,
+                              const void *k, const void *v, const AttentionShape &s);
+
+//===--- Softmax cross entropy --------------------------------------------===//
+
+/// rowLoss (n) = scale * (logsumexp(logits_r) - logits_r[target_r]); lse (n); both fp32.
+/// The CPU's return value is the sum of rowLoss.
+llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, float *lse,
+                                const void *logits, const int32_t *targets, int n, int v,
+                                float scale);
+/// dLogits (n, v) = (softmax(logits) - onehot(target)) * scale, softmax from the forward's lse.
+/// dLogits may be logits itself (in place).
+llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
+                                 const float *lse, const int32_t *targets, int n, int v,
+                                 float scale);
+
+//===--- AdamW on fp32 master weights -------------------------------------===//
+
+/// One AdamW step, exactly the CPU's formula (bias-corrected, `step` from 1, decoupled decay).
+llvm::Error adamUpdate(CudaContext &ctx, float *params, const float *grads, float *m, float *v,
+                       size_t n, float lr, float beta1, float beta2, float eps, float weightDecay,
+                       int step);
+
+} // namespace pipec::kernels::cuda
+
+#endif // PIPEC_KERNELS_CUDA_CUDAOPS_H

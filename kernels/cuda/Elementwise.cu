@@ -1,0 +1,161 @@
+//===- Elementwise.cu - GELU, AdamW, dtype conversion, bias gradients ------===//
+//
+// The memory-bound ops: one thread per element in a grid-stride loop (so that any n launches a
+// bounded grid), fp32 arithmetic on fp32 or bf16 storage. They match kernels/cpu/Ops.cpp
+// formula for formula; the only differences are the device's tanhf/sqrtf rounding (a few ulp)
+// and, for the bias gradient, the order of the fp32 sums (atomics across row chunks).
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/Device.cuh"
+#include "kernels/cuda/Launch.h"
+
+#include <type_traits>
+
+namespace pipec::kernels::cuda {
+namespace {
+
+using namespace device;
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxBlocks = 65535u * 8u;
+constexpr float kGeluScale = 0.7978845608028654f; // sqrt(2 / pi)
+static_assert(kThreads % kWarp == 0, "blocks are whole warps");
+
+unsigned gridFor(size_t n) {
+  unsigned blocks = ceilDiv(n, kThreads);
+  return blocks < kMaxBlocks ? blocks : kMaxBlocks;
+}
+
+template <typename Dst, typename Src>
+__global__ void convertKernel(Dst *__restrict__ dst, const Src *__restrict__ src, size_t n) {
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < n;
+       k += size_t(gridDim.x) * blockDim.x)
+    dst[k] = fromFloat<Dst>(toFloat(src[k]));
+}
+
+// out (n) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+template <typename T>
+__global__ void geluForwardKernel(T *__restrict__ out, const T *__restrict__ in, size_t n) {
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < n;
+       k += size_t(gridDim.x) * blockDim.x) {
+    float x = toFloat(in[k]);
+    out[k] = fromFloat<T>(0.5f * x * (1.0f + tanhf(kGeluScale * (x + 0.044715f * x * x * x))));
+  }
+}
+
+// dIn (n) = gelu'(in) * dOut
+template <typename T>
+__global__ void geluBackwardKernel(T *__restrict__ dIn, const T *__restrict__ dOut,
+                                   const T *__restrict__ in, size_t n) {
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < n;
+       k += size_t(gridDim.x) * blockDim.x) {
+    float x = toFloat(in[k]);
+    float u = kGeluScale * (x + 0.044715f * x * x * x);
+    float th = tanhf(u);
+    float sech2 = 1.0f - th * th;
+    float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    dIn[k] = fromFloat<T>((0.5f * (1.0f + th) + 0.5f * x * sech2 * du) * toFloat(dOut[k]));
+  }
+}
+
+// params, grads, m, v (n), all fp32.
+__global__ void adamKernel(float *__restrict__ params, const float *__restrict__ grads,
+                           float *__restrict__ m, float *__restrict__ v, size_t n, float lr,
+                           float beta1, float beta2, float eps, float weightDecay,
+                           float mCorrection, float vCorrection) {
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < n;
+       k += size_t(gridDim.x) * blockDim.x) {
+    float g = grads[k];
+    float mk = beta1 * m[k] + (1.0f - beta1) * g;
+    float vk = beta2 * v[k] + (1.0f - beta2) * g * g;
+    m[k] = mk;
+    v[k] = vk;
+    float mHat = mk / mCorrection;
+    float vHat = vk / vCorrection;
+    params[k] -= lr * (mHat / (sqrtf(vHat) + eps) + weightDecay * params[k]);
+  }
+}
+
+// dBias (o) += sum over rows of dOut (n, o): block (x, y) sums columns [x*256, x*256+256) over
+// rows [y*kRowsPerChunk, ...) — coalesced along the row — then adds its partial atomically.
+constexpr int kRowsPerChunk = 64;
+template <typename T>
+__global__ void columnSumKernel(float *__restrict__ dBias, const T *__restrict__ dOut, int n,
+                                int o) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= o)
+    return;
+  const int rowBegin = blockIdx.y * kRowsPerChunk;
+  const int rowEnd = min(n, rowBegin + kRowsPerChunk);
+  float sum = 0.0f;
+  for (int r = rowBegin; r < rowEnd; ++r)
+    sum += toFloat(dOut[size_t(r) * o + col]);
+  atomicAdd(dBias + col, sum);
+}
+
+} // namespace
+
+namespace launch {
+
+cudaError_t convert(DType dstType, void *dst, DType srcType, const void *src, size_t n,
+                    cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dstType, [&](auto *dstTag) {
+    using Dst = std::remove_pointer_t<decltype(dstTag)>;
+    return PIPEC_DISPATCH_DTYPE(srcType, [&](auto *srcTag) {
+      using Src = std::remove_pointer_t<decltype(srcTag)>;
+      convertKernel<Dst, Src><<<gridFor(n), kThreads, 0, stream>>>(
+          static_cast<Dst *>(dst), static_cast<const Src *>(src), n);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t geluForward(DType dtype, void *out, const void *in, size_t n, cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    geluForwardKernel<T>
+        <<<gridFor(n), kThreads, 0, stream>>>(static_cast<T *>(out), static_cast<const T *>(in), n);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t geluBackward(DType dtype, void *dIn, const void *dOut, const void *in, size_t n,
+                         cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    geluBackwardKernel<T><<<gridFor(n), kThreads, 0, stream>>>(
+        static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), n);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, size_t n, float lr,
+                       float beta1, float beta2, float eps, float weightDecay, float mCorrection,
+                       float vCorrection, cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  adamKernel<<<gridFor(n), kThreads, 0, stream>>>(params, grads, m, v, n, lr, beta1, beta2, eps,
+                                                  weightDecay, mCorrection, vCorrection);
+  return cudaGetLastError();
+}
+
+cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
+                                cudaStream_t stream) {
+  if (n == 0 || o == 0)
+    return cudaSuccess;
+  dim3 grid(ceilDiv(o, kThreads), ceilDiv(n, kRowsPerChunk));
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    columnSumKernel<T><<<grid, kThreads, 0, stream>>>(dBias, static_cast<const T *>(dOut), n, o);
+    return cudaGetLastError();
+  });
+}
+
+} // namespace launch
+} // namespace pipec::kernels::cuda

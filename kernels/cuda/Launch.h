@@ -1,0 +1,71 @@
+//===- Launch.h - host launchers of the hand-written CUDA kernels -*- C++ -*-===//
+//
+// The boundary between nvcc and the host compiler: each .cu file defines some of these plain
+// functions, which check nothing but the kernel's own preconditions, launch on `stream` and
+// return cudaGetLastError(). Validation of user-facing arguments and the conversion of the
+// status into llvm::Error happen in CudaOps.cpp, through the one funnel of CudaCheck.h.
+// Pointers are device pointers whose element type is `dtype` unless declared float.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_LAUNCH_H
+#define PIPEC_KERNELS_CUDA_LAUNCH_H
+
+#include "kernels/cuda/DType.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pipec::kernels::cuda::launch {
+
+/// The largest head dimension the attention kernels hold per warp (8 values per lane).
+inline constexpr int kMaxHeadDim = 256;
+
+// Elementwise.cu
+cudaError_t convert(DType dstType, void *dst, DType srcType, const void *src, size_t n,
+                    cudaStream_t stream);
+cudaError_t geluForward(DType dtype, void *out, const void *in, size_t n, cudaStream_t stream);
+cudaError_t geluBackward(DType dtype, void *dIn, const void *dOut, const void *in, size_t n,
+                         cudaStream_t stream);
+/// mHatScale = 1 / (1 - beta1^step), vHatScale = 1 / (1 - beta2^step), computed on the host as
+/// the CPU reference computes them.
+cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, size_t n, float lr,
+                       float beta1, float beta2, float eps, float weightDecay, float mCorrection,
+                       float vCorrection, cudaStream_t stream);
+/// dBias (o) += column sums of dOut (n, o).
+cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
+                                cudaStream_t stream);
+
+// Layernorm.cu
+cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, const void *in,
+                             const void *w, const void *b, int n, int c, cudaStream_t stream);
+cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
+                                             const void *in, const float *mean, const float *rstd,
+                                             const void *w, int n, int c, cudaStream_t stream);
+cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
+                                    const void *in, const float *mean, const float *rstd, int n,
+                                    int c, cudaStream_t stream);
+
+// Attention.cu
+struct AttentionDims {
+  int batch, queries, begin, heads, headDim;
+};
+cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
+                             const void *v, AttentionDims s, cudaStream_t stream);
+/// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head).
+cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const void *dOut,
+                              const void *out, const float *lse, const void *q, const void *k,
+                              const void *v, float *rowDot, AttentionDims s, cudaStream_t stream);
+
+// CrossEntropy.cu
+cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,
+                                const int32_t *targets, int n, int v, float scale,
+                                cudaStream_t stream);
+cudaError_t crossEntropyBackward(DType dtype, void *dLogits, const void *logits, const float *lse,
+                                 const int32_t *targets, int n, int v, float scale,
+                                 cudaStream_t stream);
+
+} // namespace pipec::kernels::cuda::launch
+
+#endif // PIPEC_KERNELS_CUDA_LAUNCH_H

@@ -1,0 +1,152 @@
+//===- Layernorm.cu - layernorm forward, input and weight gradients --------===//
+//
+// One warp per row (n rows of c channels): the row's reductions are warp shuffles, with no
+// shared memory and no block-wide synchronisation, and a row of a few thousand channels stays
+// in L1 between the passes. The forward computes mean and variance in two passes, as the CPU
+// reference does (no E[x^2] - E[x]^2 cancellation). The weight gradient is a column sum over
+// rows, done as in Elementwise.cu: partials over chunks of rows, combined with atomics.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/Device.cuh"
+#include "kernels/cuda/Launch.h"
+
+#include <type_traits>
+
+namespace pipec::kernels::cuda {
+namespace {
+
+using namespace device;
+
+constexpr float kEps = 1e-5f;
+constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = kWarpsPerBlock * kWarp;
+constexpr int kRowsPerChunk = 32;
+
+// out (n, c) = (in - mean) * rstd * w + b; mean, rstd (n).
+template <typename T>
+__global__ void forwardKernel(T *__restrict__ out, float *__restrict__ mean,
+                              float *__restrict__ rstd, const T *__restrict__ in,
+                              const T *__restrict__ w, const T *__restrict__ b, int n, int c) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n)
+    return;
+  const T *x = in + size_t(row) * c;
+  float sum = 0.0f;
+  for (int k = lane; k < c; k += kWarp)
+    sum += toFloat(x[k]);
+  const float m = warpSum(sum) / c;
+  float var = 0.0f;
+  for (int k = lane; k < c; k += kWarp) {
+    float d = toFloat(x[k]) - m;
+    var += d * d;
+  }
+  const float s = 1.0f / sqrtf(warpSum(var) / c + kEps);
+  T *y = out + size_t(row) * c;
+  for (int k = lane; k < c; k += kWarp)
+    y[k] = fromFloat<T>((toFloat(x[k]) - m) * s * toFloat(w[k]) + toFloat(b[k]));
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = s;
+  }
+}
+
+// dIn (n, c) += rstd * (dnorm - mean(dnorm) - xhat * mean(dnorm * xhat)), dnorm = dOut * w.
+template <typename T>
+__global__ void backwardInputKernel(T *__restrict__ dIn, const T *__restrict__ dOut,
+                                    const T *__restrict__ in, const float *__restrict__ mean,
+                                    const float *__restrict__ rstd, const T *__restrict__ w, int n,
+                                    int c) {
+  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= n)
+    return;
+  const T *x = in + size_t(row) * c;
+  const T *dy = dOut + size_t(row) * c;
+  const float m = mean[row], s = rstd[row];
+  float dnormSum = 0.0f, dnormXhatSum = 0.0f;
+  for (int k = lane; k < c; k += kWarp) {
+    float xhat = (toFloat(x[k]) - m) * s;
+    float dnorm = toFloat(dy[k]) * toFloat(w[k]);
+    dnormSum += dnorm;
+    dnormXhatSum += dnorm * xhat;
+  }
+  const float dnormMean = warpSum(dnormSum) / c;
+  const float dnormXhatMean = warpSum(dnormXhatSum) / c;
+  T *dx = dIn + size_t(row) * c;
+  for (int k = lane; k < c; k += kWarp) {
+    float xhat = (toFloat(x[k]) - m) * s;
+    float dnorm = toFloat(dy[k]) * toFloat(w[k]);
+    dx[k] = fromFloat<T>(toFloat(dx[k]) + s * (dnorm - dnormMean - xhat * dnormXhatMean));
+  }
+}
+
+// dW (c) += sum_r dOut * xhat; dB (c) += sum_r dOut; block (x, y): columns x*256.., row chunk y.
+template <typename T>
+__global__ void backwardWeightKernel(float *__restrict__ dW, float *__restrict__ dB,
+                                     const T *__restrict__ dOut, const T *__restrict__ in,
+                                     const float *__restrict__ mean, const float *__restrict__ rstd,
+                                     int n, int c) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= c)
+    return;
+  const int rowBegin = blockIdx.y * kRowsPerChunk;
+  const int rowEnd = min(n, rowBegin + kRowsPerChunk);
+  float dwSum = 0.0f, dbSum = 0.0f;
+  for (int r = rowBegin; r < rowEnd; ++r) {
+    float dy = toFloat(dOut[size_t(r) * c + col]);
+    float xhat = (toFloat(in[size_t(r) * c + col]) - mean[r]) * rstd[r];
+    dwSum += dy * xhat;
+    dbSum += dy;
+  }
+  atomicAdd(dW + col, dwSum);
+  atomicAdd(dB + col, dbSum);
+}
+
+} // namespace
+
+namespace launch {
+
+cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, const void *in,
+                             const void *w, const void *b, int n, int c, cudaStream_t stream) {
+  if (n == 0 || c == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    forwardKernel<T><<<ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream>>>(
+        static_cast<T *>(out), mean, rstd, static_cast<const T *>(in), static_cast<const T *>(w),
+        static_cast<const T *>(b), n, c);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
+                                             const void *in, const float *mean, const float *rstd,
+                                             const void *w, int n, int c, cudaStream_t stream) {
+  if (n == 0 || c == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    backwardInputKernel<T><<<ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream>>>(
+        static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd,
+        static_cast<const T *>(w), n, c);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
+                                    const void *in, const float *mean, const float *rstd, int n,
+                                    int c, cudaStream_t stream) {
+  if (n == 0 || c == 0)
+    return cudaSuccess;
+  dim3 grid(ceilDiv(c, kThreads), ceilDiv(n, kRowsPerChunk));
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    backwardWeightKernel<T><<<grid, kThreads, 0, stream>>>(
+        dW, dB, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
+    return cudaGetLastError();
+  });
+}
+
+} // namespace launch
+} // namespace pipec::kernels::cuda

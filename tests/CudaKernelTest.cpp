@@ -1,0 +1,490 @@
+//===- CudaKernelTest.cpp - every CUDA op against the fp32 CPU reference -----===//
+//
+// Each kernels/cuda op runs on small random inputs, with sizes chosen to cross the kernels'
+// edges (rows not a multiple of a warp, a head dimension not a multiple of 32, key ranges
+// crossing 32-key tiles, a slice with begin > 0), and is compared with kernels/cpu/Ops.h on the
+// same inputs. In bf16 the inputs are first rounded to bf16 on the host, so both sides see the
+// same values and the difference is the kernel's bf16 storage and summation order alone.
+//
+// Tolerance: maxErr = max |gpu - cpu| / max(|cpu|, 1e-3 * ...) over a tensor, i.e. the largest
+// error relative to the tensor's largest entry (near-zero entries are summed from terms that
+// cancel, and their relative error says nothing). fp32: 2e-5 (5e-5 where the reduction order
+// of long sums differs: matmul weight gradients, attention backward); bf16: 2e-2 (the unit
+// roundoff of bf16 is 2^-8 = 3.9e-3, and outputs are rounded once or twice).
+//
+// The GpuTest fixture fails (not skips) when no device is usable: the target is tagged
+// requires-gpu, and a silent skip would read as a pass on the GPU machine. CudaCheckTest needs
+// no device and runs everywhere CUDA is installed (//tests:cuda_check_test).
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cpu/Ops.h"
+#include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/CudaOps.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace pipec::kernels::cuda {
+namespace {
+
+namespace cpu = ::pipec::kernels::ops;
+using Vec = std::vector<float>;
+
+constexpr double kTolF32 = 2e-5;
+constexpr double kTolF32Long = 5e-5;
+constexpr double kTolBf16 = 2e-2;
+
+//===--- Host helpers -----------------------------------------------------===//
+
+uint16_t toBf16Bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x))
+    return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1); // round to nearest even
+  return uint16_t(bits >> 16);
+}
+
+float fromBf16Bits(uint16_t h) {
+  uint32_t bits = uint32_t(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+Vec randomVec(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  Vec v(n);
+  for (float &x : v)
+    x = dist(rng);
+  return v;
+}
+
+/// The values as the device will hold them in `dtype` (bf16 rounds).
+Vec quantized(Vec v, DType dtype) {
+  if (dtype == DType::BF16)
+    for (float &x : v)
+      x = fromBf16Bits(toBf16Bits(x));
+  return v;
+}
+
+double tolerance(DType dtype, bool longSums = false) {
+  if (dtype == DType::BF16)
+    return kTolBf16;
+  return longSums ? kTolF32Long : kTolF32;
+}
+
+/// max |a - ref| / max |ref| (see the header); the worst index goes to `where`.
+double maxError(const Vec &a, const Vec &ref, size_t *where = nullptr) {
+  EXPECT_EQ(a.size(), ref.size());
+  double scale = 1e-30, worst = 0.0;
+  for (float r : ref)
+    scale = std::max(scale, double(std::fabs(r)));
+  for (size_t k = 0; k < std::min(a.size(), ref.size()); ++k) {
+    double err = std::fabs(double(a[k]) - double(ref[k]));
+    if (!(err <= worst)) { // also catches NaN
+      worst = std::isnan(err) ? INFINITY : err;
+      if (where)
+        *where = k;
+    }
+  }
+  return worst / scale;
+}
+
+#define EXPECT_CLOSE(actual, ref, tol)                                                             \
+  do {                                                                                             \
+    size_t where = 0;                                                                              \
+    double err = maxError(actual, ref, &where);                                                    \
+    EXPECT_LE(err, tol) << #actual << " vs " << #ref << ": worst at " << where << ": "             \
+                        << (actual)[where] << " vs " << (ref)[where];                              \
+  } while (false)
+
+#define ASSERT_OK(expr)                                                                            \
+  do {                                                                                             \
+    if (llvm::Error err = (expr))                                                                  \
+      FAIL() << #expr << ": " << llvm::toString(std::move(err));                                   \
+  } while (false)
+
+//===--- Device helpers ---------------------------------------------------===//
+
+class GpuTest : public ::testing::Test {
+protected:
+  void SetUp() override {
+    llvm::Expected<int> count = deviceCount();
+    if (!count)
+      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
+             << llvm::toString(count.takeError());
+    ASSERT_GT(*count, 0) << "no CUDA device (this test is tagged requires-gpu)";
+    auto created = CudaContext::create(/*device=*/0);
+    if (!created)
+      FAIL() << llvm::toString(created.takeError());
+    ctx = std::move(*created);
+  }
+
+  /// A device buffer holding `host` in `dtype`.
+  DeviceBuffer upload(const Vec &host, DType dtype) {
+    DeviceBuffer buffer = allocate(host.size() * sizeOf(dtype));
+    if (dtype == DType::F32) {
+      check(ctx->upload(buffer.data(), host.data(), host.size() * 4));
+      return buffer;
+    }
+    std::vector<uint16_t> bits(host.size());
+    std::transform(host.begin(), host.end(), bits.begin(), toBf16Bits);
+    check(ctx->upload(buffer.data(), bits.data(), bits.size() * 2));
+    return buffer;
+  }
+
+  DeviceBuffer uploadInts(const std::vector<int32_t> &host) {
+    DeviceBuffer buffer = allocate(host.size() * 4);
+    check(ctx->upload(buffer.data(), host.data(), host.size() * 4));
+    return buffer;
+  }
+
+  /// `n` values of `dtype` at `device`, widened to fp32 (synchronizes the stream).
+  Vec download(const DeviceBuffer &buffer, size_t n, DType dtype) {
+    check(ctx->synchronize());
+    Vec host(n);
+    if (dtype == DType::F32) {
+      check(ctx->download(host.data(), buffer.data(), n * 4));
+      return host;
+    }
+    std::vector<uint16_t> bits(n);
+    check(ctx->download(bits.data(), buffer.data(), n * 2));
+    std::transform(bits.begin(), bits.end(), host.begin(), fromBf16Bits);
+    return host;
+  }
+
+  DeviceBuffer allocate(size_t bytes) {
+    llvm::Expected<DeviceBuffer> buffer = DeviceBuffer::allocate(bytes);
+    if (!buffer) {
+      ADD_FAILURE() << llvm::toString(buffer.takeError());
+      return DeviceBuffer();
+    }
+    return std::move(*buffer);
+  }
+
+  static void check(llvm::Error err) {
+    if (err)
+      ADD_FAILURE() << llvm::toString(std::move(err));
+  }
+
+  std::unique_ptr<CudaContext> ctx;
+};
+
+//===--- Matmuls ----------------------------------------------------------===//
+
+struct MatmulCase {
+  int n = 37, i = 48, o = 40;
+};
+
+class CudaMatmulTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(CudaMatmulTest, ForwardWithBiasMatchesCpu) {
+  const DType dt = GetParam();
+  const MatmulCase m;
+  Vec x = quantized(randomVec(size_t(m.n) * m.i, 1), dt);
+  Vec w = quantized(randomVec(size_t(m.i) * m.o, 2), dt);
+  Vec bias = quantized(randomVec(m.o, 3), dt);
+  Vec ref(size_t(m.n) * m.o), refNoBias(ref.size());
+  cpu::matmulForward(ref.data(), x.data(), w.data(), bias.data(), m.n, m.i, m.o);
+  cpu::matmulForward(refNoBias.data(), x.data(), w.data(), nullptr, m.n, m.i, m.o);
+  DeviceBuffer dx = upload(x, dt), dw = upload(w, dt), db = upload(bias, dt);
+  DeviceBuffer out = allocate(ref.size() * sizeOf(dt));
+  ASSERT_OK(matmulForward(*ctx, dt, out.data(), dx.data(), dw.data(), db.data(), m.n, m.i, m.o));
+  EXPECT_CLOSE(download(out, ref.size(), dt), ref, tolerance(dt));
+  ASSERT_OK(matmulForward(*ctx, dt, out.data(), dx.data(), dw.data(), nullptr, m.n, m.i, m.o));
+  EXPECT_CLOSE(download(out, ref.size(), dt), refNoBias, tolerance(dt));
+}
+
+TEST_P(CudaMatmulTest, BackwardInputMatchesCpu) {
+  const DType dt = GetParam();
+  const MatmulCase m;
+  Vec dOut = quantized(randomVec(size_t(m.n) * m.o, 4), dt);
+  Vec w = quantized(randomVec(size_t(m.i) * m.o, 5), dt);
+  Vec ref(size_t(m.n) * m.i);
+  cpu::matmulBackwardInput(ref.data(), dOut.data(), w.data(), m.n, m.i, m.o);
+  DeviceBuffer ddOut = upload(dOut, dt), dw = upload(w, dt);
+  DeviceBuffer dIn = allocate(ref.size() * sizeOf(dt));
+  ASSERT_OK(matmulBackwardInput(*ctx, dt, dIn.data(), ddOut.data(), dw.data(), m.n, m.i, m.o));
+  EXPECT_CLOSE(download(dIn, ref.size(), dt), ref, tolerance(dt));
+}
+
+TEST_P(CudaMatmulTest, BackwardWeightAccumulatesLikeCpu) {
+  const DType dt = GetParam();
+  const MatmulCase m;
+  Vec x = quantized(randomVec(size_t(m.n) * m.i, 6), dt);
+  Vec dOut = quantized(randomVec(size_t(m.n) * m.o, 7), dt);
+  Vec dW = randomVec(size_t(m.i) * m.o, 8), dBias = randomVec(m.o, 9); // fp32, accumulated into
+  Vec refW = dW, refBias = dBias;
+  cpu::matmulBackwardWeight(refW.data(), refBias.data(), x.data(), dOut.data(), m.n, m.i, m.o);
+  DeviceBuffer dx = upload(x, dt), ddOut = upload(dOut, dt);
+  DeviceBuffer gW = upload(dW, DType::F32), gB = upload(dBias, DType::F32);
+  ASSERT_OK(matmulBackwardWeight(*ctx, dt, gW.as<float>(), gB.as<float>(), dx.data(), ddOut.data(),
+                                 m.n, m.i, m.o));
+  // fp32 outputs in both modes: only the summation order differs.
+  EXPECT_CLOSE(download(gW, refW.size(), DType::F32), refW, kTolF32Long);
+  EXPECT_CLOSE(download(gB, refBias.size(), DType::F32), refBias, kTolF32Long);
+}
+
+TEST_P(CudaMatmulTest, TransposedWeightTrioMatchesCpu) {
+  const DType dt = GetParam();
+  const MatmulCase m; // w (o, i): the LM head's [vocab, C]
+  Vec x = quantized(randomVec(size_t(m.n) * m.i, 10), dt);
+  Vec w = quantized(randomVec(size_t(m.o) * m.i, 11), dt);
+  Vec dOut = quantized(randomVec(size_t(m.n) * m.o, 12), dt);
+  Vec dW = randomVec(size_t(m.o) * m.i, 13);
+  Vec refOut(size_t(m.n) * m.o), refIn(size_t(m.n) * m.i), refW = dW;
+  cpu::matmulTForward(refOut.data(), x.data(), w.data(), m.n, m.i, m.o);
+  cpu::matmulTBackwardInput(refIn.data(), dOut.data(), w.data(), m.n, m.i, m.o);
+  cpu::matmulTBackwardWeight(refW.data(), x.data(), dOut.data(), m.n, m.i, m.o);
+  DeviceBuffer dx = upload(x, dt), dw = upload(w, dt), ddOut = upload(dOut, dt);
+  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt));
+  DeviceBuffer dIn = allocate(refIn.size() * sizeOf(dt));
+  DeviceBuffer gW = upload(dW, DType::F32);
+  ASSERT_OK(matmulTForward(*ctx, dt, out.data(), dx.data(), dw.data(), m.n, m.i, m.o));
+  ASSERT_OK(matmulTBackwardInput(*ctx, dt, dIn.data(), ddOut.data(), dw.data(), m.n, m.i, m.o));
+  ASSERT_OK(
+      matmulTBackwardWeight(*ctx, dt, gW.as<float>(), dx.data(), ddOut.data(), m.n, m.i, m.o));
+  EXPECT_CLOSE(download(out, refOut.size(), dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(dIn, refIn.size(), dt), refIn, tolerance(dt));
+  EXPECT_CLOSE(download(gW, refW.size(), DType::F32), refW, kTolF32Long);
+}
+
+//===--- Layernorm, GELU ------------------------------------------------===//
+
+class CudaLayernormTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
+  const DType dt = GetParam();
+  const int n = 33, c = 200;
+  Vec x = quantized(randomVec(size_t(n) * c, 20, -2.0f, 3.0f), dt);
+  Vec w = quantized(randomVec(c, 21, 0.5f, 1.5f), dt), b = quantized(randomVec(c, 22), dt);
+  Vec dOut = quantized(randomVec(size_t(n) * c, 23), dt);
+  Vec dIn0 = quantized(randomVec(size_t(n) * c, 24), dt); // accumulated into
+  Vec dW0 = randomVec(c, 25), dB0 = randomVec(c, 26);
+  Vec refOut(size_t(n) * c), refMean(n), refRstd(n), refIn = dIn0, refW = dW0, refB = dB0;
+  cpu::layernormForward(refOut.data(), refMean.data(), refRstd.data(), x.data(), w.data(), b.data(),
+                        n, c);
+  cpu::layernormBackwardInputAccumulate(refIn.data(), dOut.data(), x.data(), refMean.data(),
+                                        refRstd.data(), w.data(), n, c);
+  cpu::layernormBackwardWeight(refW.data(), refB.data(), dOut.data(), x.data(), refMean.data(),
+                               refRstd.data(), n, c);
+
+  DeviceBuffer gx = upload(x, dt), gw = upload(w, dt), gb = upload(b, dt);
+  DeviceBuffer gdOut = upload(dOut, dt), gdIn = upload(dIn0, dt);
+  DeviceBuffer gdW = upload(dW0, DType::F32), gdB = upload(dB0, DType::F32);
+  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt));
+  DeviceBuffer mean = allocate(n * 4), rstd = allocate(n * 4);
+  ASSERT_OK(layernormForward(*ctx, dt, out.data(), mean.as<float>(), rstd.as<float>(), gx.data(),
+                             gw.data(), gb.data(), n, c));
+  ASSERT_OK(layernormBackwardInputAccumulate(*ctx, dt, gdIn.data(), gdOut.data(), gx.data(),
+                                             mean.as<float>(), rstd.as<float>(), gw.data(), n, c));
+  ASSERT_OK(layernormBackwardWeight(*ctx, dt, gdW.as<float>(), gdB.as<float>(), gdOut.data(),
+                                    gx.data(), mean.as<float>(), rstd.as<float>(), n, c));
+  EXPECT_CLOSE(download(out, refOut.size(), dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(mean, n, DType::F32), refMean, kTolF32);
+  EXPECT_CLOSE(download(rstd, n, DType::F32), refRstd, kTolF32);
+  EXPECT_CLOSE(download(gdIn, refIn.size(), dt), refIn, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdW, c, DType::F32), refW, kTolF32Long);
+  EXPECT_CLOSE(download(gdB, c, DType::F32), refB, kTolF32Long);
+}
+
+TEST_P(CudaLayernormTest, GeluForwardAndBackwardMatchCpu) {
+  const DType dt = GetParam();
+  const size_t n = 1000;
+  Vec x = quantized(randomVec(n, 30, -4.0f, 4.0f), dt), dOut = quantized(randomVec(n, 31), dt);
+  Vec refOut(n), refIn(n);
+  cpu::geluForward(refOut.data(), x.data(), n);
+  cpu::geluBackward(refIn.data(), dOut.data(), x.data(), n);
+  DeviceBuffer gx = upload(x, dt), gdOut = upload(dOut, dt);
+  DeviceBuffer out = allocate(n * sizeOf(dt)), dIn = allocate(n * sizeOf(dt));
+  ASSERT_OK(geluForward(*ctx, dt, out.data(), gx.data(), n));
+  ASSERT_OK(geluBackward(*ctx, dt, dIn.data(), gdOut.data(), gx.data(), n));
+  EXPECT_CLOSE(download(out, n, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(dIn, n, dt), refIn, tolerance(dt));
+}
+
+//===--- Attention ------------------------------------------------------===//
+
+struct AttentionCase {
+  AttentionShape shape;
+  const char *name;
+};
+
+class CudaAttentionTest : public GpuTest,
+                          public ::testing::WithParamInterface<std::tuple<DType, AttentionCase>> {};
+
+TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
+  const DType dt = std::get<0>(GetParam());
+  const AttentionShape s = std::get<1>(GetParam()).shape;
+  cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const size_t qSize = size_t(s.batch) * s.queries * s.width();
+  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+  Vec q = quantized(randomVec(qSize, 40), dt), k = quantized(randomVec(kvSize, 41), dt);
+  Vec v = quantized(randomVec(kvSize, 42), dt), dOut = quantized(randomVec(qSize, 43), dt);
+  Vec dk0 = quantized(randomVec(kvSize, 44), dt), dv0 = quantized(randomVec(kvSize, 45), dt);
+  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+  Vec refDq(qSize), refDk = dk0, refDv = dv0;
+  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
+  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
+                         q.data(), k.data(), v.data(), cs);
+
+  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
+  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, dt), gdv = upload(dv0, dt);
+  DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
+  DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+  ASSERT_OK(
+      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(),
+                              lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdk, kvSize, dt), refDk, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdv, kvSize, dt), refDv, tolerance(dt, /*longSums=*/true));
+}
+
+const AttentionCase kAttentionCases[] = {
+    {{/*batch=*/2, /*queries=*/40, /*begin=*/0, /*heads=*/3, /*headDim=*/64}, "FirstSlice"},
+    {{/*batch=*/2, /*queries=*/24, /*begin=*/40, /*heads=*/3, /*headDim=*/64}, "LaterSlice"},
+    {{/*batch=*/1, /*queries=*/13, /*begin=*/29, /*heads=*/2, /*headDim=*/48}, "OddHeadDim"},
+    {{/*batch=*/1, /*queries=*/9, /*begin=*/70, /*heads=*/1, /*headDim=*/256}, "WidestHead"},
+    {{/*batch=*/2, /*queries=*/8, /*begin=*/0, /*heads=*/4, /*headDim=*/4}, "CpuTinyConfig"},
+};
+
+//===--- Cross entropy, AdamW, conversion -------------------------------===//
+
+class CudaLossTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
+
+TEST_P(CudaLossTest, CrossEntropyMatchesCpuAndWorksInPlace) {
+  const DType dt = GetParam();
+  const int n = 19, v = 1000;
+  const float scale = 1.0f / n;
+  Vec logits = quantized(randomVec(size_t(n) * v, 50, -5.0f, 5.0f), dt);
+  std::vector<int32_t> targets(n);
+  for (int r = 0; r < n; ++r)
+    targets[r] = (r * 331 + 7) % v;
+  Vec probs(logits.size()), refDLogits(logits.size());
+  double refLoss =
+      cpu::crossEntropyForward(probs.data(), logits.data(), targets.data(), n, v, scale);
+  cpu::crossEntropyBackward(refDLogits.data(), probs.data(), targets.data(), n, v, scale);
+
+  DeviceBuffer gLogits = upload(logits, dt), gTargets = uploadInts(targets);
+  DeviceBuffer rowLoss = allocate(n * 4), lse = allocate(n * 4);
+  DeviceBuffer dLogits = allocate(logits.size() * sizeOf(dt));
+  ASSERT_OK(crossEntropyForward(*ctx, dt, rowLoss.as<float>(), lse.as<float>(), gLogits.data(),
+                                gTargets.as<int32_t>(), n, v, scale));
+  ASSERT_OK(crossEntropyBackward(*ctx, dt, dLogits.data(), gLogits.data(), lse.as<float>(),
+                                 gTargets.as<int32_t>(), n, v, scale));
+  Vec losses = download(rowLoss, n, DType::F32);
+  double loss = std::accumulate(losses.begin(), losses.end(), 0.0);
+  EXPECT_NEAR(loss, refLoss, 1e-5 * std::fabs(refLoss)); // logits are exact in both dtypes
+  EXPECT_CLOSE(download(dLogits, logits.size(), dt), refDLogits, tolerance(dt));
+  // In place: the LM head's logits buffer becomes its gradient.
+  ASSERT_OK(crossEntropyBackward(*ctx, dt, gLogits.data(), gLogits.data(), lse.as<float>(),
+                                 gTargets.as<int32_t>(), n, v, scale));
+  EXPECT_CLOSE(download(gLogits, logits.size(), dt), refDLogits, tolerance(dt));
+}
+
+TEST_P(CudaLossTest, ConvertRoundsToNearestEvenBothWays) {
+  const DType dt = GetParam();
+  const size_t n = 777;
+  Vec x = randomVec(n, 60, -100.0f, 100.0f);
+  DeviceBuffer src = upload(x, DType::F32), mid = allocate(n * sizeOf(dt)), back = allocate(n * 4);
+  ASSERT_OK(convert(*ctx, dt, mid.data(), DType::F32, src.data(), n));
+  ASSERT_OK(convert(*ctx, DType::F32, back.data(), dt, mid.data(), n));
+  EXPECT_EQ(download(back, n, DType::F32), quantized(x, dt)); // exact: same rounding as the host
+}
+
+TEST_F(GpuTest, AdamMatchesCpuOverThreeSteps) {
+  const size_t n = 1000;
+  Vec params = randomVec(n, 70), m(n, 0.0f), v(n, 0.0f);
+  Vec refParams = params, refM = m, refV = v;
+  DeviceBuffer gp = upload(params, DType::F32), gm = upload(m, DType::F32);
+  DeviceBuffer gv = upload(v, DType::F32), gg = allocate(n * 4);
+  for (int step = 1; step <= 3; ++step) {
+    Vec grads = randomVec(n, 71 + step);
+    cpu::adamUpdate(refParams.data(), grads.data(), refM.data(), refV.data(), n, /*lr=*/1e-3f,
+                    /*beta1=*/0.9f, /*beta2=*/0.95f, /*eps=*/1e-8f, /*weightDecay=*/0.1f, step);
+    check(ctx->upload(gg.data(), grads.data(), n * 4));
+    ASSERT_OK(adamUpdate(*ctx, gp.as<float>(), gg.as<float>(), gm.as<float>(), gv.as<float>(), n,
+                         1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step));
+  }
+  EXPECT_CLOSE(download(gp, n, DType::F32), refParams, kTolF32);
+  EXPECT_CLOSE(download(gm, n, DType::F32), refM, kTolF32);
+  EXPECT_CLOSE(download(gv, n, DType::F32), refV, kTolF32);
+}
+
+TEST_F(GpuTest, BadShapesAreErrorsNamingTheArgument) {
+  AttentionShape wide{1, 4, 0, 1, /*headDim=*/300};
+  llvm::Error err =
+      attentionForward(*ctx, DType::F32, nullptr, nullptr, nullptr, nullptr, nullptr, wide);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(llvm::toString(std::move(err)).find("headDim 300"), std::string::npos);
+  llvm::Error step = adamUpdate(*ctx, nullptr, nullptr, nullptr, nullptr, 0, 1e-3f, 0.9f, 0.95f,
+                                1e-8f, 0.0f, /*step=*/0);
+  ASSERT_TRUE(bool(step));
+  EXPECT_NE(llvm::toString(std::move(step)).find("step counts from 1"), std::string::npos);
+}
+
+std::string dtypeName(const ::testing::TestParamInfo<DType> &info) { return toString(info.param); }
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMatmulTest, ::testing::Values(DType::F32, DType::BF16),
+                         dtypeName);
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaLayernormTest, ::testing::Values(DType::F32, DType::BF16),
+                         dtypeName);
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaLossTest, ::testing::Values(DType::F32, DType::BF16),
+                         dtypeName);
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CudaAttentionTest,
+    ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
+                       ::testing::ValuesIn(kAttentionCases)),
+    [](const ::testing::TestParamInfo<std::tuple<DType, AttentionCase>> &info) {
+      return std::string(toString(std::get<0>(info.param))) + "_" + std::get<1>(info.param).name;
+    });
+
+//===--- The checked funnel (no device needed) --------------------------===//
+
+llvm::Error failingCudaCall() {
+  PIPEC_CUDA_TRY(cudaErrorMemoryAllocation);
+  return llvm::Error::success();
+}
+
+llvm::Error failingCublasCall() {
+  PIPEC_CUBLAS_TRY(CUBLAS_STATUS_NOT_SUPPORTED);
+  return llvm::Error::success();
+}
+
+TEST(CudaCheckTest, CudaFailureNamesCallCodeAndLocation) {
+  std::string message = llvm::toString(failingCudaCall());
+  EXPECT_NE(message.find("cudaErrorMemoryAllocation failed: cudaErrorMemoryAllocation (2: "),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("CudaKernelTest.cpp:"), std::string::npos) << message;
+}
+
+TEST(CudaCheckTest, CublasFailureNamesCallCodeAndLocation) {
+  std::string message = llvm::toString(failingCublasCall());
+  EXPECT_NE(message.find("failed: CUBLAS_STATUS_NOT_SUPPORTED (15: "), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("CudaKernelTest.cpp:"), std::string::npos) << message;
+}
+
+TEST(CudaCheckTest, SuccessIsNoError) {
+  auto ok = []() -> llvm::Error {
+    PIPEC_CUDA_TRY(cudaSuccess);
+    PIPEC_CUBLAS_TRY(CUBLAS_STATUS_SUCCESS);
+    return llvm::Error::success();
+  };
+  EXPECT_FALSE(bool(ok()));
+}
+
+} // namespace
+} // namespace pipec::kernels::cuda
