@@ -3,10 +3,23 @@
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/Path.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
 namespace pipec {
+
+int reportError(llvm::StringRef tool, llvm::Error err) {
+  int code = exitCodeFor(err);
+  std::string msg = takeMessage(std::move(err));
+  if (code == 2) {
+    std::replace(msg.begin(), msg.end(), '\n', ' '); // one line, always
+    fmt::print(stderr, "{}: error: {}\n", tool.str(), msg);
+  } else {
+    fmt::print(stderr, "{}: {}\n", tool.str(), msg);
+  }
+  return code;
+}
 
 std::string userPath(llvm::StringRef path) {
   const char *cwd = std::getenv("BUILD_WORKING_DIRECTORY");

@@ -46,6 +46,10 @@ private:
   std::vector<std::string> pos;
 };
 
+/// Print an error the way the tools do — one line "<tool>: error: ..." for bad input (exit 2),
+/// the full diagnostic for a finding (exit 1) — and return the exit code.
+int reportError(llvm::StringRef tool, llvm::Error err);
+
 /// Resolve a relative path against BUILD_WORKING_DIRECTORY when run under `bazel run`.
 std::string userPath(llvm::StringRef path);
 

@@ -57,21 +57,6 @@ std::string humanBytes(int64_t b) {
 }
 
 /// One line for exit 2, the diagnostic for exit 1.
-int report(llvm::Error err) {
-  int code = exitCodeFor(err);
-  std::string msg = takeMessage(std::move(err));
-  if (code == 2) {
-    // One line, always.
-    for (char &c : msg)
-      if (c == '\n')
-        c = ' ';
-    fmt::print(stderr, "pipec: error: {}\n", msg);
-  } else {
-    fmt::print(stderr, "pipec: {}\n", msg);
-  }
-  return code;
-}
-
 void printSummary(const Plan &plan, const ClusterSpec *cluster) {
   const ParallelConfig &pc = plan.parallel;
   fmt::print("plan: {} on {}: pp={} vpp={} tp={} dp={} microbatches={} seq-splits={} ({} "
@@ -325,6 +310,6 @@ int main(int argc, char **argv) {
                      "list-schedules)",
                      cmd.str());
   if (err)
-    return report(std::move(err));
+    return reportError("pipec", std::move(err));
   return 0;
 }

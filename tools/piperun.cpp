@@ -26,20 +26,6 @@ const char *kUsage = R"(usage: piperun plan.json --backend cpu [--steps N] [--ch
                [--timeout SECONDS]
 )";
 
-int report(llvm::Error err) {
-  int code = exitCodeFor(err);
-  std::string msg = takeMessage(std::move(err));
-  if (code == 2) {
-    for (char &c : msg)
-      if (c == '\n')
-        c = ' ';
-    fmt::print(stderr, "piperun: error: {}\n", msg);
-  } else {
-    fmt::print(stderr, "piperun: {}\n", msg);
-  }
-  return code;
-}
-
 llvm::Error run(int argc, char **argv) {
   auto args =
       Args::parse(argc, argv, 1,
@@ -135,6 +121,6 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (auto err = run(argc, argv))
-    return report(std::move(err));
+    return reportError("piperun", std::move(err));
   return 0;
 }
