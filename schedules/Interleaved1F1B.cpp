@@ -15,6 +15,7 @@
 // group, m mod G, is empty or at least P. With the default G = P: m is a multiple of P.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/InterleavedOrder.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
@@ -30,17 +31,6 @@ bool groupsFit(int m, int g, int p) {
   if (g < p || g > m)
     return false;
   return m % g == 0 || m % g >= p;
-}
-
-/// The valid value nearest to `from` (ties go up), searching [lo, hi]; -1 if there is none.
-template <typename Valid> int nearestValid(int from, int lo, int hi, Valid valid) {
-  for (int d = 0; from - d >= lo || from + d <= hi; ++d) {
-    if (from + d <= hi && from + d >= lo && valid(from + d))
-      return from + d;
-    if (from - d >= lo && from - d <= hi && valid(from - d))
-      return from - d;
-  }
-  return -1;
 }
 
 class Interleaved1F1BPolicy final : public SchedulePolicy {
@@ -100,52 +90,9 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, v = c.vpp, m = c.microbatches;
-    const int g = c.microbatchGroupSize > 0 ? c.microbatchGroupSize : p;
-    // The schedule table: virtual microbatch i -> (microbatch, chunk). Groups of g microbatches
-    // run chunk 0, then chunk 1, ...; the last group is whatever is left (check() made it 0 or
-    // at least p long). Every rank walks the same table.
-    std::vector<std::pair<int, int>> table;
-    table.reserve(size_t(m) * size_t(v));
-    for (int lo = 0; lo < m; lo += g) {
-      int hi = std::min(lo + g, m);
-      for (int chunk = 0; chunk < v; ++chunk)
-        for (int mb = lo; mb < hi; ++mb)
-          table.emplace_back(mb, chunk);
-    }
-    const int total = m * v;
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(2 * total));
-      // Forward i runs table[i] on chunk c, stage c·P + r.
-      auto forward = [&](int i) {
-        auto [mb, chunk] = table[size_t(i)];
-        ops.push_back(Instruction::compute(OpKind::Forward, chunk * p + r, mb, 0));
-      };
-      // Backward i mirrors forward i: the same microbatch on chunk V-1-c, so the last chunk
-      // (whose loss is computed first) leads. Each chunk still sees its microbatches in
-      // ascending order, which is the FIFO order Megatron pops them in.
-      auto backward = [&](int i) {
-        auto [mb, chunk] = table[size_t(i)];
-        ops.push_back(Instruction::compute(OpKind::Backward, (v - 1 - chunk) * p + r, mb, 0));
-      };
-      // Warm-up: the last rank's first backward is microbatch 0 on chunk V-1, which its
-      // forward reaches at table index (V-1)·g, so it runs (V-1)·g forwards first. Rank r is
-      // P-1-r hops ahead of the last rank on the way down and its first gradient needs as
-      // many hops to come back up, so it runs 2(P-r-1) more forwards to stay busy meanwhile.
-      int warmup = std::min(2 * (p - r - 1) + (v - 1) * g, total);
-      for (int i = 0; i < warmup; ++i)
-        forward(i);
-      // Steady state: one forward, then one backward (Megatron's order within a step).
-      for (int i = warmup; i < total; ++i) {
-        forward(i);
-        backward(i - warmup);
-      }
-      // Cool-down: the backwards of the warm-up forwards.
-      for (int i = total - warmup; i < total; ++i)
-        backward(i);
-    }
+    const int g = c.microbatchGroupSize > 0 ? c.microbatchGroupSize : c.pp;
+    // Whole sequences: the shared order with one unit per microbatch.
+    emitInterleavedOrder(c.pp, c.vpp, c.microbatches, /*k=*/1, g, order);
   }
 };
 

@@ -15,6 +15,7 @@
 // backward before the forward of the slice it depends on.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/InterleavedOrder.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
@@ -30,17 +31,6 @@ bool groupsFit(int m, int g, int k, int p) {
   if (int64_t(g) * k < p || g > m)
     return false;
   return m % g == 0 || int64_t(m % g) * k >= p;
-}
-
-/// The valid value nearest to `from` (ties go up), searching [lo, hi]; -1 if there is none.
-template <typename Valid> int nearestValid(int from, int lo, int hi, Valid valid) {
-  for (int d = 0; from - d >= lo || from + d <= hi; ++d) {
-    if (from + d <= hi && from + d >= lo && valid(from + d))
-      return from + d;
-    if (from - d >= lo && from - d <= hi && valid(from - d))
-      return from - d;
-  }
-  return -1;
 }
 
 /// Smallest group that holds at least P units.
@@ -102,51 +92,9 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, v = c.vpp, m = c.microbatches, k = c.seqSplits;
-    const int g = c.microbatchGroupSize > 0 ? c.microbatchGroupSize : defaultGroupSize(p, k);
-    // The schedule table over units: entry i -> (unit, chunk). A group of g microbatches is
-    // g·K consecutive units; it runs chunk 0, then chunk 1, ...; the last group is what is left.
-    std::vector<std::pair<int, int>> table;
-    table.reserve(size_t(m) * size_t(k) * size_t(v));
-    for (int lo = 0; lo < m; lo += g) {
-      int hi = std::min(lo + g, m);
-      for (int chunk = 0; chunk < v; ++chunk)
-        for (int unit = lo * k; unit < hi * k; ++unit)
-          table.emplace_back(unit, chunk);
-    }
-    const int total = m * k * v;
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(2 * total));
-      // Forward i: unit u = microbatch u/K, slice u mod K (ascending) on chunk c, stage c·P + r.
-      auto forward = [&](int i) {
-        auto [unit, chunk] = table[size_t(i)];
-        ops.push_back(Instruction::compute(OpKind::Forward, chunk * p + r, unit / k, unit % k));
-      };
-      // Backward i mirrors forward i: chunk V-1-c, and within the microbatch the slices run
-      // descending (slice K-1 - u mod K), since B(s,m,k) needs the dK/dV of B(s,m,k+1). The
-      // reflection stays inside the microbatch, hence inside the group.
-      auto backward = [&](int i) {
-        auto [unit, chunk] = table[size_t(i)];
-        ops.push_back(Instruction::compute(OpKind::Backward, (v - 1 - chunk) * p + r, unit / k,
-                                           k - 1 - unit % k));
-      };
-      // Warm-up: the last rank's first backward is microbatch 0, slice K-1 on chunk V-1, whose
-      // forward sits at table index (V-1)·g·K + K-1; rank r runs 2(P-r-1) more forwards while
-      // its first gradient travels down to the last rank and back (interleaved 1F1B's term).
-      int warmup = std::min(2 * (p - r - 1) + (v - 1) * g * k + k - 1, total);
-      for (int i = 0; i < warmup; ++i)
-        forward(i);
-      // Steady state: one forward unit, then one backward unit.
-      for (int i = warmup; i < total; ++i) {
-        forward(i);
-        backward(i - warmup);
-      }
-      // Cool-down: the backwards of the warm-up units.
-      for (int i = total - warmup; i < total; ++i)
-        backward(i);
-    }
+    const int g =
+        c.microbatchGroupSize > 0 ? c.microbatchGroupSize : defaultGroupSize(c.pp, c.seqSplits);
+    emitInterleavedOrder(c.pp, c.vpp, c.microbatches, c.seqSplits, g, order);
   }
 };
 
