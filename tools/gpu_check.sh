@@ -47,7 +47,7 @@ say "nvcc: $(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*')"
 status=0
 start=$SECONDS
 if ! run timeout 240 "${bazel_cmd[@]}" build "${build_flags[@]}" //tests:cuda_kernel_test \
-    //tests:cuda_check_test //bench:cuda_kernel_bench >"$out/build.log" 2>&1; then
+    //tests:cuda_check_test //tests:cuda_runtime_test //bench:cuda_kernel_bench >"$out/build.log" 2>&1; then
   say "BUILD FAILED after $((SECONDS - start)) s; last lines of $out/build.log:"
   tail -30 "$out/build.log" | tee -a "$report"
   exit 1
@@ -56,7 +56,7 @@ say "build ok ($((SECONDS - start)) s)"
 
 start=$SECONDS
 if run timeout 150 "${bazel_cmd[@]}" test "${build_flags[@]}" //tests:cuda_kernel_test \
-    //tests:cuda_check_test --test_output=all >"$out/test.log" 2>&1; then
+    //tests:cuda_check_test //tests:cuda_runtime_test --test_output=all >"$out/test.log" 2>&1; then
   say "tests ok ($((SECONDS - start)) s)"
 else
   status=1

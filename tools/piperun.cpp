@@ -1,10 +1,12 @@
 //===- piperun.cpp - Run a compiled plan ----------------------------------===//
 //
-//   piperun plan.json --backend cpu [--steps N] [--check-reference] [--seed S]
+//   piperun plan.json --backend cpu|cuda [--steps N] [--check-reference] [--seed S]
 //           [--data FILE [--data-dtype uint16|uint32]] [--lr LR] [--timeout SECONDS]
 // Prints "step N loss X" per step; with --check-reference also the single-rank reference's
 // loss and "max_abs_grad_diff=<value>", and exits 1 when that exceeds 1e-5 relative to the
-// largest reference gradient. A plan that fails verification is refused (exit 1).
+// largest reference gradient (1e-4 on the cuda backend: fp32, another summation order). A plan
+// that fails verification is refused (exit 1). --backend cuda needs a build with CUDA and a
+// GPU; without either it exits 2 saying which.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -13,6 +15,9 @@
 #include "ir/PlanJson.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
+#ifdef PIPEC_HAS_CUDA
+#include "runtime/cuda/CudaRun.h"
+#endif
 #include "tools/Args.h"
 
 #include <fmt/format.h>
@@ -21,7 +26,7 @@ using namespace pipec;
 
 namespace {
 
-const char *kUsage = R"(usage: piperun plan.json --backend cpu [--steps N] [--check-reference]
+const char *kUsage = R"(usage: piperun plan.json --backend cpu|cuda [--steps N] [--check-reference]
                [--seed S] [--data FILE [--data-dtype uint16|uint32]] [--lr LR]
                [--timeout SECONDS]
 )";
@@ -37,11 +42,20 @@ llvm::Error run(int argc, char **argv) {
     return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
                       args->positional().size());
   std::string backend = args->get("--backend").value_or("cpu");
-  if (backend == "cuda" || backend == "nccl")
-    return inputError("--backend {}: this build has no GPU backend yet (the CUDA runtime is not "
-                      "implemented); use --backend cpu",
-                      backend);
-  if (backend != "cpu")
+  if (backend == "nccl")
+    return inputError("--backend nccl: the NCCL transport is not implemented yet; use --backend "
+                      "cpu (or cuda for every rank on one GPU)");
+  if (backend == "cuda") {
+#ifdef PIPEC_HAS_CUDA
+    if (auto devices = cudaDevices(); !devices)
+      return inputError("--backend cuda: no GPU ({}); use --backend cpu",
+                        takeMessage(devices.takeError()));
+#else
+    return inputError("--backend cuda: this build has no CUDA (nvcc was not found when it was "
+                      "built); use --backend cpu");
+#endif
+  }
+  if (backend != "cpu" && backend != "cuda")
     return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu", backend);
   auto steps = args->integer("--steps", 1, 1, 1000000);
   if (!steps)
@@ -89,23 +103,42 @@ llvm::Error run(int argc, char **argv) {
   } else {
     data = syntheticData(cfg->vocab, o.seed);
   }
-  auto result = runOnCpu(*plan, *data, o, [](int step, double loss) {
+  auto printStep = [](int step, double loss) {
     fmt::print("step {} loss {:.6f}\n", step, loss);
     std::fflush(stdout);
-  });
+  };
+  // The reference check's report, the same for both backends' results.
+  auto check = [&](const auto &result, double relative, const char *relativeText) -> llvm::Error {
+    if (!o.checkReference)
+      return llvm::Error::success();
+    fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
+    fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
+               result.maxAbsGradDiff, result.gradScale);
+    double tolerance = relative * result.gradScale;
+    if (result.maxAbsGradDiff > tolerance)
+      return finding("gradients differ from the single-rank reference by {:.3e}, more than {} "
+                     "of the gradient scale ({:.3e})",
+                     result.maxAbsGradDiff, relativeText, tolerance);
+    return llvm::Error::success();
+  };
+#ifdef PIPEC_HAS_CUDA
+  if (backend == "cuda") {
+    CudaRunOptions co;
+    co.steps = o.steps;
+    co.seed = o.seed;
+    co.lr = o.lr;
+    co.checkReference = o.checkReference;
+    co.timeoutSeconds = o.timeoutSeconds;
+    auto result = runOnCuda(*plan, *data, co, printStep);
+    if (!result)
+      return result.takeError();
+    return check(*result, kCudaGradTolerance, "1e-4");
+  }
+#endif
+  auto result = runOnCpu(*plan, *data, o, printStep);
   if (!result)
     return result.takeError();
-  if (!o.checkReference)
-    return llvm::Error::success();
-  fmt::print("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
-  fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
-             result->maxAbsGradDiff, result->gradScale);
-  double tolerance = 1e-5 * result->gradScale;
-  if (result->maxAbsGradDiff > tolerance)
-    return finding("gradients differ from the single-rank reference by {:.3e}, more than 1e-5 "
-                   "of the gradient scale ({:.3e})",
-                   result->maxAbsGradDiff, tolerance);
-  return llvm::Error::success();
+  return check(*result, 1e-5, "1e-5");
 }
 
 } // namespace

@@ -2,6 +2,7 @@
 
 #include "ir/Error.h"
 #include "runtime/Runner.h"
+#include "runtime/cpu/Reference.h"
 
 #include <cmath>
 #include <map>
@@ -14,35 +15,6 @@ namespace {
 
 using kernels::GptConfig;
 using kernels::StageCompute;
-
-constexpr float kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWeightDecay = 0.0f;
-
-/// Tokens of one step for one dp replica: microbatch m is global microbatch
-/// (step·dp + replica)·M + m, so replicas and the reference agree on the data.
-std::vector<std::vector<int32_t>> stepBatch(const DataSource &data, const GptConfig &cfg,
-                                            const ParallelConfig &pc, int step, int replica) {
-  std::vector<std::vector<int32_t>> out;
-  for (int m = 0; m < pc.microbatches; ++m) {
-    uint64_t global =
-        (uint64_t(step) * uint64_t(pc.dp) + uint64_t(replica)) * uint64_t(pc.microbatches) +
-        uint64_t(m);
-    out.push_back(microbatchTokens(data, global, cfg.microbatch, cfg.seqLen));
-  }
-  return out;
-}
-
-std::vector<std::pair<int, int>> slicesOf(const Plan &plan) {
-  std::vector<std::pair<int, int>> s;
-  for (auto [b, e] : plan.seqSlices)
-    s.emplace_back(int(b), int(e));
-  return s;
-}
-
-/// Gradients of one step, per stage, as the optimizer will see them (dp replica 0).
-struct GradSnapshot {
-  std::mutex mu;
-  std::map<std::pair<int, int>, std::vector<float>> byStageAndTp; // (stage, tp rank)
-};
 
 class CpuBackend final : public Backend {
 public:
@@ -209,7 +181,7 @@ public:
         snapshot->byStageAndTp[{s, c.tp}].assign(sc->grads().begin(), sc->grads().end());
     }
     for (auto &[s, sc] : stages)
-      sc->adamStep(options.lr, kBeta1, kBeta2, kEps, kWeightDecay);
+      sc->adamStep(options.lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay);
     return llvm::Error::success();
   }
 
@@ -250,53 +222,6 @@ private:
   /// Gradients whose send comes after their op's weight gradient in this rank's stream.
   std::set<uint64_t> sentLate;
   std::span<float> pendingReduce;
-};
-
-/// The single-rank reference: all layers, tp = 1, whole sequences, every replica's microbatches.
-class Reference {
-public:
-  Reference(const Plan &plan, const GptConfig &cfg, const DataSource &data,
-            const CpuRunOptions &options)
-      : plan(plan), cfg(cfg), data(data), options(options),
-        sc(cfg, 0, cfg.numLayers(), 0, 1, options.seed, {{0, cfg.seqLen}},
-           1.0f / float(int64_t(plan.parallel.microbatches) * plan.parallel.dp * cfg.microbatch *
-                        cfg.seqLen)) {}
-
-  double step(int index) {
-    const ParallelConfig &pc = plan.parallel;
-    std::vector<std::vector<int32_t>> batch;
-    for (int d = 0; d < pc.dp; ++d)
-      for (auto &mb : stepBatch(data, cfg, pc, index, d))
-        batch.push_back(std::move(mb));
-    sc.zeroGrads();
-    sc.setBatch(batch);
-    double loss = 0;
-    for (int m = 0; m < int(batch.size()); ++m) {
-      for (int p = 0; p < sc.parts(); ++p)
-        sc.forward(m, 0, p, {});
-      loss += sc.loss(m, 0);
-      for (int p = 0; p < sc.parts(); ++p)
-        sc.backwardInput(m, 0, p, {});
-      sc.backwardWeight(m, 0);
-    }
-    return loss; // (one stage holding both tied copies sums their gradients itself)
-  }
-
-  std::span<float> layerGrads(int layer) {
-    auto [b, e] = sc.layerRange(layer);
-    return sc.grads().subspan(b, e - b);
-  }
-
-  void update() { sc.adamStep(options.lr, kBeta1, kBeta2, kEps, kWeightDecay); }
-
-private:
-  const Plan &plan;
-  const GptConfig &cfg;
-  const DataSource &data;
-  const CpuRunOptions &options;
-
-public:
-  StageCompute sc;
 };
 
 } // namespace
@@ -378,9 +303,9 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     backends.push_back(std::move(b));
   }
   Runner runner(plan, options.faults, options.timeoutSeconds, std::move(backends));
-  std::unique_ptr<Reference> ref;
+  std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference)
-    ref = std::make_unique<Reference>(plan, cfg, data, options);
+    ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
   CpuRunResult result;
   for (int s = 0; s < options.steps; ++s) {
     if (auto err = runner.step(s))
@@ -391,20 +316,7 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     result.losses.push_back(loss);
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
-      for (const StageInfo &st : plan.stages)
-        for (int t = 0; t < pc.tp; ++t) {
-          const std::vector<float> &mine = snapshot.byStageAndTp[{st.stage, t}];
-          size_t offset = 0;
-          for (int l = st.layerBegin; l < st.layerEnd; ++l) {
-            std::vector<float> want = kernels::shardLayer(cfg, l, t, pc.tp, ref->layerGrads(l));
-            for (size_t k = 0; k < want.size(); ++k) {
-              result.gradScale = std::max(result.gradScale, double(std::fabs(want[k])));
-              result.maxAbsGradDiff =
-                  std::max(result.maxAbsGradDiff, double(std::fabs(want[k] - mine[offset + k])));
-            }
-            offset += want.size();
-          }
-        }
+      ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale);
       ref->update();
     }
     if (onStep)

@@ -1,0 +1,63 @@
+//===- Reference.h - What every backend's run shares with the reference -*- C++ -*-===//
+//
+// The data of a step, the loss scale, the gradient snapshot a backend takes before its
+// optimizer step, and the single-rank reference (all layers, all microbatches of every replica,
+// whole sequences, tp = 1, on the CPU kernels) that `--check-reference` compares against. The
+// cpu and cuda backends both use these, so they check against the very same thing.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CPU_REFERENCE_H
+#define PIPEC_RUNTIME_CPU_REFERENCE_H
+
+#include "ir/Plan.h"
+#include "kernels/cpu/Gpt.h"
+#include "runtime/Data.h"
+
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace pipec {
+
+/// AdamW settings of every backend.
+constexpr float kAdamBeta1 = 0.9f, kAdamBeta2 = 0.95f, kAdamEps = 1e-8f, kAdamWeightDecay = 0.0f;
+
+/// Tokens of one step for one dp replica: microbatch m is global microbatch
+/// (step·dp + replica)·M + m, so replicas and the reference agree on the data.
+std::vector<std::vector<int32_t>> stepBatch(const DataSource &data, const kernels::GptConfig &cfg,
+                                            const ParallelConfig &pc, int step, int replica);
+/// The plan's sub-sequences as the kernels take them.
+std::vector<std::pair<int, int>> slicesOf(const Plan &plan);
+/// 1 / tokens of the global batch: summed gradients are those of the mean loss.
+float lossScaleOf(const Plan &plan, const kernels::GptConfig &cfg);
+
+/// Gradients of one step, per (stage, tp rank), as the optimizer will see them (replica 0).
+struct GradSnapshot {
+  std::mutex mu;
+  std::map<std::pair<int, int>, std::vector<float>> byStageAndTp;
+};
+
+/// The single-rank reference run.
+class ReferenceRun {
+public:
+  ReferenceRun(const Plan &plan, const kernels::GptConfig &cfg, const DataSource &data,
+               uint64_t seed, float lr);
+  /// One step's forwards and backwards; returns its loss. Gradients stay until update().
+  double step(int index);
+  /// Fold the largest |snapshot - reference| and |reference| gradient into the two maxima.
+  void compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale);
+  /// The optimizer step.
+  void update();
+
+private:
+  const Plan &plan;
+  const kernels::GptConfig &cfg;
+  const DataSource &data;
+  float lr;
+  kernels::StageCompute sc;
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CPU_REFERENCE_H

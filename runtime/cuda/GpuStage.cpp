@@ -1,0 +1,764 @@
+//===- GpuStage.cpp - One pipeline stage of the GPT on a GPU --------------===//
+//
+// kernels/cpu/Gpt.cpp transcribed onto device memory: the same parts, the same lazily completed
+// reductions, the same saved state per (microbatch, slice) and per microbatch (K/V and their
+// gradient accumulators), with kernels/cuda ops in place of the CPU loops and the glue kernels
+// of StageKernels.cu. Comments here only mark where the device version departs.
+//
+//===----------------------------------------------------------------------===//
+#include "runtime/cuda/GpuStage.h"
+
+#include "kernels/cuda/CudaCheck.h"
+#include "runtime/cuda/StageKernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cassert>
+#include <map>
+
+namespace pipec {
+
+namespace {
+
+namespace cu = kernels::cuda;
+namespace launch = runtime::cuda::launch;
+using kernels::GptConfig;
+using kernels::GptLayerKind;
+constexpr cu::DType kF32 = cu::DType::F32;
+
+/// Propagates an llvm::Error out of the enclosing function.
+#define PIPEC_GPU_TRY(expr)                                                                        \
+  do {                                                                                             \
+    if (llvm::Error pipecGpuErr = (expr))                                                          \
+      return pipecGpuErr;                                                                          \
+  } while (false)
+
+/// Device memory from the stream-ordered allocator: allocated and freed in stream order, so a
+/// buffer dropped on the host is reused only by work queued after everything that read it.
+template <typename T> class StreamBuffer {
+public:
+  StreamBuffer() = default;
+  StreamBuffer(StreamBuffer &&o) noexcept
+      : ptr(std::exchange(o.ptr, nullptr)), count(std::exchange(o.count, 0)), stream(o.stream) {}
+  StreamBuffer &operator=(StreamBuffer &&o) noexcept {
+    if (this != &o) {
+      reset();
+      ptr = std::exchange(o.ptr, nullptr);
+      count = std::exchange(o.count, 0);
+      stream = o.stream;
+    }
+    return *this;
+  }
+  StreamBuffer(const StreamBuffer &) = delete;
+  StreamBuffer &operator=(const StreamBuffer &) = delete;
+  ~StreamBuffer() { reset(); }
+
+  llvm::Error allocate(cudaStream_t s, size_t n, bool zero = false) {
+    reset();
+    stream = s;
+    if (n == 0)
+      return llvm::Error::success();
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMallocAsync(&p, n * sizeof(T), stream));
+    ptr = static_cast<T *>(p);
+    count = n;
+    if (zero)
+      PIPEC_CUDA_TRY(cudaMemsetAsync(ptr, 0, n * sizeof(T), stream));
+    return llvm::Error::success();
+  }
+  /// A copy of `src` (device), queued on `s`.
+  llvm::Error copyFrom(cudaStream_t s, std::span<const T> src) {
+    PIPEC_GPU_TRY(allocate(s, src.size()));
+    if (!src.empty())
+      PIPEC_CUDA_TRY(cudaMemcpyAsync(ptr, src.data(), src.size() * sizeof(T),
+                                     cudaMemcpyDeviceToDevice, stream));
+    return llvm::Error::success();
+  }
+  void reset() {
+    if (ptr)
+      (void)cudaFreeAsync(ptr, stream);
+    ptr = nullptr;
+    count = 0;
+  }
+
+  T *data() const { return ptr; }
+  size_t size() const { return count; }
+  bool empty() const { return count == 0; }
+  std::span<T> span() const { return {ptr, count}; }
+
+private:
+  T *ptr = nullptr;
+  size_t count = 0;
+  cudaStream_t stream = nullptr;
+};
+
+using Floats = StreamBuffer<float>;
+
+/// Memory allocated once (parameters, gradients, moments, tokens, the loss accumulator).
+template <typename T> class Owned {
+public:
+  Owned() = default;
+  Owned(const Owned &) = delete;
+  Owned &operator=(const Owned &) = delete;
+  ~Owned() {
+    if (ptr)
+      (void)cudaFree(ptr);
+  }
+  llvm::Error allocate(size_t n) {
+    assert(!ptr && "allocated twice");
+    if (n == 0)
+      return llvm::Error::success();
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMalloc(&p, n * sizeof(T)));
+    ptr = static_cast<T *>(p);
+    count = n;
+    return llvm::Error::success();
+  }
+  T *data() const { return ptr; }
+  size_t size() const { return count; }
+
+private:
+  T *ptr = nullptr;
+  size_t count = 0;
+};
+
+// Tensor indices of a layer's flat block (kernels/cpu/Gpt.h documents the layout).
+enum BlockTensor { Ln1W, Ln1B, QkvW, QkvB, AttnW, AttnB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB };
+enum EmbeddingTensor { Wte, Wpe };
+enum HeadTensor { LnfW, LnfB, LmW };
+
+/// Offsets of a layer's tensors on one tp rank, plus the total at the end.
+std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
+  const size_t c = size_t(cfg.channels), v = size_t(cfg.vocab), t = size_t(cfg.seqLen);
+  const size_t cl = c / size_t(tp), fl = size_t(cfg.ffn) / size_t(tp);
+  std::vector<size_t> sizes;
+  switch (kernels::layerKind(cfg, layer)) {
+  case GptLayerKind::Embedding:
+    sizes = {v * c, t * c};
+    break;
+  case GptLayerKind::Block:
+    sizes = {c, c, c * 3 * cl, 3 * cl, cl * c, c, c, c, c * fl, fl, fl * c, c};
+    break;
+  case GptLayerKind::Head:
+    sizes = {c, c, v * c};
+    break;
+  }
+  std::vector<size_t> offsets{0};
+  for (size_t s : sizes)
+    offsets.push_back(offsets.back() + s);
+  assert(offsets.back() == kernels::layerParamCount(cfg, layer, tp) &&
+         "the layout differs from kernels/cpu/Gpt.cpp");
+  return offsets;
+}
+
+struct BlockWork {
+  Floats xIn, ln1Mean, ln1Rstd, q, lse, attOut, attnPartial, xMid, ln2Mean, ln2Rstd, fcPre,
+      mlpPartial;
+  Floats dOut, dFcPre, dLn2, dXmid, dQkv, dLn1;
+};
+
+struct HeadWork {
+  Floats lnfIn, lnfMean, lnfRstd, lnfOut, logits, lse, rowLoss; // logits become dLogits
+  Floats dLnfOut;
+};
+
+struct SliceWork {
+  int nextForwardPart = 0, nextBackwardPart = 0;
+  int pendingForward = -1, pendingBackward = -1;
+  int n = 0; // tokens of the slice (B * x)
+  Floats resid, dResid, dEmb;
+  std::vector<BlockWork> blocks;
+  HeadWork head;
+};
+
+/// K/V of the whole sequence, allocated at slice 0 (position-major (T, B, Cl)); the CPU grows
+/// them slice by slice, the attention ops read only the first a + x rows.
+struct SequenceBlock {
+  Floats k, v, dk, dv;
+};
+
+struct SequenceWork {
+  int nextForwardSlice = 0;
+  int nextBackwardSlice = -1;
+  std::vector<SequenceBlock> blocks;
+};
+
+struct PartRef {
+  int layer;
+  int sub;
+};
+
+} // namespace
+
+struct GpuStage::Impl {
+  cu::CudaContext &ctx;
+  cudaStream_t stream;
+  GptConfig cfg;
+  int layerBegin = 0, layerEnd = 0, tpRank = 0, tp = 1;
+  std::vector<std::pair<int, int>> slices;
+  float lossScale = 1;
+  int localHeads = 0, headDim = 0, localC = 0, localF = 0;
+  std::vector<PartRef> forwardParts, backwardParts;
+  std::vector<size_t> layerOffset;
+  std::vector<std::vector<size_t>> tensorOffset;
+  Owned<float> params, grads, adamM, adamV;
+  Owned<double> lossAcc;
+  int adamSteps = 0;
+  // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
+  // mb * B * T + B * slices[slice].first.
+  StreamBuffer<int32_t> inputs, targets;
+  std::map<std::pair<int, int>, SliceWork> work;
+  std::map<int, SequenceWork> sequences;
+
+  explicit Impl(cu::CudaContext &ctx) : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
+
+  GptLayerKind kind(int layer) const { return kernels::layerKind(cfg, layer); }
+  int firstBlock() const { return layerBegin == 0 ? 1 : layerBegin; }
+  int blockCount() const {
+    int count = 0;
+    for (int l = layerBegin; l < layerEnd; ++l)
+      count += kind(l) == GptLayerKind::Block;
+    return count;
+  }
+  bool hasEmbedding() const { return layerBegin == 0; }
+  bool hasHead() const { return layerEnd == cfg.numLayers(); }
+  bool tiedHere() const { return cfg.tiedEmbeddings && hasEmbedding() && hasHead(); }
+  float *param(int layer, int tensor) {
+    int l = layer - layerBegin;
+    return params.data() + layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
+  }
+  float *grad(int layer, int tensor) {
+    int l = layer - layerBegin;
+    return grads.data() + layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
+  }
+  int sliceLen(int slice) const {
+    return slices[size_t(slice)].second - slices[size_t(slice)].first;
+  }
+  size_t tokenOffset(int mb, int slice) const {
+    return size_t(mb) * size_t(cfg.microbatch) * size_t(cfg.seqLen) +
+           size_t(cfg.microbatch) * size_t(slices[size_t(slice)].first);
+  }
+  SequenceWork &sequence(int mb) {
+    auto it = sequences.find(mb);
+    assert(it != sequences.end() && "slice 0 of this microbatch has not run forward");
+    return it->second;
+  }
+  SliceWork &get(int mb, int slice) {
+    auto it = work.find({mb, slice});
+    assert(it != work.end() && "no forward state for this (microbatch, slice)");
+    return it->second;
+  }
+
+  llvm::Error forward(int mb, int slice, int part, std::span<const float> input,
+                      std::span<float> &result);
+  llvm::Error finishForward(SliceWork &w);
+  llvm::Error backwardInput(int mb, int slice, int part, std::span<const float> gradOutput,
+                            std::span<float> &result);
+  llvm::Error finishBackward(SliceWork &w);
+  llvm::Error backwardWeight(int mb, int slice);
+};
+
+llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
+  if (w.pendingForward < 0)
+    return llvm::Error::success();
+  PartRef p = forwardParts[size_t(w.pendingForward)];
+  w.pendingForward = -1;
+  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
+  Floats &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
+  PIPEC_CUDA_TRY(launch::residualAdd(w.resid.data(), branch.data(),
+                                     param(p.layer, p.sub == 0 ? AttnB : ProjB), w.n, cfg.channels,
+                                     stream));
+  branch.reset();
+  if (p.sub == 0)
+    PIPEC_GPU_TRY(bw.xMid.copyFrom(stream, std::span<const float>(w.resid.span())));
+  return llvm::Error::success();
+}
+
+llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const float> input,
+                                    std::span<float> &result) {
+  assert(slice >= 0 && slice < int(slices.size()) && "slice out of range");
+  assert(part >= 0 && part < int(forwardParts.size()) && "part out of range");
+  result = {};
+  const auto [begin, end] = slices[size_t(slice)];
+  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
+  const size_t nc = size_t(n) * size_t(c);
+  if (part == 0) {
+    if (slice == 0) {
+      SequenceWork &seq = sequences[mb] = SequenceWork();
+      seq.blocks.resize(size_t(blockCount()));
+      const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(localC);
+      for (SequenceBlock &sb : seq.blocks) {
+        PIPEC_GPU_TRY(sb.k.allocate(stream, kvSize));
+        PIPEC_GPU_TRY(sb.v.allocate(stream, kvSize));
+      }
+    }
+    SequenceWork &seq = sequence(mb);
+    assert(seq.nextForwardSlice == slice && "slices of a microbatch run forward in order");
+    ++seq.nextForwardSlice;
+    SliceWork &w = work[{mb, slice}] = SliceWork();
+    w.blocks.resize(size_t(blockCount()));
+    w.n = n;
+    if (!hasEmbedding()) {
+      assert(input.size() == nc && "stage input has the wrong size");
+      PIPEC_GPU_TRY(w.resid.copyFrom(stream, input));
+    }
+  }
+  SliceWork &w = get(mb, slice);
+  assert(part == w.nextForwardPart && "forward parts run in order");
+  ++w.nextForwardPart;
+  PIPEC_GPU_TRY(finishForward(w));
+  const PartRef p = forwardParts[size_t(part)];
+  switch (kind(p.layer)) {
+  case GptLayerKind::Embedding:
+    PIPEC_GPU_TRY(w.resid.allocate(stream, nc));
+    PIPEC_CUDA_TRY(launch::embeddingForward(w.resid.data(), inputs.data() + tokenOffset(mb, slice),
+                                            param(p.layer, Wte), param(p.layer, Wpe), n, x, begin,
+                                            c, stream));
+    return llvm::Error::success();
+  case GptLayerKind::Head: {
+    HeadWork &hw = w.head;
+    hw.lnfIn = std::move(w.resid);
+    PIPEC_GPU_TRY(hw.lnfMean.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(hw.lnfRstd.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(hw.lnfOut.allocate(stream, nc));
+    PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, hw.lnfOut.data(), hw.lnfMean.data(),
+                                       hw.lnfRstd.data(), hw.lnfIn.data(), param(p.layer, LnfW),
+                                       param(p.layer, LnfB), n, c));
+    PIPEC_GPU_TRY(hw.logits.allocate(stream, size_t(n) * size_t(cfg.vocab)));
+    PIPEC_GPU_TRY(cu::matmulTForward(ctx, kF32, hw.logits.data(), hw.lnfOut.data(),
+                                     param(p.layer, LmW), n, c, cfg.vocab));
+    PIPEC_GPU_TRY(hw.lse.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(hw.rowLoss.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, kF32, hw.rowLoss.data(), hw.lse.data(),
+                                          hw.logits.data(), targets.data() + tokenOffset(mb, slice),
+                                          n, cfg.vocab, lossScale));
+    return llvm::Error::success();
+  }
+  case GptLayerKind::Block:
+    break;
+  }
+  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
+  if (p.sub == 0) {
+    PIPEC_GPU_TRY(bw.xIn.copyFrom(stream, std::span<const float>(w.resid.span())));
+    PIPEC_GPU_TRY(bw.ln1Mean.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(bw.ln1Rstd.allocate(stream, size_t(n)));
+    Floats ln1Out, qkv; // (B, x, C), (B, x, 3 Cl)
+    PIPEC_GPU_TRY(ln1Out.allocate(stream, nc));
+    PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln1Out.data(), bw.ln1Mean.data(),
+                                       bw.ln1Rstd.data(), bw.xIn.data(), param(p.layer, Ln1W),
+                                       param(p.layer, Ln1B), n, c));
+    PIPEC_GPU_TRY(qkv.allocate(stream, size_t(n) * 3 * size_t(localC)));
+    PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, qkv.data(), ln1Out.data(), param(p.layer, QkvW),
+                                    param(p.layer, QkvB), n, c, 3 * localC));
+    SequenceBlock &sb = sequence(mb).blocks[size_t(p.layer - firstBlock())];
+    PIPEC_GPU_TRY(bw.q.allocate(stream, size_t(n) * size_t(localC)));
+    PIPEC_CUDA_TRY(launch::splitQkv(bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n, x, b,
+                                    begin, localC, stream));
+    const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
+    PIPEC_GPU_TRY(bw.lse.allocate(stream, size_t(b) * size_t(localHeads) * size_t(x)));
+    PIPEC_GPU_TRY(bw.attOut.allocate(stream, size_t(n) * size_t(localC)));
+    PIPEC_GPU_TRY(cu::attentionForward(ctx, kF32, bw.attOut.data(), bw.lse.data(), bw.q.data(),
+                                       sb.k.data(), sb.v.data(), shape));
+    PIPEC_GPU_TRY(bw.attnPartial.allocate(stream, nc));
+    PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.attnPartial.data(), bw.attOut.data(),
+                                    param(p.layer, AttnW), nullptr, n, localC, c));
+    w.pendingForward = part;
+    result = bw.attnPartial.span();
+    return llvm::Error::success();
+  }
+  PIPEC_GPU_TRY(bw.ln2Mean.allocate(stream, size_t(n)));
+  PIPEC_GPU_TRY(bw.ln2Rstd.allocate(stream, size_t(n)));
+  Floats ln2Out, fcAct; // (B, x, C), (B, x, Fl)
+  PIPEC_GPU_TRY(ln2Out.allocate(stream, nc));
+  PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(),
+                                     bw.xMid.data(), param(p.layer, Ln2W), param(p.layer, Ln2B), n,
+                                     c));
+  const size_t nf = size_t(n) * size_t(localF);
+  PIPEC_GPU_TRY(bw.fcPre.allocate(stream, nf));
+  PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW),
+                                  param(p.layer, FcB), n, c, localF));
+  PIPEC_GPU_TRY(fcAct.allocate(stream, nf));
+  PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
+  PIPEC_GPU_TRY(bw.mlpPartial.allocate(stream, nc));
+  PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.mlpPartial.data(), fcAct.data(),
+                                  param(p.layer, ProjW), nullptr, n, localF, c));
+  w.pendingForward = part;
+  result = bw.mlpPartial.span();
+  return llvm::Error::success();
+}
+
+llvm::Error GpuStage::Impl::finishBackward(SliceWork &w) {
+  if (w.pendingBackward < 0)
+    return llvm::Error::success();
+  PartRef p = backwardParts[size_t(w.pendingBackward)];
+  w.pendingBackward = -1;
+  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
+  const int n = w.n, c = cfg.channels;
+  if (p.sub == 0) {
+    PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
+        ctx, kF32, w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
+        bw.ln2Rstd.data(), param(p.layer, Ln2W), n, c));
+    return bw.dXmid.copyFrom(stream, std::span<const float>(w.dResid.span()));
+  }
+  return cu::layernormBackwardInputAccumulate(ctx, kF32, w.dResid.data(), bw.dLn1.data(),
+                                              bw.xIn.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
+                                              param(p.layer, Ln1W), n, c);
+}
+
+llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
+                                          std::span<const float> gradOutput,
+                                          std::span<float> &result) {
+  assert(part >= 0 && part < int(backwardParts.size()) && "part out of range");
+  result = {};
+  SliceWork &w = get(mb, slice);
+  assert(w.nextForwardPart == int(forwardParts.size()) && "backward before the forward ended");
+  const int begin = slices[size_t(slice)].first;
+  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
+  const size_t nc = size_t(n) * size_t(c);
+  SequenceWork &seq = sequence(mb);
+  if (part == 0) {
+    PIPEC_GPU_TRY(finishForward(w));
+    if (seq.nextBackwardSlice < 0)
+      seq.nextBackwardSlice = seq.nextForwardSlice - 1;
+    assert(seq.nextBackwardSlice == slice && "slices of a microbatch run backward last first");
+    --seq.nextBackwardSlice;
+    w.resid.reset();
+    if (!hasHead()) {
+      assert(gradOutput.size() == nc && "output gradient has the wrong size");
+      PIPEC_GPU_TRY(w.dResid.copyFrom(stream, gradOutput));
+    }
+  }
+  assert(part == w.nextBackwardPart && "backward parts run in order");
+  ++w.nextBackwardPart;
+  PIPEC_GPU_TRY(finishBackward(w));
+  const PartRef p = backwardParts[size_t(part)];
+  const bool lastPart = part + 1 == int(backwardParts.size());
+  switch (kind(p.layer)) {
+  case GptLayerKind::Head: {
+    HeadWork &hw = w.head;
+    const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
+    // dLogits overwrite the logits in place (the op allows it).
+    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, kF32, hw.logits.data(), hw.logits.data(),
+                                           hw.lse.data(), tgt, n, cfg.vocab, lossScale));
+    hw.lse.reset();
+    PIPEC_GPU_TRY(hw.dLnfOut.allocate(stream, nc));
+    PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, kF32, hw.dLnfOut.data(), hw.logits.data(),
+                                           param(p.layer, LmW), n, c, cfg.vocab));
+    PIPEC_GPU_TRY(w.dResid.allocate(stream, nc, /*zero=*/true));
+    PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
+        ctx, kF32, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
+        hw.lnfRstd.data(), param(p.layer, LnfW), n, c));
+    break;
+  }
+  case GptLayerKind::Embedding:
+    w.dEmb = std::move(w.dResid);
+    break;
+  case GptLayerKind::Block: {
+    BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
+    if (p.sub == 0) {
+      PIPEC_GPU_TRY(bw.dOut.copyFrom(stream, std::span<const float>(w.dResid.span())));
+      const size_t nf = size_t(n) * size_t(localF);
+      Floats dFcAct; // (B, x, Fl)
+      PIPEC_GPU_TRY(dFcAct.allocate(stream, nf));
+      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dFcAct.data(), bw.dOut.data(),
+                                            param(p.layer, ProjW), n, localF, c));
+      PIPEC_GPU_TRY(bw.dFcPre.allocate(stream, nf));
+      PIPEC_GPU_TRY(
+          cu::geluBackward(ctx, kF32, bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), nf));
+      PIPEC_GPU_TRY(bw.dLn2.allocate(stream, nc));
+      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn2.data(), bw.dFcPre.data(),
+                                            param(p.layer, FcW), n, c, localF));
+      w.pendingBackward = part;
+      result = bw.dLn2.span();
+      break;
+    }
+    const size_t ncl = size_t(n) * size_t(localC);
+    Floats dAttOut, dq; // (B, x, Cl) each
+    PIPEC_GPU_TRY(dAttOut.allocate(stream, ncl));
+    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dAttOut.data(), bw.dXmid.data(),
+                                          param(p.layer, AttnW), n, localC, c));
+    SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
+    if (sb.dk.empty()) { // the first backward of the microbatch
+      PIPEC_GPU_TRY(sb.dk.allocate(stream, sb.k.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(sb.dv.allocate(stream, sb.v.size(), /*zero=*/true));
+    }
+    PIPEC_GPU_TRY(dq.allocate(stream, ncl));
+    const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
+    PIPEC_GPU_TRY(cu::attentionBackward(ctx, kF32, dq.data(), sb.dk.data(), sb.dv.data(),
+                                        dAttOut.data(), bw.attOut.data(), bw.lse.data(),
+                                        bw.q.data(), sb.k.data(), sb.v.data(), shape));
+    bw.lse.reset();
+    bw.q.reset();
+    PIPEC_GPU_TRY(bw.dQkv.allocate(stream, 3 * ncl));
+    PIPEC_CUDA_TRY(launch::gatherQkv(bw.dQkv.data(), dq.data(), sb.dk.data(), sb.dv.data(), n, x, b,
+                                     begin, localC, stream));
+    PIPEC_GPU_TRY(bw.dLn1.allocate(stream, nc));
+    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn1.data(), bw.dQkv.data(),
+                                          param(p.layer, QkvW), n, c, 3 * localC));
+    w.pendingBackward = part;
+    result = bw.dLn1.span();
+    break;
+  }
+  }
+  if (lastPart && slice == 0)
+    sequences.erase(mb);
+  return llvm::Error::success();
+}
+
+llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
+  SliceWork &w = get(mb, slice);
+  assert(w.nextBackwardPart == int(backwardParts.size()) &&
+         "backward_weight before backward_input ended");
+  PIPEC_GPU_TRY(finishBackward(w));
+  const int begin = slices[size_t(slice)].first;
+  const int x = sliceLen(slice), n = w.n, c = cfg.channels;
+  const size_t nc = size_t(n) * size_t(c);
+  const int32_t *in = inputs.data() + tokenOffset(mb, slice);
+  for (int l = layerBegin; l < layerEnd; ++l) {
+    switch (kind(l)) {
+    case GptLayerKind::Embedding:
+      PIPEC_CUDA_TRY(launch::embeddingBackward(grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in, n, x,
+                                               begin, c, stream));
+      if (tiedHere())
+        PIPEC_CUDA_TRY(launch::embeddingBackward(grad(cfg.numLayers() - 1, LmW), nullptr,
+                                                 w.dEmb.data(), in, n, x, begin, c, stream));
+      break;
+    case GptLayerKind::Head: {
+      HeadWork &hw = w.head;
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, LnfW), grad(l, LnfB),
+                                                hw.dLnfOut.data(), hw.lnfIn.data(),
+                                                hw.lnfMean.data(), hw.lnfRstd.data(), n, c));
+      if (tiedHere())
+        PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, kF32, grad(0, Wte), hw.lnfOut.data(),
+                                                hw.logits.data(), n, c, cfg.vocab));
+      PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, kF32, grad(l, LmW), hw.lnfOut.data(),
+                                              hw.logits.data(), n, c, cfg.vocab));
+      break;
+    }
+    case GptLayerKind::Block: {
+      BlockWork &bw = w.blocks[size_t(l - firstBlock())];
+      Floats lnOut, mean, rstd, fcAct; // recomputed inputs of qkv, fc and proj
+      PIPEC_GPU_TRY(lnOut.allocate(stream, nc));
+      PIPEC_GPU_TRY(mean.allocate(stream, size_t(n)));
+      PIPEC_GPU_TRY(rstd.allocate(stream, size_t(n)));
+      PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, lnOut.data(), mean.data(), rstd.data(),
+                                         bw.xIn.data(), param(l, Ln1W), param(l, Ln1B), n, c));
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, Ln1W), grad(l, Ln1B),
+                                                bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean.data(),
+                                                bw.ln1Rstd.data(), n, c));
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, QkvW), grad(l, QkvB), lnOut.data(),
+                                             bw.dQkv.data(), n, c, 3 * localC));
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, AttnW), grad(l, AttnB),
+                                             bw.attOut.data(), bw.dXmid.data(), n, localC, c));
+      PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, lnOut.data(), mean.data(), rstd.data(),
+                                         bw.xMid.data(), param(l, Ln2W), param(l, Ln2B), n, c));
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, Ln2W), grad(l, Ln2B),
+                                                bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
+                                                bw.ln2Rstd.data(), n, c));
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, FcW), grad(l, FcB), lnOut.data(),
+                                             bw.dFcPre.data(), n, c, localF));
+      const size_t nf = size_t(n) * size_t(localF);
+      PIPEC_GPU_TRY(fcAct.allocate(stream, nf));
+      PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, ProjW), grad(l, ProjB),
+                                             fcAct.data(), bw.dOut.data(), n, localF, c));
+      break;
+    }
+    }
+  }
+  work.erase({mb, slice});
+  return llvm::Error::success();
+}
+
+GpuStage::GpuStage(std::unique_ptr<Impl> impl) : impl(std::move(impl)) {}
+GpuStage::~GpuStage() = default;
+
+llvm::Expected<std::unique_ptr<GpuStage>>
+GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int layerEnd,
+                 int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
+                 float lossScale) {
+  assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
+         "empty or out-of-range layer range");
+  assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
+         "bad tensor-parallel split");
+  assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
+         "slices must cover the sequence");
+  auto m = std::make_unique<Impl>(ctx);
+  m->cfg = cfg;
+  m->layerBegin = layerBegin;
+  m->layerEnd = layerEnd;
+  m->tpRank = tpRank;
+  m->tp = tp;
+  m->slices = std::move(slices);
+  m->lossScale = lossScale;
+  m->localHeads = cfg.heads / tp;
+  m->headDim = cfg.channels / cfg.heads;
+  m->localC = m->localHeads * m->headDim;
+  m->localF = cfg.ffn / tp;
+  std::vector<float> host;
+  m->layerOffset.push_back(0);
+  for (int l = layerBegin; l < layerEnd; ++l) {
+    for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
+      m->forwardParts.push_back({l, sub});
+    m->tensorOffset.push_back(tensorOffsets(cfg, l, tp));
+    std::vector<float> shard =
+        kernels::shardLayer(cfg, l, tpRank, tp, kernels::initLayerFull(cfg, l, seed));
+    host.insert(host.end(), shard.begin(), shard.end());
+    m->layerOffset.push_back(host.size());
+  }
+  for (int l = layerEnd - 1; l >= layerBegin; --l)
+    for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
+      m->backwardParts.push_back({l, sub});
+  const size_t bytes = host.size() * sizeof(float);
+  PIPEC_GPU_TRY(m->params.allocate(host.size()));
+  PIPEC_GPU_TRY(m->grads.allocate(host.size()));
+  PIPEC_GPU_TRY(m->adamM.allocate(host.size()));
+  PIPEC_GPU_TRY(m->adamV.allocate(host.size()));
+  PIPEC_GPU_TRY(m->lossAcc.allocate(1));
+  PIPEC_GPU_TRY(ctx.upload(m->params.data(), host.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(m->grads.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(m->adamM.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(m->adamV.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(m->lossAcc.data(), sizeof(double)));
+  PIPEC_GPU_TRY(ctx.synchronize());
+  return std::unique_ptr<GpuStage>(new GpuStage(std::move(m)));
+}
+
+int GpuStage::parts() const { return int(impl->forwardParts.size()); }
+bool GpuStage::hasEmbedding() const { return impl->hasEmbedding(); }
+bool GpuStage::hasHead() const { return impl->hasHead(); }
+
+llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) {
+  Impl &m = *impl;
+  if (!m.hasEmbedding() && !m.hasHead())
+    return llvm::Error::success();
+  const int b = m.cfg.microbatch, t = m.cfg.seqLen;
+  std::vector<int32_t> in, tgt;
+  in.reserve(tokens.size() * size_t(b) * size_t(t));
+  tgt.reserve(in.capacity());
+  for (const std::vector<int32_t> &mb : tokens) {
+    assert(mb.size() == size_t(b) * size_t(t + 1) && "batch has the wrong size");
+    for (auto [begin, end] : m.slices)
+      for (int s = 0; s < b; ++s)
+        for (int p = begin; p < end; ++p) {
+          int32_t token = mb[size_t(s) * size_t(t + 1) + size_t(p)];
+          assert(token >= 0 && token < m.cfg.vocab && "input token out of the vocabulary");
+          in.push_back(token);
+          tgt.push_back(mb[size_t(s) * size_t(t + 1) + size_t(p) + 1]);
+        }
+  }
+  // The previous step's buffers are freed in stream order, after the work that read them.
+  PIPEC_GPU_TRY(m.inputs.allocate(m.stream, in.size()));
+  PIPEC_GPU_TRY(m.targets.allocate(m.stream, tgt.size()));
+  PIPEC_GPU_TRY(m.ctx.upload(m.inputs.data(), in.data(), in.size() * sizeof(int32_t)));
+  return m.ctx.upload(m.targets.data(), tgt.data(), tgt.size() * sizeof(int32_t));
+}
+
+llvm::Expected<std::span<float>> GpuStage::forward(int mb, int slice, int part,
+                                                   std::span<const float> input) {
+  std::span<float> result;
+  if (auto err = impl->forward(mb, slice, part, input, result))
+    return err;
+  return result;
+}
+
+llvm::Expected<std::span<const float>> GpuStage::output(int mb, int slice) {
+  SliceWork &w = impl->get(mb, slice);
+  assert(w.nextForwardPart == parts() && "output() before the last forward part");
+  if (auto err = impl->finishForward(w))
+    return err;
+  if (hasHead())
+    return std::span<const float>();
+  return std::span<const float>(w.resid.span());
+}
+
+llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
+  assert(hasHead() && "accumulateLoss() on a stage without the head");
+  SliceWork &w = impl->get(mb, slice);
+  assert(w.nextForwardPart == parts() && "loss before the last forward part");
+  PIPEC_CUDA_TRY(
+      launch::accumulateSum(impl->lossAcc.data(), w.head.rowLoss.data(), w.n, impl->stream));
+  return llvm::Error::success();
+}
+
+llvm::Expected<double> GpuStage::takeLoss() {
+  double loss = 0;
+  if (auto err = impl->ctx.download(&loss, impl->lossAcc.data(), sizeof(double)))
+    return err;
+  if (auto err = impl->ctx.memsetZero(impl->lossAcc.data(), sizeof(double)))
+    return err;
+  return loss;
+}
+
+llvm::Expected<std::span<float>> GpuStage::backwardInput(int mb, int slice, int part,
+                                                         std::span<const float> gradOutput) {
+  std::span<float> result;
+  if (auto err = impl->backwardInput(mb, slice, part, gradOutput, result))
+    return err;
+  return result;
+}
+
+llvm::Expected<std::span<const float>> GpuStage::inputGrad(int mb, int slice) {
+  SliceWork &w = impl->get(mb, slice);
+  assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
+  if (auto err = impl->finishBackward(w))
+    return err;
+  if (hasEmbedding())
+    return std::span<const float>();
+  return std::span<const float>(w.dResid.span());
+}
+
+llvm::Error GpuStage::backwardWeight(int mb, int slice) { return impl->backwardWeight(mb, slice); }
+
+std::span<float> GpuStage::params() { return {impl->params.data(), impl->params.size()}; }
+std::span<float> GpuStage::grads() { return {impl->grads.data(), impl->grads.size()}; }
+
+std::pair<size_t, size_t> GpuStage::layerRange(int layer) const {
+  assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");
+  size_t l = size_t(layer - impl->layerBegin);
+  return {impl->layerOffset[l], impl->layerOffset[l + 1]};
+}
+
+std::pair<size_t, size_t> GpuStage::tiedEmbeddingRange() const {
+  const Impl &m = *impl;
+  if (!m.cfg.tiedEmbeddings || m.tiedHere())
+    return {0, 0};
+  const size_t matrix = size_t(m.cfg.vocab) * size_t(m.cfg.channels);
+  if (m.hasEmbedding()) {
+    size_t at = m.layerOffset[0] + m.tensorOffset[0][Wte];
+    return {at, at + matrix};
+  }
+  if (m.hasHead()) {
+    size_t l = size_t(m.layerEnd - 1 - m.layerBegin);
+    size_t at = m.layerOffset[l] + m.tensorOffset[l][LmW];
+    return {at, at + matrix};
+  }
+  return {0, 0};
+}
+
+llvm::Error GpuStage::zeroGrads() {
+  return impl->ctx.memsetZero(impl->grads.data(), impl->grads.size() * sizeof(float));
+}
+
+llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
+  Impl &m = *impl;
+  ++m.adamSteps;
+  return cu::adamUpdate(m.ctx, m.params.data(), m.grads.data(), m.adamM.data(), m.adamV.data(),
+                        m.params.size(), lr, beta1, beta2, eps, weightDecay, m.adamSteps);
+}
+
+llvm::Error GpuStage::downloadGrads(std::vector<float> &out) {
+  out.resize(impl->grads.size());
+  return impl->ctx.download(out.data(), impl->grads.data(), out.size() * sizeof(float));
+}
+
+llvm::Error GpuStage::downloadParams(std::vector<float> &out) {
+  out.resize(impl->params.size());
+  return impl->ctx.download(out.data(), impl->params.data(), out.size() * sizeof(float));
+}
+
+#undef PIPEC_GPU_TRY
+
+} // namespace pipec

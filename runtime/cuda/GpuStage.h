@@ -1,0 +1,94 @@
+//===- GpuStage.h - One pipeline stage of the GPT on a GPU ------*- C++ -*-===//
+//
+// The device counterpart of kernels::StageCompute (kernels/cpu/Gpt.h), with the same semantics
+// call for call: forward and backward_input run in tp parts and return the buffer the runtime
+// sums over the tp group (the reduced sum is consumed lazily by the next part, output(),
+// inputGrad() or backwardWeight()); backward_weight accumulates the weight gradients and frees
+// the slice's state; slice k of a microbatch attends to the K/V of slices 0..k and its backward
+// adds dK/dV for the earlier ones; parameters, gradients and the tied-embedding range have the
+// CPU's flat layout. Parameters are the CPU's initialisation (kernels::initLayerFull, cut by
+// kernels::shardLayer) copied to the device, so both backends start from the same bits.
+//
+// Differences from the CPU class, all forced by the device:
+//   - every call returns llvm::Error (a CUDA failure is an error naming the call);
+//   - tensors are device memory: the spans handed in and out point to the device;
+//   - the loss stays on the device: accumulateLoss() adds a slice's loss to a step accumulator
+//     that takeLoss() reads (one host synchronisation per step);
+//   - attention keeps the forward's output and a log-sum-exp per row instead of probabilities,
+//     and the head keeps its logits (the CUDA ops recompute softmax in the backwards).
+// Precision: fp32 throughout (cuBLAS in strict fp32). All work is queued on the context's
+// stream; activations come from the stream-ordered allocator (cudaMallocAsync), parameters,
+// gradients and Adam moments are allocated once, in create().
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H
+#define PIPEC_RUNTIME_CUDA_GPUSTAGE_H
+
+#include "kernels/cpu/Gpt.h"
+#include "kernels/cuda/CudaOps.h"
+
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace pipec {
+
+class GpuStage {
+public:
+  /// The layers [layerBegin, layerEnd) on tp rank `tpRank` of `tp`, queued on `ctx`'s stream
+  /// (which must outlive the stage). Arguments as kernels::StageCompute's.
+  static llvm::Expected<std::unique_ptr<GpuStage>>
+  create(kernels::cuda::CudaContext &ctx, const kernels::GptConfig &cfg, int layerBegin,
+         int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
+         float lossScale);
+  ~GpuStage();
+  GpuStage(const GpuStage &) = delete;
+  GpuStage &operator=(const GpuStage &) = delete;
+
+  int parts() const;
+  bool hasEmbedding() const;
+  bool hasHead() const;
+
+  /// The batch of this step (host), as StageCompute::setBatch; uploaded at once.
+  llvm::Error setBatch(const std::vector<std::vector<int32_t>> &tokens);
+
+  /// As StageCompute::forward; `input` and the result are device spans.
+  llvm::Expected<std::span<float>> forward(int mb, int slice, int part,
+                                           std::span<const float> input);
+  /// As StageCompute::output (a device span; empty on the last stage).
+  llvm::Expected<std::span<const float>> output(int mb, int slice);
+  /// Adds the slice's (scaled) loss to the step's device accumulator (last stage only).
+  llvm::Error accumulateLoss(int mb, int slice);
+  /// Waits for the stream, returns the accumulated loss and resets the accumulator.
+  llvm::Expected<double> takeLoss();
+
+  llvm::Expected<std::span<float>> backwardInput(int mb, int slice, int part,
+                                                 std::span<const float> gradOutput);
+  llvm::Expected<std::span<const float>> inputGrad(int mb, int slice);
+  llvm::Error backwardWeight(int mb, int slice);
+
+  /// Device spans, CPU layout (kernels::StageCompute::params()).
+  std::span<float> params();
+  std::span<float> grads();
+  std::pair<size_t, size_t> layerRange(int layer) const;
+  std::pair<size_t, size_t> tiedEmbeddingRange() const;
+  llvm::Error zeroGrads();
+  llvm::Error adamStep(float lr, float beta1, float beta2, float eps, float weightDecay);
+  /// Synchronous copy of the gradients to the host.
+  llvm::Error downloadGrads(std::vector<float> &out);
+  llvm::Error downloadParams(std::vector<float> &out);
+
+  struct Impl;
+
+private:
+  explicit GpuStage(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl;
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_GPUSTAGE_H

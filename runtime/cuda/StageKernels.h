@@ -1,0 +1,43 @@
+//===- StageKernels.h - glue kernels of a GPU pipeline stage ----*- C++ -*-===//
+//
+// The few fp32 kernels a GPU stage needs besides kernels/cuda/CudaOps.h: the embedding lookup
+// and its scatter-add backward, the residual add of a reduced branch, the split of qkv into q
+// and the position-major K/V (and the gather of their gradients back), an elementwise sum and
+// a device-side loss accumulator. Same boundary as kernels/cuda/Launch.h: plain launchers that
+// return cudaGetLastError(); GpuStage.cpp turns the status into an llvm::Error.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_STAGEKERNELS_H
+#define PIPEC_RUNTIME_CUDA_STAGEKERNELS_H
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pipec::runtime::cuda::launch {
+
+/// resid (n, c) = wte[inputs[r]] + wpe[begin + r % x]; rows r = (b, t) of the slice.
+cudaError_t embeddingForward(float *resid, const int32_t *inputs, const float *wte,
+                             const float *wpe, int n, int x, int begin, int c, cudaStream_t stream);
+/// dWte[inputs[r]] += dEmb[r] (atomics); dWpe[begin + r % x] += dEmb[r] when dWpe is not null.
+cudaError_t embeddingBackward(float *dWte, float *dWpe, const float *dEmb, const int32_t *inputs,
+                              int n, int x, int begin, int c, cudaStream_t stream);
+/// resid (n, c) += branch (n, c) + bias (c).
+cudaError_t residualAdd(float *resid, const float *branch, const float *bias, int n, int c,
+                        cudaStream_t stream);
+/// qkv (n, 3 cl) rows (b, t) -> q (n, cl); k, v rows (begin + t, b) of the position-major
+/// (T, B, cl) buffers.
+cudaError_t splitQkv(float *q, float *k, float *v, const float *qkv, int n, int x, int batch,
+                     int begin, int cl, cudaStream_t stream);
+/// The reverse: dQkv (n, 3 cl) = dq | dk rows | dv rows.
+cudaError_t gatherQkv(float *dQkv, const float *dq, const float *dk, const float *dv, int n, int x,
+                      int batch, int begin, int cl, cudaStream_t stream);
+/// a (n) = b (n) = a + b.
+cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream);
+/// *acc += sum of x (n) (fp64 atomics).
+cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t stream);
+
+} // namespace pipec::runtime::cuda::launch
+
+#endif // PIPEC_RUNTIME_CUDA_STAGEKERNELS_H
