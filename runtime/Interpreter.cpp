@@ -6,12 +6,16 @@
 namespace pipec {
 
 RunShared::RunShared(const Plan &plan, Faults faults)
-    : plan(plan), transport(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp,
+    : plan(plan), inProcess(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp,
                             [&plan](int rank, size_t step) {
                               return fmt::format("rank {} step {} ({})", rank, step,
                                                  formatToken(plan, plan.ranks[size_t(rank)][step]));
                             }),
-      faults(std::move(faults)),
+      transport(inProcess), faults(std::move(faults)),
+      position(size_t(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp)) {}
+
+RunShared::RunShared(const Plan &plan, Faults faults, Transport &external)
+    : plan(plan), inProcess(0, {}), transport(external), faults(std::move(faults)),
       position(size_t(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp)) {}
 
 Coord RunShared::coordOf(int thread) const {
@@ -155,7 +159,8 @@ private:
     }
     }
     if (members.size() > 1)
-      if (auto err = shared.transport.allReduce(key, members, self, backend.reduceData(i)))
+      if (auto err =
+              shared.transport.allReduce(i.collective, key, members, self, backend.reduceData(i)))
         return err;
     return backend.afterAllReduce(i);
   }

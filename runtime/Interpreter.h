@@ -4,6 +4,8 @@
 // ops with one group are posted together, all-reduces go to their group (tp: the tp ranks of
 // this pipeline rank and replica; dp: the dp replicas; embedding: the first and last stage's
 // ranks), the optimizer step to the backend. Progress is published for the watchdog.
+// With the in-process transport every rank is a thread (Runner); with another transport (the
+// nccl one) a process interprets its one rank alone.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_INTERPRETER_H
@@ -35,13 +37,18 @@ struct Faults {
 /// State shared by the threads of one run.
 struct RunShared {
   const Plan &plan;
-  InProcessTransport transport;
+  /// Every rank a thread of this process (the default) ...
+  InProcessTransport inProcess;
+  /// ... or another transport (one rank per process: runtime/cuda/NcclRun.cpp).
+  Transport &transport;
   Faults faults;
   /// Per thread: index of the instruction it is executing (== done before it).
   std::vector<std::atomic<size_t>> position;
   std::atomic<uint64_t> progress{0};
 
   RunShared(const Plan &plan, Faults faults);
+  /// With `external` as the transport; the caller keeps it alive.
+  RunShared(const Plan &plan, Faults faults, Transport &external);
   int numThreads() const { return int(position.size()); }
   /// Megatron's tp-dp-pp order.
   int threadOf(const Coord &c) const {

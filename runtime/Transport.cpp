@@ -94,8 +94,9 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   return llvm::Error::success();
 }
 
-llvm::Error InProcessTransport::allReduce(const std::string &key, llvm::ArrayRef<int> members,
-                                          int self, std::span<float> data) {
+llvm::Error InProcessTransport::allReduce(CollectiveGroup, const std::string &key,
+                                          llvm::ArrayRef<int> members, int self,
+                                          std::span<float> data) {
   auto it = std::find(members.begin(), members.end(), self);
   assert(it != members.end() && "all-reduce by a non-member");
   size_t index = size_t(it - members.begin());

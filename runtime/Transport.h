@@ -1,10 +1,14 @@
-//===- Transport.h - In-process transport with NCCL's rules -----*- C++ -*-===//
+//===- Transport.h - What the interpreter posts its p2p ops and collectives to -*- C++ -*-===//
 //
-// Ranks are threads of one process. Point-to-point ops obey the rules the verifier assumes
-// (DESIGN §6): sends and recvs of an ordered pair of threads match in FIFO order; a thread posts
-// a group of ops at once and blocks until every op in it has met its partner (a send is a
-// rendezvous, never buffered, as NCCL's can be). A matched pair whose tensors differ (identity or
-// size) is an error naming both instructions, never a silent swap. Collectives are rendezvous
+// `Transport` is the interface the interpreter talks to; two implement it: InProcessTransport
+// below (every rank a thread of this process: the cpu backend and the one-GPU cuda backend) and
+// NcclTransport (runtime/cuda/NcclRun.cpp: one rank per process, device memory, NCCL).
+//
+// InProcessTransport: ranks are threads of one process. Point-to-point ops obey the rules the
+// verifier assumes (DESIGN §6): sends and recvs of an ordered pair of threads match in FIFO order;
+// a thread posts a group of ops at once and blocks until every op in it has met its partner (a send
+// is a rendezvous, never buffered, as NCCL's can be). A matched pair whose tensors differ (identity
+// or size) is an error naming both instructions, never a silent swap. Collectives are rendezvous
 // sums over a fixed member list, added in member order so every member gets the same bits.
 // abort() wakes every waiter with an error (the watchdog uses it).
 //
@@ -48,20 +52,33 @@ struct P2POp {
   bool drop = false; // fault injection: a send that is never delivered
 };
 
-class InProcessTransport {
+class Transport {
+public:
+  virtual ~Transport() = default;
+  /// Post every op of a group at once (one NCCL group). When it returns the ops are complete
+  /// (in-process) or ordered before everything the rank queues after it (a device transport).
+  virtual llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) = 0;
+  /// Sum `data` over `members` (thread ids = global ranks, in this order) of a `group` all-reduce.
+  /// `key` names the group instance; every member passes the same key and members.
+  virtual llvm::Error allReduce(CollectiveGroup group, const std::string &key,
+                                llvm::ArrayRef<int> members, int self, std::span<float> data) = 0;
+  /// Fail every current and future wait with `why`.
+  virtual void abort(const std::string &why) = 0;
+  virtual bool aborted() const = 0;
+};
+
+class InProcessTransport final : public Transport {
 public:
   /// `where(rank, step)` names an instruction in diagnostics ("rank 1 step 3 (1RECV_F0)").
   InProcessTransport(int numThreads, std::function<std::string(int, size_t)> where);
 
   /// Post every op of a group, then wait until each has matched its partner.
-  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops);
-  /// Sum `data` over `members` (thread ids, in this order). `key` names the group instance;
-  /// every member passes the same key and members.
-  llvm::Error allReduce(const std::string &key, llvm::ArrayRef<int> members, int self,
-                        std::span<float> data);
-  /// Fail every current and future wait with `why`.
-  void abort(const std::string &why);
-  bool aborted() const;
+  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
+  /// A rendezvous sum in member order (every member gets the same bits); `group` is not needed.
+  llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
+                        int self, std::span<float> data) override;
+  void abort(const std::string &why) override;
+  bool aborted() const override;
 
 private:
   struct Posted {

@@ -1,12 +1,15 @@
 //===- piperun.cpp - Run a compiled plan ----------------------------------===//
 //
-//   piperun plan.json --backend cpu|cuda [--steps N] [--check-reference] [--seed S]
+//   piperun plan.json --backend cpu|cuda|nccl [--steps N] [--check-reference] [--seed S]
 //           [--data FILE [--data-dtype uint16|uint32]] [--lr LR] [--timeout SECONDS]
 // Prints "step N loss X" per step; with --check-reference also the single-rank reference's
 // loss and "max_abs_grad_diff=<value>", and exits 1 when that exceeds 1e-5 relative to the
 // largest reference gradient (1e-4 on the cuda backend: fp32, another summation order). A plan
 // that fails verification is refused (exit 1). --backend cuda needs a build with CUDA and a
-// GPU; without either it exits 2 saying which.
+// GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per process (one
+// process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
+// NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
+// losses; its --check-reference needs WORLD_SIZE=1.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -17,7 +20,9 @@
 #include "runtime/cpu/CpuRun.h"
 #ifdef PIPEC_HAS_CUDA
 #include "runtime/cuda/CudaRun.h"
+#include "runtime/cuda/NcclRun.h"
 #endif
+#include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>
@@ -26,7 +31,8 @@ using namespace pipec;
 
 namespace {
 
-const char *kUsage = R"(usage: piperun plan.json --backend cpu|cuda [--steps N] [--check-reference]
+const char *kUsage =
+    R"(usage: piperun plan.json --backend cpu|cuda|nccl [--steps N] [--check-reference]
                [--seed S] [--data FILE [--data-dtype uint16|uint32]] [--lr LR]
                [--timeout SECONDS]
 )";
@@ -42,20 +48,18 @@ llvm::Error run(int argc, char **argv) {
     return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
                       args->positional().size());
   std::string backend = args->get("--backend").value_or("cpu");
-  if (backend == "nccl")
-    return inputError("--backend nccl: the NCCL transport is not implemented yet; use --backend "
-                      "cpu (or cuda for every rank on one GPU)");
-  if (backend == "cuda") {
+  if (backend == "cuda" || backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA
     if (auto devices = cudaDevices(); !devices)
-      return inputError("--backend cuda: no GPU ({}); use --backend cpu",
+      return inputError("--backend {}: no GPU ({}); use --backend cpu", backend,
                         takeMessage(devices.takeError()));
 #else
-    return inputError("--backend cuda: this build has no CUDA (nvcc was not found when it was "
-                      "built); use --backend cpu");
+    return inputError("--backend {}: this build has no CUDA (nvcc was not found when it was "
+                      "built); use --backend cpu",
+                      backend);
 #endif
   }
-  if (backend != "cpu" && backend != "cuda")
+  if (backend != "cpu" && backend != "cuda" && backend != "nccl")
     return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu", backend);
   auto steps = args->integer("--steps", 1, 1, 1000000);
   if (!steps)
@@ -121,6 +125,25 @@ llvm::Error run(int argc, char **argv) {
                      result.maxAbsGradDiff, relativeText, tolerance);
     return llvm::Error::success();
   };
+  if (backend == "nccl") {
+    // Checked before anything else runs, so a misconfigured launch fails at once on every
+    // process with the variable named.
+    auto env = launchEnvOf(*plan);
+    if (!env)
+      return env.takeError();
+#ifdef PIPEC_HAS_CUDA
+    CudaRunOptions co;
+    co.steps = o.steps;
+    co.seed = o.seed;
+    co.lr = o.lr;
+    co.checkReference = o.checkReference;
+    co.timeoutSeconds = o.timeoutSeconds;
+    auto result = runOnNccl(*plan, *data, co, *env, printStep);
+    if (!result)
+      return result.takeError();
+    return check(*result, kCudaGradTolerance, "1e-4");
+#endif
+  }
 #ifdef PIPEC_HAS_CUDA
   if (backend == "cuda") {
     CudaRunOptions co;

@@ -130,13 +130,19 @@ private:
   size_t count = 0;
 };
 
-/// Gradients of one step, per stage and tp rank, as the optimizer will see them (replica 0).
-class CudaBackend final : public Backend {
+/// With `waitForCollectives` set, the device-transport variant (createDeviceTransportBackend):
+/// the transport moves device memory itself, so nothing is staged through the host.
+class CudaBackend final : public CudaRankBackend {
 public:
   CudaBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
-              const CudaRunOptions &options, GradSnapshot *snapshot)
+              const CudaRunOptions &options, GradSnapshot *snapshot,
+              std::function<llvm::Error()> waitForCollectives = {})
       : plan(plan), cfg(cfg), c(c), data(data), options(options), snapshot(snapshot),
-        stream(plan.ranks[size_t(c.pp)]) {}
+        stream(plan.ranks[size_t(c.pp)]), waitForCollectives(std::move(waitForCollectives)) {}
+
+  bool onDevice() const { return bool(waitForCollectives); }
+  void *computeStreamHandle() const override { return computeStream; }
+  llvm::Error takeDeferredError() override { return takeDeferred(); }
 
   /// Streams, stages, staging slots; everything that can fail.
   llvm::Error init() {
@@ -183,7 +189,8 @@ public:
           sentLate.insert(k);
       }
     }
-    PIPEC_GPU_TRY(pinned.allocate(pinnedTotal));
+    if (!onDevice())
+      PIPEC_GPU_TRY(pinned.allocate(pinnedTotal));
     PIPEC_GPU_TRY(recvDevice.allocate(deviceTotal));
     // The largest all-reduce: a stage's gradients (dp) or one tp part's (N, C) buffer.
     size_t reduceMax = 0;
@@ -193,7 +200,7 @@ public:
     for (auto [b, e] : plan.seqSlices)
       longest = std::max(longest, size_t(e - b));
     reduceMax = std::max(reduceMax, size_t(cfg.microbatch) * longest * size_t(cfg.channels));
-    return reduceStaging.allocate(reduceMax);
+    return onDevice() ? llvm::Error::success() : reduceStaging.allocate(reduceMax);
   }
 
   llvm::Error beginStep(int step) override {
@@ -213,7 +220,7 @@ public:
   }
 
   /// After the step: waits for the device and returns this rank's share of the loss.
-  llvm::Expected<double> finishStep() {
+  llvm::Expected<double> finishStep() override {
     if (auto err = takeDeferred())
       return err;
     double loss = 0;
@@ -286,6 +293,15 @@ public:
   }
 
   std::span<float> sendData(const Instruction &i) override {
+    if (onDevice()) {
+      // The device tensor itself; the transport orders its send after the compute stream.
+      auto src = sendSource(i);
+      if (!src) {
+        defer(src.takeError(), {});
+        return {};
+      }
+      return {const_cast<float *>(src->data()), src->size()};
+    }
     std::span<float> host(pinned.data() + slot[indexOf(i)], tensorSize(i));
     if (llvm::Error err = stageSend(i, host))
       defer(std::move(err), host);
@@ -293,11 +309,15 @@ public:
   }
 
   std::span<float> recvData(const Instruction &i) override {
+    if (onDevice())
+      return {recvDevice.data() + deviceSlot[indexOf(i)], tensorSize(i)};
     return {pinned.data() + slot[indexOf(i)], tensorSize(i)};
   }
 
   std::span<float> reduceData(const Instruction &i) override {
     reduceTarget = deviceReduceSpan(i);
+    if (onDevice())
+      return reduceTarget; // summed in place on the device
     std::span<float> host(reduceStaging.data(), reduceTarget.size());
     assert(host.size() <= reduceStaging.size() && "all-reduce larger than its staging buffer");
     if (llvm::Error err = download(host, reduceTarget))
@@ -307,7 +327,7 @@ public:
 
   llvm::Error afterAllReduce(const Instruction &i) override {
     PIPEC_GPU_TRY(takeDeferred());
-    if (!reduceTarget.empty())
+    if (!reduceTarget.empty() && !onDevice())
       PIPEC_CUDA_TRY(cudaMemcpyAsync(reduceTarget.data(), reduceStaging.data(),
                                      reduceTarget.size() * sizeof(float), cudaMemcpyHostToDevice,
                                      computeStream));
@@ -321,6 +341,11 @@ public:
     auto [fb, fe] = first.tiedEmbeddingRange();
     auto [lb, le] = last.tiedEmbeddingRange();
     assert(fe - fb == le - lb && "tied copies differ in size");
+    if (onDevice())
+      if (llvm::Error err = waitForCollectives()) { // dp all-reduces of both stages may still run
+        defer(std::move(err), {});
+        return;
+      }
     cudaError_t status = runtime::cuda::launch::sumPair(
         first.grads().data() + fb, last.grads().data() + lb, fe - fb, computeStream);
     if (status != cudaSuccess)
@@ -329,6 +354,8 @@ public:
 
   llvm::Error optimizerStep() override {
     PIPEC_GPU_TRY(takeDeferred());
+    if (onDevice())
+      PIPEC_GPU_TRY(waitForCollectives());
     if (snapshot && c.dp == 0) {
       for (auto &[s, st] : stages) {
         std::vector<float> g;
@@ -384,20 +411,21 @@ private:
     return llvm::Error::success();
   }
 
+  /// The device tensor a send carries.
+  llvm::Expected<std::span<const float>> sendSource(const Instruction &i) {
+    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
+      return std::span<const float>(it->second.span);
+    GpuStage &st = *stages.at(i.stage);
+    return i.tensor == TensorKind::Activation ? st.output(i.mb, i.slice)
+                                              : st.inputGrad(i.mb, i.slice);
+  }
+
   llvm::Error stageSend(const Instruction &i, std::span<float> host) {
-    std::span<const float> src;
-    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end()) {
-      src = it->second.span;
-    } else {
-      GpuStage &st = *stages.at(i.stage);
-      auto out = i.tensor == TensorKind::Activation ? st.output(i.mb, i.slice)
-                                                    : st.inputGrad(i.mb, i.slice);
-      if (!out)
-        return out.takeError();
-      src = *out;
-    }
-    assert(src.size() == host.size() && "sent tensor has the wrong size");
-    return download(host, src);
+    auto src = sendSource(i);
+    if (!src)
+      return src.takeError();
+    assert(src->size() == host.size() && "sent tensor has the wrong size");
+    return download(host, *src);
   }
 
   std::span<float> deviceReduceSpan(const Instruction &i) {
@@ -455,7 +483,8 @@ private:
     size_t n = it->second;
     const Instruction &recv = stream[n];
     std::span<float> device(recvDevice.data() + deviceSlot[n], tensorSize(recv));
-    if (uploaded.insert(n).second) {
+    // A device transport received it there, and ordered the compute stream after it.
+    if (!onDevice() && uploaded.insert(n).second) {
       PIPEC_CUDA_TRY(cudaMemcpyAsync(device.data(), pinned.data() + slot[n],
                                      device.size() * sizeof(float), cudaMemcpyHostToDevice,
                                      recvStream.get()));
@@ -491,6 +520,7 @@ private:
   std::set<uint64_t> sentLate;
   std::span<float> pendingReduce, reduceTarget;
   llvm::Error deferred = llvm::Error::success();
+  std::function<llvm::Error()> waitForCollectives;
 };
 
 } // namespace
@@ -503,6 +533,19 @@ llvm::Expected<int> cudaDevices() {
     return llvm::createStringError(llvm::inconvertibleErrorCode(),
                                    "cudaGetDeviceCount reports 0 devices");
   return *n;
+}
+
+llvm::Expected<std::unique_ptr<CudaRankBackend>>
+createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord &c,
+                             const DataSource &data, const CudaRunOptions &options,
+                             GradSnapshot *snapshot,
+                             std::function<llvm::Error()> waitForCollectives) {
+  assert(waitForCollectives && "a device transport orders the all-reduces");
+  auto b = std::make_unique<CudaBackend>(plan, cfg, c, data, options, snapshot,
+                                         std::move(waitForCollectives));
+  if (auto err = b->init())
+    return err;
+  return std::unique_ptr<CudaRankBackend>(std::move(b));
 }
 
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,

@@ -12,21 +12,29 @@
 // Device memory allocated up front: parameters, gradients, Adam moments (per stage) and one
 // device buffer per recv instruction of the rank's stream; pinned host slots per send and recv
 // instruction. Activations and saved state use the stream-ordered allocator (cudaMallocAsync).
+// createDeviceTransportBackend gives one rank's backend without the host staging, for the nccl
+// mode (NcclRun.h), where the transport moves device memory itself.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_CUDARUN_H
 #define PIPEC_RUNTIME_CUDA_CUDARUN_H
 
 #include "ir/Plan.h"
+#include "kernels/cpu/Gpt.h"
+#include "runtime/Backend.h"
 #include "runtime/Data.h"
+#include "runtime/Interpreter.h"
 
 #include "llvm/Support/Error.h"
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <vector>
 
 namespace pipec {
+
+struct GradSnapshot;
 
 struct CudaRunOptions {
   int steps = 1;
@@ -60,6 +68,30 @@ llvm::Expected<int> cudaDevices();
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep = {});
+
+/// One rank's cuda backend, for a runner other than runOnCuda (the nccl one, NcclRun.h).
+class CudaRankBackend : public Backend {
+public:
+  /// Waits for the device and returns this rank's share of the step's loss.
+  virtual llvm::Expected<double> finishStep() = 0;
+  /// The rank's compute stream (a cudaStream_t).
+  virtual void *computeStreamHandle() const = 0;
+  /// The error a call that cannot return one (sendData, reduceData, ...) kept, or success.
+  virtual llvm::Error takeDeferredError() = 0;
+};
+
+/// The cuda backend of rank `c` on GPU `options.device`, for a device transport: sendData,
+/// recvData and reduceData hand out device memory (no host staging), a received tensor is used
+/// in place (the transport orders the compute stream after its group), and all-reduces happen
+/// in place. `waitForCollectives` must order the compute stream after every all-reduce queued so
+/// far (dp and embedding ones may still run on their own streams); it is called before the
+/// optimizer step and a local tied-embedding sum. `cfg`, `data` and `options` must outlive the
+/// backend; `snapshot` (may be null) receives replica 0's gradients before each optimizer step.
+llvm::Expected<std::unique_ptr<CudaRankBackend>>
+createDeviceTransportBackend(const Plan &plan, const kernels::GptConfig &cfg, const Coord &c,
+                             const DataSource &data, const CudaRunOptions &options,
+                             GradSnapshot *snapshot,
+                             std::function<llvm::Error()> waitForCollectives);
 
 } // namespace pipec
 

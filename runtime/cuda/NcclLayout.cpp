@@ -1,0 +1,120 @@
+//===- NcclLayout.cpp - Who this process is and which communicators it makes -===//
+#include "runtime/cuda/NcclLayout.h"
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/StringRef.h"
+
+namespace pipec {
+
+namespace {
+
+/// An integer variable of the launcher; `what` says what it should be.
+llvm::Expected<int> intVar(const std::function<const char *(const char *)> &getenv,
+                           const char *name, int min, int max, const std::string &how) {
+  const char *v = getenv(name);
+  if (!v || !*v)
+    return inputError("--backend nccl: {} is not set; {}", name, how);
+  long long n = 0;
+  if (llvm::StringRef(v).trim().getAsInteger(10, n) || n < min || n > max)
+    return inputError("--backend nccl: {}={} is not an integer in [{}, {}]; {}", name, v, min, max,
+                      how);
+  return int(n);
+}
+
+} // namespace
+
+llvm::Expected<LaunchEnv> launchEnvOf(const Plan &plan,
+                                      const std::function<const char *(const char *)> &getenv) {
+  const ParallelConfig &pc = plan.parallel;
+  const int need = pc.pp * pc.dp * pc.tp;
+  const std::string how = fmt::format(
+      "run one process per GPU under a launcher that sets RANK, WORLD_SIZE and LOCAL_RANK "
+      "(torchrun, srun), or for one process: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 (this plan needs "
+      "WORLD_SIZE={})",
+      need);
+  auto world = intVar(getenv, "WORLD_SIZE", 1, 1 << 20, how);
+  if (!world)
+    return world.takeError();
+  if (*world != need)
+    return inputError("--backend nccl: WORLD_SIZE={} but the plan needs pp {} x dp {} x tp {} = {} "
+                      "processes; launch {} (e.g. torchrun --nproc-per-node {})",
+                      *world, pc.pp, pc.dp, pc.tp, need, need, need);
+  auto rank = intVar(getenv, "RANK", 0, need - 1,
+                     fmt::format("RANK must be this process's global rank, 0..{}", need - 1));
+  if (!rank)
+    return rank.takeError();
+  auto local = intVar(getenv, "LOCAL_RANK", 0, *rank,
+                      fmt::format("LOCAL_RANK is this process's GPU on its node, 0..{} (at most "
+                                  "RANK={})",
+                                  need - 1, *rank));
+  if (!local)
+    return local.takeError();
+  LaunchEnv env;
+  env.worldSize = *world;
+  env.rank = *rank;
+  env.localRank = *local;
+  env.coord = Coord{*rank / (pc.dp * pc.tp), *rank / pc.tp % pc.dp, *rank % pc.tp};
+  if (const char *id = getenv("NCCL_COMM_ID"); id && *id) {
+    auto [host, port] = llvm::StringRef(id).rsplit(':');
+    unsigned p = 0;
+    if (host.empty() || port.getAsInteger(10, p) || p == 0 || p > 65535)
+      return inputError("--backend nccl: NCCL_COMM_ID={} is not host:port; set it to RANK 0's "
+                        "address and a free port, e.g. NCCL_COMM_ID=node0:29600",
+                        id);
+    env.commId = id;
+  } else if (*world > 1) {
+    return inputError("--backend nccl: NCCL_COMM_ID is not set; with WORLD_SIZE={} > 1 NCCL "
+                      "bootstraps through it: set NCCL_COMM_ID=<host of RANK 0>:<free port> on "
+                      "every process, e.g. NCCL_COMM_ID=$MASTER_ADDR:29600",
+                      *world);
+  }
+  return env;
+}
+
+const char *toString(CommKind k) {
+  switch (k) {
+  case CommKind::World:
+    return "world";
+  case CommKind::Pipeline:
+    return "pipeline";
+  case CommKind::Tp:
+    return "tp";
+  case CommKind::Dp:
+    return "dp";
+  case CommKind::Embedding:
+    return "embedding";
+  }
+  return "?";
+}
+
+std::vector<CommSpec> commLayout(const Plan &plan, int rank) {
+  const ParallelConfig &pc = plan.parallel;
+  const Coord c{rank / (pc.dp * pc.tp), rank / pc.tp % pc.dp, rank % pc.tp};
+  std::vector<CommSpec> out;
+  out.push_back(CommSpec{CommKind::World, 0, rank, pc.pp * pc.dp * pc.tp});
+  // One pipeline per (dp, tp) replica; its rank is the pipeline rank, so a plan's `peer` is the
+  // peer's rank in it. At pp = 2 prev and next are the same process: the plan's sends and recvs
+  // of that pair are FIFO-matched in plan order (verified), which is NCCL's matching rule.
+  if (pc.pp > 1)
+    out.push_back(CommSpec{CommKind::Pipeline, c.dp * pc.tp + c.tp, c.pp, pc.pp});
+  // tp: the tp ranks of one pipeline rank and replica, key = tp rank (the interpreter's member
+  // order).
+  if (pc.tp > 1)
+    out.push_back(CommSpec{CommKind::Tp, c.pp * pc.dp + c.dp, c.tp, pc.tp});
+  // dp: the replicas of one pipeline rank and tp rank, key = replica.
+  if (pc.dp > 1)
+    out.push_back(CommSpec{CommKind::Dp, c.pp * pc.tp + c.tp, c.dp, pc.dp});
+  // embedding: first stage's rank (key 0) and last stage's rank (key 1) of one (dp, tp).
+  if (plan.tiedEmbeddings()) {
+    int first = plan.rankOf(0), last = plan.rankOf(plan.numStages() - 1);
+    if (first != last) {
+      bool member = c.pp == first || c.pp == last;
+      out.push_back(CommSpec{CommKind::Embedding, member ? c.dp * pc.tp + c.tp : -1,
+                             c.pp == first ? 0 : 1, member ? 2 : 0});
+    }
+  }
+  return out;
+}
+
+} // namespace pipec

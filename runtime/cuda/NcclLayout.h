@@ -1,0 +1,65 @@
+//===- NcclLayout.h - Who this process is and which communicators it makes -*- C++ -*-===//
+//
+// The CUDA-free half of the `nccl` mode (one process per GPU, DESIGN §8), so that CI tests it:
+//   - launchEnvOf reads what the launcher set (RANK, WORLD_SIZE, LOCAL_RANK; torchrun, srun or
+//     mpirun with a wrapper) and NCCL_COMM_ID (host:port of RANK 0, NCCL's own bootstrap), and
+//     checks them against the plan's pp x dp x tp; every mistake is an InputError naming the
+//     variable and a valid value;
+//   - commLayout lists the communicators a process creates, eagerly and in the same order on
+//     every process (USER-ASKS "what a new system must do" 2): `world` by ncclCommInitRank, then
+//     ncclCommSplit children of it: `pipeline` (the pp ranks of one (dp, tp) replica; the plan's
+//     sends and recvs, peer = pipeline rank), `tp`, `dp` and `embedding` (the first and last
+//     stage's ranks of one (dp, tp), when tied embeddings live on two ranks). A split is
+//     collective over its parent, so every process calls every split of the list; a process
+//     outside a group passes color -1 (NCCL_SPLIT_NOCOLOR). The list depends on the plan only,
+//     never on the rank, except for colors and keys.
+// Global rank of (pp, dp, tp) is the plan's tp-dp-pp order, RunShared::threadOf.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_NCCLLAYOUT_H
+#define PIPEC_RUNTIME_CUDA_NCCLLAYOUT_H
+
+#include "ir/Plan.h"
+#include "runtime/Interpreter.h"
+
+#include "llvm/Support/Error.h"
+
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+struct LaunchEnv {
+  int rank = 0, worldSize = 1, localRank = 0;
+  Coord coord;                       // of `rank`
+  std::optional<std::string> commId; // NCCL_COMM_ID, required when worldSize > 1
+};
+
+/// Reads the launcher's variables through `getenv` (::getenv by default) and checks them
+/// against `plan`.
+llvm::Expected<LaunchEnv> launchEnvOf(
+    const Plan &plan,
+    const std::function<const char *(const char *)> &getenv = [](const char *name) {
+      return static_cast<const char *>(std::getenv(name));
+    });
+
+enum class CommKind { World, Pipeline, Tp, Dp, Embedding };
+const char *toString(CommKind k);
+
+/// One communicator of the list: ncclCommSplit(world, color, key) (world: ncclCommInitRank,
+/// color 0, key = rank). color -1: this process is not a member (its split returns no comm).
+struct CommSpec {
+  CommKind kind = CommKind::World;
+  int color = 0, key = 0;
+  int size = 0; // members of this process's group (0 when not a member)
+};
+
+/// The communicators of process `rank`, in creation order (the same kinds on every process).
+std::vector<CommSpec> commLayout(const Plan &plan, int rank);
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_NCCLLAYOUT_H

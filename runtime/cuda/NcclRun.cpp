@@ -1,0 +1,406 @@
+//===- NcclRun.cpp - The nccl mode: one rank of the plan per process ------===//
+#include "runtime/cuda/NcclRun.h"
+
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+#include "kernels/cuda/CudaCheck.h"
+#include "runtime/cpu/CpuRun.h"
+#include "runtime/cpu/Reference.h"
+#include "runtime/cuda/Nccl.h"
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <set>
+#include <thread>
+
+namespace pipec {
+
+namespace {
+
+/// A stream or event of this file, destroyed with its owner.
+class OwnedStream {
+public:
+  OwnedStream() = default;
+  OwnedStream(const OwnedStream &) = delete;
+  OwnedStream &operator=(const OwnedStream &) = delete;
+  ~OwnedStream() {
+    if (s)
+      (void)cudaStreamDestroy(s);
+  }
+  llvm::Error create() {
+    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return llvm::Error::success();
+  }
+  cudaStream_t get() const { return s; }
+
+private:
+  cudaStream_t s = nullptr;
+};
+
+class OwnedEvent {
+public:
+  OwnedEvent() = default;
+  OwnedEvent(const OwnedEvent &) = delete;
+  OwnedEvent &operator=(const OwnedEvent &) = delete;
+  ~OwnedEvent() {
+    if (e)
+      (void)cudaEventDestroy(e);
+  }
+  llvm::Error create() {
+    PIPEC_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return llvm::Error::success();
+  }
+  cudaEvent_t get() const { return e; }
+
+private:
+  cudaEvent_t e = nullptr;
+};
+
+/// `waiter` runs what it queues next only after everything `after` has queued so far.
+llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
+  PIPEC_CUDA_TRY(cudaEventRecord(e, after));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(waiter, e, 0));
+  return llvm::Error::success();
+}
+
+class NcclTransport final : public Transport {
+public:
+  NcclTransport(const Plan &plan, const LaunchEnv &env, NcclCommunicators &comms)
+      : plan(plan), env(env), comms(comms) {}
+
+  /// Streams and events; `compute` is the backend's compute stream, `pendingError` its kept
+  /// error (checked before anything is posted, so a failed send never leaves a peer waiting
+  /// on a wrong buffer).
+  llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf) {
+    compute = computeStream;
+    pendingError = std::move(pendingErrorOf);
+    for (OwnedStream *s : {&p2p, &tp, &dp, &emb})
+      if (auto err = s->create())
+        return err;
+    for (OwnedEvent *e : {&ready, &p2pDone, &tpDone, &dpDone, &embDone, &stepDone})
+      if (auto err = e->create())
+        return err;
+    return llvm::Error::success();
+  }
+
+  /// Before a step: forget the last step's progress markers.
+  void beginStep() { markersUsed = 0; }
+
+  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override {
+    if (auto err = pendingError())
+      return err;
+    if (ops.empty())
+      return llvm::Error::success();
+    if (auto err = order(p2p.get(), compute, ready.get()))
+      return err;
+    const ParallelConfig &pc = plan.parallel;
+    llvm::Error first = llvm::Error::success();
+    auto keep = [&](llvm::Error err) {
+      if (err && !first)
+        first = std::move(err);
+      else
+        llvm::consumeError(std::move(err));
+    };
+    keep([&]() -> llvm::Error {
+      PIPEC_NCCL_TRY(ncclGroupStart());
+      return llvm::Error::success();
+    }());
+    for (const P2POp &op : ops) {
+      // The pipeline communicator's rank is the pipeline rank (NcclLayout.cpp).
+      int peer = op.peer / (pc.dp * pc.tp);
+      assert(op.peer % (pc.dp * pc.tp) == self % (pc.dp * pc.tp) && "peer in another replica");
+      keep([&]() -> llvm::Error {
+        if (op.send)
+          PIPEC_NCCL_TRY(ncclSend(op.data.data(), op.data.size(), ncclFloat, peer,
+                                  comms.pipeline.get(), p2p.get()));
+        else
+          PIPEC_NCCL_TRY(ncclRecv(op.data.data(), op.data.size(), ncclFloat, peer,
+                                  comms.pipeline.get(), p2p.get()));
+        return llvm::Error::success();
+      }());
+    }
+    // Always closed, also after a failed post (NCCL's group must be ended).
+    keep([&]() -> llvm::Error {
+      PIPEC_NCCL_TRY(ncclGroupEnd());
+      return llvm::Error::success();
+    }());
+    if (first)
+      return first;
+    const auto &stream = plan.ranks[size_t(ops.front().rank)];
+    std::string what =
+        ops.size() == 1 ? fmt::format("step {} ({})", ops.front().step,
+                                      formatToken(plan, stream[ops.front().step]))
+                        : fmt::format("group of steps {}-{} ({} ... {})", ops.front().step,
+                                      ops.back().step, formatToken(plan, stream[ops.front().step]),
+                                      formatToken(plan, stream[ops.back().step]));
+    if (auto err = mark(std::move(what), p2p.get()))
+      return err;
+    return order(compute, p2p.get(), p2pDone.get());
+  }
+
+  llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
+                        int self, std::span<float> data) override {
+    if (auto err = pendingError())
+      return err;
+    NcclComm *comm = &comms.tp;
+    cudaStream_t s = tp.get();
+    switch (group) {
+    case CollectiveGroup::Tp:
+      break;
+    case CollectiveGroup::Dp:
+      comm = &comms.dp;
+      s = dp.get();
+      break;
+    case CollectiveGroup::Embedding:
+      comm = &comms.embedding;
+      s = emb.get();
+      // Its range of the gradients may still be in a dp all-reduce of the same stage.
+      if (auto err = order(s, dp.get(), dpDone.get()))
+        return err;
+      break;
+    }
+    if (!*comm || comm->size() != int(members.size()))
+      return llvm::createStringError(
+          llvm::inconvertibleErrorCode(),
+          fmt::format("all-reduce {} of {} members has no matching communicator on rank {} (it "
+                      "has {} ranks)",
+                      key, members.size(), self, comm->size()));
+    if (auto err = order(s, compute, ready.get()))
+      return err;
+    PIPEC_NCCL_TRY(
+        ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, comm->get(), s));
+    if (auto err = mark(fmt::format("all-reduce {}", key), s))
+      return err;
+    // tp reductions are consumed by the next part at once; dp and embedding ones overlap
+    // compute until waitForCollectives().
+    if (group == CollectiveGroup::Tp)
+      return order(compute, s, tpDone.get());
+    return llvm::Error::success();
+  }
+
+  /// The compute stream waits for every dp and embedding all-reduce queued so far.
+  llvm::Error waitForCollectives() {
+    if (auto err = order(compute, dp.get(), dpDone.get()))
+      return err;
+    return order(compute, emb.get(), embDone.get());
+  }
+
+  void abort(const std::string &why) override {
+    if (failure.empty())
+      failure = why;
+    comms.abortAll();
+  }
+  bool aborted() const override { return !failure.empty(); }
+
+  /// Connect every p2p peer and every collective once, before the first step (NCCL connects
+  /// lazily inside the first ncclGroupEnd otherwise, where a stall is hard to see).
+  llvm::Error warmUp(float *scratch) {
+    std::set<int> peers;
+    for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
+      if (i.isP2P())
+        peers.insert(i.peer);
+    if (!peers.empty()) {
+      // Both directions with every peer, in one group: every peer posts the mirror image.
+      PIPEC_NCCL_TRY(ncclGroupStart());
+      for (int p : peers) {
+        PIPEC_NCCL_TRY(ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
+        PIPEC_NCCL_TRY(ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
+      }
+      PIPEC_NCCL_TRY(ncclGroupEnd());
+    }
+    // Every collective communicator, in creation order (the same on every process).
+    for (auto [c, s] : {std::pair{&comms.tp, tp.get()}, std::pair{&comms.dp, dp.get()},
+                        std::pair{&comms.embedding, emb.get()}})
+      if (*c)
+        PIPEC_NCCL_TRY(ncclAllReduce(scratch + 2, scratch + 2, 1, ncclFloat, ncclSum, c->get(), s));
+    for (cudaStream_t s : {p2p.get(), tp.get(), dp.get(), emb.get()})
+      PIPEC_CUDA_TRY(cudaStreamSynchronize(s));
+    return llvm::Error::success();
+  }
+
+  /// After the step's instructions are queued: wait for the device, with the watchdog.
+  llvm::Error waitStep(int step, double timeoutSeconds) {
+    if (auto err = waitForCollectives())
+      return err;
+    for (cudaStream_t s : {p2p.get(), tp.get()})
+      if (auto err = order(compute, s, ready.get()))
+        return err;
+    PIPEC_CUDA_TRY(cudaEventRecord(stepDone.get(), compute));
+    using Clock = std::chrono::steady_clock;
+    auto start = Clock::now();
+    for (;;) {
+      cudaError_t q = cudaEventQuery(stepDone.get());
+      if (q == cudaSuccess)
+        return llvm::Error::success();
+      if (q != cudaErrorNotReady)
+        PIPEC_CUDA_TRY(q);
+      if (auto err = comms.asyncErrors()) {
+        comms.abortAll();
+        return err;
+      }
+      double idle = std::chrono::duration<double>(Clock::now() - start).count();
+      if (idle >= timeoutSeconds) {
+        std::string report = stallReport(step, idle);
+        abort(report);
+        return llvm::make_error<Finding>(report);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+private:
+  struct Marker {
+    std::string what;
+    OwnedEvent event;
+  };
+
+  llvm::Error mark(std::string what, cudaStream_t s) {
+    if (markersUsed == markers.size()) {
+      markers.push_back(std::make_unique<Marker>());
+      if (auto err = markers.back()->event.create())
+        return err;
+    }
+    Marker &m = *markers[markersUsed++];
+    m.what = std::move(what);
+    PIPEC_CUDA_TRY(cudaEventRecord(m.event.get(), s));
+    return llvm::Error::success();
+  }
+
+  std::string stallReport(int step, double seconds) const {
+    std::string last = "none", pending = "none (its p2p groups and all-reduces are done; the "
+                                         "compute stream is not)";
+    for (size_t k = 0; k < markersUsed; ++k) {
+      if (cudaEventQuery(markers[k]->event.get()) == cudaSuccess) {
+        last = markers[k]->what;
+        continue;
+      }
+      pending = markers[k]->what;
+      break;
+    }
+    const Coord &c = env.coord;
+    return fmt::format("watchdog: rank {} (pp {}, dp {}, tp {}) made no progress for {:.1f} s in "
+                       "step {}: last completed {}, pending {}; the processes it waits for "
+                       "report their own pending instructions",
+                       env.rank, c.pp, c.dp, c.tp, seconds, step, last, pending);
+  }
+
+  const Plan &plan;
+  const LaunchEnv &env;
+  NcclCommunicators &comms;
+  cudaStream_t compute = nullptr;
+  std::function<llvm::Error()> pendingError;
+  OwnedStream p2p, tp, dp, emb;
+  OwnedEvent ready, p2pDone, tpDone, dpDone, embDone, stepDone;
+  std::vector<std::unique_ptr<Marker>> markers; // in post order; reused across steps
+  size_t markersUsed = 0;
+  std::string failure;
+};
+
+/// GPU LOCAL_RANK; with a single visible GPU (CUDA_VISIBLE_DEVICES set per process, as srun
+/// may), that one.
+llvm::Expected<int> deviceOf(const LaunchEnv &env) {
+  auto n = cudaDevices();
+  if (!n)
+    return n.takeError();
+  if (env.localRank < *n)
+    return env.localRank;
+  if (*n == 1)
+    return 0;
+  return inputError("--backend nccl: LOCAL_RANK={} but this process sees {} GPUs; launch at most "
+                    "{} processes per node (torchrun --nproc-per-node {})",
+                    env.localRank, *n, *n, *n);
+}
+
+/// A few floats of device memory, freed with the run.
+struct DeviceScratch {
+  void *p = nullptr;
+  ~DeviceScratch() {
+    if (p)
+      (void)cudaFree(p);
+  }
+};
+
+} // namespace
+
+llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
+                                        const CudaRunOptions &options, const LaunchEnv &env,
+                                        const std::function<void(int, double)> &onStep) {
+  if (options.checkReference && env.worldSize > 1)
+    return inputError("--check-reference with --backend nccl needs WORLD_SIZE=1 (got {}): the "
+                      "gradients of other processes are not gathered; check the plan with "
+                      "--backend cuda (every rank on one GPU) or --backend cpu",
+                      env.worldSize);
+  auto cfgOr = gptConfigOf(plan);
+  if (!cfgOr)
+    return cfgOr.takeError();
+  const kernels::GptConfig cfg = *cfgOr;
+  auto device = deviceOf(env);
+  if (!device)
+    return device.takeError();
+  CudaRunOptions o = options;
+  o.device = *device;
+  PIPEC_CUDA_TRY(cudaSetDevice(o.device));
+
+  // Eagerly, in the same order on every process (NcclLayout.h).
+  auto comms = createCommunicators(plan, env);
+  if (!comms)
+    return comms.takeError();
+  NcclTransport transport(plan, env, **comms);
+  GradSnapshot snapshot;
+  auto backend = createDeviceTransportBackend(
+      plan, cfg, env.coord, data, o, o.checkReference ? &snapshot : nullptr,
+      [&transport] { return transport.waitForCollectives(); });
+  if (!backend)
+    return backend.takeError();
+  CudaRankBackend &b = **backend;
+  if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
+                                [&b] { return b.takeDeferredError(); }))
+    return err;
+  DeviceScratch scratch; // warm-up floats, then the loss (a double)
+  PIPEC_CUDA_TRY(cudaMalloc(&scratch.p, 4 * sizeof(double)));
+  if (auto err = transport.warmUp(static_cast<float *>(scratch.p)))
+    return err;
+
+  RunShared shared(plan, Faults{}, transport);
+  std::unique_ptr<ReferenceRun> ref;
+  if (o.checkReference)
+    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+  CudaRunResult result;
+  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
+  for (int s = 0; s < o.steps; ++s) {
+    transport.beginStep();
+    llvm::Error err = b.beginStep(s);
+    if (!err)
+      err = interpretStep(shared, env.coord, b);
+    if (!err)
+      err = transport.waitStep(s, o.timeoutSeconds);
+    if (err) {
+      (*comms)->abortAll(); // peers blocked on this process fail instead of hanging
+      return err;
+    }
+    auto share = b.finishStep();
+    if (!share)
+      return share.takeError();
+    // The global loss: every process's share summed over `world`.
+    double loss = *share;
+    auto *dloss = static_cast<double *>(scratch.p);
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
+    PIPEC_NCCL_TRY(
+        ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, (*comms)->world.get(), compute));
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
+    result.losses.push_back(loss);
+    if (ref) {
+      result.referenceLosses.push_back(ref->step(s));
+      ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale);
+      result.lastGrads = snapshot.byStageAndTp;
+      ref->update();
+    }
+    if (onStep && env.rank == 0)
+      onStep(s, loss);
+  }
+  return result;
+}
+
+} // namespace pipec

@@ -1,0 +1,40 @@
+//===- NcclRun.h - The nccl mode: one rank of the plan per process ---*- C++ -*-===//
+//
+// DESIGN §8's `nccl` transport: a launcher starts one process per GPU with RANK, WORLD_SIZE and
+// LOCAL_RANK (NcclLayout.h); each process selects GPU LOCAL_RANK, creates its communicators
+// eagerly (Nccl.h), warms up every p2p connection and collective it will use, and interprets
+// its one rank's stream with the shared interpreter (runtime/Interpreter.h) on the cuda
+// backend's device-transport variant (CudaRun.h) and NcclTransport:
+//   - the sends and recvs of one plan group are posted inside one ncclGroupStart/ncclGroupEnd
+//     on the `pipeline` communicator and a p2p stream, in plan order (the order NCCL's FIFO
+//     matching per peer pair needs; at pp = 2, where prev and next are the same process, the
+//     verified plan order is what keeps the two directions apart); the p2p stream first waits
+//     for the compute stream, and the compute stream waits for the group;
+//   - tp all-reduces run on the `tp` communicator and stream (the compute stream waits at
+//     once: Megatron's are synchronous); dp and embedding all-reduces on their own
+//     communicators and streams, overlapping compute until the optimizer step (or a local
+//     tied-embedding sum) waits for them;
+//   - no host synchronisation inside a step; at its end the host polls the device with a
+//     watchdog (--timeout) that names the first p2p group or all-reduce of this rank that has
+//     not completed, then aborts the communicators (its peers' watchdogs report theirs).
+// Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
+// --check-reference needs WORLD_SIZE = 1 (all gradients in one process).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H
+#define PIPEC_RUNTIME_CUDA_NCCLRUN_H
+
+#include "runtime/cuda/CudaRun.h"
+#include "runtime/cuda/NcclLayout.h"
+
+namespace pipec {
+
+/// Run `options.steps` steps of this process's rank of `plan` (already verified); the device
+/// is chosen from env.localRank (options.device is ignored).
+llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
+                                        const CudaRunOptions &options, const LaunchEnv &env,
+                                        const std::function<void(int, double)> &onStep = {});
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_NCCLRUN_H

@@ -1,0 +1,227 @@
+//===- NcclLayoutTest.cpp - The nccl mode's launch variables and communicators -===//
+//
+// Runs everywhere (no CUDA needed): what runtime/cuda/NcclLayout.h decides before any NCCL call
+// — the launcher's variables checked against the plan, RANK to (pp, dp, tp) in the plan's
+// tp-dp-pp order, and the communicators every process creates, which must be the same kinds in
+// the same order on every process and group exactly the ranks the interpreter's all-reduces and
+// sends name.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/TestUtil.h"
+
+#include "ir/Error.h"
+#include "runtime/Interpreter.h"
+#include "runtime/cuda/NcclLayout.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+namespace pipec::test {
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+llvm::Expected<LaunchEnv> launch(const Plan &plan, const Env &env) {
+  return launchEnvOf(plan, [&env](const char *name) -> const char * {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+std::string errorOf(llvm::Expected<LaunchEnv> e) {
+  if (e)
+    return "";
+  EXPECT_TRUE(e.errorIsA<InputError>());
+  return takeMessage(e.takeError());
+}
+
+ModelSpec tinyGpt(bool tied) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": 6,
+      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
+      "seq_length": 8, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
+      tied ? "true" : "false");
+  auto m = parseModelSpec(text, "tiny.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
+Plan pp2tp2dp2(bool tied = false) {
+  return compileOrFail(tinyGpt(tied),
+                       options("1f1b", /*pp=*/2, /*microbatches=*/4, 1, 1, /*tp=*/2, /*dp=*/2));
+}
+
+TEST(NcclLaunchEnvTest, AMissingRankIsAnErrorNamingTheVariable) {
+  Plan plan = pp2tp2dp2();
+  std::string e = errorOf(launch(plan, {{"WORLD_SIZE", "8"}, {"LOCAL_RANK", "0"}}));
+  EXPECT_NE(e.find("RANK is not set"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+TEST(NcclLaunchEnvTest, AMissingWorldSizeSaysHowManyProcessesThePlanNeeds) {
+  std::string e = errorOf(launch(pp2tp2dp2(), {{"RANK", "0"}, {"LOCAL_RANK", "0"}}));
+  EXPECT_NE(e.find("WORLD_SIZE is not set"), std::string::npos) << e;
+  EXPECT_NE(e.find("WORLD_SIZE=8"), std::string::npos) << e;
+}
+
+TEST(NcclLaunchEnvTest, AWorldSizeOtherThanPpTimesDpTimesTpNamesBoth) {
+  std::string e = errorOf(
+      launch(pp2tp2dp2(),
+             {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"NCCL_COMM_ID", "h:1"}}));
+  EXPECT_NE(e.find("WORLD_SIZE=4 but the plan needs pp 2 x dp 2 x tp 2 = 8"), std::string::npos)
+      << e;
+}
+
+TEST(NcclLaunchEnvTest, ARankOutsideTheWorldOrANonNumberIsAnError) {
+  Plan plan = pp2tp2dp2();
+  EXPECT_NE(errorOf(launch(plan, {{"RANK", "8"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "0"}}))
+                .find("RANK=8 is not an integer in [0, 7]"),
+            std::string::npos);
+  EXPECT_NE(errorOf(launch(plan, {{"RANK", "x"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "0"}}))
+                .find("RANK=x"),
+            std::string::npos);
+  EXPECT_NE(errorOf(launch(plan, {{"RANK", "1"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "2"}}))
+                .find("LOCAL_RANK=2"),
+            std::string::npos);
+}
+
+TEST(NcclLaunchEnvTest, SeveralProcessesNeedNcclCommIdAsHostAndPort) {
+  Plan plan = pp2tp2dp2();
+  Env env{{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "3"}};
+  EXPECT_NE(errorOf(launch(plan, env)).find("NCCL_COMM_ID is not set"), std::string::npos);
+  env["NCCL_COMM_ID"] = "node0";
+  EXPECT_NE(errorOf(launch(plan, env)).find("NCCL_COMM_ID=node0 is not host:port"),
+            std::string::npos);
+  env["NCCL_COMM_ID"] = "node0:29600";
+  auto ok = launch(plan, env);
+  ASSERT_TRUE(bool(ok)) << takeMessage(ok.takeError());
+  EXPECT_EQ(*ok->commId, "node0:29600");
+}
+
+TEST(NcclLaunchEnvTest, OneProcessNeedsNoNcclCommId) {
+  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/1, /*microbatches=*/2));
+  auto ok = launch(plan, {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}});
+  ASSERT_TRUE(bool(ok)) << takeMessage(ok.takeError());
+  EXPECT_FALSE(ok->commId.has_value());
+}
+
+TEST(NcclLaunchEnvTest, RankMapsToCoordinatesInTheInterpretersTpDpPpOrder) {
+  Plan plan = pp2tp2dp2();
+  RunShared shared(plan, Faults{});
+  for (int r = 0; r < 8; ++r) {
+    auto env = launch(plan, {{"RANK", std::to_string(r)},
+                             {"WORLD_SIZE", "8"},
+                             {"LOCAL_RANK", "0"},
+                             {"NCCL_COMM_ID", "h:1"}});
+    ASSERT_TRUE(bool(env)) << takeMessage(env.takeError());
+    Coord c = shared.coordOf(r);
+    EXPECT_EQ(env->coord.pp, c.pp) << r;
+    EXPECT_EQ(env->coord.dp, c.dp) << r;
+    EXPECT_EQ(env->coord.tp, c.tp) << r;
+    EXPECT_EQ(shared.threadOf(env->coord), r);
+  }
+}
+
+/// The groups a communicator kind forms over all processes: color -> (key -> rank).
+std::map<int, std::map<int, int>> groupsOf(const Plan &plan, CommKind kind) {
+  std::map<int, std::map<int, int>> groups;
+  int world = plan.parallel.pp * plan.parallel.dp * plan.parallel.tp;
+  for (int r = 0; r < world; ++r)
+    for (const CommSpec &s : commLayout(plan, r))
+      if (s.kind == kind && s.color >= 0) {
+        EXPECT_FALSE(groups[s.color].count(s.key)) << "two ranks with one key";
+        groups[s.color][s.key] = r;
+      }
+  return groups;
+}
+
+TEST(NcclCommLayoutTest, EveryProcessCreatesTheSameCommunicatorsInTheSameOrder) {
+  Plan plan = pp2tp2dp2(/*tied=*/true);
+  std::vector<CommKind> first;
+  for (const CommSpec &s : commLayout(plan, 0))
+    first.push_back(s.kind);
+  EXPECT_EQ(first, (std::vector<CommKind>{CommKind::World, CommKind::Pipeline, CommKind::Tp,
+                                          CommKind::Dp, CommKind::Embedding}));
+  for (int r = 1; r < 8; ++r) {
+    std::vector<CommKind> kinds;
+    for (const CommSpec &s : commLayout(plan, r))
+      kinds.push_back(s.kind);
+    EXPECT_EQ(kinds, first) << "rank " << r;
+  }
+}
+
+TEST(NcclCommLayoutTest, GroupsHoldTheRanksTheInterpreterNamesInItsMemberOrder) {
+  Plan plan = pp2tp2dp2(/*tied=*/true);
+  RunShared shared(plan, Faults{});
+  const ParallelConfig &pc = plan.parallel;
+  // pipeline: key = pipeline rank, so a plan's `peer` is the NCCL peer.
+  auto pipes = groupsOf(plan, CommKind::Pipeline);
+  EXPECT_EQ(pipes.size(), size_t(pc.dp * pc.tp));
+  for (auto &[color, members] : pipes)
+    for (auto [key, rank] : members) {
+      EXPECT_EQ(shared.coordOf(rank).pp, key);
+      EXPECT_EQ(shared.coordOf(rank).dp * pc.tp + shared.coordOf(rank).tp, color);
+    }
+  // tp: members of (pp, dp) in tp order; dp: members of (pp, tp) in dp order.
+  for (auto &[color, members] : groupsOf(plan, CommKind::Tp))
+    for (auto [key, rank] : members)
+      EXPECT_EQ(rank, shared.threadOf(Coord{color / pc.dp, color % pc.dp, key}));
+  for (auto &[color, members] : groupsOf(plan, CommKind::Dp))
+    for (auto [key, rank] : members)
+      EXPECT_EQ(rank, shared.threadOf(Coord{color / pc.tp, key, color % pc.tp}));
+  // embedding: the first and the last stage's rank of each (dp, tp), first stage's as key 0.
+  auto emb = groupsOf(plan, CommKind::Embedding);
+  EXPECT_EQ(emb.size(), size_t(pc.dp * pc.tp));
+  for (auto &[color, members] : emb) {
+    ASSERT_EQ(members.size(), 2u);
+    EXPECT_EQ(shared.coordOf(members.at(0)).pp, plan.rankOf(0));
+    EXPECT_EQ(shared.coordOf(members.at(1)).pp, plan.rankOf(plan.numStages() - 1));
+  }
+}
+
+TEST(NcclCommLayoutTest, PipelineOfTwoIsOneCommunicatorWhosePeersAreBothDirections) {
+  // pp = 2: prev and next are the same process; one pipeline communicator of two ranks carries
+  // both directions, matched FIFO in the verified plan order.
+  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/2, /*microbatches=*/4));
+  auto pipes = groupsOf(plan, CommKind::Pipeline);
+  ASSERT_EQ(pipes.size(), 1u);
+  EXPECT_EQ(pipes.begin()->second.size(), 2u);
+  std::set<int> peers0, peers1;
+  for (const Instruction &i : plan.ranks[0])
+    if (i.isP2P())
+      peers0.insert(i.peer);
+  for (const Instruction &i : plan.ranks[1])
+    if (i.isP2P())
+      peers1.insert(i.peer);
+  EXPECT_EQ(peers0, std::set<int>{1});
+  EXPECT_EQ(peers1, std::set<int>{0});
+}
+
+TEST(NcclCommLayoutTest, OnlyTheCommunicatorsThePlanUsesAreCreated) {
+  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/1, /*microbatches=*/2));
+  auto layout = commLayout(plan, 0);
+  ASSERT_EQ(layout.size(), 1u);
+  EXPECT_EQ(layout[0].kind, CommKind::World);
+  // Tied embeddings whose copies share a rank (V-shape) need no embedding communicator.
+  Plan v = compileOrFail(tinyGpt(true), options("zb-v", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2));
+  for (const CommSpec &s : commLayout(v, 0))
+    EXPECT_NE(s.kind, CommKind::Embedding);
+}
+
+TEST(NcclCommLayoutTest, NonMembersOfTheEmbeddingGroupStillJoinItsSplit) {
+  // pp = 3: rank 1 holds neither the first nor the last stage, but ncclCommSplit is
+  // collective over `world`, so they take part with no color.
+  Plan plan = compileOrFail(tinyGpt(true), options("1f1b", /*pp=*/3, /*microbatches=*/4));
+  for (int r = 0; r < 3; ++r) {
+    auto layout = commLayout(plan, r);
+    ASSERT_EQ(layout.back().kind, CommKind::Embedding) << r;
+    EXPECT_EQ(layout.back().color < 0, r == 1) << r;
+  }
+}
+
+} // namespace
+} // namespace pipec::test

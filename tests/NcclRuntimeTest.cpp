@@ -1,0 +1,91 @@
+//===- NcclRuntimeTest.cpp - The nccl mode in one process ------------------===//
+//
+// Needs a GPU (tag requires-gpu). The one configuration of the nccl mode one GPU can run: a
+// single process (WORLD_SIZE = 1) with a pp = dp = tp = 1 plan. It goes through everything but
+// the p2p traffic: NCCL's world communicator, the device-transport backend (device spans, no
+// host staging), the end-of-step watchdog wait and the loss all-reduce; its gradients must be
+// the CPU single-rank reference's within kCudaGradTolerance and its losses the cpu backend's
+// within 1e-5. Several processes need several GPUs: tools/gpu_check.sh launches those.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/TestUtil.h"
+
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "runtime/Data.h"
+#include "runtime/cpu/CpuRun.h"
+#include "runtime/cuda/CudaRun.h"
+#include "runtime/cuda/NcclRun.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+namespace pipec::test {
+namespace {
+
+ModelSpec tinyGpt() {
+  auto m = parseModelSpec(
+      R"({"format": "pipemodel/1", "name": "tiny", "transformer": {"num_layers": 4,
+      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
+      "seq_length": 8, "microbatch_size": 2, "dtype": "fp32"}})",
+      "tiny.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
+class NcclRuntimeTest : public ::testing::Test {
+protected:
+  void SetUp() override {
+    auto devices = cudaDevices();
+    if (!devices)
+      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
+             << takeMessage(devices.takeError());
+    // One process bootstraps alone; an inherited NCCL_COMM_ID would make it wait for a root.
+    ::unsetenv("NCCL_COMM_ID");
+  }
+};
+
+TEST_F(NcclRuntimeTest, OneProcessGivesTheReferenceGradientsAndTheCpuLosses) {
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", /*pp=*/1, /*microbatches=*/4));
+  ASSERT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/7);
+  LaunchEnv env; // RANK 0 of WORLD_SIZE 1 on LOCAL_RANK 0
+  CudaRunOptions o;
+  o.steps = 3;
+  o.checkReference = true;
+  o.timeoutSeconds = 60;
+  std::vector<double> printed;
+  auto gpu = runOnNccl(plan, *data, o, env, [&](int, double loss) { printed.push_back(loss); });
+  ASSERT_TRUE(bool(gpu)) << takeMessage(gpu.takeError());
+  EXPECT_EQ(printed, gpu->losses);
+  EXPECT_GT(gpu->gradScale, 0);
+  EXPECT_LE(gpu->maxAbsGradDiff, kCudaGradTolerance * gpu->gradScale);
+  CpuRunOptions co;
+  co.steps = 3;
+  auto cpu = runOnCpu(plan, *data, co);
+  ASSERT_TRUE(bool(cpu)) << takeMessage(cpu.takeError());
+  ASSERT_EQ(gpu->losses.size(), cpu->losses.size());
+  for (size_t s = 0; s < cpu->losses.size(); ++s)
+    EXPECT_NEAR(gpu->losses[s], cpu->losses[s], 1e-5) << "step " << s;
+}
+
+TEST_F(NcclRuntimeTest, CheckReferenceWithSeveralProcessesIsRefusedBeforeAnyNcclCall) {
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", /*pp=*/2, /*microbatches=*/4));
+  auto data = syntheticData(32, /*seed=*/7);
+  LaunchEnv env;
+  env.worldSize = 2;
+  env.commId = "127.0.0.1:1";
+  CudaRunOptions o;
+  o.checkReference = true;
+  auto r = runOnNccl(plan, *data, o, env);
+  ASSERT_FALSE(bool(r));
+  EXPECT_NE(takeMessage(r.takeError())
+                .find("--check-reference with --backend nccl needs "
+                      "WORLD_SIZE=1"),
+            std::string::npos);
+}
+
+} // namespace
+} // namespace pipec::test
