@@ -21,17 +21,6 @@
 namespace pipec::test {
 namespace {
 
-ModelSpec tinyGpt(bool tied = false, int layers = 6, int seq = 8) {
-  std::string text = fmt::format(
-      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": {},
-      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
-      "seq_length": {}, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
-      layers, seq, tied ? "true" : "false");
-  auto m = parseModelSpec(text, "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
-
 /// `steps` steps on the cuda backend with the reference check, and on the cpu backend.
 void expectCudaMatchesCpu(const Plan &plan, int steps = 2) {
   ASSERT_FALSE(verifyPlan(plan));
@@ -68,26 +57,30 @@ protected:
 };
 
 TEST_F(CudaRuntimeTest, OneFOneBOnFourStagesGivesTheReferenceGradients) {
-  expectCudaMatchesCpu(compileOrFail(tinyGpt(), options("1f1b", /*pp=*/4, /*microbatches=*/6)));
+  expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                                     options("1f1b", /*pp=*/4, /*microbatches=*/6)));
 }
 
 TEST_F(CudaRuntimeTest, TensorParallelTwoGivesTheReferenceGradients) {
   expectCudaMatchesCpu(
-      compileOrFail(tinyGpt(), options("1f1b", /*pp=*/2, /*microbatches=*/4, 1, 1, /*tp=*/2)));
+      compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                    options("1f1b", /*pp=*/2, /*microbatches=*/4, 1, 1, /*tp=*/2)));
 }
 
 TEST_F(CudaRuntimeTest, ZeroBubbleWithSubSequencesAndTensorParallelMatches) {
-  expectCudaMatchesCpu(compileOrFail(
-      tinyGpt(), options("zb-h1", /*pp=*/2, /*microbatches=*/3, 1, /*seqSplits=*/2, /*tp=*/2)));
+  expectCudaMatchesCpu(
+      compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                    options("zb-h1", /*pp=*/2, /*microbatches=*/3, 1, /*seqSplits=*/2, /*tp=*/2)));
 }
 
 TEST_F(CudaRuntimeTest, TiedEmbeddingsAndDataParallelMatch) {
-  expectCudaMatchesCpu(compileOrFail(
-      tinyGpt(/*tied=*/true), options("1f1b", /*pp=*/4, /*microbatches=*/4, 1, 1, 1, /*dp=*/2)));
+  expectCudaMatchesCpu(
+      compileOrFail(tinyGpt(/*tied=*/true, /*layers=*/6),
+                    options("1f1b", /*pp=*/4, /*microbatches=*/4, 1, 1, 1, /*dp=*/2)));
 }
 
 TEST_F(CudaRuntimeTest, ZbvOnOneRankPairWithTiedCopiesMatches) {
-  expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/true),
+  expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/true, /*layers=*/6),
                                      options("zb-v", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2)));
 }
 

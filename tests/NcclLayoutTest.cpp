@@ -39,19 +39,8 @@ std::string errorOf(llvm::Expected<LaunchEnv> e) {
   return takeMessage(e.takeError());
 }
 
-ModelSpec tinyGpt(bool tied) {
-  std::string text = fmt::format(
-      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": 6,
-      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
-      "seq_length": 8, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
-      tied ? "true" : "false");
-  auto m = parseModelSpec(text, "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
-
 Plan pp2tp2dp2(bool tied = false) {
-  return compileOrFail(tinyGpt(tied),
+  return compileOrFail(tinyGpt(tied, /*layers=*/6),
                        options("1f1b", /*pp=*/2, /*microbatches=*/4, 1, 1, /*tp=*/2, /*dp=*/2));
 }
 
@@ -103,7 +92,8 @@ TEST(NcclLaunchEnvTest, SeveralProcessesNeedNcclCommIdAsHostAndPort) {
 }
 
 TEST(NcclLaunchEnvTest, OneProcessNeedsNoNcclCommId) {
-  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/1, /*microbatches=*/2));
+  Plan plan =
+      compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/1, /*microbatches=*/2));
   auto ok = launch(plan, {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}});
   ASSERT_TRUE(bool(ok)) << takeMessage(ok.takeError());
   EXPECT_FALSE(ok->commId.has_value());
@@ -186,7 +176,8 @@ TEST(NcclCommLayoutTest, GroupsHoldTheRanksTheInterpreterNamesInItsMemberOrder) 
 TEST(NcclCommLayoutTest, PipelineOfTwoIsOneCommunicatorWhosePeersAreBothDirections) {
   // pp = 2: prev and next are the same process; one pipeline communicator of two ranks carries
   // both directions, matched FIFO in the verified plan order.
-  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/2, /*microbatches=*/4));
+  Plan plan =
+      compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, /*microbatches=*/4));
   auto pipes = groupsOf(plan, CommKind::Pipeline);
   ASSERT_EQ(pipes.size(), 1u);
   EXPECT_EQ(pipes.begin()->second.size(), 2u);
@@ -202,7 +193,8 @@ TEST(NcclCommLayoutTest, PipelineOfTwoIsOneCommunicatorWhosePeersAreBothDirectio
 }
 
 TEST(NcclCommLayoutTest, OnlyTheCommunicatorsThePlanUsesAreCreated) {
-  Plan plan = compileOrFail(tinyGpt(false), options("1f1b", /*pp=*/1, /*microbatches=*/2));
+  Plan plan =
+      compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/1, /*microbatches=*/2));
   auto layout = commLayout(plan, 0);
   ASSERT_EQ(layout.size(), 1u);
   EXPECT_EQ(layout[0].kind, CommKind::World);

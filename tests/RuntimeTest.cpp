@@ -20,17 +20,6 @@
 namespace pipec::test {
 namespace {
 
-ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
-  std::string text = fmt::format(
-      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": {},
-      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
-      "seq_length": {}, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
-      layers, seq, tied ? "true" : "false");
-  auto m = parseModelSpec(text, "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
-
 /// Run `steps` steps with the reference check; expect equal gradients and losses.
 void expectMatchesReference(const Plan &plan, int steps = 2) {
   ASSERT_FALSE(verifyPlan(plan));

@@ -7,6 +7,7 @@
 #include "ir/Model.h"
 #include "ir/Plan.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -56,6 +57,18 @@ inline Plan compileOrFail(const ModelSpec &model, const CompileOptions &o) {
     return Plan{};
   }
   return std::move(*plan);
+}
+
+/// A transformer small enough for the runtimes to run in a moment (fp32, 16 hidden, 4 heads).
+inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "tiny", "transformer": {{"num_layers": {},
+      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
+      "seq_length": {}, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
+      layers, seq, tied ? "true" : "false");
+  auto m = parseModelSpec(text, "tiny.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
 }
 
 /// The message of an expected error (empty, and a test failure, if there was none).

@@ -17,6 +17,7 @@
 #include "runtime/Runner.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
+#include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/GpuStage.h"
 #include "runtime/cuda/StageKernels.h"
 
@@ -41,43 +42,8 @@ using kernels::StageCompute;
       return pipecGpuErr;                                                                          \
   } while (false)
 
-class Stream {
-public:
-  Stream() = default;
-  Stream(const Stream &) = delete;
-  Stream &operator=(const Stream &) = delete;
-  ~Stream() {
-    if (s)
-      (void)cudaStreamDestroy(s);
-  }
-  llvm::Error create() {
-    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    return llvm::Error::success();
-  }
-  cudaStream_t get() const { return s; }
-
-private:
-  cudaStream_t s = nullptr;
-};
-
-class Event {
-public:
-  Event() = default;
-  Event(const Event &) = delete;
-  Event &operator=(const Event &) = delete;
-  ~Event() {
-    if (e)
-      (void)cudaEventDestroy(e);
-  }
-  llvm::Error create() {
-    PIPEC_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return llvm::Error::success();
-  }
-  cudaEvent_t get() const { return e; }
-
-private:
-  cudaEvent_t e = nullptr;
-};
+using Stream = runtime_cuda::OwnedStream;
+using Event = runtime_cuda::OwnedEvent;
 
 class PinnedFloats {
 public:

@@ -6,6 +6,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
+#include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
 
 #include <cuda_runtime_api.h>
@@ -18,44 +19,8 @@ namespace pipec {
 
 namespace {
 
-/// A stream or event of this file, destroyed with its owner.
-class OwnedStream {
-public:
-  OwnedStream() = default;
-  OwnedStream(const OwnedStream &) = delete;
-  OwnedStream &operator=(const OwnedStream &) = delete;
-  ~OwnedStream() {
-    if (s)
-      (void)cudaStreamDestroy(s);
-  }
-  llvm::Error create() {
-    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    return llvm::Error::success();
-  }
-  cudaStream_t get() const { return s; }
-
-private:
-  cudaStream_t s = nullptr;
-};
-
-class OwnedEvent {
-public:
-  OwnedEvent() = default;
-  OwnedEvent(const OwnedEvent &) = delete;
-  OwnedEvent &operator=(const OwnedEvent &) = delete;
-  ~OwnedEvent() {
-    if (e)
-      (void)cudaEventDestroy(e);
-  }
-  llvm::Error create() {
-    PIPEC_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return llvm::Error::success();
-  }
-  cudaEvent_t get() const { return e; }
-
-private:
-  cudaEvent_t e = nullptr;
-};
+using runtime_cuda::OwnedEvent;
+using runtime_cuda::OwnedStream;
 
 /// `waiter` runs what it queues next only after everything `after` has queued so far.
 llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
