@@ -15,6 +15,13 @@ Runner::Runner(const Plan &plan, Faults faults, double timeoutSeconds,
   assert(int(this->backends.size()) == shared.numThreads() && "one backend per thread");
 }
 
+Runner::Runner(const Plan &plan, Faults faults, double timeoutSeconds,
+               std::vector<std::unique_ptr<Backend>> backends, Transport &transport)
+    : shared(plan, std::move(faults), transport), timeout(timeoutSeconds),
+      backends(std::move(backends)) {
+  assert(int(this->backends.size()) == shared.numThreads() && "one backend per thread");
+}
+
 std::string Runner::stallReport(double seconds, int step) const {
   const Plan &plan = shared.plan;
   std::string lines;

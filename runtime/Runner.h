@@ -22,6 +22,9 @@ public:
   /// `backends[thread]` for every thread (RunShared::threadOf order).
   Runner(const Plan &plan, Faults faults, double timeoutSeconds,
          std::vector<std::unique_ptr<Backend>> backends);
+  /// The same over `transport` (kept by the caller) instead of a host InProcessTransport.
+  Runner(const Plan &plan, Faults faults, double timeoutSeconds,
+         std::vector<std::unique_ptr<Backend>> backends, Transport &transport);
   /// One training step on every thread. A Finding on a mismatch, an error of a backend, or a
   /// stall (the watchdog's report).
   llvm::Error step(int index);

@@ -12,8 +12,9 @@ std::string describe(const TensorId &t) {
 }
 
 InProcessTransport::InProcessTransport(int numThreads,
-                                       std::function<std::string(int, size_t)> where)
-    : numThreads(numThreads), where(std::move(where)),
+                                       std::function<std::string(int, size_t)> where,
+                                       InProcessMover *mover)
+    : numThreads(numThreads), where(std::move(where)), mover(mover),
       channels(size_t(numThreads) * size_t(numThreads)) {}
 
 void InProcessTransport::matchLocked(Channel &c) {
@@ -30,7 +31,16 @@ void InProcessTransport::matchLocked(Channel &c) {
       cv.notify_all();
       return;
     }
-    std::copy(s->op.data.begin(), s->op.data.end(), r->op.data.begin());
+    if (mover) {
+      if (llvm::Error err = mover->deliver(s->op, s->owner, s->index, r->op, r->owner, r->index)) {
+        failure = takeMessage(std::move(err));
+        failed = true;
+        cv.notify_all();
+        return;
+      }
+    } else {
+      std::copy(s->op.data.begin(), s->op.data.end(), r->op.data.begin());
+    }
     s->done.store(true, std::memory_order_release);
     r->done.store(true, std::memory_order_release);
   }
@@ -58,6 +68,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   for (size_t i = 0; i < ops.size(); ++i) {
     posted[i].op = ops[i];
     posted[i].owner = self;
+    posted[i].index = i;
     if (ops[i].send && ops[i].drop) {
       posted[i].done.store(true); // "sent", but nobody will ever see it
       continue;
@@ -94,7 +105,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   return llvm::Error::success();
 }
 
-llvm::Error InProcessTransport::allReduce(CollectiveGroup, const std::string &key,
+llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::string &key,
                                           llvm::ArrayRef<int> members, int self,
                                           std::span<float> data) {
   auto it = std::find(members.begin(), members.end(), self);
@@ -115,13 +126,22 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup, const std::string &ke
         cv.notify_all();
         return llvm::make_error<Finding>(failure);
       }
-    // Sum in member order into a scratch, then hand the same bits to everyone.
-    std::vector<float> sum(data.size(), 0.0f);
-    for (const auto &b : rv.buffers)
-      for (size_t i = 0; i < sum.size(); ++i)
-        sum[i] += b[i];
-    for (auto &b : rv.buffers)
-      std::copy(sum.begin(), sum.end(), b.begin());
+    if (mover) {
+      if (llvm::Error err = mover->sum(group, members, self, rv.buffers)) {
+        failure = takeMessage(std::move(err));
+        failed = true;
+        cv.notify_all();
+        return llvm::make_error<Finding>(failure);
+      }
+    } else {
+      // Sum in member order into a scratch, then hand the same bits to everyone.
+      std::vector<float> sum(data.size(), 0.0f);
+      for (const auto &b : rv.buffers)
+        for (size_t i = 0; i < sum.size(); ++i)
+          sum[i] += b[i];
+      for (auto &b : rv.buffers)
+        std::copy(sum.begin(), sum.end(), b.begin());
+    }
     rv.arrived = 0;
     ++rv.generation;
     cv.notify_all();

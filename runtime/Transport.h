@@ -11,6 +11,9 @@
 // or size) is an error naming both instructions, never a silent swap. Collectives are rendezvous
 // sums over a fixed member list, added in member order so every member gets the same bits.
 // abort() wakes every waiter with an error (the watchdog uses it).
+// How a matched message and an all-reduce's operands move is an InProcessMover: host copies and
+// sums by default; the one-GPU cuda backend's mover queues device copies and sum kernels instead
+// (runtime/cuda/LocalTransport.h), so the matching rules are the same code for both.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_TRANSPORT_H
@@ -67,14 +70,31 @@ public:
   virtual bool aborted() const = 0;
 };
 
+/// Moves the data of the in-process transport. Both calls run under the transport's lock, on
+/// whichever thread completed the match or arrived last.
+class InProcessMover {
+public:
+  virtual ~InProcessMover() = default;
+  /// Send `s` (op `sIndex` of the group thread `sOwner` posted) met recv `r` (op `rIndex` of
+  /// thread `rOwner`'s group); identities and sizes are already checked equal.
+  virtual llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r,
+                              int rOwner, size_t rIndex) = 0;
+  /// Every member of a `group` all-reduce has arrived (`last` is the thread that came last):
+  /// sum `buffers` (members' order) and give every member the same bits.
+  virtual llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
+                          llvm::ArrayRef<std::span<float>> buffers) = 0;
+};
+
 class InProcessTransport final : public Transport {
 public:
   /// `where(rank, step)` names an instruction in diagnostics ("rank 1 step 3 (1RECV_F0)").
-  InProcessTransport(int numThreads, std::function<std::string(int, size_t)> where);
+  /// `mover` (kept by the caller) moves the data; host copies and sums when null.
+  InProcessTransport(int numThreads, std::function<std::string(int, size_t)> where,
+                     InProcessMover *mover = nullptr);
 
   /// Post every op of a group, then wait until each has matched its partner.
   llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
-  /// A rendezvous sum in member order (every member gets the same bits); `group` is not needed.
+  /// A rendezvous sum in member order (every member gets the same bits); `group` is the mover's.
   llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
                         int self, std::span<float> data) override;
   void abort(const std::string &why) override;
@@ -84,6 +104,7 @@ private:
   struct Posted {
     P2POp op;
     int owner = 0;
+    size_t index = 0; // in the owner's group
     std::atomic<bool> done{false};
   };
   struct Channel {
@@ -100,6 +121,7 @@ private:
 
   int numThreads;
   std::function<std::string(int, size_t)> where;
+  InProcessMover *mover;
   mutable std::mutex mu;
   std::condition_variable cv;
   std::vector<Channel> channels; // [src * n + dst]

@@ -1,0 +1,273 @@
+//===- TransportTest.cpp - The in-process transport's mover hook, the offset arena -===//
+//
+// Two pieces the device backends build on, checked without a GPU: the hook through which the
+// one-GPU cuda backend moves messages and all-reduce operands (runtime/Transport.h), and the
+// first-fit arena that sizes each rank's activation memory from a warm-up step
+// (runtime/OffsetArena.h). The arena is held against an independent overlap check and against
+// the closed form of 1F1B's in-flight activations.
+//
+//===----------------------------------------------------------------------===//
+#include "ir/Error.h"
+#include "runtime/OffsetArena.h"
+#include "runtime/Transport.h"
+
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <random>
+#include <thread>
+
+namespace pipec::test {
+namespace {
+
+//===--- OffsetArena ------------------------------------------------------===//
+
+/// A request sequence: positive = allocate that many bytes (request id = position), negative
+/// = release the request at position -x-1.
+std::vector<long> randomSequence(uint32_t seed, int requests) {
+  std::mt19937 rng(seed);
+  std::vector<long> seq;
+  std::vector<long> liveIds;
+  for (int k = 0; k < requests; ++k) {
+    if (!liveIds.empty() && rng() % 3 == 0) {
+      size_t pick = rng() % liveIds.size();
+      seq.push_back(-liveIds[pick] - 1);
+      liveIds.erase(liveIds.begin() + long(pick));
+      continue;
+    }
+    liveIds.push_back(long(seq.size()));
+    seq.push_back(long(1 + rng() % 5000));
+  }
+  for (long id : liveIds)
+    seq.push_back(-id - 1);
+  return seq;
+}
+
+/// Replays `seq`; the offsets by request position, or nothing when a request did not fit.
+/// Checks on the way that no two live ranges overlap and that everything stays below the
+/// capacity of a bounded arena.
+std::optional<std::map<long, size_t>> replay(OffsetArena &arena, const std::vector<long> &seq) {
+  std::map<long, size_t> offsets;
+  std::map<size_t, size_t> live; // offset -> rounded size, the test's own view
+  for (size_t k = 0; k < seq.size(); ++k) {
+    long r = seq[k];
+    if (r < 0) {
+      long id = -r - 1;
+      arena.release(offsets.at(id));
+      live.erase(offsets.at(id));
+      continue;
+    }
+    auto at = arena.allocate(size_t(r));
+    if (!at)
+      return std::nullopt;
+    size_t size = OffsetArena::roundUp(size_t(r));
+    EXPECT_EQ(*at % OffsetArena::kAlign, 0u);
+    if (arena.isBounded()) {
+      EXPECT_LE(*at + size, arena.capacity());
+    }
+    auto next = live.lower_bound(*at);
+    if (next != live.end()) {
+      EXPECT_LE(*at + size, next->first) << "request " << k << " overlaps a live range";
+    }
+    if (next != live.begin()) {
+      EXPECT_LE(std::prev(next)->first + std::prev(next)->second, *at)
+          << "request " << k << " overlaps a live range";
+    }
+    live[*at] = size;
+    offsets[long(k)] = *at;
+  }
+  return offsets;
+}
+
+TEST(OffsetArenaTest, ABoundedReplayAtTheHighWaterMarkPlacesEverythingAtTheSameOffsets) {
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    auto seq = randomSequence(seed, 400);
+    OffsetArena measure;
+    auto first = replay(measure, seq);
+    ASSERT_TRUE(first.has_value());
+    EXPECT_EQ(measure.liveCount(), 0u);
+    EXPECT_EQ(measure.inUse(), 0u);
+    OffsetArena exact(measure.highWater());
+    auto second = replay(exact, seq);
+    ASSERT_TRUE(second.has_value()) << "seed " << seed;
+    EXPECT_EQ(*first, *second) << "seed " << seed;
+    // One alignment unit less and the request that set the mark no longer fits.
+    OffsetArena tight(measure.highWater() - OffsetArena::kAlign);
+    EXPECT_FALSE(replay(tight, seq).has_value()) << "seed " << seed;
+  }
+}
+
+TEST(OffsetArenaTest, FreedNeighboursMergeAndTheTopComesDown) {
+  OffsetArena a;
+  size_t x = *a.allocate(1000), y = *a.allocate(1000), z = *a.allocate(1000);
+  EXPECT_EQ(x, 0u);
+  EXPECT_EQ(y, 1024u);
+  EXPECT_EQ(z, 2048u);
+  a.release(x);
+  a.release(y); // merges with x: 2048 bytes free at 0
+  EXPECT_EQ(*a.allocate(2048), 0u);
+  a.release(0);
+  a.release(z); // everything free: the next request starts at 0 again
+  EXPECT_EQ(*a.allocate(3000), 0u);
+  EXPECT_EQ(a.highWater(), 3072u);
+  EXPECT_EQ(*a.allocate(0), 3072u); // a zero-byte request still takes one unit
+}
+
+TEST(OffsetArenaTest, OneFOneBRankZeroPeaksAtPipelineDepthActivations) {
+  // Rank 0 of 1F1B (p stages, m microbatches): p warm-up forwards, then one forward and one
+  // backward (FIFO) in turn. Each forward keeps an activation of A bytes and a transient of T
+  // bytes during the op; the peak is min(p, m) activations plus one transient.
+  const size_t A = 5 << 20, T = 1 << 20;
+  for (int p : {1, 2, 4, 8})
+    for (int m : {1, 3, 8, 16}) {
+      OffsetArena arena;
+      std::vector<size_t> inFlight;
+      auto forward = [&] {
+        size_t keep = *arena.allocate(A), tmp = *arena.allocate(T);
+        arena.release(tmp);
+        inFlight.push_back(keep);
+      };
+      auto backward = [&] {
+        size_t tmp = *arena.allocate(T);
+        arena.release(inFlight.front());
+        inFlight.erase(inFlight.begin());
+        arena.release(tmp);
+      };
+      int warm = std::min(p, m);
+      for (int k = 0; k < warm; ++k)
+        forward();
+      for (int k = warm; k < m; ++k) {
+        backward();
+        forward();
+      }
+      while (!inFlight.empty())
+        backward();
+      EXPECT_EQ(arena.highWater(), size_t(std::min(p, m)) * A + T) << "p=" << p << " m=" << m;
+    }
+}
+
+//===--- The mover hook ---------------------------------------------------===//
+
+struct Delivery {
+  int sOwner, rOwner;
+  size_t sIndex, rIndex;
+  std::string what;
+};
+
+/// Copies on the host like the default, and records what it was told.
+class RecordingMover final : public InProcessMover {
+public:
+  llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
+                      size_t rIndex) override {
+    std::copy(s.data.begin(), s.data.end(), r.data.begin());
+    deliveries.push_back({sOwner, rOwner, sIndex, rIndex, describe(s.id)});
+    return llvm::Error::success();
+  }
+  llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
+                  llvm::ArrayRef<std::span<float>> buffers) override {
+    EXPECT_EQ(group, CollectiveGroup::Dp);
+    EXPECT_EQ(members.size(), buffers.size());
+    lastArrived = last;
+    // Reversed order on purpose: the transport must leave the arithmetic to the mover.
+    for (size_t i = 0; i < buffers[0].size(); ++i) {
+      float total = 0;
+      for (size_t b = buffers.size(); b-- > 0;)
+        total += buffers[b][i];
+      for (auto &buffer : buffers)
+        buffer[i] = total;
+    }
+    return llvm::Error::success();
+  }
+  std::vector<Delivery> deliveries; // under the transport's lock
+  int lastArrived = -1;
+};
+
+class FailingMover final : public InProcessMover {
+public:
+  llvm::Error deliver(const P2POp &, int, size_t, const P2POp &, int, size_t) override {
+    return llvm::createStringError(llvm::inconvertibleErrorCode(), "cudaMemcpyAsync failed");
+  }
+  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int,
+                  llvm::ArrayRef<std::span<float>>) override {
+    return llvm::Error::success();
+  }
+};
+
+P2POp op(bool send, int peer, int stage, std::span<float> data) {
+  P2POp o;
+  o.send = send;
+  o.peer = peer;
+  o.id = TensorId{TensorKind::Activation, stage, 0, 0};
+  o.data = data;
+  return o;
+}
+
+TEST(MoverTest, MatchedMessagesGoThroughTheMoverWithTheirOwnersAndGroupPositions) {
+  RecordingMover mover;
+  InProcessTransport t(2, [](int r, size_t s) { return fmt::format("r{}s{}", r, s); }, &mover);
+  std::vector<float> a{1, 2, 3}, b{4, 5}, gotA(3), gotB(2);
+  // Thread 0: [recv stage 1 from 1, send stage 0 to 1]; thread 1: [send stage 1, recv stage 0].
+  std::thread other([&] {
+    P2POp ops[] = {op(true, 0, 1, b), op(false, 0, 0, gotA)};
+    EXPECT_FALSE(bool(t.exchange(1, ops)));
+  });
+  P2POp ops[] = {op(false, 1, 1, gotB), op(true, 1, 0, a)};
+  llvm::Error err = t.exchange(0, ops);
+  EXPECT_FALSE(bool(err)) << takeMessage(std::move(err));
+  other.join();
+  EXPECT_EQ(gotA, a);
+  EXPECT_EQ(gotB, b);
+  ASSERT_EQ(mover.deliveries.size(), 2u);
+  for (const Delivery &d : mover.deliveries) {
+    if (d.sOwner == 0) { // a: op 1 of thread 0 into op 1 of thread 1
+      EXPECT_EQ(d.rOwner, 1);
+      EXPECT_EQ(d.sIndex, 1u);
+      EXPECT_EQ(d.rIndex, 1u);
+    } else { // b: op 0 of thread 1 into op 0 of thread 0
+      EXPECT_EQ(d.rOwner, 0);
+      EXPECT_EQ(d.sIndex, 0u);
+      EXPECT_EQ(d.rIndex, 0u);
+    }
+  }
+}
+
+TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
+  RecordingMover mover;
+  InProcessTransport t(3, {}, &mover);
+  std::vector<std::vector<float>> data{{1, 10}, {2, 20}, {4, 40}};
+  std::vector<int> members{0, 1, 2};
+  std::mutex mu;
+  std::vector<int> order;
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 3; ++k)
+    threads.emplace_back([&, k] {
+      // Arrive in the order 2, 0, 1.
+      std::this_thread::sleep_for(std::chrono::milliseconds(k == 2 ? 0 : k == 0 ? 30 : 60));
+      EXPECT_FALSE(bool(t.allReduce(CollectiveGroup::Dp, "dp/0", members, k, data[size_t(k)])));
+    });
+  for (auto &th : threads)
+    th.join();
+  for (const auto &d : data)
+    EXPECT_EQ(d, (std::vector<float>{7, 70}));
+  EXPECT_EQ(mover.lastArrived, 1);
+}
+
+TEST(MoverTest, AMoverErrorFailsBothSidesOfTheExchangeWithItsMessage) {
+  FailingMover mover;
+  InProcessTransport t(2, {}, &mover);
+  std::vector<float> a{1}, got(1);
+  std::string otherMessage;
+  std::thread other([&] {
+    P2POp ops[] = {op(false, 0, 0, got)};
+    otherMessage = takeMessage(t.exchange(1, ops));
+  });
+  P2POp ops[] = {op(true, 1, 0, a)};
+  std::string message = takeMessage(t.exchange(0, ops));
+  other.join();
+  EXPECT_NE(message.find("cudaMemcpyAsync failed"), std::string::npos) << message;
+  EXPECT_NE(otherMessage.find("cudaMemcpyAsync failed"), std::string::npos) << otherMessage;
+  EXPECT_TRUE(t.aborted());
+}
+
+} // namespace
+} // namespace pipec::test
