@@ -15,7 +15,9 @@
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/CudaRun.h"
 
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 namespace pipec::test {
@@ -82,6 +84,68 @@ TEST_F(CudaRuntimeTest, TiedEmbeddingsAndDataParallelMatch) {
 TEST_F(CudaRuntimeTest, ZbvOnOneRankPairWithTiedCopiesMatches) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/true, /*layers=*/6),
                                      options("zb-v", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2)));
+}
+
+TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
+  // Between the ends of step 0 and step 3: the device's free memory does not move and the
+  // stream-ordered pool hands out nothing (its high-water mark, reset after step 0, stays 0).
+  Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                            options("zb-h1", /*pp=*/4, /*microbatches=*/6, 1, /*seqSplits=*/2));
+  auto data = syntheticData(32, /*seed=*/7);
+  CudaRunOptions o;
+  o.steps = 4;
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  cudaMemPool_t pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, device), cudaSuccess);
+  size_t freeAfterStep0 = 0, total = 0;
+  std::vector<std::string> problems;
+  auto onStep = [&](int step, double) {
+    size_t freeNow = 0;
+    if (cudaMemGetInfo(&freeNow, &total) != cudaSuccess) {
+      problems.push_back("cudaMemGetInfo failed");
+      return;
+    }
+    if (step == 0) {
+      freeAfterStep0 = freeNow;
+      uint64_t zero = 0;
+      if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero) != cudaSuccess)
+        problems.push_back("cannot reset the pool's high-water mark");
+      return;
+    }
+    uint64_t high = 0;
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high) != cudaSuccess)
+      problems.push_back("cannot read the pool's high-water mark");
+    if (high != 0)
+      problems.push_back(fmt::format("step {}: the stream-ordered pool handed out {} bytes", step,
+                                     high));
+    if (freeNow != freeAfterStep0)
+      problems.push_back(fmt::format("step {}: free device memory {} -> {}", step,
+                                     freeAfterStep0, freeNow));
+  };
+  auto result = runOnCuda(plan, *data, o, onStep);
+  ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+  EXPECT_TRUE(problems.empty()) << fmt::format("{}", fmt::join(problems, "\n"));
+  ASSERT_EQ(result->arenaBytes.size(), 4u);
+  for (size_t r = 0; r < 4; ++r)
+    EXPECT_GT(result->arenaBytes[r], 0u) << "rank " << r;
+}
+
+TEST_F(CudaRuntimeTest, TheArenaFollowsTheScheduleActivationPeak) {
+  // m = 8 > p = 4: GPipe's rank 0 keeps all 8 microbatches' state, 1F1B's at most 4.
+  auto arenaOfRank0 = [](const char *schedule) -> size_t {
+    Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                              options(schedule, /*pp=*/4, /*microbatches=*/8));
+    auto data = syntheticData(32, /*seed=*/7);
+    CudaRunOptions o;
+    auto result = runOnCuda(plan, *data, o);
+    EXPECT_TRUE(bool(result)) << takeMessage(result.takeError());
+    return result && !result->arenaBytes.empty() ? result->arenaBytes[0] : 0;
+  };
+  size_t gpipe = arenaOfRank0("gpipe"), oneF1B = arenaOfRank0("1f1b");
+  EXPECT_GT(gpipe, oneF1B) << "gpipe " << gpipe << " bytes, 1f1b " << oneF1B;
+  // At most 8/4 the 1F1B arena (plus the ops' transient buffers, which both share).
+  EXPECT_LE(double(gpipe), 2.0 * double(oneF1B));
 }
 
 } // namespace

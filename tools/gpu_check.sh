@@ -4,7 +4,8 @@
 # more (rank 0's losses against --backend cuda's), and the kernel benchmark; writes a short
 # text report to
 # ${OUT:-/tmp/gpu-check}/report.txt (plus the full logs beside it). Meant to finish in under
-# 8 minutes on an H200 (time limits: build 240 s, tests 150 s, benchmark 90 s); prints each
+# 8 minutes on an H200 (limits: build 240 s, tests 150 s, kernel benchmark 90 s, runtime
+# overhead 2 x 60 s, the pp4 reference check 60 s); prints each
 # command before it runs it.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the benchmark at 1/4 the tokens
@@ -50,7 +51,8 @@ status=0
 start=$SECONDS
 if ! run timeout 240 "${bazel_cmd[@]}" build "${build_flags[@]}" //tests:cuda_kernel_test \
     //tests:cuda_check_test //tests:cuda_runtime_test //tests:nccl_runtime_test \
-    //bench:cuda_kernel_bench //tools:pipec //tools:piperun >"$out/build.log" 2>&1; then
+    //bench:cuda_kernel_bench //bench:cuda_overhead_bench //tools:pipec //tools:piperun \
+    >"$out/build.log" 2>&1; then
   say "BUILD FAILED after $((SECONDS - start)) s; last lines of $out/build.log:"
   tail -30 "$out/build.log" | tee -a "$report"
   exit 1
@@ -137,6 +139,32 @@ else
   say "BENCHMARK FAILED or timed out ($((SECONDS - start)) s) (not counted against the tests):"
 fi
 sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
+
+# The runtime's own host cost per instruction (target <= 10 us): interpreter + local transport
+# with empty compute.
+start=$SECONDS
+for pp in 2 4; do
+  if run timeout 60 /tmp/gpu-check-bin/bench/cuda_overhead_bench --pp "$pp" --microbatches 1024 \
+      >>"$out/overhead.txt" 2>&1; then :; else
+    say "OVERHEAD BENCHMARK FAILED (pp $pp); see $out/overhead.txt"
+  fi
+done
+say "runtime overhead ($((SECONDS - start)) s):"
+sed 's/^/  /' "$out/overhead.txt" | tee -a "$report"
+
+# The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
+# CPU reference, with the activation arenas it reserved.
+start=$SECONDS
+if "$bin/pipec" compile --model examples/tiny-gpt.json --schedule 1f1b --pp 4 --microbatches 8 \
+    -o "$out/pp4.json" --quiet >"$out/pp4.txt" 2>&1 &&
+  run timeout 60 "$bin/piperun" "$out/pp4.json" --backend cuda --steps 3 --check-reference \
+    >>"$out/pp4.txt" 2>&1; then
+  say "pp4 cuda --check-reference ok ($((SECONDS - start)) s):"
+else
+  status=1
+  say "pp4 cuda --check-reference FAILED ($((SECONDS - start)) s):"
+fi
+sed 's/^/  /' "$out/pp4.txt" | tee -a "$report"
 
 say "finished; report $report, logs in $out"
 exit "$status"

@@ -9,7 +9,9 @@
 // GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per process (one
 // process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
 // NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
-// losses; its --check-reference needs WORLD_SIZE=1.
+// losses; its --check-reference needs WORLD_SIZE=1. Both GPU backends run one warm-up step
+// first (not printed, no optimizer update) that sizes each rank's activation arena, and print
+// the sizes ("activation arena MiB ...") after the last step.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -125,6 +127,15 @@ llvm::Error run(int argc, char **argv) {
                      result.maxAbsGradDiff, relativeText, tolerance);
     return llvm::Error::success();
   };
+#ifdef PIPEC_HAS_CUDA
+  // What each rank's step allocates, once, after the warm-up step measured it.
+  auto printArenas = [](const CudaRunResult &result, const char *whose) {
+    std::string sizes;
+    for (size_t bytes : result.arenaBytes)
+      sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
+    fmt::print("activation arena MiB ({}; sized by the warm-up step): {}\n", whose, sizes);
+  };
+#endif
   if (backend == "nccl") {
     // Checked before anything else runs, so a misconfigured launch fails at once on every
     // process with the variable named.
@@ -141,6 +152,8 @@ llvm::Error run(int argc, char **argv) {
     auto result = runOnNccl(*plan, *data, co, *env, printStep);
     if (!result)
       return result.takeError();
+    if (env->rank == 0)
+      printArenas(*result, "this process's rank 0");
     return check(*result, kCudaGradTolerance, "1e-4");
 #endif
   }
@@ -155,6 +168,7 @@ llvm::Error run(int argc, char **argv) {
     auto result = runOnCuda(*plan, *data, co, printStep);
     if (!result)
       return result.takeError();
+    printArenas(*result, "every rank, in RANK order");
     return check(*result, kCudaGradTolerance, "1e-4");
   }
 #endif

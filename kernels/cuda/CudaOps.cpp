@@ -58,6 +58,25 @@ llvm::Expected<int> deviceCount() {
 
 static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
+namespace {
+/// The default DeviceAllocator: cudaMallocAsync / cudaFreeAsync on one stream.
+class StreamOrderedAllocator final : public DeviceAllocator {
+public:
+  cudaStream_t stream = nullptr;
+  llvm::Expected<void *> allocate(size_t bytes) override {
+    if (bytes == 0)
+      return nullptr;
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMallocAsync(&p, bytes, stream));
+    return p;
+  }
+  void release(void *p) override {
+    if (p)
+      (void)cudaFreeAsync(p, stream);
+  }
+};
+} // namespace
+
 struct CudaContext::Impl {
   int device = 0;
   cudaStream_t stream = nullptr;
@@ -67,6 +86,8 @@ struct CudaContext::Impl {
   // Heuristic results by the matmul's shape, types and operand alignments: the query costs
   // more than a small matmul.
   std::map<std::array<int, 14>, cublasLtMatmulAlgo_t> algos;
+  StreamOrderedAllocator streamOrdered;
+  DeviceAllocator *allocator = &streamOrdered;
 
   // Frees whatever was created, so that create() can return early at any step.
   ~Impl() {
@@ -92,6 +113,7 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
     PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
     impl->ownsStream = true;
   }
+  impl->streamOrdered.stream = impl->stream;
   PIPEC_CUBLAS_TRY(cublasLtCreate(&impl->lt));
   PIPEC_CUDA_TRY(cudaMalloc(&impl->workspace, kWorkspaceBytes));
   return std::unique_ptr<CudaContext>(new CudaContext(std::move(impl)));
@@ -121,6 +143,12 @@ llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
   PIPEC_CUDA_TRY(cudaMemsetAsync(device, 0, bytes, impl_->stream));
   return llvm::Error::success();
 }
+
+void CudaContext::setAllocator(DeviceAllocator *allocator) {
+  impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
+}
+
+DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
 
 llvm::Expected<DeviceBuffer> DeviceBuffer::allocate(size_t bytes) {
   DeviceBuffer buffer;
@@ -470,14 +498,11 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
 }
 
 namespace {
-/// Stream-ordered scratch: cudaMallocAsync now, cudaFreeAsync on scope exit.
-struct AsyncScratch {
+/// Scratch from the context's allocator, given back on scope exit (after the work is queued).
+struct Scratch {
+  DeviceAllocator &from;
   void *ptr = nullptr;
-  cudaStream_t stream = nullptr;
-  ~AsyncScratch() {
-    if (ptr)
-      (void)cudaFreeAsync(ptr, stream);
-  }
+  ~Scratch() { from.release(ptr); }
 };
 } // namespace
 
@@ -489,12 +514,14 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk,
   const size_t rows = size_t(s.batch) * s.heads * s.queries;
   if (rows == 0)
     return llvm::Error::success();
-  AsyncScratch rowDot;
-  rowDot.stream = streamOf(ctx);
-  PIPEC_CUDA_TRY(cudaMallocAsync(&rowDot.ptr, rows * sizeof(float), rowDot.stream));
+  Scratch rowDot{ctx.allocator()};
+  auto p = rowDot.from.allocate(rows * sizeof(float));
+  if (!p)
+    return p.takeError();
+  rowDot.ptr = *p;
   PIPEC_CUDA_TRY(launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
                                            static_cast<float *>(rowDot.ptr), dimsOf(s),
-                                           rowDot.stream));
+                                           streamOf(ctx)));
   return llvm::Error::success();
 }
 

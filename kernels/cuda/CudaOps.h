@@ -43,6 +43,21 @@ size_t sizeOf(DType dtype);
 /// Number of CUDA devices visible; an error when the driver or runtime is unusable (e.g. no GPU).
 llvm::Expected<int> deviceCount();
 
+/// Where a context's temporary buffers (and the executor's activations) come from. Memory handed
+/// out is usable by work queued on the context's stream from then on; release() may be called
+/// as soon as the work that uses it is queued (the memory is reused only by later work of the
+/// same stream, or of streams ordered after it). The default is the stream-ordered allocator
+/// (cudaMallocAsync / cudaFreeAsync on the context's stream); the executor installs a
+/// pre-sized arena (runtime/cuda/DeviceArena.h).
+class DeviceAllocator {
+public:
+  virtual ~DeviceAllocator() = default;
+  /// `bytes` of device memory (null for 0 bytes), or an error naming the shortfall.
+  virtual llvm::Expected<void *> allocate(size_t bytes) = 0;
+  /// Gives back what allocate() returned (null is ignored).
+  virtual void release(void *p) = 0;
+};
+
 /// A device, one stream on it, a cuBLASLt handle and its workspace. Not thread-safe: one per
 /// host thread (the executor has one per rank and stream role).
 class CudaContext {
@@ -63,6 +78,11 @@ public:
   llvm::Error upload(void *device, const void *host, size_t bytes);
   llvm::Error download(void *host, const void *device, size_t bytes);
   llvm::Error memsetZero(void *device, size_t bytes);
+
+  /// Temporary buffers of the ops and the executor's activations: `allocator` from now on (kept
+  /// by the caller; null restores the stream-ordered default).
+  void setAllocator(DeviceAllocator *allocator);
+  DeviceAllocator &allocator();
 
   struct Impl;
   Impl &impl() { return *impl_; }

@@ -1,11 +1,10 @@
 //===- CudaRun.cpp - The cuda backend: the plan's ranks on one GPU --------===//
 //
 // CpuBackend (runtime/cpu/CpuRun.cpp) with GpuStage for StageCompute: the same handling of
-// recv buffers, kept input gradients of fused backwards and late sends, tp parts and their
+// received tensors, kept input gradients of fused backwards and late sends, tp parts and their
 // all-reduces, dp and tied-embedding all-reduces. Backend calls that cannot return an error
-// (sendData, recvData, reduceData, sumLocalEmbeddingCopies) keep the first CUDA error and the
-// next call that can return one reports it; their span then has the right size (filled with
-// NaN where it carries data), so the transport does not report a mismatch instead.
+// (sendData, recvData, sumLocalEmbeddingCopies) keep the first error; the transport checks it
+// before it posts anything and the next call that can return one reports it.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/CudaRun.h"
@@ -17,15 +16,15 @@
 #include "runtime/Runner.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
-#include "runtime/cuda/DeviceHandles.h"
+#include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/GpuStage.h"
+#include "runtime/cuda/LocalTransport.h"
 #include "runtime/cuda/StageKernels.h"
 
 #include <cuda_runtime_api.h>
 
-#include <cmath>
-#include <limits>
 #include <mutex>
+#include <optional>
 #include <set>
 
 namespace pipec {
@@ -42,85 +41,78 @@ using kernels::StageCompute;
       return pipecGpuErr;                                                                          \
   } while (false)
 
-using Stream = runtime_cuda::OwnedStream;
-using Event = runtime_cuda::OwnedEvent;
-
-class PinnedFloats {
+/// A buffer of the rank's arena (or of whatever allocator the context has), given back when
+/// dropped on the host.
+class ArenaFloats {
 public:
-  PinnedFloats() = default;
-  PinnedFloats(const PinnedFloats &) = delete;
-  PinnedFloats &operator=(const PinnedFloats &) = delete;
-  ~PinnedFloats() {
-    if (p)
-      (void)cudaFreeHost(p);
+  ArenaFloats() = default;
+  ArenaFloats(ArenaFloats &&o) noexcept
+      : from(o.from), p(std::exchange(o.p, nullptr)), count(std::exchange(o.count, 0)) {}
+  ArenaFloats &operator=(ArenaFloats &&o) noexcept {
+    if (this != &o) {
+      reset();
+      from = o.from;
+      p = std::exchange(o.p, nullptr);
+      count = std::exchange(o.count, 0);
+    }
+    return *this;
   }
-  llvm::Error allocate(size_t n) {
-    if (n == 0)
-      return llvm::Error::success();
-    void *ptr = nullptr;
-    PIPEC_CUDA_TRY(cudaMallocHost(&ptr, n * sizeof(float)));
-    p = static_cast<float *>(ptr);
+  ArenaFloats(const ArenaFloats &) = delete;
+  ArenaFloats &operator=(const ArenaFloats &) = delete;
+  ~ArenaFloats() { reset(); }
+  llvm::Error allocate(cu::DeviceAllocator &a, size_t n) {
+    reset();
+    from = &a;
+    auto ptr = a.allocate(n * sizeof(float));
+    if (!ptr)
+      return ptr.takeError();
+    p = static_cast<float *>(*ptr);
     count = n;
     return llvm::Error::success();
   }
-  float *data() const { return p; }
-  size_t size() const { return count; }
+  void reset() {
+    if (p)
+      from->release(p);
+    p = nullptr;
+    count = 0;
+  }
+  std::span<float> span() const { return {p, count}; }
 
 private:
+  cu::DeviceAllocator *from = nullptr;
   float *p = nullptr;
   size_t count = 0;
 };
 
-class DeviceFloats {
-public:
-  DeviceFloats() = default;
-  DeviceFloats(const DeviceFloats &) = delete;
-  DeviceFloats &operator=(const DeviceFloats &) = delete;
-  ~DeviceFloats() {
-    if (p)
-      (void)cudaFree(p);
-  }
-  llvm::Error allocate(size_t n) {
-    if (n == 0)
-      return llvm::Error::success();
-    void *ptr = nullptr;
-    PIPEC_CUDA_TRY(cudaMalloc(&ptr, n * sizeof(float)));
-    p = static_cast<float *>(ptr);
-    count = n;
-    return llvm::Error::success();
-  }
-  float *data() const { return p; }
-
-private:
-  float *p = nullptr;
-  size_t count = 0;
-};
-
-/// With `waitForCollectives` set, the device-transport variant (createDeviceTransportBackend):
-/// the transport moves device memory itself, so nothing is staged through the host.
+/// One rank's backend on a device transport (the local one here, NCCL's in NcclRun.cpp): sends
+/// hand out the device tensor itself, recvs a buffer of the rank's arena that the transport
+/// fills, all-reduces sum in place.
 class CudaBackend final : public CudaRankBackend {
 public:
   CudaBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
               const CudaRunOptions &options, GradSnapshot *snapshot,
-              std::function<llvm::Error()> waitForCollectives = {})
+              std::function<llvm::Error()> waitForCollectives)
       : plan(plan), cfg(cfg), c(c), data(data), options(options), snapshot(snapshot),
         stream(plan.ranks[size_t(c.pp)]), waitForCollectives(std::move(waitForCollectives)) {}
 
-  bool onDevice() const { return bool(waitForCollectives); }
   void *computeStreamHandle() const override { return computeStream; }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
+  void setWarmUp(bool on) override { warmUp = on; }
+  llvm::Error reserveArena() override { return arena->reserve(); }
+  size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
 
-  /// Streams, stages, staging slots; everything that can fail.
+  /// The context, the arena and the stages; everything that can fail.
   llvm::Error init() {
     auto ctxOr = cu::CudaContext::create(options.device);
     if (!ctxOr)
       return ctxOr.takeError();
     ctx = std::move(*ctxOr);
     computeStream = static_cast<cudaStream_t>(ctx->stream());
-    PIPEC_GPU_TRY(sendStream.create());
-    PIPEC_GPU_TRY(recvStream.create());
-    PIPEC_GPU_TRY(computeDone.create());
-    PIPEC_GPU_TRY(recvDone.create());
+    arena = std::make_unique<DeviceArena>(
+        computeStream, fmt::format("rank {} (pp {}, dp {}, tp {})",
+                                   (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp,
+                                   c.pp, c.dp, c.tp));
+    ctx->setAllocator(arena.get());
     const ParallelConfig &pc = plan.parallel;
     for (const StageInfo &s : plan.stages) {
       if (s.rank != c.pp)
@@ -131,52 +123,21 @@ public:
         return st.takeError();
       stages[s.stage] = std::move(*st);
     }
-    // One pinned slot per send and recv, one device buffer per recv, for the whole run.
-    size_t pinnedTotal = 0, deviceTotal = 0;
-    std::map<uint64_t, size_t> weightDone;
-    slot.assign(stream.size(), 0);
-    deviceSlot.assign(stream.size(), 0);
-    for (size_t n = 0; n < stream.size(); ++n) {
-      const Instruction &i = stream[n];
+    // Gradients sent after this stage's weight gradient freed them (kept until the send).
+    std::set<uint64_t> weightDone;
+    for (const Instruction &i : stream) {
       if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
-        weightDone[key(TensorKind::Gradient, i.stage, i.mb, i.slice)] = n;
-      if (!i.isP2P())
-        continue;
-      slot[n] = pinnedTotal;
-      pinnedTotal += tensorSize(i);
-      if (i.op == OpKind::Recv) {
-        deviceSlot[n] = deviceTotal;
-        deviceTotal += tensorSize(i);
-        recvAt[key(i.tensor, i.stage, i.mb, i.slice)] = n;
-      }
-      if (i.op == OpKind::Send && i.tensor == TensorKind::Gradient) {
-        uint64_t k = key(i.tensor, i.stage, i.mb, i.slice);
-        if (weightDone.count(k))
-          sentLate.insert(k);
-      }
+        weightDone.insert(key(TensorKind::Gradient, i.stage, i.mb, i.slice));
+      if (i.op == OpKind::Send && i.tensor == TensorKind::Gradient &&
+          weightDone.count(key(i.tensor, i.stage, i.mb, i.slice)))
+        sentLate.insert(key(i.tensor, i.stage, i.mb, i.slice));
     }
-    if (!onDevice())
-      PIPEC_GPU_TRY(pinned.allocate(pinnedTotal));
-    PIPEC_GPU_TRY(recvDevice.allocate(deviceTotal));
-    // The largest all-reduce: a stage's gradients (dp) or one tp part's (N, C) buffer.
-    size_t reduceMax = 0;
-    for (auto &[s, st] : stages)
-      reduceMax = std::max(reduceMax, st->grads().size());
-    size_t longest = 0;
-    for (auto [b, e] : plan.seqSlices)
-      longest = std::max(longest, size_t(e - b));
-    reduceMax = std::max(reduceMax, size_t(cfg.microbatch) * longest * size_t(cfg.channels));
-    return onDevice() ? llvm::Error::success() : reduceStaging.allocate(reduceMax);
+    return llvm::Error::success();
   }
 
   llvm::Error beginStep(int step) override {
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
     PIPEC_GPU_TRY(takeDeferred());
-    // The previous step's staging copies are done before their slots are reused.
-    PIPEC_CUDA_TRY(cudaStreamSynchronize(recvStream.get()));
-    PIPEC_CUDA_TRY(cudaStreamSynchronize(sendStream.get()));
-    uploaded.clear();
-    kept.clear();
     auto batch = stepBatch(data, cfg, plan.parallel, step, c.dp);
     for (auto &[s, st] : stages) {
       PIPEC_GPU_TRY(st->zeroGrads());
@@ -200,6 +161,8 @@ public:
     }
     if (auto err = ctx->synchronize())
       return err;
+    kept.clear();
+    received.clear();
     return loss;
   }
 
@@ -223,6 +186,7 @@ public:
           return r.takeError();
         pendingReduce = *r;
       }
+      releaseConsumed();
       if (last && i.stage == plan.numStages() - 1 && c.tp == 0)
         PIPEC_GPU_TRY(st.accumulateLoss(i.mb, i.slice));
       return llvm::Error::success();
@@ -242,6 +206,7 @@ public:
           return r.takeError();
         pendingReduce = *r;
       }
+      releaseConsumed();
       if (last && i.op == OpKind::Backward && i.part < 0)
         return finishFusedBackward(i.stage, i.mb, i.slice);
       return llvm::Error::success();
@@ -259,44 +224,39 @@ public:
   }
 
   std::span<float> sendData(const Instruction &i) override {
-    if (onDevice()) {
-      // The device tensor itself; the transport orders its send after the compute stream.
-      auto src = sendSource(i);
-      if (!src) {
-        defer(src.takeError(), {});
-        return {};
-      }
-      return {const_cast<float *>(src->data()), src->size()};
+    // The device tensor itself; the transport orders its reads after the compute stream.
+    auto src = sendSource(i);
+    if (!src) {
+      defer(src.takeError());
+      return {};
     }
-    std::span<float> host(pinned.data() + slot[indexOf(i)], tensorSize(i));
-    if (llvm::Error err = stageSend(i, host))
-      defer(std::move(err), host);
-    return host;
+    return {const_cast<float *>(src->data()), src->size()};
   }
 
   std::span<float> recvData(const Instruction &i) override {
-    if (onDevice())
-      return {recvDevice.data() + deviceSlot[indexOf(i)], tensorSize(i)};
-    return {pinned.data() + slot[indexOf(i)], tensorSize(i)};
+    ArenaFloats &buffer = received[key(i.tensor, i.stage, i.mb, i.slice)];
+    if (llvm::Error err = buffer.allocate(ctx->allocator(), tensorSize(i)))
+      defer(std::move(err)); // the transport checks the kept error before it posts
+    return buffer.span();
   }
 
   std::span<float> reduceData(const Instruction &i) override {
-    reduceTarget = deviceReduceSpan(i);
-    if (onDevice())
-      return reduceTarget; // summed in place on the device
-    std::span<float> host(reduceStaging.data(), reduceTarget.size());
-    assert(host.size() <= reduceStaging.size() && "all-reduce larger than its staging buffer");
-    if (llvm::Error err = download(host, reduceTarget))
-      defer(std::move(err), host);
-    return host;
+    switch (i.collective) {
+    case CollectiveGroup::Tp:
+      return pendingReduce;
+    case CollectiveGroup::Dp:
+      return stages.at(i.stage)->grads();
+    case CollectiveGroup::Embedding: {
+      GpuStage &st = *stages.at(i.stage);
+      auto [b, e] = st.tiedEmbeddingRange();
+      return st.grads().subspan(b, e - b);
+    }
+    }
+    return {};
   }
 
   llvm::Error afterAllReduce(const Instruction &i) override {
     PIPEC_GPU_TRY(takeDeferred());
-    if (!reduceTarget.empty() && !onDevice())
-      PIPEC_CUDA_TRY(cudaMemcpyAsync(reduceTarget.data(), reduceStaging.data(),
-                                     reduceTarget.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                     computeStream));
     if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward && i.part == i.parts - 1)
       return finishFusedBackward(i.stage, i.mb, i.slice);
     return llvm::Error::success();
@@ -307,21 +267,22 @@ public:
     auto [fb, fe] = first.tiedEmbeddingRange();
     auto [lb, le] = last.tiedEmbeddingRange();
     assert(fe - fb == le - lb && "tied copies differ in size");
-    if (onDevice())
-      if (llvm::Error err = waitForCollectives()) { // dp all-reduces of both stages may still run
-        defer(std::move(err), {});
-        return;
-      }
+    // The dp all-reduces of both stages may still run on their stream.
+    if (llvm::Error err = waitForCollectives()) {
+      defer(std::move(err));
+      return;
+    }
     cudaError_t status = runtime::cuda::launch::sumPair(
         first.grads().data() + fb, last.grads().data() + lb, fe - fb, computeStream);
     if (status != cudaSuccess)
-      deferred = cu::makeCudaError("launch::sumPair", status, __FILE__, __LINE__);
+      defer(cu::makeCudaError("launch::sumPair", status, __FILE__, __LINE__));
   }
 
   llvm::Error optimizerStep() override {
     PIPEC_GPU_TRY(takeDeferred());
-    if (onDevice())
-      PIPEC_GPU_TRY(waitForCollectives());
+    PIPEC_GPU_TRY(waitForCollectives());
+    if (warmUp) // the warm-up step measures memory; it does not train
+      return llvm::Error::success();
     if (snapshot && c.dp == 0) {
       for (auto &[s, st] : stages) {
         std::vector<float> g;
@@ -341,18 +302,12 @@ private:
            uint64_t(t == TensorKind::Gradient);
   }
 
-  size_t indexOf(const Instruction &i) const {
-    assert(&i >= stream.data() && &i < stream.data() + stream.size() && "not this rank's op");
-    return size_t(&i - stream.data());
-  }
-
   size_t tensorSize(const Instruction &i) const {
     auto [b, e] = plan.seqSlices[size_t(i.slice)];
     return size_t(cfg.microbatch) * size_t(e - b) * size_t(cfg.channels);
   }
 
-  void defer(llvm::Error err, std::span<float> host) {
-    std::fill(host.begin(), host.end(), std::numeric_limits<float>::quiet_NaN());
+  void defer(llvm::Error err) {
     if (deferred)
       llvm::consumeError(std::move(err));
     else
@@ -365,48 +320,13 @@ private:
     return err;
   }
 
-  /// Device to pinned host through the send stream, after the compute stream's work.
-  llvm::Error download(std::span<float> host, std::span<const float> device) {
-    if (host.empty())
-      return llvm::Error::success();
-    PIPEC_CUDA_TRY(cudaEventRecord(computeDone.get(), computeStream));
-    PIPEC_CUDA_TRY(cudaStreamWaitEvent(sendStream.get(), computeDone.get(), 0));
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(host.data(), device.data(), host.size() * sizeof(float),
-                                   cudaMemcpyDeviceToHost, sendStream.get()));
-    PIPEC_CUDA_TRY(cudaStreamSynchronize(sendStream.get()));
-    return llvm::Error::success();
-  }
-
   /// The device tensor a send carries.
   llvm::Expected<std::span<const float>> sendSource(const Instruction &i) {
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
-      return std::span<const float>(it->second.span);
+      return std::span<const float>(it->second.span());
     GpuStage &st = *stages.at(i.stage);
     return i.tensor == TensorKind::Activation ? st.output(i.mb, i.slice)
                                               : st.inputGrad(i.mb, i.slice);
-  }
-
-  llvm::Error stageSend(const Instruction &i, std::span<float> host) {
-    auto src = sendSource(i);
-    if (!src)
-      return src.takeError();
-    assert(src->size() == host.size() && "sent tensor has the wrong size");
-    return download(host, *src);
-  }
-
-  std::span<float> deviceReduceSpan(const Instruction &i) {
-    switch (i.collective) {
-    case CollectiveGroup::Tp:
-      return pendingReduce;
-    case CollectiveGroup::Dp:
-      return stages.at(i.stage)->grads();
-    case CollectiveGroup::Embedding: {
-      GpuStage &st = *stages.at(i.stage);
-      auto [b, e] = st.tiedEmbeddingRange();
-      return st.grads().subspan(b, e - b);
-    }
-    }
-    return {};
   }
 
   llvm::Error finishFusedBackward(int stage, int mb, int slice) {
@@ -415,7 +335,7 @@ private:
   }
 
   /// As the cpu backend: keep the input gradient past the weight gradient when a consumer may
-  /// still need it (a copy on the compute stream).
+  /// still need it (a copy on the compute stream, into the arena).
   llvm::Error keepInputGrad(int stage, int mb, int slice, bool anyConsumer = false) {
     if (stage == 0)
       return llvm::Error::success();
@@ -425,45 +345,36 @@ private:
     auto g = stages.at(stage)->inputGrad(mb, slice);
     if (!g)
       return g.takeError();
-    Kept &k = kept[key(TensorKind::Gradient, stage, mb, slice)];
-    PIPEC_GPU_TRY(k.buffer.allocate(g->size()));
-    k.span = {k.buffer.data(), g->size()};
+    ArenaFloats &k = kept[key(TensorKind::Gradient, stage, mb, slice)];
+    PIPEC_GPU_TRY(k.allocate(ctx->allocator(), g->size()));
     if (!g->empty())
-      PIPEC_CUDA_TRY(cudaMemcpyAsync(k.buffer.data(), g->data(), g->size() * sizeof(float),
+      PIPEC_CUDA_TRY(cudaMemcpyAsync(k.span().data(), g->data(), g->size() * sizeof(float),
                                      cudaMemcpyDeviceToDevice, computeStream));
     return llvm::Error::success();
   }
 
-  /// The input of a compute op from stage `producer`: kept, on this rank, or received (then
-  /// copied to its device buffer on the recv stream; the compute stream waits for it).
+  /// The input of a compute op from stage `producer`: kept, on this rank, or received (the
+  /// transport ordered the compute stream after its arrival; given back once consumed).
   llvm::Expected<std::span<const float>> inputOf(TensorKind t, int producer, int mb, int slice) {
     uint64_t k = key(t, producer, mb, slice);
     if (auto it = kept.find(k); it != kept.end())
-      return std::span<const float>(it->second.span);
+      return std::span<const float>(it->second.span());
     if (plan.rankOf(producer) == c.pp) {
       GpuStage &p = *stages.at(producer);
       return t == TensorKind::Activation ? p.output(mb, slice) : p.inputGrad(mb, slice);
     }
-    auto it = recvAt.find(k);
-    assert(it != recvAt.end() && "the verifier guarantees a recv before its consumer");
-    size_t n = it->second;
-    const Instruction &recv = stream[n];
-    std::span<float> device(recvDevice.data() + deviceSlot[n], tensorSize(recv));
-    // A device transport received it there, and ordered the compute stream after it.
-    if (!onDevice() && uploaded.insert(n).second) {
-      PIPEC_CUDA_TRY(cudaMemcpyAsync(device.data(), pinned.data() + slot[n],
-                                     device.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                     recvStream.get()));
-      PIPEC_CUDA_TRY(cudaEventRecord(recvDone.get(), recvStream.get()));
-      PIPEC_CUDA_TRY(cudaStreamWaitEvent(computeStream, recvDone.get(), 0));
-    }
-    return std::span<const float>(device);
+    auto it = received.find(k);
+    assert(it != received.end() && "the verifier guarantees a recv before its consumer");
+    consumed = k;
+    return std::span<const float>(it->second.span());
   }
 
-  struct Kept {
-    DeviceFloats buffer;
-    std::span<float> span;
-  };
+  /// The received tensor the op just queued has copied into its stage; its buffer may go.
+  void releaseConsumed() {
+    if (consumed)
+      received.erase(*consumed);
+    consumed.reset();
+  }
 
   const Plan &plan;
   const GptConfig &cfg;
@@ -473,18 +384,16 @@ private:
   GradSnapshot *snapshot;
   const std::vector<Instruction> &stream;
   std::unique_ptr<cu::CudaContext> ctx;
+  // Declared after ctx and before the stages and buffers, which are destroyed first and give
+  // their memory back to it.
+  std::unique_ptr<DeviceArena> arena;
   cudaStream_t computeStream = nullptr;
-  Stream sendStream, recvStream;
-  Event computeDone, recvDone;
   std::map<int, std::unique_ptr<GpuStage>> stages;
-  std::vector<size_t> slot, deviceSlot; // per stream index: pinned / device offsets
-  std::map<uint64_t, size_t> recvAt;    // received tensor -> its recv's stream index
-  std::set<size_t> uploaded;            // recvs copied to the device this step
-  PinnedFloats pinned, reduceStaging;
-  DeviceFloats recvDevice;
-  std::map<uint64_t, Kept> kept;
+  std::map<uint64_t, ArenaFloats> received, kept;
+  std::optional<uint64_t> consumed;
   std::set<uint64_t> sentLate;
-  std::span<float> pendingReduce, reduceTarget;
+  std::span<float> pendingReduce;
+  bool warmUp = false;
   llvm::Error deferred = llvm::Error::success();
   std::function<llvm::Error()> waitForCollectives;
 };
@@ -514,6 +423,22 @@ createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord
   return std::unique_ptr<CudaRankBackend>(std::move(b));
 }
 
+/// The warm-up step (not counted, no optimizer update) that sizes every rank's arena.
+static llvm::Error warmUpAndReserve(Runner &runner, llvm::ArrayRef<CudaRankBackend *> backends) {
+  for (CudaRankBackend *b : backends)
+    b->setWarmUp(true);
+  if (auto err = runner.step(0))
+    return err;
+  for (CudaRankBackend *b : backends)
+    if (auto share = b->finishStep(); !share)
+      return share.takeError();
+  for (CudaRankBackend *b : backends) {
+    PIPEC_GPU_TRY(b->reserveArena());
+    b->setWarmUp(false);
+  }
+  return llvm::Error::success();
+}
+
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep) {
@@ -527,29 +452,39 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   if (options.device < 0 || options.device >= *devices)
     return inputError("cuda device {} does not exist ({} visible); try 0", options.device,
                       *devices);
+  PIPEC_CUDA_TRY(cudaSetDevice(options.device));
   const ParallelConfig &pc = plan.parallel;
+  const int threads = pc.pp * pc.dp * pc.tp;
+  LocalCudaTransport transport(plan, threads);
   GradSnapshot snapshot;
   std::vector<std::unique_ptr<Backend>> backends;
-  std::vector<CudaBackend *> gpu;
-  for (int t = 0; t < pc.pp * pc.dp * pc.tp; ++t) {
+  std::vector<CudaRankBackend *> gpu;
+  for (int t = 0; t < threads; ++t) {
     Coord c{t / (pc.dp * pc.tp), t / pc.tp % pc.dp, t % pc.tp};
-    auto b = std::make_unique<CudaBackend>(plan, cfg, c, data, options,
-                                           options.checkReference ? &snapshot : nullptr);
-    if (auto err = b->init())
-      return err;
-    gpu.push_back(b.get());
-    backends.push_back(std::move(b));
+    auto b = createDeviceTransportBackend(plan, cfg, c, data, options,
+                                          options.checkReference ? &snapshot : nullptr,
+                                          [&transport, t] { return transport.waitForCollectives(t); });
+    if (!b)
+      return b.takeError();
+    CudaRankBackend *raw = b->get();
+    PIPEC_GPU_TRY(transport.attach(t, static_cast<cudaStream_t>(raw->computeStreamHandle()),
+                                   [raw] { return raw->takeDeferredError(); }));
+    gpu.push_back(raw);
+    backends.push_back(std::move(*b));
   }
-  Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends));
+  Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);
+  PIPEC_GPU_TRY(warmUpAndReserve(runner, gpu));
+  CudaRunResult result;
+  for (CudaRankBackend *b : gpu)
+    result.arenaBytes.push_back(b->arenaBytes());
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
-  CudaRunResult result;
   for (int s = 0; s < options.steps; ++s) {
     if (auto err = runner.step(s))
       return err;
     double loss = 0;
-    for (CudaBackend *b : gpu) {
+    for (CudaRankBackend *b : gpu) {
       auto l = b->finishStep();
       if (!l)
         return l.takeError();

@@ -1,19 +1,20 @@
 //===- CudaRun.h - The cuda backend: the plan's ranks on one GPU -*- C++ -*-===//
 //
 // Every rank (pipeline x dp x tp) is a thread, as in the cpu backend, driving its own GpuStage
-// objects on its own compute stream of one GPU (DESIGN §8's `local` transport: all ranks of the
-// plan on one device, which is how many ranks are tested on one GPU). The interpreter and the
-// in-process transport are the cpu backend's (NCCL's matching and blocking rules, mismatch
-// diagnostics, watchdog). What travels through the transport is staged in pinned host memory:
-// a send copies its device tensor on the rank's send stream (after an event of the compute
-// stream) and waits for that copy; a received tensor is copied to a device buffer on the
-// rank's recv stream when its consumer runs, and the compute stream waits on an event. tp, dp
-// and embedding all-reduces stage the same way (the in-process transport sums on the host).
-// Device memory allocated up front: parameters, gradients, Adam moments (per stage) and one
-// device buffer per recv instruction of the rank's stream; pinned host slots per send and recv
-// instruction. Activations and saved state use the stream-ordered allocator (cudaMallocAsync).
-// createDeviceTransportBackend gives one rank's backend without the host staging, for the nccl
-// mode (NcclRun.h), where the transport moves device memory itself.
+// objects on its own compute stream of one GPU, through the `local` transport
+// (runtime/cuda/LocalTransport.h): the in-process matching rules, diagnostics and watchdog, with
+// device-to-device copies and sum kernels ordered by events, so the host never waits for the
+// device inside a step. Sends hand the transport the device tensor itself, a recv a buffer of
+// the rank's arena.
+//
+// Memory. Parameters, gradients and Adam moments are allocated when the stages are created;
+// everything a step allocates (activations, saved state, received tensors, kept gradients,
+// scratch) comes from one arena per rank (runtime/cuda/DeviceArena.h), sized by a warm-up step
+// that runs before step 0 (full forward and backward on step 0's batch, no optimizer update,
+// not reported) and then reserved with one cudaMalloc: no step allocates.
+//
+// createDeviceTransportBackend gives one rank's backend to another runner: the nccl mode
+// (NcclRun.h), where NCCL moves the device memory.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_CUDARUN_H
@@ -54,6 +55,8 @@ struct CudaRunResult {
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
+  /// Per rank of this process (thread order): the activation arena the warm-up step measured.
+  std::vector<size_t> arenaBytes;
 };
 
 /// The tolerance of --check-reference on the cuda backend, relative to the largest reference
@@ -76,14 +79,19 @@ public:
   virtual llvm::Expected<double> finishStep() = 0;
   /// The rank's compute stream (a cudaStream_t).
   virtual void *computeStreamHandle() const = 0;
-  /// The error a call that cannot return one (sendData, reduceData, ...) kept, or success.
+  /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.
   virtual llvm::Error takeDeferredError() = 0;
+  /// While on, a step measures the arena and skips the optimizer update (the warm-up step).
+  virtual void setWarmUp(bool on) = 0;
+  /// After the warm-up step has finished (finishStep): one allocation of the measured size.
+  virtual llvm::Error reserveArena() = 0;
+  /// The bytes reserveArena() reserved.
+  virtual size_t arenaBytes() const = 0;
 };
 
 /// The cuda backend of rank `c` on GPU `options.device`, for a device transport: sendData,
-/// recvData and reduceData hand out device memory (no host staging), a received tensor is used
-/// in place (the transport orders the compute stream after its group), and all-reduces happen
-/// in place. `waitForCollectives` must order the compute stream after every all-reduce queued so
+/// recvData and reduceData hand out device memory, a received tensor is used in place (the
+/// transport orders the compute stream after its group), and all-reduces happen in place. `waitForCollectives` must order the compute stream after every all-reduce queued so
 /// far (dp and embedding ones may still run on their own streams); it is called before the
 /// optimizer step and a local tied-embedding sum. `cfg`, `data` and `options` must outlive the
 /// backend; `snapshot` (may be null) receives replica 0's gradients before each optimizer step.

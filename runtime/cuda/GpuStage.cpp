@@ -33,19 +33,26 @@ constexpr cu::DType kF32 = cu::DType::F32;
       return pipecGpuErr;                                                                          \
   } while (false)
 
-/// Device memory from the stream-ordered allocator: allocated and freed in stream order, so a
-/// buffer dropped on the host is reused only by work queued after everything that read it.
+/// Where a stage's buffers come from: the context's allocator (the rank's arena in the
+/// executor), and the stream their memsets and copies are queued on.
+struct Mem {
+  cu::DeviceAllocator *from;
+  cudaStream_t stream;
+};
+
+/// Device memory of the stage's allocator, given back when dropped on the host: the allocator
+/// reuses it only for work queued after everything that read it (kernels/cuda/CudaOps.h).
 template <typename T> class StreamBuffer {
 public:
   StreamBuffer() = default;
   StreamBuffer(StreamBuffer &&o) noexcept
-      : ptr(std::exchange(o.ptr, nullptr)), count(std::exchange(o.count, 0)), stream(o.stream) {}
+      : ptr(std::exchange(o.ptr, nullptr)), count(std::exchange(o.count, 0)), from(o.from) {}
   StreamBuffer &operator=(StreamBuffer &&o) noexcept {
     if (this != &o) {
       reset();
       ptr = std::exchange(o.ptr, nullptr);
       count = std::exchange(o.count, 0);
-      stream = o.stream;
+      from = o.from;
     }
     return *this;
   }
@@ -53,30 +60,31 @@ public:
   StreamBuffer &operator=(const StreamBuffer &) = delete;
   ~StreamBuffer() { reset(); }
 
-  llvm::Error allocate(cudaStream_t s, size_t n, bool zero = false) {
+  llvm::Error allocate(const Mem &m, size_t n, bool zero = false) {
     reset();
-    stream = s;
+    from = m.from;
     if (n == 0)
       return llvm::Error::success();
-    void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMallocAsync(&p, n * sizeof(T), stream));
-    ptr = static_cast<T *>(p);
+    auto p = from->allocate(n * sizeof(T));
+    if (!p)
+      return p.takeError();
+    ptr = static_cast<T *>(*p);
     count = n;
     if (zero)
-      PIPEC_CUDA_TRY(cudaMemsetAsync(ptr, 0, n * sizeof(T), stream));
+      PIPEC_CUDA_TRY(cudaMemsetAsync(ptr, 0, n * sizeof(T), m.stream));
     return llvm::Error::success();
   }
-  /// A copy of `src` (device), queued on `s`.
-  llvm::Error copyFrom(cudaStream_t s, std::span<const T> src) {
-    PIPEC_GPU_TRY(allocate(s, src.size()));
+  /// A copy of `src` (device), queued on the stream.
+  llvm::Error copyFrom(const Mem &m, std::span<const T> src) {
+    PIPEC_GPU_TRY(allocate(m, src.size()));
     if (!src.empty())
       PIPEC_CUDA_TRY(cudaMemcpyAsync(ptr, src.data(), src.size() * sizeof(T),
-                                     cudaMemcpyDeviceToDevice, stream));
+                                     cudaMemcpyDeviceToDevice, m.stream));
     return llvm::Error::success();
   }
   void reset() {
     if (ptr)
-      (void)cudaFreeAsync(ptr, stream);
+      from->release(ptr);
     ptr = nullptr;
     count = 0;
   }
@@ -89,7 +97,7 @@ public:
 private:
   T *ptr = nullptr;
   size_t count = 0;
-  cudaStream_t stream = nullptr;
+  cu::DeviceAllocator *from = nullptr;
 };
 
 using Floats = StreamBuffer<float>;
@@ -205,12 +213,13 @@ struct GpuStage::Impl {
   Owned<double> lossAcc;
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
-  // mb * B * T + B * slices[slice].first.
-  StreamBuffer<int32_t> inputs, targets;
+  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's).
+  Owned<int32_t> inputs, targets;
   std::map<std::pair<int, int>, SliceWork> work;
   std::map<int, SequenceWork> sequences;
 
   explicit Impl(cu::CudaContext &ctx) : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
+  Mem mem() { return Mem{&ctx.allocator(), stream}; }
 
   GptLayerKind kind(int layer) const { return kernels::layerKind(cfg, layer); }
   int firstBlock() const { return layerBegin == 0 ? 1 : layerBegin; }
@@ -271,7 +280,7 @@ llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
                                      stream));
   branch.reset();
   if (p.sub == 0)
-    PIPEC_GPU_TRY(bw.xMid.copyFrom(stream, std::span<const float>(w.resid.span())));
+    PIPEC_GPU_TRY(bw.xMid.copyFrom(mem(), std::span<const float>(w.resid.span())));
   return llvm::Error::success();
 }
 
@@ -289,8 +298,8 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
       seq.blocks.resize(size_t(blockCount()));
       const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(localC);
       for (SequenceBlock &sb : seq.blocks) {
-        PIPEC_GPU_TRY(sb.k.allocate(stream, kvSize));
-        PIPEC_GPU_TRY(sb.v.allocate(stream, kvSize));
+        PIPEC_GPU_TRY(sb.k.allocate(mem(), kvSize));
+        PIPEC_GPU_TRY(sb.v.allocate(mem(), kvSize));
       }
     }
     SequenceWork &seq = sequence(mb);
@@ -301,7 +310,7 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
     w.n = n;
     if (!hasEmbedding()) {
       assert(input.size() == nc && "stage input has the wrong size");
-      PIPEC_GPU_TRY(w.resid.copyFrom(stream, input));
+      PIPEC_GPU_TRY(w.resid.copyFrom(mem(), input));
     }
   }
   SliceWork &w = get(mb, slice);
@@ -311,7 +320,7 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
   const PartRef p = forwardParts[size_t(part)];
   switch (kind(p.layer)) {
   case GptLayerKind::Embedding:
-    PIPEC_GPU_TRY(w.resid.allocate(stream, nc));
+    PIPEC_GPU_TRY(w.resid.allocate(mem(), nc));
     PIPEC_CUDA_TRY(launch::embeddingForward(w.resid.data(), inputs.data() + tokenOffset(mb, slice),
                                             param(p.layer, Wte), param(p.layer, Wpe), n, x, begin,
                                             c, stream));
@@ -319,17 +328,17 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
   case GptLayerKind::Head: {
     HeadWork &hw = w.head;
     hw.lnfIn = std::move(w.resid);
-    PIPEC_GPU_TRY(hw.lnfMean.allocate(stream, size_t(n)));
-    PIPEC_GPU_TRY(hw.lnfRstd.allocate(stream, size_t(n)));
-    PIPEC_GPU_TRY(hw.lnfOut.allocate(stream, nc));
+    PIPEC_GPU_TRY(hw.lnfMean.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(hw.lnfRstd.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(hw.lnfOut.allocate(mem(), nc));
     PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, hw.lnfOut.data(), hw.lnfMean.data(),
                                        hw.lnfRstd.data(), hw.lnfIn.data(), param(p.layer, LnfW),
                                        param(p.layer, LnfB), n, c));
-    PIPEC_GPU_TRY(hw.logits.allocate(stream, size_t(n) * size_t(cfg.vocab)));
+    PIPEC_GPU_TRY(hw.logits.allocate(mem(), size_t(n) * size_t(cfg.vocab)));
     PIPEC_GPU_TRY(cu::matmulTForward(ctx, kF32, hw.logits.data(), hw.lnfOut.data(),
                                      param(p.layer, LmW), n, c, cfg.vocab));
-    PIPEC_GPU_TRY(hw.lse.allocate(stream, size_t(n)));
-    PIPEC_GPU_TRY(hw.rowLoss.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(hw.lse.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(hw.rowLoss.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, kF32, hw.rowLoss.data(), hw.lse.data(),
                                           hw.logits.data(), targets.data() + tokenOffset(mb, slice),
                                           n, cfg.vocab, lossScale));
@@ -340,47 +349,47 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
   }
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
   if (p.sub == 0) {
-    PIPEC_GPU_TRY(bw.xIn.copyFrom(stream, std::span<const float>(w.resid.span())));
-    PIPEC_GPU_TRY(bw.ln1Mean.allocate(stream, size_t(n)));
-    PIPEC_GPU_TRY(bw.ln1Rstd.allocate(stream, size_t(n)));
+    PIPEC_GPU_TRY(bw.xIn.copyFrom(mem(), std::span<const float>(w.resid.span())));
+    PIPEC_GPU_TRY(bw.ln1Mean.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(bw.ln1Rstd.allocate(mem(), size_t(n)));
     Floats ln1Out, qkv; // (B, x, C), (B, x, 3 Cl)
-    PIPEC_GPU_TRY(ln1Out.allocate(stream, nc));
+    PIPEC_GPU_TRY(ln1Out.allocate(mem(), nc));
     PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln1Out.data(), bw.ln1Mean.data(),
                                        bw.ln1Rstd.data(), bw.xIn.data(), param(p.layer, Ln1W),
                                        param(p.layer, Ln1B), n, c));
-    PIPEC_GPU_TRY(qkv.allocate(stream, size_t(n) * 3 * size_t(localC)));
+    PIPEC_GPU_TRY(qkv.allocate(mem(), size_t(n) * 3 * size_t(localC)));
     PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, qkv.data(), ln1Out.data(), param(p.layer, QkvW),
                                     param(p.layer, QkvB), n, c, 3 * localC));
     SequenceBlock &sb = sequence(mb).blocks[size_t(p.layer - firstBlock())];
-    PIPEC_GPU_TRY(bw.q.allocate(stream, size_t(n) * size_t(localC)));
+    PIPEC_GPU_TRY(bw.q.allocate(mem(), size_t(n) * size_t(localC)));
     PIPEC_CUDA_TRY(launch::splitQkv(bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n, x, b,
                                     begin, localC, stream));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
-    PIPEC_GPU_TRY(bw.lse.allocate(stream, size_t(b) * size_t(localHeads) * size_t(x)));
-    PIPEC_GPU_TRY(bw.attOut.allocate(stream, size_t(n) * size_t(localC)));
+    PIPEC_GPU_TRY(bw.lse.allocate(mem(), size_t(b) * size_t(localHeads) * size_t(x)));
+    PIPEC_GPU_TRY(bw.attOut.allocate(mem(), size_t(n) * size_t(localC)));
     PIPEC_GPU_TRY(cu::attentionForward(ctx, kF32, bw.attOut.data(), bw.lse.data(), bw.q.data(),
                                        sb.k.data(), sb.v.data(), shape));
-    PIPEC_GPU_TRY(bw.attnPartial.allocate(stream, nc));
+    PIPEC_GPU_TRY(bw.attnPartial.allocate(mem(), nc));
     PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.attnPartial.data(), bw.attOut.data(),
                                     param(p.layer, AttnW), nullptr, n, localC, c));
     w.pendingForward = part;
     result = bw.attnPartial.span();
     return llvm::Error::success();
   }
-  PIPEC_GPU_TRY(bw.ln2Mean.allocate(stream, size_t(n)));
-  PIPEC_GPU_TRY(bw.ln2Rstd.allocate(stream, size_t(n)));
+  PIPEC_GPU_TRY(bw.ln2Mean.allocate(mem(), size_t(n)));
+  PIPEC_GPU_TRY(bw.ln2Rstd.allocate(mem(), size_t(n)));
   Floats ln2Out, fcAct; // (B, x, C), (B, x, Fl)
-  PIPEC_GPU_TRY(ln2Out.allocate(stream, nc));
+  PIPEC_GPU_TRY(ln2Out.allocate(mem(), nc));
   PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(),
                                      bw.xMid.data(), param(p.layer, Ln2W), param(p.layer, Ln2B), n,
                                      c));
   const size_t nf = size_t(n) * size_t(localF);
-  PIPEC_GPU_TRY(bw.fcPre.allocate(stream, nf));
+  PIPEC_GPU_TRY(bw.fcPre.allocate(mem(), nf));
   PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW),
                                   param(p.layer, FcB), n, c, localF));
-  PIPEC_GPU_TRY(fcAct.allocate(stream, nf));
+  PIPEC_GPU_TRY(fcAct.allocate(mem(), nf));
   PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
-  PIPEC_GPU_TRY(bw.mlpPartial.allocate(stream, nc));
+  PIPEC_GPU_TRY(bw.mlpPartial.allocate(mem(), nc));
   PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.mlpPartial.data(), fcAct.data(),
                                   param(p.layer, ProjW), nullptr, n, localF, c));
   w.pendingForward = part;
@@ -400,7 +409,7 @@ llvm::Error GpuStage::Impl::finishBackward(SliceWork &w) {
     PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
         ctx, kF32, w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
         bw.ln2Rstd.data(), param(p.layer, Ln2W), n, c));
-    return bw.dXmid.copyFrom(stream, std::span<const float>(w.dResid.span()));
+    return bw.dXmid.copyFrom(mem(), std::span<const float>(w.dResid.span()));
   }
   return cu::layernormBackwardInputAccumulate(ctx, kF32, w.dResid.data(), bw.dLn1.data(),
                                               bw.xIn.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
@@ -427,7 +436,7 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
     w.resid.reset();
     if (!hasHead()) {
       assert(gradOutput.size() == nc && "output gradient has the wrong size");
-      PIPEC_GPU_TRY(w.dResid.copyFrom(stream, gradOutput));
+      PIPEC_GPU_TRY(w.dResid.copyFrom(mem(), gradOutput));
     }
   }
   assert(part == w.nextBackwardPart && "backward parts run in order");
@@ -443,10 +452,10 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
     PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, kF32, hw.logits.data(), hw.logits.data(),
                                            hw.lse.data(), tgt, n, cfg.vocab, lossScale));
     hw.lse.reset();
-    PIPEC_GPU_TRY(hw.dLnfOut.allocate(stream, nc));
+    PIPEC_GPU_TRY(hw.dLnfOut.allocate(mem(), nc));
     PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, kF32, hw.dLnfOut.data(), hw.logits.data(),
                                            param(p.layer, LmW), n, c, cfg.vocab));
-    PIPEC_GPU_TRY(w.dResid.allocate(stream, nc, /*zero=*/true));
+    PIPEC_GPU_TRY(w.dResid.allocate(mem(), nc, /*zero=*/true));
     PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
         ctx, kF32, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
         hw.lnfRstd.data(), param(p.layer, LnfW), n, c));
@@ -458,16 +467,16 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
   case GptLayerKind::Block: {
     BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
     if (p.sub == 0) {
-      PIPEC_GPU_TRY(bw.dOut.copyFrom(stream, std::span<const float>(w.dResid.span())));
+      PIPEC_GPU_TRY(bw.dOut.copyFrom(mem(), std::span<const float>(w.dResid.span())));
       const size_t nf = size_t(n) * size_t(localF);
       Floats dFcAct; // (B, x, Fl)
-      PIPEC_GPU_TRY(dFcAct.allocate(stream, nf));
+      PIPEC_GPU_TRY(dFcAct.allocate(mem(), nf));
       PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dFcAct.data(), bw.dOut.data(),
                                             param(p.layer, ProjW), n, localF, c));
-      PIPEC_GPU_TRY(bw.dFcPre.allocate(stream, nf));
+      PIPEC_GPU_TRY(bw.dFcPre.allocate(mem(), nf));
       PIPEC_GPU_TRY(
           cu::geluBackward(ctx, kF32, bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), nf));
-      PIPEC_GPU_TRY(bw.dLn2.allocate(stream, nc));
+      PIPEC_GPU_TRY(bw.dLn2.allocate(mem(), nc));
       PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn2.data(), bw.dFcPre.data(),
                                             param(p.layer, FcW), n, c, localF));
       w.pendingBackward = part;
@@ -476,25 +485,25 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
     }
     const size_t ncl = size_t(n) * size_t(localC);
     Floats dAttOut, dq; // (B, x, Cl) each
-    PIPEC_GPU_TRY(dAttOut.allocate(stream, ncl));
+    PIPEC_GPU_TRY(dAttOut.allocate(mem(), ncl));
     PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dAttOut.data(), bw.dXmid.data(),
                                           param(p.layer, AttnW), n, localC, c));
     SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
     if (sb.dk.empty()) { // the first backward of the microbatch
-      PIPEC_GPU_TRY(sb.dk.allocate(stream, sb.k.size(), /*zero=*/true));
-      PIPEC_GPU_TRY(sb.dv.allocate(stream, sb.v.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(sb.dk.allocate(mem(), sb.k.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(sb.dv.allocate(mem(), sb.v.size(), /*zero=*/true));
     }
-    PIPEC_GPU_TRY(dq.allocate(stream, ncl));
+    PIPEC_GPU_TRY(dq.allocate(mem(), ncl));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
     PIPEC_GPU_TRY(cu::attentionBackward(ctx, kF32, dq.data(), sb.dk.data(), sb.dv.data(),
                                         dAttOut.data(), bw.attOut.data(), bw.lse.data(),
                                         bw.q.data(), sb.k.data(), sb.v.data(), shape));
     bw.lse.reset();
     bw.q.reset();
-    PIPEC_GPU_TRY(bw.dQkv.allocate(stream, 3 * ncl));
+    PIPEC_GPU_TRY(bw.dQkv.allocate(mem(), 3 * ncl));
     PIPEC_CUDA_TRY(launch::gatherQkv(bw.dQkv.data(), dq.data(), sb.dk.data(), sb.dv.data(), n, x, b,
                                      begin, localC, stream));
-    PIPEC_GPU_TRY(bw.dLn1.allocate(stream, nc));
+    PIPEC_GPU_TRY(bw.dLn1.allocate(mem(), nc));
     PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn1.data(), bw.dQkv.data(),
                                           param(p.layer, QkvW), n, c, 3 * localC));
     w.pendingBackward = part;
@@ -540,9 +549,9 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
     case GptLayerKind::Block: {
       BlockWork &bw = w.blocks[size_t(l - firstBlock())];
       Floats lnOut, mean, rstd, fcAct; // recomputed inputs of qkv, fc and proj
-      PIPEC_GPU_TRY(lnOut.allocate(stream, nc));
-      PIPEC_GPU_TRY(mean.allocate(stream, size_t(n)));
-      PIPEC_GPU_TRY(rstd.allocate(stream, size_t(n)));
+      PIPEC_GPU_TRY(lnOut.allocate(mem(), nc));
+      PIPEC_GPU_TRY(mean.allocate(mem(), size_t(n)));
+      PIPEC_GPU_TRY(rstd.allocate(mem(), size_t(n)));
       PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, lnOut.data(), mean.data(), rstd.data(),
                                          bw.xIn.data(), param(l, Ln1W), param(l, Ln1B), n, c));
       PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, Ln1W), grad(l, Ln1B),
@@ -560,7 +569,7 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
       PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, FcW), grad(l, FcB), lnOut.data(),
                                              bw.dFcPre.data(), n, c, localF));
       const size_t nf = size_t(n) * size_t(localF);
-      PIPEC_GPU_TRY(fcAct.allocate(stream, nf));
+      PIPEC_GPU_TRY(fcAct.allocate(mem(), nf));
       PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
       PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, ProjW), grad(l, ProjB),
                                              fcAct.data(), bw.dOut.data(), n, localF, c));
@@ -649,9 +658,12 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
           tgt.push_back(mb[size_t(s) * size_t(t + 1) + size_t(p) + 1]);
         }
   }
-  // The previous step's buffers are freed in stream order, after the work that read them.
-  PIPEC_GPU_TRY(m.inputs.allocate(m.stream, in.size()));
-  PIPEC_GPU_TRY(m.targets.allocate(m.stream, tgt.size()));
+  // Every step's batch has the same size: allocated once, by the first (warm-up) step.
+  if (!m.inputs.data() && !in.empty()) {
+    PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
+    PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
+  }
+  assert(m.inputs.size() == in.size() && "the batch changed size between steps");
   PIPEC_GPU_TRY(m.ctx.upload(m.inputs.data(), in.data(), in.size() * sizeof(int32_t)));
   return m.ctx.upload(m.targets.data(), tgt.data(), tgt.size() * sizeof(int32_t));
 }

@@ -17,8 +17,9 @@
 //   - attention keeps the forward's output and a log-sum-exp per row instead of probabilities,
 //     and the head keeps its logits (the CUDA ops recompute softmax in the backwards).
 // Precision: fp32 throughout (cuBLAS in strict fp32). All work is queued on the context's
-// stream; activations come from the stream-ordered allocator (cudaMallocAsync), parameters,
-// gradients and Adam moments are allocated once, in create().
+// stream. Parameters, gradients and Adam moments are allocated once, in create(); the batch's
+// tokens by the first setBatch(); activations, saved state and scratch come from the context's
+// DeviceAllocator (the rank's pre-sized arena in the executor, runtime/cuda/DeviceArena.h).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H

@@ -328,10 +328,32 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return err;
 
   RunShared shared(plan, Faults{}, transport);
+  // The warm-up step (every process runs it): sizes this rank's activation arena, trains
+  // nothing (CudaRun.h).
+  {
+    b.setWarmUp(true);
+    transport.beginStep();
+    llvm::Error err = b.beginStep(0);
+    if (!err)
+      err = interpretStep(shared, env.coord, b);
+    if (!err)
+      err = transport.waitStep(0, o.timeoutSeconds);
+    if (!err)
+      if (auto share = b.finishStep(); !share)
+        err = share.takeError();
+    if (!err)
+      err = b.reserveArena();
+    if (err) {
+      (*comms)->abortAll();
+      return err;
+    }
+    b.setWarmUp(false);
+  }
   std::unique_ptr<ReferenceRun> ref;
   if (o.checkReference)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
   CudaRunResult result;
+  result.arenaBytes.push_back(b.arenaBytes());
   auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
   for (int s = 0; s < o.steps; ++s) {
     transport.beginStep();

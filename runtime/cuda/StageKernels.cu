@@ -92,6 +92,17 @@ __global__ void sumPairKernel(float *__restrict__ a, float *__restrict__ b, size
   b[i] = s;
 }
 
+__global__ void sumInOrderKernel(SumOperands ops, int count, size_t n) {
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n)
+    return;
+  float s = ops.buffers[0][i];
+  for (int b = 1; b < count; ++b)
+    s += ops.buffers[b][i];
+  for (int b = 0; b < count; ++b)
+    ops.buffers[b][i] = s;
+}
+
 __global__ void accumulateSumKernel(double *__restrict__ acc, const float *__restrict__ x, int n) {
   __shared__ double partial[kThreads];
   double s = 0;
@@ -163,6 +174,15 @@ cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream) {
   if (n == 0)
     return cudaSuccess;
   sumPairKernel<<<blocksFor(n), kThreads, 0, stream>>>(a, b, n);
+  return cudaGetLastError();
+}
+
+cudaError_t sumInOrder(const SumOperands &ops, int count, size_t n, cudaStream_t stream) {
+  if (n == 0 || count <= 1)
+    return cudaSuccess;
+  if (count > kMaxSumOperands)
+    return cudaErrorInvalidValue;
+  sumInOrderKernel<<<blocksFor(n), kThreads, 0, stream>>>(ops, count, n);
   return cudaGetLastError();
 }
 

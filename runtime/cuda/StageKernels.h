@@ -35,6 +35,15 @@ cudaError_t gatherQkv(float *dQkv, const float *dq, const float *dk, const float
                       int batch, int begin, int cl, cudaStream_t stream);
 /// a (n) = b (n) = a + b.
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream);
+/// The operands of sumInOrder, passed by value to the kernel.
+inline constexpr int kMaxSumOperands = 32;
+struct SumOperands {
+  float *buffers[kMaxSumOperands];
+};
+/// Every buffers[b] (n) = ((buffers[0] + buffers[1]) + ...) + buffers[count - 1], added in
+/// that order (the in-process transport's member order: every member gets the same bits).
+/// count <= kMaxSumOperands (cudaErrorInvalidValue otherwise).
+cudaError_t sumInOrder(const SumOperands &ops, int count, size_t n, cudaStream_t stream);
 /// *acc += sum of x (n) (fp64 atomics).
 cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t stream);
 

@@ -1,0 +1,66 @@
+//===- DeviceArena.h - A rank's activation memory, sized by a warm-up step -*- C++ -*-===//
+//
+// The executor's DeviceAllocator (kernels/cuda/CudaOps.h) for everything a rank allocates while
+// it runs a step: activations and saved state, received tensors, kept input gradients and the
+// ops' scratch. Two phases:
+//
+//   measuring  (the warm-up step): every request is a real stream-ordered allocation
+//              (cudaMallocAsync) and is also placed in an unbounded OffsetArena, which learns
+//              the highest offset the rank's sequence of requests reaches;
+//   reserved   (reserve(), between the warm-up and step 0): one cudaMalloc of that size; from
+//              then on requests are offsets into it, placed by the same first-fit rule.
+//
+// A rank issues the same requests in the same order every step (its instruction stream is
+// fixed, and one host thread issues them), so every step after the warm-up fits exactly and
+// nothing is allocated inside a step (runtime/OffsetArena.h). Should a step ever ask for more,
+// the request fails with an error that says so instead of allocating.
+// Releases take effect on the host at once: the memory is only reused by work queued later on
+// the rank's compute stream, and every other stream that reads a rank's buffers (a copy to a
+// peer, a p2p send, a tp all-reduce) is ordered before the compute stream's next work by the
+// transports. One arena per rank; not thread-safe.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_DEVICEARENA_H
+#define PIPEC_RUNTIME_CUDA_DEVICEARENA_H
+
+#include "kernels/cuda/CudaOps.h"
+#include "runtime/OffsetArena.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <unordered_map>
+
+namespace pipec {
+
+class DeviceArena final : public kernels::cuda::DeviceAllocator {
+public:
+  /// Measuring, with stream-ordered allocations on `stream`; `who` names the rank in errors.
+  DeviceArena(cudaStream_t stream, std::string who) : stream(stream), who(std::move(who)) {}
+  ~DeviceArena() override;
+  DeviceArena(const DeviceArena &) = delete;
+  DeviceArena &operator=(const DeviceArena &) = delete;
+
+  llvm::Expected<void *> allocate(size_t bytes) override;
+  void release(void *p) override;
+
+  /// Ends the measuring phase: one allocation of the measured high-water mark. Nothing may be
+  /// live (an error names how much is), and the stream must be idle.
+  llvm::Error reserve();
+  bool reserved() const { return base != nullptr || reservedEmpty; }
+  /// The bytes reserved (the measured high-water mark).
+  size_t reservedBytes() const { return placement.highWater(); }
+  size_t liveBytes() const { return placement.inUse(); }
+
+private:
+  cudaStream_t stream;
+  std::string who;
+  OffsetArena placement;
+  char *base = nullptr;
+  bool reservedEmpty = false;          // reserved, and the warm-up needed nothing
+  std::unordered_map<void *, size_t> offsetOf; // live buffers
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_DEVICEARENA_H

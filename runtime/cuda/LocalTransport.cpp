@@ -1,0 +1,180 @@
+#include "runtime/cuda/LocalTransport.h"
+
+#include "ir/PlanText.h"
+#include "kernels/cuda/CudaCheck.h"
+#include "runtime/cuda/DeviceHandles.h"
+#include "runtime/cuda/StageKernels.h"
+
+#include <fmt/format.h>
+
+namespace pipec {
+
+namespace {
+
+using runtime_cuda::OwnedEvent;
+using runtime_cuda::OwnedStream;
+
+size_t groupIndex(CollectiveGroup g) {
+  switch (g) {
+  case CollectiveGroup::Tp:
+    return 0;
+  case CollectiveGroup::Dp:
+    return 1;
+  case CollectiveGroup::Embedding:
+    return 2;
+  }
+  return 0;
+}
+
+/// `waiter` runs what it queues next only after everything `after` has queued so far.
+llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
+  PIPEC_CUDA_TRY(cudaEventRecord(e, after));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(waiter, e, 0));
+  return llvm::Error::success();
+}
+
+} // namespace
+
+struct LocalCudaTransport::PerThread {
+  cudaStream_t compute = nullptr;
+  std::function<llvm::Error()> pendingError;
+  OwnedStream copy;                // p2p copies into this thread's buffers
+  OwnedStream collective[3];       // tp, dp, embedding
+  OwnedEvent ready;                // compute stream at the post of a group or an all-reduce
+  OwnedEvent mark;                 // scratch for order()
+  OwnedEvent arrive[3], done[3];   // per collective kind
+  std::vector<OwnedEvent> opDone;  // per op of a group
+};
+
+LocalCudaTransport::LocalCudaTransport(const Plan &plan, int numThreads)
+    : inProcess(numThreads,
+                [&plan](int rank, size_t step) {
+                  return fmt::format("rank {} step {} ({})", rank, step,
+                                     formatToken(plan, plan.ranks[size_t(rank)][step]));
+                },
+                this) {
+  threads.resize(size_t(numThreads));
+  for (const auto &stream : plan.ranks)
+    for (size_t n = 0; n < stream.size();) {
+      size_t end = n + 1;
+      if (stream[n].isP2P() && stream[n].group != kNoGroup)
+        while (end < stream.size() && stream[end].isP2P() && stream[end].group == stream[n].group)
+          ++end;
+      maxGroup = std::max(maxGroup, end - n);
+      n = end;
+    }
+}
+
+LocalCudaTransport::~LocalCudaTransport() = default;
+
+llvm::Error LocalCudaTransport::attach(int thread, cudaStream_t compute,
+                                       std::function<llvm::Error()> pendingError) {
+  auto t = std::make_unique<PerThread>();
+  t->compute = compute;
+  t->pendingError = std::move(pendingError);
+  if (auto err = t->copy.create())
+    return err;
+  for (OwnedStream &s : t->collective)
+    if (auto err = s.create())
+      return err;
+  for (OwnedEvent *e : {&t->ready, &t->mark})
+    if (auto err = e->create())
+      return err;
+  for (size_t g = 0; g < 3; ++g) {
+    if (auto err = t->arrive[g].create())
+      return err;
+    if (auto err = t->done[g].create())
+      return err;
+  }
+  // Every op of the largest group gets its event now: deliver() reads them under the
+  // transport's lock from other threads.
+  t->opDone = std::vector<OwnedEvent>(maxGroup);
+  for (OwnedEvent &e : t->opDone)
+    if (auto err = e.create())
+      return err;
+  threads[size_t(thread)] = std::move(t);
+  return llvm::Error::success();
+}
+
+llvm::Error LocalCudaTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
+  PerThread &t = *threads[size_t(self)];
+  if (auto err = t.pendingError())
+    return err;
+  assert(ops.size() <= t.opDone.size() && "a group larger than the plan's largest");
+  PIPEC_CUDA_TRY(cudaEventRecord(t.ready.get(), t.compute));
+  if (auto err = inProcess.exchange(self, ops))
+    return err;
+  for (size_t k = 0; k < ops.size(); ++k)
+    if (!(ops[k].send && ops[k].drop)) // a dropped send was never delivered
+      PIPEC_CUDA_TRY(cudaStreamWaitEvent(t.compute, t.opDone[k].get(), 0));
+  return llvm::Error::success();
+}
+
+llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r,
+                                        int rOwner, size_t rIndex) {
+  PerThread &sender = *threads[size_t(sOwner)], &receiver = *threads[size_t(rOwner)];
+  cudaStream_t stream = receiver.copy.get();
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, sender.ready.get(), 0));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, receiver.ready.get(), 0));
+  if (!s.data.empty())
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data(), s.data.data(), s.data.size() * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream));
+  PIPEC_CUDA_TRY(cudaEventRecord(sender.opDone[sIndex].get(), stream));
+  PIPEC_CUDA_TRY(cudaEventRecord(receiver.opDone[rIndex].get(), stream));
+  return llvm::Error::success();
+}
+
+llvm::Error LocalCudaTransport::allReduce(CollectiveGroup group, const std::string &key,
+                                          llvm::ArrayRef<int> members, int self,
+                                          std::span<float> data) {
+  PerThread &t = *threads[size_t(self)];
+  if (auto err = t.pendingError())
+    return err;
+  if (members.size() > size_t(runtime::cuda::launch::kMaxSumOperands))
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("all-reduce {} has {} members; the cuda backend (every rank on one GPU) sums "
+                    "at most {}: use --backend nccl (one GPU per rank) for this plan",
+                    key, members.size(), runtime::cuda::launch::kMaxSumOperands));
+  const size_t g = groupIndex(group);
+  cudaStream_t s = t.collective[g].get();
+  if (auto err = order(s, t.compute, t.ready.get()))
+    return err;
+  if (group == CollectiveGroup::Embedding)
+    if (auto err = order(s, t.collective[groupIndex(CollectiveGroup::Dp)].get(), t.mark.get()))
+      return err;
+  PIPEC_CUDA_TRY(cudaEventRecord(t.arrive[g].get(), s));
+  if (auto err = inProcess.allReduce(group, key, members, self, data))
+    return err;
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(s, t.done[g].get(), 0));
+  if (group == CollectiveGroup::Tp)
+    PIPEC_CUDA_TRY(cudaStreamWaitEvent(t.compute, t.done[g].get(), 0));
+  return llvm::Error::success();
+}
+
+llvm::Error LocalCudaTransport::sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
+                                    llvm::ArrayRef<std::span<float>> buffers) {
+  const size_t g = groupIndex(group);
+  cudaStream_t s = threads[size_t(last)]->collective[g].get();
+  runtime::cuda::launch::SumOperands ops{};
+  for (size_t m = 0; m < members.size(); ++m) {
+    PIPEC_CUDA_TRY(cudaStreamWaitEvent(s, threads[size_t(members[m])]->arrive[g].get(), 0));
+    ops.buffers[m] = buffers[m].data();
+  }
+  PIPEC_CUDA_TRY(
+      runtime::cuda::launch::sumInOrder(ops, int(members.size()), buffers[0].size(), s));
+  for (int m : members)
+    PIPEC_CUDA_TRY(cudaEventRecord(threads[size_t(m)]->done[g].get(), s));
+  return llvm::Error::success();
+}
+
+llvm::Error LocalCudaTransport::waitForCollectives(int self) {
+  PerThread &t = *threads[size_t(self)];
+  if (auto err = order(t.compute, t.collective[groupIndex(CollectiveGroup::Dp)].get(),
+                       t.mark.get()))
+    return err;
+  return order(t.compute, t.collective[groupIndex(CollectiveGroup::Embedding)].get(),
+               t.mark.get());
+}
+
+} // namespace pipec

@@ -1,0 +1,75 @@
+//===- LocalTransport.h - Every rank of the plan on one GPU, device to device -*- C++ -*-===//
+//
+// DESIGN §8's `local` transport: the ranks are threads of this process sharing one GPU, matched
+// by the in-process transport's rules (FIFO per ordered pair, a group posted at once and
+// complete only when every op met its partner, mismatches named), but the data never leaves
+// the device and the host never waits for it:
+//
+//   p2p         each thread records `ready` on its compute stream before it posts a group; a
+//               matched pair is one cudaMemcpyAsync (device to device) on the receiver's copy
+//               stream, after both threads' `ready`, and records a per-op event of each side;
+//               when its group is matched, each thread's compute stream waits for its ops'
+//               events (the receiver before it reads, the sender before it reuses the buffer).
+//   all-reduce  per thread a tp, a dp and an embedding stream, as the nccl transport: a member
+//               orders its stream after its compute stream (the embedding one also after its dp
+//               stream: both touch the tied matrix's gradient) and records `arrive`; the member
+//               that arrives last queues, on its own stream, one kernel that adds the members'
+//               buffers in member order and writes the sum back to each (the cpu backend's bits),
+//               and records every member's `done`. Members order their stream after `done`; for
+//               tp the compute stream waits at once, dp and embedding sums overlap compute until
+//               waitForCollectives() (before the optimizer step).
+//
+// Every cross-stream wait is on an event recorded earlier on the host, so the device cannot
+// deadlock where the host did not. A rank's memory is only touched by other streams between its
+// `ready` and its compute stream's wait (runtime/cuda/DeviceArena.h relies on this).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_LOCALTRANSPORT_H
+#define PIPEC_RUNTIME_CUDA_LOCALTRANSPORT_H
+
+#include "ir/Plan.h"
+#include "runtime/Transport.h"
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace pipec {
+
+class LocalCudaTransport final : public Transport, private InProcessMover {
+public:
+  /// `numThreads` threads of `plan` (RunShared::threadOf order).
+  LocalCudaTransport(const Plan &plan, int numThreads);
+  ~LocalCudaTransport() override;
+
+  /// Streams and events of thread `thread`, whose backend queues its work on `compute`;
+  /// `pendingError` is the backend's kept error, checked before anything is posted (a failed
+  /// send never leaves its peer reading a wrong buffer). Before the first step.
+  llvm::Error attach(int thread, cudaStream_t compute, std::function<llvm::Error()> pendingError);
+
+  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
+  llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
+                        int self, std::span<float> data) override;
+  void abort(const std::string &why) override { inProcess.abort(why); }
+  bool aborted() const override { return inProcess.aborted(); }
+
+  /// Thread `self`'s compute stream waits for every dp and embedding all-reduce it has queued.
+  llvm::Error waitForCollectives(int self);
+
+private:
+  llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
+                      size_t rIndex) override;
+  llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
+                  llvm::ArrayRef<std::span<float>> buffers) override;
+
+  struct PerThread;
+  std::vector<std::unique_ptr<PerThread>> threads;
+  size_t maxGroup = 1;
+  InProcessTransport inProcess;
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_LOCALTRANSPORT_H
