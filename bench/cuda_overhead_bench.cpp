@@ -10,7 +10,7 @@
 // Needs a GPU; not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
-#include "compiler/Pass.h"
+#include "bench/UniformPlan.h"
 #include "ir/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/Runner.h"
@@ -96,17 +96,8 @@ int main(int argc, char **argv) {
     fmt::print(stderr, "cuda_overhead_bench: no usable CUDA device\n");
     return 2;
   }
-  ModelSpec model;
-  model.name = "uniform";
-  Layer l;
-  l.forward = l.backwardInput = l.backwardWeight = 1;
-  l.outputBytes = 4;
-  model.layers.assign(size_t(*pp), l);
-  CompileOptions o;
-  o.schedule = args->get("--schedule").value_or("1f1b");
-  o.parallel.pp = int(*pp);
-  o.parallel.microbatches = int(*m);
-  auto plan = compilePlan(model, ClusterSpec::defaults(), o);
+  const std::string schedule = args->get("--schedule").value_or("1f1b");
+  auto plan = bench::compileUniformPlan(int(*pp), int(*m), schedule);
   if (!plan)
     return fail(plan.takeError(), 1);
   if (plan->parallel.tp * plan->parallel.dp != 1) {
@@ -124,9 +115,7 @@ int main(int argc, char **argv) {
     backends.push_back(std::move(b));
   }
   Runner runner(*plan, Faults{}, /*timeoutSeconds=*/60, std::move(backends), transport);
-  size_t longest = 0;
-  for (const auto &r : plan->ranks)
-    longest = std::max(longest, r.size());
+  const size_t longest = bench::longestStream(*plan);
   using Clock = std::chrono::steady_clock;
   double bestHost = 1e300, bestTotal = 1e300;
   for (int64_t s = 0; s <= *steps; ++s) { // step 0 warms up (events, copy engines)
@@ -147,7 +136,7 @@ int main(int argc, char **argv) {
   }
   fmt::print("schedule={} pp={} microbatches={} floats={} longest_stream={} host_step={:.4f}s "
              "host_per_instruction={:.2f}us step_with_device={:.4f}s\n",
-             o.schedule, *pp, *m, *floats, longest, bestHost, bestHost / double(longest) * 1e6,
+             schedule, *pp, *m, *floats, longest, bestHost, bestHost / double(longest) * 1e6,
              bestTotal);
   return 0;
 }

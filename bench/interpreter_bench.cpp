@@ -7,7 +7,7 @@
 // Not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
-#include "compiler/Pass.h"
+#include "bench/UniformPlan.h"
 #include "ir/Error.h"
 #include "runtime/Runner.h"
 #include "tools/Args.h"
@@ -52,17 +52,8 @@ int main(int argc, char **argv) {
     fmt::print(stderr, "interpreter_bench: {}\n", takeMessage(std::move(err)));
     return 2;
   }
-  ModelSpec model;
-  model.name = "uniform";
-  Layer l;
-  l.forward = l.backwardInput = l.backwardWeight = 1;
-  l.outputBytes = 4;
-  model.layers.assign(size_t(*pp), l);
-  CompileOptions o;
-  o.schedule = args->get("--schedule").value_or("1f1b");
-  o.parallel.pp = int(*pp);
-  o.parallel.microbatches = int(*m);
-  auto plan = compilePlan(model, ClusterSpec::defaults(), o);
+  const std::string schedule = args->get("--schedule").value_or("1f1b");
+  auto plan = bench::compileUniformPlan(int(*pp), int(*m), schedule);
   if (!plan) {
     fmt::print(stderr, "interpreter_bench: {}\n", takeMessage(plan.takeError()));
     return 1;
@@ -71,9 +62,7 @@ int main(int argc, char **argv) {
   for (int t = 0; t < *pp; ++t)
     backends.push_back(std::make_unique<NullBackend>());
   Runner runner(*plan, Faults{}, /*timeoutSeconds=*/60, std::move(backends));
-  size_t longest = 0;
-  for (const auto &r : plan->ranks)
-    longest = std::max(longest, r.size());
+  const size_t longest = bench::longestStream(*plan);
   double best = 1e300;
   for (int64_t s = 0; s < *steps; ++s) {
     auto start = std::chrono::steady_clock::now();
@@ -86,6 +75,6 @@ int main(int argc, char **argv) {
   }
   fmt::print("schedule={} pp={} microbatches={} longest_stream={} best_step={:.4f}s "
              "per_instruction={:.3f}us\n",
-             o.schedule, *pp, *m, longest, best, best / double(longest) * 1e6);
+             schedule, *pp, *m, longest, best, best / double(longest) * 1e6);
   return 0;
 }
