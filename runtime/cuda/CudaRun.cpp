@@ -432,6 +432,7 @@ static llvm::Error warmUpAndReserve(Runner &runner, llvm::ArrayRef<CudaRankBacke
   for (CudaRankBackend *b : backends)
     if (auto share = b->finishStep(); !share)
       return share.takeError();
+  PIPEC_GPU_TRY(releaseWarmUpMemory());
   for (CudaRankBackend *b : backends) {
     PIPEC_GPU_TRY(b->reserveArena());
     b->setWarmUp(false);

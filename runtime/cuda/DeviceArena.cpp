@@ -67,14 +67,8 @@ llvm::Error DeviceArena::reserve() {
                     "executor frees everything of a step by its end, so this is a bug",
                     who, placement.liveCount(), mib(placement.inUse())));
   size_t bytes = placement.highWater();
-  // The warm-up's stream-ordered memory goes back to the pool before the one allocation.
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
-  int device = 0;
-  PIPEC_CUDA_TRY(cudaGetDevice(&device));
-  cudaMemPool_t pool = nullptr;
-  PIPEC_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, device));
-  PIPEC_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
   placement = OffsetArena(bytes);
+  reservedSize = bytes;
   if (bytes == 0) {
     reservedEmpty = true;
     return llvm::Error::success();
@@ -90,6 +84,16 @@ llvm::Error DeviceArena::reserve() {
                     "microbatch",
                     who, mib(bytes), cudaGetErrorName(status), cudaGetErrorString(status)));
   base = static_cast<char *>(p);
+  return llvm::Error::success();
+}
+
+llvm::Error releaseWarmUpMemory() {
+  PIPEC_CUDA_TRY(cudaDeviceSynchronize());
+  int device = 0;
+  PIPEC_CUDA_TRY(cudaGetDevice(&device));
+  cudaMemPool_t pool = nullptr;
+  PIPEC_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, device));
+  PIPEC_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
   return llvm::Error::success();
 }
 

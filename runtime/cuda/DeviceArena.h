@@ -45,11 +45,11 @@ public:
   void release(void *p) override;
 
   /// Ends the measuring phase: one allocation of the measured high-water mark. Nothing may be
-  /// live (an error names how much is), and the stream must be idle.
+  /// live (an error names how much is); call releaseWarmUpMemory() first.
   llvm::Error reserve();
-  bool reserved() const { return base != nullptr || reservedEmpty; }
-  /// The bytes reserved (the measured high-water mark).
-  size_t reservedBytes() const { return placement.highWater(); }
+  bool reserved() const { return reservedSize > 0 || reservedEmpty; }
+  /// The bytes reserved (before reserve(): the high-water mark measured so far).
+  size_t reservedBytes() const { return reserved() ? reservedSize : placement.highWater(); }
   size_t liveBytes() const { return placement.inUse(); }
 
 private:
@@ -57,9 +57,15 @@ private:
   std::string who;
   OffsetArena placement;
   char *base = nullptr;
+  size_t reservedSize = 0;
   bool reservedEmpty = false;          // reserved, and the warm-up needed nothing
   std::unordered_map<void *, size_t> offsetOf; // live buffers
 };
+
+/// Between the warm-up step and the arenas' reserve(): waits for the current device and gives
+/// the stream-ordered pool's cached memory (the warm-up's) back, so that the reservations do
+/// not compete with it.
+llvm::Error releaseWarmUpMemory();
 
 } // namespace pipec
 

@@ -102,6 +102,34 @@ private:
 
 using Floats = StreamBuffer<float>;
 
+/// Pinned host memory, allocated once (the batch's tokens on their way to the device).
+template <typename T> class PinnedHost {
+public:
+  PinnedHost() = default;
+  PinnedHost(const PinnedHost &) = delete;
+  PinnedHost &operator=(const PinnedHost &) = delete;
+  ~PinnedHost() {
+    if (ptr)
+      (void)cudaFreeHost(ptr);
+  }
+  llvm::Error allocate(size_t n) {
+    assert(!ptr && "allocated twice");
+    if (n == 0)
+      return llvm::Error::success();
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMallocHost(&p, n * sizeof(T)));
+    ptr = static_cast<T *>(p);
+    count = n;
+    return llvm::Error::success();
+  }
+  T *data() const { return ptr; }
+  size_t size() const { return count; }
+
+private:
+  T *ptr = nullptr;
+  size_t count = 0;
+};
+
 /// Memory allocated once (parameters, gradients, moments, tokens, the loss accumulator).
 template <typename T> class Owned {
 public:
@@ -213,8 +241,10 @@ struct GpuStage::Impl {
   Owned<double> lossAcc;
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
-  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's).
+  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
+  // uploaded from pinned host copies (inputs then targets) without waiting for the device.
   Owned<int32_t> inputs, targets;
+  PinnedHost<int32_t> hostTokens;
   std::map<std::pair<int, int>, SliceWork> work;
   std::map<int, SequenceWork> sequences;
 
@@ -662,10 +692,20 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   if (!m.inputs.data() && !in.empty()) {
     PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
     PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
+    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size()));
   }
   assert(m.inputs.size() == in.size() && "the batch changed size between steps");
-  PIPEC_GPU_TRY(m.ctx.upload(m.inputs.data(), in.data(), in.size() * sizeof(int32_t)));
-  return m.ctx.upload(m.targets.data(), tgt.data(), tgt.size() * sizeof(int32_t));
+  if (in.empty())
+    return llvm::Error::success();
+  // The previous step's copies out of the pinned buffer have run: the runtime waits for the
+  // stream at the end of every step.
+  std::copy(in.begin(), in.end(), m.hostTokens.data());
+  std::copy(tgt.begin(), tgt.end(), m.hostTokens.data() + in.size());
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.inputs.data(), m.hostTokens.data(), in.size() * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, m.stream));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.targets.data(), m.hostTokens.data() + in.size(),
+                                 tgt.size() * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
+  return llvm::Error::success();
 }
 
 llvm::Expected<std::span<float>> GpuStage::forward(int mb, int slice, int part,

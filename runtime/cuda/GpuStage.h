@@ -54,7 +54,8 @@ public:
   bool hasEmbedding() const;
   bool hasHead() const;
 
-  /// The batch of this step (host), as StageCompute::setBatch; uploaded at once.
+  /// The batch of this step (host), as StageCompute::setBatch; queued for upload (through a
+  /// pinned copy that the previous step's upload must have left: call it between steps).
   llvm::Error setBatch(const std::vector<std::vector<int32_t>> &tokens);
 
   /// As StageCompute::forward; `input` and the result are device spans.

@@ -140,8 +140,14 @@ llvm::Error LocalCudaTransport::allReduce(CollectiveGroup group, const std::stri
   cudaStream_t s = t.collective[g].get();
   if (auto err = order(s, t.compute, t.ready.get()))
     return err;
+  // dp and embedding sums both touch the tied matrix's gradient: each waits for the other's
+  // stream (compiled plans put dp first; a hand-written one may not).
   if (group == CollectiveGroup::Embedding)
     if (auto err = order(s, t.collective[groupIndex(CollectiveGroup::Dp)].get(), t.mark.get()))
+      return err;
+  if (group == CollectiveGroup::Dp)
+    if (auto err =
+            order(s, t.collective[groupIndex(CollectiveGroup::Embedding)].get(), t.mark.get()))
       return err;
   PIPEC_CUDA_TRY(cudaEventRecord(t.arrive[g].get(), s));
   if (auto err = inProcess.allReduce(group, key, members, self, data))

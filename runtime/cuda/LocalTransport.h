@@ -11,8 +11,8 @@
 //               when its group is matched, each thread's compute stream waits for its ops'
 //               events (the receiver before it reads, the sender before it reuses the buffer).
 //   all-reduce  per thread a tp, a dp and an embedding stream, as the nccl transport: a member
-//               orders its stream after its compute stream (the embedding one also after its dp
-//               stream: both touch the tied matrix's gradient) and records `arrive`; the member
+//               orders its stream after its compute stream (and the dp and embedding ones after
+//               each other: both touch the tied matrix's gradient) and records `arrive`; the member
 //               that arrives last queues, on its own stream, one kernel that adds the members'
 //               buffers in member order and writes the sum back to each (the cpu backend's bits),
 //               and records every member's `done`. Members order their stream after `done`; for

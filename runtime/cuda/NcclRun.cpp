@@ -6,6 +6,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
+#include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
 
@@ -116,6 +117,9 @@ public:
     case CollectiveGroup::Dp:
       comm = &comms.dp;
       s = dp.get();
+      // A hand-written plan may put it after the embedding all-reduce of the same stage.
+      if (auto err = order(s, emb.get(), embDone.get()))
+        return err;
       break;
     case CollectiveGroup::Embedding:
       comm = &comms.embedding;
@@ -341,6 +345,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (!err)
       if (auto share = b.finishStep(); !share)
         err = share.takeError();
+    if (!err)
+      err = releaseWarmUpMemory();
     if (!err)
       err = b.reserveArena();
     if (err) {
