@@ -2,6 +2,7 @@
 
 #include "ir/Error.h"
 #include "runtime/Runner.h"
+#include "runtime/StageDispatch.h"
 #include "runtime/cpu/Reference.h"
 
 #include <cmath>
@@ -16,39 +17,27 @@ namespace {
 using kernels::GptConfig;
 using kernels::StageCompute;
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public StageDispatch<CpuBackend, StageCompute, std::vector<float>> {
 public:
+  static constexpr const char *kName = "cpu backend";
+
   CpuBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
              const CpuRunOptions &options, GradSnapshot *snapshot)
-      : plan(plan), cfg(cfg), c(c), data(data), options(options), snapshot(snapshot) {
+      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg),
+        data(data), options(options), snapshot(snapshot) {
     const ParallelConfig &pc = plan.parallel;
     float lossScale = 1.0f / float(int64_t(pc.microbatches) * pc.dp * cfg.microbatch * cfg.seqLen);
     for (const StageInfo &s : plan.stages)
       if (s.rank == c.pp)
         stages[s.stage] = std::make_unique<StageCompute>(cfg, s.layerBegin, s.layerEnd, c.tp, pc.tp,
                                                          options.seed, slicesOf(plan), lossScale);
-    // Gradient sends placed after their op's weight gradient (valid, if unusual): that
-    // gradient must outlive the slice's state.
-    const auto &stream = plan.ranks[size_t(c.pp)];
-    std::map<uint64_t, size_t> weightDone;
-    for (size_t n = 0; n < stream.size(); ++n) {
-      const Instruction &i = stream[n];
-      if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
-        weightDone[key(TensorKind::Gradient, i.stage, i.mb, i.slice)] = n;
-      if (i.op == OpKind::Send && i.tensor == TensorKind::Gradient) {
-        uint64_t k = key(i.tensor, i.stage, i.mb, i.slice);
-        if (weightDone.count(k))
-          sentLate.insert(k);
-      }
-    }
   }
 
   double stepLoss = 0;
 
   llvm::Error beginStep(int step) override {
     stepLoss = 0;
-    recvBuffers.clear();
-    kept.clear();
+    clearStepBuffers();
     auto batch = stepBatch(data, cfg, plan.parallel, step, c.dp);
     for (auto &[s, sc] : stages) {
       sc->zeroGrads();
@@ -57,112 +46,20 @@ public:
     return llvm::Error::success();
   }
 
-  llvm::Error compute(const Instruction &i) override {
-    StageCompute &sc = *stages.at(i.stage);
-    // An unsplit op (tp = 1) runs every kernel part; the reductions between them are over one
-    // rank, i.e. nothing. A split op runs its one part; the plan's tp all_reduce follows.
-    int first = std::max(i.part, 0), end = i.part < 0 ? sc.parts() : i.part + 1;
-    bool last = i.isLastPart();
-    switch (i.op) {
-    case OpKind::Forward: {
-      std::span<const float> in;
-      if (i.stage > 0 && first == 0)
-        in = inputOf(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
-      for (int part = first; part < end; ++part)
-        pendingReduce = sc.forward(i.mb, i.slice, part, in);
-      if (last && i.stage == plan.numStages() - 1 && c.tp == 0)
-        stepLoss += sc.loss(i.mb, i.slice);
-      if (last)
-        release(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
-      return llvm::Error::success();
-    }
-    case OpKind::BackwardInput:
-    case OpKind::Backward: {
-      std::span<const float> grad;
-      if (i.stage < plan.numStages() - 1 && first == 0)
-        grad = inputOf(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
-      for (int part = first; part < end; ++part)
-        pendingReduce = sc.backwardInput(i.mb, i.slice, part, grad);
-      if (last) {
-        release(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
-        // A fused backward's weight half runs once the last part's reduction is in place: now
-        // when unsplit, after the plan's tp all_reduce otherwise.
-        if (i.op == OpKind::Backward && i.part < 0)
-          finishFusedBackward(i.stage, i.mb, i.slice);
-      }
-      return llvm::Error::success();
-    }
-    case OpKind::BackwardWeight:
-      keepInputGrad(i.stage, i.mb, i.slice);
-      sc.backwardWeight(i.mb, i.slice);
-      return llvm::Error::success();
-    case OpKind::Send:
-    case OpKind::Recv:
-    case OpKind::AllReduce:
-    case OpKind::OptimizerStep:
-      break;
-    }
-    return inputError("cpu backend: {} is not a compute op", toString(i.op).str());
-  }
-
-  std::span<float> sendData(const Instruction &i) override {
-    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
-      return it->second; // freed at the next step
-    StageCompute &sc = *stages.at(i.stage);
-    std::span<const float> out =
-        i.tensor == TensorKind::Activation ? sc.output(i.mb, i.slice) : sc.inputGrad(i.mb, i.slice);
-    // The transport only reads a send's data.
-    return {const_cast<float *>(out.data()), out.size()};
-  }
-
-  std::span<float> recvData(const Instruction &i) override {
-    auto &buf = recvBuffers[key(i.tensor, i.stage, i.mb, i.slice)];
-    auto [b, e] = plan.seqSlices[size_t(i.slice)];
-    buf.assign(size_t(cfg.microbatch) * size_t(e - b) * size_t(cfg.channels), 0.0f);
-    return buf;
-  }
-
-  std::span<float> reduceData(const Instruction &i) override {
-    switch (i.collective) {
-    case CollectiveGroup::Tp:
-      return pendingReduce;
-    case CollectiveGroup::Dp:
-      return stages.at(i.stage)->grads();
-    case CollectiveGroup::Embedding: {
-      StageCompute &sc = *stages.at(i.stage);
-      auto [b, e] = sc.tiedEmbeddingRange();
-      return sc.grads().subspan(b, e - b);
-    }
-    }
-    return {};
-  }
-
-  llvm::Error afterAllReduce(const Instruction &i) override {
-    if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward && i.part == i.parts - 1)
-      finishFusedBackward(i.stage, i.mb, i.slice);
+  // StageDispatch's hooks.
+  llvm::Error addLoss(StageCompute &sc, int mb, int slice) {
+    stepLoss += sc.loss(mb, slice);
     return llvm::Error::success();
   }
-
-  /// The weight half of a fused backward; it frees the slice's state, so the input gradient is
-  /// kept for its consumer first.
-  void finishFusedBackward(int stage, int mb, int slice) {
-    // Its send comes after the whole fused op, so keep the input gradient for any consumer.
-    keepInputGrad(stage, mb, slice, /*anyConsumer=*/true);
-    stages.at(stage)->backwardWeight(mb, slice);
+  llvm::Error allocate(std::vector<float> &buffer, size_t floats) {
+    buffer.assign(floats, 0.0f);
+    return llvm::Error::success();
   }
-
-  /// Before a weight gradient frees the slice's state: keep the input gradient if its
-  /// consumer, stage - 1, is on this rank and may run later (V-shapes), or if this rank sends
-  /// it only after the weight gradient (otherwise it has been sent already).
-  void keepInputGrad(int stage, int mb, int slice, bool anyConsumer = false) {
-    if (stage == 0)
-      return;
-    bool sameRank = plan.rankOf(stage - 1) == c.pp;
-    if (!anyConsumer && !sameRank && !sentLate.count(key(TensorKind::Gradient, stage, mb, slice)))
-      return;
-    std::span<const float> g = stages.at(stage)->inputGrad(mb, slice);
-    kept[key(TensorKind::Gradient, stage, mb, slice)].assign(g.begin(), g.end());
+  llvm::Error keepCopy(std::vector<float> &buffer, std::span<const float> src) {
+    buffer.assign(src.begin(), src.end());
+    return llvm::Error::success();
   }
+  static std::span<float> spanOf(std::vector<float> &buffer) { return buffer; }
 
   void sumLocalEmbeddingCopies() override {
     StageCompute &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
@@ -186,42 +83,10 @@ public:
   }
 
 private:
-  static uint64_t key(TensorKind t, int stage, int mb, int slice) {
-    return (((uint64_t(stage) << 20) | uint64_t(mb)) << 12 | uint64_t(slice)) << 1 |
-           uint64_t(t == TensorKind::Gradient);
-  }
-
-  /// The input a compute op needs from stage `producer`: its stage object when it is on this
-  /// rank, else what was received.
-  std::span<const float> inputOf(TensorKind t, int producer, int mb, int slice) {
-    if (auto it = kept.find(key(t, producer, mb, slice)); it != kept.end())
-      return it->second;
-    if (plan.rankOf(producer) == c.pp) {
-      StageCompute &p = *stages.at(producer);
-      return t == TensorKind::Activation ? p.output(mb, slice) : p.inputGrad(mb, slice);
-    }
-    auto it = recvBuffers.find(key(t, producer, mb, slice));
-    assert(it != recvBuffers.end() && "the verifier guarantees a recv before its consumer");
-    return it->second;
-  }
-
-  void release(TensorKind t, int producer, int mb, int slice) {
-    recvBuffers.erase(key(t, producer, mb, slice));
-  }
-
-  const Plan &plan;
   const GptConfig &cfg;
-  Coord c;
   const DataSource &data;
   const CpuRunOptions &options;
   GradSnapshot *snapshot;
-  std::map<int, std::unique_ptr<StageCompute>> stages;
-  std::map<uint64_t, std::vector<float>> recvBuffers;
-  /// Input gradients of fused backwards, kept past their weight half for their consumer.
-  std::map<uint64_t, std::vector<float>> kept;
-  /// Gradients whose send comes after their op's weight gradient in this rank's stream.
-  std::set<uint64_t> sentLate;
-  std::span<float> pendingReduce;
 };
 
 } // namespace

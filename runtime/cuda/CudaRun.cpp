@@ -14,6 +14,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/Runner.h"
+#include "runtime/StageDispatch.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
@@ -86,14 +87,18 @@ private:
 
 /// One rank's backend on a device transport (the local one here, NCCL's in NcclRun.cpp): sends
 /// hand out the device tensor itself, recvs a buffer of the rank's arena that the transport
-/// fills, all-reduces sum in place.
-class CudaBackend final : public CudaRankBackend {
+/// fills, all-reduces sum in place. The dispatch is the cpu backend's (StageDispatch).
+class CudaBackend final
+    : public StageDispatch<CudaBackend, GpuStage, ArenaFloats, CudaRankBackend> {
 public:
+  static constexpr const char *kName = "cuda backend";
+
   CudaBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
               const CudaRunOptions &options, GradSnapshot *snapshot,
               std::function<llvm::Error()> waitForCollectives)
-      : plan(plan), cfg(cfg), c(c), data(data), options(options), snapshot(snapshot),
-        stream(plan.ranks[size_t(c.pp)]), waitForCollectives(std::move(waitForCollectives)) {}
+      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg),
+        data(data), options(options), snapshot(snapshot),
+        waitForCollectives(std::move(waitForCollectives)) {}
 
   void *computeStreamHandle() const override { return computeStream; }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
@@ -123,16 +128,14 @@ public:
         return st.takeError();
       stages[s.stage] = std::move(*st);
     }
-    // Gradients sent after this stage's weight gradient freed them (kept until the send).
-    std::set<uint64_t> weightDone;
-    for (const Instruction &i : stream) {
-      if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
-        weightDone.insert(key(TensorKind::Gradient, i.stage, i.mb, i.slice));
-      if (i.op == OpKind::Send && i.tensor == TensorKind::Gradient &&
-          weightDone.count(key(i.tensor, i.stage, i.mb, i.slice)))
-        sentLate.insert(key(i.tensor, i.stage, i.mb, i.slice));
-    }
     return llvm::Error::success();
+  }
+
+  ~CudaBackend() override {
+    // The stages and the step's buffers (StageDispatch's, destroyed after this class's members)
+    // hold arena memory and use the context: they go first.
+    clearStepBuffers();
+    stages.clear();
   }
 
   llvm::Error beginStep(int step) override {
@@ -161,106 +164,25 @@ public:
     }
     if (auto err = ctx->synchronize())
       return err;
-    kept.clear();
-    received.clear();
+    clearStepBuffers();
     return loss;
   }
 
-  llvm::Error compute(const Instruction &i) override {
-    PIPEC_GPU_TRY(takeDeferred());
-    GpuStage &st = *stages.at(i.stage);
-    int first = std::max(i.part, 0), end = i.part < 0 ? st.parts() : i.part + 1;
-    bool last = i.isLastPart();
-    switch (i.op) {
-    case OpKind::Forward: {
-      std::span<const float> in;
-      if (i.stage > 0 && first == 0) {
-        auto got = inputOf(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        in = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        auto r = st.forward(i.mb, i.slice, part, in);
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-      }
-      releaseConsumed();
-      if (last && i.stage == plan.numStages() - 1 && c.tp == 0)
-        PIPEC_GPU_TRY(st.accumulateLoss(i.mb, i.slice));
-      return llvm::Error::success();
-    }
-    case OpKind::BackwardInput:
-    case OpKind::Backward: {
-      std::span<const float> grad;
-      if (i.stage < plan.numStages() - 1 && first == 0) {
-        auto got = inputOf(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        grad = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        auto r = st.backwardInput(i.mb, i.slice, part, grad);
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-      }
-      releaseConsumed();
-      if (last && i.op == OpKind::Backward && i.part < 0)
-        return finishFusedBackward(i.stage, i.mb, i.slice);
-      return llvm::Error::success();
-    }
-    case OpKind::BackwardWeight:
-      PIPEC_GPU_TRY(keepInputGrad(i.stage, i.mb, i.slice));
-      return st.backwardWeight(i.mb, i.slice);
-    case OpKind::Send:
-    case OpKind::Recv:
-    case OpKind::AllReduce:
-    case OpKind::OptimizerStep:
-      break;
-    }
-    return inputError("cuda backend: {} is not a compute op", toString(i.op).str());
+  // StageDispatch's hooks.
+  llvm::Error addLoss(GpuStage &st, int mb, int slice) { return st.accumulateLoss(mb, slice); }
+  llvm::Error allocate(ArenaFloats &buffer, size_t floats) {
+    // (The transport checks a kept error before it posts anything.)
+    return buffer.allocate(ctx->allocator(), floats);
   }
-
-  std::span<float> sendData(const Instruction &i) override {
-    // The device tensor itself; the transport orders its reads after the compute stream.
-    auto src = sendSource(i);
-    if (!src) {
-      defer(src.takeError());
-      return {};
-    }
-    return {const_cast<float *>(src->data()), src->size()};
-  }
-
-  std::span<float> recvData(const Instruction &i) override {
-    ArenaFloats &buffer = received[key(i.tensor, i.stage, i.mb, i.slice)];
-    if (llvm::Error err = buffer.allocate(ctx->allocator(), tensorSize(i)))
-      defer(std::move(err)); // the transport checks the kept error before it posts
-    return buffer.span();
-  }
-
-  std::span<float> reduceData(const Instruction &i) override {
-    switch (i.collective) {
-    case CollectiveGroup::Tp:
-      return pendingReduce;
-    case CollectiveGroup::Dp:
-      return stages.at(i.stage)->grads();
-    case CollectiveGroup::Embedding: {
-      GpuStage &st = *stages.at(i.stage);
-      auto [b, e] = st.tiedEmbeddingRange();
-      return st.grads().subspan(b, e - b);
-    }
-    }
-    return {};
-  }
-
-  llvm::Error afterAllReduce(const Instruction &i) override {
-    PIPEC_GPU_TRY(takeDeferred());
-    if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward && i.part == i.parts - 1)
-      return finishFusedBackward(i.stage, i.mb, i.slice);
+  /// A copy on the compute stream, into the arena.
+  llvm::Error keepCopy(ArenaFloats &buffer, std::span<const float> src) {
+    PIPEC_GPU_TRY(buffer.allocate(ctx->allocator(), src.size()));
+    if (!src.empty())
+      PIPEC_CUDA_TRY(cudaMemcpyAsync(buffer.span().data(), src.data(), src.size() * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, computeStream));
     return llvm::Error::success();
   }
+  static std::span<float> spanOf(ArenaFloats &buffer) { return buffer.span(); }
 
   void sumLocalEmbeddingCopies() override {
     GpuStage &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
@@ -297,105 +219,15 @@ public:
   }
 
 private:
-  static uint64_t key(TensorKind t, int stage, int mb, int slice) {
-    return (((uint64_t(stage) << 20) | uint64_t(mb)) << 12 | uint64_t(slice)) << 1 |
-           uint64_t(t == TensorKind::Gradient);
-  }
-
-  size_t tensorSize(const Instruction &i) const {
-    auto [b, e] = plan.seqSlices[size_t(i.slice)];
-    return size_t(cfg.microbatch) * size_t(e - b) * size_t(cfg.channels);
-  }
-
-  void defer(llvm::Error err) {
-    if (deferred)
-      llvm::consumeError(std::move(err));
-    else
-      deferred = std::move(err);
-  }
-
-  llvm::Error takeDeferred() {
-    llvm::Error err = std::move(deferred);
-    deferred = llvm::Error::success();
-    return err;
-  }
-
-  /// The device tensor a send carries.
-  llvm::Expected<std::span<const float>> sendSource(const Instruction &i) {
-    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
-      return std::span<const float>(it->second.span());
-    GpuStage &st = *stages.at(i.stage);
-    return i.tensor == TensorKind::Activation ? st.output(i.mb, i.slice)
-                                              : st.inputGrad(i.mb, i.slice);
-  }
-
-  llvm::Error finishFusedBackward(int stage, int mb, int slice) {
-    PIPEC_GPU_TRY(keepInputGrad(stage, mb, slice, /*anyConsumer=*/true));
-    return stages.at(stage)->backwardWeight(mb, slice);
-  }
-
-  /// As the cpu backend: keep the input gradient past the weight gradient when a consumer may
-  /// still need it (a copy on the compute stream, into the arena).
-  llvm::Error keepInputGrad(int stage, int mb, int slice, bool anyConsumer = false) {
-    if (stage == 0)
-      return llvm::Error::success();
-    bool sameRank = plan.rankOf(stage - 1) == c.pp;
-    if (!anyConsumer && !sameRank && !sentLate.count(key(TensorKind::Gradient, stage, mb, slice)))
-      return llvm::Error::success();
-    auto g = stages.at(stage)->inputGrad(mb, slice);
-    if (!g)
-      return g.takeError();
-    ArenaFloats &k = kept[key(TensorKind::Gradient, stage, mb, slice)];
-    PIPEC_GPU_TRY(k.allocate(ctx->allocator(), g->size()));
-    if (!g->empty())
-      PIPEC_CUDA_TRY(cudaMemcpyAsync(k.span().data(), g->data(), g->size() * sizeof(float),
-                                     cudaMemcpyDeviceToDevice, computeStream));
-    return llvm::Error::success();
-  }
-
-  /// The input of a compute op from stage `producer`: kept, on this rank, or received (the
-  /// transport ordered the compute stream after its arrival; given back once consumed).
-  llvm::Expected<std::span<const float>> inputOf(TensorKind t, int producer, int mb, int slice) {
-    uint64_t k = key(t, producer, mb, slice);
-    if (auto it = kept.find(k); it != kept.end())
-      return std::span<const float>(it->second.span());
-    if (plan.rankOf(producer) == c.pp) {
-      GpuStage &p = *stages.at(producer);
-      return t == TensorKind::Activation ? p.output(mb, slice) : p.inputGrad(mb, slice);
-    }
-    auto it = received.find(k);
-    assert(it != received.end() && "the verifier guarantees a recv before its consumer");
-    consumed = k;
-    return std::span<const float>(it->second.span());
-  }
-
-  /// The received tensor the op just queued has copied into its stage; its buffer may go.
-  void releaseConsumed() {
-    if (consumed)
-      received.erase(*consumed);
-    consumed.reset();
-  }
-
-  const Plan &plan;
   const GptConfig &cfg;
-  Coord c;
   const DataSource &data;
   const CudaRunOptions &options;
   GradSnapshot *snapshot;
-  const std::vector<Instruction> &stream;
   std::unique_ptr<cu::CudaContext> ctx;
-  // Declared after ctx and before the stages and buffers, which are destroyed first and give
-  // their memory back to it.
-  std::unique_ptr<DeviceArena> arena;
   cudaStream_t computeStream = nullptr;
-  std::map<int, std::unique_ptr<GpuStage>> stages;
-  std::map<uint64_t, ArenaFloats> received, kept;
-  std::optional<uint64_t> consumed;
-  std::set<uint64_t> sentLate;
-  std::span<float> pendingReduce;
   bool warmUp = false;
-  llvm::Error deferred = llvm::Error::success();
   std::function<llvm::Error()> waitForCollectives;
+  std::unique_ptr<DeviceArena> arena; // destroyed before ctx (its stream)
 };
 
 } // namespace

@@ -102,50 +102,26 @@ private:
 
 using Floats = StreamBuffer<float>;
 
-/// Pinned host memory, allocated once (the batch's tokens on their way to the device).
-template <typename T> class PinnedHost {
-public:
-  PinnedHost() = default;
-  PinnedHost(const PinnedHost &) = delete;
-  PinnedHost &operator=(const PinnedHost &) = delete;
-  ~PinnedHost() {
-    if (ptr)
-      (void)cudaFreeHost(ptr);
-  }
-  llvm::Error allocate(size_t n) {
-    assert(!ptr && "allocated twice");
-    if (n == 0)
-      return llvm::Error::success();
-    void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMallocHost(&p, n * sizeof(T)));
-    ptr = static_cast<T *>(p);
-    count = n;
-    return llvm::Error::success();
-  }
-  T *data() const { return ptr; }
-  size_t size() const { return count; }
-
-private:
-  T *ptr = nullptr;
-  size_t count = 0;
-};
-
-/// Memory allocated once (parameters, gradients, moments, tokens, the loss accumulator).
-template <typename T> class Owned {
+/// Memory allocated once: device memory (parameters, gradients, moments, tokens, the loss
+/// accumulator) or, with `Pinned`, page-locked host memory (the tokens on their way up).
+template <typename T, bool Pinned = false> class Owned {
 public:
   Owned() = default;
   Owned(const Owned &) = delete;
   Owned &operator=(const Owned &) = delete;
   ~Owned() {
     if (ptr)
-      (void)cudaFree(ptr);
+      (void)(Pinned ? cudaFreeHost(ptr) : cudaFree(ptr));
   }
   llvm::Error allocate(size_t n) {
     assert(!ptr && "allocated twice");
     if (n == 0)
       return llvm::Error::success();
     void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMalloc(&p, n * sizeof(T)));
+    if constexpr (Pinned)
+      PIPEC_CUDA_TRY(cudaMallocHost(&p, n * sizeof(T)));
+    else
+      PIPEC_CUDA_TRY(cudaMalloc(&p, n * sizeof(T)));
     ptr = static_cast<T *>(p);
     count = n;
     return llvm::Error::success();
@@ -244,7 +220,7 @@ struct GpuStage::Impl {
   // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
   // uploaded from pinned host copies (inputs then targets) without waiting for the device.
   Owned<int32_t> inputs, targets;
-  PinnedHost<int32_t> hostTokens;
+  Owned<int32_t, /*Pinned=*/true> hostTokens;
   std::map<std::pair<int, int>, SliceWork> work;
   std::map<int, SequenceWork> sequences;
 
