@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# The one prepared check for a machine with a GPU (DESIGN §9): builds the CUDA targets, runs the
-# requires-gpu tests, the nccl mode with several processes where nvidia-smi lists two GPUs or
-# more (rank 0's losses against --backend cuda's), and the kernel benchmark; writes a short
-# text report to
-# ${OUT:-/tmp/gpu-check}/report.txt (plus the full logs beside it). Meant to finish in under
-# 8 minutes on an H200 (limits: build 240 s, tests 150 s, kernel benchmark 90 s, runtime
-# overhead 2 x 60 s, the pp4 reference check 60 s); prints each
-# command before it runs it.
+# The one prepared check for a machine with a GPU (DESIGN §9): the requires-gpu tests, the nccl
+# mode with several processes where nvidia-smi lists two GPUs or more (rank 0's losses against
+# --backend cuda's), the kernel and runtime-overhead benchmarks and a pp=4 --check-reference
+# run; writes a short text report to ${OUT:-/tmp/gpu-check}/report.txt (full logs beside it).
+# It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
+# CUDA toolkit; carry that folder to a GPU machine that has no Bazel). Without gpu-bundle/ it
+# first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
+# Meant to finish in a few minutes on an H200 (limits: each test binary 150 s, kernel benchmark
+# 90 s, runtime overhead 2 x 60 s, the pp4 check 60 s, each nccl case 60 s); prints each command
+# before it runs it.
 #   bash tools/gpu_check.sh            # everything
-#   QUICK=1 bash tools/gpu_check.sh    # the benchmark at 1/4 the tokens
-# Exit status: 0 when the build and every test passed (benchmark numbers are reported, never
-# judged); 1 otherwise; 2 when there is no GPU or no CUDA toolkit (nothing was run).
+#   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
+# Exit status: 0 when every test passed (benchmark numbers are reported, never judged); 1
+# otherwise; 2 when there is no GPU, or no bundle and no way to build one (nothing was run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 out="${OUT:-/tmp/gpu-check}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 report="$out/report.txt"
 : >"$report"
-# Bazel's own output base, so that a concurrent build elsewhere on the machine is not disturbed.
-bazel_cmd=(bazel "--output_base=${PIPEC_GPU_OUTPUT_BASE:-$HOME/.cache/bazel-gpu-check}")
-build_flags=(-c opt --symlink_prefix=/tmp/gpu-check-)
 
 say() { echo "gpu_check: $*" | tee -a "$report"; }
 run() {
@@ -32,50 +32,68 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   say "no GPU: nvidia-smi is missing or lists no device; nothing to check here"
   exit 2
 fi
-if [ ! -x /usr/local/cuda/bin/nvcc ]; then
-  say "no CUDA toolkit: /usr/local/cuda/bin/nvcc is missing; the CUDA targets are not declared"
-  exit 2
-fi
-
-if ! run bash tools/setup.sh >"$out/setup.log" 2>&1; then
-  say "setup failed (tools/setup.sh installs bazel and the libraries); see $out/setup.log"
-  exit 2
-fi
 say "started $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
-say "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+say "tree $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
   | sed 's/^/gpu_check: gpu: /' | tee -a "$report"
-say "nvcc: $(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*')"
 
-status=0
-start=$SECONDS
-if ! run timeout 240 "${bazel_cmd[@]}" build "${build_flags[@]}" //tests:cuda_kernel_test \
-    //tests:cuda_check_test //tests:cuda_runtime_test //tests:nccl_runtime_test \
-    //bench:cuda_kernel_bench //bench:cuda_overhead_bench //tools:pipec //tools:piperun \
-    >"$out/build.log" 2>&1; then
-  say "BUILD FAILED after $((SECONDS - start)) s; last lines of $out/build.log:"
-  tail -30 "$out/build.log" | tee -a "$report"
+if [ ! -x gpu-bundle/bin/piperun ]; then
+  if [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    say "no gpu-bundle/ and no /usr/local/cuda/bin/nvcc to build one: run tools/gpu_bundle.sh on a machine with the CUDA toolkit and carry gpu-bundle/ here"
+    exit 2
+  fi
+  if ! run bash tools/setup.sh >"$out/setup.log" 2>&1; then
+    say "no gpu-bundle/, and setup failed (tools/setup.sh installs bazel and the libraries); see $out/setup.log"
+    exit 2
+  fi
+  start=$SECONDS
+  if ! run timeout 400 bash tools/gpu_bundle.sh >"$out/build.log" 2>&1; then
+    say "BUILD FAILED after $((SECONDS - start)) s; last lines of $out/build.log:"
+    tail -30 "$out/build.log" | tee -a "$report"
+    exit 1
+  fi
+  say "built gpu-bundle/ here ($((SECONDS - start)) s)"
+fi
+say "bundle: $(tr '\n' ';' <gpu-bundle/BUILT)"
+bin=$(pwd)/gpu-bundle/bin
+
+# The shared libraries the binaries need: cuBLAS(Lt), NCCL and the CUDA runtime wherever this
+# machine has them (the CUDA toolkit, or Python's nvidia-* wheels), then the bundle's own (libfmt,
+# and a CUDA runtime for a machine without one), last so that the machine's own come first.
+libpath=""
+for lib in libcublasLt.so.13 libcublas.so.13 libnccl.so.2 libcudart.so.13; do
+  if ldconfig -p 2>/dev/null | grep -q "$lib"; then continue; fi
+  found=$(find /usr/local /opt /usr/lib /usr/lib64 /root -xdev -name "$lib" 2>/dev/null | head -1 || true)
+  [ -n "$found" ] && libpath="$libpath${libpath:+:}$(dirname "$found")"
+done
+libpath="$libpath${libpath:+:}$(pwd)/gpu-bundle/lib"
+export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+missing=$(ldd "$bin/piperun" "$bin/cuda_runtime_test" 2>&1 | grep 'not found' | sort -u || true)
+if [ -n "$missing" ]; then
+  say "missing shared libraries (LD_LIBRARY_PATH=$LD_LIBRARY_PATH):"
+  echo "$missing" | sed 's/^/  /' | tee -a "$report"
   exit 1
 fi
-say "build ok ($((SECONDS - start)) s)"
+say "libraries: $(ldd "$bin/piperun" | awk '/cublasLt|nccl|cudart/ { print $1 " -> " $3 }' | tr '\n' ' ')"
 
-start=$SECONDS
-if run timeout 150 "${bazel_cmd[@]}" test "${build_flags[@]}" //tests:cuda_kernel_test \
-    //tests:cuda_check_test //tests:cuda_runtime_test //tests:nccl_runtime_test \
-    --test_output=all >"$out/test.log" 2>&1; then
-  say "tests ok ($((SECONDS - start)) s)"
-else
-  status=1
-  say "TESTS FAILED ($((SECONDS - start)) s); failures:"
-  grep -E '^\[  FAILED  \]|Failure|error:' "$out/test.log" | sort -u | head -40 | tee -a "$report"
-fi
-grep -E '^\[==========\].*ran|^\[  PASSED  \]' "$out/test.log" | sed 's/^/gpu_check: /' \
-  | tee -a "$report" || true
+status=0
+for t in cuda_kernel_test cuda_runtime_test nccl_runtime_test; do
+  start=$SECONDS
+  if run timeout 150 "$bin/$t" >"$out/$t.log" 2>&1; then
+    say "$t ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/$t.log" | head -1)"
+  else
+    status=1
+    say "$t FAILED ($((SECONDS - start)) s); failed tests, then the first assertions:"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" | sed 's/, where GetParam.*//; s/ ([0-9]* ms)$//' \
+      | sort -u | head -30 | sed 's/^/  /' | tee -a "$report" || true
+    grep -E -A3 ': Failure$' "$out/$t.log" | head -40 | sed 's/^/  /' | tee -a "$report" || true
+    tail -3 "$out/$t.log" | sed 's/^/  last: /' | tee -a "$report"
+  fi
+done
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
 # would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID); rank 0's losses must equal those of
 # --backend cuda (every rank on one GPU) within 1e-4. 60 s per configuration at most.
-bin=/tmp/gpu-check-bin/tools
 nccl_case() { # name nproc pipec-flags...
   local name=$1 n=$2
   shift 2
@@ -132,7 +150,7 @@ fi
 bench_args=()
 [ "${QUICK:-0}" = 1 ] && bench_args=(--quick)
 start=$SECONDS
-if run timeout 90 /tmp/gpu-check-bin/bench/cuda_kernel_bench "${bench_args[@]}" \
+if run timeout 90 "$bin/cuda_kernel_bench" "${bench_args[@]}" \
     >"$out/bench.txt" 2>&1; then
   say "benchmark ok ($((SECONDS - start)) s):"
 else
@@ -144,7 +162,7 @@ sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
 # with empty compute.
 start=$SECONDS
 for pp in 2 4; do
-  if run timeout 60 /tmp/gpu-check-bin/bench/cuda_overhead_bench --pp "$pp" --microbatches 1024 \
+  if run timeout 60 "$bin/cuda_overhead_bench" --pp "$pp" --microbatches 1024 \
       >>"$out/overhead.txt" 2>&1; then :; else
     say "OVERHEAD BENCHMARK FAILED (pp $pp); see $out/overhead.txt"
   fi
