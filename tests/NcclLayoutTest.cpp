@@ -10,7 +10,10 @@
 #include "tests/TestUtil.h"
 
 #include "ir/Error.h"
+#include "kernels/cpu/Gpt.h"
 #include "runtime/Interpreter.h"
+#include "runtime/cpu/CpuRun.h"
+#include "runtime/cpu/Reference.h"
 #include "runtime/cuda/NcclLayout.h"
 
 #include <fmt/format.h>
@@ -212,6 +215,47 @@ TEST(NcclCommLayoutTest, NonMembersOfTheEmbeddingGroupStillJoinItsSplit) {
     auto layout = commLayout(plan, r);
     ASSERT_EQ(layout.back().kind, CommKind::Embedding) << r;
     EXPECT_EQ(layout.back().color < 0, r == 1) << r;
+  }
+}
+
+TEST(NcclGradientGatherTest, EveryBlockOfReplicaZeroOutsideRankZeroIsGatheredOnceAtItsSize) {
+  // What --check-reference with several processes sends to RANK 0: each (stage, tp rank) of dp
+  // replica 0 held by another process, once, sized as the CPU stage that holds those layers.
+  for (bool interleaved : {false, true}) {
+    Plan plan =
+        interleaved
+            ? compileOrFail(tinyGpt(false, /*layers=*/6),
+                            options("interleaved-1f1b", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2,
+                                    1, /*tp=*/2, /*dp=*/2))
+            : pp2tp2dp2();
+    auto cfg = gptConfigOf(plan);
+    ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+    auto shards = gradientShards(
+        plan, [&](int l) { return kernels::layerParamCount(*cfg, l, plan.parallel.tp); });
+    RunShared shared(plan, Faults{});
+    std::set<std::pair<int, int>> seen;
+    int lastRank = 0;
+    for (const GradientShard &g : shards) {
+      EXPECT_GE(g.rank, lastRank) << "shards are ordered by rank";
+      lastRank = g.rank;
+      Coord c = shared.coordOf(g.rank);
+      EXPECT_NE(g.rank, 0);
+      EXPECT_EQ(c.dp, 0) << "rank " << g.rank << " is not in replica 0";
+      EXPECT_EQ(c.tp, g.tp);
+      const StageInfo &st = plan.stages[size_t(g.stage)];
+      EXPECT_EQ(st.rank, c.pp) << "stage " << g.stage << " is not on rank " << g.rank;
+      EXPECT_TRUE(seen.insert({g.stage, g.tp}).second) << "stage " << g.stage << " tp " << g.tp;
+      kernels::StageCompute holder(*cfg, st.layerBegin, st.layerEnd, g.tp, plan.parallel.tp,
+                                   /*seed=*/1, slicesOf(plan), 1.0f);
+      EXPECT_EQ(g.floats, holder.grads().size()) << "stage " << g.stage << " tp " << g.tp;
+    }
+    // With RANK 0's own blocks, every (stage, tp) of replica 0.
+    for (const StageInfo &st : plan.stages)
+      for (int t = 0; t < plan.parallel.tp; ++t)
+        if (st.rank == 0 && t == 0)
+          EXPECT_FALSE(seen.count({st.stage, t}));
+        else
+          EXPECT_TRUE(seen.count({st.stage, t})) << "stage " << st.stage << " tp " << t;
   }
 }
 

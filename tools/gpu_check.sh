@@ -92,8 +92,10 @@ for t in cuda_kernel_test cuda_runtime_test nccl_runtime_test; do
 done
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
-# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID); rank 0's losses must equal those of
-# --backend cuda (every rank on one GPU) within 1e-4. 60 s per configuration at most.
+# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
+# gradients gathered to rank 0 and held against the single-rank reference: a process exits 1
+# over tolerance); rank 0's losses must also equal those of --backend cuda (every rank on one
+# GPU) within 1e-4. 60 s per configuration at most.
 nccl_case() { # name nproc pipec-flags...
   local name=$1 n=$2
   shift 2
@@ -105,9 +107,10 @@ nccl_case() { # name nproc pipec-flags...
     return 1
   fi
   for ((r = 0; r < n; r++)); do
-    echo "+ RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port piperun $plan --backend nccl --steps 3" >&2
+    echo "+ RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port piperun $plan --backend nccl --steps 3 --check-reference" >&2
     RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port timeout 60 "$bin/piperun" \
-      "$plan" --backend nccl --steps 3 --timeout 30 >"$out/nccl-$name.rank$r.txt" 2>&1 &
+      "$plan" --backend nccl --steps 3 --timeout 30 --check-reference \
+      >"$out/nccl-$name.rank$r.txt" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
@@ -119,7 +122,7 @@ nccl_case() { # name nproc pipec-flags...
   if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
     awk '{ d = $4 - $8; if (d < 0) d = -d; if (d > 1e-4 || $2 != $6) bad = 1; n++ }
          END { exit (bad || n != 3) }'; then
-    say "nccl $name ($n processes): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}'))"
+    say "nccl $name ($n processes): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}')); $(grep -o 'max_abs_grad_diff=.*' "$out/nccl-$name.rank0.txt")"
   else
     say "nccl $name ($n processes): LOSSES DIFFER from --backend cuda; see $out/nccl-$name.*"
     return 1

@@ -9,7 +9,8 @@
 // GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per process (one
 // process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
 // NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
-// losses; its --check-reference needs WORLD_SIZE=1. Both GPU backends run one warm-up step
+// losses and, with --check-reference, compares every process's gradients (gathered to it)
+// with the single-rank reference. Both GPU backends run one warm-up step
 // first (not printed, no optimizer update) that sizes each rank's activation arena, and print
 // the sizes ("activation arena MiB ...") after the last step.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
@@ -115,7 +116,8 @@ llvm::Error run(int argc, char **argv) {
   };
   // The reference check's report, the same for both backends' results.
   auto check = [&](const auto &result, double relative, const char *relativeText) -> llvm::Error {
-    if (!o.checkReference)
+    // (With --backend nccl only RANK 0 runs the reference.)
+    if (!o.checkReference || result.referenceLosses.empty())
       return llvm::Error::success();
     fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
     fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",

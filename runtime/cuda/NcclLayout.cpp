@@ -117,4 +117,28 @@ std::vector<CommSpec> commLayout(const Plan &plan, int rank) {
   return out;
 }
 
+int worldRankOf(const Plan &plan, const Coord &c) {
+  return (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp;
+}
+
+std::vector<GradientShard> gradientShards(const Plan &plan,
+                                          const std::function<size_t(int)> &layerFloats) {
+  std::vector<GradientShard> shards;
+  for (int r = 0; r < plan.numRanks(); ++r)
+    for (int t = 0; t < plan.parallel.tp; ++t) {
+      int rank = worldRankOf(plan, Coord{r, 0, t});
+      if (rank == 0)
+        continue;
+      for (const StageInfo &s : plan.stages) {
+        if (s.rank != r)
+          continue;
+        GradientShard g{rank, s.stage, t, 0};
+        for (int l = s.layerBegin; l < s.layerEnd; ++l)
+          g.floats += layerFloats(l);
+        shards.push_back(g);
+      }
+    }
+  return shards;
+}
+
 } // namespace pipec

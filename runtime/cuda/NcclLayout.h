@@ -60,6 +60,22 @@ struct CommSpec {
 /// The communicators of process `rank`, in creation order (the same kinds on every process).
 std::vector<CommSpec> commLayout(const Plan &plan, int rank);
 
+/// The process (RANK) of pipeline rank `c.pp`, dp replica `c.dp`, tp rank `c.tp`.
+int worldRankOf(const Plan &plan, const Coord &c);
+
+/// One (stage, tp rank) block of dp replica 0's gradients, held by process `rank`.
+struct GradientShard {
+  int rank = 0, stage = 0, tp = 0;
+  size_t floats = 0;
+};
+
+/// What --check-reference with several processes gathers on RANK 0 after each step: every
+/// block of replica 0's gradients held by another process, by rank, then stage (the order in
+/// which both ends post their NCCL sends and recvs). `layerFloats(layer)` is a layer's
+/// parameter count on one tp rank (kernels::layerParamCount).
+std::vector<GradientShard> gradientShards(const Plan &plan,
+                                          const std::function<size_t(int)> &layerFloats);
+
 } // namespace pipec
 
 #endif // PIPEC_RUNTIME_CUDA_NCCLLAYOUT_H

@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -281,6 +282,63 @@ llvm::Expected<int> deviceOf(const LaunchEnv &env) {
                     env.localRank, *n, *n, *n);
 }
 
+/// After a step with --check-reference on several processes: every other process's gradient
+/// blocks of dp replica 0 (gradientShards) travel to RANK 0 over `world`, one group per source
+/// process, through `staging` (device memory for the largest process's blocks), into
+/// `snapshot`, which then holds all of replica 0's gradients on RANK 0.
+llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const LaunchEnv &env,
+                            NcclComm &world, cudaStream_t stream, float *staging,
+                            GradSnapshot &snapshot) {
+  for (size_t k = 0; k < shards.size();) {
+    const int from = shards[k].rank;
+    size_t end = k;
+    while (end < shards.size() && shards[end].rank == from)
+      ++end;
+    if (env.rank == from || env.rank == 0) {
+      std::vector<size_t> offsets;
+      size_t total = 0;
+      for (size_t j = k; j < end; ++j) {
+        offsets.push_back(total);
+        total += shards[j].floats;
+      }
+      if (env.rank == from)
+        for (size_t j = k; j < end; ++j) {
+          const std::vector<float> &g = snapshot.byStageAndTp[{shards[j].stage, shards[j].tp}];
+          if (g.size() != shards[j].floats)
+            return llvm::createStringError(
+                llvm::inconvertibleErrorCode(),
+                fmt::format("--check-reference: stage {} tp {} has {} gradients on rank {}, the "
+                            "gather expects {}",
+                            shards[j].stage, shards[j].tp, g.size(), env.rank, shards[j].floats));
+          PIPEC_CUDA_TRY(cudaMemcpyAsync(staging + offsets[j - k], g.data(),
+                                         g.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                         stream));
+        }
+      PIPEC_NCCL_TRY(ncclGroupStart());
+      for (size_t j = k; j < end; ++j) {
+        if (env.rank == from)
+          PIPEC_NCCL_TRY(ncclSend(staging + offsets[j - k], shards[j].floats, ncclFloat, 0,
+                                  world.get(), stream));
+        else
+          PIPEC_NCCL_TRY(ncclRecv(staging + offsets[j - k], shards[j].floats, ncclFloat, from,
+                                  world.get(), stream));
+      }
+      PIPEC_NCCL_TRY(ncclGroupEnd());
+      if (env.rank == 0)
+        for (size_t j = k; j < end; ++j) {
+          std::vector<float> &g = snapshot.byStageAndTp[{shards[j].stage, shards[j].tp}];
+          g.resize(shards[j].floats);
+          PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[j - k],
+                                         g.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                         stream));
+        }
+      PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
+    }
+    k = end;
+  }
+  return llvm::Error::success();
+}
+
 /// A few floats of device memory, freed with the run.
 struct DeviceScratch {
   void *p = nullptr;
@@ -295,11 +353,6 @@ struct DeviceScratch {
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep) {
-  if (options.checkReference && env.worldSize > 1)
-    return inputError("--check-reference with --backend nccl needs WORLD_SIZE=1 (got {}): the "
-                      "gradients of other processes are not gathered; check the plan with "
-                      "--backend cuda (every rank on one GPU) or --backend cpu",
-                      env.worldSize);
   auto cfgOr = gptConfigOf(plan);
   if (!cfgOr)
     return cfgOr.takeError();
@@ -355,9 +408,23 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     }
     b.setWarmUp(false);
   }
+  // --check-reference: RANK 0 runs the single-rank reference; with several processes the
+  // others' gradients are gathered to it after every step.
   std::unique_ptr<ReferenceRun> ref;
-  if (o.checkReference)
+  if (o.checkReference && env.rank == 0)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+  std::vector<GradientShard> shards;
+  DeviceScratch staging;
+  if (o.checkReference && env.worldSize > 1) {
+    shards = gradientShards(
+        plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
+    std::map<int, size_t> perRank;
+    size_t largest = 0;
+    for (const GradientShard &g : shards)
+      largest = std::max(largest, perRank[g.rank] += g.floats);
+    if (largest > 0)
+      PIPEC_CUDA_TRY(cudaMalloc(&staging.p, largest * sizeof(float)));
+  }
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
   auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
@@ -384,6 +451,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
     PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
     result.losses.push_back(loss);
+    if (!shards.empty())
+      if (auto err = gatherGradients(shards, env, (*comms)->world, compute,
+                                     static_cast<float *>(staging.p), snapshot)) {
+        (*comms)->abortAll();
+        return err;
+      }
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale);

@@ -17,8 +17,11 @@
 //   - no host synchronisation inside a step; at its end the host polls the device with a
 //     watchdog (--timeout) that names the first p2p group or all-reduce of this rank that has
 //     not completed, then aborts the communicators (its peers' watchdogs report theirs).
+// Before step 0 every process runs the warm-up step that sizes its activation arena (CudaRun.h).
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
-// --check-reference needs WORLD_SIZE = 1 (all gradients in one process).
+// --check-reference: RANK 0 runs the single-rank CPU reference; after each step every other
+// process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in
+// NcclLayout.h), and only RANK 0's result carries the comparison.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H
