@@ -14,7 +14,7 @@ double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 
 DeviceArena::~DeviceArena() {
   if (!base)
-    for (auto &[p, offset] : offsetOf)
+    for (auto &[p, placed] : live)
       (void)cudaFreeAsync(p, stream);
   if (base)
     (void)cudaFree(base);
@@ -43,17 +43,21 @@ llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
                                           __LINE__);
     }
   }
-  offsetOf[p] = *at;
+  live[p] = Placed{*at, bytes};
   return p;
 }
 
 void DeviceArena::release(void *p) {
   if (!p)
     return;
-  auto it = offsetOf.find(p);
-  assert(it != offsetOf.end() && "released memory the arena did not hand out");
-  placement.release(it->second);
-  offsetOf.erase(it);
+  auto it = live.find(p);
+  assert(it != live.end() && "released memory the arena did not hand out");
+  placement.release(it->second.offset);
+#ifdef PIPEC_EMULATED_DEVICE
+  if (base)
+    (void)cudaMemsetAsync(p, 0xff, it->second.bytes, stream);
+#endif
+  live.erase(it);
   if (!base)
     (void)cudaFreeAsync(p, stream);
 }

@@ -17,7 +17,9 @@
 // Releases take effect on the host at once: the memory is only reused by work queued later on
 // the rank's compute stream, and every other stream that reads a rank's buffers (a copy to a
 // peer, a p2p send, a tp all-reduce) is ordered before the compute stream's next work by the
-// transports. One arena per rank; not thread-safe.
+// transports. One arena per rank; not thread-safe. On the emulated device (PIPEC_EMULATED_DEVICE,
+// kernels/cuda/emu/README.md), where queued work has already run, a release fills the buffer with
+// NaN bytes, so that reading it after its release shows up in the gradient checks.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEARENA_H
@@ -59,7 +61,10 @@ private:
   char *base = nullptr;
   size_t reservedSize = 0;
   bool reservedEmpty = false;          // reserved, and the warm-up needed nothing
-  std::unordered_map<void *, size_t> offsetOf; // live buffers
+  struct Placed {
+    size_t offset, bytes;
+  };
+  std::unordered_map<void *, Placed> live; // live buffers
 };
 
 /// Between the warm-up step and the arenas' reserve(): waits for the current device and gives

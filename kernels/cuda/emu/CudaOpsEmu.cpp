@@ -1,0 +1,371 @@
+//===- CudaOpsEmu.cpp - kernels/cuda/CudaOps.h on the CPU (the emulated device) -===//
+//
+// The CudaOps.h contract computed by the CPU reference ops (kernels/cpu/Ops.h), for the emulated
+// device (kernels/cuda/emu/README.md): "device" pointers are host memory from the fake runtime
+// (FakeCudaRuntime.cpp), everything runs at once on the calling thread. Where the CUDA API departs
+// from the CPU one it is followed here too: attention keeps a log-sum-exp per query row and its
+// backward recomputes the probabilities from it; cross entropy keeps a log-sum-exp per row and
+// returns per-row losses. fp32 only: a bf16 call is an error saying so. The real kernels are
+// checked against the CPU ops by //tests:cuda_kernel_test on a GPU; this file lets the executor
+// around them (runtime/cuda) run and be tested without one.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/CudaOps.h"
+
+#include "kernels/cpu/Ops.h"
+#include "kernels/cuda/CudaCheck.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace pipec::kernels::cuda {
+
+namespace ops = kernels::ops;
+
+const char *toString(DType dtype) { return dtype == DType::F32 ? "f32" : "bf16"; }
+size_t sizeOf(DType dtype) { return dtype == DType::F32 ? 4 : 2; }
+
+namespace {
+
+llvm::Error fp32Only(const char *op, DType dtype) {
+  if (dtype == DType::F32)
+    return llvm::Error::success();
+  return llvm::createStringError(llvm::inconvertibleErrorCode(),
+                                 fmt::format("{}: the emulated device computes fp32 only (got {})",
+                                             op, toString(dtype)));
+}
+
+/// The default DeviceAllocator, as the real one: cudaMallocAsync / cudaFreeAsync (here, the fake
+/// runtime's).
+class StreamOrderedAllocator final : public DeviceAllocator {
+public:
+  cudaStream_t stream = nullptr;
+  llvm::Expected<void *> allocate(size_t bytes) override {
+    if (bytes == 0)
+      return nullptr;
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMallocAsync(&p, bytes, stream));
+    return p;
+  }
+  void release(void *p) override {
+    if (p)
+      (void)cudaFreeAsync(p, stream);
+  }
+};
+
+/// softmax probabilities (B, H, x, a+x) of a query slice, from the log-sum-exp of each row.
+std::vector<float> attentionProbs(const float *q, const float *k, const float *lse,
+                                  const AttentionShape &s) {
+  const int keys = s.keys(), w = s.width();
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * keys, 0.0f);
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t) {
+        const size_t row = (size_t(b) * s.heads + h) * s.queries + t;
+        const float *qr = q + (size_t(b) * s.queries + t) * w + size_t(h) * s.headDim;
+        for (int j = 0; j <= s.begin + t; ++j) {
+          const float *kr = k + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
+          float dot = 0;
+          for (int d = 0; d < s.headDim; ++d)
+            dot += qr[d] * kr[d];
+          probs[row * keys + size_t(j)] = std::exp(dot * scale - lse[row]);
+        }
+      }
+  return probs;
+}
+
+ops::AttentionShape cpuShape(const AttentionShape &s) {
+  return ops::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim};
+}
+
+} // namespace
+
+llvm::Expected<int> deviceCount() {
+  int count = 0;
+  PIPEC_CUDA_TRY(cudaGetDeviceCount(&count));
+  return count;
+}
+
+//===--- Context and buffers ----------------------------------------------===//
+
+struct CudaContext::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  bool ownsStream = false;
+  StreamOrderedAllocator streamOrdered;
+  DeviceAllocator *allocator = &streamOrdered;
+  ~Impl() {
+    if (stream && ownsStream)
+      (void)cudaStreamDestroy(stream);
+  }
+};
+
+CudaContext::CudaContext(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaContext::~CudaContext() = default;
+
+llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, void *stream) {
+  auto impl = std::make_unique<Impl>();
+  impl->device = device;
+  PIPEC_CUDA_TRY(cudaSetDevice(device));
+  if (stream) {
+    impl->stream = static_cast<cudaStream_t>(stream);
+  } else {
+    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
+    impl->ownsStream = true;
+  }
+  impl->streamOrdered.stream = impl->stream;
+  return std::unique_ptr<CudaContext>(new CudaContext(std::move(impl)));
+}
+
+int CudaContext::device() const { return impl_->device; }
+void *CudaContext::stream() const { return impl_->stream; }
+llvm::Error CudaContext::synchronize() { return llvm::Error::success(); }
+
+llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
+  std::memcpy(device, host, bytes);
+  return llvm::Error::success();
+}
+llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
+  std::memcpy(host, device, bytes);
+  return llvm::Error::success();
+}
+llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
+  std::memset(device, 0, bytes);
+  return llvm::Error::success();
+}
+
+void CudaContext::setAllocator(DeviceAllocator *allocator) {
+  impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
+}
+DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
+
+llvm::Expected<DeviceBuffer> DeviceBuffer::allocate(size_t bytes) {
+  DeviceBuffer buffer;
+  if (bytes == 0)
+    return buffer;
+  PIPEC_CUDA_TRY(cudaMalloc(&buffer.ptr_, bytes));
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+DeviceBuffer::DeviceBuffer(DeviceBuffer &&other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+DeviceBuffer &DeviceBuffer::operator=(DeviceBuffer &&other) noexcept {
+  if (this != &other) {
+    if (ptr_)
+      (void)cudaFree(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_)
+    (void)cudaFree(ptr_);
+}
+
+llvm::Error convert(CudaContext &, DType dstType, void *dst, DType srcType, const void *src,
+                    size_t n) {
+  if (auto err = fp32Only("convert", dstType))
+    return err;
+  if (auto err = fp32Only("convert", srcType))
+    return err;
+  std::memmove(dst, src, n * sizeof(float));
+  return llvm::Error::success();
+}
+
+//===--- The ops ----------------------------------------------------------===//
+
+#define PIPEC_EMU_FP32(op)                                                                         \
+  do {                                                                                             \
+    if (auto err = fp32Only(op, dtype))                                                            \
+      return err;                                                                                  \
+  } while (false)
+
+llvm::Error matmulForward(CudaContext &, DType dtype, void *out, const void *in, const void *w,
+                          const void *bias, int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulForward");
+  ops::matmulForward(static_cast<float *>(out), static_cast<const float *>(in),
+                     static_cast<const float *>(w), static_cast<const float *>(bias), n, i, o);
+  return llvm::Error::success();
+}
+llvm::Error matmulBackwardInput(CudaContext &, DType dtype, void *dIn, const void *dOut,
+                                const void *w, int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulBackwardInput");
+  ops::matmulBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                           static_cast<const float *>(w), n, i, o);
+  return llvm::Error::success();
+}
+llvm::Error matmulBackwardWeight(CudaContext &, DType dtype, float *dW, float *dBias,
+                                 const void *in, const void *dOut, int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulBackwardWeight");
+  ops::matmulBackwardWeight(dW, dBias, static_cast<const float *>(in),
+                            static_cast<const float *>(dOut), n, i, o);
+  return llvm::Error::success();
+}
+llvm::Error matmulTForward(CudaContext &, DType dtype, void *out, const void *in, const void *w,
+                           int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulTForward");
+  ops::matmulTForward(static_cast<float *>(out), static_cast<const float *>(in),
+                      static_cast<const float *>(w), n, i, o);
+  return llvm::Error::success();
+}
+llvm::Error matmulTBackwardInput(CudaContext &, DType dtype, void *dIn, const void *dOut,
+                                 const void *w, int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulTBackwardInput");
+  ops::matmulTBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                            static_cast<const float *>(w), n, i, o);
+  return llvm::Error::success();
+}
+llvm::Error matmulTBackwardWeight(CudaContext &, DType dtype, float *dW, const void *in,
+                                  const void *dOut, int n, int i, int o) {
+  PIPEC_EMU_FP32("matmulTBackwardWeight");
+  ops::matmulTBackwardWeight(dW, static_cast<const float *>(in), static_cast<const float *>(dOut),
+                             n, i, o);
+  return llvm::Error::success();
+}
+
+llvm::Error layernormForward(CudaContext &, DType dtype, void *out, float *mean, float *rstd,
+                             const void *in, const void *w, const void *b, int n, int c) {
+  PIPEC_EMU_FP32("layernormForward");
+  ops::layernormForward(static_cast<float *>(out), mean, rstd, static_cast<const float *>(in),
+                        static_cast<const float *>(w), static_cast<const float *>(b), n, c);
+  return llvm::Error::success();
+}
+llvm::Error layernormBackwardInputAccumulate(CudaContext &, DType dtype, void *dIn,
+                                             const void *dOut, const void *in, const float *mean,
+                                             const float *rstd, const void *w, int n, int c) {
+  PIPEC_EMU_FP32("layernormBackwardInputAccumulate");
+  ops::layernormBackwardInputAccumulate(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                                        static_cast<const float *>(in), mean, rstd,
+                                        static_cast<const float *>(w), n, c);
+  return llvm::Error::success();
+}
+llvm::Error layernormBackwardWeight(CudaContext &, DType dtype, float *dW, float *dB,
+                                    const void *dOut, const void *in, const float *mean,
+                                    const float *rstd, int n, int c) {
+  PIPEC_EMU_FP32("layernormBackwardWeight");
+  ops::layernormBackwardWeight(dW, dB, static_cast<const float *>(dOut),
+                               static_cast<const float *>(in), mean, rstd, n, c);
+  return llvm::Error::success();
+}
+
+llvm::Error geluForward(CudaContext &, DType dtype, void *out, const void *in, size_t n) {
+  PIPEC_EMU_FP32("geluForward");
+  ops::geluForward(static_cast<float *>(out), static_cast<const float *>(in), n);
+  return llvm::Error::success();
+}
+llvm::Error geluBackward(CudaContext &, DType dtype, void *dIn, const void *dOut, const void *in,
+                         size_t n) {
+  PIPEC_EMU_FP32("geluBackward");
+  ops::geluBackward(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                    static_cast<const float *>(in), n);
+  return llvm::Error::success();
+}
+
+llvm::Error attentionForward(CudaContext &, DType dtype, void *out, float *lse, const void *q,
+                             const void *k, const void *v, const AttentionShape &s) {
+  PIPEC_EMU_FP32("attentionForward");
+  const auto *qf = static_cast<const float *>(q), *kf = static_cast<const float *>(k);
+  const int keys = s.keys(), w = s.width();
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  // The log-sum-exp of every query row's scaled, causally masked scores ...
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t) {
+        const float *qr = qf + (size_t(b) * s.queries + t) * w + size_t(h) * s.headDim;
+        std::vector<float> scores(size_t(s.begin + t + 1));
+        float top = -std::numeric_limits<float>::infinity();
+        for (int j = 0; j <= s.begin + t; ++j) {
+          const float *kr = kf + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
+          float dot = 0;
+          for (int d = 0; d < s.headDim; ++d)
+            dot += qr[d] * kr[d];
+          scores[size_t(j)] = dot * scale;
+          top = std::max(top, scores[size_t(j)]);
+        }
+        double sum = 0;
+        for (float sc : scores)
+          sum += std::exp(double(sc - top));
+        lse[(size_t(b) * s.heads + h) * s.queries + t] = top + float(std::log(sum));
+      }
+  (void)keys;
+  // ... and the output from the CPU op.
+  std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * keys);
+  ops::attentionForward(static_cast<float *>(out), probs.data(), qf, kf,
+                        static_cast<const float *>(v), cpuShape(s));
+  return llvm::Error::success();
+}
+
+llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
+                              const void *dOut, const void *, const float *lse, const void *q,
+                              const void *k, const void *v, const AttentionShape &s) {
+  PIPEC_EMU_FP32("attentionBackward");
+  // The real op takes scratch from the context's allocator: so does this one, so that the
+  // executor's arena sees the same requests.
+  DeviceAllocator &from = ctx.allocator();
+  auto scratch = from.allocate(size_t(s.batch) * s.heads * s.queries * sizeof(float));
+  if (!scratch)
+    return scratch.takeError();
+  std::vector<float> probs =
+      attentionProbs(static_cast<const float *>(q), static_cast<const float *>(k), lse, s);
+  ops::attentionBackward(static_cast<float *>(dq), static_cast<float *>(dk),
+                         static_cast<float *>(dv), static_cast<const float *>(dOut), probs.data(),
+                         static_cast<const float *>(q), static_cast<const float *>(k),
+                         static_cast<const float *>(v), cpuShape(s));
+  from.release(*scratch);
+  return llvm::Error::success();
+}
+
+llvm::Error crossEntropyForward(CudaContext &, DType dtype, float *rowLoss, float *lse,
+                                const void *logits, const int32_t *targets, int n, int v,
+                                float scale) {
+  PIPEC_EMU_FP32("crossEntropyForward");
+  const auto *l = static_cast<const float *>(logits);
+  for (int r = 0; r < n; ++r) {
+    const float *row = l + size_t(r) * v;
+    float top = *std::max_element(row, row + v);
+    double sum = 0;
+    for (int j = 0; j < v; ++j)
+      sum += std::exp(double(row[j] - top));
+    lse[r] = top + float(std::log(sum));
+    rowLoss[r] = scale * (lse[r] - row[targets[r]]);
+  }
+  return llvm::Error::success();
+}
+
+llvm::Error crossEntropyBackward(CudaContext &, DType dtype, void *dLogits, const void *logits,
+                                 const float *lse, const int32_t *targets, int n, int v,
+                                 float scale) {
+  PIPEC_EMU_FP32("crossEntropyBackward");
+  const auto *l = static_cast<const float *>(logits);
+  auto *d = static_cast<float *>(dLogits);
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < v; ++j) {
+      const size_t at = size_t(r) * v + size_t(j);
+      float p = std::exp(l[at] - lse[r]);
+      d[at] = (p - (j == targets[r] ? 1.0f : 0.0f)) * scale;
+    }
+  return llvm::Error::success();
+}
+
+llvm::Error adamUpdate(CudaContext &, float *params, const float *grads, float *m, float *v,
+                       size_t n, float lr, float beta1, float beta2, float eps, float weightDecay,
+                       int step) {
+  if (step < 1)
+    return llvm::createStringError(llvm::inconvertibleErrorCode(),
+                                   fmt::format("adamUpdate: step counts from 1 (got {})", step));
+  ops::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay, step);
+  return llvm::Error::success();
+}
+
+#undef PIPEC_EMU_FP32
+
+} // namespace pipec::kernels::cuda
