@@ -1,10 +1,12 @@
 //===- CudaRuntimeTest.cpp - The cuda backend against the cpu backend ------===//
 //
-// Needs a GPU (tag requires-gpu). Plans of the tiny GPT run on the cuda backend (every rank a
-// thread on one GPU) and must give the CPU single-rank reference's gradients, and the cpu
-// backend's losses, within fp32 tolerances: gradients within kCudaGradTolerance (1e-4) of the
-// largest reference gradient, losses within 1e-5 absolute (the summation order of cuBLAS, the
-// attention kernels and the atomic embedding scatter differs from the CPU loops).
+// Built twice: //tests:cuda_runtime_test on a GPU (tag requires-gpu), and
+// //tests:cuda_emu_runtime_test on the emulated device (kernels/cuda/emu/README.md), in CI. Plans
+// of the tiny GPT run on the cuda backend (every rank a thread on one GPU) and must give the CPU
+// single-rank reference's gradients, and the cpu backend's losses, within fp32 tolerances:
+// gradients within kCudaGradTolerance (1e-4) of the largest reference gradient, losses within
+// 1e-5 absolute (the summation order of cuBLAS, the attention kernels and the atomic embedding
+// scatter differs from the CPU loops).
 //
 //===----------------------------------------------------------------------===//
 #include "tests/TestUtil.h"
@@ -85,6 +87,42 @@ TEST_F(CudaRuntimeTest, ZbvOnOneRankPairWithTiedCopiesMatches) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/true, /*layers=*/6),
                                      options("zb-v", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2)));
 }
+
+/// Every schedule on the cuda backend (the cpu backend's RuntimeTest cases that fit one GPU).
+struct ScheduleCase {
+  const char *name;
+  CompileOptions options;
+  bool tied = false;
+};
+
+class CudaEverySchedule : public CudaRuntimeTest,
+                          public ::testing::WithParamInterface<ScheduleCase> {};
+
+TEST_P(CudaEverySchedule, GradientsEqualTheSingleRankReference) {
+  const ScheduleCase &c = GetParam();
+  CompileOptions o = c.options;
+  if (o.schedule == "zb-auto")
+    o.memoryLimit = int64_t(1) << 40;
+  expectCudaMatchesCpu(compileOrFail(tinyGpt(c.tied, /*layers=*/6), o), /*steps=*/1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, CudaEverySchedule,
+    ::testing::Values(
+        ScheduleCase{"gpipe", options("gpipe", 4, 4)},
+        ScheduleCase{"onefoneb_fewer_microbatches", options("1f1b", 4, 2)},
+        ScheduleCase{"onefoneb_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
+        ScheduleCase{"gpipe_seq4", options("gpipe", 2, 3, 1, /*seqSplits=*/4)},
+        ScheduleCase{"single_stage_tied", options("1f1b", 1, 3), /*tied=*/true},
+        ScheduleCase{"dualpipev", options("dualpipe-v", 2, 4, /*vpp=*/2)},
+        ScheduleCase{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true},
+        ScheduleCase{"interleaved", options("interleaved-1f1b", 2, 4, /*vpp=*/2)},
+        ScheduleCase{"seq1f1b_k4", options("seq1f1b", 2, 4, 1, /*seqSplits=*/4)},
+        ScheduleCase{"seq1f1b_interleaved", options("seq1f1b-interleaved", 2, 4, 2, 2)},
+        ScheduleCase{"zbh2", options("zb-h2", 4, 6)},
+        ScheduleCase{"zbv_seq2", options("zb-v", 2, 3, /*vpp=*/2, /*seqSplits=*/2)},
+        ScheduleCase{"zbauto", options("zb-auto", 4, 6)}),
+    [](const auto &info) { return std::string(info.param.name); });
 
 TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
   // Between the ends of step 0 and step 3: the device's free memory does not move and the
