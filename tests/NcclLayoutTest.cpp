@@ -259,5 +259,35 @@ TEST(NcclGradientGatherTest, EveryBlockOfReplicaZeroOutsideRankZeroIsGatheredOnc
   }
 }
 
+TEST(NcclGradientGatherTest, RankZerosRecvsMirrorEverySendersSendsInOrderAndSize) {
+  Plan plan = pp2tp2dp2();
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+  auto shards = gradientShards(
+      plan, [&](int l) { return kernels::layerParamCount(*cfg, l, plan.parallel.tp); });
+  const int world = plan.parallel.pp * plan.parallel.dp * plan.parallel.tp;
+  auto root = gatherGroups(shards, 0);
+  size_t next = 0; // RANK 0's groups are taken in order, one per sender
+  for (int q = 1; q < world; ++q) {
+    auto mine = gatherGroups(shards, q);
+    if (mine.empty())
+      continue; // not in replica 0: posts nothing, and RANK 0 expects nothing from it
+    ASSERT_EQ(mine.size(), 1u) << "rank " << q;
+    ASSERT_LT(next, root.size()) << "RANK 0 has no group for rank " << q;
+    const auto &sends = mine[0], &recvs = root[next++];
+    ASSERT_EQ(sends.size(), recvs.size()) << "rank " << q;
+    for (size_t k = 0; k < sends.size(); ++k) {
+      EXPECT_TRUE(sends[k].send);
+      EXPECT_EQ(sends[k].peer, 0);
+      EXPECT_FALSE(recvs[k].send);
+      EXPECT_EQ(recvs[k].peer, q);
+      EXPECT_EQ(sends[k].shard.floats, recvs[k].shard.floats);
+      EXPECT_EQ(sends[k].shard.stage, recvs[k].shard.stage);
+      EXPECT_EQ(sends[k].shard.tp, recvs[k].shard.tp);
+    }
+  }
+  EXPECT_EQ(next, root.size()) << "RANK 0 waits for a sender that sends nothing";
+}
+
 } // namespace
 } // namespace pipec::test

@@ -128,6 +128,12 @@ public:
         return st.takeError();
       stages[s.stage] = std::move(*st);
     }
+    if (snapshot && c.dp == 0)
+      for (auto &[s, st] : stages) {
+        void *p = nullptr;
+        PIPEC_CUDA_TRY(cudaMalloc(&p, std::max<size_t>(st->grads().size(), 1) * sizeof(float)));
+        snapshotCopies[s].p = static_cast<float *>(p);
+      }
     return llvm::Error::success();
   }
 
@@ -165,6 +171,16 @@ public:
     if (auto err = ctx->synchronize())
       return err;
     clearStepBuffers();
+    if (snapshotPending) {
+      snapshotPending = false;
+      for (auto &[s, st] : stages) {
+        std::vector<float> g(st->grads().size());
+        PIPEC_CUDA_TRY(cudaMemcpy(g.data(), snapshotCopies.at(s).p, g.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost));
+        std::lock_guard<std::mutex> lock(snapshot->mu);
+        snapshot->byStageAndTp[{s, c.tp}] = std::move(g);
+      }
+    }
     return loss;
   }
 
@@ -205,13 +221,16 @@ public:
     PIPEC_GPU_TRY(waitForCollectives());
     if (warmUp) // the warm-up step measures memory; it does not train
       return llvm::Error::success();
+    // The gradients the optimizer sees, for --check-reference: a device copy now (the host must
+    // not wait for the device inside the step), read back by finishStep().
     if (snapshot && c.dp == 0) {
       for (auto &[s, st] : stages) {
-        std::vector<float> g;
-        PIPEC_GPU_TRY(st->downloadGrads(g));
-        std::lock_guard<std::mutex> lock(snapshot->mu);
-        snapshot->byStageAndTp[{s, c.tp}] = std::move(g);
+        if (!st->grads().empty())
+          PIPEC_CUDA_TRY(cudaMemcpyAsync(snapshotCopies.at(s).p, st->grads().data(),
+                                         st->grads().size() * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, computeStream));
       }
+      snapshotPending = true;
     }
     for (auto &[s, st] : stages)
       PIPEC_GPU_TRY(st->adamStep(options.lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay));
@@ -228,6 +247,19 @@ private:
   bool warmUp = false;
   std::function<llvm::Error()> waitForCollectives;
   std::unique_ptr<DeviceArena> arena; // destroyed before ctx (its stream)
+  /// Device memory of its own (--check-reference only, never the arena's).
+  struct DeviceCopy {
+    float *p = nullptr;
+    DeviceCopy() = default;
+    DeviceCopy(const DeviceCopy &) = delete;
+    DeviceCopy &operator=(const DeviceCopy &) = delete;
+    ~DeviceCopy() {
+      if (p)
+        (void)cudaFree(p);
+    }
+  };
+  std::map<int, DeviceCopy> snapshotCopies; // per stage: the gradients before the update
+  bool snapshotPending = false;
 };
 
 } // namespace

@@ -777,16 +777,6 @@ llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, fl
                         m.params.size(), lr, beta1, beta2, eps, weightDecay, m.adamSteps);
 }
 
-llvm::Error GpuStage::downloadGrads(std::vector<float> &out) {
-  out.resize(impl->grads.size());
-  return impl->ctx.download(out.data(), impl->grads.data(), out.size() * sizeof(float));
-}
-
-llvm::Error GpuStage::downloadParams(std::vector<float> &out) {
-  out.resize(impl->params.size());
-  return impl->ctx.download(out.data(), impl->params.data(), out.size() * sizeof(float));
-}
-
 #undef PIPEC_GPU_TRY
 
 } // namespace pipec

@@ -80,9 +80,6 @@ public:
   std::pair<size_t, size_t> tiedEmbeddingRange() const;
   llvm::Error zeroGrads();
   llvm::Error adamStep(float lr, float beta1, float beta2, float eps, float weightDecay);
-  /// Synchronous copy of the gradients to the host.
-  llvm::Error downloadGrads(std::vector<float> &out);
-  llvm::Error downloadParams(std::vector<float> &out);
 
   struct Impl;
 

@@ -141,4 +141,21 @@ std::vector<GradientShard> gradientShards(const Plan &plan,
   return shards;
 }
 
+std::vector<std::vector<GatherOp>> gatherGroups(const std::vector<GradientShard> &shards,
+                                                int rank) {
+  std::vector<std::vector<GatherOp>> groups;
+  for (size_t k = 0; k < shards.size();) {
+    const int from = shards[k].rank;
+    std::vector<GatherOp> group;
+    for (; k < shards.size() && shards[k].rank == from; ++k)
+      if (rank == from)
+        group.push_back(GatherOp{true, 0, shards[k]});
+      else if (rank == 0)
+        group.push_back(GatherOp{false, from, shards[k]});
+    if (!group.empty())
+      groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
 } // namespace pipec

@@ -76,6 +76,18 @@ struct GradientShard {
 std::vector<GradientShard> gradientShards(const Plan &plan,
                                           const std::function<size_t(int)> &layerFloats);
 
+/// One NCCL send or recv of the gather, as process `rank` posts it.
+struct GatherOp {
+  bool send = false;
+  int peer = 0; // a world rank
+  GradientShard shard;
+};
+
+/// Process `rank`'s part of the gather, one NCCL group per inner list, in posting order: a
+/// sender's single group of sends to RANK 0, or RANK 0's group of recvs per sender (by rank).
+std::vector<std::vector<GatherOp>> gatherGroups(const std::vector<GradientShard> &shards,
+                                                int rank);
+
 } // namespace pipec
 
 #endif // PIPEC_RUNTIME_CUDA_NCCLLAYOUT_H

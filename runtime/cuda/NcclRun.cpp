@@ -282,59 +282,124 @@ llvm::Expected<int> deviceOf(const LaunchEnv &env) {
                     env.localRank, *n, *n, *n);
 }
 
-/// After a step with --check-reference on several processes: every other process's gradient
-/// blocks of dp replica 0 (gradientShards) travel to RANK 0 over `world`, one group per source
-/// process, through `staging` (device memory for the largest process's blocks), into
-/// `snapshot`, which then holds all of replica 0's gradients on RANK 0.
-llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const LaunchEnv &env,
-                            NcclComm &world, cudaStream_t stream, float *staging,
-                            GradSnapshot &snapshot) {
-  for (size_t k = 0; k < shards.size();) {
-    const int from = shards[k].rank;
-    size_t end = k;
-    while (end < shards.size() && shards[end].rank == from)
-      ++end;
-    if (env.rank == from || env.rank == 0) {
-      std::vector<size_t> offsets;
-      size_t total = 0;
-      for (size_t j = k; j < end; ++j) {
-        offsets.push_back(total);
-        total += shards[j].floats;
-      }
-      if (env.rank == from)
-        for (size_t j = k; j < end; ++j) {
-          const std::vector<float> &g = snapshot.byStageAndTp[{shards[j].stage, shards[j].tp}];
-          if (g.size() != shards[j].floats)
-            return llvm::createStringError(
-                llvm::inconvertibleErrorCode(),
-                fmt::format("--check-reference: stage {} tp {} has {} gradients on rank {}, the "
-                            "gather expects {}",
-                            shards[j].stage, shards[j].tp, g.size(), env.rank, shards[j].floats));
-          PIPEC_CUDA_TRY(cudaMemcpyAsync(staging + offsets[j - k], g.data(),
-                                         g.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                         stream));
-        }
-      PIPEC_NCCL_TRY(ncclGroupStart());
-      for (size_t j = k; j < end; ++j) {
-        if (env.rank == from)
-          PIPEC_NCCL_TRY(ncclSend(staging + offsets[j - k], shards[j].floats, ncclFloat, 0,
-                                  world.get(), stream));
-        else
-          PIPEC_NCCL_TRY(ncclRecv(staging + offsets[j - k], shards[j].floats, ncclFloat, from,
-                                  world.get(), stream));
-      }
-      PIPEC_NCCL_TRY(ncclGroupEnd());
-      if (env.rank == 0)
-        for (size_t j = k; j < end; ++j) {
-          std::vector<float> &g = snapshot.byStageAndTp[{shards[j].stage, shards[j].tp}];
-          g.resize(shards[j].floats);
-          PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[j - k],
-                                         g.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                         stream));
-        }
-      PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
+/// Waits for everything queued on `stream`, polling: an asynchronous NCCL error or `timeout`
+/// seconds without completion aborts the communicators (so that the peers fail too) and is an
+/// error naming `what`.
+llvm::Error waitPolling(cudaStream_t stream, NcclCommunicators &comms, double timeout,
+                        const std::string &what) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  for (;;) {
+    cudaError_t q = cudaStreamQuery(stream);
+    if (q == cudaSuccess)
+      return llvm::Error::success();
+    if (q != cudaErrorNotReady)
+      PIPEC_CUDA_TRY(q);
+    if (auto err = comms.asyncErrors()) {
+      comms.abortAll();
+      return err;
     }
-    k = end;
+    double idle = std::chrono::duration<double>(Clock::now() - start).count();
+    if (idle >= timeout) {
+      comms.abortAll();
+      return llvm::make_error<Finding>(
+          fmt::format("watchdog: {} made no progress for {:.1f} s", what, idle));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+/// Every process adds `value` (a float slot of device scratch) over `world` and gets the sum.
+llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comms,
+                               cudaStream_t stream, double timeout, const char *what) {
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(slot, &value, sizeof value, cudaMemcpyHostToDevice, stream));
+  PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, comms.world.get(), stream));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(&value, slot, sizeof value, cudaMemcpyDeviceToHost, stream));
+  if (auto err = waitPolling(stream, comms, timeout, what))
+    return err;
+  return value;
+}
+
+/// After a step with --check-reference on several processes: every other process's gradient
+/// blocks of dp replica 0 travel to RANK 0 over `world` (gatherGroups: one NCCL group per sender,
+/// mirrored on RANK 0), through `staging` (device memory for the largest sender's blocks), into
+/// `snapshot`, which then holds all of replica 0's gradients on RANK 0. The processes first agree
+/// that every sender's blocks have the expected sizes, so that either all of them take part or
+/// all of them fail (a sender that returned early would leave RANK 0 waiting forever).
+llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const LaunchEnv &env,
+                            NcclCommunicators &comms, cudaStream_t stream, float *staging,
+                            float *agreeSlot, double timeout, GradSnapshot &snapshot) {
+  auto groups = gatherGroups(shards, env.rank);
+  std::string problem;
+  for (const auto &group : groups)
+    for (const GatherOp &op : group)
+      if (op.send) {
+        auto it = snapshot.byStageAndTp.find({op.shard.stage, op.shard.tp});
+        size_t have = it == snapshot.byStageAndTp.end() ? 0 : it->second.size();
+        if (have != op.shard.floats && problem.empty())
+          problem = fmt::format("--check-reference: rank {} holds {} gradients of stage {} tp {}, "
+                                "the gather expects {}",
+                                env.rank, have, op.shard.stage, op.shard.tp, op.shard.floats);
+      }
+  auto failures = worldSum(problem.empty() ? 0.0f : 1.0f, agreeSlot, comms, stream, timeout,
+                           "the gradient gather's size check");
+  if (!failures)
+    return failures.takeError();
+  if (!problem.empty())
+    return llvm::createStringError(llvm::inconvertibleErrorCode(), problem);
+  if (*failures > 0)
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("--check-reference: {} process(es) hold gradient blocks of unexpected sizes "
+                    "(they say which)",
+                    int(*failures)));
+  for (const auto &group : groups) {
+    std::vector<size_t> offsets;
+    size_t total = 0;
+    for (const GatherOp &op : group) {
+      offsets.push_back(total);
+      total += op.shard.floats;
+    }
+    for (size_t k = 0; k < group.size(); ++k)
+      if (group[k].send) {
+        const std::vector<float> &g =
+            snapshot.byStageAndTp.at({group[k].shard.stage, group[k].shard.tp});
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(staging + offsets[k], g.data(), g.size() * sizeof(float),
+                                       cudaMemcpyHostToDevice, stream));
+      }
+    // The group is always closed, also after a failed post.
+    llvm::Error first = llvm::Error::success();
+    auto keep = [&](ncclResult_t r, const char *call) {
+      if (r != ncclSuccess && !first)
+        first = makeNcclError(call, r, __FILE__, __LINE__);
+    };
+    keep(ncclGroupStart(), "ncclGroupStart()");
+    for (size_t k = 0; k < group.size(); ++k) {
+      const GatherOp &op = group[k];
+      if (op.send)
+        keep(ncclSend(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
+                      stream),
+             "ncclSend(gradients to RANK 0)");
+      else
+        keep(ncclRecv(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
+                      stream),
+             "ncclRecv(gradients from a sender)");
+    }
+    keep(ncclGroupEnd(), "ncclGroupEnd()");
+    if (first) {
+      comms.abortAll();
+      return first;
+    }
+    for (size_t k = 0; k < group.size(); ++k)
+      if (!group[k].send) {
+        std::vector<float> &g = snapshot.byStageAndTp[{group[k].shard.stage, group[k].shard.tp}];
+        g.resize(group[k].shard.floats);
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[k], g.size() * sizeof(float),
+                                       cudaMemcpyDeviceToHost, stream));
+      }
+    if (auto err = waitPolling(stream, comms, timeout,
+                               fmt::format("rank {}'s gradient gather", env.rank)))
+      return err;
   }
   return llvm::Error::success();
 }
@@ -451,9 +516,11 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
     PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
     result.losses.push_back(loss);
+    float *agreeSlot = static_cast<float *>(scratch.p) + 4; // after the loss's double
     if (!shards.empty())
-      if (auto err = gatherGradients(shards, env, (*comms)->world, compute,
-                                     static_cast<float *>(staging.p), snapshot)) {
+      if (auto err = gatherGradients(shards, env, **comms, compute,
+                                     static_cast<float *>(staging.p), agreeSlot,
+                                     o.timeoutSeconds, snapshot)) {
         (*comms)->abortAll();
         return err;
       }
@@ -463,6 +530,13 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       result.lastGrads = snapshot.byStageAndTp;
       ref->update();
     }
+    // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
+    // their watchdog would count its time.
+    if (!shards.empty())
+      if (auto r = worldSum(0.0f, agreeSlot, **comms, compute, std::max(o.timeoutSeconds * 10, 600.0),
+                            "the wait for RANK 0's reference step");
+          !r)
+        return r.takeError();
     if (onStep && env.rank == 0)
       onStep(s, loss);
   }
