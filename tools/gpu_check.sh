@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The one prepared check for a machine with a GPU (DESIGN §9): the requires-gpu tests, the nccl
-# mode with several processes where nvidia-smi lists two GPUs or more (rank 0's losses against
-# --backend cuda's), the kernel and runtime-overhead benchmarks and a pp=4 --check-reference
-# run; writes a short text report to ${OUT:-/tmp/gpu-check}/report.txt (full logs beside it).
+# The one prepared check for a machine with a GPU (DESIGN §9), in this order: the requires-gpu
+# test binaries, a pp=4 --check-reference run on the local transport, the nccl mode with several
+# processes where the machine has two GPUs or more (each with --check-reference, rank 0's losses
+# also against --backend cuda's), then the runtime-overhead and kernel benchmarks. Writes a short
+# report to ${OUT:-/tmp/gpu-check}/report.txt (full logs beside it).
 # It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
-# CUDA toolkit; carry that folder to a GPU machine that has no Bazel). Without gpu-bundle/ it
-# first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Meant to finish in a few minutes on an H200 (limits: each test binary 150 s, kernel benchmark
-# 90 s, runtime overhead 2 x 60 s, the pp4 check 60 s, each nccl case 60 s); prints each command
-# before it runs it.
+# CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
+# from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
+# it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
+# Time: each step has a limit (tests 120/120/60 s, pp4 60 s, each nccl case 60 s, overhead
+# 2 x 45 s, kernel benchmark 90 s) and the whole run a budget (BUDGET seconds, default 540, for
+# a device command capped at 600): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
-# Exit status: 0 when every test passed (benchmark numbers are reported, never judged); 1
-# otherwise; 2 when there is no GPU, or no bundle and no way to build one (nothing was run).
+# Exit status: 0 when every test ran and passed (benchmark numbers are reported, never judged);
+# 1 otherwise; 2 when there is no GPU, or no bundle and no way to build one (nothing was run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +25,15 @@ report="$out/report.txt"
 : >"$report"
 
 say() { echo "gpu_check: $*" | tee -a "$report"; }
+deadline=$((SECONDS + ${BUDGET:-540}))
+status=0
+# fits SECONDS NAME: whether a step with that limit still fits the budget (else it is skipped).
+fits() {
+  if [ $((SECONDS + $1)) -le "$deadline" ]; then return 0; fi
+  say "SKIPPED $2: its ${1} s no longer fit the ${BUDGET:-540} s budget"
+  status=1
+  return 1
+}
 run() {
   echo "+ $*" >&2
   "$@"
@@ -33,7 +44,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   exit 2
 fi
 say "started $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
-say "tree $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
+say "glibc $(ldd --version 2>&1 | head -1 | grep -o '[0-9.]*$')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
   | sed 's/^/gpu_check: gpu: /' | tee -a "$report"
 
@@ -55,41 +66,82 @@ if [ ! -x gpu-bundle/bin/piperun ]; then
   say "built gpu-bundle/ here ($((SECONDS - start)) s)"
 fi
 say "bundle: $(tr '\n' ';' <gpu-bundle/BUILT)"
+if [ -f gpu-bundle/SOURCES ]; then
+  stale=$(sha256sum --check --quiet gpu-bundle/SOURCES 2>&1 | head -5 || true)
+  if [ -n "$stale" ]; then
+    say "STALE BUNDLE: built from other sources than this tree's (run tools/gpu_bundle.sh again):"
+    echo "$stale" | sed 's/^/  /' | tee -a "$report"
+    if [ "${ALLOW_STALE:-0}" != 1 ]; then exit 1; fi
+    status=1
+  fi
+fi
 bin=$(pwd)/gpu-bundle/bin
 
 # The shared libraries the binaries need: cuBLAS(Lt), NCCL and the CUDA runtime wherever this
-# machine has them (the CUDA toolkit, or Python's nvidia-* wheels), then the bundle's own (libfmt,
-# and a CUDA runtime for a machine without one), last so that the machine's own come first.
+# machine has them (the loader's cache, the CUDA toolkit, Python's nvidia-* wheels), then the
+# bundle's libfmt, and its CUDA runtime only where the machine has none.
+roots=(/usr/local /opt /usr/lib /usr/lib64 /root /home /workspace)
+for py in python3 python; do
+  if command -v "$py" >/dev/null 2>&1; then
+    while IFS= read -r d; do [ -n "$d" ] && roots+=("$d"); done < <("$py" -c \
+      'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null || true)
+  fi
+done
+find_lib() { # prints the directory of $1, or nothing when the loader's cache has it
+  if ldconfig -p 2>/dev/null | grep -q "$1"; then return 0; fi
+  local found
+  found=$(find "${roots[@]}" -name "$1" 2>/dev/null | head -1 || true)
+  if [ -n "$found" ]; then dirname "$found"; else echo "MISSING"; fi
+}
 libpath=""
 for lib in libcublasLt.so.13 libcublas.so.13 libnccl.so.2 libcudart.so.13; do
-  if ldconfig -p 2>/dev/null | grep -q "$lib"; then continue; fi
-  found=$(find /usr/local /opt /usr/lib /usr/lib64 /root -xdev -name "$lib" 2>/dev/null | head -1 || true)
-  [ -n "$found" ] && libpath="$libpath${libpath:+:}$(dirname "$found")"
+  dir=$(find_lib "$lib")
+  if [ "$dir" = MISSING ]; then
+    if [ "$lib" = libcudart.so.13 ]; then dir=$(pwd)/gpu-bundle/lib/cudart; else continue; fi
+  fi
+  [ -n "$dir" ] && libpath="$libpath${libpath:+:}$dir"
 done
 libpath="$libpath${libpath:+:}$(pwd)/gpu-bundle/lib"
 export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-missing=$(ldd "$bin/piperun" "$bin/cuda_runtime_test" 2>&1 | grep 'not found' | sort -u || true)
+missing=$(ldd -r "$bin/piperun" "$bin/cuda_runtime_test" "$bin/cuda_kernel_test" 2>&1 |
+  grep -E 'not found|undefined symbol' | sort -u || true)
 if [ -n "$missing" ]; then
-  say "missing shared libraries (LD_LIBRARY_PATH=$LD_LIBRARY_PATH):"
-  echo "$missing" | sed 's/^/  /' | tee -a "$report"
+  say "missing shared libraries or symbols (LD_LIBRARY_PATH=$LD_LIBRARY_PATH):"
+  echo "$missing" | head -20 | sed 's/^/  /' | tee -a "$report"
   exit 1
 fi
 say "libraries: $(ldd "$bin/piperun" | awk '/cublasLt|nccl|cudart/ { print $1 " -> " $3 }' | tr '\n' ' ')"
 
-status=0
-for t in cuda_kernel_test cuda_runtime_test nccl_runtime_test; do
+for spec in cuda_kernel_test:120 cuda_runtime_test:120 nccl_runtime_test:60; do
+  t=${spec%%:*} limit=${spec##*:}
+  fits "$limit" "$t" || continue
   start=$SECONDS
-  if run timeout 150 "$bin/$t" >"$out/$t.log" 2>&1; then
+  if run timeout "$limit" "$bin/$t" >"$out/$t.log" 2>&1; then
     say "$t ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/$t.log" | head -1)"
   else
     status=1
     say "$t FAILED ($((SECONDS - start)) s); failed tests, then the first assertions:"
     grep -E '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" | sed 's/, where GetParam.*//; s/ ([0-9]* ms)$//' \
       | sort -u | head -30 | sed 's/^/  /' | tee -a "$report" || true
-    grep -E -A3 ': Failure$' "$out/$t.log" | head -40 | sed 's/^/  /' | tee -a "$report" || true
+    grep -E -A3 ': Failure$' "$out/$t.log" | head -24 | sed 's/^/  /' | tee -a "$report" || true
     tail -3 "$out/$t.log" | sed 's/^/  last: /' | tee -a "$report"
   fi
 done
+
+# The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
+# CPU reference, with the activation arenas it reserved.
+start=$SECONDS
+if ! fits 60 "pp4 cuda --check-reference"; then :
+elif "$bin/pipec" compile --model examples/tiny-gpt.json --schedule 1f1b --pp 4 --microbatches 8 \
+    -o "$out/pp4.json" --quiet >"$out/pp4.txt" 2>&1 &&
+  run timeout 60 "$bin/piperun" "$out/pp4.json" --backend cuda --steps 3 --check-reference \
+    >>"$out/pp4.txt" 2>&1; then
+  say "pp4 cuda --check-reference ok ($((SECONDS - start)) s):"
+else
+  status=1
+  say "pp4 cuda --check-reference FAILED ($((SECONDS - start)) s):"
+fi
+[ -f "$out/pp4.txt" ] && sed 's/^/  /' "$out/pp4.txt" | tee -a "$report"
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
 # would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
@@ -100,6 +152,7 @@ nccl_case() { # name nproc pipec-flags...
   local name=$1 n=$2
   shift 2
   local plan="$out/nccl-$name.json" port=$((29500 + RANDOM % 2000)) pids=() rc=0
+  fits 60 "nccl $name" || return 1
   if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
       >"$out/nccl-$name.compile.log" 2>&1 ||
     ! timeout 60 "$bin/piperun" "$plan" --backend cuda --steps 3 >"$out/nccl-$name.cuda.txt" 2>&1; then
@@ -116,7 +169,10 @@ nccl_case() { # name nproc pipec-flags...
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
   if [ "$rc" != 0 ]; then
     say "nccl $name ($n processes): FAILED; first lines of each rank's output:"
-    for ((r = 0; r < n; r++)); do head -5 "$out/nccl-$name.rank$r.txt" | sed "s/^/  rank $r: /" | tee -a "$report"; done
+    for ((r = 0; r < n; r++)); do
+      { head -3 "$out/nccl-$name.rank$r.txt"; echo ...; tail -5 "$out/nccl-$name.rank$r.txt"; } |
+        sed "s/^/  rank $r: /" | tee -a "$report"
+    done
     return 1
   fi
   if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
@@ -128,7 +184,7 @@ nccl_case() { # name nproc pipec-flags...
     return 1
   fi
 }
-ngpu=$(nvidia-smi -L | wc -l)
+ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l) # whole GPUs, not MIG slices
 if [ "$ngpu" -ge 2 ]; then
   start=$SECONDS
   nccl_case pp2-1f1b 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
@@ -150,42 +206,32 @@ else
   say "nccl multi-process checks skipped: nvidia-smi lists $ngpu GPU (they need 2 or more)"
 fi
 
-bench_args=()
-[ "${QUICK:-0}" = 1 ] && bench_args=(--quick)
-start=$SECONDS
-if run timeout 90 "$bin/cuda_kernel_bench" "${bench_args[@]}" \
-    >"$out/bench.txt" 2>&1; then
-  say "benchmark ok ($((SECONDS - start)) s):"
-else
-  say "BENCHMARK FAILED or timed out ($((SECONDS - start)) s) (not counted against the tests):"
-fi
-sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
-
 # The runtime's own host cost per instruction (target <= 10 us): interpreter + local transport
 # with empty compute.
 start=$SECONDS
+: >"$out/overhead.txt"
 for pp in 2 4; do
-  if run timeout 60 "$bin/cuda_overhead_bench" --pp "$pp" --microbatches 1024 \
-      >>"$out/overhead.txt" 2>&1; then :; else
+  fits 45 "overhead benchmark pp $pp" || continue
+  if ! run timeout 45 "$bin/cuda_overhead_bench" --pp "$pp" --microbatches 1024 \
+      >>"$out/overhead.txt" 2>&1; then
     say "OVERHEAD BENCHMARK FAILED (pp $pp); see $out/overhead.txt"
   fi
 done
 say "runtime overhead ($((SECONDS - start)) s):"
 sed 's/^/  /' "$out/overhead.txt" | tee -a "$report"
 
-# The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
-# CPU reference, with the activation arenas it reserved.
+bench_args=()
+[ "${QUICK:-0}" = 1 ] && bench_args=(--quick)
 start=$SECONDS
-if "$bin/pipec" compile --model examples/tiny-gpt.json --schedule 1f1b --pp 4 --microbatches 8 \
-    -o "$out/pp4.json" --quiet >"$out/pp4.txt" 2>&1 &&
-  run timeout 60 "$bin/piperun" "$out/pp4.json" --backend cuda --steps 3 --check-reference \
-    >>"$out/pp4.txt" 2>&1; then
-  say "pp4 cuda --check-reference ok ($((SECONDS - start)) s):"
-else
-  status=1
-  say "pp4 cuda --check-reference FAILED ($((SECONDS - start)) s):"
+if fits 90 "kernel benchmark"; then
+  if run timeout 90 "$bin/cuda_kernel_bench" ${bench_args[@]+"${bench_args[@]}"} \
+      >"$out/bench.txt" 2>&1; then
+    say "kernel benchmark ok ($((SECONDS - start)) s):"
+  else
+    say "KERNEL BENCHMARK FAILED or timed out ($((SECONDS - start)) s) (not counted against the tests):"
+  fi
+  sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
 fi
-sed 's/^/  /' "$out/pp4.txt" | tee -a "$report"
 
 say "finished; report $report, logs in $out"
 exit "$status"
