@@ -79,9 +79,9 @@ int fail(llvm::Error err, int code) {
 } // namespace
 
 int main(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 1,
-                          {"--pp", "--microbatches", "--steps", "--schedule", "--floats"}, {},
-                          "cuda_overhead_bench");
+  auto args =
+      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--steps", "--schedule", "--floats"},
+                  {}, "cuda_overhead_bench");
   if (!args)
     return fail(args.takeError(), 2);
   auto pp = args->integer("--pp", 4, 1, 32);

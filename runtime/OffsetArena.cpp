@@ -8,7 +8,8 @@ namespace pipec {
 std::optional<size_t> OffsetArena::allocate(size_t bytes) {
   const size_t size = roundUp(bytes);
   size_t at = 0;
-  auto fit = std::find_if(free.begin(), free.end(), [&](const auto &f) { return f.second >= size; });
+  auto fit =
+      std::find_if(free.begin(), free.end(), [&](const auto &f) { return f.second >= size; });
   if (fit != free.end()) {
     at = fit->first;
     size_t rest = fit->second - size;

@@ -77,8 +77,8 @@ public:
   virtual ~InProcessMover() = default;
   /// Send `s` (op `sIndex` of the group thread `sOwner` posted) met recv `r` (op `rIndex` of
   /// thread `rOwner`'s group); identities and sizes are already checked equal.
-  virtual llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r,
-                              int rOwner, size_t rIndex) = 0;
+  virtual llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
+                              size_t rIndex) = 0;
   /// Every member of a `group` all-reduce has arrived (`last` is the thread that came last):
   /// sum `buffers` (members' order) and give every member the same bits.
   virtual llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,

@@ -155,11 +155,11 @@ TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
     if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high) != cudaSuccess)
       problems.push_back("cannot read the pool's high-water mark");
     if (high != 0)
-      problems.push_back(fmt::format("step {}: the stream-ordered pool handed out {} bytes", step,
-                                     high));
+      problems.push_back(
+          fmt::format("step {}: the stream-ordered pool handed out {} bytes", step, high));
     if (freeNow != freeAfterStep0)
-      problems.push_back(fmt::format("step {}: free device memory {} -> {}", step,
-                                     freeAfterStep0, freeNow));
+      problems.push_back(
+          fmt::format("step {}: free device memory {} -> {}", step, freeAfterStep0, freeNow));
   };
   auto result = runOnCuda(plan, *data, o, onStep);
   ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());

@@ -222,12 +222,11 @@ TEST(NcclGradientGatherTest, EveryBlockOfReplicaZeroOutsideRankZeroIsGatheredOnc
   // What --check-reference with several processes sends to RANK 0: each (stage, tp rank) of dp
   // replica 0 held by another process, once, sized as the CPU stage that holds those layers.
   for (bool interleaved : {false, true}) {
-    Plan plan =
-        interleaved
-            ? compileOrFail(tinyGpt(false, /*layers=*/6),
-                            options("interleaved-1f1b", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2,
-                                    1, /*tp=*/2, /*dp=*/2))
-            : pp2tp2dp2();
+    Plan plan = interleaved
+                    ? compileOrFail(tinyGpt(false, /*layers=*/6),
+                                    options("interleaved-1f1b", /*pp=*/2, /*microbatches=*/4,
+                                            /*vpp=*/2, 1, /*tp=*/2, /*dp=*/2))
+                    : pp2tp2dp2();
     auto cfg = gptConfigOf(plan);
     ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
     auto shards = gradientShards(

@@ -7,9 +7,9 @@
 // the closed form of 1F1B's in-flight activations.
 //
 //===----------------------------------------------------------------------===//
+#include "runtime/Transport.h"
 #include "ir/Error.h"
 #include "runtime/OffsetArena.h"
-#include "runtime/Transport.h"
 
 #include <gtest/gtest.h>
 
@@ -204,7 +204,8 @@ P2POp op(bool send, int peer, int stage, std::span<float> data) {
 
 TEST(MoverTest, MatchedMessagesGoThroughTheMoverWithTheirOwnersAndGroupPositions) {
   RecordingMover mover;
-  InProcessTransport t(2, [](int r, size_t s) { return fmt::format("r{}s{}", r, s); }, &mover);
+  InProcessTransport t(
+      2, [](int r, size_t s) { return fmt::format("r{}s{}", r, s); }, &mover);
   std::vector<float> a{1, 2, 3}, b{4, 5}, gotA(3), gotB(2);
   // Thread 0: [recv stage 1 from 1, send stage 0 to 1]; thread 1: [send stage 1, recv stage 0].
   std::thread other([&] {

@@ -23,8 +23,8 @@ public:
 
   CpuBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
              const CpuRunOptions &options, GradSnapshot *snapshot)
-      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg),
-        data(data), options(options), snapshot(snapshot) {
+      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg), data(data),
+        options(options), snapshot(snapshot) {
     const ParallelConfig &pc = plan.parallel;
     float lossScale = 1.0f / float(int64_t(pc.microbatches) * pc.dp * cfg.microbatch * cfg.seqLen);
     for (const StageInfo &s : plan.stages)

@@ -96,9 +96,8 @@ public:
   CudaBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
               const CudaRunOptions &options, GradSnapshot *snapshot,
               std::function<llvm::Error()> waitForCollectives)
-      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg),
-        data(data), options(options), snapshot(snapshot),
-        waitForCollectives(std::move(waitForCollectives)) {}
+      : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg), data(data),
+        options(options), snapshot(snapshot), waitForCollectives(std::move(waitForCollectives)) {}
 
   void *computeStreamHandle() const override { return computeStream; }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
@@ -114,9 +113,9 @@ public:
     ctx = std::move(*ctxOr);
     computeStream = static_cast<cudaStream_t>(ctx->stream());
     arena = std::make_unique<DeviceArena>(
-        computeStream, fmt::format("rank {} (pp {}, dp {}, tp {})",
-                                   (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp,
-                                   c.pp, c.dp, c.tp));
+        computeStream,
+        fmt::format("rank {} (pp {}, dp {}, tp {})",
+                    (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp, c.pp, c.dp, c.tp));
     ctx->setAllocator(arena.get());
     const ParallelConfig &pc = plan.parallel;
     for (const StageInfo &s : plan.stages) {
@@ -326,9 +325,9 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   std::vector<CudaRankBackend *> gpu;
   for (int t = 0; t < threads; ++t) {
     Coord c{t / (pc.dp * pc.tp), t / pc.tp % pc.dp, t % pc.tp};
-    auto b = createDeviceTransportBackend(plan, cfg, c, data, options,
-                                          options.checkReference ? &snapshot : nullptr,
-                                          [&transport, t] { return transport.waitForCollectives(t); });
+    auto b = createDeviceTransportBackend(
+        plan, cfg, c, data, options, options.checkReference ? &snapshot : nullptr,
+        [&transport, t] { return transport.waitForCollectives(t); });
     if (!b)
       return b.takeError();
     CudaRankBackend *raw = b->get();

@@ -91,10 +91,11 @@ public:
 
 /// The cuda backend of rank `c` on GPU `options.device`, for a device transport: sendData,
 /// recvData and reduceData hand out device memory, a received tensor is used in place (the
-/// transport orders the compute stream after its group), and all-reduces happen in place. `waitForCollectives` must order the compute stream after every all-reduce queued so
-/// far (dp and embedding ones may still run on their own streams); it is called before the
-/// optimizer step and a local tied-embedding sum. `cfg`, `data` and `options` must outlive the
-/// backend; `snapshot` (may be null) receives replica 0's gradients before each optimizer step.
+/// transport orders the compute stream after its group), and all-reduces happen in place.
+/// `waitForCollectives` must order the compute stream after every all-reduce queued so far (dp and
+/// embedding ones may still run on their own streams); it is called before the optimizer step and a
+/// local tied-embedding sum. `cfg`, `data` and `options` must outlive the backend; `snapshot` (may
+/// be null) receives replica 0's gradients as each optimizer step saw them, in finishStep().
 llvm::Expected<std::unique_ptr<CudaRankBackend>>
 createDeviceTransportBackend(const Plan &plan, const kernels::GptConfig &cfg, const Coord &c,
                              const DataSource &data, const CudaRunOptions &options,

@@ -60,7 +60,7 @@ private:
   OffsetArena placement;
   char *base = nullptr;
   size_t reservedSize = 0;
-  bool reservedEmpty = false;          // reserved, and the warm-up needed nothing
+  bool reservedEmpty = false; // reserved, and the warm-up needed nothing
   struct Placed {
     size_t offset, bytes;
   };

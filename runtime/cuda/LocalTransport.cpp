@@ -38,21 +38,22 @@ llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
 struct LocalCudaTransport::PerThread {
   cudaStream_t compute = nullptr;
   std::function<llvm::Error()> pendingError;
-  OwnedStream copy;                // p2p copies into this thread's buffers
-  OwnedStream collective[3];       // tp, dp, embedding
-  OwnedEvent ready;                // compute stream at the post of a group or an all-reduce
-  OwnedEvent mark;                 // scratch for order()
-  OwnedEvent arrive[3], done[3];   // per collective kind
-  std::vector<OwnedEvent> opDone;  // per op of a group
+  OwnedStream copy;               // p2p copies into this thread's buffers
+  OwnedStream collective[3];      // tp, dp, embedding
+  OwnedEvent ready;               // compute stream at the post of a group or an all-reduce
+  OwnedEvent mark;                // scratch for order()
+  OwnedEvent arrive[3], done[3];  // per collective kind
+  std::vector<OwnedEvent> opDone; // per op of a group
 };
 
 LocalCudaTransport::LocalCudaTransport(const Plan &plan, int numThreads)
-    : inProcess(numThreads,
-                [&plan](int rank, size_t step) {
-                  return fmt::format("rank {} step {} ({})", rank, step,
-                                     formatToken(plan, plan.ranks[size_t(rank)][step]));
-                },
-                this) {
+    : inProcess(
+          numThreads,
+          [&plan](int rank, size_t step) {
+            return fmt::format("rank {} step {} ({})", rank, step,
+                               formatToken(plan, plan.ranks[size_t(rank)][step]));
+          },
+          this) {
   threads.resize(size_t(numThreads));
   for (const auto &stream : plan.ranks)
     for (size_t n = 0; n < stream.size();) {
@@ -167,8 +168,7 @@ llvm::Error LocalCudaTransport::sum(CollectiveGroup group, llvm::ArrayRef<int> m
     PIPEC_CUDA_TRY(cudaStreamWaitEvent(s, threads[size_t(members[m])]->arrive[g].get(), 0));
     ops.buffers[m] = buffers[m].data();
   }
-  PIPEC_CUDA_TRY(
-      runtime::cuda::launch::sumInOrder(ops, int(members.size()), buffers[0].size(), s));
+  PIPEC_CUDA_TRY(runtime::cuda::launch::sumInOrder(ops, int(members.size()), buffers[0].size(), s));
   for (int m : members)
     PIPEC_CUDA_TRY(cudaEventRecord(threads[size_t(m)]->done[g].get(), s));
   return llvm::Error::success();
@@ -176,11 +176,10 @@ llvm::Error LocalCudaTransport::sum(CollectiveGroup group, llvm::ArrayRef<int> m
 
 llvm::Error LocalCudaTransport::waitForCollectives(int self) {
   PerThread &t = *threads[size_t(self)];
-  if (auto err = order(t.compute, t.collective[groupIndex(CollectiveGroup::Dp)].get(),
-                       t.mark.get()))
+  if (auto err =
+          order(t.compute, t.collective[groupIndex(CollectiveGroup::Dp)].get(), t.mark.get()))
     return err;
-  return order(t.compute, t.collective[groupIndex(CollectiveGroup::Embedding)].get(),
-               t.mark.get());
+  return order(t.compute, t.collective[groupIndex(CollectiveGroup::Embedding)].get(), t.mark.get());
 }
 
 } // namespace pipec

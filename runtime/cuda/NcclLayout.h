@@ -85,8 +85,7 @@ struct GatherOp {
 
 /// Process `rank`'s part of the gather, one NCCL group per inner list, in posting order: a
 /// sender's single group of sends to RANK 0, or RANK 0's group of recvs per sender (by rank).
-std::vector<std::vector<GatherOp>> gatherGroups(const std::vector<GradientShard> &shards,
-                                                int rank);
+std::vector<std::vector<GatherOp>> gatherGroups(const std::vector<GradientShard> &shards, int rank);
 
 } // namespace pipec
 

@@ -397,8 +397,8 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
         PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[k], g.size() * sizeof(float),
                                        cudaMemcpyDeviceToHost, stream));
       }
-    if (auto err = waitPolling(stream, comms, timeout,
-                               fmt::format("rank {}'s gradient gather", env.rank)))
+    if (auto err =
+            waitPolling(stream, comms, timeout, fmt::format("rank {}'s gradient gather", env.rank)))
       return err;
   }
   return llvm::Error::success();
@@ -518,9 +518,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     result.losses.push_back(loss);
     float *agreeSlot = static_cast<float *>(scratch.p) + 4; // after the loss's double
     if (!shards.empty())
-      if (auto err = gatherGradients(shards, env, **comms, compute,
-                                     static_cast<float *>(staging.p), agreeSlot,
-                                     o.timeoutSeconds, snapshot)) {
+      if (auto err = gatherGradients(shards, env, **comms, compute, static_cast<float *>(staging.p),
+                                     agreeSlot, o.timeoutSeconds, snapshot)) {
         (*comms)->abortAll();
         return err;
       }
@@ -533,8 +532,9 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
     // their watchdog would count its time.
     if (!shards.empty())
-      if (auto r = worldSum(0.0f, agreeSlot, **comms, compute, std::max(o.timeoutSeconds * 10, 600.0),
-                            "the wait for RANK 0's reference step");
+      if (auto r =
+              worldSum(0.0f, agreeSlot, **comms, compute, std::max(o.timeoutSeconds * 10, 600.0),
+                       "the wait for RANK 0's reference step");
           !r)
         return r.takeError();
     if (onStep && env.rank == 0)

@@ -37,9 +37,9 @@ namespace {
 llvm::Error fp32Only(const char *op, DType dtype) {
   if (dtype == DType::F32)
     return llvm::Error::success();
-  return llvm::createStringError(llvm::inconvertibleErrorCode(),
-                                 fmt::format("{}: the emulated device computes fp32 only (got {})",
-                                             op, toString(dtype)));
+  return llvm::createStringError(
+      llvm::inconvertibleErrorCode(),
+      fmt::format("{}: the emulated device computes fp32 only (got {})", op, toString(dtype)));
 }
 
 /// The default DeviceAllocator, as the real one: cudaMallocAsync / cudaFreeAsync (here, the fake
