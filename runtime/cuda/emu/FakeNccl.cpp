@@ -1,0 +1,412 @@
+//===- FakeNccl.cpp - NCCL's calls, for ranks that are threads of one process -===//
+//
+// Part of the emulated device (kernels/cuda/emu/README.md): the NCCL calls of runtime/cuda/Nccl.cpp
+// and NcclRun.cpp, for ranks that are threads of one process, so that the nccl mode (one rank
+// per "process") runs several ranks in CI, which no one-GPU machine can (NCCL refuses two ranks
+// on one GPU). Data is host memory (the fake CUDA runtime's). NCCL's rules that the runtime
+// relies on are kept:
+//   - ncclCommInitRank blocks until all ranks of the id have joined (the id comes from
+//     NCCL_COMM_ID, as with the real library's bootstrap); ncclCommSplit is a collective of the
+//     parent that orders each color's members by (key, rank);
+//   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
+//     (a mismatch is an error); the ops between ncclGroupStart and ncclGroupEnd are posted at once
+//     and ncclGroupEnd returns when all have matched; an op outside a group completes alone;
+//   - ncclAllReduce (sum) is a rendezvous of all ranks, added in rank order.
+// Where the real library returns and lets the GPU wait, this one blocks the calling thread: the
+// plans the verifier accepts complete under these blocking rules (the in-process transport's).
+// A wait longer than 60 s fails with ncclSystemError instead of hanging CI; ncclCommAbort fails
+// every wait on that communicator.
+//
+//===----------------------------------------------------------------------===//
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr auto kPatience = std::chrono::seconds(60);
+
+/// The members of one communicator, shared by their ncclComm objects.
+struct Group {
+  int size = 0;
+  bool aborted = false;
+};
+
+struct Posted {
+  bool send = false;
+  void *buffer = nullptr;
+  size_t bytes = 0;
+  bool done = false;
+};
+
+struct Rendezvous {
+  int arrived = 0;
+  std::vector<std::tuple<int, int, int>> splits; // (rank, color, key)
+  std::vector<std::pair<const void *, void *>> buffers;
+  bool complete = false;
+  std::map<int, std::shared_ptr<Group>> splitGroups;        // color -> group
+  std::map<int, int> splitRank;                             // parent rank -> new rank
+  int pickedUp = 0;
+};
+
+struct Init {
+  std::shared_ptr<Group> group;
+  int joined = 0, left = 0;
+};
+
+struct Channel {
+  std::deque<Posted *> sends, recvs; // FIFO
+};
+
+std::mutex mu;
+std::condition_variable cv;
+std::map<std::string, Init> inits;                              // by id
+std::map<std::tuple<Group *, int, int>, Channel> channels;      // (group, src, dst)
+std::map<std::pair<Group *, long>, Rendezvous> rendezvous;      // (group, sequence)
+thread_local int groupDepth = 0;
+thread_local std::string lastError;
+
+} // namespace
+
+struct ncclComm {
+  std::shared_ptr<Group> group;
+  int rank = 0;
+  long collectives = 0; // this member's count: the rendezvous sequence
+  struct Pending {
+    bool send;
+    void *buffer;
+    size_t bytes;
+    int peer;
+  };
+};
+
+namespace {
+
+thread_local std::vector<std::pair<ncclComm *, ncclComm::Pending>> pending;
+
+size_t sizeOf(ncclDataType_t t) {
+  switch (t) {
+  case ncclInt8:
+  case ncclUint8:
+    return 1;
+  case ncclFloat16:
+  case ncclBfloat16:
+    return 2;
+  case ncclInt32:
+  case ncclUint32:
+  case ncclFloat32:
+    return 4;
+  case ncclInt64:
+  case ncclUint64:
+  case ncclFloat64:
+    return 8;
+  default:
+    return 0;
+  }
+}
+
+ncclResult_t fail(const std::string &why, ncclResult_t code = ncclSystemError) {
+  lastError = "emulated NCCL: " + why;
+  return code;
+}
+
+/// Waits (holding `lock`) until `ready()`; an aborted group or the patience running out fail.
+template <typename Ready>
+ncclResult_t waitFor(std::unique_lock<std::mutex> &lock, Group *g, Ready ready, const char *what) {
+  auto until = std::chrono::steady_clock::now() + kPatience;
+  while (!ready()) {
+    if (g && g->aborted)
+      return fail(std::string(what) + ": the communicator was aborted", ncclRemoteError);
+    if (cv.wait_until(lock, until) == std::cv_status::timeout && !ready())
+      return fail(std::string(what) + ": no partner within 60 s");
+  }
+  return ncclSuccess;
+}
+
+/// Matches the heads of one channel (lock held); an error on a size mismatch.
+ncclResult_t matchChannel(Channel &c) {
+  while (!c.sends.empty() && !c.recvs.empty()) {
+    Posted *s = c.sends.front(), *r = c.recvs.front();
+    if (s->bytes != r->bytes)
+      return fail("a send of " + std::to_string(s->bytes) + " bytes met a recv of " +
+                  std::to_string(r->bytes) + " bytes (sends and recvs of a pair match in order)");
+    if (s->bytes)
+      std::memcpy(r->buffer, s->buffer, s->bytes);
+    s->done = r->done = true;
+    c.sends.pop_front();
+    c.recvs.pop_front();
+  }
+  return ncclSuccess;
+}
+
+/// Posts `ops` of the calling thread at once and waits until every one has matched. On a
+/// failure its ops leave the channels (nobody may match a dead stack frame) and the
+/// communicator is marked aborted, so that its peers fail too instead of waiting.
+ncclResult_t postAndWait(std::vector<std::pair<ncclComm *, ncclComm::Pending>> ops) {
+  std::vector<Posted> posted(ops.size());
+  std::unique_lock<std::mutex> lock(mu);
+  Group *g = ops.front().first->group.get();
+  ncclResult_t result = ncclSuccess;
+  for (size_t k = 0; k < ops.size() && result == ncclSuccess; ++k) {
+    auto &[comm, p] = ops[k];
+    if (p.peer < 0 || p.peer >= comm->group->size) {
+      result = fail("peer " + std::to_string(p.peer) + " outside a communicator of " +
+                        std::to_string(comm->group->size),
+                    ncclInvalidArgument);
+      break;
+    }
+    posted[k] = Posted{p.send, p.buffer, p.bytes, false};
+    int src = p.send ? comm->rank : p.peer, dst = p.send ? p.peer : comm->rank;
+    Channel &c = channels[{comm->group.get(), src, dst}];
+    (p.send ? c.sends : c.recvs).push_back(&posted[k]);
+    result = matchChannel(c);
+  }
+  cv.notify_all();
+  if (result == ncclSuccess)
+    result = waitFor(
+        lock, g,
+        [&] {
+          return std::all_of(posted.begin(), posted.end(), [](const Posted &p) { return p.done; });
+        },
+        "send/recv");
+  if (result != ncclSuccess) {
+    for (auto &[key, c] : channels)
+      for (auto *q : {&c.sends, &c.recvs})
+        q->erase(std::remove_if(q->begin(), q->end(),
+                                [&](Posted *p) {
+                                  return p >= posted.data() && p < posted.data() + posted.size();
+                                }),
+                 q->end());
+    g->aborted = true;
+    cv.notify_all();
+  }
+  return result;
+}
+
+ncclResult_t p2p(bool send, void *buffer, size_t count, ncclDataType_t type, int peer,
+                 ncclComm_t comm) {
+  if (!comm)
+    return fail("send/recv on a null communicator", ncclInvalidArgument);
+  ncclComm::Pending p{send, buffer, count * sizeOf(type), peer};
+  if (groupDepth > 0) {
+    pending.emplace_back(comm, p);
+    return ncclSuccess;
+  }
+  return postAndWait({{comm, p}});
+}
+
+} // namespace
+
+extern "C" {
+
+const char *ncclGetErrorString(ncclResult_t result) {
+  switch (result) {
+  case ncclSuccess:
+    return "no error";
+  case ncclSystemError:
+    return "unhandled system error (emulated NCCL)";
+  case ncclInvalidArgument:
+    return "invalid argument (emulated NCCL)";
+  case ncclInvalidUsage:
+    return "invalid usage (emulated NCCL)";
+  case ncclRemoteError:
+    return "remote process exited or there was a network error (emulated NCCL)";
+  default:
+    return "internal error (emulated NCCL)";
+  }
+}
+
+const char *ncclGetLastError(ncclComm_t) { return lastError.c_str(); }
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
+  std::memset(uniqueId, 0, sizeof *uniqueId);
+  // As the real bootstrap: every process with the same NCCL_COMM_ID gets the same id; without
+  // it, a fresh one.
+  static long fresh = 0;
+  std::string id;
+  if (const char *env = std::getenv("NCCL_COMM_ID"))
+    id = std::string("env:") + env;
+  else {
+    std::lock_guard<std::mutex> lock(mu);
+    id = "fresh:" + std::to_string(++fresh);
+  }
+  std::strncpy(uniqueId->internal, id.c_str(), sizeof uniqueId->internal - 1);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+  if (nranks < 1 || rank < 0 || rank >= nranks)
+    return fail("bad rank or size", ncclInvalidArgument);
+  std::string id(commId.internal, strnlen(commId.internal, sizeof commId.internal));
+  std::unique_lock<std::mutex> lock(mu);
+  Init &init = inits[id];
+  if (!init.group) {
+    init.group = std::make_shared<Group>();
+    init.group->size = nranks;
+  }
+  if (init.group->size != nranks)
+    return fail("ranks disagree on the communicator's size", ncclInvalidUsage);
+  std::shared_ptr<Group> mine = init.group;
+  Init *at = &init;
+  ++at->joined;
+  cv.notify_all();
+  if (auto r = waitFor(lock, nullptr, [&] { return at->joined >= nranks; }, "ncclCommInitRank");
+      r != ncclSuccess)
+    return r;
+  // The last one to leave clears the entry, so that the id can be used again.
+  if (++at->left == nranks)
+    inits.erase(id);
+  *comm = new ncclComm{mine, rank, 0};
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                           ncclConfig_t *) {
+  if (!comm)
+    return fail("split of a null communicator", ncclInvalidArgument);
+  Group *g = comm->group.get();
+  std::unique_lock<std::mutex> lock(mu);
+  Rendezvous &rv = rendezvous[{g, comm->collectives++}];
+  rv.splits.emplace_back(comm->rank, color, key);
+  if (int(rv.splits.size()) == g->size) {
+    std::map<int, std::vector<std::tuple<int, int>>> byColor; // color -> (key, rank)
+    for (auto [r, c, k] : rv.splits)
+      if (c != NCCL_SPLIT_NOCOLOR)
+        byColor[c].emplace_back(k, r);
+    for (auto &[c, members] : byColor) {
+      std::sort(members.begin(), members.end());
+      auto group = std::make_shared<Group>();
+      group->size = int(members.size());
+      rv.splitGroups[c] = group;
+      for (size_t i = 0; i < members.size(); ++i)
+        rv.splitRank[std::get<1>(members[i])] = int(i);
+    }
+    rv.complete = true;
+    cv.notify_all();
+  }
+  Rendezvous *at = &rv;
+  if (auto r = waitFor(lock, g, [&] { return at->complete; }, "ncclCommSplit"); r != ncclSuccess)
+    return r;
+  *newcomm = color == NCCL_SPLIT_NOCOLOR
+                 ? nullptr
+                 : new ncclComm{at->splitGroups.at(color), at->splitRank.at(comm->rank), 0};
+  if (++at->pickedUp == g->size)
+    rendezvous.erase({g, comm->collectives - 1});
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
+  if (!comm)
+    return fail("count of a null communicator", ncclInvalidArgument);
+  *count = comm->group->size;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
+  std::lock_guard<std::mutex> lock(mu);
+  *asyncError = comm && comm->group->aborted ? ncclRemoteError : ncclSuccess;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(ncclComm_t) { return ncclSuccess; }
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (!comm)
+    return ncclSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    comm->group->aborted = true;
+  }
+  cv.notify_all();
+  delete comm;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart() {
+  ++groupDepth;
+  return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+  if (groupDepth == 0)
+    return fail("ncclGroupEnd without ncclGroupStart", ncclInvalidUsage);
+  if (--groupDepth > 0)
+    return ncclSuccess;
+  auto ops = std::move(pending);
+  pending.clear();
+  if (ops.empty())
+    return ncclSuccess;
+  return postAndWait(std::move(ops));
+}
+
+ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
+                      ncclComm_t comm, cudaStream_t) {
+  return p2p(true, const_cast<void *>(sendbuff), count, datatype, peer, comm);
+}
+
+ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
+                      ncclComm_t comm, cudaStream_t) {
+  return p2p(false, recvbuff, count, datatype, peer, comm);
+}
+
+ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t) {
+  if (!comm)
+    return fail("all-reduce on a null communicator", ncclInvalidArgument);
+  if (op != ncclSum || (datatype != ncclFloat32 && datatype != ncclFloat64))
+    return fail("only fp32 and fp64 sums are emulated", ncclInvalidArgument);
+  if (groupDepth > 0)
+    return fail("an all-reduce inside a group is not emulated", ncclInvalidUsage);
+  Group *g = comm->group.get();
+  std::unique_lock<std::mutex> lock(mu);
+  const long seq = comm->collectives++;
+  Rendezvous &rv = rendezvous[{g, seq}];
+  if (rv.buffers.empty())
+    rv.buffers.resize(size_t(g->size));
+  rv.buffers[size_t(comm->rank)] = {sendbuff, recvbuff};
+  if (++rv.arrived == g->size) {
+    // In rank order, into a scratch, then to every member.
+    if (datatype == ncclFloat32) {
+      std::vector<float> sum(count, 0.0f);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += static_cast<const float *>(in)[i];
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, sum.data(), count * sizeof(float));
+    } else {
+      std::vector<double> sum(count, 0.0);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += static_cast<const double *>(in)[i];
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, sum.data(), count * sizeof(double));
+    }
+    rv.complete = true;
+    cv.notify_all();
+  }
+  Rendezvous *at = &rv;
+  if (auto r = waitFor(lock, g, [&] { return at->complete; }, "ncclAllReduce"); r != ncclSuccess)
+    return r;
+  if (++at->pickedUp == g->size)
+    rendezvous.erase({g, seq});
+  return ncclSuccess;
+}
+
+} // extern "C"

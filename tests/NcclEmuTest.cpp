@@ -1,0 +1,114 @@
+//===- NcclEmuTest.cpp - The nccl mode with several ranks, on the emulated device -===//
+//
+// Runs in CI, on the emulated device (kernels/cuda/emu/README.md) with the emulated NCCL
+// (runtime/cuda/emu/FakeNccl.cpp): every rank of a plan is a thread calling runOnNccl as one
+// process of a torchrun launch would (its own LaunchEnv from RANK, WORLD_SIZE, LOCAL_RANK and one
+// NCCL_COMM_ID), so the communicators' creation and splits, the p2p groups on `pipeline`, the
+// tp, dp and embedding all-reduces, the end-of-step waits and the --check-reference gather to
+// RANK 0 all run with several ranks, which a one-GPU machine cannot do with the real library.
+// RANK 0's gradients (all replica-0 blocks, gathered) must be the single-rank reference's within
+// kCudaGradTolerance, and its losses the cpu backend's.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/TestUtil.h"
+
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "runtime/Data.h"
+#include "runtime/cpu/CpuRun.h"
+#include "runtime/cuda/NcclLayout.h"
+#include "runtime/cuda/NcclRun.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+namespace pipec::test {
+namespace {
+
+struct Case {
+  const char *name;
+  CompileOptions options;
+  bool tied = false;
+};
+
+class NcclEmuTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
+  const Case &c = GetParam();
+  Plan plan = compileOrFail(tinyGpt(c.tied, /*layers=*/6), c.options);
+  ASSERT_FALSE(verifyPlan(plan));
+  const ParallelConfig &pc = plan.parallel;
+  const int world = pc.pp * pc.dp * pc.tp;
+  // One id per case: the emulated bootstrap pairs the ranks by it.
+  ASSERT_EQ(::setenv("NCCL_COMM_ID", fmt::format("emu-{}:1", c.name).c_str(), 1), 0);
+  auto data = syntheticData(32, /*seed=*/7);
+  CudaRunOptions o;
+  o.steps = 2;
+  o.checkReference = true;
+  o.timeoutSeconds = 60;
+  std::vector<llvm::Expected<CudaRunResult>> results;
+  for (int r = 0; r < world; ++r)
+    results.emplace_back(CudaRunResult{});
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      std::map<std::string, std::string> vars{{"RANK", std::to_string(r)},
+                                              {"WORLD_SIZE", std::to_string(world)},
+                                              {"LOCAL_RANK", "0"},
+                                              {"NCCL_COMM_ID", "emu:1"}};
+      auto env = launchEnvOf(plan, [&](const char *name) -> const char * {
+        auto it = vars.find(name);
+        return it == vars.end() ? nullptr : it->second.c_str();
+      });
+      if (!env) {
+        results[size_t(r)] = env.takeError();
+        return;
+      }
+      results[size_t(r)] = runOnNccl(plan, *data, o, *env);
+    });
+  for (auto &t : threads)
+    t.join();
+  ::unsetenv("NCCL_COMM_ID");
+  for (int r = 0; r < world; ++r)
+    ASSERT_TRUE(bool(results[size_t(r)]))
+        << "rank " << r << ": " << takeMessage(results[size_t(r)].takeError());
+  CudaRunResult &root = *results[0];
+  ASSERT_EQ(root.referenceLosses.size(), 2u);
+  EXPECT_GT(root.gradScale, 0);
+  EXPECT_LE(root.maxAbsGradDiff, kCudaGradTolerance * root.gradScale)
+      << "max |grad - reference| " << root.maxAbsGradDiff << " scale " << root.gradScale;
+  // Every (stage, tp) block of replica 0 took part in the comparison.
+  EXPECT_EQ(root.lastGrads.size(), plan.stages.size() * size_t(pc.tp));
+  CpuRunOptions co;
+  co.steps = 2;
+  auto cpu = runOnCpu(plan, *data, co);
+  ASSERT_TRUE(bool(cpu)) << takeMessage(cpu.takeError());
+  for (int r = 0; r < world; ++r) {
+    const CudaRunResult &mine = *results[size_t(r)];
+    ASSERT_EQ(mine.losses.size(), 2u) << "rank " << r;
+    for (size_t s = 0; s < 2; ++s)
+      EXPECT_NEAR(mine.losses[s], cpu->losses[s], 1e-5) << "rank " << r << " step " << s;
+    if (r > 0) {
+      EXPECT_TRUE(mine.referenceLosses.empty()) << "only RANK 0 runs the reference";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Nccl, NcclEmuTest,
+    ::testing::Values(
+        Case{"pp2", options("1f1b", /*pp=*/2, /*microbatches=*/4)},
+        Case{"pp4_zbh1", options("zb-h1", /*pp=*/4, /*microbatches=*/6)},
+        Case{"pp2_zbv", options("zb-v", /*pp=*/2, /*microbatches=*/4, /*vpp=*/2)},
+        Case{"pp2_tied", options("1f1b", /*pp=*/2, /*microbatches=*/4), /*tied=*/true},
+        Case{"pp2_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
+        Case{"interleaved_seq2", options("seq1f1b-interleaved", 2, 4, /*vpp=*/2, 2)},
+        Case{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true}),
+    [](const auto &info) { return std::string(info.param.name); });
+
+} // namespace
+} // namespace pipec::test
