@@ -2,7 +2,8 @@
 //
 // The CudaOps.h contract computed by the CPU reference ops (kernels/cpu/Ops.h), for the emulated
 // device (kernels/cuda/emu/README.md): "device" pointers are host memory from the fake runtime
-// (FakeCudaRuntime.cpp), everything runs at once on the calling thread. Where the CUDA API departs
+// (FakeCudaRuntime.cpp); each op's work runs in its context's stream order (emu::enqueue: at
+// once, or on the stream's worker thread in asynchronous mode). Where the CUDA API departs
 // from the CPU one it is followed here too: attention keeps a log-sum-exp per query row and its
 // backward recomputes the probabilities from it; cross entropy keeps a log-sum-exp per row and
 // returns per-row losses. fp32 only: a bf16 call is an error saying so. The real kernels are
@@ -14,6 +15,7 @@
 
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/emu/FakeCuda.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -82,6 +84,12 @@ std::vector<float> attentionProbs(const float *q, const float *k, const float *l
   return probs;
 }
 
+/// Queues `work` on the context's stream.
+llvm::Error run(CudaContext &ctx, std::function<void()> work) {
+  emu::enqueue(static_cast<cudaStream_t>(ctx.stream()), std::move(work));
+  return llvm::Error::success();
+}
+
 ops::AttentionShape cpuShape(const AttentionShape &s) {
   return ops::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim};
 }
@@ -127,18 +135,24 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
 
 int CudaContext::device() const { return impl_->device; }
 void *CudaContext::stream() const { return impl_->stream; }
-llvm::Error CudaContext::synchronize() { return llvm::Error::success(); }
+llvm::Error CudaContext::synchronize() {
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  return llvm::Error::success();
+}
 
+// As the real ones: queued on the stream, then waited for.
 llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
-  std::memcpy(device, host, bytes);
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
-  std::memcpy(host, device, bytes);
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
-  std::memset(device, 0, bytes);
+  PIPEC_CUDA_TRY(cudaMemsetAsync(device, 0, bytes, impl_->stream));
   return llvm::Error::success();
 }
 
@@ -171,14 +185,13 @@ DeviceBuffer::~DeviceBuffer() {
     (void)cudaFree(ptr_);
 }
 
-llvm::Error convert(CudaContext &, DType dstType, void *dst, DType srcType, const void *src,
+llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
                     size_t n) {
   if (auto err = fp32Only("convert", dstType))
     return err;
   if (auto err = fp32Only("convert", srcType))
     return err;
-  std::memmove(dst, src, n * sizeof(float));
-  return llvm::Error::success();
+  return run(ctx, [=] { std::memmove(dst, src, n * sizeof(float)); });
 }
 
 //===--- The ops ----------------------------------------------------------===//
@@ -189,119 +202,129 @@ llvm::Error convert(CudaContext &, DType dstType, void *dst, DType srcType, cons
       return err;                                                                                  \
   } while (false)
 
-llvm::Error matmulForward(CudaContext &, DType dtype, void *out, const void *in, const void *w,
+llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                           const void *bias, int n, int i, int o) {
   PIPEC_EMU_FP32("matmulForward");
-  ops::matmulForward(static_cast<float *>(out), static_cast<const float *>(in),
-                     static_cast<const float *>(w), static_cast<const float *>(bias), n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulForward(static_cast<float *>(out), static_cast<const float *>(in),
+                       static_cast<const float *>(w), static_cast<const float *>(bias), n, i, o);
+  });
 }
-llvm::Error matmulBackwardInput(CudaContext &, DType dtype, void *dIn, const void *dOut,
+llvm::Error matmulBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                 const void *w, int n, int i, int o) {
   PIPEC_EMU_FP32("matmulBackwardInput");
-  ops::matmulBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                           static_cast<const float *>(w), n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                             static_cast<const float *>(w), n, i, o);
+  });
 }
-llvm::Error matmulBackwardWeight(CudaContext &, DType dtype, float *dW, float *dBias,
+llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dBias,
                                  const void *in, const void *dOut, int n, int i, int o) {
   PIPEC_EMU_FP32("matmulBackwardWeight");
-  ops::matmulBackwardWeight(dW, dBias, static_cast<const float *>(in),
-                            static_cast<const float *>(dOut), n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulBackwardWeight(dW, dBias, static_cast<const float *>(in),
+                              static_cast<const float *>(dOut), n, i, o);
+  });
 }
-llvm::Error matmulTForward(CudaContext &, DType dtype, void *out, const void *in, const void *w,
+llvm::Error matmulTForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                            int n, int i, int o) {
   PIPEC_EMU_FP32("matmulTForward");
-  ops::matmulTForward(static_cast<float *>(out), static_cast<const float *>(in),
-                      static_cast<const float *>(w), n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulTForward(static_cast<float *>(out), static_cast<const float *>(in),
+                        static_cast<const float *>(w), n, i, o);
+  });
 }
-llvm::Error matmulTBackwardInput(CudaContext &, DType dtype, void *dIn, const void *dOut,
+llvm::Error matmulTBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                  const void *w, int n, int i, int o) {
   PIPEC_EMU_FP32("matmulTBackwardInput");
-  ops::matmulTBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                            static_cast<const float *>(w), n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulTBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                              static_cast<const float *>(w), n, i, o);
+  });
 }
-llvm::Error matmulTBackwardWeight(CudaContext &, DType dtype, float *dW, const void *in,
+llvm::Error matmulTBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *in,
                                   const void *dOut, int n, int i, int o) {
   PIPEC_EMU_FP32("matmulTBackwardWeight");
-  ops::matmulTBackwardWeight(dW, static_cast<const float *>(in), static_cast<const float *>(dOut),
-                             n, i, o);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::matmulTBackwardWeight(dW, static_cast<const float *>(in), static_cast<const float *>(dOut),
+                               n, i, o);
+  });
 }
 
-llvm::Error layernormForward(CudaContext &, DType dtype, void *out, float *mean, float *rstd,
+llvm::Error layernormForward(CudaContext &ctx, DType dtype, void *out, float *mean, float *rstd,
                              const void *in, const void *w, const void *b, int n, int c) {
   PIPEC_EMU_FP32("layernormForward");
-  ops::layernormForward(static_cast<float *>(out), mean, rstd, static_cast<const float *>(in),
-                        static_cast<const float *>(w), static_cast<const float *>(b), n, c);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::layernormForward(static_cast<float *>(out), mean, rstd, static_cast<const float *>(in),
+                          static_cast<const float *>(w), static_cast<const float *>(b), n, c);
+  });
 }
-llvm::Error layernormBackwardInputAccumulate(CudaContext &, DType dtype, void *dIn,
+llvm::Error layernormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
                                              const void *dOut, const void *in, const float *mean,
                                              const float *rstd, const void *w, int n, int c) {
   PIPEC_EMU_FP32("layernormBackwardInputAccumulate");
-  ops::layernormBackwardInputAccumulate(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                                        static_cast<const float *>(in), mean, rstd,
-                                        static_cast<const float *>(w), n, c);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::layernormBackwardInputAccumulate(
+        static_cast<float *>(dIn), static_cast<const float *>(dOut), static_cast<const float *>(in),
+        mean, rstd, static_cast<const float *>(w), n, c);
+  });
 }
-llvm::Error layernormBackwardWeight(CudaContext &, DType dtype, float *dW, float *dB,
+llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dB,
                                     const void *dOut, const void *in, const float *mean,
                                     const float *rstd, int n, int c) {
   PIPEC_EMU_FP32("layernormBackwardWeight");
-  ops::layernormBackwardWeight(dW, dB, static_cast<const float *>(dOut),
-                               static_cast<const float *>(in), mean, rstd, n, c);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::layernormBackwardWeight(dW, dB, static_cast<const float *>(dOut),
+                                 static_cast<const float *>(in), mean, rstd, n, c);
+  });
 }
 
-llvm::Error geluForward(CudaContext &, DType dtype, void *out, const void *in, size_t n) {
+llvm::Error geluForward(CudaContext &ctx, DType dtype, void *out, const void *in, size_t n) {
   PIPEC_EMU_FP32("geluForward");
-  ops::geluForward(static_cast<float *>(out), static_cast<const float *>(in), n);
-  return llvm::Error::success();
+  return run(
+      ctx, [=] { ops::geluForward(static_cast<float *>(out), static_cast<const float *>(in), n); });
 }
-llvm::Error geluBackward(CudaContext &, DType dtype, void *dIn, const void *dOut, const void *in,
+llvm::Error geluBackward(CudaContext &ctx, DType dtype, void *dIn, const void *dOut, const void *in,
                          size_t n) {
   PIPEC_EMU_FP32("geluBackward");
-  ops::geluBackward(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                    static_cast<const float *>(in), n);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::geluBackward(static_cast<float *>(dIn), static_cast<const float *>(dOut),
+                      static_cast<const float *>(in), n);
+  });
 }
 
-llvm::Error attentionForward(CudaContext &, DType dtype, void *out, float *lse, const void *q,
+llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s) {
   PIPEC_EMU_FP32("attentionForward");
-  const auto *qf = static_cast<const float *>(q), *kf = static_cast<const float *>(k);
-  const int keys = s.keys(), w = s.width();
-  const float scale = 1.0f / std::sqrt(float(s.headDim));
-  // The log-sum-exp of every query row's scaled, causally masked scores ...
-  for (int b = 0; b < s.batch; ++b)
-    for (int h = 0; h < s.heads; ++h)
-      for (int t = 0; t < s.queries; ++t) {
-        const float *qr = qf + (size_t(b) * s.queries + t) * w + size_t(h) * s.headDim;
-        std::vector<float> scores(size_t(s.begin + t + 1));
-        float top = -std::numeric_limits<float>::infinity();
-        for (int j = 0; j <= s.begin + t; ++j) {
-          const float *kr = kf + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
-          float dot = 0;
-          for (int d = 0; d < s.headDim; ++d)
-            dot += qr[d] * kr[d];
-          scores[size_t(j)] = dot * scale;
-          top = std::max(top, scores[size_t(j)]);
+  return run(ctx, [=] {
+    const auto *qf = static_cast<const float *>(q), *kf = static_cast<const float *>(k);
+    const int w = s.width();
+    const float scale = 1.0f / std::sqrt(float(s.headDim));
+    // The log-sum-exp of every query row's scaled, causally masked scores ...
+    for (int b = 0; b < s.batch; ++b)
+      for (int h = 0; h < s.heads; ++h)
+        for (int t = 0; t < s.queries; ++t) {
+          const float *qr = qf + (size_t(b) * s.queries + t) * w + size_t(h) * s.headDim;
+          std::vector<float> scores(size_t(s.begin + t + 1));
+          float top = -std::numeric_limits<float>::infinity();
+          for (int j = 0; j <= s.begin + t; ++j) {
+            const float *kr = kf + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
+            float dot = 0;
+            for (int d = 0; d < s.headDim; ++d)
+              dot += qr[d] * kr[d];
+            scores[size_t(j)] = dot * scale;
+            top = std::max(top, scores[size_t(j)]);
+          }
+          double sum = 0;
+          for (float sc : scores)
+            sum += std::exp(double(sc - top));
+          lse[(size_t(b) * s.heads + h) * s.queries + t] = top + float(std::log(sum));
         }
-        double sum = 0;
-        for (float sc : scores)
-          sum += std::exp(double(sc - top));
-        lse[(size_t(b) * s.heads + h) * s.queries + t] = top + float(std::log(sum));
-      }
-  (void)keys;
-  // ... and the output from the CPU op.
-  std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * keys);
-  ops::attentionForward(static_cast<float *>(out), probs.data(), qf, kf,
-                        static_cast<const float *>(v), cpuShape(s));
-  return llvm::Error::success();
+    // ... and the output from the CPU op.
+    std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+    ops::attentionForward(static_cast<float *>(out), probs.data(), qf, kf,
+                          static_cast<const float *>(v), cpuShape(s));
+  });
 }
 
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
@@ -309,61 +332,66 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk,
                               const void *k, const void *v, const AttentionShape &s) {
   PIPEC_EMU_FP32("attentionBackward");
   // The real op takes scratch from the context's allocator: so does this one, so that the
-  // executor's arena sees the same requests.
+  // executor's arena sees the same requests (given back once the work is queued, as there).
   DeviceAllocator &from = ctx.allocator();
   auto scratch = from.allocate(size_t(s.batch) * s.heads * s.queries * sizeof(float));
   if (!scratch)
     return scratch.takeError();
-  std::vector<float> probs =
-      attentionProbs(static_cast<const float *>(q), static_cast<const float *>(k), lse, s);
-  ops::attentionBackward(static_cast<float *>(dq), static_cast<float *>(dk),
-                         static_cast<float *>(dv), static_cast<const float *>(dOut), probs.data(),
-                         static_cast<const float *>(q), static_cast<const float *>(k),
-                         static_cast<const float *>(v), cpuShape(s));
+  auto err = run(ctx, [=] {
+    std::vector<float> probs =
+        attentionProbs(static_cast<const float *>(q), static_cast<const float *>(k), lse, s);
+    ops::attentionBackward(static_cast<float *>(dq), static_cast<float *>(dk),
+                           static_cast<float *>(dv), static_cast<const float *>(dOut), probs.data(),
+                           static_cast<const float *>(q), static_cast<const float *>(k),
+                           static_cast<const float *>(v), cpuShape(s));
+  });
   from.release(*scratch);
-  return llvm::Error::success();
+  return err;
 }
 
-llvm::Error crossEntropyForward(CudaContext &, DType dtype, float *rowLoss, float *lse,
+llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, float *lse,
                                 const void *logits, const int32_t *targets, int n, int v,
                                 float scale) {
   PIPEC_EMU_FP32("crossEntropyForward");
-  const auto *l = static_cast<const float *>(logits);
-  for (int r = 0; r < n; ++r) {
-    const float *row = l + size_t(r) * v;
-    float top = *std::max_element(row, row + v);
-    double sum = 0;
-    for (int j = 0; j < v; ++j)
-      sum += std::exp(double(row[j] - top));
-    lse[r] = top + float(std::log(sum));
-    rowLoss[r] = scale * (lse[r] - row[targets[r]]);
-  }
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    const auto *l = static_cast<const float *>(logits);
+    for (int r = 0; r < n; ++r) {
+      const float *row = l + size_t(r) * v;
+      float top = *std::max_element(row, row + v);
+      double sum = 0;
+      for (int j = 0; j < v; ++j)
+        sum += std::exp(double(row[j] - top));
+      lse[r] = top + float(std::log(sum));
+      rowLoss[r] = scale * (lse[r] - row[targets[r]]);
+    }
+  });
 }
 
-llvm::Error crossEntropyBackward(CudaContext &, DType dtype, void *dLogits, const void *logits,
+llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
                                  const float *lse, const int32_t *targets, int n, int v,
                                  float scale) {
   PIPEC_EMU_FP32("crossEntropyBackward");
-  const auto *l = static_cast<const float *>(logits);
-  auto *d = static_cast<float *>(dLogits);
-  for (int r = 0; r < n; ++r)
-    for (int j = 0; j < v; ++j) {
-      const size_t at = size_t(r) * v + size_t(j);
-      float p = std::exp(l[at] - lse[r]);
-      d[at] = (p - (j == targets[r] ? 1.0f : 0.0f)) * scale;
-    }
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    const auto *l = static_cast<const float *>(logits);
+    auto *d = static_cast<float *>(dLogits);
+    for (int r = 0; r < n; ++r)
+      for (int j = 0; j < v; ++j) {
+        const size_t at = size_t(r) * v + size_t(j);
+        float p = std::exp(l[at] - lse[r]);
+        d[at] = (p - (j == targets[r] ? 1.0f : 0.0f)) * scale;
+      }
+  });
 }
 
-llvm::Error adamUpdate(CudaContext &, float *params, const float *grads, float *m, float *v,
+llvm::Error adamUpdate(CudaContext &ctx, float *params, const float *grads, float *m, float *v,
                        size_t n, float lr, float beta1, float beta2, float eps, float weightDecay,
                        int step) {
   if (step < 1)
     return llvm::createStringError(llvm::inconvertibleErrorCode(),
                                    fmt::format("adamUpdate: step counts from 1 (got {})", step));
-  ops::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay, step);
-  return llvm::Error::success();
+  return run(ctx, [=] {
+    ops::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay, step);
+  });
 }
 
 #undef PIPEC_EMU_FP32

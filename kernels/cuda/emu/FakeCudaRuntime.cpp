@@ -3,8 +3,11 @@
 // Part of the emulated device (kernels/cuda/emu/README.md): the subset of libcudart (and the
 // two cuBLAS status-name calls of kernels/cuda/CudaCheck.cpp) that the cuda backend's host code
 // calls, implemented on the CPU so that runtime/cuda runs, and is tested, on a machine without
-// a GPU. Device memory is host memory; every "asynchronous" call completes before it returns, so
-// streams and events only need to exist. Two things are kept honest on purpose:
+// a GPU. Device memory is host memory. By default every "asynchronous" call completes before it
+// returns, so streams and events only need to exist; with PIPEC_EMU_ASYNC=1 each stream is a
+// worker thread that runs its work in order, waits for the events it was told to wait for (the
+// latest record at the time of the wait, as CUDA's), and pauses at random, so that streams
+// overlap and a missing wait shows (FakeCuda.h). Two things are kept honest on purpose:
 //   - freed device memory (cudaFree, cudaFreeAsync) is filled with NaN bytes and not reused for
 //     a while, so a kernel that reads a buffer after its owner gave it back reads NaN, which the
 //     gradient checks see;
@@ -14,13 +17,22 @@
 // One device, index 0. Thread-safe (one mutex).
 //
 //===----------------------------------------------------------------------===//
+#include "kernels/cuda/emu/FakeCuda.h"
+
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <random>
+#include <thread>
 #include <unordered_map>
 
 namespace {
@@ -96,10 +108,144 @@ cudaError_t release(void *p) {
   return cudaSuccess;
 }
 
-template <typename T> T fakeHandle() { return reinterpret_cast<T>(new char[1]); }
-template <typename T> void dropHandle(T h) { delete[] reinterpret_cast<char *>(h); }
+/// A point in a stream's work: done once the stream has run everything queued before it.
+struct Mark {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  void set() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+};
+
+/// A stream: in asynchronous mode a worker thread running its work in order.
+struct FakeStream {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> work;
+  size_t queued = 0, finished = 0;
+  bool stopping = false;
+  std::thread worker;
+  std::minstd_rand rng;
+
+  explicit FakeStream(unsigned seed) : rng(seed) {
+    if (pipec::emu::asynchronous())
+      worker = std::thread([this] { run(); });
+  }
+  ~FakeStream() {
+    if (worker.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stopping = true;
+      }
+      cv.notify_all();
+      worker.join();
+    }
+  }
+  void run() {
+    for (;;) {
+      std::function<void()> next;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !work.empty(); });
+        if (work.empty())
+          return;
+        next = std::move(work.front());
+        work.pop_front();
+      }
+      // Random pauses: another stream gets ahead, as on a GPU.
+      if (rng() % 4 == 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200));
+      next();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ++finished;
+      }
+      cv.notify_all();
+    }
+  }
+  void push(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      work.push_back(std::move(fn));
+      ++queued;
+    }
+    cv.notify_all();
+  }
+  void drain() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return finished == queued; });
+  }
+  bool idle() {
+    std::lock_guard<std::mutex> lock(mu);
+    return finished == queued;
+  }
+};
+
+struct FakeEvent {
+  std::mutex mu;
+  std::shared_ptr<Mark> latest; // the most recent record
+};
+
+std::mutex streamsMu;
+// Shared, so that a stream or event another thread is using outlives its destroy call.
+std::unordered_map<cudaStream_t, std::shared_ptr<FakeStream>> streams;
+std::unordered_map<cudaEvent_t, std::shared_ptr<FakeEvent>> events;
+unsigned nextSeed = 1;
+
+std::shared_ptr<FakeStream> streamOf(cudaStream_t s) {
+  std::lock_guard<std::mutex> lock(streamsMu);
+  auto it = streams.find(s);
+  return it == streams.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<FakeEvent> eventOf(cudaEvent_t e) {
+  std::lock_guard<std::mutex> lock(streamsMu);
+  auto it = events.find(e);
+  return it == events.end() ? nullptr : it->second;
+}
+
+void synchronizeAll() {
+  std::vector<std::shared_ptr<FakeStream>> all;
+  {
+    std::lock_guard<std::mutex> lock(streamsMu);
+    for (auto &[h, s] : streams)
+      all.push_back(s);
+  }
+  for (auto &s : all)
+    s->drain();
+}
 
 } // namespace
+
+namespace pipec::emu {
+
+bool asynchronous() {
+  static const bool on = [] {
+    const char *v = std::getenv("PIPEC_EMU_ASYNC");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+
+void enqueue(cudaStream_t stream, std::function<void()> work) {
+  std::shared_ptr<FakeStream> s = asynchronous() ? streamOf(stream) : nullptr;
+  if (!s) {
+    work(); // synchronous mode, or the legacy default stream
+    return;
+  }
+  s->push(std::move(work));
+}
+
+} // namespace pipec::emu
 
 extern "C" {
 
@@ -117,7 +263,10 @@ cudaError_t cudaGetDevice(int *device) {
   *device = currentDevice;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+  synchronizeAll();
+  return cudaSuccess;
+}
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 cudaError_t cudaPeekAtLastError(void) { return cudaSuccess; }
 
@@ -153,41 +302,110 @@ const char *cudaGetErrorString(cudaError_t error) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int) {
-  *stream = fakeHandle<cudaStream_t>();
+  auto handle = reinterpret_cast<cudaStream_t>(new char[1]);
+  std::lock_guard<std::mutex> lock(streamsMu);
+  streams[handle] = std::make_shared<FakeStream>(nextSeed++);
+  *stream = handle;
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  dropHandle(stream);
+  std::shared_ptr<FakeStream> s;
+  {
+    std::lock_guard<std::mutex> lock(streamsMu);
+    auto it = streams.find(stream);
+    if (it == streams.end())
+      return cudaErrorInvalidValue;
+    s = std::move(it->second);
+    streams.erase(it);
+  }
+  s->drain();
+  s.reset();
+  delete[] reinterpret_cast<char *>(stream);
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamQuery(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (auto s = streamOf(stream))
+    s->drain();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  auto s = streamOf(stream);
+  return !s || s->idle() ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  auto e = eventOf(event);
+  if (!e)
+    return cudaErrorInvalidValue;
+  std::shared_ptr<Mark> mark;
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    mark = e->latest; // the record at the time of the wait, as CUDA's
+  }
+  if (mark)
+    pipec::emu::enqueue(stream, [mark] { mark->wait(); });
+  return cudaSuccess;
+}
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int) {
-  *event = fakeHandle<cudaEvent_t>();
+  auto handle = reinterpret_cast<cudaEvent_t>(new char[1]);
+  std::lock_guard<std::mutex> lock(streamsMu);
+  events[handle] = std::make_shared<FakeEvent>();
+  *event = handle;
   return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  dropHandle(event);
+  {
+    std::lock_guard<std::mutex> lock(streamsMu);
+    events.erase(event);
+  }
+  delete[] reinterpret_cast<char *>(event);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  auto e = eventOf(event);
+  if (!e)
+    return cudaErrorInvalidValue;
+  auto mark = std::make_shared<Mark>();
+  {
+    std::lock_guard<std::mutex> lock(e->mu);
+    e->latest = mark;
+  }
+  pipec::emu::enqueue(stream, [mark] { mark->set(); });
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  auto e = eventOf(event);
+  if (!e)
+    return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(e->mu);
+  if (!e->latest)
+    return cudaSuccess;
+  std::lock_guard<std::mutex> markLock(e->latest->mu);
+  return e->latest->done ? cudaSuccess : cudaErrorNotReady;
+}
 
 cudaError_t cudaMalloc(void **devPtr, size_t size) { return allocate(devPtr, size, false, false); }
-cudaError_t cudaFree(void *devPtr) { return release(devPtr); }
+cudaError_t cudaFree(void *devPtr) {
+  synchronizeAll(); // as CUDA's, which waits for the device
+  return release(devPtr);
+}
 cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t) {
   return allocate(devPtr, size, true, false);
 }
-cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t) { return release(devPtr); }
+cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t stream) {
+  pipec::emu::enqueue(stream, [devPtr] { (void)release(devPtr); });
+  return cudaSuccess;
+}
 cudaError_t cudaMallocHost(void **ptr, size_t size) { return allocate(ptr, size, false, true); }
-cudaError_t cudaFreeHost(void *ptr) { return release(ptr); }
+cudaError_t cudaFreeHost(void *ptr) {
+  synchronizeAll();
+  return release(ptr);
+}
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind,
-                            cudaStream_t) {
+                            cudaStream_t stream) {
   if (count)
-    std::memmove(dst, src, count);
+    pipec::emu::enqueue(stream, [=] { std::memmove(dst, src, count); });
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind) {
@@ -195,8 +413,8 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpy
     std::memmove(dst, src, count);
   return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t) {
-  std::memset(devPtr, value, count);
+cudaError_t cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream) {
+  pipec::emu::enqueue(stream, [=] { std::memset(devPtr, value, count); });
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void *devPtr, int value, size_t count) {

@@ -55,8 +55,8 @@ struct Rendezvous {
   std::vector<std::tuple<int, int, int>> splits; // (rank, color, key)
   std::vector<std::pair<const void *, void *>> buffers;
   bool complete = false;
-  std::map<int, std::shared_ptr<Group>> splitGroups;        // color -> group
-  std::map<int, int> splitRank;                             // parent rank -> new rank
+  std::map<int, std::shared_ptr<Group>> splitGroups; // color -> group
+  std::map<int, int> splitRank;                      // parent rank -> new rank
   int pickedUp = 0;
 };
 
@@ -71,9 +71,9 @@ struct Channel {
 
 std::mutex mu;
 std::condition_variable cv;
-std::map<std::string, Init> inits;                              // by id
-std::map<std::tuple<Group *, int, int>, Channel> channels;      // (group, src, dst)
-std::map<std::pair<Group *, long>, Rendezvous> rendezvous;      // (group, sequence)
+std::map<std::string, Init> inits;                         // by id
+std::map<std::tuple<Group *, int, int>, Channel> channels; // (group, src, dst)
+std::map<std::pair<Group *, long>, Rendezvous> rendezvous; // (group, sequence)
 thread_local int groupDepth = 0;
 thread_local std::string lastError;
 
@@ -261,7 +261,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
   Init *at = &init;
   ++at->joined;
   cv.notify_all();
-  if (auto r = waitFor(lock, nullptr, [&] { return at->joined >= nranks; }, "ncclCommInitRank");
+  if (auto r = waitFor(
+          lock, nullptr, [&] { return at->joined >= nranks; }, "ncclCommInitRank");
       r != ncclSuccess)
     return r;
   // The last one to leave clears the entry, so that the id can be used again.
@@ -296,7 +297,9 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     cv.notify_all();
   }
   Rendezvous *at = &rv;
-  if (auto r = waitFor(lock, g, [&] { return at->complete; }, "ncclCommSplit"); r != ncclSuccess)
+  if (auto r = waitFor(
+          lock, g, [&] { return at->complete; }, "ncclCommSplit");
+      r != ncclSuccess)
     return r;
   *newcomm = color == NCCL_SPLIT_NOCOLOR
                  ? nullptr
@@ -366,8 +369,7 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int
 }
 
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                           cudaStream_t) {
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
   if (!comm)
     return fail("all-reduce on a null communicator", ncclInvalidArgument);
   if (op != ncclSum || (datatype != ncclFloat32 && datatype != ncclFloat64))
@@ -402,7 +404,9 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
     cv.notify_all();
   }
   Rendezvous *at = &rv;
-  if (auto r = waitFor(lock, g, [&] { return at->complete; }, "ncclAllReduce"); r != ncclSuccess)
+  if (auto r = waitFor(
+          lock, g, [&] { return at->complete; }, "ncclAllReduce");
+      r != ncclSuccess)
     return r;
   if (++at->pickedUp == g->size)
     rendezvous.erase({g, seq});

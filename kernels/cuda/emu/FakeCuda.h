@@ -1,0 +1,26 @@
+//===- FakeCuda.h - How the emulated device runs work in stream order -*- C++ -*-===//
+//
+// kernels/cuda/emu/README.md. The emulated ops and glue kernels hand their work to enqueue():
+// synchronous mode runs it at once; asynchronous mode (PIPEC_EMU_ASYNC=1 in the environment)
+// gives every stream a worker thread that runs its work in order, waits for events as a GPU
+// does, and sleeps for short random moments, so that work on two streams overlaps the way it
+// can on a GPU and a missing event wait shows up as a wrong result.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_EMU_FAKECUDA_H
+#define PIPEC_KERNELS_CUDA_EMU_FAKECUDA_H
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+
+namespace pipec::emu {
+
+/// Runs `work` after everything queued on `stream` so far (at once when synchronous).
+void enqueue(cudaStream_t stream, std::function<void()> work);
+/// Whether streams run asynchronously (PIPEC_EMU_ASYNC=1).
+bool asynchronous();
+
+} // namespace pipec::emu
+
+#endif // PIPEC_KERNELS_CUDA_EMU_FAKECUDA_H
