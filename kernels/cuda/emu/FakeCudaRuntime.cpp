@@ -135,6 +135,10 @@ struct FakeStream {
   bool stopping = false;
   std::thread worker;
   std::minstd_rand rng;
+  // The thread that created it stands for its process: a device-wide wait (cudaFree,
+  // cudaDeviceSynchronize) waits for its own process's streams only, as on a real GPU, where
+  // the other ranks of an emulated multi-process run (threads of this one) are other processes.
+  std::thread::id creator = std::this_thread::get_id();
 
   explicit FakeStream(unsigned seed) : rng(seed) {
     if (pipec::emu::asynchronous())
@@ -213,12 +217,14 @@ std::shared_ptr<FakeEvent> eventOf(cudaEvent_t e) {
   return it == events.end() ? nullptr : it->second;
 }
 
+/// A device-wide wait of the calling thread's "process" (FakeStream::creator).
 void synchronizeAll() {
   std::vector<std::shared_ptr<FakeStream>> all;
   {
     std::lock_guard<std::mutex> lock(streamsMu);
     for (auto &[h, s] : streams)
-      all.push_back(s);
+      if (s->creator == std::this_thread::get_id())
+        all.push_back(s);
   }
   for (auto &s : all)
     s->drain();

@@ -12,12 +12,17 @@
 //     (a mismatch is an error); the ops between ncclGroupStart and ncclGroupEnd are posted at once
 //     and ncclGroupEnd returns when all have matched; an op outside a group completes alone;
 //   - ncclAllReduce (sum) is a rendezvous of all ranks, added in rank order.
-// Where the real library returns and lets the GPU wait, this one blocks the calling thread: the
-// plans the verifier accepts complete under these blocking rules (the in-process transport's).
+// Where the real library returns and lets the GPU wait, this one blocks: the calling thread on
+// the synchronous emulated device, the stream's worker thread on the asynchronous one (where the
+// sends, recvs and all-reduces run in their stream's order, and a failure there becomes the
+// communicator's asynchronous error, as NCCL reports one). The plans the verifier accepts
+// complete under these blocking rules (the in-process transport's).
 // A wait longer than 60 s fails with ncclSystemError instead of hanging CI; ncclCommAbort fails
 // every wait on that communicator.
 //
 //===----------------------------------------------------------------------===//
+#include "kernels/cuda/emu/FakeCuda.h"
+
 #include <nccl.h>
 
 #include <algorithm>
@@ -41,6 +46,7 @@ constexpr auto kPatience = std::chrono::seconds(60);
 struct Group {
   int size = 0;
   bool aborted = false;
+  ncclResult_t asyncError = ncclSuccess; // of work run on a stream
 };
 
 struct Posted {
@@ -76,6 +82,7 @@ std::map<std::tuple<Group *, int, int>, Channel> channels; // (group, src, dst)
 std::map<std::pair<Group *, long>, Rendezvous> rendezvous; // (group, sequence)
 thread_local int groupDepth = 0;
 thread_local std::string lastError;
+std::string lastAsyncError; // of work run on a stream (under mu)
 
 } // namespace
 
@@ -88,12 +95,21 @@ struct ncclComm {
     void *buffer;
     size_t bytes;
     int peer;
+    cudaStream_t stream;
   };
 };
 
 namespace {
 
-thread_local std::vector<std::pair<ncclComm *, ncclComm::Pending>> pending;
+/// A send or recv as queued: the communicator's group and this member's rank are copied, since
+/// queued work may outlive the ncclComm object (an abort frees it).
+struct Op {
+  std::shared_ptr<Group> group;
+  int rank;
+  ncclComm::Pending p;
+};
+
+thread_local std::vector<Op> pending;
 
 size_t sizeOf(ncclDataType_t t) {
   switch (t) {
@@ -153,22 +169,23 @@ ncclResult_t matchChannel(Channel &c) {
 /// Posts `ops` of the calling thread at once and waits until every one has matched. On a
 /// failure its ops leave the channels (nobody may match a dead stack frame) and the
 /// communicator is marked aborted, so that its peers fail too instead of waiting.
-ncclResult_t postAndWait(std::vector<std::pair<ncclComm *, ncclComm::Pending>> ops) {
+ncclResult_t postAndWait(const std::vector<Op> &ops) {
   std::vector<Posted> posted(ops.size());
   std::unique_lock<std::mutex> lock(mu);
-  Group *g = ops.front().first->group.get();
+  Group *g = ops.front().group.get();
   ncclResult_t result = ncclSuccess;
   for (size_t k = 0; k < ops.size() && result == ncclSuccess; ++k) {
-    auto &[comm, p] = ops[k];
-    if (p.peer < 0 || p.peer >= comm->group->size) {
+    const Op &op = ops[k];
+    const ncclComm::Pending &p = op.p;
+    if (p.peer < 0 || p.peer >= op.group->size) {
       result = fail("peer " + std::to_string(p.peer) + " outside a communicator of " +
-                        std::to_string(comm->group->size),
+                        std::to_string(op.group->size),
                     ncclInvalidArgument);
       break;
     }
     posted[k] = Posted{p.send, p.buffer, p.bytes, false};
-    int src = p.send ? comm->rank : p.peer, dst = p.send ? p.peer : comm->rank;
-    Channel &c = channels[{comm->group.get(), src, dst}];
+    int src = p.send ? op.rank : p.peer, dst = p.send ? p.peer : op.rank;
+    Channel &c = channels[{op.group.get(), src, dst}];
     (p.send ? c.sends : c.recvs).push_back(&posted[k]);
     result = matchChannel(c);
   }
@@ -194,16 +211,77 @@ ncclResult_t postAndWait(std::vector<std::pair<ncclComm *, ncclComm::Pending>> o
   return result;
 }
 
+/// Runs `op` now (synchronous device) or in `stream`'s order, its failure then becoming the
+/// group's asynchronous error.
+ncclResult_t launch(cudaStream_t stream, std::shared_ptr<Group> group,
+                    std::function<ncclResult_t()> op) {
+  if (!pipec::emu::asynchronous())
+    return op();
+  pipec::emu::enqueue(stream, [group, op] {
+    if (ncclResult_t r = op(); r != ncclSuccess) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (group->asyncError == ncclSuccess)
+          group->asyncError = r;
+        group->aborted = true;
+        if (lastAsyncError.empty())
+          lastAsyncError = lastError;
+      }
+      cv.notify_all();
+    }
+  });
+  return ncclSuccess;
+}
+
 ncclResult_t p2p(bool send, void *buffer, size_t count, ncclDataType_t type, int peer,
-                 ncclComm_t comm) {
+                 ncclComm_t comm, cudaStream_t stream) {
   if (!comm)
     return fail("send/recv on a null communicator", ncclInvalidArgument);
-  ncclComm::Pending p{send, buffer, count * sizeOf(type), peer};
+  ncclComm::Pending p{send, buffer, count * sizeOf(type), peer, stream};
+  Op op{comm->group, comm->rank, p};
   if (groupDepth > 0) {
-    pending.emplace_back(comm, p);
+    pending.push_back(std::move(op));
     return ncclSuccess;
   }
-  return postAndWait({{comm, p}});
+  return launch(stream, comm->group, [op] { return postAndWait({op}); });
+}
+
+ncclResult_t allReduceNow(std::shared_ptr<Group> group, int rank, long seq, const void *sendbuff,
+                          void *recvbuff, size_t count, ncclDataType_t datatype) {
+  Group *g = group.get();
+  std::unique_lock<std::mutex> lock(mu);
+  Rendezvous &rv = rendezvous[{g, seq}];
+  if (rv.buffers.empty())
+    rv.buffers.resize(size_t(g->size));
+  rv.buffers[size_t(rank)] = {sendbuff, recvbuff};
+  if (++rv.arrived == g->size) {
+    // In rank order, into a scratch, then to every member.
+    if (datatype == ncclFloat32) {
+      std::vector<float> sum(count, 0.0f);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += static_cast<const float *>(in)[i];
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, sum.data(), count * sizeof(float));
+    } else {
+      std::vector<double> sum(count, 0.0);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += static_cast<const double *>(in)[i];
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, sum.data(), count * sizeof(double));
+    }
+    rv.complete = true;
+    cv.notify_all();
+  }
+  Rendezvous *at = &rv;
+  if (auto r = waitFor(
+          lock, g, [&] { return at->complete; }, "ncclAllReduce");
+      r != ncclSuccess)
+    return r;
+  if (++at->pickedUp == g->size)
+    rendezvous.erase({g, seq});
+  return ncclSuccess;
 }
 
 } // namespace
@@ -227,7 +305,14 @@ const char *ncclGetErrorString(ncclResult_t result) {
   }
 }
 
-const char *ncclGetLastError(ncclComm_t) { return lastError.c_str(); }
+const char *ncclGetLastError(ncclComm_t) {
+  if (!lastError.empty())
+    return lastError.c_str();
+  std::lock_guard<std::mutex> lock(mu);
+  static thread_local std::string copy;
+  copy = lastAsyncError;
+  return copy.c_str();
+}
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
   std::memset(uniqueId, 0, sizeof *uniqueId);
@@ -318,7 +403,9 @@ ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
   std::lock_guard<std::mutex> lock(mu);
-  *asyncError = comm && comm->group->aborted ? ncclRemoteError : ncclSuccess;
+  *asyncError = !comm || !comm->group->aborted           ? ncclSuccess
+                : comm->group->asyncError != ncclSuccess ? comm->group->asyncError
+                                                         : ncclRemoteError;
   return ncclSuccess;
 }
 
@@ -355,62 +442,41 @@ ncclResult_t ncclGroupEnd() {
   pending.clear();
   if (ops.empty())
     return ncclSuccess;
-  return postAndWait(std::move(ops));
+  // (The runtime posts a group's ops on one stream.) Taken before the ops move into the work.
+  cudaStream_t stream = ops.front().p.stream;
+  std::shared_ptr<Group> group = ops.front().group;
+  return launch(stream, std::move(group), [ops = std::move(ops)] { return postAndWait(ops); });
 }
 
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
-                      ncclComm_t comm, cudaStream_t) {
-  return p2p(true, const_cast<void *>(sendbuff), count, datatype, peer, comm);
+                      ncclComm_t comm, cudaStream_t stream) {
+  return p2p(true, const_cast<void *>(sendbuff), count, datatype, peer, comm, stream);
 }
 
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer,
-                      ncclComm_t comm, cudaStream_t) {
-  return p2p(false, recvbuff, count, datatype, peer, comm);
+                      ncclComm_t comm, cudaStream_t stream) {
+  return p2p(false, recvbuff, count, datatype, peer, comm, stream);
 }
 
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t) {
+                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                           cudaStream_t stream) {
   if (!comm)
     return fail("all-reduce on a null communicator", ncclInvalidArgument);
   if (op != ncclSum || (datatype != ncclFloat32 && datatype != ncclFloat64))
     return fail("only fp32 and fp64 sums are emulated", ncclInvalidArgument);
   if (groupDepth > 0)
     return fail("an all-reduce inside a group is not emulated", ncclInvalidUsage);
-  Group *g = comm->group.get();
-  std::unique_lock<std::mutex> lock(mu);
-  const long seq = comm->collectives++;
-  Rendezvous &rv = rendezvous[{g, seq}];
-  if (rv.buffers.empty())
-    rv.buffers.resize(size_t(g->size));
-  rv.buffers[size_t(comm->rank)] = {sendbuff, recvbuff};
-  if (++rv.arrived == g->size) {
-    // In rank order, into a scratch, then to every member.
-    if (datatype == ncclFloat32) {
-      std::vector<float> sum(count, 0.0f);
-      for (auto [in, out] : rv.buffers)
-        for (size_t i = 0; i < count; ++i)
-          sum[i] += static_cast<const float *>(in)[i];
-      for (auto [in, out] : rv.buffers)
-        std::memcpy(out, sum.data(), count * sizeof(float));
-    } else {
-      std::vector<double> sum(count, 0.0);
-      for (auto [in, out] : rv.buffers)
-        for (size_t i = 0; i < count; ++i)
-          sum[i] += static_cast<const double *>(in)[i];
-      for (auto [in, out] : rv.buffers)
-        std::memcpy(out, sum.data(), count * sizeof(double));
-    }
-    rv.complete = true;
-    cv.notify_all();
+  long seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    seq = comm->collectives++; // in the order the host posts them, as NCCL's
   }
-  Rendezvous *at = &rv;
-  if (auto r = waitFor(
-          lock, g, [&] { return at->complete; }, "ncclAllReduce");
-      r != ncclSuccess)
-    return r;
-  if (++at->pickedUp == g->size)
-    rendezvous.erase({g, seq});
-  return ncclSuccess;
+  std::shared_ptr<Group> group = comm->group;
+  int rank = comm->rank;
+  return launch(stream, group, [=] {
+    return allReduceNow(group, rank, seq, sendbuff, recvbuff, count, datatype);
+  });
 }
 
 } // extern "C"
