@@ -11,6 +11,7 @@
 #include "kernels/cuda/CudaOps.h"
 
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/Launch.h"
 
 #include <cublasLt.h>
@@ -57,25 +58,6 @@ llvm::Expected<int> deviceCount() {
 //===--- Context and buffers ----------------------------------------------===//
 
 static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
-namespace {
-/// The default DeviceAllocator: cudaMallocAsync / cudaFreeAsync on one stream.
-class StreamOrderedAllocator final : public DeviceAllocator {
-public:
-  cudaStream_t stream = nullptr;
-  llvm::Expected<void *> allocate(size_t bytes) override {
-    if (bytes == 0)
-      return nullptr;
-    void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMallocAsync(&p, bytes, stream));
-    return p;
-  }
-  void release(void *p) override {
-    if (p)
-      (void)cudaFreeAsync(p, stream);
-  }
-};
-} // namespace
 
 struct CudaContext::Impl {
   int device = 0;
@@ -149,33 +131,6 @@ void CudaContext::setAllocator(DeviceAllocator *allocator) {
 }
 
 DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
-
-llvm::Expected<DeviceBuffer> DeviceBuffer::allocate(size_t bytes) {
-  DeviceBuffer buffer;
-  if (bytes == 0)
-    return buffer;
-  PIPEC_CUDA_TRY(cudaMalloc(&buffer.ptr_, bytes));
-  buffer.bytes_ = bytes;
-  return buffer;
-}
-
-DeviceBuffer::DeviceBuffer(DeviceBuffer &&other) noexcept
-    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-
-DeviceBuffer &DeviceBuffer::operator=(DeviceBuffer &&other) noexcept {
-  if (this != &other) {
-    if (ptr_)
-      (void)cudaFree(ptr_);
-    ptr_ = std::exchange(other.ptr_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_)
-    (void)cudaFree(ptr_);
-}
 
 llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
                     size_t n) {

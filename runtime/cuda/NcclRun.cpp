@@ -31,6 +31,33 @@ llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
   return llvm::Error::success();
 }
 
+/// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
+/// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
+/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes.
+llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
+                       double timeout, const std::function<std::string(double)> &stalled) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  for (;;) {
+    cudaError_t q = done();
+    if (q == cudaSuccess)
+      return llvm::Error::success();
+    if (q != cudaErrorNotReady)
+      PIPEC_CUDA_TRY(q);
+    if (auto err = comms.asyncErrors()) {
+      comms.abortAll();
+      return err;
+    }
+    double idle = std::chrono::duration<double>(Clock::now() - start).count();
+    if (idle >= timeout) {
+      std::string report = stalled(idle);
+      comms.abortAll();
+      return llvm::make_error<Finding>(report);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 class NcclTransport final : public Transport {
 public:
   NcclTransport(const Plan &plan, const LaunchEnv &env, NcclCommunicators &comms)
@@ -197,26 +224,13 @@ public:
       if (auto err = order(compute, s, ready.get()))
         return err;
     PIPEC_CUDA_TRY(cudaEventRecord(stepDone.get(), compute));
-    using Clock = std::chrono::steady_clock;
-    auto start = Clock::now();
-    for (;;) {
-      cudaError_t q = cudaEventQuery(stepDone.get());
-      if (q == cudaSuccess)
-        return llvm::Error::success();
-      if (q != cudaErrorNotReady)
-        PIPEC_CUDA_TRY(q);
-      if (auto err = comms.asyncErrors()) {
-        comms.abortAll();
-        return err;
-      }
-      double idle = std::chrono::duration<double>(Clock::now() - start).count();
-      if (idle >= timeoutSeconds) {
-        std::string report = stallReport(step, idle);
-        abort(report);
-        return llvm::make_error<Finding>(report);
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
+    return pollDevice([&] { return cudaEventQuery(stepDone.get()); }, comms, timeoutSeconds,
+                      [&](double idle) {
+                        std::string report = stallReport(step, idle);
+                        if (failure.empty())
+                          failure = report;
+                        return report;
+                      });
   }
 
 private:
@@ -287,26 +301,10 @@ llvm::Expected<int> deviceOf(const LaunchEnv &env) {
 /// error naming `what`.
 llvm::Error waitPolling(cudaStream_t stream, NcclCommunicators &comms, double timeout,
                         const std::string &what) {
-  using Clock = std::chrono::steady_clock;
-  auto start = Clock::now();
-  for (;;) {
-    cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess)
-      return llvm::Error::success();
-    if (q != cudaErrorNotReady)
-      PIPEC_CUDA_TRY(q);
-    if (auto err = comms.asyncErrors()) {
-      comms.abortAll();
-      return err;
-    }
-    double idle = std::chrono::duration<double>(Clock::now() - start).count();
-    if (idle >= timeout) {
-      comms.abortAll();
-      return llvm::make_error<Finding>(
-          fmt::format("watchdog: {} made no progress for {:.1f} s", what, idle));
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
+  return pollDevice([stream] { return cudaStreamQuery(stream); }, comms, timeout,
+                    [&what](double idle) {
+                      return fmt::format("watchdog: {} made no progress for {:.1f} s", what, idle);
+                    });
 }
 
 /// Every process adds `value` (a float slot of device scratch) over `world` and gets the sum.

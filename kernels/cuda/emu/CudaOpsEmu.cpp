@@ -15,6 +15,7 @@
 
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 
 #include <cuda_runtime_api.h>
@@ -43,24 +44,6 @@ llvm::Error fp32Only(const char *op, DType dtype) {
       llvm::inconvertibleErrorCode(),
       fmt::format("{}: the emulated device computes fp32 only (got {})", op, toString(dtype)));
 }
-
-/// The default DeviceAllocator, as the real one: cudaMallocAsync / cudaFreeAsync (here, the fake
-/// runtime's).
-class StreamOrderedAllocator final : public DeviceAllocator {
-public:
-  cudaStream_t stream = nullptr;
-  llvm::Expected<void *> allocate(size_t bytes) override {
-    if (bytes == 0)
-      return nullptr;
-    void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMallocAsync(&p, bytes, stream));
-    return p;
-  }
-  void release(void *p) override {
-    if (p)
-      (void)cudaFreeAsync(p, stream);
-  }
-};
 
 /// softmax probabilities (B, H, x, a+x) of a query slice, from the log-sum-exp of each row.
 std::vector<float> attentionProbs(const float *q, const float *k, const float *lse,
@@ -160,30 +143,6 @@ void CudaContext::setAllocator(DeviceAllocator *allocator) {
   impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
 }
 DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
-
-llvm::Expected<DeviceBuffer> DeviceBuffer::allocate(size_t bytes) {
-  DeviceBuffer buffer;
-  if (bytes == 0)
-    return buffer;
-  PIPEC_CUDA_TRY(cudaMalloc(&buffer.ptr_, bytes));
-  buffer.bytes_ = bytes;
-  return buffer;
-}
-DeviceBuffer::DeviceBuffer(DeviceBuffer &&other) noexcept
-    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-DeviceBuffer &DeviceBuffer::operator=(DeviceBuffer &&other) noexcept {
-  if (this != &other) {
-    if (ptr_)
-      (void)cudaFree(ptr_);
-    ptr_ = std::exchange(other.ptr_, nullptr);
-    bytes_ = std::exchange(other.bytes_, 0);
-  }
-  return *this;
-}
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_)
-    (void)cudaFree(ptr_);
-}
 
 llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
                     size_t n) {
