@@ -20,6 +20,7 @@
 #include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/GpuStage.h"
 #include "runtime/cuda/LocalTransport.h"
+#include "runtime/cuda/StageBuffer.h"
 #include "runtime/cuda/StageKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -42,54 +43,11 @@ using kernels::StageCompute;
       return pipecGpuErr;                                                                          \
   } while (false)
 
-/// A buffer of the rank's arena (or of whatever allocator the context has), given back when
-/// dropped on the host.
-class ArenaFloats {
-public:
-  ArenaFloats() = default;
-  ArenaFloats(ArenaFloats &&o) noexcept
-      : from(o.from), p(std::exchange(o.p, nullptr)), count(std::exchange(o.count, 0)) {}
-  ArenaFloats &operator=(ArenaFloats &&o) noexcept {
-    if (this != &o) {
-      reset();
-      from = o.from;
-      p = std::exchange(o.p, nullptr);
-      count = std::exchange(o.count, 0);
-    }
-    return *this;
-  }
-  ArenaFloats(const ArenaFloats &) = delete;
-  ArenaFloats &operator=(const ArenaFloats &) = delete;
-  ~ArenaFloats() { reset(); }
-  llvm::Error allocate(cu::DeviceAllocator &a, size_t n) {
-    reset();
-    from = &a;
-    auto ptr = a.allocate(n * sizeof(float));
-    if (!ptr)
-      return ptr.takeError();
-    p = static_cast<float *>(*ptr);
-    count = n;
-    return llvm::Error::success();
-  }
-  void reset() {
-    if (p)
-      from->release(p);
-    p = nullptr;
-    count = 0;
-  }
-  std::span<float> span() const { return {p, count}; }
-
-private:
-  cu::DeviceAllocator *from = nullptr;
-  float *p = nullptr;
-  size_t count = 0;
-};
-
 /// One rank's backend on a device transport (the local one here, NCCL's in NcclRun.cpp): sends
 /// hand out the device tensor itself, recvs a buffer of the rank's arena that the transport
 /// fills, all-reduces sum in place. The dispatch is the cpu backend's (StageDispatch).
 class CudaBackend final
-    : public StageDispatch<CudaBackend, GpuStage, ArenaFloats, CudaRankBackend> {
+    : public StageDispatch<CudaBackend, GpuStage, StreamBuffer<float>, CudaRankBackend> {
 public:
   static constexpr const char *kName = "cuda backend";
 
@@ -129,9 +87,10 @@ public:
     }
     if (snapshot && c.dp == 0)
       for (auto &[s, st] : stages) {
-        void *p = nullptr;
-        PIPEC_CUDA_TRY(cudaMalloc(&p, std::max<size_t>(st->grads().size(), 1) * sizeof(float)));
-        snapshotCopies[s].p = static_cast<float *>(p);
+        auto copy = cu::DeviceBuffer::allocate(st->grads().size() * sizeof(float));
+        if (!copy)
+          return copy.takeError();
+        snapshotCopies[s] = std::move(*copy);
       }
     return llvm::Error::success();
   }
@@ -174,8 +133,8 @@ public:
       snapshotPending = false;
       for (auto &[s, st] : stages) {
         std::vector<float> g(st->grads().size());
-        PIPEC_CUDA_TRY(cudaMemcpy(g.data(), snapshotCopies.at(s).p, g.size() * sizeof(float),
-                                  cudaMemcpyDeviceToHost));
+        PIPEC_CUDA_TRY(cudaMemcpy(g.data(), snapshotCopies.at(s).as<float>(),
+                                  g.size() * sizeof(float), cudaMemcpyDeviceToHost));
         std::lock_guard<std::mutex> lock(snapshot->mu);
         snapshot->byStageAndTp[{s, c.tp}] = std::move(g);
       }
@@ -185,19 +144,16 @@ public:
 
   // StageDispatch's hooks.
   llvm::Error addLoss(GpuStage &st, int mb, int slice) { return st.accumulateLoss(mb, slice); }
-  llvm::Error allocate(ArenaFloats &buffer, size_t floats) {
+  llvm::Error allocate(StreamBuffer<float> &buffer, size_t floats) {
     // (The transport checks a kept error before it posts anything.)
-    return buffer.allocate(ctx->allocator(), floats);
+    return buffer.allocate(mem(), floats);
   }
   /// A copy on the compute stream, into the arena.
-  llvm::Error keepCopy(ArenaFloats &buffer, std::span<const float> src) {
-    PIPEC_GPU_TRY(buffer.allocate(ctx->allocator(), src.size()));
-    if (!src.empty())
-      PIPEC_CUDA_TRY(cudaMemcpyAsync(buffer.span().data(), src.data(), src.size() * sizeof(float),
-                                     cudaMemcpyDeviceToDevice, computeStream));
-    return llvm::Error::success();
+  llvm::Error keepCopy(StreamBuffer<float> &buffer, std::span<const float> src) {
+    return buffer.copyFrom(mem(), src);
   }
-  static std::span<float> spanOf(ArenaFloats &buffer) { return buffer.span(); }
+  static std::span<float> spanOf(StreamBuffer<float> &buffer) { return buffer.span(); }
+  Mem mem() { return Mem{&ctx->allocator(), computeStream}; }
 
   void sumLocalEmbeddingCopies() override {
     GpuStage &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
@@ -225,7 +181,7 @@ public:
     if (snapshot && c.dp == 0) {
       for (auto &[s, st] : stages) {
         if (!st->grads().empty())
-          PIPEC_CUDA_TRY(cudaMemcpyAsync(snapshotCopies.at(s).p, st->grads().data(),
+          PIPEC_CUDA_TRY(cudaMemcpyAsync(snapshotCopies.at(s).as<float>(), st->grads().data(),
                                          st->grads().size() * sizeof(float),
                                          cudaMemcpyDeviceToDevice, computeStream));
       }
@@ -246,18 +202,8 @@ private:
   bool warmUp = false;
   std::function<llvm::Error()> waitForCollectives;
   std::unique_ptr<DeviceArena> arena; // destroyed before ctx (its stream)
-  /// Device memory of its own (--check-reference only, never the arena's).
-  struct DeviceCopy {
-    float *p = nullptr;
-    DeviceCopy() = default;
-    DeviceCopy(const DeviceCopy &) = delete;
-    DeviceCopy &operator=(const DeviceCopy &) = delete;
-    ~DeviceCopy() {
-      if (p)
-        (void)cudaFree(p);
-    }
-  };
-  std::map<int, DeviceCopy> snapshotCopies; // per stage: the gradients before the update
+  // --check-reference: per stage, the gradients before the update (not the arena's memory).
+  std::map<int, cu::DeviceBuffer> snapshotCopies;
   bool snapshotPending = false;
 };
 

@@ -1,7 +1,8 @@
 //===- DeviceHandles.h - RAII CUDA streams and events -----------*- C++ -*-===//
 //
 // The owned stream and event both device backends (CudaRun, NcclRun) use: created by a checked
-// create(), destroyed with their owner.
+// create(), destroyed with their owner; and the event-ordering of one stream after another that
+// both transports use.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEHANDLES_H
@@ -52,6 +53,14 @@ public:
 private:
   cudaEvent_t e = nullptr;
 };
+
+/// `waiter` runs what it queues next only after everything `after` has queued so far (`e` is
+/// recorded on `after`; the wait takes that record).
+inline llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
+  PIPEC_CUDA_TRY(cudaEventRecord(e, after));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(waiter, e, 0));
+  return llvm::Error::success();
+}
 
 } // namespace pipec::runtime_cuda
 

@@ -11,6 +11,7 @@ namespace pipec {
 
 namespace {
 
+using runtime_cuda::order;
 using runtime_cuda::OwnedEvent;
 using runtime_cuda::OwnedStream;
 
@@ -24,13 +25,6 @@ size_t groupIndex(CollectiveGroup g) {
     return 2;
   }
   return 0;
-}
-
-/// `waiter` runs what it queues next only after everything `after` has queued so far.
-llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
-  PIPEC_CUDA_TRY(cudaEventRecord(e, after));
-  PIPEC_CUDA_TRY(cudaStreamWaitEvent(waiter, e, 0));
-  return llvm::Error::success();
 }
 
 } // namespace

@@ -4,6 +4,7 @@
 #include "ir/Error.h"
 #include "ir/PlanText.h"
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/CudaOps.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
@@ -21,15 +22,9 @@ namespace pipec {
 
 namespace {
 
+using runtime_cuda::order;
 using runtime_cuda::OwnedEvent;
 using runtime_cuda::OwnedStream;
-
-/// `waiter` runs what it queues next only after everything `after` has queued so far.
-llvm::Error order(cudaStream_t waiter, cudaStream_t after, cudaEvent_t e) {
-  PIPEC_CUDA_TRY(cudaEventRecord(e, after));
-  PIPEC_CUDA_TRY(cudaStreamWaitEvent(waiter, e, 0));
-  return llvm::Error::success();
-}
 
 /// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
 /// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
@@ -402,15 +397,6 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
   return llvm::Error::success();
 }
 
-/// A few floats of device memory, freed with the run.
-struct DeviceScratch {
-  void *p = nullptr;
-  ~DeviceScratch() {
-    if (p)
-      (void)cudaFree(p);
-  }
-};
-
 } // namespace
 
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
@@ -442,9 +428,11 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
                                 [&b] { return b.takeDeferredError(); }))
     return err;
-  DeviceScratch scratch; // warm-up floats, then the loss (a double)
-  PIPEC_CUDA_TRY(cudaMalloc(&scratch.p, 4 * sizeof(double)));
-  if (auto err = transport.warmUp(static_cast<float *>(scratch.p)))
+  // Warm-up floats, then the loss (a double) and the gather's agreement slot.
+  auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
+  if (!scratch)
+    return scratch.takeError();
+  if (auto err = transport.warmUp(scratch->as<float>()))
     return err;
 
   RunShared shared(plan, Faults{}, transport);
@@ -477,7 +465,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (o.checkReference && env.rank == 0)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
   std::vector<GradientShard> shards;
-  DeviceScratch staging;
+  kernels::cuda::DeviceBuffer staging;
   if (o.checkReference && env.worldSize > 1) {
     shards = gradientShards(
         plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
@@ -485,8 +473,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     size_t largest = 0;
     for (const GradientShard &g : shards)
       largest = std::max(largest, perRank[g.rank] += g.floats);
-    if (largest > 0)
-      PIPEC_CUDA_TRY(cudaMalloc(&staging.p, largest * sizeof(float)));
+    if (largest > 0) {
+      auto buffer = kernels::cuda::DeviceBuffer::allocate(largest * sizeof(float));
+      if (!buffer)
+        return buffer.takeError();
+      staging = std::move(*buffer);
+    }
   }
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
@@ -507,17 +499,17 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       return share.takeError();
     // The global loss: every process's share summed over `world`.
     double loss = *share;
-    auto *dloss = static_cast<double *>(scratch.p);
+    auto *dloss = scratch->as<double>();
     PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
     PIPEC_NCCL_TRY(
         ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, (*comms)->world.get(), compute));
     PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
     PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
     result.losses.push_back(loss);
-    float *agreeSlot = static_cast<float *>(scratch.p) + 4; // after the loss's double
+    float *agreeSlot = scratch->as<float>() + 4; // after the loss's double
     if (!shards.empty())
-      if (auto err = gatherGradients(shards, env, **comms, compute, static_cast<float *>(staging.p),
-                                     agreeSlot, o.timeoutSeconds, snapshot)) {
+      if (auto err = gatherGradients(shards, env, **comms, compute, staging.as<float>(), agreeSlot,
+                                     o.timeoutSeconds, snapshot)) {
         (*comms)->abortAll();
         return err;
       }
