@@ -77,7 +77,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     forwardKernel(T *__restrict__ out, float *__restrict__ lse, const T *__restrict__ q,
                   const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
-  extern __shared__ float smem[];
+  PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
   float *ks = smem;               // (32, hd + 1)
   float *vs = ks + kTile * pitch; // (32, hd + 1)
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kThreads)
                         const float *__restrict__ lse, const float *__restrict__ rowDot,
                         const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                         Dims s, float scale) {
-  extern __shared__ float smem[];
+  PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
   float *ks = smem;                     // (32, hd + 1)
   float *vs = ks + kTile * pitch;       // (32, hd + 1)
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads)
                            const float *__restrict__ lse, const float *__restrict__ rowDot,
                            const T *__restrict__ q, const T *__restrict__ k,
                            const T *__restrict__ v, Dims s, float scale) {
-  extern __shared__ float smem[];
+  PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
   float *qs = smem;                            // (32, hd + 1)
   float *dos = qs + kTile * pitch;             // (32, hd + 1)
@@ -309,7 +309,7 @@ cudaError_t launchWithSmem(Kernel kernel, dim3 grid, size_t smemBytes, cudaStrea
   if (cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smemBytes)))
     return err;
-  kernel<<<grid, kThreads, smemBytes, stream>>>(args...);
+  PIPEC_LAUNCH(grid, kThreads, smemBytes, stream, kernel)(args...);
   return cudaGetLastError();
 }
 
@@ -355,8 +355,7 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
     const T *dOutT = static_cast<const T *>(dOut);
     const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
             *vT = static_cast<const T *>(v);
-    rowDotKernel<T>
-        <<<queryGrid, kThreads, 0, stream>>>(rowDot, dOutT, static_cast<const T *>(out), s);
+    PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)(rowDot, dOutT, static_cast<const T *>(out), s);
     if (cudaError_t err = cudaGetLastError())
       return err;
     if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, querySmem, stream,

@@ -95,8 +95,8 @@ cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const v
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    forwardKernel<T><<<unsigned(n), kThreads, 0, stream>>>(
-        rowLoss, lse, static_cast<const T *>(logits), targets, v, scale);
+    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, forwardKernel<T>)
+    (rowLoss, lse, static_cast<const T *>(logits), targets, v, scale);
     return cudaGetLastError();
   });
 }
@@ -108,8 +108,8 @@ cudaError_t crossEntropyBackward(DType dtype, void *dLogits, const void *logits,
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    backwardKernel<T><<<unsigned(n), kThreads, 0, stream>>>(
-        static_cast<T *>(dLogits), static_cast<const T *>(logits), lse, targets, v, scale);
+    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, backwardKernel<T>)
+    (static_cast<T *>(dLogits), static_cast<const T *>(logits), lse, targets, v, scale);
     return cudaGetLastError();
   });
 }

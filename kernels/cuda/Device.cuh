@@ -1,7 +1,10 @@
 //===- Device.cuh - device helpers shared by the .cu files --------*- CUDA -*-===//
 //
 // Loads and stores that widen bf16 to fp32 (all arithmetic is fp32), warp reductions by
-// shuffles, and the fp32/bf16 dispatch of a launcher. Included by .cu files only.
+// shuffles, the tensor-core mma of a warp, the fp32/bf16 dispatch of a launcher, and the two
+// spellings the kernel emulator (kernels/cuda/emu/KernelEmu.h) replaces: PIPEC_LAUNCH for
+// `kernel<<<grid, block, smem, stream>>>` and PIPEC_DYNAMIC_SHARED for `extern __shared__`.
+// Included by .cu files only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICE_CUH
@@ -11,6 +14,16 @@
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
+
+#ifndef PIPEC_KERNEL_EMU
+/// PIPEC_LAUNCH(grid, block, sharedBytes, stream, kernel)(args...).
+#define PIPEC_LAUNCH(grid, block, sharedBytes, stream, ...)                                        \
+  __VA_ARGS__<<<grid, block, sharedBytes, stream>>>
+/// `extern __shared__ T name[]` (a pointer named `name` in the emulator).
+#define PIPEC_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 namespace pipec::kernels::cuda::device {
 
@@ -36,6 +49,24 @@ __device__ __forceinline__ float warpMax(float x) {
   for (int offset = kWarp / 2; offset > 0; offset /= 2)
     x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
   return x;
+}
+
+/// d (16 x 8, fp32) += a (16 x 16) b (16 x 8), bf16 inputs: one mma.sync.m16n8k16 of the warp,
+/// every lane passing its fragments in the PTX ISA's layout (groupID g = lane / 4,
+/// threadID_in_group t = lane % 4; the low half of a register is the lower column or row):
+///   a[r]: row g + 8 (r & 1), columns 2 t + 8 (r >> 1) + {0, 1};
+///   b[r]: rows 2 t + 8 r + {0, 1}, column g;
+///   d[e]: row g + 8 (e >> 1), column 2 t + (e & 1).
+__device__ __forceinline__ void mmaBf16(float (&d)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::mmaM16N8K16Bf16(d, a, b);
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }

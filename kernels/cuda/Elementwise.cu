@@ -105,8 +105,8 @@ cudaError_t convert(DType dstType, void *dst, DType srcType, const void *src, si
     using Dst = std::remove_pointer_t<decltype(dstTag)>;
     return PIPEC_DISPATCH_DTYPE(srcType, [&](auto *srcTag) {
       using Src = std::remove_pointer_t<decltype(srcTag)>;
-      convertKernel<Dst, Src><<<gridFor(n), kThreads, 0, stream>>>(
-          static_cast<Dst *>(dst), static_cast<const Src *>(src), n);
+      PIPEC_LAUNCH(gridFor(n), kThreads, 0, stream, convertKernel<Dst, Src>)
+      (static_cast<Dst *>(dst), static_cast<const Src *>(src), n);
       return cudaGetLastError();
     });
   });
@@ -117,8 +117,8 @@ cudaError_t geluForward(DType dtype, void *out, const void *in, size_t n, cudaSt
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    geluForwardKernel<T>
-        <<<gridFor(n), kThreads, 0, stream>>>(static_cast<T *>(out), static_cast<const T *>(in), n);
+    PIPEC_LAUNCH(gridFor(n), kThreads, 0, stream, geluForwardKernel<T>)
+    (static_cast<T *>(out), static_cast<const T *>(in), n);
     return cudaGetLastError();
   });
 }
@@ -129,8 +129,8 @@ cudaError_t geluBackward(DType dtype, void *dIn, const void *dOut, const void *i
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    geluBackwardKernel<T><<<gridFor(n), kThreads, 0, stream>>>(
-        static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), n);
+    PIPEC_LAUNCH(gridFor(n), kThreads, 0, stream, geluBackwardKernel<T>)
+    (static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), n);
     return cudaGetLastError();
   });
 }
@@ -140,8 +140,8 @@ cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, si
                        float vCorrection, cudaStream_t stream) {
   if (n == 0)
     return cudaSuccess;
-  adamKernel<<<gridFor(n), kThreads, 0, stream>>>(params, grads, m, v, n, lr, beta1, beta2, eps,
-                                                  weightDecay, mCorrection, vCorrection);
+  PIPEC_LAUNCH(gridFor(n), kThreads, 0, stream, adamKernel)
+  (params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay, mCorrection, vCorrection);
   return cudaGetLastError();
 }
 
@@ -152,7 +152,8 @@ cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int
   dim3 grid(ceilDiv(o, kThreads), ceilDiv(n, kRowsPerChunk));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    columnSumKernel<T><<<grid, kThreads, 0, stream>>>(dBias, static_cast<const T *>(dOut), n, o);
+    PIPEC_LAUNCH(grid, kThreads, 0, stream, columnSumKernel<T>)
+    (dBias, static_cast<const T *>(dOut), n, o);
     return cudaGetLastError();
   });
 }

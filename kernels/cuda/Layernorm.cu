@@ -113,9 +113,9 @@ cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, c
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    forwardKernel<T><<<ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream>>>(
-        static_cast<T *>(out), mean, rstd, static_cast<const T *>(in), static_cast<const T *>(w),
-        static_cast<const T *>(b), n, c);
+    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream, forwardKernel<T>)
+    (static_cast<T *>(out), mean, rstd, static_cast<const T *>(in), static_cast<const T *>(w),
+     static_cast<const T *>(b), n, c);
     return cudaGetLastError();
   });
 }
@@ -127,9 +127,9 @@ cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void 
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    backwardInputKernel<T><<<ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream>>>(
-        static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd,
-        static_cast<const T *>(w), n, c);
+    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream, backwardInputKernel<T>)
+    (static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd,
+     static_cast<const T *>(w), n, c);
     return cudaGetLastError();
   });
 }
@@ -142,8 +142,8 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
   dim3 grid(ceilDiv(c, kThreads), ceilDiv(n, kRowsPerChunk));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    backwardWeightKernel<T><<<grid, kThreads, 0, stream>>>(
-        dW, dB, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
+    PIPEC_LAUNCH(grid, kThreads, 0, stream, backwardWeightKernel<T>)
+    (dW, dB, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
     return cudaGetLastError();
   });
 }

@@ -20,6 +20,8 @@ namespace pipec::emu {
 void enqueue(cudaStream_t stream, std::function<void()> work);
 /// Whether streams run asynchronously (PIPEC_EMU_ASYNC=1).
 bool asynchronous();
+/// The calling thread's next cudaGetLastError() (a launch the kernel emulator refused).
+void setLastError(cudaError_t error);
 
 } // namespace pipec::emu
 

@@ -34,6 +34,7 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 namespace {
 
@@ -59,6 +60,8 @@ State &state() {
 }
 
 thread_local int currentDevice = 0;
+/// The launch error of the calling host thread (cudaGetLastError), as the real runtime keeps it.
+thread_local cudaError_t lastError = cudaSuccess;
 int defaultPool; // its address is the default pool's handle
 
 cudaError_t allocate(void **p, size_t bytes, bool streamOrdered, bool pinned) {
@@ -242,6 +245,8 @@ bool asynchronous() {
   return on;
 }
 
+void setLastError(cudaError_t error) { lastError = error; }
+
 void enqueue(cudaStream_t stream, std::function<void()> work) {
   std::shared_ptr<FakeStream> s = asynchronous() ? streamOf(stream) : nullptr;
   if (!s) {
@@ -273,8 +278,8 @@ cudaError_t cudaDeviceSynchronize(void) {
   synchronizeAll();
   return cudaSuccess;
 }
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
-cudaError_t cudaPeekAtLastError(void) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) { return std::exchange(lastError, cudaSuccess); }
+cudaError_t cudaPeekAtLastError(void) { return lastError; }
 
 const char *cudaGetErrorName(cudaError_t error) {
   switch (error) {
@@ -288,6 +293,8 @@ const char *cudaGetErrorName(cudaError_t error) {
     return "cudaErrorInvalidDevice";
   case cudaErrorNotReady:
     return "cudaErrorNotReady";
+  case cudaErrorInvalidConfiguration:
+    return "cudaErrorInvalidConfiguration";
   default:
     return "cudaErrorUnknown";
   }

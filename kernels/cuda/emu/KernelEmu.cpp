@@ -1,0 +1,304 @@
+//===- KernelEmu.cpp - Runs a CUDA grid on the host: one fiber per thread ---===//
+//
+// KernelEmu.h documents the model (this file sees only KernelEmuRuntime.h, not its macros). A grid
+// runs on the host thread that executes its stream's work (the caller, or the stream's worker in
+// asynchronous mode), under a process-wide lock; its blocks run one after another. Each block's
+// threads are ucontext fibers with their own stacks; the scheduler resumes every ready fiber until
+// it finishes or waits at a barrier, then releases complete warp barriers, then (when every live
+// thread waits there) the block barrier.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/emu/KernelEmuRuntime.h"
+
+#include "kernels/cuda/emu/FakeCuda.h"
+
+#include <cuda_runtime_api.h>
+#include <ucontext.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace pipec::emu::kernel {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr size_t kStackBytes = size_t(256) << 10;
+constexpr size_t kDefaultDynamicShared = size_t(48) << 10;
+constexpr size_t kMaxDynamicShared = size_t(227) << 10; // sm_90's opt-in limit per block
+
+enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
+
+struct Fiber {
+  ucontext_t context;
+  State state = State::Ready;
+  ThreadCoords coords;
+  std::unique_ptr<char[]> stack;
+};
+
+struct WarpSlots {
+  std::array<uint64_t, kWarp> bits{};
+  std::array<std::array<uint32_t, 4>, kWarp> a{};
+  std::array<std::array<uint32_t, 2>, kWarp> b{};
+};
+
+/// The grid running on this host thread.
+struct Grid {
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers; // grows to the largest block seen; the first `threads` are used
+  size_t threads = 0, current = 0;
+  std::vector<WarpSlots> warps;
+  std::vector<std::byte> shared;
+  const std::function<void()> *body = nullptr;
+};
+
+thread_local Grid *running = nullptr;
+thread_local std::unique_ptr<Grid> gridOfThread;
+
+std::mutex &gridLock() {
+  static std::mutex mu;
+  return mu;
+}
+
+struct Limits {
+  std::mutex mu;
+  std::unordered_map<const void *, size_t> maxDynamicShared;
+};
+Limits &limits() {
+  static Limits l;
+  return l;
+}
+
+[[noreturn]] void fatal(const char *message) {
+  std::fprintf(stderr, "kernel emulator: %s\n", message);
+  std::fflush(stderr);
+  std::abort();
+}
+
+Grid &grid() {
+  if (!running)
+    fatal("a device function ran outside an emulated kernel");
+  return *running;
+}
+
+Fiber &self() {
+  Grid &g = grid();
+  return g.fibers[g.current];
+}
+
+size_t linearThread(const ThreadCoords &c) {
+  return c.thread.x + size_t(c.blockDim.x) * (c.thread.y + size_t(c.blockDim.y) * c.thread.z);
+}
+
+/// Back to the scheduler, in `state`.
+void wait(State state) {
+  Fiber &f = self();
+  f.state = state;
+  swapcontext(&f.context, &grid().scheduler);
+}
+
+void fiberMain() {
+  Grid &g = grid();
+  (*g.body)();
+  g.fibers[g.current].state = State::Done;
+  // Returning resumes uc_link: the scheduler.
+}
+
+/// Runs one block to completion.
+void runBlock(Grid &g, const ThreadCoords &base) {
+  const size_t n = g.threads;
+  for (size_t i = 0; i < n; ++i) {
+    Fiber &f = g.fibers[i];
+    if (!f.stack)
+      f.stack = std::make_unique<char[]>(kStackBytes);
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = kStackBytes;
+    f.context.uc_link = &g.scheduler;
+    makecontext(&f.context, fiberMain, 0);
+    f.state = State::Ready;
+    f.coords = base;
+    f.coords.thread =
+        Index{unsigned(i % base.blockDim.x), unsigned(i / base.blockDim.x % base.blockDim.y),
+              unsigned(i / (size_t(base.blockDim.x) * base.blockDim.y))};
+  }
+  std::memset(g.shared.data(), 0xff, g.shared.size()); // NaN until written
+  // Rounds alternate between ascending and descending thread order, so that a thread reading
+  // what another wrote in the same barrier interval (a missing __syncthreads) runs before the
+  // writer in one of them.
+  for (bool descending = false;; descending = !descending) {
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = descending ? n - 1 - k : k;
+      if (g.fibers[i].state == State::Ready) {
+        g.current = i;
+        swapcontext(&g.scheduler, &g.fibers[i].context);
+      }
+    }
+    // Nothing is ready: release what can be released.
+    bool released = false;
+    size_t live = 0, atBlock = 0;
+    for (size_t w = 0; w * kWarp < n; ++w) {
+      size_t lanes = 0, atWarp = 0;
+      for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
+        const State s = g.fibers[i].state;
+        lanes += s != State::Done;
+        atWarp += s == State::AtWarpBarrier;
+        atBlock += s == State::AtBlockBarrier;
+      }
+      live += lanes;
+      if (atWarp > 0 && atWarp == lanes) {
+        for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i)
+          if (g.fibers[i].state == State::AtWarpBarrier)
+            g.fibers[i].state = State::Ready;
+        released = true;
+      }
+    }
+    if (released)
+      continue;
+    if (live == 0)
+      return;
+    if (atBlock == live) {
+      for (size_t i = 0; i < n; ++i)
+        if (g.fibers[i].state == State::AtBlockBarrier)
+          g.fibers[i].state = State::Ready;
+      continue;
+    }
+    char message[256];
+    std::snprintf(message, sizeof message,
+                  "deadlock in block (%u, %u, %u): %zu threads wait at __syncthreads while others "
+                  "of their block wait at a warp collective (shuffle or mma) of a warp with lanes "
+                  "at __syncthreads",
+                  base.block.x, base.block.y, base.block.z, atBlock);
+    fatal(message);
+  }
+}
+
+void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::function<void()> &body) {
+  std::lock_guard<std::mutex> lock(gridLock());
+  if (!gridOfThread)
+    gridOfThread = std::make_unique<Grid>();
+  Grid &g = *gridOfThread;
+  g.threads = size_t(blockDim.x) * blockDim.y * blockDim.z;
+  if (g.fibers.size() < g.threads)
+    g.fibers.resize(g.threads);
+  g.warps.assign((g.threads + kWarp - 1) / kWarp, WarpSlots{});
+  g.shared.assign(sharedBytes, std::byte{0});
+  g.body = &body;
+  running = &g;
+  ThreadCoords base;
+  base.blockDim = Index{blockDim.x, blockDim.y, blockDim.z};
+  base.gridDim = Index{gridDim.x, gridDim.y, gridDim.z};
+  for (unsigned z = 0; z < gridDim.z; ++z)
+    for (unsigned y = 0; y < gridDim.y; ++y)
+      for (unsigned x = 0; x < gridDim.x; ++x) {
+        base.block = Index{x, y, z};
+        runBlock(g, base);
+      }
+  running = nullptr;
+}
+
+float bf16Low(uint32_t pair) {
+  uint32_t bits = pair << 16;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+float bf16High(uint32_t pair) {
+  uint32_t bits = pair & 0xffff0000u;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+} // namespace
+
+const ThreadCoords &coords() { return self().coords; }
+
+void syncThreads() { wait(State::AtBlockBarrier); }
+
+int laneId() { return int(linearThread(self().coords) % kWarp); }
+
+uint64_t exchange(uint64_t bits, int srcLane) {
+  const size_t t = linearThread(self().coords);
+  WarpSlots &slots = grid().warps[t / kWarp];
+  slots.bits[t % kWarp] = bits;
+  wait(State::AtWarpBarrier); // every lane has written
+  const uint64_t got = slots.bits[size_t(srcLane) % kWarp];
+  wait(State::AtWarpBarrier); // every lane has read
+  return got;
+}
+
+void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const size_t t = linearThread(self().coords);
+  WarpSlots &slots = grid().warps[t / kWarp];
+  const int lane = int(t % kWarp);
+  slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
+  slots.b[size_t(lane)] = {b[0], b[1]};
+  wait(State::AtWarpBarrier);
+  // The PTX ISA's fragments: groupID = lane / 4, threadID_in_group = lane % 4.
+  //   A (16 x 16, row): register r holds (row g + 8 (r & 1), cols 2 t + 8 (r >> 1) + {0, 1}).
+  //   B (16 x 8, col):  register r holds (rows 2 t + 8 r + {0, 1}, col g).
+  //   C/D (16 x 8):     element e is (row g + 8 (e >> 1), col 2 t + (e & 1)).
+  auto aAt = [&](int row, int col) {
+    const int owner = (row % 8) * 4 + (col % 8) / 2;
+    const uint32_t reg = slots.a[size_t(owner)][size_t((row / 8) + 2 * (col / 8))];
+    return col % 2 ? bf16High(reg) : bf16Low(reg);
+  };
+  auto bAt = [&](int row, int col) {
+    const int owner = col * 4 + (row % 8) / 2;
+    const uint32_t reg = slots.b[size_t(owner)][size_t(row / 8)];
+    return row % 2 ? bf16High(reg) : bf16Low(reg);
+  };
+  const int g = lane / 4, tg = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * tg + (e & 1);
+    float sum = d[e];
+    for (int k = 0; k < 16; ++k)
+      sum += aAt(row, k) * bAt(k, col);
+    d[e] = sum;
+  }
+  wait(State::AtWarpBarrier); // every lane has read the fragments
+}
+
+void *dynamicShared() { return grid().shared.data(); }
+
+void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,
+            const void *kernel, std::function<void()> body) {
+  const size_t threads = size_t(blockDim.x) * blockDim.y * blockDim.z;
+  size_t sharedLimit = kDefaultDynamicShared;
+  {
+    Limits &l = limits();
+    std::lock_guard<std::mutex> lock(l.mu);
+    if (auto it = l.maxDynamicShared.find(kernel); it != l.maxDynamicShared.end())
+      sharedLimit = it->second;
+  }
+  if (threads == 0 || threads > 1024 || blockDim.z > 64 || gridDim.x == 0 || gridDim.y == 0 ||
+      gridDim.z == 0 || gridDim.y > 65535 || gridDim.z > 65535) {
+    setLastError(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (sharedBytes > sharedLimit) {
+    setLastError(cudaErrorInvalidValue);
+    return;
+  }
+  enqueue(stream, [=, body = std::move(body)] { runGrid(gridDim, blockDim, sharedBytes, body); });
+}
+
+} // namespace pipec::emu::kernel
+
+extern "C" cudaError_t cudaFuncSetAttribute(const void *func, enum cudaFuncAttribute attr,
+                                            int value) {
+  using namespace pipec::emu::kernel;
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
+    return cudaSuccess;
+  if (value < 0 || size_t(value) > kMaxDynamicShared)
+    return cudaErrorInvalidValue;
+  Limits &l = limits();
+  std::lock_guard<std::mutex> lock(l.mu);
+  l.maxDynamicShared[func] = size_t(value);
+  return cudaSuccess;
+}

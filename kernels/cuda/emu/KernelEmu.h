@@ -1,0 +1,111 @@
+//===- KernelEmu.h - The CUDA device dialect on the host, for the kernel emulator -*- C++ -*-===//
+//
+// kernels/cuda/emu/README.md. Included first in a host translation unit that then includes a
+// .cu file unchanged (the build generates that unit, kernels/BUILD), so that the hand-written
+// kernels run on a machine without a GPU and are checked against the CPU reference ops in CI.
+//
+// Every CUDA thread of a block is a fiber of one host thread; the scheduler (KernelEmu.cpp) runs
+// them until each finishes or waits at a barrier, then releases the barrier whose every live
+// participant has arrived: a warp's (shuffles, mma) first, then the block's (__syncthreads).
+// Threads waiting at different barriers with nothing left to release is a deadlock the real
+// GPU would hang in (a __syncthreads in divergent code, a shuffle missing lanes): it ends the
+// process with a message naming the kernel's launch. Blocks run one after another, and one grid
+// at a time in the process, so `__shared__` variables can be statics. Dynamic shared memory is
+// filled with NaN bytes before each block, so a read before the block wrote it shows.
+//
+// What is emulated: thread and block indices, __syncthreads, the warp shuffles, atomicAdd,
+// mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
+// ISA's fragment layout), launch configuration limits (block size, the 48 KiB dynamic shared
+// memory default and cudaFuncSetAttribute raising it), and the launch error of a refused launch
+// through cudaGetLastError. Launches run in stream order (emu::enqueue). What is not: timing,
+// memory coalescing and bank conflicts, races inside one barrier interval (fibers never
+// interleave between barriers; successive intervals run the threads in opposite orders, so a
+// missing __syncthreads shows when the reader runs before the writer, but not always), and
+// out-of-bounds accesses (run the emulated test under ASan for them).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H
+#define PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H
+
+#define PIPEC_KERNEL_EMU 1
+
+// The execution-space qualifiers mean nothing on the host; `__shared__` variables become
+// statics (one block at a time). Defined before the CUDA headers, which then keep them.
+#define __global__
+#define __device__
+#define __host__
+#define __shared__ static
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+
+#include "kernels/cuda/emu/KernelEmuRuntime.h"
+
+#define threadIdx (::pipec::emu::kernel::coords().thread)
+#define blockIdx (::pipec::emu::kernel::coords().block)
+#define blockDim (::pipec::emu::kernel::coords().blockDim)
+#define gridDim (::pipec::emu::kernel::coords().gridDim)
+
+inline void __syncthreads() { ::pipec::emu::kernel::syncThreads(); }
+
+// Warp shuffles; `width` splits the warp into segments as CUDA's.
+template <typename T> T __shfl_sync(unsigned, T value, int srcLane, int width = 32) {
+  const int lane = ::pipec::emu::kernel::laneId();
+  return ::pipec::emu::kernel::shuffle(value, (lane & ~(width - 1)) + (srcLane & (width - 1)));
+}
+template <typename T> T __shfl_xor_sync(unsigned, T value, int laneMask, int width = 32) {
+  const int lane = ::pipec::emu::kernel::laneId();
+  const int src = lane ^ laneMask;
+  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane);
+}
+template <typename T> T __shfl_down_sync(unsigned, T value, unsigned delta, int width = 32) {
+  const int lane = ::pipec::emu::kernel::laneId();
+  const int src = lane + int(delta);
+  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane);
+}
+template <typename T> T __shfl_up_sync(unsigned, T value, unsigned delta, int width = 32) {
+  const int lane = ::pipec::emu::kernel::laneId();
+  const int src = lane - int(delta);
+  return ::pipec::emu::kernel::shuffle(value, src >= (lane & ~(width - 1)) ? src : lane);
+}
+
+// Atomics: blocks run one at a time, but two streams' grids may overlap in asynchronous mode.
+template <typename T> T atomicAdd(T *address, T value) {
+  return std::atomic_ref<T>(*address).fetch_add(value);
+}
+
+// Device math that the host library lacks.
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline int min(int a, int b) { return std::min(a, b); }
+inline int max(int a, int b) { return std::max(a, b); }
+inline unsigned min(unsigned a, unsigned b) { return std::min(a, b); }
+inline unsigned max(unsigned a, unsigned b) { return std::max(a, b); }
+
+// cuda_runtime.h declares the function-pointer overload for nvcc only.
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T *entry, cudaFuncAttribute attr, int value) {
+  return ::cudaFuncSetAttribute(reinterpret_cast<const void *>(entry), attr, value);
+}
+
+/// Launch syntax: PIPEC_LAUNCH(grid, block, sharedBytes, stream, kernel)(args...).
+#define PIPEC_LAUNCH(grid, block, sharedBytes, stream, ...)                                        \
+  ::pipec::emu::kernel::launcher(grid, block, sharedBytes, stream, __VA_ARGS__)
+/// `extern __shared__ T name[]`.
+#define PIPEC_DYNAMIC_SHARED(T, name)                                                              \
+  T *name = static_cast<T *>(::pipec::emu::kernel::dynamicShared())
+
+#endif // PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H

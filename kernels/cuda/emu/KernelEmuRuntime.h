@@ -1,0 +1,75 @@
+//===- KernelEmuRuntime.h - The kernel emulator's runtime calls ------*- C++ -*-===//
+//
+// What the device dialect of KernelEmu.h expands to; implemented by KernelEmu.cpp. Kept apart
+// from KernelEmu.h, whose macros (threadIdx, blockDim, ...) would rename the runtime's own code.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMURUNTIME_H
+#define PIPEC_KERNELS_CUDA_EMU_KERNELEMURUNTIME_H
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+
+namespace pipec::emu::kernel {
+
+struct Index {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+/// The calling (emulated) thread's coordinates.
+struct ThreadCoords {
+  Index thread, block, blockDim, gridDim;
+};
+const ThreadCoords &coords();
+
+/// Waits until every live thread of the block has arrived.
+void syncThreads();
+/// The calling thread's lane in its warp.
+int laneId();
+/// Every live lane of the warp passes its `bits` and gets those of lane `srcLane`.
+uint64_t exchange(uint64_t bits, int srcLane);
+/// d += a b for the warp's m16n8k16 fragments (bf16 pairs in a, b; fp32 c/d), PTX ISA layout.
+void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+/// The block's dynamic shared memory.
+void *dynamicShared();
+
+/// Queues `body` as a grid on `stream`; a configuration the GPU would refuse is not run and
+/// becomes the next cudaGetLastError(). `kernel` identifies the function (its
+/// cudaFuncSetAttribute limits), `name` is for messages.
+void launch(dim3 grid, dim3 block, size_t sharedBytes, cudaStream_t stream, const void *kernel,
+            std::function<void()> body);
+
+template <typename Kernel> struct Launcher {
+  dim3 grid, block;
+  size_t sharedBytes;
+  cudaStream_t stream;
+  Kernel kernel;
+  template <typename... Args> void operator()(Args... args) const {
+    Kernel k = kernel;
+    launch(grid, block, sharedBytes, stream, reinterpret_cast<const void *>(k),
+           [k, args...] { k(args...); });
+  }
+};
+template <typename Kernel>
+Launcher<Kernel> launcher(dim3 grid, dim3 block, size_t sharedBytes, cudaStream_t stream,
+                          Kernel kernel) {
+  return {grid, block, sharedBytes, stream, kernel};
+}
+
+template <typename T> T shuffle(T value, int srcLane) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move 64 bits");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  bits = exchange(bits, srcLane);
+  std::memcpy(&value, &bits, sizeof(T));
+  return value;
+}
+
+} // namespace pipec::emu::kernel
+
+#endif // PIPEC_KERNELS_CUDA_EMU_KERNELEMURUNTIME_H
