@@ -12,6 +12,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
+#include "kernels/cuda/Launch.h"
 
 #include <fmt/format.h>
 
@@ -105,10 +106,12 @@ struct Bench {
     const double fwdFlops = 4.0 * s.batch * s.heads * s.headDim * pairs; // QK^T and PV
     const std::string shape = fmt::format("{} {} (B{} x{} a{} H{} hd{})", name, toString(dt),
                                           s.batch, s.queries, s.begin, s.heads, s.headDim);
-    report(shape + " fwd", fwdFlops,
+    const bool tensorCores = launch::attentionForwardUsesTensorCores(
+        dt, {s.batch, s.queries, s.begin, s.heads, s.headDim}, out, q, k, v);
+    report(shape + (tensorCores ? " fwd (tensor cores)" : " fwd (SIMT)"), fwdFlops,
            time([&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); }));
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
-    report(shape + " bwd", 2.5 * fwdFlops, time([&] {
+    report(shape + " bwd (SIMT)", 2.5 * fwdFlops, time([&] {
              return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
            }));
   }

@@ -20,6 +20,7 @@
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
+#include "kernels/cuda/Launch.h"
 
 #include <gtest/gtest.h>
 
@@ -336,16 +337,38 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
   cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
                          q.data(), k.data(), v.data(), cs);
+  // The log-sum-exp of each query row's scaled scores (B, H, x), in double.
+  Vec refLse(size_t(s.batch) * s.heads * s.queries);
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t) {
+        double sum = 0;
+        for (int j = 0; j <= s.begin + t; ++j) {
+          double dot = 0;
+          for (int d = 0; d < s.headDim; ++d)
+            dot += double(q[(size_t(b) * s.queries + t) * s.width() + size_t(h) * s.headDim + d]) *
+                   k[(size_t(j) * s.batch + b) * s.width() + size_t(h) * s.headDim + d];
+          sum += std::exp(dot / std::sqrt(double(s.headDim)));
+        }
+        refLse[(size_t(b) * s.heads + h) * s.queries + t] = float(std::log(sum));
+      }
 
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
   DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, dt), gdv = upload(dv0, dt);
   DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
   DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+  // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core forward.
+  const bool tensorCores = dt == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= 128;
+  EXPECT_EQ(launch::attentionForwardUsesTensorCores(
+                dt, {s.batch, s.queries, s.begin, s.heads, s.headDim}, out.data(), gq.data(),
+                gk.data(), gv.data()),
+            tensorCores);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(),
                               lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, dt), refDk, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdv, kvSize, dt), refDv, tolerance(dt, /*longSums=*/true));
@@ -356,6 +379,8 @@ const AttentionCase kAttentionCases[] = {
     {{/*batch=*/2, /*queries=*/24, /*begin=*/40, /*heads=*/3, /*headDim=*/64}, "LaterSlice"},
     {{/*batch=*/1, /*queries=*/13, /*begin=*/29, /*heads=*/2, /*headDim=*/48}, "OddHeadDim"},
     {{/*batch=*/1, /*queries=*/9, /*begin=*/70, /*heads=*/1, /*headDim=*/256}, "WidestHead"},
+    // Two 64-query blocks (the second one partly past the slice) over three 64-key tiles.
+    {{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, /*headDim=*/128}, "ManyTiles"},
     {{/*batch=*/2, /*queries=*/8, /*begin=*/0, /*heads=*/4, /*headDim=*/4}, "CpuTinyConfig"},
 };
 

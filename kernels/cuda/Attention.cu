@@ -7,14 +7,15 @@
 //   k, v, dk, dv (a + x, B, H*hd)   position-major, so a slice's K/V append to the cache
 //   lse          (B, H, x)          fp32 log-sum-exp of a query row's scaled scores
 //
-// Flash-attention structure, without tensor cores yet (correctness first): nothing quadratic is
-// stored. The forward streams tiles of 32 keys through shared memory with an online softmax; the
-// backward recomputes the probabilities from lse, in two kernels so that no gradient needs an
-// atomic: one warp per query row for dq, one warp per key row for dk and dv. Inside a tile,
-// lane L owns key (or query) L of the tile for the dot products, and dimension d = lane + 32 r
-// (r < 8, so hd <= 256) for the output accumulators; probabilities move between the two
-// ownerships by warp shuffles. Shared tiles are padded to hd + 1 floats a row, so the lanes'
-// column reads fall in distinct banks.
+// Two forwards. bf16 with a head dimension that is a multiple of 16 (at most 128) runs on the
+// tensor cores (forwardTensorCoreKernel, below); every other case, and the backward, runs the
+// SIMT kernels described here. Flash-attention structure: nothing quadratic is stored. The forward
+// streams tiles of 32 keys through shared memory with an online softmax; the backward recomputes
+// the probabilities from lse, in two kernels so that no gradient needs an atomic: one warp per
+// query row for dq, one warp per key row for dk and dv. Inside a tile, lane L owns key (or query) L
+// of the tile for the dot products, and dimension d = lane + 32 r (r < 8, so hd <= 256) for the
+// output accumulators; probabilities move between the two ownerships by warp shuffles. Shared tiles
+// are padded to hd + 1 floats a row, so the lanes' column reads fall in distinct banks.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"
@@ -297,25 +298,237 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+//===--- Tensor-core forward (bf16) ---------------------------------------===//
+//
+// FlashAttention-2's forward on mma.sync.m16n8k16 (bf16 in, fp32 accumulate): a block of four
+// warps owns 64 query rows, 16 per warp, and streams 64-key tiles of K and V through shared
+// memory. Per tile, a warp computes its 16 x 64 scores S = Q K^T (Q's fragments stay in
+// registers for the whole loop), masks them causally, updates the running row maxima and sums
+// (online softmax in base 2), rescales its output accumulators and adds P V, with P rounded to
+// bf16 as the A operand straight from the score accumulators (a 16 x 8 accumulator pair is
+// exactly a 16 x 16 A fragment). V is stored transposed in shared memory so that its B fragments
+// are pairs of adjacent bf16. The row sums stay per lane until the end (their scale factors are
+// equal across the four lanes of a row), then one shuffle pair reduces them. Warps whose rows
+// are all past the slice, or whose rows all precede a tile, skip its math (but not its barriers).
+// Fragment layouts are the PTX ISA's (Device.cuh, mmaBf16).
+
+namespace tc {
+constexpr int kWarps = 4;
+constexpr int kRowsPerWarp = 16;
+constexpr int kBlockQueries = kWarps * kRowsPerWarp;
+constexpr int kBlockKeys = 64;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kMaxHeadDim = 128;
+constexpr int kPad = 8; // bf16 per shared row past the data: rows start 16 bytes off a bank cycle
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+constexpr size_t sharedBytes(int hd) {
+  return sizeof(bf16) *
+         (size_t(kBlockQueries + kBlockKeys) * (hd + kPad) + size_t(hd) * (kBlockKeys + kPad));
+}
+
+/// Two adjacent 16-bit values of shared memory (4-byte aligned) as one fragment register.
+template <typename Half> __device__ __forceinline__ uint32_t load32(const Half *p) {
+  static_assert(sizeof(Half) == 2, "a pair of 16-bit values");
+  return *reinterpret_cast<const uint32_t *>(p);
+}
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi); // .x (low half) = lo
+  uint32_t bits;
+  memcpy(&bits, &pair, sizeof bits);
+  return bits;
+}
+} // namespace tc
+
+// out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
+// 16-byte aligned. grid (ceil(x / 64), B*H), block 128; HD = headDim, a multiple of 16.
+template <int HD>
+__global__ void __launch_bounds__(tc::kThreads)
+    forwardTensorCoreKernel(bf16 *__restrict__ out, float *__restrict__ lse,
+                            const bf16 *__restrict__ q, const bf16 *__restrict__ k,
+                            const bf16 *__restrict__ v, Dims s, float scaleLog2) {
+  static_assert(HD % 16 == 0 && HD <= tc::kMaxHeadDim, "k-steps of 16 over the head dim");
+  constexpr int kPitch = HD + tc::kPad;              // Q and K rows in shared memory
+  constexpr int kVPitch = tc::kBlockKeys + tc::kPad; // V^T rows (one per dimension)
+  constexpr int kChunks = HD / 8;                    // 16-byte chunks of a head row
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  bf16 *qs = reinterpret_cast<bf16 *>(smem);  // (64, kPitch)
+  bf16 *ks = qs + tc::kBlockQueries * kPitch; // (64, kPitch)
+  // (HD, kVPitch): vt[d][j] holds the bits of V[j0 + j][d]
+  uint16_t *vt = reinterpret_cast<uint16_t *>(ks + tc::kBlockKeys * kPitch);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, tg = lane % 4; // the fragments' groupID and threadID_in_group
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int m0 = blockIdx.x * tc::kBlockQueries, r0 = warp * tc::kRowsPerWarp;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+
+  for (int idx = threadIdx.x; idx < tc::kBlockQueries * kChunks; idx += tc::kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks * 8, t = m0 + r;
+    *reinterpret_cast<uint4 *>(qs + r * kPitch + c) =
+        t < s.queries ? *reinterpret_cast<const uint4 *>(q + s.qRow(b, t, h) + c) : zero;
+  }
+  __syncthreads();
+  uint32_t qf[HD / 16][4]; // A fragments of the warp's 16 rows, one per k-step of 16 dims
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const bf16 *at = qs + (r0 + g) * kPitch + kk * 16 + 2 * tg;
+    qf[kk][0] = tc::load32(at);
+    qf[kk][1] = tc::load32(at + 8 * kPitch);
+    qf[kk][2] = tc::load32(at + 8);
+    qf[kk][3] = tc::load32(at + 8 * kPitch + 8);
+  }
+
+  // This lane's two rows: g and g + 8 of the warp's 16 (their positions see keys [0, pos]).
+  const int pos[2] = {s.begin + m0 + r0 + g, s.begin + m0 + r0 + g + 8};
+  const bool warpActive = m0 + r0 < s.queries;
+  const int warpLastPos = s.begin + min(s.queries - 1, m0 + r0 + tc::kRowsPerWarp - 1);
+  const int lastPos = s.begin + min(s.queries, m0 + tc::kBlockQueries) - 1;
+  float o[HD / 8][4] = {}; // output accumulators, 8 dims per n-tile
+  float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
+
+  for (int j0 = 0; j0 <= lastPos; j0 += tc::kBlockKeys) {
+    __syncthreads(); // the previous tile is consumed
+    for (int idx = threadIdx.x; idx < tc::kBlockKeys * kChunks; idx += tc::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks * 8, j = j0 + r;
+      uint4 kc = zero, vc = zero;
+      if (j < s.keys()) {
+        kc = *reinterpret_cast<const uint4 *>(k + s.kvRow(j, b, h) + c);
+        vc = *reinterpret_cast<const uint4 *>(v + s.kvRow(j, b, h) + c);
+      }
+      *reinterpret_cast<uint4 *>(ks + r * kPitch + c) = kc;
+      const uint32_t pairs[4] = {vc.x, vc.y, vc.z, vc.w}; // dims c + 2 i (low), c + 2 i + 1
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        vt[(c + e) * kVPitch + r] = uint16_t(pairs[e / 2] >> (16 * (e % 2)));
+    }
+    __syncthreads();
+    if (!warpActive || j0 > warpLastPos)
+      continue;
+
+    // S = Q K^T for the warp's 16 rows and the tile's 64 keys: 8 n-tiles of 8 keys.
+    float sc[tc::kBlockKeys / 8][4] = {};
+#pragma unroll
+    for (int nt = 0; nt < tc::kBlockKeys / 8; ++nt)
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        const bf16 *at = ks + (nt * 8 + g) * kPitch + kk * 16 + 2 * tg;
+        const uint32_t kf[2] = {tc::load32(at), tc::load32(at + 8)};
+        mmaBf16(sc[nt], qf[kk], kf);
+      }
+
+    // Causal mask, scale to base 2, new row maxima (over the 4 lanes that share a row).
+    float tileMax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < tc::kBlockKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = e >> 1, j = j0 + nt * 8 + 2 * tg + (e & 1);
+        const float x = j <= pos[row] ? sc[nt][e] * scaleLog2 : -INFINITY;
+        sc[nt][e] = x;
+        tileMax[row] = fmaxf(tileMax[row], x);
+      }
+    float correction[2];
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));
+      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 2));
+      // Finite: key 0 of the first tile is visible to every row.
+      const float newMax = fmaxf(rowMax[row], tileMax[row]);
+      correction[row] = exp2f(rowMax[row] - newMax);
+      rowMax[row] = newMax;
+      rowSum[row] *= correction[row];
+    }
+#pragma unroll
+    for (int nt = 0; nt < tc::kBlockKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(sc[nt][e] - rowMax[e >> 1]);
+        sc[nt][e] = p;
+        rowSum[e >> 1] += p;
+      }
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) {
+      o[dt][0] *= correction[0];
+      o[dt][1] *= correction[0];
+      o[dt][2] *= correction[1];
+      o[dt][3] *= correction[1];
+    }
+
+    // O += P V: k-steps of 16 keys; P's A fragment is the score accumulators of n-tiles 2 ks
+    // and 2 ks + 1.
+#pragma unroll
+    for (int ks2 = 0; ks2 < tc::kBlockKeys / 16; ++ks2) {
+      const uint32_t pf[4] = {tc::pack(sc[2 * ks2][0], sc[2 * ks2][1]),
+                              tc::pack(sc[2 * ks2][2], sc[2 * ks2][3]),
+                              tc::pack(sc[2 * ks2 + 1][0], sc[2 * ks2 + 1][1]),
+                              tc::pack(sc[2 * ks2 + 1][2], sc[2 * ks2 + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        const uint16_t *at = vt + (dt * 8 + g) * kVPitch + ks2 * 16 + 2 * tg;
+        const uint32_t vf[2] = {tc::load32(at), tc::load32(at + 8)};
+        mmaBf16(o[dt], pf, vf);
+      }
+    }
+  }
+  if (!warpActive)
+    return; // no barrier follows
+
+#pragma unroll
+  for (int row = 0; row < 2; ++row) {
+    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
+    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 2);
+    const int t = m0 + r0 + g + 8 * row;
+    if (t >= s.queries)
+      continue;
+    const float inv = 1.0f / rowSum[row];
+    bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt)
+      *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
+          __floats2bfloat162_rn(o[dt][2 * row] * inv, o[dt][2 * row + 1] * inv);
+    if (tg == 0)
+      lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * tc::kLn2;
+  }
+}
+
 Dims toDims(launch::AttentionDims d) {
   return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim};
 }
 
-/// Launches `kernel` with `smemBytes` of dynamic shared memory, raising its limit past the
-/// 48 KiB default when the head dimension needs it.
+/// Launches `kernel` on `block` threads with `smemBytes` of dynamic shared memory, raising its
+/// limit past the 48 KiB default when the head dimension needs it.
 template <typename Kernel, typename... Args>
-cudaError_t launchWithSmem(Kernel kernel, dim3 grid, size_t smemBytes, cudaStream_t stream,
-                           Args... args) {
+cudaError_t launchWithSmem(Kernel kernel, dim3 grid, unsigned block, size_t smemBytes,
+                           cudaStream_t stream, Args... args) {
   if (cudaError_t err =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smemBytes)))
     return err;
-  PIPEC_LAUNCH(grid, kThreads, smemBytes, stream, kernel)(args...);
+  PIPEC_LAUNCH(grid, block, smemBytes, stream, kernel)(args...);
   return cudaGetLastError();
 }
+
+template <int HD>
+cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k,
+                                    const bf16 *v, const Dims &s, cudaStream_t stream) {
+  const dim3 grid(ceilDiv(s.queries, tc::kBlockQueries), unsigned(s.batch * s.heads));
+  const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
+  return launchWithSmem(forwardTensorCoreKernel<HD>, grid, tc::kThreads, tc::sharedBytes(HD),
+                        stream, out, lse, q, k, v, s, scaleLog2);
+}
+
+bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 } // namespace
 
 namespace launch {
+
+bool attentionForwardUsesTensorCores(DType dtype, AttentionDims s, const void *out, const void *q,
+                                     const void *k, const void *v) {
+  return dtype == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= tc::kMaxHeadDim &&
+         aligned16(out) && aligned16(q) && aligned16(k) && aligned16(v);
+}
 
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims dims, cudaStream_t stream) {
@@ -324,13 +537,36 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
     return cudaSuccess;
   if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
     return cudaErrorInvalidValue;
+  if (attentionForwardUsesTensorCores(dtype, dims, out, q, k, v)) {
+    bf16 *o = static_cast<bf16 *>(out);
+    const bf16 *qb = static_cast<const bf16 *>(q), *kb = static_cast<const bf16 *>(k),
+               *vb = static_cast<const bf16 *>(v);
+    switch (s.headDim) {
+    case 16:
+      return launchTensorCoreForward<16>(o, lse, qb, kb, vb, s, stream);
+    case 32:
+      return launchTensorCoreForward<32>(o, lse, qb, kb, vb, s, stream);
+    case 48:
+      return launchTensorCoreForward<48>(o, lse, qb, kb, vb, s, stream);
+    case 64:
+      return launchTensorCoreForward<64>(o, lse, qb, kb, vb, s, stream);
+    case 80:
+      return launchTensorCoreForward<80>(o, lse, qb, kb, vb, s, stream);
+    case 96:
+      return launchTensorCoreForward<96>(o, lse, qb, kb, vb, s, stream);
+    case 112:
+      return launchTensorCoreForward<112>(o, lse, qb, kb, vb, s, stream);
+    case 128:
+      return launchTensorCoreForward<128>(o, lse, qb, kb, vb, s, stream);
+    }
+  }
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
   const size_t smem = sizeof(float) * (2 * kTile * (s.headDim + 1) + kRowsPerBlock * s.headDim);
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return launchWithSmem(forwardKernel<T>, grid, smem, stream, static_cast<T *>(out), lse,
-                          static_cast<const T *>(q), static_cast<const T *>(k),
+    return launchWithSmem(forwardKernel<T>, grid, kThreads, smem, stream, static_cast<T *>(out),
+                          lse, static_cast<const T *>(q), static_cast<const T *>(k),
                           static_cast<const T *>(v), s, scale);
   });
 }
@@ -355,16 +591,17 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
     const T *dOutT = static_cast<const T *>(dOut);
     const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
             *vT = static_cast<const T *>(v);
-    PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)(rowDot, dOutT, static_cast<const T *>(out), s);
+    PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)
+    (rowDot, dOutT, static_cast<const T *>(out), s);
     if (cudaError_t err = cudaGetLastError())
       return err;
-    if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, querySmem, stream,
-                                         static_cast<T *>(dq), dOutT, lse,
+    if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, kThreads, querySmem,
+                                         stream, static_cast<T *>(dq), dOutT, lse,
                                          static_cast<const float *>(rowDot), qT, kT, vT, s, scale))
       return err;
-    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, keySmem, stream, static_cast<T *>(dk),
-                          static_cast<T *>(dv), dOutT, lse, static_cast<const float *>(rowDot), qT,
-                          kT, vT, s, scale);
+    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, kThreads, keySmem, stream,
+                          static_cast<T *>(dk), static_cast<T *>(dv), dOutT, lse,
+                          static_cast<const float *>(rowDot), qT, kT, vT, s, scale);
   });
 }
 
