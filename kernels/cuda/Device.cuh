@@ -1,29 +1,20 @@
 //===- Device.cuh - device helpers shared by the .cu files --------*- CUDA -*-===//
 //
 // Loads and stores that widen bf16 to fp32 (all arithmetic is fp32), warp reductions by
-// shuffles, the tensor-core mma of a warp, the fp32/bf16 dispatch of a launcher, and the two
-// spellings the kernel emulator (kernels/cuda/emu/KernelEmu.h) replaces: PIPEC_LAUNCH for
-// `kernel<<<grid, block, smem, stream>>>` and PIPEC_DYNAMIC_SHARED for `extern __shared__`.
-// Included by .cu files only.
+// shuffles, the tensor-core mma of a warp, and the fp32/bf16 dispatch of a launcher (plus
+// Dialect.h's launch macros). Included by .cu files only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICE_CUH
 #define PIPEC_KERNELS_CUDA_DEVICE_CUH
 
 #include "kernels/cuda/DType.h"
+#include "kernels/cuda/Dialect.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-
-#ifndef PIPEC_KERNEL_EMU
-/// PIPEC_LAUNCH(grid, block, sharedBytes, stream, kernel)(args...).
-#define PIPEC_LAUNCH(grid, block, sharedBytes, stream, ...)                                        \
-  __VA_ARGS__<<<grid, block, sharedBytes, stream>>>
-/// `extern __shared__ T name[]` (a pointer named `name` in the emulator).
-#define PIPEC_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
-#endif
 
 namespace pipec::kernels::cuda::device {
 

@@ -7,6 +7,8 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/StageKernels.h"
 
+#include "kernels/cuda/Dialect.h"
+
 #include <algorithm>
 
 namespace pipec::runtime::cuda::launch {
@@ -127,8 +129,8 @@ cudaError_t embeddingForward(float *resid, const int32_t *inputs, const float *w
   size_t total = size_t(n) * c;
   if (total == 0)
     return cudaSuccess;
-  embeddingForwardKernel<<<blocksFor(total), kThreads, 0, stream>>>(resid, inputs, wte, wpe, n, x,
-                                                                    begin, c);
+  PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, embeddingForwardKernel)
+  (resid, inputs, wte, wpe, n, x, begin, c);
   return cudaGetLastError();
 }
 
@@ -137,8 +139,8 @@ cudaError_t embeddingBackward(float *dWte, float *dWpe, const float *dEmb, const
   size_t total = size_t(n) * c;
   if (total == 0)
     return cudaSuccess;
-  embeddingBackwardKernel<<<blocksFor(total), kThreads, 0, stream>>>(dWte, dWpe, dEmb, inputs, n, x,
-                                                                     begin, c);
+  PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, embeddingBackwardKernel)
+  (dWte, dWpe, dEmb, inputs, n, x, begin, c);
   return cudaGetLastError();
 }
 
@@ -147,7 +149,7 @@ cudaError_t residualAdd(float *resid, const float *branch, const float *bias, in
   size_t total = size_t(n) * c;
   if (total == 0)
     return cudaSuccess;
-  residualAddKernel<<<blocksFor(total), kThreads, 0, stream>>>(resid, branch, bias, n, c);
+  PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, residualAddKernel)(resid, branch, bias, n, c);
   return cudaGetLastError();
 }
 
@@ -156,7 +158,8 @@ cudaError_t splitQkv(float *q, float *k, float *v, const float *qkv, int n, int 
   size_t total = size_t(n) * cl;
   if (total == 0)
     return cudaSuccess;
-  splitQkvKernel<<<blocksFor(total), kThreads, 0, stream>>>(q, k, v, qkv, n, x, batch, begin, cl);
+  PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, splitQkvKernel)
+  (q, k, v, qkv, n, x, batch, begin, cl);
   return cudaGetLastError();
 }
 
@@ -165,15 +168,15 @@ cudaError_t gatherQkv(float *dQkv, const float *dq, const float *dk, const float
   size_t total = size_t(n) * cl;
   if (total == 0)
     return cudaSuccess;
-  gatherQkvKernel<<<blocksFor(total), kThreads, 0, stream>>>(dQkv, dq, dk, dv, n, x, batch, begin,
-                                                             cl);
+  PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, gatherQkvKernel)
+  (dQkv, dq, dk, dv, n, x, batch, begin, cl);
   return cudaGetLastError();
 }
 
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream) {
   if (n == 0)
     return cudaSuccess;
-  sumPairKernel<<<blocksFor(n), kThreads, 0, stream>>>(a, b, n);
+  PIPEC_LAUNCH(blocksFor(n), kThreads, 0, stream, sumPairKernel)(a, b, n);
   return cudaGetLastError();
 }
 
@@ -182,7 +185,7 @@ cudaError_t sumInOrder(const SumOperands &ops, int count, size_t n, cudaStream_t
     return cudaSuccess;
   if (count > kMaxSumOperands)
     return cudaErrorInvalidValue;
-  sumInOrderKernel<<<blocksFor(n), kThreads, 0, stream>>>(ops, count, n);
+  PIPEC_LAUNCH(blocksFor(n), kThreads, 0, stream, sumInOrderKernel)(ops, count, n);
   return cudaGetLastError();
 }
 
@@ -191,7 +194,7 @@ cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t strea
     return cudaSuccess;
   // A grid-stride loop: at most 64 blocks, so at most 64 atomics per slice.
   unsigned blocks = std::min(blocksFor(size_t(n)), 64u);
-  accumulateSumKernel<<<blocks, kThreads, 0, stream>>>(acc, x, n);
+  PIPEC_LAUNCH(blocks, kThreads, 0, stream, accumulateSumKernel)(acc, x, n);
   return cudaGetLastError();
 }
 

@@ -3,7 +3,7 @@
 // KernelEmu.h documents the model (this file sees only KernelEmuRuntime.h, not its macros). A grid
 // runs on the host thread that executes its stream's work (the caller, or the stream's worker in
 // asynchronous mode), under a process-wide lock; its blocks run one after another. Each block's
-// threads are ucontext fibers with their own stacks; the scheduler resumes every ready fiber until
+// threads are fibers with their own stacks; the scheduler resumes every ready fiber until
 // it finishes or waits at a barrier, then releases complete warp barriers, then (when every live
 // thread waits there) the block barrier.
 //
@@ -26,6 +26,77 @@
 namespace pipec::emu::kernel {
 namespace {
 
+// Switching between fibers. On x86-64 a few instructions that save and restore the registers the
+// calling convention preserves (and the SSE/x87 control words) — swapcontext would also make
+// two signal-mask system calls per switch, and a kernel switches at every barrier and shuffle.
+// Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void pipecEmuSwitch(void **save, void *load);
+asm(R"(
+  .text
+  .globl pipecEmuSwitch
+  .type pipecEmuSwitch, @function
+pipecEmuSwitch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size pipecEmuSwitch, .-pipecEmuSwitch
+)");
+
+struct Context {
+  void *sp = nullptr;
+};
+
+/// `context` starts `entry` (which never returns) on `stack` at the next switch to it.
+void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
+  auto top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
+  auto *frame = reinterpret_cast<uint64_t *>(top) - 9;
+  const uint32_t mxcsr = 0x1f80; // the defaults: all exceptions masked, round to nearest
+  const uint16_t x87Control = 0x037f;
+  std::memcpy(frame, &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char *>(frame) + 4, &x87Control, 2);
+  for (int r = 1; r <= 6; ++r)
+    frame[r] = 0;                               // r15, r14, r13, r12, rbx, rbp
+  frame[7] = reinterpret_cast<uint64_t>(entry); // `ret` goes there, leaving rsp = 8 mod 16
+  frame[8] = 0;                                 // entry's (never used) return address
+  context.sp = frame;
+}
+
+void switchTo(Context &from, Context &to) { pipecEmuSwitch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
+  getcontext(&context.uc);
+  context.uc.uc_stack.ss_sp = stack;
+  context.uc.uc_stack.ss_size = bytes;
+  context.uc.uc_link = nullptr;
+  makecontext(&context.uc, entry, 0);
+}
+
+void switchTo(Context &from, Context &to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 constexpr int kWarp = 32;
 constexpr size_t kStackBytes = size_t(256) << 10;
 constexpr size_t kDefaultDynamicShared = size_t(48) << 10;
@@ -34,7 +105,7 @@ constexpr size_t kMaxDynamicShared = size_t(227) << 10; // sm_90's opt-in limit 
 enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   State state = State::Ready;
   ThreadCoords coords;
   std::unique_ptr<char[]> stack;
@@ -48,7 +119,7 @@ struct WarpSlots {
 
 /// The grid running on this host thread.
 struct Grid {
-  ucontext_t scheduler;
+  Context scheduler;
   std::vector<Fiber> fibers; // grows to the largest block seen; the first `threads` are used
   size_t threads = 0, current = 0;
   std::vector<WarpSlots> warps;
@@ -98,14 +169,16 @@ size_t linearThread(const ThreadCoords &c) {
 void wait(State state) {
   Fiber &f = self();
   f.state = state;
-  swapcontext(&f.context, &grid().scheduler);
+  switchTo(f.context, grid().scheduler);
 }
 
-void fiberMain() {
+[[noreturn]] void fiberMain() {
   Grid &g = grid();
   (*g.body)();
-  g.fibers[g.current].state = State::Done;
-  // Returning resumes uc_link: the scheduler.
+  Fiber &f = g.fibers[g.current];
+  f.state = State::Done;
+  switchTo(f.context, g.scheduler);
+  fatal("a finished thread was resumed");
 }
 
 /// Runs one block to completion.
@@ -114,12 +187,8 @@ void runBlock(Grid &g, const ThreadCoords &base) {
   for (size_t i = 0; i < n; ++i) {
     Fiber &f = g.fibers[i];
     if (!f.stack)
-      f.stack = std::make_unique<char[]>(kStackBytes);
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = f.stack.get();
-    f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &g.scheduler;
-    makecontext(&f.context, fiberMain, 0);
+      f.stack.reset(new char[kStackBytes]); // untouched until used
+    prepare(f.context, f.stack.get(), kStackBytes, fiberMain);
     f.state = State::Ready;
     f.coords = base;
     f.coords.thread =
@@ -135,7 +204,7 @@ void runBlock(Grid &g, const ThreadCoords &base) {
       const size_t i = descending ? n - 1 - k : k;
       if (g.fibers[i].state == State::Ready) {
         g.current = i;
-        swapcontext(&g.scheduler, &g.fibers[i].context);
+        switchTo(g.scheduler, g.fibers[i].context);
       }
     }
     // Nothing is ready: release what can be released.
