@@ -106,14 +106,16 @@ struct Bench {
     const double fwdFlops = 4.0 * s.batch * s.heads * s.headDim * pairs; // QK^T and PV
     const std::string shape = fmt::format("{} {} (B{} x{} a{} H{} hd{})", name, toString(dt),
                                           s.batch, s.queries, s.begin, s.heads, s.headDim);
-    const bool tensorCores = launch::attentionForwardUsesTensorCores(
-        dt, {s.batch, s.queries, s.begin, s.heads, s.headDim}, out, q, k, v);
+    const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+    const bool tensorCores = launch::attentionUsesTensorCores(dt, dims, {out, q, k, v});
+    const bool backwardTensorCores =
+        launch::attentionUsesTensorCores(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
     report(shape + (tensorCores ? " fwd (tensor cores)" : " fwd (SIMT)"), fwdFlops,
            time([&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); }));
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
-    report(shape + " bwd (SIMT)", 2.5 * fwdFlops, time([&] {
-             return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
-           }));
+    report(
+        shape + (backwardTensorCores ? " bwd (tensor cores)" : " bwd (SIMT)"), 2.5 * fwdFlops,
+        time([&] { return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s); }));
   }
 };
 

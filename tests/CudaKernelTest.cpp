@@ -357,11 +357,15 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, dt), gdv = upload(dv0, dt);
   DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
   DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
-  // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core forward.
+  // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core kernels.
   const bool tensorCores = dt == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= 128;
-  EXPECT_EQ(launch::attentionForwardUsesTensorCores(
-                dt, {s.batch, s.queries, s.begin, s.heads, s.headDim}, out.data(), gq.data(),
-                gk.data(), gv.data()),
+  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  EXPECT_EQ(
+      launch::attentionUsesTensorCores(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}),
+      tensorCores);
+  EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims,
+                                             {dq.data(), gdk.data(), gdv.data(), gdOut.data(),
+                                              out.data(), gq.data(), gk.data(), gv.data()}),
             tensorCores);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));

@@ -340,6 +340,85 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   memcpy(&bits, &pair, sizeof bits);
   return bits;
 }
+
+/// Rows [row0, row0 + 64) of a head (offset `rowOffset(row)` in `src`, zeros from row `rows` on)
+/// into shared memory: `normal` (64, HD + kPad) as stored, and/or `transposed`
+/// (HD, 64 + kPad) with element [d][r] = row r's dimension d. All threads of the block call it.
+template <int HD, typename RowOffset>
+__device__ void loadRows(bf16 *__restrict__ normal, uint16_t *__restrict__ transposed,
+                         const bf16 *__restrict__ src, int row0, int rows, RowOffset rowOffset) {
+  constexpr int kChunks = HD / 8; // 16-byte chunks of a head row
+  for (int idx = threadIdx.x; idx < 64 * kChunks; idx += blockDim.x) {
+    const int r = idx / kChunks, c = idx % kChunks * 8, row = row0 + r;
+    const uint4 chunk = row < rows ? *reinterpret_cast<const uint4 *>(src + rowOffset(row) + c)
+                                   : make_uint4(0, 0, 0, 0);
+    if (normal)
+      *reinterpret_cast<uint4 *>(normal + r * (HD + kPad) + c) = chunk;
+    if (transposed) {
+      const uint32_t pairs[4] = {chunk.x, chunk.y, chunk.z, chunk.w}; // dims c + 2 i, c + 2 i + 1
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        transposed[(c + e) * (64 + kPad) + r] = uint16_t(pairs[e / 2] >> (16 * (e % 2)));
+    }
+  }
+}
+
+/// The A fragment of rows [row0, row0 + 16) and columns [col0, col0 + 16) of a row-major shared
+/// tile with `pitch` elements a row (g, tg: the lane's groupID and threadID_in_group).
+template <typename Half>
+__device__ __forceinline__ void loadA(uint32_t (&a)[4], const Half *tile, int pitch, int row0,
+                                      int col0, int g, int tg) {
+  const Half *at = tile + (row0 + g) * pitch + col0 + 2 * tg;
+  a[0] = load32(at);
+  a[1] = load32(at + 8 * pitch);
+  a[2] = load32(at + 8);
+  a[3] = load32(at + 8 * pitch + 8);
+}
+
+/// The B fragment B(kk, n) = tile[n0 + n][k0 + kk] (16 x 8) of a row-major shared tile: the
+/// tile's rows are B's columns.
+template <typename Half>
+__device__ __forceinline__ void loadB(uint32_t (&b)[2], const Half *tile, int pitch, int n0, int k0,
+                                      int g, int tg) {
+  const Half *at = tile + (n0 + g) * pitch + k0 + 2 * tg;
+  b[0] = load32(at);
+  b[1] = load32(at + 8);
+}
+
+/// The A fragment (16 x 16, bf16) made of two fp32 accumulator tiles: columns [0, 8) and [8, 16).
+__device__ __forceinline__ void accumulatorsToA(uint32_t (&a)[4], const float (&lo)[4],
+                                                const float (&hi)[4]) {
+  a[0] = pack(lo[0], lo[1]);
+  a[1] = pack(lo[2], lo[3]);
+  a[2] = pack(hi[0], hi[1]);
+  a[3] = pack(hi[2], hi[3]);
+}
+
+/// Adds acc * scale to the head's 16 rows [row0, row0 + 16) of `dst` (bf16, rows from
+/// `rowOffset`, those from `rows` on skipped): acc[dt] is the accumulator of dims [8 dt, 8 dt + 8).
+/// With `accumulate` false, writes instead of adding.
+template <int HD, typename RowOffset>
+__device__ void storeRows(bf16 *__restrict__ dst, const float (&acc)[HD / 8][4], float scale,
+                          bool accumulate, int row0, int rows, int g, int tg, RowOffset rowOffset) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + 8 * half;
+    if (row >= rows)
+      continue;
+    bf16 *at = dst + rowOffset(row) + 2 * tg;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) {
+      float2 value = make_float2(acc[dt][2 * half] * scale, acc[dt][2 * half + 1] * scale);
+      auto *pair = reinterpret_cast<__nv_bfloat162 *>(at + dt * 8);
+      if (accumulate) {
+        const float2 old = __bfloat1622float2(*pair);
+        value.x += old.x;
+        value.y += old.y;
+      }
+      *pair = __floats2bfloat162_rn(value.x, value.y);
+    }
+  }
+}
 } // namespace tc
 
 // out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
@@ -493,6 +572,214 @@ __global__ void __launch_bounds__(tc::kThreads)
   }
 }
 
+//===--- Tensor-core backward (bf16) --------------------------------------===//
+//
+// FlashAttention-2's backward on the same mma, without atomics: as the SIMT backward, one
+// kernel per output. Both recompute P = exp2(S scale log2(e) - lse log2(e)) from the forward's
+// log-sum-exp and use dS = P (dP - D), D = rowDot (dO . O per query row, from rowDotKernel):
+//   backwardQueryTensorCoreKernel: four warps own 64 query rows and stream 64-key tiles:
+//     S = Q K^T, dP = dO V^T, dQ += dS K (K transposed in shared memory);
+//   backwardKeyValueTensorCoreKernel: four warps own 64 keys and stream the 64-query tiles that
+//     can see them, computing everything transposed so that keys are the rows:
+//     S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q (Q and dO also transposed).
+// P and dS are rounded to bf16 as A operands (as FlashAttention does); sums are fp32. dq is
+// written, dk and dv are added to (read, add, round to bf16), as the SIMT kernels do.
+
+namespace tc {
+constexpr size_t backwardQuerySharedBytes(int hd) {
+  return sizeof(bf16) * (size_t(4 * 64) * (hd + kPad) + size_t(hd) * (64 + kPad));
+}
+constexpr size_t backwardKeyValueSharedBytes(int hd) {
+  return sizeof(bf16) * (size_t(4 * 64) * (hd + kPad) + size_t(2 * hd) * (64 + kPad)) +
+         sizeof(float) * 2 * 64;
+}
+} // namespace tc
+
+// dq (B, x, H*hd) from dOut, q (B, x, H*hd), k, v (a+x, B, H*hd), lse and rowDot (B, H, x).
+// grid (ceil(x / 64), B*H), block 128.
+template <int HD>
+__global__ void __launch_bounds__(tc::kThreads)
+    backwardQueryTensorCoreKernel(bf16 *__restrict__ dq, const bf16 *__restrict__ dOut,
+                                  const float *__restrict__ lse, const float *__restrict__ rowDot,
+                                  const bf16 *__restrict__ q, const bf16 *__restrict__ k,
+                                  const bf16 *__restrict__ v, Dims s, float scale) {
+  constexpr int kPitch = HD + tc::kPad, kTPitch = 64 + tc::kPad;
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  bf16 *qs = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
+  bf16 *dos = qs + 64 * kPitch;
+  bf16 *ks = dos + 64 * kPitch;
+  bf16 *vs = ks + 64 * kPitch;
+  uint16_t *kt = reinterpret_cast<uint16_t *>(vs + 64 * kPitch); // (HD, kTPitch)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, tg = lane % 4;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int m0 = blockIdx.x * 64, r0 = warp * tc::kRowsPerWarp;
+  const float scaleLog2 = scale * tc::kLog2e;
+  auto queryRow = [&](int t) { return s.qRow(b, t, h); };
+  auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+  tc::loadRows<HD>(qs, nullptr, q, m0, s.queries, queryRow);
+  tc::loadRows<HD>(dos, nullptr, dOut, m0, s.queries, queryRow);
+
+  int pos[2];
+  float lse2[2], dRow[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = m0 + r0 + g + 8 * half;
+    pos[half] = t < s.queries ? s.begin + t : -1; // rows past the slice see no key
+    lse2[half] = t < s.queries ? lse[s.statRow(b, h, t)] * tc::kLog2e : 0.0f;
+    dRow[half] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+  }
+  const bool warpActive = m0 + r0 < s.queries;
+  const int warpLastPos = s.begin + min(s.queries - 1, m0 + r0 + tc::kRowsPerWarp - 1);
+  const int lastPos = s.begin + min(s.queries, m0 + 64) - 1;
+  float acc[HD / 8][4] = {};
+
+  for (int j0 = 0; j0 <= lastPos; j0 += 64) {
+    __syncthreads(); // the previous tile is consumed (Q and dO are in place, on the first pass)
+    tc::loadRows<HD>(ks, kt, k, j0, s.keys(), keyRow);
+    tc::loadRows<HD>(vs, nullptr, v, j0, s.keys(), keyRow);
+    __syncthreads();
+    if (!warpActive || j0 > warpLastPos)
+      continue;
+    float sc[8][4] = {}, dp[8][4] = {}; // S and dP: the warp's 16 rows x 64 keys
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t qa[4], da[4];
+      tc::loadA(qa, qs, kPitch, r0, kk * 16, g, tg);
+      tc::loadA(da, dos, kPitch, r0, kk * 16, g, tg);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        uint32_t kb[2], vb[2];
+        tc::loadB(kb, ks, kPitch, nt * 8, kk * 16, g, tg);
+        tc::loadB(vb, vs, kPitch, nt * 8, kk * 16, g, tg);
+        mmaBf16(sc[nt], qa, kb);
+        mmaBf16(dp[nt], da, vb);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e >> 1, j = j0 + nt * 8 + 2 * tg + (e & 1);
+        const float p = j <= pos[half] ? exp2f(sc[nt][e] * scaleLog2 - lse2[half]) : 0.0f;
+        sc[nt][e] = p * (dp[nt][e] - dRow[half]); // dS
+      }
+      // dQ += dS K: k-steps of 16 keys; B(key, d) = K[key][d], pairs along keys from K^T.
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2) {
+      uint32_t sa[4];
+      tc::accumulatorsToA(sa, sc[2 * ks2], sc[2 * ks2 + 1]);
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        uint32_t kb[2];
+        tc::loadB(kb, kt, kTPitch, dt * 8, ks2 * 16, g, tg);
+        mmaBf16(acc[dt], sa, kb);
+      }
+    }
+  }
+  if (warpActive)
+    tc::storeRows<HD>(dq, acc, scale, /*accumulate=*/false, m0 + r0, s.queries, g, tg, queryRow);
+}
+
+// dk, dv (a+x, B, H*hd) += the gradients of keys and values. grid (ceil((a+x) / 64), B*H),
+// block 128.
+template <int HD>
+__global__ void __launch_bounds__(tc::kThreads)
+    backwardKeyValueTensorCoreKernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv,
+                                     const bf16 *__restrict__ dOut, const float *__restrict__ lse,
+                                     const float *__restrict__ rowDot, const bf16 *__restrict__ q,
+                                     const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
+                                     float scale) {
+  constexpr int kPitch = HD + tc::kPad, kTPitch = 64 + tc::kPad;
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  bf16 *ks = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
+  bf16 *vs = ks + 64 * kPitch;
+  bf16 *qs = vs + 64 * kPitch;
+  bf16 *dos = qs + 64 * kPitch;
+  uint16_t *qt = reinterpret_cast<uint16_t *>(dos + 64 * kPitch); // (HD, kTPitch) each
+  uint16_t *dot = qt + HD * kTPitch;
+  float *lse2s = reinterpret_cast<float *>(dot + HD * kTPitch); // (64) each
+  float *dRows = lse2s + 64;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, tg = lane % 4;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int n0 = blockIdx.x * 64, r0 = warp * tc::kRowsPerWarp;
+  const float scaleLog2 = scale * tc::kLog2e;
+  auto queryRow = [&](int t) { return s.qRow(b, t, h); };
+  auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+  tc::loadRows<HD>(ks, nullptr, k, n0, s.keys(), keyRow);
+  tc::loadRows<HD>(vs, nullptr, v, n0, s.keys(), keyRow);
+
+  // Query t sees key j when s.begin + t >= j: the block's keys are seen from query
+  // n0 - begin on, the warp's first key from kw0 - begin.
+  const int kw0 = n0 + r0;
+  const bool warpActive = kw0 < s.keys();
+  const int key[2] = {kw0 + g, kw0 + g + 8};
+  float dkAcc[HD / 8][4] = {}, dvAcc[HD / 8][4] = {};
+
+  for (int t0 = max(0, n0 - s.begin); t0 < s.queries; t0 += 64) {
+    __syncthreads(); // the previous tile is consumed (K and V are in place, on the first pass)
+    tc::loadRows<HD>(qs, qt, q, t0, s.queries, queryRow);
+    tc::loadRows<HD>(dos, dot, dOut, t0, s.queries, queryRow);
+    for (int r = threadIdx.x; r < 64; r += blockDim.x) {
+      const int t = t0 + r;
+      lse2s[r] = t < s.queries ? lse[s.statRow(b, h, t)] * tc::kLog2e : 0.0f;
+      dRows[r] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+    }
+    __syncthreads();
+    // The tile's last query must see the warp's first key.
+    if (!warpActive || s.begin + min(s.queries - 1, t0 + 63) < kw0)
+      continue;
+    float st[8][4] = {}, dpt[8][4] = {}; // S^T and dP^T: the warp's 16 keys x 64 queries
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      tc::loadA(ka, ks, kPitch, r0, kk * 16, g, tg);
+      tc::loadA(va, vs, kPitch, r0, kk * 16, g, tg);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        uint32_t qb[2], db[2];
+        tc::loadB(qb, qs, kPitch, nt * 8, kk * 16, g, tg);
+        tc::loadB(db, dos, kPitch, nt * 8, kk * 16, g, tg);
+        mmaBf16(st[nt], ka, qb);
+        mmaBf16(dpt[nt], va, db);
+      }
+    }
+    // P^T and dS^T; element e of n-tile nt is (key row g + 8 (e >> 1), query column
+    // nt * 8 + 2 tg + (e & 1)).
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = nt * 8 + 2 * tg + (e & 1), t = t0 + r;
+        const bool visible = t < s.queries && s.begin + t >= key[e >> 1];
+        const float p = visible ? exp2f(st[nt][e] * scaleLog2 - lse2s[r]) : 0.0f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - dRows[r]);
+      }
+      // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries; B(query, d) pairs from the
+      // transposed tiles.
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2) {
+      uint32_t pa[4], sa[4];
+      tc::accumulatorsToA(pa, st[2 * ks2], st[2 * ks2 + 1]);
+      tc::accumulatorsToA(sa, dpt[2 * ks2], dpt[2 * ks2 + 1]);
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt) {
+        uint32_t db[2], qb[2];
+        tc::loadB(db, dot, kTPitch, dt * 8, ks2 * 16, g, tg);
+        tc::loadB(qb, qt, kTPitch, dt * 8, ks2 * 16, g, tg);
+        mmaBf16(dvAcc[dt], pa, db);
+        mmaBf16(dkAcc[dt], sa, qb);
+      }
+    }
+  }
+  if (!warpActive)
+    return;
+  tc::storeRows<HD>(dk, dkAcc, scale, /*accumulate=*/true, kw0, s.keys(), g, tg, keyRow);
+  tc::storeRows<HD>(dv, dvAcc, 1.0f, /*accumulate=*/true, kw0, s.keys(), g, tg, keyRow);
+}
+
 Dims toDims(launch::AttentionDims d) {
   return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim};
 }
@@ -520,14 +807,59 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+template <int HD>
+cudaError_t launchTensorCoreBackward(bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *dOut,
+                                     const float *lse, const float *rowDot, const bf16 *q,
+                                     const bf16 *k, const bf16 *v, const Dims &s,
+                                     cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(float(HD));
+  const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
+  const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
+  if (cudaError_t err = launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
+                                       tc::backwardQuerySharedBytes(HD), stream, dq, dOut, lse,
+                                       rowDot, q, k, v, s, scale))
+    return err;
+  return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
+                        tc::backwardKeyValueSharedBytes(HD), stream, dk, dv, dOut, lse, rowDot, q,
+                        k, v, s, scale);
+}
+
+/// Calls `launch.template operator()<HD>()` for the head dimensions the tensor-core kernels
+/// are instantiated for (multiples of 16 up to 128); cudaErrorInvalidValue otherwise.
+template <typename Launch> cudaError_t withHeadDim(int headDim, Launch &&launch) {
+  switch (headDim) {
+  case 16:
+    return launch.template operator()<16>();
+  case 32:
+    return launch.template operator()<32>();
+  case 48:
+    return launch.template operator()<48>();
+  case 64:
+    return launch.template operator()<64>();
+  case 80:
+    return launch.template operator()<80>();
+  case 96:
+    return launch.template operator()<96>();
+  case 112:
+    return launch.template operator()<112>();
+  case 128:
+    return launch.template operator()<128>();
+  }
+  return cudaErrorInvalidValue;
+}
+
 } // namespace
 
 namespace launch {
 
-bool attentionForwardUsesTensorCores(DType dtype, AttentionDims s, const void *out, const void *q,
-                                     const void *k, const void *v) {
-  return dtype == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= tc::kMaxHeadDim &&
-         aligned16(out) && aligned16(q) && aligned16(k) && aligned16(v);
+bool attentionUsesTensorCores(DType dtype, AttentionDims s,
+                              std::initializer_list<const void *> tensors) {
+  if (dtype != DType::BF16 || s.headDim % 16 != 0 || s.headDim > tc::kMaxHeadDim)
+    return false;
+  for (const void *p : tensors)
+    if (!aligned16(p))
+      return false;
+  return true;
 }
 
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
@@ -537,29 +869,12 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
     return cudaSuccess;
   if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
     return cudaErrorInvalidValue;
-  if (attentionForwardUsesTensorCores(dtype, dims, out, q, k, v)) {
-    bf16 *o = static_cast<bf16 *>(out);
-    const bf16 *qb = static_cast<const bf16 *>(q), *kb = static_cast<const bf16 *>(k),
-               *vb = static_cast<const bf16 *>(v);
-    switch (s.headDim) {
-    case 16:
-      return launchTensorCoreForward<16>(o, lse, qb, kb, vb, s, stream);
-    case 32:
-      return launchTensorCoreForward<32>(o, lse, qb, kb, vb, s, stream);
-    case 48:
-      return launchTensorCoreForward<48>(o, lse, qb, kb, vb, s, stream);
-    case 64:
-      return launchTensorCoreForward<64>(o, lse, qb, kb, vb, s, stream);
-    case 80:
-      return launchTensorCoreForward<80>(o, lse, qb, kb, vb, s, stream);
-    case 96:
-      return launchTensorCoreForward<96>(o, lse, qb, kb, vb, s, stream);
-    case 112:
-      return launchTensorCoreForward<112>(o, lse, qb, kb, vb, s, stream);
-    case 128:
-      return launchTensorCoreForward<128>(o, lse, qb, kb, vb, s, stream);
-    }
-  }
+  if (attentionUsesTensorCores(dtype, dims, {out, q, k, v}))
+    return withHeadDim(s.headDim, [&]<int HD>() {
+      return launchTensorCoreForward<HD>(static_cast<bf16 *>(out), lse,
+                                         static_cast<const bf16 *>(q), static_cast<const bf16 *>(k),
+                                         static_cast<const bf16 *>(v), s, stream);
+    });
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
   const size_t smem = sizeof(float) * (2 * kTile * (s.headDim + 1) + kRowsPerBlock * s.headDim);
@@ -595,6 +910,13 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
     (rowDot, dOutT, static_cast<const T *>(out), s);
     if (cudaError_t err = cudaGetLastError())
       return err;
+    if constexpr (std::is_same_v<T, bf16>)
+      if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
+        return withHeadDim(s.headDim, [&]<int HD>() {
+          return launchTensorCoreBackward<HD>(static_cast<bf16 *>(dq), static_cast<bf16 *>(dk),
+                                              static_cast<bf16 *>(dv), dOutT, lse, rowDot, qT, kT,
+                                              vT, s, stream);
+        });
     if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, kThreads, querySmem,
                                          stream, static_cast<T *>(dq), dOutT, lse,
                                          static_cast<const float *>(rowDot), qT, kT, vT, s, scale))

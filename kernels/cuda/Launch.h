@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 namespace pipec::kernels::cuda::launch {
 
@@ -51,10 +52,11 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
 struct AttentionDims {
   int batch, queries, begin, heads, headDim;
 };
-/// Whether attentionForward runs the tensor-core kernel: bf16, a head dimension that is a
-/// multiple of 16 up to 128, 16-byte aligned tensors. Otherwise it runs the SIMT kernel.
-bool attentionForwardUsesTensorCores(DType dtype, AttentionDims s, const void *out, const void *q,
-                                     const void *k, const void *v);
+/// Whether attentionForward and attentionBackward run the tensor-core kernels for these
+/// `tensors` (out, q, k, v; or dq, dk, dv, dOut, out, q, k, v): bf16, a head dimension that is a
+/// multiple of 16 up to 128, every tensor 16-byte aligned. Otherwise they run the SIMT kernels.
+bool attentionUsesTensorCores(DType dtype, AttentionDims s,
+                              std::initializer_list<const void *> tensors);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
 /// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head).
