@@ -386,6 +386,9 @@ const AttentionCase kAttentionCases[] = {
     // Two 64-query blocks (the second one partly past the slice) over three 64-key tiles.
     {{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, /*headDim=*/128}, "ManyTiles"},
     {{/*batch=*/2, /*queries=*/8, /*begin=*/0, /*heads=*/4, /*headDim=*/4}, "CpuTinyConfig"},
+    // The smallest and an odd multiple of 16: other instantiations of the tensor-core kernels.
+    {{/*batch=*/2, /*queries=*/20, /*begin=*/50, /*heads=*/2, /*headDim=*/16}, "HeadDim16"},
+    {{/*batch=*/1, /*queries=*/70, /*begin=*/0, /*heads=*/1, /*headDim=*/80}, "HeadDim80"},
 };
 
 //===--- Cross entropy, AdamW, conversion -------------------------------===//

@@ -784,17 +784,26 @@ Dims toDims(launch::AttentionDims d) {
   return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim};
 }
 
-/// Launches `kernel` on `block` threads with `smemBytes` of dynamic shared memory, raising its
-/// limit past the 48 KiB default when the head dimension needs it.
+/// Launches `kernel` on `block` threads with `smemBytes` of dynamic shared memory, after raising
+/// its limit past the 48 KiB default to `smemLimit`: a constant of the kernel (its size at the
+/// largest head dimension), so that rank threads launching it concurrently with different sizes
+/// never lower the limit under each other.
 template <typename Kernel, typename... Args>
 cudaError_t launchWithSmem(Kernel kernel, dim3 grid, unsigned block, size_t smemBytes,
-                           cudaStream_t stream, Args... args) {
+                           size_t smemLimit, cudaStream_t stream, Args... args) {
   if (cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smemBytes)))
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smemLimit)))
     return err;
   PIPEC_LAUNCH(grid, block, smemBytes, stream, kernel)(args...);
   return cudaGetLastError();
 }
+
+// Dynamic shared memory of the SIMT kernels for a head dimension.
+size_t forwardSmem(int hd) { return sizeof(float) * (2 * kTile * (hd + 1) + kRowsPerBlock * hd); }
+size_t backwardQuerySmem(int hd) {
+  return sizeof(float) * (2 * kTile * (hd + 1) + 2 * kRowsPerBlock * hd);
+}
+size_t backwardKeySmem(int hd) { return backwardQuerySmem(hd) + sizeof(float) * 2 * kTile; }
 
 template <int HD>
 cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k,
@@ -802,7 +811,7 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
   const dim3 grid(ceilDiv(s.queries, tc::kBlockQueries), unsigned(s.batch * s.heads));
   const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
   return launchWithSmem(forwardTensorCoreKernel<HD>, grid, tc::kThreads, tc::sharedBytes(HD),
-                        stream, out, lse, q, k, v, s, scaleLog2);
+                        tc::sharedBytes(HD), stream, out, lse, q, k, v, s, scaleLog2);
 }
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -815,13 +824,14 @@ cudaError_t launchTensorCoreBackward(bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *d
   const float scale = 1.0f / std::sqrt(float(HD));
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
-  if (cudaError_t err = launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
-                                       tc::backwardQuerySharedBytes(HD), stream, dq, dOut, lse,
-                                       rowDot, q, k, v, s, scale))
+  if (cudaError_t err =
+          launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
+                         tc::backwardQuerySharedBytes(HD), tc::backwardQuerySharedBytes(HD), stream,
+                         dq, dOut, lse, rowDot, q, k, v, s, scale))
     return err;
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
-                        tc::backwardKeyValueSharedBytes(HD), stream, dk, dv, dOut, lse, rowDot, q,
-                        k, v, s, scale);
+                        tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
+                        stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
 }
 
 /// Calls `launch.template operator()<HD>()` for the head dimensions the tensor-core kernels
@@ -854,7 +864,7 @@ namespace launch {
 
 bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors) {
-  if (dtype != DType::BF16 || s.headDim % 16 != 0 || s.headDim > tc::kMaxHeadDim)
+  if (dtype != DType::BF16 || s.headDim <= 0 || s.headDim % 16 != 0 || s.headDim > tc::kMaxHeadDim)
     return false;
   for (const void *p : tensors)
     if (!aligned16(p))
@@ -877,11 +887,11 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
     });
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
-  const size_t smem = sizeof(float) * (2 * kTile * (s.headDim + 1) + kRowsPerBlock * s.headDim);
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    return launchWithSmem(forwardKernel<T>, grid, kThreads, smem, stream, static_cast<T *>(out),
-                          lse, static_cast<const T *>(q), static_cast<const T *>(k),
+    return launchWithSmem(forwardKernel<T>, grid, kThreads, forwardSmem(s.headDim),
+                          forwardSmem(kMaxHeadDim), stream, static_cast<T *>(out), lse,
+                          static_cast<const T *>(q), static_cast<const T *>(k),
                           static_cast<const T *>(v), s, scale);
   });
 }
@@ -898,9 +908,6 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   const dim3 queryGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), kRowsPerBlock), unsigned(s.batch * s.heads));
-  const size_t tiles = 2 * kTile * (s.headDim + 1) + 2 * kRowsPerBlock * s.headDim;
-  const size_t querySmem = sizeof(float) * tiles;
-  const size_t keySmem = sizeof(float) * (tiles + 2 * kTile);
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T *dOutT = static_cast<const T *>(dOut);
@@ -917,13 +924,15 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
                                               static_cast<bf16 *>(dv), dOutT, lse, rowDot, qT, kT,
                                               vT, s, stream);
         });
-    if (cudaError_t err = launchWithSmem(backwardQueryKernel<T>, queryGrid, kThreads, querySmem,
-                                         stream, static_cast<T *>(dq), dOutT, lse,
-                                         static_cast<const float *>(rowDot), qT, kT, vT, s, scale))
+    if (cudaError_t err = launchWithSmem(
+            backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),
+            backwardQuerySmem(kMaxHeadDim), stream, static_cast<T *>(dq), dOutT, lse,
+            static_cast<const float *>(rowDot), qT, kT, vT, s, scale))
       return err;
-    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, kThreads, keySmem, stream,
-                          static_cast<T *>(dk), static_cast<T *>(dv), dOutT, lse,
-                          static_cast<const float *>(rowDot), qT, kT, vT, s, scale);
+    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, kThreads, backwardKeySmem(s.headDim),
+                          backwardKeySmem(kMaxHeadDim), stream, static_cast<T *>(dk),
+                          static_cast<T *>(dv), dOutT, lse, static_cast<const float *>(rowDot), qT,
+                          kT, vT, s, scale);
   });
 }
 

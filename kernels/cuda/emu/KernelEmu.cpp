@@ -13,6 +13,7 @@
 #include "kernels/cuda/emu/FakeCuda.h"
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 #include <ucontext.h>
 
 #include <array>
@@ -21,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace pipec::emu::kernel {
@@ -99,19 +101,53 @@ void switchTo(Context &from, Context &to) { swapcontext(&from.uc, &to.uc); }
 
 constexpr int kWarp = 32;
 constexpr size_t kStackBytes = size_t(256) << 10;
+constexpr size_t kGuardBytes = size_t(64) << 10;
 constexpr size_t kDefaultDynamicShared = size_t(48) << 10;
 constexpr size_t kMaxDynamicShared = size_t(227) << 10; // sm_90's opt-in limit per block
 
 enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
 
+[[noreturn]] void fatal(const char *message) {
+  std::fprintf(stderr, "kernel emulator: %s\n", message);
+  std::fflush(stderr);
+  std::abort();
+}
+
+/// A fiber's stack: mmap'd, with an inaccessible guard page below it, so that an overflow
+/// faults instead of corrupting the heap.
+struct Stack {
+  char *base = nullptr; // kStackBytes usable from here up
+  Stack() = default;
+  Stack(Stack &&o) noexcept : base(std::exchange(o.base, nullptr)) {}
+  Stack &operator=(Stack &&o) noexcept {
+    std::swap(base, o.base);
+    return *this;
+  }
+  ~Stack() {
+    if (base)
+      munmap(base - kGuardBytes, kGuardBytes + kStackBytes);
+  }
+  explicit operator bool() const { return base != nullptr; }
+  static Stack make() {
+    void *p = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED || mprotect(p, kGuardBytes, PROT_NONE) != 0)
+      fatal("cannot map a fiber stack");
+    Stack s;
+    s.base = static_cast<char *>(p) + kGuardBytes;
+    return s;
+  }
+};
+
 struct Fiber {
   Context context;
   State state = State::Ready;
   ThreadCoords coords;
-  std::unique_ptr<char[]> stack;
+  Stack stack;
 };
 
 struct WarpSlots {
+  std::array<uint32_t, kWarp> mask{}; // the lanes each waiting lane's collective names
   std::array<uint64_t, kWarp> bits{};
   std::array<std::array<uint32_t, 4>, kWarp> a{};
   std::array<std::array<uint32_t, 2>, kWarp> b{};
@@ -142,12 +178,6 @@ struct Limits {
 Limits &limits() {
   static Limits l;
   return l;
-}
-
-[[noreturn]] void fatal(const char *message) {
-  std::fprintf(stderr, "kernel emulator: %s\n", message);
-  std::fflush(stderr);
-  std::abort();
 }
 
 Grid &grid() {
@@ -187,8 +217,8 @@ void runBlock(Grid &g, const ThreadCoords &base) {
   for (size_t i = 0; i < n; ++i) {
     Fiber &f = g.fibers[i];
     if (!f.stack)
-      f.stack.reset(new char[kStackBytes]); // untouched until used
-    prepare(f.context, f.stack.get(), kStackBytes, fiberMain);
+      f.stack = Stack::make();
+    prepare(f.context, f.stack.base, kStackBytes, fiberMain);
     f.state = State::Ready;
     f.coords = base;
     f.coords.thread =
@@ -220,9 +250,26 @@ void runBlock(Grid &g, const ThreadCoords &base) {
       }
       live += lanes;
       if (atWarp > 0 && atWarp == lanes) {
-        for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i)
+        uint32_t arrived = 0, exited = 0; // lanes past the block's size are neither
+        for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
           if (g.fibers[i].state == State::AtWarpBarrier)
+            arrived |= 1u << (i % kWarp);
+          if (g.fibers[i].state == State::Done)
+            exited |= 1u << (i % kWarp);
+        }
+        for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i)
+          if (g.fibers[i].state == State::AtWarpBarrier) {
+            if (g.warps[w].mask[i % kWarp] & exited) {
+              char message[200];
+              std::snprintf(message, sizeof message,
+                            "block (%u, %u, %u), warp %zu: a shuffle or mma names lanes (mask "
+                            "0x%08x) that have exited (arrived: 0x%08x)",
+                            base.block.x, base.block.y, base.block.z, w, g.warps[w].mask[i % kWarp],
+                            arrived);
+              fatal(message);
+            }
             g.fibers[i].state = State::Ready;
+          }
         released = true;
       }
     }
@@ -291,9 +338,10 @@ void syncThreads() { wait(State::AtBlockBarrier); }
 
 int laneId() { return int(linearThread(self().coords) % kWarp); }
 
-uint64_t exchange(uint64_t bits, int srcLane) {
+uint64_t exchange(uint64_t bits, int srcLane, uint32_t mask) {
   const size_t t = linearThread(self().coords);
   WarpSlots &slots = grid().warps[t / kWarp];
+  slots.mask[t % kWarp] = mask;
   slots.bits[t % kWarp] = bits;
   wait(State::AtWarpBarrier); // every lane has written
   const uint64_t got = slots.bits[size_t(srcLane) % kWarp];
@@ -305,6 +353,7 @@ void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[
   const size_t t = linearThread(self().coords);
   WarpSlots &slots = grid().warps[t / kWarp];
   const int lane = int(t % kWarp);
+  slots.mask[size_t(lane)] = 0xffffffffu; // mma.sync.aligned: the whole warp
   slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
   slots.b[size_t(lane)] = {b[0], b[1]};
   wait(State::AtWarpBarrier);

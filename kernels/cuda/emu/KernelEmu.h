@@ -13,6 +13,10 @@
 // at a time in the process, so `__shared__` variables can be statics. Dynamic shared memory is
 // filled with NaN bytes before each block, so a read before the block wrote it shows.
 //
+// A shuffle or mma whose mask names a lane that has exited is an error too, and the emulated
+// kernels are built with -fsanitize=alignment, so a misaligned access (which faults on a GPU,
+// not on x86) ends the run with its source line. Fiber stacks have guard pages.
+//
 // What is emulated: thread and block indices, __syncthreads, the warp shuffles, atomicAdd,
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
 // ISA's fragment layout), launch configuration limits (block size, the 48 KiB dynamic shared
@@ -20,8 +24,9 @@
 // through cudaGetLastError. Launches run in stream order (emu::enqueue). What is not: timing,
 // memory coalescing and bank conflicts, races inside one barrier interval (fibers never
 // interleave between barriers; successive intervals run the threads in opposite orders, so a
-// missing __syncthreads shows when the reader runs before the writer, but not always), and
-// out-of-bounds accesses (run the emulated test under ASan for them).
+// missing __syncthreads shows when the reader runs before the writer, but not always),
+// out-of-bounds accesses (run the emulated test under ASan for them), __launch_bounds__ (a
+// launch above the bound runs here and fails on the GPU), registers and occupancy.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H
@@ -60,24 +65,27 @@
 inline void __syncthreads() { ::pipec::emu::kernel::syncThreads(); }
 
 // Warp shuffles; `width` splits the warp into segments as CUDA's.
-template <typename T> T __shfl_sync(unsigned, T value, int srcLane, int width = 32) {
+template <typename T> T __shfl_sync(unsigned mask, T value, int srcLane, int width = 32) {
   const int lane = ::pipec::emu::kernel::laneId();
-  return ::pipec::emu::kernel::shuffle(value, (lane & ~(width - 1)) + (srcLane & (width - 1)));
+  return ::pipec::emu::kernel::shuffle(value, (lane & ~(width - 1)) + (srcLane & (width - 1)),
+                                       mask);
 }
-template <typename T> T __shfl_xor_sync(unsigned, T value, int laneMask, int width = 32) {
+template <typename T> T __shfl_xor_sync(unsigned mask, T value, int laneMask, int width = 32) {
   const int lane = ::pipec::emu::kernel::laneId();
   const int src = lane ^ laneMask;
-  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane);
+  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane,
+                                       mask);
 }
-template <typename T> T __shfl_down_sync(unsigned, T value, unsigned delta, int width = 32) {
+template <typename T> T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
   const int lane = ::pipec::emu::kernel::laneId();
   const int src = lane + int(delta);
-  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane);
+  return ::pipec::emu::kernel::shuffle(value, src < ((lane & ~(width - 1)) + width) ? src : lane,
+                                       mask);
 }
-template <typename T> T __shfl_up_sync(unsigned, T value, unsigned delta, int width = 32) {
+template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, int width = 32) {
   const int lane = ::pipec::emu::kernel::laneId();
   const int src = lane - int(delta);
-  return ::pipec::emu::kernel::shuffle(value, src >= (lane & ~(width - 1)) ? src : lane);
+  return ::pipec::emu::kernel::shuffle(value, src >= (lane & ~(width - 1)) ? src : lane, mask);
 }
 
 // Atomics: blocks run one at a time, but two streams' grids may overlap in asynchronous mode.

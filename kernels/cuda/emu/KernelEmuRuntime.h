@@ -31,8 +31,9 @@ const ThreadCoords &coords();
 void syncThreads();
 /// The calling thread's lane in its warp.
 int laneId();
-/// Every live lane of the warp passes its `bits` and gets those of lane `srcLane`.
-uint64_t exchange(uint64_t bits, int srcLane);
+/// Every lane of the warp passes its `bits` and gets those of lane `srcLane`; `mask` names the
+/// lanes taking part (each must reach the exchange; one that has exited is an error).
+uint64_t exchange(uint64_t bits, int srcLane, uint32_t mask);
 /// d += a b for the warp's m16n8k16 fragments (bf16 pairs in a, b; fp32 c/d), PTX ISA layout.
 void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
 /// The block's dynamic shared memory.
@@ -61,11 +62,11 @@ Launcher<Kernel> launcher(dim3 grid, dim3 block, size_t sharedBytes, cudaStream_
   return {grid, block, sharedBytes, stream, kernel};
 }
 
-template <typename T> T shuffle(T value, int srcLane) {
+template <typename T> T shuffle(T value, int srcLane, uint32_t mask) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move 64 bits");
   uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
-  bits = exchange(bits, srcLane);
+  bits = exchange(bits, srcLane, mask);
   std::memcpy(&value, &bits, sizeof(T));
   return value;
 }
