@@ -306,11 +306,12 @@ __global__ void __launch_bounds__(kThreads)
 // registers for the whole loop), masks them causally, updates the running row maxima and sums
 // (online softmax in base 2), rescales its output accumulators and adds P V, with P rounded to
 // bf16 as the A operand straight from the score accumulators (a 16 x 8 accumulator pair is
-// exactly a 16 x 16 A fragment). V is stored transposed in shared memory so that its B fragments
-// are pairs of adjacent bf16. The row sums stay per lane until the end (their scale factors are
-// equal across the four lanes of a row), then one shuffle pair reduces them. Warps whose rows
-// are all past the slice, or whose rows all precede a tile, skip its math (but not its barriers).
-// Fragment layouts are the PTX ISA's (Device.cuh, mmaBf16).
+// exactly a 16 x 16 A fragment). V stays row-major in shared memory; its B fragments (V's rows
+// are the k of P V) come from ldmatrix .trans, which also keeps the stores conflict-free. The row
+// sums stay per lane until the end (their scale factors are equal across the four lanes of a row),
+// then one shuffle pair reduces them. Warps whose rows are all past the slice, or whose rows all
+// precede a tile, skip its math (but not its barriers). Fragment layouts are the PTX ISA's
+// (Device.cuh, mmaBf16).
 
 namespace tc {
 constexpr int kWarps = 4;
@@ -324,8 +325,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr size_t sharedBytes(int hd) {
-  return sizeof(bf16) *
-         (size_t(kBlockQueries + kBlockKeys) * (hd + kPad) + size_t(hd) * (kBlockKeys + kPad));
+  return sizeof(bf16) * size_t(kBlockQueries + 2 * kBlockKeys) * (hd + kPad);
 }
 
 /// Two adjacent 16-bit values of shared memory (4-byte aligned) as one fragment register.
@@ -342,24 +342,16 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
 }
 
 /// Rows [row0, row0 + 64) of a head (offset `rowOffset(row)` in `src`, zeros from row `rows` on)
-/// into shared memory: `normal` (64, HD + kPad) as stored, and/or `transposed`
-/// (HD, 64 + kPad) with element [d][r] = row r's dimension d. All threads of the block call it.
+/// into a row-major shared tile (64, HD + kPad). All threads of the block call it.
 template <int HD, typename RowOffset>
-__device__ void loadRows(bf16 *__restrict__ normal, uint16_t *__restrict__ transposed,
-                         const bf16 *__restrict__ src, int row0, int rows, RowOffset rowOffset) {
+__device__ void loadRows(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0, int rows,
+                         RowOffset rowOffset) {
   constexpr int kChunks = HD / 8; // 16-byte chunks of a head row
   for (int idx = threadIdx.x; idx < 64 * kChunks; idx += blockDim.x) {
     const int r = idx / kChunks, c = idx % kChunks * 8, row = row0 + r;
-    const uint4 chunk = row < rows ? *reinterpret_cast<const uint4 *>(src + rowOffset(row) + c)
-                                   : make_uint4(0, 0, 0, 0);
-    if (normal)
-      *reinterpret_cast<uint4 *>(normal + r * (HD + kPad) + c) = chunk;
-    if (transposed) {
-      const uint32_t pairs[4] = {chunk.x, chunk.y, chunk.z, chunk.w}; // dims c + 2 i, c + 2 i + 1
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        transposed[(c + e) * (64 + kPad) + r] = uint16_t(pairs[e / 2] >> (16 * (e % 2)));
-    }
+    *reinterpret_cast<uint4 *>(tile + r * (HD + kPad) + c) =
+        row < rows ? *reinterpret_cast<const uint4 *>(src + rowOffset(row) + c)
+                   : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -383,6 +375,20 @@ __device__ __forceinline__ void loadB(uint32_t (&b)[2], const Half *tile, int pi
   const Half *at = tile + (n0 + g) * pitch + k0 + 2 * tg;
   b[0] = load32(at);
   b[1] = load32(at + 8);
+}
+
+/// The B fragments of B(kk, n) = tile[k0 + kk][n0 + n] for two n-tiles, [n0, n0 + 8) into b0
+/// and [n0 + 8, n0 + 16) into b1, kk < 16: the tile's rows are B's k, so one ldmatrix .trans
+/// reads both (lane l names row k0 + l % 8 + 8 (m & 1) at column n0 + 8 (m >> 1), m = l / 8).
+__device__ __forceinline__ void loadBTrans(uint32_t (&b0)[2], uint32_t (&b1)[2], const bf16 *tile,
+                                           int pitch, int k0, int n0, int lane) {
+  const int m = lane / 8;
+  uint32_t r[4];
+  ldmatrixX4Trans(r, tile + (k0 + lane % 8 + 8 * (m & 1)) * pitch + n0 + 8 * (m >> 1));
+  b0[0] = r[0];
+  b0[1] = r[1];
+  b1[0] = r[2];
+  b1[1] = r[3];
 }
 
 /// The A fragment (16 x 16, bf16) made of two fp32 accumulator tiles: columns [0, 8) and [8, 16).
@@ -429,35 +435,24 @@ __global__ void __launch_bounds__(tc::kThreads)
                             const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                             const bf16 *__restrict__ v, Dims s, float scaleLog2) {
   static_assert(HD % 16 == 0 && HD <= tc::kMaxHeadDim, "k-steps of 16 over the head dim");
-  constexpr int kPitch = HD + tc::kPad;              // Q and K rows in shared memory
-  constexpr int kVPitch = tc::kBlockKeys + tc::kPad; // V^T rows (one per dimension)
-  constexpr int kChunks = HD / 8;                    // 16-byte chunks of a head row
+  constexpr int kPitch = HD + tc::kPad; // Q, K and V rows in shared memory
   PIPEC_DYNAMIC_SHARED(float, smem);
-  bf16 *qs = reinterpret_cast<bf16 *>(smem);  // (64, kPitch)
-  bf16 *ks = qs + tc::kBlockQueries * kPitch; // (64, kPitch)
-  // (HD, kVPitch): vt[d][j] holds the bits of V[j0 + j][d]
-  uint16_t *vt = reinterpret_cast<uint16_t *>(ks + tc::kBlockKeys * kPitch);
+  bf16 *qs = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
+  bf16 *ks = qs + tc::kBlockQueries * kPitch;
+  bf16 *vs = ks + tc::kBlockKeys * kPitch;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4; // the fragments' groupID and threadID_in_group
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
   const int m0 = blockIdx.x * tc::kBlockQueries, r0 = warp * tc::kRowsPerWarp;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  auto queryRow = [&](int t) { return s.qRow(b, t, h); };
+  auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
 
-  for (int idx = threadIdx.x; idx < tc::kBlockQueries * kChunks; idx += tc::kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks * 8, t = m0 + r;
-    *reinterpret_cast<uint4 *>(qs + r * kPitch + c) =
-        t < s.queries ? *reinterpret_cast<const uint4 *>(q + s.qRow(b, t, h) + c) : zero;
-  }
+  tc::loadRows<HD>(qs, q, m0, s.queries, queryRow);
   __syncthreads();
   uint32_t qf[HD / 16][4]; // A fragments of the warp's 16 rows, one per k-step of 16 dims
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
-    const bf16 *at = qs + (r0 + g) * kPitch + kk * 16 + 2 * tg;
-    qf[kk][0] = tc::load32(at);
-    qf[kk][1] = tc::load32(at + 8 * kPitch);
-    qf[kk][2] = tc::load32(at + 8);
-    qf[kk][3] = tc::load32(at + 8 * kPitch + 8);
-  }
+  for (int kk = 0; kk < HD / 16; ++kk)
+    tc::loadA(qf[kk], qs, kPitch, r0, kk * 16, g, tg);
 
   // This lane's two rows: g and g + 8 of the warp's 16 (their positions see keys [0, pos]).
   const int pos[2] = {s.begin + m0 + r0 + g, s.begin + m0 + r0 + g + 8};
@@ -469,19 +464,8 @@ __global__ void __launch_bounds__(tc::kThreads)
 
   for (int j0 = 0; j0 <= lastPos; j0 += tc::kBlockKeys) {
     __syncthreads(); // the previous tile is consumed
-    for (int idx = threadIdx.x; idx < tc::kBlockKeys * kChunks; idx += tc::kThreads) {
-      const int r = idx / kChunks, c = idx % kChunks * 8, j = j0 + r;
-      uint4 kc = zero, vc = zero;
-      if (j < s.keys()) {
-        kc = *reinterpret_cast<const uint4 *>(k + s.kvRow(j, b, h) + c);
-        vc = *reinterpret_cast<const uint4 *>(v + s.kvRow(j, b, h) + c);
-      }
-      *reinterpret_cast<uint4 *>(ks + r * kPitch + c) = kc;
-      const uint32_t pairs[4] = {vc.x, vc.y, vc.z, vc.w}; // dims c + 2 i (low), c + 2 i + 1
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        vt[(c + e) * kVPitch + r] = uint16_t(pairs[e / 2] >> (16 * (e % 2)));
-    }
+    tc::loadRows<HD>(ks, k, j0, s.keys(), keyRow);
+    tc::loadRows<HD>(vs, v, j0, s.keys(), keyRow);
     __syncthreads();
     if (!warpActive || j0 > warpLastPos)
       continue;
@@ -492,8 +476,8 @@ __global__ void __launch_bounds__(tc::kThreads)
     for (int nt = 0; nt < tc::kBlockKeys / 8; ++nt)
 #pragma unroll
       for (int kk = 0; kk < HD / 16; ++kk) {
-        const bf16 *at = ks + (nt * 8 + g) * kPitch + kk * 16 + 2 * tg;
-        const uint32_t kf[2] = {tc::load32(at), tc::load32(at + 8)};
+        uint32_t kf[2];
+        tc::loadB(kf, ks, kPitch, nt * 8, kk * 16, g, tg);
         mmaBf16(sc[nt], qf[kk], kf);
       }
 
@@ -544,10 +528,11 @@ __global__ void __launch_bounds__(tc::kThreads)
                               tc::pack(sc[2 * ks2 + 1][0], sc[2 * ks2 + 1][1]),
                               tc::pack(sc[2 * ks2 + 1][2], sc[2 * ks2 + 1][3])};
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        const uint16_t *at = vt + (dt * 8 + g) * kVPitch + ks2 * 16 + 2 * tg;
-        const uint32_t vf[2] = {tc::load32(at), tc::load32(at + 8)};
-        mmaBf16(o[dt], pf, vf);
+      for (int dt = 0; dt < HD / 8; dt += 2) {
+        uint32_t v0[2], v1[2];
+        tc::loadBTrans(v0, v1, vs, kPitch, ks2 * 16, dt * 8, lane);
+        mmaBf16(o[dt], pf, v0);
+        mmaBf16(o[dt + 1], pf, v1);
       }
     }
   }
@@ -578,20 +563,22 @@ __global__ void __launch_bounds__(tc::kThreads)
 // kernel per output. Both recompute P = exp2(S scale log2(e) - lse log2(e)) from the forward's
 // log-sum-exp and use dS = P (dP - D), D = rowDot (dO . O per query row, from rowDotKernel):
 //   backwardQueryTensorCoreKernel: four warps own 64 query rows and stream 64-key tiles:
-//     S = Q K^T, dP = dO V^T, dQ += dS K (K transposed in shared memory);
+//     S = Q K^T, dP = dO V^T, dQ += dS K;
 //   backwardKeyValueTensorCoreKernel: four warps own 64 keys and stream the 64-query tiles that
 //     can see them, computing everything transposed so that keys are the rows:
-//     S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q (Q and dO also transposed).
+//     S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q.
+// Every tile is row-major in shared memory (pitch hd + 8: the fragment loads and ldmatrix rows
+// fall in distinct banks); B operands whose k runs along the tile's rows come from ldmatrix
+// .trans.
 // P and dS are rounded to bf16 as A operands (as FlashAttention does); sums are fp32. dq is
 // written, dk and dv are added to (read, add, round to bf16), as the SIMT kernels do.
 
 namespace tc {
 constexpr size_t backwardQuerySharedBytes(int hd) {
-  return sizeof(bf16) * (size_t(4 * 64) * (hd + kPad) + size_t(hd) * (64 + kPad));
+  return sizeof(bf16) * size_t(4 * 64) * (hd + kPad);
 }
 constexpr size_t backwardKeyValueSharedBytes(int hd) {
-  return sizeof(bf16) * (size_t(4 * 64) * (hd + kPad) + size_t(2 * hd) * (64 + kPad)) +
-         sizeof(float) * 2 * 64;
+  return sizeof(bf16) * size_t(4 * 64) * (hd + kPad) + sizeof(float) * 2 * 64;
 }
 } // namespace tc
 
@@ -603,13 +590,12 @@ __global__ void __launch_bounds__(tc::kThreads)
                                   const float *__restrict__ lse, const float *__restrict__ rowDot,
                                   const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                                   const bf16 *__restrict__ v, Dims s, float scale) {
-  constexpr int kPitch = HD + tc::kPad, kTPitch = 64 + tc::kPad;
+  constexpr int kPitch = HD + tc::kPad;
   PIPEC_DYNAMIC_SHARED(float, smem);
   bf16 *qs = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
   bf16 *dos = qs + 64 * kPitch;
   bf16 *ks = dos + 64 * kPitch;
   bf16 *vs = ks + 64 * kPitch;
-  uint16_t *kt = reinterpret_cast<uint16_t *>(vs + 64 * kPitch); // (HD, kTPitch)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -617,8 +603,8 @@ __global__ void __launch_bounds__(tc::kThreads)
   const float scaleLog2 = scale * tc::kLog2e;
   auto queryRow = [&](int t) { return s.qRow(b, t, h); };
   auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
-  tc::loadRows<HD>(qs, nullptr, q, m0, s.queries, queryRow);
-  tc::loadRows<HD>(dos, nullptr, dOut, m0, s.queries, queryRow);
+  tc::loadRows<HD>(qs, q, m0, s.queries, queryRow);
+  tc::loadRows<HD>(dos, dOut, m0, s.queries, queryRow);
 
   int pos[2];
   float lse2[2], dRow[2];
@@ -636,8 +622,8 @@ __global__ void __launch_bounds__(tc::kThreads)
 
   for (int j0 = 0; j0 <= lastPos; j0 += 64) {
     __syncthreads(); // the previous tile is consumed (Q and dO are in place, on the first pass)
-    tc::loadRows<HD>(ks, kt, k, j0, s.keys(), keyRow);
-    tc::loadRows<HD>(vs, nullptr, v, j0, s.keys(), keyRow);
+    tc::loadRows<HD>(ks, k, j0, s.keys(), keyRow);
+    tc::loadRows<HD>(vs, v, j0, s.keys(), keyRow);
     __syncthreads();
     if (!warpActive || j0 > warpLastPos)
       continue;
@@ -664,16 +650,17 @@ __global__ void __launch_bounds__(tc::kThreads)
         const float p = j <= pos[half] ? exp2f(sc[nt][e] * scaleLog2 - lse2[half]) : 0.0f;
         sc[nt][e] = p * (dp[nt][e] - dRow[half]); // dS
       }
-      // dQ += dS K: k-steps of 16 keys; B(key, d) = K[key][d], pairs along keys from K^T.
+      // dQ += dS K: k-steps of 16 keys; B(key, d) = K[key][d] (ldmatrix .trans of K's rows).
 #pragma unroll
     for (int ks2 = 0; ks2 < 4; ++ks2) {
       uint32_t sa[4];
       tc::accumulatorsToA(sa, sc[2 * ks2], sc[2 * ks2 + 1]);
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        uint32_t kb[2];
-        tc::loadB(kb, kt, kTPitch, dt * 8, ks2 * 16, g, tg);
-        mmaBf16(acc[dt], sa, kb);
+      for (int dt = 0; dt < HD / 8; dt += 2) {
+        uint32_t k0[2], k1[2];
+        tc::loadBTrans(k0, k1, ks, kPitch, ks2 * 16, dt * 8, lane);
+        mmaBf16(acc[dt], sa, k0);
+        mmaBf16(acc[dt + 1], sa, k1);
       }
     }
   }
@@ -690,15 +677,13 @@ __global__ void __launch_bounds__(tc::kThreads)
                                      const float *__restrict__ rowDot, const bf16 *__restrict__ q,
                                      const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
                                      float scale) {
-  constexpr int kPitch = HD + tc::kPad, kTPitch = 64 + tc::kPad;
+  constexpr int kPitch = HD + tc::kPad;
   PIPEC_DYNAMIC_SHARED(float, smem);
   bf16 *ks = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
   bf16 *vs = ks + 64 * kPitch;
   bf16 *qs = vs + 64 * kPitch;
   bf16 *dos = qs + 64 * kPitch;
-  uint16_t *qt = reinterpret_cast<uint16_t *>(dos + 64 * kPitch); // (HD, kTPitch) each
-  uint16_t *dot = qt + HD * kTPitch;
-  float *lse2s = reinterpret_cast<float *>(dot + HD * kTPitch); // (64) each
+  float *lse2s = reinterpret_cast<float *>(dos + 64 * kPitch); // (64) each
   float *dRows = lse2s + 64;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
@@ -707,8 +692,8 @@ __global__ void __launch_bounds__(tc::kThreads)
   const float scaleLog2 = scale * tc::kLog2e;
   auto queryRow = [&](int t) { return s.qRow(b, t, h); };
   auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
-  tc::loadRows<HD>(ks, nullptr, k, n0, s.keys(), keyRow);
-  tc::loadRows<HD>(vs, nullptr, v, n0, s.keys(), keyRow);
+  tc::loadRows<HD>(ks, k, n0, s.keys(), keyRow);
+  tc::loadRows<HD>(vs, v, n0, s.keys(), keyRow);
 
   // Query t sees key j when s.begin + t >= j: the block's keys are seen from query
   // n0 - begin on, the warp's first key from kw0 - begin.
@@ -719,8 +704,8 @@ __global__ void __launch_bounds__(tc::kThreads)
 
   for (int t0 = max(0, n0 - s.begin); t0 < s.queries; t0 += 64) {
     __syncthreads(); // the previous tile is consumed (K and V are in place, on the first pass)
-    tc::loadRows<HD>(qs, qt, q, t0, s.queries, queryRow);
-    tc::loadRows<HD>(dos, dot, dOut, t0, s.queries, queryRow);
+    tc::loadRows<HD>(qs, q, t0, s.queries, queryRow);
+    tc::loadRows<HD>(dos, dOut, t0, s.queries, queryRow);
     for (int r = threadIdx.x; r < 64; r += blockDim.x) {
       const int t = t0 + r;
       lse2s[r] = t < s.queries ? lse[s.statRow(b, h, t)] * tc::kLog2e : 0.0f;
@@ -757,20 +742,22 @@ __global__ void __launch_bounds__(tc::kThreads)
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - dRows[r]);
       }
-      // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries; B(query, d) pairs from the
-      // transposed tiles.
+      // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries; B(query, d) by ldmatrix .trans of
+      // the rows of dO and Q.
 #pragma unroll
     for (int ks2 = 0; ks2 < 4; ++ks2) {
       uint32_t pa[4], sa[4];
       tc::accumulatorsToA(pa, st[2 * ks2], st[2 * ks2 + 1]);
       tc::accumulatorsToA(sa, dpt[2 * ks2], dpt[2 * ks2 + 1]);
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        uint32_t db[2], qb[2];
-        tc::loadB(db, dot, kTPitch, dt * 8, ks2 * 16, g, tg);
-        tc::loadB(qb, qt, kTPitch, dt * 8, ks2 * 16, g, tg);
-        mmaBf16(dvAcc[dt], pa, db);
-        mmaBf16(dkAcc[dt], sa, qb);
+      for (int dt = 0; dt < HD / 8; dt += 2) {
+        uint32_t d0[2], d1[2], q0[2], q1[2];
+        tc::loadBTrans(d0, d1, dos, kPitch, ks2 * 16, dt * 8, lane);
+        tc::loadBTrans(q0, q1, qs, kPitch, ks2 * 16, dt * 8, lane);
+        mmaBf16(dvAcc[dt], pa, d0);
+        mmaBf16(dvAcc[dt + 1], pa, d1);
+        mmaBf16(dkAcc[dt], sa, q0);
+        mmaBf16(dkAcc[dt + 1], sa, q1);
       }
     }
   }

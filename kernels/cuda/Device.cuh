@@ -60,6 +60,21 @@ __device__ __forceinline__ void mmaBf16(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
+/// Four 8 x 8 matrices of 16-bit values from shared memory, transposed (ldmatrix .x4 .trans):
+/// lane l passes the address of row l % 8 of matrix l / 8 (8 values, 16-byte aligned), and r[i]
+/// gets matrix i's elements (2 (l % 4), l / 4) in its low half and (2 (l % 4) + 1, l / 4) in
+/// its high half: a B fragment (mmaBf16) of a row-major tile whose rows are B's k.
+__device__ __forceinline__ void ldmatrixX4Trans(uint32_t (&r)[4], const void *row) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::ldmatrixX4Trans(r, row);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+#endif
+}
+
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }
 
 } // namespace pipec::kernels::cuda::device

@@ -382,6 +382,29 @@ void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[
   wait(State::AtWarpBarrier); // every lane has read the fragments
 }
 
+void ldmatrixX4Trans(uint32_t (&r)[4], const void *row) {
+  const size_t t = linearThread(self().coords);
+  WarpSlots &slots = grid().warps[t / kWarp];
+  const int lane = int(t % kWarp);
+  if (reinterpret_cast<uintptr_t>(row) % 16 != 0)
+    fatal("ldmatrix: a row address is not 16-byte aligned");
+  slots.mask[size_t(lane)] = 0xffffffffu; // .aligned: the whole warp
+  std::memcpy(&slots.bits[size_t(lane)], &row, sizeof row);
+  wait(State::AtWarpBarrier);
+  // Matrix i's row j is at the address lane 8 i + j passed; lane l gets rows 2 (l % 4) and
+  // 2 (l % 4) + 1 of column l / 4.
+  auto element = [&](int matrix, int rowOf, int column) {
+    const void *p;
+    std::memcpy(&p, &slots.bits[size_t(8 * matrix + rowOf)], sizeof p);
+    uint16_t value;
+    std::memcpy(&value, static_cast<const char *>(p) + 2 * column, 2);
+    return uint32_t(value);
+  };
+  for (int i = 0; i < 4; ++i)
+    r[i] = element(i, 2 * (lane % 4), lane / 4) | element(i, 2 * (lane % 4) + 1, lane / 4) << 16;
+  wait(State::AtWarpBarrier); // every lane has read the addresses
+}
+
 void *dynamicShared() { return grid().shared.data(); }
 
 void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,

@@ -19,7 +19,8 @@
 //
 // What is emulated: thread and block indices, __syncthreads, the warp shuffles, atomicAdd,
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
-// ISA's fragment layout), launch configuration limits (block size, the 48 KiB dynamic shared
+// ISA's fragment layout), ldmatrix .x4 .trans (ldmatrixX4Trans; a row address that is not
+// 16-byte aligned ends the run), launch configuration limits (block size, the 48 KiB dynamic shared
 // memory default and cudaFuncSetAttribute raising it), and the launch error of a refused launch
 // through cudaGetLastError. Launches run in stream order (emu::enqueue). What is not: timing,
 // memory coalescing and bank conflicts, races inside one barrier interval (fibers never

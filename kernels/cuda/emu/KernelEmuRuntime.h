@@ -36,6 +36,9 @@ int laneId();
 uint64_t exchange(uint64_t bits, int srcLane, uint32_t mask);
 /// d += a b for the warp's m16n8k16 fragments (bf16 pairs in a, b; fp32 c/d), PTX ISA layout.
 void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+/// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (Device.cuh's ldmatrixX4Trans): `row` is the
+/// lane's row address (16-byte aligned, else the run ends as on a GPU).
+void ldmatrixX4Trans(uint32_t (&r)[4], const void *row);
 /// The block's dynamic shared memory.
 void *dynamicShared();
 
