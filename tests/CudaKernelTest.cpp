@@ -2,7 +2,8 @@
 //
 // Each kernels/cuda op runs on small random inputs, with sizes chosen to cross the kernels'
 // edges (rows not a multiple of a warp, a head dimension not a multiple of 32, key ranges
-// crossing 32-key tiles, a slice with begin > 0), and is compared with kernels/cpu/Ops.h on the
+// crossing 32-key tiles and, on the tensor cores, 64-key tiles and 64-query blocks, a slice with
+// begin > 0), and is compared with kernels/cpu/Ops.h on the
 // same inputs. In bf16 the inputs are first rounded to bf16 on the host, so both sides see the
 // same values and the difference is the kernel's bf16 storage and summation order alone.
 //
@@ -12,8 +13,11 @@
 // of long sums differs: matmul weight gradients, attention backward); bf16: 2e-2 (the unit
 // roundoff of bf16 is 2^-8 = 3.9e-3, and outputs are rounded once or twice).
 //
-// The GpuTest fixture fails (not skips) when no device is usable: the target is tagged
-// requires-gpu, and a silent skip would read as a pass on the GPU machine. CudaCheckTest needs
+// Built twice: //tests:cuda_kernel_test on a GPU (tag requires-gpu), and
+// //tests:cuda_kernel_emu_test with the .cu kernels on the kernel emulator
+// (kernels/cuda/emu/KernelEmu.h), in CI, matmul cases filtered out (they are cuBLASLt's).
+// The GpuTest fixture fails (not skips) when no device is usable: a silent skip would read as a
+// pass on the GPU machine. CudaCheckTest needs
 // no device and runs everywhere CUDA is installed (//tests:cuda_check_test).
 //
 //===----------------------------------------------------------------------===//

@@ -7,15 +7,16 @@
 //   k, v, dk, dv (a + x, B, H*hd)   position-major, so a slice's K/V append to the cache
 //   lse          (B, H, x)          fp32 log-sum-exp of a query row's scaled scores
 //
-// Two forwards. bf16 with a head dimension that is a multiple of 16 (at most 128) runs on the
-// tensor cores (forwardTensorCoreKernel, below); every other case, and the backward, runs the
-// SIMT kernels described here. Flash-attention structure: nothing quadratic is stored. The forward
-// streams tiles of 32 keys through shared memory with an online softmax; the backward recomputes
-// the probabilities from lse, in two kernels so that no gradient needs an atomic: one warp per
-// query row for dq, one warp per key row for dk and dv. Inside a tile, lane L owns key (or query) L
-// of the tile for the dot products, and dimension d = lane + 32 r (r < 8, so hd <= 256) for the
-// output accumulators; probabilities move between the two ownerships by warp shuffles. Shared tiles
-// are padded to hd + 1 floats a row, so the lanes' column reads fall in distinct banks.
+// bf16 with a head dimension that is a multiple of 16 (at most 128) and 16-byte aligned tensors
+// runs on the tensor cores, forward and backward (the tensor-core kernels below); every other
+// case runs the SIMT kernels described here. Flash-attention structure: nothing quadratic is
+// stored. The forward streams tiles of 32 keys through shared memory with an online softmax; the
+// backward recomputes the probabilities from lse, in two kernels so that no gradient needs an
+// atomic: one warp per query row for dq, one warp per key row for dk and dv. Inside a tile, lane L
+// owns key (or query) L of the tile for the dot products, and dimension d = lane + 32 r (r < 8, so
+// hd <= 256) for the output accumulators; probabilities move between the two ownerships by warp
+// shuffles. Shared tiles are padded to hd + 1 floats a row, so the lanes' column reads fall in
+// distinct banks.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"

@@ -1,8 +1,8 @@
 //===- Device.cuh - device helpers shared by the .cu files --------*- CUDA -*-===//
 //
 // Loads and stores that widen bf16 to fp32 (all arithmetic is fp32), warp reductions by
-// shuffles, the tensor-core mma of a warp, and the fp32/bf16 dispatch of a launcher (plus
-// Dialect.h's launch macros). Included by .cu files only.
+// shuffles, the tensor-core mma of a warp and ldmatrix .x4 .trans, and the fp32/bf16 dispatch
+// of a launcher (plus Dialect.h's launch macros). Included by .cu files only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICE_CUH

@@ -2,8 +2,9 @@
 //
 // The boundary between nvcc and the host compiler: each .cu file defines some of these plain
 // functions, which check nothing but the kernel's own preconditions, launch on `stream` and
-// return cudaGetLastError(). Validation of user-facing arguments and the conversion of the
-// status into llvm::Error happen in CudaOps.cpp, through the one funnel of CudaCheck.h.
+// return cudaGetLastError() (plus attentionUsesTensorCores, a query). Validation of user-facing
+// arguments and the conversion of the status into llvm::Error happen in KernelOps.cpp (and
+// CudaOps.cpp for the bias gradient of a matmul), through the one funnel of CudaCheck.h.
 // Pointers are device pointers whose element type is `dtype` unless declared float.
 //
 //===----------------------------------------------------------------------===//

@@ -9,7 +9,7 @@
 // participant has arrived: a warp's (shuffles, mma) first, then the block's (__syncthreads).
 // Threads waiting at different barriers with nothing left to release is a deadlock the real
 // GPU would hang in (a __syncthreads in divergent code, a shuffle missing lanes): it ends the
-// process with a message naming the kernel's launch. Blocks run one after another, and one grid
+// process with a message naming the block. Blocks run one after another, and one grid
 // at a time in the process, so `__shared__` variables can be statics. Dynamic shared memory is
 // filled with NaN bytes before each block, so a read before the block wrote it shows.
 //
@@ -89,7 +89,7 @@ template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, i
   return ::pipec::emu::kernel::shuffle(value, src >= (lane & ~(width - 1)) ? src : lane, mask);
 }
 
-// Atomics: blocks run one at a time, but two streams' grids may overlap in asynchronous mode.
+// Atomics: grids run one at a time in the process; atomic_ref keeps them correct regardless.
 template <typename T> T atomicAdd(T *address, T value) {
   return std::atomic_ref<T>(*address).fetch_add(value);
 }

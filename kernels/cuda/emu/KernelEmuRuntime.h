@@ -44,7 +44,7 @@ void *dynamicShared();
 
 /// Queues `body` as a grid on `stream`; a configuration the GPU would refuse is not run and
 /// becomes the next cudaGetLastError(). `kernel` identifies the function (its
-/// cudaFuncSetAttribute limits), `name` is for messages.
+/// cudaFuncSetAttribute limits).
 void launch(dim3 grid, dim3 block, size_t sharedBytes, cudaStream_t stream, const void *kernel,
             std::function<void()> body);
 
