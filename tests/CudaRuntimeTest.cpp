@@ -1,10 +1,10 @@
 //===- CudaRuntimeTest.cpp - The cuda backend against the cpu backend ------===//
 //
-// Built four times: //tests:cuda_runtime_test on a GPU (tag requires-gpu), and in CI on the
+// Built five times: //tests:cuda_runtime_test on a GPU (tag requires-gpu), and in CI on the
 // emulated device (kernels/cuda/emu/README.md) as //tests:cuda_emu_runtime_test and
 // //tests:cuda_emu_async_runtime_test (CPU stand-ins for the kernels; synchronous and
-// asynchronous streams) and //tests:cuda_emu_kernels_runtime_test (the .cu kernels on the
-// kernel emulator). Plans
+// asynchronous streams) and //tests:cuda_emu_kernels_runtime_test and
+// //tests:cuda_emu_kernels_async_runtime_test (the .cu kernels on the kernel emulator). Plans
 // of the tiny GPT run on the cuda backend (every rank a thread on one GPU) and must give the CPU
 // single-rank reference's gradients, and the cpu backend's losses, within fp32 tolerances:
 // gradients within kCudaGradTolerance (1e-4) of the largest reference gradient, losses within
