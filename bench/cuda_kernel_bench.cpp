@@ -4,8 +4,11 @@
 // 32 heads of 128) in bf16 — the matmuls of the layer in their three forms (forward, input
 // gradient, weight gradient: the B/W split) and causal attention, whole-sequence and as the
 // last of four Seq1F1B slices — and reports TFLOP/s and the fraction of the H200's dense bf16
-// peak (989 TFLOP/s). One fp32 matmul shows the strict-fp32 rate. Times are wall clock over
-// repeated launches on one stream after warm-up, with a synchronize at both ends.
+// peak (989 TFLOP/s). The memory-bound kernels (layernorm, GELU, cross entropy over a 50k
+// vocabulary, AdamW over one layer's parameters, the fp32 -> bf16 copy) report the bandwidth of
+// the bytes they must move at least, against the H200's 4.8 TB/s. One fp32 matmul shows the
+// strict-fp32 rate. Times are wall clock over repeated launches on one stream after warm-up, with a
+// synchronize at both ends.
 //   bazel run -c opt //bench:cuda_kernel_bench            # the full sizes
 //   bazel run -c opt //bench:cuda_kernel_bench -- --quick # 1/4 the tokens
 // Not a test: the numbers go into the README.
@@ -30,6 +33,7 @@ using namespace pipec::kernels::cuda;
 namespace {
 
 constexpr double kPeakBf16TFlops = 989.0; // H200 SXM, dense bf16
+constexpr double kPeakHbmTBs = 4.8;       // H200 SXM, HBM3e
 
 struct Bench {
   CudaContext &ctx;
@@ -76,6 +80,77 @@ struct Bench {
     fmt::print("{:<44} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
                tflops, 100.0 * tflops / kPeakBf16TFlops);
     std::fflush(stdout);
+  }
+
+  /// The memory-bound kernels: achieved bandwidth for the bytes they must move at least.
+  void reportBandwidth(const std::string &name, double bytes, double seconds) {
+    double tbs = bytes / seconds / 1e12;
+    fmt::print("{:<44} {:>10.3f} ms {:>9.2f} TB/s    {:>6.1f}% of HBM\n", name, seconds * 1e3, tbs,
+               100.0 * tbs / kPeakHbmTBs);
+    std::fflush(stdout);
+  }
+
+  // Layernorm (forward and both backwards) and GELU over n rows of c (GELU on the MLP's n x f).
+  void elementwise(DType dt, int n, int c, int f) {
+    const double sz = double(sizeOf(dt)), nc = double(n) * c, nf = double(n) * f;
+    void *x = buffer(size_t(n) * c, dt), *y = buffer(size_t(n) * c, dt);
+    void *dy = buffer(size_t(n) * c, dt), *dx = buffer(size_t(n) * c, dt);
+    void *w = buffer(c, dt), *b = buffer(c, dt);
+    auto *mean = static_cast<float *>(buffer(n, DType::F32));
+    auto *rstd = static_cast<float *>(buffer(n, DType::F32));
+    auto *dW = static_cast<float *>(buffer(c, DType::F32));
+    auto *dB = static_cast<float *>(buffer(c, DType::F32));
+    const std::string rows = fmt::format("({}x{})", n, c);
+    const std::string dtn = toString(dt);
+    reportBandwidth("layernorm " + dtn + " " + rows + " fwd", 2 * nc * sz + 8.0 * n,
+                    time([&] { return layernormForward(ctx, dt, y, mean, rstd, x, w, b, n, c); }));
+    reportBandwidth("layernorm " + dtn + " " + rows + " dX +=", 4 * nc * sz + 8.0 * n, time([&] {
+                      return layernormBackwardInputAccumulate(ctx, dt, dx, dy, x, mean, rstd, w, n,
+                                                              c);
+                    }));
+    reportBandwidth("layernorm " + dtn + " " + rows + " dW, dB", 2 * nc * sz + 8.0 * n, time([&] {
+                      return layernormBackwardWeight(ctx, dt, dW, dB, dy, x, mean, rstd, n, c);
+                    }));
+    void *u = buffer(size_t(n) * f, dt), *gu = buffer(size_t(n) * f, dt);
+    void *du = buffer(size_t(n) * f, dt);
+    const std::string mlp = fmt::format("({}x{})", n, f);
+    reportBandwidth("gelu " + dtn + " " + mlp + " fwd", 2 * nf * sz,
+                    time([&] { return geluForward(ctx, dt, gu, u, size_t(n) * f); }));
+    reportBandwidth("gelu " + dtn + " " + mlp + " bwd", 3 * nf * sz,
+                    time([&] { return geluBackward(ctx, dt, du, gu, u, size_t(n) * f); }));
+  }
+
+  // Cross entropy over n rows of a vocabulary of v; AdamW and the fp32 -> bf16 copy over p
+  // parameters.
+  void lossAndOptimizer(DType dt, int n, int v, size_t p) {
+    const double sz = double(sizeOf(dt)), nv = double(n) * v;
+    void *logits = buffer(size_t(n) * v, dt), *dLogits = buffer(size_t(n) * v, dt);
+    auto *targets = static_cast<int32_t *>(buffer(n, DType::F32)); // zeros: token 0
+    auto *rowLoss = static_cast<float *>(buffer(n, DType::F32));
+    auto *lse = static_cast<float *>(buffer(n, DType::F32));
+    const std::string rows = fmt::format("({}x{})", n, v);
+    reportBandwidth("cross entropy " + std::string(toString(dt)) + " " + rows + " fwd",
+                    nv * sz + 8.0 * n, time([&] {
+                      return crossEntropyForward(ctx, dt, rowLoss, lse, logits, targets, n, v,
+                                                 1.0f / float(n));
+                    }));
+    reportBandwidth("cross entropy " + std::string(toString(dt)) + " " + rows + " bwd",
+                    2 * nv * sz + 8.0 * n, time([&] {
+                      return crossEntropyBackward(ctx, dt, dLogits, logits, lse, targets, n, v,
+                                                  1.0f / float(n));
+                    }));
+    auto *params = static_cast<float *>(buffer(p, DType::F32));
+    auto *grads = static_cast<float *>(buffer(p, DType::F32));
+    auto *m = static_cast<float *>(buffer(p, DType::F32));
+    auto *vv = static_cast<float *>(buffer(p, DType::F32));
+    void *copy = buffer(p, DType::BF16);
+    int step = 0;
+    reportBandwidth(fmt::format("adamw fp32 ({} params)", p), 7.0 * 4 * double(p), time([&] {
+                      return adamUpdate(ctx, params, grads, m, vv, p, 1e-4f, 0.9f, 0.95f, 1e-8f,
+                                        0.1f, ++step);
+                    }));
+    reportBandwidth(fmt::format("convert fp32 -> bf16 ({})", p), 6.0 * double(p),
+                    time([&] { return convert(ctx, DType::BF16, copy, DType::F32, params, p); }));
   }
 
   // A row-major (n, i) @ (i, o) matmul in its three forms.
@@ -148,5 +223,9 @@ int main(int argc, char **argv) {
                   {/*batch=*/1, /*queries=*/tokens, /*begin=*/0, heads, headDim});
   bench.attention("attention last-of-4 slice", DType::BF16,
                   {/*batch=*/1, /*queries=*/tokens / 4, /*begin=*/3 * tokens / 4, heads, headDim});
+  fmt::print("memory-bound kernels: peak {} TB/s (H200 HBM3e)\n", kPeakHbmTBs);
+  bench.elementwise(DType::BF16, tokens, hidden, 4 * hidden);
+  // A GPT-2-sized vocabulary; one layer's parameters (12 hidden^2) for the optimizer.
+  bench.lossAndOptimizer(DType::BF16, tokens, 50304, size_t(12) * hidden * hidden);
   return 0;
 }
