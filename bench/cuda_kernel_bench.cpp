@@ -11,6 +11,7 @@
 // synchronize at both ends.
 //   bazel run -c opt //bench:cuda_kernel_bench            # the full sizes
 //   bazel run -c opt //bench:cuda_kernel_bench -- --quick # 1/4 the tokens
+//   ... -- --tiny   # toy sizes: a smoke run (CI runs it on the kernel emulator)
 // Not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
@@ -77,7 +78,7 @@ struct Bench {
 
   void report(const std::string &name, double flops, double seconds) {
     double tflops = flops / seconds / 1e12;
-    fmt::print("{:<44} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
+    fmt::print("{:<66} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
                tflops, 100.0 * tflops / kPeakBf16TFlops);
     std::fflush(stdout);
   }
@@ -85,7 +86,7 @@ struct Bench {
   /// The memory-bound kernels: achieved bandwidth for the bytes they must move at least.
   void reportBandwidth(const std::string &name, double bytes, double seconds) {
     double tbs = bytes / seconds / 1e12;
-    fmt::print("{:<44} {:>10.3f} ms {:>9.2f} TB/s    {:>6.1f}% of HBM\n", name, seconds * 1e3, tbs,
+    fmt::print("{:<66} {:>10.3f} ms {:>9.2f} TB/s    {:>6.1f}% of HBM\n", name, seconds * 1e3, tbs,
                100.0 * tbs / kPeakHbmTBs);
     std::fflush(stdout);
   }
@@ -197,20 +198,28 @@ struct Bench {
 } // namespace
 
 int main(int argc, char **argv) {
-  bool quick = false;
+  bool quick = false, tiny = false;
   for (int k = 1; k < argc; ++k) {
     if (std::strcmp(argv[k], "--quick") == 0) {
       quick = true;
       continue;
     }
-    fmt::print(stderr, "cuda_kernel_bench: error: unknown flag '{}' (known: --quick)\n", argv[k]);
+    if (std::strcmp(argv[k], "--tiny") == 0) {
+      tiny = true;
+      continue;
+    }
+    fmt::print(stderr, "cuda_kernel_bench: error: unknown flag '{}' (known: --quick, --tiny)\n",
+               argv[k]);
     return 2;
   }
   llvm::Expected<std::unique_ptr<CudaContext>> ctx = CudaContext::create(/*device=*/0);
   if (!ctx)
     Bench::die(ctx.takeError());
   Bench bench{**ctx, {}};
-  const int tokens = quick ? 2048 : 8192, hidden = 4096, heads = 32, headDim = 128;
+  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_emu_test
+  // runs it on the kernel emulator in CI); its numbers mean nothing.
+  const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
+  const int heads = tiny ? 2 : 32, headDim = tiny ? 32 : 128, vocab = tiny ? 256 : 50304;
   fmt::print("cuda_kernel_bench: {} tokens, hidden {}, {} heads of {}; peak {} TFLOP/s "
              "(H200 dense bf16)\n",
              tokens, hidden, heads, headDim, kPeakBf16TFlops);
@@ -226,6 +235,6 @@ int main(int argc, char **argv) {
   fmt::print("memory-bound kernels: peak {} TB/s (H200 HBM3e)\n", kPeakHbmTBs);
   bench.elementwise(DType::BF16, tokens, hidden, 4 * hidden);
   // A GPT-2-sized vocabulary; one layer's parameters (12 hidden^2) for the optimizer.
-  bench.lossAndOptimizer(DType::BF16, tokens, 50304, size_t(12) * hidden * hidden);
+  bench.lossAndOptimizer(DType::BF16, tokens, vocab, size_t(12) * hidden * hidden);
   return 0;
 }

@@ -6,8 +6,8 @@
 // once, or on the stream's worker thread in asynchronous mode). Where the CUDA API departs
 // from the CPU one it is followed here too: attention keeps a log-sum-exp per query row and its
 // backward recomputes the probabilities from it; cross entropy keeps a log-sum-exp per row and
-// returns per-row losses. fp32 only: a bf16 call is an error saying so. This file has the
-// contexts and the matmuls (cuBLASLt's part); the rest of the ops come either from
+// returns per-row losses. This file has the contexts and the matmuls (cuBLASLt's part; fp32, and
+// bf16 by widening); the rest of the ops come either from
 // CpuKernelOpsEmu.cpp (CPU loops, :cuda_ops_emu) or from the hand-written .cu kernels themselves
 // run by the kernel emulator (KernelEmu.h, :cuda_ops_kernel_emu).
 //
@@ -101,53 +101,105 @@ void CudaContext::setAllocator(DeviceAllocator *allocator) {
 DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
 
 //===--- Matmuls ----------------------------------------------------------===//
+//
+// fp32 as the CPU ops compute them; bf16 (for callers such as cuda_kernel_bench's smoke run) by
+// widening the bf16 operands, computing in fp32 and rounding the output to bf16 — the precision
+// model of cuBLASLt's bf16 GEMMs with fp32 accumulation, not its summation order.
+
+namespace {
+
+/// `n` elements of `dtype` at `p` as fp32: the memory itself, or a widened copy.
+struct Widened {
+  std::vector<float> copy;
+  const float *data = nullptr;
+  Widened(const void *p, size_t n, DType dtype) {
+    if (dtype == DType::F32 || !p) {
+      data = static_cast<const float *>(p);
+      return;
+    }
+    copy.resize(n);
+    const auto *bits = static_cast<const uint16_t *>(p);
+    for (size_t k = 0; k < n; ++k) {
+      const uint32_t wide = uint32_t(bits[k]) << 16;
+      std::memcpy(&copy[k], &wide, 4);
+    }
+    data = copy.data();
+  }
+};
+
+/// Where an op writes `n` elements of `dtype` at `p`: the memory itself (fp32), or an fp32
+/// scratch that done() rounds into it (to nearest even).
+struct Narrowed {
+  void *dst;
+  DType dtype;
+  std::vector<float> scratch;
+  float *data;
+  Narrowed(void *p, size_t n, DType dtype)
+      : dst(p), dtype(dtype), scratch(dtype == DType::F32 ? 0 : n),
+        data(dtype == DType::F32 ? static_cast<float *>(p) : scratch.data()) {}
+  void done() {
+    if (dtype == DType::F32)
+      return;
+    auto *bits = static_cast<uint16_t *>(dst);
+    for (size_t k = 0; k < scratch.size(); ++k) {
+      uint32_t wide;
+      std::memcpy(&wide, &scratch[k], 4);
+      bits[k] = std::isnan(scratch[k]) ? uint16_t(0x7fc0)
+                                       : uint16_t((wide + 0x7fff + ((wide >> 16) & 1)) >> 16);
+    }
+  }
+};
+
+} // namespace
 
 llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                           const void *bias, int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulForward");
   return run(ctx, [=] {
-    ops::matmulForward(static_cast<float *>(out), static_cast<const float *>(in),
-                       static_cast<const float *>(w), static_cast<const float *>(bias), n, i, o);
+    Widened x(in, size_t(n) * i, dtype), wt(w, size_t(i) * o, dtype), b(bias, size_t(o), dtype);
+    Narrowed y(out, size_t(n) * o, dtype);
+    ops::matmulForward(y.data, x.data, wt.data, b.data, n, i, o);
+    y.done();
   });
 }
 llvm::Error matmulBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                 const void *w, int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulBackwardInput");
   return run(ctx, [=] {
-    ops::matmulBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                             static_cast<const float *>(w), n, i, o);
+    Widened dy(dOut, size_t(n) * o, dtype), wt(w, size_t(i) * o, dtype);
+    Narrowed dx(dIn, size_t(n) * i, dtype);
+    ops::matmulBackwardInput(dx.data, dy.data, wt.data, n, i, o);
+    dx.done();
   });
 }
 llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dBias,
                                  const void *in, const void *dOut, int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulBackwardWeight");
   return run(ctx, [=] {
-    ops::matmulBackwardWeight(dW, dBias, static_cast<const float *>(in),
-                              static_cast<const float *>(dOut), n, i, o);
+    Widened x(in, size_t(n) * i, dtype), dy(dOut, size_t(n) * o, dtype);
+    ops::matmulBackwardWeight(dW, dBias, x.data, dy.data, n, i, o);
   });
 }
 llvm::Error matmulTForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                            int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulTForward");
   return run(ctx, [=] {
-    ops::matmulTForward(static_cast<float *>(out), static_cast<const float *>(in),
-                        static_cast<const float *>(w), n, i, o);
+    Widened x(in, size_t(n) * i, dtype), wt(w, size_t(o) * i, dtype);
+    Narrowed y(out, size_t(n) * o, dtype);
+    ops::matmulTForward(y.data, x.data, wt.data, n, i, o);
+    y.done();
   });
 }
 llvm::Error matmulTBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                  const void *w, int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulTBackwardInput");
   return run(ctx, [=] {
-    ops::matmulTBackwardInput(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                              static_cast<const float *>(w), n, i, o);
+    Widened dy(dOut, size_t(n) * o, dtype), wt(w, size_t(o) * i, dtype);
+    Narrowed dx(dIn, size_t(n) * i, dtype);
+    ops::matmulTBackwardInput(dx.data, dy.data, wt.data, n, i, o);
+    dx.done();
   });
 }
 llvm::Error matmulTBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *in,
                                   const void *dOut, int n, int i, int o) {
-  PIPEC_EMU_FP32("matmulTBackwardWeight");
   return run(ctx, [=] {
-    ops::matmulTBackwardWeight(dW, static_cast<const float *>(in), static_cast<const float *>(dOut),
-                               n, i, o);
+    Widened x(in, size_t(n) * i, dtype), dy(dOut, size_t(n) * o, dtype);
+    ops::matmulTBackwardWeight(dW, x.data, dy.data, n, i, o);
   });
 }
 
