@@ -392,6 +392,30 @@ __device__ __forceinline__ void loadBTrans(uint32_t (&b0)[2], uint32_t (&b1)[2],
   b1[1] = r[3];
 }
 
+/// Two products of the warp's 16 rows [r0, r0 + 16) by a tile's 64 rows, sharing the k-loop over
+/// the HD columns: x = A1 B1^T and y = A2 B2^T (16 x 64 each, 8 n-tiles of 8), where A1, A2,
+/// B1, B2 are row-major shared tiles of pitch HD + kPad.
+template <int HD>
+__device__ __forceinline__ void productPair(float (&x)[8][4], float (&y)[8][4], const bf16 *a1,
+                                            const bf16 *b1, const bf16 *a2, const bf16 *b2, int r0,
+                                            int g, int tg) {
+  constexpr int kPitch = HD + kPad;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t fa1[4], fa2[4];
+    loadA(fa1, a1, kPitch, r0, kk * 16, g, tg);
+    loadA(fa2, a2, kPitch, r0, kk * 16, g, tg);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t fb1[2], fb2[2];
+      loadB(fb1, b1, kPitch, nt * 8, kk * 16, g, tg);
+      loadB(fb2, b2, kPitch, nt * 8, kk * 16, g, tg);
+      mmaBf16(x[nt], fa1, fb1);
+      mmaBf16(y[nt], fa2, fb2);
+    }
+  }
+}
+
 /// The A fragment (16 x 16, bf16) made of two fp32 accumulator tiles: columns [0, 8) and [8, 16).
 __device__ __forceinline__ void accumulatorsToA(uint32_t (&a)[4], const float (&lo)[4],
                                                 const float (&hi)[4]) {
@@ -628,21 +652,8 @@ __global__ void __launch_bounds__(tc::kThreads)
     __syncthreads();
     if (!warpActive || j0 > warpLastPos)
       continue;
-    float sc[8][4] = {}, dp[8][4] = {}; // S and dP: the warp's 16 rows x 64 keys
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t qa[4], da[4];
-      tc::loadA(qa, qs, kPitch, r0, kk * 16, g, tg);
-      tc::loadA(da, dos, kPitch, r0, kk * 16, g, tg);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        uint32_t kb[2], vb[2];
-        tc::loadB(kb, ks, kPitch, nt * 8, kk * 16, g, tg);
-        tc::loadB(vb, vs, kPitch, nt * 8, kk * 16, g, tg);
-        mmaBf16(sc[nt], qa, kb);
-        mmaBf16(dp[nt], da, vb);
-      }
-    }
+    float sc[8][4] = {}, dp[8][4] = {}; // S = Q K^T and dP = dO V^T: 16 rows x 64 keys
+    tc::productPair<HD>(sc, dp, qs, ks, dos, vs, r0, g, tg);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -716,21 +727,8 @@ __global__ void __launch_bounds__(tc::kThreads)
     // The tile's last query must see the warp's first key.
     if (!warpActive || s.begin + min(s.queries - 1, t0 + 63) < kw0)
       continue;
-    float st[8][4] = {}, dpt[8][4] = {}; // S^T and dP^T: the warp's 16 keys x 64 queries
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t ka[4], va[4];
-      tc::loadA(ka, ks, kPitch, r0, kk * 16, g, tg);
-      tc::loadA(va, vs, kPitch, r0, kk * 16, g, tg);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        uint32_t qb[2], db[2];
-        tc::loadB(qb, qs, kPitch, nt * 8, kk * 16, g, tg);
-        tc::loadB(db, dos, kPitch, nt * 8, kk * 16, g, tg);
-        mmaBf16(st[nt], ka, qb);
-        mmaBf16(dpt[nt], va, db);
-      }
-    }
+    float st[8][4] = {}, dpt[8][4] = {}; // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries
+    tc::productPair<HD>(st, dpt, ks, qs, vs, dos, r0, g, tg);
     // P^T and dS^T; element e of n-tile nt is (key row g + 8 (e >> 1), query column
     // nt * 8 + 2 tg + (e & 1)).
 #pragma unroll
