@@ -4,6 +4,8 @@
 // output file. A wrong plan: exit 1 with the verifier's diagnostic.
 //
 //===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -11,24 +13,14 @@
 #include <cstdlib>
 #include <fstream>
 #include <set>
-#include <sstream>
 #include <string>
 #include <sys/stat.h>
-#include <sys/wait.h>
 
 namespace {
 
-std::string tmpDir() {
-  const char *d = std::getenv("TEST_TMPDIR");
-  return d ? d : "/tmp";
-}
-
-std::string slurp(const std::string &path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using pipec::testing::slurp;
+using pipec::testing::tmpDir;
+using Result = pipec::testing::CommandResult;
 
 void spit(const std::string &path, const std::string &text) { std::ofstream(path) << text; }
 
@@ -37,16 +29,8 @@ bool exists(const std::string &path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-
 Result run(const std::string &tool, const std::string &args) {
-  std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
-  std::string cmd = tool + " " + args + " >" + out + " 2>" + err;
-  int status = std::system(cmd.c_str());
-  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  return pipec::testing::runCommand(tool + " " + args);
 }
 
 Result pipec(const std::string &args) { return run("tools/pipec", args); }

@@ -6,38 +6,18 @@
 // of the nccl mode) is checked end to end without a GPU.
 //
 //===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
-#include <sys/wait.h>
 
 namespace {
 
-std::string tmpDir() {
-  const char *d = std::getenv("TEST_TMPDIR");
-  return d ? d : "/tmp";
-}
+using pipec::testing::tmpDir;
+using Result = pipec::testing::CommandResult;
 
-std::string slurp(const std::string &path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-Result run(const std::string &cmd) {
-  std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
-  int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
-  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-}
+Result run(const std::string &cmd) { return pipec::testing::runCommand(cmd); }
 
 std::string plan(const std::string &name, const std::string &flags) {
   std::string path = tmpDir() + "/" + name + ".json";

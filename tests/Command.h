@@ -1,0 +1,46 @@
+//===- Command.h - Running the real binaries from a test ------------*- C++ -*-===//
+//
+// For the end-to-end tests (CliTest.cpp, PiperunEmuTest.cpp): a shell command's exit code and
+// its stdout and stderr, captured through files in the test's temporary directory.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_TESTS_COMMAND_H
+#define PIPEC_TESTS_COMMAND_H
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+namespace pipec::testing {
+
+/// Bazel's per-test temporary directory (/tmp outside Bazel).
+inline std::string tmpDir() {
+  const char *d = std::getenv("TEST_TMPDIR");
+  return d ? d : "/tmp";
+}
+
+/// The whole file (empty if it cannot be read).
+inline std::string slurp(const std::string &path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct CommandResult {
+  int code; // the exit code; -1 if the command did not exit normally
+  std::string out, err;
+};
+
+/// Runs `cmd` through the shell.
+inline CommandResult runCommand(const std::string &cmd) {
+  std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
+  int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
+  return CommandResult{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+} // namespace pipec::testing
+
+#endif // PIPEC_TESTS_COMMAND_H
