@@ -37,9 +37,6 @@
 
 namespace pipec::kernels::cuda {
 
-const char *toString(DType dtype);
-size_t sizeOf(DType dtype);
-
 /// Number of CUDA devices visible; an error when the driver or runtime is unusable (e.g. no GPU).
 llvm::Expected<int> deviceCount();
 

@@ -2,8 +2,8 @@
 //
 // kernels/cuda/emu/README.md. Layernorm, GELU, attention, cross entropy, AdamW and convert of
 // CudaOps.h, computed by the CPU reference ops on the emulated device's host memory, in stream
-// order; fp32 only. This is the fast stand-in the runtime tests use (:cuda_ops_emu); the .cu
-// kernels themselves run on the kernel emulator in :cuda_ops_kernel_emu.
+// order; bf16 by widening (EmuOps.h). This is the fast stand-in the runtime tests use
+// (:cuda_ops_emu); the .cu kernels themselves run on the kernel emulator in :cuda_ops_kernel_emu.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
@@ -21,8 +21,9 @@
 namespace pipec::kernels::cuda {
 
 namespace ops = kernels::ops;
-using emu_ops::fp32Only;
+using emu_ops::Narrowed;
 using emu_ops::run;
+using emu_ops::Widened;
 
 namespace {
 
@@ -56,60 +57,71 @@ ops::AttentionShape cpuShape(const AttentionShape &s) {
 
 llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
                     size_t n) {
-  if (auto err = fp32Only("convert", dstType))
-    return err;
-  if (auto err = fp32Only("convert", srcType))
-    return err;
-  return run(ctx, [=] { std::memmove(dst, src, n * sizeof(float)); });
+  return run(ctx, [=] {
+    Widened from(src, n, srcType);
+    Narrowed to(dst, n, dstType);
+    std::memmove(to.data, from.data, n * sizeof(float));
+    to.done();
+  });
 }
 
 llvm::Error layernormForward(CudaContext &ctx, DType dtype, void *out, float *mean, float *rstd,
                              const void *in, const void *w, const void *b, int n, int c) {
-  PIPEC_EMU_FP32("layernormForward");
   return run(ctx, [=] {
-    ops::layernormForward(static_cast<float *>(out), mean, rstd, static_cast<const float *>(in),
-                          static_cast<const float *>(w), static_cast<const float *>(b), n, c);
+    const size_t nc = size_t(n) * size_t(c);
+    Widened x(in, nc, dtype), wt(w, size_t(c), dtype), bs(b, size_t(c), dtype);
+    Narrowed y(out, nc, dtype);
+    ops::layernormForward(y.data, mean, rstd, x.data, wt.data, bs.data, n, c);
+    y.done();
   });
 }
 llvm::Error layernormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
                                              const void *dOut, const void *in, const float *mean,
                                              const float *rstd, const void *w, int n, int c) {
-  PIPEC_EMU_FP32("layernormBackwardInputAccumulate");
   return run(ctx, [=] {
-    ops::layernormBackwardInputAccumulate(
-        static_cast<float *>(dIn), static_cast<const float *>(dOut), static_cast<const float *>(in),
-        mean, rstd, static_cast<const float *>(w), n, c);
+    const size_t nc = size_t(n) * size_t(c);
+    Widened dy(dOut, nc, dtype), x(in, nc, dtype), wt(w, size_t(c), dtype);
+    Narrowed dx(dIn, nc, dtype, /*accumulate=*/true);
+    ops::layernormBackwardInputAccumulate(dx.data, dy.data, x.data, mean, rstd, wt.data, n, c);
+    dx.done();
   });
 }
 llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dB,
                                     const void *dOut, const void *in, const float *mean,
                                     const float *rstd, int n, int c) {
-  PIPEC_EMU_FP32("layernormBackwardWeight");
   return run(ctx, [=] {
-    ops::layernormBackwardWeight(dW, dB, static_cast<const float *>(dOut),
-                                 static_cast<const float *>(in), mean, rstd, n, c);
+    const size_t nc = size_t(n) * size_t(c);
+    Widened dy(dOut, nc, dtype), x(in, nc, dtype);
+    ops::layernormBackwardWeight(dW, dB, dy.data, x.data, mean, rstd, n, c);
   });
 }
 
 llvm::Error geluForward(CudaContext &ctx, DType dtype, void *out, const void *in, size_t n) {
-  PIPEC_EMU_FP32("geluForward");
-  return run(
-      ctx, [=] { ops::geluForward(static_cast<float *>(out), static_cast<const float *>(in), n); });
+  return run(ctx, [=] {
+    Widened x(in, n, dtype);
+    Narrowed y(out, n, dtype);
+    ops::geluForward(y.data, x.data, n);
+    y.done();
+  });
 }
 llvm::Error geluBackward(CudaContext &ctx, DType dtype, void *dIn, const void *dOut, const void *in,
                          size_t n) {
-  PIPEC_EMU_FP32("geluBackward");
   return run(ctx, [=] {
-    ops::geluBackward(static_cast<float *>(dIn), static_cast<const float *>(dOut),
-                      static_cast<const float *>(in), n);
+    Widened dy(dOut, n, dtype), x(in, n, dtype);
+    Narrowed dx(dIn, n, dtype);
+    ops::geluBackward(dx.data, dy.data, x.data, n);
+    dx.done();
   });
 }
 
 llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s) {
-  PIPEC_EMU_FP32("attentionForward");
   return run(ctx, [=] {
-    const auto *qf = static_cast<const float *>(q), *kf = static_cast<const float *>(k);
+    const size_t qSize = size_t(s.batch) * s.queries * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    Widened qw(q, qSize, dtype), kw(k, kvSize, dtype), vw(v, kvSize, dtype);
+    Narrowed o(out, qSize, dtype);
+    const float *qf = qw.data, *kf = kw.data;
     const int w = s.width();
     const float scale = 1.0f / std::sqrt(float(s.headDim));
     // The log-sum-exp of every query row's scaled, causally masked scores ...
@@ -134,15 +146,14 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
         }
     // ... and the output from the CPU op.
     std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-    ops::attentionForward(static_cast<float *>(out), probs.data(), qf, kf,
-                          static_cast<const float *>(v), cpuShape(s));
+    ops::attentionForward(o.data, probs.data(), qf, kf, vw.data, cpuShape(s));
+    o.done();
   });
 }
 
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
                               const void *dOut, const void *, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s) {
-  PIPEC_EMU_FP32("attentionBackward");
   // The real op takes scratch from the context's allocator: so does this one, so that the
   // executor's arena sees the same requests (given back once the work is queued, as there).
   DeviceAllocator &from = ctx.allocator();
@@ -150,12 +161,18 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk,
   if (!scratch)
     return scratch.takeError();
   auto err = run(ctx, [=] {
-    std::vector<float> probs =
-        attentionProbs(static_cast<const float *>(q), static_cast<const float *>(k), lse, s);
-    ops::attentionBackward(static_cast<float *>(dq), static_cast<float *>(dk),
-                           static_cast<float *>(dv), static_cast<const float *>(dOut), probs.data(),
-                           static_cast<const float *>(q), static_cast<const float *>(k),
-                           static_cast<const float *>(v), cpuShape(s));
+    const size_t qSize = size_t(s.batch) * s.queries * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    Widened qw(q, qSize, dtype), kw(k, kvSize, dtype), vw(v, kvSize, dtype),
+        dyw(dOut, qSize, dtype);
+    Narrowed dqn(dq, qSize, dtype), dkn(dk, kvSize, dtype, /*accumulate=*/true),
+        dvn(dv, kvSize, dtype, /*accumulate=*/true);
+    std::vector<float> probs = attentionProbs(qw.data, kw.data, lse, s);
+    ops::attentionBackward(dqn.data, dkn.data, dvn.data, dyw.data, probs.data(), qw.data, kw.data,
+                           vw.data, cpuShape(s));
+    dqn.done();
+    dkn.done();
+    dvn.done();
   });
   from.release(*scratch);
   return err;
@@ -164,9 +181,9 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk,
 llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, float *lse,
                                 const void *logits, const int32_t *targets, int n, int v,
                                 float scale) {
-  PIPEC_EMU_FP32("crossEntropyForward");
   return run(ctx, [=] {
-    const auto *l = static_cast<const float *>(logits);
+    Widened lw(logits, size_t(n) * size_t(v), dtype);
+    const float *l = lw.data;
     for (int r = 0; r < n; ++r) {
       const float *row = l + size_t(r) * v;
       float top = *std::max_element(row, row + v);
@@ -182,16 +199,19 @@ llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, f
 llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
                                  const float *lse, const int32_t *targets, int n, int v,
                                  float scale) {
-  PIPEC_EMU_FP32("crossEntropyBackward");
   return run(ctx, [=] {
-    const auto *l = static_cast<const float *>(logits);
-    auto *d = static_cast<float *>(dLogits);
+    const size_t nv = size_t(n) * size_t(v);
+    Widened lw(logits, nv, dtype); // a copy in bf16, so dLogits may alias logits
+    Narrowed dn(dLogits, nv, dtype);
+    const float *l = lw.data;
+    float *d = dn.data;
     for (int r = 0; r < n; ++r)
       for (int j = 0; j < v; ++j) {
         const size_t at = size_t(r) * v + size_t(j);
         float p = std::exp(l[at] - lse[r]);
         d[at] = (p - (j == targets[r] ? 1.0f : 0.0f)) * scale;
       }
+    dn.done();
   });
 }
 

@@ -106,51 +106,8 @@ DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
 // widening the bf16 operands, computing in fp32 and rounding the output to bf16 — the precision
 // model of cuBLASLt's bf16 GEMMs with fp32 accumulation, not its summation order.
 
-namespace {
-
-/// `n` elements of `dtype` at `p` as fp32: the memory itself, or a widened copy.
-struct Widened {
-  std::vector<float> copy;
-  const float *data = nullptr;
-  Widened(const void *p, size_t n, DType dtype) {
-    if (dtype == DType::F32 || !p) {
-      data = static_cast<const float *>(p);
-      return;
-    }
-    copy.resize(n);
-    const auto *bits = static_cast<const uint16_t *>(p);
-    for (size_t k = 0; k < n; ++k) {
-      const uint32_t wide = uint32_t(bits[k]) << 16;
-      std::memcpy(&copy[k], &wide, 4);
-    }
-    data = copy.data();
-  }
-};
-
-/// Where an op writes `n` elements of `dtype` at `p`: the memory itself (fp32), or an fp32
-/// scratch that done() rounds into it (to nearest even).
-struct Narrowed {
-  void *dst;
-  DType dtype;
-  std::vector<float> scratch;
-  float *data;
-  Narrowed(void *p, size_t n, DType dtype)
-      : dst(p), dtype(dtype), scratch(dtype == DType::F32 ? 0 : n),
-        data(dtype == DType::F32 ? static_cast<float *>(p) : scratch.data()) {}
-  void done() {
-    if (dtype == DType::F32)
-      return;
-    auto *bits = static_cast<uint16_t *>(dst);
-    for (size_t k = 0; k < scratch.size(); ++k) {
-      uint32_t wide;
-      std::memcpy(&wide, &scratch[k], 4);
-      bits[k] = std::isnan(scratch[k]) ? uint16_t(0x7fc0)
-                                       : uint16_t((wide + 0x7fff + ((wide >> 16) & 1)) >> 16);
-    }
-  }
-};
-
-} // namespace
+using emu_ops::Narrowed;
+using emu_ops::Widened;
 
 llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                           const void *bias, int n, int i, int o) {
