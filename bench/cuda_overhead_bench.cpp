@@ -50,10 +50,10 @@ public:
 
   llvm::Error beginStep(int) override { return cudaCheck(cudaSetDevice(0)); }
   llvm::Error compute(const Instruction &) override { return llvm::Error::success(); }
-  std::span<float> sendData(const Instruction &) override { return {buffers, floats}; }
-  std::span<float> recvData(const Instruction &) override { return {buffers + floats, floats}; }
-  std::span<float> reduceData(const Instruction &) override {
-    return {buffers + 2 * floats, floats};
+  TensorView sendData(const Instruction &) override { return std::span(buffers, floats); }
+  TensorView recvData(const Instruction &) override { return std::span(buffers + floats, floats); }
+  TensorView reduceData(const Instruction &) override {
+    return std::span(buffers + 2 * floats, floats);
   }
   llvm::Error afterAllReduce(const Instruction &) override { return llvm::Error::success(); }
   void sumLocalEmbeddingCopies() override {}

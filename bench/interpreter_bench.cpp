@@ -24,9 +24,9 @@ class NullBackend final : public Backend {
 public:
   llvm::Error beginStep(int) override { return llvm::Error::success(); }
   llvm::Error compute(const Instruction &) override { return llvm::Error::success(); }
-  std::span<float> sendData(const Instruction &) override { return buf; }
-  std::span<float> recvData(const Instruction &) override { return buf; }
-  std::span<float> reduceData(const Instruction &) override { return {}; }
+  TensorView sendData(const Instruction &) override { return std::span<float>(buf); }
+  TensorView recvData(const Instruction &) override { return std::span<float>(buf); }
+  TensorView reduceData(const Instruction &) override { return {}; }
   llvm::Error afterAllReduce(const Instruction &) override { return llvm::Error::success(); }
   void sumLocalEmbeddingCopies() override {}
   llvm::Error optimizerStep() override { return llvm::Error::success(); }

@@ -8,10 +8,9 @@
 #define PIPEC_RUNTIME_BACKEND_H
 
 #include "ir/Instruction.h"
+#include "runtime/Tensor.h"
 
 #include "llvm/Support/Error.h"
-
-#include <span>
 
 namespace pipec {
 
@@ -23,11 +22,11 @@ public:
   /// Run a compute op (one part of it when split).
   virtual llvm::Error compute(const Instruction &i) = 0;
   /// The tensor a send carries (read until the send completes).
-  virtual std::span<float> sendData(const Instruction &i) = 0;
+  virtual TensorView sendData(const Instruction &i) = 0;
   /// Where a recv writes (valid until its consumer has run).
-  virtual std::span<float> recvData(const Instruction &i) = 0;
+  virtual TensorView recvData(const Instruction &i) = 0;
   /// The buffer an all-reduce sums in place.
-  virtual std::span<float> reduceData(const Instruction &i) = 0;
+  virtual TensorView reduceData(const Instruction &i) = 0;
   /// After an all-reduce of this rank has completed (the reduced data is in place).
   virtual llvm::Error afterAllReduce(const Instruction &i) = 0;
   /// Tied embeddings whose two copies live on this one rank: sum them locally.

@@ -14,9 +14,11 @@
 // (llvm::Error for backwardWeight). `Derived` supplies:
 //   static constexpr const char *kName;                         // "cpu backend"
 //   llvm::Error addLoss(Stage &, int mb, int slice);            // after a last stage's forward
-//   llvm::Error allocate(Buffer &, size_t floats);              // a recv's buffer
-//   llvm::Error keepCopy(Buffer &, std::span<const float> src); // a kept input gradient
-//   static std::span<float> spanOf(Buffer &);
+//   llvm::Error allocate(Buffer &, size_t elements);            // a recv's buffer
+//   llvm::Error keepCopy(Buffer &, TensorView src);             // a kept input gradient
+//   static TensorView viewOf(Buffer &);
+// Tensors are TensorViews (runtime/Tensor.h): the cpu stage's float spans convert to and from
+// them; the cuda stage's are in its compute type.
 // and the Backend calls that differ (beginStep, sumLocalEmbeddingCopies, optimizerStep).
 // `Base` is Backend or an interface derived from it (the cuda backend's CudaRankBackend).
 // Calls that cannot return an error (sendData, recvData) keep it: takeDeferred() returns it, and
@@ -30,6 +32,7 @@
 #include "ir/Plan.h"
 #include "runtime/Backend.h"
 #include "runtime/Interpreter.h"
+#include "runtime/Tensor.h"
 
 #include <cassert>
 #include <map>
@@ -45,6 +48,13 @@ namespace stage_dispatch {
 /// A stage call's result as llvm::Expected, whether the stage returns it plainly or not.
 template <class T> llvm::Expected<T> lift(T value) { return value; }
 template <class T> llvm::Expected<T> lift(llvm::Expected<T> value) { return value; }
+/// The same, as a TensorView.
+template <class T> llvm::Expected<TensorView> liftView(T value) {
+  auto r = lift(std::move(value));
+  if (!r)
+    return r.takeError();
+  return TensorView(*r);
+}
 } // namespace stage_dispatch
 
 template <class Derived, class Stage, class Buffer, class Base = Backend>
@@ -62,7 +72,7 @@ public:
     const bool last = i.isLastPart();
     switch (i.op) {
     case OpKind::Forward: {
-      std::span<const float> in;
+      TensorView in;
       if (i.stage > 0 && first == 0) {
         auto got = inputOf(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
         if (!got)
@@ -84,7 +94,7 @@ public:
     }
     case OpKind::BackwardInput:
     case OpKind::Backward: {
-      std::span<const float> grad;
+      TensorView grad;
       if (i.stage < plan.numStages() - 1 && first == 0) {
         auto got = inputOf(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
         if (!got)
@@ -119,25 +129,25 @@ public:
     return inputError("{}: {} is not a compute op", Derived::kName, toString(i.op).str());
   }
 
-  std::span<float> sendData(const Instruction &i) final {
+  TensorView sendData(const Instruction &i) final {
     // The tensor itself; the transport only reads it.
     auto src = sendSource(i);
     if (!src) {
       defer(src.takeError());
       return {};
     }
-    return {const_cast<float *>(src->data()), src->size()};
+    return *src;
   }
 
-  std::span<float> recvData(const Instruction &i) final {
+  TensorView recvData(const Instruction &i) final {
     Buffer &buffer = received[key(i.tensor, i.stage, i.mb, i.slice)];
     auto [b, e] = plan.seqSlices[size_t(i.slice)];
-    if (auto err = self().allocate(buffer, floatsPerToken * size_t(e - b)))
+    if (auto err = self().allocate(buffer, elementsPerToken * size_t(e - b)))
       defer(std::move(err));
-    return Derived::spanOf(buffer);
+    return Derived::viewOf(buffer);
   }
 
-  std::span<float> reduceData(const Instruction &i) final {
+  TensorView reduceData(const Instruction &i) final {
     switch (i.collective) {
     case CollectiveGroup::Tp:
       return pendingReduce;
@@ -146,7 +156,7 @@ public:
     case CollectiveGroup::Embedding: {
       Stage &st = *stages.at(i.stage);
       auto [b, e] = st.tiedEmbeddingRange();
-      return st.grads().subspan(b, e - b);
+      return TensorView(st.grads()).sub(b, e - b);
     }
     }
     return {};
@@ -161,9 +171,9 @@ public:
   }
 
 protected:
-  /// `floatsPerToken` = microbatch x channels (a p2p tensor has that many floats per token).
-  StageDispatch(const Plan &plan, const Coord &c, size_t floatsPerToken)
-      : plan(plan), c(c), floatsPerToken(floatsPerToken) {
+  /// `elementsPerToken` = microbatch x channels (a p2p tensor has that many elements per token).
+  StageDispatch(const Plan &plan, const Coord &c, size_t elementsPerToken)
+      : plan(plan), c(c), elementsPerToken(elementsPerToken) {
     // Gradient sends placed after their op's weight gradient: that gradient must outlive the
     // slice's state.
     std::set<uint64_t> weightDone;
@@ -217,30 +227,30 @@ private:
   }
 
   /// The tensor a send carries: kept, or its stage's output / input gradient.
-  llvm::Expected<std::span<const float>> sendSource(const Instruction &i) {
+  llvm::Expected<TensorView> sendSource(const Instruction &i) {
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
-      return std::span<const float>(Derived::spanOf(it->second));
+      return Derived::viewOf(it->second);
     Stage &st = *stages.at(i.stage);
     if (i.tensor == TensorKind::Activation)
-      return stage_dispatch::lift(st.output(i.mb, i.slice));
-    return stage_dispatch::lift(st.inputGrad(i.mb, i.slice));
+      return stage_dispatch::liftView(st.output(i.mb, i.slice));
+    return stage_dispatch::liftView(st.inputGrad(i.mb, i.slice));
   }
 
   /// The input a compute op needs from stage `producer`: kept, its stage object when it is on
   /// this rank, else what was received.
-  llvm::Expected<std::span<const float>> inputOf(TensorKind t, int producer, int mb, int slice) {
+  llvm::Expected<TensorView> inputOf(TensorKind t, int producer, int mb, int slice) {
     const uint64_t k = key(t, producer, mb, slice);
     if (auto it = kept.find(k); it != kept.end())
-      return std::span<const float>(Derived::spanOf(it->second));
+      return Derived::viewOf(it->second);
     if (plan.rankOf(producer) == c.pp) {
       Stage &p = *stages.at(producer);
       if (t == TensorKind::Activation)
-        return stage_dispatch::lift(p.output(mb, slice));
-      return stage_dispatch::lift(p.inputGrad(mb, slice));
+        return stage_dispatch::liftView(p.output(mb, slice));
+      return stage_dispatch::liftView(p.inputGrad(mb, slice));
     }
     auto it = received.find(k);
     assert(it != received.end() && "the verifier guarantees a recv before its consumer");
-    return std::span<const float>(Derived::spanOf(it->second));
+    return Derived::viewOf(it->second);
   }
 
   /// The weight half of a fused backward; it frees the slice's state, so the input gradient is
@@ -261,16 +271,16 @@ private:
     const uint64_t k = key(TensorKind::Gradient, stage, mb, slice);
     if (!anyConsumer && !sameRank && !sentLate.count(k))
       return llvm::Error::success();
-    auto g = stage_dispatch::lift(stages.at(stage)->inputGrad(mb, slice));
+    auto g = stage_dispatch::liftView(stages.at(stage)->inputGrad(mb, slice));
     if (!g)
       return g.takeError();
     return self().keepCopy(kept[k], *g);
   }
 
-  size_t floatsPerToken;
+  size_t elementsPerToken;
   std::map<uint64_t, Buffer> received, kept;
   std::set<uint64_t> sentLate;
-  std::span<float> pendingReduce;
+  TensorView pendingReduce;
   llvm::Error deferred = llvm::Error::success();
 };
 

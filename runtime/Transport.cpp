@@ -3,6 +3,7 @@
 #include "ir/Error.h"
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 namespace pipec {
@@ -10,6 +11,18 @@ namespace pipec {
 std::string describe(const TensorId &t) {
   return fmt::format("{}({},{},{})", toString(t.kind).str(), t.stage, t.mb, t.slice);
 }
+
+namespace {
+/// "256 floats" (fp32) or "256 bf16 values".
+std::string describeSize(const TensorView &t) {
+  if (t.type == DType::F32)
+    return fmt::format("{} floats", t.count);
+  return fmt::format("{} {} values", t.count, kernels::toString(t.type));
+}
+bool sameShape(const TensorView &a, const TensorView &b) {
+  return a.count == b.count && a.type == b.type;
+}
+} // namespace
 
 InProcessTransport::InProcessTransport(int numThreads,
                                        std::function<std::string(int, size_t)> where,
@@ -21,12 +34,13 @@ void InProcessTransport::matchLocked(Channel &c) {
   while (c.sendHead < c.sends.size() && c.recvHead < c.recvs.size()) {
     Posted *s = c.sends[c.sendHead++];
     Posted *r = c.recvs[c.recvHead++];
-    if (!(s->op.id == r->op.id) || s->op.data.size() != r->op.data.size()) {
-      failure = fmt::format("message mismatch: {} expects {} ({} floats) but the matching send, "
-                            "{}, carries {} ({} floats); sends and recvs of a rank pair match in "
-                            "order, so these tensors would have been swapped",
-                            where(r->op.rank, r->op.step), describe(r->op.id), r->op.data.size(),
-                            where(s->op.rank, s->op.step), describe(s->op.id), s->op.data.size());
+    if (!(s->op.id == r->op.id) || !sameShape(s->op.data, r->op.data)) {
+      failure =
+          fmt::format("message mismatch: {} expects {} ({}) but the matching send, {}, "
+                      "carries {} ({}); sends and recvs of a rank pair match in order, so "
+                      "these tensors would have been swapped",
+                      where(r->op.rank, r->op.step), describe(r->op.id), describeSize(r->op.data),
+                      where(s->op.rank, s->op.step), describe(s->op.id), describeSize(s->op.data));
       failed = true;
       cv.notify_all();
       return;
@@ -39,7 +53,8 @@ void InProcessTransport::matchLocked(Channel &c) {
         return;
       }
     } else {
-      std::copy(s->op.data.begin(), s->op.data.end(), r->op.data.begin());
+      if (!s->op.data.empty())
+        std::memcpy(r->op.data.data, s->op.data.data, s->op.data.bytes());
     }
     s->done.store(true, std::memory_order_release);
     r->done.store(true, std::memory_order_release);
@@ -106,8 +121,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
 }
 
 llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::string &key,
-                                          llvm::ArrayRef<int> members, int self,
-                                          std::span<float> data) {
+                                          llvm::ArrayRef<int> members, int self, TensorView data) {
   auto it = std::find(members.begin(), members.end(), self);
   assert(it != members.end() && "all-reduce by a non-member");
   size_t index = size_t(it - members.begin());
@@ -119,9 +133,12 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
   rv.buffers[index] = data;
   if (++rv.arrived == members.size()) {
     for (const auto &b : rv.buffers)
-      if (b.size() != data.size()) {
-        failure =
-            fmt::format("all-reduce {}: members pass {} and {} floats", key, b.size(), data.size());
+      if (!sameShape(b, data) || (!mover && data.type != DType::F32)) {
+        failure = sameShape(b, data)
+                      ? fmt::format("all-reduce {}: the host transport sums fp32 only (got {})",
+                                    key, describeSize(data))
+                      : fmt::format("all-reduce {}: members pass {} and {}", key, describeSize(b),
+                                    describeSize(data));
         failed = true;
         cv.notify_all();
         return llvm::make_error<Finding>(failure);
@@ -135,12 +152,12 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
       }
     } else {
       // Sum in member order into a scratch, then hand the same bits to everyone.
-      std::vector<float> sum(data.size(), 0.0f);
+      std::vector<float> sum(data.count, 0.0f);
       for (const auto &b : rv.buffers)
         for (size_t i = 0; i < sum.size(); ++i)
-          sum[i] += b[i];
+          sum[i] += b.floats()[i];
       for (auto &b : rv.buffers)
-        std::copy(sum.begin(), sum.end(), b.begin());
+        std::copy(sum.begin(), sum.end(), b.floats().begin());
     }
     rv.arrived = 0;
     ++rv.generation;

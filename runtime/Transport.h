@@ -20,6 +20,7 @@
 #define PIPEC_RUNTIME_TRANSPORT_H
 
 #include "ir/Instruction.h"
+#include "runtime/Tensor.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/Support/Error.h"
@@ -49,8 +50,8 @@ struct P2POp {
   bool send = false;
   int peer = 0; // thread id
   TensorId id;
-  std::span<float> data; // read for a send, written for a recv
-  int rank = 0;          // pipeline rank and step of the instruction, for diagnostics
+  TensorView data; // read for a send, written for a recv
+  int rank = 0;    // pipeline rank and step of the instruction, for diagnostics
   size_t step = 0;
   bool drop = false; // fault injection: a send that is never delivered
 };
@@ -64,7 +65,7 @@ public:
   /// Sum `data` over `members` (thread ids = global ranks, in this order) of a `group` all-reduce.
   /// `key` names the group instance; every member passes the same key and members.
   virtual llvm::Error allReduce(CollectiveGroup group, const std::string &key,
-                                llvm::ArrayRef<int> members, int self, std::span<float> data) = 0;
+                                llvm::ArrayRef<int> members, int self, TensorView data) = 0;
   /// Fail every current and future wait with `why`.
   virtual void abort(const std::string &why) = 0;
   virtual bool aborted() const = 0;
@@ -82,7 +83,7 @@ public:
   /// Every member of a `group` all-reduce has arrived (`last` is the thread that came last):
   /// sum `buffers` (members' order) and give every member the same bits.
   virtual llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
-                          llvm::ArrayRef<std::span<float>> buffers) = 0;
+                          llvm::ArrayRef<TensorView> buffers) = 0;
 };
 
 class InProcessTransport final : public Transport {
@@ -96,7 +97,7 @@ public:
   llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
   /// A rendezvous sum in member order (every member gets the same bits); `group` is the mover's.
   llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
-                        int self, std::span<float> data) override;
+                        int self, TensorView data) override;
   void abort(const std::string &why) override;
   bool aborted() const override;
 
@@ -114,7 +115,7 @@ private:
   struct Rendezvous {
     uint64_t generation = 0;
     size_t arrived = 0;
-    std::vector<std::span<float>> buffers;
+    std::vector<TensorView> buffers;
   };
 
   void matchLocked(Channel &c);

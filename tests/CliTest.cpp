@@ -316,6 +316,20 @@ TEST(PiperunTest, GpuBackendsSayTheyAreNotAvailableInOneLine) {
   }
 }
 
+TEST(PiperunTest, TheCpuBackendRefusesBf16InOneLine) {
+  std::string plan = tinyPlan("dtype", "--schedule 1f1b --pp 2 --microbatches 2");
+  Result r = piperun(plan + " --backend cpu --dtype bf16");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find("--dtype bf16: the cpu backend computes in fp32 only"), std::string::npos)
+      << r.err;
+  Result bad = piperun(plan + " --backend cpu --dtype int8");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("--dtype: expected fp32 or bf16 (got 'int8')"), std::string::npos)
+      << bad.err;
+  EXPECT_EQ(piperun(plan + " --backend cpu --dtype fp32").code, 0);
+}
+
 TEST(PiperunTest, AnAbstractModelOrAMissingDataFileIsExitTwo) {
   std::string abstract = tmpDir() + "/abstract.json";
   ASSERT_EQ(pipec(compileArgs("-o " + abstract)).code, 0);

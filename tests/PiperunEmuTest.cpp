@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 
 namespace {
@@ -37,6 +38,45 @@ TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck
                            "reference loss (last step) ", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_EQ(r.out.find("step 3 loss"), std::string::npos) << "the warm-up step is not printed";
+}
+
+TEST(PiperunEmuTest, Bf16ComputePassesTheReferenceCheckWithinItsTolerance) {
+  std::string p = plan("bf16", "--schedule 1f1b --pp 4 --microbatches 8");
+  Result r =
+      run("tools/piperun_emu " + p + " --backend cuda --dtype bf16 --steps 3 --check-reference");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("max_abs_grad_diff="), std::string::npos) << r.out;
+}
+
+TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
+  // A model that says bf16 runs in bf16 without --dtype: an impossibly tight check (the fp32
+  // tolerance, forced by --dtype fp32 passing) fails it only when it really ran in bf16.
+  std::string model = tmpDir() + "/tiny-bf16.json";
+  std::string spec = pipec::testing::slurp("examples/tiny-gpt.json");
+  size_t at = spec.find("\"fp32\"");
+  ASSERT_NE(at, std::string::npos) << spec;
+  std::ofstream(model) << spec.replace(at, 6, "\"bf16\"");
+  std::string path = tmpDir() + "/bf16-model.json";
+  ASSERT_EQ(run("tools/pipec compile --model " + model +
+                " --schedule 1f1b --pp 2 --microbatches 4 -o " + path + " --quiet")
+                .code,
+            0);
+  Result fp32 = run("tools/piperun_emu " + path + " --backend cuda --dtype fp32 --check-reference");
+  EXPECT_EQ(fp32.code, 0) << fp32.out << fp32.err;
+  Result byModel = run("tools/piperun_emu " + path + " --backend cuda --check-reference");
+  EXPECT_EQ(byModel.code, 0) << byModel.out << byModel.err;
+  auto diff = [](const std::string &out) {
+    size_t at = out.find("max_abs_grad_diff=");
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 18));
+  };
+  EXPECT_GT(diff(byModel.out), 100 * diff(fp32.out)) << fp32.out << byModel.out;
+}
+
+TEST(PiperunEmuTest, AnUnsupportedDtypeIsAUsageError) {
+  std::string p = plan("dtype", "--schedule 1f1b --pp 2 --microbatches 4");
+  Result r = run("tools/piperun_emu " + p + " --backend cuda --dtype fp16");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--dtype: expected fp32 or bf16 (got 'fp16')"), std::string::npos) << r.err;
 }
 
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {

@@ -159,22 +159,22 @@ class RecordingMover final : public InProcessMover {
 public:
   llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
                       size_t rIndex) override {
-    std::copy(s.data.begin(), s.data.end(), r.data.begin());
+    std::copy(s.data.floats().begin(), s.data.floats().end(), r.data.floats().begin());
     deliveries.push_back({sOwner, rOwner, sIndex, rIndex, describe(s.id)});
     return llvm::Error::success();
   }
   llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
-                  llvm::ArrayRef<std::span<float>> buffers) override {
+                  llvm::ArrayRef<TensorView> buffers) override {
     EXPECT_EQ(group, CollectiveGroup::Dp);
     EXPECT_EQ(members.size(), buffers.size());
     lastArrived = last;
     // Reversed order on purpose: the transport must leave the arithmetic to the mover.
-    for (size_t i = 0; i < buffers[0].size(); ++i) {
+    for (size_t i = 0; i < buffers[0].count; ++i) {
       float total = 0;
       for (size_t b = buffers.size(); b-- > 0;)
-        total += buffers[b][i];
+        total += buffers[b].floats()[i];
       for (auto &buffer : buffers)
-        buffer[i] = total;
+        buffer.floats()[i] = total;
     }
     return llvm::Error::success();
   }
@@ -187,8 +187,7 @@ public:
   llvm::Error deliver(const P2POp &, int, size_t, const P2POp &, int, size_t) override {
     return llvm::createStringError(llvm::inconvertibleErrorCode(), "cudaMemcpyAsync failed");
   }
-  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int,
-                  llvm::ArrayRef<std::span<float>>) override {
+  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int, llvm::ArrayRef<TensorView>) override {
     return llvm::Error::success();
   }
 };
@@ -244,7 +243,8 @@ TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
     threads.emplace_back([&, k] {
       // Arrive in the order 2, 0, 1.
       std::this_thread::sleep_for(std::chrono::milliseconds(k == 2 ? 0 : k == 0 ? 30 : 60));
-      EXPECT_FALSE(bool(t.allReduce(CollectiveGroup::Dp, "dp/0", members, k, data[size_t(k)])));
+      EXPECT_FALSE(bool(
+          t.allReduce(CollectiveGroup::Dp, "dp/0", members, k, std::span<float>(data[size_t(k)]))));
     });
   for (auto &th : threads)
     th.join();

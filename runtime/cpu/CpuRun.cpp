@@ -55,11 +55,12 @@ public:
     buffer.assign(floats, 0.0f);
     return llvm::Error::success();
   }
-  llvm::Error keepCopy(std::vector<float> &buffer, std::span<const float> src) {
-    buffer.assign(src.begin(), src.end());
+  llvm::Error keepCopy(std::vector<float> &buffer, TensorView src) {
+    std::span<const float> from = src; // the cpu stage's tensors are fp32
+    buffer.assign(from.begin(), from.end());
     return llvm::Error::success();
   }
-  static std::span<float> spanOf(std::vector<float> &buffer) { return buffer; }
+  static TensorView viewOf(std::vector<float> &buffer) { return std::span<float>(buffer); }
 
   void sumLocalEmbeddingCopies() override {
     StageCompute &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);

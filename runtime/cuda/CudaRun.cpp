@@ -47,7 +47,7 @@ using kernels::StageCompute;
 /// hand out the device tensor itself, recvs a buffer of the rank's arena that the transport
 /// fills, all-reduces sum in place. The dispatch is the cpu backend's (StageDispatch).
 class CudaBackend final
-    : public StageDispatch<CudaBackend, GpuStage, StreamBuffer<float>, CudaRankBackend> {
+    : public StageDispatch<CudaBackend, GpuStage, DeviceTensor, CudaRankBackend> {
 public:
   static constexpr const char *kName = "cuda backend";
 
@@ -80,7 +80,7 @@ public:
       if (s.rank != c.pp)
         continue;
       auto st = GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, pc.tp, options.seed,
-                                 slicesOf(plan), lossScaleOf(plan, cfg));
+                                 slicesOf(plan), lossScaleOf(plan, cfg), options.dtype);
       if (!st)
         return st.takeError();
       stages[s.stage] = std::move(*st);
@@ -144,15 +144,14 @@ public:
 
   // StageDispatch's hooks.
   llvm::Error addLoss(GpuStage &st, int mb, int slice) { return st.accumulateLoss(mb, slice); }
-  llvm::Error allocate(StreamBuffer<float> &buffer, size_t floats) {
-    // (The transport checks a kept error before it posts anything.)
-    return buffer.allocate(mem(), floats);
+  llvm::Error allocate(DeviceTensor &buffer, size_t elements) {
+    // (The transport checks a kept error before it posts anything.) A received tensor is in
+    // the compute type, as every p2p tensor.
+    return buffer.allocate(mem(), elements, options.dtype);
   }
   /// A copy on the compute stream, into the arena.
-  llvm::Error keepCopy(StreamBuffer<float> &buffer, std::span<const float> src) {
-    return buffer.copyFrom(mem(), src);
-  }
-  static std::span<float> spanOf(StreamBuffer<float> &buffer) { return buffer.span(); }
+  llvm::Error keepCopy(DeviceTensor &buffer, TensorView src) { return buffer.copyFrom(mem(), src); }
+  static TensorView viewOf(DeviceTensor &buffer) { return buffer.view(); }
   Mem mem() { return Mem{&ctx->allocator(), computeStream}; }
 
   void sumLocalEmbeddingCopies() override {

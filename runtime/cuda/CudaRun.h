@@ -45,6 +45,8 @@ struct CudaRunOptions {
   bool checkReference = false;
   double timeoutSeconds = 60;
   int device = 0;
+  /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
+  kernels::DType dtype = kernels::DType::F32;
 };
 
 struct CudaRunResult {
@@ -63,6 +65,14 @@ struct CudaRunResult {
 /// gradient: fp32 throughout, but cuBLAS, the attention kernels and the atomic embedding
 /// scatter sum in another order than the CPU loops.
 inline constexpr double kCudaGradTolerance = 1e-4;
+/// The same for bf16 compute against the fp32 reference: every activation, input gradient and
+/// parameter read is rounded to 8 significant bits (a relative error of up to 2^-9 each), and
+/// the errors add up through the layers and the softmaxes.
+inline constexpr double kCudaBf16GradTolerance = 5e-2;
+/// The tolerance for `dtype`.
+inline double cudaGradTolerance(kernels::DType dtype) {
+  return dtype == kernels::DType::BF16 ? kCudaBf16GradTolerance : kCudaGradTolerance;
+}
 
 /// GPUs visible to this process; an error (naming the CUDA call) when none can be used.
 llvm::Expected<int> cudaDevices();

@@ -26,6 +26,7 @@ namespace launch = runtime::cuda::launch;
 using kernels::GptConfig;
 using kernels::GptLayerKind;
 constexpr cu::DType kF32 = cu::DType::F32;
+constexpr cu::DType kBF16 = cu::DType::BF16;
 
 /// Propagates an llvm::Error out of the enclosing function.
 #define PIPEC_GPU_TRY(expr)                                                                        \
@@ -34,7 +35,8 @@ constexpr cu::DType kF32 = cu::DType::F32;
       return pipecGpuErr;                                                                          \
   } while (false)
 
-using Floats = StreamBuffer<float>;
+using Floats = StreamBuffer<float>; // statistics, log-sum-exps and losses: fp32 in both modes
+using Act = DeviceTensor;           // activations and their gradients: the compute type
 
 /// Memory allocated once: device memory (parameters, gradients, moments, tokens, the loss
 /// accumulator) or, with `Pinned`, page-locked host memory (the tokens on their way up).
@@ -98,21 +100,22 @@ std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
 }
 
 struct BlockWork {
-  Floats xIn, ln1Mean, ln1Rstd, q, lse, attOut, attnPartial, xMid, ln2Mean, ln2Rstd, fcPre,
-      mlpPartial;
-  Floats dOut, dFcPre, dLn2, dXmid, dQkv, dLn1;
+  Act xIn, q, attOut, attnPartial, xMid, fcPre, mlpPartial;
+  Floats ln1Mean, ln1Rstd, lse, ln2Mean, ln2Rstd;
+  Act dOut, dFcPre, dLn2, dXmid, dQkv, dLn1;
 };
 
 struct HeadWork {
-  Floats lnfIn, lnfMean, lnfRstd, lnfOut, logits, lse, rowLoss; // logits become dLogits
-  Floats dLnfOut;
+  Act lnfIn, lnfOut, logits; // logits become dLogits
+  Floats lnfMean, lnfRstd, lse, rowLoss;
+  Act dLnfOut;
 };
 
 struct SliceWork {
   int nextForwardPart = 0, nextBackwardPart = 0;
   int pendingForward = -1, pendingBackward = -1;
   int n = 0; // tokens of the slice (B * x)
-  Floats resid, dResid, dEmb;
+  Act resid, dResid, dEmb;
   std::vector<BlockWork> blocks;
   HeadWork head;
 };
@@ -120,7 +123,7 @@ struct SliceWork {
 /// K/V of the whole sequence, allocated at slice 0 (position-major (T, B, Cl)); the CPU grows
 /// them slice by slice, the attention ops read only the first a + x rows.
 struct SequenceBlock {
-  Floats k, v, dk, dv;
+  Act k, v, dk, dv;
 };
 
 struct SequenceWork {
@@ -143,11 +146,15 @@ struct GpuStage::Impl {
   int layerBegin = 0, layerEnd = 0, tpRank = 0, tp = 1;
   std::vector<std::pair<int, int>> slices;
   float lossScale = 1;
+  cu::DType dt = kF32; // the compute type (activations, the parameters the kernels read)
   int localHeads = 0, headDim = 0, localC = 0, localF = 0;
   std::vector<PartRef> forwardParts, backwardParts;
   std::vector<size_t> layerOffset;
   std::vector<std::vector<size_t>> tensorOffset;
   Owned<float> params, grads, adamM, adamV;
+  // bf16: the parameters the kernels read, rounded from the fp32 master copy `params` after
+  // every optimizer step (same layout). fp32 reads `params` itself.
+  Owned<uint16_t> paramsLow;
   Owned<double> lossAcc;
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
@@ -160,6 +167,8 @@ struct GpuStage::Impl {
 
   explicit Impl(cu::CudaContext &ctx) : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
   Mem mem() { return Mem{&ctx.allocator(), stream}; }
+  /// An activation buffer of `n` elements of the compute type.
+  llvm::Error alloc(Act &a, size_t n, bool zero = false) { return a.allocate(mem(), n, dt, zero); }
 
   GptLayerKind kind(int layer) const { return kernels::layerKind(cfg, layer); }
   int firstBlock() const { return layerBegin == 0 ? 1 : layerBegin; }
@@ -172,9 +181,19 @@ struct GpuStage::Impl {
   bool hasEmbedding() const { return layerBegin == 0; }
   bool hasHead() const { return layerEnd == cfg.numLayers(); }
   bool tiedHere() const { return cfg.tiedEmbeddings && hasEmbedding() && hasHead(); }
-  float *param(int layer, int tensor) {
+  /// A parameter tensor as the kernels read it (compute type).
+  const void *param(int layer, int tensor) const {
     int l = layer - layerBegin;
-    return params.data() + layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
+    const size_t at = layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
+    if (dt == kBF16)
+      return paramsLow.data() + at;
+    return params.data() + at;
+  }
+  /// The compute copy of the parameters from the master copy (bf16 only).
+  llvm::Error refreshComputeParams() {
+    if (dt != kBF16)
+      return llvm::Error::success();
+    return cu::convert(ctx, kBF16, paramsLow.data(), kF32, params.data(), params.size());
   }
   float *grad(int layer, int tensor) {
     int l = layer - layerBegin;
@@ -198,11 +217,9 @@ struct GpuStage::Impl {
     return it->second;
   }
 
-  llvm::Error forward(int mb, int slice, int part, std::span<const float> input,
-                      std::span<float> &result);
+  llvm::Error forward(int mb, int slice, int part, TensorView input, TensorView &result);
   llvm::Error finishForward(SliceWork &w);
-  llvm::Error backwardInput(int mb, int slice, int part, std::span<const float> gradOutput,
-                            std::span<float> &result);
+  llvm::Error backwardInput(int mb, int slice, int part, TensorView gradOutput, TensorView &result);
   llvm::Error finishBackward(SliceWork &w);
   llvm::Error backwardWeight(int mb, int slice);
 };
@@ -214,18 +231,18 @@ llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
   w.pendingForward = -1;
   assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
-  Floats &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
-  PIPEC_CUDA_TRY(launch::residualAdd(w.resid.data(), branch.data(),
+  Act &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
+  PIPEC_CUDA_TRY(launch::residualAdd(dt, w.resid.data(), branch.data(),
                                      param(p.layer, p.sub == 0 ? AttnB : ProjB), w.n, cfg.channels,
                                      stream));
   branch.reset();
   if (p.sub == 0)
-    PIPEC_GPU_TRY(bw.xMid.copyFrom(mem(), std::span<const float>(w.resid.span())));
+    PIPEC_GPU_TRY(bw.xMid.copyFrom(mem(), w.resid.view()));
   return llvm::Error::success();
 }
 
-llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const float> input,
-                                    std::span<float> &result) {
+llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView input,
+                                    TensorView &result) {
   assert(slice >= 0 && slice < int(slices.size()) && "slice out of range");
   assert(part >= 0 && part < int(forwardParts.size()) && "part out of range");
   result = {};
@@ -238,8 +255,8 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
       seq.blocks.resize(size_t(blockCount()));
       const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(localC);
       for (SequenceBlock &sb : seq.blocks) {
-        PIPEC_GPU_TRY(sb.k.allocate(mem(), kvSize));
-        PIPEC_GPU_TRY(sb.v.allocate(mem(), kvSize));
+        PIPEC_GPU_TRY(alloc(sb.k, kvSize));
+        PIPEC_GPU_TRY(alloc(sb.v, kvSize));
       }
     }
     SequenceWork &seq = sequence(mb);
@@ -249,7 +266,7 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
     w.blocks.resize(size_t(blockCount()));
     w.n = n;
     if (!hasEmbedding()) {
-      assert(input.size() == nc && "stage input has the wrong size");
+      assert(input.count == nc && input.type == dt && "stage input has the wrong size or type");
       PIPEC_GPU_TRY(w.resid.copyFrom(mem(), input));
     }
   }
@@ -260,26 +277,26 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
   const PartRef p = forwardParts[size_t(part)];
   switch (kind(p.layer)) {
   case GptLayerKind::Embedding:
-    PIPEC_GPU_TRY(w.resid.allocate(mem(), nc));
-    PIPEC_CUDA_TRY(launch::embeddingForward(w.resid.data(), inputs.data() + tokenOffset(mb, slice),
-                                            param(p.layer, Wte), param(p.layer, Wpe), n, x, begin,
-                                            c, stream));
+    PIPEC_GPU_TRY(alloc(w.resid, nc));
+    PIPEC_CUDA_TRY(
+        launch::embeddingForward(dt, w.resid.data(), inputs.data() + tokenOffset(mb, slice),
+                                 param(p.layer, Wte), param(p.layer, Wpe), n, x, begin, c, stream));
     return llvm::Error::success();
   case GptLayerKind::Head: {
     HeadWork &hw = w.head;
     hw.lnfIn = std::move(w.resid);
     PIPEC_GPU_TRY(hw.lnfMean.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(hw.lnfRstd.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(hw.lnfOut.allocate(mem(), nc));
-    PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, hw.lnfOut.data(), hw.lnfMean.data(),
+    PIPEC_GPU_TRY(alloc(hw.lnfOut, nc));
+    PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, hw.lnfOut.data(), hw.lnfMean.data(),
                                        hw.lnfRstd.data(), hw.lnfIn.data(), param(p.layer, LnfW),
                                        param(p.layer, LnfB), n, c));
-    PIPEC_GPU_TRY(hw.logits.allocate(mem(), size_t(n) * size_t(cfg.vocab)));
-    PIPEC_GPU_TRY(cu::matmulTForward(ctx, kF32, hw.logits.data(), hw.lnfOut.data(),
+    PIPEC_GPU_TRY(alloc(hw.logits, size_t(n) * size_t(cfg.vocab)));
+    PIPEC_GPU_TRY(cu::matmulTForward(ctx, dt, hw.logits.data(), hw.lnfOut.data(),
                                      param(p.layer, LmW), n, c, cfg.vocab));
     PIPEC_GPU_TRY(hw.lse.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(hw.rowLoss.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, kF32, hw.rowLoss.data(), hw.lse.data(),
+    PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, dt, hw.rowLoss.data(), hw.lse.data(),
                                           hw.logits.data(), targets.data() + tokenOffset(mb, slice),
                                           n, cfg.vocab, lossScale));
     return llvm::Error::success();
@@ -289,51 +306,51 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, std::span<const
   }
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
   if (p.sub == 0) {
-    PIPEC_GPU_TRY(bw.xIn.copyFrom(mem(), std::span<const float>(w.resid.span())));
+    PIPEC_GPU_TRY(bw.xIn.copyFrom(mem(), w.resid.view()));
     PIPEC_GPU_TRY(bw.ln1Mean.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(bw.ln1Rstd.allocate(mem(), size_t(n)));
-    Floats ln1Out, qkv; // (B, x, C), (B, x, 3 Cl)
-    PIPEC_GPU_TRY(ln1Out.allocate(mem(), nc));
-    PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln1Out.data(), bw.ln1Mean.data(),
-                                       bw.ln1Rstd.data(), bw.xIn.data(), param(p.layer, Ln1W),
-                                       param(p.layer, Ln1B), n, c));
-    PIPEC_GPU_TRY(qkv.allocate(mem(), size_t(n) * 3 * size_t(localC)));
-    PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, qkv.data(), ln1Out.data(), param(p.layer, QkvW),
+    Act ln1Out, qkv; // (B, x, C), (B, x, 3 Cl)
+    PIPEC_GPU_TRY(alloc(ln1Out, nc));
+    PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, ln1Out.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
+                                       bw.xIn.data(), param(p.layer, Ln1W), param(p.layer, Ln1B), n,
+                                       c));
+    PIPEC_GPU_TRY(alloc(qkv, size_t(n) * 3 * size_t(localC)));
+    PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, qkv.data(), ln1Out.data(), param(p.layer, QkvW),
                                     param(p.layer, QkvB), n, c, 3 * localC));
     SequenceBlock &sb = sequence(mb).blocks[size_t(p.layer - firstBlock())];
-    PIPEC_GPU_TRY(bw.q.allocate(mem(), size_t(n) * size_t(localC)));
-    PIPEC_CUDA_TRY(launch::splitQkv(bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n, x, b,
+    PIPEC_GPU_TRY(alloc(bw.q, size_t(n) * size_t(localC)));
+    PIPEC_CUDA_TRY(launch::splitQkv(dt, bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n, x, b,
                                     begin, localC, stream));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
     PIPEC_GPU_TRY(bw.lse.allocate(mem(), size_t(b) * size_t(localHeads) * size_t(x)));
-    PIPEC_GPU_TRY(bw.attOut.allocate(mem(), size_t(n) * size_t(localC)));
-    PIPEC_GPU_TRY(cu::attentionForward(ctx, kF32, bw.attOut.data(), bw.lse.data(), bw.q.data(),
+    PIPEC_GPU_TRY(alloc(bw.attOut, size_t(n) * size_t(localC)));
+    PIPEC_GPU_TRY(cu::attentionForward(ctx, dt, bw.attOut.data(), bw.lse.data(), bw.q.data(),
                                        sb.k.data(), sb.v.data(), shape));
-    PIPEC_GPU_TRY(bw.attnPartial.allocate(mem(), nc));
-    PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.attnPartial.data(), bw.attOut.data(),
+    PIPEC_GPU_TRY(alloc(bw.attnPartial, nc));
+    PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.attnPartial.data(), bw.attOut.data(),
                                     param(p.layer, AttnW), nullptr, n, localC, c));
     w.pendingForward = part;
-    result = bw.attnPartial.span();
+    result = bw.attnPartial.view();
     return llvm::Error::success();
   }
   PIPEC_GPU_TRY(bw.ln2Mean.allocate(mem(), size_t(n)));
   PIPEC_GPU_TRY(bw.ln2Rstd.allocate(mem(), size_t(n)));
-  Floats ln2Out, fcAct; // (B, x, C), (B, x, Fl)
-  PIPEC_GPU_TRY(ln2Out.allocate(mem(), nc));
-  PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(),
+  Act ln2Out, fcAct; // (B, x, C), (B, x, Fl)
+  PIPEC_GPU_TRY(alloc(ln2Out, nc));
+  PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(),
                                      bw.xMid.data(), param(p.layer, Ln2W), param(p.layer, Ln2B), n,
                                      c));
   const size_t nf = size_t(n) * size_t(localF);
-  PIPEC_GPU_TRY(bw.fcPre.allocate(mem(), nf));
-  PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW),
+  PIPEC_GPU_TRY(alloc(bw.fcPre, nf));
+  PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW),
                                   param(p.layer, FcB), n, c, localF));
-  PIPEC_GPU_TRY(fcAct.allocate(mem(), nf));
-  PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
-  PIPEC_GPU_TRY(bw.mlpPartial.allocate(mem(), nc));
-  PIPEC_GPU_TRY(cu::matmulForward(ctx, kF32, bw.mlpPartial.data(), fcAct.data(),
+  PIPEC_GPU_TRY(alloc(fcAct, nf));
+  PIPEC_GPU_TRY(cu::geluForward(ctx, dt, fcAct.data(), bw.fcPre.data(), nf));
+  PIPEC_GPU_TRY(alloc(bw.mlpPartial, nc));
+  PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.mlpPartial.data(), fcAct.data(),
                                   param(p.layer, ProjW), nullptr, n, localF, c));
   w.pendingForward = part;
-  result = bw.mlpPartial.span();
+  result = bw.mlpPartial.view();
   return llvm::Error::success();
 }
 
@@ -347,18 +364,17 @@ llvm::Error GpuStage::Impl::finishBackward(SliceWork &w) {
   const int n = w.n, c = cfg.channels;
   if (p.sub == 0) {
     PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
-        ctx, kF32, w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
+        ctx, dt, w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
         bw.ln2Rstd.data(), param(p.layer, Ln2W), n, c));
-    return bw.dXmid.copyFrom(mem(), std::span<const float>(w.dResid.span()));
+    return bw.dXmid.copyFrom(mem(), w.dResid.view());
   }
-  return cu::layernormBackwardInputAccumulate(ctx, kF32, w.dResid.data(), bw.dLn1.data(),
+  return cu::layernormBackwardInputAccumulate(ctx, dt, w.dResid.data(), bw.dLn1.data(),
                                               bw.xIn.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
                                               param(p.layer, Ln1W), n, c);
 }
 
-llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
-                                          std::span<const float> gradOutput,
-                                          std::span<float> &result) {
+llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part, TensorView gradOutput,
+                                          TensorView &result) {
   assert(part >= 0 && part < int(backwardParts.size()) && "part out of range");
   result = {};
   SliceWork &w = get(mb, slice);
@@ -375,7 +391,8 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
     --seq.nextBackwardSlice;
     w.resid.reset();
     if (!hasHead()) {
-      assert(gradOutput.size() == nc && "output gradient has the wrong size");
+      assert(gradOutput.count == nc && gradOutput.type == dt &&
+             "output gradient has the wrong size or type");
       PIPEC_GPU_TRY(w.dResid.copyFrom(mem(), gradOutput));
     }
   }
@@ -389,15 +406,15 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
     HeadWork &hw = w.head;
     const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
     // dLogits overwrite the logits in place (the op allows it).
-    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, kF32, hw.logits.data(), hw.logits.data(),
+    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, hw.logits.data(), hw.logits.data(),
                                            hw.lse.data(), tgt, n, cfg.vocab, lossScale));
     hw.lse.reset();
-    PIPEC_GPU_TRY(hw.dLnfOut.allocate(mem(), nc));
-    PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, kF32, hw.dLnfOut.data(), hw.logits.data(),
+    PIPEC_GPU_TRY(alloc(hw.dLnfOut, nc));
+    PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, dt, hw.dLnfOut.data(), hw.logits.data(),
                                            param(p.layer, LmW), n, c, cfg.vocab));
-    PIPEC_GPU_TRY(w.dResid.allocate(mem(), nc, /*zero=*/true));
+    PIPEC_GPU_TRY(alloc(w.dResid, nc, /*zero=*/true));
     PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
-        ctx, kF32, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
+        ctx, dt, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
         hw.lnfRstd.data(), param(p.layer, LnfW), n, c));
     break;
   }
@@ -407,47 +424,47 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part,
   case GptLayerKind::Block: {
     BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
     if (p.sub == 0) {
-      PIPEC_GPU_TRY(bw.dOut.copyFrom(mem(), std::span<const float>(w.dResid.span())));
+      PIPEC_GPU_TRY(bw.dOut.copyFrom(mem(), w.dResid.view()));
       const size_t nf = size_t(n) * size_t(localF);
-      Floats dFcAct; // (B, x, Fl)
-      PIPEC_GPU_TRY(dFcAct.allocate(mem(), nf));
-      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dFcAct.data(), bw.dOut.data(),
+      Act dFcAct; // (B, x, Fl)
+      PIPEC_GPU_TRY(alloc(dFcAct, nf));
+      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, dFcAct.data(), bw.dOut.data(),
                                             param(p.layer, ProjW), n, localF, c));
-      PIPEC_GPU_TRY(bw.dFcPre.allocate(mem(), nf));
+      PIPEC_GPU_TRY(alloc(bw.dFcPre, nf));
       PIPEC_GPU_TRY(
-          cu::geluBackward(ctx, kF32, bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), nf));
-      PIPEC_GPU_TRY(bw.dLn2.allocate(mem(), nc));
-      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn2.data(), bw.dFcPre.data(),
+          cu::geluBackward(ctx, dt, bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), nf));
+      PIPEC_GPU_TRY(alloc(bw.dLn2, nc));
+      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, bw.dLn2.data(), bw.dFcPre.data(),
                                             param(p.layer, FcW), n, c, localF));
       w.pendingBackward = part;
-      result = bw.dLn2.span();
+      result = bw.dLn2.view();
       break;
     }
     const size_t ncl = size_t(n) * size_t(localC);
-    Floats dAttOut, dq; // (B, x, Cl) each
-    PIPEC_GPU_TRY(dAttOut.allocate(mem(), ncl));
-    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, dAttOut.data(), bw.dXmid.data(),
+    Act dAttOut, dq; // (B, x, Cl) each
+    PIPEC_GPU_TRY(alloc(dAttOut, ncl));
+    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, dAttOut.data(), bw.dXmid.data(),
                                           param(p.layer, AttnW), n, localC, c));
     SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
     if (sb.dk.empty()) { // the first backward of the microbatch
-      PIPEC_GPU_TRY(sb.dk.allocate(mem(), sb.k.size(), /*zero=*/true));
-      PIPEC_GPU_TRY(sb.dv.allocate(mem(), sb.v.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(alloc(sb.dk, sb.k.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(alloc(sb.dv, sb.v.size(), /*zero=*/true));
     }
-    PIPEC_GPU_TRY(dq.allocate(mem(), ncl));
+    PIPEC_GPU_TRY(alloc(dq, ncl));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
-    PIPEC_GPU_TRY(cu::attentionBackward(ctx, kF32, dq.data(), sb.dk.data(), sb.dv.data(),
+    PIPEC_GPU_TRY(cu::attentionBackward(ctx, dt, dq.data(), sb.dk.data(), sb.dv.data(),
                                         dAttOut.data(), bw.attOut.data(), bw.lse.data(),
                                         bw.q.data(), sb.k.data(), sb.v.data(), shape));
     bw.lse.reset();
     bw.q.reset();
-    PIPEC_GPU_TRY(bw.dQkv.allocate(mem(), 3 * ncl));
-    PIPEC_CUDA_TRY(launch::gatherQkv(bw.dQkv.data(), dq.data(), sb.dk.data(), sb.dv.data(), n, x, b,
-                                     begin, localC, stream));
-    PIPEC_GPU_TRY(bw.dLn1.allocate(mem(), nc));
-    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, kF32, bw.dLn1.data(), bw.dQkv.data(),
+    PIPEC_GPU_TRY(alloc(bw.dQkv, 3 * ncl));
+    PIPEC_CUDA_TRY(launch::gatherQkv(dt, bw.dQkv.data(), dq.data(), sb.dk.data(), sb.dv.data(), n,
+                                     x, b, begin, localC, stream));
+    PIPEC_GPU_TRY(alloc(bw.dLn1, nc));
+    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, bw.dLn1.data(), bw.dQkv.data(),
                                           param(p.layer, QkvW), n, c, 3 * localC));
     w.pendingBackward = part;
-    result = bw.dLn1.span();
+    result = bw.dLn1.view();
     break;
   }
   }
@@ -468,51 +485,52 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
   for (int l = layerBegin; l < layerEnd; ++l) {
     switch (kind(l)) {
     case GptLayerKind::Embedding:
-      PIPEC_CUDA_TRY(launch::embeddingBackward(grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in, n, x,
-                                               begin, c, stream));
+      PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in, n,
+                                               x, begin, c, stream));
       if (tiedHere())
-        PIPEC_CUDA_TRY(launch::embeddingBackward(grad(cfg.numLayers() - 1, LmW), nullptr,
+        PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
                                                  w.dEmb.data(), in, n, x, begin, c, stream));
       break;
     case GptLayerKind::Head: {
       HeadWork &hw = w.head;
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, LnfW), grad(l, LnfB),
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, LnfW), grad(l, LnfB),
                                                 hw.dLnfOut.data(), hw.lnfIn.data(),
                                                 hw.lnfMean.data(), hw.lnfRstd.data(), n, c));
       if (tiedHere())
-        PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, kF32, grad(0, Wte), hw.lnfOut.data(),
+        PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(0, Wte), hw.lnfOut.data(),
                                                 hw.logits.data(), n, c, cfg.vocab));
-      PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, kF32, grad(l, LmW), hw.lnfOut.data(),
+      PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(l, LmW), hw.lnfOut.data(),
                                               hw.logits.data(), n, c, cfg.vocab));
       break;
     }
     case GptLayerKind::Block: {
       BlockWork &bw = w.blocks[size_t(l - firstBlock())];
-      Floats lnOut, mean, rstd, fcAct; // recomputed inputs of qkv, fc and proj
-      PIPEC_GPU_TRY(lnOut.allocate(mem(), nc));
+      Act lnOut, fcAct; // recomputed inputs of qkv, fc and proj
+      Floats mean, rstd;
+      PIPEC_GPU_TRY(alloc(lnOut, nc));
       PIPEC_GPU_TRY(mean.allocate(mem(), size_t(n)));
       PIPEC_GPU_TRY(rstd.allocate(mem(), size_t(n)));
-      PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, lnOut.data(), mean.data(), rstd.data(),
+      PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, lnOut.data(), mean.data(), rstd.data(),
                                          bw.xIn.data(), param(l, Ln1W), param(l, Ln1B), n, c));
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, Ln1W), grad(l, Ln1B),
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, Ln1W), grad(l, Ln1B),
                                                 bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean.data(),
                                                 bw.ln1Rstd.data(), n, c));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, QkvW), grad(l, QkvB), lnOut.data(),
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, QkvW), grad(l, QkvB), lnOut.data(),
                                              bw.dQkv.data(), n, c, 3 * localC));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, AttnW), grad(l, AttnB),
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, AttnW), grad(l, AttnB),
                                              bw.attOut.data(), bw.dXmid.data(), n, localC, c));
-      PIPEC_GPU_TRY(cu::layernormForward(ctx, kF32, lnOut.data(), mean.data(), rstd.data(),
+      PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, lnOut.data(), mean.data(), rstd.data(),
                                          bw.xMid.data(), param(l, Ln2W), param(l, Ln2B), n, c));
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, kF32, grad(l, Ln2W), grad(l, Ln2B),
+      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, Ln2W), grad(l, Ln2B),
                                                 bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
                                                 bw.ln2Rstd.data(), n, c));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, FcW), grad(l, FcB), lnOut.data(),
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, FcW), grad(l, FcB), lnOut.data(),
                                              bw.dFcPre.data(), n, c, localF));
       const size_t nf = size_t(n) * size_t(localF);
-      PIPEC_GPU_TRY(fcAct.allocate(mem(), nf));
-      PIPEC_GPU_TRY(cu::geluForward(ctx, kF32, fcAct.data(), bw.fcPre.data(), nf));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, kF32, grad(l, ProjW), grad(l, ProjB),
-                                             fcAct.data(), bw.dOut.data(), n, localF, c));
+      PIPEC_GPU_TRY(alloc(fcAct, nf));
+      PIPEC_GPU_TRY(cu::geluForward(ctx, dt, fcAct.data(), bw.fcPre.data(), nf));
+      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, ProjW), grad(l, ProjB), fcAct.data(),
+                                             bw.dOut.data(), n, localF, c));
       break;
     }
     }
@@ -527,7 +545,7 @@ GpuStage::~GpuStage() = default;
 llvm::Expected<std::unique_ptr<GpuStage>>
 GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int layerEnd,
                  int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
-                 float lossScale) {
+                 float lossScale, cu::DType dtype) {
   assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
          "empty or out-of-range layer range");
   assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
@@ -542,6 +560,7 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   m->tp = tp;
   m->slices = std::move(slices);
   m->lossScale = lossScale;
+  m->dt = dtype;
   m->localHeads = cfg.heads / tp;
   m->headDim = cfg.channels / cfg.heads;
   m->localC = m->localHeads * m->headDim;
@@ -571,6 +590,9 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   PIPEC_GPU_TRY(ctx.memsetZero(m->adamM.data(), bytes));
   PIPEC_GPU_TRY(ctx.memsetZero(m->adamV.data(), bytes));
   PIPEC_GPU_TRY(ctx.memsetZero(m->lossAcc.data(), sizeof(double)));
+  if (dtype == kBF16)
+    PIPEC_GPU_TRY(m->paramsLow.allocate(host.size()));
+  PIPEC_GPU_TRY(m->refreshComputeParams());
   PIPEC_GPU_TRY(ctx.synchronize());
   return std::unique_ptr<GpuStage>(new GpuStage(std::move(m)));
 }
@@ -618,22 +640,21 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   return llvm::Error::success();
 }
 
-llvm::Expected<std::span<float>> GpuStage::forward(int mb, int slice, int part,
-                                                   std::span<const float> input) {
-  std::span<float> result;
+llvm::Expected<TensorView> GpuStage::forward(int mb, int slice, int part, TensorView input) {
+  TensorView result;
   if (auto err = impl->forward(mb, slice, part, input, result))
     return err;
   return result;
 }
 
-llvm::Expected<std::span<const float>> GpuStage::output(int mb, int slice) {
+llvm::Expected<TensorView> GpuStage::output(int mb, int slice) {
   SliceWork &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "output() before the last forward part");
   if (auto err = impl->finishForward(w))
     return err;
   if (hasHead())
-    return std::span<const float>();
-  return std::span<const float>(w.resid.span());
+    return TensorView();
+  return w.resid.view();
 }
 
 llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
@@ -654,22 +675,22 @@ llvm::Expected<double> GpuStage::takeLoss() {
   return loss;
 }
 
-llvm::Expected<std::span<float>> GpuStage::backwardInput(int mb, int slice, int part,
-                                                         std::span<const float> gradOutput) {
-  std::span<float> result;
+llvm::Expected<TensorView> GpuStage::backwardInput(int mb, int slice, int part,
+                                                   TensorView gradOutput) {
+  TensorView result;
   if (auto err = impl->backwardInput(mb, slice, part, gradOutput, result))
     return err;
   return result;
 }
 
-llvm::Expected<std::span<const float>> GpuStage::inputGrad(int mb, int slice) {
+llvm::Expected<TensorView> GpuStage::inputGrad(int mb, int slice) {
   SliceWork &w = impl->get(mb, slice);
   assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
   if (auto err = impl->finishBackward(w))
     return err;
   if (hasEmbedding())
-    return std::span<const float>();
-  return std::span<const float>(w.dResid.span());
+    return TensorView();
+  return w.dResid.view();
 }
 
 llvm::Error GpuStage::backwardWeight(int mb, int slice) { return impl->backwardWeight(mb, slice); }
@@ -707,8 +728,10 @@ llvm::Error GpuStage::zeroGrads() {
 llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
   Impl &m = *impl;
   ++m.adamSteps;
-  return cu::adamUpdate(m.ctx, m.params.data(), m.grads.data(), m.adamM.data(), m.adamV.data(),
-                        m.params.size(), lr, beta1, beta2, eps, weightDecay, m.adamSteps);
+  PIPEC_GPU_TRY(cu::adamUpdate(m.ctx, m.params.data(), m.grads.data(), m.adamM.data(),
+                               m.adamV.data(), m.params.size(), lr, beta1, beta2, eps, weightDecay,
+                               m.adamSteps));
+  return m.refreshComputeParams();
 }
 
 #undef PIPEC_GPU_TRY

@@ -11,15 +11,21 @@
 //
 // Differences from the CPU class, all forced by the device:
 //   - every call returns llvm::Error (a CUDA failure is an error naming the call);
-//   - tensors are device memory: the spans handed in and out point to the device;
+//   - tensors are device memory of the compute type: the TensorViews handed in and out point to
+//     the device;
 //   - the loss stays on the device: accumulateLoss() adds a slice's loss to a step accumulator
 //     that takeLoss() reads (one host synchronisation per step);
 //   - attention keeps the forward's output and a log-sum-exp per row instead of probabilities,
 //     and the head keeps its logits (the CUDA ops recompute softmax in the backwards).
-// Precision: fp32 throughout (cuBLAS in strict fp32). All work is queued on the context's
-// stream. Parameters, gradients and Adam moments are allocated once, in create(); the batch's
-// tokens by the first setBatch(); activations, saved state and scratch come from the context's
-// DeviceAllocator (the rank's pre-sized arena in the executor, runtime/cuda/DeviceArena.h).
+// Precision: the compute type `dtype`. fp32 is fp32 throughout (cuBLAS in strict fp32). bf16
+// (kernels/cuda/CudaOps.h's mixed precision) keeps activations, their gradients, the p2p tensors
+// and the tp partial sums in bf16 and reads a bf16 copy of the parameters, rounded from the fp32
+// master weights after every optimizer step; weight gradients, Adam moments, layernorm
+// statistics, log-sum-exps and losses stay fp32. All work is queued on the context's stream.
+// Parameters, gradients and Adam moments (and the bf16 copy) are allocated once, in create(); the
+// batch's tokens by the first setBatch(); activations, saved state and scratch come from the
+// context's DeviceAllocator (the rank's pre-sized arena in the executor,
+// runtime/cuda/DeviceArena.h).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H
@@ -27,6 +33,7 @@
 
 #include "kernels/cpu/Gpt.h"
 #include "kernels/cuda/CudaOps.h"
+#include "runtime/Tensor.h"
 
 #include "llvm/Support/Error.h"
 
@@ -41,11 +48,12 @@ namespace pipec {
 class GpuStage {
 public:
   /// The layers [layerBegin, layerEnd) on tp rank `tpRank` of `tp`, queued on `ctx`'s stream
-  /// (which must outlive the stage). Arguments as kernels::StageCompute's.
+  /// (which must outlive the stage). Arguments as kernels::StageCompute's, plus the compute type
+  /// `dtype` (see Precision above).
   static llvm::Expected<std::unique_ptr<GpuStage>>
   create(kernels::cuda::CudaContext &ctx, const kernels::GptConfig &cfg, int layerBegin,
          int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
-         float lossScale);
+         float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32);
   ~GpuStage();
   GpuStage(const GpuStage &) = delete;
   GpuStage &operator=(const GpuStage &) = delete;
@@ -58,22 +66,21 @@ public:
   /// pinned copy that the previous step's upload must have left: call it between steps).
   llvm::Error setBatch(const std::vector<std::vector<int32_t>> &tokens);
 
-  /// As StageCompute::forward; `input` and the result are device spans.
-  llvm::Expected<std::span<float>> forward(int mb, int slice, int part,
-                                           std::span<const float> input);
-  /// As StageCompute::output (a device span; empty on the last stage).
-  llvm::Expected<std::span<const float>> output(int mb, int slice);
+  /// As StageCompute::forward; `input` and the result are device tensors of the compute type.
+  llvm::Expected<TensorView> forward(int mb, int slice, int part, TensorView input);
+  /// As StageCompute::output (a device tensor; empty on the last stage).
+  llvm::Expected<TensorView> output(int mb, int slice);
   /// Adds the slice's (scaled) loss to the step's device accumulator (last stage only).
   llvm::Error accumulateLoss(int mb, int slice);
   /// Waits for the stream, returns the accumulated loss and resets the accumulator.
   llvm::Expected<double> takeLoss();
 
-  llvm::Expected<std::span<float>> backwardInput(int mb, int slice, int part,
-                                                 std::span<const float> gradOutput);
-  llvm::Expected<std::span<const float>> inputGrad(int mb, int slice);
+  llvm::Expected<TensorView> backwardInput(int mb, int slice, int part, TensorView gradOutput);
+  llvm::Expected<TensorView> inputGrad(int mb, int slice);
   llvm::Error backwardWeight(int mb, int slice);
 
-  /// Device spans, CPU layout (kernels::StageCompute::params()).
+  /// Device spans, CPU layout (kernels::StageCompute::params()); fp32 in both compute types
+  /// (params() is the master copy).
   std::span<float> params();
   std::span<float> grads();
   std::pair<size_t, size_t> layerRange(int layer) const;

@@ -112,7 +112,7 @@ llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t sInde
   PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, sender.ready.get(), 0));
   PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, receiver.ready.get(), 0));
   if (!s.data.empty())
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data(), s.data.data(), s.data.size() * sizeof(float),
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data, s.data.data, s.data.bytes(),
                                    cudaMemcpyDeviceToDevice, stream));
   PIPEC_CUDA_TRY(cudaEventRecord(sender.opDone[sIndex].get(), stream));
   PIPEC_CUDA_TRY(cudaEventRecord(receiver.opDone[rIndex].get(), stream));
@@ -120,8 +120,7 @@ llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t sInde
 }
 
 llvm::Error LocalCudaTransport::allReduce(CollectiveGroup group, const std::string &key,
-                                          llvm::ArrayRef<int> members, int self,
-                                          std::span<float> data) {
+                                          llvm::ArrayRef<int> members, int self, TensorView data) {
   PerThread &t = *threads[size_t(self)];
   if (auto err = t.pendingError())
     return err;
@@ -154,15 +153,16 @@ llvm::Error LocalCudaTransport::allReduce(CollectiveGroup group, const std::stri
 }
 
 llvm::Error LocalCudaTransport::sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
-                                    llvm::ArrayRef<std::span<float>> buffers) {
+                                    llvm::ArrayRef<TensorView> buffers) {
   const size_t g = groupIndex(group);
   cudaStream_t s = threads[size_t(last)]->collective[g].get();
   runtime::cuda::launch::SumOperands ops{};
   for (size_t m = 0; m < members.size(); ++m) {
     PIPEC_CUDA_TRY(cudaStreamWaitEvent(s, threads[size_t(members[m])]->arrive[g].get(), 0));
-    ops.buffers[m] = buffers[m].data();
+    ops.buffers[m] = buffers[m].data;
   }
-  PIPEC_CUDA_TRY(runtime::cuda::launch::sumInOrder(ops, int(members.size()), buffers[0].size(), s));
+  PIPEC_CUDA_TRY(runtime::cuda::launch::sumInOrder(buffers[0].type, ops, int(members.size()),
+                                                   buffers[0].count, s));
   for (int m : members)
     PIPEC_CUDA_TRY(cudaEventRecord(threads[size_t(m)]->done[g].get(), s));
   return llvm::Error::success();

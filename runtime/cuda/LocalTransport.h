@@ -51,7 +51,7 @@ public:
 
   llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
   llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
-                        int self, std::span<float> data) override;
+                        int self, TensorView data) override;
   void abort(const std::string &why) override { inProcess.abort(why); }
   bool aborted() const override { return inProcess.aborted(); }
 
@@ -62,7 +62,7 @@ private:
   llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
                       size_t rIndex) override;
   llvm::Error sum(CollectiveGroup group, llvm::ArrayRef<int> members, int last,
-                  llvm::ArrayRef<std::span<float>> buffers) override;
+                  llvm::ArrayRef<TensorView> buffers) override;
 
   struct PerThread;
   std::vector<std::unique_ptr<PerThread>> threads;

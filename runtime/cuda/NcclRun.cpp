@@ -26,6 +26,9 @@ using runtime_cuda::order;
 using runtime_cuda::OwnedEvent;
 using runtime_cuda::OwnedStream;
 
+/// NCCL's name of a tensor's element type.
+ncclDataType_t ncclTypeOf(DType dtype) { return dtype == DType::BF16 ? ncclBfloat16 : ncclFloat; }
+
 /// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
 /// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
 /// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes.
@@ -101,10 +104,10 @@ public:
       assert(op.peer % (pc.dp * pc.tp) == self % (pc.dp * pc.tp) && "peer in another replica");
       keep([&]() -> llvm::Error {
         if (op.send)
-          PIPEC_NCCL_TRY(ncclSend(op.data.data(), op.data.size(), ncclFloat, peer,
+          PIPEC_NCCL_TRY(ncclSend(op.data.data, op.data.count, ncclTypeOf(op.data.type), peer,
                                   comms.pipeline.get(), p2p.get()));
         else
-          PIPEC_NCCL_TRY(ncclRecv(op.data.data(), op.data.size(), ncclFloat, peer,
+          PIPEC_NCCL_TRY(ncclRecv(op.data.data, op.data.count, ncclTypeOf(op.data.type), peer,
                                   comms.pipeline.get(), p2p.get()));
         return llvm::Error::success();
       }());
@@ -129,7 +132,7 @@ public:
   }
 
   llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
-                        int self, std::span<float> data) override {
+                        int self, TensorView data) override {
     if (auto err = pendingError())
       return err;
     NcclComm *comm = &comms.tp;
@@ -160,8 +163,8 @@ public:
                       key, members.size(), self, comm->size()));
     if (auto err = order(s, compute, ready.get()))
       return err;
-    PIPEC_NCCL_TRY(
-        ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, comm->get(), s));
+    PIPEC_NCCL_TRY(ncclAllReduce(data.data, data.data, data.count, ncclTypeOf(data.type), ncclSum,
+                                 comm->get(), s));
     if (auto err = mark(fmt::format("all-reduce {}", key), s))
       return err;
     // tp reductions are consumed by the next part at once; dp and embedding ones overlap

@@ -1,8 +1,9 @@
 //===- StageBuffer.h - Device buffers from a context's allocator -----*- C++ -*-===//
 //
-// The RAII buffer GpuStage keeps its activations and saved state in, and the cuda backend its
+// The RAII buffers GpuStage keeps its activations and saved state in, and the cuda backend its
 // received tensors and kept gradients: memory of a DeviceAllocator (the rank's arena in the
-// executor), given back when dropped on the host.
+// executor), given back when dropped on the host. StreamBuffer<T> has a fixed element type (fp32
+// statistics); DeviceTensor's is chosen at allocation (activations in the compute type).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_STAGEBUFFER_H
@@ -10,9 +11,11 @@
 
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
+#include "runtime/Tensor.h"
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <span>
 #include <utility>
 
@@ -84,6 +87,56 @@ private:
   T *ptr = nullptr;
   size_t count = 0;
   kernels::cuda::DeviceAllocator *from = nullptr;
+};
+
+/// A tensor of the allocator's memory whose element type is chosen when it is allocated.
+class DeviceTensor {
+public:
+  DeviceTensor() = default;
+  DeviceTensor(DeviceTensor &&o) noexcept
+      : bytes(std::move(o.bytes)), count(std::exchange(o.count, 0)), type(o.type) {}
+  DeviceTensor &operator=(DeviceTensor &&o) noexcept {
+    if (this != &o) {
+      bytes = std::move(o.bytes);
+      count = std::exchange(o.count, 0);
+      type = o.type;
+    }
+    return *this;
+  }
+
+  llvm::Error allocate(const Mem &m, size_t n, DType dtype, bool zero = false) {
+    type = dtype;
+    count = n;
+    if (llvm::Error err = bytes.allocate(m, n * kernels::sizeOf(dtype), zero)) {
+      count = 0;
+      return err;
+    }
+    return llvm::Error::success();
+  }
+  /// A copy of `src` (device), queued on the stream; the same element type.
+  llvm::Error copyFrom(const Mem &m, TensorView src) {
+    if (llvm::Error err = allocate(m, src.count, src.type))
+      return err;
+    if (!src.empty())
+      PIPEC_CUDA_TRY(
+          cudaMemcpyAsync(data(), src.data, src.bytes(), cudaMemcpyDeviceToDevice, m.stream));
+    return llvm::Error::success();
+  }
+  void reset() {
+    bytes.reset();
+    count = 0;
+  }
+
+  void *data() const { return bytes.data(); }
+  size_t size() const { return count; }
+  bool empty() const { return count == 0; }
+  DType dtype() const { return type; }
+  TensorView view() const { return {bytes.data(), count, type}; }
+
+private:
+  StreamBuffer<std::byte> bytes;
+  size_t count = 0;
+  DType type = DType::F32;
 };
 
 } // namespace pipec

@@ -1,14 +1,20 @@
 //===- StageKernels.h - glue kernels of a GPU pipeline stage ----*- C++ -*-===//
 //
-// The few fp32 kernels a GPU stage needs besides kernels/cuda/CudaOps.h: the embedding lookup
-// and its scatter-add backward, the residual add of a reduced branch, the split of qkv into q
-// and the position-major K/V (and the gather of their gradients back), an elementwise sum and
-// a device-side loss accumulator. Same boundary as kernels/cuda/Launch.h: plain launchers that
+// The few kernels a GPU stage needs besides kernels/cuda/CudaOps.h: the embedding lookup and its
+// scatter-add backward, the residual add of a reduced branch, the split of qkv into q and the
+// position-major K/V (and the gather of their gradients back), an elementwise sum and a
+// device-side loss accumulator. Same boundary as kernels/cuda/Launch.h: plain launchers that
 // return cudaGetLastError(); GpuStage.cpp turns the status into an llvm::Error.
+//
+// `dtype` is the stage's compute type, that of the activations and of the parameters' compute
+// copy (`void *` arguments); gradients of the parameters, losses and the tied sum stay fp32
+// (`float *`). bf16 is read into fp32, computed in fp32 and rounded once when stored.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_STAGEKERNELS_H
 #define PIPEC_RUNTIME_CUDA_STAGEKERNELS_H
+
+#include "kernels/DType.h"
 
 #include <cuda_runtime_api.h>
 
@@ -17,33 +23,37 @@
 
 namespace pipec::runtime::cuda::launch {
 
+using kernels::DType;
+
 /// resid (n, c) = wte[inputs[r]] + wpe[begin + r % x]; rows r = (b, t) of the slice.
-cudaError_t embeddingForward(float *resid, const int32_t *inputs, const float *wte,
-                             const float *wpe, int n, int x, int begin, int c, cudaStream_t stream);
+cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
+                             const void *wpe, int n, int x, int begin, int c, cudaStream_t stream);
 /// dWte[inputs[r]] += dEmb[r] (atomics); dWpe[begin + r % x] += dEmb[r] when dWpe is not null.
-cudaError_t embeddingBackward(float *dWte, float *dWpe, const float *dEmb, const int32_t *inputs,
-                              int n, int x, int begin, int c, cudaStream_t stream);
+cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
+                              const int32_t *inputs, int n, int x, int begin, int c,
+                              cudaStream_t stream);
 /// resid (n, c) += branch (n, c) + bias (c).
-cudaError_t residualAdd(float *resid, const float *branch, const float *bias, int n, int c,
-                        cudaStream_t stream);
+cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
+                        int c, cudaStream_t stream);
 /// qkv (n, 3 cl) rows (b, t) -> q (n, cl); k, v rows (begin + t, b) of the position-major
 /// (T, B, cl) buffers.
-cudaError_t splitQkv(float *q, float *k, float *v, const float *qkv, int n, int x, int batch,
-                     int begin, int cl, cudaStream_t stream);
+cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
+                     int batch, int begin, int cl, cudaStream_t stream);
 /// The reverse: dQkv (n, 3 cl) = dq | dk rows | dv rows.
-cudaError_t gatherQkv(float *dQkv, const float *dq, const float *dk, const float *dv, int n, int x,
-                      int batch, int begin, int cl, cudaStream_t stream);
-/// a (n) = b (n) = a + b.
+cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, const void *dv,
+                      int n, int x, int batch, int begin, int cl, cudaStream_t stream);
+/// a (n) = b (n) = a + b (fp32: the tied embedding's two gradient copies).
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream);
 /// The operands of sumInOrder, passed by value to the kernel.
 inline constexpr int kMaxSumOperands = 32;
 struct SumOperands {
-  float *buffers[kMaxSumOperands];
+  void *buffers[kMaxSumOperands];
 };
 /// Every buffers[b] (n) = ((buffers[0] + buffers[1]) + ...) + buffers[count - 1], added in
-/// that order (the in-process transport's member order: every member gets the same bits).
-/// count <= kMaxSumOperands (cudaErrorInvalidValue otherwise).
-cudaError_t sumInOrder(const SumOperands &ops, int count, size_t n, cudaStream_t stream);
+/// that order in fp32 (the in-process transport's member order: every member gets the same bits),
+/// rounded once to `dtype`. count <= kMaxSumOperands (cudaErrorInvalidValue otherwise).
+cudaError_t sumInOrder(DType dtype, const SumOperands &ops, int count, size_t n,
+                       cudaStream_t stream);
 /// *acc += sum of x (n) (fp64 atomics).
 cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t stream);
 

@@ -21,6 +21,7 @@
 // every wait on that communicator.
 //
 //===----------------------------------------------------------------------===//
+#include "kernels/HostBf16.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 
 #include <nccl.h>
@@ -256,7 +257,18 @@ ncclResult_t allReduceNow(std::shared_ptr<Group> group, int rank, long seq, cons
   rv.buffers[size_t(rank)] = {sendbuff, recvbuff};
   if (++rv.arrived == g->size) {
     // In rank order, into a scratch, then to every member.
-    if (datatype == ncclFloat32) {
+    if (datatype == ncclBfloat16) {
+      // Widened and added in fp32, rounded once (NCCL's own rounding points differ).
+      std::vector<float> sum(count, 0.0f);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += pipec::kernels::bf16ToFloat(static_cast<const uint16_t *>(in)[i]);
+      std::vector<uint16_t> rounded(count);
+      for (size_t i = 0; i < count; ++i)
+        rounded[i] = pipec::kernels::floatToBf16(sum[i]);
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, rounded.data(), count * sizeof(uint16_t));
+    } else if (datatype == ncclFloat32) {
       std::vector<float> sum(count, 0.0f);
       for (auto [in, out] : rv.buffers)
         for (size_t i = 0; i < count; ++i)
@@ -463,8 +475,9 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                            cudaStream_t stream) {
   if (!comm)
     return fail("all-reduce on a null communicator", ncclInvalidArgument);
-  if (op != ncclSum || (datatype != ncclFloat32 && datatype != ncclFloat64))
-    return fail("only fp32 and fp64 sums are emulated", ncclInvalidArgument);
+  if (op != ncclSum ||
+      (datatype != ncclFloat32 && datatype != ncclFloat64 && datatype != ncclBfloat16))
+    return fail("only bf16, fp32 and fp64 sums are emulated", ncclInvalidArgument);
   if (groupDepth > 0)
     return fail("an all-reduce inside a group is not emulated", ncclInvalidUsage);
   long seq = 0;

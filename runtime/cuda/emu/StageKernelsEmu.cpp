@@ -2,11 +2,13 @@
 //
 // The glue kernels of a GPU stage written as plain loops over host memory, for the emulated
 // device (kernels/cuda/emu/README.md); each follows its contract in StageKernels.h, independently
-// of the .cu version, and runs in its stream's order (emu::enqueue).
+// of the .cu version, and runs in its stream's order (emu::enqueue). bf16 elements are read into
+// fp32 and rounded once when stored (kernels/HostBf16.h), as the contract says.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/StageKernels.h"
 
+#include "kernels/HostBf16.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 
 namespace pipec::runtime::cuda::launch {
@@ -17,68 +19,92 @@ namespace {
 size_t kvRow(int r, int x, int batch, int begin) {
   return size_t(begin + r % x) * size_t(batch) + size_t(r / x);
 }
+
+/// Elements of `dtype` at `p`, read as and written from fp32.
+struct Elements {
+  void *p;
+  DType dtype;
+  Elements(const void *p, DType dtype) : p(const_cast<void *>(p)), dtype(dtype) {}
+  float get(size_t i) const {
+    if (dtype == DType::F32)
+      return static_cast<const float *>(p)[i];
+    return kernels::bf16ToFloat(static_cast<const uint16_t *>(p)[i]);
+  }
+  void set(size_t i, float value) const {
+    if (dtype == DType::F32)
+      static_cast<float *>(p)[i] = value;
+    else
+      static_cast<uint16_t *>(p)[i] = kernels::floatToBf16(value);
+  }
+};
 } // namespace
 
-cudaError_t embeddingForward(float *resid, const int32_t *inputs, const float *wte,
-                             const float *wpe, int n, int x, int begin, int c,
-                             cudaStream_t stream) {
+cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
+                             const void *wpe, int n, int x, int begin, int c, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
+    Elements out(resid, dtype), te(wte, dtype), pe(wpe, dtype);
     for (int r = 0; r < n; ++r)
       for (int k = 0; k < c; ++k)
-        resid[size_t(r) * c + k] =
-            wte[size_t(inputs[r]) * c + k] + wpe[size_t(begin + r % x) * c + k];
+        out.set(size_t(r) * c + k,
+                te.get(size_t(inputs[r]) * c + k) + pe.get(size_t(begin + r % x) * c + k));
   });
   return cudaSuccess;
 }
 
-cudaError_t embeddingBackward(float *dWte, float *dWpe, const float *dEmb, const int32_t *inputs,
-                              int n, int x, int begin, int c, cudaStream_t stream) {
+cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
+                              const int32_t *inputs, int n, int x, int begin, int c,
+                              cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
+    Elements d(dEmb, dtype);
     for (int r = 0; r < n; ++r)
       for (int k = 0; k < c; ++k) {
-        dWte[size_t(inputs[r]) * c + k] += dEmb[size_t(r) * c + k];
+        const float g = d.get(size_t(r) * c + k);
+        dWte[size_t(inputs[r]) * c + k] += g;
         if (dWpe)
-          dWpe[size_t(begin + r % x) * c + k] += dEmb[size_t(r) * c + k];
+          dWpe[size_t(begin + r % x) * c + k] += g;
       }
   });
   return cudaSuccess;
 }
 
-cudaError_t residualAdd(float *resid, const float *branch, const float *bias, int n, int c,
-                        cudaStream_t stream) {
+cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
+                        int c, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
+    Elements out(resid, dtype), br(branch, dtype), bs(bias, dtype);
     for (size_t i = 0; i < size_t(n) * c; ++i)
-      resid[i] += branch[i] + bias[i % size_t(c)];
+      out.set(i, out.get(i) + (br.get(i) + bs.get(i % size_t(c))));
   });
   return cudaSuccess;
 }
 
-cudaError_t splitQkv(float *q, float *k, float *v, const float *qkv, int n, int x, int batch,
-                     int begin, int cl, cudaStream_t stream) {
+cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
+                     int batch, int begin, int cl, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
+    Elements qs(q, dtype), ks(k, dtype), vs(v, dtype), in(qkv, dtype);
     for (int r = 0; r < n; ++r) {
-      const float *row = qkv + size_t(r) * 3 * cl;
+      const size_t row = size_t(r) * 3 * cl;
       const size_t kv = kvRow(r, x, batch, begin) * cl;
       for (int j = 0; j < cl; ++j) {
-        q[size_t(r) * cl + j] = row[j];
-        k[kv + j] = row[cl + j];
-        v[kv + j] = row[2 * cl + j];
+        qs.set(size_t(r) * cl + j, in.get(row + j));
+        ks.set(kv + j, in.get(row + cl + j));
+        vs.set(kv + j, in.get(row + 2 * cl + j));
       }
     }
   });
   return cudaSuccess;
 }
 
-cudaError_t gatherQkv(float *dQkv, const float *dq, const float *dk, const float *dv, int n, int x,
-                      int batch, int begin, int cl, cudaStream_t stream) {
+cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, const void *dv,
+                      int n, int x, int batch, int begin, int cl, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
+    Elements out(dQkv, dtype), qs(dq, dtype), ks(dk, dtype), vs(dv, dtype);
     for (int r = 0; r < n; ++r) {
-      float *row = dQkv + size_t(r) * 3 * cl;
+      const size_t row = size_t(r) * 3 * cl;
       const size_t kv = kvRow(r, x, batch, begin) * cl;
       for (int j = 0; j < cl; ++j) {
-        row[j] = dq[size_t(r) * cl + j];
-        row[cl + j] = dk[kv + j];
-        row[2 * cl + j] = dv[kv + j];
+        out.set(row + j, qs.get(size_t(r) * cl + j));
+        out.set(row + cl + j, ks.get(kv + j));
+        out.set(row + 2 * cl + j, vs.get(kv + j));
       }
     }
   });
@@ -93,16 +119,17 @@ cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t sumInOrder(const SumOperands &ops, int count, size_t n, cudaStream_t stream) {
+cudaError_t sumInOrder(DType dtype, const SumOperands &ops, int count, size_t n,
+                       cudaStream_t stream) {
   if (count > kMaxSumOperands)
     return cudaErrorInvalidValue;
   pipec::emu::enqueue(stream, [=] {
     for (size_t i = 0; i < n && count > 1; ++i) {
-      float s = ops.buffers[0][i];
+      float s = Elements(ops.buffers[0], dtype).get(i);
       for (int b = 1; b < count; ++b)
-        s += ops.buffers[b][i];
+        s += Elements(ops.buffers[b], dtype).get(i);
       for (int b = 0; b < count; ++b)
-        ops.buffers[b][i] = s;
+        Elements(ops.buffers[b], dtype).set(i, s);
     }
   });
   return cudaSuccess;
