@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one prepared check for a machine with a GPU (DESIGN §9), in this order: the requires-gpu
-# test binaries, a pp=4 --check-reference run on the local transport, the nccl mode with several
-# processes where the machine has two GPUs or more (each with --check-reference, rank 0's losses
-# also against --backend cuda's), then the runtime-overhead and kernel benchmarks. Writes a short
-# report to ${OUT:-/tmp/gpu-check}/report.txt (full logs beside it).
+# test binaries, pp=4 --check-reference runs on the local transport (fp32 and bf16), the nccl
+# mode with several processes where the machine has two GPUs or more (each with
+# --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead
+# and kernel benchmarks. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt (full logs
+# beside it).
 # It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Time: each step has a limit (tests 120/120/60 s, pp4 60 s, each nccl case 60 s, overhead
+# Time: each step has a limit (tests 120/120/60 s, pp4 2 x 60 s, each nccl case 60 s, overhead
 # 2 x 45 s, kernel benchmark 90 s) and the whole run a budget (BUDGET seconds, default 540, for
 # a device command capped at 600): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
@@ -129,25 +130,33 @@ for spec in cuda_kernel_test:120 cuda_runtime_test:120 nccl_runtime_test:60; do
 done
 
 # The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
-# CPU reference, with the activation arenas it reserved.
-start=$SECONDS
-if ! fits 60 "pp4 cuda --check-reference"; then :
-elif "$bin/pipec" compile --model examples/tiny-gpt.json --schedule 1f1b --pp 4 --microbatches 8 \
-    -o "$out/pp4.json" --quiet >"$out/pp4.txt" 2>&1 &&
-  run timeout 60 "$bin/piperun" "$out/pp4.json" --backend cuda --steps 3 --check-reference \
-    >>"$out/pp4.txt" 2>&1; then
-  say "pp4 cuda --check-reference ok ($((SECONDS - start)) s):"
+# CPU reference, with the activation arenas it reserved; in fp32 (tolerance 1e-4 of the gradient
+# scale) and in bf16 (mixed precision, tolerance 5e-2).
+if "$bin/pipec" compile --model examples/tiny-gpt.json --schedule 1f1b --pp 4 --microbatches 8 \
+    -o "$out/pp4.json" --quiet >"$out/pp4.compile.txt" 2>&1; then
+  for dtype in fp32 bf16; do
+    start=$SECONDS
+    fits 60 "pp4 cuda $dtype --check-reference" || continue
+    if run timeout 60 "$bin/piperun" "$out/pp4.json" --backend cuda --dtype "$dtype" --steps 3 \
+        --check-reference >"$out/pp4-$dtype.txt" 2>&1; then
+      say "pp4 cuda --dtype $dtype --check-reference ok ($((SECONDS - start)) s):"
+    else
+      status=1
+      say "pp4 cuda --dtype $dtype --check-reference FAILED ($((SECONDS - start)) s):"
+    fi
+    sed 's/^/  /' "$out/pp4-$dtype.txt" | tee -a "$report"
+  done
 else
   status=1
-  say "pp4 cuda --check-reference FAILED ($((SECONDS - start)) s):"
+  say "pp4: pipec compile FAILED:"
+  sed 's/^/  /' "$out/pp4.compile.txt" | tee -a "$report"
 fi
-[ -f "$out/pp4.txt" ] && sed 's/^/  /' "$out/pp4.txt" | tee -a "$report"
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
 # would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
 # gradients gathered to rank 0 and held against the single-rank reference: a process exits 1
 # over tolerance); rank 0's losses must also equal those of --backend cuda (every rank on one
-# GPU) within 1e-4. 60 s per configuration at most.
+# GPU) within 1e-4. 60 s per configuration at most. DTYPE=bf16 runs both in bf16.
 nccl_case() { # name nproc pipec-flags...
   local name=$1 n=$2
   shift 2
@@ -155,14 +164,15 @@ nccl_case() { # name nproc pipec-flags...
   fits 60 "nccl $name" || return 1
   if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
       >"$out/nccl-$name.compile.log" 2>&1 ||
-    ! timeout 60 "$bin/piperun" "$plan" --backend cuda --steps 3 >"$out/nccl-$name.cuda.txt" 2>&1; then
+    ! timeout 60 "$bin/piperun" "$plan" --backend cuda --dtype "${DTYPE:-fp32}" --steps 3 \
+      >"$out/nccl-$name.cuda.txt" 2>&1; then
     say "nccl $name: FAILED before launch (pipec or --backend cuda); see $out/nccl-$name.*"
     return 1
   fi
   for ((r = 0; r < n; r++)); do
-    echo "+ RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port piperun $plan --backend nccl --steps 3 --check-reference" >&2
+    echo "+ RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port piperun $plan --backend nccl --dtype ${DTYPE:-fp32} --steps 3 --check-reference" >&2
     RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port timeout 60 "$bin/piperun" \
-      "$plan" --backend nccl --steps 3 --timeout 30 --check-reference \
+      "$plan" --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference \
       >"$out/nccl-$name.rank$r.txt" 2>&1 &
     pids+=($!)
   done
@@ -191,6 +201,7 @@ if [ "$ngpu" -ge 2 ]; then
   nccl_case pp2-zbv 2 --schedule zb-v --pp 2 --vpp 2 --microbatches 4 || status=1
   nccl_case dp2 2 --schedule 1f1b --pp 1 --dp 2 --microbatches 2 || status=1
   nccl_case tp2 2 --schedule 1f1b --pp 1 --tp 2 --microbatches 2 || status=1
+  DTYPE=bf16 nccl_case pp2-bf16 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
   # Tied embeddings on two processes: the `embedding` communicator.
   sed 's/"dtype": "fp32"/"dtype": "fp32", "tie_embeddings": true/' examples/tiny-gpt.json \
     >"$out/tiny-gpt-tied.json"
