@@ -15,10 +15,26 @@ namespace pipec::kernels {
 enum class DType { F32, BF16 };
 
 /// "fp32" or "bf16", the spelling of the model spec's `dtype` and of piperun's --dtype.
-constexpr const char *toString(DType dtype) { return dtype == DType::BF16 ? "bf16" : "fp32"; }
+constexpr const char *toString(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return "fp32";
+  case DType::BF16:
+    return "bf16";
+  }
+  return "?"; // unreachable: every DType is a case (and -Wswitch names a new one)
+}
 
 /// Bytes per element.
-constexpr size_t sizeOf(DType dtype) { return dtype == DType::BF16 ? 2 : 4; }
+constexpr size_t sizeOf(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return 4;
+  case DType::BF16:
+    return 2;
+  }
+  return 0; // unreachable: every DType is a case (and -Wswitch names a new one)
+}
 
 } // namespace pipec::kernels
 

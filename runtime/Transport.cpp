@@ -133,12 +133,9 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
   rv.buffers[index] = data;
   if (++rv.arrived == members.size()) {
     for (const auto &b : rv.buffers)
-      if (!sameShape(b, data) || (!mover && data.type != DType::F32)) {
-        failure = sameShape(b, data)
-                      ? fmt::format("all-reduce {}: the host transport sums fp32 only (got {})",
-                                    key, describeSize(data))
-                      : fmt::format("all-reduce {}: members pass {} and {}", key, describeSize(b),
-                                    describeSize(data));
+      if (!sameShape(b, data)) {
+        failure = fmt::format("all-reduce {}: members pass {} and {}", key, describeSize(b),
+                              describeSize(data));
         failed = true;
         cv.notify_all();
         return llvm::make_error<Finding>(failure);
@@ -151,11 +148,14 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
         return llvm::make_error<Finding>(failure);
       }
     } else {
-      // Sum in member order into a scratch, then hand the same bits to everyone.
+      // Sum in member order into a scratch, then hand the same bits to everyone. (Host tensors
+      // are the cpu backend's: fp32; floats() asserts it.)
       std::vector<float> sum(data.count, 0.0f);
-      for (const auto &b : rv.buffers)
+      for (const auto &b : rv.buffers) {
+        std::span<const float> x = b.floats();
         for (size_t i = 0; i < sum.size(); ++i)
-          sum[i] += b.floats()[i];
+          sum[i] += x[i];
+      }
       for (auto &b : rv.buffers)
         std::copy(sum.begin(), sum.end(), b.floats().begin());
     }

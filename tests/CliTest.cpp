@@ -325,7 +325,9 @@ TEST(PiperunTest, TheCpuBackendRefusesBf16InOneLine) {
       << r.err;
   Result bad = piperun(plan + " --backend cpu --dtype int8");
   EXPECT_EQ(bad.code, 2);
-  EXPECT_NE(bad.err.find("--dtype: expected fp32 or bf16 (got 'int8')"), std::string::npos)
+  EXPECT_EQ(lines(bad.err), 1u) << bad.err;
+  EXPECT_NE(bad.err.find("--dtype: expected fp32 or bf16 (got 'int8'); try --dtype fp32"),
+            std::string::npos)
       << bad.err;
   EXPECT_EQ(piperun(plan + " --backend cpu --dtype fp32").code, 0);
 }

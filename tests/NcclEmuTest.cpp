@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -41,21 +42,15 @@ struct Case {
 
 class NcclEmuTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
-  const Case &c = GetParam();
-  Plan plan = compileOrFail(tinyGpt(c.tied, /*layers=*/6), c.options);
-  ASSERT_FALSE(verifyPlan(plan));
+/// Every rank of `plan` a thread calling runOnNccl as one process of a launch would, with the
+/// options `optionsOf(rank)`; the results in RANK order. `id` pairs the ranks in the emulated
+/// bootstrap (one per test).
+std::vector<llvm::Expected<CudaRunResult>>
+runEveryRank(const Plan &plan, const DataSource &data, const std::string &id,
+             const std::function<CudaRunOptions(int)> &optionsOf) {
   const ParallelConfig &pc = plan.parallel;
   const int world = pc.pp * pc.dp * pc.tp;
-  // One id per case: the emulated bootstrap pairs the ranks by it.
-  ASSERT_EQ(::setenv("NCCL_COMM_ID", fmt::format("emu-{}:1", c.name).c_str(), 1), 0);
-  auto data = syntheticData(32, /*seed=*/7);
-  CudaRunOptions o;
-  o.steps = 2;
-  o.checkReference = true;
-  o.timeoutSeconds = 60;
-  o.dtype = c.dtype;
-  const bool bf16 = c.dtype == kernels::DType::BF16;
+  EXPECT_EQ(::setenv("NCCL_COMM_ID", fmt::format("emu-{}:1", id).c_str(), 1), 0);
   std::vector<llvm::Expected<CudaRunResult>> results;
   for (int r = 0; r < world; ++r)
     results.emplace_back(CudaRunResult{});
@@ -74,11 +69,28 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
         results[size_t(r)] = env.takeError();
         return;
       }
-      results[size_t(r)] = runOnNccl(plan, *data, o, *env);
+      results[size_t(r)] = runOnNccl(plan, data, optionsOf(r), *env);
     });
   for (auto &t : threads)
     t.join();
   ::unsetenv("NCCL_COMM_ID");
+  return results;
+}
+
+TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
+  const Case &c = GetParam();
+  Plan plan = compileOrFail(tinyGpt(c.tied, /*layers=*/6), c.options);
+  ASSERT_FALSE(verifyPlan(plan));
+  const ParallelConfig &pc = plan.parallel;
+  const int world = pc.pp * pc.dp * pc.tp;
+  auto data = syntheticData(32, /*seed=*/7);
+  CudaRunOptions o;
+  o.steps = 2;
+  o.checkReference = true;
+  o.timeoutSeconds = 60;
+  o.dtype = c.dtype;
+  const bool bf16 = c.dtype == kernels::DType::BF16;
+  auto results = runEveryRank(plan, *data, c.name, [&o](int) { return o; });
   for (int r = 0; r < world; ++r)
     ASSERT_TRUE(bool(results[size_t(r)]))
         << "rank " << r << ": " << takeMessage(results[size_t(r)].takeError());
@@ -105,6 +117,26 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
     if (r > 0) {
       EXPECT_TRUE(mine.referenceLosses.empty()) << "only RANK 0 runs the reference";
     }
+  }
+}
+
+TEST(NcclEmuDtypeTest, ProcessesLaunchedWithDifferentDtypesAllFailNamingTheFlag) {
+  // A real NCCL would hang or corrupt the p2p tensors (their bytes and datatypes differ): every
+  // process must refuse, before the first step.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 4));
+  auto data = syntheticData(32, /*seed=*/7);
+  auto results = runEveryRank(plan, *data, "mixed-dtype", [](int rank) {
+    CudaRunOptions o;
+    o.dtype = rank == 0 ? kernels::DType::BF16 : kernels::DType::F32;
+    return o;
+  });
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    EXPECT_NE(takeMessage(results[r].takeError())
+                  .find("--dtype: 1 of the launch's 2 processes compute in bf16, the others in "
+                        "fp32; pass the same --dtype to every process"),
+              std::string::npos)
+        << "rank " << r;
   }
 }
 

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <string>
 
@@ -49,8 +50,9 @@ TEST(PiperunEmuTest, Bf16ComputePassesTheReferenceCheckWithinItsTolerance) {
 }
 
 TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
-  // A model that says bf16 runs in bf16 without --dtype: an impossibly tight check (the fp32
-  // tolerance, forced by --dtype fp32 passing) fails it only when it really ran in bf16.
+  // A model that says bf16 runs in bf16 without --dtype, and says so: its gradients are more
+  // than 100 times further from the fp32 reference than those of the same plan with --dtype
+  // fp32.
   std::string model = tmpDir() + "/tiny-bf16.json";
   std::string spec = pipec::testing::slurp("examples/tiny-gpt.json");
   size_t at = spec.find("\"fp32\"");
@@ -65,18 +67,42 @@ TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
   EXPECT_EQ(fp32.code, 0) << fp32.out << fp32.err;
   Result byModel = run("tools/piperun_emu " + path + " --backend cuda --check-reference");
   EXPECT_EQ(byModel.code, 0) << byModel.out << byModel.err;
+  EXPECT_NE(byModel.out.find("compute type bf16 (the model's \"dtype\"; --dtype fp32 to "
+                             "override)"),
+            std::string::npos)
+      << byModel.out;
   auto diff = [](const std::string &out) {
     size_t at = out.find("max_abs_grad_diff=");
     return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 18));
   };
+  ASSERT_GE(diff(fp32.out), 0) << fp32.out;
+  ASSERT_GE(diff(byModel.out), 0) << byModel.out;
   EXPECT_GT(diff(byModel.out), 100 * diff(fp32.out)) << fp32.out << byModel.out;
+  // A model in fp16, which no backend computes in: exit 2 naming the way out.
+  std::string fp16Model = tmpDir() + "/tiny-fp16.json";
+  spec.replace(spec.find("\"bf16\""), 6, "\"fp16\"");
+  std::ofstream(fp16Model) << spec;
+  std::string fp16Plan = tmpDir() + "/fp16-model.json";
+  ASSERT_EQ(run("tools/pipec compile --model " + fp16Model +
+                " --schedule 1f1b --pp 2 --microbatches 4 -o " + fp16Plan + " --quiet")
+                .code,
+            0);
+  Result fp16 = run("tools/piperun_emu " + fp16Plan + " --backend cuda");
+  EXPECT_EQ(fp16.code, 2) << fp16.out << fp16.err;
+  EXPECT_NE(fp16.err.find("\"dtype\": \"fp16\", which --backend cuda does not compute in; "
+                          "pass --dtype bf16"),
+            std::string::npos)
+      << fp16.err;
 }
 
 TEST(PiperunEmuTest, AnUnsupportedDtypeIsAUsageError) {
   std::string p = plan("dtype", "--schedule 1f1b --pp 2 --microbatches 4");
   Result r = run("tools/piperun_emu " + p + " --backend cuda --dtype fp16");
   EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("--dtype: expected fp32 or bf16 (got 'fp16')"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--dtype: expected fp32 or bf16 (got 'fp16'); try --dtype bf16"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {

@@ -71,11 +71,18 @@ llvm::Error run(int argc, char **argv) {
     return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu", backend);
   const std::optional<std::string> computeFlag = args->get("--dtype");
   if (computeFlag && *computeFlag != "fp32" && *computeFlag != "bf16")
-    return inputError("--dtype: expected fp32 or bf16 (got '{}')", *computeFlag);
+    return inputError("--dtype: expected fp32 or bf16 (got '{}'); try --dtype {}", *computeFlag,
+                      llvm::StringRef(*computeFlag).contains("16") ? "bf16" : "fp32");
   if (computeFlag && *computeFlag != "fp32" && backend == "cpu")
+#ifdef PIPEC_HAS_CUDA
     return inputError("--dtype {}: the cpu backend computes in fp32 only (it is the reference); "
                       "use --backend cuda for {}, or drop --dtype",
                       *computeFlag, *computeFlag);
+#else
+    return inputError("--dtype {}: the cpu backend computes in fp32 only (it is the reference, "
+                      "and this build has no GPU backend); drop --dtype",
+                      *computeFlag);
+#endif
   auto steps = args->integer("--steps", 1, 1, 1000000);
   if (!steps)
     return steps.takeError();
@@ -157,6 +164,14 @@ llvm::Error run(int argc, char **argv) {
 #ifdef PIPEC_HAS_CUDA
   const kernels::DType computeDType =
       computeType == "bf16" ? kernels::DType::BF16 : kernels::DType::F32;
+  // Which type the GPU run computes in, and why (a model spec without "dtype" means bf16).
+  auto printComputeType = [&] {
+    if (computeFlag)
+      fmt::print("compute type {} (--dtype)\n", computeType);
+    else
+      fmt::print("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
+                 computeType == "bf16" ? "fp32" : "bf16");
+  };
   // What each rank's step allocates, once, after the warm-up step measured it.
   auto printArenas = [](const CudaRunResult &result, const char *whose) {
     std::string sizes;
@@ -179,6 +194,8 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    if (env->rank == 0)
+      printComputeType();
     auto result = runOnNccl(*plan, *data, co, *env, printStep);
     if (!result)
       return result.takeError();
@@ -196,6 +213,7 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    printComputeType();
     auto result = runOnCuda(*plan, *data, co, printStep);
     if (!result)
       return result.takeError();

@@ -229,7 +229,7 @@ static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
       return shapeError(fmt::format(
           "cublasLtMatmulAlgoGetHeuristic found no algorithm for m {} n {} k {} ({}, {} output, "
           "op {}{}{})",
-          g.m, g.n, g.k, toString(g.abType), g.cIsF32 ? "f32" : toString(g.abType),
+          g.m, g.n, g.k, toString(g.abType), g.cIsF32 ? "fp32" : toString(g.abType),
           g.transA ? 'T' : 'N', g.transB ? 'T' : 'N', g.bias ? ", bias" : ""));
     cached = impl.algos.emplace(key, result.algo).first;
   }

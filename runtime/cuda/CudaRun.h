@@ -66,7 +66,7 @@ struct CudaRunResult {
 /// scatter sum in another order than the CPU loops.
 inline constexpr double kCudaGradTolerance = 1e-4;
 /// The same for bf16 compute against the fp32 reference: every activation, input gradient and
-/// parameter read is rounded to 8 significant bits (a relative error of up to 2^-9 each), and
+/// parameter read is rounded to 8 significant bits (a relative error of up to 2^-8 each), and
 /// the errors add up through the layers and the softmaxes.
 inline constexpr double kCudaBf16GradTolerance = 5e-2;
 /// The tolerance for `dtype`.

@@ -79,8 +79,9 @@ public:
   llvm::Expected<TensorView> inputGrad(int mb, int slice);
   llvm::Error backwardWeight(int mb, int slice);
 
-  /// Device spans, CPU layout (kernels::StageCompute::params()); fp32 in both compute types
-  /// (params() is the master copy).
+  /// Device spans, CPU layout (kernels::StageCompute::params()); fp32 in both compute types.
+  /// params() is the master copy: in bf16 the kernels read a copy of it that only adamStep()
+  /// refreshes.
   std::span<float> params();
   std::span<float> grads();
   std::pair<size_t, size_t> layerRange(int layer) const;

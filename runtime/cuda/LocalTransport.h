@@ -14,7 +14,8 @@
 //               orders its stream after its compute stream (and the dp and embedding ones after
 //               each other: both touch the tied matrix's gradient) and records `arrive`; the member
 //               that arrives last queues, on its own stream, one kernel that adds the members'
-//               buffers in member order and writes the sum back to each (the cpu backend's bits),
+//               buffers in member order and writes the sum back to each (the cpu backend's bits
+//               in fp32; a bf16 sum is added in fp32 and rounded once),
 //               and records every member's `done`. Members order their stream after `done`; for
 //               tp the compute stream waits at once, dp and embedding sums overlap compute until
 //               waitForCollectives() (before the optimizer step).

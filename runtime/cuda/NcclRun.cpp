@@ -27,7 +27,15 @@ using runtime_cuda::OwnedEvent;
 using runtime_cuda::OwnedStream;
 
 /// NCCL's name of a tensor's element type.
-ncclDataType_t ncclTypeOf(DType dtype) { return dtype == DType::BF16 ? ncclBfloat16 : ncclFloat; }
+ncclDataType_t ncclTypeOf(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return ncclFloat;
+  case DType::BF16:
+    return ncclBfloat16;
+  }
+  llvm_unreachable("unknown dtype");
+}
 
 /// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
 /// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
@@ -437,6 +445,17 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return scratch.takeError();
   if (auto err = transport.warmUp(scratch->as<float>()))
     return err;
+  // Every process must compute in the same type: a p2p tensor's bytes and its NCCL datatype
+  // must match its peer's. The launch line is per process, so check it here, on every process.
+  if (auto bf16 = worldSum(o.dtype == kernels::DType::BF16 ? 1.0f : 0.0f, scratch->as<float>() + 4,
+                           **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
+                           o.timeoutSeconds, "the compute-type agreement");
+      !bf16)
+    return bf16.takeError();
+  else if (*bf16 != 0.0f && *bf16 != float(env.worldSize))
+    return inputError("--dtype: {} of the launch's {} processes compute in bf16, the others in "
+                      "fp32; pass the same --dtype to every process",
+                      int(*bf16), env.worldSize);
 
   RunShared shared(plan, Faults{}, transport);
   // The warm-up step (every process runs it): sizes this rank's activation arena, trains
