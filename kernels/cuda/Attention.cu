@@ -302,8 +302,9 @@ __global__ void __launch_bounds__(kThreads)
 //===--- Tensor-core forward (bf16) ---------------------------------------===//
 //
 // FlashAttention-2's forward on mma.sync.m16n8k16 (bf16 in, fp32 accumulate): a block of four
-// warps owns 64 query rows, 16 per warp, and streams 64-key tiles of K and V through shared
-// memory. Per tile, a warp computes its 16 x 64 scores S = Q K^T (Q's fragments stay in
+// warps owns 64 query rows, 16 per warp, and streams 64-key tiles of K and V through two shared
+// buffers: the next tile's cp.async copies are in flight while the current one is used (the
+// backward kernels stream theirs the same way). Per tile, a warp computes its 16 x 64 scores S = Q K^T (Q's fragments stay in
 // registers for the whole loop), masks them causally, updates the running row maxima and sums
 // (online softmax in base 2), rescales its output accumulators and adds P V, with P rounded to
 // bf16 as the A operand straight from the score accumulators (a 16 x 8 accumulator pair is
@@ -325,8 +326,10 @@ constexpr int kPad = 8; // bf16 per shared row past the data: rows start 16 byte
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+/// The forward's Q tile and two buffers of K and V tiles (the next pair loads while the current
+/// one is used).
 constexpr size_t sharedBytes(int hd) {
-  return sizeof(bf16) * size_t(kBlockQueries + 2 * kBlockKeys) * (hd + kPad);
+  return sizeof(bf16) * size_t(kBlockQueries + 4 * kBlockKeys) * (hd + kPad);
 }
 
 /// Two adjacent 16-bit values of shared memory (4-byte aligned) as one fragment register.
@@ -353,6 +356,22 @@ __device__ void loadRows(bf16 *__restrict__ tile, const bf16 *__restrict__ src, 
     *reinterpret_cast<uint4 *>(tile + r * (HD + kPad) + c) =
         row < rows ? *reinterpret_cast<const uint4 *>(src + rowOffset(row) + c)
                    : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/// loadRows with cp.async: the rows in range are queued (they land at the cpAsyncWait that
+/// covers the caller's next cpAsyncCommit), those past `rows` are zeroed at once.
+template <int HD, typename RowOffset>
+__device__ void loadRowsAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0,
+                              int rows, RowOffset rowOffset) {
+  constexpr int kChunks = HD / 8;
+  for (int idx = threadIdx.x; idx < 64 * kChunks; idx += blockDim.x) {
+    const int r = idx / kChunks, c = idx % kChunks * 8, row = row0 + r;
+    bf16 *to = tile + r * (HD + kPad) + c;
+    if (row < rows)
+      cpAsync16(to, src + rowOffset(row) + c);
+    else
+      *reinterpret_cast<uint4 *>(to) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -463,8 +482,9 @@ __global__ void __launch_bounds__(tc::kThreads)
   constexpr int kPitch = HD + tc::kPad; // Q, K and V rows in shared memory
   PIPEC_DYNAMIC_SHARED(float, smem);
   bf16 *qs = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
-  bf16 *ks = qs + tc::kBlockQueries * kPitch;
-  bf16 *vs = ks + tc::kBlockKeys * kPitch;
+  // Buffer i holds a key tile's K at kBuf + i kBufferStride and its V kTile further.
+  constexpr int kTile = tc::kBlockKeys * kPitch, kBufferStride = 2 * kTile;
+  bf16 *kBuf = qs + tc::kBlockQueries * kPitch;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4; // the fragments' groupID and threadID_in_group
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -487,11 +507,23 @@ __global__ void __launch_bounds__(tc::kThreads)
   float o[HD / 8][4] = {}; // output accumulators, 8 dims per n-tile
   float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
 
-  for (int j0 = 0; j0 <= lastPos; j0 += tc::kBlockKeys) {
-    __syncthreads(); // the previous tile is consumed
-    tc::loadRows<HD>(ks, k, j0, s.keys(), keyRow);
-    tc::loadRows<HD>(vs, v, j0, s.keys(), keyRow);
-    __syncthreads();
+  // K/V tiles stream through two buffers: tile i + 1 loads (cp.async) while tile i is used.
+  tc::loadRowsAsync<HD>(kBuf, k, 0, s.keys(), keyRow);
+  tc::loadRowsAsync<HD>(kBuf + kTile, v, 0, s.keys(), keyRow);
+  cpAsyncCommit();
+  for (int j0 = 0, it = 0; j0 <= lastPos; j0 += tc::kBlockKeys, ++it) {
+    const bf16 *ks = kBuf + (it & 1) * kBufferStride, *vs = ks + kTile;
+    __syncthreads(); // the other buffer's tile (the previous one) is consumed
+    if (j0 + tc::kBlockKeys <= lastPos) {
+      bf16 *next = kBuf + (~it & 1) * kBufferStride;
+      tc::loadRowsAsync<HD>(next, k, j0 + tc::kBlockKeys, s.keys(), keyRow);
+      tc::loadRowsAsync<HD>(next + kTile, v, j0 + tc::kBlockKeys, s.keys(), keyRow);
+      cpAsyncCommit();
+      cpAsyncWait<1>(); // this tile's group has landed, the next one's may be in flight
+    } else {
+      cpAsyncWait<0>();
+    }
+    __syncthreads(); // ... for every thread's copies
     if (!warpActive || j0 > warpLastPos)
       continue;
 
@@ -599,11 +631,13 @@ __global__ void __launch_bounds__(tc::kThreads)
 // written, dk and dv are added to (read, add, round to bf16), as the SIMT kernels do.
 
 namespace tc {
+/// Q and dO, and two buffers of K and V tiles.
 constexpr size_t backwardQuerySharedBytes(int hd) {
-  return sizeof(bf16) * size_t(4 * 64) * (hd + kPad);
+  return sizeof(bf16) * size_t(6 * 64) * (hd + kPad);
 }
+/// K and V, and two buffers of Q and dO tiles with their rows' lse and rowDot.
 constexpr size_t backwardKeyValueSharedBytes(int hd) {
-  return sizeof(bf16) * size_t(4 * 64) * (hd + kPad) + sizeof(float) * 2 * 64;
+  return sizeof(bf16) * size_t(6 * 64) * (hd + kPad) + sizeof(float) * 2 * 2 * 64;
 }
 } // namespace tc
 
@@ -619,8 +653,9 @@ __global__ void __launch_bounds__(tc::kThreads)
   PIPEC_DYNAMIC_SHARED(float, smem);
   bf16 *qs = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
   bf16 *dos = qs + 64 * kPitch;
-  bf16 *ks = dos + 64 * kPitch;
-  bf16 *vs = ks + 64 * kPitch;
+  // Buffer i holds a key tile's K at kBuf + i kBufferStride and its V kTile further.
+  constexpr int kTile = 64 * kPitch, kBufferStride = 2 * kTile;
+  bf16 *kBuf = dos + kTile;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -645,10 +680,23 @@ __global__ void __launch_bounds__(tc::kThreads)
   const int lastPos = s.begin + min(s.queries, m0 + 64) - 1;
   float acc[HD / 8][4] = {};
 
-  for (int j0 = 0; j0 <= lastPos; j0 += 64) {
-    __syncthreads(); // the previous tile is consumed (Q and dO are in place, on the first pass)
-    tc::loadRows<HD>(ks, k, j0, s.keys(), keyRow);
-    tc::loadRows<HD>(vs, v, j0, s.keys(), keyRow);
+  // K/V tiles stream through two buffers: tile i + 1 loads (cp.async) while tile i is used.
+  tc::loadRowsAsync<HD>(kBuf, k, 0, s.keys(), keyRow);
+  tc::loadRowsAsync<HD>(kBuf + kTile, v, 0, s.keys(), keyRow);
+  cpAsyncCommit();
+  for (int j0 = 0, it = 0; j0 <= lastPos; j0 += 64, ++it) {
+    const bf16 *ks = kBuf + (it & 1) * kBufferStride, *vs = ks + kTile;
+    // The other buffer's tile (the previous one) is consumed; Q and dO are in place.
+    __syncthreads();
+    if (j0 + 64 <= lastPos) {
+      bf16 *next = kBuf + (~it & 1) * kBufferStride;
+      tc::loadRowsAsync<HD>(next, k, j0 + 64, s.keys(), keyRow);
+      tc::loadRowsAsync<HD>(next + kTile, v, j0 + 64, s.keys(), keyRow);
+      cpAsyncCommit();
+      cpAsyncWait<1>();
+    } else {
+      cpAsyncWait<0>();
+    }
     __syncthreads();
     if (!warpActive || j0 > warpLastPos)
       continue;
@@ -693,10 +741,11 @@ __global__ void __launch_bounds__(tc::kThreads)
   PIPEC_DYNAMIC_SHARED(float, smem);
   bf16 *ks = reinterpret_cast<bf16 *>(smem); // (64, kPitch) each
   bf16 *vs = ks + 64 * kPitch;
-  bf16 *qs = vs + 64 * kPitch;
-  bf16 *dos = qs + 64 * kPitch;
-  float *lse2s = reinterpret_cast<float *>(dos + 64 * kPitch); // (64) each
-  float *dRows = lse2s + 64;
+  // Buffer i holds a query tile's Q at qBuf + i kBufferStride, its dO kTile further, and its
+  // rows' lse and rowDot at stats + 64 i and stats + 128 + 64 i.
+  constexpr int kTile = 64 * kPitch, kBufferStride = 2 * kTile;
+  bf16 *qBuf = vs + kTile;
+  float *stats = reinterpret_cast<float *>(vs + 5 * kTile);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -714,14 +763,31 @@ __global__ void __launch_bounds__(tc::kThreads)
   const int key[2] = {kw0 + g, kw0 + g + 8};
   float dkAcc[HD / 8][4] = {}, dvAcc[HD / 8][4] = {};
 
-  for (int t0 = max(0, n0 - s.begin); t0 < s.queries; t0 += 64) {
-    __syncthreads(); // the previous tile is consumed (K and V are in place, on the first pass)
-    tc::loadRows<HD>(qs, q, t0, s.queries, queryRow);
-    tc::loadRows<HD>(dos, dOut, t0, s.queries, queryRow);
+  // Query tiles (Q, dO, their lse and rowDot) stream through two buffers: tile i + 1 loads
+  // (cp.async; the statistics by plain stores) while tile i is used.
+  auto loadQueryTile = [&](int t0, int buffer) {
+    tc::loadRowsAsync<HD>(qBuf + buffer * kBufferStride, q, t0, s.queries, queryRow);
+    tc::loadRowsAsync<HD>(qBuf + buffer * kBufferStride + kTile, dOut, t0, s.queries, queryRow);
+    cpAsyncCommit();
     for (int r = threadIdx.x; r < 64; r += blockDim.x) {
       const int t = t0 + r;
-      lse2s[r] = t < s.queries ? lse[s.statRow(b, h, t)] * tc::kLog2e : 0.0f;
-      dRows[r] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+      stats[buffer * 64 + r] = t < s.queries ? lse[s.statRow(b, h, t)] * tc::kLog2e : 0.0f;
+      stats[128 + buffer * 64 + r] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+    }
+  };
+  const int firstQuery = max(0, n0 - s.begin);
+  if (firstQuery < s.queries)
+    loadQueryTile(firstQuery, 0);
+  for (int t0 = firstQuery, it = 0; t0 < s.queries; t0 += 64, ++it) {
+    const bf16 *qs = qBuf + (it & 1) * kBufferStride, *dos = qs + kTile;
+    const float *lse2s = stats + (it & 1) * 64, *dRows = lse2s + 128;
+    // The other buffer's tile (the previous one) is consumed; K and V are in place.
+    __syncthreads();
+    if (t0 + 64 < s.queries) {
+      loadQueryTile(t0 + 64, ~it & 1);
+      cpAsyncWait<1>();
+    } else {
+      cpAsyncWait<0>();
     }
     __syncthreads();
     // The tile's last query must see the warp's first key.

@@ -1,8 +1,9 @@
 //===- Device.cuh - device helpers shared by the .cu files --------*- CUDA -*-===//
 //
 // Loads and stores that widen bf16 to fp32 (all arithmetic is fp32), warp reductions by
-// shuffles, the tensor-core mma of a warp and ldmatrix .x4 .trans, and the fp32/bf16 dispatch
-// of a launcher (plus Dialect.h's launch macros). Included by .cu files only.
+// shuffles, the tensor-core mma of a warp, ldmatrix .x4 .trans, cp.async copies to shared
+// memory, and the fp32/bf16 dispatch of a launcher (plus Dialect.h's launch macros). Included
+// by .cu files only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICE_CUH
@@ -72,6 +73,37 @@ __device__ __forceinline__ void ldmatrixX4Trans(uint32_t (&r)[4], const void *ro
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+#endif
+}
+
+/// Starts a 16-byte copy from global to shared memory that bypasses registers and L1
+/// (cp.async.cg); both addresses 16-byte aligned. It lands only after a cpAsyncWait that covers
+/// its group (cpAsyncCommit), and is visible to other threads after a barrier that follows.
+__device__ __forceinline__ void cpAsync16(void *shared, const void *global) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::cpAsync16(shared, global);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global)
+               : "memory");
+#endif
+}
+
+/// Closes the group of the calling thread's cp.async copies issued since the last commit.
+__device__ __forceinline__ void cpAsyncCommit() {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::cpAsyncCommit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+/// Waits until at most `Pending` of the calling thread's committed groups are in flight.
+template <int Pending> __device__ __forceinline__ void cpAsyncWait() {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::cpAsyncWait(Pending);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 

@@ -16,9 +16,11 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -139,11 +141,19 @@ struct Stack {
   }
 };
 
+/// A cp.async copy of 16 bytes, queued until a wait lets it land.
+struct AsyncCopy {
+  void *to;
+  const void *from;
+};
+
 struct Fiber {
   Context context;
   State state = State::Ready;
   ThreadCoords coords;
   Stack stack;
+  std::vector<AsyncCopy> uncommitted;           // cp.async since the last commit
+  std::deque<std::vector<AsyncCopy>> committed; // groups in flight, oldest first
 };
 
 struct WarpSlots {
@@ -220,6 +230,8 @@ void runBlock(Grid &g, const ThreadCoords &base) {
       f.stack = Stack::make();
     prepare(f.context, f.stack.base, kStackBytes, fiberMain);
     f.state = State::Ready;
+    f.uncommitted.clear();
+    f.committed.clear();
     f.coords = base;
     f.coords.thread =
         Index{unsigned(i % base.blockDim.x), unsigned(i / base.blockDim.x % base.blockDim.y),
@@ -403,6 +415,32 @@ void ldmatrixX4Trans(uint32_t (&r)[4], const void *row) {
   for (int i = 0; i < 4; ++i)
     r[i] = element(i, 2 * (lane % 4), lane / 4) | element(i, 2 * (lane % 4) + 1, lane / 4) << 16;
   wait(State::AtWarpBarrier); // every lane has read the addresses
+}
+
+void cpAsync16(void *shared, const void *global) {
+  Grid &g = grid();
+  const auto *at = static_cast<const std::byte *>(shared);
+  if (at < g.shared.data() || at + 16 > g.shared.data() + g.shared.size())
+    fatal("cp.async: the destination is not in the block's dynamic shared memory");
+  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(global) % 16 != 0)
+    fatal("cp.async: a 16-byte copy's address is not 16-byte aligned");
+  self().uncommitted.push_back({shared, global});
+}
+
+void cpAsyncCommit() {
+  Fiber &f = self();
+  f.committed.push_back(std::move(f.uncommitted));
+  f.uncommitted.clear();
+}
+
+void cpAsyncWait(int pending) {
+  Fiber &f = self();
+  while (f.committed.size() > size_t(std::max(pending, 0))) {
+    for (const AsyncCopy &c : f.committed.front())
+      std::memcpy(c.to, c.from, 16);
+    f.committed.pop_front();
+  }
 }
 
 void *dynamicShared() { return grid().shared.data(); }

@@ -20,11 +20,12 @@
 // What is emulated: thread and block indices, __syncthreads, the warp shuffles, atomicAdd,
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
 // ISA's fragment layout), ldmatrix .x4 .trans (ldmatrixX4Trans; a row address that is not
-// 16-byte aligned ends the run), launch configuration limits (block size, the 48 KiB dynamic shared
-// memory default and cudaFuncSetAttribute raising it), and the launch error of a refused launch
-// through cudaGetLastError. Launches run in stream order (emu::enqueue). What is not: timing,
-// memory coalescing and bank conflicts, races inside one barrier interval (fibers never
-// interleave between barriers; successive intervals run the threads in opposite orders, so a
+// 16-byte aligned ends the run), cp.async to dynamic shared memory (a copy lands at the
+// wait_group that covers it, never earlier), launch configuration limits (block size, the 48 KiB
+// dynamic shared memory default and cudaFuncSetAttribute raising it), and the launch error of a
+// refused launch through cudaGetLastError. Launches run in stream order (emu::enqueue). What is
+// not: timing, memory coalescing and bank conflicts, races inside one barrier interval (fibers
+// never interleave between barriers; successive intervals run the threads in opposite orders, so a
 // missing __syncthreads shows when the reader runs before the writer, but not always),
 // out-of-bounds accesses (run the emulated test under ASan for them), __launch_bounds__ (a
 // launch above the bound runs here and fails on the GPU), registers and occupancy.
