@@ -10,7 +10,7 @@
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
 # Time: each step has a limit (tests 120/120/60 s, pp4 2 x 60 s, each nccl case 60 s, overhead
-# 2 x 45 s, kernel benchmark 90 s) and the whole run a budget (BUDGET seconds, default 540, for
+# 2 x 45 s, kernel benchmark 90 s, step benchmark 2 x 90 s) and the whole run a budget (BUDGET seconds, default 540, for
 # a device command capped at 600): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
@@ -243,6 +243,22 @@ if fits 90 "kernel benchmark"; then
   fi
   sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
 fi
+
+# Whole training steps of a GPT with hidden 1024 in bf16 (bench/cuda_step_bench.cpp): the
+# runtime and the kernels together, in model TFLOP/s. Reported, never judged.
+start=$SECONDS
+: >"$out/step.txt"
+for step_args in "--pp 2 --microbatches 8" \
+  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4"; do
+  fits 90 "step benchmark ($step_args)" || continue
+  echo "+ cuda_step_bench $step_args" >>"$out/step.txt"
+  # shellcheck disable=SC2086 # the arguments are words
+  if ! run timeout 90 "$bin/cuda_step_bench" $step_args >>"$out/step.txt" 2>&1; then
+    say "STEP BENCHMARK FAILED or timed out ($step_args); see $out/step.txt"
+  fi
+done
+say "step benchmark ($((SECONDS - start)) s):"
+sed 's/^/  /' "$out/step.txt" | tee -a "$report"
 
 say "finished; report $report, logs in $out"
 exit "$status"
