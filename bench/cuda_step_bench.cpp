@@ -80,7 +80,7 @@ int main(int argc, char **argv) {
   auto vocab = args->integer("--vocab", d.vocab, 2, 1 << 20);
   auto seq = args->integer("--seq", d.seq, 1, 8192);
   auto batch = args->integer("--microbatch-size", d.batch, 1, 64);
-  auto pp = args->integer("--pp", tiny ? 2 : 2, 1, 64);
+  auto pp = args->integer("--pp", 2, 1, 64);
   auto vpp = args->integer("--vpp", 1, 1, 16);
   auto m = args->integer("--microbatches", tiny ? 4 : 8, 1, 1 << 16);
   auto splits = args->integer("--seq-splits", 1, 1, 64);
@@ -95,8 +95,11 @@ int main(int argc, char **argv) {
   if (dtypeName != "bf16" && dtypeName != "fp32")
     return fail(inputError("--dtype: expected fp32 or bf16 (got '{}')", dtypeName), 2);
   const Sizes z{*layers, *hidden, *heads, *ffn, *vocab, *seq, *batch};
-  if (z.hidden % z.heads != 0)
-    return fail(inputError("--hidden {} must be a multiple of --heads {}", z.hidden, z.heads), 2);
+  if (z.hidden % z.heads != 0 || z.hidden / z.heads > 256)
+    return fail(inputError("--hidden {} must be a multiple of --heads {} with a quotient (the "
+                           "head dimension) of at most 256",
+                           z.hidden, z.heads),
+                2);
 
   auto devices = cudaDevices();
   if (!devices)

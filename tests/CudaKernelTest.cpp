@@ -393,6 +393,9 @@ const AttentionCase kAttentionCases[] = {
     // The smallest and an odd multiple of 16: other instantiations of the tensor-core kernels.
     {{/*batch=*/2, /*queries=*/20, /*begin=*/50, /*heads=*/2, /*headDim=*/16}, "HeadDim16"},
     {{/*batch=*/1, /*queries=*/70, /*begin=*/0, /*heads=*/1, /*headDim=*/80}, "HeadDim80"},
+    // Four 64-query tiles stream past the first key blocks: every kernel refills both of its
+    // double buffers (the dK/dV kernel's query tiles included).
+    {{/*batch=*/1, /*queries=*/200, /*begin=*/30, /*heads=*/2, /*headDim=*/64}, "RefilledBuffers"},
 };
 
 //===--- Cross entropy, AdamW, conversion -------------------------------===//

@@ -216,6 +216,8 @@ void wait(State state) {
   Grid &g = grid();
   (*g.body)();
   Fiber &f = g.fibers[g.current];
+  if (!f.uncommitted.empty() || !f.committed.empty())
+    fatal("a thread exited with cp.async copies it never waited for");
   f.state = State::Done;
   switchTo(f.context, g.scheduler);
   fatal("a finished thread was resumed");
@@ -240,7 +242,13 @@ void runBlock(Grid &g, const ThreadCoords &base) {
   std::memset(g.shared.data(), 0xff, g.shared.size()); // NaN until written
   // Rounds alternate between ascending and descending thread order, so that a thread reading
   // what another wrote in the same barrier interval (a missing __syncthreads) runs before the
-  // writer in one of them.
+  // writer in one of them. Warps do not advance in lockstep either: between two block barriers
+  // one warp (the leader: the first warp in even intervals, the last in odd ones) runs through
+  // its warp collectives to the next block barrier before any other warp passes its first
+  // collective, as a GPU may schedule them, so a warp that overwrites what a slower warp still
+  // reads in the same interval shows.
+  int leader = -1; // the warp running ahead in this interval, -1 before it is chosen
+  bool oddInterval = false;
   for (bool descending = false;; descending = !descending) {
     for (size_t k = 0; k < n; ++k) {
       const size_t i = descending ? n - 1 - k : k;
@@ -249,9 +257,13 @@ void runBlock(Grid &g, const ThreadCoords &base) {
         switchTo(g.scheduler, g.fibers[i].context);
       }
     }
-    // Nothing is ready: release what can be released.
+    // Nothing is ready: release what can be released (at most one warp: the leader while it
+    // waits at a collective, else the new leader).
     bool released = false;
     size_t live = 0, atBlock = 0;
+    // Warps whose every live lane waits at a collective (at most 1024 / 32 of them).
+    std::array<size_t, 1024 / kWarp> releasable;
+    size_t releasableCount = 0;
     for (size_t w = 0; w * kWarp < n; ++w) {
       size_t lanes = 0, atWarp = 0;
       for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
@@ -261,7 +273,16 @@ void runBlock(Grid &g, const ThreadCoords &base) {
         atBlock += s == State::AtBlockBarrier;
       }
       live += lanes;
-      if (atWarp > 0 && atWarp == lanes) {
+      if (atWarp > 0 && atWarp == lanes)
+        releasable[releasableCount++] = w;
+    }
+    if (releasableCount > 0) {
+      const size_t *begin = releasable.data(), *end = begin + releasableCount;
+      size_t w = oddInterval ? releasable[releasableCount - 1] : releasable[0];
+      if (std::find(begin, end, size_t(leader)) != end)
+        w = size_t(leader);
+      leader = int(w);
+      {
         uint32_t arrived = 0, exited = 0; // lanes past the block's size are neither
         for (size_t i = w * kWarp; i < std::min(n, (w + 1) * kWarp); ++i) {
           if (g.fibers[i].state == State::AtWarpBarrier)
@@ -293,6 +314,8 @@ void runBlock(Grid &g, const ThreadCoords &base) {
       for (size_t i = 0; i < n; ++i)
         if (g.fibers[i].state == State::AtBlockBarrier)
           g.fibers[i].state = State::Ready;
+      leader = -1;
+      oddInterval = !oddInterval;
       continue;
     }
     char message[256];

@@ -24,9 +24,11 @@
 // wait_group that covers it, never earlier), launch configuration limits (block size, the 48 KiB
 // dynamic shared memory default and cudaFuncSetAttribute raising it), and the launch error of a
 // refused launch through cudaGetLastError. Launches run in stream order (emu::enqueue). What is
-// not: timing, memory coalescing and bank conflicts, races inside one barrier interval (fibers
-// never interleave between barriers; successive intervals run the threads in opposite orders, so a
-// missing __syncthreads shows when the reader runs before the writer, but not always),
+// not: timing, memory coalescing and bank conflicts, every interleaving inside one barrier
+// interval (fibers switch only at barriers and collectives; passes alternate the thread order,
+// and one warp runs ahead of the others to the next __syncthreads, so a missing __syncthreads
+// shows when its reader runs before its writer, or a fast warp overwrites what a slow one still
+// reads, but not always),
 // out-of-bounds accesses (run the emulated test under ASan for them), __launch_bounds__ (a
 // launch above the bound runs here and fails on the GPU), registers and occupancy.
 //
