@@ -21,16 +21,16 @@
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
 // ISA's fragment layout), ldmatrix .x4 .trans (ldmatrixX4Trans; a row address that is not
 // 16-byte aligned ends the run), cp.async to dynamic shared memory (a copy lands at the
-// wait_group that covers it, never earlier), launch configuration limits (block size, the 48 KiB
-// dynamic shared memory default and cudaFuncSetAttribute raising it), and the launch error of a
-// refused launch through cudaGetLastError. Launches run in stream order (emu::enqueue). What is
-// not: timing, memory coalescing and bank conflicts, every interleaving inside one barrier
-// interval (fibers switch only at barriers and collectives; passes alternate the thread order,
-// and one warp runs ahead of the others to the next __syncthreads, so a missing __syncthreads
-// shows when its reader runs before its writer, or a fast warp overwrites what a slow one still
-// reads, but not always),
-// out-of-bounds accesses (run the emulated test under ASan for them), __launch_bounds__ (a
-// launch above the bound runs here and fails on the GPU), registers and occupancy.
+// wait_group that covers it, or in every other block at once), launch configuration limits (block
+// size, the 48 KiB dynamic shared memory default and cudaFuncSetAttribute raising it), and the
+// launch error of a refused launch through cudaGetLastError. Launches run in stream order
+// (emu::enqueue). What is not: timing, memory coalescing and bank conflicts, every interleaving
+// inside one barrier interval (fibers switch only at barriers and collectives; passes alternate the
+// thread order, and one warp runs ahead of the others to the next __syncthreads, so a missing
+// __syncthreads shows when its reader runs before its writer, or a fast warp overwrites what a slow
+// one still reads, but not always), out-of-bounds accesses (run the emulated test under ASan for
+// them), __launch_bounds__ (a launch above the bound runs here and fails on the GPU), registers and
+// occupancy.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H

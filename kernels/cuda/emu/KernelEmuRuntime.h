@@ -39,9 +39,9 @@ void mmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[
 /// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (Device.cuh's ldmatrixX4Trans): `row` is the
 /// lane's row address (16-byte aligned, else the run ends as on a GPU).
 void ldmatrixX4Trans(uint32_t (&r)[4], const void *row);
-/// cp.async.cg.shared.global of 16 bytes (Device.cuh's cpAsync16): queued, not copied; both
-/// addresses 16-byte aligned and `shared` in the block's dynamic shared memory, else the run
-/// ends.
+/// cp.async.cg.shared.global of 16 bytes (Device.cuh's cpAsync16): queued until a wait lands it
+/// (or, in every other block, copied at once); both addresses 16-byte aligned and `shared` in
+/// the block's dynamic shared memory, else the run ends.
 void cpAsync16(void *shared, const void *global);
 /// cp.async.commit_group: the queued copies become one group.
 void cpAsyncCommit();
