@@ -17,9 +17,9 @@
 //   llvm::Error allocate(Buffer &, size_t elements);            // a recv's buffer
 //   llvm::Error keepCopy(Buffer &, TensorView src);             // a kept input gradient
 //   static TensorView viewOf(Buffer &);
+// and the Backend calls that differ (beginStep, sumLocalEmbeddingCopies, optimizerStep).
 // Tensors are TensorViews (runtime/Tensor.h): the cpu stage's float spans convert to and from
 // them; the cuda stage's are in its compute type.
-// and the Backend calls that differ (beginStep, sumLocalEmbeddingCopies, optimizerStep).
 // `Base` is Backend or an interface derived from it (the cuda backend's CudaRankBackend).
 // Calls that cannot return an error (sendData, recvData) keep it: takeDeferred() returns it, and
 // compute() and afterAllReduce() report it first.
