@@ -207,6 +207,14 @@ TEST_P(CudaMatmulTest, ForwardWithBiasMatchesCpu) {
   EXPECT_CLOSE(download(out, ref.size(), dt), ref, tolerance(dt));
   ASSERT_OK(matmulForward(*ctx, dt, out.data(), dx.data(), dw.data(), nullptr, m.n, m.i, m.o));
   EXPECT_CLOSE(download(out, ref.size(), dt), refNoBias, tolerance(dt));
+  // A bias one element into its buffer (a slice of packed parameters: 2- or 4-byte aligned)
+  // takes the separate bias kernel instead of cuBLASLt's epilogue.
+  Vec shifted(bias.size() + 1, 0.0f);
+  std::copy(bias.begin(), bias.end(), shifted.begin() + 1);
+  DeviceBuffer dShifted = upload(shifted, dt);
+  const void *misaligned = static_cast<const char *>(dShifted.data()) + sizeOf(dt);
+  ASSERT_OK(matmulForward(*ctx, dt, out.data(), dx.data(), dw.data(), misaligned, m.n, m.i, m.o));
+  EXPECT_CLOSE(download(out, ref.size(), dt), ref, tolerance(dt));
 }
 
 TEST_P(CudaMatmulTest, BackwardInputMatchesCpu) {
@@ -440,6 +448,23 @@ TEST_P(CudaLossTest, ConvertRoundsToNearestEvenBothWays) {
   ASSERT_OK(convert(*ctx, dt, mid.data(), DType::F32, src.data(), n));
   ASSERT_OK(convert(*ctx, DType::F32, back.data(), dt, mid.data(), n));
   EXPECT_EQ(download(back, n, DType::F32), quantized(x, dt)); // exact: same rounding as the host
+}
+
+TEST_P(CudaLossTest, RowBiasAddsToEveryRowOfAStridedMatrix) {
+  // The matmuls' fallback for a bias the cuBLASLt epilogue cannot take (kernels/cuda/CudaOps.cpp).
+  const DType dt = GetParam();
+  const int n = 37, o = 45, ld = 50;
+  Vec out = quantized(randomVec(size_t(n) * ld, 61), dt), bias = quantized(randomVec(o, 62), dt);
+  Vec ref = out;
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < o; ++c)
+      ref[size_t(r) * ld + c] += bias[size_t(c)]; // columns past o stay as they are
+  ref = quantized(ref, dt);
+  DeviceBuffer dOut = upload(out, dt), dBias = upload(bias, dt);
+  ASSERT_EQ(launch::addRowBias(dt, dOut.data(), dBias.data(), n, o, ld,
+                               static_cast<cudaStream_t>(ctx->stream())),
+            cudaSuccess);
+  EXPECT_EQ(download(dOut, ref.size(), dt), ref); // one rounding, as the host's
 }
 
 TEST_F(GpuTest, AdamMatchesCpuOverThreeSteps) {

@@ -178,7 +178,11 @@ static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
       cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
   PIPEC_CUBLAS_TRY(
       cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
-  if (g.bias) {
+  // cuBLASLt takes no alignment preference for the bias, and a kernel it picks may assume 16
+  // bytes: a less aligned bias (a slice of a packed parameter buffer) is added after the GEMM by
+  // a kernel of ours instead (one more rounding of the output in bf16).
+  const bool biasEpilogue = g.bias && alignmentOf(g.bias) >= 16;
+  if (biasEpilogue) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     PIPEC_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc.handle, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                     &epilogue, sizeof(epilogue)));
@@ -196,14 +200,9 @@ static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
   // Algorithms are chosen for the operands' alignment (cuBLASLt assumes 256 bytes unless told),
   // so that pointers into the middle of a buffer (a K/V cache slice) stay valid.
   const uint32_t alignA = alignmentOf(g.a), alignB = alignmentOf(g.b), alignC = alignmentOf(g.c);
-  const uint32_t alignBias = g.bias ? alignmentOf(g.bias) : 256;
-  const std::array<int, 14> key{g.transA,      g.transB,
-                                g.m,           g.n,
-                                g.k,           g.lda,
-                                g.ldb,         g.ldc,
-                                int(g.abType), g.cIsF32,
-                                int(alignA),   int(alignB),
-                                int(alignC),   g.bias ? int(alignBias) : -1};
+  const std::array<int, 14> key{g.transA,    g.transB,    g.m,         g.n,           g.k,
+                                g.lda,       g.ldb,       g.ldc,       int(g.abType), g.cIsF32,
+                                int(alignA), int(alignB), int(alignC), biasEpilogue};
   auto cached = impl.algos.find(key);
   if (cached == impl.algos.end()) {
     Preference preference;
@@ -222,21 +221,26 @@ static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
                                                             sizeof(bytes)));
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
-    PIPEC_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(impl.lt, desc.handle, aLayout.handle,
-                                                    bLayout.handle, cLayout.handle, cLayout.handle,
-                                                    preference.handle, 1, &result, &found));
-    if (found == 0)
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        impl.lt, desc.handle, aLayout.handle, bLayout.handle, cLayout.handle, cLayout.handle,
+        preference.handle, 1, &result, &found);
+    if (status != CUBLAS_STATUS_NOT_SUPPORTED)
+      PIPEC_CUBLAS_TRY(status);
+    // No algorithm is NOT_SUPPORTED, or success with none found: either way, name the GEMM.
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0)
       return shapeError(fmt::format(
           "cublasLtMatmulAlgoGetHeuristic found no algorithm for m {} n {} k {} ({}, {} output, "
           "op {}{}{})",
           g.m, g.n, g.k, toString(g.abType), g.cIsF32 ? "fp32" : toString(g.abType),
-          g.transA ? 'T' : 'N', g.transB ? 'T' : 'N', g.bias ? ", bias" : ""));
+          g.transA ? 'T' : 'N', g.transB ? 'T' : 'N', biasEpilogue ? ", bias" : ""));
     cached = impl.algos.emplace(key, result.algo).first;
   }
   const float alpha = 1.0f;
   PIPEC_CUBLAS_TRY(cublasLtMatmul(impl.lt, desc.handle, &alpha, g.a, aLayout.handle, g.b,
                                   bLayout.handle, &g.beta, g.c, cLayout.handle, g.c, cLayout.handle,
                                   &cached->second, impl.workspace, kWorkspaceBytes, impl.stream));
+  if (g.bias && !biasEpilogue) // D is (m, n) column-major: n rows of m, ldc apart, row-major
+    PIPEC_CUDA_TRY(launch::addRowBias(g.abType, g.c, g.bias, g.n, g.m, g.ldc, impl.stream));
   return llvm::Error::success();
 }
 

@@ -93,6 +93,17 @@ __global__ void columnSumKernel(float *__restrict__ dBias, const T *__restrict__
   atomicAdd(dBias + col, sum);
 }
 
+template <typename T>
+__global__ void addRowBiasKernel(T *__restrict__ out, const T *__restrict__ bias, int n, int o,
+                                 int ld) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= size_t(n) * o)
+    return;
+  const int r = int(i / o), c = int(i % o);
+  T *at = out + size_t(r) * ld + c;
+  *at = fromFloat<T>(toFloat(*at) + toFloat(bias[c]));
+}
+
 } // namespace
 
 namespace launch {
@@ -154,6 +165,20 @@ cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int
     using T = std::remove_pointer_t<decltype(tag)>;
     PIPEC_LAUNCH(grid, kThreads, 0, stream, columnSumKernel<T>)
     (dBias, static_cast<const T *>(dOut), n, o);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t addRowBias(DType dtype, void *out, const void *bias, int n, int o, int ld,
+                       cudaStream_t stream) {
+  if (n == 0 || o == 0)
+    return cudaSuccess;
+  if (ld < o)
+    return cudaErrorInvalidValue;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    PIPEC_LAUNCH(ceilDiv(size_t(n) * o, kThreads), kThreads, 0, stream, addRowBiasKernel<T>)
+    (static_cast<T *>(out), static_cast<const T *>(bias), n, o, ld);
     return cudaGetLastError();
   });
 }

@@ -38,6 +38,9 @@ cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, si
 /// dBias (o) += column sums of dOut (n, o).
 cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
                                 cudaStream_t stream);
+/// out (n rows of o, `ld` apart) += bias (o) on every row; fp32 arithmetic, one rounding.
+cudaError_t addRowBias(DType dtype, void *out, const void *bias, int n, int o, int ld,
+                       cudaStream_t stream);
 
 // Layernorm.cu
 cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, const void *in,
