@@ -21,12 +21,22 @@ using Result = pipec::testing::CommandResult;
 
 Result run(const std::string &cmd) { return pipec::testing::runCommand(cmd); }
 
-std::string plan(const std::string &name, const std::string &flags) {
+std::string plan(const std::string &name, const std::string &flags,
+                 const std::string &model = "examples/tiny-gpt.json") {
   std::string path = tmpDir() + "/" + name + ".json";
-  Result r = run("tools/pipec compile --model examples/tiny-gpt.json " + flags + " -o " + path +
-                 " --quiet");
+  Result r = run("tools/pipec compile --model " + model + " " + flags + " -o " + path + " --quiet");
   EXPECT_EQ(r.code, 0) << r.err;
   return path;
+}
+
+/// examples/tiny-gpt.json with "dtype": `dtype` (it says "fp32"), compiled as 1f1b pp = 2.
+std::string tinyPlanInDtype(const std::string &dtype) {
+  std::string spec = pipec::testing::slurp("examples/tiny-gpt.json");
+  size_t at = spec.find("\"fp32\"");
+  EXPECT_NE(at, std::string::npos) << spec;
+  std::string model = tmpDir() + "/tiny-" + dtype + ".json";
+  std::ofstream(model) << spec.replace(at, 6, "\"" + dtype + "\"");
+  return plan(dtype + "-model", "--schedule 1f1b --pp 2 --microbatches 4", model);
 }
 
 TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck) {
@@ -53,16 +63,7 @@ TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
   // A model that says bf16 runs in bf16 without --dtype, and says so: its gradients are more
   // than 100 times further from the fp32 reference than those of the same plan with --dtype
   // fp32.
-  std::string model = tmpDir() + "/tiny-bf16.json";
-  std::string spec = pipec::testing::slurp("examples/tiny-gpt.json");
-  size_t at = spec.find("\"fp32\"");
-  ASSERT_NE(at, std::string::npos) << spec;
-  std::ofstream(model) << spec.replace(at, 6, "\"bf16\"");
-  std::string path = tmpDir() + "/bf16-model.json";
-  ASSERT_EQ(run("tools/pipec compile --model " + model +
-                " --schedule 1f1b --pp 2 --microbatches 4 -o " + path + " --quiet")
-                .code,
-            0);
+  std::string path = tinyPlanInDtype("bf16");
   Result fp32 = run("tools/piperun_emu " + path + " --backend cuda --dtype fp32 --check-reference");
   EXPECT_EQ(fp32.code, 0) << fp32.out << fp32.err;
   Result byModel = run("tools/piperun_emu " + path + " --backend cuda --check-reference");
@@ -79,14 +80,7 @@ TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
   ASSERT_GE(diff(byModel.out), 0) << byModel.out;
   EXPECT_GT(diff(byModel.out), 100 * diff(fp32.out)) << fp32.out << byModel.out;
   // A model in fp16, which no backend computes in: exit 2 naming the way out.
-  std::string fp16Model = tmpDir() + "/tiny-fp16.json";
-  spec.replace(spec.find("\"bf16\""), 6, "\"fp16\"");
-  std::ofstream(fp16Model) << spec;
-  std::string fp16Plan = tmpDir() + "/fp16-model.json";
-  ASSERT_EQ(run("tools/pipec compile --model " + fp16Model +
-                " --schedule 1f1b --pp 2 --microbatches 4 -o " + fp16Plan + " --quiet")
-                .code,
-            0);
+  std::string fp16Plan = tinyPlanInDtype("fp16");
   Result fp16 = run("tools/piperun_emu " + fp16Plan + " --backend cuda");
   EXPECT_EQ(fp16.code, 2) << fp16.out << fp16.err;
   EXPECT_NE(fp16.err.find("\"dtype\": \"fp16\", which --backend cuda does not compute in; "
