@@ -50,9 +50,10 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   EXPECT_GT(gpu->gradScale, 0);
   EXPECT_LE(gpu->maxAbsGradDiff, cudaGradTolerance(dtype) * gpu->gradScale)
       << "max |grad - reference| " << gpu->maxAbsGradDiff << " scale " << gpu->gradScale;
-  if (dtype == DType::BF16)
+  if (dtype == DType::BF16) {
     EXPECT_GT(gpu->maxAbsGradDiff, kCudaGradTolerance * gpu->gradScale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";
+  }
   const bool bf16 = dtype == DType::BF16;
   CpuRunOptions co;
   co.steps = steps;

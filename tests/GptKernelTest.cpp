@@ -402,6 +402,26 @@ TEST(GptKernelTest, ShardsConcatenateToTheFullInitialisation) {
   EXPECT_EQ(shard[shardQkvB + c], full[fullQkvB + 2 * c + c / 2]);
 }
 
+TEST(GptKernelTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
+  const GptConfig cfg = tinyConfig();
+  for (int tp : {2, 4})
+    for (int l = 0; l < cfg.numLayers(); ++l) {
+      std::vector<float> full(layerParamCount(cfg, l, 1));
+      for (size_t k = 0; k < full.size(); ++k)
+        full[k] = float(k); // every place its own value
+      std::vector<float> rebuilt(full.size(), -1.0f);
+      for (int r = 0; r < tp; ++r)
+        unshardLayer(cfg, l, r, tp, shardLayer(cfg, l, r, tp, full), rebuilt);
+      EXPECT_EQ(rebuilt, full) << "layer " << l << " tp " << tp;
+      // One rank writes exactly its own places: the others stay untouched.
+      std::vector<float> one(full.size(), -1.0f);
+      unshardLayer(cfg, l, /*tpRank=*/tp - 1, tp, shardLayer(cfg, l, tp - 1, tp, full), one);
+      const size_t written =
+          size_t(std::count_if(one.begin(), one.end(), [](float x) { return x >= 0; }));
+      EXPECT_EQ(written, layerParamCount(cfg, l, tp)) << "layer " << l << " tp " << tp;
+    }
+}
+
 TEST(GptKernelTest, SubSequenceSlicesGiveTheWholeSequenceLossAndGrads) {
   const GptConfig cfg = tinyConfig();
   const Batch batch = randomBatch(cfg, /*microbatches=*/2, /*seed=*/3);

@@ -10,8 +10,10 @@
 
 #include "compiler/Verifier.h"
 #include "ir/PlanText.h"
+#include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
+#include "runtime/cpu/Reference.h"
 #include "schedules/Policy.h"
 
 #include <cstdio>
@@ -218,6 +220,40 @@ TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
                 .find("token 40 at position 13 is outside the model's "
                       "vocab_size 32"),
             std::string::npos);
+}
+
+// ReferenceRun::adopt, which the bf16 reference check uses to take the run's gradients for its
+// optimizer step: what it adopts from a pp=2, tp=2 snapshot (sharded as the ranks hold it) is
+// exactly what compare() then finds, and it differs from what the reference computed itself.
+TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFinds) {
+  const Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                                  options("1f1b", /*pp=*/2, /*microbatches=*/2, 1, 1, /*tp=*/2));
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+  auto data = syntheticData(32, /*seed=*/7);
+  ReferenceRun ref(plan, *cfg, *data, /*seed=*/1, /*lr=*/1e-3f);
+  ref.step(0);
+  GradSnapshot snapshot; // every full layer tensor a pattern in [0.5, 12.5], then sharded
+  for (const StageInfo &st : plan.stages)
+    for (int t = 0; t < 2; ++t) {
+      std::vector<float> &mine = snapshot.byStageAndTp[{st.stage, t}];
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        std::vector<float> full(kernels::layerParamCount(*cfg, l, 1));
+        for (size_t k = 0; k < full.size(); ++k)
+          full[k] = 0.5f + float((k * 7 + size_t(l)) % 13);
+        std::vector<float> shard = kernels::shardLayer(*cfg, l, t, /*tp=*/2, full);
+        mine.insert(mine.end(), shard.begin(), shard.end());
+      }
+    }
+  double diff = 0, scale = 0;
+  ref.compare(snapshot, diff, scale);
+  EXPECT_GT(diff, 0.4) << "the pattern is not the reference's own gradients";
+  ref.adopt(snapshot);
+  diff = 0;
+  scale = 0;
+  ref.compare(snapshot, diff, scale);
+  EXPECT_EQ(diff, 0.0);
+  EXPECT_EQ(scale, 12.5);
 }
 
 } // namespace

@@ -29,6 +29,7 @@
 
 #include "kernels/cpu/Ops.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cmath>
 #include <numbers>
@@ -229,6 +230,41 @@ std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int t
     offset += size_t(t.rows) * t.cols;
   }
   return out;
+}
+
+void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span<const float> shard,
+                  std::span<float> full) {
+  assert(full.size() == layerParamCount(cfg, layer, 1) && "not a full layer tensor");
+  assert(shard.size() == layerParamCount(cfg, layer, tp) && "not a shard of the layer");
+  assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
+  const float *src = shard.data();
+  size_t offset = 0;
+  for (const TensorSpec &t : layerTensors(cfg, layer)) {
+    float *dst = full.data() + offset;
+    switch (t.shard) {
+    case Shard::Replicated:
+      std::copy_n(src, size_t(t.rows) * t.cols, dst);
+      src += size_t(t.rows) * t.cols;
+      break;
+    case Shard::Columns: {
+      const int groupCols = t.cols / t.groups, localCols = groupCols / tp;
+      for (int r = 0; r < t.rows; ++r)
+        for (int g = 0; g < t.groups; ++g) {
+          std::copy_n(src, localCols,
+                      dst + size_t(r) * t.cols + g * groupCols + tpRank * localCols);
+          src += localCols;
+        }
+      break;
+    }
+    case Shard::Rows: {
+      const size_t localRows = t.rows / tp;
+      std::copy_n(src, localRows * t.cols, dst + tpRank * localRows * t.cols);
+      src += localRows * t.cols;
+      break;
+    }
+    }
+    offset += size_t(t.rows) * t.cols;
+  }
 }
 
 /// What one block saved for one slice. Forward fills the first group; backward_input frees

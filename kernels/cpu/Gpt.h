@@ -63,6 +63,10 @@ std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed)
 /// of `tp` holds. Replicated tensors are copied whole.
 std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int tp,
                               std::span<const float> full);
+/// The reverse of shardLayer: writes tp rank `tpRank`'s part `shard` into its places in the
+/// full layer tensor `full` (the replicated tensors whole).
+void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span<const float> shard,
+                  std::span<float> full);
 
 /// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
 /// backward_input saved for backward_weight. Owned by StageCompute.

@@ -1,6 +1,8 @@
 #include "runtime/cpu/Reference.h"
 
+#include <cassert>
 #include <cmath>
+#include <span>
 
 namespace pipec {
 
@@ -70,6 +72,25 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, dou
           maxAbsDiff = std::max(maxAbsDiff, double(std::fabs(want[k] - mine[offset + k])));
         }
         offset += want.size();
+      }
+    }
+}
+
+void ReferenceRun::adopt(const GradSnapshot &snapshot) {
+  const int tp = plan.parallel.tp;
+  std::span<float> grads = sc.grads();
+  for (const StageInfo &st : plan.stages)
+    for (int t = 0; t < tp; ++t) {
+      auto it = snapshot.byStageAndTp.find({st.stage, t});
+      assert(it != snapshot.byStageAndTp.end() && "every stage and tp rank is snapshotted");
+      std::span<const float> mine = it->second;
+      size_t offset = 0;
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        auto [b, e] = sc.layerRange(l);
+        const size_t n = kernels::layerParamCount(cfg, l, tp);
+        assert(offset + n <= mine.size() && "snapshot shorter than the stage");
+        kernels::unshardLayer(cfg, l, t, tp, mine.subspan(offset, n), grads.subspan(b, e - b));
+        offset += n;
       }
     }
 }

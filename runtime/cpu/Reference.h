@@ -47,6 +47,10 @@ public:
   double step(int index);
   /// Fold the largest |snapshot - reference| and |reference| gradient into the two maxima.
   void compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale);
+  /// Replaces this step's reference gradients by the run's (every stage and tp rank of the
+  /// snapshot), so that update() takes the step the run takes and the next step starts from
+  /// the run's weights. A bf16 run compares each step at the same weights this way (CudaRun.h).
+  void adopt(const GradSnapshot &snapshot);
   /// The optimizer step.
   void update();
 

@@ -304,6 +304,8 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale);
       result.lastGrads = snapshot.byStageAndTp;
+      if (options.dtype == kernels::DType::BF16)
+        ref->adopt(snapshot); // CudaRunOptions::checkReference
       ref->update();
     }
     if (onStep)

@@ -539,6 +539,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale);
       result.lastGrads = snapshot.byStageAndTp;
+      if (o.dtype == kernels::DType::BF16)
+        ref->adopt(snapshot); // CudaRunOptions::checkReference
       ref->update();
     }
     // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
