@@ -175,7 +175,9 @@ struct Bench {
     const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
     void *q = buffer(qSize, dt), *k = buffer(kvSize, dt), *v = buffer(kvSize, dt);
     void *out = buffer(qSize, dt), *dOut = buffer(qSize, dt), *dq = buffer(qSize, dt);
-    void *dk = buffer(kvSize, dt), *dv = buffer(kvSize, dt);
+    // dK and dV are fp32 accumulators in both types (CudaOps.h).
+    auto *dk = static_cast<float *>(buffer(kvSize, DType::F32));
+    auto *dv = static_cast<float *>(buffer(kvSize, DType::F32));
     auto *lse = static_cast<float *>(buffer(size_t(s.batch) * s.heads * s.queries, DType::F32));
     // Visible (query, key) pairs: query a + t sees a + t + 1 keys.
     const double pairs = double(s.queries) * s.begin + double(s.queries) * (s.queries + 1) / 2.0;

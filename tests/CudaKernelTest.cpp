@@ -343,7 +343,8 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
   Vec q = quantized(randomVec(qSize, 40), dt), k = quantized(randomVec(kvSize, 41), dt);
   Vec v = quantized(randomVec(kvSize, 42), dt), dOut = quantized(randomVec(qSize, 43), dt);
-  Vec dk0 = quantized(randomVec(kvSize, 44), dt), dv0 = quantized(randomVec(kvSize, 45), dt);
+  // dk and dv are fp32 accumulators in both types (CudaOps.h): what they hold is added to.
+  Vec dk0 = randomVec(kvSize, 44), dv0 = randomVec(kvSize, 45);
   Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
   Vec refDq(qSize), refDk = dk0, refDv = dv0;
   cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
@@ -366,7 +367,8 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
       }
 
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, dt), gdv = upload(dv0, dt);
+  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
+               gdv = upload(dv0, DType::F32);
   DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
   DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
   // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core kernels.
@@ -381,13 +383,83 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
             tensorCores);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(),
-                              lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
+                              out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
   EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdk, kvSize, dt), refDk, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdv, kvSize, dt), refDv, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+}
+
+// Seq1F1B's attention over a whole sequence, slice by slice as the runtime runs it: each slice's
+// forward over the keys so far, then the backwards in reverse order, every one adding to the same
+// dK/dV. Held against
+//   - the CPU reference of the unsliced sequence (one causal attention over all T tokens): the
+//     slices' dQ and the accumulated dK/dV must be its gradients;
+//   - the same kernel run for each slice alone into zeroed buffers, summed on the host in double:
+//     the accumulated dK/dV must be that sum to fp32 rounding (1e-6 of the largest entry). A dK/dV
+//     stored in bf16 between slices is rounded once per slice (about 4e-3) and fails this.
+class CudaAttentionSlicesTest : public GpuTest,
+                                public ::testing::WithParamInterface<std::tuple<DType, int>> {};
+
+TEST_P(CudaAttentionSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequence) {
+  const DType dt = std::get<0>(GetParam());
+  const int hd = std::get<1>(GetParam());
+  const int heads = 2, slices = 4, x = 24, tokens = slices * x; // batch 1: slices are row ranges
+  const int width = heads * hd;
+  const size_t rowsSize = size_t(tokens) * width, sliceSize = size_t(x) * width;
+  Vec q = quantized(randomVec(rowsSize, 60), dt), k = quantized(randomVec(rowsSize, 61), dt);
+  Vec v = quantized(randomVec(rowsSize, 62), dt), dOut = quantized(randomVec(rowsSize, 63), dt);
+
+  const cpu::AttentionShape whole{1, tokens, 0, heads, hd};
+  Vec refOut(rowsSize), probs(size_t(heads) * tokens * tokens), refDq(rowsSize);
+  Vec refDk(rowsSize, 0.0f), refDv(rowsSize, 0.0f);
+  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), whole);
+  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
+                         q.data(), k.data(), v.data(), whole);
+
+  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt), gdOut = upload(dOut, dt);
+  DeviceBuffer out = allocate(rowsSize * sizeOf(dt)), dq = allocate(rowsSize * sizeOf(dt));
+  DeviceBuffer lse = allocate(size_t(slices) * heads * x * 4);
+  const Vec zeros(rowsSize, 0.0f);
+  DeviceBuffer dk = upload(zeros, DType::F32), dv = upload(zeros, DType::F32);
+  auto at = [&](const DeviceBuffer &b, size_t elements, DType type) {
+    return static_cast<char *>(b.data()) + elements * sizeOf(type);
+  };
+  auto shapeOf = [&](int slice) { return AttentionShape{1, x, slice * x, heads, hd}; };
+  auto backward = [&](int slice, float *dkInto, float *dvInto) {
+    const size_t rows = size_t(slice) * sliceSize;
+    return attentionBackward(*ctx, dt, at(dq, rows, dt), dkInto, dvInto, at(gdOut, rows, dt),
+                             at(out, rows, dt), lse.as<float>() + size_t(slice) * heads * x,
+                             at(gq, rows, dt), gk.data(), gv.data(), shapeOf(slice));
+  };
+  for (int slice = 0; slice < slices; ++slice) {
+    const size_t rows = size_t(slice) * sliceSize;
+    ASSERT_OK(attentionForward(*ctx, dt, at(out, rows, dt),
+                               lse.as<float>() + size_t(slice) * heads * x, at(gq, rows, dt),
+                               gk.data(), gv.data(), shapeOf(slice)));
+  }
+  for (int slice = slices - 1; slice >= 0; --slice)
+    ASSERT_OK(backward(slice, dk.as<float>(), dv.as<float>()));
+  const Vec gotDk = download(dk, rowsSize, DType::F32), gotDv = download(dv, rowsSize, DType::F32);
+  EXPECT_CLOSE(download(out, rowsSize, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(dq, rowsSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(gotDk, refDk, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(gotDv, refDv, tolerance(dt, /*longSums=*/true));
+
+  std::vector<double> sumDk(rowsSize, 0.0), sumDv(rowsSize, 0.0);
+  for (int slice = slices - 1; slice >= 0; --slice) {
+    DeviceBuffer oneDk = upload(zeros, DType::F32), oneDv = upload(zeros, DType::F32);
+    ASSERT_OK(backward(slice, oneDk.as<float>(), oneDv.as<float>()));
+    const Vec a = download(oneDk, rowsSize, DType::F32), b = download(oneDv, rowsSize, DType::F32);
+    for (size_t i = 0; i < rowsSize; ++i) {
+      sumDk[i] += a[i];
+      sumDv[i] += b[i];
+    }
+  }
+  EXPECT_CLOSE(gotDk, Vec(sumDk.begin(), sumDk.end()), 1e-6);
+  EXPECT_CLOSE(gotDv, Vec(sumDv.begin(), sumDv.end()), 1e-6);
 }
 
 const AttentionCase kAttentionCases[] = {
@@ -513,6 +585,14 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<std::tuple<DType, AttentionCase>> &info) {
       return std::string(toString(std::get<0>(info.param))) + "_" + std::get<1>(info.param).name;
     });
+// Head dim 64 takes the tensor-core kernels in bf16; 40 (not a multiple of 16) the SIMT ones.
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Values(64, 40, 16)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, int>> &info) {
+                           return std::string(toString(std::get<0>(info.param))) + "_hd" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 //===--- The checked funnel (no device needed) --------------------------===//
 

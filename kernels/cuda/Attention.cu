@@ -6,6 +6,8 @@
 //   q, out, dq   (B, x, H*hd)       row (b, t), head h at columns [h*hd, (h+1)*hd)
 //   k, v, dk, dv (a + x, B, H*hd)   position-major, so a slice's K/V append to the cache
 //   lse          (B, H, x)          fp32 log-sum-exp of a query row's scaled scores
+// dk and dv are fp32 in every compute type: each slice's backward adds to the gradients of all
+// earlier keys, so in bf16 they would be rounded once per slice.
 //
 // bf16 with a head dimension that is a multiple of 16 (at most 128) and 16-byte aligned tensors
 // runs on the tensor cores, forward and backward (the tensor-core kernels below); every other
@@ -221,15 +223,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dk, dv (a+x, B, H*hd) += over the queries t that see key j (a + t >= j):
+// dk, dv (a+x, B, H*hd) fp32 += over the queries t that see key j (a + t >= j):
 //   dv_j += p dO_t;  dk_j += dS q_t.
 // grid (ceil((a+x) / 8), B*H); warp w: key j = blockIdx.x * 8 + w.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    backwardKeyValueKernel(T *__restrict__ dk, T *__restrict__ dv, const T *__restrict__ dOut,
-                           const float *__restrict__ lse, const float *__restrict__ rowDot,
-                           const T *__restrict__ q, const T *__restrict__ k,
-                           const T *__restrict__ v, Dims s, float scale) {
+    backwardKeyValueKernel(float *__restrict__ dk, float *__restrict__ dv,
+                           const T *__restrict__ dOut, const float *__restrict__ lse,
+                           const float *__restrict__ rowDot, const T *__restrict__ q,
+                           const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
   float *qs = smem;                            // (32, hd + 1)
@@ -293,8 +295,8 @@ __global__ void __launch_bounds__(kThreads)
     const int d = lane + r * kWarp;
     if (d < hd) {
       const size_t at = s.kvRow(j, b, h) + d;
-      dk[at] = fromFloat<T>(toFloat(dk[at]) + dkAcc[r]);
-      dv[at] = fromFloat<T>(toFloat(dv[at]) + dvAcc[r]);
+      dk[at] += dkAcc[r];
+      dv[at] += dvAcc[r];
     }
   }
 }
@@ -304,16 +306,16 @@ __global__ void __launch_bounds__(kThreads)
 // FlashAttention-2's forward on mma.sync.m16n8k16 (bf16 in, fp32 accumulate): a block of four
 // warps owns 64 query rows, 16 per warp, and streams 64-key tiles of K and V through two shared
 // buffers: the next tile's cp.async copies are in flight while the current one is used (the
-// backward kernels stream theirs the same way). Per tile, a warp computes its 16 x 64 scores S = Q K^T (Q's fragments stay in
-// registers for the whole loop), masks them causally, updates the running row maxima and sums
-// (online softmax in base 2), rescales its output accumulators and adds P V, with P rounded to
-// bf16 as the A operand straight from the score accumulators (a 16 x 8 accumulator pair is
-// exactly a 16 x 16 A fragment). V stays row-major in shared memory; its B fragments (V's rows
-// are the k of P V) come from ldmatrix .trans, which also keeps the stores conflict-free. The row
-// sums stay per lane until the end (their scale factors are equal across the four lanes of a row),
-// then one shuffle pair reduces them. Warps whose rows are all past the slice, or whose rows all
-// precede a tile, skip its math (but not its barriers). Fragment layouts are the PTX ISA's
-// (Device.cuh, mmaBf16).
+// backward kernels stream theirs the same way). Per tile, a warp computes its 16 x 64 scores
+// S = Q K^T (Q's fragments stay in registers for the whole loop), masks them causally, updates
+// the running row maxima and sums (online softmax in base 2), rescales its output accumulators
+// and adds P V, with P rounded to bf16 as the A operand straight from the score accumulators (a
+// 16 x 8 accumulator pair is exactly a 16 x 16 A fragment). V stays row-major in shared memory;
+// its B fragments (V's rows are the k of P V) come from ldmatrix .trans, which also keeps the
+// stores conflict-free. The row sums stay per lane until the end (their scale factors are equal
+// across the four lanes of a row), then one shuffle pair reduces them. Warps whose rows are all
+// past the slice, or whose rows all precede a tile, skip its math (but not its barriers).
+// Fragment layouts are the PTX ISA's (Device.cuh, mmaBf16).
 
 namespace tc {
 constexpr int kWarps = 4;
@@ -444,28 +446,39 @@ __device__ __forceinline__ void accumulatorsToA(uint32_t (&a)[4], const float (&
   a[3] = pack(hi[2], hi[3]);
 }
 
-/// Adds acc * scale to the head's 16 rows [row0, row0 + 16) of `dst` (bf16, rows from
+/// Adds acc * scale to the head's 16 rows [row0, row0 + 16) of `dst` (bf16 or fp32, rows from
 /// `rowOffset`, those from `rows` on skipped): acc[dt] is the accumulator of dims [8 dt, 8 dt + 8).
 /// With `accumulate` false, writes instead of adding.
-template <int HD, typename RowOffset>
-__device__ void storeRows(bf16 *__restrict__ dst, const float (&acc)[HD / 8][4], float scale,
+template <int HD, typename Dst, typename RowOffset>
+__device__ void storeRows(Dst *__restrict__ dst, const float (&acc)[HD / 8][4], float scale,
                           bool accumulate, int row0, int rows, int g, int tg, RowOffset rowOffset) {
+  static_assert(std::is_same_v<Dst, bf16> || std::is_same_v<Dst, float>);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + g + 8 * half;
     if (row >= rows)
       continue;
-    bf16 *at = dst + rowOffset(row) + 2 * tg;
+    Dst *at = dst + rowOffset(row) + 2 * tg;
 #pragma unroll
     for (int dt = 0; dt < HD / 8; ++dt) {
       float2 value = make_float2(acc[dt][2 * half] * scale, acc[dt][2 * half + 1] * scale);
-      auto *pair = reinterpret_cast<__nv_bfloat162 *>(at + dt * 8);
-      if (accumulate) {
-        const float2 old = __bfloat1622float2(*pair);
-        value.x += old.x;
-        value.y += old.y;
+      if constexpr (std::is_same_v<Dst, float>) {
+        auto *pair = reinterpret_cast<float2 *>(at + dt * 8);
+        if (accumulate) {
+          const float2 old = *pair;
+          value.x += old.x;
+          value.y += old.y;
+        }
+        *pair = value;
+      } else {
+        auto *pair = reinterpret_cast<__nv_bfloat162 *>(at + dt * 8);
+        if (accumulate) {
+          const float2 old = __bfloat1622float2(*pair);
+          value.x += old.x;
+          value.y += old.y;
+        }
+        *pair = __floats2bfloat162_rn(value.x, value.y);
       }
-      *pair = __floats2bfloat162_rn(value.x, value.y);
     }
   }
 }
@@ -628,7 +641,7 @@ __global__ void __launch_bounds__(tc::kThreads)
 // fall in distinct banks); B operands whose k runs along the tile's rows come from ldmatrix
 // .trans.
 // P and dS are rounded to bf16 as A operands (as FlashAttention does); sums are fp32. dq is
-// written, dk and dv are added to (read, add, round to bf16), as the SIMT kernels do.
+// written (rounded to bf16); dk and dv are fp32 and added to, as in the SIMT kernels.
 
 namespace tc {
 /// Q and dO, and two buffers of K and V tiles.
@@ -728,11 +741,11 @@ __global__ void __launch_bounds__(tc::kThreads)
     tc::storeRows<HD>(dq, acc, scale, /*accumulate=*/false, m0 + r0, s.queries, g, tg, queryRow);
 }
 
-// dk, dv (a+x, B, H*hd) += the gradients of keys and values. grid (ceil((a+x) / 64), B*H),
+// dk, dv (a+x, B, H*hd) fp32 += the gradients of keys and values. grid (ceil((a+x) / 64), B*H),
 // block 128.
 template <int HD>
 __global__ void __launch_bounds__(tc::kThreads)
-    backwardKeyValueTensorCoreKernel(bf16 *__restrict__ dk, bf16 *__restrict__ dv,
+    backwardKeyValueTensorCoreKernel(float *__restrict__ dk, float *__restrict__ dv,
                                      const bf16 *__restrict__ dOut, const float *__restrict__ lse,
                                      const float *__restrict__ rowDot, const bf16 *__restrict__ q,
                                      const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
@@ -869,7 +882,7 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int HD>
-cudaError_t launchTensorCoreBackward(bf16 *dq, bf16 *dk, bf16 *dv, const bf16 *dOut,
+cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const float *rowDot, const bf16 *q,
                                      const bf16 *k, const bf16 *v, const Dims &s,
                                      cudaStream_t stream) {
@@ -948,7 +961,7 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
   });
 }
 
-cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const void *dOut,
+cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
                               const void *v, float *rowDot, AttentionDims dims,
                               cudaStream_t stream) {
@@ -972,9 +985,8 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
     if constexpr (std::is_same_v<T, bf16>)
       if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
         return withHeadDim(s.headDim, [&]<int HD>() {
-          return launchTensorCoreBackward<HD>(static_cast<bf16 *>(dq), static_cast<bf16 *>(dk),
-                                              static_cast<bf16 *>(dv), dOutT, lse, rowDot, qT, kT,
-                                              vT, s, stream);
+          return launchTensorCoreBackward<HD>(static_cast<bf16 *>(dq), dk, dv, dOutT, lse, rowDot,
+                                              qT, kT, vT, s, stream);
         });
     if (cudaError_t err = launchWithSmem(
             backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),
@@ -982,9 +994,8 @@ cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const v
             static_cast<const float *>(rowDot), qT, kT, vT, s, scale))
       return err;
     return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, kThreads, backwardKeySmem(s.headDim),
-                          backwardKeySmem(kMaxHeadDim), stream, static_cast<T *>(dk),
-                          static_cast<T *>(dv), dOutT, lse, static_cast<const float *>(rowDot), qT,
-                          kT, vT, s, scale);
+                          backwardKeySmem(kMaxHeadDim), stream, dk, dv, dOutT, lse,
+                          static_cast<const float *>(rowDot), qT, kT, vT, s, scale);
   });
 }
 

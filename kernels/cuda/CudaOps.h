@@ -174,8 +174,9 @@ struct AttentionShape {
 llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s);
 /// dq (B, x, H*hd) = the gradient of q; dk, dv (a + x, B, H*hd) += those of keys and values.
-/// `out` and `lse` are the forward's.
-llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
+/// `out` and `lse` are the forward's. dk and dv are fp32 in every compute type: Seq1F1B's slices
+/// all add to the gradients of the earlier keys, and a bf16 sum would round once per slice.
+llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *out, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s);
 

@@ -117,7 +117,7 @@ struct Scratch {
 };
 } // namespace
 
-llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
+llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *out, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s) {
   if (auto err = checkAttention("attentionBackward", s))

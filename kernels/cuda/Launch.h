@@ -63,8 +63,9 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
-/// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head).
-cudaError_t attentionBackward(DType dtype, void *dq, void *dk, void *dv, const void *dOut,
+/// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head); dk and
+/// dv are fp32 whatever `dtype` is.
+cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
                               const void *v, float *rowDot, AttentionDims s, cudaStream_t stream);
 

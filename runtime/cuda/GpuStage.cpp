@@ -121,9 +121,11 @@ struct SliceWork {
 };
 
 /// K/V of the whole sequence, allocated at slice 0 (position-major (T, B, Cl)); the CPU grows
-/// them slice by slice, the attention ops read only the first a + x rows.
+/// them slice by slice, the attention ops read only the first a + x rows. Their gradients are
+/// fp32 in both modes: every slice's backward adds to those of all the earlier keys.
 struct SequenceBlock {
-  Act k, v, dk, dv;
+  Act k, v;
+  Floats dk, dv;
 };
 
 struct SequenceWork {
@@ -447,8 +449,8 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part, TensorVie
                                           param(p.layer, AttnW), n, localC, c));
     SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
     if (sb.dk.empty()) { // the first backward of the microbatch
-      PIPEC_GPU_TRY(alloc(sb.dk, sb.k.size(), /*zero=*/true));
-      PIPEC_GPU_TRY(alloc(sb.dv, sb.v.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(sb.dk.allocate(mem(), sb.k.size(), /*zero=*/true));
+      PIPEC_GPU_TRY(sb.dv.allocate(mem(), sb.v.size(), /*zero=*/true));
     }
     PIPEC_GPU_TRY(alloc(dq, ncl));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};

@@ -83,8 +83,8 @@ __global__ void splitQkvKernel(T *__restrict__ q, T *__restrict__ k, T *__restri
 
 template <typename T>
 __global__ void gatherQkvKernel(T *__restrict__ dQkv, const T *__restrict__ dq,
-                                const T *__restrict__ dk, const T *__restrict__ dv, int n, int x,
-                                int batch, int begin, int cl) {
+                                const float *__restrict__ dk, const float *__restrict__ dv, int n,
+                                int x, int batch, int begin, int cl) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(n) * cl)
     return;
@@ -92,8 +92,8 @@ __global__ void gatherQkvKernel(T *__restrict__ dQkv, const T *__restrict__ dq,
   T *row = dQkv + size_t(r) * 3 * cl;
   size_t kv = kvRow(r, x, batch, begin) * cl + j;
   row[j] = dq[i];
-  row[cl + j] = dk[kv];
-  row[2 * cl + j] = dv[kv];
+  row[cl + j] = fromFloat<T>(dk[kv]);
+  row[2 * cl + j] = fromFloat<T>(dv[kv]);
 }
 
 __global__ void sumPairKernel(float *__restrict__ a, float *__restrict__ b, size_t n) {
@@ -190,7 +190,7 @@ cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, in
   return cudaGetLastError();
 }
 
-cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, const void *dv,
+cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
                       int n, int x, int batch, int begin, int cl, cudaStream_t stream) {
   size_t total = size_t(n) * cl;
   if (total == 0)
@@ -198,8 +198,7 @@ cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, c
   PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
     using T = std::remove_pointer_t<decltype(type)>;
     PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, gatherQkvKernel<T>)
-    (static_cast<T *>(dQkv), static_cast<const T *>(dq), static_cast<const T *>(dk),
-     static_cast<const T *>(dv), n, x, batch, begin, cl);
+    (static_cast<T *>(dQkv), static_cast<const T *>(dq), dk, dv, n, x, batch, begin, cl);
   });
   return cudaGetLastError();
 }

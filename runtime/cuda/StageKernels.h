@@ -39,8 +39,9 @@ cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void
 /// (T, B, cl) buffers.
 cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
                      int batch, int begin, int cl, cudaStream_t stream);
-/// The reverse: dQkv (n, 3 cl) = dq | dk rows | dv rows.
-cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, const void *dv,
+/// The reverse: dQkv (n, 3 cl) = dq | dk rows | dv rows; dk and dv are fp32 (the attention
+/// backward's accumulators), rounded to `dtype` here.
+cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
                       int n, int x, int batch, int begin, int cl, cudaStream_t stream);
 /// a (n) = b (n) = a + b (fp32: the tied embedding's two gradient copies).
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream);

@@ -151,7 +151,7 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
   });
 }
 
-llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk, void *dv,
+llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s) {
   // The real op takes scratch from the context's allocator: so does this one, so that the
@@ -165,14 +165,12 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, void *dk,
     const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
     Widened qw(q, qSize, dtype), kw(k, kvSize, dtype), vw(v, kvSize, dtype),
         dyw(dOut, qSize, dtype);
-    Narrowed dqn(dq, qSize, dtype), dkn(dk, kvSize, dtype, /*accumulate=*/true),
-        dvn(dv, kvSize, dtype, /*accumulate=*/true);
+    Narrowed dqn(dq, qSize, dtype);
     std::vector<float> probs = attentionProbs(qw.data, kw.data, lse, s);
-    ops::attentionBackward(dqn.data, dkn.data, dvn.data, dyw.data, probs.data(), qw.data, kw.data,
-                           vw.data, cpuShape(s));
+    // dk and dv are fp32 accumulators in every compute type: the CPU op adds to them in place.
+    ops::attentionBackward(dqn.data, dk, dv, dyw.data, probs.data(), qw.data, kw.data, vw.data,
+                           cpuShape(s));
     dqn.done();
-    dkn.done();
-    dvn.done();
   });
   from.release(*scratch);
   return err;

@@ -94,10 +94,10 @@ cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, in
   return cudaSuccess;
 }
 
-cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const void *dk, const void *dv,
+cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
                       int n, int x, int batch, int begin, int cl, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
-    Elements out(dQkv, dtype), qs(dq, dtype), ks(dk, dtype), vs(dv, dtype);
+    Elements out(dQkv, dtype), qs(dq, dtype), ks(dk, DType::F32), vs(dv, DType::F32);
     for (int r = 0; r < n; ++r) {
       const size_t row = size_t(r) * 3 * cl;
       const size_t kv = kvRow(r, x, batch, begin) * cl;
