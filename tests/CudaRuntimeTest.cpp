@@ -119,7 +119,7 @@ TEST_F(CudaRuntimeTest, ZbvOnOneRankPairWithTiedCopiesMatches) {
 }
 
 // bf16 (mixed precision): the pp = 4 plan of the GPU check, tp and dp sums of bf16 partials and
-// fp32 gradients, sub-sequences (K/V of earlier slices and their bf16 gradient accumulators),
+// fp32 gradients, sub-sequences (K/V of earlier slices and their fp32 gradient accumulators),
 // tied embeddings, a V-shape, and the tensor-core attention kernels (head dimension 16).
 TEST_F(CudaRuntimeTest, Bf16OneFOneBOnFourStagesIsWithinBf16Tolerance) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),

@@ -13,8 +13,9 @@
 // Precision. `DType::F32` is fp32 throughout (cuBLAS in strict fp32, no TF32), for the checks
 // against the CPU. `DType::BF16` stores activations and the weights used by the matmuls in
 // bf16 and accumulates in fp32; what must not lose bits stays fp32 in both modes: layernorm
-// statistics, softmax log-sum-exps, weight and bias gradients, and the optimizer's parameters
-// and moments (AdamW runs on fp32 master weights; `convert` makes the bf16 copy).
+// statistics, softmax log-sum-exps, weight and bias gradients, attention's dK/dV accumulators,
+// and the optimizer's parameters and moments (AdamW runs on fp32 master weights; `convert`
+// makes the bf16 copy).
 //
 // Where the CUDA API departs from the CPU one, it is to avoid quadratic buffers:
 //   - attention keeps a log-sum-exp per query row (B, H, x) instead of the probabilities
