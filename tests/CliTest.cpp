@@ -291,6 +291,9 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
   Result r = piperun(plan + " --backend cpu --steps 2 --check-reference");
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("max_abs_grad_diff="), std::string::npos) << r.out;
+  // ... and where its largest difference was (ReferenceRunTest checks the place itself).
+  EXPECT_NE(r.out.find("largest difference: step "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("against the reference's "), std::string::npos) << r.out;
 }
 
 TEST(PiperunTest, RefusesAPlanThatFailsVerification) {

@@ -402,6 +402,24 @@ TEST(GptKernelTest, ShardsConcatenateToTheFullInitialisation) {
   EXPECT_EQ(shard[shardQkvB + c], full[fullQkvB + 2 * c + c / 2]);
 }
 
+TEST(GptKernelTest, ParamNamesGiveTheTensorAndItsRowAndColumnOnTheRank) {
+  const GptConfig cfg = tinyConfig(); // channels 16, ffn 32, vocab 16, seq 8
+  const size_t c = 16;
+  EXPECT_EQ(paramName(cfg, 0, 1, 0), "wte[0, 0]");
+  EXPECT_EQ(paramName(cfg, 0, 1, 16 * c + 3), "wpe[0, 3]");
+  EXPECT_EQ(paramName(cfg, 1, 1, 5), "ln1.w[5]");
+  EXPECT_EQ(paramName(cfg, 1, 1, 2 * c + 3 * c + 7), "qkv.w[1, 7]");
+  // tp = 2: rank-local shapes (qkv.w is 16 x 24 on a rank, fc.w 16 x 16).
+  EXPECT_EQ(paramName(cfg, 1, 2, 2 * c + 24 + 7), "qkv.w[1, 7]");
+  const size_t fcW2 = 2 * c + 16 * 24 + 24 + 8 * 16 + c + 2 * c; // ln1, qkv, attn, ln2
+  EXPECT_EQ(paramName(cfg, 1, 2, fcW2 + 16 + 1), "fc.w[1, 1]");
+  const size_t block = layerParamCount(cfg, 1, 1);
+  EXPECT_EQ(paramName(cfg, 1, 1, block - 1), "proj.b[15]");
+  EXPECT_EQ(block, 2224u);
+  EXPECT_EQ(paramName(cfg, 1, 1, block), "element 2224 past the layer's 2224 parameters");
+  EXPECT_EQ(paramName(cfg, cfg.numLayers() - 1, 1, 2 * c + 1), "lm.w[0, 1]");
+}
+
 TEST(GptKernelTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
   const GptConfig cfg = tinyConfig();
   for (int tp : {2, 4})

@@ -254,6 +254,38 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFinds) {
   ref.compare(snapshot, diff, scale);
   EXPECT_EQ(diff, 0.0);
   EXPECT_EQ(scale, 12.5);
+
+  // compare() names the largest difference's place: one element of stage 1's tp rank 1 off by
+  // 2, in the rank's part of its first block's fc.w; then a NaN, which no finite one outweighs.
+  const StageInfo &st = plan.stages[1];
+  const int layer = st.layerBegin; // a block
+  ASSERT_EQ(kernels::layerKind(*cfg, layer), kernels::GptLayerKind::Block);
+  size_t offset = 0;
+  for (int l = st.layerBegin; l < layer; ++l)
+    offset += kernels::layerParamCount(*cfg, l, 2);
+  const int c = 16, f = 32; // tinyGpt: hidden 16, ffn 32; tp 2 halves qkv's and fc's columns
+  const size_t fcW = size_t(2 * c + c * 3 * c / 2 + 3 * c / 2 + c / 2 * c + c + 2 * c);
+  std::vector<float> &rank = snapshot.byStageAndTp[{st.stage, 1}];
+  const size_t at = offset + fcW + 3 * (f / 2) + 5; // row 3, column 5
+  const float want = rank[at];
+  rank[at] += 2.0f;
+  GradDiffPlace worst;
+  diff = 0;
+  ref.compare(snapshot, diff, scale, &worst, /*step=*/4);
+  EXPECT_FLOAT_EQ(diff, 2.0);
+  EXPECT_EQ(worst.step, 4);
+  EXPECT_EQ(worst.stage, st.stage);
+  EXPECT_EQ(worst.tpRank, 1);
+  EXPECT_EQ(worst.layer, layer);
+  EXPECT_EQ(worst.param, "fc.w[3, 5]");
+  EXPECT_EQ(worst.want, want);
+  EXPECT_EQ(worst.got, want + 2.0f);
+  snapshot.byStageAndTp[{0, 0}][7] = NAN;
+  ref.compare(snapshot, diff, scale, &worst, /*step=*/5);
+  EXPECT_EQ(diff, INFINITY) << "a NaN gradient must fail the check, not be skipped";
+  EXPECT_EQ(worst.step, 5);
+  EXPECT_EQ(worst.stage, 0);
+  EXPECT_EQ(worst.param, "wte[0, 7]");
 }
 
 } // namespace

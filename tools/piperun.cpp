@@ -154,6 +154,10 @@ llvm::Error run(int argc, char **argv) {
     fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
     fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
                result.maxAbsGradDiff, result.gradScale);
+    if (const GradDiffPlace &w = result.worstGrad; w.step >= 0)
+      fmt::print("largest difference: step {}, stage {} (tp rank {}), layer {}, {}: {:.6e} "
+                 "against the reference's {:.6e}\n",
+                 w.step, w.stage, w.tpRank, w.layer, w.param, w.got, w.want);
     double tolerance = relative * result.gradScale;
     if (result.maxAbsGradDiff > tolerance)
       return finding("gradients differ from the single-rank reference by {:.3e}, more than {} "

@@ -33,6 +33,7 @@
 #include <cassert>
 #include <cmath>
 #include <numbers>
+#include <string>
 
 namespace pipec::kernels {
 
@@ -49,6 +50,7 @@ struct TensorSpec {
   Shard shard;
   int groups;
   Init init;
+  const char *name;
 };
 
 enum BlockTensor {
@@ -73,25 +75,25 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
   const int c = cfg.channels, v = cfg.vocab, f = cfg.ffn;
   switch (layerKind(cfg, layer)) {
   case GptLayerKind::Embedding:
-    return {{v, c, Shard::Replicated, 1, Init::Normal},
-            {cfg.seqLen, c, Shard::Replicated, 1, Init::Normal}};
+    return {{v, c, Shard::Replicated, 1, Init::Normal, "wte"},
+            {cfg.seqLen, c, Shard::Replicated, 1, Init::Normal, "wpe"}};
   case GptLayerKind::Block:
-    return {{1, c, Shard::Replicated, 1, Init::Ones},    // ln1.w
-            {1, c, Shard::Replicated, 1, Init::Zeros},   // ln1.b
-            {c, 3 * c, Shard::Columns, 3, Init::Normal}, // qkv.w
-            {1, 3 * c, Shard::Columns, 3, Init::Zeros},  // qkv.b
-            {c, c, Shard::Rows, 1, Init::Normal},        // attn.w
-            {1, c, Shard::Replicated, 1, Init::Zeros},   // attn.b
-            {1, c, Shard::Replicated, 1, Init::Ones},    // ln2.w
-            {1, c, Shard::Replicated, 1, Init::Zeros},   // ln2.b
-            {c, f, Shard::Columns, 1, Init::Normal},     // fc.w
-            {1, f, Shard::Columns, 1, Init::Zeros},      // fc.b
-            {f, c, Shard::Rows, 1, Init::Normal},        // proj.w
-            {1, c, Shard::Replicated, 1, Init::Zeros}};  // proj.b
+    return {{1, c, Shard::Replicated, 1, Init::Ones, "ln1.w"},
+            {1, c, Shard::Replicated, 1, Init::Zeros, "ln1.b"},
+            {c, 3 * c, Shard::Columns, 3, Init::Normal, "qkv.w"},
+            {1, 3 * c, Shard::Columns, 3, Init::Zeros, "qkv.b"},
+            {c, c, Shard::Rows, 1, Init::Normal, "attn.w"},
+            {1, c, Shard::Replicated, 1, Init::Zeros, "attn.b"},
+            {1, c, Shard::Replicated, 1, Init::Ones, "ln2.w"},
+            {1, c, Shard::Replicated, 1, Init::Zeros, "ln2.b"},
+            {c, f, Shard::Columns, 1, Init::Normal, "fc.w"},
+            {1, f, Shard::Columns, 1, Init::Zeros, "fc.b"},
+            {f, c, Shard::Rows, 1, Init::Normal, "proj.w"},
+            {1, c, Shard::Replicated, 1, Init::Zeros, "proj.b"}};
   case GptLayerKind::Head:
-    return {{1, c, Shard::Replicated, 1, Init::Ones},
-            {1, c, Shard::Replicated, 1, Init::Zeros},
-            {v, c, Shard::Replicated, 1, Init::Normal}};
+    return {{1, c, Shard::Replicated, 1, Init::Ones, "lnf.w"},
+            {1, c, Shard::Replicated, 1, Init::Zeros, "lnf.b"},
+            {v, c, Shard::Replicated, 1, Init::Normal, "lm.w"}};
   }
   assert(false && "unknown layer kind");
   return {};
@@ -265,6 +267,23 @@ void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span
     }
     offset += size_t(t.rows) * t.cols;
   }
+}
+
+std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
+  size_t begin = 0;
+  for (const TensorSpec &t : layerTensors(cfg, layer)) {
+    const size_t n = localSize(t, tp);
+    if (index < begin + n) {
+      const size_t at = index - begin, cols = n / size_t(t.rows);
+      if (t.rows == 1)
+        return std::string(t.name) + "[" + std::to_string(at) + "]";
+      return std::string(t.name) + "[" + std::to_string(at / cols) + ", " +
+             std::to_string(at % cols) + "]";
+    }
+    begin += n;
+  }
+  return "element " + std::to_string(index) + " past the layer's " + std::to_string(begin) +
+         " parameters";
 }
 
 /// What one block saved for one slice. Forward fills the first group; backward_input frees

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -67,6 +68,9 @@ std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int t
 /// full layer tensor `full` (the replicated tensors whole).
 void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span<const float> shard,
                   std::span<float> full);
+/// The name of element `index` of a layer's parameters (or gradients) on a tp rank, with its
+/// place in that rank's part of the tensor: "qkv.w[3, 17]" (row, column), "ln1.b[5]".
+std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
 
 /// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
 /// backward_input saved for backward_weight. Owned by StageCompute.

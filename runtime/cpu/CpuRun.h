@@ -13,6 +13,7 @@
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
 #include "runtime/Interpreter.h"
+#include "runtime/cpu/Reference.h"
 
 #include <functional>
 #include <vector>
@@ -33,6 +34,7 @@ struct CpuRunResult {
   std::vector<double> referenceLosses; // with checkReference
   double maxAbsGradDiff = 0;           // over all steps and parameters
   double gradScale = 0;                // max |reference gradient|
+  GradDiffPlace worstGrad;             // where maxAbsGradDiff was
 };
 
 /// The model a plan describes, for the CPU kernels; an InputError when the plan has no

@@ -55,7 +55,8 @@ double ReferenceRun::step(int index) {
   return loss; // (one stage holding both tied copies sums their gradients itself)
 }
 
-void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale) {
+void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale,
+                           GradDiffPlace *worst, int step) {
   int tp = plan.parallel.tp;
   for (const StageInfo &st : plan.stages)
     for (int t = 0; t < tp; ++t) {
@@ -69,7 +70,14 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, dou
         assert(offset + want.size() <= mine.size() && "snapshot shorter than the stage");
         for (size_t k = 0; k < want.size(); ++k) {
           scale = std::max(scale, double(std::fabs(want[k])));
-          maxAbsDiff = std::max(maxAbsDiff, double(std::fabs(want[k] - mine[offset + k])));
+          const double diff = std::fabs(double(want[k]) - double(mine[offset + k]));
+          if (!(diff <= maxAbsDiff)) { // also a NaN, once
+            maxAbsDiff = std::isnan(diff) ? INFINITY : diff;
+            if (worst)
+              *worst = GradDiffPlace{
+                  step,   st.stage, t, l, kernels::paramName(cfg, l, tp, k), mine[offset + k],
+                  want[k]};
+          }
         }
         offset += want.size();
       }

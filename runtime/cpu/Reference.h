@@ -15,6 +15,7 @@
 
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -38,6 +39,15 @@ struct GradSnapshot {
   std::map<std::pair<int, int>, std::vector<float>> byStageAndTp;
 };
 
+/// Where the largest gradient difference of a reference check was: the step, the stage and tp
+/// rank that computed it, the layer, and the parameter (kernels::paramName). step < 0: none yet.
+struct GradDiffPlace {
+  int step = -1;
+  int stage = 0, tpRank = 0, layer = 0;
+  std::string param;
+  double got = 0, want = 0;
+};
+
 /// The single-rank reference run.
 class ReferenceRun {
 public:
@@ -45,8 +55,10 @@ public:
                uint64_t seed, float lr);
   /// One step's forwards and backwards; returns its loss. Gradients stay until update().
   double step(int index);
-  /// Fold the largest |snapshot - reference| and |reference| gradient into the two maxima.
-  void compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale);
+  /// Fold the largest |snapshot - reference| and |reference| gradient into the two maxima; a
+  /// difference larger than `maxAbsDiff` was also moves `worst` to its place (step `step`).
+  void compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale,
+               GradDiffPlace *worst = nullptr, int step = -1);
   /// Replaces this step's reference gradients by the run's (every stage and tp rank of the
   /// snapshot), so that update() takes the step the run takes and the next step starts from
   /// the run's weights. A bf16 run compares each step at the same weights this way (CudaRun.h).

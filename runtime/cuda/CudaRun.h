@@ -25,6 +25,7 @@
 #include "runtime/Backend.h"
 #include "runtime/Data.h"
 #include "runtime/Interpreter.h"
+#include "runtime/cpu/Reference.h"
 
 #include "llvm/Support/Error.h"
 
@@ -59,6 +60,7 @@ struct CudaRunResult {
   std::vector<double> referenceLosses; // with checkReference (CPU, single rank)
   double maxAbsGradDiff = 0;           // over all steps and parameters
   double gradScale = 0;                // max |reference gradient|
+  GradDiffPlace worstGrad;             // where maxAbsGradDiff was
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
