@@ -47,11 +47,14 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   o.dtype = dtype;
   auto gpu = runOnCuda(plan, *data, o);
   ASSERT_TRUE(bool(gpu)) << takeMessage(gpu.takeError());
-  EXPECT_GT(gpu->gradScale, 0);
-  EXPECT_LE(gpu->maxAbsGradDiff, cudaGradTolerance(dtype) * gpu->gradScale)
-      << "max |grad - reference| " << gpu->maxAbsGradDiff << " scale " << gpu->gradScale;
+  EXPECT_GT(gpu->grads.scale, 0);
+  EXPECT_LE(gpu->grads.maxAbsDiff, cudaGradTolerance(dtype) * gpu->grads.scale)
+      << "max |grad - reference| " << gpu->grads.maxAbsDiff << " scale " << gpu->grads.scale;
+  EXPECT_LE(gpu->grads.maxTensorDiff, cudaTensorGradTolerance(dtype))
+      << "worst tensor at layer " << gpu->grads.worstTensor.layer << " "
+      << gpu->grads.worstTensor.param;
   if (dtype == DType::BF16) {
-    EXPECT_GT(gpu->maxAbsGradDiff, kCudaGradTolerance * gpu->gradScale)
+    EXPECT_GT(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";
   }
   const bool bf16 = dtype == DType::BF16;

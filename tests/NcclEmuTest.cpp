@@ -96,12 +96,16 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
         << "rank " << r << ": " << takeMessage(results[size_t(r)].takeError());
   CudaRunResult &root = *results[0];
   ASSERT_EQ(root.referenceLosses.size(), 2u);
-  EXPECT_GT(root.gradScale, 0);
-  EXPECT_LE(root.maxAbsGradDiff, cudaGradTolerance(c.dtype) * root.gradScale)
-      << "max |grad - reference| " << root.maxAbsGradDiff << " scale " << root.gradScale;
-  if (bf16)
-    EXPECT_GT(root.maxAbsGradDiff, kCudaGradTolerance * root.gradScale)
+  EXPECT_GT(root.grads.scale, 0);
+  EXPECT_LE(root.grads.maxAbsDiff, cudaGradTolerance(c.dtype) * root.grads.scale)
+      << "max |grad - reference| " << root.grads.maxAbsDiff << " scale " << root.grads.scale;
+  EXPECT_LE(root.grads.maxTensorDiff, cudaTensorGradTolerance(c.dtype))
+      << "worst tensor at layer " << root.grads.worstTensor.layer << " "
+      << root.grads.worstTensor.param;
+  if (bf16) {
+    EXPECT_GT(root.grads.maxAbsDiff, kCudaGradTolerance * root.grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";
+  }
   // Every (stage, tp) block of replica 0 took part in the comparison.
   EXPECT_EQ(root.lastGrads.size(), plan.stages.size() * size_t(pc.tp));
   CpuRunOptions co;

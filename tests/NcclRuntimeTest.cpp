@@ -61,8 +61,9 @@ TEST_F(NcclRuntimeTest, OneProcessGivesTheReferenceGradientsAndTheCpuLosses) {
   auto gpu = runOnNccl(plan, *data, o, env, [&](int, double loss) { printed.push_back(loss); });
   ASSERT_TRUE(bool(gpu)) << takeMessage(gpu.takeError());
   EXPECT_EQ(printed, gpu->losses);
-  EXPECT_GT(gpu->gradScale, 0);
-  EXPECT_LE(gpu->maxAbsGradDiff, kCudaGradTolerance * gpu->gradScale);
+  EXPECT_GT(gpu->grads.scale, 0);
+  EXPECT_LE(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale);
+  EXPECT_LE(gpu->grads.maxTensorDiff, kTensorGradTolerance);
   CpuRunOptions co;
   co.steps = 3;
   auto cpu = runOnCpu(plan, *data, co);

@@ -32,9 +32,11 @@ void expectMatchesReference(const Plan &plan, int steps = 2) {
   o.timeoutSeconds = 20;
   auto result = runOnCpu(plan, *data, o);
   ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
-  EXPECT_GT(result->gradScale, 0);
-  EXPECT_LE(result->maxAbsGradDiff, 1e-5 * result->gradScale)
-      << "max |grad - reference| " << result->maxAbsGradDiff << " scale " << result->gradScale;
+  EXPECT_GT(result->grads.scale, 0);
+  EXPECT_LE(result->grads.maxAbsDiff, 1e-5 * result->grads.scale)
+      << "max |grad - reference| " << result->grads.maxAbsDiff << " scale " << result->grads.scale;
+  EXPECT_LE(result->grads.maxTensorDiff, kTensorGradTolerance)
+      << "worst tensor at " << result->grads.worstTensor.param;
   for (int s = 0; s < steps; ++s)
     EXPECT_NEAR(result->losses[size_t(s)], result->referenceLosses[size_t(s)], 1e-5);
 }
@@ -223,9 +225,9 @@ TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
 }
 
 // ReferenceRun::adopt, which the bf16 reference check uses to take the run's gradients for its
-// optimizer step: what it adopts from a pp=2, tp=2 snapshot (sharded as the ranks hold it) is
-// exactly what compare() then finds, and it differs from what the reference computed itself.
-TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFinds) {
+// optimizer step, and compare(), which finds and places differences: what adopt() takes from a
+// pp=2, tp=2 snapshot (sharded as the ranks hold it) is exactly what compare() then finds.
+TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlaced) {
   const Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
                                   options("1f1b", /*pp=*/2, /*microbatches=*/2, 1, 1, /*tp=*/2));
   auto cfg = gptConfigOf(plan);
@@ -245,47 +247,71 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFinds) {
         mine.insert(mine.end(), shard.begin(), shard.end());
       }
     }
-  double diff = 0, scale = 0;
-  ref.compare(snapshot, diff, scale);
-  EXPECT_GT(diff, 0.4) << "the pattern is not the reference's own gradients";
+  // Stage 0's first block (layer 1, after the embedding) gets small ln1.b gradients, 0.05 (above
+  // the floor of a tensor's scale, 1e-3 of the largest gradient).
+  const int c = 16, f = 32; // tinyGpt: hidden 16, ffn 32; tp 2 halves qkv's and fc's columns
+  const size_t block1 = kernels::layerParamCount(*cfg, 0, 2), ln1b = block1 + c;
+  for (int t = 0; t < 2; ++t) // replicated: both ranks hold it
+    for (int k = 0; k < c; ++k)
+      snapshot.byStageAndTp[{0, t}][ln1b + size_t(k)] = 0.05f;
+  GradCheck before;
+  ref.compare(snapshot, before, /*step=*/0);
+  EXPECT_GT(before.maxAbsDiff, 0.4) << "the pattern is not the reference's own gradients";
   ref.adopt(snapshot);
-  diff = 0;
-  scale = 0;
-  ref.compare(snapshot, diff, scale);
-  EXPECT_EQ(diff, 0.0);
-  EXPECT_EQ(scale, 12.5);
+  GradCheck same;
+  ref.compare(snapshot, same, /*step=*/0);
+  EXPECT_EQ(same.maxAbsDiff, 0.0);
+  EXPECT_EQ(same.maxTensorDiff, 0.0);
+  EXPECT_EQ(same.scale, 12.5);
+  EXPECT_EQ(same.worst.step, -1) << "no difference, no place";
 
-  // compare() names the largest difference's place: one element of stage 1's tp rank 1 off by
-  // 2, in the rank's part of its first block's fc.w; then a NaN, which no finite one outweighs.
+  // One element of stage 1's tp rank 1 off by 2, in the rank's part of its first block's fc.w.
   const StageInfo &st = plan.stages[1];
   const int layer = st.layerBegin; // a block
   ASSERT_EQ(kernels::layerKind(*cfg, layer), kernels::GptLayerKind::Block);
   size_t offset = 0;
   for (int l = st.layerBegin; l < layer; ++l)
     offset += kernels::layerParamCount(*cfg, l, 2);
-  const int c = 16, f = 32; // tinyGpt: hidden 16, ffn 32; tp 2 halves qkv's and fc's columns
   const size_t fcW = size_t(2 * c + c * 3 * c / 2 + 3 * c / 2 + c / 2 * c + c + 2 * c);
   std::vector<float> &rank = snapshot.byStageAndTp[{st.stage, 1}];
   const size_t at = offset + fcW + 3 * (f / 2) + 5; // row 3, column 5
   const float want = rank[at];
   rank[at] += 2.0f;
-  GradDiffPlace worst;
-  diff = 0;
-  ref.compare(snapshot, diff, scale, &worst, /*step=*/4);
-  EXPECT_FLOAT_EQ(diff, 2.0);
-  EXPECT_EQ(worst.step, 4);
-  EXPECT_EQ(worst.stage, st.stage);
-  EXPECT_EQ(worst.tpRank, 1);
-  EXPECT_EQ(worst.layer, layer);
-  EXPECT_EQ(worst.param, "fc.w[3, 5]");
-  EXPECT_EQ(worst.want, want);
-  EXPECT_EQ(worst.got, want + 2.0f);
+  GradCheck off;
+  ref.compare(snapshot, off, /*step=*/4);
+  EXPECT_FLOAT_EQ(off.maxAbsDiff, 2.0);
+  EXPECT_EQ(off.worst.step, 4);
+  EXPECT_EQ(off.worst.stage, st.stage);
+  EXPECT_EQ(off.worst.tpRank, 1);
+  EXPECT_EQ(off.worst.layer, layer);
+  EXPECT_EQ(off.worst.param, "fc.w[3, 5]");
+  EXPECT_EQ(off.worst.want, want);
+  EXPECT_EQ(off.worst.got, want + 2.0f);
+  EXPECT_FLOAT_EQ(off.maxTensorDiff, 2.0 / 12.5); // fc.w's largest gradient is 12.5
+  EXPECT_EQ(off.worstTensor.param, "fc.w[3, 5]");
+  rank[at] = want;
+
+  // ln1.b's gradients with the wrong sign: 0.1 is under 1 % of the largest gradient, 12.5, but
+  // twice the tensor's own.
+  for (int k = 0; k < c; ++k)
+    snapshot.byStageAndTp[{0, 0}][ln1b + size_t(k)] = -0.05f;
+  GradCheck flipped;
+  ref.compare(snapshot, flipped, /*step=*/1);
+  EXPECT_LT(flipped.maxAbsDiff, 1e-2 * flipped.scale);
+  EXPECT_FLOAT_EQ(flipped.maxTensorDiff, 2.0);
+  EXPECT_EQ(flipped.worstTensor.stage, 0);
+  EXPECT_EQ(flipped.worstTensor.tpRank, 0);
+  EXPECT_EQ(flipped.worstTensor.layer, 1);
+  EXPECT_EQ(flipped.worstTensor.param, "ln1.b[0]");
+
+  // A NaN, which no finite difference outweighs.
   snapshot.byStageAndTp[{0, 0}][7] = NAN;
-  ref.compare(snapshot, diff, scale, &worst, /*step=*/5);
-  EXPECT_EQ(diff, INFINITY) << "a NaN gradient must fail the check, not be skipped";
-  EXPECT_EQ(worst.step, 5);
-  EXPECT_EQ(worst.stage, 0);
-  EXPECT_EQ(worst.param, "wte[0, 7]");
+  ref.compare(snapshot, flipped, /*step=*/5);
+  EXPECT_EQ(flipped.maxAbsDiff, INFINITY) << "a NaN gradient must fail the check, not be skipped";
+  EXPECT_EQ(flipped.maxTensorDiff, INFINITY);
+  EXPECT_EQ(flipped.worst.step, 5);
+  EXPECT_EQ(flipped.worst.stage, 0);
+  EXPECT_EQ(flipped.worst.param, "wte[0, 7]");
 }
 
 } // namespace

@@ -147,22 +147,38 @@ llvm::Error run(int argc, char **argv) {
     std::fflush(stdout);
   };
   // The reference check's report, the same for both backends' results.
-  auto check = [&](const auto &result, double relative) -> llvm::Error {
+  // `relative`: the tolerance as a fraction of the largest reference gradient; `perTensor`: as a
+  // fraction of each tensor's own (GradCheck).
+  auto check = [&](const auto &result, double relative, double perTensor) -> llvm::Error {
     // (With --backend nccl only RANK 0 runs the reference.)
     if (!o.checkReference || result.referenceLosses.empty())
       return llvm::Error::success();
+    const GradCheck &g = result.grads;
+    auto where = [](const GradDiffPlace &w) {
+      return fmt::format("step {}, stage {} (tp rank {}), layer {}, {}: {:.6e} against the "
+                         "reference's {:.6e}",
+                         w.step, w.stage, w.tpRank, w.layer, w.param, w.got, w.want);
+    };
     fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
-    fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
-               result.maxAbsGradDiff, result.gradScale);
-    if (const GradDiffPlace &w = result.worstGrad; w.step >= 0)
-      fmt::print("largest difference: step {}, stage {} (tp rank {}), layer {}, {}: {:.6e} "
-                 "against the reference's {:.6e}\n",
-                 w.step, w.stage, w.tpRank, w.layer, w.param, w.got, w.want);
-    double tolerance = relative * result.gradScale;
-    if (result.maxAbsGradDiff > tolerance)
+    fmt::print("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n", g.maxAbsDiff,
+               g.scale);
+    if (g.worst.step >= 0)
+      fmt::print("largest difference: {}\n", where(g.worst));
+    if (g.worstTensor.step >= 0)
+      fmt::print("max_tensor_grad_diff={:.3e} (of the tensor's largest reference gradient): {}\n",
+                 g.maxTensorDiff, where(g.worstTensor));
+    const double tolerance = relative * g.scale;
+    if (g.maxAbsDiff > tolerance)
       return finding("gradients differ from the single-rank reference by {:.3e}, more than {} "
                      "of the gradient scale ({:.3e})",
-                     result.maxAbsGradDiff, relativeText(relative), tolerance);
+                     g.maxAbsDiff, relativeText(relative), tolerance);
+    if (g.maxTensorDiff > perTensor) {
+      const GradDiffPlace &w = g.worstTensor;
+      const std::string tensor = w.param.substr(0, w.param.find('['));
+      return finding("the gradient of {} (layer {}, stage {}, tp rank {}) differs from the "
+                     "single-rank reference by {:.3e} of its largest value, more than {:g}",
+                     tensor, w.layer, w.stage, w.tpRank, g.maxTensorDiff, perTensor);
+    }
     return llvm::Error::success();
   };
 #ifdef PIPEC_HAS_CUDA
@@ -205,7 +221,7 @@ llvm::Error run(int argc, char **argv) {
       return result.takeError();
     if (env->rank == 0)
       printArenas(*result, "this process's rank 0");
-    return check(*result, cudaGradTolerance(co.dtype));
+    return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
 #endif
   }
 #ifdef PIPEC_HAS_CUDA
@@ -222,13 +238,13 @@ llvm::Error run(int argc, char **argv) {
     if (!result)
       return result.takeError();
     printArenas(*result, "every rank, in RANK order");
-    return check(*result, cudaGradTolerance(co.dtype));
+    return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
   }
 #endif
   auto result = runOnCpu(*plan, *data, o, printStep);
   if (!result)
     return result.takeError();
-  return check(*result, 1e-5);
+  return check(*result, 1e-5, kTensorGradTolerance);
 }
 
 } // namespace

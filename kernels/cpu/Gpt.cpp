@@ -269,6 +269,10 @@ void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span
   }
 }
 
+std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp) {
+  return tensorOffsets(cfg, layer, tp);
+}
+
 std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
   size_t begin = 0;
   for (const TensorSpec &t : layerTensors(cfg, layer)) {

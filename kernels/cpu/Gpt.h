@@ -71,6 +71,9 @@ void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span
 /// The name of element `index` of a layer's parameters (or gradients) on a tp rank, with its
 /// place in that rank's part of the tensor: "qkv.w[3, 17]" (row, column), "ln1.b[5]".
 std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
+/// Where each of a layer's tensors begins within its parameters on a tp rank, and the total
+/// at the end (one more entry than the layer has tensors).
+std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp);
 
 /// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
 /// backward_input saved for backward_weight. Owned by StageCompute.

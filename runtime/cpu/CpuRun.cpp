@@ -182,7 +182,7 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     result.losses.push_back(loss);
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
-      ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale, &result.worstGrad, s);
+      ref->compare(snapshot, result.grads, s);
       ref->update();
     }
     if (onStep)

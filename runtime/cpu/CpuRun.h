@@ -32,9 +32,7 @@ struct CpuRunOptions {
 struct CpuRunResult {
   std::vector<double> losses;          // global mean loss per step
   std::vector<double> referenceLosses; // with checkReference
-  double maxAbsGradDiff = 0;           // over all steps and parameters
-  double gradScale = 0;                // max |reference gradient|
-  GradDiffPlace worstGrad;             // where maxAbsGradDiff was
+  GradCheck grads;                     // with checkReference, over all steps
 };
 
 /// The model a plan describes, for the CPU kernels; an InputError when the plan has no

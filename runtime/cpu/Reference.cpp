@@ -55,9 +55,15 @@ double ReferenceRun::step(int index) {
   return loss; // (one stage holding both tied copies sums their gradients itself)
 }
 
-void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, double &scale,
-                           GradDiffPlace *worst, int step) {
-  int tp = plan.parallel.tp;
+void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int step) {
+  const int tp = plan.parallel.tp;
+  // Per tensor: its largest difference and reference gradient, and where the difference was.
+  struct Tensor {
+    double diff, scale;
+    GradDiffPlace place;
+  };
+  std::vector<Tensor> tensors;
+  double stepScale = 0;
   for (const StageInfo &st : plan.stages)
     for (int t = 0; t < tp; ++t) {
       auto it = snapshot.byStageAndTp.find({st.stage, t});
@@ -68,20 +74,44 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, double &maxAbsDiff, dou
         auto [b, e] = sc.layerRange(l);
         std::vector<float> want = kernels::shardLayer(cfg, l, t, tp, sc.grads().subspan(b, e - b));
         assert(offset + want.size() <= mine.size() && "snapshot shorter than the stage");
-        for (size_t k = 0; k < want.size(); ++k) {
-          scale = std::max(scale, double(std::fabs(want[k])));
-          const double diff = std::fabs(double(want[k]) - double(mine[offset + k]));
-          if (!(diff <= maxAbsDiff)) { // also a NaN, once
-            maxAbsDiff = std::isnan(diff) ? INFINITY : diff;
-            if (worst)
-              *worst = GradDiffPlace{
-                  step,   st.stage, t, l, kernels::paramName(cfg, l, tp, k), mine[offset + k],
-                  want[k]};
+        const std::vector<size_t> bounds = kernels::paramTensorOffsets(cfg, l, tp);
+        auto placeOf = [&](size_t k) {
+          return GradDiffPlace{
+              step, st.stage, t, l, kernels::paramName(cfg, l, tp, k), mine[offset + k], want[k]};
+        };
+        for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+          double tensorDiff = 0, tensorScale = 0;
+          size_t worstAt = bounds[i];
+          for (size_t k = bounds[i]; k < bounds[i + 1]; ++k) {
+            tensorScale = std::max(tensorScale, double(std::fabs(want[k])));
+            double diff = std::fabs(double(want[k]) - double(mine[offset + k]));
+            if (std::isnan(diff))
+              diff = INFINITY;
+            if (diff > tensorDiff) {
+              tensorDiff = diff;
+              worstAt = k;
+            }
           }
+          stepScale = std::max(stepScale, tensorScale);
+          if (bounds[i] == bounds[i + 1])
+            continue;
+          if (tensorDiff > check.maxAbsDiff) {
+            check.maxAbsDiff = tensorDiff;
+            check.worst = placeOf(worstAt);
+          }
+          tensors.push_back({tensorDiff, tensorScale, placeOf(worstAt)});
         }
         offset += want.size();
       }
     }
+  check.scale = std::max(check.scale, stepScale);
+  for (Tensor &t : tensors) {
+    const double relative = t.diff / std::max(t.scale, 1e-3 * stepScale);
+    if (relative > check.maxTensorDiff) {
+      check.maxTensorDiff = relative;
+      check.worstTensor = std::move(t.place);
+    }
+  }
 }
 
 void ReferenceRun::adopt(const GradSnapshot &snapshot) {

@@ -302,7 +302,7 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     result.losses.push_back(loss);
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
-      ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale, &result.worstGrad, s);
+      ref->compare(snapshot, result.grads, s);
       result.lastGrads = snapshot.byStageAndTp;
       if (options.dtype == kernels::DType::BF16)
         ref->adopt(snapshot); // CudaRunOptions::checkReference

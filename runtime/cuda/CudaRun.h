@@ -58,9 +58,7 @@ struct CudaRunOptions {
 struct CudaRunResult {
   std::vector<double> losses;          // global mean loss per step
   std::vector<double> referenceLosses; // with checkReference (CPU, single rank)
-  double maxAbsGradDiff = 0;           // over all steps and parameters
-  double gradScale = 0;                // max |reference gradient|
-  GradDiffPlace worstGrad;             // where maxAbsGradDiff was
+  GradCheck grads;                     // with checkReference, over all steps
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
@@ -79,6 +77,10 @@ inline constexpr double kCudaBf16GradTolerance = 5e-2;
 /// The tolerance for `dtype`.
 inline double cudaGradTolerance(kernels::DType dtype) {
   return dtype == kernels::DType::BF16 ? kCudaBf16GradTolerance : kCudaGradTolerance;
+}
+/// The per-tensor tolerance for `dtype` (GradCheck::maxTensorDiff, runtime/cpu/Reference.h).
+inline double cudaTensorGradTolerance(kernels::DType dtype) {
+  return dtype == kernels::DType::BF16 ? kBf16TensorGradTolerance : kTensorGradTolerance;
 }
 
 /// GPUs visible to this process; an error (naming the CUDA call) when none can be used.

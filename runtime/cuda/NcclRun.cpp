@@ -537,7 +537,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       }
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
-      ref->compare(snapshot, result.maxAbsGradDiff, result.gradScale, &result.worstGrad, s);
+      ref->compare(snapshot, result.grads, s);
       result.lastGrads = snapshot.byStageAndTp;
       if (o.dtype == kernels::DType::BF16)
         ref->adopt(snapshot); // CudaRunOptions::checkReference
