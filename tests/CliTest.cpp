@@ -293,6 +293,7 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
   EXPECT_NE(r.out.find("max_abs_grad_diff="), std::string::npos) << r.out;
   // ... and where its largest difference was (ReferenceRunTest checks the place itself).
   EXPECT_NE(r.out.find("largest difference: step "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("max_tensor_grad_diff="), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("against the reference's "), std::string::npos) << r.out;
 }
 

@@ -413,6 +413,13 @@ TEST(GptKernelTest, ParamNamesGiveTheTensorAndItsRowAndColumnOnTheRank) {
   EXPECT_EQ(paramName(cfg, 1, 2, 2 * c + 24 + 7), "qkv.w[1, 7]");
   const size_t fcW2 = 2 * c + 16 * 24 + 24 + 8 * 16 + c + 2 * c; // ln1, qkv, attn, ln2
   EXPECT_EQ(paramName(cfg, 1, 2, fcW2 + 16 + 1), "fc.w[1, 1]");
+  // Row-parallel tensors: a rank holds rows / tp of them (attn.w 8 x 16, proj.w 16 x 16).
+  const size_t attnW2 = 2 * c + 16 * 24 + 24;
+  EXPECT_EQ(paramName(cfg, 1, 2, attnW2 + 16), "attn.w[1, 0]");
+  EXPECT_EQ(paramName(cfg, 1, 2, attnW2 + 8 * 16 - 1), "attn.w[7, 15]");
+  const size_t projW2 = fcW2 + 16 * 16 + 16; // fc.w, fc.b
+  EXPECT_EQ(paramName(cfg, 1, 2, projW2 + 16 * 16 - 1), "proj.w[15, 15]");
+  EXPECT_EQ(paramName(cfg, 1, 2, projW2 + 16 * 16), "proj.b[0]");
   const size_t block = layerParamCount(cfg, 1, 1);
   EXPECT_EQ(paramName(cfg, 1, 1, block - 1), "proj.b[15]");
   EXPECT_EQ(block, 2224u);

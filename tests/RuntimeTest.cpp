@@ -304,6 +304,20 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
   EXPECT_EQ(flipped.worstTensor.layer, 1);
   EXPECT_EQ(flipped.worstTensor.param, "ln1.b[0]");
 
+  // An infinite gradient in the reference (here adopted from the run): an infinite difference,
+  // and not the scale (which would make every tolerance infinite).
+  GradSnapshot broken;
+  broken.byStageAndTp = snapshot.byStageAndTp;
+  broken.byStageAndTp[{1, 0}][3] = INFINITY;
+  ref.adopt(broken);
+  GradCheck infinite;
+  ref.compare(broken, infinite, /*step=*/2);
+  EXPECT_EQ(infinite.maxAbsDiff, INFINITY);
+  EXPECT_EQ(infinite.maxTensorDiff, INFINITY);
+  EXPECT_EQ(infinite.scale, 12.5);
+  EXPECT_EQ(infinite.worst.stage, 1);
+  ref.adopt(snapshot);
+
   // A NaN, which no finite difference outweighs.
   snapshot.byStageAndTp[{0, 0}][7] = NAN;
   ref.compare(snapshot, flipped, /*step=*/5);
@@ -312,6 +326,46 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
   EXPECT_EQ(flipped.worst.step, 5);
   EXPECT_EQ(flipped.worst.stage, 0);
   EXPECT_EQ(flipped.worst.param, "wte[0, 7]");
+}
+
+// What piperun prints and decides from a GradCheck (judgeGradCheck, gradCheckReport).
+TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
+  auto passes = [](llvm::Error err) {
+    if (!err)
+      return true;
+    ADD_FAILURE() << takeMessage(std::move(err));
+    return false;
+  };
+  GradCheck g;
+  g.scale = 0.5;
+  EXPECT_EQ(gradCheckReport(g), "max_abs_grad_diff=0.000e+00 (largest reference gradient "
+                                "5.000e-01)\nmax_tensor_grad_diff=0.000e+00 (of the tensor's "
+                                "largest reference gradient)\n");
+  EXPECT_TRUE(passes(judgeGradCheck(g, 1e-5, 1e-3)));
+
+  g.maxAbsDiff = 4e-6; // 8e-6 of the scale: under 1e-5
+  g.worst = GradDiffPlace{3, 1, 0, 4, "qkv.w[2, 5]", 0.25, 0.250004};
+  g.maxTensorDiff = 2e-3; // over 1e-3 of the tensor's own
+  g.worstTensor = GradDiffPlace{2, 0, 1, 1, "ln1.b[7]", -1e-3, 1e-3};
+  const std::string report = gradCheckReport(g);
+  EXPECT_NE(report.find("largest difference: step 3, stage 1 (tp rank 0), layer 4, qkv.w[2, 5]: "
+                        "2.500000e-01 against the reference's 2.500040e-01\n"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("max_tensor_grad_diff=2.000e-03 (of the tensor's largest reference "
+                        "gradient): step 2, stage 0 (tp rank 1), layer 1, ln1.b[7]"),
+            std::string::npos)
+      << report;
+  EXPECT_EQ(errorText(judgeGradCheck(g, 1e-5, 1e-3)),
+            "the gradient of ln1.b (layer 1, stage 0, tp rank 1) differs from the single-rank "
+            "reference by 2.000e-03 of the tensor's largest reference gradient, more than 0.001");
+  EXPECT_TRUE(passes(judgeGradCheck(g, 1e-5, 0.15))); // bf16's per-tensor bound
+
+  g.maxAbsDiff = INFINITY;
+  g.worst.got = NAN;
+  EXPECT_EQ(errorText(judgeGradCheck(g, 1e-5, 0.15)),
+            "gradients differ from the single-rank reference by inf, more than 1e-5 of the "
+            "gradient scale (5.000e-06) (the run's gradient there is NaN)");
 }
 
 } // namespace

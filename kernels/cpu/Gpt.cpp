@@ -278,8 +278,9 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
   for (const TensorSpec &t : layerTensors(cfg, layer)) {
     const size_t n = localSize(t, tp);
     if (index < begin + n) {
-      const size_t at = index - begin, cols = n / size_t(t.rows);
-      if (t.rows == 1)
+      const size_t rows = size_t(t.shard == Shard::Rows ? t.rows / tp : t.rows);
+      const size_t at = index - begin, cols = n / rows;
+      if (rows == 1)
         return std::string(t.name) + "[" + std::to_string(at) + "]";
       return std::string(t.name) + "[" + std::to_string(at / cols) + ", " +
              std::to_string(at % cols) + "]";

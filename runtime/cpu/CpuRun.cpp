@@ -183,6 +183,7 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     if (ref) {
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.grads, s);
+      ref->adopt(snapshot); // ReferenceRun::adopt: the next step starts from the run's weights
       ref->update();
     }
     if (onStep)

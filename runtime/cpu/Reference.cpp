@@ -1,5 +1,9 @@
 #include "runtime/cpu/Reference.h"
 
+#include "ir/Error.h"
+
+#include <fmt/format.h>
+
 #include <cassert>
 #include <cmath>
 #include <span>
@@ -83,8 +87,12 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int s
           double tensorDiff = 0, tensorScale = 0;
           size_t worstAt = bounds[i];
           for (size_t k = bounds[i]; k < bounds[i + 1]; ++k) {
-            tensorScale = std::max(tensorScale, double(std::fabs(want[k])));
-            double diff = std::fabs(double(want[k]) - double(mine[offset + k]));
+            const double w = want[k];
+            double diff = std::fabs(w - double(mine[offset + k]));
+            if (std::isfinite(w))
+              tensorScale = std::max(tensorScale, std::fabs(w));
+            else
+              diff = INFINITY; // a broken reference must not pass, nor widen the tolerance
             if (std::isnan(diff))
               diff = INFINITY;
             if (diff > tensorDiff) {
@@ -131,6 +139,54 @@ void ReferenceRun::adopt(const GradSnapshot &snapshot) {
         offset += n;
       }
     }
+}
+
+namespace {
+std::string placeText(const GradDiffPlace &w) {
+  return fmt::format("step {}, stage {} (tp rank {}), layer {}, {}: {:.6e} against the "
+                     "reference's {:.6e}",
+                     w.step, w.stage, w.tpRank, w.layer, w.param, w.got, w.want);
+}
+
+/// 1e-5, 5e-2: a tolerance as the docs write it.
+std::string toleranceText(double relative) {
+  std::string text = fmt::format("{:.0e}", relative); // "1e-05"
+  if (size_t e = text.find("e-0"); e != std::string::npos)
+    text.erase(e + 2, 1);
+  return text;
+}
+
+const char *nanNote(const GradDiffPlace &w) {
+  return std::isnan(w.got) ? " (the run's gradient there is NaN)" : "";
+}
+} // namespace
+
+std::string gradCheckReport(const GradCheck &g) {
+  std::string out = fmt::format("max_abs_grad_diff={:.3e} (largest reference gradient {:.3e})\n",
+                                g.maxAbsDiff, g.scale);
+  if (g.worst.step >= 0) // (no place: every gradient equal to the reference's)
+    out += fmt::format("largest difference: {}\n", placeText(g.worst));
+  out +=
+      fmt::format("max_tensor_grad_diff={:.3e} (of the tensor's largest reference gradient){}\n",
+                  g.maxTensorDiff, g.worstTensor.step >= 0 ? ": " + placeText(g.worstTensor) : "");
+  return out;
+}
+
+llvm::Error judgeGradCheck(const GradCheck &g, double relative, double perTensor) {
+  const double tolerance = relative * g.scale;
+  if (g.maxAbsDiff > tolerance)
+    return finding("gradients differ from the single-rank reference by {:.3e}, more than {} of "
+                   "the gradient scale ({:.3e}){}",
+                   g.maxAbsDiff, toleranceText(relative), tolerance, nanNote(g.worst));
+  if (g.maxTensorDiff > perTensor) {
+    const GradDiffPlace &w = g.worstTensor;
+    return finding("the gradient of {} (layer {}, stage {}, tp rank {}) differs from the "
+                   "single-rank reference by {:.3e} of the tensor's largest reference gradient, "
+                   "more than {:g}{}",
+                   w.param.substr(0, w.param.find('[')), w.layer, w.stage, w.tpRank,
+                   g.maxTensorDiff, perTensor, nanNote(w));
+  }
+  return llvm::Error::success();
 }
 
 void ReferenceRun::update() { sc.adamStep(lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay); }

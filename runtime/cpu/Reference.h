@@ -13,6 +13,8 @@
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
 
+#include <llvm/Support/Error.h>
+
 #include <map>
 #include <mutex>
 #include <string>
@@ -61,9 +63,18 @@ struct GradCheck {
   GradDiffPlace worstTensor; // the worst element of that tensor
 };
 
-/// The per-tensor tolerances of every backend's check: fp32 (observed: below 4e-5, the CPU
-/// loops and the GPU kernels summing in other orders), and bf16 against the fp32 reference
-/// (observed: up to 3e-2, a layernorm weight's gradient).
+/// What --check-reference prints for `check`, a line each: "max_abs_grad_diff=..." (with the
+/// largest reference gradient), "largest difference: <place>" (when there is one) and
+/// "max_tensor_grad_diff=...[: <place>]".
+std::string gradCheckReport(const GradCheck &check);
+/// A finding (ir/Error.h; exit 1) when `check` exceeds `relative` of its scale or `perTensor`
+/// of a tensor's own, in one line naming the tolerance and, per tensor, the tensor and where it
+/// is; success otherwise.
+llvm::Error judgeGradCheck(const GradCheck &check, double relative, double perTensor);
+
+/// The per-tensor tolerances of every backend's check: fp32 (observed on the emulated device:
+/// up to 1e-6, the CPU loops and the GPU kernels summing in other orders), and bf16 against the
+/// fp32 reference (observed: up to 3e-2, a layernorm weight's or wpe's gradient).
 inline constexpr double kTensorGradTolerance = 1e-3;
 inline constexpr double kBf16TensorGradTolerance = 0.15;
 
@@ -75,11 +86,17 @@ public:
   /// One step's forwards and backwards; returns its loss. Gradients stay until update().
   double step(int index);
   /// Folds step `step`'s differences between `snapshot` and the reference into `check`. A NaN
-  /// gradient counts as an infinite difference.
+  /// or infinite gradient, on either side, counts as an infinite difference (and not towards
+  /// the scale).
   void compare(const GradSnapshot &snapshot, GradCheck &check, int step);
   /// Replaces this step's reference gradients by the run's (every stage and tp rank of the
   /// snapshot), so that update() takes the step the run takes and the next step starts from
-  /// the run's weights. A bf16 run compares each step at the same weights this way (CudaRun.h).
+  /// the run's weights. Every backend's check does this after compare(), so that each step
+  /// compares the gradients of the same weights. Left to train on its own, the reference
+  /// drifts: AdamW's first steps move every weight by about lr whatever the size of its
+  /// gradient, so a near-zero gradient whose sign another summation order (or bf16) flips puts
+  /// the two runs on different weights, and later steps compare different models. A wrong
+  /// optimizer step in the run still shows, in the next step's gradients.
   void adopt(const GradSnapshot &snapshot);
   /// The optimizer step.
   void update();

@@ -304,8 +304,7 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.grads, s);
       result.lastGrads = snapshot.byStageAndTp;
-      if (options.dtype == kernels::DType::BF16)
-        ref->adopt(snapshot); // CudaRunOptions::checkReference
+      ref->adopt(snapshot); // ReferenceRun::adopt: the next step starts from the run's weights
       ref->update();
     }
     if (onStep)

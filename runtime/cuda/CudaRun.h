@@ -42,12 +42,8 @@ struct CudaRunOptions {
   int steps = 1;
   uint64_t seed = 1;
   float lr = 1e-3f;
-  /// Also run the CPU single-rank reference and compare every step's gradients. In fp32 the
-  /// reference trains on its own (the whole trajectory is checked); in bf16 it takes the run's
-  /// gradients for its optimizer step (ReferenceRun::adopt), so that every step compares the
-  /// gradients of the same weights. AdamW's first steps move a weight by about lr whatever the
-  /// size of its gradient, so a near-zero gradient whose sign bf16 flips would otherwise leave
-  /// the two runs on different weights, and later steps would compare different models.
+  /// Also run the CPU single-rank reference and compare every step's gradients
+  /// (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck).
   bool checkReference = false;
   double timeoutSeconds = 60;
   int device = 0;

@@ -539,8 +539,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       result.referenceLosses.push_back(ref->step(s));
       ref->compare(snapshot, result.grads, s);
       result.lastGrads = snapshot.byStageAndTp;
-      if (o.dtype == kernels::DType::BF16)
-        ref->adopt(snapshot); // CudaRunOptions::checkReference
+      ref->adopt(snapshot); // ReferenceRun::adopt: the next step starts from the run's weights
       ref->update();
     }
     // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
