@@ -446,13 +446,26 @@ __device__ __forceinline__ void accumulatorsToA(uint32_t (&a)[4], const float (&
   a[3] = pack(hi[2], hi[3]);
 }
 
+/// Two adjacent elements as a float2, and back (rounded to nearest for bf16).
+__device__ __forceinline__ float2 loadPair(const float *p) {
+  return *reinterpret_cast<const float2 *>(p);
+}
+__device__ __forceinline__ float2 loadPair(const bf16 *p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
+}
+__device__ __forceinline__ void storePair(float *p, float2 v) {
+  *reinterpret_cast<float2 *>(p) = v;
+}
+__device__ __forceinline__ void storePair(bf16 *p, float2 v) {
+  *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(v.x, v.y);
+}
+
 /// Adds acc * scale to the head's 16 rows [row0, row0 + 16) of `dst` (bf16 or fp32, rows from
 /// `rowOffset`, those from `rows` on skipped): acc[dt] is the accumulator of dims [8 dt, 8 dt + 8).
 /// With `accumulate` false, writes instead of adding.
 template <int HD, typename Dst, typename RowOffset>
 __device__ void storeRows(Dst *__restrict__ dst, const float (&acc)[HD / 8][4], float scale,
                           bool accumulate, int row0, int rows, int g, int tg, RowOffset rowOffset) {
-  static_assert(std::is_same_v<Dst, bf16> || std::is_same_v<Dst, float>);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + g + 8 * half;
@@ -462,23 +475,12 @@ __device__ void storeRows(Dst *__restrict__ dst, const float (&acc)[HD / 8][4], 
 #pragma unroll
     for (int dt = 0; dt < HD / 8; ++dt) {
       float2 value = make_float2(acc[dt][2 * half] * scale, acc[dt][2 * half + 1] * scale);
-      if constexpr (std::is_same_v<Dst, float>) {
-        auto *pair = reinterpret_cast<float2 *>(at + dt * 8);
-        if (accumulate) {
-          const float2 old = *pair;
-          value.x += old.x;
-          value.y += old.y;
-        }
-        *pair = value;
-      } else {
-        auto *pair = reinterpret_cast<__nv_bfloat162 *>(at + dt * 8);
-        if (accumulate) {
-          const float2 old = __bfloat1622float2(*pair);
-          value.x += old.x;
-          value.y += old.y;
-        }
-        *pair = __floats2bfloat162_rn(value.x, value.y);
+      if (accumulate) {
+        const float2 old = loadPair(at + dt * 8);
+        value.x += old.x;
+        value.y += old.y;
       }
+      storePair(at + dt * 8, value);
     }
   }
 }
