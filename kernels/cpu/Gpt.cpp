@@ -199,38 +199,46 @@ std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed)
   return out;
 }
 
+namespace {
+/// Calls `piece(fullOffset, count)` for each run of a full layer tensor that tp rank `tpRank`
+/// holds, in the order the rank stores them (so the shard is their concatenation).
+template <typename Piece>
+void forEachShardPiece(const GptConfig &cfg, int layer, int tpRank, int tp, Piece &&piece) {
+  size_t offset = 0;
+  for (const TensorSpec &t : layerTensors(cfg, layer)) {
+    switch (t.shard) {
+    case Shard::Replicated:
+      piece(offset, size_t(t.rows) * t.cols);
+      break;
+    case Shard::Columns: {
+      // Each of the `groups` column blocks (q, k, v) is split into tp equal pieces.
+      const int groupCols = t.cols / t.groups, localCols = groupCols / tp;
+      for (int r = 0; r < t.rows; ++r)
+        for (int g = 0; g < t.groups; ++g)
+          piece(offset + size_t(r) * t.cols + g * groupCols + tpRank * localCols,
+                size_t(localCols));
+      break;
+    }
+    case Shard::Rows: {
+      const size_t localRows = t.rows / tp;
+      piece(offset + tpRank * localRows * t.cols, localRows * t.cols);
+      break;
+    }
+    }
+    offset += size_t(t.rows) * t.cols;
+  }
+}
+} // namespace
+
 std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int tp,
                               std::span<const float> full) {
   assert(full.size() == layerParamCount(cfg, layer, 1) && "not a full layer tensor");
   assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
   std::vector<float> out;
   out.reserve(layerParamCount(cfg, layer, tp));
-  size_t offset = 0;
-  for (const TensorSpec &t : layerTensors(cfg, layer)) {
-    const float *src = full.data() + offset;
-    switch (t.shard) {
-    case Shard::Replicated:
-      out.insert(out.end(), src, src + size_t(t.rows) * t.cols);
-      break;
-    case Shard::Columns: {
-      // Each of the `groups` column blocks (q, k, v) is split into tp equal pieces.
-      const int groupCols = t.cols / t.groups, localCols = groupCols / tp;
-      for (int r = 0; r < t.rows; ++r)
-        for (int g = 0; g < t.groups; ++g) {
-          const float *piece = src + size_t(r) * t.cols + g * groupCols + tpRank * localCols;
-          out.insert(out.end(), piece, piece + localCols);
-        }
-      break;
-    }
-    case Shard::Rows: {
-      const size_t localRows = t.rows / tp;
-      const float *piece = src + tpRank * localRows * t.cols;
-      out.insert(out.end(), piece, piece + localRows * t.cols);
-      break;
-    }
-    }
-    offset += size_t(t.rows) * t.cols;
-  }
+  forEachShardPiece(cfg, layer, tpRank, tp, [&](size_t at, size_t n) {
+    out.insert(out.end(), full.data() + at, full.data() + at + n);
+  });
   return out;
 }
 
@@ -240,33 +248,10 @@ void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span
   assert(shard.size() == layerParamCount(cfg, layer, tp) && "not a shard of the layer");
   assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
   const float *src = shard.data();
-  size_t offset = 0;
-  for (const TensorSpec &t : layerTensors(cfg, layer)) {
-    float *dst = full.data() + offset;
-    switch (t.shard) {
-    case Shard::Replicated:
-      std::copy_n(src, size_t(t.rows) * t.cols, dst);
-      src += size_t(t.rows) * t.cols;
-      break;
-    case Shard::Columns: {
-      const int groupCols = t.cols / t.groups, localCols = groupCols / tp;
-      for (int r = 0; r < t.rows; ++r)
-        for (int g = 0; g < t.groups; ++g) {
-          std::copy_n(src, localCols,
-                      dst + size_t(r) * t.cols + g * groupCols + tpRank * localCols);
-          src += localCols;
-        }
-      break;
-    }
-    case Shard::Rows: {
-      const size_t localRows = t.rows / tp;
-      std::copy_n(src, localRows * t.cols, dst + tpRank * localRows * t.cols);
-      src += localRows * t.cols;
-      break;
-    }
-    }
-    offset += size_t(t.rows) * t.cols;
-  }
+  forEachShardPiece(cfg, layer, tpRank, tp, [&](size_t at, size_t n) {
+    std::copy_n(src, n, full.data() + at);
+    src += n;
+  });
 }
 
 std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp) {
