@@ -59,6 +59,29 @@ double ReferenceRun::step(int index) {
   return loss; // (one stage holding both tied copies sums their gradients itself)
 }
 
+namespace {
+/// Calls `layer(stage, tpRank, layerIndex, part)` for every layer of every (stage, tp rank) of
+/// the plan with that layer's part of the snapshot (the rank's shard, as the stage stores it).
+template <typename Layer>
+void forEachLayerShard(const Plan &plan, const kernels::GptConfig &cfg,
+                       const GradSnapshot &snapshot, Layer &&layer) {
+  const int tp = plan.parallel.tp;
+  for (const StageInfo &st : plan.stages)
+    for (int t = 0; t < tp; ++t) {
+      auto it = snapshot.byStageAndTp.find({st.stage, t});
+      assert(it != snapshot.byStageAndTp.end() && "every stage and tp rank is snapshotted");
+      std::span<const float> mine = it->second;
+      size_t offset = 0;
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        const size_t n = kernels::layerParamCount(cfg, l, tp);
+        assert(offset + n <= mine.size() && "snapshot shorter than the stage");
+        layer(st, t, l, mine.subspan(offset, n));
+        offset += n;
+      }
+    }
+}
+} // namespace
+
 void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int step) {
   const int tp = plan.parallel.tp;
   // Per tensor: its largest difference and reference gradient, and where the difference was.
@@ -68,27 +91,18 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int s
   };
   std::vector<Tensor> tensors;
   double stepScale = 0;
-  for (const StageInfo &st : plan.stages)
-    for (int t = 0; t < tp; ++t) {
-      auto it = snapshot.byStageAndTp.find({st.stage, t});
-      assert(it != snapshot.byStageAndTp.end() && "every stage and tp rank is snapshotted");
-      const std::vector<float> &mine = it->second;
-      size_t offset = 0;
-      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+  forEachLayerShard(
+      plan, cfg, snapshot, [&](const StageInfo &st, int t, int l, std::span<const float> mine) {
         auto [b, e] = sc.layerRange(l);
-        std::vector<float> want = kernels::shardLayer(cfg, l, t, tp, sc.grads().subspan(b, e - b));
-        assert(offset + want.size() <= mine.size() && "snapshot shorter than the stage");
+        const std::vector<float> want =
+            kernels::shardLayer(cfg, l, t, tp, sc.grads().subspan(b, e - b));
         const std::vector<size_t> bounds = kernels::paramTensorOffsets(cfg, l, tp);
-        auto placeOf = [&](size_t k) {
-          return GradDiffPlace{
-              step, st.stage, t, l, kernels::paramName(cfg, l, tp, k), mine[offset + k], want[k]};
-        };
         for (size_t i = 0; i + 1 < bounds.size(); ++i) {
           double tensorDiff = 0, tensorScale = 0;
           size_t worstAt = bounds[i];
           for (size_t k = bounds[i]; k < bounds[i + 1]; ++k) {
             const double w = want[k];
-            double diff = std::fabs(w - double(mine[offset + k]));
+            double diff = std::fabs(w - double(mine[k]));
             if (std::isfinite(w))
               tensorScale = std::max(tensorScale, std::fabs(w));
             else
@@ -103,15 +117,16 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int s
           stepScale = std::max(stepScale, tensorScale);
           if (bounds[i] == bounds[i + 1])
             continue;
+          GradDiffPlace place{
+              step,          st.stage,     t, l, kernels::paramName(cfg, l, tp, worstAt),
+              mine[worstAt], want[worstAt]};
           if (tensorDiff > check.maxAbsDiff) {
             check.maxAbsDiff = tensorDiff;
-            check.worst = placeOf(worstAt);
+            check.worst = place;
           }
-          tensors.push_back({tensorDiff, tensorScale, placeOf(worstAt)});
+          tensors.push_back({tensorDiff, tensorScale, std::move(place)});
         }
-        offset += want.size();
-      }
-    }
+      });
   check.scale = std::max(check.scale, stepScale);
   for (Tensor &t : tensors) {
     const double relative = t.diff / std::max(t.scale, 1e-3 * stepScale);
@@ -123,22 +138,11 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int s
 }
 
 void ReferenceRun::adopt(const GradSnapshot &snapshot) {
-  const int tp = plan.parallel.tp;
-  std::span<float> grads = sc.grads();
-  for (const StageInfo &st : plan.stages)
-    for (int t = 0; t < tp; ++t) {
-      auto it = snapshot.byStageAndTp.find({st.stage, t});
-      assert(it != snapshot.byStageAndTp.end() && "every stage and tp rank is snapshotted");
-      std::span<const float> mine = it->second;
-      size_t offset = 0;
-      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+  forEachLayerShard(
+      plan, cfg, snapshot, [&](const StageInfo &, int t, int l, std::span<const float> mine) {
         auto [b, e] = sc.layerRange(l);
-        const size_t n = kernels::layerParamCount(cfg, l, tp);
-        assert(offset + n <= mine.size() && "snapshot shorter than the stage");
-        kernels::unshardLayer(cfg, l, t, tp, mine.subspan(offset, n), grads.subspan(b, e - b));
-        offset += n;
-      }
-    }
+        kernels::unshardLayer(cfg, l, t, plan.parallel.tp, mine, sc.grads().subspan(b, e - b));
+      });
 }
 
 namespace {
