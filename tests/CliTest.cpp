@@ -295,6 +295,10 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
   EXPECT_NE(r.out.find("largest difference: step "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("max_tensor_grad_diff="), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("against the reference's "), std::string::npos) << r.out;
+  // The weights after the last step (ReferenceRunTest checks what makes them fail).
+  EXPECT_NE(r.out.find("max_weight_diff=0.000e+00 of its bound after 2 AdamW step(s)"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(PiperunTest, RefusesAPlanThatFailsVerification) {

@@ -53,6 +53,8 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   EXPECT_LE(gpu->grads.maxTensorDiff, cudaTensorGradTolerance(dtype))
       << "worst tensor at layer " << gpu->grads.worstTensor.layer << " "
       << gpu->grads.worstTensor.param;
+  EXPECT_EQ(gpu->weights.steps, steps);
+  EXPECT_LE(gpu->weights.maxRatio, 1.0) << weightCheckReport(gpu->weights);
   if (dtype == DType::BF16) {
     EXPECT_GT(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";

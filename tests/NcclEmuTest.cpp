@@ -102,6 +102,9 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   EXPECT_LE(root.grads.maxTensorDiff, cudaTensorGradTolerance(c.dtype))
       << "worst tensor at layer " << root.grads.worstTensor.layer << " "
       << root.grads.worstTensor.param;
+  // The weights after the last step, gathered to RANK 0 like the gradients.
+  EXPECT_EQ(root.weights.steps, 2);
+  EXPECT_LE(root.weights.maxRatio, 1.0) << weightCheckReport(root.weights);
   if (bf16) {
     EXPECT_GT(root.grads.maxAbsDiff, kCudaGradTolerance * root.grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";
@@ -120,6 +123,7 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
           << "rank " << r << " step " << s;
     if (r > 0) {
       EXPECT_TRUE(mine.referenceLosses.empty()) << "only RANK 0 runs the reference";
+      EXPECT_EQ(mine.weights.steps, 0) << "only RANK 0 compares the weights";
     }
   }
 }

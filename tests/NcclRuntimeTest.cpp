@@ -64,6 +64,8 @@ TEST_F(NcclRuntimeTest, OneProcessGivesTheReferenceGradientsAndTheCpuLosses) {
   EXPECT_GT(gpu->grads.scale, 0);
   EXPECT_LE(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale);
   EXPECT_LE(gpu->grads.maxTensorDiff, kTensorGradTolerance);
+  EXPECT_EQ(gpu->weights.steps, 3);
+  EXPECT_LE(gpu->weights.maxRatio, 1.0) << weightCheckReport(gpu->weights);
   CpuRunOptions co;
   co.steps = 3;
   auto cpu = runOnCpu(plan, *data, co);

@@ -43,11 +43,12 @@ TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck
   std::string p = plan("cuda", "--schedule 1f1b --pp 4 --microbatches 8");
   Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 3 --check-reference");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  for (const char *line : {"step 0 loss ", "step 2 loss ",
-                           "activation arena MiB (every rank, in RANK order; sized by the warm-up "
-                           "step): ",
-                           "reference loss (last step) ", "max_abs_grad_diff=",
-                           "largest difference: step ", "max_tensor_grad_diff="})
+  for (const char *line :
+       {"step 0 loss ", "step 2 loss ",
+        "activation arena MiB (every rank, in RANK order; sized by the warm-up "
+        "step): ",
+        "reference loss (last step) ", "max_abs_grad_diff=", "largest difference: step ",
+        "max_tensor_grad_diff=", "max_weight_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_EQ(r.out.find("step 3 loss"), std::string::npos) << "the warm-up step is not printed";
 }

@@ -16,8 +16,10 @@
 #include "runtime/cpu/Reference.h"
 #include "schedules/Policy.h"
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 
 namespace pipec::test {
 namespace {
@@ -37,6 +39,9 @@ void expectMatchesReference(const Plan &plan, int steps = 2) {
       << "max |grad - reference| " << result->grads.maxAbsDiff << " scale " << result->grads.scale;
   EXPECT_LE(result->grads.maxTensorDiff, kTensorGradTolerance)
       << "worst tensor at " << result->grads.worstTensor.param;
+  // Every replica-0 weight after the last step, against the reference's.
+  EXPECT_EQ(result->weights.steps, steps);
+  EXPECT_LE(result->weights.maxRatio, 1.0) << weightCheckReport(result->weights);
   for (int s = 0; s < steps; ++s)
     EXPECT_NEAR(result->losses[size_t(s)], result->referenceLosses[size_t(s)], 1e-5);
 }
@@ -235,7 +240,7 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
   auto data = syntheticData(32, /*seed=*/7);
   ReferenceRun ref(plan, *cfg, *data, /*seed=*/1, /*lr=*/1e-3f);
   ref.step(0);
-  GradSnapshot snapshot; // every full layer tensor a pattern in [0.5, 12.5], then sharded
+  ParamSnapshot snapshot; // every full layer tensor a pattern in [0.5, 12.5], then sharded
   for (const StageInfo &st : plan.stages)
     for (int t = 0; t < 2; ++t) {
       std::vector<float> &mine = snapshot.byStageAndTp[{st.stage, t}];
@@ -306,7 +311,7 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
 
   // An infinite gradient in the reference (here adopted from the run): an infinite difference,
   // and not the scale (which would make every tolerance infinite).
-  GradSnapshot broken;
+  ParamSnapshot broken;
   broken.byStageAndTp = snapshot.byStageAndTp;
   broken.byStageAndTp[{1, 0}][3] = INFINITY;
   ref.adopt(broken);
@@ -329,6 +334,129 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
 }
 
 // What piperun prints and decides from a GradCheck (judgeGradCheck, gradCheckReport).
+// The weights after the last step: the reference's AdamW (kernels/cpu) against the textbook
+// AdamW (Loshchilov & Hutter; PyTorch's torch.optim.AdamW), written here in double on every
+// rank's shard, from the same gradients. The check passes the textbook optimizer and catches
+// one with beta1 0.89 for 0.9 (from the second step on: the first is the same whatever beta1, by
+// the bias correction), an lr 0.5 % off, a weight decay of 0.1 or a rank that skips its step.
+TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
+  const Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                                  options("1f1b", /*pp=*/2, /*microbatches=*/2, 1, 1, /*tp=*/2));
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+  auto data = syntheticData(32, /*seed=*/7);
+  const float lr = 1e-3f;
+  // Step s's gradients of every rank: a pattern in [-0.06, 0.06], zeros included, sharded.
+  auto gradients = [&](int s, ParamSnapshot &g) {
+    for (const StageInfo &st : plan.stages)
+      for (int t = 0; t < 2; ++t)
+        for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+          std::vector<float> full(kernels::layerParamCount(*cfg, l, 1));
+          for (size_t k = 0; k < full.size(); ++k)
+            full[k] = 1e-2f * float(int((k * 7 + size_t(l) + 5 * size_t(s)) % 13) - 6);
+          std::vector<float> shard = kernels::shardLayer(*cfg, l, t, /*tp=*/2, full);
+          auto &mine = g.byStageAndTp[{st.stage, t}];
+          mine.insert(mine.end(), shard.begin(), shard.end());
+        }
+  };
+  struct Moments {
+    std::vector<double> w, m, v;
+  };
+  auto run = [&](int steps, double beta1, double runLr, double decay = kAdamWeightDecay,
+                 std::pair<int, int> skipped = {-1, -1}) {
+    ReferenceRun ref(plan, *cfg, *data, /*seed=*/1, lr);
+    std::map<std::pair<int, int>, Moments> ranks; // every rank's stage as created
+    for (const StageInfo &st : plan.stages)
+      for (int t = 0; t < 2; ++t) {
+        kernels::StageCompute sc(*cfg, st.layerBegin, st.layerEnd, t, 2, /*seed=*/1, slicesOf(plan),
+                                 lossScaleOf(plan, *cfg));
+        Moments &r = ranks[{st.stage, t}];
+        r.w.assign(sc.params().begin(), sc.params().end());
+        r.m.assign(r.w.size(), 0.0);
+        r.v.assign(r.w.size(), 0.0);
+      }
+    for (int s = 0; s < steps; ++s) {
+      ParamSnapshot g;
+      gradients(s, g);
+      ref.adopt(g);
+      ref.update();
+      const double beta2 = kAdamBeta2, eps = kAdamEps;
+      for (auto &[key, r] : ranks) {
+        if (key == skipped)
+          continue;
+        const std::vector<float> &gk = g.byStageAndTp.at(key);
+        for (size_t k = 0; k < r.w.size(); ++k) {
+          r.w[k] *= 1.0 - runLr * decay;
+          r.m[k] = beta1 * r.m[k] + (1.0 - beta1) * gk[k];
+          r.v[k] = beta2 * r.v[k] + (1.0 - beta2) * double(gk[k]) * gk[k];
+          const double mHat = r.m[k] / (1.0 - std::pow(beta1, s + 1));
+          const double vHat = r.v[k] / (1.0 - std::pow(beta2, s + 1));
+          r.w[k] -= runLr * mHat / (std::sqrt(vHat) + eps);
+        }
+      }
+    }
+    ParamSnapshot weights;
+    for (auto &[key, r] : ranks)
+      weights.byStageAndTp[key].assign(r.w.begin(), r.w.end());
+    return std::pair{ref.compareWeights(weights, steps), weights.byStageAndTp};
+  };
+
+  auto [textbook, textbookWeights] = run(2, kAdamBeta1, lr);
+  EXPECT_EQ(textbook.steps, 2);
+  EXPECT_LT(textbook.maxRatio, 0.1) << weightCheckReport(textbook);
+  EXPECT_FALSE(bool(judgeWeightCheck(textbook)));
+
+  EXPECT_LT(run(1, 0.89, lr).first.maxRatio, 0.1) << "one step does not depend on beta1";
+  const WeightCheck beta1 = run(2, 0.89, lr).first;
+  EXPECT_GT(beta1.maxRatio, 2.0);
+  EXPECT_EQ(beta1.worst.step, 1);
+  EXPECT_EQ(errorText(judgeWeightCheck(beta1))
+                .rfind("after 2 AdamW step(s) on the same gradients, "
+                       "the weight ",
+                       0),
+            0u);
+  const WeightCheck lrOff = run(1, kAdamBeta1, 1.005 * lr).first;
+  EXPECT_GT(lrOff.maxRatio, 2.0) << weightCheckReport(lrOff);
+  const WeightCheck decayed = run(1, kAdamBeta1, lr, /*decay=*/0.1).first;
+  EXPECT_GT(decayed.maxRatio, 2.0) << weightCheckReport(decayed);
+  const WeightCheck skipped = run(1, kAdamBeta1, lr, kAdamWeightDecay, {1, 1}).first;
+  EXPECT_GT(skipped.maxRatio, 2.0) << weightCheckReport(skipped);
+  EXPECT_EQ(skipped.worst.stage, 1);
+  EXPECT_EQ(skipped.worst.tpRank, 1);
+
+  // A NaN weight: infinitely far off, named.
+  const StageInfo &last = plan.stages[1];
+  ParamSnapshot weights;
+  weights.byStageAndTp = textbookWeights;
+  weights.byStageAndTp[{last.stage, 1}][2] = NAN; // stage 1's first block, ln1.w[2]
+  ReferenceRun fresh(plan, *cfg, *data, /*seed=*/1, lr);
+  for (int s = 0; s < 2; ++s) {
+    ParamSnapshot g;
+    gradients(s, g);
+    fresh.adopt(g);
+    fresh.update();
+  }
+  const WeightCheck nan = fresh.compareWeights(weights, 2);
+  EXPECT_EQ(nan.maxRatio, INFINITY);
+  EXPECT_EQ(nan.worst.stage, last.stage);
+  EXPECT_EQ(nan.worst.tpRank, 1);
+  EXPECT_EQ(nan.worst.layer, last.layerBegin);
+  EXPECT_EQ(nan.worst.param, "ln1.w[2]");
+  EXPECT_NE(weightCheckReport(nan).find(fmt::format(
+                "max_weight_diff=inf of its bound after 2 AdamW step(s) (bound: 1e-3 of lr plus "
+                "2^-20 of the weight, per step): step 1, stage 1 (tp rank 1), layer {}, ln1.w[2]: "
+                "nan against the reference's ",
+                last.layerBegin)),
+            std::string::npos)
+      << weightCheckReport(nan);
+  EXPECT_NE(errorText(judgeWeightCheck(nan))
+                .find(fmt::format("the weight ln1.w[2] (layer {}, stage 1, tp rank 1) is nan where "
+                                  "the single-rank reference's is ",
+                                  last.layerBegin)),
+            std::string::npos)
+      << errorText(judgeWeightCheck(nan));
+}
+
 TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
   auto passes = [](llvm::Error err) {
     if (!err)

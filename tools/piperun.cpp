@@ -7,14 +7,17 @@
 // loss, "max_abs_grad_diff=<value>" and "max_tensor_grad_diff=<value>" with the places of both
 // (runtime/cpu/Reference.h, GradCheck), and exits 1 when the first exceeds 1e-5 of the largest
 // reference gradient (1e-4 on the GPU backends in fp32: another summation order; 5e-2 in bf16)
-// or the second 1e-3 of a tensor's own (0.15 in bf16). --dtype is the GPU backends' compute type
+// or the second 1e-3 of a tensor's own (0.15 in bf16). After the last step it compares the
+// weights, which took the same AdamW steps from the same gradients ("max_weight_diff=", of each
+// weight's bound: 1e-3 of lr plus 2^-20 of the weight, per step; WeightCheck), and exits 1 past
+// the bound: the optimizer step differs. --dtype is the GPU backends' compute type
 // (default: the plan's model's "dtype", fp32 or bf16); the cpu backend is the fp32 reference and
 // refuses bf16. A plan that fails verification is refused (exit 1). --backend cuda needs a build
 // with CUDA and a GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per
 // process (one process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
 // NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
-// losses and, with --check-reference, compares every process's gradients (gathered to it)
-// with the single-rank reference. Both GPU backends run one warm-up step
+// losses and, with --check-reference, compares every process's gradients and last weights
+// (gathered to it) with the single-rank reference. Both GPU backends run one warm-up step
 // first (not printed, no optimizer update) that sizes each rank's activation arena, and print
 // the sizes ("activation arena MiB ...") after the last step.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
@@ -148,8 +151,10 @@ llvm::Error run(int argc, char **argv) {
     if (!o.checkReference || result.referenceLosses.empty())
       return llvm::Error::success();
     fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
-    fmt::print("{}", gradCheckReport(result.grads));
-    return judgeGradCheck(result.grads, relative, perTensor);
+    fmt::print("{}{}", gradCheckReport(result.grads), weightCheckReport(result.weights));
+    if (auto err = judgeGradCheck(result.grads, relative, perTensor))
+      return err;
+    return judgeWeightCheck(result.weights);
   };
 #ifdef PIPEC_HAS_CUDA
   const kernels::DType computeDType =

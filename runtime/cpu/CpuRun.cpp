@@ -22,7 +22,7 @@ public:
   static constexpr const char *kName = "cpu backend";
 
   CpuBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
-             const CpuRunOptions &options, GradSnapshot *snapshot)
+             const CpuRunOptions &options, ParamSnapshot *snapshot)
       : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg), data(data),
         options(options), snapshot(snapshot) {
     const ParallelConfig &pc = plan.parallel;
@@ -83,11 +83,20 @@ public:
     return llvm::Error::success();
   }
 
+  /// Between steps: replica 0's weights into `into`.
+  void snapshotWeights(ParamSnapshot &into) {
+    if (c.dp != 0)
+      return;
+    std::lock_guard<std::mutex> lock(into.mu);
+    for (auto &[s, sc] : stages)
+      into.byStageAndTp[{s, c.tp}].assign(sc->params().begin(), sc->params().end());
+  }
+
 private:
   const GptConfig &cfg;
   const DataSource &data;
   const CpuRunOptions &options;
-  GradSnapshot *snapshot;
+  ParamSnapshot *snapshot;
 };
 
 } // namespace
@@ -158,7 +167,7 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     return cfgOr.takeError();
   const GptConfig cfg = *cfgOr;
   const ParallelConfig &pc = plan.parallel;
-  GradSnapshot snapshot;
+  ParamSnapshot snapshot;
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CpuBackend *> cpu;
   for (int t = 0; t < pc.pp * pc.dp * pc.tp; ++t) {
@@ -188,6 +197,12 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     }
     if (onStep)
       onStep(s, loss);
+  }
+  if (ref) {
+    ParamSnapshot weights;
+    for (CpuBackend *b : cpu)
+      b->snapshotWeights(weights);
+    result.weights = ref->compareWeights(weights, options.steps);
   }
   return result;
 }

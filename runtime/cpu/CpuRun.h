@@ -3,7 +3,8 @@
 // Every rank (pipeline x dp x tp) is a thread running the plan with the CPU reference kernels
 // (kernels/cpu/Gpt.h). With checkReference the same steps also run on one rank without
 // pipelining (all layers, all microbatches of all replicas, whole sequences, tp = 1), and the
-// gradients of every step are compared before the optimizer applies them.
+// gradients of every step are compared before the optimizer applies them, and the weights after
+// the last step.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CPU_CPURUN_H
@@ -33,6 +34,7 @@ struct CpuRunResult {
   std::vector<double> losses;          // global mean loss per step
   std::vector<double> referenceLosses; // with checkReference
   GradCheck grads;                     // with checkReference, over all steps
+  WeightCheck weights;                 // with checkReference, after the last step
 };
 
 /// The model a plan describes, for the CPU kernels; an InputError when the plan has no

@@ -64,7 +64,7 @@ namespace {
 /// the plan with that layer's part of the snapshot (the rank's shard, as the stage stores it).
 template <typename Layer>
 void forEachLayerShard(const Plan &plan, const kernels::GptConfig &cfg,
-                       const GradSnapshot &snapshot, Layer &&layer) {
+                       const ParamSnapshot &snapshot, Layer &&layer) {
   const int tp = plan.parallel.tp;
   for (const StageInfo &st : plan.stages)
     for (int t = 0; t < tp; ++t) {
@@ -82,7 +82,7 @@ void forEachLayerShard(const Plan &plan, const kernels::GptConfig &cfg,
 }
 } // namespace
 
-void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int step) {
+void ReferenceRun::compare(const ParamSnapshot &snapshot, GradCheck &check, int step) {
   const int tp = plan.parallel.tp;
   // Per tensor: its largest difference and reference gradient, and where the difference was.
   struct Tensor {
@@ -137,12 +137,41 @@ void ReferenceRun::compare(const GradSnapshot &snapshot, GradCheck &check, int s
   }
 }
 
-void ReferenceRun::adopt(const GradSnapshot &snapshot) {
+void ReferenceRun::adopt(const ParamSnapshot &snapshot) {
   forEachLayerShard(
       plan, cfg, snapshot, [&](const StageInfo &, int t, int l, std::span<const float> mine) {
         auto [b, e] = sc.layerRange(l);
         kernels::unshardLayer(cfg, l, t, plan.parallel.tp, mine, sc.grads().subspan(b, e - b));
       });
+}
+
+WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps) {
+  WeightCheck check;
+  check.steps = steps;
+  const int tp = plan.parallel.tp;
+  forEachLayerShard(
+      plan, cfg, weights, [&](const StageInfo &st, int t, int l, std::span<const float> mine) {
+        auto [b, e] = sc.layerRange(l);
+        const std::vector<float> want =
+            kernels::shardLayer(cfg, l, t, tp, sc.params().subspan(b, e - b));
+        for (size_t k = 0; k < want.size(); ++k) {
+          const double w = want[k], diff = std::fabs(w - double(mine[k]));
+          const double bound = double(steps) * (kWeightLrTolerance * double(lr) +
+                                                kWeightRelTolerance * std::fabs(w));
+          // (A NaN on either side makes diff NaN, an infinite reference weight the bound.)
+          const double ratio = std::isfinite(diff) && std::isfinite(bound)
+                                   ? (diff == 0 ? 0.0 : diff / bound)
+                                   : INFINITY;
+          if (ratio > check.maxRatio) {
+            check.maxRatio = ratio;
+            check.diff = diff;
+            check.bound = bound;
+            check.worst = {steps - 1, st.stage, t, l, kernels::paramName(cfg, l, tp, k),
+                           mine[k],   want[k]};
+          }
+        }
+      });
+  return check;
 }
 
 namespace {
@@ -191,6 +220,28 @@ llvm::Error judgeGradCheck(const GradCheck &g, double relative, double perTensor
                    g.maxTensorDiff, perTensor, nanNote(w));
   }
   return llvm::Error::success();
+}
+
+namespace {
+constexpr const char *kWeightBoundText = "1e-3 of lr plus 2^-20 of the weight, per step";
+} // namespace
+
+std::string weightCheckReport(const WeightCheck &w) {
+  return fmt::format("max_weight_diff={:.3e} of its bound after {} AdamW step(s) (bound: {}){}\n",
+                     w.maxRatio, w.steps, kWeightBoundText,
+                     w.worst.step >= 0 ? ": " + placeText(w.worst) : "");
+}
+
+llvm::Error judgeWeightCheck(const WeightCheck &w) {
+  if (w.maxRatio <= 1)
+    return llvm::Error::success();
+  const GradDiffPlace &p = w.worst;
+  return finding("after {} AdamW step(s) on the same gradients, the weight {} (layer {}, stage {}, "
+                 "tp rank {}) is {:.6e} where the single-rank reference's is {:.6e}: {:.3e} apart, "
+                 "more than its bound {:.3e} ({}); the run's optimizer step differs from the "
+                 "reference's",
+                 w.steps, p.param, p.layer, p.stage, p.tpRank, p.got, p.want, w.diff, w.bound,
+                 kWeightBoundText);
 }
 
 void ReferenceRun::update() { sc.adamStep(lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay); }

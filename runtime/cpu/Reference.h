@@ -35,8 +35,10 @@ std::vector<std::pair<int, int>> slicesOf(const Plan &plan);
 /// 1 / tokens of the global batch: summed gradients are those of the mean loss.
 float lossScaleOf(const Plan &plan, const kernels::GptConfig &cfg);
 
-/// Gradients of one step, per (stage, tp rank), as the optimizer will see them (replica 0).
-struct GradSnapshot {
+/// A value for every parameter of dp replica 0, per (stage, tp rank), in the stage's layout
+/// (the rank's shards): the gradients of a step as the optimizer will see them, or the weights
+/// after the last step.
+struct ParamSnapshot {
   std::mutex mu;
   std::map<std::pair<int, int>, std::vector<float>> byStageAndTp;
 };
@@ -78,6 +80,26 @@ llvm::Error judgeGradCheck(const GradCheck &check, double relative, double perTe
 inline constexpr double kTensorGradTolerance = 1e-3;
 inline constexpr double kBf16TensorGradTolerance = 0.15;
 
+/// What --check-reference found in the weights after the last step: the run's (fp32 master
+/// weights in every compute type) against the reference's, which took the same AdamW steps on
+/// the same (adopted) gradients. Each weight may differ by steps x (kWeightLrTolerance x lr +
+/// kWeightRelTolerance x |weight|): the two optimizers round alike but for fused multiply-adds,
+/// while a wrong optimizer step (beta1, bias correction, lr, the weight decay, a skipped tensor)
+/// moves some weight by a fair part of lr. `worst` is the weight nearest its bound.
+struct WeightCheck {
+  int steps = 0;              // the optimizer steps both took; 0: not checked
+  double maxRatio = 0;        // the largest difference as a fraction of its weight's bound
+  double diff = 0, bound = 0; // at `worst`
+  GradDiffPlace worst;        // got, want: the weights; step: the last step
+};
+inline constexpr double kWeightLrTolerance = 1e-3;
+inline constexpr double kWeightRelTolerance = 0x1p-20; // 8 units in the last place of an fp32
+
+/// "max_weight_diff=<ratio> of the bound ...[: <place>]", a line.
+std::string weightCheckReport(const WeightCheck &check);
+/// A finding (exit 1) when a weight is past its bound, naming it; success otherwise.
+llvm::Error judgeWeightCheck(const WeightCheck &check);
+
 /// The single-rank reference run.
 class ReferenceRun {
 public:
@@ -88,7 +110,7 @@ public:
   /// Folds step `step`'s differences between `snapshot` and the reference into `check`. A NaN
   /// or infinite gradient, on either side, counts as an infinite difference (and not towards
   /// the scale).
-  void compare(const GradSnapshot &snapshot, GradCheck &check, int step);
+  void compare(const ParamSnapshot &snapshot, GradCheck &check, int step);
   /// Replaces this step's reference gradients by the run's (every stage and tp rank of the
   /// snapshot), so that update() takes the step the run takes and the next step starts from
   /// the run's weights. Every backend's check does this after compare(), so that each step
@@ -96,10 +118,14 @@ public:
   /// drifts: AdamW's first steps move every weight by about lr whatever the size of its
   /// gradient, so a near-zero gradient whose sign another summation order (or bf16) flips puts
   /// the two runs on different weights, and later steps compare different models. A wrong
-  /// optimizer step in the run still shows, in the next step's gradients.
-  void adopt(const GradSnapshot &snapshot);
+  /// optimizer step in the run still shows: in the next step's gradients, and after the last
+  /// step in compareWeights().
+  void adopt(const ParamSnapshot &snapshot);
   /// The optimizer step.
   void update();
+  /// The run's weights `weights` after `steps` optimizer steps against the reference's after as
+  /// many update()s. A NaN or infinite weight on either side is infinitely far off.
+  WeightCheck compareWeights(const ParamSnapshot &weights, int steps);
 
 private:
   const Plan &plan;

@@ -52,7 +52,7 @@ public:
   static constexpr const char *kName = "cuda backend";
 
   CudaBackend(const Plan &plan, const GptConfig &cfg, const Coord &c, const DataSource &data,
-              const CudaRunOptions &options, GradSnapshot *snapshot,
+              const CudaRunOptions &options, ParamSnapshot *snapshot,
               std::function<llvm::Error()> waitForCollectives)
       : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg), data(data),
         options(options), snapshot(snapshot), waitForCollectives(std::move(waitForCollectives)) {}
@@ -62,6 +62,23 @@ public:
   void setWarmUp(bool on) override { warmUp = on; }
   llvm::Error reserveArena() override { return arena->reserve(); }
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
+
+  llvm::Error snapshotWeights(ParamSnapshot &into) override {
+    if (c.dp != 0)
+      return llvm::Error::success();
+    PIPEC_CUDA_TRY(cudaSetDevice(options.device));
+    for (auto &[s, st] : stages) {
+      std::vector<float> w(st->params().size());
+      if (!w.empty()) {
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(w.data(), st->params().data(), w.size() * sizeof(float),
+                                       cudaMemcpyDeviceToHost, computeStream));
+        PIPEC_CUDA_TRY(cudaStreamSynchronize(computeStream));
+      }
+      std::lock_guard<std::mutex> lock(into.mu);
+      into.byStageAndTp[{s, c.tp}] = std::move(w);
+    }
+    return llvm::Error::success();
+  }
 
   /// The context, the arena and the stages; everything that can fail.
   llvm::Error init() {
@@ -195,7 +212,7 @@ private:
   const GptConfig &cfg;
   const DataSource &data;
   const CudaRunOptions &options;
-  GradSnapshot *snapshot;
+  ParamSnapshot *snapshot;
   std::unique_ptr<cu::CudaContext> ctx;
   cudaStream_t computeStream = nullptr;
   bool warmUp = false;
@@ -221,7 +238,7 @@ llvm::Expected<int> cudaDevices() {
 llvm::Expected<std::unique_ptr<CudaRankBackend>>
 createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord &c,
                              const DataSource &data, const CudaRunOptions &options,
-                             GradSnapshot *snapshot,
+                             ParamSnapshot *snapshot,
                              std::function<llvm::Error()> waitForCollectives) {
   assert(waitForCollectives && "a device transport orders the all-reduces");
   auto b = std::make_unique<CudaBackend>(plan, cfg, c, data, options, snapshot,
@@ -265,7 +282,7 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   const ParallelConfig &pc = plan.parallel;
   const int threads = pc.pp * pc.dp * pc.tp;
   LocalCudaTransport transport(plan, threads);
-  GradSnapshot snapshot;
+  ParamSnapshot snapshot;
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CudaRankBackend *> gpu;
   for (int t = 0; t < threads; ++t) {
@@ -309,6 +326,12 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     }
     if (onStep)
       onStep(s, loss);
+  }
+  if (ref) {
+    ParamSnapshot weights;
+    for (CudaRankBackend *b : gpu)
+      PIPEC_GPU_TRY(b->snapshotWeights(weights));
+    result.weights = ref->compareWeights(weights, options.steps);
   }
   return result;
 }

@@ -36,14 +36,14 @@
 
 namespace pipec {
 
-struct GradSnapshot;
+struct ParamSnapshot;
 
 struct CudaRunOptions {
   int steps = 1;
   uint64_t seed = 1;
   float lr = 1e-3f;
-  /// Also run the CPU single-rank reference and compare every step's gradients
-  /// (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck).
+  /// Also run the CPU single-rank reference and compare every step's gradients and the last
+  /// step's weights (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck, WeightCheck).
   bool checkReference = false;
   double timeoutSeconds = 60;
   int device = 0;
@@ -55,6 +55,7 @@ struct CudaRunResult {
   std::vector<double> losses;          // global mean loss per step
   std::vector<double> referenceLosses; // with checkReference (CPU, single rank)
   GradCheck grads;                     // with checkReference, over all steps
+  WeightCheck weights;                 // with checkReference, after the last step (RANK 0)
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
@@ -102,6 +103,9 @@ public:
   virtual llvm::Error reserveArena() = 0;
   /// The bytes reserveArena() reserved.
   virtual size_t arenaBytes() const = 0;
+  /// Between steps (after finishStep()): on dp replica 0, the stages' fp32 master weights into
+  /// `into` (the host waits for the copies); nothing on other replicas.
+  virtual llvm::Error snapshotWeights(ParamSnapshot &into) = 0;
 };
 
 /// The cuda backend of rank `c` on GPU `options.device`, for a device transport: sendData,
@@ -114,7 +118,7 @@ public:
 llvm::Expected<std::unique_ptr<CudaRankBackend>>
 createDeviceTransportBackend(const Plan &plan, const kernels::GptConfig &cfg, const Coord &c,
                              const DataSource &data, const CudaRunOptions &options,
-                             GradSnapshot *snapshot,
+                             ParamSnapshot *snapshot,
                              std::function<llvm::Error()> waitForCollectives);
 
 } // namespace pipec

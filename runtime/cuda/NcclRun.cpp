@@ -315,7 +315,7 @@ llvm::Error waitPolling(cudaStream_t stream, NcclCommunicators &comms, double ti
 
 /// Every process adds `value` (a float slot of device scratch) over `world` and gets the sum.
 llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comms,
-                               cudaStream_t stream, double timeout, const char *what) {
+                               cudaStream_t stream, double timeout, const std::string &what) {
   PIPEC_CUDA_TRY(cudaMemcpyAsync(slot, &value, sizeof value, cudaMemcpyHostToDevice, stream));
   PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, comms.world.get(), stream));
   PIPEC_CUDA_TRY(cudaMemcpyAsync(&value, slot, sizeof value, cudaMemcpyDeviceToHost, stream));
@@ -324,15 +324,17 @@ llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comm
   return value;
 }
 
-/// After a step with --check-reference on several processes: every other process's gradient
-/// blocks of dp replica 0 travel to RANK 0 over `world` (gatherGroups: one NCCL group per sender,
-/// mirrored on RANK 0), through `staging` (device memory for the largest sender's blocks), into
-/// `snapshot`, which then holds all of replica 0's gradients on RANK 0. The processes first agree
-/// that every sender's blocks have the expected sizes, so that either all of them take part or
-/// all of them fail (a sender that returned early would leave RANK 0 waiting forever).
-llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const LaunchEnv &env,
-                            NcclCommunicators &comms, cudaStream_t stream, float *staging,
-                            float *agreeSlot, double timeout, GradSnapshot &snapshot) {
+/// With --check-reference on several processes, after each step (the gradients) and after the
+/// last (the weights; `what` says which): every other process's blocks of dp replica 0 travel to
+/// RANK 0 over `world` (gatherGroups: one NCCL group per sender, mirrored on RANK 0), through
+/// `staging` (device memory for the largest sender's blocks), into `snapshot`, which then holds
+/// all of replica 0's blocks on RANK 0. The processes first agree that every sender's blocks
+/// have the expected sizes, so that either all of them take part or all of them fail (a sender
+/// that returned early would leave RANK 0 waiting forever).
+llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const LaunchEnv &env,
+                           NcclCommunicators &comms, cudaStream_t stream, float *staging,
+                           float *agreeSlot, double timeout, ParamSnapshot &snapshot,
+                           const char *what) {
   auto groups = gatherGroups(shards, env.rank);
   std::string problem;
   for (const auto &group : groups)
@@ -341,12 +343,12 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
         auto it = snapshot.byStageAndTp.find({op.shard.stage, op.shard.tp});
         size_t have = it == snapshot.byStageAndTp.end() ? 0 : it->second.size();
         if (have != op.shard.floats && problem.empty())
-          problem = fmt::format("--check-reference: rank {} holds {} gradients of stage {} tp {}, "
-                                "the gather expects {}",
-                                env.rank, have, op.shard.stage, op.shard.tp, op.shard.floats);
+          problem = fmt::format("--check-reference: rank {} holds {} {} of stage {} tp {}, the "
+                                "gather expects {}",
+                                env.rank, have, what, op.shard.stage, op.shard.tp, op.shard.floats);
       }
   auto failures = worldSum(problem.empty() ? 0.0f : 1.0f, agreeSlot, comms, stream, timeout,
-                           "the gradient gather's size check");
+                           fmt::format("the {} gather's size check", what));
   if (!failures)
     return failures.takeError();
   if (!problem.empty())
@@ -354,9 +356,9 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
   if (*failures > 0)
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
-        fmt::format("--check-reference: {} process(es) hold gradient blocks of unexpected sizes "
-                    "(they say which)",
-                    int(*failures)));
+        fmt::format("--check-reference: {} process(es) hold {} blocks of unexpected sizes (they "
+                    "say which)",
+                    int(*failures), what));
   for (const auto &group : groups) {
     std::vector<size_t> offsets;
     size_t total = 0;
@@ -373,9 +375,9 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
       }
     // The group is always closed, also after a failed post.
     llvm::Error first = llvm::Error::success();
-    auto keep = [&](ncclResult_t r, const char *call) {
+    auto keep = [&](ncclResult_t r, const std::string &call) {
       if (r != ncclSuccess && !first)
-        first = makeNcclError(call, r, __FILE__, __LINE__);
+        first = makeNcclError(call.c_str(), r, __FILE__, __LINE__);
     };
     keep(ncclGroupStart(), "ncclGroupStart()");
     for (size_t k = 0; k < group.size(); ++k) {
@@ -383,11 +385,11 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
       if (op.send)
         keep(ncclSend(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
                       stream),
-             "ncclSend(gradients to RANK 0)");
+             fmt::format("ncclSend({} to RANK 0)", what));
       else
         keep(ncclRecv(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
                       stream),
-             "ncclRecv(gradients from a sender)");
+             fmt::format("ncclRecv({} from a sender)", what));
     }
     keep(ncclGroupEnd(), "ncclGroupEnd()");
     if (first) {
@@ -401,8 +403,8 @@ llvm::Error gatherGradients(const std::vector<GradientShard> &shards, const Laun
         PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[k], g.size() * sizeof(float),
                                        cudaMemcpyDeviceToHost, stream));
       }
-    if (auto err =
-            waitPolling(stream, comms, timeout, fmt::format("rank {}'s gradient gather", env.rank)))
+    if (auto err = waitPolling(stream, comms, timeout,
+                               fmt::format("rank {}'s gather of the {}", env.rank, what)))
       return err;
   }
   return llvm::Error::success();
@@ -429,7 +431,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (!comms)
     return comms.takeError();
   NcclTransport transport(plan, env, **comms);
-  GradSnapshot snapshot;
+  ParamSnapshot snapshot;
   auto backend = createDeviceTransportBackend(
       plan, cfg, env.coord, data, o, o.checkReference ? &snapshot : nullptr,
       [&transport] { return transport.waitForCollectives(); });
@@ -530,8 +532,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     result.losses.push_back(loss);
     float *agreeSlot = scratch->as<float>() + 4; // after the loss's double
     if (!shards.empty())
-      if (auto err = gatherGradients(shards, env, **comms, compute, staging.as<float>(), agreeSlot,
-                                     o.timeoutSeconds, snapshot)) {
+      if (auto err = gatherSnapshot(shards, env, **comms, compute, staging.as<float>(), agreeSlot,
+                                    o.timeoutSeconds, snapshot, "gradients")) {
         (*comms)->abortAll();
         return err;
       }
@@ -552,6 +554,28 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         return r.takeError();
     if (onStep && env.rank == 0)
       onStep(s, loss);
+  }
+  // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients.
+  // A process that cannot read its weights still takes part in the gather, whose size check
+  // then fails on every process at once.
+  if (o.checkReference) {
+    ParamSnapshot weights;
+    llvm::Error copied = b.snapshotWeights(weights);
+    llvm::Error gathered =
+        shards.empty()
+            ? llvm::Error::success()
+            : gatherSnapshot(shards, env, **comms, compute, staging.as<float>(),
+                             scratch->as<float>() + 4, o.timeoutSeconds, weights, "weights");
+    if (copied || gathered) {
+      (*comms)->abortAll();
+      if (copied) {
+        llvm::consumeError(std::move(gathered));
+        return copied;
+      }
+      return gathered;
+    }
+    if (ref)
+      result.weights = ref->compareWeights(weights, o.steps);
   }
   return result;
 }
