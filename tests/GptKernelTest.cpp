@@ -427,6 +427,27 @@ TEST(GptKernelTest, ParamNamesGiveTheTensorAndItsRowAndColumnOnTheRank) {
   EXPECT_EQ(paramName(cfg, cfg.numLayers() - 1, 1, 2 * c + 1), "lm.w[0, 1]");
 }
 
+TEST(GptKernelTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
+  const GptConfig cfg = tinyConfig();
+  // Gpt.h's layout: a block's layernorms and its row-parallel biases are whole on every rank.
+  EXPECT_EQ(paramTensorsReplicated(cfg, 1),
+            (std::vector<bool>{true, true, false, false, false, true, true, true, false, false,
+                               false, true}));
+  EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{true, true}));
+  EXPECT_EQ(paramTensorsReplicated(cfg, cfg.numLayers() - 1),
+            (std::vector<bool>{true, true, true}));
+  // ... and exactly the tensors whose size does not shrink with tp.
+  for (int l = 0; l < cfg.numLayers(); ++l) {
+    const std::vector<size_t> whole = paramTensorOffsets(cfg, l, 1),
+                              half = paramTensorOffsets(cfg, l, 2);
+    const std::vector<bool> replicated = paramTensorsReplicated(cfg, l);
+    ASSERT_EQ(replicated.size() + 1, whole.size());
+    for (size_t i = 0; i < replicated.size(); ++i)
+      EXPECT_EQ(replicated[i], whole[i + 1] - whole[i] == half[i + 1] - half[i])
+          << "layer " << l << " tensor " << i;
+  }
+}
+
 TEST(GptKernelTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
   const GptConfig cfg = tinyConfig();
   for (int tp : {2, 4})

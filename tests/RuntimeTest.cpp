@@ -333,7 +333,6 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
   EXPECT_EQ(flipped.worst.param, "wte[0, 7]");
 }
 
-// What piperun prints and decides from a GradCheck (judgeGradCheck, gradCheckReport).
 // The weights after the last step: the reference's AdamW (kernels/cpu) against the textbook
 // AdamW (Loshchilov & Hutter; PyTorch's torch.optim.AdamW), written here in double on every
 // rank's shard, from the same gradients. The check passes the textbook optimizer and catches
@@ -419,16 +418,14 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
   EXPECT_GT(lrOff.maxRatio, 2.0) << weightCheckReport(lrOff);
   const WeightCheck decayed = run(1, kAdamBeta1, lr, /*decay=*/0.1).first;
   EXPECT_GT(decayed.maxRatio, 2.0) << weightCheckReport(decayed);
-  const WeightCheck skipped = run(1, kAdamBeta1, lr, kAdamWeightDecay, {1, 1}).first;
-  EXPECT_GT(skipped.maxRatio, 2.0) << weightCheckReport(skipped);
-  EXPECT_EQ(skipped.worst.stage, 1);
-  EXPECT_EQ(skipped.worst.tpRank, 1);
+  for (int t = 0; t < 2; ++t) { // (tp rank 0: seen in its parts of the split tensors)
+    const WeightCheck skipped = run(1, kAdamBeta1, lr, kAdamWeightDecay, {1, t}).first;
+    EXPECT_GT(skipped.maxRatio, 2.0) << weightCheckReport(skipped);
+    EXPECT_EQ(skipped.worst.stage, 1);
+    EXPECT_EQ(skipped.worst.tpRank, t);
+  }
 
-  // A NaN weight: infinitely far off, named.
-  const StageInfo &last = plan.stages[1];
-  ParamSnapshot weights;
-  weights.byStageAndTp = textbookWeights;
-  weights.byStageAndTp[{last.stage, 1}][2] = NAN; // stage 1's first block, ln1.w[2]
+  // Planted differences, against a reference after the same two steps.
   ReferenceRun fresh(plan, *cfg, *data, /*seed=*/1, lr);
   for (int s = 0; s < 2; ++s) {
     ParamSnapshot g;
@@ -436,16 +433,27 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
     fresh.adopt(g);
     fresh.update();
   }
-  const WeightCheck nan = fresh.compareWeights(weights, 2);
+  const StageInfo &last = plan.stages[1];
+  auto planted = [&](int tpRank, size_t at, float value) {
+    ParamSnapshot weights;
+    weights.byStageAndTp = textbookWeights;
+    weights.byStageAndTp[{last.stage, tpRank}][at] = value;
+    return fresh.compareWeights(weights, 2);
+  };
+  // Stage 1's first block: ln1.w (whole on both tp ranks) begins it, qkv.w's rows follow the
+  // two layernorm vectors (hidden 16; a tp rank holds 24 of its 48 columns).
+  const size_t ln1w2 = 2, qkvW = 2 * 16;
+  // A NaN weight: infinitely far off, named.
+  const WeightCheck nan = planted(1, ln1w2, NAN);
   EXPECT_EQ(nan.maxRatio, INFINITY);
   EXPECT_EQ(nan.worst.stage, last.stage);
   EXPECT_EQ(nan.worst.tpRank, 1);
   EXPECT_EQ(nan.worst.layer, last.layerBegin);
   EXPECT_EQ(nan.worst.param, "ln1.w[2]");
   EXPECT_NE(weightCheckReport(nan).find(fmt::format(
-                "max_weight_diff=inf of its bound after 2 AdamW step(s) (bound: 1e-3 of lr plus "
-                "2^-20 of the weight, per step): step 1, stage 1 (tp rank 1), layer {}, ln1.w[2]: "
-                "nan against the reference's ",
+                "max_weight_diff=inf of its bound after 2 AdamW step(s) (bound: 1e-3 of lr, plus "
+                "per step 1e-5 of lr and 2^-20 of the weight): step 1, stage 1 (tp rank 1), layer "
+                "{}, ln1.w[2]: nan against the reference's ",
                 last.layerBegin)),
             std::string::npos)
       << weightCheckReport(nan);
@@ -455,8 +463,23 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
                                   last.layerBegin)),
             std::string::npos)
       << errorText(judgeWeightCheck(nan));
+  // Tensors whole on every tp rank are held to the reference on the rank whose gradients it
+  // took, the last; tp rank 0's copies stepped on their own sums (on a GPU not equal to the
+  // last bit) and need only be finite. Its own parts of the split tensors are held to it.
+  const float ln1 = textbookWeights.at({last.stage, 0})[ln1w2];
+  EXPECT_EQ(planted(0, ln1w2, ln1 + 1e-3f).maxRatio, textbook.maxRatio);
+  EXPECT_EQ(planted(0, ln1w2, INFINITY).maxRatio, INFINITY);
+  const WeightCheck mine =
+      planted(0, qkvW + 3, textbookWeights.at({last.stage, 0})[qkvW + 3] + 1e-4f);
+  EXPECT_GT(mine.maxRatio, 50.0);
+  EXPECT_EQ(mine.worst.tpRank, 0);
+  EXPECT_EQ(mine.worst.param, "qkv.w[0, 3]");
+  const WeightCheck last1 = planted(1, ln1w2, textbookWeights.at({last.stage, 1})[ln1w2] + 1e-4f);
+  EXPECT_GT(last1.maxRatio, 20.0);
+  EXPECT_EQ(last1.worst.param, "ln1.w[2]");
 }
 
+// What piperun prints and decides from a GradCheck (judgeGradCheck, gradCheckReport).
 TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
   auto passes = [](llvm::Error err) {
     if (!err)
@@ -494,6 +517,35 @@ TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
   EXPECT_EQ(errorText(judgeGradCheck(g, 1e-5, 0.15)),
             "gradients differ from the single-rank reference by inf, more than 1e-5 of the "
             "gradient scale (5.000e-06) (the run's gradient there is NaN)");
+
+  // piperun's report and verdict: the weights after the gradients; the gradients' finding first.
+  GradCheck same;
+  same.scale = 0.5;
+  WeightCheck w;
+  w.steps = 3;
+  EXPECT_EQ(referenceCheckReport(same, w),
+            gradCheckReport(same) + "max_weight_diff=0.000e+00 of its bound after 3 AdamW step(s) "
+                                    "(bound: 1e-3 of lr, plus per step 1e-5 of lr and 2^-20 of "
+                                    "the weight)\n");
+  EXPECT_TRUE(passes(judgeReferenceCheck(same, w, 1e-5, 1e-3)));
+  w.maxRatio = 2.5;
+  w.diff = 2.5e-6;
+  w.bound = 1e-6;
+  w.worst = GradDiffPlace{2, 1, 0, 4, "fc.b[3]", 1.25e-3, 1.2475e-3};
+  EXPECT_EQ(weightCheckReport(w),
+            "max_weight_diff=2.500e+00 of its bound after 3 AdamW step(s) (bound: 1e-3 of lr, plus "
+            "per step 1e-5 of lr and 2^-20 of the weight): step 2, stage 1 (tp rank 0), layer 4, "
+            "fc.b[3]: 1.250000e-03 against the reference's 1.247500e-03 (2.500e-06 apart, bound "
+            "1.000e-06)\n");
+  const std::string weightsFinding =
+      "after 3 AdamW step(s) on the same gradients, the weight fc.b[3] (layer 4, stage 1, tp "
+      "rank 0) is 1.250000e-03 where the single-rank reference's is 1.247500e-03: 2.500e-06 "
+      "apart, more than its bound 1.000e-06 (1e-3 of lr, plus per step 1e-5 of lr and 2^-20 of "
+      "the weight): the run's optimizer steps differ from the reference's";
+  EXPECT_EQ(errorText(judgeWeightCheck(w)), weightsFinding);
+  EXPECT_EQ(errorText(judgeReferenceCheck(same, w, 1e-5, 1e-3)), weightsFinding);
+  EXPECT_EQ(errorText(judgeReferenceCheck(g, w, 1e-5, 0.15)),
+            errorText(judgeGradCheck(g, 1e-5, 0.15)));
 }
 
 } // namespace

@@ -258,6 +258,13 @@ std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp) 
   return tensorOffsets(cfg, layer, tp);
 }
 
+std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer) {
+  std::vector<bool> out;
+  for (const TensorSpec &t : layerTensors(cfg, layer))
+    out.push_back(t.shard == Shard::Replicated);
+  return out;
+}
+
 std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
   size_t begin = 0;
   for (const TensorSpec &t : layerTensors(cfg, layer)) {

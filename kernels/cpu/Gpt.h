@@ -74,6 +74,9 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
 /// Where each of a layer's tensors begins within its parameters on a tp rank, and the total
 /// at the end (one more entry than the layer has tensors).
 std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp);
+/// For each of a layer's tensors (paramTensorOffsets's order): whether every tp rank holds all
+/// of it (layernorms, the row-parallel biases, the embeddings and the head) rather than a part.
+std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);
 
 /// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
 /// backward_input saved for backward_weight. Owned by StageCompute.

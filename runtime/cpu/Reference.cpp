@@ -138,6 +138,7 @@ void ReferenceRun::compare(const ParamSnapshot &snapshot, GradCheck &check, int 
 }
 
 void ReferenceRun::adopt(const ParamSnapshot &snapshot) {
+  // (tp ranks in order: of a tensor every rank holds whole, adoptedTpRank()'s copy stays.)
   forEachLayerShard(
       plan, cfg, snapshot, [&](const StageInfo &, int t, int l, std::span<const float> mine) {
         auto [b, e] = sc.layerRange(l);
@@ -154,20 +155,28 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
         auto [b, e] = sc.layerRange(l);
         const std::vector<float> want =
             kernels::shardLayer(cfg, l, t, tp, sc.params().subspan(b, e - b));
-        for (size_t k = 0; k < want.size(); ++k) {
-          const double w = want[k], diff = std::fabs(w - double(mine[k]));
-          const double bound = double(steps) * (kWeightLrTolerance * double(lr) +
-                                                kWeightRelTolerance * std::fabs(w));
-          // (A NaN on either side makes diff NaN, an infinite reference weight the bound.)
-          const double ratio = std::isfinite(diff) && std::isfinite(bound)
-                                   ? (diff == 0 ? 0.0 : diff / bound)
-                                   : INFINITY;
-          if (ratio > check.maxRatio) {
-            check.maxRatio = ratio;
-            check.diff = diff;
-            check.bound = bound;
-            check.worst = {steps - 1, st.stage, t, l, kernels::paramName(cfg, l, tp, k),
-                           mine[k],   want[k]};
+        const std::vector<size_t> bounds = kernels::paramTensorOffsets(cfg, l, tp);
+        const std::vector<bool> replicated = kernels::paramTensorsReplicated(cfg, l);
+        for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+          // A copy that stepped on its own gradients, which adopt() did not take: it need only
+          // be finite.
+          const bool ownSteps = replicated[i] && t != adoptedTpRank(tp);
+          for (size_t k = bounds[i]; k < bounds[i + 1]; ++k) {
+            const double w = want[k], diff = std::fabs(w - double(mine[k]));
+            const double bound = weightBound(w, steps, lr);
+            // (A NaN on either side makes diff NaN, an infinite reference weight the bound.)
+            double ratio = std::isfinite(diff) && std::isfinite(bound)
+                               ? (diff == 0 ? 0.0 : diff / bound)
+                               : INFINITY;
+            if (ownSteps && ratio != INFINITY)
+              ratio = 0;
+            if (ratio > check.maxRatio) {
+              check.maxRatio = ratio;
+              check.diff = diff;
+              check.bound = bound;
+              check.worst = {steps - 1, st.stage, t, l, kernels::paramName(cfg, l, tp, k),
+                             mine[k],   want[k]};
+            }
           }
         }
       });
@@ -223,13 +232,16 @@ llvm::Error judgeGradCheck(const GradCheck &g, double relative, double perTensor
 }
 
 namespace {
-constexpr const char *kWeightBoundText = "1e-3 of lr plus 2^-20 of the weight, per step";
+constexpr const char *kWeightBoundText =
+    "1e-3 of lr, plus per step 1e-5 of lr and 2^-20 of the weight";
 } // namespace
 
 std::string weightCheckReport(const WeightCheck &w) {
+  std::string place;
+  if (w.worst.step >= 0) // (no place: every weight equal to the reference's)
+    place = fmt::format(": {} ({:.3e} apart, bound {:.3e})", placeText(w.worst), w.diff, w.bound);
   return fmt::format("max_weight_diff={:.3e} of its bound after {} AdamW step(s) (bound: {}){}\n",
-                     w.maxRatio, w.steps, kWeightBoundText,
-                     w.worst.step >= 0 ? ": " + placeText(w.worst) : "");
+                     w.maxRatio, w.steps, kWeightBoundText, place);
 }
 
 llvm::Error judgeWeightCheck(const WeightCheck &w) {
@@ -238,10 +250,21 @@ llvm::Error judgeWeightCheck(const WeightCheck &w) {
   const GradDiffPlace &p = w.worst;
   return finding("after {} AdamW step(s) on the same gradients, the weight {} (layer {}, stage {}, "
                  "tp rank {}) is {:.6e} where the single-rank reference's is {:.6e}: {:.3e} apart, "
-                 "more than its bound {:.3e} ({}); the run's optimizer step differs from the "
+                 "more than its bound {:.3e} ({}): the run's optimizer steps differ from the "
                  "reference's",
                  w.steps, p.param, p.layer, p.stage, p.tpRank, p.got, p.want, w.diff, w.bound,
                  kWeightBoundText);
+}
+
+std::string referenceCheckReport(const GradCheck &grads, const WeightCheck &weights) {
+  return gradCheckReport(grads) + weightCheckReport(weights);
+}
+
+llvm::Error judgeReferenceCheck(const GradCheck &grads, const WeightCheck &weights, double relative,
+                                double perTensor) {
+  if (auto err = judgeGradCheck(grads, relative, perTensor))
+    return err;
+  return judgeWeightCheck(weights);
 }
 
 void ReferenceRun::update() { sc.adamStep(lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay); }

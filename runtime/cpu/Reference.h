@@ -82,23 +82,43 @@ inline constexpr double kBf16TensorGradTolerance = 0.15;
 
 /// What --check-reference found in the weights after the last step: the run's (fp32 master
 /// weights in every compute type) against the reference's, which took the same AdamW steps on
-/// the same (adopted) gradients. Each weight may differ by steps x (kWeightLrTolerance x lr +
-/// kWeightRelTolerance x |weight|): the two optimizers round alike but for fused multiply-adds,
-/// while a wrong optimizer step (beta1, bias correction, lr, the weight decay, a skipped tensor)
-/// moves some weight by a fair part of lr. `worst` is the weight nearest its bound.
+/// the same (adopted) gradients. Each weight may differ by weightBound(): the two optimizers
+/// round alike but for fused multiply-adds (about 1e-7 of an update), while a wrong optimizer
+/// step (beta1, bias correction, lr, the weight decay, a skipped tensor) moves some weight by a
+/// fair part of lr. With tp > 1, a tensor every tp rank holds whole is compared on the rank
+/// whose gradients adopt() took (adoptedTpRank); the other copies need only be finite. They
+/// stepped on their own sums, equal on the CPU but, with a GPU's atomics, not to the last bit,
+/// and AdamW turns a last-bit difference of a near-zero gradient (under its eps) into a sizeable
+/// part of lr. `worst` is the weight nearest its bound.
 struct WeightCheck {
   int steps = 0;              // the optimizer steps both took; 0: not checked
   double maxRatio = 0;        // the largest difference as a fraction of its weight's bound
   double diff = 0, bound = 0; // at `worst`
   GradDiffPlace worst;        // got, want: the weights; step: the last step
 };
-inline constexpr double kWeightLrTolerance = 1e-3;
+inline constexpr double kWeightLrTolerance = 1e-3, kWeightLrPerStep = 1e-5;
 inline constexpr double kWeightRelTolerance = 0x1p-20; // 8 units in the last place of an fp32
+/// How far the run's weight may be from the reference's `w` after `steps` AdamW steps at `lr`:
+/// 1e-3 of lr, plus per step 1e-5 of lr and 2^-20 of the weight (its rounding). A skipped or
+/// wrong last step moves a weight by about lr, which this stays well under up to thousands of
+/// steps.
+inline double weightBound(double w, int steps, double lr) {
+  return lr * (kWeightLrTolerance + kWeightLrPerStep * steps) +
+         steps * kWeightRelTolerance * (w < 0 ? -w : w);
+}
+/// The tp rank whose copy of a tensor every rank holds whole adopt() takes: the last.
+inline int adoptedTpRank(int tp) { return tp - 1; }
 
 /// "max_weight_diff=<ratio> of the bound ...[: <place>]", a line.
 std::string weightCheckReport(const WeightCheck &check);
 /// A finding (exit 1) when a weight is past its bound, naming it; success otherwise.
 llvm::Error judgeWeightCheck(const WeightCheck &check);
+
+/// What piperun prints for --check-reference after the reference's loss (gradCheckReport, then
+/// weightCheckReport), and its verdict: the gradients' finding if any, else the weights'.
+std::string referenceCheckReport(const GradCheck &grads, const WeightCheck &weights);
+llvm::Error judgeReferenceCheck(const GradCheck &grads, const WeightCheck &weights, double relative,
+                                double perTensor);
 
 /// The single-rank reference run.
 class ReferenceRun {
@@ -119,7 +139,8 @@ public:
   /// gradient, so a near-zero gradient whose sign another summation order (or bf16) flips puts
   /// the two runs on different weights, and later steps compare different models. A wrong
   /// optimizer step in the run still shows: in the next step's gradients, and after the last
-  /// step in compareWeights().
+  /// step in compareWeights(). Of a tensor every tp rank holds whole, it takes the copy of
+  /// adoptedTpRank().
   void adopt(const ParamSnapshot &snapshot);
   /// The optimizer step.
   void update();

@@ -329,14 +329,15 @@ llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comm
 /// RANK 0 over `world` (gatherGroups: one NCCL group per sender, mirrored on RANK 0), through
 /// `staging` (device memory for the largest sender's blocks), into `snapshot`, which then holds
 /// all of replica 0's blocks on RANK 0. The processes first agree that every sender's blocks
-/// have the expected sizes, so that either all of them take part or all of them fail (a sender
-/// that returned early would leave RANK 0 waiting forever).
+/// have the expected sizes and that no process had `localProblem` (non-empty: this process
+/// could not fill its part of `snapshot`), so that either all of them take part or all of them
+/// fail (a sender that returned early would leave RANK 0 waiting forever).
 llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const LaunchEnv &env,
                            NcclCommunicators &comms, cudaStream_t stream, float *staging,
                            float *agreeSlot, double timeout, ParamSnapshot &snapshot,
-                           const char *what) {
+                           const char *what, const std::string &localProblem = "") {
   auto groups = gatherGroups(shards, env.rank);
-  std::string problem;
+  std::string problem = localProblem;
   for (const auto &group : groups)
     for (const GatherOp &op : group)
       if (op.send) {
@@ -348,7 +349,7 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
                                 env.rank, have, what, op.shard.stage, op.shard.tp, op.shard.floats);
       }
   auto failures = worldSum(problem.empty() ? 0.0f : 1.0f, agreeSlot, comms, stream, timeout,
-                           fmt::format("the {} gather's size check", what));
+                           fmt::format("the {} gather's agreement", what));
   if (!failures)
     return failures.takeError();
   if (!problem.empty())
@@ -356,8 +357,8 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
   if (*failures > 0)
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
-        fmt::format("--check-reference: {} process(es) hold {} blocks of unexpected sizes (they "
-                    "say which)",
+        fmt::format("--check-reference: {} process(es) could not hand over their {} (they say "
+                    "why)",
                     int(*failures), what));
   for (const auto &group : groups) {
     std::vector<size_t> offsets;
@@ -556,24 +557,30 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       onStep(s, loss);
   }
   // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients.
-  // A process that cannot read its weights still takes part in the gather, whose size check
-  // then fails on every process at once.
+  // A process that cannot read its weights still takes part in the gather's agreement, so that
+  // every process fails at once. (One whose CUDA context is broken cannot: the others' watchdog
+  // then names the wait.)
   if (o.checkReference) {
     ParamSnapshot weights;
     llvm::Error copied = b.snapshotWeights(weights);
-    llvm::Error gathered =
-        shards.empty()
-            ? llvm::Error::success()
-            : gatherSnapshot(shards, env, **comms, compute, staging.as<float>(),
-                             scratch->as<float>() + 4, o.timeoutSeconds, weights, "weights");
-    if (copied || gathered) {
-      (*comms)->abortAll();
-      if (copied) {
-        llvm::consumeError(std::move(gathered));
-        return copied;
+    if (!shards.empty()) {
+      const std::string problem =
+          copied ? fmt::format("--check-reference: rank {} could not read its weights", env.rank)
+                 : "";
+      llvm::Error gathered =
+          gatherSnapshot(shards, env, **comms, compute, staging.as<float>(),
+                         scratch->as<float>() + 4, o.timeoutSeconds, weights, "weights", problem);
+      if (gathered) {
+        (*comms)->abortAll();
+        if (copied) { // (its own error says more than the agreement's)
+          llvm::consumeError(std::move(gathered));
+          return copied;
+        }
+        return gathered;
       }
-      return gathered;
     }
+    if (copied)
+      return copied;
     if (ref)
       result.weights = ref->compareWeights(weights, o.steps);
   }
