@@ -229,6 +229,25 @@ TEST(DataTest, TokenFilesLoadRawAndLlmcFormatsAndRejectOutOfVocabIds) {
             std::string::npos);
 }
 
+/// Fills `out` as the plan's ranks would hold full layer tensors whose element k of layer l is
+/// value(l, k): every (stage, tp rank)'s shards (kernels::shardLayer), layer after layer.
+template <typename Value>
+void fillShardedSnapshot(const Plan &plan, const kernels::GptConfig &cfg, ParamSnapshot &out,
+                         Value &&value) {
+  const int tp = plan.parallel.tp;
+  for (const StageInfo &st : plan.stages)
+    for (int t = 0; t < tp; ++t) {
+      std::vector<float> &mine = out.byStageAndTp[{st.stage, t}];
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        std::vector<float> full(kernels::layerParamCount(cfg, l, 1));
+        for (size_t k = 0; k < full.size(); ++k)
+          full[k] = value(l, k);
+        std::vector<float> shard = kernels::shardLayer(cfg, l, t, tp, full);
+        mine.insert(mine.end(), shard.begin(), shard.end());
+      }
+    }
+}
+
 // ReferenceRun::adopt, which the bf16 reference check uses to take the run's gradients for its
 // optimizer step, and compare(), which finds and places differences: what adopt() takes from a
 // pp=2, tp=2 snapshot (sharded as the ranks hold it) is exactly what compare() then finds.
@@ -241,17 +260,8 @@ TEST(ReferenceRunTest, AdoptedGradientsAreWhatCompareFindsAndDifferencesArePlace
   ReferenceRun ref(plan, *cfg, *data, /*seed=*/1, /*lr=*/1e-3f);
   ref.step(0);
   ParamSnapshot snapshot; // every full layer tensor a pattern in [0.5, 12.5], then sharded
-  for (const StageInfo &st : plan.stages)
-    for (int t = 0; t < 2; ++t) {
-      std::vector<float> &mine = snapshot.byStageAndTp[{st.stage, t}];
-      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
-        std::vector<float> full(kernels::layerParamCount(*cfg, l, 1));
-        for (size_t k = 0; k < full.size(); ++k)
-          full[k] = 0.5f + float((k * 7 + size_t(l)) % 13);
-        std::vector<float> shard = kernels::shardLayer(*cfg, l, t, /*tp=*/2, full);
-        mine.insert(mine.end(), shard.begin(), shard.end());
-      }
-    }
+  fillShardedSnapshot(plan, *cfg, snapshot,
+                      [](int l, size_t k) { return 0.5f + float((k * 7 + size_t(l)) % 13); });
   // Stage 0's first block (layer 1, after the embedding) gets small ln1.b gradients, 0.05 (above
   // the floor of a tensor's scale, 1e-3 of the largest gradient).
   const int c = 16, f = 32; // tinyGpt: hidden 16, ffn 32; tp 2 halves qkv's and fc's columns
@@ -347,16 +357,9 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
   const float lr = 1e-3f;
   // Step s's gradients of every rank: a pattern in [-0.06, 0.06], zeros included, sharded.
   auto gradients = [&](int s, ParamSnapshot &g) {
-    for (const StageInfo &st : plan.stages)
-      for (int t = 0; t < 2; ++t)
-        for (int l = st.layerBegin; l < st.layerEnd; ++l) {
-          std::vector<float> full(kernels::layerParamCount(*cfg, l, 1));
-          for (size_t k = 0; k < full.size(); ++k)
-            full[k] = 1e-2f * float(int((k * 7 + size_t(l) + 5 * size_t(s)) % 13) - 6);
-          std::vector<float> shard = kernels::shardLayer(*cfg, l, t, /*tp=*/2, full);
-          auto &mine = g.byStageAndTp[{st.stage, t}];
-          mine.insert(mine.end(), shard.begin(), shard.end());
-        }
+    fillShardedSnapshot(plan, *cfg, g, [s](int l, size_t k) {
+      return 1e-2f * float(int((k * 7 + size_t(l) + 5 * size_t(s)) % 13) - 6);
+    });
   };
   struct Moments {
     std::vector<double> w, m, v;
