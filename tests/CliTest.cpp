@@ -299,6 +299,10 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
   EXPECT_NE(r.out.find("max_weight_diff=0.000e+00 of its bound after 2 AdamW step(s)"),
             std::string::npos)
       << r.out;
+  EXPECT_NE(r.out.find("\ntp_copies=identical (the 2 tp ranks' copies of every tensor they hold "
+                       "whole, bit for bit)\n"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(PiperunTest, RefusesAPlanThatFailsVerification) {

@@ -310,6 +310,40 @@ TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
   EXPECT_CLOSE(download(gdB, c, DType::F32), refB, kTolF32Long);
 }
 
+// The weight gradients every tp rank computes whole (layernorms, row-parallel biases) must have
+// the same bits on every rank, from the same inputs, or the ranks' copies drift apart: each
+// launch sums a column in one order, whatever order its blocks run in. (On the kernel emulator,
+// //tests:cuda_kernel_emu_test sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
+// in a new order, and a sum of atomically added partials comes out with other bits.)
+TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
+  const DType dt = GetParam();
+  const int n = 300, c = 70; // rows over many blocks' worth, columns not a multiple of 32
+  Vec x = quantized(randomVec(size_t(n) * c, 27, -2.0f, 3.0f), dt);
+  Vec dOut = quantized(randomVec(size_t(n) * c, 28), dt);
+  Vec mean(n), rstd(n), out(size_t(n) * c), w(c, 1.0f), b(c, 0.0f);
+  cpu::layernormForward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), n, c);
+  Vec refW(c, 0.0f), refB(c, 0.0f);
+  cpu::layernormBackwardWeight(refW.data(), refB.data(), dOut.data(), x.data(), mean.data(),
+                               rstd.data(), n, c);
+  DeviceBuffer gx = upload(x, dt), gdOut = upload(dOut, dt);
+  DeviceBuffer gMean = upload(mean, DType::F32), gRstd = upload(rstd, DType::F32);
+  Vec firstW, firstB;
+  for (int launch = 0; launch < 4; ++launch) {
+    DeviceBuffer gdW = upload(Vec(c, 0.0f), DType::F32), gdB = upload(Vec(c, 0.0f), DType::F32);
+    ASSERT_OK(layernormBackwardWeight(*ctx, dt, gdW.as<float>(), gdB.as<float>(), gdOut.data(),
+                                      gx.data(), gMean.as<float>(), gRstd.as<float>(), n, c));
+    Vec dW = download(gdW, c, DType::F32), dB = download(gdB, c, DType::F32);
+    EXPECT_CLOSE(dW, refW, kTolF32Long);
+    EXPECT_CLOSE(dB, refB, kTolF32Long);
+    if (launch == 0) {
+      firstW = dW, firstB = dB;
+      continue;
+    }
+    EXPECT_EQ(dW, firstW) << "launch " << launch << " summed dW in another order";
+    EXPECT_EQ(dB, firstB) << "launch " << launch << " summed dB in another order";
+  }
+}
+
 TEST_P(CudaLayernormTest, GeluForwardAndBackwardMatchCpu) {
   const DType dt = GetParam();
   const size_t n = 1000;
@@ -545,6 +579,33 @@ TEST_P(CudaLossTest, RowBiasAddsToEveryRowOfAStridedMatrix) {
                                static_cast<cudaStream_t>(ctx->stream())),
             cudaSuccess);
   EXPECT_EQ(download(dOut, ref.size(), dt), ref); // one rounding, as the host's
+}
+
+TEST_P(CudaLossTest, ColumnSumMatchesCpuWithTheSameBitsEveryLaunch) {
+  // The bias gradient of matmulBackwardWeight (row-parallel biases are held whole by every tp
+  // rank, so their gradients must not depend on the order the blocks run in; see
+  // WeightGradientHasTheSameBitsEveryLaunch).
+  const DType dt = GetParam();
+  const int n = 301, o = 45;
+  Vec dOut = quantized(randomVec(size_t(n) * o, 63), dt), start = randomVec(o, 64);
+  Vec ref = start;
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < o; ++c)
+      ref[size_t(c)] += dOut[size_t(r) * o + c];
+  DeviceBuffer gdOut = upload(dOut, dt);
+  Vec first;
+  for (int launch = 0; launch < 4; ++launch) {
+    DeviceBuffer gBias = upload(start, DType::F32);
+    ASSERT_EQ(launch::columnSumAccumulate(dt, gBias.as<float>(), gdOut.data(), n, o,
+                                          static_cast<cudaStream_t>(ctx->stream())),
+              cudaSuccess);
+    Vec sums = download(gBias, o, DType::F32);
+    EXPECT_CLOSE(sums, ref, kTolF32Long);
+    if (launch == 0)
+      first = sums;
+    else
+      EXPECT_EQ(sums, first) << "launch " << launch << " summed in another order";
+  }
 }
 
 TEST_F(GpuTest, AdamMatchesCpuOverThreeSteps) {

@@ -42,6 +42,7 @@ void expectMatchesReference(const Plan &plan, int steps = 2) {
   // Every replica-0 weight after the last step, against the reference's.
   EXPECT_EQ(result->weights.steps, steps);
   EXPECT_LE(result->weights.maxRatio, 1.0) << weightCheckReport(result->weights);
+  EXPECT_LT(result->weights.tpCopy.step, 0) << weightCheckReport(result->weights);
   for (int s = 0; s < steps; ++s)
     EXPECT_NEAR(result->losses[size_t(s)], result->referenceLosses[size_t(s)], 1e-5);
 }
@@ -467,11 +468,40 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
             std::string::npos)
       << errorText(judgeWeightCheck(nan));
   // Tensors whole on every tp rank are held to the reference on the rank whose gradients it
-  // took, the last; tp rank 0's copies stepped on their own sums (on a GPU not equal to the
-  // last bit) and need only be finite. Its own parts of the split tensors are held to it.
+  // took, the last; tp rank 0's copies stepped on their own sums, and must equal the last
+  // rank's to the last bit (or be infinitely far off). Its own parts of the split tensors are
+  // held to the reference.
+  EXPECT_EQ(textbook.tp, 2);
+  EXPECT_LT(textbook.tpCopy.step, 0) << weightCheckReport(textbook);
+  EXPECT_NE(weightCheckReport(textbook).find("tp_copies=identical (the 2 tp ranks' copies of "
+                                             "every tensor they hold whole, bit for bit)\n"),
+            std::string::npos)
+      << weightCheckReport(textbook);
   const float ln1 = textbookWeights.at({last.stage, 0})[ln1w2];
-  EXPECT_EQ(planted(0, ln1w2, ln1 + 1e-3f).maxRatio, textbook.maxRatio);
+  const WeightCheck drifted = planted(0, ln1w2, std::nextafter(ln1, INFINITY)); // one ulp
+  EXPECT_EQ(drifted.maxRatio, textbook.maxRatio);
+  EXPECT_EQ(drifted.tpCopy.step, 1);
+  EXPECT_EQ(drifted.tpCopy.stage, last.stage);
+  EXPECT_EQ(drifted.tpCopy.tpRank, 0);
+  EXPECT_EQ(drifted.tpCopy.layer, last.layerBegin);
+  EXPECT_EQ(drifted.tpCopy.param, "ln1.w[2]");
+  EXPECT_EQ(drifted.tpCopy.want, textbookWeights.at({last.stage, 1})[ln1w2]);
+  EXPECT_NE(weightCheckReport(drifted).find(fmt::format("tp_copies=differ: stage 1, layer {}, "
+                                                        "ln1.w[2]: tp rank 0 holds ",
+                                                        last.layerBegin)),
+            std::string::npos)
+      << weightCheckReport(drifted);
+  EXPECT_EQ(errorText(judgeWeightCheck(drifted))
+                .rfind(fmt::format("after 2 AdamW step(s), tp ranks 0 and 1 hold different "
+                                   "copies of the weight ln1.w[2] (layer {}, stage 1), which "
+                                   "every tp rank holds whole: ",
+                                   last.layerBegin),
+                       0),
+            0u)
+      << errorText(judgeWeightCheck(drifted));
   EXPECT_EQ(planted(0, ln1w2, INFINITY).maxRatio, INFINITY);
+  // A split tensor's halves differ between the ranks, as they should: no tp finding.
+  EXPECT_LT(planted(0, qkvW + 3, textbookWeights.at({last.stage, 0})[qkvW + 3]).tpCopy.step, 0);
   const WeightCheck mine =
       planted(0, qkvW + 3, textbookWeights.at({last.stage, 0})[qkvW + 3] + 1e-4f);
   EXPECT_GT(mine.maxRatio, 50.0);

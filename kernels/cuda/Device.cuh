@@ -1,9 +1,9 @@
 //===- Device.cuh - device helpers shared by the .cu files --------*- CUDA -*-===//
 //
 // Loads and stores that widen bf16 to fp32 (all arithmetic is fp32), warp reductions by
-// shuffles, the tensor-core mma of a warp, ldmatrix .x4 .trans, cp.async copies to shared
-// memory, and the fp32/bf16 dispatch of a launcher (plus Dialect.h's launch macros). Included
-// by .cu files only.
+// shuffles, column sums in a fixed order, the tensor-core mma of a warp, ldmatrix .x4 .trans,
+// cp.async copies to shared memory, and the fp32/bf16 dispatch of a launcher (plus Dialect.h's
+// launch macros). Included by .cu files only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICE_CUH
@@ -108,6 +108,43 @@ template <int Pending> __device__ __forceinline__ void cpAsyncWait() {
 }
 
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }
+
+/// Warps per block of columnSums' kernels: rows in flight per column.
+inline constexpr int kColumnSumWarps = 16;
+inline constexpr int kColumnSumThreads = kColumnSumWarps * kWarp;
+
+/// N column sums over the n rows of an (n, c) matrix, in an order that the launch shape alone
+/// fixes, so that every launch (and every tp rank, from the same inputs) gets the same bits: no
+/// atomics. Launch ceilDiv(c, kWarp) blocks of kColumnSumThreads threads; block x owns columns
+/// [kWarp x, kWarp x + kWarp) (a warp reads kWarp adjacent columns of a row), warp w sums rows w,
+/// w + kColumnSumWarps, ... of its lane's column with `term(r, col, acc)` adding row r's terms
+/// to acc[0..N), and warp 0 adds the warps' sums in warp order. Every thread of the block must
+/// call it (it synchronises the block); true on the threads that then hold a column's totals
+/// in `sums` (warp 0, columns < c).
+template <int N, typename Term>
+__device__ __forceinline__ bool columnSums(int n, int c, Term term, float (&sums)[N]) {
+  __shared__ float parts[kColumnSumWarps][N][kWarp];
+  const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
+  const int col = int(blockIdx.x) * kWarp + lane;
+  float acc[N];
+  for (int i = 0; i < N; ++i)
+    acc[i] = 0.0f;
+  if (col < c)
+    for (int r = warp; r < n; r += kColumnSumWarps)
+      term(r, col, acc);
+  for (int i = 0; i < N; ++i)
+    parts[warp][i][lane] = acc[i];
+  __syncthreads();
+  if (warp != 0 || col >= c)
+    return false;
+  for (int i = 0; i < N; ++i) {
+    float s = 0.0f;
+    for (int w = 0; w < kColumnSumWarps; ++w)
+      s += parts[w][i][lane];
+    sums[i] = s;
+  }
+  return true;
+}
 
 } // namespace pipec::kernels::cuda::device
 

@@ -3,7 +3,8 @@
 // The memory-bound ops: one thread per element in a grid-stride loop (so that any n launches a
 // bounded grid), fp32 arithmetic on fp32 or bf16 storage. They match kernels/cpu/Ops.cpp
 // formula for formula; the only differences are the device's tanhf/sqrtf rounding (a few ulp)
-// and, for the bias gradient, the order of the fp32 sums (atomics across row chunks).
+// and, for the bias gradient, the order of the fp32 sums (Device.cuh's columnSums: fixed by the
+// launch shape, so the same bits every launch).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"
@@ -76,21 +77,14 @@ __global__ void adamKernel(float *__restrict__ params, const float *__restrict__
   }
 }
 
-// dBias (o) += sum over rows of dOut (n, o): block (x, y) sums columns [x*256, x*256+256) over
-// rows [y*kRowsPerChunk, ...) — coalesced along the row — then adds its partial atomically.
-constexpr int kRowsPerChunk = 64;
+// dBias (o) += sum over rows of dOut (n, o), in a fixed order (columnSums).
 template <typename T>
-__global__ void columnSumKernel(float *__restrict__ dBias, const T *__restrict__ dOut, int n,
-                                int o) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= o)
-    return;
-  const int rowBegin = blockIdx.y * kRowsPerChunk;
-  const int rowEnd = min(n, rowBegin + kRowsPerChunk);
-  float sum = 0.0f;
-  for (int r = rowBegin; r < rowEnd; ++r)
-    sum += toFloat(dOut[size_t(r) * o + col]);
-  atomicAdd(dBias + col, sum);
+__global__ void __launch_bounds__(kColumnSumThreads)
+    columnSumKernel(float *__restrict__ dBias, const T *__restrict__ dOut, int n, int o) {
+  float sums[1];
+  auto term = [&](int r, int col, float(&acc)[1]) { acc[0] += toFloat(dOut[size_t(r) * o + col]); };
+  if (columnSums(n, o, term, sums))
+    dBias[int(blockIdx.x) * kWarp + int(threadIdx.x)] += sums[0];
 }
 
 template <typename T>
@@ -160,10 +154,9 @@ cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int
                                 cudaStream_t stream) {
   if (n == 0 || o == 0)
     return cudaSuccess;
-  dim3 grid(ceilDiv(o, kThreads), ceilDiv(n, kRowsPerChunk));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(grid, kThreads, 0, stream, columnSumKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(o, kWarp), kColumnSumThreads, 0, stream, columnSumKernel<T>)
     (dBias, static_cast<const T *>(dOut), n, o);
     return cudaGetLastError();
   });

@@ -4,7 +4,9 @@
 // shared memory and no block-wide synchronisation, and a row of a few thousand channels stays
 // in L1 between the passes. The forward computes mean and variance in two passes, as the CPU
 // reference does (no E[x^2] - E[x]^2 cancellation). The weight gradient is a column sum over
-// rows, done as in Elementwise.cu: partials over chunks of rows, combined with atomics.
+// rows in an order fixed by the launch shape (Device.cuh's columnSums, no atomics): every tp
+// rank holds ln.w and ln.b whole, and their copies stay equal only if every rank's gradients
+// have the same bits.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"
@@ -20,7 +22,6 @@ using namespace device;
 constexpr float kEps = 1e-5f;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * kWarp;
-constexpr int kRowsPerChunk = 32;
 
 // out (n, c) = (in - mean) * rstd * w + b; mean, rstd (n).
 template <typename T>
@@ -81,26 +82,23 @@ __global__ void backwardInputKernel(T *__restrict__ dIn, const T *__restrict__ d
   }
 }
 
-// dW (c) += sum_r dOut * xhat; dB (c) += sum_r dOut; block (x, y): columns x*256.., row chunk y.
+// dW (c) += sum_r dOut * xhat; dB (c) += sum_r dOut: column sums in a fixed order (columnSums).
 template <typename T>
-__global__ void backwardWeightKernel(float *__restrict__ dW, float *__restrict__ dB,
-                                     const T *__restrict__ dOut, const T *__restrict__ in,
-                                     const float *__restrict__ mean, const float *__restrict__ rstd,
-                                     int n, int c) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= c)
-    return;
-  const int rowBegin = blockIdx.y * kRowsPerChunk;
-  const int rowEnd = min(n, rowBegin + kRowsPerChunk);
-  float dwSum = 0.0f, dbSum = 0.0f;
-  for (int r = rowBegin; r < rowEnd; ++r) {
-    float dy = toFloat(dOut[size_t(r) * c + col]);
-    float xhat = (toFloat(in[size_t(r) * c + col]) - mean[r]) * rstd[r];
-    dwSum += dy * xhat;
-    dbSum += dy;
+__global__ void __launch_bounds__(kColumnSumThreads)
+    backwardWeightKernel(float *__restrict__ dW, float *__restrict__ dB, const T *__restrict__ dOut,
+                         const T *__restrict__ in, const float *__restrict__ mean,
+                         const float *__restrict__ rstd, int n, int c) {
+  float sums[2];
+  auto term = [&](int r, int col, float(&acc)[2]) {
+    const float dy = toFloat(dOut[size_t(r) * c + col]);
+    acc[0] += dy * ((toFloat(in[size_t(r) * c + col]) - mean[r]) * rstd[r]);
+    acc[1] += dy;
+  };
+  if (columnSums(n, c, term, sums)) {
+    const int col = int(blockIdx.x) * kWarp + int(threadIdx.x);
+    dW[col] += sums[0];
+    dB[col] += sums[1];
   }
-  atomicAdd(dW + col, dwSum);
-  atomicAdd(dB + col, dbSum);
 }
 
 } // namespace
@@ -139,10 +137,9 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
                                     int c, cudaStream_t stream) {
   if (n == 0 || c == 0)
     return cudaSuccess;
-  dim3 grid(ceilDiv(c, kThreads), ceilDiv(n, kRowsPerChunk));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(grid, kThreads, 0, stream, backwardWeightKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(c, kWarp), kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
     (dW, dB, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
     return cudaGetLastError();
   });

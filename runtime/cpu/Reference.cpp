@@ -6,6 +6,7 @@
 
 #include <cassert>
 #include <cmath>
+#include <cstring>
 #include <span>
 
 namespace pipec {
@@ -159,7 +160,7 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
         const std::vector<bool> replicated = kernels::paramTensorsReplicated(cfg, l);
         for (size_t i = 0; i + 1 < bounds.size(); ++i) {
           // A copy that stepped on its own gradients, which adopt() did not take: it need only
-          // be finite.
+          // be finite here, and equal to the adopted copy (firstTpCopyMismatch).
           const bool ownSteps = replicated[i] && t != adoptedTpRank(tp);
           for (size_t k = bounds[i]; k < bounds[i + 1]; ++k) {
             const double w = want[k], diff = std::fabs(w - double(mine[k]));
@@ -180,7 +181,44 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
           }
         }
       });
+  check.tp = tp;
+  check.tpCopy = firstTpCopyMismatch(plan, cfg, weights, steps - 1);
   return check;
+}
+
+GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cfg,
+                                  const ParamSnapshot &snapshot, int step) {
+  const int tp = plan.parallel.tp, adopted = adoptedTpRank(tp);
+  for (const StageInfo &st : plan.stages) {
+    auto copyOf = [&](int t) -> std::span<const float> {
+      auto it = snapshot.byStageAndTp.find({st.stage, t});
+      assert(it != snapshot.byStageAndTp.end() && "every stage and tp rank is snapshotted");
+      return it->second;
+    };
+    const std::span<const float> want = copyOf(adopted);
+    for (int t = 0; t < tp; ++t) {
+      if (t == adopted)
+        continue;
+      const std::span<const float> mine = copyOf(t);
+      size_t offset = 0;
+      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+        const std::vector<size_t> bounds = kernels::paramTensorOffsets(cfg, l, tp);
+        const std::vector<bool> replicated = kernels::paramTensorsReplicated(cfg, l);
+        for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+          if (!replicated[i])
+            continue;
+          for (size_t k = offset + bounds[i]; k < offset + bounds[i + 1]; ++k) {
+            assert(k < mine.size() && k < want.size() && "snapshot shorter than the stage");
+            if (std::memcmp(&mine[k], &want[k], sizeof(float)) != 0)
+              return {step,    st.stage, t, l, kernels::paramName(cfg, l, tp, k - offset),
+                      mine[k], want[k]};
+          }
+        }
+        offset += kernels::layerParamCount(cfg, l, tp);
+      }
+    }
+  }
+  return {};
 }
 
 namespace {
@@ -240,13 +278,34 @@ std::string weightCheckReport(const WeightCheck &w) {
   std::string place;
   if (w.worst.step >= 0) // (no place: every weight equal to the reference's)
     place = fmt::format(": {} ({:.3e} apart, bound {:.3e})", placeText(w.worst), w.diff, w.bound);
-  return fmt::format("max_weight_diff={:.3e} of its bound after {} AdamW step(s) (bound: {}){}\n",
-                     w.maxRatio, w.steps, kWeightBoundText, place);
+  std::string out =
+      fmt::format("max_weight_diff={:.3e} of its bound after {} AdamW step(s) (bound: {}){}\n",
+                  w.maxRatio, w.steps, kWeightBoundText, place);
+  if (w.tp <= 1)
+    return out;
+  const GradDiffPlace &c = w.tpCopy;
+  if (c.step < 0)
+    return out + fmt::format("tp_copies=identical (the {} tp ranks' copies of every tensor they "
+                             "hold whole, bit for bit)\n",
+                             w.tp);
+  return out + fmt::format("tp_copies=differ: stage {}, layer {}, {}: tp rank {} holds {:.9e}, tp "
+                           "rank {} {:.9e}\n",
+                           c.stage, c.layer, c.param, c.tpRank, c.got, adoptedTpRank(w.tp), c.want);
 }
 
 llvm::Error judgeWeightCheck(const WeightCheck &w) {
-  if (w.maxRatio <= 1)
-    return llvm::Error::success();
+  if (w.maxRatio <= 1) {
+    const GradDiffPlace &c = w.tpCopy;
+    if (w.tp <= 1 || c.step < 0)
+      return llvm::Error::success();
+    return finding("after {} AdamW step(s), tp ranks {} and {} hold different copies of the "
+                   "weight {} (layer {}, stage {}), which every tp rank holds whole: {:.9e} and "
+                   "{:.9e}; they must stay equal to the last bit, or the copies drift apart (a "
+                   "gradient kernel whose sums depend on scheduling, or tp ranks that summed "
+                   "different inputs)",
+                   w.steps, c.tpRank, adoptedTpRank(w.tp), c.param, c.layer, c.stage, c.got,
+                   c.want);
+  }
   const GradDiffPlace &p = w.worst;
   return finding("after {} AdamW step(s) on the same gradients, the weight {} (layer {}, stage {}, "
                  "tp rank {}) is {:.6e} where the single-rank reference's is {:.6e}: {:.3e} apart, "

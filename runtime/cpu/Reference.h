@@ -86,15 +86,20 @@ inline constexpr double kBf16TensorGradTolerance = 0.15;
 /// round alike but for fused multiply-adds (about 1e-7 of an update), while a wrong optimizer
 /// step (beta1, bias correction, lr, the weight decay, a skipped tensor) moves some weight by a
 /// fair part of lr. With tp > 1, a tensor every tp rank holds whole is compared on the rank
-/// whose gradients adopt() took (adoptedTpRank); the other copies need only be finite. They
-/// stepped on their own sums, equal on the CPU but, with a GPU's atomics, not to the last bit,
-/// and AdamW turns a last-bit difference of a near-zero gradient (under its eps) into a sizeable
-/// part of lr. `worst` is the weight nearest its bound.
+/// whose gradients adopt() took (adoptedTpRank), and every other rank's copy must equal that
+/// one to the last bit (`tpCopy`): each rank computed the tensor's gradients from the same
+/// inputs, and the kernels' sums do not depend on scheduling, so copies that differ at all have
+/// begun to drift apart (AdamW turns a last-bit difference of a near-zero gradient, under its
+/// eps, into a sizeable part of lr). `worst` is the weight nearest its bound.
 struct WeightCheck {
   int steps = 0;              // the optimizer steps both took; 0: not checked
   double maxRatio = 0;        // the largest difference as a fraction of its weight's bound
   double diff = 0, bound = 0; // at `worst`
   GradDiffPlace worst;        // got, want: the weights; step: the last step
+  int tp = 1;                 // > 1: the tp copies were compared
+  /// The first weight whose tp copies differ: got is tp rank tpRank's, want adoptedTpRank's.
+  /// step < 0: none.
+  GradDiffPlace tpCopy;
 };
 inline constexpr double kWeightLrTolerance = 1e-3, kWeightLrPerStep = 1e-5;
 inline constexpr double kWeightRelTolerance = 0x1p-20; // 8 units in the last place of an fp32
@@ -108,10 +113,18 @@ inline double weightBound(double w, int steps, double lr) {
 }
 /// The tp rank whose copy of a tensor every rank holds whole adopt() takes: the last.
 inline int adoptedTpRank(int tp) { return tp - 1; }
+/// The first value in `snapshot` of a tensor every tp rank holds whole (layernorms, row-parallel
+/// biases, embeddings, the head) where a tp rank's copy is not bit for bit adoptedTpRank()'s:
+/// got is that rank's, want adoptedTpRank()'s, step `step`. step < 0: every copy agrees (or
+/// tp = 1).
+GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cfg,
+                                  const ParamSnapshot &snapshot, int step);
 
-/// "max_weight_diff=<ratio> of the bound ...[: <place>]", a line.
+/// "max_weight_diff=<ratio> of the bound ...[: <place>]", a line; with tp > 1 another,
+/// "tp_copies=identical ..." or "tp_copies=differ: <place>".
 std::string weightCheckReport(const WeightCheck &check);
-/// A finding (exit 1) when a weight is past its bound, naming it; success otherwise.
+/// A finding (exit 1) when a weight is past its bound, or else when its tp copies differ,
+/// naming it; success otherwise.
 llvm::Error judgeWeightCheck(const WeightCheck &check);
 
 /// What piperun prints for --check-reference after the reference's loss (gradCheckReport, then

@@ -64,8 +64,9 @@ struct CudaRunResult {
 };
 
 /// The tolerance of --check-reference on the cuda backend, relative to the largest reference
-/// gradient: fp32 throughout, but cuBLAS, the attention kernels and the atomic embedding
-/// scatter sum in another order than the CPU loops.
+/// gradient: fp32 throughout, but cuBLAS, the attention kernels, the column sums and the
+/// embedding backward sum in another order than the CPU loops (a fixed one: runs repeat bit for
+/// bit).
 inline constexpr double kCudaGradTolerance = 1e-4;
 /// The same for bf16 compute against the fp32 reference: every activation, input gradient and
 /// parameter read is rounded to 8 significant bits (a relative error of up to 2^-8 each), and

@@ -14,8 +14,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cassert>
 #include <map>
+#include <numeric>
 
 namespace pipec {
 
@@ -163,6 +165,9 @@ struct GpuStage::Impl {
   // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
   // uploaded from pinned host copies (inputs then targets) without waiting for the device.
   Owned<int32_t> inputs, targets;
+  // With the embedding: every (mb, slice)'s rows (0 .. B*x-1, at the same offsets as `inputs`)
+  // sorted by their input token, stably, for the embedding backward's ordered sums.
+  Owned<int32_t> tokenOrder;
   Owned<int32_t, /*Pinned=*/true> hostTokens;
   std::map<std::pair<int, int>, SliceWork> work;
   std::map<int, SequenceWork> sequences;
@@ -486,13 +491,15 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
   const int32_t *in = inputs.data() + tokenOffset(mb, slice);
   for (int l = layerBegin; l < layerEnd; ++l) {
     switch (kind(l)) {
-    case GptLayerKind::Embedding:
-      PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in, n,
-                                               x, begin, c, stream));
+    case GptLayerKind::Embedding: {
+      const int32_t *order = tokenOrder.data() + tokenOffset(mb, slice);
+      PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in,
+                                               order, n, x, begin, c, stream));
       if (tiedHere())
         PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
-                                                 w.dEmb.data(), in, n, x, begin, c, stream));
+                                                 w.dEmb.data(), in, order, n, x, begin, c, stream));
       break;
+    }
     case GptLayerKind::Head: {
       HeadWork &hw = w.head;
       PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, LnfW), grad(l, LnfB),
@@ -608,12 +615,13 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   if (!m.hasEmbedding() && !m.hasHead())
     return llvm::Error::success();
   const int b = m.cfg.microbatch, t = m.cfg.seqLen;
-  std::vector<int32_t> in, tgt;
+  std::vector<int32_t> in, tgt, order;
   in.reserve(tokens.size() * size_t(b) * size_t(t));
   tgt.reserve(in.capacity());
   for (const std::vector<int32_t> &mb : tokens) {
     assert(mb.size() == size_t(b) * size_t(t + 1) && "batch has the wrong size");
-    for (auto [begin, end] : m.slices)
+    for (auto [begin, end] : m.slices) {
+      const size_t first = in.size();
       for (int s = 0; s < b; ++s)
         for (int p = begin; p < end; ++p) {
           int32_t token = mb[size_t(s) * size_t(t + 1) + size_t(p)];
@@ -621,24 +629,39 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
           in.push_back(token);
           tgt.push_back(mb[size_t(s) * size_t(t + 1) + size_t(p) + 1]);
         }
+      if (m.hasEmbedding()) { // the slice's rows by token, stably
+        order.resize(in.size());
+        std::iota(order.begin() + first, order.end(), 0);
+        std::stable_sort(order.begin() + first, order.end(),
+                         [&](int32_t a, int32_t z) { return in[first + a] < in[first + z]; });
+      }
+    }
   }
   // Every step's batch has the same size: allocated once, by the first (warm-up) step.
   if (!m.inputs.data() && !in.empty()) {
     PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
     PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
-    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size()));
+    if (!order.empty())
+      PIPEC_GPU_TRY(m.tokenOrder.allocate(order.size()));
+    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size() + order.size()));
   }
   assert(m.inputs.size() == in.size() && "the batch changed size between steps");
   if (in.empty())
     return llvm::Error::success();
   // The previous step's copies out of the pinned buffer have run: the runtime waits for the
   // stream at the end of every step.
-  std::copy(in.begin(), in.end(), m.hostTokens.data());
-  std::copy(tgt.begin(), tgt.end(), m.hostTokens.data() + in.size());
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.inputs.data(), m.hostTokens.data(), in.size() * sizeof(int32_t),
+  int32_t *host = m.hostTokens.data();
+  std::copy(in.begin(), in.end(), host);
+  std::copy(tgt.begin(), tgt.end(), host + in.size());
+  std::copy(order.begin(), order.end(), host + in.size() + tgt.size());
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.inputs.data(), host, in.size() * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, m.stream));
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.targets.data(), m.hostTokens.data() + in.size(),
-                                 tgt.size() * sizeof(int32_t), cudaMemcpyHostToDevice, m.stream));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, m.stream));
+  if (!order.empty())
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(m.tokenOrder.data(), host + in.size() + tgt.size(),
+                                   order.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                   m.stream));
   return llvm::Error::success();
 }
 

@@ -1,16 +1,18 @@
 //===- StageKernels.cu - glue kernels of a GPU pipeline stage -------------===//
 //
 // One thread per element (these are O(N C) next to the O(N C^2) matmuls), templated on the
-// element type T (float or bf16: loads widen, arithmetic is fp32, stores round once). The
-// embedding backward scatters into fp32 gradients with atomics, so its summation order (and last
-// bits) differ from the CPU reference's; the tests compare within a tolerance.
+// element type T (float or bf16: loads widen, arithmetic is fp32, stores round once). No kernel
+// here adds floating-point values atomically: every sum runs in an order fixed by its inputs,
+// so a step's gradients have the same bits every run, and the tensors every tp rank holds whole
+// (wte, wpe, a tied head) get the same gradients on every rank. The embedding backward sums a
+// token's rows in row order (the host lists the rows sorted by token), which differs from the
+// CPU reference's order; the tests compare within a tolerance.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/StageKernels.h"
 
 #include "kernels/cuda/Device.cuh"
 
-#include <algorithm>
 #include <type_traits>
 
 namespace pipec::runtime::cuda::launch {
@@ -37,19 +39,38 @@ __global__ void embeddingForwardKernel(T *__restrict__ resid, const int32_t *__r
       fromFloat<T>(toFloat(wte[size_t(inputs[r]) * c + k]) + toFloat(wpe[size_t(pos) * c + k]));
 }
 
+// dWte[token] += the slice's rows of that token, added in row order. `order` lists the rows
+// sorted by token (stably), so each token's rows are a run of it; one thread per (position p
+// of `order`, channel k): the run's first position sums the run.
 template <typename T>
-__global__ void embeddingBackwardKernel(float *__restrict__ dWte, float *__restrict__ dWpe,
-                                        const T *__restrict__ dEmb,
-                                        const int32_t *__restrict__ inputs, int n, int x, int begin,
-                                        int c) {
+__global__ void tokenBackwardKernel(float *__restrict__ dWte, const T *__restrict__ dEmb,
+                                    const int32_t *__restrict__ inputs,
+                                    const int32_t *__restrict__ order, int n, int c) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(n) * c)
     return;
-  int r = int(i / c), k = int(i % c);
-  const float g = toFloat(dEmb[i]);
-  atomicAdd(&dWte[size_t(inputs[r]) * c + k], g);
-  if (dWpe)
-    atomicAdd(&dWpe[size_t(begin + r % x) * c + k], g);
+  const int p = int(i / c), k = int(i % c);
+  const int32_t token = inputs[order[p]];
+  if (p > 0 && inputs[order[p - 1]] == token)
+    return;
+  float g = 0.0f;
+  for (int q = p; q < n && inputs[order[q]] == token; ++q)
+    g += toFloat(dEmb[size_t(order[q]) * c + k]);
+  dWte[size_t(token) * c + k] += g;
+}
+
+// dWpe[begin + t] += the rows (b, t) of every sequence b, added in b order: one thread per (t, k).
+template <typename T>
+__global__ void positionBackwardKernel(float *__restrict__ dWpe, const T *__restrict__ dEmb,
+                                       int batch, int x, int begin, int c) {
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= size_t(x) * c)
+    return;
+  const int t = int(i / c), k = int(i % c);
+  float g = 0.0f;
+  for (int b = 0; b < batch; ++b)
+    g += toFloat(dEmb[(size_t(b) * x + t) * c + k]);
+  dWpe[size_t(begin + t) * c + k] += g;
 }
 
 template <typename T>
@@ -117,10 +138,12 @@ template <typename T> __global__ void sumInOrderKernel(SumOperands ops, int coun
     static_cast<T *>(ops.buffers[b])[i] = rounded;
 }
 
+// One block: each thread sums a strided share of x, then the block adds the shares pairwise in a
+// fixed tree, so the total has the same bits every launch.
 __global__ void accumulateSumKernel(double *__restrict__ acc, const float *__restrict__ x, int n) {
   __shared__ double partial[kThreads];
   double s = 0;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+  for (int i = threadIdx.x; i < n; i += kThreads)
     s += double(x[i]);
   partial[threadIdx.x] = s;
   __syncthreads();
@@ -130,7 +153,7 @@ __global__ void accumulateSumKernel(double *__restrict__ acc, const float *__res
     __syncthreads();
   }
   if (threadIdx.x == 0)
-    atomicAdd(acc, partial[0]);
+    *acc += partial[0];
 }
 
 } // namespace
@@ -150,15 +173,19 @@ cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, co
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
-                              const int32_t *inputs, int n, int x, int begin, int c,
-                              cudaStream_t stream) {
-  size_t total = size_t(n) * c;
+                              const int32_t *inputs, const int32_t *order, int n, int x, int begin,
+                              int c, cudaStream_t stream) {
+  const size_t total = size_t(n) * c;
   if (total == 0)
     return cudaSuccess;
   PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, embeddingBackwardKernel<T>)
-    (dWte, dWpe, static_cast<const T *>(dEmb), inputs, n, x, begin, c);
+    const T *d = static_cast<const T *>(dEmb);
+    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, tokenBackwardKernel<T>)
+    (dWte, d, inputs, order, n, c);
+    if (dWpe)
+      PIPEC_LAUNCH(blocksFor(size_t(x) * c), kThreads, 0, stream, positionBackwardKernel<T>)
+    (dWpe, d, n / x, x, begin, c);
   });
   return cudaGetLastError();
 }
@@ -226,9 +253,8 @@ cudaError_t sumInOrder(DType dtype, const SumOperands &ops, int count, size_t n,
 cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t stream) {
   if (n == 0)
     return cudaSuccess;
-  // A grid-stride loop: at most 64 blocks, so at most 64 atomics per slice.
-  unsigned blocks = std::min(blocksFor(size_t(n)), 64u);
-  PIPEC_LAUNCH(blocks, kThreads, 0, stream, accumulateSumKernel)(acc, x, n);
+  // One block: the rows of a slice are a few thousand at most.
+  PIPEC_LAUNCH(1, kThreads, 0, stream, accumulateSumKernel)(acc, x, n);
   return cudaGetLastError();
 }
 

@@ -28,10 +28,13 @@ using kernels::DType;
 /// resid (n, c) = wte[inputs[r]] + wpe[begin + r % x]; rows r = (b, t) of the slice.
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
                              const void *wpe, int n, int x, int begin, int c, cudaStream_t stream);
-/// dWte[inputs[r]] += dEmb[r] (atomics); dWpe[begin + r % x] += dEmb[r] when dWpe is not null.
+/// dWte[inputs[r]] += dEmb[r]; dWpe[begin + r % x] += dEmb[r] when dWpe is not null. `order`
+/// (n) lists the rows 0..n-1 sorted by their token, stably (tokenOrder): each token's rows are
+/// added in row order, each position's in sequence order, with no atomics, so the gradients
+/// have the same bits every run and on every tp rank.
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
-                              const int32_t *inputs, int n, int x, int begin, int c,
-                              cudaStream_t stream);
+                              const int32_t *inputs, const int32_t *order, int n, int x, int begin,
+                              int c, cudaStream_t stream);
 /// resid (n, c) += branch (n, c) + bias (c).
 cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
                         int c, cudaStream_t stream);
@@ -55,7 +58,7 @@ struct SumOperands {
 /// rounded once to `dtype`. count <= kMaxSumOperands (cudaErrorInvalidValue otherwise).
 cudaError_t sumInOrder(DType dtype, const SumOperands &ops, int count, size_t n,
                        cudaStream_t stream);
-/// *acc += sum of x (n) (fp64 atomics).
+/// *acc += sum of x (n), in fp64 and in a fixed order (one block).
 cudaError_t accumulateSum(double *acc, const float *x, int n, cudaStream_t stream);
 
 } // namespace pipec::runtime::cuda::launch

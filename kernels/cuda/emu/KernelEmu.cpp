@@ -18,11 +18,15 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -347,6 +351,22 @@ void runBlock(Grid &g, const ThreadCoords &base) {
   }
 }
 
+/// PIPEC_EMU_BLOCK_ORDER: "ascending" (unset: the default) runs a grid's blocks in index order;
+/// "shuffled" in a new random order every launch, as a GPU may schedule them, so that a kernel
+/// whose result depends on the order its blocks finish in (floating-point atomics) gives other
+/// bits from one launch to the next, and a test of its determinism fails.
+bool shuffleBlocks() {
+  static const bool shuffled = [] {
+    const char *v = std::getenv("PIPEC_EMU_BLOCK_ORDER");
+    if (!v || std::strcmp(v, "") == 0 || std::strcmp(v, "ascending") == 0)
+      return false;
+    if (std::strcmp(v, "shuffled") == 0)
+      return true;
+    fatal("PIPEC_EMU_BLOCK_ORDER must be \"ascending\" or \"shuffled\"");
+  }();
+  return shuffled;
+}
+
 void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::function<void()> &body) {
   std::lock_guard<std::mutex> lock(gridLock());
   if (!gridOfThread)
@@ -362,13 +382,24 @@ void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::functio
   ThreadCoords base;
   base.blockDim = Index{blockDim.x, blockDim.y, blockDim.z};
   base.gridDim = Index{gridDim.x, gridDim.y, gridDim.z};
-  for (unsigned z = 0; z < gridDim.z; ++z)
-    for (unsigned y = 0; y < gridDim.y; ++y)
-      for (unsigned x = 0; x < gridDim.x; ++x) {
-        base.block = Index{x, y, z};
-        g.copiesLandEarly = (x + y + z) % 2 == 1;
-        runBlock(g, base);
-      }
+  const size_t blocks = size_t(gridDim.x) * gridDim.y * gridDim.z;
+  std::vector<size_t> order(blocks);
+  std::iota(order.begin(), order.end(), size_t(0));
+  if (shuffleBlocks()) {
+    // A new order every launch, from a process-wide launch count: reproducible, and two
+    // launches of one kernel (the same kernel on two tp ranks) order their blocks apart.
+    static std::atomic<uint64_t> launches{0};
+    std::mt19937_64 rng(0x9e3779b97f4a7c15ull * (launches.fetch_add(1) + 1));
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  for (size_t linear : order) {
+    const unsigned x = unsigned(linear % gridDim.x);
+    const unsigned y = unsigned(linear / gridDim.x % gridDim.y);
+    const unsigned z = unsigned(linear / gridDim.x / gridDim.y);
+    base.block = Index{x, y, z};
+    g.copiesLandEarly = (x + y + z) % 2 == 1;
+    runBlock(g, base);
+  }
   running = nullptr;
 }
 

@@ -9,7 +9,8 @@
 // participant has arrived: a warp's (shuffles, mma) first, then the block's (__syncthreads).
 // Threads waiting at different barriers with nothing left to release is a deadlock the real
 // GPU would hang in (a __syncthreads in divergent code, a shuffle missing lanes): it ends the
-// process with a message naming the block. Blocks run one after another, and one grid
+// process with a message naming the block. Blocks run one after another (in index order, or
+// with PIPEC_EMU_BLOCK_ORDER=shuffled in a new order every launch), and one grid
 // at a time in the process, so `__shared__` variables can be statics. Dynamic shared memory is
 // filled with NaN bytes before each block, so a read before the block wrote it shows.
 //
