@@ -317,7 +317,7 @@ TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
 // in a new order, and a sum of atomically added partials comes out with other bits.)
 TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
   const DType dt = GetParam();
-  const int n = 300, c = 70; // rows over many blocks' worth, columns not a multiple of 32
+  const int n = 300, c = 70; // two chunks of rows (scratch, then their sum), columns not 32 k
   Vec x = quantized(randomVec(size_t(n) * c, 27, -2.0f, 3.0f), dt);
   Vec dOut = quantized(randomVec(size_t(n) * c, 28), dt);
   Vec mean(n), rstd(n), out(size_t(n) * c), w(c, 1.0f), b(c, 0.0f);
@@ -328,19 +328,19 @@ TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
   DeviceBuffer gx = upload(x, dt), gdOut = upload(dOut, dt);
   DeviceBuffer gMean = upload(mean, DType::F32), gRstd = upload(rstd, DType::F32);
   Vec firstW, firstB;
-  for (int launch = 0; launch < 4; ++launch) {
+  for (int run = 0; run < 4; ++run) {
     DeviceBuffer gdW = upload(Vec(c, 0.0f), DType::F32), gdB = upload(Vec(c, 0.0f), DType::F32);
     ASSERT_OK(layernormBackwardWeight(*ctx, dt, gdW.as<float>(), gdB.as<float>(), gdOut.data(),
                                       gx.data(), gMean.as<float>(), gRstd.as<float>(), n, c));
     Vec dW = download(gdW, c, DType::F32), dB = download(gdB, c, DType::F32);
     EXPECT_CLOSE(dW, refW, kTolF32Long);
     EXPECT_CLOSE(dB, refB, kTolF32Long);
-    if (launch == 0) {
+    if (run == 0) {
       firstW = dW, firstB = dB;
       continue;
     }
-    EXPECT_EQ(dW, firstW) << "launch " << launch << " summed dW in another order";
-    EXPECT_EQ(dB, firstB) << "launch " << launch << " summed dB in another order";
+    EXPECT_EQ(dW, firstW) << "launch " << run << " summed dW in another order";
+    EXPECT_EQ(dB, firstB) << "launch " << run << " summed dB in another order";
   }
 }
 
@@ -593,18 +593,26 @@ TEST_P(CudaLossTest, ColumnSumMatchesCpuWithTheSameBitsEveryLaunch) {
     for (int c = 0; c < o; ++c)
       ref[size_t(c)] += dOut[size_t(r) * o + c];
   DeviceBuffer gdOut = upload(dOut, dt);
+  const size_t scratch = launch::columnSumScratchFloats(n, o, 1);
+  ASSERT_EQ(scratch, 2u * o) << "301 rows are two chunks";
+  DeviceBuffer partials = allocate(scratch * 4);
+  const auto stream = static_cast<cudaStream_t>(ctx->stream());
+  EXPECT_EQ(
+      launch::columnSumAccumulate(dt, partials.as<float>(), gdOut.data(), n, o, nullptr, stream),
+      cudaErrorInvalidValue)
+      << "two chunks and no scratch";
   Vec first;
-  for (int launch = 0; launch < 4; ++launch) {
+  for (int run = 0; run < 4; ++run) {
     DeviceBuffer gBias = upload(start, DType::F32);
     ASSERT_EQ(launch::columnSumAccumulate(dt, gBias.as<float>(), gdOut.data(), n, o,
-                                          static_cast<cudaStream_t>(ctx->stream())),
+                                          partials.as<float>(), stream),
               cudaSuccess);
     Vec sums = download(gBias, o, DType::F32);
     EXPECT_CLOSE(sums, ref, kTolF32Long);
-    if (launch == 0)
+    if (run == 0)
       first = sums;
     else
-      EXPECT_EQ(sums, first) << "launch " << launch << " summed in another order";
+      EXPECT_EQ(sums, first) << "launch " << run << " summed in another order";
   }
 }
 

@@ -299,9 +299,13 @@ llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float
   g.beta = 1.0f;
   if (auto err = runGemm(ctx, g))
     return err;
-  if (dBias)
-    PIPEC_CUDA_TRY(launch::columnSumAccumulate(dtype, dBias, dOut, n, o,
+  if (dBias) {
+    ScratchBuffer partials(ctx.allocator());
+    if (auto err = partials.allocate(launch::columnSumScratchFloats(n, o, 1) * sizeof(float)))
+      return err;
+    PIPEC_CUDA_TRY(launch::columnSumAccumulate(dtype, dBias, dOut, n, o, partials.as<float>(),
                                                static_cast<cudaStream_t>(ctx.stream())));
+  }
   return llvm::Error::success();
 }
 

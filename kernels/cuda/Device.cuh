@@ -11,6 +11,7 @@
 
 #include "kernels/cuda/DType.h"
 #include "kernels/cuda/Dialect.h"
+#include "kernels/cuda/Launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -109,28 +110,39 @@ template <int Pending> __device__ __forceinline__ void cpAsyncWait() {
 
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }
 
-/// Warps per block of columnSums' kernels: rows in flight per column.
-inline constexpr int kColumnSumWarps = 16;
+// Column sums in an order that the shapes alone fix, so that every launch (and every tp rank,
+// from the same inputs) gets the same bits: no atomics. Rows go in chunks of
+// kColumnSumChunkRows; a kernel launched on ColumnSumGrid blocks of kColumnSumThreads threads
+// calls columnSums and then storeColumnSums: block (x, y) sums columns [kWarp x, kWarp x + kWarp)
+// over chunk y, warp w (a warp reads kWarp adjacent columns of a row) rows w, w +
+// kColumnSumWarps, ... of the chunk, then warp 0 adds the warps' sums in warp order. With one
+// chunk that is the total; with more, each chunk's sums go to scratch and combineColumnSums adds
+// them in chunk order.
+inline constexpr int kColumnSumWarps = 8;
 inline constexpr int kColumnSumThreads = kColumnSumWarps * kWarp;
+using launch::kColumnSumChunkRows;
 
-/// N column sums over the n rows of an (n, c) matrix, in an order that the launch shape alone
-/// fixes, so that every launch (and every tp rank, from the same inputs) gets the same bits: no
-/// atomics. Launch ceilDiv(c, kWarp) blocks of kColumnSumThreads threads; block x owns columns
-/// [kWarp x, kWarp x + kWarp) (a warp reads kWarp adjacent columns of a row), warp w sums rows w,
-/// w + kColumnSumWarps, ... of its lane's column with `term(r, col, acc)` adding row r's terms
-/// to acc[0..N), and warp 0 adds the warps' sums in warp order. Every thread of the block must
-/// call it (it synchronises the block); true on the threads that then hold a column's totals
-/// in `sums` (warp 0, columns < c).
+/// Where N column sums go (each `to[i][col] +=` its sum).
+struct ColumnSumOutputs {
+  float *to[2];
+};
+
+/// N sums over chunk blockIdx.y of the n rows, for column kWarp blockIdx.x + lane: `term(r, col,
+/// acc)` adds row r's terms to acc[0..N). Every thread of the block must call it (it
+/// synchronises the block); true on the threads that then hold a column's sums (warp 0, columns
+/// < c).
 template <int N, typename Term>
 __device__ __forceinline__ bool columnSums(int n, int c, Term term, float (&sums)[N]) {
+  static_assert(N >= 1 && N <= 2, "ColumnSumOutputs holds two");
   __shared__ float parts[kColumnSumWarps][N][kWarp];
   const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
   const int col = int(blockIdx.x) * kWarp + lane;
+  const int end = min(n, (int(blockIdx.y) + 1) * kColumnSumChunkRows);
   float acc[N];
   for (int i = 0; i < N; ++i)
     acc[i] = 0.0f;
   if (col < c)
-    for (int r = warp; r < n; r += kColumnSumWarps)
+    for (int r = int(blockIdx.y) * kColumnSumChunkRows + warp; r < end; r += kColumnSumWarps)
       term(r, col, acc);
   for (int i = 0; i < N; ++i)
     parts[warp][i][lane] = acc[i];
@@ -138,12 +150,62 @@ __device__ __forceinline__ bool columnSums(int n, int c, Term term, float (&sums
   if (warp != 0 || col >= c)
     return false;
   for (int i = 0; i < N; ++i) {
-    float s = 0.0f;
+    float total = 0.0f;
     for (int w = 0; w < kColumnSumWarps; ++w)
-      s += parts[w][i][lane];
-    sums[i] = s;
+      total += parts[w][i][lane];
+    sums[i] = total;
   }
   return true;
+}
+
+/// After columnSums returned true: into `out` when the rows are one chunk, else into chunk
+/// blockIdx.y's row of `partials` (N * chunks rows of c).
+template <int N>
+__device__ __forceinline__ void storeColumnSums(const ColumnSumOutputs &out, float *partials,
+                                                const float (&sums)[N], int c) {
+  const int col = int(blockIdx.x) * kWarp + int(threadIdx.x);
+  for (int i = 0; i < N; ++i) {
+    if (gridDim.y == 1)
+      out.to[i][col] += sums[i];
+    else
+      partials[(size_t(i) * gridDim.y + blockIdx.y) * c + col] = sums[i];
+  }
+}
+
+/// out.to[i][col] += the chunks' sums, in chunk order: one thread per (i, col).
+template <int N>
+__global__ void combineColumnSums(ColumnSumOutputs out, const float *__restrict__ partials,
+                                  int chunks, int c) {
+  const size_t k = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= size_t(N) * c)
+    return;
+  const int i = int(k / c), col = int(k % c);
+  float total = 0.0f;
+  for (int y = 0; y < chunks; ++y)
+    total += partials[(size_t(i) * chunks + y) * c + col];
+  out.to[i][col] += total;
+}
+
+/// The grid of a columnSums kernel over n rows of c columns.
+inline dim3 columnSumGrid(int n, int c) {
+  return dim3(unsigned((c + kWarp - 1) / kWarp),
+              unsigned((n + kColumnSumChunkRows - 1) / kColumnSumChunkRows));
+}
+
+/// After a columnSums kernel on `stream`: combineColumnSums when the rows spanned more than one
+/// chunk (`partials` then holds launch::columnSumScratchFloats(n, c, N) floats).
+template <int N>
+cudaError_t combineColumnSumsIfChunked(ColumnSumOutputs out, const float *partials, int n, int c,
+                                       cudaStream_t stream) {
+  const unsigned chunks = columnSumGrid(n, c).y;
+  if (chunks == 1)
+    return cudaSuccess;
+  constexpr int kThreads = 256;
+  const size_t total = size_t(N) * size_t(c);
+  PIPEC_LAUNCH(unsigned((total + kThreads - 1) / kThreads), kThreads, 0, stream,
+               combineColumnSums<N>)
+  (out, partials, int(chunks), c);
+  return cudaGetLastError();
 }
 
 } // namespace pipec::kernels::cuda::device

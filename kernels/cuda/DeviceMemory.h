@@ -1,7 +1,8 @@
 //===- DeviceMemory.h - The default allocator of a CUDA context --*- C++ -*-===//
 //
 // Shared by kernels/cuda/CudaOps.cpp and the emulated device's CudaOpsEmu.cpp (both implement
-// CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with.
+// CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with, and
+// the ops' scratch buffers.
 // DeviceBuffer (CudaOps.h) is implemented once, in DeviceMemory.cpp. For kernels/cuda/ only.
 //
 //===----------------------------------------------------------------------===//
@@ -30,6 +31,29 @@ public:
     if (p)
       (void)cudaFreeAsync(p, stream);
   }
+};
+
+/// An op's temporary buffer from a context's allocator, given back when it goes out of scope,
+/// after the op has queued the work that uses it (DeviceAllocator's rule).
+class ScratchBuffer {
+public:
+  explicit ScratchBuffer(DeviceAllocator &from) : from(from) {}
+  ~ScratchBuffer() { from.release(ptr); }
+  ScratchBuffer(const ScratchBuffer &) = delete;
+  ScratchBuffer &operator=(const ScratchBuffer &) = delete;
+  /// `bytes` (nothing for 0: data() stays null).
+  llvm::Error allocate(size_t bytes) {
+    auto p = from.allocate(bytes);
+    if (!p)
+      return p.takeError();
+    ptr = *p;
+    return llvm::Error::success();
+  }
+  template <typename T> T *as() const { return static_cast<T *>(ptr); }
+
+private:
+  DeviceAllocator &from;
+  void *ptr = nullptr;
 };
 
 } // namespace pipec::kernels::cuda

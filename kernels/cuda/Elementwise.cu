@@ -80,11 +80,12 @@ __global__ void adamKernel(float *__restrict__ params, const float *__restrict__
 // dBias (o) += sum over rows of dOut (n, o), in a fixed order (columnSums).
 template <typename T>
 __global__ void __launch_bounds__(kColumnSumThreads)
-    columnSumKernel(float *__restrict__ dBias, const T *__restrict__ dOut, int n, int o) {
+    columnSumKernel(ColumnSumOutputs out, float *__restrict__ partials, const T *__restrict__ dOut,
+                    int n, int o) {
   float sums[1];
   auto term = [&](int r, int col, float(&acc)[1]) { acc[0] += toFloat(dOut[size_t(r) * o + col]); };
   if (columnSums(n, o, term, sums))
-    dBias[int(blockIdx.x) * kWarp + int(threadIdx.x)] += sums[0];
+    storeColumnSums(out, partials, sums, o);
 }
 
 template <typename T>
@@ -151,15 +152,21 @@ cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, si
 }
 
 cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
-                                cudaStream_t stream) {
+                                float *partials, cudaStream_t stream) {
   if (n == 0 || o == 0)
     return cudaSuccess;
-  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  if (!partials && columnSumScratchFloats(n, o, 1) > 0)
+    return cudaErrorInvalidValue;
+  const ColumnSumOutputs out{{dBias, nullptr}};
+  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(o, kWarp), kColumnSumThreads, 0, stream, columnSumKernel<T>)
-    (dBias, static_cast<const T *>(dOut), n, o);
+    PIPEC_LAUNCH(columnSumGrid(n, o), kColumnSumThreads, 0, stream, columnSumKernel<T>)
+    (out, partials, static_cast<const T *>(dOut), n, o);
     return cudaGetLastError();
   });
+  if (err != cudaSuccess)
+    return err;
+  return combineColumnSumsIfChunked<1>(out, partials, n, o, stream);
 }
 
 cudaError_t addRowBias(DType dtype, void *out, const void *bias, int n, int o, int ld,

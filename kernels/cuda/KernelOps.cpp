@@ -11,6 +11,7 @@
 #include "kernels/cuda/CudaOps.h"
 
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/Launch.h"
 
 #include <cuda_runtime_api.h>
@@ -65,8 +66,11 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
                                     const float *rstd, int n, int c) {
   if (auto err = checkRows("layernormBackwardWeight", n, c))
     return err;
-  PIPEC_CUDA_TRY(
-      launch::layernormBackwardWeight(dtype, dW, dB, dOut, in, mean, rstd, n, c, streamOf(ctx)));
+  ScratchBuffer partials(ctx.allocator());
+  if (auto err = partials.allocate(launch::columnSumScratchFloats(n, c, 2) * sizeof(float)))
+    return err;
+  PIPEC_CUDA_TRY(launch::layernormBackwardWeight(dtype, dW, dB, dOut, in, mean, rstd, n, c,
+                                                 partials.as<float>(), streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -108,15 +112,6 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
   return llvm::Error::success();
 }
 
-namespace {
-/// Scratch from the context's allocator, given back on scope exit (after the work is queued).
-struct Scratch {
-  DeviceAllocator &from;
-  void *ptr = nullptr;
-  ~Scratch() { from.release(ptr); }
-};
-} // namespace
-
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *out, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s) {
@@ -125,14 +120,11 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
   const size_t rows = size_t(s.batch) * s.heads * s.queries;
   if (rows == 0)
     return llvm::Error::success();
-  Scratch rowDot{ctx.allocator()};
-  auto p = rowDot.from.allocate(rows * sizeof(float));
-  if (!p)
-    return p.takeError();
-  rowDot.ptr = *p;
+  ScratchBuffer rowDot(ctx.allocator());
+  if (auto err = rowDot.allocate(rows * sizeof(float)))
+    return err;
   PIPEC_CUDA_TRY(launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
-                                           static_cast<float *>(rowDot.ptr), dimsOf(s),
-                                           streamOf(ctx)));
+                                           rowDot.as<float>(), dimsOf(s), streamOf(ctx)));
   return llvm::Error::success();
 }
 

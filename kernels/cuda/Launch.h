@@ -35,9 +35,18 @@ cudaError_t geluBackward(DType dtype, void *dIn, const void *dOut, const void *i
 cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, size_t n, float lr,
                        float beta1, float beta2, float eps, float weightDecay, float mCorrection,
                        float vCorrection, cudaStream_t stream);
-/// dBias (o) += column sums of dOut (n, o).
+/// The column sums (the bias and layernorm weight gradients) add rows in chunks of this many, in
+/// an order the shapes alone fix (no atomics: the same bits every launch); with more than one
+/// chunk they need `partials`, scratch of columnSumScratchFloats(n, c, sums) floats.
+inline constexpr int kColumnSumChunkRows = 256;
+inline size_t columnSumScratchFloats(int n, int c, int sums) {
+  const size_t chunks = (size_t(n) + kColumnSumChunkRows - 1) / kColumnSumChunkRows;
+  return chunks > 1 ? chunks * size_t(c) * size_t(sums) : 0;
+}
+/// dBias (o) += column sums of dOut (n, o); `partials`: columnSumScratchFloats(n, o, 1) floats
+/// (cudaErrorInvalidValue if null when needed).
 cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
-                                cudaStream_t stream);
+                                float *partials, cudaStream_t stream);
 /// out (n rows of o, `ld` apart) += bias (o) on every row; fp32 arithmetic, one rounding.
 cudaError_t addRowBias(DType dtype, void *out, const void *bias, int n, int o, int ld,
                        cudaStream_t stream);
@@ -48,9 +57,11 @@ cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, c
 cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
                                              const void *in, const float *mean, const float *rstd,
                                              const void *w, int n, int c, cudaStream_t stream);
+/// dW (c) += sum over rows of dOut * xhat, dB (c) += sum of dOut; `partials`:
+/// columnSumScratchFloats(n, c, 2) floats (cudaErrorInvalidValue if null when needed).
 cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
                                     const void *in, const float *mean, const float *rstd, int n,
-                                    int c, cudaStream_t stream);
+                                    int c, float *partials, cudaStream_t stream);
 
 // Attention.cu
 struct AttentionDims {

@@ -85,20 +85,18 @@ __global__ void backwardInputKernel(T *__restrict__ dIn, const T *__restrict__ d
 // dW (c) += sum_r dOut * xhat; dB (c) += sum_r dOut: column sums in a fixed order (columnSums).
 template <typename T>
 __global__ void __launch_bounds__(kColumnSumThreads)
-    backwardWeightKernel(float *__restrict__ dW, float *__restrict__ dB, const T *__restrict__ dOut,
-                         const T *__restrict__ in, const float *__restrict__ mean,
-                         const float *__restrict__ rstd, int n, int c) {
+    backwardWeightKernel(ColumnSumOutputs out, float *__restrict__ partials,
+                         const T *__restrict__ dOut, const T *__restrict__ in,
+                         const float *__restrict__ mean, const float *__restrict__ rstd, int n,
+                         int c) {
   float sums[2];
   auto term = [&](int r, int col, float(&acc)[2]) {
     const float dy = toFloat(dOut[size_t(r) * c + col]);
     acc[0] += dy * ((toFloat(in[size_t(r) * c + col]) - mean[r]) * rstd[r]);
     acc[1] += dy;
   };
-  if (columnSums(n, c, term, sums)) {
-    const int col = int(blockIdx.x) * kWarp + int(threadIdx.x);
-    dW[col] += sums[0];
-    dB[col] += sums[1];
-  }
+  if (columnSums(n, c, term, sums))
+    storeColumnSums(out, partials, sums, c);
 }
 
 } // namespace
@@ -134,15 +132,21 @@ cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void 
 
 cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
                                     const void *in, const float *mean, const float *rstd, int n,
-                                    int c, cudaStream_t stream) {
+                                    int c, float *partials, cudaStream_t stream) {
   if (n == 0 || c == 0)
     return cudaSuccess;
-  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  if (!partials && columnSumScratchFloats(n, c, 2) > 0)
+    return cudaErrorInvalidValue;
+  const ColumnSumOutputs out{{dW, dB}};
+  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(c, kWarp), kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
-    (dW, dB, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
+    PIPEC_LAUNCH(columnSumGrid(n, c), kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
+    (out, partials, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
     return cudaGetLastError();
   });
+  if (err != cudaSuccess)
+    return err;
+  return combineColumnSumsIfChunked<2>(out, partials, n, c, stream);
 }
 
 } // namespace launch
