@@ -303,6 +303,9 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
                        "whole, bit for bit)\n"),
             std::string::npos)
       << r.out;
+  EXPECT_NE(r.out.find("\ndp_copies=identical (the 2 dp replicas' weights, bit for bit)\n"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(PiperunTest, RefusesAPlanThatFailsVerification) {

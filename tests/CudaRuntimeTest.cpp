@@ -57,6 +57,7 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   EXPECT_EQ(gpu->weights.steps, steps);
   EXPECT_LE(gpu->weights.maxRatio, 1.0) << weightCheckReport(gpu->weights);
   EXPECT_LT(gpu->weights.tpCopy.step, 0) << weightCheckReport(gpu->weights);
+  EXPECT_LT(gpu->weights.dpCopy.replica, 0) << weightCheckReport(gpu->weights);
   if (dtype == DType::BF16) {
     EXPECT_GT(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";

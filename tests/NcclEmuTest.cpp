@@ -106,6 +106,7 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   EXPECT_EQ(root.weights.steps, 2);
   EXPECT_LE(root.weights.maxRatio, 1.0) << weightCheckReport(root.weights);
   EXPECT_LT(root.weights.tpCopy.step, 0) << weightCheckReport(root.weights);
+  EXPECT_LT(root.weights.dpCopy.replica, 0) << weightCheckReport(root.weights);
   if (bf16) {
     EXPECT_GT(root.grads.maxAbsDiff, kCudaGradTolerance * root.grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";

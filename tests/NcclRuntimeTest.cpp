@@ -67,6 +67,7 @@ TEST_F(NcclRuntimeTest, OneProcessGivesTheReferenceGradientsAndTheCpuLosses) {
   EXPECT_EQ(gpu->weights.steps, 3);
   EXPECT_LE(gpu->weights.maxRatio, 1.0) << weightCheckReport(gpu->weights);
   EXPECT_LT(gpu->weights.tpCopy.step, 0) << weightCheckReport(gpu->weights);
+  EXPECT_LT(gpu->weights.dpCopy.replica, 0) << weightCheckReport(gpu->weights);
   CpuRunOptions co;
   co.steps = 3;
   auto cpu = runOnCpu(plan, *data, co);

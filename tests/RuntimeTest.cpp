@@ -43,6 +43,7 @@ void expectMatchesReference(const Plan &plan, int steps = 2) {
   EXPECT_EQ(result->weights.steps, steps);
   EXPECT_LE(result->weights.maxRatio, 1.0) << weightCheckReport(result->weights);
   EXPECT_LT(result->weights.tpCopy.step, 0) << weightCheckReport(result->weights);
+  EXPECT_LT(result->weights.dpCopy.replica, 0) << weightCheckReport(result->weights);
   for (int s = 0; s < steps; ++s)
     EXPECT_NEAR(result->losses[size_t(s)], result->referenceLosses[size_t(s)], 1e-5);
 }
@@ -512,6 +513,70 @@ TEST(ReferenceRunTest, TheWeightsAfterTheLastStepCatchAWrongOptimizerStep) {
   EXPECT_EQ(last1.worst.param, "ln1.w[2]");
 }
 
+// The dp replicas must hold the same weights bit for bit: each replica's digest (the backends
+// take one per stage and tp rank) against replica 0's weights. A replica whose weights differ
+// in one bit, or that reported none, is named.
+TEST(ReferenceRunTest, EveryDpReplicaMustHoldReplicaZerosWeights) {
+  const Plan plan =
+      compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                    options("1f1b", /*pp=*/2, /*microbatches=*/2, 1, 1, /*tp=*/2, /*dp=*/3));
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+  auto data = syntheticData(32, /*seed=*/7);
+  ReferenceRun ref(plan, *cfg, *data, /*seed=*/1, /*lr=*/1e-3f);
+  ParamSnapshot weights;
+  fillShardedSnapshot(plan, *cfg, weights,
+                      [](int l, size_t k) { return 0.01f * float((k * 5 + size_t(l)) % 17); });
+  auto digestsOf = [&](int replica, const ParamSnapshot &from, ParamSnapshot &into) {
+    for (const auto &[key, w] : from.byStageAndTp)
+      into.digests[{replica, key.first, key.second}] = weightDigest(w);
+  };
+  for (int d = 0; d < 3; ++d)
+    digestsOf(d, weights, weights);
+  const WeightCheck same = ref.compareWeights(weights, 1);
+  EXPECT_EQ(same.dp, 3);
+  EXPECT_LT(same.dpCopy.replica, 0);
+  EXPECT_NE(weightCheckReport(same).find(
+                "\ndp_copies=identical (the 3 dp replicas' weights, bit for bit)\n"),
+            std::string::npos)
+      << weightCheckReport(same);
+
+  // Replica 2's stage 1, tp rank 0 is one ulp off in one weight.
+  ParamSnapshot off;
+  off.byStageAndTp = weights.byStageAndTp;
+  float &w = off.byStageAndTp.at({1, 0})[7];
+  w = std::nextafter(w, INFINITY);
+  ParamSnapshot planted;
+  planted.byStageAndTp = weights.byStageAndTp;
+  planted.digests = weights.digests;
+  planted.digests[{2, 1, 0}] = weightDigest(off.byStageAndTp.at({1, 0}));
+  const WeightCheck differ = ref.compareWeights(planted, 1);
+  EXPECT_EQ(differ.dpCopy.replica, 2);
+  EXPECT_EQ(differ.dpCopy.stage, 1);
+  EXPECT_EQ(differ.dpCopy.tpRank, 0);
+  EXPECT_NE(weightCheckReport(differ).find("\ndp_copies=differ: dp replica 2's weights of stage 1 "
+                                           "(tp rank 0) are not replica 0's\n"),
+            std::string::npos)
+      << weightCheckReport(differ);
+  // A replica that reported nothing for a stage fails the same way.
+  ParamSnapshot missing;
+  missing.byStageAndTp = weights.byStageAndTp;
+  missing.digests = weights.digests;
+  missing.digests.erase({1, 0, 1});
+  const WeightCheck absent = ref.compareWeights(missing, 1);
+  EXPECT_EQ(absent.dpCopy.replica, 1);
+  EXPECT_EQ(absent.dpCopy.stage, 0);
+  EXPECT_EQ(absent.dpCopy.tpRank, 1);
+
+  // The digest tells bits apart: one ulp, the sign of zero, and the order of the values.
+  const std::vector<float> v{0.5f, -1.25f, 3.0f};
+  EXPECT_EQ(weightDigest(v), weightDigest(std::vector<float>{0.5f, -1.25f, 3.0f}));
+  EXPECT_NE(weightDigest(v),
+            weightDigest(std::vector<float>{0.5f, -1.25f, std::nextafter(3.0f, 4.0f)}));
+  EXPECT_NE(weightDigest(v), weightDigest(std::vector<float>{-1.25f, 0.5f, 3.0f}));
+  EXPECT_NE(weightDigest(std::vector<float>{0.0f}), weightDigest(std::vector<float>{-0.0f}));
+}
+
 // What piperun prints and decides from a GradCheck (judgeGradCheck, gradCheckReport).
 TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
   auto passes = [](llvm::Error err) {
@@ -579,6 +644,19 @@ TEST(ReferenceRunTest, TheVerdictNamesTheToleranceAndTheTensor) {
   EXPECT_EQ(errorText(judgeReferenceCheck(same, w, 1e-5, 1e-3)), weightsFinding);
   EXPECT_EQ(errorText(judgeReferenceCheck(g, w, 1e-5, 0.15)),
             errorText(judgeGradCheck(g, 1e-5, 0.15)));
+
+  // The dp replicas' weights, when the bound holds.
+  WeightCheck replicas;
+  replicas.steps = 2;
+  replicas.dp = 2;
+  replicas.dpCopy = {1, 0, 1};
+  EXPECT_EQ(errorText(judgeWeightCheck(replicas)),
+            "after 2 AdamW step(s), dp replica 1's weights of stage 0 (tp rank 1) differ from "
+            "replica 0's; every replica must take the same steps from the same all-reduced "
+            "gradients (a tensor left out of the dp all-reduce, or a replica that stepped "
+            "differently)");
+  replicas.dpCopy = {};
+  EXPECT_TRUE(passes(judgeWeightCheck(replicas)));
 }
 
 } // namespace

@@ -190,7 +190,7 @@ nccl_case() { # name nproc pipec-flags...
   if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
     awk '{ d = $4 - $8; if (d < 0) d = -d; if (d > 1e-4 || $2 != $6) bad = 1; n++ }
          END { exit (bad || n != 3) }'; then
-    say "nccl $name ($n processes): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}')); $(grep -o 'max_abs_grad_diff=.*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_tensor_grad_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_weight_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o 'tp_copies=[^ ]*' "$out/nccl-$name.rank0.txt")"
+    say "nccl $name ($n processes): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}')); $(grep -o 'max_abs_grad_diff=.*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_tensor_grad_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_weight_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o '[td]p_copies=[^ ]*' "$out/nccl-$name.rank0.txt" | tr '\n' ' ')"
   else
     say "nccl $name ($n processes): LOSSES DIFFER from --backend cuda; see $out/nccl-$name.*"
     return 1

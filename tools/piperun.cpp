@@ -10,7 +10,9 @@
 // or the second 1e-3 of a tensor's own (0.15 in bf16). After the last step it compares the
 // weights, which took the same AdamW steps from the same gradients ("max_weight_diff=", of each
 // weight's bound: 1e-3 of lr, plus per step 1e-5 of lr and 2^-20 of the weight; WeightCheck),
-// and exits 1 past the bound: the optimizer steps differ. --dtype is the GPU backends' compute type
+// and exits 1 past the bound: the optimizer steps differ; also when the tp ranks' copies of a
+// tensor they all hold whole ("tp_copies=") or the dp replicas' weights ("dp_copies=") are not
+// equal bit for bit. --dtype is the GPU backends' compute type
 // (default: the plan's model's "dtype", fp32 or bf16); the cpu backend is the fp32 reference and
 // refuses bf16. A plan that fails verification is refused (exit 1). --backend cuda needs a build
 // with CUDA and a GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per

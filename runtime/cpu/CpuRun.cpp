@@ -84,12 +84,14 @@ public:
   }
 
   /// Between steps: replica 0's weights into `into`.
+  /// Every replica's digests; replica 0's weights.
   void snapshotWeights(ParamSnapshot &into) {
-    if (c.dp != 0)
-      return;
     std::lock_guard<std::mutex> lock(into.mu);
-    for (auto &[s, sc] : stages)
-      into.byStageAndTp[{s, c.tp}].assign(sc->params().begin(), sc->params().end());
+    for (auto &[s, sc] : stages) {
+      into.digests[{c.dp, s, c.tp}] = weightDigest(sc->params());
+      if (c.dp == 0)
+        into.byStageAndTp[{s, c.tp}].assign(sc->params().begin(), sc->params().end());
+    }
   }
 
 private:

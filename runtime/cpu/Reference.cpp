@@ -183,7 +183,27 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
       });
   check.tp = tp;
   check.tpCopy = firstTpCopyMismatch(plan, cfg, weights, steps - 1);
+  check.dp = plan.parallel.dp;
+  for (int d = 1; d < plan.parallel.dp && check.dpCopy.replica < 0; ++d)
+    for (const auto &[key, mine] : weights.byStageAndTp) {
+      auto it = weights.digests.find({d, key.first, key.second});
+      if (it == weights.digests.end() || it->second != weightDigest(mine)) {
+        check.dpCopy = {d, key.first, key.second};
+        break;
+      }
+    }
   return check;
+}
+
+uint64_t weightDigest(std::span<const float> values) {
+  uint64_t h = 0xcbf29ce484222325ull; // FNV-1a, 64 bits
+  for (float v : values) {
+    unsigned char bytes[sizeof v];
+    std::memcpy(bytes, &v, sizeof v);
+    for (unsigned char b : bytes)
+      h = (h ^ b) * 0x100000001b3ull;
+  }
+  return h;
 }
 
 GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cfg,
@@ -281,23 +301,42 @@ std::string weightCheckReport(const WeightCheck &w) {
   std::string out =
       fmt::format("max_weight_diff={:.3e} of its bound after {} AdamW step(s) (bound: {}){}\n",
                   w.maxRatio, w.steps, kWeightBoundText, place);
-  if (w.tp <= 1)
-    return out;
-  const GradDiffPlace &c = w.tpCopy;
-  if (c.step < 0)
-    return out + fmt::format("tp_copies=identical (the {} tp ranks' copies of every tensor they "
-                             "hold whole, bit for bit)\n",
-                             w.tp);
-  return out + fmt::format("tp_copies=differ: stage {}, layer {}, {}: tp rank {} holds {:.9e}, tp "
-                           "rank {} {:.9e}\n",
-                           c.stage, c.layer, c.param, c.tpRank, c.got, adoptedTpRank(w.tp), c.want);
+  if (w.tp > 1) {
+    const GradDiffPlace &c = w.tpCopy;
+    if (c.step < 0)
+      out += fmt::format("tp_copies=identical (the {} tp ranks' copies of every tensor they hold "
+                         "whole, bit for bit)\n",
+                         w.tp);
+    else
+      out += fmt::format("tp_copies=differ: stage {}, layer {}, {}: tp rank {} holds {:.9e}, tp "
+                         "rank {} {:.9e}\n",
+                         c.stage, c.layer, c.param, c.tpRank, c.got, adoptedTpRank(w.tp), c.want);
+  }
+  if (w.dp > 1) {
+    const WeightCheck::Replica &r = w.dpCopy;
+    if (r.replica < 0)
+      out += fmt::format("dp_copies=identical (the {} dp replicas' weights, bit for bit)\n", w.dp);
+    else
+      out += fmt::format("dp_copies=differ: dp replica {}'s weights of stage {} (tp rank {}) are "
+                         "not replica 0's\n",
+                         r.replica, r.stage, r.tpRank);
+  }
+  return out;
 }
 
 llvm::Error judgeWeightCheck(const WeightCheck &w) {
   if (w.maxRatio <= 1) {
     const GradDiffPlace &c = w.tpCopy;
-    if (w.tp <= 1 || c.step < 0)
-      return llvm::Error::success();
+    const WeightCheck::Replica &r = w.dpCopy;
+    if (w.tp <= 1 || c.step < 0) {
+      if (w.dp <= 1 || r.replica < 0)
+        return llvm::Error::success();
+      return finding("after {} AdamW step(s), dp replica {}'s weights of stage {} (tp rank {}) "
+                     "differ from replica 0's; every replica must take the same steps from the "
+                     "same all-reduced gradients (a tensor left out of the dp all-reduce, or a "
+                     "replica that stepped differently)",
+                     w.steps, r.replica, r.stage, r.tpRank);
+    }
     return finding("after {} AdamW step(s), tp ranks {} and {} hold different copies of the "
                    "weight {} (layer {}, stage {}), which every tp rank holds whole: {:.9e} and "
                    "{:.9e}; they must stay equal to the last bit, or the copies drift apart (a "

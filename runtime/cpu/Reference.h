@@ -15,9 +15,12 @@
 
 #include <llvm/Support/Error.h>
 
+#include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -41,7 +44,14 @@ float lossScaleOf(const Plan &plan, const kernels::GptConfig &cfg);
 struct ParamSnapshot {
   std::mutex mu;
   std::map<std::pair<int, int>, std::vector<float>> byStageAndTp;
+  /// With the weights: weightDigest() of every dp replica's, per (replica, stage, tp rank), so
+  /// that the check can tell whether the replicas hold the same weights bit for bit.
+  std::map<std::tuple<int, int, int>, uint64_t> digests;
 };
+
+/// A 64-bit digest of `values`' bits (FNV-1a over their bytes): equal for equal bits, and for
+/// any other bits equal only by a 2^-64 chance.
+uint64_t weightDigest(std::span<const float> values);
 
 /// Where the largest gradient difference of a reference check was: the step, the stage and tp
 /// rank that computed it, the layer, and the parameter (kernels::paramName). step < 0: none yet.
@@ -100,6 +110,12 @@ struct WeightCheck {
   /// The first weight whose tp copies differ: got is tp rank tpRank's, want adoptedTpRank's.
   /// step < 0: none.
   GradDiffPlace tpCopy;
+  int dp = 1; // > 1: the dp replicas' weights were compared (ParamSnapshot::digests)
+  /// The first (stage, tp rank) where a dp replica's weights are not replica 0's bit for bit
+  /// (or it reported none); replica < 0: none.
+  struct Replica {
+    int replica = -1, stage = 0, tpRank = 0;
+  } dpCopy;
 };
 inline constexpr double kWeightLrTolerance = 1e-3, kWeightLrPerStep = 1e-5;
 inline constexpr double kWeightRelTolerance = 0x1p-20; // 8 units in the last place of an fp32
@@ -121,10 +137,11 @@ GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cf
                                   const ParamSnapshot &snapshot, int step);
 
 /// "max_weight_diff=<ratio> of the bound ...[: <place>]", a line; with tp > 1 another,
-/// "tp_copies=identical ..." or "tp_copies=differ: <place>".
+/// "tp_copies=identical ..." or "tp_copies=differ: <place>"; with dp > 1 another,
+/// "dp_copies=identical ..." or "dp_copies=differ: ...".
 std::string weightCheckReport(const WeightCheck &check);
-/// A finding (exit 1) when a weight is past its bound, or else when its tp copies differ,
-/// naming it; success otherwise.
+/// A finding (exit 1) when a weight is past its bound, or else when its tp copies differ, or
+/// else when a dp replica's weights differ from replica 0's, naming where; success otherwise.
 llvm::Error judgeWeightCheck(const WeightCheck &check);
 
 /// What piperun prints for --check-reference after the reference's loss (gradCheckReport, then
@@ -158,7 +175,8 @@ public:
   /// The optimizer step.
   void update();
   /// The run's weights `weights` after `steps` optimizer steps against the reference's after as
-  /// many update()s. A NaN or infinite weight on either side is infinitely far off.
+  /// many update()s. A NaN or infinite weight on either side is infinitely far off. With dp > 1,
+  /// every replica's digest must be replica 0's (whose weights `weights` holds).
   WeightCheck compareWeights(const ParamSnapshot &weights, int steps);
 
 private:

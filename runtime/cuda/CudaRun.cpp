@@ -64,8 +64,6 @@ public:
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
 
   llvm::Error snapshotWeights(ParamSnapshot &into) override {
-    if (c.dp != 0)
-      return llvm::Error::success();
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
     for (auto &[s, st] : stages) {
       std::vector<float> w(st->params().size());
@@ -75,7 +73,9 @@ public:
         PIPEC_CUDA_TRY(cudaStreamSynchronize(computeStream));
       }
       std::lock_guard<std::mutex> lock(into.mu);
-      into.byStageAndTp[{s, c.tp}] = std::move(w);
+      into.digests[{c.dp, s, c.tp}] = weightDigest(w);
+      if (c.dp == 0)
+        into.byStageAndTp[{s, c.tp}] = std::move(w);
     }
     return llvm::Error::success();
   }

@@ -104,8 +104,9 @@ public:
   virtual llvm::Error reserveArena() = 0;
   /// The bytes reserveArena() reserved.
   virtual size_t arenaBytes() const = 0;
-  /// Between steps (after finishStep()): on dp replica 0, the stages' fp32 master weights into
-  /// `into` (the host waits for the copies); nothing on other replicas.
+  /// Between steps (after finishStep()): the digests of the stages' fp32 master weights into
+  /// `into` (ParamSnapshot::digests), and on dp replica 0 the weights themselves (the host waits
+  /// for the copies).
   virtual llvm::Error snapshotWeights(ParamSnapshot &into) = 0;
 };
 

@@ -411,6 +411,40 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
   return llvm::Error::success();
 }
 
+/// --check-reference with dp > 1, after the weights' gather: every process's weight digests
+/// (ParamSnapshot::digests: its own (replica, stage, tp rank) entries) go into one slot each of
+/// a vector summed over `world`, so that RANK 0 ends with every replica's digests in `weights`.
+llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_t stream,
+                         double timeout, ParamSnapshot &weights) {
+  std::map<int, size_t> stageIndex;
+  for (const StageInfo &st : plan.stages)
+    stageIndex.emplace(st.stage, stageIndex.size());
+  const size_t tp = size_t(plan.parallel.tp);
+  auto slot = [&](int d, int stage, int t) {
+    return (size_t(d) * stageIndex.size() + stageIndex.at(stage)) * tp + size_t(t);
+  };
+  std::vector<uint64_t> slots(size_t(plan.parallel.dp) * stageIndex.size() * tp, 0);
+  for (const auto &[key, digest] : weights.digests)
+    slots[slot(std::get<0>(key), std::get<1>(key), std::get<2>(key))] = digest;
+  auto buffer = kernels::cuda::DeviceBuffer::allocate(slots.size() * sizeof(uint64_t));
+  if (!buffer)
+    return buffer.takeError();
+  auto *device = buffer->as<uint64_t>();
+  const size_t bytes = slots.size() * sizeof(uint64_t);
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(device, slots.data(), bytes, cudaMemcpyHostToDevice, stream));
+  PIPEC_NCCL_TRY(
+      ncclAllReduce(device, device, slots.size(), ncclUint64, ncclSum, comms.world.get(), stream));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(slots.data(), device, bytes, cudaMemcpyDeviceToHost, stream));
+  if (auto err = waitPolling(stream, comms, timeout, "the exchange of the weights' digests"))
+    return err;
+  for (int d = 0; d < plan.parallel.dp; ++d)
+    for (const StageInfo &st : plan.stages)
+      for (int t = 0; t < plan.parallel.tp; ++t)
+        if (uint64_t digest = slots[slot(d, st.stage, t)]; digest != 0)
+          weights.digests[{d, st.stage, t}] = digest;
+  return llvm::Error::success();
+}
+
 } // namespace
 
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
@@ -556,7 +590,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (onStep && env.rank == 0)
       onStep(s, loss);
   }
-  // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients.
+  // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients,
+  // and with dp > 1 every replica's digests (ParamSnapshot::digests).
   // A process that cannot read its weights still takes part in the gather's agreement, so that
   // every process fails at once. (One whose CUDA context is broken cannot: the others' watchdog
   // then names the wait.)
@@ -581,6 +616,11 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     }
     if (copied)
       return copied;
+    if (!shards.empty() && plan.parallel.dp > 1)
+      if (auto err = shareDigests(plan, **comms, compute, o.timeoutSeconds, weights)) {
+        (*comms)->abortAll();
+        return err;
+      }
     if (ref)
       result.weights = ref->compareWeights(weights, o.steps);
   }

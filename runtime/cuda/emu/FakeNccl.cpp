@@ -11,7 +11,8 @@
 //   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
 //     (a mismatch is an error); the ops between ncclGroupStart and ncclGroupEnd are posted at once
 //     and ncclGroupEnd returns when all have matched; an op outside a group completes alone;
-//   - ncclAllReduce (sum) is a rendezvous of all ranks, added in rank order.
+//   - ncclAllReduce (sum; bf16, fp32, fp64, uint64) is a rendezvous of all ranks, added in rank
+//     order.
 // Where the real library returns and lets the GPU wait, this one blocks: the calling thread on
 // the synchronous emulated device, the stream's worker thread on the asynchronous one (where the
 // sends, recvs and all-reduces run in their stream's order, and a failure there becomes the
@@ -275,6 +276,13 @@ ncclResult_t allReduceNow(std::shared_ptr<Group> group, int rank, long seq, cons
           sum[i] += static_cast<const float *>(in)[i];
       for (auto [in, out] : rv.buffers)
         std::memcpy(out, sum.data(), count * sizeof(float));
+    } else if (datatype == ncclUint64) { // (wrapping, as NCCL's)
+      std::vector<uint64_t> sum(count, 0);
+      for (auto [in, out] : rv.buffers)
+        for (size_t i = 0; i < count; ++i)
+          sum[i] += static_cast<const uint64_t *>(in)[i];
+      for (auto [in, out] : rv.buffers)
+        std::memcpy(out, sum.data(), count * sizeof(uint64_t));
     } else {
       std::vector<double> sum(count, 0.0);
       for (auto [in, out] : rv.buffers)
@@ -475,9 +483,9 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                            cudaStream_t stream) {
   if (!comm)
     return fail("all-reduce on a null communicator", ncclInvalidArgument);
-  if (op != ncclSum ||
-      (datatype != ncclFloat32 && datatype != ncclFloat64 && datatype != ncclBfloat16))
-    return fail("only bf16, fp32 and fp64 sums are emulated", ncclInvalidArgument);
+  if (op != ncclSum || (datatype != ncclFloat32 && datatype != ncclFloat64 &&
+                        datatype != ncclBfloat16 && datatype != ncclUint64))
+    return fail("only bf16, fp32, fp64 and uint64 sums are emulated", ncclInvalidArgument);
   if (groupDepth > 0)
     return fail("an all-reduce inside a group is not emulated", ncclInvalidUsage);
   long seq = 0;
