@@ -217,8 +217,9 @@ INSTANTIATE_TEST_SUITE_P(
 // launch's blocks in a new order (PIPEC_EMU_BLOCK_ORDER=shuffled), as a GPU may; floating-point
 // atomics there fail this test.
 TEST_F(CudaRuntimeTest, ASecondRunAndEveryTpRankGetTheSameBits) {
-  // 96 rows per microbatch (2 sequences of 48 positions): the column sums and the embedding
-  // backward span several blocks, and the 32-token vocabulary repeats across them.
+  // 96 rows per microbatch (2 sequences of 48 positions): the embedding backward spans several
+  // blocks, and the 32-token vocabulary repeats across them. (The column sums' chunks of 256
+  // rows, and the bias sums, which the emulated matmuls do on the CPU, are CudaKernelTest's.)
   Plan plan = compileOrFail(tinyGpt(/*tied=*/true, /*layers=*/4, /*seq=*/48),
                             options("zb-h1", /*pp=*/2, /*microbatches=*/2, 1, 1, /*tp=*/2));
   auto cfg = gptConfigOf(plan);

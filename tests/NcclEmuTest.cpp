@@ -158,6 +158,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"pp2_tied", options("1f1b", /*pp=*/2, /*microbatches=*/4),
                            /*tied=*/true},
                       Case{"pp2_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
+                      // Replica 0 is RANK 0 alone: nothing to gather, the digests still travel.
+                      Case{"pp1_dp2", options("1f1b", 1, 2, 1, 1, 1, /*dp=*/2)},
                       Case{"interleaved_seq2", options("seq1f1b-interleaved", 2, 4, /*vpp=*/2, 2)},
                       Case{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true},
                       Case{"bf16_pp2_tp2_dp2_tied", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2),

@@ -14,6 +14,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cassert>
+
 namespace pipec::kernels::cuda {
 
 /// cudaMallocAsync / cudaFreeAsync on one stream.
@@ -43,6 +45,7 @@ public:
   ScratchBuffer &operator=(const ScratchBuffer &) = delete;
   /// `bytes` (nothing for 0: data() stays null).
   llvm::Error allocate(size_t bytes) {
+    assert(!ptr && "one allocation per ScratchBuffer");
     auto p = from.allocate(bytes);
     if (!p)
       return p.takeError();

@@ -1,7 +1,8 @@
 //===- Elementwise.cu - GELU, AdamW, dtype conversion, bias gradients ------===//
 //
 // The memory-bound ops: one thread per element in a grid-stride loop (so that any n launches a
-// bounded grid), fp32 arithmetic on fp32 or bf16 storage. They match kernels/cpu/Ops.cpp
+// bounded grid; the bias gradient's grid grows with the rows, Device.cuh's columnSums), fp32
+// arithmetic on fp32 or bf16 storage. They match kernels/cpu/Ops.cpp
 // formula for formula; the only differences are the device's tanhf/sqrtf rounding (a few ulp)
 // and, for the bias gradient, the order of the fp32 sums (Device.cuh's columnSums: fixed by the
 // launch shape, so the same bits every launch).

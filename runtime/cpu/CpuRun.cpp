@@ -83,8 +83,7 @@ public:
     return llvm::Error::success();
   }
 
-  /// Between steps: replica 0's weights into `into`.
-  /// Every replica's digests; replica 0's weights.
+  /// Between steps: every replica's weight digests into `into`, and replica 0's weights.
   void snapshotWeights(ParamSnapshot &into) {
     std::lock_guard<std::mutex> lock(into.mu);
     for (auto &[s, sc] : stages) {

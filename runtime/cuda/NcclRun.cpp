@@ -318,9 +318,12 @@ llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comm
                                cudaStream_t stream, double timeout, const std::string &what) {
   PIPEC_CUDA_TRY(cudaMemcpyAsync(slot, &value, sizeof value, cudaMemcpyHostToDevice, stream));
   PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, comms.world.get(), stream));
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(&value, slot, sizeof value, cudaMemcpyDeviceToHost, stream));
+  // Polled before the copy back, which into pageable memory returns only when done: a peer
+  // that never comes must meet the watchdog, not block the host in the copy.
   if (auto err = waitPolling(stream, comms, timeout, what))
     return err;
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(&value, slot, sizeof value, cudaMemcpyDeviceToHost, stream));
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
   return value;
 }
 
@@ -397,6 +400,11 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
       comms.abortAll();
       return first;
     }
+    // The group is polled before the copies out: a copy into pageable memory returns only when
+    // done, so it would wait for a sender that never comes without the watchdog.
+    if (auto err = waitPolling(stream, comms, timeout,
+                               fmt::format("rank {}'s gather of the {}", env.rank, what)))
+      return err;
     for (size_t k = 0; k < group.size(); ++k)
       if (!group[k].send) {
         std::vector<float> &g = snapshot.byStageAndTp[{group[k].shard.stage, group[k].shard.tp}];
@@ -404,18 +412,17 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
         PIPEC_CUDA_TRY(cudaMemcpyAsync(g.data(), staging + offsets[k], g.size() * sizeof(float),
                                        cudaMemcpyDeviceToHost, stream));
       }
-    if (auto err = waitPolling(stream, comms, timeout,
-                               fmt::format("rank {}'s gather of the {}", env.rank, what)))
-      return err;
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
   }
   return llvm::Error::success();
 }
 
 /// --check-reference with dp > 1, after the weights' gather: every process's weight digests
 /// (ParamSnapshot::digests: its own (replica, stage, tp rank) entries) go into one slot each of
-/// a vector summed over `world`, so that RANK 0 ends with every replica's digests in `weights`.
+/// a vector summed over `world` in `device` (dp * stages * tp of them, allocated before the
+/// steps), so that RANK 0 ends with every replica's digests in `weights`.
 llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_t stream,
-                         double timeout, ParamSnapshot &weights) {
+                         uint64_t *device, double timeout, ParamSnapshot &weights) {
   std::map<int, size_t> stageIndex;
   for (const StageInfo &st : plan.stages)
     stageIndex.emplace(st.stage, stageIndex.size());
@@ -426,17 +433,16 @@ llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_
   std::vector<uint64_t> slots(size_t(plan.parallel.dp) * stageIndex.size() * tp, 0);
   for (const auto &[key, digest] : weights.digests)
     slots[slot(std::get<0>(key), std::get<1>(key), std::get<2>(key))] = digest;
-  auto buffer = kernels::cuda::DeviceBuffer::allocate(slots.size() * sizeof(uint64_t));
-  if (!buffer)
-    return buffer.takeError();
-  auto *device = buffer->as<uint64_t>();
   const size_t bytes = slots.size() * sizeof(uint64_t);
   PIPEC_CUDA_TRY(cudaMemcpyAsync(device, slots.data(), bytes, cudaMemcpyHostToDevice, stream));
   PIPEC_NCCL_TRY(
       ncclAllReduce(device, device, slots.size(), ncclUint64, ncclSum, comms.world.get(), stream));
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(slots.data(), device, bytes, cudaMemcpyDeviceToHost, stream));
+  // (Polled before the copy back: a copy into pageable memory returns only when it is done, so
+  // it would wait for a peer that never comes without the watchdog.)
   if (auto err = waitPolling(stream, comms, timeout, "the exchange of the weights' digests"))
     return err;
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(slots.data(), device, bytes, cudaMemcpyDeviceToHost, stream));
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(stream));
   for (int d = 0; d < plan.parallel.dp; ++d)
     for (const StageInfo &st : plan.stages)
       for (int t = 0; t < plan.parallel.tp; ++t)
@@ -539,6 +545,17 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       staging = std::move(*buffer);
     }
   }
+  // The digests' exchange after the last step (shareDigests): one slot per (replica, stage, tp
+  // rank), allocated now so that no process can fail alone to allocate it then.
+  kernels::cuda::DeviceBuffer digestSlots;
+  if (o.checkReference && env.worldSize > 1 && plan.parallel.dp > 1) {
+    auto buffer =
+        kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
+                                              size_t(plan.parallel.tp) * sizeof(uint64_t));
+    if (!buffer)
+      return buffer.takeError();
+    digestSlots = std::move(*buffer);
+  }
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
   auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
@@ -614,13 +631,24 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         return gathered;
       }
     }
-    if (copied)
-      return copied;
-    if (!shards.empty() && plan.parallel.dp > 1)
-      if (auto err = shareDigests(plan, **comms, compute, o.timeoutSeconds, weights)) {
+    // Every process exchanges its digests, one that could not read its weights too (its slots
+    // stay 0: "reported none"), so that nobody waits for it alone. (With pp = tp = 1 there was
+    // no gather, and so no agreement, before this.)
+    if (env.worldSize > 1 && plan.parallel.dp > 1) {
+      if (copied)
+        weights.digests.clear();
+      if (auto err = shareDigests(plan, **comms, compute, digestSlots.as<uint64_t>(),
+                                  o.timeoutSeconds, weights)) {
         (*comms)->abortAll();
+        if (copied) {
+          llvm::consumeError(std::move(err));
+          return copied;
+        }
         return err;
       }
+    }
+    if (copied)
+      return copied;
     if (ref)
       result.weights = ref->compareWeights(weights, o.steps);
   }
