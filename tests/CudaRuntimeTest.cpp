@@ -19,9 +19,12 @@
 
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "kernels/cuda/CudaOps.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/CudaRun.h"
+#include "runtime/cuda/EmbeddingGrad.h"
+#include "runtime/cuda/StageKernels.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -30,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 
 namespace pipec::test {
 namespace {
@@ -249,6 +253,102 @@ TEST_F(CudaRuntimeTest, ASecondRunAndEveryTpRankGetTheSameBits) {
                           << ", layer " << copy.layer << ") differ: " << copy.got << " on tp rank "
                           << copy.tpRank << ", " << copy.want << " on the last";
   EXPECT_LT(first->weights.tpCopy.step, 0) << weightCheckReport(first->weights);
+}
+
+// The embedding backward on its own (runtime/cuda/EmbeddingGrad.h, StageKernels.h): a batch in
+// which one token fills 300 of 480 rows and another 129 (runs of three and two pieces, added up
+// by the merge kernel) and the rest are scattered. The plan orders the rows by token, stably, and
+// cuts the runs into pieces; the gradients of wte and wpe equal the sums over the rows (in
+// double, on the host) and have the same bits when run again.
+TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
+  const int batch = 3, x = 160, n = batch * x, c = 24, vocab = 40, begin = 5;
+  std::vector<int32_t> tokens;
+  tokens.insert(tokens.end(), 300, 7);
+  tokens.insert(tokens.end(), 129, 3);
+  std::mt19937 rng(11);
+  while (tokens.size() < size_t(n))
+    tokens.push_back(int32_t(rng() % vocab));
+  std::shuffle(tokens.begin(), tokens.end(), rng);
+
+  const EmbeddingGradPlan plan = planEmbeddingGrad(tokens);
+  ASSERT_EQ(plan.order.size(), size_t(n));
+  for (int q = 1; q < n; ++q) { // stably sorted by token
+    const int32_t a = plan.order[size_t(q) - 1], b = plan.order[size_t(q)];
+    ASSERT_TRUE(tokens[size_t(a)] < tokens[size_t(b)] ||
+                (tokens[size_t(a)] == tokens[size_t(b)] && a < b))
+        << "positions " << q - 1 << " and " << q;
+  }
+  int covered = 0; // the pieces tile the order, none longer than kEmbeddingPieceRows
+  for (int p = 0; p < plan.numPieces(); ++p) {
+    EXPECT_EQ(plan.pieces[size_t(3 * p)], covered);
+    const int length = plan.pieces[size_t(3 * p + 1)] - covered;
+    EXPECT_GT(length, 0);
+    EXPECT_LE(length, kEmbeddingPieceRows);
+    covered += length;
+  }
+  EXPECT_EQ(covered, n);
+  EXPECT_EQ(plan.merges, (std::vector<int32_t>{3, 0, 2, 7, 2, 3})) << "129 rows: 2 pieces; 300: 3";
+  EXPECT_EQ(plan.slots, 5);
+  EXPECT_LE(size_t(plan.slots), maxEmbeddingGradSlots(size_t(n)));
+
+  auto ctx = kernels::cuda::CudaContext::create(0);
+  ASSERT_TRUE(bool(ctx)) << takeMessage(ctx.takeError());
+  auto buffer = [&](size_t bytes) {
+    auto b = kernels::cuda::DeviceBuffer::allocate(bytes);
+    EXPECT_TRUE(bool(b)) << takeMessage(b.takeError());
+    return b ? std::move(*b) : kernels::cuda::DeviceBuffer();
+  };
+  auto put = [&](kernels::cuda::DeviceBuffer &to, const auto &from) {
+    ASSERT_FALSE(bool((*ctx)->upload(to.data(), from.data(), from.size() * sizeof(from[0]))));
+  };
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> dEmb(size_t(n) * c), wteStart(size_t(vocab) * c),
+      wpeStart(size_t(begin + x) * c);
+  for (std::vector<float> *v : {&dEmb, &wteStart, &wpeStart})
+    for (float &f : *v)
+      f = uniform(rng);
+  std::vector<int32_t> ints(maxEmbeddingGradInts(size_t(n)), 0);
+  std::copy(plan.order.begin(), plan.order.end(), ints.begin());
+  std::copy(plan.pieces.begin(), plan.pieces.end(), ints.begin() + n);
+  std::copy(plan.merges.begin(), plan.merges.end(), ints.begin() + 4 * n);
+  auto gEmb = buffer(dEmb.size() * 4), gTokens = buffer(tokens.size() * 4);
+  auto gPlan = buffer(ints.size() * 4), gSlots = buffer(maxEmbeddingGradSlots(n) * c * 4);
+  auto gWte = buffer(wteStart.size() * 4), gWpe = buffer(wpeStart.size() * 4);
+  put(gEmb, dEmb);
+  put(gTokens, tokens);
+  put(gPlan, ints);
+  const auto *at = gPlan.as<int32_t>();
+  const runtime::cuda::launch::EmbeddingGradArgs args{
+      at, at + n, plan.numPieces(), at + 4 * n, plan.numMerges(), gSlots.as<float>()};
+  auto run = [&](std::vector<float> &wte, std::vector<float> &wpe) {
+    put(gWte, wteStart);
+    put(gWpe, wpeStart);
+    ASSERT_EQ(runtime::cuda::launch::embeddingBackward(DType::F32, gWte.as<float>(),
+                                                       gWpe.as<float>(), gEmb.data(),
+                                                       gTokens.as<int32_t>(), args, n, x, begin, c,
+                                                       static_cast<cudaStream_t>((*ctx)->stream())),
+              cudaSuccess);
+    wte.resize(wteStart.size());
+    wpe.resize(wpeStart.size());
+    ASSERT_FALSE(bool((*ctx)->download(wte.data(), gWte.data(), wte.size() * 4)));
+    ASSERT_FALSE(bool((*ctx)->download(wpe.data(), gWpe.data(), wpe.size() * 4)));
+  };
+  std::vector<float> wte, wpe, wteAgain, wpeAgain;
+  run(wte, wpe);
+  run(wteAgain, wpeAgain);
+  EXPECT_EQ(wte, wteAgain);
+  EXPECT_EQ(wpe, wpeAgain);
+  std::vector<double> refWte(wteStart.begin(), wteStart.end()),
+      refWpe(wpeStart.begin(), wpeStart.end());
+  for (int r = 0; r < n; ++r) // row r = (sequence r / x, position r % x)
+    for (int k = 0; k < c; ++k) {
+      refWte[size_t(tokens[size_t(r)]) * c + k] += dEmb[size_t(r) * c + k];
+      refWpe[size_t(begin + r % x) * c + k] += dEmb[size_t(r) * c + k];
+    }
+  for (size_t i = 0; i < refWte.size(); ++i)
+    ASSERT_NEAR(wte[i], refWte[i], 1e-4) << "wte[" << i / c << ", " << i % c << "]";
+  for (size_t i = 0; i < refWpe.size(); ++i)
+    ASSERT_NEAR(wpe[i], refWpe[i], 1e-5) << "wpe[" << i / c << ", " << i % c << "]";
 }
 
 TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {

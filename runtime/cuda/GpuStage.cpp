@@ -9,6 +9,8 @@
 #include "runtime/cuda/GpuStage.h"
 
 #include "kernels/cuda/CudaCheck.h"
+#include "kernels/cuda/DeviceMemory.h"
+#include "runtime/cuda/EmbeddingGrad.h"
 #include "runtime/cuda/StageBuffer.h"
 #include "runtime/cuda/StageKernels.h"
 
@@ -17,7 +19,6 @@
 #include <algorithm>
 #include <cassert>
 #include <map>
-#include <numeric>
 
 namespace pipec {
 
@@ -165,9 +166,11 @@ struct GpuStage::Impl {
   // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
   // uploaded from pinned host copies (inputs then targets) without waiting for the device.
   Owned<int32_t> inputs, targets;
-  // With the embedding: every (mb, slice)'s rows (0 .. B*x-1, at the same offsets as `inputs`)
-  // sorted by their input token, stably, for the embedding backward's ordered sums.
-  Owned<int32_t> tokenOrder;
+  // With the embedding: every (mb, slice)'s EmbeddingGradPlan, at maxEmbeddingGradInts times
+  // the slice's offset in `inputs` (its order, then its pieces at n, its merges at 4 n), and
+  // how many pieces and merges each has, by mb * slices + slice.
+  Owned<int32_t> embeddingPlans;
+  std::vector<std::pair<int, int>> embeddingPlanSizes;
   Owned<int32_t, /*Pinned=*/true> hostTokens;
   std::map<std::pair<int, int>, SliceWork> work;
   std::map<int, SequenceWork> sequences;
@@ -492,12 +495,18 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
   for (int l = layerBegin; l < layerEnd; ++l) {
     switch (kind(l)) {
     case GptLayerKind::Embedding: {
-      const int32_t *order = tokenOrder.data() + tokenOffset(mb, slice);
+      const int32_t *at = embeddingPlans.data() + maxEmbeddingGradInts(tokenOffset(mb, slice));
+      auto [pieces, merges] = embeddingPlanSizes[size_t(mb) * slices.size() + size_t(slice)];
+      // Scratch of the most slots any batch's plan can use: the same request every step.
+      cu::ScratchBuffer slots(ctx.allocator());
+      PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
+      const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
+                                           merges, slots.as<float>()};
       PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in,
-                                               order, n, x, begin, c, stream));
+                                               plan, n, x, begin, c, stream));
       if (tiedHere())
         PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
-                                                 w.dEmb.data(), in, order, n, x, begin, c, stream));
+                                                 w.dEmb.data(), in, plan, n, x, begin, c, stream));
       break;
     }
     case GptLayerKind::Head: {
@@ -615,7 +624,8 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   if (!m.hasEmbedding() && !m.hasHead())
     return llvm::Error::success();
   const int b = m.cfg.microbatch, t = m.cfg.seqLen;
-  std::vector<int32_t> in, tgt, order;
+  std::vector<int32_t> in, tgt, plans;
+  std::vector<std::pair<int, int>> planSizes;
   in.reserve(tokens.size() * size_t(b) * size_t(t));
   tgt.reserve(in.capacity());
   for (const std::vector<int32_t> &mb : tokens) {
@@ -629,11 +639,16 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
           in.push_back(token);
           tgt.push_back(mb[size_t(s) * size_t(t + 1) + size_t(p) + 1]);
         }
-      if (m.hasEmbedding()) { // the slice's rows by token, stably
-        order.resize(in.size());
-        std::iota(order.begin() + first, order.end(), 0);
-        std::stable_sort(order.begin() + first, order.end(),
-                         [&](int32_t a, int32_t z) { return in[first + a] < in[first + z]; });
+      if (m.hasEmbedding()) { // the slice's plan at its fixed place (Impl::embeddingPlans)
+        const size_t rows = in.size() - first;
+        const EmbeddingGradPlan plan =
+            planEmbeddingGrad(std::span<const int32_t>(in).subspan(first, rows));
+        plans.resize(maxEmbeddingGradInts(in.size()), 0);
+        int32_t *at = plans.data() + maxEmbeddingGradInts(first);
+        std::copy(plan.order.begin(), plan.order.end(), at);
+        std::copy(plan.pieces.begin(), plan.pieces.end(), at + rows);
+        std::copy(plan.merges.begin(), plan.merges.end(), at + 4 * rows);
+        planSizes.emplace_back(plan.numPieces(), plan.numMerges());
       }
     }
   }
@@ -641,11 +656,12 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   if (!m.inputs.data() && !in.empty()) {
     PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
     PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
-    if (!order.empty())
-      PIPEC_GPU_TRY(m.tokenOrder.allocate(order.size()));
-    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size() + order.size()));
+    if (!plans.empty())
+      PIPEC_GPU_TRY(m.embeddingPlans.allocate(plans.size()));
+    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size() + plans.size()));
   }
   assert(m.inputs.size() == in.size() && "the batch changed size between steps");
+  m.embeddingPlanSizes = std::move(planSizes);
   if (in.empty())
     return llvm::Error::success();
   // The previous step's copies out of the pinned buffer have run: the runtime waits for the
@@ -653,14 +669,14 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   int32_t *host = m.hostTokens.data();
   std::copy(in.begin(), in.end(), host);
   std::copy(tgt.begin(), tgt.end(), host + in.size());
-  std::copy(order.begin(), order.end(), host + in.size() + tgt.size());
+  std::copy(plans.begin(), plans.end(), host + in.size() + tgt.size());
   PIPEC_CUDA_TRY(cudaMemcpyAsync(m.inputs.data(), host, in.size() * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, m.stream));
   PIPEC_CUDA_TRY(cudaMemcpyAsync(m.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, m.stream));
-  if (!order.empty())
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(m.tokenOrder.data(), host + in.size() + tgt.size(),
-                                   order.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+  if (!plans.empty())
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(m.embeddingPlans.data(), host + in.size() + tgt.size(),
+                                   plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                                    m.stream));
   return llvm::Error::success();
 }

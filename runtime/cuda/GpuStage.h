@@ -63,7 +63,10 @@ public:
   bool hasHead() const;
 
   /// The batch of this step (host), as StageCompute::setBatch; queued for upload (through a
-  /// pinned copy that the previous step's upload must have left: call it between steps).
+  /// pinned copy that the previous step's upload must have left: call it between steps). With
+  /// the embedding, it also plans the embedding backward's ordered sums of every slice on the
+  /// host (runtime/cuda/EmbeddingGrad.h: a stable sort of the slice's rows by token) and
+  /// uploads the plans with the tokens.
   llvm::Error setBatch(const std::vector<std::vector<int32_t>> &tokens);
 
   /// As StageCompute::forward; `input` and the result are device tensors of the compute type.

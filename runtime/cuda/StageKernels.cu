@@ -5,8 +5,8 @@
 // here adds floating-point values atomically: every sum runs in an order fixed by its inputs,
 // so a step's gradients have the same bits every run, and the tensors every tp rank holds whole
 // (wte, wpe, a tied head) get the same gradients on every rank. The embedding backward sums a
-// token's rows in row order (the host lists the rows sorted by token), which differs from the
-// CPU reference's order; the tests compare within a tolerance.
+// token's rows in row order, in pieces (the host's plan, runtime/cuda/EmbeddingGrad.h), which
+// differs from the CPU reference's order; the tests compare within a tolerance.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/StageKernels.h"
@@ -39,23 +39,39 @@ __global__ void embeddingForwardKernel(T *__restrict__ resid, const int32_t *__r
       fromFloat<T>(toFloat(wte[size_t(inputs[r]) * c + k]) + toFloat(wpe[size_t(pos) * c + k]));
 }
 
-// dWte[token] += the slice's rows of that token, added in row order. `order` lists the rows
-// sorted by token (stably), so each token's rows are a run of it; one thread per (position p
-// of `order`, channel k): the run's first position sums the run.
+// One thread per (piece, channel k) of the plan (EmbeddingGrad.h): the piece's rows in `order`'s
+// order, into the token's row of dWte when the piece is the token's whole run, else into the
+// piece's slot.
 template <typename T>
-__global__ void tokenBackwardKernel(float *__restrict__ dWte, const T *__restrict__ dEmb,
-                                    const int32_t *__restrict__ inputs,
-                                    const int32_t *__restrict__ order, int n, int c) {
+__global__ void tokenPieceKernel(float *__restrict__ dWte, float *__restrict__ slots,
+                                 const T *__restrict__ dEmb, const int32_t *__restrict__ inputs,
+                                 const int32_t *__restrict__ order,
+                                 const int32_t *__restrict__ pieces, int numPieces, int c) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= size_t(n) * c)
+  if (i >= size_t(numPieces) * c)
     return;
   const int p = int(i / c), k = int(i % c);
-  const int32_t token = inputs[order[p]];
-  if (p > 0 && inputs[order[p - 1]] == token)
-    return;
+  const int begin = pieces[3 * p], end = pieces[3 * p + 1], slot = pieces[3 * p + 2];
   float g = 0.0f;
-  for (int q = p; q < n && inputs[order[q]] == token; ++q)
+  for (int q = begin; q < end; ++q)
     g += toFloat(dEmb[size_t(order[q]) * c + k]);
+  if (slot < 0)
+    dWte[size_t(inputs[order[begin]]) * c + k] += g;
+  else
+    slots[size_t(slot) * c + k] = g;
+}
+
+// One thread per (run of several pieces, channel k): its slots in piece order into dWte.
+__global__ void tokenMergeKernel(float *__restrict__ dWte, const float *__restrict__ slots,
+                                 const int32_t *__restrict__ merges, int numMerges, int c) {
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= size_t(numMerges) * c)
+    return;
+  const int m = int(i / c), k = int(i % c);
+  const int token = merges[3 * m], first = merges[3 * m + 1], count = merges[3 * m + 2];
+  float g = 0.0f;
+  for (int s = first; s < first + count; ++s)
+    g += slots[size_t(s) * c + k];
   dWte[size_t(token) * c + k] += g;
 }
 
@@ -173,16 +189,21 @@ cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, co
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
-                              const int32_t *inputs, const int32_t *order, int n, int x, int begin,
-                              int c, cudaStream_t stream) {
-  const size_t total = size_t(n) * c;
-  if (total == 0)
+                              const int32_t *inputs, const EmbeddingGradArgs &plan, int n, int x,
+                              int begin, int c, cudaStream_t stream) {
+  if (size_t(n) * c == 0)
     return cudaSuccess;
+  if (plan.numMerges > 0 && !plan.slots)
+    return cudaErrorInvalidValue;
   PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const T *d = static_cast<const T *>(dEmb);
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, tokenBackwardKernel<T>)
-    (dWte, d, inputs, order, n, c);
+    if (plan.numPieces > 0)
+      PIPEC_LAUNCH(blocksFor(size_t(plan.numPieces) * c), kThreads, 0, stream, tokenPieceKernel<T>)
+    (dWte, plan.slots, d, inputs, plan.order, plan.pieces, plan.numPieces, c);
+    if (plan.numMerges > 0)
+      PIPEC_LAUNCH(blocksFor(size_t(plan.numMerges) * c), kThreads, 0, stream, tokenMergeKernel)
+    (dWte, plan.slots, plan.merges, plan.numMerges, c);
     if (dWpe)
       PIPEC_LAUNCH(blocksFor(size_t(x) * c), kThreads, 0, stream, positionBackwardKernel<T>)
     (dWpe, d, n / x, x, begin, c);

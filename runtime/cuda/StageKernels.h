@@ -28,13 +28,22 @@ using kernels::DType;
 /// resid (n, c) = wte[inputs[r]] + wpe[begin + r % x]; rows r = (b, t) of the slice.
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
                              const void *wpe, int n, int x, int begin, int c, cudaStream_t stream);
-/// dWte[inputs[r]] += dEmb[r]; dWpe[begin + r % x] += dEmb[r] when dWpe is not null. `order`
-/// (n) lists the rows 0..n-1 sorted by their token, stably (tokenOrder): each token's rows are
-/// added in row order, each position's in sequence order, with no atomics, so the gradients
-/// have the same bits every run and on every tp rank.
+/// A slice's EmbeddingGradPlan (runtime/cuda/EmbeddingGrad.h) in device memory, and scratch.
+struct EmbeddingGradArgs {
+  const int32_t *order = nullptr;  // n: the rows sorted by token, stably
+  const int32_t *pieces = nullptr; // 3 per piece: begin, end (positions in order), slot or -1
+  int numPieces = 0;
+  const int32_t *merges = nullptr; // 3 per run of several pieces: token, first slot, slots
+  int numMerges = 0;
+  float *slots = nullptr; // a row of c floats per slot
+};
+/// dWte[inputs[r]] += dEmb[r]; dWpe[begin + r % x] += dEmb[r] when dWpe is not null. Each
+/// token's rows are added in row order, in the plan's pieces (a multi-piece run's pieces then in
+/// piece order), each position's rows in sequence order, with no atomics, so the gradients have
+/// the same bits every run and on every tp rank.
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
-                              const int32_t *inputs, const int32_t *order, int n, int x, int begin,
-                              int c, cudaStream_t stream);
+                              const int32_t *inputs, const EmbeddingGradArgs &plan, int n, int x,
+                              int begin, int c, cudaStream_t stream);
 /// resid (n, c) += branch (n, c) + bias (c).
 cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
                         int c, cudaStream_t stream);

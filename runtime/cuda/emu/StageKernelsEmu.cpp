@@ -52,9 +52,9 @@ cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, co
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
-                              const int32_t *inputs, [[maybe_unused]] const int32_t *order, int n,
-                              int x, int begin, int c, cudaStream_t stream) {
-  // (Row order for both: `order` only says in which order the kernel adds a token's rows.)
+                              const int32_t *inputs, [[maybe_unused]] const EmbeddingGradArgs &plan,
+                              int n, int x, int begin, int c, cudaStream_t stream) {
+  // (Row order for both: the plan only says in which order and pieces the kernel adds them.)
   pipec::emu::enqueue(stream, [=] {
     Elements d(dEmb, dtype);
     for (int r = 0; r < n; ++r)
