@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared check for a machine with a GPU (DESIGN §9), in this order: the requires-gpu
-# test binaries, pp=4 --check-reference runs on the local transport (fp32 and bf16), the nccl
+# test binaries, pp=4 --check-reference runs on the local transport (fp32 and bf16), a pp=2 tp=2
+# dp=2 bf16 one (tp and dp copies bit for bit), the nccl
 # mode with several processes where the machine has two GPUs or more (each with
 # --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead,
 # kernel and training-step benchmarks. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt (full logs
@@ -9,7 +10,7 @@
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Time: each step has a limit (tests 120/120/60 s, pp4 2 x 60 s, each nccl case 2 x 60 s, overhead
+# Time: each step has a limit (tests 120/120/60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl case 2 x 60 s, overhead
 # 2 x 45 s, kernel benchmark 90 s, step benchmark 2 x 90 s) and the whole run a budget (BUDGET seconds, default 540, for
 # a device command capped at 600): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
@@ -151,6 +152,29 @@ else
   status=1
   say "pp4: pipec compile FAILED:"
   sed 's/^/  /' "$out/pp4.compile.txt" | tee -a "$report"
+fi
+
+# Bit-identical copies on a GPU: pp = 2, tp = 2, dp = 2 in bf16 with --check-reference, which
+# exits 1 unless the tp ranks' copies of the tensors they hold whole (cuBLASLt and the
+# deterministic column sums and embedding backward on every rank) and the dp replicas' weights
+# are equal to the last bit (tp_copies=, dp_copies=).
+if "$bin/pipec" compile --model examples/tiny-gpt.json --schedule zb-h1 --pp 2 --tp 2 --dp 2 \
+    --microbatches 4 -o "$out/tp2dp2.json" --quiet >"$out/tp2dp2.compile.txt" 2>&1; then
+  start=$SECONDS
+  if fits 60 "tp2dp2 cuda bf16 --check-reference"; then
+    if run timeout 60 "$bin/piperun" "$out/tp2dp2.json" --backend cuda --dtype bf16 --steps 3 \
+        --check-reference >"$out/tp2dp2.txt" 2>&1; then
+      say "pp2 tp2 dp2 cuda --dtype bf16 --check-reference ok ($((SECONDS - start)) s): $(grep -o '[td]p_copies=[^ ]*' "$out/tp2dp2.txt" | tr '\n' ' ')"
+    else
+      status=1
+      say "pp2 tp2 dp2 cuda --dtype bf16 --check-reference FAILED ($((SECONDS - start)) s):"
+      sed 's/^/  /' "$out/tp2dp2.txt" | tee -a "$report"
+    fi
+  fi
+else
+  status=1
+  say "tp2dp2: pipec compile FAILED:"
+  sed 's/^/  /' "$out/tp2dp2.compile.txt" | tee -a "$report"
 fi
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
