@@ -150,6 +150,26 @@ TEST(NcclEmuDtypeTest, ProcessesLaunchedWithDifferentDtypesAllFailNamingTheFlag)
   }
 }
 
+TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {
+  // --check-reference adds collectives on `world` after every step; a process without it would
+  // meet them with the next step's and hang: every process must refuse, before the first step.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/1, 2, 1, 1, 1, 2));
+  auto data = syntheticData(32, /*seed=*/7);
+  auto results = runEveryRank(plan, *data, "mixed-check", [](int rank) {
+    CudaRunOptions o;
+    o.checkReference = rank == 1;
+    return o;
+  });
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    EXPECT_NE(takeMessage(results[r].takeError())
+                  .find("--check-reference: 1 of the launch's 2 processes check against the "
+                        "reference, the others do not; pass it to every process or to none"),
+              std::string::npos)
+        << "rank " << r;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Nccl, NcclEmuTest,
     ::testing::Values(Case{"pp2", options("1f1b", /*pp=*/2, /*microbatches=*/4)},

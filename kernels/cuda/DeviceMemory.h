@@ -3,7 +3,8 @@
 // Shared by kernels/cuda/CudaOps.cpp and the emulated device's CudaOpsEmu.cpp (both implement
 // CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with, and
 // the ops' scratch buffers.
-// DeviceBuffer (CudaOps.h) is implemented once, in DeviceMemory.cpp. For kernels/cuda/ only.
+// DeviceBuffer (CudaOps.h) is implemented once, in DeviceMemory.cpp. For kernels/cuda/ and the
+// cuda backend's stages (runtime/cuda/GpuStage.cpp: the embedding backward's scratch).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_DEVICEMEMORY_H

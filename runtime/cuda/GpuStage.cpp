@@ -164,7 +164,8 @@ struct GpuStage::Impl {
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
   // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
-  // uploaded from pinned host copies (inputs then targets) without waiting for the device.
+  // uploaded from pinned host copies (inputs, targets, then the embedding backward's plans)
+  // without waiting for the device.
   Owned<int32_t> inputs, targets;
   // With the embedding: every (mb, slice)'s EmbeddingGradPlan, at maxEmbeddingGradInts times
   // the slice's offset in `inputs` (its order, then its pieces at n, its merges at 4 n), and
@@ -496,7 +497,9 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
     switch (kind(l)) {
     case GptLayerKind::Embedding: {
       const int32_t *at = embeddingPlans.data() + maxEmbeddingGradInts(tokenOffset(mb, slice));
-      auto [pieces, merges] = embeddingPlanSizes[size_t(mb) * slices.size() + size_t(slice)];
+      const size_t planIndex = size_t(mb) * slices.size() + size_t(slice);
+      assert(planIndex < embeddingPlanSizes.size() && "setBatch planned every (mb, slice)");
+      auto [pieces, merges] = embeddingPlanSizes[planIndex];
       // Scratch of the most slots any batch's plan can use: the same request every step.
       cu::ScratchBuffer slots(ctx.allocator());
       PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));

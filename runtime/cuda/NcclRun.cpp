@@ -499,6 +499,16 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return inputError("--dtype: {} of the launch's {} processes compute in bf16, the others in "
                       "fp32; pass the same --dtype to every process",
                       int(*bf16), env.worldSize);
+  // --check-reference adds collectives on `world` after every step: all processes or none.
+  if (auto checking = worldSum(o.checkReference ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms,
+                               static_cast<cudaStream_t>(b.computeStreamHandle()), o.timeoutSeconds,
+                               "the --check-reference agreement");
+      !checking)
+    return checking.takeError();
+  else if (*checking != 0.0f && *checking != float(env.worldSize))
+    return inputError("--check-reference: {} of the launch's {} processes check against the "
+                      "reference, the others do not; pass it to every process or to none",
+                      int(*checking), env.worldSize);
 
   RunShared shared(plan, Faults{}, transport);
   // The warm-up step (every process runs it): sizes this rank's activation arena, trains
@@ -552,8 +562,10 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     auto buffer =
         kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
                                               size_t(plan.parallel.tp) * sizeof(uint64_t));
-    if (!buffer)
+    if (!buffer) {
+      (*comms)->abortAll(); // (the peers would wait for this process at the first step)
       return buffer.takeError();
+    }
     digestSlots = std::move(*buffer);
   }
   CudaRunResult result;
@@ -571,14 +583,20 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       return err;
     }
     auto share = b.finishStep();
-    if (!share)
+    if (!share) {
+      (*comms)->abortAll(); // the peers wait for this process in the loss's all-reduce
       return share.takeError();
-    // The global loss: every process's share summed over `world`.
+    }
+    // The global loss: every process's share summed over `world` (polled before the copy back,
+    // which into pageable memory would block past the watchdog if a peer never came).
     double loss = *share;
     auto *dloss = scratch->as<double>();
     PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
     PIPEC_NCCL_TRY(
         ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, (*comms)->world.get(), compute));
+    if (auto err = waitPolling(compute, **comms, o.timeoutSeconds,
+                               fmt::format("step {}'s loss all-reduce", s)))
+      return err;
     PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
     PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
     result.losses.push_back(loss);
@@ -597,8 +615,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       ref->update();
     }
     // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
-    // their watchdog would count its time.
-    if (!shards.empty())
+    // their watchdog would count its time. (Every process checks, or none: agreed above.)
+    if (o.checkReference && env.worldSize > 1)
       if (auto r =
               worldSum(0.0f, agreeSlot, **comms, compute, std::max(o.timeoutSeconds * 10, 600.0),
                        "the wait for RANK 0's reference step");
