@@ -184,10 +184,14 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
   check.tp = tp;
   check.tpCopy = firstTpCopyMismatch(plan, cfg, weights, steps - 1);
   check.dp = plan.parallel.dp;
+  std::map<std::pair<int, int>, uint64_t> replica0; // of the weights compared above
+  if (check.dp > 1)
+    for (const auto &[key, mine] : weights.byStageAndTp)
+      replica0[key] = weightDigest(mine);
   for (int d = 1; d < plan.parallel.dp && check.dpCopy.replica < 0; ++d)
-    for (const auto &[key, mine] : weights.byStageAndTp) {
+    for (const auto &[key, digest] : replica0) {
       auto it = weights.digests.find({d, key.first, key.second});
-      if (it == weights.digests.end() || it->second != weightDigest(mine)) {
+      if (it == weights.digests.end() || it->second != digest) {
         check.dpCopy = {d, key.first, key.second};
         break;
       }

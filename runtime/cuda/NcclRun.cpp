@@ -488,24 +488,26 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return scratch.takeError();
   if (auto err = transport.warmUp(scratch->as<float>()))
     return err;
+  // How many processes have a per-process launch setting (a worldSum of 0 or 1 each).
+  auto processesWith = [&](bool mine, const char *what) {
+    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms,
+                    static_cast<cudaStream_t>(b.computeStreamHandle()), o.timeoutSeconds, what);
+  };
+  auto some = [&](float n) { return n != 0.0f && n != float(env.worldSize); };
   // Every process must compute in the same type: a p2p tensor's bytes and its NCCL datatype
   // must match its peer's. The launch line is per process, so check it here, on every process.
-  if (auto bf16 = worldSum(o.dtype == kernels::DType::BF16 ? 1.0f : 0.0f, scratch->as<float>() + 4,
-                           **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
-                           o.timeoutSeconds, "the compute-type agreement");
-      !bf16)
+  auto bf16 = processesWith(o.dtype == kernels::DType::BF16, "the compute-type agreement");
+  if (!bf16)
     return bf16.takeError();
-  else if (*bf16 != 0.0f && *bf16 != float(env.worldSize))
+  if (some(*bf16))
     return inputError("--dtype: {} of the launch's {} processes compute in bf16, the others in "
                       "fp32; pass the same --dtype to every process",
                       int(*bf16), env.worldSize);
   // --check-reference adds collectives on `world` after every step: all processes or none.
-  if (auto checking = worldSum(o.checkReference ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms,
-                               static_cast<cudaStream_t>(b.computeStreamHandle()), o.timeoutSeconds,
-                               "the --check-reference agreement");
-      !checking)
+  auto checking = processesWith(o.checkReference, "the --check-reference agreement");
+  if (!checking)
     return checking.takeError();
-  else if (*checking != 0.0f && *checking != float(env.worldSize))
+  if (some(*checking))
     return inputError("--check-reference: {} of the launch's {} processes check against the "
                       "reference, the others do not; pass it to every process or to none",
                       int(*checking), env.worldSize);

@@ -248,6 +248,16 @@ ncclResult_t p2p(bool send, void *buffer, size_t count, ncclDataType_t type, int
   return launch(stream, comm->group, [op] { return postAndWait({op}); });
 }
 
+/// Every member's `count` values of T added in rank order, into every member's output.
+template <typename T, typename Buffers> void sumInRankOrder(const Buffers &buffers, size_t count) {
+  std::vector<T> sum(count, T(0));
+  for (auto [in, out] : buffers)
+    for (size_t i = 0; i < count; ++i)
+      sum[i] += static_cast<const T *>(in)[i];
+  for (auto [in, out] : buffers)
+    std::memcpy(out, sum.data(), count * sizeof(T));
+}
+
 ncclResult_t allReduceNow(std::shared_ptr<Group> group, int rank, long seq, const void *sendbuff,
                           void *recvbuff, size_t count, ncclDataType_t datatype) {
   Group *g = group.get();
@@ -270,26 +280,11 @@ ncclResult_t allReduceNow(std::shared_ptr<Group> group, int rank, long seq, cons
       for (auto [in, out] : rv.buffers)
         std::memcpy(out, rounded.data(), count * sizeof(uint16_t));
     } else if (datatype == ncclFloat32) {
-      std::vector<float> sum(count, 0.0f);
-      for (auto [in, out] : rv.buffers)
-        for (size_t i = 0; i < count; ++i)
-          sum[i] += static_cast<const float *>(in)[i];
-      for (auto [in, out] : rv.buffers)
-        std::memcpy(out, sum.data(), count * sizeof(float));
+      sumInRankOrder<float>(rv.buffers, count);
     } else if (datatype == ncclUint64) { // (wrapping, as NCCL's)
-      std::vector<uint64_t> sum(count, 0);
-      for (auto [in, out] : rv.buffers)
-        for (size_t i = 0; i < count; ++i)
-          sum[i] += static_cast<const uint64_t *>(in)[i];
-      for (auto [in, out] : rv.buffers)
-        std::memcpy(out, sum.data(), count * sizeof(uint64_t));
+      sumInRankOrder<uint64_t>(rv.buffers, count);
     } else {
-      std::vector<double> sum(count, 0.0);
-      for (auto [in, out] : rv.buffers)
-        for (size_t i = 0; i < count; ++i)
-          sum[i] += static_cast<const double *>(in)[i];
-      for (auto [in, out] : rv.buffers)
-        std::memcpy(out, sum.data(), count * sizeof(double));
+      sumInRankOrder<double>(rv.buffers, count);
     }
     rv.complete = true;
     cv.notify_all();
