@@ -4,8 +4,8 @@
 # dp=2 bf16 one (tp and dp copies bit for bit), the nccl
 # mode with several processes where the machine has two GPUs or more (each with
 # --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead,
-# kernel and training-step benchmarks. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt (full logs
-# beside it).
+# kernel and training-step benchmarks. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt,
+# and the full logs and plans into logs.tgz beside it.
 # It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
@@ -27,6 +27,16 @@ report="$out/report.txt"
 : >"$report"
 
 say() { echo "gpu_check: $*" | tee -a "$report"; }
+# On exit, every log and plan goes into one logs.tgz beside report.txt: a device machine that
+# returns few files (8 at most, here) still returns both.
+pack_logs() {
+  local files
+  files=$(cd "$out" && ls -A | grep -v -x -e report.txt -e logs.tgz || true)
+  [ -n "$files" ] || return 0
+  # shellcheck disable=SC2086 # file names from ls, without spaces
+  (cd "$out" && tar czf logs.tgz $files && rm -rf $files) || true
+}
+trap pack_logs EXIT
 deadline=$((SECONDS + ${BUDGET:-540}))
 status=0
 # fits SECONDS NAME [bench]: whether a step with that limit still fits the budget (else it is
@@ -286,5 +296,5 @@ done
 say "step benchmark ($((SECONDS - start)) s):"
 sed 's/^/  /' "$out/step.txt" | tee -a "$report"
 
-say "finished; report $report, logs in $out"
+say "finished; report $report, logs in $out/logs.tgz"
 exit "$status"
