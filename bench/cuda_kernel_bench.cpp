@@ -188,11 +188,18 @@ struct Bench {
     const bool tensorCores = launch::attentionUsesTensorCores(dt, dims, {out, q, k, v});
     const bool backwardTensorCores =
         launch::attentionUsesTensorCores(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
-    report(shape + (tensorCores ? " fwd (tensor cores)" : " fwd (SIMT)"), fwdFlops,
-           time([&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); }));
+    auto forward = [&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); };
+    if (launch::attentionForwardUsesWgmma(dt, dims, {out, q, k, v})) {
+      report(shape + " fwd (wgmma)", fwdFlops, time(forward));
+      launch::setAttentionWgmma(false); // the same forward on mma.sync, for comparison
+      report(shape + " fwd (mma.sync)", fwdFlops, time(forward));
+      launch::setAttentionWgmma(true);
+    } else {
+      report(shape + (tensorCores ? " fwd (mma.sync)" : " fwd (SIMT)"), fwdFlops, time(forward));
+    }
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
     report(
-        shape + (backwardTensorCores ? " bwd (tensor cores)" : " bwd (SIMT)"), 2.5 * fwdFlops,
+        shape + (backwardTensorCores ? " bwd (mma.sync)" : " bwd (SIMT)"), 2.5 * fwdFlops,
         time([&] { return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s); }));
   }
 };

@@ -415,12 +415,34 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
                                              {dq.data(), gdk.data(), gdv.data(), gdOut.data(),
                                               out.data(), gq.data(), gk.data(), gv.data()}),
             tensorCores);
+  // The forward of these head dimensions runs on Hopper's wgmma where the device has it (the
+  // emulated device does); then the mma.sync forward is checked too.
+  const bool wgmmaShape =
+      tensorCores && (s.headDim == 16 || s.headDim == 32 || s.headDim == 64 || s.headDim == 128);
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  const bool wgmma =
+      launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()});
+  EXPECT_EQ(wgmma, wgmmaShape && major == 9);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
                               out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
   EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
+  if (wgmma) {
+    launch::setAttentionWgmma(false);
+    EXPECT_FALSE(
+        launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}));
+    DeviceBuffer mmaOut = allocate(qSize * sizeOf(dt));
+    DeviceBuffer mmaLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+    llvm::Error err = attentionForward(*ctx, dt, mmaOut.data(), mmaLse.as<float>(), gq.data(),
+                                       gk.data(), gv.data(), s);
+    launch::setAttentionWgmma(true);
+    ASSERT_OK(std::move(err));
+    EXPECT_CLOSE(download(mmaOut, qSize, dt), refOut, tolerance(dt));
+    EXPECT_CLOSE(download(mmaLse, refLse.size(), DType::F32), refLse, tolerance(dt));
+  }
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
@@ -518,6 +540,11 @@ const AttentionCase kAttentionCases[] = {
     // Four 64-query tiles stream past the first key blocks: every kernel refills both of its
     // double buffers (the dK/dV kernel's query tiles included).
     {{/*batch=*/1, /*queries=*/200, /*begin=*/30, /*heads=*/2, /*headDim=*/64}, "RefilledBuffers"},
+    // The Hopper forward's 128-query blocks: three, the last one's second warpgroup wholly past
+    // the slice, its first partly; key tiles that start mid-block (begin 37).
+    {{/*batch=*/1, /*queries=*/300, /*begin=*/37, /*heads=*/2, /*headDim=*/128},
+     "ThreeQueryBlocks"},
+    {{/*batch=*/2, /*queries=*/70, /*begin=*/130, /*heads=*/2, /*headDim=*/32}, "HeadDim32"},
 };
 
 //===--- Cross entropy, AdamW, conversion -------------------------------===//

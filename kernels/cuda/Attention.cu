@@ -23,8 +23,12 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"
 #include "kernels/cuda/Launch.h"
+#include "kernels/cuda/Wgmma.cuh"
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 namespace pipec::kernels::cuda {
@@ -629,6 +633,216 @@ __global__ void __launch_bounds__(tc::kThreads)
   }
 }
 
+//===--- Hopper forward (bf16, wgmma) -------------------------------------===//
+//
+// The forward on sm_90a's warpgroup MMA (Wgmma.cuh): a block of two warpgroups owns 128 query
+// rows (64 each) and streams 64-key tiles of K and V through two shared buffers with cp.async,
+// as the mma.sync kernel above. Per tile, each warpgroup computes its 64 x 64 scores
+// S = Q K^T with wgmma m64n64k16 (Q's A fragments stay in registers, loaded once from global
+// memory), runs the same online softmax on the accumulators (their layout is mma.sync's, per
+// warp), and adds P V with wgmma m64nHDk16, P's A fragments packed from the score accumulators.
+// Both products take A from registers, so the tensor cores read only K or V from shared memory.
+//
+// The K and V tiles are stored as core matrices (8 rows of 16 bytes, 128 contiguous bytes; the
+// descriptors have no swizzle): element (r, c) of a tile at
+//   ((r / 8) (HD / 8) + c / 8) 64 + (r % 8) 8 + c % 8,
+// so K is B's K-major layout for S (k = head dim: next core matrix along k 128 bytes on, along
+// n = keys one 8-row group, HD / 8 core matrices, on) and V is B's MN-major layout for P V
+// (k = keys: one 8-row group on; n = head dim: 128 bytes on). Eight threads copy one core
+// matrix, so a warp's cp.async stores fill 512 contiguous bytes and its loads read 64 bytes of
+// each of 8 rows. The tiles are written through the generic proxy (cp.async, zero stores) and
+// read by wgmma through the async proxy: every thread fences the proxies after its copies land,
+// before the barrier that hands the tile over. Blocks take the 128-row blocks heaviest (last)
+// first. A warpgroup whose rows all precede a tile skips it; the causal mask is applied only on
+// tiles that reach past the warpgroup's first row.
+
+namespace wg {
+constexpr int kWarpGroups = 2;
+constexpr int kThreads = kWarpGroups * 128;
+constexpr int kBlockQueries = kWarpGroups * 64;
+constexpr int kBlockKeys = 64;
+
+/// The two buffers of K and V tiles (64 rows of HD each).
+constexpr size_t sharedBytes(int hd) { return sizeof(bf16) * size_t(4 * kBlockKeys) * hd; }
+
+/// A descriptor's leading and stride byte offsets.
+struct Offsets {
+  uint32_t leading, stride;
+};
+/// Those of the K and V tiles: K-major K (next core matrix along k = head dim 128 bytes on, along
+/// n = keys an 8-row group of HD / 8 core matrices on) and MN-major V (k = keys: a group on;
+/// n = head dim: 128 bytes on). `swapK`, `swapV` exchange the two: a bring-up switch for a GPU
+/// whose reading of the descriptors differs from the emulator's (launchWgmmaForward).
+constexpr Offsets keyOffsets(int hd, bool swapK) {
+  const uint32_t core = 128, group = uint32_t(hd) / 8 * core;
+  return swapK ? Offsets{group, core} : Offsets{core, group};
+}
+constexpr Offsets valueOffsets(int hd, bool swapV) {
+  const uint32_t core = 128, group = uint32_t(hd) / 8 * core;
+  return swapV ? Offsets{core, group} : Offsets{group, core};
+}
+
+/// Rows [row0, row0 + 64) of a head into a core-matrix tile (zeros from row `rows` on), by
+/// cp.async; every thread of the block calls it.
+template <int HD, typename RowOffset>
+__device__ void loadTileAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0,
+                              int rows, RowOffset rowOffset) {
+  constexpr int kChunks = HD / 8; // 16-byte chunks of a row: the core-matrix columns
+  for (int idx = threadIdx.x; idx < kBlockKeys * kChunks; idx += kThreads) {
+    const int inGroup = idx % 8, chunk = idx / 8 % kChunks, group = idx / (8 * kChunks);
+    const int row = row0 + group * 8 + inGroup;
+    bf16 *to = tile + (group * kChunks + chunk) * 64 + inGroup * 8;
+    if (row < rows)
+      cpAsync16(to, src + rowOffset(row) + chunk * 8);
+    else
+      *reinterpret_cast<uint4 *>(to) = make_uint4(0, 0, 0, 0);
+  }
+}
+} // namespace wg
+
+// out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
+// 16-byte aligned. grid (ceil(x / 128), B*H), block 256; HD in {16, 32, 64, 128}.
+template <int HD>
+__global__ void __launch_bounds__(wg::kThreads, 1)
+    forwardWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
+                       const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
+                       float scaleLog2, wg::Offsets kOffsets, wg::Offsets vOffsets) {
+  static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128, "wgmma's n for P V");
+  constexpr int kTile = wg::kBlockKeys * HD, kBufferStride = 2 * kTile;
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem); // buffer i: K at i kBufferStride, V kTile on
+  const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, tg = lane % 4;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * wg::kBlockQueries;
+  const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
+  auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+
+  // Start the first K/V tile, then read Q's A fragments (rows r0 + g, r0 + g + 8) meanwhile.
+  const int lastPos = s.begin + min(s.queries, m0 + wg::kBlockQueries) - 1;
+  wg::loadTileAsync<HD>(kvBuf, k, 0, s.keys(), keyRow);
+  wg::loadTileAsync<HD>(kvBuf + kTile, v, 0, s.keys(), keyRow);
+  cpAsyncCommit();
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = r0 + g + 8 * half;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        qf[kk][half + 2 * c] =
+            t < s.queries ? tc::load32(q + s.qRow(b, t, h) + kk * 16 + 8 * c + 2 * tg) : 0u;
+  }
+
+  const int pos[2] = {s.begin + r0 + g, s.begin + r0 + g + 8};
+  const bool groupActive = groupRow0 < s.queries; // uniform over the warpgroup
+  const int groupFirstPos = s.begin + groupRow0;
+  const int groupLastPos = s.begin + min(s.queries - 1, groupRow0 + 63);
+  float o[HD / 2]; // P V accumulators: element 4 dt + e is row g + 8 (e >> 1), dim 8 dt + ...
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i)
+    o[i] = 0.0f;
+  float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
+
+  for (int j0 = 0, it = 0; j0 <= lastPos; j0 += wg::kBlockKeys, ++it) {
+    const bf16 *ks = kvBuf + (it & 1) * kBufferStride, *vs = ks + kTile;
+    cpAsyncWait<0>();        // this tile's copies (this thread's) have landed
+    fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
+    __syncthreads();         // every thread's; and the other buffer's tile is consumed
+    if (j0 + wg::kBlockKeys <= lastPos) {
+      bf16 *next = kvBuf + (~it & 1) * kBufferStride;
+      wg::loadTileAsync<HD>(next, k, j0 + wg::kBlockKeys, s.keys(), keyRow);
+      wg::loadTileAsync<HD>(next + kTile, v, j0 + wg::kBlockKeys, s.keys(), keyRow);
+      cpAsyncCommit();
+    }
+    if (!groupActive || j0 > groupLastPos)
+      continue;
+
+    // S = Q K^T: 64 x 64 per warpgroup, k-steps of 16 head dims (two core-matrix columns).
+    float sc[wg::kBlockKeys / 2];
+    wgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmmaBf16<wg::kBlockKeys, false>(
+          sc, qf[kk], wgmmaDescriptor(ks + kk * 16 * 8, kOffsets.leading, kOffsets.stride), kk > 0);
+    wgmmaCommit();
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(sc);
+
+    // Scale to base 2; mask keys past a row's position where the tile reaches that far.
+    const bool masked = j0 + wg::kBlockKeys - 1 > groupFirstPos;
+    float tileMax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < wg::kBlockKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = e >> 1, j = j0 + nt * 8 + 2 * tg + (e & 1);
+        const float x = !masked || j <= pos[row] ? sc[4 * nt + e] * scaleLog2 : -INFINITY;
+        sc[4 * nt + e] = x;
+        tileMax[row] = fmaxf(tileMax[row], x);
+      }
+    float correction[2];
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));
+      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 2));
+      // Finite for rows inside the slice (key 0 of the first tile is visible to every row);
+      // rows past it (t >= x) see keys too (their pos is past the slice), so no NaN arises.
+      const float newMax = fmaxf(rowMax[row], tileMax[row]);
+      correction[row] = exp2f(rowMax[row] - newMax);
+      rowMax[row] = newMax;
+      rowSum[row] *= correction[row];
+    }
+#pragma unroll
+    for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
+      const float p = exp2f(sc[i] - rowMax[(i >> 1) & 1]);
+      sc[i] = p;
+      rowSum[(i >> 1) & 1] += p;
+    }
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i)
+      o[i] *= correction[(i >> 1) & 1];
+
+    // O += P V: k-steps of 16 keys (two 8-row groups of V); P's A fragment of k-step ks is the
+    // score accumulators of n-tiles 2 ks and 2 ks + 1.
+    uint32_t pf[wg::kBlockKeys / 16][4];
+#pragma unroll
+    for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        pf[ks2][r] = tc::pack(sc[8 * ks2 + 2 * r], sc[8 * ks2 + 2 * r + 1]);
+    wgmmaFence();
+#pragma unroll
+    for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
+      wgmmaBf16<HD, true>(
+          o, pf[ks2],
+          wgmmaDescriptor(vs + ks2 * 2 * (HD / 8) * 64, vOffsets.leading, vOffsets.stride), true);
+    wgmmaCommit();
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(o);
+  }
+  if (!groupActive)
+    return; // no barrier follows
+
+#pragma unroll
+  for (int row = 0; row < 2; ++row) {
+    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
+    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 2);
+    const int t = r0 + g + 8 * row;
+    if (t >= s.queries)
+      continue;
+    const float inv = 1.0f / rowSum[row];
+    bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt)
+      *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
+          __floats2bfloat162_rn(o[4 * dt + 2 * row] * inv, o[4 * dt + 2 * row + 1] * inv);
+    if (tg == 0)
+      lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * tc::kLn2;
+  }
+}
+
 //===--- Tensor-core backward (bf16) --------------------------------------===//
 //
 // FlashAttention-2's backward on the same mma, without atomics: as the SIMT backward, one
@@ -884,6 +1098,56 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int HD>
+cudaError_t launchWgmmaForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
+                               const Dims &s, cudaStream_t stream) {
+  const dim3 grid(ceilDiv(s.queries, wg::kBlockQueries), unsigned(s.batch * s.heads));
+  const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
+  // PIPEC_WGMMA_SWAP=k, v or kv: only to bring the kernel up on a new GPU or driver (the GPU
+  // check tries them when the attention tests fail), never needed otherwise.
+  static const std::string_view swap = [] {
+    const char *env = std::getenv("PIPEC_WGMMA_SWAP");
+    return std::string_view(env ? env : "");
+  }();
+  const bool swapK = swap.find('k') != swap.npos, swapV = swap.find('v') != swap.npos;
+  return launchWithSmem(forwardWgmmaKernel<HD>, grid, wg::kThreads, wg::sharedBytes(HD),
+                        wg::sharedBytes(HD), stream, out, lse, q, k, v, s, scaleLog2,
+                        wg::keyOffsets(HD, swapK), wg::valueOffsets(HD, swapV));
+}
+
+/// -1 until read from PIPEC_ATTENTION_WGMMA (0 switches the Hopper forward off), then 0 or 1;
+/// setAttentionWgmma overrides it.
+std::atomic<int> wgmmaEnabled{-1};
+
+bool wgmmaSwitchedOn() {
+  int enabled = wgmmaEnabled.load(std::memory_order_relaxed);
+  if (enabled < 0) {
+    const char *env = std::getenv("PIPEC_ATTENTION_WGMMA");
+    enabled = env && std::string_view(env) == "0" ? 0 : 1;
+    wgmmaEnabled.store(enabled, std::memory_order_relaxed);
+  }
+  return enabled == 1;
+}
+
+/// Whether the current device runs sm_90a code (compute capability 9.x), read once per device.
+bool hopperDevice() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {}; // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0)
+    return false;
+  if (device < kDevices)
+    if (const int k = known[device].load(std::memory_order_relaxed))
+      return k == 2;
+  int major = 0;
+  const bool hopper =
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      major == 9;
+  if (device < kDevices)
+    known[device].store(hopper ? 2 : 1, std::memory_order_relaxed);
+  return hopper;
+}
+
+template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const float *rowDot, const bf16 *q,
                                      const bf16 *k, const bf16 *v, const Dims &s,
@@ -939,6 +1203,17 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
   return true;
 }
 
+bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
+                               std::initializer_list<const void *> tensors) {
+  const int hd = s.headDim;
+  return (hd == 16 || hd == 32 || hd == 64 || hd == 128) &&
+         attentionUsesTensorCores(dtype, s, tensors) && wgmmaSwitchedOn() && hopperDevice();
+}
+
+void setAttentionWgmma(bool enabled) {
+  wgmmaEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
+}
+
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims dims, cudaStream_t stream) {
   const Dims s = toDims(dims);
@@ -946,6 +1221,21 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
     return cudaSuccess;
   if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
     return cudaErrorInvalidValue;
+  if (attentionForwardUsesWgmma(dtype, dims, {out, q, k, v})) {
+    auto *o = static_cast<bf16 *>(out);
+    auto *qb = static_cast<const bf16 *>(q), *kb = static_cast<const bf16 *>(k),
+         *vb = static_cast<const bf16 *>(v);
+    switch (s.headDim) {
+    case 16:
+      return launchWgmmaForward<16>(o, lse, qb, kb, vb, s, stream);
+    case 32:
+      return launchWgmmaForward<32>(o, lse, qb, kb, vb, s, stream);
+    case 64:
+      return launchWgmmaForward<64>(o, lse, qb, kb, vb, s, stream);
+    case 128:
+      return launchWgmmaForward<128>(o, lse, qb, kb, vb, s, stream);
+    }
+  }
   if (attentionUsesTensorCores(dtype, dims, {out, q, k, v}))
     return withHeadDim(s.headDim, [&]<int HD>() {
       return launchTensorCoreForward<HD>(static_cast<bf16 *>(out), lse,

@@ -72,6 +72,15 @@ struct AttentionDims {
 /// multiple of 16 up to 128, every tensor 16-byte aligned. Otherwise they run the SIMT kernels.
 bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors);
+/// Whether attentionForward runs the Hopper kernel (wgmma, sm_90a) rather than the mma.sync one:
+/// attentionUsesTensorCores, a head dimension of 16, 32, 64 or 128, a current device of
+/// compute capability 9.x (always on the kernel emulator), and not switched off by
+/// setAttentionWgmma(false) or PIPEC_ATTENTION_WGMMA=0 in the environment.
+bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
+                               std::initializer_list<const void *> tensors);
+/// Turns the Hopper attention forward on (the default) or off for the whole process; the kernel
+/// benchmark measures both.
+void setAttentionWgmma(bool enabled);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
 /// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head); dk and

@@ -6,7 +6,7 @@ file can use them unconditionally and still load (and build //...) on a machine 
     cuda_library(name = "k", srcs = ["K.cu"], hdrs = ["K.h"])   # nvcc, then a cc_library
     cuda_cc_library / cuda_cc_test / cuda_cc_binary             # plain cc_* rules, CUDA-only
 
-cuda_library runs one genrule: nvcc -c per .cu file (sm_90 SASS plus compute_90 PTX, so newer
+cuda_library runs one genrule: nvcc -c per .cu file (sm_90a SASS plus compute_90 PTX, so newer
 GPUs JIT it), then `ar rcs`; the archive is the srcs of a cc_library that also carries the
 headers and links libcudart. No relocatable device code, so no device-link step is needed.
 """
@@ -16,7 +16,9 @@ load("@local_config_cuda//:defs.bzl", "CUDA_PATH", "HAS_CUDA")
 NVCC_FLAGS = [
     "-O3",
     "-std=c++20",
-    "-gencode arch=compute_90,code=sm_90",
+    # sm_90a: Hopper's own instructions (wgmma) for the attention forward; the compute_90 PTX
+    # (without them) is what newer GPUs JIT, where the launchers pick other kernels.
+    "-gencode arch=compute_90a,code=sm_90a",
     "-gencode arch=compute_90,code=compute_90",
     "-Xcompiler -fPIC",
     "--expt-relaxed-constexpr",

@@ -274,6 +274,21 @@ cudaError_t cudaGetDevice(int *device) {
   *device = currentDevice;
   return cudaSuccess;
 }
+/// The emulated device is a compute-capability-9.0 one (the kernel emulator runs sm_90a code).
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+  if (device != 0)
+    return cudaErrorInvalidDevice;
+  switch (attr) {
+  case cudaDevAttrComputeCapabilityMajor:
+    *value = 9;
+    return cudaSuccess;
+  case cudaDevAttrComputeCapabilityMinor:
+    *value = 0;
+    return cudaSuccess;
+  default:
+    return cudaErrorInvalidValue;
+  }
+}
 cudaError_t cudaDeviceSynchronize(void) {
   synchronizeAll();
   return cudaSuccess;

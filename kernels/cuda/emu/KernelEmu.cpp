@@ -522,6 +522,68 @@ void cpAsyncWait(int pending) {
 
 void *dynamicShared() { return grid().shared.data(); }
 
+uint32_t sharedOffset(const void *p) {
+  Grid &g = grid();
+  const auto *at = static_cast<const std::byte *>(p);
+  if (at < g.shared.data() || at >= g.shared.data() + g.shared.size())
+    fatal("a shared-memory address is not in the block's dynamic shared memory");
+  return uint32_t(at - g.shared.data());
+}
+
+void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
+               bool transposeB) {
+  Grid &g = grid();
+  const ThreadCoords &c = self().coords;
+  const size_t t = linearThread(c);
+  if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
+    fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
+  if (n < 8 || n > 256 || n % 8 != 0)
+    fatal("wgmma: n must be a multiple of 8 in [8, 256]");
+  WarpSlots &slots = g.warps[t / kWarp];
+  const int lane = int(t % kWarp);
+  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
+  slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
+  wait(State::AtWarpBarrier);
+  // The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
+  // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51 and
+  // the swizzle mode bits 62-63 must be 0 here (no swizzle). Without swizzle an operand is made
+  // of core matrices of 8 rows of 16 bytes (128 contiguous bytes): K-major, a core matrix holds
+  // 8 rows (n) of 8 k-values, the leading offset steps along k (to the second 8 of the 16) and
+  // the stride offset along n (to the next 8 rows); MN-major, it holds 8 k-rows of 8 n-values,
+  // the leading offset steps along k and the stride offset along n.
+  const size_t start = size_t(b & 0x3fff) << 4, leading = size_t(b >> 16 & 0x3fff) << 4;
+  const size_t stride = size_t(b >> 32 & 0x3fff) << 4;
+  if ((b >> 49 & 7) != 0 || (b >> 62) != 0)
+    fatal("wgmma: only descriptors without swizzle or base offset are emulated");
+  auto bAt = [&](int k, int col) {
+    const size_t offset = transposeB ? start + size_t(col / 8) * stride + size_t(col % 8) * 2 +
+                                           size_t(k / 8) * leading + size_t(k % 8) * 16
+                                     : start + size_t(col / 8) * stride + size_t(col % 8) * 16 +
+                                           size_t(k / 8) * leading + size_t(k % 8) * 2;
+    if (offset + 2 > g.shared.size())
+      fatal("wgmma: B reaches past the block's dynamic shared memory");
+    uint16_t bits;
+    std::memcpy(&bits, g.shared.data() + offset, 2);
+    return bf16Low(bits);
+  };
+  auto aAt = [&](int row, int col) { // mma.m16n8k16's A fragment, as mmaM16N8K16Bf16
+    const int owner = (row % 8) * 4 + (col % 8) / 2;
+    const uint32_t reg = slots.a[size_t(owner)][size_t((row / 8) + 2 * (col / 8))];
+    return col % 2 ? bf16High(reg) : bf16Low(reg);
+  };
+  // The accumulators: element 4 j + e is (row g + 8 (e >> 1), column 8 j + 2 t + (e & 1)).
+  const int gid = lane / 4, tg = lane % 4;
+  for (int j = 0; j < n / 8; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int row = gid + 8 * (e >> 1), col = 8 * j + 2 * tg + (e & 1);
+      float sum = accumulate ? d[4 * j + e] : 0.0f;
+      for (int k = 0; k < 16; ++k)
+        sum += aAt(row, k) * bAt(k, col);
+      d[4 * j + e] = sum;
+    }
+  wait(State::AtWarpBarrier); // every lane has read the fragments
+}
+
 void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,
             const void *kernel, std::function<void()> body) {
   const size_t threads = size_t(blockDim.x) * blockDim.y * blockDim.z;

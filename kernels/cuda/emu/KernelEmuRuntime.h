@@ -51,6 +51,18 @@ void cpAsyncCommit();
 void cpAsyncWait(int pending);
 /// The block's dynamic shared memory.
 void *dynamicShared();
+/// The offset of `p` in the block's dynamic shared memory: what a wgmma descriptor holds as its
+/// start address here (on a GPU, the shared window's address). Outside it, the run ends.
+uint32_t sharedOffset(const void *p);
+/// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 with A in registers (Device.cuh's
+/// wgmmaBf16): the calling warp's 16 rows of the warpgroup's 64 (`a`: its A fragment, the
+/// layout of mma.m16n8k16's), times B (16 x n) read through the shared-memory descriptor `b`
+/// (no swizzle; K-major, or MN-major with `transposeB`), added to (`accumulate`) or written over
+/// d[0, n / 2) in the accumulator layout. It completes at once: the fence, commit and wait
+/// around it are the caller's and change nothing here. A block that is not whole warpgroups, a
+/// descriptor with a swizzle or base offset, or a B outside the shared memory ends the run.
+void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
+               bool transposeB);
 
 /// Queues `body` as a grid on `stream`; a configuration the GPU would refuse is not run and
 /// becomes the next cudaGetLastError(). `kernel` identifies the function (its
