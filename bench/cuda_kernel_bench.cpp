@@ -78,7 +78,7 @@ struct Bench {
 
   void report(const std::string &name, double flops, double seconds) {
     double tflops = flops / seconds / 1e12;
-    fmt::print("{:<66} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
+    fmt::print("{:<80} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
                tflops, 100.0 * tflops / kPeakBf16TFlops);
     std::fflush(stdout);
   }
@@ -86,7 +86,7 @@ struct Bench {
   /// The memory-bound kernels: achieved bandwidth for the bytes they must move at least.
   void reportBandwidth(const std::string &name, double bytes, double seconds) {
     double tbs = bytes / seconds / 1e12;
-    fmt::print("{:<66} {:>10.3f} ms {:>9.2f} TB/s    {:>6.1f}% of HBM\n", name, seconds * 1e3, tbs,
+    fmt::print("{:<80} {:>10.3f} ms {:>9.2f} TB/s    {:>6.1f}% of HBM\n", name, seconds * 1e3, tbs,
                100.0 * tbs / kPeakHbmTBs);
     std::fflush(stdout);
   }
@@ -190,8 +190,16 @@ struct Bench {
         launch::attentionUsesTensorCores(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
     auto forward = [&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); };
     if (launch::attentionForwardUsesWgmma(dt, dims, {out, q, k, v})) {
-      report(shape + " fwd (wgmma)", fwdFlops, time(forward));
-      launch::setAttentionWgmma(false); // the same forward on mma.sync, for comparison
+      // Every variant of the Hopper forward (the default is attentionForward's), then the same
+      // forward on mma.sync, for comparison.
+      for (int variant = 0; variant < launch::kWgmmaVariants; ++variant) {
+        launch::setAttentionWgmmaVariant(variant);
+        report(fmt::format("{} fwd (wgmma, {}{})", shape, launch::wgmmaVariantName(variant),
+                           variant == launch::kWgmmaDefault ? "; default" : ""),
+               fwdFlops, time(forward));
+      }
+      launch::setAttentionWgmmaVariant(launch::kWgmmaDefault);
+      launch::setAttentionWgmma(false);
       report(shape + " fwd (mma.sync)", fwdFlops, time(forward));
       launch::setAttentionWgmma(true);
     } else {

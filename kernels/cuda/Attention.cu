@@ -635,60 +635,49 @@ __global__ void __launch_bounds__(tc::kThreads)
 
 //===--- Hopper forward (bf16, wgmma) -------------------------------------===//
 //
-// The forward on sm_90a's warpgroup MMA (Wgmma.cuh): a block of two warpgroups owns 128 query
-// rows (64 each) and streams 64-key tiles of K and V through two shared buffers with cp.async,
-// as the mma.sync kernel above. Per tile, each warpgroup computes its 64 x 64 scores
-// S = Q K^T with wgmma m64n64k16 (Q's A fragments stay in registers, loaded once from global
-// memory), runs the same online softmax on the accumulators (their layout is mma.sync's, per
-// warp), and adds P V with wgmma m64nHDk16, P's A fragments packed from the score accumulators.
-// Both products take A from registers, so the tensor cores read only K or V from shared memory.
+// The forward on sm_90a's warpgroup MMA (Wgmma.cuh). A block of `Groups` warpgroups owns
+// 64 * Groups query rows (64 each) and streams 64-key tiles of K and V through shared buffers
+// with cp.async, as the mma.sync kernel above. Per tile, each warpgroup computes its 64 x 64
+// scores S = Q K^T with wgmma m64n64k16 (Q's A fragments stay in registers, loaded once from
+// global memory), runs the online softmax on the accumulators (their layout is mma.sync's, per
+// warp), and adds P V with wgmma m64nHDk16, P's A fragments packed from the score
+// accumulators. Both products take A from registers, so the tensor cores read only K or V from
+// shared memory.
+//
+// With `Overlap`, a warpgroup issues tile i's S and tile i - 1's P V together and runs tile i's
+// softmax while P V is still on the tensor cores (FlashAttention-3's intra-warpgroup overlap);
+// that keeps three K/V buffers (tile i + 1 loads, tile i is scored, tile i - 1's V is read).
+// Without it, S, softmax and P V of a tile follow one another, over two buffers. The kernel
+// benchmark measures every variant; attentionForward runs kWgmmaDefault.
 //
 // The K and V tiles are stored as core matrices (8 rows of 16 bytes, 128 contiguous bytes; the
 // descriptors have no swizzle): element (r, c) of a tile at
 //   ((r / 8) (HD / 8) + c / 8) 64 + (r % 8) 8 + c % 8,
-// so K is B's K-major layout for S (k = head dim: next core matrix along k 128 bytes on, along
-// n = keys one 8-row group, HD / 8 core matrices, on) and V is B's MN-major layout for P V
-// (k = keys: one 8-row group on; n = head dim: 128 bytes on). Eight threads copy one core
-// matrix, so a warp's cp.async stores fill 512 contiguous bytes and its loads read 64 bytes of
-// each of 8 rows. The tiles are written through the generic proxy (cp.async, zero stores) and
-// read by wgmma through the async proxy: every thread fences the proxies after its copies land,
-// before the barrier that hands the tile over. Blocks take the 128-row blocks heaviest (last)
-// first. A warpgroup whose rows all precede a tile skips it; the causal mask is applied only on
-// tiles that reach past the warpgroup's first row.
+// so K is B's K-major layout for S (k = head dim: the next core matrix along k is 128 bytes on,
+// along n = keys an 8-row group of HD / 8 core matrices on) and V is B's MN-major layout for
+// P V (k = keys: a group on; n = head dim: 128 bytes on). Eight threads copy one core matrix, so
+// a warp's cp.async stores fill 512 contiguous bytes and its loads read 64 bytes of each of 8
+// rows. The tiles are written through the generic proxy (cp.async, zero stores) and read by
+// wgmma through the async proxy: every thread fences the proxies after its copies land, before
+// the barrier that hands the tile over. Blocks take their query blocks heaviest (last) first. The
+// causal mask is applied only on tiles that reach past the warpgroup's first row.
 
 namespace wg {
-constexpr int kWarpGroups = 2;
-constexpr int kThreads = kWarpGroups * 128;
-constexpr int kBlockQueries = kWarpGroups * 64;
 constexpr int kBlockKeys = 64;
 
-/// The two buffers of K and V tiles (64 rows of HD each).
-constexpr size_t sharedBytes(int hd) { return sizeof(bf16) * size_t(4 * kBlockKeys) * hd; }
-
-/// A descriptor's leading and stride byte offsets.
-struct Offsets {
-  uint32_t leading, stride;
-};
-/// Those of the K and V tiles: K-major K (next core matrix along k = head dim 128 bytes on, along
-/// n = keys an 8-row group of HD / 8 core matrices on) and MN-major V (k = keys: a group on;
-/// n = head dim: 128 bytes on). `swapK`, `swapV` exchange the two: a bring-up switch for a GPU
-/// whose reading of the descriptors differs from the emulator's (launchWgmmaForward).
-constexpr Offsets keyOffsets(int hd, bool swapK) {
-  const uint32_t core = 128, group = uint32_t(hd) / 8 * core;
-  return swapK ? Offsets{group, core} : Offsets{core, group};
-}
-constexpr Offsets valueOffsets(int hd, bool swapV) {
-  const uint32_t core = 128, group = uint32_t(hd) / 8 * core;
-  return swapV ? Offsets{core, group} : Offsets{group, core};
+/// The K/V buffers (64 rows of HD each, K then V) of a variant.
+constexpr int stages(bool overlap) { return overlap ? 3 : 2; }
+constexpr size_t sharedBytes(int hd, bool overlap) {
+  return sizeof(bf16) * size_t(2 * stages(overlap) * kBlockKeys) * hd;
 }
 
 /// Rows [row0, row0 + 64) of a head into a core-matrix tile (zeros from row `rows` on), by
-/// cp.async; every thread of the block calls it.
+/// cp.async; every one of the block's `threads` threads calls it.
 template <int HD, typename RowOffset>
 __device__ void loadTileAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0,
-                              int rows, RowOffset rowOffset) {
+                              int rows, int threads, RowOffset rowOffset) {
   constexpr int kChunks = HD / 8; // 16-byte chunks of a row: the core-matrix columns
-  for (int idx = threadIdx.x; idx < kBlockKeys * kChunks; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < kBlockKeys * kChunks; idx += threads) {
     const int inGroup = idx % 8, chunk = idx / 8 % kChunks, group = idx / (8 * kChunks);
     const int row = row0 + group * 8 + inGroup;
     bf16 *to = tile + (group * kChunks + chunk) * 64 + inGroup * 8;
@@ -698,31 +687,52 @@ __device__ void loadTileAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ 
       *reinterpret_cast<uint4 *>(to) = make_uint4(0, 0, 0, 0);
   }
 }
+
+/// 2^x by the SFU (ex2.approx.ftz: 2 ulp, subnormal results flushed to zero).
+__device__ __forceinline__ float exp2Fast(float x) {
+#ifdef PIPEC_KERNEL_EMU
+  return std::exp2(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
 } // namespace wg
 
 // out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
-// 16-byte aligned. grid (ceil(x / 128), B*H), block 256; HD in {16, 32, 64, 128}.
-template <int HD>
-__global__ void __launch_bounds__(wg::kThreads, 1)
+// 16-byte aligned. grid (ceil(x / (64 Groups)), B*H), block 128 Groups; HD in {16, 32, 64, 128}.
+template <int HD, int Groups, bool Overlap>
+__global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     forwardWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
                        const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
-                       float scaleLog2, wg::Offsets kOffsets, wg::Offsets vOffsets) {
+                       float scaleLog2) {
   static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128, "wgmma's n for P V");
-  constexpr int kTile = wg::kBlockKeys * HD, kBufferStride = 2 * kTile;
+  constexpr int kThreads = Groups * 128, kBlockQueries = Groups * 64;
+  constexpr int kStages = wg::stages(Overlap), kTile = wg::kBlockKeys * HD;
+  constexpr uint32_t kCoreBytes = 128, kGroupBytes = HD / 8 * kCoreBytes;
   PIPEC_DYNAMIC_SHARED(float, smem);
-  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem); // buffer i: K at i kBufferStride, V kTile on
+  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem); // stage i: K at 2 i kTile, V kTile on
   const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * wg::kBlockQueries;
+  const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * kBlockQueries;
   const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
   auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+  auto loadTile = [&](int tile) {
+    bf16 *to = kvBuf + (tile % kStages) * 2 * kTile;
+    wg::loadTileAsync<HD>(to, k, tile * wg::kBlockKeys, s.keys(), kThreads, keyRow);
+    wg::loadTileAsync<HD>(to + kTile, v, tile * wg::kBlockKeys, s.keys(), kThreads, keyRow);
+    cpAsyncCommit();
+  };
+
+  // The block's tiles cover keys [0, lastPos].
+  const int lastPos = s.begin + min(s.queries, m0 + kBlockQueries) - 1;
+  const int tiles = lastPos / wg::kBlockKeys + 1;
+  const int groupFirstPos = s.begin + groupRow0;
 
   // Start the first K/V tile, then read Q's A fragments (rows r0 + g, r0 + g + 8) meanwhile.
-  const int lastPos = s.begin + min(s.queries, m0 + wg::kBlockQueries) - 1;
-  wg::loadTileAsync<HD>(kvBuf, k, 0, s.keys(), keyRow);
-  wg::loadTileAsync<HD>(kvBuf + kTile, v, 0, s.keys(), keyRow);
-  cpAsyncCommit();
+  loadTile(0);
   uint32_t qf[HD / 16][4];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -736,95 +746,126 @@ __global__ void __launch_bounds__(wg::kThreads, 1)
   }
 
   const int pos[2] = {s.begin + r0 + g, s.begin + r0 + g + 8};
-  const bool groupActive = groupRow0 < s.queries; // uniform over the warpgroup
-  const int groupFirstPos = s.begin + groupRow0;
-  const int groupLastPos = s.begin + min(s.queries - 1, groupRow0 + 63);
   float o[HD / 2]; // P V accumulators: element 4 dt + e is row g + 8 (e >> 1), dim 8 dt + ...
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i)
     o[i] = 0.0f;
+  // Running row maxima of the scores times scaleLog2, and row sums of 2^(that - max).
   float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
+  float sc[wg::kBlockKeys / 2]; // the tile's scores, then its probabilities
+  uint32_t pf[wg::kBlockKeys / 16][4]; // P of the last scored tile, as P V's A fragments
 
-  for (int j0 = 0, it = 0; j0 <= lastPos; j0 += wg::kBlockKeys, ++it) {
-    const bf16 *ks = kvBuf + (it & 1) * kBufferStride, *vs = ks + kTile;
-    cpAsyncWait<0>();        // this tile's copies (this thread's) have landed
-    fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
-    __syncthreads();         // every thread's; and the other buffer's tile is consumed
-    if (j0 + wg::kBlockKeys <= lastPos) {
-      bf16 *next = kvBuf + (~it & 1) * kBufferStride;
-      wg::loadTileAsync<HD>(next, k, j0 + wg::kBlockKeys, s.keys(), keyRow);
-      wg::loadTileAsync<HD>(next + kTile, v, j0 + wg::kBlockKeys, s.keys(), keyRow);
-      cpAsyncCommit();
-    }
-    if (!groupActive || j0 > groupLastPos)
-      continue;
-
-    // S = Q K^T: 64 x 64 per warpgroup, k-steps of 16 head dims (two core-matrix columns).
-    float sc[wg::kBlockKeys / 2];
-    wgmmaFence();
+  auto issueScores = [&](const bf16 *ks) {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
       wgmmaBf16<wg::kBlockKeys, false>(
-          sc, qf[kk], wgmmaDescriptor(ks + kk * 16 * 8, kOffsets.leading, kOffsets.stride), kk > 0);
+          sc, qf[kk], wgmmaDescriptor(ks + kk * 16 * 8, kCoreBytes, kGroupBytes), kk > 0);
     wgmmaCommit();
-    wgmmaWait<0>();
-    wgmmaFenceRegisters(sc);
-
-    // Scale to base 2; mask keys past a row's position where the tile reaches that far.
+  };
+  auto issueValues = [&](const bf16 *vs) {
+#pragma unroll
+    for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
+      wgmmaBf16<HD, true>(o, pf[ks2],
+                          wgmmaDescriptor(vs + ks2 * 2 * (HD / 8) * 64, kGroupBytes, kCoreBytes),
+                          true);
+    wgmmaCommit();
+  };
+  // The online softmax of the scores of the tile at key j0: returns the rescaling of O.
+  auto softmax = [&](int j0, float (&correction)[2]) {
     const bool masked = j0 + wg::kBlockKeys - 1 > groupFirstPos;
     float tileMax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nt = 0; nt < wg::kBlockKeys / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = e >> 1, j = j0 + nt * 8 + 2 * tg + (e & 1);
-        const float x = !masked || j <= pos[row] ? sc[4 * nt + e] * scaleLog2 : -INFINITY;
-        sc[4 * nt + e] = x;
-        tileMax[row] = fmaxf(tileMax[row], x);
-      }
-    float correction[2];
+    for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
+      const int row = (i >> 1) & 1, j = j0 + (i >> 2) * 8 + 2 * tg + (i & 1);
+      if (masked && j > pos[row])
+        sc[i] = -INFINITY;
+      tileMax[row] = fmaxf(tileMax[row], sc[i]);
+    }
 #pragma unroll
     for (int row = 0; row < 2; ++row) {
       tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));
       tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 2));
-      // Finite for rows inside the slice (key 0 of the first tile is visible to every row);
-      // rows past it (t >= x) see keys too (their pos is past the slice), so no NaN arises.
-      const float newMax = fmaxf(rowMax[row], tileMax[row]);
-      correction[row] = exp2f(rowMax[row] - newMax);
+      // Finite: key 0 of the first tile is visible to every row (rows past the slice see
+      // every key of their tiles).
+      const float newMax = fmaxf(rowMax[row], tileMax[row] * scaleLog2);
+      correction[row] = wg::exp2Fast(rowMax[row] - newMax);
       rowMax[row] = newMax;
       rowSum[row] *= correction[row];
     }
 #pragma unroll
     for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
-      const float p = exp2f(sc[i] - rowMax[(i >> 1) & 1]);
+      const int row = (i >> 1) & 1;
+      const float p = wg::exp2Fast(fmaf(sc[i], scaleLog2, -rowMax[row]));
       sc[i] = p;
-      rowSum[(i >> 1) & 1] += p;
+      rowSum[row] += p;
     }
+  };
+  // O *= correction, and P's A fragments of k-step ks (keys [16 ks, 16 ks + 16)): the score
+  // accumulators of n-tiles 2 ks and 2 ks + 1.
+  auto rescaleAndPack = [&](const float (&correction)[2]) {
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i)
       o[i] *= correction[(i >> 1) & 1];
-
-    // O += P V: k-steps of 16 keys (two 8-row groups of V); P's A fragment of k-step ks is the
-    // score accumulators of n-tiles 2 ks and 2 ks + 1.
-    uint32_t pf[wg::kBlockKeys / 16][4];
 #pragma unroll
     for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
         pf[ks2][r] = tc::pack(sc[8 * ks2 + 2 * r], sc[8 * ks2 + 2 * r + 1]);
+  };
+
+  // Every warpgroup runs every tile of the block, so no wgmma sits on a path that differs
+  // between threads (ptxas serializes those): a warpgroup's rows that precede a tile have all its
+  // keys masked (the tile adds nothing), and rows past the slice compute on zero queries.
+  auto landed = [&](int it) { // tile it in shared memory for wgmma; tile it + 1 loading
+    cpAsyncWait<0>();        // this thread's copies have landed
+    fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
+    __syncthreads();         // every thread's; the buffer loaded next is read no more
+    if (it + 1 < tiles)
+      loadTile(it + 1);
+  };
+  auto buffer = [&](int it) { return kvBuf + (it % kStages) * 2 * kTile; };
+  float correction[2];
+  if constexpr (Overlap) {
+    // Tile 0's scores alone; then tile i's scores with tile i - 1's P V, whose buffer stays
+    // intact while tile i + 1 loads into the third one; then the last tile's P V.
+    landed(0);
     wgmmaFence();
-#pragma unroll
-    for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
-      wgmmaBf16<HD, true>(
-          o, pf[ks2],
-          wgmmaDescriptor(vs + ks2 * 2 * (HD / 8) * 64, vOffsets.leading, vOffsets.stride), true);
-    wgmmaCommit();
+    issueScores(buffer(0));
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(sc);
+    softmax(0, correction);
+    rescaleAndPack(correction);
+    for (int it = 1; it < tiles; ++it) {
+      landed(it);
+      wgmmaFence();
+      issueScores(buffer(it));
+      issueValues(buffer(it - 1) + kTile);
+      wgmmaWait<1>(); // the scores; P V may still run
+      wgmmaFenceRegisters(sc);
+      softmax(it * wg::kBlockKeys, correction);
+      wgmmaWait<0>();
+      wgmmaFenceRegisters(o);
+      rescaleAndPack(correction);
+    }
+    wgmmaFence();
+    issueValues(buffer(tiles - 1) + kTile);
     wgmmaWait<0>();
     wgmmaFenceRegisters(o);
+  } else {
+    for (int it = 0; it < tiles; ++it) {
+      landed(it);
+      wgmmaFence();
+      issueScores(buffer(it));
+      wgmmaWait<0>();
+      wgmmaFenceRegisters(sc);
+      softmax(it * wg::kBlockKeys, correction);
+      rescaleAndPack(correction);
+      wgmmaFence();
+      issueValues(buffer(it) + kTile);
+      wgmmaWait<0>();
+      wgmmaFenceRegisters(o);
+    }
   }
-  if (!groupActive)
-    return; // no barrier follows
-
 #pragma unroll
   for (int row = 0; row < 2; ++row) {
     rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
@@ -1097,21 +1138,32 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+template <int HD, int Groups, bool Overlap>
+cudaError_t launchWgmmaVariant(bf16 *out, float *lse, const bf16 *q, const bf16 *k,
+                               const bf16 *v, const Dims &s, cudaStream_t stream) {
+  const dim3 grid(ceilDiv(s.queries, 64 * Groups), unsigned(s.batch * s.heads));
+  const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
+  const size_t smem = wg::sharedBytes(HD, Overlap);
+  return launchWithSmem(forwardWgmmaKernel<HD, Groups, Overlap>, grid, Groups * 128, smem, smem,
+                        stream, out, lse, q, k, v, s, scaleLog2);
+}
+
+/// The variant attentionForward runs (launch::setAttentionWgmmaVariant changes it).
+std::atomic<int> wgmmaVariant{launch::kWgmmaDefault};
+
 template <int HD>
 cudaError_t launchWgmmaForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
                                const Dims &s, cudaStream_t stream) {
-  const dim3 grid(ceilDiv(s.queries, wg::kBlockQueries), unsigned(s.batch * s.heads));
-  const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
-  // PIPEC_WGMMA_SWAP=k, v or kv: only to bring the kernel up on a new GPU or driver (the GPU
-  // check tries them when the attention tests fail), never needed otherwise.
-  static const std::string_view swap = [] {
-    const char *env = std::getenv("PIPEC_WGMMA_SWAP");
-    return std::string_view(env ? env : "");
-  }();
-  const bool swapK = swap.find('k') != swap.npos, swapV = swap.find('v') != swap.npos;
-  return launchWithSmem(forwardWgmmaKernel<HD>, grid, wg::kThreads, wg::sharedBytes(HD),
-                        wg::sharedBytes(HD), stream, out, lse, q, k, v, s, scaleLog2,
-                        wg::keyOffsets(HD, swapK), wg::valueOffsets(HD, swapV));
+  switch (wgmmaVariant.load(std::memory_order_relaxed)) {
+  case 0:
+    return launchWgmmaVariant<HD, 1, false>(out, lse, q, k, v, s, stream);
+  case 1:
+    return launchWgmmaVariant<HD, 2, false>(out, lse, q, k, v, s, stream);
+  case 2:
+    return launchWgmmaVariant<HD, 1, true>(out, lse, q, k, v, s, stream);
+  default:
+    return launchWgmmaVariant<HD, 2, true>(out, lse, q, k, v, s, stream);
+  }
 }
 
 /// -1 until read from PIPEC_ATTENTION_WGMMA (0 switches the Hopper forward off), then 0 or 1;
@@ -1212,6 +1264,26 @@ bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
 
 void setAttentionWgmma(bool enabled) {
   wgmmaEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
+}
+
+const char *wgmmaVariantName(int variant) {
+  switch (variant) {
+  case 0:
+    return "1 warpgroup, serial";
+  case 1:
+    return "2 warpgroups, serial";
+  case 2:
+    return "1 warpgroup, overlapped";
+  case 3:
+    return "2 warpgroups, overlapped";
+  }
+  return nullptr;
+}
+
+int setAttentionWgmmaVariant(int variant) {
+  if (variant < 0 || variant >= kWgmmaVariants)
+    variant = kWgmmaDefault;
+  return wgmmaVariant.exchange(variant, std::memory_order_relaxed);
 }
 
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,

@@ -81,6 +81,15 @@ bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
 /// Turns the Hopper attention forward on (the default) or off for the whole process; the kernel
 /// benchmark measures both.
 void setAttentionWgmma(bool enabled);
+/// The Hopper forward's variants: 0 one warpgroup (64 queries) a block, 1 two, each computing a
+/// tile's scores, softmax and P V one after another; 2 and 3 the same with the next tile's
+/// scores overlapping P V (Attention.cu). Every one is tested; attentionForward runs
+/// kWgmmaDefault (the fastest measured on an H200) unless set otherwise for the process.
+inline constexpr int kWgmmaVariants = 4;
+inline constexpr int kWgmmaDefault = 3;
+const char *wgmmaVariantName(int variant);
+/// Sets the variant (kWgmmaDefault for one out of range) and returns the previous one.
+int setAttentionWgmmaVariant(int variant);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
 /// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head); dk and
