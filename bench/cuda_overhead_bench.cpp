@@ -5,7 +5,9 @@
 // of --floats floats per message) with backends whose compute ops queue nothing, so the time
 // is what the runtime itself adds per instruction on the host (the target is <= 10 us on an
 // H200 host). Reports the host time of the best step per instruction of the longest stream,
-// and the step time including the device's copies.
+// and the step time including the device's copies; then the instructions of all ranks, the
+// host time per instruction of all ranks (if it stays flat as pp grows while the first
+// figure grows, the ranks' host work is serialized, not concurrent) and the p2p ops.
 //   bazel run -c opt //bench:cuda_overhead_bench -- --pp 4 --microbatches 1024
 // Needs a GPU; not a test: the numbers go into the README.
 //
@@ -116,6 +118,12 @@ int main(int argc, char **argv) {
   }
   Runner runner(*plan, Faults{}, /*timeoutSeconds=*/60, std::move(backends), transport);
   const size_t longest = bench::longestStream(*plan);
+  size_t allInstructions = 0, p2pOps = 0;
+  for (const auto &stream : plan->ranks) {
+    allInstructions += stream.size();
+    for (const Instruction &i : stream)
+      p2pOps += i.isP2P() ? 1 : 0;
+  }
   using Clock = std::chrono::steady_clock;
   double bestHost = 1e300, bestTotal = 1e300;
   for (int64_t s = 0; s <= *steps; ++s) { // step 0 warms up (events, copy engines)
@@ -135,8 +143,9 @@ int main(int argc, char **argv) {
     }
   }
   fmt::print("schedule={} pp={} microbatches={} floats={} longest_stream={} host_step={:.4f}s "
-             "host_per_instruction={:.2f}us step_with_device={:.4f}s\n",
+             "host_per_instruction={:.2f}us step_with_device={:.4f}s all_ranks_instructions={} "
+             "host_per_instruction_all_ranks={:.2f}us p2p_ops={}\n",
              schedule, *pp, *m, *floats, longest, bestHost, bestHost / double(longest) * 1e6,
-             bestTotal);
+             bestTotal, allInstructions, bestHost / double(allInstructions) * 1e6, p2pOps);
   return 0;
 }

@@ -4,6 +4,7 @@
 #include "ir/PlanText.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -67,6 +68,10 @@ llvm::Error Runner::step(int index) {
   std::string firstError;
   bool firstIsInput = false;
   std::atomic<int> finished{0};
+  // The last thread to finish wakes the watchdog, so a step ends when its threads do, not at
+  // the watchdog's next 5 ms tick.
+  std::mutex finishedMu;
+  std::condition_variable allFinished;
   std::vector<std::thread> threads;
   threads.reserve(size_t(n));
   for (int t = 0; t < n; ++t) {
@@ -87,7 +92,10 @@ llvm::Error Runner::step(int index) {
         }
         shared.transport.abort(msg);
       }
-      finished.fetch_add(1);
+      if (finished.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(finishedMu);
+        allFinished.notify_one();
+      }
     });
   }
   // Watchdog: the main thread watches the progress counter.
@@ -95,7 +103,12 @@ llvm::Error Runner::step(int index) {
   uint64_t seen = shared.progress.load();
   auto lastChange = Clock::now();
   while (finished.load() < n) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    {
+      std::unique_lock<std::mutex> lock(finishedMu);
+      if (allFinished.wait_for(lock, std::chrono::milliseconds(5),
+                               [&] { return finished.load() == n; }))
+        break;
+    }
     uint64_t now = shared.progress.load();
     if (now != seen) {
       seen = now;

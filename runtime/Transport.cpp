@@ -30,7 +30,8 @@ InProcessTransport::InProcessTransport(int numThreads,
     : numThreads(numThreads), where(std::move(where)), mover(mover),
       channels(size_t(numThreads) * size_t(numThreads)) {}
 
-void InProcessTransport::matchLocked(Channel &c) {
+bool InProcessTransport::matchLocked(Channel &c) {
+  bool matched = false;
   while (c.sendHead < c.sends.size() && c.recvHead < c.recvs.size()) {
     Posted *s = c.sends[c.sendHead++];
     Posted *r = c.recvs[c.recvHead++];
@@ -43,14 +44,14 @@ void InProcessTransport::matchLocked(Channel &c) {
                       where(s->op.rank, s->op.step), describe(s->op.id), describeSize(s->op.data));
       failed = true;
       cv.notify_all();
-      return;
+      return matched;
     }
     if (mover) {
       if (llvm::Error err = mover->deliver(s->op, s->owner, s->index, r->op, r->owner, r->index)) {
         failure = takeMessage(std::move(err));
         failed = true;
         cv.notify_all();
-        return;
+        return matched;
       }
     } else {
       if (!s->op.data.empty())
@@ -58,6 +59,7 @@ void InProcessTransport::matchLocked(Channel &c) {
     }
     s->done.store(true, std::memory_order_release);
     r->done.store(true, std::memory_order_release);
+    matched = true;
   }
   if (c.sendHead == c.sends.size()) {
     c.sends.clear();
@@ -67,6 +69,7 @@ void InProcessTransport::matchLocked(Channel &c) {
     c.recvs.clear();
     c.recvHead = 0;
   }
+  return matched;
 }
 
 llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
@@ -80,6 +83,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   }
   std::span<Posted> all(posted, ops.size());
   std::unique_lock<std::mutex> lock(mu);
+  bool matched = false; // did this post complete anyone's op (a waiter to wake)?
   for (size_t i = 0; i < ops.size(); ++i) {
     posted[i].op = ops[i];
     posted[i].owner = self;
@@ -91,9 +95,10 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     int src = ops[i].send ? self : ops[i].peer, dst = ops[i].send ? ops[i].peer : self;
     Channel &c = channels[size_t(src) * size_t(numThreads) + size_t(dst)];
     (ops[i].send ? c.sends : c.recvs).push_back(&posted[i]);
-    matchLocked(c);
+    matched |= matchLocked(c);
   }
-  cv.notify_all();
+  if (matched) // (a failure wakes everyone where it is set)
+    cv.notify_all();
   auto allDone = [&] {
     return std::all_of(all.begin(), all.end(),
                        [](const Posted &p) { return p.done.load(std::memory_order_acquire); });
@@ -102,6 +107,11 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   lock.unlock();
   for (int spin = 0; spin < 4000 && !allDone() && !failed.load(); ++spin)
     std::this_thread::yield();
+  // Every op met its partner and nothing failed: done, without taking the lock again (our ops
+  // left the channels before their `done` was set; a failure after this point is the next
+  // post's to report, as if we had looked a moment earlier).
+  if (allDone() && !failed.load())
+    return llvm::Error::success();
   lock.lock();
   cv.wait(lock, [&] { return !failure.empty() || allDone(); });
   if (!failure.empty()) {

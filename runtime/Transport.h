@@ -119,7 +119,8 @@ private:
     std::vector<TensorView> buffers;
   };
 
-  void matchLocked(Channel &c);
+  /// Matches what `c` can; true when it completed any pair.
+  bool matchLocked(Channel &c);
 
   int numThreads;
   std::function<std::string(int, size_t)> where;

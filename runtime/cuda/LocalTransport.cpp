@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace pipec {
 
 namespace {
@@ -32,12 +34,11 @@ size_t groupIndex(CollectiveGroup g) {
 struct LocalCudaTransport::PerThread {
   cudaStream_t compute = nullptr;
   std::function<llvm::Error()> pendingError;
-  OwnedStream copy;               // p2p copies into this thread's buffers
-  OwnedStream collective[3];      // tp, dp, embedding
-  OwnedEvent ready;               // compute stream at the post of a group or an all-reduce
-  OwnedEvent mark;                // scratch for order()
-  OwnedEvent arrive[3], done[3];  // per collective kind
-  std::vector<OwnedEvent> opDone; // per op of a group
+  OwnedStream collective[3];     // tp, dp, embedding
+  OwnedEvent ready;              // compute stream at the post of a sending group or an all-reduce
+  OwnedEvent copied;             // after a copy into this thread's buffer (under the lock only)
+  OwnedEvent mark;               // scratch for order()
+  OwnedEvent arrive[3], done[3]; // per collective kind
 };
 
 LocalCudaTransport::LocalCudaTransport(const Plan &plan, int numThreads)
@@ -49,15 +50,6 @@ LocalCudaTransport::LocalCudaTransport(const Plan &plan, int numThreads)
           },
           this) {
   threads.resize(size_t(numThreads));
-  for (const auto &stream : plan.ranks)
-    for (size_t n = 0; n < stream.size();) {
-      size_t end = n + 1;
-      if (stream[n].isP2P() && stream[n].group != kNoGroup)
-        while (end < stream.size() && stream[end].isP2P() && stream[end].group == stream[n].group)
-          ++end;
-      maxGroup = std::max(maxGroup, end - n);
-      n = end;
-    }
 }
 
 LocalCudaTransport::~LocalCudaTransport() = default;
@@ -67,12 +59,10 @@ llvm::Error LocalCudaTransport::attach(int thread, cudaStream_t compute,
   auto t = std::make_unique<PerThread>();
   t->compute = compute;
   t->pendingError = std::move(pendingError);
-  if (auto err = t->copy.create())
-    return err;
   for (OwnedStream &s : t->collective)
     if (auto err = s.create())
       return err;
-  for (OwnedEvent *e : {&t->ready, &t->mark})
+  for (OwnedEvent *e : {&t->ready, &t->copied, &t->mark})
     if (auto err = e->create())
       return err;
   for (size_t g = 0; g < 3; ++g) {
@@ -81,41 +71,43 @@ llvm::Error LocalCudaTransport::attach(int thread, cudaStream_t compute,
     if (auto err = t->done[g].create())
       return err;
   }
-  // Every op of the largest group gets its event now: deliver() reads them under the
-  // transport's lock from other threads.
-  t->opDone = std::vector<OwnedEvent>(maxGroup);
-  for (OwnedEvent &e : t->opDone)
-    if (auto err = e.create())
-      return err;
   threads[size_t(thread)] = std::move(t);
   return llvm::Error::success();
 }
+
+/// A send that moves bytes (a dropped send is never delivered; an empty one moves nothing).
+static bool movesData(const P2POp &op) { return op.send && !op.drop && !op.data.empty(); }
 
 llvm::Error LocalCudaTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   PerThread &t = *threads[size_t(self)];
   if (auto err = t.pendingError())
     return err;
-  assert(ops.size() <= t.opDone.size() && "a group larger than the plan's largest");
-  PIPEC_CUDA_TRY(cudaEventRecord(t.ready.get(), t.compute));
-  if (auto err = inProcess.exchange(self, ops))
-    return err;
-  for (size_t k = 0; k < ops.size(); ++k)
-    if (!(ops[k].send && ops[k].drop)) // a dropped send was never delivered
-      PIPEC_CUDA_TRY(cudaStreamWaitEvent(t.compute, t.opDone[k].get(), 0));
-  return llvm::Error::success();
+  // Only a send's copy waits for `ready`; its receiver and the copies into this thread's buffers
+  // are ordered by this compute stream itself.
+  if (std::any_of(ops.begin(), ops.end(), movesData))
+    PIPEC_CUDA_TRY(cudaEventRecord(t.ready.get(), t.compute));
+  // Every wait the group needs is queued by deliver() as its pairs match; nothing is left to
+  // queue here.
+  return inProcess.exchange(self, ops);
 }
 
-llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r,
-                                        int rOwner, size_t rIndex) {
+llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t, const P2POp &r,
+                                        int rOwner, size_t) {
+  if (!movesData(s))
+    return llvm::Error::success();
+  // Both owners are blocked in exchange() with these ops pending (or one of them is this thread,
+  // inside it), so neither queues anything on its compute stream meanwhile: what is queued here
+  // sits exactly where the group is in each stream. The sender's `ready` is this group's record
+  // (it re-records only after its exchange returns); `copied` is recorded and waited for under
+  // the transport's lock, which every deliver() holds.
   PerThread &sender = *threads[size_t(sOwner)], &receiver = *threads[size_t(rOwner)];
-  cudaStream_t stream = receiver.copy.get();
-  PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, sender.ready.get(), 0));
-  PIPEC_CUDA_TRY(cudaStreamWaitEvent(stream, receiver.ready.get(), 0));
-  if (!s.data.empty())
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data, s.data.data, s.data.bytes(),
-                                   cudaMemcpyDeviceToDevice, stream));
-  PIPEC_CUDA_TRY(cudaEventRecord(sender.opDone[sIndex].get(), stream));
-  PIPEC_CUDA_TRY(cudaEventRecord(receiver.opDone[rIndex].get(), stream));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(receiver.compute, sender.ready.get(), 0));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data, s.data.data, s.data.bytes(), cudaMemcpyDeviceToDevice,
+                                 receiver.compute));
+  if (sOwner == rOwner) // (a thread's message to itself: its own stream orders the copy)
+    return llvm::Error::success();
+  PIPEC_CUDA_TRY(cudaEventRecord(receiver.copied.get(), receiver.compute));
+  PIPEC_CUDA_TRY(cudaStreamWaitEvent(sender.compute, receiver.copied.get(), 0));
   return llvm::Error::success();
 }
 

@@ -5,11 +5,16 @@
 // complete only when every op met its partner, mismatches named), but the data never leaves
 // the device and the host never waits for it:
 //
-//   p2p         each thread records `ready` on its compute stream before it posts a group; a
-//               matched pair is one cudaMemcpyAsync (device to device) on the receiver's copy
-//               stream, after both threads' `ready`, and records a per-op event of each side;
-//               when its group is matched, each thread's compute stream waits for its ops'
-//               events (the receiver before it reads, the sender before it reuses the buffer).
+//   p2p         a thread whose group sends anything records `ready` on its compute stream
+//               before it posts the group; a matched pair is one cudaMemcpyAsync (device to
+//               device) queued on the receiver's compute stream after a wait for the sender's
+//               `ready` (the receiver, blocked in its own exchange, queues nothing meanwhile, so
+//               the copy lands before anything it queues later reads the buffer), then the
+//               receiver's `copied` event, which the sender's compute stream waits for before it
+//               reuses the buffer; both waits are queued under the transport's lock right after
+//               their records, so no later record of either event can be taken by mistake.
+//               Five CUDA calls per pair: record ready (once per group), wait, copy, record,
+//               wait; none for an empty message.
 //   all-reduce  per thread a tp, a dp and an embedding stream, as the nccl transport: a member
 //               orders its stream after its compute stream (and the dp and embedding ones after
 //               each other: both touch the tied matrix's gradient) and records `arrive`; the member
@@ -67,7 +72,6 @@ private:
 
   struct PerThread;
   std::vector<std::unique_ptr<PerThread>> threads;
-  size_t maxGroup = 1;
   InProcessTransport inProcess;
 };
 
