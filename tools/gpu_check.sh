@@ -141,18 +141,15 @@ for spec in cuda_kernel_test:120 cuda_runtime_test:120 nccl_runtime_test:60; do
   fi
 done
 
-# Bring-up aid: when the kernel test fails on attention, which reading of the Hopper forward's
-# descriptors (Attention.cu, PIPEC_WGMMA_SWAP) passes it, and whether the mma.sync forward does.
-if grep -q '^\[  FAILED  \] .*Attention' "$out/cuda_kernel_test.log" 2>/dev/null; then
-  for variant in PIPEC_WGMMA_SWAP=k PIPEC_WGMMA_SWAP=v PIPEC_WGMMA_SWAP=kv PIPEC_ATTENTION_WGMMA=0; do
-    fits 30 "attention variant $variant" bench || break
-    if env "$variant" timeout 30 "$bin/cuda_kernel_test" --gtest_filter='*Attention*' \
-        >"$out/attention-$variant.log" 2>&1; then
-      say "attention tests with $variant: passed"
-    else
-      say "attention tests with $variant: failed ($(grep -c '^\[  FAILED  \] [A-Z]' "$out/attention-$variant.log") failures)"
-    fi
-  done
+# When the kernel test fails on attention: does it pass with the Hopper (wgmma) forward off?
+if grep -q '^\[  FAILED  \] .*Attention' "$out/cuda_kernel_test.log" 2>/dev/null &&
+  fits 30 "attention tests without wgmma" bench; then
+  if PIPEC_ATTENTION_WGMMA=0 timeout 30 "$bin/cuda_kernel_test" --gtest_filter='*Attention*' \
+    >"$out/attention-no-wgmma.log" 2>&1; then
+    say "attention tests with PIPEC_ATTENTION_WGMMA=0: passed (the wgmma forward fails them)"
+  else
+    say "attention tests with PIPEC_ATTENTION_WGMMA=0: failed too"
+  fi
 fi
 
 # The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
