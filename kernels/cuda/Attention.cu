@@ -650,37 +650,37 @@ __global__ void __launch_bounds__(tc::kThreads)
 // Without it, S, softmax and P V of a tile follow one another, over two buffers. The kernel
 // benchmark measures every variant; attentionForward runs kWgmmaDefault.
 //
-// The K and V tiles are stored as core matrices (8 rows of 16 bytes, 128 contiguous bytes; the
-// descriptors have no swizzle): element (r, c) of a tile at
-//   ((r / 8) (HD / 8) + c / 8) 64 + (r % 8) 8 + c % 8,
-// so K is B's K-major layout for S (k = head dim: the next core matrix along k is 128 bytes on,
-// along n = keys an 8-row group of HD / 8 core matrices on) and V is B's MN-major layout for
-// P V (k = keys: a group on; n = head dim: 128 bytes on). Eight threads copy one core matrix, so
-// a warp's cp.async stores fill 512 contiguous bytes and its loads read 64 bytes of each of 8
-// rows. The tiles are written through the generic proxy (cp.async, zero stores) and read by
-// wgmma through the async proxy: every thread fences the proxies after its copies land, before
-// the barrier that hands the tile over. Blocks take their query blocks heaviest (last) first. The
-// causal mask is applied only on tiles that reach past the warpgroup's first row.
+// The K and V tiles are stored in wgmma's 128-byte swizzled layout: a tile of 64 rows is HD / 64
+// column blocks of 64 rows x 128 bytes (64 head dims), row r of a block 128 bytes on, and its
+// 16-byte chunk c (dims [8 c, 8 c + 8) of the block) at chunk c ^ (r % 8) of the row; the
+// buffers are 1024-byte aligned (the swizzle's atom). The same bytes are B's K-major layout for
+// S (n = keys: 8 rows are 1024 bytes; a k-step of 16 dims starts 32 bytes on in its block) and
+// its MN-major layout for P V (k = keys: 8 rows 1024 bytes on; n = dims: the next block of 64
+// is 64 x 128 bytes on). Eight threads copy a row's 128 bytes of a block, into 128 contiguous
+// bytes of shared memory: whole sectors read, no bank conflicts written. The tiles are written
+// through the generic proxy (cp.async, zero stores) and read by wgmma through the async proxy:
+// every thread fences the proxies after its copies land, before the barrier that hands the tile
+// over. Blocks take their query blocks heaviest (last) first. The causal mask is applied only on
+// tiles that reach past the warpgroup's first row.
 
 namespace wg {
 constexpr int kBlockKeys = 64;
 
-/// The K/V buffers (64 rows of HD each, K then V) of a variant.
+/// The K/V buffers (64 rows of HD each, K then V) of a variant, and 1024 bytes to align them.
 constexpr int stages(bool overlap) { return overlap ? 3 : 2; }
 constexpr size_t sharedBytes(int hd, bool overlap) {
-  return sizeof(bf16) * size_t(2 * stages(overlap) * kBlockKeys) * hd;
+  return sizeof(bf16) * size_t(2 * stages(overlap) * kBlockKeys) * hd + 1024;
 }
 
-/// Rows [row0, row0 + 64) of a head into a core-matrix tile (zeros from row `rows` on), by
+/// Rows [row0, row0 + 64) of a head into a swizzled tile (zeros from row `rows` on), by
 /// cp.async; every one of the block's `threads` threads calls it.
 template <int HD, typename RowOffset>
 __device__ void loadTileAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0,
                               int rows, int threads, RowOffset rowOffset) {
-  constexpr int kChunks = HD / 8; // 16-byte chunks of a row: the core-matrix columns
+  constexpr int kChunks = HD / 8; // 16-byte chunks of a row
   for (int idx = threadIdx.x; idx < kBlockKeys * kChunks; idx += threads) {
-    const int inGroup = idx % 8, chunk = idx / 8 % kChunks, group = idx / (8 * kChunks);
-    const int row = row0 + group * 8 + inGroup;
-    bf16 *to = tile + (group * kChunks + chunk) * 64 + inGroup * 8;
+    const int r = idx / kChunks, chunk = idx % kChunks, row = row0 + r;
+    bf16 *to = tile + (chunk / 8) * (kBlockKeys * 64) + r * 64 + ((chunk % 8) ^ (r % 8)) * 8;
     if (row < rows)
       cpAsync16(to, src + rowOffset(row) + chunk * 8);
     else
@@ -701,18 +701,20 @@ __device__ __forceinline__ float exp2Fast(float x) {
 } // namespace wg
 
 // out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
-// 16-byte aligned. grid (ceil(x / (64 Groups)), B*H), block 128 Groups; HD in {16, 32, 64, 128}.
+// 16-byte aligned. grid (ceil(x / (64 Groups)), B*H), block 128 Groups; HD 64 or 128.
 template <int HD, int Groups, bool Overlap>
 __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     forwardWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
                        const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
                        float scaleLog2) {
-  static_assert(HD == 16 || HD == 32 || HD == 64 || HD == 128, "wgmma's n for P V");
+  static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows; wgmma's n for P V");
   constexpr int kThreads = Groups * 128, kBlockQueries = Groups * 64;
   constexpr int kStages = wg::stages(Overlap), kTile = wg::kBlockKeys * HD;
-  constexpr uint32_t kCoreBytes = 128, kGroupBytes = HD / 8 * kCoreBytes;
+  constexpr uint32_t kAtomBytes = 1024, kBlockBytes = wg::kBlockKeys * 128; // 8 rows; 64 dims
   PIPEC_DYNAMIC_SHARED(float, smem);
-  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem); // stage i: K at 2 i kTile, V kTile on
+  // Stage i: K at 2 i kTile, V kTile on; aligned to the swizzle's atom.
+  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem) +
+                (kAtomBytes - sharedAddress(smem) % kAtomBytes) % kAtomBytes / sizeof(bf16);
   const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -752,26 +754,30 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     o[i] = 0.0f;
   // Running row maxima of the scores times scaleLog2, and row sums of 2^(that - max).
   float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
-  float sc[wg::kBlockKeys / 2]; // the tile's scores, then its probabilities
+  float sc[wg::kBlockKeys / 2];        // the tile's scores, then its probabilities
   uint32_t pf[wg::kBlockKeys / 16][4]; // P of the last scored tile, as P V's A fragments
 
   auto issueScores = [&](const bf16 *ks) {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
       wgmmaBf16<wg::kBlockKeys, false>(
-          sc, qf[kk], wgmmaDescriptor(ks + kk * 16 * 8, kCoreBytes, kGroupBytes), kk > 0);
+          sc, qf[kk],
+          wgmmaDescriptor(ks + kk / 4 * (kBlockBytes / 2) + kk % 4 * 16, 16, kAtomBytes,
+                          WgmmaLayout::Swizzle128),
+          kk > 0);
     wgmmaCommit();
   };
   auto issueValues = [&](const bf16 *vs) {
 #pragma unroll
     for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
       wgmmaBf16<HD, true>(o, pf[ks2],
-                          wgmmaDescriptor(vs + ks2 * 2 * (HD / 8) * 64, kGroupBytes, kCoreBytes),
+                          wgmmaDescriptor(vs + ks2 * (2 * kAtomBytes / 2), kBlockBytes, kAtomBytes,
+                                          WgmmaLayout::Swizzle128),
                           true);
     wgmmaCommit();
   };
   // The online softmax of the scores of the tile at key j0: returns the rescaling of O.
-  auto softmax = [&](int j0, float (&correction)[2]) {
+  auto softmax = [&](int j0, float(&correction)[2]) {
     const bool masked = j0 + wg::kBlockKeys - 1 > groupFirstPos;
     float tileMax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -802,7 +808,7 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   };
   // O *= correction, and P's A fragments of k-step ks (keys [16 ks, 16 ks + 16)): the score
   // accumulators of n-tiles 2 ks and 2 ks + 1.
-  auto rescaleAndPack = [&](const float (&correction)[2]) {
+  auto rescaleAndPack = [&](const float(&correction)[2]) {
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i)
       o[i] *= correction[(i >> 1) & 1];
@@ -817,9 +823,9 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   // between threads (ptxas serializes those): a warpgroup's rows that precede a tile have all its
   // keys masked (the tile adds nothing), and rows past the slice compute on zero queries.
   auto landed = [&](int it) { // tile it in shared memory for wgmma; tile it + 1 loading
-    cpAsyncWait<0>();        // this thread's copies have landed
-    fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
-    __syncthreads();         // every thread's; the buffer loaded next is read no more
+    cpAsyncWait<0>();         // this thread's copies have landed
+    fenceProxyAsyncShared();  // ... and are visible to wgmma after the barrier
+    __syncthreads();          // every thread's; the buffer loaded next is read no more
     if (it + 1 < tiles)
       loadTile(it + 1);
   };
@@ -1139,8 +1145,8 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int HD, int Groups, bool Overlap>
-cudaError_t launchWgmmaVariant(bf16 *out, float *lse, const bf16 *q, const bf16 *k,
-                               const bf16 *v, const Dims &s, cudaStream_t stream) {
+cudaError_t launchWgmmaVariant(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
+                               const Dims &s, cudaStream_t stream) {
   const dim3 grid(ceilDiv(s.queries, 64 * Groups), unsigned(s.batch * s.heads));
   const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
   const size_t smem = wg::sharedBytes(HD, Overlap);
@@ -1258,8 +1264,8 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
 bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
                                std::initializer_list<const void *> tensors) {
   const int hd = s.headDim;
-  return (hd == 16 || hd == 32 || hd == 64 || hd == 128) &&
-         attentionUsesTensorCores(dtype, s, tensors) && wgmmaSwitchedOn() && hopperDevice();
+  return (hd == 64 || hd == 128) && attentionUsesTensorCores(dtype, s, tensors) &&
+         wgmmaSwitchedOn() && hopperDevice();
 }
 
 void setAttentionWgmma(bool enabled) {
@@ -1298,10 +1304,6 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
     auto *qb = static_cast<const bf16 *>(q), *kb = static_cast<const bf16 *>(k),
          *vb = static_cast<const bf16 *>(v);
     switch (s.headDim) {
-    case 16:
-      return launchWgmmaForward<16>(o, lse, qb, kb, vb, s, stream);
-    case 32:
-      return launchWgmmaForward<32>(o, lse, qb, kb, vb, s, stream);
     case 64:
       return launchWgmmaForward<64>(o, lse, qb, kb, vb, s, stream);
     case 128:

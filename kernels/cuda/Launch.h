@@ -73,7 +73,7 @@ struct AttentionDims {
 bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors);
 /// Whether attentionForward runs the Hopper kernel (wgmma, sm_90a) rather than the mma.sync one:
-/// attentionUsesTensorCores, a head dimension of 16, 32, 64 or 128, a current device of
+/// attentionUsesTensorCores, a head dimension of 64 or 128, a current device of
 /// compute capability 9.x (always on the kernel emulator), and not switched off by
 /// setAttentionWgmma(false) or PIPEC_ATTENTION_WGMMA=0 in the environment.
 bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,

@@ -13,9 +13,9 @@
 // Fragment layouts (per warp w of the warpgroup: rows [16 w, 16 w + 16) of the 64) are those of
 // mma.m16n8k16 (Device.cuh's mmaBf16): a[r] holds row g + 8 (r & 1), columns 2 t + 8 (r >> 1)
 // + {0, 1}; d[4 j + e] is row g + 8 (e >> 1), column 8 j + 2 t + (e & 1) (g = lane / 4,
-// t = lane % 4). B (16 x N) is K-major (each of its N columns 16 contiguous-by-core-matrix k
-// values; TransposeB false) or MN-major (TransposeB true); wgmmaDescriptor builds its
-// descriptor. On the kernel emulator (kernels/cuda/emu) the same calls compute at once.
+// t = lane % 4). B (16 x N) is K-major (each of its N columns holds its k values together;
+// TransposeB false) or MN-major (TransposeB true); wgmmaDescriptor builds its descriptor. On the
+// kernel emulator (kernels/cuda/emu) the same calls compute at once.
 //
 // Only for code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere (the compute_90 PTX
 // that newer GPUs JIT) each call traps, so a caller must choose these kernels only on a
@@ -44,14 +44,21 @@ __device__ __forceinline__ uint32_t sharedAddress(const void *p) {
 #endif
 }
 
-/// A matrix descriptor without swizzle for the operand whose first core matrix (8 rows of 16
-/// bytes, 128 contiguous bytes) starts at `tile`: `leadingBytes` from one core matrix to the next
-/// along k, `strideBytes` to the next along m or n (both multiples of 16 below 256 KiB).
+/// The shared-memory layouts a descriptor can name (the PTX ISA's "swizzling modes"): none
+/// (core matrices of 8 rows of 16 bytes, each 128 contiguous bytes) or 128-byte (rows of 128
+/// bytes in 1024-byte atoms of 8 rows, the 16-byte chunk c of row r stored at chunk c ^ (r % 8)
+/// of its row; atoms 1024-byte aligned).
+enum class WgmmaLayout : uint64_t { Interleave = 0, Swizzle128 = 1 };
+
+/// A matrix descriptor for the operand whose canonical layout starts at `tile`: `leadingBytes`
+/// and `strideBytes` are the PTX ISA's leading and stride dimension byte offsets for that layout
+/// (both multiples of 16 below 256 KiB).
 __device__ __forceinline__ uint64_t wgmmaDescriptor(const void *tile, uint32_t leadingBytes,
-                                                    uint32_t strideBytes) {
+                                                    uint32_t strideBytes,
+                                                    WgmmaLayout layout = WgmmaLayout::Interleave) {
   return uint64_t((sharedAddress(tile) & 0x3ffffu) >> 4) |
          uint64_t((leadingBytes & 0x3ffffu) >> 4) << 16 |
-         uint64_t((strideBytes & 0x3ffffu) >> 4) << 32;
+         uint64_t((strideBytes & 0x3ffffu) >> 4) << 32 | uint64_t(layout) << 62;
 }
 
 /// Registers written before it are ready for the wgmma instructions after it.

@@ -545,21 +545,39 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
   slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
   wait(State::AtWarpBarrier);
   // The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
-  // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51 and
-  // the swizzle mode bits 62-63 must be 0 here (no swizzle). Without swizzle an operand is made
-  // of core matrices of 8 rows of 16 bytes (128 contiguous bytes): K-major, a core matrix holds
-  // 8 rows (n) of 8 k-values, the leading offset steps along k (to the second 8 of the 16) and
-  // the stride offset along n (to the next 8 rows); MN-major, it holds 8 k-rows of 8 n-values,
-  // the leading offset steps along k and the stride offset along n.
+  // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51
+  // (must be 0 here) and the swizzle mode bits 62-63 (0 none, 1 128-byte; the others are not
+  // emulated). The canonical layouts (CUTLASS's cute/atom/mma_traits_sm90_gmma.hpp spells
+  // them out), for 16-bit values:
+  //   no swizzle, K-major:   core matrices of 8 rows (n) of 8 k-values, 128 contiguous bytes;
+  //                          the leading offset steps k by 8, the stride offset n by 8;
+  //   no swizzle, MN-major:  core matrices of 8 k-rows of 8 n-values; leading steps k by 8,
+  //                          stride n by 8;
+  //   128-byte, K-major:     rows (n) of 128 bytes, 8 to an atom; the stride offset steps n by
+  //                          8 (the leading one is unused: a k-step of 16 stays in a row);
+  //   128-byte, MN-major:    k-rows of 64 n-values (128 bytes), 8 to an atom; the stride offset
+  //                          steps k by 8, the leading one n by 64;
+  // and in 128-byte mode the byte address then has its bits 4-6 XORed with its bits 7-9.
   const size_t start = size_t(b & 0x3fff) << 4, leading = size_t(b >> 16 & 0x3fff) << 4;
   const size_t stride = size_t(b >> 32 & 0x3fff) << 4;
-  if ((b >> 49 & 7) != 0 || (b >> 62) != 0)
-    fatal("wgmma: only descriptors without swizzle or base offset are emulated");
+  const uint64_t mode = b >> 62;
+  if ((b >> 49 & 7) != 0 || mode > 1)
+    fatal("wgmma: only descriptors without swizzle or with the 128-byte one, and without base "
+          "offset, are emulated");
   auto bAt = [&](int k, int col) {
-    const size_t offset = transposeB ? start + size_t(col / 8) * stride + size_t(col % 8) * 2 +
-                                           size_t(k / 8) * leading + size_t(k % 8) * 16
-                                     : start + size_t(col / 8) * stride + size_t(col % 8) * 16 +
-                                           size_t(k / 8) * leading + size_t(k % 8) * 2;
+    size_t offset;
+    if (mode == 0)
+      offset = transposeB ? start + size_t(col / 8) * stride + size_t(col % 8) * 2 +
+                                size_t(k / 8) * leading + size_t(k % 8) * 16
+                          : start + size_t(col / 8) * stride + size_t(col % 8) * 16 +
+                                size_t(k / 8) * leading + size_t(k % 8) * 2;
+    else
+      offset = transposeB
+                   ? start + size_t(col / 64) * leading + size_t(col % 64) * 2 +
+                         size_t(k / 8) * stride + size_t(k % 8) * 128
+                   : start + size_t(col / 8) * stride + size_t(col % 8) * 128 + size_t(k) * 2;
+    if (mode == 1)
+      offset ^= (offset >> 7 & 7) << 4;
     if (offset + 2 > g.shared.size())
       fatal("wgmma: B reaches past the block's dynamic shared memory");
     uint16_t bits;
