@@ -666,23 +666,30 @@ __global__ void __launch_bounds__(tc::kThreads)
 namespace wg {
 constexpr int kBlockKeys = 64;
 
-/// The K/V buffers (64 rows of HD each, K then V) of a variant, and 1024 bytes to align them.
-constexpr int stages(bool overlap) { return overlap ? 3 : 2; }
-constexpr size_t sharedBytes(int hd, bool overlap) {
-  return sizeof(bf16) * size_t(2 * stages(overlap) * kBlockKeys) * hd + 1024;
+/// The K/V buffers (64 rows of HD each, K then V) of a variant, 1024 bytes to align them, and
+/// with the handoff two mbarriers a buffer.
+constexpr int stages(bool overlap, bool handoff) { return handoff ? 4 : overlap ? 3 : 2; }
+constexpr int kBarrierBytes = 64;
+constexpr size_t sharedBytes(int hd, bool overlap, bool handoff) {
+  return sizeof(bf16) * size_t(2 * stages(overlap, handoff) * kBlockKeys) * hd + 1024 +
+         (handoff ? kBarrierBytes : 0);
 }
 
 /// Rows [row0, row0 + 64) of a head into a swizzled tile (zeros from row `rows` on), by
-/// cp.async; every one of the block's `threads` threads calls it.
-template <int HD, typename RowOffset>
+/// cp.async; each of `threads` loading threads calls it, `first` its index among them. The
+/// zeros are stored at once, or (`ZeroByCopy`) written by cp.async too, so that an mbarrier
+/// that tracks the copies covers them.
+template <int HD, bool ZeroByCopy, typename RowOffset>
 __device__ void loadTileAsync(bf16 *__restrict__ tile, const bf16 *__restrict__ src, int row0,
-                              int rows, int threads, RowOffset rowOffset) {
+                              int rows, int first, int threads, RowOffset rowOffset) {
   constexpr int kChunks = HD / 8; // 16-byte chunks of a row
-  for (int idx = threadIdx.x; idx < kBlockKeys * kChunks; idx += threads) {
+  for (int idx = first; idx < kBlockKeys * kChunks; idx += threads) {
     const int r = idx / kChunks, chunk = idx % kChunks, row = row0 + r;
     bf16 *to = tile + (chunk / 8) * (kBlockKeys * 64) + r * 64 + ((chunk % 8) ^ (r % 8)) * 8;
     if (row < rows)
       cpAsync16(to, src + rowOffset(row) + chunk * 8);
+    else if constexpr (ZeroByCopy)
+      cpAsync16Zero(to, src);
     else
       *reinterpret_cast<uint4 *>(to) = make_uint4(0, 0, 0, 0);
   }
@@ -702,30 +709,52 @@ __device__ __forceinline__ float exp2Fast(float x) {
 
 // out (B, x, H*hd) bf16, lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd), all bf16,
 // 16-byte aligned. grid (ceil(x / (64 Groups)), B*H), block 128 Groups; HD 64 or 128.
-template <int HD, int Groups, bool Overlap>
+//
+// With `Handoff` (and `Overlap`), tiles change hands through mbarriers instead of a block-wide
+// barrier: four buffers, tile i + 2 loading while tile i is scored and tile i - 1's V is read;
+// every thread copies its share of a tile and its copies' completion arrives on the buffer's
+// `full` mbarrier, which every thread waits for before the tile's products; after its P V of a
+// tile, every thread arrives on the buffer's `empty` mbarrier, which a thread waits for before it
+// copies into that buffer again. A warpgroup can so run up to a tile ahead of the other, and
+// one's softmax overlaps the other's products.
+template <int HD, int Groups, bool Overlap, bool Handoff>
 __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     forwardWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
                        const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
                        float scaleLog2) {
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows; wgmma's n for P V");
+  static_assert(!Handoff || Overlap, "the handoff feeds the overlapped loop");
   constexpr int kThreads = Groups * 128, kBlockQueries = Groups * 64;
-  constexpr int kStages = wg::stages(Overlap), kTile = wg::kBlockKeys * HD;
+  constexpr int kStages = wg::stages(Overlap, Handoff), kTile = wg::kBlockKeys * HD;
+  constexpr int kAhead = Handoff ? 2 : 1; // tiles loading ahead of the one scored
   constexpr uint32_t kAtomBytes = 1024, kBlockBytes = wg::kBlockKeys * 128; // 8 rows; 64 dims
   PIPEC_DYNAMIC_SHARED(float, smem);
+  // With the handoff: buffer i's `full` and `empty` mbarriers first.
+  uint64_t *full = reinterpret_cast<uint64_t *>(smem), *empty = full + kStages;
+  static_assert(2 * kStages * sizeof(uint64_t) <= wg::kBarrierBytes, "room for the mbarriers");
+  char *buffers = reinterpret_cast<char *>(smem) + (Handoff ? wg::kBarrierBytes : 0);
   // Stage i: K at 2 i kTile, V kTile on; aligned to the swizzle's atom.
-  bf16 *kvBuf = reinterpret_cast<bf16 *>(smem) +
-                (kAtomBytes - sharedAddress(smem) % kAtomBytes) % kAtomBytes / sizeof(bf16);
+  bf16 *kvBuf = reinterpret_cast<bf16 *>(
+      buffers + (kAtomBytes - sharedAddress(buffers) % kAtomBytes) % kAtomBytes);
   const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
   const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * kBlockQueries;
   const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
   auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+  // This thread's share of tile `tile`'s copies (a cp.async group; with the handoff, tracked by
+  // the buffer's `full` mbarrier).
   auto loadTile = [&](int tile) {
-    bf16 *to = kvBuf + (tile % kStages) * 2 * kTile;
-    wg::loadTileAsync<HD>(to, k, tile * wg::kBlockKeys, s.keys(), kThreads, keyRow);
-    wg::loadTileAsync<HD>(to + kTile, v, tile * wg::kBlockKeys, s.keys(), kThreads, keyRow);
-    cpAsyncCommit();
+    const int stage = tile % kStages;
+    bf16 *to = kvBuf + stage * 2 * kTile;
+    wg::loadTileAsync<HD, Handoff>(to, k, tile * wg::kBlockKeys, s.keys(), threadIdx.x, kThreads,
+                                   keyRow);
+    wg::loadTileAsync<HD, Handoff>(to + kTile, v, tile * wg::kBlockKeys, s.keys(), threadIdx.x,
+                                   kThreads, keyRow);
+    if constexpr (Handoff)
+      cpAsyncMbarrierArrive(&full[stage]);
+    else
+      cpAsyncCommit();
   };
 
   // The block's tiles cover keys [0, lastPos].
@@ -733,8 +762,19 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   const int tiles = lastPos / wg::kBlockKeys + 1;
   const int groupFirstPos = s.begin + groupRow0;
 
-  // Start the first K/V tile, then read Q's A fragments (rows r0 + g, r0 + g + 8) meanwhile.
-  loadTile(0);
+  if constexpr (Handoff) {
+    if (threadIdx.x == 0)
+      for (int i = 0; i < kStages; ++i) {
+        mbarrierInit(&full[i], kThreads);  // every thread, as its copies land
+        mbarrierInit(&empty[i], kThreads); // every thread, done with the buffer
+      }
+    __syncthreads();
+  }
+  // The first tiles load while Q's fragments are read.
+  for (int t = 0; t < kAhead && t < tiles; ++t)
+    loadTile(t);
+
+  // Q's A fragments (rows r0 + g, r0 + g + 8).
   uint32_t qf[HD / 16][4];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -822,12 +862,23 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   // Every warpgroup runs every tile of the block, so no wgmma sits on a path that differs
   // between threads (ptxas serializes those): a warpgroup's rows that precede a tile have all its
   // keys masked (the tile adds nothing), and rows past the slice compute on zero queries.
-  auto landed = [&](int it) { // tile it in shared memory for wgmma; tile it + 1 loading
-    cpAsyncWait<0>();         // this thread's copies have landed
-    fenceProxyAsyncShared();  // ... and are visible to wgmma after the barrier
-    __syncthreads();          // every thread's; the buffer loaded next is read no more
-    if (it + 1 < tiles)
-      loadTile(it + 1);
+  auto landed = [&](int it) { // tile it in shared memory for wgmma; tile it + kAhead loading
+    if constexpr (Handoff) {
+      mbarrierWait(&full[it % kStages], (it / kStages) & 1); // every thread's copies landed
+      fenceProxyAsyncShared(); // ... and the generic proxy's writes are seen by wgmma
+      const int next = it + kAhead;
+      if (next < tiles) {
+        if (next >= kStages) // its buffer's last tile, next - kStages, is read no more
+          mbarrierWait(&empty[next % kStages], (next / kStages - 1) & 1);
+        loadTile(next);
+      }
+    } else {
+      cpAsyncWait<0>();        // this thread's copies have landed
+      fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
+      __syncthreads();         // every thread's; the buffer loaded next is read no more
+      if (it + 1 < tiles)
+        loadTile(it + 1);
+    }
   };
   auto buffer = [&](int it) { return kvBuf + (it % kStages) * 2 * kTile; };
   float correction[2];
@@ -851,6 +902,8 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
       softmax(it * wg::kBlockKeys, correction);
       wgmmaWait<0>();
       wgmmaFenceRegisters(o);
+      if constexpr (Handoff)
+        mbarrierArrive(&empty[(it - 1) % kStages]); // tile it - 1 is read no more
       rescaleAndPack(correction);
     }
     wgmmaFence();
@@ -1144,14 +1197,14 @@ cudaError_t launchTensorCoreForward(bf16 *out, float *lse, const bf16 *q, const 
 
 bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <int HD, int Groups, bool Overlap>
+template <int HD, int Groups, bool Overlap, bool Handoff = false>
 cudaError_t launchWgmmaVariant(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
                                const Dims &s, cudaStream_t stream) {
   const dim3 grid(ceilDiv(s.queries, 64 * Groups), unsigned(s.batch * s.heads));
   const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
-  const size_t smem = wg::sharedBytes(HD, Overlap);
-  return launchWithSmem(forwardWgmmaKernel<HD, Groups, Overlap>, grid, Groups * 128, smem, smem,
-                        stream, out, lse, q, k, v, s, scaleLog2);
+  const size_t smem = wg::sharedBytes(HD, Overlap, Handoff);
+  return launchWithSmem(forwardWgmmaKernel<HD, Groups, Overlap, Handoff>, grid, Groups * 128, smem,
+                        smem, stream, out, lse, q, k, v, s, scaleLog2);
 }
 
 /// The variant attentionForward runs (launch::setAttentionWgmmaVariant changes it).
@@ -1167,8 +1220,10 @@ cudaError_t launchWgmmaForward(bf16 *out, float *lse, const bf16 *q, const bf16 
     return launchWgmmaVariant<HD, 2, false>(out, lse, q, k, v, s, stream);
   case 2:
     return launchWgmmaVariant<HD, 1, true>(out, lse, q, k, v, s, stream);
-  default:
+  case 3:
     return launchWgmmaVariant<HD, 2, true>(out, lse, q, k, v, s, stream);
+  default:
+    return launchWgmmaVariant<HD, 2, true, true>(out, lse, q, k, v, s, stream);
   }
 }
 
@@ -1282,6 +1337,8 @@ const char *wgmmaVariantName(int variant) {
     return "1 warpgroup, overlapped";
   case 3:
     return "2 warpgroups, overlapped";
+  case 4:
+    return "2 warpgroups, overlapped, mbarrier handoff";
   }
   return nullptr;
 }

@@ -90,6 +90,20 @@ __device__ __forceinline__ void cpAsync16(void *shared, const void *global) {
 #endif
 }
 
+/// cpAsync16 with a source size of 0: the 16 bytes at `shared` become zeros, in the same
+/// asynchronous way (an mbarrier that tracks the thread's copies tracks this one); `global` is
+/// any valid global address (nothing is read from it).
+__device__ __forceinline__ void cpAsync16Zero(void *shared, const void *global) {
+#ifdef PIPEC_KERNEL_EMU
+  (void)global;
+  ::pipec::emu::kernel::cpAsync16Zero(shared);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 0;\n" ::"r"(address), "l"(global)
+               : "memory");
+#endif
+}
+
 /// Closes the group of the calling thread's cp.async copies issued since the last commit.
 __device__ __forceinline__ void cpAsyncCommit() {
 #ifdef PIPEC_KERNEL_EMU

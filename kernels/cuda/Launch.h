@@ -83,9 +83,11 @@ bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
 void setAttentionWgmma(bool enabled);
 /// The Hopper forward's variants: 0 one warpgroup (64 queries) a block, 1 two, each computing a
 /// tile's scores, softmax and P V one after another; 2 and 3 the same with the next tile's
-/// scores overlapping P V (Attention.cu). Every one is tested; attentionForward runs
-/// kWgmmaDefault (the fastest measured on an H200) unless set otherwise for the process.
-inline constexpr int kWgmmaVariants = 4;
+/// scores overlapping P V; 4 as 3 with tiles handed over through mbarriers instead of a
+/// block-wide barrier, two tiles loading ahead (Attention.cu). Every one is tested;
+/// attentionForward runs kWgmmaDefault (the fastest measured on an H200) unless set otherwise for
+/// the process.
+inline constexpr int kWgmmaVariants = 5;
 inline constexpr int kWgmmaDefault = 3;
 const char *wgmmaVariantName(int variant);
 /// Sets the variant (kWgmmaDefault for one out of range) and returns the previous one.

@@ -1,4 +1,4 @@
-//===- Wgmma.cuh - Hopper's warpgroup matrix multiply-accumulate ---*- CUDA -*-===//
+//===- Wgmma.cuh - Hopper's warpgroup MMA, and the mbarriers that feed it -*- CUDA -*-===//
 //
 // wgmma.mma_async (PTX ISA 8.0+, sm_90a) for bf16 inputs and fp32 accumulators, with A in
 // registers and B in shared memory behind a matrix descriptor without swizzle, as the attention
@@ -96,6 +96,55 @@ template <int N> __device__ __forceinline__ void wgmmaFenceRegisters(float (&d)[
 __device__ __forceinline__ void fenceProxyAsyncShared() {
 #if defined(PIPEC_HAS_WGMMA) && !defined(PIPEC_KERNEL_EMU)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+/// mbarriers (PTX ISA 7.0+, 8-byte objects in shared memory; CTA scope): `count` arrivals
+/// complete a phase. Initialise from one thread, then a __syncthreads before any other use.
+__device__ __forceinline__ void mbarrierInit(uint64_t *bar, unsigned count) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::mbarrierInit(bar, count);
+#else
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(sharedAddress(bar)), "r"(count)
+               : "memory");
+#endif
+}
+
+/// One arrival (release: this thread's earlier memory operations are seen by a waiter).
+__device__ __forceinline__ void mbarrierArrive(uint64_t *bar) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::mbarrierArrive(bar);
+#else
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                   sharedAddress(bar))
+               : "memory");
+#endif
+}
+
+/// Waits (acquire) until the phase of parity `parity` has completed: phases complete in turn,
+/// 0, 1, 0, ..., so the k-th completion (from 0) is waited for with parity k & 1.
+__device__ __forceinline__ void mbarrierWait(uint64_t *bar, unsigned parity) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::mbarrierWait(bar, parity);
+#else
+  asm volatile("{\n.reg .pred done;\n"
+               "WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT;\n"
+               "}\n" ::"r"(sharedAddress(bar)),
+               "r"(parity)
+               : "memory");
+#endif
+}
+
+/// An arrival on `bar` once every cp.async this thread issued before has landed; counts
+/// against the barrier's count (.noinc).
+__device__ __forceinline__ void cpAsyncMbarrierArrive(uint64_t *bar) {
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::cpAsyncMbarrierArrive(bar);
+#else
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sharedAddress(bar))
+               : "memory");
 #endif
 }
 

@@ -126,7 +126,7 @@ constexpr size_t kGuardBytes = size_t(64) << 10;
 constexpr size_t kDefaultDynamicShared = size_t(48) << 10;
 constexpr size_t kMaxDynamicShared = size_t(227) << 10; // sm_90's opt-in limit per block
 
-enum class State { Ready, AtWarpBarrier, AtBlockBarrier, Done };
+enum class State { Ready, AtWarpBarrier, AtBlockBarrier, AtMbarrier, Done };
 
 [[noreturn]] void fatal(const char *message) {
   std::fprintf(stderr, "kernel emulator: %s\n", message);
@@ -163,8 +163,16 @@ struct Stack {
 /// A cp.async copy of 16 bytes, queued until a wait lets it land.
 struct AsyncCopy {
   void *to;
-  const void *from;
+  const void *from; // null: 16 zero bytes (cp.async with a source size of 0)
 };
+
+/// Lands a cp.async copy.
+void land(const AsyncCopy &c) {
+  if (c.from)
+    std::memcpy(c.to, c.from, 16);
+  else
+    std::memset(c.to, 0, 16);
+}
 
 struct Fiber {
   Context context;
@@ -173,7 +181,17 @@ struct Fiber {
   Stack stack;
   std::vector<AsyncCopy> uncommitted;           // cp.async since the last commit
   std::deque<std::vector<AsyncCopy>> committed; // groups in flight, oldest first
+  const uint64_t *mbarrier = nullptr;           // AtMbarrier: the barrier waited on ...
+  unsigned parity = 0;                          // ... until its phase of this parity completes
 };
+
+// An mbarrier in emulation: its 8 bytes hold the arrivals still pending in the current phase
+// (bits 0-20), the count each phase expects (bits 21-41) and the current phase's parity (bit
+// 63). Fibers run one at a time, so plain reads and writes do.
+constexpr uint64_t kMbarrierCountMask = (uint64_t(1) << 21) - 1;
+bool mbarrierPhaseDone(const uint64_t *bar, unsigned parity) {
+  return (*bar >> 63) != (parity & 1u);
+}
 
 struct WarpSlots {
   std::array<uint32_t, kWarp> mask{}; // the lanes each waiting lane's collective names
@@ -280,9 +298,18 @@ void runBlock(Grid &g, const ThreadCoords &base) {
         switchTo(g.scheduler, g.fibers[i].context);
       }
     }
-    // Nothing is ready: release what can be released (at most one warp: the leader while it
-    // waits at a collective, else the new leader).
+    // Nothing is ready: release the threads whose mbarrier phase has completed, else what can
+    // be released (at most one warp: the leader while it waits at a collective, else the new
+    // leader).
     bool released = false;
+    for (size_t i = 0; i < n; ++i)
+      if (g.fibers[i].state == State::AtMbarrier &&
+          mbarrierPhaseDone(g.fibers[i].mbarrier, g.fibers[i].parity)) {
+        g.fibers[i].state = State::Ready;
+        released = true;
+      }
+    if (released)
+      continue;
     size_t live = 0, atBlock = 0;
     // Warps whose every live lane waits at a collective (at most 1024 / 32 of them).
     std::array<size_t, 1024 / kWarp> releasable;
@@ -345,7 +372,7 @@ void runBlock(Grid &g, const ThreadCoords &base) {
     std::snprintf(message, sizeof message,
                   "deadlock in block (%u, %u, %u): %zu threads wait at __syncthreads while others "
                   "of their block wait at a warp collective (shuffle or mma) of a warp with lanes "
-                  "at __syncthreads",
+                  "at __syncthreads, or at an mbarrier phase that cannot complete",
                   base.block.x, base.block.y, base.block.z, atBlock);
     fatal(message);
   }
@@ -505,6 +532,79 @@ void cpAsync16(void *shared, const void *global) {
     self().uncommitted.push_back({shared, global});
 }
 
+void cpAsync16Zero(void *shared) {
+  Grid &g = grid();
+  const auto *at = static_cast<const std::byte *>(shared);
+  if (at < g.shared.data() || at + 16 > g.shared.data() + g.shared.size())
+    fatal("cp.async: the destination is not in the block's dynamic shared memory");
+  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0)
+    fatal("cp.async: a 16-byte copy's address is not 16-byte aligned");
+  if (g.copiesLandEarly)
+    std::memset(shared, 0, 16);
+  else
+    self().uncommitted.push_back({shared, nullptr});
+}
+
+namespace {
+uint64_t *checkedMbarrier(void *bar) {
+  Grid &g = grid();
+  const auto *at = static_cast<const std::byte *>(bar);
+  if (at < g.shared.data() || at + 8 > g.shared.data() + g.shared.size())
+    fatal("mbarrier: not in the block's dynamic shared memory");
+  if (reinterpret_cast<uintptr_t>(bar) % 8 != 0)
+    fatal("mbarrier: not 8-byte aligned");
+  return static_cast<uint64_t *>(bar);
+}
+
+void arriveOn(uint64_t *bar) {
+  const uint64_t expected = *bar >> 21 & kMbarrierCountMask;
+  uint64_t pending = *bar & kMbarrierCountMask, phase = *bar >> 63;
+  if (expected == 0 || pending == 0)
+    fatal("mbarrier: an arrive on a barrier that was never initialised");
+  if (--pending == 0) {
+    pending = expected;
+    phase ^= 1;
+  }
+  *bar = pending | expected << 21 | phase << 63;
+}
+} // namespace
+
+void mbarrierInit(void *bar, unsigned count) {
+  if (count == 0 || count > kMbarrierCountMask)
+    fatal("mbarrier: the count must be in [1, 2^20]");
+  *checkedMbarrier(bar) = uint64_t(count) | uint64_t(count) << 21;
+}
+
+void mbarrierArrive(void *bar) { arriveOn(checkedMbarrier(bar)); }
+
+void mbarrierWait(void *bar, unsigned parity) {
+  uint64_t *b = checkedMbarrier(bar);
+  if ((*b >> 21 & kMbarrierCountMask) == 0)
+    fatal("mbarrier: a wait on a barrier that was never initialised");
+  if (mbarrierPhaseDone(b, parity))
+    return;
+  Fiber &f = self();
+  f.mbarrier = b;
+  f.parity = parity;
+  wait(State::AtMbarrier);
+  f.mbarrier = nullptr;
+}
+
+void cpAsyncMbarrierArrive(void *bar) {
+  // The arrive follows the completion of every cp.async the thread issued before it: land them
+  // now (the earliest a GPU may) and arrive.
+  uint64_t *b = checkedMbarrier(bar);
+  Fiber &f = self();
+  for (const std::vector<AsyncCopy> &group : f.committed)
+    for (const AsyncCopy &c : group)
+      land(c);
+  for (const AsyncCopy &c : f.uncommitted)
+    land(c);
+  f.committed.clear();
+  f.uncommitted.clear();
+  arriveOn(b);
+}
+
 void cpAsyncCommit() {
   Fiber &f = self();
   f.committed.push_back(std::move(f.uncommitted));
@@ -515,7 +615,7 @@ void cpAsyncWait(int pending) {
   Fiber &f = self();
   while (f.committed.size() > size_t(std::max(pending, 0))) {
     for (const AsyncCopy &c : f.committed.front())
-      std::memcpy(c.to, c.from, 16);
+      land(c);
     f.committed.pop_front();
   }
 }

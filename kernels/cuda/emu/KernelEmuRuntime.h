@@ -43,6 +43,20 @@ void ldmatrixX4Trans(uint32_t (&r)[4], const void *row);
 /// (or, in every other block, copied at once); both addresses 16-byte aligned and `shared` in
 /// the block's dynamic shared memory, else the run ends.
 void cpAsync16(void *shared, const void *global);
+/// cp.async.cg.shared.global with a source size of 0 (Device.cuh's cpAsync16Zero): 16 zero
+/// bytes, queued like a copy.
+void cpAsync16Zero(void *shared);
+/// mbarrier.init.shared::cta.b64 (Wgmma.cuh's mbarrierInit): `count` arrivals complete a phase.
+void mbarrierInit(void *bar, unsigned count);
+/// mbarrier.arrive.shared::cta.b64.
+void mbarrierArrive(void *bar);
+/// A loop on mbarrier.try_wait.parity.shared::cta.b64: returns once the phase of `parity` has
+/// completed (at once if it has). A block whose threads all wait on phases that cannot
+/// complete is reported as a deadlock.
+void mbarrierWait(void *bar, unsigned parity);
+/// cp.async.mbarrier.arrive.noinc.shared::cta.b64: an arrive once the thread's earlier cp.async
+/// copies have landed (here: they land now).
+void cpAsyncMbarrierArrive(void *bar);
 /// cp.async.commit_group: the queued copies become one group.
 void cpAsyncCommit();
 /// cp.async.wait_group: the calling thread's committed groups land, oldest first, until at most
