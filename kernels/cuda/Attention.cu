@@ -741,16 +741,41 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
   const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * kBlockQueries;
   const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
-  auto keyRow = [&](int j) { return s.kvRow(j, b, h); };
+  // A thread copies the same chunk of rows r, r + R, r + 2 R, ... of every tile (R = kThreads /
+  // (HD / 8), a multiple of 8, so the chunk's swizzled place is the same in each): its offsets
+  // in shared memory and from the tile's first row are worked out once.
+  constexpr int kChunks = HD / 8, kRowStep = kThreads / kChunks;
+  constexpr int kCopies = wg::kBlockKeys / kRowStep; // a thread's copies of K (and of V) a tile
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && wg::kBlockKeys % kRowStep == 0,
+                "every thread copies one chunk of every R-th row");
+  const int copyRow = int(threadIdx.x) / kChunks, copyChunk = int(threadIdx.x) % kChunks;
+  const int copyShared =
+      copyChunk / 8 * (wg::kBlockKeys * 64) + copyRow * 64 + ((copyChunk % 8) ^ (copyRow % 8)) * 8;
+  const size_t keyStride = size_t(s.batch) * s.width(); // from one position's row to the next
+  const size_t copyGlobal = s.kvRow(copyRow, b, h) + size_t(copyChunk) * 8;
   // This thread's share of tile `tile`'s copies (a cp.async group; with the handoff, tracked by
   // the buffer's `full` mbarrier).
   auto loadTile = [&](int tile) {
     const int stage = tile % kStages;
-    bf16 *to = kvBuf + stage * 2 * kTile;
-    wg::loadTileAsync<HD, Handoff>(to, k, tile * wg::kBlockKeys, s.keys(), threadIdx.x, kThreads,
-                                   keyRow);
-    wg::loadTileAsync<HD, Handoff>(to + kTile, v, tile * wg::kBlockKeys, s.keys(), threadIdx.x,
-                                   kThreads, keyRow);
+    bf16 *to = kvBuf + stage * 2 * kTile + copyShared;
+    const size_t from = copyGlobal + size_t(tile) * wg::kBlockKeys * keyStride;
+    const int rowsLeft =
+        s.keys() - tile * wg::kBlockKeys - copyRow; // rows of this thread's in range
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      bf16 *kTo = to + c * kRowStep * 64, *vTo = kTo + kTile;
+      const size_t at = from + size_t(c) * kRowStep * keyStride;
+      if (c * kRowStep < rowsLeft) {
+        cpAsync16(kTo, k + at);
+        cpAsync16(vTo, v + at);
+      } else if constexpr (Handoff) {
+        cpAsync16Zero(kTo, k);
+        cpAsync16Zero(vTo, v);
+      } else {
+        *reinterpret_cast<uint4 *>(kTo) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4 *>(vTo) = make_uint4(0, 0, 0, 0);
+      }
+    }
     if constexpr (Handoff)
       cpAsyncMbarrierArrive(&full[stage]);
     else
@@ -797,36 +822,38 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   float sc[wg::kBlockKeys / 2];        // the tile's scores, then its probabilities
   uint32_t pf[wg::kBlockKeys / 16][4]; // P of the last scored tile, as P V's A fragments
 
+  // One descriptor a tile; a k-step's is that plus its byte offset in 16-byte units (the start
+  // address field, bits 0-13, does not overflow: shared memory ends below 256 KiB).
   auto issueScores = [&](const bf16 *ks) {
+    const uint64_t base = wgmmaDescriptor(ks, 16, kAtomBytes, WgmmaLayout::Swizzle128);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      wgmmaBf16<wg::kBlockKeys, false>(
-          sc, qf[kk],
-          wgmmaDescriptor(ks + kk / 4 * (kBlockBytes / 2) + kk % 4 * 16, 16, kAtomBytes,
-                          WgmmaLayout::Swizzle128),
-          kk > 0);
+      wgmmaBf16<wg::kBlockKeys, false>(sc, qf[kk], base + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16,
+                                       kk > 0);
     wgmmaCommit();
   };
   auto issueValues = [&](const bf16 *vs) {
+    const uint64_t base = wgmmaDescriptor(vs, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
 #pragma unroll
     for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
-      wgmmaBf16<HD, true>(o, pf[ks2],
-                          wgmmaDescriptor(vs + ks2 * (2 * kAtomBytes / 2), kBlockBytes, kAtomBytes,
-                                          WgmmaLayout::Swizzle128),
-                          true);
+      wgmmaBf16<HD, true>(o, pf[ks2], base + ks2 * 2 * kAtomBytes / 16, true);
     wgmmaCommit();
   };
   // The online softmax of the scores of the tile at key j0: returns the rescaling of O.
   auto softmax = [&](int j0, float(&correction)[2]) {
-    const bool masked = j0 + wg::kBlockKeys - 1 > groupFirstPos;
     float tileMax[2] = {-INFINITY, -INFINITY};
+    if (j0 + wg::kBlockKeys - 1 > groupFirstPos) { // some key is past some row's position
+      // Key j0 + 8 n + 2 t + e of element 4 n + 2 row + e is visible while below the row's
+      // limit (relative to the lane's first key of the tile).
+      const int limit[2] = {pos[0] - j0 - 2 * tg, pos[1] - j0 - 2 * tg};
 #pragma unroll
-    for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
-      const int row = (i >> 1) & 1, j = j0 + (i >> 2) * 8 + 2 * tg + (i & 1);
-      if (masked && j > pos[row])
-        sc[i] = -INFINITY;
-      tileMax[row] = fmaxf(tileMax[row], sc[i]);
+      for (int i = 0; i < wg::kBlockKeys / 2; ++i)
+        if ((i >> 2) * 8 + (i & 1) > limit[(i >> 1) & 1])
+          sc[i] = -INFINITY;
     }
+#pragma unroll
+    for (int i = 0; i < wg::kBlockKeys / 2; ++i)
+      tileMax[(i >> 1) & 1] = fmaxf(tileMax[(i >> 1) & 1], sc[i]);
 #pragma unroll
     for (int row = 0; row < 2; ++row) {
       tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));

@@ -88,7 +88,7 @@ void setAttentionWgmma(bool enabled);
 /// attentionForward runs kWgmmaDefault (the fastest measured on an H200) unless set otherwise for
 /// the process.
 inline constexpr int kWgmmaVariants = 5;
-inline constexpr int kWgmmaDefault = 3;
+inline constexpr int kWgmmaDefault = 4;
 const char *wgmmaVariantName(int variant);
 /// Sets the variant (kWgmmaDefault for one out of range) and returns the previous one.
 int setAttentionWgmmaVariant(int variant);
