@@ -22,7 +22,9 @@
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
 // ISA's fragment layout), ldmatrix .x4 .trans (ldmatrixX4Trans; a row address that is not
 // 16-byte aligned ends the run), cp.async to dynamic shared memory (a copy lands at the
-// wait_group that covers it, or in every other block at once), launch configuration limits (block
+// wait_group that covers it, or in every other block at once), Hopper's wgmma (register A,
+// descriptor B without swizzle or with the 128-byte one) and mbarriers (Wgmma.cuh; a wait blocks
+// until the scheduler sees its phase complete), launch configuration limits (block
 // size, the 48 KiB dynamic shared memory default and cudaFuncSetAttribute raising it), and the
 // launch error of a refused launch through cudaGetLastError. Launches run in stream order
 // (emu::enqueue). What is not: timing, memory coalescing and bank conflicts, every interleaving
