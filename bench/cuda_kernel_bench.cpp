@@ -206,9 +206,18 @@ struct Bench {
       report(shape + (tensorCores ? " fwd (mma.sync)" : " fwd (SIMT)"), fwdFlops, time(forward));
     }
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
-    report(
-        shape + (backwardTensorCores ? " bwd (mma.sync)" : " bwd (SIMT)"), 2.5 * fwdFlops,
-        time([&] { return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s); }));
+    auto backward = [&] {
+      return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
+    };
+    if (launch::attentionBackwardUsesWgmma(dt, dims, {dq, dk, dv, dOut, out, q, k, v})) {
+      report(shape + " bwd (dQ wgmma, dK dV mma.sync)", 2.5 * fwdFlops, time(backward));
+      launch::setAttentionWgmma(false);
+      report(shape + " bwd (mma.sync)", 2.5 * fwdFlops, time(backward));
+      launch::setAttentionWgmma(true);
+    } else {
+      report(shape + (backwardTensorCores ? " bwd (mma.sync)" : " bwd (SIMT)"), 2.5 * fwdFlops,
+             time(backward));
+    }
   }
 };
 

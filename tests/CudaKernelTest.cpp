@@ -423,6 +423,11 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   const bool wgmma =
       launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()});
   EXPECT_EQ(wgmma, wgmmaShape && major == 9);
+  // The backward's dQ runs on the Hopper kernel exactly when the forward does.
+  EXPECT_EQ(launch::attentionBackwardUsesWgmma(dt, dims,
+                                               {dq.data(), gdk.data(), gdv.data(), gdOut.data(),
+                                                out.data(), gq.data(), gk.data(), gv.data()}),
+            wgmma);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
@@ -430,17 +435,49 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
   EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
   if (wgmma) {
-    launch::setAttentionWgmma(false);
-    EXPECT_FALSE(
-        launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}));
-    DeviceBuffer mmaOut = allocate(qSize * sizeOf(dt));
-    DeviceBuffer mmaLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
-    llvm::Error err = attentionForward(*ctx, dt, mmaOut.data(), mmaLse.as<float>(), gq.data(),
-                                       gk.data(), gv.data(), s);
-    launch::setAttentionWgmma(true);
-    ASSERT_OK(std::move(err));
-    EXPECT_CLOSE(download(mmaOut, qSize, dt), refOut, tolerance(dt));
-    EXPECT_CLOSE(download(mmaLse, refLse.size(), DType::F32), refLse, tolerance(dt));
+    // Every variant of the Hopper forward (the default ran above), then, with the Hopper
+    // kernels off, the mma.sync forward and backward (whose dQ is then mma.sync's too), each
+    // into fresh buffers.
+    for (int variant = 0; variant <= launch::kWgmmaVariants; ++variant) {
+      const bool mmaSync = variant == launch::kWgmmaVariants;
+      if (mmaSync)
+        launch::setAttentionWgmma(false);
+      else
+        launch::setAttentionWgmmaVariant(variant);
+      const std::string name = mmaSync ? "mma.sync" : launch::wgmmaVariantName(variant);
+      EXPECT_EQ(launch::attentionForwardUsesWgmma(dt, dims,
+                                                  {out.data(), gq.data(), gk.data(), gv.data()}),
+                !mmaSync)
+          << name;
+      DeviceBuffer otherOut = allocate(qSize * sizeOf(dt));
+      DeviceBuffer otherLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+      DeviceBuffer otherDq = allocate(qSize * sizeOf(dt));
+      DeviceBuffer otherDk = upload(dk0, DType::F32), otherDv = upload(dv0, DType::F32);
+      llvm::Error err = attentionForward(*ctx, dt, otherOut.data(), otherLse.as<float>(), gq.data(),
+                                         gk.data(), gv.data(), s);
+      if (mmaSync && !err) {
+        EXPECT_FALSE(launch::attentionBackwardUsesWgmma(
+            dt, dims,
+            {otherDq.data(), otherDk.data(), otherDv.data(), gdOut.data(), otherOut.data(),
+             gq.data(), gk.data(), gv.data()}));
+        err = attentionBackward(*ctx, dt, otherDq.data(), otherDk.as<float>(), otherDv.as<float>(),
+                                gdOut.data(), otherOut.data(), otherLse.as<float>(), gq.data(),
+                                gk.data(), gv.data(), s);
+      }
+      launch::setAttentionWgmma(true);
+      launch::setAttentionWgmmaVariant(launch::kWgmmaDefault);
+      ASSERT_OK(std::move(err));
+      SCOPED_TRACE(name);
+      EXPECT_CLOSE(download(otherOut, qSize, dt), refOut, tolerance(dt));
+      EXPECT_CLOSE(download(otherLse, refLse.size(), DType::F32), refLse, tolerance(dt));
+      if (mmaSync) {
+        EXPECT_CLOSE(download(otherDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+        EXPECT_CLOSE(download(otherDk, kvSize, DType::F32), refDk,
+                     tolerance(dt, /*longSums=*/true));
+        EXPECT_CLOSE(download(otherDv, kvSize, DType::F32), refDv,
+                     tolerance(dt, /*longSums=*/true));
+      }
+    }
   }
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));

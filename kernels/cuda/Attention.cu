@@ -717,13 +717,22 @@ __device__ __forceinline__ float exp2Fast(float x) {
 // tile, every thread arrives on the buffer's `empty` mbarrier, which a thread waits for before it
 // copies into that buffer again. A warpgroup can so run up to a tile ahead of the other, and
 // one's softmax overlaps the other's products.
-template <int HD, int Groups, bool Overlap, bool Handoff>
+//
+// With `QueryGrad`, the same loop computes the backward's dQ instead (FlashAttention-2's dQ
+// pass, as backwardQueryTensorCoreKernel): per tile S = Q K^T and dP = dO V^T (dO's A
+// fragments in registers too, V read K-major), P = 2^(S scale log2(e) - lse log2(e)) masked,
+// dS = P (dP - D) with D = rowDot, and dQ += dS K (K read MN-major, as V is for P V), overlapped
+// with the next tile's S and dP; `out` is dq (written, times `scale`), `lse` is read.
+template <int HD, int Groups, bool Overlap, bool Handoff, bool QueryGrad>
 __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
-    forwardWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse, const bf16 *__restrict__ q,
-                       const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
-                       float scaleLog2) {
+    attentionWgmmaKernel(bf16 *__restrict__ out, float *__restrict__ lse,
+                         const bf16 *__restrict__ q, const bf16 *__restrict__ k,
+                         const bf16 *__restrict__ v, const bf16 *__restrict__ dOut,
+                         const float *__restrict__ rowDot, Dims s, float scale) {
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows; wgmma's n for P V");
   static_assert(!Handoff || Overlap, "the handoff feeds the overlapped loop");
+  static_assert(!QueryGrad || (Overlap && Handoff), "dQ runs on the handoff loop");
+  const float scaleLog2 = scale * tc::kLog2e;
   constexpr int kThreads = Groups * 128, kBlockQueries = Groups * 64;
   constexpr int kStages = wg::stages(Overlap, Handoff), kTile = wg::kBlockKeys * HD;
   constexpr int kAhead = Handoff ? 2 : 1; // tiles loading ahead of the one scored
@@ -799,17 +808,26 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   for (int t = 0; t < kAhead && t < tiles; ++t)
     loadTile(t);
 
-  // Q's A fragments (rows r0 + g, r0 + g + 8).
-  uint32_t qf[HD / 16][4];
+  // Q's A fragments (rows r0 + g, r0 + g + 8), and dO's for dQ, with the rows' statistics.
+  uint32_t qf[HD / 16][4], dof[QueryGrad ? HD / 16 : 1][4];
+  float lse2[2] = {0.0f, 0.0f}, dRow[2] = {0.0f, 0.0f}; // dQ: lse log2(e) and D of the rows
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = r0 + g + 8 * half;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
 #pragma unroll
-      for (int c = 0; c < 2; ++c)
-        qf[kk][half + 2 * c] =
-            t < s.queries ? tc::load32(q + s.qRow(b, t, h) + kk * 16 + 8 * c + 2 * tg) : 0u;
+      for (int c = 0; c < 2; ++c) {
+        const size_t at = s.qRow(b, t, h) + kk * 16 + 8 * c + 2 * tg;
+        qf[kk][half + 2 * c] = t < s.queries ? tc::load32(q + at) : 0u;
+        if constexpr (QueryGrad)
+          dof[kk][half + 2 * c] = t < s.queries ? tc::load32(dOut + at) : 0u;
+      }
+    if constexpr (QueryGrad)
+      if (t < s.queries) {
+        lse2[half] = lse[s.statRow(b, h, t)] * tc::kLog2e;
+        dRow[half] = rowDot[s.statRow(b, h, t)];
+      }
   }
 
   const int pos[2] = {s.begin + r0 + g, s.begin + r0 + g + 8};
@@ -819,8 +837,9 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     o[i] = 0.0f;
   // Running row maxima of the scores times scaleLog2, and row sums of 2^(that - max).
   float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
-  float sc[wg::kBlockKeys / 2];        // the tile's scores, then its probabilities
-  uint32_t pf[wg::kBlockKeys / 16][4]; // P of the last scored tile, as P V's A fragments
+  float sc[wg::kBlockKeys / 2]; // the tile's scores, then its probabilities (dQ: dS)
+  float dp[QueryGrad ? wg::kBlockKeys / 2 : 1]; // dQ: the tile's dP
+  uint32_t pf[wg::kBlockKeys / 16][4];          // P of the last scored tile, as P V's A fragments
 
   // One descriptor a tile; a k-step's is that plus its byte offset in 16-byte units (the start
   // address field, bits 0-13, does not overflow: shared memory ends below 256 KiB).
@@ -830,6 +849,13 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     for (int kk = 0; kk < HD / 16; ++kk)
       wgmmaBf16<wg::kBlockKeys, false>(sc, qf[kk], base + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16,
                                        kk > 0);
+    if constexpr (QueryGrad) { // dP = dO V^T, V read K-major as K is
+      const uint64_t vBase = wgmmaDescriptor(ks + kTile, 16, kAtomBytes, WgmmaLayout::Swizzle128);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmmaBf16<wg::kBlockKeys, false>(dp, dof[kk],
+                                         vBase + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16, kk > 0);
+    }
     wgmmaCommit();
   };
   auto issueValues = [&](const bf16 *vs) {
@@ -839,7 +865,8 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
       wgmmaBf16<HD, true>(o, pf[ks2], base + ks2 * 2 * kAtomBytes / 16, true);
     wgmmaCommit();
   };
-  // The online softmax of the scores of the tile at key j0: returns the rescaling of O.
+  // The online softmax of the scores of the tile at key j0: returns the rescaling of O. For dQ,
+  // dS from the scores and dP instead (no rescaling).
   auto softmax = [&](int j0, float(&correction)[2]) {
     float tileMax[2] = {-INFINITY, -INFINITY};
     if (j0 + wg::kBlockKeys - 1 > groupFirstPos) { // some key is past some row's position
@@ -850,6 +877,16 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
       for (int i = 0; i < wg::kBlockKeys / 2; ++i)
         if ((i >> 2) * 8 + (i & 1) > limit[(i >> 1) & 1])
           sc[i] = -INFINITY;
+    }
+    if constexpr (QueryGrad) {
+#pragma unroll
+      for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
+        const int row = (i >> 1) & 1;
+        const float p = wg::exp2Fast(fmaf(sc[i], scaleLog2, -lse2[row])); // 0 where masked
+        sc[i] = p * (dp[i] - dRow[row]);
+      }
+      correction[0] = correction[1] = 1.0f;
+      return;
     }
 #pragma unroll
     for (int i = 0; i < wg::kBlockKeys / 2; ++i)
@@ -876,9 +913,10 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   // O *= correction, and P's A fragments of k-step ks (keys [16 ks, 16 ks + 16)): the score
   // accumulators of n-tiles 2 ks and 2 ks + 1.
   auto rescaleAndPack = [&](const float(&correction)[2]) {
+    if constexpr (!QueryGrad)
 #pragma unroll
-    for (int i = 0; i < HD / 2; ++i)
-      o[i] *= correction[(i >> 1) & 1];
+      for (int i = 0; i < HD / 2; ++i)
+        o[i] *= correction[(i >> 1) & 1];
 #pragma unroll
     for (int ks2 = 0; ks2 < wg::kBlockKeys / 16; ++ks2)
 #pragma unroll
@@ -917,15 +955,19 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
     issueScores(buffer(0));
     wgmmaWait<0>();
     wgmmaFenceRegisters(sc);
+    if constexpr (QueryGrad)
+      wgmmaFenceRegisters(dp);
     softmax(0, correction);
     rescaleAndPack(correction);
     for (int it = 1; it < tiles; ++it) {
       landed(it);
       wgmmaFence();
       issueScores(buffer(it));
-      issueValues(buffer(it - 1) + kTile);
+      issueValues(buffer(it - 1) + (QueryGrad ? 0 : kTile));
       wgmmaWait<1>(); // the scores; P V may still run
       wgmmaFenceRegisters(sc);
+      if constexpr (QueryGrad)
+        wgmmaFenceRegisters(dp);
       softmax(it * wg::kBlockKeys, correction);
       wgmmaWait<0>();
       wgmmaFenceRegisters(o);
@@ -934,7 +976,7 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
       rescaleAndPack(correction);
     }
     wgmmaFence();
-    issueValues(buffer(tiles - 1) + kTile);
+    issueValues(buffer(tiles - 1) + (QueryGrad ? 0 : kTile));
     wgmmaWait<0>();
     wgmmaFenceRegisters(o);
   } else {
@@ -951,6 +993,20 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
       wgmmaWait<0>();
       wgmmaFenceRegisters(o);
     }
+  }
+  if constexpr (QueryGrad) {
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      const int t = r0 + g + 8 * row;
+      if (t >= s.queries)
+        continue;
+      bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; ++dt)
+        *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
+            __floats2bfloat162_rn(o[4 * dt + 2 * row] * scale, o[4 * dt + 2 * row + 1] * scale);
+    }
+    return;
   }
 #pragma unroll
   for (int row = 0; row < 2; ++row) {
@@ -1228,10 +1284,11 @@ template <int HD, int Groups, bool Overlap, bool Handoff = false>
 cudaError_t launchWgmmaVariant(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
                                const Dims &s, cudaStream_t stream) {
   const dim3 grid(ceilDiv(s.queries, 64 * Groups), unsigned(s.batch * s.heads));
-  const float scaleLog2 = tc::kLog2e / std::sqrt(float(HD));
   const size_t smem = wg::sharedBytes(HD, Overlap, Handoff);
-  return launchWithSmem(forwardWgmmaKernel<HD, Groups, Overlap, Handoff>, grid, Groups * 128, smem,
-                        smem, stream, out, lse, q, k, v, s, scaleLog2);
+  return launchWithSmem(attentionWgmmaKernel<HD, Groups, Overlap, Handoff, false>, grid,
+                        Groups * 128, smem, smem, stream, out, lse, q, k, v,
+                        static_cast<const bf16 *>(nullptr), static_cast<const float *>(nullptr), s,
+                        1.0f / std::sqrt(float(HD)));
 }
 
 /// The variant attentionForward runs (launch::setAttentionWgmmaVariant changes it).
@@ -1287,18 +1344,35 @@ bool hopperDevice() {
   return hopper;
 }
 
+/// The backward's dQ on wgmma (two warpgroups, the mbarrier handoff), after rowDot.
+template <int HD>
+cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot, const bf16 *q,
+                                 const bf16 *k, const bf16 *v, const bf16 *dOut, const Dims &s,
+                                 cudaStream_t stream) {
+  const dim3 grid(ceilDiv(s.queries, 128), unsigned(s.batch * s.heads));
+  const size_t smem = wg::sharedBytes(HD, true, true);
+  return launchWithSmem(attentionWgmmaKernel<HD, 2, true, true, true>, grid, 256, smem, smem,
+                        stream, dq, const_cast<float *>(lse), q, k, v, dOut, rowDot, s,
+                        1.0f / std::sqrt(float(HD)));
+}
+
 template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const float *rowDot, const bf16 *q,
-                                     const bf16 *k, const bf16 *v, const Dims &s,
+                                     const bf16 *k, const bf16 *v, const Dims &s, bool queryOnWgmma,
                                      cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(HD));
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
-  if (cudaError_t err =
-          launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
+  cudaError_t err = cudaErrorInvalidValue;
+  if constexpr (HD == 64 || HD == 128)
+    if (queryOnWgmma)
+      err = launchWgmmaQueryGrad<HD>(dq, lse, rowDot, q, k, v, dOut, s, stream);
+  if (!queryOnWgmma)
+    err = launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
                          tc::backwardQuerySharedBytes(HD), tc::backwardQuerySharedBytes(HD), stream,
-                         dq, dOut, lse, rowDot, q, k, v, s, scale))
+                         dq, dOut, lse, rowDot, q, k, v, s, scale);
+  if (err)
     return err;
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
@@ -1348,6 +1422,11 @@ bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
   const int hd = s.headDim;
   return (hd == 64 || hd == 128) && attentionUsesTensorCores(dtype, s, tensors) &&
          wgmmaSwitchedOn() && hopperDevice();
+}
+
+bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
+                                std::initializer_list<const void *> tensors) {
+  return attentionForwardUsesWgmma(dtype, s, tensors);
 }
 
 void setAttentionWgmma(bool enabled) {
@@ -1435,8 +1514,9 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     if constexpr (std::is_same_v<T, bf16>)
       if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
         return withHeadDim(s.headDim, [&]<int HD>() {
-          return launchTensorCoreBackward<HD>(static_cast<bf16 *>(dq), dk, dv, dOutT, lse, rowDot,
-                                              qT, kT, vT, s, stream);
+          return launchTensorCoreBackward<HD>(
+              static_cast<bf16 *>(dq), dk, dv, dOutT, lse, rowDot, qT, kT, vT, s,
+              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), stream);
         });
     if (cudaError_t err = launchWithSmem(
             backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),
