@@ -210,7 +210,7 @@ struct Bench {
       return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
     };
     if (launch::attentionBackwardUsesWgmma(dt, dims, {dq, dk, dv, dOut, out, q, k, v})) {
-      report(shape + " bwd (dQ wgmma, dK dV mma.sync)", 2.5 * fwdFlops, time(backward));
+      report(shape + " bwd (wgmma)", 2.5 * fwdFlops, time(backward));
       launch::setAttentionWgmma(false);
       report(shape + " bwd (mma.sync)", 2.5 * fwdFlops, time(backward));
       launch::setAttentionWgmma(true);

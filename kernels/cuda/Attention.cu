@@ -1026,6 +1026,185 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   }
 }
 
+// dk, dv (a+x, B, H*hd) fp32 (added to) from dOut, q (B, x, H*hd) bf16, lse, rowDot (B, H, x),
+// k, v (a+x, B, H*hd) bf16, all 16-byte aligned. grid (ceil((a+x) / 128), B*H), block 256;
+// HD 64 or 128.
+//
+// The backward's dK/dV on wgmma (FlashAttention-2's dK/dV pass, as
+// backwardKeyValueTensorCoreKernel): a block of two warpgroups owns 128 keys (64 each, their K
+// and V in shared memory as the A operands of S^T = K Q^T and dP^T = V dO^T, read K-major) and
+// streams the 64-query tiles that can see them (Q, dO swizzled as the forward's K/V, their rows'
+// lse log2(e) and D beside) through two buffers: per tile P^T = 2^(S^T scale log2(e) - lse
+// log2(e)) masked, dS^T = P^T (dP^T - D), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
+// as register A fragments and dO, Q read MN-major. Every warpgroup runs every tile (a tile
+// before its keys is wholly masked), so no wgmma sits on a divergent path.
+template <int HD>
+__global__ void __launch_bounds__(256, 1)
+    backwardKeyValueWgmmaKernel(float *__restrict__ dk, float *__restrict__ dv,
+                                const bf16 *__restrict__ dOut, const float *__restrict__ lse,
+                                const float *__restrict__ rowDot, const bf16 *__restrict__ q,
+                                const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
+                                float scale) {
+  static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows");
+  constexpr int kThreads = 256, kTile = 64 * HD;
+  constexpr uint32_t kAtomBytes = 1024, kBlockBytes = 64 * 128; // 8 rows; 64 dims of 64 rows
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  char *raw = reinterpret_cast<char *>(smem);
+  // K and V of warpgroup w at tiles w and 2 + w; query buffer i's Q and dO at tiles 4 + 2 i and
+  // 5 + 2 i; then the buffers' lse log2(e) and D (64 floats each).
+  bf16 *tiles =
+      reinterpret_cast<bf16 *>(raw + (kAtomBytes - sharedAddress(raw) % kAtomBytes) % kAtomBytes);
+  float *stats = reinterpret_cast<float *>(tiles + 8 * kTile);
+  const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, tg = lane % 4;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int n0 = blockIdx.x * 128, kw0 = n0 + 64 * group; // the block's, the warpgroup's keys
+  const float scaleLog2 = scale * tc::kLog2e;
+
+  // A thread copies one chunk of every 16th (HD 128) or 32nd (HD 64) row of a 64-row tile.
+  constexpr int kChunks = HD / 8, kRowStep = kThreads / kChunks, kCopies = 64 / kRowStep;
+  const int copyRow = int(threadIdx.x) / kChunks, copyChunk = int(threadIdx.x) % kChunks;
+  const int copyShared =
+      copyChunk / 8 * (64 * 64) + copyRow * 64 + ((copyChunk % 8) ^ (copyRow % 8)) * 8;
+  // Rows [row0, row0 + 64) (those from `rows` on as zeros), `stride` elements apart from
+  // `first` (row row0's head), into the swizzled tile `to`.
+  auto copyTile = [&](bf16 *to, const bf16 *first, size_t stride, int row0, int rows) {
+#pragma unroll
+    for (int c = 0; c < kCopies; ++c) {
+      const int r = copyRow + c * kRowStep;
+      bf16 *at = to + copyShared + c * kRowStep * 64;
+      if (row0 + r < rows)
+        cpAsync16(at, first + size_t(r) * stride + copyChunk * 8);
+      else
+        *reinterpret_cast<uint4 *>(at) = make_uint4(0, 0, 0, 0);
+    }
+  };
+  const size_t keyStride = size_t(s.batch) * s.width(), queryStride = size_t(s.width());
+  for (int w = 0; w < 2; ++w) {
+    const int row0 = n0 + 64 * w;
+    const size_t first = row0 < s.keys() ? s.kvRow(row0, b, h) : 0;
+    copyTile(tiles + w * kTile, k + first, keyStride, row0, s.keys());
+    copyTile(tiles + (2 + w) * kTile, v + first, keyStride, row0, s.keys());
+  }
+  auto loadQueries = [&](int t0, int buffer) { // Q, dO and the statistics of queries t0...
+    const size_t first = s.qRow(b, t0, h);
+    copyTile(tiles + (4 + 2 * buffer) * kTile, q + first, queryStride, t0, s.queries);
+    copyTile(tiles + (5 + 2 * buffer) * kTile, dOut + first, queryStride, t0, s.queries);
+    cpAsyncCommit();
+    if (threadIdx.x < 128) {
+      const int r = threadIdx.x % 64, t = t0 + r;
+      const float *from = threadIdx.x < 64 ? lse : rowDot;
+      const float factor = threadIdx.x < 64 ? tc::kLog2e : 1.0f;
+      stats[buffer * 128 + threadIdx.x] = t < s.queries ? from[s.statRow(b, h, t)] * factor : 0.0f;
+    }
+  };
+  // Query t sees key j when s.begin + t >= j: the block's keys from query n0 - begin on.
+  const int firstQuery = max(0, n0 - s.begin);
+  const int tiles64 = firstQuery < s.queries ? (s.queries - firstQuery + 63) / 64 : 0;
+  if (tiles64 > 0)
+    loadQueries(firstQuery, 0);
+  else
+    cpAsyncCommit();
+
+  float dkAcc[HD / 2], dvAcc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i)
+    dkAcc[i] = dvAcc[i] = 0.0f;
+  float st[32], dpt[32]; // S^T, then P^T; dP^T, then dS^T: 64 keys x 64 queries
+  uint32_t pf[4][4], sf[4][4];
+  const int key[2] = {kw0 + 16 * warp + g, kw0 + 16 * warp + g + 8};
+  const bf16 *kA = tiles + group * kTile, *vA = tiles + (2 + group) * kTile;
+  const uint64_t kDesc = wgmmaDescriptor(kA, 16, kAtomBytes, WgmmaLayout::Swizzle128);
+  const uint64_t vDesc = wgmmaDescriptor(vA, 16, kAtomBytes, WgmmaLayout::Swizzle128);
+  for (int it = 0; it < tiles64; ++it) {
+    const int t0 = firstQuery + 64 * it, buffer = it & 1;
+    const bf16 *qs = tiles + (4 + 2 * buffer) * kTile, *dos = qs + kTile;
+    const float *lse2s = stats + buffer * 128, *dRows = lse2s + 64;
+    cpAsyncWait<0>();        // this thread's copies (K, V the first time) have landed
+    fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
+    __syncthreads(); // every thread's (and the statistics); the other buffer is read no more
+    if (it + 1 < tiles64)
+      loadQueries(t0 + 64, buffer ^ 1);
+
+    // S^T = K Q^T and dP^T = V dO^T: k-steps of 16 head dims, A and B K-major.
+    const uint64_t qDesc = wgmmaDescriptor(qs, 16, kAtomBytes, WgmmaLayout::Swizzle128);
+    const uint64_t doDesc = wgmmaDescriptor(dos, 16, kAtomBytes, WgmmaLayout::Swizzle128);
+    wgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint64_t step = (kk / 4 * kBlockBytes + kk % 4 * 32) / 16;
+      wgmmaBf16Shared64(st, kDesc + step, qDesc + step, kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint64_t step = (kk / 4 * kBlockBytes + kk % 4 * 32) / 16;
+      wgmmaBf16Shared64(dpt, vDesc + step, doDesc + step, kk > 0);
+    }
+    wgmmaCommit();
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(st);
+    wgmmaFenceRegisters(dpt);
+
+    // P^T and dS^T; element 4 n + 2 row + e is key key[row], query column 8 n + 2 t + e.
+    // Visible when s.begin + t0 + column >= key, i.e. column >= key - s.begin - t0.
+    const int from[2] = {key[0] - s.begin - t0 - 2 * tg, key[1] - s.begin - t0 - 2 * tg};
+    const int past = s.queries - t0 - 2 * tg; // columns from here on are past the slice
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int row = (i >> 1) & 1, column = (i >> 2) * 8 + (i & 1);
+      const float2 l = *reinterpret_cast<const float2 *>(lse2s + (i >> 2) * 8 + 2 * tg);
+      const float2 d = *reinterpret_cast<const float2 *>(dRows + (i >> 2) * 8 + 2 * tg);
+      const bool visible = column >= from[row] && column < past;
+      const float p = visible ? wg::exp2Fast(fmaf(st[i], scaleLog2, -((i & 1) ? l.y : l.x))) : 0.0f;
+      st[i] = p;
+      dpt[i] = p * (dpt[i] - ((i & 1) ? d.y : d.x));
+    }
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pf[ks2][r] = tc::pack(st[8 * ks2 + 2 * r], st[8 * ks2 + 2 * r + 1]);
+        sf[ks2][r] = tc::pack(dpt[8 * ks2 + 2 * r], dpt[8 * ks2 + 2 * r + 1]);
+      }
+
+    // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries, dO and Q read MN-major.
+    const uint64_t doT = wgmmaDescriptor(dos, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+    const uint64_t qT = wgmmaDescriptor(qs, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+    wgmmaFence();
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2)
+      wgmmaBf16<HD, true>(dvAcc, pf[ks2], doT + ks2 * 2 * kAtomBytes / 16, true);
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2)
+      wgmmaBf16<HD, true>(dkAcc, sf[ks2], qT + ks2 * 2 * kAtomBytes / 16, true);
+    wgmmaCommit();
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(dvAcc);
+    wgmmaFenceRegisters(dkAcc);
+  }
+  cpAsyncWait<0>(); // (with no tile, the K/V copies)
+
+  // dK += scale dK', dV += dV' for the warpgroup's keys inside the sequence.
+#pragma unroll
+  for (int row = 0; row < 2; ++row) {
+    const int j = key[row];
+    if (j >= s.keys())
+      continue;
+    float *dkRow = dk + s.kvRow(j, b, h) + 2 * tg, *dvRow = dv + s.kvRow(j, b, h) + 2 * tg;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; ++dt) {
+      float2 a = *reinterpret_cast<float2 *>(dkRow + dt * 8);
+      a.x += dkAcc[4 * dt + 2 * row] * scale;
+      a.y += dkAcc[4 * dt + 2 * row + 1] * scale;
+      *reinterpret_cast<float2 *>(dkRow + dt * 8) = a;
+      float2 c = *reinterpret_cast<float2 *>(dvRow + dt * 8);
+      c.x += dvAcc[4 * dt + 2 * row];
+      c.y += dvAcc[4 * dt + 2 * row + 1];
+      *reinterpret_cast<float2 *>(dvRow + dt * 8) = c;
+    }
+  }
+}
+
 //===--- Tensor-core backward (bf16) --------------------------------------===//
 //
 // FlashAttention-2's backward on the same mma, without atomics: as the SIMT backward, one
@@ -1359,21 +1538,28 @@ cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot
 template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const float *rowDot, const bf16 *q,
-                                     const bf16 *k, const bf16 *v, const Dims &s, bool queryOnWgmma,
+                                     const bf16 *k, const bf16 *v, const Dims &s, bool onWgmma,
                                      cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(HD));
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
   cudaError_t err = cudaErrorInvalidValue;
   if constexpr (HD == 64 || HD == 128)
-    if (queryOnWgmma)
+    if (onWgmma)
       err = launchWgmmaQueryGrad<HD>(dq, lse, rowDot, q, k, v, dOut, s, stream);
-  if (!queryOnWgmma)
+  if (!onWgmma)
     err = launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
                          tc::backwardQuerySharedBytes(HD), tc::backwardQuerySharedBytes(HD), stream,
                          dq, dOut, lse, rowDot, q, k, v, s, scale);
   if (err)
     return err;
+  if constexpr (HD == 64 || HD == 128)
+    if (onWgmma) {
+      const size_t smem = sizeof(bf16) * 8 * 64 * HD + 2 * 128 * sizeof(float) + 1024;
+      return launchWithSmem(backwardKeyValueWgmmaKernel<HD>,
+                            dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem,
+                            smem, stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
+    }
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
                         stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);

@@ -78,11 +78,10 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
 /// setAttentionWgmma(false) or PIPEC_ATTENTION_WGMMA=0 in the environment.
 bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
                                std::initializer_list<const void *> tensors);
-/// Whether attentionBackward computes dQ on the Hopper kernel (the same conditions; dK and dV
-/// stay on mma.sync).
+/// Whether attentionBackward runs the Hopper kernels (dQ, and dK with dV; the same conditions).
 bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
                                 std::initializer_list<const void *> tensors);
-/// Turns the Hopper attention kernels (the forward and the backward's dQ) on (the default) or off
+/// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off
 /// for the whole process; the kernel benchmark measures both.
 void setAttentionWgmma(bool enabled);
 /// The Hopper forward's variants: 0 one warpgroup (64 queries) a block, 1 two, each computing a

@@ -630,20 +630,10 @@ uint32_t sharedOffset(const void *p) {
   return uint32_t(at - g.shared.data());
 }
 
-void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
-               bool transposeB) {
-  Grid &g = grid();
-  const ThreadCoords &c = self().coords;
-  const size_t t = linearThread(c);
-  if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
-    fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
-  if (n < 8 || n > 256 || n % 8 != 0)
-    fatal("wgmma: n must be a multiple of 8 in [8, 256]");
-  WarpSlots &slots = g.warps[t / kWarp];
-  const int lane = int(t % kWarp);
-  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
-  slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
-  wait(State::AtWarpBarrier);
+namespace {
+/// Element (k, col) of B (16 x n), or, K-major (transposeB false), element (col, k) of A, read
+/// from shared memory through the descriptor `desc`.
+float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
   // The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
   // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51
   // (must be 0 here) and the swizzle mode bits 62-63 (0 none, 1 128-byte; the others are not
@@ -658,32 +648,73 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
   //   128-byte, MN-major:    k-rows of 64 n-values (128 bytes), 8 to an atom; the stride offset
   //                          steps k by 8, the leading one n by 64;
   // and in 128-byte mode the byte address then has its bits 4-6 XORed with its bits 7-9.
+  Grid &g = grid();
+  const uint64_t b = desc;
   const size_t start = size_t(b & 0x3fff) << 4, leading = size_t(b >> 16 & 0x3fff) << 4;
   const size_t stride = size_t(b >> 32 & 0x3fff) << 4;
   const uint64_t mode = b >> 62;
   if ((b >> 49 & 7) != 0 || mode > 1)
     fatal("wgmma: only descriptors without swizzle or with the 128-byte one, and without base "
           "offset, are emulated");
-  auto bAt = [&](int k, int col) {
-    size_t offset;
-    if (mode == 0)
-      offset = transposeB ? start + size_t(col / 8) * stride + size_t(col % 8) * 2 +
-                                size_t(k / 8) * leading + size_t(k % 8) * 16
-                          : start + size_t(col / 8) * stride + size_t(col % 8) * 16 +
-                                size_t(k / 8) * leading + size_t(k % 8) * 2;
-    else
-      offset = transposeB
-                   ? start + size_t(col / 64) * leading + size_t(col % 64) * 2 +
-                         size_t(k / 8) * stride + size_t(k % 8) * 128
-                   : start + size_t(col / 8) * stride + size_t(col % 8) * 128 + size_t(k) * 2;
-    if (mode == 1)
-      offset ^= (offset >> 7 & 7) << 4;
-    if (offset + 2 > g.shared.size())
-      fatal("wgmma: B reaches past the block's dynamic shared memory");
-    uint16_t bits;
-    std::memcpy(&bits, g.shared.data() + offset, 2);
-    return bf16Low(bits);
-  };
+  size_t offset;
+  if (mode == 0)
+    offset = transposeB ? start + size_t(col / 8) * stride + size_t(col % 8) * 2 +
+                              size_t(k / 8) * leading + size_t(k % 8) * 16
+                        : start + size_t(col / 8) * stride + size_t(col % 8) * 16 +
+                              size_t(k / 8) * leading + size_t(k % 8) * 2;
+  else
+    offset = transposeB ? start + size_t(col / 64) * leading + size_t(col % 64) * 2 +
+                              size_t(k / 8) * stride + size_t(k % 8) * 128
+                        : start + size_t(col / 8) * stride + size_t(col % 8) * 128 + size_t(k) * 2;
+  if (mode == 1)
+    offset ^= (offset >> 7 & 7) << 4;
+  if (offset + 2 > g.shared.size())
+    fatal("wgmma: an operand reaches past the block's dynamic shared memory");
+  uint16_t bits;
+  std::memcpy(&bits, g.shared.data() + offset, 2);
+  return bf16Low(bits);
+}
+} // namespace
+
+void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
+  const ThreadCoords &c = self().coords;
+  const size_t t = linearThread(c);
+  if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
+    fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
+  if (n < 8 || n > 256 || n % 8 != 0)
+    fatal("wgmma: n must be a multiple of 8 in [8, 256]");
+  WarpSlots &slots = grid().warps[t / kWarp];
+  const int lane = int(t % kWarp), warpInGroup = int(t / kWarp % 4);
+  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
+  wait(State::AtWarpBarrier);
+  const int gid = lane / 4, tg = lane % 4;
+  for (int j = 0; j < n / 8; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int row = gid + 8 * (e >> 1), col = 8 * j + 2 * tg + (e & 1);
+      float sum = accumulate ? d[4 * j + e] : 0.0f;
+      for (int k = 0; k < 16; ++k)
+        sum += descriptorElement(a, k, 16 * warpInGroup + row, false) *
+               descriptorElement(b, k, col, false);
+      d[4 * j + e] = sum;
+    }
+  wait(State::AtWarpBarrier);
+}
+
+void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
+               bool transposeB) {
+  Grid &g = grid();
+  const ThreadCoords &c = self().coords;
+  const size_t t = linearThread(c);
+  if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
+    fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
+  if (n < 8 || n > 256 || n % 8 != 0)
+    fatal("wgmma: n must be a multiple of 8 in [8, 256]");
+  WarpSlots &slots = g.warps[t / kWarp];
+  const int lane = int(t % kWarp);
+  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
+  slots.a[size_t(lane)] = {a[0], a[1], a[2], a[3]};
+  wait(State::AtWarpBarrier);
+  auto bAt = [&](int k, int col) { return descriptorElement(b, k, col, transposeB); };
   auto aAt = [&](int row, int col) { // mma.m16n8k16's A fragment, as mmaM16N8K16Bf16
     const int owner = (row % 8) * 4 + (col % 8) / 2;
     const uint32_t reg = slots.a[size_t(owner)][size_t((row / 8) + 2 * (col / 8))];

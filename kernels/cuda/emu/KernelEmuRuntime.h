@@ -77,6 +77,9 @@ uint32_t sharedOffset(const void *p);
 /// descriptor with a swizzle or base offset, or a B outside the shared memory ends the run.
 void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
                bool transposeB);
+/// The same with A (64 x 16) read through the K-major descriptor `a` too (the calling warp's 16
+/// rows of it), B K-major.
+void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate);
 
 /// Queues `body` as a grid on `stream`; a configuration the GPU would refuse is not run and
 /// becomes the next cudaGetLastError(). `kernel` identifies the function (its
