@@ -209,11 +209,15 @@ struct Bench {
     auto backward = [&] {
       return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
     };
-    if (launch::attentionBackwardUsesWgmma(dt, dims, {dq, dk, dv, dOut, out, q, k, v})) {
-      report(shape + " bwd (wgmma)", 2.5 * fwdFlops, time(backward));
-      launch::setAttentionWgmma(false);
-      report(shape + " bwd (mma.sync)", 2.5 * fwdFlops, time(backward));
-      launch::setAttentionWgmma(true);
+    launch::setAttentionWgmmaBackward(true); // off by default: measure it where it can run
+    const bool wgmmaBackward =
+        launch::attentionBackwardUsesWgmma(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
+    launch::setAttentionWgmmaBackward(false);
+    if (wgmmaBackward) {
+      launch::setAttentionWgmmaBackward(true);
+      report(shape + " bwd (wgmma; not the default yet)", 2.5 * fwdFlops, time(backward));
+      launch::setAttentionWgmmaBackward(false);
+      report(shape + " bwd (mma.sync; default)", 2.5 * fwdFlops, time(backward));
     } else {
       report(shape + (backwardTensorCores ? " bwd (mma.sync)" : " bwd (SIMT)"), 2.5 * fwdFlops,
              time(backward));

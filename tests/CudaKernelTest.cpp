@@ -423,11 +423,14 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   const bool wgmma =
       launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()});
   EXPECT_EQ(wgmma, wgmmaShape && major == 9);
-  // The backward's dQ runs on the Hopper kernel exactly when the forward does.
-  EXPECT_EQ(launch::attentionBackwardUsesWgmma(dt, dims,
-                                               {dq.data(), gdk.data(), gdv.data(), gdOut.data(),
-                                                out.data(), gq.data(), gk.data(), gv.data()}),
-            wgmma);
+  // The Hopper backward is off by default (it has not run on a GPU yet); switched on, it runs
+  // exactly where the forward does (checked below).
+  const std::initializer_list<const void *> backwardTensors = {
+      dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(), gq.data(), gk.data(), gv.data()};
+  EXPECT_FALSE(launch::attentionBackwardUsesWgmma(dt, dims, backwardTensors));
+  launch::setAttentionWgmmaBackward(true);
+  EXPECT_EQ(launch::attentionBackwardUsesWgmma(dt, dims, backwardTensors), wgmma);
+  launch::setAttentionWgmmaBackward(false);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
@@ -478,6 +481,23 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
                      tolerance(dt, /*longSums=*/true));
       }
     }
+    // The Hopper backward (dQ, dK and dV), switched on, into fresh buffers.
+    SCOPED_TRACE("wgmma backward");
+    DeviceBuffer hopperDq = allocate(qSize * sizeOf(dt));
+    DeviceBuffer hopperDk = upload(dk0, DType::F32), hopperDv = upload(dv0, DType::F32);
+    launch::setAttentionWgmmaBackward(true);
+    EXPECT_TRUE(launch::attentionBackwardUsesWgmma(dt, dims,
+                                                   {hopperDq.data(), hopperDk.data(),
+                                                    hopperDv.data(), gdOut.data(), out.data(),
+                                                    gq.data(), gk.data(), gv.data()}));
+    llvm::Error err = attentionBackward(*ctx, dt, hopperDq.data(), hopperDk.as<float>(),
+                                        hopperDv.as<float>(), gdOut.data(), out.data(),
+                                        lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
+    launch::setAttentionWgmmaBackward(false);
+    ASSERT_OK(std::move(err));
+    EXPECT_CLOSE(download(hopperDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(hopperDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(hopperDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
   }
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
@@ -492,10 +512,19 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
 //   - the same kernel run for each slice alone into zeroed buffers, summed on the host in double:
 //     the accumulated dK/dV must be that sum to fp32 rounding (1e-6 of the largest entry). A dK/dV
 //     stored in bf16 between slices is rounded once per slice (3-4e-3) and fails this.
+// With the third parameter, the backwards run on the Hopper kernels (switched on).
 class CudaAttentionSlicesTest : public GpuTest,
-                                public ::testing::WithParamInterface<std::tuple<DType, int>> {};
+                                public ::testing::WithParamInterface<std::tuple<DType, int, bool>> {
+};
+
+/// Switches the Hopper attention backward on for a scope (off again at its end).
+struct HopperBackwardOn {
+  explicit HopperBackwardOn(bool on) { launch::setAttentionWgmmaBackward(on); }
+  ~HopperBackwardOn() { launch::setAttentionWgmmaBackward(false); }
+};
 
 TEST_P(CudaAttentionSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequence) {
+  const HopperBackwardOn hopperBackward(std::get<2>(GetParam()));
   const DType dt = std::get<0>(GetParam());
   const int hd = std::get<1>(GetParam());
   const int heads = 2, slices = 4, x = 24, tokens = slices * x; // batch 1: slices are row ranges
@@ -727,13 +756,20 @@ INSTANTIATE_TEST_SUITE_P(
     });
 // Head dims 64 and 16 take the tensor-core kernels in bf16; 40 (not a multiple of 16) the SIMT
 // ones.
+std::string slicesName(const ::testing::TestParamInfo<std::tuple<DType, int, bool>> &info) {
+  return std::string(toString(std::get<0>(info.param))) + "_hd" +
+         std::to_string(std::get<1>(info.param)) + (std::get<2>(info.param) ? "_wgmma" : "");
+}
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
-                                            ::testing::Values(64, 40, 16)),
-                         [](const ::testing::TestParamInfo<std::tuple<DType, int>> &info) {
-                           return std::string(toString(std::get<0>(info.param))) + "_hd" +
-                                  std::to_string(std::get<1>(info.param));
-                         });
+                                            ::testing::Values(64, 40, 16),
+                                            ::testing::Values(false)),
+                         slicesName);
+// The Hopper backward (dQ, dK and dV) over slices: dK/dV added to across four backwards.
+INSTANTIATE_TEST_SUITE_P(HopperBackward, CudaAttentionSlicesTest,
+                         ::testing::Combine(::testing::Values(DType::BF16),
+                                            ::testing::Values(64, 128), ::testing::Values(true)),
+                         slicesName);
 
 //===--- The checked funnel (no device needed) --------------------------===//
 

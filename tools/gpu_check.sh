@@ -10,8 +10,9 @@
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Time: each step has a limit (tests 120/120/60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl case 2 x 60 s, overhead
-# 2 x 45 s, kernel benchmark 90 s, step benchmark 2 x 90 s) and the whole run a budget (BUDGET seconds, default 540, for
+# Time: each step has a limit (tests 120/120/60 s, the runtime tests with the Hopper attention
+# backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl case 2 x 60 s, overhead
+# 2 x 45 s, kernel benchmark 90 s, step benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds, default 540, for
 # a device command capped at 600): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
@@ -149,6 +150,21 @@ if grep -q '^\[  FAILED  \] .*Attention' "$out/cuda_kernel_test.log" 2>/dev/null
     say "attention tests with PIPEC_ATTENTION_WGMMA=0: passed (the wgmma forward fails them)"
   else
     say "attention tests with PIPEC_ATTENTION_WGMMA=0: failed too"
+  fi
+fi
+
+# The Hopper attention backward is off by default until it has passed here: the runtime tests
+# once more with it switched on (the kernel test already checks it against the CPU reference).
+if fits 60 "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1"; then
+  start=$SECONDS
+  if PIPEC_ATTENTION_WGMMA_BACKWARD=1 run timeout 60 "$bin/cuda_runtime_test" \
+      >"$out/cuda_runtime_test.wgmma-backward.log" 2>&1; then
+    say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/cuda_runtime_test.wgmma-backward.log" | head -1)"
+  else
+    status=1
+    say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 FAILED ($((SECONDS - start)) s):"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/cuda_runtime_test.wgmma-backward.log" | head -10 |
+      sed 's/^/  /' | tee -a "$report" || true
   fi
 fi
 
@@ -296,11 +312,18 @@ fi
 start=$SECONDS
 : >"$out/step.txt"
 for step_args in "--pp 2 --microbatches 8" \
-  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4"; do
+  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4" \
+  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4 wgmma-backward"; do
   fits 90 "step benchmark ($step_args)" bench || continue
   echo "+ cuda_step_bench $step_args" >>"$out/step.txt"
+  env=()
+  case "$step_args" in *wgmma-backward)
+    env=(PIPEC_ATTENTION_WGMMA_BACKWARD=1)
+    step_args=${step_args% wgmma-backward}
+    ;;
+  esac
   # shellcheck disable=SC2086 # the arguments are words
-  if ! run timeout 90 "$bin/cuda_step_bench" $step_args >>"$out/step.txt" 2>&1; then
+  if ! env ${env[@]+"${env[@]}"} timeout 90 "$bin/cuda_step_bench" $step_args >>"$out/step.txt" 2>&1; then
     say "STEP BENCHMARK FAILED or timed out ($step_args); see $out/step.txt"
   fi
 done

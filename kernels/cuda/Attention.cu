@@ -886,30 +886,31 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
         sc[i] = p * (dp[i] - dRow[row]);
       }
       correction[0] = correction[1] = 1.0f;
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int i = 0; i < wg::kBlockKeys / 2; ++i)
-      tileMax[(i >> 1) & 1] = fmaxf(tileMax[(i >> 1) & 1], sc[i]);
+      for (int i = 0; i < wg::kBlockKeys / 2; ++i)
+        tileMax[(i >> 1) & 1] = fmaxf(tileMax[(i >> 1) & 1], sc[i]);
 #pragma unroll
-    for (int row = 0; row < 2; ++row) {
-      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));
-      tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 2));
-      // Finite: key 0 of the first tile is visible to every row (rows past the slice see
-      // every key of their tiles).
-      const float newMax = fmaxf(rowMax[row], tileMax[row] * scaleLog2);
-      correction[row] = wg::exp2Fast(rowMax[row] - newMax);
-      rowMax[row] = newMax;
-      rowSum[row] *= correction[row];
-    }
+      for (int row = 0; row < 2; ++row) {
+        tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 1));
+        tileMax[row] = fmaxf(tileMax[row], __shfl_xor_sync(kFullMask, tileMax[row], 2));
+        // Finite: key 0 of the first tile is visible to every row (rows past the slice see
+        // every key of their tiles).
+        const float newMax = fmaxf(rowMax[row], tileMax[row] * scaleLog2);
+        correction[row] = wg::exp2Fast(rowMax[row] - newMax);
+        rowMax[row] = newMax;
+        rowSum[row] *= correction[row];
+      }
 #pragma unroll
-    for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
-      const int row = (i >> 1) & 1;
-      const float p = wg::exp2Fast(fmaf(sc[i], scaleLog2, -rowMax[row]));
-      sc[i] = p;
-      rowSum[row] += p;
+      for (int i = 0; i < wg::kBlockKeys / 2; ++i) {
+        const int row = (i >> 1) & 1;
+        const float p = wg::exp2Fast(fmaf(sc[i], scaleLog2, -rowMax[row]));
+        sc[i] = p;
+        rowSum[row] += p;
+      }
     }
   };
+
   // O *= correction, and P's A fragments of k-step ks (keys [16 ks, 16 ks + 16)): the score
   // accumulators of n-tiles 2 ks and 2 ks + 1.
   auto rescaleAndPack = [&](const float(&correction)[2]) {
@@ -1006,23 +1007,23 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
         *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
             __floats2bfloat162_rn(o[4 * dt + 2 * row] * scale, o[4 * dt + 2 * row + 1] * scale);
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int row = 0; row < 2; ++row) {
-    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
-    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 2);
-    const int t = r0 + g + 8 * row;
-    if (t >= s.queries)
-      continue;
-    const float inv = 1.0f / rowSum[row];
-    bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
+    for (int row = 0; row < 2; ++row) {
+      rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
+      rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 2);
+      const int t = r0 + g + 8 * row;
+      if (t >= s.queries)
+        continue;
+      const float inv = 1.0f / rowSum[row];
+      bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
 #pragma unroll
-    for (int dt = 0; dt < HD / 8; ++dt)
-      *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
-          __floats2bfloat162_rn(o[4 * dt + 2 * row] * inv, o[4 * dt + 2 * row + 1] * inv);
-    if (tg == 0)
-      lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * tc::kLn2;
+      for (int dt = 0; dt < HD / 8; ++dt)
+        *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
+            __floats2bfloat162_rn(o[4 * dt + 2 * row] * inv, o[4 * dt + 2 * row + 1] * inv);
+      if (tg == 0)
+        lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * tc::kLn2;
+    }
   }
 }
 
@@ -1504,6 +1505,21 @@ bool wgmmaSwitchedOn() {
   return enabled == 1;
 }
 
+/// -1 until read from PIPEC_ATTENTION_WGMMA_BACKWARD (1 switches the Hopper backward on: it has
+/// run on the kernel emulator only, so it is off by default), then 0 or 1;
+/// setAttentionWgmmaBackward overrides it.
+std::atomic<int> wgmmaBackwardEnabled{-1};
+
+bool wgmmaBackwardSwitchedOn() {
+  int enabled = wgmmaBackwardEnabled.load(std::memory_order_relaxed);
+  if (enabled < 0) {
+    const char *env = std::getenv("PIPEC_ATTENTION_WGMMA_BACKWARD");
+    enabled = env && std::string_view(env) == "1" ? 1 : 0;
+    wgmmaBackwardEnabled.store(enabled, std::memory_order_relaxed);
+  }
+  return enabled == 1;
+}
+
 /// Whether the current device runs sm_90a code (compute capability 9.x), read once per device.
 bool hopperDevice() {
   constexpr int kDevices = 64;
@@ -1612,7 +1628,11 @@ bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
 
 bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
                                 std::initializer_list<const void *> tensors) {
-  return attentionForwardUsesWgmma(dtype, s, tensors);
+  return wgmmaBackwardSwitchedOn() && attentionForwardUsesWgmma(dtype, s, tensors);
+}
+
+void setAttentionWgmmaBackward(bool enabled) {
+  wgmmaBackwardEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
 }
 
 void setAttentionWgmma(bool enabled) {

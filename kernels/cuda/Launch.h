@@ -78,9 +78,14 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
 /// setAttentionWgmma(false) or PIPEC_ATTENTION_WGMMA=0 in the environment.
 bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
                                std::initializer_list<const void *> tensors);
-/// Whether attentionBackward runs the Hopper kernels (dQ, and dK with dV; the same conditions).
+/// Whether attentionBackward runs the Hopper kernels (dQ, and dK with dV): the forward's
+/// conditions, and switched on by setAttentionWgmmaBackward(true) or
+/// PIPEC_ATTENTION_WGMMA_BACKWARD=1. Off by default: they pass every test on the kernel emulator
+/// but have not run on a GPU yet (the mma.sync backward has).
 bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
                                 std::initializer_list<const void *> tensors);
+/// Turns the Hopper attention backward on or off (the default) for the whole process.
+void setAttentionWgmmaBackward(bool enabled);
 /// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off
 /// for the whole process; the kernel benchmark measures both.
 void setAttentionWgmma(bool enabled);
