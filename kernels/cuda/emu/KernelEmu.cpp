@@ -189,6 +189,13 @@ struct Fiber {
 // (bits 0-20), the count each phase expects (bits 21-41) and the current phase's parity (bit
 // 63). Fibers run one at a time, so plain reads and writes do.
 constexpr uint64_t kMbarrierCountMask = (uint64_t(1) << 21) - 1;
+// The largest count mbarrier.init takes; a larger field (shared memory starts as 0xff bytes here)
+// is a barrier never initialised.
+constexpr uint64_t kMbarrierMaxCount = (uint64_t(1) << 20) - 1;
+bool mbarrierInitialised(const uint64_t *bar) {
+  const uint64_t expected = *bar >> 21 & kMbarrierCountMask;
+  return expected != 0 && expected <= kMbarrierMaxCount;
+}
 bool mbarrierPhaseDone(const uint64_t *bar, unsigned parity) {
   return (*bar >> 63) != (parity & 1u);
 }
@@ -557,6 +564,8 @@ uint64_t *checkedMbarrier(void *bar) {
 }
 
 void arriveOn(uint64_t *bar) {
+  if (!mbarrierInitialised(bar))
+    fatal("mbarrier: an arrive on a barrier that was never initialised");
   const uint64_t expected = *bar >> 21 & kMbarrierCountMask;
   uint64_t pending = *bar & kMbarrierCountMask, phase = *bar >> 63;
   if (expected == 0 || pending == 0)
@@ -570,8 +579,8 @@ void arriveOn(uint64_t *bar) {
 } // namespace
 
 void mbarrierInit(void *bar, unsigned count) {
-  if (count == 0 || count > kMbarrierCountMask)
-    fatal("mbarrier: the count must be in [1, 2^20]");
+  if (count == 0 || count > kMbarrierMaxCount)
+    fatal("mbarrier: the count must be in [1, 2^20 - 1]");
   *checkedMbarrier(bar) = uint64_t(count) | uint64_t(count) << 21;
 }
 
@@ -579,7 +588,7 @@ void mbarrierArrive(void *bar) { arriveOn(checkedMbarrier(bar)); }
 
 void mbarrierWait(void *bar, unsigned parity) {
   uint64_t *b = checkedMbarrier(bar);
-  if ((*b >> 21 & kMbarrierCountMask) == 0)
+  if (!mbarrierInitialised(b))
     fatal("mbarrier: a wait on a barrier that was never initialised");
   if (mbarrierPhaseDone(b, parity))
     return;
