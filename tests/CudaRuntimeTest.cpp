@@ -80,27 +80,15 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   }
 }
 
-/// A tiny GPT whose head dimension, 16, takes the tensor-core attention kernels in bf16.
-ModelSpec tinyGptHeadDim16(int layers, int seq) {
-  auto m = parseModelSpec(
-      fmt::format(R"({{"format": "pipemodel/1", "name": "tiny-hd16", "transformer": {{
-          "num_layers": {}, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 64,
+/// A tiny bf16 GPT with two heads of `headDim`: 16 takes the mma.sync tensor-core attention; 64
+/// the Hopper (wgmma) forward where the device has it (the kernel emulator does).
+ModelSpec tinyGptTwoHeads(int headDim, int layers, int seq) {
+  const std::string name = fmt::format("tiny-hd{}", headDim);
+  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{
+          "num_layers": {}, "hidden_size": {}, "num_attention_heads": 2, "ffn_hidden_size": {},
           "vocab_size": 32, "seq_length": {}, "microbatch_size": 2, "dtype": "bf16"}}}})",
-                  layers, seq),
-      "tiny-hd16.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
-
-/// Two heads of 64 in bf16: attention takes the Hopper (wgmma) forward where the device has it
-/// (the kernel emulator does), the mma.sync one elsewhere.
-ModelSpec tinyGptHeadDim64(int layers, int seq) {
-  auto m = parseModelSpec(
-      fmt::format(R"({{"format": "pipemodel/1", "name": "tiny-hd64", "transformer": {{
-          "num_layers": {}, "hidden_size": 128, "num_attention_heads": 2, "ffn_hidden_size": 256,
-          "vocab_size": 32, "seq_length": {}, "microbatch_size": 2, "dtype": "bf16"}}}})",
-                  layers, seq),
-      "tiny-hd64.json");
+                                      name, layers, 2 * headDim, 4 * headDim, seq),
+                          name + ".json");
   EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
   return m ? *m : ModelSpec{};
 }
@@ -166,7 +154,7 @@ TEST_F(CudaRuntimeTest, Bf16ZbvWithTiedCopiesIsWithinBf16Tolerance) {
 }
 
 TEST_F(CudaRuntimeTest, Bf16TensorCoreAttentionWithSubSequencesIsWithinBf16Tolerance) {
-  expectCudaMatchesCpu(compileOrFail(tinyGptHeadDim16(/*layers=*/4, /*seq=*/32),
+  expectCudaMatchesCpu(compileOrFail(tinyGptTwoHeads(/*headDim=*/16, /*layers=*/4, /*seq=*/32),
                                      options("seq1f1b", /*pp=*/2, /*microbatches=*/2, 1,
                                              /*seqSplits=*/2)),
                        /*steps=*/2, DType::BF16);
@@ -178,7 +166,7 @@ TEST_F(CudaRuntimeTest, Bf16TensorCoreAttentionWithSubSequencesIsWithinBf16Toler
 // GPT-2's initialisation the scores are near zero, so a wrong score here moves the gradients
 // less than bf16's tolerance: CudaAttentionTest (unit-scale inputs) is what holds the math.
 TEST_F(CudaRuntimeTest, Bf16HopperAttentionWithSubSequencesIsWithinBf16Tolerance) {
-  expectCudaMatchesCpu(compileOrFail(tinyGptHeadDim64(/*layers=*/2, /*seq=*/160),
+  expectCudaMatchesCpu(compileOrFail(tinyGptTwoHeads(/*headDim=*/64, /*layers=*/2, /*seq=*/160),
                                      options("seq1f1b", /*pp=*/2, /*microbatches=*/2, 1,
                                              /*seqSplits=*/2)),
                        /*steps=*/1, DType::BF16);

@@ -1491,33 +1491,28 @@ cudaError_t launchWgmmaForward(bf16 *out, float *lse, const bf16 *q, const bf16 
   }
 }
 
-/// -1 until read from PIPEC_ATTENTION_WGMMA (0 switches the Hopper forward off), then 0 or 1;
-/// setAttentionWgmma overrides it.
-std::atomic<int> wgmmaEnabled{-1};
-
-bool wgmmaSwitchedOn() {
-  int enabled = wgmmaEnabled.load(std::memory_order_relaxed);
+/// A process-wide switch: -1 until read from the environment variable `name` (set to the value
+/// that flips `byDefault`), then 0 or 1; a setter overrides it.
+bool switchedOn(std::atomic<int> &state, const char *name, bool byDefault) {
+  int enabled = state.load(std::memory_order_relaxed);
   if (enabled < 0) {
-    const char *env = std::getenv("PIPEC_ATTENTION_WGMMA");
-    enabled = env && std::string_view(env) == "0" ? 0 : 1;
-    wgmmaEnabled.store(enabled, std::memory_order_relaxed);
+    const char *env = std::getenv(name);
+    const bool flipped = env && std::string_view(env) == (byDefault ? "0" : "1");
+    enabled = byDefault != flipped ? 1 : 0;
+    state.store(enabled, std::memory_order_relaxed);
   }
   return enabled == 1;
 }
 
-/// -1 until read from PIPEC_ATTENTION_WGMMA_BACKWARD (1 switches the Hopper backward on: it has
-/// run on the kernel emulator only, so it is off by default), then 0 or 1;
-/// setAttentionWgmmaBackward overrides it.
-std::atomic<int> wgmmaBackwardEnabled{-1};
+/// The Hopper forward: on unless PIPEC_ATTENTION_WGMMA=0 or setAttentionWgmma(false).
+std::atomic<int> wgmmaEnabled{-1};
+bool wgmmaSwitchedOn() { return switchedOn(wgmmaEnabled, "PIPEC_ATTENTION_WGMMA", true); }
 
+/// The Hopper backward: off unless PIPEC_ATTENTION_WGMMA_BACKWARD=1 or
+/// setAttentionWgmmaBackward(true) (it has run on the kernel emulator only).
+std::atomic<int> wgmmaBackwardEnabled{-1};
 bool wgmmaBackwardSwitchedOn() {
-  int enabled = wgmmaBackwardEnabled.load(std::memory_order_relaxed);
-  if (enabled < 0) {
-    const char *env = std::getenv("PIPEC_ATTENTION_WGMMA_BACKWARD");
-    enabled = env && std::string_view(env) == "1" ? 1 : 0;
-    wgmmaBackwardEnabled.store(enabled, std::memory_order_relaxed);
-  }
-  return enabled == 1;
+  return switchedOn(wgmmaBackwardEnabled, "PIPEC_ATTENTION_WGMMA_BACKWARD", false);
 }
 
 /// Whether the current device runs sm_90a code (compute capability 9.x), read once per device.

@@ -525,32 +525,27 @@ void ldmatrixX4Trans(uint32_t (&r)[4], const void *row) {
   wait(State::AtWarpBarrier); // every lane has read the addresses
 }
 
-void cpAsync16(void *shared, const void *global) {
+namespace {
+/// Checks a cp.async destination (16 bytes, 16-byte aligned, in the block's dynamic shared
+/// memory) and queues `copy`, or lands it at once in blocks where copies land early.
+void queueCopy(const AsyncCopy &copy) {
   Grid &g = grid();
-  const auto *at = static_cast<const std::byte *>(shared);
+  const auto *at = static_cast<const std::byte *>(copy.to);
   if (at < g.shared.data() || at + 16 > g.shared.data() + g.shared.size())
     fatal("cp.async: the destination is not in the block's dynamic shared memory");
-  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(global) % 16 != 0)
+  if (reinterpret_cast<uintptr_t>(copy.to) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(copy.from) % 16 != 0)
     fatal("cp.async: a 16-byte copy's address is not 16-byte aligned");
   if (g.copiesLandEarly)
-    std::memcpy(shared, global, 16);
+    land(copy);
   else
-    self().uncommitted.push_back({shared, global});
+    self().uncommitted.push_back(copy);
 }
+} // namespace
 
-void cpAsync16Zero(void *shared) {
-  Grid &g = grid();
-  const auto *at = static_cast<const std::byte *>(shared);
-  if (at < g.shared.data() || at + 16 > g.shared.data() + g.shared.size())
-    fatal("cp.async: the destination is not in the block's dynamic shared memory");
-  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0)
-    fatal("cp.async: a 16-byte copy's address is not 16-byte aligned");
-  if (g.copiesLandEarly)
-    std::memset(shared, 0, 16);
-  else
-    self().uncommitted.push_back({shared, nullptr});
-}
+void cpAsync16(void *shared, const void *global) { queueCopy({shared, global}); }
+
+void cpAsync16Zero(void *shared) { queueCopy({shared, nullptr}); }
 
 namespace {
 uint64_t *checkedMbarrier(void *bar) {
@@ -685,27 +680,43 @@ float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
 }
 } // namespace
 
-void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
-  const ThreadCoords &c = self().coords;
-  const size_t t = linearThread(c);
+namespace {
+/// A wgmma needs a block of whole warpgroups and an n that is a multiple of 8 in [8, 256].
+void checkWgmma(const ThreadCoords &c, int n) {
   if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
     fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
   if (n < 8 || n > 256 || n % 8 != 0)
     fatal("wgmma: n must be a multiple of 8 in [8, 256]");
-  WarpSlots &slots = grid().warps[t / kWarp];
-  const int lane = int(t % kWarp), warpInGroup = int(t / kWarp % 4);
-  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
-  wait(State::AtWarpBarrier);
+}
+
+/// The calling lane's accumulators of a warp's 16 rows x n: element 4 j + e is (row
+/// g + 8 (e >> 1), column 8 j + 2 t + (e & 1)), given A(row, k) and B(k, col) for k < 16.
+template <typename A, typename B>
+void accumulateRows(float *d, int n, int lane, bool accumulate, A aAt, B bAt) {
   const int gid = lane / 4, tg = lane % 4;
   for (int j = 0; j < n / 8; ++j)
     for (int e = 0; e < 4; ++e) {
       const int row = gid + 8 * (e >> 1), col = 8 * j + 2 * tg + (e & 1);
       float sum = accumulate ? d[4 * j + e] : 0.0f;
       for (int k = 0; k < 16; ++k)
-        sum += descriptorElement(a, k, 16 * warpInGroup + row, false) *
-               descriptorElement(b, k, col, false);
+        sum += aAt(row, k) * bAt(k, col);
       d[4 * j + e] = sum;
     }
+}
+} // namespace
+
+void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
+  const ThreadCoords &c = self().coords;
+  const size_t t = linearThread(c);
+  checkWgmma(c, n);
+  WarpSlots &slots = grid().warps[t / kWarp];
+  const int lane = int(t % kWarp), warpInGroup = int(t / kWarp % 4);
+  slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
+  wait(State::AtWarpBarrier);
+  accumulateRows(
+      d, n, lane, accumulate,
+      [&](int row, int k) { return descriptorElement(a, k, 16 * warpInGroup + row, false); },
+      [&](int k, int col) { return descriptorElement(b, k, col, false); });
   wait(State::AtWarpBarrier);
 }
 
@@ -714,10 +725,7 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
   Grid &g = grid();
   const ThreadCoords &c = self().coords;
   const size_t t = linearThread(c);
-  if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
-    fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
-  if (n < 8 || n > 256 || n % 8 != 0)
-    fatal("wgmma: n must be a multiple of 8 in [8, 256]");
+  checkWgmma(c, n);
   WarpSlots &slots = g.warps[t / kWarp];
   const int lane = int(t % kWarp);
   slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
@@ -729,16 +737,7 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
     const uint32_t reg = slots.a[size_t(owner)][size_t((row / 8) + 2 * (col / 8))];
     return col % 2 ? bf16High(reg) : bf16Low(reg);
   };
-  // The accumulators: element 4 j + e is (row g + 8 (e >> 1), column 8 j + 2 t + (e & 1)).
-  const int gid = lane / 4, tg = lane % 4;
-  for (int j = 0; j < n / 8; ++j)
-    for (int e = 0; e < 4; ++e) {
-      const int row = gid + 8 * (e >> 1), col = 8 * j + 2 * tg + (e & 1);
-      float sum = accumulate ? d[4 * j + e] : 0.0f;
-      for (int k = 0; k < 16; ++k)
-        sum += aAt(row, k) * bAt(k, col);
-      d[4 * j + e] = sum;
-    }
+  accumulateRows(d, n, lane, accumulate, aAt, bAt);
   wait(State::AtWarpBarrier); // every lane has read the fragments
 }
 
