@@ -157,7 +157,7 @@ fi
 # once more with it switched on (the kernel test already checks it against the CPU reference).
 if fits 60 "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1"; then
   start=$SECONDS
-  if PIPEC_ATTENTION_WGMMA_BACKWARD=1 run timeout 60 "$bin/cuda_runtime_test" \
+  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 timeout 60 "$bin/cuda_runtime_test" \
       >"$out/cuda_runtime_test.wgmma-backward.log" 2>&1; then
     say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/cuda_runtime_test.wgmma-backward.log" | head -1)"
   else
