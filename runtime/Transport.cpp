@@ -30,8 +30,7 @@ InProcessTransport::InProcessTransport(int numThreads,
     : numThreads(numThreads), where(std::move(where)), mover(mover),
       channels(size_t(numThreads) * size_t(numThreads)) {}
 
-bool InProcessTransport::matchLocked(Channel &c) {
-  bool matched = false;
+void InProcessTransport::matchLocked(Channel &c, llvm::SmallVectorImpl<Match> &matches) {
   while (c.sendHead < c.sends.size() && c.recvHead < c.recvs.size()) {
     Posted *s = c.sends[c.sendHead++];
     Posted *r = c.recvs[c.recvHead++];
@@ -44,22 +43,9 @@ bool InProcessTransport::matchLocked(Channel &c) {
                       where(s->op.rank, s->op.step), describe(s->op.id), describeSize(s->op.data));
       failed = true;
       cv.notify_all();
-      return matched;
+      return;
     }
-    if (mover) {
-      if (llvm::Error err = mover->deliver(s->op, s->owner, s->index, r->op, r->owner, r->index)) {
-        failure = takeMessage(std::move(err));
-        failed = true;
-        cv.notify_all();
-        return matched;
-      }
-    } else {
-      if (!s->op.data.empty())
-        std::memcpy(r->op.data.data, s->op.data.data, s->op.data.bytes());
-    }
-    s->done.store(true, std::memory_order_release);
-    r->done.store(true, std::memory_order_release);
-    matched = true;
+    matches.push_back({s, r});
   }
   if (c.sendHead == c.sends.size()) {
     c.sends.clear();
@@ -69,7 +55,15 @@ bool InProcessTransport::matchLocked(Channel &c) {
     c.recvs.clear();
     c.recvHead = 0;
   }
-  return matched;
+}
+
+llvm::Error InProcessTransport::deliver(const Match &m) {
+  const P2POp &s = m.send->op, &r = m.recv->op;
+  if (mover)
+    return mover->deliver(s, m.send->owner, m.send->index, r, m.recv->owner, m.recv->index);
+  if (!s.data.empty())
+    std::memcpy(r.data.data, s.data.data, s.data.bytes());
+  return llvm::Error::success();
 }
 
 llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
@@ -83,7 +77,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   }
   std::span<Posted> all(posted, ops.size());
   std::unique_lock<std::mutex> lock(mu);
-  bool matched = false; // did this post complete anyone's op (a waiter to wake)?
+  llvm::SmallVector<Match, 8> matches; // completed by this post: this thread delivers them
   for (size_t i = 0; i < ops.size(); ++i) {
     posted[i].op = ops[i];
     posted[i].owner = self;
@@ -95,10 +89,37 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     int src = ops[i].send ? self : ops[i].peer, dst = ops[i].send ? ops[i].peer : self;
     Channel &c = channels[size_t(src) * size_t(numThreads) + size_t(dst)];
     (ops[i].send ? c.sends : c.recvs).push_back(&posted[i]);
-    matched |= matchLocked(c);
+    matchLocked(c, matches);
   }
-  if (matched) // (a failure wakes everyone where it is set)
+  if (!matches.empty()) {
+    // Move the data outside the lock, so that the pairs of different ranks move side by side
+    // (a device transport's copies and event calls, the cpu backend's memcpys). Until their
+    // `done` is set, both owners of every pair stay in exchange() and keep their frames and
+    // buffers; a failing one waits for `delivering` to drop to zero before it leaves.
+    ++delivering;
+    lock.unlock();
+    llvm::Error err = llvm::Error::success();
+    for (const Match &m : matches)
+      if ((err = deliver(m)))
+        break;
+    lock.lock();
+    --delivering;
+    if (err) {
+      if (failure.empty())
+        failure = takeMessage(std::move(err));
+      else
+        llvm::consumeError(std::move(err));
+      failed = true;
+    } else {
+      for (const Match &m : matches) {
+        m.send->done.store(true, std::memory_order_release);
+        m.recv->done.store(true, std::memory_order_release);
+      }
+    }
+    // Wakes the owners of the pairs (or everyone, on a failure) and any failing waiter that
+    // waits for the deliveries to end. A post that matches nothing wakes no one.
     cv.notify_all();
+  }
   auto allDone = [&] {
     return std::all_of(all.begin(), all.end(),
                        [](const Posted &p) { return p.done.load(std::memory_order_acquire); });
@@ -115,6 +136,8 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   lock.lock();
   cv.wait(lock, [&] { return !failure.empty() || allDone(); });
   if (!failure.empty()) {
+    // Another thread may still be moving data of our ops (or into our buffers).
+    cv.wait(lock, [&] { return delivering == 0; });
     // Take our ops out of the channels so nobody matches a dead stack frame.
     for (Channel &c : channels) {
       auto mine = [&](Posted *p) { return p->owner == self; };

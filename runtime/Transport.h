@@ -24,6 +24,7 @@
 #include "runtime/Tensor.h"
 
 #include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/SmallVector.h"
 #include "llvm/Support/Error.h"
 
 #include <atomic>
@@ -72,8 +73,10 @@ public:
   virtual bool aborted() const = 0;
 };
 
-/// Moves the data of the in-process transport. Both calls run under the transport's lock, on
-/// whichever thread completed the match or arrived last.
+/// Moves the data of the in-process transport, on whichever thread completed the match or
+/// arrived last. sum() runs under the transport's lock; deliver() runs outside it, so several
+/// threads may deliver at once (never two pairs of one ordered thread pair: those are delivered
+/// one after another, in FIFO order), while both owners of the pair wait in exchange().
 class InProcessMover {
 public:
   virtual ~InProcessMover() = default;
@@ -119,8 +122,13 @@ private:
     std::vector<TensorView> buffers;
   };
 
-  /// Matches what `c` can; true when it completed any pair.
-  bool matchLocked(Channel &c);
+  struct Match {
+    Posted *send, *recv;
+  };
+  /// Takes the pairs `c` can match into `matches` (sets `failure` on a mismatch).
+  void matchLocked(Channel &c, llvm::SmallVectorImpl<Match> &matches);
+  /// Moves one matched pair's data (the mover's, or a host copy); outside the lock.
+  llvm::Error deliver(const Match &m);
 
   int numThreads;
   std::function<std::string(int, size_t)> where;
@@ -131,6 +139,7 @@ private:
   std::map<std::string, Rendezvous> rendezvous;
   std::string failure;
   std::atomic<bool> failed{false};
+  size_t delivering = 0; // threads moving matched pairs' data outside the lock
 };
 
 } // namespace pipec

@@ -1,7 +1,8 @@
 //===- TransportTest.cpp - The in-process transport's mover hook, the offset arena -===//
 //
 // Two pieces the device backends build on, checked without a GPU: the hook through which the
-// one-GPU cuda backend moves messages and all-reduce operands (runtime/Transport.h), and the
+// one-GPU cuda backend moves messages and all-reduce operands (runtime/Transport.h; messages of
+// different rank pairs move side by side, outside the matching lock), and the
 // first-fit arena that sizes each rank's activation memory from a warm-up step
 // (runtime/OffsetArena.h). The arena is held against an independent overlap check and against
 // the closed form of 1F1B's in-flight activations.
@@ -13,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -160,6 +163,7 @@ public:
   llvm::Error deliver(const P2POp &s, int sOwner, size_t sIndex, const P2POp &r, int rOwner,
                       size_t rIndex) override {
     std::copy(s.data.floats().begin(), s.data.floats().end(), r.data.floats().begin());
+    std::lock_guard<std::mutex> lock(mu); // deliveries run outside the transport's lock
     deliveries.push_back({sOwner, rOwner, sIndex, rIndex, describe(s.id)});
     return llvm::Error::success();
   }
@@ -178,7 +182,8 @@ public:
     }
     return llvm::Error::success();
   }
-  std::vector<Delivery> deliveries; // under the transport's lock
+  std::mutex mu;
+  std::vector<Delivery> deliveries; // under mu
   int lastArrived = -1;
 };
 
@@ -251,6 +256,55 @@ TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
   for (const auto &d : data)
     EXPECT_EQ(d, (std::vector<float>{7, 70}));
   EXPECT_EQ(mover.lastArrived, 1);
+}
+
+/// Each delivery waits (up to a few seconds) until another one is under way at the same time,
+/// and records whether it saw one: deliveries made under one lock never meet.
+class MeetingMover final : public InProcessMover {
+public:
+  llvm::Error deliver(const P2POp &s, int, size_t, const P2POp &r, int, size_t) override {
+    std::copy(s.data.floats().begin(), s.data.floats().end(), r.data.floats().begin());
+    std::unique_lock<std::mutex> lock(mu);
+    ++inside;
+    cv.notify_all();
+    met.push_back(
+        cv.wait_for(lock, std::chrono::seconds(5), [&] { return inside >= 2 || overlapped; }));
+    overlapped = overlapped || inside >= 2;
+    cv.notify_all();
+    --inside;
+    return llvm::Error::success();
+  }
+  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int, llvm::ArrayRef<TensorView>) override {
+    return llvm::Error::success();
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int inside = 0;
+  bool overlapped = false;
+  std::vector<bool> met; // per delivery: did another run at the same time
+};
+
+TEST(MoverTest, PairsOfDifferentRanksAreDeliveredSideBySide) {
+  // Threads 0 -> 1 and 2 -> 3: two independent pairs, whose data moves outside the matching
+  // lock, so the cpu backend's copies and the local transport's CUDA calls of different ranks
+  // are not made one at a time (runtime/Transport.h, InProcessMover).
+  MeetingMover mover;
+  InProcessTransport t(4, {}, &mover);
+  std::vector<std::vector<float>> data{{1, 2}, {0, 0}, {3, 4}, {0, 0}};
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k)
+    threads.emplace_back([&, k] {
+      bool sender = k % 2 == 0;
+      P2POp ops[] = {op(sender, sender ? k + 1 : k - 1, k / 2, data[size_t(k)])};
+      llvm::Error err = t.exchange(k, ops);
+      EXPECT_FALSE(bool(err)) << takeMessage(std::move(err));
+    });
+  for (auto &th : threads)
+    th.join();
+  EXPECT_EQ(data[1], data[0]);
+  EXPECT_EQ(data[3], data[2]);
+  ASSERT_EQ(mover.met.size(), 2u);
+  EXPECT_TRUE(mover.met[0] && mover.met[1]) << "the two pairs were delivered one at a time";
 }
 
 TEST(MoverTest, AMoverErrorFailsBothSidesOfTheExchangeWithItsMessage) {

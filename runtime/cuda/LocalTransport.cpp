@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace pipec {
 
@@ -36,7 +37,8 @@ struct LocalCudaTransport::PerThread {
   std::function<llvm::Error()> pendingError;
   OwnedStream collective[3];     // tp, dp, embedding
   OwnedEvent ready;              // compute stream at the post of a sending group or an all-reduce
-  OwnedEvent copied;             // after a copy into this thread's buffer (under the lock only)
+  OwnedEvent copied;             // after a copy into this thread's buffer (under copyMu only)
+  std::mutex copyMu;             // deliveries into this thread: record and wait `copied` as one
   OwnedEvent mark;               // scratch for order()
   OwnedEvent arrive[3], done[3]; // per collective kind
 };
@@ -98,9 +100,11 @@ llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t, cons
   // Both owners are blocked in exchange() with these ops pending (or one of them is this thread,
   // inside it), so neither queues anything on its compute stream meanwhile: what is queued here
   // sits exactly where the group is in each stream. The sender's `ready` is this group's record
-  // (it re-records only after its exchange returns); `copied` is recorded and waited for under
-  // the transport's lock, which every deliver() holds.
+  // (it re-records only after its exchange returns). Deliveries run outside the transport's lock,
+  // and two senders' threads may deliver into one receiver at once: the receiver's copyMu keeps
+  // each record of `copied` together with the sender's wait for it.
   PerThread &sender = *threads[size_t(sOwner)], &receiver = *threads[size_t(rOwner)];
+  std::lock_guard<std::mutex> lock(receiver.copyMu);
   PIPEC_CUDA_TRY(cudaStreamWaitEvent(receiver.compute, sender.ready.get(), 0));
   PIPEC_CUDA_TRY(cudaMemcpyAsync(r.data.data, s.data.data, s.data.bytes(), cudaMemcpyDeviceToDevice,
                                  receiver.compute));

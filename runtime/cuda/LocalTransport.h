@@ -11,8 +11,10 @@
 //               `ready` (the receiver, blocked in its own exchange, queues nothing meanwhile, so
 //               the copy lands before anything it queues later reads the buffer), then the
 //               receiver's `copied` event, which the sender's compute stream waits for before it
-//               reuses the buffer; both waits are queued under the transport's lock right after
-//               their records, so no later record of either event can be taken by mistake.
+//               reuses the buffer. Pairs are delivered outside the matching lock, so the
+//               ranks' pairs are queued side by side; the receiver's own lock keeps each
+//               record of `copied` with the wait for it, and `ready` is recorded only by its
+//               thread before it posts, so no later record of either event is taken by mistake.
 //               Five CUDA calls per pair: record ready (once per group), wait, copy, record,
 //               wait; none for an empty message.
 //   all-reduce  per thread a tp, a dp and an embedding stream, as the nccl transport: a member
