@@ -173,24 +173,23 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
         cv.notify_all();
         return llvm::make_error<Finding>(failure);
       }
-    if (mover) {
-      if (llvm::Error err = mover->sum(group, members, self, rv.buffers)) {
+    // Sum outside the lock (as exchange() delivers), so that all-reduces of different groups
+    // run side by side. Every other member waits for the generation to change and keeps its
+    // buffer until then; a failing one waits for `delivering` to drop to zero first.
+    llvm::SmallVector<TensorView, 8> buffers(rv.buffers.begin(), rv.buffers.end());
+    ++delivering;
+    lock.unlock();
+    llvm::Error err = mover ? mover->sum(group, members, self, buffers) : hostSum(buffers);
+    lock.lock();
+    --delivering;
+    if (err) {
+      if (failure.empty())
         failure = takeMessage(std::move(err));
-        failed = true;
-        cv.notify_all();
-        return llvm::make_error<Finding>(failure);
-      }
-    } else {
-      // Sum in member order into a scratch, then hand the same bits to everyone. (Host tensors
-      // are the cpu backend's: fp32; floats() asserts it.)
-      std::vector<float> sum(data.count, 0.0f);
-      for (const auto &b : rv.buffers) {
-        std::span<const float> x = b.floats();
-        for (size_t i = 0; i < sum.size(); ++i)
-          sum[i] += x[i];
-      }
-      for (auto &b : rv.buffers)
-        std::copy(sum.begin(), sum.end(), b.floats().begin());
+      else
+        llvm::consumeError(std::move(err));
+      failed = true;
+      cv.notify_all();
+      return llvm::make_error<Finding>(failure);
     }
     rv.arrived = 0;
     ++rv.generation;
@@ -198,8 +197,25 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
     return llvm::Error::success();
   }
   cv.wait(lock, [&] { return !failure.empty() || rv.generation != generation; });
-  if (rv.generation == generation)
+  if (rv.generation == generation) {
+    // The last member may still be summing into our buffer.
+    cv.wait(lock, [&] { return delivering == 0; });
     return llvm::make_error<Finding>(failure);
+  }
+  return llvm::Error::success();
+}
+
+llvm::Error InProcessTransport::hostSum(llvm::ArrayRef<TensorView> buffers) {
+  // Sum in member order into a scratch, then hand the same bits to everyone. (Host tensors are
+  // the cpu backend's: fp32; floats() asserts it.)
+  std::vector<float> sum(buffers[0].count, 0.0f);
+  for (const auto &b : buffers) {
+    std::span<const float> x = b.floats();
+    for (size_t i = 0; i < sum.size(); ++i)
+      sum[i] += x[i];
+  }
+  for (const auto &b : buffers)
+    std::copy(sum.begin(), sum.end(), b.floats().begin());
   return llvm::Error::success();
 }
 

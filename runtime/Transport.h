@@ -74,9 +74,10 @@ public:
 };
 
 /// Moves the data of the in-process transport, on whichever thread completed the match or
-/// arrived last. sum() runs under the transport's lock; deliver() runs outside it, so several
-/// threads may deliver at once (never two pairs of one ordered thread pair: those are delivered
-/// one after another, in FIFO order), while both owners of the pair wait in exchange().
+/// arrived last. Both calls run outside the transport's matching lock, so several threads may
+/// deliver and sum at once (never two pairs of one ordered thread pair: those are delivered one
+/// after another, in FIFO order; never two all-reduces with a member in common), while the
+/// owners of the pair, or the other members, wait.
 class InProcessMover {
 public:
   virtual ~InProcessMover() = default;
@@ -129,6 +130,8 @@ private:
   void matchLocked(Channel &c, llvm::SmallVectorImpl<Match> &matches);
   /// Moves one matched pair's data (the mover's, or a host copy); outside the lock.
   llvm::Error deliver(const Match &m);
+  /// The default all-reduce: fp32 sums on the host in member order; outside the lock.
+  static llvm::Error hostSum(llvm::ArrayRef<TensorView> buffers);
 
   int numThreads;
   std::function<std::string(int, size_t)> where;
@@ -139,7 +142,7 @@ private:
   std::map<std::string, Rendezvous> rendezvous;
   std::string failure;
   std::atomic<bool> failed{false};
-  size_t delivering = 0; // threads moving matched pairs' data outside the lock
+  size_t delivering = 0; // threads moving data (pairs, all-reduce sums) outside the lock
 };
 
 } // namespace pipec

@@ -2,7 +2,8 @@
 //
 // Two pieces the device backends build on, checked without a GPU: the hook through which the
 // one-GPU cuda backend moves messages and all-reduce operands (runtime/Transport.h; messages of
-// different rank pairs move side by side, outside the matching lock), and the
+// different rank pairs, and all-reduces of different groups, move side by side, outside the
+// matching lock), and the
 // first-fit arena that sizes each rank's activation memory from a warm-up step
 // (runtime/OffsetArena.h). The arena is held against an independent overlap check and against
 // the closed form of 1F1B's in-flight activations.
@@ -258,12 +259,28 @@ TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
   EXPECT_EQ(mover.lastArrived, 1);
 }
 
-/// Each delivery waits (up to a few seconds) until another one is under way at the same time,
-/// and records whether it saw one: deliveries made under one lock never meet.
+/// Each delivery and each sum waits (up to a few seconds) until another one is under way at the
+/// same time, and records whether it saw one: moves made under one lock never meet.
 class MeetingMover final : public InProcessMover {
 public:
   llvm::Error deliver(const P2POp &s, int, size_t, const P2POp &r, int, size_t) override {
     std::copy(s.data.floats().begin(), s.data.floats().end(), r.data.floats().begin());
+    meet();
+    return llvm::Error::success();
+  }
+  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int,
+                  llvm::ArrayRef<TensorView> buffers) override {
+    for (size_t i = 0; i < buffers[0].count; ++i) {
+      float total = 0;
+      for (const TensorView &b : buffers)
+        total += b.floats()[i];
+      for (const TensorView &b : buffers)
+        b.floats()[i] = total;
+    }
+    meet();
+    return llvm::Error::success();
+  }
+  void meet() {
     std::unique_lock<std::mutex> lock(mu);
     ++inside;
     cv.notify_all();
@@ -272,16 +289,12 @@ public:
     overlapped = overlapped || inside >= 2;
     cv.notify_all();
     --inside;
-    return llvm::Error::success();
-  }
-  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int, llvm::ArrayRef<TensorView>) override {
-    return llvm::Error::success();
   }
   std::mutex mu;
   std::condition_variable cv;
   int inside = 0;
   bool overlapped = false;
-  std::vector<bool> met; // per delivery: did another run at the same time
+  std::vector<bool> met; // per move: did another run at the same time
 };
 
 TEST(MoverTest, PairsOfDifferentRanksAreDeliveredSideBySide) {
@@ -305,6 +318,30 @@ TEST(MoverTest, PairsOfDifferentRanksAreDeliveredSideBySide) {
   EXPECT_EQ(data[3], data[2]);
   ASSERT_EQ(mover.met.size(), 2u);
   EXPECT_TRUE(mover.met[0] && mover.met[1]) << "the two pairs were delivered one at a time";
+}
+
+TEST(MoverTest, AllReducesOfDifferentGroupsAreSummedSideBySide) {
+  // Two tp groups, {0, 1} and {2, 3} (two pipeline ranks' shards): their sums do not wait for
+  // each other.
+  MeetingMover mover;
+  InProcessTransport t(4, {}, &mover);
+  std::vector<std::vector<float>> data{{1, 2}, {10, 20}, {3, 4}, {30, 40}};
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k)
+    threads.emplace_back([&, k] {
+      std::vector<int> members{k / 2 * 2, k / 2 * 2 + 1};
+      llvm::Error err = t.allReduce(CollectiveGroup::Tp, fmt::format("tp/{}", k / 2), members, k,
+                                    std::span<float>(data[size_t(k)]));
+      EXPECT_FALSE(bool(err)) << takeMessage(std::move(err));
+    });
+  for (auto &th : threads)
+    th.join();
+  EXPECT_EQ(data[0], (std::vector<float>{11, 22}));
+  EXPECT_EQ(data[1], (std::vector<float>{11, 22}));
+  EXPECT_EQ(data[2], (std::vector<float>{33, 44}));
+  EXPECT_EQ(data[3], (std::vector<float>{33, 44}));
+  ASSERT_EQ(mover.met.size(), 2u);
+  EXPECT_TRUE(mover.met[0] && mover.met[1]) << "the two all-reduces were summed one at a time";
 }
 
 TEST(MoverTest, AMoverErrorFailsBothSidesOfTheExchangeWithItsMessage) {
