@@ -98,10 +98,12 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     // buffers; a failing one waits for `delivering` to drop to zero before it leaves.
     ++delivering;
     lock.unlock();
-    llvm::Error err = llvm::Error::success();
-    for (const Match &m : matches)
-      if ((err = deliver(m)))
-        break;
+    llvm::Error err = [&]() -> llvm::Error {
+      for (const Match &m : matches)
+        if (llvm::Error e = deliver(m))
+          return e;
+      return llvm::Error::success();
+    }();
     lock.lock();
     --delivering;
     if (err) {
@@ -159,6 +161,10 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
   assert(it != members.end() && "all-reduce by a non-member");
   size_t index = size_t(it - members.begin());
   std::unique_lock<std::mutex> lock(mu);
+  // After a failure, members that were waiting have left (their buffers with them): a late
+  // arriver must not complete the sum.
+  if (!failure.empty())
+    return llvm::make_error<Finding>(failure);
   Rendezvous &rv = rendezvous[key];
   if (rv.buffers.size() != members.size())
     rv.buffers.assign(members.size(), {});

@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -342,6 +343,88 @@ TEST(MoverTest, AllReducesOfDifferentGroupsAreSummedSideBySide) {
   EXPECT_EQ(data[3], (std::vector<float>{33, 44}));
   ASSERT_EQ(mover.met.size(), 2u);
   EXPECT_TRUE(mover.met[0] && mover.met[1]) << "the two all-reduces were summed one at a time";
+}
+
+/// Holds every delivery until release().
+class BlockingMover final : public InProcessMover {
+public:
+  llvm::Error deliver(const P2POp &s, int, size_t, const P2POp &r, int, size_t) override {
+    std::copy(s.data.floats().begin(), s.data.floats().end(), r.data.floats().begin());
+    std::unique_lock<std::mutex> lock(mu);
+    entered = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return released; });
+    return llvm::Error::success();
+  }
+  llvm::Error sum(CollectiveGroup, llvm::ArrayRef<int>, int, llvm::ArrayRef<TensorView>) override {
+    return llvm::Error::success();
+  }
+  void waitEntered() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return entered; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
+  }
+
+private:
+  std::mutex mu;
+  std::condition_variable cv;
+  bool entered = false, released = false;
+};
+
+TEST(MoverTest, AnAbortDoesNotReleaseTheOwnersOfAPairStillBeingDelivered) {
+  // The watchdog may abort while a pair's data is moving outside the transport's lock: both
+  // owners must stay in exchange() (their buffers and bookkeeping in use) until it has moved.
+  BlockingMover mover;
+  InProcessTransport t(2, {}, &mover);
+  std::vector<float> a{1, 2}, got(2);
+  std::atomic<int> returned{0};
+  std::string sendMessage, recvMessage;
+  std::thread sender([&] {
+    P2POp ops[] = {op(true, 1, 0, a)};
+    sendMessage = takeMessage(t.exchange(0, ops));
+    ++returned;
+  });
+  std::thread receiver([&] {
+    P2POp ops[] = {op(false, 0, 0, got)};
+    recvMessage = takeMessage(t.exchange(1, ops));
+    ++returned;
+  });
+  mover.waitEntered();
+  t.abort("watchdog: no progress");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(returned.load(), 0) << "an owner left while its pair was still being delivered";
+  mover.release();
+  sender.join();
+  receiver.join();
+  EXPECT_EQ(got, a);
+  EXPECT_NE(sendMessage.find("watchdog: no progress"), std::string::npos) << sendMessage;
+  EXPECT_NE(recvMessage.find("watchdog: no progress"), std::string::npos) << recvMessage;
+}
+
+TEST(MoverTest, AMemberArrivingAfterAFailureDoesNotSumIntoOneThatLeft) {
+  // Member 0 waits, the watchdog aborts and member 0 leaves (its buffer is the backend's to
+  // reuse); member 1 comes later and must fail too, touching nobody's buffer.
+  InProcessTransport t(2, {});
+  std::vector<float> first{1, 2}, second{10, 20};
+  std::vector<int> members{0, 1};
+  std::string firstMessage;
+  std::thread member0([&] {
+    firstMessage =
+        takeMessage(t.allReduce(CollectiveGroup::Tp, "tp/0", members, 0, std::span<float>(first)));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50)); // (member 0 is usually waiting)
+  t.abort("watchdog: no progress");
+  member0.join();
+  std::string secondMessage =
+      takeMessage(t.allReduce(CollectiveGroup::Tp, "tp/0", members, 1, std::span<float>(second)));
+  EXPECT_NE(firstMessage.find("watchdog: no progress"), std::string::npos) << firstMessage;
+  EXPECT_NE(secondMessage.find("watchdog: no progress"), std::string::npos) << secondMessage;
+  EXPECT_EQ(first, (std::vector<float>{1, 2}));
+  EXPECT_EQ(second, (std::vector<float>{10, 20}));
 }
 
 TEST(MoverTest, AMoverErrorFailsBothSidesOfTheExchangeWithItsMessage) {

@@ -102,7 +102,9 @@ llvm::Error LocalCudaTransport::deliver(const P2POp &s, int sOwner, size_t, cons
   // sits exactly where the group is in each stream. The sender's `ready` is this group's record
   // (it re-records only after its exchange returns). Deliveries run outside the transport's lock,
   // and two senders' threads may deliver into one receiver at once: the receiver's copyMu keeps
-  // each record of `copied` together with the sender's wait for it.
+  // each record of `copied` together with its sender's wait, so a sender waits for its own copy
+  // and not for a later one (which would be safe too, since it is queued after ours, but would
+  // hold the sender's compute stream for another rank's copy).
   PerThread &sender = *threads[size_t(sOwner)], &receiver = *threads[size_t(rOwner)];
   std::lock_guard<std::mutex> lock(receiver.copyMu);
   PIPEC_CUDA_TRY(cudaStreamWaitEvent(receiver.compute, sender.ready.get(), 0));

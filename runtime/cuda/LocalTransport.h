@@ -12,9 +12,9 @@
 //               the copy lands before anything it queues later reads the buffer), then the
 //               receiver's `copied` event, which the sender's compute stream waits for before it
 //               reuses the buffer. Pairs are delivered outside the matching lock, so the
-//               ranks' pairs are queued side by side; the receiver's own lock keeps each
-//               record of `copied` with the wait for it, and `ready` is recorded only by its
-//               thread before it posts, so no later record of either event is taken by mistake.
+//               ranks' pairs are queued side by side; `ready` is recorded only by its thread
+//               before it posts, and the receiver's own lock keeps each record of `copied`
+//               with its sender's wait, so a sender waits for its own copy, not a later one.
 //               Five CUDA calls per pair: record ready (once per group), wait, copy, record,
 //               wait; none for an empty message.
 //   all-reduce  per thread a tp, a dp and an embedding stream, as the nccl transport: a member
