@@ -567,6 +567,19 @@ TEST(ReferenceRunTest, EveryDpReplicaMustHoldReplicaZerosWeights) {
   EXPECT_EQ(absent.dpCopy.replica, 1);
   EXPECT_EQ(absent.dpCopy.stage, 0);
   EXPECT_EQ(absent.dpCopy.tpRank, 1);
+  EXPECT_TRUE(absent.dpCopy.missing);
+  EXPECT_FALSE(differ.dpCopy.missing);
+  // (A failed process's replica is not said to hold other weights: it reported none.)
+  EXPECT_NE(weightCheckReport(absent).find("\ndp_copies=differ: dp replica 1 reported no weights "
+                                           "of stage 0 (tp rank 1); its process failed"),
+            std::string::npos)
+      << weightCheckReport(absent);
+  WeightCheck onlyAbsent = absent; // (the planted weights here are not the reference's)
+  onlyAbsent.maxRatio = 0.5;
+  const std::string absentVerdict = takeMessage(judgeWeightCheck(onlyAbsent));
+  EXPECT_NE(absentVerdict.find("dp replica 1 reported no weights of stage 0 (tp rank 1)"),
+            std::string::npos)
+      << absentVerdict;
 
   // The digest tells bits apart: one ulp, the sign of zero, and the order of the values.
   const std::vector<float> v{0.5f, -1.25f, 3.0f};

@@ -192,7 +192,7 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
     for (const auto &[key, digest] : replica0) {
       auto it = weights.digests.find({d, key.first, key.second});
       if (it == weights.digests.end() || it->second != digest) {
-        check.dpCopy = {d, key.first, key.second};
+        check.dpCopy = {d, key.first, key.second, it == weights.digests.end()};
         break;
       }
     }
@@ -320,6 +320,10 @@ std::string weightCheckReport(const WeightCheck &w) {
     const WeightCheck::Replica &r = w.dpCopy;
     if (r.replica < 0)
       out += fmt::format("dp_copies=identical (the {} dp replicas' weights, bit for bit)\n", w.dp);
+    else if (r.missing)
+      out += fmt::format("dp_copies=differ: dp replica {} reported no weights of stage {} (tp rank "
+                         "{}); its process failed and says why\n",
+                         r.replica, r.stage, r.tpRank);
     else
       out += fmt::format("dp_copies=differ: dp replica {}'s weights of stage {} (tp rank {}) are "
                          "not replica 0's\n",
@@ -335,6 +339,11 @@ llvm::Error judgeWeightCheck(const WeightCheck &w) {
     if (w.tp <= 1 || c.step < 0) {
       if (w.dp <= 1 || r.replica < 0)
         return llvm::Error::success();
+      if (r.missing)
+        return finding("after {} AdamW step(s), dp replica {} reported no weights of stage {} (tp "
+                       "rank {}), so they could not be compared with replica 0's; its process "
+                       "failed and its own error says why",
+                       w.steps, r.replica, r.stage, r.tpRank);
       return finding("after {} AdamW step(s), dp replica {}'s weights of stage {} (tp rank {}) "
                      "differ from replica 0's; every replica must take the same steps from the "
                      "same all-reduced gradients (a tensor left out of the dp all-reduce, or a "

@@ -115,6 +115,7 @@ struct WeightCheck {
   /// (or it reported none); replica < 0: none.
   struct Replica {
     int replica = -1, stage = 0, tpRank = 0;
+    bool missing = false; // the replica reported no digest (its process failed; it says why)
   } dpCopy;
 };
 inline constexpr double kWeightLrTolerance = 1e-3, kWeightLrPerStep = 1e-5;
