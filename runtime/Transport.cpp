@@ -57,6 +57,14 @@ void InProcessTransport::matchLocked(Channel &c, llvm::SmallVectorImpl<Match> &m
   }
 }
 
+void InProcessTransport::failLocked(llvm::Error err) {
+  if (failure.empty())
+    failure = takeMessage(std::move(err));
+  else
+    llvm::consumeError(std::move(err)); // (the first failure is the one reported)
+  failed = true;
+}
+
 llvm::Error InProcessTransport::deliver(const Match &m) {
   const P2POp &s = m.send->op, &r = m.recv->op;
   if (mover)
@@ -107,11 +115,7 @@ llvm::Error InProcessTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     lock.lock();
     --delivering;
     if (err) {
-      if (failure.empty())
-        failure = takeMessage(std::move(err));
-      else
-        llvm::consumeError(std::move(err));
-      failed = true;
+      failLocked(std::move(err));
     } else {
       for (const Match &m : matches) {
         m.send->done.store(true, std::memory_order_release);
@@ -189,11 +193,7 @@ llvm::Error InProcessTransport::allReduce(CollectiveGroup group, const std::stri
     lock.lock();
     --delivering;
     if (err) {
-      if (failure.empty())
-        failure = takeMessage(std::move(err));
-      else
-        llvm::consumeError(std::move(err));
-      failed = true;
+      failLocked(std::move(err));
       cv.notify_all();
       return llvm::make_error<Finding>(failure);
     }

@@ -128,6 +128,9 @@ private:
   };
   /// Takes the pairs `c` can match into `matches` (sets `failure` on a mismatch).
   void matchLocked(Channel &c, llvm::SmallVectorImpl<Match> &matches);
+  /// Under the lock: a move failed with `err` (kept unless an earlier failure is); the caller
+  /// wakes the waiters.
+  void failLocked(llvm::Error err);
   /// Moves one matched pair's data (the mover's, or a host copy); outside the lock.
   llvm::Error deliver(const Match &m);
   /// The default all-reduce: fp32 sums on the host in member order; outside the lock.
