@@ -1,9 +1,10 @@
 //===- Wgmma.cuh - Hopper's warpgroup MMA, and the mbarriers that feed it -*- CUDA -*-===//
 //
 // wgmma.mma_async (PTX ISA 8.0+, sm_90a) for bf16 inputs and fp32 accumulators, with A in
-// registers and B in shared memory behind a matrix descriptor without swizzle, as the attention
-// kernels use it (Attention.cu). Four warps (a warpgroup, 128 threads from a multiple of 128)
-// issue each one together; the instruction runs asynchronously until wgmmaWait:
+// registers (or in shared memory) and B in shared memory behind a matrix descriptor without
+// swizzle or with the 128-byte one, as the attention kernels use it (Attention.cu). Four warps
+// (a warpgroup, 128 threads from a multiple of 128) issue each one together; the instruction
+// runs asynchronously until wgmmaWait:
 //
 //   wgmmaFence();                       // registers written before are ready for the wgmma
 //   wgmmaBf16<N, TransposeB>(d, a, descriptor, accumulate);   // any number of them
@@ -15,7 +16,8 @@
 // + {0, 1}; d[4 j + e] is row g + 8 (e >> 1), column 8 j + 2 t + (e & 1) (g = lane / 4,
 // t = lane % 4). B (16 x N) is K-major (each of its N columns holds its k values together;
 // TransposeB false) or MN-major (TransposeB true); wgmmaDescriptor builds its descriptor. On the
-// kernel emulator (kernels/cuda/emu) the same calls compute at once.
+// kernel emulator (kernels/cuda/emu) the same calls run asynchronously too, and a wait ends the
+// run if the registers or shared memory of a wgmma in flight were touched (KernelEmu.h).
 //
 // Only for code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere (the compute_90 PTX
 // that newer GPUs JIT) each call traps, so a caller must choose these kernels only on a
@@ -63,21 +65,27 @@ __device__ __forceinline__ uint64_t wgmmaDescriptor(const void *tile, uint32_t l
 
 /// Registers written before it are ready for the wgmma instructions after it.
 __device__ __forceinline__ void wgmmaFence() {
-#if defined(PIPEC_HAS_WGMMA) && !defined(PIPEC_KERNEL_EMU)
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::wgmmaFence();
+#elif defined(PIPEC_HAS_WGMMA)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
 
 /// The wgmma instructions issued since the last commit become one group.
 __device__ __forceinline__ void wgmmaCommit() {
-#if defined(PIPEC_HAS_WGMMA) && !defined(PIPEC_KERNEL_EMU)
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::wgmmaCommit();
+#elif defined(PIPEC_HAS_WGMMA)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 
 /// Waits until at most `Pending` committed groups are in flight.
 template <int Pending> __device__ __forceinline__ void wgmmaWait() {
-#if defined(PIPEC_HAS_WGMMA) && !defined(PIPEC_KERNEL_EMU)
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::wgmmaWait(Pending);
+#elif defined(PIPEC_HAS_WGMMA)
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
@@ -94,7 +102,9 @@ template <int N> __device__ __forceinline__ void wgmmaFenceRegisters(float (&d)[
 /// Stores by this thread to shared memory are visible to the async proxy (wgmma's operand reads)
 /// once a barrier follows.
 __device__ __forceinline__ void fenceProxyAsyncShared() {
-#if defined(PIPEC_HAS_WGMMA) && !defined(PIPEC_KERNEL_EMU)
+#ifdef PIPEC_KERNEL_EMU
+  ::pipec::emu::kernel::fenceProxyAsyncShared();
+#elif defined(PIPEC_HAS_WGMMA)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }

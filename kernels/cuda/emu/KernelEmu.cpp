@@ -166,13 +166,37 @@ struct AsyncCopy {
   const void *from; // null: 16 zero bytes (cp.async with a source size of 0)
 };
 
-/// Lands a cp.async copy.
-void land(const AsyncCopy &c) {
-  if (c.from)
-    std::memcpy(c.to, c.from, 16);
-  else
-    std::memset(c.to, 0, 16);
-}
+/// Where a wgmma reads its shared-memory operands: the warp's instruction's descriptors.
+struct OperandRead {
+  uint64_t a = 0, b = 0;   // descriptors (a: only with sharedA)
+  bool sharedA = false;    // A read through `a` (K-major), not from registers
+  bool transposeB = false; // B MN-major
+  int n = 0, warpInGroup = 0;
+};
+
+/// Bits of a float that marks an accumulator register a wgmma in flight will write: a quiet NaN,
+/// so a read before the wait spreads NaN, and a payload no arithmetic produces, so a write
+/// before the wait shows.
+constexpr uint32_t kInFlightBits = 0x7fdead00u;
+
+/// One lane's wgmma.mma_async in flight: issued, not yet completed by a wait_group.
+struct InFlightWgmma {
+  float *d = nullptr;
+  int n = 0;
+  std::array<float, 128> result{};  // d[0, n / 2) once it completes (computed at the issue)
+  const uint32_t *a = nullptr;      // the A-fragment registers (null: A in shared memory) ...
+  std::array<uint32_t, 4> aBits{};  // ... as the instruction read them
+  OperandRead read;                 // lane 0 of each warp: the shared memory the warp's
+  std::vector<uint16_t> sharedBits; // instruction reads, and its bits at the issue
+};
+
+/// Registers wgmma instructions read or write, as the async proxy last saw them: at the thread's
+/// last wgmma.fence, at the wgmma that read them, or at the wait that wrote them.
+struct WatchedRegisters {
+  const void *at;
+  size_t bytes;
+  std::array<uint32_t, 128> bits; // up to an m64n256 accumulator
+};
 
 struct Fiber {
   Context context;
@@ -183,6 +207,10 @@ struct Fiber {
   std::deque<std::vector<AsyncCopy>> committed; // groups in flight, oldest first
   const uint64_t *mbarrier = nullptr;           // AtMbarrier: the barrier waited on ...
   unsigned parity = 0;                          // ... until its phase of this parity completes
+  std::vector<InFlightWgmma> wgmmaUncommitted;  // wgmma since the last commit
+  std::deque<std::vector<InFlightWgmma>> wgmmaCommitted; // groups in flight, oldest first
+  std::vector<WatchedRegisters> watched;
+  bool wgmmaFenced = false; // a wgmma.fence since the thread started
 };
 
 // An mbarrier in emulation: its 8 bytes hold the arrivals still pending in the current phase
@@ -219,6 +247,10 @@ struct Grid {
   // and only at the wait that covers them (the latest) in the others: the first shows a copy
   // into a buffer that a slower warp still reads, the second a read that did not wait.
   bool copiesLandEarly = false;
+  // Per 16 bytes of shared memory: written by cp.async, and no fence.proxy.async (by any thread)
+  // since; wgmma must not read it. The marked chunks, to clear them.
+  std::vector<uint8_t> unfenced;
+  std::vector<size_t> unfencedChunks;
 };
 
 thread_local Grid *running = nullptr;
@@ -253,6 +285,20 @@ size_t linearThread(const ThreadCoords &c) {
   return c.thread.x + size_t(c.blockDim.x) * (c.thread.y + size_t(c.blockDim.y) * c.thread.z);
 }
 
+/// Lands a cp.async copy; the chunk is unfenced for wgmma until a fence.proxy.async.
+void land(const AsyncCopy &c) {
+  if (c.from)
+    std::memcpy(c.to, c.from, 16);
+  else
+    std::memset(c.to, 0, 16);
+  Grid &g = grid();
+  const size_t chunk = size_t(static_cast<std::byte *>(c.to) - g.shared.data()) / 16;
+  if (!g.unfenced[chunk]) {
+    g.unfenced[chunk] = 1;
+    g.unfencedChunks.push_back(chunk);
+  }
+}
+
 /// Back to the scheduler, in `state`.
 void wait(State state) {
   Fiber &f = self();
@@ -266,6 +312,8 @@ void wait(State state) {
   Fiber &f = g.fibers[g.current];
   if (!f.uncommitted.empty() || !f.committed.empty())
     fatal("a thread exited with cp.async copies it never waited for");
+  if (!f.wgmmaUncommitted.empty() || !f.wgmmaCommitted.empty())
+    fatal("a thread exited with wgmma.mma_async in flight (no wgmma.wait_group covers it)");
   f.state = State::Done;
   switchTo(f.context, g.scheduler);
   fatal("a finished thread was resumed");
@@ -282,12 +330,19 @@ void runBlock(Grid &g, const ThreadCoords &base) {
     f.state = State::Ready;
     f.uncommitted.clear();
     f.committed.clear();
+    f.wgmmaUncommitted.clear();
+    f.wgmmaCommitted.clear();
+    f.watched.clear();
+    f.wgmmaFenced = false;
     f.coords = base;
     f.coords.thread =
         Index{unsigned(i % base.blockDim.x), unsigned(i / base.blockDim.x % base.blockDim.y),
               unsigned(i / (size_t(base.blockDim.x) * base.blockDim.y))};
   }
   std::memset(g.shared.data(), 0xff, g.shared.size()); // NaN until written
+  for (size_t chunk : g.unfencedChunks)
+    g.unfenced[chunk] = 0;
+  g.unfencedChunks.clear();
   // Rounds alternate between ascending and descending thread order, so that a thread reading
   // what another wrote in the same barrier interval (a missing __syncthreads) runs before the
   // writer in one of them. Warps do not advance in lockstep either: between two block barriers
@@ -411,6 +466,8 @@ void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::functio
     g.fibers.resize(g.threads);
   g.warps.assign((g.threads + kWarp - 1) / kWarp, WarpSlots{});
   g.shared.assign(sharedBytes, std::byte{0});
+  g.unfenced.assign(sharedBytes / 16 + 1, 0);
+  g.unfencedChunks.clear();
   g.body = &body;
   running = &g;
   ThreadCoords base;
@@ -635,9 +692,9 @@ uint32_t sharedOffset(const void *p) {
 }
 
 namespace {
-/// Element (k, col) of B (16 x n), or, K-major (transposeB false), element (col, k) of A, read
-/// from shared memory through the descriptor `desc`.
-float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
+/// The offset in the block's dynamic shared memory of element (k, col) of B (16 x n), or,
+/// K-major (transposeB false), element (col, k) of A, read through the descriptor `desc`.
+size_t descriptorOffset(uint64_t desc, int k, int col, bool transposeB) {
   // The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
   // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51
   // (must be 0 here) and the swizzle mode bits 62-63 (0 none, 1 128-byte; the others are not
@@ -674,9 +731,150 @@ float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
     offset ^= (offset >> 7 & 7) << 4;
   if (offset + 2 > g.shared.size())
     fatal("wgmma: an operand reaches past the block's dynamic shared memory");
+  return offset;
+}
+
+uint16_t sharedBits(size_t offset) {
   uint16_t bits;
-  std::memcpy(&bits, g.shared.data() + offset, 2);
-  return bf16Low(bits);
+  std::memcpy(&bits, grid().shared.data() + offset, 2);
+  return bits;
+}
+
+/// Element (k, col) of B, or (col, k) of A, as descriptorOffset.
+float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
+  return bf16Low(sharedBits(descriptorOffset(desc, k, col, transposeB)));
+}
+
+[[noreturn]] void wgmmaHazard(const char *what) {
+  const ThreadCoords &c = self().coords;
+  const size_t t = linearThread(c);
+  char message[512];
+  std::snprintf(message, sizeof message, "block (%u, %u, %u), thread %zu (warp %zu, lane %zu): %s",
+                c.block.x, c.block.y, c.block.z, t, t / kWarp, t % kWarp, what);
+  fatal(message);
+}
+
+/// The bits of every shared-memory element a warp's wgmma reads (B's 16 x n, then the warp's 16
+/// rows of A when A is in shared memory). With `atIssue`, an element that cp.async wrote with no
+/// fence.proxy.async since ends the run.
+std::vector<uint16_t> readShared(const OperandRead &r, bool atIssue) {
+  Grid &g = grid();
+  std::vector<uint16_t> bits;
+  bits.reserve(size_t(16) * size_t(r.n) + (r.sharedA ? 256 : 0));
+  auto add = [&](size_t offset) {
+    if (atIssue && g.unfenced[offset / 16])
+      wgmmaHazard("wgmma reads shared memory that cp.async wrote, with no fence.proxy.async "
+                  "(fenceProxyAsyncShared) since: the async proxy may not see the copy");
+    bits.push_back(sharedBits(offset));
+  };
+  for (int k = 0; k < 16; ++k)
+    for (int col = 0; col < r.n; ++col)
+      add(descriptorOffset(r.b, k, col, r.transposeB));
+  if (r.sharedA)
+    for (int row = 0; row < 16; ++row)
+      for (int k = 0; k < 16; ++k)
+        add(descriptorOffset(r.a, k, 16 * r.warpInGroup + row, false));
+  return bits;
+}
+
+WatchedRegisters *findWatched(Fiber &f, const void *at) {
+  for (WatchedRegisters &w : f.watched)
+    if (w.at == at)
+      return &w;
+  return nullptr;
+}
+
+/// The async proxy has seen `bytes` at `at` as they are now.
+void remember(Fiber &f, const void *at, size_t bytes) {
+  WatchedRegisters *w = findWatched(f, at);
+  if (!w) {
+    f.watched.push_back({at, bytes, {}});
+    w = &f.watched.back();
+  }
+  w->bytes = bytes;
+  std::memcpy(w->bits.data(), at, bytes);
+}
+
+/// Registers a wgmma is about to access: unless first seen now, as the async proxy last saw them
+/// (the PTX ISA asks for a wgmma.fence between another instruction's access and a wgmma's).
+void checkFenced(Fiber &f, const void *at, size_t bytes, const char *what) {
+  const WatchedRegisters *w = findWatched(f, at);
+  if (w && w->bytes == bytes && std::memcmp(w->bits.data(), at, bytes) != 0) {
+    char message[300];
+    std::snprintf(message, sizeof message,
+                  "%s of a wgmma were written since the last wgmma.fence (wgmmaFence): the "
+                  "wgmma may read them before the write",
+                  what);
+    wgmmaHazard(message);
+  }
+}
+
+/// The newest wgmma in flight that writes `d`, if any.
+const InFlightWgmma *newestInFlight(const Fiber &f, const float *d) {
+  for (auto op = f.wgmmaUncommitted.rbegin(); op != f.wgmmaUncommitted.rend(); ++op)
+    if (op->d == d)
+      return &*op;
+  for (auto group = f.wgmmaCommitted.rbegin(); group != f.wgmmaCommitted.rend(); ++group)
+    for (auto op = group->rbegin(); op != group->rend(); ++op)
+      if (op->d == d)
+        return &*op;
+  return nullptr;
+}
+
+/// The start of a lane's wgmma: the PTX ISA's rules on its registers, and the accumulator it adds
+/// to (that of the newest wgmma in flight on `d`: accumulating into the same registers needs no
+/// wait, or d itself).
+InFlightWgmma beginWgmma(Fiber &f, float *d, int n, bool accumulate, const uint32_t *a) {
+  if (!f.wgmmaFenced)
+    wgmmaHazard("a wgmma.mma_async before the thread's first wgmma.fence (wgmmaFence)");
+  if (a)
+    checkFenced(f, a, 4 * sizeof(uint32_t), "the A-fragment registers");
+  InFlightWgmma op;
+  op.d = d;
+  op.n = n;
+  op.a = a;
+  if (a)
+    std::memcpy(op.aBits.data(), a, 4 * sizeof(uint32_t));
+  const size_t count = size_t(n) / 2;
+  if (const InFlightWgmma *chained = newestInFlight(f, d)) {
+    if (chained->n != n)
+      wgmmaHazard("two wgmma of different shapes in flight on the same accumulator registers");
+    op.result = chained->result;
+  } else {
+    checkFenced(f, d, count * sizeof(float), "the accumulator registers");
+    std::copy(d, d + count, op.result.begin());
+  }
+  return op;
+}
+
+/// The end of a lane's wgmma issue: d waits for the result, the A registers are seen as read.
+void issueWgmma(Fiber &f, InFlightWgmma op) {
+  const size_t count = size_t(op.n) / 2;
+  for (size_t i = 0; i < count; ++i)
+    std::memcpy(&op.d[i], &kInFlightBits, 4);
+  if (op.a)
+    remember(f, op.a, 4 * sizeof(uint32_t));
+  f.wgmmaUncommitted.push_back(std::move(op));
+}
+
+/// Completes `op` at a wait: nothing it uses was touched while it ran; its result lands in d
+/// unless a newer wgmma in flight (`superseded`) adds to it.
+void completeWgmma(Fiber &f, const InFlightWgmma &op, bool superseded) {
+  const size_t count = size_t(op.n) / 2;
+  for (size_t i = 0; i < count; ++i)
+    if (std::memcmp(&op.d[i], &kInFlightBits, 4) != 0)
+      wgmmaHazard("the accumulator registers of a wgmma in flight were written before the "
+                  "wgmma.wait_group that covers it");
+  if (op.a && std::memcmp(op.a, op.aBits.data(), 4 * sizeof(uint32_t)) != 0)
+    wgmmaHazard("the A-fragment registers of a wgmma in flight changed before the "
+                "wgmma.wait_group that covers it");
+  if (!op.sharedBits.empty() && readShared(op.read, false) != op.sharedBits)
+    wgmmaHazard("shared memory a wgmma in flight reads was written before the wgmma.wait_group "
+                "that covers it (a buffer reused too early, or a wait missing)");
+  if (superseded)
+    return;
+  std::copy(op.result.begin(), op.result.begin() + count, op.d);
+  remember(f, op.d, count * sizeof(float));
 }
 } // namespace
 
@@ -706,26 +904,35 @@ void accumulateRows(float *d, int n, int lane, bool accumulate, A aAt, B bAt) {
 } // namespace
 
 void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
-  const ThreadCoords &c = self().coords;
+  Fiber &f = self();
+  const ThreadCoords &c = f.coords;
   const size_t t = linearThread(c);
   checkWgmma(c, n);
+  InFlightWgmma op = beginWgmma(f, d, n, accumulate, nullptr);
   WarpSlots &slots = grid().warps[t / kWarp];
   const int lane = int(t % kWarp), warpInGroup = int(t / kWarp % 4);
   slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
   wait(State::AtWarpBarrier);
   accumulateRows(
-      d, n, lane, accumulate,
+      op.result.data(), n, lane, accumulate,
       [&](int row, int k) { return descriptorElement(a, k, 16 * warpInGroup + row, false); },
       [&](int k, int col) { return descriptorElement(b, k, col, false); });
+  if (lane == 0) {
+    op.read = OperandRead{a, b, /*sharedA=*/true, /*transposeB=*/false, n, warpInGroup};
+    op.sharedBits = readShared(op.read, /*atIssue=*/true);
+  }
   wait(State::AtWarpBarrier);
+  issueWgmma(f, std::move(op));
 }
 
 void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
                bool transposeB) {
   Grid &g = grid();
-  const ThreadCoords &c = self().coords;
+  Fiber &f = self();
+  const ThreadCoords &c = f.coords;
   const size_t t = linearThread(c);
   checkWgmma(c, n);
+  InFlightWgmma op = beginWgmma(f, d, n, accumulate, a);
   WarpSlots &slots = g.warps[t / kWarp];
   const int lane = int(t % kWarp);
   slots.mask[size_t(lane)] = 0xffffffffu; // .sync.aligned: the whole warp (and warpgroup)
@@ -737,8 +944,52 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
     const uint32_t reg = slots.a[size_t(owner)][size_t((row / 8) + 2 * (col / 8))];
     return col % 2 ? bf16High(reg) : bf16Low(reg);
   };
-  accumulateRows(d, n, lane, accumulate, aAt, bAt);
+  accumulateRows(op.result.data(), n, lane, accumulate, aAt, bAt);
+  if (lane == 0) {
+    op.read = OperandRead{0, b, /*sharedA=*/false, transposeB, n, int(t / kWarp % 4)};
+    op.sharedBits = readShared(op.read, /*atIssue=*/true);
+  }
   wait(State::AtWarpBarrier); // every lane has read the fragments
+  issueWgmma(f, std::move(op));
+}
+
+void wgmmaFence() {
+  Fiber &f = self();
+  f.wgmmaFenced = true;
+  for (WatchedRegisters &w : f.watched)
+    std::memcpy(w.bits.data(), w.at, w.bytes);
+}
+
+void wgmmaCommit() {
+  Fiber &f = self();
+  f.wgmmaCommitted.push_back(std::move(f.wgmmaUncommitted));
+  f.wgmmaUncommitted.clear();
+}
+
+void wgmmaWait(int pending) {
+  Fiber &f = self();
+  const size_t t = linearThread(f.coords);
+  // .sync.aligned: the whole warp waits together, so its lanes' writes before the wait are in
+  // place when lane 0 checks the shared memory its instructions read.
+  grid().warps[t / kWarp].mask[t % kWarp] = 0xffffffffu;
+  wait(State::AtWarpBarrier);
+  while (f.wgmmaCommitted.size() > size_t(std::max(pending, 0))) {
+    std::vector<InFlightWgmma> group = std::move(f.wgmmaCommitted.front());
+    f.wgmmaCommitted.pop_front();
+    for (size_t i = 0; i < group.size(); ++i) {
+      bool superseded = newestInFlight(f, group[i].d) != nullptr;
+      for (size_t j = i + 1; j < group.size() && !superseded; ++j)
+        superseded = group[j].d == group[i].d;
+      completeWgmma(f, group[i], superseded);
+    }
+  }
+}
+
+void fenceProxyAsyncShared() {
+  Grid &g = grid();
+  for (size_t chunk : g.unfencedChunks)
+    g.unfenced[chunk] = 0;
+  g.unfencedChunks.clear();
 }
 
 void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,

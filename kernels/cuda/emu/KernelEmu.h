@@ -22,9 +22,10 @@
 // mma.sync m16n8k16 with bf16 inputs and fp32 accumulation (Device.cuh's mmaBf16, with the PTX
 // ISA's fragment layout), ldmatrix .x4 .trans (ldmatrixX4Trans; a row address that is not
 // 16-byte aligned ends the run), cp.async to dynamic shared memory (a copy lands at the
-// wait_group that covers it, or in every other block at once), Hopper's wgmma (register A,
-// descriptor B without swizzle or with the 128-byte one) and mbarriers (Wgmma.cuh; a wait blocks
-// until the scheduler sees its phase complete), launch configuration limits (block
+// wait_group that covers it, or in every other block at once), Hopper's wgmma (A in registers
+// or shared memory, descriptors without swizzle or with the 128-byte one; asynchronous, below)
+// and mbarriers (Wgmma.cuh; a wait blocks until the scheduler sees its phase complete), launch
+// configuration limits (block
 // size, the 48 KiB dynamic shared memory default and cudaFuncSetAttribute raising it), and the
 // launch error of a refused launch through cudaGetLastError. Launches run in stream order
 // (emu::enqueue). What is not: timing, memory coalescing and bank conflicts, every interleaving
@@ -34,6 +35,16 @@
 // one still reads, but not always), out-of-bounds accesses (run the emulated test under ASan for
 // them), __launch_bounds__ (a launch above the bound runs here and fails on the GPU), registers and
 // occupancy.
+//
+// wgmma runs as on a GPU, asynchronously: its product is computed at the issue, but its
+// accumulator registers hold a NaN pattern until the wgmma.wait_group that covers it writes the
+// result, so a read before the wait spreads NaN. The run ends, naming the rule, where the PTX
+// ISA leaves the kernel undefined: a wgmma before the thread's first wgmma.fence; registers it
+// reads or writes (accumulator, A fragment) written by other code since the last wgmma.fence
+// (checked from the second time the thread's wgmma use them); the accumulator or A registers,
+// or the shared memory it reads, changed before its wait; shared memory written by cp.async
+// and read by a wgmma with no fence.proxy.async (by any thread) between; a thread exiting with
+// one in flight. Shared memory written by plain stores is not tracked for the proxy fence.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H

@@ -68,18 +68,33 @@ void *dynamicShared();
 /// The offset of `p` in the block's dynamic shared memory: what a wgmma descriptor holds as its
 /// start address here (on a GPU, the shared window's address). Outside it, the run ends.
 uint32_t sharedOffset(const void *p);
-/// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 with A in registers (Device.cuh's
+/// wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 with A in registers (Wgmma.cuh's
 /// wgmmaBf16): the calling warp's 16 rows of the warpgroup's 64 (`a`: its A fragment, the
 /// layout of mma.m16n8k16's), times B (16 x n) read through the shared-memory descriptor `b`
-/// (no swizzle; K-major, or MN-major with `transposeB`), added to (`accumulate`) or written over
-/// d[0, n / 2) in the accumulator layout. It completes at once: the fence, commit and wait
-/// around it are the caller's and change nothing here. A block that is not whole warpgroups, a
-/// descriptor with a swizzle or base offset, or a B outside the shared memory ends the run.
+/// (no swizzle or the 128-byte one; K-major, or MN-major with `transposeB`), added to
+/// (`accumulate`) or written over d[0, n / 2) in the accumulator layout. Asynchronous, as on a
+/// GPU: the product is computed now, but d holds a NaN pattern until the wgmmaWait that covers
+/// the instruction writes the result there, and that wait ends the run if, in between, d was
+/// written, the A registers changed or the shared memory read changed (KernelEmu.h lists every
+/// rule checked). A block that is not whole warpgroups, a descriptor with another swizzle or a
+/// base offset, or a B outside the shared memory ends the run too.
 void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
                bool transposeB);
 /// The same with A (64 x 16) read through the K-major descriptor `a` too (the calling warp's 16
 /// rows of it), B K-major.
 void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate);
+/// wgmma.fence.sync.aligned: registers the thread wrote before are ready for the wgmma
+/// instructions after it.
+void wgmmaFence();
+/// wgmma.commit_group.sync.aligned: the thread's wgmma instructions since the last commit
+/// become one group (possibly empty).
+void wgmmaCommit();
+/// wgmma.wait_group.sync.aligned: the thread's committed groups complete, oldest first, until
+/// at most `pending` remain in flight.
+void wgmmaWait(int pending);
+/// fence.proxy.async.shared::cta: shared memory written before it (here: by cp.async) may be
+/// read by wgmma.
+void fenceProxyAsyncShared();
 
 /// Queues `body` as a grid on `stream`; a configuration the GPU would refuse is not run and
 /// becomes the next cudaGetLastError(). `kernel` identifies the function (its

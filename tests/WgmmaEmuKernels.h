@@ -1,0 +1,42 @@
+//===- WgmmaEmuKernels.h - Kernels that keep or break wgmma's rules -*- C++ -*-===//
+//
+// For //tests:wgmma_emu_test, which checks that the kernel emulator (kernels/cuda/emu) runs
+// Hopper's wgmma asynchronously and ends the run, naming the rule, when a kernel breaks one.
+// WgmmaEmuKernels.cu is built for the emulator only (it is a test of the emulator, not a GPU
+// kernel).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_TESTS_WGMMAEMUKERNELS_H
+#define PIPEC_TESTS_WGMMAEMUKERNELS_H
+
+#include <cstdint>
+
+namespace pipec::emu::test {
+
+/// What one warpgroup (128 threads) does around its wgmma (m64n16k16, A in registers, B K-major
+/// in shared memory) of D = A B.
+enum class WgmmaCase : int {
+  Correct,               // fence, wgmma, commit, wait, then read D
+  CopiedWithProxyFence,  // B by cp.async, then fence.proxy.async and a barrier
+  ChainedInOneGroup,     // D = A B, then D += A B before any wait: D = 2 A B
+  WaitLeavesNewestGroup, // D into out, then into out2 in a second group; wait<1>, read both
+  ReadBeforeWait,        // reads D between the wgmma and its wait
+  WriteAccumulatorInFlight,
+  ChangeFragmentInFlight,
+  OverwriteSharedInFlight, // thread 0 rewrites B before its wait
+  NoFence,                 // no wgmma.fence before the first wgmma
+  FragmentWrittenAfterFence,
+  CopiedWithoutProxyFence, // B by cp.async, waited for, a barrier, but no fence.proxy.async
+  ExitInFlight,            // no wait at all
+};
+
+/// Runs the case on the emulated device: `a` is A (64 x 16, row-major bf16 bits), `b` is B (16 x
+/// 16, row-major: b[16 k + n]) and `bColumns` the same B column-major (the cp.async cases copy
+/// from it, 16-byte aligned); `out` (and for WaitLeavesNewestGroup `out2`) receive D (64 x 16,
+/// row-major) as the threads read it.
+void runWgmmaCase(WgmmaCase c, const uint16_t *a, const uint16_t *b, const uint16_t *bColumns,
+                  float *out, float *out2);
+
+} // namespace pipec::emu::test
+
+#endif // PIPEC_TESTS_WGMMAEMUKERNELS_H
