@@ -25,7 +25,10 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
   const WgmmaCase c = WgmmaCase(which);
   PIPEC_DYNAMIC_SHARED(uint16_t, tile); // B, 512 bytes
   const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = lane / 4, tg = lane % 4;
-  if (c == WgmmaCase::CopiedWithProxyFence || c == WgmmaCase::CopiedWithoutProxyFence) {
+  const bool copied =
+      c == WgmmaCase::CopiedWithProxyFence || c == WgmmaCase::CopiedWithReaderFences ||
+      c == WgmmaCase::CopiedWithoutProxyFence || c == WgmmaCase::ProxyFenceByAnotherThread;
+  if (copied) {
     // 32 chunks of 16 bytes: chunk t holds column n's k values 8 kb ... 8 kb + 7, which
     // bColumns (B column-major) has together.
     if (t < 32) {
@@ -35,13 +38,16 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
     cpAsyncCommit();
     cpAsyncWait<0>();
     if (c == WgmmaCase::CopiedWithProxyFence)
-      fenceProxyAsyncShared();
+      fenceProxyAsyncShared(); // by each writer, before the barrier
   } else {
     for (int i = t; i < 16 * kN; i += blockDim.x)
       tile[bOffset(i / kN, i % kN)] = b[i];
     fenceProxyAsyncShared();
   }
   __syncthreads();
+  if (c == WgmmaCase::CopiedWithReaderFences ||
+      (c == WgmmaCase::ProxyFenceByAnotherThread && t == 0))
+    fenceProxyAsyncShared(); // after the barrier: by each reader, or by thread 0 alone
 
   uint32_t frag[4];
   for (int r = 0; r < 4; ++r) {
@@ -86,6 +92,11 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
     break;
   case WgmmaCase::WriteAccumulatorInFlight:
     d[3] = 1.0f;
+    break;
+  case WgmmaCase::WriteAccumulatorBetweenChained:
+    d[0] = 5.0f;
+    wgmmaBf16<kN, false>(d, frag, desc, true);
+    wgmmaCommit();
     break;
   case WgmmaCase::ChangeFragmentInFlight:
     frag[2] ^= 1u;

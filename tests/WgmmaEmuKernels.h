@@ -16,18 +16,21 @@ namespace pipec::emu::test {
 /// What one warpgroup (128 threads) does around its wgmma (m64n16k16, A in registers, B K-major
 /// in shared memory) of D = A B.
 enum class WgmmaCase : int {
-  Correct,               // fence, wgmma, commit, wait, then read D
-  CopiedWithProxyFence,  // B by cp.async, then fence.proxy.async and a barrier
-  ChainedInOneGroup,     // D = A B, then D += A B before any wait: D = 2 A B
-  WaitLeavesNewestGroup, // D into out, then into out2 in a second group; wait<1>, read both
-  ReadBeforeWait,        // reads D between the wgmma and its wait
-  WriteAccumulatorInFlight,
-  ChangeFragmentInFlight,
-  OverwriteSharedInFlight, // thread 0 rewrites B before its wait
-  NoFence,                 // no wgmma.fence before the first wgmma
-  FragmentWrittenAfterFence,
-  CopiedWithoutProxyFence, // B by cp.async, waited for, a barrier, but no fence.proxy.async
-  ExitInFlight,            // no wait at all
+  Correct,                        // fence, wgmma, commit, wait, then read D
+  CopiedWithProxyFence,           // B by cp.async (warp 0), fence.proxy.async, a barrier
+  CopiedWithReaderFences,         // B by cp.async (warp 0), a barrier, then every thread fences
+  ChainedInOneGroup,              // D = A B, then D += A B before any wait: D = 2 A B
+  WaitLeavesNewestGroup,          // D into out, then into out2 in a second group; wait<1>
+  ReadBeforeWait,                 // reads D between the wgmma and its wait
+  WriteAccumulatorInFlight,       // writes D between the wgmma and its wait
+  WriteAccumulatorBetweenChained, // D = A B; a write to D; D += A B, all before the wait
+  ChangeFragmentInFlight,         // changes A's registers between the wgmma and its wait
+  OverwriteSharedInFlight,        // thread 0 rewrites B before its wait
+  NoFence,                        // no wgmma.fence before the first wgmma
+  FragmentWrittenAfterFence,      // a correct round, then A written and no fence before the next
+  CopiedWithoutProxyFence,        // B by cp.async, waited for, a barrier, no fence.proxy.async
+  ProxyFenceByAnotherThread,      // B by cp.async (warp 0), a barrier, then thread 0 alone fences
+  ExitInFlight,                   // no wait at all
 };
 
 /// Runs the case on the emulated device: `a` is A (64 x 16, row-major bf16 bits), `b` is B (16 x

@@ -68,8 +68,10 @@ TEST_F(WgmmaEmuTest, KeepingTheRulesGivesTheProduct) {
   EXPECT_EQ(out, product);
 }
 
-TEST_F(WgmmaEmuTest, CopiedOperandsAreReadAfterAProxyFence) {
+TEST_F(WgmmaEmuTest, CopiedOperandsAreReadAfterAProxyFenceOfTheWriterOrTheReader) {
   run(WgmmaCase::CopiedWithProxyFence);
+  EXPECT_EQ(out, product);
+  run(WgmmaCase::CopiedWithReaderFences);
   EXPECT_EQ(out, product);
 }
 
@@ -98,6 +100,8 @@ TEST_F(WgmmaEmuTest, BreakingARuleEndsTheRunNamingIt) {
   EXPECT_DEATH(run(WgmmaCase::WriteAccumulatorInFlight),
                "accumulator registers of a wgmma in flight were written before the "
                "wgmma.wait_group");
+  EXPECT_DEATH(run(WgmmaCase::WriteAccumulatorBetweenChained),
+               "accumulator registers of a wgmma in flight were written before the next wgmma");
   EXPECT_DEATH(run(WgmmaCase::ChangeFragmentInFlight),
                "A-fragment registers of a wgmma in flight changed");
   EXPECT_DEATH(run(WgmmaCase::OverwriteSharedInFlight),
@@ -106,6 +110,10 @@ TEST_F(WgmmaEmuTest, BreakingARuleEndsTheRunNamingIt) {
   EXPECT_DEATH(run(WgmmaCase::FragmentWrittenAfterFence),
                "A-fragment registers of a wgmma were written since the last wgmma.fence");
   EXPECT_DEATH(run(WgmmaCase::CopiedWithoutProxyFence), "with no fence.proxy.async");
+  // Thread 0's fence after the barrier orders neither the other writers' copies nor the other
+  // warps' reads.
+  EXPECT_DEATH(run(WgmmaCase::ProxyFenceByAnotherThread),
+               "warp [123], lane 0\\): wgmma reads shared memory that cp.async wrote");
   EXPECT_DEATH(run(WgmmaCase::ExitInFlight), "exited with wgmma.mma_async in flight");
 }
 

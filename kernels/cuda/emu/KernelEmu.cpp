@@ -210,7 +210,8 @@ struct Fiber {
   std::vector<InFlightWgmma> wgmmaUncommitted;  // wgmma since the last commit
   std::deque<std::vector<InFlightWgmma>> wgmmaCommitted; // groups in flight, oldest first
   std::vector<WatchedRegisters> watched;
-  bool wgmmaFenced = false; // a wgmma.fence since the thread started
+  bool wgmmaFenced = false;   // a wgmma.fence since the thread started
+  uint64_t proxyFencedAt = 0; // the stamp (Grid::stamp) of its last fence.proxy.async, or 0
 };
 
 // An mbarrier in emulation: its 8 bytes hold the arrivals still pending in the current phase
@@ -247,10 +248,14 @@ struct Grid {
   // and only at the wait that covers them (the latest) in the others: the first shows a copy
   // into a buffer that a slower warp still reads, the second a read that did not wait.
   bool copiesLandEarly = false;
-  // Per 16 bytes of shared memory: written by cp.async, and no fence.proxy.async (by any thread)
-  // since; wgmma must not read it. The marked chunks, to clear them.
-  std::vector<uint8_t> unfenced;
-  std::vector<size_t> unfencedChunks;
+  // Per 16 bytes of shared memory: when cp.async last wrote it (a stamp of `stamp`, 0 for never)
+  // and which thread's copy that was. A wgmma may read it once that thread, or the reading
+  // thread, has run fence.proxy.async since (the fence must lie between the generic proxy's
+  // write and the async proxy's read). The chunks written, to clear them.
+  std::vector<uint64_t> landedAt;
+  std::vector<uint32_t> landedBy;
+  std::vector<size_t> landedChunks;
+  uint64_t stamp = 0; // counts landings and proxy fences in the block
 };
 
 thread_local Grid *running = nullptr;
@@ -285,7 +290,8 @@ size_t linearThread(const ThreadCoords &c) {
   return c.thread.x + size_t(c.blockDim.x) * (c.thread.y + size_t(c.blockDim.y) * c.thread.z);
 }
 
-/// Lands a cp.async copy; the chunk is unfenced for wgmma until a fence.proxy.async.
+/// Lands a cp.async copy of the calling thread; wgmma may not read the chunk before a
+/// fence.proxy.async of this thread or of the reader.
 void land(const AsyncCopy &c) {
   if (c.from)
     std::memcpy(c.to, c.from, 16);
@@ -293,10 +299,10 @@ void land(const AsyncCopy &c) {
     std::memset(c.to, 0, 16);
   Grid &g = grid();
   const size_t chunk = size_t(static_cast<std::byte *>(c.to) - g.shared.data()) / 16;
-  if (!g.unfenced[chunk]) {
-    g.unfenced[chunk] = 1;
-    g.unfencedChunks.push_back(chunk);
-  }
+  if (g.landedAt[chunk] == 0)
+    g.landedChunks.push_back(chunk);
+  g.landedAt[chunk] = ++g.stamp;
+  g.landedBy[chunk] = uint32_t(g.current);
 }
 
 /// Back to the scheduler, in `state`.
@@ -334,15 +340,17 @@ void runBlock(Grid &g, const ThreadCoords &base) {
     f.wgmmaCommitted.clear();
     f.watched.clear();
     f.wgmmaFenced = false;
+    f.proxyFencedAt = 0;
     f.coords = base;
     f.coords.thread =
         Index{unsigned(i % base.blockDim.x), unsigned(i / base.blockDim.x % base.blockDim.y),
               unsigned(i / (size_t(base.blockDim.x) * base.blockDim.y))};
   }
   std::memset(g.shared.data(), 0xff, g.shared.size()); // NaN until written
-  for (size_t chunk : g.unfencedChunks)
-    g.unfenced[chunk] = 0;
-  g.unfencedChunks.clear();
+  for (size_t chunk : g.landedChunks)
+    g.landedAt[chunk] = 0;
+  g.landedChunks.clear();
+  g.stamp = 0;
   // Rounds alternate between ascending and descending thread order, so that a thread reading
   // what another wrote in the same barrier interval (a missing __syncthreads) runs before the
   // writer in one of them. Warps do not advance in lockstep either: between two block barriers
@@ -466,8 +474,11 @@ void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::functio
     g.fibers.resize(g.threads);
   g.warps.assign((g.threads + kWarp - 1) / kWarp, WarpSlots{});
   g.shared.assign(sharedBytes, std::byte{0});
-  g.unfenced.assign(sharedBytes / 16 + 1, 0);
-  g.unfencedChunks.clear();
+  if (reinterpret_cast<uintptr_t>(g.shared.data()) % 16 != 0)
+    fatal("the emulated shared memory is not 16-byte aligned");
+  g.landedAt.assign(sharedBytes / 16 + 1, 0);
+  g.landedBy.assign(sharedBytes / 16 + 1, 0);
+  g.landedChunks.clear();
   g.body = &body;
   running = &g;
   ThreadCoords base;
@@ -755,16 +766,19 @@ float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
 }
 
 /// The bits of every shared-memory element a warp's wgmma reads (B's 16 x n, then the warp's 16
-/// rows of A when A is in shared memory). With `atIssue`, an element that cp.async wrote with no
-/// fence.proxy.async since ends the run.
+/// rows of A when A is in shared memory). With `atIssue`, an element that cp.async wrote ends
+/// the run unless the copying thread or the calling one has run fence.proxy.async since.
 std::vector<uint16_t> readShared(const OperandRead &r, bool atIssue) {
   Grid &g = grid();
   std::vector<uint16_t> bits;
   bits.reserve(size_t(16) * size_t(r.n) + (r.sharedA ? 256 : 0));
   auto add = [&](size_t offset) {
-    if (atIssue && g.unfenced[offset / 16])
+    const uint64_t landed = g.landedAt[offset / 16];
+    if (atIssue && landed != 0 && g.fibers[g.landedBy[offset / 16]].proxyFencedAt < landed &&
+        self().proxyFencedAt < landed)
       wgmmaHazard("wgmma reads shared memory that cp.async wrote, with no fence.proxy.async "
-                  "(fenceProxyAsyncShared) since: the async proxy may not see the copy");
+                  "(fenceProxyAsyncShared) since, by the thread that copied or by the reader: "
+                  "the async proxy may not see the copy");
     bits.push_back(sharedBits(offset));
   };
   for (int k = 0; k < 16; ++k)
@@ -839,6 +853,10 @@ InFlightWgmma beginWgmma(Fiber &f, float *d, int n, bool accumulate, const uint3
   if (const InFlightWgmma *chained = newestInFlight(f, d)) {
     if (chained->n != n)
       wgmmaHazard("two wgmma of different shapes in flight on the same accumulator registers");
+    for (size_t i = 0; i < count; ++i)
+      if (std::memcmp(&d[i], &kInFlightBits, 4) != 0)
+        wgmmaHazard("the accumulator registers of a wgmma in flight were written before the next "
+                    "wgmma that accumulates into them");
     op.result = chained->result;
   } else {
     checkFenced(f, d, count * sizeof(float), "the accumulator registers");
@@ -867,7 +885,8 @@ void completeWgmma(Fiber &f, const InFlightWgmma &op, bool superseded) {
                   "wgmma.wait_group that covers it");
   if (op.a && std::memcmp(op.a, op.aBits.data(), 4 * sizeof(uint32_t)) != 0)
     wgmmaHazard("the A-fragment registers of a wgmma in flight changed before the "
-                "wgmma.wait_group that covers it");
+                "wgmma.wait_group that covers it (or the array holding them went out of scope: "
+                "here fragment and accumulator arrays must outlive the wait)");
   if (!op.sharedBits.empty() && readShared(op.read, false) != op.sharedBits)
     wgmmaHazard("shared memory a wgmma in flight reads was written before the wgmma.wait_group "
                 "that covers it (a buffer reused too early, or a wait missing)");
@@ -987,9 +1006,7 @@ void wgmmaWait(int pending) {
 
 void fenceProxyAsyncShared() {
   Grid &g = grid();
-  for (size_t chunk : g.unfencedChunks)
-    g.unfenced[chunk] = 0;
-  g.unfencedChunks.clear();
+  g.fibers[g.current].proxyFencedAt = ++g.stamp;
 }
 
 void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,

@@ -40,11 +40,16 @@
 // accumulator registers hold a NaN pattern until the wgmma.wait_group that covers it writes the
 // result, so a read before the wait spreads NaN. The run ends, naming the rule, where the PTX
 // ISA leaves the kernel undefined: a wgmma before the thread's first wgmma.fence; registers it
-// reads or writes (accumulator, A fragment) written by other code since the last wgmma.fence
-// (checked from the second time the thread's wgmma use them); the accumulator or A registers,
-// or the shared memory it reads, changed before its wait; shared memory written by cp.async
-// and read by a wgmma with no fence.proxy.async (by any thread) between; a thread exiting with
-// one in flight. Shared memory written by plain stores is not tracked for the proxy fence.
+// reads or writes (accumulator, A fragment) written by other code since the last wgmma.fence;
+// the accumulator or A registers, or the shared memory it reads, changed before its wait (or
+// before the next wgmma that accumulates into them); shared memory written by cp.async and read
+// by a wgmma with no fence.proxy.async since by the copying thread or the reading one; a thread
+// exiting with one in flight. Not checked: the fence rule on a register array's first use by
+// a thread (the compiler may sink stores to an array whose address has not escaped yet past
+// the fence call, so its memory there says nothing), reads of registers (only NaN shows them),
+// and shared memory written by plain stores (for the proxy fence). Registers are arrays in
+// memory here, so fragment and accumulator arrays must outlive the wait that covers them (a
+// loop-local A fragment reused while one is in flight reads as a change).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H
