@@ -11,7 +11,10 @@
 // synchronize at both ends.
 //   bazel run -c opt //bench:cuda_kernel_bench            # the full sizes
 //   bazel run -c opt //bench:cuda_kernel_bench -- --quick # 1/4 the tokens
-//   ... -- --tiny   # toy sizes: a smoke run (CI runs it on the kernel emulator)
+//   ... -- --tiny   # toy sizes: a smoke run (CI runs it on the kernel emulator; head dim 64,
+//                   # so that the Hopper attention paths run there too)
+//   ... -- --attention-once  # only the full-size attention, each kernel path launched once:
+//                            # for a profiler (tools/gpu_check.sh runs it under ncu)
 // Not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
@@ -39,6 +42,7 @@ constexpr double kPeakHbmTBs = 4.8;       // H200 SXM, HBM3e
 struct Bench {
   CudaContext &ctx;
   std::vector<DeviceBuffer> buffers;
+  bool once = false; // each op launched once, its time that one call's (for a profiler)
 
   /// A zeroed buffer of `n` elements of `dtype` that lives as long as the bench.
   void *buffer(size_t n, DType dtype) {
@@ -70,6 +74,8 @@ struct Bench {
         die(std::move(err));
       return std::chrono::duration<double>(Clock::now() - start).count();
     };
+    if (once)
+      return run(1);
     run(2);
     double once = run(1);
     int calls = std::max(3, std::min(50, int(0.5 / std::max(once, 1e-6))));
@@ -228,8 +234,12 @@ struct Bench {
 } // namespace
 
 int main(int argc, char **argv) {
-  bool quick = false, tiny = false;
+  bool quick = false, tiny = false, attentionOnce = false;
   for (int k = 1; k < argc; ++k) {
+    if (std::strcmp(argv[k], "--attention-once") == 0) {
+      attentionOnce = true;
+      continue;
+    }
     if (std::strcmp(argv[k], "--quick") == 0) {
       quick = true;
       continue;
@@ -238,7 +248,9 @@ int main(int argc, char **argv) {
       tiny = true;
       continue;
     }
-    fmt::print(stderr, "cuda_kernel_bench: error: unknown flag '{}' (known: --quick, --tiny)\n",
+    fmt::print(stderr,
+               "cuda_kernel_bench: error: unknown flag '{}' (known: --quick, --tiny, "
+               "--attention-once)\n",
                argv[k]);
     return 2;
   }
@@ -249,10 +261,20 @@ int main(int argc, char **argv) {
   // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_emu_test
   // runs it on the kernel emulator in CI); its numbers mean nothing.
   const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
-  const int heads = tiny ? 2 : 32, headDim = tiny ? 32 : 128, vocab = tiny ? 256 : 50304;
+  const int heads = tiny ? 2 : 32, headDim = tiny ? 64 : 128, vocab = tiny ? 256 : 50304;
   fmt::print("cuda_kernel_bench: {} tokens, hidden {}, {} heads of {}; peak {} TFLOP/s "
              "(H200 dense bf16)\n",
              tokens, hidden, heads, headDim, kPeakBf16TFlops);
+  if (attentionOnce) {
+    // Every attention kernel path (each wgmma forward variant, mma.sync forward, both
+    // backwards) launched once, for a profiler to name and measure; the times are one call's.
+    fmt::print("--attention-once: each path launched once; times are of one call, not a "
+               "measurement\n");
+    bench.once = true;
+    bench.attention("attention", DType::BF16,
+                    {/*batch=*/1, /*queries=*/tokens, /*begin=*/0, heads, headDim});
+    return 0;
+  }
   bench.matmul("qkv", DType::BF16, tokens, hidden, 3 * hidden);
   bench.matmul("attn-proj", DType::BF16, tokens, hidden, hidden);
   bench.matmul("mlp-up", DType::BF16, tokens, hidden, 4 * hidden);

@@ -12,7 +12,7 @@
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
 # Time: each step has a limit (tests 120/120/60 s, the runtime tests with the Hopper attention
 # backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl case 2 x 60 s, overhead 5 x 45 s, kernel
-# benchmark 90 s, step benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds, default
+# benchmark 90 s, attention profile 90 s, step benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds, default
 # 470, so that it ends within 8 minutes): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
@@ -306,6 +306,31 @@ if fits 90 "kernel benchmark" bench; then
     say "KERNEL BENCHMARK FAILED or timed out ($((SECONDS - start)) s) (not counted against the tests):"
   fi
   sed 's/^/  /' "$out/bench.txt" | tee -a "$report"
+fi
+
+# A profile of every attention kernel path, each launched once (cuda_kernel_bench
+# --attention-once) under Nsight Compute, for the next step on the attention backward: per kernel
+# its duration, SM and memory throughput, occupancy and registers in the report, the full
+# sections (warp stalls, pipes) in logs.tgz. Skipped where there is no ncu, or with NCU=0.
+ncu_bin=$(command -v ncu || true)
+[ -z "$ncu_bin" ] && [ -x /usr/local/cuda/bin/ncu ] && ncu_bin=/usr/local/cuda/bin/ncu
+if [ "${NCU:-1}" = 0 ] || [ -z "$ncu_bin" ]; then
+  say "attention profile skipped: ${ncu_bin:+NCU=0}${ncu_bin:-no ncu on this machine}"
+elif fits 90 "attention profile (ncu)" bench; then
+  start=$SECONDS
+  if run timeout 90 "$ncu_bin" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats \
+      "$bin/cuda_kernel_bench" --attention-once >"$out/ncu-attention.txt" 2>&1; then
+    say "attention profile (ncu, $((SECONDS - start)) s): per kernel, in launch order:"
+    grep -E '^  [A-Za-z_][A-Za-z0-9_:<>, ]*\(|^    (Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread) ' \
+      "$out/ncu-attention.txt" |
+      sed 's/pipec::kernels::cuda:://g; s/(anonymous namespace):://g; s/^/  /; s/ \{2,\}/  /g' |
+      cut -c1-160 | tee -a "$report" || true
+  else
+    say "attention profile (ncu) FAILED or timed out ($((SECONDS - start)) s) (not counted against the tests):"
+    grep -E '==ERROR==|==WARNING==|error' "$out/ncu-attention.txt" | head -5 | sed 's/^/  /' |
+      tee -a "$report" || true
+  fi
 fi
 
 # Whole training steps of a GPT with hidden 1024 in bf16 (bench/cuda_step_bench.cpp): the
