@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The one prepared check for a machine with a GPU (DESIGN §9), in this order: the requires-gpu
-# test binaries, pp=4 --check-reference runs on the local transport (fp32 and bf16), a pp=2 tp=2
-# dp=2 bf16 one (tp and dp copies bit for bit), the nccl
+# test binaries (the attention tests again without wgmma if they fail; the runtime tests again
+# with the Hopper attention backward switched on), pp=4 --check-reference runs on the local
+# transport (fp32 and bf16), a pp=2 tp=2 dp=2 bf16 one (tp and dp copies bit for bit), the nccl
 # mode with several processes where the machine has two GPUs or more (each with
-# --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead,
-# kernel and training-step benchmarks. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt,
-# and the full logs and plans into logs.tgz beside it.
+# --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead
+# and kernel benchmarks, an ncu profile of the attention kernels and the training-step
+# benchmark. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt, and the full logs and
+# plans into logs.tgz beside it.
 # It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Time: each step has a limit (tests 120/120/60 s, the runtime tests with the Hopper attention
-# backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl case 2 x 60 s, overhead 5 x 45 s, kernel
-# benchmark 90 s, attention profile 90 s, step benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds, default
-# 470, so that it ends within 8 minutes): a step that no longer fits is skipped and reported.
+# Time: each step has a limit (tests 120/120/60 s, the attention tests without wgmma 30 s, the
+# runtime tests with the Hopper attention backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl
+# case 2 x 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
+# benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds from the start, default 470, so
+# that the checks end within 8 minutes; setup and the library search have no limit of their
+# own): a step that no longer fits is skipped and reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
 # Exit status: 0 when every test ran and passed (benchmark numbers are reported, never judged);

@@ -5,8 +5,9 @@
 // kernels run on a machine without a GPU and are checked against the CPU reference ops in CI.
 //
 // Every CUDA thread of a block is a fiber of one host thread; the scheduler (KernelEmu.cpp) runs
-// them until each finishes or waits at a barrier, then releases the barrier whose every live
-// participant has arrived: a warp's (shuffles, mma) first, then the block's (__syncthreads).
+// them until each finishes or waits at a barrier, then releases the waits on mbarrier phases that
+// have completed, else a barrier whose every live participant has arrived: a warp's (shuffles,
+// mma, wgmma's issue and wait) first, then the block's (__syncthreads).
 // Threads waiting at different barriers with nothing left to release is a deadlock the real
 // GPU would hang in (a __syncthreads in divergent code, a shuffle missing lanes): it ends the
 // process with a message naming the block. Blocks run one after another (in index order, or
