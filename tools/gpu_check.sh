@@ -12,7 +12,7 @@
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
-# Time: each step has a limit (tests 120/120/60 s, the attention tests without wgmma 30 s, the
+# Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
 # runtime tests with the Hopper attention backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl
 # case 2 x 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
 # benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds from the start, default 470, so
@@ -130,7 +130,7 @@ if [ -n "$missing" ]; then
 fi
 say "libraries: $(ldd "$bin/piperun" | awk '/cublasLt|nccl|cudart/ { print $1 " -> " $3 }' | tr '\n' ' ')"
 
-for spec in cuda_kernel_test:120 cuda_runtime_test:120 nccl_runtime_test:60; do
+for spec in wgmma_layout_test:30 cuda_kernel_test:120 cuda_runtime_test:120 nccl_runtime_test:60; do
   t=${spec%%:*} limit=${spec##*:}
   fits "$limit" "$t" || continue
   start=$SECONDS
