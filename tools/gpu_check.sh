@@ -318,8 +318,10 @@ fi
 # sections (warp stalls, pipes) in logs.tgz. Skipped where there is no ncu, or with NCU=0.
 ncu_bin=$(command -v ncu || true)
 [ -z "$ncu_bin" ] && [ -x /usr/local/cuda/bin/ncu ] && ncu_bin=/usr/local/cuda/bin/ncu
-if [ "${NCU:-1}" = 0 ] || [ -z "$ncu_bin" ]; then
-  say "attention profile skipped: ${ncu_bin:+NCU=0}${ncu_bin:-no ncu on this machine}"
+if [ "${NCU:-1}" = 0 ]; then
+  say "attention profile skipped: NCU=0"
+elif [ -z "$ncu_bin" ]; then
+  say "attention profile skipped: no ncu on this machine (PATH or /usr/local/cuda/bin)"
 elif fits 90 "attention profile (ncu)" bench; then
   start=$SECONDS
   if run timeout 90 "$ncu_bin" --section SpeedOfLight --section ComputeWorkloadAnalysis \
