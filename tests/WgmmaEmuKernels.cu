@@ -74,7 +74,8 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
   } else if (c != WgmmaCase::NoFence) {
     wgmmaFence();
   }
-  wgmmaBf16<kN, false>(d, frag, desc, false);
+  if (c != WgmmaCase::WarpSkipsWgmma || warp != 1)
+    wgmmaBf16<kN, false>(d, frag, desc, false);
   if (c == WgmmaCase::ChainedInOneGroup)
     wgmmaBf16<kN, false>(d, frag, desc, true);
   wgmmaCommit();

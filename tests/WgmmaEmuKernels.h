@@ -31,6 +31,7 @@ enum class WgmmaCase : int {
   CopiedWithoutProxyFence,        // B by cp.async, waited for, a barrier, no fence.proxy.async
   ProxyFenceByAnotherThread,      // B by cp.async (warp 0), a barrier, then thread 0 alone fences
   ExitInFlight,                   // no wait at all
+  WarpSkipsWgmma,                 // warp 1 does not issue the wgmma its warpgroup issues
 };
 
 /// Runs the case on the emulated device: `a` is A (64 x 16, row-major bf16 bits), `b` is B (16 x

@@ -115,6 +115,9 @@ TEST_F(WgmmaEmuTest, BreakingARuleEndsTheRunNamingIt) {
   EXPECT_DEATH(run(WgmmaCase::ProxyFenceByAnotherThread),
                "warp [123], lane 0\\): wgmma reads shared memory that cp.async wrote");
   EXPECT_DEATH(run(WgmmaCase::ExitInFlight), "exited with wgmma.mma_async in flight");
+  EXPECT_DEATH(run(WgmmaCase::WarpSkipsWgmma),
+               "warpgroup 0: at the block's end its threads have issued different numbers of "
+               "wgmma \\(thread 0: 1, thread 32: 0\\)");
 }
 
 } // namespace

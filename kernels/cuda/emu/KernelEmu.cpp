@@ -211,6 +211,7 @@ struct Fiber {
   std::deque<std::vector<InFlightWgmma>> wgmmaCommitted; // groups in flight, oldest first
   std::vector<WatchedRegisters> watched;
   bool wgmmaFenced = false;   // a wgmma.fence since the thread started
+  uint64_t wgmmaIssued = 0;   // wgmma instructions the thread has issued
   uint64_t proxyFencedAt = 0; // the stamp (Grid::stamp) of its last fence.proxy.async, or 0
 };
 
@@ -325,6 +326,26 @@ void wait(State state) {
   fatal("a finished thread was resumed");
 }
 
+/// wgmma is .aligned over a warpgroup: its four warps issue the same wgmma instructions, so at a
+/// block barrier, and at the block's end, every thread of a warpgroup has issued as many.
+void checkWarpgroupsAligned(const Grid &g, const ThreadCoords &base, const char *where) {
+  for (size_t group = 0; (group + 1) * 128 <= g.threads; ++group) {
+    const Fiber &first = g.fibers[group * 128];
+    for (size_t i = group * 128 + 1; i < (group + 1) * 128; ++i)
+      if (g.fibers[i].wgmmaIssued != first.wgmmaIssued) {
+        char message[320];
+        std::snprintf(message, sizeof message,
+                      "block (%u, %u, %u), warpgroup %zu: at %s its threads have issued different "
+                      "numbers of wgmma (thread %zu: %llu, thread %zu: %llu); all four warps of "
+                      "a warpgroup must issue each one (.aligned)",
+                      base.block.x, base.block.y, base.block.z, group, where, group * 128,
+                      (unsigned long long)first.wgmmaIssued, i,
+                      (unsigned long long)g.fibers[i].wgmmaIssued);
+        fatal(message);
+      }
+  }
+}
+
 /// Runs one block to completion.
 void runBlock(Grid &g, const ThreadCoords &base) {
   const size_t n = g.threads;
@@ -340,6 +361,7 @@ void runBlock(Grid &g, const ThreadCoords &base) {
     f.wgmmaCommitted.clear();
     f.watched.clear();
     f.wgmmaFenced = false;
+    f.wgmmaIssued = 0;
     f.proxyFencedAt = 0;
     f.coords = base;
     f.coords.thread =
@@ -428,9 +450,12 @@ void runBlock(Grid &g, const ThreadCoords &base) {
     }
     if (released)
       continue;
-    if (live == 0)
+    if (live == 0) {
+      checkWarpgroupsAligned(g, base, "the block's end");
       return;
+    }
     if (atBlock == live) {
+      checkWarpgroupsAligned(g, base, "a __syncthreads");
       for (size_t i = 0; i < n; ++i)
         if (g.fibers[i].state == State::AtBlockBarrier)
           g.fibers[i].state = State::Ready;
@@ -872,6 +897,7 @@ void issueWgmma(Fiber &f, InFlightWgmma op) {
     std::memcpy(&op.d[i], &kInFlightBits, 4);
   if (op.a)
     remember(f, op.a, 4 * sizeof(uint32_t));
+  ++f.wgmmaIssued;
   f.wgmmaUncommitted.push_back(std::move(op));
 }
 

@@ -45,12 +45,14 @@
 // the accumulator or A registers, or the shared memory it reads, changed before its wait (or
 // before the next wgmma that accumulates into them); shared memory written by cp.async and read
 // by a wgmma with no fence.proxy.async since by the copying thread or the reading one; a thread
-// exiting with one in flight. Not checked: the fence rule on a register array's first use by
-// a thread (the compiler may sink stores to an array whose address has not escaped yet past
-// the fence call, so its memory there says nothing), reads of registers (only NaN shows them),
-// and shared memory written by plain stores (for the proxy fence). Registers are arrays in
-// memory here, so fragment and accumulator arrays must outlive the wait that covers them (a
-// loop-local A fragment reused while one is in flight reads as a change).
+// exiting with one in flight; the threads of a warpgroup having issued different numbers of
+// wgmma at a __syncthreads or at the block's end (wgmma is .aligned over the warpgroup). Not
+// checked: the fence rule on a register array's first use by a thread (the compiler may sink
+// stores to an array whose address has not escaped yet past the fence call, so its memory
+// there says nothing), reads of registers (only NaN shows them), and shared memory written by
+// plain stores (for the proxy fence). Registers are arrays in memory here, so fragment and
+// accumulator arrays must outlive the wait that covers them (a loop-local A fragment reused
+// while one is in flight reads as a change).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_EMU_KERNELEMU_H
