@@ -12,23 +12,19 @@
 //===----------------------------------------------------------------------===//
 #include "tests/WgmmaEmuKernels.h"
 
+#include "kernels/HostBf16.h"
+
 #include <gtest/gtest.h>
 
 #include <array>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
 using pipec::emu::test::runWgmmaCase;
 using pipec::emu::test::WgmmaCase;
-
-uint16_t bf16Bits(float x) { // exact for the halves used here
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  return uint16_t(bits >> 16);
-}
+using pipec::kernels::floatToBf16;
 
 class WgmmaEmuTest : public ::testing::Test {
 protected:
@@ -36,12 +32,12 @@ protected:
     GTEST_FLAG_SET(death_test_style, "threadsafe");
     for (int i = 0; i < 64 * 16; ++i) {
       aValues[i] = float((i * 7) % 5 - 2) * 0.5f;
-      a[i] = bf16Bits(aValues[i]);
+      a[i] = floatToBf16(aValues[i]);
     }
     for (int k = 0; k < 16; ++k)
       for (int n = 0; n < 16; ++n) {
         bValues[16 * k + n] = float((k * 3 + n * 5) % 7 - 3) * 0.5f;
-        b[16 * k + n] = bColumns[16 * n + k] = bf16Bits(bValues[16 * k + n]);
+        b[16 * k + n] = bColumns[16 * n + k] = floatToBf16(bValues[16 * k + n]);
       }
     for (int m = 0; m < 64; ++m)
       for (int n = 0; n < 16; ++n) {

@@ -10,24 +10,20 @@
 //===----------------------------------------------------------------------===//
 #include "tests/WgmmaLayoutKernels.h"
 
+#include "kernels/HostBf16.h"
 #include <cuda_runtime_api.h>
+
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <string>
 #include <vector>
 
 namespace {
 
+using pipec::kernels::floatToBf16;
 using pipec::test::runWgmmaLayoutCase;
 using pipec::test::WgmmaLayoutCase;
 using pipec::test::wgmmaLayoutColumns;
-
-uint16_t bf16Bits(float x) { // exact for halves
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  return uint16_t(bits >> 16);
-}
 
 template <typename T> T *deviceCopy(const std::vector<T> &host) {
   void *p = nullptr;
@@ -77,8 +73,8 @@ TEST_P(WgmmaLayoutTest, ProductMatchesTheHostsBitForBit) {
     }
   std::vector<uint16_t> aBits(a.size()), bBits(b.size());
   for (size_t i = 0; i < a.size(); ++i) {
-    aBits[i] = bf16Bits(a[i]);
-    bBits[i] = bf16Bits(b[i]);
+    aBits[i] = floatToBf16(a[i]);
+    bBits[i] = floatToBf16(b[i]);
   }
   uint16_t *da = deviceCopy(aBits), *db = deviceCopy(bBits);
   float *dd = deviceCopy(std::vector<float>(expected.size(), -1.0f));
