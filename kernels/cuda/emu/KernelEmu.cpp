@@ -198,17 +198,42 @@ struct WatchedRegisters {
   std::array<uint32_t, 128> bits; // up to an m64n256 accumulator
 };
 
+/// A thread's asynchronous operations of one kind (cp.async copies, wgmma) as the PTX ISA groups
+/// them: those since the last commit_group, then the committed groups in flight, oldest first.
+template <typename Op> struct AsyncGroups {
+  std::vector<Op> open;
+  std::deque<std::vector<Op>> committed;
+
+  bool empty() const { return open.empty() && committed.empty(); }
+  void clear() {
+    open.clear();
+    committed.clear();
+  }
+  /// commit_group: the open operations become one group (possibly empty).
+  void commit() {
+    committed.push_back(std::move(open));
+    open.clear();
+  }
+  /// wait_group: the oldest groups leave, one by one, until at most `pending` remain; each is
+  /// handed to `complete` once it has left.
+  template <typename Complete> void wait(int pending, Complete complete) {
+    while (committed.size() > size_t(std::max(pending, 0))) {
+      std::vector<Op> group = std::move(committed.front());
+      committed.pop_front();
+      complete(group);
+    }
+  }
+};
+
 struct Fiber {
   Context context;
   State state = State::Ready;
   ThreadCoords coords;
   Stack stack;
-  std::vector<AsyncCopy> uncommitted;           // cp.async since the last commit
-  std::deque<std::vector<AsyncCopy>> committed; // groups in flight, oldest first
-  const uint64_t *mbarrier = nullptr;           // AtMbarrier: the barrier waited on ...
-  unsigned parity = 0;                          // ... until its phase of this parity completes
-  std::vector<InFlightWgmma> wgmmaUncommitted;  // wgmma since the last commit
-  std::deque<std::vector<InFlightWgmma>> wgmmaCommitted; // groups in flight, oldest first
+  AsyncGroups<AsyncCopy> copies;      // cp.async not landed yet
+  const uint64_t *mbarrier = nullptr; // AtMbarrier: the barrier waited on ...
+  unsigned parity = 0;                // ... until its phase of this parity completes
+  AsyncGroups<InFlightWgmma> wgmmas;  // wgmma not completed yet
   std::vector<WatchedRegisters> watched;
   bool wgmmaFenced = false;   // a wgmma.fence since the thread started
   uint64_t wgmmaIssued = 0;   // wgmma instructions the thread has issued
@@ -306,6 +331,11 @@ void land(const AsyncCopy &c) {
   g.landedBy[chunk] = uint32_t(g.current);
 }
 
+void landAll(const std::vector<AsyncCopy> &group) {
+  for (const AsyncCopy &c : group)
+    land(c);
+}
+
 /// Back to the scheduler, in `state`.
 void wait(State state) {
   Fiber &f = self();
@@ -317,9 +347,9 @@ void wait(State state) {
   Grid &g = grid();
   (*g.body)();
   Fiber &f = g.fibers[g.current];
-  if (!f.uncommitted.empty() || !f.committed.empty())
+  if (!f.copies.empty())
     fatal("a thread exited with cp.async copies it never waited for");
-  if (!f.wgmmaUncommitted.empty() || !f.wgmmaCommitted.empty())
+  if (!f.wgmmas.empty())
     fatal("a thread exited with wgmma.mma_async in flight (no wgmma.wait_group covers it)");
   f.state = State::Done;
   switchTo(f.context, g.scheduler);
@@ -355,10 +385,8 @@ void runBlock(Grid &g, const ThreadCoords &base) {
       f.stack = Stack::make();
     prepare(f.context, f.stack.base, kStackBytes, fiberMain);
     f.state = State::Ready;
-    f.uncommitted.clear();
-    f.committed.clear();
-    f.wgmmaUncommitted.clear();
-    f.wgmmaCommitted.clear();
+    f.copies.clear();
+    f.wgmmas.clear();
     f.watched.clear();
     f.wgmmaFenced = false;
     f.wgmmaIssued = 0;
@@ -632,7 +660,7 @@ void queueCopy(const AsyncCopy &copy) {
   if (g.copiesLandEarly)
     land(copy);
   else
-    self().uncommitted.push_back(copy);
+    self().copies.open.push_back(copy);
 }
 } // namespace
 
@@ -691,31 +719,15 @@ void cpAsyncMbarrierArrive(void *bar) {
   // The arrive follows the completion of every cp.async the thread issued before it: land them
   // now (the earliest a GPU may) and arrive.
   uint64_t *b = checkedMbarrier(bar);
-  Fiber &f = self();
-  for (const std::vector<AsyncCopy> &group : f.committed)
-    for (const AsyncCopy &c : group)
-      land(c);
-  for (const AsyncCopy &c : f.uncommitted)
-    land(c);
-  f.committed.clear();
-  f.uncommitted.clear();
+  AsyncGroups<AsyncCopy> &copies = self().copies;
+  copies.commit(); // the uncommitted ones too, after the committed
+  copies.wait(0, landAll);
   arriveOn(b);
 }
 
-void cpAsyncCommit() {
-  Fiber &f = self();
-  f.committed.push_back(std::move(f.uncommitted));
-  f.uncommitted.clear();
-}
+void cpAsyncCommit() { self().copies.commit(); }
 
-void cpAsyncWait(int pending) {
-  Fiber &f = self();
-  while (f.committed.size() > size_t(std::max(pending, 0))) {
-    for (const AsyncCopy &c : f.committed.front())
-      land(c);
-    f.committed.pop_front();
-  }
-}
+void cpAsyncWait(int pending) { self().copies.wait(pending, landAll); }
 
 void *dynamicShared() { return grid().shared.data(); }
 
@@ -850,10 +862,10 @@ void checkFenced(Fiber &f, const void *at, size_t bytes, const char *what) {
 
 /// The newest wgmma in flight that writes `d`, if any.
 const InFlightWgmma *newestInFlight(const Fiber &f, const float *d) {
-  for (auto op = f.wgmmaUncommitted.rbegin(); op != f.wgmmaUncommitted.rend(); ++op)
+  for (auto op = f.wgmmas.open.rbegin(); op != f.wgmmas.open.rend(); ++op)
     if (op->d == d)
       return &*op;
-  for (auto group = f.wgmmaCommitted.rbegin(); group != f.wgmmaCommitted.rend(); ++group)
+  for (auto group = f.wgmmas.committed.rbegin(); group != f.wgmmas.committed.rend(); ++group)
     for (auto op = group->rbegin(); op != group->rend(); ++op)
       if (op->d == d)
         return &*op;
@@ -898,7 +910,7 @@ void issueWgmma(Fiber &f, InFlightWgmma op) {
   if (op.a)
     remember(f, op.a, 4 * sizeof(uint32_t));
   ++f.wgmmaIssued;
-  f.wgmmaUncommitted.push_back(std::move(op));
+  f.wgmmas.open.push_back(std::move(op));
 }
 
 /// Completes `op` at a wait: nothing it uses was touched while it ran; its result lands in d
@@ -1005,11 +1017,7 @@ void wgmmaFence() {
     std::memcpy(w.bits.data(), w.at, w.bytes);
 }
 
-void wgmmaCommit() {
-  Fiber &f = self();
-  f.wgmmaCommitted.push_back(std::move(f.wgmmaUncommitted));
-  f.wgmmaUncommitted.clear();
-}
+void wgmmaCommit() { self().wgmmas.commit(); }
 
 void wgmmaWait(int pending) {
   Fiber &f = self();
@@ -1018,16 +1026,14 @@ void wgmmaWait(int pending) {
   // place when lane 0 checks the shared memory its instructions read.
   grid().warps[t / kWarp].mask[t % kWarp] = 0xffffffffu;
   wait(State::AtWarpBarrier);
-  while (f.wgmmaCommitted.size() > size_t(std::max(pending, 0))) {
-    std::vector<InFlightWgmma> group = std::move(f.wgmmaCommitted.front());
-    f.wgmmaCommitted.pop_front();
+  f.wgmmas.wait(pending, [&](const std::vector<InFlightWgmma> &group) {
     for (size_t i = 0; i < group.size(); ++i) {
       bool superseded = newestInFlight(f, group[i].d) != nullptr;
       for (size_t j = i + 1; j < group.size() && !superseded; ++j)
         superseded = group[j].d == group[i].d;
       completeWgmma(f, group[i], superseded);
     }
-  }
+  });
 }
 
 void fenceProxyAsyncShared() {
