@@ -3,9 +3,9 @@
 // The whole runtime at a size where the kernels matter: a GPT (default 8 blocks, hidden 1024,
 // 16 heads of 64, ffn 4096, vocab 32768, 2048 tokens, microbatch 4) compiled with --schedule
 // over --pp ranks and --microbatches, run by the cuda backend (every rank a thread and a compute
-// stream of one GPU, the local transport, the warm-up-sized arenas) in --dtype (default bf16),
-// on the synthetic token stream. Reports the mean time of the steps after the first, tokens/s
-// and the model FLOP rate: the FLOPs of a step by DESIGN §3.1's formulas (per block and
+// stream of one GPU, the local transport, the arenas sized before step 0) in --dtype (default
+// bf16), on the synthetic token stream. Reports the mean time of the steps after the first,
+// tokens/s and the model FLOP rate: the FLOPs of a step by DESIGN §3.1's formulas (per block and
 // sub-sequence F + B + W = 3 b x (8h^2 + 4hf) + 12 b h sum(t + 1), plus the LM head's 6 b x h V)
 // over the step time, also as a fraction of the H200's dense peak (bf16: 989.5 TFLOP/s; fp32,
 // which is strict fp32 here: 66.9). All
@@ -138,8 +138,8 @@ int main(int argc, char **argv) {
   });
   if (!result)
     return fail(result.takeError(), 1);
-  // Step 0 also pays one-time costs (cuBLASLt's first heuristics of the timed shapes were the
-  // warm-up's; the allocator's arena is new): time steps 1.. from the end of step 0.
+  // Step 0 pays the one-time costs (cuBLASLt's first heuristic queries of every shape, the first
+  // launch of each kernel, the arena's first touch): time steps 1.. from the end of step 0.
   const double seconds =
       std::chrono::duration<double>(ends.back() - ends.front()).count() / double(ends.size() - 1);
   const double flops = stepFlops(z, *plan);

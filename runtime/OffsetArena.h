@@ -9,7 +9,8 @@
 // Unbounded, the arena only learns the highest top a sequence of requests reaches (highWater).
 // Bounded by that high-water mark, the SAME sequence of requests and releases is placed at the
 // same offsets and never fails: placement depends only on the sequence. That is how a rank's
-// warm-up step sizes the one allocation all later steps are served from.
+// sizing pass (a step's requests made on the host, before step 0) sizes the one allocation all
+// steps are served from.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_OFFSETARENA_H

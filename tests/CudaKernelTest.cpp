@@ -739,6 +739,84 @@ TEST_F(GpuTest, BadShapesAreErrorsNamingTheArgument) {
   EXPECT_NE(llvm::toString(std::move(step)).find("step counts from 1"), std::string::npos);
 }
 
+/// Records an op's buffer requests and hands out addresses that fault if anything reads them
+/// (non-canonical on x86-64 and AArch64, and no device allocation has one).
+class RecordingAllocator final : public DeviceAllocator {
+public:
+  llvm::Expected<void *> allocate(size_t bytes) override {
+    if (bytes == 0)
+      return nullptr;
+    requests.push_back(bytes);
+    ++live;
+    return reinterpret_cast<void *>(kNowhere + (requests.size() << 24));
+  }
+  void release(void *p) override { live -= p != nullptr; }
+  static constexpr uintptr_t kNowhere = uintptr_t(1) << 63;
+  std::vector<size_t> requests;
+  int live = 0;
+};
+
+TEST_F(GpuTest, InTheSizingPassOpsTakeTheirScratchAndQueueNothing) {
+  // Every op with every pointer pointing nowhere: had one queued its kernel, copy or GEMM, the
+  // kernel emulator (which runs kernels on the host) would crash and a GPU would report an
+  // illegal address (sticky: the checks after the pass would fail too).
+  RecordingAllocator recording;
+  ctx->setAllocator(&recording);
+  ctx->setSizing(true);
+  void *p = reinterpret_cast<void *>(RecordingAllocator::kNowhere);
+  float *f = static_cast<float *>(p);
+  const auto *tokens = static_cast<const int32_t *>(p);
+  const int n = 600, c = 64; // more rows than launch::kColumnSumChunkRows: the sums need scratch
+  const AttentionShape shape{2, 24, 8, 2, 32};
+  for (DType dt : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(toString(dt));
+    recording.requests.clear();
+    ASSERT_OK(matmulForward(*ctx, dt, p, p, p, p, n, c, c));
+    ASSERT_OK(matmulBackwardInput(*ctx, dt, p, p, p, n, c, c));
+    ASSERT_OK(matmulBackwardWeight(*ctx, dt, f, f, p, p, n, c, c));
+    ASSERT_OK(matmulTForward(*ctx, dt, p, p, p, n, c, c));
+    ASSERT_OK(matmulTBackwardInput(*ctx, dt, p, p, p, n, c, c));
+    ASSERT_OK(matmulTBackwardWeight(*ctx, dt, f, p, p, n, c, c));
+    const size_t afterMatmuls = recording.requests.size();
+    ASSERT_OK(layernormForward(*ctx, dt, p, f, f, p, p, p, n, c));
+    ASSERT_OK(layernormBackwardInputAccumulate(*ctx, dt, p, p, p, f, f, p, n, c));
+    ASSERT_OK(layernormBackwardWeight(*ctx, dt, f, f, p, p, f, f, n, c));
+    ASSERT_OK(geluForward(*ctx, dt, p, p, size_t(n) * c));
+    ASSERT_OK(geluBackward(*ctx, dt, p, p, p, size_t(n) * c));
+    ASSERT_OK(attentionForward(*ctx, dt, p, f, p, p, p, shape));
+    ASSERT_OK(attentionBackward(*ctx, dt, p, f, f, p, p, f, p, p, p, shape));
+    ASSERT_OK(crossEntropyForward(*ctx, dt, f, f, p, tokens, n, c, 1.0f));
+    ASSERT_OK(crossEntropyBackward(*ctx, dt, p, p, f, tokens, n, c, 1.0f));
+    ASSERT_OK(convert(*ctx, dt, p, DType::F32, p, size_t(n)));
+    ASSERT_OK(adamUpdate(*ctx, f, f, f, f, size_t(n), 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1));
+    // The hand-written kernels' scratch, as a step takes it: the layernorm weight gradient's
+    // column-sum partials (two sums) and the attention backward's row dots. (The matmuls' bias
+    // sums take scratch on a GPU too; the emulated device's matmuls compute on the host.)
+    const std::vector<size_t> kernelScratch(recording.requests.begin() + afterMatmuls,
+                                            recording.requests.end());
+    const std::vector<size_t> expected{launch::columnSumScratchFloats(n, c, 2) * sizeof(float),
+                                       size_t(shape.batch) * size_t(shape.heads) *
+                                           size_t(shape.queries) * sizeof(float)};
+    EXPECT_EQ(kernelScratch, expected);
+  }
+  EXPECT_EQ(recording.live, 0) << "scratch not given back";
+  std::vector<float> host{1.0f, 2.0f};
+  ASSERT_OK(ctx->upload(p, host.data(), 8));
+  ASSERT_OK(ctx->download(host.data(), p, 8));
+  EXPECT_EQ(host, (std::vector<float>{1.0f, 2.0f})) << "download() wrote in the sizing pass";
+  ASSERT_OK(ctx->memsetZero(p, 8));
+  ASSERT_OK(ctx->synchronize());
+  // Out of the pass, the same context computes again.
+  ctx->setSizing(false);
+  ctx->setAllocator(nullptr);
+  const Vec x = randomVec(64, 90);
+  Vec ref(64);
+  cpu::geluForward(ref.data(), x.data(), x.size());
+  DeviceBuffer in = upload(x, DType::F32), out = allocate(64 * 4);
+  ASSERT_OK(geluForward(*ctx, DType::F32, out.data(), in.data(), x.size()));
+  EXPECT_CLOSE(download(out, 64, DType::F32), ref, kTolF32);
+}
+
 std::string dtypeName(const ::testing::TestParamInfo<DType> &info) { return toString(info.param); }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMatmulTest, ::testing::Values(DType::F32, DType::BF16),

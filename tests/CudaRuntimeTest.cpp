@@ -62,6 +62,10 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
   EXPECT_LE(gpu->weights.maxRatio, 1.0) << weightCheckReport(gpu->weights);
   EXPECT_LT(gpu->weights.tpCopy.step, 0) << weightCheckReport(gpu->weights);
   EXPECT_LT(gpu->weights.dpCopy.replica, 0) << weightCheckReport(gpu->weights);
+  // The sizing pass (no device work, no transport) made exactly the steps' requests: the steps
+  // filled the arena it reserved, no less (the first-fit placement depends on the sequence
+  // alone; a request it had not seen would have failed the step).
+  EXPECT_EQ(gpu->arenaUsedBytes, gpu->arenaBytes);
   if (dtype == DType::BF16) {
     EXPECT_GT(gpu->grads.maxAbsDiff, kCudaGradTolerance * gpu->grads.scale)
         << "bf16 gradients as exact as fp32 ones: the run did not compute in bf16";
@@ -383,9 +387,11 @@ TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
     ASSERT_NEAR(wpe[i], refWpe[i], 1e-5) << "wpe[" << i / c << ", " << i % c << "]";
 }
 
-TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
-  // Between the ends of step 0 and step 3: the device's free memory does not move and the
-  // stream-ordered pool hands out nothing (its high-water mark, reset after step 0, stays 0).
+TEST_F(CudaRuntimeTest, NoStepAllocatesDeviceMemoryStepZeroIncluded) {
+  // The arenas are sized before step 0 on the host: from the end of step 0 to that of step 3 the
+  // device's free memory does not move, and the stream-ordered pool hands out nothing in the
+  // whole run (its high-water mark, reset before it, does not rise; a warm-up step that measured
+  // the arena with stream-ordered allocations, as the runtime once did, raises it).
   Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
                             options("zb-h1", /*pp=*/4, /*microbatches=*/6, 1, /*seqSplits=*/2));
   auto data = syntheticData(32, /*seed=*/7);
@@ -395,28 +401,28 @@ TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
   cudaMemPool_t pool = nullptr;
   ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  uint64_t zero = 0, usedBefore = 0; // (the reset starts the mark from what is in use now)
+  ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &usedBefore), cudaSuccess);
   size_t freeAfterStep0 = 0, total = 0;
   std::vector<std::string> problems;
   auto onStep = [&](int step, double) {
+    uint64_t high = 0;
+    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high) != cudaSuccess)
+      problems.push_back("cannot read the pool's high-water mark");
+    if (high != usedBefore)
+      problems.push_back(fmt::format("by the end of step {}: the stream-ordered pool handed out "
+                                     "{} bytes",
+                                     step, high - usedBefore));
     size_t freeNow = 0;
     if (cudaMemGetInfo(&freeNow, &total) != cudaSuccess) {
       problems.push_back("cudaMemGetInfo failed");
       return;
     }
-    if (step == 0) {
+    if (step == 0)
       freeAfterStep0 = freeNow;
-      uint64_t zero = 0;
-      if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero) != cudaSuccess)
-        problems.push_back("cannot reset the pool's high-water mark");
-      return;
-    }
-    uint64_t high = 0;
-    if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high) != cudaSuccess)
-      problems.push_back("cannot read the pool's high-water mark");
-    if (high != 0)
-      problems.push_back(
-          fmt::format("step {}: the stream-ordered pool handed out {} bytes", step, high));
-    if (freeNow != freeAfterStep0)
+    else if (freeNow != freeAfterStep0)
       problems.push_back(
           fmt::format("step {}: free device memory {} -> {}", step, freeAfterStep0, freeNow));
   };
@@ -426,6 +432,36 @@ TEST_F(CudaRuntimeTest, StepsAfterTheWarmUpAllocateNoDeviceMemory) {
   ASSERT_EQ(result->arenaBytes.size(), 4u);
   for (size_t r = 0; r < 4; ++r)
     EXPECT_GT(result->arenaBytes[r], 0u) << "rank " << r;
+  EXPECT_EQ(result->arenaUsedBytes, result->arenaBytes);
+}
+
+TEST_F(CudaRuntimeTest, AnArenaTheDeviceCannotHoldFailsBeforeStepZeroNamingTheRank) {
+  // GPipe's rank 0 keeps every microbatch's activations; each keeps at least its two blocks'
+  // fp32 fc inputs (8 x 1024 tokens x 4096 x 4 bytes each, 268 MB), and there are enough of
+  // them for twice the device's memory. The sizing pass costs no device memory and no device
+  // time, so the shortfall is found before anything of a step has run.
+  size_t freeBytes = 0, totalBytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
+  const size_t perMicrobatch = size_t(2) * 8 * 1024 * 4096 * sizeof(float);
+  const int microbatches = int(2 * totalBytes / perMicrobatch) + 2;
+  auto model = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
+      "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
+      "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})",
+                              "wide-ffn.json");
+  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
+  Plan plan = compileOrFail(*model, options("gpipe", /*pp=*/2, microbatches));
+  auto data = syntheticData(32, /*seed=*/7);
+  CudaRunOptions o;
+  o.steps = 1;
+  bool stepRan = false;
+  auto result = runOnCuda(plan, *data, o, [&](int, double) { stepRan = true; });
+  ASSERT_FALSE(bool(result)) << "a plan of " << microbatches << " microbatches fitted";
+  const std::string message = takeMessage(result.takeError());
+  EXPECT_FALSE(stepRan);
+  for (const char *part : {"rank 0 (pp 0, dp 0, tp 0): cannot reserve the ",
+                           " MiB of activation memory the plan needs on this rank (", " MiB free)",
+                           "1f1b instead of gpipe"})
+    EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
 }
 
 TEST_F(CudaRuntimeTest, TheArenaFollowsTheScheduleActivationPeak) {

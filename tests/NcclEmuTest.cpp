@@ -91,9 +91,13 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   o.dtype = c.dtype;
   const bool bf16 = c.dtype == kernels::DType::BF16;
   auto results = runEveryRank(plan, *data, c.name, [&o](int) { return o; });
-  for (int r = 0; r < world; ++r)
+  for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(bool(results[size_t(r)]))
         << "rank " << r << ": " << takeMessage(results[size_t(r)].takeError());
+    // Each process's sizing pass (alone, no NCCL call) saw exactly its steps' requests.
+    EXPECT_EQ(results[size_t(r)]->arenaUsedBytes, results[size_t(r)]->arenaBytes) << "rank " << r;
+    EXPECT_GT(results[size_t(r)]->arenaBytes.at(0), 0u) << "rank " << r;
+  }
   CudaRunResult &root = *results[0];
   ASSERT_EQ(root.referenceLosses.size(), 2u);
   EXPECT_GT(root.grads.scale, 0);

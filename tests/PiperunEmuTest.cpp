@@ -45,12 +45,11 @@ TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   for (const char *line :
        {"step 0 loss ", "step 2 loss ",
-        "activation arena MiB (every rank, in RANK order; sized by the warm-up "
-        "step): ",
+        "activation arena MiB (every rank, in RANK order; sized before step 0): ",
         "reference loss (last step) ", "max_abs_grad_diff=", "largest difference: step ",
         "max_tensor_grad_diff=", "max_weight_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
-  EXPECT_EQ(r.out.find("step 3 loss"), std::string::npos) << "the warm-up step is not printed";
+  EXPECT_EQ(r.out.find("step 3 loss"), std::string::npos) << "three steps, no more";
 }
 
 TEST(PiperunEmuTest, Bf16ComputePassesTheReferenceCheckWithinItsTolerance) {
@@ -99,6 +98,23 @@ TEST(PiperunEmuTest, AnUnsupportedDtypeIsAUsageError) {
             std::string::npos)
       << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(PiperunEmuTest, APlanTooLargeForTheDeviceIsOneLineAndExitTwoBeforeStepZero) {
+  // GPipe's rank 0 keeps 130 microbatches of two blocks' 268 MB fc inputs: twice the emulated
+  // device's 16 GiB (kernels/cuda/emu/FakeCudaRuntime.cpp).
+  std::string model = tmpDir() + "/wide-ffn.json";
+  std::ofstream(model) << R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
+      "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
+      "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})";
+  std::string p = plan("wide-ffn", "--schedule gpipe --pp 2 --microbatches 130", model);
+  Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("piperun: error: rank 0 (pp 0, dp 0, tp 0): cannot reserve the "),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
 }
 
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {

@@ -4,7 +4,7 @@
 // one-GPU cuda backend moves messages and all-reduce operands (runtime/Transport.h; messages of
 // different rank pairs, and all-reduces of different groups, move side by side, outside the
 // matching lock), and the
-// first-fit arena that sizes each rank's activation memory from a warm-up step
+// first-fit arena that sizes each rank's activation memory from its sizing pass
 // (runtime/OffsetArena.h). The arena is held against an independent overlap check and against
 // the closed form of 1F1B's in-flight activations.
 //

@@ -19,9 +19,10 @@
 // process (one process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
 // NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
 // losses and, with --check-reference, compares every process's gradients and last weights
-// (gathered to it) with the single-rank reference. Both GPU backends run one warm-up step
-// first (not printed, no optimizer update) that sizes each rank's activation arena, and print
-// the sizes ("activation arena MiB ...") after the last step.
+// (gathered to it) with the single-rank reference. Both GPU backends size each rank's
+// activation arena before step 0 with a host-only pass over its stream (runtime/cuda/CudaRun.h:
+// nothing runs on the device, nothing trains), and print the sizes ("activation arena MiB ...")
+// after the last step.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -167,12 +168,12 @@ llvm::Error run(int argc, char **argv) {
       fmt::print("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
                  computeType == "bf16" ? "fp32" : "bf16");
   };
-  // What each rank's step allocates, once, after the warm-up step measured it.
+  // What each rank's steps allocate, once, before step 0 (the sizing pass).
   auto printArenas = [](const CudaRunResult &result, const char *whose) {
     std::string sizes;
     for (size_t bytes : result.arenaBytes)
       sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
-    fmt::print("activation arena MiB ({}; sized by the warm-up step): {}\n", whose, sizes);
+    fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose, sizes);
   };
 #endif
   if (backend == "nccl") {

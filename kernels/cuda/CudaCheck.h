@@ -43,4 +43,12 @@ llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *f
                                                      __LINE__);                                    \
   } while (false)
 
+/// Device work an op queues on context `ctx` (a launch, a copy, a memset), checked as
+/// PIPEC_CUDA_TRY; skipped while the context is in its sizing pass (CudaContext::setSizing).
+#define PIPEC_QUEUE_TRY(ctx, call)                                                                 \
+  do {                                                                                             \
+    if (!(ctx).sizing())                                                                           \
+      PIPEC_CUDA_TRY(call);                                                                        \
+  } while (false)
+
 #endif // PIPEC_KERNELS_CUDA_CUDACHECK_H

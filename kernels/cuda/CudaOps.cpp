@@ -50,6 +50,7 @@ struct CudaContext::Impl {
   std::map<std::array<int, 14>, cublasLtMatmulAlgo_t> algos;
   StreamOrderedAllocator streamOrdered;
   DeviceAllocator *allocator = &streamOrdered;
+  bool sizing = false;
 
   // Frees whatever was created, so that create() can return early at any step.
   ~Impl() {
@@ -85,24 +86,26 @@ int CudaContext::device() const { return impl_->device; }
 void *CudaContext::stream() const { return impl_->stream; }
 
 llvm::Error CudaContext::synchronize() {
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 
 llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this,
+                  cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 
 llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this,
+                  cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 
 llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemsetAsync(device, 0, bytes, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaMemsetAsync(device, 0, bytes, impl_->stream));
   return llvm::Error::success();
 }
 
@@ -111,6 +114,9 @@ void CudaContext::setAllocator(DeviceAllocator *allocator) {
 }
 
 DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
+
+void CudaContext::setSizing(bool on) { impl_->sizing = on; }
+bool CudaContext::sizing() const { return impl_->sizing; }
 
 //===--- Matmuls ----------------------------------------------------------===//
 
@@ -164,7 +170,7 @@ uint32_t alignmentOf(const void *ptr) {
 } // namespace
 
 static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
-  if (g.m == 0 || g.n == 0)
+  if (g.m == 0 || g.n == 0 || ctx.sizing())
     return llvm::Error::success();
   CudaContext::Impl &impl = ctx.impl();
   const cudaDataType_t abType = cudaType(g.abType);
@@ -303,8 +309,8 @@ llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float
     ScratchBuffer partials(ctx.allocator());
     if (auto err = partials.allocate(launch::columnSumScratchFloats(n, o, 1) * sizeof(float)))
       return err;
-    PIPEC_CUDA_TRY(launch::columnSumAccumulate(dtype, dBias, dOut, n, o, partials.as<float>(),
-                                               static_cast<cudaStream_t>(ctx.stream())));
+    PIPEC_QUEUE_TRY(ctx, launch::columnSumAccumulate(dtype, dBias, dOut, n, o, partials.as<float>(),
+                                                     static_cast<cudaStream_t>(ctx.stream())));
   }
   return llvm::Error::success();
 }

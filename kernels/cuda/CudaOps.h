@@ -82,6 +82,14 @@ public:
   void setAllocator(DeviceAllocator *allocator);
   DeviceAllocator &allocator();
 
+  /// The sizing pass (runtime/cuda/DeviceArena.h), off by default. While it is on, every op of
+  /// this header checks its arguments and takes and gives back its scratch through the
+  /// allocator exactly as it otherwise would, but queues no device work: no kernel, copy,
+  /// memset or cuBLASLt call. upload(), download(), memsetZero() and synchronize() do nothing
+  /// (download() leaves the host buffer as it was). Pointers need not point anywhere then.
+  void setSizing(bool on);
+  bool sizing() const;
+
   struct Impl;
   Impl &impl() { return *impl_; }
 

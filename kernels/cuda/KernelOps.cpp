@@ -28,8 +28,8 @@ static llvm::Error shapeError(const std::string &message) {
 
 llvm::Error convert(CudaContext &ctx, DType dstType, void *dst, DType srcType, const void *src,
                     size_t n) {
-  PIPEC_CUDA_TRY(
-      launch::convert(dstType, dst, srcType, src, n, static_cast<cudaStream_t>(ctx.stream())));
+  PIPEC_QUEUE_TRY(
+      ctx, launch::convert(dstType, dst, srcType, src, n, static_cast<cudaStream_t>(ctx.stream())));
   return llvm::Error::success();
 }
 
@@ -47,7 +47,8 @@ llvm::Error layernormForward(CudaContext &ctx, DType dtype, void *out, float *me
                              const void *in, const void *w, const void *b, int n, int c) {
   if (auto err = checkRows("layernormForward", n, c))
     return err;
-  PIPEC_CUDA_TRY(launch::layernormForward(dtype, out, mean, rstd, in, w, b, n, c, streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx,
+                  launch::layernormForward(dtype, out, mean, rstd, in, w, b, n, c, streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -56,8 +57,8 @@ llvm::Error layernormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void
                                              const float *rstd, const void *w, int n, int c) {
   if (auto err = checkRows("layernormBackwardInputAccumulate", n, c))
     return err;
-  PIPEC_CUDA_TRY(launch::layernormBackwardInputAccumulate(dtype, dIn, dOut, in, mean, rstd, w, n, c,
-                                                          streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::layernormBackwardInputAccumulate(dtype, dIn, dOut, in, mean, rstd, w,
+                                                                n, c, streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -69,19 +70,19 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
   ScratchBuffer partials(ctx.allocator());
   if (auto err = partials.allocate(launch::columnSumScratchFloats(n, c, 2) * sizeof(float)))
     return err;
-  PIPEC_CUDA_TRY(launch::layernormBackwardWeight(dtype, dW, dB, dOut, in, mean, rstd, n, c,
-                                                 partials.as<float>(), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::layernormBackwardWeight(dtype, dW, dB, dOut, in, mean, rstd, n, c,
+                                                       partials.as<float>(), streamOf(ctx)));
   return llvm::Error::success();
 }
 
 llvm::Error geluForward(CudaContext &ctx, DType dtype, void *out, const void *in, size_t n) {
-  PIPEC_CUDA_TRY(launch::geluForward(dtype, out, in, n, streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::geluForward(dtype, out, in, n, streamOf(ctx)));
   return llvm::Error::success();
 }
 
 llvm::Error geluBackward(CudaContext &ctx, DType dtype, void *dIn, const void *dOut, const void *in,
                          size_t n) {
-  PIPEC_CUDA_TRY(launch::geluBackward(dtype, dIn, dOut, in, n, streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::geluBackward(dtype, dIn, dOut, in, n, streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -108,7 +109,8 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
                              const void *k, const void *v, const AttentionShape &s) {
   if (auto err = checkAttention("attentionForward", s))
     return err;
-  PIPEC_CUDA_TRY(launch::attentionForward(dtype, out, lse, q, k, v, dimsOf(s), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx,
+                  launch::attentionForward(dtype, out, lse, q, k, v, dimsOf(s), streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -123,8 +125,8 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
   ScratchBuffer rowDot(ctx.allocator());
   if (auto err = rowDot.allocate(rows * sizeof(float)))
     return err;
-  PIPEC_CUDA_TRY(launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
-                                           rowDot.as<float>(), dimsOf(s), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
+                                                 rowDot.as<float>(), dimsOf(s), streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -133,8 +135,8 @@ llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, f
                                 float scale) {
   if (auto err = checkRows("crossEntropyForward", n, v))
     return err;
-  PIPEC_CUDA_TRY(launch::crossEntropyForward(dtype, rowLoss, lse, logits, targets, n, v, scale,
-                                             streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::crossEntropyForward(dtype, rowLoss, lse, logits, targets, n, v,
+                                                   scale, streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -143,8 +145,8 @@ llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, c
                                  float scale) {
   if (auto err = checkRows("crossEntropyBackward", n, v))
     return err;
-  PIPEC_CUDA_TRY(launch::crossEntropyBackward(dtype, dLogits, logits, lse, targets, n, v, scale,
-                                              streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::crossEntropyBackward(dtype, dLogits, logits, lse, targets, n, v,
+                                                    scale, streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -156,8 +158,8 @@ llvm::Error adamUpdate(CudaContext &ctx, float *params, const float *grads, floa
   // As the CPU reference computes them, in float.
   const float mCorrection = 1.0f - std::pow(beta1, float(step));
   const float vCorrection = 1.0f - std::pow(beta2, float(step));
-  PIPEC_CUDA_TRY(launch::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay,
-                                    mCorrection, vCorrection, streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps,
+                                          weightDecay, mCorrection, vCorrection, streamOf(ctx)));
   return llvm::Error::success();
 }
 

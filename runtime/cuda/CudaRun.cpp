@@ -43,6 +43,19 @@ using kernels::StageCompute;
       return pipecGpuErr;                                                                          \
   } while (false)
 
+/// The transport of the sizing pass: nothing moves and no peer is waited for. A rank's buffer
+/// requests do not depend on its peers (the recv buffer is the backend's, whatever fills it).
+class SizingTransport final : public Transport {
+public:
+  llvm::Error exchange(int, llvm::ArrayRef<P2POp>) override { return llvm::Error::success(); }
+  llvm::Error allReduce(CollectiveGroup, const std::string &, llvm::ArrayRef<int>, int,
+                        TensorView) override {
+    return llvm::Error::success();
+  }
+  void abort(const std::string &) override {}
+  bool aborted() const override { return false; }
+};
+
 /// One rank's backend on a device transport (the local one here, NCCL's in NcclRun.cpp): sends
 /// hand out the device tensor itself, recvs a buffer of the rank's arena that the transport
 /// fills, all-reduces sum in place. The dispatch is the cpu backend's (StageDispatch).
@@ -59,9 +72,27 @@ public:
 
   void *computeStreamHandle() const override { return computeStream; }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
-  void setWarmUp(bool on) override { warmUp = on; }
-  llvm::Error reserveArena() override { return arena->reserve(); }
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
+  size_t arenaUsedBytes() const override { return arena ? arena->stepHighWater() : 0; }
+
+  llvm::Error sizeArena() override {
+    ctx->setSizing(true);
+    llvm::Error err = [&]() -> llvm::Error {
+      SizingTransport none;
+      RunShared shared(plan, Faults{}, none);
+      PIPEC_GPU_TRY(beginStep(0));
+      PIPEC_GPU_TRY(interpretStep(shared, c, *this));
+      if (auto share = finishStep(); !share)
+        return share.takeError();
+      return llvm::Error::success();
+    }();
+    ctx->setSizing(false);
+    if (err) {
+      clearStepBuffers();
+      return err;
+    }
+    return arena->reserve();
+  }
 
   llvm::Error snapshotWeights(ParamSnapshot &into) override {
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
@@ -169,9 +200,11 @@ public:
   /// A copy on the compute stream, into the arena.
   llvm::Error keepCopy(DeviceTensor &buffer, TensorView src) { return buffer.copyFrom(mem(), src); }
   static TensorView viewOf(DeviceTensor &buffer) { return buffer.view(); }
-  Mem mem() { return Mem{&ctx->allocator(), computeStream}; }
+  Mem mem() { return Mem{&ctx->allocator(), computeStream, ctx->sizing()}; }
 
   void sumLocalEmbeddingCopies() override {
+    if (ctx->sizing())
+      return;
     GpuStage &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
     auto [fb, fe] = first.tiedEmbeddingRange();
     auto [lb, le] = last.tiedEmbeddingRange();
@@ -189,9 +222,9 @@ public:
 
   llvm::Error optimizerStep() override {
     PIPEC_GPU_TRY(takeDeferred());
-    PIPEC_GPU_TRY(waitForCollectives());
-    if (warmUp) // the warm-up step measures memory; it does not train
+    if (ctx->sizing()) // the sizing pass measures memory; it does not train
       return llvm::Error::success();
+    PIPEC_GPU_TRY(waitForCollectives());
     // The gradients the optimizer sees, for --check-reference: a device copy now (the host must
     // not wait for the device inside the step), read back by finishStep().
     if (snapshot && c.dp == 0) {
@@ -215,7 +248,6 @@ private:
   ParamSnapshot *snapshot;
   std::unique_ptr<cu::CudaContext> ctx;
   cudaStream_t computeStream = nullptr;
-  bool warmUp = false;
   std::function<llvm::Error()> waitForCollectives;
   std::unique_ptr<DeviceArena> arena; // destroyed before ctx (its stream)
   // --check-reference: per stage, the gradients before the update (not the arena's memory).
@@ -246,23 +278,6 @@ createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord
   if (auto err = b->init())
     return err;
   return std::unique_ptr<CudaRankBackend>(std::move(b));
-}
-
-/// The warm-up step (not counted, no optimizer update) that sizes every rank's arena.
-static llvm::Error warmUpAndReserve(Runner &runner, llvm::ArrayRef<CudaRankBackend *> backends) {
-  for (CudaRankBackend *b : backends)
-    b->setWarmUp(true);
-  if (auto err = runner.step(0))
-    return err;
-  for (CudaRankBackend *b : backends)
-    if (auto share = b->finishStep(); !share)
-      return share.takeError();
-  PIPEC_GPU_TRY(releaseWarmUpMemory());
-  for (CudaRankBackend *b : backends) {
-    PIPEC_GPU_TRY(b->reserveArena());
-    b->setWarmUp(false);
-  }
-  return llvm::Error::success();
 }
 
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
@@ -298,8 +313,11 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     gpu.push_back(raw);
     backends.push_back(std::move(*b));
   }
+  // Every rank's arena, before anything of a step reaches the device (one rank after another:
+  // the sizing pass involves no peer).
+  for (CudaRankBackend *b : gpu)
+    PIPEC_GPU_TRY(b->sizeArena());
   Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);
-  PIPEC_GPU_TRY(warmUpAndReserve(runner, gpu));
   CudaRunResult result;
   for (CudaRankBackend *b : gpu)
     result.arenaBytes.push_back(b->arenaBytes());
@@ -327,6 +345,8 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     if (onStep)
       onStep(s, loss);
   }
+  for (CudaRankBackend *b : gpu)
+    result.arenaUsedBytes.push_back(b->arenaUsedBytes());
   if (ref) {
     ParamSnapshot weights;
     for (CudaRankBackend *b : gpu)

@@ -9,9 +9,10 @@
 //
 // Memory. Parameters, gradients and Adam moments are allocated when the stages are created;
 // everything a step allocates (activations, saved state, received tensors, kept gradients,
-// scratch) comes from one arena per rank (runtime/cuda/DeviceArena.h), sized by a warm-up step
-// that runs before step 0 (full forward and backward on step 0's batch, no optimizer update,
-// not reported) and then reserved with one cudaMalloc: no step allocates.
+// scratch) comes from one arena per rank (runtime/cuda/DeviceArena.h), sized before step 0 by
+// the sizing pass (the rank's stream interpreted on the host, step 0's batch, every buffer
+// request as a step makes it, nothing queued on the device, no peer involved) and then reserved
+// with one cudaMalloc: no step allocates, step 0 included.
 //
 // createDeviceTransportBackend gives one rank's backend to another runner: the nccl mode
 // (NcclRun.h), where NCCL moves the device memory.
@@ -59,8 +60,10 @@ struct CudaRunResult {
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
-  /// Per rank of this process (thread order): the activation arena the warm-up step measured.
+  /// Per rank of this process (thread order): the activation arena the sizing pass reserved ...
   std::vector<size_t> arenaBytes;
+  /// ... and the most of it the steps used (equal, when the pass saw the steps' requests).
+  std::vector<size_t> arenaUsedBytes;
 };
 
 /// The tolerance of --check-reference on the cuda backend, relative to the largest reference
@@ -98,12 +101,14 @@ public:
   virtual void *computeStreamHandle() const = 0;
   /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.
   virtual llvm::Error takeDeferredError() = 0;
-  /// While on, a step measures the arena and skips the optimizer update (the warm-up step).
-  virtual void setWarmUp(bool on) = 0;
-  /// After the warm-up step has finished (finishStep): one allocation of the measured size.
-  virtual llvm::Error reserveArena() = 0;
-  /// The bytes reserveArena() reserved.
+  /// Before step 0: the sizing pass over this rank's stream (DeviceArena.h), then one
+  /// allocation of the arena it measured. Queues nothing on the device, waits for no peer,
+  /// trains nothing.
+  virtual llvm::Error sizeArena() = 0;
+  /// The bytes sizeArena() reserved.
   virtual size_t arenaBytes() const = 0;
+  /// The most of them the steps since have used at once.
+  virtual size_t arenaUsedBytes() const = 0;
   /// Between steps (after finishStep()): the digests of the stages' fp32 master weights into
   /// `into` (ParamSnapshot::digests), and on dp replica 0 the weights themselves (the host waits
   /// for the copies).

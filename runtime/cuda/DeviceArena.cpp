@@ -5,17 +5,22 @@
 #include <fmt/format.h>
 
 #include <cassert>
+#include <cstdint>
 
 namespace pipec {
 
 namespace {
+
 double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
+
+/// Where the sizing pass's addresses start: a non-canonical address on x86-64 and AArch64, so
+/// that reading one on the host faults at once (the emulated device's kernels run on the host),
+/// and no device allocation can have it.
+const uintptr_t kSizingBase = uintptr_t(1) << 63;
+
 } // namespace
 
 DeviceArena::~DeviceArena() {
-  if (!base)
-    for (auto &[p, placed] : live)
-      (void)cudaFreeAsync(p, stream);
   if (base)
     (void)cudaFree(base);
 }
@@ -27,22 +32,12 @@ llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
   if (!at)
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
-        fmt::format("{}: the activation arena ({:.1f} MiB, sized by the warm-up step) has no room "
-                    "for {} more bytes ({:.1f} MiB in use): this step allocates more than the "
-                    "warm-up did, which the executor does not expect; please report it with the "
-                    "plan",
+        fmt::format("{}: the activation arena ({:.1f} MiB, sized before step 0 by the sizing "
+                    "pass) has no room for {} more bytes ({:.1f} MiB in use): this step "
+                    "allocates more than the sizing pass did, which the executor does not "
+                    "expect; please report it with the plan",
                     who, mib(placement.capacity()), bytes, mib(placement.inUse())));
-  void *p = nullptr;
-  if (base) {
-    p = base + *at;
-  } else {
-    cudaError_t status = cudaMallocAsync(&p, bytes, stream);
-    if (status != cudaSuccess) {
-      placement.release(*at);
-      return kernels::cuda::makeCudaError("cudaMallocAsync(&p, bytes, stream)", status, __FILE__,
-                                          __LINE__);
-    }
-  }
+  void *p = base ? static_cast<void *>(base + *at) : reinterpret_cast<void *>(kSizingBase + *at);
   live[p] = Placed{*at, bytes};
   return p;
 }
@@ -58,8 +53,6 @@ void DeviceArena::release(void *p) {
     (void)cudaMemsetAsync(p, 0xff, it->second.bytes, stream);
 #endif
   live.erase(it);
-  if (!base)
-    (void)cudaFreeAsync(p, stream);
 }
 
 llvm::Error DeviceArena::reserve() {
@@ -67,7 +60,7 @@ llvm::Error DeviceArena::reserve() {
   if (placement.liveCount() != 0)
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
-        fmt::format("{}: {} buffers ({:.1f} MiB) are still live after the warm-up step; the "
+        fmt::format("{}: {} buffers ({:.1f} MiB) are still live after the sizing pass; the "
                     "executor frees everything of a step by its end, so this is a bug",
                     who, placement.liveCount(), mib(placement.inUse())));
   size_t bytes = placement.highWater();
@@ -79,25 +72,22 @@ llvm::Error DeviceArena::reserve() {
   }
   void *p = nullptr;
   cudaError_t status = cudaMalloc(&p, bytes);
-  if (status != cudaSuccess)
+  if (status != cudaSuccess) {
+    size_t free = 0, total = 0;
+    (void)cudaGetLastError(); // the failed allocation's error is not sticky: clear it
+    const bool known = cudaMemGetInfo(&free, &total) == cudaSuccess;
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
-        fmt::format("{}: cannot reserve the {:.1f} MiB of activation memory the warm-up step "
-                    "measured: {} ({}); use fewer microbatches in flight (a schedule with a "
+        fmt::format("{}: cannot reserve the {:.1f} MiB of activation memory the plan needs on "
+                    "this rank{}: {} ({}); use fewer microbatches in flight (a schedule with a "
                     "lower peak, e.g. 1f1b instead of gpipe), more pipeline stages or a smaller "
                     "microbatch",
-                    who, mib(bytes), cudaGetErrorName(status), cudaGetErrorString(status)));
+                    who, mib(bytes),
+                    known ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(free), mib(total))
+                          : std::string(),
+                    cudaGetErrorName(status), cudaGetErrorString(status)));
+  }
   base = static_cast<char *>(p);
-  return llvm::Error::success();
-}
-
-llvm::Error releaseWarmUpMemory() {
-  PIPEC_CUDA_TRY(cudaDeviceSynchronize());
-  int device = 0;
-  PIPEC_CUDA_TRY(cudaGetDevice(&device));
-  cudaMemPool_t pool = nullptr;
-  PIPEC_CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, device));
-  PIPEC_CUDA_TRY(cudaMemPoolTrimTo(pool, 0));
   return llvm::Error::success();
 }
 

@@ -1,19 +1,24 @@
-//===- DeviceArena.h - A rank's activation memory, sized by a warm-up step -*- C++ -*-===//
+//===- DeviceArena.h - A rank's activation memory, sized before the first step -*- C++ -*-===//
 //
 // The executor's DeviceAllocator (kernels/cuda/CudaOps.h) for everything a rank allocates while
 // it runs a step: activations and saved state, received tensors, kept input gradients and the
 // ops' scratch. Two phases:
 //
-//   measuring  (the warm-up step): every request is a real stream-ordered allocation
-//              (cudaMallocAsync) and is also placed in an unbounded OffsetArena, which learns
-//              the highest offset the rank's sequence of requests reaches;
-//   reserved   (reserve(), between the warm-up and step 0): one cudaMalloc of that size; from
-//              then on requests are offsets into it, placed by the same first-fit rule.
+//   sizing     (the sizing pass, before step 0): the rank's stream is interpreted on the host
+//              with its CUDA context in sizing mode (CudaContext::setSizing: every op takes
+//              and gives back its buffers as in a step, but nothing is queued on the device)
+//              and no transport; requests are placed in an unbounded OffsetArena, which learns
+//              the highest offset the rank's sequence of requests reaches. The addresses
+//              handed out then point nowhere (a non-canonical range that faults if read) and
+//              no device memory is touched;
+//   reserved   (reserve(), after the pass): one cudaMalloc of that size; from then on requests
+//              are offsets into it, placed by the same first-fit rule.
 //
-// A rank issues the same requests in the same order every step (its instruction stream is
-// fixed, and one host thread issues them), so every step after the warm-up fits exactly and
-// nothing is allocated inside a step (runtime/OffsetArena.h). Should a step ever ask for more,
-// the request fails with an error that says so instead of allocating.
+// A rank issues the same requests in the same order every step, the sizing pass included (its
+// instruction stream is fixed, one host thread issues them, and no size depends on the data),
+// so every step fits exactly and no step allocates device memory (runtime/OffsetArena.h).
+// Should a step ever ask for more, the request fails with an error that says so instead of
+// allocating.
 // Releases take effect on the host at once: the memory is only reused by work queued later on
 // the rank's compute stream, and every other stream that reads a rank's buffers (a copy to a
 // peer, a p2p send, a tp all-reduce) is ordered before the compute stream's next work by the
@@ -37,7 +42,8 @@ namespace pipec {
 
 class DeviceArena final : public kernels::cuda::DeviceAllocator {
 public:
-  /// Measuring, with stream-ordered allocations on `stream`; `who` names the rank in errors.
+  /// Sizing; after reserve(), releases on the emulated device are queued on `stream`. `who`
+  /// names the rank in errors.
   DeviceArena(cudaStream_t stream, std::string who) : stream(stream), who(std::move(who)) {}
   ~DeviceArena() override;
   DeviceArena(const DeviceArena &) = delete;
@@ -46,12 +52,15 @@ public:
   llvm::Expected<void *> allocate(size_t bytes) override;
   void release(void *p) override;
 
-  /// Ends the measuring phase: one allocation of the measured high-water mark. Nothing may be
-  /// live (an error names how much is); call releaseWarmUpMemory() first.
+  /// Ends the sizing phase: one allocation of the high-water mark the requests so far reached.
+  /// Nothing may be live (an error names how much is).
   llvm::Error reserve();
   bool reserved() const { return reservedSize > 0 || reservedEmpty; }
-  /// The bytes reserved (before reserve(): the high-water mark measured so far).
+  /// The bytes reserved (before reserve(): the high-water mark so far).
   size_t reservedBytes() const { return reserved() ? reservedSize : placement.highWater(); }
+  /// The highest offset the requests since reserve() reached: reservedBytes() once a step has
+  /// run, when the sizing pass saw the steps' requests exactly.
+  size_t stepHighWater() const { return placement.highWater(); }
   size_t liveBytes() const { return placement.inUse(); }
 
 private:
@@ -60,17 +69,12 @@ private:
   OffsetArena placement;
   char *base = nullptr;
   size_t reservedSize = 0;
-  bool reservedEmpty = false; // reserved, and the warm-up needed nothing
+  bool reservedEmpty = false; // reserved, and the sizing pass needed nothing
   struct Placed {
     size_t offset, bytes;
   };
   std::unordered_map<void *, Placed> live; // live buffers
 };
-
-/// Between the warm-up step and the arenas' reserve(): waits for the current device and gives
-/// the stream-ordered pool's cached memory (the warm-up's) back, so that the reservations do
-/// not compete with it.
-llvm::Error releaseWarmUpMemory();
 
 } // namespace pipec
 

@@ -163,7 +163,7 @@ struct GpuStage::Impl {
   Owned<double> lossAcc;
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
-  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the warm-up step's),
+  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the sizing pass's),
   // uploaded from pinned host copies (inputs, targets, then the embedding backward's plans)
   // without waiting for the device.
   Owned<int32_t> inputs, targets;
@@ -177,7 +177,7 @@ struct GpuStage::Impl {
   std::map<int, SequenceWork> sequences;
 
   explicit Impl(cu::CudaContext &ctx) : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
-  Mem mem() { return Mem{&ctx.allocator(), stream}; }
+  Mem mem() { return Mem{&ctx.allocator(), stream, ctx.sizing()}; }
   /// An activation buffer of `n` elements of the compute type.
   llvm::Error alloc(Act &a, size_t n, bool zero = false) { return a.allocate(mem(), n, dt, zero); }
 
@@ -243,9 +243,9 @@ llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
   assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
   Act &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
-  PIPEC_CUDA_TRY(launch::residualAdd(dt, w.resid.data(), branch.data(),
-                                     param(p.layer, p.sub == 0 ? AttnB : ProjB), w.n, cfg.channels,
-                                     stream));
+  PIPEC_QUEUE_TRY(ctx, launch::residualAdd(dt, w.resid.data(), branch.data(),
+                                           param(p.layer, p.sub == 0 ? AttnB : ProjB), w.n,
+                                           cfg.channels, stream));
   branch.reset();
   if (p.sub == 0)
     PIPEC_GPU_TRY(bw.xMid.copyFrom(mem(), w.resid.view()));
@@ -289,9 +289,9 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView inpu
   switch (kind(p.layer)) {
   case GptLayerKind::Embedding:
     PIPEC_GPU_TRY(alloc(w.resid, nc));
-    PIPEC_CUDA_TRY(
-        launch::embeddingForward(dt, w.resid.data(), inputs.data() + tokenOffset(mb, slice),
-                                 param(p.layer, Wte), param(p.layer, Wpe), n, x, begin, c, stream));
+    PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(
+                             dt, w.resid.data(), inputs.data() + tokenOffset(mb, slice),
+                             param(p.layer, Wte), param(p.layer, Wpe), n, x, begin, c, stream));
     return llvm::Error::success();
   case GptLayerKind::Head: {
     HeadWork &hw = w.head;
@@ -330,8 +330,8 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView inpu
                                     param(p.layer, QkvB), n, c, 3 * localC));
     SequenceBlock &sb = sequence(mb).blocks[size_t(p.layer - firstBlock())];
     PIPEC_GPU_TRY(alloc(bw.q, size_t(n) * size_t(localC)));
-    PIPEC_CUDA_TRY(launch::splitQkv(dt, bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n, x, b,
-                                    begin, localC, stream));
+    PIPEC_QUEUE_TRY(ctx, launch::splitQkv(dt, bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n,
+                                          x, b, begin, localC, stream));
     const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
     PIPEC_GPU_TRY(bw.lse.allocate(mem(), size_t(b) * size_t(localHeads) * size_t(x)));
     PIPEC_GPU_TRY(alloc(bw.attOut, size_t(n) * size_t(localC)));
@@ -469,8 +469,8 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part, TensorVie
     bw.lse.reset();
     bw.q.reset();
     PIPEC_GPU_TRY(alloc(bw.dQkv, 3 * ncl));
-    PIPEC_CUDA_TRY(launch::gatherQkv(dt, bw.dQkv.data(), dq.data(), sb.dk.data(), sb.dv.data(), n,
-                                     x, b, begin, localC, stream));
+    PIPEC_QUEUE_TRY(ctx, launch::gatherQkv(dt, bw.dQkv.data(), dq.data(), sb.dk.data(),
+                                           sb.dv.data(), n, x, b, begin, localC, stream));
     PIPEC_GPU_TRY(alloc(bw.dLn1, nc));
     PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, bw.dLn1.data(), bw.dQkv.data(),
                                           param(p.layer, QkvW), n, c, 3 * localC));
@@ -505,11 +505,12 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
       PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
       const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
                                            merges, slots.as<float>()};
-      PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in,
-                                               plan, n, x, begin, c, stream));
+      PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(),
+                                                     in, plan, n, x, begin, c, stream));
       if (tiedHere())
-        PIPEC_CUDA_TRY(launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
-                                                 w.dEmb.data(), in, plan, n, x, begin, c, stream));
+        PIPEC_QUEUE_TRY(ctx,
+                        launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
+                                                  w.dEmb.data(), in, plan, n, x, begin, c, stream));
       break;
     }
     case GptLayerKind::Head: {
@@ -655,7 +656,7 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
       }
     }
   }
-  // Every step's batch has the same size: allocated once, by the first (warm-up) step.
+  // Every step's batch has the same size: allocated once, by the first call (the sizing pass's).
   if (!m.inputs.data() && !in.empty()) {
     PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
     PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
@@ -673,14 +674,15 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   std::copy(in.begin(), in.end(), host);
   std::copy(tgt.begin(), tgt.end(), host + in.size());
   std::copy(plans.begin(), plans.end(), host + in.size() + tgt.size());
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.inputs.data(), host, in.size() * sizeof(int32_t),
-                                 cudaMemcpyHostToDevice, m.stream));
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(m.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
-                                 cudaMemcpyHostToDevice, m.stream));
+  PIPEC_QUEUE_TRY(m.ctx, cudaMemcpyAsync(m.inputs.data(), host, in.size() * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, m.stream));
+  PIPEC_QUEUE_TRY(m.ctx,
+                  cudaMemcpyAsync(m.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, m.stream));
   if (!plans.empty())
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(m.embeddingPlans.data(), host + in.size() + tgt.size(),
-                                   plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                   m.stream));
+    PIPEC_QUEUE_TRY(m.ctx, cudaMemcpyAsync(m.embeddingPlans.data(), host + in.size() + tgt.size(),
+                                           plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                           m.stream));
   return llvm::Error::success();
 }
 
@@ -705,8 +707,8 @@ llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
   assert(hasHead() && "accumulateLoss() on a stage without the head");
   SliceWork &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "loss before the last forward part");
-  PIPEC_CUDA_TRY(
-      launch::accumulateSum(impl->lossAcc.data(), w.head.rowLoss.data(), w.n, impl->stream));
+  PIPEC_QUEUE_TRY(impl->ctx, launch::accumulateSum(impl->lossAcc.data(), w.head.rowLoss.data(), w.n,
+                                                   impl->stream));
   return llvm::Error::success();
 }
 

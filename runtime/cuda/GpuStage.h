@@ -21,11 +21,12 @@
 // (kernels/cuda/CudaOps.h's mixed precision) keeps activations, their gradients, the p2p tensors
 // and the tp partial sums in bf16 and reads a bf16 copy of the parameters, rounded from the fp32
 // master weights after every optimizer step; weight gradients, the dK/dV that Seq1F1B's slices
-// accumulate, Adam moments, layernorm statistics, log-sum-exps and losses stay fp32. All work is queued on the context's stream.
-// Parameters, gradients and Adam moments (and the bf16 copy) are allocated once, in create(); the
-// batch's tokens by the first setBatch(); activations, saved state and scratch come from the
-// context's DeviceAllocator (the rank's pre-sized arena in the executor,
-// runtime/cuda/DeviceArena.h).
+// accumulate, Adam moments, layernorm statistics, log-sum-exps and losses stay fp32. All work is
+// queued on the context's stream. Parameters, gradients and Adam moments (and the bf16 copy) are
+// allocated once, in create(); the batch's tokens by the first setBatch(); activations, saved state
+// and scratch come from the context's DeviceAllocator (the rank's pre-sized arena in the executor,
+// runtime/cuda/DeviceArena.h). In the context's sizing pass (CudaContext::setSizing) every call
+// makes the same requests of it, and of nothing else, in the same order, and queues nothing.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H

@@ -513,28 +513,11 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
                       int(*checking), env.worldSize);
 
   RunShared shared(plan, Faults{}, transport);
-  // The warm-up step (every process runs it): sizes this rank's activation arena, trains
-  // nothing (CudaRun.h).
-  {
-    b.setWarmUp(true);
-    transport.beginStep();
-    llvm::Error err = b.beginStep(0);
-    if (!err)
-      err = interpretStep(shared, env.coord, b);
-    if (!err)
-      err = transport.waitStep(0, o.timeoutSeconds);
-    if (!err)
-      if (auto share = b.finishStep(); !share)
-        err = share.takeError();
-    if (!err)
-      err = releaseWarmUpMemory();
-    if (!err)
-      err = b.reserveArena();
-    if (err) {
-      (*comms)->abortAll();
-      return err;
-    }
-    b.setWarmUp(false);
+  // The sizing pass (every process, alone: no NCCL call): this rank's activation arena, before
+  // anything of a step reaches the device (CudaRun.h).
+  if (auto err = b.sizeArena()) {
+    (*comms)->abortAll();
+    return err;
   }
   // --check-reference: RANK 0 runs the single-rank reference; with several processes the
   // others' gradients are gathered to it after every step.
@@ -627,6 +610,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (onStep && env.rank == 0)
       onStep(s, loss);
   }
+  result.arenaUsedBytes.push_back(b.arenaUsedBytes());
   // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients,
   // and with dp > 1 every replica's digests (ParamSnapshot::digests).
   // A process that cannot read its weights still takes part in the gather's agreement, so that

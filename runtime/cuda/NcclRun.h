@@ -17,7 +17,8 @@
 //   - no host synchronisation inside a step; at its end the host polls the device with a
 //     watchdog (--timeout) that names the first p2p group or all-reduce of this rank that has
 //     not completed, then aborts the communicators (its peers' watchdogs report theirs).
-// Before step 0 every process runs the warm-up step that sizes its activation arena (CudaRun.h).
+// Before step 0 every process runs the sizing pass that sizes its activation arena (CudaRun.h;
+// no NCCL call, no peer).
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
 // --check-reference: RANK 0 runs the single-rank CPU reference; after each step every other
 // process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in

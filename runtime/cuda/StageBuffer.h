@@ -22,10 +22,12 @@
 namespace pipec {
 
 /// Where a stage's buffers come from: the context's allocator (the rank's arena in the
-/// executor), and the stream their memsets and copies are queued on.
+/// executor), and the stream their memsets and copies are queued on; none are queued in the
+/// context's sizing pass (kernels::cuda::CudaContext::setSizing).
 struct Mem {
   kernels::cuda::DeviceAllocator *from;
   cudaStream_t stream;
+  bool sizing = false;
 };
 
 /// Device memory of the stage's allocator, given back when dropped on the host: the allocator
@@ -58,7 +60,7 @@ public:
       return p.takeError();
     ptr = static_cast<T *>(*p);
     count = n;
-    if (zero)
+    if (zero && !m.sizing)
       PIPEC_CUDA_TRY(cudaMemsetAsync(ptr, 0, n * sizeof(T), m.stream));
     return llvm::Error::success();
   }
@@ -66,7 +68,7 @@ public:
   llvm::Error copyFrom(const Mem &m, std::span<const T> src) {
     if (llvm::Error err = allocate(m, src.size()))
       return err;
-    if (!src.empty())
+    if (!src.empty() && !m.sizing)
       PIPEC_CUDA_TRY(cudaMemcpyAsync(ptr, src.data(), src.size() * sizeof(T),
                                      cudaMemcpyDeviceToDevice, m.stream));
     return llvm::Error::success();
@@ -117,7 +119,7 @@ public:
   llvm::Error copyFrom(const Mem &m, TensorView src) {
     if (llvm::Error err = allocate(m, src.count, src.type))
       return err;
-    if (!src.empty())
+    if (!src.empty() && !m.sizing)
       PIPEC_CUDA_TRY(
           cudaMemcpyAsync(data(), src.data, src.bytes(), cudaMemcpyDeviceToDevice, m.stream));
     return llvm::Error::success();

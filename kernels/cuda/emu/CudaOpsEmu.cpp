@@ -49,6 +49,7 @@ struct CudaContext::Impl {
   bool ownsStream = false;
   StreamOrderedAllocator streamOrdered;
   DeviceAllocator *allocator = &streamOrdered;
+  bool sizing = false;
   ~Impl() {
     if (stream && ownsStream)
       (void)cudaStreamDestroy(stream);
@@ -75,23 +76,25 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
 int CudaContext::device() const { return impl_->device; }
 void *CudaContext::stream() const { return impl_->stream; }
 llvm::Error CudaContext::synchronize() {
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 
-// As the real ones: queued on the stream, then waited for.
+// As the real ones: queued on the stream, then waited for (nothing in the sizing pass).
 llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this,
+                  cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
-  PIPEC_CUDA_TRY(cudaStreamSynchronize(impl_->stream));
+  PIPEC_QUEUE_TRY(*this,
+                  cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();
 }
 llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
-  PIPEC_CUDA_TRY(cudaMemsetAsync(device, 0, bytes, impl_->stream));
+  PIPEC_QUEUE_TRY(*this, cudaMemsetAsync(device, 0, bytes, impl_->stream));
   return llvm::Error::success();
 }
 
@@ -99,6 +102,9 @@ void CudaContext::setAllocator(DeviceAllocator *allocator) {
   impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
 }
 DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
+
+void CudaContext::setSizing(bool on) { impl_->sizing = on; }
+bool CudaContext::sizing() const { return impl_->sizing; }
 
 //===--- Matmuls ----------------------------------------------------------===//
 //

@@ -65,8 +65,10 @@ struct Narrowed {
   }
 };
 
-/// Queues `work` on the context's stream.
+/// Queues `work` on the context's stream (nothing in its sizing pass).
 inline llvm::Error run(CudaContext &ctx, std::function<void()> work) {
+  if (ctx.sizing())
+    return llvm::Error::success();
   emu::enqueue(static_cast<cudaStream_t>(ctx.stream()), std::move(work));
   return llvm::Error::success();
 }
