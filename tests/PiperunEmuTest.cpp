@@ -49,6 +49,9 @@ TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck
         "reference loss (last step) ", "max_abs_grad_diff=", "largest difference: step ",
         "max_tensor_grad_diff=", "max_weight_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
+  EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss"))
+      << "the arenas are known, and printed, before step 0:\n"
+      << r.out;
   EXPECT_EQ(r.out.find("step 3 loss"), std::string::npos) << "three steps, no more";
 }
 
@@ -125,6 +128,7 @@ TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
   for (const char *line :
        {"step 1 loss ", "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
+  EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss")) << r.out;
 }
 
 TEST(PiperunEmuTest, NcclBackendNamesAMissingLauncherVariable) {

@@ -22,7 +22,7 @@
 // (gathered to it) with the single-rank reference. Both GPU backends size each rank's
 // activation arena before step 0 with a host-only pass over its stream (runtime/cuda/CudaRun.h:
 // nothing runs on the device, nothing trains), and print the sizes ("activation arena MiB ...")
-// after the last step.
+// before step 0.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -169,9 +169,9 @@ llvm::Error run(int argc, char **argv) {
                  computeType == "bf16" ? "fp32" : "bf16");
   };
   // What each rank's steps allocate, once, before step 0 (the sizing pass).
-  auto printArenas = [](const CudaRunResult &result, const char *whose) {
+  auto printArenas = [](const std::vector<size_t> &arenaBytes, const char *whose) {
     std::string sizes;
-    for (size_t bytes : result.arenaBytes)
+    for (size_t bytes : arenaBytes)
       sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
     fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose, sizes);
   };
@@ -192,11 +192,13 @@ llvm::Error run(int argc, char **argv) {
     co.dtype = computeDType;
     if (env->rank == 0)
       printComputeType();
+    if (env->rank == 0)
+      co.onArenas = [&](const std::vector<size_t> &bytes) {
+        printArenas(bytes, "this process's rank 0");
+      };
     auto result = runOnNccl(*plan, *data, co, *env, printStep);
     if (!result)
       return result.takeError();
-    if (env->rank == 0)
-      printArenas(*result, "this process's rank 0");
     return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
 #endif
   }
@@ -210,10 +212,12 @@ llvm::Error run(int argc, char **argv) {
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
     printComputeType();
+    co.onArenas = [&](const std::vector<size_t> &bytes) {
+      printArenas(bytes, "every rank, in RANK order");
+    };
     auto result = runOnCuda(*plan, *data, co, printStep);
     if (!result)
       return result.takeError();
-    printArenas(*result, "every rank, in RANK order");
     return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
   }
 #endif

@@ -321,6 +321,8 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   CudaRunResult result;
   for (CudaRankBackend *b : gpu)
     result.arenaBytes.push_back(b->arenaBytes());
+  if (options.onArenas)
+    options.onArenas(result.arenaBytes);
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);

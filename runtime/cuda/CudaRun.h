@@ -50,6 +50,8 @@ struct CudaRunOptions {
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
   kernels::DType dtype = kernels::DType::F32;
+  /// Called once the arenas are reserved, before step 0, with CudaRunResult::arenaBytes.
+  std::function<void(const std::vector<size_t> &)> onArenas;
 };
 
 struct CudaRunResult {

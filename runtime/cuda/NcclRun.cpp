@@ -555,6 +555,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   }
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
+  if (o.onArenas)
+    o.onArenas(result.arenaBytes);
   auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
   for (int s = 0; s < o.steps; ++s) {
     transport.beginStep();
