@@ -438,7 +438,7 @@ TEST_F(CudaRuntimeTest, NoStepAllocatesDeviceMemoryStepZeroIncluded) {
 TEST_F(CudaRuntimeTest, AnArenaTheDeviceCannotHoldFailsBeforeStepZeroNamingTheRank) {
   // GPipe's rank 0 keeps every microbatch's activations; each keeps at least its two blocks'
   // fp32 fc inputs (8 x 1024 tokens x 4096 x 4 bytes each, 268 MB), and there are enough of
-  // them for twice the device's memory. The sizing pass costs no device memory and no device
+  // them for twice the device's memory. The sizing pass takes no arena memory and no device
   // time, so the shortfall is found before anything of a step has run.
   size_t freeBytes = 0, totalBytes = 0;
   ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);

@@ -125,8 +125,8 @@ TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
   Result r = run("env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu " + p +
                  " --backend nccl --steps 2 --check-reference");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  for (const char *line :
-       {"step 1 loss ", "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
+  for (const char *line : {"step 0 loss ", "step 1 loss ",
+                           "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss")) << r.out;
 }

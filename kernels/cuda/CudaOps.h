@@ -83,10 +83,11 @@ public:
   DeviceAllocator &allocator();
 
   /// The sizing pass (runtime/cuda/DeviceArena.h), off by default. While it is on, every op of
-  /// this header checks its arguments and takes and gives back its scratch through the
-  /// allocator exactly as it otherwise would, but queues no device work: no kernel, copy,
-  /// memset or cuBLASLt call. upload(), download(), memsetZero() and synchronize() do nothing
-  /// (download() leaves the host buffer as it was). Pointers need not point anywhere then.
+  /// this header checks its shapes and takes and gives back its scratch through the allocator
+  /// exactly as it otherwise would, but queues no device work: no kernel, copy, memset or
+  /// cuBLASLt call (so a matmul for which cuBLASLt has no algorithm fails only when it runs).
+  /// upload(), download(), memsetZero() and synchronize() do nothing (download() leaves the host
+  /// buffer as it was). Pointers need not point anywhere then.
   void setSizing(bool on);
   bool sizing() const;
 

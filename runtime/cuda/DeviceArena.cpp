@@ -63,15 +63,10 @@ llvm::Error DeviceArena::reserve() {
         fmt::format("{}: {} buffers ({:.1f} MiB) are still live after the sizing pass; the "
                     "executor frees everything of a step by its end, so this is a bug",
                     who, placement.liveCount(), mib(placement.inUse())));
-  size_t bytes = placement.highWater();
-  placement = OffsetArena(bytes);
-  reservedSize = bytes;
-  if (bytes == 0) {
-    reservedEmpty = true;
-    return llvm::Error::success();
-  }
+  const size_t bytes = placement.highWater();
   void *p = nullptr;
-  cudaError_t status = cudaMalloc(&p, bytes);
+  // (On failure nothing changes: the arena is still unreserved.)
+  cudaError_t status = bytes == 0 ? cudaSuccess : cudaMalloc(&p, bytes);
   if (status != cudaSuccess) {
     size_t free = 0, total = 0;
     (void)cudaGetLastError(); // the failed allocation's error is not sticky: clear it
@@ -87,6 +82,9 @@ llvm::Error DeviceArena::reserve() {
                           : std::string(),
                     cudaGetErrorName(status), cudaGetErrorString(status)));
   }
+  placement = OffsetArena(bytes);
+  reservedSize = bytes;
+  reservedEmpty = bytes == 0;
   base = static_cast<char *>(p);
   return llvm::Error::success();
 }

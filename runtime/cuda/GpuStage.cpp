@@ -656,8 +656,14 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
       }
     }
   }
-  // Every step's batch has the same size: allocated once, by the first call (the sizing pass's).
+  // Every step's batch has the same size: allocated once, by the first call, which is the sizing
+  // pass's (a step allocates nothing).
   if (!m.inputs.data() && !in.empty()) {
+    if (!m.ctx.sizing())
+      return llvm::createStringError(
+          llvm::inconvertibleErrorCode(),
+          "GpuStage::setBatch: the batch's device buffers are allocated in the sizing pass, "
+          "before step 0 (runtime/cuda/DeviceArena.h); this call is outside it");
     PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
     PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
     if (!plans.empty())
