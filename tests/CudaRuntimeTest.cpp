@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <sstream>
 
 namespace pipec::test {
 namespace {
@@ -435,21 +436,17 @@ TEST_F(CudaRuntimeTest, NoStepAllocatesDeviceMemoryStepZeroIncluded) {
   EXPECT_EQ(result->arenaUsedBytes, result->arenaBytes);
 }
 
-TEST_F(CudaRuntimeTest, AnArenaTheDeviceCannotHoldFailsBeforeStepZeroNamingTheRank) {
-  // GPipe's rank 0 keeps every microbatch's activations; each keeps at least its two blocks'
-  // fp32 fc inputs (8 x 1024 tokens x 4096 x 4 bytes each, 268 MB), and there are enough of
-  // them for twice the device's memory. The sizing pass takes no arena memory and no device
-  // time, so the shortfall is found before anything of a step has run.
+TEST_F(CudaRuntimeTest, RanksThatFitTheGpuAloneButNotTogetherFailBeforeStepZero) {
+  // GPipe keeps every microbatch's activations: each of the four ranks about a block's fp32 fc
+  // inputs per microbatch (134 MB), with enough microbatches for 35-45 % of the free memory
+  // each. Every rank's arena would fit alone; the four share the GPU and cannot. The sizing
+  // pass takes no arena memory and no device time, so this is found before step 0, with
+  // each rank's need.
   size_t freeBytes = 0, totalBytes = 0;
   ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
-  const size_t perMicrobatch = size_t(2) * 8 * 1024 * 4096 * sizeof(float);
-  const int microbatches = int(2 * totalBytes / perMicrobatch) + 2;
-  auto model = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
-      "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
-      "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})",
-                              "wide-ffn.json");
-  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
-  Plan plan = compileOrFail(*model, options("gpipe", /*pp=*/2, microbatches));
+  const size_t perMicrobatch = size_t(8) * 1024 * 4096 * sizeof(float);
+  const int microbatches = int(0.35 * double(freeBytes) / double(perMicrobatch)) + 1;
+  Plan plan = compileOrFail(wideFfnGpt(), options("gpipe", /*pp=*/4, microbatches));
   auto data = syntheticData(32, /*seed=*/7);
   CudaRunOptions o;
   o.steps = 1;
@@ -458,10 +455,27 @@ TEST_F(CudaRuntimeTest, AnArenaTheDeviceCannotHoldFailsBeforeStepZeroNamingTheRa
   ASSERT_FALSE(bool(result)) << "a plan of " << microbatches << " microbatches fitted";
   const std::string message = takeMessage(result.takeError());
   EXPECT_FALSE(stepRan);
-  for (const char *part : {"rank 0 (pp 0, dp 0, tp 0): cannot reserve the ",
-                           " MiB of activation memory the plan needs on this rank (", " MiB free)",
-                           "1f1b instead of gpipe"})
+  for (const char *part :
+       {"--backend cuda: the plan's 4 ranks need ", " MiB of activation memory together on GPU 0",
+        " MiB are free; ", "1f1b instead of gpipe", "--backend nccl"})
     EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
+  // Each rank's need, from the message: each fits alone, all four do not.
+  const std::string list = "(MiB by rank, in RANK order: ";
+  const size_t at = message.find(list);
+  ASSERT_NE(at, std::string::npos) << message;
+  std::istringstream byRank(message.substr(at + list.size()));
+  std::vector<double> need(4);
+  for (double &mib : need)
+    byRank >> mib;
+  ASSERT_TRUE(bool(byRank)) << message;
+  const double freeMib = double(freeBytes) / double(1 << 20);
+  double sum = 0;
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_LT(need[r], freeMib) << "rank " << r << ": " << message;
+    EXPECT_GT(need[r], 0.3 * freeMib) << "rank " << r << ": " << message;
+    sum += need[r];
+  }
+  EXPECT_GT(sum, freeMib) << message;
 }
 
 TEST_F(CudaRuntimeTest, TheArenaFollowsTheScheduleActivationPeak) {

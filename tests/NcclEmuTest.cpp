@@ -154,6 +154,25 @@ TEST(NcclEmuDtypeTest, ProcessesLaunchedWithDifferentDtypesAllFailNamingTheFlag)
   }
 }
 
+TEST(NcclEmuMemoryTest, AnArenaItsGpuCannotHoldFailsEveryProcessBeforeStepZero) {
+  // GPipe's ranks keep all 130 microbatches' fc inputs (134 MB each per block): more than the
+  // emulated device's 16 GiB for each process's one rank. Each process sizes its arena before
+  // step 0 and says so; none runs a step.
+  Plan plan = compileOrFail(wideFfnGpt(), options("gpipe", /*pp=*/2, 130));
+  auto data = syntheticData(32, /*seed=*/7);
+  auto results = runEveryRank(plan, *data, "too-large", [](int) { return CudaRunOptions{}; });
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    const std::string message = takeMessage(results[r].takeError());
+    EXPECT_NE(message.find(fmt::format("rank {} (pp {}, dp 0, tp 0): cannot reserve the ", r, r)),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find(" MiB of activation memory the plan needs on this rank ("),
+              std::string::npos)
+        << message;
+  }
+}
+
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {
   // --check-reference adds collectives on `world` after every step; a process without it would
   // meet them with the next step's and hang: every process must refuse, before the first step.

@@ -71,6 +71,18 @@ inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
   return m ? *m : ModelSpec{};
 }
 
+/// A GPT whose activations dwarf its weights, for arenas larger than a device: 4 blocks of
+/// hidden 32 with an fc of 4096, 8 sequences of 1024 tokens per microbatch, fp32. Each
+/// microbatch keeps at least its blocks' fc inputs: 8 x 1024 x 4096 x 4 bytes (134 MB) each.
+inline ModelSpec wideFfnGpt() {
+  auto m = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
+      "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
+      "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})",
+                          "wide-ffn.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
 /// The message of an expected error (empty, and a test failure, if there was none).
 inline std::string errorText(llvm::Error err) {
   if (!err) {

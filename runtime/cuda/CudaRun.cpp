@@ -75,7 +75,7 @@ public:
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
   size_t arenaUsedBytes() const override { return arena ? arena->stepHighWater() : 0; }
 
-  llvm::Error sizeArena() override {
+  llvm::Expected<size_t> measureArena() override {
     ctx->setSizing(true);
     llvm::Error err = [&]() -> llvm::Error {
       SizingTransport none;
@@ -89,10 +89,11 @@ public:
     ctx->setSizing(false);
     if (err) {
       clearStepBuffers();
-      return err;
+      return std::move(err);
     }
-    return arena->reserve();
+    return arena->reservedBytes();
   }
+  llvm::Error reserveArena() override { return arena->reserve(); }
 
   llvm::Error snapshotWeights(ParamSnapshot &into) override {
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
@@ -280,6 +281,30 @@ createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord
   return std::unique_ptr<CudaRankBackend>(std::move(b));
 }
 
+/// The ranks' arenas (`need`, thread order) fit into the free memory of `device` together, or an
+/// error that gives what each needs.
+static llvm::Error checkArenasFit(const std::vector<size_t> &need, int device) {
+  size_t sum = 0;
+  for (size_t bytes : need)
+    sum += bytes;
+  size_t freeBytes = 0, totalBytes = 0;
+  PIPEC_CUDA_TRY(cudaMemGetInfo(&freeBytes, &totalBytes));
+  if (sum <= freeBytes)
+    return llvm::Error::success();
+  auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
+  std::string byRank;
+  for (size_t r = 0; r < need.size(); ++r)
+    byRank += fmt::format("{}{:.1f}", r == 0 ? "" : " ", mib(need[r]));
+  return llvm::createStringError(
+      llvm::inconvertibleErrorCode(),
+      fmt::format("--backend cuda: the plan's {} ranks need {:.1f} MiB of activation memory "
+                  "together on GPU {} (MiB by rank, in RANK order: {}), and {:.1f} MiB of its "
+                  "{:.1f} MiB are free; use fewer microbatches in flight (a schedule with a lower "
+                  "peak, e.g. 1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
+                  "GPU with --backend nccl",
+                  need.size(), mib(sum), device, byRank, mib(freeBytes), mib(totalBytes)));
+}
+
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep) {
@@ -314,9 +339,18 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     backends.push_back(std::move(*b));
   }
   // Every rank's arena, before anything of a step reaches the device (one rank after another:
-  // the sizing pass involves no peer).
+  // the sizing pass involves no peer). All ranks share the GPU: what they need together is
+  // checked against its free memory before any of them reserves.
+  std::vector<size_t> need;
+  for (CudaRankBackend *b : gpu) {
+    auto bytes = b->measureArena();
+    if (!bytes)
+      return bytes.takeError();
+    need.push_back(*bytes);
+  }
+  PIPEC_GPU_TRY(checkArenasFit(need, options.device));
   for (CudaRankBackend *b : gpu)
-    PIPEC_GPU_TRY(b->sizeArena());
+    PIPEC_GPU_TRY(b->reserveArena());
   Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);
   CudaRunResult result;
   for (CudaRankBackend *b : gpu)

@@ -103,11 +103,12 @@ public:
   virtual void *computeStreamHandle() const = 0;
   /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.
   virtual llvm::Error takeDeferredError() = 0;
-  /// Before step 0: the sizing pass over this rank's stream (DeviceArena.h), then one
-  /// allocation of the arena it measured. Queues nothing on the device, waits for no peer,
-  /// trains nothing.
-  virtual llvm::Error sizeArena() = 0;
-  /// The bytes sizeArena() reserved.
+  /// Before step 0: the sizing pass over this rank's stream (DeviceArena.h); the bytes its
+  /// arena needs. Queues nothing on the device, waits for no peer, trains nothing.
+  virtual llvm::Expected<size_t> measureArena() = 0;
+  /// After measureArena(): one allocation of that size.
+  virtual llvm::Error reserveArena() = 0;
+  /// The bytes reserveArena() reserved.
   virtual size_t arenaBytes() const = 0;
   /// The most of them the steps since have used at once.
   virtual size_t arenaUsedBytes() const = 0;

@@ -515,9 +515,14 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   RunShared shared(plan, Faults{}, transport);
   // The sizing pass (every process, alone: no NCCL call): this rank's activation arena, before
   // anything of a step reaches the device (CudaRun.h).
-  if (auto err = b.sizeArena()) {
+  llvm::Error sized = [&]() -> llvm::Error {
+    if (auto bytes = b.measureArena(); !bytes)
+      return bytes.takeError();
+    return b.reserveArena();
+  }();
+  if (sized) {
     (*comms)->abortAll();
-    return err;
+    return sized;
   }
   // --check-reference: RANK 0 runs the single-rank reference; with several processes the
   // others' gradients are gathered to it after every step.
