@@ -83,8 +83,6 @@ llvm::Error DeviceArena::reserve() {
                     cudaGetErrorName(status), cudaGetErrorString(status)));
   }
   placement = OffsetArena(bytes);
-  reservedSize = bytes;
-  reservedEmpty = bytes == 0;
   base = static_cast<char *>(p);
   return llvm::Error::success();
 }

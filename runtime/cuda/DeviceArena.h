@@ -55,21 +55,18 @@ public:
   /// Ends the sizing phase: one allocation of the high-water mark the requests so far reached.
   /// Nothing may be live (an error names how much is).
   llvm::Error reserve();
-  bool reserved() const { return reservedSize > 0 || reservedEmpty; }
+  bool reserved() const { return placement.isBounded(); }
   /// The bytes reserved (before reserve(): the high-water mark so far).
-  size_t reservedBytes() const { return reserved() ? reservedSize : placement.highWater(); }
+  size_t reservedBytes() const { return reserved() ? placement.capacity() : placement.highWater(); }
   /// The highest offset the requests since reserve() reached: reservedBytes() once a step has
   /// run, when the sizing pass saw the steps' requests exactly.
   size_t stepHighWater() const { return placement.highWater(); }
-  size_t liveBytes() const { return placement.inUse(); }
 
 private:
   cudaStream_t stream;
   std::string who;
   OffsetArena placement;
   char *base = nullptr;
-  size_t reservedSize = 0;
-  bool reservedEmpty = false; // reserved, and the sizing pass needed nothing
   struct Placed {
     size_t offset, bytes;
   };
