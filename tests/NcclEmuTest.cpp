@@ -193,6 +193,28 @@ TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamin
   }
 }
 
+TEST(NcclEmuLaunchTest, ProcessesSharingOneGpuAllFailNamingNcclHostId) {
+  // Two processes started on a one-GPU host: NCCL refuses them at ncclCommInitRank (the emulated
+  // NCCL does as the real one with PIPEC_FAKE_NCCL_ONE_GPU=1); each says so in the launcher's
+  // terms, as an input error (piperun: exit 2).
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 4));
+  auto data = syntheticData(32, /*seed=*/7);
+  ASSERT_EQ(::setenv("PIPEC_FAKE_NCCL_ONE_GPU", "1", 1), 0);
+  auto results = runEveryRank(plan, *data, "one-gpu", [](int) { return CudaRunOptions{}; });
+  ::unsetenv("PIPEC_FAKE_NCCL_ONE_GPU");
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    llvm::Error err = results[r].takeError();
+    EXPECT_TRUE(err.isA<InputError>()) << "rank " << r;
+    const std::string message = takeMessage(std::move(err));
+    EXPECT_NE(
+        message.find(fmt::format("--backend nccl: RANK {} and RANK {} share one GPU", r, 1 - r)),
+        std::string::npos)
+        << message;
+    EXPECT_NE(message.find("give each its own NCCL_HOSTID"), std::string::npos) << message;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Nccl, NcclEmuTest,
     ::testing::Values(Case{"pp2", options("1f1b", /*pp=*/2, /*microbatches=*/4)},

@@ -119,6 +119,55 @@ TEST(NcclLaunchEnvTest, RankMapsToCoordinatesInTheInterpretersTpDpPpOrder) {
   }
 }
 
+// NCCL's own words for two ranks on one GPU (libnccl.so.2's format string "Duplicate GPU
+// detected : rank %d and rank %d both on CUDA device %lx", as ncclGetLastError returns it).
+TEST(NcclSharedGpuTest, NcclsDuplicateGpuErrorBecomesOneLineNamingBothRanksAndNcclHostId) {
+  LaunchEnv env;
+  env.rank = 1;
+  env.worldSize = 2;
+  env.localRank = 1;
+  llvm::Error err = sharedGpuError(
+      "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000", env, 1, nullptr);
+  ASSERT_TRUE(bool(err));
+  EXPECT_TRUE(err.isA<InputError>());
+  std::string m = takeMessage(std::move(err));
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_EQ(m.rfind("--backend nccl: RANK 1 and RANK 0 share one GPU (this process, LOCAL_RANK=1, "
+                    "sees 1 GPU)",
+                    0),
+            0u)
+      << m;
+  EXPECT_NE(m.find("torchrun --nproc-per-node 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("give each its own NCCL_HOSTID"), std::string::npos) << m;
+  EXPECT_NE(m.find("NCCL_SOCKET_IFNAME=lo"), std::string::npos) << m;
+}
+
+TEST(NcclSharedGpuTest, ASharedNcclHostIdIsNamedWithItsValue) {
+  LaunchEnv env;
+  env.rank = 3;
+  env.worldSize = 4;
+  env.localRank = 3;
+  std::string m = takeMessage(sharedGpuError(
+      "Duplicate GPU detected : rank 3 and rank 2 both on CUDA device 4000", env, 2, "box"));
+  EXPECT_NE(m.find("RANK 3 and RANK 2 share one GPU (this process, LOCAL_RANK=3, sees 2 GPUs)"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("torchrun --nproc-per-node 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("give each a different NCCL_HOSTID (this one's, box, is another's too)"),
+            std::string::npos)
+      << m;
+}
+
+TEST(NcclSharedGpuTest, OtherNcclErrorsAreLeftToNcclsOwnMessage) {
+  LaunchEnv env;
+  EXPECT_FALSE(bool(sharedGpuError("", env, 1, nullptr)));
+  EXPECT_FALSE(bool(sharedGpuError("Invalid config blocking attribute value -1", env, 1, nullptr)));
+  // Words NCCL may change around the ranks still give the hint, without the ranks.
+  std::string m = takeMessage(
+      sharedGpuError("init.cc:500 Duplicate GPU detected on device 0", env, 1, nullptr));
+  EXPECT_EQ(m.rfind("--backend nccl: two processes share one GPU", 0), 0u) << m;
+}
+
 /// The groups a communicator kind forms over all processes: color -> (key -> rank).
 std::map<int, std::map<int, int>> groupsOf(const Plan &plan, CommKind kind) {
   std::map<int, std::map<int, int>> groups;

@@ -1,8 +1,10 @@
 //===- Nccl.cpp - NCCL status codes to llvm::Error, communicators ---------===//
 #include "runtime/cuda/Nccl.h"
 
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <cstring>
 
 namespace pipec {
@@ -125,7 +127,19 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
   // root, which ncclCommInitRank starts on RANK 0); with one process a fresh id is enough.
   PIPEC_NCCL_TRY(ncclGetUniqueId(&id));
   ncclComm_t c = nullptr;
-  PIPEC_NCCL_TRY(ncclCommInitRank(&c, env.worldSize, id, env.rank));
+  ncclResult_t status = ncclCommInitRank(&c, env.worldSize, id, env.rank);
+  if (status == ncclInvalidUsage) {
+    // Two processes on one GPU: say so in the launcher's terms rather than NCCL's.
+    const char *last = ncclGetLastError(nullptr);
+    int visible = 0;
+    if (cudaGetDeviceCount(&visible) != cudaSuccess)
+      visible = 0;
+    if (auto err = sharedGpuError(last ? last : "", env, visible, std::getenv("NCCL_HOSTID")))
+      return err;
+  }
+  if (status != ncclSuccess)
+    return makeNcclError("ncclCommInitRank(&c, env.worldSize, id, env.rank)", status, __FILE__,
+                         __LINE__);
   out = NcclComm(c);
   return llvm::Error::success();
 }

@@ -5,6 +5,8 @@
 
 #include "llvm/ADT/StringRef.h"
 
+#include <algorithm>
+
 namespace pipec {
 
 namespace {
@@ -86,6 +88,33 @@ const char *toString(CommKind k) {
     return "embedding";
   }
   return "?";
+}
+
+llvm::Error sharedGpuError(const std::string &ncclLastError, const LaunchEnv &env, int visibleGpus,
+                           const char *hostId) {
+  const llvm::StringRef kDuplicate = "Duplicate GPU detected";
+  llvm::StringRef last(ncclLastError);
+  size_t at = last.find(kDuplicate);
+  if (at == llvm::StringRef::npos)
+    return llvm::Error::success();
+  // NCCL's words: "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx".
+  std::string who = "two processes";
+  llvm::StringRef rest = last.drop_front(at + kDuplicate.size()).ltrim(" :");
+  unsigned a = 0, b = 0;
+  if (rest.consume_front("rank ") && !rest.consumeInteger(10, a) &&
+      rest.consume_front(" and rank ") && !rest.consumeInteger(10, b))
+    who = fmt::format("RANK {} and RANK {}", a, b);
+  std::string fix =
+      hostId ? fmt::format("give each a different NCCL_HOSTID (this one's, {}, is another's too)",
+                           hostId)
+             : std::string("give each its own NCCL_HOSTID");
+  return inputError("--backend nccl: {} share one GPU (this process, LOCAL_RANK={}, sees {} "
+                    "GPU{}), and NCCL allows one process per GPU: start at most one process per "
+                    "GPU of a node (torchrun --nproc-per-node {}), or, to test several processes "
+                    "on one GPU, {} (NCCL then treats each as a node and moves data over sockets, "
+                    "NCCL_SOCKET_IFNAME=lo; slow, for tests only)",
+                    who, env.localRank, visibleGpus, visibleGpus == 1 ? "" : "s",
+                    std::max(visibleGpus, 1), fix);
 }
 
 std::vector<CommSpec> commLayout(const Plan &plan, int rank) {

@@ -63,6 +63,16 @@ std::vector<CommSpec> commLayout(const Plan &plan, int rank);
 /// The process (RANK) of pipeline rank `c.pp`, dp replica `c.dp`, tp rank `c.tp`.
 int worldRankOf(const Plan &plan, const Coord &c);
 
+/// NCCL (2.5 and later) refuses two ranks of one communicator on the same GPU of the same host:
+/// ncclCommInitRank fails with ncclInvalidUsage, its last error reading "Duplicate GPU detected :
+/// rank A and rank B both on CUDA device X". For that last error, the InputError piperun prints
+/// instead (one line: both ranks, how many GPUs this process sees, and the two ways out: one
+/// process per GPU, or a NCCL_HOSTID of its own for each process to test on one GPU); for any
+/// other, success (the caller keeps NCCL's own error). `hostId`: this process's NCCL_HOSTID
+/// (nullptr when unset; when set, another process on this GPU has the same).
+llvm::Error sharedGpuError(const std::string &ncclLastError, const LaunchEnv &env, int visibleGpus,
+                           const char *hostId);
+
 /// One (stage, tp rank) block of dp replica 0's gradients, held by process `rank`.
 struct GradientShard {
   int rank = 0, stage = 0, tp = 0;

@@ -6,8 +6,9 @@
 // on one GPU). Data is host memory (the fake CUDA runtime's). NCCL's rules that the runtime
 // relies on are kept:
 //   - ncclCommInitRank blocks until all ranks of the id have joined (the id comes from
-//     NCCL_COMM_ID, as with the real library's bootstrap); ncclCommSplit is a collective of the
-//     parent that orders each color's members by (key, rank);
+//     NCCL_COMM_ID, as with the real library's bootstrap), and with PIPEC_FAKE_NCCL_ONE_GPU=1
+//     fails on every rank as NCCL does for ranks sharing a GPU; ncclCommSplit is a collective of
+//     the parent that orders each color's members by (key, rank);
 //   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
 //     (a mismatch is an error); the ops between ncclGroupStart and ncclGroupEnd are posted at once
 //     and ncclGroupEnd returns when all have matched; an op outside a group completes alone;
@@ -30,6 +31,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -368,6 +370,19 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
   // The last one to leave clears the entry, so that the id can be used again.
   if (++at->left == nranks)
     inits.erase(id);
+  // NCCL 2.5 and later refuse two ranks on one GPU of one host: every rank fails, naming itself
+  // and the first other rank on its GPU (in NCCL's words). The ranks here are threads on the one
+  // emulated device; they count as processes of their own GPUs unless PIPEC_FAKE_NCCL_ONE_GPU=1
+  // puts them all on it, as a launch of several processes on a one-GPU host would.
+  if (const char *oneGpu = std::getenv("PIPEC_FAKE_NCCL_ONE_GPU");
+      oneGpu && std::string(oneGpu) == "1" && nranks > 1) {
+    char words[128];
+    std::snprintf(words, sizeof words,
+                  "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx", rank,
+                  rank == 0 ? 1 : 0, 0x1000ul);
+    lastError = words;
+    return ncclInvalidUsage;
+  }
   *comm = new ncclComm{mine, rank, 0};
   return ncclSuccess;
 }
