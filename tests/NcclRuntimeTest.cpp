@@ -1,11 +1,12 @@
 //===- NcclRuntimeTest.cpp - The nccl mode in one process ------------------===//
 //
-// Needs a GPU (tag requires-gpu). The one configuration of the nccl mode one GPU can run: a
-// single process (WORLD_SIZE = 1) with a pp = dp = tp = 1 plan. It goes through everything but
+// Needs a GPU (tag requires-gpu). The one configuration of the nccl mode a test binary runs alone:
+// a single process (WORLD_SIZE = 1) with a pp = dp = tp = 1 plan. It goes through everything but
 // the p2p traffic: NCCL's world communicator, the device-transport backend (device spans, no
 // host staging), the end-of-step watchdog wait and the loss all-reduce; its gradients must be
 // the CPU single-rank reference's within kCudaGradTolerance and its losses the cpu backend's
-// within 1e-5. Several processes need several GPUs: tools/gpu_check.sh launches those, with
+// within 1e-5. Several processes: tools/gpu_check.sh launches those as piperun processes (one
+// per GPU, or all on one GPU with a NCCL_HOSTID each, README "Multi-node launch"), with
 // --check-reference (the gradients gathered to RANK 0; NcclLayoutTest checks what is gathered).
 //
 //===----------------------------------------------------------------------===//

@@ -2,22 +2,24 @@
 # The one prepared check for a machine with a GPU (DESIGN §9), in this order: the requires-gpu
 # test binaries (the attention tests again without wgmma if they fail; the runtime tests again
 # with the Hopper attention backward switched on), pp=4 --check-reference runs on the local
-# transport (fp32 and bf16), a pp=2 tp=2 dp=2 bf16 one (tp and dp copies bit for bit), the nccl
-# mode with several processes where the machine has two GPUs or more (each with
-# --check-reference, rank 0's losses also against --backend cuda's), then the runtime-overhead
-# and kernel benchmarks, an ncu profile of the attention kernels and the training-step
-# benchmark. Writes a short report to ${OUT:-/tmp/gpu-check}/report.txt, and the full logs and
-# plans into logs.tgz beside it.
+# transport (fp32 and bf16), a pp=2 tp=2 dp=2 bf16 one (tp and dp copies bit for bit), then the
+# runtime-overhead and kernel benchmarks, an ncu profile of the attention kernels and the
+# training-step benchmark, and last the nccl mode with 2 and 4 processes (each with
+# --check-reference, rank 0's losses also against --backend cuda's): one process per GPU where
+# the machine has enough GPUs, else all of them on GPU 0, each a node of its own to NCCL
+# (NCCL_HOSTID; "one-GPU mode", below). Writes a short report to
+# ${OUT:-/tmp/gpu-check}/report.txt, and the full logs and plans into logs.tgz beside it.
 # It runs the binaries of gpu-bundle/ (tools/gpu_bundle.sh builds them on any machine with the
 # CUDA toolkit; carry that folder to a GPU machine that has no Bazel), and refuses a bundle built
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
 # Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
-# runtime tests with the Hopper attention backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, each nccl
-# case 2 x 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
-# benchmark 3 x 90 s) and the whole run a budget (BUDGET seconds from the start, default 470, so
-# that the checks end within 8 minutes; setup and the library search have no limit of their
-# own): a step that no longer fits is skipped and reported.
+# runtime tests with the Hopper attention backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, overhead
+# 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step benchmark 3 x 90 s, each of the 9
+# nccl cases 2 x 60 s, and the first one-GPU case's retry 2 x 60 s) and the whole run a budget
+# (BUDGET seconds from the start, default 470, so that the checks end within 8 minutes; setup and
+# the library search have no limit of their own): a step that no longer fits is skipped and
+# reported.
 #   bash tools/gpu_check.sh            # everything
 #   QUICK=1 bash tools/gpu_check.sh    # the kernel benchmark at 1/4 the tokens
 # Exit status: 0 when every test ran and passed (benchmark numbers are reported, never judged);
@@ -218,72 +220,6 @@ else
   sed 's/^/  /' "$out/tp2dp2.compile.txt" | tee -a "$report"
 fi
 
-# The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
-# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
-# gradients gathered to rank 0 and held against the single-rank reference: a process exits 1
-# over tolerance); rank 0's losses must also equal those of --backend cuda (every rank on one
-# GPU) within 1e-4. 60 s for each of the two runs of a configuration at most. DTYPE=bf16 runs
-# both in bf16.
-nccl_case() { # name nproc pipec-flags...
-  local name=$1 n=$2
-  shift 2
-  local plan="$out/nccl-$name.json" port=$((29500 + RANDOM % 2000)) pids=() rc=0
-  fits 120 "nccl $name" || return 1
-  if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
-      >"$out/nccl-$name.compile.log" 2>&1 ||
-    ! timeout 60 "$bin/piperun" "$plan" --backend cuda --dtype "${DTYPE:-fp32}" --steps 3 \
-      >"$out/nccl-$name.cuda.txt" 2>&1; then
-    say "nccl $name: FAILED before launch (pipec or --backend cuda); see $out/nccl-$name.*"
-    return 1
-  fi
-  for ((r = 0; r < n; r++)); do
-    echo "+ RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port piperun $plan --backend nccl --dtype ${DTYPE:-fp32} --steps 3 --check-reference" >&2
-    RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r NCCL_COMM_ID=127.0.0.1:$port timeout 60 "$bin/piperun" \
-      "$plan" --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference \
-      >"$out/nccl-$name.rank$r.txt" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  if [ "$rc" != 0 ]; then
-    say "nccl $name ($n processes): FAILED; first lines of each rank's output:"
-    for ((r = 0; r < n; r++)); do
-      { head -3 "$out/nccl-$name.rank$r.txt"; echo ...; tail -5 "$out/nccl-$name.rank$r.txt"; } |
-        sed "s/^/  rank $r: /" | tee -a "$report"
-    done
-    return 1
-  fi
-  if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
-    awk '{ d = $4 - $8; if (d < 0) d = -d; if (d > 1e-4 || $2 != $6) bad = 1; n++ }
-         END { exit (bad || n != 3) }'; then
-    say "nccl $name ($n processes): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}')); $(grep -o 'max_abs_grad_diff=.*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_tensor_grad_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_weight_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o '[td]p_copies=[^ ]*' "$out/nccl-$name.rank0.txt" | tr '\n' ' ')"
-  else
-    say "nccl $name ($n processes): LOSSES DIFFER from --backend cuda; see $out/nccl-$name.*"
-    return 1
-  fi
-}
-ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l) # whole GPUs, not MIG slices
-if [ "$ngpu" -ge 2 ]; then
-  start=$SECONDS
-  nccl_case pp2-1f1b 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
-  nccl_case pp2-zbv 2 --schedule zb-v --pp 2 --vpp 2 --microbatches 4 || status=1
-  nccl_case dp2 2 --schedule 1f1b --pp 1 --dp 2 --microbatches 2 || status=1
-  nccl_case tp2 2 --schedule 1f1b --pp 1 --tp 2 --microbatches 2 || status=1
-  DTYPE=bf16 nccl_case pp2-bf16 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
-  # Tied embeddings on two processes: the `embedding` communicator.
-  sed 's/"dtype": "fp32"/"dtype": "fp32", "tie_embeddings": true/' examples/tiny-gpt.json \
-    >"$out/tiny-gpt-tied.json"
-  MODEL="$out/tiny-gpt-tied.json" nccl_case pp2-tied 2 --schedule 1f1b --pp 2 --microbatches 4 ||
-    status=1
-  if [ "$ngpu" -ge 4 ]; then
-    nccl_case pp2-tp2 4 --schedule 1f1b --pp 2 --tp 2 --microbatches 4 || status=1
-    nccl_case pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
-    nccl_case pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
-  fi
-  say "nccl multi-process checks done ($((SECONDS - start)) s)"
-else
-  say "nccl multi-process checks skipped: nvidia-smi lists $ngpu GPU (they need 2 or more)"
-fi
-
 # The runtime's own host cost per instruction (target <= 10 us): interpreter + local transport
 # with empty compute.
 start=$SECONDS
@@ -361,6 +297,116 @@ for step_args in "--pp 2 --microbatches 8" \
 done
 say "step benchmark ($((SECONDS - start)) s):"
 sed 's/^/  /' "$out/step.txt" | tee -a "$report"
+
+# The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
+# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
+# gradients gathered to rank 0 and held against the single-rank reference: a process exits 1
+# over tolerance); rank 0's losses must also equal those of --backend cuda (every rank on one
+# GPU) within 1e-4. 60 s for each of the two runs of a configuration at most. DTYPE=bf16 runs
+# both in bf16.
+# A case with more processes than the machine has GPUs runs them all on GPU 0 ("one-GPU mode"):
+# NCCL 2.5 and later refuse two ranks of one host on one GPU, so each process gets a host id of
+# its own (NCCL_HOSTID), which makes it a node of its own to NCCL; the data then goes through
+# host memory over NCCL's socket transport on loopback. That runs the real library across real
+# processes (bootstrap, communicators and their splits, grouped p2p, the tp, dp and embedding
+# all-reduces, the --check-reference gather), but neither NVLink nor NCCL's P2P and SHM
+# transports, and its times mean nothing. If the first such case fails, it is tried once more
+# without NCCL's cuMem allocations (a sandboxed driver may lack them); if that fails too, the
+# other one-GPU cases are skipped.
+ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l) # whole GPUs, not MIG slices
+one_gpu_env=(NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0
+  NCCL_NVLS_ENABLE=0)
+one_gpu_state=untried # untried, works, broken
+nccl_case() { # name nproc pipec-flags...
+  local name=$1 n=$2
+  shift 2
+  local plan="$out/nccl-$name.json" port=$((29500 + RANDOM % 2000)) pids=() rc=0 where
+  local -a extra=()
+  if [ "$n" -le "$ngpu" ]; then
+    where="$n processes, one per GPU"
+  else
+    if [ "$one_gpu_state" = broken ]; then
+      say "SKIPPED nccl $name ($n processes on 1 GPU): the first one-GPU case failed twice (above)"
+      return 1
+    fi
+    where="$n processes on 1 GPU, NCCL over loopback sockets"
+    # shellcheck disable=SC2206 # NCCL_EXTRA holds words
+    extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}" ${NCCL_EXTRA:-})
+  fi
+  fits 120 "nccl $name" || return 1
+  if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
+      >"$out/nccl-$name.compile.log" 2>&1 ||
+    ! timeout 60 "$bin/piperun" "$plan" --backend cuda --dtype "${DTYPE:-fp32}" --steps 3 \
+      >"$out/nccl-$name.cuda.txt" 2>&1; then
+    say "nccl $name: FAILED before launch (pipec or --backend cuda); see $out/nccl-$name.*"
+    return 1
+  fi
+  for ((r = 0; r < n; r++)); do
+    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
+      "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
+    [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-check-$name-rank$r")
+    echo "+ ${vars[*]} piperun $plan --backend nccl --dtype ${DTYPE:-fp32} --steps 3 --check-reference" >&2
+    env "${vars[@]}" timeout 60 "$bin/piperun" \
+      "$plan" --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference \
+      >"$out/nccl-$name.rank$r.txt" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  if [ "$rc" != 0 ]; then
+    say "nccl $name ($where): FAILED; first lines of each rank's output:"
+    for ((r = 0; r < n; r++)); do
+      { head -3 "$out/nccl-$name.rank$r.txt"; echo ...; tail -5 "$out/nccl-$name.rank$r.txt"; } |
+        sed "s/^/  rank $r: /" | tee -a "$report"
+    done
+    return 1
+  fi
+  if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
+    awk '{ d = $4 - $8; if (d < 0) d = -d; if (d > 1e-4 || $2 != $6) bad = 1; n++ }
+         END { exit (bad || n != 3) }'; then
+    say "nccl $name ($where): ok, losses $(grep '^step' "$out/nccl-$name.rank0.txt" | awk '{printf "%s ", $4}')(cuda: $(grep '^step' "$out/nccl-$name.cuda.txt" | awk '{printf "%s ", $4}')); $(grep -o 'max_abs_grad_diff=.*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_tensor_grad_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o 'max_weight_diff=[^ ]*' "$out/nccl-$name.rank0.txt") $(grep -o '[td]p_copies=[^ ]*' "$out/nccl-$name.rank0.txt" | tr '\n' ' ')"
+  else
+    say "nccl $name ($where): LOSSES DIFFER from --backend cuda; see $out/nccl-$name.*"
+    return 1
+  fi
+}
+# nccl_check name nproc pipec-flags...: nccl_case, and in the one-GPU mode its first case's
+# retry without cuMem (NCCL_EXTRA) and the verdict on the mode.
+nccl_check() {
+  local n=$2
+  if [ "$n" -le "$ngpu" ] || [ "$one_gpu_state" != untried ]; then
+    nccl_case "$@"
+    return
+  fi
+  if nccl_case "$@"; then
+    one_gpu_state=works
+    return 0
+  fi
+  say "nccl $1: trying the one-GPU mode once more with NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0"
+  if NCCL_EXTRA="NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0" nccl_case "$@"; then
+    one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
+    one_gpu_state=works
+    say "nccl: the one-GPU mode works here only without NCCL's cuMem allocations; the other cases run so"
+    return 0
+  fi
+  one_gpu_state=broken
+  return 1
+}
+start=$SECONDS
+[ "$ngpu" -ge 2 ] || say "nccl multi-process checks: nvidia-smi lists $ngpu GPU, so every case runs in the one-GPU mode"
+nccl_check pp2-1f1b 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
+nccl_check pp2-zbv 2 --schedule zb-v --pp 2 --vpp 2 --microbatches 4 || status=1
+nccl_check dp2 2 --schedule 1f1b --pp 1 --dp 2 --microbatches 2 || status=1
+nccl_check tp2 2 --schedule 1f1b --pp 1 --tp 2 --microbatches 2 || status=1
+DTYPE=bf16 nccl_check pp2-bf16 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
+# Tied embeddings on two processes: the `embedding` communicator.
+sed 's/"dtype": "fp32"/"dtype": "fp32", "tie_embeddings": true/' examples/tiny-gpt.json \
+  >"$out/tiny-gpt-tied.json"
+MODEL="$out/tiny-gpt-tied.json" nccl_check pp2-tied 2 --schedule 1f1b --pp 2 --microbatches 4 ||
+  status=1
+nccl_check pp2-tp2 4 --schedule 1f1b --pp 2 --tp 2 --microbatches 4 || status=1
+nccl_check pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
+nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
+say "nccl multi-process checks done ($((SECONDS - start)) s)"
 
 say "finished; report $report, logs in $out/logs.tgz"
 exit "$status"
