@@ -346,7 +346,7 @@ nccl_case() { # name nproc pipec-flags...
       "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
     [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-check-$name-rank$r")
     echo "+ ${vars[*]} piperun $plan --backend nccl --dtype ${DTYPE:-fp32} --steps 3 --check-reference" >&2
-    env "${vars[@]}" timeout 60 "$bin/piperun" \
+    env "${vars[@]}" timeout -k 10 60 "$bin/piperun" \
       "$plan" --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference \
       >"$out/nccl-$name.rank$r.txt" 2>&1 &
     pids+=($!)
