@@ -406,7 +406,8 @@ MODEL="$out/tiny-gpt-tied.json" nccl_check pp2-tied 2 --schedule 1f1b --pp 2 --m
 nccl_check pp2-tp2 4 --schedule 1f1b --pp 2 --tp 2 --microbatches 4 || status=1
 nccl_check pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
 nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
-say "nccl multi-process checks done ($((SECONDS - start)) s)"
+version=$(cat "$out"/nccl-*.rank0.txt 2>/dev/null | grep -m1 -o 'NCCL version [^ ]*' || true)
+say "nccl multi-process checks done ($((SECONDS - start)) s; ${version:-NCCL version not printed})"
 
 say "finished; report $report, logs in $out/logs.tgz"
 exit "$status"
