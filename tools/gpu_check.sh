@@ -330,8 +330,7 @@ nccl_case() { # name nproc pipec-flags...
       return 1
     fi
     where="$n processes on 1 GPU, NCCL over loopback sockets"
-    # shellcheck disable=SC2206 # NCCL_EXTRA holds words
-    extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}" ${NCCL_EXTRA:-})
+    extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}")
   fi
   fits 120 "nccl $name" || return 1
   if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
@@ -370,7 +369,7 @@ nccl_case() { # name nproc pipec-flags...
   fi
 }
 # nccl_check name nproc pipec-flags...: nccl_case, and in the one-GPU mode its first case's
-# retry without cuMem (NCCL_EXTRA) and the verdict on the mode.
+# retry without cuMem and the verdict on the mode.
 nccl_check() {
   local n=$2
   if [ "$n" -le "$ngpu" ] || [ "$one_gpu_state" != untried ]; then
@@ -382,8 +381,8 @@ nccl_check() {
     return 0
   fi
   say "nccl $1: trying the one-GPU mode once more with NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0"
-  if NCCL_EXTRA="NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0" nccl_case "$@"; then
-    one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
+  one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
+  if nccl_case "$@"; then
     one_gpu_state=works
     say "nccl: the one-GPU mode works here only without NCCL's cuMem allocations; the other cases run so"
     return 0

@@ -1,7 +1,8 @@
 //===- Nccl.cpp - NCCL status codes to llvm::Error, communicators ---------===//
 #include "runtime/cuda/Nccl.h"
 
-#include <cuda_runtime_api.h>
+#include "runtime/cuda/CudaRun.h"
+
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -132,8 +133,10 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
     // Two processes on one GPU: say so in the launcher's terms rather than NCCL's.
     const char *last = ncclGetLastError(nullptr);
     int visible = 0;
-    if (cudaGetDeviceCount(&visible) != cudaSuccess)
-      visible = 0;
+    if (auto n = cudaDevices())
+      visible = *n;
+    else
+      llvm::consumeError(n.takeError());
     if (auto err = sharedGpuError(last ? last : "", env, visible, std::getenv("NCCL_HOSTID")))
       return err;
   }
