@@ -45,9 +45,14 @@ __global__ void __launch_bounds__(128)
       raw + (kAtomBytes - sharedAddress(raw) % kAtomBytes) % kAtomBytes);
   uint16_t *aTile = tiles, *bTile = tiles + kTile;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const bool transposedA = WgmmaLayoutCase(which) == WgmmaLayoutCase::SharedMNMajorAMNMajorB;
   for (int i = t; i < kTile; i += 128) {
-    aTile[swizzled(i / kCols, i % kCols)] = a[i];
-    bTile[swizzled(i / kCols, i % kCols)] = b[i];
+    const int r = i / kCols, c = i % kCols;
+    if (!transposedA)
+      aTile[swizzled(r, c)] = a[i];
+    else if (c < 64) // A(m = r, k = c) at row k, column m of a 64 x 64 tile
+      aTile[swizzled(c, r)] = a[i];
+    bTile[swizzled(r, c)] = b[i];
   }
   fenceProxyAsyncShared();
   __syncthreads();
@@ -95,6 +100,23 @@ __global__ void __launch_bounds__(128)
       const uint64_t step = (kk / 4 * kBlockBytes + kk % 4 * 32) / 16;
       wgmmaBf16Shared64(acc, aDesc + step, bDesc + step, kk > 0);
     }
+    wgmmaCommit();
+    wgmmaWait<0>();
+    wgmmaFenceRegisters(acc);
+    store<64>(d, acc, warp, lane);
+    break;
+  }
+  case WgmmaLayoutCase::SharedMNMajorAMNMajorB: {
+    float acc[32];
+    // As Attention.cu's dQ: A's k-rows of 64 m-values, B's k-rows of a 64-column block.
+    const uint64_t aDesc = wgmmaDescriptor(aTile, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+    const uint64_t bDesc =
+        wgmmaDescriptor(bTile + 64 * 64, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+    wgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      wgmmaBf16Shared64<true, true>(acc, aDesc + ks * 2 * kAtomBytes / 16,
+                                    bDesc + ks * 2 * kAtomBytes / 16, ks > 0);
     wgmmaCommit();
     wgmmaWait<0>();
     wgmmaFenceRegisters(acc);

@@ -7,7 +7,8 @@
 // kernels (kernels/cuda/Attention.cu), with tiles of 64 rows x 128 bf16 columns in its 128-byte
 // swizzled layout (two blocks of 64 columns; row r's 16-byte chunk j at chunk j ^ (r % 8)).
 // Should the Hopper attention backward fail on a GPU, these say whether the operand form is the
-// cause: the first two are the forward's (it passed on an H200), the third only the backward's.
+// cause: the first two are the forward's (it passed on an H200), the third and fourth only the
+// backward's.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_TESTS_WGMMALAYOUTKERNELS_H
@@ -27,6 +28,11 @@ enum class WgmmaLayoutCase : int {
   /// The dK/dV backward's S^T = K Q^T: A = the tile of `a` in shared memory (K-major), B = the
   /// transposed tile of `b` (K-major), 8 k-steps, N = 64.
   SharedAKMajorB,
+  /// The backward's dQ += dS K with dQ's atomics (dS^T and K in shared memory): A (64 x 64, the
+  /// first 64 columns of `a`) stored transposed in shared memory (tile[k][m], MN-major), B =
+  /// the second 64-column block of `b`'s tile (B(k, n) = b[k][64 + n], MN-major), 4 k-steps,
+  /// N = 64.
+  SharedMNMajorAMNMajorB,
 };
 
 /// Columns of D in each case.

@@ -66,6 +66,9 @@ TEST_P(WgmmaLayoutTest, ProductMatchesTheHostsBitForBit) {
       if (c == WgmmaLayoutCase::RegisterAMNMajorB)
         for (int k = 0; k < 64; ++k)
           sum += a[kCols * m + k] * b[kCols * k + j];
+      else if (c == WgmmaLayoutCase::SharedMNMajorAMNMajorB)
+        for (int k = 0; k < 64; ++k)
+          sum += a[kCols * m + k] * b[kCols * k + 64 + j];
       else
         for (int k = 0; k < kCols; ++k)
           sum += a[kCols * m + k] * b[kCols * j + k];
@@ -97,7 +100,8 @@ TEST_P(WgmmaLayoutTest, ProductMatchesTheHostsBitForBit) {
 INSTANTIATE_TEST_SUITE_P(AttentionForms, WgmmaLayoutTest,
                          ::testing::Values(WgmmaLayoutCase::RegisterAKMajorB,
                                            WgmmaLayoutCase::RegisterAMNMajorB,
-                                           WgmmaLayoutCase::SharedAKMajorB),
+                                           WgmmaLayoutCase::SharedAKMajorB,
+                                           WgmmaLayoutCase::SharedMNMajorAMNMajorB),
                          [](const ::testing::TestParamInfo<WgmmaLayoutCase> &info) {
                            switch (info.param) {
                            case WgmmaLayoutCase::RegisterAKMajorB:
@@ -106,6 +110,8 @@ INSTANTIATE_TEST_SUITE_P(AttentionForms, WgmmaLayoutTest,
                              return std::string("ForwardValues_RegisterA_MNMajorB");
                            case WgmmaLayoutCase::SharedAKMajorB:
                              return std::string("BackwardKeyScores_SharedA_KMajorB");
+                           case WgmmaLayoutCase::SharedMNMajorAMNMajorB:
+                             return std::string("BackwardQueryGrad_SharedMNMajorA_MNMajorB");
                            }
                            return std::string("Unknown");
                          });

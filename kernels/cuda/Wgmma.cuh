@@ -232,11 +232,13 @@ __device__ __forceinline__ void wgmmaBf16(float (&d)[N / 2], const uint32_t (&a)
 }
 
 /// d (64 x 64 of the warpgroup) = [d +] A (64 x 16) B (16 x 64), both in shared memory through
-/// K-major descriptors (A's rows are m; warp w of the warpgroup computes rows [16 w, 16 w + 16)).
+/// descriptors (A's rows are m; warp w of the warpgroup computes rows [16 w, 16 w + 16)): A
+/// K-major or (TransposeA) MN-major, B K-major or (TransposeB) MN-major.
+template <bool TransposeA = false, bool TransposeB = false>
 __device__ __forceinline__ void wgmmaBf16Shared64(float (&d)[32], uint64_t a, uint64_t b,
                                                   bool accumulate) {
 #ifdef PIPEC_KERNEL_EMU
-  ::pipec::emu::kernel::wgmmaBf16Shared(d, 64, a, b, accumulate);
+  ::pipec::emu::kernel::wgmmaBf16Shared(d, 64, a, b, accumulate, TransposeA, TransposeB);
 #elif defined(PIPEC_HAS_WGMMA)
   const int scaleD = accumulate ? 1 : 0;
   asm volatile("{\n.reg .pred p;\n"
@@ -244,14 +246,14 @@ __device__ __forceinline__ void wgmmaBf16Shared64(float (&d)[32], uint64_t a, ui
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
                  "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
                  "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
                  "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
                  "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
                  "+f"(d[31])
-               : "l"(a), "l"(b), "r"(scaleD));
+               : "l"(a), "l"(b), "r"(scaleD), "n"(TransposeA ? 1 : 0), "n"(TransposeB ? 1 : 0));
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
   __trap();

@@ -169,9 +169,10 @@ struct AsyncCopy {
 /// Where a wgmma reads its shared-memory operands: the warp's instruction's descriptors.
 struct OperandRead {
   uint64_t a = 0, b = 0;   // descriptors (a: only with sharedA)
-  bool sharedA = false;    // A read through `a` (K-major), not from registers
+  bool sharedA = false;    // A read through `a`, not from registers
   bool transposeB = false; // B MN-major
   int n = 0, warpInGroup = 0;
+  bool transposeA = false; // A (in shared memory) MN-major
 };
 
 /// Bits of a float that marks an accumulator register a wgmma in flight will write: a quiet NaN,
@@ -741,7 +742,9 @@ uint32_t sharedOffset(const void *p) {
 
 namespace {
 /// The offset in the block's dynamic shared memory of element (k, col) of B (16 x n), or,
-/// K-major (transposeB false), element (col, k) of A, read through the descriptor `desc`.
+/// K-major (transposeB false), element (col, k) of A, read through the descriptor `desc`. A
+/// (m x 16) in shared memory is laid out as B (16 x n) is: MN-major A's element (m, k) is where
+/// MN-major B's (k, m) would be (transposeB true, col m).
 size_t descriptorOffset(uint64_t desc, int k, int col, bool transposeB) {
   // The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
   // stride dimension byte offsets, each in 16-byte units in 14 bits; base offset bits 49-51
@@ -824,7 +827,7 @@ std::vector<uint16_t> readShared(const OperandRead &r, bool atIssue) {
   if (r.sharedA)
     for (int row = 0; row < 16; ++row)
       for (int k = 0; k < 16; ++k)
-        add(descriptorOffset(r.a, k, 16 * r.warpInGroup + row, false));
+        add(descriptorOffset(r.a, k, 16 * r.warpInGroup + row, r.transposeA));
   return bits;
 }
 
@@ -960,7 +963,8 @@ void accumulateRows(float *d, int n, int lane, bool accumulate, A aAt, B bAt) {
 }
 } // namespace
 
-void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
+void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate, bool transposeA,
+                     bool transposeB) {
   Fiber &f = self();
   const ThreadCoords &c = f.coords;
   const size_t t = linearThread(c);
@@ -972,10 +976,10 @@ void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate) {
   wait(State::AtWarpBarrier);
   accumulateRows(
       op.result.data(), n, lane, accumulate,
-      [&](int row, int k) { return descriptorElement(a, k, 16 * warpInGroup + row, false); },
-      [&](int k, int col) { return descriptorElement(b, k, col, false); });
+      [&](int row, int k) { return descriptorElement(a, k, 16 * warpInGroup + row, transposeA); },
+      [&](int k, int col) { return descriptorElement(b, k, col, transposeB); });
   if (lane == 0) {
-    op.read = OperandRead{a, b, /*sharedA=*/true, /*transposeB=*/false, n, warpInGroup};
+    op.read = OperandRead{a, b, /*sharedA=*/true, transposeB, n, warpInGroup, transposeA};
     op.sharedBits = readShared(op.read, /*atIssue=*/true);
   }
   wait(State::AtWarpBarrier);

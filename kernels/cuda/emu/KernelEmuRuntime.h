@@ -80,9 +80,10 @@ uint32_t sharedOffset(const void *p);
 /// base offset, or a B outside the shared memory ends the run too.
 void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumulate,
                bool transposeB);
-/// The same with A (64 x 16) read through the K-major descriptor `a` too (the calling warp's 16
-/// rows of it), B K-major.
-void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate);
+/// The same with A (64 x 16) read through the descriptor `a` too (the calling warp's 16 rows of
+/// it), K-major or (transposeA) MN-major, and B K-major or (transposeB) MN-major.
+void wgmmaBf16Shared(float *d, int n, uint64_t a, uint64_t b, bool accumulate, bool transposeA,
+                     bool transposeB);
 /// wgmma.fence.sync.aligned: registers the thread wrote before are ready for the wgmma
 /// instructions after it.
 void wgmmaFence();
