@@ -498,7 +498,36 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
     EXPECT_CLOSE(download(hopperDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
     EXPECT_CLOSE(download(hopperDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
     EXPECT_CLOSE(download(hopperDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+
+    // ... and with dQ added by atomics inside the dK/dV kernel (off by default; only where the
+    // Hopper backward runs), into fresh buffers: dq starts as NaN bits, so a row or column the
+    // kernel's scaling does not write shows.
+    SCOPED_TRACE("wgmma backward, dQ atomics");
+    DeviceBuffer fusedDq = upload(Vec(qSize, std::nanf("")), dt);
+    DeviceBuffer fusedDk = upload(dk0, DType::F32), fusedDv = upload(dv0, DType::F32);
+    const std::initializer_list<const void *> fusedTensors = {
+        fusedDq.data(), fusedDk.data(), fusedDv.data(), gdOut.data(),
+        out.data(),     gq.data(),      gk.data(),      gv.data()};
+    launch::setAttentionDqAtomics(true);
+    EXPECT_FALSE(launch::attentionBackwardUsesDqAtomics(dt, dims, fusedTensors))
+        << "dQ atomics without the Hopper backward";
+    launch::setAttentionWgmmaBackward(true);
+    EXPECT_TRUE(launch::attentionBackwardUsesDqAtomics(dt, dims, fusedTensors));
+    EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, fusedTensors),
+              (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4 + qSize);
+    err = attentionBackward(*ctx, dt, fusedDq.data(), fusedDk.as<float>(), fusedDv.as<float>(),
+                            gdOut.data(), out.data(), lse.as<float>(), gq.data(), gk.data(),
+                            gv.data(), s);
+    launch::setAttentionWgmmaBackward(false);
+    launch::setAttentionDqAtomics(false);
+    ASSERT_OK(std::move(err));
+    EXPECT_CLOSE(download(fusedDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(fusedDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(fusedDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
   }
+  EXPECT_FALSE(launch::attentionBackwardUsesDqAtomics(dt, dims, backwardTensors));
+  EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, backwardTensors),
+            size_t(s.batch) * s.heads * s.queries);
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
@@ -512,15 +541,26 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
 //   - the same kernel run for each slice alone into zeroed buffers, summed on the host in double:
 //     the accumulated dK/dV must be that sum to fp32 rounding (1e-6 of the largest entry). A dK/dV
 //     stored in bf16 between slices is rounded once per slice (3-4e-3) and fails this.
-// With the third parameter, the backwards run on the Hopper kernels (switched on).
+// With the third parameter (BackwardKind), the backwards run on the Hopper kernels (switched
+// on), with or without dQ atomics.
 class CudaAttentionSlicesTest : public GpuTest,
-                                public ::testing::WithParamInterface<std::tuple<DType, int, bool>> {
+                                public ::testing::WithParamInterface<std::tuple<DType, int, int>> {
 };
 
-/// Switches the Hopper attention backward on for a scope (off again at its end).
+/// The backward a case runs: the default one, the Hopper one, or the Hopper one with dQ atomics.
+enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqAtomics };
+
+/// Switches the Hopper attention backward (and its dQ atomics) on for a scope (off again at its
+/// end).
 struct HopperBackwardOn {
-  explicit HopperBackwardOn(bool on) { launch::setAttentionWgmmaBackward(on); }
-  ~HopperBackwardOn() { launch::setAttentionWgmmaBackward(false); }
+  explicit HopperBackwardOn(int kind) {
+    launch::setAttentionWgmmaBackward(kind != kDefaultBackward);
+    launch::setAttentionDqAtomics(kind == kHopperDqAtomics);
+  }
+  ~HopperBackwardOn() {
+    launch::setAttentionWgmmaBackward(false);
+    launch::setAttentionDqAtomics(false);
+  }
 };
 
 TEST_P(CudaAttentionSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequence) {
@@ -834,20 +874,25 @@ INSTANTIATE_TEST_SUITE_P(
     });
 // Head dims 64 and 16 take the tensor-core kernels in bf16; 40 (not a multiple of 16) the SIMT
 // ones.
-std::string slicesName(const ::testing::TestParamInfo<std::tuple<DType, int, bool>> &info) {
+std::string slicesName(const ::testing::TestParamInfo<std::tuple<DType, int, int>> &info) {
+  const int kind = std::get<2>(info.param);
   return std::string(toString(std::get<0>(info.param))) + "_hd" +
-         std::to_string(std::get<1>(info.param)) + (std::get<2>(info.param) ? "_wgmma" : "");
+         std::to_string(std::get<1>(info.param)) +
+         (kind == kHopperBackward    ? "_wgmma"
+          : kind == kHopperDqAtomics ? "_wgmma_dq_atomics"
+                                     : "");
 }
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
                                             ::testing::Values(64, 40, 16),
-                                            ::testing::Values(false)),
+                                            ::testing::Values(int(kDefaultBackward))),
                          slicesName);
 // The Hopper backward (dQ, dK and dV) over slices: dK/dV added to across four backwards.
-INSTANTIATE_TEST_SUITE_P(HopperBackward, CudaAttentionSlicesTest,
-                         ::testing::Combine(::testing::Values(DType::BF16),
-                                            ::testing::Values(64, 128), ::testing::Values(true)),
-                         slicesName);
+INSTANTIATE_TEST_SUITE_P(
+    HopperBackward, CudaAttentionSlicesTest,
+    ::testing::Combine(::testing::Values(DType::BF16), ::testing::Values(64, 128),
+                       ::testing::Values(int(kHopperBackward), int(kHopperDqAtomics))),
+    slicesName);
 
 //===--- The checked funnel (no device needed) --------------------------===//
 

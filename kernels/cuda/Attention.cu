@@ -1039,23 +1039,34 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
 // log2(e)) masked, dS^T = P^T (dP^T - D), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
 // as register A fragments and dO, Q read MN-major. Every warpgroup runs every tile (a tile
 // before its keys is wholly masked), so no wgmma sits on a divergent path.
-template <int HD>
+//
+// With AtomicDq the same kernel also adds dQ' = dS K (dQ = scale dQ') into the fp32 `dqAccum`
+// (B, x, H*hd; zeroed before): per tile, dS^T goes to shared memory (keys as rows, the 128-byte
+// swizzled MN-major A of dQ's product) and, after a barrier, warpgroup w computes, with A = dS
+// and B = K from shared memory (both MN-major), the columns [64 w, 64 w + 64) over the block's
+// 128 keys (HD 128) or all 64 columns over its own 64 keys (HD 64), then adds them with fp32
+// atomics. That is 5 matrix products a tile instead of the 7 of this kernel and the dQ kernel
+// (which recomputes S and dP), but the order of the atomics, and so dQ's last bits, depends on
+// the order the blocks run in.
+template <int HD, bool AtomicDq>
 __global__ void __launch_bounds__(256, 1)
     backwardKeyValueWgmmaKernel(float *__restrict__ dk, float *__restrict__ dv,
-                                const bf16 *__restrict__ dOut, const float *__restrict__ lse,
-                                const float *__restrict__ rowDot, const bf16 *__restrict__ q,
-                                const bf16 *__restrict__ k, const bf16 *__restrict__ v, Dims s,
-                                float scale) {
+                                float *__restrict__ dqAccum, const bf16 *__restrict__ dOut,
+                                const float *__restrict__ lse, const float *__restrict__ rowDot,
+                                const bf16 *__restrict__ q, const bf16 *__restrict__ k,
+                                const bf16 *__restrict__ v, Dims s, float scale) {
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows");
   constexpr int kThreads = 256, kTile = 64 * HD;
   constexpr uint32_t kAtomBytes = 1024, kBlockBytes = 64 * 128; // 8 rows; 64 dims of 64 rows
   PIPEC_DYNAMIC_SHARED(float, smem);
   char *raw = reinterpret_cast<char *>(smem);
   // K and V of warpgroup w at tiles w and 2 + w; query buffer i's Q and dO at tiles 4 + 2 i and
-  // 5 + 2 i; then the buffers' lse log2(e) and D (64 floats each).
+  // 5 + 2 i; then the buffers' lse log2(e) and D (64 floats each); then (AtomicDq) dS^T, 128
+  // keys of 64 queries.
   bf16 *tiles =
       reinterpret_cast<bf16 *>(raw + (kAtomBytes - sharedAddress(raw) % kAtomBytes) % kAtomBytes);
   float *stats = reinterpret_cast<float *>(tiles + 8 * kTile);
+  bf16 *dsT = reinterpret_cast<bf16 *>(stats + 256);
   const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -1107,7 +1118,7 @@ __global__ void __launch_bounds__(256, 1)
   else
     cpAsyncCommit();
 
-  float dkAcc[HD / 2], dvAcc[HD / 2];
+  float dkAcc[HD / 2], dvAcc[HD / 2], dqAcc[32];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i)
     dkAcc[i] = dvAcc[i] = 0.0f;
@@ -1168,6 +1179,25 @@ __global__ void __launch_bounds__(256, 1)
         sf[ks2][r] = tc::pack(dpt[8 * ks2 + 2 * r], dpt[8 * ks2 + 2 * r + 1]);
       }
 
+    if constexpr (AtomicDq) {
+      // dS^T into shared memory: sf[ks2][r] is key row (r & 1) (block-local 64 group + 16 warp
+      // + g + 8 (r & 1), so its row % 8 is g), queries 8 n + 2 t, n = 2 ks2 + (r >> 1): chunk n
+      // of the key's 128-byte row, swizzled.
+#pragma unroll
+      for (int ks2 = 0; ks2 < 4; ++ks2)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = 64 * group + 16 * warp + g + 8 * (r & 1), n = 2 * ks2 + (r >> 1);
+          *reinterpret_cast<uint32_t *>(dsT + row * 64 + ((n ^ g) * 8) + 2 * tg) = sf[ks2][r];
+        }
+      fenceProxyAsyncShared(); // (for the other warps' wgmma, after the barrier below)
+      // Zeros added to rather than a first product that writes over: the registers are then
+      // free between the atomics and here, where the tile's S^T and dP^T need them.
+#pragma unroll
+      for (int i = 0; i < 32; ++i)
+        dqAcc[i] = 0.0f;
+    }
+
     // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries, dO and Q read MN-major.
     const uint64_t doT = wgmmaDescriptor(dos, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
     const uint64_t qT = wgmmaDescriptor(qs, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
@@ -1179,9 +1209,46 @@ __global__ void __launch_bounds__(256, 1)
     for (int ks2 = 0; ks2 < 4; ++ks2)
       wgmmaBf16<HD, true>(dkAcc, sf[ks2], qT + ks2 * 2 * kAtomBytes / 16, true);
     wgmmaCommit();
+    if constexpr (AtomicDq) {
+      __syncthreads(); // every warpgroup's dS^T is in shared memory
+      // dQ' = dS K: k-steps of 16 keys; A = dS^T's rows (MN-major: 64 queries each), B = K's
+      // rows of the warpgroup's 64 columns (MN-major). HD 128: all 128 keys (K of both
+      // warpgroups), columns 64 w on; HD 64: the warpgroup's own keys, all columns.
+      constexpr int kSteps = HD == 128 ? 8 : 4;
+      const int firstStep = HD == 128 ? 0 : 4 * group;
+      const uint64_t dsDesc =
+          wgmmaDescriptor(dsT, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+#pragma unroll
+      for (int i = 0; i < kSteps; ++i) {
+        const int step = firstStep + i; // keys [16 step, 16 step + 16) of the block
+        const bf16 *kB = tiles + step / 4 * kTile + (HD == 128 ? group * 64 * 64 : 0);
+        const uint64_t kDescB =
+            wgmmaDescriptor(kB, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
+        wgmmaBf16Shared64<true, true>(dqAcc, dsDesc + step * 2 * kAtomBytes / 16,
+                                      kDescB + step % 4 * 2 * kAtomBytes / 16, true);
+      }
+      wgmmaCommit();
+    }
     wgmmaWait<0>();
     wgmmaFenceRegisters(dvAcc);
     wgmmaFenceRegisters(dkAcc);
+    if constexpr (AtomicDq) {
+      wgmmaFenceRegisters(dqAcc);
+      // dqAcc[4 j + e]: query t0 + 16 warp + g + 8 (e >> 1), column 8 j + 2 t + (e & 1) of the
+      // warpgroup's 64.
+      const int column0 = (HD == 128 ? 64 * group : 0) + 2 * tg;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = t0 + 16 * warp + g + 8 * half;
+        if (t >= s.queries)
+          continue;
+        float *row = dqAccum + s.qRow(b, t, h) + column0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          atomicAdd(reinterpret_cast<float2 *>(row + 8 * j),
+                    make_float2(dqAcc[4 * j + 2 * half], dqAcc[4 * j + 2 * half + 1]));
+      }
+    }
   }
   cpAsyncWait<0>(); // (with no tile, the K/V copies)
 
@@ -1203,6 +1270,19 @@ __global__ void __launch_bounds__(256, 1)
       c.y += dvAcc[4 * dt + 2 * row + 1];
       *reinterpret_cast<float2 *>(dvRow + dt * 8) = c;
     }
+  }
+}
+
+// dq (bf16) = scale dqAccum (fp32), `quads` groups of 4 elements (the fused backward's dQ).
+__global__ void __launch_bounds__(256)
+    scaleToBf16Kernel(bf16 *__restrict__ dq, const float *__restrict__ dqAccum, size_t quads,
+                      float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < quads;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float4 x = reinterpret_cast<const float4 *>(dqAccum)[i];
+    __nv_bfloat162 *to = reinterpret_cast<__nv_bfloat162 *>(dq) + 2 * i;
+    to[0] = __floats2bfloat162_rn(x.x * scale, x.y * scale);
+    to[1] = __floats2bfloat162_rn(x.z * scale, x.w * scale);
   }
 }
 
@@ -1515,6 +1595,13 @@ bool wgmmaBackwardSwitchedOn() {
   return switchedOn(wgmmaBackwardEnabled, "PIPEC_ATTENTION_WGMMA_BACKWARD", false);
 }
 
+/// The Hopper backward's dQ by atomics in the dK/dV kernel: off unless PIPEC_ATTENTION_DQ_ATOMICS=1
+/// or setAttentionDqAtomics(true).
+std::atomic<int> dqAtomicsEnabled{-1};
+bool dqAtomicsSwitchedOn() {
+  return switchedOn(dqAtomicsEnabled, "PIPEC_ATTENTION_DQ_ATOMICS", false);
+}
+
 /// Whether the current device runs sm_90a code (compute capability 9.x), read once per device.
 bool hopperDevice() {
   constexpr int kDevices = 64;
@@ -1546,14 +1633,47 @@ cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot
                         1.0f / std::sqrt(float(HD)));
 }
 
+/// The Hopper dK/dV kernel (with AtomicDq, dQ too: into `dqAccum`, zeroed first, then scaled
+/// into `dq`).
+template <int HD, bool AtomicDq>
+cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, float *dqAccum,
+                                    const bf16 *dOut, const float *lse, const float *rowDot,
+                                    const bf16 *q, const bf16 *k, const bf16 *v, const Dims &s,
+                                    cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(float(HD));
+  const size_t elements = size_t(s.batch) * s.queries * s.width();
+  if constexpr (AtomicDq)
+    if (cudaError_t err = cudaMemsetAsync(dqAccum, 0, elements * sizeof(float), stream))
+      return err;
+  const size_t smem = sizeof(bf16) * 8 * 64 * HD + 2 * 128 * sizeof(float) + 1024 +
+                      (AtomicDq ? sizeof(bf16) * 128 * 64 : 0);
+  if (cudaError_t err =
+          launchWithSmem(backwardKeyValueWgmmaKernel<HD, AtomicDq>,
+                         dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem,
+                         stream, dk, dv, dqAccum, dOut, lse, rowDot, q, k, v, s, scale))
+    return err;
+  if constexpr (AtomicDq) {
+    const size_t quads = elements / 4; // (HD is 64 or 128)
+    PIPEC_LAUNCH(dim3(unsigned(std::min<size_t>(ceilDiv(quads, size_t(256)), 4096))), 256, 0,
+                 stream, scaleToBf16Kernel)
+    (dq, dqAccum, quads, scale);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
 template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const float *rowDot, const bf16 *q,
                                      const bf16 *k, const bf16 *v, const Dims &s, bool onWgmma,
-                                     cudaStream_t stream) {
+                                     float *dqAccum, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(HD));
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
+  if constexpr (HD == 64 || HD == 128)
+    if (onWgmma && dqAccum)
+      return launchWgmmaKeyValueGrad<HD, true>(dq, dk, dv, dqAccum, dOut, lse, rowDot, q, k, v, s,
+                                               stream);
   cudaError_t err = cudaErrorInvalidValue;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
@@ -1565,12 +1685,9 @@ cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 
   if (err)
     return err;
   if constexpr (HD == 64 || HD == 128)
-    if (onWgmma) {
-      const size_t smem = sizeof(bf16) * 8 * 64 * HD + 2 * 128 * sizeof(float) + 1024;
-      return launchWithSmem(backwardKeyValueWgmmaKernel<HD>,
-                            dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem,
-                            smem, stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
-    }
+    if (onWgmma)
+      return launchWgmmaKeyValueGrad<HD, false>(dq, dk, dv, nullptr, dOut, lse, rowDot, q, k, v, s,
+                                                stream);
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
                         stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
@@ -1626,8 +1743,26 @@ bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
   return wgmmaBackwardSwitchedOn() && attentionForwardUsesWgmma(dtype, s, tensors);
 }
 
+bool attentionBackwardUsesDqAtomics(DType dtype, AttentionDims s,
+                                    std::initializer_list<const void *> tensors) {
+  return dqAtomicsSwitchedOn() && attentionBackwardUsesWgmma(dtype, s, tensors);
+}
+
+size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
+                                      std::initializer_list<const void *> tensors) {
+  const size_t rows = size_t(s.batch) * s.heads * s.queries;
+  if (!attentionBackwardUsesDqAtomics(dtype, s, tensors))
+    return rows;
+  // rowDot, then the fp32 dQ 16-byte aligned behind it.
+  return (rows + 3) / 4 * 4 + size_t(s.batch) * s.queries * s.heads * s.headDim;
+}
+
 void setAttentionWgmmaBackward(bool enabled) {
   wgmmaBackwardEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
+}
+
+void setAttentionDqAtomics(bool enabled) {
+  dqAtomicsEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
 }
 
 void setAttentionWgmma(bool enabled) {
@@ -1713,12 +1848,18 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     if (cudaError_t err = cudaGetLastError())
       return err;
     if constexpr (std::is_same_v<T, bf16>)
-      if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
+      if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v})) {
+        float *dqAccum =
+            attentionBackwardUsesDqAtomics(dtype, dims, {dq, dk, dv, dOut, out, q, k, v})
+                ? rowDot + (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4
+                : nullptr;
         return withHeadDim(s.headDim, [&]<int HD>() {
           return launchTensorCoreBackward<HD>(
               static_cast<bf16 *>(dq), dk, dv, dOutT, lse, rowDot, qT, kT, vT, s,
-              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), stream);
+              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), dqAccum,
+              stream);
         });
+      }
     if (cudaError_t err = launchWithSmem(
             backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),
             backwardQuerySmem(kMaxHeadDim), stream, static_cast<T *>(dq), dOutT, lse,

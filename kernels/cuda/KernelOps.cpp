@@ -123,7 +123,9 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
   if (rows == 0)
     return llvm::Error::success();
   ScratchBuffer rowDot(ctx.allocator());
-  if (auto err = rowDot.allocate(rows * sizeof(float)))
+  if (auto err = rowDot.allocate(launch::attentionBackwardScratchFloats(
+                                     dtype, dimsOf(s), {dq, dk, dv, dOut, out, q, k, v}) *
+                                 sizeof(float)))
     return err;
   PIPEC_QUEUE_TRY(ctx, launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
                                                  rowDot.as<float>(), dimsOf(s), streamOf(ctx)));

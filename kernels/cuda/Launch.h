@@ -86,6 +86,19 @@ bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
                                 std::initializer_list<const void *> tensors);
 /// Turns the Hopper attention backward on or off (the default) for the whole process.
 void setAttentionWgmmaBackward(bool enabled);
+/// Whether the Hopper backward (attentionBackwardUsesWgmma) computes dQ inside its dK/dV kernel
+/// and adds it with fp32 atomics (5 matrix products per tile instead of 7: no separate dQ kernel
+/// recomputing S and dP), switched on by setAttentionDqAtomics(true) or
+/// PIPEC_ATTENTION_DQ_ATOMICS=1. Off by default: dQ's last bits then depend on the order the
+/// blocks run in, so two runs of a plan no longer agree bit for bit.
+bool attentionBackwardUsesDqAtomics(DType dtype, AttentionDims s,
+                                    std::initializer_list<const void *> tensors);
+/// Turns the Hopper backward's dQ atomics on or off (the default) for the whole process.
+void setAttentionDqAtomics(bool enabled);
+/// The floats of attentionBackward's `rowDot` scratch for these tensors (as
+/// attentionUsesTensorCores's): B*H*x, and with dQ atomics the fp32 dQ (B*x*H*hd) after it.
+size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
+                                      std::initializer_list<const void *> tensors);
 /// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off
 /// for the whole process; the kernel benchmark measures both.
 void setAttentionWgmma(bool enabled);
@@ -102,8 +115,8 @@ const char *wgmmaVariantName(int variant);
 int setAttentionWgmmaVariant(int variant);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
-/// `rowDot` is scratch of B*H*x floats (it receives dOut . out per query row and head); dk and
-/// dv are fp32 whatever `dtype` is.
+/// `rowDot` is scratch of attentionBackwardScratchFloats floats, 16-byte aligned (its first
+/// B*H*x receive dOut . out per query row and head); dk and dv are fp32 whatever `dtype` is.
 cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
                               const void *v, float *rowDot, AttentionDims s, cudaStream_t stream);

@@ -118,6 +118,10 @@ template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, i
 template <typename T> T atomicAdd(T *address, T value) {
   return std::atomic_ref<T>(*address).fetch_add(value);
 }
+// sm_90's float2 atomicAdd: each half atomically (the GPU makes no stronger promise).
+inline float2 atomicAdd(float2 *address, float2 value) {
+  return make_float2(atomicAdd(&address->x, value.x), atomicAdd(&address->y, value.y));
+}
 
 // Device math that the host library lacks.
 inline float __expf(float x) { return std::exp(x); }
