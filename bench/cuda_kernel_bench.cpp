@@ -222,6 +222,11 @@ struct Bench {
     if (wgmmaBackward) {
       launch::setAttentionWgmmaBackward(true);
       report(shape + " bwd (wgmma; not the default yet)", 2.5 * fwdFlops, time(backward));
+      // dQ added by atomics in the dK/dV kernel: 5 products a tile instead of 7 (the dQ kernel
+      // recomputes S and dP), but dQ's bits then depend on the blocks' order.
+      launch::setAttentionDqAtomics(true);
+      report(shape + " bwd (wgmma, dQ atomics; off by default)", 2.5 * fwdFlops, time(backward));
+      launch::setAttentionDqAtomics(false);
       launch::setAttentionWgmmaBackward(false);
       report(shape + " bwd (mma.sync; default)", 2.5 * fwdFlops, time(backward));
     } else {

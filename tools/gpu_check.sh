@@ -14,7 +14,7 @@
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
 # Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
-# runtime tests with the Hopper attention backward 60 s, pp4 2 x 60 s, tp2dp2 60 s, overhead
+# runtime tests with the Hopper attention backward 60 s, and with its dQ atomics 30 s, pp4 2 x 60 s, tp2dp2 60 s, overhead
 # 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step benchmark 3 x 90 s, each of the 9
 # nccl cases 2 x 60 s, and the first one-GPU case's retry 2 x 60 s) and the whole run a budget
 # (BUDGET seconds from the start, default 470, so that the checks end within 8 minutes; setup and
@@ -170,6 +170,21 @@ if fits 60 "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1"; then
     status=1
     say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 FAILED ($((SECONDS - start)) s):"
     grep -E '^\[  FAILED  \] [A-Za-z]' "$out/cuda_runtime_test.wgmma-backward.log" | head -10 |
+      sed 's/^/  /' | tee -a "$report" || true
+  fi
+fi
+
+# ... and its dQ atomics (off by default; dQ's last bits then depend on the blocks' order, so
+# only the runtime's Hopper-attention case, which compares with the CPU within bf16 tolerance).
+if fits 30 "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1"; then
+  start=$SECONDS
+  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 PIPEC_ATTENTION_DQ_ATOMICS=1 timeout 30 \
+      "$bin/cuda_runtime_test" --gtest_filter='*Hopper*' >"$out/cuda_runtime_test.dq-atomics.log" 2>&1; then
+    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1 ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/cuda_runtime_test.dq-atomics.log" | head -1)"
+  else
+    status=1
+    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1 FAILED ($((SECONDS - start)) s):"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/cuda_runtime_test.dq-atomics.log" | head -10 |
       sed 's/^/  /' | tee -a "$report" || true
   fi
 fi
