@@ -223,10 +223,15 @@ struct Bench {
       launch::setAttentionWgmmaBackward(true);
       report(shape + " bwd (wgmma; not the default yet)", 2.5 * fwdFlops, time(backward));
       // dQ added by atomics in the dK/dV kernel: 5 products a tile instead of 7 (the dQ kernel
-      // recomputes S and dP), but dQ's bits then depend on the blocks' order.
-      launch::setAttentionDqAtomics(true);
-      report(shape + " bwd (wgmma, dQ atomics; off by default)", 2.5 * fwdFlops, time(backward));
-      launch::setAttentionDqAtomics(false);
+      // recomputes S and dP); in fp32 dQ's bits then depend on the blocks' order, in fixed point
+      // they do not.
+      launch::setAttentionDqMode(launch::DqMode::FloatAtomics);
+      report(shape + " bwd (wgmma, fp32 dQ atomics; off by default)", 2.5 * fwdFlops,
+             time(backward));
+      launch::setAttentionDqMode(launch::DqMode::FixedPoint);
+      report(shape + " bwd (wgmma, fixed-point dQ atomics; off by default)", 2.5 * fwdFlops,
+             time(backward));
+      launch::setAttentionDqMode(launch::DqMode::Separate);
       launch::setAttentionWgmmaBackward(false);
       report(shape + " bwd (mma.sync; default)", 2.5 * fwdFlops, time(backward));
     } else {

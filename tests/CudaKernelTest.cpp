@@ -499,39 +499,182 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
     EXPECT_CLOSE(download(hopperDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
     EXPECT_CLOSE(download(hopperDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
 
-    // ... and with dQ added by atomics inside the dK/dV kernel (off by default; only where the
-    // Hopper backward runs), into fresh buffers: dq starts as NaN bits, so a row or column the
-    // kernel's scaling does not write shows.
-    SCOPED_TRACE("wgmma backward, dQ atomics");
-    DeviceBuffer fusedDq = upload(Vec(qSize, std::nanf("")), dt);
-    DeviceBuffer fusedDk = upload(dk0, DType::F32), fusedDv = upload(dv0, DType::F32);
-    const std::initializer_list<const void *> fusedTensors = {
-        fusedDq.data(), fusedDk.data(), fusedDv.data(), gdOut.data(),
-        out.data(),     gq.data(),      gk.data(),      gv.data()};
-    launch::setAttentionDqAtomics(true);
-    EXPECT_FALSE(launch::attentionBackwardUsesDqAtomics(dt, dims, fusedTensors))
-        << "dQ atomics without the Hopper backward";
-    launch::setAttentionWgmmaBackward(true);
-    EXPECT_TRUE(launch::attentionBackwardUsesDqAtomics(dt, dims, fusedTensors));
-    EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, fusedTensors),
-              (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4 + qSize);
-    err = attentionBackward(*ctx, dt, fusedDq.data(), fusedDk.as<float>(), fusedDv.as<float>(),
-                            gdOut.data(), out.data(), lse.as<float>(), gq.data(), gk.data(),
-                            gv.data(), s);
-    launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqAtomics(false);
-    ASSERT_OK(std::move(err));
-    EXPECT_CLOSE(download(fusedDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-    EXPECT_CLOSE(download(fusedDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
-    EXPECT_CLOSE(download(fusedDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+    // ... and with dQ added by atomics inside the dK/dV kernel, in fp32 and in fixed point
+    // (off by default; only where the Hopper backward runs), into fresh buffers: dq starts as
+    // NaN bits, so a row or column the kernel's scaling does not write shows. The fixed-point
+    // dQ runs twice (the kernel emulator runs the blocks in a new order each launch): its bits
+    // must not change.
+    const size_t rows4 = (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4;
+    for (launch::DqMode mode : {launch::DqMode::FloatAtomics, launch::DqMode::FixedPoint}) {
+      const bool fixed = mode == launch::DqMode::FixedPoint;
+      SCOPED_TRACE(fixed ? "wgmma backward, fixed-point dQ atomics"
+                         : "wgmma backward, fp32 dQ atomics");
+      Vec firstDq;
+      for (int run = 0; run < (fixed ? 2 : 1); ++run) {
+        DeviceBuffer fusedDq = upload(Vec(qSize, std::nanf("")), dt);
+        DeviceBuffer fusedDk = upload(dk0, DType::F32), fusedDv = upload(dv0, DType::F32);
+        const std::initializer_list<const void *> fusedTensors = {
+            fusedDq.data(), fusedDk.data(), fusedDv.data(), gdOut.data(),
+            out.data(),     gq.data(),      gk.data(),      gv.data()};
+        launch::setAttentionDqMode(mode);
+        EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, fusedTensors), launch::DqMode::Separate)
+            << "dQ atomics without the Hopper backward";
+        launch::setAttentionWgmmaBackward(true);
+        EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, fusedTensors), mode);
+        EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, fusedTensors),
+                  fixed ? 2 * rows4 + (2 * size_t(s.batch) * s.heads + 3) / 4 * 4 + 2 * qSize
+                        : rows4 + qSize);
+        err = attentionBackward(*ctx, dt, fusedDq.data(), fusedDk.as<float>(), fusedDv.as<float>(),
+                                gdOut.data(), out.data(), lse.as<float>(), gq.data(), gk.data(),
+                                gv.data(), s);
+        launch::setAttentionWgmmaBackward(false);
+        launch::setAttentionDqMode(launch::DqMode::Separate);
+        ASSERT_OK(std::move(err));
+        const Vec gotDq = download(fusedDq, qSize, dt);
+        EXPECT_CLOSE(gotDq, refDq, tolerance(dt, /*longSums=*/true));
+        EXPECT_CLOSE(download(fusedDk, kvSize, DType::F32), refDk,
+                     tolerance(dt, /*longSums=*/true));
+        EXPECT_CLOSE(download(fusedDv, kvSize, DType::F32), refDv,
+                     tolerance(dt, /*longSums=*/true));
+        if (run == 0) {
+          firstDq = gotDq;
+        } else {
+          auto [mine, theirs] = std::mismatch(gotDq.begin(), gotDq.end(), firstDq.begin());
+          EXPECT_TRUE(mine == gotDq.end())
+              << "fixed-point dQ element " << (mine - gotDq.begin()) << " is " << *mine
+              << " in the second launch and " << *theirs << " in the first";
+        }
+      }
+    }
   }
-  EXPECT_FALSE(launch::attentionBackwardUsesDqAtomics(dt, dims, backwardTensors));
+  EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, backwardTensors), launch::DqMode::Separate);
   EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, backwardTensors),
             size_t(s.batch) * s.heads * s.queries);
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
 }
+
+// The fixed-point dQ scales each row by a bound of its own (Attention.cu, fixedPointExponent):
+// dOut scaled by 2^-90 and 2^90 (exact in bf16) must scale dQ alike, with the same relative
+// error as at 1; a NaN in one row of dOut must make that row of dQ NaN (as the other modes do)
+// and leave the others alone. Only where the Hopper backward runs (the kernel emulator too).
+class CudaFixedPointDqTest : public GpuTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsRow) {
+  const DType dt = DType::BF16;
+  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
+  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const size_t qSize = size_t(s.batch) * s.queries * s.width();
+  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+  Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
+  Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
+  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+  Vec refDq(qSize), refDk(kvSize, 0.0f), refDv(kvSize, 0.0f);
+  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
+  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
+                         q.data(), k.data(), v.data(), cs);
+  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
+  DeviceBuffer out = allocate(qSize * sizeOf(dt));
+  DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+  if (!launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}))
+    GTEST_SKIP() << "the Hopper attention kernels do not run here";
+  ASSERT_OK(
+      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  // dQ of dOut x `scale`, with dOut's element `nanAt` made NaN (none if past the end).
+  auto dqOf = [&](float scale, size_t nanAt) {
+    Vec scaled = dOut;
+    for (float &x : scaled)
+      x *= scale;
+    if (nanAt < scaled.size())
+      scaled[nanAt] = std::nanf("");
+    DeviceBuffer gdOut = upload(scaled, dt), dq = allocate(qSize * sizeOf(dt));
+    DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
+    DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
+    launch::setAttentionWgmmaBackward(true);
+    launch::setAttentionDqMode(launch::DqMode::FixedPoint);
+    const launch::DqMode mode =
+        launch::attentionBackwardDqMode(dt, dims,
+                                        {dq.data(), dk.data(), dv.data(), gdOut.data(), out.data(),
+                                         gq.data(), gk.data(), gv.data()});
+    llvm::Error err =
+        attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
+                          out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
+    launch::setAttentionWgmmaBackward(false);
+    launch::setAttentionDqMode(launch::DqMode::Separate);
+    EXPECT_EQ(mode, launch::DqMode::FixedPoint);
+    EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
+    return download(dq, qSize, dt);
+  };
+  for (float scale : {0x1p-90f, 1.0f, 0x1p90f}) {
+    SCOPED_TRACE("dOut x " + std::to_string(scale));
+    Vec want = refDq;
+    for (float &x : want)
+      x *= scale;
+    EXPECT_CLOSE(dqOf(scale, qSize), want, tolerance(dt, /*longSums=*/true));
+  }
+  // A NaN in query 37's row of head 1: that row of that head is NaN, everything else finite.
+  const int nanQuery = 37, nanHead = 1;
+  const size_t rowStart = size_t(nanQuery) * s.width() + size_t(nanHead) * s.headDim;
+  const Vec withNan = dqOf(1.0f, rowStart + 5);
+  size_t nans = 0, wrongNans = 0;
+  for (size_t i = 0; i < qSize; ++i) {
+    const bool inRow = i >= rowStart && i < rowStart + size_t(s.headDim);
+    if (std::isnan(withNan[i]))
+      ++nans;
+    if (std::isnan(withNan[i]) != inRow)
+      ++wrongNans;
+  }
+  EXPECT_EQ(wrongNans, 0u) << nans << " NaN elements; the row has " << s.headDim;
+}
+
+// Inputs whose dQ reaches the bound the fixed point is scaled by (up to its 17/16): Q = 0 (a
+// uniform softmax), K_j = V_j = s_j (1, ..., 1) with s_j = +-1 by key, dO = (1, ..., 1). Then
+// dP_tj = hd s_j, D_t = hd m_t (m_t the mean of s over the keys query t sees) and every element
+// of dQ' is hd (1 - m_t^2), against a bound of hd (1 + |m_t|): with kFixedBits at 64 instead of
+// 59 (no headroom left over the bound's rounding up to a power of two) this test fails.
+TEST_P(CudaFixedPointDqTest, ARowAtItsBoundDoesNotOverflow) {
+  const DType dt = DType::BF16;
+  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
+  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const size_t qSize = size_t(s.batch) * s.queries * s.width();
+  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+  Vec q(qSize, 0.0f), k(kvSize), v(kvSize), dOut(qSize, 1.0f);
+  for (size_t i = 0; i < kvSize; ++i)
+    k[i] = v[i] = (i / size_t(s.width())) % 2 ? -1.0f : 1.0f; // (batch 1: row i / width is key j)
+  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+  Vec refDq(qSize), refDk(kvSize, 0.0f), refDv(kvSize, 0.0f);
+  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
+  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
+                         q.data(), k.data(), v.data(), cs);
+  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
+  DeviceBuffer gdOut = upload(dOut, dt), out = allocate(qSize * sizeOf(dt));
+  DeviceBuffer dq = allocate(qSize * sizeOf(dt)), lse = allocate(size_t(s.heads) * s.queries * 4);
+  DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
+  DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
+  if (!launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}))
+    GTEST_SKIP() << "the Hopper attention kernels do not run here";
+  ASSERT_OK(
+      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  launch::setAttentionWgmmaBackward(true);
+  launch::setAttentionDqMode(launch::DqMode::FixedPoint);
+  llvm::Error err =
+      attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
+                        out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
+  launch::setAttentionWgmmaBackward(false);
+  launch::setAttentionDqMode(launch::DqMode::Separate);
+  ASSERT_OK(std::move(err));
+  // (The reference's dQ is hd (1 - m^2) / sqrt(hd) per element, so far from 0.)
+  EXPECT_GT(*std::max_element(refDq.begin(), refDq.end()), 0.5f * std::sqrt(float(s.headDim)));
+  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaFixedPointDqTest, ::testing::Values(64, 128),
+                         [](const ::testing::TestParamInfo<int> &info) {
+                           return "hd" + std::to_string(info.param);
+                         });
 
 // Seq1F1B's attention over a whole sequence, slice by slice as the runtime runs it: each slice's
 // forward over the keys so far, then the backwards in reverse order, every one adding to the same
@@ -547,19 +690,21 @@ class CudaAttentionSlicesTest : public GpuTest,
                                 public ::testing::WithParamInterface<std::tuple<DType, int, int>> {
 };
 
-/// The backward a case runs: the default one, the Hopper one, or the Hopper one with dQ atomics.
-enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqAtomics };
+/// The backward a case runs: the default one, the Hopper one, or the Hopper one with fp32 or
+/// fixed-point dQ atomics.
+enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqFloat, kHopperDqFixed };
 
-/// Switches the Hopper attention backward (and its dQ atomics) on for a scope (off again at its
-/// end).
+/// Switches the Hopper attention backward (and a dQ mode) on for a scope (off again at its end).
 struct HopperBackwardOn {
   explicit HopperBackwardOn(int kind) {
     launch::setAttentionWgmmaBackward(kind != kDefaultBackward);
-    launch::setAttentionDqAtomics(kind == kHopperDqAtomics);
+    launch::setAttentionDqMode(kind == kHopperDqFloat   ? launch::DqMode::FloatAtomics
+                               : kind == kHopperDqFixed ? launch::DqMode::FixedPoint
+                                                        : launch::DqMode::Separate);
   }
   ~HopperBackwardOn() {
     launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqAtomics(false);
+    launch::setAttentionDqMode(launch::DqMode::Separate);
   }
 };
 
@@ -878,9 +1023,10 @@ std::string slicesName(const ::testing::TestParamInfo<std::tuple<DType, int, int
   const int kind = std::get<2>(info.param);
   return std::string(toString(std::get<0>(info.param))) + "_hd" +
          std::to_string(std::get<1>(info.param)) +
-         (kind == kHopperBackward    ? "_wgmma"
-          : kind == kHopperDqAtomics ? "_wgmma_dq_atomics"
-                                     : "");
+         (kind == kHopperBackward  ? "_wgmma"
+          : kind == kHopperDqFloat ? "_wgmma_dq_float"
+          : kind == kHopperDqFixed ? "_wgmma_dq_fixed"
+                                   : "");
 }
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
@@ -888,11 +1034,13 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
                                             ::testing::Values(int(kDefaultBackward))),
                          slicesName);
 // The Hopper backward (dQ, dK and dV) over slices: dK/dV added to across four backwards.
-INSTANTIATE_TEST_SUITE_P(
-    HopperBackward, CudaAttentionSlicesTest,
-    ::testing::Combine(::testing::Values(DType::BF16), ::testing::Values(64, 128),
-                       ::testing::Values(int(kHopperBackward), int(kHopperDqAtomics))),
-    slicesName);
+INSTANTIATE_TEST_SUITE_P(HopperBackward, CudaAttentionSlicesTest,
+                         ::testing::Combine(::testing::Values(DType::BF16),
+                                            ::testing::Values(64, 128),
+                                            ::testing::Values(int(kHopperBackward),
+                                                              int(kHopperDqFloat),
+                                                              int(kHopperDqFixed))),
+                         slicesName);
 
 //===--- The checked funnel (no device needed) --------------------------===//
 

@@ -14,9 +14,10 @@
 # from other sources than the tree it runs in (ALLOW_STALE=1 runs it anyway). Without gpu-bundle/
 # it first runs tools/setup.sh and tools/gpu_bundle.sh here (needs apt and nvcc).
 # Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
-# runtime tests with the Hopper attention backward 60 s, and with its dQ atomics 30 s, pp4 2 x 60 s, tp2dp2 60 s, overhead
-# 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step benchmark 3 x 90 s, each of the 9
-# nccl cases 2 x 60 s, and the first one-GPU case's retry 2 x 60 s) and the whole run a budget
+# runtime tests with the Hopper attention backward 60 s and with its dQ atomics 2 x 30 s, pp4
+# 2 x 60 s, tp2dp2 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
+# benchmark 3 x 90 s, each of the 9 nccl cases 2 x 60 s, and the first one-GPU case's retry
+# 2 x 60 s) and the whole run a budget
 # (BUDGET seconds from the start, default 470, so that the checks end within 8 minutes; setup and
 # the library search have no limit of their own): a step that no longer fits is skipped and
 # reported.
@@ -174,20 +175,21 @@ if fits 60 "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1"; then
   fi
 fi
 
-# ... and its dQ atomics (off by default; dQ's last bits then depend on the blocks' order, so
-# only the runtime's Hopper-attention case, which compares with the CPU within bf16 tolerance).
-if fits 30 "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1"; then
+# ... and its dQ atomics (off by default), fp32 and fixed-point: only the runtime's
+# Hopper-attention case (fp32 atomics make dQ's last bits depend on the blocks' order).
+for dq_mode in float fixed; do
+  fits 30 "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode" || continue
   start=$SECONDS
-  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 PIPEC_ATTENTION_DQ_ATOMICS=1 timeout 30 \
-      "$bin/cuda_runtime_test" --gtest_filter='*Hopper*' >"$out/cuda_runtime_test.dq-atomics.log" 2>&1; then
-    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1 ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/cuda_runtime_test.dq-atomics.log" | head -1)"
+  log="$out/cuda_runtime_test.dq-$dq_mode.log"
+  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode timeout 30 \
+      "$bin/cuda_runtime_test" --gtest_filter='*Hopper*' >"$log" 2>&1; then
+    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$log" | head -1)"
   else
     status=1
-    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=1 FAILED ($((SECONDS - start)) s):"
-    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/cuda_runtime_test.dq-atomics.log" | head -10 |
-      sed 's/^/  /' | tee -a "$report" || true
+    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode FAILED ($((SECONDS - start)) s):"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | head -10 | sed 's/^/  /' | tee -a "$report" || true
   fi
-fi
+done
 
 # The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
 # CPU reference, with the activation arenas it reserved; in fp32 (tolerance 1e-4 of the gradient

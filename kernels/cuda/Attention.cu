@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string_view>
 #include <type_traits>
@@ -144,22 +145,30 @@ __global__ void __launch_bounds__(kThreads)
     lse[s.statRow(b, h, t)] = runMax + logf(runSum);
 }
 
-// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP).
+// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP); and,
+// unless null, rowMaxAbs (B, H, x) = max |dOut| of the row (the fixed-point dQ's bound).
 template <typename T>
-__global__ void rowDotKernel(float *__restrict__ rowDot, const T *__restrict__ dOut,
-                             const T *__restrict__ out, Dims s) {
+__global__ void rowDotKernel(float *__restrict__ rowDot, float *__restrict__ rowMaxAbs,
+                             const T *__restrict__ dOut, const T *__restrict__ out, Dims s) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
   const int t = blockIdx.x * kRowsPerBlock + warp;
   if (t >= s.queries)
     return;
   const size_t row = s.qRow(b, t, h);
-  float sum = 0.0f;
-  for (int d = lane; d < s.headDim; d += kWarp)
+  float sum = 0.0f, maxAbs = 0.0f;
+  for (int d = lane; d < s.headDim; d += kWarp) {
     sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
+    maxAbs = fmaxf(maxAbs, fabsf(toFloat(dOut[row + d])));
+  }
   sum = warpSum(sum);
-  if (lane == 0)
+  if (rowMaxAbs)
+    maxAbs = warpMax(maxAbs);
+  if (lane == 0) {
     rowDot[s.statRow(b, h, t)] = sum;
+    if (rowMaxAbs)
+      rowMaxAbs[s.statRow(b, h, t)] = maxAbs;
+  }
 }
 
 // dq (B, x, H*hd) = sum_j dS_j k_j, dS_j = p_j (dO . v_j - rowDot) * scale. Grid as forward.
@@ -1027,6 +1036,91 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   }
 }
 
+// How the Hopper backward computes dQ (launch::DqMode).
+constexpr int kDqSeparate = 0, kDqFloat = 1, kDqFixed = 2;
+
+// The fixed-point dQ. Row t of dQ' = dS K is sum_j P_tj (dP_tj - D_t) K_j with sum_j P_tj = 1
+// and |dP_tj| = |dO_t . V_j| <= hd max|dO_t| max|V|, so every element of it, and of any partial
+// sum over keys, is at most kmax (hd max|dO_t| vmax + |D_t|) in magnitude (kmax = max|K|,
+// vmax = max|V| of the (b, h) head): the row's bound, times 17/16 for bf16's rounding of dS and
+// the fp32 sums. A row is added in units of 2^-e, e = kFixedBits - ceil(log2(bound)), so the
+// sums stay below 2^kFixedBits, well inside int64, and are exact integers in any order. Their
+// resolution is the bound times 2^-59, far finer than fp32's rounding of the terms.
+constexpr int kFixedBits = 59;
+
+/// e of query row (b, h, t) (a whole number, as a float): NaN where an input is not finite.
+__device__ __forceinline__ float fixedPointExponent(float rowMaxAbs, float rowDot,
+                                                    const float *__restrict__ kvMaxAbs, int b,
+                                                    int h, const Dims &s) {
+  const float kmax = kvMaxAbs[2 * (b * s.heads + h)], vmax = kvMaxAbs[2 * (b * s.heads + h) + 1];
+  const float bound =
+      kmax * (float(s.headDim) * rowMaxAbs * vmax + fabsf(rowDot)) * (17.0f / 16.0f);
+  if (!(bound <= 3.402823466e38f))
+    return __int_as_float(0x7fc00000);
+  if (bound == 0.0f)
+    return 0.0f;
+  int exponent = 0;
+  (void)frexpf(bound, &exponent); // bound < 2^exponent
+  return float(kFixedBits - exponent);
+}
+
+/// x 2^e rounded to an integer (|x 2^e| < 2^kFixedBits), and back.
+__device__ __forceinline__ long long toFixed(float x, int e) { return __float2ll_rn(ldexpf(x, e)); }
+__device__ __forceinline__ float fromFixed(long long x, int e) {
+  return ldexpf(__ll2float_rn(x), -e);
+}
+
+// kvMaxAbs (B*H, 2) = max |K| and max |V| over the keys of each (b, h) head. grid (B*H), block
+// 256.
+__global__ void __launch_bounds__(256)
+    keyValueMaxAbsKernel(float *__restrict__ kvMaxAbs, const bf16 *__restrict__ k,
+                         const bf16 *__restrict__ v, Dims s) {
+  __shared__ float partial[2][8];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.x / s.heads, h = blockIdx.x % s.heads;
+  float kmax = 0.0f, vmax = 0.0f;
+  for (int j = warp; j < s.keys(); j += 8)
+    for (int d = lane; d < s.headDim; d += kWarp) {
+      kmax = fmaxf(kmax, fabsf(toFloat(k[s.kvRow(j, b, h) + d])));
+      vmax = fmaxf(vmax, fabsf(toFloat(v[s.kvRow(j, b, h) + d])));
+    }
+  kmax = warpMax(kmax);
+  vmax = warpMax(vmax);
+  if (lane == 0) {
+    partial[0][warp] = kmax;
+    partial[1][warp] = vmax;
+  }
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    float m = 0.0f;
+    for (int w = 0; w < 8; ++w)
+      m = fmaxf(m, partial[threadIdx.x][w]);
+    kvMaxAbs[2 * blockIdx.x + threadIdx.x] = m;
+  }
+}
+
+// dq (bf16) = scale dqFixed (B, x, H*hd) in each row's units (fixedPointExponent; NaN for a
+// row whose exponent is NaN). `quads` groups of 4 elements, each inside one row of a head.
+__global__ void __launch_bounds__(256)
+    fixedToBf16Kernel(bf16 *__restrict__ dq, const unsigned long long *__restrict__ dqFixed,
+                      const float *__restrict__ rowMaxAbs, const float *__restrict__ rowDot,
+                      const float *__restrict__ kvMaxAbs, Dims s, size_t quads, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < quads;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const size_t element = 4 * i, row = element / size_t(s.width());
+    const int b = int(row / size_t(s.queries)), t = int(row % size_t(s.queries));
+    const int h = int(element % size_t(s.width())) / s.headDim;
+    const size_t stat = s.statRow(b, h, t);
+    const float e = fixedPointExponent(rowMaxAbs[stat], rowDot[stat], kvMaxAbs, b, h, s);
+    float x[4];
+    for (int c = 0; c < 4; ++c)
+      x[c] = e != e ? e : fromFixed((long long)dqFixed[element + c], int(e)) * scale;
+    __nv_bfloat162 *to = reinterpret_cast<__nv_bfloat162 *>(dq) + 2 * i;
+    to[0] = __floats2bfloat162_rn(x[0], x[1]);
+    to[1] = __floats2bfloat162_rn(x[2], x[3]);
+  }
+}
+
 // dk, dv (a+x, B, H*hd) fp32 (added to) from dOut, q (B, x, H*hd) bf16, lse, rowDot (B, H, x),
 // k, v (a+x, B, H*hd) bf16, all 16-byte aligned. grid (ceil((a+x) / 128), B*H), block 256;
 // HD 64 or 128.
@@ -1040,33 +1134,40 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
 // as register A fragments and dO, Q read MN-major. Every warpgroup runs every tile (a tile
 // before its keys is wholly masked), so no wgmma sits on a divergent path.
 //
-// With AtomicDq the same kernel also adds dQ' = dS K (dQ = scale dQ') into the fp32 `dqAccum`
-// (B, x, H*hd; zeroed before): per tile, dS^T goes to shared memory (keys as rows, the 128-byte
-// swizzled MN-major A of dQ's product) and, after a barrier, warpgroup w computes, with A = dS
-// and B = K from shared memory (both MN-major), the columns [64 w, 64 w + 64) over the block's
-// 128 keys (HD 128) or all 64 columns over its own 64 keys (HD 64), then adds them with fp32
-// atomics. That is 5 matrix products a tile instead of the 7 of this kernel and the dQ kernel
-// (which recomputes S and dP), but the order of the atomics, and so dQ's last bits, depends on
-// the order the blocks run in.
-template <int HD, bool AtomicDq>
+// With DqMode kDqFloat or kDqFixed the same kernel also adds dQ' = dS K (dQ = scale dQ'): per
+// tile, dS^T goes to shared memory (keys as rows, the 128-byte swizzled MN-major A of dQ's
+// product) and, after a barrier, warpgroup w computes, with A = dS and B = K from shared memory
+// (both MN-major), the columns [64 w, 64 w + 64) over the block's 128 keys (HD 128) or all 64
+// columns over its own 64 keys (HD 64), then adds them with atomics: kDqFloat into the fp32
+// `dqFloat` (B, x, H*hd; zeroed before), whose last bits then depend on the order the blocks run
+// in; kDqFixed into the 64-bit fixed-point `dqFixed` (the same layout), each row in units of
+// 2^-e with e = fixedPointExponent of the row (from `rowMaxAbs` and `kvMaxAbs`), so that the
+// sums are exact integers whatever the order. That is 5 matrix products a tile instead of the 7
+// of this kernel and the dQ kernel (which recomputes S and dP).
+template <int HD, int DqMode>
 __global__ void __launch_bounds__(256, 1)
     backwardKeyValueWgmmaKernel(float *__restrict__ dk, float *__restrict__ dv,
-                                float *__restrict__ dqAccum, const bf16 *__restrict__ dOut,
+                                float *__restrict__ dqFloat,
+                                unsigned long long *__restrict__ dqFixed,
+                                const float *__restrict__ rowMaxAbs,
+                                const float *__restrict__ kvMaxAbs, const bf16 *__restrict__ dOut,
                                 const float *__restrict__ lse, const float *__restrict__ rowDot,
                                 const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                                 const bf16 *__restrict__ v, Dims s, float scale) {
+  constexpr bool AtomicDq = DqMode != kDqSeparate;
+  // Per query buffer: lse log2(e), D and (kDqFixed) the rows' fixed-point exponents.
+  constexpr int kStats = DqMode == kDqFixed ? 192 : 128;
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows");
   constexpr int kThreads = 256, kTile = 64 * HD;
   constexpr uint32_t kAtomBytes = 1024, kBlockBytes = 64 * 128; // 8 rows; 64 dims of 64 rows
   PIPEC_DYNAMIC_SHARED(float, smem);
   char *raw = reinterpret_cast<char *>(smem);
   // K and V of warpgroup w at tiles w and 2 + w; query buffer i's Q and dO at tiles 4 + 2 i and
-  // 5 + 2 i; then the buffers' lse log2(e) and D (64 floats each); then (AtomicDq) dS^T, 128
-  // keys of 64 queries.
+  // 5 + 2 i; then (AtomicDq) dS^T, 128 keys of 64 queries; then the buffers' statistics.
   bf16 *tiles =
       reinterpret_cast<bf16 *>(raw + (kAtomBytes - sharedAddress(raw) % kAtomBytes) % kAtomBytes);
-  float *stats = reinterpret_cast<float *>(tiles + 8 * kTile);
-  bf16 *dsT = reinterpret_cast<bf16 *>(stats + 256);
+  bf16 *dsT = tiles + 8 * kTile;
+  float *stats = reinterpret_cast<float *>(dsT + (AtomicDq ? 128 * 64 : 0));
   const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
   const int g = lane / 4, tg = lane % 4;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -1107,7 +1208,14 @@ __global__ void __launch_bounds__(256, 1)
       const int r = threadIdx.x % 64, t = t0 + r;
       const float *from = threadIdx.x < 64 ? lse : rowDot;
       const float factor = threadIdx.x < 64 ? tc::kLog2e : 1.0f;
-      stats[buffer * 128 + threadIdx.x] = t < s.queries ? from[s.statRow(b, h, t)] * factor : 0.0f;
+      stats[buffer * kStats + threadIdx.x] =
+          t < s.queries ? from[s.statRow(b, h, t)] * factor : 0.0f;
+    } else if (DqMode == kDqFixed && threadIdx.x < 192) {
+      const int t = t0 + int(threadIdx.x) - 128;
+      stats[buffer * kStats + threadIdx.x] =
+          t < s.queries ? fixedPointExponent(rowMaxAbs[s.statRow(b, h, t)],
+                                             rowDot[s.statRow(b, h, t)], kvMaxAbs, b, h, s)
+                        : 0.0f;
     }
   };
   // Query t sees key j when s.begin + t >= j: the block's keys from query n0 - begin on.
@@ -1131,7 +1239,7 @@ __global__ void __launch_bounds__(256, 1)
   for (int it = 0; it < tiles64; ++it) {
     const int t0 = firstQuery + 64 * it, buffer = it & 1;
     const bf16 *qs = tiles + (4 + 2 * buffer) * kTile, *dos = qs + kTile;
-    const float *lse2s = stats + buffer * 128, *dRows = lse2s + 64;
+    const float *lse2s = stats + buffer * kStats, *dRows = lse2s + 64;
     cpAsyncWait<0>();        // this thread's copies (K, V the first time) have landed
     fenceProxyAsyncShared(); // ... and are visible to wgmma after the barrier
     __syncthreads(); // every thread's (and the statistics); the other buffer is read no more
@@ -1242,11 +1350,23 @@ __global__ void __launch_bounds__(256, 1)
         const int t = t0 + 16 * warp + g + 8 * half;
         if (t >= s.queries)
           continue;
-        float *row = dqAccum + s.qRow(b, t, h) + column0;
+        const size_t at = s.qRow(b, t, h) + column0;
+        if constexpr (DqMode == kDqFloat) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2 *>(row + 8 * j),
-                    make_float2(dqAcc[4 * j + 2 * half], dqAcc[4 * j + 2 * half + 1]));
+          for (int j = 0; j < 8; ++j)
+            atomicAdd(reinterpret_cast<float2 *>(dqFloat + at + 8 * j),
+                      make_float2(dqAcc[4 * j + 2 * half], dqAcc[4 * j + 2 * half + 1]));
+        } else {
+          const float e = lse2s[128 + 16 * warp + g + 8 * half];
+          if (e != e) // (NaN: a non-finite input; the scaling writes NaN into the row)
+            continue;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              atomicAdd(dqFixed + at + 8 * j + c,
+                        (unsigned long long)toFixed(dqAcc[4 * j + 2 * half + c], int(e)));
+        }
       }
     }
   }
@@ -1595,11 +1715,56 @@ bool wgmmaBackwardSwitchedOn() {
   return switchedOn(wgmmaBackwardEnabled, "PIPEC_ATTENTION_WGMMA_BACKWARD", false);
 }
 
-/// The Hopper backward's dQ by atomics in the dK/dV kernel: off unless PIPEC_ATTENTION_DQ_ATOMICS=1
-/// or setAttentionDqAtomics(true).
-std::atomic<int> dqAtomicsEnabled{-1};
-bool dqAtomicsSwitchedOn() {
-  return switchedOn(dqAtomicsEnabled, "PIPEC_ATTENTION_DQ_ATOMICS", false);
+/// How the Hopper backward computes dQ where it runs (launch::DqMode): separately unless
+/// PIPEC_ATTENTION_DQ_ATOMICS is `1` or `float` (fp32 atomics) or `fixed` (fixed-point atomics),
+/// or setAttentionDqMode says otherwise.
+std::atomic<int> dqModeSetting{-1};
+int dqModeSwitch() {
+  int mode = dqModeSetting.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char *env = std::getenv("PIPEC_ATTENTION_DQ_ATOMICS");
+    const std::string_view value = env ? env : "";
+    mode = value == "1" || value == "float" ? kDqFloat : value == "fixed" ? kDqFixed : kDqSeparate;
+    if (mode == kDqSeparate && !value.empty() && value != "0")
+      std::fprintf(stderr,
+                   "PIPEC_ATTENTION_DQ_ATOMICS=%s: expected 0, 1 (or float) or fixed; the "
+                   "attention backward computes dQ separately\n",
+                   env);
+    dqModeSetting.store(mode, std::memory_order_relaxed);
+  }
+  return mode;
+}
+
+/// Where attentionBackward's scratch (`rowDot`, attentionBackwardScratchFloats floats) keeps
+/// what: rowDot (B*H*x), then for the float mode the fp32 dQ, for the fixed one the rows' max
+/// |dOut|, the heads' max |K| and |V| and the fixed-point dQ (8 bytes an element); each part at a
+/// multiple of 4 floats. Null pointers for the parts the mode does not use (or with no `base`).
+struct Scratch {
+  float *rowDot = nullptr, *rowMaxAbs = nullptr, *kvMaxAbs = nullptr, *dqFloat = nullptr;
+  unsigned long long *dqFixed = nullptr;
+  size_t floats = 0;
+};
+Scratch scratchLayout(const Dims &s, int mode, float *base) {
+  auto round4 = [](size_t n) { return (n + 3) / 4 * 4; };
+  const size_t rows = size_t(s.batch) * s.heads * s.queries;
+  const size_t elements = size_t(s.batch) * s.queries * s.width();
+  Scratch r;
+  auto take = [&](size_t floats) { // the next part's start
+    float *at = base ? base + r.floats : nullptr;
+    r.floats += round4(floats);
+    return at;
+  };
+  r.rowDot = take(rows);
+  if (mode == kDqFloat)
+    r.dqFloat = take(elements);
+  if (mode == kDqFixed) {
+    r.rowMaxAbs = take(rows);
+    r.kvMaxAbs = take(2 * size_t(s.batch) * s.heads);
+    r.dqFixed = reinterpret_cast<unsigned long long *>(take(2 * elements));
+  }
+  if (mode == kDqSeparate)
+    r.floats = rows; // (what attentionBackward asked for before the other modes)
+  return r;
 }
 
 /// Whether the current device runs sm_90a code (compute capability 9.x), read once per device.
@@ -1633,30 +1798,45 @@ cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot
                         1.0f / std::sqrt(float(HD)));
 }
 
-/// The Hopper dK/dV kernel (with AtomicDq, dQ too: into `dqAccum`, zeroed first, then scaled
-/// into `dq`).
-template <int HD, bool AtomicDq>
-cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, float *dqAccum,
-                                    const bf16 *dOut, const float *lse, const float *rowDot,
-                                    const bf16 *q, const bf16 *k, const bf16 *v, const Dims &s,
+/// The Hopper dK/dV kernel; in the float and fixed modes dQ too: into the scratch's fp32 or
+/// fixed-point dQ (zeroed first; the fixed mode's bounds computed first), then scaled into `dq`.
+template <int HD, int DqMode>
+cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratch &scratch,
+                                    const bf16 *dOut, const float *lse, const bf16 *q,
+                                    const bf16 *k, const bf16 *v, const Dims &s,
                                     cudaStream_t stream) {
+  constexpr bool kAtomicDq = DqMode != kDqSeparate;
   const float scale = 1.0f / std::sqrt(float(HD));
   const size_t elements = size_t(s.batch) * s.queries * s.width();
-  if constexpr (AtomicDq)
-    if (cudaError_t err = cudaMemsetAsync(dqAccum, 0, elements * sizeof(float), stream))
+  if constexpr (DqMode == kDqFloat)
+    if (cudaError_t err = cudaMemsetAsync(scratch.dqFloat, 0, elements * sizeof(float), stream))
       return err;
-  const size_t smem = sizeof(bf16) * 8 * 64 * HD + 2 * 128 * sizeof(float) + 1024 +
-                      (AtomicDq ? sizeof(bf16) * 128 * 64 : 0);
-  if (cudaError_t err =
-          launchWithSmem(backwardKeyValueWgmmaKernel<HD, AtomicDq>,
-                         dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem,
-                         stream, dk, dv, dqAccum, dOut, lse, rowDot, q, k, v, s, scale))
+  if constexpr (DqMode == kDqFixed) {
+    PIPEC_LAUNCH(dim3(unsigned(s.batch * s.heads)), 256, 0, stream, keyValueMaxAbsKernel)
+    (scratch.kvMaxAbs, k, v, s);
+    if (cudaError_t err = cudaGetLastError())
+      return err;
+    if (cudaError_t err = cudaMemsetAsync(scratch.dqFixed, 0, elements * 8, stream))
+      return err;
+  }
+  const size_t smem = sizeof(bf16) * 8 * 64 * HD + 1024 +
+                      (kAtomicDq ? sizeof(bf16) * 128 * 64 : 0) +
+                      2 * (DqMode == kDqFixed ? 192 : 128) * sizeof(float);
+  if (cudaError_t err = launchWithSmem(
+          backwardKeyValueWgmmaKernel<HD, DqMode>,
+          dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem, stream, dk,
+          dv, scratch.dqFloat, scratch.dqFixed, static_cast<const float *>(scratch.rowMaxAbs),
+          static_cast<const float *>(scratch.kvMaxAbs), dOut, lse,
+          static_cast<const float *>(scratch.rowDot), q, k, v, s, scale))
     return err;
-  if constexpr (AtomicDq) {
-    const size_t quads = elements / 4; // (HD is 64 or 128)
-    PIPEC_LAUNCH(dim3(unsigned(std::min<size_t>(ceilDiv(quads, size_t(256)), 4096))), 256, 0,
-                 stream, scaleToBf16Kernel)
-    (dq, dqAccum, quads, scale);
+  if constexpr (kAtomicDq) {
+    const size_t quads = elements / 4; // (HD is 64 or 128: a quad is inside one head's row)
+    const dim3 grid(unsigned(std::min<size_t>(ceilDiv(quads, size_t(256)), 4096)));
+    if constexpr (DqMode == kDqFloat)
+      PIPEC_LAUNCH(grid, 256, 0, stream, scaleToBf16Kernel)(dq, scratch.dqFloat, quads, scale);
+    else
+      PIPEC_LAUNCH(grid, 256, 0, stream, fixedToBf16Kernel)
+    (dq, scratch.dqFixed, scratch.rowMaxAbs, scratch.rowDot, scratch.kvMaxAbs, s, quads, scale);
     return cudaGetLastError();
   }
   return cudaSuccess;
@@ -1664,16 +1844,21 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, float *dqAcc
 
 template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
-                                     const float *lse, const float *rowDot, const bf16 *q,
+                                     const float *lse, const Scratch &scratch, const bf16 *q,
                                      const bf16 *k, const bf16 *v, const Dims &s, bool onWgmma,
-                                     float *dqAccum, cudaStream_t stream) {
+                                     int dqMode, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(HD));
+  const float *rowDot = scratch.rowDot;
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
   if constexpr (HD == 64 || HD == 128)
-    if (onWgmma && dqAccum)
-      return launchWgmmaKeyValueGrad<HD, true>(dq, dk, dv, dqAccum, dOut, lse, rowDot, q, k, v, s,
-                                               stream);
+    if (onWgmma && dqMode == kDqFloat)
+      return launchWgmmaKeyValueGrad<HD, kDqFloat>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
+                                                   stream);
+  if constexpr (HD == 64 || HD == 128)
+    if (onWgmma && dqMode == kDqFixed)
+      return launchWgmmaKeyValueGrad<HD, kDqFixed>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
+                                                   stream);
   cudaError_t err = cudaErrorInvalidValue;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
@@ -1686,8 +1871,8 @@ cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 
     return err;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
-      return launchWgmmaKeyValueGrad<HD, false>(dq, dk, dv, nullptr, dOut, lse, rowDot, q, k, v, s,
-                                                stream);
+      return launchWgmmaKeyValueGrad<HD, kDqSeparate>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
+                                                      stream);
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
                         stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
@@ -1743,27 +1928,21 @@ bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
   return wgmmaBackwardSwitchedOn() && attentionForwardUsesWgmma(dtype, s, tensors);
 }
 
-bool attentionBackwardUsesDqAtomics(DType dtype, AttentionDims s,
-                                    std::initializer_list<const void *> tensors) {
-  return dqAtomicsSwitchedOn() && attentionBackwardUsesWgmma(dtype, s, tensors);
+DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
+                               std::initializer_list<const void *> tensors) {
+  return attentionBackwardUsesWgmma(dtype, s, tensors) ? DqMode(dqModeSwitch()) : DqMode::Separate;
 }
 
 size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
                                       std::initializer_list<const void *> tensors) {
-  const size_t rows = size_t(s.batch) * s.heads * s.queries;
-  if (!attentionBackwardUsesDqAtomics(dtype, s, tensors))
-    return rows;
-  // rowDot, then the fp32 dQ 16-byte aligned behind it.
-  return (rows + 3) / 4 * 4 + size_t(s.batch) * s.queries * s.heads * s.headDim;
+  return scratchLayout(toDims(s), int(attentionBackwardDqMode(dtype, s, tensors)), nullptr).floats;
 }
 
 void setAttentionWgmmaBackward(bool enabled) {
   wgmmaBackwardEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
 }
 
-void setAttentionDqAtomics(bool enabled) {
-  dqAtomicsEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
-}
+void setAttentionDqMode(DqMode mode) { dqModeSetting.store(int(mode), std::memory_order_relaxed); }
 
 void setAttentionWgmma(bool enabled) {
   wgmmaEnabled.store(enabled ? 1 : 0, std::memory_order_relaxed);
@@ -1843,23 +2022,20 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     const T *dOutT = static_cast<const T *>(dOut);
     const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
             *vT = static_cast<const T *>(v);
+    const int mode = int(attentionBackwardDqMode(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}));
+    const Scratch scratch = scratchLayout(s, mode, rowDot);
     PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)
-    (rowDot, dOutT, static_cast<const T *>(out), s);
+    (rowDot, scratch.rowMaxAbs, dOutT, static_cast<const T *>(out), s);
     if (cudaError_t err = cudaGetLastError())
       return err;
     if constexpr (std::is_same_v<T, bf16>)
-      if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v})) {
-        float *dqAccum =
-            attentionBackwardUsesDqAtomics(dtype, dims, {dq, dk, dv, dOut, out, q, k, v})
-                ? rowDot + (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4
-                : nullptr;
+      if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
         return withHeadDim(s.headDim, [&]<int HD>() {
           return launchTensorCoreBackward<HD>(
-              static_cast<bf16 *>(dq), dk, dv, dOutT, lse, rowDot, qT, kT, vT, s,
-              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), dqAccum,
+              static_cast<bf16 *>(dq), dk, dv, dOutT, lse, scratch, qT, kT, vT, s,
+              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), mode,
               stream);
         });
-      }
     if (cudaError_t err = launchWithSmem(
             backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),
             backwardQuerySmem(kMaxHeadDim), stream, static_cast<T *>(dq), dOutT, lse,

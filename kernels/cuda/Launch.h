@@ -86,17 +86,24 @@ bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
                                 std::initializer_list<const void *> tensors);
 /// Turns the Hopper attention backward on or off (the default) for the whole process.
 void setAttentionWgmmaBackward(bool enabled);
-/// Whether the Hopper backward (attentionBackwardUsesWgmma) computes dQ inside its dK/dV kernel
-/// and adds it with fp32 atomics (5 matrix products per tile instead of 7: no separate dQ kernel
-/// recomputing S and dP), switched on by setAttentionDqAtomics(true) or
-/// PIPEC_ATTENTION_DQ_ATOMICS=1. Off by default: dQ's last bits then depend on the order the
-/// blocks run in, so two runs of a plan no longer agree bit for bit.
-bool attentionBackwardUsesDqAtomics(DType dtype, AttentionDims s,
-                                    std::initializer_list<const void *> tensors);
-/// Turns the Hopper backward's dQ atomics on or off (the default) for the whole process.
-void setAttentionDqAtomics(bool enabled);
+/// How the Hopper backward computes dQ. Separate: its own kernel, which recomputes S and dP (7
+/// matrix products a tile with the dK/dV kernel). In the others the dK/dV kernel also computes
+/// dQ and adds it with atomics (5 products): FloatAtomics into an fp32 dQ, whose last bits then
+/// depend on the order the blocks run in, so that two runs of a plan no longer agree bit for
+/// bit; FixedPoint into a 64-bit fixed-point dQ scaled per row by a bound of the row, whose sums
+/// are exact integers in any order (deterministic; Attention.cu, fixedPointExponent).
+enum class DqMode : int { Separate = 0, FloatAtomics = 1, FixedPoint = 2 };
+/// The mode attentionBackward runs for these tensors: Separate unless the Hopper backward runs
+/// (attentionBackwardUsesWgmma) and setAttentionDqMode or PIPEC_ATTENTION_DQ_ATOMICS (`1` or
+/// `float`: FloatAtomics; `fixed`: FixedPoint) chose another. Separate by default (the others
+/// have not run on a GPU yet).
+DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
+                               std::initializer_list<const void *> tensors);
+/// Sets the dQ mode for the whole process (it takes effect where the Hopper backward runs).
+void setAttentionDqMode(DqMode mode);
 /// The floats of attentionBackward's `rowDot` scratch for these tensors (as
-/// attentionUsesTensorCores's): B*H*x, and with dQ atomics the fp32 dQ (B*x*H*hd) after it.
+/// attentionUsesTensorCores's): B*H*x, and more in the dQ modes with atomics (their dQ, 4 or 8
+/// bytes per element of q, and the fixed-point mode's bounds).
 size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
                                       std::initializer_list<const void *> tensors);
 /// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off

@@ -132,6 +132,14 @@ inline int min(int a, int b) { return std::min(a, b); }
 inline int max(int a, int b) { return std::max(a, b); }
 inline unsigned min(unsigned a, unsigned b) { return std::min(a, b); }
 inline unsigned max(unsigned a, unsigned b) { return std::max(a, b); }
+// Conversions in round-to-nearest-even (the host's default rounding mode).
+inline long long __float2ll_rn(float x) { return std::llrint(x); }
+inline float __ll2float_rn(long long x) { return float(x); }
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
 
 // cuda_runtime.h declares the function-pointer overload for nvcc only.
 template <typename T>
