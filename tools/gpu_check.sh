@@ -16,7 +16,7 @@
 # Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
 # runtime tests with the Hopper attention backward 60 s and with its dQ atomics 2 x 30 s, pp4
 # 2 x 60 s, tp2dp2 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
-# benchmark 3 x 90 s, each of the 9 nccl cases 2 x 60 s, and the first one-GPU case's retry
+# benchmark 4 x 90 s, each of the 9 nccl cases 2 x 60 s, and the first one-GPU case's retry
 # 2 x 60 s) and the whole run a budget
 # (BUDGET seconds from the start, default 470, so that the checks end within 8 minutes; setup and
 # the library search have no limit of their own): a step that no longer fits is skipped and
@@ -298,13 +298,19 @@ start=$SECONDS
 : >"$out/step.txt"
 for step_args in "--pp 2 --microbatches 8" \
   "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4" \
-  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4 wgmma-backward"; do
+  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4 wgmma-backward" \
+  "--schedule seq1f1b --pp 4 --microbatches 8 --seq 4096 --seq-splits 4 wgmma-backward-dq-fixed"; do
   fits 90 "step benchmark ($step_args)" bench || continue
   echo "+ cuda_step_bench $step_args" >>"$out/step.txt"
   env=()
-  case "$step_args" in *wgmma-backward)
+  case "$step_args" in
+  *wgmma-backward)
     env=(PIPEC_ATTENTION_WGMMA_BACKWARD=1)
     step_args=${step_args% wgmma-backward}
+    ;;
+  *wgmma-backward-dq-fixed)
+    env=(PIPEC_ATTENTION_WGMMA_BACKWARD=1 PIPEC_ATTENTION_DQ_ATOMICS=fixed)
+    step_args=${step_args% wgmma-backward-dq-fixed}
     ;;
   esac
   # shellcheck disable=SC2086 # the arguments are words
