@@ -521,8 +521,8 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
             << "dQ atomics without the Hopper backward";
         launch::setAttentionWgmmaBackward(true);
         EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, fusedTensors), mode);
-        EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, fusedTensors),
-                  fixed ? 2 * rows4 + (2 * size_t(s.batch) * s.heads + 3) / 4 * 4 + 2 * qSize
+        EXPECT_EQ(launch::attentionBackwardScratchFloats(mode, dims),
+                  fixed ? 4 * rows4 + (2 * size_t(s.batch) * s.heads + 3) / 4 * 4 + 2 * qSize
                         : rows4 + qSize);
         err = attentionBackward(*ctx, dt, fusedDq.data(), fusedDk.as<float>(), fusedDv.as<float>(),
                                 gdOut.data(), out.data(), lse.as<float>(), gq.data(), gk.data(),
@@ -548,7 +548,7 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
     }
   }
   EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, backwardTensors), launch::DqMode::Separate);
-  EXPECT_EQ(launch::attentionBackwardScratchFloats(dt, dims, backwardTensors),
+  EXPECT_EQ(launch::attentionBackwardScratchFloats(launch::DqMode::Separate, dims),
             size_t(s.batch) * s.heads * s.queries);
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
@@ -627,6 +627,84 @@ TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsR
       ++wrongNans;
   }
   EXPECT_EQ(wrongNans, 0u) << nans << " NaN elements; the row has " << s.headDim;
+}
+
+// A NaN that the fixed point's bound does not see still reaches dQ. One in Q reaches its row's
+// D (through O); one in K the D of the rows that read it; one in lse (the forward's, handed
+// back wrong) only the row's product, which the row's flag catches. As in the other modes, the
+// rows that read the NaN are NaN and another head's rows are finite. (Rows of the same head
+// that do not read a bad key may be NaN too, in every mode: their masked zeros of dS meet the
+// NaN in the tile's product with K.)
+TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
+  const DType dt = DType::BF16;
+  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
+  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+  const size_t qSize = size_t(s.batch) * s.queries * s.width();
+  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+  const size_t lseSize = size_t(s.heads) * s.queries;
+  const Vec q = quantized(randomVec(qSize, 80), dt), k = quantized(randomVec(kvSize, 81), dt);
+  const Vec v = quantized(randomVec(kvSize, 82), dt), dOut = quantized(randomVec(qSize, 83), dt);
+  // dQ of these Q and K, with lse entry `nanLse` (B, H, x) made NaN after the forward (none if
+  // past the end).
+  auto dqOf = [&](const Vec &qIn, const Vec &kIn, size_t nanLse) {
+    DeviceBuffer gq = upload(qIn, dt), gk = upload(kIn, dt), gv = upload(v, dt);
+    DeviceBuffer gdOut = upload(dOut, dt), out = allocate(qSize * sizeOf(dt));
+    DeviceBuffer dq = allocate(qSize * sizeOf(dt)), lse = allocate(lseSize * 4);
+    DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
+    DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
+    EXPECT_FALSE(bool(attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(),
+                                       gv.data(), s)));
+    if (nanLse < lseSize) {
+      Vec stats = download(lse, lseSize, DType::F32);
+      stats[nanLse] = std::nanf("");
+      lse = upload(stats, DType::F32);
+    }
+    launch::setAttentionWgmmaBackward(true);
+    launch::setAttentionDqMode(launch::DqMode::FixedPoint);
+    EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims,
+                                              {dq.data(), dk.data(), dv.data(), gdOut.data(),
+                                               out.data(), gq.data(), gk.data(), gv.data()}),
+              launch::DqMode::FixedPoint);
+    llvm::Error err =
+        attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
+                          out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
+    launch::setAttentionWgmmaBackward(false);
+    launch::setAttentionDqMode(launch::DqMode::Separate);
+    EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
+    return download(dq, qSize, dt);
+  };
+  {
+    const auto gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
+    if (!launch::attentionForwardUsesWgmma(dt, dims, {gq.data(), gk.data(), gv.data()}))
+      GTEST_SKIP() << "the Hopper attention kernels do not run here";
+  }
+  auto isNan = [&](const Vec &dq, int t, int h) { // every element of the row, or none
+    size_t nans = 0;
+    for (int d = 0; d < s.headDim; ++d)
+      nans += std::isnan(dq[size_t(t) * s.width() + size_t(h) * s.headDim + d]) ? 1 : 0;
+    EXPECT_TRUE(nans == 0 || nans == size_t(s.headDim)) << "row " << t << " head " << h;
+    return nans > 0;
+  };
+  // Query 37 of head 0, in Q and then in lse.
+  Vec badQ = q;
+  badQ[37 * size_t(s.width()) + 3] = std::nanf("");
+  const Vec fromQ = dqOf(badQ, k, lseSize);
+  const Vec fromLse = dqOf(q, k, /*(b 0, h 0, t 37)*/ 37);
+  for (int h = 0; h < s.heads; ++h)
+    for (int t = 0; t < s.queries; ++t) {
+      EXPECT_EQ(isNan(fromQ, t, h), h == 0 && t == 37) << "NaN in Q: row " << t << " head " << h;
+      EXPECT_EQ(isNan(fromLse, t, h), h == 0 && t == 37)
+          << "NaN in lse: row " << t << " head " << h;
+    }
+  // Key 80 of head 1: queries from 80 - begin = 10 on read it.
+  Vec badK = k;
+  badK[80 * size_t(s.width()) + size_t(s.headDim) + 7] = std::nanf("");
+  const Vec fromK = dqOf(q, badK, lseSize);
+  for (int t = 0; t < s.queries; ++t) {
+    EXPECT_FALSE(isNan(fromK, t, 0)) << "NaN in head 1's K: row " << t << " of head 0";
+    if (t >= 80 - s.begin)
+      EXPECT_TRUE(isNan(fromK, t, 1)) << "NaN in K: row " << t << " of head 1";
+  }
 }
 
 // Inputs whose dQ reaches the bound the fixed point is scaled by (up to its 17/16): Q = 0 (a

@@ -145,10 +145,15 @@ __global__ void __launch_bounds__(kThreads)
     lse[s.statRow(b, h, t)] = runMax + logf(runSum);
 }
 
+/// The bits of |x|: as unsigned integers they order as the magnitudes do, with Inf above every
+/// finite value and NaN above Inf, so their maximum keeps a NaN (fmaxf drops it).
+__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
 // rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP); and,
-// unless null, rowMaxAbs (B, H, x) = max |dOut| of the row (the fixed-point dQ's bound).
+// unless null, rowMaxAbs (B, H, x) = the bits of max |dOut| of the row (absBits; the fixed-point
+// dQ's bound).
 template <typename T>
-__global__ void rowDotKernel(float *__restrict__ rowDot, float *__restrict__ rowMaxAbs,
+__global__ void rowDotKernel(float *__restrict__ rowDot, unsigned *__restrict__ rowMaxAbs,
                              const T *__restrict__ dOut, const T *__restrict__ out, Dims s) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
@@ -156,14 +161,16 @@ __global__ void rowDotKernel(float *__restrict__ rowDot, float *__restrict__ row
   if (t >= s.queries)
     return;
   const size_t row = s.qRow(b, t, h);
-  float sum = 0.0f, maxAbs = 0.0f;
+  float sum = 0.0f;
+  unsigned maxAbs = 0;
   for (int d = lane; d < s.headDim; d += kWarp) {
     sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
-    maxAbs = fmaxf(maxAbs, fabsf(toFloat(dOut[row + d])));
+    maxAbs = max(maxAbs, absBits(toFloat(dOut[row + d])));
   }
   sum = warpSum(sum);
   if (rowMaxAbs)
-    maxAbs = warpMax(maxAbs);
+    for (int offset = kWarp / 2; offset > 0; offset /= 2)
+      maxAbs = max(maxAbs, __shfl_xor_sync(kFullMask, maxAbs, offset));
   if (lane == 0) {
     rowDot[s.statRow(b, h, t)] = sum;
     if (rowMaxAbs)
@@ -1045,24 +1052,9 @@ constexpr int kDqSeparate = 0, kDqFloat = 1, kDqFixed = 2;
 // vmax = max|V| of the (b, h) head): the row's bound, times 17/16 for bf16's rounding of dS and
 // the fp32 sums. A row is added in units of 2^-e, e = kFixedBits - ceil(log2(bound)), so the
 // sums stay below 2^kFixedBits, well inside int64, and are exact integers in any order. Their
-// resolution is the bound times 2^-59, far finer than fp32's rounding of the terms.
+// resolution is the bound times 2^-59, far finer than fp32's rounding of the terms. Each row's e
+// is computed once (fixedPointScalesKernel) and read by the kernels that add and convert.
 constexpr int kFixedBits = 59;
-
-/// e of query row (b, h, t) (a whole number, as a float): NaN where an input is not finite.
-__device__ __forceinline__ float fixedPointExponent(float rowMaxAbs, float rowDot,
-                                                    const float *__restrict__ kvMaxAbs, int b,
-                                                    int h, const Dims &s) {
-  const float kmax = kvMaxAbs[2 * (b * s.heads + h)], vmax = kvMaxAbs[2 * (b * s.heads + h) + 1];
-  const float bound =
-      kmax * (float(s.headDim) * rowMaxAbs * vmax + fabsf(rowDot)) * (17.0f / 16.0f);
-  if (!(bound <= 3.402823466e38f))
-    return __int_as_float(0x7fc00000);
-  if (bound == 0.0f)
-    return 0.0f;
-  int exponent = 0;
-  (void)frexpf(bound, &exponent); // bound < 2^exponent
-  return float(kFixedBits - exponent);
-}
 
 /// x 2^e rounded to an integer (|x 2^e| < 2^kFixedBits), and back.
 __device__ __forceinline__ long long toFixed(float x, int e) { return __float2ll_rn(ldexpf(x, e)); }
@@ -1070,48 +1062,80 @@ __device__ __forceinline__ float fromFixed(long long x, int e) {
   return ldexpf(__ll2float_rn(x), -e);
 }
 
-// kvMaxAbs (B*H, 2) = max |K| and max |V| over the keys of each (b, h) head. grid (B*H), block
-// 256.
+// kvMaxAbs (B*H, 2) = the bits (absBits) of max |K| and max |V| over the finite values of each
+// (b, h) head's keys, zeroed before: grid (B*H, ceil((a+x) / 64)), block 256, each block 64
+// keys, the maxima by atomicMax (order-free). A row that reads a NaN or Inf of K or V gets a
+// NaN D (through O) or a product that is not finite (its flag), so the bound need not cover it,
+// and a head's other rows are not all made NaN by it.
 __global__ void __launch_bounds__(256)
-    keyValueMaxAbsKernel(float *__restrict__ kvMaxAbs, const bf16 *__restrict__ k,
+    keyValueMaxAbsKernel(unsigned *__restrict__ kvMaxAbs, const bf16 *__restrict__ k,
                          const bf16 *__restrict__ v, Dims s) {
-  __shared__ float partial[2][8];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int b = blockIdx.x / s.heads, h = blockIdx.x % s.heads;
-  float kmax = 0.0f, vmax = 0.0f;
-  for (int j = warp; j < s.keys(); j += 8)
+  constexpr unsigned kInfBits = 0x7f800000u;
+  auto finiteBits = [](float x) {
+    const unsigned bits = absBits(x);
+    return bits < kInfBits ? bits : 0u;
+  };
+  unsigned kmax = 0, vmax = 0;
+  const int end = min(s.keys(), int(blockIdx.y + 1) * 64);
+  for (int j = int(blockIdx.y) * 64 + warp; j < end; j += 8)
     for (int d = lane; d < s.headDim; d += kWarp) {
-      kmax = fmaxf(kmax, fabsf(toFloat(k[s.kvRow(j, b, h) + d])));
-      vmax = fmaxf(vmax, fabsf(toFloat(v[s.kvRow(j, b, h) + d])));
+      kmax = max(kmax, finiteBits(toFloat(k[s.kvRow(j, b, h) + d])));
+      vmax = max(vmax, finiteBits(toFloat(v[s.kvRow(j, b, h) + d])));
     }
-  kmax = warpMax(kmax);
-  vmax = warpMax(vmax);
-  if (lane == 0) {
-    partial[0][warp] = kmax;
-    partial[1][warp] = vmax;
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    kmax = max(kmax, __shfl_xor_sync(kFullMask, kmax, offset));
+    vmax = max(vmax, __shfl_xor_sync(kFullMask, vmax, offset));
   }
-  __syncthreads();
-  if (threadIdx.x < 2) {
-    float m = 0.0f;
-    for (int w = 0; w < 8; ++w)
-      m = fmaxf(m, partial[threadIdx.x][w]);
-    kvMaxAbs[2 * blockIdx.x + threadIdx.x] = m;
+  if (lane == 0) {
+    atomicMax(kvMaxAbs + 2 * blockIdx.x, kmax);
+    atomicMax(kvMaxAbs + 2 * blockIdx.x + 1, vmax);
   }
 }
 
-// dq (bf16) = scale dqFixed (B, x, H*hd) in each row's units (fixedPointExponent; NaN for a
-// row whose exponent is NaN). `quads` groups of 4 elements, each inside one row of a head.
+// Per query row (B, H, x): rowExponent = e (a whole number as a float; NaN where the bound is
+// not finite: a NaN or Inf in the row's dO or D), and rowFlag = 0 (the dK/dV kernel sets it
+// where a product is not finite). grid (ceil(B*H*x / 256)), block 256.
+__global__ void __launch_bounds__(256)
+    fixedPointScalesKernel(float *__restrict__ rowExponent, unsigned *__restrict__ rowFlag,
+                           const unsigned *__restrict__ rowMaxAbs, const float *__restrict__ rowDot,
+                           const unsigned *__restrict__ kvMaxAbs, Dims s) {
+  const size_t rows = size_t(s.batch) * s.heads * s.queries;
+  const size_t stat = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  if (stat >= rows)
+    return;
+  const size_t head = stat / size_t(s.queries); // (stat = (b H + h) x + t)
+  const float kmax = __uint_as_float(kvMaxAbs[2 * head]);
+  const float vmax = __uint_as_float(kvMaxAbs[2 * head + 1]);
+  const float bound =
+      kmax * (float(s.headDim) * __uint_as_float(rowMaxAbs[stat]) * vmax + fabsf(rowDot[stat])) *
+      (17.0f / 16.0f);
+  float e = 0.0f;
+  if (!(bound <= 3.402823466e38f)) {
+    e = __int_as_float(0x7fc00000);
+  } else if (bound > 0.0f) {
+    int exponent = 0;
+    (void)frexpf(bound, &exponent); // bound < 2^exponent
+    e = float(kFixedBits - exponent);
+  }
+  rowExponent[stat] = e;
+  rowFlag[stat] = 0;
+}
+
+// dq (bf16) = scale dqFixed (B, x, H*hd) in each row's units; NaN for a row whose exponent is
+// NaN or whose flag is set. `quads` groups of 4 elements, each inside one row of a head.
 __global__ void __launch_bounds__(256)
     fixedToBf16Kernel(bf16 *__restrict__ dq, const unsigned long long *__restrict__ dqFixed,
-                      const float *__restrict__ rowMaxAbs, const float *__restrict__ rowDot,
-                      const float *__restrict__ kvMaxAbs, Dims s, size_t quads, float scale) {
+                      const float *__restrict__ rowExponent, const unsigned *__restrict__ rowFlag,
+                      Dims s, size_t quads, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < quads;
        i += size_t(gridDim.x) * blockDim.x) {
     const size_t element = 4 * i, row = element / size_t(s.width());
     const int b = int(row / size_t(s.queries)), t = int(row % size_t(s.queries));
     const int h = int(element % size_t(s.width())) / s.headDim;
     const size_t stat = s.statRow(b, h, t);
-    const float e = fixedPointExponent(rowMaxAbs[stat], rowDot[stat], kvMaxAbs, b, h, s);
+    const float e = rowFlag[stat] ? __int_as_float(0x7fc00000) : rowExponent[stat];
     float x[4];
     for (int c = 0; c < 4; ++c)
       x[c] = e != e ? e : fromFixed((long long)dqFixed[element + c], int(e)) * scale;
@@ -1141,16 +1165,17 @@ __global__ void __launch_bounds__(256)
 // columns over its own 64 keys (HD 64), then adds them with atomics: kDqFloat into the fp32
 // `dqFloat` (B, x, H*hd; zeroed before), whose last bits then depend on the order the blocks run
 // in; kDqFixed into the 64-bit fixed-point `dqFixed` (the same layout), each row in units of
-// 2^-e with e = fixedPointExponent of the row (from `rowMaxAbs` and `kvMaxAbs`), so that the
-// sums are exact integers whatever the order. That is 5 matrix products a tile instead of the 7
-// of this kernel and the dQ kernel (which recomputes S and dP).
+// 2^-e with e its `rowExponent` (fixedPointScalesKernel), so that the sums are exact integers
+// whatever the order; a row with a product that is not finite gets its `rowFlag` set instead. That
+// is 5 matrix products a tile instead of the 7 of this kernel and the dQ kernel (which recomputes S
+// and dP).
 template <int HD, int DqMode>
 __global__ void __launch_bounds__(256, 1)
     backwardKeyValueWgmmaKernel(float *__restrict__ dk, float *__restrict__ dv,
                                 float *__restrict__ dqFloat,
                                 unsigned long long *__restrict__ dqFixed,
-                                const float *__restrict__ rowMaxAbs,
-                                const float *__restrict__ kvMaxAbs, const bf16 *__restrict__ dOut,
+                                const float *__restrict__ rowExponent,
+                                unsigned *__restrict__ rowFlag, const bf16 *__restrict__ dOut,
                                 const float *__restrict__ lse, const float *__restrict__ rowDot,
                                 const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                                 const bf16 *__restrict__ v, Dims s, float scale) {
@@ -1212,10 +1237,7 @@ __global__ void __launch_bounds__(256, 1)
           t < s.queries ? from[s.statRow(b, h, t)] * factor : 0.0f;
     } else if (DqMode == kDqFixed && threadIdx.x < 192) {
       const int t = t0 + int(threadIdx.x) - 128;
-      stats[buffer * kStats + threadIdx.x] =
-          t < s.queries ? fixedPointExponent(rowMaxAbs[s.statRow(b, h, t)],
-                                             rowDot[s.statRow(b, h, t)], kvMaxAbs, b, h, s)
-                        : 0.0f;
+      stats[buffer * kStats + threadIdx.x] = t < s.queries ? rowExponent[s.statRow(b, h, t)] : 0.0f;
     }
   };
   // Query t sees key j when s.begin + t >= j: the block's keys from query n0 - begin on.
@@ -1304,6 +1326,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i)
         dqAcc[i] = 0.0f;
+      wgmmaFenceRegisters(dqAcc); // (the zeros are written before the wgmma.fence below)
     }
 
     // dV += P^T dO and dK += dS^T Q: k-steps of 16 queries, dO and Q read MN-major.
@@ -1360,12 +1383,19 @@ __global__ void __launch_bounds__(256, 1)
           const float e = lse2s[128 + 16 * warp + g + 8 * half];
           if (e != e) // (NaN: a non-finite input; the scaling writes NaN into the row)
             continue;
+          bool finite = true;
 #pragma unroll
           for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
-              atomicAdd(dqFixed + at + 8 * j + c,
-                        (unsigned long long)toFixed(dqAcc[4 * j + 2 * half + c], int(e)));
+            for (int c = 0; c < 2; ++c) {
+              const float x = dqAcc[4 * j + 2 * half + c];
+              if (fabsf(x) <= 3.402823466e38f)
+                atomicAdd(dqFixed + at + 8 * j + c, (unsigned long long)toFixed(x, int(e)));
+              else
+                finite = false;
+            }
+          if (!finite) // (a NaN in Q or lse, say: the row's sum means nothing)
+            rowFlag[s.statRow(b, h, t)] = 1;
         }
       }
     }
@@ -1737,10 +1767,12 @@ int dqModeSwitch() {
 
 /// Where attentionBackward's scratch (`rowDot`, attentionBackwardScratchFloats floats) keeps
 /// what: rowDot (B*H*x), then for the float mode the fp32 dQ, for the fixed one the rows' max
-/// |dOut|, the heads' max |K| and |V| and the fixed-point dQ (8 bytes an element); each part at a
-/// multiple of 4 floats. Null pointers for the parts the mode does not use (or with no `base`).
+/// |dOut|, exponents and flags, the heads' max |K| and |V| and the fixed-point dQ (8 bytes an
+/// element); each part at a multiple of 4 floats. Null pointers for the parts the mode does not
+/// use (or with no `base`).
 struct Scratch {
-  float *rowDot = nullptr, *rowMaxAbs = nullptr, *kvMaxAbs = nullptr, *dqFloat = nullptr;
+  float *rowDot = nullptr, *dqFloat = nullptr, *rowExponent = nullptr;
+  unsigned *rowMaxAbs = nullptr, *rowFlag = nullptr, *kvMaxAbs = nullptr;
   unsigned long long *dqFixed = nullptr;
   size_t floats = 0;
 };
@@ -1758,8 +1790,10 @@ Scratch scratchLayout(const Dims &s, int mode, float *base) {
   if (mode == kDqFloat)
     r.dqFloat = take(elements);
   if (mode == kDqFixed) {
-    r.rowMaxAbs = take(rows);
-    r.kvMaxAbs = take(2 * size_t(s.batch) * s.heads);
+    r.rowMaxAbs = reinterpret_cast<unsigned *>(take(rows));
+    r.rowExponent = take(rows);
+    r.rowFlag = reinterpret_cast<unsigned *>(take(rows));
+    r.kvMaxAbs = reinterpret_cast<unsigned *>(take(2 * size_t(s.batch) * s.heads));
     r.dqFixed = reinterpret_cast<unsigned long long *>(take(2 * elements));
   }
   if (mode == kDqSeparate)
@@ -1812,8 +1846,14 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratc
     if (cudaError_t err = cudaMemsetAsync(scratch.dqFloat, 0, elements * sizeof(float), stream))
       return err;
   if constexpr (DqMode == kDqFixed) {
-    PIPEC_LAUNCH(dim3(unsigned(s.batch * s.heads)), 256, 0, stream, keyValueMaxAbsKernel)
+    const size_t heads = size_t(s.batch) * s.heads, rows = heads * s.queries;
+    if (cudaError_t err = cudaMemsetAsync(scratch.kvMaxAbs, 0, 2 * heads * 4, stream))
+      return err;
+    PIPEC_LAUNCH(dim3(unsigned(heads), unsigned(ceilDiv(s.keys(), 64))), 256, 0, stream,
+                 keyValueMaxAbsKernel)
     (scratch.kvMaxAbs, k, v, s);
+    PIPEC_LAUNCH(dim3(unsigned(ceilDiv(rows, size_t(256)))), 256, 0, stream, fixedPointScalesKernel)
+    (scratch.rowExponent, scratch.rowFlag, scratch.rowMaxAbs, scratch.rowDot, scratch.kvMaxAbs, s);
     if (cudaError_t err = cudaGetLastError())
       return err;
     if (cudaError_t err = cudaMemsetAsync(scratch.dqFixed, 0, elements * 8, stream))
@@ -1822,12 +1862,12 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratc
   const size_t smem = sizeof(bf16) * 8 * 64 * HD + 1024 +
                       (kAtomicDq ? sizeof(bf16) * 128 * 64 : 0) +
                       2 * (DqMode == kDqFixed ? 192 : 128) * sizeof(float);
-  if (cudaError_t err = launchWithSmem(
-          backwardKeyValueWgmmaKernel<HD, DqMode>,
-          dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem, stream, dk,
-          dv, scratch.dqFloat, scratch.dqFixed, static_cast<const float *>(scratch.rowMaxAbs),
-          static_cast<const float *>(scratch.kvMaxAbs), dOut, lse,
-          static_cast<const float *>(scratch.rowDot), q, k, v, s, scale))
+  if (cudaError_t err =
+          launchWithSmem(backwardKeyValueWgmmaKernel<HD, DqMode>,
+                         dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem,
+                         stream, dk, dv, scratch.dqFloat, scratch.dqFixed,
+                         static_cast<const float *>(scratch.rowExponent), scratch.rowFlag, dOut,
+                         lse, static_cast<const float *>(scratch.rowDot), q, k, v, s, scale))
     return err;
   if constexpr (kAtomicDq) {
     const size_t quads = elements / 4; // (HD is 64 or 128: a quad is inside one head's row)
@@ -1836,7 +1876,7 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratc
       PIPEC_LAUNCH(grid, 256, 0, stream, scaleToBf16Kernel)(dq, scratch.dqFloat, quads, scale);
     else
       PIPEC_LAUNCH(grid, 256, 0, stream, fixedToBf16Kernel)
-    (dq, scratch.dqFixed, scratch.rowMaxAbs, scratch.rowDot, scratch.kvMaxAbs, s, quads, scale);
+    (dq, scratch.dqFixed, scratch.rowExponent, scratch.rowFlag, s, quads, scale);
     return cudaGetLastError();
   }
   return cudaSuccess;
@@ -1933,9 +1973,8 @@ DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
   return attentionBackwardUsesWgmma(dtype, s, tensors) ? DqMode(dqModeSwitch()) : DqMode::Separate;
 }
 
-size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
-                                      std::initializer_list<const void *> tensors) {
-  return scratchLayout(toDims(s), int(attentionBackwardDqMode(dtype, s, tensors)), nullptr).floats;
+size_t attentionBackwardScratchFloats(DqMode mode, AttentionDims s) {
+  return scratchLayout(toDims(s), int(mode), nullptr).floats;
 }
 
 void setAttentionWgmmaBackward(bool enabled) {
@@ -2007,7 +2046,7 @@ cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, 
 
 cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
-                              const void *v, float *rowDot, AttentionDims dims,
+                              const void *v, float *rowDot, DqMode dqMode, AttentionDims dims,
                               cudaStream_t stream) {
   const Dims s = toDims(dims);
   if (s.batch == 0 || s.queries == 0 || s.heads == 0)
@@ -2022,7 +2061,10 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     const T *dOutT = static_cast<const T *>(dOut);
     const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
             *vT = static_cast<const T *>(v);
-    const int mode = int(attentionBackwardDqMode(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}));
+    // The mode the scratch was sized for, where the Hopper backward runs (attentionBackwardDqMode
+    // gives Separate elsewhere, so a mode the scratch is too small for cannot come from it).
+    const bool onWgmma = attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v});
+    const int mode = onWgmma ? int(dqMode) : kDqSeparate;
     const Scratch scratch = scratchLayout(s, mode, rowDot);
     PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)
     (rowDot, scratch.rowMaxAbs, dOutT, static_cast<const T *>(out), s);
@@ -2031,10 +2073,8 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     if constexpr (std::is_same_v<T, bf16>)
       if (attentionUsesTensorCores(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}))
         return withHeadDim(s.headDim, [&]<int HD>() {
-          return launchTensorCoreBackward<HD>(
-              static_cast<bf16 *>(dq), dk, dv, dOutT, lse, scratch, qT, kT, vT, s,
-              attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}), mode,
-              stream);
+          return launchTensorCoreBackward<HD>(static_cast<bf16 *>(dq), dk, dv, dOutT, lse, scratch,
+                                              qT, kT, vT, s, onWgmma, mode, stream);
         });
     if (cudaError_t err = launchWithSmem(
             backwardQueryKernel<T>, queryGrid, kThreads, backwardQuerySmem(s.headDim),

@@ -122,13 +122,16 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
   const size_t rows = size_t(s.batch) * s.heads * s.queries;
   if (rows == 0)
     return llvm::Error::success();
+  // The dQ mode once: the scratch is sized for it, and the launch runs it.
+  const launch::DqMode mode =
+      launch::attentionBackwardDqMode(dtype, dimsOf(s), {dq, dk, dv, dOut, out, q, k, v});
   ScratchBuffer rowDot(ctx.allocator());
-  if (auto err = rowDot.allocate(launch::attentionBackwardScratchFloats(
-                                     dtype, dimsOf(s), {dq, dk, dv, dOut, out, q, k, v}) *
-                                 sizeof(float)))
+  if (auto err =
+          rowDot.allocate(launch::attentionBackwardScratchFloats(mode, dimsOf(s)) * sizeof(float)))
     return err;
-  PIPEC_QUEUE_TRY(ctx, launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
-                                                 rowDot.as<float>(), dimsOf(s), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx,
+                  launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
+                                            rowDot.as<float>(), mode, dimsOf(s), streamOf(ctx)));
   return llvm::Error::success();
 }
 

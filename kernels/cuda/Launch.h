@@ -101,11 +101,9 @@ DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
                                std::initializer_list<const void *> tensors);
 /// Sets the dQ mode for the whole process (it takes effect where the Hopper backward runs).
 void setAttentionDqMode(DqMode mode);
-/// The floats of attentionBackward's `rowDot` scratch for these tensors (as
-/// attentionUsesTensorCores's): B*H*x, and more in the dQ modes with atomics (their dQ, 4 or 8
-/// bytes per element of q, and the fixed-point mode's bounds).
-size_t attentionBackwardScratchFloats(DType dtype, AttentionDims s,
-                                      std::initializer_list<const void *> tensors);
+/// The floats of attentionBackward's `rowDot` scratch in a dQ mode: B*H*x, and more in the modes
+/// with atomics (their dQ, 4 or 8 bytes per element of q, and the fixed-point mode's bounds).
+size_t attentionBackwardScratchFloats(DqMode mode, AttentionDims s);
 /// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off
 /// for the whole process; the kernel benchmark measures both.
 void setAttentionWgmma(bool enabled);
@@ -122,11 +120,15 @@ const char *wgmmaVariantName(int variant);
 int setAttentionWgmmaVariant(int variant);
 cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                              const void *v, AttentionDims s, cudaStream_t stream);
-/// `rowDot` is scratch of attentionBackwardScratchFloats floats, 16-byte aligned (its first
-/// B*H*x receive dOut . out per query row and head); dk and dv are fp32 whatever `dtype` is.
+/// `rowDot` is scratch of attentionBackwardScratchFloats(dqMode, s) floats, 16-byte aligned (its
+/// first B*H*x receive dOut . out per query row and head), `dqMode` what attentionBackwardDqMode
+/// said for these tensors when the scratch was sized (looked up once, so that a switch flipped
+/// in between cannot outgrow the scratch; the Hopper backward off means Separate whatever it
+/// is); dk and dv are fp32 whatever `dtype` is.
 cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
-                              const void *v, float *rowDot, AttentionDims s, cudaStream_t stream);
+                              const void *v, float *rowDot, DqMode dqMode, AttentionDims s,
+                              cudaStream_t stream);
 
 // CrossEntropy.cu
 cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,

@@ -118,6 +118,13 @@ template <typename T> T __shfl_up_sync(unsigned mask, T value, unsigned delta, i
 template <typename T> T atomicAdd(T *address, T value) {
   return std::atomic_ref<T>(*address).fetch_add(value);
 }
+inline unsigned atomicMax(unsigned *address, unsigned value) {
+  std::atomic_ref<unsigned> at(*address);
+  unsigned old = at.load();
+  while (old < value && !at.compare_exchange_weak(old, value)) {
+  }
+  return old;
+}
 // sm_90's float2 atomicAdd: each half atomically (the GPU makes no stronger promise).
 inline float2 atomicAdd(float2 *address, float2 value) {
   return make_float2(atomicAdd(&address->x, value.x), atomicAdd(&address->y, value.y));
@@ -139,6 +146,16 @@ inline float __int_as_float(int x) {
   float f;
   std::memcpy(&f, &x, sizeof f);
   return f;
+}
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
 }
 
 // cuda_runtime.h declares the function-pointer overload for nvcc only.
