@@ -555,19 +555,55 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
 }
 
+/// The backward a case runs: the default one, the Hopper one, or the Hopper one with fp32 or
+/// fixed-point dQ atomics.
+enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqFloat, kHopperDqFixed };
+
+/// Switches the Hopper attention backward (and a dQ mode) on for a scope (off again at its end).
+struct HopperBackwardOn {
+  explicit HopperBackwardOn(int kind) {
+    launch::setAttentionWgmmaBackward(kind != kDefaultBackward);
+    launch::setAttentionDqMode(kind == kHopperDqFloat   ? launch::DqMode::FloatAtomics
+                               : kind == kHopperDqFixed ? launch::DqMode::FixedPoint
+                                                        : launch::DqMode::Separate);
+  }
+  ~HopperBackwardOn() {
+    launch::setAttentionWgmmaBackward(false);
+    launch::setAttentionDqMode(launch::DqMode::Separate);
+  }
+};
+
 // The fixed-point dQ scales each row by a bound of its own (Attention.cu, fixedPointExponent):
 // dOut scaled by 2^-90 and 2^90 (exact in bf16) must scale dQ alike, with the same relative
 // error as at 1; a NaN in one row of dOut must make that row of dQ NaN (as the other modes do)
 // and leave the others alone. Only where the Hopper backward runs (the kernel emulator too).
-class CudaFixedPointDqTest : public GpuTest, public ::testing::WithParamInterface<int> {};
+class CudaFixedPointDqTest : public GpuTest, public ::testing::WithParamInterface<int> {
+protected:
+  /// attentionBackward in the fixed-point mode, which it must run for these tensors.
+  llvm::Error fixedPointBackward(const DeviceBuffer &dq, const DeviceBuffer &dk,
+                                 const DeviceBuffer &dv, const DeviceBuffer &dOut,
+                                 const DeviceBuffer &out, const DeviceBuffer &lse,
+                                 const DeviceBuffer &q, const DeviceBuffer &k,
+                                 const DeviceBuffer &v) {
+    const HopperBackwardOn fixedPoint(kHopperDqFixed);
+    EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims,
+                                              {dq.data(), dk.data(), dv.data(), dOut.data(),
+                                               out.data(), q.data(), k.data(), v.data()}),
+              launch::DqMode::FixedPoint);
+    return attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), dOut.data(),
+                             out.data(), lse.as<float>(), q.data(), k.data(), v.data(), s);
+  }
 
-TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsRow) {
   const DType dt = DType::BF16;
+  // Two 64-query tiles over two 128-key blocks, the second tile partly past the slice.
   const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
   const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
   const cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
   const size_t qSize = size_t(s.batch) * s.queries * s.width();
   const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+};
+
+TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsRow) {
   Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
   Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
   Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
@@ -592,18 +628,7 @@ TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsR
     DeviceBuffer gdOut = upload(scaled, dt), dq = allocate(qSize * sizeOf(dt));
     DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
     DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
-    launch::setAttentionWgmmaBackward(true);
-    launch::setAttentionDqMode(launch::DqMode::FixedPoint);
-    const launch::DqMode mode =
-        launch::attentionBackwardDqMode(dt, dims,
-                                        {dq.data(), dk.data(), dv.data(), gdOut.data(), out.data(),
-                                         gq.data(), gk.data(), gv.data()});
-    llvm::Error err =
-        attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
-                          out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
-    launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqMode(launch::DqMode::Separate);
-    EXPECT_EQ(mode, launch::DqMode::FixedPoint);
+    llvm::Error err = fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv);
     EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
     return download(dq, qSize, dt);
   };
@@ -636,11 +661,6 @@ TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsR
 // that do not read a bad key may be NaN too, in every mode: their masked zeros of dS meet the
 // NaN in the tile's product with K.)
 TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
-  const DType dt = DType::BF16;
-  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
-  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const size_t qSize = size_t(s.batch) * s.queries * s.width();
-  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
   const size_t lseSize = size_t(s.heads) * s.queries;
   const Vec q = quantized(randomVec(qSize, 80), dt), k = quantized(randomVec(kvSize, 81), dt);
   const Vec v = quantized(randomVec(kvSize, 82), dt), dOut = quantized(randomVec(qSize, 83), dt);
@@ -659,17 +679,7 @@ TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
       stats[nanLse] = std::nanf("");
       lse = upload(stats, DType::F32);
     }
-    launch::setAttentionWgmmaBackward(true);
-    launch::setAttentionDqMode(launch::DqMode::FixedPoint);
-    EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims,
-                                              {dq.data(), dk.data(), dv.data(), gdOut.data(),
-                                               out.data(), gq.data(), gk.data(), gv.data()}),
-              launch::DqMode::FixedPoint);
-    llvm::Error err =
-        attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
-                          out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
-    launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqMode(launch::DqMode::Separate);
+    llvm::Error err = fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv);
     EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
     return download(dq, qSize, dt);
   };
@@ -702,8 +712,9 @@ TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
   const Vec fromK = dqOf(q, badK, lseSize);
   for (int t = 0; t < s.queries; ++t) {
     EXPECT_FALSE(isNan(fromK, t, 0)) << "NaN in head 1's K: row " << t << " of head 0";
-    if (t >= 80 - s.begin)
+    if (t >= 80 - s.begin) {
       EXPECT_TRUE(isNan(fromK, t, 1)) << "NaN in K: row " << t << " of head 1";
+    }
   }
 }
 
@@ -713,12 +724,6 @@ TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
 // of dQ' is hd (1 - m_t^2), against a bound of hd (1 + |m_t|): with kFixedBits at 64 instead of
 // 59 (no headroom left over the bound's rounding up to a power of two) this test fails.
 TEST_P(CudaFixedPointDqTest, ARowAtItsBoundDoesNotOverflow) {
-  const DType dt = DType::BF16;
-  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
-  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const size_t qSize = size_t(s.batch) * s.queries * s.width();
-  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
   Vec q(qSize, 0.0f), k(kvSize), v(kvSize), dOut(qSize, 1.0f);
   for (size_t i = 0; i < kvSize; ++i)
     k[i] = v[i] = (i / size_t(s.width())) % 2 ? -1.0f : 1.0f; // (batch 1: row i / width is key j)
@@ -736,14 +741,7 @@ TEST_P(CudaFixedPointDqTest, ARowAtItsBoundDoesNotOverflow) {
     GTEST_SKIP() << "the Hopper attention kernels do not run here";
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  launch::setAttentionWgmmaBackward(true);
-  launch::setAttentionDqMode(launch::DqMode::FixedPoint);
-  llvm::Error err =
-      attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), gdOut.data(),
-                        out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
-  launch::setAttentionWgmmaBackward(false);
-  launch::setAttentionDqMode(launch::DqMode::Separate);
-  ASSERT_OK(std::move(err));
+  ASSERT_OK(fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv));
   // (The reference's dQ is hd (1 - m^2) / sqrt(hd) per element, so far from 0.)
   EXPECT_GT(*std::max_element(refDq.begin(), refDq.end()), 0.5f * std::sqrt(float(s.headDim)));
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
@@ -766,24 +764,6 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaFixedPointDqTest, ::testing::Values(64, 1
 // on), with or without dQ atomics.
 class CudaAttentionSlicesTest : public GpuTest,
                                 public ::testing::WithParamInterface<std::tuple<DType, int, int>> {
-};
-
-/// The backward a case runs: the default one, the Hopper one, or the Hopper one with fp32 or
-/// fixed-point dQ atomics.
-enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqFloat, kHopperDqFixed };
-
-/// Switches the Hopper attention backward (and a dQ mode) on for a scope (off again at its end).
-struct HopperBackwardOn {
-  explicit HopperBackwardOn(int kind) {
-    launch::setAttentionWgmmaBackward(kind != kDefaultBackward);
-    launch::setAttentionDqMode(kind == kHopperDqFloat   ? launch::DqMode::FloatAtomics
-                               : kind == kHopperDqFixed ? launch::DqMode::FixedPoint
-                                                        : launch::DqMode::Separate);
-  }
-  ~HopperBackwardOn() {
-    launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqMode(launch::DqMode::Separate);
-  }
 };
 
 TEST_P(CudaAttentionSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequence) {
