@@ -594,6 +594,16 @@ protected:
                              out.data(), lse.as<float>(), q.data(), k.data(), v.data(), s);
   }
 
+  /// The CPU reference's dQ.
+  Vec referenceDq(const Vec &q, const Vec &k, const Vec &v, const Vec &dOut) const {
+    Vec out(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+    Vec dq(qSize), dk(kvSize, 0.0f), dv(kvSize, 0.0f);
+    cpu::attentionForward(out.data(), probs.data(), q.data(), k.data(), v.data(), cs);
+    cpu::attentionBackward(dq.data(), dk.data(), dv.data(), dOut.data(), probs.data(), q.data(),
+                           k.data(), v.data(), cs);
+    return dq;
+  }
+
   const DType dt = DType::BF16;
   // Two 64-query tiles over two 128-key blocks, the second tile partly past the slice.
   const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
@@ -606,11 +616,7 @@ protected:
 TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsRow) {
   Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
   Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
-  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-  Vec refDq(qSize), refDk(kvSize, 0.0f), refDv(kvSize, 0.0f);
-  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
-                         q.data(), k.data(), v.data(), cs);
+  const Vec refDq = referenceDq(q, k, v, dOut);
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
   DeviceBuffer out = allocate(qSize * sizeOf(dt));
   DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
@@ -727,11 +733,7 @@ TEST_P(CudaFixedPointDqTest, ARowAtItsBoundDoesNotOverflow) {
   Vec q(qSize, 0.0f), k(kvSize), v(kvSize), dOut(qSize, 1.0f);
   for (size_t i = 0; i < kvSize; ++i)
     k[i] = v[i] = (i / size_t(s.width())) % 2 ? -1.0f : 1.0f; // (batch 1: row i / width is key j)
-  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-  Vec refDq(qSize), refDk(kvSize, 0.0f), refDv(kvSize, 0.0f);
-  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
-                         q.data(), k.data(), v.data(), cs);
+  const Vec refDq = referenceDq(q, k, v, dOut);
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
   DeviceBuffer gdOut = upload(dOut, dt), out = allocate(qSize * sizeOf(dt));
   DeviceBuffer dq = allocate(qSize * sizeOf(dt)), lse = allocate(size_t(s.heads) * s.queries * 4);
