@@ -1043,8 +1043,7 @@ __global__ void __launch_bounds__(Groups * 128, Groups == 1 ? 2 : 1)
   }
 }
 
-// How the Hopper backward computes dQ (launch::DqMode).
-constexpr int kDqSeparate = 0, kDqFloat = 1, kDqFixed = 2;
+using launch::DqMode; // how the Hopper backward computes dQ
 
 // The fixed-point dQ. Row t of dQ' = dS K is sum_j P_tj (dP_tj - D_t) K_j with sum_j P_tj = 1
 // and |dP_tj| = |dO_t . V_j| <= hd max|dO_t| max|V|, so every element of it, and of any partial
@@ -1158,18 +1157,18 @@ __global__ void __launch_bounds__(256)
 // as register A fragments and dO, Q read MN-major. Every warpgroup runs every tile (a tile
 // before its keys is wholly masked), so no wgmma sits on a divergent path.
 //
-// With DqMode kDqFloat or kDqFixed the same kernel also adds dQ' = dS K (dQ = scale dQ'): per
+// With Mode FloatAtomics or FixedPoint the same kernel also adds dQ' = dS K (dQ = scale dQ'): per
 // tile, dS^T goes to shared memory (keys as rows, the 128-byte swizzled MN-major A of dQ's
 // product) and, after a barrier, warpgroup w computes, with A = dS and B = K from shared memory
 // (both MN-major), the columns [64 w, 64 w + 64) over the block's 128 keys (HD 128) or all 64
-// columns over its own 64 keys (HD 64), then adds them with atomics: kDqFloat into the fp32
-// `dqFloat` (B, x, H*hd; zeroed before), whose last bits then depend on the order the blocks run
-// in; kDqFixed into the 64-bit fixed-point `dqFixed` (the same layout), each row in units of
-// 2^-e with e its `rowExponent` (fixedPointScalesKernel), so that the sums are exact integers
-// whatever the order; a row with a product that is not finite gets its `rowFlag` set instead. That
-// is 5 matrix products a tile instead of the 7 of this kernel and the dQ kernel (which recomputes S
-// and dP).
-template <int HD, int DqMode>
+// columns over its own 64 keys (HD 64), then adds them with atomics: FloatAtomics into the fp32
+// `dqFloat` (B, x, H*hd; zeroed before; the products times `scale`), whose last bits then
+// depend on the order the blocks run in; FixedPoint into the 64-bit fixed-point `dqFixed` (the
+// same layout), each row in units of 2^-e with e its `rowExponent` (fixedPointScalesKernel), so
+// that the sums are exact integers whatever the order; a row with a product that is not finite
+// gets its `rowFlag` set instead. That is 5 matrix products a tile instead of the 7 of this
+// kernel and the dQ kernel (which recomputes S and dP).
+template <int HD, DqMode Mode>
 __global__ void __launch_bounds__(256, 1)
     backwardKeyValueWgmmaKernel(float *__restrict__ dk, float *__restrict__ dv,
                                 float *__restrict__ dqFloat,
@@ -1179,9 +1178,9 @@ __global__ void __launch_bounds__(256, 1)
                                 const float *__restrict__ lse, const float *__restrict__ rowDot,
                                 const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                                 const bf16 *__restrict__ v, Dims s, float scale) {
-  constexpr bool AtomicDq = DqMode != kDqSeparate;
-  // Per query buffer: lse log2(e), D and (kDqFixed) the rows' fixed-point exponents.
-  constexpr int kStats = DqMode == kDqFixed ? 192 : 128;
+  constexpr bool AtomicDq = Mode != DqMode::Separate;
+  // Per query buffer: lse log2(e), D and (FixedPoint) the rows' fixed-point exponents.
+  constexpr int kStats = Mode == DqMode::FixedPoint ? 192 : 128;
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows");
   constexpr int kThreads = 256, kTile = 64 * HD;
   constexpr uint32_t kAtomBytes = 1024, kBlockBytes = 64 * 128; // 8 rows; 64 dims of 64 rows
@@ -1235,7 +1234,7 @@ __global__ void __launch_bounds__(256, 1)
       const float factor = threadIdx.x < 64 ? tc::kLog2e : 1.0f;
       stats[buffer * kStats + threadIdx.x] =
           t < s.queries ? from[s.statRow(b, h, t)] * factor : 0.0f;
-    } else if (DqMode == kDqFixed && threadIdx.x < 192) {
+    } else if (Mode == DqMode::FixedPoint && threadIdx.x < 192) {
       const int t = t0 + int(threadIdx.x) - 128;
       stats[buffer * kStats + threadIdx.x] = t < s.queries ? rowExponent[s.statRow(b, h, t)] : 0.0f;
     }
@@ -1374,11 +1373,12 @@ __global__ void __launch_bounds__(256, 1)
         if (t >= s.queries)
           continue;
         const size_t at = s.qRow(b, t, h) + column0;
-        if constexpr (DqMode == kDqFloat) {
+        if constexpr (Mode == DqMode::FloatAtomics) {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
-            atomicAdd(reinterpret_cast<float2 *>(dqFloat + at + 8 * j),
-                      make_float2(dqAcc[4 * j + 2 * half], dqAcc[4 * j + 2 * half + 1]));
+            atomicAdd(
+                reinterpret_cast<float2 *>(dqFloat + at + 8 * j),
+                make_float2(dqAcc[4 * j + 2 * half] * scale, dqAcc[4 * j + 2 * half + 1] * scale));
         } else {
           const float e = lse2s[128 + 16 * warp + g + 8 * half];
           if (e != e) // (NaN: a non-finite input; the scaling writes NaN into the row)
@@ -1420,19 +1420,6 @@ __global__ void __launch_bounds__(256, 1)
       c.y += dvAcc[4 * dt + 2 * row + 1];
       *reinterpret_cast<float2 *>(dvRow + dt * 8) = c;
     }
-  }
-}
-
-// dq (bf16) = scale dqAccum (fp32), `quads` groups of 4 elements (the fused backward's dQ).
-__global__ void __launch_bounds__(256)
-    scaleToBf16Kernel(bf16 *__restrict__ dq, const float *__restrict__ dqAccum, size_t quads,
-                      float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < quads;
-       i += size_t(gridDim.x) * blockDim.x) {
-    const float4 x = reinterpret_cast<const float4 *>(dqAccum)[i];
-    __nv_bfloat162 *to = reinterpret_cast<__nv_bfloat162 *>(dq) + 2 * i;
-    to[0] = __floats2bfloat162_rn(x.x * scale, x.y * scale);
-    to[1] = __floats2bfloat162_rn(x.z * scale, x.w * scale);
   }
 }
 
@@ -1749,20 +1736,23 @@ bool wgmmaBackwardSwitchedOn() {
 /// PIPEC_ATTENTION_DQ_ATOMICS is `1` or `float` (fp32 atomics) or `fixed` (fixed-point atomics),
 /// or setAttentionDqMode says otherwise.
 std::atomic<int> dqModeSetting{-1};
-int dqModeSwitch() {
+DqMode dqModeSwitch() {
   int mode = dqModeSetting.load(std::memory_order_relaxed);
   if (mode < 0) {
     const char *env = std::getenv("PIPEC_ATTENTION_DQ_ATOMICS");
     const std::string_view value = env ? env : "";
-    mode = value == "1" || value == "float" ? kDqFloat : value == "fixed" ? kDqFixed : kDqSeparate;
-    if (mode == kDqSeparate && !value.empty() && value != "0")
+    const DqMode chosen = value == "1" || value == "float" ? DqMode::FloatAtomics
+                          : value == "fixed"               ? DqMode::FixedPoint
+                                                           : DqMode::Separate;
+    if (chosen == DqMode::Separate && !value.empty() && value != "0")
       std::fprintf(stderr,
                    "PIPEC_ATTENTION_DQ_ATOMICS=%s: expected 0, 1 (or float) or fixed; the "
                    "attention backward computes dQ separately\n",
                    env);
+    mode = int(chosen);
     dqModeSetting.store(mode, std::memory_order_relaxed);
   }
-  return mode;
+  return DqMode(mode);
 }
 
 /// Where attentionBackward's scratch (`rowDot`, attentionBackwardScratchFloats floats) keeps
@@ -1776,7 +1766,7 @@ struct Scratch {
   unsigned long long *dqFixed = nullptr;
   size_t floats = 0;
 };
-Scratch scratchLayout(const Dims &s, int mode, float *base) {
+Scratch scratchLayout(const Dims &s, DqMode mode, float *base) {
   auto round4 = [](size_t n) { return (n + 3) / 4 * 4; };
   const size_t rows = size_t(s.batch) * s.heads * s.queries;
   const size_t elements = size_t(s.batch) * s.queries * s.width();
@@ -1787,16 +1777,16 @@ Scratch scratchLayout(const Dims &s, int mode, float *base) {
     return at;
   };
   r.rowDot = take(rows);
-  if (mode == kDqFloat)
+  if (mode == DqMode::FloatAtomics)
     r.dqFloat = take(elements);
-  if (mode == kDqFixed) {
+  if (mode == DqMode::FixedPoint) {
     r.rowMaxAbs = reinterpret_cast<unsigned *>(take(rows));
     r.rowExponent = take(rows);
     r.rowFlag = reinterpret_cast<unsigned *>(take(rows));
     r.kvMaxAbs = reinterpret_cast<unsigned *>(take(2 * size_t(s.batch) * s.heads));
     r.dqFixed = reinterpret_cast<unsigned long long *>(take(2 * elements));
   }
-  if (mode == kDqSeparate)
+  if (mode == DqMode::Separate)
     r.floats = rows; // (what attentionBackward asked for before the other modes)
   return r;
 }
@@ -1834,18 +1824,18 @@ cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot
 
 /// The Hopper dK/dV kernel; in the float and fixed modes dQ too: into the scratch's fp32 or
 /// fixed-point dQ (zeroed first; the fixed mode's bounds computed first), then scaled into `dq`.
-template <int HD, int DqMode>
+template <int HD, DqMode Mode>
 cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratch &scratch,
                                     const bf16 *dOut, const float *lse, const bf16 *q,
                                     const bf16 *k, const bf16 *v, const Dims &s,
                                     cudaStream_t stream) {
-  constexpr bool kAtomicDq = DqMode != kDqSeparate;
+  constexpr bool kAtomicDq = Mode != DqMode::Separate;
   const float scale = 1.0f / std::sqrt(float(HD));
   const size_t elements = size_t(s.batch) * s.queries * s.width();
-  if constexpr (DqMode == kDqFloat)
+  if constexpr (Mode == DqMode::FloatAtomics)
     if (cudaError_t err = cudaMemsetAsync(scratch.dqFloat, 0, elements * sizeof(float), stream))
       return err;
-  if constexpr (DqMode == kDqFixed) {
+  if constexpr (Mode == DqMode::FixedPoint) {
     const size_t heads = size_t(s.batch) * s.heads, rows = heads * s.queries;
     if (cudaError_t err = cudaMemsetAsync(scratch.kvMaxAbs, 0, 2 * heads * 4, stream))
       return err;
@@ -1861,21 +1851,20 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratc
   }
   const size_t smem = sizeof(bf16) * 8 * 64 * HD + 1024 +
                       (kAtomicDq ? sizeof(bf16) * 128 * 64 : 0) +
-                      2 * (DqMode == kDqFixed ? 192 : 128) * sizeof(float);
+                      2 * (Mode == DqMode::FixedPoint ? 192 : 128) * sizeof(float);
   if (cudaError_t err =
-          launchWithSmem(backwardKeyValueWgmmaKernel<HD, DqMode>,
+          launchWithSmem(backwardKeyValueWgmmaKernel<HD, Mode>,
                          dim3(ceilDiv(s.keys(), 128), unsigned(s.batch * s.heads)), 256, smem, smem,
                          stream, dk, dv, scratch.dqFloat, scratch.dqFixed,
                          static_cast<const float *>(scratch.rowExponent), scratch.rowFlag, dOut,
                          lse, static_cast<const float *>(scratch.rowDot), q, k, v, s, scale))
     return err;
-  if constexpr (kAtomicDq) {
+  if constexpr (Mode == DqMode::FloatAtomics) // (the products were scaled before the atomics)
+    return launch::convert(DType::BF16, dq, DType::F32, scratch.dqFloat, elements, stream);
+  if constexpr (Mode == DqMode::FixedPoint) {
     const size_t quads = elements / 4; // (HD is 64 or 128: a quad is inside one head's row)
-    const dim3 grid(unsigned(std::min<size_t>(ceilDiv(quads, size_t(256)), 4096)));
-    if constexpr (DqMode == kDqFloat)
-      PIPEC_LAUNCH(grid, 256, 0, stream, scaleToBf16Kernel)(dq, scratch.dqFloat, quads, scale);
-    else
-      PIPEC_LAUNCH(grid, 256, 0, stream, fixedToBf16Kernel)
+    PIPEC_LAUNCH(dim3(unsigned(std::min<size_t>(ceilDiv(quads, size_t(256)), 4096))), 256, 0,
+                 stream, fixedToBf16Kernel)
     (dq, scratch.dqFixed, scratch.rowExponent, scratch.rowFlag, s, quads, scale);
     return cudaGetLastError();
   }
@@ -1886,19 +1875,19 @@ template <int HD>
 cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut,
                                      const float *lse, const Scratch &scratch, const bf16 *q,
                                      const bf16 *k, const bf16 *v, const Dims &s, bool onWgmma,
-                                     int dqMode, cudaStream_t stream) {
+                                     DqMode dqMode, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(HD));
   const float *rowDot = scratch.rowDot;
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
   if constexpr (HD == 64 || HD == 128)
-    if (onWgmma && dqMode == kDqFloat)
-      return launchWgmmaKeyValueGrad<HD, kDqFloat>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
-                                                   stream);
+    if (onWgmma && dqMode == DqMode::FloatAtomics)
+      return launchWgmmaKeyValueGrad<HD, DqMode::FloatAtomics>(dq, dk, dv, scratch, dOut, lse, q, k,
+                                                               v, s, stream);
   if constexpr (HD == 64 || HD == 128)
-    if (onWgmma && dqMode == kDqFixed)
-      return launchWgmmaKeyValueGrad<HD, kDqFixed>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
-                                                   stream);
+    if (onWgmma && dqMode == DqMode::FixedPoint)
+      return launchWgmmaKeyValueGrad<HD, DqMode::FixedPoint>(dq, dk, dv, scratch, dOut, lse, q, k,
+                                                             v, s, stream);
   cudaError_t err = cudaErrorInvalidValue;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
@@ -1911,8 +1900,8 @@ cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 
     return err;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
-      return launchWgmmaKeyValueGrad<HD, kDqSeparate>(dq, dk, dv, scratch, dOut, lse, q, k, v, s,
-                                                      stream);
+      return launchWgmmaKeyValueGrad<HD, DqMode::Separate>(dq, dk, dv, scratch, dOut, lse, q, k, v,
+                                                           s, stream);
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
                         stream, dk, dv, dOut, lse, rowDot, q, k, v, s, scale);
@@ -1970,11 +1959,11 @@ bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
 
 DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
                                std::initializer_list<const void *> tensors) {
-  return attentionBackwardUsesWgmma(dtype, s, tensors) ? DqMode(dqModeSwitch()) : DqMode::Separate;
+  return attentionBackwardUsesWgmma(dtype, s, tensors) ? dqModeSwitch() : DqMode::Separate;
 }
 
 size_t attentionBackwardScratchFloats(DqMode mode, AttentionDims s) {
-  return scratchLayout(toDims(s), int(mode), nullptr).floats;
+  return scratchLayout(toDims(s), mode, nullptr).floats;
 }
 
 void setAttentionWgmmaBackward(bool enabled) {
@@ -2064,7 +2053,7 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
     // The mode the scratch was sized for, where the Hopper backward runs (attentionBackwardDqMode
     // gives Separate elsewhere, so a mode the scratch is too small for cannot come from it).
     const bool onWgmma = attentionBackwardUsesWgmma(dtype, dims, {dq, dk, dv, dOut, out, q, k, v});
-    const int mode = onWgmma ? int(dqMode) : kDqSeparate;
+    const DqMode mode = onWgmma ? dqMode : DqMode::Separate;
     const Scratch scratch = scratchLayout(s, mode, rowDot);
     PIPEC_LAUNCH(queryGrid, kThreads, 0, stream, rowDotKernel<T>)
     (rowDot, scratch.rowMaxAbs, dOutT, static_cast<const T *>(out), s);
