@@ -160,35 +160,31 @@ if grep -q '^\[  FAILED  \] .*Attention' "$out/cuda_kernel_test.log" 2>/dev/null
   fi
 fi
 
-# The Hopper attention backward is off by default until it has passed here: the runtime tests
-# once more with it switched on (the kernel test already checks it against the CPU reference).
-if fits 60 "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1"; then
+# rerun_runtime LIMIT LABEL LOG FILTER VAR=VALUE...: cuda_runtime_test once more, the cases
+# matching FILTER, with those variables set; its log in $out/LOG.
+rerun_runtime() {
+  local limit=$1 label="cuda_runtime_test $2" log="$out/$3" filter=$4
+  shift 4
+  fits "$limit" "$label" || return 0
   start=$SECONDS
-  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 timeout 60 "$bin/cuda_runtime_test" \
-      >"$out/cuda_runtime_test.wgmma-backward.log" 2>&1; then
-    say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$out/cuda_runtime_test.wgmma-backward.log" | head -1)"
+  if run env "$@" timeout "$limit" "$bin/cuda_runtime_test" --gtest_filter="$filter" >"$log" 2>&1; then
+    say "$label ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$log" | head -1)"
   else
     status=1
-    say "cuda_runtime_test with PIPEC_ATTENTION_WGMMA_BACKWARD=1 FAILED ($((SECONDS - start)) s):"
-    grep -E '^\[  FAILED  \] [A-Za-z]' "$out/cuda_runtime_test.wgmma-backward.log" | head -10 |
-      sed 's/^/  /' | tee -a "$report" || true
-  fi
-fi
-
-# ... and its dQ atomics (off by default), fp32 and fixed-point: only the runtime's
-# Hopper-attention case (fp32 atomics make dQ's last bits depend on the blocks' order).
-for dq_mode in float fixed; do
-  fits 30 "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode" || continue
-  start=$SECONDS
-  log="$out/cuda_runtime_test.dq-$dq_mode.log"
-  if run env PIPEC_ATTENTION_WGMMA_BACKWARD=1 PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode timeout 30 \
-      "$bin/cuda_runtime_test" --gtest_filter='*Hopper*' >"$log" 2>&1; then
-    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode ok ($((SECONDS - start)) s): $(grep -E '^\[  PASSED  \]' "$log" | head -1)"
-  else
-    status=1
-    say "cuda_runtime_test *Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode FAILED ($((SECONDS - start)) s):"
+    say "$label FAILED ($((SECONDS - start)) s):"
     grep -E '^\[  FAILED  \] [A-Za-z]' "$log" | head -10 | sed 's/^/  /' | tee -a "$report" || true
   fi
+}
+# The Hopper attention backward is off by default until it has passed here: the runtime tests
+# once more with it switched on (the kernel test already checks it against the CPU reference);
+# then with its dQ atomics (off by default), fp32 and fixed-point: only the runtime's
+# Hopper-attention case (fp32 atomics make dQ's last bits depend on the blocks' order).
+rerun_runtime 60 "with PIPEC_ATTENTION_WGMMA_BACKWARD=1" cuda_runtime_test.wgmma-backward.log '*' \
+  PIPEC_ATTENTION_WGMMA_BACKWARD=1
+for dq_mode in float fixed; do
+  rerun_runtime 30 "*Hopper* with PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode" \
+    "cuda_runtime_test.dq-$dq_mode.log" '*Hopper*' PIPEC_ATTENTION_WGMMA_BACKWARD=1 \
+    "PIPEC_ATTENTION_DQ_ATOMICS=$dq_mode"
 done
 
 # The issue's end-to-end check: a pp=4 plan on the local transport against the single-rank
