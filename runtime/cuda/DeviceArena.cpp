@@ -4,6 +4,10 @@
 
 #include <fmt/format.h>
 
+#ifdef PIPEC_EMULATED_DEVICE
+#include "kernels/cuda/emu/FakeCuda.h"
+#endif
+
 #include <cassert>
 #include <cstdint>
 
@@ -18,6 +22,19 @@ double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 /// and no device allocation can have it.
 const uintptr_t kSizingBase = uintptr_t(1) << 63;
 
+/// The bytes behind each buffer that hold the emulated device's guard (FakeCuda.h): a buffer
+/// takes these on top of its own, in the sizing pass and in the steps alike. None on a GPU.
+#ifdef PIPEC_EMULATED_DEVICE
+constexpr size_t kGuardBytes = 256;
+#else
+constexpr size_t kGuardBytes = 0;
+#endif
+
+#ifdef PIPEC_EMULATED_DEVICE
+/// The guard behind a buffer of `bytes`: what its placement holds past its end.
+size_t guardOf(size_t bytes) { return OffsetArena::roundUp(bytes + kGuardBytes) - bytes; }
+#endif
+
 } // namespace
 
 DeviceArena::~DeviceArena() {
@@ -28,7 +45,7 @@ DeviceArena::~DeviceArena() {
 llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
   if (bytes == 0)
     return nullptr;
-  auto at = placement.allocate(bytes);
+  auto at = placement.allocate(bytes + kGuardBytes);
   if (!at)
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
@@ -39,6 +56,10 @@ llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
                     who, mib(placement.capacity()), bytes, mib(placement.inUse())));
   void *p = base ? static_cast<void *>(base + *at) : reinterpret_cast<void *>(kSizingBase + *at);
   live[p] = Placed{*at, bytes};
+#ifdef PIPEC_EMULATED_DEVICE
+  if (base)
+    emu::fillGuard(stream, p, bytes, guardOf(bytes));
+#endif
   return p;
 }
 
@@ -49,8 +70,12 @@ void DeviceArena::release(void *p) {
   assert(it != live.end() && "released memory the arena did not hand out");
   placement.release(it->second.offset);
 #ifdef PIPEC_EMULATED_DEVICE
-  if (base)
-    (void)cudaMemsetAsync(p, 0xff, it->second.bytes, stream);
+  if (base) {
+    const size_t bytes = it->second.bytes;
+    emu::checkGuard(stream, p, bytes, guardOf(bytes),
+                    fmt::format("{}'s activation arena, offset {}", who, it->second.offset));
+    (void)cudaMemsetAsync(p, 0xff, bytes, stream);
+  }
 #endif
   live.erase(it);
 }

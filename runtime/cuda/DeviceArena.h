@@ -23,8 +23,11 @@
 // the rank's compute stream, and every other stream that reads a rank's buffers (a copy to a
 // peer, a p2p send, a tp all-reduce) is ordered before the compute stream's next work by the
 // transports. One arena per rank; not thread-safe. On the emulated device (PIPEC_EMULATED_DEVICE,
-// kernels/cuda/emu/README.md), where queued work has already run, a release fills the buffer with
-// NaN bytes, so that reading it after its release shows up in the gradient checks.
+// kernels/cuda/emu/README.md) a release fills the buffer with NaN bytes, in the stream's order,
+// so that reading it after its release shows up in the gradient checks; and every buffer takes
+// 256 bytes more, which hold the emulated device's guard (kernels/cuda/emu/FakeCuda.h): a read
+// past a buffer's end computes with NaN, and a write there ends the run, naming the rank and the
+// offset, when the buffer is released. Its arenas are larger than a GPU's by those bytes.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEARENA_H

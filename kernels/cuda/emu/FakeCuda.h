@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <functional>
+#include <string>
 
 namespace pipec::emu {
 
@@ -22,6 +23,13 @@ void enqueue(cudaStream_t stream, std::function<void()> work);
 bool asynchronous();
 /// The calling thread's next cudaGetLastError() (a launch the kernel emulator refused).
 void setLastError(cudaError_t error);
+
+/// For allocators that place buffers inside one allocation (runtime/cuda/DeviceArena.h), the
+/// guards every allocation has (FakeCudaRuntime.cpp): in `stream`'s order, fill the `n` bytes
+/// behind a buffer of `bytes` at `buffer` with the guard's bytes, and later check them, ending
+/// the process with a line that names `owner` if a write changed one.
+void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n);
+void checkGuard(cudaStream_t stream, const void *buffer, size_t bytes, size_t n, std::string owner);
 
 } // namespace pipec::emu
 

@@ -14,6 +14,11 @@
 //   - memory is counted: cudaMemGetInfo reports a fixed total minus what is allocated, and the
 //     default pool's used-memory high-water mark (cudaMemPoolAttrUsedMemHigh) follows the
 //     stream-ordered allocations, so the no-allocation-inside-a-step test means the same here.
+//   - every allocation has guard bytes on both sides (kGuardBytes before it, and from its end to
+//     kGuardBytes past the next multiple of 256), which read as NaN in fp32 and bf16: a kernel
+//     that reads past a buffer's end computes with NaN, which the checks against the CPU see,
+//     and one that writes there ends the process when the buffer is freed (or at
+//     cudaDeviceSynchronize), naming the allocation and the first byte it changed.
 // One device, index 0. Thread-safe (one mutex).
 //
 //===----------------------------------------------------------------------===//
@@ -25,6 +30,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -40,6 +47,50 @@ namespace {
 
 constexpr size_t kTotalBytes = size_t(16) << 30;
 constexpr size_t kQuarantineBytes = size_t(256) << 20;
+/// The guard in front of an allocation (which keeps its 256-byte alignment) and the least one
+/// behind it.
+constexpr size_t kGuardBytes = 256;
+/// The guards' contents: 0x7fbf repeated, a NaN as a bf16 and (0x7fbf7fbf) as an fp32, and not
+/// the freed-memory fill (0xff), so that a kernel that writes NaN past a buffer still shows.
+constexpr unsigned char kGuardFill[2] = {0xbf, 0x7f};
+
+/// The bytes behind an allocation of `bytes`: to the next multiple of 256, then kGuardBytes.
+size_t tailBytes(size_t bytes) { return (bytes + 255) / 256 * 256 - bytes + kGuardBytes; }
+
+void fillGuard(unsigned char *from, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    from[i] = kGuardFill[uintptr_t(from + i) & 1];
+}
+
+/// The first byte of [from, from + n) that is not the guard's, or n.
+size_t firstChanged(const unsigned char *from, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (from[i] != kGuardFill[uintptr_t(from + i) & 1])
+      return i;
+  return n;
+}
+
+/// Ends the process if a write went past either end of the allocation at `p`: a sanitizer's
+/// report, since a write outside a buffer on a GPU corrupts whatever lies there.
+void checkGuards(const void *p, size_t bytes, const char *when) {
+  const auto *user = static_cast<const unsigned char *>(p);
+  const size_t front = firstChanged(user - kGuardBytes, kGuardBytes);
+  const size_t tail = firstChanged(user + bytes, tailBytes(bytes));
+  if (front == kGuardBytes && tail == tailBytes(bytes))
+    return;
+  if (front != kGuardBytes)
+    std::fprintf(stderr,
+                 "emulated device: a write before the start of a %zu-byte allocation at %p: "
+                 "byte -%zu changed (found %s)\n",
+                 bytes, p, kGuardBytes - front, when);
+  else
+    std::fprintf(stderr,
+                 "emulated device: a write past the end of a %zu-byte allocation at %p: byte %zu "
+                 "changed (found %s)\n",
+                 bytes, p, bytes + tail, when);
+  std::fflush(stderr);
+  std::abort();
+}
 
 struct State {
   std::mutex mu;
@@ -49,7 +100,8 @@ struct State {
     bool pinned;
   };
   std::unordered_map<void *, Block> live;
-  std::deque<std::pair<void *, size_t>> quarantine; // freed, poisoned, not yet given back
+  /// Freed, poisoned, not yet given back: (the allocation's start, its guards included; bytes).
+  std::deque<std::pair<void *, size_t>> quarantine;
   size_t quarantined = 0;
   size_t deviceBytes = 0, poolUsed = 0, poolHigh = 0;
 };
@@ -71,9 +123,13 @@ cudaError_t allocate(void **p, size_t bytes, bool streamOrdered, bool pinned) {
   std::lock_guard<std::mutex> lock(s.mu);
   if (!pinned && s.deviceBytes + bytes > kTotalBytes)
     return cudaErrorMemoryAllocation;
-  void *mem = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+  auto *mem =
+      static_cast<unsigned char *>(std::aligned_alloc(256, kGuardBytes + bytes + tailBytes(bytes)));
   if (!mem)
     return cudaErrorMemoryAllocation;
+  fillGuard(mem, kGuardBytes);
+  fillGuard(mem + kGuardBytes + bytes, tailBytes(bytes));
+  mem += kGuardBytes;
   s.live[mem] = {bytes, streamOrdered, pinned};
   if (!pinned)
     s.deviceBytes += bytes;
@@ -94,13 +150,14 @@ cudaError_t release(void *p) {
   if (it == s.live.end())
     return cudaErrorInvalidValue;
   State::Block b = it->second;
+  checkGuards(p, b.bytes, "when it was freed");
   s.live.erase(it);
   if (!b.pinned)
     s.deviceBytes -= b.bytes;
   if (b.streamOrdered)
     s.poolUsed -= b.bytes;
   std::memset(p, 0xff, b.bytes); // all-ones floats are NaN
-  s.quarantine.emplace_back(p, b.bytes);
+  s.quarantine.emplace_back(static_cast<unsigned char *>(p) - kGuardBytes, b.bytes);
   s.quarantined += b.bytes;
   while (s.quarantined > kQuarantineBytes) {
     auto [old, bytes] = s.quarantine.front();
@@ -247,6 +304,25 @@ bool asynchronous() {
 
 void setLastError(cudaError_t error) { lastError = error; }
 
+void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n) {
+  enqueue(stream, [=] { ::fillGuard(static_cast<unsigned char *>(buffer) + bytes, n); });
+}
+
+void checkGuard(cudaStream_t stream, const void *buffer, size_t bytes, size_t n,
+                std::string owner) {
+  enqueue(stream, [=, owner = std::move(owner)] {
+    const size_t at = firstChanged(static_cast<const unsigned char *>(buffer) + bytes, n);
+    if (at == n)
+      return;
+    std::fprintf(stderr,
+                 "emulated device: a write past the end of a %zu-byte buffer at %p (%s): byte %zu "
+                 "changed (found when it was released)\n",
+                 bytes, buffer, owner.c_str(), bytes + at);
+    std::fflush(stderr);
+    std::abort();
+  });
+}
+
 void enqueue(cudaStream_t stream, std::function<void()> work) {
   std::shared_ptr<FakeStream> s = asynchronous() ? streamOf(stream) : nullptr;
   if (!s) {
@@ -291,6 +367,10 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
 }
 cudaError_t cudaDeviceSynchronize(void) {
   synchronizeAll();
+  State &s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (const auto &[p, b] : s.live)
+    checkGuards(p, b.bytes, "at cudaDeviceSynchronize");
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) { return std::exchange(lastError, cudaSuccess); }

@@ -1,0 +1,170 @@
+//===- FakeCudaTest.cpp - the emulated device's guards around every allocation -===//
+//
+// kernels/cuda/emu/FakeCudaRuntime.cpp puts guard bytes on both sides of every allocation, so
+// that the kernel and runtime tests on the emulated device see a kernel that steps outside its
+// buffers (a scratch area sized too small, a tile loop that runs past the last row): a read
+// there computes with NaN, a write there ends the process, naming the allocation, when the
+// buffer is freed or at cudaDeviceSynchronize. The activation arena (runtime/cuda/DeviceArena.h)
+// places the runtime's buffers inside one allocation, and puts the same guard behind each.
+// These cases check each of those, with the positions written by hand rather than taken from
+// the runtime.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/emu/FakeCuda.h"
+#include "runtime/cuda/DeviceArena.h"
+
+#include <cuda_runtime_api.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+/// A device allocation of `bytes` from the emulated device (host memory there).
+unsigned char *deviceBytes(size_t bytes) {
+  void *p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+  return static_cast<unsigned char *>(p);
+}
+
+class FakeCudaGuardTest : public ::testing::Test {
+protected:
+  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+};
+
+TEST_F(FakeCudaGuardTest, WritesInsideTheAllocationPass) {
+  unsigned char *p = deviceBytes(100);
+  std::memset(p, 0x7f, 100);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
+TEST_F(FakeCudaGuardTest, AWritePastTheEndEndsTheProcessWhenFreed) {
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(100);
+        p[100] = 0;
+        (void)cudaFree(p);
+      },
+      "a write past the end of a 100-byte allocation at .*: byte 100 changed \\(found when it "
+      "was freed\\)");
+  // The guard reaches past the next multiple of 256, then 256 bytes further: byte 511 of a
+  // 100-byte allocation is its last byte.
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(100);
+        p[511] = 0;
+        (void)cudaFree(p);
+      },
+      "byte 511 changed");
+}
+
+TEST_F(FakeCudaGuardTest, AWriteBeforeTheStartEndsTheProcessWhenFreed) {
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(64);
+        p[-3] = 0;
+        (void)cudaFree(p);
+      },
+      "a write before the start of a 64-byte allocation at .*: byte -3 changed");
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(64);
+        p[-256] = 0;
+        (void)cudaFree(p);
+      },
+      "byte -256 changed");
+}
+
+TEST_F(FakeCudaGuardTest, AWriteOfNanPastTheEndIsSeenToo) {
+  // The guard is not the freed-memory fill (all-ones bytes), so NaN written there still shows.
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(16);
+        std::memset(p + 16, 0xff, 4);
+        (void)cudaFree(p);
+      },
+      "byte 16 changed");
+}
+
+TEST_F(FakeCudaGuardTest, StreamOrderedFreesAndDeviceSynchronizeCheckToo) {
+  EXPECT_DEATH(
+      {
+        cudaStream_t s = nullptr;
+        (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        void *p = nullptr;
+        (void)cudaMallocAsync(&p, 40, s);
+        static_cast<unsigned char *>(p)[41] = 1;
+        (void)cudaFreeAsync(p, s);
+        (void)cudaStreamSynchronize(s);
+      },
+      "a write past the end of a 40-byte allocation at .*: byte 41 changed");
+  EXPECT_DEATH(
+      {
+        unsigned char *p = deviceBytes(8);
+        p[8] = 1;
+        (void)cudaDeviceSynchronize(); // p is still live
+      },
+      "byte 8 changed \\(found at cudaDeviceSynchronize\\)");
+}
+
+TEST_F(FakeCudaGuardTest, ReadsPastEitherEndAreNanInFp32AndBf16) {
+  unsigned char *p = deviceBytes(64);
+  std::memset(p, 0, 64);
+  for (long at : {-256L, -4L, 64L, 252L, 508L}) { // the guards: [-256, 0) and [64, 512)
+    float f;
+    std::memcpy(&f, p + at, 4);
+    EXPECT_TRUE(std::isnan(f)) << "fp32 at byte " << at;
+    uint16_t h;
+    std::memcpy(&h, p + at + 2, 2);
+    EXPECT_EQ(h & 0x7f80, 0x7f80) << "bf16 at byte " << at + 2 << ": exponent all ones";
+    EXPECT_NE(h & 0x007f, 0) << "bf16 at byte " << at + 2 << ": a NaN, not an infinity";
+  }
+  EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
+/// An arena after a sizing pass that took one buffer of `bytes`, then that buffer again.
+struct ReservedArena {
+  pipec::DeviceArena arena{nullptr, "rank 0"};
+  unsigned char *buffer = nullptr;
+  explicit ReservedArena(size_t bytes) {
+    auto sized = arena.allocate(bytes);
+    EXPECT_TRUE(bool(sized));
+    arena.release(*sized);
+    EXPECT_FALSE(bool(arena.reserve()));
+    auto p = arena.allocate(bytes);
+    EXPECT_TRUE(bool(p));
+    buffer = static_cast<unsigned char *>(*p);
+  }
+};
+
+TEST_F(FakeCudaGuardTest, ArenaBuffersAreGuardedToo) {
+  {
+    ReservedArena a(252);
+    std::memset(a.buffer, 0, 252);
+    float behind;
+    std::memcpy(&behind, a.buffer + 252, 4); // (the GPU's arena would round 252 to 256 here)
+    EXPECT_TRUE(std::isnan(behind));
+    a.arena.release(a.buffer);
+  }
+  EXPECT_DEATH(
+      {
+        ReservedArena a(252);
+        a.buffer[252] = 0; // in the 4 bytes a GPU's arena would pad with and nothing would see
+        a.arena.release(a.buffer);
+      },
+      "a write past the end of a 252-byte buffer at .* \\(rank 0's activation arena, offset "
+      "0\\): byte 252 changed \\(found when it was released\\)");
+  EXPECT_DEATH(
+      {
+        ReservedArena a(1024);
+        a.buffer[1024 + 255] = 0;
+        a.arena.release(a.buffer);
+      },
+      "byte 1279 changed");
+}
+
+} // namespace
