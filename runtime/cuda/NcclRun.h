@@ -4,7 +4,7 @@
 // LOCAL_RANK (NcclLayout.h); each process selects GPU LOCAL_RANK, creates its communicators
 // eagerly (Nccl.h), warms up every p2p connection and collective it will use, and interprets
 // its one rank's stream with the shared interpreter (runtime/Interpreter.h) on the cuda
-// backend's device-transport variant (CudaRun.h) and NcclTransport:
+// backend's device-transport variant (CudaRun.h) and NcclTransport (NcclTransport.h):
 //   - the sends and recvs of one plan group are posted inside one ncclGroupStart/ncclGroupEnd
 //     on the `pipeline` communicator and a p2p stream, in plan order (the order NCCL's FIFO
 //     matching per peer pair needs; at pp = 2, where prev and next are the same process, the

@@ -1,0 +1,262 @@
+//===- NcclTransport.cpp - The nccl mode's transport: one rank per process ---===//
+#include "runtime/cuda/NcclTransport.h"
+
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+#include "kernels/cuda/CudaCheck.h"
+
+#include <fmt/format.h>
+
+#include <cassert>
+#include <chrono>
+#include <set>
+#include <thread>
+
+namespace pipec {
+
+using runtime_cuda::order;
+using runtime_cuda::OwnedEvent;
+using runtime_cuda::OwnedStream;
+
+namespace {
+
+/// NCCL's name of a tensor's element type.
+ncclDataType_t ncclTypeOf(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return ncclFloat;
+  case DType::BF16:
+    return ncclBfloat16;
+  }
+  llvm_unreachable("unknown dtype");
+}
+
+} // namespace
+
+llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
+                       double timeout, const std::function<std::string(double)> &stalled) {
+  using Clock = std::chrono::steady_clock;
+  auto start = Clock::now();
+  for (;;) {
+    cudaError_t q = done();
+    if (q == cudaSuccess)
+      return llvm::Error::success();
+    if (q != cudaErrorNotReady)
+      PIPEC_CUDA_TRY(q);
+    if (auto err = comms.asyncErrors()) {
+      comms.abortAll();
+      return err;
+    }
+    double idle = std::chrono::duration<double>(Clock::now() - start).count();
+    if (idle >= timeout) {
+      std::string report = stalled(idle);
+      comms.abortAll();
+      return llvm::make_error<Finding>(report);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+llvm::Error NcclTransport::init(cudaStream_t computeStream,
+                                std::function<llvm::Error()> pendingErrorOf) {
+  compute = computeStream;
+  pendingError = std::move(pendingErrorOf);
+  for (OwnedStream *s : {&p2p, &tp, &dp, &emb})
+    if (auto err = s->create())
+      return err;
+  for (OwnedEvent *e : {&ready, &p2pDone, &tpDone, &dpDone, &embDone, &stepDone})
+    if (auto err = e->create())
+      return err;
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
+  if (auto err = pendingError())
+    return err;
+  if (ops.empty())
+    return llvm::Error::success();
+  if (auto err = order(p2p.get(), compute, ready.get()))
+    return err;
+  const ParallelConfig &pc = plan.parallel;
+  llvm::Error first = llvm::Error::success();
+  auto keep = [&](llvm::Error err) {
+    if (err && !first)
+      first = std::move(err);
+    else
+      llvm::consumeError(std::move(err));
+  };
+  keep([&]() -> llvm::Error {
+    PIPEC_NCCL_TRY(ncclGroupStart());
+    return llvm::Error::success();
+  }());
+  for (const P2POp &op : ops) {
+    // The pipeline communicator's rank is the pipeline rank (NcclLayout.cpp).
+    int peer = op.peer / (pc.dp * pc.tp);
+    assert(op.peer % (pc.dp * pc.tp) == self % (pc.dp * pc.tp) && "peer in another replica");
+    keep([&]() -> llvm::Error {
+      if (op.send)
+        PIPEC_NCCL_TRY(ncclSend(op.data.data, op.data.count, ncclTypeOf(op.data.type), peer,
+                                comms.pipeline.get(), p2p.get()));
+      else
+        PIPEC_NCCL_TRY(ncclRecv(op.data.data, op.data.count, ncclTypeOf(op.data.type), peer,
+                                comms.pipeline.get(), p2p.get()));
+      return llvm::Error::success();
+    }());
+  }
+  // Always closed, also after a failed post (NCCL's group must be ended).
+  keep([&]() -> llvm::Error {
+    PIPEC_NCCL_TRY(ncclGroupEnd());
+    return llvm::Error::success();
+  }());
+  if (first)
+    return first;
+  Marker group;
+  group.rank = ops.front().rank;
+  group.first = ops.front().step;
+  group.last = ops.back().step;
+  if (auto err = mark(std::move(group), p2p.get()))
+    return err;
+  return order(compute, p2p.get(), p2pDone.get());
+}
+
+llvm::Error NcclTransport::allReduce(CollectiveGroup group, const std::string &key,
+                                     llvm::ArrayRef<int> members, int self, TensorView data) {
+  if (auto err = pendingError())
+    return err;
+  NcclComm *comm = &comms.tp;
+  cudaStream_t s = tp.get();
+  switch (group) {
+  case CollectiveGroup::Tp:
+    break;
+  case CollectiveGroup::Dp:
+    comm = &comms.dp;
+    s = dp.get();
+    // A hand-written plan may put it after the embedding all-reduce of the same stage.
+    if (auto err = order(s, emb.get(), embDone.get()))
+      return err;
+    break;
+  case CollectiveGroup::Embedding:
+    comm = &comms.embedding;
+    s = emb.get();
+    // Its range of the gradients may still be in a dp all-reduce of the same stage.
+    if (auto err = order(s, dp.get(), dpDone.get()))
+      return err;
+    break;
+  }
+  if (!*comm || comm->size() != int(members.size()))
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("all-reduce {} of {} members has no matching communicator on rank {} (it "
+                    "has {} ranks)",
+                    key, members.size(), self, comm->size()));
+  if (auto err = order(s, compute, ready.get()))
+    return err;
+  PIPEC_NCCL_TRY(ncclAllReduce(data.data, data.data, data.count, ncclTypeOf(data.type), ncclSum,
+                               comm->get(), s));
+  Marker reduce;
+  reduce.key = key;
+  if (auto err = mark(std::move(reduce), s))
+    return err;
+  // tp reductions are consumed by the next part at once; dp and embedding ones overlap
+  // compute until waitForCollectives().
+  if (group == CollectiveGroup::Tp)
+    return order(compute, s, tpDone.get());
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTransport::waitForCollectives() {
+  if (auto err = order(compute, dp.get(), dpDone.get()))
+    return err;
+  return order(compute, emb.get(), embDone.get());
+}
+
+void NcclTransport::abort(const std::string &why) {
+  if (failure.empty())
+    failure = why;
+  comms.abortAll();
+}
+
+llvm::Error NcclTransport::warmUp(float *scratch) {
+  std::set<int> peers;
+  for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
+    if (i.isP2P())
+      peers.insert(i.peer);
+  if (!peers.empty()) {
+    // Both directions with every peer, in one group: every peer posts the mirror image.
+    PIPEC_NCCL_TRY(ncclGroupStart());
+    for (int p : peers) {
+      PIPEC_NCCL_TRY(ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
+      PIPEC_NCCL_TRY(ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
+    }
+    PIPEC_NCCL_TRY(ncclGroupEnd());
+  }
+  // Every collective communicator, in creation order (the same on every process).
+  for (auto [c, s] : {std::pair{&comms.tp, tp.get()}, std::pair{&comms.dp, dp.get()},
+                      std::pair{&comms.embedding, emb.get()}})
+    if (*c)
+      PIPEC_NCCL_TRY(ncclAllReduce(scratch + 2, scratch + 2, 1, ncclFloat, ncclSum, c->get(), s));
+  for (cudaStream_t s : {p2p.get(), tp.get(), dp.get(), emb.get()})
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(s));
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds) {
+  if (auto err = waitForCollectives())
+    return err;
+  for (cudaStream_t s : {p2p.get(), tp.get()})
+    if (auto err = order(compute, s, ready.get()))
+      return err;
+  PIPEC_CUDA_TRY(cudaEventRecord(stepDone.get(), compute));
+  return pollDevice([&] { return cudaEventQuery(stepDone.get()); }, comms, timeoutSeconds,
+                    [&](double idle) {
+                      std::string report = stallReport(step, idle);
+                      if (failure.empty())
+                        failure = report;
+                      return report;
+                    });
+}
+
+llvm::Error NcclTransport::mark(Marker &&what, cudaStream_t s) {
+  if (markersUsed == markers.size()) {
+    markers.push_back(std::make_unique<Marker>());
+    if (auto err = markers.back()->event.create())
+      return err;
+  }
+  Marker &m = *markers[markersUsed++];
+  m.rank = what.rank;
+  m.first = what.first;
+  m.last = what.last;
+  m.key = std::move(what.key);
+  PIPEC_CUDA_TRY(cudaEventRecord(m.event.get(), s));
+  return llvm::Error::success();
+}
+
+std::string NcclTransport::describe(const Marker &m) const {
+  if (m.rank < 0)
+    return fmt::format("all-reduce {}", m.key);
+  const auto &stream = plan.ranks[size_t(m.rank)];
+  if (m.first == m.last)
+    return fmt::format("step {} ({})", m.first, formatToken(plan, stream[m.first]));
+  return fmt::format("group of steps {}-{} ({} ... {})", m.first, m.last,
+                     formatToken(plan, stream[m.first]), formatToken(plan, stream[m.last]));
+}
+
+std::string NcclTransport::stallReport(int step, double seconds) const {
+  std::string last = "none", pending = "none (its p2p groups and all-reduces are done; the "
+                                       "compute stream is not)";
+  for (size_t k = 0; k < markersUsed; ++k) {
+    if (cudaEventQuery(markers[k]->event.get()) == cudaSuccess) {
+      last = describe(*markers[k]);
+      continue;
+    }
+    pending = describe(*markers[k]);
+    break;
+  }
+  const Coord &c = env.coord;
+  return fmt::format("watchdog: rank {} (pp {}, dp {}, tp {}) made no progress for {:.1f} s in "
+                     "step {}: last completed {}, pending {}; the processes it waits for "
+                     "report their own pending instructions",
+                     env.rank, c.pp, c.dp, c.tp, seconds, step, last, pending);
+}
+
+} // namespace pipec

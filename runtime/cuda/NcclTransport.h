@@ -1,0 +1,97 @@
+//===- NcclTransport.h - The nccl mode's transport: one rank per process -*- C++ -*-===//
+//
+// The Transport of the nccl mode (runtime/cuda/NcclRun.h): the sends and recvs of one plan group
+// are posted inside one ncclGroupStart/ncclGroupEnd on the `pipeline` communicator and a p2p
+// stream, in plan order; the p2p stream first waits for the compute stream, and the compute
+// stream waits for the group. tp all-reduces run on the `tp` communicator and stream (the
+// compute stream waits at once); dp and embedding all-reduces on their own communicators and
+// streams, until waitForCollectives(). Nothing blocks the host inside a step; waitStep() polls
+// the device at its end with a watchdog that names the first p2p group or all-reduce of this
+// rank that has not completed. The names are made only then: the hot path records one event
+// per group and keeps the group's steps.
+// Used by runOnNccl and by the nccl overhead benchmark (bench/nccl_overhead_bench.cpp).
+// This header includes nccl.h; it is for runtime/cuda/ and the benchmarks only.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H
+#define PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H
+
+#include "runtime/Transport.h"
+#include "runtime/cuda/DeviceHandles.h"
+#include "runtime/cuda/Nccl.h"
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+/// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
+/// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
+/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes.
+llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
+                       double timeout, const std::function<std::string(double)> &stalled);
+
+class NcclTransport final : public Transport {
+public:
+  NcclTransport(const Plan &plan, const LaunchEnv &env, NcclCommunicators &comms)
+      : plan(plan), env(env), comms(comms) {}
+
+  /// Streams and events; `compute` is the backend's compute stream, `pendingError` its kept
+  /// error (checked before anything is posted, so a failed send never leaves a peer waiting
+  /// on a wrong buffer).
+  llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf);
+
+  /// Before a step: forget the last step's progress markers.
+  void beginStep() { markersUsed = 0; }
+
+  llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
+  llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
+                        int self, TensorView data) override;
+
+  /// The compute stream waits for every dp and embedding all-reduce queued so far.
+  llvm::Error waitForCollectives();
+
+  void abort(const std::string &why) override;
+  bool aborted() const override { return !failure.empty(); }
+
+  /// Connect every p2p peer and every collective once, before the first step (NCCL connects
+  /// lazily inside the first ncclGroupEnd otherwise, where a stall is hard to see). `scratch`:
+  /// 3 floats of device memory.
+  llvm::Error warmUp(float *scratch);
+
+  /// After the step's instructions are queued: wait for the device, with the watchdog.
+  llvm::Error waitStep(int step, double timeoutSeconds);
+
+private:
+  /// A point of this rank's work on one of its streams: a p2p group (the plan steps of its
+  /// first and last op on `rank`'s stream) or an all-reduce (its key).
+  struct Marker {
+    int rank = -1; // -1: an all-reduce
+    size_t first = 0, last = 0;
+    std::string key;
+    runtime_cuda::OwnedEvent event;
+  };
+
+  llvm::Error mark(Marker &&what, cudaStream_t s);
+  std::string describe(const Marker &m) const;
+  std::string stallReport(int step, double seconds) const;
+
+  const Plan &plan;
+  const LaunchEnv &env;
+  NcclCommunicators &comms;
+  cudaStream_t compute = nullptr;
+  std::function<llvm::Error()> pendingError;
+  runtime_cuda::OwnedStream p2p, tp, dp, emb;
+  runtime_cuda::OwnedEvent ready, p2pDone, tpDone, dpDone, embDone, stepDone;
+  std::vector<std::unique_ptr<Marker>> markers; // in post order; reused across steps
+  size_t markersUsed = 0;
+  std::string failure;
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H

@@ -1,0 +1,177 @@
+//===- NcclWatchdogTest.cpp - the nccl mode's end-of-step watchdog, on the emulated device -===//
+//
+// runtime/cuda/NcclTransport.h names, when a step stalls, the last p2p group or all-reduce of
+// this rank that completed and the first that did not. Here two ranks of a pp = 2 plan are
+// threads on the emulated device with asynchronous streams (PIPEC_EMU_ASYNC=1, set by the
+// BUILD rule: NCCL's sends and recvs then wait in their stream, as on a GPU, instead of blocking
+// the host), and the emulated NCCL (runtime/cuda/emu/FakeNccl.cpp). Rank 0 posts a send that
+// rank 1 matches, then a group of two ops that rank 1 never matches; its waitStep must fail
+// after its timeout with a report that names the two by their plan steps and instructions
+// (the instruction names as `pipec compile --show` prints them), and abort the communicators.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/Pass.h"
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+#include "runtime/cuda/DeviceHandles.h"
+#include "runtime/cuda/NcclLayout.h"
+#include "runtime/cuda/NcclTransport.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <future>
+#include <map>
+#include <thread>
+
+namespace pipec {
+namespace {
+
+/// pp = 2, 1F1B, 2 microbatches of a 2-layer model with unit costs.
+Plan twoStagePlan() {
+  ModelSpec model;
+  model.name = "uniform";
+  Layer l;
+  l.forward = l.backwardInput = l.backwardWeight = 1;
+  l.outputBytes = 4;
+  model.layers.assign(2, l);
+  CompileOptions o;
+  o.schedule = "1f1b";
+  o.parallel.pp = 2;
+  o.parallel.microbatches = 2;
+  auto plan = compilePlan(model, ClusterSpec::defaults(), o);
+  EXPECT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+  return std::move(*plan);
+}
+
+/// The steps of `rank`'s p2p instructions, in stream order.
+std::vector<size_t> p2pSteps(const Plan &plan, int rank) {
+  std::vector<size_t> steps;
+  for (size_t s = 0; s < plan.ranks[size_t(rank)].size(); ++s)
+    if (plan.ranks[size_t(rank)][s].isP2P())
+      steps.push_back(s);
+  return steps;
+}
+
+/// One rank as one process of a launch would set it up: its communicators, a compute stream,
+/// the transport (warmed up) and a few floats of device memory to send from and receive into.
+struct RankSetup {
+  std::unique_ptr<NcclCommunicators> comms;
+  runtime_cuda::OwnedStream compute;
+  std::unique_ptr<NcclTransport> transport;
+  LaunchEnv env;
+  float *buffer = nullptr;
+
+  llvm::Error init(const Plan &plan, int rank) {
+    std::map<std::string, std::string> vars{{"RANK", std::to_string(rank)},
+                                            {"WORLD_SIZE", "2"},
+                                            {"LOCAL_RANK", "0"},
+                                            {"NCCL_COMM_ID", "emu-watchdog:1"}};
+    auto e = launchEnvOf(plan, [&](const char *name) -> const char * {
+      auto it = vars.find(name);
+      return it == vars.end() ? nullptr : it->second.c_str();
+    });
+    if (!e)
+      return e.takeError();
+    env = *e;
+    PIPEC_CUDA_TRY(cudaSetDevice(0));
+    auto c = createCommunicators(plan, env);
+    if (!c)
+      return c.takeError();
+    comms = std::move(*c);
+    if (auto err = compute.create())
+      return err;
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMalloc(&p, 64 * sizeof(float)));
+    buffer = static_cast<float *>(p);
+    transport = std::make_unique<NcclTransport>(plan, env, *comms);
+    if (auto err = transport->init(compute.get(), [] { return llvm::Error::success(); }))
+      return err;
+    return transport->warmUp(buffer);
+  }
+
+  P2POp op(const Plan &plan, size_t step, float *data) const {
+    const Instruction &i = plan.ranks[size_t(env.coord.pp)][step];
+    P2POp o;
+    o.send = i.op == OpKind::Send;
+    o.peer = i.peer;
+    o.data = TensorView(data, 4, DType::F32);
+    o.rank = env.coord.pp;
+    o.step = step;
+    return o;
+  }
+};
+
+TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
+  ASSERT_STREQ(std::getenv("PIPEC_EMU_ASYNC"), "1") << "the BUILD rule sets it";
+  // (The emulated bootstrap, like NCCL's, reads the id from the process's environment.)
+  ASSERT_EQ(::setenv("NCCL_COMM_ID", "emu-watchdog:1", 1), 0);
+  const Plan plan = twoStagePlan();
+  const std::vector<size_t> steps0 = p2pSteps(plan, 0), steps1 = p2pSteps(plan, 1);
+  ASSERT_GE(steps0.size(), 3u);
+  ASSERT_GE(steps1.size(), 1u);
+  // Rank 0's first p2p op is the send of microbatch 0's activation; rank 1's first receives it.
+  ASSERT_EQ(plan.ranks[0][steps0[0]].op, OpKind::Send);
+  ASSERT_EQ(plan.ranks[1][steps1[0]].op, OpKind::Recv);
+
+  std::promise<void> rankZeroDone;
+  std::shared_future<void> done = rankZeroDone.get_future().share();
+  llvm::Error rank1Setup = llvm::Error::success();
+  std::thread rank1([&] {
+    RankSetup r;
+    rank1Setup = r.init(plan, 1);
+    if (rank1Setup)
+      return;
+    r.transport->beginStep();
+    // Matches rank 0's first send, and nothing after it.
+    P2POp recv = r.op(plan, steps1[0], r.buffer + 8);
+    llvm::consumeError(r.transport->exchange(1, {recv}));
+    done.wait();
+  });
+
+  RankSetup r0;
+  llvm::Error setup = r0.init(plan, 0);
+  std::string report;
+  if (!setup) {
+    r0.transport->beginStep();
+    P2POp first = r0.op(plan, steps0[0], r0.buffer + 8);
+    ASSERT_FALSE(bool(r0.transport->exchange(0, {first})));
+    // A group of two: the next two p2p ops of rank 0, which rank 1 never posts.
+    std::vector<P2POp> group = {r0.op(plan, steps0[1], r0.buffer + 16),
+                                r0.op(plan, steps0[2], r0.buffer + 24)};
+    ASSERT_FALSE(bool(r0.transport->exchange(0, group)));
+    llvm::Error stalled = r0.transport->waitStep(0, /*timeoutSeconds=*/0.5);
+    ASSERT_TRUE(bool(stalled)) << "the step completed without rank 1's second group";
+    report = takeMessage(std::move(stalled));
+    EXPECT_TRUE(r0.transport->aborted());
+  }
+  rankZeroDone.set_value();
+  rank1.join();
+  ASSERT_FALSE(bool(setup)) << takeMessage(std::move(setup));
+  ASSERT_FALSE(bool(rank1Setup)) << takeMessage(std::move(rank1Setup));
+
+  EXPECT_NE(report.find("watchdog: rank 0 (pp 0, dp 0, tp 0) made no progress for "),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find(" s in step 0: "), std::string::npos) << report;
+  // Rank 0's 1F1B stream: F0, send of microbatch 0 (step 1), F1, send (3), recv of microbatch
+  // 0's gradient (4), ... as `pipec compile --show` names them.
+  ASSERT_EQ(steps0[0], 1u);
+  ASSERT_EQ(steps0[1], 3u);
+  ASSERT_EQ(steps0[2], 4u);
+  EXPECT_NE(
+      report.find(fmt::format("last completed step 1 ({})", formatToken(plan, plan.ranks[0][1]))),
+      std::string::npos)
+      << report;
+  EXPECT_NE(report.find(fmt::format("pending group of steps 3-4 ({} ... {})",
+                                    formatToken(plan, plan.ranks[0][3]),
+                                    formatToken(plan, plan.ranks[0][4]))),
+            std::string::npos)
+      << report;
+}
+
+} // namespace
+} // namespace pipec
