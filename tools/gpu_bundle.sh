@@ -21,7 +21,8 @@ if [ ! -x /usr/local/cuda/bin/nvcc ]; then
   exit 2
 fi
 targets=(//tests:wgmma_layout_test //tests:cuda_kernel_test //tests:cuda_runtime_test
-  //tests:nccl_runtime_test //bench:cuda_kernel_bench //bench:cuda_overhead_bench //bench:cuda_step_bench //tools:pipec
+  //tests:nccl_runtime_test //bench:cuda_kernel_bench //bench:cuda_overhead_bench //bench:nccl_overhead_bench //bench:cuda_step_bench
+  //tools:pipec
   //tools:piperun)
 prefix=/tmp/gpu-bundle-
 compat=/tmp/gpu-bundle-glibc-compat.o

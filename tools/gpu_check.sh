@@ -5,7 +5,8 @@
 # transport (fp32 and bf16), a pp=2 tp=2 dp=2 bf16 one (tp and dp copies bit for bit), then the
 # runtime-overhead and kernel benchmarks, an ncu profile of the attention kernels and the
 # training-step benchmark, and last the nccl mode with 2 and 4 processes (each with
-# --check-reference, rank 0's losses also against --backend cuda's): one process per GPU where
+# --check-reference, rank 0's losses also against --backend cuda's) and its overhead benchmark
+# with 4 processes: one process per GPU where
 # the machine has enough GPUs, else all of them on GPU 0, each a node of its own to NCCL
 # (NCCL_HOSTID; "one-GPU mode", below). Writes a short report to
 # ${OUT:-/tmp/gpu-check}/report.txt, and the full logs and plans into logs.tgz beside it.
@@ -16,8 +17,8 @@
 # Time: each step has a limit (tests 30/120/120/60 s, the attention tests without wgmma 30 s, the
 # runtime tests with the Hopper attention backward 60 s and with its dQ atomics 2 x 30 s, pp4
 # 2 x 60 s, tp2dp2 60 s, overhead 5 x 45 s, kernel benchmark 90 s, attention profile 90 s, step
-# benchmark 4 x 90 s, each of the 9 nccl cases 2 x 60 s, and the first one-GPU case's retry
-# 2 x 60 s) and the whole run a budget
+# benchmark 4 x 90 s, each of the 9 nccl cases 2 x 60 s, the first one-GPU case's retry
+# 2 x 60 s, and the nccl overhead benchmark 55 s) and the whole run a budget
 # (BUDGET seconds from the start, default 470, so that the checks end within 8 minutes; setup and
 # the library search have no limit of their own): a step that no longer fits is skipped and
 # reported.
@@ -424,6 +425,48 @@ MODEL="$out/tiny-gpt-tied.json" nccl_check pp2-tied 2 --schedule 1f1b --pp 2 --m
 nccl_check pp2-tp2 4 --schedule 1f1b --pp 2 --tp 2 --microbatches 4 || status=1
 nccl_check pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
 nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
+
+# The nccl mode's host cost per instruction (bench/nccl_overhead_bench.cpp: the interpreter and
+# the nccl transport with empty compute, target <= 10 us), 4 processes launched as above, each
+# printing its rank's line. No two ranks share a process, as on a cluster. In the one-GPU mode
+# NCCL moves the data over loopback sockets: step_with_device means nothing there, and
+# host_per_instruction is the runtime's own cost only where host_step stays well below
+# step_with_device (else NCCL held the host back).
+nccl_overhead() {
+  local n=4 port=$((29500 + RANDOM % 2000)) pids=() rc=0 where="4 processes, one per GPU"
+  local -a extra=()
+  if [ "$n" -gt "$ngpu" ]; then
+    if [ "$one_gpu_state" != works ]; then
+      say "SKIPPED nccl overhead benchmark: the one-GPU mode did not work (above)"
+      return 0
+    fi
+    where="4 processes on 1 GPU, NCCL over loopback sockets"
+    extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}")
+  fi
+  fits 55 "nccl overhead benchmark" bench || return 0
+  for ((r = 0; r < n; r++)); do
+    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
+      "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
+    [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-overhead-rank$r")
+    echo "+ ${vars[*]} nccl_overhead_bench --pp $n --microbatches 1024" >&2
+    env "${vars[@]}" timeout -k 10 45 "$bin/nccl_overhead_bench" --pp "$n" --microbatches 1024 \
+      >"$out/nccl-overhead.rank$r.txt" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  if [ "$rc" != 0 ]; then
+    say "NCCL OVERHEAD BENCHMARK FAILED ($where; not counted against the tests); last lines of each rank's output:"
+    for ((r = 0; r < n; r++)); do
+      tail -3 "$out/nccl-overhead.rank$r.txt" | sed "s/^/  rank $r: /" | tee -a "$report"
+    done
+    return 0
+  fi
+  say "nccl overhead ($where):"
+  for ((r = 0; r < n; r++)); do
+    grep '^rank=' "$out/nccl-overhead.rank$r.txt" | sed 's/^/  /' | tee -a "$report"
+  done
+}
+nccl_overhead
 version=$(cat "$out"/nccl-*.rank0.txt 2>/dev/null | grep -m1 -o 'NCCL version [^ ]*' || true)
 say "nccl multi-process checks done ($((SECONDS - start)) s; ${version:-NCCL version not printed})"
 

@@ -1,0 +1,218 @@
+//===- nccl_overhead_bench.cpp - Host cost per instruction of the nccl mode's runtime -===//
+//
+// cuda_overhead_bench for the nccl mode (runtime/cuda/NcclRun.h): one rank of a compiled plan
+// (--pp stages of unit layers, --schedule, --microbatches) per process, launched as piperun
+// --backend nccl is (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID), runs through the shared
+// interpreter and the nccl transport (runtime/cuda/NcclTransport.h: a p2p stream, events, one
+// NCCL group per plan group, the watchdog's markers) with a backend whose compute ops queue
+// nothing and whose sends and recvs move --floats floats each. Each process prints one line:
+// the host time of its best step (the interpreter posting the step; nothing in a step waits for
+// the device) per instruction of its stream, against the target of at most 10 us; then the
+// step time with the device (to the end of waitStep: NCCL's transfers and the GPU's
+// launches), the instructions and the p2p ops. Unlike cuda_overhead_bench's ranks on one GPU,
+// no two ranks share a process here, so this is the cost a rank pays on a cluster.
+//   torchrun --nproc-per-node 4 bazel-bin/bench/nccl_overhead_bench --pp 4 --microbatches 1024
+// --threads runs every rank as a thread of this process instead (LOCAL_RANK = the rank): on
+// the emulated device with the emulated NCCL, which is how CI runs it (it checks the bench
+// runs, not the cost), or on a machine with one GPU per rank.
+// Needs a GPU; not a test: the numbers go into the README (tools/gpu_check.sh runs it).
+//
+//===----------------------------------------------------------------------===//
+#include "bench/UniformPlan.h"
+#include "ir/Error.h"
+#include "kernels/cuda/CudaCheck.h"
+#include "runtime/Interpreter.h"
+#include "runtime/cuda/DeviceHandles.h"
+#include "runtime/cuda/Nccl.h"
+#include "runtime/cuda/NcclLayout.h"
+#include "runtime/cuda/NcclTransport.h"
+#include "tools/Args.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+using namespace pipec;
+
+namespace {
+
+/// Device buffers for what the rank sends, receives and sums; compute queues nothing.
+class EmptyNcclBackend final : public Backend {
+public:
+  EmptyNcclBackend(NcclTransport &transport, int device) : transport(transport), device(device) {}
+  ~EmptyNcclBackend() override {
+    if (buffers)
+      (void)cudaFree(buffers);
+  }
+  llvm::Error init(size_t n) {
+    floats = n;
+    if (auto err = stream.create())
+      return err;
+    void *p = nullptr;
+    PIPEC_CUDA_TRY(cudaMalloc(&p, (3 * n + 3) * sizeof(float)));
+    buffers = static_cast<float *>(p);
+    PIPEC_CUDA_TRY(cudaMemset(buffers, 0, (3 * n + 3) * sizeof(float)));
+    return llvm::Error::success();
+  }
+  cudaStream_t computeStream() const { return stream.get(); }
+  /// The three floats NcclTransport::warmUp sends, receives and sums.
+  float *warmUpScratch() const { return buffers + 3 * floats; }
+
+  llvm::Error beginStep(int) override {
+    PIPEC_CUDA_TRY(cudaSetDevice(device));
+    return llvm::Error::success();
+  }
+  llvm::Error compute(const Instruction &) override { return llvm::Error::success(); }
+  TensorView sendData(const Instruction &) override { return std::span(buffers, floats); }
+  TensorView recvData(const Instruction &) override { return std::span(buffers + floats, floats); }
+  TensorView reduceData(const Instruction &) override {
+    return std::span(buffers + 2 * floats, floats);
+  }
+  llvm::Error afterAllReduce(const Instruction &) override { return llvm::Error::success(); }
+  void sumLocalEmbeddingCopies() override {}
+  llvm::Error optimizerStep() override { return transport.waitForCollectives(); }
+
+private:
+  NcclTransport &transport;
+  int device;
+  runtime_cuda::OwnedStream stream;
+  float *buffers = nullptr;
+  size_t floats = 0;
+};
+
+struct Settings {
+  std::string schedule;
+  int64_t pp, microbatches, steps, floats;
+};
+
+/// Runs `settings.steps` steps (after one to warm up) of `env`'s rank on GPU `device`; its
+/// report line.
+llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int device,
+                                    const Settings &settings) {
+  PIPEC_CUDA_TRY(cudaSetDevice(device));
+  auto comms = createCommunicators(plan, env);
+  if (!comms)
+    return comms.takeError();
+  NcclTransport transport(plan, env, **comms);
+  EmptyNcclBackend backend(transport, device);
+  if (auto err = backend.init(size_t(settings.floats)))
+    return std::move(err);
+  if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
+    return std::move(err);
+  if (auto err = transport.warmUp(backend.warmUpScratch()))
+    return std::move(err);
+  RunShared shared(plan, Faults{}, transport);
+  const auto &stream = plan.ranks[size_t(env.coord.pp)];
+  size_t p2pOps = 0;
+  for (const Instruction &i : stream)
+    p2pOps += i.isP2P() ? 1 : 0;
+  using Clock = std::chrono::steady_clock;
+  double bestHost = 1e300, bestTotal = 1e300;
+  for (int64_t s = 0; s <= settings.steps; ++s) { // step 0 warms up
+    transport.beginStep();
+    if (auto err = backend.beginStep(int(s)))
+      return std::move(err);
+    auto start = Clock::now();
+    if (auto err = interpretStep(shared, env.coord, backend)) {
+      (*comms)->abortAll(); // the peers fail instead of waiting for this rank
+      return std::move(err);
+    }
+    const double host = std::chrono::duration<double>(Clock::now() - start).count();
+    if (auto err = transport.waitStep(int(s), /*timeoutSeconds=*/60))
+      return std::move(err);
+    const double total = std::chrono::duration<double>(Clock::now() - start).count();
+    if (s > 0) {
+      bestHost = std::min(bestHost, host);
+      bestTotal = std::min(bestTotal, total);
+    }
+  }
+  return fmt::format("rank={} schedule={} pp={} microbatches={} floats={} stream={} "
+                     "host_step={:.4f}s host_per_instruction={:.2f}us step_with_device={:.4f}s "
+                     "p2p_ops={}",
+                     env.rank, settings.schedule, settings.pp, settings.microbatches,
+                     settings.floats, stream.size(), bestHost,
+                     bestHost / double(stream.size()) * 1e6, bestTotal, p2pOps);
+}
+
+int fail(llvm::Error err, int code) {
+  fmt::print(stderr, "nccl_overhead_bench: {}\n", takeMessage(std::move(err)));
+  return code;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  auto args =
+      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--steps", "--schedule", "--floats"},
+                  {"--threads"}, "nccl_overhead_bench");
+  if (!args)
+    return fail(args.takeError(), 2);
+  auto pp = args->integer("--pp", 4, 2, 32);
+  auto m = args->integer("--microbatches", 1024, 1, 1 << 16);
+  auto steps = args->integer("--steps", 3, 1, 100);
+  auto floats = args->integer("--floats", 4096, 1, 1 << 24);
+  for (auto *v : {&pp, &m, &steps, &floats})
+    if (!*v)
+      return fail(v->takeError(), 2);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    fmt::print(stderr, "nccl_overhead_bench: no usable CUDA device\n");
+    return 2;
+  }
+  const Settings settings{args->get("--schedule").value_or("1f1b"), *pp, *m, *steps, *floats};
+  auto plan = bench::compileUniformPlan(int(*pp), int(*m), settings.schedule);
+  if (!plan)
+    return fail(plan.takeError(), 1);
+
+  if (!args->has("--threads")) { // one rank: this process's
+    auto env = launchEnvOf(*plan);
+    if (!env)
+      return fail(env.takeError(), 2);
+    // GPU LOCAL_RANK, or the one GPU a process sees (CUDA_VISIBLE_DEVICES set per process).
+    const int device = env->localRank < devices ? env->localRank : 0;
+    auto line = runRank(*plan, *env, device, settings);
+    if (!line)
+      return fail(line.takeError(), 1);
+    fmt::print("{}\n", *line);
+    return 0;
+  }
+
+  // Every rank a thread; the bootstrap id comes from NCCL_COMM_ID, as in a launch.
+  (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
+  const std::string commId = std::getenv("NCCL_COMM_ID");
+  std::vector<llvm::Expected<std::string>> lines;
+  for (int r = 0; r < int(*pp); ++r)
+    lines.emplace_back(std::string());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < int(*pp); ++r)
+    threads.emplace_back([&, r] {
+      std::map<std::string, std::string> vars{{"RANK", std::to_string(r)},
+                                              {"WORLD_SIZE", std::to_string(*pp)},
+                                              {"LOCAL_RANK", std::to_string(r)},
+                                              {"NCCL_COMM_ID", commId}};
+      auto env = launchEnvOf(*plan, [&](const char *name) -> const char * {
+        auto it = vars.find(name);
+        return it == vars.end() ? nullptr : it->second.c_str();
+      });
+      if (!env) {
+        lines[size_t(r)] = env.takeError();
+        return;
+      }
+      lines[size_t(r)] = runRank(*plan, *env, r % devices, settings);
+    });
+  for (auto &t : threads)
+    t.join();
+  int code = 0;
+  for (auto &line : lines) {
+    if (!line) {
+      code = fail(line.takeError(), 1);
+      continue;
+    }
+    fmt::print("{}\n", *line);
+  }
+  return code;
+}
