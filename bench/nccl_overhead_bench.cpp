@@ -18,15 +18,13 @@
 // Needs a GPU; not a test: the numbers go into the README (tools/gpu_check.sh runs it).
 //
 //===----------------------------------------------------------------------===//
+#include "bench/OverheadBench.h"
 #include "bench/UniformPlan.h"
 #include "ir/Error.h"
-#include "kernels/cuda/CudaCheck.h"
 #include "runtime/Interpreter.h"
-#include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
 #include "runtime/cuda/NcclLayout.h"
 #include "runtime/cuda/NcclTransport.h"
-#include "tools/Args.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -40,70 +38,34 @@ using namespace pipec;
 
 namespace {
 
-/// Device buffers for what the rank sends, receives and sums; compute queues nothing.
-class EmptyNcclBackend final : public Backend {
+/// The rank's backend: its optimizer step waits for the transport's collectives.
+class NcclEmptyBackend final : public bench::EmptyDeviceBackend {
 public:
-  EmptyNcclBackend(NcclTransport &transport, int device) : transport(transport), device(device) {}
-  ~EmptyNcclBackend() override {
-    if (buffers)
-      (void)cudaFree(buffers);
-  }
-  llvm::Error init(size_t n) {
-    floats = n;
-    if (auto err = stream.create())
-      return err;
-    void *p = nullptr;
-    PIPEC_CUDA_TRY(cudaMalloc(&p, (3 * n + 3) * sizeof(float)));
-    buffers = static_cast<float *>(p);
-    PIPEC_CUDA_TRY(cudaMemset(buffers, 0, (3 * n + 3) * sizeof(float)));
-    return llvm::Error::success();
-  }
-  cudaStream_t computeStream() const { return stream.get(); }
-  /// The three floats NcclTransport::warmUp sends, receives and sums.
-  float *warmUpScratch() const { return buffers + 3 * floats; }
-
-  llvm::Error beginStep(int) override {
-    PIPEC_CUDA_TRY(cudaSetDevice(device));
-    return llvm::Error::success();
-  }
-  llvm::Error compute(const Instruction &) override { return llvm::Error::success(); }
-  TensorView sendData(const Instruction &) override { return std::span(buffers, floats); }
-  TensorView recvData(const Instruction &) override { return std::span(buffers + floats, floats); }
-  TensorView reduceData(const Instruction &) override {
-    return std::span(buffers + 2 * floats, floats);
-  }
-  llvm::Error afterAllReduce(const Instruction &) override { return llvm::Error::success(); }
-  void sumLocalEmbeddingCopies() override {}
+  NcclEmptyBackend(NcclTransport &transport, int device) : transport(transport), device(device) {}
+  llvm::Error beginStep(int) override { return setDevice(device); }
   llvm::Error optimizerStep() override { return transport.waitForCollectives(); }
 
 private:
   NcclTransport &transport;
   int device;
-  runtime_cuda::OwnedStream stream;
-  float *buffers = nullptr;
-  size_t floats = 0;
-};
-
-struct Settings {
-  std::string schedule;
-  int64_t pp, microbatches, steps, floats;
 };
 
 /// Runs `settings.steps` steps (after one to warm up) of `env`'s rank on GPU `device`; its
 /// report line.
 llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int device,
-                                    const Settings &settings) {
+                                    const bench::OverheadFlags &settings) {
   PIPEC_CUDA_TRY(cudaSetDevice(device));
   auto comms = createCommunicators(plan, env);
   if (!comms)
     return comms.takeError();
   NcclTransport transport(plan, env, **comms);
-  EmptyNcclBackend backend(transport, device);
-  if (auto err = backend.init(size_t(settings.floats)))
+  NcclEmptyBackend backend(transport, device);
+  // (3 floats more for warmUp to send, receive and sum.)
+  if (auto err = backend.init(size_t(settings.floats), 3))
     return std::move(err);
   if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
     return std::move(err);
-  if (auto err = transport.warmUp(backend.warmUpScratch()))
+  if (auto err = transport.warmUp(backend.extraFloats()))
     return std::move(err);
   RunShared shared(plan, Faults{}, transport);
   const auto &stream = plan.ranks[size_t(env.coord.pp)];
@@ -139,42 +101,32 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
 }
 
 int fail(llvm::Error err, int code) {
-  fmt::print(stderr, "nccl_overhead_bench: {}\n", takeMessage(std::move(err)));
-  return code;
+  return bench::fail("nccl_overhead_bench", std::move(err), code);
 }
 
 } // namespace
 
 int main(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--steps", "--schedule", "--floats"},
-                  {"--threads"}, "nccl_overhead_bench");
-  if (!args)
-    return fail(args.takeError(), 2);
-  auto pp = args->integer("--pp", 4, 2, 32);
-  auto m = args->integer("--microbatches", 1024, 1, 1 << 16);
-  auto steps = args->integer("--steps", 3, 1, 100);
-  auto floats = args->integer("--floats", 4096, 1, 1 << 24);
-  for (auto *v : {&pp, &m, &steps, &floats})
-    if (!*v)
-      return fail(v->takeError(), 2);
+  auto flags = bench::parseOverheadFlags(argc, argv, {"--threads"}, 2, "nccl_overhead_bench");
+  if (!flags)
+    return fail(flags.takeError(), 2);
+  const int64_t pp = flags->pp;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     fmt::print(stderr, "nccl_overhead_bench: no usable CUDA device\n");
     return 2;
   }
-  const Settings settings{args->get("--schedule").value_or("1f1b"), *pp, *m, *steps, *floats};
-  auto plan = bench::compileUniformPlan(int(*pp), int(*m), settings.schedule);
+  auto plan = bench::compileUniformPlan(int(pp), int(flags->microbatches), flags->schedule);
   if (!plan)
     return fail(plan.takeError(), 1);
 
-  if (!args->has("--threads")) { // one rank: this process's
+  if (!flags->args.has("--threads")) { // one rank: this process's
     auto env = launchEnvOf(*plan);
     if (!env)
       return fail(env.takeError(), 2);
     // GPU LOCAL_RANK, or the one GPU a process sees (CUDA_VISIBLE_DEVICES set per process).
     const int device = env->localRank < devices ? env->localRank : 0;
-    auto line = runRank(*plan, *env, device, settings);
+    auto line = runRank(*plan, *env, device, *flags);
     if (!line)
       return fail(line.takeError(), 1);
     fmt::print("{}\n", *line);
@@ -185,13 +137,13 @@ int main(int argc, char **argv) {
   (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
   const std::string commId = std::getenv("NCCL_COMM_ID");
   std::vector<llvm::Expected<std::string>> lines;
-  for (int r = 0; r < int(*pp); ++r)
+  for (int r = 0; r < int(pp); ++r)
     lines.emplace_back(std::string());
   std::vector<std::thread> threads;
-  for (int r = 0; r < int(*pp); ++r)
+  for (int r = 0; r < int(pp); ++r)
     threads.emplace_back([&, r] {
       std::map<std::string, std::string> vars{{"RANK", std::to_string(r)},
-                                              {"WORLD_SIZE", std::to_string(*pp)},
+                                              {"WORLD_SIZE", std::to_string(pp)},
                                               {"LOCAL_RANK", std::to_string(r)},
                                               {"NCCL_COMM_ID", commId}};
       auto env = launchEnvOf(*plan, [&](const char *name) -> const char * {
@@ -202,7 +154,7 @@ int main(int argc, char **argv) {
         lines[size_t(r)] = env.takeError();
         return;
       }
-      lines[size_t(r)] = runRank(*plan, *env, r % devices, settings);
+      lines[size_t(r)] = runRank(*plan, *env, r % devices, *flags);
     });
   for (auto &t : threads)
     t.join();

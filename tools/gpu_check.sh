@@ -337,10 +337,28 @@ ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l) # whole GPUs,
 one_gpu_env=(NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0
   NCCL_NVLS_ENABLE=0)
 one_gpu_state=untried # untried, works, broken
+# launch_ranks N LOG TAG LIMIT CMD...: runs CMD as the N processes of one launch, as torchrun
+# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID on a port of its own), with the caller's
+# `extra` variables and, in the one-GPU mode (`extra` not empty), an NCCL_HOSTID per process;
+# rank r writes LOG.rank<r>.txt and gets LIMIT seconds. Fails if any process failed.
+launch_ranks() {
+  local n=$1 log=$2 tag=$3 limit=$4 port=$((29500 + RANDOM % 2000)) pids=() rc=0 r
+  shift 4
+  for ((r = 0; r < n; r++)); do
+    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
+      "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
+    [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-$tag-rank$r")
+    echo "+ ${vars[*]} $*" >&2
+    env "${vars[@]}" timeout -k 10 "$limit" "$@" >"$log.rank$r.txt" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  return "$rc"
+}
 nccl_case() { # name nproc pipec-flags...
   local name=$1 n=$2
   shift 2
-  local plan="$out/nccl-$name.json" port=$((29500 + RANDOM % 2000)) pids=() rc=0 where
+  local plan="$out/nccl-$name.json" where
   local -a extra=()
   if [ "$n" -le "$ngpu" ]; then
     where="$n processes, one per GPU"
@@ -360,18 +378,8 @@ nccl_case() { # name nproc pipec-flags...
     say "nccl $name: FAILED before launch (pipec or --backend cuda); see $out/nccl-$name.*"
     return 1
   fi
-  for ((r = 0; r < n; r++)); do
-    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
-      "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
-    [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-check-$name-rank$r")
-    echo "+ ${vars[*]} piperun $plan --backend nccl --dtype ${DTYPE:-fp32} --steps 3 --check-reference" >&2
-    env "${vars[@]}" timeout -k 10 60 "$bin/piperun" \
-      "$plan" --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference \
-      >"$out/nccl-$name.rank$r.txt" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  if [ "$rc" != 0 ]; then
+  if ! launch_ranks "$n" "$out/nccl-$name" "check-$name" 60 "$bin/piperun" "$plan" \
+      --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference; then
     say "nccl $name ($where): FAILED; first lines of each rank's output:"
     for ((r = 0; r < n; r++)); do
       { head -3 "$out/nccl-$name.rank$r.txt"; echo ...; tail -5 "$out/nccl-$name.rank$r.txt"; } |
@@ -433,7 +441,7 @@ nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
 # host_per_instruction is the runtime's own cost only where host_step stays well below
 # step_with_device (else NCCL held the host back).
 nccl_overhead() {
-  local n=4 port=$((29500 + RANDOM % 2000)) pids=() rc=0 where="4 processes, one per GPU"
+  local n=4 where="4 processes, one per GPU"
   local -a extra=()
   if [ "$n" -gt "$ngpu" ]; then
     if [ "$one_gpu_state" != works ]; then
@@ -444,17 +452,8 @@ nccl_overhead() {
     extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}")
   fi
   fits 55 "nccl overhead benchmark" bench || return 0
-  for ((r = 0; r < n; r++)); do
-    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
-      "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
-    [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-overhead-rank$r")
-    echo "+ ${vars[*]} nccl_overhead_bench --pp $n --microbatches 1024" >&2
-    env "${vars[@]}" timeout -k 10 45 "$bin/nccl_overhead_bench" --pp "$n" --microbatches 1024 \
-      >"$out/nccl-overhead.rank$r.txt" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  if [ "$rc" != 0 ]; then
+  if ! launch_ranks "$n" "$out/nccl-overhead" overhead 45 "$bin/nccl_overhead_bench" --pp "$n" \
+      --microbatches 1024; then
     say "NCCL OVERHEAD BENCHMARK FAILED ($where; not counted against the tests); last lines of each rank's output:"
     for ((r = 0; r < n; r++)); do
       tail -3 "$out/nccl-overhead.rank$r.txt" | sed "s/^/  rank $r: /" | tee -a "$report"
