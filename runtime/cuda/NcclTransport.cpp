@@ -110,11 +110,7 @@ llvm::Error NcclTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
   }());
   if (first)
     return first;
-  Marker group;
-  group.rank = ops.front().rank;
-  group.first = ops.front().step;
-  group.last = ops.back().step;
-  if (auto err = mark(std::move(group), p2p.get()))
+  if (auto err = mark({ops.front().rank, ops.front().step, ops.back().step, {}}, p2p.get()))
     return err;
   return order(compute, p2p.get(), p2pDone.get());
 }
@@ -153,9 +149,7 @@ llvm::Error NcclTransport::allReduce(CollectiveGroup group, const std::string &k
     return err;
   PIPEC_NCCL_TRY(ncclAllReduce(data.data, data.data, data.count, ncclTypeOf(data.type), ncclSum,
                                comm->get(), s));
-  Marker reduce;
-  reduce.key = key;
-  if (auto err = mark(std::move(reduce), s))
+  if (auto err = mark({-1, 0, 0, key}, s))
     return err;
   // tp reductions are consumed by the next part at once; dp and embedding ones overlap
   // compute until waitForCollectives().
@@ -216,29 +210,26 @@ llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds) {
                     });
 }
 
-llvm::Error NcclTransport::mark(Marker &&what, cudaStream_t s) {
+llvm::Error NcclTransport::mark(Posted what, cudaStream_t s) {
   if (markersUsed == markers.size()) {
     markers.push_back(std::make_unique<Marker>());
     if (auto err = markers.back()->event.create())
       return err;
   }
   Marker &m = *markers[markersUsed++];
-  m.rank = what.rank;
-  m.first = what.first;
-  m.last = what.last;
-  m.key = std::move(what.key);
+  m.what = std::move(what);
   PIPEC_CUDA_TRY(cudaEventRecord(m.event.get(), s));
   return llvm::Error::success();
 }
 
-std::string NcclTransport::describe(const Marker &m) const {
-  if (m.rank < 0)
-    return fmt::format("all-reduce {}", m.key);
-  const auto &stream = plan.ranks[size_t(m.rank)];
-  if (m.first == m.last)
-    return fmt::format("step {} ({})", m.first, formatToken(plan, stream[m.first]));
-  return fmt::format("group of steps {}-{} ({} ... {})", m.first, m.last,
-                     formatToken(plan, stream[m.first]), formatToken(plan, stream[m.last]));
+std::string NcclTransport::describe(const Posted &p) const {
+  if (p.rank < 0)
+    return fmt::format("all-reduce {}", p.key);
+  const auto &stream = plan.ranks[size_t(p.rank)];
+  if (p.first == p.last)
+    return fmt::format("step {} ({})", p.first, formatToken(plan, stream[p.first]));
+  return fmt::format("group of steps {}-{} ({} ... {})", p.first, p.last,
+                     formatToken(plan, stream[p.first]), formatToken(plan, stream[p.last]));
 }
 
 std::string NcclTransport::stallReport(int step, double seconds) const {
@@ -246,10 +237,10 @@ std::string NcclTransport::stallReport(int step, double seconds) const {
                                        "compute stream is not)";
   for (size_t k = 0; k < markersUsed; ++k) {
     if (cudaEventQuery(markers[k]->event.get()) == cudaSuccess) {
-      last = describe(*markers[k]);
+      last = describe(markers[k]->what);
       continue;
     }
-    pending = describe(*markers[k]);
+    pending = describe(markers[k]->what);
     break;
   }
   const Coord &c = env.coord;

@@ -67,17 +67,21 @@ public:
   llvm::Error waitStep(int step, double timeoutSeconds);
 
 private:
-  /// A point of this rank's work on one of its streams: a p2p group (the plan steps of its
-  /// first and last op on `rank`'s stream) or an all-reduce (its key).
-  struct Marker {
+  /// What a marker stands for: a p2p group (the plan steps of its first and last op on
+  /// `rank`'s stream) or an all-reduce (its key).
+  struct Posted {
     int rank = -1; // -1: an all-reduce
     size_t first = 0, last = 0;
     std::string key;
+  };
+  /// A point of this rank's work on one of its streams.
+  struct Marker {
+    Posted what;
     runtime_cuda::OwnedEvent event;
   };
 
-  llvm::Error mark(Marker &&what, cudaStream_t s);
-  std::string describe(const Marker &m) const;
+  llvm::Error mark(Posted what, cudaStream_t s);
+  std::string describe(const Posted &p) const;
   std::string stallReport(int step, double seconds) const;
 
   const Plan &plan;
