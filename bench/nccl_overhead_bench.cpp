@@ -62,11 +62,11 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
   NcclEmptyBackend backend(transport, device);
   // (3 floats more for warmUp to send, receive and sum.)
   if (auto err = backend.init(size_t(settings.floats), 3))
-    return std::move(err);
+    return err;
   if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
-    return std::move(err);
+    return err;
   if (auto err = transport.warmUp(backend.extraFloats()))
-    return std::move(err);
+    return err;
   RunShared shared(plan, Faults{}, transport);
   const auto &stream = plan.ranks[size_t(env.coord.pp)];
   size_t p2pOps = 0;
@@ -77,15 +77,15 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
   for (int64_t s = 0; s <= settings.steps; ++s) { // step 0 warms up
     transport.beginStep();
     if (auto err = backend.beginStep(int(s)))
-      return std::move(err);
+      return err;
     auto start = Clock::now();
     if (auto err = interpretStep(shared, env.coord, backend)) {
       (*comms)->abortAll(); // the peers fail instead of waiting for this rank
-      return std::move(err);
+      return err;
     }
     const double host = std::chrono::duration<double>(Clock::now() - start).count();
     if (auto err = transport.waitStep(int(s), /*timeoutSeconds=*/60))
-      return std::move(err);
+      return err;
     const double total = std::chrono::duration<double>(Clock::now() - start).count();
     if (s > 0) {
       bestHost = std::min(bestHost, host);
