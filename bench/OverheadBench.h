@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 
 namespace pipec::bench {
@@ -66,14 +67,17 @@ private:
   size_t floats = 0;
 };
 
-/// Prints `err` as one line "<tool>: <message>" (the flags' errors already start with the tool's
-/// name) and returns `code`.
-inline int fail(llvm::StringRef tool, llvm::Error err, int code) {
+/// Prints `err` as the tools do ("<tool>: error: <one line>" for bad input; the flags' errors
+/// already start with the tool's name) and returns `code`, by default exitCodeFor's: 2 for bad
+/// input, 1 for a finding.
+inline int fail(llvm::StringRef tool, llvm::Error err, int code = -1) {
+  if (code < 0)
+    code = exitCodeFor(err);
   std::string message = takeMessage(std::move(err));
+  std::replace(message.begin(), message.end(), '\n', ' ');
   if (llvm::StringRef(message).startswith((tool + ": ").str()))
-    fmt::print(stderr, "{}\n", message);
-  else
-    fmt::print(stderr, "{}: {}\n", tool.str(), message);
+    message = message.substr(tool.size() + 2);
+  fmt::print(stderr, "{}: {}{}\n", tool.str(), code == 2 ? "error: " : "", message);
   return code;
 }
 
@@ -93,6 +97,10 @@ inline llvm::Expected<OverheadFlags> parseOverheadFlags(int argc, char **argv,
                   switches, command);
   if (!args)
     return args.takeError();
+  if (!args->positional().empty())
+    return inputError("{}: unexpected argument '{}'; it takes only flags (--pp, --microbatches, "
+                      "--steps, --schedule, --floats)",
+                      command.str(), args->positional().front());
   auto pp = args->integer("--pp", 4, minPp, 32);
   auto m = args->integer("--microbatches", 1024, 1, 1 << 16);
   auto steps = args->integer("--steps", 3, 1, 100);

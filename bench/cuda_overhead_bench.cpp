@@ -46,7 +46,7 @@ private:
   int thread;
 };
 
-int fail(llvm::Error err, int code) {
+int fail(llvm::Error err, int code = -1) {
   return bench::fail("cuda_overhead_bench", std::move(err), code);
 }
 
@@ -55,7 +55,7 @@ int fail(llvm::Error err, int code) {
 int main(int argc, char **argv) {
   auto flags = bench::parseOverheadFlags(argc, argv, {}, 1, "cuda_overhead_bench");
   if (!flags)
-    return fail(flags.takeError(), 2);
+    return fail(flags.takeError());
   const int64_t pp = flags->pp, m = flags->microbatches, steps = flags->steps,
                 floats = flags->floats;
   int devices = 0;
@@ -66,7 +66,7 @@ int main(int argc, char **argv) {
   const std::string &schedule = flags->schedule;
   auto plan = bench::compileUniformPlan(int(pp), int(m), schedule);
   if (!plan)
-    return fail(plan.takeError(), 1);
+    return fail(plan.takeError());
   if (plan->parallel.tp * plan->parallel.dp != 1) {
     fmt::print(stderr, "cuda_overhead_bench: tp and dp must be 1\n");
     return 2;

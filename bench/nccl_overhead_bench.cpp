@@ -76,15 +76,17 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
   double bestHost = 1e300, bestTotal = 1e300;
   for (int64_t s = 0; s <= settings.steps; ++s) { // step 0 warms up
     transport.beginStep();
-    if (auto err = backend.beginStep(int(s)))
+    if (auto err = backend.beginStep(int(s))) {
+      (*comms)->abortAll();
       return err;
+    }
     auto start = Clock::now();
     if (auto err = interpretStep(shared, env.coord, backend)) {
       (*comms)->abortAll(); // the peers fail instead of waiting for this rank
       return err;
     }
     const double host = std::chrono::duration<double>(Clock::now() - start).count();
-    if (auto err = transport.waitStep(int(s), /*timeoutSeconds=*/60))
+    if (auto err = transport.waitStep(int(s), /*timeoutSeconds=*/30))
       return err;
     const double total = std::chrono::duration<double>(Clock::now() - start).count();
     if (s > 0) {
@@ -100,8 +102,33 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
                      bestHost / double(stream.size()) * 1e6, bestTotal, p2pOps);
 }
 
-int fail(llvm::Error err, int code) {
+int fail(llvm::Error err, int code = -1) {
   return bench::fail("nccl_overhead_bench", std::move(err), code);
+}
+
+/// The GPU of a process: LOCAL_RANK, or the one GPU it sees (CUDA_VISIBLE_DEVICES set per
+/// process, as srun may), as the nccl mode chooses (runtime/cuda/NcclRun.cpp).
+llvm::Expected<int> deviceOf(const LaunchEnv &env, int devices) {
+  if (env.localRank < devices)
+    return env.localRank;
+  if (devices == 1)
+    return 0;
+  return inputError("LOCAL_RANK={} but this process sees {} GPUs; launch at most {} processes "
+                    "per node",
+                    env.localRank, devices, devices);
+}
+
+/// The launch variables of rank `r` of `pp` when every rank is a thread (--threads).
+llvm::Expected<LaunchEnv> threadEnv(const Plan &plan, int r, int64_t pp,
+                                    const std::string &commId) {
+  std::map<std::string, std::string> vars{{"RANK", std::to_string(r)},
+                                          {"WORLD_SIZE", std::to_string(pp)},
+                                          {"LOCAL_RANK", std::to_string(r)},
+                                          {"NCCL_COMM_ID", commId}};
+  return launchEnvOf(plan, [&](const char *name) -> const char * {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
 }
 
 } // namespace
@@ -109,7 +136,7 @@ int fail(llvm::Error err, int code) {
 int main(int argc, char **argv) {
   auto flags = bench::parseOverheadFlags(argc, argv, {"--threads"}, 2, "nccl_overhead_bench");
   if (!flags)
-    return fail(flags.takeError(), 2);
+    return fail(flags.takeError());
   const int64_t pp = flags->pp;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -118,15 +145,16 @@ int main(int argc, char **argv) {
   }
   auto plan = bench::compileUniformPlan(int(pp), int(flags->microbatches), flags->schedule);
   if (!plan)
-    return fail(plan.takeError(), 1);
+    return fail(plan.takeError());
 
   if (!flags->args.has("--threads")) { // one rank: this process's
     auto env = launchEnvOf(*plan);
     if (!env)
-      return fail(env.takeError(), 2);
-    // GPU LOCAL_RANK, or the one GPU a process sees (CUDA_VISIBLE_DEVICES set per process).
-    const int device = env->localRank < devices ? env->localRank : 0;
-    auto line = runRank(*plan, *env, device, *flags);
+      return fail(env.takeError());
+    auto device = deviceOf(*env, devices);
+    if (!device)
+      return fail(device.takeError());
+    auto line = runRank(*plan, *env, *device, *flags);
     if (!line)
       return fail(line.takeError(), 1);
     fmt::print("{}\n", *line);
@@ -136,20 +164,17 @@ int main(int argc, char **argv) {
   // Every rank a thread; the bootstrap id comes from NCCL_COMM_ID, as in a launch.
   (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
   const std::string commId = std::getenv("NCCL_COMM_ID");
+  // The variables are the same but for the rank: a problem with them (NCCL_COMM_ID's form) is
+  // reported once, before any thread starts.
+  if (auto env = threadEnv(*plan, 0, pp, commId); !env)
+    return fail(env.takeError());
   std::vector<llvm::Expected<std::string>> lines;
   for (int r = 0; r < int(pp); ++r)
     lines.emplace_back(std::string());
   std::vector<std::thread> threads;
   for (int r = 0; r < int(pp); ++r)
     threads.emplace_back([&, r] {
-      std::map<std::string, std::string> vars{{"RANK", std::to_string(r)},
-                                              {"WORLD_SIZE", std::to_string(pp)},
-                                              {"LOCAL_RANK", std::to_string(r)},
-                                              {"NCCL_COMM_ID", commId}};
-      auto env = launchEnvOf(*plan, [&](const char *name) -> const char * {
-        auto it = vars.find(name);
-        return it == vars.end() ? nullptr : it->second.c_str();
-      });
+      auto env = threadEnv(*plan, r, pp, commId);
       if (!env) {
         lines[size_t(r)] = env.takeError();
         return;
