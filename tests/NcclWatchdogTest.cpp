@@ -117,6 +117,12 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
   ASSERT_EQ(plan.ranks[0][steps0[0]].op, OpKind::Send);
   ASSERT_EQ(plan.ranks[1][steps1[0]].op, OpKind::Recv);
 
+  // Rank 0's 1F1B stream: F0, send of microbatch 0 (step 1), F1, send (3), recv of microbatch
+  // 0's gradient (4), ... as `pipec compile --show` names them.
+  ASSERT_EQ(steps0[0], 1u);
+  ASSERT_EQ(steps0[1], 3u);
+  ASSERT_EQ(steps0[2], 4u);
+
   std::promise<void> rankZeroDone;
   std::shared_future<void> done = rankZeroDone.get_future().share();
   llvm::Error rank1Setup = llvm::Error::success();
@@ -132,36 +138,47 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
     done.wait();
   });
 
+  // Rank 0 (failures are recorded, not returned early, so that rank 1 is always released and
+  // joined): its stall report, or "".
   RankSetup r0;
-  llvm::Error setup = r0.init(plan, 0);
-  std::string report;
-  if (!setup) {
+  auto rankZero = [&]() -> std::string {
+    if (auto err = r0.init(plan, 0)) {
+      ADD_FAILURE() << "rank 0's setup: " << takeMessage(std::move(err));
+      return "";
+    }
     r0.transport->beginStep();
     P2POp first = r0.op(plan, steps0[0], r0.buffer + 8);
-    ASSERT_FALSE(bool(r0.transport->exchange(0, {first})));
+    if (auto err = r0.transport->exchange(0, {first})) {
+      ADD_FAILURE() << takeMessage(std::move(err));
+      return "";
+    }
+    // The compute stream waits for the group: once it is idle, the first send has completed
+    // (without this, a slow rank 1 could make it the pending one).
+    EXPECT_EQ(cudaStreamSynchronize(r0.compute.get()), cudaSuccess);
     // A group of two: the next two p2p ops of rank 0, which rank 1 never posts.
     std::vector<P2POp> group = {r0.op(plan, steps0[1], r0.buffer + 16),
                                 r0.op(plan, steps0[2], r0.buffer + 24)};
-    ASSERT_FALSE(bool(r0.transport->exchange(0, group)));
+    if (auto err = r0.transport->exchange(0, group)) {
+      ADD_FAILURE() << takeMessage(std::move(err));
+      return "";
+    }
     llvm::Error stalled = r0.transport->waitStep(0, /*timeoutSeconds=*/0.5);
-    ASSERT_TRUE(bool(stalled)) << "the step completed without rank 1's second group";
-    report = takeMessage(std::move(stalled));
+    if (!stalled) {
+      ADD_FAILURE() << "the step completed without rank 1's second group";
+      return "";
+    }
     EXPECT_TRUE(r0.transport->aborted());
-  }
+    return takeMessage(std::move(stalled));
+  };
+  const std::string report = rankZero();
   rankZeroDone.set_value();
   rank1.join();
-  ASSERT_FALSE(bool(setup)) << takeMessage(std::move(setup));
   ASSERT_FALSE(bool(rank1Setup)) << takeMessage(std::move(rank1Setup));
 
   EXPECT_NE(report.find("watchdog: rank 0 (pp 0, dp 0, tp 0) made no progress for "),
             std::string::npos)
       << report;
   EXPECT_NE(report.find(" s in step 0: "), std::string::npos) << report;
-  // Rank 0's 1F1B stream: F0, send of microbatch 0 (step 1), F1, send (3), recv of microbatch
-  // 0's gradient (4), ... as `pipec compile --show` names them.
-  ASSERT_EQ(steps0[0], 1u);
-  ASSERT_EQ(steps0[1], 3u);
-  ASSERT_EQ(steps0[2], 4u);
   EXPECT_NE(
       report.find(fmt::format("last completed step 1 ({})", formatToken(plan, plan.ranks[0][1]))),
       std::string::npos)
