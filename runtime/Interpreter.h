@@ -39,7 +39,7 @@ struct RunShared {
   const Plan &plan;
   /// Every rank a thread of this process (the default) ...
   InProcessTransport inProcess;
-  /// ... or another transport (one rank per process: runtime/cuda/NcclRun.cpp).
+  /// ... or another transport (one rank per process: runtime/cuda/NcclTransport.h).
   Transport &transport;
   Faults faults;
   /// Per thread: index of the instruction it is executing (== done before it).

@@ -2,7 +2,7 @@
 //
 // `Transport` is the interface the interpreter talks to; two implement it: InProcessTransport
 // below (every rank a thread of this process: the cpu backend and the one-GPU cuda backend) and
-// NcclTransport (runtime/cuda/NcclRun.cpp: one rank per process, device memory, NCCL).
+// NcclTransport (runtime/cuda/NcclTransport.h: one rank per process, device memory, NCCL).
 //
 // InProcessTransport: ranks are threads of one process. Point-to-point ops obey the rules the
 // verifier assumes (DESIGN §6): sends and recvs of an ordered pair of threads match in FIFO order;

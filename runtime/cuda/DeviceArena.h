@@ -27,7 +27,10 @@
 // so that reading it after its release shows up in the gradient checks; and every buffer takes
 // 256 bytes more, which hold the emulated device's guard (kernels/cuda/emu/FakeCuda.h): a read
 // past a buffer's end computes with NaN, and a write there ends the run, naming the rank and the
-// offset, when the buffer is released. Its arenas are larger than a GPU's by those bytes.
+// offset, when the buffer is released. Its arenas are larger than a GPU's by those bytes. (There,
+// destroy an arena on the thread whose streams it queued on: cudaFree waits for the calling
+// thread's streams only, and a guard check still queued would read freed memory. The backends
+// do.)
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEARENA_H

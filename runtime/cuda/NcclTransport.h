@@ -10,7 +10,7 @@
 // rank that has not completed. The names are made only then: the hot path records one event
 // per group and keeps the group's steps.
 // Used by runOnNccl and by the nccl overhead benchmark (bench/nccl_overhead_bench.cpp).
-// This header includes nccl.h; it is for runtime/cuda/ and the benchmarks only.
+// This header includes nccl.h; it is for runtime/cuda/, its tests and the benchmarks only.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H

@@ -7,7 +7,7 @@
 // returns, so streams and events only need to exist; with PIPEC_EMU_ASYNC=1 each stream is a
 // worker thread that runs its work in order, waits for the events it was told to wait for (the
 // latest record at the time of the wait, as CUDA's), and pauses at random, so that streams
-// overlap and a missing wait shows (FakeCuda.h). Two things are kept honest on purpose:
+// overlap and a missing wait shows (FakeCuda.h). Three things are kept honest on purpose:
 //   - freed device memory (cudaFree, cudaFreeAsync) is filled with NaN bytes and not reused for
 //     a while, so a kernel that reads a buffer after its owner gave it back reads NaN, which the
 //     gradient checks see;
@@ -367,6 +367,9 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
 }
 cudaError_t cudaDeviceSynchronize(void) {
   synchronizeAll();
+  // Every live allocation, whichever thread made it (where ranks are threads, another rank's
+  // streams may still run: a changed guard is an error wherever the write came from, but it
+  // may then be found here by a rank that did not make it).
   State &s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   for (const auto &[p, b] : s.live)
