@@ -144,6 +144,9 @@ struct ReservedArena {
 TEST_F(FakeCudaGuardTest, ArenaBuffersAreGuardedToo) {
   {
     ReservedArena a(252);
+    // The sizes reported are a GPU's arena's (252 rounded to 256), not the guarded placement's.
+    EXPECT_EQ(a.arena.reservedBytes(), 256u);
+    EXPECT_EQ(a.arena.stepHighWater(), 256u);
     std::memset(a.buffer, 0, 252);
     float behind;
     std::memcpy(&behind, a.buffer + 252, 4); // (the GPU's arena would round 252 to 256 here)

@@ -37,6 +37,14 @@ size_t guardOf(size_t bytes) { return OffsetArena::roundUp(bytes + kGuardBytes) 
 
 } // namespace
 
+const OffsetArena &DeviceArena::sizes() const {
+#ifdef PIPEC_EMULATED_DEVICE
+  return unguarded;
+#else
+  return placement;
+#endif
+}
+
 DeviceArena::~DeviceArena() {
   if (base)
     (void)cudaFree(base);
@@ -45,18 +53,31 @@ DeviceArena::~DeviceArena() {
 llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
   if (bytes == 0)
     return nullptr;
-  auto at = placement.allocate(bytes + kGuardBytes);
-  if (!at)
+  auto noRoom = [&] {
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
         fmt::format("{}: the activation arena ({:.1f} MiB, sized before step 0 by the sizing "
                     "pass) has no room for {} more bytes ({:.1f} MiB in use): this step "
                     "allocates more than the sizing pass did, which the executor does not "
                     "expect; please report it with the plan",
-                    who, mib(placement.capacity()), bytes, mib(placement.inUse())));
+                    who, mib(reservedBytes()), bytes, mib(sizes().inUse())));
+  };
+  auto at = placement.allocate(bytes + kGuardBytes);
+  if (!at)
+    return noRoom();
+#ifdef PIPEC_EMULATED_DEVICE
+  // The same request without the guard, placed as a GPU's arena places it: where that has no
+  // room, a GPU would fail here, and so does the emulated device.
+  auto unguardedAt = unguarded.allocate(bytes);
+  if (!unguardedAt) {
+    placement.release(*at);
+    return noRoom();
+  }
+#endif
   void *p = base ? static_cast<void *>(base + *at) : reinterpret_cast<void *>(kSizingBase + *at);
   live[p] = Placed{*at, bytes};
 #ifdef PIPEC_EMULATED_DEVICE
+  live[p].unguardedOffset = *unguardedAt;
   if (base)
     emu::fillGuard(stream, p, bytes, guardOf(bytes));
 #endif
@@ -70,6 +91,7 @@ void DeviceArena::release(void *p) {
   assert(it != live.end() && "released memory the arena did not hand out");
   placement.release(it->second.offset);
 #ifdef PIPEC_EMULATED_DEVICE
+  unguarded.release(it->second.unguardedOffset);
   if (base) {
     const size_t bytes = it->second.bytes;
     emu::checkGuard(stream, p, bytes, guardOf(bytes),
@@ -108,6 +130,9 @@ llvm::Error DeviceArena::reserve() {
                     cudaGetErrorName(status), cudaGetErrorString(status)));
   }
   placement = OffsetArena(bytes);
+#ifdef PIPEC_EMULATED_DEVICE
+  unguarded = OffsetArena(unguarded.highWater());
+#endif
   base = static_cast<char *>(p);
   return llvm::Error::success();
 }

@@ -27,7 +27,8 @@
 // so that reading it after its release shows up in the gradient checks; and every buffer takes
 // 256 bytes more, which hold the emulated device's guard (kernels/cuda/emu/FakeCuda.h): a read
 // past a buffer's end computes with NaN, and a write there ends the run, naming the rank and the
-// offset, when the buffer is released. Its arenas are larger than a GPU's by those bytes. (There,
+// offset, when the buffer is released. Its allocation is larger than a GPU's by those bytes, but
+// the sizes it reports are a GPU's: the same requests are also placed without guards. (There,
 // destroy an arena on the thread whose streams it queued on: cudaFree waits for the calling
 // thread's streams only, and a guard check still queued would read freed memory. The backends
 // do.)
@@ -62,19 +63,27 @@ public:
   /// Nothing may be live (an error names how much is).
   llvm::Error reserve();
   bool reserved() const { return placement.isBounded(); }
-  /// The bytes reserved (before reserve(): the high-water mark so far).
-  size_t reservedBytes() const { return reserved() ? placement.capacity() : placement.highWater(); }
+  /// The bytes reserved (before reserve(): the high-water mark so far). On the emulated device,
+  /// what a GPU's arena reserves for the same requests (its own allocation adds the guards).
+  size_t reservedBytes() const { return reserved() ? sizes().capacity() : sizes().highWater(); }
   /// The highest offset the requests since reserve() reached: reservedBytes() once a step has
   /// run, when the sizing pass saw the steps' requests exactly.
-  size_t stepHighWater() const { return placement.highWater(); }
+  size_t stepHighWater() const { return sizes().highWater(); }
 
 private:
   cudaStream_t stream;
   std::string who;
   OffsetArena placement;
+  /// On the emulated device, the same requests placed without the guards: the sizes a GPU's
+  /// arena would report. (Declared in every build, so that the class has one layout whether or
+  /// not its user defines PIPEC_EMULATED_DEVICE; unused on a GPU.)
+  OffsetArena unguarded;
+  /// The placement whose sizes are reported: `placement` on a GPU, `unguarded` emulated.
+  const OffsetArena &sizes() const;
   char *base = nullptr;
   struct Placed {
     size_t offset, bytes;
+    size_t unguardedOffset = 0; // in `unguarded`
   };
   std::unordered_map<void *, Placed> live; // live buffers
 };
