@@ -1881,13 +1881,12 @@ cudaError_t launchTensorCoreBackward(bf16 *dq, float *dk, float *dv, const bf16 
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
   if constexpr (HD == 64 || HD == 128)
-    if (onWgmma && dqMode == DqMode::FloatAtomics)
-      return launchWgmmaKeyValueGrad<HD, DqMode::FloatAtomics>(dq, dk, dv, scratch, dOut, lse, q, k,
-                                                               v, s, stream);
-  if constexpr (HD == 64 || HD == 128)
-    if (onWgmma && dqMode == DqMode::FixedPoint)
-      return launchWgmmaKeyValueGrad<HD, DqMode::FixedPoint>(dq, dk, dv, scratch, dOut, lse, q, k,
-                                                             v, s, stream);
+    if (onWgmma && dqMode != DqMode::Separate) // dQ inside the dK/dV kernel
+      return dqMode == DqMode::FloatAtomics
+                 ? launchWgmmaKeyValueGrad<HD, DqMode::FloatAtomics>(dq, dk, dv, scratch, dOut, lse,
+                                                                     q, k, v, s, stream)
+                 : launchWgmmaKeyValueGrad<HD, DqMode::FixedPoint>(dq, dk, dv, scratch, dOut, lse,
+                                                                   q, k, v, s, stream);
   cudaError_t err = cudaErrorInvalidValue;
   if constexpr (HD == 64 || HD == 128)
     if (onWgmma)
