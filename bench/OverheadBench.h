@@ -67,16 +67,13 @@ private:
   size_t floats = 0;
 };
 
-/// Prints `err` as the tools do ("<tool>: error: <one line>" for bad input; the flags' errors
-/// already start with the tool's name) and returns `code`, by default exitCodeFor's: 2 for bad
-/// input, 1 for a finding.
+/// Prints `err` as the tools do ("<tool>: error: <one line>" for bad input) and returns `code`,
+/// by default exitCodeFor's: 2 for bad input, 1 for a finding.
 inline int fail(llvm::StringRef tool, llvm::Error err, int code = -1) {
   if (code < 0)
     code = exitCodeFor(err);
   std::string message = takeMessage(std::move(err));
   std::replace(message.begin(), message.end(), '\n', ' ');
-  if (llvm::StringRef(message).startswith((tool + ": ").str()))
-    message = message.substr(tool.size() + 2);
   fmt::print(stderr, "{}: {}{}\n", tool.str(), code == 2 ? "error: " : "", message);
   return code;
 }
@@ -88,19 +85,18 @@ struct OverheadFlags {
 };
 
 /// --pp (at least `minPp`), --microbatches, --steps, --schedule and --floats, and `switches`;
-/// an input error names the flag.
-inline llvm::Expected<OverheadFlags> parseOverheadFlags(int argc, char **argv,
-                                                        llvm::ArrayRef<llvm::StringRef> switches,
-                                                        int64_t minPp, llvm::StringRef command) {
+/// an input error names the flag (and not the tool, which fail adds).
+inline llvm::Expected<OverheadFlags>
+parseOverheadFlags(int argc, char **argv, llvm::ArrayRef<llvm::StringRef> switches, int64_t minPp) {
   auto args =
       Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--steps", "--schedule", "--floats"},
-                  switches, command);
+                  switches, /*command=*/"");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
-    return inputError("{}: unexpected argument '{}'; it takes only flags (--pp, --microbatches, "
+    return inputError("unexpected argument '{}'; it takes only flags (--pp, --microbatches, "
                       "--steps, --schedule, --floats)",
-                      command.str(), args->positional().front());
+                      args->positional().front());
   auto pp = args->integer("--pp", 4, minPp, 32);
   auto m = args->integer("--microbatches", 1024, 1, 1 << 16);
   auto steps = args->integer("--steps", 3, 1, 100);

@@ -21,7 +21,7 @@ using namespace pipec;
 
 int main(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--schedule", "--repeat"}, {},
-                          "compile_bench");
+                          /*command=*/"");
   if (!args) {
     fmt::print(stderr, "compile_bench: {}\n", takeMessage(args.takeError()));
     return 2;

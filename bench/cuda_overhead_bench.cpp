@@ -53,7 +53,7 @@ int fail(llvm::Error err, int code = -1) {
 } // namespace
 
 int main(int argc, char **argv) {
-  auto flags = bench::parseOverheadFlags(argc, argv, {}, 1, "cuda_overhead_bench");
+  auto flags = bench::parseOverheadFlags(argc, argv, {}, 1);
   if (!flags)
     return fail(flags.takeError());
   const int64_t pp = flags->pp, m = flags->microbatches, steps = flags->steps,

@@ -66,7 +66,7 @@ int main(int argc, char **argv) {
                           {"--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits", "--tp",
                            "--dp", "--dtype", "--steps", "--layers", "--hidden", "--heads", "--ffn",
                            "--vocab", "--seq", "--microbatch-size"},
-                          {"--tiny"}, "cuda_step_bench");
+                          {"--tiny"}, /*command=*/"");
   if (!args)
     return fail(args.takeError(), 2);
   const bool tiny = args->has("--tiny");

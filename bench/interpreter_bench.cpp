@@ -39,7 +39,7 @@ private:
 
 int main(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--steps", "--schedule"}, {},
-                          "interpreter_bench");
+                          /*command=*/"");
   if (!args) {
     fmt::print(stderr, "interpreter_bench: {}\n", takeMessage(args.takeError()));
     return 2;

@@ -134,7 +134,7 @@ llvm::Expected<LaunchEnv> threadEnv(const Plan &plan, int r, int64_t pp,
 } // namespace
 
 int main(int argc, char **argv) {
-  auto flags = bench::parseOverheadFlags(argc, argv, {"--threads"}, 2, "nccl_overhead_bench");
+  auto flags = bench::parseOverheadFlags(argc, argv, {"--threads"}, 2);
   if (!flags)
     return fail(flags.takeError());
   const int64_t pp = flags->pp;

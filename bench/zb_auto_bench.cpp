@@ -24,7 +24,7 @@ using namespace pipec;
 
 int main(int argc, char **argv) {
   auto args =
-      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--repeat"}, {}, "zb_auto_bench");
+      Args::parse(argc, argv, 1, {"--pp", "--microbatches", "--repeat"}, {}, /*command=*/"");
   if (!args) {
     fmt::print(stderr, "zb_auto_bench: {}\n", takeMessage(args.takeError()));
     return 2;

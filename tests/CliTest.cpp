@@ -331,6 +331,16 @@ TEST(PiperunTest, GpuBackendsSayTheyAreNotAvailableInOneLine) {
   }
 }
 
+TEST(PiperunTest, AnUnknownFlagIsOneLineThatNamesTheToolOnce) {
+  std::string plan = tinyPlan("flag", "--schedule 1f1b --pp 2 --microbatches 2");
+  Result r = piperun(plan + " --backend cpu --stepz 2");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "piperun: error: unknown flag --stepz; did you mean --steps?\n");
+  Result twice = piperun(plan + " --backend cpu --steps 1 --steps 2");
+  EXPECT_EQ(twice.code, 2);
+  EXPECT_EQ(twice.err, "piperun: error: --steps given twice\n");
+}
+
 TEST(PiperunTest, TheCpuBackendRefusesBf16InOneLine) {
   std::string plan = tinyPlan("dtype", "--schedule 1f1b --pp 2 --microbatches 2");
   Result r = piperun(plan + " --backend cpu --dtype bf16");

@@ -34,6 +34,7 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
                                  llvm::ArrayRef<llvm::StringRef> valued,
                                  llvm::ArrayRef<llvm::StringRef> switches,
                                  llvm::StringRef command) {
+  const std::string prefix = command.empty() ? std::string() : command.str() + ": ";
   Args a;
   for (int i = first; i < argc; ++i) {
     llvm::StringRef arg = argv[i];
@@ -45,8 +46,7 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
     bool hasValue = arg.contains('=');
     if (llvm::is_contained(switches, name)) {
       if (hasValue)
-        return inputError("{}: {} takes no value (got '{}')", command.str(), name.str(),
-                          value.str());
+        return inputError("{}{} takes no value (got '{}')", prefix, name.str(), value.str());
       a.values[name.str()] = "1";
       continue;
     }
@@ -59,17 +59,17 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
       for (llvm::StringRef f : switches)
         if (unsigned d = name.edit_distance(f); d < best)
           best = d, nearest = f.str();
-      return inputError("{}: unknown flag {}{}", command.str(), name.str(),
+      return inputError("{}unknown flag {}{}", prefix, name.str(),
                         nearest.empty() ? std::string()
                                         : fmt::format("; did you mean {}?", nearest));
     }
     if (!hasValue) {
       if (i + 1 >= argc)
-        return inputError("{}: {} needs a value", command.str(), name.str());
+        return inputError("{}{} needs a value", prefix, name.str());
       value = argv[++i];
     }
     if (a.values.count(name.str()))
-      return inputError("{}: {} given twice", command.str(), name.str());
+      return inputError("{}{} given twice", prefix, name.str());
     a.values[name.str()] = value.str();
   }
   return a;

@@ -23,7 +23,9 @@ namespace pipec {
 
 class Args {
 public:
-  /// Parse argv[first..]; `valued` flags take a value, `switches` take none.
+  /// Parse argv[first..]; `valued` flags take a value, `switches` take none. Errors start with
+  /// `command: ` (a pipec subcommand, say), or with the flag where `command` is empty (for a
+  /// tool whose reportError line already names it).
   static llvm::Expected<Args> parse(int argc, char **argv, int first,
                                     llvm::ArrayRef<llvm::StringRef> valued,
                                     llvm::ArrayRef<llvm::StringRef> switches,

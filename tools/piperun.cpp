@@ -56,7 +56,7 @@ llvm::Error run(int argc, char **argv) {
   auto args = Args::parse(
       argc, argv, 1,
       {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr", "--timeout"},
-      {"--check-reference"}, "piperun");
+      {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
