@@ -2,7 +2,9 @@
 //
 // WgmmaEmuKernels.h. One warpgroup; B (16 x 16) K-major without swizzle in shared memory: core
 // matrices of 8 columns by 8 k values, the leading byte offset (128) steps k by 8, the stride
-// (256) the columns by 8.
+// (256) the columns by 8. The swizzled cases store B K-major in the 128-byte swizzle instead:
+// column n's k values in row n of 128 bytes, chunk j of the row at chunk j ^ (n % 8), the
+// stride (1024) stepping n by 8.
 //
 //===----------------------------------------------------------------------===//
 #include "tests/WgmmaEmuKernels.h"
@@ -23,7 +25,7 @@ __device__ int bOffset(int k, int n) { // in bf16 elements
 __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
                                 const uint16_t *bColumns, float *out, float *out2) {
   const WgmmaCase c = WgmmaCase(which);
-  PIPEC_DYNAMIC_SHARED(uint16_t, tile); // B, 512 bytes
+  PIPEC_DYNAMIC_SHARED(uint16_t, tile); // B: 512 bytes, or 2048 swizzled, aligned in 3072
   const int t = threadIdx.x, warp = t / 32, lane = t % 32, g = lane / 4, tg = lane % 4;
   const bool copied =
       c == WgmmaCase::CopiedWithProxyFence || c == WgmmaCase::CopiedWithReaderFences ||
@@ -39,10 +41,21 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
     cpAsyncWait<0>();
     if (c == WgmmaCase::CopiedWithProxyFence)
       fenceProxyAsyncShared(); // by each writer, before the barrier
+  } else if (c == WgmmaCase::SwizzledAligned || c == WgmmaCase::SwizzledUnaligned) {
+    if (c == WgmmaCase::SwizzledAligned) {
+      const uint32_t skip = (1024 - sharedAddress(tile) % 1024) % 1024;
+      tile = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(tile) + skip);
+    }
+    for (int i = t; i < 16 * kN; i += blockDim.x) {
+      const int k = i / kN, n = i % kN;
+      tile[64 * n + 8 * ((k / 8) ^ (n % 8)) + k % 8] = b[i];
+    }
+    fenceProxyAsyncShared();
   } else {
     for (int i = t; i < 16 * kN; i += blockDim.x)
       tile[bOffset(i / kN, i % kN)] = b[i];
-    fenceProxyAsyncShared();
+    if (c != WgmmaCase::StoredWithoutProxyFence)
+      fenceProxyAsyncShared();
   }
   __syncthreads();
   if (c == WgmmaCase::CopiedWithReaderFences ||
@@ -57,7 +70,9 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
   float d[kN / 2], d2[kN / 2];
   for (int i = 0; i < kN / 2; ++i)
     d[i] = d2[i] = 0.0f;
-  const uint64_t desc = wgmmaDescriptor(tile, 128, 256);
+  const uint64_t desc = c == WgmmaCase::SwizzledAligned || c == WgmmaCase::SwizzledUnaligned
+                            ? wgmmaDescriptor(tile, 16, 1024, WgmmaLayout::Swizzle128)
+                            : wgmmaDescriptor(tile, 128, 256);
   auto store = [&](float *to, const float(&from)[kN / 2]) {
     for (int i = 0; i < kN / 2; ++i) {
       const int row = 16 * warp + g + 8 * ((i % 4) >> 1), col = 8 * (i / 4) + 2 * tg + (i & 1);
@@ -120,7 +135,7 @@ __global__ void wgmmaCaseKernel(int which, const uint16_t *a, const uint16_t *b,
 
 void runWgmmaCase(WgmmaCase c, const uint16_t *a, const uint16_t *b, const uint16_t *bColumns,
                   float *out, float *out2) {
-  PIPEC_LAUNCH(dim3(1), dim3(128), 512, nullptr, wgmmaCaseKernel)
+  PIPEC_LAUNCH(dim3(1), dim3(128), 3072, nullptr, wgmmaCaseKernel)
   (int(c), a, b, bColumns, out, out2);
 }
 

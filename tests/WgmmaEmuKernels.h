@@ -32,6 +32,9 @@ enum class WgmmaCase : int {
   ProxyFenceByAnotherThread,      // B by cp.async (warp 0), a barrier, then thread 0 alone fences
   ExitInFlight,                   // no wait at all
   WarpSkipsWgmma,                 // warp 1 does not issue the wgmma its warpgroup issues
+  SwizzledAligned,   // B K-major in the 128-byte swizzle, its tile aligned to 1024 bytes
+  SwizzledUnaligned, // the same at the start of dynamic shared memory, not aligned by the kernel
+  StoredWithoutProxyFence, // B by plain stores and a barrier, no fence.proxy.async
 };
 
 /// Runs the case on the emulated device: `a` is A (64 x 16, row-major bf16 bits), `b` is B (16 x

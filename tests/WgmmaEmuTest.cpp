@@ -92,6 +92,16 @@ TEST_F(WgmmaEmuTest, AnAccumulatorReadBeforeItsWaitIsNaN) {
     ASSERT_TRUE(std::isnan(x)) << "an accumulator read before its wait: " << x;
 }
 
+TEST_F(WgmmaEmuTest, SwizzledTilesAreTheKernelsToAlign) {
+  // Dynamic shared memory need not start on a 1024-byte boundary, and the 128-byte swizzle
+  // XORs the shared address's bits: a tile used where the kernel did not align it is read in
+  // another order than it was stored in.
+  run(WgmmaCase::SwizzledAligned);
+  EXPECT_EQ(out, product);
+  run(WgmmaCase::SwizzledUnaligned);
+  EXPECT_NE(out, product);
+}
+
 TEST_F(WgmmaEmuTest, BreakingARuleEndsTheRunNamingIt) {
   EXPECT_DEATH(run(WgmmaCase::WriteAccumulatorInFlight),
                "accumulator registers of a wgmma in flight were written before the "

@@ -125,6 +125,13 @@ constexpr size_t kStackBytes = size_t(256) << 10;
 constexpr size_t kGuardBytes = size_t(64) << 10;
 constexpr size_t kDefaultDynamicShared = size_t(48) << 10;
 constexpr size_t kMaxDynamicShared = size_t(227) << 10; // sm_90's opt-in limit per block
+/// Where a block's dynamic shared memory starts in its shared window (what sharedOffset and so
+/// the descriptors see). A GPU places it after the reserved and the static shared memory with
+/// no more than 16-byte alignment, so a kernel that swizzles in 1024-byte atoms must align its
+/// tiles itself; 16 bytes past a 1024-byte boundary here, so that one that assumes an aligned
+/// base reads the wrong bytes (and the 128-byte swizzle XORs the window address's bits, as a
+/// GPU's does, not the offset's).
+constexpr size_t kSharedWindowBase = 1024 + 16;
 
 enum class State { Ready, AtWarpBarrier, AtBlockBarrier, AtMbarrier, Done };
 
@@ -737,11 +744,12 @@ uint32_t sharedOffset(const void *p) {
   const auto *at = static_cast<const std::byte *>(p);
   if (at < g.shared.data() || at >= g.shared.data() + g.shared.size())
     fatal("a shared-memory address is not in the block's dynamic shared memory");
-  return uint32_t(at - g.shared.data());
+  return uint32_t(kSharedWindowBase + size_t(at - g.shared.data()));
 }
 
 namespace {
-/// The offset in the block's dynamic shared memory of element (k, col) of B (16 x n), or,
+/// The offset in the block's dynamic shared memory (not its window address: kSharedWindowBase
+/// less) of element (k, col) of B (16 x n), or,
 /// K-major (transposeB false), element (col, k) of A, read through the descriptor `desc`. A
 /// (m x 16) in shared memory is laid out as B (16 x n) is: MN-major A's element (m, k) is where
 /// MN-major B's (k, m) would be (transposeB true, col m).
@@ -780,9 +788,9 @@ size_t descriptorOffset(uint64_t desc, int k, int col, bool transposeB) {
                         : start + size_t(col / 8) * stride + size_t(col % 8) * 128 + size_t(k) * 2;
   if (mode == 1)
     offset ^= (offset >> 7 & 7) << 4;
-  if (offset + 2 > g.shared.size())
-    fatal("wgmma: an operand reaches past the block's dynamic shared memory");
-  return offset;
+  if (offset < kSharedWindowBase || offset - kSharedWindowBase + 2 > g.shared.size())
+    fatal("wgmma: an operand lies outside the block's dynamic shared memory");
+  return offset - kSharedWindowBase;
 }
 
 uint16_t sharedBits(size_t offset) {
