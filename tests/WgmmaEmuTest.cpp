@@ -116,6 +116,8 @@ TEST_F(WgmmaEmuTest, BreakingARuleEndsTheRunNamingIt) {
   EXPECT_DEATH(run(WgmmaCase::FragmentWrittenAfterFence),
                "A-fragment registers of a wgmma were written since the last wgmma.fence");
   EXPECT_DEATH(run(WgmmaCase::CopiedWithoutProxyFence), "with no fence.proxy.async");
+  EXPECT_DEATH(run(WgmmaCase::StoredWithoutProxyFence),
+               "written since the block's last fence.proxy.async");
   // Thread 0's fence after the barrier orders neither the other writers' copies nor the other
   // warps' reads.
   EXPECT_DEATH(run(WgmmaCase::ProxyFenceByAnotherThread),

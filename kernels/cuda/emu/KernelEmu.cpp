@@ -290,6 +290,12 @@ struct Grid {
   std::vector<uint32_t> landedBy;
   std::vector<size_t> landedChunks;
   uint64_t stamp = 0; // counts landings and proxy fences in the block
+  // The shared memory as at the block's latest fence.proxy.async, by any thread (as at its
+  // start before the first): a wgmma may read only bytes that are still as they were then, since
+  // an ordinary store reaches the async proxy only through such a fence. (Any thread's: weaker
+  // than the PTX ISA, which asks for the writer's, but it sees a fence that is missing or comes
+  // before the stores it should follow.)
+  std::vector<std::byte> proxySeen;
 };
 
 thread_local Grid *running = nullptr;
@@ -405,6 +411,7 @@ void runBlock(Grid &g, const ThreadCoords &base) {
               unsigned(i / (size_t(base.blockDim.x) * base.blockDim.y))};
   }
   std::memset(g.shared.data(), 0xff, g.shared.size()); // NaN until written
+  std::memcpy(g.proxySeen.data(), g.shared.data(), g.shared.size());
   for (size_t chunk : g.landedChunks)
     g.landedAt[chunk] = 0;
   g.landedChunks.clear();
@@ -539,6 +546,7 @@ void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::functio
     fatal("the emulated shared memory is not 16-byte aligned");
   g.landedAt.assign(sharedBytes / 16 + 1, 0);
   g.landedBy.assign(sharedBytes / 16 + 1, 0);
+  g.proxySeen.assign(sharedBytes, std::byte{0});
   g.landedChunks.clear();
   g.body = &body;
   running = &g;
@@ -815,7 +823,8 @@ float descriptorElement(uint64_t desc, int k, int col, bool transposeB) {
 
 /// The bits of every shared-memory element a warp's wgmma reads (B's 16 x n, then the warp's 16
 /// rows of A when A is in shared memory). With `atIssue`, an element that cp.async wrote ends
-/// the run unless the copying thread or the calling one has run fence.proxy.async since.
+/// the run unless the copying thread or the calling one has run fence.proxy.async since, and
+/// one that changed since the block's latest fence.proxy.async (Grid::proxySeen) ends it too.
 std::vector<uint16_t> readShared(const OperandRead &r, bool atIssue) {
   Grid &g = grid();
   std::vector<uint16_t> bits;
@@ -827,6 +836,10 @@ std::vector<uint16_t> readShared(const OperandRead &r, bool atIssue) {
       wgmmaHazard("wgmma reads shared memory that cp.async wrote, with no fence.proxy.async "
                   "(fenceProxyAsyncShared) since, by the thread that copied or by the reader: "
                   "the async proxy may not see the copy");
+    if (atIssue && std::memcmp(g.shared.data() + offset, g.proxySeen.data() + offset, 2) != 0)
+      wgmmaHazard("wgmma reads shared memory that was written since the block's last "
+                  "fence.proxy.async (fenceProxyAsyncShared): the async proxy may not see an "
+                  "ordinary store that no such fence follows");
     bits.push_back(sharedBits(offset));
   };
   for (int k = 0; k < 16; ++k)
@@ -1051,6 +1064,7 @@ void wgmmaWait(int pending) {
 void fenceProxyAsyncShared() {
   Grid &g = grid();
   g.fibers[g.current].proxyFencedAt = ++g.stamp;
+  std::memcpy(g.proxySeen.data(), g.shared.data(), g.shared.size());
 }
 
 void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream,
