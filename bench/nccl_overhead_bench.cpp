@@ -24,6 +24,7 @@
 #include "runtime/Interpreter.h"
 #include "runtime/cuda/Nccl.h"
 #include "runtime/cuda/NcclLayout.h"
+#include "runtime/cuda/NcclRun.h"
 #include "runtime/cuda/NcclTransport.h"
 
 #include <cuda_runtime_api.h>
@@ -60,12 +61,12 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
     return comms.takeError();
   NcclTransport transport(plan, env, **comms);
   NcclEmptyBackend backend(transport, device);
-  // (3 floats more for warmUp to send, receive and sum.)
-  if (auto err = backend.init(size_t(settings.floats), 3))
+  // (5 floats more for warmUp to send, receive and sum.)
+  if (auto err = backend.init(size_t(settings.floats), 5))
     return err;
   if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
     return err;
-  if (auto err = transport.warmUp(backend.extraFloats()))
+  if (auto err = transport.warmUp(backend.extraFloats(), /*timeoutSeconds=*/30))
     return err;
   RunShared shared(plan, Faults{}, transport);
   const auto &stream = plan.ranks[size_t(env.coord.pp)];
@@ -146,6 +147,7 @@ int main(int argc, char **argv) {
   auto plan = bench::compileUniformPlan(int(pp), int(flags->microbatches), flags->schedule);
   if (!plan)
     return fail(plan.takeError());
+  const std::string ncclLine = preferEagerNcclConnections(); // (before any thread starts)
 
   if (!flags->args.has("--threads")) { // one rank: this process's
     auto env = launchEnvOf(*plan);
@@ -154,6 +156,8 @@ int main(int argc, char **argv) {
     auto device = deviceOf(*env, devices);
     if (!device)
       return fail(device.takeError());
+    if (env->rank == 0)
+      fmt::print("{}\n", ncclLine);
     auto line = runRank(*plan, *env, *device, *flags);
     if (!line)
       return fail(line.takeError(), 1);
@@ -168,6 +172,7 @@ int main(int argc, char **argv) {
   // reported once, before any thread starts.
   if (auto env = threadEnv(*plan, 0, pp, commId); !env)
     return fail(env.takeError());
+  fmt::print("{}\n", ncclLine);
   std::vector<llvm::Expected<std::string>> lines;
   for (int r = 0; r < int(pp); ++r)
     lines.emplace_back(std::string());

@@ -57,7 +57,8 @@ std::vector<size_t> p2pSteps(const Plan &plan, int rank) {
 }
 
 /// One rank as one process of a launch would set it up: its communicators, a compute stream,
-/// the transport (warmed up) and a few floats of device memory to send from and receive into.
+/// the transport (warmed up unless `warmUp` is false) and a few floats of device memory to send
+/// from and receive into.
 struct RankSetup {
   std::unique_ptr<NcclCommunicators> comms;
   runtime_cuda::OwnedStream compute;
@@ -65,7 +66,7 @@ struct RankSetup {
   LaunchEnv env;
   float *buffer = nullptr;
 
-  llvm::Error init(const Plan &plan, int rank) {
+  llvm::Error init(const Plan &plan, int rank, bool warmUp = true) {
     std::map<std::string, std::string> vars{{"RANK", std::to_string(rank)},
                                             {"WORLD_SIZE", "2"},
                                             {"LOCAL_RANK", "0"},
@@ -90,7 +91,7 @@ struct RankSetup {
     transport = std::make_unique<NcclTransport>(plan, env, *comms);
     if (auto err = transport->init(compute.get(), [] { return llvm::Error::success(); }))
       return err;
-    return transport->warmUp(buffer);
+    return warmUp ? transport->warmUp(buffer, /*timeoutSeconds=*/10) : llvm::Error::success();
   }
 
   P2POp op(const Plan &plan, size_t step, float *data) const {
@@ -188,6 +189,38 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
                                     formatToken(plan, plan.ranks[0][4]))),
             std::string::npos)
       << report;
+}
+
+TEST(NcclWatchdogTest, AWarmUpThatAPeerNeverJoinsFailsAfterTheTimeout) {
+  // Rank 1 creates its communicators and never warms up: rank 0's warm-up, polled, fails after
+  // its timeout naming itself and aborts its communicators (it used to wait in a
+  // cudaStreamSynchronize for as long as the peer stayed away).
+  ASSERT_EQ(::setenv("NCCL_COMM_ID", "emu-watchdog:2", 1), 0);
+  const Plan plan = twoStagePlan();
+  std::promise<void> rankZeroDone;
+  std::shared_future<void> done = rankZeroDone.get_future().share();
+  llvm::Error rank1Setup = llvm::Error::success();
+  std::thread rank1([&] {
+    RankSetup r;
+    rank1Setup = r.init(plan, 1, /*warmUp=*/false);
+    done.wait();
+  });
+  RankSetup r0;
+  std::string report;
+  if (auto err = r0.init(plan, 0, /*warmUp=*/false)) {
+    ADD_FAILURE() << "rank 0's setup: " << takeMessage(std::move(err));
+  } else if (llvm::Error stalled = r0.transport->warmUp(r0.buffer, /*timeoutSeconds=*/0.5)) {
+    report = takeMessage(std::move(stalled));
+  } else {
+    ADD_FAILURE() << "the warm-up completed without rank 1";
+  }
+  rankZeroDone.set_value();
+  rank1.join();
+  ASSERT_FALSE(bool(rank1Setup)) << takeMessage(std::move(rank1Setup));
+  EXPECT_NE(report.find("watchdog: rank 0's warm-up of its NCCL connections made no progress for "),
+            std::string::npos)
+      << report;
+  EXPECT_EQ(r0.comms->pipeline.get(), nullptr) << "rank 0's communicators were not aborted";
 }
 
 } // namespace

@@ -122,13 +122,32 @@ TEST(PiperunEmuTest, APlanTooLargeForTheDeviceIsOneLineAndExitTwoBeforeStepZero)
 
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
   std::string p = plan("nccl", "--schedule 1f1b --pp 1 --microbatches 4");
-  Result r = run("env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu " + p +
-                 " --backend nccl --steps 2 --check-reference");
+  Result r = run("env -u NCCL_COMM_ID -u NCCL_RUNTIME_CONNECT RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
+                 "tools/piperun_emu " +
+                 p + " --backend nccl --steps 2 --check-reference");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   for (const char *line : {"step 0 loss ", "step 1 loss ",
                            "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss")) << r.out;
+  // NCCL's version, first (tools/gpu_check.sh reports it), and its connections made eagerly.
+  EXPECT_EQ(r.out.rfind("NCCL version ", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find("NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are "
+                       "created)"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(PiperunEmuTest, NcclBackendKeepsTheUsersRuntimeConnectAndSaysWhatItMeans) {
+  std::string p = plan("nccl-connect", "--schedule 1f1b --pp 1 --microbatches 4");
+  Result r = run("env -u NCCL_COMM_ID NCCL_RUNTIME_CONNECT=1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
+                 "tools/piperun_emu " +
+                 p + " --backend nccl --steps 1");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("NCCL_RUNTIME_CONNECT=1 (from the environment: NCCL may connect inside "
+                       "step 0, after the arena was sized)"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(PiperunEmuTest, NcclBackendNamesAMissingLauncherVariable) {

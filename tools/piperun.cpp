@@ -183,6 +183,8 @@ llvm::Error run(int argc, char **argv) {
     if (!env)
       return env.takeError();
 #ifdef PIPEC_HAS_CUDA
+    // (Here, before any thread starts: it may set an environment variable.)
+    const std::string ncclLine = preferEagerNcclConnections();
     CudaRunOptions co;
     co.steps = o.steps;
     co.seed = o.seed;
@@ -190,8 +192,10 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
-    if (env->rank == 0)
+    if (env->rank == 0) {
+      fmt::print("{}\n", ncclLine);
       printComputeType();
+    }
     if (env->rank == 0)
       co.onArenas = [&](const std::vector<size_t> &bytes) {
         printArenas(bytes, "this process's rank 0");

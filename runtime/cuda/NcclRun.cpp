@@ -11,8 +11,12 @@
 #include "runtime/cuda/Nccl.h"
 #include "runtime/cuda/NcclTransport.h"
 
+#include "llvm/ADT/ScopeExit.h"
+
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace pipec {
@@ -35,7 +39,7 @@ llvm::Expected<int> deviceOf(const LaunchEnv &env) {
 }
 
 /// Waits for everything queued on `stream`, polling: an asynchronous NCCL error or `timeout`
-/// seconds without completion aborts the communicators (so that the peers fail too) and is an
+/// seconds without completion aborts the communicators (pollDevice) and is an
 /// error naming `what`.
 llvm::Error waitPolling(cudaStream_t stream, NcclCommunicators &comms, double timeout,
                         const std::string &what) {
@@ -185,6 +189,26 @@ llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_
 
 } // namespace
 
+std::string preferEagerNcclConnections() {
+  const char *set = std::getenv("NCCL_RUNTIME_CONNECT");
+  std::string setting;
+  if (set) {
+    setting = fmt::format("NCCL_RUNTIME_CONNECT={} (from the environment{})", set,
+                          std::strcmp(set, "0") == 0
+                              ? ""
+                              : ": NCCL may connect inside step 0, after the arena was sized");
+  } else {
+    (void)setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
+    setting = "NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are created)";
+  }
+  int code = 0;
+  std::string loaded = "of unknown version";
+  if (ncclGetVersion(&code) == ncclSuccess) // 2.9 on: major * 10000 + minor * 100 + patch
+    loaded = fmt::format("version {}.{}.{}", code / 10000, code % 10000 / 100, code % 100);
+  return fmt::format("NCCL {} (built against {}.{}.{}); {}", loaded, NCCL_MAJOR, NCCL_MINOR,
+                     NCCL_PATCH, setting);
+}
+
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep) {
@@ -203,6 +227,17 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   auto comms = createCommunicators(plan, env);
   if (!comms)
     return comms.takeError();
+  // A failure from here on aborts this process's communicators, at the latest as the run
+  // returns: destroying a communicator finalizes it, which waits for its queued work, and a
+  // peer that failed may never complete that. (Where work may be queued, the abort comes
+  // before the return, since the buffers' cudaFree waits for the device too.) NCCL tells no
+  // peer of an abort: the peers fail through their own watchdogs, or sooner over sockets
+  // when this process exits.
+  bool completed = false;
+  auto abortUnlessCompleted = llvm::make_scope_exit([&] {
+    if (!completed)
+      (*comms)->abortAll();
+  });
   NcclTransport transport(plan, env, **comms);
   ParamSnapshot snapshot;
   auto backend = createDeviceTransportBackend(
@@ -214,11 +249,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
                                 [&b] { return b.takeDeferredError(); }))
     return err;
-  // Warm-up floats, then the loss (a double) and the gather's agreement slot.
+  // The warm-up's 5 floats, then, one after another, the launch settings' and the gather's
+  // agreement slot (float 4) and the loss (a double, floats 0-1).
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();
-  if (auto err = transport.warmUp(scratch->as<float>()))
+  if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds))
     return err;
   // How many processes have a per-process launch setting (a worldSum of 0 or 1 each).
   auto processesWith = [&](bool mine, const char *what) {
@@ -285,7 +321,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
                                               size_t(plan.parallel.tp) * sizeof(uint64_t));
     if (!buffer) {
-      (*comms)->abortAll(); // (the peers would wait for this process at the first step)
+      (*comms)->abortAll();
       return buffer.takeError();
     }
     digestSlots = std::move(*buffer);
@@ -303,12 +339,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (!err)
       err = transport.waitStep(s, o.timeoutSeconds);
     if (err) {
-      (*comms)->abortAll(); // peers blocked on this process fail instead of hanging
+      (*comms)->abortAll(); // before the buffers' cudaFree, which would wait for its kernels
       return err;
     }
     auto share = b.finishStep();
     if (!share) {
-      (*comms)->abortAll(); // the peers wait for this process in the loss's all-reduce
+      (*comms)->abortAll(); // (the peers wait for this process in the loss's all-reduce)
       return share.takeError();
     }
     // The global loss: every process's share summed over `world` (polled before the copy back,
@@ -395,6 +431,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (ref)
       result.weights = ref->compareWeights(weights, o.steps);
   }
+  completed = true;
   return result;
 }
 

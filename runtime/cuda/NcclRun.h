@@ -33,8 +33,19 @@
 
 namespace pipec {
 
+/// Has NCCL connect every algorithm's channels as a communicator is created
+/// (NCCL_RUNTIME_CONNECT=0) unless the environment sets NCCL_RUNTIME_CONNECT itself. NCCL 2.22
+/// and later otherwise connect at the first collective that needs a connection: inside step 0,
+/// where that allocates device memory after the activation arena was sized to what was free,
+/// and blocks the host inside the NCCL call, where the watchdog cannot see it. Returns the line
+/// for the log, with NCCL's version: "NCCL version 2.28.9 (built against 2.28.9);
+/// NCCL_RUNTIME_CONNECT=0 (...)". Call it from the main thread before other threads start
+/// (setenv is not thread-safe) and before the first communicator.
+std::string preferEagerNcclConnections();
+
 /// Run `options.steps` steps of this process's rank of `plan` (already verified); the device
-/// is chosen from env.localRank (options.device is ignored).
+/// is chosen from env.localRank (options.device is ignored). A launcher calls
+/// preferEagerNcclConnections first (piperun does).
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep = {});

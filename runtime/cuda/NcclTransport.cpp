@@ -170,27 +170,52 @@ void NcclTransport::abort(const std::string &why) {
   comms.abortAll();
 }
 
-llvm::Error NcclTransport::warmUp(float *scratch) {
+llvm::Error NcclTransport::warmUp(float *scratch, double timeoutSeconds) {
   std::set<int> peers;
   for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
     if (i.isP2P())
       peers.insert(i.peer);
   if (!peers.empty()) {
-    // Both directions with every peer, in one group: every peer posts the mirror image.
+    // Both directions with every peer, in one group: every peer posts the mirror image. The
+    // group is closed also after a failed post, as exchange()'s (NCCL's group must be ended).
     PIPEC_NCCL_TRY(ncclGroupStart());
+    ncclResult_t posted = ncclSuccess;
     for (int p : peers) {
-      PIPEC_NCCL_TRY(ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
-      PIPEC_NCCL_TRY(ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get()));
+      if (posted == ncclSuccess)
+        posted = ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
+      if (posted == ncclSuccess)
+        posted = ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
     }
-    PIPEC_NCCL_TRY(ncclGroupEnd());
+    const ncclResult_t ended = ncclGroupEnd();
+    if (posted != ncclSuccess || ended != ncclSuccess) {
+      comms.abortAll(); // (what the group did post may never complete)
+      return posted != ncclSuccess
+                 ? makeNcclError("ncclSend/ncclRecv (the warm-up's, to every peer)", posted,
+                                 __FILE__, __LINE__)
+                 : makeNcclError("ncclGroupEnd() (the warm-up's p2p group)", ended, __FILE__,
+                                 __LINE__);
+    }
   }
-  // Every collective communicator, in creation order (the same on every process).
+  // Every collective communicator, in creation order (the same on every process), each into a
+  // float of its own: they run side by side on three streams.
+  float *slot = scratch + 2;
   for (auto [c, s] : {std::pair{&comms.tp, tp.get()}, std::pair{&comms.dp, dp.get()},
-                      std::pair{&comms.embedding, emb.get()}})
+                      std::pair{&comms.embedding, emb.get()}}) {
     if (*c)
-      PIPEC_NCCL_TRY(ncclAllReduce(scratch + 2, scratch + 2, 1, ncclFloat, ncclSum, c->get(), s));
+      PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, c->get(), s));
+    ++slot;
+  }
+  // Polled, with the watchdog: a peer that never comes fails this process after the timeout
+  // instead of holding it in a synchronise.
   for (cudaStream_t s : {p2p.get(), tp.get(), dp.get(), emb.get()})
-    PIPEC_CUDA_TRY(cudaStreamSynchronize(s));
+    if (auto err = pollDevice([s] { return cudaStreamQuery(s); }, comms, timeoutSeconds,
+                              [this](double idle) {
+                                return fmt::format(
+                                    "watchdog: rank {}'s warm-up of its NCCL connections made no "
+                                    "progress for {:.1f} s: a peer did not reach its own",
+                                    env.rank, idle);
+                              }))
+      return err;
   return llvm::Error::success();
 }
 

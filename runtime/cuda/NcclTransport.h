@@ -30,8 +30,10 @@
 namespace pipec {
 
 /// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
-/// aborts the communicators (so that the peers fail too) and is returned; so is a stall of
-/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes.
+/// aborts this process's communicators and is returned; so is a stall of `timeout` seconds, as
+/// a Finding with the report `stalled(seconds)` writes. (An abort frees this process's NCCL
+/// resources and ends its kernels; NCCL tells no peer. A peer blocked on this process fails
+/// through its own watchdog, or sooner over sockets, when this process exits and they close.)
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
                        double timeout, const std::function<std::string(double)> &stalled);
 
@@ -59,9 +61,11 @@ public:
   bool aborted() const override { return !failure.empty(); }
 
   /// Connect every p2p peer and every collective once, before the first step (NCCL connects
-  /// lazily inside the first ncclGroupEnd otherwise, where a stall is hard to see). `scratch`:
-  /// 3 floats of device memory.
-  llvm::Error warmUp(float *scratch);
+  /// p2p peers lazily inside the first ncclGroupEnd otherwise, where a stall is hard to see),
+  /// waiting with the watchdog: `timeoutSeconds` without completion fails. `scratch`: 5 floats
+  /// of device memory. (The collectives' other algorithms connect when the communicators are
+  /// created; see preferEagerNcclConnections, runtime/cuda/Nccl.h.)
+  llvm::Error warmUp(float *scratch, double timeoutSeconds);
 
   /// After the step's instructions are queued: wait for the device, with the watchdog.
   llvm::Error waitStep(int step, double timeoutSeconds);

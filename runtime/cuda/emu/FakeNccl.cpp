@@ -331,6 +331,11 @@ const char *ncclGetLastError(ncclComm_t) {
   return copy.c_str();
 }
 
+ncclResult_t ncclGetVersion(int *version) {
+  *version = NCCL_VERSION_CODE; // (the headers' own: the emulation follows them)
+  return ncclSuccess;
+}
+
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
   std::memset(uniqueId, 0, sizeof *uniqueId);
   // As the real bootstrap: every process with the same NCCL_COMM_ID gets the same id; without
