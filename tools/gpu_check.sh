@@ -330,9 +330,10 @@ sed 's/^/  /' "$out/step.txt" | tee -a "$report"
 # host memory over NCCL's socket transport on loopback. That runs the real library across real
 # processes (bootstrap, communicators and their splits, grouped p2p, the tp, dp and embedding
 # all-reduces, the --check-reference gather), but neither NVLink nor NCCL's P2P and SHM
-# transports, and its times mean nothing. If the first such case fails, it is tried once more
-# without NCCL's cuMem allocations (a sandboxed driver may lack them); if that fails too, the
-# other one-GPU cases are skipped.
+# transports, and its times mean nothing. If the first such case fails before its communicators
+# and warm-up are up (rank 0 prints its arena after them), it is tried once more without NCCL's
+# cuMem allocations (a sandboxed driver may lack them); if that fails so too, the other one-GPU
+# cases are skipped. A case that fails after them fails alone: the mode works.
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l) # whole GPUs, not MIG slices
 one_gpu_env=(NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_MNNVL_ENABLE=0
   NCCL_NVLS_ENABLE=0)
@@ -364,7 +365,7 @@ nccl_case() { # name nproc pipec-flags...
     where="$n processes, one per GPU"
   else
     if [ "$one_gpu_state" = broken ]; then
-      say "SKIPPED nccl $name ($n processes on 1 GPU): the first one-GPU case failed twice (above)"
+      say "SKIPPED nccl $name ($n processes on 1 GPU): the one-GPU mode did not set up its communicators, with cuMem or without (above)"
       return 1
     fi
     where="$n processes on 1 GPU, NCCL over loopback sockets"
@@ -376,7 +377,7 @@ nccl_case() { # name nproc pipec-flags...
     ! timeout 60 "$bin/piperun" "$plan" --backend cuda --dtype "${DTYPE:-fp32}" --steps 3 \
       >"$out/nccl-$name.cuda.txt" 2>&1; then
     say "nccl $name: FAILED before launch (pipec or --backend cuda); see $out/nccl-$name.*"
-    return 1
+    return 4 # (nor does this)
   fi
   if ! launch_ranks "$n" "$out/nccl-$name" "check-$name" 60 "$bin/piperun" "$plan" \
       --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference; then
@@ -396,6 +397,9 @@ nccl_case() { # name nproc pipec-flags...
     return 1
   fi
 }
+# Whether case NAME's processes got their communicators and warm-up done: rank 0 printed its
+# activation arena, which comes after them (runtime/cuda/NcclRun.cpp).
+set_up() { grep -q '^activation arena MiB' "$out/nccl-$1.rank0.txt" 2>/dev/null; }
 # nccl_check name nproc pipec-flags...: nccl_case, and in the one-GPU mode its first case's
 # retry without cuMem and the verdict on the mode.
 nccl_check() {
@@ -410,19 +414,30 @@ nccl_check() {
     one_gpu_state=works
     return 0
   fi
-  [ "$rc" != 3 ] || return 1 # skipped for the budget: the next one-GPU case tries the mode
+  # Skipped for the budget, or failed before its launch: the next one-GPU case tries the mode.
+  [ "$rc" != 3 ] && [ "$rc" != 4 ] || return 1
+  if set_up "$1"; then
+    one_gpu_state=works
+    say "nccl $1: its processes set up their communicators: the one-GPU mode works, the case failed"
+    return 1
+  fi
   say "nccl $1: trying the one-GPU mode once more with NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0"
   one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
-  if nccl_case "$@"; then
+  rc=0
+  nccl_case "$@" || rc=$?
+  if [ "$rc" = 0 ] || set_up "$1"; then
     one_gpu_state=works
-    say "nccl: the one-GPU mode works here only without NCCL's cuMem allocations; the other cases run so"
-    return 0
+    say "nccl: the one-GPU mode sets up here only without NCCL's cuMem allocations; the other cases run so"
+    return "$rc"
   fi
   one_gpu_state=broken
   return 1
 }
 start=$SECONDS
 [ "$ngpu" -ge 2 ] || say "nccl multi-process checks: nvidia-smi lists $ngpu GPU, so every case runs in the one-GPU mode"
+# What the one-GPU mode needs of the machine: room in /dev/shm (NCCL's proxy maps a pool there
+# per communicator) and a GPU that takes several processes (compute mode Default).
+say "nccl: /dev/shm $(df -h /dev/shm 2>/dev/null | awk 'NR == 2 {print $2 " with " $4 " free"}'); compute mode $(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -1)"
 nccl_check pp2-1f1b 2 --schedule 1f1b --pp 2 --microbatches 4 || status=1
 nccl_check pp2-zbv 2 --schedule zb-v --pp 2 --vpp 2 --microbatches 4 || status=1
 nccl_check dp2 2 --schedule 1f1b --pp 1 --dp 2 --microbatches 2 || status=1
