@@ -20,7 +20,10 @@
 // communicator's asynchronous error, as NCCL reports one). The plans the verifier accepts
 // complete under these blocking rules (the in-process transport's).
 // A wait longer than 60 s fails with ncclSystemError instead of hanging CI; ncclCommAbort fails
-// every wait on that communicator.
+// every wait on that communicator, every member's. (Both unlike NCCL, whose waits never time
+// out and whose abort tells no peer: there a peer of an aborted process fails through its own
+// watchdog, or over sockets when that process exits. A test that passes because a peer's abort
+// released a rank proves less than it seems.)
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/HostBf16.h"
