@@ -348,6 +348,7 @@ launch_ranks() {
   for ((r = 0; r < n; r++)); do
     local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
       "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
+    [ -z "${NCCL_DEBUG_SUBSYS:-}" ] || vars+=("NCCL_DEBUG_SUBSYS=$NCCL_DEBUG_SUBSYS")
     [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-$tag-rank$r")
     echo "+ ${vars[*]} $*" >&2
     env "${vars[@]}" timeout -k 10 "$limit" "$@" >"$log.rank$r.txt" 2>&1 &
@@ -408,8 +409,10 @@ nccl_check() {
     nccl_case "$@"
     return
   fi
+  # (NCCL's own account of its setup in the logs, for the mode's first case only: if the mode
+  # fails, logs.tgz says why without another run.)
   local rc=0
-  nccl_case "$@" || rc=$?
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
   if [ "$rc" = 0 ]; then
     one_gpu_state=works
     return 0
@@ -422,9 +425,13 @@ nccl_check() {
     return 1
   fi
   say "nccl $1: trying the one-GPU mode once more with NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0"
+  local f
+  for f in "$out/nccl-$1".rank*.txt; do # (the first try's logs, kept)
+    [ ! -e "$f" ] || mv "$f" "${f%.txt}.first-try.txt"
+  done
   one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
   rc=0
-  nccl_case "$@" || rc=$?
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
   if [ "$rc" = 0 ] || set_up "$1"; then
     one_gpu_state=works
     say "nccl: the one-GPU mode sets up here only without NCCL's cuMem allocations; the other cases run so"
