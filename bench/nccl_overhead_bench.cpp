@@ -139,6 +139,8 @@ int main(int argc, char **argv) {
   if (!flags)
     return fail(flags.takeError());
   const int64_t pp = flags->pp;
+  // Before the first CUDA or NCCL call (it may set an environment variable).
+  const std::string ncclLine = preferEagerNcclConnections();
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     fmt::print(stderr, "nccl_overhead_bench: no usable CUDA device\n");
@@ -147,7 +149,6 @@ int main(int argc, char **argv) {
   auto plan = bench::compileUniformPlan(int(pp), int(flags->microbatches), flags->schedule);
   if (!plan)
     return fail(plan.takeError());
-  const std::string ncclLine = preferEagerNcclConnections(); // (before any thread starts)
 
   if (!flags->args.has("--threads")) { // one rank: this process's
     auto env = launchEnvOf(*plan);

@@ -66,11 +66,13 @@ struct RankSetup {
   LaunchEnv env;
   float *buffer = nullptr;
 
-  llvm::Error init(const Plan &plan, int rank, bool warmUp = true) {
+  /// `commId`: NCCL_COMM_ID, which the test also puts in the process's environment, where the
+  /// emulated bootstrap reads it (as NCCL's does).
+  llvm::Error init(const Plan &plan, int rank, const char *commId, bool warmUp = true) {
     std::map<std::string, std::string> vars{{"RANK", std::to_string(rank)},
                                             {"WORLD_SIZE", "2"},
                                             {"LOCAL_RANK", "0"},
-                                            {"NCCL_COMM_ID", "emu-watchdog:1"}};
+                                            {"NCCL_COMM_ID", commId}};
     auto e = launchEnvOf(plan, [&](const char *name) -> const char * {
       auto it = vars.find(name);
       return it == vars.end() ? nullptr : it->second.c_str();
@@ -129,7 +131,7 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
   llvm::Error rank1Setup = llvm::Error::success();
   std::thread rank1([&] {
     RankSetup r;
-    rank1Setup = r.init(plan, 1);
+    rank1Setup = r.init(plan, 1, "emu-watchdog:1");
     if (rank1Setup)
       return;
     r.transport->beginStep();
@@ -143,7 +145,7 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
   // joined): its stall report, or "".
   RankSetup r0;
   auto rankZero = [&]() -> std::string {
-    if (auto err = r0.init(plan, 0)) {
+    if (auto err = r0.init(plan, 0, "emu-watchdog:1")) {
       ADD_FAILURE() << "rank 0's setup: " << takeMessage(std::move(err));
       return "";
     }
@@ -194,7 +196,10 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
 TEST(NcclWatchdogTest, AWarmUpThatAPeerNeverJoinsFailsAfterTheTimeout) {
   // Rank 1 creates its communicators and never warms up: rank 0's warm-up, polled, fails after
   // its timeout naming itself and aborts its communicators (it used to wait in a
-  // cudaStreamSynchronize for as long as the peer stayed away).
+  // cudaStreamSynchronize for as long as the peer stayed away). This is the device side of the
+  // wait only: the emulated ncclGroupEnd returns at once on asynchronous streams, where NCCL's
+  // first post to a peer blocks the host while it connects, which the blocking watchdog guards
+  // (BlockingWatchdogTest).
   ASSERT_EQ(::setenv("NCCL_COMM_ID", "emu-watchdog:2", 1), 0);
   const Plan plan = twoStagePlan();
   std::promise<void> rankZeroDone;
@@ -202,12 +207,12 @@ TEST(NcclWatchdogTest, AWarmUpThatAPeerNeverJoinsFailsAfterTheTimeout) {
   llvm::Error rank1Setup = llvm::Error::success();
   std::thread rank1([&] {
     RankSetup r;
-    rank1Setup = r.init(plan, 1, /*warmUp=*/false);
+    rank1Setup = r.init(plan, 1, "emu-watchdog:2", /*warmUp=*/false);
     done.wait();
   });
   RankSetup r0;
   std::string report;
-  if (auto err = r0.init(plan, 0, /*warmUp=*/false)) {
+  if (auto err = r0.init(plan, 0, "emu-watchdog:2", /*warmUp=*/false)) {
     ADD_FAILURE() << "rank 0's setup: " << takeMessage(std::move(err));
   } else if (llvm::Error stalled = r0.transport->warmUp(r0.buffer, /*timeoutSeconds=*/0.5)) {
     report = takeMessage(std::move(stalled));

@@ -384,7 +384,9 @@ nccl_case() { # name nproc pipec-flags...
       --backend nccl --dtype "${DTYPE:-fp32}" --steps 3 --timeout 30 --check-reference; then
     say "nccl $name ($where): FAILED; first lines of each rank's output:"
     for ((r = 0; r < n; r++)); do
-      { head -3 "$out/nccl-$name.rank$r.txt"; echo ...; tail -5 "$out/nccl-$name.rank$r.txt"; } |
+      # (without NCCL's INFO lines, which the mode's first case has)
+      { grep -v ' NCCL INFO ' "$out/nccl-$name.rank$r.txt" | head -3; echo ...
+        grep -v ' NCCL INFO ' "$out/nccl-$name.rank$r.txt" | tail -5; } |
         sed "s/^/  rank $r: /" | tee -a "$report"
     done
     return 1
@@ -412,7 +414,7 @@ nccl_check() {
   # (NCCL's own account of its setup in the logs, for the mode's first case only: if the mode
   # fails, logs.tgz says why without another run.)
   local rc=0
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
+  NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
   if [ "$rc" = 0 ]; then
     one_gpu_state=works
     return 0
@@ -431,7 +433,8 @@ nccl_check() {
   done
   one_gpu_env+=(NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0)
   rc=0
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
+  NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_SUBSYS=INIT,NET nccl_case "$@" || rc=$?
+  [ "$rc" != 3 ] && [ "$rc" != 4 ] || return 1 # (as above: the mode is still untried)
   if [ "$rc" = 0 ] || set_up "$1"; then
     one_gpu_state=works
     say "nccl: the one-GPU mode sets up here only without NCCL's cuMem allocations; the other cases run so"

@@ -40,6 +40,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <optional>
 
 using namespace pipec;
@@ -63,6 +64,11 @@ llvm::Error run(int argc, char **argv) {
     return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
                       args->positional().size());
   std::string backend = args->get("--backend").value_or("cpu");
+#ifdef PIPEC_HAS_CUDA
+  // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
+  // set an environment variable. Printed by RANK 0 below.
+  const std::string ncclLine = backend == "nccl" ? preferEagerNcclConnections() : "";
+#endif
   if (backend == "cuda" || backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA
     if (auto devices = cudaDevices(); !devices)
@@ -183,8 +189,6 @@ llvm::Error run(int argc, char **argv) {
     if (!env)
       return env.takeError();
 #ifdef PIPEC_HAS_CUDA
-    // (Here, before any thread starts: it may set an environment variable.)
-    const std::string ncclLine = preferEagerNcclConnections();
     CudaRunOptions co;
     co.steps = o.steps;
     co.seed = o.seed;
@@ -234,6 +238,9 @@ llvm::Error run(int argc, char **argv) {
 } // namespace
 
 int main(int argc, char **argv) {
+  // Line-buffered, also into a file: a launcher's log keeps every line printed before a crash
+  // or a kill (tools/gpu_check.sh reads them), and the lines are few.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc < 2) {
     fmt::print(stderr, "{}", kUsage);
     return 2;

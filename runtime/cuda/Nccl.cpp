@@ -1,6 +1,7 @@
 //===- Nccl.cpp - NCCL status codes to llvm::Error, communicators ---------===//
 #include "runtime/cuda/Nccl.h"
 
+#include "runtime/BlockingWatchdog.h"
 #include "runtime/cuda/CudaRun.h"
 
 #include <fmt/format.h>
@@ -171,10 +172,13 @@ llvm::Error split(NcclComm &world, const CommSpec &spec, NcclComm &out) {
 
 } // namespace
 
-llvm::Expected<std::unique_ptr<NcclCommunicators>> createCommunicators(const Plan &plan,
-                                                                       const LaunchEnv &env) {
+llvm::Expected<std::unique_ptr<NcclCommunicators>>
+createCommunicators(const Plan &plan, const LaunchEnv &env, double blockingLimitSeconds) {
   auto comms = std::make_unique<NcclCommunicators>();
   for (const CommSpec &spec : commLayout(plan, env.rank)) {
+    BlockingWatchdog watchdog(fmt::format("rank {}'s creation of its NCCL {} communicator",
+                                          env.rank, toString(spec.kind)),
+                              blockingLimitSeconds);
     llvm::Error err = spec.kind == CommKind::World
                           ? initWorld(comms->world, env)
                           : split(comms->world, spec, comms->of(spec.kind));

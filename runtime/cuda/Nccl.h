@@ -77,9 +77,11 @@ struct NcclCommunicators {
 };
 
 /// Creates the communicators of commLayout(plan, env.rank) in that order; the device must be
-/// set (cudaSetDevice) first. Blocks until every process has joined each.
-llvm::Expected<std::unique_ptr<NcclCommunicators>> createCommunicators(const Plan &plan,
-                                                                       const LaunchEnv &env);
+/// set (cudaSetDevice) first. Blocks until every process has joined each; should that take
+/// longer than `blockingLimitSeconds` (a process that never started, or died), this process
+/// exits with a line saying so (runtime/BlockingWatchdog.h).
+llvm::Expected<std::unique_ptr<NcclCommunicators>>
+createCommunicators(const Plan &plan, const LaunchEnv &env, double blockingLimitSeconds = 600);
 
 } // namespace pipec
 

@@ -4,6 +4,7 @@
 #include "ir/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
+#include "runtime/BlockingWatchdog.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 
 namespace pipec {
 
@@ -119,6 +121,10 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
       if (r != ncclSuccess && !first)
         first = makeNcclError(call.c_str(), r, __FILE__, __LINE__);
     };
+    // (The first such group with a peer connects to it on `world`, blocking the host until the
+    // peer posts its own: guarded, runtime/BlockingWatchdog.h.)
+    std::optional<BlockingWatchdog> watchdog;
+    watchdog.emplace(fmt::format("rank {}'s post of its {} gather", env.rank, what), timeout);
     keep(ncclGroupStart(), "ncclGroupStart()");
     for (size_t k = 0; k < group.size(); ++k) {
       const GatherOp &op = group[k];
@@ -132,6 +138,7 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
              fmt::format("ncclRecv({} from a sender)", what));
     }
     keep(ncclGroupEnd(), "ncclGroupEnd()");
+    watchdog.reset();
     if (first) {
       comms.abortAll();
       return first;
@@ -223,8 +230,10 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   o.device = *device;
   PIPEC_CUDA_TRY(cudaSetDevice(o.device));
 
-  // Eagerly, in the same order on every process (NcclLayout.h).
-  auto comms = createCommunicators(plan, env);
+  // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
+  // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
+  // slowly).
+  auto comms = createCommunicators(plan, env, std::max(o.timeoutSeconds * 10, 600.0));
   if (!comms)
     return comms.takeError();
   // A failure from here on aborts this process's communicators, at the latest as the run

@@ -40,7 +40,9 @@ namespace pipec {
 /// and blocks the host inside the NCCL call, where the watchdog cannot see it. Returns the line
 /// for the log, with NCCL's version: "NCCL version 2.28.9 (built against 2.28.9);
 /// NCCL_RUNTIME_CONNECT=0 (...)". Call it from the main thread before other threads start
-/// (setenv is not thread-safe) and before the first communicator.
+/// (setenv is not thread-safe), so before the first CUDA call, whose driver may start some.
+/// (NCCL's config files, /etc/nccl.conf and ~/.nccl.conf, set only what the environment does
+/// not: to override this, set the variable in the environment.)
 std::string preferEagerNcclConnections();
 
 /// Run `options.steps` steps of this process's rank of `plan` (already verified); the device

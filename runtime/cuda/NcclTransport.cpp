@@ -4,9 +4,11 @@
 #include "ir/Error.h"
 #include "ir/PlanText.h"
 #include "kernels/cuda/CudaCheck.h"
+#include "runtime/BlockingWatchdog.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cassert>
 #include <chrono>
 #include <set>
@@ -41,8 +43,10 @@ llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicato
     cudaError_t q = done();
     if (q == cudaSuccess)
       return llvm::Error::success();
-    if (q != cudaErrorNotReady)
+    if (q != cudaErrorNotReady) {
+      comms.abortAll();
       PIPEC_CUDA_TRY(q);
+    }
     if (auto err = comms.asyncErrors()) {
       comms.abortAll();
       return err;
@@ -171,51 +175,69 @@ void NcclTransport::abort(const std::string &why) {
 }
 
 llvm::Error NcclTransport::warmUp(float *scratch, double timeoutSeconds) {
+  // Any failure aborts the communicators at once: what was posted may never complete, and the
+  // caller's buffers, freed on the way out, would wait for it.
+  llvm::Error err = warmUpOnce(scratch, timeoutSeconds);
+  if (err)
+    comms.abortAll();
+  return err;
+}
+
+llvm::Error NcclTransport::warmUpOnce(float *scratch, double timeoutSeconds) {
   std::set<int> peers;
   for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
     if (i.isP2P())
       peers.insert(i.peer);
-  if (!peers.empty()) {
-    // Both directions with every peer, in one group: every peer posts the mirror image. The
-    // group is closed also after a failed post, as exchange()'s (NCCL's group must be ended).
-    PIPEC_NCCL_TRY(ncclGroupStart());
-    ncclResult_t posted = ncclSuccess;
-    for (int p : peers) {
-      if (posted == ncclSuccess)
-        posted = ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
-      if (posted == ncclSuccess)
-        posted = ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
+  {
+    // The posts block the host while NCCL connects to each peer, which waits for the peer to
+    // post too: guarded by the blocking watchdog (runtime/BlockingWatchdog.h), since no poll
+    // runs meanwhile.
+    BlockingWatchdog watchdog(fmt::format("rank {}'s warm-up of its NCCL connections", env.rank),
+                              timeoutSeconds);
+    if (!peers.empty()) {
+      // Both directions with every peer, in one group: every peer posts the mirror image. (The
+      // recvs of a rank with two peers land in one float, which nothing reads.) The group is
+      // closed also after a failed post, as exchange()'s.
+      PIPEC_NCCL_TRY(ncclGroupStart());
+      ncclResult_t posted = ncclSuccess;
+      for (int p : peers) {
+        if (posted == ncclSuccess)
+          posted = ncclSend(scratch, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
+        if (posted == ncclSuccess)
+          posted = ncclRecv(scratch + 1, 1, ncclFloat, p, comms.pipeline.get(), p2p.get());
+      }
+      const ncclResult_t ended = ncclGroupEnd();
+      if (posted != ncclSuccess)
+        return makeNcclError("ncclSend/ncclRecv (the warm-up's, to every peer)", posted, __FILE__,
+                             __LINE__);
+      if (ended != ncclSuccess)
+        return makeNcclError("ncclGroupEnd() (the warm-up's p2p group)", ended, __FILE__, __LINE__);
     }
-    const ncclResult_t ended = ncclGroupEnd();
-    if (posted != ncclSuccess || ended != ncclSuccess) {
-      comms.abortAll(); // (what the group did post may never complete)
-      return posted != ncclSuccess
-                 ? makeNcclError("ncclSend/ncclRecv (the warm-up's, to every peer)", posted,
-                                 __FILE__, __LINE__)
-                 : makeNcclError("ncclGroupEnd() (the warm-up's p2p group)", ended, __FILE__,
-                                 __LINE__);
+    // Every collective communicator, in creation order (the same on every process), each into
+    // a float of its own: they run side by side on three streams.
+    float *slot = scratch + 2;
+    for (auto [c, s] : {std::pair{&comms.tp, tp.get()}, std::pair{&comms.dp, dp.get()},
+                        std::pair{&comms.embedding, emb.get()}}) {
+      if (*c)
+        PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, c->get(), s));
+      ++slot;
     }
   }
-  // Every collective communicator, in creation order (the same on every process), each into a
-  // float of its own: they run side by side on three streams.
-  float *slot = scratch + 2;
-  for (auto [c, s] : {std::pair{&comms.tp, tp.get()}, std::pair{&comms.dp, dp.get()},
-                      std::pair{&comms.embedding, emb.get()}}) {
-    if (*c)
-      PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, c->get(), s));
-    ++slot;
-  }
-  // Polled, with the watchdog: a peer that never comes fails this process after the timeout
-  // instead of holding it in a synchronise.
-  for (cudaStream_t s : {p2p.get(), tp.get(), dp.get(), emb.get()})
-    if (auto err = pollDevice([s] { return cudaStreamQuery(s); }, comms, timeoutSeconds,
-                              [this](double idle) {
+  // Then the device, polled with the watchdog: `timeoutSeconds` in all, not per stream.
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (cudaStream_t s : {p2p.get(), tp.get(), dp.get(), emb.get()}) {
+    const double left =
+        timeoutSeconds - std::chrono::duration<double>(Clock::now() - start).count();
+    if (auto err = pollDevice([s] { return cudaStreamQuery(s); }, comms, std::max(left, 0.0),
+                              [this, timeoutSeconds](double) {
                                 return fmt::format(
                                     "watchdog: rank {}'s warm-up of its NCCL connections made no "
                                     "progress for {:.1f} s: a peer did not reach its own",
-                                    env.rank, idle);
+                                    env.rank, timeoutSeconds);
                               }))
       return err;
+  }
   return llvm::Error::success();
 }
 

@@ -29,11 +29,12 @@
 
 namespace pipec {
 
-/// Polls `done` (an event or stream query) until it reports success. An asynchronous NCCL error
-/// aborts this process's communicators and is returned; so is a stall of `timeout` seconds, as
-/// a Finding with the report `stalled(seconds)` writes. (An abort frees this process's NCCL
-/// resources and ends its kernels; NCCL tells no peer. A peer blocked on this process fails
-/// through its own watchdog, or sooner over sockets, when this process exits and they close.)
+/// Polls `done` (an event or stream query) until it reports success. A CUDA error or an
+/// asynchronous NCCL error aborts this process's communicators and is returned; so is a stall of
+/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes. (An abort frees this
+/// process's NCCL resources and ends its kernels; NCCL tells no peer. A peer blocked on this
+/// process fails through its own watchdog, or sooner over sockets, when this process exits and they
+/// close.)
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
                        double timeout, const std::function<std::string(double)> &stalled);
 
@@ -60,11 +61,13 @@ public:
   void abort(const std::string &why) override;
   bool aborted() const override { return !failure.empty(); }
 
-  /// Connect every p2p peer and every collective once, before the first step (NCCL connects
-  /// p2p peers lazily inside the first ncclGroupEnd otherwise, where a stall is hard to see),
-  /// waiting with the watchdog: `timeoutSeconds` without completion fails. `scratch`: 5 floats
+  /// Connect every pipeline peer and every collective communicator once, before the first step
+  /// (NCCL connects p2p peers at the first ncclGroupEnd otherwise, blocking the host there).
+  /// The posts, which block while NCCL connects, are guarded by a BlockingWatchdog (the process
+  /// exits after `timeoutSeconds`); the device's completion is polled, and a stall of
+  /// `timeoutSeconds` in all fails. Any failure aborts the communicators. `scratch`: 5 floats
   /// of device memory. (The collectives' other algorithms connect when the communicators are
-  /// created; see preferEagerNcclConnections, runtime/cuda/Nccl.h.)
+  /// created; see preferEagerNcclConnections, runtime/cuda/NcclRun.h.)
   llvm::Error warmUp(float *scratch, double timeoutSeconds);
 
   /// After the step's instructions are queued: wait for the device, with the watchdog.
@@ -84,6 +87,7 @@ private:
     runtime_cuda::OwnedEvent event;
   };
 
+  llvm::Error warmUpOnce(float *scratch, double timeoutSeconds);
   llvm::Error mark(Posted what, cudaStream_t s);
   std::string describe(const Posted &p) const;
   std::string stallReport(int step, double seconds) const;

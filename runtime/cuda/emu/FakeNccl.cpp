@@ -23,7 +23,9 @@
 // every wait on that communicator, every member's. (Both unlike NCCL, whose waits never time
 // out and whose abort tells no peer: there a peer of an aborted process fails through its own
 // watchdog, or over sockets when that process exits. A test that passes because a peer's abort
-// released a rank proves less than it seems.)
+// released a rank proves less than it seems.) And on asynchronous streams ncclGroupEnd returns
+// at once, where NCCL's first group with a peer blocks the host until the peer posts too (it
+// connects to it): a test of a stall there sees the device's wait, not that host block.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/HostBf16.h"

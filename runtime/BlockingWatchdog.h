@@ -1,0 +1,41 @@
+//===- BlockingWatchdog.h - Ends the process when a blocking call never returns -*- C++ -*-===//
+//
+// Some calls block the host thread until a peer process takes part: NCCL's communicator
+// creation (its bootstrap waits for every rank) and the first ncclGroupEnd with a peer, which
+// connects to it. A peer that died or never started holds such a call forever, where no
+// polling watchdog runs (NCCL's waits have no timeout). BlockingWatchdog guards one such call:
+// should it not return within its limit, the process prints one line naming the call and the
+// limit to stderr and exits with status 1, and so closes its sockets, which lets peers blocked
+// on it over a network fail too. (Nothing is aborted from the guarding thread: NCCL does not
+// promise that freeing a communicator another thread is inside is safe. Exiting is.)
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
+#define PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
+
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace pipec {
+
+class BlockingWatchdog {
+public:
+  /// Guards what runs until this object is destroyed: after `limitSeconds` the process exits,
+  /// printing "<what> blocked for <limit> s ... exiting". `what` names the call and the rank.
+  BlockingWatchdog(std::string what, double limitSeconds);
+  ~BlockingWatchdog();
+  BlockingWatchdog(const BlockingWatchdog &) = delete;
+  BlockingWatchdog &operator=(const BlockingWatchdog &) = delete;
+
+private:
+  std::mutex mu;
+  std::condition_variable cv;
+  bool returned = false;
+  std::thread guard;
+};
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
