@@ -13,7 +13,10 @@
 //     (a mismatch is an error); the ops between ncclGroupStart and ncclGroupEnd are posted at once
 //     and ncclGroupEnd returns when all have matched; an op outside a group completes alone;
 //   - ncclAllReduce (sum; bf16, fp32, fp64, uint64) is a rendezvous of all ranks, added in rank
-//     order.
+//     order;
+//   - the first send or recv on a channel (sender, receiver, communicator) connects it: the host
+//     call that posts it blocks until the other side has posted on it too, also on asynchronous
+//     streams, where the matching then waits in the stream.
 // Where the real library returns and lets the GPU wait, this one blocks: the calling thread on
 // the synchronous emulated device, the stream's worker thread on the asynchronous one (where the
 // sends, recvs and all-reduces run in their stream's order, and a failure there becomes the
@@ -23,9 +26,7 @@
 // every wait on that communicator, every member's. (Both unlike NCCL, whose waits never time
 // out and whose abort tells no peer: there a peer of an aborted process fails through its own
 // watchdog, or over sockets when that process exits. A test that passes because a peer's abort
-// released a rank proves less than it seems.) And on asynchronous streams ncclGroupEnd returns
-// at once, where NCCL's first group with a peer blocks the host until the peer posts too (it
-// connects to it): a test of a stall there sees the device's wait, not that host block.
+// released a rank proves less than it seems.)
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/HostBf16.h"
@@ -81,7 +82,8 @@ struct Init {
 };
 
 struct Channel {
-  std::deque<Posted *> sends, recvs; // FIFO
+  std::deque<Posted *> sends, recvs;             // FIFO
+  bool senderCame = false, receiverCame = false; // each side has posted once: connected
 };
 
 std::mutex mu;
@@ -220,6 +222,33 @@ ncclResult_t postAndWait(const std::vector<Op> &ops) {
   return result;
 }
 
+/// NCCL connects a channel (a sender and a receiver on one communicator) at its first use, in
+/// the host call that posts it, which blocks until the other side has posted on the channel
+/// too. So here: every op of `ops` marks its side of its channel, then the call waits until
+/// each channel has both (a group whose peer posts the mirror image connects at once).
+ncclResult_t connect(const std::vector<Op> &ops) {
+  std::unique_lock<std::mutex> lock(mu);
+  std::vector<const Channel *> waiting;
+  for (const Op &op : ops) {
+    const ncclComm::Pending &p = op.p;
+    if (p.peer < 0 || p.peer >= op.group->size)
+      continue; // (postAndWait reports it)
+    const int src = p.send ? op.rank : p.peer, dst = p.send ? p.peer : op.rank;
+    Channel &c = channels[{op.group.get(), src, dst}];
+    (p.send ? c.senderCame : c.receiverCame) = true;
+    if (!c.senderCame || !c.receiverCame)
+      waiting.push_back(&c);
+  }
+  cv.notify_all();
+  return waitFor(
+      lock, ops.front().group.get(),
+      [&] {
+        return std::all_of(waiting.begin(), waiting.end(),
+                           [](const Channel *c) { return c->senderCame && c->receiverCame; });
+      },
+      "connecting to a peer (its first send or recv with this rank)");
+}
+
 /// Runs `op` now (synchronous device) or in `stream`'s order, its failure then becoming the
 /// group's asynchronous error.
 ncclResult_t launch(cudaStream_t stream, std::shared_ptr<Group> group,
@@ -252,6 +281,8 @@ ncclResult_t p2p(bool send, void *buffer, size_t count, ncclDataType_t type, int
     pending.push_back(std::move(op));
     return ncclSuccess;
   }
+  if (ncclResult_t r = connect({op}); r != ncclSuccess)
+    return r;
   return launch(stream, comm->group, [op] { return postAndWait({op}); });
 }
 
@@ -485,6 +516,8 @@ ncclResult_t ncclGroupEnd() {
   // (The runtime posts a group's ops on one stream.) Taken before the ops move into the work.
   cudaStream_t stream = ops.front().p.stream;
   std::shared_ptr<Group> group = ops.front().group;
+  if (ncclResult_t r = connect(ops); r != ncclSuccess)
+    return r;
   return launch(stream, std::move(group), [ops = std::move(ops)] { return postAndWait(ops); });
 }
 
