@@ -66,7 +66,8 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
     return err;
   if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
     return err;
-  if (auto err = transport.warmUp(backend.extraFloats(), /*timeoutSeconds=*/30))
+  if (auto err =
+          transport.warmUp(backend.extraFloats(), /*timeoutSeconds=*/30, peerArrivalLimit(30)))
     return err;
   RunShared shared(plan, Faults{}, transport);
   const auto &stream = plan.ranks[size_t(env.coord.pp)];
@@ -139,8 +140,12 @@ int main(int argc, char **argv) {
   if (!flags)
     return fail(flags.takeError());
   const int64_t pp = flags->pp;
-  // Before the first CUDA or NCCL call (it may set an environment variable).
+  const bool asThreads = flags->args.has("--threads");
+  // Before the first CUDA or NCCL call (these may set environment variables): with every rank a
+  // thread, the bootstrap id comes from NCCL_COMM_ID, as in a launch.
   const std::string ncclLine = preferEagerNcclConnections();
+  if (asThreads)
+    (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     fmt::print(stderr, "nccl_overhead_bench: no usable CUDA device\n");
@@ -150,7 +155,7 @@ int main(int argc, char **argv) {
   if (!plan)
     return fail(plan.takeError());
 
-  if (!flags->args.has("--threads")) { // one rank: this process's
+  if (!asThreads) { // one rank: this process's
     auto env = launchEnvOf(*plan);
     if (!env)
       return fail(env.takeError());
@@ -166,8 +171,7 @@ int main(int argc, char **argv) {
     return 0;
   }
 
-  // Every rank a thread; the bootstrap id comes from NCCL_COMM_ID, as in a launch.
-  (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
+  // Every rank a thread.
   const std::string commId = std::getenv("NCCL_COMM_ID");
   // The variables are the same but for the rank: a problem with them (NCCL_COMM_ID's form) is
   // reported once, before any thread starts.

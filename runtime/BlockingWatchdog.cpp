@@ -9,12 +9,20 @@
 namespace pipec {
 
 BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds) {
+  // (A longer duration would overflow the wait's nanoseconds into a deadline in the past.)
+  if (!(limitSeconds < kNoLimit))
+    return;
   guard = std::thread([this, what = std::move(what), limitSeconds] {
     std::unique_lock<std::mutex> lock(mu);
     const auto limit = std::chrono::duration<double>(limitSeconds);
     if (cv.wait_for(lock, limit, [this] { return returned; }))
       return;
-    std::fflush(stdout); // (what the process printed so far stays in its log)
+    // What the process printed so far stays in its log, unless another thread holds stdout
+    // (blocked on a full pipe, say): the exit must not wait for it.
+    if (ftrylockfile(stdout) == 0) {
+      fflush_unlocked(stdout);
+      funlockfile(stdout);
+    }
     fmt::print(stderr,
                "watchdog: {} blocked for {:.1f} s (a peer process that never took part?); "
                "exiting\n",
@@ -25,6 +33,8 @@ BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds) {
 }
 
 BlockingWatchdog::~BlockingWatchdog() {
+  if (!guard.joinable())
+    return;
   {
     std::lock_guard<std::mutex> lock(mu);
     returned = true;

@@ -24,7 +24,10 @@ class BlockingWatchdog {
 public:
   /// Guards what runs until this object is destroyed: after `limitSeconds` the process exits,
   /// printing "<what> blocked for <limit> s ... exiting". `what` names the call and the rank.
+  /// A limit of kNoLimit seconds or more (or not a number) guards nothing: no thread starts.
   BlockingWatchdog(std::string what, double limitSeconds);
+  /// About three years: what a timer can count without overflowing its nanoseconds.
+  static constexpr double kNoLimit = 1e8;
   ~BlockingWatchdog();
   BlockingWatchdog(const BlockingWatchdog &) = delete;
   BlockingWatchdog &operator=(const BlockingWatchdog &) = delete;

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <limits>
 #include <thread>
 
 namespace pipec {
@@ -24,6 +25,16 @@ TEST(BlockingWatchdogTest, ACallThatReturnsInTimeLeavesTheProcessAlone) {
   }
   // The guard is released at once, not at its limit.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(BlockingWatchdogTest, ALimitTooLongToCountGuardsNothing) {
+  // (piperun takes any --timeout > 0: 1e12 s, or inf, must not overflow the timer into a
+  // deadline in the past, which ended the process at once.)
+  for (double limit : {1e12, std::numeric_limits<double>::infinity(), BlockingWatchdog::kNoLimit}) {
+    BlockingWatchdog watchdog("the test's call", limit);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  SUCCEED() << "the process is still here";
 }
 
 TEST(BlockingWatchdogTest, ACallPastItsLimitEndsTheProcessNamingIt) {

@@ -8,6 +8,9 @@
 // rank 1 matches, then a group of two ops that rank 1 never matches; its waitStep must fail
 // after its timeout with a report that names the two by their plan steps and instructions
 // (the instruction names as `pipec compile --show` prints them), and abort the communicators.
+// (A channel's first post blocks the host until the peer has posted on it too, as NCCL's does
+// while it connects; the warm-up connects both ranks first.) And a warm-up that the peer never
+// joins blocks in that first post: the blocking watchdog must end the process (a death test).
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
@@ -95,7 +98,8 @@ struct RankSetup {
     transport = std::make_unique<NcclTransport>(plan, env, *comms);
     if (auto err = transport->init(compute.get(), [] { return llvm::Error::success(); }))
       return err;
-    return warmUp ? transport->warmUp(buffer, /*timeoutSeconds=*/10) : llvm::Error::success();
+    return warmUp ? transport->warmUp(buffer, /*timeoutSeconds=*/10, /*arrivalLimitSeconds=*/10)
+                  : llvm::Error::success();
   }
 
   P2POp op(const Plan &plan, size_t step, float *data) const {
@@ -216,7 +220,8 @@ TEST(NcclWatchdogTest, AWarmUpThatAPeerNeverJoinsEndsTheProcessAfterTheTimeout) 
           std::fprintf(stderr, "rank 0's setup: %s\n", takeMessage(std::move(err)).c_str());
           std::_Exit(3);
         }
-        llvm::consumeError(r0.transport->warmUp(r0.buffer, /*timeoutSeconds=*/0.5));
+        llvm::consumeError(r0.transport->warmUp(r0.buffer, /*timeoutSeconds=*/0.5,
+                                                /*arrivalLimitSeconds=*/0.5));
         std::_Exit(4); // (the warm-up returned)
       },
       ::testing::ExitedWithCode(1),

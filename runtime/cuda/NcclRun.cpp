@@ -122,9 +122,11 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
         first = makeNcclError(call.c_str(), r, __FILE__, __LINE__);
     };
     // (The first such group with a peer connects to it on `world`, blocking the host until the
-    // peer posts its own: guarded, runtime/BlockingWatchdog.h.)
+    // peer posts its own, which RANK 0 does sender after sender: guarded, with the arrival
+    // limit, runtime/BlockingWatchdog.h.)
     std::optional<BlockingWatchdog> watchdog;
-    watchdog.emplace(fmt::format("rank {}'s post of its {} gather", env.rank, what), timeout);
+    watchdog.emplace(fmt::format("rank {}'s post of its {} gather", env.rank, what),
+                     peerArrivalLimit(timeout));
     keep(ncclGroupStart(), "ncclGroupStart()");
     for (size_t k = 0; k < group.size(); ++k) {
       const GatherOp &op = group[k];
@@ -233,7 +235,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
   // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
   // slowly).
-  auto comms = createCommunicators(plan, env, std::max(o.timeoutSeconds * 10, 600.0));
+  auto comms = createCommunicators(plan, env, peerArrivalLimit(o.timeoutSeconds));
   if (!comms)
     return comms.takeError();
   // A failure from here on aborts this process's communicators, at the latest as the run
@@ -263,7 +265,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();
-  if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds))
+  if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds,
+                                  peerArrivalLimit(o.timeoutSeconds)))
     return err;
   // How many processes have a per-process launch setting (a worldSum of 0 or 1 each).
   auto processesWith = [&](bool mine, const char *what) {

@@ -174,16 +174,18 @@ void NcclTransport::abort(const std::string &why) {
   comms.abortAll();
 }
 
-llvm::Error NcclTransport::warmUp(float *scratch, double timeoutSeconds) {
+llvm::Error NcclTransport::warmUp(float *scratch, double timeoutSeconds,
+                                  double arrivalLimitSeconds) {
   // Any failure aborts the communicators at once: what was posted may never complete, and the
   // caller's buffers, freed on the way out, would wait for it.
-  llvm::Error err = warmUpOnce(scratch, timeoutSeconds);
+  llvm::Error err = warmUpOnce(scratch, timeoutSeconds, arrivalLimitSeconds);
   if (err)
     comms.abortAll();
   return err;
 }
 
-llvm::Error NcclTransport::warmUpOnce(float *scratch, double timeoutSeconds) {
+llvm::Error NcclTransport::warmUpOnce(float *scratch, double timeoutSeconds,
+                                      double arrivalLimitSeconds) {
   std::set<int> peers;
   for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
     if (i.isP2P())
@@ -193,7 +195,7 @@ llvm::Error NcclTransport::warmUpOnce(float *scratch, double timeoutSeconds) {
     // post too: guarded by the blocking watchdog (runtime/BlockingWatchdog.h), since no poll
     // runs meanwhile.
     BlockingWatchdog watchdog(fmt::format("rank {}'s warm-up of its NCCL connections", env.rank),
-                              timeoutSeconds);
+                              arrivalLimitSeconds);
     if (!peers.empty()) {
       // Both directions with every peer, in one group: every peer posts the mirror image. (The
       // recvs of a rank with two peers land in one float, which nothing reads.) The group is

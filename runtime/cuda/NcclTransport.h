@@ -22,6 +22,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -37,6 +38,13 @@ namespace pipec {
 /// close.)
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
                        double timeout, const std::function<std::string(double)> &stalled);
+
+/// How long a host call may wait for a peer process to arrive (communicator creation, a first
+/// post to a peer, which connects to it): ten timeouts, at least 10 minutes, since the
+/// processes of a launch start, and set up their ranks, at different speeds.
+inline double peerArrivalLimit(double timeoutSeconds) {
+  return std::max(timeoutSeconds * 10, 600.0);
+}
 
 class NcclTransport final : public Transport {
 public:
@@ -63,12 +71,13 @@ public:
 
   /// Connect every pipeline peer and every collective communicator once, before the first step
   /// (NCCL connects p2p peers at the first ncclGroupEnd otherwise, blocking the host there).
-  /// The posts, which block while NCCL connects, are guarded by a BlockingWatchdog (the process
-  /// exits after `timeoutSeconds`); the device's completion is polled, and a stall of
-  /// `timeoutSeconds` in all fails. Any failure aborts the communicators. `scratch`: 5 floats
-  /// of device memory. (The collectives' other algorithms connect when the communicators are
-  /// created; see preferEagerNcclConnections, runtime/cuda/NcclRun.h.)
-  llvm::Error warmUp(float *scratch, double timeoutSeconds);
+  /// The posts, which block while NCCL connects (until the peer posts too), are guarded by a
+  /// BlockingWatchdog: the process exits after `arrivalLimitSeconds` (peerArrivalLimit for a
+  /// launch). The device's completion is then polled, and a stall of `timeoutSeconds` in all
+  /// fails. Any failure aborts the communicators. `scratch`: 5 floats of device memory. (The
+  /// collectives' other algorithms connect when the communicators are created; see
+  /// preferEagerNcclConnections, runtime/cuda/NcclRun.h.)
+  llvm::Error warmUp(float *scratch, double timeoutSeconds, double arrivalLimitSeconds);
 
   /// After the step's instructions are queued: wait for the device, with the watchdog.
   llvm::Error waitStep(int step, double timeoutSeconds);
@@ -87,7 +96,7 @@ private:
     runtime_cuda::OwnedEvent event;
   };
 
-  llvm::Error warmUpOnce(float *scratch, double timeoutSeconds);
+  llvm::Error warmUpOnce(float *scratch, double timeoutSeconds, double arrivalLimitSeconds);
   llvm::Error mark(Posted what, cudaStream_t s);
   std::string describe(const Posted &p) const;
   std::string stallReport(int step, double seconds) const;

@@ -44,6 +44,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -57,6 +58,10 @@ struct Group {
   int size = 0;
   bool aborted = false;
   ncclResult_t asyncError = ncclSuccess; // of work run on a stream
+  // The sides of its channels that have posted once (sender, receiver, sender's side?): a
+  // channel with both is connected (connect()). Kept here, not in `channels`, which is keyed
+  // by the group's address: a later group may reuse that address.
+  std::set<std::tuple<int, int, bool>> came;
 };
 
 struct Posted {
@@ -82,8 +87,7 @@ struct Init {
 };
 
 struct Channel {
-  std::deque<Posted *> sends, recvs;             // FIFO
-  bool senderCame = false, receiverCame = false; // each side has posted once: connected
+  std::deque<Posted *> sends, recvs; // FIFO
 };
 
 std::mutex mu;
@@ -228,23 +232,23 @@ ncclResult_t postAndWait(const std::vector<Op> &ops) {
 /// each channel has both (a group whose peer posts the mirror image connects at once).
 ncclResult_t connect(const std::vector<Op> &ops) {
   std::unique_lock<std::mutex> lock(mu);
-  std::vector<const Channel *> waiting;
+  std::vector<std::tuple<Group *, int, int>> waiting; // (communicator, sender, receiver)
   for (const Op &op : ops) {
     const ncclComm::Pending &p = op.p;
     if (p.peer < 0 || p.peer >= op.group->size)
       continue; // (postAndWait reports it)
     const int src = p.send ? op.rank : p.peer, dst = p.send ? p.peer : op.rank;
-    Channel &c = channels[{op.group.get(), src, dst}];
-    (p.send ? c.senderCame : c.receiverCame) = true;
-    if (!c.senderCame || !c.receiverCame)
-      waiting.push_back(&c);
+    op.group->came.insert({src, dst, p.send});
+    waiting.emplace_back(op.group.get(), src, dst);
   }
   cv.notify_all();
   return waitFor(
       lock, ops.front().group.get(),
       [&] {
-        return std::all_of(waiting.begin(), waiting.end(),
-                           [](const Channel *c) { return c->senderCame && c->receiverCame; });
+        return std::all_of(waiting.begin(), waiting.end(), [](const auto &c) {
+          const auto [g, src, dst] = c;
+          return g->came.count({src, dst, true}) > 0 && g->came.count({src, dst, false}) > 0;
+        });
       },
       "connecting to a peer (its first send or recv with this rank)");
 }
