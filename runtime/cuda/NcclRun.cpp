@@ -19,7 +19,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <optional>
 
 namespace pipec {
 
@@ -124,23 +123,23 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
     // (The first such group with a peer connects to it on `world`, blocking the host until the
     // peer posts its own, which RANK 0 does sender after sender: guarded, with the arrival
     // limit, runtime/BlockingWatchdog.h.)
-    std::optional<BlockingWatchdog> watchdog;
-    watchdog.emplace(fmt::format("rank {}'s post of its {} gather", env.rank, what),
-                     peerArrivalLimit(timeout));
-    keep(ncclGroupStart(), "ncclGroupStart()");
-    for (size_t k = 0; k < group.size(); ++k) {
-      const GatherOp &op = group[k];
-      if (op.send)
-        keep(ncclSend(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
-                      stream),
-             fmt::format("ncclSend({} to RANK 0)", what));
-      else
-        keep(ncclRecv(staging + offsets[k], op.shard.floats, ncclFloat, op.peer, comms.world.get(),
-                      stream),
-             fmt::format("ncclRecv({} from a sender)", what));
+    {
+      BlockingWatchdog watchdog(fmt::format("rank {}'s post of its {} gather", env.rank, what),
+                                peerArrivalLimit(timeout));
+      keep(ncclGroupStart(), "ncclGroupStart()");
+      for (size_t k = 0; k < group.size(); ++k) {
+        const GatherOp &op = group[k];
+        if (op.send)
+          keep(ncclSend(staging + offsets[k], op.shard.floats, ncclFloat, op.peer,
+                        comms.world.get(), stream),
+               fmt::format("ncclSend({} to RANK 0)", what));
+        else
+          keep(ncclRecv(staging + offsets[k], op.shard.floats, ncclFloat, op.peer,
+                        comms.world.get(), stream),
+               fmt::format("ncclRecv({} from a sender)", what));
+      }
+      keep(ncclGroupEnd(), "ncclGroupEnd()");
     }
-    keep(ncclGroupEnd(), "ncclGroupEnd()");
-    watchdog.reset();
     if (first) {
       comms.abortAll();
       return first;
