@@ -20,10 +20,13 @@
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/NcclLayout.h"
 #include "runtime/cuda/NcclRun.h"
+#include "runtime/cuda/emu/FakeNccl.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -90,7 +93,22 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   o.timeoutSeconds = 60;
   o.dtype = c.dtype;
   const bool bf16 = c.dtype == kernels::DType::BF16;
-  auto results = runEveryRank(plan, *data, c.name, [&o](int) { return o; });
+  // The channels connected when RANK 0 reaches step 0: every process has passed its warm-up
+  // by then (the launch settings' all-reduces on `world` follow it), and RANK 0 its part of the
+  // gather's connections (connectGather), which are all with RANK 0.
+  std::atomic<size_t> connectedBeforeStepZero{0};
+  auto results = runEveryRank(plan, *data, c.name, [&](int r) {
+    CudaRunOptions mine = o;
+    if (r == 0)
+      mine.onArenas = [&](const std::vector<size_t> &) {
+        connectedBeforeStepZero = emu::ncclChannelsConnected();
+      };
+    return mine;
+  });
+  // No step and no gather after one connects a channel: a connection is a host call that waits
+  // for the peer, and NCCL allocates its buffers in it, after the arena was sized.
+  EXPECT_EQ(emu::ncclChannelsConnected(), connectedBeforeStepZero.load())
+      << "channels connected after the warm-up, inside the steps or their gathers";
   for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(bool(results[size_t(r)]))
         << "rank " << r << ": " << takeMessage(results[size_t(r)].takeError());
@@ -132,6 +150,30 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
       EXPECT_EQ(mine.weights.steps, 0) << "only RANK 0 compares the weights";
     }
   }
+}
+
+TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingNotFailing) {
+  // RANK 0 builds the single-rank CPU reference, which for a large model takes a while. Its
+  // peers must wait for it where a slow launch is allowed for (the communicators' creation, ten
+  // timeouts and at least 10 minutes), not in step 0, whose watchdog gives up after one timeout.
+  // (A reference built after the warm-up fails rank 1 here on the asynchronous emulated device,
+  // nccl_emu_async_test, as it would on a GPU; on the synchronous one the host waits inside the
+  // emulated NCCL's recv instead, which does not time out so soon.)
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
+  auto data = syntheticData(32, /*seed=*/7);
+  auto results = runEveryRank(plan, *data, "slow-reference", [](int rank) {
+    CudaRunOptions o;
+    o.checkReference = true;
+    o.timeoutSeconds = 2;
+    if (rank == 0)
+      o.onReferenceBuilt = [] { std::this_thread::sleep_for(std::chrono::seconds(5)); };
+    return o;
+  });
+  for (size_t r = 0; r < results.size(); ++r)
+    ASSERT_TRUE(bool(results[r])) << "rank " << r << ": " << takeMessage(results[r].takeError());
+  EXPECT_EQ(results[0]->referenceLosses.size(), 1u);
+  EXPECT_LE(results[0]->grads.maxAbsDiff,
+            cudaGradTolerance(kernels::DType::F32) * results[0]->grads.scale);
 }
 
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithDifferentDtypesAllFailNamingTheFlag) {

@@ -358,8 +358,11 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   if (options.onArenas)
     options.onArenas(result.arenaBytes);
   std::unique_ptr<ReferenceRun> ref;
-  if (options.checkReference)
+  if (options.checkReference) {
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
+    if (options.onReferenceBuilt)
+      options.onReferenceBuilt();
+  }
   for (int s = 0; s < options.steps; ++s) {
     if (auto err = runner.step(s))
       return err;

@@ -52,6 +52,9 @@ struct CudaRunOptions {
   kernels::DType dtype = kernels::DType::F32;
   /// Called once the arenas are reserved, before step 0, with CudaRunResult::arenaBytes.
   std::function<void(const std::vector<size_t> &)> onArenas;
+  /// With checkReference, called once the single-rank CPU reference is built (in the nccl mode
+  /// on RANK 0 only, before its first NCCL call). Tests slow it down here.
+  std::function<void()> onReferenceBuilt;
 };
 
 struct CudaRunResult {

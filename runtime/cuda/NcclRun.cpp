@@ -161,6 +161,44 @@ llvm::Error gatherSnapshot(const std::vector<GradientShard> &shards, const Launc
   return llvm::Error::success();
 }
 
+/// --check-reference with several processes, before step 0: the gather's connections on
+/// `world`, RANK 0's with every sender, made as the warm-up makes the pipeline's
+/// (NcclTransport::warmUp): gatherGroups' groups in their order, one float each way through
+/// `scratch`. Else each connection would be made by step 0's gather, which would then allocate
+/// NCCL's buffers after the arena was sized and block the host until the peer posts.
+llvm::Error connectGather(const std::vector<GradientShard> &shards, const LaunchEnv &env,
+                          NcclCommunicators &comms, cudaStream_t stream, float *scratch,
+                          double timeout) {
+  for (const auto &group : gatherGroups(shards, env.rank)) {
+    // (Every op of a group has the same peer: a sender's group goes to RANK 0, RANK 0's comes
+    // from one sender.)
+    const GatherOp &op = group.front();
+    ncclResult_t posted = ncclSuccess, ended = ncclSuccess;
+    {
+      // The post blocks the host until the peer posts its side (RANK 0 takes the senders one
+      // after another): guarded with the arrival limit, as the warm-up's.
+      BlockingWatchdog watchdog(
+          fmt::format("rank {}'s connection for the --check-reference gather", env.rank),
+          peerArrivalLimit(timeout));
+      if (ncclResult_t r = ncclGroupStart(); r != ncclSuccess)
+        return makeNcclError("ncclGroupStart()", r, __FILE__, __LINE__);
+      posted = op.send ? ncclSend(scratch, 1, ncclFloat, op.peer, comms.world.get(), stream)
+                       : ncclRecv(scratch, 1, ncclFloat, op.peer, comms.world.get(), stream);
+      ended = ncclGroupEnd(); // (closed also after a failed post)
+    }
+    if (posted != ncclSuccess)
+      return makeNcclError(op.send ? "ncclSend (the gather's connection to RANK 0)"
+                                   : "ncclRecv (the gather's connection from a sender)",
+                           posted, __FILE__, __LINE__);
+    if (ended != ncclSuccess)
+      return makeNcclError("ncclGroupEnd() (the gather's connection)", ended, __FILE__, __LINE__);
+    if (auto err = waitPolling(stream, comms, timeout,
+                               fmt::format("rank {}'s connection for the gather", env.rank)))
+      return err;
+  }
+  return llvm::Error::success();
+}
+
 /// --check-reference with dp > 1, after the weights' gather: every process's weight digests
 /// (ParamSnapshot::digests: its own (replica, stage, tp rank) entries) go into one slot each of
 /// a vector summed over `world` in `device` (dp * stages * tp of them, allocated before the
@@ -231,6 +269,16 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   o.device = *device;
   PIPEC_CUDA_TRY(cudaSetDevice(o.device));
 
+  // --check-reference: RANK 0 runs the single-rank CPU reference. It is built first, before any
+  // NCCL call: meanwhile its peers wait in the communicators' creation, under the arrival limit
+  // that allows for a slow launcher, not in step 0, where their step watchdog would count it.
+  std::unique_ptr<ReferenceRun> ref;
+  if (o.checkReference && env.rank == 0) {
+    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+    if (o.onReferenceBuilt)
+      o.onReferenceBuilt();
+  }
+
   // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
   // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
   // slowly).
@@ -260,7 +308,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
                                 [&b] { return b.takeDeferredError(); }))
     return err;
   // The warm-up's 5 floats, then, one after another, the launch settings' and the gather's
-  // agreement slot (float 4) and the loss (a double, floats 0-1).
+  // agreement slot (float 4), the gather's connection (float 0) and the loss (a double, floats
+  // 0-1).
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();
@@ -303,11 +352,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     (*comms)->abortAll();
     return sized;
   }
-  // --check-reference: RANK 0 runs the single-rank reference; with several processes the
-  // others' gradients are gathered to it after every step.
-  std::unique_ptr<ReferenceRun> ref;
-  if (o.checkReference && env.rank == 0)
-    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+  // --check-reference with several processes: the others' gradients are gathered to RANK 0
+  // after every step, over connections made now (connectGather).
   std::vector<GradientShard> shards;
   kernels::cuda::DeviceBuffer staging;
   if (o.checkReference && env.worldSize > 1) {
@@ -322,6 +368,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       if (!buffer)
         return buffer.takeError();
       staging = std::move(*buffer);
+    }
+    if (auto err =
+            connectGather(shards, env, **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
+                          scratch->as<float>(), o.timeoutSeconds)) {
+      (*comms)->abortAll(); // (before the staging's cudaFree, which would wait for the posts)
+      return err;
     }
   }
   // The digests' exchange after the last step (shareDigests): one slot per (replica, stage, tp

@@ -20,9 +20,10 @@
 // Before step 0 every process runs the sizing pass that sizes its activation arena (CudaRun.h;
 // no NCCL call, no peer).
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
-// --check-reference: RANK 0 runs the single-rank CPU reference; after each step every other
-// process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in
-// NcclLayout.h), and only RANK 0's result carries the comparison.
+// --check-reference: RANK 0 runs the single-rank CPU reference, built before its first NCCL
+// call; after each step every other process of dp replica 0 sends its gradients to RANK 0 over
+// `world` (gradientShards in NcclLayout.h), over connections made before step 0, and only
+// RANK 0's result carries the comparison.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H

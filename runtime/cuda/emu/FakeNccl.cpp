@@ -29,6 +29,8 @@
 // released a rank proves less than it seems.)
 //
 //===----------------------------------------------------------------------===//
+#include "runtime/cuda/emu/FakeNccl.h"
+
 #include "kernels/HostBf16.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 
@@ -98,6 +100,7 @@ std::map<std::pair<Group *, long>, Rendezvous> rendezvous; // (group, sequence)
 thread_local int groupDepth = 0;
 thread_local std::string lastError;
 std::string lastAsyncError; // of work run on a stream (under mu)
+size_t connected = 0;       // channels with both sides posted (under mu)
 
 } // namespace
 
@@ -238,7 +241,9 @@ ncclResult_t connect(const std::vector<Op> &ops) {
     if (p.peer < 0 || p.peer >= op.group->size)
       continue; // (postAndWait reports it)
     const int src = p.send ? op.rank : p.peer, dst = p.send ? p.peer : op.rank;
-    op.group->came.insert({src, dst, p.send});
+    if (op.group->came.insert({src, dst, p.send}).second &&
+        op.group->came.count({src, dst, !p.send}) > 0)
+      ++connected;
     waiting.emplace_back(op.group.get(), src, dst);
   }
   cv.notify_all();
@@ -558,3 +563,8 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
 }
 
 } // extern "C"
+
+size_t pipec::emu::ncclChannelsConnected() {
+  std::lock_guard<std::mutex> lock(mu);
+  return connected;
+}
