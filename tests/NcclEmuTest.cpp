@@ -215,6 +215,37 @@ TEST(NcclEmuMemoryTest, AnArenaItsGpuCannotHoldFailsEveryProcessBeforeStepZero) 
   }
 }
 
+TEST(NcclEmuMemoryTest, ARankAloneShortOfMemoryStopsEveryProcessBeforeStepZero) {
+  // 1f1b's rank 0 keeps two microbatches of this model's fc inputs in flight, rank 1 one: on a
+  // 128 MiB device rank 0's arena (132 MiB) cannot be reserved and rank 1's (99 MiB) can. Rank 0
+  // says why; rank 1 says that a process could not, at once, not after its step watchdog.
+  Plan plan = compileOrFail(wideFfnGpt(/*microbatchSize=*/1), options("1f1b", /*pp=*/2, 4));
+  auto data = syntheticData(32, /*seed=*/7);
+  ASSERT_EQ(::setenv("PIPEC_EMU_DEVICE_MIB", "128", 1), 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto results = runEveryRank(plan, *data, "one-short", [](int) {
+    CudaRunOptions o;
+    o.checkReference = true;
+    o.timeoutSeconds = 30;
+    return o;
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::unsetenv("PIPEC_EMU_DEVICE_MIB");
+  ASSERT_EQ(results.size(), 2u);
+  ASSERT_FALSE(bool(results[0])) << "rank 0 ran";
+  const std::string mine = takeMessage(results[0].takeError());
+  EXPECT_NE(mine.find("rank 0 (pp 0, dp 0, tp 0): cannot reserve the "), std::string::npos) << mine;
+  ASSERT_FALSE(bool(results[1])) << "rank 1 ran";
+  const std::string peer = takeMessage(results[1].takeError());
+  EXPECT_NE(peer.find("rank 1: 1 of the launch's 2 processes could not reserve the device memory "
+                      "the plan needs before step 0 (each says why, with the fix), so this one "
+                      "stops too"),
+            std::string::npos)
+      << peer;
+  EXPECT_LT(seconds, 20) << "rank 1 waited for its watchdog";
+}
+
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {
   // --check-reference adds collectives on `world` after every step; a process without it would
   // meet them with the next step's and hang: every process must refuse, before the first step.

@@ -72,12 +72,15 @@ inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
 }
 
 /// A GPT whose activations dwarf its weights, for arenas larger than a device: 4 blocks of
-/// hidden 32 with an fc of 4096, 8 sequences of 1024 tokens per microbatch, fp32. Each
-/// microbatch keeps at least its blocks' fc inputs: 8 x 1024 x 4096 x 4 bytes (134 MB) each.
-inline ModelSpec wideFfnGpt() {
-  auto m = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
-      "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
-      "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})",
+/// hidden 32 with an fc of 4096, `microbatchSize` (8) sequences of 1024 tokens per microbatch,
+/// fp32. Each microbatch keeps at least its blocks' fc inputs: 8 x 1024 x 4096 x 4 bytes (134
+/// MB) each at 8 sequences.
+inline ModelSpec wideFfnGpt(int microbatchSize = 8) {
+  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "wide-ffn",
+      "transformer": {{"num_layers": 4, "hidden_size": 32, "num_attention_heads": 2,
+      "ffn_hidden_size": 4096, "vocab_size": 32, "seq_length": 1024, "microbatch_size": {},
+      "dtype": "fp32"}}}})",
+                                      microbatchSize),
                           "wide-ffn.json");
   EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
   return m ? *m : ModelSpec{};

@@ -341,22 +341,20 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
                       int(*checking), env.worldSize);
 
   RunShared shared(plan, Faults{}, transport);
-  // The sizing pass (every process, alone: no NCCL call): this rank's activation arena, before
-  // anything of a step reaches the device (CudaRun.h).
-  llvm::Error sized = [&]() -> llvm::Error {
+  // The device memory this process needs before step 0, all of it reserved now: the sizing
+  // pass's activation arena (every process alone: no NCCL call; CudaRun.h), and with
+  // --check-reference on several processes the gather's staging (the largest sender's blocks
+  // of replica 0's gradients) and, with dp > 1, the digests' slots (shareDigests: one per
+  // (replica, stage, tp rank)).
+  std::vector<GradientShard> shards;
+  kernels::cuda::DeviceBuffer staging, digestSlots;
+  llvm::Error reserved = [&]() -> llvm::Error {
     if (auto bytes = b.measureArena(); !bytes)
       return bytes.takeError();
-    return b.reserveArena();
-  }();
-  if (sized) {
-    (*comms)->abortAll();
-    return sized;
-  }
-  // --check-reference with several processes: the others' gradients are gathered to RANK 0
-  // after every step, over connections made now (connectGather).
-  std::vector<GradientShard> shards;
-  kernels::cuda::DeviceBuffer staging;
-  if (o.checkReference && env.worldSize > 1) {
+    if (auto err = b.reserveArena())
+      return err;
+    if (!o.checkReference || env.worldSize == 1)
+      return llvm::Error::success();
     shards = gradientShards(
         plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
     std::map<int, size_t> perRank;
@@ -369,26 +367,46 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         return buffer.takeError();
       staging = std::move(*buffer);
     }
+    if (plan.parallel.dp > 1) {
+      auto buffer =
+          kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
+                                                size_t(plan.parallel.tp) * sizeof(uint64_t));
+      if (!buffer)
+        return buffer.takeError();
+      digestSlots = std::move(*buffer);
+    }
+    return llvm::Error::success();
+  }();
+  // Then every process learns whether all of them could: one that could not says why, and the
+  // others say that it could not, at once, rather than wait for it in step 0 until their
+  // watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often alone.)
+  const bool failedHere = static_cast<bool>(reserved);
+  auto failedProcesses = processesWith(failedHere, "the device memory's agreement");
+  if (reserved) {
+    if (!failedProcesses)
+      llvm::consumeError(failedProcesses.takeError()); // (its own error says more)
+    (*comms)->abortAll();
+    return reserved;
+  }
+  if (!failedProcesses)
+    return failedProcesses.takeError();
+  if (*failedProcesses > 0) {
+    (*comms)->abortAll();
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("rank {}: {} of the launch's {} processes could not reserve the device "
+                    "memory the plan needs before step 0 (each says why, with the fix), so this "
+                    "one stops too",
+                    env.rank, int(*failedProcesses), env.worldSize));
+  }
+  // The gather's connections, now that every process takes part (connectGather).
+  if (!shards.empty())
     if (auto err =
             connectGather(shards, env, **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
                           scratch->as<float>(), o.timeoutSeconds)) {
       (*comms)->abortAll(); // (before the staging's cudaFree, which would wait for the posts)
       return err;
     }
-  }
-  // The digests' exchange after the last step (shareDigests): one slot per (replica, stage, tp
-  // rank), allocated now so that no process can fail alone to allocate it then.
-  kernels::cuda::DeviceBuffer digestSlots;
-  if (o.checkReference && env.worldSize > 1 && plan.parallel.dp > 1) {
-    auto buffer =
-        kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
-                                              size_t(plan.parallel.tp) * sizeof(uint64_t));
-    if (!buffer) {
-      (*comms)->abortAll();
-      return buffer.takeError();
-    }
-    digestSlots = std::move(*buffer);
-  }
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
   if (o.onArenas)

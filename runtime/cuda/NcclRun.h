@@ -18,7 +18,8 @@
 //     watchdog (--timeout) that names the first p2p group or all-reduce of this rank that has
 //     not completed, then aborts the communicators (its peers' watchdogs report theirs).
 // Before step 0 every process runs the sizing pass that sizes its activation arena (CudaRun.h;
-// no NCCL call, no peer).
+// no NCCL call, no peer), reserves it, and learns (an all-reduce on `world`) whether every
+// process could: if one could not, all stop.
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
 // --check-reference: RANK 0 runs the single-rank CPU reference, built before its first NCCL
 // call; after each step every other process of dp replica 0 sends its gradients to RANK 0 over

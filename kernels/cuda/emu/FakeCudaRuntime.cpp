@@ -11,9 +11,10 @@
 //   - freed device memory (cudaFree, cudaFreeAsync) is filled with NaN bytes and not reused for
 //     a while, so a kernel that reads a buffer after its owner gave it back reads NaN, which the
 //     gradient checks see;
-//   - memory is counted: cudaMemGetInfo reports a fixed total minus what is allocated, and the
-//     default pool's used-memory high-water mark (cudaMemPoolAttrUsedMemHigh) follows the
-//     stream-ordered allocations, so the no-allocation-inside-a-step test means the same here.
+//   - memory is counted: cudaMemGetInfo reports a fixed total (16 GiB, or PIPEC_EMU_DEVICE_MIB)
+//     minus what is allocated, an allocation past it fails, and the default pool's used-memory
+//     high-water mark (cudaMemPoolAttrUsedMemHigh) follows the stream-ordered allocations, so
+//     the no-allocation-inside-a-step test means the same here.
 //   - every allocation has guard bytes on both sides (kGuardBytes before it, and from its end to
 //     kGuardBytes past the next multiple of 256), which read as NaN in fp32 and bf16: a kernel
 //     that reads past a buffer's end computes with NaN, which the checks against the CPU see,
@@ -45,7 +46,13 @@
 
 namespace {
 
-constexpr size_t kTotalBytes = size_t(16) << 30;
+/// The device's memory: 16 GiB, or PIPEC_EMU_DEVICE_MIB MiB (read at every allocation, so that
+/// a test can set it for its own run).
+size_t totalBytes() {
+  if (const char *mib = std::getenv("PIPEC_EMU_DEVICE_MIB"); mib && *mib)
+    return size_t(std::strtoull(mib, nullptr, 10)) << 20;
+  return size_t(16) << 30;
+}
 constexpr size_t kQuarantineBytes = size_t(256) << 20;
 /// The guard in front of an allocation (which keeps its 256-byte alignment) and the least one
 /// behind it.
@@ -121,7 +128,7 @@ cudaError_t allocate(void **p, size_t bytes, bool streamOrdered, bool pinned) {
     return cudaErrorInvalidValue;
   State &s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (!pinned && s.deviceBytes + bytes > kTotalBytes)
+  if (!pinned && s.deviceBytes + bytes > totalBytes())
     return cudaErrorMemoryAllocation;
   auto *mem =
       static_cast<unsigned char *>(std::aligned_alloc(256, kGuardBytes + bytes + tailBytes(bytes)));
@@ -535,8 +542,8 @@ cudaError_t cudaMemset(void *devPtr, int value, size_t count) {
 cudaError_t cudaMemGetInfo(size_t *free, size_t *total) {
   State &s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  *total = kTotalBytes;
-  *free = kTotalBytes - s.deviceBytes;
+  *total = totalBytes();
+  *free = *total > s.deviceBytes ? *total - s.deviceBytes : 0;
   return cudaSuccess;
 }
 
