@@ -53,7 +53,7 @@ struct CudaRunOptions {
   /// Called once the arenas are reserved, before step 0, with CudaRunResult::arenaBytes.
   std::function<void(const std::vector<size_t> &)> onArenas;
   /// With checkReference, called once the single-rank CPU reference is built (in the nccl mode
-  /// on RANK 0 only, before its first NCCL call). Tests slow it down here.
+  /// on RANK 0 only, just before step 0, while the others wait for it). Tests slow it down here.
   std::function<void()> onReferenceBuilt;
 };
 

@@ -1,6 +1,7 @@
 //===- Nccl.cpp - NCCL status codes to llvm::Error, communicators ---------===//
 #include "runtime/cuda/Nccl.h"
 
+#include "ir/Error.h"
 #include "runtime/BlockingWatchdog.h"
 #include "runtime/cuda/CudaRun.h"
 
@@ -141,9 +142,21 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
     if (auto err = sharedGpuError(last ? last : "", env, visible, std::getenv("NCCL_HOSTID")))
       return err;
   }
-  if (status != ncclSuccess)
-    return makeNcclError("ncclCommInitRank(&c, env.worldSize, id, env.rank)", status, __FILE__,
-                         __LINE__);
+  if (status != ncclSuccess) {
+    llvm::Error err = makeNcclError("ncclCommInitRank(&c, env.worldSize, id, env.rank)", status,
+                                    __FILE__, __LINE__);
+    const char *commId = std::getenv("NCCL_COMM_ID");
+    if (env.rank == 0 || !commId || (status != ncclRemoteError && status != ncclSystemError))
+      return err;
+    // The usual cause: RANK 0, whose ncclCommInitRank starts the bootstrap root, started late.
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("{}; RANK 0's bootstrap root at NCCL_COMM_ID={} could not be reached: NCCL "
+                    "retries for about a minute (NCCL_SOCKET_RETRY_CNT, "
+                    "NCCL_SOCKET_RETRY_SLEEP_MSEC), so start RANK 0 at most that long after the "
+                    "others, or raise those, and check that the address is RANK 0's host",
+                    takeMessage(std::move(err)), commId));
+  }
   out = NcclComm(c);
   return llvm::Error::success();
 }

@@ -269,16 +269,6 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   o.device = *device;
   PIPEC_CUDA_TRY(cudaSetDevice(o.device));
 
-  // --check-reference: RANK 0 runs the single-rank CPU reference. It is built first, before any
-  // NCCL call: meanwhile its peers wait in the communicators' creation, under the arrival limit
-  // that allows for a slow launcher, not in step 0, where their step watchdog would count it.
-  std::unique_ptr<ReferenceRun> ref;
-  if (o.checkReference && env.rank == 0) {
-    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
-    if (o.onReferenceBuilt)
-      o.onReferenceBuilt();
-  }
-
   // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
   // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
   // slowly).
@@ -307,9 +297,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
                                 [&b] { return b.takeDeferredError(); }))
     return err;
-  // The warm-up's 5 floats, then, one after another, the launch settings' and the gather's
-  // agreement slot (float 4), the gather's connection (float 0) and the loss (a double, floats
-  // 0-1).
+  // The warm-up's 5 floats, then, one after another: the agreements' and waits' slot (float 4),
+  // the gather's connection (float 0) and the loss (a double, floats 0-1).
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();
@@ -339,6 +328,20 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return inputError("--check-reference: {} of the launch's {} processes check against the "
                       "reference, the others do not; pass it to every process or to none",
                       int(*checking), env.worldSize);
+  // --check-reference with several processes: the others' blocks of replica 0 are gathered to
+  // RANK 0 after every step, over connections made now, before the arena is sized: NCCL
+  // allocates a connection's buffers as it makes it (connectGather).
+  std::vector<GradientShard> shards;
+  if (o.checkReference && env.worldSize > 1) {
+    shards = gradientShards(
+        plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
+    if (auto err =
+            connectGather(shards, env, **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
+                          scratch->as<float>(), o.timeoutSeconds)) {
+      (*comms)->abortAll(); // (before the scratch's cudaFree, which would wait for the posts)
+      return err;
+    }
+  }
 
   RunShared shared(plan, Faults{}, transport);
   // The device memory this process needs before step 0, all of it reserved now: the sizing
@@ -346,7 +349,6 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // --check-reference on several processes the gather's staging (the largest sender's blocks
   // of replica 0's gradients) and, with dp > 1, the digests' slots (shareDigests: one per
   // (replica, stage, tp rank)).
-  std::vector<GradientShard> shards;
   kernels::cuda::DeviceBuffer staging, digestSlots;
   llvm::Error reserved = [&]() -> llvm::Error {
     if (auto bytes = b.measureArena(); !bytes)
@@ -355,8 +357,6 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       return err;
     if (!o.checkReference || env.worldSize == 1)
       return llvm::Error::success();
-    shards = gradientShards(
-        plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
     std::map<int, size_t> perRank;
     size_t largest = 0;
     for (const GradientShard &g : shards)
@@ -399,14 +399,23 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
                     "one stops too",
                     env.rank, int(*failedProcesses), env.worldSize));
   }
-  // The gather's connections, now that every process takes part (connectGather).
-  if (!shards.empty())
-    if (auto err =
-            connectGather(shards, env, **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
-                          scratch->as<float>(), o.timeoutSeconds)) {
-      (*comms)->abortAll(); // (before the staging's cudaFree, which would wait for the posts)
-      return err;
-    }
+  // --check-reference: RANK 0 runs the single-rank CPU reference, built now, and the others wait
+  // for it here under the arrival limit (ten timeouts, at least 10 minutes), not in step 0,
+  // where their step watchdog would count its time. (Not before the communicators: RANK 0's
+  // ncclCommInitRank starts the bootstrap root, which NCCL gives the others only about a minute
+  // to reach.)
+  std::unique_ptr<ReferenceRun> ref;
+  if (o.checkReference && env.rank == 0) {
+    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+    if (o.onReferenceBuilt)
+      o.onReferenceBuilt();
+  }
+  if (o.checkReference && env.worldSize > 1)
+    if (auto r = worldSum(0.0f, scratch->as<float>() + 4, **comms,
+                          static_cast<cudaStream_t>(b.computeStreamHandle()),
+                          peerArrivalLimit(o.timeoutSeconds), "the wait for RANK 0's reference");
+        !r)
+      return r.takeError();
   CudaRunResult result;
   result.arenaBytes.push_back(b.arenaBytes());
   if (o.onArenas)
@@ -458,9 +467,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
     // their watchdog would count its time. (Every process checks, or none: agreed above.)
     if (o.checkReference && env.worldSize > 1)
-      if (auto r =
-              worldSum(0.0f, agreeSlot, **comms, compute, std::max(o.timeoutSeconds * 10, 600.0),
-                       "the wait for RANK 0's reference step");
+      if (auto r = worldSum(0.0f, agreeSlot, **comms, compute, peerArrivalLimit(o.timeoutSeconds),
+                            "the wait for RANK 0's reference step");
           !r)
         return r.takeError();
     if (onStep && env.rank == 0)

@@ -21,10 +21,11 @@
 // no NCCL call, no peer), reserves it, and learns (an all-reduce on `world`) whether every
 // process could: if one could not, all stop.
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
-// --check-reference: RANK 0 runs the single-rank CPU reference, built before its first NCCL
-// call; after each step every other process of dp replica 0 sends its gradients to RANK 0 over
-// `world` (gradientShards in NcclLayout.h), over connections made before step 0, and only
-// RANK 0's result carries the comparison.
+// --check-reference: RANK 0 runs the single-rank CPU reference, built just before step 0 while
+// the others wait in an all-reduce (under the arrival limit); after each step every other
+// process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in
+// NcclLayout.h), over connections made before the arena is sized, and only RANK 0's result
+// carries the comparison.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H

@@ -31,6 +31,10 @@ void setLastError(cudaError_t error);
 void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n);
 void checkGuard(cudaStream_t stream, const void *buffer, size_t bytes, size_t n, std::string owner);
 
+/// The device's memory, which cudaMemGetInfo reports and allocations may not exceed: 16 GiB
+/// until a test sets another size (0: back to 16 GiB).
+void setDeviceMemory(size_t bytes);
+
 } // namespace pipec::emu
 
 #endif // PIPEC_KERNELS_CUDA_EMU_FAKECUDA_H

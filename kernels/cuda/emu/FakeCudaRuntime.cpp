@@ -11,7 +11,8 @@
 //   - freed device memory (cudaFree, cudaFreeAsync) is filled with NaN bytes and not reused for
 //     a while, so a kernel that reads a buffer after its owner gave it back reads NaN, which the
 //     gradient checks see;
-//   - memory is counted: cudaMemGetInfo reports a fixed total (16 GiB, or PIPEC_EMU_DEVICE_MIB)
+//   - memory is counted: cudaMemGetInfo reports a fixed total (16 GiB, or
+//   pipec::emu::setDeviceMemory's)
 //     minus what is allocated, an allocation past it fails, and the default pool's used-memory
 //     high-water mark (cudaMemPoolAttrUsedMemHigh) follows the stream-ordered allocations, so
 //     the no-allocation-inside-a-step test means the same here.
@@ -46,12 +47,11 @@
 
 namespace {
 
-/// The device's memory: 16 GiB, or PIPEC_EMU_DEVICE_MIB MiB (read at every allocation, so that
-/// a test can set it for its own run).
+/// The device's memory (pipec::emu::setDeviceMemory; 0: 16 GiB).
+std::atomic<size_t> deviceMemory{0};
 size_t totalBytes() {
-  if (const char *mib = std::getenv("PIPEC_EMU_DEVICE_MIB"); mib && *mib)
-    return size_t(std::strtoull(mib, nullptr, 10)) << 20;
-  return size_t(16) << 30;
+  const size_t set = deviceMemory.load();
+  return set ? set : size_t(16) << 30;
 }
 constexpr size_t kQuarantineBytes = size_t(256) << 20;
 /// The guard in front of an allocation (which keeps its 256-byte alignment) and the least one
@@ -310,6 +310,8 @@ bool asynchronous() {
 }
 
 void setLastError(cudaError_t error) { lastError = error; }
+
+void setDeviceMemory(size_t bytes) { deviceMemory = bytes; }
 
 void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n) {
   enqueue(stream, [=] { ::fillGuard(static_cast<unsigned char *>(buffer) + bytes, n); });

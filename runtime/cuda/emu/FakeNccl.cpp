@@ -6,7 +6,11 @@
 // on one GPU). Data is host memory (the fake CUDA runtime's). NCCL's rules that the runtime
 // relies on are kept:
 //   - ncclCommInitRank blocks until all ranks of the id have joined (the id comes from
-//     NCCL_COMM_ID, as with the real library's bootstrap), and with PIPEC_FAKE_NCCL_ONE_GPU=1
+//     NCCL_COMM_ID, as with the real library's bootstrap); with NCCL_COMM_ID, RANK 0 starts the
+//     bootstrap root in its call, and another rank that finds no root retries its connection
+//     for NCCL's retry window only (NCCL_SOCKET_RETRY_CNT times, sleeping k times
+//     NCCL_SOCKET_RETRY_SLEEP_MSEC before the k-th: 34 and 100 ms, 59.5 s in all, by default),
+//     then fails with ncclRemoteError as NCCL 2.24 and later do; with PIPEC_FAKE_NCCL_ONE_GPU=1
 //     fails on every rank as NCCL does for ranks sharing a GPU; ncclCommSplit is a collective of
 //     the parent that orders each color's members by (key, rank);
 //   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
@@ -86,7 +90,21 @@ struct Rendezvous {
 struct Init {
   std::shared_ptr<Group> group;
   int joined = 0, left = 0;
+  bool root = false; // RANK 0 has joined: its bootstrap root listens
 };
+
+/// How long a rank other than 0 keeps trying to reach the bootstrap root, as NCCL's socket
+/// connect retries: NCCL_SOCKET_RETRY_CNT retries (34), the k-th after k times
+/// NCCL_SOCKET_RETRY_SLEEP_MSEC (100 ms).
+std::chrono::milliseconds rootRetryWindow() {
+  auto param = [](const char *name, long fallback) {
+    const char *v = std::getenv(name);
+    return v && *v ? std::strtol(v, nullptr, 10) : fallback;
+  };
+  const long retries = param("NCCL_SOCKET_RETRY_CNT", 34);
+  const long sleep = param("NCCL_SOCKET_RETRY_SLEEP_MSEC", 100);
+  return std::chrono::milliseconds(sleep * retries * (retries + 1) / 2);
+}
 
 struct Channel {
   std::deque<Posted *> sends, recvs; // FIFO
@@ -411,6 +429,15 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
     return fail("ranks disagree on the communicator's size", ncclInvalidUsage);
   std::shared_ptr<Group> mine = init.group;
   Init *at = &init;
+  if (rank == 0)
+    at->root = true;
+  else if (id.rfind("env:", 0) == 0 && !at->root &&
+           !cv.wait_for(lock, rootRetryWindow(), [&] { return at->root; })) {
+    // (Not counted as joined: the real root never hears of this rank.)
+    lastError = "emulated NCCL: bootstrap: connect to the root of NCCL_COMM_ID returned "
+                "Connection refused, exceeded error retry count";
+    return ncclRemoteError;
+  }
   ++at->joined;
   cv.notify_all();
   if (auto r = waitFor(
