@@ -32,6 +32,8 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
+#include <string>
 #include <thread>
 
 namespace pipec::test {
@@ -153,11 +155,21 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   }
 }
 
-/// Sets the environment variable `name` to `value` for its lifetime, then unsets it.
+/// Sets the environment variable `name` to `value` for its lifetime, then restores it.
 struct ScopedEnv {
   const char *name;
-  ScopedEnv(const char *n, const char *value) : name(n) { EXPECT_EQ(::setenv(n, value, 1), 0); }
-  ~ScopedEnv() { ::unsetenv(name); }
+  std::optional<std::string> before;
+  ScopedEnv(const char *n, const char *value) : name(n) {
+    if (const char *v = std::getenv(n))
+      before = v;
+    EXPECT_EQ(::setenv(n, value, 1), 0);
+  }
+  ~ScopedEnv() {
+    if (before)
+      ::setenv(name, before->c_str(), 1);
+    else
+      ::unsetenv(name);
+  }
 };
 
 TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingNotFailing) {
@@ -207,7 +219,7 @@ TEST(NcclEmuLaunchTest, AProcessThatCannotReachRankZerosRootSaysWhatNcclWaitsFor
   const std::string message = takeMessage(result.takeError());
   EXPECT_NE(message.find("ncclCommInitRank"), std::string::npos) << message;
   EXPECT_NE(message.find("RANK 0's bootstrap root at NCCL_COMM_ID=emu-no-root:1 could not be "
-                         "reached: NCCL retries for about a minute (NCCL_SOCKET_RETRY_CNT, "
+                         "reached: NCCL retries for 0.2 s (NCCL_SOCKET_RETRY_CNT, "
                          "NCCL_SOCKET_RETRY_SLEEP_MSEC), so start RANK 0 at most that long after "
                          "the others"),
             std::string::npos)

@@ -297,8 +297,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
                                 [&b] { return b.takeDeferredError(); }))
     return err;
-  // The warm-up's 5 floats, then, one after another: the agreements' and waits' slot (float 4),
-  // the gather's connection (float 0) and the loss (a double, floats 0-1).
+  // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK 0's
+  // reference (float 4), the gather's connection (float 0) and the loss (a double, floats 0-1).
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();

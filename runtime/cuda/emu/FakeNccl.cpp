@@ -10,7 +10,7 @@
 //     bootstrap root in its call, and another rank that finds no root retries its connection
 //     for NCCL's retry window only (NCCL_SOCKET_RETRY_CNT times, sleeping k times
 //     NCCL_SOCKET_RETRY_SLEEP_MSEC before the k-th: 34 and 100 ms, 59.5 s in all, by default),
-//     then fails with ncclRemoteError as NCCL 2.24 and later do; with PIPEC_FAKE_NCCL_ONE_GPU=1
+//     then fails with ncclRemoteError as NCCL does; with PIPEC_FAKE_NCCL_ONE_GPU=1
 //     fails on every rank as NCCL does for ranks sharing a GPU; ncclCommSplit is a collective of
 //     the parent that orders each color's members by (key, rank);
 //   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
