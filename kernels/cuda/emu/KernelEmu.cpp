@@ -3,7 +3,8 @@
 // KernelEmu.h documents the model (this file sees only KernelEmuRuntime.h, not its macros). A grid
 // runs on the host thread that executes its stream's work (the caller, or the stream's worker in
 // asynchronous mode), under a process-wide lock; its blocks run one after another. Each block's
-// threads are fibers with their own stacks; the scheduler resumes every ready fiber until
+// threads are fibers with their own stacks (a fiber runs one thread of each block in turn,
+// fiberMain); the scheduler resumes every ready fiber until
 // it finishes or waits at a barrier, then releases complete warp barriers, then (when every live
 // thread waits there) the block barrier.
 //
@@ -34,18 +35,68 @@
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
 
 namespace pipec::emu::kernel {
 namespace {
 
-/// A fiber stack about to run a new thread: the frames the previous thread left on it never
-/// returned, so under ASan their red zones are still poisoned and would fault the new thread's
+/// A fiber's new stack: under ASan, the shadow of an earlier stack unmapped at these addresses
+/// (whose frames never returned) may still mark red zones there, which would fault the fiber's
 /// writes. (Without ASan, nothing to do.)
 void unpoisonStack([[maybe_unused]] char *stack, [[maybe_unused]] size_t bytes) {
 #if defined(__SANITIZE_ADDRESS__)
   __asan_unpoison_memory_region(stack, bytes);
 #endif
 }
+
+/// Under ThreadSanitizer, the fiber object it follows a context by (it cannot follow a switch of
+/// stacks by hand otherwise): a fiber context owns one, made with it (fiberMain); the
+/// scheduler's is its host thread's own. Elsewhere nothing.
+struct SanitizerFiber {
+  void *handle = nullptr;
+  bool owned = false;
+  SanitizerFiber() = default;
+  SanitizerFiber(SanitizerFiber &&o) noexcept
+      : handle(std::exchange(o.handle, nullptr)), owned(std::exchange(o.owned, false)) {}
+  SanitizerFiber &operator=(SanitizerFiber &&o) noexcept {
+    std::swap(handle, o.handle);
+    std::swap(owned, o.owned);
+    return *this;
+  }
+  ~SanitizerFiber() { release(); }
+  void release() {
+#if defined(__SANITIZE_THREAD__)
+    if (owned && handle)
+      __tsan_destroy_fiber(handle);
+#endif
+    handle = nullptr;
+    owned = false;
+  }
+  /// A fresh fiber, for a context about to run a new thread.
+  void renew() {
+    release();
+#if defined(__SANITIZE_THREAD__)
+    handle = __tsan_create_fiber(0);
+    owned = true;
+#endif
+  }
+  /// The calling host thread's own (the scheduler's).
+  void adoptCurrent() {
+    release();
+#if defined(__SANITIZE_THREAD__)
+    handle = __tsan_get_current_fiber();
+#endif
+  }
+  /// Tells ThreadSanitizer that this fiber runs next (just before the switch; with
+  /// synchronisation, since the fibers of a block run one at a time on one host thread).
+  void enter() const {
+#if defined(__SANITIZE_THREAD__)
+    __tsan_switch_to_fiber(handle, 0);
+#endif
+  }
+};
 
 // Switching between fibers. On x86-64 a few instructions that save and restore the registers the
 // calling convention preserves (and the SSE/x87 control words) — swapcontext would also make
@@ -84,11 +135,13 @@ pipecEmuSwitch:
 
 struct Context {
   void *sp = nullptr;
+  SanitizerFiber sanitizer;
 };
 
 /// `context` starts `entry` (which never returns) on `stack` at the next switch to it.
 void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
   unpoisonStack(stack, bytes);
+  context.sanitizer.renew();
   auto top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
   auto *frame = reinterpret_cast<uint64_t *>(top) - 9;
   const uint32_t mxcsr = 0x1f80; // the defaults: all exceptions masked, round to nearest
@@ -102,14 +155,19 @@ void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
   context.sp = frame;
 }
 
-void switchTo(Context &from, Context &to) { pipecEmuSwitch(&from.sp, to.sp); }
+void switchTo(Context &from, Context &to) {
+  to.sanitizer.enter();
+  pipecEmuSwitch(&from.sp, to.sp);
+}
 #else
 struct Context {
   ucontext_t uc;
+  SanitizerFiber sanitizer;
 };
 
 void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
   unpoisonStack(stack, bytes);
+  context.sanitizer.renew();
   getcontext(&context.uc);
   context.uc.uc_stack.ss_sp = stack;
   context.uc.uc_stack.ss_size = bytes;
@@ -117,7 +175,10 @@ void prepare(Context &context, char *stack, size_t bytes, void (*entry)()) {
   makecontext(&context.uc, entry, 0);
 }
 
-void switchTo(Context &from, Context &to) { swapcontext(&from.uc, &to.uc); }
+void switchTo(Context &from, Context &to) {
+  to.sanitizer.enter();
+  swapcontext(&from.uc, &to.uc);
+}
 #endif
 
 constexpr int kWarp = 32;
@@ -357,17 +418,24 @@ void wait(State state) {
   switchTo(f.context, grid().scheduler);
 }
 
+/// A fiber runs its threads one after another: one per block that uses it, each to its end
+/// (every thread of a block finishes before the next block starts). So its frames return, and
+/// its stack and ThreadSanitizer's record of it (SanitizerFiber) stay as they were made.
 [[noreturn]] void fiberMain() {
-  Grid &g = grid();
-  (*g.body)();
-  Fiber &f = g.fibers[g.current];
-  if (!f.copies.empty())
-    fatal("a thread exited with cp.async copies it never waited for");
-  if (!f.wgmmas.empty())
-    fatal("a thread exited with wgmma.mma_async in flight (no wgmma.wait_group covers it)");
-  f.state = State::Done;
-  switchTo(f.context, g.scheduler);
-  fatal("a finished thread was resumed");
+  for (;;) {
+    Grid &g = grid();
+    (*g.body)();
+    Fiber &f = g.fibers[g.current];
+    if (!f.copies.empty())
+      fatal("a thread exited with cp.async copies it never waited for");
+    if (!f.wgmmas.empty())
+      fatal("a thread exited with wgmma.mma_async in flight (no wgmma.wait_group covers it)");
+    f.state = State::Done;
+    switchTo(f.context, g.scheduler);
+    // The next block's thread (runBlock made it Ready), or a mistake.
+    if (grid().fibers[grid().current].state != State::Ready)
+      fatal("a finished thread was resumed");
+  }
 }
 
 /// wgmma is .aligned over a warpgroup: its four warps issue the same wgmma instructions, so at a
@@ -393,11 +461,13 @@ void checkWarpgroupsAligned(const Grid &g, const ThreadCoords &base, const char 
 /// Runs one block to completion.
 void runBlock(Grid &g, const ThreadCoords &base) {
   const size_t n = g.threads;
+  g.scheduler.sanitizer.adoptCurrent();
   for (size_t i = 0; i < n; ++i) {
     Fiber &f = g.fibers[i];
-    if (!f.stack)
+    if (!f.stack) { // (else the fiber waits in fiberMain's loop for its next thread)
       f.stack = Stack::make();
-    prepare(f.context, f.stack.base, kStackBytes, fiberMain);
+      prepare(f.context, f.stack.base, kStackBytes, fiberMain);
+    }
     f.state = State::Ready;
     f.copies.clear();
     f.wgmmas.clear();
