@@ -280,12 +280,18 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // peer that failed may never complete that. (Where work may be queued, the abort comes
   // before the return, since the buffers' cudaFree waits for the device too.) NCCL tells no
   // peer of an abort: the peers fail through their own watchdogs, or sooner over sockets
-  // when this process exits.
+  // when this process exits. Where every process stops together after an agreement, with
+  // nothing queued (stopTogether), the communicators are finalized instead: that flushes this
+  // process's last sends, the agreement's, which an abort could drop before a peer has them.
   bool completed = false;
   auto abortUnlessCompleted = llvm::make_scope_exit([&] {
     if (!completed)
       (*comms)->abortAll();
   });
+  auto stopTogether = [&completed](llvm::Error err) {
+    completed = true;
+    return err;
+  };
   NcclTransport transport(plan, env, **comms);
   ParamSnapshot snapshot;
   auto backend = createDeviceTransportBackend(
@@ -317,17 +323,19 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (!bf16)
     return bf16.takeError();
   if (some(*bf16))
-    return inputError("--dtype: {} of the launch's {} processes compute in bf16, the others in "
-                      "fp32; pass the same --dtype to every process",
-                      int(*bf16), env.worldSize);
+    return stopTogether(
+        inputError("--dtype: {} of the launch's {} processes compute in bf16, the others in "
+                   "fp32; pass the same --dtype to every process",
+                   int(*bf16), env.worldSize));
   // --check-reference adds collectives on `world` after every step: all processes or none.
   auto checking = processesWith(o.checkReference, "the --check-reference agreement");
   if (!checking)
     return checking.takeError();
   if (some(*checking))
-    return inputError("--check-reference: {} of the launch's {} processes check against the "
-                      "reference, the others do not; pass it to every process or to none",
-                      int(*checking), env.worldSize);
+    return stopTogether(
+        inputError("--check-reference: {} of the launch's {} processes check against the "
+                   "reference, the others do not; pass it to every process or to none",
+                   int(*checking), env.worldSize));
   // --check-reference with several processes: the others' blocks of replica 0 are gathered to
   // RANK 0 after every step, over connections made now, before the arena is sized: NCCL
   // allocates a connection's buffers as it makes it (connectGather).
@@ -383,21 +391,21 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   const bool failedHere = static_cast<bool>(reserved);
   auto failedProcesses = processesWith(failedHere, "the device memory's agreement");
   if (reserved) {
-    if (!failedProcesses)
-      llvm::consumeError(failedProcesses.takeError()); // (its own error says more)
-    (*comms)->abortAll();
+    if (failedProcesses)
+      return stopTogether(std::move(reserved));
+    // (The wait that failed aborted; this process's own error says more than the wait's.)
+    llvm::consumeError(failedProcesses.takeError());
     return reserved;
   }
   if (!failedProcesses)
     return failedProcesses.takeError();
   if (*failedProcesses > 0) {
-    (*comms)->abortAll();
-    return llvm::createStringError(
+    return stopTogether(llvm::createStringError(
         llvm::inconvertibleErrorCode(),
         fmt::format("rank {}: {} of the launch's {} processes could not reserve the device "
                     "memory the plan needs before step 0 (each says why, with the fix), so this "
                     "one stops too",
-                    env.rank, int(*failedProcesses), env.worldSize));
+                    env.rank, int(*failedProcesses), env.worldSize)));
   }
   // --check-reference: RANK 0 runs the single-rank CPU reference, built now, and the others wait
   // for it here under the arrival limit (ten timeouts, at least 10 minutes), not in step 0,
