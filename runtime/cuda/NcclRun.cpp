@@ -300,8 +300,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (!backend)
     return backend.takeError();
   CudaRankBackend &b = **backend;
-  if (auto err = transport.init(static_cast<cudaStream_t>(b.computeStreamHandle()),
-                                [&b] { return b.takeDeferredError(); }))
+  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
+  if (auto err = transport.init(compute, [&b] { return b.takeDeferredError(); }))
     return err;
   // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK 0's
   // reference (float 4), the gather's connection (float 0) and the loss (a double, floats 0-1).
@@ -313,8 +313,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return err;
   // How many processes have a per-process launch setting (a worldSum of 0 or 1 each).
   auto processesWith = [&](bool mine, const char *what) {
-    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms,
-                    static_cast<cudaStream_t>(b.computeStreamHandle()), o.timeoutSeconds, what);
+    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute,
+                    o.timeoutSeconds, what);
   };
   auto some = [&](float n) { return n != 0.0f && n != float(env.worldSize); };
   // Every process must compute in the same type: a p2p tensor's bytes and its NCCL datatype
@@ -344,8 +344,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     shards = gradientShards(
         plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
     if (auto err =
-            connectGather(shards, env, **comms, static_cast<cudaStream_t>(b.computeStreamHandle()),
-                          scratch->as<float>(), o.timeoutSeconds)) {
+            connectGather(shards, env, **comms, compute, scratch->as<float>(), o.timeoutSeconds)) {
       (*comms)->abortAll(); // (before the scratch's cudaFree, which would wait for the posts)
       return err;
     }
@@ -419,8 +418,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       o.onReferenceBuilt();
   }
   if (o.checkReference && env.worldSize > 1)
-    if (auto r = worldSum(0.0f, scratch->as<float>() + 4, **comms,
-                          static_cast<cudaStream_t>(b.computeStreamHandle()),
+    if (auto r = worldSum(0.0f, scratch->as<float>() + 4, **comms, compute,
                           peerArrivalLimit(o.timeoutSeconds), "the wait for RANK 0's reference");
         !r)
       return r.takeError();
@@ -428,7 +426,6 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   result.arenaBytes.push_back(b.arenaBytes());
   if (o.onArenas)
     o.onArenas(result.arenaBytes);
-  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
   for (int s = 0; s < o.steps; ++s) {
     transport.beginStep();
     llvm::Error err = b.beginStep(s);
