@@ -24,6 +24,7 @@
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/CudaRun.h"
 #include "runtime/cuda/EmbeddingGrad.h"
+#include "runtime/cuda/GpuStage.h"
 #include "runtime/cuda/StageKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -436,6 +437,27 @@ TEST_F(CudaRuntimeTest, NoStepAllocatesDeviceMemoryStepZeroIncluded) {
   EXPECT_EQ(result->arenaUsedBytes, result->arenaBytes);
 }
 
+/// A --backend cuda "the plan's 4 ranks need ... together" message lists each rank's MiB: each
+/// between 30 % of `freeBytes` and all of it, all four together more.
+void expectEachFitsAloneButNotTogether(const std::string &message, size_t freeBytes) {
+  const std::string list = "(MiB by rank, in RANK order: ";
+  const size_t at = message.find(list);
+  ASSERT_NE(at, std::string::npos) << message;
+  std::istringstream byRank(message.substr(at + list.size()));
+  std::vector<double> need(4);
+  for (double &mib : need)
+    byRank >> mib;
+  ASSERT_TRUE(bool(byRank)) << message;
+  const double freeMib = double(freeBytes) / double(1 << 20);
+  double sum = 0;
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_LT(need[r], freeMib) << "rank " << r << ": " << message;
+    EXPECT_GT(need[r], 0.3 * freeMib) << "rank " << r << ": " << message;
+    sum += need[r];
+  }
+  EXPECT_GT(sum, freeMib) << message;
+}
+
 TEST_F(CudaRuntimeTest, RanksThatFitTheGpuAloneButNotTogetherFailBeforeStepZero) {
   // GPipe keeps every microbatch's activations: each of the four ranks about a block's fp32 fc
   // inputs per microbatch (134 MB), with enough microbatches for 35-45 % of the free memory
@@ -460,22 +482,60 @@ TEST_F(CudaRuntimeTest, RanksThatFitTheGpuAloneButNotTogetherFailBeforeStepZero)
         " MiB are free; ", "1f1b instead of gpipe", "--backend nccl"})
     EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
   // Each rank's need, from the message: each fits alone, all four do not.
-  const std::string list = "(MiB by rank, in RANK order: ";
-  const size_t at = message.find(list);
-  ASSERT_NE(at, std::string::npos) << message;
-  std::istringstream byRank(message.substr(at + list.size()));
-  std::vector<double> need(4);
-  for (double &mib : need)
-    byRank >> mib;
-  ASSERT_TRUE(bool(byRank)) << message;
-  const double freeMib = double(freeBytes) / double(1 << 20);
-  double sum = 0;
-  for (size_t r = 0; r < 4; ++r) {
-    EXPECT_LT(need[r], freeMib) << "rank " << r << ": " << message;
-    EXPECT_GT(need[r], 0.3 * freeMib) << "rank " << r << ": " << message;
-    sum += need[r];
+  expectEachFitsAloneButNotTogether(message, freeBytes);
+}
+
+TEST_F(CudaRuntimeTest, RanksWhoseWeightsFitTheGpuAloneButNotTogetherFailBeforeAnyIsAllocated) {
+  // One wide block per rank, its fc sized from the free memory so that each rank's fp32
+  // weights, gradients and Adam moments (16 bytes a parameter) take about 40 % of it. Each
+  // rank's would fit alone; the four share the GPU and cannot. That is found from the plan
+  // before any rank allocates (or initialises on the host) its weights: were they allocated
+  // one rank after another, the third would fail with its own message instead.
+  size_t freeBytes = 0, totalBytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
+  const double hidden = 1024, perRankParams = 0.4 * double(freeBytes) / 16;
+  const int ffn = int((perRankParams - 4 * hidden * hidden) / (2 * hidden));
+  auto model = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "wide",
+      "transformer": {{"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8,
+      "ffn_hidden_size": {}, "vocab_size": 32, "seq_length": 8, "microbatch_size": 1,
+      "dtype": "fp32"}}}})",
+                                          ffn),
+                              "wide.json");
+  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
+  Plan plan = compileOrFail(*model, options("1f1b", /*pp=*/4, /*microbatches=*/4));
+  auto data = syntheticData(32, /*seed=*/7);
+  bool arenasSized = false;
+  CudaRunOptions o;
+  o.onArenas = [&](const std::vector<size_t> &) { arenasSized = true; };
+  auto result = runOnCuda(plan, *data, o);
+  ASSERT_FALSE(bool(result)) << "four ranks of " << ffn << "-wide blocks fitted";
+  const std::string message = takeMessage(result.takeError());
+  EXPECT_FALSE(arenasSized);
+  for (const char *part : {"--backend cuda: the plan's 4 ranks need ",
+                           " MiB of weights, gradients and optimizer state together on GPU 0",
+                           " MiB are free; run one rank per GPU with --backend nccl"})
+    EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
+  expectEachFitsAloneButNotTogether(message, freeBytes);
+}
+
+TEST(GpuStageTest, ItHoldsTheParametersThePlansMemoryAnalysisCounts) {
+  // ir/Model.cpp counts each layer's parameters for the plan's memory analysis on its own; the
+  // runtime lays them out from kernels/cpu/Gpt.h. Stage by stage (untied, tp 1) they agree, and
+  // the device state is 16 bytes a parameter in fp32 (the plan's 4 per fp32 parameter byte),
+  // 2 more with the bf16 copy, plus the loss's 8-byte accumulator.
+  for (int pp : {1, 2, 4}) {
+    Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6), options("1f1b", pp, 4));
+    auto cfg = gptConfigOf(plan);
+    ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+    for (const StageInfo &s : plan.stages) {
+      const size_t n = GpuStage::paramCount(*cfg, s.layerBegin, s.layerEnd, /*tp=*/1);
+      EXPECT_EQ(int64_t(n * sizeof(float)), s.paramBytes) << "pp " << pp << " stage " << s.stage;
+      EXPECT_EQ(GpuStage::stateBytes(*cfg, s.layerBegin, s.layerEnd, 1, DType::F32),
+                size_t(double(s.paramBytes) * plan.stateBytesPerParamByte) + sizeof(double));
+      EXPECT_EQ(GpuStage::stateBytes(*cfg, s.layerBegin, s.layerEnd, 1, DType::BF16),
+                18 * n + sizeof(double));
+    }
   }
-  EXPECT_GT(sum, freeMib) << message;
 }
 
 TEST_F(CudaRuntimeTest, TheArenaFollowsTheScheduleActivationPeak) {

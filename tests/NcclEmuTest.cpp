@@ -265,6 +265,17 @@ TEST(NcclEmuMemoryTest, AnArenaItsGpuCannotHoldFailsEveryProcessBeforeStepZero) 
   }
 }
 
+/// Rank 1 of two, whose peer could not allocate what it needed before step 0, stopped too.
+void expectRankOneStoppedForItsPeer(llvm::Expected<CudaRunResult> &result) {
+  ASSERT_FALSE(bool(result)) << "rank 1 ran";
+  const std::string peer = takeMessage(result.takeError());
+  EXPECT_NE(peer.find("rank 1: 1 of the launch's 2 processes could not reserve the device memory "
+                      "the plan needs before step 0 (each says why, with the fix), so this one "
+                      "stops too"),
+            std::string::npos)
+      << peer;
+}
+
 TEST(NcclEmuMemoryTest, ARankAloneShortOfMemoryStopsEveryProcessBeforeStepZero) {
   // 1f1b's rank 0 keeps two microbatches of this model's fc inputs in flight, rank 1 one. The
   // two "processes" are threads sharing one emulated device of 128 MiB: rank 0's arena (132
@@ -284,13 +295,41 @@ TEST(NcclEmuMemoryTest, ARankAloneShortOfMemoryStopsEveryProcessBeforeStepZero) 
   ASSERT_FALSE(bool(results[0])) << "rank 0 ran";
   const std::string mine = takeMessage(results[0].takeError());
   EXPECT_NE(mine.find("rank 0 (pp 0, dp 0, tp 0): cannot reserve the "), std::string::npos) << mine;
-  ASSERT_FALSE(bool(results[1])) << "rank 1 ran";
-  const std::string peer = takeMessage(results[1].takeError());
-  EXPECT_NE(peer.find("rank 1: 1 of the launch's 2 processes could not reserve the device memory "
-                      "the plan needs before step 0 (each says why, with the fix), so this one "
-                      "stops too"),
-            std::string::npos)
-      << peer;
+  expectRankOneStoppedForItsPeer(results[1]);
+}
+
+TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBeforeStepZero) {
+  // Three blocks with an fc of 16384 on two ranks: rank 0 holds the embedding and two blocks,
+  // 32 x (32 + 8) + 2 x (4 x 32^2 + 4 x 32 + 2 x 32 x 16384 + 16384 + 32 + 4 x 32) = 2139968
+  // parameters (GPT-2's count; 34.2 MB of fp32 weights, gradients and Adam moments), rank 1
+  // one block and the head (17.1 MB), and their activations are tiny. The two "processes" share one
+  // emulated device of 26 MiB: rank 0's weights never fit, whatever rank 1 holds, and are never
+  // allocated; rank 1's and its arena fit. Rank 0 says why, with the fix; rank 1 stops at once,
+  // rather than wait for rank 0 in the warm-up or in step 0 until its watchdog.
+  auto model = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-weights",
+      "transformer": {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 2,
+      "ffn_hidden_size": 16384, "vocab_size": 32, "seq_length": 8, "microbatch_size": 1,
+      "dtype": "fp32"}})",
+                              "wide-weights.json");
+  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
+  Plan plan = compileOrFail(*model, options("1f1b", /*pp=*/2, 4));
+  ASSERT_EQ(plan.stages.size(), 2u);
+  ASSERT_EQ(plan.stages[0].layerEnd - plan.stages[0].layerBegin, 3) << "embedding and 2 blocks";
+  auto data = syntheticData(32, /*seed=*/7);
+  emu::setDeviceMemory(size_t(26) << 20);
+  auto results = runEveryRank(plan, *data, "weights", [](int) { return CudaRunOptions{}; });
+  emu::setDeviceMemory(0);
+  ASSERT_EQ(results.size(), 2u);
+  ASSERT_FALSE(bool(results[0])) << "rank 0 ran";
+  const std::string mine = takeMessage(results[0].takeError());
+  for (const char *part :
+       {"rank 0 (pp 0, dp 0, tp 0): cannot hold the 32.7 MiB of weights, gradients and "
+        "optimizer state its stages need (2139968 parameters, 4 fp32 copies: weights, "
+        "gradients, Adam's two moments) (",
+        " MiB of 26.0 MiB free); compile the plan with more pipeline stages (pipec compile --pp) "
+        "or tensor-parallel ranks (--tp), or use a GPU with more memory"})
+    EXPECT_NE(mine.find(part), std::string::npos) << part << " missing from: " << mine;
+  expectRankOneStoppedForItsPeer(results[1]);
 }
 
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {

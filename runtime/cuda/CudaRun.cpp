@@ -68,7 +68,10 @@ public:
               const CudaRunOptions &options, ParamSnapshot *snapshot,
               std::function<llvm::Error()> waitForCollectives)
       : StageDispatch(plan, c, size_t(cfg.microbatch) * size_t(cfg.channels)), cfg(cfg), data(data),
-        options(options), snapshot(snapshot), waitForCollectives(std::move(waitForCollectives)) {}
+        options(options), snapshot(snapshot), waitForCollectives(std::move(waitForCollectives)),
+        who(fmt::format("rank {} (pp {}, dp {}, tp {})",
+                        (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp, c.pp, c.dp,
+                        c.tp)) {}
 
   void *computeStreamHandle() const override { return computeStream; }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
@@ -112,36 +115,69 @@ public:
     return llvm::Error::success();
   }
 
-  /// The context, the arena and the stages; everything that can fail.
+  /// The context and the arena (empty until reserveArena()).
   llvm::Error init() {
     auto ctxOr = cu::CudaContext::create(options.device);
     if (!ctxOr)
       return ctxOr.takeError();
     ctx = std::move(*ctxOr);
     computeStream = static_cast<cudaStream_t>(ctx->stream());
-    arena = std::make_unique<DeviceArena>(
-        computeStream,
-        fmt::format("rank {} (pp {}, dp {}, tp {})",
-                    (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp, c.pp, c.dp, c.tp));
+    arena = std::make_unique<DeviceArena>(computeStream, who);
     ctx->setAllocator(arena.get());
-    const ParallelConfig &pc = plan.parallel;
+    return llvm::Error::success();
+  }
+
+  size_t stateBytes() const override {
+    size_t bytes = 0;
     for (const StageInfo &s : plan.stages) {
       if (s.rank != c.pp)
         continue;
-      auto st = GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, pc.tp, options.seed,
-                                 slicesOf(plan), lossScaleOf(plan, cfg), options.dtype);
-      if (!st)
-        return st.takeError();
-      stages[s.stage] = std::move(*st);
+      bytes += GpuStage::stateBytes(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp, options.dtype);
+      if (snapshot && c.dp == 0)
+        bytes +=
+            GpuStage::paramCount(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp) * sizeof(float);
     }
-    if (snapshot && c.dp == 0)
-      for (auto &[s, st] : stages) {
-        auto copy = cu::DeviceBuffer::allocate(st->grads().size() * sizeof(float));
-        if (!copy)
-          return copy.takeError();
-        snapshotCopies[s] = std::move(*copy);
+    return bytes;
+  }
+
+  llvm::Error createStages() override {
+    assert(stages.empty() && "createStages() twice");
+    PIPEC_CUDA_TRY(cudaSetDevice(options.device));
+    const size_t need = stateBytes();
+    size_t freeBytes = 0, totalBytes = 0;
+    PIPEC_CUDA_TRY(cudaMemGetInfo(&freeBytes, &totalBytes));
+    if (need > freeBytes)
+      return cannotHold(need, freeBytes, totalBytes, "");
+    llvm::Error err = [&]() -> llvm::Error {
+      for (const StageInfo &s : plan.stages) {
+        if (s.rank != c.pp)
+          continue;
+        auto st =
+            GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, plan.parallel.tp,
+                             options.seed, slicesOf(plan), lossScaleOf(plan, cfg), options.dtype);
+        if (!st)
+          return st.takeError();
+        stages[s.stage] = std::move(*st);
       }
-    return llvm::Error::success();
+      if (snapshot && c.dp == 0)
+        for (auto &[s, st] : stages) {
+          auto copy = cu::DeviceBuffer::allocate(st->grads().size() * sizeof(float));
+          if (!copy)
+            return copy.takeError();
+          snapshotCopies[s] = std::move(*copy);
+        }
+      return llvm::Error::success();
+    }();
+    if (!err)
+      return llvm::Error::success();
+    // Free memory that another process took meanwhile, or fragmentation: the same message, with
+    // the call that failed.
+    snapshotCopies.clear();
+    stages.clear();
+    (void)cudaGetLastError(); // a failed allocation's error is not sticky: clear it
+    if (cudaMemGetInfo(&freeBytes, &totalBytes) != cudaSuccess)
+      freeBytes = totalBytes = 0;
+    return cannotHold(need, freeBytes, totalBytes, takeMessage(std::move(err)));
   }
 
   ~CudaBackend() override {
@@ -243,6 +279,33 @@ public:
   }
 
 private:
+  /// createStages()'s error: `need` bytes, `freeBytes` of `totalBytes` free (0 of 0: unknown),
+  /// and the failed call's message, if any.
+  llvm::Error cannotHold(size_t need, size_t freeBytes, size_t totalBytes,
+                         const std::string &cause) const {
+    auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
+    size_t params = 0;
+    for (const StageInfo &s : plan.stages)
+      if (s.rank == c.pp)
+        params += GpuStage::paramCount(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp);
+    std::string copies = "4 fp32 copies: weights, gradients, Adam's two moments";
+    if (options.dtype == kernels::DType::BF16)
+      copies += "; a bf16 copy of the weights";
+    if (snapshot && c.dp == 0)
+      copies += "; --check-reference's copy of the gradients";
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("{}: cannot hold the {:.1f} MiB of weights, gradients and optimizer state "
+                    "its stages need ({} parameters, {}){}{}; compile the plan with more "
+                    "pipeline stages (pipec compile --pp) or tensor-parallel ranks (--tp), or "
+                    "use a GPU with more memory",
+                    who, mib(need), params, copies,
+                    totalBytes ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(freeBytes),
+                                             mib(totalBytes))
+                               : std::string(),
+                    cause.empty() ? std::string() : ": " + cause));
+  }
+
   const GptConfig &cfg;
   const DataSource &data;
   const CudaRunOptions &options;
@@ -250,6 +313,7 @@ private:
   std::unique_ptr<cu::CudaContext> ctx;
   cudaStream_t computeStream = nullptr;
   std::function<llvm::Error()> waitForCollectives;
+  std::string who;                    // "rank R (pp P, dp D, tp T)", its errors' start
   std::unique_ptr<DeviceArena> arena; // destroyed before ctx (its stream)
   // --check-reference: per stage, the gradients before the update (not the arena's memory).
   std::map<int, cu::DeviceBuffer> snapshotCopies;
@@ -281,9 +345,10 @@ createDeviceTransportBackend(const Plan &plan, const GptConfig &cfg, const Coord
   return std::unique_ptr<CudaRankBackend>(std::move(b));
 }
 
-/// The ranks' arenas (`need`, thread order) fit into the free memory of `device` together, or an
-/// error that gives what each needs.
-static llvm::Error checkArenasFit(const std::vector<size_t> &need, int device) {
+/// The ranks' `need` (thread order) of `what` fits into the free memory of `device` together, or
+/// an error that gives what each needs and `fix`.
+static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, const char *what,
+                                 const char *fix) {
   size_t sum = 0;
   for (size_t bytes : need)
     sum += bytes;
@@ -297,12 +362,10 @@ static llvm::Error checkArenasFit(const std::vector<size_t> &need, int device) {
     byRank += fmt::format("{}{:.1f}", r == 0 ? "" : " ", mib(need[r]));
   return llvm::createStringError(
       llvm::inconvertibleErrorCode(),
-      fmt::format("--backend cuda: the plan's {} ranks need {:.1f} MiB of activation memory "
-                  "together on GPU {} (MiB by rank, in RANK order: {}), and {:.1f} MiB of its "
-                  "{:.1f} MiB are free; use fewer microbatches in flight (a schedule with a lower "
-                  "peak, e.g. 1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
-                  "GPU with --backend nccl",
-                  need.size(), mib(sum), device, byRank, mib(freeBytes), mib(totalBytes)));
+      fmt::format("--backend cuda: the plan's {} ranks need {:.1f} MiB of {} together on GPU {} "
+                  "(MiB by rank, in RANK order: {}), and {:.1f} MiB of its {:.1f} MiB are free; {}",
+                  need.size(), mib(sum), what, device, byRank, mib(freeBytes), mib(totalBytes),
+                  fix));
 }
 
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
@@ -338,6 +401,16 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     gpu.push_back(raw);
     backends.push_back(std::move(*b));
   }
+  // Every rank's weights, gradients and optimizer state: all ranks share the GPU, so what they
+  // need together is checked against its free memory before any is allocated (or initialised).
+  std::vector<size_t> state;
+  for (CudaRankBackend *b : gpu)
+    state.push_back(b->stateBytes());
+  PIPEC_GPU_TRY(checkRanksFit(state, options.device, "weights, gradients and optimizer state",
+                              "run one rank per GPU with --backend nccl (each GPU then holds "
+                              "its rank's share alone), or a smaller model"));
+  for (CudaRankBackend *b : gpu)
+    PIPEC_GPU_TRY(b->createStages());
   // Every rank's arena, before anything of a step reaches the device (one rank after another:
   // the sizing pass involves no peer). All ranks share the GPU: what they need together is
   // checked against its free memory before any of them reserves.
@@ -348,7 +421,11 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
       return bytes.takeError();
     need.push_back(*bytes);
   }
-  PIPEC_GPU_TRY(checkArenasFit(need, options.device));
+  PIPEC_GPU_TRY(
+      checkRanksFit(need, options.device, "activation memory",
+                    "use fewer microbatches in flight (a schedule with a lower peak, e.g. "
+                    "1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
+                    "GPU with --backend nccl"));
   for (CudaRankBackend *b : gpu)
     PIPEC_GPU_TRY(b->reserveArena());
   Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);

@@ -7,7 +7,8 @@
 // device inside a step. Sends hand the transport the device tensor itself, a recv a buffer of
 // the rank's arena.
 //
-// Memory. Parameters, gradients and Adam moments are allocated when the stages are created;
+// Memory. Parameters, gradients and Adam moments are allocated when the stages are created
+// (createStages, after the ranks' need together was checked against the GPU's free memory);
 // everything a step allocates (activations, saved state, received tensors, kept gradients,
 // scratch) comes from one arena per rank (runtime/cuda/DeviceArena.h), sized before step 0 by
 // the sizing pass (the rank's stream interpreted on the host, step 0's batch, every buffer
@@ -106,6 +107,13 @@ public:
   virtual void *computeStreamHandle() const = 0;
   /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.
   virtual llvm::Error takeDeferredError() = 0;
+  /// The device memory createStages() allocates: every stage's GpuStage::stateBytes and, with
+  /// a snapshot on dp replica 0, a copy of its gradients. Computed, before anything is.
+  virtual size_t stateBytes() const = 0;
+  /// Once, first: the rank's stages, their weights initialised. When the GPU cannot hold them
+  /// (checked against its free memory before the host initialises anything), an error that
+  /// names the rank, the bytes and the fix; nothing stays allocated.
+  virtual llvm::Error createStages() = 0;
   /// Before step 0: the sizing pass over this rank's stream (DeviceArena.h); the bytes its
   /// arena needs. Queues nothing on the device, waits for no peer, trains nothing.
   virtual llvm::Expected<size_t> measureArena() = 0;
@@ -121,7 +129,8 @@ public:
   virtual llvm::Error snapshotWeights(ParamSnapshot &into) = 0;
 };
 
-/// The cuda backend of rank `c` on GPU `options.device`, for a device transport: sendData,
+/// The cuda backend of rank `c` on GPU `options.device` (its context and compute stream; the
+/// stages come with createStages()), for a device transport: sendData,
 /// recvData and reduceData hand out device memory, a received tensor is used in place (the
 /// transport orders the compute stream after its group), and all-reduces happen in place.
 /// `waitForCollectives` must order the compute stream after every all-reduce queued so far (dp and

@@ -564,6 +564,20 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
 GpuStage::GpuStage(std::unique_ptr<Impl> impl) : impl(std::move(impl)) {}
 GpuStage::~GpuStage() = default;
 
+size_t GpuStage::paramCount(const GptConfig &cfg, int layerBegin, int layerEnd, int tp) {
+  size_t n = 0;
+  for (int l = layerBegin; l < layerEnd; ++l)
+    n += kernels::layerParamCount(cfg, l, tp);
+  return n;
+}
+
+size_t GpuStage::stateBytes(const GptConfig &cfg, int layerBegin, int layerEnd, int tp,
+                            cu::DType dtype) {
+  const size_t n = paramCount(cfg, layerBegin, layerEnd, tp);
+  // params, grads, adamM, adamV; paramsLow; lossAcc (create()'s allocations).
+  return 4 * n * sizeof(float) + (dtype == kBF16 ? n * sizeof(uint16_t) : 0) + sizeof(double);
+}
+
 llvm::Expected<std::unique_ptr<GpuStage>>
 GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int layerEnd,
                  int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
@@ -601,6 +615,7 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   for (int l = layerEnd - 1; l >= layerBegin; --l)
     for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
       m->backwardParts.push_back({l, sub});
+  assert(host.size() == paramCount(cfg, layerBegin, layerEnd, tp) && "stateBytes() is wrong");
   const size_t bytes = host.size() * sizeof(float);
   PIPEC_GPU_TRY(m->params.allocate(host.size()));
   PIPEC_GPU_TRY(m->grads.allocate(host.size()));

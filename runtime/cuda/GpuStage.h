@@ -56,6 +56,13 @@ public:
   create(kernels::cuda::CudaContext &ctx, const kernels::GptConfig &cfg, int layerBegin,
          int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
          float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32);
+  /// The parameters create() gives these layers on tp rank `tpRank` of `tp`...
+  static size_t paramCount(const kernels::GptConfig &cfg, int layerBegin, int layerEnd, int tp);
+  /// ... and the device memory it allocates for them: fp32 parameters, gradients and Adam's two
+  /// moments, the bf16 copy with bf16 compute, and the loss's accumulator. Computed, not
+  /// allocated: a runner checks it against the free memory before it creates the stage.
+  static size_t stateBytes(const kernels::GptConfig &cfg, int layerBegin, int layerEnd, int tp,
+                           kernels::cuda::DType dtype);
   ~GpuStage();
   GpuStage(const GpuStage &) = delete;
   GpuStage &operator=(const GpuStage &) = delete;

@@ -351,13 +351,17 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   }
 
   RunShared shared(plan, Faults{}, transport);
-  // The device memory this process needs before step 0, all of it reserved now: the sizing
-  // pass's activation arena (every process alone: no NCCL call; CudaRun.h), and with
+  // The device memory this process needs before step 0, all of it allocated now, after NCCL's
+  // connections: the stages' weights, gradients and optimizer state (initialised on the host,
+  // which can take a while for a large stage), the sizing pass's activation arena (every
+  // process alone: no NCCL call; CudaRun.h), and with
   // --check-reference on several processes the gather's staging (the largest sender's blocks
   // of replica 0's gradients) and, with dp > 1, the digests' slots (shareDigests: one per
   // (replica, stage, tp rank)).
   kernels::cuda::DeviceBuffer staging, digestSlots;
   llvm::Error reserved = [&]() -> llvm::Error {
+    if (auto err = b.createStages())
+      return err;
     if (auto bytes = b.measureArena(); !bytes)
       return bytes.takeError();
     if (auto err = b.reserveArena())
@@ -387,8 +391,11 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // Then every process learns whether all of them could: one that could not says why, and the
   // others say that it could not, at once, rather than wait for it in step 0 until their
   // watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often alone.)
+  // Under the arrival limit: a process with a larger stage initialises its weights for longer.
   const bool failedHere = static_cast<bool>(reserved);
-  auto failedProcesses = processesWith(failedHere, "the device memory's agreement");
+  auto failedProcesses =
+      worldSum(failedHere ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute,
+               peerArrivalLimit(o.timeoutSeconds), "the device memory's agreement");
   if (reserved) {
     if (failedProcesses)
       return stopTogether(std::move(reserved));

@@ -17,9 +17,10 @@
 //   - no host synchronisation inside a step; at its end the host polls the device with a
 //     watchdog (--timeout) that names the first p2p group or all-reduce of this rank that has
 //     not completed, then aborts the communicators (its peers' watchdogs report theirs).
-// Before step 0 every process runs the sizing pass that sizes its activation arena (CudaRun.h;
-// no NCCL call, no peer), reserves it, and learns (an all-reduce on `world`) whether every
-// process could: if one could not, all stop.
+// Before step 0, after the warm-up, every process creates its stages (weights, gradients and
+// optimizer state, checked against the GPU's free memory first), runs the sizing pass that
+// sizes its activation arena (CudaRun.h; no NCCL call, no peer), reserves it, and learns (an
+// all-reduce on `world`) whether every process could: if one could not, all stop.
 // Loss: every process's share is summed over `world`; `onStep` runs on RANK 0 only.
 // --check-reference: RANK 0 runs the single-rank CPU reference, built just before step 0 while
 // the others wait in an all-reduce (under the arrival limit); after each step every other
