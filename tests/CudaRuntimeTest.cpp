@@ -19,6 +19,7 @@
 
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
@@ -516,6 +517,21 @@ TEST_F(CudaRuntimeTest, RanksWhoseWeightsFitTheGpuAloneButNotTogetherFailBeforeA
                            " MiB are free; run one rank per GPU with --backend nccl"})
     EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
   expectEachFitsAloneButNotTogether(message, freeBytes);
+}
+
+TEST_F(CudaRuntimeTest, AnAllocationPastTheFreeMemoryIsAnOutOfMemoryErrorAndNothingElseIs) {
+  // createStages() explains an out-of-memory failure in its own terms and passes any other on.
+  size_t freeBytes = 0, totalBytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
+  auto tooLarge = kernels::cuda::DeviceBuffer::allocate(totalBytes + (size_t(1) << 30));
+  ASSERT_FALSE(bool(tooLarge));
+  llvm::Error err = tooLarge.takeError();
+  EXPECT_TRUE(err.isA<kernels::cuda::CudaOutOfMemoryError>());
+  EXPECT_NE(takeMessage(std::move(err)).find("cudaMalloc("), std::string::npos);
+  llvm::Error other =
+      kernels::cuda::makeCudaError("cudaMemcpy(...)", cudaErrorInvalidValue, __FILE__, __LINE__);
+  EXPECT_FALSE(other.isA<kernels::cuda::CudaOutOfMemoryError>());
+  EXPECT_NE(takeMessage(std::move(other)).find("cudaErrorInvalidValue"), std::string::npos);
 }
 
 TEST(GpuStageTest, ItHoldsTheParametersThePlansMemoryAnalysisCounts) {

@@ -10,11 +10,14 @@ llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, 
   // Reset the runtime's last-error slot, so that a later cudaGetLastError() does not report
   // this failure a second time (a sticky error, e.g. a kernel fault, stays regardless).
   (void)cudaGetLastError();
-  return llvm::createStringError(llvm::inconvertibleErrorCode(),
-                                 fmt::format("{} failed: {} ({}: {}) at {}:{}", call,
-                                             cudaGetErrorName(code), int(code),
-                                             cudaGetErrorString(code), file, line));
+  std::string message = fmt::format("{} failed: {} ({}: {}) at {}:{}", call, cudaGetErrorName(code),
+                                    int(code), cudaGetErrorString(code), file, line);
+  if (code == cudaErrorMemoryAllocation)
+    return llvm::make_error<CudaOutOfMemoryError>(std::move(message));
+  return llvm::createStringError(llvm::inconvertibleErrorCode(), message);
 }
+
+char CudaOutOfMemoryError::ID = 0;
 
 llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line) {
   return llvm::createStringError(llvm::inconvertibleErrorCode(),

@@ -20,10 +20,28 @@
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
 
+#include <string>
+#include <utility>
+
 namespace pipec::kernels::cuda {
 
-/// "<call> failed: <name> (<code>: <description>) at <file>:<line>".
+/// "<call> failed: <name> (<code>: <description>) at <file>:<line>": a CudaOutOfMemoryError for
+/// cudaErrorMemoryAllocation, a plain string error otherwise.
 llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, int line);
+
+/// A CUDA allocation that failed for want of device memory, which a caller may explain in its
+/// own terms (what it needed the memory for, the fix) rather than pass on; other failures it
+/// should not. Test with `err.isA<CudaOutOfMemoryError>()`.
+class CudaOutOfMemoryError : public llvm::ErrorInfo<CudaOutOfMemoryError> {
+public:
+  static char ID;
+  explicit CudaOutOfMemoryError(std::string message) : message(std::move(message)) {}
+  void log(llvm::raw_ostream &os) const override { os << message; }
+  std::error_code convertToErrorCode() const override { return llvm::inconvertibleErrorCode(); }
+
+private:
+  std::string message;
+};
 llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line);
 
 } // namespace pipec::kernels::cuda

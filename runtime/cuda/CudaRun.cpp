@@ -140,14 +140,14 @@ public:
     return bytes;
   }
 
-  llvm::Error createStages() override {
+  llvm::Error createStages(llvm::StringRef fix) override {
     assert(stages.empty() && "createStages() twice");
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
     const size_t need = stateBytes();
     size_t freeBytes = 0, totalBytes = 0;
     PIPEC_CUDA_TRY(cudaMemGetInfo(&freeBytes, &totalBytes));
     if (need > freeBytes)
-      return cannotHold(need, freeBytes, totalBytes, "");
+      return cannotHold(need, freeBytes, totalBytes, "", fix);
     llvm::Error err = [&]() -> llvm::Error {
       for (const StageInfo &s : plan.stages) {
         if (s.rank != c.pp)
@@ -170,14 +170,16 @@ public:
     }();
     if (!err)
       return llvm::Error::success();
-    // Free memory that another process took meanwhile, or fragmentation: the same message, with
-    // the call that failed.
     snapshotCopies.clear();
     stages.clear();
-    (void)cudaGetLastError(); // a failed allocation's error is not sticky: clear it
+    // Out of memory after all (memory another process took meanwhile, the allocations' rounding,
+    // fragmentation): the same message, with the call that failed. Any other failure (a launch,
+    // a copy) is passed on as it is: no fix about memory would help.
+    if (!err.isA<cu::CudaOutOfMemoryError>())
+      return err;
     if (cudaMemGetInfo(&freeBytes, &totalBytes) != cudaSuccess)
       freeBytes = totalBytes = 0;
-    return cannotHold(need, freeBytes, totalBytes, takeMessage(std::move(err)));
+    return cannotHold(need, freeBytes, totalBytes, takeMessage(std::move(err)), fix);
   }
 
   ~CudaBackend() override {
@@ -280,9 +282,9 @@ public:
 
 private:
   /// createStages()'s error: `need` bytes, `freeBytes` of `totalBytes` free (0 of 0: unknown),
-  /// and the failed call's message, if any.
-  llvm::Error cannotHold(size_t need, size_t freeBytes, size_t totalBytes,
-                         const std::string &cause) const {
+  /// the failed call's message, if any, and the runner's `fix`.
+  llvm::Error cannotHold(size_t need, size_t freeBytes, size_t totalBytes, const std::string &cause,
+                         llvm::StringRef fix) const {
     auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
     size_t params = 0;
     for (const StageInfo &s : plan.stages)
@@ -296,14 +298,12 @@ private:
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
         fmt::format("{}: cannot hold the {:.1f} MiB of weights, gradients and optimizer state "
-                    "its stages need ({} parameters, {}){}{}; compile the plan with more "
-                    "pipeline stages (pipec compile --pp) or tensor-parallel ranks (--tp), or "
-                    "use a GPU with more memory",
+                    "its stages need ({} parameters, {}){}{}; {}",
                     who, mib(need), params, copies,
                     totalBytes ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(freeBytes),
                                              mib(totalBytes))
                                : std::string(),
-                    cause.empty() ? std::string() : ": " + cause));
+                    cause.empty() ? std::string() : ": " + cause, fix.str()));
   }
 
   const GptConfig &cfg;
@@ -406,11 +406,12 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   std::vector<size_t> state;
   for (CudaRankBackend *b : gpu)
     state.push_back(b->stateBytes());
-  PIPEC_GPU_TRY(checkRanksFit(state, options.device, "weights, gradients and optimizer state",
-                              "run one rank per GPU with --backend nccl (each GPU then holds "
-                              "its rank's share alone), or a smaller model"));
+  const char *fix = "run one rank per GPU with --backend nccl (each GPU then holds its rank's "
+                    "share alone), or a smaller model";
+  PIPEC_GPU_TRY(
+      checkRanksFit(state, options.device, "weights, gradients and optimizer state", fix));
   for (CudaRankBackend *b : gpu)
-    PIPEC_GPU_TRY(b->createStages());
+    PIPEC_GPU_TRY(b->createStages(fix));
   // Every rank's arena, before anything of a step reaches the device (one rank after another:
   // the sizing pass involves no peer). All ranks share the GPU: what they need together is
   // checked against its free memory before any of them reserves.

@@ -29,6 +29,7 @@
 #include "runtime/Interpreter.h"
 #include "runtime/cpu/Reference.h"
 
+#include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
 #include <functional>
@@ -110,10 +111,12 @@ public:
   /// The device memory createStages() allocates: every stage's GpuStage::stateBytes and, with
   /// a snapshot on dp replica 0, a copy of its gradients. Computed, before anything is.
   virtual size_t stateBytes() const = 0;
-  /// Once, first: the rank's stages, their weights initialised. When the GPU cannot hold them
-  /// (checked against its free memory before the host initialises anything), an error that
-  /// names the rank, the bytes and the fix; nothing stays allocated.
-  virtual llvm::Error createStages() = 0;
+  /// Once, before measureArena() (and every other call that uses the stages): the rank's
+  /// stages, their weights initialised. When the GPU cannot hold them (checked against its free
+  /// memory before the host initialises anything, and again if an allocation still runs out),
+  /// an error that names the rank and the bytes and ends with `fix` (the runner's); nothing
+  /// stays allocated.
+  virtual llvm::Error createStages(llvm::StringRef fix) = 0;
   /// Before step 0: the sizing pass over this rank's stream (DeviceArena.h); the bytes its
   /// arena needs. Queues nothing on the device, waits for no peer, trains nothing.
   virtual llvm::Expected<size_t> measureArena() = 0;

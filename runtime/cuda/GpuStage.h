@@ -56,7 +56,8 @@ public:
   create(kernels::cuda::CudaContext &ctx, const kernels::GptConfig &cfg, int layerBegin,
          int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
          float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32);
-  /// The parameters create() gives these layers on tp rank `tpRank` of `tp`...
+  /// The parameters create() gives these layers on each tp rank of `tp` (kernels/cpu/Gpt.h's
+  /// layerParamCount)...
   static size_t paramCount(const kernels::GptConfig &cfg, int layerBegin, int layerEnd, int tp);
   /// ... and the device memory it allocates for them: fp32 parameters, gradients and Adam's two
   /// moments, the bf16 copy with bf16 compute, and the loss's accumulator. Computed, not

@@ -360,7 +360,9 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // (replica, stage, tp rank)).
   kernels::cuda::DeviceBuffer staging, digestSlots;
   llvm::Error reserved = [&]() -> llvm::Error {
-    if (auto err = b.createStages())
+    if (auto err = b.createStages("compile the plan with more pipeline stages (pipec compile "
+                                  "--pp) or tensor-parallel ranks (--tp), or use a GPU with more "
+                                  "memory"))
       return err;
     if (auto bytes = b.measureArena(); !bytes)
       return bytes.takeError();
@@ -392,6 +394,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // others say that it could not, at once, rather than wait for it in step 0 until their
   // watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often alone.)
   // Under the arrival limit: a process with a larger stage initialises its weights for longer.
+  // (So a process that dies before it gets here holds its peers that long too, as in the
+  // warm-up.)
   const bool failedHere = static_cast<bool>(reserved);
   auto failedProcesses =
       worldSum(failedHere ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute,
