@@ -507,7 +507,7 @@ TEST_F(CudaRuntimeTest, RanksWhoseWeightsFitTheGpuAloneButNotTogetherFailBeforeA
   auto data = syntheticData(32, /*seed=*/7);
   bool arenasSized = false;
   CudaRunOptions o;
-  o.onArenas = [&](const std::vector<size_t> &) { arenasSized = true; };
+  o.onArenas = [&](const CudaRunResult &) { arenasSized = true; };
   auto result = runOnCuda(plan, *data, o);
   ASSERT_FALSE(bool(result)) << "four ranks of " << ffn << "-wide blocks fitted";
   const std::string message = takeMessage(result.takeError());
@@ -517,6 +517,31 @@ TEST_F(CudaRuntimeTest, RanksWhoseWeightsFitTheGpuAloneButNotTogetherFailBeforeA
                            " MiB are free; run one rank per GPU with --backend nccl"})
     EXPECT_NE(message.find(part), std::string::npos) << part << " missing from: " << message;
   expectEachFitsAloneButNotTogether(message, freeBytes);
+}
+
+TEST_F(CudaRuntimeTest, EachRankHoldsTheStaticBytesOfThePlansMemoryAnalysis) {
+  // The compiler's memory pass (compiler/Memory.cpp, from ir/Model.cpp's parameter count) says
+  // what each rank's weights, gradients and optimizer state take: for an fp32 model 16 bytes a
+  // parameter. The runtime holds that plus the loss's 8-byte accumulator; computing in bf16
+  // adds the 2-byte copy of the weights.
+  Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6), options("1f1b", /*pp=*/4, 4));
+  auto data = syntheticData(32, /*seed=*/7);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    CudaRunOptions o;
+    o.dtype = dtype;
+    std::vector<size_t> seenBeforeStepZero;
+    o.onArenas = [&](const CudaRunResult &sofar) { seenBeforeStepZero = sofar.stateBytes; };
+    auto result = runOnCuda(plan, *data, o);
+    ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+    ASSERT_EQ(result->stateBytes.size(), 4u);
+    EXPECT_EQ(seenBeforeStepZero, result->stateBytes);
+    for (size_t r = 0; r < 4; ++r) {
+      const int64_t planned = plan.stats.ranks[r].staticBytes;
+      EXPECT_EQ(int64_t(result->stateBytes[r]),
+                (dtype == DType::BF16 ? planned / 16 * 18 : planned) + 8)
+          << "rank " << r << (dtype == DType::BF16 ? " bf16" : " fp32");
+    }
+  }
 }
 
 TEST_F(CudaRuntimeTest, AnAllocationPastTheFreeMemoryIsAnOutOfMemoryErrorAndNothingElseIs) {

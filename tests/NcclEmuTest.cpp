@@ -103,7 +103,7 @@ TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   auto results = runEveryRank(plan, *data, c.name, [&](int r) {
     CudaRunOptions mine = o;
     if (r == 0)
-      mine.onArenas = [&](const std::vector<size_t> &) {
+      mine.onArenas = [&](const CudaRunResult &) {
         connectedBeforeStepZero = emu::ncclChannelsConnected();
       };
     return mine;

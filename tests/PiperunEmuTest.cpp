@@ -45,6 +45,7 @@ TEST(PiperunEmuTest, CudaBackendRunsStepsReportsArenasAndPassesTheReferenceCheck
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   for (const char *line :
        {"step 0 loss ", "step 2 loss ",
+        "weights, gradients and optimizer state MiB (every rank, in RANK order): ",
         "activation arena MiB (every rank, in RANK order; sized before step 0): ",
         "reference loss (last step) ", "max_abs_grad_diff=", "largest difference: step ",
         "max_tensor_grad_diff=", "max_weight_diff="})
@@ -127,6 +128,7 @@ TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
                  p + " --backend nccl --steps 2 --check-reference");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   for (const char *line : {"step 0 loss ", "step 1 loss ",
+                           "weights, gradients and optimizer state MiB (this process's rank 0): ",
                            "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss")) << r.out;

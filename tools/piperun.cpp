@@ -21,8 +21,9 @@
 // losses and, with --check-reference, compares every process's gradients and last weights
 // (gathered to it) with the single-rank reference. Both GPU backends size each rank's
 // activation arena before step 0 with a host-only pass over its stream (runtime/cuda/CudaRun.h:
-// nothing runs on the device, nothing trains), and print the sizes ("activation arena MiB ...")
-// before step 0.
+// nothing runs on the device, nothing trains), and print, before step 0, what each rank holds
+// ("weights, gradients and optimizer state MiB ...", `pipec compile`'s static bytes) and its
+// arena ("activation arena MiB ...").
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -174,12 +175,19 @@ llvm::Error run(int argc, char **argv) {
       fmt::print("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
                  computeType == "bf16" ? "fp32" : "bf16");
   };
-  // What each rank's steps allocate, once, before step 0 (the sizing pass).
-  auto printArenas = [](const std::vector<size_t> &arenaBytes, const char *whose) {
-    std::string sizes;
-    for (size_t bytes : arenaBytes)
-      sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
-    fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose, sizes);
+  // What each rank holds, allocated before step 0: its weights, gradients and optimizer state
+  // (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
+  auto printMemory = [](const CudaRunResult &sofar, const char *whose) {
+    auto mib = [](const std::vector<size_t> &all) {
+      std::string sizes;
+      for (size_t bytes : all)
+        sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
+      return sizes;
+    };
+    fmt::print("weights, gradients and optimizer state MiB ({}): {}\n", whose,
+               mib(sofar.stateBytes));
+    fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose,
+               mib(sofar.arenaBytes));
   };
 #endif
   if (backend == "nccl") {
@@ -201,8 +209,8 @@ llvm::Error run(int argc, char **argv) {
       printComputeType();
     }
     if (env->rank == 0)
-      co.onArenas = [&](const std::vector<size_t> &bytes) {
-        printArenas(bytes, "this process's rank 0");
+      co.onArenas = [&](const CudaRunResult &sofar) {
+        printMemory(sofar, "this process's rank 0");
       };
     auto result = runOnNccl(*plan, *data, co, *env, printStep);
     if (!result)
@@ -220,8 +228,8 @@ llvm::Error run(int argc, char **argv) {
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
     printComputeType();
-    co.onArenas = [&](const std::vector<size_t> &bytes) {
-      printArenas(bytes, "every rank, in RANK order");
+    co.onArenas = [&](const CudaRunResult &sofar) {
+      printMemory(sofar, "every rank, in RANK order");
     };
     auto result = runOnCuda(*plan, *data, co, printStep);
     if (!result)

@@ -431,10 +431,12 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     PIPEC_GPU_TRY(b->reserveArena());
   Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);
   CudaRunResult result;
-  for (CudaRankBackend *b : gpu)
+  for (CudaRankBackend *b : gpu) {
+    result.stateBytes.push_back(b->stateBytes());
     result.arenaBytes.push_back(b->arenaBytes());
+  }
   if (options.onArenas)
-    options.onArenas(result.arenaBytes);
+    options.onArenas(result);
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference) {
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);

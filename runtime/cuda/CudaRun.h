@@ -40,6 +40,7 @@
 namespace pipec {
 
 struct ParamSnapshot;
+struct CudaRunResult;
 
 struct CudaRunOptions {
   int steps = 1;
@@ -52,8 +53,9 @@ struct CudaRunOptions {
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
   kernels::DType dtype = kernels::DType::F32;
-  /// Called once the arenas are reserved, before step 0, with CudaRunResult::arenaBytes.
-  std::function<void(const std::vector<size_t> &)> onArenas;
+  /// Called once the arenas are reserved, before step 0, with the result so far: its arenaBytes
+  /// and stateBytes.
+  std::function<void(const CudaRunResult &)> onArenas;
   /// With checkReference, called once the single-rank CPU reference is built (in the nccl mode
   /// on RANK 0 only, just before step 0, while the others wait for it). Tests slow it down here.
   std::function<void()> onReferenceBuilt;
@@ -67,7 +69,12 @@ struct CudaRunResult {
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
-  /// Per rank of this process (thread order): the activation arena the sizing pass reserved ...
+  /// Per rank of this process (thread order): its stages' weights, gradients and optimizer state
+  /// (CudaRankBackend::stateBytes; at tp 1 without --check-reference, the plan's static_bytes of
+  /// the rank plus 8 when the compute type is the model's: 16 bytes a parameter in fp32, 18 in
+  /// bf16) ...
+  std::vector<size_t> stateBytes;
+  /// ... the activation arena the sizing pass reserved ...
   std::vector<size_t> arenaBytes;
   /// ... and the most of it the steps used (equal, when the pass saw the steps' requests).
   std::vector<size_t> arenaUsedBytes;

@@ -434,9 +434,10 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         !r)
       return r.takeError();
   CudaRunResult result;
+  result.stateBytes.push_back(b.stateBytes());
   result.arenaBytes.push_back(b.arenaBytes());
   if (o.onArenas)
-    o.onArenas(result.arenaBytes);
+    o.onArenas(result);
   for (int s = 0; s < o.steps; ++s) {
     transport.beginStep();
     llvm::Error err = b.beginStep(s);
