@@ -496,14 +496,9 @@ TEST_F(CudaRuntimeTest, RanksWhoseWeightsFitTheGpuAloneButNotTogetherFailBeforeA
   ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
   const double hidden = 1024, perRankParams = 0.4 * double(freeBytes) / 16;
   const int ffn = int((perRankParams - 4 * hidden * hidden) / (2 * hidden));
-  auto model = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "wide",
-      "transformer": {{"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8,
-      "ffn_hidden_size": {}, "vocab_size": 32, "seq_length": 8, "microbatch_size": 1,
-      "dtype": "fp32"}}}})",
-                                          ffn),
-                              "wide.json");
-  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
-  Plan plan = compileOrFail(*model, options("1f1b", /*pp=*/4, /*microbatches=*/4));
+  Plan plan = compileOrFail(fp32Gpt(/*layers=*/4, int(hidden), /*heads=*/8, ffn, /*seq=*/8,
+                                    /*microbatchSize=*/1),
+                            options("1f1b", /*pp=*/4, /*microbatches=*/4));
   auto data = syntheticData(32, /*seed=*/7);
   bool arenasSized = false;
   CudaRunOptions o;

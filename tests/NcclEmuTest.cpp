@@ -306,13 +306,9 @@ TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBef
   // emulated device of 26 MiB: rank 0's weights never fit, whatever rank 1 holds, and are never
   // allocated; rank 1's and its arena fit. Rank 0 says why, with the fix; rank 1 stops at once,
   // rather than wait for rank 0 in the warm-up or in step 0 until its watchdog.
-  auto model = parseModelSpec(R"({"format": "pipemodel/1", "name": "wide-weights",
-      "transformer": {"num_layers": 3, "hidden_size": 32, "num_attention_heads": 2,
-      "ffn_hidden_size": 16384, "vocab_size": 32, "seq_length": 8, "microbatch_size": 1,
-      "dtype": "fp32"}})",
-                              "wide-weights.json");
-  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
-  Plan plan = compileOrFail(*model, options("1f1b", /*pp=*/2, 4));
+  Plan plan = compileOrFail(fp32Gpt(/*layers=*/3, /*hidden=*/32, /*heads=*/2, /*ffn=*/16384,
+                                    /*seq=*/8, /*microbatchSize=*/1),
+                            options("1f1b", /*pp=*/2, 4));
   ASSERT_EQ(plan.stages.size(), 2u);
   ASSERT_EQ(plan.stages[0].layerEnd - plan.stages[0].layerBegin, 3) << "embedding and 2 blocks";
   auto data = syntheticData(32, /*seed=*/7);

@@ -71,19 +71,27 @@ inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
   return m ? *m : ModelSpec{};
 }
 
+/// An fp32 GPT with a vocabulary of 32, for the memory tests: `layers` blocks of `hidden`
+/// channels, `heads` heads and an fc of `ffn`, `microbatchSize` sequences of `seq` tokens.
+inline ModelSpec fp32Gpt(int layers, int hidden, int heads, int ffn, int seq, int microbatchSize) {
+  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt-{}x{}-ffn{}",
+      "transformer": {{"num_layers": {}, "hidden_size": {}, "num_attention_heads": {},
+      "ffn_hidden_size": {}, "vocab_size": 32, "seq_length": {}, "microbatch_size": {},
+      "dtype": "fp32"}}}})",
+                                      layers, hidden, ffn, layers, hidden, heads, ffn, seq,
+                                      microbatchSize),
+                          "gpt.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
 /// A GPT whose activations dwarf its weights, for arenas larger than a device: 4 blocks of
 /// hidden 32 with an fc of 4096, `microbatchSize` (8) sequences of 1024 tokens per microbatch,
 /// fp32. Each microbatch keeps at least its blocks' fc inputs: 8 x 1024 x 4096 x 4 bytes (134
 /// MB) each at 8 sequences.
 inline ModelSpec wideFfnGpt(int microbatchSize = 8) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "wide-ffn",
-      "transformer": {{"num_layers": 4, "hidden_size": 32, "num_attention_heads": 2,
-      "ffn_hidden_size": 4096, "vocab_size": 32, "seq_length": 1024, "microbatch_size": {},
-      "dtype": "fp32"}}}})",
-                                      microbatchSize),
-                          "wide-ffn.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+  return fp32Gpt(/*layers=*/4, /*hidden=*/32, /*heads=*/2, /*ffn=*/4096, /*seq=*/1024,
+                 microbatchSize);
 }
 
 /// The message of an expected error (empty, and a test failure, if there was none).

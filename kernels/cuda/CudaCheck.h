@@ -28,6 +28,7 @@ namespace pipec::kernels::cuda {
 /// "<call> failed: <name> (<code>: <description>) at <file>:<line>": a CudaOutOfMemoryError for
 /// cudaErrorMemoryAllocation, a plain string error otherwise.
 llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, int line);
+llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line);
 
 /// A CUDA allocation that failed for want of device memory, which a caller may explain in its
 /// own terms (what it needed the memory for, the fix) rather than pass on; other failures it
@@ -42,7 +43,6 @@ public:
 private:
   std::string message;
 };
-llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line);
 
 } // namespace pipec::kernels::cuda
 

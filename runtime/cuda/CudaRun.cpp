@@ -129,14 +129,12 @@ public:
 
   size_t stateBytes() const override {
     size_t bytes = 0;
-    for (const StageInfo &s : plan.stages) {
-      if (s.rank != c.pp)
-        continue;
-      bytes += GpuStage::stateBytes(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp, options.dtype);
-      if (snapshot && c.dp == 0)
+    for (const StageInfo &s : plan.stages)
+      if (s.rank == c.pp)
         bytes +=
-            GpuStage::paramCount(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp) * sizeof(float);
-    }
+            GpuStage::stateBytes(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp, options.dtype);
+    if (snapshot && c.dp == 0)
+      bytes += paramsHere() * sizeof(float); // snapshotCopies
     return bytes;
   }
 
@@ -281,15 +279,20 @@ public:
   }
 
 private:
+  /// The parameters of this rank's stages (on its tp rank).
+  size_t paramsHere() const {
+    size_t n = 0;
+    for (const StageInfo &s : plan.stages)
+      if (s.rank == c.pp)
+        n += GpuStage::paramCount(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp);
+    return n;
+  }
+
   /// createStages()'s error: `need` bytes, `freeBytes` of `totalBytes` free (0 of 0: unknown),
   /// the failed call's message, if any, and the runner's `fix`.
   llvm::Error cannotHold(size_t need, size_t freeBytes, size_t totalBytes, const std::string &cause,
                          llvm::StringRef fix) const {
     auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
-    size_t params = 0;
-    for (const StageInfo &s : plan.stages)
-      if (s.rank == c.pp)
-        params += GpuStage::paramCount(cfg, s.layerBegin, s.layerEnd, plan.parallel.tp);
     std::string copies = "4 fp32 copies: weights, gradients, Adam's two moments";
     if (options.dtype == kernels::DType::BF16)
       copies += "; a bf16 copy of the weights";
@@ -299,7 +302,7 @@ private:
         llvm::inconvertibleErrorCode(),
         fmt::format("{}: cannot hold the {:.1f} MiB of weights, gradients and optimizer state "
                     "its stages need ({} parameters, {}){}{}; {}",
-                    who, mib(need), params, copies,
+                    who, mib(need), paramsHere(), copies,
                     totalBytes ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(freeBytes),
                                              mib(totalBytes))
                                : std::string(),

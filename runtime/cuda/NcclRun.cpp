@@ -311,15 +311,16 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds,
                                   peerArrivalLimit(o.timeoutSeconds)))
     return err;
-  // How many processes have a per-process launch setting (a worldSum of 0 or 1 each).
-  auto processesWith = [&](bool mine, const char *what) {
-    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute,
-                    o.timeoutSeconds, what);
+  // How many processes have a per-process launch setting or outcome (a worldSum of 0 or 1
+  // each), waiting `timeout` seconds at most.
+  auto processesWith = [&](bool mine, const char *what, double timeout) {
+    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute, timeout, what);
   };
   auto some = [&](float n) { return n != 0.0f && n != float(env.worldSize); };
   // Every process must compute in the same type: a p2p tensor's bytes and its NCCL datatype
   // must match its peer's. The launch line is per process, so check it here, on every process.
-  auto bf16 = processesWith(o.dtype == kernels::DType::BF16, "the compute-type agreement");
+  auto bf16 = processesWith(o.dtype == kernels::DType::BF16, "the compute-type agreement",
+                            o.timeoutSeconds);
   if (!bf16)
     return bf16.takeError();
   if (some(*bf16))
@@ -328,7 +329,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
                    "fp32; pass the same --dtype to every process",
                    int(*bf16), env.worldSize));
   // --check-reference adds collectives on `world` after every step: all processes or none.
-  auto checking = processesWith(o.checkReference, "the --check-reference agreement");
+  auto checking =
+      processesWith(o.checkReference, "the --check-reference agreement", o.timeoutSeconds);
   if (!checking)
     return checking.takeError();
   if (some(*checking))
@@ -354,10 +356,9 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // The device memory this process needs before step 0, all of it allocated now, after NCCL's
   // connections: the stages' weights, gradients and optimizer state (initialised on the host,
   // which can take a while for a large stage), the sizing pass's activation arena (every
-  // process alone: no NCCL call; CudaRun.h), and with
-  // --check-reference on several processes the gather's staging (the largest sender's blocks
-  // of replica 0's gradients) and, with dp > 1, the digests' slots (shareDigests: one per
-  // (replica, stage, tp rank)).
+  // process alone: no NCCL call; CudaRun.h), and with --check-reference on several processes
+  // the gather's staging (the largest sender's blocks of replica 0's gradients) and, with
+  // dp > 1, the digests' slots (shareDigests: one per (replica, stage, tp rank)).
   kernels::cuda::DeviceBuffer staging, digestSlots;
   llvm::Error reserved = [&]() -> llvm::Error {
     if (auto err = b.createStages("compile the plan with more pipeline stages (pipec compile "
@@ -396,10 +397,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // Under the arrival limit: a process with a larger stage initialises its weights for longer.
   // (So a process that dies before it gets here holds its peers that long too, as in the
   // warm-up.)
-  const bool failedHere = static_cast<bool>(reserved);
-  auto failedProcesses =
-      worldSum(failedHere ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute,
-               peerArrivalLimit(o.timeoutSeconds), "the device memory's agreement");
+  auto failedProcesses = processesWith(static_cast<bool>(reserved), "the device memory's agreement",
+                                       peerArrivalLimit(o.timeoutSeconds));
   if (reserved) {
     if (failedProcesses)
       return stopTogether(std::move(reserved));

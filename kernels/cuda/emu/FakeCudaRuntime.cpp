@@ -12,10 +12,9 @@
 //     a while, so a kernel that reads a buffer after its owner gave it back reads NaN, which the
 //     gradient checks see;
 //   - memory is counted: cudaMemGetInfo reports a fixed total (16 GiB, or
-//   pipec::emu::setDeviceMemory's)
-//     minus what is allocated, an allocation past it fails, and the default pool's used-memory
-//     high-water mark (cudaMemPoolAttrUsedMemHigh) follows the stream-ordered allocations, so
-//     the no-allocation-inside-a-step test means the same here.
+//     pipec::emu::setDeviceMemory's) minus what is allocated, an allocation past it fails, and
+//     the default pool's used-memory high-water mark (cudaMemPoolAttrUsedMemHigh) follows the
+//     stream-ordered allocations, so the no-allocation-inside-a-step test means the same here.
 //   - every allocation has guard bytes on both sides (kGuardBytes before it, and from its end to
 //     kGuardBytes past the next multiple of 256), which read as NaN in fp32 and bf16: a kernel
 //     that reads past a buffer's end computes with NaN, which the checks against the CPU see,
