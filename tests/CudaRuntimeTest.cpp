@@ -540,7 +540,8 @@ TEST_F(CudaRuntimeTest, EachRankHoldsTheStaticBytesOfThePlansMemoryAnalysis) {
 }
 
 TEST_F(CudaRuntimeTest, AnAllocationPastTheFreeMemoryIsAnOutOfMemoryErrorAndNothingElseIs) {
-  // createStages() explains an out-of-memory failure in its own terms and passes any other on.
+  // createStages() and the set-up explain an out-of-memory failure in their own terms and pass
+  // any other on.
   size_t freeBytes = 0, totalBytes = 0;
   ASSERT_EQ(cudaMemGetInfo(&freeBytes, &totalBytes), cudaSuccess);
   auto tooLarge = kernels::cuda::DeviceBuffer::allocate(totalBytes + (size_t(1) << 30));
@@ -552,6 +553,15 @@ TEST_F(CudaRuntimeTest, AnAllocationPastTheFreeMemoryIsAnOutOfMemoryErrorAndNoth
       kernels::cuda::makeCudaError("cudaMemcpy(...)", cudaErrorInvalidValue, __FILE__, __LINE__);
   EXPECT_FALSE(other.isA<kernels::cuda::CudaOutOfMemoryError>());
   EXPECT_NE(takeMessage(std::move(other)).find("cudaErrorInvalidValue"), std::string::npos);
+  // cuBLAS's own allocations (cublasLtCreate's) failing is the same want of memory.
+  llvm::Error cublas = kernels::cuda::makeCublasError(
+      "cublasLtCreate(...)", CUBLAS_STATUS_ALLOC_FAILED, __FILE__, __LINE__);
+  EXPECT_TRUE(cublas.isA<kernels::cuda::CudaOutOfMemoryError>());
+  EXPECT_NE(takeMessage(std::move(cublas)).find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos);
+  llvm::Error unsupported = kernels::cuda::makeCublasError(
+      "cublasLtMatmul(...)", CUBLAS_STATUS_NOT_SUPPORTED, __FILE__, __LINE__);
+  EXPECT_FALSE(unsupported.isA<kernels::cuda::CudaOutOfMemoryError>());
+  llvm::consumeError(std::move(unsupported));
 }
 
 TEST(GpuStageTest, ItHoldsTheParametersThePlansMemoryAnalysisCounts) {

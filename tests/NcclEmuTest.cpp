@@ -278,13 +278,14 @@ void expectRankOneStoppedForItsPeer(llvm::Expected<CudaRunResult> &result) {
 
 TEST(NcclEmuMemoryTest, ARankAloneShortOfMemoryStopsEveryProcessBeforeStepZero) {
   // 1f1b's rank 0 keeps two microbatches of this model's fc inputs in flight, rank 1 one. The
-  // two "processes" are threads sharing one emulated device of 128 MiB: rank 0's arena (132
-  // MiB) never fits, and rank 1's (99 MiB) fits beside both ranks' weights and buffers (under 29
-  // MiB together) since rank 0's is never reserved. Rank 0 says why; rank 1 says that a process
-  // could not, before step 0.
+  // two "processes" are threads sharing one emulated device of 192 MiB, 128 MiB of it free once
+  // their cuBLASLt workspaces (32 MiB each) are set up: rank 0's arena (132 MiB) never fits, and
+  // rank 1's (99 MiB) fits beside both ranks' weights and buffers (under 29 MiB together) since
+  // rank 0's is never reserved. Rank 0 says why; rank 1 says that a process could not, before
+  // step 0.
   Plan plan = compileOrFail(wideFfnGpt(/*microbatchSize=*/1), options("1f1b", /*pp=*/2, 4));
   auto data = syntheticData(32, /*seed=*/7);
-  emu::setDeviceMemory(size_t(128) << 20);
+  emu::setDeviceMemory(size_t(192) << 20);
   auto results = runEveryRank(plan, *data, "one-short", [](int) {
     CudaRunOptions o;
     o.checkReference = true;
@@ -303,8 +304,9 @@ TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBef
   // 32 x (32 + 8) + 2 x (4 x 32^2 + 4 x 32 + 2 x 32 x 16384 + 16384 + 32 + 4 x 32) = 2139968
   // parameters (GPT-2's count; 34.2 MB of fp32 weights, gradients and Adam moments), rank 1
   // one block and the head (17.1 MB), and their activations are tiny. The two "processes" share one
-  // emulated device of 26 MiB: rank 0's weights never fit, whatever rank 1 holds, and are never
-  // allocated; rank 1's and its arena fit. Rank 0 says why, with the fix; rank 1 stops at once,
+  // emulated device of 90 MiB, 26 MiB of it free once their cuBLASLt workspaces (32 MiB each) are
+  // set up: rank 0's weights never fit, whatever rank 1 holds, and are never allocated; rank 1's
+  // and its arena fit. Rank 0 says why, with the fix; rank 1 stops at once,
   // rather than wait for rank 0 in the warm-up or in step 0 until its watchdog.
   Plan plan = compileOrFail(fp32Gpt(/*layers=*/3, /*hidden=*/32, /*heads=*/2, /*ffn=*/16384,
                                     /*seq=*/8, /*microbatchSize=*/1),
@@ -312,7 +314,7 @@ TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBef
   ASSERT_EQ(plan.stages.size(), 2u);
   ASSERT_EQ(plan.stages[0].layerEnd - plan.stages[0].layerBegin, 3) << "embedding and 2 blocks";
   auto data = syntheticData(32, /*seed=*/7);
-  emu::setDeviceMemory(size_t(26) << 20);
+  emu::setDeviceMemory(size_t(90) << 20);
   auto results = runEveryRank(plan, *data, "weights", [](int) { return CudaRunOptions{}; });
   emu::setDeviceMemory(0);
   ASSERT_EQ(results.size(), 2u);
@@ -322,7 +324,7 @@ TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBef
        {"rank 0 (pp 0, dp 0, tp 0): cannot hold the 32.7 MiB of weights, gradients and "
         "optimizer state its stages need (2139968 parameters, 4 fp32 copies: weights, "
         "gradients, Adam's two moments) (",
-        " MiB of 26.0 MiB free); compile the plan with more pipeline stages (pipec compile --pp) "
+        " MiB of 90.0 MiB free); compile the plan with more pipeline stages (pipec compile --pp) "
         "or tensor-parallel ranks (--tp), or use a GPU with more memory"})
     EXPECT_NE(mine.find(part), std::string::npos) << part << " missing from: " << mine;
   expectRankOneStoppedForItsPeer(results[1]);

@@ -121,6 +121,36 @@ TEST(PiperunEmuTest, APlanTooLargeForTheDeviceIsOneLineAndExitTwoBeforeStepZero)
   EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
 }
 
+TEST(PiperunEmuTest, AGpuOthersHaveNearlyFilledIsOneLineAndExitTwoNamingTheFix) {
+  // An emulated device of 80 MiB, as a GPU would be with another job on it. Each rank sets up
+  // cuBLASLt with its 32 MiB workspace before anything of the plan: with --backend cuda two of
+  // four ranks fit and the third says why; in the nccl mode one process of a 16 MiB device.
+  std::string p = plan("full-gpu", "--schedule 1f1b --pp 4 --microbatches 4");
+  Result r = run("PIPEC_EMU_DEVICE_MIB=80 tools/piperun_emu " + p + " --backend cuda --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  for (const char *part :
+       {"piperun: error: rank 2 (pp 2, dp 0, tp 0): cannot set up on GPU 0: cuBLASLt and its 32 "
+        "MiB workspace do not fit in the 16.0 MiB free of its 80.0 MiB (",
+        "out of memory",
+        "); free the GPU's memory (nvidia-smi lists the processes using it) or "
+        "run on another GPU\n"})
+    EXPECT_NE(r.err.find(part), std::string::npos) << part << " missing from: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
+
+  std::string one = plan("full-gpu-nccl", "--schedule 1f1b --pp 1 --microbatches 4");
+  r = run("env -u NCCL_COMM_ID PIPEC_EMU_DEVICE_MIB=16 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
+          "tools/piperun_emu " +
+          one + " --backend nccl --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("piperun: error: rank 0 (pp 0, dp 0, tp 0): cannot set up on GPU 0: "
+                       "cuBLASLt and its 32 MiB workspace do not fit in the 16.0 MiB free of its "
+                       "16.0 MiB ("),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
   std::string p = plan("nccl", "--schedule 1f1b --pp 1 --microbatches 4");
   Result r = run("env -u NCCL_COMM_ID -u NCCL_RUNTIME_CONNECT RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "

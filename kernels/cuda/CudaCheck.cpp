@@ -20,10 +20,12 @@ llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, 
 char CudaOutOfMemoryError::ID = 0;
 
 llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line) {
-  return llvm::createStringError(llvm::inconvertibleErrorCode(),
-                                 fmt::format("{} failed: {} ({}: {}) at {}:{}", call,
-                                             cublasGetStatusName(code), int(code),
-                                             cublasGetStatusString(code), file, line));
+  std::string message =
+      fmt::format("{} failed: {} ({}: {}) at {}:{}", call, cublasGetStatusName(code), int(code),
+                  cublasGetStatusString(code), file, line);
+  if (code == CUBLAS_STATUS_ALLOC_FAILED) // (cuBLAS could not allocate its device memory)
+    return llvm::make_error<CudaOutOfMemoryError>(std::move(message));
+  return llvm::createStringError(llvm::inconvertibleErrorCode(), message);
 }
 
 } // namespace pipec::kernels::cuda

@@ -26,7 +26,7 @@
 namespace pipec::kernels::cuda {
 
 /// "<call> failed: <name> (<code>: <description>) at <file>:<line>": a CudaOutOfMemoryError for
-/// cudaErrorMemoryAllocation, a plain string error otherwise.
+/// cudaErrorMemoryAllocation and CUBLAS_STATUS_ALLOC_FAILED, a plain string error otherwise.
 llvm::Error makeCudaError(const char *call, cudaError_t code, const char *file, int line);
 llvm::Error makeCublasError(const char *call, cublasStatus_t code, const char *file, int line);
 

@@ -37,7 +37,7 @@ llvm::Expected<int> deviceCount() {
 
 //===--- Context and buffers ----------------------------------------------===//
 
-static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+static constexpr size_t kWorkspaceBytes = CudaContext::kWorkspaceBytes;
 
 struct CudaContext::Impl {
   int device = 0;

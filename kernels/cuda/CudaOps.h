@@ -63,6 +63,8 @@ public:
   /// Selects `device`, creates a non-blocking stream (or borrows `stream`, a cudaStream_t, which
   /// the context then does not destroy), a cuBLASLt handle and a 32 MiB workspace.
   static llvm::Expected<std::unique_ptr<CudaContext>> create(int device, void *stream = nullptr);
+  /// The workspace's size: the device memory create() allocates.
+  static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
   ~CudaContext();
   CudaContext(const CudaContext &) = delete;
   CudaContext &operator=(const CudaContext &) = delete;

@@ -118,8 +118,27 @@ public:
   /// The context and the arena (empty until reserveArena()).
   llvm::Error init() {
     auto ctxOr = cu::CudaContext::create(options.device);
-    if (!ctxOr)
-      return ctxOr.takeError();
+    if (!ctxOr) {
+      // Out of memory before any of the plan's: the GPU is (nearly) full already, so say so, and
+      // what would help. Any other failure is passed on as it is.
+      llvm::Error err = ctxOr.takeError();
+      if (!err.isA<cu::CudaOutOfMemoryError>())
+        return err;
+      size_t freeBytes = 0, totalBytes = 0;
+      if (cudaMemGetInfo(&freeBytes, &totalBytes) != cudaSuccess)
+        freeBytes = totalBytes = 0;
+      auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
+      return llvm::createStringError(
+          llvm::inconvertibleErrorCode(),
+          fmt::format("{}: cannot set up on GPU {}: cuBLASLt and its {:.0f} MiB workspace do not "
+                      "fit{} ({}); free the GPU's memory (nvidia-smi lists the processes using "
+                      "it) or run on another GPU",
+                      who, options.device, mib(cu::CudaContext::kWorkspaceBytes),
+                      totalBytes ? fmt::format(" in the {:.1f} MiB free of its {:.1f} MiB",
+                                               mib(freeBytes), mib(totalBytes))
+                                 : std::string(),
+                      takeMessage(std::move(err))));
+    }
     ctx = std::move(*ctxOr);
     computeStream = static_cast<cudaStream_t>(ctx->stream());
     arena = std::make_unique<DeviceArena>(computeStream, who);

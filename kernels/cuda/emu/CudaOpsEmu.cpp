@@ -18,6 +18,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/emu/EmuOps.h"
+#include "kernels/cuda/emu/FakeCuda.h"
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -50,7 +51,10 @@ struct CudaContext::Impl {
   StreamOrderedAllocator streamOrdered;
   DeviceAllocator *allocator = &streamOrdered;
   bool sizing = false;
+  bool workspaceCharged = false; // cuBLASLt's, which the emulated matmuls do not need
   ~Impl() {
+    if (workspaceCharged)
+      emu::unchargeDeviceMemory(CudaContext::kWorkspaceBytes);
     if (stream && ownsStream)
       (void)cudaStreamDestroy(stream);
   }
@@ -70,6 +74,9 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
     impl->ownsStream = true;
   }
   impl->streamOrdered.stream = impl->stream;
+  // The device memory the real context's workspace takes (CudaOps.cpp), counted, not allocated.
+  PIPEC_CUDA_TRY(emu::chargeDeviceMemory(kWorkspaceBytes));
+  impl->workspaceCharged = true;
   return std::unique_ptr<CudaContext>(new CudaContext(std::move(impl)));
 }
 

@@ -32,8 +32,14 @@ void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n);
 void checkGuard(cudaStream_t stream, const void *buffer, size_t bytes, size_t n, std::string owner);
 
 /// The device's memory, which cudaMemGetInfo reports and allocations may not exceed: 16 GiB
-/// until a test sets another size (0: back to 16 GiB).
+/// (or PIPEC_EMU_DEVICE_MIB MiB where the environment sets it) until a test sets another size
+/// (0: back to that).
 void setDeviceMemory(size_t bytes);
+/// Counts `bytes` of device memory as allocated, backed by nothing: what a library the emulator
+/// stands in for holds but the emulated ops never touch (cuBLASLt's workspace).
+/// cudaErrorMemoryAllocation where they do not fit, as cudaMalloc's. uncharge gives them back.
+cudaError_t chargeDeviceMemory(size_t bytes);
+void unchargeDeviceMemory(size_t bytes);
 
 } // namespace pipec::emu
 

@@ -46,11 +46,17 @@
 
 namespace {
 
-/// The device's memory (pipec::emu::setDeviceMemory; 0: 16 GiB).
+/// The device's memory (pipec::emu::setDeviceMemory; 0: PIPEC_EMU_DEVICE_MIB MiB where the
+/// environment sets it, for a test of a whole program, else 16 GiB).
 std::atomic<size_t> deviceMemory{0};
 size_t totalBytes() {
+  static const size_t byDefault = [] {
+    const char *mib = std::getenv("PIPEC_EMU_DEVICE_MIB");
+    const long long n = mib ? std::atoll(mib) : 0;
+    return n > 0 ? size_t(n) << 20 : size_t(16) << 30;
+  }();
   const size_t set = deviceMemory.load();
-  return set ? set : size_t(16) << 30;
+  return set ? set : byDefault;
 }
 constexpr size_t kQuarantineBytes = size_t(256) << 20;
 /// The guard in front of an allocation (which keeps its 256-byte alignment) and the least one
@@ -311,6 +317,21 @@ bool asynchronous() {
 void setLastError(cudaError_t error) { lastError = error; }
 
 void setDeviceMemory(size_t bytes) { deviceMemory = bytes; }
+
+cudaError_t chargeDeviceMemory(size_t bytes) {
+  State &s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.deviceBytes + bytes > totalBytes())
+    return cudaErrorMemoryAllocation;
+  s.deviceBytes += bytes;
+  return cudaSuccess;
+}
+
+void unchargeDeviceMemory(size_t bytes) {
+  State &s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.deviceBytes -= bytes;
+}
 
 void fillGuard(cudaStream_t stream, void *buffer, size_t bytes, size_t n) {
   enqueue(stream, [=] { ::fillGuard(static_cast<unsigned char *>(buffer) + bytes, n); });
@@ -578,7 +599,19 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, enum cudaMemPoolAttr attr, vo
   return cudaSuccess;
 }
 
-const char *cublasGetStatusName(cublasStatus_t) { return "CUBLAS_STATUS_NOT_SUPPORTED"; }
+// The names of the statuses the code or its tests meet; cuBLAS itself is not emulated.
+const char *cublasGetStatusName(cublasStatus_t status) {
+  switch (status) {
+  case CUBLAS_STATUS_SUCCESS:
+    return "CUBLAS_STATUS_SUCCESS";
+  case CUBLAS_STATUS_ALLOC_FAILED:
+    return "CUBLAS_STATUS_ALLOC_FAILED";
+  case CUBLAS_STATUS_INVALID_VALUE:
+    return "CUBLAS_STATUS_INVALID_VALUE";
+  default:
+    return "CUBLAS_STATUS_NOT_SUPPORTED";
+  }
+}
 const char *cublasGetStatusString(cublasStatus_t) { return "cuBLAS is not emulated"; }
 
 } // extern "C"
