@@ -35,6 +35,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace pipec::test {
 namespace {
@@ -328,6 +329,46 @@ TEST(NcclEmuMemoryTest, AProcessWhoseGpuCannotHoldItsWeightsStopsEveryProcessBef
         "or tensor-parallel ranks (--tp), or use a GPU with more memory"})
     EXPECT_NE(mine.find(part), std::string::npos) << part << " missing from: " << mine;
   expectRankOneStoppedForItsPeer(results[1]);
+}
+
+TEST(NcclEmuMemoryTest, AProcessThatCannotSetUpItsGpuStopsEveryProcessBeforeTheWarmUp) {
+  // Each process's set-up (after the communicators, before the warm-up) allocates a 32 MiB
+  // cuBLASLt workspace. The two "processes" share one emulated device of 48 MiB, as two would
+  // share a GPU that another job has nearly filled: whichever allocates second finds 16 MiB free.
+  // It says so, with the fix; the other stops at once, on the set-up agreement, rather than wait
+  // for it in the warm-up (with the real library, which tells no peer of an abort, until its
+  // arrival limit: ten timeouts, at least 10 minutes). Neither reaches the warm-up.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 4));
+  auto data = syntheticData(32, /*seed=*/7);
+  const size_t connectedBefore = emu::ncclChannelsConnected();
+  emu::setDeviceMemory(size_t(48) << 20);
+  auto results = runEveryRank(plan, *data, "set-up", [](int) { return CudaRunOptions{}; });
+  emu::setDeviceMemory(0);
+  ASSERT_EQ(results.size(), 2u);
+  std::vector<std::string> messages;
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    messages.push_back(takeMessage(results[r].takeError()));
+  }
+  const std::string setUpFailed =
+      "cannot set up on GPU 0: cuBLASLt and its 32 MiB workspace do not "
+      "fit in the 16.0 MiB free of its 48.0 MiB (";
+  const int short_ = messages[0].find(setUpFailed) != std::string::npos ? 0 : 1;
+  const int other = 1 - short_;
+  for (const std::string &part :
+       {fmt::format("rank {} (pp {}, dp 0, tp 0): ", short_, short_), setUpFailed,
+        std::string("out of memory"),
+        std::string("); free the GPU's memory (nvidia-smi lists the processes using it) or run "
+                    "on another GPU")})
+    EXPECT_NE(messages[size_t(short_)].find(part), std::string::npos)
+        << part << " missing from: " << messages[size_t(short_)];
+  EXPECT_NE(messages[size_t(other)].find(fmt::format(
+                "rank {}: 1 of the launch's 2 processes could not set up their GPU (each says "
+                "why), so this one stops too",
+                other)),
+            std::string::npos)
+      << messages[size_t(other)];
+  EXPECT_EQ(emu::ncclChannelsConnected(), connectedBefore) << "a process reached the warm-up";
 }
 
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {

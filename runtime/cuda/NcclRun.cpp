@@ -51,10 +51,16 @@ llvm::Error waitPolling(cudaStream_t stream, NcclCommunicators &comms, double ti
 }
 
 /// Every process adds `value` (a float slot of device scratch) over `world` and gets the sum.
+/// The host call that posts it is guarded for `postLimit` seconds (BlockingWatchdog): it blocks
+/// where NCCL connects `world` at run time, until every peer posts too.
 llvm::Expected<float> worldSum(float value, float *slot, NcclCommunicators &comms,
-                               cudaStream_t stream, double timeout, const std::string &what) {
+                               cudaStream_t stream, double timeout, const std::string &what,
+                               double postLimit = BlockingWatchdog::kNoLimit) {
   PIPEC_CUDA_TRY(cudaMemcpyAsync(slot, &value, sizeof value, cudaMemcpyHostToDevice, stream));
-  PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, comms.world.get(), stream));
+  {
+    BlockingWatchdog watchdog(what, postLimit);
+    PIPEC_NCCL_TRY(ncclAllReduce(slot, slot, 1, ncclFloat, ncclSum, comms.world.get(), stream));
+  }
   // Polled before the copy back, which into pageable memory returns only when done: a peer
   // that never comes must meet the watchdog, not block the host in the copy.
   if (auto err = waitPolling(stream, comms, timeout, what))
@@ -292,22 +298,60 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     completed = true;
     return err;
   };
-  NcclTransport transport(plan, env, **comms);
-  ParamSnapshot snapshot;
-  auto backend = createDeviceTransportBackend(
-      plan, cfg, env.coord, data, o, o.checkReference ? &snapshot : nullptr,
-      [&transport] { return transport.waitForCollectives(); });
-  if (!backend)
-    return backend.takeError();
-  CudaRankBackend &b = **backend;
-  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
-  if (auto err = transport.init(compute, [&b] { return b.takeDeferredError(); }))
-    return err;
   // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK 0's
   // reference (float 4), the gather's connection (float 0) and the loss (a double, floats 0-1).
+  // (Allocated first, with the set-up agreement's stream, so that a process whose set-up fails
+  // can still take part in that agreement. If these fail, the GPU is unusable, and the peers
+  // wait for this process under their arrival limit.)
   auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
   if (!scratch)
     return scratch.takeError();
+  runtime_cuda::OwnedStream setUpStream;
+  if (auto err = setUpStream.create())
+    return err;
+  // The process's GPU set-up: its compute stream, cuBLASLt handle and workspace, and the
+  // transport's streams and events. It fails on one process alone where that process's GPU is
+  // (nearly) full or faulty, so every process then learns whether all of them could, at once,
+  // rather than wait for that one in the warm-up until its arrival limit.
+  NcclTransport transport(plan, env, **comms);
+  ParamSnapshot snapshot;
+  std::unique_ptr<CudaRankBackend> backend;
+  llvm::Error setUp = [&]() -> llvm::Error {
+    auto made = createDeviceTransportBackend(
+        plan, cfg, env.coord, data, o, o.checkReference ? &snapshot : nullptr,
+        [&transport] { return transport.waitForCollectives(); });
+    if (!made)
+      return made.takeError();
+    backend = std::move(*made);
+    CudaRankBackend *b = backend.get();
+    return transport.init(static_cast<cudaStream_t>(b->computeStreamHandle()),
+                          [b] { return b->takeDeferredError(); });
+  }();
+  {
+    // The first collective on `world`, which the others may reach late (their set-up takes a
+    // while): under the arrival limit, and its post guarded as the warm-up's are, should
+    // connecting block the host call (NCCL_RUNTIME_CONNECT=1).
+    const double limit = peerArrivalLimit(o.timeoutSeconds);
+    auto failedProcesses =
+        worldSum(setUp ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, setUpStream.get(), limit,
+                 fmt::format("rank {}'s set-up agreement", env.rank), limit);
+    if (setUp) {
+      if (failedProcesses)
+        return stopTogether(std::move(setUp));
+      llvm::consumeError(failedProcesses.takeError()); // (its own error says more)
+      return setUp;
+    }
+    if (!failedProcesses)
+      return failedProcesses.takeError();
+    if (*failedProcesses > 0)
+      return stopTogether(llvm::createStringError(
+          llvm::inconvertibleErrorCode(),
+          fmt::format("rank {}: {} of the launch's {} processes could not set up their GPU (each "
+                      "says why), so this one stops too",
+                      env.rank, int(*failedProcesses), env.worldSize)));
+  }
+  CudaRankBackend &b = *backend;
+  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
   if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds,
                                   peerArrivalLimit(o.timeoutSeconds)))
     return err;

@@ -2,7 +2,9 @@
 //
 // DESIGN §8's `nccl` transport: a launcher starts one process per GPU with RANK, WORLD_SIZE and
 // LOCAL_RANK (NcclLayout.h); each process selects GPU LOCAL_RANK, creates its communicators
-// eagerly (Nccl.h), warms up every p2p connection and collective it will use, and interprets
+// eagerly (Nccl.h), sets up its GPU (streams, events, cuBLASLt and its workspace) and learns
+// (an all-reduce on `world`) whether every process could, so that all stop together if one
+// could not, warms up every p2p connection and collective it will use, and interprets
 // its one rank's stream with the shared interpreter (runtime/Interpreter.h) on the cuda
 // backend's device-transport variant (CudaRun.h) and NcclTransport (NcclTransport.h):
 //   - the sends and recvs of one plan group are posted inside one ncclGroupStart/ncclGroupEnd
