@@ -341,6 +341,7 @@ TEST(NcclEmuMemoryTest, AProcessThatCannotSetUpItsGpuStopsEveryProcessBeforeTheW
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 4));
   auto data = syntheticData(32, /*seed=*/7);
   const size_t connectedBefore = emu::ncclChannelsConnected();
+  const size_t abortedBefore = emu::ncclCommsAborted();
   emu::setDeviceMemory(size_t(48) << 20);
   auto results = runEveryRank(plan, *data, "set-up", [](int) { return CudaRunOptions{}; });
   emu::setDeviceMemory(0);
@@ -351,8 +352,8 @@ TEST(NcclEmuMemoryTest, AProcessThatCannotSetUpItsGpuStopsEveryProcessBeforeTheW
     messages.push_back(takeMessage(results[r].takeError()));
   }
   const std::string setUpFailed =
-      "cannot set up on GPU 0: cuBLASLt and its 32 MiB workspace do not "
-      "fit in the 16.0 MiB free of its 48.0 MiB (";
+      "cannot set up on GPU 0: a CUDA stream, cuBLASLt and its 32 MiB workspace do not fit in "
+      "the 16.0 MiB free of its 48.0 MiB (";
   const int short_ = messages[0].find(setUpFailed) != std::string::npos ? 0 : 1;
   const int other = 1 - short_;
   for (const std::string &part :
@@ -369,6 +370,9 @@ TEST(NcclEmuMemoryTest, AProcessThatCannotSetUpItsGpuStopsEveryProcessBeforeTheW
             std::string::npos)
       << messages[size_t(other)];
   EXPECT_EQ(emu::ncclChannelsConnected(), connectedBefore) << "a process reached the warm-up";
+  // Both stopped together after the agreement, with nothing queued: they finalized their
+  // communicators. (An abort could drop the agreement's last sends before a peer has them.)
+  EXPECT_EQ(emu::ncclCommsAborted(), abortedBefore) << "a process aborted its communicators";
 }
 
 TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamingTheFlag) {

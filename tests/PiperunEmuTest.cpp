@@ -129,8 +129,8 @@ TEST(PiperunEmuTest, AGpuOthersHaveNearlyFilledIsOneLineAndExitTwoNamingTheFix) 
   Result r = run("PIPEC_EMU_DEVICE_MIB=80 tools/piperun_emu " + p + " --backend cuda --steps 1");
   EXPECT_EQ(r.code, 2) << r.out << r.err;
   for (const char *part :
-       {"piperun: error: rank 2 (pp 2, dp 0, tp 0): cannot set up on GPU 0: cuBLASLt and its 32 "
-        "MiB workspace do not fit in the 16.0 MiB free of its 80.0 MiB (",
+       {"piperun: error: rank 2 (pp 2, dp 0, tp 0): cannot set up on GPU 0: a CUDA stream, "
+        "cuBLASLt and its 32 MiB workspace do not fit in the 16.0 MiB free of its 80.0 MiB (",
         "out of memory",
         "); free the GPU's memory (nvidia-smi lists the processes using it) or "
         "run on another GPU\n"})
@@ -143,9 +143,9 @@ TEST(PiperunEmuTest, AGpuOthersHaveNearlyFilledIsOneLineAndExitTwoNamingTheFix) 
           "tools/piperun_emu " +
           one + " --backend nccl --steps 1");
   EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("piperun: error: rank 0 (pp 0, dp 0, tp 0): cannot set up on GPU 0: "
-                       "cuBLASLt and its 32 MiB workspace do not fit in the 16.0 MiB free of its "
-                       "16.0 MiB ("),
+  EXPECT_NE(r.err.find("piperun: error: rank 0 (pp 0, dp 0, tp 0): cannot set up on GPU 0: a "
+                       "CUDA stream, cuBLASLt and its 32 MiB workspace do not fit in the 16.0 MiB "
+                       "free of its 16.0 MiB ("),
             std::string::npos)
       << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;

@@ -130,8 +130,9 @@ public:
       auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
       return llvm::createStringError(
           llvm::inconvertibleErrorCode(),
-          fmt::format("{}: cannot set up on GPU {}: cuBLASLt and its {:.0f} MiB workspace do not "
-                      "fit{} ({}); free the GPU's memory (nvidia-smi lists the processes using "
+          fmt::format("{}: cannot set up on GPU {}: a CUDA stream, cuBLASLt and its {:.0f} MiB "
+                      "workspace do not fit{} ({}); free the GPU's memory (nvidia-smi lists the "
+                      "processes using "
                       "it) or run on another GPU",
                       who, options.device, mib(cu::CudaContext::kWorkspaceBytes),
                       totalBytes ? fmt::format(" in the {:.1f} MiB free of its {:.1f} MiB",

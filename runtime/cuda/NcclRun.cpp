@@ -327,6 +327,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     return transport.init(static_cast<cudaStream_t>(b->computeStreamHandle()),
                           [b] { return b->takeDeferredError(); });
   }();
+  if (setUp)
+    (void)cudaGetLastError(); // (so that no later launch check reports the set-up's failure)
   {
     // The first collective on `world`, which the others may reach late (their set-up takes a
     // while): under the arrival limit, and its post guarded as the warm-up's are, should

@@ -119,6 +119,7 @@ thread_local int groupDepth = 0;
 thread_local std::string lastError;
 std::string lastAsyncError; // of work run on a stream (under mu)
 size_t connected = 0;       // channels with both sides posted (under mu)
+size_t aborted = 0;         // communicators aborted (under mu)
 
 } // namespace
 
@@ -529,6 +530,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   {
     std::lock_guard<std::mutex> lock(mu);
     comm->group->aborted = true;
+    ++aborted;
   }
   cv.notify_all();
   delete comm;
@@ -594,4 +596,9 @@ ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
 size_t pipec::emu::ncclChannelsConnected() {
   std::lock_guard<std::mutex> lock(mu);
   return connected;
+}
+
+size_t pipec::emu::ncclCommsAborted() {
+  std::lock_guard<std::mutex> lock(mu);
+  return aborted;
 }

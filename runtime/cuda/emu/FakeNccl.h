@@ -15,6 +15,8 @@ namespace pipec::emu {
 /// so far: both sides have posted on it once. On a GPU each connection is a host call that
 /// blocks until the peer posts, and NCCL's buffers allocated then.
 size_t ncclChannelsConnected();
+/// How many communicators this process has aborted so far (ncclCommAbort on a live one).
+size_t ncclCommsAborted();
 
 } // namespace pipec::emu
 
