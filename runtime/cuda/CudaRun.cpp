@@ -34,6 +34,9 @@ namespace pipec {
 namespace {
 
 namespace cu = kernels::cuda;
+
+/// `bytes` in MiB, as the memory errors print them.
+double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 using kernels::GptConfig;
 using kernels::StageCompute;
 
@@ -127,13 +130,11 @@ public:
       size_t freeBytes = 0, totalBytes = 0;
       if (cudaMemGetInfo(&freeBytes, &totalBytes) != cudaSuccess)
         freeBytes = totalBytes = 0;
-      auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
       return llvm::createStringError(
           llvm::inconvertibleErrorCode(),
           fmt::format("{}: cannot set up on GPU {}: a CUDA stream, cuBLASLt and its {:.0f} MiB "
                       "workspace do not fit{} ({}); free the GPU's memory (nvidia-smi lists the "
-                      "processes using "
-                      "it) or run on another GPU",
+                      "processes using it) or run on another GPU",
                       who, options.device, mib(cu::CudaContext::kWorkspaceBytes),
                       totalBytes ? fmt::format(" in the {:.1f} MiB free of its {:.1f} MiB",
                                                mib(freeBytes), mib(totalBytes))
@@ -312,7 +313,6 @@ private:
   /// the failed call's message, if any, and the runner's `fix`.
   llvm::Error cannotHold(size_t need, size_t freeBytes, size_t totalBytes, const std::string &cause,
                          llvm::StringRef fix) const {
-    auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
     std::string copies = "4 fp32 copies: weights, gradients, Adam's two moments";
     if (options.dtype == kernels::DType::BF16)
       copies += "; a bf16 copy of the weights";
@@ -379,7 +379,6 @@ static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, co
   PIPEC_CUDA_TRY(cudaMemGetInfo(&freeBytes, &totalBytes));
   if (sum <= freeBytes)
     return llvm::Error::success();
-  auto mib = [](size_t bytes) { return double(bytes) / double(1 << 20); };
   std::string byRank;
   for (size_t r = 0; r < need.size(); ++r)
     byRank += fmt::format("{}{:.1f}", r == 0 ? "" : " ", mib(need[r]));

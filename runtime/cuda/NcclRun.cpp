@@ -298,6 +298,28 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     completed = true;
     return err;
   };
+  // After an agreement on how many processes failed a part of the launch (`failed`, this one's
+  // `mine` counted in): success where none did; else this process's own error, or that some
+  // could not `what`, with every process stopping together. Where the agreement's wait failed
+  // (it aborted): this process's own error, which says more, or the wait's.
+  auto stopUnlessAllCould = [&](llvm::Error mine, llvm::Expected<float> failed,
+                                const char *what) -> llvm::Error {
+    if (mine) {
+      if (failed)
+        return stopTogether(std::move(mine));
+      llvm::consumeError(failed.takeError());
+      return mine;
+    }
+    if (!failed)
+      return failed.takeError();
+    if (*failed > 0)
+      return stopTogether(llvm::createStringError(
+          llvm::inconvertibleErrorCode(),
+          fmt::format("rank {}: {} of the launch's {} processes could not {}, so this one stops "
+                      "too",
+                      env.rank, int(*failed), env.worldSize, what)));
+    return llvm::Error::success();
+  };
   // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK 0's
   // reference (float 4), the gather's connection (float 0) and the loss (a double, floats 0-1).
   // (Allocated first, with the set-up agreement's stream, so that a process whose set-up fails
@@ -329,29 +351,16 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   }();
   if (setUp)
     (void)cudaGetLastError(); // (so that no later launch check reports the set-up's failure)
-  {
-    // The first collective on `world`, which the others may reach late (their set-up takes a
-    // while): under the arrival limit, and its post guarded as the warm-up's are, should
-    // connecting block the host call (NCCL_RUNTIME_CONNECT=1).
-    const double limit = peerArrivalLimit(o.timeoutSeconds);
-    auto failedProcesses =
-        worldSum(setUp ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, setUpStream.get(), limit,
-                 fmt::format("rank {}'s set-up agreement", env.rank), limit);
-    if (setUp) {
-      if (failedProcesses)
-        return stopTogether(std::move(setUp));
-      llvm::consumeError(failedProcesses.takeError()); // (its own error says more)
-      return setUp;
-    }
-    if (!failedProcesses)
-      return failedProcesses.takeError();
-    if (*failedProcesses > 0)
-      return stopTogether(llvm::createStringError(
-          llvm::inconvertibleErrorCode(),
-          fmt::format("rank {}: {} of the launch's {} processes could not set up their GPU (each "
-                      "says why), so this one stops too",
-                      env.rank, int(*failedProcesses), env.worldSize)));
-  }
+  // The first collective on `world`, which the others may reach late (their set-up takes a
+  // while): under the arrival limit, and its post guarded as the warm-up's are, should
+  // connecting block the host call (NCCL_RUNTIME_CONNECT=1).
+  const double arrivalLimit = peerArrivalLimit(o.timeoutSeconds);
+  auto setUpFailures =
+      worldSum(setUp ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, setUpStream.get(),
+               arrivalLimit, fmt::format("rank {}'s set-up agreement", env.rank), arrivalLimit);
+  if (auto err = stopUnlessAllCould(std::move(setUp), std::move(setUpFailures),
+                                    "set up their GPU (each says why)"))
+    return err;
   CudaRankBackend &b = *backend;
   auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
   if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds,
@@ -443,25 +452,12 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // Under the arrival limit: a process with a larger stage initialises its weights for longer.
   // (So a process that dies before it gets here holds its peers that long too, as in the
   // warm-up.)
-  auto failedProcesses = processesWith(static_cast<bool>(reserved), "the device memory's agreement",
-                                       peerArrivalLimit(o.timeoutSeconds));
-  if (reserved) {
-    if (failedProcesses)
-      return stopTogether(std::move(reserved));
-    // (The wait that failed aborted; this process's own error says more than the wait's.)
-    llvm::consumeError(failedProcesses.takeError());
-    return reserved;
-  }
-  if (!failedProcesses)
-    return failedProcesses.takeError();
-  if (*failedProcesses > 0) {
-    return stopTogether(llvm::createStringError(
-        llvm::inconvertibleErrorCode(),
-        fmt::format("rank {}: {} of the launch's {} processes could not reserve the device "
-                    "memory the plan needs before step 0 (each says why, with the fix), so this "
-                    "one stops too",
-                    env.rank, int(*failedProcesses), env.worldSize)));
-  }
+  auto memoryFailures = processesWith(static_cast<bool>(reserved), "the device memory's agreement",
+                                      peerArrivalLimit(o.timeoutSeconds));
+  if (auto err = stopUnlessAllCould(std::move(reserved), std::move(memoryFailures),
+                                    "reserve the device memory the plan needs before step 0 (each "
+                                    "says why, with the fix)"))
+    return err;
   // --check-reference: RANK 0 runs the single-rank CPU reference, built now, and the others wait
   // for it here under the arrival limit (ten timeouts, at least 10 minutes), not in step 0,
   // where their step watchdog would count its time. (Not before the communicators: RANK 0's
