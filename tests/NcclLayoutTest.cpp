@@ -119,6 +119,175 @@ TEST(NcclLaunchEnvTest, RankMapsToCoordinatesInTheInterpretersTpDpPpOrder) {
   }
 }
 
+// The launchers' own variables, as their documentation names them: srun's output environment
+// (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_ID, set in a job step's
+// tasks), Open MPI's OMPI_COMM_WORLD_RANK, _SIZE and _LOCAL_RANK, MVAPICH2's MV2_COMM_WORLD_*,
+// and MPICH's and Intel MPI's Hydra PMI_RANK, PMI_SIZE and MPI_LOCALRANKID. No wrapper script
+// maps them to RANK, WORLD_SIZE and LOCAL_RANK.
+struct LauncherCase {
+  const char *name;
+  Env vars; // rank 5 of 8, the second process of its node
+};
+
+const std::vector<LauncherCase> &launcherCases() {
+  static const std::vector<LauncherCase> cases = {
+      {"torchrun", {{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}}},
+      {"srun",
+       {{"SLURM_STEP_ID", "0"},
+        {"SLURM_PROCID", "5"},
+        {"SLURM_STEP_NUM_TASKS", "8"},
+        {"SLURM_NTASKS", "16"}, // the job's, as srun --preserve-env leaves it
+        {"SLURM_LOCALID", "1"}}},
+      {"Open MPI's mpirun",
+       {{"OMPI_COMM_WORLD_RANK", "5"},
+        {"OMPI_COMM_WORLD_SIZE", "8"},
+        {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}}},
+      {"MVAPICH2's mpirun_rsh",
+       {{"MV2_COMM_WORLD_RANK", "5"},
+        {"MV2_COMM_WORLD_SIZE", "8"},
+        {"MV2_COMM_WORLD_LOCAL_RANK", "1"}}},
+      {"MPICH's or Intel MPI's mpiexec",
+       {{"PMI_RANK", "5"}, {"PMI_SIZE", "8"}, {"MPI_LOCALRANKID", "1"}}}};
+  return cases;
+}
+
+TEST(NcclLaunchEnvTest, EachLaunchersOwnVariablesPlaceTheProcessWithoutAWrapper) {
+  Plan plan = pp2tp2dp2();
+  RunShared shared(plan, Faults{});
+  for (const LauncherCase &c : launcherCases()) {
+    Env env = c.vars;
+    env["NCCL_COMM_ID"] = "node0:29600";
+    auto e = launch(plan, env);
+    ASSERT_TRUE(bool(e)) << c.name << ": " << takeMessage(e.takeError());
+    EXPECT_STREQ(e->launcher->name, c.name);
+    EXPECT_EQ(e->rank, 5) << c.name;
+    EXPECT_EQ(e->worldSize, 8) << c.name;
+    EXPECT_EQ(e->localRank, 1) << c.name;
+    EXPECT_EQ(shared.threadOf(e->coord), 5) << c.name;
+    // The description names the variables this launcher set, with their values.
+    for (const auto &[name, value] : c.vars)
+      if (name != "SLURM_STEP_ID" && name != "SLURM_NTASKS")
+        EXPECT_NE(e->describe().find(name + "=" + value), std::string::npos)
+            << c.name << ": " << e->describe();
+  }
+}
+
+TEST(NcclLaunchEnvTest, ALauncherStartedByAnotherWinsOverTheVariablesItInherits) {
+  Plan plan = pp2tp2dp2();
+  // What srun set for the one task per node that runs torchrun's agent, mpirun's daemon or
+  // Hydra's proxy: every process those start inherits it (and torchrun's below Open MPI's,
+  // for mpirun --npernode 1 torchrun ...).
+  const Env srunStep{{"SLURM_STEP_ID", "3"},
+                     {"SLURM_PROCID", "0"},
+                     {"SLURM_STEP_NUM_TASKS", "2"},
+                     {"SLURM_LOCALID", "0"},
+                     {"NCCL_COMM_ID", "node0:29600"}};
+  for (const LauncherCase &c : launcherCases()) {
+    if (std::string(c.name) == "srun")
+      continue;
+    Env env = srunStep;
+    if (std::string(c.name) == "torchrun")
+      env.insert({{"OMPI_COMM_WORLD_RANK", "1"},
+                  {"OMPI_COMM_WORLD_SIZE", "2"},
+                  {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
+    env.insert(c.vars.begin(), c.vars.end());
+    auto e = launch(plan, env);
+    ASSERT_TRUE(bool(e)) << c.name << ": " << takeMessage(e.takeError());
+    EXPECT_STREQ(e->launcher->name, c.name);
+    EXPECT_EQ(e->rank, 5) << c.name;
+    EXPECT_EQ(e->worldSize, 8) << c.name;
+  }
+  // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE too, but not Hydra's MPI_LOCALRANKID: srun's
+  // variables place it.
+  Env pmi2{{"SLURM_STEP_ID", "0"}, {"SLURM_PROCID", "6"}, {"SLURM_STEP_NUM_TASKS", "8"},
+           {"SLURM_LOCALID", "2"}, {"PMI_RANK", "6"},     {"PMI_SIZE", "8"},
+           {"NCCL_COMM_ID", "h:1"}};
+  auto e = launch(plan, pmi2);
+  ASSERT_TRUE(bool(e)) << takeMessage(e.takeError());
+  EXPECT_STREQ(e->launcher->name, "srun");
+  EXPECT_EQ(e->localRank, 2);
+}
+
+TEST(NcclLaunchEnvTest, AnInteractiveSrunStepIsOneTaskAndTheErrorSaysHowManyToLaunch) {
+  // srun --pty bash (or salloc's interactive step) is a step of one task, with srun's step id
+  // for it: piperun run from its shell is that one task, and the plan needs 8.
+  std::string e = errorOf(launch(pp2tp2dp2(), {{"SLURM_STEP_ID", "4294967290"},
+                                               {"SLURM_PROCID", "0"},
+                                               {"SLURM_STEP_NUM_TASKS", "1"},
+                                               {"SLURM_NTASKS", "1"},
+                                               {"SLURM_LOCALID", "0"}}));
+  EXPECT_NE(e.find("--backend nccl: SLURM_STEP_NUM_TASKS=1 but the plan needs pp 2 x dp 2 x tp 2 "
+                   "= 8 processes; launch 8 (e.g. srun --ntasks 8)"),
+            std::string::npos)
+      << e;
+}
+
+TEST(NcclLaunchEnvTest, ASlurmBatchScriptIsNotALaunchAndTheErrorSaysToUseSrun) {
+  // An sbatch script's shell has SLURM_PROCID=0 and the job's SLURM_NTASKS, but no step id: it
+  // is one process, and taking it for rank 0 of 8 would wait for 7 that never start.
+  std::string e = errorOf(launch(pp2tp2dp2(), {{"SLURM_PROCID", "0"},
+                                               {"SLURM_NTASKS", "8"},
+                                               {"SLURM_LOCALID", "0"},
+                                               {"SLURM_JOB_ID", "42"}}));
+  EXPECT_NE(e.find("RANK is not set"), std::string::npos) << e;
+  EXPECT_NE(e.find("SLURM_PROCID is set but SLURM_STEP_ID is not"), std::string::npos) << e;
+  EXPECT_NE(e.find("srun --ntasks 8"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+}
+
+TEST(NcclLaunchEnvTest, APmiRankWithoutHydrasLocalRankSaysWhatIsMissing) {
+  // Another launcher's PMI (not Hydra's, not inside an srun step) gives no GPU on the node.
+  std::string e = errorOf(launch(pp2tp2dp2(), {{"PMI_RANK", "3"}, {"PMI_SIZE", "8"}}));
+  EXPECT_NE(e.find("PMI_RANK is set but MPI_LOCALRANKID is not: this process was not started by "
+                   "MPICH's or Intel MPI's mpiexec"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("SLURM_PROCID is set"), std::string::npos) << e;
+}
+
+TEST(NcclLaunchEnvTest, NothingSetListsEveryLaunchersVariables) {
+  std::string e = errorOf(launch(pp2tp2dp2(), {}));
+  EXPECT_EQ(e.rfind("--backend nccl: RANK is not set; ", 0), 0u) << e;
+  for (const Launcher &l : launchers())
+    for (const char *v : {l.rankVar, l.sizeVar, l.localRankVar})
+      EXPECT_NE(e.find(v), std::string::npos) << v << " missing from: " << e;
+  EXPECT_NE(e.find("WORLD_SIZE=8"), std::string::npos) << e;
+  EXPECT_EQ(e.find("SLURM_STEP_ID is not"), std::string::npos) << e; // no Slurm here
+}
+
+TEST(NcclLaunchEnvTest, ErrorsUnderALauncherNameItsVariablesAndItsCommandLine) {
+  Plan plan = pp2tp2dp2();
+  std::string e = errorOf(launch(plan, {{"SLURM_STEP_ID", "0"},
+                                        {"SLURM_PROCID", "0"},
+                                        {"SLURM_STEP_NUM_TASKS", "4"},
+                                        {"SLURM_LOCALID", "0"},
+                                        {"NCCL_COMM_ID", "h:1"}}));
+  EXPECT_NE(e.find("--backend nccl: SLURM_STEP_NUM_TASKS=4 but the plan needs pp 2 x dp 2 x tp 2 "
+                   "= 8 processes; launch 8 (e.g. srun --ntasks 8)"),
+            std::string::npos)
+      << e;
+  e = errorOf(launch(plan, {{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "8"}}));
+  EXPECT_NE(e.find("OMPI_COMM_WORLD_LOCAL_RANK is not set; Open MPI's mpirun sets "
+                   "OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_RANK"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("mpirun -np 8"), std::string::npos) << e;
+  e = errorOf(launch(plan, {{"PMI_RANK", "9"}, {"PMI_SIZE", "8"}, {"MPI_LOCALRANKID", "0"}}));
+  EXPECT_NE(e.find("PMI_RANK=9 is not an integer in [0, 7]"), std::string::npos) << e;
+  // Open MPI passes a variable to other nodes only with -x: the fix says so.
+  e = errorOf(launch(plan, {{"OMPI_COMM_WORLD_RANK", "1"},
+                            {"OMPI_COMM_WORLD_SIZE", "8"},
+                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}}));
+  EXPECT_NE(e.find("NCCL_COMM_ID is not set; with OMPI_COMM_WORLD_SIZE=8 > 1"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("mpirun -x NCCL_COMM_ID="), std::string::npos) << e;
+  e = errorOf(launch(plan, {{"SLURM_STEP_ID", "0"},
+                            {"SLURM_PROCID", "1"},
+                            {"SLURM_STEP_NUM_TASKS", "8"},
+                            {"SLURM_LOCALID", "1"}}));
+  EXPECT_NE(e.find("scontrol show hostnames"), std::string::npos) << e;
+}
+
 // NCCL's own words for two ranks on one GPU (libnccl.so.2's format string "Duplicate GPU
 // detected : rank %d and rank %d both on CUDA device %lx", as ncclGetLastError returns it).
 TEST(NcclSharedGpuTest, NcclsDuplicateGpuErrorBecomesOneLineNamingBothRanksAndNcclHostId) {
@@ -156,6 +325,19 @@ TEST(NcclSharedGpuTest, ASharedNcclHostIdIsNamedWithItsValue) {
   EXPECT_NE(m.find("give each a different NCCL_HOSTID (this one's, box, is another's too)"),
             std::string::npos)
       << m;
+}
+
+TEST(NcclSharedGpuTest, UnderSrunItNamesSrunsVariableAndOption) {
+  auto env = launch(pp2tp2dp2(), {{"SLURM_STEP_ID", "0"},
+                                  {"SLURM_PROCID", "3"},
+                                  {"SLURM_STEP_NUM_TASKS", "8"},
+                                  {"SLURM_LOCALID", "3"},
+                                  {"NCCL_COMM_ID", "h:1"}});
+  ASSERT_TRUE(bool(env)) << takeMessage(env.takeError());
+  std::string m = takeMessage(sharedGpuError(
+      "Duplicate GPU detected : rank 3 and rank 2 both on CUDA device 4000", *env, 2, nullptr));
+  EXPECT_NE(m.find("(this process, SLURM_LOCALID=3, sees 2 GPUs)"), std::string::npos) << m;
+  EXPECT_NE(m.find("srun --ntasks-per-node 2"), std::string::npos) << m;
 }
 
 TEST(NcclSharedGpuTest, OtherNcclErrorsAreLeftToNcclsOwnMessage) {

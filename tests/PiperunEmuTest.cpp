@@ -162,12 +162,37 @@ TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
                            "activation arena MiB (this process's rank 0", "max_abs_grad_diff="})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << " missing from:\n" << r.out;
   EXPECT_LT(r.out.find("activation arena MiB"), r.out.find("step 0 loss")) << r.out;
+  EXPECT_NE(r.out.find("launch: 1 process, placed by torchrun (RANK 0 has RANK=0 "
+                       "WORLD_SIZE=1 LOCAL_RANK=0)"),
+            std::string::npos)
+      << r.out;
   // NCCL's version, first (tools/gpu_check.sh reports it), and its connections made eagerly.
   EXPECT_EQ(r.out.rfind("NCCL version ", 0), 0u) << r.out;
   EXPECT_NE(r.out.find("NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are "
                        "created)"),
             std::string::npos)
       << r.out;
+}
+
+TEST(PiperunEmuTest, NcclBackendRunsFromSrunsOwnVariables) {
+  // A task srun started, without a wrapper mapping its variables to RANK and the others.
+  std::string p = plan("nccl-srun", "--schedule 1f1b --pp 1 --microbatches 4");
+  Result r = run("env -u NCCL_COMM_ID -u RANK SLURM_STEP_ID=0 SLURM_PROCID=0 "
+                 "SLURM_STEP_NUM_TASKS=1 SLURM_NTASKS=4 SLURM_LOCALID=0 tools/piperun_emu " +
+                 p + " --backend nccl --steps 1");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("launch: 1 process, placed by srun (RANK 0 has SLURM_PROCID=0 "
+                       "SLURM_STEP_NUM_TASKS=1 SLURM_LOCALID=0)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("step 0 loss "), std::string::npos) << r.out;
+  // The allocation's own shell (no step) is refused at once, saying to use srun.
+  r = run("env -u NCCL_COMM_ID -u RANK -u SLURM_STEP_ID SLURM_PROCID=0 SLURM_NTASKS=4 "
+          "SLURM_LOCALID=0 tools/piperun_emu " +
+          p + " --backend nccl --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("SLURM_PROCID is set but SLURM_STEP_ID is not"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
 TEST(PiperunEmuTest, NcclBackendKeepsTheUsersRuntimeConnectAndSaysWhatItMeans) {

@@ -319,7 +319,8 @@ say "step benchmark ($((SECONDS - start)) s):"
 sed 's/^/  /' "$out/step.txt" | tee -a "$report"
 
 # The nccl mode with one process per GPU (runtime/cuda/NcclRun.h), launched here as torchrun
-# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID) with --check-reference (every process's
+# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID; two cases as srun and Open MPI's mpirun
+# would, in their own variables) with --check-reference (every process's
 # gradients gathered to rank 0 and held against the single-rank reference: a process exits 1
 # over tolerance); rank 0's losses must also equal those of --backend cuda (every rank on one
 # GPU) within 1e-4. 60 s for each of the two runs of a configuration at most. DTYPE=bf16 runs
@@ -339,19 +340,29 @@ one_gpu_env=(NCCL_SOCKET_IFNAME=lo NCCL_NET=Socket NCCL_IB_DISABLE=1 NCCL_MNNVL_
   NCCL_NVLS_ENABLE=0)
 one_gpu_state=untried # untried, works, broken
 # launch_ranks N LOG TAG LIMIT CMD...: runs CMD as the N processes of one launch, as torchrun
-# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID on a port of its own), with the caller's
-# `extra` variables and, in the one-GPU mode (`extra` not empty), an NCCL_HOSTID per process;
-# rank r writes LOG.rank<r>.txt and gets LIMIT seconds. Fails if any process failed.
+# would (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID on a port of its own), or with LAUNCHER=srun
+# or LAUNCHER=ompi in that launcher's own variables (srun's SLURM_*, Open MPI's
+# OMPI_COMM_WORLD_*; runtime/cuda/NcclLayout.h), with the caller's `extra` variables and, in the
+# one-GPU mode (`extra` not empty), an NCCL_HOSTID per process; rank r writes LOG.rank<r>.txt
+# and gets LIMIT seconds. Fails if any process failed.
 launch_ranks() {
   local n=$1 log=$2 tag=$3 limit=$4 port=$((29500 + RANDOM % 2000)) pids=() rc=0 r
   shift 4
   for ((r = 0; r < n; r++)); do
-    local -a vars=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r" "NCCL_COMM_ID=127.0.0.1:$port"
+    local -a place
+    case "${LAUNCHER:-torchrun}" in
+    srun) place=("SLURM_STEP_ID=0" "SLURM_PROCID=$r" "SLURM_STEP_NUM_TASKS=$n" "SLURM_LOCALID=$r") ;;
+    ompi) place=("OMPI_COMM_WORLD_RANK=$r" "OMPI_COMM_WORLD_SIZE=$n"
+      "OMPI_COMM_WORLD_LOCAL_RANK=$r") ;;
+    *) place=("RANK=$r" "WORLD_SIZE=$n" "LOCAL_RANK=$r") ;;
+    esac
+    local -a vars=("${place[@]}" "NCCL_COMM_ID=127.0.0.1:$port"
       "NCCL_DEBUG=${NCCL_DEBUG:-WARN}" ${extra[@]+"${extra[@]}"})
     [ -z "${NCCL_DEBUG_SUBSYS:-}" ] || vars+=("NCCL_DEBUG_SUBSYS=$NCCL_DEBUG_SUBSYS")
     [ "${#extra[@]}" -eq 0 ] || vars+=("NCCL_HOSTID=pipec-$tag-rank$r")
     echo "+ ${vars[*]} $*" >&2
-    env "${vars[@]}" timeout -k 10 "$limit" "$@" >"$log.rank$r.txt" 2>&1 &
+    env -u RANK -u WORLD_SIZE -u LOCAL_RANK "${vars[@]}" timeout -k 10 "$limit" "$@" \
+      >"$log.rank$r.txt" 2>&1 &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
@@ -372,6 +383,7 @@ nccl_case() { # name nproc pipec-flags...
     where="$n processes on 1 GPU, NCCL over loopback sockets"
     extra=(CUDA_VISIBLE_DEVICES=0 "${one_gpu_env[@]}")
   fi
+  [ "${LAUNCHER:-torchrun}" = torchrun ] || where="$where, placed by ${LAUNCHER}'s variables"
   fits 120 "nccl $name" || return 3 # (skipped: says nothing about the one-GPU mode)
   if ! "$bin/pipec" compile --model "${MODEL:-examples/tiny-gpt.json}" "$@" -o "$plan" --quiet \
       >"$out/nccl-$name.compile.log" 2>&1 ||
@@ -389,6 +401,17 @@ nccl_case() { # name nproc pipec-flags...
         grep -v ' NCCL INFO ' "$out/nccl-$name.rank$r.txt" | tail -5; } |
         sed "s/^/  rank $r: /" | tee -a "$report"
     done
+    return 1
+  fi
+  # (Placed by the launcher's variables the case was started with, not by others.)
+  local placed
+  case "${LAUNCHER:-torchrun}" in
+  srun) placed="srun" ;;
+  ompi) placed="Open MPI's mpirun" ;;
+  *) placed="torchrun" ;;
+  esac
+  if ! grep -q "^launch: $n processes, placed by $placed (" "$out/nccl-$name.rank0.txt"; then
+    say "nccl $name ($where): RANK 0 did not say it was placed by $placed: $(grep -m1 '^launch:' "$out/nccl-$name.rank0.txt" || echo 'no launch line')"
     return 1
   fi
   if paste <(grep '^step' "$out/nccl-$name.rank0.txt") <(grep '^step' "$out/nccl-$name.cuda.txt") |
@@ -459,8 +482,9 @@ sed 's/"dtype": "fp32"/"dtype": "fp32", "tie_embeddings": true/' examples/tiny-g
 MODEL="$out/tiny-gpt-tied.json" nccl_check pp2-tied 2 --schedule 1f1b --pp 2 --microbatches 4 ||
   status=1
 nccl_check pp2-tp2 4 --schedule 1f1b --pp 2 --tp 2 --microbatches 4 || status=1
-nccl_check pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
-nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
+# (Two cases launched in srun's and Open MPI's own variables, as those launchers start them.)
+LAUNCHER=srun nccl_check pp2-dp2 4 --schedule zb-h1 --pp 2 --dp 2 --microbatches 4 || status=1
+LAUNCHER=ompi nccl_check pp4 4 --schedule 1f1b --pp 4 --microbatches 4 || status=1
 
 # The nccl mode's host cost per instruction (bench/nccl_overhead_bench.cpp: the interpreter and
 # the nccl transport with empty compute, target <= 10 us), 4 processes launched as above, each

@@ -16,8 +16,9 @@
 // (default: the plan's model's "dtype", fp32 or bf16); the cpu backend is the fp32 reference and
 // refuses bf16. A plan that fails verification is refused (exit 1). --backend cuda needs a build
 // with CUDA and a GPU; without either it exits 2 saying which. --backend nccl runs ONE rank per
-// process (one process per GPU, started by a launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, and
-// NCCL_COMM_ID=host:port when WORLD_SIZE > 1; runtime/cuda/NcclRun.h); RANK 0 prints the
+// process (one process per GPU, started by torchrun, srun or an MPI's mpirun, whose variables it
+// reads (RANK, WORLD_SIZE, LOCAL_RANK or the launcher's own: runtime/cuda/NcclLayout.h), with
+// NCCL_COMM_ID=host:port when there are several; runtime/cuda/NcclRun.h); RANK 0 prints the
 // losses and, with --check-reference, compares every process's gradients and last weights
 // (gathered to it) with the single-rank reference. Both GPU backends size each rank's
 // activation arena before step 0 with a host-only pass over its stream (runtime/cuda/CudaRun.h:
@@ -206,6 +207,8 @@ llvm::Error run(int argc, char **argv) {
     co.dtype = computeDType;
     if (env->rank == 0) {
       fmt::print("{}\n", ncclLine);
+      fmt::print("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
+                 env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
       printComputeType();
     }
     if (env->rank == 0)

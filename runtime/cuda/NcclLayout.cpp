@@ -11,51 +11,128 @@ namespace pipec {
 
 namespace {
 
-/// An integer variable of the launcher; `what` says what it should be.
+/// An integer variable of the launcher; `unset` says who sets it, `bad` what it should be
+/// (`unset` when empty).
 llvm::Expected<int> intVar(const std::function<const char *(const char *)> &getenv,
-                           const char *name, int min, int max, const std::string &how) {
+                           const char *name, int min, int max, const std::string &unset,
+                           const std::string &bad = "") {
   const char *v = getenv(name);
   if (!v || !*v)
-    return inputError("--backend nccl: {} is not set; {}", name, how);
+    return inputError("--backend nccl: {} is not set; {}", name, unset);
   long long n = 0;
   if (llvm::StringRef(v).trim().getAsInteger(10, n) || n < min || n > max)
     return inputError("--backend nccl: {}={} is not an integer in [{}, {}]; {}", name, v, min, max,
-                      how);
+                      bad.empty() ? unset : bad);
   return int(n);
 }
 
+bool isSet(const std::function<const char *(const char *)> &getenv, const char *name) {
+  const char *v = getenv(name);
+  return v && *v;
+}
+
 } // namespace
+
+const std::vector<Launcher> &launchers() {
+  static const std::vector<Launcher> all = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK", nullptr,
+       [](int n) {
+         return fmt::format("torchrun --nproc-per-node {} on one node, or --nnodes M "
+                            "--nproc-per-node K with M x K = {}",
+                            n, n);
+       },
+       [](int n) { return fmt::format("torchrun --nproc-per-node {}", n); },
+       "NCCL_COMM_ID=$MASTER_ADDR:29600 torchrun ..."},
+      {"Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+       "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_RANK", nullptr,
+       [](int n) { return fmt::format("mpirun -np {}", n); },
+       [](int n) { return fmt::format("mpirun --map-by ppr:{}:node", n); },
+       "mpirun -x NCCL_COMM_ID=<host of rank 0>:29600 ... (Open MPI passes only -x variables to "
+       "other nodes)"},
+      {"MVAPICH2's mpirun_rsh", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+       "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_RANK", nullptr,
+       [](int n) { return fmt::format("mpirun_rsh -np {}", n); },
+       [](int n) { return fmt::format("a hostfile with {} slots a node", n); },
+       "mpirun_rsh -np N -hostfile F NCCL_COMM_ID=<host of rank 0>:29600 piperun ..."},
+      // Hydra's MPI_LOCALRANKID is the marker: srun's PMI2 plugin sets PMI_RANK too.
+      {"MPICH's or Intel MPI's mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+       "MPI_LOCALRANKID",
+       "this process was not started by MPICH's or Intel MPI's mpiexec, which set both (another "
+       "launcher's PMI does not say which GPU is the process's): set RANK, WORLD_SIZE and "
+       "LOCAL_RANK from your launcher's variables",
+       [](int n) { return fmt::format("mpiexec -n {}", n); },
+       [](int n) { return fmt::format("mpiexec -ppn {}", n); },
+       "mpiexec -genv NCCL_COMM_ID <host of rank 0>:29600 ..."},
+      // (srun sets SLURM_STEP_ID and SLURM_STEP_NUM_TASKS in every task of a step; an
+      // interactive step, srun --pty or salloc's, is a step of one task.)
+      {"srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
+       // An sbatch script's shell has SLURM_PROCID=0 and the job's SLURM_NTASKS, but it is one
+       // process: taken for rank 0, it would wait for processes that never start.
+       "this is a Slurm job's batch script, not a task that srun started, so start piperun "
+       "with srun --ntasks {}",
+       [](int n) { return fmt::format("srun --ntasks {}", n); },
+       [](int n) { return fmt::format("srun --ntasks-per-node {}", n); },
+       "NCCL_COMM_ID=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1):29600 srun "
+       "..."}};
+  return all;
+}
+
+std::string LaunchEnv::describe() const {
+  return fmt::format("{}={} {}={} {}={}", launcher->rankVar, rank, launcher->sizeVar, worldSize,
+                     launcher->localRankVar, localRank);
+}
 
 llvm::Expected<LaunchEnv> launchEnvOf(const Plan &plan,
                                       const std::function<const char *(const char *)> &getenv) {
   const ParallelConfig &pc = plan.parallel;
   const int need = pc.pp * pc.dp * pc.tp;
-  const std::string how = fmt::format(
-      "run one process per GPU under a launcher that sets RANK, WORLD_SIZE and LOCAL_RANK "
-      "(torchrun, srun), or for one process: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 (this plan needs "
-      "WORLD_SIZE={})",
-      need);
-  auto world = intVar(getenv, "WORLD_SIZE", 1, 1 << 20, how);
+  const std::vector<Launcher> &all = launchers();
+  auto found = std::find_if(all.begin(), all.end(),
+                            [&](const Launcher &l) { return isSet(getenv, l.marker); });
+  if (found == all.end()) {
+    std::string others;
+    for (auto it = all.begin() + 1; it != all.end(); ++it)
+      others +=
+          fmt::format("; {}: {}, {}, {}", it->name, it->rankVar, it->sizeVar, it->localRankVar);
+    // A launcher's rank variable without its marker: say what this process is instead.
+    std::string notLaunched;
+    for (const Launcher &l : all)
+      if (l.withoutMarker && isSet(getenv, l.rankVar))
+        notLaunched += fmt::format("{} is set but {} is not: {}; or ", l.rankVar, l.marker,
+                                   fmt::format(fmt::runtime(l.withoutMarker), need));
+    // (RANK, torchrun's marker, is not set, or another's would have been found.)
+    return inputError("--backend nccl: RANK is not set; {}run one process per GPU under a "
+                      "launcher that sets its variables (torchrun: RANK, WORLD_SIZE, LOCAL_RANK{}, "
+                      "inside a job step), or for one process: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
+                      "(this plan needs WORLD_SIZE={})",
+                      notLaunched, others, need);
+  }
+  const Launcher &l = *found;
+  const std::string how =
+      fmt::format("{} sets {}, {} and {} in every process it starts (this plan needs {}={}: {})",
+                  l.name, l.rankVar, l.sizeVar, l.localRankVar, l.sizeVar, need, l.total(need));
+  auto world = intVar(getenv, l.sizeVar, 1, 1 << 20, how);
   if (!world)
     return world.takeError();
   if (*world != need)
-    return inputError("--backend nccl: WORLD_SIZE={} but the plan needs pp {} x dp {} x tp {} = {} "
-                      "processes; launch {} (e.g. torchrun --nproc-per-node {})",
-                      *world, pc.pp, pc.dp, pc.tp, need, need, need);
-  auto rank = intVar(getenv, "RANK", 0, need - 1,
-                     fmt::format("RANK must be this process's global rank, 0..{}", need - 1));
+    return inputError("--backend nccl: {}={} but the plan needs pp {} x dp {} x tp {} = {} "
+                      "processes; launch {} (e.g. {})",
+                      l.sizeVar, *world, pc.pp, pc.dp, pc.tp, need, need, l.total(need));
+  auto rank =
+      intVar(getenv, l.rankVar, 0, need - 1, how,
+             fmt::format("{} must be this process's global rank, 0..{}", l.rankVar, need - 1));
   if (!rank)
     return rank.takeError();
-  auto local = intVar(getenv, "LOCAL_RANK", 0, *rank,
-                      fmt::format("LOCAL_RANK is this process's GPU on its node, 0..{} (at most "
-                                  "RANK={})",
-                                  need - 1, *rank));
+  auto local = intVar(getenv, l.localRankVar, 0, *rank, how,
+                      fmt::format("{} is this process's GPU on its node, 0..{} (at most {}={})",
+                                  l.localRankVar, need - 1, l.rankVar, *rank));
   if (!local)
     return local.takeError();
   LaunchEnv env;
   env.worldSize = *world;
   env.rank = *rank;
   env.localRank = *local;
+  env.launcher = &l;
   env.coord = Coord{*rank / (pc.dp * pc.tp), *rank / pc.tp % pc.dp, *rank % pc.tp};
   if (const char *id = getenv("NCCL_COMM_ID"); id && *id) {
     auto [host, port] = llvm::StringRef(id).rsplit(':');
@@ -66,10 +143,10 @@ llvm::Expected<LaunchEnv> launchEnvOf(const Plan &plan,
                         id);
     env.commId = id;
   } else if (*world > 1) {
-    return inputError("--backend nccl: NCCL_COMM_ID is not set; with WORLD_SIZE={} > 1 NCCL "
-                      "bootstraps through it: set NCCL_COMM_ID=<host of RANK 0>:<free port> on "
-                      "every process, e.g. NCCL_COMM_ID=$MASTER_ADDR:29600",
-                      *world);
+    return inputError("--backend nccl: NCCL_COMM_ID is not set; with {}={} > 1 NCCL bootstraps "
+                      "through it: set NCCL_COMM_ID=<host of rank 0>:<free port> on every "
+                      "process, e.g. {}",
+                      l.sizeVar, *world, l.commIdHint);
   }
   return env;
 }
@@ -108,13 +185,14 @@ llvm::Error sharedGpuError(const std::string &ncclLastError, const LaunchEnv &en
       hostId ? fmt::format("give each a different NCCL_HOSTID (this one's, {}, is another's too)",
                            hostId)
              : std::string("give each its own NCCL_HOSTID");
-  return inputError("--backend nccl: {} share one GPU (this process, LOCAL_RANK={}, sees {} "
-                    "GPU{}), and NCCL allows one process per GPU: start at most one process per "
-                    "GPU of a node (torchrun --nproc-per-node {}), or, to test several processes "
-                    "on one GPU, {} (NCCL then treats each as a node and moves data over sockets, "
-                    "NCCL_SOCKET_IFNAME=lo; slow, for tests only)",
-                    who, env.localRank, visibleGpus, visibleGpus == 1 ? "" : "s",
-                    std::max(visibleGpus, 1), fix);
+  return inputError("--backend nccl: {} share one GPU (this process, {}={}, sees {} GPU{}), and "
+                    "NCCL allows one process per GPU: start at most one process per GPU of a "
+                    "node ({}), or, to test several processes on one GPU, {} (NCCL then treats "
+                    "each as a node and moves data over sockets, NCCL_SOCKET_IFNAME=lo; slow, for "
+                    "tests only)",
+                    who, env.launcher->localRankVar, env.localRank, visibleGpus,
+                    visibleGpus == 1 ? "" : "s", env.launcher->perNode(std::max(visibleGpus, 1)),
+                    fix);
 }
 
 std::vector<CommSpec> commLayout(const Plan &plan, int rank) {

@@ -1,10 +1,12 @@
 //===- NcclLayout.h - Who this process is and which communicators it makes -*- C++ -*-===//
 //
 // The CUDA-free half of the `nccl` mode (one process per GPU, DESIGN §8), so that CI tests it:
-//   - launchEnvOf reads what the launcher set (RANK, WORLD_SIZE, LOCAL_RANK; torchrun, srun or
-//     mpirun with a wrapper) and NCCL_COMM_ID (host:port of RANK 0, NCCL's own bootstrap), and
-//     checks them against the plan's pp x dp x tp; every mistake is an InputError naming the
-//     variable and a valid value;
+//   - launchEnvOf reads what the launcher set, in its own variables (torchrun's RANK,
+//     WORLD_SIZE and LOCAL_RANK; srun's SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
+//     Open MPI's mpirun's, MVAPICH2's mpirun_rsh's, MPICH's or Intel MPI's mpiexec's;
+//     `launchers()`), and NCCL_COMM_ID
+//     (host:port of RANK 0, NCCL's own bootstrap), and checks them against the plan's
+//     pp x dp x tp; every mistake is an InputError naming the variable and a valid value;
 //   - commLayout lists the communicators a process creates, eagerly and in the same order on
 //     every process (USER-ASKS "what a new system must do" 2): `world` by ncclCommInitRank, then
 //     ncclCommSplit children of it: `pipeline` (the pp ranks of one (dp, tp) replica; the plan's
@@ -32,14 +34,43 @@
 
 namespace pipec {
 
+/// A launcher's variables for a process's global rank, the number of processes and the
+/// process's rank on its node (its GPU), and how to ask it for a number of processes.
+struct Launcher {
+  const char *name;
+  const char *rankVar, *sizeVar, *localRankVar;
+  /// Set in the processes this launcher starts and in no others (the rank variable, or for
+  /// srun SLURM_STEP_ID: an sbatch script's shell has SLURM_PROCID=0 too, but no step id).
+  const char *marker;
+  /// When the rank variable is set but not the marker: what that process is, and what to do
+  /// ("{}" is the number of processes the plan needs); nullptr when the two are one variable.
+  const char *withoutMarker;
+  /// The command line, with the count in it, for `n` processes in all, and for at most `n` on
+  /// each node.
+  std::string (*total)(int n);
+  std::string (*perNode)(int n);
+  /// How to give every process the same NCCL_COMM_ID under this launcher.
+  const char *commIdHint;
+};
+
+/// Every launcher launchEnvOf knows, in the order it looks for them: the first whose marker is
+/// set wins (a launcher started by another, such as torchrun or mpirun inside an srun step,
+/// comes first, so that its own variables win over those it inherits); torchrun's variables,
+/// the first entry, are also the ones asked for when no marker is set.
+const std::vector<Launcher> &launchers();
+
 struct LaunchEnv {
   int rank = 0, worldSize = 1, localRank = 0;
-  Coord coord;                       // of `rank`
-  std::optional<std::string> commId; // NCCL_COMM_ID, required when worldSize > 1
+  Coord coord;                                     // of `rank`
+  std::optional<std::string> commId;               // NCCL_COMM_ID, required when worldSize > 1
+  const Launcher *launcher = &launchers().front(); // whose variables rank, worldSize came from
+  /// For messages, in the launcher's variables: "RANK=3 WORLD_SIZE=4 LOCAL_RANK=3".
+  std::string describe() const;
 };
 
 /// Reads the launcher's variables through `getenv` (::getenv by default) and checks them
-/// against `plan`.
+/// against `plan`: the variables of the first of `launchers()` whose marker is set, else
+/// torchrun's.
 llvm::Expected<LaunchEnv> launchEnvOf(
     const Plan &plan,
     const std::function<const char *(const char *)> &getenv = [](const char *name) {

@@ -24,8 +24,8 @@ namespace pipec {
 
 namespace {
 
-/// GPU LOCAL_RANK; with a single visible GPU (CUDA_VISIBLE_DEVICES set per process, as srun
-/// may), that one.
+/// GPU LOCAL_RANK (the launcher's variable for it); with a single visible GPU
+/// (CUDA_VISIBLE_DEVICES set per process, as srun --gpus-per-task=1 does), that one.
 llvm::Expected<int> deviceOf(const LaunchEnv &env) {
   auto n = cudaDevices();
   if (!n)
@@ -34,9 +34,9 @@ llvm::Expected<int> deviceOf(const LaunchEnv &env) {
     return env.localRank;
   if (*n == 1)
     return 0;
-  return inputError("--backend nccl: LOCAL_RANK={} but this process sees {} GPUs; launch at most "
-                    "{} processes per node (torchrun --nproc-per-node {})",
-                    env.localRank, *n, *n, *n);
+  return inputError("--backend nccl: {}={} but this process sees {} GPUs; launch at most {} "
+                    "processes per node ({})",
+                    env.launcher->localRankVar, env.localRank, *n, *n, env.launcher->perNode(*n));
 }
 
 /// Waits for everything queued on `stream`, polling: an asynchronous NCCL error or `timeout`
