@@ -584,6 +584,50 @@ TEST(GpuStageTest, ItHoldsTheParametersThePlansMemoryAnalysisCounts) {
   }
 }
 
+TEST(GpuStageTest, AtTpAboveOneItHoldsTheVocabularyTablesAndTheReplicatedVectorsWhole) {
+  // What a tp rank holds, counted here from the tensor shapes (hidden C, ffn F, vocabulary V,
+  // sequence T): Megatron's column- and row-parallel matrices and the column-parallel biases
+  // split by tp, and whole on every rank both layernorms and the row-parallel biases (6C a
+  // block; Megatron too) and, unlike Megatron, the embedding (wte, wpe) and the LM head with
+  // the final layernorm (kernels/cpu/Gpt.h: the runtime does not split the vocabulary). The
+  // plan's memory analysis (ir/Model.cpp) divides every layer's parameters by tp, so at tp > 1
+  // a rank holds (1 - 1/tp) of those whole tensors more than the plan counts (README, Memory).
+  const int64_t c = 16, f = 32, v = 32, t = 8; // tinyGpt's
+  for (int tp : {2, 4})
+    for (int pp : {1, 2}) {
+      Plan plan = compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
+                                options("1f1b", pp, 4, 1, 1, tp, /*dp=*/1));
+      auto cfg = gptConfigOf(plan);
+      ASSERT_TRUE(bool(cfg)) << takeMessage(cfg.takeError());
+      ASSERT_EQ(cfg->channels, c);
+      ASSERT_EQ(cfg->ffn, f);
+      ASSERT_EQ(cfg->vocab, v);
+      ASSERT_EQ(cfg->seqLen, t);
+      for (const StageInfo &s : plan.stages) {
+        int64_t sharded = 0, whole = 0, planWords = 0; // floats (fp32)
+        for (int l = s.layerBegin; l < s.layerEnd; ++l) {
+          if (l == 0) {
+            whole += (v + t) * c;
+            planWords += (v + t) * c / tp;
+          } else if (l == cfg->numLayers() - 1) {
+            whole += v * c + 2 * c;
+            planWords += (v * c + 2 * c) / tp;
+          } else {
+            sharded += 4 * c * c + 3 * c + 2 * c * f + f; // qkv, attn.w, fc, proj.w
+            whole += 6 * c;                               // ln1, ln2, attn.b, proj.b
+            planWords += (4 * c * c + 9 * c + 2 * c * f + f) / tp;
+          }
+        }
+        const std::string where = fmt::format("tp {} pp {} stage {}", tp, pp, s.stage);
+        EXPECT_EQ(int64_t(GpuStage::paramCount(*cfg, s.layerBegin, s.layerEnd, tp)),
+                  sharded / tp + whole)
+            << where;
+        EXPECT_EQ(s.paramBytes, planWords * int64_t(sizeof(float))) << where;
+        EXPECT_EQ(sharded / tp + whole - planWords, whole - whole / tp) << where;
+      }
+    }
+}
+
 TEST_F(CudaRuntimeTest, TheArenaFollowsTheScheduleActivationPeak) {
   // m = 8 > p = 4: GPipe's rank 0 keeps all 8 microbatches' state, 1F1B's at most 4.
   auto arenaOfRank0 = [](const char *schedule) -> size_t {
