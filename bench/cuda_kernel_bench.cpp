@@ -15,6 +15,8 @@
 //                   # so that the Hopper attention paths run there too)
 //   ... -- --attention-once  # only the full-size attention, each kernel path launched once:
 //                            # for a profiler (tools/gpu_check.sh runs it under ncu)
+//   ... -- --no-wgmma-backward  # leave out the Hopper attention backward (tools/gpu_check.sh,
+//                               # once it has hung there)
 // Not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
@@ -42,7 +44,8 @@ constexpr double kPeakHbmTBs = 4.8;       // H200 SXM, HBM3e
 struct Bench {
   CudaContext &ctx;
   std::vector<DeviceBuffer> buffers;
-  bool once = false; // each op launched once, its time that one call's (for a profiler)
+  bool once = false;            // each op launched once, its time that one call's (for a profiler)
+  bool noWgmmaBackward = false; // the Hopper attention backward left out
 
   /// A zeroed buffer of `n` elements of `dtype` that lives as long as the bench.
   void *buffer(size_t n, DType dtype) {
@@ -216,8 +219,8 @@ struct Bench {
       return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
     };
     launch::setAttentionWgmmaBackward(true); // off by default: measure it where it can run
-    const bool wgmmaBackward =
-        launch::attentionBackwardUsesWgmma(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
+    const bool wgmmaBackward = !noWgmmaBackward && launch::attentionBackwardUsesWgmma(
+                                                       dt, dims, {dq, dk, dv, dOut, out, q, k, v});
     launch::setAttentionWgmmaBackward(false);
     if (wgmmaBackward) {
       launch::setAttentionWgmmaBackward(true);
@@ -244,8 +247,12 @@ struct Bench {
 } // namespace
 
 int main(int argc, char **argv) {
-  bool quick = false, tiny = false, attentionOnce = false;
+  bool quick = false, tiny = false, attentionOnce = false, noWgmmaBackward = false;
   for (int k = 1; k < argc; ++k) {
+    if (std::strcmp(argv[k], "--no-wgmma-backward") == 0) {
+      noWgmmaBackward = true;
+      continue;
+    }
     if (std::strcmp(argv[k], "--attention-once") == 0) {
       attentionOnce = true;
       continue;
@@ -260,7 +267,7 @@ int main(int argc, char **argv) {
     }
     fmt::print(stderr,
                "cuda_kernel_bench: error: unknown flag '{}' (known: --quick, --tiny, "
-               "--attention-once)\n",
+               "--attention-once, --no-wgmma-backward)\n",
                argv[k]);
     return 2;
   }
@@ -268,6 +275,7 @@ int main(int argc, char **argv) {
   if (!ctx)
     Bench::die(ctx.takeError());
   Bench bench{**ctx, {}};
+  bench.noWgmmaBackward = noWgmmaBackward;
   // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_emu_test
   // runs it on the kernel emulator in CI); its numbers mean nothing.
   const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
