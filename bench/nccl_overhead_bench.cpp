@@ -143,7 +143,7 @@ int main(int argc, char **argv) {
   const bool asThreads = flags->args.has("--threads");
   // Before the first CUDA or NCCL call (these may set environment variables): with every rank a
   // thread, the bootstrap id comes from NCCL_COMM_ID, as in a launch.
-  const std::string ncclLine = preferEagerNcclConnections();
+  const std::string ncclLine = prepareNcclEnvironment();
   if (asThreads)
     (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
   int devices = 0;

@@ -8,11 +8,11 @@
 
 namespace pipec {
 
-BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds) {
+BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds, std::string cause) {
   // (A longer duration would overflow the wait's nanoseconds into a deadline in the past.)
   if (!(limitSeconds < kNoLimit))
     return;
-  guard = std::thread([this, what = std::move(what), limitSeconds] {
+  guard = std::thread([this, what = std::move(what), cause = std::move(cause), limitSeconds] {
     std::unique_lock<std::mutex> lock(mu);
     const auto limit = std::chrono::duration<double>(limitSeconds);
     if (cv.wait_for(lock, limit, [this] { return returned; }))
@@ -23,10 +23,8 @@ BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds) {
       fflush_unlocked(stdout);
       funlockfile(stdout);
     }
-    fmt::print(stderr,
-               "watchdog: {} blocked for {:.1f} s (a peer process that never took part?); "
-               "exiting\n",
-               what, limitSeconds);
+    fmt::print(stderr, "watchdog: {} blocked for {:.1f} s ({}); exiting\n", what, limitSeconds,
+               cause);
     std::fflush(stderr);
     std::_Exit(1); // (exit() would run destructors that wait for the call that blocks)
   });

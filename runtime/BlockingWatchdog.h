@@ -23,9 +23,11 @@ namespace pipec {
 class BlockingWatchdog {
 public:
   /// Guards what runs until this object is destroyed: after `limitSeconds` the process exits,
-  /// printing "<what> blocked for <limit> s ... exiting". `what` names the call and the rank.
-  /// A limit of kNoLimit seconds or more (or not a number) guards nothing: no thread starts.
-  BlockingWatchdog(std::string what, double limitSeconds);
+  /// printing "watchdog: <what> blocked for <limit> s (<cause>); exiting". `what` names the
+  /// call and the rank, `cause` the likely reason. A limit of kNoLimit seconds or more (or not a
+  /// number) guards nothing: no thread starts.
+  BlockingWatchdog(std::string what, double limitSeconds,
+                   std::string cause = "a peer process that never took part?");
   /// About three years: what a timer can count without overflowing its nanoseconds.
   static constexpr double kNoLimit = 1e8;
   ~BlockingWatchdog();

@@ -21,6 +21,7 @@
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/NcclLayout.h"
 #include "runtime/cuda/NcclRun.h"
+#include "runtime/cuda/NcclTransport.h"
 #include "runtime/cuda/emu/FakeNccl.h"
 
 #include <fmt/format.h>
@@ -172,6 +173,38 @@ struct ScopedEnv {
       ::unsetenv(name);
   }
 };
+
+// The step watchdog (pollDevice) counts time without progress, not the step's length: a step
+// whose markers keep completing runs as long as it needs, one whose markers stop is a stall
+// after --timeout. (A device that takes 1.5 s for a step, against a timeout of 0.5 s.)
+TEST(NcclPollTest, AStepThatKeepsCompletingWorkIsNotAStallHoweverLongItTakes) {
+  using Clock = std::chrono::steady_clock;
+  NcclCommunicators comms; // none: no asynchronous NCCL error to read, nothing to abort
+  auto start = Clock::now();
+  auto done = [&] {
+    return Clock::now() - start >= std::chrono::milliseconds(1500) ? cudaSuccess
+                                                                   : cudaErrorNotReady;
+  };
+  auto stalled = [](double idle) { return fmt::format("no progress for {:.1f} s", idle); };
+  size_t completed = 0;
+  llvm::Error ok = pollDevice(done, comms, /*timeout=*/0.5, stalled, [&] { return ++completed; });
+  EXPECT_FALSE(bool(ok)) << takeMessage(std::move(ok));
+  EXPECT_GT(completed, 10u); // read every few milliseconds
+  // The same step whose markers stop completing: a Finding after the timeout, long before the
+  // device would be done.
+  start = Clock::now();
+  llvm::Error stall = pollDevice(done, comms, 0.5, stalled, [] { return size_t(3); });
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  ASSERT_TRUE(bool(stall));
+  EXPECT_TRUE(stall.isA<Finding>());
+  EXPECT_NE(takeMessage(std::move(stall)).find("no progress for 0.5 s"), std::string::npos);
+  EXPECT_LT(took, 1.4);
+  // Without a progress count, the timeout is the whole wait's.
+  start = Clock::now();
+  llvm::Error whole = pollDevice(done, comms, 0.5, stalled);
+  EXPECT_TRUE(bool(whole));
+  llvm::consumeError(std::move(whole));
+}
 
 TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingNotFailing) {
   // RANK 0 builds the single-rank CPU reference, which for a large model takes a while. Its

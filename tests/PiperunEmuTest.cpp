@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <string>
 
@@ -151,10 +152,43 @@ TEST(PiperunEmuTest, AGpuOthersHaveNearlyFilledIsOneLineAndExitTwoNamingTheFix) 
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
+TEST(PiperunEmuTest, CudaBackendRefusesAnAllReduceLargerThanItsSumUpFront) {
+  // The local transport sums at most 32 buffers in one kernel: dp 33 is a usage error before
+  // any rank is set up, not a failure in step 0.
+  std::string p = plan("dp33", "--schedule 1f1b --pp 1 --dp 33 --microbatches 2");
+  Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--backend cuda: the plan's dp all-reduces have 33 members, and the cuda "
+                       "backend (every rank on one GPU) sums at most 32; use --backend nccl"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.out.find("arena"), std::string::npos) << r.out;
+}
+
+TEST(PiperunEmuTest, CudaBackendAKernelThatNeverFinishesEndsTheProcessWithOneLine) {
+  // The host queues a whole step and then waits for the GPU; a kernel that never finishes
+  // (the emulated AdamW here, on asynchronous streams) held that wait forever. Now ten
+  // --timeouts end the process with status 1 and one line.
+  std::string p = plan("hang", "--schedule 1f1b --pp 2 --microbatches 2");
+  const auto start = std::chrono::steady_clock::now();
+  Result r = run("env PIPEC_EMU_ASYNC=1 PIPEC_EMU_HANG_OP=adam tools/piperun_emu " + p +
+                 " --backend cuda --steps 1 --timeout 0.3");
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("watchdog: the wait for step 0's GPU work (every rank's) blocked for 3.0 s "
+                       "(a kernel that never finishes?); exiting\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
+  EXPECT_LT(took, 60.0);
+}
+
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
   std::string p = plan("nccl", "--schedule 1f1b --pp 1 --microbatches 4");
-  Result r = run("env -u NCCL_COMM_ID -u NCCL_RUNTIME_CONNECT RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
-                 "tools/piperun_emu " +
+  Result r = run("env -u NCCL_COMM_ID -u NCCL_RUNTIME_CONNECT -u CUDA_MODULE_LOADING RANK=0 "
+                 "WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu " +
                  p + " --backend nccl --steps 2 --check-reference");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   for (const char *line : {"step 0 loss ", "step 1 loss ",
@@ -166,10 +200,12 @@ TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {
                        "WORLD_SIZE=1 LOCAL_RANK=0)"),
             std::string::npos)
       << r.out;
-  // NCCL's version, first (tools/gpu_check.sh reports it), and its connections made eagerly.
+  // NCCL's version, first (tools/gpu_check.sh reports it), its connections made eagerly, and
+  // every kernel loaded before step 0 (a lazy first launch could wait for a peer's NCCL kernel).
   EXPECT_EQ(r.out.rfind("NCCL version ", 0), 0u) << r.out;
   EXPECT_NE(r.out.find("NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are "
-                       "created)"),
+                       "created); CUDA_MODULE_LOADING=EAGER (every kernel loaded before the "
+                       "first step)\n"),
             std::string::npos)
       << r.out;
 }
@@ -195,14 +231,16 @@ TEST(PiperunEmuTest, NcclBackendRunsFromSrunsOwnVariables) {
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 
-TEST(PiperunEmuTest, NcclBackendKeepsTheUsersRuntimeConnectAndSaysWhatItMeans) {
+TEST(PiperunEmuTest, NcclBackendKeepsTheUsersSettingsAndSaysWhatTheyMean) {
   std::string p = plan("nccl-connect", "--schedule 1f1b --pp 1 --microbatches 4");
-  Result r = run("env -u NCCL_COMM_ID NCCL_RUNTIME_CONNECT=1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
-                 "tools/piperun_emu " +
+  Result r = run("env -u NCCL_COMM_ID NCCL_RUNTIME_CONNECT=1 CUDA_MODULE_LOADING=LAZY RANK=0 "
+                 "WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu " +
                  p + " --backend nccl --steps 1");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("NCCL_RUNTIME_CONNECT=1 (from the environment: NCCL may connect inside "
-                       "step 0, after the arena was sized)"),
+                       "step 0, after the arena was sized); CUDA_MODULE_LOADING=LAZY (from the "
+                       "environment: a kernel's first launch in step 0 may wait for NCCL kernels "
+                       "that wait for a peer stuck the same way)"),
             std::string::npos)
       << r.out;
 }

@@ -69,7 +69,7 @@ llvm::Error run(int argc, char **argv) {
 #ifdef PIPEC_HAS_CUDA
   // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
   // set an environment variable. Printed by RANK 0 below.
-  const std::string ncclLine = backend == "nccl" ? preferEagerNcclConnections() : "";
+  const std::string ncclLine = backend == "nccl" ? prepareNcclEnvironment() : "";
 #endif
   if (backend == "cuda" || backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA

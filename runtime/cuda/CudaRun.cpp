@@ -13,6 +13,7 @@
 #include "kernels/cpu/Gpt.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
+#include "runtime/BlockingWatchdog.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
 #include "runtime/cpu/CpuRun.h"
@@ -25,6 +26,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -405,6 +407,14 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
                       *devices);
   PIPEC_CUDA_TRY(cudaSetDevice(options.device));
   const ParallelConfig &pc = plan.parallel;
+  // The local transport sums an all-reduce's members in one kernel of at most kMaxSumOperands
+  // (LocalTransport.cpp): a larger dp or tp group is refused here, not in step 0.
+  const int most = runtime::cuda::launch::kMaxSumOperands;
+  if (pc.dp > most || pc.tp > most)
+    return inputError("--backend cuda: the plan's {} all-reduces have {} members, and the cuda "
+                      "backend (every rank on one GPU) sums at most {}; use --backend nccl (one "
+                      "GPU per rank) for this plan",
+                      pc.dp > most ? "dp" : "tp", std::max(pc.dp, pc.tp), most);
   const int threads = pc.pp * pc.dp * pc.tp;
   LocalCudaTransport transport(plan, threads);
   ParamSnapshot snapshot;
@@ -469,11 +479,19 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     if (auto err = runner.step(s))
       return err;
     double loss = 0;
-    for (CudaRankBackend *b : gpu) {
-      auto l = b->finishStep();
-      if (!l)
-        return l.takeError();
-      loss += *l;
+    {
+      // The host has queued the whole step; the ranks' GPU work may still run for a while, but
+      // a kernel that never finishes would hold these waits forever, where no watchdog of the
+      // Runner's (it sees the host) runs: ten timeouts, then the process ends with one line.
+      BlockingWatchdog guard(fmt::format("the wait for step {}'s GPU work (every rank's)", s),
+                             deviceWaitLimit(options.timeoutSeconds),
+                             "a kernel that never finishes?");
+      for (CudaRankBackend *b : gpu) {
+        auto l = b->finishStep();
+        if (!l)
+          return l.takeError();
+        loss += *l;
+      }
     }
     result.losses.push_back(loss);
     if (ref) {

@@ -42,6 +42,11 @@ namespace pipec {
 struct ParamSnapshot;
 struct CudaRunResult;
 
+/// How long runOnCuda waits at the end of a step for its ranks' GPU work, which the host may
+/// have queued long before: ten timeouts. A longer wait is taken for a kernel that never
+/// finishes, and the process ends with one line (runtime/BlockingWatchdog.h).
+inline double deviceWaitLimit(double timeoutSeconds) { return 10 * timeoutSeconds; }
+
 struct CudaRunOptions {
   int steps = 1;
   uint64_t seed = 1;
@@ -49,6 +54,8 @@ struct CudaRunOptions {
   /// Also run the CPU single-rank reference and compare every step's gradients and the last
   /// step's weights (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck, WeightCheck).
   bool checkReference = false;
+  /// The watchdogs' (runtime/Runner.h; NcclTransport's polls), and, ten times over, the end of
+  /// a step's wait for the GPU in runOnCuda (deviceWaitLimit).
   double timeoutSeconds = 60;
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.

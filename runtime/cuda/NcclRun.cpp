@@ -241,7 +241,7 @@ llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_
 
 } // namespace
 
-std::string preferEagerNcclConnections() {
+std::string prepareNcclEnvironment() {
   const char *set = std::getenv("NCCL_RUNTIME_CONNECT");
   std::string setting;
   if (set) {
@@ -253,12 +253,23 @@ std::string preferEagerNcclConnections() {
     (void)setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     setting = "NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are created)";
   }
+  std::string loading;
+  if (const char *mode = std::getenv("CUDA_MODULE_LOADING")) {
+    loading = fmt::format("CUDA_MODULE_LOADING={} (from the environment{})", mode,
+                          std::strcmp(mode, "EAGER") == 0
+                              ? ""
+                              : ": a kernel's first launch in step 0 may wait for NCCL kernels "
+                                "that wait for a peer stuck the same way");
+  } else {
+    (void)setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+    loading = "CUDA_MODULE_LOADING=EAGER (every kernel loaded before the first step)";
+  }
   int code = 0;
   std::string loaded = "of unknown version";
   if (ncclGetVersion(&code) == ncclSuccess) // 2.9 on: major * 10000 + minor * 100 + patch
     loaded = fmt::format("version {}.{}.{}", code / 10000, code % 10000 / 100, code % 100);
-  return fmt::format("NCCL {} (built against {}.{}.{}); {}", loaded, NCCL_MAJOR, NCCL_MINOR,
-                     NCCL_PATCH, setting);
+  return fmt::format("NCCL {} (built against {}.{}.{}); {}; {}", loaded, NCCL_MAJOR, NCCL_MINOR,
+                     NCCL_PATCH, setting, loading);
 }
 
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,

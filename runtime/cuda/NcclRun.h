@@ -40,21 +40,29 @@
 
 namespace pipec {
 
-/// Has NCCL connect every algorithm's channels as a communicator is created
-/// (NCCL_RUNTIME_CONNECT=0) unless the environment sets NCCL_RUNTIME_CONNECT itself. NCCL 2.22
-/// and later otherwise connect at the first collective that needs a connection: inside step 0,
-/// where that allocates device memory after the activation arena was sized to what was free,
-/// and blocks the host inside the NCCL call, where the watchdog cannot see it. Returns the line
-/// for the log, with NCCL's version: "NCCL version 2.28.9 (built against 2.28.9);
-/// NCCL_RUNTIME_CONNECT=0 (...)". Call it from the main thread before other threads start
-/// (setenv is not thread-safe), so before the first CUDA call, whose driver may start some.
-/// (NCCL's config files, /etc/nccl.conf and ~/.nccl.conf, set only what the environment does
-/// not: to override this, set the variable in the environment.)
-std::string preferEagerNcclConnections();
+/// Sets up the environment of the nccl mode, where the environment does not set it itself:
+///   - NCCL_RUNTIME_CONNECT=0: NCCL connects every algorithm's channels as a communicator is
+///     created. NCCL 2.22 and later otherwise connect at the first collective that needs a
+///     connection: inside step 0, where that allocates device memory after the activation arena
+///     was sized to what was free, and blocks the host inside the NCCL call, where the watchdog
+///     cannot see it.
+///   - CUDA_MODULE_LOADING=EAGER: every kernel is loaded as the process's CUDA context is
+///     created. CUDA 12.2 and later otherwise load a kernel's module at its first launch, which
+///     waits for the kernels the GPU is running to finish; in step 0 those include NCCL
+///     kernels that wait for a peer process, and a peer stuck the same way in its own first
+///     launch never comes (a hang inside cudaLaunchKernel that no watchdog can name). The price
+///     is the device memory and start-up time of loading every kernel (cuBLASLt's too).
+/// Returns the line for the log, with NCCL's version: "NCCL version 2.28.9 (built against
+/// 2.28.9); NCCL_RUNTIME_CONNECT=0 (...); CUDA_MODULE_LOADING=EAGER (...)". Call it from the
+/// main thread before other threads start (setenv is not thread-safe), so before the first CUDA
+/// call, whose driver may start some, and which reads CUDA_MODULE_LOADING. (NCCL's config files,
+/// /etc/nccl.conf and ~/.nccl.conf, set only what the environment does not: to override either
+/// setting, set the variable in the environment.)
+std::string prepareNcclEnvironment();
 
 /// Run `options.steps` steps of this process's rank of `plan` (already verified); the device
 /// is chosen from env.localRank (options.device is ignored). A launcher calls
-/// preferEagerNcclConnections first (piperun does).
+/// prepareNcclEnvironment first (piperun does).
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep = {});

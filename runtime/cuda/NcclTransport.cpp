@@ -36,9 +36,15 @@ ncclDataType_t ncclTypeOf(DType dtype) {
 } // namespace
 
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
-                       double timeout, const std::function<std::string(double)> &stalled) {
+                       double timeout, const std::function<std::string(double)> &stalled,
+                       const std::function<size_t()> &progress) {
   using Clock = std::chrono::steady_clock;
-  auto start = Clock::now();
+  auto start = Clock::now(); // of the time without progress
+  auto checked = start;
+  // Progress is read every 10 ms (a quarter of the timeout where that is shorter): it may query
+  // many events, the completion only one.
+  const auto every = std::chrono::duration<double>(std::min(0.01, timeout / 4));
+  size_t seen = progress ? progress() : 0;
   for (;;) {
     cudaError_t q = done();
     if (q == cudaSuccess)
@@ -51,7 +57,15 @@ llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicato
       comms.abortAll();
       return err;
     }
-    double idle = std::chrono::duration<double>(Clock::now() - start).count();
+    const auto now = Clock::now();
+    if (progress && now - checked >= every) {
+      checked = now;
+      if (size_t p = progress(); p != seen) {
+        seen = p;
+        start = now;
+      }
+    }
+    double idle = std::chrono::duration<double>(now - start).count();
     if (idle >= timeout) {
       std::string report = stalled(idle);
       comms.abortAll();
@@ -71,6 +85,17 @@ llvm::Error NcclTransport::init(cudaStream_t computeStream,
   for (OwnedEvent *e : {&ready, &p2pDone, &tpDone, &dpDone, &embDone, &stepDone})
     if (auto err = e->create())
       return err;
+  // A progress marker for every send, recv and all-reduce of the rank's stream (a p2p group
+  // takes one for all its sends and recvs), so that no step creates an event.
+  size_t most = 0;
+  for (const Instruction &i : plan.ranks[size_t(env.coord.pp)])
+    most += i.isP2P() || i.op == OpKind::AllReduce ? 1 : 0;
+  markers.reserve(most);
+  while (markers.size() < most) {
+    markers.push_back(std::make_unique<Marker>());
+    if (auto err = markers.back()->event.create())
+      return err;
+  }
   return llvm::Error::success();
 }
 
@@ -256,11 +281,25 @@ llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds) {
                       if (failure.empty())
                         failure = report;
                       return report;
-                    });
+                    },
+                    [&] { return completedMarkers(); });
+}
+
+size_t NcclTransport::completedMarkers() {
+  markerDone.resize(markersUsed, false);
+  size_t n = 0;
+  for (size_t k = 0; k < markersUsed; ++k) {
+    // (A failed query is left to the step's own, which reports it.)
+    if (!markerDone[k] && cudaEventQuery(markers[k]->event.get()) == cudaSuccess)
+      markerDone[k] = true;
+    n += markerDone[k] ? 1 : 0;
+  }
+  return n;
 }
 
 llvm::Error NcclTransport::mark(Posted what, cudaStream_t s) {
-  if (markersUsed == markers.size()) {
+  assert(markersUsed < markers.size() && "init() made too few markers: a step creates events");
+  if (markersUsed == markers.size()) { // (release builds: still correct, only slower)
     markers.push_back(std::make_unique<Marker>());
     if (auto err = markers.back()->event.create())
       return err;

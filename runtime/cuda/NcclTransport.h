@@ -32,12 +32,16 @@ namespace pipec {
 
 /// Polls `done` (an event or stream query) until it reports success. A CUDA error or an
 /// asynchronous NCCL error aborts this process's communicators and is returned; so is a stall of
-/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes. (An abort frees this
+/// `timeout` seconds, as a Finding with the report `stalled(seconds)` writes. A stall is
+/// `timeout` seconds in which `progress` (a count of completed work, read every few
+/// milliseconds) did not change, or, without `progress`, `timeout` seconds in all: a step
+/// whose work keeps completing is never one, however long it takes. (An abort frees this
 /// process's NCCL resources and ends its kernels; NCCL tells no peer. A peer blocked on this
 /// process fails through its own watchdog, or sooner over sockets, when this process exits and they
 /// close.)
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
-                       double timeout, const std::function<std::string(double)> &stalled);
+                       double timeout, const std::function<std::string(double)> &stalled,
+                       const std::function<size_t()> &progress = {});
 
 /// How long a host call may wait for a peer process to arrive (communicator creation, a first
 /// post to a peer, which connects to it): ten timeouts, at least 10 minutes, since the
@@ -57,7 +61,10 @@ public:
   llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf);
 
   /// Before a step: forget the last step's progress markers.
-  void beginStep() { markersUsed = 0; }
+  void beginStep() {
+    markersUsed = 0;
+    markerDone.clear();
+  }
 
   llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) override;
   llvm::Error allReduce(CollectiveGroup group, const std::string &key, llvm::ArrayRef<int> members,
@@ -76,7 +83,7 @@ public:
   /// launch). The device's completion is then polled, and a stall of `timeoutSeconds` in all
   /// fails. Any failure aborts the communicators. `scratch`: 5 floats of device memory. (The
   /// collectives' other algorithms connect when the communicators are created; see
-  /// preferEagerNcclConnections, runtime/cuda/NcclRun.h.)
+  /// prepareNcclEnvironment, runtime/cuda/NcclRun.h.)
   llvm::Error warmUp(float *scratch, double timeoutSeconds, double arrivalLimitSeconds);
 
   /// After the step's instructions are queued: wait for the device, with the watchdog.
@@ -110,6 +117,9 @@ private:
   runtime_cuda::OwnedEvent ready, p2pDone, tpDone, dpDone, embDone, stepDone;
   std::vector<std::unique_ptr<Marker>> markers; // in post order; reused across steps
   size_t markersUsed = 0;
+  std::vector<bool> markerDone; // of this step's markers, those seen complete (waitStep)
+  /// How many of this step's markers have completed (a stall is a time in which none did).
+  size_t completedMarkers();
   std::string failure;
 };
 

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/emu/EmuOps.h"
+#include "kernels/cuda/emu/FakeCuda.h"
 
 #include <algorithm>
 #include <cmath>
@@ -220,6 +221,8 @@ llvm::Error adamUpdate(CudaContext &ctx, float *params, const float *grads, floa
     return llvm::createStringError(llvm::inconvertibleErrorCode(),
                                    fmt::format("adamUpdate: step counts from 1 (got {})", step));
   return run(ctx, [=] {
+    if (emu::hangs("adam"))
+      emu::hangForever();
     ops::adamUpdate(params, grads, m, v, n, lr, beta1, beta2, eps, weightDecay, step);
   });
 }

@@ -41,6 +41,13 @@ void setDeviceMemory(size_t bytes);
 cudaError_t chargeDeviceMemory(size_t bytes);
 void unchargeDeviceMemory(size_t bytes);
 
+/// Fault injection for the tests of the watchdogs: whether the emulated op `op` ("adam", the
+/// AdamW update) is to be a kernel that never finishes (PIPEC_EMU_HANG_OP=adam in the
+/// environment), and the work that does so (it sleeps forever). In asynchronous mode the stream
+/// then never drains, as a GPU's with a hung kernel.
+bool hangs(const char *op);
+[[noreturn]] void hangForever();
+
 } // namespace pipec::emu
 
 #endif // PIPEC_KERNELS_CUDA_EMU_FAKECUDA_H

@@ -316,6 +316,19 @@ bool asynchronous() {
 
 void setLastError(cudaError_t error) { lastError = error; }
 
+bool hangs(const char *op) {
+  static const std::string hanging = [] {
+    const char *v = std::getenv("PIPEC_EMU_HANG_OP");
+    return std::string(v ? v : "");
+  }();
+  return hanging == op;
+}
+
+void hangForever() {
+  for (;;)
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
 void setDeviceMemory(size_t bytes) { deviceMemory = bytes; }
 
 cudaError_t chargeDeviceMemory(size_t bytes) {
