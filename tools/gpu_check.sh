@@ -170,7 +170,7 @@ timed_out() {
 }
 # passed LOG: gtest's PASSED line, and its SKIPPED one (a Hopper case that skipped did not run).
 passed() {
-  grep -E '^\[  (PASSED|SKIPPED) \]' "$1" | grep -v '^\[  SKIPPED \] [A-Za-z]' | tr '\n' ' ' || true
+  grep -E '^\[  (PASSED  |SKIPPED )\]' "$1" | grep -v '^\[  SKIPPED \] [A-Za-z]' | tr '\n' ' ' || true
 }
 for spec in wgmma_layout_test:30 cuda_kernel_test:60 cuda_runtime_test:120 nccl_runtime_test:60; do
   t=${spec%%:*} limit=${spec##*:}
@@ -563,6 +563,7 @@ for step_args in "--pp 2 --microbatches 8" \
   esac
   fits 90 "step benchmark ($step_args)" bench || continue
   echo "+ cuda_step_bench $step_args" >>"$out/step.txt"
+  label=$step_args # (with the wgmma-backward word, which step_args loses below)
   env=()
   case "$step_args" in
   *wgmma-backward)
@@ -579,8 +580,8 @@ for step_args in "--pp 2 --microbatches 8" \
     :
   else
     rc=$?
-    say "STEP BENCHMARK FAILED or timed out (exit $rc; $step_args); see $out/step.txt"
-    case "$rc:$step_args" in 124:*wgmma-backward* | 137:*wgmma-backward*) wgmma_backward_hung=1 ;; esac
+    say "STEP BENCHMARK FAILED or timed out (exit $rc; $label); see $out/step.txt"
+    case "$rc:$label" in 124:*wgmma-backward* | 137:*wgmma-backward*) wgmma_backward_hung=1 ;; esac
   fi
 done
 say "step benchmark ($((SECONDS - start)) s):"
