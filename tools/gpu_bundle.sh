@@ -26,6 +26,12 @@ targets=(//tests:wgmma_layout_test //tests:cuda_kernel_test //tests:cuda_runtime
   //tools:piperun)
 prefix=/tmp/gpu-bundle-
 compat=/tmp/gpu-bundle-glibc-compat.o
+# The sources' hashes before the build (an edit made while it runs must not pass for built).
+sources() {
+  git ls-files -- '*.cpp' '*.h' '*.c' '*.cu' '*.cuh' '*.bzl' '*BUILD' WORKSPACE .bazelrc |
+    xargs sha256sum
+}
+before=$(sources)
 gcc -O2 -fPIC -c tools/bundle/GlibcCompat.c -o "$compat"
 echo "+ bazel build -c opt --copt=-UNDEBUG --dynamic_mode=off --linkopt=$compat ${targets[*]}" >&2
 if ! bazel build -c opt --copt=-UNDEBUG --dynamic_mode=off --linkopt="$compat" \
@@ -54,8 +60,11 @@ if [ "$(printf '%s\n' "$newest" GLIBC_2.34 | sort -V | tail -1)" != GLIBC_2.34 ]
   objdump -T gpu-bundle.tmp/bin/* | grep "$newest" | sort -u | head >&2
   exit 1
 fi
-git ls-files -- '*.cpp' '*.h' '*.c' '*.cu' '*.cuh' '*.bzl' '*BUILD' WORKSPACE .bazelrc |
-  xargs sha256sum >gpu-bundle.tmp/SOURCES
+if [ "$(sources)" != "$before" ]; then
+  echo "gpu_bundle: sources changed while they were built; run tools/gpu_bundle.sh again" >&2
+  exit 1
+fi
+echo "$before" >gpu-bundle.tmp/SOURCES
 {
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (dirty)')"
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname) with $(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*'); needs $newest"
