@@ -30,6 +30,15 @@ std::string plan(const std::string &name, const std::string &flags,
   return path;
 }
 
+/// A usage error as piperun must give it: exit 2, one line on stderr that holds `part`, and no
+/// step run.
+void expectUsageError(const Result &r, const std::string &part) {
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find(part), std::string::npos) << part << " missing from: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
+}
+
 /// examples/tiny-gpt.json with "dtype": `dtype` (it says "fp32"), compiled as 1f1b pp = 2.
 std::string tinyPlanInDtype(const std::string &dtype) {
   std::string spec = pipec::testing::slurp("examples/tiny-gpt.json");
@@ -114,12 +123,7 @@ TEST(PiperunEmuTest, APlanTooLargeForTheDeviceIsOneLineAndExitTwoBeforeStepZero)
       "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})";
   std::string p = plan("wide-ffn", "--schedule gpipe --pp 2 --microbatches 130", model);
   Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 1");
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("piperun: error: --backend cuda: the plan's 2 ranks need "),
-            std::string::npos)
-      << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
+  expectUsageError(r, "piperun: error: --backend cuda: the plan's 2 ranks need ");
 }
 
 TEST(PiperunEmuTest, AGpuOthersHaveNearlyFilledIsOneLineAndExitTwoNamingTheFix) {
@@ -157,12 +161,8 @@ TEST(PiperunEmuTest, CudaBackendRefusesAnAllReduceLargerThanItsSumUpFront) {
   // any rank is set up, not a failure in step 0.
   std::string p = plan("dp33", "--schedule 1f1b --pp 1 --dp 33 --microbatches 2");
   Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 1");
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("--backend cuda: the plan's dp all-reduces have 33 members, and the cuda "
-                       "backend (every rank on one GPU) sums at most 32; use --backend nccl"),
-            std::string::npos)
-      << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  expectUsageError(r, "--backend cuda: the plan's dp all-reduces have 33 members, and the cuda "
+                      "backend (every rank on one GPU) sums at most 32; use --backend nccl");
   EXPECT_EQ(r.out.find("arena"), std::string::npos) << r.out;
 }
 
@@ -226,9 +226,7 @@ TEST(PiperunEmuTest, NcclBackendRunsFromSrunsOwnVariables) {
   r = run("env -u NCCL_COMM_ID -u RANK -u SLURM_STEP_ID SLURM_PROCID=0 SLURM_NTASKS=4 "
           "SLURM_LOCALID=0 tools/piperun_emu " +
           p + " --backend nccl --steps 1");
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find("SLURM_PROCID is set but SLURM_STEP_ID is not"), std::string::npos) << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  expectUsageError(r, "SLURM_PROCID is set but SLURM_STEP_ID is not");
 }
 
 TEST(PiperunEmuTest, NcclBackendKeepsTheUsersSettingsAndSaysWhatTheyMean) {
