@@ -14,6 +14,8 @@
 #define PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
 
 #include <condition_variable>
+#include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -24,10 +26,12 @@ class BlockingWatchdog {
 public:
   /// Guards what runs until this object is destroyed: after `limitSeconds` the process exits,
   /// printing "watchdog: <what> blocked for <limit> s (<cause>); exiting". `what` names the
-  /// call and the rank, `cause` the likely reason. A limit of kNoLimit seconds or more (or not a
-  /// number) guards nothing: no thread starts.
+  /// call and the rank, `cause` the likely reason. With `progress` (a count the guard reads
+  /// every 10 ms from its own thread), the limit is of time in which the count did not change.
+  /// A limit of kNoLimit seconds or more (or not a number) guards nothing: no thread starts.
   BlockingWatchdog(std::string what, double limitSeconds,
-                   std::string cause = "a peer process that never took part?");
+                   std::string cause = "a peer process that never took part?",
+                   std::function<uint64_t()> progress = {});
   /// About three years: what a timer can count without overflowing its nanoseconds.
   static constexpr double kNoLimit = 1e8;
   ~BlockingWatchdog();

@@ -3,9 +3,15 @@
 #include "ir/Error.h"
 #include "ir/PlanText.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace pipec {
@@ -102,12 +108,36 @@ llvm::Error Runner::step(int index) {
   using Clock = std::chrono::steady_clock;
   uint64_t seen = shared.progress.load();
   auto lastChange = Clock::now();
+  std::optional<Clock::time_point> abortedAt;
+  // After an abort every rank thread returns at its next transport call, unless one is held
+  // inside a device or library call that the abort cannot reach (a GPU launch queue full behind
+  // a kernel that never finishes): the process then ends with the report, since joining would
+  // wait forever.
+  const double grace = std::max(2 * timeout, 10.0);
   while (finished.load() < n) {
     {
       std::unique_lock<std::mutex> lock(finishedMu);
       if (allFinished.wait_for(lock, std::chrono::milliseconds(5),
                                [&] { return finished.load() == n; }))
         break;
+    }
+    if (shared.transport.aborted()) {
+      if (!abortedAt)
+        abortedAt = Clock::now();
+      else if (std::chrono::duration<double>(Clock::now() - *abortedAt).count() >= grace) {
+        std::string report;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          report = firstError;
+        }
+        fmt::print(stderr,
+                   "{}\nwatchdog: {} of the {} rank threads did not stop {:.1f} s after the "
+                   "report above (held inside a GPU or library call: a kernel that never "
+                   "finishes?); exiting\n",
+                   report, n - finished.load(), n, grace);
+        std::fflush(stderr);
+        std::_Exit(1); // (joining, or destructors, would wait for the call that holds them)
+      }
     }
     uint64_t now = shared.progress.load();
     if (now != seen) {

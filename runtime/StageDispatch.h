@@ -63,6 +63,18 @@ class StageDispatch : public Base {
 
 public:
   llvm::Error compute(const Instruction &i) final {
+    llvm::Error err = computeOp(i);
+    if (!err)
+      self().afterCompute(i);
+    return err;
+  }
+
+  /// After each compute op that returned success: nothing here; a backend may hide it (the
+  /// cuda backend records a progress event on its compute stream).
+  void afterCompute(const Instruction &) {}
+
+private:
+  llvm::Error computeOp(const Instruction &i) {
     if (auto err = takeDeferred())
       return err;
     Stage &st = *stages.at(i.stage);
@@ -129,6 +141,7 @@ public:
     return inputError("{}: {} is not a compute op", Derived::kName, toString(i.op).str());
   }
 
+public:
   TensorView sendData(const Instruction &i) final {
     // The tensor itself; the transport only reads it.
     auto src = sendSource(i);

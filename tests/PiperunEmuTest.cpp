@@ -168,8 +168,8 @@ TEST(PiperunEmuTest, CudaBackendRefusesAnAllReduceLargerThanItsSumUpFront) {
 
 TEST(PiperunEmuTest, CudaBackendAKernelThatNeverFinishesEndsTheProcessWithOneLine) {
   // The host queues a whole step and then waits for the GPU; a kernel that never finishes
-  // (the emulated AdamW here, on asynchronous streams) held that wait forever. Now ten
-  // --timeouts end the process with status 1 and one line.
+  // (the emulated AdamW here, on asynchronous streams) held that wait forever. Now --timeout
+  // seconds in which no rank's compute op finishes end the process with status 1 and one line.
   std::string p = plan("hang", "--schedule 1f1b --pp 2 --microbatches 2");
   const auto start = std::chrono::steady_clock::now();
   Result r = run("env PIPEC_EMU_ASYNC=1 PIPEC_EMU_HANG_OP=adam tools/piperun_emu " + p +
@@ -177,12 +177,36 @@ TEST(PiperunEmuTest, CudaBackendAKernelThatNeverFinishesEndsTheProcessWithOneLin
   const double took =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(r.code, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("watchdog: the wait for step 0's GPU work (every rank's) blocked for 3.0 s "
-                       "(a kernel that never finishes?); exiting\n"),
+  EXPECT_NE(r.err.find("watchdog: the wait for step 0's GPU work (every rank's) blocked for 0.3 s "
+                       "(no rank's compute op finished on the GPU in that time: a kernel that "
+                       "never finishes?); exiting\n"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
   EXPECT_LT(took, 60.0);
+}
+
+TEST(PiperunEmuTest, ALongStepThatKeepsProgressingIsNoStallInEitherGpuMode) {
+  // Every piece of emulated GPU work 2 ms longer: a step takes seconds on the device, far past
+  // --timeout 1.5, while each compute op ends within it. The end-of-step watchdogs count the
+  // compute ops that finish (CudaRankBackend::completedWork), so neither fires.
+  struct Case {
+    const char *name, *flags, *launch;
+  } cases[] = {{"cuda", "--schedule 1f1b --pp 2 --microbatches 4", "--backend cuda"},
+               {"nccl", "--schedule 1f1b --pp 1 --microbatches 4", "--backend nccl"}};
+  for (const Case &c : cases) {
+    std::string p = plan(std::string("slow-") + c.name, c.flags);
+    const auto start = std::chrono::steady_clock::now();
+    Result r = run("env -u NCCL_COMM_ID PIPEC_EMU_ASYNC=1 PIPEC_EMU_OP_DELAY_MS=2 RANK=0 "
+                   "WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu " +
+                   p + " " + c.launch + " --steps 1 --timeout 1.5");
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.code, 0) << c.name << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("step 0 loss "), std::string::npos) << c.name << "\n" << r.out;
+    // (Else the step did not outlast the timeout, and this proves nothing.)
+    EXPECT_GT(took, 3.0) << c.name;
+  }
 }
 
 TEST(PiperunEmuTest, NcclBackendOneProcessFromLauncherVariables) {

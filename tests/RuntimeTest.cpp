@@ -12,14 +12,20 @@
 #include "ir/PlanText.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
+#include "runtime/Runner.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
 #include "schedules/Policy.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <span>
+#include <thread>
+#include <vector>
 
 namespace pipec::test {
 namespace {
@@ -136,6 +142,51 @@ TEST(RuntimeTest, ADroppedMessageIsReportedByTheWatchdogInScheduleTerms) {
   EXPECT_NE(line.find("pending"), std::string::npos) << line;
   EXPECT_NE(line.find(lost), std::string::npos) << lost << "\n" << msg;
   EXPECT_NE(msg.find("<-- here"), std::string::npos) << msg;
+}
+
+/// A rank whose compute op never returns, as a thread held inside a GPU call (a launch queue
+/// full behind a kernel that never finishes), which no transport abort can wake; the other
+/// ranks' ops return at once.
+class HeldBackend final : public Backend {
+public:
+  explicit HeldBackend(bool held) : held(held) {}
+  llvm::Error beginStep(int) override { return llvm::Error::success(); }
+  llvm::Error compute(const Instruction &) override {
+    while (held)
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    return llvm::Error::success();
+  }
+  TensorView sendData(const Instruction &) override { return std::span<float>(buffer); }
+  TensorView recvData(const Instruction &) override { return std::span<float>(buffer); }
+  TensorView reduceData(const Instruction &) override { return std::span<float>(buffer); }
+  llvm::Error afterAllReduce(const Instruction &) override { return llvm::Error::success(); }
+  void sumLocalEmbeddingCopies() override {}
+  llvm::Error optimizerStep() override { return llvm::Error::success(); }
+
+private:
+  bool held;
+  float buffer[4] = {};
+};
+
+TEST(RuntimeDeathTest, ARankThreadTheAbortCannotReachEndsTheProcessWithTheReport) {
+  // Rank 0 never finishes its first forward, so rank 1 waits for its activation: the watchdog
+  // reports the stall after 0.2 s and aborts the transport. Rank 1 returns; rank 0 cannot,
+  // and joining it would wait forever. After 10 s the process ends with the report.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
+  EXPECT_EXIT(
+      {
+        std::vector<std::unique_ptr<Backend>> backends;
+        backends.push_back(std::make_unique<HeldBackend>(true));
+        backends.push_back(std::make_unique<HeldBackend>(false));
+        Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends));
+        llvm::Error err = runner.step(0);
+        llvm::consumeError(std::move(err));
+        std::_Exit(0); // (not reached: the runner cannot return)
+      },
+      ::testing::ExitedWithCode(1),
+      "watchdog: no rank made progress for 0\\.[0-9] s in step 0.*watchdog: 1 of the 2 rank "
+      "threads did not stop 10\\.0 s after the report above");
 }
 
 TEST(RuntimeTest, ADroppedMessageFollowedByAnotherIsAMismatch) {

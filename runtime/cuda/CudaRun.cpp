@@ -19,6 +19,7 @@
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
+#include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/GpuStage.h"
 #include "runtime/cuda/LocalTransport.h"
 #include "runtime/cuda/StageBuffer.h"
@@ -147,6 +148,19 @@ public:
     computeStream = static_cast<cudaStream_t>(ctx->stream());
     arena = std::make_unique<DeviceArena>(computeStream, who);
     ctx->setAllocator(arena.get());
+    // The progress events, one per compute op of the rank's stream and one for the optimizer
+    // step, made now so that no step creates one.
+    size_t ops = 1;
+    for (const Instruction &i : plan.ranks[size_t(c.pp)])
+      ops += i.op == OpKind::Forward || i.op == OpKind::BackwardInput ||
+                     i.op == OpKind::BackwardWeight || i.op == OpKind::Backward
+                 ? 1
+                 : 0;
+    while (progress.size() < ops) {
+      progress.push_back(std::make_unique<runtime_cuda::OwnedEvent>());
+      if (auto err = progress.back()->create())
+        return err;
+    }
     return llvm::Error::success();
   }
 
@@ -213,6 +227,7 @@ public:
   llvm::Error beginStep(int step) override {
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
     PIPEC_GPU_TRY(takeDeferred());
+    progressUsed = progressDone = 0;
     auto batch = stepBatch(data, cfg, plan.parallel, step, c.dp);
     for (auto &[s, st] : stages) {
       PIPEC_GPU_TRY(st->zeroGrads());
@@ -220,6 +235,16 @@ public:
     }
     return llvm::Error::success();
   }
+
+  size_t completedWork() override {
+    while (progressDone < progressUsed &&
+           cudaEventQuery(progress[progressDone]->get()) == cudaSuccess)
+      ++progressDone;
+    return progressDone;
+  }
+
+  /// After a compute op (StageDispatch::compute) and the optimizer step: a progress event.
+  void afterCompute(const Instruction &) { markProgress(); }
 
   /// After the step: waits for the device and returns this rank's share of the loss.
   llvm::Expected<double> finishStep() override {
@@ -298,10 +323,20 @@ public:
     }
     for (auto &[s, st] : stages)
       PIPEC_GPU_TRY(st->adamStep(options.lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay));
+    markProgress();
     return llvm::Error::success();
   }
 
 private:
+  void markProgress() {
+    if (ctx->sizing() || progressUsed == progress.size())
+      return; // (the sizing pass queues nothing; a hand-written plan may have more ops)
+    cudaError_t status = cudaEventRecord(progress[progressUsed]->get(), computeStream);
+    if (status != cudaSuccess)
+      defer(cu::makeCudaError("cudaEventRecord(progress)", status, __FILE__, __LINE__));
+    ++progressUsed;
+  }
+
   /// The parameters of this rank's stages (on its tp rank).
   size_t paramsHere() const {
     size_t n = 0;
@@ -343,6 +378,10 @@ private:
   // --check-reference: per stage, the gradients before the update (not the arena's memory).
   std::map<int, cu::DeviceBuffer> snapshotCopies;
   bool snapshotPending = false;
+  // completedWork(): events recorded on the compute stream after each compute op and the
+  // optimizer step (progressUsed of them this step), the first progressDone seen finished.
+  std::vector<std::unique_ptr<runtime_cuda::OwnedEvent>> progress;
+  size_t progressUsed = 0, progressDone = 0;
 };
 
 } // namespace
@@ -414,7 +453,7 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     return inputError("--backend cuda: the plan's {} all-reduces have {} members, and the cuda "
                       "backend (every rank on one GPU) sums at most {}; use --backend nccl (one "
                       "GPU per rank) for this plan",
-                      pc.dp > most ? "dp" : "tp", std::max(pc.dp, pc.tp), most);
+                      pc.dp > most ? "dp" : "tp", pc.dp > most ? pc.dp : pc.tp, most);
   const int threads = pc.pp * pc.dp * pc.tp;
   LocalCudaTransport transport(plan, threads);
   ParamSnapshot snapshot;
@@ -482,10 +521,17 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
     {
       // The host has queued the whole step; the ranks' GPU work may still run for a while, but
       // a kernel that never finishes would hold these waits forever, where no watchdog of the
-      // Runner's (it sees the host) runs: ten timeouts, then the process ends with one line.
-      BlockingWatchdog guard(fmt::format("the wait for step {}'s GPU work (every rank's)", s),
-                             deviceWaitLimit(options.timeoutSeconds),
-                             "a kernel that never finishes?");
+      // Runner's (it sees the host) runs. So: --timeout without any rank's compute op
+      // finishing on the GPU, and the process ends with one line.
+      BlockingWatchdog guard(
+          fmt::format("the wait for step {}'s GPU work (every rank's)", s), options.timeoutSeconds,
+          "no rank's compute op finished on the GPU in that time: a kernel that never finishes?",
+          [&gpu] {
+            uint64_t done = 0;
+            for (CudaRankBackend *b : gpu)
+              done += b->completedWork();
+            return done;
+          });
       for (CudaRankBackend *b : gpu) {
         auto l = b->finishStep();
         if (!l)

@@ -42,11 +42,6 @@ namespace pipec {
 struct ParamSnapshot;
 struct CudaRunResult;
 
-/// How long runOnCuda waits at the end of a step for its ranks' GPU work, which the host may
-/// have queued long before: ten timeouts. A longer wait is taken for a kernel that never
-/// finishes, and the process ends with one line (runtime/BlockingWatchdog.h).
-inline double deviceWaitLimit(double timeoutSeconds) { return 10 * timeoutSeconds; }
-
 struct CudaRunOptions {
   int steps = 1;
   uint64_t seed = 1;
@@ -54,8 +49,9 @@ struct CudaRunOptions {
   /// Also run the CPU single-rank reference and compare every step's gradients and the last
   /// step's weights (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck, WeightCheck).
   bool checkReference = false;
-  /// The watchdogs' (runtime/Runner.h; NcclTransport's polls), and, ten times over, the end of
-  /// a step's wait for the GPU in runOnCuda (deviceWaitLimit).
+  /// The watchdogs': the host's (runtime/Runner.h), and the end of a step's wait for the GPU,
+  /// which fires after this long without a compute op or p2p group or all-reduce finishing
+  /// (runOnCuda's ends the process: a kernel that never finishes; NcclTransport's aborts).
   double timeoutSeconds = 60;
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
@@ -118,6 +114,11 @@ class CudaRankBackend : public Backend {
 public:
   /// Waits for the device and returns this rank's share of the step's loss.
   virtual llvm::Expected<double> finishStep() = 0;
+  /// How many of this step's compute ops (and its optimizer step) have finished on the GPU so
+  /// far, counted in stream order from an event recorded after each: the watchdogs' measure of
+  /// progress while the host waits for the device. Call it from one thread at a time, between
+  /// the step's end on the host and the next beginStep().
+  virtual size_t completedWork() = 0;
   /// The rank's compute stream (a cudaStream_t).
   virtual void *computeStreamHandle() const = 0;
   /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.

@@ -496,7 +496,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
     if (!err)
       err = interpretStep(shared, env.coord, b);
     if (!err)
-      err = transport.waitStep(s, o.timeoutSeconds);
+      err = transport.waitStep(s, o.timeoutSeconds, [&b] { return b.completedWork(); });
     if (err) {
       (*comms)->abortAll(); // before the buffers' cudaFree, which would wait for its kernels
       return err;

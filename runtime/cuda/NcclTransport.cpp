@@ -268,7 +268,8 @@ llvm::Error NcclTransport::warmUpOnce(float *scratch, double timeoutSeconds,
   return llvm::Error::success();
 }
 
-llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds) {
+llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds,
+                                    const std::function<size_t()> &computeDone) {
   if (auto err = waitForCollectives())
     return err;
   for (cudaStream_t s : {p2p.get(), tp.get()})
@@ -282,7 +283,7 @@ llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds) {
                         failure = report;
                       return report;
                     },
-                    [&] { return completedMarkers(); });
+                    [&] { return completedMarkers() + (computeDone ? computeDone() : 0); });
 }
 
 size_t NcclTransport::completedMarkers() {

@@ -86,8 +86,12 @@ public:
   /// prepareNcclEnvironment, runtime/cuda/NcclRun.h.)
   llvm::Error warmUp(float *scratch, double timeoutSeconds, double arrivalLimitSeconds);
 
-  /// After the step's instructions are queued: wait for the device, with the watchdog.
-  llvm::Error waitStep(int step, double timeoutSeconds);
+  /// After the step's instructions are queued: wait for the device, with the watchdog, which
+  /// fires after `timeoutSeconds` in which none of the step's p2p groups and all-reduces
+  /// finished, nor any of the work `computeDone` counts (the backend's compute ops,
+  /// CudaRankBackend::completedWork).
+  llvm::Error waitStep(int step, double timeoutSeconds,
+                       const std::function<size_t()> &computeDone = {});
 
 private:
   /// What a marker stands for: a p2p group (the plan steps of its first and last op on

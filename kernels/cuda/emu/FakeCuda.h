@@ -17,7 +17,8 @@
 
 namespace pipec::emu {
 
-/// Runs `work` after everything queued on `stream` so far (at once when synchronous).
+/// Runs `work` after everything queued on `stream` so far (at once when synchronous; in
+/// asynchronous mode PIPEC_EMU_OP_DELAY_MS=N makes each piece of work N ms longer).
 void enqueue(cudaStream_t stream, std::function<void()> work);
 /// Whether streams run asynchronously (PIPEC_EMU_ASYNC=1).
 bool asynchronous();

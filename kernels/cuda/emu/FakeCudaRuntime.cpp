@@ -371,6 +371,17 @@ void enqueue(cudaStream_t stream, std::function<void()> work) {
     work(); // synchronous mode, or the legacy default stream
     return;
   }
+  // PIPEC_EMU_OP_DELAY_MS: every piece of work takes that much longer, as on a slow GPU (for
+  // the tests of the watchdogs' progress: a long step that keeps progressing is no stall).
+  static const int delayMs = [] {
+    const char *v = std::getenv("PIPEC_EMU_OP_DELAY_MS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (delayMs > 0)
+    work = [delayMs = delayMs, work = std::move(work)] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+      work();
+    };
   s->push(std::move(work));
 }
 
