@@ -176,7 +176,14 @@ for spec in wgmma_layout_test:30 cuda_kernel_test:60 cuda_runtime_test:120 nccl_
   t=${spec%%:*} limit=${spec##*:}
   fits "$limit" "$t" || continue
   start=$SECONDS
-  if run timeout -k 10 "$limit" "$bin/$t" >"$out/$t.log" 2>&1; then
+  args=()
+  # (Its one Hopper case switches the Hopper backward on: after a hang there, it would hang too.)
+  if [ "$t" = cuda_runtime_test ] && [ "$wgmma_backward_hung" = 1 ]; then
+    args=(--gtest_filter=-*Hopper*)
+    say "cuda_runtime_test without its *Hopper* case: the Hopper attention backward hung above"
+    status=1
+  fi
+  if run timeout -k 10 "$limit" "$bin/$t" ${args[@]+"${args[@]}"} >"$out/$t.log" 2>&1; then
     say "$t ok ($((SECONDS - start)) s): $(passed "$out/$t.log")"
   else
     rc=$?
