@@ -330,7 +330,7 @@ public:
 private:
   void markProgress() {
     if (ctx->sizing() || progressUsed == progress.size())
-      return; // (the sizing pass queues nothing; a hand-written plan may have more ops)
+      return; // (the sizing pass queues nothing; the bound is init()'s count of the ops)
     cudaError_t status = cudaEventRecord(progress[progressUsed]->get(), computeStream);
     if (status != cudaSuccess)
       defer(cu::makeCudaError("cudaEventRecord(progress)", status, __FILE__, __LINE__));
