@@ -4,7 +4,8 @@
 // (--pp stages of unit layers, --schedule, --microbatches) per process, launched as piperun
 // --backend nccl is (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID), runs through the shared
 // interpreter and the nccl transport (runtime/cuda/NcclTransport.h: a p2p stream, events, one
-// NCCL group per plan group, the watchdog's markers) with a backend whose compute ops queue
+// NCCL group per plan group, the watchdog's markers, the record of sends that compute does not
+// wait for) with a backend whose compute ops queue
 // nothing and whose sends and recvs move --floats floats each. Each process prints one line:
 // the host time of its best step (the interpreter posting the step; nothing in a step waits for
 // the device) per instruction of its stream, against the target of at most 10 us; then the
@@ -34,6 +35,8 @@
 #include <cstdlib>
 #include <map>
 #include <thread>
+#include <utility>
+#include <vector>
 
 using namespace pipec;
 
@@ -64,7 +67,16 @@ llvm::Expected<std::string> runRank(const Plan &plan, const LaunchEnv &env, int 
   // (5 floats more for warmUp to send, receive and sum.)
   if (auto err = backend.init(size_t(settings.floats), 5))
     return err;
-  if (auto err = transport.init(backend.computeStream(), [] { return llvm::Error::success(); }))
+  // The runtime's SendHold records the sends the compute stream does not wait for (its arena,
+  // runtime/cuda/DeviceArena.h); the backend here never releases its buffers, so the list is
+  // only kept, as the arena keeps it.
+  std::vector<std::pair<const void *, size_t>> reads;
+  reads.reserve(plan.ranks[size_t(env.coord.pp)].size());
+  NcclTransport::SendHold hold{
+      [&reads](const void *data, size_t bytes, cudaEvent_t) { reads.emplace_back(data, bytes); },
+      [&reads] { reads.clear(); }};
+  if (auto err = transport.init(
+          backend.computeStream(), [] { return llvm::Error::success(); }, std::move(hold)))
     return err;
   if (auto err =
           transport.warmUp(backend.extraFloats(), /*timeoutSeconds=*/30, peerArrivalLimit(30)))

@@ -11,11 +11,16 @@
 // (A channel's first post blocks the host until the peer has posted on it too, as NCCL's does
 // while it connects; the warm-up connects both ranks first.) And a warm-up that the peer never
 // joins blocks in that first post: the blocking watchdog must end the process (a death test).
+// And a group of sends alone, which the compute stream does not wait for: compute must run on
+// while the peer has not posted its recv, and releasing the sent buffer in the rank's arena
+// must hold the compute stream until the send is done, so that the peer receives what was sent
+// and not what the arena's next buffer writes there.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 #include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/NcclLayout.h"
 #include "runtime/cuda/NcclTransport.h"
@@ -31,6 +36,7 @@
 #include <future>
 #include <map>
 #include <thread>
+#include <utility>
 
 namespace pipec {
 namespace {
@@ -73,7 +79,8 @@ struct RankSetup {
 
   /// `commId`: NCCL_COMM_ID, which the test also puts in the process's environment, where the
   /// emulated bootstrap reads it (as NCCL's does).
-  llvm::Error init(const Plan &plan, int rank, const char *commId, bool warmUp = true) {
+  llvm::Error init(const Plan &plan, int rank, const char *commId, bool warmUp = true,
+                   NcclTransport::SendHold hold = {}) {
     std::map<std::string, std::string> vars{{"RANK", std::to_string(rank)},
                                             {"WORLD_SIZE", "2"},
                                             {"LOCAL_RANK", "0"},
@@ -96,7 +103,8 @@ struct RankSetup {
     PIPEC_CUDA_TRY(cudaMalloc(&p, 64 * sizeof(float)));
     buffer = static_cast<float *>(p);
     transport = std::make_unique<NcclTransport>(plan, env, *comms);
-    if (auto err = transport->init(compute.get(), [] { return llvm::Error::success(); }))
+    if (auto err = transport->init(
+            compute.get(), [] { return llvm::Error::success(); }, std::move(hold)))
       return err;
     return warmUp ? transport->warmUp(buffer, /*timeoutSeconds=*/10, /*arrivalLimitSeconds=*/10)
                   : llvm::Error::success();
@@ -197,6 +205,127 @@ TEST(NcclWatchdogTest, AStalledStepNamesTheLastCompletedAndThePendingGroup) {
                                     formatToken(plan, plan.ranks[0][4]))),
             std::string::npos)
       << report;
+}
+
+/// Polls `e` for up to `seconds`: whether it completed.
+bool completesWithin(cudaEvent_t e, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (cudaEventQuery(e) == cudaSuccess)
+      return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
+TEST(NcclSendHoldTest, ComputeRunsOnPastASendAndReusingItsBufferWaitsForIt) {
+  ASSERT_STREQ(std::getenv("PIPEC_EMU_ASYNC"), "1") << "the BUILD rule sets it";
+  ASSERT_EQ(::setenv("NCCL_COMM_ID", "emu-watchdog:3", 1), 0);
+  const Plan plan = twoStagePlan();
+  const std::vector<size_t> steps0 = p2pSteps(plan, 0), steps1 = p2pSteps(plan, 1);
+  ASSERT_FALSE(steps0.empty());
+  ASSERT_FALSE(steps1.empty());
+  ASSERT_EQ(plan.ranks[0][steps0[0]].op, OpKind::Send);
+  ASSERT_EQ(plan.ranks[1][steps1[0]].op, OpKind::Recv);
+  constexpr size_t kFloats = 4; // RankSetup::op's tensors
+  const float sent[kFloats] = {1.5f, -2.0f, 3.25f, 4.0f};
+
+  std::promise<void> post; // rank 0 lets rank 1 post its recv, once
+  std::shared_future<void> posted = post.get_future().share();
+  bool letGo = false;
+  auto letRankOnePost = [&] {
+    if (!std::exchange(letGo, true))
+      post.set_value();
+  };
+  std::vector<float> got(kFloats, 0.0f);
+  llvm::Error rank1Error = llvm::Error::success();
+  std::thread rank1([&] {
+    RankSetup r;
+    rank1Error = [&]() -> llvm::Error {
+      if (auto err = r.init(plan, 1, "emu-watchdog:3"))
+        return err;
+      r.transport->beginStep();
+      posted.wait();
+      if (auto err = r.transport->exchange(1, {r.op(plan, steps1[0], r.buffer + 8)}))
+        return err;
+      // (A group with a recv: the compute stream waits for it.)
+      PIPEC_CUDA_TRY(cudaMemcpyAsync(got.data(), r.buffer + 8, sizeof sent, cudaMemcpyDeviceToHost,
+                                     r.compute.get()));
+      PIPEC_CUDA_TRY(cudaStreamSynchronize(r.compute.get()));
+      return r.transport->waitStep(0, /*timeoutSeconds=*/10);
+    }();
+  });
+
+  // Rank 0 (failures are recorded, not returned early, so that rank 1 is always released).
+  RankSetup r0;
+  std::unique_ptr<DeviceArena> arena;
+  runtime_cuda::OwnedEvent afterSend, afterReuse;
+  auto rankZero = [&]() -> llvm::Error {
+    PIPEC_CUDA_TRY(cudaSetDevice(0));
+    if (auto err = afterSend.create())
+      return err;
+    if (auto err = afterReuse.create())
+      return err;
+    // Set up before the transport so that its SendHold can name it (its stream is set below).
+    if (auto err = r0.init(
+            plan, 0, "emu-watchdog:3", /*warmUp=*/true,
+            NcclTransport::SendHold{[&arena](const void *data, size_t bytes, cudaEvent_t done) {
+                                      arena->readElsewhere(data, bytes, done);
+                                    },
+                                    [&arena] { arena->elsewhereReadsDone(); }}))
+      return err;
+    // The rank's arena: sized for one buffer of the tensor, then reserved.
+    arena = std::make_unique<DeviceArena>(r0.compute.get(), "rank 0");
+    auto sizing = arena->allocate(sizeof sent);
+    if (!sizing)
+      return sizing.takeError();
+    arena->release(*sizing);
+    if (auto err = arena->reserve())
+      return err;
+    auto a = arena->allocate(sizeof sent);
+    if (!a)
+      return a.takeError();
+    auto *data = static_cast<float *>(*a);
+    PIPEC_CUDA_TRY(
+        cudaMemcpyAsync(data, sent, sizeof sent, cudaMemcpyHostToDevice, r0.compute.get()));
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(r0.compute.get()));
+
+    r0.transport->beginStep();
+    if (auto err = r0.transport->exchange(0, {r0.op(plan, steps0[0], data)}))
+      return err;
+    EXPECT_EQ(arena->readsPending(), 1u);
+    // Compute runs on although rank 1 has not posted its recv.
+    PIPEC_CUDA_TRY(cudaEventRecord(afterSend.get(), r0.compute.get()));
+    EXPECT_TRUE(completesWithin(afterSend.get(), 5))
+        << "the compute stream waited for a group of sends alone";
+    // The next buffer takes the sent one's place; what is queued after its release waits for
+    // the send (on the emulated device the release itself also fills it with NaN bytes).
+    arena->release(data);
+    EXPECT_EQ(arena->readsPending(), 0u);
+    auto b = arena->allocate(sizeof sent);
+    if (!b)
+      return b.takeError();
+    EXPECT_EQ(*b, static_cast<void *>(data)) << "first fit: the same place";
+    PIPEC_CUDA_TRY(cudaMemsetAsync(*b, 0, sizeof sent, r0.compute.get()));
+    PIPEC_CUDA_TRY(cudaEventRecord(afterReuse.get(), r0.compute.get()));
+    EXPECT_FALSE(completesWithin(afterReuse.get(), 0.2))
+        << "the reuse of a sent buffer ran before its send";
+    letRankOnePost();
+    if (auto err = r0.transport->waitStep(0, /*timeoutSeconds=*/10))
+      return err;
+    EXPECT_TRUE(completesWithin(afterReuse.get(), 5));
+    arena->release(*b);
+    return llvm::Error::success();
+  };
+  llvm::Error rank0Error = rankZero();
+  if (rank0Error && r0.transport)
+    r0.transport->abort("rank 0 failed"); // (rank 1's waits then fail instead of hanging)
+  letRankOnePost();
+  rank1.join();
+  ASSERT_FALSE(bool(rank0Error)) << takeMessage(std::move(rank0Error));
+  ASSERT_FALSE(bool(rank1Error)) << takeMessage(std::move(rank1Error));
+  for (size_t k = 0; k < kFloats; ++k)
+    EXPECT_EQ(got[k], sent[k]) << "element " << k << " of what rank 1 received";
 }
 
 TEST(NcclWatchdogTest, AWarmUpThatAPeerNeverJoinsEndsTheProcessAfterTheTimeout) {

@@ -80,6 +80,14 @@ public:
                         c.tp)) {}
 
   void *computeStreamHandle() const override { return computeStream; }
+  void readElsewhere(const void *p, size_t bytes, void *done) override {
+    if (arena)
+      arena->readElsewhere(p, bytes, static_cast<cudaEvent_t>(done));
+  }
+  void elsewhereReadsDone() override {
+    if (arena)
+      arena->elsewhereReadsDone();
+  }
   llvm::Error takeDeferredError() override { return takeDeferred(); }
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
   size_t arenaUsedBytes() const override { return arena ? arena->stepHighWater() : 0; }

@@ -121,6 +121,12 @@ public:
   virtual size_t completedWork() = 0;
   /// The rank's compute stream (a cudaStream_t).
   virtual void *computeStreamHandle() const = 0;
+  /// A read of [data, data + bytes) of this rank's buffers on a transport stream that the
+  /// compute stream does not wait for, complete at `done` (a cudaEvent_t): releasing a buffer
+  /// under it makes the compute stream wait for `done` first (DeviceArena::readElsewhere).
+  virtual void readElsewhere(const void *data, size_t bytes, void *done) = 0;
+  /// The compute stream has waited for every such read so far.
+  virtual void elsewhereReadsDone() = 0;
   /// The error a call that cannot return one (sendData, recvData, ...) kept, or success.
   virtual llvm::Error takeDeferredError() = 0;
   /// The device memory createStages() allocates: every stage's GpuStage::stateBytes and, with

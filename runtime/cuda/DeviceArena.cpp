@@ -9,6 +9,7 @@
 #endif
 
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 
 namespace pipec {
@@ -51,6 +52,12 @@ DeviceArena::~DeviceArena() {
 }
 
 llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
+  if (waitFailed != cudaSuccess)
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("{}: cudaStreamWaitEvent (a released buffer's wait for the p2p send that "
+                    "reads it) failed: {} ({})",
+                    who, cudaGetErrorName(waitFailed), cudaGetErrorString(waitFailed)));
   if (bytes == 0)
     return nullptr;
   auto noRoom = [&] {
@@ -89,6 +96,22 @@ void DeviceArena::release(void *p) {
     return;
   auto it = live.find(p);
   assert(it != live.end() && "released memory the arena did not hand out");
+  if (!reads.empty()) {
+    // The latest read under the buffer: waiting for it covers the earlier ones too.
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + it->second.bytes;
+    size_t under = reads.size();
+    for (size_t k = reads.size(); k-- > 0;)
+      if (reads[k].begin < end && begin < reads[k].end) {
+        under = k;
+        break;
+      }
+    if (under < reads.size()) {
+      cudaError_t status = cudaStreamWaitEvent(stream, reads[under].done, 0);
+      if (status != cudaSuccess && waitFailed == cudaSuccess)
+        waitFailed = status;
+      reads.erase(reads.begin(), reads.begin() + std::ptrdiff_t(under) + 1);
+    }
+  }
   placement.release(it->second.offset);
 #ifdef PIPEC_EMULATED_DEVICE
   unguarded.release(it->second.unguardedOffset);
@@ -100,6 +123,13 @@ void DeviceArena::release(void *p) {
   }
 #endif
   live.erase(it);
+}
+
+void DeviceArena::readElsewhere(const void *data, size_t bytes, cudaEvent_t done) {
+  if (bytes == 0)
+    return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  reads.push_back(Read{begin, begin + bytes, done});
 }
 
 llvm::Error DeviceArena::reserve() {

@@ -21,8 +21,12 @@
 // allocating.
 // Releases take effect on the host at once: the memory is only reused by work queued later on
 // the rank's compute stream, and every other stream that reads a rank's buffers (a copy to a
-// peer, a p2p send, a tp all-reduce) is ordered before the compute stream's next work by the
-// transports. One arena per rank; not thread-safe. On the emulated device (PIPEC_EMULATED_DEVICE,
+// peer, a p2p group with a recv, a tp all-reduce) is ordered before the compute stream's next
+// work by the transports. The one exception is a group of sends alone in the nccl transport,
+// which the compute stream does not wait for (so that compute runs on while a peer is not yet
+// ready to receive): the transport registers its reads (readElsewhere), and a release of a
+// buffer under one makes the stream wait for it first.
+// One arena per rank; not thread-safe. On the emulated device (PIPEC_EMULATED_DEVICE,
 // kernels/cuda/emu/README.md) a release fills the buffer with NaN bytes, in the stream's order,
 // so that reading it after its release shows up in the gradient checks; and every buffer takes
 // 256 bytes more, which hold the emulated device's guard (kernels/cuda/emu/FakeCuda.h): a read
@@ -42,8 +46,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace pipec {
 
@@ -56,8 +62,20 @@ public:
   DeviceArena(const DeviceArena &) = delete;
   DeviceArena &operator=(const DeviceArena &) = delete;
 
+  /// Fails, naming the call, once a release's wait for a read (below) could not be queued.
   llvm::Expected<void *> allocate(size_t bytes) override;
   void release(void *p) override;
+
+  /// A read of [data, data + bytes) on another stream that `stream` has not waited for (a p2p
+  /// send of the nccl transport), complete at `done`. A release of a buffer that overlaps it
+  /// first makes `stream` wait for `done`, so that no work queued after the release reuses the
+  /// memory under the read. The reads must be registered in the order of the one stream they
+  /// run on: waiting for one covers every read registered before it.
+  void readElsewhere(const void *data, size_t bytes, cudaEvent_t done);
+  /// `stream` has waited for every read registered so far.
+  void elsewhereReadsDone() { reads.clear(); }
+  /// Reads registered and not yet waited for (tests).
+  size_t readsPending() const { return reads.size(); }
 
   /// Ends the sizing phase: one allocation of the high-water mark the requests so far reached.
   /// Nothing may be live (an error names how much is).
@@ -86,6 +104,12 @@ private:
     size_t unguardedOffset = 0; // in `unguarded`
   };
   std::unordered_map<void *, Placed> live; // live buffers
+  struct Read {
+    uintptr_t begin, end;
+    cudaEvent_t done;
+  };
+  std::vector<Read> reads;              // readElsewhere's, in their stream's order
+  cudaError_t waitFailed = cudaSuccess; // the first failed wait for one
 };
 
 } // namespace pipec

@@ -357,8 +357,14 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
       return made.takeError();
     backend = std::move(*made);
     CudaRankBackend *b = backend.get();
-    return transport.init(static_cast<cudaStream_t>(b->computeStreamHandle()),
-                          [b] { return b->takeDeferredError(); });
+    // Sends alone do not hold the compute stream; the arena waits for them at a release.
+    NcclTransport::SendHold hold{[b](const void *data, size_t bytes, cudaEvent_t done) {
+                                   b->readElsewhere(data, bytes, done);
+                                 },
+                                 [b] { b->elsewhereReadsDone(); }};
+    return transport.init(
+        static_cast<cudaStream_t>(b->computeStreamHandle()), [b] { return b->takeDeferredError(); },
+        std::move(hold));
   }();
   if (setUp)
     (void)cudaGetLastError(); // (so that no later launch check reports the set-up's failure)

@@ -12,7 +12,8 @@
 //     on the `pipeline` communicator and a p2p stream, in plan order (the order NCCL's FIFO
 //     matching per peer pair needs; at pp = 2, where prev and next are the same process, the
 //     verified plan order is what keeps the two directions apart); the p2p stream first waits
-//     for the compute stream, and the compute stream waits for the group;
+//     for the compute stream, and the compute stream waits for a group that receives (a sent
+//     buffer's release in the arena waits for a group of sends alone);
 //   - tp all-reduces run on the `tp` communicator and stream (the compute stream waits at
 //     once: Megatron's are synchronous); dp and embedding all-reduces on their own
 //     communicators and streams, overlapping compute until the optimizer step (or a local

@@ -76,9 +76,11 @@ llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicato
 }
 
 llvm::Error NcclTransport::init(cudaStream_t computeStream,
-                                std::function<llvm::Error()> pendingErrorOf) {
+                                std::function<llvm::Error()> pendingErrorOf, SendHold sendHold) {
+  assert(bool(sendHold.reading) == bool(sendHold.allRead) && "a SendHold has both or neither");
   compute = computeStream;
   pendingError = std::move(pendingErrorOf);
+  hold = std::move(sendHold);
   for (OwnedStream *s : {&p2p, &tp, &dp, &emb})
     if (auto err = s->create())
       return err;
@@ -141,7 +143,21 @@ llvm::Error NcclTransport::exchange(int self, llvm::ArrayRef<P2POp> ops) {
     return first;
   if (auto err = mark({ops.front().rank, ops.front().step, ops.back().step, {}}, p2p.get()))
     return err;
-  return order(compute, p2p.get(), p2pDone.get());
+  // Sends alone: compute runs on; a sent buffer's release waits for its send instead (the
+  // marker just recorded is the group's completion).
+  if (hold.reading &&
+      std::all_of(ops.begin(), ops.end(), [](const P2POp &op) { return op.send; })) {
+    cudaEvent_t done = markers[markersUsed - 1]->event.get();
+    for (const P2POp &op : ops)
+      hold.reading(op.data.data, op.data.bytes(), done);
+    return llvm::Error::success();
+  }
+  if (auto err = order(compute, p2p.get(), p2pDone.get()))
+    return err;
+  // (The p2p stream runs its groups in order: this one's completion covers every earlier send.)
+  if (hold.allRead)
+    hold.allRead();
+  return llvm::Error::success();
 }
 
 llvm::Error NcclTransport::allReduce(CollectiveGroup group, const std::string &key,
@@ -275,6 +291,8 @@ llvm::Error NcclTransport::waitStep(int step, double timeoutSeconds,
   for (cudaStream_t s : {p2p.get(), tp.get()})
     if (auto err = order(compute, s, ready.get()))
       return err;
+  if (hold.allRead)
+    hold.allRead();
   PIPEC_CUDA_TRY(cudaEventRecord(stepDone.get(), compute));
   return pollDevice([&] { return cudaEventQuery(stepDone.get()); }, comms, timeoutSeconds,
                     [&](double idle) {

@@ -3,12 +3,15 @@
 // The Transport of the nccl mode (runtime/cuda/NcclRun.h): the sends and recvs of one plan group
 // are posted inside one ncclGroupStart/ncclGroupEnd on the `pipeline` communicator and a p2p
 // stream, in plan order; the p2p stream first waits for the compute stream, and the compute
-// stream waits for the group. tp all-reduces run on the `tp` communicator and stream (the
-// compute stream waits at once); dp and embedding all-reduces on their own communicators and
-// streams, until waitForCollectives(). Nothing blocks the host inside a step; waitStep() polls
-// the device at its end with a watchdog that names the first p2p group or all-reduce of this
-// rank that has not completed. The names are made only then: the hot path records one event
-// per group and keeps the group's steps.
+// stream waits for a group that receives. A group of sends alone it does not wait for: compute
+// runs on while the peer is not yet ready to receive, and the owner of the sent buffers (the
+// rank's arena, given as a SendHold) is told of the reads, so that releasing a sent buffer makes
+// the compute stream wait for its send instead (DeviceArena::readElsewhere). tp all-reduces
+// run on the `tp` communicator and stream (the compute stream waits at once); dp and embedding
+// all-reduces on their own communicators and streams, until waitForCollectives(). Nothing
+// blocks the host inside a step; waitStep() polls the device at its end with a watchdog that
+// names the first p2p group or all-reduce of this rank that has not completed. The names are
+// made only then: the hot path records one event per group and keeps the group's steps.
 // Used by runOnNccl and by the nccl overhead benchmark (bench/nccl_overhead_bench.cpp).
 // This header includes nccl.h; it is for runtime/cuda/, its tests and the benchmarks only.
 //
@@ -55,10 +58,21 @@ public:
   NcclTransport(const Plan &plan, const LaunchEnv &env, NcclCommunicators &comms)
       : plan(plan), env(env), comms(comms) {}
 
+  /// Where the sent buffers come from, told of the sends the compute stream does not wait for.
+  /// Without one (empty functions), the compute stream waits for every group.
+  struct SendHold {
+    /// A send reads [data, data + bytes) on the p2p stream until `done`; the reads come in the
+    /// p2p stream's order (DeviceArena::readElsewhere).
+    std::function<void(const void *data, size_t bytes, cudaEvent_t done)> reading;
+    /// The compute stream has waited for every send so far.
+    std::function<void()> allRead;
+  };
+
   /// Streams and events; `compute` is the backend's compute stream, `pendingError` its kept
   /// error (checked before anything is posted, so a failed send never leaves a peer waiting
   /// on a wrong buffer).
-  llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf);
+  llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf,
+                   SendHold sendHold = {});
 
   /// Before a step: forget the last step's progress markers.
   void beginStep() {
@@ -117,6 +131,7 @@ private:
   NcclCommunicators &comms;
   cudaStream_t compute = nullptr;
   std::function<llvm::Error()> pendingError;
+  SendHold hold;
   runtime_cuda::OwnedStream p2p, tp, dp, emb;
   runtime_cuda::OwnedEvent ready, p2pDone, tpDone, dpDone, embDone, stepDone;
   std::vector<std::unique_ptr<Marker>> markers; // in post order; reused across steps
