@@ -62,7 +62,9 @@ class Transport {
 public:
   virtual ~Transport() = default;
   /// Post every op of a group at once (one NCCL group). When it returns the ops are complete
-  /// (in-process) or ordered before everything the rank queues after it (a device transport).
+  /// (in-process) or ordered before everything the rank queues after it (a device transport),
+  /// but for the nccl transport's groups of sends alone: the rank's compute runs on past those,
+  /// and a release of a sent buffer waits for its send (NcclTransport.h, DeviceArena.h).
   virtual llvm::Error exchange(int self, llvm::ArrayRef<P2POp> ops) = 0;
   /// Sum `data` over `members` (thread ids = global ranks, in this order) of a `group` all-reduce.
   /// `key` names the group instance; every member passes the same key and members.

@@ -170,4 +170,49 @@ TEST_F(FakeCudaGuardTest, ArenaBuffersAreGuardedToo) {
       "byte 1279 changed");
 }
 
+// The arena's record of reads on another stream (a p2p send the compute stream does not wait
+// for, runtime/cuda/NcclTransport.h): a release waits for the latest read under its buffer
+// and forgets the reads before it (their stream runs them in order); a release under none
+// keeps them; elsewhereReadsDone forgets all. (Whether the wait holds the stream is
+// nccl_emu_watchdog_test's, on asynchronous streams.)
+TEST(DeviceArenaReadsTest, AReleaseWaitsForTheLatestReadUnderItAndForgetsThoseBefore) {
+  pipec::DeviceArena arena{nullptr, "rank 0"};
+  void *sized[3];
+  for (void *&p : sized) {
+    auto got = arena.allocate(1024);
+    ASSERT_TRUE(bool(got));
+    p = *got;
+  }
+  for (void *p : sized)
+    arena.release(p);
+  ASSERT_FALSE(bool(arena.reserve()));
+  unsigned char *b[3];
+  for (auto &p : b) {
+    auto got = arena.allocate(1024);
+    ASSERT_TRUE(bool(got));
+    p = static_cast<unsigned char *>(*got);
+  }
+  cudaEvent_t e[3];
+  for (auto &ev : e)
+    ASSERT_EQ(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+  arena.readElsewhere(b[0], 512, e[0]);
+  arena.readElsewhere(b[2] + 256, 16, e[1]); // part of a buffer
+  arena.readElsewhere(b[1], 1024, e[2]);
+  arena.readElsewhere(b[1], 0, e[2]); // nothing
+  EXPECT_EQ(arena.readsPending(), 3u);
+  // b[2]'s read is the second: the first goes with it, the third stays.
+  arena.release(b[2]);
+  EXPECT_EQ(arena.readsPending(), 1u);
+  arena.release(b[0]); // under no read left
+  EXPECT_EQ(arena.readsPending(), 1u);
+  arena.elsewhereReadsDone();
+  EXPECT_EQ(arena.readsPending(), 0u);
+  arena.release(b[1]);
+  auto again = arena.allocate(1024);
+  ASSERT_TRUE(bool(again)) << "a release's wait failed";
+  arena.release(*again);
+  for (auto &ev : e)
+    EXPECT_EQ(cudaEventDestroy(ev), cudaSuccess);
+}
+
 } // namespace

@@ -174,6 +174,37 @@ struct ScopedEnv {
   }
 };
 
+// A group of sends alone does not hold its rank's compute stream (NcclTransport.h); a sent
+// buffer's release in the arena waits for the send instead. Here every group with a send waits
+// 20 ms in its stream before it posts (the emulated NCCL's PIPEC_EMU_SEND_DELAY_MS), so each
+// rank's compute runs ahead of its sends, and zb-h1's input gradients, released by the weight
+// gradients that follow them, are released while their sends are still pending: the release
+// must wait (on the emulated device it fills the buffer with NaN bytes in the compute stream's
+// order), or the next stage trains on NaN. With the asynchronous device only: synchronous,
+// every send is done before its host call returns.
+TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
+  const char *async = std::getenv("PIPEC_EMU_ASYNC");
+  if (!async || std::string(async) != "1")
+    GTEST_SKIP() << "needs asynchronous streams (nccl_emu_async_test)";
+  ScopedEnv slow("PIPEC_EMU_SEND_DELAY_MS", "20");
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("zb-h1", 4, 6));
+  ASSERT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/7);
+  CudaRunOptions o;
+  o.steps = 1;
+  o.checkReference = true;
+  o.timeoutSeconds = 60;
+  auto results = runEveryRank(plan, *data, "send-hold", [&](int) { return o; });
+  for (size_t r = 0; r < results.size(); ++r)
+    ASSERT_TRUE(bool(results[r])) << "rank " << r << ": " << takeMessage(results[r].takeError());
+  const CudaRunResult &root = *results[0];
+  ASSERT_EQ(root.referenceLosses.size(), 1u);
+  EXPECT_TRUE(std::isfinite(root.losses.at(0)));
+  EXPECT_GT(root.grads.scale, 0);
+  EXPECT_LE(root.grads.maxAbsDiff, cudaGradTolerance(kernels::DType::F32) * root.grads.scale)
+      << "max |grad - reference| " << root.grads.maxAbsDiff << " scale " << root.grads.scale;
+}
+
 // The step watchdog (pollDevice) counts time without progress, not the step's length: a step
 // whose markers keep completing runs as long as it needs, one whose markers stop is a stall
 // after --timeout. (A device that takes 1.5 s for a step, against a timeout of 0.5 s.)

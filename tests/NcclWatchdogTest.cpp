@@ -311,8 +311,12 @@ TEST(NcclSendHoldTest, ComputeRunsOnPastASendAndReusingItsBufferWaitsForIt) {
     EXPECT_FALSE(completesWithin(afterReuse.get(), 0.2))
         << "the reuse of a sent buffer ran before its send";
     letRankOnePost();
+    // A read the step's end must forget: waitStep makes the compute stream wait for the p2p
+    // stream, and then tells the arena.
+    arena->readElsewhere(*b, sizeof sent, afterSend.get());
     if (auto err = r0.transport->waitStep(0, /*timeoutSeconds=*/10))
       return err;
+    EXPECT_EQ(arena->readsPending(), 0u) << "the step's end kept a read";
     EXPECT_TRUE(completesWithin(afterReuse.get(), 5));
     arena->release(*b);
     return llvm::Error::success();

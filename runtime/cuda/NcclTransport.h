@@ -70,7 +70,8 @@ public:
 
   /// Streams and events; `compute` is the backend's compute stream, `pendingError` its kept
   /// error (checked before anything is posted, so a failed send never leaves a peer waiting
-  /// on a wrong buffer).
+  /// on a wrong buffer), `sendHold` the owner of the sent buffers (runOnNccl's: the rank's
+  /// arena; without one, the compute stream waits for every group).
   llvm::Error init(cudaStream_t computeStream, std::function<llvm::Error()> pendingErrorOf,
                    SendHold sendHold = {});
 

@@ -52,6 +52,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -556,7 +557,19 @@ ncclResult_t ncclGroupEnd() {
   std::shared_ptr<Group> group = ops.front().group;
   if (ncclResult_t r = connect(ops); r != ncclSuccess)
     return r;
-  return launch(stream, std::move(group), [ops = std::move(ops)] { return postAndWait(ops); });
+  // PIPEC_EMU_SEND_DELAY_MS (asynchronous streams): a group with a send waits that long in its
+  // stream before it posts, as a send to a slow link or a late peer does, so that the sender's
+  // compute runs ahead of it (the test of a sent buffer's release, runtime/cuda/DeviceArena.h).
+  const char *delay = std::getenv("PIPEC_EMU_SEND_DELAY_MS");
+  const int delayMs =
+      delay && std::any_of(ops.begin(), ops.end(), [](const Op &op) { return op.p.send; })
+          ? std::atoi(delay)
+          : 0;
+  return launch(stream, std::move(group), [ops = std::move(ops), delayMs] {
+    if (delayMs > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    return postAndWait(ops);
+  });
 }
 
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
