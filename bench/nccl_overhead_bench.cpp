@@ -5,8 +5,8 @@
 // --backend nccl is (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID), runs through the shared
 // interpreter and the nccl transport (runtime/cuda/NcclTransport.h: a p2p stream, events, one
 // NCCL group per plan group, the watchdog's markers, the record of sends that compute does not
-// wait for) with a backend whose compute ops queue
-// nothing and whose sends and recvs move --floats floats each. Each process prints one line:
+// wait for) with a backend whose compute ops queue nothing and whose sends and recvs move
+// --floats floats each. Each process prints one line:
 // the host time of its best step (the interpreter posting the step; nothing in a step waits for
 // the device) per instruction of its stream, against the target of at most 10 us; then the
 // step time with the device (to the end of waitStep: NCCL's transfers and the GPU's

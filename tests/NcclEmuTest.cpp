@@ -183,8 +183,7 @@ struct ScopedEnv {
 // order), or the next stage trains on NaN. With the asynchronous device only: synchronous,
 // every send is done before its host call returns.
 TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
-  const char *async = std::getenv("PIPEC_EMU_ASYNC");
-  if (!async || std::string(async) != "1")
+  if (!emu::asynchronous())
     GTEST_SKIP() << "needs asynchronous streams (nccl_emu_async_test)";
   ScopedEnv slow("PIPEC_EMU_SEND_DELAY_MS", "20");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("zb-h1", 4, 6));
