@@ -149,6 +149,20 @@ struct Bench {
                       return crossEntropyBackward(ctx, dt, dLogits, logits, lse, targets, n, v,
                                                   1.0f / float(n));
                     }));
+    // Vocab-parallel at tp 8: one rank's statistics over its v / 8 columns, and the merge of
+    // the 8 shards' summed statistics.
+    const int tp = 8, vl = v / tp;
+    auto *stats = static_cast<float *>(buffer(size_t(n) * (2 * tp + 1), DType::F32));
+    reportBandwidth(fmt::format("cross entropy {} ({}x{}) shard stats, tp {}",
+                                std::string(toString(dt)), n, vl, tp),
+                    double(n) * vl * sz + 4.0 * n * (2 * tp + 1), time([&] {
+                      return crossEntropyShardStats(ctx, dt, stats, logits, targets, n, vl, 0, 0,
+                                                    tp);
+                    }));
+    reportBandwidth(fmt::format("cross entropy combine of {} shards ({} rows)", tp, n),
+                    4.0 * n * (2 * tp + 3), time([&] {
+                      return crossEntropyCombine(ctx, rowLoss, lse, stats, n, tp, 1.0f / float(n));
+                    }));
     auto *params = static_cast<float *>(buffer(p, DType::F32));
     auto *grads = static_cast<float *>(buffer(p, DType::F32));
     auto *m = static_cast<float *>(buffer(p, DType::F32));

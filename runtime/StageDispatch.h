@@ -97,7 +97,9 @@ private:
           return r.takeError();
         pendingReduce = *r;
       }
-      if (last && i.stage == plan.numStages() - 1 && c.tp == 0)
+      // The loss: now when unsplit; after the plan's tp all_reduce of the last part otherwise
+      // (the vocab-parallel head completes it from the reduced statistics).
+      if (last && i.part < 0 && i.stage == plan.numStages() - 1 && c.tp == 0)
         if (auto err = self().addLoss(st, i.mb, i.slice))
           return err;
       if (last)
@@ -178,8 +180,12 @@ public:
   llvm::Error afterAllReduce(const Instruction &i) final {
     if (auto err = takeDeferred())
       return err;
-    if (i.collective == CollectiveGroup::Tp && i.phase == OpKind::Backward && i.part == i.parts - 1)
+    if (i.collective != CollectiveGroup::Tp || i.part != i.parts - 1)
+      return llvm::Error::success();
+    if (i.phase == OpKind::Backward)
       return finishFusedBackward(i.stage, i.mb, i.slice);
+    if (i.phase == OpKind::Forward && i.stage == plan.numStages() - 1 && c.tp == 0)
+      return self().addLoss(*stages.at(i.stage), i.mb, i.slice);
     return llvm::Error::success();
   }
 

@@ -308,6 +308,22 @@ TEST(PiperunTest, CheckReferencePrintsTheGradientDifference) {
       << r.out;
 }
 
+TEST(PiperunTest, AVocabularyTheTpRanksCannotSplitIsOneLineWithTheFix) {
+  // The runtime splits wte and the LM head by vocabulary rows across the tp ranks.
+  auto model = nlohmann::json::parse(slurp("examples/tiny-gpt.json"));
+  model["transformer"]["vocab_size"] = 33;
+  const std::string spec = tmpDir() + "/vocab33.json", plan = tmpDir() + "/vocab33-plan.json";
+  spit(spec, model.dump());
+  Result c = pipec("compile --model " + spec +
+                   " --schedule 1f1b --pp 2 --microbatches 2 --tp 2 --quiet -o " + plan);
+  ASSERT_EQ(c.code, 0) << c.err;
+  Result r = piperun(plan + " --backend cpu");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find("--tp 2 must divide vocab_size (33)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pad vocab_size to a multiple of 2 (e.g. 34)"), std::string::npos) << r.err;
+}
+
 TEST(PiperunTest, RefusesAPlanThatFailsVerification) {
   std::string plan = tinyPlan("bad", "--schedule gpipe --pp 2 --microbatches 2");
   auto j = nlohmann::json::parse(slurp(plan));

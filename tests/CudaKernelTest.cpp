@@ -891,6 +891,59 @@ TEST_P(CudaLossTest, CrossEntropyMatchesCpuAndWorksInPlace) {
   EXPECT_CLOSE(download(gLogits, logits.size(), dt), refDLogits, tolerance(dt));
 }
 
+TEST_P(CudaLossTest, VocabParallelCrossEntropyMatchesTheWholeVocabularyOnCpu) {
+  // Four shards of 250 columns (tp 4): each shard's statistics, summed as the tp all-reduce
+  // sums them, give the whole vocabulary's loss, and each shard's gradient is its columns of
+  // the CPU's whole-vocabulary gradient. Row 3's mass sits in shard 2.
+  const DType dt = GetParam();
+  const int n = 19, v = 1000, parts = 4, vl = v / parts;
+  const float scale = 1.0f / n;
+  Vec logits = randomVec(size_t(n) * v, 51, -5.0f, 5.0f);
+  for (int c = 2 * vl; c < 3 * vl; ++c)
+    logits[size_t(3) * v + c] += 40.0f;
+  logits = quantized(logits, dt);
+  std::vector<int32_t> targets(n);
+  for (int r = 0; r < n; ++r)
+    targets[r] = (r * 331 + 7) % v;
+  Vec probs(logits.size()), refDLogits(logits.size());
+  const double refLoss =
+      cpu::crossEntropyForward(probs.data(), logits.data(), targets.data(), n, v, scale);
+  cpu::crossEntropyBackward(refDLogits.data(), probs.data(), targets.data(), n, v, scale);
+
+  const size_t statsFloats = cpu::crossEntropyStatsFloats(n, parts);
+  std::vector<Vec> shards(parts);
+  Vec summed(statsFloats, 0.0f);
+  DeviceBuffer gTargets = uploadInts(targets), stats = allocate(statsFloats * 4);
+  for (int p = 0; p < parts; ++p) {
+    for (int r = 0; r < n; ++r)
+      shards[p].insert(shards[p].end(), logits.begin() + r * v + p * vl,
+                       logits.begin() + r * v + (p + 1) * vl);
+    DeviceBuffer gShard = upload(shards[p], dt);
+    ASSERT_OK(crossEntropyShardStats(*ctx, dt, stats.as<float>(), gShard.data(),
+                                     gTargets.as<int32_t>(), n, vl, p * vl, p, parts));
+    const Vec got = download(stats, statsFloats, DType::F32);
+    for (size_t k = 0; k < statsFloats; ++k)
+      summed[k] += got[k];
+  }
+  DeviceBuffer gSummed = upload(summed, DType::F32);
+  DeviceBuffer rowLoss = allocate(n * 4), lse = allocate(n * 4);
+  ASSERT_OK(crossEntropyCombine(*ctx, rowLoss.as<float>(), lse.as<float>(), gSummed.as<float>(), n,
+                                parts, scale));
+  const Vec losses = download(rowLoss, n, DType::F32);
+  EXPECT_NEAR(std::accumulate(losses.begin(), losses.end(), 0.0), refLoss,
+              1e-5 * std::fabs(refLoss));
+  for (int p = 0; p < parts; ++p) {
+    DeviceBuffer gShard = upload(shards[p], dt);
+    ASSERT_OK(crossEntropyBackward(*ctx, dt, gShard.data(), gShard.data(), lse.as<float>(),
+                                   gTargets.as<int32_t>(), n, vl, scale, p * vl));
+    Vec want;
+    for (int r = 0; r < n; ++r)
+      want.insert(want.end(), refDLogits.begin() + r * v + p * vl,
+                  refDLogits.begin() + r * v + (p + 1) * vl);
+    EXPECT_CLOSE(download(gShard, want.size(), dt), want, tolerance(dt));
+  }
+}
+
 TEST_P(CudaLossTest, ConvertRoundsToNearestEvenBothWays) {
   const DType dt = GetParam();
   const size_t n = 777;

@@ -362,10 +362,10 @@ TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
   auto run = [&](std::vector<float> &wte, std::vector<float> &wpe) {
     put(gWte, wteStart);
     put(gWpe, wpeStart);
-    ASSERT_EQ(runtime::cuda::launch::embeddingBackward(DType::F32, gWte.as<float>(),
-                                                       gWpe.as<float>(), gEmb.data(),
-                                                       gTokens.as<int32_t>(), args, n, x, begin, c,
-                                                       static_cast<cudaStream_t>((*ctx)->stream())),
+    ASSERT_EQ(runtime::cuda::launch::embeddingBackward(
+                  DType::F32, gWte.as<float>(), gWpe.as<float>(), gEmb.data(),
+                  gTokens.as<int32_t>(), args, n, x, begin, c,
+                  /*vocabBegin=*/0, vocab, static_cast<cudaStream_t>((*ctx)->stream())),
               cudaSuccess);
     wte.resize(wteStart.size());
     wpe.resize(wpeStart.size());
@@ -388,6 +388,39 @@ TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
     ASSERT_NEAR(wte[i], refWte[i], 1e-4) << "wte[" << i / c << ", " << i % c << "]";
   for (size_t i = 0; i < refWpe.size(); ++i)
     ASSERT_NEAR(wpe[i], refWpe[i], 1e-5) << "wpe[" << i / c << ", " << i % c << "]";
+
+  // Vocab-parallel: each of two tp ranks plans only its tokens' rows (tokens 3 and 7 on rank
+  // 0's half) and adds them into its rows of wte; the halves are the whole table's rows, bit
+  // for bit, since every token's rows are added in the same order and pieces.
+  const int half = vocab / 2;
+  for (int rank = 0; rank < 2; ++rank) {
+    const int32_t first = rank * half;
+    const EmbeddingGradPlan shard = planEmbeddingGrad(tokens, first, first + half);
+    size_t held = 0;
+    for (int32_t t : tokens)
+      held += t >= first && t < first + half;
+    ASSERT_EQ(shard.order.size(), held) << "rank " << rank;
+    EXPECT_EQ(shard.numMerges(), rank == 0 ? 2 : 0) << "rank " << rank;
+    std::fill(ints.begin(), ints.end(), 0);
+    std::copy(shard.order.begin(), shard.order.end(), ints.begin());
+    std::copy(shard.pieces.begin(), shard.pieces.end(), ints.begin() + n);
+    std::copy(shard.merges.begin(), shard.merges.end(), ints.begin() + 4 * n);
+    put(gPlan, ints);
+    const runtime::cuda::launch::EmbeddingGradArgs shardArgs{
+        at, at + n, shard.numPieces(), at + 4 * n, shard.numMerges(), gSlots.as<float>()};
+    const std::vector<float> shardStart(wteStart.begin() + size_t(first) * c,
+                                        wteStart.begin() + size_t(first + half) * c);
+    put(gWte, shardStart);
+    ASSERT_EQ(runtime::cuda::launch::embeddingBackward(DType::F32, gWte.as<float>(), nullptr,
+                                                       gEmb.data(), gTokens.as<int32_t>(),
+                                                       shardArgs, n, x, begin, c, first, half,
+                                                       static_cast<cudaStream_t>((*ctx)->stream())),
+              cudaSuccess);
+    std::vector<float> got(shardStart.size());
+    ASSERT_FALSE(bool((*ctx)->download(got.data(), gWte.data(), got.size() * 4)));
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), wte.begin() + size_t(first) * c))
+        << "rank " << rank;
+  }
 }
 
 TEST_F(CudaRuntimeTest, NoStepAllocatesDeviceMemoryStepZeroIncluded) {
@@ -584,14 +617,14 @@ TEST(GpuStageTest, ItHoldsTheParametersThePlansMemoryAnalysisCounts) {
   }
 }
 
-TEST(GpuStageTest, AtTpAboveOneItHoldsTheVocabularyTablesAndTheReplicatedVectorsWhole) {
+TEST(GpuStageTest, AtTpAboveOneItSplitsTheVocabularyAndHoldsTheReplicatedVectorsWhole) {
   // What a tp rank holds, counted here from the tensor shapes (hidden C, ffn F, vocabulary V,
-  // sequence T): Megatron's column- and row-parallel matrices and the column-parallel biases
-  // split by tp, and whole on every rank both layernorms and the row-parallel biases (6C a
-  // block; Megatron too) and, unlike Megatron, the embedding (wte, wpe) and the LM head with
-  // the final layernorm (kernels/cpu/Gpt.h: the runtime does not split the vocabulary). The
-  // plan's memory analysis (ir/Model.cpp) divides every layer's parameters by tp, so at tp > 1
-  // a rank holds (1 - 1/tp) of those whole tensors more than the plan counts (README, Memory).
+  // sequence T): Megatron's column- and row-parallel matrices, the column-parallel biases and
+  // the vocabulary tables (wte, the LM head: vocab-parallel) split by tp, and whole on every
+  // rank both layernorms and the row-parallel biases (6C a block; Megatron too), wpe and the
+  // final layernorm. The plan's memory analysis (ir/Model.cpp) divides every layer's
+  // parameters by tp, so at tp > 1 a rank holds (1 - 1/tp) of those whole tensors more than
+  // the plan counts (README, Memory).
   const int64_t c = 16, f = 32, v = 32, t = 8; // tinyGpt's
   for (int tp : {2, 4})
     for (int pp : {1, 2}) {
@@ -607,10 +640,12 @@ TEST(GpuStageTest, AtTpAboveOneItHoldsTheVocabularyTablesAndTheReplicatedVectors
         int64_t sharded = 0, whole = 0, planWords = 0; // floats (fp32)
         for (int l = s.layerBegin; l < s.layerEnd; ++l) {
           if (l == 0) {
-            whole += (v + t) * c;
+            sharded += v * c; // wte
+            whole += t * c;   // wpe
             planWords += (v + t) * c / tp;
           } else if (l == cfg->numLayers() - 1) {
-            whole += v * c + 2 * c;
+            sharded += v * c; // lm.w
+            whole += 2 * c;   // lnf
             planWords += (v * c + 2 * c) / tp;
           } else {
             sharded += 4 * c * c + 3 * c + 2 * c * f + f; // qkv, attn.w, fc, proj.w

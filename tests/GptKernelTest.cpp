@@ -14,6 +14,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Gpt.h"
+#include "kernels/cpu/Ops.h"
 
 #include <gtest/gtest.h>
 
@@ -374,6 +375,87 @@ TEST(GptKernelTest, TensorParallelShardsGiveTheSingleRankLossAndShardedGrads) {
   }
 }
 
+TEST(GptKernelTest, VocabParallelCrossEntropyEqualsTheWholeVocabularyOne) {
+  // Logits of 5 rows over 12 tokens, split into 3 shards of 4 columns; one row's mass sits in
+  // one shard (another shard's max is far below), one row's target in each shard.
+  const int n = 5, v = 12, parts = 3, vl = v / parts;
+  const float scale = 0.25f;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(size_t(n) * v);
+  for (float &l : logits)
+    l = normal(rng);
+  for (int c = 0; c < vl; ++c)
+    logits[size_t(2) * v + c] += 80.0f; // row 2: shard 0 dominates
+  const std::vector<int32_t> targets{0, 5, 9, 11, 4};
+  // The reference: log-sum-exp in double, here.
+  double wantLoss = 0;
+  std::vector<double> wantLse(n);
+  for (int r = 0; r < n; ++r) {
+    const float *l = logits.data() + size_t(r) * v;
+    const double top = *std::max_element(l, l + v);
+    double sum = 0;
+    for (int c = 0; c < v; ++c)
+      sum += std::exp(double(l[c]) - top);
+    wantLse[r] = top + std::log(sum);
+    wantLoss += scale * (wantLse[r] - l[targets[r]]);
+  }
+  std::vector<float> probs(logits.size()), wantGrad(logits.size());
+  ops::crossEntropyForward(probs.data(), logits.data(), targets.data(), n, v, scale);
+  ops::crossEntropyBackward(wantGrad.data(), probs.data(), targets.data(), n, v, scale);
+  // Each shard's statistics, summed as the tp all-reduce sums them.
+  std::vector<std::vector<float>> shard(parts);
+  std::vector<float> summed(ops::crossEntropyStatsFloats(n, parts), 0.0f);
+  for (int p = 0; p < parts; ++p) {
+    for (int r = 0; r < n; ++r)
+      shard[p].insert(shard[p].end(), logits.begin() + r * v + p * vl,
+                      logits.begin() + r * v + (p + 1) * vl);
+    std::vector<float> stats(summed.size(), -1.0f);
+    ops::crossEntropyShardStats(stats.data(), shard[p].data(), targets.data(), n, vl, p * vl, p,
+                                parts);
+    for (size_t k = 0; k < stats.size(); ++k)
+      summed[k] += stats[k];
+  }
+  std::vector<float> lse(n);
+  const double loss = ops::crossEntropyCombine(lse.data(), summed.data(), n, parts, scale);
+  EXPECT_NEAR(loss, wantLoss, 1e-5 * std::abs(wantLoss));
+  for (int r = 0; r < n; ++r)
+    EXPECT_NEAR(lse[r], wantLse[r], 1e-5 * std::abs(wantLse[r])) << "row " << r;
+  // Each shard's gradient columns are those of the whole vocabulary's.
+  for (int p = 0; p < parts; ++p) {
+    std::vector<float> grad(shard[p].size());
+    ops::crossEntropyShardBackward(grad.data(), shard[p].data(), lse.data(), targets.data(), n, vl,
+                                   p * vl, scale);
+    for (int r = 0; r < n; ++r)
+      for (int c = 0; c < vl; ++c)
+        EXPECT_NEAR(grad[size_t(r) * vl + c], wantGrad[size_t(r) * v + p * vl + c], 1e-6)
+            << "shard " << p << " row " << r << " column " << c;
+  }
+}
+
+TEST(GptKernelTest, VocabParallelEmbeddingSumsToTheSingleRankLookupBitForBit) {
+  const GptConfig cfg = tinyConfig();
+  const Batch batch = randomBatch(cfg, /*microbatches=*/1, /*seed=*/4);
+  const Slices whole{{0, cfg.seqLen}};
+  StageCompute one(cfg, 0, 1, 0, 1, /*seed=*/5, whole, 1.0f);
+  one.setBatch(batch);
+  EXPECT_TRUE(one.forward(0, 0, 0, {}).empty()); // tp = 1: nothing to reduce
+  const std::span<const float> want = one.output(0, 0);
+  for (int tp : {2, 4}) {
+    std::vector<std::unique_ptr<StageCompute>> ranks;
+    std::vector<std::span<float>> bufs;
+    for (int r = 0; r < tp; ++r) {
+      ranks.push_back(std::make_unique<StageCompute>(cfg, 0, 1, r, tp, 5, whole, 1.0f));
+      ranks.back()->setBatch(batch);
+      bufs.push_back(ranks.back()->forward(0, 0, 0, {}));
+      ASSERT_EQ(bufs.back().size(), want.size()) << "tp " << tp;
+    }
+    allReduce(bufs);
+    for (int r = 0; r < tp; ++r)
+      EXPECT_TRUE(std::ranges::equal(ranks[r]->output(0, 0), want)) << "tp " << tp << " rank " << r;
+  }
+}
+
 TEST(GptKernelTest, ShardsConcatenateToTheFullInitialisation) {
   const GptConfig cfg = tinyConfig();
   for (int l = 0; l < cfg.numLayers(); ++l) {
@@ -385,9 +467,13 @@ TEST(GptKernelTest, ShardsConcatenateToTheFullInitialisation) {
       EXPECT_EQ(shard.size(), layerParamCount(cfg, l, /*tp=*/2));
       total += shard.size();
     }
-    // Sharded tensors split, replicated ones (layernorms, row-parallel biases) copy.
-    const size_t replicated =
-        layerKind(cfg, l) == GptLayerKind::Block ? size_t(6 * cfg.channels) : full.size();
+    // Sharded tensors split, replicated ones (layernorms, row-parallel biases, wpe) copy; the
+    // vocabulary tables (wte, lm.w) split by rows.
+    const size_t c = size_t(cfg.channels);
+    const GptLayerKind kind = layerKind(cfg, l);
+    const size_t replicated = kind == GptLayerKind::Block       ? 6 * c
+                              : kind == GptLayerKind::Embedding ? size_t(cfg.seqLen) * c
+                                                                : 2 * c;
     EXPECT_EQ(total, full.size() + replicated) << "layer " << l;
   }
   // The tp = 2 rank 1 qkv bias is the second half of each of q, k and v (Megatron's split).
@@ -433,9 +519,10 @@ TEST(GptKernelTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
   EXPECT_EQ(paramTensorsReplicated(cfg, 1),
             (std::vector<bool>{true, true, false, false, false, true, true, true, false, false,
                                false, true}));
-  EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{true, true}));
+  // The vocabulary tables are split by rows (vocab-parallel); wpe and lnf are whole.
+  EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{false, true}));
   EXPECT_EQ(paramTensorsReplicated(cfg, cfg.numLayers() - 1),
-            (std::vector<bool>{true, true, true}));
+            (std::vector<bool>{true, true, false}));
   // ... and exactly the tensors whose size does not shrink with tp.
   for (int l = 0; l < cfg.numLayers(); ++l) {
     const std::vector<size_t> whole = paramTensorOffsets(cfg, l, 1),

@@ -75,7 +75,7 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
   const int c = cfg.channels, v = cfg.vocab, f = cfg.ffn;
   switch (layerKind(cfg, layer)) {
   case GptLayerKind::Embedding:
-    return {{v, c, Shard::Replicated, 1, Init::Normal, "wte"},
+    return {{v, c, Shard::Rows, 1, Init::Normal, "wte"},
             {cfg.seqLen, c, Shard::Replicated, 1, Init::Normal, "wpe"}};
   case GptLayerKind::Block:
     return {{1, c, Shard::Replicated, 1, Init::Ones, "ln1.w"},
@@ -93,7 +93,7 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
   case GptLayerKind::Head:
     return {{1, c, Shard::Replicated, 1, Init::Ones, "lnf.w"},
             {1, c, Shard::Replicated, 1, Init::Zeros, "lnf.b"},
-            {v, c, Shard::Replicated, 1, Init::Normal, "lm.w"}};
+            {v, c, Shard::Rows, 1, Init::Normal, "lm.w"}};
   }
   assert(false && "unknown layer kind");
   return {};
@@ -144,6 +144,7 @@ void checkConfig(const GptConfig &cfg, int tp) {
   assert(cfg.channels % cfg.heads == 0 && "channels must be divisible by heads");
   assert(cfg.heads % tp == 0 && "heads must be divisible by tp");
   assert(cfg.ffn % tp == 0 && "ffn must be divisible by tp");
+  assert(cfg.vocab % tp == 0 && "vocab must be divisible by tp");
   (void)cfg;
   (void)tp;
 }
@@ -314,12 +315,16 @@ struct BlockWork {
 
 struct HeadWork {
   std::vector<float> lnfIn, lnfMean, lnfRstd, lnfOut; // (N, C), (N), (N), (N, C)
-  std::vector<float> probs;                           // (N, V)
-  std::vector<float> dLogits;                         // (N, V)
-  std::vector<float> dLnfOut;                         // (N, C)
+  std::vector<float> probs;                           // (N, V) softmax (tp = 1)
+  std::vector<float> logits;  // (N, Vl) the rank's vocabulary columns (tp > 1)
+  std::vector<float> stats;   // (2 tp + 1, N) reduced over tp in place, then freed (tp > 1)
+  std::vector<float> lse;     // (N) over the whole vocabulary (tp > 1)
+  std::vector<float> dLogits; // (N, Vl)
+  std::vector<float> dLnfOut; // (N, C) reduced over tp in place (tp > 1)
 
   template <typename F> void forEach(F f) {
-    for (auto *v : {&lnfIn, &lnfMean, &lnfRstd, &lnfOut, &probs, &dLogits, &dLnfOut})
+    for (auto *v :
+         {&lnfIn, &lnfMean, &lnfRstd, &lnfOut, &probs, &logits, &stats, &lse, &dLogits, &dLnfOut})
       f(*v);
   }
 };
@@ -382,6 +387,7 @@ struct StageCompute::Impl {
   std::vector<std::pair<int, int>> slices;
   float lossScale;
   int localHeads, headDim, localC, localF;
+  int localV, vocabBegin; // the rank's vocabulary rows of wte and lm.w: [vocabBegin, + localV)
   std::vector<PartRef> forwardParts, backwardParts; // backward: last layer first, MLP first
   std::vector<size_t> layerOffset;                  // per stage layer, plus the end
   std::vector<std::vector<size_t>> tensorOffset;    // per stage layer
@@ -436,7 +442,16 @@ void StageCompute::Impl::finishForward(SliceWork &w) {
     return;
   PartRef p = forwardParts[w.pendingForward];
   w.pendingForward = -1;
-  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  if (kind(p.layer) == GptLayerKind::Head) {
+    // The loss over the whole vocabulary from the shards' reduced statistics.
+    HeadWork &hw = w.head;
+    const int n = int(hw.lnfMean.size());
+    hw.lse.resize(n);
+    w.loss = ops::crossEntropyCombine(hw.lse.data(), hw.stats.data(), n, tp, lossScale);
+    release(hw.stats);
+    return;
+  }
+  assert(kind(p.layer) == GptLayerKind::Block && "the embedding's reduction needs no finishing");
   BlockWork &bw = w.blocks[p.layer - firstBlock()];
   const int c = cfg.channels;
   // Residual add of the reduced branch output; the row-parallel bias is added here, once.
@@ -488,15 +503,25 @@ std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
   const PartRef p = forwardParts[part];
   switch (kind(p.layer)) {
   case GptLayerKind::Embedding: {
-    // resid (B, x, C) = wte[token] + wpe[position]
+    // resid (B, x, C) = wte[token] + wpe[position]. Vocab-parallel: a rank adds the wte rows it
+    // holds, tp rank 0 also wpe, and the tp reduction sums them in place; the other terms are
+    // zeros, so the sum equals tp = 1's to the bit.
     const float *wte = param(p.layer, Wte), *wpe = param(p.layer, Wpe);
     w.resid.assign(size_t(n) * c, 0.0f);
     for (int r = 0; r < n; ++r) {
-      const int pos = begin + r % x, token = w.inputs[r];
+      const int pos = begin + r % x, token = w.inputs[r], local = token - vocabBegin;
       assert(token >= 0 && token < cfg.vocab && "input token out of the vocabulary");
-      for (int k = 0; k < c; ++k)
-        w.resid[size_t(r) * c + k] = wte[size_t(token) * c + k] + wpe[size_t(pos) * c + k];
+      float *out = w.resid.data() + size_t(r) * c;
+      if (local >= 0 && local < localV) {
+        for (int k = 0; k < c; ++k)
+          out[k] = wte[size_t(local) * c + k];
+      }
+      if (tpRank == 0)
+        for (int k = 0; k < c; ++k)
+          out[k] += wpe[size_t(pos) * c + k];
     }
+    if (tp > 1)
+      return w.resid;
     return {};
   }
   case GptLayerKind::Head: {
@@ -508,6 +533,17 @@ std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
     hw.lnfOut.resize(size_t(n) * c);
     ops::layernormForward(hw.lnfOut.data(), hw.lnfMean.data(), hw.lnfRstd.data(), hw.lnfIn.data(),
                           param(p.layer, LnfW), param(p.layer, LnfB), n, c);
+    if (tp > 1) {
+      // Vocab-parallel: the rank's columns of the logits (B, x, Vl) and their statistics, which
+      // the tp reduction completes; finishForward() computes the loss.
+      hw.logits.resize(size_t(n) * localV);
+      ops::matmulTForward(hw.logits.data(), hw.lnfOut.data(), param(p.layer, LmW), n, c, localV);
+      hw.stats.resize(ops::crossEntropyStatsFloats(n, tp));
+      ops::crossEntropyShardStats(hw.stats.data(), hw.logits.data(), w.targets.data(), n, localV,
+                                  vocabBegin, tpRank, tp);
+      w.pendingForward = part;
+      return hw.stats;
+    }
     std::vector<float> logits(size_t(n) * cfg.vocab); // (B, x, V)
     ops::matmulTForward(logits.data(), hw.lnfOut.data(), param(p.layer, LmW), n, c, cfg.vocab);
     hw.probs.resize(logits.size());
@@ -579,7 +615,17 @@ void StageCompute::Impl::finishBackward(SliceWork &w) {
     return;
   PartRef p = backwardParts[w.pendingBackward];
   w.pendingBackward = -1;
-  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  if (kind(p.layer) == GptLayerKind::Head) {
+    // After the LM head backward: dResid = lnf backward of the reduced dLnfOut.
+    HeadWork &hw = w.head;
+    const int n = int(hw.lnfMean.size()), c = cfg.channels;
+    w.dResid.assign(size_t(n) * c, 0.0f);
+    ops::layernormBackwardInputAccumulate(w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(),
+                                          hw.lnfMean.data(), hw.lnfRstd.data(),
+                                          param(p.layer, LnfW), n, c);
+    return;
+  }
+  assert(kind(p.layer) == GptLayerKind::Block && "the embedding reduces nothing backward");
   BlockWork &bw = w.blocks[p.layer - firstBlock()];
   const int n = int(bw.ln1Mean.size()), c = cfg.channels;
   if (p.sub == 0) {
@@ -624,19 +670,28 @@ std::span<float> StageCompute::Impl::backwardInput(int mb, int slice, int part,
   std::span<float> result;
   switch (kind(p.layer)) {
   case GptLayerKind::Head: {
-    // dlogits = (softmax - onehot) * lossScale -> lm head -> lnf.
+    // dlogits = (softmax - onehot) * lossScale -> lm head (partial over tp) -> lnf.
     HeadWork &hw = w.head;
-    hw.dLogits.resize(hw.probs.size());
-    ops::crossEntropyBackward(hw.dLogits.data(), hw.probs.data(), w.targets.data(), n, cfg.vocab,
-                              lossScale);
-    release(hw.probs);
+    if (tp > 1) {
+      hw.dLogits.resize(hw.logits.size());
+      ops::crossEntropyShardBackward(hw.dLogits.data(), hw.logits.data(), hw.lse.data(),
+                                     w.targets.data(), n, localV, vocabBegin, lossScale);
+      release(hw.logits);
+      release(hw.lse);
+    } else {
+      hw.dLogits.resize(hw.probs.size());
+      ops::crossEntropyBackward(hw.dLogits.data(), hw.probs.data(), w.targets.data(), n, cfg.vocab,
+                                lossScale);
+      release(hw.probs);
+    }
     hw.dLnfOut.resize(size_t(n) * c);
     ops::matmulTBackwardInput(hw.dLnfOut.data(), hw.dLogits.data(), param(p.layer, LmW), n, c,
-                              cfg.vocab);
-    w.dResid.assign(size_t(n) * c, 0.0f);
-    ops::layernormBackwardInputAccumulate(w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(),
-                                          hw.lnfMean.data(), hw.lnfRstd.data(),
-                                          param(p.layer, LnfW), n, c);
+                              localV);
+    w.pendingBackward = part;
+    if (tp > 1)
+      result = hw.dLnfOut;
+    else
+      finishBackward(w);
     break;
   }
   case GptLayerKind::Embedding:
@@ -716,9 +771,11 @@ void StageCompute::Impl::backwardWeight(int mb, int slice) {
       float *dWpe = grad(l, Wpe);
       for (int r = 0; r < n; ++r) {
         const float *g = w.dEmb.data() + size_t(r) * c;
-        for (float *dWte : wteGrads)
-          for (int k = 0; k < c; ++k)
-            dWte[size_t(w.inputs[r]) * c + k] += g[k];
+        const int local = w.inputs[r] - vocabBegin; // rows of other ranks' tokens: theirs
+        if (local >= 0 && local < localV)
+          for (float *dWte : wteGrads)
+            for (int k = 0; k < c; ++k)
+              dWte[size_t(local) * c + k] += g[k];
         for (int k = 0; k < c; ++k)
           dWpe[size_t(begin + r % x) * c + k] += g[k];
       }
@@ -729,10 +786,8 @@ void StageCompute::Impl::backwardWeight(int mb, int slice) {
       ops::layernormBackwardWeight(grad(l, LnfW), grad(l, LnfB), hw.dLnfOut.data(), hw.lnfIn.data(),
                                    hw.lnfMean.data(), hw.lnfRstd.data(), n, c);
       if (tiedHere())
-        ops::matmulTBackwardWeight(grad(0, Wte), hw.lnfOut.data(), hw.dLogits.data(), n, c,
-                                   cfg.vocab);
-      ops::matmulTBackwardWeight(grad(l, LmW), hw.lnfOut.data(), hw.dLogits.data(), n, c,
-                                 cfg.vocab);
+        ops::matmulTBackwardWeight(grad(0, Wte), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
+      ops::matmulTBackwardWeight(grad(l, LmW), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
       break;
     }
     case GptLayerKind::Block: {
@@ -788,6 +843,8 @@ StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, i
   m.headDim = cfg.channels / cfg.heads;
   m.localC = m.localHeads * m.headDim;
   m.localF = cfg.ffn / tp;
+  m.localV = cfg.vocab / tp;
+  m.vocabBegin = tpRank * m.localV;
   m.layerOffset.push_back(0);
   for (int l = layerBegin; l < layerEnd; ++l) {
     for (int sub = 0; sub < layerParts(cfg, l); ++sub)
@@ -831,8 +888,9 @@ std::span<const float> StageCompute::output(int mb, int slice) const {
 
 double StageCompute::loss(int mb, int slice) const {
   assert(hasHead() && "loss() on a stage without the head");
-  const SliceWork &w = impl->get(mb, slice);
+  SliceWork &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "loss() before the last forward part");
+  impl->finishForward(w); // with tp > 1, the loss of the reduced statistics
   return w.loss;
 }
 
@@ -867,7 +925,7 @@ std::pair<size_t, size_t> StageCompute::tiedEmbeddingRange() const {
   // A stage holding both copies ties them itself (see backwardWeight): nothing to all-reduce.
   if (!m.cfg.tiedEmbeddings || m.tiedHere())
     return {0, 0};
-  const size_t matrix = size_t(m.cfg.vocab) * m.cfg.channels;
+  const size_t matrix = size_t(m.localV) * m.cfg.channels; // the rank's rows
   if (m.hasEmbedding()) {
     size_t at = m.layerOffset[0] + m.tensorOffset[0][Wte];
     return {at, at + matrix};

@@ -18,9 +18,14 @@
 //     backward adds dK/dV for the earlier slices into their accumulators, which their own
 //     backwards (run later, in descending slice order) consume.
 // Tensor parallelism follows Megatron-LM: attention heads and the MLP's first matrix are split by
-// columns, the attention projection and the MLP's second matrix by rows; embedding and head are
-// replicated (their tp parts reduce nothing). Every tp shard is cut from the same full
-// initialisation, so shards concatenate to the single-rank weights exactly.
+// columns, the attention projection and the MLP's second matrix by rows, and the vocabulary by
+// rows of wte and of the LM head (vocab-parallel): the embedding's part returns the lookup of
+// the rank's tokens (plus wpe on tp rank 0) to sum; the head's forward part returns each row's
+// (max, sum of exp) over the rank's logits and its target's logit, from which the loss over the
+// whole vocabulary follows (Megatron's vocab-parallel cross entropy, in one reduction), and its
+// backward part the LM head's partial input gradient. Layernorms, the row-parallel biases and
+// wpe are whole on every rank. Every tp shard is cut from the same full initialisation, so
+// shards concatenate to the single-rank weights exactly.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CPU_GPT_H
@@ -38,11 +43,12 @@ namespace pipec::kernels {
 
 struct GptConfig {
   int vocab = 64;
-  int seqLen = 16;    // T: tokens per sequence
-  int channels = 32;  // C
-  int heads = 4;      // H (divisible by tp)
-  int layers = 2;     // L transformer blocks
-  int ffn = 128;      // MLP hidden size (divisible by tp)
+  int seqLen = 16;   // T: tokens per sequence
+  int channels = 32; // C
+  int heads = 4;     // H (divisible by tp)
+  int layers = 2;    // L transformer blocks
+  int ffn = 128;     // MLP hidden size (divisible by tp)
+  // (vocab divisible by tp, too)
   int microbatch = 2; // B: sequences per microbatch
   bool tiedEmbeddings = false;
   int numLayers() const { return layers + 2; } // embedding + blocks + head
@@ -75,7 +81,7 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
 /// at the end (one more entry than the layer has tensors).
 std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp);
 /// For each of a layer's tensors (paramTensorOffsets's order): whether every tp rank holds all
-/// of it (layernorms, the row-parallel biases, the embeddings and the head) rather than a part.
+/// of it (layernorms, the row-parallel biases, wpe) rather than a part.
 std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);
 
 /// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
@@ -117,7 +123,8 @@ public:
   /// After the last part, once its buffer is reduced: the hidden state to send on (B, x, C);
   /// empty on the last stage.
   std::span<const float> output(int mb, int slice) const;
-  /// After the last part on the last stage: the (scaled) loss of the slice's tokens.
+  /// After the last part on the last stage, once its buffer is reduced: the (scaled) loss of
+  /// the slice's tokens.
   double loss(int mb, int slice) const;
 
   /// backward_input part `part` of (mb, slice); parts run 0..parts()-1 (part 0 is the last
@@ -133,14 +140,15 @@ public:
 
   /// All parameters / gradients of the stage, layer after layer, as one flat array. One layer on
   /// tp rank r of tp holds, in order (row-major; linear weights are [in, out], y = x W + b):
-  ///   embedding: wte [V, C], wpe [T, C]
+  ///   embedding: wte [V/tp, C], wpe [T, C]
   ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, 3C/tp], qkv.b [3C/tp], attn.w [C/tp, C],
   ///              attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, F/tp], fc.b [F/tp],
   ///              proj.w [F/tp, C], proj.b [C]
-  ///   head:      lnf.w [C], lnf.b [C], lm.w [V, C] (logits = h lm.w^T)
+  ///   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (logits = h lm.w^T)
   /// qkv's columns are q | k | v, each holding the rank's heads [r H/tp, (r+1) H/tp); attn.w and
   /// proj.w hold the matching rows; attn.b and proj.b are replicated and added once, after the
-  /// tp reduction, so every rank computes the same (full) gradient for them.
+  /// tp reduction, so every rank computes the same (full) gradient for them. wte and lm.w hold
+  /// the vocabulary rows [r V/tp, (r+1) V/tp).
   std::span<float> params();
   std::span<float> grads();
   /// The flat range of `layer`'s parameters within params() / grads().

@@ -6,6 +6,7 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Ops.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cmath>
 
@@ -307,6 +308,57 @@ void crossEntropyBackward(float *__restrict__ dLogits, const float *__restrict__
     for (int c = 0; c < v; ++c) {
       float onehot = c == targets[r] ? 1.0f : 0.0f;
       dLogits[size_t(r) * v + c] = (probs[size_t(r) * v + c] - onehot) * scale;
+    }
+  }
+}
+
+void crossEntropyShardStats(float *__restrict__ stats, const float *__restrict__ logits,
+                            const int32_t *__restrict__ targets, int n, int v, int vocabBegin,
+                            int part, int parts) {
+  assert(0 <= part && part < parts && "shard out of range");
+  std::fill(stats, stats + crossEntropyStatsFloats(n, parts), 0.0f);
+  for (int r = 0; r < n; ++r) {
+    const float *l = logits + size_t(r) * v;
+    float maxLogit = -INFINITY;
+    for (int c = 0; c < v; ++c)
+      maxLogit = std::fmax(maxLogit, l[c]);
+    double sum = 0.0;
+    for (int c = 0; c < v; ++c)
+      sum += std::exp(l[c] - maxLogit);
+    stats[size_t(2 * part) * n + r] = maxLogit;
+    stats[size_t(2 * part + 1) * n + r] = float(sum);
+    const int32_t local = targets[r] - vocabBegin;
+    if (local >= 0 && local < v)
+      stats[size_t(2 * parts) * n + r] = l[local];
+  }
+}
+
+double crossEntropyCombine(float *__restrict__ lse, const float *__restrict__ stats, int n,
+                           int parts, float scale) {
+  double loss = 0.0;
+  for (int r = 0; r < n; ++r) {
+    float top = -INFINITY;
+    for (int p = 0; p < parts; ++p)
+      top = std::fmax(top, stats[size_t(2 * p) * n + r]);
+    double sum = 0.0;
+    for (int p = 0; p < parts; ++p)
+      sum += double(stats[size_t(2 * p + 1) * n + r]) *
+             std::exp(double(stats[size_t(2 * p) * n + r]) - double(top));
+    lse[r] = float(double(top) + std::log(sum));
+    loss += (std::log(sum) + top - stats[size_t(2 * parts) * n + r]) * double(scale);
+  }
+  return loss;
+}
+
+void crossEntropyShardBackward(float *dLogits, const float *logits, const float *__restrict__ lse,
+                               const int32_t *__restrict__ targets, int n, int v, int vocabBegin,
+                               float scale) {
+  for (int r = 0; r < n; ++r) {
+    const int32_t local = targets[r] - vocabBegin;
+    for (int c = 0; c < v; ++c) {
+      const size_t at = size_t(r) * v + c;
+      const float p = std::exp(logits[at] - lse[r]);
+      dLogits[at] = (p - (c == local ? 1.0f : 0.0f)) * scale;
     }
   }
 }

@@ -82,6 +82,25 @@ double crossEntropyForward(float *probs, const float *logits, const int32_t *tar
 void crossEntropyBackward(float *dLogits, const float *probs, const int32_t *targets, int n, int v,
                           float scale);
 
+// Vocab-parallel cross entropy (Megatron-LM's): each of `parts` tp ranks holds the logits of
+// the vocabulary columns [vocabBegin, vocabBegin + v) and the runtime sums one small buffer
+// over the tp group between the two forward calls.
+
+/// Floats of the statistics buffer of n rows over `parts` vocabulary shards.
+inline size_t crossEntropyStatsFloats(int n, int parts) { return size_t(n) * (2 * parts + 1); }
+/// stats (2 parts + 1, n): row r's max logit at [2 part][r], sum of exp(logit - max) at
+/// [2 part + 1][r] and its target's logit at [2 parts][r] when the target is in this shard;
+/// every other entry 0, so that the sum over the shards holds each shard's values.
+void crossEntropyShardStats(float *stats, const float *logits, const int32_t *targets, int n, int v,
+                            int vocabBegin, int part, int parts);
+/// From the summed stats: lse (n) = log-sum-exp over the whole vocabulary; returns scale * the
+/// sum over rows of lse - logit[target], in double.
+double crossEntropyCombine(float *lse, const float *stats, int n, int parts, float scale);
+/// dLogits (n, v) = (exp(logits - lse) - onehot(target - vocabBegin)) * scale: the shard's
+/// columns of the gradient. dLogits may be logits itself.
+void crossEntropyShardBackward(float *dLogits, const float *logits, const float *lse,
+                               const int32_t *targets, int n, int v, int vocabBegin, float scale);
+
 /// One AdamW step (bias-corrected, `step` counts from 1, decoupled weight decay as llm.c):
 /// m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m^ / (sqrt(v^) + eps) + wd p).
 void adamUpdate(float *params, const float *grads, float *m, float *v, size_t n, float lr,

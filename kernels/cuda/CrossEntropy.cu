@@ -7,6 +7,10 @@
 // (so that the LM head never holds two vocabulary-wide buffers). The CPU reference sums the
 // exponentials in double; here the sum is fp32 over ~V/256 terms per thread, then a tree.
 // A target outside [0, V) makes the row's loss NaN (the CPU asserts).
+// Vocab-parallel (tp > 1): a rank holds the logits of vocabulary columns [vocabBegin, + V);
+// shardStatsKernel writes the row's (max, sum) and its target's logit where this rank has it,
+// zeros elsewhere, so that the tp all-reduce's sum gathers every shard's pair, and
+// combineKernel merges the pairs into the loss. The backward takes vocabBegin (0 without tp).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"
@@ -71,13 +75,58 @@ __global__ void __launch_bounds__(kThreads)
   rowLoss[row] = target >= 0 && target < v ? (rowLse - toFloat(l[target])) * scale : NAN;
 }
 
-// dLogits (n, V) = (exp(logits - lse) - onehot(target)) * scale; may alias logits.
+// stats (2 parts + 1, n) from the shard's logits (n, V); grid n blocks.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    shardStatsKernel(float *__restrict__ stats, const T *__restrict__ logits,
+                     const int32_t *__restrict__ targets, int n, int v, int vocabBegin, int part,
+                     int parts) {
+  __shared__ MaxSum partial[kWarps];
+  const size_t row = blockIdx.x;
+  const T *l = logits + row * v;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int c = threadIdx.x; c < v; c += kThreads)
+    acc = merge(acc, MaxSum{toFloat(l[c]), 1.0f});
+  acc = warpMerge(acc);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0)
+    partial[warp] = acc;
+  __syncthreads();
+  if (warp != 0)
+    return;
+  acc = warpMerge(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.0f});
+  if (lane != 0)
+    return;
+  for (int p = 0; p < parts; ++p) {
+    stats[size_t(2 * p) * n + row] = p == part ? acc.max : 0.0f;
+    stats[size_t(2 * p + 1) * n + row] = p == part ? acc.sum : 0.0f;
+  }
+  const int32_t local = targets[row] - vocabBegin;
+  stats[size_t(2 * parts) * n + row] = local >= 0 && local < v ? toFloat(l[local]) : 0.0f;
+}
+
+// rowLoss, lse (n) from the summed stats of `parts` shards; one thread per row.
+__global__ void combineKernel(float *__restrict__ rowLoss, float *__restrict__ lse,
+                              const float *__restrict__ stats, int n, int parts, float scale) {
+  const size_t row = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= size_t(n))
+    return;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int p = 0; p < parts; ++p)
+    acc = merge(acc, MaxSum{stats[size_t(2 * p) * n + row], stats[size_t(2 * p + 1) * n + row]});
+  const float rowLse = acc.max + logf(acc.sum);
+  lse[row] = rowLse;
+  rowLoss[row] = (rowLse - stats[size_t(2 * parts) * n + row]) * scale;
+}
+
+// dLogits (n, V) = (exp(logits - lse) - onehot(target - vocabBegin)) * scale; may alias logits.
 template <typename T>
 __global__ void backwardKernel(T *dLogits, const T *logits, const float *__restrict__ lse,
-                               const int32_t *__restrict__ targets, int v, float scale) {
+                               const int32_t *__restrict__ targets, int v, int vocabBegin,
+                               float scale) {
   const size_t row = blockIdx.x;
   const float rowLse = lse[row];
-  const int32_t target = targets[row];
+  const int32_t target = targets[row] - vocabBegin;
   for (int c = threadIdx.x; c < v; c += blockDim.x) {
     const float p = expf(toFloat(logits[row * v + c]) - rowLse);
     dLogits[row * v + c] = fromFloat<T>((p - (c == target ? 1.0f : 0.0f)) * scale);
@@ -101,15 +150,37 @@ cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const v
   });
 }
 
+cudaError_t crossEntropyShardStats(DType dtype, float *stats, const void *logits,
+                                   const int32_t *targets, int n, int v, int vocabBegin, int part,
+                                   int parts, cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, shardStatsKernel<T>)
+    (stats, static_cast<const T *>(logits), targets, n, v, vocabBegin, part, parts);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t crossEntropyCombine(float *rowLoss, float *lse, const float *stats, int n, int parts,
+                                float scale, cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  PIPEC_LAUNCH(unsigned((n + kThreads - 1) / kThreads), kThreads, 0, stream, combineKernel)
+  (rowLoss, lse, stats, n, parts, scale);
+  return cudaGetLastError();
+}
+
 cudaError_t crossEntropyBackward(DType dtype, void *dLogits, const void *logits, const float *lse,
-                                 const int32_t *targets, int n, int v, float scale,
+                                 const int32_t *targets, int n, int v, int vocabBegin, float scale,
                                  cudaStream_t stream) {
   if (n == 0)
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, backwardKernel<T>)
-    (static_cast<T *>(dLogits), static_cast<const T *>(logits), lse, targets, v, scale);
+    (static_cast<T *>(dLogits), static_cast<const T *>(logits), lse, targets, v, vocabBegin, scale);
     return cudaGetLastError();
   });
 }

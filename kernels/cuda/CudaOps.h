@@ -199,11 +199,23 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
 llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, float *lse,
                                 const void *logits, const int32_t *targets, int n, int v,
                                 float scale);
+/// Vocab-parallel cross entropy (kernels/cpu/Ops.h has the CPU's): logits (n, v) hold the
+/// vocabulary columns [vocabBegin, vocabBegin + v) of shard `part` of `parts`; stats
+/// (ops::crossEntropyStatsFloats(n, parts), fp32) get the row's (max, sum of exp) at the shard's
+/// place and its target's logit where the shard has it, zeros elsewhere: summed over the
+/// shards (the tp all-reduce), crossEntropyCombine turns them into rowLoss and lse as
+/// crossEntropyForward's over the whole vocabulary.
+llvm::Error crossEntropyShardStats(CudaContext &ctx, DType dtype, float *stats, const void *logits,
+                                   const int32_t *targets, int n, int v, int vocabBegin, int part,
+                                   int parts);
+llvm::Error crossEntropyCombine(CudaContext &ctx, float *rowLoss, float *lse, const float *stats,
+                                int n, int parts, float scale);
 /// dLogits (n, v) = (softmax(logits) - onehot(target)) * scale, softmax from the forward's lse.
-/// dLogits may be logits itself (in place).
+/// dLogits may be logits itself (in place). With `vocabBegin`, logits are the columns
+/// [vocabBegin, vocabBegin + v) of a vocab-parallel shard and lse that of the whole vocabulary.
 llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
                                  const float *lse, const int32_t *targets, int n, int v,
-                                 float scale);
+                                 float scale, int vocabBegin = 0);
 
 //===--- AdamW on fp32 master weights -------------------------------------===//
 

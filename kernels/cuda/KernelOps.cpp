@@ -145,13 +145,35 @@ llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, f
   return llvm::Error::success();
 }
 
+llvm::Error crossEntropyShardStats(CudaContext &ctx, DType dtype, float *stats, const void *logits,
+                                   const int32_t *targets, int n, int v, int vocabBegin, int part,
+                                   int parts) {
+  if (auto err = checkRows("crossEntropyShardStats", n, v))
+    return err;
+  if (parts < 1 || part < 0 || part >= parts)
+    return shapeError(
+        fmt::format("crossEntropyShardStats: shard {} of {} is out of range", part, parts));
+  PIPEC_QUEUE_TRY(ctx, launch::crossEntropyShardStats(dtype, stats, logits, targets, n, v,
+                                                      vocabBegin, part, parts, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error crossEntropyCombine(CudaContext &ctx, float *rowLoss, float *lse, const float *stats,
+                                int n, int parts, float scale) {
+  if (auto err = checkRows("crossEntropyCombine", n, parts))
+    return err;
+  PIPEC_QUEUE_TRY(ctx,
+                  launch::crossEntropyCombine(rowLoss, lse, stats, n, parts, scale, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
 llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
                                  const float *lse, const int32_t *targets, int n, int v,
-                                 float scale) {
+                                 float scale, int vocabBegin) {
   if (auto err = checkRows("crossEntropyBackward", n, v))
     return err;
   PIPEC_QUEUE_TRY(ctx, launch::crossEntropyBackward(dtype, dLogits, logits, lse, targets, n, v,
-                                                    scale, streamOf(ctx)));
+                                                    vocabBegin, scale, streamOf(ctx)));
   return llvm::Error::success();
 }
 

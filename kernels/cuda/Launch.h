@@ -134,8 +134,13 @@ cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const
 cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,
                                 const int32_t *targets, int n, int v, float scale,
                                 cudaStream_t stream);
+cudaError_t crossEntropyShardStats(DType dtype, float *stats, const void *logits,
+                                   const int32_t *targets, int n, int v, int vocabBegin, int part,
+                                   int parts, cudaStream_t stream);
+cudaError_t crossEntropyCombine(float *rowLoss, float *lse, const float *stats, int n, int parts,
+                                float scale, cudaStream_t stream);
 cudaError_t crossEntropyBackward(DType dtype, void *dLogits, const void *logits, const float *lse,
-                                 const int32_t *targets, int n, int v, float scale,
+                                 const int32_t *targets, int n, int v, int vocabBegin, float scale,
                                  cudaStream_t stream);
 
 } // namespace pipec::kernels::cuda::launch

@@ -119,6 +119,11 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
+  if (t.vocabSize % pc.tp != 0)
+    return inputError("--tp {} must divide vocab_size ({}): the runtime splits the vocabulary "
+                      "across the tp ranks (vocab-parallel embedding and cross entropy); pad "
+                      "vocab_size to a multiple of {} (e.g. {}), as Megatron-LM does",
+                      pc.tp, t.vocabSize, pc.tp, (t.vocabSize + pc.tp - 1) / pc.tp * pc.tp);
   // The threads and per-op buffers of a run must stay reasonable on one machine.
   int64_t threads = int64_t(pc.pp) * pc.dp * pc.tp;
   if (threads > 256)

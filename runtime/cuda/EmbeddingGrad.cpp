@@ -3,15 +3,16 @@
 
 #include <algorithm>
 #include <cassert>
-#include <numeric>
 
 namespace pipec {
 
-EmbeddingGradPlan planEmbeddingGrad(std::span<const int32_t> tokens) {
+EmbeddingGradPlan planEmbeddingGrad(std::span<const int32_t> tokens, int32_t vocabBegin,
+                                    int32_t vocabEnd) {
   EmbeddingGradPlan plan;
-  const size_t n = tokens.size();
-  plan.order.resize(n);
-  std::iota(plan.order.begin(), plan.order.end(), 0);
+  for (size_t r = 0; r < tokens.size(); ++r)
+    if (tokens[r] >= vocabBegin && tokens[r] < vocabEnd)
+      plan.order.push_back(int32_t(r));
+  const size_t n = plan.order.size();
   std::stable_sort(plan.order.begin(), plan.order.end(),
                    [&](int32_t a, int32_t b) { return tokens[size_t(a)] < tokens[size_t(b)]; });
   auto tokenAt = [&](size_t position) { return tokens[size_t(plan.order[position])]; };

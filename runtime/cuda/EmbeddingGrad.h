@@ -1,7 +1,7 @@
 //===- EmbeddingGrad.h - How the embedding backward adds a slice's rows -*- C++ -*-===//
 //
 // The token embedding's gradient adds every row of a slice into the row of wte its token names.
-// So that the sums have the same bits every run and on every tp rank (which all hold wte whole),
+// So that the sums have the same bits every run (and are the same whatever the tp split),
 // the GPU adds each token's rows in row order, with no atomics, in pieces of at most
 // kEmbeddingPieceRows rows so that a frequent token (or a padding run) does not leave one thread
 // per channel adding thousands of rows: the host sorts the rows by token (stably), cuts each
@@ -33,8 +33,10 @@ struct EmbeddingGradPlan {
   int numMerges() const { return int(merges.size() / 3); }
 };
 
-/// The plan for a slice whose rows have the input tokens `tokens`.
-EmbeddingGradPlan planEmbeddingGrad(std::span<const int32_t> tokens);
+/// The plan for a slice whose rows have the input tokens `tokens`, over the rows whose token is
+/// in [vocabBegin, vocabEnd) (a vocab-parallel rank's rows of wte; the others are omitted).
+EmbeddingGradPlan planEmbeddingGrad(std::span<const int32_t> tokens, int32_t vocabBegin = 0,
+                                    int32_t vocabEnd = INT32_MAX);
 
 /// The most slots a plan of `rows` rows can use (a run cut into pieces is longer than a piece,
 /// so its pieces are fewer than twice its rows over kEmbeddingPieceRows): scratch of this many

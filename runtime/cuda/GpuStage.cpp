@@ -8,6 +8,7 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/GpuStage.h"
 
+#include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
 #include "runtime/cuda/EmbeddingGrad.h"
@@ -81,17 +82,17 @@ enum HeadTensor { LnfW, LnfB, LmW };
 /// Offsets of a layer's tensors on one tp rank, plus the total at the end.
 std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
   const size_t c = size_t(cfg.channels), v = size_t(cfg.vocab), t = size_t(cfg.seqLen);
-  const size_t cl = c / size_t(tp), fl = size_t(cfg.ffn) / size_t(tp);
+  const size_t cl = c / size_t(tp), fl = size_t(cfg.ffn) / size_t(tp), vl = v / size_t(tp);
   std::vector<size_t> sizes;
   switch (kernels::layerKind(cfg, layer)) {
   case GptLayerKind::Embedding:
-    sizes = {v * c, t * c};
+    sizes = {vl * c, t * c};
     break;
   case GptLayerKind::Block:
     sizes = {c, c, c * 3 * cl, 3 * cl, cl * c, c, c, c, c * fl, fl, fl * c, c};
     break;
   case GptLayerKind::Head:
-    sizes = {c, c, v * c};
+    sizes = {c, c, vl * c};
     break;
   }
   std::vector<size_t> offsets{0};
@@ -109,9 +110,10 @@ struct BlockWork {
 };
 
 struct HeadWork {
-  Act lnfIn, lnfOut, logits; // logits become dLogits
+  Act lnfIn, lnfOut, logits; // logits (the rank's vocabulary columns) become dLogits
   Floats lnfMean, lnfRstd, lse, rowLoss;
-  Act dLnfOut;
+  Floats stats; // tp > 1: the shards' statistics, reduced over tp in place
+  Act dLnfOut;  // tp > 1: reduced over tp in place
 };
 
 struct SliceWork {
@@ -153,6 +155,7 @@ struct GpuStage::Impl {
   float lossScale = 1;
   cu::DType dt = kF32; // the compute type (activations, the parameters the kernels read)
   int localHeads = 0, headDim = 0, localC = 0, localF = 0;
+  int localV = 0, vocabBegin = 0; // the rank's rows of wte and lm.w
   std::vector<PartRef> forwardParts, backwardParts;
   std::vector<size_t> layerOffset;
   std::vector<std::vector<size_t>> tensorOffset;
@@ -240,7 +243,14 @@ llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
     return llvm::Error::success();
   PartRef p = forwardParts[size_t(w.pendingForward)];
   w.pendingForward = -1;
-  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  if (kind(p.layer) == GptLayerKind::Head) {
+    HeadWork &hw = w.head;
+    PIPEC_GPU_TRY(cu::crossEntropyCombine(ctx, hw.rowLoss.data(), hw.lse.data(), hw.stats.data(),
+                                          w.n, tp, lossScale));
+    hw.stats.reset();
+    return llvm::Error::success();
+  }
+  assert(kind(p.layer) == GptLayerKind::Block && "the embedding's reduction needs no finishing");
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
   Act &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
   PIPEC_QUEUE_TRY(ctx, launch::residualAdd(dt, w.resid.data(), branch.data(),
@@ -288,10 +298,14 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView inpu
   const PartRef p = forwardParts[size_t(part)];
   switch (kind(p.layer)) {
   case GptLayerKind::Embedding:
+    // Vocab-parallel: the rank's rows of wte, wpe on tp rank 0; the tp reduction sums in place.
     PIPEC_GPU_TRY(alloc(w.resid, nc));
     PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(
                              dt, w.resid.data(), inputs.data() + tokenOffset(mb, slice),
-                             param(p.layer, Wte), param(p.layer, Wpe), n, x, begin, c, stream));
+                             param(p.layer, Wte), tpRank == 0 ? param(p.layer, Wpe) : nullptr, n, x,
+                             begin, c, vocabBegin, localV, stream));
+    if (tp > 1)
+      result = w.resid.view();
     return llvm::Error::success();
   case GptLayerKind::Head: {
     HeadWork &hw = w.head;
@@ -302,14 +316,23 @@ llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView inpu
     PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, hw.lnfOut.data(), hw.lnfMean.data(),
                                        hw.lnfRstd.data(), hw.lnfIn.data(), param(p.layer, LnfW),
                                        param(p.layer, LnfB), n, c));
-    PIPEC_GPU_TRY(alloc(hw.logits, size_t(n) * size_t(cfg.vocab)));
+    PIPEC_GPU_TRY(alloc(hw.logits, size_t(n) * size_t(localV)));
     PIPEC_GPU_TRY(cu::matmulTForward(ctx, dt, hw.logits.data(), hw.lnfOut.data(),
-                                     param(p.layer, LmW), n, c, cfg.vocab));
+                                     param(p.layer, LmW), n, c, localV));
     PIPEC_GPU_TRY(hw.lse.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(hw.rowLoss.allocate(mem(), size_t(n)));
+    const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
+    if (tp > 1) {
+      // Vocab-parallel: the statistics of the rank's columns; finishForward() takes the loss.
+      PIPEC_GPU_TRY(hw.stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
+      PIPEC_GPU_TRY(cu::crossEntropyShardStats(ctx, dt, hw.stats.data(), hw.logits.data(), tgt, n,
+                                               localV, vocabBegin, tpRank, tp));
+      w.pendingForward = part;
+      result = TensorView(hw.stats.data(), hw.stats.size(), kF32);
+      return llvm::Error::success();
+    }
     PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, dt, hw.rowLoss.data(), hw.lse.data(),
-                                          hw.logits.data(), targets.data() + tokenOffset(mb, slice),
-                                          n, cfg.vocab, lossScale));
+                                          hw.logits.data(), tgt, n, cfg.vocab, lossScale));
     return llvm::Error::success();
   }
   case GptLayerKind::Block:
@@ -370,7 +393,14 @@ llvm::Error GpuStage::Impl::finishBackward(SliceWork &w) {
     return llvm::Error::success();
   PartRef p = backwardParts[size_t(w.pendingBackward)];
   w.pendingBackward = -1;
-  assert(kind(p.layer) == GptLayerKind::Block && "only blocks reduce over tp");
+  if (kind(p.layer) == GptLayerKind::Head) {
+    HeadWork &hw = w.head;
+    PIPEC_GPU_TRY(alloc(w.dResid, size_t(w.n) * size_t(cfg.channels), /*zero=*/true));
+    return cu::layernormBackwardInputAccumulate(
+        ctx, dt, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
+        hw.lnfRstd.data(), param(p.layer, LnfW), w.n, cfg.channels);
+  }
+  assert(kind(p.layer) == GptLayerKind::Block && "the embedding reduces nothing backward");
   BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
   const int n = w.n, c = cfg.channels;
   if (p.sub == 0) {
@@ -418,15 +448,17 @@ llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part, TensorVie
     const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
     // dLogits overwrite the logits in place (the op allows it).
     PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, hw.logits.data(), hw.logits.data(),
-                                           hw.lse.data(), tgt, n, cfg.vocab, lossScale));
+                                           hw.lse.data(), tgt, n, localV, lossScale, vocabBegin));
     hw.lse.reset();
     PIPEC_GPU_TRY(alloc(hw.dLnfOut, nc));
     PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, dt, hw.dLnfOut.data(), hw.logits.data(),
-                                           param(p.layer, LmW), n, c, cfg.vocab));
-    PIPEC_GPU_TRY(alloc(w.dResid, nc, /*zero=*/true));
-    PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
-        ctx, dt, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
-        hw.lnfRstd.data(), param(p.layer, LnfW), n, c));
+                                           param(p.layer, LmW), n, c, localV));
+    // The lnf backward: once dLnfOut is reduced (tp > 1), or now.
+    w.pendingBackward = part;
+    if (tp > 1)
+      result = hw.dLnfOut.view();
+    else
+      PIPEC_GPU_TRY(finishBackward(w));
     break;
   }
   case GptLayerKind::Embedding:
@@ -505,12 +537,13 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
       PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
       const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
                                            merges, slots.as<float>()};
-      PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(),
-                                                     in, plan, n, x, begin, c, stream));
+      PIPEC_QUEUE_TRY(ctx,
+                      launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in,
+                                                plan, n, x, begin, c, vocabBegin, localV, stream));
       if (tiedHere())
-        PIPEC_QUEUE_TRY(ctx,
-                        launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
-                                                  w.dEmb.data(), in, plan, n, x, begin, c, stream));
+        PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
+                                                       w.dEmb.data(), in, plan, n, x, begin, c,
+                                                       vocabBegin, localV, stream));
       break;
     }
     case GptLayerKind::Head: {
@@ -520,9 +553,9 @@ llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
                                                 hw.lnfMean.data(), hw.lnfRstd.data(), n, c));
       if (tiedHere())
         PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(0, Wte), hw.lnfOut.data(),
-                                                hw.logits.data(), n, c, cfg.vocab));
+                                                hw.logits.data(), n, c, localV));
       PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(l, LmW), hw.lnfOut.data(),
-                                              hw.logits.data(), n, c, cfg.vocab));
+                                              hw.logits.data(), n, c, localV));
       break;
     }
     case GptLayerKind::Block: {
@@ -585,7 +618,7 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
          "empty or out-of-range layer range");
   assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
-         "bad tensor-parallel split");
+         cfg.vocab % tp == 0 && "bad tensor-parallel split");
   assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
          "slices must cover the sequence");
   auto m = std::make_unique<Impl>(ctx);
@@ -601,6 +634,8 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   m->headDim = cfg.channels / cfg.heads;
   m->localC = m->localHeads * m->headDim;
   m->localF = cfg.ffn / tp;
+  m->localV = cfg.vocab / tp;
+  m->vocabBegin = tpRank * m->localV;
   std::vector<float> host;
   m->layerOffset.push_back(0);
   for (int l = layerBegin; l < layerEnd; ++l) {
@@ -661,7 +696,8 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
       if (m.hasEmbedding()) { // the slice's plan at its fixed place (Impl::embeddingPlans)
         const size_t rows = in.size() - first;
         const EmbeddingGradPlan plan =
-            planEmbeddingGrad(std::span<const int32_t>(in).subspan(first, rows));
+            planEmbeddingGrad(std::span<const int32_t>(in).subspan(first, rows), m.vocabBegin,
+                              m.vocabBegin + m.localV);
         plans.resize(maxEmbeddingGradInts(in.size()), 0);
         int32_t *at = plans.data() + maxEmbeddingGradInts(first);
         std::copy(plan.order.begin(), plan.order.end(), at);
@@ -728,6 +764,8 @@ llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
   assert(hasHead() && "accumulateLoss() on a stage without the head");
   SliceWork &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "loss before the last forward part");
+  if (auto err = impl->finishForward(w)) // with tp > 1, the loss of the reduced statistics
+    return err;
   PIPEC_QUEUE_TRY(impl->ctx, launch::accumulateSum(impl->lossAcc.data(), w.head.rowLoss.data(), w.n,
                                                    impl->stream));
   return llvm::Error::success();
@@ -775,7 +813,7 @@ std::pair<size_t, size_t> GpuStage::tiedEmbeddingRange() const {
   const Impl &m = *impl;
   if (!m.cfg.tiedEmbeddings || m.tiedHere())
     return {0, 0};
-  const size_t matrix = size_t(m.cfg.vocab) * size_t(m.cfg.channels);
+  const size_t matrix = size_t(m.localV) * size_t(m.cfg.channels); // the rank's rows
   if (m.hasEmbedding()) {
     size_t at = m.layerOffset[0] + m.tensorOffset[0][Wte];
     return {at, at + matrix};

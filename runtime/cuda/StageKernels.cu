@@ -29,24 +29,26 @@ unsigned blocksFor(size_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 template <typename T>
 __global__ void embeddingForwardKernel(T *__restrict__ resid, const int32_t *__restrict__ inputs,
                                        const T *__restrict__ wte, const T *__restrict__ wpe, int n,
-                                       int x, int begin, int c) {
+                                       int x, int begin, int c, int vocabBegin, int localVocab) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(n) * c)
     return;
   int r = int(i / c), k = int(i % c);
-  int pos = begin + r % x;
-  resid[i] =
-      fromFloat<T>(toFloat(wte[size_t(inputs[r]) * c + k]) + toFloat(wpe[size_t(pos) * c + k]));
+  int pos = begin + r % x, local = inputs[r] - vocabBegin;
+  float sum = local >= 0 && local < localVocab ? toFloat(wte[size_t(local) * c + k]) : 0.0f;
+  if (wpe)
+    sum += toFloat(wpe[size_t(pos) * c + k]);
+  resid[i] = fromFloat<T>(sum);
 }
 
 // One thread per (piece, channel k) of the plan (EmbeddingGrad.h): the piece's rows in `order`'s
 // order, into the token's row of dWte when the piece is the token's whole run, else into the
 // piece's slot.
 template <typename T>
-__global__ void tokenPieceKernel(float *__restrict__ dWte, float *__restrict__ slots,
-                                 const T *__restrict__ dEmb, const int32_t *__restrict__ inputs,
-                                 const int32_t *__restrict__ order,
-                                 const int32_t *__restrict__ pieces, int numPieces, int c) {
+__global__ void
+tokenPieceKernel(float *__restrict__ dWte, float *__restrict__ slots, const T *__restrict__ dEmb,
+                 const int32_t *__restrict__ inputs, const int32_t *__restrict__ order,
+                 const int32_t *__restrict__ pieces, int numPieces, int c, int vocabBegin) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(numPieces) * c)
     return;
@@ -56,14 +58,15 @@ __global__ void tokenPieceKernel(float *__restrict__ dWte, float *__restrict__ s
   for (int q = begin; q < end; ++q)
     g += toFloat(dEmb[size_t(order[q]) * c + k]);
   if (slot < 0)
-    dWte[size_t(inputs[order[begin]]) * c + k] += g;
+    dWte[size_t(inputs[order[begin]] - vocabBegin) * c + k] += g;
   else
     slots[size_t(slot) * c + k] = g;
 }
 
 // One thread per (run of several pieces, channel k): its slots in piece order into dWte.
 __global__ void tokenMergeKernel(float *__restrict__ dWte, const float *__restrict__ slots,
-                                 const int32_t *__restrict__ merges, int numMerges, int c) {
+                                 const int32_t *__restrict__ merges, int numMerges, int c,
+                                 int vocabBegin) {
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(numMerges) * c)
     return;
@@ -72,7 +75,7 @@ __global__ void tokenMergeKernel(float *__restrict__ dWte, const float *__restri
   float g = 0.0f;
   for (int s = first; s < first + count; ++s)
     g += slots[size_t(s) * c + k];
-  dWte[size_t(token) * c + k] += g;
+  dWte[size_t(token - vocabBegin) * c + k] += g;
 }
 
 // dWpe[begin + t] += the rows (b, t) of every sequence b, added in b order: one thread per (t, k).
@@ -175,7 +178,8 @@ __global__ void accumulateSumKernel(double *__restrict__ acc, const float *__res
 } // namespace
 
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
-                             const void *wpe, int n, int x, int begin, int c, cudaStream_t stream) {
+                             const void *wpe, int n, int x, int begin, int c, int vocabBegin,
+                             int localVocab, cudaStream_t stream) {
   size_t total = size_t(n) * c;
   if (total == 0)
     return cudaSuccess;
@@ -183,14 +187,16 @@ cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, co
     using T = std::remove_pointer_t<decltype(type)>;
     PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, embeddingForwardKernel<T>)
     (static_cast<T *>(resid), inputs, static_cast<const T *>(wte), static_cast<const T *>(wpe), n,
-     x, begin, c);
+     x, begin, c, vocabBegin, localVocab);
   });
   return cudaGetLastError();
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
                               const int32_t *inputs, const EmbeddingGradArgs &plan, int n, int x,
-                              int begin, int c, cudaStream_t stream) {
+                              int begin, int c, int vocabBegin, int localVocab,
+                              cudaStream_t stream) {
+  (void)localVocab; // the plan holds only the rows of the shard's tokens
   if (size_t(n) * c == 0)
     return cudaSuccess;
   if (plan.numMerges > 0 && !plan.slots)
@@ -200,10 +206,10 @@ cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void 
     const T *d = static_cast<const T *>(dEmb);
     if (plan.numPieces > 0)
       PIPEC_LAUNCH(blocksFor(size_t(plan.numPieces) * c), kThreads, 0, stream, tokenPieceKernel<T>)
-    (dWte, plan.slots, d, inputs, plan.order, plan.pieces, plan.numPieces, c);
+    (dWte, plan.slots, d, inputs, plan.order, plan.pieces, plan.numPieces, c, vocabBegin);
     if (plan.numMerges > 0)
       PIPEC_LAUNCH(blocksFor(size_t(plan.numMerges) * c), kThreads, 0, stream, tokenMergeKernel)
-    (dWte, plan.slots, plan.merges, plan.numMerges, c);
+    (dWte, plan.slots, plan.merges, plan.numMerges, c, vocabBegin);
     if (dWpe)
       PIPEC_LAUNCH(blocksFor(size_t(x) * c), kThreads, 0, stream, positionBackwardKernel<T>)
     (dWpe, d, n / x, x, begin, c);

@@ -26,8 +26,11 @@ namespace pipec::runtime::cuda::launch {
 using kernels::DType;
 
 /// resid (n, c) = wte[inputs[r]] + wpe[begin + r % x]; rows r = (b, t) of the slice.
+/// Vocab-parallel: wte holds the rows [vocabBegin, vocabBegin + localVocab) (a token outside
+/// them adds 0), and wpe may be null (adds 0): tp rank 0 adds it, the tp reduction sums.
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
-                             const void *wpe, int n, int x, int begin, int c, cudaStream_t stream);
+                             const void *wpe, int n, int x, int begin, int c, int vocabBegin,
+                             int localVocab, cudaStream_t stream);
 /// A slice's EmbeddingGradPlan (runtime/cuda/EmbeddingGrad.h) in device memory, and scratch.
 struct EmbeddingGradArgs {
   const int32_t *order = nullptr;  // n: the rows sorted by token, stably
@@ -37,13 +40,16 @@ struct EmbeddingGradArgs {
   int numMerges = 0;
   float *slots = nullptr; // a row of c floats per slot
 };
-/// dWte[inputs[r]] += dEmb[r]; dWpe[begin + r % x] += dEmb[r] when dWpe is not null. Each
+/// dWte[inputs[r] - vocabBegin] += dEmb[r] for the rows whose token is in [vocabBegin,
+/// vocabBegin + localVocab) (the plan's rows); dWpe[begin + r % x] += dEmb[r] for every row when
+/// dWpe is not null. Each
 /// token's rows are added in row order, in the plan's pieces (a multi-piece run's pieces then in
 /// piece order), each position's rows in sequence order, with no atomics, so the gradients have
 /// the same bits every run and on every tp rank.
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
                               const int32_t *inputs, const EmbeddingGradArgs &plan, int n, int x,
-                              int begin, int c, cudaStream_t stream);
+                              int begin, int c, int vocabBegin, int localVocab,
+                              cudaStream_t stream);
 /// resid (n, c) += branch (n, c) + bias (c).
 cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
                         int c, cudaStream_t stream);

@@ -195,9 +195,27 @@ llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, f
   });
 }
 
+llvm::Error crossEntropyShardStats(CudaContext &ctx, DType dtype, float *stats, const void *logits,
+                                   const int32_t *targets, int n, int v, int vocabBegin, int part,
+                                   int parts) {
+  return run(ctx, [=] {
+    Widened lw(logits, size_t(n) * size_t(v), dtype);
+    ops::crossEntropyShardStats(stats, lw.data, targets, n, v, vocabBegin, part, parts);
+  });
+}
+
+llvm::Error crossEntropyCombine(CudaContext &ctx, float *rowLoss, float *lse, const float *stats,
+                                int n, int parts, float scale) {
+  return run(ctx, [=] {
+    ops::crossEntropyCombine(lse, stats, n, parts, scale);
+    for (int r = 0; r < n; ++r)
+      rowLoss[r] = scale * (lse[r] - stats[size_t(2 * parts) * size_t(n) + size_t(r)]);
+  });
+}
+
 llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
                                  const float *lse, const int32_t *targets, int n, int v,
-                                 float scale) {
+                                 float scale, int vocabBegin) {
   return run(ctx, [=] {
     const size_t nv = size_t(n) * size_t(v);
     Widened lw(logits, nv, dtype); // a copy in bf16, so dLogits may alias logits
@@ -208,7 +226,7 @@ llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, c
       for (int j = 0; j < v; ++j) {
         const size_t at = size_t(r) * v + size_t(j);
         float p = std::exp(l[at] - lse[r]);
-        d[at] = (p - (j == targets[r] ? 1.0f : 0.0f)) * scale;
+        d[at] = (p - (j == targets[r] - vocabBegin ? 1.0f : 0.0f)) * scale;
       }
     dn.done();
   });

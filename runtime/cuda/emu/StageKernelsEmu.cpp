@@ -40,27 +40,34 @@ struct Elements {
 } // namespace
 
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
-                             const void *wpe, int n, int x, int begin, int c, cudaStream_t stream) {
+                             const void *wpe, int n, int x, int begin, int c, int vocabBegin,
+                             int localVocab, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
     Elements out(resid, dtype), te(wte, dtype), pe(wpe, dtype);
-    for (int r = 0; r < n; ++r)
+    for (int r = 0; r < n; ++r) {
+      const int local = inputs[r] - vocabBegin;
+      const bool held = local >= 0 && local < localVocab;
       for (int k = 0; k < c; ++k)
-        out.set(size_t(r) * c + k,
-                te.get(size_t(inputs[r]) * c + k) + pe.get(size_t(begin + r % x) * c + k));
+        out.set(size_t(r) * c + k, (held ? te.get(size_t(local) * c + k) : 0.0f) +
+                                       (wpe ? pe.get(size_t(begin + r % x) * c + k) : 0.0f));
+    }
   });
   return cudaSuccess;
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
                               const int32_t *inputs, [[maybe_unused]] const EmbeddingGradArgs &plan,
-                              int n, int x, int begin, int c, cudaStream_t stream) {
+                              int n, int x, int begin, int c, int vocabBegin, int localVocab,
+                              cudaStream_t stream) {
   // (Row order for both: the plan only says in which order and pieces the kernel adds them.)
   pipec::emu::enqueue(stream, [=] {
     Elements d(dEmb, dtype);
     for (int r = 0; r < n; ++r)
       for (int k = 0; k < c; ++k) {
         const float g = d.get(size_t(r) * c + k);
-        dWte[size_t(inputs[r]) * c + k] += g;
+        const int local = inputs[r] - vocabBegin;
+        if (local >= 0 && local < localVocab)
+          dWte[size_t(local) * c + k] += g;
         if (dWpe)
           dWpe[size_t(begin + r % x) * c + k] += g;
       }
