@@ -8,7 +8,7 @@
 //
 // Flat parameter layout of one layer on tp rank r of tp (floats, row-major, concatenated in
 // this order; `layerRange()` gives where a layer starts within the stage's params()):
-//   embedding: wte [V, C], wpe [T, C]
+//   embedding: wte [V/tp, C]   the vocabulary rows [r V/tp, (r+1) V/tp), wpe [T, C]
 //   block:     ln1.w [C], ln1.b [C],
 //              qkv.w [C, 3C/tp]   columns: q of local heads | k of local heads | v of local heads
 //              qkv.b [3C/tp]      (same column order),
@@ -16,8 +16,8 @@
 //              ln2.w [C], ln2.b [C],
 //              fc.w [C, F/tp]     columns [r F/tp, (r+1) F/tp), fc.b [F/tp],
 //              proj.w [F/tp, C]   the matching rows, proj.b [C] (replicated)
-//   head:      lnf.w [C], lnf.b [C], lm.w [V, C] (logits = h lm.w^T; the head's own copy of wte
-//              when embeddings are tied)
+//   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (the same rows; logits = h lm.w^T; the
+//              head's own copy of wte when embeddings are tied)
 // Linear weights are [in, out] (y = x W + b). The full (tp = 1) qkv.w is [C, 3C] with columns
 // q | k | v, head h owning columns [h hd, (h+1) hd) of each third. Row-parallel biases are
 // replicated and added once, after the reduction, so every tp rank holds the same value and

@@ -6,7 +6,8 @@
 // probabilities; the backward recomputes softmax from it, and may overwrite the logits in place
 // (so that the LM head never holds two vocabulary-wide buffers). The CPU reference sums the
 // exponentials in double; here the sum is fp32 over ~V/256 terms per thread, then a tree.
-// A target outside [0, V) makes the row's loss NaN (the CPU asserts).
+// A target outside [0, V) makes the whole-vocabulary kernel's row loss NaN (the CPU asserts; the
+// data sources reject such ids).
 // Vocab-parallel (tp > 1): a rank holds the logits of vocabulary columns [vocabBegin, + V);
 // shardStatsKernel writes the row's (max, sum) and its target's logit where this rank has it,
 // zeros elsewhere, so that the tp all-reduce's sum gathers every shard's pair, and

@@ -131,7 +131,7 @@ inline double weightBound(double w, int steps, double lr) {
 /// The tp rank whose copy of a tensor every rank holds whole adopt() takes: the last.
 inline int adoptedTpRank(int tp) { return tp - 1; }
 /// The first value in `snapshot` of a tensor every tp rank holds whole (layernorms, row-parallel
-/// biases, embeddings, the head) where a tp rank's copy is not bit for bit adoptedTpRank()'s:
+/// biases, wpe, the final layernorm) where a tp rank's copy is not bit for bit adoptedTpRank()'s:
 /// got is that rank's, want adoptedTpRank()'s, step `step`. step < 0: every copy agrees (or
 /// tp = 1).
 GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cfg,

@@ -19,15 +19,16 @@
 //     and the head keeps its logits (the CUDA ops recompute softmax in the backwards).
 // Precision: the compute type `dtype`. fp32 is fp32 throughout (cuBLAS in strict fp32). bf16
 // (kernels/cuda/CudaOps.h's mixed precision) keeps activations, their gradients, the p2p tensors
-// and the tp partial sums in bf16 and reads a bf16 copy of the parameters, rounded from the fp32
-// master weights after every optimizer step; weight gradients, the dK/dV that Seq1F1B's slices
-// accumulate, Adam moments, layernorm statistics, log-sum-exps and losses stay fp32. All work is
-// queued on the context's stream. Parameters, gradients and Adam moments (and the bf16 copy) are
-// allocated once, in create(); the batch's tokens by the first setBatch(), which must be in the
-// context's sizing pass (so that no step allocates); activations, saved state and scratch come
-// from the context's DeviceAllocator (the rank's pre-sized arena in the executor,
-// runtime/cuda/DeviceArena.h). In the sizing pass (CudaContext::setSizing) every call makes the
-// same requests of that allocator as in a step, in the same order, and queues nothing.
+// and the tp partial sums in bf16 (the vocab-parallel cross entropy's statistics: fp32) and reads a
+// bf16 copy of the parameters, rounded from the fp32 master weights after every optimizer step;
+// weight gradients, the dK/dV that Seq1F1B's slices accumulate, Adam moments, layernorm statistics,
+// log-sum-exps and losses stay fp32. All work is queued on the context's stream. Parameters,
+// gradients and Adam moments (and the bf16 copy) are allocated once, in create(); the batch's
+// tokens by the first setBatch(), which must be in the context's sizing pass (so that no step
+// allocates); activations, saved state and scratch come from the context's DeviceAllocator (the
+// rank's pre-sized arena in the executor, runtime/cuda/DeviceArena.h). In the sizing pass
+// (CudaContext::setSizing) every call makes the same requests of that allocator as in a step, in
+// the same order, and queues nothing.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H
