@@ -48,15 +48,9 @@ __device__ __forceinline__ MaxSum warpMerge(MaxSum x) {
   return x;
 }
 
-// rowLoss, lse (n) from logits (n, V); grid n blocks.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    forwardKernel(float *__restrict__ rowLoss, float *__restrict__ lse,
-                  const T *__restrict__ logits, const int32_t *__restrict__ targets, int v,
-                  float scale) {
+// The (max, sum of exp) of the row l (V) over the block's threads; valid in thread 0.
+template <typename T> __device__ MaxSum rowMaxSum(const T *__restrict__ l, int v) {
   __shared__ MaxSum partial[kWarps];
-  const size_t row = blockIdx.x;
-  const T *l = logits + row * v;
   MaxSum acc{-INFINITY, 0.0f};
   for (int c = threadIdx.x; c < v; c += kThreads)
     acc = merge(acc, MaxSum{toFloat(l[c]), 1.0f});
@@ -65,10 +59,21 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0)
     partial[warp] = acc;
   __syncthreads();
-  if (warp != 0)
-    return;
-  acc = warpMerge(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.0f});
-  if (lane != 0)
+  if (warp == 0)
+    acc = warpMerge(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.0f});
+  return acc;
+}
+
+// rowLoss, lse (n) from logits (n, V); grid n blocks.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    forwardKernel(float *__restrict__ rowLoss, float *__restrict__ lse,
+                  const T *__restrict__ logits, const int32_t *__restrict__ targets, int v,
+                  float scale) {
+  const size_t row = blockIdx.x;
+  const T *l = logits + row * v;
+  const MaxSum acc = rowMaxSum(l, v);
+  if (threadIdx.x != 0)
     return;
   const float rowLse = acc.max + logf(acc.sum);
   const int32_t target = targets[row];
@@ -82,21 +87,10 @@ __global__ void __launch_bounds__(kThreads)
     shardStatsKernel(float *__restrict__ stats, const T *__restrict__ logits,
                      const int32_t *__restrict__ targets, int n, int v, int vocabBegin, int part,
                      int parts) {
-  __shared__ MaxSum partial[kWarps];
   const size_t row = blockIdx.x;
   const T *l = logits + row * v;
-  MaxSum acc{-INFINITY, 0.0f};
-  for (int c = threadIdx.x; c < v; c += kThreads)
-    acc = merge(acc, MaxSum{toFloat(l[c]), 1.0f});
-  acc = warpMerge(acc);
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  if (lane == 0)
-    partial[warp] = acc;
-  __syncthreads();
-  if (warp != 0)
-    return;
-  acc = warpMerge(lane < kWarps ? partial[lane] : MaxSum{-INFINITY, 0.0f});
-  if (lane != 0)
+  const MaxSum acc = rowMaxSum(l, v);
+  if (threadIdx.x != 0)
     return;
   for (int p = 0; p < parts; ++p) {
     stats[size_t(2 * p) * n + row] = p == part ? acc.max : 0.0f;
