@@ -334,7 +334,7 @@ void crossEntropyShardStats(float *__restrict__ stats, const float *__restrict__
 }
 
 double crossEntropyCombine(float *__restrict__ lse, const float *__restrict__ stats, int n,
-                           int parts, float scale) {
+                           int parts, float scale, float *__restrict__ rowLoss) {
   double loss = 0.0;
   for (int r = 0; r < n; ++r) {
     float top = -INFINITY;
@@ -345,7 +345,10 @@ double crossEntropyCombine(float *__restrict__ lse, const float *__restrict__ st
       sum += double(stats[size_t(2 * p + 1) * n + r]) *
              std::exp(double(stats[size_t(2 * p) * n + r]) - double(top));
     lse[r] = float(double(top) + std::log(sum));
-    loss += (std::log(sum) + top - stats[size_t(2 * parts) * n + r]) * double(scale);
+    const double row = (std::log(sum) + top - stats[size_t(2 * parts) * n + r]) * double(scale);
+    if (rowLoss)
+      rowLoss[r] = float(row);
+    loss += row;
   }
   return loss;
 }

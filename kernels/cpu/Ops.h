@@ -94,8 +94,10 @@ inline size_t crossEntropyStatsFloats(int n, int parts) { return size_t(n) * (2 
 void crossEntropyShardStats(float *stats, const float *logits, const int32_t *targets, int n, int v,
                             int vocabBegin, int part, int parts);
 /// From the summed stats: lse (n) = log-sum-exp over the whole vocabulary; returns scale * the
-/// sum over rows of lse - logit[target], in double.
-double crossEntropyCombine(float *lse, const float *stats, int n, int parts, float scale);
+/// sum over rows of lse - logit[target], in double, and writes each row's term to rowLoss (n)
+/// unless it is null.
+double crossEntropyCombine(float *lse, const float *stats, int n, int parts, float scale,
+                           float *rowLoss = nullptr);
 /// dLogits (n, v) = (exp(logits - lse) - onehot(target - vocabBegin)) * scale: the shard's
 /// columns of the gradient. dLogits may be logits itself.
 void crossEntropyShardBackward(float *dLogits, const float *logits, const float *lse,

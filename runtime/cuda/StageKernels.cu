@@ -4,9 +4,9 @@
 // element type T (float or bf16: loads widen, arithmetic is fp32, stores round once). No kernel
 // here adds floating-point values atomically: every sum runs in an order fixed by its inputs,
 // so a step's gradients have the same bits every run, and the tensors every tp rank holds whole
-// (wpe) get the same gradients on every rank. The embedding backward sums a
-// token's rows in row order, in pieces (the host's plan, runtime/cuda/EmbeddingGrad.h), which
-// differs from the CPU reference's order; the tests compare within a tolerance.
+// (wpe) get the same gradients on every rank. The embedding backward sums a token's rows in row
+// order, in pieces (the host's plan, runtime/cuda/EmbeddingGrad.h), which differs from the CPU
+// reference's order; the tests compare within a tolerance.
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/StageKernels.h"

@@ -206,11 +206,7 @@ llvm::Error crossEntropyShardStats(CudaContext &ctx, DType dtype, float *stats, 
 
 llvm::Error crossEntropyCombine(CudaContext &ctx, float *rowLoss, float *lse, const float *stats,
                                 int n, int parts, float scale) {
-  return run(ctx, [=] {
-    ops::crossEntropyCombine(lse, stats, n, parts, scale);
-    for (int r = 0; r < n; ++r)
-      rowLoss[r] = scale * (lse[r] - stats[size_t(2 * parts) * size_t(n) + size_t(r)]);
-  });
+  return run(ctx, [=] { ops::crossEntropyCombine(lse, stats, n, parts, scale, rowLoss); });
 }
 
 llvm::Error crossEntropyBackward(CudaContext &ctx, DType dtype, void *dLogits, const void *logits,
