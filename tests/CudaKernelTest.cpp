@@ -1035,6 +1035,11 @@ TEST_F(GpuTest, BadShapesAreErrorsNamingTheArgument) {
                                 1e-8f, 0.0f, /*step=*/0);
   ASSERT_TRUE(bool(step));
   EXPECT_NE(llvm::toString(std::move(step)).find("step counts from 1"), std::string::npos);
+  llvm::Error shard = crossEntropyShardStats(*ctx, DType::F32, nullptr, nullptr, nullptr, 1, 8,
+                                             /*vocabBegin=*/32, /*part=*/4, /*parts=*/4);
+  ASSERT_TRUE(bool(shard));
+  EXPECT_NE(llvm::toString(std::move(shard)).find("shard 4 of 4 is out of range"),
+            std::string::npos);
 }
 
 /// Records an op's buffer requests and hands out addresses that fault if anything reads them

@@ -198,6 +198,11 @@ llvm::Error crossEntropyForward(CudaContext &ctx, DType dtype, float *rowLoss, f
 llvm::Error crossEntropyShardStats(CudaContext &ctx, DType dtype, float *stats, const void *logits,
                                    const int32_t *targets, int n, int v, int vocabBegin, int part,
                                    int parts) {
+  // The same refusal as the real op's (KernelOps.cpp), where the CPU op would assert.
+  if (parts < 1 || part < 0 || part >= parts)
+    return llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("crossEntropyShardStats: shard {} of {} is out of range", part, parts));
   return run(ctx, [=] {
     Widened lw(logits, size_t(n) * size_t(v), dtype);
     ops::crossEntropyShardStats(stats, lw.data, targets, n, v, vocabBegin, part, parts);
