@@ -3,9 +3,13 @@
 // Establishes: stats.ranks[r].peak_activation_bytes, static_bytes and peak_memory_bytes
 // (DESIGN §6 memory model; it depends only on stream order, not on timing).
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (first part);
-//  - a backward_input frees activation - weight_grad bytes at its end (last part), the
-//    backward_weight the remaining weight_grad bytes at its end; a fused backward frees all;
+//  - a backward (input-gradient or fused) holds up to backward_peak_bytes[k] more while it runs
+//    (at least weight_grad - activation bytes: what it builds for the weight gradient);
+//  - a backward_input then keeps weight_grad bytes of the slice (it frees activation -
+//    weight_grad bytes at its end, or allocates the difference when weight_grad is larger),
+//    the backward_weight frees them at its end; a fused backward frees all;
 //  - a recv buffer lives from its recv to the end of the op that consumes it;
+//  - every compute op of stage s also holds workspace_bytes[k] of its own while it runs;
 //  - static bytes: parameters of the rank's stages times state_bytes_per_param_byte (weights,
 //    gradients, optimizer state).
 // peak_activation_bytes is the peak of the activations alone; peak_memory_bytes is static
@@ -50,12 +54,21 @@ public:
         const StageInfo &st = plan.stages[size_t(i.stage)];
         int64_t a = st.activationBytes[size_t(i.slice)];
         int64_t w = st.weightGradBytes[size_t(i.slice)];
+        int64_t ws =
+            size_t(i.slice) < st.workspaceBytes.size() ? st.workspaceBytes[size_t(i.slice)] : 0;
         if (i.op == OpKind::Forward && i.isFirstPart())
           act += a;
-        peakAct = std::max(peakAct, act);
-        peakAll = std::max(peakAll, act + bufs);
+        peakAct = std::max(peakAct, act + ws);
+        peakAll = std::max(peakAll, act + ws + bufs);
         if (!i.isLastPart())
           continue;
+        if (i.op == OpKind::BackwardInput || i.op == OpKind::Backward) {
+          int64_t extra = std::max<int64_t>(w - a, 0);
+          if (size_t(i.slice) < st.backwardPeakBytes.size())
+            extra = std::max(extra, st.backwardPeakBytes[size_t(i.slice)]);
+          peakAct = std::max(peakAct, act + extra + ws);
+          peakAll = std::max(peakAll, act + extra + ws + bufs);
+        }
         switch (i.op) {
         case OpKind::Forward:
           break;

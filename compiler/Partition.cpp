@@ -8,8 +8,9 @@
 // times (the most even), again exactly, so uniform models split as evenly as integers allow.
 //
 //===----------------------------------------------------------------------===//
-#include "compiler/Pass.h"
+#include "compiler/Partition.h"
 
+#include "compiler/Pass.h"
 #include "ir/Error.h"
 #include "schedules/Policy.h"
 
@@ -18,10 +19,8 @@
 #include <limits>
 
 namespace pipec {
-namespace {
 
-/// Split `cost` into `parts` contiguous non-empty ranges; returns the end of each range.
-std::vector<int> exactPartition(const std::vector<double> &cost, int parts) {
+std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts) {
   size_t n = cost.size();
   std::vector<double> prefix(n + 1, 0);
   for (size_t i = 0; i < n; ++i)
@@ -62,6 +61,18 @@ std::vector<int> exactPartition(const std::vector<double> &cost, int parts) {
   return ends;
 }
 
+std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluster, int64_t seq,
+                               int tp) {
+  std::vector<double> whole(model.layers.size());
+  for (size_t l = 0; l < model.layers.size(); ++l) {
+    SliceCost c = model.sliceCost(cluster, l, 0, seq, 0, 1, tp);
+    whole[l] = c.forward + c.backwardInput + c.backwardWeight;
+  }
+  return whole;
+}
+
+namespace {
+
 /// Which link joins two pipeline ranks (Megatron's tp-dp-pp order of global ranks).
 const Link &linkBetween(const ClusterSpec &c, const ParallelConfig &pc, int a, int b) {
   int64_t stride = int64_t(pc.dp) * pc.tp;
@@ -70,14 +81,68 @@ const Link &linkBetween(const ClusterSpec &c, const ParallelConfig &pc, int a, i
 }
 
 double transferMs(const Link &l, double bytes) {
-  return l.latencyUs / 1000.0 + bytes / (l.bandwidthGBps * 1e9) * 1000.0;
+  return l.latencyUs / 1000.0 + bytes / l.bytesPerMs();
 }
 
 /// Ring all-reduce over n members: 2(n-1)/n of the bytes cross each link.
 double allReduceMs(const Link &l, double bytes, int n) {
   if (n <= 1)
     return 0;
-  return l.latencyUs / 1000.0 + 2.0 * (n - 1) / n * bytes / (l.bandwidthGBps * 1e9) * 1000.0;
+  return l.latencyUs / 1000.0 + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
+}
+
+int blocksOf(const ModelSpec &model, const StageInfo &st) {
+  int n = 0;
+  for (int l = st.layerBegin; l < st.layerEnd; ++l)
+    n += model.layers[size_t(l)].kind == LayerKind::Block;
+  return n;
+}
+
+void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster) {
+  const ParallelConfig &pc = plan.parallel;
+  size_t k = size_t(pc.seqSplits);
+  int numStages = plan.numStages();
+  const Link &tpLink = pc.tp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+  const Link &dpLink =
+      int64_t(pc.tp) * pc.dp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+  for (int s = 0; s < numStages; ++s) {
+    StageInfo &st = plan.stages[size_t(s)];
+    st.activationTransferTime.assign(k, 0);
+    st.gradientTransferTime.assign(k, 0);
+    st.tpAllReduceTime.assign(k, 0);
+    for (size_t i = 0; i < k; ++i) {
+      if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
+        st.activationTransferTime[i] =
+            model.isTransformer()
+                ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
+                             double(st.outputBytes[i]))
+                : model.p2pTime;
+      if (s > 0 && plan.rankOf(s - 1) != st.rank)
+        st.gradientTransferTime[i] =
+            model.isTransformer()
+                ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
+                             double(plan.stages[size_t(s - 1)].outputBytes[i]))
+                : model.p2pTime;
+      if (pc.tp > 1 && st.tpAllReduces > 0) {
+        if (model.isTransformer()) {
+          const TransformerConfig &t = *model.transformer;
+          auto [b, e] = plan.seqSlices[i];
+          double hidden = double(t.microbatchSize) * double(e - b) * double(t.hiddenSize) *
+                          double(t.dtypeBytes());
+          st.tpAllReduceTime[i] = allReduceMs(tpLink, hidden, pc.tp);
+          // Full recomputation repeats each block's forward, and its two reductions, in the
+          // input-gradient backward.
+          if (t.recompute == Recompute::Full)
+            st.backwardInput[i] += 2 * blocksOf(model, st) * st.tpAllReduceTime[i];
+        } else {
+          st.tpAllReduceTime[i] = model.allReduceTime;
+        }
+      }
+    }
+    if (pc.dp > 1)
+      st.dpAllReduceTime = model.isTransformer() ? allReduceMs(dpLink, double(st.paramBytes), pc.dp)
+                                                 : model.allReduceTime;
+  }
 }
 
 class PartitionPass final : public Pass {
@@ -101,99 +166,69 @@ public:
                         "here; merge layers with \"count\" into coarser ones",
                         numLayers, numStages);
     int64_t seq = model.sequenceLength(pc.seqSplits);
-    std::vector<double> whole(static_cast<size_t>(numLayers));
-    for (int l = 0; l < numLayers; ++l) {
-      SliceCost c = model.sliceCost(cluster, size_t(l), 0, seq, 0, 1, pc.tp);
-      whole[size_t(l)] = c.forward + c.backwardInput + c.backwardWeight;
-    }
-    std::vector<int> ends = exactPartition(whole, numStages);
-    plan.stages.assign(size_t(numStages), StageInfo{});
-    size_t k = size_t(pc.seqSplits);
-    for (int s = 0; s < numStages; ++s) {
-      StageInfo &st = plan.stages[size_t(s)];
-      st.stage = s;
-      st.rank = rankOfStage(plan.placement, s, pc.pp);
-      st.layerBegin = s == 0 ? 0 : ends[size_t(s - 1)];
-      st.layerEnd = ends[size_t(s)];
-      st.forward.assign(k, 0);
-      st.backwardInput.assign(k, 0);
-      st.backwardWeight.assign(k, 0);
-      st.activationBytes.assign(k, 0);
-      st.weightGradBytes.assign(k, 0);
-      st.outputBytes.assign(k, 0);
-      for (int l = st.layerBegin; l < st.layerEnd; ++l) {
-        const Layer &layer = model.layers[size_t(l)];
-        st.paramBytes += layer.paramBytes / pc.tp;
-        st.tpAllReduces += pc.tp > 1 ? layer.tpAllReduces : 0;
-        for (size_t i = 0; i < k; ++i) {
-          auto [b, e] = plan.seqSlices[i];
-          SliceCost c = model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp);
-          st.forward[i] += c.forward;
-          st.backwardInput[i] += c.backwardInput;
-          st.backwardWeight[i] += c.backwardWeight;
-          st.activationBytes[i] += c.activationBytes;
-          st.weightGradBytes[i] += c.weightGradBytes;
-        }
-      }
-      // What leaves the stage is its last layer's output.
-      for (size_t i = 0; i < k; ++i) {
-        auto [b, e] = plan.seqSlices[i];
-        st.outputBytes[i] =
-            model.sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k), pc.tp)
-                .outputBytes;
-      }
-    }
-    fillTransferTimes(plan, model, cluster);
+    buildStages(plan, model, cluster,
+                exactPartition(layerTimes(model, cluster, seq, pc.tp), numStages));
     return true;
-  }
-
-private:
-  static void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster) {
-    const ParallelConfig &pc = plan.parallel;
-    size_t k = size_t(pc.seqSplits);
-    int numStages = plan.numStages();
-    const Link &tpLink = pc.tp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
-    const Link &dpLink =
-        int64_t(pc.tp) * pc.dp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
-    for (int s = 0; s < numStages; ++s) {
-      StageInfo &st = plan.stages[size_t(s)];
-      st.activationTransferTime.assign(k, 0);
-      st.gradientTransferTime.assign(k, 0);
-      st.tpAllReduceTime.assign(k, 0);
-      for (size_t i = 0; i < k; ++i) {
-        if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
-          st.activationTransferTime[i] =
-              model.isTransformer()
-                  ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
-                               double(st.outputBytes[i]))
-                  : model.p2pTime;
-        if (s > 0 && plan.rankOf(s - 1) != st.rank)
-          st.gradientTransferTime[i] =
-              model.isTransformer()
-                  ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
-                               double(plan.stages[size_t(s - 1)].outputBytes[i]))
-                  : model.p2pTime;
-        if (pc.tp > 1 && st.tpAllReduces > 0) {
-          if (model.isTransformer()) {
-            const TransformerConfig &t = *model.transformer;
-            auto [b, e] = plan.seqSlices[i];
-            double hidden = double(t.microbatchSize) * double(e - b) * double(t.hiddenSize) *
-                            double(t.dtypeBytes());
-            st.tpAllReduceTime[i] = allReduceMs(tpLink, hidden, pc.tp);
-          } else {
-            st.tpAllReduceTime[i] = model.allReduceTime;
-          }
-        }
-      }
-      if (pc.dp > 1)
-        st.dpAllReduceTime = model.isTransformer()
-                                 ? allReduceMs(dpLink, double(st.paramBytes), pc.dp)
-                                 : model.allReduceTime;
-    }
   }
 };
 
 } // namespace
+
+void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
+                 llvm::ArrayRef<int> ends) {
+  const ParallelConfig &pc = plan.parallel;
+  int numStages = pc.numStages();
+  assert(int(ends.size()) == numStages && "one layer range end per stage");
+  plan.stages.assign(size_t(numStages), StageInfo{});
+  size_t k = size_t(pc.seqSplits);
+  for (int s = 0; s < numStages; ++s) {
+    StageInfo &st = plan.stages[size_t(s)];
+    st.stage = s;
+    st.rank = rankOfStage(plan.placement, s, pc.pp);
+    st.layerBegin = s == 0 ? 0 : ends[size_t(s - 1)];
+    st.layerEnd = ends[size_t(s)];
+    st.forward.assign(k, 0);
+    st.backwardInput.assign(k, 0);
+    st.backwardWeight.assign(k, 0);
+    st.activationBytes.assign(k, 0);
+    st.weightGradBytes.assign(k, 0);
+    st.outputBytes.assign(k, 0);
+    st.backwardPeakBytes.assign(k, 0);
+    st.workspaceBytes.assign(k, 0);
+    for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+      const Layer &layer = model.layers[size_t(l)];
+      st.paramBytes += layer.paramBytes / pc.tp;
+      st.tpAllReduces += pc.tp > 1 ? layer.tpAllReduces : 0;
+      for (size_t i = 0; i < k; ++i) {
+        auto [b, e] = plan.seqSlices[i];
+        SliceCost c = model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp);
+        st.forward[i] += c.forward;
+        st.backwardInput[i] += c.backwardInput;
+        st.backwardWeight[i] += c.backwardWeight;
+        st.activationBytes[i] += c.activationBytes;
+        st.weightGradBytes[i] += c.weightGradBytes;
+        st.backwardPeakBytes[i] += c.backwardPeakBytes;
+        st.workspaceBytes[i] = std::max(st.workspaceBytes[i], c.workspaceBytes);
+      }
+    }
+    // The stage's residual stream: its input (or the embedding's output) from the forward to
+    // the backward, then its gradient until the weight gradient.
+    for (size_t i = 0; i < k; ++i) {
+      auto [b, e] = plan.seqSlices[i];
+      int64_t residual = model.residualBytes(b, e);
+      st.activationBytes[i] += residual;
+      st.weightGradBytes[i] += residual;
+    }
+    // What leaves the stage is its last layer's output.
+    for (size_t i = 0; i < k; ++i) {
+      auto [b, e] = plan.seqSlices[i];
+      st.outputBytes[i] =
+          model.sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k), pc.tp)
+              .outputBytes;
+    }
+  }
+  fillTransferTimes(plan, model, cluster);
+}
 
 std::unique_ptr<Pass> createPartitionPass() { return std::make_unique<PartitionPass>(); }
 

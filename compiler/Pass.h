@@ -68,6 +68,10 @@ std::unique_ptr<Pass> createMemoryPass();
 std::unique_ptr<Pass> createSimulatePass();
 std::unique_ptr<Pass> createVerifyPass();
 
+/// The bounds compilePlan puts on the options (counts at least 1, sizes pipec plans); an
+/// InputError naming the flag.
+llvm::Error checkCompileOptions(const CompileOptions &options);
+
 /// Check the options, select the policy, and run the whole default pipeline.
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
                                  const CompileOptions &options, bool verifyEach = false);

@@ -118,7 +118,7 @@ llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassC
   return llvm::Error::success();
 }
 
-static llvm::Error checkOptions(const CompileOptions &o) {
+llvm::Error checkCompileOptions(const CompileOptions &o) {
   const ParallelConfig &pc = o.parallel;
   struct Flag {
     const char *name;
@@ -156,7 +156,7 @@ static llvm::Error checkOptions(const CompileOptions &o) {
 
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
                                  const CompileOptions &options, bool verifyEach) {
-  if (auto err = checkOptions(options))
+  if (auto err = checkCompileOptions(options))
     return err;
   if (model.transformer) {
     // Megatron splits heads and the MLP's hidden size across tp ranks.

@@ -3,6 +3,7 @@
 #include "ir/Error.h"
 #include "ir/JsonRead.h"
 
+#include "llvm/Support/ErrorHandling.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/MemoryBuffer.h"
 #include "llvm/Support/Path.h"
@@ -40,6 +41,88 @@ double ModelSpec::blockForwardFlopsPrefix(int64_t end) const {
   return double(end) * (8 * h * h + 4 * h * f) + 4 * h * causalPositions(0, end);
 }
 
+llvm::StringRef toString(Attention a) {
+  switch (a) {
+  case Attention::Flash:
+    return "flash";
+  case Attention::Materialized:
+    return "materialized";
+  }
+  llvm_unreachable("unknown Attention");
+}
+
+llvm::StringRef toString(Recompute r) {
+  switch (r) {
+  case Recompute::None:
+    return "none";
+  case Recompute::Selective:
+    return "selective";
+  case Recompute::Full:
+    return "full";
+  }
+  llvm_unreachable("unknown Recompute");
+}
+
+bool attentionFromString(llvm::StringRef name, Attention &out) {
+  for (Attention a : {Attention::Flash, Attention::Materialized})
+    if (toString(a) == name) {
+      out = a;
+      return true;
+    }
+  return false;
+}
+
+bool recomputeFromString(llvm::StringRef name, Recompute &out) {
+  for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full})
+    if (toString(r) == name) {
+      out = r;
+      return true;
+    }
+  return false;
+}
+
+int64_t ModelSpec::residualBytes(int64_t begin, int64_t end) const {
+  if (!transformer)
+    return 0;
+  const TransformerConfig &t = *transformer;
+  return t.microbatchSize * (end - begin) * t.hiddenSize * t.dtypeBytes();
+}
+
+double ModelSpec::modelFlopsPerMicrobatch() const {
+  if (!transformer)
+    return 0;
+  const TransformerConfig &t = *transformer;
+  double b = double(t.microbatchSize), s = double(t.seqLength), h = double(t.hiddenSize);
+  double f = double(t.ffnHiddenSize), v = double(t.vocabSize);
+  // DESIGN §3.1 per block: F + B + W = b·(3·s·(8h² + 4hf) + 12h·Σ(t+1)); head: 3 GEMMs of
+  // 2·b·s·h·v.
+  double block = b * (3 * s * (8 * h * h + 4 * h * f) + 12 * h * causalPositions(0, t.seqLength));
+  return double(t.numLayers) * block + 3 * 2 * b * s * h * v;
+}
+
+// Memory of a transformer layer (what piperun's stages keep, runtime/cuda/GpuStage.cpp and
+// kernels/cpu/Gpt.cpp, at the model's dtype: d bytes per element; layernorm statistics, the
+// attention's log-sum-exps and the dK/dV accumulators are fp32). Per (microbatch, slice) of
+// x tokens [a, e), N = b·x tokens, on one of tp ranks (Cl = h/tp, Fl = f/tp, Hl = heads/tp):
+//   block forward keeps   xIn, xMid (h each), q, attOut (Cl each), fcPre (Fl),
+//                         two layernorms' mean and rstd (16 bytes per token),
+//                         flash: a log-sum-exp per head and token (4·b·Hl·x bytes);
+//                         materialized: the probabilities (b·Hl·x·e elements),
+//                         K and V (flash: of the whole sequence, with slice 0; materialized:
+//                         the slice's own x tokens);
+//   after its backward    xIn, xMid, attOut, fcPre and the statistics stay; the output
+//                         gradients of its linears and layernorms join them: dOut, dXmid,
+//                         dLn1, dLn2 (h each), dQkv (3 Cl), dFcPre (Fl);
+//   during its backward   also the fp32 dK/dV accumulators (2·N·Cl·4 bytes);
+//   workspace             the largest temporaries of one op: the MLP forward's layernorm
+//                         output, GELU output and partial sum (N·(2h + Fl)), or the attention
+//                         forward's layernorm output, QKV and partial sum (N·(2h + 3Cl)).
+// So activation_bytes = N·(2h + 2Cl + Fl)·d + 16N + attention + K/V and weight_grad_bytes =
+// N·(6h + 4Cl + 2Fl)·d + 16N. The stage's residual stream (N·h·d, residualBytes) is the
+// stage's, not a layer's. Recomputation (Korthikanti et al. 2022): "full" keeps only the
+// block's input (and K/V, which later slices read) and adds a forward to the input-gradient
+// backward; "selective" drops the materialized probabilities and adds the attention core's
+// forward to the backward (with flash attention there are none to drop: it is "none").
 SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, int64_t begin,
                                int64_t end, int index, int numSlices, int tp) const {
   const Layer &layer = layers[layerIndex];
@@ -58,34 +141,69 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   double b = double(t.microbatchSize), h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
   double x = double(end - begin), v = double(t.vocabSize), heads = double(t.numAttentionHeads);
   double sigma = causalPositions(begin, end);
-  double flopsPerMs = cluster.peakTflops * 1e12 * cluster.achievedFraction / 1e3 * tp;
-  double byteScale = double(t.dtypeBytes()) / 2.0; // the formulas are for 2-byte types
-  double dt = double(t.dtypeBytes());
+  double gemmPerMs = cluster.gemmFlopsPerMs() * tp;
+  double attentionPerMs = cluster.attentionFlopsPerMs() * tp;
+  double d = double(t.dtypeBytes());
+  double n = b * x, cl = h / tp, fl = f / tp, hl = heads / tp;
   switch (layer.kind) {
   case LayerKind::Embedding:
-    // A lookup: no FLOPs to speak of, keeps only token ids.
-    c.outputBytes = int64_t(b * x * h * dt);
+    // A lookup: no FLOPs to speak of; its output is the stage's residual stream.
+    c.outputBytes = int64_t(n * h * d);
     return c;
   case LayerKind::Block: {
     double linear = b * x * (8 * h * h + 4 * h * f);
-    c.forward = (linear + b * 4 * h * sigma) / flopsPerMs;
-    c.backwardInput = (linear + b * 8 * h * sigma) / flopsPerMs;
-    c.backwardWeight = linear / flopsPerMs;
-    // Korthikanti et al.: 34·b·x·h (10 replicated + 24 sharded by tp) + 5·heads·Σ (sharded).
-    c.activationBytes =
-        int64_t(byteScale * (b * x * h * (10 + 24.0 / tp) + 5 * heads * b * sigma / tp));
-    c.weightGradBytes = int64_t(byteScale * (b * x * h * (8 + 24.0 / tp)));
-    c.outputBytes = int64_t(b * x * h * dt);
+    double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
+    c.forward = linear / gemmPerMs + attentionF / attentionPerMs;
+    c.backwardInput = linear / gemmPerMs + attentionB / attentionPerMs;
+    c.backwardWeight = linear / gemmPerMs;
+    bool flash = t.attention == Attention::Flash;
+    double kv = flash ? (index == 0 ? 2 * double(t.seqLength) * b * cl * d : 0) : 2 * n * cl * d;
+    double probs = flash ? 4 * b * hl * x : b * hl * x * double(end) * d;
+    double kept = n * (2 * h + cl + fl) * d + 16 * n; // xIn, xMid, attOut, fcPre, statistics
+    double forwardOnly = n * cl * d + probs;          // q and the attention's state
+    double gradients = n * (4 * h + 3 * cl + fl) * d; // output gradients of the linears
+    double dkv = 2 * n * cl * 4;
+    double activation = kept + forwardOnly + kv;
+    switch (t.recompute) {
+    case Recompute::None:
+      break;
+    case Recompute::Selective:
+      if (!flash) {
+        activation -= probs;
+        c.backwardInput += attentionF / attentionPerMs;
+      }
+      break;
+    case Recompute::Full:
+      activation = n * h * d + kv;
+      c.backwardInput += c.forward;
+      break;
+    }
+    c.workspaceBytes = int64_t(n * (2 * h + std::max(3 * cl, fl)) * d);
+    // Full recomputation rebuilds one block's forward state at a time inside the backward.
+    if (t.recompute == Recompute::Full)
+      c.workspaceBytes += int64_t(kept + forwardOnly - n * h * d);
+    double weightGrad = kept + gradients;
+    c.activationBytes = int64_t(activation);
+    c.weightGradBytes = int64_t(weightGrad);
+    // At the end of the backward: the weight gradient's inputs, K/V (freed with slice 0) and
+    // dK/dV, all on top of what the forward kept.
+    c.backwardPeakBytes = std::max<int64_t>(0, int64_t(weightGrad + kv + dkv - activation));
+    c.outputBytes = int64_t(n * h * d);
     return c;
   }
   case LayerKind::Head: {
     double gemm = 2 * b * x * h * v;
-    c.forward = gemm / flopsPerMs;
-    c.backwardInput = gemm / flopsPerMs;
-    c.backwardWeight = gemm / flopsPerMs;
-    // fp32 logits (vocab-parallel) for the loss backward, plus the input for dW.
-    c.weightGradBytes = int64_t(b * x * h * dt);
-    c.activationBytes = int64_t(b * x * v * 4 / tp) + c.weightGradBytes;
+    c.forward = gemm / gemmPerMs;
+    c.backwardInput = gemm / gemmPerMs;
+    c.backwardWeight = gemm / gemmPerMs;
+    double vl = v / tp;
+    // Forward: final layernorm output and its statistics, the rank's logits (the loss
+    // backward overwrites them with their gradient), the log-sum-exp and loss per token (its
+    // input is the stage's residual stream). Backward: the layernorm's input stays for W,
+    // the logits' gradient and dLnfOut join, the log-sum-exp goes.
+    c.activationBytes = int64_t(n * (h + vl) * d + 16 * n);
+    c.weightGradBytes = int64_t(n * (3 * h + vl) * d + 12 * n);
+    c.backwardPeakBytes = c.weightGradBytes - c.activationBytes;
     c.outputBytes = 0;
     return c;
   }
@@ -108,11 +226,18 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
   std::string where = jsonPath(path, key);
   if (auto err = r.expectObject(*it, where))
     return err;
-  if (auto err = r.onlyKeys(*it, where, {"bandwidth_GBps", "latency_us"}))
+  if (auto err = r.onlyKeys(*it, where, {"bandwidth_GBps", "latency_us", "efficiency"}))
     return err;
   if (auto err = r.getNumber(*it, where, "bandwidth_GBps", out.bandwidthGBps, true, 1e-9))
     return err;
-  return r.getNumber(*it, where, "latency_us", out.latencyUs, true);
+  if (auto err = r.getNumber(*it, where, "latency_us", out.latencyUs, true))
+    return err;
+  if (auto err = r.getNumber(*it, where, "efficiency", out.efficiency, false, 1e-9))
+    return err;
+  if (out.efficiency > 1)
+    return inputError("{}: {}.efficiency: expected a number in (0, 1], got {}", r.name(), where,
+                      out.efficiency);
+  return llvm::Error::success();
 }
 
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
@@ -129,8 +254,9 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
       return err;
-    if (auto err = r.onlyKeys(*it, "$.device",
-                              {"name", "peak_tflops", "achieved_fraction", "memory_bytes"}))
+    if (auto err = r.onlyKeys(
+            *it, "$.device",
+            {"name", "peak_tflops", "achieved_fraction", "attention_fraction", "memory_bytes"}))
       return err;
     if (auto err = r.getString(*it, "$.device", "name", c.deviceName, false))
       return err;
@@ -142,6 +268,12 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
     if (c.achievedFraction > 1)
       return inputError("{}: $.device.achieved_fraction: expected a number in (0, 1], got {}",
                         r.name(), c.achievedFraction);
+    if (auto err =
+            r.getNumber(*it, "$.device", "attention_fraction", c.attentionFraction, false, 1e-9))
+      return err;
+    if (c.attentionFraction > 1)
+      return inputError("{}: $.device.attention_fraction: expected a number in (0, 1], got {}",
+                        r.name(), c.attentionFraction);
     if (auto err = r.getInt(*it, "$.device", "memory_bytes", c.memoryBytes, false, 1))
       return err;
   }
@@ -215,10 +347,10 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   const char *path = "$.transformer";
   if (auto err = r.expectObject(t, path))
     return err;
-  if (auto err =
-          r.onlyKeys(t, path,
-                     {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                      "vocab_size", "seq_length", "microbatch_size", "dtype", "tie_embeddings"}))
+  if (auto err = r.onlyKeys(t, path,
+                            {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                             "vocab_size", "seq_length", "microbatch_size", "dtype",
+                             "tie_embeddings", "attention", "recompute"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -240,6 +372,19 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return err;
   if (auto err = r.getBool(t, path, "tie_embeddings", c.tieEmbeddings, false))
     return err;
+  std::string attention = "flash", recompute = "none";
+  if (auto err = r.getString(t, path, "attention", attention, false))
+    return err;
+  if (!attentionFromString(attention, c.attention))
+    return inputError("{}: $.transformer.attention: expected \"flash\" or \"materialized\", got "
+                      "\"{}\"",
+                      r.name(), attention);
+  if (auto err = r.getString(t, path, "recompute", recompute, false))
+    return err;
+  if (!recomputeFromString(recompute, c.recompute))
+    return inputError("{}: $.transformer.recompute: expected \"none\", \"selective\" or "
+                      "\"full\", got \"{}\"",
+                      r.name(), recompute);
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32")
     return inputError("{}: $.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got "
                       "\"{}\"",

@@ -23,13 +23,22 @@ namespace pipec {
 struct Link {
   double bandwidthGBps = 0;
   double latencyUs = 0;
+  /// Fraction of the nominal bandwidth that transfers and collectives reach (NCCL's bus
+  /// bandwidth over the link's), in (0, 1].
+  double efficiency = 1.0;
+  /// Bytes per millisecond the link moves in practice.
+  double bytesPerMs() const { return bandwidthGBps * efficiency * 1e6; }
 };
 
 /// pipecluster/1.
 struct ClusterSpec {
   std::string deviceName = "H100-SXM";
   double peakTflops = 989;
+  /// Fraction of peak_tflops the GEMMs reach (the matrix multiplies of every layer).
   double achievedFraction = 0.55;
+  /// Fraction of peak_tflops the attention core reaches (QK^T, softmax, times V); 0 = the same
+  /// as achievedFraction.
+  double attentionFraction = 0;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};
@@ -37,7 +46,26 @@ struct ClusterSpec {
 
   /// The embedded default (an H100 SXM node with 8 GPUs).
   static ClusterSpec defaults() { return ClusterSpec{}; }
+  /// FLOPs per millisecond of one device on GEMMs and on the attention core.
+  double gemmFlopsPerMs() const { return peakTflops * 1e9 * achievedFraction; }
+  double attentionFlopsPerMs() const {
+    return peakTflops * 1e9 * (attentionFraction > 0 ? attentionFraction : achievedFraction);
+  }
 };
+
+/// How the attention kernels treat the score matrix (DESIGN §3.1): "flash" keeps a log-sum-exp
+/// per row and recomputes the probabilities in the backward (the device backends' tiled
+/// kernels); "materialized" keeps the probabilities from forward to backward (the cpu
+/// backend's reference kernels).
+enum class Attention : uint8_t { Flash, Materialized };
+/// Activation recomputation (Korthikanti et al. 2022): "selective" recomputes the attention
+/// core in the backward instead of keeping its probabilities; "full" keeps only each block's
+/// input and recomputes the block's forward in the backward.
+enum class Recompute : uint8_t { None, Selective, Full };
+llvm::StringRef toString(Attention a);
+llvm::StringRef toString(Recompute r);
+bool attentionFromString(llvm::StringRef name, Attention &out);
+bool recomputeFromString(llvm::StringRef name, Recompute &out);
 
 enum class LayerKind : uint8_t { Abstract, Embedding, Block, Head };
 
@@ -59,13 +87,22 @@ struct TransformerConfig {
   /// Input and output embeddings share one matrix; the first and last stage keep copies whose
   /// gradients are summed (Megatron-LM's embedding group).
   bool tieEmbeddings = false;
+  Attention attention = Attention::Flash;
+  Recompute recompute = Recompute::None;
   int64_t dtypeBytes() const { return dtype == "fp32" ? 4 : 2; }
 };
 
-/// Costs of one layer for one sub-sequence of one microbatch.
+/// Costs of one layer for one sub-sequence of one microbatch. Memory (DESIGN §6): the layer
+/// holds activationBytes from its forward to the end of its input-gradient backward,
+/// weightGradBytes from there to the end of its weight-gradient backward (more than
+/// activationBytes where the runtime keeps the output gradients the weight gradient needs), and
+/// while a backward runs up to backwardPeakBytes on top of activationBytes (what it builds for
+/// the weight gradient, dK/dV accumulators). workspaceBytes: the most one op of the layer
+/// allocates for itself and frees before it ends (a stage needs its largest layer's, once).
 struct SliceCost {
   double forward = 0, backwardInput = 0, backwardWeight = 0;
   int64_t activationBytes = 0, weightGradBytes = 0, outputBytes = 0;
+  int64_t backwardPeakBytes = 0, workspaceBytes = 0;
 };
 
 /// pipemodel/1.
@@ -92,6 +129,13 @@ struct ModelSpec {
                       int sliceIndex, int numSlices, int tp) const;
   /// Forward FLOPs of tokens [0, end) through one transformer block (for FLOP-balanced slicing).
   double blockForwardFlopsPrefix(int64_t end) const;
+  /// Bytes a stage keeps per (microbatch, slice) besides its layers' own: the residual stream
+  /// from the forward to the backward, then its gradient until the weight gradient (the same
+  /// size, b·x·h in the model's dtype); 0 for abstract models.
+  int64_t residualBytes(int64_t begin, int64_t end) const;
+  /// FLOPs of one microbatch through the model (forward, input and weight gradients, without
+  /// recomputation), over the whole sequence at tp = 1: what model FLOP/s and MFU count.
+  double modelFlopsPerMicrobatch() const;
 };
 
 /// Parse and check a model spec; errors name `source`, the JSON path and what was expected.

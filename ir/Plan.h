@@ -46,6 +46,13 @@ struct StageInfo {
   // Per-slice costs (seq_splits entries each).
   llvm::SmallVector<double, 1> forward, backwardInput, backwardWeight;
   llvm::SmallVector<int64_t, 1> activationBytes, weightGradBytes, outputBytes;
+  /// Bytes a backward of the slice holds on top of its activation_bytes while it runs (DESIGN
+  /// §6); all 0 when the model gives none (the memory pass then takes weight_grad_bytes -
+  /// activation_bytes where that is positive).
+  llvm::SmallVector<int64_t, 1> backwardPeakBytes;
+  /// Bytes the largest op of the stage allocates for itself and frees before it ends; the
+  /// memory pass adds them to the rank's bytes at every op of the stage.
+  llvm::SmallVector<int64_t, 1> workspaceBytes;
   int64_t paramBytes = 0;
   /// Tensor-parallel all-reduces in one forward (and one backward_input) of this stage.
   int tpAllReduces = 0;

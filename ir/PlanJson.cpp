@@ -4,6 +4,8 @@
 #include "ir/JsonRead.h"
 #include "ir/Model.h"
 
+#include "llvm/ADT/STLExtras.h"
+
 namespace pipec {
 
 using OJson = nlohmann::ordered_json;
@@ -89,7 +91,9 @@ std::string writePlanJson(const Plan &plan) {
                              {"seq_length", t.seqLength},
                              {"microbatch_size", t.microbatchSize},
                              {"dtype", t.dtype},
-                             {"tie_embeddings", t.tieEmbeddings}};
+                             {"tie_embeddings", t.tieEmbeddings},
+                             {"attention", toString(t.attention).str()},
+                             {"recompute", toString(t.recompute).str()}};
   }
   OJson slices = OJson::array();
   for (auto [b, e] : plan.seqSlices)
@@ -109,6 +113,14 @@ std::string writePlanJson(const Plan &plan) {
     o["weight_grad_bytes"] =
         std::vector<int64_t>(s.weightGradBytes.begin(), s.weightGradBytes.end());
     o["output_bytes"] = std::vector<int64_t>(s.outputBytes.begin(), s.outputBytes.end());
+    auto nonzero = [](llvm::ArrayRef<int64_t> v) {
+      return llvm::any_of(v, [](int64_t b) { return b != 0; });
+    };
+    if (nonzero(s.backwardPeakBytes))
+      o["backward_peak_bytes"] =
+          std::vector<int64_t>(s.backwardPeakBytes.begin(), s.backwardPeakBytes.end());
+    if (nonzero(s.workspaceBytes))
+      o["workspace_bytes"] = std::vector<int64_t>(s.workspaceBytes.begin(), s.workspaceBytes.end());
     o["param_bytes"] = s.paramBytes;
     o["tp_allreduces"] = s.tpAllReduces;
     o["activation_transfer_time"] =
@@ -234,12 +246,12 @@ struct PlanReader {
     std::string path = jsonPath("$.stages", index);
     if (auto err = r.expectObject(o, path))
       return err;
-    if (auto err =
-            r.onlyKeys(o, path,
-                       {"stage", "rank", "layers", "forward", "backward_input", "backward_weight",
-                        "activation_bytes", "weight_grad_bytes", "output_bytes", "param_bytes",
-                        "tp_allreduces", "activation_transfer_time", "gradient_transfer_time",
-                        "tp_allreduce_time", "dp_allreduce_time"}))
+    if (auto err = r.onlyKeys(o, path,
+                              {"stage", "rank", "layers", "forward", "backward_input",
+                               "backward_weight", "activation_bytes", "weight_grad_bytes",
+                               "output_bytes", "backward_peak_bytes", "workspace_bytes",
+                               "param_bytes", "tp_allreduces", "activation_transfer_time",
+                               "gradient_transfer_time", "tp_allreduce_time", "dp_allreduce_time"}))
       return err;
     StageInfo s;
     int32_t stage = -1;
@@ -275,11 +287,10 @@ struct PlanReader {
       return err;
     if (auto err = readArray(o, path, "output_bytes", s.outputBytes, true))
       return err;
-    for (size_t k = 0; k < s.activationBytes.size(); ++k)
-      if (s.weightGradBytes[k] > s.activationBytes[k])
-        return r.fail(jsonPath(jsonPath(path, "weight_grad_bytes"), k),
-                      fmt::format("at most activation_bytes[{}] ({})", k, s.activationBytes[k]),
-                      &o["weight_grad_bytes"][k]);
+    if (auto err = readArray(o, path, "backward_peak_bytes", s.backwardPeakBytes, false))
+      return err;
+    if (auto err = readArray(o, path, "workspace_bytes", s.workspaceBytes, false))
+      return err;
     if (auto err = r.getInt(o, path, "param_bytes", s.paramBytes, true))
       return err;
     if (auto err = r.getInt32(o, path, "tp_allreduces", s.tpAllReduces, false))

@@ -7,6 +7,9 @@
 // once, or after the plan's last tp all-reduce of the op), and which input gradients must be
 // kept: those whose consumer is on this rank and may run after the weight gradient frees the
 // slice's state (V-shapes), and those this rank sends only after it (a valid, if unusual, plan).
+// A kept tensor is freed once it is used: after its consumer's last part, or at this rank's
+// next compute op after its send was exchanged (the transports order every read of a send
+// before work the compute stream queues later, runtime/cuda/DeviceArena.h).
 //
 // The cpu backend (kernels::StageCompute, host vectors) and the cuda backend (GpuStage, arena
 // buffers) derive from it (CRTP), so the cpu backend's gradient tests cover this logic for both.
@@ -41,6 +44,7 @@
 #include <set>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 namespace pipec {
 
@@ -77,6 +81,10 @@ private:
   llvm::Error computeOp(const Instruction &i) {
     if (auto err = takeDeferred())
       return err;
+    // Kept tensors whose sends have been exchanged since the last compute op.
+    for (uint64_t k : keptSent)
+      kept.erase(k);
+    keptSent.clear();
     Stage &st = *stages.at(i.stage);
     // An unsplit op (tp = 1) runs every kernel part; the reductions between them are over one
     // rank, i.e. nothing. A split op runs its one part; the plan's tp all_reduce follows.
@@ -102,8 +110,10 @@ private:
       if (last && i.part < 0 && i.stage == plan.numStages() - 1 && c.tp == 0)
         if (auto err = self().addLoss(st, i.mb, i.slice))
           return err;
-      if (last)
+      if (last) {
         received.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
+        kept.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
+      }
       return llvm::Error::success();
     }
     case OpKind::BackwardInput:
@@ -124,6 +134,7 @@ private:
       if (!last)
         return llvm::Error::success();
       received.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
+      kept.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
       // A fused backward's weight half runs once the last part's reduction is in place: now
       // when unsplit, after the plan's tp all_reduce otherwise.
       if (i.op == OpKind::Backward && i.part < 0)
@@ -209,6 +220,7 @@ protected:
   void clearStepBuffers() {
     received.clear();
     kept.clear();
+    keptSent.clear();
   }
 
   void defer(llvm::Error err) {
@@ -245,10 +257,13 @@ private:
     }
   }
 
-  /// The tensor a send carries: kept, or its stage's output / input gradient.
+  /// The tensor a send carries: kept (freed at the next compute op), or its stage's output /
+  /// input gradient.
   llvm::Expected<TensorView> sendSource(const Instruction &i) {
-    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
+    if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end()) {
+      keptSent.push_back(it->first);
       return Derived::viewOf(it->second);
+    }
     Stage &st = *stages.at(i.stage);
     if (i.tensor == TensorKind::Activation)
       return stage_dispatch::liftView(st.output(i.mb, i.slice));
@@ -298,6 +313,7 @@ private:
 
   size_t elementsPerToken;
   std::map<uint64_t, Buffer> received, kept;
+  std::vector<uint64_t> keptSent; // kept tensors sent since the last compute op
   std::set<uint64_t> sentLate;
   TensorView pendingReduce;
   llvm::Error deferred = llvm::Error::success();

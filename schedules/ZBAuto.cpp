@@ -16,11 +16,12 @@
 // the clock); runs that cannot beat the best so far are cut short by a span lower bound. It
 // keeps the order of least max per-rank span (the paper's bubble), then least makespan, and
 // never one slower than 1F1B with split backward when that fits the limit. Every candidate
-// respects the limit by construction (a forward starts only if its M_B fits; I and W only free
-// memory, DESIGN §6). Deterministic: no randomness, ties broken by (time, rank), then by the
-// order of the variants.
-// Constraints: --vpp 1 (loop placement), --seq-splits 1, and --memory-limit (bytes of
-// activations per rank) at least one microbatch's activation_bytes on every stage.
+// respects the limit by construction (a forward starts only if its microbatch's lifetime peak
+// fits: M_B plus what its backward adds, which may keep more than M_B for W; after that I and W
+// only give back, DESIGN §6). Deterministic: no randomness, ties broken by (time, rank), then by
+// the order of the variants. Constraints: --vpp 1 (loop placement), --seq-splits 1, and
+// --memory-limit (bytes of activations per rank) at least one microbatch's lifetime peak on every
+// stage.
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/Policy.h"
@@ -52,6 +53,8 @@ struct RankCosts {
   /// fComm[r]: F(r)'s output to rank r+1; bComm[r]: I(r)'s input gradient to rank r-1.
   std::vector<double> fComm, bComm;
   std::vector<int64_t> act, wgrad;
+  /// What one op of the rank's stage allocates for itself while it runs (workspace_bytes).
+  std::vector<int64_t> ws;
 };
 
 /// How the greedy chooses when a rank is free and no input gradient is waiting.
@@ -265,7 +268,8 @@ private:
     double now = clk[ri];
     // 1. An input gradient that has arrived: I is on every upstream rank's critical path.
     double aB = kUnknown, nextB = kInf;
-    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] && mem[ri] + c.act[ri] <= limit) {
+    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] &&
+        mem[ri] + c.act[ri] + c.ws[ri] <= limit) {
       double a = arrivalF(r, nf[ri]);
       if (a != kUnknown && a <= t) {
         schedule(r, OpKind::Forward, std::max(now, a));
@@ -284,7 +288,7 @@ private:
     bool fLeft = nf[ri] < m;
     double aF = fLeft ? arrivalF(r, nf[ri]) : kUnknown;
     bool fHere = fLeft && aF != kUnknown && aF <= t;
-    bool memOk = mem[ri] + c.act[ri] <= limit;
+    bool memOk = mem[ri] + c.act[ri] + c.ws[ri] <= limit;
     bool capOk = nf[ri] - nb[ri] < cap[ri];
     if (fHere && memOk && capOk) {
       double start = std::max(now, aF);
@@ -402,7 +406,7 @@ int64_t peakActivation(const RankCosts &c, const ComputeOrder &order, size_t r) 
   for (const Instruction &i : order[r]) {
     if (i.op == OpKind::Forward)
       cur += c.act[r];
-    peak = std::max(peak, cur);
+    peak = std::max(peak, cur + c.ws[r]);
     if (i.op == OpKind::BackwardInput)
       cur -= c.act[r] - c.wgrad[r];
     if (i.op == OpKind::BackwardWeight)
@@ -459,6 +463,23 @@ std::vector<Variant> variants(int p, bool roomy, bool wide) {
   return out;
 }
 
+/// The most a microbatch of stage `st` ever holds (DESIGN §6): its activations plus what its
+/// backward adds while it runs, which covers the weight gradient's bytes after it. The greedy
+/// reserves this much at the forward, so that neither I (which may keep more than the forward
+/// did) nor anything after it can go past the limit.
+int64_t lifetimePeak(const StageInfo &st) {
+  int64_t a = st.activationBytes[0];
+  int64_t w = st.weightGradBytes.empty() ? 0 : st.weightGradBytes[0];
+  int64_t extra = std::max<int64_t>(w - a, 0);
+  if (!st.backwardPeakBytes.empty())
+    extra = std::max(extra, st.backwardPeakBytes[0]);
+  return a + extra;
+}
+
+int64_t workspace(const StageInfo &st) {
+  return st.workspaceBytes.empty() ? 0 : st.workspaceBytes[0];
+}
+
 RankCosts rankCosts(const ScheduleRequest &req) {
   RankCosts c;
   size_t p = size_t(req.parallel.pp);
@@ -469,6 +490,7 @@ RankCosts rankCosts(const ScheduleRequest &req) {
   c.bComm.resize(p);
   c.act.resize(p);
   c.wgrad.resize(p);
+  c.ws.resize(p);
   for (const StageInfo &st : req.stages) {
     size_t r = size_t(st.stage);
     c.f[r] = st.forward[0];
@@ -476,8 +498,9 @@ RankCosts rankCosts(const ScheduleRequest &req) {
     c.w[r] = st.backwardWeight[0];
     c.fComm[r] = st.activationTransferTime.empty() ? 0 : st.activationTransferTime[0];
     c.bComm[r] = st.gradientTransferTime.empty() ? 0 : st.gradientTransferTime[0];
-    c.act[r] = st.activationBytes[0];
-    c.wgrad[r] = st.weightGradBytes[0];
+    c.act[r] = lifetimePeak(st);
+    c.wgrad[r] = st.weightGradBytes.empty() ? 0 : st.weightGradBytes[0];
+    c.ws[r] = workspace(st);
   }
   return c;
 }
@@ -487,8 +510,8 @@ std::pair<int64_t, int> minimumLimit(const ScheduleRequest &req) {
   int64_t most = 0;
   int stage = 0;
   for (const StageInfo &st : req.stages)
-    if (st.activationBytes[0] > most) {
-      most = st.activationBytes[0];
+    if (lifetimePeak(st) + workspace(st) > most) {
+      most = lifetimePeak(st) + workspace(st);
       stage = st.stage;
     }
   return {most, stage};

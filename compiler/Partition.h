@@ -1,0 +1,43 @@
+//===- Partition.h - Layers into stages, as the partition pass does it -*- C++ -*-===//
+//
+// The partition pass's pieces, for callers that build many stage tables of one model (the
+// planner, compiler/Planner.h): the same functions the pass runs, so a stage table built here
+// is the one `pipec compile` builds for the same configuration, bit for bit.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_COMPILER_PARTITION_H
+#define PIPEC_COMPILER_PARTITION_H
+
+#include "ir/Model.h"
+#include "ir/Plan.h"
+
+#include "llvm/ADT/ArrayRef.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace pipec {
+
+/// Whole-sequence time (F + B + W) of every layer of `model` on one of `tp` ranks: what the
+/// partition balances.
+std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluster, int64_t seq,
+                               int tp);
+
+/// Split `cost` into `parts` contiguous non-empty ranges of least maximum sum (then least sum of
+/// squares, then earliest cuts); returns the end of each range. Needs parts <= cost.size().
+std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts);
+
+/// Fill plan.stages for plan.parallel, plan.placement and plan.seqSlices: stage s holds the
+/// layers [ends[s-1], ends[s]) with their per-slice costs, bytes and transfer times.
+void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
+                 llvm::ArrayRef<int> ends);
+
+/// The seq-split pass's token ranges: K equal ranges for an abstract model, the Seq1F1B
+/// FLOP-balanced ones (multiples of tp) for a transformer. An InputError when K slices do not
+/// fit the sequence.
+llvm::Error seqSlicesFor(const ModelSpec &model, int seqSplits, int tp,
+                         std::vector<std::pair<int64_t, int64_t>> &out);
+
+} // namespace pipec
+
+#endif // PIPEC_COMPILER_PARTITION_H
