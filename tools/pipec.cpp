@@ -5,6 +5,7 @@
 //   pipec simulate plan.json [--trace trace.json]
 //   pipec show plan.json [--compute-only] [--text]
 //   pipec list-schedules
+//   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -17,6 +18,7 @@
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 #include "tools/Args.h"
+#include "tools/PlanCommand.h"
 
 #include <fmt/format.h>
 
@@ -33,7 +35,7 @@ commands:
   compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
-          [--show] [--trace trace.json]
+          [--recompute none|selective|full] [--show] [--trace trace.json]
                       compile, verify and simulate a plan; print its summary
   validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
   simulate plan.json [--trace trace.json]
@@ -41,9 +43,16 @@ commands:
   show plan.json [--compute-only] [--text]
                       the rank x step grid (or, with --text, one line per rank)
   list-schedules      the schedules, their constraints and a line on each
-
+%s
 exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
 )";
+
+/// kUsage with `pipec plan`'s lines in their place.
+std::string usage() {
+  std::string u = kUsage;
+  u.replace(u.find("%s"), 2, kPlanUsage);
+  return u;
+}
 
 std::string humanBytes(int64_t b) {
   const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -113,7 +122,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2,
                           {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
                            "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace"},
+                           "--microbatch-group-size", "-o", "--output", "--trace", "--recompute"},
                           {"--show", "--quiet"}, "compile");
   if (!args)
     return args.takeError();
@@ -162,6 +171,15 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
+  if (auto r = args->get("--recompute")) {
+    if (!model->transformer)
+      return inputError("--recompute: the model is an abstract layer list with given costs; "
+                        "recomputation applies to a \"transformer\" model");
+    if (!recomputeFromString(*r, model->transformer->recompute))
+      return inputError("--recompute: expected none, selective or full (got '{}'); try "
+                        "--recompute full",
+                        *r);
+  }
   ClusterSpec cluster = ClusterSpec::defaults();
   if (auto c = args->path("--cluster")) {
     auto loaded = loadClusterSpec(*c);
@@ -286,12 +304,12 @@ llvm::Error cmdListSchedules(int argc, char **argv) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fmt::print(stderr, "{}", kUsage);
+    fmt::print(stderr, "{}", usage());
     return 2;
   }
   llvm::StringRef cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
-    fmt::print("{}", kUsage);
+    fmt::print("{}", usage());
     return 0;
   }
   llvm::Error err = llvm::Error::success();
@@ -305,9 +323,11 @@ int main(int argc, char **argv) {
     err = cmdShow(argc, argv);
   else if (cmd == "list-schedules")
     err = cmdListSchedules(argc, argv);
+  else if (cmd == "plan")
+    err = runPlanCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
-                     "list-schedules)",
+                     "list-schedules, plan)",
                      cmd.str());
   if (err)
     return reportError("pipec", std::move(err));

@@ -132,6 +132,10 @@ llvm::Error run(int argc, char **argv) {
   if (auto err = verifyPlan(*plan))
     return finding("refusing to run a plan that fails verification: {}",
                    takeMessage(std::move(err)));
+  if (plan->transformer && plan->transformer->recompute != Recompute::None)
+    return inputError("the plan recomputes activations ($.transformer.recompute: \"{}\"), which "
+                      "piperun does not execute; compile it with --recompute none",
+                      toString(plan->transformer->recompute).str());
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();

@@ -1,0 +1,132 @@
+//===- Planner.h - pipec plan: the best layout and schedule for a cluster -*- C++ -*-===//
+//
+// Given a model, a cluster and a number of GPUs, the planner enumerates every layout that fits:
+// tensor-parallel size tp (dividing the heads, the MLP's hidden size and the vocabulary; within
+// a node unless allowed across), pipeline size pp, data-parallel size dp = GPUs / (tp·pp),
+// microbatch size b and count m with dp·m·b = the global batch, virtual stages and sequence
+// splits where a schedule takes them, every schedule whose constraints the layout meets, and
+// activation recomputation where asked. It keeps the layouts whose worst rank's peak memory
+// fits the device, simulates each, and ranks them by step time.
+//
+// How (the "fast"):
+//   - no JSON, no lowering per candidate: the stage table comes from the partition pass's own
+//     functions (compiler/Partition.h, partitions cached per model variant, tp and stage
+//     count), the order from the schedule policy, and step time and activation memory from
+//     quickEvaluate (compiler/QuickEval.h), which computes exactly what the full pipeline would;
+//   - bounds before scheduling: a memory lower bound (a rank's static bytes plus the most one
+//     of its microbatches holds) drops a layout that cannot fit; a step-time lower bound (the
+//     busiest rank's compute and tp all-reduces, after the pipeline fill before it) prunes a
+//     layout that cannot enter the top K found so far;
+//   - candidates run in waves over the machine's cores, best lower bound first; the threshold
+//     for pruning changes only between waves, so what is pruned, and so the whole result, does
+//     not depend on the threads' timing;
+//   - the candidates that may enter the top K are compiled in full (compilePlan: lowering,
+//     exact memory with receive buffers, verification), and only compiled plans are ranked.
+// Ties are broken by the order candidates are enumerated in (PlanCandidate's fields, in
+// declaration order: recompute, tp, pp, microbatch size, schedule as listed, vpp, seq splits).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_COMPILER_PLANNER_H
+#define PIPEC_COMPILER_PLANNER_H
+
+#include "ir/Model.h"
+#include "ir/Plan.h"
+
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+struct PlannerOptions {
+  int gpus = 0;
+  /// Sequences per step (transformer models) or microbatches per step (abstract models).
+  int64_t globalBatch = 0;
+  /// Schedule names to consider; empty: every registered schedule.
+  std::vector<std::string> schedules;
+  /// Bytes per GPU a plan may use; 0: the cluster device's memory.
+  int64_t memoryLimit = 0;
+  int top = 5;
+  /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
+  bool tpAcrossNodes = false;
+  /// Recomputation settings to try; empty: the model's own.
+  std::vector<Recompute> recompute;
+  /// Microbatch sizes to try; empty: every divisor of the per-replica batch up to
+  /// maxMicrobatchSize (transformer models; an abstract model's microbatch is its unit).
+  std::vector<int64_t> microbatchSizes;
+  int64_t maxMicrobatchSize = 16;
+  /// Sequence splits to try with the schedules that take them.
+  std::vector<int> seqSplits = {1, 2, 4, 8};
+  /// Most virtual stages per rank to try with the schedules that take several.
+  int maxVpp = 8;
+  /// Worker threads; 0: the machine's cores.
+  unsigned threads = 0;
+};
+
+/// What became of a candidate.
+enum class Outcome : uint8_t {
+  Ranked,       // among the top K
+  Fits,         // fits in memory, simulated, not among the top K
+  Memory,       // its worst rank needs more than the limit
+  Divisibility, // tp, the batch or the layer count does not divide as the layout needs
+  Constraint,   // a schedule's constraint (its --vpp, --seq-splits, --microbatches rules)
+  Pruned,       // its step-time lower bound could not beat the K-th best
+};
+llvm::StringRef toString(Outcome o);
+
+struct PlanCandidate {
+  Recompute recompute = Recompute::None;
+  /// pp, vpp, tp, dp, microbatches, seq splits.
+  ParallelConfig parallel;
+  int64_t microbatchSize = 1;
+  std::string schedule;
+
+  Outcome outcome = Outcome::Divisibility;
+  /// For a drop: one line saying why.
+  std::string why;
+  /// Simulated (Ranked, Fits and some Memory candidates).
+  bool simulated = false;
+  double stepTime = 0, bubbleRatio = 0;
+  /// Lower bound of the step time (0 when not computed).
+  double stepTimeBound = 0;
+  /// Peak memory of the worst rank: exact (with receive buffers) when compiled, else static
+  /// bytes plus peak activations (a lower bound).
+  int64_t peakMemoryBytes = 0;
+  int worstRank = 0;
+  bool compiled = false;
+  /// The activation budget zb-auto ran under (0 for other schedules).
+  int64_t zbAutoLimit = 0;
+};
+
+struct PlannerResult {
+  /// Every candidate, in enumeration order.
+  std::vector<PlanCandidate> candidates;
+  /// The top K, best first: indices into candidates.
+  std::vector<size_t> ranked;
+  /// The best candidate's compiled, verified plan (empty when nothing fits).
+  Plan best;
+  int64_t memoryLimit = 0;
+  /// Model FLOPs of one step (no recomputation) and the tokens it trains; 0 for abstract models.
+  std::vector<double> modelFlops; // per ranked entry
+  int64_t tokensPerStep = 0;
+};
+
+/// Search. An InputError for bad input (no layout of that many GPUs, a global batch no layout
+/// divides, an unknown schedule), naming the flag and the nearest valid value; a Finding when
+/// layouts exist but none fits in memory, naming the smallest shortfall.
+llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterSpec &cluster,
+                                          const PlannerOptions &options);
+
+/// Every candidate as CSV, one row each, a header first.
+std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
+                       const PlannerOptions &options, const PlannerResult &result);
+
+/// The model with microbatch size `b` and recomputation `r` (a transformer's; an abstract
+/// model is returned as it is): what a candidate compiles.
+ModelSpec modelVariant(const ModelSpec &model, int64_t microbatchSize, Recompute recompute);
+
+} // namespace pipec
+
+#endif // PIPEC_COMPILER_PLANNER_H

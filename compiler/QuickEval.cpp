@@ -1,0 +1,217 @@
+//===- QuickEval.cpp - Step time and memory of a compute order, without lowering ------===//
+//
+// Mirrors, operation for operation, what lower-collectives produces and what the simulate and
+// memory passes then compute (compiler/LowerCollectives.cpp, Simulator.cpp, Memory.cpp):
+//   - an op of a stage with tp_allreduces n > 0 (at tp > 1), other than a weight gradient, runs
+//     as n parts of t/n, each followed by a tp all-reduce on the same stream; its output is
+//     ready at the end of its last part;
+//   - the dp all-reduce of a stage follows the stage's last weight gradient on the rank (after
+//     that op's tp all-reduces), serial on the dp stream;
+//   - memory: the same events at the same points of the stream.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/QuickEval.h"
+
+#include "compiler/Semantics.h"
+#include "ir/Error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace pipec {
+
+namespace {
+
+constexpr double kNotDone = -1.0;
+
+/// tp parts of a compute op, as lower-collectives splits it (0: not split).
+int partsOf(const Plan &plan, const Instruction &i) {
+  if (plan.parallel.tp <= 1 || i.op == OpKind::BackwardWeight)
+    return 0;
+  return std::max(plan.stages[size_t(i.stage)].tpAllReduces, 0);
+}
+
+double transferTime(const Plan &plan, const Input &in) {
+  const StageInfo &p = plan.stages[size_t(in.stage)];
+  return in.tensor == TensorKind::Activation ? p.activationTransferTime[size_t(in.slice)]
+                                             : p.gradientTransferTime[size_t(in.slice)];
+}
+
+struct RankClock {
+  size_t pos = 0;
+  double clock = 0;
+  // What summarizeTimeline accumulates, in stream order.
+  double busy = 0, start = std::numeric_limits<double>::infinity(), end = 0;
+  double dpFree = 0, lastComputeEnd = 0;
+  bool any = false;
+};
+
+} // namespace
+
+llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
+  KeySpace keys(plan);
+  size_t numRanks = plan.ranks.size();
+  std::vector<double> done(keys.size(), kNotDone);
+  std::vector<int32_t> waitHead(keys.size(), -1), waitNext(numRanks, -1);
+  std::vector<RankClock> rc(numRanks);
+  // The stage whose last weight-gradient op is at step n of rank r: its dp all-reduce follows.
+  std::vector<std::vector<int32_t>> dpAfter(numRanks);
+  if (plan.parallel.dp > 1) {
+    for (size_t r = 0; r < numRanks; ++r) {
+      const auto &stream = plan.ranks[r];
+      dpAfter[r].assign(stream.size(), -1);
+      std::vector<int32_t> last(plan.stages.size(), -1);
+      for (size_t n = 0; n < stream.size(); ++n)
+        if (stream[n].op == OpKind::BackwardWeight || stream[n].op == OpKind::Backward)
+          last[size_t(stream[n].stage)] = int32_t(n);
+      for (size_t s = 0; s < last.size(); ++s)
+        if (last[s] >= 0)
+          dpAfter[r][size_t(last[s])] = int32_t(s);
+    }
+  }
+  std::vector<int32_t> work;
+  work.reserve(numRanks);
+  for (size_t r = numRanks; r-- > 0;)
+    work.push_back(int32_t(r));
+
+  while (!work.empty()) {
+    size_t r = size_t(work.back());
+    work.pop_back();
+    RankClock &me = rc[r];
+    const auto &stream = plan.ranks[r];
+    for (; me.pos < stream.size(); ++me.pos) {
+      const Instruction &ins = stream[me.pos];
+      double ready = me.clock;
+      size_t missing = SIZE_MAX;
+      forEachInput(plan, ins, [&](const Input &in) {
+        if (missing != SIZE_MAX)
+          return;
+        size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
+        if (done[key] == kNotDone) {
+          missing = key;
+          return;
+        }
+        double arrival = done[key];
+        if (plan.rankOf(in.stage) != int(r))
+          arrival += transferTime(plan, in);
+        ready = std::max(ready, arrival);
+      });
+      if (missing != SIZE_MAX) {
+        waitNext[r] = waitHead[missing];
+        waitHead[missing] = int32_t(r);
+        break;
+      }
+      int parts = partsOf(plan, ins);
+      const StageInfo &st = plan.stages[size_t(ins.stage)];
+      Instruction part = ins;
+      part.parts = parts;
+      double duration = computeTime(plan, part);
+      double outputAt = 0;
+      me.any = true;
+      me.start = std::min(me.start, ready);
+      if (parts == 0) {
+        double end = ready + duration;
+        me.busy += end - ready;
+        me.end = std::max(me.end, end);
+        me.lastComputeEnd = end;
+        me.clock = end;
+        outputAt = end;
+      } else {
+        double at = ready;
+        double allReduce = st.tpAllReduceTime[size_t(ins.slice)];
+        for (int p = 0; p < parts; ++p) {
+          double end = at + duration;
+          me.busy += end - at;
+          me.end = std::max(me.end, end);
+          outputAt = end;
+          at = end + allReduce; // the part's tp all-reduce
+        }
+        me.lastComputeEnd = at;
+        me.clock = at;
+      }
+      if (plan.parallel.dp > 1 && dpAfter[r][me.pos] >= 0) {
+        double s = std::max(me.dpFree, me.lastComputeEnd);
+        me.dpFree = s + plan.stages[size_t(dpAfter[r][me.pos])].dpAllReduceTime;
+      }
+      size_t key = keys.key(ins);
+      done[key] = outputAt;
+      if (ins.op == OpKind::Backward)
+        done[key + 1] = outputAt;
+      for (int32_t w = waitHead[key]; w >= 0;) {
+        int32_t next = waitNext[size_t(w)];
+        work.push_back(w);
+        w = next;
+      }
+      waitHead[key] = -1;
+    }
+  }
+  for (size_t r = 0; r < numRanks; ++r)
+    if (rc[r].pos != plan.ranks[r].size())
+      return finding("the compute order cannot run: rank {} waits at step {} for an input that "
+                     "never comes",
+                     r, rc[r].pos);
+
+  double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
+         stepEnd = 0;
+  for (const RankClock &me : rc) {
+    double start = me.any ? me.start : 0;
+    first = std::min(first, start);
+    last = std::max(last, me.end);
+    stepEnd = std::max(stepEnd, std::max(me.end, me.dpFree));
+    maxSpan = std::max(maxSpan, me.end - start);
+    sumBusy += me.busy;
+  }
+  if (!std::isfinite(first))
+    first = 0;
+  out.makespan = last - first;
+  out.stepTime = stepEnd - first;
+  double meanBusy = numRanks ? sumBusy / double(numRanks) : 0;
+  out.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
+
+  // Memory: the memory pass's events on the compute ops (receive buffers aside).
+  out.peakActivationBytes.assign(numRanks, 0);
+  out.staticBytes.assign(numRanks, 0);
+  for (size_t r = 0; r < numRanks; ++r) {
+    int64_t act = 0, peak = 0;
+    for (const Instruction &i : plan.ranks[r]) {
+      const StageInfo &st = plan.stages[size_t(i.stage)];
+      size_t k = size_t(i.slice);
+      int64_t a = st.activationBytes[k], w = st.weightGradBytes[k];
+      int64_t ws = k < st.workspaceBytes.size() ? st.workspaceBytes[k] : 0;
+      if (i.op == OpKind::Forward)
+        act += a;
+      peak = std::max(peak, act + ws);
+      switch (i.op) {
+      case OpKind::Forward:
+        break;
+      case OpKind::BackwardInput:
+      case OpKind::Backward: {
+        int64_t extra = std::max<int64_t>(w - a, 0);
+        if (k < st.backwardPeakBytes.size())
+          extra = std::max(extra, st.backwardPeakBytes[k]);
+        peak = std::max(peak, act + extra + ws);
+        act -= i.op == OpKind::Backward ? a : a - w;
+        break;
+      }
+      case OpKind::BackwardWeight:
+        act -= w;
+        break;
+      case OpKind::Send:
+      case OpKind::Recv:
+      case OpKind::AllReduce:
+      case OpKind::OptimizerStep:
+        break;
+      }
+    }
+    out.peakActivationBytes[r] = peak;
+    int64_t params = 0;
+    for (const StageInfo &st : plan.stages)
+      if (st.rank == int(r))
+        params += st.paramBytes;
+    out.staticBytes[r] = int64_t(double(params) * plan.stateBytesPerParamByte);
+  }
+  return llvm::Error::success();
+}
+
+} // namespace pipec
