@@ -55,7 +55,14 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::string mib(int64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1 << 30)); }
+std::string mib(int64_t bytes) {
+  double b = double(bytes);
+  if (std::abs(b) >= double(1 << 30))
+    return fmt::format("{:.2f} GiB", b / (1 << 30));
+  if (std::abs(b) >= double(1 << 20))
+    return fmt::format("{:.2f} MiB", b / (1 << 20));
+  return fmt::format("{:.1f} KiB", b / 1024);
+}
 
 std::vector<int> divisorsOf(int n) {
   std::vector<int> out;
@@ -558,7 +565,8 @@ llvm::Expected<PlannerResult> Search::run() {
                           [](const PlanCandidate &c) { return c.outcome == Outcome::Fits; });
     };
     if (batchIsTheProblem) {
-      for (int64_t d = 1; d <= o.globalBatch; ++d)
+      // A layout of dp replicas takes a multiple of dp: one is within gpus of any batch.
+      for (int64_t d = 1; d <= o.globalBatch + o.gpus; ++d)
         for (int64_t b : {o.globalBatch - d, o.globalBatch + d})
           if (b >= 1 && layoutsExist(o.gpus, b))
             return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "

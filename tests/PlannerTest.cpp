@@ -1,0 +1,377 @@
+//===- PlannerTest.cpp - pipec plan against compiling every candidate ------===//
+//
+// Three claims of compiler/Planner.h, each against something it does not share code with:
+//   - quickEvaluate computes, bit for bit, the step time and activation peaks compilePlan's full
+//     pipeline does (lowered streams, simulate and memory passes), on every schedule;
+//   - the best layout `pipec plan` reports is the best found by running `pipec compile` on every
+//     candidate and reading the plans it writes (the brute force here enumerates the space from
+//     DESIGN §4's flags alone), and the plan it writes passes `pipec validate`;
+//   - pruning and threads change nothing: the same answer with pruning made impossible, the
+//     same CSV on one thread and on four.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+#include "tests/TestUtil.h"
+
+#include "compiler/Planner.h"
+#include "compiler/QuickEval.h"
+#include "schedules/Policy.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <tuple>
+
+namespace pipec {
+namespace {
+
+using test::options;
+
+/// The plan compilePlan builds up to (and including) the schedule pass: stages and compute-only
+/// streams.
+llvm::Expected<Plan> scheduleOnly(const ModelSpec &model, const ClusterSpec &cluster,
+                                  const CompileOptions &o) {
+  if (auto err = checkCompileOptions(o))
+    return err;
+  auto policy = findPolicy(o.schedule);
+  if (!policy)
+    return policy.takeError();
+  if (auto err = (*policy)->check(o.parallel))
+    return err;
+  PassContext ctx;
+  ctx.model = &model;
+  ctx.cluster = &cluster;
+  ctx.options = o;
+  ctx.policy = *policy;
+  Plan plan;
+  plan.schedule = o.schedule;
+  plan.parallel = o.parallel;
+  plan.placement = (*policy)->placement();
+  plan.gpusPerNode = cluster.gpusPerNode;
+  plan.stateBytesPerParamByte = model.stateBytesPerParamByte;
+  plan.transformer = model.transformer;
+  if (auto err = runPipeline({"seq-split", "partition", "schedule"}, plan, ctx))
+    return err;
+  return plan;
+}
+
+ModelSpec transformer(const std::string &extra = "", int layers = 6) {
+  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "t",
+      "transformer": {{"num_layers": {}, "hidden_size": 64, "num_attention_heads": 4,
+      "ffn_hidden_size": 256, "vocab_size": 128, "seq_length": 64, "microbatch_size": 2,
+      "dtype": "bf16"{}}}}})",
+                                      layers, extra),
+                          "t.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
+TEST(QuickEvalTest, MatchesTheFullPipelineBitForBitOnEverySchedule) {
+  ClusterSpec cluster = ClusterSpec::defaults();
+  cluster.gpusPerNode = 4; // so that some pipeline and dp links cross nodes
+  std::vector<ModelSpec> models = {
+      test::uniformModel(8, 1.0, 1.3, 0.7, 1 << 20, 1 << 19, 0.05),
+      transformer(),
+      transformer(R"(, "tie_embeddings": true, "recompute": "full")"),
+      transformer(R"(, "attention": "materialized")", 9),
+  };
+  int compared = 0;
+  for (const ModelSpec &model : models)
+    for (const SchedulePolicy *policy : allPolicies())
+      for (int pp : {1, 2, 4})
+        for (int vpp : {1, 2})
+          for (int m : {1, 4, 8})
+            for (int k : {1, 2})
+              for (auto [tp, dp] : {std::pair{1, 1}, {2, 1}, {1, 2}, {2, 4}}) {
+                if (!model.isTransformer() && tp > 1)
+                  continue;
+                CompileOptions o = options(policy->name(), pp, m, vpp, k, tp, dp);
+                if (policy->name() == "zb-auto")
+                  o.memoryLimit = int64_t(1) << 40;
+                auto full = compilePlan(model, cluster, o);
+                if (!full) {
+                  llvm::consumeError(full.takeError());
+                  continue;
+                }
+                auto partial = scheduleOnly(model, cluster, o);
+                ASSERT_TRUE(bool(partial)) << takeMessage(partial.takeError());
+                QuickStats q;
+                ASSERT_FALSE(bool(quickEvaluate(*partial, q)));
+                std::string what =
+                    fmt::format("{} {} pp={} vpp={} m={} k={} tp={} dp={}", model.name,
+                                policy->name().str(), pp, vpp, m, k, tp, dp);
+                EXPECT_EQ(q.stepTime, full->stats.stepTime) << what;
+                EXPECT_EQ(q.makespan, full->stats.makespan) << what;
+                EXPECT_EQ(q.bubbleRatio, full->stats.bubbleRatio) << what;
+                for (size_t r = 0; r < full->stats.ranks.size(); ++r) {
+                  const RankStats &rs = full->stats.ranks[r];
+                  EXPECT_EQ(q.peakActivationBytes[r], rs.peakActivationBytes) << what;
+                  EXPECT_EQ(q.staticBytes[r], rs.staticBytes) << what;
+                  // Receive buffers come on top in the full pipeline's peak.
+                  EXPECT_LE(q.staticBytes[r] + q.peakActivationBytes[r], rs.peakMemoryBytes)
+                      << what;
+                }
+                ++compared;
+              }
+  EXPECT_GT(compared, 500);
+}
+
+//===----------------------------------------------------------------------===//
+// The planner in-process
+//===----------------------------------------------------------------------===//
+
+PlannerOptions smallSearch() {
+  PlannerOptions o;
+  o.gpus = 8;
+  o.globalBatch = 32;
+  o.memoryLimit = 24 << 20;
+  o.top = 3;
+  o.maxVpp = 3;
+  o.seqSplits = {1, 2};
+  o.microbatchSizes = {1, 2, 4};
+  return o;
+}
+
+ClusterSpec smallCluster() {
+  ClusterSpec c = ClusterSpec::defaults();
+  c.gpusPerNode = 4;
+  return c;
+}
+
+TEST(PlannerTest, RankedPlansAreWhatCompilePlanMakesOfThem) {
+  ModelSpec model = transformer();
+  auto result = planLayouts(model, smallCluster(), smallSearch());
+  ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+  ASSERT_EQ(result->ranked.size(), 3u);
+  double previous = 0;
+  for (size_t i : result->ranked) {
+    const PlanCandidate &c = result->candidates[i];
+    EXPECT_EQ(c.outcome, Outcome::Ranked);
+    EXPECT_GE(c.stepTime, previous);
+    previous = c.stepTime;
+    CompileOptions o = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
+                               c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
+    o.memoryLimit = c.zbAutoLimit;
+    auto compiled = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(),
+                                o, /*verifyEach=*/true);
+    ASSERT_TRUE(bool(compiled)) << takeMessage(compiled.takeError());
+    const Plan &plan = *compiled;
+    EXPECT_EQ(plan.stats.stepTime, c.stepTime);
+    int64_t peak = 0;
+    for (const RankStats &r : plan.stats.ranks)
+      peak = std::max(peak, r.peakMemoryBytes);
+    EXPECT_EQ(peak, c.peakMemoryBytes);
+    EXPECT_LE(peak, int64_t(24) << 20);
+    EXPECT_EQ(c.parallel.tp * c.parallel.pp * c.parallel.dp, 8);
+    EXPECT_EQ(int64_t(c.parallel.dp) * c.parallel.microbatches * c.microbatchSize, 32);
+  }
+  EXPECT_EQ(result->best.stats.stepTime, result->candidates[result->ranked[0]].stepTime);
+}
+
+TEST(PlannerTest, PruningAndThreadsChangeNothing) {
+  ModelSpec model = transformer();
+  PlannerOptions one = smallSearch();
+  one.threads = 1;
+  PlannerOptions four = one;
+  four.threads = 4;
+  auto a = planLayouts(model, smallCluster(), one);
+  auto b = planLayouts(model, smallCluster(), four);
+  ASSERT_TRUE(bool(a) && bool(b));
+  EXPECT_EQ(plannerCsv(model, smallCluster(), one, *a),
+            plannerCsv(model, smallCluster(), four, *b));
+  // With a top K larger than the space, no bound can prune: the best must not move.
+  PlannerOptions all = one;
+  all.top = 1000000;
+  auto c = planLayouts(model, smallCluster(), all);
+  ASSERT_TRUE(bool(c));
+  size_t pruned = 0;
+  for (const PlanCandidate &x : a->candidates)
+    pruned += x.outcome == Outcome::Pruned;
+  EXPECT_GT(pruned, 0u) << "the bounds should prune something in this space";
+  for (const PlanCandidate &x : c->candidates)
+    EXPECT_NE(x.outcome, Outcome::Pruned);
+  for (size_t i = 0; i < 3; ++i) {
+    const PlanCandidate &x = a->candidates[a->ranked[i]], &y = c->candidates[c->ranked[i]];
+    EXPECT_EQ(x.schedule, y.schedule);
+    EXPECT_EQ(x.stepTime, y.stepTime);
+    EXPECT_EQ(x.parallel.pp, y.parallel.pp);
+    EXPECT_EQ(x.parallel.tp, y.parallel.tp);
+    EXPECT_EQ(x.microbatchSize, y.microbatchSize);
+  }
+}
+
+TEST(PlannerTest, NoLayoutInMemoryIsAFindingNamingTheSmallestShortfall) {
+  PlannerOptions o = smallSearch();
+  o.memoryLimit = 64 << 10;
+  auto r = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_FALSE(bool(r));
+  llvm::Error err = r.takeError();
+  EXPECT_TRUE(err.isA<Finding>());
+  std::string msg = takeMessage(std::move(err));
+  EXPECT_NE(msg.find("no layout of 8 GPUs fits in 64.0 KiB per GPU: the closest"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("short); try --memory-limit"), std::string::npos) << msg;
+}
+
+TEST(PlannerTest, BadInputNamesTheFlagAndTheNearestValidValue) {
+  PlannerOptions o = smallSearch();
+  // 32 GPUs of 4 per node and a model of 4 layers (2 blocks): tp <= 4 and pp <= 4 leave dp >= 2,
+  // which does not divide 7; 6 sequences on dp 2 do.
+  o.gpus = 32;
+  o.globalBatch = 7;
+  o.microbatchSizes = {};
+  auto r = planLayouts(transformer("", 2), smallCluster(), o);
+  ASSERT_FALSE(bool(r));
+  std::string msg = takeMessage(r.takeError());
+  EXPECT_NE(msg.find("--global-batch 7: no layout of 32 GPUs divides it"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("try --global-batch 6"), std::string::npos) << msg;
+  // 64 GPUs leave dp >= 4: one sequence per step is too few, four are enough.
+  o.gpus = 64;
+  o.globalBatch = 1;
+  r = planLayouts(transformer("", 2), smallCluster(), o);
+  ASSERT_FALSE(bool(r));
+  msg = takeMessage(r.takeError());
+  EXPECT_NE(msg.find("--global-batch 1: no layout of 64 GPUs divides it"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("try --global-batch 4"), std::string::npos) << msg;
+  o = smallSearch();
+  o.schedules = {"1f1b", "zb-h3"};
+  r = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_FALSE(bool(r));
+  msg = takeMessage(r.takeError());
+  EXPECT_NE(msg.find("--schedules: unknown schedule 'zb-h3'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("try zb-h1"), std::string::npos) << msg;
+}
+
+//===----------------------------------------------------------------------===//
+// Against `pipec compile` on every candidate
+//===----------------------------------------------------------------------===//
+
+using Result = testing::CommandResult;
+
+Result run(const std::string &cmd) { return testing::runCommand(cmd); }
+
+struct Found {
+  bool any = false;
+  // The planner's stated tie order: recompute, tp, pp, microbatch size, schedule (as listed),
+  // vpp, seq splits.
+  std::tuple<double, int, int, int64_t, int, int, int> key;
+  std::string schedule;
+};
+
+TEST(PlannerCliTest, TheBestIsTheBestOfCompilingEveryCandidate) {
+  const std::string dir = testing::tmpDir();
+  const std::string model = dir + "/model.json";
+  // The space: 4 GPUs, 8 sequences per step, tp in {1, 2, 4}, pp in {1, 2, 4}, microbatch
+  // size 1 or 2, vpp up to 2, seq splits 1 or 2, every schedule but zb-auto (whose budget is
+  // the planner's own rule, tested in-process above), 64 MiB per GPU.
+  const int gpus = 4, batch = 8;
+  const char *limit = "64MiB";
+  const int64_t limitBytes = int64_t(64) << 20;
+  std::vector<std::string> schedules = {
+      "gpipe", "1f1b", "interleaved-1f1b", "seq1f1b", "seq1f1b-interleaved", "zb-h1",
+      "zb-h2", "zb-v", "dualpipe-v"};
+  std::string list;
+  for (const std::string &s : schedules)
+    list += (list.empty() ? "" : ",") + s;
+  Found best;
+  int compiled = 0;
+  for (int64_t b : {1, 2}) {
+    std::ofstream(model) << fmt::format(
+        R"({{"format": "pipemodel/1", "name": "bf", "transformer": {{"num_layers": 6,
+        "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+        "vocab_size": 128, "seq_length": 128, "microbatch_size": {}, "dtype": "bf16"}}}})",
+        b);
+    for (int tp : {1, 2, 4})
+      for (int pp : {1, 2, 4}) {
+        if (gpus % (tp * pp))
+          continue;
+        int dp = gpus / (tp * pp);
+        if (batch % (dp * b))
+          continue;
+        int m = int(batch / (dp * b));
+        for (size_t si = 0; si < schedules.size(); ++si)
+          for (int vpp : {1, 2})
+            for (int k : {1, 2}) {
+              std::string out = dir + "/c.json";
+              std::remove(out.c_str());
+              Result r = run(fmt::format("tools/pipec compile --model {} --schedule {} --pp {} "
+                                         "--vpp {} --microbatches {} --seq-splits {} --tp {} "
+                                         "--dp {} -o {} --quiet",
+                                         model, schedules[si], pp, vpp, m, k, tp, dp, out));
+              if (r.code != 0) {
+                EXPECT_EQ(r.code, 2) << r.err; // a constraint, never a crash or a finding
+                continue;
+              }
+              ++compiled;
+              auto j = nlohmann::json::parse(testing::slurp(out));
+              int64_t peak = 0;
+              for (const auto &rank : j["stats"]["ranks"])
+                peak = std::max(peak, rank["peak_memory_bytes"].get<int64_t>());
+              if (peak > limitBytes)
+                continue;
+              auto key = std::make_tuple(j["stats"]["step_time"].get<double>(), tp, pp, b, int(si),
+                                         vpp, k);
+              if (!best.any || key < best.key) {
+                best.any = true;
+                best.key = key;
+                best.schedule = schedules[si];
+              }
+            }
+      }
+  }
+  ASSERT_TRUE(best.any);
+  EXPECT_GT(compiled, 100);
+  std::string plan = dir + "/best.json", csv = dir + "/all.csv";
+  Result r = run(fmt::format("tools/pipec plan --model {} --gpus {} --global-batch {} "
+                             "--memory-limit {} --schedules {} --microbatch-sizes 1,2 "
+                             "--max-vpp 2 --seq-splits 1,2 --top 3 -o {} --csv {}",
+                             model, gpus, batch, limit, list, plan, csv));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  auto j = nlohmann::json::parse(testing::slurp(plan));
+  auto [time, tp, pp, b, si, vpp, k] = best.key;
+  EXPECT_EQ(j["schedule"], best.schedule) << r.out;
+  EXPECT_EQ(j["parallel"]["tp"], tp) << r.out;
+  EXPECT_EQ(j["parallel"]["pp"], pp) << r.out;
+  EXPECT_EQ(j["parallel"]["vpp"], vpp) << r.out;
+  EXPECT_EQ(j["parallel"]["seq_splits"], k) << r.out;
+  EXPECT_EQ(j["transformer"]["microbatch_size"], b) << r.out;
+  EXPECT_EQ(j["stats"]["step_time"].get<double>(), time) << r.out;
+  Result v = run("tools/pipec validate " + plan);
+  EXPECT_EQ(v.code, 0) << v.out << v.err;
+  // The table, the counts and the CSV.
+  EXPECT_NE(r.out.find("searched "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dropped: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  1  " + best.schedule), std::string::npos) << r.out;
+  std::string table = testing::slurp(csv);
+  EXPECT_EQ(table.rfind("recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,", 0), 0u);
+  EXPECT_NE(table.find(",ranked,"), std::string::npos);
+}
+
+TEST(PlannerCliTest, BadInputIsOneLineAndExitTwo) {
+  auto expectUsage = [](const Result &r, const std::string &part) {
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_NE(r.err.find(part), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  };
+  const std::string m = "--model examples/gpt-7b-8k.json";
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8"), "missing --global-batch");
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --schedules 1f1b,zbv"),
+              "--schedules: unknown schedule 'zbv'");
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --recompute some"),
+              "--recompute: expected none, selective or full");
+  Result tooLittle = run("tools/pipec plan " + m +
+                         " --gpus 8 --global-batch 64 "
+                         "--memory-limit 1GiB -o " +
+                         testing::tmpDir() + "/none.json");
+  EXPECT_EQ(tooLittle.code, 1) << tooLittle.out << tooLittle.err;
+  EXPECT_NE(tooLittle.err.find("no layout of 8 GPUs fits in 1.00 GiB per GPU"), std::string::npos)
+      << tooLittle.err;
+  std::ifstream none(testing::tmpDir() + "/none.json");
+  EXPECT_FALSE(none.good()) << "no plan file on a finding";
+}
+
+} // namespace
+} // namespace pipec
