@@ -505,13 +505,17 @@ llvm::Expected<std::string> readFile(llvm::StringRef path) {
 
 /// Write `contents` to a new, uniquely named temporary beside `path`; its name goes to `tmp`.
 static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef contents,
+                                  const std::function<void(llvm::raw_ostream &)> &write,
                                   llvm::SmallVectorImpl<char> &tmp) {
   int fd = -1;
   std::string model = (path + ".tmp-%%%%%%").str();
   if (std::error_code ec = llvm::sys::fs::createUniqueFile(model, fd, tmp))
     return inputError("{}: cannot write: {}", path.str(), ec.message());
   llvm::raw_fd_ostream os(fd, /*shouldClose=*/true);
-  os << contents;
+  if (write)
+    write(os);
+  else
+    os << contents;
   os.close();
   if (os.has_error()) {
     os.clear_error();
@@ -556,7 +560,7 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
         llvm::sys::fs::remove(temps[i]);
   };
   for (size_t i = 0; i < files.size(); ++i) {
-    if (auto err = writeTemporary(files[i].path, files[i].contents, temps[i])) {
+    if (auto err = writeTemporary(files[i].path, files[i].contents, files[i].write, temps[i])) {
       cleanup(0);
       return inputError("{}: {}", files[i].flag, takeMessage(std::move(err)));
     }
@@ -572,7 +576,7 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
 
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents) {
   llvm::SmallString<256> tmp;
-  if (auto err = writeTemporary(path, contents, tmp))
+  if (auto err = writeTemporary(path, contents, nullptr, tmp))
     return err;
   if (std::error_code ec = llvm::sys::fs::rename(tmp, path)) {
     llvm::sys::fs::remove(tmp);

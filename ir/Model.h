@@ -12,8 +12,10 @@
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
+#include "llvm/Support/raw_ostream.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -152,6 +154,8 @@ llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents);
 /// The error names the flag of the file that failed.
 struct OutputFile {
   std::string flag, path, contents;
+  /// When set, writes the contents instead of `contents` (a large file streamed to disk).
+  std::function<void(llvm::raw_ostream &)> write = nullptr;
 };
 llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files);
 

@@ -5,6 +5,14 @@
 #include "ir/Model.h"
 
 #include "llvm/ADT/STLExtras.h"
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/raw_ostream.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <vector>
 
 namespace pipec {
 
@@ -14,52 +22,65 @@ using OJson = nlohmann::ordered_json;
 // Writing
 //===----------------------------------------------------------------------===//
 
-static OJson instructionJson(const Instruction &i) {
-  OJson o;
-  o["op"] = toString(i.op).str();
+/// One instruction on one line, its fields (DESIGN §5) in a fixed order: a plan's streams are
+/// most of its file, and a line each is both the smallest pretty form and the easiest to grep.
+static void writeInstruction(llvm::raw_ostream &os, const Instruction &i) {
+  auto field = [&](llvm::StringRef key, auto value) { os << ", \"" << key << "\": " << value; };
+  auto name = [](llvm::StringRef s) { return "\"" + s.str() + "\""; };
+  os << "    {\"op\": \"" << toString(i.op) << '"';
   switch (i.op) {
   case OpKind::Forward:
   case OpKind::BackwardInput:
   case OpKind::BackwardWeight:
   case OpKind::Backward:
-    o["stage"] = i.stage;
-    o["mb"] = i.mb;
-    o["slice"] = i.slice;
+    field("stage", i.stage);
+    field("mb", i.mb);
+    field("slice", i.slice);
     if (i.part >= 0) {
-      o["part"] = i.part;
-      o["parts"] = i.parts;
+      field("part", i.part);
+      field("parts", i.parts);
     }
-    return o;
+    break;
   case OpKind::Send:
   case OpKind::Recv:
-    o["tensor"] = toString(i.tensor).str();
-    o["stage"] = i.stage;
-    o["mb"] = i.mb;
-    o["slice"] = i.slice;
-    o["peer"] = i.peer;
-    o["bytes"] = i.bytes;
+    field("tensor", name(toString(i.tensor)));
+    field("stage", i.stage);
+    field("mb", i.mb);
+    field("slice", i.slice);
+    field("peer", i.peer);
+    field("bytes", i.bytes);
     if (i.group != kNoGroup)
-      o["group"] = i.group;
-    return o;
+      field("group", i.group);
+    break;
   case OpKind::AllReduce:
-    o["group"] = toString(i.collective).str();
-    o["stage"] = i.stage;
+    field("group", name(toString(i.collective)));
+    field("stage", i.stage);
     if (i.collective == CollectiveGroup::Tp) {
-      o["phase"] = toString(i.phase).str();
-      o["mb"] = i.mb;
-      o["slice"] = i.slice;
-      o["part"] = i.part;
-      o["parts"] = i.parts;
+      field("phase", name(toString(i.phase)));
+      field("mb", i.mb);
+      field("slice", i.slice);
+      field("part", i.part);
+      field("parts", i.parts);
     }
-    o["bytes"] = i.bytes;
-    return o;
+    field("bytes", i.bytes);
+    break;
   case OpKind::OptimizerStep:
-    return o;
+    break;
   }
-  return o;
+  os << '}';
 }
 
-std::string writePlanJson(const Plan &plan) {
+/// `value` as nlohmann's pretty printer writes it one level down (after a key at indent 1).
+static void writeNested(llvm::raw_ostream &os, const OJson &value) {
+  std::string text = value.dump(1, ' ', false, OJson::error_handler_t::replace);
+  for (char c : text) {
+    os << c;
+    if (c == '\n')
+      os << ' ';
+  }
+}
+
+void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
   OJson j;
   j["format"] = "pipeplan/1";
   j["schedule"] = plan.schedule;
@@ -133,14 +154,6 @@ std::string writePlanJson(const Plan &plan) {
     stages.push_back(std::move(o));
   }
   j["stages"] = std::move(stages);
-  OJson ranks = OJson::array();
-  for (size_t r = 0; r < plan.ranks.size(); ++r) {
-    OJson instrs = OJson::array();
-    for (const Instruction &i : plan.ranks[r])
-      instrs.push_back(instructionJson(i));
-    ranks.push_back(OJson{{"rank", int(r)}, {"instructions", std::move(instrs)}});
-  }
-  j["ranks"] = std::move(ranks);
   const PlanStats &st = plan.stats;
   if (st.simulated || st.memory) {
     OJson stats;
@@ -170,7 +183,56 @@ std::string writePlanJson(const Plan &plan) {
     stats["ranks"] = std::move(rs);
     j["stats"] = std::move(stats);
   }
-  return j.dump(1, ' ', false, OJson::error_handler_t::replace) + "\n";
+  // The document as nlohmann prints j with "ranks" inserted before "stats" (indent 1), except
+  // that each instruction takes one line; streamed: every member but the ranks from the small
+  // in-memory header, the ranks written directly.
+  os << "{\n";
+  bool first = true;
+  auto member = [&](const std::string &key) {
+    os << (first ? "" : ",\n") << " \"" << key << "\": ";
+    first = false;
+  };
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "stats")
+      break;
+    member(it.key());
+    writeNested(os, it.value());
+  }
+  member("ranks");
+  if (plan.ranks.empty())
+    os << "[]";
+  else
+    os << "[\n";
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    os << "  {\n   \"rank\": " << r << ",\n   \"instructions\": ";
+    const auto &stream = plan.ranks[r];
+    if (stream.empty()) {
+      os << "[]";
+    } else {
+      os << "[\n";
+      for (size_t n = 0; n < stream.size(); ++n) {
+        writeInstruction(os, stream[n]);
+        os << (n + 1 < stream.size() ? ",\n" : "\n");
+      }
+      os << "   ]";
+    }
+    os << "\n  }" << (r + 1 < plan.ranks.size() ? ",\n" : "\n");
+  }
+  if (!plan.ranks.empty())
+    os << " ]";
+  if (auto it = j.find("stats"); it != j.end()) {
+    member("stats");
+    writeNested(os, *it);
+  }
+  os << "\n}\n";
+}
+
+std::string writePlanJson(const Plan &plan) {
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  writePlanJson(plan, os);
+  os.flush();
+  return text;
 }
 
 //===----------------------------------------------------------------------===//
@@ -182,6 +244,11 @@ namespace {
 struct PlanReader {
   const JsonReader &r;
   Plan &plan;
+  /// Set while instructions are read from the stream, before "parallel" and "stages" are
+  /// known: their indices are range-checked later, by checkIndices().
+  bool deferIndices = false;
+  /// The instructions the streaming parser took out of $.ranks[r].instructions, by rank.
+  std::vector<std::vector<Instruction>> *streamed = nullptr;
 
   template <typename T>
   llvm::Error readArray(const Json &obj, llvm::StringRef path, llvm::StringRef key,
@@ -311,7 +378,7 @@ struct PlanReader {
                         int limit, llvm::StringRef what) {
     if (auto err = r.getInt32(o, path, key, out, true))
       return err;
-    if (out >= limit)
+    if (!deferIndices && out >= limit)
       return r.fail(jsonPath(path, key), fmt::format("{} below {}", what.str(), limit),
                     &o[key.str()]);
     return llvm::Error::success();
@@ -407,6 +474,53 @@ struct PlanReader {
     return llvm::Error::success();
   }
 
+  /// readIndex's range checks, for an instruction read before the plan's sizes were known.
+  llvm::Error checkIndices(const Instruction &i, size_t rank, size_t index) {
+    const ParallelConfig &pc = plan.parallel;
+    auto below = [&](llvm::StringRef key, int32_t value, int limit,
+                     llvm::StringRef what) -> llvm::Error {
+      if (value < limit)
+        return llvm::Error::success();
+      Json got = value;
+      std::string path = jsonPath(jsonPath(jsonPath("$.ranks", rank), "instructions"), index);
+      return r.fail(jsonPath(path, key), fmt::format("{} below {}", what.str(), limit), &got);
+    };
+    auto stageMbSlice = [&]() -> llvm::Error {
+      if (auto err = below("stage", i.stage, plan.numStages(), "a stage"))
+        return err;
+      if (auto err = below("mb", i.mb, pc.microbatches, "a microbatch"))
+        return err;
+      return below("slice", i.slice, pc.seqSplits, "a slice");
+    };
+    switch (i.op) {
+    case OpKind::Forward:
+    case OpKind::BackwardInput:
+    case OpKind::BackwardWeight:
+    case OpKind::Backward:
+      if (auto err = stageMbSlice())
+        return err;
+      return i.part >= 0 ? below("part", i.part, i.parts, "a part") : llvm::Error::success();
+    case OpKind::Send:
+    case OpKind::Recv:
+      if (auto err = stageMbSlice())
+        return err;
+      return below("peer", i.peer, pc.pp, "a pipeline rank");
+    case OpKind::AllReduce:
+      if (auto err = below("stage", i.stage, plan.numStages(), "a stage"))
+        return err;
+      if (i.collective != CollectiveGroup::Tp)
+        return llvm::Error::success();
+      if (auto err = below("mb", i.mb, pc.microbatches, "a microbatch"))
+        return err;
+      if (auto err = below("slice", i.slice, pc.seqSplits, "a slice"))
+        return err;
+      return below("part", i.part, i.parts, "a part");
+    case OpKind::OptimizerStep:
+      return llvm::Error::success();
+    }
+    return llvm::Error::success();
+  }
+
   llvm::Error readRanks(const Json &j) {
     auto it = j.find("ranks");
     if (it == j.end())
@@ -432,6 +546,14 @@ struct PlanReader {
       if (instrs == o.end() || !instrs->is_array())
         return r.fail(jsonPath(path, "instructions"), "an array",
                       instrs == o.end() ? nullptr : &*instrs);
+      if (streamed && instrs->empty() && rk < streamed->size()) {
+        // Read while streaming; only the ranges are left to check.
+        plan.ranks[rk] = std::move((*streamed)[rk]);
+        for (size_t n = 0; n < plan.ranks[rk].size(); ++n)
+          if (auto err = checkIndices(plan.ranks[rk][n], rk, n))
+            return err;
+        continue;
+      }
       plan.ranks[rk].reserve(instrs->size());
       for (size_t n = 0; n < instrs->size(); ++n) {
         Instruction ins;
@@ -562,25 +684,519 @@ struct PlanReader {
   }
 };
 
-} // namespace
+/// The streaming parse: nlohmann's SAX events build the document in memory except
+/// $.ranks[r].instructions[n], the bulk of a plan, which go straight into Instruction records
+/// (40 bytes each instead of a JSON object's few hundred). An instruction object of the usual
+/// shape (flat, known fields, in range) is decoded from its events; any other is rebuilt as a
+/// JSON object from them and read by PlanReader::readInstruction, so that its error is the one
+/// the whole-document reader gives. Indices are range-checked once "parallel" and "stages" are
+/// known (PlanReader::checkIndices), so the members may come in any order.
+class PlanSax {
+public:
+  using number_integer_t = Json::number_integer_t;
+  using number_unsigned_t = Json::number_unsigned_t;
+  using number_float_t = Json::number_float_t;
+  using string_t = Json::string_t;
+  using binary_t = Json::binary_t;
 
-llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source) {
+  static constexpr size_t kMaxDepth = 64;
+
+  PlanSax(PlanReader &reader, Json &root) : reader(reader), dom(root, /*allow_exceptions=*/false) {
+    reader.deferIndices = true;
+    reader.streamed = &streams;
+  }
+
+  bool null() { return value(Event::Null); }
+  bool boolean(bool b) {
+    Event e(Event::Bool);
+    e.i = b;
+    return value(e);
+  }
+  bool number_integer(number_integer_t v) {
+    Event e(Event::Int);
+    e.i = v;
+    return value(e);
+  }
+  bool number_unsigned(number_unsigned_t v) {
+    Event e(Event::Unsigned);
+    e.u = v;
+    return value(e);
+  }
+  bool number_float(number_float_t v, const string_t &) {
+    Event e(Event::Float);
+    e.d = v;
+    return value(e);
+  }
+  bool string(string_t &v) {
+    Event e(Event::String);
+    e.s = std::move(v);
+    return value(e);
+  }
+  bool binary(binary_t &) { return value(Event::Null); }
+  bool key(string_t &k) {
+    if (tooDeep())
+      return true;
+    if (capturing) {
+      Event e(Event::Key);
+      e.s = std::move(k);
+      events.push_back(std::move(e));
+      return true;
+    }
+    stack.back().key = k;
+    return dom.key(k);
+  }
+  bool start_object(std::size_t n) { return open(true, n); }
+  bool end_object() { return close(true); }
+  bool start_array(std::size_t n) { return open(false, n); }
+  bool end_array() { return close(false); }
+  bool parse_error(std::size_t position, const std::string &,
+                   const nlohmann::detail::exception &e) {
+    errorAt = position;
+    outOfRange = dynamic_cast<const nlohmann::detail::out_of_range *>(&e) != nullptr;
+    return false;
+  }
+
+  /// Set when the handler stopped the parse (an instruction's error, a syntax error).
+  llvm::Error error = llvm::Error::success();
+  size_t errorAt = 0;
+  bool outOfRange = false;
+  size_t deepest = 0;
+
+private:
+  struct Event {
+    enum Kind : uint8_t {
+      Null,
+      Bool,
+      Int,
+      Unsigned,
+      Float,
+      String,
+      Key,
+      Open,
+      Close,
+      OpenArray,
+      CloseArray
+    } kind;
+    int64_t i = 0;
+    uint64_t u = 0;
+    double d = 0;
+    std::string s;
+    Event(Kind k) : kind(k) {}
+  };
+  struct Frame {
+    bool object;
+    size_t count = 0; // elements so far (arrays)
+    std::string key;  // the current member (objects)
+  };
+
+  PlanReader &reader;
+  nlohmann::detail::json_sax_dom_parser<Json> dom;
+  std::vector<Frame> stack;
+  std::vector<std::vector<Instruction>> streams;
+  bool capturing = false;
+  size_t captureDepth = 0, rank = 0, index = 0;
+  size_t depth = 0; // of every container open now, built or not
+  std::vector<Event> events;
+
+  bool tooDeep() const { return deepest > kMaxDepth; }
+
+  static std::string instructionPath(size_t rank, size_t index) {
+    return jsonPath(jsonPath(jsonPath("$.ranks", rank), "instructions"), index);
+  }
+
+  /// Inside $.ranks[r].instructions: the next value is an instruction. (Set when that array
+  /// opens, so that no key is compared per value.)
+  bool atInstruction() const { return inInstructions && stack.size() == 4; }
+  bool inInstructions = false;
+
+  bool value(Event e) {
+    if (tooDeep())
+      return true;
+    if (capturing) {
+      events.push_back(std::move(e));
+      return true;
+    }
+    if (atInstruction()) {
+      // An instruction that is not an object.
+      events.assign(1, std::move(e));
+      Json got;
+      rebuild(got);
+      error = reader.r.fail(instructionPath(stack[1].count - 1, stack[3].count), "an object", &got);
+      return false;
+    }
+    if (!stack.empty() && !stack.back().object)
+      ++stack.back().count;
+    switch (e.kind) {
+    case Event::Null:
+      return dom.null();
+    case Event::Bool:
+      return dom.boolean(e.i != 0);
+    case Event::Int:
+      return dom.number_integer(e.i);
+    case Event::Unsigned:
+      return dom.number_unsigned(e.u);
+    case Event::Float:
+      return dom.number_float(e.d, "");
+    case Event::String:
+      return dom.string(e.s);
+    case Event::Key:
+    case Event::Open:
+    case Event::Close:
+    case Event::OpenArray:
+    case Event::CloseArray:
+      break;
+    }
+    return true;
+  }
+
+  bool open(bool object, std::size_t n) {
+    deepest = std::max(deepest, ++depth);
+    if (tooDeep())
+      return true; // keep counting the depth for the message; build nothing more
+    if (capturing) {
+      ++captureDepth;
+      events.push_back(Event(object ? Event::Open : Event::OpenArray));
+      return true;
+    }
+    if (!object && atInstruction()) {
+      Json got = Json::array();
+      error = reader.r.fail(instructionPath(stack[1].count - 1, stack[3].count), "an object", &got);
+      return false;
+    }
+    if (object && atInstruction()) {
+      capturing = true;
+      captureDepth = 1;
+      rank = stack[1].count - 1;
+      index = stack[3].count++;
+      events.clear();
+      events.push_back(Event(Event::Open));
+      return true;
+    }
+    if (!stack.empty() && !stack.back().object)
+      ++stack.back().count;
+    stack.push_back(Frame{object, 0, {}});
+    if (!object && stack.size() == 4 && stack[0].object && stack[0].key == "ranks" &&
+        !stack[1].object && stack[2].object && stack[2].key == "instructions")
+      inInstructions = true;
+    return object ? dom.start_object(n) : dom.start_array(n);
+  }
+
+  bool close(bool object) {
+    --depth;
+    if (tooDeep())
+      return true;
+    if (capturing) {
+      events.push_back(Event(object ? Event::Close : Event::CloseArray));
+      if (--captureDepth > 0)
+        return true;
+      capturing = false;
+      return decode();
+    }
+    if (stack.size() == 4)
+      inInstructions = false;
+    stack.pop_back();
+    return object ? dom.end_object() : dom.end_array();
+  }
+
+  /// The captured instruction: decoded directly, or read from its JSON object.
+  bool decode() {
+    if (streams.size() <= rank)
+      streams.resize(rank + 1);
+    Instruction ins;
+    if (!quick(ins)) {
+      Json obj;
+      rebuild(obj);
+      if (llvm::Error err = reader.readInstruction(obj, instructionPath(rank, index), ins)) {
+        error = std::move(err);
+        return false;
+      }
+    }
+    streams[rank].push_back(ins);
+    return true;
+  }
+
+  /// The captured events as a JSON value (for the reader's messages).
+  void rebuild(Json &out) {
+    nlohmann::detail::json_sax_dom_parser<Json> b(out, false);
+    for (Event &e : events) {
+      switch (e.kind) {
+      case Event::Null:
+        b.null();
+        break;
+      case Event::Bool:
+        b.boolean(e.i != 0);
+        break;
+      case Event::Int:
+        b.number_integer(e.i);
+        break;
+      case Event::Unsigned:
+        b.number_unsigned(e.u);
+        break;
+      case Event::Float:
+        b.number_float(e.d, "");
+        break;
+      case Event::String:
+        b.string(e.s);
+        break;
+      case Event::Key:
+        b.key(e.s);
+        break;
+      case Event::Open:
+        b.start_object(std::size_t(-1));
+        break;
+      case Event::Close:
+        b.end_object();
+        break;
+      case Event::OpenArray:
+        b.start_array(std::size_t(-1));
+        break;
+      case Event::CloseArray:
+        b.end_array();
+        break;
+      }
+    }
+  }
+
+  /// A flat object of known fields that readInstruction would accept, decoded without building
+  /// it; false for anything else (readInstruction then says what is wrong).
+  bool quick(Instruction &i) {
+    struct Field {
+      const Event *value = nullptr;
+    };
+    enum { Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group, Part, Parts, Phase, NumFields };
+    // The field a key names (-1: none), without comparing it to every name.
+    auto fieldOf = [](const std::string &key) -> int {
+      llvm::StringRef k = key;
+      switch (k.size()) {
+      case 2:
+        return k == "op" ? Op : k == "mb" ? Mb : -1;
+      case 4:
+        return k == "peer" ? Peer : k == "part" ? Part : -1;
+      case 5:
+        return k == "stage"   ? Stage
+               : k == "slice" ? Slice
+               : k == "bytes" ? Bytes
+               : k == "group" ? Group
+               : k == "parts" ? Parts
+               : k == "phase" ? Phase
+                              : -1;
+      case 6:
+        return k == "tensor" ? Tensor : -1;
+      default:
+        return -1;
+      }
+    };
+    Field f[NumFields];
+    if (events.size() < 2 || events.size() % 2 != 0)
+      return false; // Open, (Key, scalar)*, Close
+    for (size_t e = 1; e + 1 < events.size(); e += 2) {
+      const Event &k = events[e], &v = events[e + 1];
+      if (k.kind != Event::Key || v.kind == Event::Open || v.kind == Event::OpenArray ||
+          v.kind == Event::Key)
+        return false;
+      int which = fieldOf(k.s);
+      if (which < 0)
+        return false;
+      f[which].value = &v;
+    }
+    constexpr int64_t kMax = int64_t(1) << 53;
+    auto integer = [&](int which, int64_t min, int64_t max, int64_t &out) {
+      const Event *v = f[which].value;
+      if (!v)
+        return false;
+      if (v->kind == Event::Int && v->i >= min && v->i <= max) {
+        out = v->i;
+        return true;
+      }
+      if (v->kind == Event::Unsigned && v->u <= uint64_t(max) && int64_t(v->u) >= min) {
+        out = int64_t(v->u);
+        return true;
+      }
+      return false;
+    };
+    auto int32 = [&](int which, int64_t min, int32_t &out) {
+      int64_t wide = 0;
+      if (!integer(which, min, std::min<int64_t>(kMax, INT32_MAX), wide))
+        return false;
+      out = int32_t(wide);
+      return true;
+    };
+    auto text = [&](int which) -> const std::string * {
+      const Event *v = f[which].value;
+      return v && v->kind == Event::String ? &v->s : nullptr;
+    };
+    auto only = [&](std::initializer_list<int> allowed) {
+      for (int n = 0; n < NumFields; ++n)
+        if (f[n].value && std::find(allowed.begin(), allowed.end(), n) == allowed.end())
+          return false;
+      return true;
+    };
+    const std::string *op = text(Op);
+    if (!op || !opKindFromString(*op, i.op))
+      return false;
+    auto parts = [&](bool required) {
+      if (!required && !f[Part].value && !f[Parts].value)
+        return true;
+      return int32(Parts, 1, i.parts) && int32(Part, 0, i.part) && i.part < i.parts;
+    };
+    switch (i.op) {
+    case OpKind::Forward:
+    case OpKind::BackwardInput:
+    case OpKind::BackwardWeight:
+    case OpKind::Backward:
+      return only({Op, Stage, Mb, Slice, Part, Parts}) && int32(Stage, 0, i.stage) &&
+             int32(Mb, 0, i.mb) && int32(Slice, 0, i.slice) && parts(false);
+    case OpKind::Send:
+    case OpKind::Recv: {
+      const std::string *tensor = text(Tensor);
+      return only({Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group}) && tensor &&
+             tensorKindFromString(*tensor, i.tensor) && int32(Stage, 0, i.stage) &&
+             int32(Mb, 0, i.mb) && int32(Slice, 0, i.slice) && int32(Peer, 0, i.peer) &&
+             integer(Bytes, 0, kMax, i.bytes) && (!f[Group].value || int32(Group, 0, i.group));
+    }
+    case OpKind::AllReduce: {
+      const std::string *group = text(Group);
+      if (!only({Op, Group, Stage, Bytes, Phase, Mb, Slice, Part, Parts}) || !group ||
+          !collectiveGroupFromString(*group, i.collective) || !int32(Stage, 0, i.stage) ||
+          !integer(Bytes, 0, kMax, i.bytes))
+        return false;
+      if (i.collective != CollectiveGroup::Tp)
+        return true;
+      const std::string *phase = text(Phase);
+      return phase && opKindFromString(*phase, i.phase) &&
+             (i.phase == OpKind::Forward || i.phase == OpKind::BackwardInput ||
+              i.phase == OpKind::Backward) &&
+             int32(Mb, 0, i.mb) && int32(Slice, 0, i.slice) && parts(true);
+    }
+    case OpKind::OptimizerStep:
+      return only({Op});
+    }
+    return false;
+  }
+};
+
+/// Line and column of byte `offset` of a text read from `next` (one character at a time).
+template <typename Next> std::pair<size_t, size_t> lineAndColumn(size_t offset, Next next) {
+  size_t line = 1, col = 1;
+  for (size_t i = 0; i < offset; ++i) {
+    int c = next();
+    if (c < 0)
+      break;
+    if (c == '\n') {
+      ++line;
+      col = 1;
+    } else {
+      ++col;
+    }
+  }
+  return {line, col};
+}
+
+/// Parse a plan from `input` (anything nlohmann::json::sax_parse reads) without holding its
+/// text or its whole document. `where(offset)` gives the line and column of a byte offset.
+template <typename Parse, typename Where>
+llvm::Expected<Plan> parseStreaming(Parse parse, llvm::StringRef source, size_t size, Where where) {
   JsonReader r(source);
-  auto parsed = r.parse(text);
-  if (!parsed)
-    return parsed.takeError();
   Plan plan;
   PlanReader reader{r, plan};
-  if (auto err = reader.read(*parsed))
+  Json root;
+  PlanSax sax(reader, root);
+  bool ok = false;
+  try {
+    ok = parse(sax);
+  } catch (const Json::exception &e) {
+    return inputError("{}: unreadable JSON ({})", source.str(), e.what());
+  }
+  if (sax.deepest > PlanSax::kMaxDepth)
+    return inputError("{}: JSON nested {} levels deep; pipec's formats need at most {}",
+                      source.str(), sax.deepest, PlanSax::kMaxDepth);
+  if (sax.error)
+    return std::move(sax.error);
+  if (!ok) {
+    if (sax.outOfRange)
+      return inputError("{}: a number is out of range (too large for a double)", source.str());
+    size_t offset = sax.errorAt == 0 ? 0 : std::min(sax.errorAt - 1, size);
+    auto [line, col] = where(offset);
+    return inputError("{}:{}:{}: malformed JSON ({})", source.str(), line, col,
+                      sax.errorAt >= size ? "unexpected end of input" : "unexpected character");
+  }
+  reader.deferIndices = false;
+  if (auto err = reader.read(root))
     return err;
   return plan;
 }
 
+} // namespace
+
+llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source) {
+  auto parse = [&](PlanSax &sax) { return Json::sax_parse(text.begin(), text.end(), &sax); };
+  return parseStreaming(parse, source, text.size(), [&](size_t offset) {
+    size_t i = 0;
+    return lineAndColumn(offset, [&]() -> int { return i < text.size() ? text[i++] : -1; });
+  });
+}
+
+namespace {
+/// A file's characters through a 256 KiB buffer, as an input iterator for nlohmann's parser
+/// (its FILE* adapter reads a character per call; this reads a block per refill).
+class FileChars {
+public:
+  explicit FileChars(std::FILE *file) : file(file), buffer(size_t(1) << 18) {}
+
+  struct Iterator {
+    using iterator_category = std::input_iterator_tag;
+    using value_type = char;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const char *;
+    using reference = const char &;
+    FileChars *in; // null: the end
+    const char &operator*() const { return in->buffer[in->at]; }
+    Iterator &operator++() {
+      if (++in->at == in->filled)
+        in->refill();
+      return *this;
+    }
+    bool operator==(const Iterator &o) const { return atEnd() == o.atEnd(); }
+    bool operator!=(const Iterator &o) const { return !(*this == o); }
+    bool atEnd() const {
+      if (!in)
+        return true;
+      if (in->at == in->filled)
+        in->refill();
+      return in->at == in->filled;
+    }
+  };
+
+private:
+  std::FILE *file;
+  std::vector<char> buffer;
+  size_t at = 0, filled = 0;
+  void refill() {
+    at = 0;
+    filled = std::fread(buffer.data(), 1, buffer.size(), file);
+  }
+};
+} // namespace
+
 llvm::Expected<Plan> loadPlan(llvm::StringRef path) {
-  auto text = readFile(path);
-  if (!text)
-    return text.takeError();
-  return parsePlanJson(*text, path);
+  if (llvm::sys::fs::is_directory(path))
+    return inputError("{}: cannot read: is a directory", path.str());
+  std::FILE *file = std::fopen(path.str().c_str(), "rb");
+  if (!file)
+    return inputError("{}: cannot read: {}", path.str(), std::strerror(errno));
+  uint64_t size = 0;
+  if (llvm::sys::fs::file_size(path, size))
+    size = 0;
+  FileChars chars(file);
+  auto parse = [&](PlanSax &sax) {
+    return Json::sax_parse(FileChars::Iterator{&chars}, FileChars::Iterator{nullptr}, &sax);
+  };
+  auto plan = parseStreaming(parse, path, size_t(size), [&](size_t offset) {
+    std::rewind(file);
+    return lineAndColumn(offset, [&]() { return std::fgetc(file); });
+  });
+  std::fclose(file);
+  return plan;
 }
 
 } // namespace pipec

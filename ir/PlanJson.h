@@ -5,17 +5,21 @@
 #include "ir/Plan.h"
 
 #include "llvm/Support/Error.h"
+#include "llvm/Support/raw_ostream.h"
 
 #include <string>
 
 namespace pipec {
 
-/// Deterministic JSON: the same plan gives byte-identical text. Ends with a newline.
+/// Deterministic JSON: the same plan gives byte-identical text. Ends with a newline. Written as
+/// it goes: only the small header is built in memory, the instruction streams never are.
+void writePlanJson(const Plan &plan, llvm::raw_ostream &os);
 std::string writePlanJson(const Plan &plan);
 
 /// Parse a plan. Types, required fields and index ranges (stage, mb, slice, peer) are checked
 /// here and reported as InputErrors naming `source` and the JSON path; whether the streams are
-/// correct is the verifier's question.
+/// correct is the verifier's question. Parsed as a stream (nlohmann's SAX interface): the
+/// instructions go straight into the plan, and loadPlan never holds the file's text.
 llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source);
 llvm::Expected<Plan> loadPlan(llvm::StringRef path);
 

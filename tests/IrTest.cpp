@@ -4,6 +4,11 @@
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <fstream>
+
 namespace pipec::test {
 namespace {
 
@@ -38,6 +43,108 @@ TEST(PlanJsonTest, ErrorsNameTheJsonPathAndWhatWasExpected) {
   std::string msg = errorText(parsed.takeError());
   EXPECT_EQ(msg, "p.json: $.ranks[0].instructions[0].mb: expected an integer >= 0, got string "
                  "\"zero\"");
+}
+
+TEST(PlanJsonTest, TheStreamedTextIsNlohmannsPrintOfTheDocumentWithAnInstructionALine) {
+  // The writer streams the ranks itself; nlohmann's own printer, given the same document, is
+  // the reference: indentation, member order, number and string spelling.
+  std::vector<Plan> plans = {
+      compileOrFail(uniformModel(6, 1, 2, 0.5, 1000, 300, 0.1),
+                    options("1f1b", 3, 5, 1, 1, /*tp=*/2, /*dp=*/2)),
+      compileOrFail(tinyGpt(/*tied=*/true, 4, 8), options("zb-v", 2, 4, 2, 1, 2, 2)),
+      compileOrFail(tinyGpt(false, 4, 8), options("seq1f1b", 2, 3, 1, /*seqSplits=*/2)),
+      compileOrFail(uniformModel(1), options("gpipe", 1, 1)),
+  };
+  // The one difference: an instruction takes one line, {"key": value, ...} in nlohmann's
+  // spelling of each value.
+  for (const Plan &plan : plans) {
+    std::string text = writePlanJson(plan);
+    auto doc = nlohmann::ordered_json::parse(text);
+    std::vector<std::string> lines;
+    for (auto &rank : doc["ranks"])
+      for (auto &ins : rank["instructions"]) {
+        std::string line;
+        for (auto it = ins.begin(); it != ins.end(); ++it)
+          line += (line.empty() ? "{" : ", ") + nlohmann::ordered_json(it.key()).dump() + ": " +
+                  it.value().dump();
+        ins = "@" + std::to_string(lines.size()) + "@";
+        lines.push_back(line + "}");
+      }
+    std::string expected = doc.dump(1, ' ', false) + "\n";
+    for (size_t n = lines.size(); n-- > 0;) {
+      std::string placeholder = "\"@" + std::to_string(n) + "@\"";
+      size_t at = expected.find(placeholder);
+      ASSERT_NE(at, std::string::npos);
+      expected.replace(at, placeholder.size(), lines[n]);
+    }
+    EXPECT_EQ(expected, text) << plan.schedule;
+  }
+}
+
+TEST(PlanJsonTest, MembersMayComeInAnyOrder) {
+  Plan plan = compileOrFail(uniformModel(4), options("1f1b", 2, 3, 1, 1, 2));
+  auto doc = nlohmann::ordered_json::parse(writePlanJson(plan));
+  // The ranks (whose indices depend on "parallel" and "stages") first, the rest after.
+  nlohmann::ordered_json shuffled;
+  shuffled["ranks"] = doc["ranks"];
+  for (auto it = doc.begin(); it != doc.end(); ++it)
+    if (it.key() != "ranks")
+      shuffled[it.key()] = it.value();
+  auto back = parsePlanJson(shuffled.dump(), "shuffled.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(back->ranks, plan.ranks);
+  // An index out of range is still named with its path, once the sizes are known.
+  shuffled["ranks"][1]["instructions"][0]["stage"] = 7;
+  auto bad = parsePlanJson(shuffled.dump(), "shuffled.json");
+  EXPECT_EQ(errorText(bad.takeError()),
+            "shuffled.json: $.ranks[1].instructions[0].stage: expected a stage below 2, got "
+            "number 7");
+}
+
+TEST(PlanJsonTest, UnusualInstructionsGetTheWholeDocumentReadersMessages) {
+  Plan plan = compileOrFail(uniformModel(2), options("1f1b", 2, 2));
+  auto doc = nlohmann::ordered_json::parse(writePlanJson(plan));
+  auto messageFor = [&](const nlohmann::ordered_json &instruction) {
+    auto copy = doc;
+    copy["ranks"][0]["instructions"][1] = instruction;
+    return errorText(parsePlanJson(copy.dump(), "u.json").takeError());
+  };
+  const std::string at = "u.json: $.ranks[0].instructions[1]";
+  EXPECT_EQ(messageFor({{"op", "forward"}, {"stage", 0}, {"mb", {1}}, {"slice", 0}}),
+            at + ".mb: expected an integer >= 0, got an array");
+  EXPECT_EQ(messageFor({{"op", "send"},
+                        {"tensor", "activation"},
+                        {"stage", 0},
+                        {"mb", 0},
+                        {"slice", 0},
+                        {"peer", 1},
+                        {"bytes", 1},
+                        {"colour", "red"}}),
+            at + ".colour: unknown field (valid fields: op, tensor, stage, mb, slice, peer, "
+                 "bytes, group)");
+  EXPECT_EQ(messageFor({{"op", "jump"}}),
+            at + ".op: expected one of forward, backward_input, backward_weight, backward, "
+                 "send, recv, all_reduce, optimizer_step, got string \"jump\"");
+  EXPECT_EQ(
+      messageFor(
+          {{"op", "forward"}, {"stage", 0}, {"mb", 0}, {"slice", 0}, {"part", 2}, {"parts", 2}}),
+      at + ".part: expected a part below 2, got number 2");
+  EXPECT_EQ(messageFor(7), at + ": expected an object, got number 7");
+}
+
+TEST(PlanJsonTest, AFileIsReadAsAStreamWithLineAndColumnOnErrors) {
+  Plan plan = compileOrFail(uniformModel(4), options("1f1b", 2, 4));
+  std::string text = writePlanJson(plan);
+  std::string path = ::testing::TempDir() + "/truncated.json";
+  { std::ofstream(path) << text; }
+  auto back = loadPlan(path);
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(back->ranks, plan.ranks);
+  { std::ofstream(path) << text.substr(0, 200) << "}"; }
+  std::string msg = errorText(loadPlan(path).takeError());
+  size_t line = size_t(std::count(text.begin(), text.begin() + 200, '\n')) + 1;
+  EXPECT_NE(msg.find(fmt::format("truncated.json:{}:", line)), std::string::npos) << msg;
+  EXPECT_NE(msg.find("malformed JSON"), std::string::npos) << msg;
 }
 
 TEST(PlanTextTest, StreamsParseBackExactly) {

@@ -157,7 +157,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
 
   std::vector<OutputFile> outputs;
   if (out)
-    outputs.push_back(OutputFile{"-o", *out, writePlanJson(result->best)});
+    outputs.push_back(OutputFile{"-o", *out, "",
+                                 [&](llvm::raw_ostream &os) { writePlanJson(result->best, os); }});
   if (csv)
     outputs.push_back(OutputFile{"--csv", *csv, plannerCsv(*model, cluster, o, *result)});
   if (auto err = writeFilesAtomically(outputs))

@@ -206,7 +206,8 @@ llvm::Error cmdCompile(int argc, char **argv) {
   // Outputs are written only once everything has passed, all or nothing.
   std::vector<OutputFile> outputs;
   if (out)
-    outputs.push_back(OutputFile{"-o", *out, writePlanJson(*plan)});
+    outputs.push_back(
+        OutputFile{"-o", *out, "", [&](llvm::raw_ostream &os) { writePlanJson(*plan, os); }});
   if (auto t = args->path("--trace")) {
     Timeline tl;
     if (auto err = simulateTimeline(*plan, tl))

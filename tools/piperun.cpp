@@ -201,6 +201,12 @@ llvm::Error run(int argc, char **argv) {
     auto env = launchEnvOf(*plan);
     if (!env)
       return env.takeError();
+    // One process runs one pipeline rank. The plan was read as a stream (no document in
+    // memory, 40 bytes an instruction) and verified whole above; the process keeps only its
+    // rank's stream for the run.
+    for (int r = 0; r < plan->numRanks(); ++r)
+      if (r != env->coord.pp)
+        std::vector<Instruction>().swap(plan->ranks[size_t(r)]);
 #ifdef PIPEC_HAS_CUDA
     CudaRunOptions co;
     co.steps = o.steps;
