@@ -228,6 +228,8 @@ void Search::enumerate() {
         continue; // an abstract model's costs are per pipeline rank
       if (tp > cluster.gpusPerNode && !o.tpAcrossNodes)
         continue; // tensor parallelism stays within a node unless asked
+      if (!o.tpSizes.empty() && !llvm::is_contained(o.tpSizes, tp))
+        continue;
       PlanCandidate base;
       base.recompute = rec;
       base.parallel.tp = tp;
@@ -245,6 +247,8 @@ void Search::enumerate() {
         }
       }
       for (int pp : divisorsOf(n / tp)) {
+        if (!o.ppSizes.empty() && !llvm::is_contained(o.ppSizes, pp))
+          continue;
         int dp = n / tp / pp;
         PlanCandidate layout = base;
         layout.parallel.pp = pp;

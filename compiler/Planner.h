@@ -51,6 +51,8 @@ struct PlannerOptions {
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
+  /// Tensor- and pipeline-parallel sizes to try; empty: every divisor that fits.
+  std::vector<int> tpSizes, ppSizes;
   /// Recomputation settings to try; empty: the model's own.
   std::vector<Recompute> recompute;
   /// Microbatch sizes to try; empty: every divisor of the per-replica batch up to

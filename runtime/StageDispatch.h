@@ -76,6 +76,10 @@ public:
   /// After each compute op that returned success: nothing here; a backend may hide it (the
   /// cuda backend records a progress event on its compute stream).
   void afterCompute(const Instruction &) {}
+  /// After each call into a stage (a forward or input-gradient part, and before a fused
+  /// backward's weight half frees the slice): nothing here; the cpu backend samples what it
+  /// holds.
+  void afterStageCall() {}
 
 private:
   llvm::Error computeOp(const Instruction &i) {
@@ -104,6 +108,7 @@ private:
         if (!r)
           return r.takeError();
         pendingReduce = *r;
+        self().afterStageCall();
       }
       // The loss: now when unsplit; after the plan's tp all_reduce of the last part otherwise
       // (the vocab-parallel head completes it from the reduced statistics).
@@ -130,6 +135,7 @@ private:
         if (!r)
           return r.takeError();
         pendingReduce = *r;
+        self().afterStageCall();
       }
       if (!last)
         return llvm::Error::success();
@@ -214,6 +220,15 @@ protected:
           weightDone.count(key(i.tensor, i.stage, i.mb, i.slice)))
         sentLate.insert(key(i.tensor, i.stage, i.mb, i.slice));
     }
+  }
+
+  /// Elements of the received and kept tensors held now.
+  size_t heldBufferElements() const {
+    size_t n = 0;
+    for (const auto *m : {&received, &kept})
+      for (const auto &[key, buffer] : *m)
+        n += Derived::elementsOf(buffer);
+    return n;
   }
 
   /// Received and kept tensors of the step (between steps).

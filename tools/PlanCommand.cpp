@@ -28,7 +28,8 @@ const char *const kPlanUsage =
     R"(  plan --model M.json --gpus N --global-batch B [--cluster C.json]
        [--schedules a,b,...] [--memory-limit BYTES] [--top K] [-o best.json]
        [--csv all.csv] [--recompute none,selective,full] [--microbatch-sizes 1,2,4]
-       [--seq-splits 1,2,4,8] [--max-vpp V] [--tp-across-nodes] [--threads T]
+       [--seq-splits 1,2,4,8] [--max-vpp V] [--tp 1,2,...] [--pp 1,2,...]
+       [--tp-across-nodes] [--threads T]
                       search tp, pp, vpp, dp, microbatch size and count, seq-splits and
                       schedules for the fastest step that fits the device's memory
 )";
@@ -62,11 +63,12 @@ llvm::Error parseList(const Args &args, llvm::StringRef flag, std::vector<T> &ou
 } // namespace
 
 llvm::Error runPlanCommand(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2,
-                          {"--model", "--gpus", "--global-batch", "--cluster", "--schedules",
-                           "--memory-limit", "--top", "-o", "--output", "--csv", "--recompute",
-                           "--microbatch-sizes", "--seq-splits", "--max-vpp", "--threads"},
-                          {"--tp-across-nodes", "--quiet"}, "plan");
+  auto args =
+      Args::parse(argc, argv, 2,
+                  {"--model", "--gpus", "--global-batch", "--cluster", "--schedules",
+                   "--memory-limit", "--top", "-o", "--output", "--csv", "--recompute",
+                   "--microbatch-sizes", "--seq-splits", "--max-vpp", "--threads", "--tp", "--pp"},
+                  {"--tp-across-nodes", "--quiet"}, "plan");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -110,6 +112,10 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   if (auto err = parseList(*args, "--microbatch-sizes", o.microbatchSizes))
     return err;
   if (auto err = parseList(*args, "--seq-splits", o.seqSplits))
+    return err;
+  if (auto err = parseList(*args, "--tp", o.tpSizes))
+    return err;
+  if (auto err = parseList(*args, "--pp", o.ppSizes))
     return err;
   if (auto s = args->get("--schedules")) {
     llvm::SmallVector<llvm::StringRef, 8> names;

@@ -253,6 +253,14 @@ llvm::Error run(int argc, char **argv) {
   auto result = runOnCpu(*plan, *data, o, printStep);
   if (!result)
     return result.takeError();
+  {
+    std::string held;
+    for (size_t bytes : result->heldBytes)
+      held += fmt::format("{}{:.2f}", held.empty() ? "" : " ", double(bytes) / (1 << 20));
+    fmt::print("activations held MiB (every rank, in RANK order; the most between kernel "
+               "calls): {}\n",
+               held);
+  }
   return check(*result, 1e-5, kTensorGradTolerance);
 }
 

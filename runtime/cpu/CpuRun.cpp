@@ -61,6 +61,18 @@ public:
     return llvm::Error::success();
   }
   static TensorView viewOf(std::vector<float> &buffer) { return std::span<float>(buffer); }
+  static size_t elementsOf(const std::vector<float> &buffer) { return buffer.size(); }
+
+  /// What the rank holds between kernel calls: every stage's saved activations, K/V and
+  /// gradients kept for the weight gradient (StageCompute::savedBytes), and the received and
+  /// kept p2p tensors; its high-water mark over the run.
+  void afterStageCall() {
+    size_t bytes = heldBufferElements() * sizeof(float);
+    for (auto &[s, sc] : stages)
+      bytes += sc->savedBytes();
+    heldHighWater = std::max(heldHighWater, bytes);
+  }
+  size_t heldHighWater = 0;
 
   void sumLocalEmbeddingCopies() override {
     StageCompute &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
@@ -204,6 +216,8 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     if (onStep)
       onStep(s, loss);
   }
+  for (CpuBackend *b : cpu)
+    result.heldBytes.push_back(b->heldHighWater);
   if (ref) {
     ParamSnapshot weights;
     for (CpuBackend *b : cpu)

@@ -35,6 +35,9 @@ struct CpuRunResult {
   std::vector<double> referenceLosses; // with checkReference
   GradCheck grads;                     // with checkReference, over all steps
   WeightCheck weights;                 // with checkReference, after the last step
+  /// Per rank in RANK order ((pp·dp + dp)·tp + tp): the most its stages and p2p buffers held
+  /// between kernel calls (activations at the model's fp32), over the run.
+  std::vector<size_t> heldBytes;
 };
 
 /// The model a plan describes, for the CPU kernels; an InputError when the plan has no
