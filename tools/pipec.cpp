@@ -3,7 +3,7 @@
 //   pipec compile --model M.json --schedule NAME --pp P --microbatches N [...] [-o plan.json]
 //   pipec validate plan.json
 //   pipec simulate plan.json [--trace trace.json]
-//   pipec show plan.json [--compute-only] [--text]
+//   pipec show plan.json [--compute-only] [--text] [--svg figure.svg]
 //   pipec list-schedules
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
@@ -17,6 +17,7 @@
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 #include "tools/Args.h"
+#include "tools/Figure.h"
 
 #include <fmt/format.h>
 
@@ -33,13 +34,14 @@ commands:
   compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
-          [--show] [--trace trace.json]
+          [--show] [--trace trace.json] [--svg figure.svg]
                       compile, verify and simulate a plan; print its summary
   validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
   simulate plan.json [--trace trace.json]
                       timed simulation; optional Chrome/Perfetto trace
-  show plan.json [--compute-only] [--text]
-                      the rank x step grid (or, with --text, one line per rank)
+  show plan.json [--compute-only] [--text] [--svg figure.svg]
+                      the rank x step grid (or, with --text, one line per rank;
+                      with --svg, the papers' figure over simulated time)
   list-schedules      the schedules, their constraints and a line on each
 
 exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
@@ -113,7 +115,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2,
                           {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
                            "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace"},
+                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg"},
                           {"--show", "--quiet"}, "compile");
   if (!args)
     return args.takeError();
@@ -189,11 +191,14 @@ llvm::Error cmdCompile(int argc, char **argv) {
   std::vector<OutputFile> outputs;
   if (out)
     outputs.push_back(OutputFile{"-o", *out, writePlanJson(*plan)});
-  if (auto t = args->path("--trace")) {
+  if (args->has("--trace") || args->has("--svg")) {
     Timeline tl;
     if (auto err = simulateTimeline(*plan, tl))
       return err;
-    outputs.push_back(OutputFile{"--trace", *t, chromeTrace(*plan, tl)});
+    if (auto t = args->path("--trace"))
+      outputs.push_back(OutputFile{"--trace", *t, chromeTrace(*plan, tl)});
+    if (auto svg = args->path("--svg"))
+      outputs.push_back(OutputFile{"--svg", *svg, scheduleSvg(*plan, tl)});
   }
   if (auto err = writeFilesAtomically(outputs))
     return err;
@@ -203,6 +208,8 @@ llvm::Error cmdCompile(int argc, char **argv) {
     fmt::print("\n{}", formatGrid(*plan));
   if (out && !args->has("--quiet"))
     fmt::print("wrote {}\n", *out);
+  if (auto svg = args->get("--svg"); svg && !args->has("--quiet"))
+    fmt::print("wrote {}\n", *svg);
   return llvm::Error::success();
 }
 
@@ -255,8 +262,21 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   return llvm::Error::success();
 }
 
+/// `show --svg`: the figure of a verified plan over its simulated timeline, instead of the grid.
+llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven) {
+  if (auto err = verifyPlan(plan))
+    return err;
+  Timeline tl;
+  if (auto err = simulateTimeline(plan, tl))
+    return err;
+  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}))
+    return err;
+  fmt::print("wrote {}\n", asGiven);
+  return llvm::Error::success();
+}
+
 llvm::Error cmdShow(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {}, {"--compute-only", "--text"}, "show");
+  auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
   if (!args)
     return args.takeError();
   auto plan = loadOnePlan(*args, "show");
@@ -265,6 +285,8 @@ llvm::Error cmdShow(int argc, char **argv) {
   const ParallelConfig &pc = plan->parallel;
   fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
              pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
+  if (auto svg = args->path("--svg"))
+    return showSvg(*plan, *svg, *args->get("--svg"));
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else
