@@ -249,8 +249,8 @@ TEST(FigureTest, TheZeroBubblePapersSettingWithTransferTimes) {
         sends += i.op == OpKind::Send;
     EXPECT_EQ(count(d.doc, "line", "comm"), sends);
     // Readable: every op carries its microbatch at this size.
-    EXPECT_EQ(count(d.doc, "text", "label"), d.plan.numRanks() * size_t(24) *
-                                                 (std::string(schedule) == "1f1b" ? 2 : 3));
+    EXPECT_EQ(count(d.doc, "text", "label"),
+              d.plan.numRanks() * size_t(24) * (std::string(schedule) == "1f1b" ? 2 : 3));
   }
 }
 
@@ -271,9 +271,9 @@ TEST(FigureTest, SplitOpsCollectivesSlicesAndChunksAreDrawn) {
     EXPECT_TRUE(hasText(d.doc, "tp all-reduce"));
     EXPECT_TRUE(hasText(d.doc, "dp all-reduce"));
   }
-  for (auto o : {options("seq1f1b", 4, 4, 1, /*seqSplits=*/2),
-                 options("interleaved-1f1b", 4, 8, /*vpp=*/2), options("zb-v", 4, 8, 2),
-                 options("seq1f1b-interleaved", 4, 4, 2, 2)}) {
+  for (auto o :
+       {options("seq1f1b", 4, 4, 1, /*seqSplits=*/2), options("interleaved-1f1b", 4, 8, /*vpp=*/2),
+        options("zb-v", 4, 8, 2), options("seq1f1b-interleaved", 4, 4, 2, 2)}) {
     SCOPED_TRACE(o.schedule);
     Drawn d = draw(uniformModel(16), o);
     expectOneBoxPerComputeOpAtItsSimulatedTime(d);
@@ -302,8 +302,8 @@ TEST(FigureTest, DualPipeVDrawsItsOverlappedPairsAsThePaperCountsThem) {
   EXPECT_EQ(count(d.doc, "rect", "pair-F"), expected);
   EXPECT_EQ(count(d.doc, "rect", "pair-B"), expected);
   EXPECT_TRUE(hasText(d.doc, "overlapped forward and backward"));
-  for (auto o : {options("zb-v", 4, 8, 2), options("interleaved-1f1b", 4, 8, 2),
-                 options("1f1b", 4, 8)}) {
+  for (auto o :
+       {options("zb-v", 4, 8, 2), options("interleaved-1f1b", 4, 8, 2), options("1f1b", 4, 8)}) {
     Drawn other = draw(uniformModel(8), o);
     EXPECT_EQ(count(other.doc, "rect", "pair"), 0u) << o.schedule;
   }
@@ -311,8 +311,8 @@ TEST(FigureTest, DualPipeVDrawsItsOverlappedPairsAsThePaperCountsThem) {
 
 TEST(FigureTest, ThirtyTwoRanksAnd256MicrobatchesStayLegible) {
   // Every op labelled (no label wider than its box), at 10 px type.
-  Drawn d = draw(uniformModel(32, 1, 1, 1, 1 << 20, 1 << 19, /*p2p=*/0.1),
-                 options("zb-h1", 32, 256));
+  Drawn d =
+      draw(uniformModel(32, 1, 1, 1, 1 << 20, 1 << 19, /*p2p=*/0.1), options("zb-h1", 32, 256));
   expectOneBoxPerComputeOpAtItsSimulatedTime(d);
   EXPECT_EQ(count(d.doc, "text", "label"), size_t(32 * 256 * 3));
   for (const Element &e : d.doc.elements)
@@ -451,8 +451,8 @@ TEST(FigureRenderTest, ARealRendererDrawsEveryBoxInItsColourAndTheBubbleGrey) {
       continue;
     int x = int(std::floor(e.num("x") + 2.5)), y = int(std::floor(e.num("y") + 2.5));
     EXPECT_TRUE(near(img.at(x, y), rgb(e.attrs.at("fill"))))
-        << "rank " << e.attrs.at("data-rank") << " step " << e.attrs.at("data-step") << " at ("
-        << x << ", " << y << ") is not " << e.attrs.at("fill");
+        << "rank " << e.attrs.at("data-rank") << " step " << e.attrs.at("data-step") << " at (" << x
+        << ", " << y << ") is not " << e.attrs.at("fill");
     ++checked;
   }
   EXPECT_EQ(checked, size_t(8 * 24 * 3));
