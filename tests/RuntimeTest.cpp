@@ -183,15 +183,26 @@ private:
 TEST(RuntimeDeathTest, ARankThreadTheAbortCannotReachEndsTheProcessWithTheReport) {
   // Rank 0 never finishes its first forward, so rank 1 waits for its activation: the watchdog
   // reports the stall after 0.2 s and aborts the transport. Rank 1 returns; rank 0 cannot,
-  // and joining it would wait forever. After 10 s the process ends with the report.
+  // and joining it would wait forever. After 10 s the process ends with the report. The
+  // watchdog's time is a ManualClock that a ticker moves 50 ms at a time, each step once the
+  // watchdog is back waiting on it: the ten seconds take no time, and nothing here depends on
+  // how fast the machine is.
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
   EXPECT_EXIT(
       {
+        ManualClock clock;
         std::vector<std::unique_ptr<Backend>> backends;
         backends.push_back(std::make_unique<HeldBackend>(true));
         backends.push_back(std::make_unique<HeldBackend>(false));
-        Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends));
+        Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends), clock);
+        std::thread ticker([&clock] {
+          for (;;) {
+            clock.awaitWaiters(1);
+            clock.advance(0.05);
+          }
+        });
+        ticker.detach();
         llvm::Error err = runner.step(0);
         llvm::consumeError(std::move(err));
         std::_Exit(0); // (not reached: the runner cannot return)
