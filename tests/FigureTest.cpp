@@ -483,6 +483,15 @@ TEST(FigureRenderTest, TheLargestFigureRendersAtAQuarter) {
   EXPECT_NEAR(img.height, d.doc.root.num("height") / 4, 1);
 }
 
+TEST(FigureTest, TheReadmePictureIsWhatItsCommandDraws) {
+  // docs/img/zb-v-p4-m8.svg comes from `pipec compile --model examples/zb-1.5b-p8.json
+  // --schedule zb-v --pp 4 --vpp 2 --microbatches 8 -o plan.json` and `pipec show plan.json
+  // --svg docs/img/zb-v-p4-m8.svg` (docs/commands.md); redraw it when the figure changes.
+  Drawn d = draw(zb15b(), options("zb-v", 4, 8, /*vpp=*/2));
+  EXPECT_TRUE(d.svg == slurp("docs/img/zb-v-p4-m8.svg"))
+      << "docs/img/zb-v-p4-m8.svg is not what pipec draws today; run the commands above";
+}
+
 //===----------------------------------------------------------------------===//
 // pipec compile --svg, pipec show --svg
 //===----------------------------------------------------------------------===//
