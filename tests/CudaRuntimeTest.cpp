@@ -88,7 +88,8 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
 }
 
 /// A tiny bf16 GPT with two heads of `headDim`: 16 takes the mma.sync tensor-core attention; 64
-/// the Hopper (wgmma) forward where the device has it (the kernel emulator does).
+/// the Hopper (wgmma) forward on a compute-capability-9.0 device (the emulated device is one
+/// unless PIPEC_EMU_COMPUTE_CAPABILITY says otherwise), mma.sync on others.
 ModelSpec tinyGptTwoHeads(int headDim, int layers, int seq) {
   const std::string name = fmt::format("tiny-hd{}", headDim);
   auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{
@@ -168,7 +169,7 @@ TEST_F(CudaRuntimeTest, Bf16TensorCoreAttentionWithSubSequencesIsWithinBf16Toler
 }
 
 // Two sub-sequences (86 and 74 tokens, balanced by FLOPs) of head dim 64 through the Hopper
-// forward: each slice's 128-query block is partly past it and its 64-key tiles cross the slice
+// forward (on a compute-capability-9.0 device; the mma.sync one elsewhere): each slice's 128-query block is partly past it and its 64-key tiles cross the slice
 // boundary. This checks the plumbing (the kernel's choice, offsets, K/V of earlier slices); at
 // GPT-2's initialisation the scores are near zero, so a wrong score here moves the gradients
 // less than bf16's tolerance: CudaAttentionTest (unit-scale inputs) is what holds the math.
@@ -330,7 +331,7 @@ TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
   EXPECT_EQ(plan.slots, 5);
   EXPECT_LE(size_t(plan.slots), maxEmbeddingGradSlots(size_t(n)));
 
-  auto ctx = kernels::cuda::CudaContext::create(0);
+  auto ctx = kernels::cuda::CudaContext::create(/*device=*/0, kernels::cuda::KernelConfig{});
   ASSERT_TRUE(bool(ctx)) << takeMessage(ctx.takeError());
   auto buffer = [&](size_t bytes) {
     auto b = kernels::cuda::DeviceBuffer::allocate(bytes);
