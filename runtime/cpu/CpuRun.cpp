@@ -116,6 +116,13 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       "examples/tiny-gpt.json",
                       plan.model, t.hiddenSize, t.seqLength, t.vocabSize);
   const ParallelConfig &pc = plan.parallel;
+  // The threads and streams are indexed by these: the plan must agree with itself.
+  if (plan.numRanks() != pc.pp || plan.numStages() != pc.numStages() || pc.tp < 1 || pc.dp < 1 ||
+      int(plan.seqSlices.size()) != pc.seqSplits)
+    return inputError("$.parallel: pp {} x vpp {} with seq_splits {} but the plan has {} rank "
+                      "streams, {} stages and {} seq_slices",
+                      pc.pp, pc.vpp, pc.seqSplits, plan.numRanks(), plan.numStages(),
+                      plan.seqSlices.size());
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
