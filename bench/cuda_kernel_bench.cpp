@@ -266,7 +266,7 @@ int main(int argc, char **argv) {
   if (!ctx)
     Bench::die(ctx.takeError());
   Bench bench{**ctx, {}};
-  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_emu_test
+  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_kernel_emu_test
   // runs it on the kernel emulator in CI); its numbers mean nothing.
   const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
   const int heads = tiny ? 2 : 32, headDim = tiny ? 64 : 128, vocab = tiny ? 256 : 50304;

@@ -7,18 +7,14 @@
 // same inputs. In bf16 the inputs are first rounded to bf16 on the host, so both sides see the
 // same values and the difference is the kernel's bf16 storage and summation order alone.
 //
-// Tolerance: maxErr = max |gpu - cpu| / max(|cpu|, 1e-3 * ...) over a tensor, i.e. the largest
-// error relative to the tensor's largest entry (near-zero entries are summed from terms that
-// cancel, and their relative error says nothing). fp32: 2e-5 (5e-5 where the reduction order
-// of long sums differs: matmul weight gradients, attention backward); bf16: 2e-2 (the unit
-// roundoff of bf16 is 2^-8 = 3.9e-3, and outputs are rounded once or twice).
+// Tolerances and the GpuTest fixture: tests/CudaOpsTestUtil.h.
 //
-// Built twice: //tests:cuda_kernel_test on a GPU (tag requires-gpu), and
-// //tests:cuda_kernel_emu_test with the .cu kernels on the kernel emulator
-// (kernels/cuda/emu/KernelEmu.h), in CI, matmul cases filtered out (they are cuBLASLt's).
-// The GpuTest fixture fails (not skips) when no device is usable: a silent skip would read as a
-// pass on the GPU machine. CudaCheckTest needs
-// no device and runs everywhere CUDA is installed (//tests:cuda_check_test).
+// Built as //tests:cuda_kernel_test on a GPU (tag requires-gpu), and in CI with the .cu kernels
+// on the kernel emulator (kernels/cuda/emu/KernelEmu.h), matmul cases filtered out (they are
+// cuBLASLt's): //tests:cuda_kernel_test_kernel_emu on an emulated compute-capability-9.0 GPU and
+// //tests:cuda_kernel_sm80_test_kernel_emu on an emulated A100 (8.0), where every op takes the
+// kernels an sm_80 GPU runs. CudaCheckTest and AttentionKernelChoiceTest need no device and run
+// everywhere CUDA is installed (//tests:cuda_check_test).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Ops.h"
@@ -178,7 +174,7 @@ TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
 // The weight gradients every tp rank computes whole (layernorms, row-parallel biases) must have
 // the same bits on every rank, from the same inputs, or the ranks' copies drift apart: each
 // launch sums a column in one order, whatever order its blocks run in. (On the kernel emulator,
-// //tests:cuda_kernel_emu_test sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
+// //tests:cuda_kernel_test_kernel_emu sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
 // in a new order, and a sum of atomically added partials comes out with other bits.)
 TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
   const DType dt = GetParam();

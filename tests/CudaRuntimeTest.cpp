@@ -1,10 +1,11 @@
 //===- CudaRuntimeTest.cpp - The cuda backend against the cpu backend ------===//
 //
-// Built five times: //tests:cuda_runtime_test on a GPU (tag requires-gpu), and in CI on the
-// emulated device (kernels/cuda/emu/README.md) as //tests:cuda_emu_runtime_test and
-// //tests:cuda_emu_async_runtime_test (CPU stand-ins for the kernels; synchronous and
-// asynchronous streams) and //tests:cuda_emu_kernels_runtime_test and
-// //tests:cuda_emu_kernels_async_runtime_test (the .cu kernels on the kernel emulator). Plans
+// Built in every backend flavour (//:flavours.bzl): //tests:cuda_runtime_test on a GPU (tag
+// requires-gpu), and in CI on the emulated device (kernels/cuda/emu/README.md) as
+// //tests:cuda_runtime_test_emu and //tests:cuda_runtime_test_emu_async (CPU stand-ins for the
+// kernels; synchronous and asynchronous streams), //tests:cuda_runtime_test_kernel_emu and
+// //tests:cuda_runtime_test_kernel_emu_async (the .cu kernels on the kernel emulator), and
+// //tests:cuda_runtime_sm80_test_kernel_emu (its Hopper case on an emulated A100). Plans
 // of the tiny GPT run on the cuda backend (every rank a thread on one GPU) and must give the CPU
 // single-rank reference's gradients, and the cpu backend's losses, within fp32 tolerances:
 // gradients within kCudaGradTolerance (1e-4) of the largest reference gradient, losses within
@@ -257,7 +258,7 @@ TEST_F(CudaRuntimeTest, APaddedBatchWithTiedEmbeddingsOnTwoTpRanksMatches) {
 // No kernel's sums depend on the order its blocks run in: a second run of a plan gives the
 // same losses and gradients bit for bit, and every tp rank the same gradients of the tensors it
 // holds whole (layernorms, row-parallel biases, the embeddings, the tied head), so their copies
-// cannot drift apart. On the kernel emulator //tests:cuda_emu_kernels_runtime_test runs every
+// cannot drift apart. On the kernel emulator //tests:cuda_runtime_test_kernel_emu runs every
 // launch's blocks in a new order (PIPEC_EMU_BLOCK_ORDER=shuffled), as a GPU may; floating-point
 // atomics there fail this test.
 TEST_F(CudaRuntimeTest, ASecondRunAndEveryTpRankGetTheSameBits) {

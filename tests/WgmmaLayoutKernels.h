@@ -2,7 +2,7 @@
 //-*-===//
 //
 // For //tests:wgmma_layout_test (on a GPU: what the hardware makes of our shared-memory layouts
-// and descriptors) and //tests:wgmma_layout_emu_test (the kernel emulator's reading of the same).
+// and descriptors) and //tests:wgmma_layout_test_kernel_emu (the kernel emulator's reading of the same).
 // Each case is one warpgroup computing D = A B through the operand forms of the attention
 // kernels (the forward of kernels/cuda/AttentionWgmma.cu, the experimental backward of
 // kernels/cuda/experimental/AttentionBackward.cu), with tiles of 64 rows x 128 bf16 columns in

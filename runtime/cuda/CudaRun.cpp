@@ -106,7 +106,7 @@ public:
     ctx->setSizing(false);
     if (err) {
       clearStepBuffers();
-      return std::move(err);
+      return err;
     }
     return arena->reservedBytes();
   }
