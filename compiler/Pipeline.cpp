@@ -25,7 +25,7 @@ public:
     request.memoryLimit = ctx.options.memoryLimit;
     // Constraints that need the costs or the memory limit (zb-auto's --memory-limit).
     if (auto err = ctx.policy->checkRequest(request))
-      return std::move(err);
+      return err;
     ComputeOrder order;
     ctx.policy->emit(request, order);
     assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");

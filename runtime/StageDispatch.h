@@ -405,7 +405,7 @@ private:
   /// The tensor a send carries: kept, or its stage's output / input gradient.
   llvm::Expected<TensorView> sendSource(const Instruction &i) {
     if (auto err = checkIndices(i))
-      return std::move(err);
+      return err;
     // (Reading a stage's output finishes the op and frees the buffer the reduction sums.)
     if (awaiting)
       return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "

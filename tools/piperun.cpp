@@ -39,6 +39,7 @@
 #endif
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
+#include "tools/KernelEnv.h"
 
 #include <fmt/format.h>
 
@@ -71,11 +72,17 @@ llvm::Error run(int argc, char **argv) {
   // set an environment variable. Printed by RANK 0 below.
   const std::string ncclLine = backend == "nccl" ? prepareNcclEnvironment() : "";
 #endif
+  // How the GPU backends' ops choose their kernels (the environment is read here alone).
+  kernels::cuda::KernelConfig kernelConfig;
   if (backend == "cuda" || backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA
     if (auto devices = cudaDevices(); !devices)
       return inputError("--backend {}: no GPU ({}); use --backend cpu", backend,
                         takeMessage(devices.takeError()));
+    auto fromEnvironment = kernelConfigFromEnvironment();
+    if (!fromEnvironment)
+      return fromEnvironment.takeError();
+    kernelConfig = *fromEnvironment;
 #else
     return inputError("--backend {}: this build has no CUDA (nvcc was not found when it was "
                       "built); use --backend cpu",
@@ -205,6 +212,7 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    co.kernels = kernelConfig;
     if (env->rank == 0) {
       fmt::print("{}\n", ncclLine);
       fmt::print("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
@@ -230,6 +238,7 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    co.kernels = kernelConfig;
     printComputeType();
     co.onArenas = [&](const CudaRunResult &sofar) {
       printMemory(sofar, "every rank, in RANK order");

@@ -19,9 +19,19 @@ skipped=0
 # Count test cases from the JUnit XML of each target this run tested (not stale ones of targets
 # the filter skipped); a target with no XML counts as one failure.
 targets=$(bazel query "$query" 2>/dev/null)
+# A sharded target (shard_count) has one XML per shard, of this run's shard count.
+targets=$(while IFS= read -r target; do
+  [ -n "$target" ] || continue
+  dir="bazel-testlogs/$(sed 's|^//||; s|:|/|' <<<"$target")"
+  newest=$(ls -t "$dir/test.xml" "$dir"/shard_*_of_*/test.xml 2>/dev/null | head -1)
+  case "$newest" in
+  */shard_*) n=${newest##*_of_} && ls "$dir"/shard_*_of_"${n%%/*}"/test.xml ;;
+  *) echo "$dir/test.xml" ;;
+  esac
+done <<<"$targets")
 while IFS= read -r target; do
   [ -n "$target" ] || continue
-  xml="bazel-testlogs/$(sed 's|^//||; s|:|/|' <<<"$target")/test.xml"
+  xml=$target
   if [ ! -f "$xml" ]; then
     failed=$((failed + 1))
     continue
