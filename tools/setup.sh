@@ -3,7 +3,8 @@
 # Idempotent: does nothing when every package is already there.
 set -euo pipefail
 packages=(bazel-bootstrap bazel-platforms nlohmann-json3-dev libfmt-dev llvm-14-dev
-          libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev)
+          libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev
+          clang-14 libclang-rt-14-dev lld-14)  # the last three: sanitizers and fuzzers
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
