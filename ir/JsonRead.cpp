@@ -1,5 +1,7 @@
 #include "ir/JsonRead.h"
 
+#include "ir/Files.h"
+
 #include "llvm/ADT/STLExtras.h"
 
 #include <algorithm>
@@ -126,8 +128,8 @@ llvm::Error JsonReader::onlyKeys(const Json &obj, llvm::StringRef path,
     std::string list;
     for (llvm::StringRef a : allowed)
       list += (list.empty() ? "" : ", ") + a.str();
-    return inputError("{}: {}: unknown field (valid fields: {})", source, jsonPath(path, it.key()),
-                      list);
+    return inputError("{}: {}: unknown field (valid fields: {})", source,
+                      jsonPath(path, shortened(it.key())), list);
   }
   return llvm::Error::success();
 }

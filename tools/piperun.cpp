@@ -42,12 +42,19 @@
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <optional>
 
 using namespace pipec;
 
 namespace {
+
+/// A line (or more) to standard output that never throws: a write error (a full disk, a closed
+/// pipe) is reported once, at the end (runTool), and the run is not cut short by it.
+template <typename... T> void say(fmt::format_string<T...> format, T &&...args) {
+  std::fputs(fmt::format(format, std::forward<T>(args)...).c_str(), stdout);
+}
 
 const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
@@ -151,7 +158,7 @@ llvm::Error run(int argc, char **argv) {
     data = syntheticData(cfg->vocab, o.seed);
   }
   auto printStep = [](int step, double loss) {
-    fmt::print("step {} loss {:.6f}\n", step, loss);
+    say("step {} loss {:.6f}\n", step, loss);
     std::fflush(stdout);
   };
   // The reference check's report, the same for both backends' results.
@@ -161,8 +168,8 @@ llvm::Error run(int argc, char **argv) {
     // (With --backend nccl only RANK 0 runs the reference.)
     if (!o.checkReference || result.referenceLosses.empty())
       return llvm::Error::success();
-    fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
-    fmt::print("{}", referenceCheckReport(result.grads, result.weights));
+    say("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
+    say("{}", referenceCheckReport(result.grads, result.weights));
     return judgeReferenceCheck(result.grads, result.weights, relative, perTensor);
   };
 #ifdef PIPEC_HAS_CUDA
@@ -171,9 +178,9 @@ llvm::Error run(int argc, char **argv) {
   // Which type the GPU run computes in, and why (a model spec without "dtype" means bf16).
   auto printComputeType = [&] {
     if (computeFlag)
-      fmt::print("compute type {} (--dtype)\n", computeType);
+      say("compute type {} (--dtype)\n", computeType);
     else
-      fmt::print("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
+      say("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
                  computeType == "bf16" ? "fp32" : "bf16");
   };
   // What each rank holds, allocated before step 0: its weights, gradients and optimizer state
@@ -185,9 +192,9 @@ llvm::Error run(int argc, char **argv) {
         sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
       return sizes;
     };
-    fmt::print("weights, gradients and optimizer state MiB ({}): {}\n", whose,
+    say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
                mib(sofar.stateBytes));
-    fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose,
+    say("activation arena MiB ({}; sized before step 0): {}\n", whose,
                mib(sofar.arenaBytes));
   };
 #endif
@@ -206,8 +213,8 @@ llvm::Error run(int argc, char **argv) {
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
     if (env->rank == 0) {
-      fmt::print("{}\n", ncclLine);
-      fmt::print("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
+      say("{}\n", ncclLine);
+      say("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
                  env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
       printComputeType();
     }
@@ -252,16 +259,16 @@ int main(int argc, char **argv) {
   // Line-buffered, also into a file: a launcher's log keeps every line printed before a crash
   // or a kill (tools/gpu_check.sh reads them), and the lines are few.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    fmt::print(stderr, "{}", kUsage);
-    return 2;
+    std::fputs(kUsage, stdout);
+    return reportError("piperun", inputError("expected a plan file; usage above"));
   }
   llvm::StringRef first = argv[1];
   if (first == "-h" || first == "--help") {
-    fmt::print("{}", kUsage);
-    return 0;
+    std::fputs(kUsage, stdout);
+    return finishTool("piperun", llvm::Error::success());
   }
-  if (auto err = run(argc, argv))
-    return reportError("piperun", std::move(err));
-  return 0;
+  return runTool("piperun", [&] { return run(argc, argv); });
 }
