@@ -25,12 +25,17 @@
 // nothing runs on the device, nothing trains), and print, before step 0, what each rank holds
 // ("weights, gradients and optimizer state MiB ...", `pipec compile`'s static bytes) and its
 // arena ("activation arena MiB ...").
+// Checkpoints (cpu backend; runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves
+// after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
+// from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
+// counts the steps of this run), under this plan's layout, whichever it was saved under.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
 #include "ir/PlanJson.h"
+#include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 #ifdef PIPEC_HAS_CUDA
@@ -60,13 +65,14 @@ const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
+               [--save-dir DIR [--save-every N]] [--resume DIR]
 )";
 
 llvm::Error run(int argc, char **argv) {
-  auto args = Args::parse(
-      argc, argv, 1,
-      {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr", "--timeout"},
-      {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args = Args::parse(argc, argv, 1,
+                          {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype",
+                           "--lr", "--timeout", "--save-dir", "--save-every", "--resume"},
+                          {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -133,7 +139,22 @@ llvm::Error run(int argc, char **argv) {
   if (dtype != "uint16" && dtype != "uint32")
     return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", dtype);
 
-  auto plan = loadPlan(userPath(args->positional().front()));
+  auto saveEvery = args->integer("--save-every", 0, 1, 1000000);
+  if (!saveEvery)
+    return saveEvery.takeError();
+  const std::optional<std::string> saveDir = args->path("--save-dir"),
+                                   resumeDir = args->path("--resume");
+  if (args->has("--save-every") && !saveDir)
+    return inputError("--save-every needs --save-dir (where to save); try --save-dir ckpt");
+  if ((saveDir || resumeDir) && backend != "cpu")
+    return inputError("{}: checkpoints are saved and resumed by the cpu backend only (the {} "
+                      "backend does not yet); use --backend cpu",
+                      saveDir ? "--save-dir" : "--resume", backend);
+  if (saveDir)
+    if (auto err = checkSaveDir(*saveDir, resumeDir.value_or("")))
+      return err;
+  const std::string planPath = userPath(args->positional().front());
+  auto plan = loadPlan(planPath);
   if (!plan)
     return plan.takeError();
   if (auto err = verifyPlan(*plan))
@@ -148,6 +169,30 @@ llvm::Error run(int argc, char **argv) {
     return inputError("the plan's model has \"dtype\": \"{}\", which --backend {} does not "
                       "compute in; pass --dtype bf16 (or --dtype fp32)",
                       computeType, backend);
+  // A checkpoint to continue: the same model and global batch (any layout), seed and data.
+  std::optional<Checkpoint> resume;
+  std::string dataName = "synthetic";
+  if (auto path = args->path("--data"))
+    dataName = dataSourceName(*path);
+  if (resumeDir) {
+    auto opened = openCheckpoint(*resumeDir);
+    if (!opened)
+      return opened.takeError();
+    std::optional<uint64_t> seedFlag;
+    if (args->has("--seed"))
+      seedFlag = uint64_t(*seed);
+    if (auto err = checkResumable(*opened, *plan, seedFlag, dataName))
+      return err;
+    o.seed = opened->manifest.seed;
+    resume = std::move(*opened);
+    o.resume = &*resume;
+    say("{}\n", describeResume(*resume, *plan));
+  }
+  if (saveDir) {
+    o.saveDir = *saveDir;
+    o.saveEvery = int(*saveEvery);
+  }
+  o.dataName = dataName;
   std::unique_ptr<DataSource> data;
   if (auto path = args->path("--data")) {
     auto loaded = tokenFileData(*path, dtype, cfg->vocab, cfg->seqLen, o.seed);
