@@ -301,11 +301,20 @@ llvm::Error writeStdout(llvm::StringRef text) {
                     code ? errnoText(code) : std::string("a write failed"));
 }
 
+/// The errno of the first failed sayToStdout (0: none).
+static int firstStdoutError = 0;
+
+void sayToStdout(llvm::StringRef text) {
+  errno = 0;
+  if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() && !firstStdoutError)
+    firstStdoutError = errno ? errno : EIO;
+}
+
 llvm::Error finishStdout() {
   errno = 0;
   if (std::fflush(stdout) == 0 && !std::ferror(stdout))
     return llvm::Error::success();
-  int code = errno;
+  int code = firstStdoutError ? firstStdoutError : errno;
   return inputError("standard output: cannot write: {}",
                     code ? errnoText(code) : std::string("a write failed"));
 }

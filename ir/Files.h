@@ -72,6 +72,9 @@ llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
 /// Write `text` to standard output and flush it; a failure (a full disk, a closed pipe) is an
 /// InputError "standard output: cannot write: <why>".
 llvm::Error writeStdout(llvm::StringRef text);
+/// Write `text` to standard output without failing: the first error (with its errno) is
+/// remembered for finishStdout(). For output that must not stop a run (piperun's losses).
+void sayToStdout(llvm::StringRef text);
 /// Flush standard output and report whether anything written to it since the start was lost.
 llvm::Error finishStdout();
 

@@ -187,6 +187,22 @@ llvm::Error JsonReader::getInt32(const Json &obj, llvm::StringRef path, llvm::St
   return llvm::Error::success();
 }
 
+llvm::Error JsonReader::getIntInRange(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                      int64_t &out, bool required, int64_t min,
+                                      int64_t max) const {
+  const Json *v = lookup(obj, key);
+  std::string expected = fmt::format("an integer in [{}, {}]", min, max);
+  if (!v)
+    return required ? fail(jsonPath(path, key), expected, nullptr) : llvm::Error::success();
+  bool ok = v->is_number_integer() &&
+            (v->is_number_unsigned() ? v->get<uint64_t>() <= uint64_t(INT64_MAX) : true) &&
+            v->get<int64_t>() >= min && v->get<int64_t>() <= max;
+  if (!ok)
+    return fail(jsonPath(path, key), expected, v);
+  out = v->get<int64_t>();
+  return llvm::Error::success();
+}
+
 llvm::Error JsonReader::getString(const Json &obj, llvm::StringRef path, llvm::StringRef key,
                                   std::string &out, bool required) const {
   const Json *v = lookup(obj, key);

@@ -147,11 +147,8 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
       return err;
   }
   int64_t gpn = c.gpusPerNode;
-  if (auto err = r.getInt(j, "$", "gpus_per_node", gpn, false, 1))
+  if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
-  if (gpn > kMaxGpusPerNode)
-    return r.fail("$.gpus_per_node", fmt::format("an integer in [1, {}]", kMaxGpusPerNode),
-                  &j["gpus_per_node"]);
   c.gpusPerNode = int(gpn);
   if (auto err = parseLink(r, j, "$", "intra_node", c.intraNode))
     return err;

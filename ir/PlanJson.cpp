@@ -513,12 +513,9 @@ struct PlanReader {
       if (auto err = r.expectObject(*it, "$.topology"))
         return err;
       int64_t gpn = plan.gpusPerNode;
-      if (auto err = r.getInt(*it, "$.topology", "gpus_per_node", gpn, false, 1))
+      if (auto err =
+              r.getIntInRange(*it, "$.topology", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
         return err;
-      if (gpn > kMaxGpusPerNode)
-        return r.fail("$.topology.gpus_per_node",
-                      fmt::format("an integer in [1, {}]", kMaxGpusPerNode),
-                      &(*it)["gpus_per_node"]);
       plan.gpusPerNode = int(gpn);
     }
     if (auto err =

@@ -58,7 +58,7 @@ namespace {
 /// A line (or more) to standard output that never throws: a write error (a full disk, a closed
 /// pipe) is reported once, at the end (runTool), and the run is not cut short by it.
 template <typename... T> void say(fmt::format_string<T...> format, T &&...args) {
-  std::fputs(fmt::format(format, std::forward<T>(args)...).c_str(), stdout);
+  sayToStdout(fmt::format(format, std::forward<T>(args)...));
 }
 
 const char *kUsage =
