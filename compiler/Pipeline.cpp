@@ -1,6 +1,7 @@
 //===- Pipeline.cpp - Pass registry, the schedule/simulate/verify passes --===//
 #include "compiler/Pass.h"
 
+#include "compiler/Budget.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
@@ -157,6 +158,8 @@ static llvm::Error checkOptions(const CompileOptions &o) {
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
                                  const CompileOptions &options, bool verifyEach) {
   if (auto err = checkOptions(options))
+    return err;
+  if (auto err = checkCompileBudget(model, options)) // before anything is allocated
     return err;
   if (model.transformer) {
     // Megatron splits heads and the MLP's hidden size across tp ranks.

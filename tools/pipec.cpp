@@ -21,9 +21,12 @@
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 
 using namespace pipec;
+
+static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
 
@@ -161,6 +164,22 @@ llvm::Error cmdCompile(int argc, char **argv) {
   std::optional<std::string> out = args->path("-o");
   if (!out)
     out = args->path("--output");
+  // Every output is checked before the (possibly long) compile: a file, or - for standard
+  // output, and never one of the inputs.
+  std::vector<InputFile> inputs{{"--model", *args->path("--model")}};
+  if (auto c = args->path("--cluster"))
+    inputs.push_back({"--cluster", *c});
+  const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
+  if (toStdout && args->has("--show"))
+    return inputError("--show prints the grid to standard output, which {} - fills; write that "
+                      "to a file, or drop --show",
+                      out && *out == "-" ? "-o" : "--trace");
+  if (out)
+    if (auto err = checkOutputPath("-o", *out, inputs))
+      return err;
+  if (auto t = args->path("--trace"))
+    if (auto err = checkOutputPath("--trace", *t, inputs))
+      return err;
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
@@ -200,8 +219,10 @@ llvm::Error cmdCompile(int argc, char **argv) {
     if (auto svg = args->path("--svg"))
       outputs.push_back(OutputFile{"--svg", *svg, scheduleSvg(*plan, tl)});
   }
-  if (auto err = writeFilesAtomically(outputs))
+  if (auto err = writeFilesAtomically(outputs, inputs))
     return err;
+  if (toStdout) // the summary would corrupt the file on standard output
+    return llvm::Error::success();
   if (!args->has("--quiet"))
     printSummary(*plan, &cluster);
   if (args->has("--show"))
@@ -249,13 +270,21 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
   if (auto err = runPipeline({"memory"}, *plan, ctx))
     return err;
+  const std::vector<InputFile> inputs{{"plan", userPath(args->positional().front())}};
+  if (auto t = args->path("--trace"))
+    if (auto err = checkOutputPath("--trace", *t, inputs))
+      return err;
   Timeline tl;
   if (auto err = simulateTimeline(*plan, tl))
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
-  if (auto t = args->path("--trace"))
-    if (auto err = writeFileAtomically(*t, chromeTrace(*plan, tl)))
-      return inputError("--trace: {}", takeMessage(std::move(err)));
+  if (auto t = args->path("--trace")) {
+    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
+                                        inputs))
+      return err;
+    if (*t == "-") // the summary would corrupt the trace on standard output
+      return llvm::Error::success();
+  }
   printSummary(*plan, nullptr);
   if (auto t = args->get("--trace"))
     fmt::print("wrote {}\n", *t);
@@ -307,15 +336,23 @@ llvm::Error cmdListSchedules(int argc, char **argv) {
 } // namespace
 
 int main(int argc, char **argv) {
+  // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    fmt::print(stderr, "{}", kUsage);
-    return 2;
+    // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
+    std::fputs(kUsage, stdout);
+    return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
+                                           "show, list-schedules); usage above"));
   }
   llvm::StringRef cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
-    fmt::print("{}", kUsage);
-    return 0;
+    std::fputs(kUsage, stdout);
+    return finishTool("pipec", llvm::Error::success());
   }
+  return runTool("pipec", [&] { return dispatch(cmd, argc, argv); });
+}
+
+static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
   llvm::Error err = llvm::Error::success();
   if (cmd == "compile")
     err = cmdCompile(argc, argv);
@@ -331,7 +368,5 @@ int main(int argc, char **argv) {
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
                      "list-schedules)",
                      cmd.str());
-  if (err)
-    return reportError("pipec", std::move(err));
-  return 0;
+  return err;
 }
