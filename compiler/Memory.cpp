@@ -1,7 +1,8 @@
 //===- Memory.cpp - Per-rank peak memory from stream order ----------------===//
 //
 // Establishes: stats.ranks[r].peak_activation_bytes, static_bytes and peak_memory_bytes
-// (DESIGN §6 memory model; it depends only on stream order, not on timing).
+// (DESIGN §6 memory model; it depends only on stream order, not on timing). The activation
+// rules are ir/CostModel.h's, which zb-auto's search runs too:
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (first part);
 //  - a backward (input-gradient or fused) holds up to backward_peak_bytes[k] more while it runs
 //    (at least weight_grad - activation bytes: what it builds for the weight gradient);
@@ -18,7 +19,8 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 
-#include "compiler/Semantics.h"
+#include "ir/CostModel.h"
+#include "ir/Semantics.h"
 
 #include <algorithm>
 
@@ -52,41 +54,13 @@ public:
         if (!i.isCompute())
           continue;
         const StageInfo &st = plan.stages[size_t(i.stage)];
-        int64_t a = st.activationBytes[size_t(i.slice)];
-        int64_t w = st.weightGradBytes[size_t(i.slice)];
-        int64_t ws =
-            size_t(i.slice) < st.workspaceBytes.size() ? st.workspaceBytes[size_t(i.slice)] : 0;
-        if (i.op == OpKind::Forward && i.isFirstPart())
-          act += a;
-        peakAct = std::max(peakAct, act + ws);
-        peakAll = std::max(peakAll, act + ws + bufs);
+        act += activationAllocatedAtStart(st, i);
+        int64_t held = act + activationHeldWhileRunning(st, i);
+        peakAct = std::max(peakAct, held);
+        peakAll = std::max(peakAll, held + bufs);
         if (!i.isLastPart())
           continue;
-        if (i.op == OpKind::BackwardInput || i.op == OpKind::Backward) {
-          int64_t extra = std::max<int64_t>(w - a, 0);
-          if (size_t(i.slice) < st.backwardPeakBytes.size())
-            extra = std::max(extra, st.backwardPeakBytes[size_t(i.slice)]);
-          peakAct = std::max(peakAct, act + extra + ws);
-          peakAll = std::max(peakAll, act + extra + ws + bufs);
-        }
-        switch (i.op) {
-        case OpKind::Forward:
-          break;
-        case OpKind::BackwardInput:
-          act -= a - w;
-          break;
-        case OpKind::BackwardWeight:
-          act -= w;
-          break;
-        case OpKind::Backward:
-          act -= a;
-          break;
-        case OpKind::Send:
-        case OpKind::Recv:
-        case OpKind::AllReduce:
-        case OpKind::OptimizerStep:
-          break;
-        }
+        act -= activationFreedAtEnd(st, i);
         if (i.op == OpKind::Forward || i.op == OpKind::BackwardInput || i.op == OpKind::Backward) {
           int64_t &b = buffered[keys.key(i)];
           bufs -= b;

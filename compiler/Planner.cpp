@@ -4,6 +4,7 @@
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
 #include "compiler/QuickEval.h"
+#include "ir/CostModel.h"
 #include "ir/Error.h"
 #include "schedules/Policy.h"
 
@@ -348,12 +349,7 @@ std::vector<int> Search::partitionFor(size_t variant, int tp, int stages) {
 
 /// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs.
 int64_t lifetimeBytes(const StageInfo &st, size_t k) {
-  int64_t a = st.activationBytes[k], w = st.weightGradBytes[k];
-  int64_t extra = std::max<int64_t>(w - a, 0);
-  if (k < st.backwardPeakBytes.size())
-    extra = std::max(extra, st.backwardPeakBytes[k]);
-  int64_t ws = k < st.workspaceBytes.size() ? st.workspaceBytes[k] : 0;
-  return a + extra + ws;
+  return activationLifetimePeak(st, int(k)) + workspaceBytes(st, int(k));
 }
 
 void Search::evaluate(size_t index, double threshold) {

@@ -8,11 +8,14 @@
 //   - the dp all-reduce of a stage follows the stage's last weight gradient on the rank (after
 //     that op's tp all-reduces), serial on the dp stream;
 //   - memory: the same events at the same points of the stream.
+// Every time and byte count is ir/CostModel.h's (op, transfer and tp all-reduce times, the
+// activation rule): this walk only replays lowering's placement of them.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/QuickEval.h"
 
-#include "compiler/Semantics.h"
+#include "ir/CostModel.h"
+#include "ir/Semantics.h"
 #include "ir/Error.h"
 
 #include <algorithm>
@@ -30,12 +33,6 @@ int partsOf(const Plan &plan, const Instruction &i) {
   if (plan.parallel.tp <= 1 || i.op == OpKind::BackwardWeight)
     return 0;
   return std::max(plan.stages[size_t(i.stage)].tpAllReduces, 0);
-}
-
-double transferTime(const Plan &plan, const Input &in) {
-  const StageInfo &p = plan.stages[size_t(in.stage)];
-  return in.tensor == TensorKind::Activation ? p.activationTransferTime[size_t(in.slice)]
-                                             : p.gradientTransferTime[size_t(in.slice)];
 }
 
 struct RankClock {
@@ -94,7 +91,7 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
         }
         double arrival = done[key];
         if (plan.rankOf(in.stage) != int(r))
-          arrival += transferTime(plan, in);
+          arrival += transferTime(plan.stages[size_t(in.stage)], in.tensor, in.slice);
         ready = std::max(ready, arrival);
       });
       if (missing != SIZE_MAX) {
@@ -175,34 +172,11 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
   for (size_t r = 0; r < numRanks; ++r) {
     int64_t act = 0, peak = 0;
     for (const Instruction &i : plan.ranks[r]) {
+      // Compute-only streams: every op is whole (its first and last part).
       const StageInfo &st = plan.stages[size_t(i.stage)];
-      size_t k = size_t(i.slice);
-      int64_t a = st.activationBytes[k], w = st.weightGradBytes[k];
-      int64_t ws = k < st.workspaceBytes.size() ? st.workspaceBytes[k] : 0;
-      if (i.op == OpKind::Forward)
-        act += a;
-      peak = std::max(peak, act + ws);
-      switch (i.op) {
-      case OpKind::Forward:
-        break;
-      case OpKind::BackwardInput:
-      case OpKind::Backward: {
-        int64_t extra = std::max<int64_t>(w - a, 0);
-        if (k < st.backwardPeakBytes.size())
-          extra = std::max(extra, st.backwardPeakBytes[k]);
-        peak = std::max(peak, act + extra + ws);
-        act -= i.op == OpKind::Backward ? a : a - w;
-        break;
-      }
-      case OpKind::BackwardWeight:
-        act -= w;
-        break;
-      case OpKind::Send:
-      case OpKind::Recv:
-      case OpKind::AllReduce:
-      case OpKind::OptimizerStep:
-        break;
-      }
+      act += activationAllocatedAtStart(st, i);
+      peak = std::max(peak, act + activationHeldWhileRunning(st, i));
+      act -= activationFreedAtEnd(st, i);
     }
     out.peakActivationBytes[r] = peak;
     int64_t params = 0;

@@ -9,13 +9,13 @@
 #ifndef PIPEC_IR_MODEL_H
 #define PIPEC_IR_MODEL_H
 
+#include "ir/Files.h"
+
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
-#include "llvm/Support/raw_ostream.h"
 
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,6 +31,11 @@ struct Link {
   /// Bytes per millisecond the link moves in practice.
   double bytesPerMs() const { return bandwidthGBps * efficiency * 1e6; }
 };
+
+/// Bounds of the specs' fields: a node of more GPUs than this is no node (NVLink domains hold
+/// hundreds), and a model of more layers than this is not one the compiler is meant for.
+inline constexpr int64_t kMaxGpusPerNode = 1 << 16;
+inline constexpr int64_t kMaxLayers = 1000000;
 
 /// pipecluster/1.
 struct ClusterSpec {
@@ -145,19 +150,6 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
 llvm::Expected<ClusterSpec> parseClusterSpec(llvm::StringRef text, llvm::StringRef source);
 llvm::Expected<ModelSpec> loadModelSpec(llvm::StringRef path);
 llvm::Expected<ClusterSpec> loadClusterSpec(llvm::StringRef path);
-
-/// Read a whole file; the error names the path.
-llvm::Expected<std::string> readFile(llvm::StringRef path);
-/// Write a file atomically: a temporary beside it, then rename.
-llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents);
-/// Write several files all or nothing: every temporary first, renames only if all were written.
-/// The error names the flag of the file that failed.
-struct OutputFile {
-  std::string flag, path, contents;
-  /// When set, writes the contents instead of `contents` (a large file streamed to disk).
-  std::function<void(llvm::raw_ostream &)> write = nullptr;
-};
-llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files);
 
 } // namespace pipec
 
