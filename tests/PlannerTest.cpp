@@ -236,6 +236,16 @@ TEST(PlannerTest, BadInputNamesTheFlagAndTheNearestValidValue) {
   EXPECT_NE(msg.find("--global-batch 1: no layout of 64 GPUs divides it"), std::string::npos)
       << msg;
   EXPECT_NE(msg.find("try --global-batch 4"), std::string::npos) << msg;
+  // 7 GPUs with --pp 2: no layout tp x 2 x dp is 7 GPUs (a GPU count's error, not the
+  // batch's); 6 GPUs (pp 2 x dp 3, two sequences per replica) are the nearest that fit.
+  o.gpus = 7;
+  o.globalBatch = 6;
+  o.ppSizes = {2};
+  r = planLayouts(transformer("", 2), smallCluster(), o);
+  ASSERT_FALSE(bool(r));
+  msg = takeMessage(r.takeError());
+  EXPECT_NE(msg.find("--gpus 7: no layout tp x pp x dp = 7 fits"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("try --gpus 6"), std::string::npos) << msg;
   o = smallSearch();
   o.schedules = {"1f1b", "zb-h3"};
   r = planLayouts(transformer(), smallCluster(), o);
@@ -348,6 +358,39 @@ TEST(PlannerCliTest, TheBestIsTheBestOfCompilingEveryCandidate) {
   std::string table = testing::slurp(csv);
   EXPECT_EQ(table.rfind("recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,", 0), 0u);
   EXPECT_NE(table.find(",ranked,"), std::string::npos);
+}
+
+TEST(PlannerCliTest, PiperunRefusesARecomputingPlanWithOneLine) {
+  // Recomputation is a plan option pipec models (memory and time) but piperun's kernels do not
+  // execute: piperun refuses such a plan before it builds a stage, exit 2, one line naming the
+  // field (the cpu backend here; cuda and nccl on the emulated device in PiperunEmuTest; on a
+  // machine without a GPU those two say so first).
+  const std::string dir = testing::tmpDir();
+  for (const char *recompute : {"selective", "full"}) {
+    const std::string plan = dir + "/recompute-" + recompute + ".json";
+    Result c = run(fmt::format("tools/pipec compile --model examples/tiny-gpt.json --schedule "
+                               "1f1b --pp 2 --microbatches 4 --recompute {} -o {} --quiet",
+                               recompute, plan));
+    ASSERT_EQ(c.code, 0) << c.out << c.err;
+    for (const char *backend : {"cpu"}) {
+      SCOPED_TRACE(fmt::format("--recompute {} --backend {}", recompute, backend));
+      Result r = run(fmt::format("tools/piperun {} --backend {} --steps 1", plan, backend));
+      EXPECT_EQ(r.code, 2) << r.out << r.err;
+      EXPECT_NE(r.err.find(fmt::format("$.transformer.recompute: \"{}\"", recompute)),
+                std::string::npos)
+          << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+      EXPECT_EQ(r.out.find("step 0"), std::string::npos) << r.out;
+    }
+  }
+  // The same model without recomputation runs.
+  const std::string plan = dir + "/recompute-none.json";
+  ASSERT_EQ(run("tools/pipec compile --model examples/tiny-gpt.json --schedule 1f1b --pp 2 "
+                "--microbatches 4 -o " + plan + " --quiet")
+                .code,
+            0);
+  Result ok = run("tools/piperun " + plan + " --backend cpu --steps 1");
+  EXPECT_EQ(ok.code, 0) << ok.out << ok.err;
 }
 
 TEST(PlannerCliTest, BadInputIsOneLineAndExitTwo) {
