@@ -104,6 +104,19 @@ TEST(PiperunEmuTest, TheModelsDtypeIsTheDefaultComputeType) {
       << fp16.err;
 }
 
+TEST(PiperunEmuTest, GpuBackendsRefuseARecomputingPlanWithOneLine) {
+  // pipec models recomputation; piperun's kernels do not execute it, on any backend.
+  const std::string p = tmpDir() + "/recompute.json";
+  Result c = run("tools/pipec compile --model examples/tiny-gpt.json --schedule 1f1b --pp 2 "
+                 "--microbatches 4 --recompute selective -o " + p + " --quiet");
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  for (const char *backend : {"cuda", "nccl"}) {
+    Result r = run(std::string("RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu ") + p +
+                   " --backend " + backend + " --steps 1");
+    expectUsageError(r, "$.transformer.recompute: \"selective\"");
+  }
+}
+
 TEST(PiperunEmuTest, AnUnsupportedDtypeIsAUsageError) {
   std::string p = plan("dtype", "--schedule 1f1b --pp 2 --microbatches 4");
   Result r = run("tools/piperun_emu " + p + " --backend cuda --dtype fp16");
