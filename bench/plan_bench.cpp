@@ -59,7 +59,9 @@ int main(int argc, char **argv) {
   if (!threads)
     return fail(threads.takeError());
   llvm::SmallVector<llvm::StringRef, 8> counts;
-  llvm::StringRef(args->get("--gpus").value_or("64,128,256,512,1024,2048")).split(counts, ',');
+  // (The list is kept alive here: the pieces point into it.)
+  const std::string list = args->get("--gpus").value_or("64,128,256,512,1024,2048");
+  llvm::StringRef(list).split(counts, ',');
   fmt::print("{} on {} ({} per node), global batch {}\n", model->name, cluster->deviceName,
              cluster->gpusPerNode, *batch);
   fmt::print("{:>6} {:>10} {:>8} {:>8} {:>12} {:>9} {:>8}  {}\n", "gpus", "candidates", "wall s",
