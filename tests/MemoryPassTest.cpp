@@ -86,10 +86,12 @@ TEST(MemoryPassSweep, PeaksMeetThePapersClosedForms) {
         EXPECT_EQ(gpipe[size_t(r)], m * a) << "rank " << r;
         EXPECT_EQ(gpipeK[size_t(r)], m * a) << "rank " << r << ", two half slices";
         EXPECT_EQ(oneF[size_t(r)], std::min(p - r, m) * a) << "rank " << r;
-        if (m >= p)
+        if (m >= p) {
           EXPECT_EQ(h1[size_t(r)], (p - i + 1) * a + (i - 1) * mw) << "rank " << r;
-        if (m >= 2 * p - 1)
+        }
+        if (m >= 2 * p - 1) {
           EXPECT_EQ(h2[size_t(r)], (2 * p - 2 * i + 1) * a + (2 * i - 2) * mw) << "rank " << r;
+        }
       }
     }
   }

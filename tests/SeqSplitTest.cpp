@@ -76,10 +76,12 @@ void expectCoverInOrder(const std::vector<std::pair<int64_t, int64_t>> &s, int64
   EXPECT_EQ(s.back().second, n);
   for (size_t i = 0; i < s.size(); ++i) {
     EXPECT_LT(s[i].first, s[i].second) << "slice " << i << " is empty";
-    if (i > 0)
+    if (i > 0) {
       EXPECT_EQ(s[i].first, s[i - 1].second) << "slice " << i << " does not follow on";
-    if (i + 1 < s.size())
+    }
+    if (i + 1 < s.size()) {
       EXPECT_EQ(s[i].second % tp, 0) << "boundary " << s[i].second << " not a multiple of tp";
+    }
   }
 }
 
@@ -131,9 +133,10 @@ TEST(SeqSplitSweep, TransformerSlicesCarryEqualForwardFlops) {
           double mine = forwardFlops(h, f, s[i].first, s[i].second);
           EXPECT_NEAR(mine, total / k, slack) << "slice " << i;
           worst = std::max(worst, mine);
-          if (i > 0)
+          if (i > 0) {
             EXPECT_LE(s[i].second - s[i].first, s[i - 1].second - s[i - 1].first + tp)
                 << "a later slice, which attends to more keys, has more tokens";
+          }
         }
         // Never less balanced than equal token counts.
         double evenWorst = 0;
