@@ -249,15 +249,22 @@ std::vector<std::string> commsRow(const Plan &plan, int rank) {
     flushReduce(); // LowerCollectives' rule: dp reductions go before the next non-p2p op
     llvm::SmallVector<const Instruction *, 8> after;
     if (pair) {
-      // Ops between the pair's F and B: recvs (inputs of the B) go before the pair, the rest
-      // (the F's sends) after it. PyTorch posts both asynchronously, so moving a recv earlier
-      // and a send later changes no send/recv matching order.
+      // Ops between the pair's F and B: the recv of the B's input goes before the pair (the
+      // pair is one action), everything else (the F's sends first) after it, in pipec's order.
+      // pipec's streams list every rank's messages in one global order (LowerComms' rounds),
+      // which is what keeps them deadlock-free op by op; only the B's input moves ahead of the
+      // F's sends, as PyTorch's own ScheduleDualPipeV has it (a pair's B never waits for its
+      // F's output).
+      const Instruction &b = compute[c + 1];
       size_t m = computeAt[c + 1];
       for (size_t k = n + 1; k < m; ++k) {
-        if (stream[k].op == OpKind::Recv)
-          nonCompute(stream[k]);
+        const Instruction &op = stream[k];
+        bool feedsB = op.op == OpKind::Recv && op.tensor == TensorKind::Gradient &&
+                      op.stage == b.stage + 1 && op.mb == b.mb && op.slice == b.slice;
+        if (feedsB)
+          nonCompute(op);
         else
-          after.push_back(&stream[k]);
+          after.push_back(&op);
       }
     }
     // FSDP residency before the action, as PyTorch's lowering decides it.

@@ -35,10 +35,7 @@ llvm::ArrayRef<llvm::StringRef> importFlags() {
 
 llvm::Expected<ModelSpec> modelFromFlags(const Args &args) {
   if (auto text = args.get("--model-json")) {
-    auto model = parseModelSpec(*text, "model");
-    if (!model)
-      return inputError("model: {}", takeMessage(model.takeError()));
-    return model;
+    return parseModelSpec(*text, "model"); // errors start "model: $.field: ..."
   }
   if (!args.has("--model"))
     return inputError("missing --model (a pipemodel/1 JSON file, required); try --model "
@@ -51,10 +48,7 @@ llvm::Expected<ModelSpec> modelFromFlags(const Args &args) {
 
 llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args) {
   if (auto text = args.get("--cluster-json")) {
-    auto cluster = parseClusterSpec(*text, "cluster");
-    if (!cluster)
-      return inputError("cluster: {}", takeMessage(cluster.takeError()));
-    return cluster;
+    return parseClusterSpec(*text, "cluster");
   }
   if (auto path = args.path("--cluster")) {
     auto cluster = loadClusterSpec(*path);
