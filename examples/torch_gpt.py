@@ -113,37 +113,41 @@ def batch(cfg, microbatches, step):
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(rank, world, init_file, args):
+def compile_plan(args):
+    import pipec  # noqa: PLC0415
+
+    flags = {"cluster": CPU_CLUSTER}
+    if args.vpp:
+        flags["vpp"] = args.vpp
+    if args.schedule == "zb-auto":
+        flags["memory_limit"] = args.memory_limit
+    return pipec.compile(model_spec(), args.schedule, pp=args.pp,
+                         microbatches=args.microbatches, **flags)
+
+
+def train(rank, world, init_file, plan_file, steps):
+    """One pipeline rank: its stages of the model, trained with the plan's schedule."""
+    import time  # noqa: PLC0415
+
     import pipec  # noqa: PLC0415 (each spawned process imports it itself)
     import pipec.torch  # noqa: PLC0415
 
     torch.set_num_threads(1)  # one core per rank: pp processes share the machine
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    flags = {"cluster": CPU_CLUSTER}
-    if args.vpp:
-        flags["vpp"] = args.vpp
-    if args.schedule == "zb-auto":
-        flags["memory_limit"] = args.memory_limit
-    plan = pipec.compile(model_spec(), args.schedule, pp=world, microbatches=args.microbatches,
-                         **flags)
-    if rank == 0:
-        print(f"{plan}")
-        print("stages (layers, rank): " + " ".join(
-            f"{s['stage']}:[{s['layers'][0]},{s['layers'][1]})@r{s['rank']}" for s in plan.stages))
+    plan = pipec.load(plan_file)
     layers = build_layers()
     pipe = pipec.torch.PipelineRunner(plan, pipec.torch.stage_modules(plan, layers), loss_fn)
     params = [p for st in pipe.stages for p in st.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3)
-    import time  # noqa: PLC0415
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(steps):
         tokens, targets = batch(CONFIG, plan.microbatches, step)
         opt.zero_grad()
         losses = []
         pipe.step(tokens, target=targets, losses=losses)
         opt.step()
-        if pipe.has_last_stage and (step % max(1, args.steps // 6) == 0 or step == args.steps - 1):
+        if pipe.has_last_stage and (step % max(1, steps // 6) == 0 or step == steps - 1):
             loss = torch.stack(losses).mean().item()
             print(f"step {step:3d}  loss {loss:.4f}  (rank {rank}, {len(losses)} microbatches, "
                   f"{time.perf_counter() - start:.1f} s)", flush=True)
@@ -160,9 +164,17 @@ def main(argv=None):
                         help="zb-auto's bound on each rank's activations")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
+    plan = compile_plan(args)
+    print(plan)
+    print("stages (layers, rank): " + " ".join(
+        f"{s['stage']}:[{s['layers'][0]},{s['layers'][1]})@r{s['rank']}" for s in plan.stages))
+    print("rank 0: " + plan.export_torch_csv().splitlines()[0], flush=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(train, args=(args.pp, os.path.join(tmp, "rendezvous"), args), nprocs=args.pp)
+        plan_file = os.path.join(tmp, "plan.json")
+        plan.save(plan_file)
+        mp.spawn(train, args=(args.pp, os.path.join(tmp, "rendezvous"), plan_file, args.steps),
+                 nprocs=args.pp)
 
 
 if __name__ == "__main__":

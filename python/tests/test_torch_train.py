@@ -50,7 +50,7 @@ def _reference(microbatches):
     torch.stack(losses).mean().backward()
     grads = {f"{i}.{n}": p.grad for i, layer in enumerate(layers)
              for n, p in layer.named_parameters()}
-    return grads, [float(x) for x in losses]
+    return grads, [x.item() for x in losses]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,12 @@ def runs(tmp_path_factory):
     for world in WORLDS:
         work = tmp_path_factory.mktemp(f"world{world}")
         cases = _cases(world)
-        mp.spawn(torch_workers.run_cases,
-                 args=(world, str(work / "rendezvous"), str(work), CFG, cases), nprocs=world)
+        # Forked, not spawned: the ranks inherit the imported torch and pipec instead of
+        # importing them again (seconds per process); nothing here has started a thread pool
+        # or a process group before the fork.
+        mp.start_processes(torch_workers.run_cases,
+                           args=(world, str(work / "rendezvous"), str(work), CFG, cases),
+                           nprocs=world, start_method="fork")
         for case in cases:
             parts = [torch.load(work / f"{case['id']}-rank{r}.pt") for r in range(world)]
             out[(world, case["id"])] = parts
@@ -111,7 +115,7 @@ def test_runner_refuses_a_plan_for_another_group_size_or_pytorch_cannot_run(tmp_
 
 
 def test_the_example_trains_a_gpt_whose_loss_falls():
-    r = subprocess.run([sys.executable, example("torch_gpt.py"), "--pp", "2", "--steps", "12"],
+    r = subprocess.run([sys.executable, example("torch_gpt.py"), "--pp", "2", "--steps", "10"],
                        capture_output=True, text=True, check=False, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [float(line.split("loss ")[1].split()[0]) for line in r.stdout.splitlines()

@@ -34,7 +34,7 @@ def run_cases(rank, world, init_file, out_dir, cfg, cases):
                 for layer in range(*stage["layers"]):
                     for name, param in layers[layer].named_parameters():
                         grads[f"{layer}.{name}"] = param.grad.detach().clone()
-            torch.save({"grads": grads, "losses": [float(x) for x in losses]},
+            torch.save({"grads": grads, "losses": [x.item() for x in losses]},
                        os.path.join(out_dir, f"{case['id']}-rank{rank}.pt"))
             dist.barrier()
     finally:
