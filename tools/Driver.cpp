@@ -162,7 +162,8 @@ std::string importReport(const ImportedOrder &order, const ImportResult &result,
   const Plan &plan = result.plan;
   llvm::SmallVector<std::string, 3> notes;
   if (order.droppedComms > 0)
-    notes.push_back(fmt::format("{} comm and collective actions dropped, re-derived by pipec",
+    notes.push_back(fmt::format("{} communication, wait, reduction and FSDP actions dropped; "
+                                "pipec derives its own",
                                 order.droppedComms));
   if (order.overlappedPairs > 0)
     notes.push_back(fmt::format("{} overlapped pairs split into their F and B, in order",
