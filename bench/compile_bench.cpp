@@ -69,7 +69,7 @@ int main(int argc, char **argv) {
              "instructions_per_s={:.2f}M peak_rss={:.1f}MiB bytes_per_instruction={:.0f} "
              "bubble={:.4f}\n",
              o.schedule, *pp, *m, instructions, *repeat, best, best * 1e3,
-             double(instructions) / best / 1e6, rssMiB,
-             rssMiB * 1048576.0 / double(instructions), bubble);
+             double(instructions) / best / 1e6, rssMiB, rssMiB * 1048576.0 / double(instructions),
+             bubble);
   return 0;
 }

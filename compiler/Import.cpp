@@ -114,8 +114,8 @@ llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit) {
 
 llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const ClusterSpec &cluster,
                                              const ImportedOrder &order,
-                                             const ImportOptions &options,
-                                             llvm::StringRef source, bool verifyEach) {
+                                             const ImportOptions &options, llvm::StringRef source,
+                                             bool verifyEach) {
   int pp = int(order.ranks.size());
   if (pp == 0)
     return inputError("{}: no ranks: the file has no rows", source.str());

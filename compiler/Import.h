@@ -50,8 +50,8 @@ inline constexpr const char *kCustomSchedule = "custom";
 /// verifier's Finding.
 llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const ClusterSpec &cluster,
                                              const ImportedOrder &order,
-                                             const ImportOptions &options,
-                                             llvm::StringRef source, bool verifyEach = false);
+                                             const ImportOptions &options, llvm::StringRef source,
+                                             bool verifyEach = false);
 
 /// The Finding `pipec compile` reports when a rank's peak activations exceed --memory-limit.
 llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit);

@@ -180,8 +180,8 @@ std::vector<std::string> commsRow(const Plan &plan, int rank) {
   bool dpInPlan = plan.parallel.dp > 1;
 
   std::vector<std::string> cells;
-  llvm::SmallVector<int, 4> active;     // unsharded stages, in the order they were fetched
-  llvm::SmallVector<int, 4> reduceDue;  // stages whose REDUCE_GRAD goes before the next non-p2p
+  llvm::SmallVector<int, 4> active;      // unsharded stages, in the order they were fetched
+  llvm::SmallVector<int, 4> reduceDue;   // stages whose REDUCE_GRAD goes before the next non-p2p
   std::vector<std::string> pendingSends; // waits owed, in the order the sends were issued
   std::map<std::tuple<int, int>, size_t> pendingForward; // (stage, mb) of SEND_F -> index
   std::vector<bool> waited;
@@ -380,9 +380,15 @@ bool parseTorchAction(llvm::StringRef cell, TorchAction &out) {
   struct Kind {
     const char *name;
     bool needsMb; // false: the action names no microbatch
-  } kinds[] = {{"WAIT_REDUCE_GRAD", false}, {"WAIT_SEND_F", true}, {"WAIT_SEND_B", true},
-               {"REDUCE_GRAD", false},      {"UNSHARD", false},    {"RESHARD", false},
-               {"SEND_F", true},            {"RECV_F", true},      {"SEND_B", true},
+  } kinds[] = {{"WAIT_REDUCE_GRAD", false},
+               {"WAIT_SEND_F", true},
+               {"WAIT_SEND_B", true},
+               {"REDUCE_GRAD", false},
+               {"UNSHARD", false},
+               {"RESHARD", false},
+               {"SEND_F", true},
+               {"RECV_F", true},
+               {"SEND_B", true},
                {"RECV_B", true}};
   for (const Kind &k : kinds) {
     if (!s.consume_front(k.name))

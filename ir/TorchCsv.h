@@ -71,9 +71,9 @@ struct ImportedOrder {
   Source source = Source::TorchCsv;
   /// Compute ops of each rank, in order (slice set, never split into tp parts).
   std::vector<std::vector<Instruction>> ranks;
-  int numStages = 0;    // largest stage + 1
-  int microbatches = 0; // largest microbatch + 1
-  int seqSplits = 1;    // largest slice + 1 (pipec text only; PyTorch has no slices)
+  int numStages = 0;          // largest stage + 1
+  int microbatches = 0;       // largest microbatch + 1
+  int seqSplits = 1;          // largest slice + 1 (pipec text only; PyTorch has no slices)
   size_t droppedComms = 0;    // comm, wait, reduction and FSDP actions, re-derived by pipec
   size_t overlappedPairs = 0; // OVERLAP_F_B actions, split into their F and B in order
   size_t idleCells = 0;       // empty cells of the compute-only form

@@ -135,11 +135,9 @@ TEST(TorchCsvRoundTrip, EveryExpressibleScheduleImportsBackByteForByte) {
       if (matches.front() == c.schedule)
         continue;
       // Named with --schedule: byte for byte, always.
-      auto named =
-          importText(model, csv, importOptions(c, /*named=*/true), /*verifyEach=*/false);
+      auto named = importText(model, csv, importOptions(c, /*named=*/true), /*verifyEach=*/false);
       ASSERT_TRUE(bool(named)) << name(c) << ": " << takeMessage(named.takeError());
-      EXPECT_EQ(writePlanJson(named->plan), json) << name(c) << " (" << toString(form).str()
-                                                  << ")";
+      EXPECT_EQ(writePlanJson(named->plan), json) << name(c) << " (" << toString(form).str() << ")";
     }
     ++configs;
   }
@@ -176,10 +174,14 @@ TEST(PipecTextRoundTrip, EveryScheduleImportsBackFromItsTextForm) {
   struct Case {
     const char *schedule;
     int pp, m, vpp, k, tp, dp;
-  } cases[] = {{"gpipe", 2, 3, 1, 2, 1, 1},          {"1f1b", 4, 8, 1, 1, 2, 2},
-               {"interleaved-1f1b", 2, 4, 2, 1, 1, 1}, {"seq1f1b", 4, 4, 1, 4, 1, 1},
-               {"seq1f1b-interleaved", 2, 2, 2, 2, 2, 1}, {"zb-h1", 3, 5, 1, 2, 1, 1},
-               {"zb-h2", 4, 8, 1, 1, 1, 2},          {"zb-v", 2, 4, 2, 2, 1, 1},
+  } cases[] = {{"gpipe", 2, 3, 1, 2, 1, 1},
+               {"1f1b", 4, 8, 1, 1, 2, 2},
+               {"interleaved-1f1b", 2, 4, 2, 1, 1, 1},
+               {"seq1f1b", 4, 4, 1, 4, 1, 1},
+               {"seq1f1b-interleaved", 2, 2, 2, 2, 2, 1},
+               {"zb-h1", 3, 5, 1, 2, 1, 1},
+               {"zb-h2", 4, 8, 1, 1, 1, 2},
+               {"zb-v", 2, 4, 2, 2, 1, 1},
                {"dualpipe-v", 2, 4, 2, 1, 2, 1}};
   for (const Case &c : cases) {
     Plan plan = compileOrFail(model, options(c.schedule, c.pp, c.m, c.vpp, c.k, c.tp, c.dp));
@@ -257,7 +259,7 @@ TEST(TorchCsvExport, CommsFormRetiresEverySendAndReducesEveryStageOnceAfterItsLa
     ASSERT_EQ(int(rows.size()), plan.numRanks()) << name(c);
     for (size_t r = 0; r < rows.size(); ++r) {
       std::vector<std::string> cells = cellsOf(rows[r]);
-      std::map<std::string, int> sends;           // "SEND_F<s>:<m>" -> waits seen after it
+      std::map<std::string, int> sends; // "SEND_F<s>:<m>" -> waits seen after it
       std::map<int, size_t> lastGrad, reduceAt, waitReduceAt, firstCompute, unshardAt;
       for (size_t i = 0; i < cells.size(); ++i) {
         llvm::StringRef cell = cells[i];
@@ -475,8 +477,7 @@ TEST(TorchCsvImport, NamedScheduleThatDiffersIsAFindingNamingTheStep) {
   o.schedule = "1f1b";
   std::string msg = importError("0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n", isFinding, o);
   EXPECT_TRUE(isFinding);
-  EXPECT_NE(msg.find("rank 1 compute step 1 is 1F1, 1f1b has 1B0 there"), std::string::npos)
-      << msg;
+  EXPECT_NE(msg.find("rank 1 compute step 1 is 1F1, 1f1b has 1B0 there"), std::string::npos) << msg;
 }
 
 TEST(TorchCsvImport, InfersAVShapeAndIdleCellsAndOverlappedPairs) {
@@ -513,7 +514,8 @@ TEST(TorchCsvImport, QuotedCellsAndUnixLineEndsAreRead) {
 }
 
 TEST(PipecTextImport, MalformedTokenIsBadInputNamingLineAndToken) {
-  auto order = parseSchedule("1f1b on uniform-8: pp=2\nrank 0: 0F0 0B0\nrank 1: 1F0 1Q0\n", "s.txt");
+  auto order =
+      parseSchedule("1f1b on uniform-8: pp=2\nrank 0: 0F0 0B0\nrank 1: 1F0 1Q0\n", "s.txt");
   ASSERT_FALSE(bool(order));
   std::string msg = takeMessage(order.takeError());
   EXPECT_NE(msg.find("s.txt: line 3 (rank 1), token 2: '1Q0'"), std::string::npos) << msg;

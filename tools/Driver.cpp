@@ -17,17 +17,26 @@
 namespace pipec {
 
 llvm::ArrayRef<llvm::StringRef> compileFlags() {
-  static const llvm::StringRef flags[] = {
-      "--model",        "--model-json", "--schedule", "--pp",           "--vpp",
-      "--microbatches", "--seq-splits", "--tp",       "--dp",           "--cluster",
-      "--cluster-json", "--memory-limit", "--microbatch-group-size"};
+  static const llvm::StringRef flags[] = {"--model",
+                                          "--model-json",
+                                          "--schedule",
+                                          "--pp",
+                                          "--vpp",
+                                          "--microbatches",
+                                          "--seq-splits",
+                                          "--tp",
+                                          "--dp",
+                                          "--cluster",
+                                          "--cluster-json",
+                                          "--memory-limit",
+                                          "--microbatch-group-size"};
   return flags;
 }
 
 llvm::ArrayRef<llvm::StringRef> importFlags() {
   static const llvm::StringRef flags[] = {
-      "--model",      "--model-json",   "--vpp",
-      "--tp",         "--dp",           "--cluster",
+      "--model",        "--model-json",   "--vpp",
+      "--tp",           "--dp",           "--cluster",
       "--cluster-json", "--memory-limit", "--microbatch-group-size",
       "--schedule"};
   return flags;
