@@ -5,6 +5,7 @@ same model on the same batch within 1e-5 of the largest gradient; the losses agr
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,9 +65,15 @@ def runs(tmp_path_factory):
         # Forked, not spawned: the ranks inherit the imported torch and pipec instead of
         # importing them again (seconds per process); nothing here has started a thread pool
         # or a process group before the fork.
-        mp.start_processes(torch_workers.run_cases,
-                           args=(world, str(work / "rendezvous"), str(work), CFG, cases),
-                           nprocs=world, start_method="fork")
+        ranks = mp.start_processes(torch_workers.run_cases,
+                                   args=(world, str(work / "rendezvous"), str(work), CFG, cases),
+                                   nprocs=world, join=False, start_method="fork")
+        deadline = time.monotonic() + 600  # a hang fails here, not at Bazel's timeout
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                pytest.fail(f"the {world} ranks did not finish within 600 s")
         for case in cases:
             parts = [torch.load(work / f"{case['id']}-rank{r}.pt") for r in range(world)]
             out[(world, case["id"])] = parts
