@@ -123,6 +123,9 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
     return inputError("{}: no compute actions (F, I, W or B) in any row", source.str());
   if (pp > 4096)
     return inputError("{}: {} ranks is beyond what pipec plans (4096)", source.str(), pp);
+  if (order.numStages > 4096)
+    return inputError("{}: stage {} is beyond what pipec plans (4096 stages)", source.str(),
+                      order.numStages - 1);
   if (order.numStages % pp != 0)
     return inputError("{}: stages 0..{} ({} stages) on {} ranks is not a whole number of stages "
                       "per rank (--vpp); every rank must hold the same number of stages",

@@ -411,6 +411,16 @@ TEST(TorchCsvImport, MalformedCellIsBadInputNamingRowAndColumn) {
   EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
 }
 
+TEST(TorchCsvImport, HugeStageOrMicrobatchNumbersAreBadInput) {
+  bool isFinding = true;
+  std::string msg = importError("0F0,999999999F0\r\n", isFinding);
+  EXPECT_FALSE(isFinding);
+  EXPECT_NE(msg.find("stage 999999999 is beyond"), std::string::npos) << msg;
+  msg = importError("0F999999999,0B999999999\r\n", isFinding);
+  EXPECT_FALSE(isFinding);
+  EXPECT_NE(msg.find("--microbatches"), std::string::npos) << msg;
+}
+
 TEST(TorchCsvImport, ComputeActionWithoutMicrobatchIsBadInput) {
   bool isFinding = true;
   std::string msg = importError("0F0,0F,0B0\r\n", isFinding);
