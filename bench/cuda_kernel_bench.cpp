@@ -13,11 +13,14 @@
 //   bazel run -c opt //bench:cuda_kernel_bench -- --quick # 1/4 the tokens
 //   ... -- --tiny   # toy sizes: a smoke run (CI runs it on the kernel emulator; head dim 64,
 //                   # so that the Hopper attention paths run there too)
-//   ... -- --attention-once  # only the full-size attention, each kernel path launched once:
-//                            # for a profiler (tools/gpu_check.sh runs it under ncu)
-//   ... -- --no-wgmma-backward  # leave out the Hopper attention backward (tools/gpu_check.sh,
-//                               # once it has hung there)
-// Not a test: the numbers go into the README.
+//   ... -- --attention-once  # only the full-size attention, each kernel launched once: for a
+//                            # profiler (ncu --section SpeedOfLight ... cuda_kernel_bench
+//                            # --attention-once; docs/gpu.md)
+// The attention forward is measured on the kernel the device runs (wgmma on an H100/H200,
+// mma.sync elsewhere) and, where that is wgmma, on mma.sync too (a context whose KernelConfig
+// turns the Hopper kernels off). The experimental Hopper backward has its own benchmark
+// (kernels/cuda/experimental/attention_backward_bench.cpp).
+// Not a test: the numbers go into docs/benchmarks.md.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
@@ -44,8 +47,7 @@ constexpr double kPeakHbmTBs = 4.8;       // H200 SXM, HBM3e
 struct Bench {
   CudaContext &ctx;
   std::vector<DeviceBuffer> buffers;
-  bool once = false;            // each op launched once, its time that one call's (for a profiler)
-  bool noWgmmaBackward = false; // the Hopper attention backward left out
+  bool once = false; // each op launched once, its time that one call's (for a profiler)
 
   /// A zeroed buffer of `n` elements of `dtype` that lives as long as the bench.
   void *buffer(size_t n, DType dtype) {
@@ -208,65 +210,38 @@ struct Bench {
     const std::string shape = fmt::format("{} {} (B{} x{} a{} H{} hd{})", name, toString(dt),
                                           s.batch, s.queries, s.begin, s.heads, s.headDim);
     const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-    const bool tensorCores = launch::attentionUsesTensorCores(dt, dims, {out, q, k, v});
-    const bool backwardTensorCores =
-        launch::attentionUsesTensorCores(dt, dims, {dq, dk, dv, dOut, out, q, k, v});
-    auto forward = [&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); };
-    if (launch::attentionForwardUsesWgmma(dt, dims, {out, q, k, v})) {
-      // Every variant of the Hopper forward (the default is attentionForward's), then the same
-      // forward on mma.sync, for comparison.
-      for (int variant = 0; variant < launch::kWgmmaVariants; ++variant) {
-        launch::setAttentionWgmmaVariant(variant);
-        report(fmt::format("{} fwd (wgmma, {}{})", shape, launch::wgmmaVariantName(variant),
-                           variant == launch::kWgmmaDefault ? "; default" : ""),
-               fwdFlops, time(forward));
-      }
-      launch::setAttentionWgmmaVariant(launch::kWgmmaDefault);
-      launch::setAttentionWgmma(false);
-      report(shape + " fwd (mma.sync)", fwdFlops, time(forward));
-      launch::setAttentionWgmma(true);
-    } else {
-      report(shape + (tensorCores ? " fwd (mma.sync)" : " fwd (SIMT)"), fwdFlops, time(forward));
+    const launch::Target target{ctx.computeCapability(), ctx.kernelConfig().hopperKernels};
+    const launch::AttentionKernel forwardKernel =
+        launch::attentionForwardKernel(target, dt, dims, {out, q, k, v});
+    report(fmt::format("{} fwd ({})", shape, toString(forwardKernel)), fwdFlops,
+           time([&] { return attentionForward(ctx, dt, out, lse, q, k, v, s); }));
+    if (forwardKernel == launch::AttentionKernel::Wgmma) {
+      // The forward an sm_80 GPU runs, on this one: a context without the Hopper kernels.
+      auto noHopper = CudaContext::create(ctx.device(), KernelConfig{.hopperKernels = false});
+      if (!noHopper)
+        die(noHopper.takeError());
+      if (llvm::Error err = ctx.synchronize())
+        die(std::move(err));
+      Bench other{**noHopper, {}, once};
+      report(shape + " fwd (mma.sync)", fwdFlops, other.time([&] {
+        return attentionForward(**noHopper, dt, out, lse, q, k, v, s);
+      }));
     }
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
-    auto backward = [&] {
-      return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
-    };
-    launch::setAttentionWgmmaBackward(true); // off by default: measure it where it can run
-    const bool wgmmaBackward = !noWgmmaBackward && launch::attentionBackwardUsesWgmma(
-                                                       dt, dims, {dq, dk, dv, dOut, out, q, k, v});
-    launch::setAttentionWgmmaBackward(false);
-    if (wgmmaBackward) {
-      launch::setAttentionWgmmaBackward(true);
-      report(shape + " bwd (wgmma; not the default yet)", 2.5 * fwdFlops, time(backward));
-      // dQ added by atomics in the dK/dV kernel: 5 products a tile instead of 7 (the dQ kernel
-      // recomputes S and dP); in fp32 dQ's bits then depend on the blocks' order, in fixed point
-      // they do not.
-      launch::setAttentionDqMode(launch::DqMode::FloatAtomics);
-      report(shape + " bwd (wgmma, fp32 dQ atomics; off by default)", 2.5 * fwdFlops,
-             time(backward));
-      launch::setAttentionDqMode(launch::DqMode::FixedPoint);
-      report(shape + " bwd (wgmma, fixed-point dQ atomics; off by default)", 2.5 * fwdFlops,
-             time(backward));
-      launch::setAttentionDqMode(launch::DqMode::Separate);
-      launch::setAttentionWgmmaBackward(false);
-      report(shape + " bwd (mma.sync; default)", 2.5 * fwdFlops, time(backward));
-    } else {
-      report(shape + (backwardTensorCores ? " bwd (mma.sync)" : " bwd (SIMT)"), 2.5 * fwdFlops,
-             time(backward));
-    }
+    report(fmt::format("{} bwd ({})", shape,
+                       toString(launch::attentionBackwardKernel(dt, dims,
+                                                                {dq, dk, dv, dOut, out, q, k, v}))),
+           2.5 * fwdFlops, time([&] {
+             return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
+           }));
   }
 };
 
 } // namespace
 
 int main(int argc, char **argv) {
-  bool quick = false, tiny = false, attentionOnce = false, noWgmmaBackward = false;
+  bool quick = false, tiny = false, attentionOnce = false;
   for (int k = 1; k < argc; ++k) {
-    if (std::strcmp(argv[k], "--no-wgmma-backward") == 0) {
-      noWgmmaBackward = true;
-      continue;
-    }
     if (std::strcmp(argv[k], "--attention-once") == 0) {
       attentionOnce = true;
       continue;
@@ -281,16 +256,17 @@ int main(int argc, char **argv) {
     }
     fmt::print(stderr,
                "cuda_kernel_bench: error: unknown flag '{}' (known: --quick, --tiny, "
-               "--attention-once, --no-wgmma-backward)\n",
+               "--attention-once)\n",
                argv[k]);
     return 2;
   }
-  llvm::Expected<std::unique_ptr<CudaContext>> ctx = CudaContext::create(/*device=*/0);
+  // The kernels the device runs by default (the tools' KernelConfig).
+  llvm::Expected<std::unique_ptr<CudaContext>> ctx =
+      CudaContext::create(/*device=*/0, KernelConfig{});
   if (!ctx)
     Bench::die(ctx.takeError());
   Bench bench{**ctx, {}};
-  bench.noWgmmaBackward = noWgmmaBackward;
-  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_emu_test
+  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_kernel_emu_test
   // runs it on the kernel emulator in CI); its numbers mean nothing.
   const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
   const int heads = tiny ? 2 : 32, headDim = tiny ? 64 : 128, vocab = tiny ? 256 : 50304;
@@ -298,8 +274,9 @@ int main(int argc, char **argv) {
              "(H200 dense bf16)\n",
              tokens, hidden, heads, headDim, kPeakBf16TFlops);
   if (attentionOnce) {
-    // Every attention kernel path (each wgmma forward variant, mma.sync forward, both
-    // backwards) launched once, for a profiler to name and measure; the times are one call's.
+    // Every attention kernel the device runs (the forward on wgmma and on mma.sync where the
+    // device has wgmma, the backward) launched once, for a profiler to name and measure; the
+    // times are one call's.
     fmt::print("--attention-once: each path launched once; times are of one call, not a "
                "measurement\n");
     bench.once = true;

@@ -13,7 +13,9 @@
 // and the runtime, not the schedule.
 //   bazel run -c opt //bench:cuda_step_bench -- --pp 2 --microbatches 8
 // --tiny runs examples/tiny-gpt.json's sizes for two steps (the emulated device's smoke run in
-// CI). Needs a GPU otherwise; not a test: the numbers go into the README.
+// CI). Needs a GPU otherwise; not a test: the numbers go into docs/benchmarks.md. The kernels are
+// configured from the environment as piperun's are (tools/KernelEnv.h: PIPEC_ATTENTION_WGMMA=0
+// measures the mma.sync attention forward on a Hopper GPU).
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
@@ -21,6 +23,7 @@
 #include "runtime/Data.h"
 #include "runtime/cuda/CudaRun.h"
 #include "tools/Args.h"
+#include "tools/KernelEnv.h"
 
 #include <fmt/format.h>
 
@@ -124,7 +127,11 @@ int main(int argc, char **argv) {
   if (!plan)
     return fail(plan.takeError(), 2);
 
+  auto kernelConfig = kernelConfigFromEnvironment();
+  if (!kernelConfig)
+    return fail(kernelConfig.takeError(), 2);
   CudaRunOptions run;
+  run.kernels = *kernelConfig;
   run.steps = int(*steps);
   run.dtype = dtypeName == "bf16" ? kernels::DType::BF16 : kernels::DType::F32;
   run.timeoutSeconds = 600;

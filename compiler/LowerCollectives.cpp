@@ -76,7 +76,7 @@ public:
             ar.slice = i.slice;
             ar.part = p;
             ar.parts = parts;
-            ar.bytes = plan.stages[size_t(i.stage)].outputBytes[size_t(i.slice)];
+            ar.bytes = plan.tpAllReduceBytes(i.stage, i.slice, i.op, p);
             out.push_back(ar);
           }
         }

@@ -1,7 +1,8 @@
 //===- Memory.cpp - Per-rank peak memory from stream order ----------------===//
 //
 // Establishes: stats.ranks[r].peak_activation_bytes, static_bytes and peak_memory_bytes
-// (DESIGN §6 memory model; it depends only on stream order, not on timing).
+// (DESIGN §6 memory model; it depends only on stream order, not on timing). The activation
+// rules are ir/CostModel.h's, which zb-auto's search runs too:
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (first part);
 //  - a backward_input frees activation - weight_grad bytes at its end (last part), the
 //    backward_weight the remaining weight_grad bytes at its end; a fused backward frees all;
@@ -14,7 +15,8 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 
-#include "compiler/Semantics.h"
+#include "ir/CostModel.h"
+#include "ir/Semantics.h"
 
 #include <algorithm>
 
@@ -48,32 +50,12 @@ public:
         if (!i.isCompute())
           continue;
         const StageInfo &st = plan.stages[size_t(i.stage)];
-        int64_t a = st.activationBytes[size_t(i.slice)];
-        int64_t w = st.weightGradBytes[size_t(i.slice)];
-        if (i.op == OpKind::Forward && i.isFirstPart())
-          act += a;
+        act += activationAllocatedAtStart(st, i);
         peakAct = std::max(peakAct, act);
         peakAll = std::max(peakAll, act + bufs);
         if (!i.isLastPart())
           continue;
-        switch (i.op) {
-        case OpKind::Forward:
-          break;
-        case OpKind::BackwardInput:
-          act -= a - w;
-          break;
-        case OpKind::BackwardWeight:
-          act -= w;
-          break;
-        case OpKind::Backward:
-          act -= a;
-          break;
-        case OpKind::Send:
-        case OpKind::Recv:
-        case OpKind::AllReduce:
-        case OpKind::OptimizerStep:
-          break;
-        }
+        act -= activationFreedAtEnd(st, i);
         if (i.op == OpKind::Forward || i.op == OpKind::BackwardInput || i.op == OpKind::Backward) {
           int64_t &b = buffered[keys.key(i)];
           bufs -= b;

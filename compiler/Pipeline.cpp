@@ -1,6 +1,7 @@
 //===- Pipeline.cpp - Pass registry, the schedule/simulate/verify passes --===//
 #include "compiler/Pass.h"
 
+#include "compiler/Budget.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
@@ -25,7 +26,7 @@ public:
     request.memoryLimit = ctx.options.memoryLimit;
     // Constraints that need the costs or the memory limit (zb-auto's --memory-limit).
     if (auto err = ctx.policy->checkRequest(request))
-      return std::move(err);
+      return err;
     ComputeOrder order;
     ctx.policy->emit(request, order);
     assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");
@@ -156,6 +157,8 @@ static llvm::Error checkOptions(const CompileOptions &o) {
 
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options) {
   if (auto err = checkOptions(options))
+    return err;
+  if (auto err = checkCompileBudget(model, options)) // before anything is allocated
     return err;
   if (model.transformer) {
     // Megatron splits heads and the MLP's hidden size across tp ranks.

@@ -64,6 +64,14 @@ private:
                    formatGrid(plan, {GridMark{r, step}}));
   }
 
+  /// The compute part a tp all-reduce sums.
+  static Instruction partOf(const Instruction &ar) {
+    Instruction i = Instruction::compute(ar.phase, ar.stage, ar.mb, ar.slice);
+    i.part = ar.part;
+    i.parts = ar.parts;
+    return i;
+  }
+
   static std::string describe(const TensorId &t) {
     return fmt::format("{}({},{},{})", toString(t.kind).str(), t.stage, t.mb, t.slice);
   }
@@ -84,6 +92,17 @@ private:
         return finding("seq_slices[{}] = [{}, {}) does not continue the previous slice at {}", k, b,
                        e, expect);
     }
+    if (plan.transformer && !plan.stages.empty() && !plan.seqSlices.empty()) {
+      // What a runtime builds from the plan: the whole model and the whole sequence.
+      const TransformerConfig &t = *plan.transformer;
+      if (plan.seqSlices.back().second != t.seqLength)
+        return finding("seq_slices end at token {} but the model's seq_length is {}",
+                       plan.seqSlices.back().second, t.seqLength);
+      if (plan.stages.back().layerEnd != t.numLayers + 2)
+        return finding("the stages hold layers [0, {}) but the transformer has {} (embedding, "
+                       "{} blocks, head)",
+                       plan.stages.back().layerEnd, t.numLayers + 2, t.numLayers);
+    }
     for (const StageInfo &s : plan.stages) {
       int want = rankOfStage(plan.placement, s.stage, pc.pp);
       if (s.rank != want)
@@ -100,6 +119,16 @@ private:
           s.outputBytes.size() != k || s.activationTransferTime.size() != k ||
           s.gradientTransferTime.size() != k || s.tpAllReduceTime.size() != k)
         return finding("stage {}: per-slice arrays must have seq_splits = {} entries", s.stage, k);
+      if (plan.transformer && pc.tp > 1) {
+        // The kernels reduce once per embedding and head and twice per block.
+        int head = int(plan.transformer->numLayers) + 1, parts = 0;
+        for (int l = s.layerBegin; l < s.layerEnd; ++l)
+          parts += l == 0 || l == head ? 1 : 2;
+        if (s.tpAllReduces != parts)
+          return finding("stage {} has tp_allreduces {} but its layers [{}, {}) have {} "
+                         "tensor-parallel reduction points",
+                         s.stage, s.tpAllReduces, s.layerBegin, s.layerEnd, parts);
+      }
     }
     return llvm::Error::success();
   }
@@ -166,10 +195,31 @@ private:
         if (i.collective == CollectiveGroup::Tp) {
           if (pc.tp == 1)
             return failAt(r, n, "tp all-reduce in a plan with tp = 1");
+          if (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 || i.slice >= pc.seqSplits)
+            return failAt(r, n, "microbatch or slice out of range");
           if (i.part < 0 || i.parts != plan.stages[size_t(i.stage)].tpAllReduces ||
               i.part >= i.parts)
             return failAt(r, n, "tp all-reduce names part {} of {} but stage {} has {} parts",
                           i.part, i.parts, i.stage, plan.stages[size_t(i.stage)].tpAllReduces);
+          if (i.phase != OpKind::Forward && i.phase != OpKind::BackwardInput &&
+              i.phase != OpKind::Backward)
+            return failAt(r, n,
+                          "tp all-reduce of a {} op: only forward, backward_input and fused "
+                          "backward ops have tp reductions",
+                          toString(i.phase).str());
+          // Exactly one reduction per part: right after the part it sums (the check below in
+          // checkCompleteness asks the converse), so an extra or misplaced copy is refused
+          // rather than summing a buffer that no longer holds that part's output.
+          const Instruction *prev = n > 0 ? &stream[n - 1] : nullptr;
+          if (!prev || prev->op != i.phase || prev->stage != i.stage || prev->mb != i.mb ||
+              prev->slice != i.slice || prev->part != i.part || prev->parts != i.parts)
+            return failAt(r, n,
+                          "a tp all-reduce must come right after the part it reduces ({}); "
+                          "every part has exactly one",
+                          formatToken(plan, partOf(i)));
+          int64_t want = plan.tpAllReduceBytes(i.stage, i.slice, i.phase, i.part);
+          if (i.bytes != want)
+            return failAt(r, n, "carries {} bytes but this reduction sums {}", i.bytes, want);
         } else if (i.collective == CollectiveGroup::Dp && pc.dp == 1) {
           return failAt(r, n, "dp all-reduce in a plan with dp = 1");
         } else if (i.collective == CollectiveGroup::Embedding) {
@@ -183,6 +233,9 @@ private:
                           "embedding all-reduce of stage {}: only the first (0) and last "
                           "({}) stage hold embedding copies",
                           i.stage, last);
+          if (i.bytes != plan.tiedEmbeddingBytes())
+            return failAt(r, n, "carries {} bytes but the tied embedding has {}", i.bytes,
+                          plan.tiedEmbeddingBytes());
         }
       }
     }

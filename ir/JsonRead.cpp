@@ -1,5 +1,7 @@
 #include "ir/JsonRead.h"
 
+#include "ir/Files.h"
+
 #include "llvm/ADT/STLExtras.h"
 
 #include <algorithm>
@@ -126,8 +128,8 @@ llvm::Error JsonReader::onlyKeys(const Json &obj, llvm::StringRef path,
     std::string list;
     for (llvm::StringRef a : allowed)
       list += (list.empty() ? "" : ", ") + a.str();
-    return inputError("{}: {}: unknown field (valid fields: {})", source, jsonPath(path, it.key()),
-                      list);
+    return inputError("{}: {}: unknown field (valid fields: {})", source,
+                      jsonPath(path, shortened(it.key())), list);
   }
   return llvm::Error::success();
 }
@@ -182,6 +184,22 @@ llvm::Error JsonReader::getInt32(const Json &obj, llvm::StringRef path, llvm::St
   if (wide > INT32_MAX)
     return fail(jsonPath(path, key), "an integer below 2^31", lookup(obj, key));
   out = int32_t(wide);
+  return llvm::Error::success();
+}
+
+llvm::Error JsonReader::getIntInRange(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                      int64_t &out, bool required, int64_t min,
+                                      int64_t max) const {
+  const Json *v = lookup(obj, key);
+  std::string expected = fmt::format("an integer in [{}, {}]", min, max);
+  if (!v)
+    return required ? fail(jsonPath(path, key), expected, nullptr) : llvm::Error::success();
+  bool ok = v->is_number_integer() &&
+            (v->is_number_unsigned() ? v->get<uint64_t>() <= uint64_t(INT64_MAX) : true) &&
+            v->get<int64_t>() >= min && v->get<int64_t>() <= max;
+  if (!ok)
+    return fail(jsonPath(path, key), expected, v);
+  out = v->get<int64_t>();
   return llvm::Error::success();
 }
 

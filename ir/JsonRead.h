@@ -42,6 +42,9 @@ public:
                      bool required, int64_t min = 0) const;
   llvm::Error getInt32(const Json &obj, llvm::StringRef path, llvm::StringRef key, int32_t &out,
                        bool required, int64_t min = 0) const;
+  /// An integer in [min, max]; anything else is "expected an integer in [min, max]".
+  llvm::Error getIntInRange(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                            int64_t &out, bool required, int64_t min, int64_t max) const;
   llvm::Error getString(const Json &obj, llvm::StringRef path, llvm::StringRef key,
                         std::string &out, bool required) const;
   llvm::Error getBool(const Json &obj, llvm::StringRef path, llvm::StringRef key, bool &out,

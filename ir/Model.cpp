@@ -125,7 +125,8 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto err = r.getString(j, "$", "format", format, true))
     return err;
   if (format != "pipecluster/1")
-    return inputError("{}: $.format: expected \"pipecluster/1\", got \"{}\"", r.name(), format);
+    return inputError("{}: $.format: expected \"pipecluster/1\", got \"{}\"", r.name(),
+                      shortened(format));
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
       return err;
@@ -146,7 +147,7 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
       return err;
   }
   int64_t gpn = c.gpusPerNode;
-  if (auto err = r.getInt(j, "$", "gpus_per_node", gpn, false, 1))
+  if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
   c.gpusPerNode = int(gpn);
   if (auto err = parseLink(r, j, "$", "intra_node", c.intraNode))
@@ -196,9 +197,14 @@ static llvm::Error parseAbstractLayers(const JsonReader &r, const Json &j, Model
     if (layer.weightGradBytes > layer.activationBytes)
       return inputError("{}: {}.weight_grad_bytes: expected at most activation_bytes ({}), got {}",
                         r.name(), path, layer.activationBytes, layer.weightGradBytes);
-    if (count > 1000000)
-      return inputError("{}: {}.count: expected at most 1000000, got {}", r.name(), path, count);
-    layer.tpAllReduces = int(std::min<int64_t>(tpAllReduces, 1000));
+    if (count > kMaxLayers - int64_t(m.layers.size()))
+      return inputError("{}: {}.count: expected at most {} (a model has at most {} layers in "
+                        "all), got {}",
+                        r.name(), path, kMaxLayers - int64_t(m.layers.size()), kMaxLayers, count);
+    if (tpAllReduces > 1000)
+      return inputError("{}: {}.tp_allreduces: expected at most 1000, got {}", r.name(), path,
+                        tpAllReduces);
+    layer.tpAllReduces = int(tpAllReduces);
     for (int64_t c = 0; c < count; ++c)
       m.layers.push_back(layer);
   }
@@ -243,7 +249,7 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32")
     return inputError("{}: $.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got "
                       "\"{}\"",
-                      r.name(), c.dtype);
+                      r.name(), shortened(c.dtype));
   if (c.hiddenSize % c.numAttentionHeads != 0)
     return inputError("{}: $.transformer.num_attention_heads: expected a divisor of hidden_size "
                       "({}), got {}",
@@ -307,7 +313,8 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
   if (auto err = r.getString(j, "$", "format", format, true))
     return err;
   if (format != "pipemodel/1")
-    return inputError("{}: $.format: expected \"pipemodel/1\", got \"{}\"", source.str(), format);
+    return inputError("{}: $.format: expected \"pipemodel/1\", got \"{}\"", source.str(),
+                      shortened(format));
   ModelSpec m;
   m.name = llvm::sys::path::stem(source).str();
   if (auto err = r.getString(j, "$", "name", m.name, false))
@@ -349,102 +356,15 @@ llvm::Expected<ClusterSpec> parseClusterSpec(llvm::StringRef text, llvm::StringR
 // Files
 //===----------------------------------------------------------------------===//
 
-llvm::Expected<std::string> readFile(llvm::StringRef path) {
-  if (llvm::sys::fs::is_directory(path))
-    return inputError("{}: cannot read: is a directory", path.str());
-  auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/true);
-  if (!buf)
-    return inputError("{}: cannot read: {}", path.str(), buf.getError().message());
-  return (*buf)->getBuffer().str();
-}
-
-/// Write `contents` to a new, uniquely named temporary beside `path`; its name goes to `tmp`.
-static llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef contents,
-                                  llvm::SmallVectorImpl<char> &tmp) {
-  int fd = -1;
-  std::string model = (path + ".tmp-%%%%%%").str();
-  if (std::error_code ec = llvm::sys::fs::createUniqueFile(model, fd, tmp))
-    return inputError("{}: cannot write: {}", path.str(), ec.message());
-  llvm::raw_fd_ostream os(fd, /*shouldClose=*/true);
-  os << contents;
-  os.close();
-  if (os.has_error()) {
-    os.clear_error();
-    llvm::sys::fs::remove(tmp);
-    return inputError("{}: cannot write: disk error", path.str());
-  }
-  return llvm::Error::success();
-}
-
-/// The absolute, normalised form of a path that may not exist yet (its directory must).
-static std::string canonicalDestination(llvm::StringRef path) {
-  llvm::SmallString<256> dir(llvm::sys::path::parent_path(path));
-  if (dir.empty())
-    dir = ".";
-  llvm::SmallString<256> real;
-  if (llvm::sys::fs::real_path(dir, real))
-    return path.str();
-  llvm::sys::path::append(real, llvm::sys::path::filename(path));
-  return std::string(real);
-}
-
-llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files) {
-  // Check every destination first, so that one bad path writes nothing at all.
-  std::vector<std::string> seen;
-  for (const OutputFile &f : files) {
-    if (llvm::sys::fs::is_directory(f.path))
-      return inputError("{}: {}: is a directory; give a file name", f.flag, f.path);
-    llvm::StringRef dir = llvm::sys::path::parent_path(f.path);
-    if (!dir.empty() && !llvm::sys::fs::is_directory(dir))
-      return inputError("{}: {}: cannot write: no directory {}", f.flag, f.path, dir.str());
-    std::string canonical = canonicalDestination(f.path);
-    for (size_t i = 0; i < seen.size(); ++i)
-      if (seen[i] == canonical)
-        return inputError("{}: {} is also the {} output; give each output its own file", f.flag,
-                          f.path, files[i].flag);
-    seen.push_back(canonical);
-  }
-  std::vector<llvm::SmallString<256>> temps(files.size());
-  auto cleanup = [&](size_t from) {
-    for (size_t i = from; i < temps.size(); ++i)
-      if (!temps[i].empty())
-        llvm::sys::fs::remove(temps[i]);
-  };
-  for (size_t i = 0; i < files.size(); ++i) {
-    if (auto err = writeTemporary(files[i].path, files[i].contents, temps[i])) {
-      cleanup(0);
-      return inputError("{}: {}", files[i].flag, takeMessage(std::move(err)));
-    }
-  }
-  for (size_t i = 0; i < files.size(); ++i) {
-    if (std::error_code ec = llvm::sys::fs::rename(temps[i], files[i].path)) {
-      cleanup(i);
-      return inputError("{}: {}: cannot write: {}", files[i].flag, files[i].path, ec.message());
-    }
-  }
-  return llvm::Error::success();
-}
-
-llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents) {
-  llvm::SmallString<256> tmp;
-  if (auto err = writeTemporary(path, contents, tmp))
-    return err;
-  if (std::error_code ec = llvm::sys::fs::rename(tmp, path)) {
-    llvm::sys::fs::remove(tmp);
-    return inputError("{}: cannot write: {}", path.str(), ec.message());
-  }
-  return llvm::Error::success();
-}
-
 llvm::Expected<ModelSpec> loadModelSpec(llvm::StringRef path) {
-  auto text = readFile(path);
+  auto text = readFile(path, kModelSpecInput);
   if (!text)
     return text.takeError();
   return parseModelSpec(*text, path);
 }
 
 llvm::Expected<ClusterSpec> loadClusterSpec(llvm::StringRef path) {
-  auto text = readFile(path);
+  auto text = readFile(path, kClusterSpecInput);
   if (!text)
     return text.takeError();
   return parseClusterSpec(*text, path);

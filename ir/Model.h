@@ -9,6 +9,8 @@
 #ifndef PIPEC_IR_MODEL_H
 #define PIPEC_IR_MODEL_H
 
+#include "ir/Files.h"
+
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
@@ -24,6 +26,11 @@ struct Link {
   double bandwidthGBps = 0;
   double latencyUs = 0;
 };
+
+/// Bounds of the specs' fields: a node of more GPUs than this is no node (NVLink domains hold
+/// hundreds), and a model of more layers than this is not one the compiler is meant for.
+inline constexpr int64_t kMaxGpusPerNode = 1 << 16;
+inline constexpr int64_t kMaxLayers = 1000000;
 
 /// pipecluster/1.
 struct ClusterSpec {
@@ -99,17 +106,6 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
 llvm::Expected<ClusterSpec> parseClusterSpec(llvm::StringRef text, llvm::StringRef source);
 llvm::Expected<ModelSpec> loadModelSpec(llvm::StringRef path);
 llvm::Expected<ClusterSpec> loadClusterSpec(llvm::StringRef path);
-
-/// Read a whole file; the error names the path.
-llvm::Expected<std::string> readFile(llvm::StringRef path);
-/// Write a file atomically: a temporary beside it, then rename.
-llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents);
-/// Write several files all or nothing: every temporary first, renames only if all were written.
-/// The error names the flag of the file that failed.
-struct OutputFile {
-  std::string flag, path, contents;
-};
-llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files);
 
 } // namespace pipec
 

@@ -100,6 +100,16 @@ struct Plan {
   }
   /// Bytes of the tied matrix per tp rank (vocab x hidden, sharded as Megatron does).
   int64_t tiedEmbeddingBytes() const;
+  /// The payload of the tp all_reduce after part `part` of a `phase` op (Forward,
+  /// BackwardInput or Backward) of (stage, slice): what the runtime sums there. A transformer's
+  /// parts are its layers' reduction points, in layer order forward and in reverse order
+  /// backward: the embedding's lookup and each block's two row-parallel outputs are hidden
+  /// states (b, x, h) at the model's dtype; the head's forward sums the vocab-parallel cross
+  /// entropy's statistics, (2 tp + 1) fp32 values per token (each shard's max and sum of exp,
+  /// and the target's logit); its backward the LM head's partial input gradient (a hidden
+  /// state); the embedding's backward sums nothing (0). An abstract model's parts all sum the
+  /// stage's output (output_bytes). Stage and slice must be in range.
+  int64_t tpAllReduceBytes(int stage, int slice, OpKind phase, int part) const;
 };
 
 } // namespace pipec

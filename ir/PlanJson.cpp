@@ -1,6 +1,7 @@
 #include "ir/PlanJson.h"
 
 #include "ir/Error.h"
+#include "ir/Files.h"
 #include "ir/JsonRead.h"
 #include "ir/Model.h"
 
@@ -258,8 +259,10 @@ struct PlanReader {
     if (layers == o.end() || !layers->is_array() || layers->size() != 2 ||
         !(*layers)[0].is_number_integer() || !(*layers)[1].is_number_integer() ||
         (*layers)[0].get<int64_t>() < 0 ||
-        (*layers)[1].get<int64_t>() <= (*layers)[0].get<int64_t>())
-      return r.fail(jsonPath(path, "layers"), "[first, end) with 0 <= first < end",
+        (*layers)[1].get<int64_t>() <= (*layers)[0].get<int64_t>() ||
+        (*layers)[1].get<int64_t>() > kMaxLayers)
+      return r.fail(jsonPath(path, "layers"),
+                    fmt::format("[first, end) with 0 <= first < end <= {}", kMaxLayers),
                     layers == o.end() ? nullptr : &*layers);
     s.layerBegin = int((*layers)[0].get<int64_t>());
     s.layerEnd = int((*layers)[1].get<int64_t>());
@@ -491,7 +494,8 @@ struct PlanReader {
     if (auto err = r.getString(j, "$", "format", format, true))
       return err;
     if (format != "pipeplan/1")
-      return inputError("{}: $.format: expected \"pipeplan/1\", got \"{}\"", r.name(), format);
+      return inputError("{}: $.format: expected \"pipeplan/1\", got \"{}\"", r.name(),
+                        shortened(format));
     if (auto err = r.getString(j, "$", "schedule", plan.schedule, true))
       return err;
     if (auto err = r.getString(j, "$", "model", plan.model, false))
@@ -509,9 +513,10 @@ struct PlanReader {
       if (auto err = r.expectObject(*it, "$.topology"))
         return err;
       int64_t gpn = plan.gpusPerNode;
-      if (auto err = r.getInt(*it, "$.topology", "gpus_per_node", gpn, false, 1))
+      if (auto err =
+              r.getIntInRange(*it, "$.topology", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
         return err;
-      plan.gpusPerNode = int(std::min<int64_t>(gpn, 1 << 20));
+      plan.gpusPerNode = int(gpn);
     }
     if (auto err =
             r.getNumber(j, "$", "state_bytes_per_param_byte", plan.stateBytesPerParamByte, false))
@@ -529,14 +534,27 @@ struct PlanReader {
     if (slices == j.end() || !slices->is_array() || slices->size() != k)
       return r.fail("$.seq_slices", fmt::format("an array of seq_splits={} [begin, end) pairs", k),
                     slices == j.end() ? nullptr : &*slices);
+    // The slices cut one sequence: each begins where the one before ends, the first at 0, and
+    // a transformer's end at its seq_length (a runtime sizes its buffers by them).
+    const int64_t length = plan.transformer ? plan.transformer->seqLength : int64_t(1) << 40;
     for (size_t s = 0; s < k; ++s) {
       const Json &p = (*slices)[s];
+      const int64_t begin = s == 0 ? 0 : plan.seqSlices.back().second;
       if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() ||
-          !p[1].is_number_integer() || p[0].get<int64_t>() < 0 ||
-          p[1].get<int64_t>() <= p[0].get<int64_t>())
-        return r.fail(jsonPath("$.seq_slices", s), "[begin, end) with 0 <= begin < end", &p);
-      plan.seqSlices.emplace_back(p[0].get<int64_t>(), p[1].get<int64_t>());
+          !p[1].is_number_integer() || p[0].get<int64_t>() != begin ||
+          p[1].get<int64_t>() <= begin || p[1].get<int64_t>() > length)
+        return r.fail(jsonPath("$.seq_slices", s),
+                      plan.transformer
+                          ? fmt::format("[{}, end) with {} < end <= seq_length {}", begin, begin,
+                                        length)
+                          : fmt::format("[{}, end) with end > {}", begin, begin),
+                      &p);
+      plan.seqSlices.emplace_back(begin, p[1].get<int64_t>());
     }
+    if (plan.transformer && plan.seqSlices.back().second != length)
+      return r.fail(jsonPath("$.seq_slices", k - 1),
+                    fmt::format("a last slice ending at the model's seq_length {}", length),
+                    &(*slices)[k - 1]);
     auto stages = j.find("stages");
     size_t want = size_t(plan.parallel.numStages());
     if (stages == j.end() || !stages->is_array() || stages->size() != want)
@@ -566,7 +584,7 @@ llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source)
 }
 
 llvm::Expected<Plan> loadPlan(llvm::StringRef path) {
-  auto text = readFile(path);
+  auto text = readFile(path, kPlanInput);
   if (!text)
     return text.takeError();
   return parsePlanJson(*text, path);

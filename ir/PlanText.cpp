@@ -135,7 +135,7 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
       return badToken(rank, token, "expected <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<part>/<parts>");
     if (auto err = checkRange(i))
       return err;
-    i.bytes = plan.stages[size_t(stage)].outputBytes[size_t(i.slice)];
+    i.bytes = plan.tpAllReduceBytes(stage, i.slice, i.phase, i.part);
     return i;
   }
   bool send = s.consume_front("SEND_"), recv = !send && s.consume_front("RECV_");

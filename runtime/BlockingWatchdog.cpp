@@ -3,24 +3,20 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 
 namespace pipec {
 
 BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds, std::string cause,
-                                   std::function<uint64_t()> progress) {
+                                   std::function<uint64_t()> progress, Clock &clock) {
   // (A longer duration would overflow the wait's nanoseconds into a deadline in the past.)
   if (!(limitSeconds < kNoLimit))
     return;
   guard = std::thread([this, what = std::move(what), cause = std::move(cause),
-                       progress = std::move(progress), limitSeconds] {
-    using Clock = std::chrono::steady_clock;
+                       progress = std::move(progress), limitSeconds, &clock] {
     std::unique_lock<std::mutex> lock(mu);
-    const auto limit =
-        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limitSeconds));
-    auto deadline = Clock::now() + limit;
+    double deadline = clock.now() + limitSeconds;
     uint64_t seen = 0;
     if (progress) {
       lock.unlock();
@@ -28,9 +24,8 @@ BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds, std::s
       lock.lock();
     }
     for (;;) {
-      const auto wake =
-          progress ? std::min(deadline, Clock::now() + std::chrono::milliseconds(10)) : deadline;
-      if (cv.wait_until(lock, wake, [this] { return returned; }))
+      const double wake = progress ? std::min(deadline, clock.now() + 0.01) : deadline;
+      if (clock.waitUntil(lock, cv, wake, [this] { return returned; }))
         return;
       if (progress) {
         lock.unlock(); // (the count may take a while: the destructor must not wait for it)
@@ -40,11 +35,11 @@ BlockingWatchdog::BlockingWatchdog(std::string what, double limitSeconds, std::s
           return;
         if (now != seen) {
           seen = now;
-          deadline = Clock::now() + limit;
+          deadline = clock.now() + limitSeconds;
           continue;
         }
       }
-      if (Clock::now() >= deadline)
+      if (clock.now() >= deadline)
         break;
     }
     // What the process printed so far stays in its log, unless another thread holds stdout

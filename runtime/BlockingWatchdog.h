@@ -13,6 +13,8 @@
 #ifndef PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
 #define PIPEC_RUNTIME_BLOCKINGWATCHDOG_H
 
+#include "runtime/Clock.h"
+
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -29,9 +31,10 @@ public:
   /// call and the rank, `cause` the likely reason. With `progress` (a count the guard reads
   /// every 10 ms from its own thread), the limit is of time in which the count did not change.
   /// A limit of kNoLimit seconds or more (or not a number) guards nothing: no thread starts.
+  /// Time is `clock`'s (tests pass a ManualClock; it must outlive the watchdog).
   BlockingWatchdog(std::string what, double limitSeconds,
                    std::string cause = "a peer process that never took part?",
-                   std::function<uint64_t()> progress = {});
+                   std::function<uint64_t()> progress = {}, Clock &clock = steadyClock());
   /// About three years: what a timer can count without overflowing its nanoseconds.
   static constexpr double kNoLimit = 1e8;
   ~BlockingWatchdog();

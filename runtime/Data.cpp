@@ -1,8 +1,11 @@
 #include "runtime/Data.h"
 
 #include "ir/Error.h"
+#include "ir/Files.h"
 
+#include "llvm/Support/FileSystem.h"
 #include "llvm/Support/MemoryBuffer.h"
+#include "llvm/Support/Path.h"
 
 #include <cstring>
 
@@ -54,8 +57,28 @@ std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed) {
   return std::make_unique<Synthetic>(vocab, seed);
 }
 
+std::string dataSourceName(llvm::StringRef path) {
+  uint64_t bytes = 0;
+  llvm::sys::fs::file_size(path, bytes);
+  return fmt::format("file {} {}", llvm::sys::path::filename(path).str(), bytes);
+}
+
 llvm::Expected<std::unique_ptr<DataSource>>
 tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed) {
+  // Sequences are windows at random offsets: the file must be a regular one (not /dev/zero,
+  // not a pipe), and its ids (4 bytes each once read) must fit in memory.
+  if (llvm::sys::fs::is_directory(path))
+    return inputError("--data: {}: cannot read: is a directory", shortened(path, 200));
+  if (std::string kind = specialFileKind(path); !kind.empty())
+    return inputError("--data: {}: cannot read: is {}, not a token file (give a regular file)",
+                      shortened(path, 200), kind);
+  uint64_t size = 0;
+  if (!llvm::sys::fs::file_size(path, size))
+    if (auto err = checkMemoryBudget(size + size / (dtype == "uint32" ? 1 : 2) * 4,
+                                     fmt::format("--data: {} ({})", shortened(path, 200),
+                                                 humanBytes(size)),
+                                     "use a smaller token file"))
+      return err;
   auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/false);
   if (!buf)
     return inputError("--data: {}: cannot read: {}", path.str(), buf.getError().message());

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace pipec {
@@ -33,6 +34,10 @@ std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
 /// must be below `vocab`; the error names the file and the first offending position.
 llvm::Expected<std::unique_ptr<DataSource>>
 tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed);
+
+/// How a checkpoint records a token file: "file <name> <bytes>" (its name without the
+/// directory, and its size), so that a resume can tell another file from the same one moved.
+std::string dataSourceName(llvm::StringRef path);
 
 /// The `batch` sequences of microbatch `index` (global), each seqLen + 1 ids, back to back.
 std::vector<int32_t> microbatchTokens(const DataSource &data, uint64_t index, int batch,

@@ -89,6 +89,10 @@ private:
     llvm::SmallVector<P2POp, 4> ops;
     for (size_t n = begin; n < end; ++n) {
       const Instruction &i = stream[n];
+      if (i.peer < 0 || i.peer >= plan.parallel.pp || i.peer == c.pp)
+        return finding("rank {} step {}: {} names peer {}, not another of the plan's {} pipeline "
+                       "ranks",
+                       c.pp, n, toString(i.op).str(), i.peer, plan.parallel.pp);
       P2POp op;
       op.send = i.op == OpKind::Send;
       op.peer = shared.threadOf(Coord{i.peer, c.dp, c.tp});

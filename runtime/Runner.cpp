@@ -17,14 +17,15 @@
 namespace pipec {
 
 Runner::Runner(const Plan &plan, Faults faults, double timeoutSeconds,
-               std::vector<std::unique_ptr<Backend>> backends)
-    : shared(plan, std::move(faults)), timeout(timeoutSeconds), backends(std::move(backends)) {
+               std::vector<std::unique_ptr<Backend>> backends, Clock &clock)
+    : shared(plan, std::move(faults)), timeout(timeoutSeconds), clock(clock),
+      backends(std::move(backends)) {
   assert(int(this->backends.size()) == shared.numThreads() && "one backend per thread");
 }
 
 Runner::Runner(const Plan &plan, Faults faults, double timeoutSeconds,
-               std::vector<std::unique_ptr<Backend>> backends, Transport &transport)
-    : shared(plan, std::move(faults), transport), timeout(timeoutSeconds),
+               std::vector<std::unique_ptr<Backend>> backends, Transport &transport, Clock &clock)
+    : shared(plan, std::move(faults), transport), timeout(timeoutSeconds), clock(clock),
       backends(std::move(backends)) {
   assert(int(this->backends.size()) == shared.numThreads() && "one backend per thread");
 }
@@ -104,11 +105,10 @@ llvm::Error Runner::step(int index) {
       }
     });
   }
-  // Watchdog: the main thread watches the progress counter.
-  using Clock = std::chrono::steady_clock;
+  // Watchdog: the main thread watches the progress counter, every 5 ms of `clock`.
   uint64_t seen = shared.progress.load();
-  auto lastChange = Clock::now();
-  std::optional<Clock::time_point> abortedAt;
+  double lastChange = clock.now();
+  std::optional<double> abortedAt;
   // After an abort every rank thread returns at its next transport call, unless one is held
   // inside a device or library call that the abort cannot reach (a GPU launch queue full behind
   // a kernel that never finishes): the process then ends with the report, since joining would
@@ -117,14 +117,14 @@ llvm::Error Runner::step(int index) {
   while (finished.load() < n) {
     {
       std::unique_lock<std::mutex> lock(finishedMu);
-      if (allFinished.wait_for(lock, std::chrono::milliseconds(5),
-                               [&] { return finished.load() == n; }))
+      if (clock.waitUntil(lock, allFinished, clock.now() + 0.005,
+                          [&] { return finished.load() == n; }))
         break;
     }
     if (shared.transport.aborted()) {
       if (!abortedAt)
-        abortedAt = Clock::now();
-      else if (std::chrono::duration<double>(Clock::now() - *abortedAt).count() >= grace) {
+        abortedAt = clock.now();
+      else if (clock.now() - *abortedAt >= grace) {
         std::string report;
         {
           std::lock_guard<std::mutex> lock(mu);
@@ -142,10 +142,10 @@ llvm::Error Runner::step(int index) {
     uint64_t now = shared.progress.load();
     if (now != seen) {
       seen = now;
-      lastChange = Clock::now();
+      lastChange = clock.now();
       continue;
     }
-    double idle = std::chrono::duration<double>(Clock::now() - lastChange).count();
+    double idle = clock.now() - lastChange;
     if (idle >= timeout && !shared.transport.aborted()) {
       std::string report = stallReport(idle, index);
       {

@@ -10,6 +10,7 @@
 #ifndef PIPEC_RUNTIME_RUNNER_H
 #define PIPEC_RUNTIME_RUNNER_H
 
+#include "runtime/Clock.h"
 #include "runtime/Interpreter.h"
 
 #include <memory>
@@ -19,12 +20,14 @@ namespace pipec {
 
 class Runner {
 public:
-  /// `backends[thread]` for every thread (RunShared::threadOf order).
+  /// `backends[thread]` for every thread (RunShared::threadOf order). The watchdog counts
+  /// `clock`'s time (tests pass a ManualClock; it must outlive the runner).
   Runner(const Plan &plan, Faults faults, double timeoutSeconds,
-         std::vector<std::unique_ptr<Backend>> backends);
+         std::vector<std::unique_ptr<Backend>> backends, Clock &clock = steadyClock());
   /// The same over `transport` (kept by the caller) instead of a host InProcessTransport.
   Runner(const Plan &plan, Faults faults, double timeoutSeconds,
-         std::vector<std::unique_ptr<Backend>> backends, Transport &transport);
+         std::vector<std::unique_ptr<Backend>> backends, Transport &transport,
+         Clock &clock = steadyClock());
   /// One training step on every thread. A Finding on a mismatch, an error of a backend, or a
   /// stall (the watchdog's report).
   llvm::Error step(int index);
@@ -36,6 +39,7 @@ private:
 
   RunShared shared;
   double timeout;
+  Clock &clock;
   std::vector<std::unique_ptr<Backend>> backends;
 };
 

@@ -24,6 +24,14 @@
 // Calls that cannot return an error (sendData, recvData) keep it: takeDeferred() returns it, and
 // compute() and afterAllReduce() report it first.
 //
+// It never trusts the plan (piperun verifies it first, but a runtime must not depend on the
+// verifier having seen every case): every index an instruction carries is range-checked, and
+// the order the stage kernels need (a slice's forward parts in order, its backward after its
+// forward, a microbatch's slices forward in ascending and backward in descending order, a
+// weight gradient after its input gradient, a tp part's all-reduce right after the part, and a
+// tensor read only while it exists) is checked before each kernel call (OpOrder). A plan that
+// breaks it is a Finding naming the op, never a kernel assertion or a write out of bounds.
+//
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_STAGEDISPATCH_H
 #define PIPEC_RUNTIME_STAGEDISPATCH_H
@@ -57,6 +65,106 @@ template <class T> llvm::Expected<TensorView> liftView(T value) {
 }
 } // namespace stage_dispatch
 
+/// The order in which a rank's stage kernels accept ops (what kernels/cpu/Gpt.cpp and
+/// runtime/cuda/GpuStage.cpp assert), tracked per step so that the dispatch can refuse an op
+/// out of order before a kernel sees it. One call per kernel part; each returns an error
+/// message, or an empty string when the op may run (and records it).
+class OpOrder {
+public:
+  void reset() {
+    slices.clear();
+    sequences.clear();
+  }
+
+  std::string forwardPart(int stage, int mb, int slice, int part, int parts) {
+    SeqKey sk{stage, mb};
+    if (part == 0) {
+      if (slice == 0)
+        sequences[sk] = Sequence{};
+      auto seq = sequences.find(sk);
+      if (seq == sequences.end())
+        return fmt::format("slice {} runs forward before slice 0 of its microbatch", slice);
+      if (seq->second.nextForward != slice)
+        return fmt::format("the slices of a microbatch run forward in order; expected slice {}",
+                           seq->second.nextForward);
+      ++seq->second.nextForward;
+      slices[SliceKey{stage, mb, slice}] = Slice{};
+    }
+    auto w = slices.find(SliceKey{stage, mb, slice});
+    if (w == slices.end())
+      return "a forward part before the forward began (part 0)";
+    if (w->second.forwardDone != part)
+      return fmt::format("forward parts run in order; expected part {}", w->second.forwardDone);
+    if (part >= parts)
+      return fmt::format("part {} but the stage has {} parts", part, parts);
+    ++w->second.forwardDone;
+    return {};
+  }
+
+  std::string backwardPart(int stage, int mb, int slice, int part, int parts) {
+    auto w = slices.find(SliceKey{stage, mb, slice});
+    if (w == slices.end() || w->second.forwardDone != parts)
+      return "an input gradient before the forward of the same (stage, microbatch, slice) "
+             "ended, or after its weight gradient";
+    auto seq = sequences.find(SeqKey{stage, mb});
+    if (seq == sequences.end())
+      return "an input gradient of a microbatch whose slice 0 has already run backward";
+    if (part == 0) {
+      if (seq->second.nextBackward < 0)
+        seq->second.nextBackward = seq->second.nextForward - 1;
+      if (seq->second.nextBackward != slice)
+        return fmt::format("the slices of a microbatch run backward last first; expected "
+                           "slice {}",
+                           seq->second.nextBackward);
+      --seq->second.nextBackward;
+    }
+    if (w->second.backwardDone != part)
+      return fmt::format("input-gradient parts run in order; expected part {}",
+                         w->second.backwardDone);
+    if (part >= parts)
+      return fmt::format("part {} but the stage has {} parts", part, parts);
+    ++w->second.backwardDone;
+    if (part + 1 == parts && slice == 0)
+      sequences.erase(seq); // (the kernels free the microbatch's K/V here)
+    return {};
+  }
+
+  std::string weight(int stage, int mb, int slice, int parts) {
+    auto w = slices.find(SliceKey{stage, mb, slice});
+    if (w == slices.end() || w->second.backwardDone != parts)
+      return "a weight gradient before its input gradient ended, or a second one";
+    slices.erase(w); // (the kernels free the slice's state here)
+    return {};
+  }
+
+  /// The stage's output (activation) or input gradient of (mb, slice) exists right now.
+  bool has(TensorKind t, int stage, int mb, int slice, int parts) const {
+    auto w = slices.find(SliceKey{stage, mb, slice});
+    if (w == slices.end())
+      return false;
+    return t == TensorKind::Activation ? w->second.forwardDone == parts
+                                       : w->second.backwardDone == parts;
+  }
+
+private:
+  struct SeqKey {
+    int stage, mb;
+    auto operator<=>(const SeqKey &) const = default;
+  };
+  struct SliceKey {
+    int stage, mb, slice;
+    auto operator<=>(const SliceKey &) const = default;
+  };
+  struct Sequence {
+    int nextForward = 0, nextBackward = -1;
+  };
+  struct Slice {
+    int forwardDone = 0, backwardDone = 0;
+  };
+  std::map<SeqKey, Sequence> sequences;
+  std::map<SliceKey, Slice> slices;
+};
+
 template <class Derived, class Stage, class Buffer, class Base = Backend>
 class StageDispatch : public Base {
   static_assert(std::is_base_of_v<Backend, Base>, "StageDispatch implements a Backend");
@@ -77,9 +185,18 @@ private:
   llvm::Error computeOp(const Instruction &i) {
     if (auto err = takeDeferred())
       return err;
-    Stage &st = *stages.at(i.stage);
+    if (auto err = checkIndices(i))
+      return err;
+    if (awaiting)
+      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
+                                       "followed by its all-reduce",
+                                       describePart(*awaiting)));
+    Stage &st = *stages.find(i.stage)->second;
     // An unsplit op (tp = 1) runs every kernel part; the reductions between them are over one
     // rank, i.e. nothing. A split op runs its one part; the plan's tp all_reduce follows.
+    if (i.part >= 0 && (i.parts != st.parts() || i.part >= i.parts || i.op == OpKind::BackwardWeight))
+      return outOfOrder(i, fmt::format("names part {} of {} but stage {} has {} parts", i.part,
+                                       i.parts, i.stage, st.parts()));
     const int first = std::max(i.part, 0), end = i.part < 0 ? st.parts() : i.part + 1;
     const bool last = i.isLastPart();
     switch (i.op) {
@@ -92,11 +209,15 @@ private:
         in = *got;
       }
       for (int part = first; part < end; ++part) {
+        if (auto why = order.forwardPart(i.stage, i.mb, i.slice, part, st.parts()); !why.empty())
+          return outOfOrder(i, why);
         auto r = stage_dispatch::lift(st.forward(i.mb, i.slice, part, in));
         if (!r)
           return r.takeError();
         pendingReduce = *r;
       }
+      if (i.part >= 0)
+        awaiting = i;
       // The loss: now when unsplit; after the plan's tp all_reduce of the last part otherwise
       // (the vocab-parallel head completes it from the reduced statistics).
       if (last && i.part < 0 && i.stage == plan.numStages() - 1 && c.tp == 0)
@@ -116,11 +237,16 @@ private:
         grad = *got;
       }
       for (int part = first; part < end; ++part) {
+        if (auto why = order.backwardPart(i.stage, i.mb, i.slice, part, st.parts());
+            !why.empty())
+          return outOfOrder(i, why);
         auto r = stage_dispatch::lift(st.backwardInput(i.mb, i.slice, part, grad));
         if (!r)
           return r.takeError();
         pendingReduce = *r;
       }
+      if (i.part >= 0)
+        awaiting = i;
       if (!last)
         return llvm::Error::success();
       received.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
@@ -131,8 +257,13 @@ private:
       return llvm::Error::success();
     }
     case OpKind::BackwardWeight:
+      // (Checked before keepInputGrad reads the input gradient.)
+      if (!order.has(TensorKind::Gradient, i.stage, i.mb, i.slice, st.parts()))
+        return outOfOrder(i, "a weight gradient before its input gradient ended, or a second "
+                             "one");
       if (auto err = keepInputGrad(i.stage, i.mb, i.slice))
         return err;
+      order.weight(i.stage, i.mb, i.slice, st.parts());
       return backwardWeight(st, i.mb, i.slice);
     case OpKind::Send:
     case OpKind::Recv:
@@ -155,6 +286,10 @@ public:
   }
 
   TensorView recvData(const Instruction &i) final {
+    if (auto err = checkIndices(i, /*onThisRank=*/false)) {
+      defer(std::move(err));
+      return {};
+    }
     Buffer &buffer = received[key(i.tensor, i.stage, i.mb, i.slice)];
     auto [b, e] = plan.seqSlices[size_t(i.slice)];
     if (auto err = self().allocate(buffer, elementsPerToken * size_t(e - b)))
@@ -163,13 +298,26 @@ public:
   }
 
   TensorView reduceData(const Instruction &i) final {
+    if (auto err = checkIndices(i)) {
+      defer(std::move(err));
+      return {};
+    }
     switch (i.collective) {
     case CollectiveGroup::Tp:
+      // Only the part that just ran, once: its buffer may be gone after the next op.
+      if (!awaiting || awaiting->op != i.phase || awaiting->stage != i.stage ||
+          awaiting->mb != i.mb || awaiting->slice != i.slice || awaiting->part != i.part) {
+        defer(finding("{}: a tp all_reduce of {} {}; each follows its part directly, once",
+                      Derived::kName, describeReduced(i),
+                      awaiting ? "where " + describePart(*awaiting) + "'s is due"
+                               : std::string("with no part waiting for it")));
+        return {};
+      }
       return pendingReduce;
     case CollectiveGroup::Dp:
-      return stages.at(i.stage)->grads();
+      return stages.find(i.stage)->second->grads();
     case CollectiveGroup::Embedding: {
-      Stage &st = *stages.at(i.stage);
+      Stage &st = *stages.find(i.stage)->second;
       auto [b, e] = st.tiedEmbeddingRange();
       return TensorView(st.grads()).sub(b, e - b);
     }
@@ -180,12 +328,18 @@ public:
   llvm::Error afterAllReduce(const Instruction &i) final {
     if (auto err = takeDeferred())
       return err;
-    if (i.collective != CollectiveGroup::Tp || i.part != i.parts - 1)
+    if (i.collective != CollectiveGroup::Tp)
       return llvm::Error::success();
-    if (i.phase == OpKind::Backward)
-      return finishFusedBackward(i.stage, i.mb, i.slice);
-    if (i.phase == OpKind::Forward && i.stage == plan.numStages() - 1 && c.tp == 0)
-      return self().addLoss(*stages.at(i.stage), i.mb, i.slice);
+    // reduceData() matched `awaiting` against this op (else the deferred error returned).
+    const Instruction part = *awaiting;
+    awaiting.reset();
+    pendingReduce = {};
+    if (!part.isLastPart())
+      return llvm::Error::success();
+    if (part.op == OpKind::Backward)
+      return finishFusedBackward(part.stage, part.mb, part.slice);
+    if (part.op == OpKind::Forward && part.stage == plan.numStages() - 1 && c.tp == 0)
+      return self().addLoss(*stages.find(part.stage)->second, part.mb, part.slice);
     return llvm::Error::success();
   }
 
@@ -209,6 +363,9 @@ protected:
   void clearStepBuffers() {
     received.clear();
     kept.clear();
+    order.reset();
+    awaiting.reset();
+    pendingReduce = {};
   }
 
   void defer(llvm::Error err) {
@@ -247,9 +404,20 @@ private:
 
   /// The tensor a send carries: kept, or its stage's output / input gradient.
   llvm::Expected<TensorView> sendSource(const Instruction &i) {
+    if (auto err = checkIndices(i))
+      return err;
+    // (Reading a stage's output finishes the op and frees the buffer the reduction sums.)
+    if (awaiting)
+      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
+                                       "followed by its all-reduce",
+                                       describePart(*awaiting)));
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end())
       return Derived::viewOf(it->second);
-    Stage &st = *stages.at(i.stage);
+    Stage &st = *stages.find(i.stage)->second;
+    if (!order.has(i.tensor, i.stage, i.mb, i.slice, st.parts()))
+      return outOfOrder(i, fmt::format("sends {} while it does not exist (before its producer "
+                                       "ended, or after the slice's weight gradient freed it)",
+                                       toString(i.tensor).str()));
     if (i.tensor == TensorKind::Activation)
       return stage_dispatch::liftView(st.output(i.mb, i.slice));
     return stage_dispatch::liftView(st.inputGrad(i.mb, i.slice));
@@ -262,13 +430,20 @@ private:
     if (auto it = kept.find(k); it != kept.end())
       return Derived::viewOf(it->second);
     if (plan.rankOf(producer) == c.pp) {
-      Stage &p = *stages.at(producer);
+      Stage &p = *stages.find(producer)->second;
+      if (!order.has(t, producer, mb, slice, p.parts()))
+        return finding("{}: rank {} needs {}({},{},{}) of its own stage {}, which does not exist "
+                       "now (not yet made, or freed by the slice's weight gradient)",
+                       Derived::kName, c.pp, toString(t).str(), producer, mb, slice, producer);
       if (t == TensorKind::Activation)
         return stage_dispatch::liftView(p.output(mb, slice));
       return stage_dispatch::liftView(p.inputGrad(mb, slice));
     }
     auto it = received.find(k);
-    assert(it != received.end() && "the verifier guarantees a recv before its consumer");
+    if (it == received.end())
+      return finding("{}: rank {} needs {}({},{},{}) from rank {} but has not received it",
+                     Derived::kName, c.pp, toString(t).str(), producer, mb, slice,
+                     plan.rankOf(producer));
     return Derived::viewOf(it->second);
   }
 
@@ -277,7 +452,46 @@ private:
   llvm::Error finishFusedBackward(int stage, int mb, int slice) {
     if (auto err = keepInputGrad(stage, mb, slice, /*anyConsumer=*/true))
       return err;
-    return backwardWeight(*stages.at(stage), mb, slice);
+    Stage &st = *stages.find(stage)->second;
+    if (auto why = order.weight(stage, mb, slice, st.parts()); !why.empty())
+      return finding("{}: the weight half of the fused backward of ({}, {}, {}): {}",
+                     Derived::kName, stage, mb, slice, why);
+    return backwardWeight(st, mb, slice);
+  }
+
+  /// An instruction's indices: its stage on this rank (unless `onThisRank` is false: a recv
+  /// names the producer's stage), its microbatch and slice in range.
+  llvm::Error checkIndices(const Instruction &i, bool onThisRank = true) const {
+    const ParallelConfig &pc = plan.parallel;
+    if (i.stage < 0 || i.stage >= plan.numStages())
+      return outOfOrder(i, fmt::format("stage {} is outside 0..{}", i.stage,
+                                       plan.numStages() - 1));
+    if (onThisRank && !stages.count(i.stage))
+      return outOfOrder(i, fmt::format("stage {} is not on rank {}", i.stage, c.pp));
+    bool perOp = i.isCompute() || i.isP2P() ||
+                 (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp);
+    if (perOp && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 ||
+                  i.slice >= pc.seqSplits || size_t(i.slice) >= plan.seqSlices.size()))
+      return outOfOrder(i, fmt::format("microbatch {} or slice {} is outside the plan's {} and {}",
+                                       i.mb, i.slice, pc.microbatches, pc.seqSplits));
+    return llvm::Error::success();
+  }
+
+  llvm::Error outOfOrder(const Instruction &i, llvm::StringRef why) const {
+    return finding("{}: rank {} cannot run {} {}: {}", Derived::kName, c.pp,
+                   toString(i.op).str(), describeOp(i), why.str());
+  }
+  static std::string describeOp(const Instruction &i) {
+    return i.part >= 0 ? fmt::format("({}, {}, {}) part {}/{}", i.stage, i.mb, i.slice, i.part,
+                                     i.parts)
+                       : fmt::format("({}, {}, {})", i.stage, i.mb, i.slice);
+  }
+  static std::string describePart(const Instruction &i) {
+    return fmt::format("{} {}", toString(i.op).str(), describeOp(i));
+  }
+  static std::string describeReduced(const Instruction &ar) {
+    return fmt::format("{} ({}, {}, {}) part {}/{}", toString(ar.phase).str(), ar.stage, ar.mb,
+                       ar.slice, ar.part, ar.parts);
   }
 
   /// Before a weight gradient frees the slice's state: keep the input gradient if its
@@ -290,7 +504,11 @@ private:
     const uint64_t k = key(TensorKind::Gradient, stage, mb, slice);
     if (!anyConsumer && !sameRank && !sentLate.count(k))
       return llvm::Error::success();
-    auto g = stage_dispatch::liftView(stages.at(stage)->inputGrad(mb, slice));
+    Stage &st = *stages.find(stage)->second;
+    if (!order.has(TensorKind::Gradient, stage, mb, slice, st.parts()))
+      return finding("{}: the input gradient of ({}, {}, {}) does not exist", Derived::kName,
+                     stage, mb, slice);
+    auto g = stage_dispatch::liftView(st.inputGrad(mb, slice));
     if (!g)
       return g.takeError();
     return self().keepCopy(kept[k], *g);
@@ -299,6 +517,9 @@ private:
   size_t elementsPerToken;
   std::map<uint64_t, Buffer> received, kept;
   std::set<uint64_t> sentLate;
+  OpOrder order;
+  /// The split part whose tp all_reduce is due (its result is pendingReduce).
+  std::optional<Instruction> awaiting;
   TensorView pendingReduce;
   llvm::Error deferred = llvm::Error::success();
 };

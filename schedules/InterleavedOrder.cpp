@@ -6,6 +6,8 @@
 //===----------------------------------------------------------------------===//
 #include "schedules/InterleavedOrder.h"
 
+#include "schedules/OneFOneBLoop.h"
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -46,18 +48,16 @@ void emitInterleavedOrder(int p, int v, int m, int k, int g, ComputeOrder &order
     // Warm-up: the last rank's first backward is microbatch 0, slice K-1 on chunk V-1, whose
     // forward sits at table index (V-1)·g·K + K-1. Rank r is P-1-r hops ahead of the last rank
     // on the way down and its first gradient needs as many hops back up, so it runs 2(P-r-1)
-    // more forwards to stay busy meanwhile.
-    int warmup = std::min(2 * (p - r - 1) + (v - 1) * g * k + k - 1, total);
-    for (int i = 0; i < warmup; ++i)
-      forward(i);
-    // Steady state: one forward, then one backward (Megatron's order within a step).
-    for (int i = warmup; i < total; ++i) {
-      forward(i);
-      backward(i - warmup);
-    }
-    // Cool-down: the backwards of the warm-up forwards.
-    for (int i = total - warmup; i < total; ++i)
-      backward(i);
+    // more forwards to stay busy meanwhile. Steady state: one forward, then one backward
+    // (Megatron's order within a step); cool-down: the backwards of the warm-up forwards
+    // (OneFOneBLoop.h; a unit is an entry of the table).
+    int warmup = 2 * (p - r - 1) + (v - 1) * g * k + k - 1;
+    walkOneFOneB(OneFOneBRank{/*units=*/total, warmup}, [&](OpKind op, int i) {
+      if (op == OpKind::Forward)
+        forward(i);
+      else
+        backward(i);
+    });
   }
 }
 

@@ -10,11 +10,10 @@
 // that cannot reach a steady state (PyTorch's guard against m < p is not needed here).
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
-
-#include <algorithm>
 
 namespace pipec {
 namespace {
@@ -52,18 +51,10 @@ public:
       // Warm-up: the first backward on rank r needs microbatch 0 to reach the last stage and
       // come back, during which rank r can run the forwards of microbatches 1..p-r-1; so it
       // runs p-r-1 forwards before its first 1F1B pair (fewer if there are fewer microbatches).
-      int warmup = std::min(p - r - 1, m);
-      int fwd = 0, bwd = 0;
-      for (; fwd < warmup; ++fwd)
-        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
-      // Steady state: one forward, one backward, until the forwards run out.
-      while (fwd < m) {
-        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
-        ops.push_back(Instruction::compute(OpKind::Backward, r, bwd++, 0));
-      }
-      // Cool-down: the backwards of the warm-up microbatches.
-      while (bwd < m)
-        ops.push_back(Instruction::compute(OpKind::Backward, r, bwd++, 0));
+      // Then one forward, one (fused) backward until the forwards run out, and the backwards
+      // of the warm-up microbatches (OneFOneBLoop.h). The unit is the microbatch.
+      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/p - r - 1},
+                   [&](OpKind op, int mb) { ops.push_back(Instruction::compute(op, r, mb, 0)); });
     }
   }
 };

@@ -12,11 +12,10 @@
 // Constraints: --vpp 1 (seq1f1b-interleaved does chunks). Any --microbatches and --seq-splits.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
-
-#include <algorithm>
 
 namespace pipec {
 namespace {
@@ -51,27 +50,17 @@ public:
       // Forward unit i is sub-sequence i mod K of microbatch i / K: ascending within a
       // microbatch. Backward unit i is sub-sequence K-1 - (i mod K) of the same microbatch:
       // descending, since B(s,m,k) needs the dK/dV of B(s,m,k+1).
-      auto forward = [&](int i) {
-        ops.push_back(Instruction::compute(OpKind::Forward, r, i / k, i % k));
-      };
-      auto backward = [&](int i) {
-        ops.push_back(Instruction::compute(OpKind::Backward, r, i / k, k - 1 - i % k));
+      auto unit = [&](OpKind op, int i) {
+        int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
+        ops.push_back(Instruction::compute(op, r, i / k, slice));
       };
       // Warm-up: the first backward is microbatch 0's last sub-sequence, K-1. The last rank
       // must first run all K forwards of microbatch 0 (K-1 before its first 1F1B pair); rank r
       // is p-1-r hops further from the loss, and covers the round trip with as many more
       // forwards as 1F1B does: (p-r-1) + (K-1) = p-r+K-2 (fewer if there are fewer units).
-      int warmup = std::min(p - r + k - 2, total);
-      for (int i = 0; i < warmup; ++i)
-        forward(i);
-      // Steady state: one sub-sequence forward, one sub-sequence backward.
-      for (int i = warmup; i < total; ++i) {
-        forward(i);
-        backward(i - warmup);
-      }
-      // Cool-down: the backwards of the warm-up units.
-      for (int i = total - warmup; i < total; ++i)
-        backward(i);
+      // Then one sub-sequence forward, one sub-sequence backward; then the backwards of the
+      // warm-up units (OneFOneBLoop.h).
+      walkOneFOneB(OneFOneBRank{/*units=*/total, /*warmup=*/p - r + k - 2}, unit);
     }
   }
 };

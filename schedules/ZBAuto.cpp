@@ -5,7 +5,8 @@
 // gradient, free to move), the best order of a rank depends on the profiled F, B, W, transfer
 // times and the activation memory allowed. The paper's heuristic sweeps microbatch by
 // microbatch with eight greedy variants (ZB-1p at a limit of p·M_B, ZB-2p at 2p·M_B). Ours is
-// an event-driven list scheduler over the simulator's own timing model (DESIGN §6): whenever a
+// an event-driven list scheduler over the simulator's own timing and memory rules (DESIGN §6,
+// ir/CostModel.h, which also times the 1F1B reference and checks every chosen order): whenever a
 // rank is free it runs the input gradient that has arrived; else a forward if memory, the
 // variant's in-flight cap and (optionally) the next gradient's arrival allow; else a W to fill
 // the gap (eagerly, only if it fits before the next arrival, or only when memory or the
@@ -23,8 +24,10 @@
 // activations per rank) at least one microbatch's activation_bytes on every stage.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
+#include "ir/CostModel.h"
 #include "ir/Error.h"
 
 #include <algorithm>
@@ -46,12 +49,13 @@ constexpr double kUnknown = -1.0;
 /// m = 256; hundreds for the paper's p = 8 settings.
 constexpr int64_t kWorkBudget = 480000;
 
-/// Per-rank costs (one stage per rank: loop placement with --vpp 1).
+/// Per-rank costs (one stage per rank: loop placement with --vpp 1), read from the cost model.
 struct RankCosts {
   std::vector<double> f, b, w;
   /// fComm[r]: F(r)'s output to rank r+1; bComm[r]: I(r)'s input gradient to rank r-1.
   std::vector<double> fComm, bComm;
-  std::vector<int64_t> act, wgrad;
+  /// Activation bytes an F allocates, an I frees and a W frees (the memory rule).
+  std::vector<int64_t> act, freeI, freeW;
 };
 
 /// How the greedy chooses when a rank is free and no input gradient is waiting.
@@ -231,14 +235,14 @@ private:
       break;
     case OpKind::BackwardInput:
       mb = nb[ri]++;
-      mem[ri] -= c.act[ri] - c.wgrad[ri];
+      mem[ri] -= c.freeI[ri];
       bEnd[at(r, mb)] = end;
       if (r > 0)
         push(end + c.bComm[ri], r - 1);
       break;
     case OpKind::BackwardWeight:
       mb = nw[ri]++;
-      mem[ri] -= c.wgrad[ri];
+      mem[ri] -= c.freeW[ri];
       break;
     case OpKind::Backward:
     case OpKind::Send:
@@ -322,60 +326,30 @@ private:
   }
 };
 
-/// Timing of fixed rank orders under DESIGN §6 (for the 1F1B reference).
-Score simulateOrder(const RankCosts &c, int p, int m, const ComputeOrder &order) {
-  std::vector<double> fEnd(size_t(p) * size_t(m), kUnknown), bEnd = fEnd;
-  std::vector<size_t> pos(size_t(p), 0);
-  std::vector<double> clk(size_t(p), 0), begin(size_t(p), kInf);
-  auto at = [&](int r, int mb) { return size_t(r) * size_t(m) + size_t(mb); };
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int r = 0; r < p; ++r) {
-      size_t ri = size_t(r);
-      for (; pos[ri] < order[ri].size(); ++pos[ri]) {
-        const Instruction &i = order[ri][pos[ri]];
-        double ready = clk[ri], dur = 0;
-        if (i.op == OpKind::Forward) {
-          if (r > 0) {
-            double e = fEnd[at(r - 1, i.mb)];
-            if (e == kUnknown)
-              break;
-            ready = std::max(ready, e + c.fComm[ri - 1]);
-          }
-          dur = c.f[ri];
-        } else if (i.op == OpKind::BackwardInput) {
-          if (r + 1 < p) {
-            double e = bEnd[at(r + 1, i.mb)];
-            if (e == kUnknown)
-              break;
-            ready = std::max(ready, e + c.bComm[ri + 1]);
-          }
-          dur = c.b[ri];
-        } else {
-          dur = c.w[ri];
-        }
-        begin[ri] = std::min(begin[ri], ready);
-        clk[ri] = ready + dur;
-        if (i.op == OpKind::Forward)
-          fEnd[at(r, i.mb)] = clk[ri];
-        if (i.op == OpKind::BackwardInput)
-          bEnd[at(r, i.mb)] = clk[ri];
-        progress = true;
-      }
-    }
+/// The request's stages with rank orders: a compute-only plan, as the cost model times it.
+Plan planOf(const ScheduleRequest &req, const ComputeOrder &order) {
+  Plan plan;
+  plan.parallel = req.parallel;
+  plan.placement = Placement::Loop;
+  plan.stages.assign(req.stages.begin(), req.stages.end());
+  plan.ranks = order;
+  return plan;
+}
+
+/// Score of fixed rank orders under DESIGN §6's timing rules (ir/CostModel.h).
+Score simulateOrder(const ScheduleRequest &req, const ComputeOrder &order) {
+  Plan plan = planOf(req, order);
+  Timeline t;
+  if (llvm::Error err = simulateTimeline(plan, t)) {
+    llvm::consumeError(std::move(err));
+    return Score{};
   }
+  summarizeTimeline(plan, t, plan.stats);
   Score s;
-  double first = kInf, last = 0, maxSpan = 0;
-  for (int r = 0; r < p; ++r) {
-    if (pos[size_t(r)] != order[size_t(r)].size())
-      return Score{};
-    first = std::min(first, begin[size_t(r)]);
-    last = std::max(last, clk[size_t(r)]);
-    maxSpan = std::max(maxSpan, clk[size_t(r)] - begin[size_t(r)]);
-  }
-  s.maxSpan = maxSpan;
-  s.makespan = last - first;
+  s.maxSpan = 0;
+  for (const RankStats &r : plan.stats.ranks)
+    s.maxSpan = std::max(s.maxSpan, r.span);
+  s.makespan = plan.stats.makespan;
   return s;
 }
 
@@ -384,29 +358,19 @@ void oneFOneBSplit(int p, int m, ComputeOrder &order) {
   order.assign(size_t(p), {});
   for (int r = 0; r < p; ++r) {
     auto &ops = order[size_t(r)];
-    int warmup = std::min(p - r - 1, m), fwd = 0, bwd = 0;
-    for (; fwd < warmup; ++fwd)
-      ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
-    while (bwd < m) {
-      if (fwd < m)
-        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
-      ops.push_back(Instruction::compute(OpKind::BackwardInput, r, bwd, 0));
-      ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, bwd++, 0));
-    }
+    walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/p - r - 1, /*wDelay=*/0},
+                 [&](OpKind op, int mb) { ops.push_back(Instruction::compute(op, r, mb, 0)); });
   }
 }
 
-/// Peak activation of rank orders under DESIGN §6's memory model.
-int64_t peakActivation(const RankCosts &c, const ComputeOrder &order, size_t r) {
+/// Peak activation of rank r's order under DESIGN §6's memory rule (ir/CostModel.h).
+int64_t peakActivation(const ScheduleRequest &req, const ComputeOrder &order, size_t r) {
   int64_t cur = 0, peak = 0;
   for (const Instruction &i : order[r]) {
-    if (i.op == OpKind::Forward)
-      cur += c.act[r];
+    const StageInfo &st = req.stages[size_t(i.stage)];
+    cur += activationAllocatedAtStart(st, i);
     peak = std::max(peak, cur);
-    if (i.op == OpKind::BackwardInput)
-      cur -= c.act[r] - c.wgrad[r];
-    if (i.op == OpKind::BackwardWeight)
-      cur -= c.wgrad[r];
+    cur -= activationFreedAtEnd(st, i);
   }
   return peak;
 }
@@ -468,16 +432,21 @@ RankCosts rankCosts(const ScheduleRequest &req) {
   c.fComm.resize(p);
   c.bComm.resize(p);
   c.act.resize(p);
-  c.wgrad.resize(p);
+  c.freeI.resize(p);
+  c.freeW.resize(p);
   for (const StageInfo &st : req.stages) {
     size_t r = size_t(st.stage);
-    c.f[r] = st.forward[0];
-    c.b[r] = st.backwardInput[0];
-    c.w[r] = st.backwardWeight[0];
-    c.fComm[r] = st.activationTransferTime.empty() ? 0 : st.activationTransferTime[0];
-    c.bComm[r] = st.gradientTransferTime.empty() ? 0 : st.gradientTransferTime[0];
-    c.act[r] = st.activationBytes[0];
-    c.wgrad[r] = st.weightGradBytes[0];
+    c.f[r] = opTime(st, OpKind::Forward, 0);
+    c.b[r] = opTime(st, OpKind::BackwardInput, 0);
+    c.w[r] = opTime(st, OpKind::BackwardWeight, 0);
+    c.fComm[r] = transferTime(st, TensorKind::Activation, 0);
+    c.bComm[r] = transferTime(st, TensorKind::Gradient, 0);
+    c.act[r] =
+        activationAllocatedAtStart(st, Instruction::compute(OpKind::Forward, st.stage, 0, 0));
+    c.freeI[r] =
+        activationFreedAtEnd(st, Instruction::compute(OpKind::BackwardInput, st.stage, 0, 0));
+    c.freeW[r] =
+        activationFreedAtEnd(st, Instruction::compute(OpKind::BackwardWeight, st.stage, 0, 0));
   }
   return c;
 }
@@ -544,8 +513,8 @@ public:
     oneFOneBSplit(p, m, reference);
     bool referenceFits = true;
     for (int r = 0; r < p; ++r)
-      referenceFits &= peakActivation(costs, reference, size_t(r)) <= limit;
-    Score refScore = referenceFits ? simulateOrder(costs, p, m, reference) : Score{};
+      referenceFits &= peakActivation(req, reference, size_t(r)) <= limit;
+    Score refScore = referenceFits ? simulateOrder(req, reference) : Score{};
     const double eps = 1e-9 * std::max(1.0, refScore.makespan);
 
     Greedy greedy(costs, p, m, limit);
@@ -623,11 +592,24 @@ public:
         v = std::move(next);
       }
     }
+    Score chosen = best;
     if (referenceFits && (!found || refScore.better(best))) {
       order = std::move(reference);
+      chosen = refScore;
       found = true;
     }
     assert(found && "a limit of one microbatch per stage always admits a greedy order");
+    // The greedy times its orders incrementally, as it builds them; what it chose must be
+    // what the cost model says of it, and fit the limit under the memory rule.
+    assert(!simulateOrder(req, order).better(chosen) && !chosen.better(simulateOrder(req, order)) &&
+           "zb-auto's greedy and the cost model disagree on the chosen order's times");
+    assert([&] {
+      for (int r = 0; r < p; ++r)
+        if (peakActivation(req, order, size_t(r)) > limit)
+          return false;
+      return true;
+    }() && "zb-auto chose an order over the memory limit");
+    (void)chosen;
   }
 };
 

@@ -17,11 +17,10 @@
 // cut to the units there are, as in 1f1b, and W's that cannot be delayed by r run at the end.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
-
-#include <algorithm>
 
 namespace pipec {
 namespace {
@@ -61,26 +60,14 @@ public:
       // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
       // back, rank r can run the forwards of microbatches 1..p-r-1; with K sub-sequences the
       // first I (microbatch 0's last one) also waits for K-1 more forwards.
-      int warmup = std::min(p - r - 1 + k - 1, m);
-      int fwd = 0, bwd = 0, wgt = 0;
-      for (; fwd < warmup; ++fwd)
-        unit(OpKind::Forward, fwd);
       // Steady state and cool-down: one F (while any is left), one I, and then a W once r I's
       // are outstanding, i.e. W(j) right after I(j+r). Why r: after rank r's last I, that
       // gradient still has to cross ranks r-1..0 (r·B) before rank 0 is done, time in which
       // 1F1B's rank r idles; the r W's held back fill it. Holding them back also keeps the
       // I's of the later ranks (the critical path of every gradient) free of W's early on, and
       // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
-      while (bwd < m) {
-        if (fwd < m)
-          unit(OpKind::Forward, fwd++);
-        unit(OpKind::BackwardInput, bwd++);
-        if (bwd - wgt > r)
-          unit(OpKind::BackwardWeight, wgt++);
-      }
-      // The r delayed W's (fewer when m <= r) close the stream.
-      while (wgt < m)
-        unit(OpKind::BackwardWeight, wgt++);
+      // The r delayed W's (fewer when m <= r) close the stream (OneFOneBLoop.h).
+      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/p - r - 1 + k - 1, /*wDelay=*/r}, unit);
     }
   }
 };

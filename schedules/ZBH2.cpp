@@ -12,11 +12,10 @@
 // (unit costs, no transfer time) once m >= 2p-1, when rank 0 can fill its warm-up.
 //
 //===----------------------------------------------------------------------===//
+#include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
-
-#include <algorithm>
 
 namespace pipec {
 namespace {
@@ -54,24 +53,12 @@ public:
       // Warm-up (unit times, no transfer time): rank r gets F(0) at time r; I(0) leaves the
       // last rank at p+1 and reaches rank r at 2p-1-r. The 2(p-r)-1 slots in between take
       // forwards: 2(p-r-1) here and the first steady-state F.
-      int warmup = std::min(2 * (p - r - 1), m);
-      int fwd = 0, bwd = 0, wgt = 0;
-      for (; fwd < warmup; ++fwd)
-        ops.push_back(Instruction::compute(OpKind::Forward, r, fwd, 0));
       // Steady state: F (while any is left), I, and W once 2r I's are outstanding, i.e. W(j)
       // right after I(j+2r). Why 2r: never idle from time r, rank r must end at r+3m; its
       // last I ends r steps before rank 0's, which ends at 3m (rank 0 has no W to postpone).
-      // The 2r steps after it are W's.
-      while (bwd < m) {
-        if (fwd < m)
-          ops.push_back(Instruction::compute(OpKind::Forward, r, fwd++, 0));
-        ops.push_back(Instruction::compute(OpKind::BackwardInput, r, bwd++, 0));
-        if (bwd - wgt > 2 * r)
-          ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
-      }
-      // Cool-down: the 2r delayed W's (fewer when m <= 2r).
-      while (wgt < m)
-        ops.push_back(Instruction::compute(OpKind::BackwardWeight, r, wgt++, 0));
+      // The 2r steps after it are W's: the cool-down (fewer when m <= 2r; OneFOneBLoop.h).
+      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/2 * (p - r - 1), /*wDelay=*/2 * r},
+                   [&](OpKind op, int mb) { ops.push_back(Instruction::compute(op, r, mb, 0)); });
     }
   }
 };

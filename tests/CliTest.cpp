@@ -337,6 +337,28 @@ TEST(PiperunTest, RefusesAPlanThatFailsVerification) {
   EXPECT_NE(r.err.find("<-- here"), std::string::npos) << r.err;
 }
 
+TEST(PiperunTest, AnExtraCopyOfATpAllReduceIsAFindingOfValidateAndPiperun) {
+  // Issue 36's reproducer: it passed `pipec validate` and corrupted piperun's heap.
+  std::string plan = tinyPlan("extra-tp", "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  auto j = nlohmann::json::parse(slurp(plan));
+  auto &ins = j["ranks"][0]["instructions"];
+  nlohmann::json copy;
+  for (const auto &i : ins)
+    if (i["op"] == "all_reduce" && i["group"] == "tp")
+      copy = i;
+  ins.insert(ins.begin() + 5, copy);
+  spit(plan, j.dump());
+  Result v = pipec("validate " + plan);
+  EXPECT_EQ(v.code, 1) << v.out << v.err;
+  EXPECT_NE(v.err.find("a tp all-reduce must come right after the part it reduces"),
+            std::string::npos)
+      << v.err;
+  Result r = piperun(plan + " --backend cpu");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("refusing to run a plan that fails verification"), std::string::npos)
+      << r.err;
+}
+
 TEST(PiperunTest, GpuBackendsSayTheyAreNotAvailableInOneLine) {
   std::string plan = tinyPlan("gpu", "--schedule 1f1b --pp 2 --microbatches 2");
   for (const char *b : {"cuda", "nccl"}) {

@@ -7,25 +7,23 @@
 // same inputs. In bf16 the inputs are first rounded to bf16 on the host, so both sides see the
 // same values and the difference is the kernel's bf16 storage and summation order alone.
 //
-// Tolerance: maxErr = max |gpu - cpu| / max(|cpu|, 1e-3 * ...) over a tensor, i.e. the largest
-// error relative to the tensor's largest entry (near-zero entries are summed from terms that
-// cancel, and their relative error says nothing). fp32: 2e-5 (5e-5 where the reduction order
-// of long sums differs: matmul weight gradients, attention backward); bf16: 2e-2 (the unit
-// roundoff of bf16 is 2^-8 = 3.9e-3, and outputs are rounded once or twice).
+// Tolerances and the GpuTest fixture: tests/CudaOpsTestUtil.h.
 //
-// Built twice: //tests:cuda_kernel_test on a GPU (tag requires-gpu), and
-// //tests:cuda_kernel_emu_test with the .cu kernels on the kernel emulator
-// (kernels/cuda/emu/KernelEmu.h), in CI, matmul cases filtered out (they are cuBLASLt's).
-// The GpuTest fixture fails (not skips) when no device is usable: a silent skip would read as a
-// pass on the GPU machine. CudaCheckTest needs
-// no device and runs everywhere CUDA is installed (//tests:cuda_check_test).
+// Built as //tests:cuda_kernel_test on a GPU (tag requires-gpu), and in CI with the .cu kernels
+// on the kernel emulator (kernels/cuda/emu/KernelEmu.h), matmul cases filtered out (they are
+// cuBLASLt's): //tests:cuda_kernel_test_kernel_emu on an emulated compute-capability-9.0 GPU and
+// //tests:cuda_kernel_sm80_test_kernel_emu on an emulated A100 (8.0), where every op takes the
+// kernels an sm_80 GPU runs. CudaCheckTest and AttentionKernelChoiceTest need no device and run
+// everywhere CUDA is installed (//tests:cuda_check_test).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "kernels/cuda/Launch.h"
+#include "tests/CudaOpsTestUtil.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,152 +35,15 @@
 #include <vector>
 
 namespace pipec::kernels::cuda {
+namespace launch {
+/// gtest prints the family's name.
+void PrintTo(AttentionKernel kernel, std::ostream *os) { *os << toString(kernel); }
+} // namespace launch
+
 namespace {
 
 namespace cpu = ::pipec::kernels::ops;
-using Vec = std::vector<float>;
-
-constexpr double kTolF32 = 2e-5;
-constexpr double kTolF32Long = 5e-5;
-constexpr double kTolBf16 = 2e-2;
-
-//===--- Host helpers -----------------------------------------------------===//
-
-uint16_t toBf16Bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (std::isnan(x))
-    return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1); // round to nearest even
-  return uint16_t(bits >> 16);
-}
-
-float fromBf16Bits(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-Vec randomVec(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  Vec v(n);
-  for (float &x : v)
-    x = dist(rng);
-  return v;
-}
-
-/// The values as the device will hold them in `dtype` (bf16 rounds).
-Vec quantized(Vec v, DType dtype) {
-  if (dtype == DType::BF16)
-    for (float &x : v)
-      x = fromBf16Bits(toBf16Bits(x));
-  return v;
-}
-
-double tolerance(DType dtype, bool longSums = false) {
-  if (dtype == DType::BF16)
-    return kTolBf16;
-  return longSums ? kTolF32Long : kTolF32;
-}
-
-/// max |a - ref| / max |ref| (see the header); the worst index goes to `where`.
-double maxError(const Vec &a, const Vec &ref, size_t *where = nullptr) {
-  EXPECT_EQ(a.size(), ref.size());
-  double scale = 1e-30, worst = 0.0;
-  for (float r : ref)
-    scale = std::max(scale, double(std::fabs(r)));
-  for (size_t k = 0; k < std::min(a.size(), ref.size()); ++k) {
-    double err = std::fabs(double(a[k]) - double(ref[k]));
-    if (!(err <= worst)) { // also catches NaN
-      worst = std::isnan(err) ? INFINITY : err;
-      if (where)
-        *where = k;
-    }
-  }
-  return worst / scale;
-}
-
-#define EXPECT_CLOSE(actual, ref, tol)                                                             \
-  do {                                                                                             \
-    size_t where = 0;                                                                              \
-    double err = maxError(actual, ref, &where);                                                    \
-    EXPECT_LE(err, tol) << #actual << " vs " << #ref << ": worst at " << where << ": "             \
-                        << (actual)[where] << " vs " << (ref)[where];                              \
-  } while (false)
-
-#define ASSERT_OK(expr)                                                                            \
-  do {                                                                                             \
-    if (llvm::Error err = (expr))                                                                  \
-      FAIL() << #expr << ": " << llvm::toString(std::move(err));                                   \
-  } while (false)
-
-//===--- Device helpers ---------------------------------------------------===//
-
-class GpuTest : public ::testing::Test {
-protected:
-  void SetUp() override {
-    llvm::Expected<int> count = deviceCount();
-    if (!count)
-      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
-             << llvm::toString(count.takeError());
-    ASSERT_GT(*count, 0) << "no CUDA device (this test is tagged requires-gpu)";
-    auto created = CudaContext::create(/*device=*/0);
-    if (!created)
-      FAIL() << llvm::toString(created.takeError());
-    ctx = std::move(*created);
-  }
-
-  /// A device buffer holding `host` in `dtype`.
-  DeviceBuffer upload(const Vec &host, DType dtype) {
-    DeviceBuffer buffer = allocate(host.size() * sizeOf(dtype));
-    if (dtype == DType::F32) {
-      check(ctx->upload(buffer.data(), host.data(), host.size() * 4));
-      return buffer;
-    }
-    std::vector<uint16_t> bits(host.size());
-    std::transform(host.begin(), host.end(), bits.begin(), toBf16Bits);
-    check(ctx->upload(buffer.data(), bits.data(), bits.size() * 2));
-    return buffer;
-  }
-
-  DeviceBuffer uploadInts(const std::vector<int32_t> &host) {
-    DeviceBuffer buffer = allocate(host.size() * 4);
-    check(ctx->upload(buffer.data(), host.data(), host.size() * 4));
-    return buffer;
-  }
-
-  /// `n` values of `dtype` at `device`, widened to fp32 (synchronizes the stream).
-  Vec download(const DeviceBuffer &buffer, size_t n, DType dtype) {
-    check(ctx->synchronize());
-    Vec host(n);
-    if (dtype == DType::F32) {
-      check(ctx->download(host.data(), buffer.data(), n * 4));
-      return host;
-    }
-    std::vector<uint16_t> bits(n);
-    check(ctx->download(bits.data(), buffer.data(), n * 2));
-    std::transform(bits.begin(), bits.end(), host.begin(), fromBf16Bits);
-    return host;
-  }
-
-  DeviceBuffer allocate(size_t bytes) {
-    llvm::Expected<DeviceBuffer> buffer = DeviceBuffer::allocate(bytes);
-    if (!buffer) {
-      ADD_FAILURE() << llvm::toString(buffer.takeError());
-      return DeviceBuffer();
-    }
-    return std::move(*buffer);
-  }
-
-  static void check(llvm::Error err) {
-    if (err)
-      ADD_FAILURE() << llvm::toString(std::move(err));
-  }
-
-  std::unique_ptr<CudaContext> ctx;
-};
+using namespace test; // Vec, randomVec, quantized, tolerances, GpuTest
 
 //===--- Matmuls ----------------------------------------------------------===//
 
@@ -313,7 +174,7 @@ TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
 // The weight gradients every tp rank computes whole (layernorms, row-parallel biases) must have
 // the same bits on every rank, from the same inputs, or the ranks' copies drift apart: each
 // launch sums a column in one order, whatever order its blocks run in. (On the kernel emulator,
-// //tests:cuda_kernel_emu_test sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
+// //tests:cuda_kernel_test_kernel_emu sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
 // in a new order, and a sum of atomically added partials comes out with other bits.)
 TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
   const DType dt = GetParam();
@@ -408,351 +269,104 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core kernels.
   const bool tensorCores = dt == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= 128;
   const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  EXPECT_EQ(
-      launch::attentionUsesTensorCores(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}),
-      tensorCores);
-  EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims,
-                                             {dq.data(), gdk.data(), gdv.data(), gdOut.data(),
-                                              out.data(), gq.data(), gk.data(), gv.data()}),
-            tensorCores);
-  // The forward of these head dimensions runs on Hopper's wgmma where the device has it (the
-  // emulated device does); then the mma.sync forward is checked too.
-  const bool wgmmaShape = tensorCores && (s.headDim == 64 || s.headDim == 128);
-  int major = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  const bool wgmma =
-      launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()});
-  EXPECT_EQ(wgmma, wgmmaShape && major == 9);
-  // The Hopper backward is off by default (it has not run on a GPU yet); switched on, it runs
-  // exactly where the forward does (checked below).
+  const std::initializer_list<const void *> forwardTensors = {out.data(), gq.data(), gk.data(),
+                                                              gv.data()};
   const std::initializer_list<const void *> backwardTensors = {
       dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(), gq.data(), gk.data(), gv.data()};
-  EXPECT_FALSE(launch::attentionBackwardUsesWgmma(dt, dims, backwardTensors));
-  launch::setAttentionWgmmaBackward(true);
-  EXPECT_EQ(launch::attentionBackwardUsesWgmma(dt, dims, backwardTensors), wgmma);
-  launch::setAttentionWgmmaBackward(false);
+  EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims, forwardTensors), tensorCores);
+  EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims, backwardTensors), tensorCores);
+  // The forward of head dimensions 64 and 128 runs on Hopper's wgmma on a compute-capability-9.0
+  // device (the emulated device is one unless PIPEC_EMU_COMPUTE_CAPABILITY says otherwise), and
+  // then the mma.sync forward is checked too; the backward is mma.sync's on every device.
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  ASSERT_EQ(ctx->computeCapability(), 10 * major + minor);
+  const bool wgmmaShape = tensorCores && (s.headDim == 64 || s.headDim == 128);
+  const launch::Target target{ctx->computeCapability(), ctx->kernelConfig().hopperKernels};
+  const launch::AttentionKernel forwardKernel =
+      launch::attentionForwardKernel(target, dt, dims, forwardTensors);
+  EXPECT_EQ(forwardKernel, wgmmaShape && major == 9 && minor == 0 ? launch::AttentionKernel::Wgmma
+                           : tensorCores                          ? launch::AttentionKernel::MmaSync
+                                                                  : launch::AttentionKernel::Simt);
+  EXPECT_EQ(launch::attentionBackwardKernel(dt, dims, backwardTensors),
+            tensorCores ? launch::AttentionKernel::MmaSync : launch::AttentionKernel::Simt);
   ASSERT_OK(
       attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
                               out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
   EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
   EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
-  if (wgmma) {
-    // Every variant of the Hopper forward (the default ran above), then, with the Hopper
-    // kernels off, the mma.sync forward and backward (whose dQ is then mma.sync's too), each
-    // into fresh buffers.
-    for (int variant = 0; variant <= launch::kWgmmaVariants; ++variant) {
-      const bool mmaSync = variant == launch::kWgmmaVariants;
-      if (mmaSync)
-        launch::setAttentionWgmma(false);
-      else
-        launch::setAttentionWgmmaVariant(variant);
-      const std::string name = mmaSync ? "mma.sync" : launch::wgmmaVariantName(variant);
-      EXPECT_EQ(launch::attentionForwardUsesWgmma(dt, dims,
-                                                  {out.data(), gq.data(), gk.data(), gv.data()}),
-                !mmaSync)
-          << name;
-      DeviceBuffer otherOut = allocate(qSize * sizeOf(dt));
-      DeviceBuffer otherLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
-      DeviceBuffer otherDq = allocate(qSize * sizeOf(dt));
-      DeviceBuffer otherDk = upload(dk0, DType::F32), otherDv = upload(dv0, DType::F32);
-      llvm::Error err = attentionForward(*ctx, dt, otherOut.data(), otherLse.as<float>(), gq.data(),
-                                         gk.data(), gv.data(), s);
-      if (mmaSync && !err) {
-        EXPECT_FALSE(launch::attentionBackwardUsesWgmma(
-            dt, dims,
-            {otherDq.data(), otherDk.data(), otherDv.data(), gdOut.data(), otherOut.data(),
-             gq.data(), gk.data(), gv.data()}));
-        err = attentionBackward(*ctx, dt, otherDq.data(), otherDk.as<float>(), otherDv.as<float>(),
-                                gdOut.data(), otherOut.data(), otherLse.as<float>(), gq.data(),
-                                gk.data(), gv.data(), s);
-      }
-      launch::setAttentionWgmma(true);
-      launch::setAttentionWgmmaVariant(launch::kWgmmaDefault);
-      ASSERT_OK(std::move(err));
-      SCOPED_TRACE(name);
-      EXPECT_CLOSE(download(otherOut, qSize, dt), refOut, tolerance(dt));
-      EXPECT_CLOSE(download(otherLse, refLse.size(), DType::F32), refLse, tolerance(dt));
-      if (mmaSync) {
-        EXPECT_CLOSE(download(otherDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-        EXPECT_CLOSE(download(otherDk, kvSize, DType::F32), refDk,
-                     tolerance(dt, /*longSums=*/true));
-        EXPECT_CLOSE(download(otherDv, kvSize, DType::F32), refDv,
-                     tolerance(dt, /*longSums=*/true));
-      }
-    }
-    // The Hopper backward (dQ, dK and dV), switched on, into fresh buffers.
-    SCOPED_TRACE("wgmma backward");
-    DeviceBuffer hopperDq = allocate(qSize * sizeOf(dt));
-    DeviceBuffer hopperDk = upload(dk0, DType::F32), hopperDv = upload(dv0, DType::F32);
-    launch::setAttentionWgmmaBackward(true);
-    EXPECT_TRUE(launch::attentionBackwardUsesWgmma(dt, dims,
-                                                   {hopperDq.data(), hopperDk.data(),
-                                                    hopperDv.data(), gdOut.data(), out.data(),
-                                                    gq.data(), gk.data(), gv.data()}));
-    llvm::Error err = attentionBackward(*ctx, dt, hopperDq.data(), hopperDk.as<float>(),
-                                        hopperDv.as<float>(), gdOut.data(), out.data(),
-                                        lse.as<float>(), gq.data(), gk.data(), gv.data(), s);
-    launch::setAttentionWgmmaBackward(false);
-    ASSERT_OK(std::move(err));
-    EXPECT_CLOSE(download(hopperDq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-    EXPECT_CLOSE(download(hopperDk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
-    EXPECT_CLOSE(download(hopperDv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
-
-    // ... and with dQ added by atomics inside the dK/dV kernel, in fp32 and in fixed point
-    // (off by default; only where the Hopper backward runs), into fresh buffers: dq starts as
-    // NaN bits, so a row or column the kernel's scaling does not write shows. The fixed-point
-    // dQ runs twice (the kernel emulator runs the blocks in a new order each launch): its bits
-    // must not change.
-    const size_t rows4 = (size_t(s.batch) * s.heads * s.queries + 3) / 4 * 4;
-    for (launch::DqMode mode : {launch::DqMode::FloatAtomics, launch::DqMode::FixedPoint}) {
-      const bool fixed = mode == launch::DqMode::FixedPoint;
-      SCOPED_TRACE(fixed ? "wgmma backward, fixed-point dQ atomics"
-                         : "wgmma backward, fp32 dQ atomics");
-      Vec firstDq;
-      for (int run = 0; run < (fixed ? 2 : 1); ++run) {
-        DeviceBuffer fusedDq = upload(Vec(qSize, std::nanf("")), dt);
-        DeviceBuffer fusedDk = upload(dk0, DType::F32), fusedDv = upload(dv0, DType::F32);
-        const std::initializer_list<const void *> fusedTensors = {
-            fusedDq.data(), fusedDk.data(), fusedDv.data(), gdOut.data(),
-            out.data(),     gq.data(),      gk.data(),      gv.data()};
-        launch::setAttentionDqMode(mode);
-        EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, fusedTensors), launch::DqMode::Separate)
-            << "dQ atomics without the Hopper backward";
-        launch::setAttentionWgmmaBackward(true);
-        EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, fusedTensors), mode);
-        EXPECT_EQ(launch::attentionBackwardScratchFloats(mode, dims),
-                  fixed ? 4 * rows4 + (2 * size_t(s.batch) * s.heads + 3) / 4 * 4 + 2 * qSize
-                        : rows4 + qSize);
-        err = attentionBackward(*ctx, dt, fusedDq.data(), fusedDk.as<float>(), fusedDv.as<float>(),
-                                gdOut.data(), out.data(), lse.as<float>(), gq.data(), gk.data(),
-                                gv.data(), s);
-        launch::setAttentionWgmmaBackward(false);
-        launch::setAttentionDqMode(launch::DqMode::Separate);
-        ASSERT_OK(std::move(err));
-        const Vec gotDq = download(fusedDq, qSize, dt);
-        EXPECT_CLOSE(gotDq, refDq, tolerance(dt, /*longSums=*/true));
-        EXPECT_CLOSE(download(fusedDk, kvSize, DType::F32), refDk,
-                     tolerance(dt, /*longSums=*/true));
-        EXPECT_CLOSE(download(fusedDv, kvSize, DType::F32), refDv,
-                     tolerance(dt, /*longSums=*/true));
-        if (run == 0) {
-          firstDq = gotDq;
-        } else {
-          auto [mine, theirs] = std::mismatch(gotDq.begin(), gotDq.end(), firstDq.begin());
-          EXPECT_TRUE(mine == gotDq.end())
-              << "fixed-point dQ element " << (mine - gotDq.begin()) << " is " << *mine
-              << " in the second launch and " << *theirs << " in the first";
-        }
-      }
-    }
-  }
-  EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims, backwardTensors), launch::DqMode::Separate);
-  EXPECT_EQ(launch::attentionBackwardScratchFloats(launch::DqMode::Separate, dims),
-            size_t(s.batch) * s.heads * s.queries);
   EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
   EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+  if (forwardKernel != launch::AttentionKernel::Wgmma)
+    return;
+  // The mma.sync forward, which a context without the Hopper kernels runs on this device too,
+  // into fresh buffers.
+  SCOPED_TRACE("mma.sync forward (KernelConfig::hopperKernels false)");
+  std::unique_ptr<CudaContext> noHopper = contextWith(KernelConfig{.hopperKernels = false});
+  ASSERT_TRUE(noHopper);
+  EXPECT_EQ(launch::attentionForwardKernel(
+                {noHopper->computeCapability(), noHopper->kernelConfig().hopperKernels}, dt, dims,
+                forwardTensors),
+            launch::AttentionKernel::MmaSync);
+  DeviceBuffer otherOut = allocate(qSize * sizeOf(dt));
+  DeviceBuffer otherLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+  ASSERT_OK(attentionForward(*noHopper, dt, otherOut.data(), otherLse.as<float>(), gq.data(),
+                             gk.data(), gv.data(), s));
+  ASSERT_OK(noHopper->synchronize());
+  EXPECT_CLOSE(download(otherOut, qSize, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(otherLse, refLse.size(), DType::F32), refLse, tolerance(dt));
 }
 
-/// The backward a case runs: the default one, the Hopper one, or the Hopper one with fp32 or
-/// fixed-point dQ atomics.
-enum BackwardKind : int { kDefaultBackward, kHopperBackward, kHopperDqFloat, kHopperDqFixed };
-
-/// Switches the Hopper attention backward (and a dQ mode) on for a scope (off again at its end).
-struct HopperBackwardOn {
-  explicit HopperBackwardOn(int kind) {
-    launch::setAttentionWgmmaBackward(kind != kDefaultBackward);
-    launch::setAttentionDqMode(kind == kHopperDqFloat   ? launch::DqMode::FloatAtomics
-                               : kind == kHopperDqFixed ? launch::DqMode::FixedPoint
-                                                        : launch::DqMode::Separate);
-  }
-  ~HopperBackwardOn() {
-    launch::setAttentionWgmmaBackward(false);
-    launch::setAttentionDqMode(launch::DqMode::Separate);
-  }
-};
-
-// The fixed-point dQ scales each row by a bound of its own (Attention.cu, fixedPointExponent):
-// dOut scaled by 2^-90 and 2^90 (exact in bf16) must scale dQ alike, with the same relative
-// error as at 1; a NaN in one row of dOut must make that row of dQ NaN (as the other modes do)
-// and leave the others alone. Only where the Hopper backward runs (the kernel emulator too).
-class CudaFixedPointDqTest : public GpuTest, public ::testing::WithParamInterface<int> {
-protected:
-  /// attentionBackward in the fixed-point mode, which it must run for these tensors.
-  llvm::Error fixedPointBackward(const DeviceBuffer &dq, const DeviceBuffer &dk,
-                                 const DeviceBuffer &dv, const DeviceBuffer &dOut,
-                                 const DeviceBuffer &out, const DeviceBuffer &lse,
-                                 const DeviceBuffer &q, const DeviceBuffer &k,
-                                 const DeviceBuffer &v) {
-    const HopperBackwardOn fixedPoint(kHopperDqFixed);
-    EXPECT_EQ(launch::attentionBackwardDqMode(dt, dims,
-                                              {dq.data(), dk.data(), dv.data(), dOut.data(),
-                                               out.data(), q.data(), k.data(), v.data()}),
-              launch::DqMode::FixedPoint);
-    return attentionBackward(*ctx, dt, dq.data(), dk.as<float>(), dv.as<float>(), dOut.data(),
-                             out.data(), lse.as<float>(), q.data(), k.data(), v.data(), s);
-  }
-
-  /// The CPU reference's dQ.
-  Vec referenceDq(const Vec &q, const Vec &k, const Vec &v, const Vec &dOut) const {
-    Vec out(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-    Vec dq(qSize), dk(kvSize, 0.0f), dv(kvSize, 0.0f);
-    cpu::attentionForward(out.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-    cpu::attentionBackward(dq.data(), dk.data(), dv.data(), dOut.data(), probs.data(), q.data(),
-                           k.data(), v.data(), cs);
-    return dq;
-  }
-
-  const DType dt = DType::BF16;
-  // Two 64-query tiles over two 128-key blocks, the second tile partly past the slice.
-  const AttentionShape s{/*batch=*/1, /*queries=*/100, /*begin=*/70, /*heads=*/2, GetParam()};
-  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const size_t qSize = size_t(s.batch) * s.queries * s.width();
-  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
-};
-
-TEST_P(CudaFixedPointDqTest, RowsKeepTheirPrecisionAtEveryScaleAndNanStaysInItsRow) {
-  Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
-  Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
-  const Vec refDq = referenceDq(q, k, v, dOut);
-  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-  DeviceBuffer out = allocate(qSize * sizeOf(dt));
-  DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
-  if (!launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}))
-    GTEST_SKIP() << "the Hopper attention kernels do not run here";
-  ASSERT_OK(
-      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  // dQ of dOut x `scale`, with dOut's element `nanAt` made NaN (none if past the end).
-  auto dqOf = [&](float scale, size_t nanAt) {
-    Vec scaled = dOut;
-    for (float &x : scaled)
-      x *= scale;
-    if (nanAt < scaled.size())
-      scaled[nanAt] = std::nanf("");
-    DeviceBuffer gdOut = upload(scaled, dt), dq = allocate(qSize * sizeOf(dt));
-    DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
-    DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
-    llvm::Error err = fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv);
-    EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
-    return download(dq, qSize, dt);
+// Which kernel each device gets, for devices this machine does not have: sm_90a's wgmma only
+// on compute capability 9.0 with the Hopper kernels allowed, mma.sync for the other tensor-core
+// shapes and devices (an A100 is 8.0; 8.6 and 8.9 run its sm_80 code; a newer GPU the build's
+// compute_90 PTX, without sm_90a's instructions), SIMT for fp32, other head dimensions or
+// unaligned tensors. The backward never takes a Hopper kernel.
+TEST(AttentionKernelChoiceTest, HopperKernelsRunOnComputeCapability90Only) {
+  using launch::AttentionKernel;
+  alignas(16) static char buffer[64];
+  const void *aligned = buffer, *unaligned = buffer + 2;
+  const launch::AttentionDims hd64{1, 8, 0, 2, 64}, hd128{1, 8, 0, 2, 128}, hd80{1, 8, 0, 2, 80},
+      hd72{1, 8, 0, 2, 72};
+  struct Case {
+    launch::Target target;
+    DType dtype;
+    launch::AttentionDims dims;
+    const void *tensor;
+    AttentionKernel forward;
   };
-  for (float scale : {0x1p-90f, 1.0f, 0x1p90f}) {
-    SCOPED_TRACE("dOut x " + std::to_string(scale));
-    Vec want = refDq;
-    for (float &x : want)
-      x *= scale;
-    EXPECT_CLOSE(dqOf(scale, qSize), want, tolerance(dt, /*longSums=*/true));
-  }
-  // A NaN in query 37's row of head 1: that row of that head is NaN, everything else finite.
-  const int nanQuery = 37, nanHead = 1;
-  const size_t rowStart = size_t(nanQuery) * s.width() + size_t(nanHead) * s.headDim;
-  const Vec withNan = dqOf(1.0f, rowStart + 5);
-  size_t nans = 0, wrongNans = 0;
-  for (size_t i = 0; i < qSize; ++i) {
-    const bool inRow = i >= rowStart && i < rowStart + size_t(s.headDim);
-    if (std::isnan(withNan[i]))
-      ++nans;
-    if (std::isnan(withNan[i]) != inRow)
-      ++wrongNans;
-  }
-  EXPECT_EQ(wrongNans, 0u) << nans << " NaN elements; the row has " << s.headDim;
-}
-
-// A NaN that the fixed point's bound does not see still reaches dQ. One in Q reaches its row's
-// D (through O); one in K the D of the rows that read it; one in lse (the forward's, handed
-// back wrong) only the row's product, which the row's flag catches. As in the other modes, the
-// rows that read the NaN are NaN and another head's rows are finite. (Rows of the same head
-// that do not read a bad key may be NaN too, in every mode: their masked zeros of dS meet the
-// NaN in the tile's product with K.)
-TEST_P(CudaFixedPointDqTest, ANanInQKOrLseReachesTheRowsThatReadIt) {
-  const size_t lseSize = size_t(s.heads) * s.queries;
-  const Vec q = quantized(randomVec(qSize, 80), dt), k = quantized(randomVec(kvSize, 81), dt);
-  const Vec v = quantized(randomVec(kvSize, 82), dt), dOut = quantized(randomVec(qSize, 83), dt);
-  // dQ of these Q and K, with lse entry `nanLse` (B, H, x) made NaN after the forward (none if
-  // past the end).
-  auto dqOf = [&](const Vec &qIn, const Vec &kIn, size_t nanLse) {
-    DeviceBuffer gq = upload(qIn, dt), gk = upload(kIn, dt), gv = upload(v, dt);
-    DeviceBuffer gdOut = upload(dOut, dt), out = allocate(qSize * sizeOf(dt));
-    DeviceBuffer dq = allocate(qSize * sizeOf(dt)), lse = allocate(lseSize * 4);
-    DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
-    DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
-    EXPECT_FALSE(bool(attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(),
-                                       gv.data(), s)));
-    if (nanLse < lseSize) {
-      Vec stats = download(lse, lseSize, DType::F32);
-      stats[nanLse] = std::nanf("");
-      lse = upload(stats, DType::F32);
-    }
-    llvm::Error err = fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv);
-    EXPECT_FALSE(bool(err)) << llvm::toString(std::move(err));
-    return download(dq, qSize, dt);
+  const Case cases[] = {
+      {{90, true}, DType::BF16, hd64, aligned, AttentionKernel::Wgmma},
+      {{90, true}, DType::BF16, hd128, aligned, AttentionKernel::Wgmma},
+      {{90, true}, DType::BF16, hd80, aligned, AttentionKernel::MmaSync},
+      {{90, false}, DType::BF16, hd64, aligned, AttentionKernel::MmaSync},
+      {{80, true}, DType::BF16, hd64, aligned, AttentionKernel::MmaSync},
+      {{80, true}, DType::BF16, hd128, aligned, AttentionKernel::MmaSync},
+      {{86, true}, DType::BF16, hd64, aligned, AttentionKernel::MmaSync},
+      {{89, true}, DType::BF16, hd128, aligned, AttentionKernel::MmaSync},
+      {{100, true}, DType::BF16, hd64, aligned, AttentionKernel::MmaSync},
+      {{90, true}, DType::BF16, hd64, unaligned, AttentionKernel::Simt},
+      {{90, true}, DType::BF16, hd72, aligned, AttentionKernel::Simt},
+      {{90, true}, DType::F32, hd64, aligned, AttentionKernel::Simt},
+      {{80, true}, DType::F32, hd128, aligned, AttentionKernel::Simt},
   };
-  {
-    const auto gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-    if (!launch::attentionForwardUsesWgmma(dt, dims, {gq.data(), gk.data(), gv.data()}))
-      GTEST_SKIP() << "the Hopper attention kernels do not run here";
-  }
-  auto isNan = [&](const Vec &dq, int t, int h) { // every element of the row, or none
-    size_t nans = 0;
-    for (int d = 0; d < s.headDim; ++d)
-      nans += std::isnan(dq[size_t(t) * s.width() + size_t(h) * s.headDim + d]) ? 1 : 0;
-    EXPECT_TRUE(nans == 0 || nans == size_t(s.headDim)) << "row " << t << " head " << h;
-    return nans > 0;
-  };
-  // Query 37 of head 0, in Q and then in lse.
-  Vec badQ = q;
-  badQ[37 * size_t(s.width()) + 3] = std::nanf("");
-  const Vec fromQ = dqOf(badQ, k, lseSize);
-  const Vec fromLse = dqOf(q, k, /*(b 0, h 0, t 37)*/ 37);
-  for (int h = 0; h < s.heads; ++h)
-    for (int t = 0; t < s.queries; ++t) {
-      EXPECT_EQ(isNan(fromQ, t, h), h == 0 && t == 37) << "NaN in Q: row " << t << " head " << h;
-      EXPECT_EQ(isNan(fromLse, t, h), h == 0 && t == 37)
-          << "NaN in lse: row " << t << " head " << h;
-    }
-  // Key 80 of head 1: queries from 80 - begin = 10 on read it.
-  Vec badK = k;
-  badK[80 * size_t(s.width()) + size_t(s.headDim) + 7] = std::nanf("");
-  const Vec fromK = dqOf(q, badK, lseSize);
-  for (int t = 0; t < s.queries; ++t) {
-    EXPECT_FALSE(isNan(fromK, t, 0)) << "NaN in head 1's K: row " << t << " of head 0";
-    if (t >= 80 - s.begin) {
-      EXPECT_TRUE(isNan(fromK, t, 1)) << "NaN in K: row " << t << " of head 1";
-    }
+  for (const Case &c : cases) {
+    SCOPED_TRACE(fmt::format("compute capability {}, Hopper kernels {}, {} hd {}{}",
+                             c.target.computeCapability, c.target.hopperKernels ? "on" : "off",
+                             toString(c.dtype), c.dims.headDim,
+                             c.tensor == unaligned ? ", unaligned" : ""));
+    EXPECT_EQ(launch::attentionForwardKernel(c.target, c.dtype, c.dims, {c.tensor, aligned}),
+              c.forward)
+        << toString(launch::attentionForwardKernel(c.target, c.dtype, c.dims,
+                                                   {c.tensor, aligned}));
+    EXPECT_EQ(launch::attentionBackwardKernel(c.dtype, c.dims, {c.tensor, aligned}),
+              c.forward == AttentionKernel::Simt ? AttentionKernel::Simt
+                                                 : AttentionKernel::MmaSync);
   }
 }
-
-// Inputs whose dQ reaches the bound the fixed point is scaled by (up to its 17/16): Q = 0 (a
-// uniform softmax), K_j = V_j = s_j (1, ..., 1) with s_j = +-1 by key, dO = (1, ..., 1). Then
-// dP_tj = hd s_j, D_t = hd m_t (m_t the mean of s over the keys query t sees) and every element
-// of dQ' is hd (1 - m_t^2), against a bound of hd (1 + |m_t|): with kFixedBits at 64 instead of
-// 59 (no headroom left over the bound's rounding up to a power of two) this test fails.
-TEST_P(CudaFixedPointDqTest, ARowAtItsBoundDoesNotOverflow) {
-  Vec q(qSize, 0.0f), k(kvSize), v(kvSize), dOut(qSize, 1.0f);
-  for (size_t i = 0; i < kvSize; ++i)
-    k[i] = v[i] = (i / size_t(s.width())) % 2 ? -1.0f : 1.0f; // (batch 1: row i / width is key j)
-  const Vec refDq = referenceDq(q, k, v, dOut);
-  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-  DeviceBuffer gdOut = upload(dOut, dt), out = allocate(qSize * sizeOf(dt));
-  DeviceBuffer dq = allocate(qSize * sizeOf(dt)), lse = allocate(size_t(s.heads) * s.queries * 4);
-  DeviceBuffer dk = upload(Vec(kvSize, 0.0f), DType::F32);
-  DeviceBuffer dv = upload(Vec(kvSize, 0.0f), DType::F32);
-  if (!launch::attentionForwardUsesWgmma(dt, dims, {out.data(), gq.data(), gk.data(), gv.data()}))
-    GTEST_SKIP() << "the Hopper attention kernels do not run here";
-  ASSERT_OK(
-      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  ASSERT_OK(fixedPointBackward(dq, dk, dv, gdOut, out, lse, gq, gk, gv));
-  // (The reference's dQ is hd (1 - m^2) / sqrt(hd) per element, so far from 0.)
-  EXPECT_GT(*std::max_element(refDq.begin(), refDq.end()), 0.5f * std::sqrt(float(s.headDim)));
-  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-}
-
-INSTANTIATE_TEST_SUITE_P(HeadDims, CudaFixedPointDqTest, ::testing::Values(64, 128),
-                         [](const ::testing::TestParamInfo<int> &info) {
-                           return "hd" + std::to_string(info.param);
-                         });
 
 // Seq1F1B's attention over a whole sequence, slice by slice as the runtime runs it: each slice's
 // forward over the keys so far, then the backwards in reverse order, every one adding to the same
@@ -762,14 +376,10 @@ INSTANTIATE_TEST_SUITE_P(HeadDims, CudaFixedPointDqTest, ::testing::Values(64, 1
 //   - the same kernel run for each slice alone into zeroed buffers, summed on the host in double:
 //     the accumulated dK/dV must be that sum to fp32 rounding (1e-6 of the largest entry). A dK/dV
 //     stored in bf16 between slices is rounded once per slice (3-4e-3) and fails this.
-// With the third parameter (BackwardKind), the backwards run on the Hopper kernels (switched
-// on), with or without dQ atomics.
 class CudaAttentionSlicesTest : public GpuTest,
-                                public ::testing::WithParamInterface<std::tuple<DType, int, int>> {
-};
+                                public ::testing::WithParamInterface<std::tuple<DType, int>> {};
 
 TEST_P(CudaAttentionSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequence) {
-  const HopperBackwardOn hopperBackward(std::get<2>(GetParam()));
   const DType dt = std::get<0>(GetParam());
   const int hd = std::get<1>(GetParam());
   const int heads = 2, slices = 4, x = 24, tokens = slices * x; // batch 1: slices are row ranges
@@ -1042,23 +652,6 @@ TEST_F(GpuTest, BadShapesAreErrorsNamingTheArgument) {
             std::string::npos);
 }
 
-/// Records an op's buffer requests and hands out addresses that fault if anything reads them
-/// (non-canonical on x86-64 and AArch64, and no device allocation has one).
-class RecordingAllocator final : public DeviceAllocator {
-public:
-  llvm::Expected<void *> allocate(size_t bytes) override {
-    if (bytes == 0)
-      return nullptr;
-    requests.push_back(bytes);
-    ++live;
-    return reinterpret_cast<void *>(kNowhere + (requests.size() << 24));
-  }
-  void release(void *p) override { live -= p != nullptr; }
-  static constexpr uintptr_t kNowhere = uintptr_t(1) << 63;
-  std::vector<size_t> requests;
-  int live = 0;
-};
-
 TEST_F(GpuTest, InTheSizingPassOpsTakeTheirScratchAndQueueNothing) {
   // Every op with every pointer pointing nowhere: had one queued its kernel, copy or GEMM, the
   // kernel emulator (which runs kernels on the host) would crash and a GPU would report an
@@ -1137,28 +730,13 @@ INSTANTIATE_TEST_SUITE_P(
     });
 // Head dims 64 and 16 take the tensor-core kernels in bf16; 40 (not a multiple of 16) the SIMT
 // ones.
-std::string slicesName(const ::testing::TestParamInfo<std::tuple<DType, int, int>> &info) {
-  const int kind = std::get<2>(info.param);
-  return std::string(toString(std::get<0>(info.param))) + "_hd" +
-         std::to_string(std::get<1>(info.param)) +
-         (kind == kHopperBackward  ? "_wgmma"
-          : kind == kHopperDqFloat ? "_wgmma_dq_float"
-          : kind == kHopperDqFixed ? "_wgmma_dq_fixed"
-                                   : "");
-}
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaAttentionSlicesTest,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
-                                            ::testing::Values(64, 40, 16),
-                                            ::testing::Values(int(kDefaultBackward))),
-                         slicesName);
-// The Hopper backward (dQ, dK and dV) over slices: dK/dV added to across four backwards.
-INSTANTIATE_TEST_SUITE_P(HopperBackward, CudaAttentionSlicesTest,
-                         ::testing::Combine(::testing::Values(DType::BF16),
-                                            ::testing::Values(64, 128),
-                                            ::testing::Values(int(kHopperBackward),
-                                                              int(kHopperDqFloat),
-                                                              int(kHopperDqFixed))),
-                         slicesName);
+                                            ::testing::Values(64, 40, 16)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, int>> &info) {
+                           return std::string(toString(std::get<0>(info.param))) + "_hd" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 //===--- The checked funnel (no device needed) --------------------------===//
 

@@ -1,10 +1,11 @@
 //===- CudaRuntimeTest.cpp - The cuda backend against the cpu backend ------===//
 //
-// Built five times: //tests:cuda_runtime_test on a GPU (tag requires-gpu), and in CI on the
-// emulated device (kernels/cuda/emu/README.md) as //tests:cuda_emu_runtime_test and
-// //tests:cuda_emu_async_runtime_test (CPU stand-ins for the kernels; synchronous and
-// asynchronous streams) and //tests:cuda_emu_kernels_runtime_test and
-// //tests:cuda_emu_kernels_async_runtime_test (the .cu kernels on the kernel emulator). Plans
+// Built in every backend flavour (//:flavours.bzl): //tests:cuda_runtime_test on a GPU (tag
+// requires-gpu), and in CI on the emulated device (kernels/cuda/emu/README.md) as
+// //tests:cuda_runtime_test_emu and //tests:cuda_runtime_test_emu_async (CPU stand-ins for the
+// kernels; synchronous and asynchronous streams), //tests:cuda_runtime_test_kernel_emu and
+// //tests:cuda_runtime_test_kernel_emu_async (the .cu kernels on the kernel emulator), and
+// //tests:cuda_runtime_sm80_test_kernel_emu (its Hopper case on an emulated A100). Plans
 // of the tiny GPT run on the cuda backend (every rank a thread on one GPU) and must give the CPU
 // single-rank reference's gradients, and the cpu backend's losses, within fp32 tolerances:
 // gradients within kCudaGradTolerance (1e-4) of the largest reference gradient, losses within
@@ -88,7 +89,8 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
 }
 
 /// A tiny bf16 GPT with two heads of `headDim`: 16 takes the mma.sync tensor-core attention; 64
-/// the Hopper (wgmma) forward where the device has it (the kernel emulator does).
+/// the Hopper (wgmma) forward on a compute-capability-9.0 device (the emulated device is one
+/// unless PIPEC_EMU_COMPUTE_CAPABILITY says otherwise), mma.sync on others.
 ModelSpec tinyGptTwoHeads(int headDim, int layers, int seq) {
   const std::string name = fmt::format("tiny-hd{}", headDim);
   auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{
@@ -168,7 +170,7 @@ TEST_F(CudaRuntimeTest, Bf16TensorCoreAttentionWithSubSequencesIsWithinBf16Toler
 }
 
 // Two sub-sequences (86 and 74 tokens, balanced by FLOPs) of head dim 64 through the Hopper
-// forward: each slice's 128-query block is partly past it and its 64-key tiles cross the slice
+// forward (on a compute-capability-9.0 device; the mma.sync one elsewhere): each slice's 128-query block is partly past it and its 64-key tiles cross the slice
 // boundary. This checks the plumbing (the kernel's choice, offsets, K/V of earlier slices); at
 // GPT-2's initialisation the scores are near zero, so a wrong score here moves the gradients
 // less than bf16's tolerance: CudaAttentionTest (unit-scale inputs) is what holds the math.
@@ -256,7 +258,7 @@ TEST_F(CudaRuntimeTest, APaddedBatchWithTiedEmbeddingsOnTwoTpRanksMatches) {
 // No kernel's sums depend on the order its blocks run in: a second run of a plan gives the
 // same losses and gradients bit for bit, and every tp rank the same gradients of the tensors it
 // holds whole (layernorms, row-parallel biases, the embeddings, the tied head), so their copies
-// cannot drift apart. On the kernel emulator //tests:cuda_emu_kernels_runtime_test runs every
+// cannot drift apart. On the kernel emulator //tests:cuda_runtime_test_kernel_emu runs every
 // launch's blocks in a new order (PIPEC_EMU_BLOCK_ORDER=shuffled), as a GPU may; floating-point
 // atomics there fail this test.
 TEST_F(CudaRuntimeTest, ASecondRunAndEveryTpRankGetTheSameBits) {
@@ -330,7 +332,7 @@ TEST_F(CudaRuntimeTest, TheEmbeddingGradientAddsLongRunsInPieces) {
   EXPECT_EQ(plan.slots, 5);
   EXPECT_LE(size_t(plan.slots), maxEmbeddingGradSlots(size_t(n)));
 
-  auto ctx = kernels::cuda::CudaContext::create(0);
+  auto ctx = kernels::cuda::CudaContext::create(/*device=*/0, kernels::cuda::KernelConfig{});
   ASSERT_TRUE(bool(ctx)) << takeMessage(ctx.takeError());
   auto buffer = [&](size_t bytes) {
     auto b = kernels::cuda::DeviceBuffer::allocate(bytes);

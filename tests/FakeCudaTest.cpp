@@ -7,9 +7,11 @@
 // buffer is freed or at cudaDeviceSynchronize. The activation arena (runtime/cuda/DeviceArena.h)
 // places the runtime's buffers inside one allocation, and puts the same guard behind each.
 // These cases check each of those, with the positions written by hand rather than taken from
-// the runtime.
+// the runtime. And the device's compute capability, which a CudaContext reads once: the ops
+// choose their kernels by it, and a GPU older than the build's oldest code is refused.
 //
 //===----------------------------------------------------------------------===//
+#include "kernels/cuda/CudaOps.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 #include "runtime/cuda/DeviceArena.h"
 
@@ -174,7 +176,7 @@ TEST_F(FakeCudaGuardTest, ArenaBuffersAreGuardedToo) {
 // for, runtime/cuda/NcclTransport.h): a release waits for the latest read under its buffer
 // and forgets the reads before it (their stream runs them in order); a release under none
 // keeps them; elsewhereReadsDone forgets all. (Whether the wait holds the stream is
-// nccl_emu_watchdog_test's, on asynchronous streams.)
+// nccl_watchdog_test_emu's, on asynchronous streams.)
 TEST(DeviceArenaReadsTest, AReleaseWaitsForTheLatestReadUnderItAndForgetsThoseBefore) {
   pipec::DeviceArena arena{nullptr, "rank 0"};
   void *sized[3];
@@ -213,6 +215,39 @@ TEST(DeviceArenaReadsTest, AReleaseWaitsForTheLatestReadUnderItAndForgetsThoseBe
   arena.release(*again);
   for (auto &ev : e)
     EXPECT_EQ(cudaEventDestroy(ev), cudaSuccess);
+}
+
+/// The emulated device's compute capability for a scope (back to the default at its end).
+struct ComputeCapability {
+  explicit ComputeCapability(int capability) { pipec::emu::setComputeCapability(capability); }
+  ~ComputeCapability() { pipec::emu::setComputeCapability(0); }
+};
+
+TEST(FakeCudaDeviceTest, AContextReadsTheComputeCapabilityItsOpsChooseKernelsBy) {
+  using pipec::kernels::cuda::CudaContext;
+  using pipec::kernels::cuda::KernelConfig;
+  for (int capability : {80, 86, 90}) {
+    const ComputeCapability device(capability);
+    int major = 0, minor = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+    EXPECT_EQ(10 * major + minor, capability);
+    auto ctx = CudaContext::create(/*device=*/0, KernelConfig{.hopperKernels = false});
+    ASSERT_TRUE(bool(ctx)) << llvm::toString(ctx.takeError());
+    EXPECT_EQ((*ctx)->computeCapability(), capability);
+    EXPECT_FALSE((*ctx)->kernelConfig().hopperKernels);
+  }
+}
+
+TEST(FakeCudaDeviceTest, AGpuOlderThanTheBuildsOldestCodeIsRefusedNamingItsComputeCapability) {
+  const ComputeCapability volta(70);
+  auto ctx = pipec::kernels::cuda::CudaContext::create(/*device=*/0, {});
+  ASSERT_FALSE(bool(ctx));
+  const std::string message = llvm::toString(ctx.takeError());
+  EXPECT_NE(message.find("GPU 0 has compute capability 7.0; this build has kernels for compute "
+                         "capability 8.0 and newer"),
+            std::string::npos)
+      << message;
 }
 
 } // namespace

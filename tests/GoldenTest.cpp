@@ -25,6 +25,7 @@ struct GoldenCase {
   const char *schedule;
   int pp, microbatches, seqSplits, tp, dp;
   int vpp = 1;
+  int64_t memoryLimit = 0; // zb-auto's --memory-limit
 };
 
 const GoldenCase kCases[] = {
@@ -38,6 +39,9 @@ const GoldenCase kCases[] = {
     {"zb_h1_p4_m8", "zb-h1", 4, 8, 1, 1, 1},
     {"zb_h2_p4_m8", "zb-h2", 4, 8, 1, 1, 1},
     {"zb_v_p4_m8_v2", "zb-v", 4, 8, 1, 1, 1, /*vpp=*/2},
+    {"dualpipe_v_p4_m8_v2", "dualpipe-v", 4, 8, 1, 1, 1, /*vpp=*/2},
+    // p·M_B (a stage of the uniform model keeps 2 MiB per microbatch): the paper's ZB-1p limit.
+    {"zb_auto_p4_m8_limit8mib", "zb-auto", 4, 8, 1, 1, 1, /*vpp=*/1, /*memoryLimit=*/8 << 20},
 };
 
 class GoldenStreams : public ::testing::TestWithParam<GoldenCase> {};
@@ -45,8 +49,9 @@ class GoldenStreams : public ::testing::TestWithParam<GoldenCase> {};
 TEST_P(GoldenStreams, MatchTheCheckedInText) {
   const GoldenCase &c = GetParam();
   // The uniform-8 example: 8 unit layers.
-  Plan plan = compileOrFail(
-      uniformModel(8), options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
+  CompileOptions o = options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp);
+  o.memoryLimit = c.memoryLimit;
+  Plan plan = compileOrFail(uniformModel(8), o);
   std::string text = formatStreams(plan);
   std::string path = goldenDir + "/" + c.name + ".txt";
   if (update) {

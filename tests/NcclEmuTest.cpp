@@ -184,7 +184,7 @@ struct ScopedEnv {
 // every send is done before its host call returns.
 TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
   if (!emu::asynchronous())
-    GTEST_SKIP() << "needs asynchronous streams (nccl_emu_async_test)";
+    GTEST_SKIP() << "needs asynchronous streams (nccl_runtime_test_emu_async)";
   ScopedEnv slow("PIPEC_EMU_SEND_DELAY_MS", "20");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("zb-h1", 4, 6));
   ASSERT_FALSE(verifyPlan(plan));
@@ -206,35 +206,39 @@ TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
 
 // The step watchdog (pollDevice) counts time without progress, not the step's length: a step
 // whose markers keep completing runs as long as it needs, one whose markers stop is a stall
-// after --timeout. (A device that takes 1.5 s for a step, against a timeout of 0.5 s.)
+// after --timeout. (A device that takes 1.5 s for a step, against a timeout of 0.5 s.) Time is
+// a ManualClock that the watchdog's own polling moves (sleepAdvances): the device's 1.5 s and
+// the watchdog's 0.5 s are the same clock's, whatever the machine's load.
 TEST(NcclPollTest, AStepThatKeepsCompletingWorkIsNotAStallHoweverLongItTakes) {
-  using Clock = std::chrono::steady_clock;
   NcclCommunicators comms; // none: no asynchronous NCCL error to read, nothing to abort
-  auto start = Clock::now();
-  auto done = [&] {
-    return Clock::now() - start >= std::chrono::milliseconds(1500) ? cudaSuccess
-                                                                   : cudaErrorNotReady;
-  };
+  ManualClock clock(/*sleepAdvances=*/true);
+  double start = clock.now();
+  auto done = [&] { return clock.now() - start >= 1.5 ? cudaSuccess : cudaErrorNotReady; };
   auto stalled = [](double idle) { return fmt::format("no progress for {:.1f} s", idle); };
   size_t completed = 0;
-  llvm::Error ok = pollDevice(done, comms, /*timeout=*/0.5, stalled, [&] { return ++completed; });
+  llvm::Error ok = pollDevice(
+      done, comms, /*timeout=*/0.5, stalled, [&] { return ++completed; }, clock);
   EXPECT_FALSE(bool(ok)) << takeMessage(std::move(ok));
-  EXPECT_GT(completed, 10u); // read every few milliseconds
-  // The same step whose markers stop completing: a Finding after the timeout, long before the
-  // device would be done.
-  start = Clock::now();
-  llvm::Error stall = pollDevice(done, comms, 0.5, stalled, [] { return size_t(3); });
-  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_GE(clock.now() - start, 1.5);
+  EXPECT_GT(completed, 100u); // read every 10 ms of the 1.5 s
+  // The same step whose markers stop completing: a Finding after the timeout (and at most one
+  // progress reading later), long before the device would be done.
+  start = clock.now();
+  llvm::Error stall = pollDevice(
+      done, comms, 0.5, stalled, [] { return size_t(3); }, clock);
+  const double took = clock.now() - start;
   ASSERT_TRUE(bool(stall));
   EXPECT_TRUE(stall.isA<Finding>());
-  // (0.5 s or a little more, on a busy machine)
-  EXPECT_NE(takeMessage(std::move(stall)).find("no progress for 0."), std::string::npos);
-  EXPECT_LT(took, 1.4);
+  EXPECT_NE(takeMessage(std::move(stall)).find("no progress for 0.5 s"), std::string::npos);
+  EXPECT_GE(took, 0.5);
+  EXPECT_LE(took, 0.5 + 0.0101);
   // Without a progress count, the timeout is the whole wait's.
-  start = Clock::now();
-  llvm::Error whole = pollDevice(done, comms, 0.5, stalled);
+  start = clock.now();
+  llvm::Error whole = pollDevice(done, comms, 0.5, stalled, {}, clock);
   EXPECT_TRUE(bool(whole));
   llvm::consumeError(std::move(whole));
+  EXPECT_GE(clock.now() - start, 0.5);
+  EXPECT_LT(clock.now() - start, 0.51);
 }
 
 TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingNotFailing) {
@@ -244,7 +248,7 @@ TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingN
   // gives them its socket retries only (59.5 s by default; 2 s here) to reach RANK 0's
   // bootstrap root. RANK 0 takes 7 s. (Built before the communicators, the reference fails rank
   // 1 in ncclCommInitRank; built after the warm-up with no wait for it, it fails rank 1 in step
-  // 0 on the asynchronous emulated device, nccl_emu_async_test, as it would on a GPU: on the
+  // 0 on the asynchronous emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on the
   // synchronous one the host waits inside the emulated NCCL's recv instead.)
   ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "4"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "200");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));

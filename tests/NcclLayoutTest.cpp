@@ -165,10 +165,12 @@ TEST(NcclLaunchEnvTest, EachLaunchersOwnVariablesPlaceTheProcessWithoutAWrapper)
     EXPECT_EQ(e->localRank, 1) << c.name;
     EXPECT_EQ(shared.threadOf(e->coord), 5) << c.name;
     // The description names the variables this launcher set, with their values.
-    for (const auto &[name, value] : c.vars)
-      if (name != "SLURM_STEP_ID" && name != "SLURM_NTASKS")
+    for (const auto &[name, value] : c.vars) {
+      if (name != "SLURM_STEP_ID" && name != "SLURM_NTASKS") {
         EXPECT_NE(e->describe().find(name + "=" + value), std::string::npos)
             << c.name << ": " << e->describe();
+      }
+    }
   }
 }
 

@@ -275,4 +275,27 @@ TEST(PiperunEmuTest, NcclBackendNamesAMissingLauncherVariable) {
   EXPECT_NE(r.err.find("RANK"), std::string::npos) << r.err;
 }
 
+// The kernels' configuration comes from the environment, which piperun alone reads
+// (tools/KernelEnv.h): PIPEC_ATTENTION_WGMMA=0 runs (the mma.sync attention forward on a Hopper
+// GPU) and passes the reference check; a value other than 0 or 1, or a switch of the Hopper
+// backward that left the tools, is exit 2 naming the variable, before any step, in both GPU
+// modes.
+TEST(PiperunEmuTest, KernelVariablesAreCheckedBeforeAnyStep) {
+  std::string p = plan("kernels", "--schedule 1f1b --pp 2 --microbatches 4");
+  Result off = run("PIPEC_ATTENTION_WGMMA=0 tools/piperun_emu " + p +
+                   " --backend cuda --dtype bf16 --steps 2 --check-reference");
+  EXPECT_EQ(off.code, 0) << off.out << off.err;
+  EXPECT_NE(off.out.find("max_abs_grad_diff="), std::string::npos) << off.out;
+  expectUsageError(run("PIPEC_ATTENTION_WGMMA=no tools/piperun_emu " + p + " --backend cuda"),
+                   "PIPEC_ATTENTION_WGMMA=no: expected 0");
+  expectUsageError(run("PIPEC_ATTENTION_WGMMA_BACKWARD=1 tools/piperun_emu " + p +
+                       " --backend cuda"),
+                   "PIPEC_ATTENTION_WGMMA_BACKWARD=1: the Hopper attention backward");
+  expectUsageError(run("PIPEC_ATTENTION_DQ_ATOMICS=fixed RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
+                       "tools/piperun_emu " +
+                       plan("kernels1", "--schedule 1f1b --pp 1 --microbatches 2") +
+                       " --backend nccl"),
+                   "unset PIPEC_ATTENTION_DQ_ATOMICS");
+}
+
 } // namespace

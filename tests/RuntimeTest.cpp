@@ -69,39 +69,51 @@ class EverySchedule : public ::testing::TestWithParam<RunCase> {};
 
 TEST_P(EverySchedule, GradientsEqualTheSingleRankReference) {
   const RunCase &c = GetParam();
+  // Every case names a registered policy: one missing from the registry fails here.
   auto policy = findPolicy(c.options.schedule);
-  if (!policy) {
-    llvm::consumeError(policy.takeError());
-    GTEST_SKIP() << c.options.schedule << " is not registered in this build";
-  }
+  ASSERT_TRUE(bool(policy)) << c.options.schedule
+                            << " is not registered: " << takeMessage(policy.takeError());
   ModelSpec model = tinyGpt(c.tied, /*layers=*/6);
   auto plan = compilePlan(model, ClusterSpec::defaults(), c.options, /*verifyEach=*/true);
   ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
   expectMatchesReference(*plan);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Runtime, EverySchedule,
-    ::testing::Values(
-        RunCase{"gpipe", options("gpipe", 4, 4)}, RunCase{"onefoneb", options("1f1b", 4, 6)},
-        RunCase{"onefoneb_fewer_microbatches", options("1f1b", 4, 2)},
-        RunCase{"onefoneb_tp2", options("1f1b", 2, 4, 1, 1, /*tp=*/2)},
-        RunCase{"onefoneb_dp2", options("1f1b", 2, 4, 1, 1, 1, /*dp=*/2)},
-        RunCase{"onefoneb_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
-        RunCase{"gpipe_seq4", options("gpipe", 2, 3, 1, /*seqSplits=*/4)},
-        RunCase{"onefoneb_tied", options("1f1b", 4, 4), /*tied=*/true},
-        RunCase{"single_stage_tied", options("1f1b", 1, 3), /*tied=*/true},
-        RunCase{"dualpipev", options("dualpipe-v", 2, 4, /*vpp=*/2)},
-        RunCase{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true},
-        RunCase{"interleaved", options("interleaved-1f1b", 2, 4, /*vpp=*/2)},
-        RunCase{"seq1f1b_k4", options("seq1f1b", 2, 4, 1, /*seqSplits=*/4)},
-        RunCase{"seq1f1b_interleaved", options("seq1f1b-interleaved", 2, 4, 2, 2)},
-        RunCase{"zbh1", options("zb-h1", 4, 6)}, RunCase{"zbh2", options("zb-h2", 4, 6)},
-        RunCase{"zbv", options("zb-v", 2, 4, /*vpp=*/2)},
-        RunCase{"zbh1_seq2_tp2", options("zb-h1", 2, 3, 1, /*seqSplits=*/2, /*tp=*/2)},
-        RunCase{"zbv_seq2", options("zb-v", 2, 3, /*vpp=*/2, /*seqSplits=*/2)},
-        RunCase{"zbauto", withMemory(options("zb-auto", 4, 6), int64_t(1) << 40)}),
-    [](const auto &info) { return std::string(info.param.name); });
+const RunCase kRunCases[] = {
+    RunCase{"gpipe", options("gpipe", 4, 4)},
+    RunCase{"onefoneb", options("1f1b", 4, 6)},
+    RunCase{"onefoneb_fewer_microbatches", options("1f1b", 4, 2)},
+    RunCase{"onefoneb_tp2", options("1f1b", 2, 4, 1, 1, /*tp=*/2)},
+    RunCase{"onefoneb_dp2", options("1f1b", 2, 4, 1, 1, 1, /*dp=*/2)},
+    RunCase{"onefoneb_tp2_dp2", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2)},
+    RunCase{"gpipe_seq4", options("gpipe", 2, 3, 1, /*seqSplits=*/4)},
+    RunCase{"onefoneb_tied", options("1f1b", 4, 4), /*tied=*/true},
+    RunCase{"single_stage_tied", options("1f1b", 1, 3), /*tied=*/true},
+    RunCase{"dualpipev", options("dualpipe-v", 2, 4, /*vpp=*/2)},
+    RunCase{"dualpipev_tied_tp2", options("dualpipe-v", 2, 4, 2, 1, /*tp=*/2), true},
+    RunCase{"interleaved", options("interleaved-1f1b", 2, 4, /*vpp=*/2)},
+    RunCase{"seq1f1b_k4", options("seq1f1b", 2, 4, 1, /*seqSplits=*/4)},
+    RunCase{"seq1f1b_interleaved", options("seq1f1b-interleaved", 2, 4, 2, 2)},
+    RunCase{"zbh1", options("zb-h1", 4, 6)},
+    RunCase{"zbh2", options("zb-h2", 4, 6)},
+    RunCase{"zbv", options("zb-v", 2, 4, /*vpp=*/2)},
+    RunCase{"zbh1_seq2_tp2", options("zb-h1", 2, 3, 1, /*seqSplits=*/2, /*tp=*/2)},
+    RunCase{"zbv_seq2", options("zb-v", 2, 3, /*vpp=*/2, /*seqSplits=*/2)},
+    RunCase{"zbauto", withMemory(options("zb-auto", 4, 6), int64_t(1) << 40)}};
+
+INSTANTIATE_TEST_SUITE_P(Runtime, EverySchedule, ::testing::ValuesIn(kRunCases),
+                         [](const auto &info) { return std::string(info.param.name); });
+
+TEST(RuntimeTest, EveryRegisteredPolicyRunsInTheReferenceCheck) {
+  // A policy added to the registry without a case above would never be run against the
+  // single-rank reference.
+  for (const SchedulePolicy *policy : allPolicies()) {
+    bool covered = false;
+    for (const RunCase &c : kRunCases)
+      covered |= c.options.schedule == policy->name();
+    EXPECT_TRUE(covered) << policy->name().str() << " has no case in kRunCases";
+  }
+}
 
 TEST(RuntimeTest, LossOfALearnableTaskFallsOver40Steps) {
   ModelSpec model = tinyGpt(false, 2, 8);
@@ -171,15 +183,26 @@ private:
 TEST(RuntimeDeathTest, ARankThreadTheAbortCannotReachEndsTheProcessWithTheReport) {
   // Rank 0 never finishes its first forward, so rank 1 waits for its activation: the watchdog
   // reports the stall after 0.2 s and aborts the transport. Rank 1 returns; rank 0 cannot,
-  // and joining it would wait forever. After 10 s the process ends with the report.
+  // and joining it would wait forever. After 10 s the process ends with the report. The
+  // watchdog's time is a ManualClock that a ticker moves 50 ms at a time, each step once the
+  // watchdog is back waiting on it: the ten seconds take no time, and nothing here depends on
+  // how fast the machine is.
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
   EXPECT_EXIT(
       {
+        ManualClock clock;
         std::vector<std::unique_ptr<Backend>> backends;
         backends.push_back(std::make_unique<HeldBackend>(true));
         backends.push_back(std::make_unique<HeldBackend>(false));
-        Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends));
+        Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends), clock);
+        std::thread ticker([&clock] {
+          for (;;) {
+            clock.awaitWaiters(1);
+            clock.advance(0.05);
+          }
+        });
+        ticker.detach();
         llvm::Error err = runner.step(0);
         llvm::consumeError(std::move(err));
         std::_Exit(0); // (not reached: the runner cannot return)

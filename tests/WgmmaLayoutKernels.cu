@@ -1,7 +1,7 @@
 //===- WgmmaLayoutKernels.cu - One wgmma product per operand layout the attention uses ----===//
 //
-// WgmmaLayoutKernels.h. The descriptors and k-step offsets are spelled as Attention.cu spells
-// them (kAtomBytes, kBlockBytes), so that this checks that spelling.
+// WgmmaLayoutKernels.h. The descriptors and k-step offsets are spelled as the attention kernels
+// spell them (kAtomBytes, kBlockBytes), so that this checks that spelling.
 //
 //===----------------------------------------------------------------------===//
 #include "tests/WgmmaLayoutKernels.h"
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(128)
   }
   case WgmmaLayoutCase::SharedMNMajorAMNMajorB: {
     float acc[32];
-    // As Attention.cu's dQ: A's k-rows of 64 m-values, B's k-rows of a 64-column block.
+    // As the experimental backward's dQ: A's k-rows of 64 m-values, B's k-rows of a 64-column block.
     const uint64_t aDesc = wgmmaDescriptor(aTile, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
     const uint64_t bDesc =
         wgmmaDescriptor(bTile + 64 * 64, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);

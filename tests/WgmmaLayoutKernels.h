@@ -2,13 +2,14 @@
 //-*-===//
 //
 // For //tests:wgmma_layout_test (on a GPU: what the hardware makes of our shared-memory layouts
-// and descriptors) and //tests:wgmma_layout_emu_test (the kernel emulator's reading of the same).
+// and descriptors) and //tests:wgmma_layout_test_kernel_emu (the kernel emulator's reading of the same).
 // Each case is one warpgroup computing D = A B through the operand forms of the attention
-// kernels (kernels/cuda/Attention.cu), with tiles of 64 rows x 128 bf16 columns in its 128-byte
-// swizzled layout (two blocks of 64 columns; row r's 16-byte chunk j at chunk j ^ (r % 8)).
-// Should the Hopper attention backward fail on a GPU, these say whether the operand form is the
-// cause: the first two are the forward's (it passed on an H200), the third and fourth only the
-// backward's.
+// kernels (the forward of kernels/cuda/AttentionWgmma.cu, the experimental backward of
+// kernels/cuda/experimental/AttentionBackward.cu), with tiles of 64 rows x 128 bf16 columns in
+// its 128-byte swizzled layout (two blocks of 64 columns; row r's 16-byte chunk j at chunk
+// j ^ (r % 8)). Should the Hopper attention backward fail on a GPU, these say whether the
+// operand form is the cause: the first two are the forward's (it passed on an H200), the third
+// and fourth only the backward's.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_TESTS_WGMMALAYOUTKERNELS_H

@@ -4,7 +4,7 @@
 // host's. The inputs are halves in [-1.5, 1.5], so every product and partial sum is exact in
 // fp32 whatever the order, and D must match bit for bit. Built twice: for the GPU
 // (wgmma_layout_test, requires-gpu: the hardware's reading of our layouts and descriptors) and
-// for the kernel emulator (wgmma_layout_emu_test: the emulator's reading). Skipped on a GPU
+// for the kernel emulator (wgmma_layout_test_kernel_emu: the emulator's reading). Skipped on a GPU
 // that is not compute capability 9.0 (the kernels are sm_90a).
 //
 //===----------------------------------------------------------------------===//

@@ -1,24 +1,74 @@
 #include "tools/Args.h"
 
+#include "ir/Files.h"
+
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/Path.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <new>
+#include <system_error>
 
 namespace pipec {
+
+/// A bad-input message as one line of bounded length: every run of more than 160 characters
+/// without a space (a pasted value, a path) shortened, and the line to at most 4000 characters.
+static std::string oneLine(std::string msg) {
+  std::replace(msg.begin(), msg.end(), '\n', ' ');
+  std::replace(msg.begin(), msg.end(), '\r', ' ');
+  std::string out;
+  size_t i = 0;
+  while (i < msg.size()) {
+    size_t end = msg.find(' ', i);
+    if (end == std::string::npos)
+      end = msg.size();
+    llvm::StringRef word(msg.data() + i, end - i);
+    out += word.size() > 160 ? shortened(word, 120) : word.str();
+    if (end < msg.size())
+      out += ' ';
+    i = end + 1;
+  }
+  return out.size() > 4000 ? shortened(out, 4000) : out;
+}
 
 int reportError(llvm::StringRef tool, llvm::Error err) {
   int code = exitCodeFor(err);
   std::string msg = takeMessage(std::move(err));
-  if (code == 2) {
-    std::replace(msg.begin(), msg.end(), '\n', ' '); // one line, always
-    fmt::print(stderr, "{}: error: {}\n", tool.str(), msg);
-  } else {
-    fmt::print(stderr, "{}: {}\n", tool.str(), msg);
-  }
+  // (fputs, not fmt::print: a failing stderr must not throw from here)
+  if (code == 2)
+    std::fputs(fmt::format("{}: error: {}\n", tool.str(), oneLine(std::move(msg))).c_str(),
+               stderr);
+  else
+    std::fputs(fmt::format("{}: {}\n", tool.str(), msg).c_str(), stderr);
   return code;
+}
+
+int finishTool(llvm::StringRef tool, llvm::Error err) {
+  if (err)
+    return reportError(tool, std::move(err));
+  if (auto lost = finishStdout())
+    return reportError(tool, std::move(lost));
+  return 0;
+}
+
+int runTool(llvm::StringRef tool, llvm::function_ref<llvm::Error()> body) {
+  llvm::Error err = llvm::Error::success();
+  try {
+    err = body();
+  } catch (const std::bad_alloc &) {
+    err = inputError("out of memory: an allocation failed (this machine's memory is {}); try "
+                     "smaller sizes",
+                     humanBytes(memoryBudgetBytes()));
+  } catch (const std::system_error &e) {
+    // fmt reports a failed write to standard output so.
+    err = inputError("standard output: cannot write: {}", e.code().message());
+  } catch (const std::exception &e) {
+    err = inputError("unexpected failure: {}", e.what());
+  }
+  return finishTool(tool, std::move(err));
 }
 
 std::string userPath(llvm::StringRef path) {

@@ -11,6 +11,7 @@
 #include "ir/Error.h"
 
 #include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/STLFunctionalExtras.h"
 #include "llvm/ADT/StringRef.h"
 
 #include <cstdint>
@@ -51,6 +52,14 @@ private:
 /// Print an error the way the tools do — one line "<tool>: error: ..." for bad input (exit 2),
 /// the full diagnostic for a finding (exit 1) — and return the exit code.
 int reportError(llvm::StringRef tool, llvm::Error err);
+
+/// Run a tool's body and return its exit code: its error as reportError prints it; an
+/// allocation failure or a library's exception (fmt's write errors) as exit 2 with one line; and,
+/// when the body succeeded, a write to standard output that was lost (a full disk, a closed
+/// pipe) as exit 2 with one line. Callers ignore SIGPIPE, so that a closed pipe is an error.
+int runTool(llvm::StringRef tool, llvm::function_ref<llvm::Error()> body);
+/// The end of a tool: reportError for an error, else finishStdout()'s verdict.
+int finishTool(llvm::StringRef tool, llvm::Error err);
 
 /// Resolve a relative path against BUILD_WORKING_DIRECTORY when run under `bazel run`.
 std::string userPath(llvm::StringRef path);

@@ -12,18 +12,25 @@
 # The GPU machine needs no Bazel, no apt and no network: carry gpu-bundle/ with the working tree
 # (the device tool's `carry`; this prints its size, which must stay under 64 MiB) and run
 #   OUT=dir bash tools/gpu_check.sh
+# `bash tools/gpu_bundle.sh --targets` prints the targets and stops (gpu_check.sh builds them
+# itself where there is no bundle).
 # Exit status: 0 staged; 1 the build or a check failed; 2 no CUDA toolkit here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+targets=(//tests:wgmma_layout_test //tests:cuda_kernel_test //tests:cuda_runtime_test
+  //tests:nccl_runtime_test //kernels/cuda/experimental:attention_backward_test
+  //bench:cuda_kernel_bench //bench:cuda_overhead_bench //bench:nccl_overhead_bench
+  //bench:cuda_step_bench //kernels/cuda/experimental:attention_backward_bench
+  //tools:pipec //tools:piperun)
+if [ "${1:-}" = --targets ]; then
+  echo "${targets[*]}"
+  exit 0
+fi
 if [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "gpu_bundle: /usr/local/cuda/bin/nvcc is missing; the CUDA targets need the toolkit" >&2
   exit 2
 fi
-targets=(//tests:wgmma_layout_test //tests:cuda_kernel_test //tests:cuda_runtime_test
-  //tests:nccl_runtime_test //bench:cuda_kernel_bench //bench:cuda_overhead_bench //bench:nccl_overhead_bench //bench:cuda_step_bench
-  //tools:pipec
-  //tools:piperun)
 prefix=/tmp/gpu-bundle-
 compat=/tmp/gpu-bundle-glibc-compat.o
 # The sources' hashes before the build (an edit made while it runs must not pass for built).

@@ -3,7 +3,7 @@
 //   pipec compile --model M.json --schedule NAME --pp P --microbatches N [...] [-o plan.json]
 //   pipec validate plan.json
 //   pipec simulate plan.json [--trace trace.json]
-//   pipec show plan.json [--compute-only] [--text]
+//   pipec show plan.json [--compute-only] [--text] [--svg figure.svg]
 //   pipec list-schedules
 //   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
 //   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
@@ -20,12 +20,16 @@
 #include "schedules/Policy.h"
 #include "tools/Args.h"
 #include "tools/Driver.h"
+#include "tools/Figure.h"
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 
 using namespace pipec;
+
+static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
 
@@ -36,13 +40,14 @@ commands:
   compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
-          [--show] [--trace trace.json]
+          [--show] [--trace trace.json] [--svg figure.svg]
                       compile, verify and simulate a plan; print its summary
   validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
   simulate plan.json [--trace trace.json]
                       timed simulation; optional Chrome/Perfetto trace
-  show plan.json [--compute-only] [--text]
-                      the rank x step grid (or, with --text, one line per rank)
+  show plan.json [--compute-only] [--text] [--svg figure.svg]
+                      the rank x step grid (or, with --text, one line per rank;
+                      with --svg, the papers' figure over simulated time)
   list-schedules      the schedules, their constraints and a line on each
   export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
                       the plan as PyTorch pipelining's schedule CSV (compute only, or with
@@ -124,7 +129,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2,
                           {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
                            "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace"},
+                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg"},
                           {"--show", "--quiet"}, "compile");
   if (!args)
     return args.takeError();
@@ -170,6 +175,22 @@ llvm::Error cmdCompile(int argc, char **argv) {
   std::optional<std::string> out = args->path("-o");
   if (!out)
     out = args->path("--output");
+  // Every output is checked before the (possibly long) compile: a file, or - for standard
+  // output, and never one of the inputs.
+  std::vector<InputFile> inputs{{"--model", *args->path("--model")}};
+  if (auto c = args->path("--cluster"))
+    inputs.push_back({"--cluster", *c});
+  const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
+  if (toStdout && args->has("--show"))
+    return inputError("--show prints the grid to standard output, which {} - fills; write that "
+                      "to a file, or drop --show",
+                      out && *out == "-" ? "-o" : "--trace");
+  if (out)
+    if (auto err = checkOutputPath("-o", *out, inputs))
+      return err;
+  if (auto t = args->path("--trace"))
+    if (auto err = checkOutputPath("--trace", *t, inputs))
+      return err;
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
@@ -200,20 +221,27 @@ llvm::Error cmdCompile(int argc, char **argv) {
   std::vector<OutputFile> outputs;
   if (out)
     outputs.push_back(OutputFile{"-o", *out, writePlanJson(*plan)});
-  if (auto t = args->path("--trace")) {
+  if (args->has("--trace") || args->has("--svg")) {
     Timeline tl;
     if (auto err = simulateTimeline(*plan, tl))
       return err;
-    outputs.push_back(OutputFile{"--trace", *t, chromeTrace(*plan, tl)});
+    if (auto t = args->path("--trace"))
+      outputs.push_back(OutputFile{"--trace", *t, chromeTrace(*plan, tl)});
+    if (auto svg = args->path("--svg"))
+      outputs.push_back(OutputFile{"--svg", *svg, scheduleSvg(*plan, tl)});
   }
-  if (auto err = writeFilesAtomically(outputs))
+  if (auto err = writeFilesAtomically(outputs, inputs))
     return err;
+  if (toStdout) // the summary would corrupt the file on standard output
+    return llvm::Error::success();
   if (!args->has("--quiet"))
     printSummary(*plan, &cluster);
   if (args->has("--show"))
     fmt::print("\n{}", formatGrid(*plan));
   if (out && !args->has("--quiet"))
     fmt::print("wrote {}\n", *out);
+  if (auto svg = args->get("--svg"); svg && !args->has("--quiet"))
+    fmt::print("wrote {}\n", *svg);
   return llvm::Error::success();
 }
 
@@ -253,21 +281,42 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
   if (auto err = runPipeline({"memory"}, *plan, ctx))
     return err;
+  const std::vector<InputFile> inputs{{"plan", userPath(args->positional().front())}};
+  if (auto t = args->path("--trace"))
+    if (auto err = checkOutputPath("--trace", *t, inputs))
+      return err;
   Timeline tl;
   if (auto err = simulateTimeline(*plan, tl))
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
-  if (auto t = args->path("--trace"))
-    if (auto err = writeFileAtomically(*t, chromeTrace(*plan, tl)))
-      return inputError("--trace: {}", takeMessage(std::move(err)));
+  if (auto t = args->path("--trace")) {
+    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
+                                        inputs))
+      return err;
+    if (*t == "-") // the summary would corrupt the trace on standard output
+      return llvm::Error::success();
+  }
   printSummary(*plan, nullptr);
   if (auto t = args->get("--trace"))
     fmt::print("wrote {}\n", *t);
   return llvm::Error::success();
 }
 
+/// `show --svg`: the figure of a verified plan over its simulated timeline, instead of the grid.
+llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven) {
+  if (auto err = verifyPlan(plan))
+    return err;
+  Timeline tl;
+  if (auto err = simulateTimeline(plan, tl))
+    return err;
+  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}))
+    return err;
+  fmt::print("wrote {}\n", asGiven);
+  return llvm::Error::success();
+}
+
 llvm::Error cmdShow(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {}, {"--compute-only", "--text"}, "show");
+  auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
   if (!args)
     return args.takeError();
   auto plan = loadOnePlan(*args, "show");
@@ -276,6 +325,8 @@ llvm::Error cmdShow(int argc, char **argv) {
   const ParallelConfig &pc = plan->parallel;
   fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
              pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
+  if (auto svg = args->path("--svg"))
+    return showSvg(*plan, *svg, *args->get("--svg"));
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else
@@ -296,15 +347,23 @@ llvm::Error cmdListSchedules(int argc, char **argv) {
 } // namespace
 
 int main(int argc, char **argv) {
+  // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    fmt::print(stderr, "{}", kUsage);
-    return 2;
+    // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
+    std::fputs(kUsage, stdout);
+    return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
+                                           "show, list-schedules, export, import); usage above"));
   }
   llvm::StringRef cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
-    fmt::print("{}", kUsage);
-    return 0;
+    std::fputs(kUsage, stdout);
+    return finishTool("pipec", llvm::Error::success());
   }
+  return runTool("pipec", [&] { return dispatch(cmd, argc, argv); });
+}
+
+static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
   llvm::Error err = llvm::Error::success();
   if (cmd == "compile")
     err = cmdCompile(argc, argv);
@@ -324,7 +383,5 @@ int main(int argc, char **argv) {
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
                      "list-schedules, export, import)",
                      cmd.str());
-  if (err)
-    return reportError("pipec", std::move(err));
-  return 0;
+  return err;
 }

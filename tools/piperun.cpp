@@ -25,12 +25,17 @@
 // nothing runs on the device, nothing trains), and print, before step 0, what each rank holds
 // ("weights, gradients and optimizer state MiB ...", `pipec compile`'s static bytes) and its
 // arena ("activation arena MiB ...").
+// Checkpoints (cpu backend; runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves
+// after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
+// from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
+// counts the steps of this run), under this plan's layout, whichever it was saved under.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
 #include "ir/PlanJson.h"
+#include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 #ifdef PIPEC_HAS_CUDA
@@ -39,9 +44,11 @@
 #endif
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
+#include "tools/KernelEnv.h"
 
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <optional>
 
@@ -49,17 +56,24 @@ using namespace pipec;
 
 namespace {
 
+/// A line (or more) to standard output that never throws: a write error (a full disk, a closed
+/// pipe) is reported once, at the end (runTool), and the run is not cut short by it.
+template <typename... T> void say(fmt::format_string<T...> format, T &&...args) {
+  sayToStdout(fmt::format(format, std::forward<T>(args)...));
+}
+
 const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
+               [--save-dir DIR [--save-every N]] [--resume DIR]
 )";
 
 llvm::Error run(int argc, char **argv) {
-  auto args = Args::parse(
-      argc, argv, 1,
-      {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr", "--timeout"},
-      {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args = Args::parse(argc, argv, 1,
+                          {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype",
+                           "--lr", "--timeout", "--save-dir", "--save-every", "--resume"},
+                          {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -71,11 +85,17 @@ llvm::Error run(int argc, char **argv) {
   // set an environment variable. Printed by RANK 0 below.
   const std::string ncclLine = backend == "nccl" ? prepareNcclEnvironment() : "";
 #endif
+  // How the GPU backends' ops choose their kernels (the environment is read here alone).
+  kernels::cuda::KernelConfig kernelConfig;
   if (backend == "cuda" || backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA
     if (auto devices = cudaDevices(); !devices)
       return inputError("--backend {}: no GPU ({}); use --backend cpu", backend,
                         takeMessage(devices.takeError()));
+    auto fromEnvironment = kernelConfigFromEnvironment();
+    if (!fromEnvironment)
+      return fromEnvironment.takeError();
+    kernelConfig = *fromEnvironment;
 #else
     return inputError("--backend {}: this build has no CUDA (nvcc was not found when it was "
                       "built); use --backend cpu",
@@ -126,7 +146,22 @@ llvm::Error run(int argc, char **argv) {
   if (dtype != "uint16" && dtype != "uint32")
     return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", dtype);
 
-  auto plan = loadPlan(userPath(args->positional().front()));
+  auto saveEvery = args->integer("--save-every", 0, 1, 1000000);
+  if (!saveEvery)
+    return saveEvery.takeError();
+  const std::optional<std::string> saveDir = args->path("--save-dir"),
+                                   resumeDir = args->path("--resume");
+  if (args->has("--save-every") && !saveDir)
+    return inputError("--save-every needs --save-dir (where to save); try --save-dir ckpt");
+  if ((saveDir || resumeDir) && backend != "cpu")
+    return inputError("{}: checkpoints are saved and resumed by the cpu backend only (the {} "
+                      "backend does not yet); use --backend cpu",
+                      saveDir ? "--save-dir" : "--resume", backend);
+  if (saveDir)
+    if (auto err = checkSaveDir(*saveDir, resumeDir.value_or("")))
+      return err;
+  const std::string planPath = userPath(args->positional().front());
+  auto plan = loadPlan(planPath);
   if (!plan)
     return plan.takeError();
   if (auto err = verifyPlan(*plan))
@@ -141,6 +176,30 @@ llvm::Error run(int argc, char **argv) {
     return inputError("the plan's model has \"dtype\": \"{}\", which --backend {} does not "
                       "compute in; pass --dtype bf16 (or --dtype fp32)",
                       computeType, backend);
+  // A checkpoint to continue: the same model and global batch (any layout), seed and data.
+  std::optional<Checkpoint> resume;
+  std::string dataName = "synthetic";
+  if (auto path = args->path("--data"))
+    dataName = dataSourceName(*path);
+  if (resumeDir) {
+    auto opened = openCheckpoint(*resumeDir);
+    if (!opened)
+      return opened.takeError();
+    std::optional<uint64_t> seedFlag;
+    if (args->has("--seed"))
+      seedFlag = uint64_t(*seed);
+    if (auto err = checkResumable(*opened, *plan, seedFlag, dataName))
+      return err;
+    o.seed = opened->manifest.seed;
+    resume = std::move(*opened);
+    o.resume = &*resume;
+    say("{}\n", describeResume(*resume, *plan));
+  }
+  if (saveDir) {
+    o.saveDir = *saveDir;
+    o.saveEvery = int(*saveEvery);
+  }
+  o.dataName = dataName;
   std::unique_ptr<DataSource> data;
   if (auto path = args->path("--data")) {
     auto loaded = tokenFileData(*path, dtype, cfg->vocab, cfg->seqLen, o.seed);
@@ -151,7 +210,7 @@ llvm::Error run(int argc, char **argv) {
     data = syntheticData(cfg->vocab, o.seed);
   }
   auto printStep = [](int step, double loss) {
-    fmt::print("step {} loss {:.6f}\n", step, loss);
+    say("step {} loss {:.6f}\n", step, loss);
     std::fflush(stdout);
   };
   // The reference check's report, the same for both backends' results.
@@ -161,8 +220,8 @@ llvm::Error run(int argc, char **argv) {
     // (With --backend nccl only RANK 0 runs the reference.)
     if (!o.checkReference || result.referenceLosses.empty())
       return llvm::Error::success();
-    fmt::print("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
-    fmt::print("{}", referenceCheckReport(result.grads, result.weights));
+    say("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
+    say("{}", referenceCheckReport(result.grads, result.weights));
     return judgeReferenceCheck(result.grads, result.weights, relative, perTensor);
   };
 #ifdef PIPEC_HAS_CUDA
@@ -171,9 +230,9 @@ llvm::Error run(int argc, char **argv) {
   // Which type the GPU run computes in, and why (a model spec without "dtype" means bf16).
   auto printComputeType = [&] {
     if (computeFlag)
-      fmt::print("compute type {} (--dtype)\n", computeType);
+      say("compute type {} (--dtype)\n", computeType);
     else
-      fmt::print("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
+      say("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
                  computeType == "bf16" ? "fp32" : "bf16");
   };
   // What each rank holds, allocated before step 0: its weights, gradients and optimizer state
@@ -185,9 +244,9 @@ llvm::Error run(int argc, char **argv) {
         sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
       return sizes;
     };
-    fmt::print("weights, gradients and optimizer state MiB ({}): {}\n", whose,
+    say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
                mib(sofar.stateBytes));
-    fmt::print("activation arena MiB ({}; sized before step 0): {}\n", whose,
+    say("activation arena MiB ({}; sized before step 0): {}\n", whose,
                mib(sofar.arenaBytes));
   };
 #endif
@@ -205,9 +264,10 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    co.kernels = kernelConfig;
     if (env->rank == 0) {
-      fmt::print("{}\n", ncclLine);
-      fmt::print("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
+      say("{}\n", ncclLine);
+      say("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
                  env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
       printComputeType();
     }
@@ -230,6 +290,7 @@ llvm::Error run(int argc, char **argv) {
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
+    co.kernels = kernelConfig;
     printComputeType();
     co.onArenas = [&](const CudaRunResult &sofar) {
       printMemory(sofar, "every rank, in RANK order");
@@ -252,16 +313,16 @@ int main(int argc, char **argv) {
   // Line-buffered, also into a file: a launcher's log keeps every line printed before a crash
   // or a kill (tools/gpu_check.sh reads them), and the lines are few.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
+  std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    fmt::print(stderr, "{}", kUsage);
-    return 2;
+    std::fputs(kUsage, stdout);
+    return reportError("piperun", inputError("expected a plan file; usage above"));
   }
   llvm::StringRef first = argv[1];
   if (first == "-h" || first == "--help") {
-    fmt::print("{}", kUsage);
-    return 0;
+    std::fputs(kUsage, stdout);
+    return finishTool("piperun", llvm::Error::success());
   }
-  if (auto err = run(argc, argv))
-    return reportError("piperun", std::move(err));
-  return 0;
+  return runTool("piperun", [&] { return run(argc, argv); });
 }

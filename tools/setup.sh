@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 packages=(bazel-bootstrap bazel-platforms nlohmann-json3-dev libfmt-dev llvm-14-dev
           libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev
           python3-dev python3-venv pybind11-dev)
+# The figure test reads pipec's SVG with libxml2 and renders it with librsvg's rsvg-convert.
+packages+=(libxml2-dev librsvg2-bin)
+# Sanitizer builds and fuzz targets (--config=asan) use clang.
+packages+=(clang-14 libclang-rt-14-dev lld-14)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -947,6 +947,11 @@ void StageCompute::adamStep(float lr, float beta1, float beta2, float eps, float
                   lr, beta1, beta2, eps, weightDecay, m.adamSteps);
 }
 
+std::span<float> StageCompute::adamFirstMoment() { return impl->adamM; }
+std::span<float> StageCompute::adamSecondMoment() { return impl->adamV; }
+int StageCompute::adamSteps() const { return impl->adamSteps; }
+void StageCompute::setAdamSteps(int steps) { impl->adamSteps = steps; }
+
 size_t StageCompute::savedBytes() const {
   size_t total = 0;
   for (auto &[key, w] : impl->work)

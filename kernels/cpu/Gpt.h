@@ -162,6 +162,12 @@ public:
   /// One Adam step on every parameter of the stage (bias-corrected; step counts from 1). Weight
   /// decay is decoupled (AdamW, as llm.c) and applies to every parameter.
   void adamStep(float lr, float beta1, float beta2, float eps, float weightDecay);
+  /// The optimizer's state, laid out as params(): the first and second moments, and the steps
+  /// taken (a checkpoint saves and restores them; runtime/Checkpoint.h).
+  std::span<float> adamFirstMoment();
+  std::span<float> adamSecondMoment();
+  int adamSteps() const;
+  void setAdamSteps(int steps);
   /// Bytes held by saved activations right now (for checks against the memory model): every
   /// (mb, slice)'s saved state plus the microbatches' K/V (which grow slice by slice) and their
   /// gradient accumulators (freed after slice 0's backward_input).

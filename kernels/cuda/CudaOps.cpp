@@ -41,6 +41,8 @@ static constexpr size_t kWorkspaceBytes = CudaContext::kWorkspaceBytes;
 
 struct CudaContext::Impl {
   int device = 0;
+  int computeCapability = 0;
+  KernelConfig config;
   cudaStream_t stream = nullptr;
   bool ownsStream = false;
   cublasLtHandle_t lt = nullptr;
@@ -66,10 +68,16 @@ struct CudaContext::Impl {
 CudaContext::CudaContext(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaContext::~CudaContext() = default;
 
-llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, void *stream) {
+llvm::Expected<std::unique_ptr<CudaContext>>
+CudaContext::create(int device, const KernelConfig &config, void *stream) {
   auto impl = std::make_unique<Impl>();
   impl->device = device;
+  impl->config = config;
   PIPEC_CUDA_TRY(cudaSetDevice(device));
+  auto capability = computeCapabilityOf(device);
+  if (!capability)
+    return capability.takeError();
+  impl->computeCapability = *capability;
   if (stream) {
     impl->stream = static_cast<cudaStream_t>(stream);
   } else {
@@ -84,6 +92,8 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
 
 int CudaContext::device() const { return impl_->device; }
 void *CudaContext::stream() const { return impl_->stream; }
+int CudaContext::computeCapability() const { return impl_->computeCapability; }
+const KernelConfig &CudaContext::kernelConfig() const { return impl_->config; }
 
 llvm::Error CudaContext::synchronize() {
   PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));

@@ -25,11 +25,23 @@
 //     returns the per-row losses on the device; the backward recomputes softmax from logits.
 // All calls are asynchronous on the context's stream unless they say otherwise.
 //
+// Kernels. Where an op has several kernels (attention), the op chooses one from the shapes, the
+// tensors' alignment, the context's device (its compute capability: the build has sm_80 and
+// sm_90a code, and Hopper-only kernels run on a compute-capability-9.0 device alone) and the
+// context's KernelConfig; never from the environment or a process-wide setting.
+//
+// Implementations (kernels/BUILD, one per backend flavour): on a GPU, CudaOps.cpp (contexts,
+// cuBLASLt matmuls) and KernelOps.cpp (the hand-written kernels of the .cu files, through
+// Launch.h); on the emulated device (kernels/cuda/emu/README.md), emu/CudaOpsEmu.cpp (contexts,
+// matmuls on the CPU) with either emu/CpuKernelOpsEmu.cpp (CPU stand-ins for the kernels) or
+// KernelOps.cpp with the .cu files run by the kernel emulator.
+//
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_CUDAOPS_H
 #define PIPEC_KERNELS_CUDA_CUDAOPS_H
 
 #include "kernels/cuda/DType.h"
+#include "kernels/cuda/KernelConfig.h"
 #include "llvm/Support/Error.h"
 
 #include <cstddef>
@@ -56,13 +68,20 @@ public:
   virtual void release(void *p) = 0;
 };
 
-/// A device, one stream on it, a cuBLASLt handle and its workspace. Not thread-safe: one per
-/// host thread (the executor has one per rank and stream role).
+/// A device, one stream on it, a cuBLASLt handle and its workspace, and how the ops queued
+/// through it choose their kernels: the device's compute capability and the run's KernelConfig.
+/// Not thread-safe: one per host thread (the executor has one per rank and stream role).
 class CudaContext {
 public:
-  /// Selects `device`, creates a non-blocking stream (or borrows `stream`, a cudaStream_t, which
-  /// the context then does not destroy), a cuBLASLt handle and a 32 MiB workspace.
-  static llvm::Expected<std::unique_ptr<CudaContext>> create(int device, void *stream = nullptr);
+  /// The oldest GPUs the build has kernels for: compute capability 8.0 (sm_80; A100).
+  static constexpr int kMinComputeCapability = 80;
+  /// Selects `device`, reads its compute capability (an error naming it for a device older than
+  /// kMinComputeCapability: the build has no kernels for it), creates a non-blocking stream (or
+  /// borrows `stream`, a cudaStream_t, which the context then does not destroy), a cuBLASLt
+  /// handle and a 32 MiB workspace. Every op queued through the context chooses its kernels by
+  /// the device and `config`.
+  static llvm::Expected<std::unique_ptr<CudaContext>>
+  create(int device, const KernelConfig &config, void *stream = nullptr);
   /// The workspace's size: the device memory create() allocates.
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
   ~CudaContext();
@@ -71,6 +90,9 @@ public:
 
   int device() const;
   void *stream() const; ///< the cudaStream_t
+  /// The device's compute capability, 10 major + minor (80, 86, 89, 90, ...).
+  int computeCapability() const;
+  const KernelConfig &kernelConfig() const;
   /// Blocks until everything queued on the stream has run; reports asynchronous kernel faults.
   llvm::Error synchronize();
 
@@ -182,12 +204,16 @@ struct AttentionShape {
   int width() const { return heads * headDim; }
 };
 /// out (B, x, H*hd) = softmax(q k^T / sqrt(hd), causal) v; lse (B, H, x) fp32, the log-sum-exp
-/// of each query row's scaled scores, for the backward.
+/// of each query row's scaled scores, for the backward. The kernel (docs/gpu.md): wgmma on a
+/// compute-capability-9.0 GPU for bf16 with head dimension 64 or 128 (unless the context's
+/// KernelConfig turns the Hopper kernels off), mma.sync for other bf16 head dimensions that are
+/// multiples of 16 up to 128 and on other GPUs, SIMT otherwise (fp32, unaligned tensors).
 llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s);
 /// dq (B, x, H*hd) = the gradient of q; dk, dv (a + x, B, H*hd) += those of keys and values.
 /// `out` and `lse` are the forward's. dk and dv are fp32 in every compute type: Seq1F1B's slices
 /// all add to the gradients of the earlier keys, and a bf16 sum would round once per slice.
+/// mma.sync where the forward's tensor-core condition holds, SIMT otherwise, on every GPU.
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *out, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s);

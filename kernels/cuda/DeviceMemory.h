@@ -1,8 +1,8 @@
 //===- DeviceMemory.h - The default allocator of a CUDA context --*- C++ -*-===//
 //
 // Shared by kernels/cuda/CudaOps.cpp and the emulated device's CudaOpsEmu.cpp (both implement
-// CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with, and
-// the ops' scratch buffers.
+// CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with, the
+// ops' scratch buffers, and the device's compute capability that a context reads once.
 // DeviceBuffer (CudaOps.h) is implemented once, in DeviceMemory.cpp. For kernels/cuda/ and the
 // cuda backend's stages (runtime/cuda/GpuStage.cpp: the embedding backward's scratch).
 //
@@ -18,6 +18,10 @@
 #include <cassert>
 
 namespace pipec::kernels::cuda {
+
+/// The compute capability of `device` as 10 major + minor; an error naming it when it is below
+/// CudaContext::kMinComputeCapability (the build has no kernels for it).
+llvm::Expected<int> computeCapabilityOf(int device);
 
 /// cudaMallocAsync / cudaFreeAsync on one stream.
 class StreamOrderedAllocator final : public DeviceAllocator {

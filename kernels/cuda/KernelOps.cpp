@@ -3,9 +3,10 @@
 // The CudaOps.h entry points of the .cu kernels (layernorm, GELU, attention, cross entropy,
 // AdamW, convert): each validates its shape (an llvm::Error naming the argument), takes any
 // scratch from the context's allocator, calls a launcher of Launch.h and passes the status
-// through the checked funnel of CudaCheck.h. The same file serves the GPU build (:cuda_ops, the
-// .cu files through nvcc) and the kernel emulator (:cuda_ops_kernel_emu, the .cu files compiled
-// for the host, kernels/cuda/emu/KernelEmu.h).
+// through the checked funnel of CudaCheck.h. Where a launcher chooses among kernels (attention)
+// it is told the context's device and configuration (launch::Target). The same file serves the
+// GPU build (:cuda_ops, the .cu files through nvcc) and the kernel emulator
+// (:cuda_ops_kernel_emu, the .cu files compiled for the host, kernels/cuda/emu/KernelEmu.h).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
@@ -105,12 +106,17 @@ static launch::AttentionDims dimsOf(const AttentionShape &s) {
   return {s.batch, s.queries, s.begin, s.heads, s.headDim};
 }
 
+/// What the launchers choose kernels by: the context's device and configuration.
+static launch::Target targetOf(const CudaContext &ctx) {
+  return {ctx.computeCapability(), ctx.kernelConfig().hopperKernels};
+}
+
 llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s) {
   if (auto err = checkAttention("attentionForward", s))
     return err;
-  PIPEC_QUEUE_TRY(ctx,
-                  launch::attentionForward(dtype, out, lse, q, k, v, dimsOf(s), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::attentionForward(targetOf(ctx), dtype, out, lse, q, k, v, dimsOf(s),
+                                                streamOf(ctx)));
   return llvm::Error::success();
 }
 
@@ -122,16 +128,11 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
   const size_t rows = size_t(s.batch) * s.heads * s.queries;
   if (rows == 0)
     return llvm::Error::success();
-  // The dQ mode once: the scratch is sized for it, and the launch runs it.
-  const launch::DqMode mode =
-      launch::attentionBackwardDqMode(dtype, dimsOf(s), {dq, dk, dv, dOut, out, q, k, v});
   ScratchBuffer rowDot(ctx.allocator());
-  if (auto err =
-          rowDot.allocate(launch::attentionBackwardScratchFloats(mode, dimsOf(s)) * sizeof(float)))
+  if (auto err = rowDot.allocate(launch::attentionBackwardScratchFloats(dimsOf(s)) * sizeof(float)))
     return err;
-  PIPEC_QUEUE_TRY(ctx,
-                  launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
-                                            rowDot.as<float>(), mode, dimsOf(s), streamOf(ctx)));
+  PIPEC_QUEUE_TRY(ctx, launch::attentionBackward(dtype, dq, dk, dv, dOut, out, lse, q, k, v,
+                                                 rowDot.as<float>(), dimsOf(s), streamOf(ctx)));
   return llvm::Error::success();
 }
 

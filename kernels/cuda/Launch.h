@@ -63,72 +63,48 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
                                     const void *in, const float *mean, const float *rstd, int n,
                                     int c, float *partials, cudaStream_t stream);
 
-// Attention.cu
+// Attention.cu (the choice of kernel) and AttentionSimt.cu, AttentionMmaSync.cu,
+// AttentionWgmma.cu (the kernel families; Attention.cuh)
 struct AttentionDims {
   int batch, queries, begin, heads, headDim;
 };
-/// Whether attentionForward and attentionBackward run the tensor-core kernels for these
-/// `tensors` (out, q, k, v; or dq, dk, dv, dOut, out, q, k, v): bf16, a head dimension that is a
-/// multiple of 16 up to 128, every tensor 16-byte aligned. Otherwise they run the SIMT kernels.
+/// What a launcher chooses kernels by besides the shapes: the device its stream's work runs on
+/// and the run's configuration (kernels/cuda/KernelConfig.h). KernelOps.cpp makes it from the
+/// CudaContext; tests make it for devices they do not have.
+struct Target {
+  /// The device's compute capability, 10 major + minor: 80 (A100), 86, 89, 90 (H100, H200), ...
+  int computeCapability = 0;
+  /// KernelConfig::hopperKernels.
+  bool hopperKernels = true;
+  /// Whether sm_90a code may run: a compute-capability-9.0 device (the only one sm_90a code
+  /// runs on) and a configuration that allows it.
+  bool hopper() const { return hopperKernels && computeCapability == 90; }
+};
+/// The attention kernel families.
+enum class AttentionKernel { Simt, MmaSync, Wgmma };
+const char *toString(AttentionKernel kernel);
+/// Whether the tensor cores take these `tensors` (out, q, k, v; or dq, dk, dv, dOut, out, q, k,
+/// v): bf16, a head dimension that is a multiple of 16 up to 128, every tensor 16-byte aligned.
 bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors);
-/// Whether attentionForward runs the Hopper kernel (wgmma, sm_90a) rather than the mma.sync one:
-/// attentionUsesTensorCores, a head dimension of 64 or 128, a current device of
-/// compute capability 9.x (always on the kernel emulator), and not switched off by
-/// setAttentionWgmma(false) or PIPEC_ATTENTION_WGMMA=0 in the environment.
-bool attentionForwardUsesWgmma(DType dtype, AttentionDims s,
-                               std::initializer_list<const void *> tensors);
-/// Whether attentionBackward runs the Hopper kernels (dQ, and dK with dV): the forward's
-/// conditions, and switched on by setAttentionWgmmaBackward(true) or
-/// PIPEC_ATTENTION_WGMMA_BACKWARD=1. Off by default: they pass every test on the kernel emulator
-/// but have not run on a GPU yet (the mma.sync backward has).
-bool attentionBackwardUsesWgmma(DType dtype, AttentionDims s,
-                                std::initializer_list<const void *> tensors);
-/// Turns the Hopper attention backward on or off (the default) for the whole process.
-void setAttentionWgmmaBackward(bool enabled);
-/// How the Hopper backward computes dQ. Separate: its own kernel, which recomputes S and dP (7
-/// matrix products a tile with the dK/dV kernel). In the others the dK/dV kernel also computes
-/// dQ and adds it with atomics (5 products): FloatAtomics into an fp32 dQ, whose last bits then
-/// depend on the order the blocks run in, so that two runs of a plan no longer agree bit for
-/// bit; FixedPoint into a 64-bit fixed-point dQ scaled per row by a bound of the row, whose sums
-/// are exact integers in any order (deterministic; Attention.cu, fixedPointExponent).
-enum class DqMode : int { Separate = 0, FloatAtomics = 1, FixedPoint = 2 };
-/// The mode attentionBackward runs for these tensors: Separate unless the Hopper backward runs
-/// (attentionBackwardUsesWgmma) and setAttentionDqMode or PIPEC_ATTENTION_DQ_ATOMICS (`1` or
-/// `float`: FloatAtomics; `fixed`: FixedPoint) chose another. Separate by default (the others
-/// have not run on a GPU yet).
-DqMode attentionBackwardDqMode(DType dtype, AttentionDims s,
-                               std::initializer_list<const void *> tensors);
-/// Sets the dQ mode for the whole process (it takes effect where the Hopper backward runs).
-void setAttentionDqMode(DqMode mode);
-/// The floats of attentionBackward's `rowDot` scratch in a dQ mode: B*H*x, and more in the modes
-/// with atomics (their dQ, 4 or 8 bytes per element of q, and the fixed-point mode's bounds).
-size_t attentionBackwardScratchFloats(DqMode mode, AttentionDims s);
-/// Turns the Hopper attention kernels (the forward and the backward) on (the default) or off
-/// for the whole process; the kernel benchmark measures both.
-void setAttentionWgmma(bool enabled);
-/// The Hopper forward's variants: 0 one warpgroup (64 queries) a block, 1 two, each computing a
-/// tile's scores, softmax and P V one after another; 2 and 3 the same with the next tile's
-/// scores overlapping P V; 4 as 3 with tiles handed over through mbarriers instead of a
-/// block-wide barrier, two tiles loading ahead (Attention.cu). Every one is tested;
-/// attentionForward runs kWgmmaDefault (the fastest measured on an H200) unless set otherwise for
-/// the process.
-inline constexpr int kWgmmaVariants = 5;
-inline constexpr int kWgmmaDefault = 4;
-const char *wgmmaVariantName(int variant);
-/// Sets the variant (kWgmmaDefault for one out of range) and returns the previous one.
-int setAttentionWgmmaVariant(int variant);
-cudaError_t attentionForward(DType dtype, void *out, float *lse, const void *q, const void *k,
-                             const void *v, AttentionDims s, cudaStream_t stream);
-/// `rowDot` is scratch of attentionBackwardScratchFloats(dqMode, s) floats, 16-byte aligned (its
-/// first B*H*x receive dOut . out per query row and head), `dqMode` what attentionBackwardDqMode
-/// said for these tensors when the scratch was sized (looked up once, so that a switch flipped
-/// in between cannot outgrow the scratch; the Hopper backward off means Separate whatever it
-/// is); dk and dv are fp32 whatever `dtype` is.
+/// The forward's kernel: Wgmma where target.hopper(), the tensor cores take the tensors and the
+/// head dimension is 64 or 128; else MmaSync where the tensor cores take them; else Simt.
+AttentionKernel attentionForwardKernel(const Target &target, DType dtype, AttentionDims s,
+                                       std::initializer_list<const void *> tensors);
+/// The backward's kernel, on every device: MmaSync where the tensor cores take the tensors,
+/// else Simt.
+AttentionKernel attentionBackwardKernel(DType dtype, AttentionDims s,
+                                        std::initializer_list<const void *> tensors);
+/// The floats of attentionBackward's `rowDot` scratch: B*H*x.
+size_t attentionBackwardScratchFloats(AttentionDims s);
+cudaError_t attentionForward(const Target &target, DType dtype, void *out, float *lse,
+                             const void *q, const void *k, const void *v, AttentionDims s,
+                             cudaStream_t stream);
+/// `rowDot` is scratch of attentionBackwardScratchFloats(s) floats, which receives dOut . out
+/// per query row and head; dk and dv are fp32 (added to) whatever `dtype` is.
 cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
-                              const void *v, float *rowDot, DqMode dqMode, AttentionDims s,
-                              cudaStream_t stream);
+                              const void *v, float *rowDot, AttentionDims s, cudaStream_t stream);
 
 // CrossEntropy.cu
 cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,

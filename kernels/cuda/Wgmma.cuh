@@ -2,7 +2,8 @@
 //
 // wgmma.mma_async (PTX ISA 8.0+, sm_90a) for bf16 inputs and fp32 accumulators, with A in
 // registers (or in shared memory) and B in shared memory behind a matrix descriptor without
-// swizzle or with the 128-byte one, as the attention kernels use it (Attention.cu). Four warps
+// swizzle or with the 128-byte one, as the attention kernels use it (AttentionWgmma.cu and
+// kernels/cuda/experimental). Four warps
 // (a warpgroup, 128 threads from a multiple of 128) issue each one together; the instruction
 // runs asynchronously until wgmmaWait:
 //
@@ -19,9 +20,10 @@
 // kernel emulator (kernels/cuda/emu) the same calls run asynchronously too, and a wait ends the
 // run if the registers or shared memory of a wgmma in flight were touched (KernelEmu.h).
 //
-// Only for code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere (the compute_90 PTX
-// that newer GPUs JIT) each call traps, so a caller must choose these kernels only on a
-// compute-capability-9.0 device (attention's launcher does).
+// Only for code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): the build compiles the files
+// that use it for sm_90a alone (third_party/cuda/cuda.bzl, HOPPER_ARCHS), so their kernels exist
+// on a compute-capability-9.0 GPU only, and the launchers choose them there alone
+// (kernels/cuda/Launch.h, Target). Compiled for another architecture each call traps.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_WGMMA_CUH

@@ -1,10 +1,12 @@
 #include "runtime/cpu/CpuRun.h"
 
 #include "ir/Error.h"
+#include "ir/Files.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
 #include "runtime/cpu/Reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -83,6 +85,22 @@ public:
     return llvm::Error::success();
   }
 
+  const Coord &coord() const { return c; }
+  /// The stage of this rank holding `layer`, or null.
+  StageCompute *stageOfLayer(int layer) {
+    for (auto &[s, sc] : stages) {
+      const StageInfo &info = plan.stages[size_t(s)];
+      if (layer >= info.layerBegin && layer < info.layerEnd)
+        return sc.get();
+    }
+    return nullptr;
+  }
+  void setAdamSteps(int steps) {
+    for (auto &[s, sc] : stages)
+      sc->setAdamSteps(steps);
+  }
+  int adamSteps() const { return stages.empty() ? 0 : stages.begin()->second->adamSteps(); }
+
   /// Between steps: every replica's weight digests into `into`, and replica 0's weights.
   void snapshotWeights(ParamSnapshot &into) {
     std::lock_guard<std::mutex> lock(into.mu);
@@ -116,6 +134,13 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       "examples/tiny-gpt.json",
                       plan.model, t.hiddenSize, t.seqLength, t.vocabSize);
   const ParallelConfig &pc = plan.parallel;
+  // The threads and streams are indexed by these: the plan must agree with itself.
+  if (plan.numRanks() != pc.pp || plan.numStages() != pc.numStages() || pc.tp < 1 || pc.dp < 1 ||
+      int(plan.seqSlices.size()) != pc.seqSplits)
+    return inputError("$.parallel: pp {} x vpp {} with seq_splits {} but the plan has {} rank "
+                      "streams, {} stages and {} seq_slices",
+                      pc.pp, pc.vpp, pc.seqSplits, plan.numRanks(), plan.numStages(),
+                      plan.seqSlices.size());
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
@@ -165,6 +190,111 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   return cfg;
 }
 
+namespace {
+
+/// The most (microbatch, slice)s of each stage whose forward state a rank's stream keeps at
+/// once: a forward's first part makes it, a weight gradient (or fused backward)'s last part
+/// frees it.
+std::vector<int64_t> peakInFlight(const Plan &plan) {
+  std::vector<int64_t> live(plan.stages.size(), 0), peak(plan.stages.size(), 0);
+  for (const auto &stream : plan.ranks)
+    for (const Instruction &i : stream) {
+      if (i.stage < 0 || size_t(i.stage) >= live.size())
+        continue;
+      if (i.op == OpKind::Forward && i.isFirstPart())
+        peak[size_t(i.stage)] = std::max(peak[size_t(i.stage)], ++live[size_t(i.stage)]);
+      if ((i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) && i.isLastPart())
+        --live[size_t(i.stage)];
+    }
+  return peak;
+}
+
+/// Loads layer by layer `ckpt` into every rank's stages (each takes its tp shard) and into the
+/// reference, and sets their optimizer step counters.
+llvm::Error loadCheckpoint(const Checkpoint &ckpt, const GptConfig &cfg, int tp,
+                           const std::vector<CpuBackend *> &ranks, ReferenceRun *ref) {
+  LayerState whole;
+  for (int l = 0; l < cfg.numLayers(); ++l) {
+    if (auto err = readCheckpointLayer(ckpt, l, whole))
+      return err;
+    if (whole.weights.size() != kernels::layerParamCount(cfg, l, 1))
+      return inputError("--resume: {}: layer {} holds {} weights, the model's has {}", ckpt.path,
+                        l, whole.weights.size(), kernels::layerParamCount(cfg, l, 1));
+    auto load = [&](StageCompute &sc, int tpRank, int tpSize) {
+      auto [b, e] = sc.layerRange(l);
+      std::span<float> to[] = {sc.params(), sc.adamFirstMoment(), sc.adamSecondMoment()};
+      const std::vector<float> *from[] = {&whole.weights, &whole.firstMoment,
+                                          &whole.secondMoment};
+      for (int a = 0; a < 3; ++a) {
+        std::vector<float> shard = kernels::shardLayer(cfg, l, tpRank, tpSize, *from[a]);
+        assert(shard.size() == e - b && "a shard fills the layer's range");
+        std::copy(shard.begin(), shard.end(), to[a].begin() + long(b));
+      }
+    };
+    for (CpuBackend *r : ranks)
+      if (StageCompute *sc = r->stageOfLayer(l))
+        load(*sc, r->coord().tp, tp);
+    if (ref)
+      load(ref->stage(), 0, 1);
+  }
+  for (CpuBackend *r : ranks)
+    r->setAdamSteps(int(ckpt.manifest.adamSteps));
+  if (ref)
+    ref->stage().setAdamSteps(int(ckpt.manifest.adamSteps));
+  return llvm::Error::success();
+}
+
+} // namespace
+
+uint64_t cpuRunBytes(const Plan &plan, const GptConfig &cfg, bool checkReference) {
+  // In doubles: the sizes a plan can ask for overflow 64 bits; the answer only needs to be
+  // compared with the machine's memory.
+  const ParallelConfig &pc = plan.parallel;
+  const double f = sizeof(float), b = cfg.microbatch, c = cfg.channels, t = cfg.seqLen,
+               v = cfg.vocab, ffn = cfg.ffn, heads = cfg.heads, tp = pc.tp;
+  double x = 0;
+  for (auto [begin, end] : plan.seqSlices)
+    x = std::max(x, double(end - begin));
+  const double n = b * x; // tokens of the widest slice
+  const double tokens = double(pc.microbatches) * b * (t + 1) * sizeof(int32_t);
+  const std::vector<int64_t> inFlight = peakInFlight(plan);
+  double total = 0;
+  for (const StageInfo &s : plan.stages) {
+    double params = 0, blocks = 0;
+    bool head = false;
+    for (int l = s.layerBegin; l < s.layerEnd; ++l) {
+      params += double(kernels::layerParamCount(cfg, l, pc.tp));
+      blocks += kernels::layerKind(cfg, l) == kernels::GptLayerKind::Block;
+      head = head || kernels::layerKind(cfg, l) == kernels::GptLayerKind::Head;
+    }
+    // What one (microbatch, slice) keeps (kernels/cpu/Gpt.cpp: SliceWork, BlockWork, HeadWork),
+    // and one microbatch's K/V and their gradients (SequenceWork).
+    const double slice = n * (3 * c + 2) * f +
+                         blocks * (n * (8 * c + 5 * c / tp + 2 * ffn / tp + 4) * f +
+                                   b * (heads / tp) * x * t * f) +
+                         (head ? n * (4 * c + 3 * v / tp + 2 * tp + 4) * f : 0);
+    const double sequence = blocks * 4 * t * b * (c / tp) * f;
+    const double live = double(std::max<int64_t>(inFlight[size_t(s.stage)], 1));
+    const double perThread = 4 * params * f + tokens + live * (slice + 2 * n * c * f) +
+                             std::min(live, double(pc.microbatches)) * sequence;
+    total += perThread * double(pc.dp) * tp;
+  }
+  if (checkReference) {
+    double params = 0;
+    for (int l = 0; l < cfg.numLayers(); ++l)
+      params += double(kernels::layerParamCount(cfg, l, 1));
+    const double whole = b * t;
+    const double slice = whole * (3 * c + 2) * f +
+                         cfg.layers * (whole * (12 * c + 2 * ffn + 4) * f + b * heads * t * t * f +
+                                       4 * t * b * c * f) +
+                         whole * (4 * c + 3 * v + 6) * f;
+    // Its weights, gradients and moments, one microbatch in flight, the step's tokens of every
+    // replica, and the snapshots of the run's gradients and weights it compares with.
+    total += 4 * params * f + slice + tokens * pc.dp + 2 * params * f;
+  }
+  return total >= 1.8e19 ? UINT64_MAX : uint64_t(total);
+}
+
 llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
                                       const CpuRunOptions &options,
                                       const std::function<void(int, double)> &onStep) {
@@ -173,6 +303,16 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     return cfgOr.takeError();
   const GptConfig cfg = *cfgOr;
   const ParallelConfig &pc = plan.parallel;
+  // Before anything is allocated: the run fits, or it is refused with what it needs.
+  if (auto err = checkMemoryBudget(
+          cpuRunBytes(plan, cfg, options.checkReference),
+          fmt::format("the cpu backend's run of model '{}' (vocab_size {}, hidden_size {}, "
+                      "{} layers; {} rank threads{})",
+                      shortened(plan.model), cfg.vocab, cfg.channels, cfg.layers,
+                      int64_t(pc.pp) * pc.dp * pc.tp,
+                      options.checkReference ? ", and the reference" : ""),
+          "use a smaller model, such as examples/tiny-gpt.json"))
+    return err;
   ParamSnapshot snapshot;
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<CpuBackend *> cpu;
@@ -187,8 +327,48 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
+  int first = 0;
+  if (options.resume) {
+    if (auto err = loadCheckpoint(*options.resume, cfg, pc.tp, cpu, ref.get()))
+      return err;
+    first = int(options.resume->manifest.step);
+  }
+  // A checkpoint after step s: every layer whole, from dp replica 0 (the replicas are equal)
+  // with its tp shards joined.
+  auto save = [&](int stepsDone) -> llvm::Error {
+    CheckpointManifest m;
+    m.step = stepsDone;
+    m.adamSteps = cpu.front()->adamSteps();
+    m.seed = options.seed;
+    m.sequences = uint64_t(stepsDone) * uint64_t(pc.dp) * uint64_t(pc.microbatches) *
+                  uint64_t(cfg.microbatch);
+    m.data = options.dataName;
+    m.modelName = plan.model;
+    m.model = *plan.transformer;
+    m.schedule = plan.schedule;
+    m.parallel = pc;
+    m.planHash = planHash(plan);
+    return saveCheckpoint(options.saveDir, m, [&](int l, LayerState &out) {
+      const size_t whole = kernels::layerParamCount(cfg, l, 1);
+      out.weights.assign(whole, 0.0f);
+      out.firstMoment.assign(whole, 0.0f);
+      out.secondMoment.assign(whole, 0.0f);
+      for (CpuBackend *r : cpu) {
+        StageCompute *sc = r->coord().dp == 0 ? r->stageOfLayer(l) : nullptr;
+        if (!sc)
+          continue;
+        auto [b, e] = sc->layerRange(l);
+        const int t = r->coord().tp;
+        kernels::unshardLayer(cfg, l, t, pc.tp, sc->params().subspan(b, e - b), out.weights);
+        kernels::unshardLayer(cfg, l, t, pc.tp, sc->adamFirstMoment().subspan(b, e - b),
+                              out.firstMoment);
+        kernels::unshardLayer(cfg, l, t, pc.tp, sc->adamSecondMoment().subspan(b, e - b),
+                              out.secondMoment);
+      }
+    });
+  };
   CpuRunResult result;
-  for (int s = 0; s < options.steps; ++s) {
+  for (int s = first; s < first + options.steps; ++s) {
     if (auto err = runner.step(s))
       return err;
     double loss = 0;
@@ -203,8 +383,13 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
     }
     if (onStep)
       onStep(s, loss);
+    const bool last = s + 1 == first + options.steps;
+    if (!options.saveDir.empty() &&
+        (last || (options.saveEvery > 0 && (s + 1) % options.saveEvery == 0)))
+      if (auto err = save(s + 1))
+        return err;
   }
-  if (ref) {
+  if (ref && options.steps > 0) {
     ParamSnapshot weights;
     for (CpuBackend *b : cpu)
       b->snapshotWeights(weights);

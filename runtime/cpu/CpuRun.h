@@ -13,21 +13,31 @@
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
+#include "runtime/Checkpoint.h"
 #include "runtime/Interpreter.h"
 #include "runtime/cpu/Reference.h"
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace pipec {
 
 struct CpuRunOptions {
-  int steps = 1;
+  int steps = 1; // steps of this run (0: build every rank's stages, load any checkpoint, stop)
   uint64_t seed = 1;
   float lr = 1e-3f;
   bool checkReference = false;
   double timeoutSeconds = 60;
   Faults faults;
+  // Checkpoints (runtime/Checkpoint.h). With `resume`, the run starts at its step, from its
+  // weights and optimizer state (and the reference with them); with `saveDir`, it saves after
+  // every saveEvery-th step (counted from step 0; 0: none but the last) and after its last.
+  const Checkpoint *resume = nullptr;
+  std::string saveDir;
+  int saveEvery = 0;
+  /// The data source as a checkpoint records it: "synthetic" or "file <name> <bytes>".
+  std::string dataName = "synthetic";
 };
 
 struct CpuRunResult {
@@ -41,7 +51,15 @@ struct CpuRunResult {
 /// transformer or its sizes do not fit the kernels.
 llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan);
 
+/// An upper bound on the memory a run of `plan` on the cpu backend allocates: every rank
+/// thread's weights, gradients and AdamW moments, its copy of the step's tokens, the
+/// activations of the (microbatch, slice)s its stream keeps in flight at once, and the
+/// received tensors; with `checkReference` also the single-rank reference's.
+uint64_t cpuRunBytes(const Plan &plan, const kernels::GptConfig &cfg, bool checkReference);
+
 /// Run `options.steps` steps of `plan` (already verified). `onStep(step, loss)` after each.
+/// Refused up front (an InputError with the memory it needs) when cpuRunBytes is more than the
+/// machine has.
 llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
                                       const CpuRunOptions &options,
                                       const std::function<void(int, double)> &onStep = {});

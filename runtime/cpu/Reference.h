@@ -179,6 +179,8 @@ public:
   /// many update()s. A NaN or infinite weight on either side is infinitely far off. With dp > 1,
   /// every replica's digest must be replica 0's (whose weights `weights` holds).
   WeightCheck compareWeights(const ParamSnapshot &weights, int steps);
+  /// The reference's one stage (all layers, tp = 1), e.g. to load a checkpoint into.
+  kernels::StageCompute &stage() { return sc; }
 
 private:
   const Plan &plan;

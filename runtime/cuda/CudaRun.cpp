@@ -106,7 +106,7 @@ public:
     ctx->setSizing(false);
     if (err) {
       clearStepBuffers();
-      return std::move(err);
+      return err;
     }
     return arena->reservedBytes();
   }
@@ -131,7 +131,7 @@ public:
 
   /// The context and the arena (empty until reserveArena()).
   llvm::Error init() {
-    auto ctxOr = cu::CudaContext::create(options.device);
+    auto ctxOr = cu::CudaContext::create(options.device, options.kernels);
     if (!ctxOr) {
       // Out of memory before any of the plan's: the GPU is (nearly) full already, so say so, and
       // what would help. Any other failure is passed on as it is.

@@ -24,6 +24,7 @@
 
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
+#include "kernels/cuda/KernelConfig.h"
 #include "runtime/Backend.h"
 #include "runtime/Data.h"
 #include "runtime/Interpreter.h"
@@ -56,6 +57,9 @@ struct CudaRunOptions {
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
   kernels::DType dtype = kernels::DType::F32;
+  /// How the ops choose their kernels beyond the device and the shapes (the tools make it;
+  /// every rank's CudaContext gets it).
+  kernels::cuda::KernelConfig kernels;
   /// Called once the arenas are reserved, before step 0, with the result so far: its arenaBytes
   /// and stateBytes.
   std::function<void(const CudaRunResult &)> onArenas;

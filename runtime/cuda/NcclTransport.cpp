@@ -37,13 +37,12 @@ ncclDataType_t ncclTypeOf(DType dtype) {
 
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
                        double timeout, const std::function<std::string(double)> &stalled,
-                       const std::function<size_t()> &progress) {
-  using Clock = std::chrono::steady_clock;
-  auto start = Clock::now(); // of the time without progress
-  auto checked = start;
+                       const std::function<size_t()> &progress, Clock &clock) {
+  double start = clock.now(); // of the time without progress
+  double checked = start;
   // Progress is read every 10 ms (a quarter of the timeout where that is shorter): it may query
   // many events, the completion only one.
-  const auto every = std::chrono::duration<double>(std::min(0.01, timeout / 4));
+  const double every = std::min(0.01, timeout / 4);
   size_t seen = progress ? progress() : 0;
   for (;;) {
     cudaError_t q = done();
@@ -57,7 +56,7 @@ llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicato
       comms.abortAll();
       return err;
     }
-    const auto now = Clock::now();
+    const double now = clock.now();
     if (progress && now - checked >= every) {
       checked = now;
       if (size_t p = progress(); p != seen) {
@@ -65,13 +64,13 @@ llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicato
         start = now;
       }
     }
-    double idle = std::chrono::duration<double>(now - start).count();
+    double idle = now - start;
     if (idle >= timeout) {
       std::string report = stalled(idle);
       comms.abortAll();
       return llvm::make_error<Finding>(report);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    clock.sleepFor(200e-6);
   }
 }
 

@@ -19,6 +19,7 @@
 #ifndef PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H
 #define PIPEC_RUNTIME_CUDA_NCCLTRANSPORT_H
 
+#include "runtime/Clock.h"
 #include "runtime/Transport.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
@@ -41,10 +42,10 @@ namespace pipec {
 /// whose work keeps completing is never one, however long it takes. (An abort frees this
 /// process's NCCL resources and ends its kernels; NCCL tells no peer. A peer blocked on this
 /// process fails through its own watchdog, or sooner over sockets, when this process exits and they
-/// close.)
+/// close.) Time is `clock`'s (tests pass a ManualClock).
 llvm::Error pollDevice(const std::function<cudaError_t()> &done, NcclCommunicators &comms,
                        double timeout, const std::function<std::string(double)> &stalled,
-                       const std::function<size_t()> &progress = {});
+                       const std::function<size_t()> &progress = {}, Clock &clock = steadyClock());
 
 /// How long a host call may wait for a peer process to arrive (communicator creation, a first
 /// post to a peer, which connects to it): ten timeouts, at least 10 minutes, since the

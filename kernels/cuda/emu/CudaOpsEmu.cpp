@@ -46,6 +46,8 @@ llvm::Expected<int> deviceCount() {
 
 struct CudaContext::Impl {
   int device = 0;
+  int computeCapability = 0;
+  KernelConfig config;
   cudaStream_t stream = nullptr;
   bool ownsStream = false;
   StreamOrderedAllocator streamOrdered;
@@ -63,10 +65,16 @@ struct CudaContext::Impl {
 CudaContext::CudaContext(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaContext::~CudaContext() = default;
 
-llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, void *stream) {
+llvm::Expected<std::unique_ptr<CudaContext>>
+CudaContext::create(int device, const KernelConfig &config, void *stream) {
   auto impl = std::make_unique<Impl>();
   impl->device = device;
+  impl->config = config;
   PIPEC_CUDA_TRY(cudaSetDevice(device));
+  auto capability = computeCapabilityOf(device);
+  if (!capability)
+    return capability.takeError();
+  impl->computeCapability = *capability;
   if (stream) {
     impl->stream = static_cast<cudaStream_t>(stream);
   } else {
@@ -82,6 +90,8 @@ llvm::Expected<std::unique_ptr<CudaContext>> CudaContext::create(int device, voi
 
 int CudaContext::device() const { return impl_->device; }
 void *CudaContext::stream() const { return impl_->stream; }
+int CudaContext::computeCapability() const { return impl_->computeCapability; }
+const KernelConfig &CudaContext::kernelConfig() const { return impl_->config; }
 llvm::Error CudaContext::synchronize() {
   PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
   return llvm::Error::success();

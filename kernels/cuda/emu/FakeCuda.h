@@ -36,6 +36,12 @@ void checkGuard(cudaStream_t stream, const void *buffer, size_t bytes, size_t n,
 /// (or PIPEC_EMU_DEVICE_MIB MiB where the environment sets it) until a test sets another size
 /// (0: back to that).
 void setDeviceMemory(size_t bytes);
+/// The device's compute capability as 10 major + minor (cudaDeviceGetAttribute's): 90 (a
+/// Hopper GPU; the kernel emulator runs sm_90a code), or PIPEC_EMU_COMPUTE_CAPABILITY where the
+/// environment sets it (80: the ops choose the kernels of an A100), until a test sets another
+/// (0: back to that). Contexts read it when they are created; the kernel emulator ends the run
+/// when a kernel issues an sm_90a instruction (wgmma) on a device other than 9.0.
+void setComputeCapability(int capability);
 /// Counts `bytes` of device memory as allocated, backed by nothing: what a library the emulator
 /// stands in for holds but the emulated ops never touch (cuBLASLt's workspace).
 /// cudaErrorMemoryAllocation where they do not fit, as cudaMalloc's. uncharge gives them back.

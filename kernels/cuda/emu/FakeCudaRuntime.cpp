@@ -58,6 +58,28 @@ size_t totalBytes() {
   const size_t set = deviceMemory.load();
   return set ? set : byDefault;
 }
+/// The device's compute capability, 10 major + minor (pipec::emu::setComputeCapability; 0:
+/// PIPEC_EMU_COMPUTE_CAPABILITY where the environment sets it, for a test of a whole program,
+/// else 90: the kernel emulator runs sm_90a code, and sm_80 code too).
+std::atomic<int> computeCapabilitySet{0};
+int computeCapability() {
+  static const int byDefault = [] {
+    const char *v = std::getenv("PIPEC_EMU_COMPUTE_CAPABILITY");
+    if (!v)
+      return 90;
+    const int n = std::atoi(v);
+    if (n < 10 || n > 999) {
+      std::fprintf(stderr,
+                   "emulated device: PIPEC_EMU_COMPUTE_CAPABILITY=%s: expected 10 major + minor, "
+                   "such as 80 or 90\n",
+                   v);
+      std::abort();
+    }
+    return n;
+  }();
+  const int set = computeCapabilitySet.load();
+  return set ? set : byDefault;
+}
 constexpr size_t kQuarantineBytes = size_t(256) << 20;
 /// The guard in front of an allocation (which keeps its 256-byte alignment) and the least one
 /// behind it.
@@ -330,6 +352,7 @@ void hangForever() {
 }
 
 void setDeviceMemory(size_t bytes) { deviceMemory = bytes; }
+void setComputeCapability(int capability) { computeCapabilitySet = capability; }
 
 cudaError_t chargeDeviceMemory(size_t bytes) {
   State &s = state();
@@ -403,16 +426,16 @@ cudaError_t cudaGetDevice(int *device) {
   *device = currentDevice;
   return cudaSuccess;
 }
-/// The emulated device is a compute-capability-9.0 one (the kernel emulator runs sm_90a code).
+/// The emulated device is a compute-capability-9.0 one unless set otherwise (computeCapability).
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
   if (device != 0)
     return cudaErrorInvalidDevice;
   switch (attr) {
   case cudaDevAttrComputeCapabilityMajor:
-    *value = 9;
+    *value = computeCapability() / 10;
     return cudaSuccess;
   case cudaDevAttrComputeCapabilityMinor:
-    *value = 0;
+    *value = computeCapability() % 10;
     return cudaSuccess;
   default:
     return cudaErrorInvalidValue;

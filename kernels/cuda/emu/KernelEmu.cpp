@@ -334,6 +334,8 @@ struct WarpSlots {
 /// The grid running on this host thread.
 struct Grid {
   Context scheduler;
+  // The compute capability (10 major + minor) of the device the grid was launched on.
+  int computeCapability = 0;
   std::vector<Fiber> fibers; // grows to the largest block seen; the first `threads` are used
   size_t threads = 0, current = 0;
   std::vector<WarpSlots> warps;
@@ -602,11 +604,13 @@ bool shuffleBlocks() {
   return shuffled;
 }
 
-void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, const std::function<void()> &body) {
+void runGrid(dim3 gridDim, dim3 blockDim, size_t sharedBytes, int computeCapability,
+             const std::function<void()> &body) {
   std::lock_guard<std::mutex> lock(gridLock());
   if (!gridOfThread)
     gridOfThread = std::make_unique<Grid>();
   Grid &g = *gridOfThread;
+  g.computeCapability = computeCapability;
   g.threads = size_t(blockDim.x) * blockDim.y * blockDim.z;
   if (g.fibers.size() < g.threads)
     g.fibers.resize(g.threads);
@@ -1030,8 +1034,24 @@ void completeWgmma(Fiber &f, const InFlightWgmma &op, bool superseded) {
 } // namespace
 
 namespace {
+/// sm_90a's instructions (wgmma, fence.proxy.async) exist only in the sm_90a code of a binary,
+/// which runs on a compute-capability-9.0 GPU alone: on another device the launcher must not
+/// have chosen a kernel that uses them (there the launch would fail, no kernel image).
+void requireSm90a(const char *instruction) {
+  const int capability = grid().computeCapability;
+  if (capability == 90)
+    return;
+  char message[256];
+  std::snprintf(message, sizeof message,
+                "%s on a compute-capability-%d.%d device: sm_90a code runs on 9.0 alone, so "
+                "the launcher chose a Hopper kernel for a device without it",
+                instruction, capability / 10, capability % 10);
+  fatal(message);
+}
+
 /// A wgmma needs a block of whole warpgroups and an n that is a multiple of 8 in [8, 256].
 void checkWgmma(const ThreadCoords &c, int n) {
+  requireSm90a("wgmma.mma_async");
   if ((size_t(c.blockDim.x) * c.blockDim.y * c.blockDim.z) % 128 != 0)
     fatal("wgmma: the block is not made of whole warpgroups (128 threads)");
   if (n < 8 || n > 256 || n % 8 != 0)
@@ -1106,6 +1126,7 @@ void wgmmaBf16(float *d, int n, const uint32_t (&a)[4], uint64_t b, bool accumul
 }
 
 void wgmmaFence() {
+  requireSm90a("wgmma.fence");
   Fiber &f = self();
   f.wgmmaFenced = true;
   for (WatchedRegisters &w : f.watched)
@@ -1132,6 +1153,7 @@ void wgmmaWait(int pending) {
 }
 
 void fenceProxyAsyncShared() {
+  requireSm90a("fence.proxy.async");
   Grid &g = grid();
   g.fibers[g.current].proxyFencedAt = ++g.stamp;
   std::memcpy(g.proxySeen.data(), g.shared.data(), g.shared.size());
@@ -1156,7 +1178,18 @@ void launch(dim3 gridDim, dim3 blockDim, size_t sharedBytes, cudaStream_t stream
     setLastError(cudaErrorInvalidValue);
     return;
   }
-  enqueue(stream, [=, body = std::move(body)] { runGrid(gridDim, blockDim, sharedBytes, body); });
+  // The device the launch is for (the calling thread's), as a GPU binds a launch to it.
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    setLastError(cudaErrorInvalidDevice);
+    return;
+  }
+  const int computeCapability = 10 * major + minor;
+  enqueue(stream, [=, body = std::move(body)] {
+    runGrid(gridDim, blockDim, sharedBytes, computeCapability, body);
+  });
 }
 
 } // namespace pipec::emu::kernel

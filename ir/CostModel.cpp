@@ -1,0 +1,266 @@
+//===- CostModel.cpp - DESIGN §6's timing and memory rules ----------------===//
+#include "ir/CostModel.h"
+
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace pipec {
+
+double opTime(const StageInfo &st, OpKind op, int slice) {
+  size_t k = size_t(slice);
+  switch (op) {
+  case OpKind::Forward:
+    return st.forward[k];
+  case OpKind::BackwardInput:
+    return st.backwardInput[k];
+  case OpKind::BackwardWeight:
+    return st.backwardWeight[k];
+  case OpKind::Backward:
+    return st.backwardInput[k] + st.backwardWeight[k];
+  case OpKind::Send:
+  case OpKind::Recv:
+  case OpKind::AllReduce:
+  case OpKind::OptimizerStep:
+    break;
+  }
+  return 0;
+}
+
+double computeTime(const Plan &plan, const Instruction &i) {
+  if (!i.isCompute())
+    return 0;
+  double t = opTime(plan.stages[size_t(i.stage)], i.op, i.slice);
+  return i.parts > 0 ? t / i.parts : t;
+}
+
+double tpAllReduceTime(const Plan &plan, const Instruction &i) {
+  assert(i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp);
+  return plan.stages[size_t(i.stage)].tpAllReduceTime[size_t(i.slice)];
+}
+
+double transferTime(const StageInfo &producer, TensorKind tensor, int slice) {
+  const auto &times = tensor == TensorKind::Activation ? producer.activationTransferTime
+                                                       : producer.gradientTransferTime;
+  // (A stage table that never went through the partition pass has no transfer times.)
+  return times.empty() ? 0.0 : times[size_t(slice)];
+}
+
+int64_t activationAllocatedAtStart(const StageInfo &st, const Instruction &i) {
+  return i.op == OpKind::Forward && i.isFirstPart() ? st.activationBytes[size_t(i.slice)] : 0;
+}
+
+int64_t activationFreedAtEnd(const StageInfo &st, const Instruction &i) {
+  if (!i.isLastPart())
+    return 0;
+  int64_t a = st.activationBytes[size_t(i.slice)];
+  int64_t w = st.weightGradBytes[size_t(i.slice)];
+  switch (i.op) {
+  case OpKind::BackwardInput:
+    return a - w;
+  case OpKind::BackwardWeight:
+    return w;
+  case OpKind::Backward:
+    return a;
+  case OpKind::Forward:
+  case OpKind::Send:
+  case OpKind::Recv:
+  case OpKind::AllReduce:
+  case OpKind::OptimizerStep:
+    break;
+  }
+  return 0;
+}
+
+namespace {
+constexpr double kNotDone = -1.0;
+} // namespace
+
+llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
+  KeySpace keys(plan);
+  size_t numRanks = plan.ranks.size();
+  std::vector<double> done(keys.size(), kNotDone);
+  std::vector<uint32_t> doneDepth(keys.size(), 0);
+  // Ranks blocked on a key form a singly linked list from waitHead[key] through waitNext.
+  std::vector<int32_t> waitHead(keys.size(), -1), waitNext(numRanks, -1);
+  std::vector<size_t> pos(numRanks, 0);
+  std::vector<double> clock(numRanks, 0);
+  std::vector<uint32_t> lastDepth(numRanks, 0);
+  std::vector<size_t> blockedOn(numRanks, SIZE_MAX);
+  out.ops.assign(numRanks, {});
+  out.depth.assign(numRanks, {});
+  for (size_t r = 0; r < numRanks; ++r) {
+    out.ops[r].resize(plan.ranks[r].size());
+    out.depth[r].resize(plan.ranks[r].size());
+  }
+  std::vector<int32_t> work;
+  work.reserve(numRanks);
+  for (size_t r = numRanks; r-- > 0;)
+    work.push_back(int32_t(r));
+
+  while (!work.empty()) {
+    size_t r = size_t(work.back());
+    work.pop_back();
+    blockedOn[r] = SIZE_MAX;
+    const auto &stream = plan.ranks[r];
+    for (; pos[r] < stream.size(); ++pos[r]) {
+      const Instruction &ins = stream[pos[r]];
+      OpTime &t = out.ops[r][pos[r]];
+      if (ins.isCompute()) {
+        double ready = clock[r];
+        uint32_t depth = lastDepth[r];
+        if (ins.isFirstPart()) {
+          size_t missing = SIZE_MAX;
+          forEachInput(plan, ins, [&](const Input &in) {
+            if (missing != SIZE_MAX)
+              return;
+            size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
+            if (done[key] == kNotDone) {
+              missing = key;
+              return;
+            }
+            double arrival = done[key];
+            if (plan.rankOf(in.stage) != int(r))
+              arrival += transferTime(plan.stages[size_t(in.stage)], in.tensor, in.slice);
+            ready = std::max(ready, arrival);
+            depth = std::max(depth, doneDepth[key]);
+          });
+          if (missing != SIZE_MAX) {
+            blockedOn[r] = missing;
+            waitNext[r] = waitHead[missing];
+            waitHead[missing] = int32_t(r);
+            break;
+          }
+        }
+        t.start = ready;
+        t.end = ready + computeTime(plan, ins);
+        clock[r] = t.end;
+        lastDepth[r] = depth + 1;
+        out.depth[r][pos[r]] = depth + 1;
+        if (ins.isLastPart()) {
+          size_t key = keys.key(ins);
+          done[key] = t.end;
+          doneDepth[key] = depth + 1;
+          if (ins.op == OpKind::Backward) { // a fused backward is also the W of its op
+            done[key + 1] = t.end;
+            doneDepth[key + 1] = depth + 1;
+          }
+          for (int32_t w = waitHead[key]; w >= 0;) {
+            int32_t next = waitNext[size_t(w)];
+            work.push_back(w);
+            w = next;
+          }
+          waitHead[key] = -1;
+        }
+        continue;
+      }
+      if (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp) {
+        // Megatron's tp all-reduce blocks the compute stream.
+        t.start = clock[r];
+        t.end = clock[r] + tpAllReduceTime(plan, ins);
+        clock[r] = t.end;
+        continue;
+      }
+      t.start = t.end = clock[r];
+    }
+  }
+  // Anyone left blocked waits for something that never comes.
+  for (size_t r = 0; r < numRanks; ++r) {
+    if (pos[r] == plan.ranks[r].size())
+      continue;
+    const Instruction &ins = plan.ranks[r][pos[r]];
+    size_t key = blockedOn[r];
+    size_t slot = key % kNumSlots, rest = key / kNumSlots;
+    int k = int(rest % keys.numSlices), m = int(rest / keys.numSlices % keys.numMb);
+    int s = int(rest / keys.numSlices / keys.numMb);
+    Instruction needed = Instruction::compute(slot == 0   ? OpKind::Forward
+                                              : slot == 1 ? OpKind::BackwardInput
+                                                          : OpKind::BackwardWeight,
+                                              s, m, k);
+    std::string neededTok = formatToken(plan, needed);
+    if (slot == 1)
+      neededTok += " (or fused B)";
+    return finding("the compute order cannot run: rank {} step {} ({}) needs {}, which never "
+                   "completes (it comes later on its rank, or is missing, or waits in a cycle)\n{}",
+                   r, pos[r], formatToken(plan, ins), neededTok,
+                   formatGrid(plan, {GridMark{int(r), pos[r]}}, /*computeOnly=*/false));
+  }
+  return llvm::Error::success();
+}
+
+std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t r) {
+  std::vector<OpTime> out(plan.ranks[r].size());
+  double streamFree = 0, lastComputeEnd = 0;
+  for (size_t i = 0; i < plan.ranks[r].size(); ++i) {
+    const Instruction &ins = plan.ranks[r][i];
+    const OpTime &ot = t.ops[r][i];
+    if (ins.isCompute() || (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp)) {
+      // (A tp all-reduce's reduced output is what a later dp all-reduce waits for.)
+      lastComputeEnd = ot.end;
+      continue;
+    }
+    if (ins.op != OpKind::AllReduce)
+      continue;
+    // dp and embedding all-reduces: serial on their own stream, after what precedes them.
+    double start = std::max(streamFree, lastComputeEnd);
+    double end = start;
+    if (ins.collective == CollectiveGroup::Dp) {
+      end = start + plan.stages[size_t(ins.stage)].dpAllReduceTime;
+      streamFree = end;
+    }
+    out[i] = OpTime{start, end};
+  }
+  return out;
+}
+
+void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
+  size_t numRanks = plan.ranks.size();
+  stats.ranks.resize(numRanks);
+  double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
+         stepEnd = 0;
+  for (size_t r = 0; r < numRanks; ++r) {
+    RankStats &rs = stats.ranks[r];
+    rs.rank = int(r);
+    double busy = 0, start = std::numeric_limits<double>::infinity(), end = 0, dpFree = 0;
+    bool any = false;
+    std::vector<OpTime> collectives = collectiveTimes(plan, t, r);
+    for (size_t i = 0; i < plan.ranks[r].size(); ++i) {
+      const Instruction &ins = plan.ranks[r][i];
+      const OpTime &ot = t.ops[r][i];
+      if (ins.isCompute()) {
+        // busy is compute time only (DESIGN §6); a tp all-reduce occupies the rank but is
+        // idle time for the pipeline, inside the span.
+        any = true;
+        busy += ot.end - ot.start;
+        start = std::min(start, ot.start);
+        end = std::max(end, ot.end);
+      } else if (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Dp) {
+        dpFree = std::max(dpFree, collectives[i].end);
+      }
+    }
+    if (!any)
+      start = 0;
+    rs.busy = busy;
+    rs.start = start;
+    rs.end = end;
+    rs.span = end - start;
+    rs.stepEnd = std::max(end, dpFree);
+    first = std::min(first, start);
+    last = std::max(last, end);
+    stepEnd = std::max(stepEnd, rs.stepEnd);
+    maxSpan = std::max(maxSpan, rs.span);
+    sumBusy += busy;
+  }
+  if (!std::isfinite(first))
+    first = 0;
+  stats.simulated = true;
+  stats.makespan = last - first;
+  stats.stepTime = stepEnd - first;
+  double meanBusy = numRanks ? sumBusy / double(numRanks) : 0;
+  stats.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
+}
+
+} // namespace pipec

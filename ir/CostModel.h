@@ -1,0 +1,93 @@
+//===- CostModel.h - DESIGN §6's timing and memory rules, in one place -*- C++ -*-===//
+//
+// How long an op takes, when it may start, when its output reaches another rank, and what it
+// allocates and frees. The simulator (compiler/: the simulate and memory passes, comm
+// lowering's global order) and zb-auto's search (schedules/ZBAuto.cpp) both run these rules,
+// so that a schedule searched for one cost model is scored by the same one. It lives below
+// schedules/ (ir <- schedules <- compiler) for that reason.
+//
+// Timing (DESIGN §6):
+//  - each rank runs its compute ops (and tp all-reduces, which occupy it: Megatron's are
+//    synchronous) one at a time in stream order; an op starts at the later of the end of the
+//    rank's previous op and the arrival of each input (ir/Semantics.h says which inputs);
+//  - a cross-rank input arrives a transfer time after its producer ends (a fused backward
+//    sends its gradient at its end); same-rank inputs are free; sends and recvs overlap
+//    compute and cost nothing here;
+//  - a compute op split at tp all-reduces takes an equal share of its time per part;
+//  - dp and embedding all-reduces run on their own stream, one after another, each after
+//    what precedes it in the stream; a dp all-reduce takes the stage's dp_allreduce_time
+//    (the tied-embedding one is not timed: one matrix between two ranks).
+// Memory (DESIGN §6, activations; it depends only on stream order):
+//  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (its first part);
+//  - at its end (last part) a backward_input frees activation - weight_grad bytes, a
+//    backward_weight the remaining weight_grad bytes, a fused backward all of them.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_COSTMODEL_H
+#define PIPEC_IR_COSTMODEL_H
+
+#include "ir/Plan.h"
+#include "ir/Semantics.h"
+
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace pipec {
+
+//===----------------------------------------------------------------------===//
+// Per-op rules
+//===----------------------------------------------------------------------===//
+
+/// Time of a whole compute op of `stage` on slice `slice` (0 for any other op).
+double opTime(const StageInfo &stage, OpKind op, int slice);
+
+/// Duration of one part of a compute op (its whole time when unsplit); 0 for other ops.
+double computeTime(const Plan &plan, const Instruction &i);
+
+/// Duration of a tp all-reduce, which occupies its rank.
+double tpAllReduceTime(const Plan &plan, const Instruction &i);
+
+/// How long `tensor` of `producer`'s slice `slice` takes to reach the rank of the stage that
+/// consumes it (0 when that stage lives on the producer's rank).
+double transferTime(const StageInfo &producer, TensorKind tensor, int slice);
+
+/// Activation bytes compute op `i` of `stage` allocates at its start.
+int64_t activationAllocatedAtStart(const StageInfo &stage, const Instruction &i);
+/// Activation bytes compute op `i` of `stage` frees at its end.
+int64_t activationFreedAtEnd(const StageInfo &stage, const Instruction &i);
+
+//===----------------------------------------------------------------------===//
+// The timed simulation of a plan's streams
+//===----------------------------------------------------------------------===//
+
+struct OpTime {
+  double start = 0, end = 0;
+};
+
+struct Timeline {
+  /// ops[r][i]: when instruction i of rank r runs (zero-length for sends, recvs, optimizer).
+  std::vector<std::vector<OpTime>> ops;
+  /// depth[r][i]: longest chain of compute ops ending at instruction i (compute ops only);
+  /// a producer's depth is always below its consumer's, even when times tie.
+  std::vector<std::vector<uint32_t>> depth;
+};
+
+/// Run the timing model on every rank's stream (compute-only streams too, as a policy emits
+/// them). A Finding if some rank waits for an input that never comes (the compute order is
+/// not executable: a cycle, or a producer missing).
+llvm::Error simulateTimeline(const Plan &plan, Timeline &out);
+
+/// When the dp and embedding all-reduces of rank `rank` run on their own stream (the rule
+/// above); zero-length entries for every other instruction.
+std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t rank);
+
+/// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
+/// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),
+/// and step_time (what the dp all-reduces add past the last compute).
+void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_COSTMODEL_H

@@ -1,0 +1,373 @@
+#include "ir/Files.h"
+
+#include "ir/Error.h"
+
+#include "llvm/ADT/SmallString.h"
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/Path.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <fstream>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace pipec {
+
+namespace {
+
+std::string errnoText(int code) { return std::strerror(code); }
+
+/// What kind of special file `st` describes ("" for a regular file).
+std::string kindOf(const struct stat &st) {
+  if (S_ISREG(st.st_mode))
+    return "";
+  if (S_ISDIR(st.st_mode))
+    return "a directory";
+  if (S_ISCHR(st.st_mode))
+    return "a character device";
+  if (S_ISBLK(st.st_mode))
+    return "a block device";
+  if (S_ISFIFO(st.st_mode))
+    return "a pipe";
+  if (S_ISSOCK(st.st_mode))
+    return "a socket";
+  return "not a regular file";
+}
+
+/// Read from `fd` until end of file or `most` + 1 bytes; false with errno on a read error.
+bool readAll(int fd, uint64_t most, std::string &out) {
+  char buffer[1 << 16];
+  for (;;) {
+    size_t want = sizeof(buffer);
+    if (out.size() + want > most + 1)
+      want = size_t(most + 1 - out.size());
+    if (want == 0)
+      return true;
+    ssize_t n = ::read(fd, buffer, want);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return false;
+    if (n == 0)
+      return true;
+    out.append(buffer, size_t(n));
+  }
+}
+
+struct FileId {
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+
+bool idOf(llvm::StringRef path, FileId &id) {
+  struct stat st;
+  if (::stat(path.str().c_str(), &st) != 0)
+    return false;
+  id = FileId{st.st_dev, st.st_ino};
+  return true;
+}
+
+/// The absolute, normalised form of a path that may not exist yet (its directory must).
+std::string canonicalDestination(llvm::StringRef path) {
+  llvm::SmallString<256> dir(llvm::sys::path::parent_path(path));
+  if (dir.empty())
+    dir = ".";
+  llvm::SmallString<256> real;
+  if (llvm::sys::fs::real_path(dir, real))
+    return path.str();
+  llvm::sys::path::append(real, llvm::sys::path::filename(path));
+  return std::string(real);
+}
+
+/// Write `contents` to a new, uniquely named temporary beside `path` and fsync it; its name goes
+/// to `tmp`. The error names `path`.
+llvm::Error writeTemporary(llvm::StringRef path, llvm::StringRef contents,
+                           llvm::SmallVectorImpl<char> &tmp) {
+  int fd = -1;
+  std::string model = (path + ".tmp-%%%%%%").str();
+  if (std::error_code ec = llvm::sys::fs::createUniqueFile(model, fd, tmp))
+    return inputError("{}: cannot write: {}", path.str(), ec.message());
+  const char *p = contents.data();
+  size_t left = contents.size();
+  int failed = 0;
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n <= 0) {
+      failed = n < 0 ? errno : EIO;
+      break;
+    }
+    p += n;
+    left -= size_t(n);
+  }
+  if (!failed && ::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
+    failed = errno;
+  if (::close(fd) != 0 && !failed && errno != EINTR)
+    failed = errno;
+  if (failed) {
+    llvm::sys::fs::remove(tmp);
+    return inputError("{}: cannot write: {}", path.str(), errnoText(failed));
+  }
+  return llvm::Error::success();
+}
+
+/// fsync a directory, so that renames into it survive a crash; best effort.
+void syncDirectoryOf(llvm::StringRef path) {
+  llvm::SmallString<256> dir(llvm::sys::path::parent_path(path));
+  if (dir.empty())
+    dir = ".";
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+/// The first of `inputs` that is the same file as the existing file `id`.
+const InputFile *aliasOf(const FileId &id, llvm::ArrayRef<InputFile> inputs) {
+  for (const InputFile &in : inputs) {
+    FileId other;
+    if (idOf(in.path, other) && other.dev == id.dev && other.ino == id.ino)
+      return &in;
+  }
+  return nullptr;
+}
+
+/// "--flag: " when the output has a flag.
+std::string prefixOf(llvm::StringRef flag) {
+  return flag.empty() ? std::string() : flag.str() + ": ";
+}
+
+} // namespace
+
+std::string specialFileKind(llvm::StringRef path) {
+  struct stat st;
+  if (::stat(path.str().c_str(), &st) != 0)
+    return "";
+  return kindOf(st);
+}
+
+llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &format) {
+  const std::string p = path.str();
+  struct stat before;
+  if (::stat(p.c_str(), &before) != 0)
+    return inputError("{}: cannot read: {}", shortened(path, 200), errnoText(errno));
+  // Refused before a byte is read: /dev/zero, /dev/stdin on a terminal, a socket would never
+  // end, a directory is no file, and a file past the format's limit is not one of its files.
+  std::string kind = kindOf(before);
+  if (S_ISDIR(before.st_mode))
+    return inputError("{}: cannot read: is a directory", shortened(path, 200));
+  if (!kind.empty() && !S_ISFIFO(before.st_mode))
+    return inputError("{}: cannot read: is {}, not {} (give a regular file)",
+                      shortened(path, 200), kind, format.name);
+  if (S_ISREG(before.st_mode)) {
+    const uint64_t size = uint64_t(before.st_size);
+    if (size > format.maxBytes)
+      return inputError("{}: {} is more than {} can need (at most {})", shortened(path, 200),
+                        humanBytes(size), format.name, humanBytes(format.maxBytes));
+    if (auto err = checkMemoryBudget(uint64_t(double(size) * format.memoryPerByte),
+                                     fmt::format("reading {} ({})", shortened(path, 200),
+                                                 humanBytes(size)),
+                                     "use a machine with more memory"))
+      return err;
+  }
+  int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return inputError("{}: cannot read: {}", shortened(path, 200), errnoText(errno));
+  struct stat opened;
+  if (::fstat(fd, &opened) != 0 || opened.st_dev != before.st_dev ||
+      opened.st_ino != before.st_ino) {
+    ::close(fd);
+    return inputError("{}: cannot read: the file changed while it was opened",
+                      shortened(path, 200));
+  }
+  std::string out;
+  if (S_ISREG(opened.st_mode))
+    out.reserve(size_t(std::min<uint64_t>(uint64_t(opened.st_size), format.maxBytes)));
+  bool ok = readAll(fd, format.maxBytes, out);
+  int readErrno = errno;
+  ::close(fd);
+  if (!ok)
+    return inputError("{}: cannot read: {}", shortened(path, 200), errnoText(readErrno));
+  if (out.size() > format.maxBytes)
+    return inputError("{}: more than {} can need (at most {})", shortened(path, 200),
+                      format.name, humanBytes(format.maxBytes));
+  return out;
+}
+
+llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
+                            llvm::ArrayRef<InputFile> inputs) {
+  const std::string at = prefixOf(flag);
+  if (path == "-")
+    return llvm::Error::success();
+  if (path.empty())
+    return inputError("{}expected a file name or - (standard output), got an empty path", at);
+  struct stat st;
+  if (::stat(path.str().c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode))
+      return inputError("{}{}: is a directory; give a file name", at, shortened(path, 200));
+    if (!S_ISREG(st.st_mode))
+      return inputError("{}{}: is {}; outputs go to regular files or - (standard output)", at,
+                        shortened(path, 200), kindOf(st));
+    if (const InputFile *in = aliasOf(FileId{st.st_dev, st.st_ino}, inputs))
+      return inputError("{}{} is the {} input{}; give the output its own file", at,
+                        shortened(path, 200), in->flag,
+                        in->path == path ? "" : fmt::format(" ({})", shortened(in->path, 200)));
+    return llvm::Error::success();
+  }
+  llvm::StringRef dir = llvm::sys::path::parent_path(path);
+  if (!dir.empty() && !llvm::sys::fs::is_directory(dir))
+    return inputError("{}{}: cannot write: no directory {}", at, shortened(path, 200),
+                      shortened(dir, 200));
+  return llvm::Error::success();
+}
+
+llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
+                                 llvm::ArrayRef<InputFile> inputs) {
+  // Check every destination first, so that one bad path writes nothing at all.
+  std::vector<std::string> seen;
+  for (const OutputFile &f : files) {
+    if (auto err = checkOutputPath(f.flag, f.path, inputs))
+      return err;
+    std::string canonical = f.path == "-" ? "-" : canonicalDestination(f.path);
+    FileId mine;
+    bool exists = f.path != "-" && idOf(f.path, mine);
+    for (size_t i = 0; i < seen.size(); ++i) {
+      FileId other;
+      bool same = seen[i] == canonical ||
+                  (exists && files[i].path != "-" && idOf(files[i].path, other) &&
+                   other.dev == mine.dev && other.ino == mine.ino);
+      if (same)
+        return inputError("{}{} is also the {} output; give each output its own file",
+                          prefixOf(f.flag), shortened(f.path, 200), files[i].flag);
+    }
+    seen.push_back(canonical);
+  }
+  std::vector<llvm::SmallString<256>> temps(files.size());
+  auto cleanup = [&](size_t from) {
+    for (size_t i = from; i < temps.size(); ++i)
+      if (!temps[i].empty())
+        llvm::sys::fs::remove(temps[i]);
+  };
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (files[i].path == "-")
+      continue;
+    if (auto err = writeTemporary(files[i].path, files[i].contents, temps[i])) {
+      cleanup(0);
+      return inputError("{}{}", prefixOf(files[i].flag), takeMessage(std::move(err)));
+    }
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (files[i].path != "-")
+      continue;
+    if (auto err = writeStdout(files[i].contents)) {
+      cleanup(0);
+      return inputError("{}{}", prefixOf(files[i].flag), takeMessage(std::move(err)));
+    }
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (files[i].path == "-")
+      continue;
+    if (std::error_code ec = llvm::sys::fs::rename(temps[i], files[i].path)) {
+      cleanup(i);
+      return inputError("{}{}: cannot write: {}", prefixOf(files[i].flag),
+                        shortened(files[i].path, 200), ec.message());
+    }
+    syncDirectoryOf(files[i].path);
+  }
+  return llvm::Error::success();
+}
+
+llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
+                                llvm::ArrayRef<InputFile> inputs) {
+  return writeFilesAtomically({OutputFile{"", path.str(), contents.str()}}, inputs);
+}
+
+llvm::Error writeStdout(llvm::StringRef text) {
+  errno = 0;
+  size_t written = std::fwrite(text.data(), 1, text.size(), stdout);
+  int code = errno;
+  if (written == text.size() && std::fflush(stdout) == 0 && !std::ferror(stdout))
+    return llvm::Error::success();
+  if (errno != 0)
+    code = errno;
+  return inputError("standard output: cannot write: {}",
+                    code ? errnoText(code) : std::string("a write failed"));
+}
+
+/// The errno of the first failed sayToStdout (0: none).
+static int firstStdoutError = 0;
+
+void sayToStdout(llvm::StringRef text) {
+  errno = 0;
+  if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() && !firstStdoutError)
+    firstStdoutError = errno ? errno : EIO;
+}
+
+llvm::Error finishStdout() {
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout))
+    return llvm::Error::success();
+  int code = firstStdoutError ? firstStdoutError : errno;
+  return inputError("standard output: cannot write: {}",
+                    code ? errnoText(code) : std::string("a write failed"));
+}
+
+uint64_t memoryBudgetBytes() {
+  uint64_t budget = uint64_t(::sysconf(_SC_PHYS_PAGES)) * uint64_t(::sysconf(_SC_PAGESIZE));
+  // A container's limit (cgroup v2, then v1).
+  for (const char *file :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(file);
+    uint64_t limit = 0;
+    if (in >> limit && limit > 0)
+      budget = std::min(budget, limit);
+  }
+  for (int resource : {RLIMIT_AS, RLIMIT_DATA}) {
+    struct rlimit rl;
+    if (::getrlimit(resource, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+      budget = std::min<uint64_t>(budget, uint64_t(rl.rlim_cur));
+  }
+  return budget;
+}
+
+std::string humanBytes(uint64_t bytes) {
+  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = double(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::StringRef fix) {
+  const uint64_t budget = memoryBudgetBytes();
+  if (bytes <= budget)
+    return llvm::Error::success();
+  return inputError("{} needs about {} of memory, more than this machine's {}{}{}", what.str(),
+                    humanBytes(bytes), humanBytes(budget), fix.empty() ? "" : "; ", fix.str());
+}
+
+std::string shortened(llvm::StringRef value, size_t most) {
+  if (value.size() <= most)
+    return value.str();
+  // Cut at character boundaries: never inside a UTF-8 sequence.
+  auto boundary = [&](size_t at) {
+    while (at > 0 && at < value.size() && (uint8_t(value[at]) & 0xC0) == 0x80)
+      --at;
+    return at;
+  };
+  size_t head = boundary(most * 2 / 3), tail = boundary(value.size() - most / 4);
+  return fmt::format("{}...[{} more bytes]...{}", value.take_front(head).str(), tail - head,
+                     value.drop_front(tail).str());
+}
+
+} // namespace pipec

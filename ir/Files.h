@@ -1,0 +1,96 @@
+//===- Files.h - Reading inputs and writing outputs, safely -----*- C++ -*-===//
+//
+// The rules every tool's files follow (docs/reliability.md):
+//  - an input is a regular file (or a pipe, read only up to its limit); a directory, a device
+//    (/dev/zero), a socket, or a file larger than its format could need is refused before a
+//    byte of it is read, and so is one whose parse would need more memory than the machine has;
+//  - an output is a regular file, new or replaced whole (a temporary beside it, fsync, rename),
+//    or `-` for standard output; never a device or other special file, and never one of the
+//    command's inputs: files are compared by device and inode, so a symlink, a hard link or
+//    another spelling of an input's path is caught too;
+//  - a write error (a full disk, a closed pipe) is an InputError naming the output.
+// Every refusal is an InputError (exit 2) with one line naming the flag and the file.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_FILES_H
+#define PIPEC_IR_FILES_H
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <string>
+
+namespace pipec {
+
+/// What a reader accepts from one kind of file.
+struct InputFormat {
+  const char *name;     // "a model spec", for messages
+  uint64_t maxBytes;    // larger files are refused before reading
+  double memoryPerByte; // peak memory of reading it, per byte of the file (JSON trees: ~12)
+};
+
+/// The limits of pipec's formats. A model spec lists at most 10^6 layers (a few hundred bytes
+/// each), a cluster spec is a dozen fields, a plan holds at most a few million instructions.
+inline constexpr InputFormat kModelSpecInput{"a model spec", uint64_t(256) << 20, 12};
+inline constexpr InputFormat kClusterSpecInput{"a cluster spec", uint64_t(1) << 20, 12};
+inline constexpr InputFormat kPlanInput{"a plan", uint64_t(4) << 30, 12};
+inline constexpr InputFormat kTextInput{"a schedule text", uint64_t(1) << 30, 4};
+inline constexpr InputFormat kAnyInput{"an input", uint64_t(1) << 30, 4};
+
+/// Read a whole input file by `format`'s rules; errors name the path.
+llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &format = kAnyInput);
+
+/// Why `path` is not a regular file ("a character device", "a directory", ...), or "" if it is
+/// one; `followLinks` as stat(2) does. Also "" when the path does not exist.
+std::string specialFileKind(llvm::StringRef path);
+
+/// A file a command reads, for the alias check of its outputs.
+struct InputFile {
+  std::string flag, path;
+};
+
+/// A file a command writes: `path` "-" is standard output.
+struct OutputFile {
+  std::string flag, path, contents;
+};
+
+/// The checks an output passes before anything is written: a regular file or a new name in an
+/// existing directory (or "-"), and not the same file as any of `inputs`.
+llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
+                            llvm::ArrayRef<InputFile> inputs);
+
+/// Write several files all or nothing: every check and every temporary first (each fsynced),
+/// then standard output, then the renames. The error names the flag of the file that failed.
+llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
+                                 llvm::ArrayRef<InputFile> inputs = {});
+/// One file the same way; the error names the path.
+llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
+                                llvm::ArrayRef<InputFile> inputs = {});
+
+/// Write `text` to standard output and flush it; a failure (a full disk, a closed pipe) is an
+/// InputError "standard output: cannot write: <why>".
+llvm::Error writeStdout(llvm::StringRef text);
+/// Write `text` to standard output without failing: the first error (with its errno) is
+/// remembered for finishStdout(). For output that must not stop a run (piperun's losses).
+void sayToStdout(llvm::StringRef text);
+/// Flush standard output and report whether anything written to it since the start was lost.
+llvm::Error finishStdout();
+
+/// The memory this process may use: the least of the machine's physical memory, the cgroup's
+/// limit and RLIMIT_AS / RLIMIT_DATA.
+uint64_t memoryBudgetBytes();
+/// "1.50 GiB".
+std::string humanBytes(uint64_t bytes);
+/// An InputError when `bytes` is more than memoryBudgetBytes(): "<what> needs about X of
+/// memory, more than this machine's Y; <fix>".
+llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::StringRef fix);
+
+/// `value` as it may appear in a one-line message: at most `most` characters, a longer one cut
+/// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz").
+std::string shortened(llvm::StringRef value, size_t most = 80);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_FILES_H

@@ -1,0 +1,335 @@
+//===- AttentionSimt.cu - causal attention on the SIMT cores ---------------===//
+//
+// The attention kernels for every case the tensor cores do not take (fp32; bf16 with a head
+// dimension that is not a multiple of 16, over 128, or tensors not 16-byte aligned), and the
+// row dots every backward starts with. Layouts: Attention.cuh. Flash-attention structure:
+// nothing quadratic is stored. The forward streams tiles of 32 keys through shared memory with an
+// online softmax; the backward recomputes the probabilities from lse, in two kernels so that no
+// gradient needs an atomic: one warp per query row for dq, one warp per key row for dk and dv.
+// Inside a tile, lane L owns key (or query) L of the tile for the dot products, and dimension
+// d = lane + 32 r (r < 8, so hd <= 256) for the output accumulators; probabilities move between
+// the two ownerships by warp shuffles. Shared tiles are padded to hd + 1 floats a row, so the
+// lanes' column reads fall in distinct banks. Runs on every GPU the build targets.
+//
+//===----------------------------------------------------------------------===//
+#include "kernels/cuda/Attention.cuh"
+
+#include <cmath>
+#include <type_traits>
+
+namespace pipec::kernels::cuda::attention {
+namespace {
+
+using namespace device;
+
+constexpr int kTile = kWarp;     // keys (or queries) per shared tile: one per lane
+constexpr int kRowsPerBlock = 8; // warps per block, one query (or key) row each
+constexpr int kThreads = kRowsPerBlock * kWarp;
+constexpr int kPerLane = launch::kMaxHeadDim / kWarp;
+static_assert(kTile == kWarp, "lane L owns row L of a tile");
+static_assert(launch::kMaxHeadDim % kWarp == 0, "a lane owns whole strides of the head dim");
+
+/// Copies rows [row0, row0 + kTile) of a (b, h) head into a padded shared tile (pitch hd + 1),
+/// zeros past `rows`; `rowOffset(r)` is the element offset of row r's head. All threads call it.
+template <typename T, typename RowOffset>
+__device__ void loadTile(float *__restrict__ tile, const T *__restrict__ src, int row0, int rows,
+                         int hd, RowOffset rowOffset) {
+  for (int idx = threadIdx.x; idx < kTile * hd; idx += blockDim.x) {
+    const int r = idx / hd, d = idx % hd;
+    const int row = row0 + r;
+    tile[r * (hd + 1) + d] = row < rows ? toFloat(src[rowOffset(row) + d]) : 0.0f;
+  }
+}
+
+/// sum_d a[d] * b[d] over hd values; `a` is read with stride 1 from a warp-private row.
+__device__ __forceinline__ float dot(const float *__restrict__ a, const float *__restrict__ b,
+                                     int hd) {
+  float sum = 0.0f;
+  for (int d = 0; d < hd; ++d)
+    sum += a[d] * b[d];
+  return sum;
+}
+
+// out (B, x, H*hd), lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd).
+// grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    forwardKernel(T *__restrict__ out, float *__restrict__ lse, const T *__restrict__ q,
+                  const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  const int hd = s.headDim, pitch = hd + 1;
+  float *ks = smem;               // (32, hd + 1)
+  float *vs = ks + kTile * pitch; // (32, hd + 1)
+  float *qs = vs + kTile * pitch; // (8, hd)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = t < s.queries;
+  const int pos = s.begin + t; // keys [0, pos] are visible
+  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
+  float *qRow = qs + warp * hd;
+  if (active)
+    for (int d = lane; d < hd; d += kWarp)
+      qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
+
+  float runMax = -INFINITY, runSum = 0.0f, acc[kPerLane] = {};
+  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
+    __syncthreads(); // the previous tile is consumed (and qs written, on the first pass)
+    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
+    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
+    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
+    __syncthreads();
+    if (!active || j0 > pos)
+      continue;
+    const int j = j0 + lane;
+    const float score = j <= pos ? dot(qRow, ks + lane * pitch, hd) * scale : -INFINITY;
+    const float newMax = fmaxf(runMax, warpMax(score)); // finite: key j0 <= pos is visible
+    const float p = j <= pos ? expf(score - newMax) : 0.0f;
+    const float correction = expf(runMax - newMax);
+    runSum = runSum * correction + warpSum(p);
+    runMax = newMax;
+#pragma unroll
+    for (int r = 0; r < kPerLane; ++r)
+      acc[r] *= correction;
+    const int visible = min(kTile, pos - j0 + 1);
+    for (int l = 0; l < visible; ++l) {
+      const float pl = __shfl_sync(kFullMask, p, l);
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd)
+          acc[r] += pl * vs[l * pitch + d];
+      }
+    }
+  }
+  if (!active)
+    return;
+  const float inv = 1.0f / runSum;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd)
+      out[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r] * inv);
+  }
+  if (lane == 0)
+    lse[s.statRow(b, h, t)] = runMax + logf(runSum);
+}
+
+// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP).
+// grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
+template <typename T>
+__global__ void rowDotKernel(float *__restrict__ rowDot, const T *__restrict__ dOut,
+                             const T *__restrict__ out, Dims s) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  if (t >= s.queries)
+    return;
+  const size_t row = s.qRow(b, t, h);
+  float sum = 0.0f;
+  for (int d = lane; d < s.headDim; d += kWarp)
+    sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
+  sum = warpSum(sum);
+  if (lane == 0)
+    rowDot[s.statRow(b, h, t)] = sum;
+}
+
+// dq (B, x, H*hd) = sum_j dS_j k_j, dS_j = p_j (dO . v_j - rowDot) * scale. Grid as forward.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    backwardQueryKernel(T *__restrict__ dq, const T *__restrict__ dOut,
+                        const float *__restrict__ lse, const float *__restrict__ rowDot,
+                        const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                        Dims s, float scale) {
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  const int hd = s.headDim, pitch = hd + 1;
+  float *ks = smem;                     // (32, hd + 1)
+  float *vs = ks + kTile * pitch;       // (32, hd + 1)
+  float *qs = vs + kTile * pitch;       // (8, hd)
+  float *dos = qs + kRowsPerBlock * hd; // (8, hd)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int t = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = t < s.queries;
+  const int pos = s.begin + t;
+  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
+  float *qRow = qs + warp * hd, *doRow = dos + warp * hd;
+  float rowLse = 0.0f, rowD = 0.0f;
+  if (active) {
+    for (int d = lane; d < hd; d += kWarp) {
+      qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
+      doRow[d] = toFloat(dOut[s.qRow(b, t, h) + d]);
+    }
+    rowLse = lse[s.statRow(b, h, t)];
+    rowD = rowDot[s.statRow(b, h, t)];
+  }
+  float acc[kPerLane] = {};
+  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
+    __syncthreads();
+    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
+    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
+    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
+    __syncthreads();
+    if (!active || j0 > pos)
+      continue;
+    const int j = j0 + lane;
+    float ds = 0.0f;
+    if (j <= pos) {
+      const float p = expf(dot(qRow, ks + lane * pitch, hd) * scale - rowLse);
+      ds = p * (dot(doRow, vs + lane * pitch, hd) - rowD) * scale;
+    }
+    const int visible = min(kTile, pos - j0 + 1);
+    for (int l = 0; l < visible; ++l) {
+      const float dsl = __shfl_sync(kFullMask, ds, l);
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd)
+          acc[r] += dsl * ks[l * pitch + d];
+      }
+    }
+  }
+  if (!active)
+    return;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd)
+      dq[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r]);
+  }
+}
+
+// dk, dv (a+x, B, H*hd) fp32 += over the queries t that see key j (a + t >= j):
+//   dv_j += p dO_t;  dk_j += dS q_t.
+// grid (ceil((a+x) / 8), B*H); warp w: key j = blockIdx.x * 8 + w.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    backwardKeyValueKernel(float *__restrict__ dk, float *__restrict__ dv,
+                           const T *__restrict__ dOut, const float *__restrict__ lse,
+                           const float *__restrict__ rowDot, const T *__restrict__ q,
+                           const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
+  PIPEC_DYNAMIC_SHARED(float, smem);
+  const int hd = s.headDim, pitch = hd + 1;
+  float *qs = smem;                            // (32, hd + 1)
+  float *dos = qs + kTile * pitch;             // (32, hd + 1)
+  float *kRows = dos + kTile * pitch;          // (8, hd)
+  float *vRows = kRows + kRowsPerBlock * hd;   // (8, hd)
+  float *lseTile = vRows + kRowsPerBlock * hd; // (32)
+  float *dTile = lseTile + kTile;              // (32)
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int j = blockIdx.x * kRowsPerBlock + warp;
+  const bool active = j < s.keys();
+  float *kRow = kRows + warp * hd, *vRow = vRows + warp * hd;
+  if (active)
+    for (int d = lane; d < hd; d += kWarp) {
+      kRow[d] = toFloat(k[s.kvRow(j, b, h) + d]);
+      vRow[d] = toFloat(v[s.kvRow(j, b, h) + d]);
+    }
+  // The block's first key is seen from query max(0, j0 - a) on.
+  const int firstQuery = max(0, int(blockIdx.x) * kRowsPerBlock - s.begin);
+  float dkAcc[kPerLane] = {}, dvAcc[kPerLane] = {};
+  for (int t0 = firstQuery / kTile * kTile; t0 < s.queries; t0 += kTile) {
+    __syncthreads();
+    auto qOffset = [&](int t) { return s.qRow(b, t, h); };
+    loadTile(qs, q, t0, s.queries, hd, qOffset);
+    loadTile(dos, dOut, t0, s.queries, hd, qOffset);
+    if (threadIdx.x < kTile) {
+      const int t = t0 + threadIdx.x;
+      lseTile[threadIdx.x] = t < s.queries ? lse[s.statRow(b, h, t)] : 0.0f;
+      dTile[threadIdx.x] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+    }
+    __syncthreads();
+    if (!active)
+      continue;
+    const int t = t0 + lane;
+    const bool sees = t < s.queries && s.begin + t >= j;
+    float p = 0.0f, ds = 0.0f;
+    if (sees) {
+      p = expf(dot(kRow, qs + lane * pitch, hd) * scale - lseTile[lane]);
+      ds = p * (dot(vRow, dos + lane * pitch, hd) - dTile[lane]) * scale;
+    }
+    for (int l = 0; l < kTile; ++l) {
+      const float pl = __shfl_sync(kFullMask, p, l);
+      const float dsl = __shfl_sync(kFullMask, ds, l);
+      if (pl == 0.0f && dsl == 0.0f)
+        continue; // uniform across the warp: masked query
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int d = lane + r * kWarp;
+        if (d < hd) {
+          dvAcc[r] += pl * dos[l * pitch + d];
+          dkAcc[r] += dsl * qs[l * pitch + d];
+        }
+      }
+    }
+  }
+  if (!active)
+    return;
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd) {
+      const size_t at = s.kvRow(j, b, h) + d;
+      dk[at] += dkAcc[r];
+      dv[at] += dvAcc[r];
+    }
+  }
+}
+
+// Dynamic shared memory of the kernels for a head dimension.
+size_t forwardSmem(int hd) { return sizeof(float) * (2 * kTile * (hd + 1) + kRowsPerBlock * hd); }
+size_t backwardQuerySmem(int hd) {
+  return sizeof(float) * (2 * kTile * (hd + 1) + 2 * kRowsPerBlock * hd);
+}
+size_t backwardKeySmem(int hd) { return backwardQuerySmem(hd) + sizeof(float) * 2 * kTile; }
+
+} // namespace
+
+cudaError_t simtForward(DType dtype, void *out, float *lse, const void *q, const void *k,
+                        const void *v, const Dims &s, cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return launchWithSmem(forwardKernel<T>, grid, kThreads, forwardSmem(s.headDim),
+                          forwardSmem(launch::kMaxHeadDim), stream, static_cast<T *>(out), lse,
+                          static_cast<const T *>(q), static_cast<const T *>(k),
+                          static_cast<const T *>(v), s, scale);
+  });
+}
+
+cudaError_t rowDot(DType dtype, float *rowDot, const void *dOut, const void *out, const Dims &s,
+                   cudaStream_t stream) {
+  const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    PIPEC_LAUNCH(grid, kThreads, 0, stream, rowDotKernel<T>)
+    (rowDot, static_cast<const T *>(dOut), static_cast<const T *>(out), s);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t simtBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
+                         const float *lse, const float *rowDot, const void *q, const void *k,
+                         const void *v, const Dims &s, cudaStream_t stream) {
+  const float scale = 1.0f / std::sqrt(float(s.headDim));
+  const dim3 queryGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
+  const dim3 keyGrid(ceilDiv(s.keys(), kRowsPerBlock), unsigned(s.batch * s.heads));
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T *dOutT = static_cast<const T *>(dOut);
+    const T *qT = static_cast<const T *>(q), *kT = static_cast<const T *>(k),
+            *vT = static_cast<const T *>(v);
+    if (cudaError_t err =
+            launchWithSmem(backwardQueryKernel<T>, queryGrid, kThreads,
+                           backwardQuerySmem(s.headDim), backwardQuerySmem(launch::kMaxHeadDim),
+                           stream, static_cast<T *>(dq), dOutT, lse, rowDot, qT, kT, vT, s, scale))
+      return err;
+    return launchWithSmem(backwardKeyValueKernel<T>, keyGrid, kThreads, backwardKeySmem(s.headDim),
+                          backwardKeySmem(launch::kMaxHeadDim), stream, dk, dv, dOutT, lse, rowDot,
+                          qT, kT, vT, s, scale);
+  });
+}
+
+} // namespace pipec::kernels::cuda::attention

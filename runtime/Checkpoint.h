@@ -1,0 +1,90 @@
+//===- Checkpoint.h - Training state that survives a crash ------*- C++ -*-===//
+//
+// `piperun --save-dir D [--save-every N]` and `--resume D` (DESIGN §4; docs/reliability.md).
+// A checkpoint is a directory D/step-<8 digits> holding
+//   layer-<5 digits>.bin  one per model layer (embedding, blocks, head): the layer's weights and
+//                         AdamW moments WHOLE, tp shards joined (kernels::unshardLayer), so that
+//                         a checkpoint saved under one pp/vpp/tp/schedule resumes under another
+//   manifest.json         "pipeckpt/1": the step, the model, the layout it was saved under and
+//                         a hash of its plan, the data position and seed (the data and the
+//                         initialisation come from counter-based generators, so (seed, next
+//                         sequence) is the whole RNG state), and every layer file's size and
+//                         64-bit digest.
+// Every file is written to a temporary beside its name, fsynced and renamed; the manifest is
+// committed last (then the directory is fsynced), so a checkpoint without a manifest is
+// incomplete and is ignored. Killing the process at any instant leaves the previous checkpoint
+// whole: a save never touches another step's directory, and older checkpoints (all but the two
+// newest) are removed only after the new manifest is committed, manifest first.
+//
+// A layer file: the 8 bytes "PIPECKPT", then little-endian u32 version (1), u32 layer, u64 n,
+// then three arrays of n float32 (weights, first moment, second moment).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_CHECKPOINT_H
+#define PIPEC_RUNTIME_CHECKPOINT_H
+
+#include "ir/CheckpointJson.h"
+#include "ir/Plan.h"
+
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+/// One layer's training state, whole (tp = 1 layout).
+struct LayerState {
+  std::vector<float> weights, firstMoment, secondMoment;
+};
+
+/// A 64-bit hex digest of the plan's JSON (stats left out): equal plans hash equal.
+std::string planHash(const Plan &plan);
+
+/// Test hook: when PIPEC_CHECKPOINT_KILL_AT=N is set, the N-th point of this process's saves
+/// (before and after every write, fsync, rename and removal) sends SIGKILL to the process
+/// itself, so that a test can stop a save at every instant it has.
+void checkpointKillPoint();
+
+/// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one
+/// layer's whole state, for every layer of `manifest.model`; the manifest's layer entries are
+/// filled here. Keeps the two newest checkpoints in `dir`.
+llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
+                           const std::function<void(int, LayerState &)> &gather);
+
+/// What --save-dir `dir` must be before a run starts: a directory (or a new name in an existing
+/// one) without committed checkpoints, unless it is `resumeDir` itself, whose newest step the
+/// run continues from.
+llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
+
+/// A committed checkpoint found by openCheckpoint.
+struct Checkpoint {
+  std::string path; // D/step-<n>
+  CheckpointManifest manifest;
+};
+
+/// The newest committed checkpoint in `dir` (its manifest read and checked); an InputError
+/// naming `--resume` and the directory when there is none or its manifest is bad.
+llvm::Expected<Checkpoint> openCheckpoint(llvm::StringRef dir);
+
+/// An InputError naming the first difference that stops `ckpt` from resuming `plan`: another
+/// model (field by field), another global batch (dp · microbatches · microbatch_size), another
+/// seed (when `seed` is given) or another data source.
+llvm::Error checkResumable(const Checkpoint &ckpt, const Plan &plan, std::optional<uint64_t> seed,
+                           llvm::StringRef data);
+
+/// Read layer `layer` of `ckpt`, checking its size, header and digest against the manifest;
+/// an InputError naming the file otherwise.
+llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &out);
+
+/// One line on what a resume does: "resuming from D/step-00000003 (step 3; saved by this
+/// plan)" or "(...; saved under pp=2 vpp=1 tp=1 1f1b, resharded for this plan)".
+std::string describeResume(const Checkpoint &ckpt, const Plan &plan);
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_CHECKPOINT_H

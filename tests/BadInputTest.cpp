@@ -1,0 +1,607 @@
+//===- BadInputTest.cpp - A catalogue of bad inputs, each with its one line -------------===//
+//
+// Every case runs the real pipec or piperun in a directory of its own, prepared with the files
+// it needs, and expects what the house rules promise for bad input (docs/reliability.md): exit
+// code 2, exactly one line on standard error naming the problem, and not one file more, less or
+// changed in the directory afterwards (no output, no temporary, no input overwritten). The
+// cases are those a hostile user tried (issue 36): flags out of range, special files and
+// oversized inputs, outputs onto inputs or devices, sizes past the machine's memory, a full
+// disk and a closed pipe on standard output, fields past their types, long values, checkpoints
+// of another model.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using pipec::testing::slurp;
+using pipec::testing::tmpDir;
+using Json = nlohmann::json;
+
+/// Where a case's standard output goes.
+enum class Stdout {
+  File,       // a file outside the case's directory
+  Full,       // /dev/full: every write fails with ENOSPC
+  ClosedPipe, // a pipe whose read end is closed: every write fails with EPIPE
+};
+
+struct Case {
+  std::string name;
+  /// Prepares the case's directory (its files are what must be unchanged afterwards).
+  std::function<void(const std::string &dir)> setup;
+  /// A shell command run in the directory; $PIPEC and $PIPERUN are the tools.
+  std::string command;
+  /// What the one line must contain.
+  std::string needle;
+  Stdout out = Stdout::File;
+};
+
+std::string runfiles() { return fs::current_path().string(); }
+
+void spit(const std::string &path, const std::string &text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+/// A file of `bytes` bytes that takes no room on disk (a hole).
+void sparse(const std::string &path, off_t bytes) {
+  spit(path, "");
+  ASSERT_EQ(::truncate(path.c_str(), bytes), 0) << path;
+}
+
+void copyExample(const std::string &dir, const std::string &name) {
+  fs::copy_file(runfiles() + "/examples/" + name, dir + "/" + name);
+}
+
+/// `pipec compile` of examples/<model> into dir/<out>, for cases that start from a good plan.
+void compileInto(const std::string &dir, const std::string &model, const std::string &flags,
+                 const std::string &out) {
+  std::string cmd = runfiles() + "/tools/pipec compile --quiet --model " + runfiles() +
+                    "/examples/" + model + " " + flags + " -o " + dir + "/" + out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+/// Read, edit and write back a JSON file.
+void editJson(const std::string &path, const std::function<void(Json &)> &edit) {
+  Json j = Json::parse(slurp(path));
+  edit(j);
+  spit(path, j.dump(1));
+}
+
+/// Every file under `dir` with its size and contents' hash: what must not change.
+std::map<std::string, std::string> snapshot(const std::string &dir) {
+  std::map<std::string, std::string> files;
+  for (auto it = fs::recursive_directory_iterator(dir); it != fs::recursive_directory_iterator();
+       ++it) {
+    std::string rel = fs::relative(it->path(), dir).string();
+    if (it->is_symlink()) {
+      files[rel] = "-> " + fs::read_symlink(it->path()).string();
+      continue;
+    }
+    if (it->is_directory()) {
+      files[rel] = "dir";
+      continue;
+    }
+    if (!it->is_regular_file()) {
+      files[rel] = "special";
+      continue;
+    }
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(it->path(), ec);
+    std::string sig = std::to_string(size);
+    if (size <= (1u << 20)) // small files: their bytes too
+      sig += ":" + std::to_string(std::hash<std::string>()(slurp(it->path().string())));
+    files[rel] = sig;
+  }
+  return files;
+}
+
+size_t lines(const std::string &s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
+
+struct Outcome {
+  int code = -1;
+  std::string out, err;
+};
+
+/// Runs `command` in `dir` through the shell with standard output as `where` says.
+Outcome runIn(const std::string &dir, const std::string &command, Stdout where) {
+  const std::string errPath = tmpDir() + "/case-stderr.txt", outPath = tmpDir() + "/case-stdout.txt";
+  const std::string env = "PIPEC=" + runfiles() + "/tools/pipec PIPERUN=" + runfiles() +
+                          "/tools/piperun; export PIPEC PIPERUN; cd " + dir + " && ";
+  const std::string script = env + "(" + command + ")";
+  Outcome o;
+  if (where != Stdout::ClosedPipe) {
+    std::string sink = where == Stdout::Full ? std::string("/dev/full") : outPath;
+    std::string full = "/bin/sh -c '" + script + "' >" + sink + " 2>" + errPath;
+    int status = std::system(full.c_str());
+    o.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    o.out = where == Stdout::File ? slurp(outPath) : "";
+    o.err = slurp(errPath);
+    return o;
+  }
+  // A pipe nobody reads: its read end is closed before the command starts, so its first write
+  // fails with EPIPE (the tools ignore SIGPIPE) whatever the timing.
+  int fds[2];
+  if (::pipe(fds) != 0)
+    return o;
+  ::close(fds[0]);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int err = ::open(errPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fds[1], 1);
+    ::dup2(err, 2);
+    ::signal(SIGPIPE, SIG_DFL); // as a shell would start it: the tool itself must ignore it
+    ::execl("/bin/sh", "sh", "-c", script.c_str(), static_cast<char *>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  o.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  o.err = slurp(errPath);
+  return o;
+}
+
+const char *kTiny = "tiny-gpt.json";
+const char *kUniform = "uniform-8.json";
+const std::string kCompileUniform =
+    "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 4 --microbatches 8";
+
+void withUniform(const std::string &dir) { copyExample(dir, kUniform); }
+void withTiny(const std::string &dir) { copyExample(dir, kTiny); }
+void withPlan(const std::string &dir) { compileInto(dir, kUniform, "--schedule 1f1b --pp 2 --microbatches 2", "p.json"); }
+void withTinyPlan(const std::string &dir) {
+  compileInto(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 2", "p.json");
+}
+
+/// A model spec with `edit` applied to the uniform-8 example.
+std::function<void(const std::string &)> modelWith(std::function<void(Json &)> edit) {
+  return [edit](const std::string &dir) {
+    copyExample(dir, kUniform);
+    editJson(dir + "/" + kUniform, edit);
+  };
+}
+
+/// A transformer spec with `edit` applied to the tiny-gpt example.
+std::function<void(const std::string &)> tinyWith(std::function<void(Json &)> edit) {
+  return [edit](const std::string &dir) {
+    copyExample(dir, kTiny);
+    editJson(dir + "/" + kTiny, edit);
+  };
+}
+
+/// A cluster spec of the H100 example with `edit` applied.
+std::function<void(const std::string &)> clusterWith(std::function<void(Json &)> edit) {
+  return [edit](const std::string &dir) {
+    copyExample(dir, kUniform);
+    copyExample(dir, "h100-2nodes.json");
+    editJson(dir + "/h100-2nodes.json", edit);
+  };
+}
+
+/// A compiled tiny-gpt plan with `edit` applied.
+std::function<void(const std::string &)> planWith(std::function<void(Json &)> edit) {
+  return [edit](const std::string &dir) {
+    withTinyPlan(dir);
+    editJson(dir + "/p.json", edit);
+  };
+}
+
+/// A checkpoint of tiny-gpt (pp 2, 2 microbatches) after 1 step in dir/ck, and its plan p.json.
+void withCheckpoint(const std::string &dir) {
+  withTinyPlan(dir);
+  std::string cmd = "cd " + dir + " && " + runfiles() +
+                    "/tools/piperun p.json --steps 1 --save-dir ck >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+const std::string kClusterCompile =
+    "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cluster "
+    "h100-2nodes.json";
+
+std::vector<Case> catalogue() {
+  std::vector<Case> c;
+  auto add = [&](std::string name, std::function<void(const std::string &)> setup,
+                 std::string command, std::string needle, Stdout out = Stdout::File) {
+    c.push_back(Case{std::move(name), std::move(setup), std::move(command), std::move(needle),
+                     out});
+  };
+  // --- Flags -----------------------------------------------------------------------------
+  add("PpZero", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 0 "
+      "--microbatches 8", "--pp must be at least 1 (got 0); try 1");
+  add("PpNotANumber", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp four --microbatches 8", "--pp expects an integer (got 'four')");
+  add("PpAboveItsMaximum", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 99999999999 --microbatches 8", "--pp must be at most 16777216");
+  add("MicrobatchesMissing", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 4", "missing --microbatches");
+  add("UnknownSchedule", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1c "
+      "--pp 4 --microbatches 8", "--schedule: unknown schedule '1f1c'");
+  add("UnknownFlagSuggestsTheNearest", withUniform, kCompileUniform + " --ppp 4",
+      "unknown flag --ppp; did you mean --pp?");
+  add("FlagGivenTwice", withUniform, kCompileUniform + " --pp 2", "--pp given twice");
+  add("FlagWithoutItsValue", withUniform, kCompileUniform + " --tp", "--tp needs a value");
+  add("MemoryLimitNotABytes", withUniform, kCompileUniform + " --memory-limit lots",
+      "--memory-limit expects a positive byte count");
+  add("UnexpectedPositional", withUniform, kCompileUniform + " extra.json",
+      "unexpected argument 'extra.json'");
+  add("TpNotDividingTheHeads", withTiny, "$PIPEC compile --model tiny-gpt.json --schedule 1f1b "
+      "--pp 2 --microbatches 2 --tp 3", "--tp 3 must divide num_attention_heads (4)");
+  add("MoreStagesThanLayers", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 16 --microbatches 8", "every stage needs at least one layer; try --pp 8");
+  add("UnknownCommand", nullptr, "$PIPEC compiel", "unknown command 'compiel'");
+  add("PipecWithoutArguments", nullptr, "$PIPEC", "expected a command");
+  add("PiperunWithoutArguments", nullptr, "$PIPERUN", "expected a plan file");
+  // --- Sizes: run, or refused up front with the memory they need ---------------------------
+  add("PpTimesMicrobatchesAtTheMaximum", withUniform, "$PIPEC compile --model uniform-8.json "
+      "--schedule gpipe --pp 4096 --microbatches 16777216", "beyond what pipec plans (2^24)");
+  // 4096 layers, each with its two tp reduction points: tens of TiB, past any machine.
+  add("PlanLargerThanTheMachineRefusedWithItsMemory",
+      modelWith([](Json &j) { j["layers"][0]["count"] = 4096; }),
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 8 --microbatches 2097152 "
+      "--tp 8", "instructions) needs about");
+  add("PlanLargerThanTheMachineNamesTheFlags",
+      modelWith([](Json &j) { j["layers"][0]["count"] = 4096; }),
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 8 --microbatches 2097152 "
+      "--tp 8", "TiB of memory, more than this machine's");
+  add("VocabularyOf2To20OnTheCpuBackendRefusedWithItsMemory",
+      [](const std::string &dir) {
+        spit(dir + "/big.json",
+             R"({"format": "pipemodel/1", "name": "big-vocab", "transformer": {"num_layers": 4,
+                "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 1048576,
+                "seq_length": 16, "microbatch_size": 1, "dtype": "fp32"}})");
+        std::string cmd = "cd " + dir + " && " + runfiles() +
+                          "/tools/pipec compile --quiet --model big.json --schedule 1f1b --pp 1 "
+                          "--microbatches 1 -o p.json";
+        ASSERT_EQ(std::system(cmd.c_str()), 0);
+      },
+      "$PIPERUN p.json --backend cpu",
+      "the cpu backend's run of model 'big-vocab' (vocab_size 1048576, hidden_size 4096, 4 "
+      "layers; 1 rank threads) needs about");
+  // --- Input files -------------------------------------------------------------------------
+  add("ModelFileMissing", nullptr, "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "
+      "--microbatches 2", "--model: gone.json: cannot read: No such file or directory");
+  add("ModelIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/m"); },
+      "$PIPEC compile --model m --schedule 1f1b --pp 2 --microbatches 2",
+      "--model: m: cannot read: is a directory");
+  add("ModelIsDevZero", nullptr, "$PIPEC compile --model /dev/zero --schedule 1f1b --pp 2 "
+      "--microbatches 2", "/dev/zero: cannot read: is a character device, not a model spec");
+  add("ModelIsDevUrandom", nullptr, "$PIPEC compile --model /dev/urandom --schedule 1f1b --pp 2 "
+      "--microbatches 2", "is a character device, not a model spec");
+  add("ModelLargerThanTheFormatNeeds",
+      [](const std::string &dir) { sparse(dir + "/huge.json", off_t(300) << 20); },
+      "$PIPEC compile --model huge.json --schedule 1f1b --pp 2 --microbatches 2",
+      "huge.json: 300.00 MiB is more than a model spec can need (at most 256.00 MiB)");
+  add("ClusterLargerThanTheFormatNeeds",
+      [](const std::string &dir) {
+        withUniform(dir);
+        sparse(dir + "/c.json", off_t(2) << 20);
+      },
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cluster "
+      "c.json", "c.json: 2.00 MiB is more than a cluster spec can need (at most 1.00 MiB)");
+  add("ModelEmpty", [](const std::string &dir) { spit(dir + "/e.json", ""); },
+      "$PIPEC compile --model e.json --schedule 1f1b --pp 2 --microbatches 2", "malformed JSON");
+  add("ModelMalformed", [](const std::string &dir) { spit(dir + "/m.json", "{\"format\": [}"); },
+      "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
+      "m.json:1:13: malformed JSON");
+  add("ModelNestedTooDeep",
+      [](const std::string &dir) { spit(dir + "/m.json", std::string(100, '[')); },
+      "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
+      "JSON nested 100 levels deep");
+  add("ModelUnknownField", modelWith([](Json &j) { j["pp"] = 4; }),
+      kCompileUniform, "$.pp: unknown field");
+  add("ModelFieldNameOf50MBShortened",
+      modelWith([](Json &j) { j[std::string(50u << 20, 'k')] = 1; }), kCompileUniform,
+      "more bytes]");
+  add("ModelValueOf50MBShortened",
+      modelWith([](Json &j) { j["format"] = std::string(50u << 20, 'v'); }), kCompileUniform,
+      "$.format: expected \"pipemodel/1\", got \"vvvv");
+  add("ModelNumberPastADouble",
+      [](const std::string &dir) {
+        spit(dir + "/m.json", R"({"format": "pipemodel/1", "layers": [{"forward": 1e400,
+            "backward_input": 1, "backward_weight": 1}]})");
+      },
+      "$PIPEC compile --model m.json --schedule 1f1b --pp 1 --microbatches 2",
+      "a number is out of range");
+  add("ModelLayerCountOfTenMillion",
+      modelWith([](Json &j) { j["layers"][0]["count"] = 10000000; }), kCompileUniform,
+      "$.layers[0].count: expected at most 1000000");
+  add("ModelTpAllReducesPastItsBound",
+      modelWith([](Json &j) { j["layers"][0]["tp_allreduces"] = 5000; }), kCompileUniform,
+      "$.layers[0].tp_allreduces: expected at most 1000, got 5000");
+  add("ModelWeightGradPastActivation",
+      modelWith([](Json &j) { j["layers"][0]["weight_grad_bytes"] = 2097152; }),
+      kCompileUniform, "weight_grad_bytes: expected at most activation_bytes");
+  add("ModelBothLayersAndTransformer",
+      tinyWith([](Json &j) { j["layers"] = Json::array(); }),
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "expected exactly one of \"layers\" (abstract model) or \"transformer\", got both");
+  add("ModelDtypeUnknown", tinyWith([](Json &j) { j["transformer"]["dtype"] = "fp8"; }),
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "$.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got \"fp8\"");
+  add("ModelHeadsNotDividingHidden",
+      tinyWith([](Json &j) { j["transformer"]["num_attention_heads"] = 5; }),
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "num_attention_heads: expected a divisor of hidden_size (32), got 5");
+  add("ModelVocabularyPastItsBound",
+      tinyWith([](Json &j) { j["transformer"]["vocab_size"] = int64_t(1) << 28; }),
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "$.transformer.vocab_size: expected at most 134217728");
+  add("ClusterGpusPerNode2To32",
+      clusterWith([](Json &j) { j["gpus_per_node"] = int64_t(1) << 32; }), kClusterCompile,
+      "$.gpus_per_node: expected an integer in [1, 65536], got number 4294967296");
+  add("ClusterGpusPerNode2To31",
+      clusterWith([](Json &j) { j["gpus_per_node"] = int64_t(1) << 31; }), kClusterCompile,
+      "$.gpus_per_node: expected an integer in [1, 65536], got number 2147483648");
+  add("ClusterGpusPerNodeZero", clusterWith([](Json &j) { j["gpus_per_node"] = 0; }),
+      kClusterCompile, "$.gpus_per_node: expected an integer in [1, 65536], got number 0");
+  add("ClusterAchievedFractionAboveOne",
+      clusterWith([](Json &j) { j["device"]["achieved_fraction"] = 2; }), kClusterCompile,
+      "achieved_fraction: expected a number in (0, 1], got 2");
+  add("ClusterWrongFormat", clusterWith([](Json &j) { j["format"] = "pipemodel/1"; }),
+      kClusterCompile, "$.format: expected \"pipecluster/1\", got \"pipemodel/1\"");
+  // --- Outputs -----------------------------------------------------------------------------
+  add("OutputIsTheModel", withUniform, kCompileUniform + " -o uniform-8.json",
+      "-o: uniform-8.json is the --model input; give the output its own file");
+  add("OutputIsAHardLinkOfTheModel",
+      [](const std::string &dir) {
+        withUniform(dir);
+        fs::create_hard_link(dir + "/uniform-8.json", dir + "/linked.json");
+      },
+      kCompileUniform + " -o linked.json", "-o: linked.json is the --model input");
+  add("OutputIsASymlinkToTheModel",
+      [](const std::string &dir) {
+        withUniform(dir);
+        fs::create_symlink("uniform-8.json", dir + "/alias.json");
+      },
+      kCompileUniform + " -o alias.json", "-o: alias.json is the --model input");
+  add("OutputIsTheModelSpelledAnotherWay",
+      [](const std::string &dir) {
+        withUniform(dir);
+        fs::create_directory(dir + "/sub");
+      },
+      kCompileUniform + " -o sub/../uniform-8.json", "is the --model input");
+  add("OutputIsTheCluster",
+      [](const std::string &dir) {
+        withUniform(dir);
+        copyExample(dir, "h100-2nodes.json");
+      },
+      kCompileUniform + " --cluster h100-2nodes.json --trace h100-2nodes.json",
+      "--trace: h100-2nodes.json is the --cluster input");
+  add("OutputOntoDevNull", withUniform, kCompileUniform + " -o /dev/null",
+      "-o: /dev/null: is a character device; outputs go to regular files or - (standard output)");
+  add("OutputIsADirectory",
+      [](const std::string &dir) {
+        withUniform(dir);
+        fs::create_directory(dir + "/out");
+      },
+      kCompileUniform + " -o out", "-o: out: is a directory; give a file name");
+  add("OutputInAMissingDirectory", withUniform, kCompileUniform + " -o no/such/plan.json",
+      "-o: no/such/plan.json: cannot write: no directory no/such");
+  add("TraceIsAlsoTheOutput", withUniform, kCompileUniform + " -o p.json --trace p.json",
+      "--trace: p.json is also the -o output");
+  add("BothOutputsOnStandardOutput", withUniform, kCompileUniform + " -o - --trace -",
+      "--trace: - is also the -o output");
+  add("ShowWithThePlanOnStandardOutput", withUniform, kCompileUniform + " -o - --show",
+      "--show prints the grid to standard output, which -o - fills");
+  add("SimulateTraceOntoThePlan", withPlan, "$PIPEC simulate p.json --trace p.json",
+      "--trace: p.json is the plan input");
+  add("CompileSummaryOntoAFullDisk", withUniform, kCompileUniform,
+      "standard output: cannot write: No space left on device", Stdout::Full);
+  add("CompilePlanOntoAFullDisk", withUniform, kCompileUniform + " -o -",
+      "-o: standard output: cannot write: No space left on device", Stdout::Full);
+  add("ShowOntoAFullDisk", withPlan, "$PIPEC show p.json",
+      "standard output: cannot write: No space left on device", Stdout::Full);
+  add("ListSchedulesOntoAFullDisk", nullptr, "$PIPEC list-schedules",
+      "standard output: cannot write: No space left on device", Stdout::Full);
+  add("ShowIntoAClosedPipe", withPlan, "$PIPEC show p.json",
+      "standard output: cannot write: Broken pipe", Stdout::ClosedPipe);
+  add("CompileIntoAClosedPipe", withUniform, kCompileUniform + " -o -",
+      "standard output: cannot write: Broken pipe", Stdout::ClosedPipe);
+  add("PiperunLossesOntoAFullDisk", withTinyPlan, "$PIPERUN p.json --steps 2",
+      "standard output: cannot write: No space left on device", Stdout::Full);
+  add("PiperunLossesIntoAClosedPipe", withTinyPlan, "$PIPERUN p.json --steps 2",
+      "standard output: cannot write: Broken pipe", Stdout::ClosedPipe);
+  // --- Plans -------------------------------------------------------------------------------
+  add("PlanIsDevZero", nullptr, "$PIPEC validate /dev/zero",
+      "/dev/zero: cannot read: is a character device, not a plan");
+  add("PlanIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/p"); },
+      "$PIPEC validate p", "p: cannot read: is a directory");
+  add("PlanLargerThanTheFormatNeeds",
+      [](const std::string &dir) { sparse(dir + "/p.json", off_t(5) << 30); },
+      "$PIPEC validate p.json", "p.json: 5.00 GiB is more than a plan can need (at most 4.00 GiB)");
+  add("PiperunPlanIsDevZero", nullptr, "$PIPERUN /dev/zero",
+      "/dev/zero: cannot read: is a character device, not a plan");
+  add("PlanSeqSlicesPastTheSequence",
+      planWith([](Json &j) { j["seq_slices"][0][1] = 32; }), "$PIPEC validate p.json",
+      "$.seq_slices[0]: expected [0, end) with 0 < end <= seq_length 16, got an array");
+  add("PlanSeqSlicesShortOfTheSequence",
+      planWith([](Json &j) { j["seq_slices"][0][1] = 8; }), "$PIPEC validate p.json",
+      "$.seq_slices[0]: expected a last slice ending at the model's seq_length 16");
+  add("PlanTopologyGpusPerNode2To32",
+      planWith([](Json &j) { j["topology"]["gpus_per_node"] = int64_t(1) << 32; }),
+      "$PIPEC validate p.json", "$.topology.gpus_per_node: expected an integer in [1, 65536]");
+  add("PlanStageLayersPastAnyModel",
+      planWith([](Json &j) { j["stages"][1]["layers"][1] = int64_t(1) << 40; }),
+      "$PIPEC validate p.json", "$.stages[1].layers: expected [first, end) with 0 <= first < end");
+  add("PlanPp2To31", planWith([](Json &j) { j["parallel"]["pp"] = int64_t(1) << 31; }),
+      "$PIPEC validate p.json", "$.parallel.pp: expected an integer below 2^31");
+  add("PlanFieldNameOf50MBShortened",
+      planWith([](Json &j) { j[std::string(50u << 20, 'x')] = 0; }), "$PIPEC validate p.json",
+      "more bytes]");
+  add("PlanWrongFormat", planWith([](Json &j) { j["format"] = "pipeplan/9"; }),
+      "$PIPEC validate p.json", "$.format: expected \"pipeplan/1\", got \"pipeplan/9\"");
+  // --- piperun -----------------------------------------------------------------------------
+  add("DataIsDevZero", withTinyPlan, "$PIPERUN p.json --data /dev/zero",
+      "--data: /dev/zero: cannot read: is a character device, not a token file");
+  add("DataIsADirectory",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directory(dir + "/d");
+      },
+      "$PIPERUN p.json --data d", "--data: d: cannot read: is a directory");
+  add("DataOfAnOddByteCount",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        spit(dir + "/t.bin", std::string(101, '\1'));
+      },
+      "$PIPERUN p.json --data t.bin", "101 bytes is not a whole number of uint16 ids");
+  add("DataTokenPastTheVocabulary",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        spit(dir + "/t.bin", std::string(200, '\x7f'));
+      },
+      "$PIPERUN p.json --data t.bin", "is outside the model's vocab_size 64");
+  add("StepsZero", withTinyPlan, "$PIPERUN p.json --steps 0", "--steps must be at least 1");
+  add("UnknownBackend", withTinyPlan, "$PIPERUN p.json --backend tpu",
+      "--backend: unknown backend 'tpu' (known: cpu, cuda, nccl); try cpu");
+  add("CpuBackendInBf16", withTinyPlan, "$PIPERUN p.json --dtype bf16",
+      "--dtype bf16: the cpu backend computes in fp32 only");
+  add("LearningRateNegative", withTinyPlan, "$PIPERUN p.json --lr -1",
+      "--lr expects a positive number");
+  add("AbstractModelOnTheCpuBackend", withPlan, "$PIPERUN p.json",
+      "is an abstract layer list; the cpu backend runs transformer models");
+  // --- Checkpoints -------------------------------------------------------------------------
+  add("SaveEveryWithoutSaveDir", withTinyPlan, "$PIPERUN p.json --save-every 2",
+      "--save-every needs --save-dir");
+  add("SaveDirIsAFile",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        spit(dir + "/ck", "x");
+      },
+      "$PIPERUN p.json --save-dir ck", "--save-dir: ck: is a file, not a directory");
+  add("SaveDirHoldingCheckpointsNotResumed", withCheckpoint,
+      "$PIPERUN p.json --save-dir ck", "--save-dir: ck already holds checkpoints (step 1)");
+  add("ResumeFromNoDirectory", withTinyPlan, "$PIPERUN p.json --resume gone",
+      "--resume: gone: no such directory");
+  add("ResumeFromAnEmptyDirectory",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directory(dir + "/ck");
+      },
+      "$PIPERUN p.json --resume ck", "--resume: ck holds no complete checkpoint");
+  add("ResumeAnotherModel",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        copyExample(dir, kTiny);
+        editJson(dir + "/" + kTiny, [](Json &j) { j["transformer"]["hidden_size"] = 64; });
+        std::string cmd = "cd " + dir + " && " + runfiles() +
+                          "/tools/pipec compile --quiet --model tiny-gpt.json --schedule 1f1b "
+                          "--pp 2 --microbatches 2 -o wide.json";
+        ASSERT_EQ(std::system(cmd.c_str()), 0);
+      },
+      "$PIPERUN wide.json --resume ck",
+      "is of another model: its hidden_size is 32, the plan's is 64");
+  add("ResumeAnotherGlobalBatch",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        compileInto(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 4", "four.json");
+      },
+      "$PIPERUN four.json --resume ck",
+      "was saved with 2 microbatches a step (dp 1 x microbatches 2), this plan takes 4");
+  add("ResumeWithAnotherSeed", withCheckpoint, "$PIPERUN p.json --resume ck --seed 7",
+      "was saved by a run with --seed 1, not 7");
+  add("ResumeADamagedLayerFile",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        std::string layer = dir + "/ck/step-00000001/layer-00002.bin";
+        std::fstream f(layer, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(100);
+        f.put('\x55');
+      },
+      "$PIPERUN p.json --resume ck", "layer-00002.bin: its digest is");
+  add("ResumeAManifestOfAnotherFormat",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        editJson(dir + "/ck/step-00000001/manifest.json",
+                 [](Json &j) { j["format"] = "pipeckpt/0"; });
+      },
+      "$PIPERUN p.json --resume ck", "$.format: expected \"pipeckpt/1\", got \"pipeckpt/0\"");
+  // (Without a GPU or a CUDA build the backend itself is refused first, with the same advice.)
+  add("ResumeOnTheCudaBackend", withCheckpoint, "$PIPERUN p.json --backend cuda --resume ck",
+      "use --backend cpu");
+  return c;
+}
+
+class BadInput : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BadInput, IsExitTwoWithOneLineNamingItAndLeavesNoFile) {
+  const Case &k = GetParam();
+  const std::string dir = tmpDir() + "/case-" + k.name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  if (k.setup)
+    k.setup(dir);
+  const auto before = snapshot(dir);
+  Outcome o = runIn(dir, k.command, k.out);
+  EXPECT_EQ(o.code, 2) << k.command << "\n" << o.err;
+  EXPECT_EQ(lines(o.err), 1u) << o.err.substr(0, 2000);
+  EXPECT_EQ(o.err.back(), '\n');
+  EXPECT_NE(o.err.find(k.needle), std::string::npos)
+      << "wanted: " << k.needle << "\ngot: " << o.err.substr(0, 2000);
+  EXPECT_LT(o.err.size(), 4200u) << "the line is not shortened";
+  EXPECT_EQ(snapshot(dir), before) << "the directory changed: a file was left, lost or altered";
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Catalogue, BadInput, ::testing::ValuesIn(catalogue()),
+                         [](const ::testing::TestParamInfo<Case> &info) {
+                           return info.param.name;
+                         });
+
+TEST(BadInputCatalogue, HoldsAtLeastSixtyCases) { EXPECT_GE(catalogue().size(), 60u); }
+
+TEST(Usage, WithoutArgumentsGoesToStandardOutput) {
+  const std::string dir = tmpDir() + "/usage";
+  fs::create_directories(dir);
+  Outcome o = runIn(dir, "$PIPEC", Stdout::File);
+  EXPECT_EQ(o.code, 2);
+  EXPECT_NE(o.out.find("usage: pipec <command>"), std::string::npos) << o.out;
+  o = runIn(dir, "$PIPERUN", Stdout::File);
+  EXPECT_EQ(o.code, 2);
+  EXPECT_NE(o.out.find("usage: piperun plan.json"), std::string::npos) << o.out;
+}
+
+TEST(Outputs, StandardOutputTakesThePlanAlone) {
+  const std::string dir = tmpDir() + "/stdout-plan";
+  fs::create_directories(dir);
+  withUniform(dir);
+  Outcome o = runIn(dir, kCompileUniform + " -o -", Stdout::File);
+  ASSERT_EQ(o.code, 0) << o.err;
+  Json plan = Json::parse(o.out); // nothing but the plan: no summary mixed in
+  EXPECT_EQ(plan["format"], "pipeplan/1");
+}
+
+TEST(Outputs, ARegularFileIsReplacedWholeAndTheModelIsUntouched) {
+  const std::string dir = tmpDir() + "/replace";
+  fs::create_directories(dir);
+  withUniform(dir);
+  spit(dir + "/p.json", "old");
+  const std::string model = slurp(dir + "/uniform-8.json");
+  Outcome o = runIn(dir, kCompileUniform + " -o p.json", Stdout::File);
+  ASSERT_EQ(o.code, 0) << o.err;
+  EXPECT_EQ(Json::parse(slurp(dir + "/p.json"))["format"], "pipeplan/1");
+  EXPECT_EQ(slurp(dir + "/uniform-8.json"), model);
+}
+
+} // namespace

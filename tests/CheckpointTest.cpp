@@ -1,0 +1,286 @@
+//===- CheckpointTest.cpp - Checkpoints survive a crash and resume exactly ---------------===//
+//
+// The real piperun, in real processes (runtime/Checkpoint.h, docs/reliability.md):
+//  - 3 steps, a checkpoint, a resume and 3 more give the uninterrupted 6-step run's losses and,
+//    bit for bit, its weights and AdamW moments (the two step-6 checkpoints are equal bytes);
+//  - a save killed (SIGKILL) at every point it has (before and after every write, fsync,
+//    rename and removal; PIPEC_CHECKPOINT_KILL_AT) leaves the previous checkpoint whole, and
+//    the newest committed one resumes to the uninterrupted run's losses; the next save cleans
+//    up what the killed one left;
+//  - kills at random instants of a run that saves every step, the same;
+//  - a checkpoint saved under one layout (pp, tp, dp x microbatches, schedule) resumes under
+//    another, to the same losses within fp32 rounding, and passes --check-reference;
+//  - --save-every keeps the two newest checkpoints.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+
+#include "ir/Error.h"
+#include "runtime/Checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <regex>
+#include <signal.h>
+#include <string>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using pipec::testing::runCommand;
+using pipec::testing::slurp;
+using pipec::testing::tmpDir;
+
+std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
+
+/// A fresh directory under the test's temporary directory.
+std::string freshDir(const std::string &name) {
+  std::string d = tmpDir() + "/" + name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string compile(const std::string &dir, const std::string &flags) {
+  std::string out = dir + "/plan-" + std::to_string(std::hash<std::string>()(flags)) + ".json";
+  auto r = runCommand(tool("pipec") + " compile --quiet --model examples/tiny-gpt.json " + flags +
+                      " -o " + out);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return out;
+}
+
+/// step -> the loss as printed ("step N loss X").
+std::map<int, std::string> losses(const std::string &out) {
+  std::map<int, std::string> m;
+  std::regex line(R"(step (\d+) loss ([-0-9.naif]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
+    m[std::stoi((*it)[1])] = (*it)[2];
+  return m;
+}
+
+pipec::testing::CommandResult piperun(const std::string &args, const std::string &env = "") {
+  return runCommand(env + " " + tool("piperun") + " " + args);
+}
+
+/// Every regular file under `dir` (relative name -> bytes).
+std::map<std::string, std::string> files(const std::string &dir) {
+  std::map<std::string, std::string> m;
+  for (auto &e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file())
+      m[fs::relative(e.path(), dir).string()] = slurp(e.path().string());
+  return m;
+}
+
+/// Names under `dir` that a finished save must not leave: temporaries.
+std::vector<std::string> temporaries(const std::string &dir) {
+  std::vector<std::string> t;
+  for (auto &e : fs::recursive_directory_iterator(dir))
+    if (e.path().filename().string().find(".tmp-") != std::string::npos)
+      t.push_back(e.path().string());
+  return t;
+}
+
+TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
+  const std::string d = freshDir("bitwise");
+  // tp and dp too, so that shards are joined on save and cut again on resume.
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2 --dp 2");
+  auto whole = piperun(plan + " --steps 6 --save-dir " + d + "/six");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  auto first = piperun(plan + " --steps 3 --save-dir " + d + "/split");
+  ASSERT_EQ(first.code, 0) << first.err;
+  auto rest = piperun(plan + " --steps 3 --resume " + d + "/split --save-dir " + d + "/split");
+  ASSERT_EQ(rest.code, 0) << rest.err;
+  EXPECT_NE(rest.out.find("step 3, saved by this plan"), std::string::npos) << rest.out;
+  std::map<int, std::string> want = losses(whole.out), got = losses(first.out);
+  for (auto [step, loss] : losses(rest.out))
+    got[step] = loss;
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_EQ(got, want);
+  // The weights and optimizer state after step 6, bit for bit, and the manifests alike.
+  auto a = files(d + "/six/step-00000006"), b = files(d + "/split/step-00000006");
+  ASSERT_EQ(a.size(), 7u); // six layers and the manifest
+  EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
+}
+
+TEST(CheckpointTest, SaveEveryKeepsTheTwoNewestCheckpoints) {
+  const std::string d = freshDir("every");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  auto r = piperun(plan + " --steps 5 --save-every 2 --save-dir " + d + "/ck");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> names;
+  for (auto &e : fs::directory_iterator(d + "/ck"))
+    names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
+  EXPECT_TRUE(temporaries(d + "/ck").empty());
+}
+
+/// Checks every layer file of the newest committed checkpoint in `dir` against its manifest
+/// (size, header, digest), as --resume does before it loads one; returns its step.
+int64_t expectWhole(const std::string &dir, const std::string &what) {
+  auto ckpt = pipec::openCheckpoint(dir);
+  if (!ckpt) {
+    ADD_FAILURE() << what << ": " << pipec::takeMessage(ckpt.takeError());
+    return -1;
+  }
+  pipec::LayerState layer;
+  for (int l = 0; l < int(ckpt->manifest.layers.size()); ++l)
+    if (auto err = pipec::readCheckpointLayer(*ckpt, l, layer))
+      ADD_FAILURE() << what << ": " << pipec::takeMessage(std::move(err));
+  return ckpt->manifest.step;
+}
+
+/// The checkpoint of step `step` alone in a directory of its own, whole.
+void expectStepWhole(const std::string &dir, int step, const std::string &what) {
+  const std::string alone = dir + "-alone";
+  fs::remove_all(alone);
+  fs::create_directories(alone);
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08d", step);
+  fs::copy(dir + "/" + name, alone + "/" + name, fs::copy_options::recursive);
+  EXPECT_EQ(expectWhole(alone, what), step) << what;
+  fs::remove_all(alone);
+}
+
+/// What a killed save may leave: the newest committed checkpoint resumes to the uninterrupted
+/// run's loss of its step, and so does `previous` (the one before the killed save) alone.
+void expectResumable(const std::string &dir, const std::string &plan,
+                     const std::map<int, std::string> &want, int previous,
+                     const std::string &what) {
+  auto r = piperun(plan + " --steps 1 --resume " + dir);
+  ASSERT_EQ(r.code, 0) << what << ": " << r.err;
+  auto got = losses(r.out);
+  ASSERT_EQ(got.size(), 1u) << what << ": " << r.out;
+  EXPECT_EQ(got.begin()->second, want.at(got.begin()->first)) << what;
+  EXPECT_GE(got.begin()->first, previous) << what;
+  // The previous checkpoint on its own (anything newer removed).
+  const std::string alone = dir + "-previous";
+  fs::remove_all(alone);
+  fs::create_directories(alone);
+  fs::copy(dir + "/step-0000000" + std::to_string(previous),
+           alone + "/step-0000000" + std::to_string(previous), fs::copy_options::recursive);
+  r = piperun(plan + " --steps 1 --resume " + alone);
+  ASSERT_EQ(r.code, 0) << what << " (previous alone): " << r.err;
+  got = losses(r.out);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got.begin()->first, previous) << what;
+  EXPECT_EQ(got.begin()->second, want.at(previous)) << what << " (previous alone)";
+  fs::remove_all(alone);
+}
+
+TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
+  const std::string d = freshDir("kill");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  auto uninterrupted = piperun(plan + " --steps 5");
+  ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
+  const auto want = losses(uninterrupted.out);
+  // Two committed checkpoints (steps 1 and 2), so that the save of step 3 also removes one.
+  const std::string base = d + "/base";
+  auto r = piperun(plan + " --steps 2 --save-every 1 --save-dir " + base);
+  ASSERT_EQ(r.code, 0) << r.err;
+  int points = 0;
+  for (int k = 1; k < 1000; ++k) {
+    const std::string ck = d + "/ck";
+    fs::remove_all(ck);
+    fs::copy(base, ck, fs::copy_options::recursive);
+    r = piperun(plan + " --steps 1 --resume " + ck + " --save-dir " + ck,
+                "PIPEC_CHECKPOINT_KILL_AT=" + std::to_string(k));
+    if (r.code == 0)
+      break; // past the last point: the save finished
+    ASSERT_TRUE(r.code == 128 + SIGKILL || r.code == -1) << "kill point " << k << ": " << r.err;
+    ++points;
+    const std::string what = "killed at point " + std::to_string(k);
+    // Whole: the newest committed checkpoint (step 2, or 3 once its manifest is in), and step 2
+    // on its own; every file as its manifest says.
+    EXPECT_GE(expectWhole(ck, what), 2) << what;
+    expectStepWhole(ck, 2, what);
+    if (k % 8 != 1)
+      continue;
+    // And, at every eighth point, they resume to the uninterrupted run's losses, and the next
+    // save finishes and leaves no debris of the killed one.
+    expectResumable(ck, plan, want, 2, what);
+    r = piperun(plan + " --steps 1 --resume " + ck + " --save-dir " + ck);
+    ASSERT_EQ(r.code, 0) << "after point " << k << ": " << r.err;
+    EXPECT_TRUE(temporaries(ck).empty()) << "after point " << k;
+  }
+  // Six layer files (5 points each and 3 around them), the manifest, the step directory and
+  // the removal of step 1 (its manifest, 7 files and the directory).
+  EXPECT_GE(points, 60) << "the save has fewer kill points than expected";
+}
+
+TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
+  const std::string d = freshDir("random");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  // Each round runs at most 30 steps from where the last one's newest checkpoint was.
+  auto uninterrupted = piperun(plan + " --steps 121");
+  ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
+  const auto want = losses(uninterrupted.out);
+  std::mt19937 rng(36);
+  const std::string ck = d + "/ck";
+  int previous = 0;
+  for (int round = 0; round < 4; ++round) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      std::string args = "--steps 30 --save-every 1 --save-dir " + ck;
+      if (previous > 0) // (else ck holds no committed checkpoint, which --save-dir accepts)
+        args += " --resume " + ck;
+      std::string cmd = tool("piperun") + " " + plan + " " + args + " >/dev/null 2>&1";
+      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char *>(nullptr));
+      ::_exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 500));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    bool committed = false;
+    if (fs::exists(ck))
+      for (auto &e : fs::recursive_directory_iterator(ck))
+        committed = committed || e.path().filename() == "manifest.json";
+    if (!committed)
+      continue; // killed before its first save finished
+    auto r = piperun(plan + " --steps 1 --resume " + ck);
+    ASSERT_EQ(r.code, 0) << "round " << round << ": " << r.err;
+    auto got = losses(r.out);
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_EQ(got.begin()->second, want.at(got.begin()->first)) << "round " << round;
+    EXPECT_GE(got.begin()->first, previous) << "a newer checkpoint was lost";
+    previous = got.begin()->first;
+  }
+  EXPECT_GT(previous, 0) << "no round got as far as a checkpoint";
+}
+
+TEST(CheckpointTest, ACheckpointResumesUnderAnotherLayout) {
+  const std::string d = freshDir("layout");
+  const std::string saved = compile(d, "--schedule 1f1b --pp 2 --microbatches 4");
+  // Three pipeline ranks, tp 2, zero-bubble, and dp 2 x 2 microbatches: the same 4 a step.
+  const std::string other = compile(d, "--schedule zb-h1 --pp 3 --microbatches 2 --tp 2 --dp 2");
+  auto whole = piperun(saved + " --steps 6");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  auto first = piperun(saved + " --steps 3 --save-dir " + d + "/ck");
+  ASSERT_EQ(first.code, 0) << first.err;
+  auto rest = piperun(other + " --steps 3 --resume " + d + "/ck --check-reference");
+  ASSERT_EQ(rest.code, 0) << rest.out << rest.err;
+  EXPECT_NE(rest.out.find("saved under 1f1b pp=2 vpp=1 tp=1 dp=1 microbatches=4"),
+            std::string::npos)
+      << rest.out;
+  auto want = losses(whole.out), got = losses(rest.out);
+  ASSERT_EQ(got.size(), 3u) << rest.out;
+  for (auto [step, loss] : got) {
+    // Other summation orders (tp, dp): the same training within fp32 rounding.
+    EXPECT_NEAR(std::stod(loss), std::stod(want.at(step)), 2e-5 * std::stod(want.at(step)))
+        << "step " << step;
+  }
+}
+
+} // namespace

@@ -1,0 +1,48 @@
+"""Fuzz targets (tests/fuzz): each is a test in both builds.
+
+    pipec_fuzz_test(name = "plan_fuzzer", src = "PlanFuzzer.cpp", deps = [...], seeds = [...])
+
+declares `name`_bin, the target linked with ReplayMain.cpp in the normal build and with
+libFuzzer's main under --config=asan (define pipec_fuzz=libfuzzer), and the test `name`, which
+runs the seeds once (normal build) or fuzzes from them for PIPEC_FUZZ_SECONDS (asan).
+"""
+
+load("//:copts.bzl", "PIPE_COPTS")
+
+def pipec_fuzz_test(name, src, deps, seeds = [], plans = None, size = "medium"):
+    """`plans`: a name prefix of tests/fuzz/seed_plans.txt ("" for all) to add as seeds."""
+    native.cc_binary(
+        name = name + "_bin",
+        testonly = True,
+        srcs = [src, "FuzzTarget.h"] + select({
+            ":libfuzzer": [],
+            "//conditions:default": ["ReplayMain.cpp"],
+        }),
+        copts = PIPE_COPTS,
+        linkopts = select({
+            ":libfuzzer": ["-fsanitize=fuzzer"],
+            "//conditions:default": [],
+        }),
+        deps = deps + ["@llvm//:support"],
+    )
+    native.sh_test(
+        name = name,
+        size = size,
+        srcs = ["run_fuzzer.sh"],
+        args = select({
+            ":libfuzzer": ["fuzz"],
+            "//conditions:default": ["replay"],
+        }) + [
+            "$(rootpath :%s_bin)" % name,
+            "$(rootpath :pipec.dict)",
+        ] + (["--plans", plans or "''"] if plans != None else []) +
+               ["$(rootpaths %s)" % s for s in seeds],
+        data = [
+            ":%s_bin" % name,
+            ":pipec.dict",
+        ] + seeds + ([
+            ":seed_plans.txt",
+            "//examples:models",
+            "//tools:pipec",
+        ] if plans != None else []),
+    )
