@@ -68,6 +68,10 @@ std::unique_ptr<Pass> createMemoryPass();
 std::unique_ptr<Pass> createSimulatePass();
 std::unique_ptr<Pass> createVerifyPass();
 
+/// The checks compilePlan makes before it picks a policy: flag bounds, and tp against the
+/// transformer's heads and MLP width.
+llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options);
+
 /// Check the options, select the policy, and run the whole default pipeline.
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
                                  const CompileOptions &options, bool verifyEach = false);
