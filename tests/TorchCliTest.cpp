@@ -52,8 +52,9 @@ void expectError(const std::string &args, int code, const std::string &needle,
   std::remove(out.c_str());
   Result r = pipec(args + " -o " + out);
   EXPECT_EQ(r.code, code) << args << "\n" << r.err;
-  if (code == 2)
+  if (code == 2) {
     EXPECT_EQ(lines(r.err), 1u) << r.err;
+  }
   EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
   EXPECT_FALSE(exists(out)) << "wrote " << out << " although the command failed";
 }

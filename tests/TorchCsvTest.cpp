@@ -383,8 +383,9 @@ TEST(TorchCsvExport, CommsFormIsDeadlockFreeWithEveryActionIssuedAlone) {
     ASSERT_TRUE(bool(ops)) << name(c) << ": " << takeMessage(ops.takeError());
     VerifyOptions o;
     o.requireCollectives = false;
-    if (auto err = verifyPlan(*ops, o))
+    if (auto err = verifyPlan(*ops, o)) {
       FAIL() << name(c) << ":\n" << takeMessage(std::move(err));
+    }
     ++checked;
   }
   EXPECT_GT(checked, 100u);
@@ -554,8 +555,9 @@ TEST_P(TorchCsvGolden, MatchesTheCheckedInCsv) {
     EXPECT_EQ(csv, ss.str()) << "differs from " << path
                              << "; if intended, run: bazel run //tests:torch_csv_test -- --update";
   }
-  if (update)
+  if (update) {
     GTEST_SKIP() << "updated";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(SmallConfigs, TorchCsvGolden,
