@@ -65,10 +65,11 @@ int main(int argc, char **argv) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   double rssMiB = double(ru.ru_maxrss) / 1024.0;
-  fmt::print("schedule={} pp={} microbatches={} instructions={} best_of_{}={:.3f}s "
+  fmt::print("schedule={} pp={} microbatches={} instructions={} best_of_{}={:.3f}s ({:.3f}ms) "
              "instructions_per_s={:.2f}M peak_rss={:.1f}MiB bytes_per_instruction={:.0f} "
              "bubble={:.4f}\n",
-             o.schedule, *pp, *m, instructions, *repeat, best, double(instructions) / best / 1e6,
-             rssMiB, rssMiB * 1048576.0 / double(instructions), bubble);
+             o.schedule, *pp, *m, instructions, *repeat, best, best * 1e3,
+             double(instructions) / best / 1e6, rssMiB, rssMiB * 1048576.0 / double(instructions),
+             bubble);
   return 0;
 }

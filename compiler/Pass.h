@@ -71,6 +71,9 @@ std::unique_ptr<Pass> createVerifyPass();
 /// The bounds compilePlan puts on the options (counts at least 1, sizes pipec plans); an
 /// InputError naming the flag.
 llvm::Error checkCompileOptions(const CompileOptions &options);
+/// The checks compilePlan makes before it picks a policy: flag bounds, and tp against the
+/// transformer's heads and MLP width.
+llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options);
 
 /// Check the options, select the policy, and run the whole default pipeline.
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,

@@ -155,8 +155,7 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
   return llvm::Error::success();
 }
 
-llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
-                                 const CompileOptions &options, bool verifyEach) {
+llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options) {
   if (auto err = checkCompileOptions(options))
     return err;
   if (auto err = checkCompileBudget(model, options)) // before anything is allocated
@@ -175,6 +174,13 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
                         tp, t.numAttentionHeads, t.ffnHiddenSize, best);
     }
   }
+  return llvm::Error::success();
+}
+
+llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
+                                 const CompileOptions &options, bool verifyEach) {
+  if (auto err = checkCompileOptions(model, options))
+    return err;
   auto policy = findPolicy(options.schedule);
   if (!policy)
     return policy.takeError();

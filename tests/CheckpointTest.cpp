@@ -136,8 +136,9 @@ int64_t expectWhole(const std::string &dir, const std::string &what) {
   }
   pipec::LayerState layer;
   for (int l = 0; l < int(ckpt->manifest.layers.size()); ++l)
-    if (auto err = pipec::readCheckpointLayer(*ckpt, l, layer))
+    if (auto err = pipec::readCheckpointLayer(*ckpt, l, layer)) {
       ADD_FAILURE() << what << ": " << pipec::takeMessage(std::move(err));
+    }
   return ckpt->manifest.step;
 }
 

@@ -174,8 +174,8 @@ TEST_P(CudaLayernormTest, ForwardAndBothBackwardsMatchCpu) {
 // The weight gradients every tp rank computes whole (layernorms, row-parallel biases) must have
 // the same bits on every rank, from the same inputs, or the ranks' copies drift apart: each
 // launch sums a column in one order, whatever order its blocks run in. (On the kernel emulator,
-// //tests:cuda_kernel_test_kernel_emu sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its blocks
-// in a new order, and a sum of atomically added partials comes out with other bits.)
+// //tests:cuda_kernel_test_kernel_emu sets PIPEC_EMU_BLOCK_ORDER=shuffled: every launch runs its
+// blocks in a new order, and a sum of atomically added partials comes out with other bits.)
 TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
   const DType dt = GetParam();
   const int n = 300, c = 70; // two chunks of rows (scratch, then their sum), columns not 32 k
@@ -360,8 +360,7 @@ TEST(AttentionKernelChoiceTest, HopperKernelsRunOnComputeCapability90Only) {
                              c.tensor == unaligned ? ", unaligned" : ""));
     EXPECT_EQ(launch::attentionForwardKernel(c.target, c.dtype, c.dims, {c.tensor, aligned}),
               c.forward)
-        << toString(launch::attentionForwardKernel(c.target, c.dtype, c.dims,
-                                                   {c.tensor, aligned}));
+        << toString(launch::attentionForwardKernel(c.target, c.dtype, c.dims, {c.tensor, aligned}));
     EXPECT_EQ(launch::attentionBackwardKernel(c.dtype, c.dims, {c.tensor, aligned}),
               c.forward == AttentionKernel::Simt ? AttentionKernel::Simt
                                                  : AttentionKernel::MmaSync);
@@ -611,8 +610,9 @@ TEST_P(CudaLossTest, ColumnSumMatchesCpuWithTheSameBitsEveryLaunch) {
     EXPECT_CLOSE(sums, ref, kTolF32Long);
     if (run == 0)
       first = sums;
-    else
+    else {
       EXPECT_EQ(sums, first) << "launch " << run << " summed in another order";
+    }
   }
 }
 

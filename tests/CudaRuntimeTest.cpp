@@ -106,9 +106,10 @@ class CudaRuntimeTest : public ::testing::Test {
 protected:
   void SetUp() override {
     auto devices = cudaDevices();
-    if (!devices)
+    if (!devices) {
       FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
              << takeMessage(devices.takeError());
+    }
   }
 };
 
@@ -170,10 +171,11 @@ TEST_F(CudaRuntimeTest, Bf16TensorCoreAttentionWithSubSequencesIsWithinBf16Toler
 }
 
 // Two sub-sequences (86 and 74 tokens, balanced by FLOPs) of head dim 64 through the Hopper
-// forward (on a compute-capability-9.0 device; the mma.sync one elsewhere): each slice's 128-query block is partly past it and its 64-key tiles cross the slice
-// boundary. This checks the plumbing (the kernel's choice, offsets, K/V of earlier slices); at
-// GPT-2's initialisation the scores are near zero, so a wrong score here moves the gradients
-// less than bf16's tolerance: CudaAttentionTest (unit-scale inputs) is what holds the math.
+// forward (on a compute-capability-9.0 device; the mma.sync one elsewhere): each slice's 128-query
+// block is partly past it and its 64-key tiles cross the slice boundary. This checks the plumbing
+// (the kernel's choice, offsets, K/V of earlier slices); at GPT-2's initialisation the scores are
+// near zero, so a wrong score here moves the gradients less than bf16's tolerance:
+// CudaAttentionTest (unit-scale inputs) is what holds the math.
 TEST_F(CudaRuntimeTest, Bf16HopperAttentionWithSubSequencesIsWithinBf16Tolerance) {
   expectCudaMatchesCpu(compileOrFail(tinyGptTwoHeads(/*headDim=*/64, /*layers=*/2, /*seq=*/160),
                                      options("seq1f1b", /*pp=*/2, /*microbatches=*/2, 1,

@@ -277,10 +277,12 @@ TEST(FigureTest, SplitOpsCollectivesSlicesAndChunksAreDrawn) {
     SCOPED_TRACE(o.schedule);
     Drawn d = draw(uniformModel(16), o);
     expectOneBoxPerComputeOpAtItsSimulatedTime(d);
-    if (o.parallel.seqSplits > 1)
+    if (o.parallel.seqSplits > 1) {
       EXPECT_TRUE(hasText(d.doc, "3.1")) << "microbatch 3, slice 1";
-    if (o.parallel.vpp > 1)
+    }
+    if (o.parallel.vpp > 1) {
       EXPECT_TRUE(hasText(d.doc, "later chunk"));
+    }
   }
 }
 
@@ -316,8 +318,9 @@ TEST(FigureTest, ThirtyTwoRanksAnd256MicrobatchesStayLegible) {
   expectOneBoxPerComputeOpAtItsSimulatedTime(d);
   EXPECT_EQ(count(d.doc, "text", "label"), size_t(32 * 256 * 3));
   for (const Element &e : d.doc.elements)
-    if (e.name == "g" && e.hasClass("ops"))
+    if (e.name == "g" && e.hasClass("ops")) {
       EXPECT_GE(e.num("font-size"), 10);
+    }
 }
 
 //===----------------------------------------------------------------------===//

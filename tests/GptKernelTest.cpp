@@ -172,9 +172,10 @@ void expectClose(const std::vector<float> &got, const std::vector<float> &ref, d
     double diff = std::fabs(double(got[k]) - ref[k]);
     if (diff <= rel * (std::fabs(ref[k]) + floor))
       continue;
-    if (++bad <= 5)
+    if (++bad <= 5) {
       ADD_FAILURE() << what << "[" << k << "]: " << got[k] << " vs " << ref[k] << " (max "
                     << maxAbs(ref) << ")";
+    }
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " entries off";
 }

@@ -162,10 +162,11 @@ void runRounds(const Topology &g) {
         bool ok = true;
         for (size_t b = 0; b < bytes; ++b)
           ok &= m[b] == pattern(prev, k);
-        if (!ok && wrong++ < 3)
+        if (!ok && wrong++ < 3) {
           ADD_FAILURE() << "thread " << t << " from " << prev << " round " << k << ": byte 0 is "
                         << int(m[0]) << ", expected " << int(pattern(prev, k)) << " (round "
                         << k + 1 << "'s is " << int(pattern(prev, k + 1)) << ", the scribble 255)";
+        }
       }
       EXPECT_EQ(wrong, 0) << "thread " << t << " received " << wrong << " wrong messages from "
                           << prev;

@@ -183,8 +183,9 @@ struct ScopedEnv {
 // order), or the next stage trains on NaN. With the asynchronous device only: synchronous,
 // every send is done before its host call returns.
 TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
-  if (!emu::asynchronous())
+  if (!emu::asynchronous()) {
     GTEST_SKIP() << "needs asynchronous streams (nccl_runtime_test_emu_async)";
+  }
   ScopedEnv slow("PIPEC_EMU_SEND_DELAY_MS", "20");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("zb-h1", 4, 6));
   ASSERT_FALSE(verifyPlan(plan));
@@ -248,8 +249,8 @@ TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingN
   // gives them its socket retries only (59.5 s by default; 2 s here) to reach RANK 0's
   // bootstrap root. RANK 0 takes 7 s. (Built before the communicators, the reference fails rank
   // 1 in ncclCommInitRank; built after the warm-up with no wait for it, it fails rank 1 in step
-  // 0 on the asynchronous emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on the
-  // synchronous one the host waits inside the emulated NCCL's recv instead.)
+  // 0 on the asynchronous emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on
+  // the synchronous one the host waits inside the emulated NCCL's recv instead.)
   ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "4"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "200");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
   auto data = syntheticData(32, /*seed=*/7);

@@ -484,10 +484,11 @@ TEST(NcclGradientGatherTest, EveryBlockOfReplicaZeroOutsideRankZeroIsGatheredOnc
     // With RANK 0's own blocks, every (stage, tp) of replica 0.
     for (const StageInfo &st : plan.stages)
       for (int t = 0; t < plan.parallel.tp; ++t)
-        if (st.rank == 0 && t == 0)
+        if (st.rank == 0 && t == 0) {
           EXPECT_FALSE(seen.count({st.stage, t}));
-        else
+        } else {
           EXPECT_TRUE(seen.count({st.stage, t})) << "stage " << st.stage << " tp " << t;
+        }
   }
 }
 

@@ -41,9 +41,10 @@ class NcclRuntimeTest : public ::testing::Test {
 protected:
   void SetUp() override {
     auto devices = cudaDevices();
-    if (!devices)
+    if (!devices) {
       FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
              << takeMessage(devices.takeError());
+    }
     // One process bootstraps alone; an inherited NCCL_COMM_ID would make it wait for a root.
     ::unsetenv("NCCL_COMM_ID");
   }

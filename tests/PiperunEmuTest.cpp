@@ -134,7 +134,7 @@ TEST(PiperunEmuTest, APlanTooLargeForTheDeviceIsOneLineAndExitTwoBeforeStepZero)
   std::ofstream(model) << R"({"format": "pipemodel/1", "name": "wide-ffn", "transformer": {
       "num_layers": 4, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 4096,
       "vocab_size": 32, "seq_length": 1024, "microbatch_size": 8, "dtype": "fp32"}})";
-  std::string p = plan("wide-ffn", "--schedule gpipe --pp 2 --microbatches 130", model);
+  std::string p = plan("wide-ffn-plan", "--schedule gpipe --pp 2 --microbatches 130", model);
   Result r = run("tools/piperun_emu " + p + " --backend cuda --steps 1");
   expectUsageError(r, "piperun: error: --backend cuda: the plan's 2 ranks need ");
 }

@@ -20,8 +20,9 @@ Plan base() {
 
 Plan withStreams(llvm::StringRef text) {
   Plan plan = base();
-  if (auto err = parseStreams(text, plan))
+  if (auto err = parseStreams(text, plan)) {
     ADD_FAILURE() << takeMessage(std::move(err));
+  }
   return plan;
 }
 

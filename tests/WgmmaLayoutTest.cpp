@@ -88,9 +88,10 @@ TEST_P(WgmmaLayoutTest, ProductMatchesTheHostsBitForBit) {
             cudaSuccess);
   int wrong = 0;
   for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != expected[i] && ++wrong <= 5)
+    if (got[i] != expected[i] && ++wrong <= 5) {
       ADD_FAILURE() << "D[" << i / size_t(n) << "][" << i % size_t(n) << "] = " << got[i]
                     << ", the host's " << expected[i];
+    }
   EXPECT_EQ(wrong, 0) << "of " << got.size();
   cudaFree(da);
   cudaFree(db);

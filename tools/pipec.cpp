@@ -5,6 +5,8 @@
 //   pipec simulate plan.json [--trace trace.json]
 //   pipec show plan.json [--compute-only] [--text] [--svg figure.svg]
 //   pipec list-schedules
+//   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
+//   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
@@ -18,6 +20,7 @@
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 #include "tools/Args.h"
+#include "tools/Driver.h"
 #include "tools/Figure.h"
 #include "tools/PlanCommand.h"
 
@@ -48,6 +51,14 @@ commands:
                       the rank x step grid (or, with --text, one line per rank;
                       with --svg, the papers' figure over simulated time)
   list-schedules      the schedules, their constraints and a line on each
+  export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
+                      the plan as PyTorch pipelining's schedule CSV (compute only, or with
+                      its sends, recvs, waits and gradient reductions)
+  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
+          [--cluster C.json] [--memory-limit BYTES] [--microbatch-group-size G]
+          [--schedule NAME] [-o plan.json] [--show] [--trace trace.json]
+                      a PyTorch schedule CSV or pipec's text form, compiled, verified and
+                      simulated as pipec's own (pp, microbatches, placement inferred)
 %s
 exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
 )";
@@ -362,7 +373,8 @@ int main(int argc, char **argv) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
     std::fputs(usage().c_str(), stdout);
     return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
-                                           "show, list-schedules, plan); usage above"));
+                                           "show, list-schedules, export, import, plan); "
+                                           "usage above"));
   }
   llvm::StringRef cmd = argv[1];
   if (cmd == "-h" || cmd == "--help" || cmd == "help") {
@@ -384,11 +396,15 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdShow(argc, argv);
   else if (cmd == "list-schedules")
     err = cmdListSchedules(argc, argv);
+  else if (cmd == "export")
+    err = cmdExport(argc, argv);
+  else if (cmd == "import")
+    err = cmdImport(argc, argv, printSummary);
   else if (cmd == "plan")
     err = runPlanCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
-                     "list-schedules, plan)",
+                     "list-schedules, export, import, plan)",
                      cmd.str());
   return err;
 }

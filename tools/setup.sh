@@ -2,8 +2,10 @@
 # Installs what a fresh Debian 12 machine lacks to build and test pipec (DESIGN §9).
 # Idempotent: does nothing when every package is already there.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 packages=(bazel-bootstrap bazel-platforms nlohmann-json3-dev libfmt-dev llvm-14-dev
-          libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev)
+          libgtest-dev libbenchmark-dev g++ zlib1g-dev libtinfo-dev
+          python3-dev python3-venv pybind11-dev)
 # The figure test reads pipec's SVG with libxml2 and renders it with librsvg's rsvg-convert.
 packages+=(libxml2-dev librsvg2-bin)
 # Sanitizer builds and fuzz targets (--config=asan) use clang.
@@ -18,4 +20,29 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The Python side (docs/pytorch.md): a project-local virtual environment, .venv, made from
+# Debian's Python (the one //python's extension is built for) with the pinned PyTorch of
+# tools/torch-requirements.txt (a 2.49 GB download), installed only when that file changed
+# since the last install. A failure here leaves the C++ side usable; //python:python_test
+# then fails and says why.
+venv=.venv
+requirements=tools/torch-requirements.txt
+stamp="$venv/.pipec-requirements.sha256"
+want=$(sha256sum "$requirements" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing the pinned PyTorch into $venv (a 2.49 GB download)" >&2
+  if { [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"; } &&
+     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+       --require-hashes --only-binary=:all: -r "$requirements"; then
+    echo "$want" >"$stamp"
+  else
+    echo "setup: warning: could not install PyTorch into $venv; the Python tests will fail" >&2
+  fi
+fi
+# `import pipec` in .venv finds python/pipec (and, from there, the extension in bazel-bin).
+if [ -x "$venv/bin/python" ]; then
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$PWD/python" >"$site/pipec.pth"
 fi

@@ -1,64 +1,98 @@
 #!/usr/bin/env bash
-# Sets up and runs every test; ends with "N passed, M failed, K skipped" (test cases; a case
-# that called GTEST_SKIP counts as skipped, not passed).
-# GPU tests (tag requires-gpu) run only where nvidia-smi sees a GPU.
+# Sets up and runs every test: bash tools/test.sh [--sanitizers]
+# Prints "K skipped" and, last, "N passed, M failed" (test cases; a case that called GTEST_SKIP
+# counts as skipped, not passed). GPU tests (tag requires-gpu) run only where nvidia-smi sees a
+# GPU. --sanitizers (what .ci/run passes) also runs the sanitizer selections below, under
+# ASan + UBSan and under TSan (docs/testing.md), and counts their cases too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup.sh || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+sanitizers=0
+for arg in "$@"; do
+  case "$arg" in
+  --sanitizers) sanitizers=1 ;;
+  *) echo "test.sh: error: unknown flag '$arg' (known: --sanitizers)" >&2; exit 2 ;;
+  esac
+done
+bash tools/setup.sh || { echo "0 skipped"; echo "0 passed, 1 failed"; exit 1; }
 filter="--test_tag_filters=-requires-gpu"
 query='tests(//...) except attr(tags, "requires-gpu", tests(//...))'
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   filter=""
   query='tests(//...)'
 fi
-bazel test //... $filter --test_output=errors
-status=$?
+# Under ASan + UBSan: every fuzz target (fuzzing PIPEC_FUZZ_SECONDS each from its seeds), and
+# the suites that feed untrusted or mutated input to the readers, the verifier and the cpu
+# runtime. Under TSan: the threaded runtime, its transport and the watchdog.
+asan_targets="//tests/fuzz:all //tests:untrusted_plan_test //tests:ir_test //tests:verifier_test
+  //tests:gpt_kernel_test //tests:torch_csv_test"
+tsan_targets="//tests:transport_test //tests:blocking_watchdog_test //tests:runtime_test"
 passed=0
 failed=0
 skipped=0
-# Count test cases from the JUnit XML of each target this run tested (not stale ones of targets
-# the filter skipped); a target with no XML counts as one failure.
-targets=$(bazel query "$query" 2>/dev/null)
-# A sharded target (shard_count) has one XML per shard, of this run's shard count.
-targets=$(while IFS= read -r target; do
-  [ -n "$target" ] || continue
-  dir="bazel-testlogs/$(sed 's|^//||; s|:|/|' <<<"$target")"
-  newest=$(ls -t "$dir/test.xml" "$dir"/shard_*_of_*/test.xml 2>/dev/null | head -1)
-  case "$newest" in
-  */shard_*) n=${newest##*_of_} && ls "$dir"/shard_*_of_"${n%%/*}"/test.xml ;;
-  *) echo "$dir/test.xml" ;;
-  esac
-done <<<"$targets")
-while IFS= read -r target; do
-  [ -n "$target" ] || continue
-  xml=$target
-  if [ ! -f "$xml" ]; then
-    failed=$((failed + 1))
-    continue
-  fi
-  head=$(grep -m1 -o '<testsuites[^>]*>' "$xml" || true)
-  if ! grep -q ' tests="' <<<"$head"; then
-    # Not GoogleTest: Bazel wrote this XML itself, one suite with one case (the binary's exit).
-    head=$(grep -m1 -o '<testsuite [^>]*>' "$xml" || true)
-  fi
-  tests=$(sed -n 's/.* tests="\([0-9]*\)".*/\1/p' <<<"$head")
-  fails=$(sed -n 's/.* failures="\([0-9]*\)".*/\1/p' <<<"$head")
-  errors=$(sed -n 's/.* errors="\([0-9]*\)".*/\1/p' <<<"$head")
-  disabled=$(sed -n 's/.* disabled="\([0-9]*\)".*/\1/p' <<<"$head")
-  if [ -z "$tests" ]; then
-    failed=$((failed + 1))
-    continue
-  fi
-  # GoogleTest gives skipped cases per suite only (<testsuite ... skipped="K">).
-  skips=$(grep -o '<testsuite [^>]*>' "$xml" | sed -n 's/.* skipped="\([0-9]*\)".*/\1/p' |
-          awk '{ s += $1 } END { print s + 0 }')
-  bad=$(( ${fails:-0} + ${errors:-0} ))
-  passed=$((passed + tests - bad - ${disabled:-0} - skips))
-  failed=$((failed + bad))
-  skipped=$((skipped + skips))
-done <<<"$targets"
+status=0
+# count QUERY [CONFIG]: adds the cases of the targets QUERY names, as the last run of CONFIG
+# left them, to passed, failed and skipped.
+count() {
+  local query=$1 config=${2:-} targets testlogs target dir newest n xml head tests fails errors
+  local disabled skips bad
+  # Count test cases from the JUnit XML of each target this run tested (not stale ones of targets
+  # the filter skipped); a target with no XML counts as one failure.
+  targets=$(bazel query "$query" 2>/dev/null)
+  testlogs=$(bazel info $config bazel-testlogs 2>/dev/null)
+  # A sharded target (shard_count) has one XML per shard, of this run's shard count.
+  targets=$(while IFS= read -r target; do
+    [ -n "$target" ] || continue
+    dir="$testlogs/$(sed 's|^//||; s|:|/|' <<<"$target")"
+    newest=$(ls -t "$dir/test.xml" "$dir"/shard_*_of_*/test.xml 2>/dev/null | head -1)
+    case "$newest" in
+    */shard_*) n=${newest##*_of_} && ls "$dir"/shard_*_of_"${n%%/*}"/test.xml ;;
+    *) echo "$dir/test.xml" ;;
+    esac
+  done <<<"$targets")
+  while IFS= read -r target; do
+    [ -n "$target" ] || continue
+    xml=$target
+    if [ ! -f "$xml" ]; then
+      failed=$((failed + 1))
+      continue
+    fi
+    head=$(grep -m1 -o '<testsuites[^>]*>' "$xml" || true)
+    if ! grep -q ' tests="' <<<"$head"; then
+      # Not GoogleTest: Bazel wrote this XML itself, one suite with one case (the binary's exit).
+      head=$(grep -m1 -o '<testsuite [^>]*>' "$xml" || true)
+    fi
+    tests=$(sed -n 's/.* tests="\([0-9]*\)".*/\1/p' <<<"$head")
+    fails=$(sed -n 's/.* failures="\([0-9]*\)".*/\1/p' <<<"$head")
+    errors=$(sed -n 's/.* errors="\([0-9]*\)".*/\1/p' <<<"$head")
+    disabled=$(sed -n 's/.* disabled="\([0-9]*\)".*/\1/p' <<<"$head")
+    if [ -z "$tests" ]; then
+      failed=$((failed + 1))
+      continue
+    fi
+    # GoogleTest gives skipped cases per suite only (<testsuite ... skipped="K">).
+    skips=$(grep -o '<testsuite [^>]*>' "$xml" | sed -n 's/.* skipped="\([0-9]*\)".*/\1/p' |
+            awk '{ s += $1 } END { print s + 0 }')
+    bad=$(( ${fails:-0} + ${errors:-0} ))
+    passed=$((passed + tests - bad - ${disabled:-0} - skips))
+    failed=$((failed + bad))
+    skipped=$((skipped + skips))
+  done <<<"$targets"
+}
+
+bazel test //... $filter --test_output=errors || status=1
+count "$query"
+if [ "$sanitizers" -eq 1 ]; then
+  # shellcheck disable=SC2086
+  PIPEC_FUZZ_SECONDS=${PIPEC_FUZZ_SECONDS:-10} bazel test --config=asan $asan_targets \
+    --test_env=PIPEC_FUZZ_SECONDS --test_output=errors || status=1
+  count "tests(set($asan_targets))" --config=asan
+  # shellcheck disable=SC2086
+  bazel test --config=tsan $tsan_targets --test_output=errors || status=1
+  count "tests(set($tsan_targets))" --config=tsan
+fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
   failed=1  # the build or a target failed before writing its results
 fi
-echo "${passed} passed, ${failed} failed, ${skipped} skipped"
+echo "${skipped} skipped"
+echo "${passed} passed, ${failed} failed"
 [ "$status" -eq 0 ] && [ "$failed" -eq 0 ]

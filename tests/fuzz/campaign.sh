@@ -4,7 +4,7 @@
 #   e.g. bash tests/fuzz/campaign.sh plan_fuzzer -runs=2000000
 #        bash tests/fuzz/campaign.sh model_spec_fuzzer -max_total_time=3600
 # TARGET is one of tests/fuzz's: model_spec_fuzzer cluster_spec_fuzzer plan_fuzzer
-# plan_text_fuzzer piperun_intake_fuzzer manifest_fuzzer. The corpus lives in
+# plan_text_fuzzer torch_csv_fuzzer piperun_intake_fuzzer manifest_fuzzer. The corpus lives in
 # .fuzz/TARGET/corpus (git-ignored), seeded from examples/, tests/golden and the seed plans, and
 # grows from campaign to campaign; a crash's input goes to .fuzz/TARGET/ and fails the script.
 # Last, the whole corpus is replayed once to print its coverage: inputs, edges (cov) and
@@ -21,6 +21,7 @@ mkdir -p "$work/corpus" "$work/seeds"
 case "$target" in
   model_spec_fuzzer | cluster_spec_fuzzer) cp examples/*.json "$work/seeds/" ;;
   plan_text_fuzzer) cp tests/golden/*.txt "$work/seeds/" ;;
+  torch_csv_fuzzer) cp tests/golden/torch_*.csv tests/golden/*.txt "$work/seeds/" ;;
   manifest_fuzzer) cp tests/fuzz/seeds/manifest-*.json "$work/seeds/" ;;
   plan_fuzzer | piperun_intake_fuzzer)
     prefix=""

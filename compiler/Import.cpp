@@ -1,0 +1,235 @@
+//===- Import.cpp - Compile a schedule read from a file --------------------===//
+#include "compiler/Import.h"
+
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "ir/PlanText.h"
+#include "schedules/Policy.h"
+
+#include <algorithm>
+#include <map>
+
+namespace pipec {
+
+namespace {
+
+std::string humanBytes(int64_t b) {
+  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+/// The rank that runs most of a stage's ops (the lowest on a tie); -1 if the stage has none.
+/// A stage that also shows up on another rank is then the verifier's finding, not a
+/// placement question.
+std::vector<int> stageOwners(const ImportedOrder &order) {
+  std::vector<std::map<int, size_t>> count(size_t(order.numStages));
+  for (size_t r = 0; r < order.ranks.size(); ++r)
+    for (const Instruction &i : order.ranks[r])
+      ++count[size_t(i.stage)][int(r)];
+  std::vector<int> owner(size_t(order.numStages), -1);
+  for (size_t s = 0; s < count.size(); ++s) {
+    size_t best = 0;
+    for (auto [r, n] : count[s])
+      if (n > best) {
+        best = n;
+        owner[s] = r;
+      }
+  }
+  return owner;
+}
+
+bool fits(Placement p, const std::vector<int> &owner, int pp) {
+  for (size_t s = 0; s < owner.size(); ++s)
+    if (owner[s] >= 0 && owner[s] != rankOfStage(p, int(s), pp))
+      return false;
+  return true;
+}
+
+/// Does `policy` emit exactly `ranks` for the plan's configuration and stages?
+bool policyEmits(const SchedulePolicy &policy, const Plan &plan, int64_t memoryLimit,
+                 const std::vector<std::vector<Instruction>> &ranks) {
+  if (policy.placement() != plan.placement)
+    return false;
+  if (auto err = policy.check(plan.parallel)) {
+    llvm::consumeError(std::move(err));
+    return false;
+  }
+  ScheduleRequest request;
+  request.parallel = plan.parallel;
+  request.stages = plan.stages;
+  request.memoryLimit = memoryLimit;
+  if (auto err = policy.checkRequest(request)) {
+    llvm::consumeError(std::move(err));
+    return false;
+  }
+  ComputeOrder emitted;
+  policy.emit(request, emitted);
+  return emitted == ranks;
+}
+
+/// Where a policy's order first differs from the imported one, for the finding.
+std::string firstDifference(const SchedulePolicy &policy, const Plan &plan, int64_t memoryLimit,
+                            const std::vector<std::vector<Instruction>> &ranks) {
+  ScheduleRequest request;
+  request.parallel = plan.parallel;
+  request.stages = plan.stages;
+  request.memoryLimit = memoryLimit;
+  ComputeOrder emitted;
+  policy.emit(request, emitted);
+  Plan shown = plan; // for the token spelling only
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const auto &a = ranks[r];
+    const auto &b = emitted[r];
+    for (size_t n = 0; n < std::max(a.size(), b.size()); ++n) {
+      if (n < a.size() && n < b.size() && a[n] == b[n])
+        continue;
+      std::string got = n < a.size() ? formatToken(shown, a[n]) : "the end of the row";
+      std::string want = n < b.size() ? formatToken(shown, b[n]) : "the end of the row";
+      return fmt::format("rank {} compute step {} is {}, {} has {} there", r, n, got,
+                         policy.name().str(), want);
+    }
+  }
+  return "the orders are equal";
+}
+
+} // namespace
+
+llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit) {
+  if (memoryLimit <= 0)
+    return llvm::Error::success();
+  for (const RankStats &r : plan.stats.ranks)
+    if (r.peakActivationBytes > memoryLimit)
+      return finding("rank {} holds {} of activations at its peak, over --memory-limit {}; "
+                     "raise --pp, lower --microbatches for gpipe, or use a schedule that "
+                     "bounds memory (1f1b holds min(p, m) microbatches)",
+                     r.rank, humanBytes(r.peakActivationBytes), humanBytes(memoryLimit));
+  return llvm::Error::success();
+}
+
+llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const ClusterSpec &cluster,
+                                             const ImportedOrder &order,
+                                             const ImportOptions &options, llvm::StringRef source,
+                                             bool verifyEach) {
+  int pp = int(order.ranks.size());
+  if (pp == 0)
+    return inputError("{}: no ranks: the file has no rows", source.str());
+  if (order.numStages == 0)
+    return inputError("{}: no compute actions (F, I, W or B) in any row", source.str());
+  if (pp > 4096)
+    return inputError("{}: {} ranks is beyond what pipec plans (4096)", source.str(), pp);
+  if (order.numStages > 4096)
+    return inputError("{}: stage {} is beyond what pipec plans (4096 stages)", source.str(),
+                      order.numStages - 1);
+  if (order.numStages % pp != 0)
+    return inputError("{}: stages 0..{} ({} stages) on {} ranks is not a whole number of stages "
+                      "per rank (--vpp); every rank must hold the same number of stages",
+                      source.str(), order.numStages - 1, order.numStages, pp);
+  int vpp = order.numStages / pp;
+  if (options.vpp > 0 && options.vpp != vpp)
+    return inputError("--vpp {} disagrees with {}: {} stages on {} ranks is --vpp {}; try --vpp "
+                      "{}",
+                      options.vpp, source.str(), order.numStages, pp, vpp, vpp);
+  std::vector<int> owner = stageOwners(order);
+  Placement placement = Placement::Loop;
+  if (!fits(Placement::Loop, owner, pp)) {
+    if (vpp == 2 && fits(Placement::VShape, owner, pp)) {
+      placement = Placement::VShape;
+    } else {
+      for (size_t s = 0; s < owner.size(); ++s)
+        if (owner[s] >= 0 && owner[s] != rankOfStage(Placement::Loop, int(s), pp))
+          return inputError("{}: placement: stage {} runs on rank {}, but pipec places stage s "
+                            "on rank s % pp (loop){}; renumber the stages so that stage {} is "
+                            "on rank {}",
+                            source.str(), s, owner[s],
+                            vpp == 2 ? " or in a V (rank s for s < pp, else 2·pp-1-s)" : "", s,
+                            rankOfStage(Placement::Loop, int(s), pp));
+    }
+  }
+
+  CompileOptions o;
+  o.schedule = options.schedule.empty() ? kCustomSchedule : options.schedule;
+  o.parallel.pp = pp;
+  o.parallel.vpp = vpp;
+  o.parallel.tp = options.tp;
+  o.parallel.dp = options.dp;
+  o.parallel.microbatches = order.microbatches;
+  o.parallel.seqSplits = order.seqSplits;
+  o.parallel.microbatchGroupSize = options.microbatchGroupSize;
+  o.memoryLimit = options.memoryLimit;
+  if (auto err = checkCompileOptions(model, o))
+    return err;
+
+  const SchedulePolicy *named = nullptr;
+  if (!options.schedule.empty()) {
+    auto policy = findPolicy(options.schedule);
+    if (!policy)
+      return policy.takeError();
+    named = *policy;
+    if (named->placement() != placement)
+      return inputError("--schedule {} places stages in a {}, but {} has a {} placement; drop "
+                        "--schedule to have the order recognised",
+                        options.schedule, toString(named->placement()).str(), source.str(),
+                        toString(placement).str());
+    if (auto err = named->check(o.parallel))
+      return err;
+  }
+
+  ImportResult result;
+  Plan &plan = result.plan;
+  plan.schedule = o.schedule;
+  plan.model = model.name;
+  plan.timeUnit = model.timeUnit().str();
+  plan.parallel = o.parallel;
+  plan.placement = placement;
+  plan.gpusPerNode = cluster.gpusPerNode;
+  plan.stateBytesPerParamByte = model.stateBytesPerParamByte;
+  plan.transformer = model.transformer;
+  PassContext ctx;
+  ctx.model = &model;
+  ctx.cluster = &cluster;
+  ctx.options = o;
+  ctx.verifyEach = verifyEach;
+  if (auto err = runPipeline({"seq-split", "partition"}, plan, ctx))
+    return err;
+  // The imported order stands where a policy's would: check it as the verifier checks a
+  // policy's output (structure, completeness, same-rank dependencies) before lowering it.
+  plan.ranks = order.ranks;
+  ctx.scheduled = true;
+  VerifyOptions computeOnly;
+  computeOnly.requireComms = false;
+  computeOnly.requireCollectives = false;
+  if (auto err = verifyPlan(plan, computeOnly))
+    return err;
+
+  if (named) {
+    if (auto err = named->checkRequest({plan.parallel, plan.stages, options.memoryLimit}))
+      return err;
+    if (!policyEmits(*named, plan, options.memoryLimit, order.ranks))
+      return finding("{} is not pipec's {} for pp={} vpp={} microbatches={}: {}; drop "
+                     "--schedule to import it as a {} schedule",
+                     source.str(), named->name().str(), pp, vpp, order.microbatches,
+                     firstDifference(*named, plan, options.memoryLimit, order.ranks),
+                     kCustomSchedule);
+    result.matches.push_back(named->name().str());
+  }
+  for (const SchedulePolicy *p : allPolicies())
+    if (p != named && policyEmits(*p, plan, options.memoryLimit, order.ranks))
+      result.matches.push_back(p->name().str());
+  if (!named && !result.matches.empty())
+    plan.schedule = result.matches.front();
+
+  if (auto err = runPipeline({"lower-comms", "lower-collectives", "memory", "simulate", "verify"},
+                             plan, ctx))
+    return err;
+  if (auto err = checkMemoryLimit(plan, options.memoryLimit))
+    return err;
+  return result;
+}
+
+} // namespace pipec

@@ -1,0 +1,61 @@
+//===- Import.h - Compile a schedule read from a file ------------*- C++ -*-===//
+//
+// `pipec import`: a compute order written by someone else (PyTorch's CSV, pipec's text form)
+// goes through the same passes as a policy's order, from the schedule pass on: seq-split and
+// partition from the model, then the imported order in place of a policy's, then lower-comms,
+// lower-collectives, memory, simulate and verify. pp, vpp, microbatches, seq-splits and the
+// placement (loop or V) come from the file; the plan is named after the pipec policy whose
+// order it equals, so an exported plan imports back byte for byte.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_COMPILER_IMPORT_H
+#define PIPEC_COMPILER_IMPORT_H
+
+#include "compiler/Pass.h"
+#include "ir/Model.h"
+#include "ir/Plan.h"
+#include "ir/TorchCsv.h"
+
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+/// What the file cannot say; the flags mean what they mean for `pipec compile`.
+struct ImportOptions {
+  int vpp = 0; // 0: inferred from the file; otherwise checked against it
+  int tp = 1, dp = 1;
+  int microbatchGroupSize = 0; // interleaved policies; 0: the policy's default
+  int64_t memoryLimit = 0;     // per rank; 0 = none (zb-auto is only recognised with one)
+  /// The policy the order must equal (a finding if it does not); empty: recognise it.
+  std::string schedule;
+};
+
+struct ImportResult {
+  Plan plan;
+  /// Every policy whose order for the inferred configuration equals the imported one, in
+  /// list-schedules order; plan.schedule is the first, or "custom" when there is none.
+  std::vector<std::string> matches;
+};
+
+/// The schedule name of a plan whose order matches no policy.
+inline constexpr const char *kCustomSchedule = "custom";
+
+/// Compile `order` (read from `source`) for `model`. Bad input (flags, a file that does not
+/// fit the model, a placement neither loop nor V) is an InputError; a wrong order (a backward
+/// before its forward, a missing or duplicate op, a stage on two ranks, a cycle) is the
+/// verifier's Finding.
+llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const ClusterSpec &cluster,
+                                             const ImportedOrder &order,
+                                             const ImportOptions &options, llvm::StringRef source,
+                                             bool verifyEach = false);
+
+/// The Finding `pipec compile` reports when a rank's peak activations exceed --memory-limit.
+llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit);
+
+} // namespace pipec
+
+#endif // PIPEC_COMPILER_IMPORT_H

@@ -1,0 +1,89 @@
+//===- TorchCsv.h - PyTorch pipelining schedule CSV, both ways ---*- C++ -*-===//
+//
+// PyTorch's torch.distributed.pipelining (pinned: 2.15.0) keeps a schedule as a CSV with one row
+// per pipeline rank and one action per cell, which `_PipelineScheduleRuntime._load_csv` reads
+// and `_dump_csv` writes:
+//   compute:     <stage><F|I|W|B><mb>        (I = input gradient, W = weight gradient,
+//                                             B = both, fused)
+//   overlapped:  (<compute>;<compute>)OVERLAP_F_B     a forward and a backward run as one action
+//   comms:       <stage>SEND_F<mb> <stage>RECV_F<mb> <stage>SEND_B<mb> <stage>RECV_B<mb>
+//                (the stage that acts: the producer sends, the consumer receives),
+//                <stage>WAIT_SEND_F<mb> <stage>WAIT_SEND_B<mb> (retire a send),
+//                <stage>REDUCE_GRAD <stage>WAIT_REDUCE_GRAD (finish a stage's gradients: the
+//                data-parallel reduction and the 1/microbatches scaling),
+//                <stage>UNSHARD <stage>RESHARD (FSDP parameter residency)
+//   idle:        an empty cell (compute-only form only)
+// Rows end with "\r\n", as Python's csv module writes them.
+//
+// Two forms: compute-only (PyTorch lowers it to comms itself) and compute+comms, which carries
+// pipec's own send/recv order and every action PyTorch's loader needs there.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_IR_TORCHCSV_H
+#define PIPEC_IR_TORCHCSV_H
+
+#include "ir/Instruction.h"
+#include "ir/Plan.h"
+
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+enum class TorchCsvForm : uint8_t {
+  ComputeOnly,  // --format torch-csv
+  ComputeComms, // --format torch-csv-comms
+};
+llvm::StringRef toString(TorchCsvForm form);
+/// "torch-csv" or "torch-csv-comms"; false for anything else.
+bool torchCsvFormFromString(llvm::StringRef name, TorchCsvForm &out);
+
+/// An InputError naming the feature and the flag to change when PyTorch's CSV cannot express
+/// the plan: sub-sequences (--seq-splits), tensor-parallel parts (--tp), the tied-embedding
+/// all-reduce ("tie_embeddings"). Success otherwise.
+llvm::Error checkTorchExpressible(const Plan &plan);
+
+/// The plan as PyTorch's CSV. Compute-only: the compute ops of each rank in stream order.
+/// Compute+comms: pipec's stream with its sends and recvs in PyTorch's spelling, plus
+///  - WAIT_SEND_F right after the local backward of the same (stage, mb) (which proves the
+///    peer has received it), WAIT_SEND_B and any other pending wait at the end of the row;
+///  - REDUCE_GRAD, WAIT_REDUCE_GRAD of every stage where pipec's dp all-reduce of that stage
+///    is (with dp = 1: where it would be, after the stage's last weight gradient and the sends
+///    that follow it);
+///  - UNSHARD/RESHARD around compute as PyTorch's own lowering places them (three stages
+///    resident, three looked ahead), so FSDP-wrapped stages run too;
+///  - no optimizer step (the optimizer is the caller's).
+/// In both forms a dualpipe-v plan's F&B pairs are OVERLAP_F_B actions, paired as PyTorch's
+/// ScheduleDualPipeV pairs them. Errors as checkTorchExpressible.
+llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form);
+
+/// Positions i in a rank's compute ops where ops i and i+1 are a dualpipe-v F&B pair.
+std::vector<bool> overlappedPairStarts(const Plan &plan, int rank,
+                                       const std::vector<Instruction> &compute);
+
+/// A schedule read back from a file: compute ops per rank, whatever else was there dropped.
+struct ImportedOrder {
+  enum class Source : uint8_t { TorchCsv, TorchCsvComms, PipecText };
+  Source source = Source::TorchCsv;
+  /// Compute ops of each rank, in order (slice set, never split into tp parts).
+  std::vector<std::vector<Instruction>> ranks;
+  int numStages = 0;          // largest stage + 1
+  int microbatches = 0;       // largest microbatch + 1
+  int seqSplits = 1;          // largest slice + 1 (pipec text only; PyTorch has no slices)
+  size_t droppedComms = 0;    // comm, wait, reduction and FSDP actions, re-derived by pipec
+  size_t overlappedPairs = 0; // OVERLAP_F_B actions, split into their F and B in order
+  size_t idleCells = 0;       // empty cells of the compute-only form
+};
+llvm::StringRef describe(ImportedOrder::Source source);
+
+/// Read PyTorch's CSV (either form) or pipec's text form (`pipec show --text`, "rank N: ..."
+/// lines). A malformed cell or token is an InputError naming `source`, its row and column.
+llvm::Expected<ImportedOrder> parseSchedule(llvm::StringRef text, llvm::StringRef source);
+
+} // namespace pipec
+
+#endif // PIPEC_IR_TORCHCSV_H

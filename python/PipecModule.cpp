@@ -1,0 +1,277 @@
+//===- PipecModule.cpp - The _pipec extension: pipec's library for Python --===//
+//
+// The thin layer under the `pipec` package (python/pipec/__init__.py): it takes flags the way
+// the CLI does (so the one-line errors are the CLI's, word for word), runs the same code
+// (tools/Driver.h), and turns errors into Python exceptions: bad input (an InputError) raises
+// ValueError with its one line, a finding raises pipec.PlanError with the verifier's diagnostic.
+// Nothing is printed; long work runs without the GIL.
+//
+//===----------------------------------------------------------------------===//
+#include "compiler/Pass.h"
+#include "compiler/Simulator.h"
+#include "compiler/Verifier.h"
+#include "ir/Error.h"
+#include "ir/PlanJson.h"
+#include "ir/PlanText.h"
+#include "ir/TorchCsv.h"
+#include "schedules/Policy.h"
+#include "tools/Args.h"
+#include "tools/Driver.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using namespace pipec;
+
+namespace {
+
+/// A finding (exit code 1 in the CLI); raised in Python as pipec.PlanError.
+struct FindingException : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Rethrow an llvm::Error as the Python exception for its kind: a finding as PlanError with the
+/// verifier's diagnostic, bad input as ValueError with the CLI's one line.
+[[noreturn]] void raise(llvm::Error err) {
+  bool isFinding = exitCodeFor(err) == 1;
+  std::string msg = takeMessage(std::move(err));
+  if (isFinding)
+    throw FindingException(msg);
+  std::replace(msg.begin(), msg.end(), '\n', ' ');
+  throw py::value_error(msg);
+}
+
+template <typename T> T unwrap(llvm::Expected<T> value) {
+  if (!value)
+    raise(value.takeError());
+  return std::move(*value);
+}
+
+void check(llvm::Error err) {
+  if (err)
+    raise(std::move(err));
+}
+
+/// Parse `flags` ("--pp", "4", ...) as a pipec command would.
+Args parseFlags(const std::vector<std::string> &flags, llvm::ArrayRef<llvm::StringRef> valued,
+                llvm::StringRef command) {
+  std::vector<char *> argv;
+  for (const std::string &f : flags)
+    argv.push_back(const_cast<char *>(f.c_str()));
+  return unwrap(Args::parse(int(argv.size()), argv.data(), 0, valued, {}, command));
+}
+
+/// The one-line report of an import, kept with the plan it made.
+struct PyPlan {
+  Plan plan;
+  std::string importReport;
+};
+
+py::dict rankStatsDict(const RankStats &r, const PlanStats &st) {
+  py::dict d;
+  d["rank"] = r.rank;
+  if (st.simulated) {
+    d["busy"] = r.busy;
+    d["span"] = r.span;
+    d["start"] = r.start;
+    d["end"] = r.end;
+    d["step_end"] = r.stepEnd;
+  }
+  if (st.memory) {
+    d["peak_activation_bytes"] = r.peakActivationBytes;
+    d["static_bytes"] = r.staticBytes;
+    d["peak_memory_bytes"] = r.peakMemoryBytes;
+  }
+  return d;
+}
+
+py::dict statsDict(const Plan &plan) {
+  const PlanStats &st = plan.stats;
+  py::dict d;
+  d["simulated"] = st.simulated;
+  d["memory"] = st.memory;
+  if (st.simulated) {
+    d["makespan"] = st.makespan;
+    d["bubble_ratio"] = st.bubbleRatio;
+    d["step_time"] = st.stepTime;
+  }
+  py::list ranks;
+  for (const RankStats &r : st.ranks)
+    ranks.append(rankStatsDict(r, st));
+  d["ranks"] = ranks;
+  return d;
+}
+
+py::dict parallelDict(const Plan &plan) {
+  const ParallelConfig &pc = plan.parallel;
+  py::dict d;
+  d["pp"] = pc.pp;
+  d["vpp"] = pc.vpp;
+  d["tp"] = pc.tp;
+  d["dp"] = pc.dp;
+  d["microbatches"] = pc.microbatches;
+  d["seq_splits"] = pc.seqSplits;
+  d["microbatch_group_size"] = pc.microbatchGroupSize;
+  return d;
+}
+
+py::list stagesList(const Plan &plan) {
+  py::list out;
+  for (const StageInfo &s : plan.stages) {
+    py::dict d;
+    d["stage"] = s.stage;
+    d["rank"] = s.rank;
+    d["layers"] = py::make_tuple(s.layerBegin, s.layerEnd);
+    d["param_bytes"] = s.paramBytes;
+    out.append(d);
+  }
+  return out;
+}
+
+/// Re-run memory and timing on a plan, as `pipec simulate` does; the trace if asked for.
+PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePath) {
+  PyPlan out = in;
+  std::string trace;
+  {
+    py::gil_scoped_release release;
+    check(verifyPlan(out.plan));
+    PassContext ctx;
+    ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
+    check(runPipeline({"memory"}, out.plan, ctx));
+    Timeline tl;
+    check(simulateTimeline(out.plan, tl));
+    summarizeTimeline(out.plan, tl, out.plan.stats);
+    if (tracePath)
+      trace = chromeTrace(out.plan, tl);
+  }
+  if (tracePath) {
+    if (auto err = writeFileAtomically(*tracePath, trace))
+      raise(inputError("trace: {}", takeMessage(std::move(err))));
+  }
+  return out;
+}
+
+std::string traceOf(const PyPlan &p) {
+  py::gil_scoped_release release;
+  Timeline tl;
+  check(simulateTimeline(p.plan, tl));
+  return chromeTrace(p.plan, tl);
+}
+
+} // namespace
+
+PYBIND11_MODULE(_pipec, m) {
+  m.doc() = "pipec's C++ library (the pipec package wraps it; use that)";
+  py::register_exception<FindingException>(m, "PlanError");
+
+  py::class_<PyPlan>(m, "Plan")
+      .def_property_readonly("schedule", [](const PyPlan &p) { return p.plan.schedule; })
+      .def_property_readonly("model", [](const PyPlan &p) { return p.plan.model; })
+      .def_property_readonly("time_unit", [](const PyPlan &p) { return p.plan.timeUnit; })
+      .def_property_readonly("placement",
+                             [](const PyPlan &p) { return toString(p.plan.placement).str(); })
+      .def_property_readonly("parallel", [](const PyPlan &p) { return parallelDict(p.plan); })
+      .def_property_readonly("stages", [](const PyPlan &p) { return stagesList(p.plan); })
+      .def_property_readonly("stats", [](const PyPlan &p) { return statsDict(p.plan); })
+      .def_property_readonly("num_instructions",
+                             [](const PyPlan &p) { return p.plan.numInstructions(); })
+      .def_property_readonly("import_report", [](const PyPlan &p) { return p.importReport; })
+      .def("json", [](const PyPlan &p) { return writePlanJson(p.plan); })
+      .def(
+          "text",
+          [](const PyPlan &p, bool computeOnly) { return formatStreams(p.plan, computeOnly); },
+          py::arg("compute_only") = false)
+      .def(
+          "grid",
+          [](const PyPlan &p, bool computeOnly) { return formatGrid(p.plan, {}, computeOnly); },
+          py::arg("compute_only") = false)
+      .def("trace", &traceOf)
+      .def("torch_csv",
+           [](const PyPlan &p, bool comms) {
+             return unwrap(writeTorchCsv(p.plan, comms ? TorchCsvForm::ComputeComms
+                                                       : TorchCsvForm::ComputeOnly));
+           })
+      .def("save", [](const PyPlan &p, const std::string &path) {
+        check(writeFileAtomically(path, writePlanJson(p.plan)));
+      });
+
+  m.def(
+      "compile",
+      [](const std::vector<std::string> &flags) {
+        Args args = parseFlags(flags, compileFlags(), "compile");
+        py::gil_scoped_release release;
+        return PyPlan{unwrap(compileWithFlags(args)), ""};
+      },
+      "compile(flags): `pipec compile` with CLI flags; --model-json/--cluster-json take JSON text");
+
+  m.def(
+      "import_schedule",
+      [](const std::string &text, const std::string &source,
+         const std::vector<std::string> &flags) {
+        Args args = parseFlags(flags, importFlags(), "import");
+        py::gil_scoped_release release;
+        ImportedOrder order;
+        ImportResult result = unwrap(importWithFlags(args, text, source, nullptr, &order));
+        std::string report = importReport(order, result, source);
+        if (!report.empty() && report.back() == '\n')
+          report.pop_back();
+        return PyPlan{std::move(result.plan), report};
+      },
+      "import_schedule(text, source, flags): `pipec import` of text read from source");
+
+  m.def(
+      "load_plan",
+      [](const std::string &path) {
+        py::gil_scoped_release release;
+        return PyPlan{unwrap(loadPlan(path)), ""};
+      },
+      "load_plan(path): a pipeplan/1 file (its streams are checked by validate, not here)");
+
+  m.def(
+      "parse_plan",
+      [](const std::string &text, const std::string &source) {
+        py::gil_scoped_release release;
+        return PyPlan{unwrap(parsePlanJson(text, source)), ""};
+      },
+      "parse_plan(text, source): pipeplan/1 JSON text");
+
+  m.def(
+      "validate",
+      [](const PyPlan &p) {
+        py::gil_scoped_release release;
+        check(verifyPlan(p.plan));
+      },
+      "validate(plan): raises PlanError with the verifier's diagnostic if the plan is wrong");
+
+  m.def("simulate", &simulatePlan, py::arg("plan"), py::arg("trace") = std::nullopt,
+        "simulate(plan, trace=None): memory and timing again, as `pipec simulate`");
+
+  m.def(
+      "write_file",
+      [](const std::string &path, const std::string &text) {
+        check(writeFileAtomically(path, text));
+      },
+      "write_file(path, text): a temporary file beside path, then a rename");
+
+  m.def(
+      "list_schedules",
+      []() {
+        py::list out;
+        for (const SchedulePolicy *p : allPolicies()) {
+          py::dict d;
+          d["name"] = p->name().str();
+          d["summary"] = p->summary().str();
+          d["constraints"] = p->constraints().str();
+          d["placement"] = toString(p->placement()).str();
+          out.append(d);
+        }
+        return out;
+      },
+      "list_schedules(): name, summary, constraints and placement of every schedule");
+}

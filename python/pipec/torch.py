@@ -1,0 +1,153 @@
+"""Train your own per-stage ``nn.Module``s under a pipec plan, with PyTorch's pipelining runtime.
+
+A pipec plan fixes the stages (which layers each holds, which rank runs it), the order of every
+rank's compute, and, in the compute+comms form, the order of every send and receive, proven
+deadlock-free and FIFO-matched. This module hands that order to PyTorch's own runtime
+(``torch.distributed.pipelining``), so the same plan that pipec verified and simulated is what
+trains your model:
+
+    import pipec, pipec.torch
+    plan = pipec.compile("model.json", "zb-auto", pp=4, microbatches=8, memory_limit="6GiB")
+    stages = pipec.torch.stage_modules(plan, layers)  # layers: one nn.Module per model layer
+    pipe = pipec.torch.PipelineRunner(plan, stages, loss_fn)
+    losses = []
+    pipe.step(tokens, target=targets, losses=losses)  # then optimizer.step() as usual
+
+Run it in every process of a ``torch.distributed`` group of ``plan.pp`` ranks (torchrun, or
+``torch.multiprocessing``; gloo on CPU, NCCL on GPUs). Pinned: PyTorch 2.15.0. Private PyTorch
+APIs used: ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime`` and its
+``_load_csv`` (with ``format="compute_comms"`` or ``"compute_only"``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+import pipec
+
+__all__ = ["PipelineRunner", "stage_modules", "local_stages"]
+
+#: The PyTorch version the CSV spelling and the private APIs were checked against.
+PINNED_TORCH = "2.15.0"
+
+
+def stage_modules(plan, layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """Cut a model's layers into the plan's stages: stage s becomes ``nn.Sequential`` of
+    ``layers[b:e]`` for the stage's layer range [b, e) (pipec's partition of the model JSON's
+    layers; for a transformer model those are the embedding, the blocks, then the head).
+
+    The modules are shared, not copied: a layer's parameters are the same tensors."""
+    plan = pipec._as_plan(plan)
+    layers = list(layers)
+    end = plan.stages[-1]["layers"][1]
+    if len(layers) != end:
+        raise ValueError(f"layers: the plan's model has {end} layers (stages cover [0, {end})) "
+                         f"but {len(layers)} modules were given; give one module per layer")
+    return [nn.Sequential(*layers[s["layers"][0]:s["layers"][1]]) for s in plan.stages]
+
+
+def local_stages(plan, rank: int) -> list[int]:
+    """The stages the plan puts on pipeline rank `rank`, in stage order."""
+    plan = pipec._as_plan(plan)
+    return [s["stage"] for s in plan.stages if s["rank"] == rank]
+
+
+class PipelineRunner:
+    """Runs training steps of the user's stage modules under a pipec plan's schedule.
+
+    plan: a pipec.Plan or the path of a plan JSON (its pp must be the group's size).
+    modules: every stage's module (a sequence of plan.num_stages, where other ranks' entries may
+        be None) or a mapping {stage index: module} holding at least this rank's stages.
+    loss_fn: loss_fn(output, target) -> scalar, on the last stage's microbatch output; with
+        scale_grads (the default) gradients are divided by the number of microbatches, so a
+        mean loss per microbatch gives the gradient of the mean over the batch.
+    group: the pipeline's process group (default: the whole world); pipeline rank = group rank.
+    device: where the modules live (default: CPU).
+    comms: True runs pipec's own send/recv order (the torch-csv-comms form, loaded with
+        format="compute_comms"); False gives PyTorch only the compute order (torch-csv) and
+        lets it derive the communication itself.
+    """
+
+    def __init__(self, plan, modules: Sequence[nn.Module | None] | Mapping[int, nn.Module],
+                 loss_fn: Callable[..., torch.Tensor], *, group=None,
+                 device: torch.device | str | None = None, comms: bool = True,
+                 scale_grads: bool = True):
+        self.plan = pipec._as_plan(plan)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("pipec.torch needs torch.distributed initialised in every "
+                               f"process of the pipeline ({self.plan.pp} ranks), e.g. "
+                               "dist.init_process_group('gloo') under torchrun")
+        size = dist.get_world_size(group)
+        if size != self.plan.pp:
+            raise ValueError(f"the plan has pp={self.plan.pp} but the process group has {size} "
+                             f"ranks; run {self.plan.pp} processes, or compile with --pp {size}")
+        self.rank = dist.get_rank(group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        num_stages = self.plan.num_stages
+        mine = local_stages(self.plan, self.rank)
+        if isinstance(modules, Mapping):
+            missing = [s for s in mine if modules.get(s) is None]
+        else:
+            modules = list(modules)
+            if len(modules) != num_stages:
+                raise ValueError(f"modules: the plan has {num_stages} stages but {len(modules)} "
+                                 "modules were given (or pass a dict {stage: module})")
+            missing = [s for s in mine if modules[s] is None]
+        if missing:
+            raise ValueError(f"modules: rank {self.rank} runs stages {mine} but has no module for "
+                             f"stage {missing[0]}")
+        # Checks that PyTorch can express the plan (exit 2's line as ValueError otherwise).
+        csv = self.plan.export_torch_csv(comms=comms)
+        # PyTorch's runtime hands the last stage's backward the loss of the k-th forward it ran
+        # as microbatch k's: the plan must run that stage's forwards in microbatch order.
+        last = num_stages - 1
+        owner = self.plan.stages[last]["rank"]
+        order = [i["mb"] for i in self.plan.instructions(owner)
+                 if i["op"] == "forward" and i["stage"] == last]
+        if order != sorted(order):
+            raise ValueError(f"PyTorch's runtime pairs losses with microbatches in the order the "
+                             f"last stage runs its forwards, but this plan runs them as {order}; "
+                             "use a schedule whose last stage runs microbatches in order")
+        self.csv = csv
+        self.stages = [
+            PipelineStage(modules[s].to(self.device), s, num_stages, self.device, group=group)
+            for s in mine
+        ]
+        self.schedule = _PipelineScheduleRuntime(
+            self.stages, n_microbatches=self.plan.microbatches, loss_fn=loss_fn,
+            scale_grads=scale_grads)
+        fd, path = tempfile.mkstemp(prefix="pipec-", suffix=".csv")
+        try:
+            with os.fdopen(fd, "w", newline="") as f:
+                f.write(csv)
+            self.schedule._load_csv(path, format="compute_comms" if comms else "compute_only")
+        finally:
+            os.unlink(path)
+        # PyTorch infers where each stage runs from the rows; it must be the plan's placement.
+        placed = dict(self.schedule.stage_index_to_group_rank)
+        want = {s["stage"]: s["rank"] for s in self.plan.stages}
+        if placed != want:
+            raise RuntimeError(f"PyTorch placed the stages as {placed}, the plan as {want}")
+
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """One training step over plan.microbatches microbatches (the batch is split along
+        dimension 0). Inputs matter on the rank of the first stage, target on the rank of the
+        last (pass both everywhere if that is simpler); per-microbatch losses are appended to
+        `losses` on the last stage's rank. Returns the merged output there, None elsewhere."""
+        return self.schedule.step(*args, target=target, losses=losses, **kwargs)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(st.is_last for st in self.stages)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(st.is_first for st in self.stages)

@@ -1,0 +1,41 @@
+"""What each rank process of test_torch_train.py runs (a module of its own, so that
+torch.multiprocessing's spawned processes can import it)."""
+
+import os
+
+
+def run_cases(rank, world, init_file, out_dir, cfg, cases):
+    """Train one step of every case under its pipec plan; save this rank's gradients and, on the
+    last stage's rank, the microbatch losses."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import pipec  # noqa: PLC0415
+    import pipec.torch  # noqa: PLC0415
+    import torch_gpt  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        for case in cases:
+            plan = pipec.compile(torch_gpt.model_spec(cfg), case["schedule"], pp=world,
+                                 microbatches=case["microbatches"], **case["flags"])
+            layers = torch_gpt.build_layers(cfg, seed=0)
+            runner = pipec.torch.PipelineRunner(plan, pipec.torch.stage_modules(plan, layers),
+                                                torch_gpt.loss_fn, comms=case["comms"])
+            tokens, targets = torch_gpt.batch(cfg, plan.microbatches, step=0)
+            losses = []
+            runner.step(tokens, target=targets, losses=losses)
+            grads = {}
+            for stage in plan.stages:
+                if stage["rank"] != rank:
+                    continue
+                for layer in range(*stage["layers"]):
+                    for name, param in layers[layer].named_parameters():
+                        grads[f"{layer}.{name}"] = param.grad.detach().clone()
+            torch.save({"grads": grads, "losses": [x.item() for x in losses]},
+                       os.path.join(out_dir, f"{case['id']}-rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

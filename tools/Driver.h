@@ -1,0 +1,60 @@
+//===- Driver.h - The work behind pipec's commands, flags in -----*- C++ -*-===//
+//
+// What `pipec compile`, `export` and `import` do between parsing their flags and printing, so
+// that the CLI and the Python module (python/) give the same plans and the same one-line errors.
+// Besides the CLI's flags, the Python module passes a model or cluster as JSON text with
+// --model-json and --cluster-json (they stand for --model and --cluster).
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_TOOLS_DRIVER_H
+#define PIPEC_TOOLS_DRIVER_H
+
+#include "compiler/Import.h"
+#include "ir/Model.h"
+#include "ir/Plan.h"
+#include "tools/Args.h"
+
+#include "llvm/ADT/ArrayRef.h"
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+namespace pipec {
+
+/// The valued flags compileWithFlags reads.
+llvm::ArrayRef<llvm::StringRef> compileFlags();
+/// The valued flags importWithFlags reads.
+llvm::ArrayRef<llvm::StringRef> importFlags();
+
+/// --model or --model-json (required).
+llvm::Expected<ModelSpec> modelFromFlags(const Args &args);
+/// --cluster or --cluster-json; the embedded default when neither is given.
+llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args);
+
+/// `pipec compile`: a verified, simulated plan, or the CLI's error (an InputError for bad
+/// flags, a Finding for a plan over --memory-limit).
+llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut = nullptr);
+
+/// `pipec import`: `text` (read from `source`) compiled for --model with the other flags.
+llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef text,
+                                             llvm::StringRef source,
+                                             ClusterSpec *clusterOut = nullptr,
+                                             ImportedOrder *orderOut = nullptr);
+
+/// One line on what import inferred and which policy the order is, e.g.
+/// "imported s.csv (PyTorch CSV, compute only): pp=4 vpp=1 microbatches=8, loop placement;
+/// the order is pipec's 1f1b".
+std::string importReport(const ImportedOrder &order, const ImportResult &result,
+                         llvm::StringRef source);
+
+/// The summary `pipec compile` prints (pipec.cpp's printSummary), passed in so that export
+/// and import live outside pipec.cpp.
+using SummaryPrinter = void (*)(const Plan &, const ClusterSpec *);
+
+/// pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
+llvm::Error cmdExport(int argc, char **argv);
+/// pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
+llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary);
+
+} // namespace pipec
+
+#endif // PIPEC_TOOLS_DRIVER_H
