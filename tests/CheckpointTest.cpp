@@ -240,10 +240,34 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char *>(nullptr));
       ::_exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200 + rng() % 500));
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
+    // Not a fixed delay (a loaded machine may not have started the run by then): wait until
+    // this round has committed a checkpoint newer than the last round's, or 120 s, then kill at
+    // a random instant of what follows (saves every step, so often in the middle of one).
+    auto newestCommitted = [&] {
+      int newest = 0;
+      std::error_code ec; // the run renames and removes entries as we look
+      for (fs::directory_iterator it(ck, ec), end; !ec && it != end; it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        std::error_code ignored;
+        if (name.rfind("step-", 0) == 0 && fs::exists(it->path() / "manifest.json", ignored))
+          newest = std::max(newest, std::atoi(name.c_str() + 5));
+      }
+      return newest;
+    };
+    for (int waited = 0; waited < 12000 && newestCommitted() <= previous; ++waited) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1; // finished its 30 steps before the kill
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (pid > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 400));
+      ::kill(pid, SIGKILL);
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+    }
     bool committed = false;
     if (fs::exists(ck))
       for (auto &e : fs::recursive_directory_iterator(ck))
