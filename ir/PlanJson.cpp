@@ -181,7 +181,8 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
       }
       rs.push_back(std::move(o));
     }
-    stats["ranks"] = std::move(rs);
+    if (!rs.empty()) // (a plan read without per-rank stats writes none back)
+      stats["ranks"] = std::move(rs);
     j["stats"] = std::move(stats);
   }
   // The document as nlohmann prints j with "ranks" inserted before "stats" (indent 1), except
@@ -578,6 +579,8 @@ struct PlanReader {
     const Json &st = *it;
     if (auto err = r.expectObject(st, "$.stats"))
       return err;
+    if (auto err = r.onlyKeys(st, "$.stats", {"makespan", "bubble_ratio", "step_time", "ranks"}))
+      return err;
     PlanStats &out = plan.stats;
     out.simulated = st.contains("makespan");
     if (auto err = r.getNumber(st, "$.stats", "makespan", out.makespan, false))
@@ -596,6 +599,10 @@ struct PlanReader {
       const Json &o = (*ranks)[i];
       std::string path = jsonPath("$.stats.ranks", i);
       if (auto err = r.expectObject(o, path))
+        return err;
+      if (auto err = r.onlyKeys(o, path,
+                                {"rank", "busy", "span", "start", "end", "step_end",
+                                 "peak_activation_bytes", "static_bytes", "peak_memory_bytes"}))
         return err;
       RankStats rs;
       rs.rank = int(i);

@@ -45,6 +45,29 @@ TEST(PlanJsonTest, ErrorsNameTheJsonPathAndWhatWasExpected) {
                  "\"zero\"");
 }
 
+// Found by plan_fuzzer: a misspelt key inside "stats" was ignored, so the plan read without
+// per-rank stats and wrote back an empty "ranks" array that it then refused to read.
+TEST(PlanJsonTest, StatsTakeOnlyTheirOwnKeysAndAPlanWithoutPerRankStatsRoundTrips) {
+  Plan plan = compileOrFail(uniformModel(2), options("1f1b", 2, 2));
+  const std::string text = writePlanJson(plan);
+  size_t at = text.find("\"ranks\": [", text.find("\"stats\""));
+  ASSERT_NE(at, std::string::npos);
+  std::string misspelt = text;
+  misspelt.replace(at, 7, "\"Ranks\"");
+  EXPECT_EQ(errorText(parsePlanJson(misspelt, "p.json").takeError()),
+            "p.json: $.stats.Ranks: unknown field (valid fields: makespan, bubble_ratio, "
+            "step_time, ranks)");
+  // Without per-rank stats at all: read, written back without them, read again.
+  auto doc = nlohmann::json::parse(text);
+  doc["stats"].erase("ranks");
+  auto once = parsePlanJson(doc.dump(1), "p.json");
+  ASSERT_TRUE(bool(once)) << takeMessage(once.takeError());
+  const std::string again = writePlanJson(*once);
+  auto twice = parsePlanJson(again, "p.json");
+  ASSERT_TRUE(bool(twice)) << takeMessage(twice.takeError());
+  EXPECT_EQ(writePlanJson(*twice), again);
+}
+
 TEST(PlanJsonTest, TheStreamedTextIsNlohmannsPrintOfTheDocumentWithAnInstructionALine) {
   // The writer streams the ranks itself; nlohmann's own printer, given the same document, is
   // the reference: indentation, member order, number and string spelling.

@@ -33,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const std::string json = writePlanJson(*plan);
   auto again = parsePlanJson(json, "again.json");
   if (!again) {
-    fuzz::refused(again.takeError());
+    std::fprintf(stderr, "%s\n", llvm::toString(again.takeError()).c_str());
     FUZZ_CHECK(false, "a verified plan's JSON parses back");
   }
   FUZZ_CHECK(writePlanJson(*again) == json, "a plan's JSON round-trips byte for byte");
