@@ -3,6 +3,7 @@
 #include "ir/Error.h"
 #include "ir/Files.h"
 #include "ir/JsonRead.h"
+#include "ir/JsonScan.h"
 #include "ir/Model.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <optional>
 #include <vector>
 
 namespace pipec {
@@ -985,33 +987,7 @@ private:
   /// A flat object of known fields that readInstruction would accept, decoded without building
   /// it; false for anything else (readInstruction then says what is wrong).
   bool quick(Instruction &i) {
-    struct Field {
-      const Event *value = nullptr;
-    };
-    enum { Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group, Part, Parts, Phase, NumFields };
-    // The field a key names (-1: none), without comparing it to every name.
-    auto fieldOf = [](const std::string &key) -> int {
-      llvm::StringRef k = key;
-      switch (k.size()) {
-      case 2:
-        return k == "op" ? Op : k == "mb" ? Mb : -1;
-      case 4:
-        return k == "peer" ? Peer : k == "part" ? Part : -1;
-      case 5:
-        return k == "stage"   ? Stage
-               : k == "slice" ? Slice
-               : k == "bytes" ? Bytes
-               : k == "group" ? Group
-               : k == "parts" ? Parts
-               : k == "phase" ? Phase
-                              : -1;
-      case 6:
-        return k == "tensor" ? Tensor : -1;
-      default:
-        return -1;
-      }
-    };
-    Field f[NumFields];
+    Fields f;
     if (events.size() < 2 || events.size() % 2 != 0)
       return false; // Open, (Key, scalar)*, Close
     for (size_t e = 1; e + 1 < events.size(); e += 2) {
@@ -1022,19 +998,166 @@ private:
       int which = fieldOf(k.s);
       if (which < 0)
         return false;
-      f[which].value = &v;
+      FieldValue &to = f[which];
+      to = FieldValue{};
+      switch (v.kind) {
+      case Event::Int:
+        to.kind = FieldValue::Int;
+        to.i = v.i;
+        break;
+      case Event::Unsigned:
+        to.kind = FieldValue::Unsigned;
+        to.u = v.u;
+        break;
+      case Event::String:
+        to.kind = FieldValue::String;
+        to.s = v.s;
+        break;
+      default:
+        to.kind = FieldValue::Other;
+        break;
+      }
     }
-    constexpr int64_t kMax = int64_t(1) << 53;
-    auto integer = [&](int which, int64_t min, int64_t max, int64_t &out) {
-      const Event *v = f[which].value;
-      if (!v)
+    return decodeFields(f, i);
+  }
+
+public:
+  /// The scanner's offer (json::scanJson): an instruction of the usual shape decoded straight
+  /// from the text, `{"op": "F", "stage": 0, ...}` with string and non-negative integer
+  /// members; false, consuming nothing, for anything else (the events then take it).
+  template <typename Input> bool tryObject(Input &in) {
+    if (capturing || tooDeep() || !atInstruction())
+      return false;
+    in.need(kInstructionText);
+    const char *p = in.p;
+    Fields f;
+    Instruction ins;
+    if (!scanFields(p, in.end, f) || !decodeFields(f, ins))
+      return false;
+    in.p = p;
+    deepest = std::max(deepest, depth + 1);
+    rank = stack[1].count - 1;
+    index = stack[3].count++;
+    if (streams.size() <= rank)
+      streams.resize(rank + 1);
+    streams[rank].push_back(ins);
+    return true;
+  }
+
+private:
+  /// The most text an instruction decoded from the text may take (pipec writes about 80).
+  static constexpr size_t kInstructionText = 1024;
+
+  enum { Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group, Part, Parts, Phase, NumFields };
+  struct FieldValue {
+    enum Kind : uint8_t { Absent, Int, Unsigned, String, Other } kind = Absent;
+    int64_t i = 0;
+    uint64_t u = 0;
+    llvm::StringRef s;
+  };
+  using Fields = FieldValue[NumFields];
+
+  /// The field a key names (-1: none), without comparing it to every name.
+  static int fieldOf(llvm::StringRef k) {
+    switch (k.size()) {
+    case 2:
+      return k == "op" ? Op : k == "mb" ? Mb : -1;
+    case 4:
+      return k == "peer" ? Peer : k == "part" ? Part : -1;
+    case 5:
+      return k == "stage"   ? Stage
+             : k == "slice" ? Slice
+             : k == "bytes" ? Bytes
+             : k == "group" ? Group
+             : k == "parts" ? Parts
+             : k == "phase" ? Phase
+                            : -1;
+    case 6:
+      return k == "tensor" ? Tensor : -1;
+    default:
+      return -1;
+    }
+  }
+
+  /// `{ "key": value, ... }` at p, keys of lower-case letters, values strings of plain ASCII
+  /// or digits (no sign, fraction, exponent or leading zero; at most 15), all before `end`.
+  /// p ends past the `}`. False for anything else. A repeated key keeps its last value, as
+  /// nlohmann's DOM does.
+  static bool scanFields(const char *&p, const char *end, Fields &f) {
+    auto space = [&] {
+      while (p < end && json::detail::isSpace(*p))
+        ++p;
+      return p < end;
+    };
+    auto quoted = [&](llvm::StringRef &out, bool letters) {
+      const char *start = ++p;
+      while (p < end && *p != '"') {
+        unsigned char c = static_cast<unsigned char>(*p);
+        if (letters ? !(c >= 'a' && c <= 'z') : (c < 0x20 || c >= 0x80 || c == '\\'))
+          return false;
+        ++p;
+      }
+      if (p == end)
         return false;
-      if (v->kind == Event::Int && v->i >= min && v->i <= max) {
-        out = v->i;
+      out = llvm::StringRef(start, size_t(p - start));
+      ++p;
+      return true;
+    };
+    if (p == end || *p != '{')
+      return false;
+    ++p;
+    for (;;) {
+      llvm::StringRef key;
+      if (!space() || *p != '"' || !quoted(key, true))
+        return false;
+      int which = fieldOf(key);
+      if (which < 0 || !space() || *p != ':')
+        return false;
+      ++p;
+      if (!space())
+        return false;
+      FieldValue v;
+      if (*p == '"') {
+        v.kind = FieldValue::String;
+        if (!quoted(v.s, false))
+          return false;
+      } else if (*p >= '0' && *p <= '9') {
+        const char *start = p;
+        uint64_t u = 0;
+        while (p < end && *p >= '0' && *p <= '9')
+          u = u * 10 + uint64_t(*p++ - '0');
+        if (p == end || p - start > 15 || (*start == '0' && p - start > 1) || *p == '.' ||
+            *p == 'e' || *p == 'E')
+          return false;
+        v.kind = FieldValue::Unsigned;
+        v.u = u;
+      } else {
+        return false;
+      }
+      f[which] = v;
+      if (!space())
+        return false;
+      if (*p == '}') {
+        ++p;
         return true;
       }
-      if (v->kind == Event::Unsigned && v->u <= uint64_t(max) && int64_t(v->u) >= min) {
-        out = int64_t(v->u);
+      if (*p != ',')
+        return false;
+      ++p;
+    }
+  }
+
+  /// The instruction of fields that readInstruction would accept; false for anything else.
+  static bool decodeFields(const Fields &f, Instruction &i) {
+    constexpr int64_t kMax = int64_t(1) << 53;
+    auto integer = [&](int which, int64_t min, int64_t max, int64_t &out) {
+      const FieldValue &v = f[which];
+      if (v.kind == FieldValue::Int && v.i >= min && v.i <= max) {
+        out = v.i;
+        return true;
+      }
+      if (v.kind == FieldValue::Unsigned && v.u <= uint64_t(max) && int64_t(v.u) >= min) {
+        out = int64_t(v.u);
         return true;
       }
       return false;
@@ -1046,21 +1169,21 @@ private:
       out = int32_t(wide);
       return true;
     };
-    auto text = [&](int which) -> const std::string * {
-      const Event *v = f[which].value;
-      return v && v->kind == Event::String ? &v->s : nullptr;
+    auto text = [&](int which) -> const llvm::StringRef * {
+      return f[which].kind == FieldValue::String ? &f[which].s : nullptr;
     };
+    auto present = [&](int which) { return f[which].kind != FieldValue::Absent; };
     auto only = [&](std::initializer_list<int> allowed) {
       for (int n = 0; n < NumFields; ++n)
-        if (f[n].value && std::find(allowed.begin(), allowed.end(), n) == allowed.end())
+        if (present(n) && std::find(allowed.begin(), allowed.end(), n) == allowed.end())
           return false;
       return true;
     };
-    const std::string *op = text(Op);
+    const llvm::StringRef *op = text(Op);
     if (!op || !opKindFromString(*op, i.op))
       return false;
     auto parts = [&](bool required) {
-      if (!required && !f[Part].value && !f[Parts].value)
+      if (!required && !present(Part) && !present(Parts))
         return true;
       return int32(Parts, 1, i.parts) && int32(Part, 0, i.part) && i.part < i.parts;
     };
@@ -1073,21 +1196,21 @@ private:
              int32(Mb, 0, i.mb) && int32(Slice, 0, i.slice) && parts(false);
     case OpKind::Send:
     case OpKind::Recv: {
-      const std::string *tensor = text(Tensor);
+      const llvm::StringRef *tensor = text(Tensor);
       return only({Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group}) && tensor &&
              tensorKindFromString(*tensor, i.tensor) && int32(Stage, 0, i.stage) &&
              int32(Mb, 0, i.mb) && int32(Slice, 0, i.slice) && int32(Peer, 0, i.peer) &&
-             integer(Bytes, 0, kMax, i.bytes) && (!f[Group].value || int32(Group, 0, i.group));
+             integer(Bytes, 0, kMax, i.bytes) && (!present(Group) || int32(Group, 0, i.group));
     }
     case OpKind::AllReduce: {
-      const std::string *group = text(Group);
+      const llvm::StringRef *group = text(Group);
       if (!only({Op, Group, Stage, Bytes, Phase, Mb, Slice, Part, Parts}) || !group ||
           !collectiveGroupFromString(*group, i.collective) || !int32(Stage, 0, i.stage) ||
           !integer(Bytes, 0, kMax, i.bytes))
         return false;
       if (i.collective != CollectiveGroup::Tp)
         return true;
-      const std::string *phase = text(Phase);
+      const llvm::StringRef *phase = text(Phase);
       return phase && opKindFromString(*phase, i.phase) &&
              (i.phase == OpKind::Forward || i.phase == OpKind::BackwardInput ||
               i.phase == OpKind::Backward) &&
@@ -1117,27 +1240,47 @@ template <typename Next> std::pair<size_t, size_t> lineAndColumn(size_t offset, 
   return {line, col};
 }
 
-/// Parse a plan from `input` (anything nlohmann::json::sax_parse reads) without holding its
-/// text or its whole document. `where(offset)` gives the line and column of a byte offset.
+enum class Parsed { Ok, Failed, Unsupported };
+
+/// The scanner's outcome. The handler stops only with its error set; were it ever to stop
+/// without one, nlohmann's parse decides.
+Parsed parsedOf(json::ScanResult r, PlanSax &sax) {
+  switch (r) {
+  case json::ScanResult::Done:
+    return Parsed::Ok;
+  case json::ScanResult::Stopped:
+    return sax.error ? Parsed::Failed : Parsed::Unsupported;
+  case json::ScanResult::Unsupported:
+    break;
+  }
+  return Parsed::Unsupported;
+}
+
+/// Parse a plan with `parse` (json::scanJson or nlohmann::json::sax_parse over some input)
+/// without holding its text or its whole document. `where(offset)` gives the line and column
+/// of a byte offset. Nothing when the scanner left the text to nlohmann.
 template <typename Parse, typename Where>
-llvm::Expected<Plan> parseStreaming(Parse parse, llvm::StringRef source, size_t size, Where where) {
+std::optional<llvm::Expected<Plan>> parseStreaming(Parse parse, llvm::StringRef source, size_t size,
+                                                   Where where) {
   JsonReader r(source);
   Plan plan;
   PlanReader reader{r, plan};
   Json root;
   PlanSax sax(reader, root);
-  bool ok = false;
+  Parsed got = Parsed::Failed;
   try {
-    ok = parse(sax);
+    got = parse(sax);
   } catch (const Json::exception &e) {
     return inputError("{}: unreadable JSON ({})", source.str(), e.what());
   }
+  if (got == Parsed::Unsupported)
+    return std::nullopt;
   if (sax.deepest > PlanSax::kMaxDepth)
     return inputError("{}: JSON nested {} levels deep; pipec's formats need at most {}",
                       source.str(), sax.deepest, PlanSax::kMaxDepth);
   if (sax.error)
     return std::move(sax.error);
-  if (!ok) {
+  if (got == Parsed::Failed) {
     if (sax.outOfRange)
       return inputError("{}: a number is out of range (too large for a double)", source.str());
     size_t offset = sax.errorAt == 0 ? 0 : std::min(sax.errorAt - 1, size);
@@ -1153,12 +1296,27 @@ llvm::Expected<Plan> parseStreaming(Parse parse, llvm::StringRef source, size_t 
 
 } // namespace
 
-llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source) {
-  auto parse = [&](PlanSax &sax) { return Json::sax_parse(text.begin(), text.end(), &sax); };
-  return parseStreaming(parse, source, text.size(), [&](size_t offset) {
+llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source,
+                                   JsonParser parser) {
+  auto where = [&](size_t offset) {
     size_t i = 0;
     return lineAndColumn(offset, [&]() -> int { return i < text.size() ? text[i++] : -1; });
-  });
+  };
+  if (parser == JsonParser::Fast) {
+    auto scan = [&](PlanSax &sax) {
+      json::TextInput in(text.begin(), text.end());
+      return parsedOf(json::scanJson(in, sax), sax);
+    };
+    if (auto plan = parseStreaming(scan, source, text.size(), where))
+      return std::move(*plan);
+  }
+  auto parse = [&](PlanSax &sax) {
+    return Json::sax_parse(text.begin(), text.end(), &sax) ? Parsed::Ok : Parsed::Failed;
+  };
+  auto plan = parseStreaming(parse, source, text.size(), where);
+  if (!plan)
+    return inputError("{}: unreadable JSON", source.str());
+  return std::move(*plan);
 }
 
 namespace {
@@ -1222,16 +1380,29 @@ llvm::Expected<Plan> loadPlan(llvm::StringRef path) {
   uint64_t size = 0;
   if (llvm::sys::fs::file_size(path, size))
     size = 0;
-  FileChars chars(file);
-  auto parse = [&](PlanSax &sax) {
-    return Json::sax_parse(FileChars::Iterator{&chars}, FileChars::Iterator{nullptr}, &sax);
-  };
-  auto plan = parseStreaming(parse, path, size_t(size), [&](size_t offset) {
+  auto where = [&](size_t offset) {
     std::rewind(file);
     return lineAndColumn(offset, [&]() { return std::fgetc(file); });
-  });
+  };
+  auto scan = [&](PlanSax &sax) {
+    json::FileInput in(file);
+    return parsedOf(json::scanJson(in, sax), sax);
+  };
+  auto plan = parseStreaming(scan, path, size_t(size), where);
+  if (!plan) { // the scanner left it to nlohmann: read it again from the start
+    std::rewind(file);
+    FileChars chars(file);
+    auto parse = [&](PlanSax &sax) {
+      return Json::sax_parse(FileChars::Iterator{&chars}, FileChars::Iterator{nullptr}, &sax)
+                 ? Parsed::Ok
+                 : Parsed::Failed;
+    };
+    plan = parseStreaming(parse, path, size_t(size), where);
+  }
   std::fclose(file);
-  return plan;
+  if (!plan)
+    return inputError("{}: unreadable JSON", path.str());
+  return std::move(*plan);
 }
 
 } // namespace pipec

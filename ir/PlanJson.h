@@ -20,7 +20,12 @@ std::string writePlanJson(const Plan &plan);
 /// here and reported as InputErrors naming `source` and the JSON path; whether the streams are
 /// correct is the verifier's question. Parsed as a stream (nlohmann's SAX interface): the
 /// instructions go straight into the plan, and loadPlan never holds the file's text.
-llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source);
+/// Which JSON parser reads a plan: ir/JsonScan.h's scanner, which hands anything unusual
+/// (every syntax error included) to nlohmann's, or nlohmann's alone: the reference the
+/// scanner is tested against (same plan, same error).
+enum class JsonParser { Fast, Nlohmann };
+llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source,
+                                   JsonParser parser = JsonParser::Fast);
 llvm::Expected<Plan> loadPlan(llvm::StringRef path);
 
 } // namespace pipec

@@ -2,7 +2,9 @@
 //
 // `pipec validate|simulate|show plan.json`: any text is refused by the reader (InputError) or
 // the verifier (Finding); a plan both accept is simulated, drawn as the grid and as text, and
-// written back: its JSON round-trips to the same bytes, its text to the same streams.
+// written back: its JSON round-trips to the same bytes, its text to the same streams. Every
+// input is also read by nlohmann's parser alone, the reference for ir/JsonScan.h's scanner:
+// the same plan or the same error.
 //
 //===----------------------------------------------------------------------===//
 #include "tests/fuzz/FuzzTarget.h"
@@ -15,11 +17,28 @@
 
 using namespace pipec;
 
+namespace {
+/// A read's outcome as text: the plan written back, or the error's line.
+std::string outcomeOf(llvm::Expected<Plan> &plan) {
+  if (!plan)
+    return "error: " + llvm::toString(plan.takeError());
+  return writePlanJson(*plan);
+}
+} // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   auto plan = parsePlanJson(fuzz::textOf(data, size), "fuzz.json");
-  if (!plan) {
-    fuzz::refused(plan.takeError());
-    return 0;
+  {
+    auto reference = parsePlanJson(fuzz::textOf(data, size), "fuzz.json", JsonParser::Nlohmann);
+    const std::string want = outcomeOf(reference);
+    if (!plan) {
+      const std::string got = outcomeOf(plan);
+      if (got != want)
+        std::fprintf(stderr, "fast: %s\nnlohmann: %s\n", got.c_str(), want.c_str());
+      FUZZ_CHECK(got == want, "the scanner and nlohmann refuse a plan alike");
+      return 0;
+    }
+    FUZZ_CHECK(writePlanJson(*plan) == want, "the scanner and nlohmann read the same plan");
   }
   // (The streams of an accepted plan print, whether or not they verify: `pipec show`.)
   if (plan->numInstructions() > 20000)
