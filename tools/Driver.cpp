@@ -74,8 +74,7 @@ static constexpr bool kVerifyEachPass = true; // debug builds check invariants a
 static constexpr bool kVerifyEachPass = false;
 #endif
 
-llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut) {
-  // The same checks, in the same order, as pipec.cpp's cmdCompile.
+llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
   if (!schedule)
     return schedule.takeError();
@@ -108,16 +107,23 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut)
   if (!limit)
     return limit.takeError();
   o.memoryLimit = *limit;
+  return o;
+}
+
+llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut) {
+  auto o = compileOptionsFromFlags(args);
+  if (!o)
+    return o.takeError();
   auto model = modelFromFlags(args);
   if (!model)
     return model.takeError();
   auto cluster = clusterFromFlags(args);
   if (!cluster)
     return cluster.takeError();
-  auto plan = compilePlan(*model, *cluster, o, kVerifyEachPass);
+  auto plan = compilePlan(*model, *cluster, *o, kVerifyEachPass);
   if (!plan)
     return plan.takeError();
-  if (auto err = checkMemoryLimit(*plan, o.memoryLimit))
+  if (auto err = checkMemoryLimit(*plan, o->memoryLimit))
     return err;
   if (clusterOut)
     *clusterOut = *cluster;

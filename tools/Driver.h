@@ -30,6 +30,11 @@ llvm::Expected<ModelSpec> modelFromFlags(const Args &args);
 /// --cluster or --cluster-json; the embedded default when neither is given.
 llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args);
 
+/// The compile flags' options: --schedule, --pp and --microbatches (required), --vpp,
+/// --seq-splits, --tp, --dp, --microbatch-group-size and --memory-limit, each checked, in
+/// that order, with the CLI's one-line errors.
+llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args);
+
 /// `pipec compile`: a verified, simulated plan, or the CLI's error (an InputError for bad
 /// flags, a Finding for a plan over --memory-limit).
 llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut = nullptr);

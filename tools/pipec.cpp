@@ -150,38 +150,10 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto modelPath = args->required("--model");
   if (!modelPath)
     return modelPath.takeError();
-  auto schedule = args->required("--schedule");
-  if (!schedule)
-    return schedule.takeError();
-  if (auto p = findPolicy(*schedule); !p)
-    return p.takeError();
-  if (!args->has("--pp"))
-    return inputError("missing --pp (pipeline ranks, required); try --pp 4");
-  if (!args->has("--microbatches"))
-    return inputError("missing --microbatches (required); try --microbatches 8");
-  CompileOptions o;
-  o.schedule = *schedule;
-  struct IntFlag {
-    const char *name;
-    int *out;
-    int fallback, min;
-  } ints[] = {{"--pp", &o.parallel.pp, 1, 1},
-              {"--vpp", &o.parallel.vpp, 1, 1},
-              {"--microbatches", &o.parallel.microbatches, 1, 1},
-              {"--seq-splits", &o.parallel.seqSplits, 1, 1},
-              {"--tp", &o.parallel.tp, 1, 1},
-              {"--dp", &o.parallel.dp, 1, 1},
-              {"--microbatch-group-size", &o.parallel.microbatchGroupSize, 0, 1}};
-  for (const IntFlag &f : ints) {
-    auto v = args->integer(f.name, f.fallback, f.min, 1 << 24);
-    if (!v)
-      return v.takeError();
-    *f.out = int(*v);
-  }
-  auto limit = args->bytes("--memory-limit");
-  if (!limit)
-    return limit.takeError();
-  o.memoryLimit = *limit;
+  auto options = compileOptionsFromFlags(*args);
+  if (!options)
+    return options.takeError();
+  const CompileOptions &o = *options;
   std::optional<std::string> out = args->path("-o");
   if (!out)
     out = args->path("--output");
@@ -228,14 +200,8 @@ llvm::Error cmdCompile(int argc, char **argv) {
   auto plan = compilePlan(*model, cluster, o, verifyEachPass);
   if (!plan)
     return plan.takeError();
-  if (o.memoryLimit > 0) {
-    for (const RankStats &r : plan->stats.ranks)
-      if (r.peakActivationBytes > o.memoryLimit)
-        return finding("rank {} holds {} of activations at its peak, over --memory-limit {}; "
-                       "raise --pp, lower --microbatches for gpipe, or use a schedule that "
-                       "bounds memory (1f1b holds min(p, m) microbatches)",
-                       r.rank, humanBytes(r.peakActivationBytes), humanBytes(o.memoryLimit));
-  }
+  if (auto err = checkMemoryLimit(*plan, o.memoryLimit))
+    return err;
   // Outputs are written only once everything has passed, all or nothing.
   std::vector<OutputFile> outputs;
   if (out)
