@@ -15,8 +15,8 @@
 #include "compiler/QuickEval.h"
 
 #include "ir/CostModel.h"
-#include "ir/Semantics.h"
 #include "ir/Error.h"
+#include "ir/Semantics.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,8 +25,6 @@
 namespace pipec {
 
 namespace {
-
-constexpr double kNotDone = -1.0;
 
 /// tp parts of a compute op, as lower-collectives splits it (0: not split).
 int partsOf(const Plan &plan, const Instruction &i) {
@@ -80,20 +78,7 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
     for (; me.pos < stream.size(); ++me.pos) {
       const Instruction &ins = stream[me.pos];
       double ready = me.clock;
-      size_t missing = SIZE_MAX;
-      forEachInput(plan, ins, [&](const Input &in) {
-        if (missing != SIZE_MAX)
-          return;
-        size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
-        if (done[key] == kNotDone) {
-          missing = key;
-          return;
-        }
-        double arrival = done[key];
-        if (plan.rankOf(in.stage) != int(r))
-          arrival += transferTime(plan.stages[size_t(in.stage)], in.tensor, in.slice);
-        ready = std::max(ready, arrival);
-      });
+      size_t missing = inputsReady(plan, keys, done, ins, r, ready, [](size_t) {});
       if (missing != SIZE_MAX) {
         waitNext[r] = waitHead[missing];
         waitHead[missing] = int32_t(r);
@@ -149,22 +134,16 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
                      "never comes",
                      r, rc[r].pos);
 
-  double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
-         stepEnd = 0;
+  std::vector<RankSpan> spans;
+  spans.reserve(numRanks);
   for (const RankClock &me : rc) {
     double start = me.any ? me.start : 0;
-    first = std::min(first, start);
-    last = std::max(last, me.end);
-    stepEnd = std::max(stepEnd, std::max(me.end, me.dpFree));
-    maxSpan = std::max(maxSpan, me.end - start);
-    sumBusy += me.busy;
+    spans.push_back(RankSpan{me.busy, start, me.end, std::max(me.end, me.dpFree)});
   }
-  if (!std::isfinite(first))
-    first = 0;
-  out.makespan = last - first;
-  out.stepTime = stepEnd - first;
-  double meanBusy = numRanks ? sumBusy / double(numRanks) : 0;
-  out.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
+  StepFigures f = stepFigures(spans);
+  out.makespan = f.makespan;
+  out.stepTime = f.stepTime;
+  out.bubbleRatio = f.bubbleRatio;
 
   // Memory: the memory pass's events on the compute ops (receive buffers aside).
   out.peakActivationBytes.assign(numRanks, 0);

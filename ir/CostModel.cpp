@@ -105,10 +105,6 @@ int64_t activationLifetimePeak(const StageInfo &st, int slice) {
   return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice));
 }
 
-namespace {
-constexpr double kNotDone = -1.0;
-} // namespace
-
 llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
   KeySpace keys(plan);
   size_t numRanks = plan.ranks.size();
@@ -143,19 +139,7 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
         double ready = clock[r];
         uint32_t depth = lastDepth[r];
         if (ins.isFirstPart()) {
-          size_t missing = SIZE_MAX;
-          forEachInput(plan, ins, [&](const Input &in) {
-            if (missing != SIZE_MAX)
-              return;
-            size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
-            if (done[key] == kNotDone) {
-              missing = key;
-              return;
-            }
-            double arrival = done[key];
-            if (plan.rankOf(in.stage) != int(r))
-              arrival += transferTime(plan.stages[size_t(in.stage)], in.tensor, in.slice);
-            ready = std::max(ready, arrival);
+          size_t missing = inputsReady(plan, keys, done, ins, r, ready, [&](size_t key) {
             depth = std::max(depth, doneDepth[key]);
           });
           if (missing != SIZE_MAX) {
@@ -246,11 +230,30 @@ std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t 
   return out;
 }
 
+StepFigures stepFigures(const std::vector<RankSpan> &ranks) {
+  double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
+         stepEnd = 0;
+  for (const RankSpan &rs : ranks) {
+    first = std::min(first, rs.start);
+    last = std::max(last, rs.end);
+    stepEnd = std::max(stepEnd, rs.stepEnd);
+    maxSpan = std::max(maxSpan, rs.end - rs.start);
+    sumBusy += rs.busy;
+  }
+  if (!std::isfinite(first))
+    first = 0;
+  StepFigures f;
+  f.makespan = last - first;
+  f.stepTime = stepEnd - first;
+  double meanBusy = ranks.empty() ? 0 : sumBusy / double(ranks.size());
+  f.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
+  return f;
+}
+
 void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
   size_t numRanks = plan.ranks.size();
   stats.ranks.resize(numRanks);
-  double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
-         stepEnd = 0;
+  std::vector<RankSpan> spans(numRanks);
   for (size_t r = 0; r < numRanks; ++r) {
     RankStats &rs = stats.ranks[r];
     rs.rank = int(r);
@@ -278,19 +281,13 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
     rs.end = end;
     rs.span = end - start;
     rs.stepEnd = std::max(end, dpFree);
-    first = std::min(first, start);
-    last = std::max(last, end);
-    stepEnd = std::max(stepEnd, rs.stepEnd);
-    maxSpan = std::max(maxSpan, rs.span);
-    sumBusy += busy;
+    spans[r] = RankSpan{busy, start, end, rs.stepEnd};
   }
-  if (!std::isfinite(first))
-    first = 0;
+  StepFigures f = stepFigures(spans);
   stats.simulated = true;
-  stats.makespan = last - first;
-  stats.stepTime = stepEnd - first;
-  double meanBusy = numRanks ? sumBusy / double(numRanks) : 0;
-  stats.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
+  stats.makespan = f.makespan;
+  stats.stepTime = f.stepTime;
+  stats.bubbleRatio = f.bubbleRatio;
 }
 
 } // namespace pipec

@@ -36,6 +36,7 @@
 
 #include "llvm/Support/Error.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -97,6 +98,46 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out);
 /// When the dp and embedding all-reduces of rank `rank` run on their own stream (the rule
 /// above); zero-length entries for every other instruction.
 std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t rank);
+
+/// A completion time not reached yet (simulateTimeline's and quickEvaluate's `done` tables).
+constexpr double kNotDone = -1.0;
+
+/// When compute op `ins` of rank `rank` may start: the latest of `ready` (its rank's clock)
+/// and each input's arrival, done[key] plus the transfer time when its producer is on another
+/// rank. `onInput(key)` sees every input that is done. Returns the key of the first input not
+/// done yet, SIZE_MAX when all are (then `ready` is the start).
+template <typename OnInput>
+size_t inputsReady(const Plan &plan, const KeySpace &keys, const std::vector<double> &done,
+                   const Instruction &ins, size_t rank, double &ready, OnInput onInput) {
+  size_t missing = SIZE_MAX;
+  forEachInput(plan, ins, [&](const Input &in) {
+    if (missing != SIZE_MAX)
+      return;
+    size_t key = keys.key(in.stage, in.mb, in.slice, in.slot);
+    if (done[key] == kNotDone) {
+      missing = key;
+      return;
+    }
+    double arrival = done[key];
+    if (plan.rankOf(in.stage) != int(rank))
+      arrival += transferTime(plan.stages[size_t(in.stage)], in.tensor, in.slice);
+    ready = std::max(ready, arrival);
+    onInput(key);
+  });
+  return missing;
+}
+
+/// One rank's share of a step: compute time, first compute start, last compute end, and when
+/// its dp all-reduces are done (at least `end`).
+struct RankSpan {
+  double busy = 0, start = 0, end = 0, stepEnd = 0;
+};
+struct StepFigures {
+  double makespan = 0, stepTime = 0, bubbleRatio = 0;
+};
+/// DESIGN §6's step figures from every rank's span: makespan = last end - first start,
+/// step_time = last step end - first start, bubble_ratio = 1 - mean(busy) / max(span).
+StepFigures stepFigures(const std::vector<RankSpan> &ranks);
 
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),
