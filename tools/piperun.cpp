@@ -29,6 +29,8 @@
 // after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
 // from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
 // counts the steps of this run), under this plan's layout, whichever it was saved under.
+// --init-from FILE (cpu backend; runtime/SafeTensors.h): the initial weights from a safetensors
+// file in Hugging Face's GPT-2 names, checked against the model before step 0.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -37,6 +39,7 @@
 #include "ir/PlanJson.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
+#include "runtime/SafeTensors.h"
 #include "runtime/cpu/CpuRun.h"
 #ifdef PIPEC_HAS_CUDA
 #include "runtime/cuda/CudaRun.h"
@@ -66,20 +69,25 @@ const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N]] [--resume DIR]
+               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE]
 )";
 
 llvm::Error run(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 1,
-                          {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype",
-                           "--lr", "--timeout", "--save-dir", "--save-every", "--resume"},
-                          {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args =
+      Args::parse(argc, argv, 1,
+                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
+                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from"},
+                  {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
     return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
                       args->positional().size());
   std::string backend = args->get("--backend").value_or("cpu");
+  if (args->has("--init-from") && (backend == "cuda" || backend == "nccl"))
+    return inputError("--init-from: initial weights are loaded by the cpu backend only (the {} "
+                      "backend does not yet); use --backend cpu",
+                      backend);
 #ifdef PIPEC_HAS_CUDA
   // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
   // set an environment variable. Printed by RANK 0 below.
@@ -157,6 +165,10 @@ llvm::Error run(int argc, char **argv) {
     return inputError("{}: checkpoints are saved and resumed by the cpu backend only (the {} "
                       "backend does not yet); use --backend cpu",
                       saveDir ? "--save-dir" : "--resume", backend);
+  const std::optional<std::string> initFrom = args->path("--init-from");
+  if (initFrom && resumeDir)
+    return inputError("--init-from and --resume both set the weights; give one (a resume "
+                      "continues from the checkpoint's own)");
   if (saveDir)
     if (auto err = checkSaveDir(*saveDir, resumeDir.value_or("")))
       return err;
@@ -180,6 +192,16 @@ llvm::Error run(int argc, char **argv) {
     return inputError("the plan's model has \"dtype\": \"{}\", which --backend {} does not "
                       "compute in; pass --dtype bf16 (or --dtype fp32)",
                       computeType, backend);
+  // Initial weights: every tensor checked against the model before anything runs.
+  std::vector<std::vector<float>> initWeights;
+  if (initFrom) {
+    auto loaded = loadInitialWeights(*initFrom, *cfg);
+    if (!loaded)
+      return loaded.takeError();
+    initWeights = std::move(*loaded);
+    o.initWeights = &initWeights;
+    say("initial weights from {}\n", *initFrom);
+  }
   // A checkpoint to continue: the same model and global batch (any layout), seed and data.
   std::optional<Checkpoint> resume;
   std::string dataName = "synthetic";

@@ -256,6 +256,25 @@ llvm::Error loadCheckpoint(const Checkpoint &ckpt, const GptConfig &cfg, int tp,
   return llvm::Error::success();
 }
 
+/// Loads whole layers of initial weights (--init-from) into every rank's stages (each takes its
+/// tp shard) and into the reference.
+void loadInitialWeights(const std::vector<std::vector<float>> &layers, const GptConfig &cfg, int tp,
+                        const std::vector<CpuBackend *> &ranks, ReferenceRun *ref) {
+  for (int l = 0; l < cfg.numLayers(); ++l) {
+    auto load = [&](StageCompute &sc, int tpRank, int tpSize) {
+      auto [b, e] = sc.layerRange(l);
+      std::vector<float> shard = kernels::shardLayer(cfg, l, tpRank, tpSize, layers[size_t(l)]);
+      assert(shard.size() == e - b && "a shard fills the layer's range");
+      std::copy(shard.begin(), shard.end(), sc.params().begin() + long(b));
+    };
+    for (CpuBackend *r : ranks)
+      if (StageCompute *sc = r->stageOfLayer(l))
+        load(*sc, r->coord().tp, tp);
+    if (ref)
+      load(ref->stage(), 0, 1);
+  }
+}
+
 } // namespace
 
 uint64_t cpuRunBytes(const Plan &plan, const GptConfig &cfg, bool checkReference) {
@@ -339,6 +358,17 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference)
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
+  if (options.initWeights) {
+    if (options.initWeights->size() != size_t(cfg.numLayers()))
+      return inputError("--init-from: {} layers of weights for a model of {}",
+                        options.initWeights->size(), cfg.numLayers());
+    for (int l = 0; l < cfg.numLayers(); ++l)
+      if ((*options.initWeights)[size_t(l)].size() != kernels::layerParamCount(cfg, l, 1))
+        return inputError("--init-from: layer {} holds {} weights, the model's has {}", l,
+                          (*options.initWeights)[size_t(l)].size(),
+                          kernels::layerParamCount(cfg, l, 1));
+    loadInitialWeights(*options.initWeights, cfg, pc.tp, cpu, ref.get());
+  }
   int first = 0;
   if (options.resume) {
     if (auto err = loadCheckpoint(*options.resume, cfg, pc.tp, cpu, ref.get()))

@@ -36,6 +36,10 @@ struct CpuRunOptions {
   const Checkpoint *resume = nullptr;
   std::string saveDir;
   int saveEvery = 0;
+  /// Initial weights (`piperun --init-from`, runtime/SafeTensors.h): every layer whole
+  /// (tp = 1), in place of the seeded initialisation; each rank and the reference take their
+  /// parts. Null: the seeded initialisation.
+  const std::vector<std::vector<float>> *initWeights = nullptr;
   /// The data source as a checkpoint records it: "synthetic" or "file <name> <bytes>".
   std::string dataName = "synthetic";
 };

@@ -1,0 +1,306 @@
+//===- SafeTensors.cpp - Initial weights from a safetensors file ------------===//
+#include "runtime/SafeTensors.h"
+
+#include "ir/Error.h"
+#include "ir/Files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <bit>
+#include <cstdio>
+#include <cstring>
+#include <fmt/format.h>
+#include <memory>
+#include <set>
+
+namespace pipec {
+
+namespace {
+
+using Json = nlohmann::json;
+
+/// Header of at most 100 MB (Hugging Face's own limit); tensor data up to 1 TiB.
+constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
+constexpr InputFormat kSafetensorsInput{"a safetensors file", uint64_t(1) << 40, 0};
+
+size_t dtypeSize(const std::string &dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64")
+    return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32")
+    return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16")
+    return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    return 1;
+  return 0;
+}
+
+struct FileCloser {
+  void operator()(std::FILE *f) const { std::fclose(f); }
+};
+using File = std::unique_ptr<std::FILE, FileCloser>;
+
+float halfToFloat(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else { // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3FF) << 13;
+    }
+  } else if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | man << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  return std::bit_cast<float>(bits);
+}
+
+} // namespace
+
+std::string shapeText(const std::vector<int64_t> &shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
+  bool regular = false;
+  if (auto err = checkInputFile(path, kSafetensorsInput, regular))
+    return err;
+  if (!regular)
+    return inputError("{}: a pipe; the tensors are read at their offsets, so give a file",
+                      path.str());
+  File f(std::fopen(path.str().c_str(), "rb"));
+  if (!f)
+    return inputError("{}: cannot read: {}", path.str(), std::strerror(errno));
+  std::fseek(f.get(), 0, SEEK_END);
+  const long sizeL = std::ftell(f.get());
+  std::fseek(f.get(), 0, SEEK_SET);
+  const uint64_t size = sizeL < 0 ? 0 : uint64_t(sizeL);
+  unsigned char lenBytes[8];
+  if (size < 8 || std::fread(lenBytes, 1, 8, f.get()) != 8)
+    return inputError("{}: not a safetensors file ({} bytes; it starts with an 8-byte header "
+                      "length)",
+                      path.str(), size);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i)
+    n = n << 8 | lenBytes[i];
+  if (n > kMaxHeader || n > size - 8)
+    return inputError("{}: not a safetensors file (its header length {} is past {})", path.str(), n,
+                      n > kMaxHeader ? "the format's 100 MB" : "the end of the file");
+  std::string header(size_t(n), '\0');
+  if (std::fread(header.data(), 1, header.size(), f.get()) != header.size())
+    return inputError("{}: cannot read its header", path.str());
+  Json j = Json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object())
+    return inputError("{}: its header is not a JSON object", path.str());
+  SafeTensorsFile out;
+  out.path = path.str();
+  out.dataStart = 8 + n;
+  const uint64_t dataSize = size - out.dataStart;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string &name = it.key();
+    if (name == "__metadata__")
+      continue;
+    const Json &e = it.value();
+    auto bad = [&](const char *what) {
+      return inputError("{}: tensor {}: {}", path.str(), shortened(name), what);
+    };
+    if (!e.is_object())
+      return bad("expected an object with dtype, shape and data_offsets");
+    auto dtype = e.find("dtype"), shape = e.find("shape"), offsets = e.find("data_offsets");
+    if (dtype == e.end() || !dtype->is_string())
+      return bad("dtype: expected a string such as \"F32\"");
+    if (shape == e.end() || !shape->is_array() || shape->size() > 8)
+      return bad("shape: expected an array of at most 8 sizes");
+    if (offsets == e.end() || !offsets->is_array() || offsets->size() != 2 ||
+        !(*offsets)[0].is_number_unsigned() || !(*offsets)[1].is_number_unsigned())
+      return bad("data_offsets: expected [begin, end] in bytes");
+    SafeTensor t;
+    t.dtype = dtype->get<std::string>();
+    uint64_t elements = 1;
+    for (const Json &d : *shape) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 40))
+        return bad("shape: expected sizes >= 0 (and below 2^40)");
+      t.shape.push_back(int64_t(d.get<uint64_t>()));
+      elements = elements * d.get<uint64_t>();
+      if (elements > (uint64_t(1) << 40))
+        return bad("shape: more than 2^40 elements");
+    }
+    t.begin = (*offsets)[0].get<uint64_t>();
+    t.end = (*offsets)[1].get<uint64_t>();
+    if (t.begin > t.end || t.end > dataSize)
+      return inputError("{}: tensor {}: data_offsets [{}, {}] are not inside the {} bytes of "
+                        "data",
+                        path.str(), shortened(name), t.begin, t.end, dataSize);
+    const size_t width = dtypeSize(t.dtype);
+    if (width == 0)
+      return inputError("{}: tensor {}: unknown dtype \"{}\"", path.str(), shortened(name),
+                        shortened(t.dtype));
+    if (t.end - t.begin != elements * width)
+      return inputError("{}: tensor {}: {} bytes for shape {} of {} ({} expected)", path.str(),
+                        shortened(name), t.end - t.begin, shapeText(t.shape), t.dtype,
+                        elements * width);
+    out.entries.emplace(name, std::move(t));
+  }
+  return out;
+}
+
+llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name) const {
+  auto it = entries.find(name);
+  if (it == entries.end())
+    return inputError("{}: no tensor {}", path, shortened(name));
+  const SafeTensor &t = it->second;
+  const size_t width = dtypeSize(t.dtype);
+  if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
+    return inputError("{}: tensor {} is {}; initial weights are read from F32, F16, BF16 or F64",
+                      path, shortened(name), t.dtype);
+  const size_t count = size_t((t.end - t.begin) / width);
+  std::vector<unsigned char> raw(t.end - t.begin);
+  File f(std::fopen(path.c_str(), "rb"));
+  if (!f || std::fseek(f.get(), long(dataStart + t.begin), SEEK_SET) != 0 ||
+      std::fread(raw.data(), 1, raw.size(), f.get()) != raw.size())
+    return inputError("{}: cannot read tensor {}", path, shortened(name));
+  std::vector<float> out(count);
+  for (size_t i = 0; i < count; ++i) {
+    const unsigned char *b = raw.data() + i * width;
+    if (t.dtype == "F32") {
+      uint32_t v =
+          uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+      out[i] = std::bit_cast<float>(v);
+    } else if (t.dtype == "F64") {
+      uint64_t v = 0;
+      for (int k = 7; k >= 0; --k)
+        v = v << 8 | b[k];
+      out[i] = float(std::bit_cast<double>(v));
+    } else if (t.dtype == "BF16") {
+      out[i] = std::bit_cast<float>(uint32_t(b[0]) << 16 | uint32_t(b[1]) << 24);
+    } else {
+      out[i] = halfToFloat(uint16_t(b[0] | b[1] << 8));
+    }
+  }
+  return out;
+}
+
+llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
+                                                           const kernels::GptConfig &cfg) {
+  const auto &all = file.tensors();
+  // Hugging Face's GPT2LMHeadModel prefixes the body "transformer."; GPT2Model does not.
+  const std::string prefix = all.count("transformer.wte.weight") ? "transformer." : "";
+  const int64_t C = cfg.channels, V = cfg.vocab, T = cfg.seqLen, F = cfg.ffn;
+  std::set<std::string> used;
+  std::vector<std::vector<float>> layers(size_t(cfg.numLayers()));
+  // Appends tensor `name` of shape `want` (its first rows only where `firstRows`) to `to`.
+  auto take = [&](const std::string &name, std::vector<int64_t> want, std::vector<float> &to,
+                  bool firstRows = false) -> llvm::Error {
+    auto it = all.find(name);
+    if (it == all.end())
+      return inputError("missing tensor {} (shape {}) of a GPT-2 model with {} blocks", name,
+                        shapeText(want), cfg.layers);
+    const std::vector<int64_t> &got = it->second.shape;
+    bool fits = got == want;
+    if (!fits && firstRows && got.size() == want.size() && got[0] >= want[0])
+      fits = std::equal(got.begin() + 1, got.end(), want.begin() + 1);
+    if (!fits)
+      return inputError("tensor {} has shape {}; the model needs {}{}", name, shapeText(got),
+                        shapeText(want), firstRows ? " (or more rows)" : "");
+    auto values = file.read(name);
+    if (!values)
+      return values.takeError();
+    size_t count = 1;
+    for (int64_t d : want)
+      count *= size_t(d);
+    to.insert(to.end(), values->begin(), values->begin() + long(count));
+    used.insert(name);
+    return llvm::Error::success();
+  };
+  auto build = [&]() -> llvm::Error {
+    // Embedding: wte [V, C], wpe [T, C].
+    if (auto err = take(prefix + "wte.weight", {V, C}, layers[0]))
+      return err;
+    if (auto err = take(prefix + "wpe.weight", {T, C}, layers[0], /*firstRows=*/true))
+      return err;
+    for (int b = 0; b < cfg.layers; ++b) {
+      const std::string h = fmt::format("{}h.{}.", prefix, b);
+      std::vector<float> &to = layers[size_t(b + 1)];
+      const std::pair<const char *, std::vector<int64_t>> order[] = {
+          {"ln_1.weight", {C}},
+          {"ln_1.bias", {C}},
+          {"attn.c_attn.weight", {C, 3 * C}},
+          {"attn.c_attn.bias", {3 * C}},
+          {"attn.c_proj.weight", {C, C}},
+          {"attn.c_proj.bias", {C}},
+          {"ln_2.weight", {C}},
+          {"ln_2.bias", {C}},
+          {"mlp.c_fc.weight", {C, F}},
+          {"mlp.c_fc.bias", {F}},
+          {"mlp.c_proj.weight", {F, C}},
+          {"mlp.c_proj.bias", {C}}};
+      for (const auto &[name, shape] : order)
+        if (auto err = take(h + name, shape, to))
+          return err;
+    }
+    std::vector<float> &head = layers.back();
+    if (auto err = take(prefix + "ln_f.weight", {C}, head))
+      return err;
+    if (auto err = take(prefix + "ln_f.bias", {C}, head))
+      return err;
+    if (cfg.tiedEmbeddings) {
+      const std::vector<float> &emb = layers[0];
+      head.insert(head.end(), emb.begin(), emb.begin() + long(V * C));
+      if (all.count("lm_head.weight"))
+        used.insert("lm_head.weight");
+    } else if (!all.count("lm_head.weight")) {
+      return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
+                        "(\"tie_embeddings\": false); add the tensor, or tie the model's "
+                        "embeddings as GPT-2 does",
+                        shapeText({V, C}));
+    } else if (auto err = take("lm_head.weight", {V, C}, head)) {
+      return err;
+    }
+    return llvm::Error::success();
+  };
+  if (auto err = build())
+    return err;
+  for (const auto &[name, t] : all) {
+    if (used.count(name))
+      continue;
+    llvm::StringRef n = name;
+    if (n.startswith(prefix + "h.") &&
+        (n.endswith(".attn.bias") || n.endswith(".attn.masked_bias")) && t.shape.size() == 4)
+      continue; // the causal mask buffer, not a parameter
+    return inputError("extra tensor {} (shape {}) is not a parameter of a GPT-2 model with {} "
+                      "blocks",
+                      shortened(name), shapeText(t.shape), cfg.layers);
+  }
+  for (int l = 0; l < cfg.numLayers(); ++l)
+    if (layers[size_t(l)].size() != kernels::layerParamCount(cfg, l, 1))
+      return inputError("layer {} holds {} values, the kernels' {}", l, layers[size_t(l)].size(),
+                        kernels::layerParamCount(cfg, l, 1));
+  return layers;
+}
+
+llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
+                                                                   const kernels::GptConfig &cfg) {
+  auto fail = [&](llvm::Error err) {
+    std::string msg = takeMessage(std::move(err));
+    // The file's own errors already start with its path.
+    if (llvm::StringRef(msg).startswith(path))
+      msg = msg.substr(path.size() + 2);
+    return inputError("--init-from {}: {}", path.str(), msg);
+  };
+  auto file = SafeTensorsFile::open(path);
+  if (!file)
+    return fail(file.takeError());
+  auto layers = gpt2Layers(*file, cfg);
+  if (!layers)
+    return fail(layers.takeError());
+  return layers;
+}
+
+} // namespace pipec

@@ -1,0 +1,71 @@
+//===- SafeTensors.h - Initial weights from a safetensors file ---*- C++ -*-===//
+//
+// `piperun --init-from FILE` (docs/runtime.md, "Real weights in"). The safetensors format, as
+// Hugging Face checkpoints use it: a little-endian u64 N, N bytes of JSON naming every tensor
+// ({"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, and an optional
+// "__metadata__" of strings}), then the tensors' bytes, little-endian, row-major, at those
+// offsets from the end of the header. Read here in C++; nothing else is needed.
+//
+// gpt2Layers maps a GPT-2 checkpoint's tensor names, as Hugging Face stores them
+// ("wte.weight", "h.0.attn.c_attn.weight", ..., with or without the "transformer." prefix of
+// GPT2LMHeadModel), onto the CPU kernels' whole (tp = 1) layers (kernels/cpu/Gpt.h); the runtime
+// then gives each stage and tp rank its part, as it does for a checkpoint. A missing, extra or
+// wrongly shaped tensor is an InputError naming it (and both shapes), before any step runs.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_RUNTIME_SAFETENSORS_H
+#define PIPEC_RUNTIME_SAFETENSORS_H
+
+#include "kernels/cpu/Gpt.h"
+
+#include "llvm/ADT/StringRef.h"
+#include "llvm/Support/Error.h"
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+struct SafeTensor {
+  std::string dtype; // F32, F16, BF16, F64 are read; others are named in the error
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0; // byte offsets in the data section
+};
+
+/// A safetensors file's header, checked: every entry's dtype, shape and offsets are well formed,
+/// its byte count equals its shape's, and it lies inside the file.
+class SafeTensorsFile {
+public:
+  static llvm::Expected<SafeTensorsFile> open(llvm::StringRef path);
+
+  const std::map<std::string, SafeTensor> &tensors() const { return entries; }
+  /// A tensor's values as float32 (F16, BF16 and F64 converted).
+  llvm::Expected<std::vector<float>> read(const std::string &name) const;
+
+private:
+  std::string path;
+  uint64_t dataStart = 0;
+  std::map<std::string, SafeTensor> entries;
+};
+
+/// "[768, 2304]".
+std::string shapeText(const std::vector<int64_t> &shape);
+
+/// The model's layers, whole (tp = 1) and in the kernels' order, from a GPT-2 checkpoint in
+/// Hugging Face's names. wpe may hold more positions than the model's sequence (GPT-2's 1,024):
+/// its first seq_length rows are taken. With tied embeddings the head's matrix is wte (an
+/// lm_head.weight in the file, Hugging Face's copy of it, is then ignored); untied, the file
+/// must hold lm_head.weight. The causal-mask buffers some GPT-2 files carry (h.N.attn.bias,
+/// h.N.attn.masked_bias) are not parameters and are skipped; any other extra tensor is an error.
+llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
+                                                           const kernels::GptConfig &cfg);
+
+/// Both steps, with every error starting "--init-from FILE: ".
+llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
+                                                                   const kernels::GptConfig &cfg);
+
+} // namespace pipec
+
+#endif // PIPEC_RUNTIME_SAFETENSORS_H

@@ -1,0 +1,379 @@
+//===- InitFromTest.cpp - piperun --init-from: real weights in ------------------------===//
+//
+// The real piperun in real processes, on safetensors files this test writes byte by byte (its
+// own writer, not the reader's code), in Hugging Face's GPT-2 names:
+//  - a file holding exactly the seeded initialisation (kernels::initLayerFull) gives, on every
+//    schedule and layout, the losses of the run without --init-from bit for bit: every tensor
+//    lands where the model's own initialisation puts it, tp shards and stages included;
+//  - a file of other weights, in F32, F16 and BF16, gives one first-step loss on every
+//    schedule and layout, equal to the single-rank reference's (--check-reference, which loads
+//    the same file), and another than the seeded one;
+//  - GPT2LMHeadModel's "transformer." prefix, its lm_head.weight (a copy of wte when tied) and
+//    the causal-mask buffers are accepted;
+//  - a missing, extra or wrongly shaped tensor, an unreadable dtype, a truncated or malformed
+//    file is exit 2 with one line naming it (and both shapes), before any step runs.
+//
+//===----------------------------------------------------------------------===//
+#include "tests/Command.h"
+
+#include "kernels/cpu/Gpt.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using pipec::testing::runCommand;
+using pipec::testing::tmpDir;
+
+std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
+
+std::string dir() {
+  std::string d = tmpDir() + "/init-from";
+  fs::create_directories(d);
+  return d;
+}
+
+/// One tensor to write: its dtype, shape and values (converted to the dtype here).
+struct Tensor {
+  std::string dtype = "F32";
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+void put(std::string &out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i)
+    out.push_back(char((v >> (8 * i)) & 0xFF));
+}
+
+uint16_t toHalf(float f) { // round to nearest even, normal range only (weights are small)
+  uint32_t b = std::bit_cast<uint32_t>(f);
+  uint32_t sign = (b >> 16) & 0x8000;
+  int exp = int((b >> 23) & 0xFF) - 127 + 15;
+  uint32_t man = b & 0x7FFFFF;
+  if (exp <= 0)
+    return uint16_t(sign); // flush the tiny ones
+  uint32_t h = sign | uint32_t(exp) << 10 | man >> 13;
+  uint32_t rest = man & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+    ++h;
+  return uint16_t(h);
+}
+
+/// A safetensors file: the u64 header length, the JSON header, the data.
+std::string safetensors(const std::map<std::string, Tensor> &tensors) {
+  std::string header = "{\"__metadata__\": {\"format\": \"pt\"}", data;
+  for (const auto &[name, t] : tensors) {
+    uint64_t begin = data.size();
+    for (float v : t.values) {
+      if (t.dtype == "F32")
+        put(data, std::bit_cast<uint32_t>(v), 4);
+      else if (t.dtype == "BF16")
+        put(data, std::bit_cast<uint32_t>(v) >> 16, 2);
+      else if (t.dtype == "F16")
+        put(data, toHalf(v), 2);
+      else
+        put(data, std::bit_cast<uint64_t>(double(v)), 8); // F64
+    }
+    std::string shape;
+    for (int64_t d : t.shape)
+      shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    header += ", \"" + name + "\": {\"dtype\": \"" + t.dtype + "\", \"shape\": [" + shape +
+              "], \"data_offsets\": [" + std::to_string(begin) + ", " +
+              std::to_string(data.size()) + "]}";
+  }
+  header += "}";
+  std::string out;
+  put(out, header.size(), 8);
+  return out + header + data;
+}
+
+void writeFile(const std::string &path, const std::string &bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f << bytes;
+}
+
+/// examples/tiny-gpt.json's shapes.
+pipec::kernels::GptConfig tinyConfig(bool tied = false) {
+  pipec::kernels::GptConfig c;
+  c.vocab = 64;
+  c.seqLen = 16;
+  c.channels = 32;
+  c.heads = 4;
+  c.layers = 4;
+  c.ffn = 128;
+  c.microbatch = 2;
+  c.tiedEmbeddings = tied;
+  return c;
+}
+
+/// The model's layers from initLayerFull(seed), cut into Hugging Face's GPT-2 tensors (the
+/// kernels' documented order: kernels/cpu/Gpt.h, StageCompute::params).
+std::map<std::string, Tensor> gpt2Tensors(const pipec::kernels::GptConfig &c, uint64_t seed,
+                                          const std::string &prefix = "", int positions = 16) {
+  const int64_t C = c.channels, V = c.vocab, T = c.seqLen, F = c.ffn;
+  std::map<std::string, Tensor> out;
+  auto cut = [&](const std::vector<float> &layer, size_t &at, const std::string &name,
+                 std::vector<int64_t> shape) {
+    size_t n = 1;
+    for (int64_t d : shape)
+      n *= size_t(d);
+    out[name] = Tensor{"F32", shape, {layer.begin() + long(at), layer.begin() + long(at + n)}};
+    at += n;
+  };
+  std::vector<float> emb = pipec::kernels::initLayerFull(c, 0, seed);
+  size_t at = 0;
+  cut(emb, at, prefix + "wte.weight", {V, C});
+  cut(emb, at, prefix + "wpe.weight", {T, C});
+  // GPT-2's wpe holds more positions than a run uses: the extra rows are never read.
+  for (int p = int(T); p < positions; ++p) {
+    out[prefix + "wpe.weight"].shape[0] = positions;
+    for (int64_t k = 0; k < C; ++k)
+      out[prefix + "wpe.weight"].values.push_back(1000.0f + float(p));
+  }
+  for (int b = 0; b < c.layers; ++b) {
+    std::vector<float> l = pipec::kernels::initLayerFull(c, b + 1, seed);
+    at = 0;
+    const std::string h = prefix + "h." + std::to_string(b) + ".";
+    cut(l, at, h + "ln_1.weight", {C});
+    cut(l, at, h + "ln_1.bias", {C});
+    cut(l, at, h + "attn.c_attn.weight", {C, 3 * C});
+    cut(l, at, h + "attn.c_attn.bias", {3 * C});
+    cut(l, at, h + "attn.c_proj.weight", {C, C});
+    cut(l, at, h + "attn.c_proj.bias", {C});
+    cut(l, at, h + "ln_2.weight", {C});
+    cut(l, at, h + "ln_2.bias", {C});
+    cut(l, at, h + "mlp.c_fc.weight", {C, F});
+    cut(l, at, h + "mlp.c_fc.bias", {F});
+    cut(l, at, h + "mlp.c_proj.weight", {F, C});
+    cut(l, at, h + "mlp.c_proj.bias", {C});
+    EXPECT_EQ(at, l.size());
+  }
+  std::vector<float> head = pipec::kernels::initLayerFull(c, c.layers + 1, seed);
+  at = 0;
+  cut(head, at, prefix + "ln_f.weight", {C});
+  cut(head, at, prefix + "ln_f.bias", {C});
+  cut(head, at, "lm_head.weight", {V, C});
+  EXPECT_EQ(at, head.size());
+  return out;
+}
+
+std::string compile(const std::string &model, const std::string &flags) {
+  std::string out =
+      dir() + "/plan-" + std::to_string(std::hash<std::string>()(model + flags)) + ".json";
+  auto r =
+      runCommand(tool("pipec") + " compile --quiet --model " + model + " " + flags + " -o " + out);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return out;
+}
+
+/// step -> the loss as printed.
+std::map<int, std::string> losses(const std::string &out) {
+  std::map<int, std::string> m;
+  std::regex line(R"(step (\d+) loss ([-0-9.naif]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
+    m[std::stoi((*it)[1])] = (*it)[2];
+  return m;
+}
+
+// One global batch (4 microbatches of 2 sequences) under every layout.
+const char *kLayouts[] = {
+    "--schedule 1f1b --pp 2 --microbatches 4",
+    "--schedule interleaved-1f1b --pp 2 --vpp 2 --microbatches 4 --tp 2",
+    "--schedule zb-v --pp 2 --vpp 2 --microbatches 4",
+    "--schedule seq1f1b --pp 2 --microbatches 2 --seq-splits 2 --dp 2",
+    "--schedule gpipe --pp 3 --microbatches 2 --tp 2 --dp 2",
+    "--schedule dualpipe-v --pp 2 --vpp 2 --microbatches 4",
+};
+
+TEST(InitFromTest, TheSeededWeightsInAFileGiveTheSeededRunBitForBit) {
+  const std::string file = dir() + "/seeded.safetensors";
+  writeFile(file, safetensors(gpt2Tensors(tinyConfig(), /*seed=*/1)));
+  for (const char *layout : kLayouts) {
+    std::string plan = compile("examples/tiny-gpt.json", layout);
+    auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --seed 1");
+    auto loaded = runCommand(tool("piperun") + " " + plan +
+                             " --backend cpu --steps 2 --seed 1 --init-from " + file);
+    ASSERT_EQ(seeded.code, 0) << seeded.err;
+    ASSERT_EQ(loaded.code, 0) << loaded.err;
+    EXPECT_NE(loaded.out.find("initial weights from " + file), std::string::npos);
+    auto want = losses(seeded.out), got = losses(loaded.out);
+    ASSERT_EQ(want.size(), 2u) << seeded.out;
+    EXPECT_EQ(got, want) << layout;
+  }
+}
+
+TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
+  // Weights of another seed, the matrices in half precision types as checkpoints store them,
+  // GPT2LMHeadModel's names, GPT-2's 1,024-position wpe (here 40), its mask buffers.
+  auto tensors = gpt2Tensors(tinyConfig(), /*seed=*/7, "transformer.", /*positions=*/40);
+  for (auto &[name, t] : tensors) {
+    if (name.find("c_attn.weight") != std::string::npos)
+      t.dtype = "BF16";
+    else if (name.find("c_fc.weight") != std::string::npos)
+      t.dtype = "F16";
+    else if (name.find("ln_f") != std::string::npos)
+      t.dtype = "F64";
+  }
+  tensors["transformer.h.0.attn.bias"] = Tensor{"F32", {1, 1, 2, 2}, {1, 0, 1, 1}};
+  tensors["transformer.h.1.attn.masked_bias"] = Tensor{"F32", {1, 1, 1, 1}, {-1e4f}};
+  const std::string file = dir() + "/other.safetensors";
+  writeFile(file, safetensors(tensors));
+  std::string first, seededFirst;
+  for (const char *layout : kLayouts) {
+    std::string plan = compile("examples/tiny-gpt.json", layout);
+    auto r = runCommand(tool("piperun") + " " + plan +
+                        " --backend cpu --steps 1 --check-reference --init-from " + file);
+    ASSERT_EQ(r.code, 0) << layout << "\n" << r.out << r.err;
+    auto l = losses(r.out);
+    ASSERT_EQ(l.size(), 1u);
+    if (first.empty())
+      first = l[0];
+    EXPECT_EQ(l[0], first) << layout; // printed to 6 decimals: equal within fp32 rounding
+    std::smatch ref;
+    ASSERT_TRUE(std::regex_search(r.out, ref, std::regex(R"(reference loss \(last step\) (\S+))")))
+        << r.out;
+    EXPECT_EQ(ref[1].str(), l[0]) << layout;
+    if (seededFirst.empty())
+      seededFirst = losses(runCommand(tool("piperun") + " " + plan + " --backend cpu").out)[0];
+  }
+  EXPECT_NE(first, seededFirst); // the file's weights were used
+}
+
+TEST(InitFromTest, TiedEmbeddingsTakeTheHeadFromWte) {
+  const std::string model = dir() + "/tiny-tied.json";
+  writeFile(model, R"({"format": "pipemodel/1", "name": "tiny-tied",
+ "transformer": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+   "ffn_hidden_size": 128, "vocab_size": 64, "seq_length": 16, "microbatch_size": 2,
+   "dtype": "fp32", "tie_embeddings": true}})");
+  // The seeded tied model's head is a copy of wte: a file without lm_head.weight, and one with
+  // it (Hugging Face writes both), give the seeded run.
+  auto tensors = gpt2Tensors(tinyConfig(/*tied=*/true), 1);
+  const std::string with = dir() + "/tied-with-head.safetensors";
+  writeFile(with, safetensors(tensors));
+  tensors.erase("lm_head.weight");
+  const std::string without = dir() + "/tied.safetensors";
+  writeFile(without, safetensors(tensors));
+  std::string plan = compile(model, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2");
+  ASSERT_EQ(seeded.code, 0) << seeded.err;
+  for (const std::string &file : {with, without}) {
+    auto r =
+        runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --init-from " + file);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(losses(r.out), losses(seeded.out)) << file;
+  }
+}
+
+TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
+  const auto good = gpt2Tensors(tinyConfig(), 1);
+  std::string plan = compile("examples/tiny-gpt.json", "--schedule 1f1b --pp 2 --microbatches 4");
+  struct Case {
+    std::string name, bytes, want;
+  };
+  std::vector<Case> cases;
+  {
+    auto t = good;
+    t.erase("h.2.mlp.c_proj.bias");
+    cases.push_back({"missing", safetensors(t),
+                     "missing tensor h.2.mlp.c_proj.bias (shape [32]) of a GPT-2 model with 4 "
+                     "blocks"});
+  }
+  {
+    auto t = good;
+    t["h.4.ln_1.weight"] = Tensor{"F32", {32}, std::vector<float>(32, 1)};
+    cases.push_back({"extra", safetensors(t),
+                     "extra tensor h.4.ln_1.weight (shape [32]) is not a parameter of a GPT-2 "
+                     "model with 4 blocks"});
+  }
+  {
+    auto t = good;
+    t["h.1.mlp.c_fc.weight"] = Tensor{"F32", {32, 64}, std::vector<float>(32 * 64, 0)};
+    cases.push_back({"shape", safetensors(t),
+                     "tensor h.1.mlp.c_fc.weight has shape [32, 64]; the model needs [32, 128]"});
+  }
+  {
+    auto t = good;
+    t["wte.weight"].shape = {32, 64}; // transposed
+    cases.push_back({"transposed", safetensors(t),
+                     "tensor wte.weight has shape [32, 64]; the model needs [64, 32]"});
+  }
+  {
+    auto t = good;
+    t.erase("lm_head.weight");
+    cases.push_back({"untied-head", safetensors(t),
+                     "missing tensor lm_head.weight (shape [64, "
+                     "32]): the model's head is untied"});
+  }
+  {
+    std::string bytes = safetensors(good);
+    std::string needle = "\"dtype\": \"F32\", \"shape\": [32], \"data_offsets\"";
+    size_t at = bytes.find("\"h.0.ln_1.bias\": {\"dtype\": \"F32\"");
+    ASSERT_NE(at, std::string::npos);
+    bytes.replace(bytes.find("F32", at), 3, "I32");
+    (void)needle;
+    cases.push_back({"dtype", bytes,
+                     "tensor h.0.ln_1.bias is I32; initial weights are read "
+                     "from F32, F16, BF16 or F64"});
+  }
+  {
+    std::string bytes = safetensors(good);
+    bytes.resize(bytes.size() - 100);
+    cases.push_back({"truncated", bytes, "are not inside the"});
+  }
+  cases.push_back({"short", "abc", "not a safetensors file (3 bytes"});
+  {
+    std::string bytes;
+    put(bytes, uint64_t(1) << 62, 8);
+    cases.push_back({"header-length", bytes + "{}", "header length 4611686018427387904 is past"});
+  }
+  {
+    std::string header = "[1, 2]", bytes;
+    put(bytes, header.size(), 8);
+    cases.push_back({"not-object", bytes + header, "its header is not a JSON object"});
+  }
+  {
+    std::string header = "{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [64, 32], "
+                         "\"data_offsets\": [0, 12]}}",
+                bytes;
+    put(bytes, header.size(), 8);
+    cases.push_back({"byte-count", bytes + header + std::string(12, '\0'),
+                     "tensor wte.weight: 12 bytes for shape [64, 32] of F32 (8192 expected)"});
+  }
+  for (const Case &c : cases) {
+    const std::string file = dir() + "/bad-" + c.name + ".safetensors";
+    writeFile(file, c.bytes);
+    auto r =
+        runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 1 --init-from " + file);
+    EXPECT_EQ(r.code, 2) << c.name << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.name << ": " << r.err;
+    EXPECT_NE(r.err.find("--init-from " + file + ": "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.want), std::string::npos) << c.name << ": " << r.err;
+    EXPECT_EQ(r.out.find("step 0"), std::string::npos) << c.name; // nothing ran
+  }
+  // The flag's own conflicts.
+  auto gpu = runCommand(tool("piperun") + " " + plan + " --backend cuda --init-from x");
+  EXPECT_EQ(gpu.code, 2);
+  EXPECT_NE(gpu.err.find("--init-from: initial weights are loaded by the cpu backend only"),
+            std::string::npos)
+      << gpu.err;
+  auto both = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from x --resume y");
+  EXPECT_EQ(both.code, 2);
+  EXPECT_NE(both.err.find("--init-from and --resume both set the weights"), std::string::npos)
+      << both.err;
+  auto missing = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from " + dir() +
+                            "/no-such.safetensors");
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("no-such.safetensors"), std::string::npos) << missing.err;
+}
+
+} // namespace
