@@ -1,0 +1,142 @@
+"""piperun --init-from against PyTorch: a GPT-2 checkpoint written by Hugging Face's own
+safetensors library, the first-step loss piperun computes from it on several schedules and
+layouts, and the loss of the same weights on the same tokens computed here by a GPT-2 forward
+written in PyTorch after Hugging Face's GPT2LMHeadModel (Conv1D weights stored [in, out], the
+fused c_attn split q | k | v, heads contiguous, tanh GELU, pre-LayerNorm with eps 1e-5, logits
+against wte when tied). Nothing of piperun's own layout code is used here, so this checks the
+name-to-tensor mapping against the convention itself."""
+
+import math
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from conftest import example, pipec_binary
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+V, T, C, H, L, F = 64, 16, 32, 4, 4, 128  # examples/tiny-gpt.json
+
+
+def piperun_binary() -> str:
+    return os.path.join(os.path.dirname(pipec_binary()), "piperun")
+
+
+def gpt2_weights(seed: int, tied: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.02, mean=0.0):
+        return (torch.randn(*shape, generator=g) * std + mean).float()
+
+    w = {"transformer.wte.weight": normal(V, C), "transformer.wpe.weight": normal(1024, C)}
+    for b in range(L):
+        h = f"transformer.h.{b}."
+        w[h + "ln_1.weight"] = normal(C, std=0.1, mean=1.0)
+        w[h + "ln_1.bias"] = normal(C, std=0.1)
+        w[h + "attn.c_attn.weight"] = normal(C, 3 * C, std=0.2)
+        w[h + "attn.c_attn.bias"] = normal(3 * C, std=0.1)
+        w[h + "attn.c_proj.weight"] = normal(C, C, std=0.2)
+        w[h + "attn.c_proj.bias"] = normal(C, std=0.1)
+        w[h + "ln_2.weight"] = normal(C, std=0.1, mean=1.0)
+        w[h + "ln_2.bias"] = normal(C, std=0.1)
+        w[h + "mlp.c_fc.weight"] = normal(C, F, std=0.2)
+        w[h + "mlp.c_fc.bias"] = normal(F, std=0.1)
+        w[h + "mlp.c_proj.weight"] = normal(F, C, std=0.1)
+        w[h + "mlp.c_proj.bias"] = normal(C, std=0.1)
+        # GPT-2 files carry the causal mask as a buffer.
+        w[h + "attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8))
+    w["transformer.ln_f.weight"] = normal(C, std=0.1, mean=1.0)
+    w["transformer.ln_f.bias"] = normal(C, std=0.1)
+    w["lm_head.weight"] = w["transformer.wte.weight"].clone() if tied else normal(V, C)
+    return w
+
+
+def gpt2_loss(w: dict, tokens: list, tied: bool) -> float:
+    """Mean next-token cross-entropy of one sequence, in float64, GPT2LMHeadModel's way."""
+    d = {k: v.double() for k, v in w.items()}
+    x = torch.tensor(tokens[:-1])
+    y = torch.tensor(tokens[1:])
+    h = d["transformer.wte.weight"][x] + d["transformer.wpe.weight"][: len(x)]
+    hs = C // H
+    mask = torch.tril(torch.ones(len(x), len(x), dtype=torch.bool))
+    for b in range(L):
+        p = f"transformer.h.{b}."
+        a = torch.nn.functional.layer_norm(h, (C,), d[p + "ln_1.weight"], d[p + "ln_1.bias"], 1e-5)
+        qkv = a @ d[p + "attn.c_attn.weight"] + d[p + "attn.c_attn.bias"]
+        q, k, v = qkv.split(C, dim=-1)
+        q, k, v = (t.view(len(x), H, hs).transpose(0, 1) for t in (q, k, v))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        o = (att @ v).transpose(0, 1).reshape(len(x), C)
+        h = h + o @ d[p + "attn.c_proj.weight"] + d[p + "attn.c_proj.bias"]
+        a = torch.nn.functional.layer_norm(h, (C,), d[p + "ln_2.weight"], d[p + "ln_2.bias"], 1e-5)
+        m = torch.nn.functional.gelu(a @ d[p + "mlp.c_fc.weight"] + d[p + "mlp.c_fc.bias"],
+                                     approximate="tanh")
+        h = h + m @ d[p + "mlp.c_proj.weight"] + d[p + "mlp.c_proj.bias"]
+    h = torch.nn.functional.layer_norm(h, (C,), d["transformer.ln_f.weight"],
+                                       d["transformer.ln_f.bias"], 1e-5)
+    head = d["transformer.wte.weight"] if tied else d["lm_head.weight"]
+    return torch.nn.functional.cross_entropy(h @ head.T, y).item()
+
+
+LAYOUTS = [
+    "--schedule 1f1b --pp 2 --microbatches 4",
+    "--schedule interleaved-1f1b --pp 2 --vpp 2 --microbatches 4 --tp 2",
+    "--schedule zb-v --pp 2 --vpp 2 --microbatches 2 --dp 2",
+    "--schedule seq1f1b --pp 2 --microbatches 4 --seq-splits 2 --tp 2",
+]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_first_step_loss_equals_pytorchs_gpt2(tmp_path, tied):
+    weights = gpt2_weights(seed=3 if tied else 5, tied=tied)
+    checkpoint = tmp_path / "gpt2.safetensors"
+    safetensors_torch.save_file(weights, str(checkpoint), metadata={"format": "pt"})
+    # A token file of exactly one sequence (T + 1 ids): every window of every step is it, so
+    # the step's mean loss is that sequence's.
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
+    want = gpt2_loss(weights, tokens, tied)
+    model = example("tiny-gpt.json")
+    if tied:
+        model = str(tmp_path / "tiny-tied.json")
+        text = open(example("tiny-gpt.json")).read().replace('"dtype": "fp32"',
+                                                             '"dtype": "fp32", "tie_embeddings": true')
+        open(model, "w").write(text)
+    for layout in LAYOUTS:
+        plan = tmp_path / "plan.json"
+        c = subprocess.run([pipec_binary(), "compile", "--quiet", "--model", model, *layout.split(),
+                            "-o", str(plan)], capture_output=True, text=True)
+        assert c.returncode == 0, c.stderr
+        r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
+                            "--check-reference", "--data", str(data), "--init-from",
+                            str(checkpoint)], capture_output=True, text=True)
+        assert r.returncode == 0, layout + "\n" + r.stdout + r.stderr
+        got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
+        ref = float(re.search(r"reference loss \(last step\) (\S+)", r.stdout).group(1))
+        # fp32 kernels against a float64 forward, printed to 6 decimals.
+        assert got == pytest.approx(want, abs=2e-5), layout
+        assert ref == pytest.approx(want, abs=2e-5), layout
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
+    weights = gpt2_weights(seed=1, tied=False)
+    weights["transformer.h.3.mlp.c_proj.weight"] = torch.zeros(C, F)  # transposed
+    checkpoint = tmp_path / "bad.safetensors"
+    safetensors_torch.save_file(weights, str(checkpoint))
+    plan = tmp_path / "plan.json"
+    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-gpt.json"),
+                    "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
+                   check=True)
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
+                        str(checkpoint)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1
+    assert ("tensor transformer.h.3.mlp.c_proj.weight has shape [32, 128]; the model needs "
+            "[128, 32]") in r.stderr
+    assert "step 0" not in r.stdout
