@@ -173,6 +173,15 @@ llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &op
                         "try --tp {}",
                         tp, t.numAttentionHeads, t.ffnHiddenSize, best);
     }
+    if (t.kvHeads() % tp != 0) {
+      int64_t best = 1;
+      for (int64_t d = 1; d <= tp; ++d)
+        if (t.kvHeads() % d == 0 && t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0)
+          best = d;
+      return inputError("--tp {} must divide num_query_groups ({}): each tp rank holds whole "
+                        "key/value groups; try --tp {}",
+                        tp, t.kvHeads(), best);
+    }
   }
   return llvm::Error::success();
 }

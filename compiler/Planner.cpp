@@ -237,10 +237,12 @@ void Search::enumerate() {
       base.parallel.pp = base.parallel.dp = 0; // not chosen yet (a row of --csv says so)
       if (model.transformer) {
         const TransformerConfig &t = *model.transformer;
-        if (t.numAttentionHeads % tp || t.ffnHiddenSize % tp || t.vocabSize % tp) {
-          base.why = fmt::format("tp {} must divide the heads ({}), ffn_hidden_size ({}) and "
-                                 "vocab_size ({})",
-                                 tp, t.numAttentionHeads, t.ffnHiddenSize, t.vocabSize);
+        if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp ||
+            t.vocabSize % tp) {
+          base.why =
+              fmt::format("tp {} must divide the heads ({}), the key/value groups ({}), "
+                          "ffn_hidden_size ({}) and vocab_size ({})",
+                          tp, t.numAttentionHeads, t.kvHeads(), t.ffnHiddenSize, t.vocabSize);
           cands.push_back(base);
           variantOf.push_back(SIZE_MAX);
           scheduleOf.push_back(SIZE_MAX);

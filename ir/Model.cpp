@@ -34,11 +34,22 @@ static int64_t shareOf(int64_t total, int n, int index) {
   return base + (index < total % n ? 1 : 0);
 }
 
+/// Forward FLOPs of one token through a block's matrices (2 per multiply-add): q and the
+/// output projection 2h² each, k and v 2h·(kv heads · head size) each, the MLP 2hf per matrix
+/// (two for GELU, three for SwiGLU). GPT-2: 8h² + 4hf. Rotary embeddings, norms and
+/// activations are a few FLOPs per element and are left out, as DESIGN §3.1 leaves them.
+static double blockLinearFlopsPerToken(const TransformerConfig &t) {
+  double h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
+  double kv = double(t.kvHeads()) * (h / double(t.numAttentionHeads));
+  double mlpMatrices = t.mlp == Mlp::SwiGlu ? 3 : 2;
+  return 4 * h * h + 4 * h * kv + 2 * mlpMatrices * h * f;
+}
+
 double ModelSpec::blockForwardFlopsPrefix(int64_t end) const {
   assert(transformer && "FLOP prefix needs a transformer model");
   const TransformerConfig &t = *transformer;
-  double h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
-  return double(end) * (8 * h * h + 4 * h * f) + 4 * h * causalPositions(0, end);
+  return double(end) * blockLinearFlopsPerToken(t) +
+         4 * double(t.hiddenSize) * causalPositions(0, end);
 }
 
 llvm::StringRef toString(Attention a) {
@@ -61,6 +72,52 @@ llvm::StringRef toString(Recompute r) {
     return "full";
   }
   llvm_unreachable("unknown Recompute");
+}
+
+llvm::StringRef toString(Norm n) { return n == Norm::RmsNorm ? "rmsnorm" : "layernorm"; }
+llvm::StringRef toString(Mlp m) { return m == Mlp::SwiGlu ? "swiglu" : "gelu"; }
+llvm::StringRef toString(Position p) { return p == Position::Rope ? "rope" : "learned"; }
+
+bool normFromString(llvm::StringRef name, Norm &out) {
+  for (Norm n : {Norm::LayerNorm, Norm::RmsNorm})
+    if (toString(n) == name) {
+      out = n;
+      return true;
+    }
+  return false;
+}
+
+bool mlpFromString(llvm::StringRef name, Mlp &out) {
+  for (Mlp m : {Mlp::Gelu, Mlp::SwiGlu})
+    if (toString(m) == name) {
+      out = m;
+      return true;
+    }
+  return false;
+}
+
+bool positionFromString(llvm::StringRef name, Position &out) {
+  for (Position p : {Position::Learned, Position::Rope})
+    if (toString(p) == name) {
+      out = p;
+      return true;
+    }
+  return false;
+}
+
+std::string TransformerConfig::variantText() const {
+  std::vector<std::string> parts;
+  if (norm != Norm::LayerNorm)
+    parts.push_back(fmt::format("\"norm\": \"{}\"", toString(norm).str()));
+  if (mlp != Mlp::Gelu)
+    parts.push_back(fmt::format("\"mlp\": \"{}\"", toString(mlp).str()));
+  if (position != Position::Learned)
+    parts.push_back(fmt::format("\"position\": \"{}\"", toString(position).str()));
+  if (kvHeads() != numAttentionHeads)
+    parts.push_back(fmt::format("\"num_query_groups\": {}", numQueryGroups));
+  if (!bias)
+    parts.push_back("\"bias\": false");
+  return fmt::format("{}", fmt::join(parts, ", "));
 }
 
 bool attentionFromString(llvm::StringRef name, Attention &out) {
@@ -93,10 +150,11 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
     return 0;
   const TransformerConfig &t = *transformer;
   double b = double(t.microbatchSize), s = double(t.seqLength), h = double(t.hiddenSize);
-  double f = double(t.ffnHiddenSize), v = double(t.vocabSize);
-  // DESIGN §3.1 per block: F + B + W = b·(3·s·(8h² + 4hf) + 12h·Σ(t+1)); head: 3 GEMMs of
-  // 2·b·s·h·v.
-  double block = b * (3 * s * (8 * h * h + 4 * h * f) + 12 * h * causalPositions(0, t.seqLength));
+  double v = double(t.vocabSize);
+  // DESIGN §3.1 per block: F + B + W = b·(3·s·(8h² + 4hf) + 12h·Σ(t+1)) for GPT-2 (the matrices'
+  // FLOPs per token: blockLinearFlopsPerToken); head: 3 GEMMs of 2·b·s·h·v.
+  double block =
+      b * (3 * s * blockLinearFlopsPerToken(t) + 12 * h * causalPositions(0, t.seqLength));
   return double(t.numLayers) * block + 3 * 2 * b * s * h * v;
 }
 
@@ -151,18 +209,24 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     c.outputBytes = int64_t(n * h * d);
     return c;
   case LayerKind::Block: {
-    double linear = b * x * (8 * h * h + 4 * h * f);
+    double linear = b * x * blockLinearFlopsPerToken(t);
     double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
     c.forward = linear / gemmPerMs + attentionF / attentionPerMs;
     c.backwardInput = linear / gemmPerMs + attentionB / attentionPerMs;
     c.backwardWeight = linear / gemmPerMs;
     bool flash = t.attention == Attention::Flash;
-    double kv = flash ? (index == 0 ? 2 * double(t.seqLength) * b * cl * d : 0) : 2 * n * cl * d;
+    // K and V per rank: kv heads x head size / tp (grouped-query attention shares them).
+    double kl = double(t.kvHeads()) * (h / heads) / tp;
+    // The MLP keeps its pre-activation (GELU) or both gate and up outputs (SwiGLU).
+    double fc = t.mlp == Mlp::SwiGlu ? 2 * fl : fl;
+    // Each norm keeps per token its rstd (RMSNorm) or mean and rstd (LayerNorm), in fp32.
+    double stats = t.norm == Norm::RmsNorm ? 8 : 16;
+    double kv = flash ? (index == 0 ? 2 * double(t.seqLength) * b * kl * d : 0) : 2 * n * kl * d;
     double probs = flash ? 4 * b * hl * x : b * hl * x * double(end) * d;
-    double kept = n * (2 * h + cl + fl) * d + 16 * n; // xIn, xMid, attOut, fcPre, statistics
-    double forwardOnly = n * cl * d + probs;          // q and the attention's state
-    double gradients = n * (4 * h + 3 * cl + fl) * d; // output gradients of the linears
-    double dkv = 2 * n * cl * 4;
+    double kept = n * (2 * h + cl + fc) * d + stats * n;   // xIn, xMid, attOut, fcPre, statistics
+    double forwardOnly = n * cl * d + probs;               // q and the attention's state
+    double gradients = n * (4 * h + cl + 2 * kl + fc) * d; // output gradients of the linears
+    double dkv = 2 * n * kl * 4;
     double activation = kept + forwardOnly + kv;
     switch (t.recompute) {
     case Recompute::None:
@@ -178,7 +242,7 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       c.backwardInput += c.forward;
       break;
     }
-    c.workspaceBytes = int64_t(n * (2 * h + std::max(3 * cl, fl)) * d);
+    c.workspaceBytes = int64_t(n * (2 * h + std::max(cl + 2 * kl, fl)) * d);
     // Full recomputation rebuilds one block's forward state at a time inside the backward.
     if (t.recompute == Recompute::Full)
       c.workspaceBytes += int64_t(kept + forwardOnly - n * h * d);
@@ -201,8 +265,9 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // backward overwrites them with their gradient), the log-sum-exp and loss per token (its
     // input is the stage's residual stream). Backward: the layernorm's input stays for W,
     // the logits' gradient and dLnfOut join, the log-sum-exp goes.
-    c.activationBytes = int64_t(n * (h + vl) * d + 16 * n);
-    c.weightGradBytes = int64_t(n * (3 * h + vl) * d + 12 * n);
+    double stats = t.norm == Norm::RmsNorm ? 4 : 8; // the final norm's, per token
+    c.activationBytes = int64_t(n * (h + vl) * d + (stats + 8) * n);
+    c.weightGradBytes = int64_t(n * (3 * h + vl) * d + (stats + 4) * n);
     c.backwardPeakBytes = c.weightGradBytes - c.activationBytes;
     c.outputBytes = 0;
     return c;
@@ -356,7 +421,8 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   if (auto err = r.onlyKeys(t, path,
                             {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                              "vocab_size", "seq_length", "microbatch_size", "dtype",
-                             "tie_embeddings", "attention", "recompute"}))
+                             "tie_embeddings", "attention", "recompute", "norm", "mlp", "position",
+                             "rope_theta", "num_query_groups", "bias"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -391,6 +457,34 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return inputError("{}: $.transformer.recompute: expected \"none\", \"selective\" or "
                       "\"full\", got \"{}\"",
                       r.name(), recompute);
+  // The block's variants (Llama's: rmsnorm, swiglu, rope, num_query_groups, bias false).
+  std::string norm = "layernorm", mlp = "gelu", position = "learned";
+  if (auto err = r.getString(t, path, "norm", norm, false))
+    return err;
+  if (!normFromString(norm, c.norm))
+    return inputError("{}: $.transformer.norm: expected \"layernorm\" or \"rmsnorm\", got "
+                      "\"{}\"",
+                      r.name(), shortened(norm));
+  if (auto err = r.getString(t, path, "mlp", mlp, false))
+    return err;
+  if (!mlpFromString(mlp, c.mlp))
+    return inputError("{}: $.transformer.mlp: expected \"gelu\" or \"swiglu\", got \"{}\"",
+                      r.name(), shortened(mlp));
+  if (auto err = r.getString(t, path, "position", position, false))
+    return err;
+  if (!positionFromString(position, c.position))
+    return inputError("{}: $.transformer.position: expected \"learned\" or \"rope\", got "
+                      "\"{}\"",
+                      r.name(), shortened(position));
+  if (t.contains("rope_theta") && c.position != Position::Rope)
+    return inputError("{}: $.transformer.rope_theta: applies to \"position\": \"rope\" only",
+                      r.name());
+  if (auto err = r.getNumber(t, path, "rope_theta", c.ropeTheta, false, 1e-9))
+    return err;
+  if (auto err = r.getInt(t, path, "num_query_groups", c.numQueryGroups, false, 1))
+    return err;
+  if (auto err = r.getBool(t, path, "bias", c.bias, false))
+    return err;
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32")
     return inputError("{}: $.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got "
                       "\"{}\"",
@@ -399,6 +493,12 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return inputError("{}: $.transformer.num_attention_heads: expected a divisor of hidden_size "
                       "({}), got {}",
                       r.name(), c.hiddenSize, c.numAttentionHeads);
+  if (c.numQueryGroups > 0 && c.numAttentionHeads % c.numQueryGroups != 0)
+    return inputError("{}: $.transformer.num_query_groups: expected a divisor of "
+                      "num_attention_heads ({}), got {}",
+                      r.name(), c.numAttentionHeads, c.numQueryGroups);
+  if (c.numQueryGroups == c.numAttentionHeads)
+    c.numQueryGroups = 0; // one group per head is multi-head attention: written as such
   struct Bound {
     const char *name;
     int64_t value, most;
@@ -415,24 +515,34 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
                         b.most, b.value);
   double dt = double(c.dtypeBytes());
   double h = double(c.hiddenSize), f = double(c.ffnHiddenSize), v = double(c.vocabSize);
+  double kv = double(c.kvHeads()) * (h / double(c.numAttentionHeads)); // K (or V) width
+  // A norm's scale, and LayerNorm's shift where the model has biases.
+  double normParams = c.norm == Norm::LayerNorm && c.bias ? 2 * h : h;
   Layer emb;
   emb.name = "embedding";
   emb.kind = LayerKind::Embedding;
-  emb.paramBytes = int64_t(v * h * dt + double(c.seqLength) * h * dt); // word + position
+  // Word embeddings, and the position table where positions are learned.
+  emb.paramBytes =
+      int64_t(v * h * dt + (c.position == Position::Learned ? double(c.seqLength) * h * dt : 0));
   emb.tpAllReduces = 1; // vocab-parallel lookup ends in an all-reduce
   m.layers.push_back(emb);
   Layer block;
   block.name = "block";
   block.kind = LayerKind::Block;
-  // QKV + proj (4h² + 4h), MLP (2hf + f + h), two layernorms (4h).
-  block.paramBytes = int64_t((4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h) * dt);
+  // QKV (h·(h + 2kv) + biases), proj (h² + bias), MLP (2hf + f + h for GELU, 3hf + 2f + h
+  // for SwiGLU, less the biases without them), two norms. GPT-2: 4h² + 4h + 2hf + f + h + 4h.
+  double mlpMatrices = c.mlp == Mlp::SwiGlu ? 3 : 2, mlpBiases = c.mlp == Mlp::SwiGlu ? 2 * f : f;
+  double blockParams = h * (h + 2 * kv) + h * h + mlpMatrices * h * f + 2 * normParams;
+  if (c.bias)
+    blockParams += (h + 2 * kv) + h + mlpBiases + h;
+  block.paramBytes = int64_t(blockParams * dt);
   block.tpAllReduces = 2;
   for (int64_t i = 0; i < c.numLayers; ++i)
     m.layers.push_back(block);
   Layer head;
   head.name = "lm_head";
   head.kind = LayerKind::Head;
-  head.paramBytes = int64_t((v * h + 2 * h) * dt); // untied output embedding + final layernorm
+  head.paramBytes = int64_t((v * h + normParams) * dt); // output embedding + final norm
   head.tpAllReduces = 1;
   m.layers.push_back(head);
   // Megatron mixed precision: 2 (param) + 4 (fp32 grad) + 12 (fp32 master, Adam m and v)

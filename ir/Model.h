@@ -69,10 +69,23 @@ enum class Attention : uint8_t { Flash, Materialized };
 /// core in the backward instead of keeping its probabilities; "full" keeps only each block's
 /// input and recomputes the block's forward in the backward.
 enum class Recompute : uint8_t { None, Selective, Full };
+/// The block's variants (GPT-2's first, Llama's second): the normalisation ("layernorm",
+/// "rmsnorm": a scale and no shift or mean), the MLP ("gelu": two matrices; "swiglu": gate and
+/// up matrices, silu(gate)·up, then down) and the positions ("learned": a table in the
+/// embedding; "rope": rotary embeddings of q and k, no parameters).
+enum class Norm : uint8_t { LayerNorm, RmsNorm };
+enum class Mlp : uint8_t { Gelu, SwiGlu };
+enum class Position : uint8_t { Learned, Rope };
 llvm::StringRef toString(Attention a);
 llvm::StringRef toString(Recompute r);
+llvm::StringRef toString(Norm n);
+llvm::StringRef toString(Mlp m);
+llvm::StringRef toString(Position p);
 bool attentionFromString(llvm::StringRef name, Attention &out);
 bool recomputeFromString(llvm::StringRef name, Recompute &out);
+bool normFromString(llvm::StringRef name, Norm &out);
+bool mlpFromString(llvm::StringRef name, Mlp &out);
+bool positionFromString(llvm::StringRef name, Position &out);
 
 enum class LayerKind : uint8_t { Abstract, Embedding, Block, Head };
 
@@ -96,7 +109,24 @@ struct TransformerConfig {
   bool tieEmbeddings = false;
   Attention attention = Attention::Flash;
   Recompute recompute = Recompute::None;
+  Norm norm = Norm::LayerNorm;
+  Mlp mlp = Mlp::Gelu;
+  Position position = Position::Learned;
+  double ropeTheta = 10000; // with Position::Rope
+  /// Key/value heads, each shared by num_attention_heads / groups query heads (grouped-query
+  /// attention); 0: one per query head (multi-head attention).
+  int64_t numQueryGroups = 0;
+  /// Biases on the linear layers (and LayerNorm's shift); Llama has none.
+  bool bias = true;
   int64_t dtypeBytes() const { return dtype == "fp32" ? 4 : 2; }
+  int64_t kvHeads() const { return numQueryGroups > 0 ? numQueryGroups : numAttentionHeads; }
+  /// GPT-2's block in every choice (what the runtime's kernels implement today).
+  bool isGpt2() const {
+    return norm == Norm::LayerNorm && mlp == Mlp::Gelu && position == Position::Learned &&
+           kvHeads() == numAttentionHeads && bias;
+  }
+  /// The choices that differ from GPT-2's, as the spec writes them ("" for GPT-2).
+  std::string variantText() const;
 };
 
 /// Costs of one layer for one sub-sequence of one microbatch. Memory (DESIGN §6): the layer

@@ -118,6 +118,20 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
                              {"tie_embeddings", t.tieEmbeddings},
                              {"attention", toString(t.attention).str()},
                              {"recompute", toString(t.recompute).str()}};
+    // The block's variants only where they are not GPT-2's, so that GPT-2 plans read as before.
+    OJson &o = j["transformer"];
+    if (t.norm != Norm::LayerNorm)
+      o["norm"] = toString(t.norm).str();
+    if (t.mlp != Mlp::Gelu)
+      o["mlp"] = toString(t.mlp).str();
+    if (t.position != Position::Learned) {
+      o["position"] = toString(t.position).str();
+      o["rope_theta"] = t.ropeTheta;
+    }
+    if (t.numQueryGroups > 0)
+      o["num_query_groups"] = t.numQueryGroups;
+    if (!t.bias)
+      o["bias"] = false;
   }
   OJson slices = OJson::array();
   for (auto [b, e] : plan.seqSlices)

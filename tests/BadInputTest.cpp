@@ -540,6 +540,49 @@ std::vector<Case> catalogue() {
   // (Without a GPU or a CUDA build the backend itself is refused first, with the same advice.)
   add("ResumeOnTheCudaBackend", withCheckpoint, "$PIPERUN p.json --backend cuda --resume ck",
       "use --backend cpu");
+  // --- Llama-style blocks ------------------------------------------------------------------
+  auto llamaWith = [](std::function<void(Json &)> edit) {
+    return [edit](const std::string &dir) {
+      copyExample(dir, "llama3-8b.json");
+      editJson(dir + "/llama3-8b.json", edit);
+    };
+  };
+  const std::string llamaCompile =
+      "$PIPEC compile --model llama3-8b.json --schedule 1f1b --pp 4 --microbatches 8";
+  add("QueryGroupsNotDividingTheHeads",
+      llamaWith([](Json &j) { j["transformer"]["num_query_groups"] = 5; }), llamaCompile,
+      "$.transformer.num_query_groups: expected a divisor of num_attention_heads (32), got 5");
+  add("TpNotDividingTheQueryGroups", llamaWith([](Json &) {}), llamaCompile + " --tp 16",
+      "--tp 16 must divide num_query_groups (8): each tp rank holds whole key/value groups; try "
+      "--tp 8");
+  add("UnknownNorm", llamaWith([](Json &j) { j["transformer"]["norm"] = "batchnorm"; }),
+      llamaCompile,
+      "$.transformer.norm: expected \"layernorm\" or \"rmsnorm\", got "
+      "\"batchnorm\"");
+  add("UnknownMlp", llamaWith([](Json &j) { j["transformer"]["mlp"] = "relu"; }), llamaCompile,
+      "$.transformer.mlp: expected \"gelu\" or \"swiglu\", got \"relu\"");
+  add("RopeThetaWithLearnedPositions",
+      llamaWith([](Json &j) { j["transformer"]["position"] = "learned"; }), llamaCompile,
+      "$.transformer.rope_theta: applies to \"position\": \"rope\" only");
+  add("BiasNotABoolean", llamaWith([](Json &j) { j["transformer"]["bias"] = "no"; }), llamaCompile,
+      "$.transformer.bias");
+  add(
+      "LlamaBlockOnTheCpuBackend",
+      [](const std::string &dir) {
+        spit(dir + "/tiny-llama.json",
+             R"({"format": "pipemodel/1", "name": "tiny-llama", "transformer": {"num_layers": 2,
+                "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+                "ffn_hidden_size": 64, "vocab_size": 64, "seq_length": 16, "dtype": "fp32",
+                "norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": false}})");
+        std::string cmd = "cd " + dir + " && " + runfiles() +
+                          "/tools/pipec compile --quiet --model tiny-llama.json --schedule 1f1b "
+                          "--pp 2 --microbatches 2 -o p.json";
+        ASSERT_EQ(std::system(cmd.c_str()), 0);
+      },
+      "$PIPERUN p.json --backend cpu",
+      "the plan's model has a Llama-style block (\"norm\": \"rmsnorm\", \"mlp\": \"swiglu\", "
+      "\"position\": \"rope\", \"num_query_groups\": 2, \"bias\": false); the runtime's "
+      "kernels are GPT-2's");
   return c;
 }
 

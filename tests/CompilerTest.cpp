@@ -3,6 +3,7 @@
 
 #include "compiler/Semantics.h"
 #include "compiler/Verifier.h"
+#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 
 #include <algorithm>
@@ -135,6 +136,119 @@ TEST(TransformerCostTest, FlashBlockKeepsWhatTheDeviceKernelsKeep) {
                                         (20 * s * h + 16 * s + 4 * heads * s));
   // The MLP forward's layernorm output, GELU output and partial sum: 2h + 4h elements.
   EXPECT_EQ(cost.workspaceBytes, 12 * s * h);
+}
+
+//===----------------------------------------------------------------------===//
+// Llama-style blocks: parameters against the published counts, FLOPs against them.
+//===----------------------------------------------------------------------===//
+
+/// A transformer spec with the given fields (a JSON fragment) besides the sizes.
+ModelSpec transformerSpec(int64_t layers, int64_t h, int64_t heads, int64_t ffn, int64_t vocab,
+                          int64_t seq, const std::string &extra) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "m", "transformer": {{"num_layers": {},
+      "hidden_size": {}, "num_attention_heads": {}, "ffn_hidden_size": {}, "vocab_size": {},
+      "seq_length": {}, "dtype": "fp32"{}}}}})",
+      layers, h, heads, ffn, vocab, seq, extra.empty() ? "" : ", " + extra);
+  auto parsed = parseModelSpec(text, "m.json");
+  EXPECT_TRUE(bool(parsed)) << (parsed ? "" : takeMessage(parsed.takeError()));
+  return parsed ? *parsed : ModelSpec{};
+}
+
+int64_t parameters(const ModelSpec &m) {
+  int64_t bytes = 0;
+  for (const Layer &l : m.layers)
+    bytes += l.paramBytes;
+  return bytes / m.transformer->dtypeBytes();
+}
+
+const char *kLlama = R"("norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": false)";
+
+TEST(LlamaCostTest, ParametersEqualThePublishedCounts) {
+  // Meta's Llama 3 8B (8,030,261,248: 32 layers, 4096 hidden, 32 heads in 8 key/value groups,
+  // SwiGLU 14336, vocabulary 128256, untied), Llama 2 7B (6,738,415,616: multi-head, 11008,
+  // 32000) and Mistral 7B v0.1 (7,241,732,096: 8 groups, 14336, 32000), as their model cards
+  // and Hugging Face's parameter counts give them.
+  EXPECT_EQ(parameters(transformerSpec(32, 4096, 32, 14336, 128256, 8192,
+                                       std::string(kLlama) + R"(, "num_query_groups": 8)")),
+            8030261248);
+  EXPECT_EQ(parameters(transformerSpec(32, 4096, 32, 11008, 32000, 4096, kLlama)), 6738415616);
+  EXPECT_EQ(parameters(transformerSpec(32, 4096, 32, 14336, 32000, 8192,
+                                       std::string(kLlama) + R"(, "num_query_groups": 8)")),
+            7241732096);
+  // GPT-2 small (124,439,808 with its tied embeddings: the head's copy of wte not counted).
+  ModelSpec gpt2 = transformerSpec(12, 768, 12, 3072, 50257, 1024, "");
+  EXPECT_EQ(parameters(gpt2) - 50257 * 768, 124439808);
+  // The examples' Llama 3 8B is the same model.
+  auto example = loadModelSpec("examples/llama3-8b.json");
+  ASSERT_TRUE(bool(example)) << takeMessage(example.takeError());
+  EXPECT_EQ(parameters(*example), 8030261248);
+}
+
+TEST(LlamaCostTest, MatrixFlopsAreTwicePerTokenTheMatrixParameters) {
+  // Llama 3 8B's block holds 218,103,808 matrix parameters (its 218,112,000 less the two
+  // norms' 2 x 4096): each is a multiply-add per token in the forward.
+  ModelSpec m = transformerSpec(32, 4096, 32, 14336, 128256, 8192,
+                                std::string(kLlama) + R"(, "num_query_groups": 8)");
+  const double h = 4096, matrices = 218103808, s = 8192, v = 128256, layers = 32;
+  // One token at position 0 attends to one key: 4h of attention FLOPs.
+  EXPECT_DOUBLE_EQ(m.blockForwardFlopsPrefix(1), 2 * matrices + 4 * h);
+  // F + B + W of the whole model: 6 FLOPs per matrix parameter and token (the LM head's
+  // v x h too), plus causal attention's 12h per (query, key) pair.
+  double causal = s * (s + 1) / 2;
+  EXPECT_DOUBLE_EQ(m.modelFlopsPerMicrobatch(),
+                   6 * s * (layers * matrices + v * h) + layers * 12 * h * causal);
+  // Grouped keys and values cost their share: 2h·(8 x 128) each instead of 2h².
+  ModelSpec mha = transformerSpec(32, 4096, 32, 14336, 128256, 8192, kLlama);
+  EXPECT_DOUBLE_EQ(mha.blockForwardFlopsPrefix(1) - m.blockForwardFlopsPrefix(1),
+                   2 * 2 * h * (h - 8 * 128));
+}
+
+TEST(LlamaCostTest, GroupedKeysAndValuesAreWhatAttentionKeeps) {
+  // Flash attention keeps the whole sequence's K and V with slice 0: 2·s·b·(groups x head
+  // size)/tp elements; 8 groups of 128 against 32 heads of 128 save 2·s·(4096 - 1024)/tp.
+  const int64_t s = 4096;
+  ModelSpec gqa = transformerSpec(2, 4096, 32, 14336, 32000, s,
+                                  std::string(kLlama) + R"(, "num_query_groups": 8)");
+  ModelSpec mha = transformerSpec(2, 4096, 32, 14336, 32000, s, kLlama);
+  ClusterSpec c = ClusterSpec::defaults();
+  for (int tp : {1, 2, 8}) {
+    SliceCost a = mha.sliceCost(c, 1, 0, s, 0, 1, tp), b = gqa.sliceCost(c, 1, 0, s, 0, 1, tp);
+    EXPECT_EQ(a.activationBytes - b.activationBytes, 2 * s * (4096 - 1024) / tp * 4) << tp;
+    // And their gradients (dQkv's k and v columns) in the backward.
+    EXPECT_EQ(a.weightGradBytes - b.weightGradBytes, 2 * s * (4096 - 1024) / tp * 4) << tp;
+  }
+  // RMSNorm keeps one statistic per token and norm where LayerNorm keeps two; SwiGLU keeps
+  // the gate and up outputs (2 x ffn) where GELU keeps one pre-activation.
+  ModelSpec gpt = transformerSpec(2, 4096, 32, 14336, 32000, s, "");
+  ModelSpec rms = transformerSpec(2, 4096, 32, 14336, 32000, s, R"("norm": "rmsnorm")");
+  ModelSpec swiglu = transformerSpec(2, 4096, 32, 14336, 32000, s, R"("mlp": "swiglu")");
+  SliceCost g = gpt.sliceCost(c, 1, 0, s, 0, 1, 1);
+  EXPECT_EQ(g.activationBytes - rms.sliceCost(c, 1, 0, s, 0, 1, 1).activationBytes, 8 * s);
+  EXPECT_EQ(swiglu.sliceCost(c, 1, 0, s, 0, 1, 1).activationBytes - g.activationBytes,
+            s * 14336 * 4);
+}
+
+TEST(LlamaCostTest, PlansCarryTheVariantsAndGpt2PlansDoNot) {
+  ModelSpec m =
+      transformerSpec(4, 64, 8, 128, 256, 32,
+                      std::string(kLlama) + R"(, "num_query_groups": 2, "rope_theta": 500000)");
+  Plan plan = compileOrFail(m, options("1f1b", 2, 4, 1, 1, /*tp=*/2));
+  const std::string text = writePlanJson(plan);
+  for (const char *field :
+       {R"("norm": "rmsnorm")", R"("mlp": "swiglu")", R"("position": "rope")",
+        R"("rope_theta": 500000.0)", R"("num_query_groups": 2)", R"("bias": false)"})
+    EXPECT_NE(text.find(field), std::string::npos) << field;
+  auto back = parsePlanJson(text, "p.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(writePlanJson(*back), text);
+  EXPECT_FALSE(back->transformer->isGpt2());
+  EXPECT_EQ(back->transformer->kvHeads(), 2);
+  // GPT-2's plans are written as before: none of the new fields.
+  const std::string gpt2 = writePlanJson(compileOrFail(tinyGpt(), options("1f1b", 2, 4)));
+  for (const char *field :
+       {"\"norm\"", "\"mlp\"", "\"position\"", "\"num_query_groups\"", "\"bias\""})
+    EXPECT_EQ(gpt2.find(field), std::string::npos) << field;
 }
 
 TEST(TransformerCostTest, MaterializedAttentionKeepsTheProbabilitiesOfEveryQueryAndKey) {

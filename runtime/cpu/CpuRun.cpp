@@ -153,6 +153,11 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       "streams, {} stages and {} seq_slices",
                       pc.pp, pc.vpp, pc.seqSplits, plan.numRanks(), plan.numStages(),
                       plan.seqSlices.size());
+  if (!t.isGpt2())
+    return inputError("the plan's model has a Llama-style block ({}); the runtime's kernels are "
+                      "GPT-2's (layernorm, gelu, learned positions, multi-head attention, biases) "
+                      "until Llama blocks land; pipec compiles, simulates and plans such models",
+                      t.variantText());
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
