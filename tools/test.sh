@@ -21,10 +21,11 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   query='tests(//...)'
 fi
 # Under ASan + UBSan: every fuzz target (fuzzing PIPEC_FUZZ_SECONDS each from its seeds), and
-# the suites that feed untrusted or mutated input to the readers, the verifier and the cpu
-# runtime. Under TSan: the threaded runtime, its transport and the watchdog.
+# the suites that feed untrusted or mutated input to the readers (the plan scanner and the
+# safetensors reader among them), the verifier and the cpu runtime. Under TSan: the threaded
+# runtime, its transport and the watchdog.
 asan_targets="//tests/fuzz:all //tests:untrusted_plan_test //tests:ir_test //tests:verifier_test
-  //tests:gpt_kernel_test //tests:torch_csv_test"
+  //tests:gpt_kernel_test //tests:torch_csv_test //tests:json_scan_test //tests:init_from_test"
 tsan_targets="//tests:transport_test //tests:blocking_watchdog_test //tests:runtime_test"
 passed=0
 failed=0
