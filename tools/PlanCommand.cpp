@@ -182,11 +182,22 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   const bool transformer = model->isTransformer();
   if (transformer) {
     const TransformerConfig &t = *model->transformer;
-    fmt::print("pipec plan: {} ({} layers, hidden {}, {} heads, seq {}, {}) on {} x {} ({} per "
+    // Llama-style choices, where the block is not GPT-2's.
+    std::string heads = fmt::format("{} heads", t.numAttentionHeads), block;
+    if (t.kvHeads() != t.numAttentionHeads)
+      heads += fmt::format(" in {} key/value groups", t.kvHeads());
+    if (t.norm != Norm::LayerNorm)
+      block += ", " + toString(t.norm).str();
+    if (t.mlp != Mlp::Gelu)
+      block += ", " + toString(t.mlp).str();
+    if (t.position != Position::Learned)
+      block += ", " + toString(t.position).str();
+    if (!t.bias)
+      block += ", no biases";
+    fmt::print("pipec plan: {} ({} layers, hidden {}, {}, seq {}, {}{}) on {} x {} ({} per "
                "node, {} each), global batch {} sequences\n",
-               model->name, t.numLayers, t.hiddenSize, t.numAttentionHeads, t.seqLength, t.dtype,
-               o.gpus, cluster.deviceName, cluster.gpusPerNode, gib(result->memoryLimit),
-               o.globalBatch);
+               model->name, t.numLayers, t.hiddenSize, heads, t.seqLength, t.dtype, block, o.gpus,
+               cluster.deviceName, cluster.gpusPerNode, gib(result->memoryLimit), o.globalBatch);
   } else {
     fmt::print("pipec plan: {} ({} layers) on {} GPUs ({} per node, {} each), global batch {} "
                "microbatches\n",
