@@ -25,7 +25,8 @@ fi
 # safetensors reader among them), the verifier and the cpu runtime. Under TSan: the threaded
 # runtime, its transport and the watchdog.
 asan_targets="//tests/fuzz:all //tests:untrusted_plan_test //tests:ir_test //tests:verifier_test
-  //tests:gpt_kernel_test //tests:torch_csv_test //tests:json_scan_test //tests:init_from_test"
+  //tests:gpt_kernel_test //tests:llama_ops_test //tests:torch_csv_test //tests:json_scan_test
+  //tests:init_from_test"
 tsan_targets="//tests:transport_test //tests:blocking_watchdog_test //tests:runtime_test"
 passed=0
 failed=0
