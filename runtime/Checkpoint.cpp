@@ -214,6 +214,8 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
   return llvm::Error::success();
 }
 
+std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir, stepName(step)); }
+
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
                            const std::function<void(int, LayerState &)> &gather) {
   const std::string dir = dirRef.str();

@@ -56,6 +56,9 @@ void checkpointKillPoint();
 llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
                            const std::function<void(int, LayerState &)> &gather);
 
+/// The directory of the checkpoint after `step` steps in `dir`: dir/step-<8 digits>.
+std::string checkpointPath(llvm::StringRef dir, int64_t step);
+
 /// What --save-dir `dir` must be before a run starts: a directory (or a new name in an existing
 /// one) without committed checkpoints, unless it is `resumeDir` itself, whose newest step the
 /// run continues from.

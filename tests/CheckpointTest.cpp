@@ -124,6 +124,15 @@ TEST(CheckpointTest, SaveEveryKeepsTheTwoNewestCheckpoints) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
   EXPECT_TRUE(temporaries(d + "/ck").empty());
+  // Each save says so once it is committed, after its step's loss.
+  for (int step : {2, 4, 5}) {
+    const std::string line = "saved checkpoint after step " + std::to_string(step) + ": " + d +
+                             "/ck/step-0000000" + std::to_string(step) + "\n";
+    size_t at = r.out.find(line);
+    ASSERT_NE(at, std::string::npos) << r.out;
+    EXPECT_LT(r.out.find("step " + std::to_string(step - 1) + " loss"), at);
+  }
+  EXPECT_EQ(r.out.find("saved checkpoint after step 3"), std::string::npos);
 }
 
 /// Checks every layer file of the newest committed checkpoint in `dir` against its manifest

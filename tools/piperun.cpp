@@ -224,6 +224,10 @@ llvm::Error run(int argc, char **argv) {
   if (saveDir) {
     o.saveDir = *saveDir;
     o.saveEvery = int(*saveEvery);
+    o.onSaved = [](int step, const std::string &path) {
+      say("saved checkpoint after step {}: {}\n", step, path);
+      std::fflush(stdout);
+    };
   }
   o.dataName = dataName;
   std::unique_ptr<DataSource> data;

@@ -432,9 +432,12 @@ llvm::Expected<CpuRunResult> runOnCpu(const Plan &plan, const DataSource &data,
       onStep(s, loss);
     const bool last = s + 1 == first + options.steps;
     if (!options.saveDir.empty() &&
-        (last || (options.saveEvery > 0 && (s + 1) % options.saveEvery == 0)))
+        (last || (options.saveEvery > 0 && (s + 1) % options.saveEvery == 0))) {
       if (auto err = save(s + 1))
         return err;
+      if (options.onSaved)
+        options.onSaved(s + 1, checkpointPath(options.saveDir, s + 1));
+    }
   }
   for (CpuBackend *b : cpu)
     result.heldBytes.push_back(b->heldHighWater);

@@ -36,6 +36,8 @@ struct CpuRunOptions {
   const Checkpoint *resume = nullptr;
   std::string saveDir;
   int saveEvery = 0;
+  /// Called with the step count and the directory of each checkpoint once it is committed.
+  std::function<void(int, const std::string &)> onSaved;
   /// Initial weights (`piperun --init-from`, runtime/SafeTensors.h): every layer whole
   /// (tp = 1), in place of the seeded initialisation; each rank and the reference take their
   /// parts. Null: the seeded initialisation.
