@@ -49,7 +49,10 @@ struct TextInput {
 class FileInput {
 public:
   const char *p = nullptr, *end = nullptr;
-  explicit FileInput(std::FILE *file, size_t block = size_t(1) << 18) : file(file), buffer(block) {}
+  /// `block` bytes per read, at least kMinBlock: need(n) asks for at most a quarter of that.
+  static constexpr size_t kMinBlock = 4096;
+  explicit FileInput(std::FILE *file, size_t block = size_t(1) << 18)
+      : file(file), buffer(block < kMinBlock ? kMinBlock : block) {}
   void need(size_t n) {
     while (size_t(end - p) < n && !eof)
       fill();

@@ -1061,6 +1061,8 @@ public:
 private:
   /// The most text an instruction decoded from the text may take (pipec writes about 80).
   static constexpr size_t kInstructionText = 1024;
+  static_assert(kInstructionText * 4 <= json::FileInput::kMinBlock,
+                "a file's block holds the text an instruction may take");
 
   enum { Op, Tensor, Stage, Mb, Slice, Peer, Bytes, Group, Part, Parts, Phase, NumFields };
   struct FieldValue {

@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fmt/format.h>
@@ -21,6 +23,7 @@ using Json = nlohmann::json;
 
 /// Header of at most 100 MB (Hugging Face's own limit); tensor data up to 1 TiB.
 constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
+constexpr int kMaxHeaderDepth = 3;
 constexpr InputFormat kSafetensorsInput{"a safetensors file", uint64_t(1) << 40, 0};
 
 size_t dtypeSize(const std::string &dtype) {
@@ -96,6 +99,29 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
   std::string header(size_t(n), '\0');
   if (std::fread(header.data(), 1, header.size(), f.get()) != header.size())
     return inputError("{}: cannot read its header", path.str());
+  // The format nests three levels ({name: {"shape": [...]}}); a deeper header is refused before
+  // it is built into a tree (a 100 MB run of brackets would take gigabytes).
+  {
+    int depth = 0;
+    bool inString = false;
+    for (size_t i = 0; i < header.size(); ++i) {
+      const char c = header[i];
+      if (inString) {
+        if (c == '\\')
+          ++i;
+        else if (c == '"')
+          inString = false;
+      } else if (c == '"') {
+        inString = true;
+      } else if (c == '{' || c == '[') {
+        if (++depth > kMaxHeaderDepth)
+          return inputError("{}: its header nests deeper than the format's {} levels", path.str(),
+                            kMaxHeaderDepth);
+      } else if (c == '}' || c == ']') {
+        --depth;
+      }
+    }
+  }
   Json j = Json::parse(header, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     return inputError("{}: its header is not a JSON object", path.str());
@@ -124,13 +150,15 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
     SafeTensor t;
     t.dtype = dtype->get<std::string>();
     uint64_t elements = 1;
+    constexpr uint64_t kMostElements = uint64_t(1) << 40;
     for (const Json &d : *shape) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 40))
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > kMostElements)
         return bad("shape: expected sizes >= 0 (and below 2^40)");
-      t.shape.push_back(int64_t(d.get<uint64_t>()));
-      elements = elements * d.get<uint64_t>();
-      if (elements > (uint64_t(1) << 40))
+      const uint64_t size = d.get<uint64_t>();
+      t.shape.push_back(int64_t(size));
+      if (size != 0 && elements > kMostElements / size)
         return bad("shape: more than 2^40 elements");
+      elements *= size;
     }
     t.begin = (*offsets)[0].get<uint64_t>();
     t.end = (*offsets)[1].get<uint64_t>();
@@ -183,6 +211,10 @@ llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name
     } else {
       out[i] = halfToFloat(uint16_t(b[0] | b[1] << 8));
     }
+    if (!std::isfinite(out[i]))
+      return inputError("{}: tensor {} holds a value that is not a finite fp32 number at element "
+                        "{}",
+                        path, shortened(name), i);
   }
   return out;
 }
@@ -215,6 +247,9 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
     size_t count = 1;
     for (int64_t d : want)
       count *= size_t(d);
+    if (values->size() < count)
+      return inputError("tensor {} holds {} values; the model needs {}", name, values->size(),
+                        count);
     to.insert(to.end(), values->begin(), values->begin() + long(count));
     used.insert(name);
     return llvm::Error::success();
@@ -253,8 +288,17 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
     if (cfg.tiedEmbeddings) {
       const std::vector<float> &emb = layers[0];
       head.insert(head.end(), emb.begin(), emb.begin() + long(V * C));
-      if (all.count("lm_head.weight"))
-        used.insert("lm_head.weight");
+      if (all.count("lm_head.weight")) {
+        // Hugging Face may write the tied copy too: it must be wte itself.
+        std::vector<float> copy;
+        if (auto err = take("lm_head.weight", {V, C}, copy))
+          return err;
+        if (!std::equal(copy.begin(), copy.end(), emb.begin()))
+          return inputError("tensor lm_head.weight differs from {}wte.weight, but the model "
+                            "ties its embeddings (\"tie_embeddings\": true); untie the model to "
+                            "use the file's head",
+                            prefix);
+      }
     } else if (!all.count("lm_head.weight")) {
       return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
                         "(\"tie_embeddings\": false); add the tensor, or tie the model's "
@@ -271,9 +315,11 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
     if (used.count(name))
       continue;
     llvm::StringRef n = name;
-    if (n.startswith(prefix + "h.") &&
-        (n.endswith(".attn.bias") || n.endswith(".attn.masked_bias")) && t.shape.size() == 4)
-      continue; // the causal mask buffer, not a parameter
+    // The causal mask (h.N.attn.bias, [1, 1, n, n]) and its fill value (h.N.attn.masked_bias,
+    // a scalar) are buffers, not parameters.
+    if (n.startswith(prefix + "h.") && ((n.endswith(".attn.bias") && t.shape.size() == 4) ||
+                                        (n.endswith(".attn.masked_bias") && t.shape.size() <= 4)))
+      continue;
     return inputError("extra tensor {} (shape {}) is not a parameter of a GPT-2 model with {} "
                       "blocks",
                       shortened(name), shapeText(t.shape), cfg.layers);
@@ -290,7 +336,7 @@ llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringR
   auto fail = [&](llvm::Error err) {
     std::string msg = takeMessage(std::move(err));
     // The file's own errors already start with its path.
-    if (llvm::StringRef(msg).startswith(path))
+    if (llvm::StringRef(msg).startswith((path + ": ").str()))
       msg = msg.substr(path.size() + 2);
     return inputError("--init-from {}: {}", path.str(), msg);
   };

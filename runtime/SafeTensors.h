@@ -56,9 +56,10 @@ std::string shapeText(const std::vector<int64_t> &shape);
 /// The model's layers, whole (tp = 1) and in the kernels' order, from a GPT-2 checkpoint in
 /// Hugging Face's names. wpe may hold more positions than the model's sequence (GPT-2's 1,024):
 /// its first seq_length rows are taken. With tied embeddings the head's matrix is wte (an
-/// lm_head.weight in the file, Hugging Face's copy of it, is then ignored); untied, the file
-/// must hold lm_head.weight. The causal-mask buffers some GPT-2 files carry (h.N.attn.bias,
-/// h.N.attn.masked_bias) are not parameters and are skipped; any other extra tensor is an error.
+/// lm_head.weight in the file, Hugging Face's copy of it, must equal it); untied, the file must
+/// hold lm_head.weight. The causal-mask buffers some GPT-2 files carry (h.N.attn.bias,
+/// h.N.attn.masked_bias) are not parameters and are skipped; any other extra tensor is an
+/// error, and so is a value that is not a finite fp32 number.
 llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
                                                            const kernels::GptConfig &cfg);
 

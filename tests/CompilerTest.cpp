@@ -156,6 +156,8 @@ ModelSpec transformerSpec(int64_t layers, int64_t h, int64_t heads, int64_t ffn,
 }
 
 int64_t parameters(const ModelSpec &m) {
+  if (!m.transformer)
+    return -1; // transformerSpec failed (and said why)
   int64_t bytes = 0;
   for (const Layer &l : m.layers)
     bytes += l.paramBytes;

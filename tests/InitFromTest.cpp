@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -225,7 +226,7 @@ TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
       t.dtype = "F64";
   }
   tensors["transformer.h.0.attn.bias"] = Tensor{"F32", {1, 1, 2, 2}, {1, 0, 1, 1}};
-  tensors["transformer.h.1.attn.masked_bias"] = Tensor{"F32", {1, 1, 1, 1}, {-1e4f}};
+  tensors["transformer.h.1.attn.masked_bias"] = Tensor{"F32", {}, {-1e4f}}; // a scalar
   const std::string file = dir() + "/other.safetensors";
   writeFile(file, safetensors(tensors));
   std::string first, seededFirst;
@@ -243,8 +244,12 @@ TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
     ASSERT_TRUE(std::regex_search(r.out, ref, std::regex(R"(reference loss \(last step\) (\S+))")))
         << r.out;
     EXPECT_EQ(ref[1].str(), l[0]) << layout;
-    if (seededFirst.empty())
-      seededFirst = losses(runCommand(tool("piperun") + " " + plan + " --backend cpu").out)[0];
+    if (seededFirst.empty()) {
+      auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu");
+      ASSERT_EQ(seeded.code, 0) << seeded.err;
+      seededFirst = losses(seeded.out)[0];
+      ASSERT_FALSE(seededFirst.empty()) << seeded.out;
+    }
   }
   EXPECT_NE(first, seededFirst); // the file's weights were used
 }
@@ -255,23 +260,45 @@ TEST(InitFromTest, TiedEmbeddingsTakeTheHeadFromWte) {
  "transformer": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
    "ffn_hidden_size": 128, "vocab_size": 64, "seq_length": 16, "microbatch_size": 2,
    "dtype": "fp32", "tie_embeddings": true}})");
-  // The seeded tied model's head is a copy of wte: a file without lm_head.weight, and one with
-  // it (Hugging Face writes both), give the seeded run.
-  auto tensors = gpt2Tensors(tinyConfig(/*tied=*/true), 1);
+  std::string plan = compile(model, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  auto run = [&](const std::string &file) {
+    return runCommand(tool("piperun") + " " + plan +
+                      " --backend cpu --steps 2 --check-reference --init-from " + file);
+  };
+  // The seeded tied model's head is a copy of wte: its weights without lm_head.weight give the
+  // seeded run, so the head was taken from wte.
+  auto seededTensors = gpt2Tensors(tinyConfig(/*tied=*/true), 1);
+  seededTensors.erase("lm_head.weight");
+  const std::string seededFile = dir() + "/tied-seeded.safetensors";
+  writeFile(seededFile, safetensors(seededTensors));
+  auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2");
+  ASSERT_EQ(seeded.code, 0) << seeded.err;
+  auto fromSeeded = run(seededFile);
+  ASSERT_EQ(fromSeeded.code, 0) << fromSeeded.err;
+  EXPECT_EQ(losses(fromSeeded.out), losses(seeded.out));
+  // Other weights, with Hugging Face's copy of wte as lm_head.weight and without it: one run,
+  // another than the seeded one, and the reference agrees.
+  auto tensors = gpt2Tensors(tinyConfig(/*tied=*/true), 9);
   const std::string with = dir() + "/tied-with-head.safetensors";
   writeFile(with, safetensors(tensors));
   tensors.erase("lm_head.weight");
   const std::string without = dir() + "/tied.safetensors";
   writeFile(without, safetensors(tensors));
-  std::string plan = compile(model, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
-  auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2");
-  ASSERT_EQ(seeded.code, 0) << seeded.err;
-  for (const std::string &file : {with, without}) {
-    auto r =
-        runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --init-from " + file);
-    ASSERT_EQ(r.code, 0) << r.err;
-    EXPECT_EQ(losses(r.out), losses(seeded.out)) << file;
-  }
+  auto a = run(with), b = run(without);
+  ASSERT_EQ(a.code, 0) << a.err;
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_EQ(losses(a.out), losses(b.out));
+  EXPECT_NE(losses(a.out), losses(seeded.out));
+  // A head that is not wte cannot be tied: refused, naming both.
+  tensors["lm_head.weight"] = Tensor{"F32", {64, 32}, std::vector<float>(64 * 32, 0.5f)};
+  const std::string other = dir() + "/tied-other-head.safetensors";
+  writeFile(other, safetensors(tensors));
+  auto c = run(other);
+  EXPECT_EQ(c.code, 2);
+  EXPECT_NE(c.err.find("tensor lm_head.weight differs from wte.weight, but the model ties its "
+                       "embeddings"),
+            std::string::npos)
+      << c.err;
 }
 
 TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
@@ -349,6 +376,25 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
     cases.push_back({"byte-count", bytes + header + std::string(12, '\0'),
                      "tensor wte.weight: 12 bytes for shape [64, 32] of F32 (8192 expected)"});
   }
+  {
+    auto t = good;
+    t["h.0.ln_2.weight"].values[5] = INFINITY;
+    cases.push_back({"not-finite", safetensors(t),
+                     "tensor h.0.ln_2.weight holds a value that is not a finite fp32 number at "
+                     "element 5"});
+  }
+  {
+    std::string header = "{\"a\": {\"shape\": [[[1]]]}}", bytes;
+    put(bytes, header.size(), 8);
+    cases.push_back({"deep", bytes + header, "its header nests deeper than the format's 3 levels"});
+  }
+  {
+    std::string header = "{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [4294967296, "
+                         "4294967296], \"data_offsets\": [0, 0]}}",
+                bytes;
+    put(bytes, header.size(), 8);
+    cases.push_back({"shape-overflow", bytes + header, "shape: more than 2^40 elements"});
+  }
   for (const Case &c : cases) {
     const std::string file = dir() + "/bad-" + c.name + ".safetensors";
     writeFile(file, c.bytes);
@@ -359,6 +405,18 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
     EXPECT_NE(r.err.find("--init-from " + file + ": "), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(c.want), std::string::npos) << c.name << ": " << r.err;
     EXPECT_EQ(r.out.find("step 0"), std::string::npos) << c.name; // nothing ran
+  }
+  // A short relative name keeps the whole message.
+  {
+    auto t = good;
+    t.erase("wte.weight");
+    writeFile(dir() + "/m", safetensors(t));
+    auto r = runCommand("cd " + dir() + " && " + tool("piperun") + " " + plan +
+                        " --backend cpu --init-from m");
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.err.find("--init-from m: missing tensor wte.weight (shape [64, 32])"),
+              std::string::npos)
+        << r.err;
   }
   // The flag's own conflicts.
   auto gpu = runCommand(tool("piperun") + " " + plan + " --backend cuda --init-from x");

@@ -278,6 +278,40 @@ TEST(JsonScanTest, FileBlocksGiveTheTextsEvents) {
 
 /// The plan reader, fast and nlohmann-only: the same plan (written back byte for byte) or the
 /// same one-line error.
+std::string readOutcome(llvm::Expected<Plan> plan);
+
+// loadPlan reads a file in 256 KiB blocks and decodes instructions straight from each block:
+// on a plan of several blocks (instructions cut at every block boundary) it must give the plan
+// nlohmann's parse of the whole text gives, and the same error for a break late in the file.
+TEST(JsonScanTest, LoadPlanAcrossBlocksGivesNlohmannsPlan) {
+  const std::string text =
+      writePlanJson(compileOrFail(uniformModel(8), options("1f1b", 8, 256, 1, 1, 2)));
+  ASSERT_GT(text.size(), size_t(2) << 20); // eight and more blocks
+  const std::string path = tmpPath("big-plan.json");
+  {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+  }
+  EXPECT_EQ(readOutcome(loadPlan(path)), text);
+  EXPECT_EQ(readOutcome(parsePlanJson(text, "x", JsonParser::Nlohmann)), text);
+  // A wrong value in the last instructions, and a cut file: the same messages both ways.
+  for (int edit = 0; edit < 2; ++edit) {
+    std::string bad = text;
+    if (edit == 0)
+      bad.replace(bad.rfind("\"mb\": "), 6, "\"mb\": -");
+    else
+      bad.resize(bad.size() - 1000);
+    {
+      std::ofstream f(path, std::ios::binary);
+      f << bad;
+    }
+    std::string fromFile = readOutcome(loadPlan(path));
+    std::string reference = readOutcome(parsePlanJson(bad, path, JsonParser::Nlohmann));
+    EXPECT_EQ(fromFile, reference);
+    EXPECT_EQ(fromFile.rfind("error: ", 0), 0u) << fromFile.substr(0, 200);
+  }
+}
+
 std::string readOutcome(llvm::Expected<Plan> plan) {
   if (!plan)
     return "error: " + errorText(plan.takeError());

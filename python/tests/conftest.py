@@ -1,6 +1,6 @@
 """Shared paths for the Python tests: they run under Bazel (//python:python_test, from the
 runfiles tree) or by hand from the repository root (`.venv/bin/python -m pytest python/tests`,
-after `bazel build //python:pipec //tools:pipec`)."""
+after `bazel build //python:pipec //tools:pipec //tools:piperun`)."""
 
 import os
 import subprocess
