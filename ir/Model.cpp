@@ -181,6 +181,12 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
 // block's input (and K/V, which later slices read) and adds a forward to the input-gradient
 // backward; "selective" drops the materialized probabilities and adds the attention core's
 // forward to the backward (with flash attention there are none to drop: it is "none").
+// Llama-style blocks change the widths, not the rule: K and V (and dK, dV, and their columns
+// of dQkv) are Kl = kv heads · head size / tp wide instead of Cl; SwiGLU keeps its gate and up
+// outputs, 2Fl, where GELU keeps Fl (and so do their gradients); RMSNorm keeps 8N of
+// statistics where LayerNorm keeps 16N (the head's final norm 4N instead of 8N). These are
+// the rules the Llama kernels are to follow; until they exist nothing checks them against an
+// arena.
 SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, int64_t begin,
                                int64_t end, int index, int numSlices, int tp) const {
   const Layer &layer = layers[layerIndex];
