@@ -29,8 +29,8 @@
 // after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
 // from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
 // counts the steps of this run), under this plan's layout, whichever it was saved under.
-// --init-from FILE (cpu backend; runtime/SafeTensors.h): the initial weights from a safetensors
-// file in Hugging Face's GPT-2 names, checked against the model before step 0.
+// --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
+// Hugging Face's GPT-2 names, checked against the model before step 0, on every backend.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -84,10 +84,6 @@ llvm::Error run(int argc, char **argv) {
     return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
                       args->positional().size());
   std::string backend = args->get("--backend").value_or("cpu");
-  if (args->has("--init-from") && (backend == "cuda" || backend == "nccl"))
-    return inputError("--init-from: initial weights are loaded by the cpu backend only (the {} "
-                      "backend does not yet); use --backend cpu",
-                      backend);
 #ifdef PIPEC_HAS_CUDA
   // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
   // set an environment variable. Printed by RANK 0 below.
@@ -297,6 +293,7 @@ llvm::Error run(int argc, char **argv) {
     co.steps = o.steps;
     co.seed = o.seed;
     co.lr = o.lr;
+    co.initWeights = o.initWeights;
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;
@@ -323,6 +320,7 @@ llvm::Error run(int argc, char **argv) {
     co.steps = o.steps;
     co.seed = o.seed;
     co.lr = o.lr;
+    co.initWeights = o.initWeights;
     co.checkReference = o.checkReference;
     co.timeoutSeconds = o.timeoutSeconds;
     co.dtype = computeDType;

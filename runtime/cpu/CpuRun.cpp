@@ -265,22 +265,25 @@ llvm::Error loadCheckpoint(const Checkpoint &ckpt, const GptConfig &cfg, int tp,
 /// tp shard) and into the reference.
 void loadInitialWeights(const std::vector<std::vector<float>> &layers, const GptConfig &cfg, int tp,
                         const std::vector<CpuBackend *> &ranks, ReferenceRun *ref) {
-  for (int l = 0; l < cfg.numLayers(); ++l) {
-    auto load = [&](StageCompute &sc, int tpRank, int tpSize) {
-      auto [b, e] = sc.layerRange(l);
-      std::vector<float> shard = kernels::shardLayer(cfg, l, tpRank, tpSize, layers[size_t(l)]);
-      assert(shard.size() == e - b && "a shard fills the layer's range");
-      std::copy(shard.begin(), shard.end(), sc.params().begin() + long(b));
-    };
+  for (int l = 0; l < cfg.numLayers(); ++l)
     for (CpuBackend *r : ranks)
       if (StageCompute *sc = r->stageOfLayer(l))
-        load(*sc, r->coord().tp, tp);
-    if (ref)
-      load(ref->stage(), 0, 1);
-  }
+        loadWholeLayers(*sc, cfg, l, l + 1, r->coord().tp, tp, layers);
+  if (ref)
+    loadWholeLayers(ref->stage(), cfg, 0, cfg.numLayers(), 0, 1, layers);
 }
 
 } // namespace
+
+void loadWholeLayers(StageCompute &stage, const GptConfig &cfg, int layerBegin, int layerEnd,
+                     int tpRank, int tp, const std::vector<std::vector<float>> &layers) {
+  for (int l = layerBegin; l < layerEnd; ++l) {
+    auto [b, e] = stage.layerRange(l);
+    std::vector<float> shard = kernels::shardLayer(cfg, l, tpRank, tp, layers[size_t(l)]);
+    assert(shard.size() == e - b && "a shard fills the layer's range");
+    std::copy(shard.begin(), shard.end(), stage.params().begin() + long(b));
+  }
+}
 
 uint64_t cpuRunBytes(const Plan &plan, const GptConfig &cfg, bool checkReference) {
   // In doubles: the sizes a plan can ask for overflow 64 bits; the answer only needs to be

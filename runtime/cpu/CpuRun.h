@@ -56,6 +56,13 @@ struct CpuRunResult {
   std::vector<size_t> heldBytes;
 };
 
+/// Copies whole (tp = 1) layers [layerBegin, layerEnd) of weights into `stage` (which holds
+/// them), each cut for tp rank `tpRank` of `tp` (`piperun --init-from`; the GPU backends'
+/// references use it too).
+void loadWholeLayers(kernels::StageCompute &stage, const kernels::GptConfig &cfg, int layerBegin,
+                     int layerEnd, int tpRank, int tp,
+                     const std::vector<std::vector<float>> &layers);
+
 /// The model a plan describes, for the CPU kernels; an InputError when the plan has no
 /// transformer or its sizes do not fit the kernels.
 llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan);

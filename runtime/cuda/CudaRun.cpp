@@ -195,9 +195,9 @@ public:
       for (const StageInfo &s : plan.stages) {
         if (s.rank != c.pp)
           continue;
-        auto st =
-            GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, plan.parallel.tp,
-                             options.seed, slicesOf(plan), lossScaleOf(plan, cfg), options.dtype);
+        auto st = GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, plan.parallel.tp,
+                                   options.seed, slicesOf(plan), lossScaleOf(plan, cfg),
+                                   options.dtype, options.initWeights);
         if (!st)
           return st.takeError();
         stages[s.stage] = std::move(*st);
@@ -519,6 +519,8 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   std::unique_ptr<ReferenceRun> ref;
   if (options.checkReference) {
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
+    if (options.initWeights)
+      loadWholeLayers(ref->stage(), cfg, 0, cfg.numLayers(), 0, 1, *options.initWeights);
     if (options.onReferenceBuilt)
       options.onReferenceBuilt();
   }

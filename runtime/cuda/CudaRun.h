@@ -57,6 +57,9 @@ struct CudaRunOptions {
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
   kernels::DType dtype = kernels::DType::F32;
+  /// Initial weights (`piperun --init-from`): every layer whole (tp = 1), in place of the seeded
+  /// initialisation, on every rank and in the reference. Null: the seeded initialisation.
+  const std::vector<std::vector<float>> *initWeights = nullptr;
   /// How the ops choose their kernels beyond the device and the shapes (the tools make it;
   /// every rank's CudaContext gets it).
   kernels::cuda::KernelConfig kernels;

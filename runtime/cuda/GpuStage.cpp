@@ -614,7 +614,8 @@ size_t GpuStage::stateBytes(const GptConfig &cfg, int layerBegin, int layerEnd, 
 llvm::Expected<std::unique_ptr<GpuStage>>
 GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int layerEnd,
                  int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
-                 float lossScale, cu::DType dtype) {
+                 float lossScale, cu::DType dtype,
+                 const std::vector<std::vector<float>> *initLayers) {
   assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
          "empty or out-of-range layer range");
   assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
@@ -642,8 +643,9 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
     for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
       m->forwardParts.push_back({l, sub});
     m->tensorOffset.push_back(tensorOffsets(cfg, l, tp));
-    std::vector<float> shard =
-        kernels::shardLayer(cfg, l, tpRank, tp, kernels::initLayerFull(cfg, l, seed));
+    std::vector<float> shard = kernels::shardLayer(
+        cfg, l, tpRank, tp,
+        initLayers ? (*initLayers)[size_t(l)] : kernels::initLayerFull(cfg, l, seed));
     host.insert(host.end(), shard.begin(), shard.end());
     m->layerOffset.push_back(host.size());
   }

@@ -52,11 +52,13 @@ class GpuStage {
 public:
   /// The layers [layerBegin, layerEnd) on tp rank `tpRank` of `tp`, queued on `ctx`'s stream
   /// (which must outlive the stage). Arguments as kernels::StageCompute's, plus the compute type
-  /// `dtype` (see Precision above).
+  /// `dtype` (see Precision above). `initLayers`: every layer's initial weights whole (tp = 1;
+  /// `piperun --init-from`), cut for this rank, instead of the seeded initialisation.
   static llvm::Expected<std::unique_ptr<GpuStage>>
   create(kernels::cuda::CudaContext &ctx, const kernels::GptConfig &cfg, int layerBegin,
          int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
-         float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32);
+         float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32,
+         const std::vector<std::vector<float>> *initLayers = nullptr);
   /// The parameters create() gives these layers on each tp rank of `tp` (kernels/cpu/Gpt.h's
   /// layerParamCount)...
   static size_t paramCount(const kernels::GptConfig &cfg, int layerBegin, int layerEnd, int tp);

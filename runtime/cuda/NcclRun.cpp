@@ -483,6 +483,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   std::unique_ptr<ReferenceRun> ref;
   if (o.checkReference && env.rank == 0) {
     ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
+    if (o.initWeights)
+      loadWholeLayers(ref->stage(), cfg, 0, cfg.numLayers(), 0, 1, *o.initWeights);
     if (o.onReferenceBuilt)
       o.onReferenceBuilt();
   }
