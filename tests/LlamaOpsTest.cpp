@@ -5,8 +5,9 @@
 //   - RMSNorm and SwiGLU forwards against that model; rotary embeddings against the rotation
 //     written out by hand for a 4-wide head, and by their defining property (the score of a
 //     query and a key depends only on their distance);
-//   - grouped-query attention against Ops.h's multi-head attention: equal to it bit for bit when
-//     every head has its own keys, and equal to it on keys and values repeated per group.
+//   - grouped-query attention against its multi-head case (Ops.h's attention, the same loop
+//     nest with a key/value head per query head) on keys and values repeated per group: this
+//     checks the group indexing; the finite differences check the math.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/LlamaOps.h"

@@ -4,7 +4,8 @@
 // "mlp": "swiglu", "position": "rope", "num_query_groups"), in Ops.h's manner: plain loop nests,
 // single-threaded, a fixed visiting order, rows are tokens. They are tested on their own
 // against a double-precision model and finite differences (tests/LlamaOpsTest.cpp); the
-// stages (Gpt.cpp, GpuStage) do not call them yet.
+// stages (Gpt.cpp, GpuStage) do not call them yet, except grouped-query attention, which is
+// also Ops.h's multi-head attention (one key/value head per query head).
 //
 // Conventions are Hugging Face's Llama, so that its checkpoints load without permutation:
 // RMSNorm's eps inside the square root; SwiGLU is silu(gate) * up; rotary embeddings rotate

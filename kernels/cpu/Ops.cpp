@@ -5,6 +5,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Ops.h"
+#include "kernels/cpu/LlamaOps.h"
 
 #include <algorithm>
 #include <cassert>
@@ -190,91 +191,20 @@ void geluBackward(float *__restrict__ dIn, const float *__restrict__ dOut,
   }
 }
 
-void attentionForward(float *__restrict__ out, float *__restrict__ probs,
-                      const float *__restrict__ q, const float *__restrict__ k,
-                      const float *__restrict__ v, const AttentionShape &s) {
-  const int width = s.width(), keys = s.keys(), hd = s.headDim;
-  const float scale = 1.0f / std::sqrt(float(hd));
-  for (int b = 0; b < s.batch; ++b) {
-    for (int h = 0; h < s.heads; ++h) {
-      for (int t = 0; t < s.queries; ++t) {
-        const int pos = s.begin + t; // keys [0, pos] are visible (causal)
-        const float *qRow = q + (size_t(b) * s.queries + t) * width + h * hd;
-        float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
-        float maxScore = -INFINITY;
-        for (int j = 0; j <= pos; ++j) {
-          const float *kRow = k + (size_t(j) * s.batch + b) * width + h * hd;
-          float dot = 0.0f;
-          for (int d = 0; d < hd; ++d)
-            dot += qRow[d] * kRow[d];
-          p[j] = dot * scale;
-          maxScore = std::fmax(maxScore, p[j]);
-        }
-        float sum = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          p[j] = std::exp(p[j] - maxScore);
-          sum += p[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int j = 0; j <= pos; ++j)
-          p[j] *= inv;
-        for (int j = pos + 1; j < keys; ++j)
-          p[j] = 0.0f;
-        float *o = out + (size_t(b) * s.queries + t) * width + h * hd;
-        for (int d = 0; d < hd; ++d)
-          o[d] = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const float *vRow = v + (size_t(j) * s.batch + b) * width + h * hd;
-          for (int d = 0; d < hd; ++d)
-            o[d] += p[j] * vRow[d];
-        }
-      }
-    }
-  }
+// Multi-head attention is grouped-query attention with one key/value head per query head
+// (LlamaOps.h): one loop nest for both.
+void attentionForward(float *out, float *probs, const float *q, const float *k, const float *v,
+                      const AttentionShape &s) {
+  groupedAttentionForward(
+      out, probs, q, k, v,
+      GroupedAttentionShape{s.batch, s.queries, s.begin, s.heads, s.heads, s.headDim});
 }
 
-void attentionBackward(float *__restrict__ dq, float *__restrict__ dk, float *__restrict__ dv,
-                       const float *__restrict__ dOut, const float *__restrict__ probs,
-                       const float *__restrict__ q, const float *__restrict__ k,
-                       const float *__restrict__ v, const AttentionShape &s) {
-  const int width = s.width(), keys = s.keys(), hd = s.headDim;
-  const float scale = 1.0f / std::sqrt(float(hd));
-  for (int b = 0; b < s.batch; ++b) {
-    for (int h = 0; h < s.heads; ++h) {
-      for (int t = 0; t < s.queries; ++t) {
-        const int pos = s.begin + t;
-        const size_t row = (size_t(b) * s.queries + t) * width + h * hd;
-        const float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
-        const float *dO = dOut + row;
-        // dP_j = dO . v_j; dv_j += p_j dO; softmax backward dS_j = p_j (dP_j - sum_i p_i dP_i).
-        float pdp = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const size_t kv = (size_t(j) * s.batch + b) * width + h * hd;
-          float dp = 0.0f;
-          for (int d = 0; d < hd; ++d) {
-            dp += dO[d] * v[kv + d];
-            dv[kv + d] += p[j] * dO[d];
-          }
-          pdp += p[j] * dp;
-        }
-        float *dqRow = dq + row;
-        const float *qRow = q + row;
-        for (int d = 0; d < hd; ++d)
-          dqRow[d] = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const size_t kv = (size_t(j) * s.batch + b) * width + h * hd;
-          float dp = 0.0f;
-          for (int d = 0; d < hd; ++d)
-            dp += dO[d] * v[kv + d];
-          const float dsScaled = p[j] * (dp - pdp) * scale;
-          for (int d = 0; d < hd; ++d) {
-            dqRow[d] += dsScaled * k[kv + d];
-            dk[kv + d] += dsScaled * qRow[d];
-          }
-        }
-      }
-    }
-  }
+void attentionBackward(float *dq, float *dk, float *dv, const float *dOut, const float *probs,
+                       const float *q, const float *k, const float *v, const AttentionShape &s) {
+  groupedAttentionBackward(
+      dq, dk, dv, dOut, probs, q, k, v,
+      GroupedAttentionShape{s.batch, s.queries, s.begin, s.heads, s.heads, s.headDim});
 }
 
 double crossEntropyForward(float *__restrict__ probs, const float *__restrict__ logits,
