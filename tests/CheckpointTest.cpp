@@ -40,6 +40,7 @@ namespace {
 namespace fs = std::filesystem;
 using pipec::testing::runCommand;
 using pipec::testing::slurp;
+using pipec::testing::stepLosses;
 using pipec::testing::tmpDir;
 
 std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
@@ -58,15 +59,6 @@ std::string compile(const std::string &dir, const std::string &flags) {
                       " -o " + out);
   EXPECT_EQ(r.code, 0) << r.err;
   return out;
-}
-
-/// step -> the loss as printed ("step N loss X").
-std::map<int, std::string> losses(const std::string &out) {
-  std::map<int, std::string> m;
-  std::regex line(R"(step (\d+) loss ([-0-9.naif]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
-    m[std::stoi((*it)[1])] = (*it)[2];
-  return m;
 }
 
 pipec::testing::CommandResult piperun(const std::string &args, const std::string &env = "") {
@@ -102,8 +94,8 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   auto rest = piperun(plan + " --steps 3 --resume " + d + "/split --save-dir " + d + "/split");
   ASSERT_EQ(rest.code, 0) << rest.err;
   EXPECT_NE(rest.out.find("step 3, saved by this plan"), std::string::npos) << rest.out;
-  std::map<int, std::string> want = losses(whole.out), got = losses(first.out);
-  for (auto [step, loss] : losses(rest.out))
+  std::map<int, std::string> want = stepLosses(whole.out), got = stepLosses(first.out);
+  for (auto [step, loss] : stepLosses(rest.out))
     got[step] = loss;
   ASSERT_EQ(want.size(), 6u);
   EXPECT_EQ(got, want);
@@ -170,7 +162,7 @@ void expectResumable(const std::string &dir, const std::string &plan,
                      const std::string &what) {
   auto r = piperun(plan + " --steps 1 --resume " + dir);
   ASSERT_EQ(r.code, 0) << what << ": " << r.err;
-  auto got = losses(r.out);
+  auto got = stepLosses(r.out);
   ASSERT_EQ(got.size(), 1u) << what << ": " << r.out;
   EXPECT_EQ(got.begin()->second, want.at(got.begin()->first)) << what;
   EXPECT_GE(got.begin()->first, previous) << what;
@@ -182,7 +174,7 @@ void expectResumable(const std::string &dir, const std::string &plan,
            alone + "/step-0000000" + std::to_string(previous), fs::copy_options::recursive);
   r = piperun(plan + " --steps 1 --resume " + alone);
   ASSERT_EQ(r.code, 0) << what << " (previous alone): " << r.err;
-  got = losses(r.out);
+  got = stepLosses(r.out);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got.begin()->first, previous) << what;
   EXPECT_EQ(got.begin()->second, want.at(previous)) << what << " (previous alone)";
@@ -194,7 +186,7 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
   const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
   auto uninterrupted = piperun(plan + " --steps 5");
   ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
-  const auto want = losses(uninterrupted.out);
+  const auto want = stepLosses(uninterrupted.out);
   // Two committed checkpoints (steps 1 and 2), so that the save of step 3 also removes one.
   const std::string base = d + "/base";
   auto r = piperun(plan + " --steps 2 --save-every 1 --save-dir " + base);
@@ -235,7 +227,7 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
   // Each round runs at most 30 steps from where the last one's newest checkpoint was.
   auto uninterrupted = piperun(plan + " --steps 121");
   ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
-  const auto want = losses(uninterrupted.out);
+  const auto want = stepLosses(uninterrupted.out);
   std::mt19937 rng(36);
   const std::string ck = d + "/ck";
   int previous = 0;
@@ -285,7 +277,7 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
       continue; // killed before its first save finished
     auto r = piperun(plan + " --steps 1 --resume " + ck);
     ASSERT_EQ(r.code, 0) << "round " << round << ": " << r.err;
-    auto got = losses(r.out);
+    auto got = stepLosses(r.out);
     ASSERT_EQ(got.size(), 1u);
     EXPECT_EQ(got.begin()->second, want.at(got.begin()->first)) << "round " << round;
     EXPECT_GE(got.begin()->first, previous) << "a newer checkpoint was lost";
@@ -308,7 +300,7 @@ TEST(CheckpointTest, ACheckpointResumesUnderAnotherLayout) {
   EXPECT_NE(rest.out.find("saved under 1f1b pp=2 vpp=1 tp=1 dp=1 microbatches=4"),
             std::string::npos)
       << rest.out;
-  auto want = losses(whole.out), got = losses(rest.out);
+  auto want = stepLosses(whole.out), got = stepLosses(rest.out);
   ASSERT_EQ(got.size(), 3u) << rest.out;
   for (auto [step, loss] : got) {
     // Other summation orders (tp, dp): the same training within fp32 rounding.

@@ -9,6 +9,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <sys/wait.h>
@@ -39,6 +41,15 @@ inline CommandResult runCommand(const std::string &cmd) {
   std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
   int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
   return CommandResult{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+/// piperun's losses by step, as it prints them ("step N loss X").
+inline std::map<int, std::string> stepLosses(const std::string &out) {
+  std::map<int, std::string> m;
+  std::regex line(R"(step (\d+) loss ([-0-9.naif]+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
+    m[std::stoi((*it)[1])] = (*it)[2];
+  return m;
 }
 
 } // namespace pipec::testing

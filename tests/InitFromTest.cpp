@@ -34,6 +34,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using pipec::testing::runCommand;
+using pipec::testing::stepLosses;
 using pipec::testing::tmpDir;
 
 std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
@@ -96,6 +97,13 @@ std::string safetensors(const std::map<std::string, Tensor> &tensors) {
   std::string out;
   put(out, header.size(), 8);
   return out + header + data;
+}
+
+/// A hand-made header behind its u64 length (for malformed files).
+std::string withHeader(const std::string &header) {
+  std::string out;
+  put(out, header.size(), 8);
+  return out + header;
 }
 
 void writeFile(const std::string &path, const std::string &bytes) {
@@ -177,15 +185,6 @@ std::string compile(const std::string &model, const std::string &flags) {
   return out;
 }
 
-/// step -> the loss as printed.
-std::map<int, std::string> losses(const std::string &out) {
-  std::map<int, std::string> m;
-  std::regex line(R"(step (\d+) loss ([-0-9.naif]+))");
-  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it)
-    m[std::stoi((*it)[1])] = (*it)[2];
-  return m;
-}
-
 // One global batch (4 microbatches of 2 sequences) under every layout.
 const char *kLayouts[] = {
     "--schedule 1f1b --pp 2 --microbatches 4",
@@ -207,7 +206,7 @@ TEST(InitFromTest, TheSeededWeightsInAFileGiveTheSeededRunBitForBit) {
     ASSERT_EQ(seeded.code, 0) << seeded.err;
     ASSERT_EQ(loaded.code, 0) << loaded.err;
     EXPECT_NE(loaded.out.find("initial weights from " + file), std::string::npos);
-    auto want = losses(seeded.out), got = losses(loaded.out);
+    auto want = stepLosses(seeded.out), got = stepLosses(loaded.out);
     ASSERT_EQ(want.size(), 2u) << seeded.out;
     EXPECT_EQ(got, want) << layout;
   }
@@ -235,7 +234,7 @@ TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
     auto r = runCommand(tool("piperun") + " " + plan +
                         " --backend cpu --steps 1 --check-reference --init-from " + file);
     ASSERT_EQ(r.code, 0) << layout << "\n" << r.out << r.err;
-    auto l = losses(r.out);
+    auto l = stepLosses(r.out);
     ASSERT_EQ(l.size(), 1u);
     if (first.empty())
       first = l[0];
@@ -247,7 +246,7 @@ TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
     if (seededFirst.empty()) {
       auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu");
       ASSERT_EQ(seeded.code, 0) << seeded.err;
-      seededFirst = losses(seeded.out)[0];
+      seededFirst = stepLosses(seeded.out)[0];
       ASSERT_FALSE(seededFirst.empty()) << seeded.out;
     }
   }
@@ -278,8 +277,8 @@ TEST(InitFromTest, TheEmulatedGpuBackendsLoadTheFileToo) {
     auto loaded = piperun("--steps 2 --init-from " + seededFile);
     ASSERT_EQ(seeded.code, 0) << seeded.err;
     ASSERT_EQ(loaded.code, 0) << loaded.err;
-    EXPECT_EQ(losses(loaded.out), losses(seeded.out)) << run.layout;
-    ASSERT_EQ(losses(seeded.out).size(), 2u) << seeded.out;
+    EXPECT_EQ(stepLosses(loaded.out), stepLosses(seeded.out)) << run.layout;
+    ASSERT_EQ(stepLosses(seeded.out).size(), 2u) << seeded.out;
     // Other weights: the reference (on the CPU) agrees, and its loss is the cpu backend's.
     auto gpu = piperun("--steps 1 --check-reference --init-from " + otherFile);
     ASSERT_EQ(gpu.code, 0) << run.layout << "\n" << gpu.out << gpu.err;
@@ -288,8 +287,8 @@ TEST(InitFromTest, TheEmulatedGpuBackendsLoadTheFileToo) {
     std::smatch ref;
     ASSERT_TRUE(
         std::regex_search(gpu.out, ref, std::regex(R"(reference loss \(last step\) (\S+))")));
-    EXPECT_EQ(ref[1].str(), losses(cpu.out)[0]) << run.layout;
-    EXPECT_NE(losses(gpu.out)[0], losses(seeded.out)[0]) << run.layout;
+    EXPECT_EQ(ref[1].str(), stepLosses(cpu.out)[0]) << run.layout;
+    EXPECT_NE(stepLosses(gpu.out)[0], stepLosses(seeded.out)[0]) << run.layout;
   }
 }
 
@@ -314,7 +313,7 @@ TEST(InitFromTest, TiedEmbeddingsTakeTheHeadFromWte) {
   ASSERT_EQ(seeded.code, 0) << seeded.err;
   auto fromSeeded = run(seededFile);
   ASSERT_EQ(fromSeeded.code, 0) << fromSeeded.err;
-  EXPECT_EQ(losses(fromSeeded.out), losses(seeded.out));
+  EXPECT_EQ(stepLosses(fromSeeded.out), stepLosses(seeded.out));
   // Other weights, with Hugging Face's copy of wte as lm_head.weight and without it: one run,
   // another than the seeded one, and the reference agrees.
   auto tensors = gpt2Tensors(tinyConfig(/*tied=*/true), 9);
@@ -326,8 +325,8 @@ TEST(InitFromTest, TiedEmbeddingsTakeTheHeadFromWte) {
   auto a = run(with), b = run(without);
   ASSERT_EQ(a.code, 0) << a.err;
   ASSERT_EQ(b.code, 0) << b.err;
-  EXPECT_EQ(losses(a.out), losses(b.out));
-  EXPECT_NE(losses(a.out), losses(seeded.out));
+  EXPECT_EQ(stepLosses(a.out), stepLosses(b.out));
+  EXPECT_NE(stepLosses(a.out), stepLosses(seeded.out));
   // A head that is not wte cannot be tied: refused, naming both.
   tensors["lm_head.weight"] = Tensor{"F32", {64, 32}, std::vector<float>(64 * 32, 0.5f)};
   const std::string other = dir() + "/tied-other-head.safetensors";
@@ -402,19 +401,12 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
     put(bytes, uint64_t(1) << 62, 8);
     cases.push_back({"header-length", bytes + "{}", "header length 4611686018427387904 is past"});
   }
-  {
-    std::string header = "[1, 2]", bytes;
-    put(bytes, header.size(), 8);
-    cases.push_back({"not-object", bytes + header, "its header is not a JSON object"});
-  }
-  {
-    std::string header = "{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [64, 32], "
-                         "\"data_offsets\": [0, 12]}}",
-                bytes;
-    put(bytes, header.size(), 8);
-    cases.push_back({"byte-count", bytes + header + std::string(12, '\0'),
-                     "tensor wte.weight: 12 bytes for shape [64, 32] of F32 (8192 expected)"});
-  }
+  cases.push_back({"not-object", withHeader("[1, 2]"), "its header is not a JSON object"});
+  cases.push_back({"byte-count",
+                   withHeader("{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [64, 32], "
+                              "\"data_offsets\": [0, 12]}}") +
+                       std::string(12, '\0'),
+                   "tensor wte.weight: 12 bytes for shape [64, 32] of F32 (8192 expected)"});
   {
     auto t = good;
     t["h.0.ln_2.weight"].values[5] = INFINITY;
@@ -422,18 +414,12 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
                      "tensor h.0.ln_2.weight holds a value that is not a finite fp32 number at "
                      "element 5"});
   }
-  {
-    std::string header = "{\"a\": {\"shape\": [[[1]]]}}", bytes;
-    put(bytes, header.size(), 8);
-    cases.push_back({"deep", bytes + header, "its header nests deeper than the format's 3 levels"});
-  }
-  {
-    std::string header = "{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [4294967296, "
-                         "4294967296], \"data_offsets\": [0, 0]}}",
-                bytes;
-    put(bytes, header.size(), 8);
-    cases.push_back({"shape-overflow", bytes + header, "shape: more than 2^40 elements"});
-  }
+  cases.push_back({"deep", withHeader("{\"a\": {\"shape\": [[[1]]]}}"),
+                   "its header nests deeper than the format's 3 levels"});
+  cases.push_back({"shape-overflow",
+                   withHeader("{\"wte.weight\": {\"dtype\": \"F32\", \"shape\": [4294967296, "
+                              "4294967296], \"data_offsets\": [0, 0]}}"),
+                   "shape: more than 2^40 elements"});
   for (const Case &c : cases) {
     const std::string file = dir() + "/bad-" + c.name + ".safetensors";
     writeFile(file, c.bytes);
