@@ -17,6 +17,7 @@
 #include "runtime/cpu/Reference.h"
 #include "schedules/Policy.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -158,12 +159,15 @@ TEST(RuntimeTest, ADroppedMessageIsReportedByTheWatchdogInScheduleTerms) {
 
 /// A rank whose compute op never returns, as a thread held inside a GPU call (a launch queue
 /// full behind a kernel that never finishes), which no transport abort can wake; the other
-/// ranks' ops return at once.
+/// ranks' ops return at once. A held rank sets `holding` once it is inside the call.
 class HeldBackend final : public Backend {
 public:
-  explicit HeldBackend(bool held) : held(held) {}
+  explicit HeldBackend(bool held, std::atomic<bool> *holding = nullptr)
+      : held(held), holding(holding) {}
   llvm::Error beginStep(int) override { return llvm::Error::success(); }
   llvm::Error compute(const Instruction &) override {
+    if (held && holding)
+      holding->store(true);
     while (held)
       std::this_thread::sleep_for(std::chrono::seconds(1));
     return llvm::Error::success();
@@ -177,6 +181,7 @@ public:
 
 private:
   bool held;
+  std::atomic<bool> *holding;
   float buffer[4] = {};
 };
 
@@ -186,17 +191,23 @@ TEST(RuntimeDeathTest, ARankThreadTheAbortCannotReachEndsTheProcessWithTheReport
   // and joining it would wait forever. After 10 s the process ends with the report. The
   // watchdog's time is a ManualClock that a ticker moves 50 ms at a time, each step once the
   // watchdog is back waiting on it: the ten seconds take no time, and nothing here depends on
-  // how fast the machine is.
+  // how fast the machine is. The ticker starts once rank 0 is inside its held call: a rank
+  // thread that starts after the abort returns before its first op, and the runner with it.
+  // Rank 1 returns at the abort in real time while the ticker's ten seconds take none, so
+  // whether it has returned by then is the scheduler's choice: the report counts 1 or 2.
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
   EXPECT_EXIT(
       {
         ManualClock clock;
+        std::atomic<bool> holding{false};
         std::vector<std::unique_ptr<Backend>> backends;
-        backends.push_back(std::make_unique<HeldBackend>(true));
+        backends.push_back(std::make_unique<HeldBackend>(true, &holding));
         backends.push_back(std::make_unique<HeldBackend>(false));
         Runner runner(plan, Faults{}, /*timeoutSeconds=*/0.2, std::move(backends), clock);
-        std::thread ticker([&clock] {
+        std::thread ticker([&clock, &holding] {
+          while (!holding.load())
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
           for (;;) {
             clock.awaitWaiters(1);
             clock.advance(0.05);
@@ -208,7 +219,7 @@ TEST(RuntimeDeathTest, ARankThreadTheAbortCannotReachEndsTheProcessWithTheReport
         std::_Exit(0); // (not reached: the runner cannot return)
       },
       ::testing::ExitedWithCode(1),
-      "watchdog: no rank made progress for 0\\.[0-9] s in step 0.*watchdog: 1 of the 2 rank "
+      "watchdog: no rank made progress for 0\\.[0-9] s in step 0.*watchdog: [12] of the 2 rank "
       "threads did not stop 10\\.0 s after the report above");
 }
 
