@@ -186,7 +186,37 @@ void expectSameGrads(const RunResult &got, const RunResult &ref, double rel) {
     expectClose(got.grads[l][0], ref.grads[l][0], rel, "layer " + std::to_string(l));
 }
 
+/// The model's block in GPT-2's choices and Llama's, alone and mixed (the spec's "norm",
+/// "mlp", "position", "num_query_groups" and "bias" take any combination).
+struct Variant {
+  const char *name;
+  GptConfig cfg;
+};
+std::vector<Variant> variants() {
+  GptConfig llama = tinyConfig();
+  llama.rmsnorm = llama.swiglu = llama.rope = true;
+  llama.kvHeads = 2;
+  llama.bias = false;
+  GptConfig mixA = tinyConfig(); // layernorm without shift, swiglu, learned positions, GQA
+  mixA.swiglu = true;
+  mixA.kvHeads = 2;
+  mixA.bias = false;
+  GptConfig mixB = tinyConfig(); // rmsnorm, gelu, rope, multi-head, biases
+  mixB.rmsnorm = mixB.rope = true;
+  mixB.ropeTheta = 500000;
+  GptConfig mqa = llama; // one key/value head (multi-query)
+  mqa.kvHeads = 1;
+  return {{"Gpt2", tinyConfig()}, {"Llama", llama}, {"LayernormSwigluGqa", mixA},
+          {"RmsnormGeluRope", mixB}, {"MultiQuery", mqa}};
+}
+
+class GptVariantTest : public ::testing::TestWithParam<GptConfig> {};
+
 //===-- A double-precision model, written independently of Gpt.cpp ------===//
+// It reads the flat layout Gpt.h documents and implements GPT-2's block and Llama's choices
+// from their definitions: RMSNorm x / sqrt(mean(x^2) + eps) w; SwiGLU silu(x Wg) * (x Wu);
+// rotary embeddings turning the pairs (i, i + hd/2) of q and k by pos * theta^(-2i/hd);
+// query head h reading key/value head h / (heads / kvHeads).
 
 struct Ref {
   const GptConfig &cfg;
@@ -195,17 +225,22 @@ struct Ref {
   static double gelu(double x) {
     return 0.5 * x * (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (x + 0.044715 * x * x * x)));
   }
-  Mat layernorm(const Mat &x, int rows, const double *w, const double *b) const {
+  Mat norm(const Mat &x, int rows, const double *w, const double *b) const {
     const int c = cfg.channels;
     Mat y(x.size());
     for (int r = 0; r < rows; ++r) {
       double mean = 0, var = 0;
+      if (cfg.rmsnorm) {
+        for (int k = 0; k < c; ++k)
+          var += x[r * c + k] * x[r * c + k] / c; // mean square, about 0
+      } else {
+        for (int k = 0; k < c; ++k)
+          mean += x[r * c + k] / c;
+        for (int k = 0; k < c; ++k)
+          var += (x[r * c + k] - mean) * (x[r * c + k] - mean) / c;
+      }
       for (int k = 0; k < c; ++k)
-        mean += x[r * c + k] / c;
-      for (int k = 0; k < c; ++k)
-        var += (x[r * c + k] - mean) * (x[r * c + k] - mean) / c;
-      for (int k = 0; k < c; ++k)
-        y[r * c + k] = (x[r * c + k] - mean) / std::sqrt(var + 1e-5) * w[k] + b[k];
+        y[r * c + k] = (x[r * c + k] - mean) / std::sqrt(var + 1e-5) * w[k] + (b ? b[k] : 0.0);
     }
     return y;
   }
@@ -221,12 +256,24 @@ struct Ref {
       }
     return y;
   }
+  // Rotates head `h` of row `p` (position p) of x, whose rows are `stride` wide, from `at`.
+  void rotate(Mat &x, int p, int stride, int at, int hd) const {
+    double *head = x.data() + size_t(p) * stride + at;
+    for (int i = 0; i < hd / 2; ++i) {
+      const double angle = p * std::pow(cfg.ropeTheta, -2.0 * i / hd);
+      const double a = head[i], b = head[i + hd / 2];
+      head[i] = a * std::cos(angle) - b * std::sin(angle);
+      head[i + hd / 2] = b * std::cos(angle) + a * std::sin(angle);
+    }
+  }
 
   /// The scaled loss of one microbatch; `layers` holds every layer's full parameters.
   double loss(const std::vector<std::vector<double>> &layers, const std::vector<int32_t> &tokens,
               double scale) const {
     const int c = cfg.channels, t = cfg.seqLen, v = cfg.vocab, f = cfg.ffn;
-    const int hd = c / cfg.heads;
+    const int hd = c / cfg.heads, kvh = cfg.kvHeads > 0 ? cfg.kvHeads : cfg.heads;
+    const int kvw = kvh * hd, qkvw = c + 2 * kvw, fcw = cfg.swiglu ? 2 * f : f;
+    const bool shift = !cfg.rmsnorm && cfg.bias;
     double total = 0;
     for (int s = 0; s < cfg.microbatch; ++s) {
       const int32_t *seq = tokens.data() + s * (t + 1);
@@ -234,27 +281,39 @@ struct Ref {
       const double *wte = layers[0].data(), *wpe = wte + v * c;
       for (int p = 0; p < t; ++p)
         for (int k = 0; k < c; ++k)
-          x[p * c + k] = wte[seq[p] * c + k] + wpe[p * c + k];
+          x[p * c + k] = wte[seq[p] * c + k] + (cfg.rope ? 0.0 : wpe[p * c + k]);
       for (int l = 1; l <= cfg.layers; ++l) {
         const double *cur = layers[l].data();
-        auto take = [&](size_t n) {
+        auto take = [&](size_t n, bool present = true) -> const double * {
+          if (!present)
+            return nullptr;
           const double *at = cur;
           cur += n;
           return at;
         };
-        const double *ln1w = take(c), *ln1b = take(c), *qkvw = take(3 * c * c), *qkvb = take(3 * c),
-                     *attnw = take(c * c), *attnb = take(c), *ln2w = take(c), *ln2b = take(c),
-                     *fcw = take(c * f), *fcb = take(f), *projw = take(f * c), *projb = take(c);
-        Mat qkv = linear(layernorm(x, t, ln1w, ln1b), t, c, 3 * c, qkvw, qkvb);
+        const double *ln1w = take(c), *ln1b = take(c, shift), *qkvW = take(size_t(c) * qkvw),
+                     *qkvB = take(qkvw, cfg.bias), *attnw = take(c * c), *attnb = take(c, cfg.bias),
+                     *ln2w = take(c), *ln2b = take(c, shift), *fcW = take(size_t(c) * fcw),
+                     *fcB = take(fcw, cfg.bias), *projw = take(f * c), *projb = take(c, cfg.bias);
+        EXPECT_EQ(cur, layers[l].data() + layers[l].size()) << "block layout";
+        Mat qkv = linear(norm(x, t, ln1w, ln1b), t, c, qkvw, qkvW, qkvB);
+        if (cfg.rope)
+          for (int p = 0; p < t; ++p) {
+            for (int h = 0; h < cfg.heads; ++h)
+              rotate(qkv, p, qkvw, h * hd, hd);
+            for (int h = 0; h < kvh; ++h)
+              rotate(qkv, p, qkvw, c + h * hd, hd);
+          }
         Mat y(size_t(t) * c, 0.0);
-        for (int h = 0; h < cfg.heads; ++h)
+        for (int h = 0; h < cfg.heads; ++h) {
+          const int g = h / (cfg.heads / kvh); // its key/value head
           for (int i = 0; i < t; ++i) {
             std::vector<double> w(i + 1);
             double mx = -1e300, sum = 0;
             for (int j = 0; j <= i; ++j) {
               double dot = 0;
               for (int d = 0; d < hd; ++d)
-                dot += qkv[i * 3 * c + h * hd + d] * qkv[j * 3 * c + c + h * hd + d];
+                dot += qkv[i * qkvw + h * hd + d] * qkv[j * qkvw + c + g * hd + d];
               w[j] = dot / std::sqrt(double(hd));
               mx = std::max(mx, w[j]);
             }
@@ -262,20 +321,27 @@ struct Ref {
               sum += w[j] = std::exp(w[j] - mx);
             for (int j = 0; j <= i; ++j)
               for (int d = 0; d < hd; ++d)
-                y[i * c + h * hd + d] += w[j] / sum * qkv[j * 3 * c + 2 * c + h * hd + d];
+                y[i * c + h * hd + d] += w[j] / sum * qkv[j * qkvw + c + kvw + g * hd + d];
           }
+        }
         Mat a = linear(y, t, c, c, attnw, attnb);
         for (size_t k = 0; k < x.size(); ++k)
           x[k] += a[k];
-        Mat hidden = linear(layernorm(x, t, ln2w, ln2b), t, c, f, fcw, fcb);
-        for (double &e : hidden)
-          e = gelu(e);
+        Mat pre = linear(norm(x, t, ln2w, ln2b), t, c, fcw, fcW, fcB);
+        Mat hidden(size_t(t) * f);
+        for (int p = 0; p < t; ++p)
+          for (int k = 0; k < f; ++k) {
+            const double gate = pre[p * fcw + k];
+            hidden[p * f + k] = cfg.swiglu ? gate / (1 + std::exp(-gate)) * pre[p * fcw + f + k]
+                                           : gelu(gate);
+          }
         Mat m = linear(hidden, t, f, c, projw, projb);
         for (size_t k = 0; k < x.size(); ++k)
           x[k] += m[k];
       }
-      const double *lnfw = layers[cfg.layers + 1].data(), *lnfb = lnfw + c, *lm = lnfb + c;
-      Mat h = layernorm(x, t, lnfw, lnfb);
+      const double *lnfw = layers[cfg.layers + 1].data(), *lnfb = shift ? lnfw + c : nullptr;
+      const double *lm = lnfw + (shift ? 2 * c : c);
+      Mat h = norm(x, t, lnfw, lnfb);
       for (int p = 0; p < t; ++p) {
         std::vector<double> logits(v, 0.0);
         double mx = -1e300, sum = 0;
@@ -293,8 +359,8 @@ struct Ref {
   }
 };
 
-TEST(GptKernelTest, GradientsMatchFiniteDifferencesOfAnIndependentModel) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, GradientsMatchFiniteDifferencesOfAnIndependentModel) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/1, /*seed=*/11);
   const float lossScale = 1.0f / float(cfg.microbatch * cfg.seqLen);
   StageCompute stage(cfg, 0, cfg.numLayers(), /*tpRank=*/0, /*tp=*/1, /*seed=*/3, {{0, cfg.seqLen}},
@@ -343,8 +409,8 @@ TEST(GptKernelTest, GradientsMatchFiniteDifferencesOfAnIndependentModel) {
   }
 }
 
-TEST(GptKernelTest, PipelineStagesGiveTheSingleStageLossAndGrads) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, PipelineStagesGiveTheSingleStageLossAndGrads) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/2, /*seed=*/1);
   const RunResult one = runModel(cfg, singleStage(cfg), batch);
   for (std::vector<int> bounds :
@@ -359,11 +425,13 @@ TEST(GptKernelTest, PipelineStagesGiveTheSingleStageLossAndGrads) {
   }
 }
 
-TEST(GptKernelTest, TensorParallelShardsGiveTheSingleRankLossAndShardedGrads) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, TensorParallelShardsGiveTheSingleRankLossAndShardedGrads) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/2, /*seed=*/2);
   const RunResult one = runModel(cfg, singleStage(cfg), batch);
   for (int tp : {2, 4}) {
+    if (cfg.kvHeadCount() % tp != 0)
+      continue; // key/value heads split across tp
     RunOptions opt = singleStage(cfg);
     opt.tp = tp;
     const RunResult sharded = runModel(cfg, opt, batch);
@@ -489,6 +557,43 @@ TEST(GptKernelTest, ShardsConcatenateToTheFullInitialisation) {
   EXPECT_EQ(shard[shardQkvB + c], full[fullQkvB + 2 * c + c / 2]);
 }
 
+TEST(GptKernelTest, LlamaShardsSplitQueryAndKeyValueHeadsAndGateAndUpSeparately) {
+  // Llama-shaped: channels 16, 4 heads of 4, 2 key/value heads (K = 8), ffn 32, no biases or
+  // shifts. Full qkv.w is [16, 16 + 8 + 8]; fc.w is [16, 64] (gate | up).
+  GptConfig cfg = tinyConfig();
+  cfg.rmsnorm = cfg.swiglu = cfg.rope = true;
+  cfg.kvHeads = 2;
+  cfg.bias = false;
+  const size_t c = 16;
+  EXPECT_EQ(layerParamCount(cfg, 0, 1), 16 * c);                    // wte only
+  EXPECT_EQ(layerParamCount(cfg, cfg.numLayers() - 1, 1), c + 16 * c); // lnf.w, lm.w
+  // ln1.w, qkv.w, attn.w, ln2.w, fc.w, proj.w: the published formula h(h + 2kv) + h^2 + 3hf + 2h.
+  EXPECT_EQ(layerParamCount(cfg, 1, 1), c * (c + 16) + c * c + 3 * c * 32 + 2 * c);
+  std::vector<float> full(layerParamCount(cfg, 1, 1));
+  for (size_t k = 0; k < full.size(); ++k)
+    full[k] = float(k);
+  const std::vector<float> shard = shardLayer(cfg, 1, /*tpRank=*/1, /*tp=*/2, full);
+  ASSERT_EQ(shard.size(), layerParamCount(cfg, 1, 2));
+  // Row 2 of qkv.w on rank 1: q heads 2, 3 (columns 8..15), key head 1 (20..23), value head 1
+  // (28..31).
+  const size_t fullRow = c + 2 * 32, shardRow = c + 2 * 16; // after ln1.w, two rows in
+  for (int k = 0; k < 8; ++k)
+    EXPECT_EQ(shard[shardRow + k], full[fullRow + 8 + k]) << "q " << k;
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(shard[shardRow + 8 + k], full[fullRow + 20 + k]) << "k " << k;
+    EXPECT_EQ(shard[shardRow + 12 + k], full[fullRow + 28 + k]) << "v " << k;
+  }
+  // fc.w row 0 on rank 1: gate columns 16..31, then up columns 48..63.
+  const size_t fullFc = c + c * 32 + c * c + c, shardFc = c + c * 16 + c * c / 2 + c;
+  for (int k = 0; k < 16; ++k) {
+    EXPECT_EQ(shard[shardFc + k], full[fullFc + 16 + k]) << "gate " << k;
+    EXPECT_EQ(shard[shardFc + 16 + k], full[fullFc + 48 + k]) << "up " << k;
+  }
+  EXPECT_EQ(paramName(cfg, 1, 2, shardFc + 16 * 32 - 1), "fc.w[15, 31]") << "16 x 32 on a rank";
+  EXPECT_EQ(paramName(cfg, 1, 2, shardFc + 16 * 32), "proj.w[0, 0]") << "no fc.b";
+  EXPECT_EQ(paramName(cfg, 1, 1, c), "qkv.w[0, 0]") << "no ln1.b";
+}
+
 TEST(GptKernelTest, ParamNamesGiveTheTensorAndItsRowAndColumnOnTheRank) {
   const GptConfig cfg = tinyConfig(); // channels 16, ffn 32, vocab 16, seq 8
   const size_t c = 16;
@@ -514,9 +619,10 @@ TEST(GptKernelTest, ParamNamesGiveTheTensorAndItsRowAndColumnOnTheRank) {
   EXPECT_EQ(paramName(cfg, cfg.numLayers() - 1, 1, 2 * c + 1), "lm.w[0, 1]");
 }
 
-TEST(GptKernelTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
+  const GptConfig cfg = GetParam();
   // Gpt.h's layout: a block's layernorms and its row-parallel biases are whole on every rank.
+  if (cfg.isGpt2()) {
   EXPECT_EQ(paramTensorsReplicated(cfg, 1),
             (std::vector<bool>{true, true, false, false, false, true, true, true, false, false,
                                false, true}));
@@ -524,6 +630,7 @@ TEST(GptKernelTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
   EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{false, true}));
   EXPECT_EQ(paramTensorsReplicated(cfg, cfg.numLayers() - 1),
             (std::vector<bool>{true, true, false}));
+  }
   // ... and exactly the tensors whose size does not shrink with tp.
   for (int l = 0; l < cfg.numLayers(); ++l) {
     const std::vector<size_t> whole = paramTensorOffsets(cfg, l, 1),
@@ -536,9 +643,11 @@ TEST(GptKernelTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
   }
 }
 
-TEST(GptKernelTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
-  const GptConfig cfg = tinyConfig();
-  for (int tp : {2, 4})
+TEST_P(GptVariantTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
+  const GptConfig cfg = GetParam();
+  for (int tp : {2, 4}) {
+    if (cfg.kvHeadCount() % tp != 0)
+      continue; // key/value heads split across tp
     for (int l = 0; l < cfg.numLayers(); ++l) {
       std::vector<float> full(layerParamCount(cfg, l, 1));
       for (size_t k = 0; k < full.size(); ++k)
@@ -554,10 +663,11 @@ TEST(GptKernelTest, UnshardingEveryRanksShardRebuildsTheFullTensor) {
           size_t(std::count_if(one.begin(), one.end(), [](float x) { return x >= 0; }));
       EXPECT_EQ(written, layerParamCount(cfg, l, tp)) << "layer " << l << " tp " << tp;
     }
+  }
 }
 
-TEST(GptKernelTest, SubSequenceSlicesGiveTheWholeSequenceLossAndGrads) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, SubSequenceSlicesGiveTheWholeSequenceLossAndGrads) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/2, /*seed=*/3);
   const RunResult one = runModel(cfg, singleStage(cfg), batch);
   for (Slices slices : {Slices{{0, 2}, {2, 4}, {4, 6}, {6, 8}}, Slices{{0, 3}, {3, 4}, {4, 8}}}) {
@@ -569,27 +679,27 @@ TEST(GptKernelTest, SubSequenceSlicesGiveTheWholeSequenceLossAndGrads) {
   }
 }
 
-TEST(GptKernelTest, StagesShardsAndSlicesTogetherGiveTheSingleRankGrads) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, StagesShardsAndSlicesTogetherGiveTheSingleRankGrads) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/3, /*seed=*/4);
   RunOptions base = singleStage(cfg);
   base.microbatches = 3;
   const RunResult one = runModel(cfg, base, batch);
   RunOptions opt = base;
   opt.stageBounds = {0, 2, 4};
-  opt.tp = 2;
+  opt.tp = cfg.kvHeadCount() % 2 == 0 ? 2 : 1; // multi-query: one key/value head
   opt.slices = {{0, 4}, {4, 5}, {5, 8}};
   opt.deferWeight = true;
   const RunResult all = runModel(cfg, opt, batch);
   EXPECT_NEAR(all.loss, one.loss, 1e-5 * one.loss);
   for (int l = 0; l < cfg.numLayers(); ++l)
-    for (int r = 0; r < 2; ++r)
-      expectClose(all.grads[l][r], shardLayer(cfg, l, r, 2, one.grads[l][0]), 1e-5,
+    for (int r = 0; r < opt.tp; ++r)
+      expectClose(all.grads[l][r], shardLayer(cfg, l, r, opt.tp, one.grads[l][0]), 1e-5,
                   "layer " + std::to_string(l));
 }
 
-TEST(GptKernelTest, DeferredBackwardWeightEqualsImmediate) {
-  const GptConfig cfg = tinyConfig();
+TEST_P(GptVariantTest, DeferredBackwardWeightEqualsImmediate) {
+  const GptConfig cfg = GetParam();
   const Batch batch = randomBatch(cfg, /*microbatches=*/2, /*seed=*/5);
   RunOptions opt = singleStage(cfg);
   opt.stageBounds = {0, 2, 4};
@@ -746,6 +856,17 @@ TEST(GptKernelTest, SameCallsGiveBitIdenticalResults) {
   EXPECT_EQ(a.loss, b.loss);
   EXPECT_EQ(a.grads, b.grads);
 }
+
+INSTANTIATE_TEST_SUITE_P(Blocks, GptVariantTest,
+                         ::testing::ValuesIn([] {
+                           std::vector<GptConfig> out;
+                           for (const Variant &v : variants())
+                             out.push_back(v.cfg);
+                           return out;
+                         }()),
+                         [](const ::testing::TestParamInfo<GptConfig> &info) {
+                           return std::string(variants()[info.index].name);
+                         });
 
 } // namespace
 } // namespace pipec::kernels

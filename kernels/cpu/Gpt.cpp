@@ -18,6 +18,12 @@
 //              proj.w [F/tp, C]   the matching rows, proj.b [C] (replicated)
 //   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (the same rows; logits = h lm.w^T; the
 //              head's own copy of wte when embeddings are tied)
+// Llama-style variants (GptConfig) change that as Gpt.h says: grouped-query attention narrows
+// qkv's k and v blocks to the key/value heads (rank r holding heads [r KV/tp, (r+1) KV/tp));
+// SwiGLU doubles fc into gate | up blocks, each split like fc; rope drops wpe; RMSNorm and
+// "no biases" drop the tensors they do not have. Rotary embeddings turn q and k after qkv, so
+// the K kept for later slices is rotated; the backward turns dq and the slice's complete dK
+// back before they become qkv's output gradient.
 // Linear weights are [in, out] (y = x W + b). The full (tp = 1) qkv.w is [C, 3C] with columns
 // q | k | v, head h owning columns [h hd, (h+1) hd) of each third. Row-parallel biases are
 // replicated and added once, after the reduction, so every tp rank holds the same value and
@@ -27,9 +33,11 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Gpt.h"
 
+#include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cmath>
 #include <numbers>
@@ -43,14 +51,17 @@ enum class Shard { Replicated, Columns, Rows };
 enum class Init { Zeros, Ones, Normal };
 
 /// One parameter tensor of a layer, at its full (tp = 1) shape. A Columns tensor is cut into
-/// `groups` equal column blocks (q, k, v) and rank r takes the r-th tp-th of each block.
+/// column blocks of widths `groups` (q, k, v; gate, up) and rank r takes the r-th tp-th of
+/// each block. `role` names the tensor for the code (the enums below) whatever the variant
+/// leaves out, and seeds its initialisation stream.
 struct TensorSpec {
   int rows;
   int cols;
   Shard shard;
-  int groups;
+  std::vector<int> groups;
   Init init;
   const char *name;
+  int role;
 };
 
 enum BlockTensor {
@@ -70,34 +81,61 @@ enum BlockTensor {
 };
 enum EmbeddingTensor { Wte, Wpe, NumEmbeddingTensors };
 enum HeadTensor { LnfW, LnfB, LmW, NumHeadTensors };
+constexpr int kMostTensors = NumBlockTensors;
 
+/// The layer's tensors in their flat order. GPT-2's are all there and a role equals its index;
+/// a Llama-style variant leaves some out (Gpt.h) and keeps the others' order.
 std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
   const int c = cfg.channels, v = cfg.vocab, f = cfg.ffn;
+  const int kv = cfg.kvHeadCount() * (c / cfg.heads); // width of K (and of V)
+  const bool normShift = !cfg.rmsnorm && cfg.bias;
+  std::vector<TensorSpec> out;
   switch (layerKind(cfg, layer)) {
   case GptLayerKind::Embedding:
-    return {{v, c, Shard::Rows, 1, Init::Normal, "wte"},
-            {cfg.seqLen, c, Shard::Replicated, 1, Init::Normal, "wpe"}};
-  case GptLayerKind::Block:
-    return {{1, c, Shard::Replicated, 1, Init::Ones, "ln1.w"},
-            {1, c, Shard::Replicated, 1, Init::Zeros, "ln1.b"},
-            {c, 3 * c, Shard::Columns, 3, Init::Normal, "qkv.w"},
-            {1, 3 * c, Shard::Columns, 3, Init::Zeros, "qkv.b"},
-            {c, c, Shard::Rows, 1, Init::Normal, "attn.w"},
-            {1, c, Shard::Replicated, 1, Init::Zeros, "attn.b"},
-            {1, c, Shard::Replicated, 1, Init::Ones, "ln2.w"},
-            {1, c, Shard::Replicated, 1, Init::Zeros, "ln2.b"},
-            {c, f, Shard::Columns, 1, Init::Normal, "fc.w"},
-            {1, f, Shard::Columns, 1, Init::Zeros, "fc.b"},
-            {f, c, Shard::Rows, 1, Init::Normal, "proj.w"},
-            {1, c, Shard::Replicated, 1, Init::Zeros, "proj.b"}};
+    out.push_back({v, c, Shard::Rows, {}, Init::Normal, "wte", Wte});
+    if (!cfg.rope)
+      out.push_back({cfg.seqLen, c, Shard::Replicated, {}, Init::Normal, "wpe", Wpe});
+    return out;
+  case GptLayerKind::Block: {
+    const std::vector<int> qkv{c, kv, kv};
+    const std::vector<int> fc = cfg.swiglu ? std::vector<int>{f, f} : std::vector<int>{f};
+    const int fcCols = cfg.swiglu ? 2 * f : f;
+    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "ln1.w", Ln1W});
+    if (normShift)
+      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "ln1.b", Ln1B});
+    out.push_back({c, c + 2 * kv, Shard::Columns, qkv, Init::Normal, "qkv.w", QkvW});
+    if (cfg.bias)
+      out.push_back({1, c + 2 * kv, Shard::Columns, qkv, Init::Zeros, "qkv.b", QkvB});
+    out.push_back({c, c, Shard::Rows, {}, Init::Normal, "attn.w", AttnW});
+    if (cfg.bias)
+      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "attn.b", AttnB});
+    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "ln2.w", Ln2W});
+    if (normShift)
+      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "ln2.b", Ln2B});
+    out.push_back({c, fcCols, Shard::Columns, fc, Init::Normal, "fc.w", FcW});
+    if (cfg.bias)
+      out.push_back({1, fcCols, Shard::Columns, fc, Init::Zeros, "fc.b", FcB});
+    out.push_back({f, c, Shard::Rows, {}, Init::Normal, "proj.w", ProjW});
+    if (cfg.bias)
+      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "proj.b", ProjB});
+    return out;
+  }
   case GptLayerKind::Head:
-    return {{1, c, Shard::Replicated, 1, Init::Ones, "lnf.w"},
-            {1, c, Shard::Replicated, 1, Init::Zeros, "lnf.b"},
-            {v, c, Shard::Rows, 1, Init::Normal, "lm.w"}};
+    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "lnf.w", LnfW});
+    if (normShift)
+      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "lnf.b", LnfB});
+    out.push_back({v, c, Shard::Rows, {}, Init::Normal, "lm.w", LmW});
+    return out;
   }
   assert(false && "unknown layer kind");
   return {};
 }
+
+constexpr size_t kAbsent = size_t(-1);
+
+/// Where each role's tensor begins within the layer's flat block on one tp rank (kAbsent where
+/// the variant has none).
+std::array<size_t, kMostTensors> roleOffsets(const GptConfig &cfg, int layer, int tp);
 
 size_t localSize(const TensorSpec &t, int tp) {
   switch (t.shard) {
@@ -118,6 +156,17 @@ std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
   for (const TensorSpec &t : layerTensors(cfg, layer))
     offsets.push_back(offsets.back() + localSize(t, tp));
   return offsets;
+}
+
+std::array<size_t, kMostTensors> roleOffsets(const GptConfig &cfg, int layer, int tp) {
+  std::array<size_t, kMostTensors> out;
+  out.fill(kAbsent);
+  size_t at = 0;
+  for (const TensorSpec &t : layerTensors(cfg, layer)) {
+    out[size_t(t.role)] = at;
+    at += localSize(t, tp);
+  }
+  return out;
 }
 
 uint64_t splitMix64(uint64_t x) {
@@ -143,6 +192,10 @@ void checkConfig(const GptConfig &cfg, int tp) {
   assert(tp >= 1 && "tp must be positive");
   assert(cfg.channels % cfg.heads == 0 && "channels must be divisible by heads");
   assert(cfg.heads % tp == 0 && "heads must be divisible by tp");
+  assert(cfg.kvHeadCount() >= 1 && cfg.heads % cfg.kvHeadCount() == 0 &&
+         "key/value heads must divide heads");
+  assert(cfg.kvHeadCount() % tp == 0 && "key/value heads must be divisible by tp");
+  assert((!cfg.rope || (cfg.channels / cfg.heads) % 2 == 0) && "rope needs an even head size");
   assert(cfg.ffn % tp == 0 && "ffn must be divisible by tp");
   assert(cfg.vocab % tp == 0 && "vocab must be divisible by tp");
   (void)cfg;
@@ -181,8 +234,9 @@ std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed)
   for (size_t t = 0; t < tensors.size(); ++t) {
     size_t n = size_t(tensors[t].rows) * tensors[t].cols;
     // The tied head matrix draws the embedding's wte stream, so the two start equal.
-    int streamLayer = tiedHead && t == LmW ? 0 : layer;
-    int streamTensor = tiedHead && t == LmW ? int(Wte) : int(t);
+    const int role = tensors[t].role;
+    int streamLayer = tiedHead && role == LmW ? 0 : layer;
+    int streamTensor = tiedHead && role == LmW ? int(Wte) : role;
     for (size_t k = 0; k < n; ++k) {
       switch (tensors[t].init) {
       case Init::Zeros:
@@ -212,12 +266,16 @@ void forEachShardPiece(const GptConfig &cfg, int layer, int tpRank, int tp, Piec
       piece(offset, size_t(t.rows) * t.cols);
       break;
     case Shard::Columns: {
-      // Each of the `groups` column blocks (q, k, v) is split into tp equal pieces.
-      const int groupCols = t.cols / t.groups, localCols = groupCols / tp;
-      for (int r = 0; r < t.rows; ++r)
-        for (int g = 0; g < t.groups; ++g)
-          piece(offset + size_t(r) * t.cols + g * groupCols + tpRank * localCols,
-                size_t(localCols));
+      // Each of the column blocks (q, k, v; gate, up) is split into tp equal pieces.
+      const std::vector<int> groups = t.groups.empty() ? std::vector<int>{t.cols} : t.groups;
+      for (int r = 0; r < t.rows; ++r) {
+        int groupBegin = 0;
+        for (int width : groups) {
+          const int localCols = width / tp;
+          piece(offset + size_t(r) * t.cols + groupBegin + tpRank * localCols, size_t(localCols));
+          groupBegin += width;
+        }
+      }
       break;
     }
     case Shard::Rows: {
@@ -387,10 +445,12 @@ struct StageCompute::Impl {
   std::vector<std::pair<int, int>> slices;
   float lossScale;
   int localHeads, headDim, localC, localF;
+  int localKv, localKvC; // the rank's key/value heads and their width
+  int qkvCols, fcCols;   // the rank's columns of qkv (q | k | v) and of fc (gate | up)
   int localV, vocabBegin; // the rank's vocabulary rows of wte and lm.w: [vocabBegin, + localV)
   std::vector<PartRef> forwardParts, backwardParts; // backward: last layer first, MLP first
   std::vector<size_t> layerOffset;                  // per stage layer, plus the end
-  std::vector<std::vector<size_t>> tensorOffset;    // per stage layer
+  std::vector<std::array<size_t, kMostTensors>> tensorOffset; // per stage layer, by role
   std::vector<float> params, grads, adamM, adamV;
   int adamSteps = 0;
   std::vector<std::vector<int32_t>> batch;
@@ -409,13 +469,66 @@ struct StageCompute::Impl {
   bool hasHead() const { return layerEnd == cfg.numLayers(); }
   bool tiedHere() const { return cfg.tiedEmbeddings && hasEmbedding() && hasHead(); }
 
+  /// A tensor of the layer by role; null where the variant has none (a bias, wpe, a shift).
   float *param(int layer, int tensor) {
     int l = layer - layerBegin;
-    return params.data() + layerOffset[l] + tensorOffset[l][tensor];
+    const size_t at = tensorOffset[l][size_t(tensor)];
+    return at == kAbsent ? nullptr : params.data() + layerOffset[l] + at;
   }
   float *grad(int layer, int tensor) {
     int l = layer - layerBegin;
-    return grads.data() + layerOffset[l] + tensorOffset[l][tensor];
+    const size_t at = tensorOffset[l][size_t(tensor)];
+    return at == kAbsent ? nullptr : grads.data() + layerOffset[l] + at;
+  }
+  /// Positions of a slice's rows (b, t) for rotary embeddings.
+  std::vector<int32_t> positions(int slice) const {
+    const auto [begin, end] = slices[slice];
+    const int x = end - begin;
+    std::vector<int32_t> out(size_t(cfg.microbatch) * x);
+    for (size_t r = 0; r < out.size(); ++r)
+      out[r] = begin + int(r % size_t(x));
+    return out;
+  }
+  // The block's norms: LayerNorm (mean kept) or RMSNorm (mean left empty).
+  void normForward(float *out, std::vector<float> &mean, std::vector<float> &rstd,
+                   const float *in, int layer, int w, int b, int n) {
+    rstd.resize(n);
+    if (cfg.rmsnorm) {
+      ops::rmsnormForward(out, rstd.data(), in, param(layer, w), n, cfg.channels);
+      return;
+    }
+    mean.resize(n);
+    ops::layernormForward(out, mean.data(), rstd.data(), in, param(layer, w), param(layer, b), n,
+                          cfg.channels);
+  }
+  void normBackwardInput(float *dIn, const float *dOut, const float *in,
+                         const std::vector<float> &mean, const std::vector<float> &rstd, int layer,
+                         int w, int n) {
+    if (cfg.rmsnorm)
+      ops::rmsnormBackwardInputAccumulate(dIn, dOut, in, rstd.data(), param(layer, w), n,
+                                          cfg.channels);
+    else
+      ops::layernormBackwardInputAccumulate(dIn, dOut, in, mean.data(), rstd.data(),
+                                            param(layer, w), n, cfg.channels);
+  }
+  void normBackwardWeight(const float *dOut, const float *in, const std::vector<float> &mean,
+                          const std::vector<float> &rstd, int layer, int w, int b, int n) {
+    if (cfg.rmsnorm)
+      ops::rmsnormBackwardWeight(grad(layer, w), dOut, in, rstd.data(), n, cfg.channels);
+    else
+      ops::layernormBackwardWeight(grad(layer, w), grad(layer, b), dOut, in, mean.data(),
+                                   rstd.data(), n, cfg.channels);
+  }
+  /// The MLP's activation: gelu(fcPre), or silu(gate) * up of each row's gate | up.
+  void mlpActivation(float *out, const std::vector<float> &fcPre, int n) const {
+    if (!cfg.swiglu) {
+      ops::geluForward(out, fcPre.data(), fcPre.size());
+      return;
+    }
+    for (int r = 0; r < n; ++r) {
+      const float *row = fcPre.data() + size_t(r) * fcCols;
+      ops::swigluForward(out + size_t(r) * localF, row, row + localF, size_t(localF));
+    }
   }
 
   int sliceLen(int slice) const { return slices[slice].second - slices[slice].first; }
@@ -445,7 +558,7 @@ void StageCompute::Impl::finishForward(SliceWork &w) {
   if (kind(p.layer) == GptLayerKind::Head) {
     // The loss over the whole vocabulary from the shards' reduced statistics.
     HeadWork &hw = w.head;
-    const int n = int(hw.lnfMean.size());
+    const int n = int(hw.lnfRstd.size());
     hw.lse.resize(n);
     w.loss = ops::crossEntropyCombine(hw.lse.data(), hw.stats.data(), n, tp, lossScale);
     release(hw.stats);
@@ -457,8 +570,12 @@ void StageCompute::Impl::finishForward(SliceWork &w) {
   // Residual add of the reduced branch output; the row-parallel bias is added here, once.
   const float *bias = param(p.layer, p.sub == 0 ? AttnB : ProjB);
   std::vector<float> &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
-  for (size_t k = 0; k < w.resid.size(); ++k)
-    w.resid[k] += branch[k] + bias[k % c];
+  if (bias)
+    for (size_t k = 0; k < w.resid.size(); ++k)
+      w.resid[k] += branch[k] + bias[k % c];
+  else
+    for (size_t k = 0; k < w.resid.size(); ++k)
+      w.resid[k] += branch[k];
   release(branch);
   if (p.sub == 0)
     bw.xMid = w.resid;
@@ -516,7 +633,7 @@ std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
         for (int k = 0; k < c; ++k)
           out[k] = wte[size_t(local) * c + k];
       }
-      if (tpRank == 0)
+      if (tpRank == 0 && wpe)
         for (int k = 0; k < c; ++k)
           out[k] += wpe[size_t(pos) * c + k];
     }
@@ -528,11 +645,8 @@ std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
     HeadWork &hw = w.head;
     hw.lnfIn = std::move(w.resid);
     w.resid.clear();
-    hw.lnfMean.resize(n);
-    hw.lnfRstd.resize(n);
     hw.lnfOut.resize(size_t(n) * c);
-    ops::layernormForward(hw.lnfOut.data(), hw.lnfMean.data(), hw.lnfRstd.data(), hw.lnfIn.data(),
-                          param(p.layer, LnfW), param(p.layer, LnfB), n, c);
+    normForward(hw.lnfOut.data(), hw.lnfMean, hw.lnfRstd, hw.lnfIn.data(), p.layer, LnfW, LnfB, n);
     if (tp > 1) {
       // Vocab-parallel: the rank's columns of the logits (B, x, Vl) and their statistics, which
       // the tp reduction completes; finishForward() computes the loss.
@@ -556,53 +670,56 @@ std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
   }
   BlockWork &bw = w.blocks[p.layer - firstBlock()];
   if (p.sub == 0) {
-    // ln1 -> qkv -> causal attention over keys [0, end) -> attn proj (partial over tp).
+    // ln1 -> qkv (-> rope of q and k) -> causal attention over keys [0, end) -> attn proj
+    // (partial over tp).
     bw.xIn = w.resid;
-    bw.ln1Mean.resize(n);
-    bw.ln1Rstd.resize(n);
     std::vector<float> ln1Out(size_t(n) * c); // (B, x, C)
-    ops::layernormForward(ln1Out.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(), bw.xIn.data(),
-                          param(p.layer, Ln1W), param(p.layer, Ln1B), n, c);
-    std::vector<float> qkv(size_t(n) * 3 * localC); // (B, x, 3 Cl)
+    normForward(ln1Out.data(), bw.ln1Mean, bw.ln1Rstd, bw.xIn.data(), p.layer, Ln1W, Ln1B, n);
+    std::vector<float> qkv(size_t(n) * qkvCols); // (B, x, Cl + 2 Kl)
     ops::matmulForward(qkv.data(), ln1Out.data(), param(p.layer, QkvW), param(p.layer, QkvB), n, c,
-                       3 * localC);
-    // Append the slice's keys and values: rows [begin, end) of the position-major K/V.
-    SequenceBlock &sb = sequence(mb).blocks[p.layer - firstBlock()];
-    assert(sb.k.size() == size_t(begin) * b * localC && "K/V do not end where the slice begins");
-    sb.k.resize(size_t(end) * b * localC);
-    sb.v.resize(size_t(end) * b * localC);
+                       qkvCols);
+    std::vector<float> keys(size_t(n) * localKvC); // (B, x, Kl)
     bw.q.resize(size_t(n) * localC);
     for (int r = 0; r < n; ++r) {
-      const float *row = qkv.data() + size_t(r) * 3 * localC;
-      const size_t kv = (size_t(begin + r % x) * b + r / x) * localC; // (t, b) of row r = (b, t)
-      for (int k = 0; k < localC; ++k) {
-        bw.q[size_t(r) * localC + k] = row[k];
-        sb.k[kv + k] = row[localC + k];
-        sb.v[kv + k] = row[2 * localC + k];
-      }
+      const float *row = qkv.data() + size_t(r) * qkvCols;
+      std::copy_n(row, localC, bw.q.data() + size_t(r) * localC);
+      std::copy_n(row + localC, localKvC, keys.data() + size_t(r) * localKvC);
     }
-    const ops::AttentionShape shape{b, x, begin, localHeads, headDim};
+    if (cfg.rope) {
+      const std::vector<int32_t> pos = positions(slice);
+      ops::ropeForward(bw.q.data(), pos.data(), n, localHeads, headDim, cfg.ropeTheta);
+      ops::ropeForward(keys.data(), pos.data(), n, localKv, headDim, cfg.ropeTheta);
+    }
+    // Append the slice's keys and values: rows [begin, end) of the position-major K/V.
+    SequenceBlock &sb = sequence(mb).blocks[p.layer - firstBlock()];
+    assert(sb.k.size() == size_t(begin) * b * localKvC && "K/V do not end where the slice begins");
+    sb.k.resize(size_t(end) * b * localKvC);
+    sb.v.resize(size_t(end) * b * localKvC);
+    for (int r = 0; r < n; ++r) {
+      const float *row = qkv.data() + size_t(r) * qkvCols;
+      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC; // (t, b) of row r = (b, t)
+      std::copy_n(keys.data() + size_t(r) * localKvC, localKvC, sb.k.data() + kv);
+      std::copy_n(row + localC + localKvC, localKvC, sb.v.data() + kv);
+    }
+    const ops::GroupedAttentionShape shape{b, x, begin, localHeads, localKv, headDim};
     bw.probs.resize(size_t(b) * localHeads * x * end);
     bw.attOut.resize(size_t(n) * localC);
-    ops::attentionForward(bw.attOut.data(), bw.probs.data(), bw.q.data(), sb.k.data(), sb.v.data(),
-                          shape);
+    ops::groupedAttentionForward(bw.attOut.data(), bw.probs.data(), bw.q.data(), sb.k.data(),
+                                 sb.v.data(), shape);
     bw.attnPartial.resize(size_t(n) * c);
     ops::matmulForward(bw.attnPartial.data(), bw.attOut.data(), param(p.layer, AttnW), nullptr, n,
                        localC, c);
     w.pendingForward = part;
     return bw.attnPartial;
   }
-  // ln2 -> fc -> gelu -> proj (partial over tp).
-  bw.ln2Mean.resize(n);
-  bw.ln2Rstd.resize(n);
+  // ln2 -> fc -> gelu (or silu(gate) * up) -> proj (partial over tp).
   std::vector<float> ln2Out(size_t(n) * c); // (B, x, C)
-  ops::layernormForward(ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(), bw.xMid.data(),
-                        param(p.layer, Ln2W), param(p.layer, Ln2B), n, c);
-  bw.fcPre.resize(size_t(n) * localF);
+  normForward(ln2Out.data(), bw.ln2Mean, bw.ln2Rstd, bw.xMid.data(), p.layer, Ln2W, Ln2B, n);
+  bw.fcPre.resize(size_t(n) * fcCols); // (B, x, Fl), or (B, x, 2 Fl): gate | up
   ops::matmulForward(bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW), param(p.layer, FcB), n, c,
-                     localF);
-  std::vector<float> fcAct(bw.fcPre.size()); // (B, x, Fl)
-  ops::geluForward(fcAct.data(), bw.fcPre.data(), fcAct.size());
+                     fcCols);
+  std::vector<float> fcAct(size_t(n) * localF); // (B, x, Fl)
+  mlpActivation(fcAct.data(), bw.fcPre, n);
   bw.mlpPartial.resize(size_t(n) * c);
   ops::matmulForward(bw.mlpPartial.data(), fcAct.data(), param(p.layer, ProjW), nullptr, n, localF,
                      c);
@@ -618,28 +735,25 @@ void StageCompute::Impl::finishBackward(SliceWork &w) {
   if (kind(p.layer) == GptLayerKind::Head) {
     // After the LM head backward: dResid = lnf backward of the reduced dLnfOut.
     HeadWork &hw = w.head;
-    const int n = int(hw.lnfMean.size()), c = cfg.channels;
+    const int n = int(hw.lnfRstd.size()), c = cfg.channels;
     w.dResid.assign(size_t(n) * c, 0.0f);
-    ops::layernormBackwardInputAccumulate(w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(),
-                                          hw.lnfMean.data(), hw.lnfRstd.data(),
-                                          param(p.layer, LnfW), n, c);
+    normBackwardInput(w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean, hw.lnfRstd,
+                      p.layer, LnfW, n);
     return;
   }
   assert(kind(p.layer) == GptLayerKind::Block && "the embedding reduces nothing backward");
   BlockWork &bw = w.blocks[p.layer - firstBlock()];
-  const int n = int(bw.ln1Mean.size()), c = cfg.channels;
+  const int n = int(bw.ln1Rstd.size());
   if (p.sub == 0) {
     // After the MLP backward: dXmid = dOut + ln2 backward of the reduced dLn2.
-    ops::layernormBackwardInputAccumulate(w.dResid.data(), bw.dLn2.data(), bw.xMid.data(),
-                                          bw.ln2Mean.data(), bw.ln2Rstd.data(),
-                                          param(p.layer, Ln2W), n, c);
+    normBackwardInput(w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean, bw.ln2Rstd,
+                      p.layer, Ln2W, n);
     bw.dXmid = w.dResid;
     return;
   }
   // After the attention backward: dXin = dXmid + ln1 backward of the reduced dLn1.
-  ops::layernormBackwardInputAccumulate(w.dResid.data(), bw.dLn1.data(), bw.xIn.data(),
-                                        bw.ln1Mean.data(), bw.ln1Rstd.data(), param(p.layer, Ln1W),
-                                        n, c);
+  normBackwardInput(w.dResid.data(), bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean, bw.ln1Rstd, p.layer,
+                    Ln1W, n);
 }
 
 std::span<float> StageCompute::Impl::backwardInput(int mb, int slice, int part,
@@ -701,14 +815,23 @@ std::span<float> StageCompute::Impl::backwardInput(int mb, int slice, int part,
   case GptLayerKind::Block: {
     BlockWork &bw = w.blocks[p.layer - firstBlock()];
     if (p.sub == 0) {
-      // MLP backward: dOut -> proj -> gelu -> fc; returns dLn2 (partial over tp).
+      // MLP backward: dOut -> proj -> gelu (or swiglu) -> fc; returns dLn2 (partial over tp).
       bw.dOut = w.dResid;
       std::vector<float> dFcAct(size_t(n) * localF); // (B, x, Fl)
       ops::matmulBackwardInput(dFcAct.data(), bw.dOut.data(), param(p.layer, ProjW), n, localF, c);
-      bw.dFcPre.resize(dFcAct.size());
-      ops::geluBackward(bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), dFcAct.size());
+      bw.dFcPre.resize(bw.fcPre.size());
+      if (cfg.swiglu) {
+        for (int r = 0; r < n; ++r) {
+          const float *pre = bw.fcPre.data() + size_t(r) * fcCols;
+          float *dPre = bw.dFcPre.data() + size_t(r) * fcCols;
+          ops::swigluBackward(dPre, dPre + localF, dFcAct.data() + size_t(r) * localF, pre,
+                              pre + localF, size_t(localF));
+        }
+      } else {
+        ops::geluBackward(bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), dFcAct.size());
+      }
       bw.dLn2.resize(size_t(n) * c);
-      ops::matmulBackwardInput(bw.dLn2.data(), bw.dFcPre.data(), param(p.layer, FcW), n, c, localF);
+      ops::matmulBackwardInput(bw.dLn2.data(), bw.dFcPre.data(), param(p.layer, FcW), n, c, fcCols);
       w.pendingBackward = part;
       result = bw.dLn2;
       break;
@@ -721,27 +844,34 @@ std::span<float> StageCompute::Impl::backwardInput(int mb, int slice, int part,
       sb.dk.assign(sb.k.size(), 0.0f);
       sb.dv.assign(sb.v.size(), 0.0f);
     }
-    assert(sb.dk.size() >= size_t(end) * b * localC && "K/V gradients miss this slice");
+    assert(sb.dk.size() >= size_t(end) * b * localKvC && "K/V gradients miss this slice");
     std::vector<float> dq(size_t(n) * localC); // (B, x, Cl)
-    const ops::AttentionShape shape{b, x, begin, localHeads, headDim};
-    ops::attentionBackward(dq.data(), sb.dk.data(), sb.dv.data(), dAttOut.data(), bw.probs.data(),
-                           bw.q.data(), sb.k.data(), sb.v.data(), shape);
+    const ops::GroupedAttentionShape shape{b, x, begin, localHeads, localKv, headDim};
+    ops::groupedAttentionBackward(dq.data(), sb.dk.data(), sb.dv.data(), dAttOut.data(),
+                                  bw.probs.data(), bw.q.data(), sb.k.data(), sb.v.data(), shape);
     release(bw.probs);
     release(bw.q);
     // The slice's own dK/dV are complete: every later slice has already added its share.
-    bw.dQkv.resize(size_t(n) * 3 * localC);
+    std::vector<float> dKeys(size_t(n) * localKvC); // (B, x, Kl)
     for (int r = 0; r < n; ++r) {
-      float *row = bw.dQkv.data() + size_t(r) * 3 * localC;
-      const size_t kv = (size_t(begin + r % x) * b + r / x) * localC;
-      for (int k = 0; k < localC; ++k) {
-        row[k] = dq[size_t(r) * localC + k];
-        row[localC + k] = sb.dk[kv + k];
-        row[2 * localC + k] = sb.dv[kv + k];
-      }
+      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC;
+      std::copy_n(sb.dk.data() + kv, localKvC, dKeys.data() + size_t(r) * localKvC);
+    }
+    if (cfg.rope) { // back through the rotations to the gradients of qkv's q and k columns
+      const std::vector<int32_t> pos = positions(slice);
+      ops::ropeBackward(dq.data(), pos.data(), n, localHeads, headDim, cfg.ropeTheta);
+      ops::ropeBackward(dKeys.data(), pos.data(), n, localKv, headDim, cfg.ropeTheta);
+    }
+    bw.dQkv.resize(size_t(n) * qkvCols);
+    for (int r = 0; r < n; ++r) {
+      float *row = bw.dQkv.data() + size_t(r) * qkvCols;
+      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC;
+      std::copy_n(dq.data() + size_t(r) * localC, localC, row);
+      std::copy_n(dKeys.data() + size_t(r) * localKvC, localKvC, row + localC);
+      std::copy_n(sb.dv.data() + kv, localKvC, row + localC + localKvC);
     }
     bw.dLn1.resize(size_t(n) * c);
-    ops::matmulBackwardInput(bw.dLn1.data(), bw.dQkv.data(), param(p.layer, QkvW), n, c,
-                             3 * localC);
+    ops::matmulBackwardInput(bw.dLn1.data(), bw.dQkv.data(), param(p.layer, QkvW), n, c, qkvCols);
     w.pendingBackward = part;
     result = bw.dLn1;
     break;
@@ -776,15 +906,16 @@ void StageCompute::Impl::backwardWeight(int mb, int slice) {
           for (float *dWte : wteGrads)
             for (int k = 0; k < c; ++k)
               dWte[size_t(local) * c + k] += g[k];
-        for (int k = 0; k < c; ++k)
-          dWpe[size_t(begin + r % x) * c + k] += g[k];
+        if (dWpe)
+          for (int k = 0; k < c; ++k)
+            dWpe[size_t(begin + r % x) * c + k] += g[k];
       }
       break;
     }
     case GptLayerKind::Head: {
       HeadWork &hw = w.head;
-      ops::layernormBackwardWeight(grad(l, LnfW), grad(l, LnfB), hw.dLnfOut.data(), hw.lnfIn.data(),
-                                   hw.lnfMean.data(), hw.lnfRstd.data(), n, c);
+      normBackwardWeight(hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean, hw.lnfRstd, l, LnfW, LnfB,
+                         n);
       if (tiedHere())
         ops::matmulTBackwardWeight(grad(0, Wte), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
       ops::matmulTBackwardWeight(grad(l, LmW), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
@@ -792,23 +923,19 @@ void StageCompute::Impl::backwardWeight(int mb, int slice) {
     }
     case GptLayerKind::Block: {
       BlockWork &bw = w.blocks[l - firstBlock()];
-      std::vector<float> lnOut(size_t(n) * c), mean(n), rstd(n); // (B, x, C), recomputed
-      ops::layernormForward(lnOut.data(), mean.data(), rstd.data(), bw.xIn.data(), param(l, Ln1W),
-                            param(l, Ln1B), n, c);
-      ops::layernormBackwardWeight(grad(l, Ln1W), grad(l, Ln1B), bw.dLn1.data(), bw.xIn.data(),
-                                   bw.ln1Mean.data(), bw.ln1Rstd.data(), n, c);
+      std::vector<float> lnOut(size_t(n) * c), mean, rstd; // (B, x, C), recomputed
+      normForward(lnOut.data(), mean, rstd, bw.xIn.data(), l, Ln1W, Ln1B, n);
+      normBackwardWeight(bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean, bw.ln1Rstd, l, Ln1W, Ln1B, n);
       ops::matmulBackwardWeight(grad(l, QkvW), grad(l, QkvB), lnOut.data(), bw.dQkv.data(), n, c,
-                                3 * localC);
+                                qkvCols);
       ops::matmulBackwardWeight(grad(l, AttnW), grad(l, AttnB), bw.attOut.data(), bw.dXmid.data(),
                                 n, localC, c);
-      ops::layernormForward(lnOut.data(), mean.data(), rstd.data(), bw.xMid.data(), param(l, Ln2W),
-                            param(l, Ln2B), n, c);
-      ops::layernormBackwardWeight(grad(l, Ln2W), grad(l, Ln2B), bw.dLn2.data(), bw.xMid.data(),
-                                   bw.ln2Mean.data(), bw.ln2Rstd.data(), n, c);
+      normForward(lnOut.data(), mean, rstd, bw.xMid.data(), l, Ln2W, Ln2B, n);
+      normBackwardWeight(bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean, bw.ln2Rstd, l, Ln2W, Ln2B, n);
       ops::matmulBackwardWeight(grad(l, FcW), grad(l, FcB), lnOut.data(), bw.dFcPre.data(), n, c,
-                                localF);
-      std::vector<float> fcAct(bw.fcPre.size()); // (B, x, Fl), recomputed
-      ops::geluForward(fcAct.data(), bw.fcPre.data(), fcAct.size());
+                                fcCols);
+      std::vector<float> fcAct(size_t(n) * localF); // (B, x, Fl), recomputed
+      mlpActivation(fcAct.data(), bw.fcPre, n);
       ops::matmulBackwardWeight(grad(l, ProjW), grad(l, ProjB), fcAct.data(), bw.dOut.data(), n,
                                 localF, c);
       break;
@@ -843,13 +970,17 @@ StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, i
   m.headDim = cfg.channels / cfg.heads;
   m.localC = m.localHeads * m.headDim;
   m.localF = cfg.ffn / tp;
+  m.localKv = cfg.kvHeadCount() / tp;
+  m.localKvC = m.localKv * m.headDim;
+  m.qkvCols = m.localC + 2 * m.localKvC;
+  m.fcCols = cfg.swiglu ? 2 * m.localF : m.localF;
   m.localV = cfg.vocab / tp;
   m.vocabBegin = tpRank * m.localV;
   m.layerOffset.push_back(0);
   for (int l = layerBegin; l < layerEnd; ++l) {
     for (int sub = 0; sub < layerParts(cfg, l); ++sub)
       m.forwardParts.push_back({l, sub});
-    m.tensorOffset.push_back(tensorOffsets(cfg, l, tp));
+    m.tensorOffset.push_back(roleOffsets(cfg, l, tp));
     std::vector<float> shard = shardLayer(cfg, l, tpRank, tp, initLayerFull(cfg, l, seed));
     m.params.insert(m.params.end(), shard.begin(), shard.end());
     m.layerOffset.push_back(m.params.size());

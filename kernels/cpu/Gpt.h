@@ -4,7 +4,9 @@
 // train_gpt2.c is the model: plain loops, shapes in comments). A pipeline stage holds the layers
 // [layerBegin, layerEnd) of a GPT whose layers are numbered as the compiler numbers them:
 //   layer 0          embedding: token (wte) + position (wpe) lookup
-//   layers 1..L      transformer blocks: x += attn(ln1(x)); x += mlp(ln2(x))  (pre-LN, GELU)
+//   layers 1..L      transformer blocks: x += attn(ln1(x)); x += mlp(ln2(x))  (pre-LN, GELU),
+//                    or Llama's choices in any combination (GptConfig: RMSNorm, SwiGLU,
+//                    rotary positions, grouped-query attention, no biases; LlamaOps.h)
 //   layer L+1        head: final layernorm, LM head (wte^T when tied, else its own matrix),
 //                    cross-entropy against the next tokens
 // Work is split as the plan splits it:
@@ -51,7 +53,19 @@ struct GptConfig {
   // (vocab divisible by tp, too)
   int microbatch = 2; // B: sequences per microbatch
   bool tiedEmbeddings = false;
+  // The block's variants (the model spec's "norm", "mlp", "position", "num_query_groups",
+  // "bias"); the defaults are GPT-2's, and any combination runs.
+  bool rmsnorm = false;     // RMSNorm (a scale, no shift, no mean) instead of LayerNorm
+  bool swiglu = false;      // MLP silu(x Wgate) * (x Wup) Wdown instead of gelu(x Wfc) Wproj
+  bool rope = false;        // rotary q and k (no wpe) instead of learned positions
+  double ropeTheta = 10000; // with rope
+  int kvHeads = 0;          // key/value heads (grouped-query attention); 0: one per head
+  bool bias = true;         // biases of the linear layers and LayerNorm's shift
   int numLayers() const { return layers + 2; } // embedding + blocks + head
+  int kvHeadCount() const { return kvHeads > 0 ? kvHeads : heads; }
+  bool isGpt2() const {
+    return !rmsnorm && !swiglu && !rope && kvHeadCount() == heads && bias;
+  }
 };
 
 enum class GptLayerKind { Embedding, Block, Head };
@@ -141,14 +155,18 @@ public:
   /// All parameters / gradients of the stage, layer after layer, as one flat array. One layer on
   /// tp rank r of tp holds, in order (row-major; linear weights are [in, out], y = x W + b):
   ///   embedding: wte [V/tp, C], wpe [T, C]
-  ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, 3C/tp], qkv.b [3C/tp], attn.w [C/tp, C],
-  ///              attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, F/tp], fc.b [F/tp],
-  ///              proj.w [F/tp, C], proj.b [C]
+  ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, (C + 2K)/tp], qkv.b [(C + 2K)/tp],
+  ///              attn.w [C/tp, C], attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, G F/tp],
+  ///              fc.b [G F/tp], proj.w [F/tp, C], proj.b [C]
   ///   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (logits = h lm.w^T)
-  /// qkv's columns are q | k | v, each holding the rank's heads [r H/tp, (r+1) H/tp); attn.w and
-  /// proj.w hold the matching rows; attn.b and proj.b are replicated and added once, after the
-  /// tp reduction, so every rank computes the same (full) gradient for them. wte and lm.w hold
-  /// the vocabulary rows [r V/tp, (r+1) V/tp).
+  /// K = kvHeads * C / heads (C without grouped-query attention); G = 2 with SwiGLU (fc's
+  /// columns gate | up, each split across tp), else 1. Absent: wpe with rope; the norms' .b
+  /// with RMSNorm or without biases; qkv.b, attn.b, fc.b and proj.b without biases.
+  /// qkv's columns are q | k | v, q holding the rank's heads [r H/tp, (r+1) H/tp) and k, v its
+  /// key/value heads [r KV/tp, (r+1) KV/tp); attn.w and proj.w hold the matching rows; attn.b
+  /// and proj.b are replicated and added once, after the tp reduction, so every rank computes
+  /// the same (full) gradient for them. wte and lm.w hold the vocabulary rows
+  /// [r V/tp, (r+1) V/tp).
   std::span<float> params();
   std::span<float> grads();
   /// The flat range of `layer`'s parameters within params() / grads().

@@ -3,9 +3,10 @@
 // The ops a Llama-style block adds to the CPU reference (issue 34: "norm": "rmsnorm",
 // "mlp": "swiglu", "position": "rope", "num_query_groups"), in Ops.h's manner: plain loop nests,
 // single-threaded, a fixed visiting order, rows are tokens. They are tested on their own
-// against a double-precision model and finite differences (tests/LlamaOpsTest.cpp); the
-// stages (Gpt.cpp, GpuStage) do not call them yet, except grouped-query attention, which is
-// also Ops.h's multi-head attention (one key/value head per query head).
+// against a double-precision model and finite differences (tests/LlamaOpsTest.cpp), and the
+// cpu backend's stages (Gpt.cpp) call them for Llama-style blocks; the CUDA stages (GpuStage)
+// run GPT-2's block only. Grouped-query attention is also Ops.h's multi-head attention (one
+// key/value head per query head).
 //
 // Conventions are Hugging Face's Llama, so that its checkpoints load without permutation:
 // RMSNorm's eps inside the square root; SwiGLU is silu(gate) * up; rotary embeddings rotate

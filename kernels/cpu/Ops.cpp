@@ -122,7 +122,7 @@ void layernormForward(float *__restrict__ out, float *__restrict__ mean, float *
     float s = 1.0f / std::sqrt(var + kLayernormEps);
     float *y = out + size_t(r) * c;
     for (int k = 0; k < c; ++k)
-      y[k] = (x[k] - m) * s * w[k] + b[k];
+      y[k] = (x[k] - m) * s * w[k] + (b ? b[k] : 0.0f);
     mean[r] = m;
     rstd[r] = s;
   }
@@ -165,7 +165,8 @@ void layernormBackwardWeight(float *__restrict__ dW, float *__restrict__ dB,
     for (int k = 0; k < c; ++k) {
       float xhat = (x[k] - mean[r]) * rstd[r];
       dW[k] += dy[k] * xhat;
-      dB[k] += dy[k];
+      if (dB)
+        dB[k] += dy[k];
     }
   }
 }

@@ -37,14 +37,14 @@ void matmulTBackwardInput(float *dIn, const float *dOut, const float *w, int n, 
 void matmulTBackwardWeight(float *dW, const float *in, const float *dOut, int n, int i, int o);
 
 /// Layernorm over the last axis (eps 1e-5): out = (in - mean) * rstd * w + b, all (n, c); the
-/// per-row mean and rstd (n) are kept for the backwards.
+/// per-row mean and rstd (n) are kept for the backwards. b may be null (no shift).
 void layernormForward(float *out, float *mean, float *rstd, const float *in, const float *w,
                       const float *b, int n, int c);
 /// dIn (n, c) += the gradient of in from dOut (n, c).
 void layernormBackwardInputAccumulate(float *dIn, const float *dOut, const float *in,
                                       const float *mean, const float *rstd, const float *w, int n,
                                       int c);
-/// dW (c) += sum dOut * xhat; dB (c) += sum dOut.
+/// dW (c) += sum dOut * xhat; dB (c) += sum dOut (dB may be null: no shift).
 void layernormBackwardWeight(float *dW, float *dB, const float *dOut, const float *in,
                              const float *mean, const float *rstd, int n, int c);
 
