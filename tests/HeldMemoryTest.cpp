@@ -46,17 +46,28 @@ const Case kCases[] = {
 /// 4 blocks of 64 channels, 4 heads, an fc of 256; 2 sequences of 64 tokens per microbatch.
 /// The cpu kernels keep the attention probabilities of every query and key (kernels/cpu/Gpt.cpp,
 /// BlockWork::probs): "attention": "materialized" is how they behave.
-ModelSpec model() {
-  auto m = parseModelSpec(R"({"format": "pipemodel/1", "name": "held", "transformer": {
+/// With `llama`, the same shape with Llama's block: RMSNorm, SwiGLU (an fc of 2 x 128, so the
+/// MLP keeps about what GPT-2's does), rotary positions, 2 key/value heads, no biases.
+ModelSpec model(bool llama) {
+  const char *gpt = R"({"format": "pipemodel/1", "name": "held", "transformer": {
       "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
       "vocab_size": 32, "seq_length": 64, "microbatch_size": 2, "dtype": "fp32",
-      "attention": "materialized"}})",
-                          "held.json");
+      "attention": "materialized"}})";
+  const char *llamaSpec = R"({"format": "pipemodel/1", "name": "held-llama", "transformer": {
+      "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+      "ffn_hidden_size": 128, "vocab_size": 32, "seq_length": 64, "microbatch_size": 2,
+      "dtype": "fp32", "attention": "materialized", "norm": "rmsnorm", "mlp": "swiglu",
+      "position": "rope", "bias": false}})";
+  auto m = parseModelSpec(llama ? llamaSpec : gpt, "held.json");
   EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
   return m ? *m : ModelSpec{};
 }
 
-TEST(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinTenPercent) {
+class HeldMemoryTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinTenPercent) {
+  const bool llama = GetParam();
+  auto model = [llama] { return test::model(llama); };
   for (const Case &c : kCases) {
     SCOPED_TRACE(fmt::format("{} pp={} m={} vpp={} seq_splits={} tp={} dp={}", c.schedule, c.pp,
                              c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
@@ -103,6 +114,9 @@ TEST(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinTenPercent) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Blocks, HeldMemoryTest, ::testing::Values(false, true),
+                         [](const auto &info) { return info.param ? "Llama" : "Gpt2"; });
 
 } // namespace
 } // namespace pipec::test

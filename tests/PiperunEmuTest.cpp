@@ -117,6 +117,19 @@ TEST(PiperunEmuTest, GpuBackendsRefuseARecomputingPlanWithOneLine) {
   }
 }
 
+TEST(PiperunEmuTest, GpuBackendsRefuseALlamaBlockWithOneLineNamingTheCpuBackend) {
+  // The CUDA stages run GPT-2's block; Llama-style blocks train on the cpu backend so far.
+  const std::string p = plan("tiny-llama", "--schedule 1f1b --pp 2 --microbatches 4",
+                             "examples/tiny-llama.json");
+  for (const char *backend : {"cuda", "nccl"}) {
+    Result r = run(std::string("RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu ") + p +
+                   " --backend " + backend + " --steps 1");
+    expectUsageError(r, std::string("--backend ") + backend +
+                            ": the plan's model has a Llama-style block (\"norm\": \"rmsnorm\"");
+    expectUsageError(r, "train it with --backend cpu");
+  }
+}
+
 TEST(PiperunEmuTest, AnUnsupportedDtypeIsAUsageError) {
   std::string p = plan("dtype", "--schedule 1f1b --pp 2 --microbatches 4");
   Result r = run("tools/piperun_emu " + p + " --backend cuda --dtype fp16");

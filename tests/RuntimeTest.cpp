@@ -80,6 +80,16 @@ TEST_P(EverySchedule, GradientsEqualTheSingleRankReference) {
   expectMatchesReference(*plan);
 }
 
+TEST_P(EverySchedule, LlamaBlockGradientsEqualTheSingleRankReference) {
+  // The same plans over a Llama-style block (rmsnorm, swiglu, rope, grouped-query attention
+  // with its 2 key/value heads split across tp, no biases).
+  const RunCase &c = GetParam();
+  ModelSpec model = tinyLlama(c.tied, /*layers=*/6);
+  auto plan = compilePlan(model, ClusterSpec::defaults(), c.options, /*verifyEach=*/true);
+  ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+  expectMatchesReference(*plan);
+}
+
 const RunCase kRunCases[] = {
     RunCase{"gpipe", options("gpipe", 4, 4)},
     RunCase{"onefoneb", options("1f1b", 4, 6)},

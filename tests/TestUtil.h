@@ -71,6 +71,21 @@ inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
   return m ? *m : ModelSpec{};
 }
 
+/// tinyGpt's shape with Llama's block: RMSNorm, SwiGLU, rotary positions, 2 key/value heads
+/// for the 4 query heads, no biases.
+inline ModelSpec tinyLlama(bool tied = false, int layers = 4, int seq = 8) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "tiny-llama", "transformer": {{"num_layers": {},
+      "hidden_size": 16, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 32,
+      "vocab_size": 32, "seq_length": {}, "microbatch_size": 2, "dtype": "fp32",
+      "tie_embeddings": {}, "norm": "rmsnorm", "mlp": "swiglu", "position": "rope",
+      "bias": false}}}})",
+      layers, seq, tied ? "true" : "false");
+  auto m = parseModelSpec(text, "tiny-llama.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
 /// An fp32 GPT with a vocabulary of 32, for the memory tests: `layers` blocks of `hidden`
 /// channels, `heads` heads and an fc of `ffn`, `microbatchSize` sequences of `seq` tokens.
 inline ModelSpec fp32Gpt(int layers, int hidden, int heads, int ffn, int seq, int microbatchSize) {

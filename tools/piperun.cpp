@@ -182,6 +182,11 @@ llvm::Error run(int argc, char **argv) {
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();
+#ifdef PIPEC_HAS_CUDA
+  if (backend != "cpu")
+    if (auto err = gpuRunsTheBlock(*cfg, *plan, backend))
+      return err;
+#endif
   // The GPU backends' compute type: --dtype, else the model's.
   const std::string computeType = computeFlag.value_or(plan->transformer->dtype);
   if (backend != "cpu" && computeType != "fp32" && computeType != "bf16")

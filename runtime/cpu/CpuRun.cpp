@@ -153,14 +153,19 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       "streams, {} stages and {} seq_slices",
                       pc.pp, pc.vpp, pc.seqSplits, plan.numRanks(), plan.numStages(),
                       plan.seqSlices.size());
-  if (!t.isGpt2())
-    return inputError("the plan's model has a Llama-style block ({}); the runtime's kernels are "
-                      "GPT-2's (layernorm, gelu, learned positions, multi-head attention, biases) "
-                      "until Llama blocks land; pipec compiles, simulates and plans such models",
-                      t.variantText());
   if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
     return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
+  // (The plan's model passed the model reader's checks: heads divide hidden_size, groups
+  // divide heads.)
+  if (t.kvHeads() % pc.tp != 0)
+    return inputError("--tp {} must divide num_query_groups ({}): each tp rank holds whole "
+                      "key/value heads",
+                      pc.tp, t.kvHeads());
+  if (t.position == Position::Rope && (t.hiddenSize / t.numAttentionHeads) % 2 != 0)
+    return inputError("$.transformer.position: \"rope\" turns pairs of a head's channels, so "
+                      "the head size (hidden_size / num_attention_heads = {}) must be even",
+                      t.hiddenSize / t.numAttentionHeads);
   if (t.vocabSize % pc.tp != 0)
     return inputError("--tp {} must divide vocab_size ({}): the runtime splits the vocabulary "
                       "across the tp ranks (vocab-parallel embedding and cross entropy); pad "
@@ -185,6 +190,12 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   cfg.ffn = int(t.ffnHiddenSize);
   cfg.microbatch = int(t.microbatchSize);
   cfg.tiedEmbeddings = t.tieEmbeddings;
+  cfg.rmsnorm = t.norm == Norm::RmsNorm;
+  cfg.swiglu = t.mlp == Mlp::SwiGlu;
+  cfg.rope = t.position == Position::Rope;
+  cfg.ropeTheta = t.ropeTheta;
+  cfg.kvHeads = int(t.kvHeads());
+  cfg.bias = t.bias;
   // The stage table must describe this model (a hand-edited plan may not): all layers,
   // the whole sequence, and with tp the kernels' reduction points.
   if (plan.stages.empty() || plan.stages.back().layerEnd != cfg.numLayers())

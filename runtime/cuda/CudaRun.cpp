@@ -439,6 +439,14 @@ static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, co
                   fix));
 }
 
+llvm::Error gpuRunsTheBlock(const GptConfig &cfg, const Plan &plan, llvm::StringRef backend) {
+  if (cfg.isGpt2())
+    return llvm::Error::success();
+  return inputError("--backend {}: the plan's model has a Llama-style block ({}), which the GPU "
+                    "stages do not run yet (they run GPT-2's); train it with --backend cpu",
+                    backend.str(), plan.transformer ? plan.transformer->variantText() : "");
+}
+
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep) {
@@ -446,6 +454,8 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   if (!cfgOr)
     return cfgOr.takeError();
   const GptConfig cfg = *cfgOr;
+  if (auto err = gpuRunsTheBlock(cfg, plan, "cuda"))
+    return err;
   auto devices = cudaDevices();
   if (!devices)
     return devices.takeError();

@@ -111,6 +111,11 @@ inline double cudaTensorGradTolerance(kernels::DType dtype) {
 /// GPUs visible to this process; an error (naming the CUDA call) when none can be used.
 llvm::Expected<int> cudaDevices();
 
+/// The GPU stages (GpuStage) run GPT-2's block only: a plan whose model has a Llama-style
+/// block is an input error naming `backend` (cuda or nccl) and the backend that runs it.
+llvm::Error gpuRunsTheBlock(const kernels::GptConfig &cfg, const Plan &plan,
+                            llvm::StringRef backend);
+
 /// Run `options.steps` steps of `plan` (already verified) on GPU `options.device`.
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,

@@ -279,6 +279,8 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (!cfgOr)
     return cfgOr.takeError();
   const kernels::GptConfig cfg = *cfgOr;
+  if (auto err = gpuRunsTheBlock(cfg, plan, "nccl"))
+    return err;
   auto device = deviceOf(env);
   if (!device)
     return device.takeError();
