@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cassert>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -224,6 +225,10 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
   const auto &all = file.tensors();
   // Hugging Face's GPT2LMHeadModel prefixes the body "transformer."; GPT2Model does not.
   const std::string prefix = all.count("transformer.wte.weight") ? "transformer." : "";
+  if (!cfg.isGpt2())
+    return inputError("the file has GPT-2's tensor names, but the model's block is not GPT-2's; "
+                      "a Llama-style model loads a Llama checkpoint's names "
+                      "(model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...)");
   const int64_t C = cfg.channels, V = cfg.vocab, T = cfg.seqLen, F = cfg.ffn;
   std::set<std::string> used;
   std::vector<std::vector<float>> layers(size_t(cfg.numLayers()));
@@ -331,6 +336,157 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
   return layers;
 }
 
+namespace {
+
+/// A tensor of shape `want` read whole, or an InputError naming it and both shapes.
+llvm::Expected<std::vector<float>> readShaped(const SafeTensorsFile &file, const std::string &name,
+                                              const std::vector<int64_t> &want,
+                                              llvm::StringRef model) {
+  auto it = file.tensors().find(name);
+  if (it == file.tensors().end())
+    return inputError("missing tensor {} (shape {}) of {}", name, shapeText(want), model.str());
+  if (it->second.shape != want)
+    return inputError("tensor {} has shape {}; the model needs {}", name,
+                      shapeText(it->second.shape), shapeText(want));
+  return file.read(name);
+}
+
+/// Appends `m` ([rows, cols], Hugging Face's nn.Linear [out, in]) transposed to `to`'s
+/// columns [at, at + rows) of a row-major [cols, width] matrix (the kernels' [in, out]).
+void placeTransposed(const std::vector<float> &m, int64_t rows, int64_t cols,
+                     std::vector<float> &to, size_t toBegin, int64_t width, int64_t at) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      to[toBegin + size_t(c * width + at + r)] = m[size_t(r * cols + c)];
+}
+
+} // namespace
+
+llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFile &file,
+                                                            const kernels::GptConfig &cfg) {
+  const auto &all = file.tensors();
+  // LlamaForCausalLM prefixes the body "model."; LlamaModel does not.
+  const std::string prefix = all.count("model.embed_tokens.weight") ? "model." : "";
+  if (!cfg.rmsnorm || !cfg.swiglu || !cfg.rope || cfg.bias)
+    return inputError("the file has a Llama checkpoint's tensor names ({}embed_tokens.weight), "
+                      "but the model's block is not Llama's; give the model \"norm\": "
+                      "\"rmsnorm\", \"mlp\": \"swiglu\", \"position\": \"rope\" and "
+                      "\"bias\": false",
+                      prefix);
+  const int64_t C = cfg.channels, V = cfg.vocab, F = cfg.ffn;
+  const int64_t K = int64_t(cfg.kvHeadCount()) * (C / cfg.heads); // k_proj's and v_proj's rows
+  const std::string model = fmt::format("a Llama model with {} blocks", cfg.layers);
+  std::set<std::string> used;
+  std::vector<std::vector<float>> layers(size_t(cfg.numLayers()));
+  auto read = [&](const std::string &name,
+                  std::vector<int64_t> want) -> llvm::Expected<std::vector<float>> {
+    auto values = readShaped(file, name, want, model);
+    if (values)
+      used.insert(name);
+    return values;
+  };
+  auto build = [&]() -> llvm::Error {
+    auto emb = read(prefix + "embed_tokens.weight", {V, C});
+    if (!emb)
+      return emb.takeError();
+    layers[0] = std::move(*emb);
+    for (int b = 0; b < cfg.layers; ++b) {
+      const std::string h = fmt::format("{}layers.{}.", prefix, b);
+      std::vector<float> &to = layers[size_t(b + 1)];
+      // The kernels' order (Gpt.h): ln1.w, qkv.w [C, C + 2K], attn.w [C, C], ln2.w,
+      // fc.w [C, 2F] (gate | up), proj.w [F, C].
+      to.assign(kernels::layerParamCount(cfg, b + 1, 1), 0.0f);
+      size_t at = 0;
+      auto vec = [&](const std::string &name) -> llvm::Error {
+        auto v = read(h + name, {C});
+        if (!v)
+          return v.takeError();
+        std::copy(v->begin(), v->end(), to.begin() + long(at));
+        at += size_t(C);
+        return llvm::Error::success();
+      };
+      // Linear layers [out, in] side by side as the columns of one [in, sum of outs] matrix.
+      auto matrices = [&](std::initializer_list<std::pair<const char *, int64_t>> parts,
+                          int64_t in) -> llvm::Error {
+        int64_t width = 0;
+        for (const auto &part : parts)
+          width += part.second;
+        int64_t col = 0;
+        for (const auto &[name, out] : parts) {
+          auto m = read(h + name, {out, in});
+          if (!m)
+            return m.takeError();
+          placeTransposed(*m, out, in, to, at, width, col);
+          col += out;
+        }
+        at += size_t(in * width);
+        return llvm::Error::success();
+      };
+      if (auto err = vec("input_layernorm.weight"))
+        return err;
+      if (auto err = matrices({{"self_attn.q_proj.weight", C},
+                               {"self_attn.k_proj.weight", K},
+                               {"self_attn.v_proj.weight", K}},
+                              C))
+        return err;
+      if (auto err = matrices({{"self_attn.o_proj.weight", C}}, C))
+        return err;
+      if (auto err = vec("post_attention_layernorm.weight"))
+        return err;
+      if (auto err = matrices({{"mlp.gate_proj.weight", F}, {"mlp.up_proj.weight", F}}, C))
+        return err;
+      if (auto err = matrices({{"mlp.down_proj.weight", C}}, F))
+        return err;
+      assert(at == to.size() && "the Llama block's layout and the kernels' disagree");
+    }
+    std::vector<float> &head = layers.back();
+    auto norm = read(prefix + "norm.weight", {C});
+    if (!norm)
+      return norm.takeError();
+    head = std::move(*norm);
+    if (cfg.tiedEmbeddings) {
+      head.insert(head.end(), layers[0].begin(), layers[0].end());
+      if (all.count("lm_head.weight")) {
+        auto copy = read("lm_head.weight", {V, C});
+        if (!copy)
+          return copy.takeError();
+        if (!std::equal(copy->begin(), copy->end(), layers[0].begin()))
+          return inputError("tensor lm_head.weight differs from {}embed_tokens.weight, but the "
+                            "model ties its embeddings (\"tie_embeddings\": true); untie the "
+                            "model to use the file's head",
+                            prefix);
+      }
+    } else if (!all.count("lm_head.weight")) {
+      return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
+                        "(\"tie_embeddings\": false); add the tensor, or tie the model's "
+                        "embeddings (\"tie_embeddings\": true, as tie_word_embeddings does)",
+                        shapeText({V, C}));
+    } else {
+      auto lm = read("lm_head.weight", {V, C});
+      if (!lm)
+        return lm.takeError();
+      head.insert(head.end(), lm->begin(), lm->end());
+    }
+    return llvm::Error::success();
+  };
+  if (auto err = build())
+    return err;
+  for (const auto &[name, t] : all) {
+    if (used.count(name))
+      continue;
+    // Older files carry the rotary frequencies as a buffer: not a parameter.
+    if (llvm::StringRef(name).endswith(".self_attn.rotary_emb.inv_freq"))
+      continue;
+    return inputError("extra tensor {} (shape {}) is not a parameter of {}", shortened(name),
+                      shapeText(t.shape), model);
+  }
+  for (int l = 0; l < cfg.numLayers(); ++l)
+    if (layers[size_t(l)].size() != kernels::layerParamCount(cfg, l, 1))
+      return inputError("layer {} holds {} values, the kernels' {}", l, layers[size_t(l)].size(),
+                        kernels::layerParamCount(cfg, l, 1));
+  return layers;
+}
+
 llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
                                                                    const kernels::GptConfig &cfg) {
   auto fail = [&](llvm::Error err) {
@@ -343,7 +499,11 @@ llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringR
   auto file = SafeTensorsFile::open(path);
   if (!file)
     return fail(file.takeError());
-  auto layers = gpt2Layers(*file, cfg);
+  // Llama's names (Hugging Face's LlamaForCausalLM, with or without its "model." prefix) or
+  // GPT-2's.
+  const bool llamaNames = file->tensors().count("model.embed_tokens.weight") ||
+                          file->tensors().count("embed_tokens.weight");
+  auto layers = llamaNames ? llamaLayers(*file, cfg) : gpt2Layers(*file, cfg);
   if (!layers)
     return fail(layers.takeError());
   return layers;

@@ -6,7 +6,8 @@
 // "__metadata__" of strings}), then the tensors' bytes, little-endian, row-major, at those
 // offsets from the end of the header. Read here in C++; nothing else is needed.
 //
-// gpt2Layers maps a GPT-2 checkpoint's tensor names, as Hugging Face stores them
+// gpt2Layers (and llamaLayers, for Llama's) maps a GPT-2 checkpoint's tensor names, as Hugging
+// Face stores them
 // ("wte.weight", "h.0.attn.c_attn.weight", ..., with or without the "transformer." prefix of
 // GPT2LMHeadModel), onto the CPU kernels' whole (tp = 1) layers (kernels/cpu/Gpt.h); the runtime
 // then gives each stage and tp rank its part, as it does for a checkpoint. A missing, extra or
@@ -63,7 +64,20 @@ std::string shapeText(const std::vector<int64_t> &shape);
 llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
                                                            const kernels::GptConfig &cfg);
 
-/// Both steps, with every error starting "--init-from FILE: ".
+/// The same from a Llama checkpoint in Hugging Face's names (LlamaForCausalLM's
+/// "model.embed_tokens.weight", "model.layers.N.self_attn.{q,k,v,o}_proj.weight",
+/// "...mlp.{gate,up,down}_proj.weight", "...input_layernorm.weight",
+/// "...post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"; LlamaModel's
+/// without "model."). Linear weights are stored [out, in] and transposed into the kernels'
+/// [in, out]; q, k, v become qkv's column blocks and gate, up fc's. Hugging Face's q_proj and
+/// k_proj already rotate halves (rotate_half), as the kernels do: no permutation. The model must
+/// have Llama's block (rmsnorm, swiglu, rope, no biases); its num_query_groups sets k_proj's
+/// and v_proj's rows. rotary_emb.inv_freq buffers are skipped.
+llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFile &file,
+                                                            const kernels::GptConfig &cfg);
+
+/// Both steps (Llama's names where the file has model.embed_tokens.weight or
+/// embed_tokens.weight, else GPT-2's), with every error starting "--init-from FILE: ".
 llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
                                                                    const kernels::GptConfig &cfg);
 

@@ -20,10 +20,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -176,6 +178,65 @@ std::map<std::string, Tensor> gpt2Tensors(const pipec::kernels::GptConfig &c, ui
   return out;
 }
 
+/// examples/tiny-llama.json's shapes (RMSNorm, SwiGLU, rope, 2 key/value heads, no biases).
+pipec::kernels::GptConfig tinyLlamaConfig() {
+  pipec::kernels::GptConfig c = tinyConfig();
+  c.ffn = 96;
+  c.rmsnorm = c.swiglu = c.rope = true;
+  c.kvHeads = 2;
+  c.bias = false;
+  return c;
+}
+
+/// The Llama model's layers from initLayerFull(seed), cut into Hugging Face's LlamaForCausalLM
+/// tensors: the kernels' [in, out] matrices (qkv's q | k | v and fc's gate | up column blocks)
+/// transposed into nn.Linear's [out, in].
+std::map<std::string, Tensor> llamaTensors(const pipec::kernels::GptConfig &c, uint64_t seed) {
+  const int64_t C = c.channels, V = c.vocab, F = c.ffn, K = int64_t(c.kvHeads) * (C / c.heads);
+  std::map<std::string, Tensor> out;
+  auto vec = [&](const std::vector<float> &layer, size_t &at, const std::string &name,
+                 int64_t n) {
+    out[name] = Tensor{"F32", {n}, {layer.begin() + long(at), layer.begin() + long(at + n)}};
+    at += size_t(n);
+  };
+  // Columns [col, col + rows) of the [in, width] matrix at `at`, as a [rows, in] tensor.
+  auto linear = [&](const std::vector<float> &layer, size_t at, int64_t in, int64_t width,
+                    int64_t col, int64_t rows, const std::string &name) {
+    Tensor t{"F32", {rows, in}, {}};
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < in; ++i)
+        t.values.push_back(layer[at + size_t(i * width + col + r)]);
+    out[name] = t;
+  };
+  std::vector<float> emb = pipec::kernels::initLayerFull(c, 0, seed);
+  EXPECT_EQ(emb.size(), size_t(V * C));
+  out["model.embed_tokens.weight"] = Tensor{"F32", {V, C}, emb};
+  for (int b = 0; b < c.layers; ++b) {
+    std::vector<float> l = pipec::kernels::initLayerFull(c, b + 1, seed);
+    const std::string h = "model.layers." + std::to_string(b) + ".";
+    size_t at = 0;
+    vec(l, at, h + "input_layernorm.weight", C);
+    linear(l, at, C, C + 2 * K, 0, C, h + "self_attn.q_proj.weight");
+    linear(l, at, C, C + 2 * K, C, K, h + "self_attn.k_proj.weight");
+    linear(l, at, C, C + 2 * K, C + K, K, h + "self_attn.v_proj.weight");
+    at += size_t(C * (C + 2 * K));
+    linear(l, at, C, C, 0, C, h + "self_attn.o_proj.weight");
+    at += size_t(C * C);
+    vec(l, at, h + "post_attention_layernorm.weight", C);
+    linear(l, at, C, 2 * F, 0, F, h + "mlp.gate_proj.weight");
+    linear(l, at, C, 2 * F, F, F, h + "mlp.up_proj.weight");
+    at += size_t(C * 2 * F);
+    linear(l, at, F, C, 0, C, h + "mlp.down_proj.weight");
+    at += size_t(F * C);
+    EXPECT_EQ(at, l.size());
+  }
+  std::vector<float> head = pipec::kernels::initLayerFull(c, c.layers + 1, seed);
+  size_t at = 0;
+  vec(head, at, "model.norm.weight", C);
+  out["lm_head.weight"] = Tensor{"F32", {V, C}, {head.begin() + long(at), head.end()}};
+  return out;
+}
+
 std::string compile(const std::string &model, const std::string &flags) {
   std::string out =
       dir() + "/plan-" + std::to_string(std::hash<std::string>()(model + flags)) + ".json";
@@ -251,6 +312,69 @@ TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
     }
   }
   EXPECT_NE(first, seededFirst); // the file's weights were used
+}
+
+TEST(InitFromTest, ALlamaCheckpointOfTheSeededWeightsGivesTheSeededRunBitForBit) {
+  // Hugging Face's Llama names and [out, in] matrices: loading them must rebuild the kernels'
+  // layers exactly, on every layout (tp 2 holds one key/value head per rank).
+  const std::string file = dir() + "/llama-seeded.safetensors";
+  writeFile(file, safetensors(llamaTensors(tinyLlamaConfig(), /*seed=*/3)));
+  for (const char *layout : kLayouts) {
+    std::string plan = compile("examples/tiny-llama.json", layout);
+    auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --seed 3");
+    auto loaded = runCommand(tool("piperun") + " " + plan +
+                             " --backend cpu --steps 2 --seed 3 --check-reference --init-from " +
+                             file);
+    ASSERT_EQ(seeded.code, 0) << seeded.err;
+    ASSERT_EQ(loaded.code, 0) << layout << "\n" << loaded.out << loaded.err;
+    auto want = stepLosses(seeded.out), got = stepLosses(loaded.out);
+    ASSERT_EQ(want.size(), 2u) << seeded.out;
+    EXPECT_EQ(got, want) << layout;
+  }
+}
+
+TEST(InitFromTest, ABadLlamaFileIsRefusedWithOneLineBeforeAnyStep) {
+  const std::string plan =
+      compile("examples/tiny-llama.json", "--schedule 1f1b --pp 2 --microbatches 2");
+  struct Bad {
+    const char *what;
+    std::function<void(std::map<std::string, Tensor> &)> edit;
+    const char *message;
+  } cases[] = {
+      {"missing", [](auto &t) { t.erase("model.layers.3.mlp.up_proj.weight"); },
+       "missing tensor model.layers.3.mlp.up_proj.weight (shape [96, 32]) of a Llama model with "
+       "4 blocks"},
+      {"extra", [](auto &t) { t["model.layers.0.self_attn.q_proj.bias"] = Tensor{"F32", {32}, std::vector<float>(32)}; },
+       "extra tensor model.layers.0.self_attn.q_proj.bias (shape [32]) is not a parameter of a "
+       "Llama model with 4 blocks"},
+      {"transposed",
+       [](auto &t) { t["model.layers.1.mlp.down_proj.weight"].shape = {96, 32}; },
+       "tensor model.layers.1.mlp.down_proj.weight has shape [96, 32]; the model needs [32, 96]"},
+      {"untied without a head", [](auto &t) { t.erase("lm_head.weight"); },
+       "missing tensor lm_head.weight (shape [64, 32]): the model's head is untied"},
+  };
+  for (const Bad &b : cases) {
+    auto tensors = llamaTensors(tinyLlamaConfig(), /*seed=*/3);
+    b.edit(tensors);
+    const std::string file = dir() + "/llama-bad.safetensors";
+    writeFile(file, safetensors(tensors));
+    auto r = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from " + file);
+    EXPECT_EQ(r.code, 2) << b.what << "\n" << r.err;
+    EXPECT_NE(r.err.find("--init-from " + file + ": " + b.message), std::string::npos)
+        << b.what << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_TRUE(stepLosses(r.out).empty()) << r.out;
+  }
+  // A Llama file for a GPT-2 model: the names say which block the model would need.
+  const std::string file = dir() + "/llama-for-gpt.safetensors";
+  writeFile(file, safetensors(llamaTensors(tinyLlamaConfig(), /*seed=*/3)));
+  auto r = runCommand(tool("piperun") + " " +
+                      compile("examples/tiny-gpt.json", "--schedule 1f1b --pp 2 --microbatches 2") +
+                      " --backend cpu --init-from " + file);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("the file has a Llama checkpoint's tensor names (model.embed_tokens.weight)"),
+            std::string::npos)
+      << r.err;
 }
 
 // The GPU backends on the emulated device (tools/piperun_emu: the same code, CPU stand-ins for

@@ -147,3 +147,143 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
     assert ("tensor transformer.h.3.mlp.c_proj.weight has shape [32, 128]; the model needs "
             "[128, 32]") in r.stderr
     assert "step 0" not in r.stdout
+
+
+# A Llama checkpoint (examples/tiny-llama.json's shape): LlamaForCausalLM's tensor names, its
+# nn.Linear weights [out, in], rotate_half rotary embeddings on q and k, key/value heads shared
+# by groups of query heads, SwiGLU, RMSNorm with eps 1e-5, no biases.
+LV, LT, LC, LH, LKV, LL, LF, THETA = 64, 16, 32, 4, 2, 4, 96, 10000.0
+
+
+def llama_weights(seed: int, tied: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.2, mean=0.0):
+        return (torch.randn(*shape, generator=g) * std + mean).float()
+
+    hd = LC // LH
+    w = {"model.embed_tokens.weight": normal(LV, LC, std=0.5)}
+    for b in range(LL):
+        p = f"model.layers.{b}."
+        w[p + "input_layernorm.weight"] = normal(LC, std=0.1, mean=1.0)
+        w[p + "self_attn.q_proj.weight"] = normal(LH * hd, LC)
+        w[p + "self_attn.k_proj.weight"] = normal(LKV * hd, LC)
+        w[p + "self_attn.v_proj.weight"] = normal(LKV * hd, LC)
+        w[p + "self_attn.o_proj.weight"] = normal(LC, LH * hd)
+        w[p + "post_attention_layernorm.weight"] = normal(LC, std=0.1, mean=1.0)
+        w[p + "mlp.gate_proj.weight"] = normal(LF, LC)
+        w[p + "mlp.up_proj.weight"] = normal(LF, LC)
+        w[p + "mlp.down_proj.weight"] = normal(LC, LF, std=0.1)
+        # Some older files carry the rotary frequencies as a buffer.
+        w[p + "self_attn.rotary_emb.inv_freq"] = 1.0 / THETA ** (torch.arange(0, hd, 2) / hd)
+    w["model.norm.weight"] = normal(LC, std=0.1, mean=1.0)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone() if tied else normal(LV, LC)
+    return w
+
+
+def llama_loss(w: dict, tokens: list, tied: bool) -> float:
+    """Mean next-token cross-entropy of one sequence, in float64, LlamaForCausalLM's way."""
+    d = {k: v.double() for k, v in w.items()}
+    x = torch.tensor(tokens[:-1])
+    y = torch.tensor(tokens[1:])
+    n, hd = len(x), LC // LH
+
+    def rms(h, weight):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+
+    inv_freq = 1.0 / THETA ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rotate_half(t):
+        return torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1)
+
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    h = d["model.embed_tokens.weight"][x]
+    for b in range(LL):
+        p = f"model.layers.{b}."
+        a = rms(h, d[p + "input_layernorm.weight"])
+        q = (a @ d[p + "self_attn.q_proj.weight"].T).view(n, LH, hd).transpose(0, 1)
+        k = (a @ d[p + "self_attn.k_proj.weight"].T).view(n, LKV, hd).transpose(0, 1)
+        v = (a @ d[p + "self_attn.v_proj.weight"].T).view(n, LKV, hd).transpose(0, 1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = (t.repeat_interleave(LH // LKV, dim=0) for t in (k, v))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        o = (att @ v).transpose(0, 1).reshape(n, LC)
+        h = h + o @ d[p + "self_attn.o_proj.weight"].T
+        a = rms(h, d[p + "post_attention_layernorm.weight"])
+        m = torch.nn.functional.silu(a @ d[p + "mlp.gate_proj.weight"].T) * (
+            a @ d[p + "mlp.up_proj.weight"].T)
+        h = h + m @ d[p + "mlp.down_proj.weight"].T
+    h = rms(h, d["model.norm.weight"])
+    head = d["model.embed_tokens.weight"] if tied else d["lm_head.weight"]
+    return torch.nn.functional.cross_entropy(h @ head.T, y).item()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied):
+    weights = llama_weights(seed=7 if tied else 9, tied=tied)
+    checkpoint = tmp_path / "llama.safetensors"
+    saved = dict(weights)
+    if tied:  # tie_word_embeddings: save_pretrained writes one copy
+        del saved["lm_head.weight"]
+    safetensors_torch.save_file(saved, str(checkpoint), metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(13)
+    tokens = torch.randint(0, LV, (LT + 1,), generator=g).tolist()
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
+    want = llama_loss(weights, tokens, tied)
+    model = example("tiny-llama.json")
+    if tied:
+        model = str(tmp_path / "tiny-llama-tied.json")
+        original = open(example("tiny-llama.json")).read()
+        text = original.replace('"dtype": "fp32"', '"dtype": "fp32", "tie_embeddings": true')
+        assert text != original, "tiny-llama.json no longer says \"dtype\": \"fp32\""
+        open(model, "w").write(text)
+    # tp 2 splits the 2 key/value heads one per rank.
+    for layout in LAYOUTS:
+        plan = tmp_path / "plan.json"
+        c = subprocess.run([pipec_binary(), "compile", "--quiet", "--model", model, *layout.split(),
+                            "-o", str(plan)], capture_output=True, text=True)
+        assert c.returncode == 0, c.stderr
+        r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
+                            "--check-reference", "--data", str(data), "--init-from",
+                            str(checkpoint)], capture_output=True, text=True)
+        assert r.returncode == 0, layout + "\n" + r.stdout + r.stderr
+        got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
+        ref = float(re.search(r"reference loss \(last step\) (\S+)", r.stdout).group(1))
+        assert got == pytest.approx(want, abs=2e-5), layout
+        assert ref == pytest.approx(want, abs=2e-5), layout
+
+
+def test_llama_file_with_other_key_value_heads_names_the_tensor_and_both_shapes(tmp_path):
+    weights = llama_weights(seed=1, tied=False)
+    weights["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(LC, LC)  # 4 kv heads, not 2
+    checkpoint = tmp_path / "bad.safetensors"
+    safetensors_torch.save_file(weights, str(checkpoint))
+    plan = tmp_path / "plan.json"
+    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-llama.json"),
+                    "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
+                   check=True)
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
+                        str(checkpoint)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1
+    assert ("tensor model.layers.2.self_attn.k_proj.weight has shape [32, 32]; the model needs "
+            "[16, 32]") in r.stderr
+    assert "step 0" not in r.stdout
+
+
+def test_a_gpt2_file_for_a_llama_model_says_which_names_it_needs(tmp_path):
+    checkpoint = tmp_path / "gpt2.safetensors"
+    safetensors_torch.save_file(gpt2_weights(seed=2, tied=False), str(checkpoint))
+    plan = tmp_path / "plan.json"
+    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-llama.json"),
+                    "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
+                   check=True)
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
+                        str(checkpoint)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1
+    assert "the file has GPT-2's tensor names, but the model's block is not GPT-2's" in r.stderr
