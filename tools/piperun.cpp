@@ -32,6 +32,7 @@
 // --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
 // Hugging Face's GPT-2 or Llama names, checked against the model before step 0 (Llama blocks:
 // the cpu backend; GPT-2: every backend).
+// Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
