@@ -64,24 +64,8 @@ struct TensorSpec {
   int role;
 };
 
-enum BlockTensor {
-  Ln1W,
-  Ln1B,
-  QkvW,
-  QkvB,
-  AttnW,
-  AttnB,
-  Ln2W,
-  Ln2B,
-  FcW,
-  FcB,
-  ProjW,
-  ProjB,
-  NumBlockTensors
-};
-enum EmbeddingTensor { Wte, Wpe, NumEmbeddingTensors };
-enum HeadTensor { LnfW, LnfB, LmW, NumHeadTensors };
-constexpr int kMostTensors = NumBlockTensors;
+using namespace tensors;
+constexpr int kMostTensors = kMostRoles;
 
 /// The layer's tensors in their flat order. GPT-2's are all there and a role equals its index;
 /// a Llama-style variant leaves some out (Gpt.h) and keeps the others' order.
@@ -131,11 +115,6 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
   return {};
 }
 
-constexpr size_t kAbsent = size_t(-1);
-
-/// Where each role's tensor begins within the layer's flat block on one tp rank (kAbsent where
-/// the variant has none).
-std::array<size_t, kMostTensors> roleOffsets(const GptConfig &cfg, int layer, int tp);
 
 size_t localSize(const TensorSpec &t, int tp) {
   switch (t.shard) {
@@ -158,7 +137,9 @@ std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
   return offsets;
 }
 
-std::array<size_t, kMostTensors> roleOffsets(const GptConfig &cfg, int layer, int tp) {
+} // namespace
+
+std::array<size_t, kMostTensors> paramRoleOffsets(const GptConfig &cfg, int layer, int tp) {
   std::array<size_t, kMostTensors> out;
   out.fill(kAbsent);
   size_t at = 0;
@@ -168,6 +149,8 @@ std::array<size_t, kMostTensors> roleOffsets(const GptConfig &cfg, int layer, in
   }
   return out;
 }
+
+namespace {
 
 uint64_t splitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -980,7 +963,7 @@ StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, i
   for (int l = layerBegin; l < layerEnd; ++l) {
     for (int sub = 0; sub < layerParts(cfg, l); ++sub)
       m.forwardParts.push_back({l, sub});
-    m.tensorOffset.push_back(roleOffsets(cfg, l, tp));
+    m.tensorOffset.push_back(paramRoleOffsets(cfg, l, tp));
     std::vector<float> shard = shardLayer(cfg, l, tpRank, tp, initLayerFull(cfg, l, seed));
     m.params.insert(m.params.end(), shard.begin(), shard.end());
     m.layerOffset.push_back(m.params.size());

@@ -33,6 +33,7 @@
 #ifndef PIPEC_KERNELS_CPU_GPT_H
 #define PIPEC_KERNELS_CPU_GPT_H
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -94,6 +95,20 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
 /// Where each of a layer's tensors begins within its parameters on a tp rank, and the total
 /// at the end (one more entry than the layer has tensors).
 std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp);
+/// The tensors of a layer by role, whatever the variant leaves out (Gpt.h's layout under
+/// StageCompute::params): a block's, the embedding's and the head's. Every backend addresses a
+/// layer's flat parameters through paramRoleOffsets, so there is one layout.
+namespace tensors {
+enum Block { Ln1W, Ln1B, QkvW, QkvB, AttnW, AttnB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB, NumBlock };
+enum Embedding { Wte, Wpe, NumEmbedding };
+enum Head { LnfW, LnfB, LmW, NumHead };
+constexpr int kMostRoles = NumBlock;
+/// paramRoleOffsets's entry for a tensor the variant does not have (a bias, wpe, a shift).
+constexpr size_t kAbsent = size_t(-1);
+} // namespace tensors
+/// Where each role's tensor begins within a layer's flat parameters on a tp rank, indexed by
+/// the layer kind's enum in `tensors` (kAbsent where the variant has none).
+std::array<size_t, tensors::kMostRoles> paramRoleOffsets(const GptConfig &cfg, int layer, int tp);
 /// For each of a layer's tensors (paramTensorOffsets's order): whether every tp rank holds all
 /// of it (layernorms, the row-parallel biases, wpe) rather than a part.
 std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);

@@ -3,7 +3,9 @@
 // kernels/cpu/Gpt.cpp transcribed onto device memory: the same parts, the same lazily completed
 // reductions, the same saved state per (microbatch, slice) and per microbatch (K/V and their
 // gradient accumulators), with kernels/cuda ops in place of the CPU loops and the glue kernels
-// of StageKernels.cu. Comments here only mark where the device version departs.
+// of StageKernels.cu. Comments here only mark where the device version departs. The parameter
+// layout is not transcribed: both address it through kernels::paramRoleOffsets. GPT-2's block
+// only (Llama-style blocks run on the cpu backend; issue 34 item 1 is to write the stage once).
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/GpuStage.h"
@@ -18,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <map>
 
@@ -74,34 +77,9 @@ private:
   size_t count = 0;
 };
 
-// Tensor indices of a layer's flat block (kernels/cpu/Gpt.h documents the layout).
-enum BlockTensor { Ln1W, Ln1B, QkvW, QkvB, AttnW, AttnB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB };
-enum EmbeddingTensor { Wte, Wpe };
-enum HeadTensor { LnfW, LnfB, LmW };
-
-/// Offsets of a layer's tensors on one tp rank, plus the total at the end.
-std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
-  const size_t c = size_t(cfg.channels), v = size_t(cfg.vocab), t = size_t(cfg.seqLen);
-  const size_t cl = c / size_t(tp), fl = size_t(cfg.ffn) / size_t(tp), vl = v / size_t(tp);
-  std::vector<size_t> sizes;
-  switch (kernels::layerKind(cfg, layer)) {
-  case GptLayerKind::Embedding:
-    sizes = {vl * c, t * c};
-    break;
-  case GptLayerKind::Block:
-    sizes = {c, c, c * 3 * cl, 3 * cl, cl * c, c, c, c, c * fl, fl, fl * c, c};
-    break;
-  case GptLayerKind::Head:
-    sizes = {c, c, vl * c};
-    break;
-  }
-  std::vector<size_t> offsets{0};
-  for (size_t s : sizes)
-    offsets.push_back(offsets.back() + s);
-  assert(offsets.back() == kernels::layerParamCount(cfg, layer, tp) &&
-         "the layout differs from kernels/cpu/Gpt.cpp");
-  return offsets;
-}
+// A layer's tensors by role, where kernels/cpu/Gpt.h's one layout puts them
+// (kernels::paramRoleOffsets).
+using namespace kernels::tensors;
 
 struct BlockWork {
   Act xIn, q, attOut, attnPartial, xMid, fcPre, mlpPartial;
@@ -158,7 +136,7 @@ struct GpuStage::Impl {
   int localV = 0, vocabBegin = 0; // the rank's rows of wte and lm.w
   std::vector<PartRef> forwardParts, backwardParts;
   std::vector<size_t> layerOffset;
-  std::vector<std::vector<size_t>> tensorOffset;
+  std::vector<std::array<size_t, kMostRoles>> tensorOffset; // per stage layer, by role
   Owned<float> params, grads, adamM, adamV;
   // bf16: the parameters the kernels read, rounded from the fp32 master copy `params` after
   // every optimizer step (same layout). fp32 reads `params` itself.
@@ -198,6 +176,8 @@ struct GpuStage::Impl {
   /// A parameter tensor as the kernels read it (compute type).
   const void *param(int layer, int tensor) const {
     int l = layer - layerBegin;
+    if (tensorOffset[size_t(l)][size_t(tensor)] == kAbsent)
+      return nullptr;
     const size_t at = layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
     if (dt == kBF16)
       return paramsLow.data() + at;
@@ -211,6 +191,8 @@ struct GpuStage::Impl {
   }
   float *grad(int layer, int tensor) {
     int l = layer - layerBegin;
+    if (tensorOffset[size_t(l)][size_t(tensor)] == kAbsent)
+      return nullptr;
     return grads.data() + layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
   }
   int sliceLen(int slice) const {
@@ -622,6 +604,7 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
          cfg.vocab % tp == 0 && "bad tensor-parallel split");
   assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
          "slices must cover the sequence");
+  assert(cfg.isGpt2() && "GpuStage runs GPT-2's block; gpuRunsTheBlock refuses the others");
   auto m = std::make_unique<Impl>(ctx);
   m->cfg = cfg;
   m->layerBegin = layerBegin;
@@ -642,7 +625,7 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
   for (int l = layerBegin; l < layerEnd; ++l) {
     for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
       m->forwardParts.push_back({l, sub});
-    m->tensorOffset.push_back(tensorOffsets(cfg, l, tp));
+    m->tensorOffset.push_back(kernels::paramRoleOffsets(cfg, l, tp));
     std::vector<float> shard = kernels::shardLayer(
         cfg, l, tpRank, tp,
         initLayers ? (*initLayers)[size_t(l)] : kernels::initLayerFull(cfg, l, seed));
