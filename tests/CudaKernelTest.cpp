@@ -17,6 +17,7 @@
 // everywhere CUDA is installed (//tests:cuda_check_test).
 //
 //===----------------------------------------------------------------------===//
+#include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
@@ -203,6 +204,87 @@ TEST_P(CudaLayernormTest, WeightGradientHasTheSameBitsEveryLaunch) {
     EXPECT_EQ(dW, firstW) << "launch " << run << " summed dW in another order";
     EXPECT_EQ(dB, firstB) << "launch " << run << " summed dB in another order";
   }
+}
+
+// The Llama-style block's ops (Llama.cu) against kernels/cpu/LlamaOps.h.
+TEST_P(CudaLayernormTest, RmsnormForwardAndBothBackwardsMatchCpu) {
+  const DType dt = GetParam();
+  const int n = 300, c = 70; // two chunks of rows for the weight gradient; c not a multiple of 32
+  Vec x = quantized(randomVec(size_t(n) * c, 40, -2.0f, 3.0f), dt);
+  Vec w = quantized(randomVec(c, 41, 0.5f, 1.5f), dt);
+  Vec dOut = quantized(randomVec(size_t(n) * c, 42), dt);
+  Vec dIn0 = quantized(randomVec(size_t(n) * c, 43), dt); // accumulated into
+  Vec dW0 = randomVec(c, 44);
+  Vec refOut(size_t(n) * c), refRstd(n), refIn = dIn0, refW = dW0;
+  cpu::rmsnormForward(refOut.data(), refRstd.data(), x.data(), w.data(), n, c);
+  cpu::rmsnormBackwardInputAccumulate(refIn.data(), dOut.data(), x.data(), refRstd.data(),
+                                      w.data(), n, c);
+  cpu::rmsnormBackwardWeight(refW.data(), dOut.data(), x.data(), refRstd.data(), n, c);
+
+  DeviceBuffer gx = upload(x, dt), gw = upload(w, dt), gdOut = upload(dOut, dt);
+  DeviceBuffer gdIn = upload(dIn0, dt), gdW = upload(dW0, DType::F32);
+  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt)), rstd = allocate(n * 4);
+  ASSERT_OK(rmsnormForward(*ctx, dt, out.data(), rstd.as<float>(), gx.data(), gw.data(), n, c));
+  ASSERT_OK(rmsnormBackwardInputAccumulate(*ctx, dt, gdIn.data(), gdOut.data(), gx.data(),
+                                           rstd.as<float>(), gw.data(), n, c));
+  ASSERT_OK(rmsnormBackwardWeight(*ctx, dt, gdW.as<float>(), gdOut.data(), gx.data(),
+                                  rstd.as<float>(), n, c));
+  EXPECT_CLOSE(download(out, refOut.size(), dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(rstd, n, DType::F32), refRstd, kTolF32);
+  EXPECT_CLOSE(download(gdIn, refIn.size(), dt), refIn, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdW, c, DType::F32), refW, kTolF32Long);
+  // The weight gradient sums each column in one order: the same bits on a second launch.
+  DeviceBuffer again = upload(dW0, DType::F32);
+  ASSERT_OK(rmsnormBackwardWeight(*ctx, dt, again.as<float>(), gdOut.data(), gx.data(),
+                                  rstd.as<float>(), n, c));
+  EXPECT_EQ(download(again, c, DType::F32), download(gdW, c, DType::F32));
+}
+
+TEST_P(CudaLayernormTest, SwigluForwardAndBackwardMatchCpuOnGateUpRows) {
+  const DType dt = GetParam();
+  const int n = 37, f = 45; // rows of gate | up, as the stage's fc output
+  Vec pre = quantized(randomVec(size_t(n) * 2 * f, 50, -4.0f, 4.0f), dt);
+  Vec dOut = quantized(randomVec(size_t(n) * f, 51), dt);
+  Vec refOut(size_t(n) * f), refPre(size_t(n) * 2 * f);
+  for (int r = 0; r < n; ++r) {
+    const float *p = pre.data() + size_t(r) * 2 * f;
+    float *d = refPre.data() + size_t(r) * 2 * f;
+    cpu::swigluForward(refOut.data() + size_t(r) * f, p, p + f, size_t(f));
+    cpu::swigluBackward(d, d + f, dOut.data() + size_t(r) * f, p, p + f, size_t(f));
+  }
+  DeviceBuffer gPre = upload(pre, dt), gdOut = upload(dOut, dt);
+  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt)), dPre = allocate(refPre.size() * sizeOf(dt));
+  ASSERT_OK(swigluForward(*ctx, dt, out.data(), gPre.data(), n, f));
+  ASSERT_OK(swigluBackward(*ctx, dt, dPre.data(), gdOut.data(), gPre.data(), n, f));
+  EXPECT_CLOSE(download(out, refOut.size(), dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(dPre, refPre.size(), dt), refPre, tolerance(dt));
+}
+
+TEST_P(CudaLayernormTest, RopeForwardAndBackwardMatchCpuAndUndoEachOther) {
+  const DType dt = GetParam();
+  const int rows = 40, heads = 3, hd = 10; // positions up to 8,191: angles of long sequences
+  std::vector<int32_t> positions(rows);
+  for (int r = 0; r < rows; ++r)
+    positions[size_t(r)] = (r * 211) % 8192;
+  for (double theta : {10000.0, 500000.0}) {
+    Vec x = quantized(randomVec(size_t(rows) * heads * hd, 60), dt);
+    Vec refFwd = x, refBwd = x;
+    cpu::ropeForward(refFwd.data(), positions.data(), rows, heads, hd, theta);
+    cpu::ropeBackward(refBwd.data(), positions.data(), rows, heads, hd, theta);
+    DeviceBuffer gPos = uploadInts(positions);
+    DeviceBuffer fwd = upload(x, dt), bwd = upload(x, dt);
+    ASSERT_OK(ropeForward(*ctx, dt, fwd.data(), gPos.as<int32_t>(), rows, heads, hd, theta));
+    ASSERT_OK(ropeBackward(*ctx, dt, bwd.data(), gPos.as<int32_t>(), rows, heads, hd, theta));
+    EXPECT_CLOSE(download(fwd, x.size(), dt), refFwd, tolerance(dt));
+    EXPECT_CLOSE(download(bwd, x.size(), dt), refBwd, tolerance(dt));
+    // The backward is the forward's transpose, a rotation back: it undoes it.
+    ASSERT_OK(ropeBackward(*ctx, dt, fwd.data(), gPos.as<int32_t>(), rows, heads, hd, theta));
+    EXPECT_CLOSE(download(fwd, x.size(), dt), x, tolerance(dt, /*longSums=*/true));
+  }
+  DeviceBuffer gPos = uploadInts(positions), y = upload(Vec(size_t(rows) * 9, 0.0f), dt);
+  llvm::Error odd = ropeForward(*ctx, dt, y.data(), gPos.as<int32_t>(), rows, 1, 9, 10000.0);
+  ASSERT_TRUE(bool(odd));
+  EXPECT_NE(llvm::toString(std::move(odd)).find("an even head size"), std::string::npos);
 }
 
 TEST_P(CudaLayernormTest, GeluForwardAndBackwardMatchCpu) {

@@ -183,6 +183,34 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
                                     const void *dOut, const void *in, const float *mean,
                                     const float *rstd, int n, int c);
 
+//===--- Llama-style block: RMSNorm, SwiGLU, rotary embeddings ------------===//
+// kernels/cpu/LlamaOps.h's formulas (RMSNorm's eps 1e-5, rotate-half pairs); not called by the
+// GPU stages yet.
+
+/// out (n, c) = in * rstd * w, rstd (n) = 1 / sqrt(mean(in^2) + eps), fp32.
+llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
+                           const void *w, int n, int c);
+/// dIn (n, c) += the gradient of in from dOut (n, c).
+llvm::Error rmsnormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
+                                           const void *dOut, const void *in, const float *rstd,
+                                           const void *w, int n, int c);
+/// dW (c) += sum over rows of dOut * in * rstd (the same bits every launch).
+llvm::Error rmsnormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *dOut,
+                                  const void *in, const float *rstd, int n, int c);
+/// out (n, f) = silu(gate) * up, where each row of pre (n, 2f) is gate | up (the stage's fc
+/// output).
+llvm::Error swigluForward(CudaContext &ctx, DType dtype, void *out, const void *pre, int n, int f);
+/// dPre (n, 2f) = the gradients of gate | up from dOut (n, f).
+llvm::Error swigluBackward(CudaContext &ctx, DType dtype, void *dPre, const void *dOut,
+                           const void *pre, int n, int f);
+/// Rotary embeddings of x (rows, heads * headDim) in place, row r at device positions[r]: the
+/// pair (i, i + headDim/2) of each head turns by positions[r] * theta^(-2i / headDim).
+llvm::Error ropeForward(CudaContext &ctx, DType dtype, void *x, const int32_t *positions, int rows,
+                        int heads, int headDim, double theta);
+/// The gradient through ropeForward, in place (the rotation transposed).
+llvm::Error ropeBackward(CudaContext &ctx, DType dtype, void *dx, const int32_t *positions,
+                         int rows, int heads, int headDim, double theta);
+
 //===--- GELU (tanh approximation) ----------------------------------------===//
 
 /// out (n) = gelu(in).

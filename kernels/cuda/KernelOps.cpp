@@ -76,6 +76,77 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
   return llvm::Error::success();
 }
 
+llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
+                           const void *w, int n, int c) {
+  if (auto err = checkRows("rmsnormForward", n, c))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::rmsnormForward(dtype, out, rstd, in, w, n, c, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error rmsnormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
+                                           const void *dOut, const void *in, const float *rstd,
+                                           const void *w, int n, int c) {
+  if (auto err = checkRows("rmsnormBackwardInputAccumulate", n, c))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::rmsnormBackwardInputAccumulate(dtype, dIn, dOut, in, rstd, w, n, c,
+                                                              streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error rmsnormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *dOut,
+                                  const void *in, const float *rstd, int n, int c) {
+  if (auto err = checkRows("rmsnormBackwardWeight", n, c))
+    return err;
+  ScratchBuffer partials(ctx.allocator());
+  if (auto err = partials.allocate(launch::columnSumScratchFloats(n, c, 1) * sizeof(float)))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::rmsnormBackwardWeight(dtype, dW, dOut, in, rstd, n, c,
+                                                     partials.as<float>(), streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error swigluForward(CudaContext &ctx, DType dtype, void *out, const void *pre, int n, int f) {
+  if (auto err = checkRows("swigluForward", n, f))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::swigluForward(dtype, out, pre, n, f, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error swigluBackward(CudaContext &ctx, DType dtype, void *dPre, const void *dOut,
+                           const void *pre, int n, int f) {
+  if (auto err = checkRows("swigluBackward", n, f))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::swigluBackward(dtype, dPre, dOut, pre, n, f, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+static llvm::Error checkRope(const char *op, int rows, int heads, int headDim, double theta) {
+  if (rows < 0 || heads <= 0 || headDim <= 0 || headDim % 2 != 0 || !(theta > 0))
+    return shapeError(fmt::format("{}: needs rows >= 0, heads > 0, an even head size and theta > "
+                                  "0 (got rows {}, heads {}, head size {}, theta {})",
+                                  op, rows, heads, headDim, theta));
+  return llvm::Error::success();
+}
+
+llvm::Error ropeForward(CudaContext &ctx, DType dtype, void *x, const int32_t *positions, int rows,
+                        int heads, int headDim, double theta) {
+  if (auto err = checkRope("ropeForward", rows, heads, headDim, theta))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::rope(dtype, x, positions, rows, heads, headDim, theta,
+                                    /*backward=*/false, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
+llvm::Error ropeBackward(CudaContext &ctx, DType dtype, void *dx, const int32_t *positions,
+                         int rows, int heads, int headDim, double theta) {
+  if (auto err = checkRope("ropeBackward", rows, heads, headDim, theta))
+    return err;
+  PIPEC_QUEUE_TRY(ctx, launch::rope(dtype, dx, positions, rows, heads, headDim, theta,
+                                    /*backward=*/true, streamOf(ctx)));
+  return llvm::Error::success();
+}
+
 llvm::Error geluForward(CudaContext &ctx, DType dtype, void *out, const void *in, size_t n) {
   PIPEC_QUEUE_TRY(ctx, launch::geluForward(dtype, out, in, n, streamOf(ctx)));
   return llvm::Error::success();

@@ -8,6 +8,7 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
 
+#include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/emu/EmuOps.h"
 #include "kernels/cuda/emu/FakeCuda.h"
@@ -94,6 +95,79 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
     const size_t nc = size_t(n) * size_t(c);
     Widened dy(dOut, nc, dtype), x(in, nc, dtype);
     ops::layernormBackwardWeight(dW, dB, dy.data, x.data, mean, rstd, n, c);
+  });
+}
+
+llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
+                           const void *w, int n, int c) {
+  return run(ctx, [=] {
+    const size_t nc = size_t(n) * size_t(c);
+    Widened x(in, nc, dtype), wt(w, size_t(c), dtype);
+    Narrowed y(out, nc, dtype);
+    ops::rmsnormForward(y.data, rstd, x.data, wt.data, n, c);
+    y.done();
+  });
+}
+llvm::Error rmsnormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
+                                           const void *dOut, const void *in, const float *rstd,
+                                           const void *w, int n, int c) {
+  return run(ctx, [=] {
+    const size_t nc = size_t(n) * size_t(c);
+    Widened dy(dOut, nc, dtype), x(in, nc, dtype), wt(w, size_t(c), dtype);
+    Narrowed dx(dIn, nc, dtype, /*accumulate=*/true);
+    ops::rmsnormBackwardInputAccumulate(dx.data, dy.data, x.data, rstd, wt.data, n, c);
+    dx.done();
+  });
+}
+llvm::Error rmsnormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *dOut,
+                                  const void *in, const float *rstd, int n, int c) {
+  return run(ctx, [=] {
+    const size_t nc = size_t(n) * size_t(c);
+    Widened dy(dOut, nc, dtype), x(in, nc, dtype);
+    ops::rmsnormBackwardWeight(dW, dy.data, x.data, rstd, n, c);
+  });
+}
+llvm::Error swigluForward(CudaContext &ctx, DType dtype, void *out, const void *pre, int n, int f) {
+  return run(ctx, [=] {
+    const size_t nf = size_t(n) * size_t(f);
+    Widened p(pre, 2 * nf, dtype);
+    Narrowed y(out, nf, dtype);
+    for (int r = 0; r < n; ++r)
+      ops::swigluForward(y.data + size_t(r) * f, p.data + size_t(r) * 2 * f,
+                         p.data + size_t(r) * 2 * f + f, size_t(f));
+    y.done();
+  });
+}
+llvm::Error swigluBackward(CudaContext &ctx, DType dtype, void *dPre, const void *dOut,
+                           const void *pre, int n, int f) {
+  return run(ctx, [=] {
+    const size_t nf = size_t(n) * size_t(f);
+    Widened p(pre, 2 * nf, dtype), dy(dOut, nf, dtype);
+    Narrowed dp(dPre, 2 * nf, dtype);
+    for (int r = 0; r < n; ++r) {
+      float *row = dp.data + size_t(r) * 2 * f;
+      const float *pr = p.data + size_t(r) * 2 * f;
+      ops::swigluBackward(row, row + f, dy.data + size_t(r) * f, pr, pr + f, size_t(f));
+    }
+    dp.done();
+  });
+}
+llvm::Error ropeForward(CudaContext &ctx, DType dtype, void *x, const int32_t *positions, int rows,
+                        int heads, int headDim, double theta) {
+  return run(ctx, [=] {
+    const size_t n = size_t(rows) * size_t(heads) * size_t(headDim);
+    Narrowed y(x, n, dtype, /*accumulate=*/true);
+    ops::ropeForward(y.data, positions, rows, heads, headDim, theta);
+    y.done();
+  });
+}
+llvm::Error ropeBackward(CudaContext &ctx, DType dtype, void *dx, const int32_t *positions,
+                         int rows, int heads, int headDim, double theta) {
+  return run(ctx, [=] {
+    const size_t n = size_t(rows) * size_t(heads) * size_t(headDim);
+    Narrowed y(dx, n, dtype, /*accumulate=*/true);
+    ops::ropeBackward(y.data, positions, rows, heads, headDim, theta);
+    y.done();
   });
 }
 
