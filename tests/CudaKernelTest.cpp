@@ -402,6 +402,79 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   EXPECT_CLOSE(download(otherLse, refLse.size(), DType::F32), refLse, tolerance(dt));
 }
 
+// Grouped-query attention (Llama's num_query_groups): query head h reads key/value head
+// h / (H / KV); K, V and their fp32 gradients are (a + x, B, KV*hd). Against
+// kernels/cpu/LlamaOps.h's grouped attention, with slices over earlier keys (Seq1F1B), key
+// ranges crossing 32-key tiles, and bf16 shapes the tensor cores would take for multi-head
+// attention: grouped heads run on the SIMT kernels, forward and backward.
+class CudaGroupedAttentionTest : public GpuTest,
+                                 public ::testing::WithParamInterface<std::tuple<DType, int>> {};
+
+TEST_P(CudaGroupedAttentionTest, SliceOverEarlierKeysMatchesCpu) {
+  const DType dt = std::get<0>(GetParam());
+  const AttentionShape cases[] = {
+      {/*batch=*/2, /*queries=*/13, /*begin=*/40, /*heads=*/6, /*headDim=*/20, /*kvHeads=*/2},
+      {1, 33, 0, 4, 64, 1},  // multi-query; a bf16 tensor-core head size
+      {2, 9, 25, 8, 32, 4},  // a slice of a sub-sequence split
+  };
+  const AttentionShape s = cases[std::get<1>(GetParam())];
+  SCOPED_TRACE(fmt::format("B {} x {} a {} H {} hd {} KV {}", s.batch, s.queries, s.begin, s.heads,
+                           s.headDim, s.kvHeads));
+  cpu::GroupedAttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.kvHeads, s.headDim};
+  const int kvw = s.kvHeads * s.headDim, group = s.heads / s.kvHeads;
+  const size_t qSize = size_t(s.batch) * s.queries * s.width();
+  const size_t kvSize = size_t(s.keys()) * s.batch * size_t(kvw);
+  Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
+  Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
+  Vec dk0 = randomVec(kvSize, 74), dv0 = randomVec(kvSize, 75);
+  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
+  Vec refDq(qSize), refDk = dk0, refDv = dv0;
+  cpu::groupedAttentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
+  cpu::groupedAttentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(),
+                                probs.data(), q.data(), k.data(), v.data(), cs);
+  Vec refLse(size_t(s.batch) * s.heads * s.queries); // in double, from the group's keys
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t) {
+        double sum = 0;
+        for (int j = 0; j <= s.begin + t; ++j) {
+          double dot = 0;
+          for (int d = 0; d < s.headDim; ++d)
+            dot += double(q[(size_t(b) * s.queries + t) * s.width() + size_t(h) * s.headDim + d]) *
+                   k[(size_t(j) * s.batch + b) * kvw + size_t(h / group) * s.headDim + d];
+          sum += std::exp(dot / std::sqrt(double(s.headDim)));
+        }
+        refLse[(size_t(b) * s.heads + h) * s.queries + t] = float(std::log(sum));
+      }
+  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
+  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
+               gdv = upload(dv0, DType::F32);
+  DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
+  DeviceBuffer lse = allocate(refLse.size() * 4);
+  const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
+  EXPECT_FALSE(launch::attentionUsesTensorCores(dt, dims, {out.data(), gq.data(), gk.data()}));
+  ASSERT_OK(
+      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
+                              out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
+  EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
+  EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
+  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
+  EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+  // A group count that does not divide the heads is a shape error, not a launch.
+  AttentionShape bad = s;
+  bad.kvHeads = s.heads + 1;
+  llvm::Error err =
+      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), bad);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(llvm::toString(std::move(err)).find("does not divide heads"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaGroupedAttentionTest,
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Values(0, 1, 2)));
+
 // Which kernel each device gets, for devices this machine does not have: sm_90a's wgmma only
 // on compute capability 9.0 with the Hopper kernels allowed, mma.sync for the other tensor-core
 // shapes and devices (an A100 is 8.0; 8.6 and 8.9 run its sm_80 code; a newer GPU the build's

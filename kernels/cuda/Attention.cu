@@ -35,6 +35,9 @@ bool attentionUsesTensorCores(DType dtype, AttentionDims s,
                               std::initializer_list<const void *> tensors) {
   if (dtype != DType::BF16 || !attention::mmaSyncHeadDim(s.headDim))
     return false;
+  if (s.kvHeads > 0 && s.kvHeads != s.heads)
+    return false; // grouped key/value heads: the SIMT kernels
+
   for (const void *p : tensors)
     if (!aligned16(p))
       return false;

@@ -38,13 +38,17 @@ using device::bf16;
 /// The shape of one call, with the layouts' offsets.
 struct Dims {
   int batch, queries, begin, heads, headDim;
+  int kvHeads; // key/value heads, dividing heads (== heads: multi-head attention)
   __host__ __device__ int width() const { return heads * headDim; }
+  __host__ __device__ int kvWidth() const { return kvHeads * headDim; }
+  __host__ __device__ int group() const { return heads / kvHeads; } // query heads per K/V head
   __host__ __device__ int keys() const { return begin + queries; }
   __device__ size_t qRow(int b, int t, int h) const {
     return (size_t(b) * queries + t) * width() + size_t(h) * headDim;
   }
+  /// The key/value row that query head h reads.
   __device__ size_t kvRow(int j, int b, int h) const {
-    return (size_t(j) * batch + b) * width() + size_t(h) * headDim;
+    return (size_t(j) * batch + b) * kvWidth() + size_t(h / group()) * headDim;
   }
   __device__ size_t statRow(int b, int h, int t) const {
     return (size_t(b) * heads + h) * queries + t;
@@ -52,7 +56,7 @@ struct Dims {
 };
 
 inline Dims toDims(launch::AttentionDims d) {
-  return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim};
+  return Dims{d.batch, d.queries, d.begin, d.heads, d.headDim, d.kvHeads > 0 ? d.kvHeads : d.heads};
 }
 
 /// The softmax in base 2: scores are scaled by log2(e) / sqrt(hd) and exponentiated by exp2;

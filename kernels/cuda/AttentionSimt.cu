@@ -199,9 +199,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dk, dv (a+x, B, H*hd) fp32 += over the queries t that see key j (a + t >= j):
+// dk, dv (a+x, B, KV*hd) fp32 += over the queries t that see key j (a + t >= j), of every query
+// head h of the key/value head's group (in order):
 //   dv_j += p dO_t;  dk_j += dS q_t.
-// grid (ceil((a+x) / 8), B*H); warp w: key j = blockIdx.x * 8 + w.
+// grid (ceil((a+x) / 8), B*KV); warp w: key j = blockIdx.x * 8 + w.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     backwardKeyValueKernel(float *__restrict__ dk, float *__restrict__ dv,
@@ -217,49 +218,51 @@ __global__ void __launch_bounds__(kThreads)
   float *lseTile = vRows + kRowsPerBlock * hd; // (32)
   float *dTile = lseTile + kTile;              // (32)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
+  const int b = blockIdx.y / s.kvHeads, firstHead = (blockIdx.y % s.kvHeads) * s.group();
   const int j = blockIdx.x * kRowsPerBlock + warp;
   const bool active = j < s.keys();
   float *kRow = kRows + warp * hd, *vRow = vRows + warp * hd;
   if (active)
     for (int d = lane; d < hd; d += kWarp) {
-      kRow[d] = toFloat(k[s.kvRow(j, b, h) + d]);
-      vRow[d] = toFloat(v[s.kvRow(j, b, h) + d]);
+      kRow[d] = toFloat(k[s.kvRow(j, b, firstHead) + d]);
+      vRow[d] = toFloat(v[s.kvRow(j, b, firstHead) + d]);
     }
   // The block's first key is seen from query max(0, j0 - a) on.
   const int firstQuery = max(0, int(blockIdx.x) * kRowsPerBlock - s.begin);
   float dkAcc[kPerLane] = {}, dvAcc[kPerLane] = {};
-  for (int t0 = firstQuery / kTile * kTile; t0 < s.queries; t0 += kTile) {
-    __syncthreads();
-    auto qOffset = [&](int t) { return s.qRow(b, t, h); };
-    loadTile(qs, q, t0, s.queries, hd, qOffset);
-    loadTile(dos, dOut, t0, s.queries, hd, qOffset);
-    if (threadIdx.x < kTile) {
-      const int t = t0 + threadIdx.x;
-      lseTile[threadIdx.x] = t < s.queries ? lse[s.statRow(b, h, t)] : 0.0f;
-      dTile[threadIdx.x] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
-    }
-    __syncthreads();
-    if (!active)
-      continue;
-    const int t = t0 + lane;
-    const bool sees = t < s.queries && s.begin + t >= j;
-    float p = 0.0f, ds = 0.0f;
-    if (sees) {
-      p = expf(dot(kRow, qs + lane * pitch, hd) * scale - lseTile[lane]);
-      ds = p * (dot(vRow, dos + lane * pitch, hd) - dTile[lane]) * scale;
-    }
-    for (int l = 0; l < kTile; ++l) {
-      const float pl = __shfl_sync(kFullMask, p, l);
-      const float dsl = __shfl_sync(kFullMask, ds, l);
-      if (pl == 0.0f && dsl == 0.0f)
-        continue; // uniform across the warp: masked query
+  for (int h = firstHead; h < firstHead + s.group(); ++h) {
+    for (int t0 = firstQuery / kTile * kTile; t0 < s.queries; t0 += kTile) {
+      __syncthreads();
+      auto qOffset = [&](int t) { return s.qRow(b, t, h); };
+      loadTile(qs, q, t0, s.queries, hd, qOffset);
+      loadTile(dos, dOut, t0, s.queries, hd, qOffset);
+      if (threadIdx.x < kTile) {
+        const int t = t0 + threadIdx.x;
+        lseTile[threadIdx.x] = t < s.queries ? lse[s.statRow(b, h, t)] : 0.0f;
+        dTile[threadIdx.x] = t < s.queries ? rowDot[s.statRow(b, h, t)] : 0.0f;
+      }
+      __syncthreads();
+      if (!active)
+        continue;
+      const int t = t0 + lane;
+      const bool sees = t < s.queries && s.begin + t >= j;
+      float p = 0.0f, ds = 0.0f;
+      if (sees) {
+        p = expf(dot(kRow, qs + lane * pitch, hd) * scale - lseTile[lane]);
+        ds = p * (dot(vRow, dos + lane * pitch, hd) - dTile[lane]) * scale;
+      }
+      for (int l = 0; l < kTile; ++l) {
+        const float pl = __shfl_sync(kFullMask, p, l);
+        const float dsl = __shfl_sync(kFullMask, ds, l);
+        if (pl == 0.0f && dsl == 0.0f)
+          continue; // uniform across the warp: masked query
 #pragma unroll
-      for (int r = 0; r < kPerLane; ++r) {
-        const int d = lane + r * kWarp;
-        if (d < hd) {
-          dvAcc[r] += pl * dos[l * pitch + d];
-          dkAcc[r] += dsl * qs[l * pitch + d];
+        for (int r = 0; r < kPerLane; ++r) {
+          const int d = lane + r * kWarp;
+          if (d < hd) {
+            dvAcc[r] += pl * dos[l * pitch + d];
+            dkAcc[r] += dsl * qs[l * pitch + d];
+          }
         }
       }
     }
@@ -270,7 +273,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kPerLane; ++r) {
     const int d = lane + r * kWarp;
     if (d < hd) {
-      const size_t at = s.kvRow(j, b, h) + d;
+      const size_t at = s.kvRow(j, b, firstHead) + d;
       dk[at] += dkAcc[r];
       dv[at] += dvAcc[r];
     }
@@ -315,7 +318,7 @@ cudaError_t simtBackward(DType dtype, void *dq, float *dk, float *dv, const void
                          const void *v, const Dims &s, cudaStream_t stream) {
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   const dim3 queryGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
-  const dim3 keyGrid(ceilDiv(s.keys(), kRowsPerBlock), unsigned(s.batch * s.heads));
+  const dim3 keyGrid(ceilDiv(s.keys(), kRowsPerBlock), unsigned(s.batch * s.kvHeads));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T *dOutT = static_cast<const T *>(dOut);

@@ -228,8 +228,13 @@ struct AttentionShape {
   int begin;   // a: position of the slice's first token
   int heads;   // H
   int headDim; // hd
+  /// Key/value heads (grouped-query attention: query head h reads key/value head
+  /// h / (H / kvHeads)); 0: one per query head. k, v and their gradients are
+  /// (a + x, B, kvHeads*hd).
+  int kvHeads = 0;
   int keys() const { return begin + queries; }
   int width() const { return heads * headDim; }
+  int kvHeadCount() const { return kvHeads > 0 ? kvHeads : heads; }
 };
 /// out (B, x, H*hd) = softmax(q k^T / sqrt(hd), causal) v; lse (B, H, x) fp32, the log-sum-exp
 /// of each query row's scaled scores, for the backward. The kernel (docs/gpu.md): wgmma on a
@@ -242,6 +247,8 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
 /// `out` and `lse` are the forward's. dk and dv are fp32 in every compute type: Seq1F1B's slices
 /// all add to the gradients of the earlier keys, and a bf16 sum would round once per slice.
 /// mma.sync where the forward's tensor-core condition holds, SIMT otherwise, on every GPU.
+/// Grouped-query attention (kvHeads < heads) runs on the SIMT kernels, forward and backward;
+/// the backward sums each key/value head's gradients over its group in a fixed order.
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *out, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s);

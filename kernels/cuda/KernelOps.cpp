@@ -170,11 +170,14 @@ static llvm::Error checkAttention(const char *op, const AttentionShape &s) {
   if (size_t(s.batch) * s.heads > 65535)
     return shapeError(fmt::format("{}: batch x heads = {} is over 65535 (grid y)", op,
                                   size_t(s.batch) * s.heads));
+  if (s.kvHeads < 0 || (s.kvHeads > 0 && s.heads % s.kvHeads != 0))
+    return shapeError(fmt::format("{}: kvHeads {} does not divide heads {}", op, s.kvHeads,
+                                  s.heads));
   return llvm::Error::success();
 }
 
 static launch::AttentionDims dimsOf(const AttentionShape &s) {
-  return {s.batch, s.queries, s.begin, s.heads, s.headDim};
+  return {s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
 }
 
 /// What the launchers choose kernels by: the context's device and configuration.

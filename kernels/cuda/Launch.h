@@ -87,6 +87,7 @@ cudaError_t rope(DType dtype, void *x, const int32_t *positions, int rows, int h
 // AttentionWgmma.cu (the kernel families; Attention.cuh)
 struct AttentionDims {
   int batch, queries, begin, heads, headDim;
+  int kvHeads = 0; // key/value heads (grouped-query attention); 0: heads
 };
 /// What a launcher chooses kernels by besides the shapes: the device its stream's work runs on
 /// and the run's configuration (kernels/cuda/KernelConfig.h). KernelOps.cpp makes it from the

@@ -32,7 +32,8 @@ namespace {
 /// softmax probabilities (B, H, x, a+x) of a query slice, from the log-sum-exp of each row.
 std::vector<float> attentionProbs(const float *q, const float *k, const float *lse,
                                   const AttentionShape &s) {
-  const int keys = s.keys(), w = s.width();
+  const int keys = s.keys(), w = s.width(), kw = s.kvHeadCount() * s.headDim;
+  const int group = s.heads / s.kvHeadCount();
   const float scale = 1.0f / std::sqrt(float(s.headDim));
   std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * keys, 0.0f);
   for (int b = 0; b < s.batch; ++b)
@@ -41,7 +42,7 @@ std::vector<float> attentionProbs(const float *q, const float *k, const float *l
         const size_t row = (size_t(b) * s.heads + h) * s.queries + t;
         const float *qr = q + (size_t(b) * s.queries + t) * w + size_t(h) * s.headDim;
         for (int j = 0; j <= s.begin + t; ++j) {
-          const float *kr = k + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
+          const float *kr = k + (size_t(j) * s.batch + b) * kw + size_t(h / group) * s.headDim;
           float dot = 0;
           for (int d = 0; d < s.headDim; ++d)
             dot += qr[d] * kr[d];
@@ -51,8 +52,9 @@ std::vector<float> attentionProbs(const float *q, const float *k, const float *l
   return probs;
 }
 
-ops::AttentionShape cpuShape(const AttentionShape &s) {
-  return ops::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim};
+ops::GroupedAttentionShape cpuShape(const AttentionShape &s) {
+  return ops::GroupedAttentionShape{s.batch,     s.queries,         s.begin,
+                                    s.heads,     s.kvHeadCount(),   s.headDim};
 }
 
 } // namespace
@@ -193,11 +195,12 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
                              const void *k, const void *v, const AttentionShape &s) {
   return run(ctx, [=] {
     const size_t qSize = size_t(s.batch) * s.queries * s.width();
-    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.kvHeadCount() * s.headDim;
     Widened qw(q, qSize, dtype), kw(k, kvSize, dtype), vw(v, kvSize, dtype);
     Narrowed o(out, qSize, dtype);
     const float *qf = qw.data, *kf = kw.data;
-    const int w = s.width();
+    const int w = s.width(), kvw = s.kvHeadCount() * s.headDim;
+    const int group = s.heads / s.kvHeadCount();
     const float scale = 1.0f / std::sqrt(float(s.headDim));
     // The log-sum-exp of every query row's scaled, causally masked scores ...
     for (int b = 0; b < s.batch; ++b)
@@ -207,7 +210,7 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
           std::vector<float> scores(size_t(s.begin + t + 1));
           float top = -std::numeric_limits<float>::infinity();
           for (int j = 0; j <= s.begin + t; ++j) {
-            const float *kr = kf + (size_t(j) * s.batch + b) * w + size_t(h) * s.headDim;
+            const float *kr = kf + (size_t(j) * s.batch + b) * kvw + size_t(h / group) * s.headDim;
             float dot = 0;
             for (int d = 0; d < s.headDim; ++d)
               dot += qr[d] * kr[d];
@@ -221,7 +224,7 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
         }
     // ... and the output from the CPU op.
     std::vector<float> probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-    ops::attentionForward(o.data, probs.data(), qf, kf, vw.data, cpuShape(s));
+    ops::groupedAttentionForward(o.data, probs.data(), qf, kf, vw.data, cpuShape(s));
     o.done();
   });
 }
@@ -237,14 +240,14 @@ llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk
     return scratch.takeError();
   auto err = run(ctx, [=] {
     const size_t qSize = size_t(s.batch) * s.queries * s.width();
-    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.kvHeadCount() * s.headDim;
     Widened qw(q, qSize, dtype), kw(k, kvSize, dtype), vw(v, kvSize, dtype),
         dyw(dOut, qSize, dtype);
     Narrowed dqn(dq, qSize, dtype);
     std::vector<float> probs = attentionProbs(qw.data, kw.data, lse, s);
     // dk and dv are fp32 accumulators in every compute type: the CPU op adds to them in place.
-    ops::attentionBackward(dqn.data, dk, dv, dyw.data, probs.data(), qw.data, kw.data, vw.data,
-                           cpuShape(s));
+    ops::groupedAttentionBackward(dqn.data, dk, dv, dyw.data, probs.data(), qw.data, kw.data,
+                                  vw.data, cpuShape(s));
     dqn.done();
   });
   from.release(*scratch);
