@@ -117,6 +117,8 @@ std::string TransformerConfig::variantText() const {
     parts.push_back(fmt::format("\"num_query_groups\": {}", numQueryGroups));
   if (!bias)
     parts.push_back("\"bias\": false");
+  if (normEps != 1e-5)
+    parts.push_back(fmt::format("\"norm_eps\": {}", normEps));
   return fmt::format("{}", fmt::join(parts, ", "));
 }
 
@@ -428,7 +430,7 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
                             {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                              "vocab_size", "seq_length", "microbatch_size", "dtype",
                              "tie_embeddings", "attention", "recompute", "norm", "mlp", "position",
-                             "rope_theta", "num_query_groups", "bias"}))
+                             "rope_theta", "num_query_groups", "bias", "norm_eps"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -491,6 +493,12 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return err;
   if (auto err = r.getBool(t, path, "bias", c.bias, false))
     return err;
+  if (auto err = r.getNumber(t, path, "norm_eps", c.normEps, false, 1e-12))
+    return err;
+  if (c.normEps > 0.1)
+    return inputError("{}: $.transformer.norm_eps: expected at most 0.1 (checkpoints use 1e-5 or "
+                      "1e-6), got {}",
+                      r.name(), c.normEps);
   if (c.dtype != "bf16" && c.dtype != "fp16" && c.dtype != "fp32")
     return inputError("{}: $.transformer.dtype: expected \"bf16\", \"fp16\" or \"fp32\", got "
                       "\"{}\"",

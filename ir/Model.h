@@ -118,12 +118,15 @@ struct TransformerConfig {
   int64_t numQueryGroups = 0;
   /// Biases on the linear layers (and LayerNorm's shift); Llama has none.
   bool bias = true;
+  /// The norms' epsilon (LayerNorm's added to the variance, RMSNorm's to the mean square):
+  /// Hugging Face's layer_norm_epsilon / rms_norm_eps (GPT-2 and Llama 3: 1e-5, Llama 2: 1e-6).
+  double normEps = 1e-5;
   int64_t dtypeBytes() const { return dtype == "fp32" ? 4 : 2; }
   int64_t kvHeads() const { return numQueryGroups > 0 ? numQueryGroups : numAttentionHeads; }
   /// GPT-2's block in every choice (what the runtime's kernels implement today).
   bool isGpt2() const {
     return norm == Norm::LayerNorm && mlp == Mlp::Gelu && position == Position::Learned &&
-           kvHeads() == numAttentionHeads && bias;
+           kvHeads() == numAttentionHeads && bias && normEps == 1e-5;
   }
   /// The choices that differ from GPT-2's, as the spec writes them ("" for GPT-2).
   std::string variantText() const;

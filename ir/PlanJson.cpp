@@ -132,6 +132,8 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
       o["num_query_groups"] = t.numQueryGroups;
     if (!t.bias)
       o["bias"] = false;
+    if (t.normEps != 1e-5)
+      o["norm_eps"] = t.normEps;
   }
   OJson slices = OJson::array();
   for (auto [b, e] : plan.seqSlices)

@@ -564,6 +564,8 @@ std::vector<Case> catalogue() {
   add("RopeThetaWithLearnedPositions",
       llamaWith([](Json &j) { j["transformer"]["position"] = "learned"; }), llamaCompile,
       "$.transformer.rope_theta: applies to \"position\": \"rope\" only");
+  add("NormEpsTooLarge", llamaWith([](Json &j) { j["transformer"]["norm_eps"] = 0.5; }),
+      llamaCompile, "$.transformer.norm_eps: expected at most 0.1");
   add("BiasNotABoolean", llamaWith([](Json &j) { j["transformer"]["bias"] = "no"; }), llamaCompile,
       "$.transformer.bias");
   add(

@@ -201,9 +201,10 @@ std::vector<Variant> variants() {
   mixA.swiglu = true;
   mixA.kvHeads = 2;
   mixA.bias = false;
-  GptConfig mixB = tinyConfig(); // rmsnorm, gelu, rope, multi-head, biases
+  GptConfig mixB = tinyConfig(); // rmsnorm, gelu, rope, multi-head, biases, a large eps
   mixB.rmsnorm = mixB.rope = true;
   mixB.ropeTheta = 500000;
+  mixB.normEps = 0.25f; // large enough that a kernel ignoring it misses the double model
   GptConfig mqa = llama; // one key/value head (multi-query)
   mqa.kvHeads = 1;
   return {{"Gpt2", tinyConfig()}, {"Llama", llama}, {"LayernormSwigluGqa", mixA},
@@ -240,7 +241,8 @@ struct Ref {
           var += (x[r * c + k] - mean) * (x[r * c + k] - mean) / c;
       }
       for (int k = 0; k < c; ++k)
-        y[r * c + k] = (x[r * c + k] - mean) / std::sqrt(var + 1e-5) * w[k] + (b ? b[k] : 0.0);
+        y[r * c + k] = (x[r * c + k] - mean) / std::sqrt(var + double(cfg.normEps)) * w[k] +
+                       (b ? b[k] : 0.0);
     }
     return y;
   }

@@ -477,12 +477,12 @@ struct StageCompute::Impl {
                    const float *in, int layer, int w, int b, int n) {
     rstd.resize(n);
     if (cfg.rmsnorm) {
-      ops::rmsnormForward(out, rstd.data(), in, param(layer, w), n, cfg.channels);
+      ops::rmsnormForward(out, rstd.data(), in, param(layer, w), n, cfg.channels, cfg.normEps);
       return;
     }
     mean.resize(n);
     ops::layernormForward(out, mean.data(), rstd.data(), in, param(layer, w), param(layer, b), n,
-                          cfg.channels);
+                          cfg.channels, cfg.normEps);
   }
   void normBackwardInput(float *dIn, const float *dOut, const float *in,
                          const std::vector<float> &mean, const std::vector<float> &rstd, int layer,

@@ -62,10 +62,11 @@ struct GptConfig {
   double ropeTheta = 10000; // with rope
   int kvHeads = 0;          // key/value heads (grouped-query attention); 0: one per head
   bool bias = true;         // biases of the linear layers and LayerNorm's shift
+  float normEps = 1e-5f;    // the norms' epsilon (the spec's "norm_eps")
   int numLayers() const { return layers + 2; } // embedding + blocks + head
   int kvHeadCount() const { return kvHeads > 0 ? kvHeads : heads; }
   bool isGpt2() const {
-    return !rmsnorm && !swiglu && !rope && kvHeadCount() == heads && bias;
+    return !rmsnorm && !swiglu && !rope && kvHeadCount() == heads && bias && normEps == 1e-5f;
   }
 };
 

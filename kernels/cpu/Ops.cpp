@@ -104,11 +104,9 @@ void matmulTBackwardWeight(float *__restrict__ dW, const float *__restrict__ in,
   }
 }
 
-static constexpr float kLayernormEps = 1e-5f;
-
 void layernormForward(float *__restrict__ out, float *__restrict__ mean, float *__restrict__ rstd,
                       const float *__restrict__ in, const float *__restrict__ w,
-                      const float *__restrict__ b, int n, int c) {
+                      const float *__restrict__ b, int n, int c, float eps) {
   for (int r = 0; r < n; ++r) {
     const float *x = in + size_t(r) * c;
     float m = 0.0f;
@@ -119,7 +117,7 @@ void layernormForward(float *__restrict__ out, float *__restrict__ mean, float *
     for (int k = 0; k < c; ++k)
       var += (x[k] - m) * (x[k] - m);
     var /= c;
-    float s = 1.0f / std::sqrt(var + kLayernormEps);
+    float s = 1.0f / std::sqrt(var + eps);
     float *y = out + size_t(r) * c;
     for (int k = 0; k < c; ++k)
       y[k] = (x[k] - m) * s * w[k] + (b ? b[k] : 0.0f);

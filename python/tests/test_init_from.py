@@ -151,7 +151,7 @@ def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
 
 # A Llama checkpoint (examples/tiny-llama.json's shape): LlamaForCausalLM's tensor names, its
 # nn.Linear weights [out, in], rotate_half rotary embeddings on q and k, key/value heads shared
-# by groups of query heads, SwiGLU, RMSNorm with eps 1e-5, no biases.
+# by groups of query heads, SwiGLU, RMSNorm with eps 1e-5 (or the model's norm_eps), no biases.
 LV, LT, LC, LH, LKV, LL, LF, THETA = 64, 16, 32, 4, 2, 4, 96, 10000.0
 
 
@@ -181,7 +181,7 @@ def llama_weights(seed: int, tied: bool) -> dict:
     return w
 
 
-def llama_loss(w: dict, tokens: list, tied: bool) -> float:
+def llama_loss(w: dict, tokens: list, tied: bool, eps: float = 1e-5) -> float:
     """Mean next-token cross-entropy of one sequence, in float64, LlamaForCausalLM's way."""
     d = {k: v.double() for k, v in w.items()}
     x = torch.tensor(tokens[:-1])
@@ -189,7 +189,7 @@ def llama_loss(w: dict, tokens: list, tied: bool) -> float:
     n, hd = len(x), LC // LH
 
     def rms(h, weight):
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
     inv_freq = 1.0 / THETA ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
@@ -221,8 +221,8 @@ def llama_loss(w: dict, tokens: list, tied: bool) -> float:
     return torch.nn.functional.cross_entropy(h @ head.T, y).item()
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied):
+@pytest.mark.parametrize("tied,eps", [(False, None), (True, None), (False, 0.05)])
+def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied, eps):
     weights = llama_weights(seed=7 if tied else 9, tied=tied)
     checkpoint = tmp_path / "llama.safetensors"
     saved = dict(weights)
@@ -233,12 +233,14 @@ def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied):
     tokens = torch.randint(0, LV, (LT + 1,), generator=g).tolist()
     data = tmp_path / "tokens.bin"
     data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
-    want = llama_loss(weights, tokens, tied)
+    want = llama_loss(weights, tokens, tied, eps if eps else 1e-5)
     model = example("tiny-llama.json")
-    if tied:
-        model = str(tmp_path / "tiny-llama-tied.json")
+    if tied or eps:
+        # tie_word_embeddings, or another rms_norm_eps (large enough to move the loss)
+        model = str(tmp_path / "tiny-llama-variant.json")
         original = open(example("tiny-llama.json")).read()
-        text = original.replace('"dtype": "fp32"', '"dtype": "fp32", "tie_embeddings": true')
+        extra = (', "tie_embeddings": true' if tied else "") + (f', "norm_eps": {eps}' if eps else "")
+        text = original.replace('"dtype": "fp32"', '"dtype": "fp32"' + extra)
         assert text != original, "tiny-llama.json no longer says \"dtype\": \"fp32\""
         open(model, "w").write(text)
     # tp 2 splits the 2 key/value heads one per rank.

@@ -196,6 +196,7 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
   cfg.ropeTheta = t.ropeTheta;
   cfg.kvHeads = int(t.kvHeads());
   cfg.bias = t.bias;
+  cfg.normEps = float(t.normEps);
   // The stage table must describe this model (a hand-edited plan may not): all layers,
   // the whole sequence, and with tp the kernels' reduction points.
   if (plan.stages.empty() || plan.stages.back().layerEnd != cfg.numLayers())

@@ -25,7 +25,7 @@ case "$target" in
   manifest_fuzzer) cp tests/fuzz/seeds/manifest-*.json "$work/seeds/" ;;
   plan_fuzzer | piperun_intake_fuzzer)
     prefix=""
-    [ "$target" = piperun_intake_fuzzer ] && prefix=tinygpt
+    [ "$target" = piperun_intake_fuzzer ] && prefix=tiny
     while read -r name flags; do
       case "$name" in '#'* | '') continue ;; "$prefix"*) ;; *) continue ;; esac
       # shellcheck disable=SC2086
