@@ -132,6 +132,37 @@ struct Bench {
                     time([&] { return geluBackward(ctx, dt, du, gu, u, size_t(n) * f); }));
   }
 
+  // The Llama-style block's memory-bound kernels: RMSNorm over n rows of c, SwiGLU over the
+  // MLP's n x f (reading gate | up rows of 2f), rotary embeddings of q (n rows of c).
+  void llama(DType dt, int n, int c, int f, int headDim) {
+    const double sz = double(sizeOf(dt)), nc = double(n) * c, nf = double(n) * f;
+    void *x = buffer(size_t(n) * c, dt), *y = buffer(size_t(n) * c, dt);
+    void *dy = buffer(size_t(n) * c, dt), *dx = buffer(size_t(n) * c, dt), *w = buffer(c, dt);
+    auto *rstd = static_cast<float *>(buffer(n, DType::F32));
+    auto *dW = static_cast<float *>(buffer(c, DType::F32));
+    auto *positions = static_cast<int32_t *>(buffer(n, DType::F32)); // zeros: position 0
+    const std::string rows = fmt::format("({}x{})", n, c), dtn = toString(dt);
+    reportBandwidth("rmsnorm " + dtn + " " + rows + " fwd", 2 * nc * sz + 4.0 * n,
+                    time([&] { return rmsnormForward(ctx, dt, y, rstd, x, w, n, c); }));
+    reportBandwidth("rmsnorm " + dtn + " " + rows + " dX +=", 4 * nc * sz + 4.0 * n, time([&] {
+                      return rmsnormBackwardInputAccumulate(ctx, dt, dx, dy, x, rstd, w, n, c);
+                    }));
+    reportBandwidth("rmsnorm " + dtn + " " + rows + " dW", 2 * nc * sz + 4.0 * n, time([&] {
+                      return rmsnormBackwardWeight(ctx, dt, dW, dy, x, rstd, n, c);
+                    }));
+    reportBandwidth("rope " + dtn + " " + rows + " fwd (in place)", 2 * nc * sz + 4.0 * n,
+                    time([&] {
+                      return ropeForward(ctx, dt, y, positions, n, c / headDim, headDim, 500000.0);
+                    }));
+    void *pre = buffer(size_t(n) * 2 * f, dt), *dPre = buffer(size_t(n) * 2 * f, dt);
+    void *act = buffer(size_t(n) * f, dt), *dAct = buffer(size_t(n) * f, dt);
+    const std::string mlp = fmt::format("({}x{})", n, f);
+    reportBandwidth("swiglu " + dtn + " " + mlp + " fwd", 3 * nf * sz,
+                    time([&] { return swigluForward(ctx, dt, act, pre, n, f); }));
+    reportBandwidth("swiglu " + dtn + " " + mlp + " bwd", 5 * nf * sz,
+                    time([&] { return swigluBackward(ctx, dt, dPre, dAct, pre, n, f); }));
+  }
+
   // Cross entropy over n rows of a vocabulary of v; AdamW and the fp32 -> bf16 copy over p
   // parameters.
   void lossAndOptimizer(DType dt, int n, int v, size_t p) {
@@ -197,7 +228,7 @@ struct Bench {
   // Causal attention of queries [a, a + x) over keys [0, a + x).
   void attention(const std::string &name, DType dt, AttentionShape s) {
     const size_t qSize = size_t(s.batch) * s.queries * s.width();
-    const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
+    const size_t kvSize = size_t(s.keys()) * s.batch * s.kvHeadCount() * s.headDim;
     void *q = buffer(qSize, dt), *k = buffer(kvSize, dt), *v = buffer(kvSize, dt);
     void *out = buffer(qSize, dt), *dOut = buffer(qSize, dt), *dq = buffer(qSize, dt);
     // dK and dV are fp32 accumulators in both types (CudaOps.h).
@@ -207,9 +238,11 @@ struct Bench {
     // Visible (query, key) pairs: query a + t sees a + t + 1 keys.
     const double pairs = double(s.queries) * s.begin + double(s.queries) * (s.queries + 1) / 2.0;
     const double fwdFlops = 4.0 * s.batch * s.heads * s.headDim * pairs; // QK^T and PV
-    const std::string shape = fmt::format("{} {} (B{} x{} a{} H{} hd{})", name, toString(dt),
-                                          s.batch, s.queries, s.begin, s.heads, s.headDim);
-    const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
+    const std::string shape =
+        fmt::format("{} {} (B{} x{} a{} H{} hd{}{})", name, toString(dt), s.batch, s.queries,
+                    s.begin, s.heads, s.headDim,
+                    s.kvHeadCount() != s.heads ? fmt::format(" KV{}", s.kvHeads) : "");
+    const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
     const launch::Target target{ctx.computeCapability(), ctx.kernelConfig().hopperKernels};
     const launch::AttentionKernel forwardKernel =
         launch::attentionForwardKernel(target, dt, dims, {out, q, k, v});
@@ -293,8 +326,14 @@ int main(int argc, char **argv) {
                   {/*batch=*/1, /*queries=*/tokens, /*begin=*/0, heads, headDim});
   bench.attention("attention last-of-4 slice", DType::BF16,
                   {/*batch=*/1, /*queries=*/tokens / 4, /*begin=*/3 * tokens / 4, heads, headDim});
+  // Llama 3 8B's grouped heads: 8 key/value heads for 32 (the SIMT kernels).
+  bench.attention("attention GQA", DType::BF16,
+                  {/*batch=*/1, /*queries=*/tokens, /*begin=*/0, heads, headDim,
+                   /*kvHeads=*/tiny ? 1 : 8});
   fmt::print("memory-bound kernels: peak {} TB/s (H200 HBM3e)\n", kPeakHbmTBs);
   bench.elementwise(DType::BF16, tokens, hidden, 4 * hidden);
+  // Llama 3 8B's MLP: ffn 14336 (3.5 hidden).
+  bench.llama(DType::BF16, tokens, hidden, tiny ? 224 : 14336, headDim);
   // A GPT-2-sized vocabulary; one layer's parameters (12 hidden^2) for the optimizer.
   bench.lossAndOptimizer(DType::BF16, tokens, vocab, size_t(12) * hidden * hidden);
   return 0;
