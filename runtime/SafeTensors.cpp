@@ -220,15 +220,36 @@ llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name
   return out;
 }
 
+namespace {
+/// The blocks whose checkpoint names the loader knows (any norm_eps).
+bool hasGpt2Block(const kernels::GptConfig &c) {
+  return !c.rmsnorm && !c.swiglu && !c.rope && c.kvHeadCount() == c.heads && c.bias;
+}
+bool hasLlamaBlock(const kernels::GptConfig &c) {
+  return c.rmsnorm && c.swiglu && c.rope && !c.bias;
+}
+std::string variantsOf(const kernels::GptConfig &c) {
+  return fmt::format("\"norm\": \"{}\", \"mlp\": \"{}\", \"position\": \"{}\", "
+                     "\"bias\": {}",
+                     c.rmsnorm ? "rmsnorm" : "layernorm", c.swiglu ? "swiglu" : "gelu",
+                     c.rope ? "rope" : "learned", c.bias ? "true" : "false");
+}
+} // namespace
+
 llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
                                                            const kernels::GptConfig &cfg) {
   const auto &all = file.tensors();
   // Hugging Face's GPT2LMHeadModel prefixes the body "transformer."; GPT2Model does not.
   const std::string prefix = all.count("transformer.wte.weight") ? "transformer." : "";
-  if (!cfg.isGpt2())
-    return inputError("the file has GPT-2's tensor names, but the model's block is not GPT-2's; "
-                      "a Llama-style model loads a Llama checkpoint's names "
-                      "(model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...)");
+  if (!hasGpt2Block(cfg))
+    return inputError("the model's block is not GPT-2's: GPT-2 checkpoints load into "
+                      "\"norm\": \"layernorm\", \"mlp\": \"gelu\", \"position\": "
+                      "\"learned\", multi-head attention and biases");
+  if (all.count("model.embed_tokens.weight") || all.count("embed_tokens.weight"))
+    return inputError("the file has a Llama checkpoint's tensor names (embed_tokens.weight), but "
+                      "the model's block is GPT-2's; give the model Llama's block (\"norm\": "
+                      "\"rmsnorm\", \"mlp\": \"swiglu\", \"position\": \"rope\", "
+                      "\"bias\": false) or load a GPT-2 checkpoint");
   const int64_t C = cfg.channels, V = cfg.vocab, T = cfg.seqLen, F = cfg.ffn;
   std::set<std::string> used;
   std::vector<std::vector<float>> layers(size_t(cfg.numLayers()));
@@ -366,13 +387,16 @@ llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFil
                                                             const kernels::GptConfig &cfg) {
   const auto &all = file.tensors();
   // LlamaForCausalLM prefixes the body "model."; LlamaModel does not.
-  const std::string prefix = all.count("model.embed_tokens.weight") ? "model." : "";
-  if (!cfg.rmsnorm || !cfg.swiglu || !cfg.rope || cfg.bias)
-    return inputError("the file has a Llama checkpoint's tensor names ({}embed_tokens.weight), "
-                      "but the model's block is not Llama's; give the model \"norm\": "
+  const std::string prefix = all.count("embed_tokens.weight") ? "" : "model.";
+  if (!hasLlamaBlock(cfg))
+    return inputError("the model's block is not Llama's: Llama checkpoints load into \"norm\": "
                       "\"rmsnorm\", \"mlp\": \"swiglu\", \"position\": \"rope\" and "
-                      "\"bias\": false",
-                      prefix);
+                      "\"bias\": false");
+  if (all.count("wte.weight") || all.count("transformer.wte.weight"))
+    return inputError("the file has GPT-2's tensor names (wte.weight), but the model's block is "
+                      "Llama's; load a Llama checkpoint (model.embed_tokens.weight, "
+                      "model.layers.N.self_attn.q_proj.weight, ...) or give the model GPT-2's "
+                      "block");
   const int64_t C = cfg.channels, V = cfg.vocab, F = cfg.ffn;
   const int64_t K = int64_t(cfg.kvHeadCount()) * (C / cfg.heads); // k_proj's and v_proj's rows
   const std::string model = fmt::format("a Llama model with {} blocks", cfg.layers);
@@ -499,11 +523,13 @@ llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringR
   auto file = SafeTensorsFile::open(path);
   if (!file)
     return fail(file.takeError());
-  // Llama's names (Hugging Face's LlamaForCausalLM, with or without its "model." prefix) or
-  // GPT-2's.
-  const bool llamaNames = file->tensors().count("model.embed_tokens.weight") ||
-                          file->tensors().count("embed_tokens.weight");
-  auto layers = llamaNames ? llamaLayers(*file, cfg) : gpt2Layers(*file, cfg);
+  // The model's block says which names to read: Llama's (Hugging Face's LlamaForCausalLM, with
+  // or without its "model." prefix) or GPT-2's.
+  if (!hasGpt2Block(cfg) && !hasLlamaBlock(cfg))
+    return fail(inputError("the model's block mixes GPT-2's and Llama's choices ({}); "
+                           "checkpoints load into GPT-2's block or Llama's",
+                           variantsOf(cfg)));
+  auto layers = hasLlamaBlock(cfg) ? llamaLayers(*file, cfg) : gpt2Layers(*file, cfg);
   if (!layers)
     return fail(layers.takeError());
   return layers;

@@ -564,6 +564,23 @@ std::vector<Case> catalogue() {
   add("RopeThetaWithLearnedPositions",
       llamaWith([](Json &j) { j["transformer"]["position"] = "learned"; }), llamaCompile,
       "$.transformer.rope_theta: applies to \"position\": \"rope\" only");
+  add(
+      "RopeWithAnOddHeadSize",
+      [](const std::string &dir) {
+        // hidden 24 in 8 heads of 3: pipec compiles it (its costs do not care); piperun's
+        // rotary embeddings turn pairs of channels.
+        spit(dir + "/odd.json",
+             R"({"format": "pipemodel/1", "name": "odd", "transformer": {"num_layers": 2,
+                "hidden_size": 24, "num_attention_heads": 8, "ffn_hidden_size": 48,
+                "vocab_size": 64, "seq_length": 16, "dtype": "fp32", "position": "rope"}})");
+        std::string cmd = "cd " + dir + " && " + runfiles() +
+                          "/tools/pipec compile --quiet --model odd.json --schedule 1f1b "
+                          "--pp 2 --microbatches 2 -o p.json";
+        ASSERT_EQ(std::system(cmd.c_str()), 0);
+      },
+      "$PIPERUN p.json --backend cpu",
+      "the head size (hidden_size / num_attention_heads = 3) must be even; give the model 6 "
+      "heads, or learned positions");
   add("NormEpsTooLarge", llamaWith([](Json &j) { j["transformer"]["norm_eps"] = 0.5; }),
       llamaCompile, "$.transformer.norm_eps: expected at most 0.1");
   add("BiasNotABoolean", llamaWith([](Json &j) { j["transformer"]["bias"] = "no"; }), llamaCompile,
@@ -584,7 +601,9 @@ std::vector<Case> catalogue() {
         ASSERT_EQ(std::system(cmd.c_str()), 0);
         editJson(dir + "/p.json", [](Json &j) { j["transformer"]["num_query_groups"] = 1; });
       },
-      "$PIPERUN p.json --backend cpu", "--tp 2 must divide num_query_groups (1)");
+      "$PIPERUN p.json --backend cpu",
+      "--tp 2 must divide num_query_groups (1): each tp rank holds whole key/value heads; "
+      "compile the plan with --tp 1");
   return c;
 }
 

@@ -238,6 +238,13 @@ TEST_P(CudaLayernormTest, RmsnormForwardAndBothBackwardsMatchCpu) {
   ASSERT_OK(rmsnormBackwardWeight(*ctx, dt, again.as<float>(), gdOut.data(), gx.data(),
                                   rstd.as<float>(), n, c));
   EXPECT_EQ(download(again, c, DType::F32), download(gdW, c, DType::F32));
+  // Another epsilon (the spec's norm_eps), large enough to show: the forward takes it.
+  Vec epsOut(refOut.size()), epsRstd(n);
+  cpu::rmsnormForward(epsOut.data(), epsRstd.data(), x.data(), w.data(), n, c, 0.5f);
+  ASSERT_OK(rmsnormForward(*ctx, dt, out.data(), rstd.as<float>(), gx.data(), gw.data(), n, c,
+                           0.5f));
+  EXPECT_CLOSE(download(out, refOut.size(), dt), epsOut, tolerance(dt));
+  EXPECT_CLOSE(download(rstd, n, DType::F32), epsRstd, kTolF32);
 }
 
 TEST_P(CudaLayernormTest, SwigluForwardAndBackwardMatchCpuOnGateUpRows) {

@@ -352,6 +352,8 @@ TEST(InitFromTest, ABadLlamaFileIsRefusedWithOneLineBeforeAnyStep) {
        "tensor model.layers.1.mlp.down_proj.weight has shape [96, 32]; the model needs [32, 96]"},
       {"untied without a head", [](auto &t) { t.erase("lm_head.weight"); },
        "missing tensor lm_head.weight (shape [64, 32]): the model's head is untied"},
+      {"no embedding", [](auto &t) { t.erase("model.embed_tokens.weight"); },
+       "missing tensor model.embed_tokens.weight (shape [64, 32]) of a Llama model with 4 blocks"},
   };
   for (const Bad &b : cases) {
     auto tensors = llamaTensors(tinyLlamaConfig(), /*seed=*/3);
@@ -372,9 +374,29 @@ TEST(InitFromTest, ABadLlamaFileIsRefusedWithOneLineBeforeAnyStep) {
                       compile("examples/tiny-gpt.json", "--schedule 1f1b --pp 2 --microbatches 2") +
                       " --backend cpu --init-from " + file);
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("the file has a Llama checkpoint's tensor names (model.embed_tokens.weight)"),
+  EXPECT_NE(r.err.find("the file has a Llama checkpoint's tensor names (embed_tokens.weight), but "
+                       "the model's block is GPT-2's"),
             std::string::npos)
       << r.err;
+  // A tied Llama model whose file carries an lm_head.weight other than embed_tokens.
+  std::string tiedModel = dir() + "/tiny-llama-tied.json";
+  {
+    std::string spec = pipec::testing::slurp("examples/tiny-llama.json");
+    const size_t at = spec.find("\"dtype\": \"fp32\"");
+    ASSERT_NE(at, std::string::npos);
+    spec.insert(at, "\"tie_embeddings\": true, ");
+    std::ofstream(tiedModel) << spec;
+  }
+  const std::string untiedFile = dir() + "/llama-untied.safetensors"; // its own lm_head
+  writeFile(untiedFile, safetensors(llamaTensors(tinyLlamaConfig(), /*seed=*/3)));
+  auto tied = runCommand(tool("piperun") + " " +
+                         compile(tiedModel, "--schedule 1f1b --pp 2 --microbatches 2") +
+                         " --backend cpu --init-from " + untiedFile);
+  EXPECT_EQ(tied.code, 2) << tied.err;
+  EXPECT_NE(tied.err.find("tensor lm_head.weight differs from model.embed_tokens.weight, but the "
+                          "model ties its embeddings"),
+            std::string::npos)
+      << tied.err;
 }
 
 // The GPU backends on the emulated device (tools/piperun_emu: the same code, CPU stand-ins for

@@ -125,7 +125,8 @@ TEST(PiperunEmuTest, GpuBackendsRefuseALlamaBlockWithOneLineNamingTheCpuBackend)
     Result r = run(std::string("RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu ") + p +
                    " --backend " + backend + " --steps 1");
     expectUsageError(r, std::string("--backend ") + backend +
-                            ": the plan's model has a Llama-style block (\"norm\": \"rmsnorm\"");
+                            ": the plan's model has a block other than GPT-2's (\"norm\": "
+                            "\"rmsnorm\"");
     expectUsageError(r, "train it with --backend cpu");
   }
 }

@@ -332,19 +332,19 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
 struct BlockWork {
   // Forward. Shapes with N = B * x tokens of the slice; Cl = C / tp, Fl = F / tp.
   std::vector<float> xIn, ln1Mean, ln1Rstd;  // (N, C), (N), (N)
-  std::vector<float> q;                      // (N, Cl); k, v live in SequenceWork
+  std::vector<float> q;                      // (N, Cl), rotated with rope; k, v: SequenceWork
   std::vector<float> probs;                  // (B, Hl, x, a + x)
   std::vector<float> attOut;                 // (N, Cl)
   std::vector<float> attnPartial;            // (N, C) reduced over tp in place, then freed
   std::vector<float> xMid, ln2Mean, ln2Rstd; // (N, C), (N), (N)
-  std::vector<float> fcPre;                  // (N, Fl)
+  std::vector<float> fcPre;                  // (N, Fl); SwiGLU: (N, 2 Fl), gate | up
   std::vector<float> mlpPartial;             // (N, C) reduced over tp in place, then freed
   // backward_input: output gradients of every linear and layernorm.
   std::vector<float> dOut;   // (N, C) gradient of the block output = of proj's output
-  std::vector<float> dFcPre; // (N, Fl) gradient of fc's output
+  std::vector<float> dFcPre; // (N, Fl or 2 Fl) gradient of fc's output
   std::vector<float> dLn2;   // (N, C) gradient of ln2's output, reduced over tp in place
   std::vector<float> dXmid;  // (N, C) gradient of attn proj's output
-  std::vector<float> dQkv;   // (N, 3 Cl) gradient of qkv's output
+  std::vector<float> dQkv;   // (N, Cl + 2 Kl) gradient of qkv's output (Kl: K/V width)
   std::vector<float> dLn1;   // (N, C) gradient of ln1's output, reduced over tp in place
 
   template <typename F> void forEach(F f) {

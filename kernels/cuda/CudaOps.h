@@ -184,12 +184,11 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
                                     const float *rstd, int n, int c);
 
 //===--- Llama-style block: RMSNorm, SwiGLU, rotary embeddings ------------===//
-// kernels/cpu/LlamaOps.h's formulas (RMSNorm's eps 1e-5, rotate-half pairs); not called by the
-// GPU stages yet.
+// kernels/cpu/LlamaOps.h's formulas (rotate-half pairs); not called by the GPU stages yet.
 
 /// out (n, c) = in * rstd * w, rstd (n) = 1 / sqrt(mean(in^2) + eps), fp32.
 llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
-                           const void *w, int n, int c);
+                           const void *w, int n, int c, float eps = 1e-5f);
 /// dIn (n, c) += the gradient of in from dOut (n, c).
 llvm::Error rmsnormBackwardInputAccumulate(CudaContext &ctx, DType dtype, void *dIn,
                                            const void *dOut, const void *in, const float *rstd,

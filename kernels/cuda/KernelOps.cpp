@@ -77,10 +77,12 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
 }
 
 llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
-                           const void *w, int n, int c) {
+                           const void *w, int n, int c, float eps) {
   if (auto err = checkRows("rmsnormForward", n, c))
     return err;
-  PIPEC_QUEUE_TRY(ctx, launch::rmsnormForward(dtype, out, rstd, in, w, n, c, streamOf(ctx)));
+  if (!(eps > 0.0f))
+    return shapeError(fmt::format("rmsnormForward: needs eps > 0 (got {})", eps));
+  PIPEC_QUEUE_TRY(ctx, launch::rmsnormForward(dtype, out, rstd, in, w, n, c, eps, streamOf(ctx)));
   return llvm::Error::success();
 }
 

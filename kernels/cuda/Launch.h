@@ -65,7 +65,7 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
 
 // Llama.cu (kernels/cpu/LlamaOps.h's formulas)
 cudaError_t rmsnormForward(DType dtype, void *out, float *rstd, const void *in, const void *w,
-                           int n, int c, cudaStream_t stream);
+                           int n, int c, float eps, cudaStream_t stream);
 cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
                                            const void *in, const float *rstd, const void *w,
                                            int n, int c, cudaStream_t stream);

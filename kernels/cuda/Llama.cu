@@ -23,7 +23,6 @@ namespace {
 
 using namespace device;
 
-constexpr float kEps = 1e-5f;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRowThreads = kWarpsPerBlock * kWarp;
 constexpr int kThreads = 256;
@@ -38,7 +37,7 @@ unsigned gridFor(size_t n) {
 template <typename T>
 __global__ void rmsnormForwardKernel(T *__restrict__ out, float *__restrict__ rstd,
                                      const T *__restrict__ in, const T *__restrict__ w, int n,
-                                     int c) {
+                                     int c, float eps) {
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= n)
@@ -49,7 +48,7 @@ __global__ void rmsnormForwardKernel(T *__restrict__ out, float *__restrict__ rs
     const float v = toFloat(x[k]);
     sumSq += v * v;
   }
-  const float s = 1.0f / sqrtf(warpSum(sumSq) / c + kEps);
+  const float s = 1.0f / sqrtf(warpSum(sumSq) / c + eps);
   T *y = out + size_t(row) * c;
   for (int k = lane; k < c; k += kWarp)
     y[k] = fromFloat<T>(toFloat(x[k]) * s * toFloat(w[k]));
@@ -149,13 +148,14 @@ __global__ void ropeKernel(T *__restrict__ x, const int32_t *__restrict__ positi
 namespace launch {
 
 cudaError_t rmsnormForward(DType dtype, void *out, float *rstd, const void *in, const void *w,
-                           int n, int c, cudaStream_t stream) {
+                           int n, int c, float eps, cudaStream_t stream) {
   if (n == 0 || c == 0)
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream, rmsnormForwardKernel<T>)
-    (static_cast<T *>(out), rstd, static_cast<const T *>(in), static_cast<const T *>(w), n, c);
+    (static_cast<T *>(out), rstd, static_cast<const T *>(in), static_cast<const T *>(w), n, c,
+     eps);
     return cudaGetLastError();
   });
 }

@@ -288,4 +288,5 @@ def test_a_gpt2_file_for_a_llama_model_says_which_names_it_needs(tmp_path):
                         str(checkpoint)], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1
-    assert "the file has GPT-2's tensor names, but the model's block is not GPT-2's" in r.stderr
+    assert ("the file has GPT-2's tensor names (wte.weight), but the model's block is Llama's"
+            in r.stderr)

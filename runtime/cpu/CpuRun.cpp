@@ -158,14 +158,26 @@ llvm::Expected<GptConfig> gptConfigOf(const Plan &plan) {
                       pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
   // (The plan's model passed the model reader's checks: heads divide hidden_size, groups
   // divide heads.)
-  if (t.kvHeads() % pc.tp != 0)
+  if (t.kvHeads() % pc.tp != 0) {
+    int64_t best = 1;
+    for (int64_t d = 1; d <= pc.tp; ++d)
+      if (t.kvHeads() % d == 0 && t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0 &&
+          t.vocabSize % d == 0)
+        best = d;
     return inputError("--tp {} must divide num_query_groups ({}): each tp rank holds whole "
-                      "key/value heads",
-                      pc.tp, t.kvHeads());
-  if (t.position == Position::Rope && (t.hiddenSize / t.numAttentionHeads) % 2 != 0)
+                      "key/value heads; compile the plan with --tp {}",
+                      pc.tp, t.kvHeads(), best);
+  }
+  if (t.position == Position::Rope && (t.hiddenSize / t.numAttentionHeads) % 2 != 0) {
+    int64_t heads = 1; // the most heads up to the model's whose size is even
+    for (int64_t h = 1; h <= t.numAttentionHeads; ++h)
+      if (t.hiddenSize % h == 0 && (t.hiddenSize / h) % 2 == 0)
+        heads = h;
     return inputError("$.transformer.position: \"rope\" turns pairs of a head's channels, so "
-                      "the head size (hidden_size / num_attention_heads = {}) must be even",
-                      t.hiddenSize / t.numAttentionHeads);
+                      "the head size (hidden_size / num_attention_heads = {}) must be even; "
+                      "give the model {} heads, or learned positions",
+                      t.hiddenSize / t.numAttentionHeads, heads);
+  }
   if (t.vocabSize % pc.tp != 0)
     return inputError("--tp {} must divide vocab_size ({}): the runtime splits the vocabulary "
                       "across the tp ranks (vocab-parallel embedding and cross entropy); pad "
@@ -302,7 +314,9 @@ uint64_t cpuRunBytes(const Plan &plan, const GptConfig &cfg, bool checkReference
   // compared with the machine's memory.
   const ParallelConfig &pc = plan.parallel;
   const double f = sizeof(float), b = cfg.microbatch, c = cfg.channels, t = cfg.seqLen,
-               v = cfg.vocab, ffn = cfg.ffn, heads = cfg.heads, tp = pc.tp;
+               v = cfg.vocab, heads = cfg.heads, tp = pc.tp;
+  // fc's output columns (SwiGLU: gate | up); grouped K/V are narrower than c, counted as c.
+  const double ffn = cfg.swiglu ? 2.0 * cfg.ffn : double(cfg.ffn);
   double x = 0;
   for (auto [begin, end] : plan.seqSlices)
     x = std::max(x, double(end - begin));

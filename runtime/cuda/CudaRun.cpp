@@ -442,8 +442,8 @@ static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, co
 llvm::Error gpuRunsTheBlock(const GptConfig &cfg, const Plan &plan, llvm::StringRef backend) {
   if (cfg.isGpt2())
     return llvm::Error::success();
-  return inputError("--backend {}: the plan's model has a Llama-style block ({}), which the GPU "
-                    "stages do not run yet (they run GPT-2's); train it with --backend cpu",
+  return inputError("--backend {}: the plan's model has a block other than GPT-2's ({}), which "
+                    "the GPU stages do not run yet; train it with --backend cpu",
                     backend.str(), plan.transformer ? plan.transformer->variantText() : "");
 }
 

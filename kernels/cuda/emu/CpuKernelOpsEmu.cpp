@@ -52,6 +52,23 @@ std::vector<float> attentionProbs(const float *q, const float *k, const float *l
   return probs;
 }
 
+/// The shape checks of KernelOps.cpp that the CPU ops would otherwise meet as asserts.
+llvm::Error checkRope(const char *op, int rows, int heads, int headDim) {
+  if (rows < 0 || heads <= 0 || headDim <= 0 || headDim % 2 != 0)
+    return llvm::createStringError(llvm::inconvertibleErrorCode(),
+                                   "%s: needs rows >= 0, heads > 0 and an even head size (got "
+                                   "rows %d, heads %d, head size %d)",
+                                   op, rows, heads, headDim);
+  return llvm::Error::success();
+}
+llvm::Error checkGroups(const char *op, const AttentionShape &s) {
+  if (s.kvHeads < 0 || (s.kvHeads > 0 && s.heads % s.kvHeads != 0))
+    return llvm::createStringError(llvm::inconvertibleErrorCode(),
+                                   "%s: kvHeads %d does not divide heads %d", op, s.kvHeads,
+                                   s.heads);
+  return llvm::Error::success();
+}
+
 ops::GroupedAttentionShape cpuShape(const AttentionShape &s) {
   return ops::GroupedAttentionShape{s.batch,     s.queries,         s.begin,
                                     s.heads,     s.kvHeadCount(),   s.headDim};
@@ -101,12 +118,12 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
 }
 
 llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,
-                           const void *w, int n, int c) {
+                           const void *w, int n, int c, float eps) {
   return run(ctx, [=] {
     const size_t nc = size_t(n) * size_t(c);
     Widened x(in, nc, dtype), wt(w, size_t(c), dtype);
     Narrowed y(out, nc, dtype);
-    ops::rmsnormForward(y.data, rstd, x.data, wt.data, n, c);
+    ops::rmsnormForward(y.data, rstd, x.data, wt.data, n, c, eps);
     y.done();
   });
 }
@@ -156,6 +173,8 @@ llvm::Error swigluBackward(CudaContext &ctx, DType dtype, void *dPre, const void
 }
 llvm::Error ropeForward(CudaContext &ctx, DType dtype, void *x, const int32_t *positions, int rows,
                         int heads, int headDim, double theta) {
+  if (auto err = checkRope("ropeForward", rows, heads, headDim))
+    return err;
   return run(ctx, [=] {
     const size_t n = size_t(rows) * size_t(heads) * size_t(headDim);
     Narrowed y(x, n, dtype, /*accumulate=*/true);
@@ -165,6 +184,8 @@ llvm::Error ropeForward(CudaContext &ctx, DType dtype, void *x, const int32_t *p
 }
 llvm::Error ropeBackward(CudaContext &ctx, DType dtype, void *dx, const int32_t *positions,
                          int rows, int heads, int headDim, double theta) {
+  if (auto err = checkRope("ropeBackward", rows, heads, headDim))
+    return err;
   return run(ctx, [=] {
     const size_t n = size_t(rows) * size_t(heads) * size_t(headDim);
     Narrowed y(dx, n, dtype, /*accumulate=*/true);
@@ -193,6 +214,8 @@ llvm::Error geluBackward(CudaContext &ctx, DType dtype, void *dIn, const void *d
 
 llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *lse, const void *q,
                              const void *k, const void *v, const AttentionShape &s) {
+  if (auto err = checkGroups("attentionForward", s))
+    return err;
   return run(ctx, [=] {
     const size_t qSize = size_t(s.batch) * s.queries * s.width();
     const size_t kvSize = size_t(s.keys()) * s.batch * s.kvHeadCount() * s.headDim;
@@ -232,6 +255,8 @@ llvm::Error attentionForward(CudaContext &ctx, DType dtype, void *out, float *ls
 llvm::Error attentionBackward(CudaContext &ctx, DType dtype, void *dq, float *dk, float *dv,
                               const void *dOut, const void *, const float *lse, const void *q,
                               const void *k, const void *v, const AttentionShape &s) {
+  if (auto err = checkGroups("attentionBackward", s))
+    return err;
   // The real op takes scratch from the context's allocator: so does this one, so that the
   // executor's arena sees the same requests (given back once the work is queued, as there).
   DeviceAllocator &from = ctx.allocator();

@@ -16,7 +16,7 @@
 namespace pipec::kernels::cuda::experimental {
 
 static cuda::launch::AttentionDims dimsOf(const AttentionShape &s) {
-  return {s.batch, s.queries, s.begin, s.heads, s.headDim};
+  return {s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
 }
 
 bool attentionBackwardWgmmaRuns(const CudaContext &ctx, DType dtype, const AttentionShape &s,
