@@ -35,6 +35,8 @@ def test_gpipe_and_1f1b_bubbles_are_p_minus_1_over_m_plus_p_minus_1(schedule):
     ("uniform-8.json", "zb-auto", 4, 8, {"memory_limit": "16MiB"}),
     ("tiny-gpt.json", "interleaved-1f1b", 2, 4, {"vpp": 2, "tp": 2, "dp": 2}),
     ("tiny-gpt.json", "dualpipe-v", 2, 4, {"vpp": 2, "cluster": "h100-2nodes.json"}),
+    ("tiny-llama.json", "zb-h1", 2, 4, {"tp": 2}),
+    ("llama3-8b.json", "interleaved-1f1b", 4, 8, {"vpp": 2, "tp": 8}),
 ])
 def test_compile_gives_the_commands_plan_byte_for_byte(args, tmp_path):
     model, schedule, pp, m, flags = args
@@ -50,6 +52,15 @@ def test_compile_gives_the_commands_plan_byte_for_byte(args, tmp_path):
     assert r.returncode == 0, r.stderr
     plan = pipec.compile(example(model), schedule, pp=pp, microbatches=m, **flags)
     assert plan.json == out.read_text()
+
+
+def test_a_llama_model_carries_its_block_into_the_plan():
+    plan = pipec.compile(example("llama3-8b.json"), "1f1b", pp=4, microbatches=8, tp=8)
+    block = plan.to_dict()["transformer"]
+    assert (block["norm"], block["mlp"], block["position"]) == ("rmsnorm", "swiglu", "rope")
+    assert block["num_query_groups"] == 8 and block["bias"] is False
+    with pytest.raises(ValueError, match=r"--tp 16 must divide num_query_groups \(8\)"):
+        pipec.compile(example("llama3-8b.json"), "1f1b", pp=4, microbatches=8, tp=16)
 
 
 def test_a_model_dict_and_its_file_give_the_same_plan(uniform8):
