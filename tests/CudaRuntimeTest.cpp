@@ -220,6 +220,16 @@ TEST_P(CudaEverySchedule, GradientsEqualTheSingleRankReference) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(c.tied, /*layers=*/6), o), /*steps=*/1);
 }
 
+TEST_P(CudaEverySchedule, LlamaBlockGradientsEqualTheSingleRankReference) {
+  // The same plans over Llama's block (RMSNorm, SwiGLU, rotary, 2 key/value heads for 4, no
+  // biases): the one stage definition on the device against the cpu reference.
+  const ScheduleCase &c = GetParam();
+  CompileOptions o = c.options;
+  if (o.schedule == "zb-auto")
+    o.memoryLimit = int64_t(1) << 40;
+  expectCudaMatchesCpu(compileOrFail(tinyLlama(c.tied, /*layers=*/6), o), /*steps=*/1);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cuda, CudaEverySchedule,
     ::testing::Values(

@@ -33,6 +33,8 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Gpt.h"
 
+#include "kernels/StageProgram.h"
+
 #include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 
@@ -187,8 +189,6 @@ void checkConfig(const GptConfig &cfg, int tp) {
 
 size_t floatBytes(const std::vector<float> &v) { return v.size() * sizeof(float); }
 
-void release(std::vector<float> &v) { std::vector<float>().swap(v); }
-
 } // namespace
 
 GptLayerKind layerKind(const GptConfig &cfg, int layer) {
@@ -324,609 +324,303 @@ std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
   return "element " + std::to_string(index) + " past the layer's " + std::to_string(begin) +
          " parameters";
 }
-
-/// What one block saved for one slice. Forward fills the first group; backward_input frees
-/// what only it needed and fills the second group, which backward_weight consumes. The inputs
-/// of qkv, fc and proj (ln1(xIn), ln2(xMid), gelu(fcPre)) are not kept: backward_weight
-/// recomputes them, which costs O(N C) against the O(N C^2) of the matmuls.
-struct BlockWork {
-  // Forward. Shapes with N = B * x tokens of the slice; Cl = C / tp, Fl = F / tp.
-  std::vector<float> xIn, ln1Mean, ln1Rstd;  // (N, C), (N), (N)
-  std::vector<float> q;                      // (N, Cl), rotated with rope; k, v: SequenceWork
-  std::vector<float> probs;                  // (B, Hl, x, a + x)
-  std::vector<float> attOut;                 // (N, Cl)
-  std::vector<float> attnPartial;            // (N, C) reduced over tp in place, then freed
-  std::vector<float> xMid, ln2Mean, ln2Rstd; // (N, C), (N), (N)
-  std::vector<float> fcPre;                  // (N, Fl); SwiGLU: (N, 2 Fl), gate | up
-  std::vector<float> mlpPartial;             // (N, C) reduced over tp in place, then freed
-  // backward_input: output gradients of every linear and layernorm.
-  std::vector<float> dOut;   // (N, C) gradient of the block output = of proj's output
-  std::vector<float> dFcPre; // (N, Fl or 2 Fl) gradient of fc's output
-  std::vector<float> dLn2;   // (N, C) gradient of ln2's output, reduced over tp in place
-  std::vector<float> dXmid;  // (N, C) gradient of attn proj's output
-  std::vector<float> dQkv;   // (N, Cl + 2 Kl) gradient of qkv's output (Kl: K/V width)
-  std::vector<float> dLn1;   // (N, C) gradient of ln1's output, reduced over tp in place
-
-  template <typename F> void forEach(F f) {
-    for (auto *v : {&xIn, &ln1Mean, &ln1Rstd, &q, &probs, &attOut, &attnPartial, &xMid, &ln2Mean,
-                    &ln2Rstd, &fcPre, &mlpPartial, &dOut, &dFcPre, &dLn2, &dXmid, &dQkv, &dLn1})
-      f(*v);
-  }
-};
-
-struct HeadWork {
-  std::vector<float> lnfIn, lnfMean, lnfRstd, lnfOut; // (N, C), (N), (N), (N, C)
-  std::vector<float> probs;                           // (N, V) softmax (tp = 1)
-  std::vector<float> logits;  // (N, Vl) the rank's vocabulary columns (tp > 1)
-  std::vector<float> stats;   // (2 tp + 1, N) reduced over tp in place, then freed (tp > 1)
-  std::vector<float> lse;     // (N) over the whole vocabulary (tp > 1)
-  std::vector<float> dLogits; // (N, Vl)
-  std::vector<float> dLnfOut; // (N, C) reduced over tp in place (tp > 1)
-
-  template <typename F> void forEach(F f) {
-    for (auto *v :
-         {&lnfIn, &lnfMean, &lnfRstd, &lnfOut, &probs, &logits, &stats, &lse, &dLogits, &dLnfOut})
-      f(*v);
-  }
-};
-
-struct SliceWork {
-  int nextForwardPart = 0;
-  int nextBackwardPart = 0;
-  /// The part whose returned buffer has not been consumed yet (-1: none).
-  int pendingForward = -1;
-  int pendingBackward = -1;
-  std::vector<int32_t> inputs, targets; // (B, x) token ids and next-token targets
-  std::vector<float> resid;             // (N, C) residual stream (forward)
-  std::vector<float> dResid;            // (N, C) its gradient (backward)
-  std::vector<float> dEmb;              // (N, C) gradient of the embedding output
-  std::vector<BlockWork> blocks;        // one per block of the stage
-  HeadWork head;
-  double loss = 0.0;
-
-  size_t bytes() {
-    size_t total = (inputs.size() + targets.size()) * sizeof(int32_t) + floatBytes(resid) +
-                   floatBytes(dResid) + floatBytes(dEmb);
-    for (BlockWork &b : blocks)
-      b.forEach([&](std::vector<float> &v) { total += floatBytes(v); });
-    head.forEach([&](std::vector<float> &v) { total += floatBytes(v); });
-    return total;
-  }
-};
-
-/// Per block: keys and values of every token of the microbatch run forward so far, and the
-/// gradients later slices' backwards have added for them. All (tokens so far, B, Cl),
-/// position-major: a slice's forward appends its rows.
-struct SequenceBlock {
-  std::vector<float> k, v, dk, dv;
-};
-
-struct SequenceWork {
-  int nextForwardSlice = 0;
-  int nextBackwardSlice = -1; // set when the first backward starts
-  std::vector<SequenceBlock> blocks;
-
-  size_t bytes() const {
-    size_t total = 0;
-    for (const SequenceBlock &b : blocks)
-      total += floatBytes(b.k) + floatBytes(b.v) + floatBytes(b.dk) + floatBytes(b.dv);
-    return total;
-  }
-};
-
 namespace {
-/// A reduction point of the stage: layer and which of its parts (block: 0 attention, 1 MLP).
-struct PartRef {
-  int layer;
-  int sub;
-};
-} // namespace
 
-struct StageCompute::Impl {
+/// The host as StageProgram's device: std::vector buffers, kernels/cpu/Ops.h and LlamaOps.h
+/// loops, the parameters and the batch in host memory. Nothing fails.
+struct CpuDev {
+  using Act = std::vector<float>;
+  using F32 = std::vector<float>;
+  using Ptr = float *;
+  using CPtr = const float *;
+  using Out = std::span<float>;
+  using In = std::span<const float>;
+  /// The head's loss state: softmax probabilities (N, V) at tp = 1; at tp > 1 the rank's logits
+  /// stay in the head's work and this keeps the whole vocabulary's log-sum-exp (N).
+  struct Loss {
+    std::vector<float> probs, lse;
+    double loss = 0.0;
+    template <typename F> void forEach(F f) { f(probs), f(lse); }
+  };
+
   GptConfig cfg;
-  int layerBegin, layerEnd, tpRank, tp;
   std::vector<std::pair<int, int>> slices;
-  float lossScale;
-  int localHeads, headDim, localC, localF;
-  int localKv, localKvC; // the rank's key/value heads and their width
-  int qkvCols, fcCols;   // the rank's columns of qkv (q | k | v) and of fc (gate | up)
-  int localV, vocabBegin; // the rank's vocabulary rows of wte and lm.w: [vocabBegin, + localV)
-  std::vector<PartRef> forwardParts, backwardParts; // backward: last layer first, MLP first
-  std::vector<size_t> layerOffset;                  // per stage layer, plus the end
-  std::vector<std::array<size_t, kMostTensors>> tensorOffset; // per stage layer, by role
   std::vector<float> params, grads, adamM, adamV;
   int adamSteps = 0;
   std::vector<std::vector<int32_t>> batch;
-  std::map<std::pair<int, int>, SliceWork> work;
-  std::map<int, SequenceWork> sequences;
 
-  GptLayerKind kind(int layer) const { return layerKind(cfg, layer); }
-  int firstBlock() const { return layerBegin == 0 ? 1 : layerBegin; }
-  int blockCount() const {
-    int count = 0;
-    for (int l = layerBegin; l < layerEnd; ++l)
-      count += kind(l) == GptLayerKind::Block;
-    return count;
+  static llvm::Error ok() { return llvm::Error::success(); }
+  static float *ptr(std::vector<float> &v) { return v.data(); }
+  static size_t size(const std::vector<float> &v) { return v.size(); }
+  static float *at(std::vector<float> &v, size_t offset) { return v.data() + offset; }
+  llvm::Error alloc(std::vector<float> &v, size_t n) {
+    v.assign(n, 0.0f);
+    return ok();
   }
-  bool hasEmbedding() const { return layerBegin == 0; }
-  bool hasHead() const { return layerEnd == cfg.numLayers(); }
-  bool tiedHere() const { return cfg.tiedEmbeddings && hasEmbedding() && hasHead(); }
+  llvm::Error allocZero(std::vector<float> &v, size_t n) { return alloc(v, n); }
+  void release(std::vector<float> &v) { std::vector<float>().swap(v); }
+  llvm::Error copy(std::vector<float> &dst, const std::vector<float> &src) {
+    dst = src;
+    return ok();
+  }
+  llvm::Error input(std::vector<float> &dst, std::span<const float> in, size_t n) {
+    assert(in.size() == n && "a stage input or output gradient has the wrong size");
+    dst.assign(in.begin(), in.end());
+    return ok();
+  }
+  Out out(std::vector<float> &v) { return v; }
+  CPtr param(size_t at) { return params.data() + at; }
+  float *grad(size_t at) { return grads.data() + at; }
 
-  /// A tensor of the layer by role; null where the variant has none (a bias, wpe, a shift).
-  float *param(int layer, int tensor) {
-    int l = layer - layerBegin;
-    const size_t at = tensorOffset[l][size_t(tensor)];
-    return at == kAbsent ? nullptr : params.data() + layerOffset[l] + at;
-  }
-  float *grad(int layer, int tensor) {
-    int l = layer - layerBegin;
-    const size_t at = tensorOffset[l][size_t(tensor)];
-    return at == kAbsent ? nullptr : grads.data() + layerOffset[l] + at;
-  }
-  /// Positions of a slice's rows (b, t) for rotary embeddings.
-  std::vector<int32_t> positions(int slice) const {
-    const auto [begin, end] = slices[slice];
-    const int x = end - begin;
-    std::vector<int32_t> out(size_t(cfg.microbatch) * x);
-    for (size_t r = 0; r < out.size(); ++r)
-      out[r] = begin + int(r % size_t(x));
+  /// Token ids of a slice's rows (b, t): inputs, or with `next` the targets.
+  std::vector<int32_t> tokens(int mb, int slice, bool next) const {
+    assert(mb >= 0 && mb < int(batch.size()) && "setBatch() has no such microbatch");
+    const std::vector<int32_t> &all = batch[size_t(mb)];
+    assert(all.size() == size_t(cfg.microbatch) * size_t(cfg.seqLen + 1) &&
+           "batch has the wrong size");
+    const auto [begin, end] = slices[size_t(slice)];
+    std::vector<int32_t> out;
+    for (int s = 0; s < cfg.microbatch; ++s)
+      for (int t = begin; t < end; ++t)
+        out.push_back(all[size_t(s) * size_t(cfg.seqLen + 1) + size_t(t + (next ? 1 : 0))]);
     return out;
   }
-  // The block's norms: LayerNorm (mean kept) or RMSNorm (mean left empty).
-  void normForward(float *out, std::vector<float> &mean, std::vector<float> &rstd,
-                   const float *in, int layer, int w, int b, int n) {
-    rstd.resize(n);
-    if (cfg.rmsnorm) {
-      ops::rmsnormForward(out, rstd.data(), in, param(layer, w), n, cfg.channels, cfg.normEps);
-      return;
-    }
-    mean.resize(n);
-    ops::layernormForward(out, mean.data(), rstd.data(), in, param(layer, w), param(layer, b), n,
-                          cfg.channels, cfg.normEps);
+
+  llvm::Error layernormForward(Ptr out, float *mean, float *rstd, CPtr in, CPtr w, CPtr b, int n,
+                               int c, float eps) {
+    ops::layernormForward(out, mean, rstd, in, w, b, n, c, eps);
+    return ok();
   }
-  void normBackwardInput(float *dIn, const float *dOut, const float *in,
-                         const std::vector<float> &mean, const std::vector<float> &rstd, int layer,
-                         int w, int n) {
-    if (cfg.rmsnorm)
-      ops::rmsnormBackwardInputAccumulate(dIn, dOut, in, rstd.data(), param(layer, w), n,
-                                          cfg.channels);
-    else
-      ops::layernormBackwardInputAccumulate(dIn, dOut, in, mean.data(), rstd.data(),
-                                            param(layer, w), n, cfg.channels);
+  llvm::Error layernormBackwardInputAccumulate(Ptr dIn, CPtr dOut, CPtr in, const float *mean,
+                                               const float *rstd, CPtr w, int n, int c) {
+    ops::layernormBackwardInputAccumulate(dIn, dOut, in, mean, rstd, w, n, c);
+    return ok();
   }
-  void normBackwardWeight(const float *dOut, const float *in, const std::vector<float> &mean,
-                          const std::vector<float> &rstd, int layer, int w, int b, int n) {
-    if (cfg.rmsnorm)
-      ops::rmsnormBackwardWeight(grad(layer, w), dOut, in, rstd.data(), n, cfg.channels);
-    else
-      ops::layernormBackwardWeight(grad(layer, w), grad(layer, b), dOut, in, mean.data(),
-                                   rstd.data(), n, cfg.channels);
+  llvm::Error layernormBackwardWeight(float *dW, float *dB, CPtr dOut, CPtr in, const float *mean,
+                                      const float *rstd, int n, int c) {
+    ops::layernormBackwardWeight(dW, dB, dOut, in, mean, rstd, n, c);
+    return ok();
   }
-  /// The MLP's activation: gelu(fcPre), or silu(gate) * up of each row's gate | up.
-  void mlpActivation(float *out, const std::vector<float> &fcPre, int n) const {
-    if (!cfg.swiglu) {
-      ops::geluForward(out, fcPre.data(), fcPre.size());
-      return;
-    }
+  llvm::Error rmsnormForward(Ptr out, float *rstd, CPtr in, CPtr w, int n, int c, float eps) {
+    ops::rmsnormForward(out, rstd, in, w, n, c, eps);
+    return ok();
+  }
+  llvm::Error rmsnormBackwardInputAccumulate(Ptr dIn, CPtr dOut, CPtr in, const float *rstd,
+                                             CPtr w, int n, int c) {
+    ops::rmsnormBackwardInputAccumulate(dIn, dOut, in, rstd, w, n, c);
+    return ok();
+  }
+  llvm::Error rmsnormBackwardWeight(float *dW, CPtr dOut, CPtr in, const float *rstd, int n,
+                                    int c) {
+    ops::rmsnormBackwardWeight(dW, dOut, in, rstd, n, c);
+    return ok();
+  }
+  llvm::Error matmulForward(Ptr out, CPtr in, CPtr w, CPtr bias, int n, int i, int o) {
+    ops::matmulForward(out, in, w, bias, n, i, o);
+    return ok();
+  }
+  llvm::Error matmulBackwardInput(Ptr dIn, CPtr dOut, CPtr w, int n, int i, int o) {
+    ops::matmulBackwardInput(dIn, dOut, w, n, i, o);
+    return ok();
+  }
+  llvm::Error matmulBackwardWeight(float *dW, float *dB, CPtr in, CPtr dOut, int n, int i, int o) {
+    ops::matmulBackwardWeight(dW, dB, in, dOut, n, i, o);
+    return ok();
+  }
+  llvm::Error matmulTForward(Ptr out, CPtr in, CPtr w, int n, int i, int o) {
+    ops::matmulTForward(out, in, w, n, i, o);
+    return ok();
+  }
+  llvm::Error matmulTBackwardInput(Ptr dIn, CPtr dOut, CPtr w, int n, int i, int o) {
+    ops::matmulTBackwardInput(dIn, dOut, w, n, i, o);
+    return ok();
+  }
+  llvm::Error matmulTBackwardWeight(float *dW, CPtr in, CPtr dOut, int n, int i, int o) {
+    ops::matmulTBackwardWeight(dW, in, dOut, n, i, o);
+    return ok();
+  }
+  llvm::Error geluForward(Ptr out, CPtr in, size_t n) {
+    ops::geluForward(out, in, n);
+    return ok();
+  }
+  llvm::Error geluBackward(Ptr dIn, CPtr dOut, CPtr in, size_t n) {
+    ops::geluBackward(dIn, dOut, in, n);
+    return ok();
+  }
+  // SwiGLU on the fc output's rows, each gate | up.
+  llvm::Error swigluForward(Ptr out, CPtr pre, int n, int f) {
     for (int r = 0; r < n; ++r) {
-      const float *row = fcPre.data() + size_t(r) * fcCols;
-      ops::swigluForward(out + size_t(r) * localF, row, row + localF, size_t(localF));
+      const float *row = pre + size_t(r) * 2 * size_t(f);
+      ops::swigluForward(out + size_t(r) * size_t(f), row, row + f, size_t(f));
     }
+    return ok();
   }
-
-  int sliceLen(int slice) const { return slices[slice].second - slices[slice].first; }
-  SequenceWork &sequence(int mb) {
-    auto it = sequences.find(mb);
-    assert(it != sequences.end() && "slice 0 of this microbatch has not run forward");
-    return it->second;
+  llvm::Error swigluBackward(Ptr dPre, CPtr dOut, CPtr pre, int n, int f) {
+    for (int r = 0; r < n; ++r) {
+      const float *row = pre + size_t(r) * 2 * size_t(f);
+      float *d = dPre + size_t(r) * 2 * size_t(f);
+      ops::swigluBackward(d, d + f, dOut + size_t(r) * size_t(f), row, row + f, size_t(f));
+    }
+    return ok();
   }
-  SliceWork &get(int mb, int slice) {
-    auto it = work.find({mb, slice});
-    assert(it != work.end() && "no forward state for this (microbatch, slice)");
-    return it->second;
+  /// Positions of a slice's `rows` rows: (b, t) order, or the K/V rows' (t, b) order.
+  std::vector<int32_t> positions(RopeRows which, int slice, int rows) const {
+    const auto [begin, end] = slices[size_t(slice)];
+    const int x = end - begin;
+    std::vector<int32_t> out(static_cast<size_t>(rows));
+    for (int r = 0; r < rows; ++r)
+      out[size_t(r)] = which == RopeRows::Queries ? begin + r % x : begin + r / cfg.microbatch;
+    return out;
   }
-
-  std::span<float> forward(int mb, int slice, int part, std::span<const float> input);
-  void finishForward(SliceWork &w);
-  std::span<float> backwardInput(int mb, int slice, int part, std::span<const float> gradOutput);
-  void finishBackward(SliceWork &w);
-  void backwardWeight(int mb, int slice);
+  llvm::Error rope(Ptr x, RopeRows which, int slice, int rows, int heads, int headDim,
+                   double theta, bool backward) {
+    const std::vector<int32_t> pos = positions(which, slice, rows);
+    if (backward)
+      ops::ropeBackward(x, pos.data(), rows, heads, headDim, theta);
+    else
+      ops::ropeForward(x, pos.data(), rows, heads, headDim, theta);
+    return ok();
+  }
+  /// The backward rotation of a slice's K/V gradient rows (fp32).
+  llvm::Error ropeF32(float *x, int slice, int rows, int heads, int headDim, double theta) {
+    return rope(x, RopeRows::Keys, slice, rows, heads, headDim, theta, /*backward=*/true);
+  }
+  /// The K/V rows [0, end) of the microbatch: grown slice by slice.
+  llvm::Error reserveKv(std::vector<float> &k, std::vector<float> &v, int begin, int end, int b,
+                        int width) {
+    assert(k.size() == size_t(begin) * size_t(b) * size_t(width) &&
+           "K/V do not end where the slice begins");
+    (void)begin;
+    k.resize(size_t(end) * size_t(b) * size_t(width));
+    v.resize(k.size());
+    return ok();
+  }
+  // Row r = (b, t) of the slice is K/V row (begin + t) * B + b.
+  llvm::Error splitQkv(Ptr q, Ptr k, Ptr v, CPtr qkv, int n, int x, int b, int begin, int cl,
+                       int kvl) {
+    const size_t cols = size_t(cl) + 2 * size_t(kvl);
+    for (int r = 0; r < n; ++r) {
+      const float *row = qkv + size_t(r) * cols;
+      const size_t kv = (size_t(begin + r % x) * size_t(b) + size_t(r / x)) * size_t(kvl);
+      std::copy_n(row, cl, q + size_t(r) * size_t(cl));
+      std::copy_n(row + cl, kvl, k + kv);
+      std::copy_n(row + cl + kvl, kvl, v + kv);
+    }
+    return ok();
+  }
+  llvm::Error gatherQkv(Ptr dQkv, CPtr dq, const float *dk, const float *dv, int n, int x, int b,
+                        int begin, int cl, int kvl) {
+    const size_t cols = size_t(cl) + 2 * size_t(kvl);
+    for (int r = 0; r < n; ++r) {
+      float *row = dQkv + size_t(r) * cols;
+      const size_t kv = (size_t(begin + r % x) * size_t(b) + size_t(r / x)) * size_t(kvl);
+      std::copy_n(dq + size_t(r) * size_t(cl), cl, row);
+      std::copy_n(dk + kv, kvl, row + cl);
+      std::copy_n(dv + kv, kvl, row + cl + kvl);
+    }
+    return ok();
+  }
+  /// The materialized attention keeps the probabilities (B, H, x, a + x).
+  static size_t attentionSavedFloats(const StageAttentionShape &s) {
+    return size_t(s.batch) * size_t(s.heads) * size_t(s.queries) * size_t(s.begin + s.queries);
+  }
+  static ops::GroupedAttentionShape cpuShape(const StageAttentionShape &s) {
+    return {s.batch, s.queries, s.begin, s.heads, s.kvHeads, s.headDim};
+  }
+  llvm::Error attentionForward(Ptr out, float *probs, CPtr q, CPtr k, CPtr v,
+                               const StageAttentionShape &s) {
+    ops::groupedAttentionForward(out, probs, q, k, v, cpuShape(s));
+    return ok();
+  }
+  llvm::Error attentionBackward(Ptr dq, float *dk, float *dv, CPtr dOut, CPtr /*out*/,
+                                const float *probs, CPtr q, CPtr k, CPtr v,
+                                const StageAttentionShape &s) {
+    ops::groupedAttentionBackward(dq, dk, dv, dOut, probs, q, k, v, cpuShape(s));
+    return ok();
+  }
+  llvm::Error residualAdd(Ptr resid, CPtr branch, CPtr bias, int n, int c) {
+    const size_t count = size_t(n) * size_t(c);
+    if (bias)
+      for (size_t k = 0; k < count; ++k)
+        resid[k] += branch[k] + bias[k % size_t(c)];
+    else
+      for (size_t k = 0; k < count; ++k)
+        resid[k] += branch[k];
+    return ok();
+  }
+  // resid (B, x, C) = wte[token] (the rank's vocabulary rows) + wpe[position] (when given).
+  llvm::Error embeddingForward(Ptr resid, int mb, int slice, CPtr wte, CPtr wpe, int n, int x,
+                               int begin, int c, int vocabBegin, int localV) {
+    const std::vector<int32_t> in = tokens(mb, slice, false);
+    for (int r = 0; r < n; ++r) {
+      const int pos = begin + r % x, token = in[size_t(r)], local = token - vocabBegin;
+      assert(token >= 0 && token < cfg.vocab && "input token out of the vocabulary");
+      float *out = resid + size_t(r) * size_t(c);
+      if (local >= 0 && local < localV)
+        for (int k = 0; k < c; ++k)
+          out[k] = wte[size_t(local) * size_t(c) + size_t(k)];
+      if (wpe)
+        for (int k = 0; k < c; ++k)
+          out[k] += wpe[size_t(pos) * size_t(c) + size_t(k)];
+    }
+    return ok();
+  }
+  llvm::Error embeddingBackward(float *dWte, float *dWpe, CPtr dEmb, int mb, int slice, int n,
+                                int x, int begin, int c, int vocabBegin, int localV) {
+    const std::vector<int32_t> in = tokens(mb, slice, false);
+    for (int r = 0; r < n; ++r) {
+      const float *g = dEmb + size_t(r) * size_t(c);
+      const int local = in[size_t(r)] - vocabBegin; // rows of other ranks' tokens: theirs
+      if (local >= 0 && local < localV)
+        for (int k = 0; k < c; ++k)
+          dWte[size_t(local) * size_t(c) + size_t(k)] += g[k];
+      if (dWpe)
+        for (int k = 0; k < c; ++k)
+          dWpe[size_t(begin + r % x) * size_t(c) + size_t(k)] += g[k];
+    }
+    return ok();
+  }
+  llvm::Error lossForward(Loss &l, Act &logits, int mb, int slice, int n, int v, float scale) {
+    const std::vector<int32_t> tgt = tokens(mb, slice, true);
+    l.probs.resize(logits.size());
+    l.loss = ops::crossEntropyForward(l.probs.data(), logits.data(), tgt.data(), n, v, scale);
+    release(logits);
+    return ok();
+  }
+  llvm::Error lossShardStats(Loss &, Act &logits, F32 &stats, int mb, int slice, int n,
+                             int localV, int vocabBegin, int tpRank, int tp) {
+    const std::vector<int32_t> tgt = tokens(mb, slice, true);
+    stats.resize(ops::crossEntropyStatsFloats(n, tp));
+    ops::crossEntropyShardStats(stats.data(), logits.data(), tgt.data(), n, localV, vocabBegin,
+                                tpRank, tp);
+    return ok();
+  }
+  llvm::Error lossCombine(Loss &l, F32 &stats, int n, int tp, float scale) {
+    l.lse.resize(size_t(n));
+    l.loss = ops::crossEntropyCombine(l.lse.data(), stats.data(), n, tp, scale);
+    return ok();
+  }
+  llvm::Error lossBackward(Loss &l, Act &logits, Act &dLogits, int mb, int slice, int n,
+                           int localV, int vocabBegin, float scale) {
+    const std::vector<int32_t> tgt = tokens(mb, slice, true);
+    if (!logits.empty()) { // tp > 1: from the rank's logits and the whole log-sum-exp
+      dLogits.resize(logits.size());
+      ops::crossEntropyShardBackward(dLogits.data(), logits.data(), l.lse.data(), tgt.data(), n,
+                                     localV, vocabBegin, scale);
+      release(logits);
+      release(l.lse);
+      return ok();
+    }
+    dLogits.resize(l.probs.size());
+    ops::crossEntropyBackward(dLogits.data(), l.probs.data(), tgt.data(), n, cfg.vocab, scale);
+    release(l.probs);
+    return ok();
+  }
 };
 
-void StageCompute::Impl::finishForward(SliceWork &w) {
-  if (w.pendingForward < 0)
-    return;
-  PartRef p = forwardParts[w.pendingForward];
-  w.pendingForward = -1;
-  if (kind(p.layer) == GptLayerKind::Head) {
-    // The loss over the whole vocabulary from the shards' reduced statistics.
-    HeadWork &hw = w.head;
-    const int n = int(hw.lnfRstd.size());
-    hw.lse.resize(n);
-    w.loss = ops::crossEntropyCombine(hw.lse.data(), hw.stats.data(), n, tp, lossScale);
-    release(hw.stats);
-    return;
-  }
-  assert(kind(p.layer) == GptLayerKind::Block && "the embedding's reduction needs no finishing");
-  BlockWork &bw = w.blocks[p.layer - firstBlock()];
-  const int c = cfg.channels;
-  // Residual add of the reduced branch output; the row-parallel bias is added here, once.
-  const float *bias = param(p.layer, p.sub == 0 ? AttnB : ProjB);
-  std::vector<float> &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
-  if (bias)
-    for (size_t k = 0; k < w.resid.size(); ++k)
-      w.resid[k] += branch[k] + bias[k % c];
-  else
-    for (size_t k = 0; k < w.resid.size(); ++k)
-      w.resid[k] += branch[k];
-  release(branch);
-  if (p.sub == 0)
-    bw.xMid = w.resid;
-}
+} // namespace
 
-std::span<float> StageCompute::Impl::forward(int mb, int slice, int part,
-                                             std::span<const float> input) {
-  assert(slice >= 0 && slice < int(slices.size()) && "slice out of range");
-  assert(part >= 0 && part < int(forwardParts.size()) && "part out of range");
-  const auto [begin, end] = slices[slice];
-  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
-  if (part == 0) {
-    // A fresh forward; state left by a forward that never ran backward (evaluation) is dropped.
-    if (slice == 0) {
-      SequenceWork &seq = sequences[mb] = SequenceWork();
-      seq.blocks.resize(blockCount());
-    }
-    SequenceWork &seq = sequence(mb);
-    assert(seq.nextForwardSlice == slice && "slices of a microbatch run forward in order");
-    ++seq.nextForwardSlice;
-    SliceWork &w = work[{mb, slice}] = SliceWork();
-    w.blocks.resize(blockCount());
-    if (hasEmbedding() || hasHead()) {
-      assert(mb >= 0 && mb < int(batch.size()) && "setBatch() has no such microbatch");
-      const std::vector<int32_t> &tokens = batch[mb];
-      assert(tokens.size() == size_t(b) * (cfg.seqLen + 1) && "batch has the wrong size");
-      for (int s = 0; s < b; ++s)
-        for (int t = begin; t < end; ++t) {
-          w.inputs.push_back(tokens[size_t(s) * (cfg.seqLen + 1) + t]);
-          w.targets.push_back(tokens[size_t(s) * (cfg.seqLen + 1) + t + 1]);
-        }
-    }
-    if (!hasEmbedding()) {
-      assert(input.size() == size_t(n) * c && "stage input has the wrong size");
-      w.resid.assign(input.begin(), input.end());
-    }
-  }
-  SliceWork &w = get(mb, slice);
-  assert(part == w.nextForwardPart && "forward parts run in order");
-  ++w.nextForwardPart;
-  finishForward(w);
-  const PartRef p = forwardParts[part];
-  switch (kind(p.layer)) {
-  case GptLayerKind::Embedding: {
-    // resid (B, x, C) = wte[token] + wpe[position]. Vocab-parallel: a rank adds the wte rows it
-    // holds, tp rank 0 also wpe, and the tp reduction sums them in place; the other terms are
-    // zeros, so the sum equals tp = 1's to the bit.
-    const float *wte = param(p.layer, Wte), *wpe = param(p.layer, Wpe);
-    w.resid.assign(size_t(n) * c, 0.0f);
-    for (int r = 0; r < n; ++r) {
-      const int pos = begin + r % x, token = w.inputs[r], local = token - vocabBegin;
-      assert(token >= 0 && token < cfg.vocab && "input token out of the vocabulary");
-      float *out = w.resid.data() + size_t(r) * c;
-      if (local >= 0 && local < localV) {
-        for (int k = 0; k < c; ++k)
-          out[k] = wte[size_t(local) * c + k];
-      }
-      if (tpRank == 0 && wpe)
-        for (int k = 0; k < c; ++k)
-          out[k] += wpe[size_t(pos) * c + k];
-    }
-    if (tp > 1)
-      return w.resid;
-    return {};
-  }
-  case GptLayerKind::Head: {
-    HeadWork &hw = w.head;
-    hw.lnfIn = std::move(w.resid);
-    w.resid.clear();
-    hw.lnfOut.resize(size_t(n) * c);
-    normForward(hw.lnfOut.data(), hw.lnfMean, hw.lnfRstd, hw.lnfIn.data(), p.layer, LnfW, LnfB, n);
-    if (tp > 1) {
-      // Vocab-parallel: the rank's columns of the logits (B, x, Vl) and their statistics, which
-      // the tp reduction completes; finishForward() computes the loss.
-      hw.logits.resize(size_t(n) * localV);
-      ops::matmulTForward(hw.logits.data(), hw.lnfOut.data(), param(p.layer, LmW), n, c, localV);
-      hw.stats.resize(ops::crossEntropyStatsFloats(n, tp));
-      ops::crossEntropyShardStats(hw.stats.data(), hw.logits.data(), w.targets.data(), n, localV,
-                                  vocabBegin, tpRank, tp);
-      w.pendingForward = part;
-      return hw.stats;
-    }
-    std::vector<float> logits(size_t(n) * cfg.vocab); // (B, x, V)
-    ops::matmulTForward(logits.data(), hw.lnfOut.data(), param(p.layer, LmW), n, c, cfg.vocab);
-    hw.probs.resize(logits.size());
-    w.loss = ops::crossEntropyForward(hw.probs.data(), logits.data(), w.targets.data(), n,
-                                      cfg.vocab, lossScale);
-    return {};
-  }
-  case GptLayerKind::Block:
-    break;
-  }
-  BlockWork &bw = w.blocks[p.layer - firstBlock()];
-  if (p.sub == 0) {
-    // ln1 -> qkv (-> rope of q and k) -> causal attention over keys [0, end) -> attn proj
-    // (partial over tp).
-    bw.xIn = w.resid;
-    std::vector<float> ln1Out(size_t(n) * c); // (B, x, C)
-    normForward(ln1Out.data(), bw.ln1Mean, bw.ln1Rstd, bw.xIn.data(), p.layer, Ln1W, Ln1B, n);
-    std::vector<float> qkv(size_t(n) * qkvCols); // (B, x, Cl + 2 Kl)
-    ops::matmulForward(qkv.data(), ln1Out.data(), param(p.layer, QkvW), param(p.layer, QkvB), n, c,
-                       qkvCols);
-    std::vector<float> keys(size_t(n) * localKvC); // (B, x, Kl)
-    bw.q.resize(size_t(n) * localC);
-    for (int r = 0; r < n; ++r) {
-      const float *row = qkv.data() + size_t(r) * qkvCols;
-      std::copy_n(row, localC, bw.q.data() + size_t(r) * localC);
-      std::copy_n(row + localC, localKvC, keys.data() + size_t(r) * localKvC);
-    }
-    if (cfg.rope) {
-      const std::vector<int32_t> pos = positions(slice);
-      ops::ropeForward(bw.q.data(), pos.data(), n, localHeads, headDim, cfg.ropeTheta);
-      ops::ropeForward(keys.data(), pos.data(), n, localKv, headDim, cfg.ropeTheta);
-    }
-    // Append the slice's keys and values: rows [begin, end) of the position-major K/V.
-    SequenceBlock &sb = sequence(mb).blocks[p.layer - firstBlock()];
-    assert(sb.k.size() == size_t(begin) * b * localKvC && "K/V do not end where the slice begins");
-    sb.k.resize(size_t(end) * b * localKvC);
-    sb.v.resize(size_t(end) * b * localKvC);
-    for (int r = 0; r < n; ++r) {
-      const float *row = qkv.data() + size_t(r) * qkvCols;
-      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC; // (t, b) of row r = (b, t)
-      std::copy_n(keys.data() + size_t(r) * localKvC, localKvC, sb.k.data() + kv);
-      std::copy_n(row + localC + localKvC, localKvC, sb.v.data() + kv);
-    }
-    const ops::GroupedAttentionShape shape{b, x, begin, localHeads, localKv, headDim};
-    bw.probs.resize(size_t(b) * localHeads * x * end);
-    bw.attOut.resize(size_t(n) * localC);
-    ops::groupedAttentionForward(bw.attOut.data(), bw.probs.data(), bw.q.data(), sb.k.data(),
-                                 sb.v.data(), shape);
-    bw.attnPartial.resize(size_t(n) * c);
-    ops::matmulForward(bw.attnPartial.data(), bw.attOut.data(), param(p.layer, AttnW), nullptr, n,
-                       localC, c);
-    w.pendingForward = part;
-    return bw.attnPartial;
-  }
-  // ln2 -> fc -> gelu (or silu(gate) * up) -> proj (partial over tp).
-  std::vector<float> ln2Out(size_t(n) * c); // (B, x, C)
-  normForward(ln2Out.data(), bw.ln2Mean, bw.ln2Rstd, bw.xMid.data(), p.layer, Ln2W, Ln2B, n);
-  bw.fcPre.resize(size_t(n) * fcCols); // (B, x, Fl), or (B, x, 2 Fl): gate | up
-  ops::matmulForward(bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW), param(p.layer, FcB), n, c,
-                     fcCols);
-  std::vector<float> fcAct(size_t(n) * localF); // (B, x, Fl)
-  mlpActivation(fcAct.data(), bw.fcPre, n);
-  bw.mlpPartial.resize(size_t(n) * c);
-  ops::matmulForward(bw.mlpPartial.data(), fcAct.data(), param(p.layer, ProjW), nullptr, n, localF,
-                     c);
-  w.pendingForward = part;
-  return bw.mlpPartial;
-}
-
-void StageCompute::Impl::finishBackward(SliceWork &w) {
-  if (w.pendingBackward < 0)
-    return;
-  PartRef p = backwardParts[w.pendingBackward];
-  w.pendingBackward = -1;
-  if (kind(p.layer) == GptLayerKind::Head) {
-    // After the LM head backward: dResid = lnf backward of the reduced dLnfOut.
-    HeadWork &hw = w.head;
-    const int n = int(hw.lnfRstd.size()), c = cfg.channels;
-    w.dResid.assign(size_t(n) * c, 0.0f);
-    normBackwardInput(w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean, hw.lnfRstd,
-                      p.layer, LnfW, n);
-    return;
-  }
-  assert(kind(p.layer) == GptLayerKind::Block && "the embedding reduces nothing backward");
-  BlockWork &bw = w.blocks[p.layer - firstBlock()];
-  const int n = int(bw.ln1Rstd.size());
-  if (p.sub == 0) {
-    // After the MLP backward: dXmid = dOut + ln2 backward of the reduced dLn2.
-    normBackwardInput(w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean, bw.ln2Rstd,
-                      p.layer, Ln2W, n);
-    bw.dXmid = w.dResid;
-    return;
-  }
-  // After the attention backward: dXin = dXmid + ln1 backward of the reduced dLn1.
-  normBackwardInput(w.dResid.data(), bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean, bw.ln1Rstd, p.layer,
-                    Ln1W, n);
-}
-
-std::span<float> StageCompute::Impl::backwardInput(int mb, int slice, int part,
-                                                   std::span<const float> gradOutput) {
-  assert(part >= 0 && part < int(backwardParts.size()) && "part out of range");
-  SliceWork &w = get(mb, slice);
-  assert(w.nextForwardPart == int(forwardParts.size()) && "backward before the forward ended");
-  const auto [begin, end] = slices[slice];
-  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
-  SequenceWork &seq = sequence(mb);
-  if (part == 0) {
-    finishForward(w);
-    if (seq.nextBackwardSlice < 0)
-      seq.nextBackwardSlice = seq.nextForwardSlice - 1;
-    assert(seq.nextBackwardSlice == slice && "slices of a microbatch run backward last first");
-    --seq.nextBackwardSlice;
-    release(w.resid);
-    if (!hasHead()) {
-      assert(gradOutput.size() == size_t(n) * c && "output gradient has the wrong size");
-      w.dResid.assign(gradOutput.begin(), gradOutput.end());
-    }
-  }
-  assert(part == w.nextBackwardPart && "backward parts run in order");
-  ++w.nextBackwardPart;
-  finishBackward(w);
-  const PartRef p = backwardParts[part];
-  const bool lastPart = part + 1 == int(backwardParts.size());
-  std::span<float> result;
-  switch (kind(p.layer)) {
-  case GptLayerKind::Head: {
-    // dlogits = (softmax - onehot) * lossScale -> lm head (partial over tp) -> lnf.
-    HeadWork &hw = w.head;
-    if (tp > 1) {
-      hw.dLogits.resize(hw.logits.size());
-      ops::crossEntropyShardBackward(hw.dLogits.data(), hw.logits.data(), hw.lse.data(),
-                                     w.targets.data(), n, localV, vocabBegin, lossScale);
-      release(hw.logits);
-      release(hw.lse);
-    } else {
-      hw.dLogits.resize(hw.probs.size());
-      ops::crossEntropyBackward(hw.dLogits.data(), hw.probs.data(), w.targets.data(), n, cfg.vocab,
-                                lossScale);
-      release(hw.probs);
-    }
-    hw.dLnfOut.resize(size_t(n) * c);
-    ops::matmulTBackwardInput(hw.dLnfOut.data(), hw.dLogits.data(), param(p.layer, LmW), n, c,
-                              localV);
-    w.pendingBackward = part;
-    if (tp > 1)
-      result = hw.dLnfOut;
-    else
-      finishBackward(w);
-    break;
-  }
-  case GptLayerKind::Embedding:
-    w.dEmb = std::move(w.dResid);
-    w.dResid.clear();
-    break;
-  case GptLayerKind::Block: {
-    BlockWork &bw = w.blocks[p.layer - firstBlock()];
-    if (p.sub == 0) {
-      // MLP backward: dOut -> proj -> gelu (or swiglu) -> fc; returns dLn2 (partial over tp).
-      bw.dOut = w.dResid;
-      std::vector<float> dFcAct(size_t(n) * localF); // (B, x, Fl)
-      ops::matmulBackwardInput(dFcAct.data(), bw.dOut.data(), param(p.layer, ProjW), n, localF, c);
-      bw.dFcPre.resize(bw.fcPre.size());
-      if (cfg.swiglu) {
-        for (int r = 0; r < n; ++r) {
-          const float *pre = bw.fcPre.data() + size_t(r) * fcCols;
-          float *dPre = bw.dFcPre.data() + size_t(r) * fcCols;
-          ops::swigluBackward(dPre, dPre + localF, dFcAct.data() + size_t(r) * localF, pre,
-                              pre + localF, size_t(localF));
-        }
-      } else {
-        ops::geluBackward(bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), dFcAct.size());
-      }
-      bw.dLn2.resize(size_t(n) * c);
-      ops::matmulBackwardInput(bw.dLn2.data(), bw.dFcPre.data(), param(p.layer, FcW), n, c, fcCols);
-      w.pendingBackward = part;
-      result = bw.dLn2;
-      break;
-    }
-    // Attention backward: dXmid -> attn proj -> attention -> qkv; returns dLn1 (partial).
-    std::vector<float> dAttOut(size_t(n) * localC); // (B, x, Cl)
-    ops::matmulBackwardInput(dAttOut.data(), bw.dXmid.data(), param(p.layer, AttnW), n, localC, c);
-    SequenceBlock &sb = seq.blocks[p.layer - firstBlock()];
-    if (sb.dk.empty()) { // the first backward of the microbatch: every slice has run forward
-      sb.dk.assign(sb.k.size(), 0.0f);
-      sb.dv.assign(sb.v.size(), 0.0f);
-    }
-    assert(sb.dk.size() >= size_t(end) * b * localKvC && "K/V gradients miss this slice");
-    std::vector<float> dq(size_t(n) * localC); // (B, x, Cl)
-    const ops::GroupedAttentionShape shape{b, x, begin, localHeads, localKv, headDim};
-    ops::groupedAttentionBackward(dq.data(), sb.dk.data(), sb.dv.data(), dAttOut.data(),
-                                  bw.probs.data(), bw.q.data(), sb.k.data(), sb.v.data(), shape);
-    release(bw.probs);
-    release(bw.q);
-    // The slice's own dK/dV are complete: every later slice has already added its share.
-    std::vector<float> dKeys(size_t(n) * localKvC); // (B, x, Kl)
-    for (int r = 0; r < n; ++r) {
-      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC;
-      std::copy_n(sb.dk.data() + kv, localKvC, dKeys.data() + size_t(r) * localKvC);
-    }
-    if (cfg.rope) { // back through the rotations to the gradients of qkv's q and k columns
-      const std::vector<int32_t> pos = positions(slice);
-      ops::ropeBackward(dq.data(), pos.data(), n, localHeads, headDim, cfg.ropeTheta);
-      ops::ropeBackward(dKeys.data(), pos.data(), n, localKv, headDim, cfg.ropeTheta);
-    }
-    bw.dQkv.resize(size_t(n) * qkvCols);
-    for (int r = 0; r < n; ++r) {
-      float *row = bw.dQkv.data() + size_t(r) * qkvCols;
-      const size_t kv = (size_t(begin + r % x) * b + r / x) * localKvC;
-      std::copy_n(dq.data() + size_t(r) * localC, localC, row);
-      std::copy_n(dKeys.data() + size_t(r) * localKvC, localKvC, row + localC);
-      std::copy_n(sb.dv.data() + kv, localKvC, row + localC + localKvC);
-    }
-    bw.dLn1.resize(size_t(n) * c);
-    ops::matmulBackwardInput(bw.dLn1.data(), bw.dQkv.data(), param(p.layer, QkvW), n, c, qkvCols);
-    w.pendingBackward = part;
-    result = bw.dLn1;
-    break;
-  }
-  }
-  // Slice 0 is the last of its microbatch to run backward: nobody needs its K/V any more.
-  if (lastPart && slice == 0)
-    sequences.erase(mb);
-  return result;
-}
-
-void StageCompute::Impl::backwardWeight(int mb, int slice) {
-  SliceWork &w = get(mb, slice);
-  assert(w.nextBackwardPart == int(backwardParts.size()) &&
-         "backward_weight before backward_input ended");
-  finishBackward(w);
-  const int begin = slices[slice].first;
-  const int x = sliceLen(slice), n = cfg.microbatch * x, c = cfg.channels;
-  // With tied embeddings and both copies on this stage, each copy's gradient receives both
-  // contributions, in the same order, as the runtime's all-reduce would give across stages.
-  for (int l = layerBegin; l < layerEnd; ++l) {
-    switch (kind(l)) {
-    case GptLayerKind::Embedding: {
-      std::vector<float *> wteGrads{grad(l, Wte)};
-      if (tiedHere())
-        wteGrads.push_back(grad(cfg.numLayers() - 1, LmW));
-      float *dWpe = grad(l, Wpe);
-      for (int r = 0; r < n; ++r) {
-        const float *g = w.dEmb.data() + size_t(r) * c;
-        const int local = w.inputs[r] - vocabBegin; // rows of other ranks' tokens: theirs
-        if (local >= 0 && local < localV)
-          for (float *dWte : wteGrads)
-            for (int k = 0; k < c; ++k)
-              dWte[size_t(local) * c + k] += g[k];
-        if (dWpe)
-          for (int k = 0; k < c; ++k)
-            dWpe[size_t(begin + r % x) * c + k] += g[k];
-      }
-      break;
-    }
-    case GptLayerKind::Head: {
-      HeadWork &hw = w.head;
-      normBackwardWeight(hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean, hw.lnfRstd, l, LnfW, LnfB,
-                         n);
-      if (tiedHere())
-        ops::matmulTBackwardWeight(grad(0, Wte), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
-      ops::matmulTBackwardWeight(grad(l, LmW), hw.lnfOut.data(), hw.dLogits.data(), n, c, localV);
-      break;
-    }
-    case GptLayerKind::Block: {
-      BlockWork &bw = w.blocks[l - firstBlock()];
-      std::vector<float> lnOut(size_t(n) * c), mean, rstd; // (B, x, C), recomputed
-      normForward(lnOut.data(), mean, rstd, bw.xIn.data(), l, Ln1W, Ln1B, n);
-      normBackwardWeight(bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean, bw.ln1Rstd, l, Ln1W, Ln1B, n);
-      ops::matmulBackwardWeight(grad(l, QkvW), grad(l, QkvB), lnOut.data(), bw.dQkv.data(), n, c,
-                                qkvCols);
-      ops::matmulBackwardWeight(grad(l, AttnW), grad(l, AttnB), bw.attOut.data(), bw.dXmid.data(),
-                                n, localC, c);
-      normForward(lnOut.data(), mean, rstd, bw.xMid.data(), l, Ln2W, Ln2B, n);
-      normBackwardWeight(bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean, bw.ln2Rstd, l, Ln2W, Ln2B, n);
-      ops::matmulBackwardWeight(grad(l, FcW), grad(l, FcB), lnOut.data(), bw.dFcPre.data(), n, c,
-                                fcCols);
-      std::vector<float> fcAct(size_t(n) * localF); // (B, x, Fl), recomputed
-      mlpActivation(fcAct.data(), bw.fcPre, n);
-      ops::matmulBackwardWeight(grad(l, ProjW), grad(l, ProjB), fcAct.data(), bw.dOut.data(), n,
-                                localF, c);
-      break;
-    }
-    }
-  }
-  work.erase({mb, slice});
-}
+struct StageCompute::Impl : StageProgram<CpuDev> {};
 
 StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, int tpRank, int tp,
                            uint64_t seed, std::vector<std::pair<int, int>> slices, float lossScale)
@@ -942,38 +636,17 @@ StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, i
            (s == 0 || slices[s - 1].second == slices[s].first) &&
            "slices must be non-empty and contiguous");
   Impl &m = *impl;
-  m.cfg = cfg;
-  m.layerBegin = layerBegin;
-  m.layerEnd = layerEnd;
-  m.tpRank = tpRank;
-  m.tp = tp;
-  m.slices = std::move(slices);
-  m.lossScale = lossScale;
-  m.localHeads = cfg.heads / tp;
-  m.headDim = cfg.channels / cfg.heads;
-  m.localC = m.localHeads * m.headDim;
-  m.localF = cfg.ffn / tp;
-  m.localKv = cfg.kvHeadCount() / tp;
-  m.localKvC = m.localKv * m.headDim;
-  m.qkvCols = m.localC + 2 * m.localKvC;
-  m.fcCols = cfg.swiglu ? 2 * m.localF : m.localF;
-  m.localV = cfg.vocab / tp;
-  m.vocabBegin = tpRank * m.localV;
-  m.layerOffset.push_back(0);
+  m.dev.cfg = cfg;
+  m.dev.slices = slices;
+  m.setUp(cfg, layerBegin, layerEnd, tpRank, tp, std::move(slices), lossScale);
   for (int l = layerBegin; l < layerEnd; ++l) {
-    for (int sub = 0; sub < layerParts(cfg, l); ++sub)
-      m.forwardParts.push_back({l, sub});
-    m.tensorOffset.push_back(paramRoleOffsets(cfg, l, tp));
     std::vector<float> shard = shardLayer(cfg, l, tpRank, tp, initLayerFull(cfg, l, seed));
-    m.params.insert(m.params.end(), shard.begin(), shard.end());
-    m.layerOffset.push_back(m.params.size());
+    m.dev.params.insert(m.dev.params.end(), shard.begin(), shard.end());
   }
-  for (int l = layerEnd - 1; l >= layerBegin; --l)
-    for (int sub = 0; sub < layerParts(cfg, l); ++sub)
-      m.backwardParts.push_back({l, sub});
-  m.grads.assign(m.params.size(), 0.0f);
-  m.adamM.assign(m.params.size(), 0.0f);
-  m.adamV.assign(m.params.size(), 0.0f);
+  assert(m.dev.params.size() == m.layerOffset.back() && "the layout and the shards disagree");
+  m.dev.grads.assign(m.dev.params.size(), 0.0f);
+  m.dev.adamM.assign(m.dev.params.size(), 0.0f);
+  m.dev.adamV.assign(m.dev.params.size(), 0.0f);
 }
 
 StageCompute::~StageCompute() = default;
@@ -983,18 +656,20 @@ bool StageCompute::hasEmbedding() const { return impl->hasEmbedding(); }
 bool StageCompute::hasHead() const { return impl->hasHead(); }
 
 void StageCompute::setBatch(std::vector<std::vector<int32_t>> tokens) {
-  impl->batch = std::move(tokens);
+  impl->dev.batch = std::move(tokens);
 }
 
 std::span<float> StageCompute::forward(int mb, int slice, int part, std::span<const float> input) {
-  return impl->forward(mb, slice, part, input);
+  std::span<float> result;
+  llvm::cantFail(impl->forward(mb, slice, part, input, result));
+  return result;
 }
 
 std::span<const float> StageCompute::output(int mb, int slice) const {
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "output() before the last forward part");
   // Completes the last part: the residual add of its reduced buffer.
-  impl->finishForward(w);
+  llvm::cantFail(impl->finishForward(w));
   if (hasHead())
     return {};
   return w.resid;
@@ -1002,36 +677,40 @@ std::span<const float> StageCompute::output(int mb, int slice) const {
 
 double StageCompute::loss(int mb, int slice) const {
   assert(hasHead() && "loss() on a stage without the head");
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "loss() before the last forward part");
-  impl->finishForward(w); // with tp > 1, the loss of the reduced statistics
-  return w.loss;
+  llvm::cantFail(impl->finishForward(w)); // with tp > 1, the loss of the reduced statistics
+  return w.head.loss.loss;
 }
 
 std::span<float> StageCompute::backwardInput(int mb, int slice, int part,
                                              std::span<const float> gradOutput) {
-  return impl->backwardInput(mb, slice, part, gradOutput);
+  std::span<float> result;
+  llvm::cantFail(impl->backwardInput(mb, slice, part, gradOutput, result));
+  return result;
 }
 
 std::span<const float> StageCompute::inputGrad(int mb, int slice) const {
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
-  // Completes the last part: ln1 backward of its reduced buffer plus the residual path.
-  impl->finishBackward(w);
+  // Completes the last part: norm1 backward of its reduced buffer plus the residual path.
+  llvm::cantFail(impl->finishBackward(w));
   if (hasEmbedding())
     return {};
   return w.dResid;
 }
 
-void StageCompute::backwardWeight(int mb, int slice) { impl->backwardWeight(mb, slice); }
+void StageCompute::backwardWeight(int mb, int slice) {
+  llvm::cantFail(impl->backwardWeight(mb, slice));
+}
 
-std::span<float> StageCompute::params() { return impl->params; }
-std::span<float> StageCompute::grads() { return impl->grads; }
+std::span<float> StageCompute::params() { return impl->dev.params; }
+std::span<float> StageCompute::grads() { return impl->dev.grads; }
 
 std::pair<size_t, size_t> StageCompute::layerRange(int layer) const {
   assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");
   int l = layer - impl->layerBegin;
-  return {impl->layerOffset[l], impl->layerOffset[l + 1]};
+  return {impl->layerOffset[size_t(l)], impl->layerOffset[size_t(l + 1)]};
 }
 
 std::pair<size_t, size_t> StageCompute::tiedEmbeddingRange() const {
@@ -1039,39 +718,40 @@ std::pair<size_t, size_t> StageCompute::tiedEmbeddingRange() const {
   // A stage holding both copies ties them itself (see backwardWeight): nothing to all-reduce.
   if (!m.cfg.tiedEmbeddings || m.tiedHere())
     return {0, 0};
-  const size_t matrix = size_t(m.localV) * m.cfg.channels; // the rank's rows
+  const size_t matrix = size_t(m.localV) * size_t(m.cfg.channels); // the rank's rows
   if (m.hasEmbedding()) {
-    size_t at = m.layerOffset[0] + m.tensorOffset[0][Wte];
+    size_t at = m.offsetOf(m.layerBegin, Wte);
     return {at, at + matrix};
   }
   if (m.hasHead()) {
-    int l = m.layerEnd - 1 - m.layerBegin;
-    size_t at = m.layerOffset[l] + m.tensorOffset[l][LmW];
+    size_t at = m.offsetOf(m.layerEnd - 1, LmW);
     return {at, at + matrix};
   }
   return {0, 0};
 }
 
-void StageCompute::zeroGrads() { std::fill(impl->grads.begin(), impl->grads.end(), 0.0f); }
+void StageCompute::zeroGrads() { std::fill(impl->dev.grads.begin(), impl->dev.grads.end(), 0.0f); }
 
 void StageCompute::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
-  Impl &m = *impl;
-  ++m.adamSteps;
-  ops::adamUpdate(m.params.data(), m.grads.data(), m.adamM.data(), m.adamV.data(), m.params.size(),
-                  lr, beta1, beta2, eps, weightDecay, m.adamSteps);
+  CpuDev &d = impl->dev;
+  ++d.adamSteps;
+  ops::adamUpdate(d.params.data(), d.grads.data(), d.adamM.data(), d.adamV.data(), d.params.size(),
+                  lr, beta1, beta2, eps, weightDecay, d.adamSteps);
 }
 
-std::span<float> StageCompute::adamFirstMoment() { return impl->adamM; }
-std::span<float> StageCompute::adamSecondMoment() { return impl->adamV; }
-int StageCompute::adamSteps() const { return impl->adamSteps; }
-void StageCompute::setAdamSteps(int steps) { impl->adamSteps = steps; }
+std::span<float> StageCompute::adamFirstMoment() { return impl->dev.adamM; }
+std::span<float> StageCompute::adamSecondMoment() { return impl->dev.adamV; }
+int StageCompute::adamSteps() const { return impl->dev.adamSteps; }
+void StageCompute::setAdamSteps(int steps) { impl->dev.adamSteps = steps; }
 
 size_t StageCompute::savedBytes() const {
   size_t total = 0;
+  auto add = [&](std::vector<float> &v) { total += floatBytes(v); };
   for (auto &[key, w] : impl->work)
-    total += w.bytes();
-  for (const auto &[mb, seq] : impl->sequences)
-    total += seq.bytes();
+    w.forEach(add);
+  for (auto &[mb, seq] : impl->sequences)
+    for (auto &b : seq.blocks)
+      add(b.k), add(b.v), add(b.dk), add(b.dv);
   return total;
 }
 

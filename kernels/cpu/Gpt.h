@@ -114,13 +114,6 @@ std::array<size_t, tensors::kMostRoles> paramRoleOffsets(const GptConfig &cfg, i
 /// of it (layernorms, the row-parallel biases, wpe) rather than a part.
 std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);
 
-/// One (microbatch, slice) of work in a stage: what forward saved for the backwards, and what
-/// backward_input saved for backward_weight. Owned by StageCompute.
-struct SliceWork;
-/// K/V of the slices of one microbatch run so far, per block, and the dK/dV that later slices'
-/// backwards accumulated for them.
-struct SequenceWork;
-
 /// The layers [layerBegin, layerEnd) of the model on one tensor-parallel rank.
 class StageCompute {
 public:

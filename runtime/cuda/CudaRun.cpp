@@ -440,11 +440,13 @@ static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, co
 }
 
 llvm::Error gpuRunsTheBlock(const GptConfig &cfg, const Plan &plan, llvm::StringRef backend) {
-  if (cfg.isGpt2())
+  if (cfg.rmsnorm || (cfg.bias && cfg.normEps == 1e-5f))
     return llvm::Error::success();
-  return inputError("--backend {}: the plan's model has a block other than GPT-2's ({}), which "
-                    "the GPU stages do not run yet; train it with --backend cpu",
-                    backend.str(), plan.transformer ? plan.transformer->variantText() : "");
+  return inputError("--backend {}: the plan's model has a LayerNorm {} ({}), which the CUDA "
+                    "layernorm kernel does not compute (it has GPT-2's shift and epsilon 1e-5); "
+                    "use \"norm\": \"rmsnorm\", or train it with --backend cpu",
+                    backend.str(), cfg.bias ? "with another epsilon" : "without a shift",
+                    plan.transformer ? plan.transformer->variantText() : "");
 }
 
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,

@@ -111,9 +111,9 @@ inline double cudaTensorGradTolerance(kernels::DType dtype) {
 /// GPUs visible to this process; an error (naming the CUDA call) when none can be used.
 llvm::Expected<int> cudaDevices();
 
-/// The GPU stages (GpuStage) run GPT-2's block only: a plan whose model has another (Llama's
-/// choices, a norm_eps other than 1e-5) is an input error naming `backend` (cuda or nccl) and
-/// the backend that runs it.
+/// The GPU stages (GpuStage) run every block but a LayerNorm without its shift or with an
+/// epsilon other than 1e-5 (the CUDA layernorm kernel's): such a plan is an input error naming
+/// `backend` (cuda or nccl) and the fix.
 llvm::Error gpuRunsTheBlock(const kernels::GptConfig &cfg, const Plan &plan,
                             llvm::StringRef backend);
 

@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/GpuStage.h"
 
+#include "kernels/StageProgram.h"
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
@@ -77,66 +78,34 @@ private:
   size_t count = 0;
 };
 
-// A layer's tensors by role, where kernels/cpu/Gpt.h's one layout puts them
-// (kernels::paramRoleOffsets).
+
 using namespace kernels::tensors;
 
-struct BlockWork {
-  Act xIn, q, attOut, attnPartial, xMid, fcPre, mlpPartial;
-  Floats ln1Mean, ln1Rstd, lse, ln2Mean, ln2Rstd;
-  Act dOut, dFcPre, dLn2, dXmid, dQkv, dLn1;
-};
+/// The CUDA stream as StageProgram's device: activations in the compute type from the
+/// context's allocator (the rank's arena in the executor), fp32 statistics, the CUDA ops of
+/// kernels/cuda and the glue kernels of StageKernels.cu; the parameters, their bf16 copy and
+/// the batch's tokens in memory allocated once. Every call queues work on the stream (nothing in
+/// the context's sizing pass) and returns an error naming a CUDA failure.
+struct GpuDev {
+  using Act = DeviceTensor;
+  using F32 = Floats;
+  using Ptr = void *;
+  using CPtr = const void *;
+  using Out = TensorView;
+  using In = TensorView;
+  /// The head's loss state: the log-sum-exp of each row over the whole vocabulary and each
+  /// row's (scaled) loss; the logits stay in the head's work and become the logits' gradient.
+  struct Loss {
+    Floats lse, rowLoss;
+    template <typename F> void forEach(F f) { f(lse), f(rowLoss); }
+  };
 
-struct HeadWork {
-  Act lnfIn, lnfOut, logits; // logits (the rank's vocabulary columns) become dLogits
-  Floats lnfMean, lnfRstd, lse, rowLoss;
-  Floats stats; // tp > 1: the shards' statistics, reduced over tp in place
-  Act dLnfOut;  // tp > 1: reduced over tp in place
-};
-
-struct SliceWork {
-  int nextForwardPart = 0, nextBackwardPart = 0;
-  int pendingForward = -1, pendingBackward = -1;
-  int n = 0; // tokens of the slice (B * x)
-  Act resid, dResid, dEmb;
-  std::vector<BlockWork> blocks;
-  HeadWork head;
-};
-
-/// K/V of the whole sequence, allocated at slice 0 (position-major (T, B, Cl)); the CPU grows
-/// them slice by slice, the attention ops read only the first a + x rows. Their gradients are
-/// fp32 in both modes: every slice's backward adds to those of all the earlier keys.
-struct SequenceBlock {
-  Act k, v;
-  Floats dk, dv;
-};
-
-struct SequenceWork {
-  int nextForwardSlice = 0;
-  int nextBackwardSlice = -1;
-  std::vector<SequenceBlock> blocks;
-};
-
-struct PartRef {
-  int layer;
-  int sub;
-};
-
-} // namespace
-
-struct GpuStage::Impl {
   cu::CudaContext &ctx;
   cudaStream_t stream;
   GptConfig cfg;
-  int layerBegin = 0, layerEnd = 0, tpRank = 0, tp = 1;
   std::vector<std::pair<int, int>> slices;
-  float lossScale = 1;
   cu::DType dt = kF32; // the compute type (activations, the parameters the kernels read)
-  int localHeads = 0, headDim = 0, localC = 0, localF = 0;
-  int localV = 0, vocabBegin = 0; // the rank's rows of wte and lm.w
-  std::vector<PartRef> forwardParts, backwardParts;
-  std::vector<size_t> layerOffset;
-  std::vector<std::array<size_t, kMostRoles>> tensorOffset; // per stage layer, by role
+  int vocabBegin = 0, localV = 0;
   Owned<float> params, grads, adamM, adamV;
   // bf16: the parameters the kernels read, rounded from the fp32 master copy `params` after
   // every optimizer step (same layout). fp32 reads `params` itself.
@@ -144,9 +113,8 @@ struct GpuStage::Impl {
   Owned<double> lossAcc;
   int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
-  // mb * B * T + B * slices[slice].first. Allocated by the first setBatch (the sizing pass's),
-  // uploaded from pinned host copies (inputs, targets, then the embedding backward's plans)
-  // without waiting for the device.
+  // tokenOffset(mb, slice). Allocated by the first setBatch (the sizing pass's), uploaded from
+  // pinned host copies (inputs, targets, then the embedding backward's plans).
   Owned<int32_t> inputs, targets;
   // With the embedding: every (mb, slice)'s EmbeddingGradPlan, at maxEmbeddingGradInts times
   // the slice's offset in `inputs` (its order, then its pieces at n, its merges at 4 n), and
@@ -154,427 +122,226 @@ struct GpuStage::Impl {
   Owned<int32_t> embeddingPlans;
   std::vector<std::pair<int, int>> embeddingPlanSizes;
   Owned<int32_t, /*Pinned=*/true> hostTokens;
-  std::map<std::pair<int, int>, SliceWork> work;
-  std::map<int, SequenceWork> sequences;
+  // With rope: the positions of each slice's rows in (b, t) order, then in (t, b) order.
+  std::vector<std::unique_ptr<Owned<int32_t>>> positions;
 
-  explicit Impl(cu::CudaContext &ctx) : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
+  explicit GpuDev(cu::CudaContext &ctx)
+      : ctx(ctx), stream(static_cast<cudaStream_t>(ctx.stream())) {}
   Mem mem() { return Mem{&ctx.allocator(), stream, ctx.sizing()}; }
-  /// An activation buffer of `n` elements of the compute type.
-  llvm::Error alloc(Act &a, size_t n, bool zero = false) { return a.allocate(mem(), n, dt, zero); }
-
-  GptLayerKind kind(int layer) const { return kernels::layerKind(cfg, layer); }
-  int firstBlock() const { return layerBegin == 0 ? 1 : layerBegin; }
-  int blockCount() const {
-    int count = 0;
-    for (int l = layerBegin; l < layerEnd; ++l)
-      count += kind(l) == GptLayerKind::Block;
-    return count;
+  size_t tokenOffset(int mb, int slice) const {
+    return size_t(mb) * size_t(cfg.microbatch) * size_t(cfg.seqLen) +
+           size_t(cfg.microbatch) * size_t(slices[size_t(slice)].first);
   }
-  bool hasEmbedding() const { return layerBegin == 0; }
-  bool hasHead() const { return layerEnd == cfg.numLayers(); }
-  bool tiedHere() const { return cfg.tiedEmbeddings && hasEmbedding() && hasHead(); }
-  /// A parameter tensor as the kernels read it (compute type).
-  const void *param(int layer, int tensor) const {
-    int l = layer - layerBegin;
-    if (tensorOffset[size_t(l)][size_t(tensor)] == kAbsent)
-      return nullptr;
-    const size_t at = layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
+
+  static void *ptr(DeviceTensor &a) { return a.data(); }
+  static float *ptr(Floats &f) { return f.data(); }
+  static size_t size(const DeviceTensor &a) { return a.size(); }
+  static size_t size(const Floats &f) { return f.size(); }
+  static void *at(DeviceTensor &a, size_t offset) {
+    return static_cast<char *>(a.data()) + offset * kernels::sizeOf(a.dtype());
+  }
+  llvm::Error alloc(DeviceTensor &a, size_t n) { return a.allocate(mem(), n, dt); }
+  llvm::Error allocZero(DeviceTensor &a, size_t n) { return a.allocate(mem(), n, dt, true); }
+  llvm::Error alloc(Floats &f, size_t n) { return f.allocate(mem(), n); }
+  llvm::Error allocZero(Floats &f, size_t n) { return f.allocate(mem(), n, true); }
+  void release(DeviceTensor &a) { a.reset(); }
+  void release(Floats &f) { f.reset(); }
+  llvm::Error copy(DeviceTensor &dst, DeviceTensor &src) { return dst.copyFrom(mem(), src.view()); }
+  llvm::Error input(DeviceTensor &dst, TensorView in, size_t n) {
+    assert(in.count == n && in.type == dt && "stage input has the wrong size or type");
+    (void)n;
+    return dst.copyFrom(mem(), in);
+  }
+  TensorView out(DeviceTensor &a) { return a.view(); }
+  TensorView out(Floats &f) { return TensorView(f.data(), f.size(), kF32); }
+  const void *param(size_t at) const {
     if (dt == kBF16)
       return paramsLow.data() + at;
     return params.data() + at;
   }
+  float *grad(size_t at) { return grads.data() + at; }
   /// The compute copy of the parameters from the master copy (bf16 only).
   llvm::Error refreshComputeParams() {
     if (dt != kBF16)
       return llvm::Error::success();
     return cu::convert(ctx, kBF16, paramsLow.data(), kF32, params.data(), params.size());
   }
-  float *grad(int layer, int tensor) {
-    int l = layer - layerBegin;
-    if (tensorOffset[size_t(l)][size_t(tensor)] == kAbsent)
-      return nullptr;
-    return grads.data() + layerOffset[size_t(l)] + tensorOffset[size_t(l)][size_t(tensor)];
-  }
-  int sliceLen(int slice) const {
-    return slices[size_t(slice)].second - slices[size_t(slice)].first;
-  }
-  size_t tokenOffset(int mb, int slice) const {
-    return size_t(mb) * size_t(cfg.microbatch) * size_t(cfg.seqLen) +
-           size_t(cfg.microbatch) * size_t(slices[size_t(slice)].first);
-  }
-  SequenceWork &sequence(int mb) {
-    auto it = sequences.find(mb);
-    assert(it != sequences.end() && "slice 0 of this microbatch has not run forward");
-    return it->second;
-  }
-  SliceWork &get(int mb, int slice) {
-    auto it = work.find({mb, slice});
-    assert(it != work.end() && "no forward state for this (microbatch, slice)");
-    return it->second;
-  }
 
-  llvm::Error forward(int mb, int slice, int part, TensorView input, TensorView &result);
-  llvm::Error finishForward(SliceWork &w);
-  llvm::Error backwardInput(int mb, int slice, int part, TensorView gradOutput, TensorView &result);
-  llvm::Error finishBackward(SliceWork &w);
-  llvm::Error backwardWeight(int mb, int slice);
+  llvm::Error layernormForward(void *out, float *mean, float *rstd, const void *in, const void *w,
+                               const void *b, int n, int c, float eps) {
+    assert(eps == 1e-5f && b && "the CUDA layernorm has GPT-2's shift and epsilon");
+    (void)eps;
+    return cu::layernormForward(ctx, dt, out, mean, rstd, in, w, b, n, c);
+  }
+  llvm::Error layernormBackwardInputAccumulate(void *dIn, const void *dOut, const void *in,
+                                               const float *mean, const float *rstd,
+                                               const void *w, int n, int c) {
+    return cu::layernormBackwardInputAccumulate(ctx, dt, dIn, dOut, in, mean, rstd, w, n, c);
+  }
+  llvm::Error layernormBackwardWeight(float *dW, float *dB, const void *dOut, const void *in,
+                                      const float *mean, const float *rstd, int n, int c) {
+    return cu::layernormBackwardWeight(ctx, dt, dW, dB, dOut, in, mean, rstd, n, c);
+  }
+  llvm::Error rmsnormForward(void *out, float *rstd, const void *in, const void *w, int n, int c,
+                             float eps) {
+    return cu::rmsnormForward(ctx, dt, out, rstd, in, w, n, c, eps);
+  }
+  llvm::Error rmsnormBackwardInputAccumulate(void *dIn, const void *dOut, const void *in,
+                                             const float *rstd, const void *w, int n, int c) {
+    return cu::rmsnormBackwardInputAccumulate(ctx, dt, dIn, dOut, in, rstd, w, n, c);
+  }
+  llvm::Error rmsnormBackwardWeight(float *dW, const void *dOut, const void *in, const float *rstd,
+                                    int n, int c) {
+    return cu::rmsnormBackwardWeight(ctx, dt, dW, dOut, in, rstd, n, c);
+  }
+  llvm::Error matmulForward(void *out, const void *in, const void *w, const void *bias, int n,
+                            int i, int o) {
+    return cu::matmulForward(ctx, dt, out, in, w, bias, n, i, o);
+  }
+  llvm::Error matmulBackwardInput(void *dIn, const void *dOut, const void *w, int n, int i, int o) {
+    return cu::matmulBackwardInput(ctx, dt, dIn, dOut, w, n, i, o);
+  }
+  llvm::Error matmulBackwardWeight(float *dW, float *dB, const void *in, const void *dOut, int n,
+                                   int i, int o) {
+    return cu::matmulBackwardWeight(ctx, dt, dW, dB, in, dOut, n, i, o);
+  }
+  llvm::Error matmulTForward(void *out, const void *in, const void *w, int n, int i, int o) {
+    return cu::matmulTForward(ctx, dt, out, in, w, n, i, o);
+  }
+  llvm::Error matmulTBackwardInput(void *dIn, const void *dOut, const void *w, int n, int i,
+                                   int o) {
+    return cu::matmulTBackwardInput(ctx, dt, dIn, dOut, w, n, i, o);
+  }
+  llvm::Error matmulTBackwardWeight(float *dW, const void *in, const void *dOut, int n, int i,
+                                    int o) {
+    return cu::matmulTBackwardWeight(ctx, dt, dW, in, dOut, n, i, o);
+  }
+  llvm::Error geluForward(void *out, const void *in, size_t n) {
+    return cu::geluForward(ctx, dt, out, in, n);
+  }
+  llvm::Error geluBackward(void *dIn, const void *dOut, const void *in, size_t n) {
+    return cu::geluBackward(ctx, dt, dIn, dOut, in, n);
+  }
+  llvm::Error swigluForward(void *out, const void *pre, int n, int f) {
+    return cu::swigluForward(ctx, dt, out, pre, n, f);
+  }
+  llvm::Error swigluBackward(void *dPre, const void *dOut, const void *pre, int n, int f) {
+    return cu::swigluBackward(ctx, dt, dPre, dOut, pre, n, f);
+  }
+  const int32_t *positionsOf(kernels::RopeRows which, int slice) const {
+    return positions[size_t(slice) * 2 + (which == kernels::RopeRows::Keys ? 1 : 0)]->data();
+  }
+  llvm::Error rope(void *x, kernels::RopeRows which, int slice, int rows, int heads, int headDim,
+                   double theta, bool backward) {
+    const int32_t *pos = positionsOf(which, slice);
+    if (backward)
+      return cu::ropeBackward(ctx, dt, x, pos, rows, heads, headDim, theta);
+    return cu::ropeForward(ctx, dt, x, pos, rows, heads, headDim, theta);
+  }
+  llvm::Error ropeF32(float *x, int slice, int rows, int heads, int headDim, double theta) {
+    return cu::ropeBackward(ctx, kF32, x, positionsOf(kernels::RopeRows::Keys, slice), rows, heads,
+                            headDim, theta);
+  }
+  /// The whole sequence's K/V, allocated at slice 0 (position-major (T, B, width)); the
+  /// attention ops read only the first a + x rows.
+  llvm::Error reserveKv(DeviceTensor &k, DeviceTensor &v, int begin, int, int b, int width) {
+    if (begin > 0)
+      return llvm::Error::success();
+    const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(width);
+    PIPEC_GPU_TRY(k.allocate(mem(), kvSize, dt));
+    return v.allocate(mem(), kvSize, dt);
+  }
+  llvm::Error splitQkv(void *q, void *k, void *v, const void *qkv, int n, int x, int b, int begin,
+                       int cl, int kvl) {
+    PIPEC_QUEUE_TRY(ctx, launch::splitQkv(dt, q, k, v, qkv, n, x, b, begin, cl, kvl, stream));
+    return llvm::Error::success();
+  }
+  llvm::Error gatherQkv(void *dQkv, const void *dq, const float *dk, const float *dv, int n, int x,
+                        int b, int begin, int cl, int kvl) {
+    PIPEC_QUEUE_TRY(ctx,
+                    launch::gatherQkv(dt, dQkv, dq, dk, dv, n, x, b, begin, cl, kvl, stream));
+    return llvm::Error::success();
+  }
+  /// Flash attention keeps a log-sum-exp per query row (B, H, x).
+  static size_t attentionSavedFloats(const kernels::StageAttentionShape &s) {
+    return size_t(s.batch) * size_t(s.heads) * size_t(s.queries);
+  }
+  static cu::AttentionShape cudaShape(const kernels::StageAttentionShape &s) {
+    return cu::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim,
+                              s.kvHeads == s.heads ? 0 : s.kvHeads};
+  }
+  llvm::Error attentionForward(void *out, float *lse, const void *q, const void *k, const void *v,
+                               const kernels::StageAttentionShape &s) {
+    return cu::attentionForward(ctx, dt, out, lse, q, k, v, cudaShape(s));
+  }
+  llvm::Error attentionBackward(void *dq, float *dk, float *dv, const void *dOut, const void *out,
+                                const float *lse, const void *q, const void *k, const void *v,
+                                const kernels::StageAttentionShape &s) {
+    return cu::attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, cudaShape(s));
+  }
+  llvm::Error residualAdd(void *resid, const void *branch, const void *bias, int n, int c) {
+    PIPEC_QUEUE_TRY(ctx, launch::residualAdd(dt, resid, branch, bias, n, c, stream));
+    return llvm::Error::success();
+  }
+  llvm::Error embeddingForward(void *resid, int mb, int slice, const void *wte, const void *wpe,
+                               int n, int x, int begin, int c, int vBegin, int vLocal) {
+    PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(dt, resid, inputs.data() + tokenOffset(mb, slice),
+                                                  wte, wpe, n, x, begin, c, vBegin, vLocal,
+                                                  stream));
+    return llvm::Error::success();
+  }
+  llvm::Error embeddingBackward(float *dWte, float *dWpe, const void *dEmb, int mb, int slice,
+                                int n, int x, int begin, int c, int vBegin, int vLocal) {
+    const int32_t *in = inputs.data() + tokenOffset(mb, slice);
+    const int32_t *at = embeddingPlans.data() + maxEmbeddingGradInts(tokenOffset(mb, slice));
+    const size_t planIndex = size_t(mb) * slices.size() + size_t(slice);
+    assert(planIndex < embeddingPlanSizes.size() && "setBatch planned every (mb, slice)");
+    auto [pieces, merges] = embeddingPlanSizes[planIndex];
+    // Scratch of the most slots any batch's plan can use: the same request every step.
+    cu::ScratchBuffer slots(ctx.allocator());
+    PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
+    const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
+                                         merges, slots.as<float>()};
+    PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, dWte, dWpe, dEmb, in, plan, n, x, begin, c,
+                                                   vBegin, vLocal, stream));
+    return llvm::Error::success();
+  }
+  llvm::Error lossForward(Loss &l, DeviceTensor &logits, int mb, int slice, int n, int v,
+                          float scale) {
+    PIPEC_GPU_TRY(l.lse.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(l.rowLoss.allocate(mem(), size_t(n)));
+    return cu::crossEntropyForward(ctx, dt, l.rowLoss.data(), l.lse.data(), logits.data(),
+                                   targets.data() + tokenOffset(mb, slice), n, v, scale);
+  }
+  llvm::Error lossShardStats(Loss &l, DeviceTensor &logits, Floats &stats, int mb, int slice,
+                             int n, int vLocal, int vBegin, int tpRank, int tp) {
+    PIPEC_GPU_TRY(l.lse.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(l.rowLoss.allocate(mem(), size_t(n)));
+    PIPEC_GPU_TRY(stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
+    return cu::crossEntropyShardStats(ctx, dt, stats.data(), logits.data(),
+                                      targets.data() + tokenOffset(mb, slice), n, vLocal, vBegin,
+                                      tpRank, tp);
+  }
+  llvm::Error lossCombine(Loss &l, Floats &stats, int n, int tp, float scale) {
+    return cu::crossEntropyCombine(ctx, l.rowLoss.data(), l.lse.data(), stats.data(), n, tp, scale);
+  }
+  /// dLogits overwrite the logits in place (the op allows it).
+  llvm::Error lossBackward(Loss &l, DeviceTensor &logits, DeviceTensor &dLogits, int mb, int slice,
+                           int n, int vLocal, int vBegin, float scale) {
+    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, logits.data(), logits.data(), l.lse.data(),
+                                           targets.data() + tokenOffset(mb, slice), n, vLocal,
+                                           scale, vBegin));
+    l.lse.reset();
+    dLogits = std::move(logits);
+    return llvm::Error::success();
+  }
 };
 
-llvm::Error GpuStage::Impl::finishForward(SliceWork &w) {
-  if (w.pendingForward < 0)
-    return llvm::Error::success();
-  PartRef p = forwardParts[size_t(w.pendingForward)];
-  w.pendingForward = -1;
-  if (kind(p.layer) == GptLayerKind::Head) {
-    HeadWork &hw = w.head;
-    PIPEC_GPU_TRY(cu::crossEntropyCombine(ctx, hw.rowLoss.data(), hw.lse.data(), hw.stats.data(),
-                                          w.n, tp, lossScale));
-    hw.stats.reset();
-    return llvm::Error::success();
-  }
-  assert(kind(p.layer) == GptLayerKind::Block && "the embedding's reduction needs no finishing");
-  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
-  Act &branch = p.sub == 0 ? bw.attnPartial : bw.mlpPartial;
-  PIPEC_QUEUE_TRY(ctx, launch::residualAdd(dt, w.resid.data(), branch.data(),
-                                           param(p.layer, p.sub == 0 ? AttnB : ProjB), w.n,
-                                           cfg.channels, stream));
-  branch.reset();
-  if (p.sub == 0)
-    PIPEC_GPU_TRY(bw.xMid.copyFrom(mem(), w.resid.view()));
-  return llvm::Error::success();
-}
+} // namespace
 
-llvm::Error GpuStage::Impl::forward(int mb, int slice, int part, TensorView input,
-                                    TensorView &result) {
-  assert(slice >= 0 && slice < int(slices.size()) && "slice out of range");
-  assert(part >= 0 && part < int(forwardParts.size()) && "part out of range");
-  result = {};
-  const auto [begin, end] = slices[size_t(slice)];
-  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
-  const size_t nc = size_t(n) * size_t(c);
-  if (part == 0) {
-    if (slice == 0) {
-      SequenceWork &seq = sequences[mb] = SequenceWork();
-      seq.blocks.resize(size_t(blockCount()));
-      const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(localC);
-      for (SequenceBlock &sb : seq.blocks) {
-        PIPEC_GPU_TRY(alloc(sb.k, kvSize));
-        PIPEC_GPU_TRY(alloc(sb.v, kvSize));
-      }
-    }
-    SequenceWork &seq = sequence(mb);
-    assert(seq.nextForwardSlice == slice && "slices of a microbatch run forward in order");
-    ++seq.nextForwardSlice;
-    SliceWork &w = work[{mb, slice}] = SliceWork();
-    w.blocks.resize(size_t(blockCount()));
-    w.n = n;
-    if (!hasEmbedding()) {
-      assert(input.count == nc && input.type == dt && "stage input has the wrong size or type");
-      PIPEC_GPU_TRY(w.resid.copyFrom(mem(), input));
-    }
-  }
-  SliceWork &w = get(mb, slice);
-  assert(part == w.nextForwardPart && "forward parts run in order");
-  ++w.nextForwardPart;
-  PIPEC_GPU_TRY(finishForward(w));
-  const PartRef p = forwardParts[size_t(part)];
-  switch (kind(p.layer)) {
-  case GptLayerKind::Embedding:
-    // Vocab-parallel: the rank's rows of wte, wpe on tp rank 0; the tp reduction sums in place.
-    PIPEC_GPU_TRY(alloc(w.resid, nc));
-    PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(
-                             dt, w.resid.data(), inputs.data() + tokenOffset(mb, slice),
-                             param(p.layer, Wte), tpRank == 0 ? param(p.layer, Wpe) : nullptr, n, x,
-                             begin, c, vocabBegin, localV, stream));
-    if (tp > 1)
-      result = w.resid.view();
-    return llvm::Error::success();
-  case GptLayerKind::Head: {
-    HeadWork &hw = w.head;
-    hw.lnfIn = std::move(w.resid);
-    PIPEC_GPU_TRY(hw.lnfMean.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(hw.lnfRstd.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(alloc(hw.lnfOut, nc));
-    PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, hw.lnfOut.data(), hw.lnfMean.data(),
-                                       hw.lnfRstd.data(), hw.lnfIn.data(), param(p.layer, LnfW),
-                                       param(p.layer, LnfB), n, c));
-    PIPEC_GPU_TRY(alloc(hw.logits, size_t(n) * size_t(localV)));
-    PIPEC_GPU_TRY(cu::matmulTForward(ctx, dt, hw.logits.data(), hw.lnfOut.data(),
-                                     param(p.layer, LmW), n, c, localV));
-    PIPEC_GPU_TRY(hw.lse.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(hw.rowLoss.allocate(mem(), size_t(n)));
-    const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
-    if (tp > 1) {
-      // Vocab-parallel: the statistics of the rank's columns; finishForward() takes the loss.
-      PIPEC_GPU_TRY(hw.stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
-      PIPEC_GPU_TRY(cu::crossEntropyShardStats(ctx, dt, hw.stats.data(), hw.logits.data(), tgt, n,
-                                               localV, vocabBegin, tpRank, tp));
-      w.pendingForward = part;
-      result = TensorView(hw.stats.data(), hw.stats.size(), kF32);
-      return llvm::Error::success();
-    }
-    PIPEC_GPU_TRY(cu::crossEntropyForward(ctx, dt, hw.rowLoss.data(), hw.lse.data(),
-                                          hw.logits.data(), tgt, n, cfg.vocab, lossScale));
-    return llvm::Error::success();
-  }
-  case GptLayerKind::Block:
-    break;
-  }
-  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
-  if (p.sub == 0) {
-    PIPEC_GPU_TRY(bw.xIn.copyFrom(mem(), w.resid.view()));
-    PIPEC_GPU_TRY(bw.ln1Mean.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(bw.ln1Rstd.allocate(mem(), size_t(n)));
-    Act ln1Out, qkv; // (B, x, C), (B, x, 3 Cl)
-    PIPEC_GPU_TRY(alloc(ln1Out, nc));
-    PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, ln1Out.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
-                                       bw.xIn.data(), param(p.layer, Ln1W), param(p.layer, Ln1B), n,
-                                       c));
-    PIPEC_GPU_TRY(alloc(qkv, size_t(n) * 3 * size_t(localC)));
-    PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, qkv.data(), ln1Out.data(), param(p.layer, QkvW),
-                                    param(p.layer, QkvB), n, c, 3 * localC));
-    SequenceBlock &sb = sequence(mb).blocks[size_t(p.layer - firstBlock())];
-    PIPEC_GPU_TRY(alloc(bw.q, size_t(n) * size_t(localC)));
-    PIPEC_QUEUE_TRY(ctx, launch::splitQkv(dt, bw.q.data(), sb.k.data(), sb.v.data(), qkv.data(), n,
-                                          x, b, begin, localC, stream));
-    const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
-    PIPEC_GPU_TRY(bw.lse.allocate(mem(), size_t(b) * size_t(localHeads) * size_t(x)));
-    PIPEC_GPU_TRY(alloc(bw.attOut, size_t(n) * size_t(localC)));
-    PIPEC_GPU_TRY(cu::attentionForward(ctx, dt, bw.attOut.data(), bw.lse.data(), bw.q.data(),
-                                       sb.k.data(), sb.v.data(), shape));
-    PIPEC_GPU_TRY(alloc(bw.attnPartial, nc));
-    PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.attnPartial.data(), bw.attOut.data(),
-                                    param(p.layer, AttnW), nullptr, n, localC, c));
-    w.pendingForward = part;
-    result = bw.attnPartial.view();
-    return llvm::Error::success();
-  }
-  PIPEC_GPU_TRY(bw.ln2Mean.allocate(mem(), size_t(n)));
-  PIPEC_GPU_TRY(bw.ln2Rstd.allocate(mem(), size_t(n)));
-  Act ln2Out, fcAct; // (B, x, C), (B, x, Fl)
-  PIPEC_GPU_TRY(alloc(ln2Out, nc));
-  PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, ln2Out.data(), bw.ln2Mean.data(), bw.ln2Rstd.data(),
-                                     bw.xMid.data(), param(p.layer, Ln2W), param(p.layer, Ln2B), n,
-                                     c));
-  const size_t nf = size_t(n) * size_t(localF);
-  PIPEC_GPU_TRY(alloc(bw.fcPre, nf));
-  PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.fcPre.data(), ln2Out.data(), param(p.layer, FcW),
-                                  param(p.layer, FcB), n, c, localF));
-  PIPEC_GPU_TRY(alloc(fcAct, nf));
-  PIPEC_GPU_TRY(cu::geluForward(ctx, dt, fcAct.data(), bw.fcPre.data(), nf));
-  PIPEC_GPU_TRY(alloc(bw.mlpPartial, nc));
-  PIPEC_GPU_TRY(cu::matmulForward(ctx, dt, bw.mlpPartial.data(), fcAct.data(),
-                                  param(p.layer, ProjW), nullptr, n, localF, c));
-  w.pendingForward = part;
-  result = bw.mlpPartial.view();
-  return llvm::Error::success();
-}
-
-llvm::Error GpuStage::Impl::finishBackward(SliceWork &w) {
-  if (w.pendingBackward < 0)
-    return llvm::Error::success();
-  PartRef p = backwardParts[size_t(w.pendingBackward)];
-  w.pendingBackward = -1;
-  if (kind(p.layer) == GptLayerKind::Head) {
-    HeadWork &hw = w.head;
-    PIPEC_GPU_TRY(alloc(w.dResid, size_t(w.n) * size_t(cfg.channels), /*zero=*/true));
-    return cu::layernormBackwardInputAccumulate(
-        ctx, dt, w.dResid.data(), hw.dLnfOut.data(), hw.lnfIn.data(), hw.lnfMean.data(),
-        hw.lnfRstd.data(), param(p.layer, LnfW), w.n, cfg.channels);
-  }
-  assert(kind(p.layer) == GptLayerKind::Block && "the embedding reduces nothing backward");
-  BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
-  const int n = w.n, c = cfg.channels;
-  if (p.sub == 0) {
-    PIPEC_GPU_TRY(cu::layernormBackwardInputAccumulate(
-        ctx, dt, w.dResid.data(), bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
-        bw.ln2Rstd.data(), param(p.layer, Ln2W), n, c));
-    return bw.dXmid.copyFrom(mem(), w.dResid.view());
-  }
-  return cu::layernormBackwardInputAccumulate(ctx, dt, w.dResid.data(), bw.dLn1.data(),
-                                              bw.xIn.data(), bw.ln1Mean.data(), bw.ln1Rstd.data(),
-                                              param(p.layer, Ln1W), n, c);
-}
-
-llvm::Error GpuStage::Impl::backwardInput(int mb, int slice, int part, TensorView gradOutput,
-                                          TensorView &result) {
-  assert(part >= 0 && part < int(backwardParts.size()) && "part out of range");
-  result = {};
-  SliceWork &w = get(mb, slice);
-  assert(w.nextForwardPart == int(forwardParts.size()) && "backward before the forward ended");
-  const int begin = slices[size_t(slice)].first;
-  const int x = sliceLen(slice), b = cfg.microbatch, c = cfg.channels, n = b * x;
-  const size_t nc = size_t(n) * size_t(c);
-  SequenceWork &seq = sequence(mb);
-  if (part == 0) {
-    PIPEC_GPU_TRY(finishForward(w));
-    if (seq.nextBackwardSlice < 0)
-      seq.nextBackwardSlice = seq.nextForwardSlice - 1;
-    assert(seq.nextBackwardSlice == slice && "slices of a microbatch run backward last first");
-    --seq.nextBackwardSlice;
-    w.resid.reset();
-    if (!hasHead()) {
-      assert(gradOutput.count == nc && gradOutput.type == dt &&
-             "output gradient has the wrong size or type");
-      PIPEC_GPU_TRY(w.dResid.copyFrom(mem(), gradOutput));
-    }
-  }
-  assert(part == w.nextBackwardPart && "backward parts run in order");
-  ++w.nextBackwardPart;
-  PIPEC_GPU_TRY(finishBackward(w));
-  const PartRef p = backwardParts[size_t(part)];
-  const bool lastPart = part + 1 == int(backwardParts.size());
-  switch (kind(p.layer)) {
-  case GptLayerKind::Head: {
-    HeadWork &hw = w.head;
-    const int32_t *tgt = targets.data() + tokenOffset(mb, slice);
-    // dLogits overwrite the logits in place (the op allows it).
-    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, hw.logits.data(), hw.logits.data(),
-                                           hw.lse.data(), tgt, n, localV, lossScale, vocabBegin));
-    hw.lse.reset();
-    PIPEC_GPU_TRY(alloc(hw.dLnfOut, nc));
-    PIPEC_GPU_TRY(cu::matmulTBackwardInput(ctx, dt, hw.dLnfOut.data(), hw.logits.data(),
-                                           param(p.layer, LmW), n, c, localV));
-    // The lnf backward: once dLnfOut is reduced (tp > 1), or now.
-    w.pendingBackward = part;
-    if (tp > 1)
-      result = hw.dLnfOut.view();
-    else
-      PIPEC_GPU_TRY(finishBackward(w));
-    break;
-  }
-  case GptLayerKind::Embedding:
-    w.dEmb = std::move(w.dResid);
-    break;
-  case GptLayerKind::Block: {
-    BlockWork &bw = w.blocks[size_t(p.layer - firstBlock())];
-    if (p.sub == 0) {
-      PIPEC_GPU_TRY(bw.dOut.copyFrom(mem(), w.dResid.view()));
-      const size_t nf = size_t(n) * size_t(localF);
-      Act dFcAct; // (B, x, Fl)
-      PIPEC_GPU_TRY(alloc(dFcAct, nf));
-      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, dFcAct.data(), bw.dOut.data(),
-                                            param(p.layer, ProjW), n, localF, c));
-      PIPEC_GPU_TRY(alloc(bw.dFcPre, nf));
-      PIPEC_GPU_TRY(
-          cu::geluBackward(ctx, dt, bw.dFcPre.data(), dFcAct.data(), bw.fcPre.data(), nf));
-      PIPEC_GPU_TRY(alloc(bw.dLn2, nc));
-      PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, bw.dLn2.data(), bw.dFcPre.data(),
-                                            param(p.layer, FcW), n, c, localF));
-      w.pendingBackward = part;
-      result = bw.dLn2.view();
-      break;
-    }
-    const size_t ncl = size_t(n) * size_t(localC);
-    Act dAttOut, dq; // (B, x, Cl) each
-    PIPEC_GPU_TRY(alloc(dAttOut, ncl));
-    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, dAttOut.data(), bw.dXmid.data(),
-                                          param(p.layer, AttnW), n, localC, c));
-    SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
-    if (sb.dk.empty()) { // the first backward of the microbatch
-      PIPEC_GPU_TRY(sb.dk.allocate(mem(), sb.k.size(), /*zero=*/true));
-      PIPEC_GPU_TRY(sb.dv.allocate(mem(), sb.v.size(), /*zero=*/true));
-    }
-    PIPEC_GPU_TRY(alloc(dq, ncl));
-    const cu::AttentionShape shape{b, x, begin, localHeads, headDim};
-    PIPEC_GPU_TRY(cu::attentionBackward(ctx, dt, dq.data(), sb.dk.data(), sb.dv.data(),
-                                        dAttOut.data(), bw.attOut.data(), bw.lse.data(),
-                                        bw.q.data(), sb.k.data(), sb.v.data(), shape));
-    bw.lse.reset();
-    bw.q.reset();
-    PIPEC_GPU_TRY(alloc(bw.dQkv, 3 * ncl));
-    PIPEC_QUEUE_TRY(ctx, launch::gatherQkv(dt, bw.dQkv.data(), dq.data(), sb.dk.data(),
-                                           sb.dv.data(), n, x, b, begin, localC, stream));
-    PIPEC_GPU_TRY(alloc(bw.dLn1, nc));
-    PIPEC_GPU_TRY(cu::matmulBackwardInput(ctx, dt, bw.dLn1.data(), bw.dQkv.data(),
-                                          param(p.layer, QkvW), n, c, 3 * localC));
-    w.pendingBackward = part;
-    result = bw.dLn1.view();
-    break;
-  }
-  }
-  if (lastPart && slice == 0)
-    sequences.erase(mb);
-  return llvm::Error::success();
-}
-
-llvm::Error GpuStage::Impl::backwardWeight(int mb, int slice) {
-  SliceWork &w = get(mb, slice);
-  assert(w.nextBackwardPart == int(backwardParts.size()) &&
-         "backward_weight before backward_input ended");
-  PIPEC_GPU_TRY(finishBackward(w));
-  const int begin = slices[size_t(slice)].first;
-  const int x = sliceLen(slice), n = w.n, c = cfg.channels;
-  const size_t nc = size_t(n) * size_t(c);
-  const int32_t *in = inputs.data() + tokenOffset(mb, slice);
-  for (int l = layerBegin; l < layerEnd; ++l) {
-    switch (kind(l)) {
-    case GptLayerKind::Embedding: {
-      const int32_t *at = embeddingPlans.data() + maxEmbeddingGradInts(tokenOffset(mb, slice));
-      const size_t planIndex = size_t(mb) * slices.size() + size_t(slice);
-      assert(planIndex < embeddingPlanSizes.size() && "setBatch planned every (mb, slice)");
-      auto [pieces, merges] = embeddingPlanSizes[planIndex];
-      // Scratch of the most slots any batch's plan can use: the same request every step.
-      cu::ScratchBuffer slots(ctx.allocator());
-      PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
-      const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
-                                           merges, slots.as<float>()};
-      PIPEC_QUEUE_TRY(ctx,
-                      launch::embeddingBackward(dt, grad(l, Wte), grad(l, Wpe), w.dEmb.data(), in,
-                                                plan, n, x, begin, c, vocabBegin, localV, stream));
-      if (tiedHere())
-        PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, grad(cfg.numLayers() - 1, LmW), nullptr,
-                                                       w.dEmb.data(), in, plan, n, x, begin, c,
-                                                       vocabBegin, localV, stream));
-      break;
-    }
-    case GptLayerKind::Head: {
-      HeadWork &hw = w.head;
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, LnfW), grad(l, LnfB),
-                                                hw.dLnfOut.data(), hw.lnfIn.data(),
-                                                hw.lnfMean.data(), hw.lnfRstd.data(), n, c));
-      if (tiedHere())
-        PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(0, Wte), hw.lnfOut.data(),
-                                                hw.logits.data(), n, c, localV));
-      PIPEC_GPU_TRY(cu::matmulTBackwardWeight(ctx, dt, grad(l, LmW), hw.lnfOut.data(),
-                                              hw.logits.data(), n, c, localV));
-      break;
-    }
-    case GptLayerKind::Block: {
-      BlockWork &bw = w.blocks[size_t(l - firstBlock())];
-      Act lnOut, fcAct; // recomputed inputs of qkv, fc and proj
-      Floats mean, rstd;
-      PIPEC_GPU_TRY(alloc(lnOut, nc));
-      PIPEC_GPU_TRY(mean.allocate(mem(), size_t(n)));
-      PIPEC_GPU_TRY(rstd.allocate(mem(), size_t(n)));
-      PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, lnOut.data(), mean.data(), rstd.data(),
-                                         bw.xIn.data(), param(l, Ln1W), param(l, Ln1B), n, c));
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, Ln1W), grad(l, Ln1B),
-                                                bw.dLn1.data(), bw.xIn.data(), bw.ln1Mean.data(),
-                                                bw.ln1Rstd.data(), n, c));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, QkvW), grad(l, QkvB), lnOut.data(),
-                                             bw.dQkv.data(), n, c, 3 * localC));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, AttnW), grad(l, AttnB),
-                                             bw.attOut.data(), bw.dXmid.data(), n, localC, c));
-      PIPEC_GPU_TRY(cu::layernormForward(ctx, dt, lnOut.data(), mean.data(), rstd.data(),
-                                         bw.xMid.data(), param(l, Ln2W), param(l, Ln2B), n, c));
-      PIPEC_GPU_TRY(cu::layernormBackwardWeight(ctx, dt, grad(l, Ln2W), grad(l, Ln2B),
-                                                bw.dLn2.data(), bw.xMid.data(), bw.ln2Mean.data(),
-                                                bw.ln2Rstd.data(), n, c));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, FcW), grad(l, FcB), lnOut.data(),
-                                             bw.dFcPre.data(), n, c, localF));
-      const size_t nf = size_t(n) * size_t(localF);
-      PIPEC_GPU_TRY(alloc(fcAct, nf));
-      PIPEC_GPU_TRY(cu::geluForward(ctx, dt, fcAct.data(), bw.fcPre.data(), nf));
-      PIPEC_GPU_TRY(cu::matmulBackwardWeight(ctx, dt, grad(l, ProjW), grad(l, ProjB), fcAct.data(),
-                                             bw.dOut.data(), n, localF, c));
-      break;
-    }
-    }
-  }
-  work.erase({mb, slice});
-  return llvm::Error::success();
-}
+struct GpuStage::Impl : kernels::StageProgram<GpuDev> {
+  explicit Impl(cu::CudaContext &ctx) : kernels::StageProgram<GpuDev>(ctx) {}
+};
 
 GpuStage::GpuStage(std::unique_ptr<Impl> impl) : impl(std::move(impl)) {}
 GpuStage::~GpuStage() = default;
@@ -589,8 +356,9 @@ size_t GpuStage::paramCount(const GptConfig &cfg, int layerBegin, int layerEnd, 
 size_t GpuStage::stateBytes(const GptConfig &cfg, int layerBegin, int layerEnd, int tp,
                             cu::DType dtype) {
   const size_t n = paramCount(cfg, layerBegin, layerEnd, tp);
-  // params, grads, adamM, adamV; paramsLow; lossAcc (create()'s allocations).
-  return 4 * n * sizeof(float) + (dtype == kBF16 ? n * sizeof(uint16_t) : 0) + sizeof(double);
+  // params, grads, adamM, adamV; paramsLow; lossAcc; rope's positions (create()'s allocations).
+  return 4 * n * sizeof(float) + (dtype == kBF16 ? n * sizeof(uint16_t) : 0) + sizeof(double) +
+         (cfg.rope ? 2 * size_t(cfg.microbatch) * size_t(cfg.seqLen) * sizeof(int32_t) : 0);
 }
 
 llvm::Expected<std::unique_ptr<GpuStage>>
@@ -604,52 +372,55 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
          cfg.vocab % tp == 0 && "bad tensor-parallel split");
   assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
          "slices must cover the sequence");
-  assert(cfg.isGpt2() && "GpuStage runs GPT-2's block; gpuRunsTheBlock refuses the others");
+  assert((cfg.rmsnorm || (cfg.bias && cfg.normEps == 1e-5f)) &&
+         "the CUDA layernorm has GPT-2's shift and epsilon; gpuRunsTheBlock refuses the others");
   auto m = std::make_unique<Impl>(ctx);
-  m->cfg = cfg;
-  m->layerBegin = layerBegin;
-  m->layerEnd = layerEnd;
-  m->tpRank = tpRank;
-  m->tp = tp;
-  m->slices = std::move(slices);
-  m->lossScale = lossScale;
-  m->dt = dtype;
-  m->localHeads = cfg.heads / tp;
-  m->headDim = cfg.channels / cfg.heads;
-  m->localC = m->localHeads * m->headDim;
-  m->localF = cfg.ffn / tp;
-  m->localV = cfg.vocab / tp;
-  m->vocabBegin = tpRank * m->localV;
+  GpuDev &d = m->dev;
+  d.cfg = cfg;
+  d.slices = slices;
+  d.dt = dtype;
+  m->setUp(cfg, layerBegin, layerEnd, tpRank, tp, std::move(slices), lossScale);
+  d.vocabBegin = m->vocabBegin;
+  d.localV = m->localV;
   std::vector<float> host;
-  m->layerOffset.push_back(0);
   for (int l = layerBegin; l < layerEnd; ++l) {
-    for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
-      m->forwardParts.push_back({l, sub});
-    m->tensorOffset.push_back(kernels::paramRoleOffsets(cfg, l, tp));
     std::vector<float> shard = kernels::shardLayer(
         cfg, l, tpRank, tp,
         initLayers ? (*initLayers)[size_t(l)] : kernels::initLayerFull(cfg, l, seed));
     host.insert(host.end(), shard.begin(), shard.end());
-    m->layerOffset.push_back(host.size());
   }
-  for (int l = layerEnd - 1; l >= layerBegin; --l)
-    for (int sub = 0; sub < kernels::layerParts(cfg, l); ++sub)
-      m->backwardParts.push_back({l, sub});
   assert(host.size() == paramCount(cfg, layerBegin, layerEnd, tp) && "stateBytes() is wrong");
+  assert(host.size() == m->layerOffset.back() && "the layout and the shards disagree");
   const size_t bytes = host.size() * sizeof(float);
-  PIPEC_GPU_TRY(m->params.allocate(host.size()));
-  PIPEC_GPU_TRY(m->grads.allocate(host.size()));
-  PIPEC_GPU_TRY(m->adamM.allocate(host.size()));
-  PIPEC_GPU_TRY(m->adamV.allocate(host.size()));
-  PIPEC_GPU_TRY(m->lossAcc.allocate(1));
-  PIPEC_GPU_TRY(ctx.upload(m->params.data(), host.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(m->grads.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(m->adamM.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(m->adamV.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(m->lossAcc.data(), sizeof(double)));
+  PIPEC_GPU_TRY(d.params.allocate(host.size()));
+  PIPEC_GPU_TRY(d.grads.allocate(host.size()));
+  PIPEC_GPU_TRY(d.adamM.allocate(host.size()));
+  PIPEC_GPU_TRY(d.adamV.allocate(host.size()));
+  PIPEC_GPU_TRY(d.lossAcc.allocate(1));
+  PIPEC_GPU_TRY(ctx.upload(d.params.data(), host.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(d.grads.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(d.adamM.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(d.adamV.data(), bytes));
+  PIPEC_GPU_TRY(ctx.memsetZero(d.lossAcc.data(), sizeof(double)));
   if (dtype == kBF16)
-    PIPEC_GPU_TRY(m->paramsLow.allocate(host.size()));
-  PIPEC_GPU_TRY(m->refreshComputeParams());
+    PIPEC_GPU_TRY(d.paramsLow.allocate(host.size()));
+  PIPEC_GPU_TRY(d.refreshComputeParams());
+  if (cfg.rope) {
+    // Each slice's row positions, (b, t) for q and (t, b) for the K/V rows.
+    for (int slice = 0; slice < int(m->slices.size()); ++slice)
+      for (kernels::RopeRows which : {kernels::RopeRows::Queries, kernels::RopeRows::Keys}) {
+        const auto [begin, end] = m->slices[size_t(slice)];
+        const int x = end - begin, rows = cfg.microbatch * x;
+        std::vector<int32_t> pos(static_cast<size_t>(rows));
+        for (int r = 0; r < rows; ++r)
+          pos[size_t(r)] = which == kernels::RopeRows::Queries ? begin + r % x
+                                                               : begin + r / cfg.microbatch;
+        d.positions.push_back(std::make_unique<Owned<int32_t>>());
+        PIPEC_GPU_TRY(d.positions.back()->allocate(pos.size()));
+        PIPEC_GPU_TRY(ctx.upload(d.positions.back()->data(), pos.data(),
+                                 pos.size() * sizeof(int32_t)));
+      }
+  }
   PIPEC_GPU_TRY(ctx.synchronize());
   return std::unique_ptr<GpuStage>(new GpuStage(std::move(m)));
 }
@@ -694,37 +465,37 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   }
   // Every step's batch has the same size: allocated once, by the first call, which is the sizing
   // pass's (a step allocates nothing).
-  if (!m.inputs.data() && !in.empty()) {
-    if (!m.ctx.sizing())
+  if (!m.dev.inputs.data() && !in.empty()) {
+    if (!m.dev.ctx.sizing())
       return llvm::createStringError(
           llvm::inconvertibleErrorCode(),
           "GpuStage::setBatch: the batch's device buffers are allocated in the sizing pass, "
           "before step 0 (runtime/cuda/DeviceArena.h); this call is outside it");
-    PIPEC_GPU_TRY(m.inputs.allocate(in.size()));
-    PIPEC_GPU_TRY(m.targets.allocate(tgt.size()));
+    PIPEC_GPU_TRY(m.dev.inputs.allocate(in.size()));
+    PIPEC_GPU_TRY(m.dev.targets.allocate(tgt.size()));
     if (!plans.empty())
-      PIPEC_GPU_TRY(m.embeddingPlans.allocate(plans.size()));
-    PIPEC_GPU_TRY(m.hostTokens.allocate(in.size() + tgt.size() + plans.size()));
+      PIPEC_GPU_TRY(m.dev.embeddingPlans.allocate(plans.size()));
+    PIPEC_GPU_TRY(m.dev.hostTokens.allocate(in.size() + tgt.size() + plans.size()));
   }
-  assert(m.inputs.size() == in.size() && "the batch changed size between steps");
-  m.embeddingPlanSizes = std::move(planSizes);
+  assert(m.dev.inputs.size() == in.size() && "the batch changed size between steps");
+  m.dev.embeddingPlanSizes = std::move(planSizes);
   if (in.empty())
     return llvm::Error::success();
   // The previous step's copies out of the pinned buffer have run: the runtime waits for the
   // stream at the end of every step.
-  int32_t *host = m.hostTokens.data();
+  int32_t *host = m.dev.hostTokens.data();
   std::copy(in.begin(), in.end(), host);
   std::copy(tgt.begin(), tgt.end(), host + in.size());
   std::copy(plans.begin(), plans.end(), host + in.size() + tgt.size());
-  PIPEC_QUEUE_TRY(m.ctx, cudaMemcpyAsync(m.inputs.data(), host, in.size() * sizeof(int32_t),
-                                         cudaMemcpyHostToDevice, m.stream));
-  PIPEC_QUEUE_TRY(m.ctx,
-                  cudaMemcpyAsync(m.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
-                                  cudaMemcpyHostToDevice, m.stream));
+  PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.inputs.data(), host, in.size() * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, m.dev.stream));
+  PIPEC_QUEUE_TRY(m.dev.ctx,
+                  cudaMemcpyAsync(m.dev.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, m.dev.stream));
   if (!plans.empty())
-    PIPEC_QUEUE_TRY(m.ctx, cudaMemcpyAsync(m.embeddingPlans.data(), host + in.size() + tgt.size(),
+    PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.embeddingPlans.data(), host + in.size() + tgt.size(),
                                            plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                           m.stream));
+                                           m.dev.stream));
   return llvm::Error::success();
 }
 
@@ -736,7 +507,7 @@ llvm::Expected<TensorView> GpuStage::forward(int mb, int slice, int part, Tensor
 }
 
 llvm::Expected<TensorView> GpuStage::output(int mb, int slice) {
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "output() before the last forward part");
   if (auto err = impl->finishForward(w))
     return err;
@@ -747,20 +518,20 @@ llvm::Expected<TensorView> GpuStage::output(int mb, int slice) {
 
 llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
   assert(hasHead() && "accumulateLoss() on a stage without the head");
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextForwardPart == parts() && "loss before the last forward part");
   if (auto err = impl->finishForward(w)) // with tp > 1, the loss of the reduced statistics
     return err;
-  PIPEC_QUEUE_TRY(impl->ctx, launch::accumulateSum(impl->lossAcc.data(), w.head.rowLoss.data(), w.n,
-                                                   impl->stream));
+  PIPEC_QUEUE_TRY(impl->dev.ctx, launch::accumulateSum(impl->dev.lossAcc.data(), w.head.loss.rowLoss.data(), w.n,
+                                                   impl->dev.stream));
   return llvm::Error::success();
 }
 
 llvm::Expected<double> GpuStage::takeLoss() {
   double loss = 0;
-  if (auto err = impl->ctx.download(&loss, impl->lossAcc.data(), sizeof(double)))
+  if (auto err = impl->dev.ctx.download(&loss, impl->dev.lossAcc.data(), sizeof(double)))
     return err;
-  if (auto err = impl->ctx.memsetZero(impl->lossAcc.data(), sizeof(double)))
+  if (auto err = impl->dev.ctx.memsetZero(impl->dev.lossAcc.data(), sizeof(double)))
     return err;
   return loss;
 }
@@ -774,7 +545,7 @@ llvm::Expected<TensorView> GpuStage::backwardInput(int mb, int slice, int part,
 }
 
 llvm::Expected<TensorView> GpuStage::inputGrad(int mb, int slice) {
-  SliceWork &w = impl->get(mb, slice);
+  auto &w = impl->get(mb, slice);
   assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
   if (auto err = impl->finishBackward(w))
     return err;
@@ -785,8 +556,8 @@ llvm::Expected<TensorView> GpuStage::inputGrad(int mb, int slice) {
 
 llvm::Error GpuStage::backwardWeight(int mb, int slice) { return impl->backwardWeight(mb, slice); }
 
-std::span<float> GpuStage::params() { return {impl->params.data(), impl->params.size()}; }
-std::span<float> GpuStage::grads() { return {impl->grads.data(), impl->grads.size()}; }
+std::span<float> GpuStage::params() { return {impl->dev.params.data(), impl->dev.params.size()}; }
+std::span<float> GpuStage::grads() { return {impl->dev.grads.data(), impl->dev.grads.size()}; }
 
 std::pair<size_t, size_t> GpuStage::layerRange(int layer) const {
   assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");
@@ -800,28 +571,27 @@ std::pair<size_t, size_t> GpuStage::tiedEmbeddingRange() const {
     return {0, 0};
   const size_t matrix = size_t(m.localV) * size_t(m.cfg.channels); // the rank's rows
   if (m.hasEmbedding()) {
-    size_t at = m.layerOffset[0] + m.tensorOffset[0][Wte];
+    size_t at = m.offsetOf(m.layerBegin, Wte);
     return {at, at + matrix};
   }
   if (m.hasHead()) {
-    size_t l = size_t(m.layerEnd - 1 - m.layerBegin);
-    size_t at = m.layerOffset[l] + m.tensorOffset[l][LmW];
+    size_t at = m.offsetOf(m.layerEnd - 1, LmW);
     return {at, at + matrix};
   }
   return {0, 0};
 }
 
 llvm::Error GpuStage::zeroGrads() {
-  return impl->ctx.memsetZero(impl->grads.data(), impl->grads.size() * sizeof(float));
+  return impl->dev.ctx.memsetZero(impl->dev.grads.data(), impl->dev.grads.size() * sizeof(float));
 }
 
 llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
   Impl &m = *impl;
-  ++m.adamSteps;
-  PIPEC_GPU_TRY(cu::adamUpdate(m.ctx, m.params.data(), m.grads.data(), m.adamM.data(),
-                               m.adamV.data(), m.params.size(), lr, beta1, beta2, eps, weightDecay,
-                               m.adamSteps));
-  return m.refreshComputeParams();
+  ++m.dev.adamSteps;
+  PIPEC_GPU_TRY(cu::adamUpdate(m.dev.ctx, m.dev.params.data(), m.dev.grads.data(), m.dev.adamM.data(),
+                               m.dev.adamV.data(), m.dev.params.size(), lr, beta1, beta2, eps, weightDecay,
+                               m.dev.adamSteps));
+  return m.dev.refreshComputeParams();
 }
 
 #undef PIPEC_GPU_TRY

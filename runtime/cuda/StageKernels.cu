@@ -98,7 +98,8 @@ __global__ void residualAddKernel(T *__restrict__ resid, const T *__restrict__ b
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= size_t(n) * c)
     return;
-  resid[i] = fromFloat<T>(toFloat(resid[i]) + (toFloat(branch[i]) + toFloat(bias[i % c])));
+  resid[i] = bias ? fromFloat<T>(toFloat(resid[i]) + (toFloat(branch[i]) + toFloat(bias[i % c])))
+                  : fromFloat<T>(toFloat(resid[i]) + toFloat(branch[i]));
 }
 
 /// Row r = (b, t) of the slice is row (begin + t) * batch + b of the position-major K/V.
@@ -109,31 +110,36 @@ __device__ size_t kvRow(int r, int x, int batch, int begin) {
 template <typename T>
 __global__ void splitQkvKernel(T *__restrict__ q, T *__restrict__ k, T *__restrict__ v,
                                const T *__restrict__ qkv, int n, int x, int batch, int begin,
-                               int cl) {
+                               int cl, int kvl) {
+  const int cols = cl + 2 * kvl;
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= size_t(n) * cl)
+  if (i >= size_t(n) * cols)
     return;
-  int r = int(i / cl), j = int(i % cl);
-  const T *row = qkv + size_t(r) * 3 * cl;
-  size_t kv = kvRow(r, x, batch, begin) * cl + j;
-  q[i] = row[j];
-  k[kv] = row[cl + j];
-  v[kv] = row[2 * cl + j];
+  int r = int(i / cols), j = int(i % cols);
+  const T value = qkv[i];
+  if (j < cl)
+    q[size_t(r) * cl + j] = value;
+  else if (j < cl + kvl)
+    k[kvRow(r, x, batch, begin) * kvl + (j - cl)] = value;
+  else
+    v[kvRow(r, x, batch, begin) * kvl + (j - cl - kvl)] = value;
 }
 
 template <typename T>
 __global__ void gatherQkvKernel(T *__restrict__ dQkv, const T *__restrict__ dq,
                                 const float *__restrict__ dk, const float *__restrict__ dv, int n,
-                                int x, int batch, int begin, int cl) {
+                                int x, int batch, int begin, int cl, int kvl) {
+  const int cols = cl + 2 * kvl;
   size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= size_t(n) * cl)
+  if (i >= size_t(n) * cols)
     return;
-  int r = int(i / cl), j = int(i % cl);
-  T *row = dQkv + size_t(r) * 3 * cl;
-  size_t kv = kvRow(r, x, batch, begin) * cl + j;
-  row[j] = dq[i];
-  row[cl + j] = fromFloat<T>(dk[kv]);
-  row[2 * cl + j] = fromFloat<T>(dv[kv]);
+  int r = int(i / cols), j = int(i % cols);
+  if (j < cl)
+    dQkv[i] = dq[size_t(r) * cl + j];
+  else if (j < cl + kvl)
+    dQkv[i] = fromFloat<T>(dk[kvRow(r, x, batch, begin) * kvl + (j - cl)]);
+  else
+    dQkv[i] = fromFloat<T>(dv[kvRow(r, x, batch, begin) * kvl + (j - cl - kvl)]);
 }
 
 __global__ void sumPairKernel(float *__restrict__ a, float *__restrict__ b, size_t n) {
@@ -231,28 +237,28 @@ cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void
 }
 
 cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
-                     int batch, int begin, int cl, cudaStream_t stream) {
-  size_t total = size_t(n) * cl;
+                     int batch, int begin, int cl, int kvl, cudaStream_t stream) {
+  size_t total = size_t(n) * size_t(cl + 2 * kvl);
   if (total == 0)
     return cudaSuccess;
   PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
     using T = std::remove_pointer_t<decltype(type)>;
     PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, splitQkvKernel<T>)
     (static_cast<T *>(q), static_cast<T *>(k), static_cast<T *>(v), static_cast<const T *>(qkv), n,
-     x, batch, begin, cl);
+     x, batch, begin, cl, kvl);
   });
   return cudaGetLastError();
 }
 
 cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
-                      int n, int x, int batch, int begin, int cl, cudaStream_t stream) {
-  size_t total = size_t(n) * cl;
+                      int n, int x, int batch, int begin, int cl, int kvl, cudaStream_t stream) {
+  size_t total = size_t(n) * size_t(cl + 2 * kvl);
   if (total == 0)
     return cudaSuccess;
   PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
     using T = std::remove_pointer_t<decltype(type)>;
     PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, gatherQkvKernel<T>)
-    (static_cast<T *>(dQkv), static_cast<const T *>(dq), dk, dv, n, x, batch, begin, cl);
+    (static_cast<T *>(dQkv), static_cast<const T *>(dq), dk, dv, n, x, batch, begin, cl, kvl);
   });
   return cudaGetLastError();
 }

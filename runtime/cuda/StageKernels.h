@@ -50,17 +50,17 @@ cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void 
                               const int32_t *inputs, const EmbeddingGradArgs &plan, int n, int x,
                               int begin, int c, int vocabBegin, int localVocab,
                               cudaStream_t stream);
-/// resid (n, c) += branch (n, c) + bias (c).
+/// resid (n, c) += branch (n, c) + bias (c) (bias may be null: none).
 cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
                         int c, cudaStream_t stream);
-/// qkv (n, 3 cl) rows (b, t) -> q (n, cl); k, v rows (begin + t, b) of the position-major
-/// (T, B, cl) buffers.
+/// qkv (n, cl + 2 kvl) rows (b, t) -> q (n, cl); k, v rows (begin + t, b) of the
+/// position-major (T, B, kvl) buffers (kvl: the key/value heads' width).
 cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
-                     int batch, int begin, int cl, cudaStream_t stream);
-/// The reverse: dQkv (n, 3 cl) = dq | dk rows | dv rows; dk and dv are fp32 (the attention
-/// backward's accumulators), rounded to `dtype` here.
+                     int batch, int begin, int cl, int kvl, cudaStream_t stream);
+/// The reverse: dQkv (n, cl + 2 kvl) = dq | dk rows | dv rows; dk and dv are fp32 (the
+/// attention backward's accumulators), rounded to `dtype` here.
 cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
-                      int n, int x, int batch, int begin, int cl, cudaStream_t stream);
+                      int n, int x, int batch, int begin, int cl, int kvl, cudaStream_t stream);
 /// a (n) = b (n) = a + b (fp32: the tied embedding's two gradient copies).
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream);
 /// The operands of sumInOrder, passed by value to the kernel.

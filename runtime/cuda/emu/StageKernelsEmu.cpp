@@ -80,22 +80,23 @@ cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void
   pipec::emu::enqueue(stream, [=] {
     Elements out(resid, dtype), br(branch, dtype), bs(bias, dtype);
     for (size_t i = 0; i < size_t(n) * c; ++i)
-      out.set(i, out.get(i) + (br.get(i) + bs.get(i % size_t(c))));
+      out.set(i, bias ? out.get(i) + (br.get(i) + bs.get(i % size_t(c))) : out.get(i) + br.get(i));
   });
   return cudaSuccess;
 }
 
 cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
-                     int batch, int begin, int cl, cudaStream_t stream) {
+                     int batch, int begin, int cl, int kvl, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
     Elements qs(q, dtype), ks(k, dtype), vs(v, dtype), in(qkv, dtype);
     for (int r = 0; r < n; ++r) {
-      const size_t row = size_t(r) * 3 * cl;
-      const size_t kv = kvRow(r, x, batch, begin) * cl;
-      for (int j = 0; j < cl; ++j) {
+      const size_t row = size_t(r) * size_t(cl + 2 * kvl);
+      const size_t kv = kvRow(r, x, batch, begin) * kvl;
+      for (int j = 0; j < cl; ++j)
         qs.set(size_t(r) * cl + j, in.get(row + j));
+      for (int j = 0; j < kvl; ++j) {
         ks.set(kv + j, in.get(row + cl + j));
-        vs.set(kv + j, in.get(row + 2 * cl + j));
+        vs.set(kv + j, in.get(row + cl + kvl + j));
       }
     }
   });
@@ -103,16 +104,17 @@ cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, in
 }
 
 cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
-                      int n, int x, int batch, int begin, int cl, cudaStream_t stream) {
+                      int n, int x, int batch, int begin, int cl, int kvl, cudaStream_t stream) {
   pipec::emu::enqueue(stream, [=] {
     Elements out(dQkv, dtype), qs(dq, dtype), ks(dk, DType::F32), vs(dv, DType::F32);
     for (int r = 0; r < n; ++r) {
-      const size_t row = size_t(r) * 3 * cl;
-      const size_t kv = kvRow(r, x, batch, begin) * cl;
-      for (int j = 0; j < cl; ++j) {
+      const size_t row = size_t(r) * size_t(cl + 2 * kvl);
+      const size_t kv = kvRow(r, x, batch, begin) * kvl;
+      for (int j = 0; j < cl; ++j)
         out.set(row + j, qs.get(size_t(r) * cl + j));
+      for (int j = 0; j < kvl; ++j) {
         out.set(row + cl + j, ks.get(kv + j));
-        out.set(row + 2 * cl + j, vs.get(kv + j));
+        out.set(row + cl + kvl + j, vs.get(kv + j));
       }
     }
   });
