@@ -37,25 +37,31 @@ const Case kCases[] = {
 };
 
 /// The held-memory test's GPT (4 blocks of 64 channels, 2 sequences of 64 tokens per
-/// microbatch), with the GPU kernels' flash attention, in `dtype`.
-ModelSpec model(const char *dtype) {
+/// microbatch), with the GPU kernels' flash attention, in `dtype`; with `llama`, its Llama
+/// shape (RMSNorm, SwiGLU of 2 x 128, rotary, 2 key/value heads for 4, no biases).
+ModelSpec model(const char *dtype, bool llama) {
+  const std::string block =
+      llama ? R"("ffn_hidden_size": 128, "num_query_groups": 2, "norm": "rmsnorm",
+      "mlp": "swiglu", "position": "rope", "bias": false)"
+            : R"("ffn_hidden_size": 256)";
   auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "arena",
-      "transformer": {{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-      "ffn_hidden_size": 256, "vocab_size": 32, "seq_length": 64, "microbatch_size": 2,
-      "dtype": "{}"}}}})",
-                                      dtype),
+      "transformer": {{"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, {},
+      "vocab_size": 32, "seq_length": 64, "microbatch_size": 2, "dtype": "{}"}}}})",
+                                      block, dtype),
                           "arena.json");
   EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
   return m ? *m : ModelSpec{};
 }
 
 TEST(ArenaMemoryTest, ArenasAreWhatPipecPredictsWithinTenPercent) {
+  for (bool llama : {false, true})
   for (const char *dtype : {"fp32", "bf16"})
     for (const Case &c : kCases) {
-      SCOPED_TRACE(fmt::format("{} {} pp={} m={} vpp={} seq_splits={} tp={} dp={}", dtype,
-                               c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
-      Plan plan = compileOrFail(model(dtype), options(c.schedule, c.pp, c.microbatches, c.vpp,
-                                                      c.seqSplits, c.tp, c.dp));
+      SCOPED_TRACE(fmt::format("{} {} {} pp={} m={} vpp={} seq_splits={} tp={} dp={}",
+                               llama ? "llama" : "gpt", dtype, c.schedule, c.pp, c.microbatches,
+                               c.vpp, c.seqSplits, c.tp, c.dp));
+      Plan plan = compileOrFail(model(dtype, llama), options(c.schedule, c.pp, c.microbatches,
+                                                             c.vpp, c.seqSplits, c.tp, c.dp));
       ASSERT_FALSE(verifyPlan(plan));
       auto data = syntheticData(32, /*seed=*/3);
       CudaRunOptions o;

@@ -144,6 +144,15 @@ TEST_F(CudaRuntimeTest, ZbvOnOneRankPairWithTiedCopiesMatches) {
 // bf16 (mixed precision): the pp = 4 plan of the GPU check, tp and dp sums of bf16 partials and
 // fp32 gradients, sub-sequences (K/V of earlier slices and their fp32 gradient accumulators),
 // tied embeddings, a V-shape, and the tensor-core attention kernels (head dimension 16).
+TEST_F(CudaRuntimeTest, Bf16LlamaBlockWithTensorParallelSubSequencesIsWithinBf16Tolerance) {
+  // RMSNorm, SwiGLU, rotary (K kept rotated across the slices) and grouped heads split over tp,
+  // in bf16.
+  expectCudaMatchesCpu(compileOrFail(tinyLlama(/*tied=*/false, /*layers=*/4),
+                                     options("zb-h1", /*pp=*/2, /*microbatches=*/4, /*vpp=*/1,
+                                             /*seqSplits=*/2, /*tp=*/2)),
+                       /*steps=*/2, DType::BF16);
+}
+
 TEST_F(CudaRuntimeTest, Bf16OneFOneBOnFourStagesIsWithinBf16Tolerance) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),
                                      options("1f1b", /*pp=*/4, /*microbatches=*/8)),

@@ -438,6 +438,36 @@ TEST(InitFromTest, TheEmulatedGpuBackendsLoadTheFileToo) {
   }
 }
 
+TEST(InitFromTest, TheEmulatedGpuBackendsLoadALlamaFileToo) {
+  // Llama's names and block on the device (one stage definition): the seeded file reproduces the
+  // seeded run, and another file's first loss is the cpu backend's reference.
+  const std::string seededFile = dir() + "/gpu-llama-seeded.safetensors";
+  writeFile(seededFile, safetensors(llamaTensors(tinyLlamaConfig(), /*seed=*/1)));
+  const std::string otherFile = dir() + "/gpu-llama-other.safetensors";
+  writeFile(otherFile, safetensors(llamaTensors(tinyLlamaConfig(), /*seed=*/6)));
+  for (const char *layout : {"--schedule 1f1b --pp 2 --microbatches 4 --tp 2",
+                             "--schedule seq1f1b --pp 2 --microbatches 4 --seq-splits 2"}) {
+    std::string plan = compile("examples/tiny-llama.json", layout);
+    auto piperun = [&](const std::string &args) {
+      return runCommand(tool("piperun_emu") + " " + plan + " --backend cuda " + args);
+    };
+    auto seeded = piperun("--steps 2 --seed 1");
+    auto loaded = piperun("--steps 2 --seed 1 --init-from " + seededFile);
+    ASSERT_EQ(seeded.code, 0) << seeded.err;
+    ASSERT_EQ(loaded.code, 0) << loaded.err;
+    ASSERT_EQ(stepLosses(seeded.out).size(), 2u) << seeded.out;
+    EXPECT_EQ(stepLosses(loaded.out), stepLosses(seeded.out)) << layout;
+    auto gpu = piperun("--steps 1 --check-reference --init-from " + otherFile);
+    ASSERT_EQ(gpu.code, 0) << layout << "\n" << gpu.out << gpu.err;
+    auto cpu = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from " + otherFile);
+    ASSERT_EQ(cpu.code, 0) << cpu.err;
+    std::smatch ref;
+    ASSERT_TRUE(
+        std::regex_search(gpu.out, ref, std::regex(R"(reference loss \(last step\) (\S+))")));
+    EXPECT_EQ(ref[1].str(), stepLosses(cpu.out)[0]) << layout;
+  }
+}
+
 TEST(InitFromTest, TiedEmbeddingsTakeTheHeadFromWte) {
   const std::string model = dir() + "/tiny-tied.json";
   writeFile(model, R"({"format": "pipemodel/1", "name": "tiny-tied",

@@ -1,10 +1,12 @@
 //===- Gpt.cpp - CPU reference math of a small GPT, per pipeline stage ------===//
 //
-// The stage walks its layers as a list of "parts" (one per tensor-parallel reduction point) and
-// keeps, per (microbatch, slice), the residual stream and what the backwards need. A part that
-// returns a buffer for the tp all-reduce is completed lazily: the residual add (forward) or
-// the layernorm backward plus residual add (backward) that consumes the reduced buffer runs at
-// the start of the next part, or in output() / inputGrad() / backwardWeight() after the last.
+// The layers' layout, initialisation and sharding, and the host as the device of the stage
+// (kernels/StageProgram.h, the one definition the cuda backend runs too). The stage walks its
+// layers as a list of "parts" (one per tensor-parallel reduction point) and keeps, per
+// (microbatch, slice), the residual stream and what the backwards need. A part that returns a
+// buffer for the tp all-reduce is completed lazily: the residual add (forward) or the norm
+// backward plus residual add (backward) that consumes the reduced buffer runs at the start of
+// the next part, or in output() / inputGrad() / backwardWeight() after the last.
 //
 // Flat parameter layout of one layer on tp rank r of tp (floats, row-major, concatenated in
 // this order; `layerRange()` gives where a layer starts within the stage's params()):

@@ -4,9 +4,9 @@
 // "mlp": "swiglu", "position": "rope", "num_query_groups"), in Ops.h's manner: plain loop nests,
 // single-threaded, a fixed visiting order, rows are tokens. They are tested on their own
 // against a double-precision model and finite differences (tests/LlamaOpsTest.cpp), and the
-// cpu backend's stages (Gpt.cpp) call them for Llama-style blocks; the CUDA stages (GpuStage)
-// run GPT-2's block only. Grouped-query attention is also Ops.h's multi-head attention (one
-// key/value head per query head).
+// cpu backend's stages call them for Llama-style blocks (kernels/cuda/Llama.cu holds the CUDA
+// kernels of the same formulas). Grouped-query attention is also Ops.h's multi-head attention
+// (one key/value head per query head).
 //
 // Conventions are Hugging Face's Llama, so that its checkpoints load without permutation:
 // RMSNorm's eps inside the square root; SwiGLU is silu(gate) * up; rotary embeddings rotate

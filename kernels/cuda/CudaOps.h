@@ -184,7 +184,7 @@ llvm::Error layernormBackwardWeight(CudaContext &ctx, DType dtype, float *dW, fl
                                     const float *rstd, int n, int c);
 
 //===--- Llama-style block: RMSNorm, SwiGLU, rotary embeddings ------------===//
-// kernels/cpu/LlamaOps.h's formulas (rotate-half pairs); not called by the GPU stages yet.
+// kernels/cpu/LlamaOps.h's formulas (rotate-half pairs).
 
 /// out (n, c) = in * rstd * w, rstd (n) = 1 / sqrt(mean(in^2) + eps), fp32.
 llvm::Error rmsnormForward(CudaContext &ctx, DType dtype, void *out, float *rstd, const void *in,

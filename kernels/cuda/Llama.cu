@@ -10,7 +10,7 @@
 //     CPU op row by row on the same halves);
 //   - rotary embeddings in place, the angle of each (position, pair) in double and rounded once,
 //     as the CPU computes it, so that long sequences keep their digits.
-// The GPU stages do not call them yet (issue 34: they run GPT-2's block).
+// The stage (kernels/StageProgram.h) calls them for Llama-style blocks.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/Device.cuh"

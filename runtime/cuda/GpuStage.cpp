@@ -1,11 +1,11 @@
 //===- GpuStage.cpp - One pipeline stage of the GPT on a GPU --------------===//
 //
-// kernels/cpu/Gpt.cpp transcribed onto device memory: the same parts, the same lazily completed
-// reductions, the same saved state per (microbatch, slice) and per microbatch (K/V and their
-// gradient accumulators), with kernels/cuda ops in place of the CPU loops and the glue kernels
-// of StageKernels.cu. Comments here only mark where the device version departs. The parameter
-// layout is not transcribed: both address it through kernels::paramRoleOffsets. GPT-2's block
-// only (Llama-style blocks run on the cpu backend; issue 34 item 1 is to write the stage once).
+// The stage is kernels/StageProgram.h, the definition the cpu backend runs too; this file is
+// its device (GpuDev: kernels/cuda ops and the glue kernels of StageKernels.cu on the context's
+// stream, activations from its allocator) and what only the device has: the parameters' device
+// copies and their bf16 copy, the batch's upload with the embedding backward's plans, the
+// rotary positions, the loss accumulator and AdamW. Every block variant the cpu runs runs here,
+// but a LayerNorm without its shift or with another epsilon (the CUDA layernorm kernel's).
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/GpuStage.h"
