@@ -30,8 +30,8 @@
 // from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
 // counts the steps of this run), under this plan's layout, whichever it was saved under.
 // --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
-// Hugging Face's GPT-2 or Llama names, checked against the model before step 0 (Llama blocks:
-// the cpu backend; GPT-2: every backend).
+// Hugging Face's GPT-2 or Llama names, checked against the model before step 0, on every
+// backend.
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//

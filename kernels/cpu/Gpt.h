@@ -114,7 +114,8 @@ std::array<size_t, tensors::kMostRoles> paramRoleOffsets(const GptConfig &cfg, i
 /// of it (layernorms, the row-parallel biases, wpe) rather than a part.
 std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);
 
-/// The layers [layerBegin, layerEnd) of the model on one tensor-parallel rank.
+/// The layers [layerBegin, layerEnd) of the model on one tensor-parallel rank: the stage of
+/// kernels/StageProgram.h on the host (runtime/cuda/GpuStage.h runs it on a GPU).
 class StageCompute {
 public:
   /// `slices`: the [begin, end) token ranges of the plan's sub-sequences (cover [0, seqLen)).
