@@ -198,11 +198,21 @@ public:
 
   //===-- The block's norms and MLP activation, by variant -----------------===//
 
-  llvm::Error normForward(typename Dev::Ptr out, F32 &mean, F32 &rstd, typename Dev::CPtr in,
-                          int layer, int w, int b, int n) {
+  /// The norm's statistics: LayerNorm keeps a mean and an rstd per row, RMSNorm an rstd.
+  llvm::Error allocNormStats(F32 &mean, F32 &rstd, int n) {
     if (!cfg.rmsnorm)
       PIPEC_STAGE_TRY(dev.alloc(mean, size_t(n)));
-    PIPEC_STAGE_TRY(dev.alloc(rstd, size_t(n)));
+    return dev.alloc(rstd, size_t(n));
+  }
+  /// The norm's statistics, then its output `out` (the device's allocation order), then the norm.
+  llvm::Error normForward(Act &out, F32 &mean, F32 &rstd, typename Dev::CPtr in, int layer, int w,
+                          int b, int n) {
+    PIPEC_STAGE_TRY(allocNormStats(mean, rstd, n));
+    PIPEC_STAGE_TRY(dev.alloc(out, size_t(n) * size_t(cfg.channels)));
+    return normCompute(Dev::ptr(out), mean, rstd, in, layer, w, b, n);
+  }
+  llvm::Error normCompute(typename Dev::Ptr out, F32 &mean, F32 &rstd, typename Dev::CPtr in,
+                          int layer, int w, int b, int n) {
     if (cfg.rmsnorm)
       return dev.rmsnormForward(out, Dev::ptr(rstd), in, param(layer, w), n, cfg.channels,
                                 cfg.normEps);
@@ -270,6 +280,10 @@ public:
       if (slice == 0) {
         SequenceWork &seq = sequences[mb] = SequenceWork();
         seq.blocks.resize(size_t(blockCount()));
+        // A device that holds the whole sequence's K/V allocates it here, before the slice's
+        // buffers (the CPU grows it slice by slice, in reserveKv).
+        for (SequenceBlock &sb : seq.blocks)
+          PIPEC_STAGE_TRY(dev.reserveSequenceKv(sb.k, sb.v, b, localKvC));
       }
       SequenceWork &seq = sequence(mb);
       assert(seq.nextForwardSlice == slice && "slices of a microbatch run forward in order");
@@ -301,9 +315,8 @@ public:
       HeadWork &hw = w.head;
       hw.lnfIn = std::move(w.resid);
       w.resid = Act();
-      PIPEC_STAGE_TRY(dev.alloc(hw.lnfOut, nc));
-      PIPEC_STAGE_TRY(normForward(Dev::ptr(hw.lnfOut), hw.lnfMean, hw.lnfRstd, Dev::ptr(hw.lnfIn),
-                                  p.layer, tensors::LnfW, tensors::LnfB, n));
+      PIPEC_STAGE_TRY(normForward(hw.lnfOut, hw.lnfMean, hw.lnfRstd, Dev::ptr(hw.lnfIn), p.layer,
+                                  tensors::LnfW, tensors::LnfB, n));
       PIPEC_STAGE_TRY(dev.alloc(hw.logits, size_t(n) * size_t(localV)));
       PIPEC_STAGE_TRY(dev.matmulTForward(Dev::ptr(hw.logits), Dev::ptr(hw.lnfOut),
                                          param(p.layer, tensors::LmW), n, c, localV));
@@ -327,9 +340,8 @@ public:
       // (partial over tp).
       PIPEC_STAGE_TRY(dev.copy(bw.xIn, w.resid));
       Act ln1Out, qkv; // (B, x, C), (B, x, Cl + 2 Kl)
-      PIPEC_STAGE_TRY(dev.alloc(ln1Out, nc));
-      PIPEC_STAGE_TRY(normForward(Dev::ptr(ln1Out), bw.ln1Mean, bw.ln1Rstd, Dev::ptr(bw.xIn),
-                                  p.layer, tensors::Ln1W, tensors::Ln1B, n));
+      PIPEC_STAGE_TRY(normForward(ln1Out, bw.ln1Mean, bw.ln1Rstd, Dev::ptr(bw.xIn), p.layer,
+                                  tensors::Ln1W, tensors::Ln1B, n));
       PIPEC_STAGE_TRY(dev.alloc(qkv, size_t(n) * size_t(qkvCols)));
       PIPEC_STAGE_TRY(dev.matmulForward(Dev::ptr(qkv), Dev::ptr(ln1Out),
                                         param(p.layer, tensors::QkvW),
@@ -361,9 +373,8 @@ public:
     }
     // norm2 -> fc -> gelu (or silu(gate) * up) -> proj (partial over tp).
     Act ln2Out, fcAct; // (B, x, C), (B, x, Fl)
-    PIPEC_STAGE_TRY(dev.alloc(ln2Out, nc));
-    PIPEC_STAGE_TRY(normForward(Dev::ptr(ln2Out), bw.ln2Mean, bw.ln2Rstd, Dev::ptr(bw.xMid),
-                                p.layer, tensors::Ln2W, tensors::Ln2B, n));
+    PIPEC_STAGE_TRY(normForward(ln2Out, bw.ln2Mean, bw.ln2Rstd, Dev::ptr(bw.xMid), p.layer,
+                                tensors::Ln2W, tensors::Ln2B, n));
     PIPEC_STAGE_TRY(dev.alloc(bw.fcPre, size_t(n) * size_t(fcCols)));
     PIPEC_STAGE_TRY(dev.matmulForward(Dev::ptr(bw.fcPre), Dev::ptr(ln2Out),
                                       param(p.layer, tensors::FcW), param(p.layer, tensors::FcB),
@@ -434,7 +445,7 @@ public:
       // dLogits = (softmax - onehot) * lossScale -> LM head (partial over tp) -> lnf.
       HeadWork &hw = w.head;
       PIPEC_STAGE_TRY(dev.lossBackward(hw.loss, hw.logits, hw.dLogits, mb, slice, n, localV,
-                                       vocabBegin, lossScale));
+                                       vocabBegin, tp, lossScale));
       PIPEC_STAGE_TRY(dev.alloc(hw.dLnfOut, nc));
       PIPEC_STAGE_TRY(dev.matmulTBackwardInput(Dev::ptr(hw.dLnfOut), Dev::ptr(hw.dLogits),
                                                param(p.layer, tensors::LmW), n, c, localV));
@@ -481,7 +492,9 @@ public:
       PIPEC_STAGE_TRY(dev.matmulBackwardInput(Dev::ptr(dAttOut), Dev::ptr(bw.dXmid),
                                               param(p.layer, tensors::AttnW), n, localC, c));
       SequenceBlock &sb = seq.blocks[size_t(p.layer - firstBlock())];
-      if (Dev::size(sb.dk) == 0) { // the first backward of the microbatch
+      // The first backward of the microbatch: dK/dV as large as K/V (the CPU's every slice so
+      // far, which by now is all of them; the GPU's whole sequence).
+      if (Dev::size(sb.dk) == 0) {
         PIPEC_STAGE_TRY(dev.allocZero(sb.dk, Dev::size(sb.k)));
         PIPEC_STAGE_TRY(dev.allocZero(sb.dv, Dev::size(sb.v)));
       }
@@ -558,7 +571,8 @@ public:
         Act lnOut, fcAct;
         F32 mean, rstd;
         PIPEC_STAGE_TRY(dev.alloc(lnOut, nc));
-        PIPEC_STAGE_TRY(normForward(Dev::ptr(lnOut), mean, rstd, Dev::ptr(bw.xIn), l,
+        PIPEC_STAGE_TRY(allocNormStats(mean, rstd, n));
+        PIPEC_STAGE_TRY(normCompute(Dev::ptr(lnOut), mean, rstd, Dev::ptr(bw.xIn), l,
                                     tensors::Ln1W, tensors::Ln1B, n));
         PIPEC_STAGE_TRY(normBackwardWeight(Dev::ptr(bw.dLn1), Dev::ptr(bw.xIn), bw.ln1Mean,
                                            bw.ln1Rstd, l, tensors::Ln1W, tensors::Ln1B, n));
@@ -568,9 +582,7 @@ public:
         PIPEC_STAGE_TRY(dev.matmulBackwardWeight(grad(l, tensors::AttnW), grad(l, tensors::AttnB),
                                                  Dev::ptr(bw.attOut), Dev::ptr(bw.dXmid), n,
                                                  localC, c));
-        dev.release(mean);
-        dev.release(rstd);
-        PIPEC_STAGE_TRY(normForward(Dev::ptr(lnOut), mean, rstd, Dev::ptr(bw.xMid), l,
+        PIPEC_STAGE_TRY(normCompute(Dev::ptr(lnOut), mean, rstd, Dev::ptr(bw.xMid), l,
                                     tensors::Ln2W, tensors::Ln2B, n));
         PIPEC_STAGE_TRY(normBackwardWeight(Dev::ptr(bw.dLn2), Dev::ptr(bw.xMid), bw.ln2Mean,
                                            bw.ln2Rstd, l, tensors::Ln2W, tensors::Ln2B, n));

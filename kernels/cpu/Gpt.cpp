@@ -374,7 +374,8 @@ struct CpuDev {
   CPtr param(size_t at) { return params.data() + at; }
   float *grad(size_t at) { return grads.data() + at; }
 
-  /// Token ids of a slice's rows (b, t): inputs, or with `next` the targets.
+  /// Token ids of a slice's rows (b, t): inputs, or with `next` the targets. Read from the
+  /// step's batch when an op needs them (setBatch is called between steps, not within one).
   std::vector<int32_t> tokens(int mb, int slice, bool next) const {
     assert(mb >= 0 && mb < int(batch.size()) && "setBatch() has no such microbatch");
     const std::vector<int32_t> &all = batch[size_t(mb)];
@@ -487,6 +488,8 @@ struct CpuDev {
   llvm::Error ropeF32(float *x, int slice, int rows, int heads, int headDim, double theta) {
     return rope(x, RopeRows::Keys, slice, rows, heads, headDim, theta, /*backward=*/true);
   }
+  /// The host grows K/V slice by slice (reserveKv), not at slice 0.
+  llvm::Error reserveSequenceKv(std::vector<float> &, std::vector<float> &, int, int) { return ok(); }
   /// The K/V rows [0, end) of the microbatch: grown slice by slice.
   llvm::Error reserveKv(std::vector<float> &k, std::vector<float> &v, int begin, int end, int b,
                         int width) {
@@ -603,9 +606,9 @@ struct CpuDev {
     return ok();
   }
   llvm::Error lossBackward(Loss &l, Act &logits, Act &dLogits, int mb, int slice, int n,
-                           int localV, int vocabBegin, float scale) {
+                           int localV, int vocabBegin, int tp, float scale) {
     const std::vector<int32_t> tgt = tokens(mb, slice, true);
-    if (!logits.empty()) { // tp > 1: from the rank's logits and the whole log-sum-exp
+    if (tp > 1) { // from the rank's logits and the whole vocabulary's log-sum-exp
       dLogits.resize(logits.size());
       ops::crossEntropyShardBackward(dLogits.data(), logits.data(), l.lse.data(), tgt.data(), n,
                                      localV, vocabBegin, scale);

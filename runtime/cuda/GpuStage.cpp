@@ -244,12 +244,13 @@ struct GpuDev {
   }
   /// The whole sequence's K/V, allocated at slice 0 (position-major (T, B, width)); the
   /// attention ops read only the first a + x rows.
-  llvm::Error reserveKv(DeviceTensor &k, DeviceTensor &v, int begin, int, int b, int width) {
-    if (begin > 0)
-      return llvm::Error::success();
+  llvm::Error reserveSequenceKv(DeviceTensor &k, DeviceTensor &v, int b, int width) {
     const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(width);
     PIPEC_GPU_TRY(k.allocate(mem(), kvSize, dt));
     return v.allocate(mem(), kvSize, dt);
+  }
+  llvm::Error reserveKv(DeviceTensor &, DeviceTensor &, int, int, int, int) {
+    return llvm::Error::success();
   }
   llvm::Error splitQkv(void *q, void *k, void *v, const void *qkv, int n, int x, int b, int begin,
                        int cl, int kvl) {
@@ -327,7 +328,7 @@ struct GpuDev {
   }
   /// dLogits overwrite the logits in place (the op allows it).
   llvm::Error lossBackward(Loss &l, DeviceTensor &logits, DeviceTensor &dLogits, int mb, int slice,
-                           int n, int vLocal, int vBegin, float scale) {
+                           int n, int vLocal, int vBegin, int /*tp: one op for both*/, float scale) {
     PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, logits.data(), logits.data(), l.lse.data(),
                                            targets.data() + tokenOffset(mb, slice), n, vLocal,
                                            scale, vBegin));
