@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <memory>
 #include <set>
+#include <span>
 
 namespace pipec {
 
@@ -234,6 +235,59 @@ std::string variantsOf(const kernels::GptConfig &c) {
                      c.rmsnorm ? "rmsnorm" : "layernorm", c.swiglu ? "swiglu" : "gelu",
                      c.rope ? "rope" : "learned", c.bias ? "true" : "false");
 }
+
+/// A tensor of shape `want` read whole, or an InputError naming it and both shapes.
+llvm::Expected<std::vector<float>> readShaped(const SafeTensorsFile &file, const std::string &name,
+                                              const std::vector<int64_t> &want,
+                                              llvm::StringRef model) {
+  auto it = file.tensors().find(name);
+  if (it == file.tensors().end())
+    return inputError("missing tensor {} (shape {}) of {}", name, shapeText(want), model.str());
+  if (it->second.shape != want)
+    return inputError("tensor {} has shape {}; the model needs {}", name,
+                      shapeText(it->second.shape), shapeText(want));
+  return file.read(name);
+}
+
+/// Appends `m` ([rows, cols], Hugging Face's nn.Linear [out, in]) transposed to `to`'s
+/// columns [at, at + rows) of a row-major [cols, width] matrix (the kernels' [in, out]).
+void placeTransposed(const std::vector<float> &m, int64_t rows, int64_t cols,
+                     std::vector<float> &to, size_t toBegin, int64_t width, int64_t at) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      to[toBegin + size_t(c * width + at + r)] = m[size_t(r * cols + c)];
+}
+
+/// Appends the LM head's matrix to `head`. With tied embeddings it is the embedding `emb`
+/// ([V, C]); a lm_head.weight in the file, Hugging Face's copy of it, must equal it. Untied, it
+/// is the file's lm_head.weight. `embName` names the embedding, `tieHint` how a model ties.
+llvm::Error appendLmHead(const SafeTensorsFile &file, const kernels::GptConfig &cfg,
+                         std::span<const float> emb, const std::string &embName,
+                         llvm::StringRef tieHint, llvm::StringRef model, std::vector<float> &head,
+                         std::set<std::string> &used) {
+  const std::vector<int64_t> shape{cfg.vocab, cfg.channels};
+  const bool inFile = file.tensors().count("lm_head.weight") > 0;
+  if (!cfg.tiedEmbeddings && !inFile)
+    return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
+                      "(\"tie_embeddings\": false); add the tensor, or tie the model's "
+                      "embeddings {}",
+                      shapeText(shape), tieHint.str());
+  if (cfg.tiedEmbeddings)
+    head.insert(head.end(), emb.begin(), emb.end());
+  if (!inFile)
+    return llvm::Error::success();
+  auto lm = readShaped(file, "lm_head.weight", shape, model);
+  if (!lm)
+    return lm.takeError();
+  used.insert("lm_head.weight");
+  if (!cfg.tiedEmbeddings)
+    head.insert(head.end(), lm->begin(), lm->end());
+  else if (!std::equal(lm->begin(), lm->end(), emb.begin()))
+    return inputError("tensor lm_head.weight differs from {}, but the model ties its embeddings "
+                      "(\"tie_embeddings\": true); untie the model to use the file's head",
+                      embName);
+  return llvm::Error::success();
+}
 } // namespace
 
 llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile &file,
@@ -311,29 +365,9 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
       return err;
     if (auto err = take(prefix + "ln_f.bias", {C}, head))
       return err;
-    if (cfg.tiedEmbeddings) {
-      const std::vector<float> &emb = layers[0];
-      head.insert(head.end(), emb.begin(), emb.begin() + long(V * C));
-      if (all.count("lm_head.weight")) {
-        // Hugging Face may write the tied copy too: it must be wte itself.
-        std::vector<float> copy;
-        if (auto err = take("lm_head.weight", {V, C}, copy))
-          return err;
-        if (!std::equal(copy.begin(), copy.end(), emb.begin()))
-          return inputError("tensor lm_head.weight differs from {}wte.weight, but the model "
-                            "ties its embeddings (\"tie_embeddings\": true); untie the model to "
-                            "use the file's head",
-                            prefix);
-      }
-    } else if (!all.count("lm_head.weight")) {
-      return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
-                        "(\"tie_embeddings\": false); add the tensor, or tie the model's "
-                        "embeddings as GPT-2 does",
-                        shapeText({V, C}));
-    } else if (auto err = take("lm_head.weight", {V, C}, head)) {
-      return err;
-    }
-    return llvm::Error::success();
+    return appendLmHead(file, cfg, std::span<const float>(layers[0]).first(size_t(V * C)),
+                        prefix + "wte.weight", "as GPT-2 does",
+                        fmt::format("a GPT-2 model with {} blocks", cfg.layers), head, used);
   };
   if (auto err = build())
     return err;
@@ -356,32 +390,6 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
                         kernels::layerParamCount(cfg, l, 1));
   return layers;
 }
-
-namespace {
-
-/// A tensor of shape `want` read whole, or an InputError naming it and both shapes.
-llvm::Expected<std::vector<float>> readShaped(const SafeTensorsFile &file, const std::string &name,
-                                              const std::vector<int64_t> &want,
-                                              llvm::StringRef model) {
-  auto it = file.tensors().find(name);
-  if (it == file.tensors().end())
-    return inputError("missing tensor {} (shape {}) of {}", name, shapeText(want), model.str());
-  if (it->second.shape != want)
-    return inputError("tensor {} has shape {}; the model needs {}", name,
-                      shapeText(it->second.shape), shapeText(want));
-  return file.read(name);
-}
-
-/// Appends `m` ([rows, cols], Hugging Face's nn.Linear [out, in]) transposed to `to`'s
-/// columns [at, at + rows) of a row-major [cols, width] matrix (the kernels' [in, out]).
-void placeTransposed(const std::vector<float> &m, int64_t rows, int64_t cols,
-                     std::vector<float> &to, size_t toBegin, int64_t width, int64_t at) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      to[toBegin + size_t(c * width + at + r)] = m[size_t(r * cols + c)];
-}
-
-} // namespace
 
 llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFile &file,
                                                             const kernels::GptConfig &cfg) {
@@ -468,30 +476,9 @@ llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFil
     if (!norm)
       return norm.takeError();
     head = std::move(*norm);
-    if (cfg.tiedEmbeddings) {
-      head.insert(head.end(), layers[0].begin(), layers[0].end());
-      if (all.count("lm_head.weight")) {
-        auto copy = read("lm_head.weight", {V, C});
-        if (!copy)
-          return copy.takeError();
-        if (!std::equal(copy->begin(), copy->end(), layers[0].begin()))
-          return inputError("tensor lm_head.weight differs from {}embed_tokens.weight, but the "
-                            "model ties its embeddings (\"tie_embeddings\": true); untie the "
-                            "model to use the file's head",
-                            prefix);
-      }
-    } else if (!all.count("lm_head.weight")) {
-      return inputError("missing tensor lm_head.weight (shape {}): the model's head is untied "
-                        "(\"tie_embeddings\": false); add the tensor, or tie the model's "
-                        "embeddings (\"tie_embeddings\": true, as tie_word_embeddings does)",
-                        shapeText({V, C}));
-    } else {
-      auto lm = read("lm_head.weight", {V, C});
-      if (!lm)
-        return lm.takeError();
-      head.insert(head.end(), lm->begin(), lm->end());
-    }
-    return llvm::Error::success();
+    return appendLmHead(file, cfg, layers[0], prefix + "embed_tokens.weight",
+                        "(\"tie_embeddings\": true, as tie_word_embeddings does)", model, head,
+                        used);
   };
   if (auto err = build())
     return err;

@@ -81,6 +81,14 @@ void compileInto(const std::string &dir, const std::string &model, const std::st
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 
+/// `pipec compile` of dir/<model> (a spec a case wrote or edited) into dir/<out>.
+void compileLocal(const std::string &dir, const std::string &model, const std::string &flags,
+                  const std::string &out) {
+  std::string cmd = "cd " + dir + " && " + runfiles() + "/tools/pipec compile --quiet --model " +
+                    model + " " + flags + " -o " + out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
 /// Read, edit and write back a JSON file.
 void editJson(const std::string &path, const std::function<void(Json &)> &edit) {
   Json j = Json::parse(slurp(path));
@@ -270,10 +278,7 @@ std::vector<Case> catalogue() {
              R"({"format": "pipemodel/1", "name": "big-vocab", "transformer": {"num_layers": 4,
                 "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 1048576,
                 "seq_length": 16, "microbatch_size": 1, "dtype": "fp32"}})");
-        std::string cmd = "cd " + dir + " && " + runfiles() +
-                          "/tools/pipec compile --quiet --model big.json --schedule 1f1b --pp 1 "
-                          "--microbatches 1 -o p.json";
-        ASSERT_EQ(std::system(cmd.c_str()), 0);
+        compileLocal(dir, "big.json", "--schedule 1f1b --pp 1 --microbatches 1", "p.json");
       },
       "$PIPERUN p.json --backend cpu",
       "the cpu backend's run of model 'big-vocab' (vocab_size 1048576, hidden_size 4096, 4 "
@@ -505,10 +510,7 @@ std::vector<Case> catalogue() {
         withCheckpoint(dir);
         copyExample(dir, kTiny);
         editJson(dir + "/" + kTiny, [](Json &j) { j["transformer"]["hidden_size"] = 64; });
-        std::string cmd = "cd " + dir + " && " + runfiles() +
-                          "/tools/pipec compile --quiet --model tiny-gpt.json --schedule 1f1b "
-                          "--pp 2 --microbatches 2 -o wide.json";
-        ASSERT_EQ(std::system(cmd.c_str()), 0);
+        compileLocal(dir, "tiny-gpt.json", "--schedule 1f1b --pp 2 --microbatches 2", "wide.json");
       },
       "$PIPERUN wide.json --resume ck",
       "is of another model: its hidden_size is 32, the plan's is 64");
@@ -573,10 +575,7 @@ std::vector<Case> catalogue() {
              R"({"format": "pipemodel/1", "name": "odd", "transformer": {"num_layers": 2,
                 "hidden_size": 24, "num_attention_heads": 8, "ffn_hidden_size": 48,
                 "vocab_size": 64, "seq_length": 16, "dtype": "fp32", "position": "rope"}})");
-        std::string cmd = "cd " + dir + " && " + runfiles() +
-                          "/tools/pipec compile --quiet --model odd.json --schedule 1f1b "
-                          "--pp 2 --microbatches 2 -o p.json";
-        ASSERT_EQ(std::system(cmd.c_str()), 0);
+        compileLocal(dir, "odd.json", "--schedule 1f1b --pp 2 --microbatches 2", "p.json");
       },
       "$PIPERUN p.json --backend cpu",
       "the head size (hidden_size / num_attention_heads = 3) must be even; give the model 6 "
@@ -595,10 +594,8 @@ std::vector<Case> catalogue() {
                 "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
                 "ffn_hidden_size": 64, "vocab_size": 64, "seq_length": 16, "dtype": "fp32",
                 "norm": "rmsnorm", "mlp": "swiglu", "position": "rope", "bias": false}})");
-        std::string cmd = "cd " + dir + " && " + runfiles() +
-                          "/tools/pipec compile --quiet --model tiny-llama.json --schedule 1f1b "
-                          "--pp 2 --tp 2 --microbatches 2 -o p.json";
-        ASSERT_EQ(std::system(cmd.c_str()), 0);
+        compileLocal(dir, "tiny-llama.json", "--schedule 1f1b --pp 2 --tp 2 --microbatches 2",
+                     "p.json");
         editJson(dir + "/p.json", [](Json &j) { j["transformer"]["num_query_groups"] = 1; });
       },
       "$PIPERUN p.json --backend cpu",

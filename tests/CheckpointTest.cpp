@@ -57,8 +57,8 @@ std::string compile(const std::string &dir, const std::string &flags,
                     const std::string &model = "examples/tiny-gpt.json") {
   std::string out =
       dir + "/plan-" + std::to_string(std::hash<std::string>()(model + flags)) + ".json";
-  auto r = runCommand(tool("pipec") + " compile --quiet --model " + model + " " + flags + " -o " +
-                      out);
+  auto r =
+      runCommand(tool("pipec") + " compile --quiet --model " + model + " " + flags + " -o " + out);
   EXPECT_EQ(r.code, 0) << r.err;
   return out;
 }
@@ -288,27 +288,35 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
   EXPECT_GT(previous, 0) << "no round got as far as a checkpoint";
 }
 
+/// Six steps of `saved`, against three of it saved to a checkpoint and three more of `other`
+/// resumed from it with --check-reference: the same training within fp32 rounding (other
+/// summation orders: tp, dp). Returns the resumed run.
+pipec::testing::CommandResult expectResumeUnderAnotherLayout(const std::string &d,
+                                                             const std::string &saved,
+                                                             const std::string &other) {
+  auto whole = piperun(saved + " --steps 6");
+  EXPECT_EQ(whole.code, 0) << whole.err;
+  auto first = piperun(saved + " --steps 3 --save-dir " + d + "/ck");
+  EXPECT_EQ(first.code, 0) << first.err;
+  auto rest = piperun(other + " --steps 3 --resume " + d + "/ck --check-reference");
+  EXPECT_EQ(rest.code, 0) << rest.out << rest.err;
+  auto want = stepLosses(whole.out), got = stepLosses(rest.out);
+  EXPECT_EQ(got.size(), 3u) << rest.out;
+  for (auto [step, loss] : got)
+    EXPECT_NEAR(std::stod(loss), std::stod(want.at(step)), 2e-5 * std::stod(want.at(step)))
+        << "step " << step;
+  return rest;
+}
+
 TEST(CheckpointTest, ACheckpointResumesUnderAnotherLayout) {
   const std::string d = freshDir("layout");
   const std::string saved = compile(d, "--schedule 1f1b --pp 2 --microbatches 4");
   // Three pipeline ranks, tp 2, zero-bubble, and dp 2 x 2 microbatches: the same 4 a step.
   const std::string other = compile(d, "--schedule zb-h1 --pp 3 --microbatches 2 --tp 2 --dp 2");
-  auto whole = piperun(saved + " --steps 6");
-  ASSERT_EQ(whole.code, 0) << whole.err;
-  auto first = piperun(saved + " --steps 3 --save-dir " + d + "/ck");
-  ASSERT_EQ(first.code, 0) << first.err;
-  auto rest = piperun(other + " --steps 3 --resume " + d + "/ck --check-reference");
-  ASSERT_EQ(rest.code, 0) << rest.out << rest.err;
+  auto rest = expectResumeUnderAnotherLayout(d, saved, other);
   EXPECT_NE(rest.out.find("saved under 1f1b pp=2 vpp=1 tp=1 dp=1 microbatches=4"),
             std::string::npos)
       << rest.out;
-  auto want = stepLosses(whole.out), got = stepLosses(rest.out);
-  ASSERT_EQ(got.size(), 3u) << rest.out;
-  for (auto [step, loss] : got) {
-    // Other summation orders (tp, dp): the same training within fp32 rounding.
-    EXPECT_NEAR(std::stod(loss), std::stod(want.at(step)), 2e-5 * std::stod(want.at(step)))
-        << "step " << step;
-  }
 }
 
 TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
@@ -316,19 +324,9 @@ TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
   // under tp 2, resumed as a V-shape on one tp rank.
   const std::string d = freshDir("llama-layout");
   const std::string model = "examples/tiny-llama.json";
-  const std::string saved = compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2", model);
-  const std::string other = compile(d, "--schedule zb-v --pp 2 --vpp 2 --microbatches 4", model);
-  auto whole = piperun(saved + " --steps 6");
-  ASSERT_EQ(whole.code, 0) << whole.err;
-  auto first = piperun(saved + " --steps 3 --save-dir " + d + "/ck");
-  ASSERT_EQ(first.code, 0) << first.err;
-  auto rest = piperun(other + " --steps 3 --resume " + d + "/ck --check-reference");
-  ASSERT_EQ(rest.code, 0) << rest.out << rest.err;
-  auto want = stepLosses(whole.out), got = stepLosses(rest.out);
-  ASSERT_EQ(got.size(), 3u) << rest.out;
-  for (auto [step, loss] : got)
-    EXPECT_NEAR(std::stod(loss), std::stod(want.at(step)), 2e-5 * std::stod(want.at(step)))
-        << "step " << step;
+  expectResumeUnderAnotherLayout(
+      d, compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2", model),
+      compile(d, "--schedule zb-v --pp 2 --vpp 2 --microbatches 4", model));
 }
 
 } // namespace

@@ -217,8 +217,8 @@ TEST_P(CudaLayernormTest, RmsnormForwardAndBothBackwardsMatchCpu) {
   Vec dW0 = randomVec(c, 44);
   Vec refOut(size_t(n) * c), refRstd(n), refIn = dIn0, refW = dW0;
   cpu::rmsnormForward(refOut.data(), refRstd.data(), x.data(), w.data(), n, c);
-  cpu::rmsnormBackwardInputAccumulate(refIn.data(), dOut.data(), x.data(), refRstd.data(),
-                                      w.data(), n, c);
+  cpu::rmsnormBackwardInputAccumulate(refIn.data(), dOut.data(), x.data(), refRstd.data(), w.data(),
+                                      n, c);
   cpu::rmsnormBackwardWeight(refW.data(), dOut.data(), x.data(), refRstd.data(), n, c);
 
   DeviceBuffer gx = upload(x, dt), gw = upload(w, dt), gdOut = upload(dOut, dt);
@@ -241,8 +241,8 @@ TEST_P(CudaLayernormTest, RmsnormForwardAndBothBackwardsMatchCpu) {
   // Another epsilon (the spec's norm_eps), large enough to show: the forward takes it.
   Vec epsOut(refOut.size()), epsRstd(n);
   cpu::rmsnormForward(epsOut.data(), epsRstd.data(), x.data(), w.data(), n, c, 0.5f);
-  ASSERT_OK(rmsnormForward(*ctx, dt, out.data(), rstd.as<float>(), gx.data(), gw.data(), n, c,
-                           0.5f));
+  ASSERT_OK(
+      rmsnormForward(*ctx, dt, out.data(), rstd.as<float>(), gx.data(), gw.data(), n, c, 0.5f));
   EXPECT_CLOSE(download(out, refOut.size(), dt), epsOut, tolerance(dt));
   EXPECT_CLOSE(download(rstd, n, DType::F32), epsRstd, kTolF32);
 }
@@ -260,7 +260,8 @@ TEST_P(CudaLayernormTest, SwigluForwardAndBackwardMatchCpuOnGateUpRows) {
     cpu::swigluBackward(d, d + f, dOut.data() + size_t(r) * f, p, p + f, size_t(f));
   }
   DeviceBuffer gPre = upload(pre, dt), gdOut = upload(dOut, dt);
-  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt)), dPre = allocate(refPre.size() * sizeOf(dt));
+  DeviceBuffer out = allocate(refOut.size() * sizeOf(dt)),
+               dPre = allocate(refPre.size() * sizeOf(dt));
   ASSERT_OK(swigluForward(*ctx, dt, out.data(), gPre.data(), n, f));
   ASSERT_OK(swigluBackward(*ctx, dt, dPre.data(), gdOut.data(), gPre.data(), n, f));
   EXPECT_CLOSE(download(out, refOut.size(), dt), refOut, tolerance(dt));
@@ -311,6 +312,27 @@ TEST_P(CudaLayernormTest, GeluForwardAndBackwardMatchCpu) {
 
 //===--- Attention ------------------------------------------------------===//
 
+/// The log-sum-exp of each query row's scaled, causally masked scores (B, H, x), in double;
+/// query head h reads key head h / (H / KV).
+Vec referenceLse(const Vec &q, const Vec &k, const AttentionShape &s) {
+  const int kvw = s.kvHeadCount() * s.headDim, group = s.heads / s.kvHeadCount();
+  Vec lse(size_t(s.batch) * s.heads * s.queries);
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t) {
+        double sum = 0;
+        for (int j = 0; j <= s.begin + t; ++j) {
+          double dot = 0;
+          for (int d = 0; d < s.headDim; ++d)
+            dot += double(q[(size_t(b) * s.queries + t) * s.width() + size_t(h) * s.headDim + d]) *
+                   k[(size_t(j) * s.batch + b) * kvw + size_t(h / group) * s.headDim + d];
+          sum += std::exp(dot / std::sqrt(double(s.headDim)));
+        }
+        lse[(size_t(b) * s.heads + h) * s.queries + t] = float(std::log(sum));
+      }
+  return lse;
+}
+
 struct AttentionCase {
   AttentionShape shape;
   const char *name;
@@ -334,21 +356,7 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
   cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
                          q.data(), k.data(), v.data(), cs);
-  // The log-sum-exp of each query row's scaled scores (B, H, x), in double.
-  Vec refLse(size_t(s.batch) * s.heads * s.queries);
-  for (int b = 0; b < s.batch; ++b)
-    for (int h = 0; h < s.heads; ++h)
-      for (int t = 0; t < s.queries; ++t) {
-        double sum = 0;
-        for (int j = 0; j <= s.begin + t; ++j) {
-          double dot = 0;
-          for (int d = 0; d < s.headDim; ++d)
-            dot += double(q[(size_t(b) * s.queries + t) * s.width() + size_t(h) * s.headDim + d]) *
-                   k[(size_t(j) * s.batch + b) * s.width() + size_t(h) * s.headDim + d];
-          sum += std::exp(dot / std::sqrt(double(s.headDim)));
-        }
-        refLse[(size_t(b) * s.heads + h) * s.queries + t] = float(std::log(sum));
-      }
+  const Vec refLse = referenceLse(q, k, s);
 
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
   DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
@@ -421,14 +429,14 @@ TEST_P(CudaGroupedAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   const DType dt = std::get<0>(GetParam());
   const AttentionShape cases[] = {
       {/*batch=*/2, /*queries=*/13, /*begin=*/40, /*heads=*/6, /*headDim=*/20, /*kvHeads=*/2},
-      {1, 33, 0, 4, 64, 1},  // multi-query; a bf16 tensor-core head size
-      {2, 9, 25, 8, 32, 4},  // a slice of a sub-sequence split
+      {1, 33, 0, 4, 64, 1}, // multi-query; a bf16 tensor-core head size
+      {2, 9, 25, 8, 32, 4}, // a slice of a sub-sequence split
   };
   const AttentionShape s = cases[std::get<1>(GetParam())];
   SCOPED_TRACE(fmt::format("B {} x {} a {} H {} hd {} KV {}", s.batch, s.queries, s.begin, s.heads,
                            s.headDim, s.kvHeads));
   cpu::GroupedAttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.kvHeads, s.headDim};
-  const int kvw = s.kvHeads * s.headDim, group = s.heads / s.kvHeads;
+  const int kvw = s.kvHeads * s.headDim;
   const size_t qSize = size_t(s.batch) * s.queries * s.width();
   const size_t kvSize = size_t(s.keys()) * s.batch * size_t(kvw);
   Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
@@ -437,22 +445,9 @@ TEST_P(CudaGroupedAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
   Vec refDq(qSize), refDk = dk0, refDv = dv0;
   cpu::groupedAttentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-  cpu::groupedAttentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(),
-                                probs.data(), q.data(), k.data(), v.data(), cs);
-  Vec refLse(size_t(s.batch) * s.heads * s.queries); // in double, from the group's keys
-  for (int b = 0; b < s.batch; ++b)
-    for (int h = 0; h < s.heads; ++h)
-      for (int t = 0; t < s.queries; ++t) {
-        double sum = 0;
-        for (int j = 0; j <= s.begin + t; ++j) {
-          double dot = 0;
-          for (int d = 0; d < s.headDim; ++d)
-            dot += double(q[(size_t(b) * s.queries + t) * s.width() + size_t(h) * s.headDim + d]) *
-                   k[(size_t(j) * s.batch + b) * kvw + size_t(h / group) * s.headDim + d];
-          sum += std::exp(dot / std::sqrt(double(s.headDim)));
-        }
-        refLse[(size_t(b) * s.heads + h) * s.queries + t] = float(std::log(sum));
-      }
+  cpu::groupedAttentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
+                                q.data(), k.data(), v.data(), cs);
+  const Vec refLse = referenceLse(q, k, s);
   DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
   DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
                gdv = upload(dv0, DType::F32);

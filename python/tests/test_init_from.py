@@ -93,6 +93,25 @@ LAYOUTS = [
 ]
 
 
+def expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want):
+    """piperun's first-step loss, and its single-rank reference's, on every layout of LAYOUTS
+    from `checkpoint` equal `want` (fp32 kernels against a float64 forward, printed to 6
+    decimals)."""
+    for layout in LAYOUTS:
+        plan = tmp_path / "plan.json"
+        c = subprocess.run([pipec_binary(), "compile", "--quiet", "--model", model, *layout.split(),
+                            "-o", str(plan)], capture_output=True, text=True)
+        assert c.returncode == 0, c.stderr
+        r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
+                            "--check-reference", "--data", str(data), "--init-from",
+                            str(checkpoint)], capture_output=True, text=True)
+        assert r.returncode == 0, layout + "\n" + r.stdout + r.stderr
+        got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
+        ref = float(re.search(r"reference loss \(last step\) (\S+)", r.stdout).group(1))
+        assert got == pytest.approx(want, abs=2e-5), layout
+        assert ref == pytest.approx(want, abs=2e-5), layout
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_first_step_loss_equals_pytorchs_gpt2(tmp_path, tied):
     weights = gpt2_weights(seed=3 if tied else 5, tied=tied)
@@ -115,20 +134,7 @@ def test_first_step_loss_equals_pytorchs_gpt2(tmp_path, tied):
         text = original.replace('"dtype": "fp32"', '"dtype": "fp32", "tie_embeddings": true')
         assert text != original, "tiny-gpt.json no longer says \"dtype\": \"fp32\""
         open(model, "w").write(text)
-    for layout in LAYOUTS:
-        plan = tmp_path / "plan.json"
-        c = subprocess.run([pipec_binary(), "compile", "--quiet", "--model", model, *layout.split(),
-                            "-o", str(plan)], capture_output=True, text=True)
-        assert c.returncode == 0, c.stderr
-        r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
-                            "--check-reference", "--data", str(data), "--init-from",
-                            str(checkpoint)], capture_output=True, text=True)
-        assert r.returncode == 0, layout + "\n" + r.stdout + r.stderr
-        got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
-        ref = float(re.search(r"reference loss \(last step\) (\S+)", r.stdout).group(1))
-        # fp32 kernels against a float64 forward, printed to 6 decimals.
-        assert got == pytest.approx(want, abs=2e-5), layout
-        assert ref == pytest.approx(want, abs=2e-5), layout
+    expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want)
 
 
 def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
@@ -244,19 +250,7 @@ def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied, eps):
         assert text != original, "tiny-llama.json no longer says \"dtype\": \"fp32\""
         open(model, "w").write(text)
     # tp 2 splits the 2 key/value heads one per rank.
-    for layout in LAYOUTS:
-        plan = tmp_path / "plan.json"
-        c = subprocess.run([pipec_binary(), "compile", "--quiet", "--model", model, *layout.split(),
-                            "-o", str(plan)], capture_output=True, text=True)
-        assert c.returncode == 0, c.stderr
-        r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
-                            "--check-reference", "--data", str(data), "--init-from",
-                            str(checkpoint)], capture_output=True, text=True)
-        assert r.returncode == 0, layout + "\n" + r.stdout + r.stderr
-        got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
-        ref = float(re.search(r"reference loss \(last step\) (\S+)", r.stdout).group(1))
-        assert got == pytest.approx(want, abs=2e-5), layout
-        assert ref == pytest.approx(want, abs=2e-5), layout
+    expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want)
 
 
 def test_llama_file_with_other_key_value_heads_names_the_tensor_and_both_shapes(tmp_path):

@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <array>
 #include <cassert>
-#include <map>
 
 namespace pipec {
 
@@ -44,7 +43,6 @@ constexpr cu::DType kBF16 = cu::DType::BF16;
   } while (false)
 
 using Floats = StreamBuffer<float>; // statistics, log-sum-exps and losses: fp32 in both modes
-using Act = DeviceTensor;           // activations and their gradients: the compute type
 
 /// Memory allocated once: device memory (parameters, gradients, moments, tokens, the loss
 /// accumulator) or, with `Pinned`, page-locked host memory (the tokens on their way up).
