@@ -51,10 +51,11 @@ std::string planHash(const Plan &plan);
 void checkpointKillPoint();
 
 /// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one
-/// layer's whole state, for every layer of `manifest.model`; the manifest's layer entries are
-/// filled here. Keeps the two newest checkpoints in `dir`.
+/// layer's whole state, for every layer of `manifest.model` in order (its error ends the save
+/// before the commit); the manifest's layer entries are filled here. Keeps the two newest
+/// checkpoints in `dir`.
 llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
-                           const std::function<void(int, LayerState &)> &gather);
+                           const std::function<llvm::Error(int, LayerState &)> &gather);
 
 /// The directory of the checkpoint after `step` steps in `dir`: dir/step-<8 digits>.
 std::string checkpointPath(llvm::StringRef dir, int64_t step);

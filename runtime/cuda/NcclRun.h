@@ -61,9 +61,17 @@ namespace pipec {
 /// setting, set the variable in the environment.)
 std::string prepareNcclEnvironment();
 
-/// Run `options.steps` steps of this process's rank of `plan` (already verified); the device
-/// is chosen from env.localRank (options.device is ignored). A launcher calls
+/// This process's rank of `plan` (already verified; `cfg` is gptConfigOf(plan)) for the training
+/// driver (runtime/Train.h); the device is chosen from env.localRank (options.device is
+/// ignored). `plan`, `cfg`, `data` and `env` must outlive it. A launcher calls
 /// prepareNcclEnvironment first (piperun does).
+std::unique_ptr<TrainBackend> createNcclBackend(const Plan &plan, const kernels::GptConfig &cfg,
+                                                const DataSource &data,
+                                                const CudaRunOptions &options,
+                                                const LaunchEnv &env);
+
+/// Run `options.steps` steps of this process's rank of `plan` (already verified) with the
+/// training driver; as createNcclBackend.
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep = {});
