@@ -63,6 +63,11 @@ struct ParamSnapshot {
   /// With the weights: weightDigest() of every dp replica's, per (replica, stage, tp rank), so
   /// that the check can tell whether the replicas hold the same weights bit for bit.
   std::map<std::tuple<int, int, int>, uint64_t> digests;
+  /// Moves the values into `to` (TrainBackend::takeGradients), leaving none here.
+  void handOver(ParamSnapshot &to) {
+    to.byStageAndTp = std::move(byStageAndTp);
+    byStageAndTp.clear();
+  }
 };
 
 /// A 64-bit digest of `values`' bits (FNV-1a over their bytes): equal for equal bits, and for

@@ -38,20 +38,13 @@
 namespace {
 
 namespace fs = std::filesystem;
+using pipec::testing::freshDir;
 using pipec::testing::runCommand;
 using pipec::testing::slurp;
 using pipec::testing::stepLosses;
 using pipec::testing::tmpDir;
 
 std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
-
-/// A fresh directory under the test's temporary directory.
-std::string freshDir(const std::string &name) {
-  std::string d = tmpDir() + "/" + name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 std::string compile(const std::string &dir, const std::string &flags,
                     const std::string &model = "examples/tiny-gpt.json") {

@@ -27,17 +27,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using pipec::testing::CommandResult;
+using pipec::testing::freshDir;
 using pipec::testing::runCommand;
 using pipec::testing::slurp;
 using pipec::testing::stepLosses;
-using pipec::testing::tmpDir;
-
-std::string freshDir(const std::string &name) {
-  std::string d = tmpDir() + "/" + name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 std::string compile(const std::string &dir, const std::string &flags) {
   std::string out = dir + "/plan.json";

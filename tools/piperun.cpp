@@ -25,10 +25,11 @@
 // nothing runs on the device, nothing trains), and print, before step 0, what each rank holds
 // ("weights, gradients and optimizer state MiB ...", `pipec compile`'s static bytes) and its
 // arena ("activation arena MiB ...").
-// Checkpoints (cpu backend; runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves
-// after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
-// from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
-// counts the steps of this run), under this plan's layout, whichever it was saved under.
+// Every backend runs under the one training driver (runtime/Train.h). Checkpoints
+// (runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves after every --save-every
+// N-th step and after the last, each crash-safe; --resume DIR continues from DIR's newest
+// complete checkpoint (its step numbers, seed and data position; --steps counts the steps of
+// this run), under this plan's layout and backend, whichever it was saved under.
 // --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
 // Hugging Face's GPT-2 or Llama names, checked against the model before step 0, on every
 // backend.

@@ -246,8 +246,7 @@ public:
   }
 
   llvm::Error takeGradients(ParamSnapshot &into) override {
-    into.byStageAndTp = std::move(snapshot.byStageAndTp);
-    snapshot.byStageAndTp.clear();
+    snapshot.handOver(into);
     return llvm::Error::success();
   }
 

@@ -522,7 +522,7 @@ llvm::Error gatherLocalLayer(const std::vector<CudaRankBackend *> &ranks,
 
 /// The cuda backend as the training driver sees it: every rank a CudaBackend thread of a Runner
 /// on one GPU, over the local transport.
-class CudaTrainBackend final : public TrainBackend {
+class CudaTrainBackend final : public GpuTrainBackend {
 public:
   CudaTrainBackend(const Plan &plan, const GptConfig &cfg, const DataSource &data,
                    const CudaRunOptions &options)
@@ -602,8 +602,7 @@ public:
   }
 
   llvm::Error takeGradients(ParamSnapshot &into) override {
-    into.byStageAndTp = std::move(snapshot.byStageAndTp);
-    snapshot.byStageAndTp.clear();
+    snapshot.handOver(into);
     return llvm::Error::success();
   }
   llvm::Error snapshotWeights(ParamSnapshot &into) override {
@@ -627,7 +626,7 @@ public:
   }
 
   /// The memory figures so far (stateBytes and arenaBytes; arenaUsedBytes after the run).
-  CudaRunResult memory() const {
+  CudaRunResult memory() const override {
     CudaRunResult m = sofar;
     for (CudaRankBackend *b : gpu)
       m.arenaUsedBytes.push_back(b->arenaUsedBytes());
@@ -694,7 +693,14 @@ llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data
   if (!cfg)
     return cfg.takeError();
   CudaTrainBackend backend(plan, *cfg, data, options);
-  auto trained = train(plan, *cfg, data, backend, options, onStep);
+  return trainOnGpu(plan, *cfg, data, backend, options, onStep);
+}
+
+llvm::Expected<CudaRunResult> trainOnGpu(const Plan &plan, const GptConfig &cfg,
+                                         const DataSource &data, GpuTrainBackend &backend,
+                                         const CudaRunOptions &options,
+                                         const std::function<void(int, double)> &onStep) {
+  auto trained = train(plan, cfg, data, backend, options, onStep);
   if (!trained)
     return trained.takeError();
   CudaRunResult result = backend.memory();

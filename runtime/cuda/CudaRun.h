@@ -98,6 +98,19 @@ llvm::Expected<int> cudaDevices();
 llvm::Error gpuRunsTheBlock(const kernels::GptConfig &cfg, const Plan &plan,
                             llvm::StringRef backend);
 
+/// A GPU backend as the training driver sees it (the cuda backend's and the nccl mode's), with
+/// its memory figures: CudaRunResult's stateBytes, arenaBytes and arenaUsedBytes of its ranks.
+class GpuTrainBackend : public TrainBackend {
+public:
+  virtual CudaRunResult memory() const = 0;
+};
+
+/// train() on `backend`, with its memory figures after the run: runOnCuda's and runOnNccl's.
+llvm::Expected<CudaRunResult> trainOnGpu(const Plan &plan, const kernels::GptConfig &cfg,
+                                         const DataSource &data, GpuTrainBackend &backend,
+                                         const CudaRunOptions &options,
+                                         const std::function<void(int, double)> &onStep);
+
 /// The cuda backend of `plan` (already verified; `cfg` is gptConfigOf(plan)) on GPU
 /// `options.device` for the training driver (runtime/Train.h); `plan`, `cfg`, `data` and
 /// `options` must outlive it.

@@ -271,7 +271,7 @@ std::string prepareNcclEnvironment() {
 namespace {
 
 /// The nccl mode as the training driver sees it: this process's one rank (NcclRun.h).
-class NcclTrainBackend final : public TrainBackend {
+class NcclTrainBackend final : public GpuTrainBackend {
 public:
   NcclTrainBackend(const Plan &plan, const kernels::GptConfig &cfg, const DataSource &data,
                    const CudaRunOptions &options, const LaunchEnv &env)
@@ -306,7 +306,7 @@ public:
   void finish() override { completed = true; }
 
   /// The memory figures of this process's rank (arenaUsedBytes after the run).
-  CudaRunResult memory() const {
+  CudaRunResult memory() const override {
     CudaRunResult m;
     if (backend) {
       m.stateBytes.push_back(backend->stateBytes());
@@ -590,8 +590,7 @@ llvm::Error NcclTrainBackend::takeGradients(ParamSnapshot &into) {
       comms->abortAll();
       return err;
     }
-  into.byStageAndTp = std::move(snapshot.byStageAndTp);
-  snapshot.byStageAndTp.clear();
+  snapshot.handOver(into);
   return llvm::Error::success();
 }
 
@@ -736,12 +735,7 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   if (!cfg)
     return cfg.takeError();
   NcclTrainBackend backend(plan, *cfg, data, options, env);
-  auto trained = train(plan, *cfg, data, backend, options, onStep);
-  if (!trained)
-    return trained.takeError();
-  CudaRunResult result = backend.memory();
-  static_cast<TrainResult &>(result) = std::move(*trained);
-  return result;
+  return trainOnGpu(plan, *cfg, data, backend, options, onStep);
 }
 
 } // namespace pipec
