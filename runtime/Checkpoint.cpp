@@ -214,6 +214,13 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
   return llvm::Error::success();
 }
 
+bool holdsCheckpoint(llvm::StringRef dir) {
+  for (auto [step, committed] : stepDirectories(dir.str()))
+    if (committed)
+      return true;
+  return false;
+}
+
 std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir, stepName(step)); }
 
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,

@@ -65,6 +65,10 @@ std::string checkpointPath(llvm::StringRef dir, int64_t step);
 /// run continues from.
 llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
 
+/// Whether `dir` holds a committed checkpoint (a step directory with its manifest); false for a
+/// missing or empty directory, or one holding only what killed saves left.
+bool holdsCheckpoint(llvm::StringRef dir);
+
 /// A committed checkpoint found by openCheckpoint.
 struct Checkpoint {
   std::string path; // D/step-<n>

@@ -71,8 +71,8 @@ std::map<int, std::string> saveThenResume(const std::string &saver, const std::s
   auto a = piperun(saver, plan, "--steps " + std::to_string(first) + " --save-dir " + dir);
   EXPECT_EQ(a.code, 0) << a.out << a.err;
   auto b = piperun(resumer, plan,
-                   "--steps " + std::to_string(steps - first) + " --resume " + dir +
-                       " --save-dir " + dir + " " + resumeArgs);
+                   "--steps " + std::to_string(steps) + " --resume " + dir + " --save-dir " + dir +
+                       " " + resumeArgs);
   EXPECT_EQ(b.code, 0) << b.out << b.err;
   EXPECT_NE(b.out.find("resuming from " + dir + "/step-0000000" + std::to_string(first)),
             std::string::npos)

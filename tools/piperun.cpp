@@ -28,8 +28,11 @@
 // Every backend runs under the one training driver (runtime/Train.h). Checkpoints
 // (runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves after every --save-every
 // N-th step and after the last, each crash-safe; --resume DIR continues from DIR's newest
-// complete checkpoint (its step numbers, seed and data position; --steps counts the steps of
-// this run), under this plan's layout and backend, whichever it was saved under.
+// complete checkpoint (its step numbers, seed and data position), under this plan's layout and
+// backend, whichever it was saved under, or starts at step 0 (saying so) where DIR holds none
+// yet. --steps N is the step the job ends at: a resumed run continues to step N, and one
+// resumed at or past it says so and exits 0, so the same command line relaunched after a kill
+// finishes the job.
 // --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
 // Hugging Face's GPT-2 or Llama names, checked against the model before step 0, on every
 // backend.
@@ -51,6 +54,8 @@
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
 #include "tools/KernelEnv.h"
+
+#include "llvm/Support/FileSystem.h"
 
 #include <fmt/format.h>
 
@@ -89,6 +94,7 @@ struct Request {
   std::string dataDtype;
   std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
   int saveEvery = 0;
+  int endStep = 1; // --steps: the step the job ends at
   bool seedGiven = false;
   RunOptions options;
 };
@@ -137,7 +143,7 @@ llvm::Expected<Request> readFlags(const Args &args) {
   auto seed = args.integer("--seed", 1, 0, INT64_MAX);
   if (!seed)
     return seed.takeError();
-  o.steps = int(*steps);
+  r.endStep = int(*steps);
   o.seed = uint64_t(*seed);
   r.seedGiven = args.has("--seed");
   o.checkReference = args.has("--check-reference");
@@ -208,7 +214,12 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   }
   // A checkpoint to continue: the same model and global batch (any layout), seed and data.
   o.dataName = r.dataPath ? dataSourceName(*r.dataPath) : "synthetic";
-  if (r.resumeDir) {
+  // The same command line relaunched finishes the job: a --resume directory without a
+  // checkpoint yet (the first launch's, or one killed before its first save) starts at step 0.
+  if (r.resumeDir && !llvm::sys::fs::is_regular_file(*r.resumeDir) &&
+      !holdsCheckpoint(*r.resumeDir)) {
+    say("--resume {}: no checkpoint yet; starting at step 0\n", *r.resumeDir);
+  } else if (r.resumeDir) {
     auto opened = openCheckpoint(*r.resumeDir);
     if (!opened)
       return opened.takeError();
@@ -338,6 +349,14 @@ llvm::Error run(int argc, char **argv) {
   auto data = readInputs(r, *plan, *cfg, initWeights, resume);
   if (!data)
     return data.takeError();
+  // --steps N: the job ends at step N, wherever it starts.
+  const int first = resume ? int(resume->manifest.step) : 0;
+  if (first >= r.endStep) {
+    say("{} is at step {}, at or past --steps {}: nothing to train\n", resume->path, first,
+        r.endStep);
+    return llvm::Error::success();
+  }
+  r.options.steps = r.endStep - first;
   // The backend, and the tolerances of its reference check: relative to the largest reference
   // gradient, and to each tensor's own (GradCheck).
   std::unique_ptr<TrainBackend> backend;
