@@ -31,6 +31,11 @@
 // process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in
 // NcclLayout.h), over connections made before the arena is sized, and only RANK 0's result
 // carries the comparison.
+// The training driver (runtime/Train.h) runs the steps on every process. A checkpoint gathers
+// each layer's tp parts from the processes of dp replica 0 that hold it to RANK 0 over `world`
+// (connected before the arena is sized, as the reference's gather), and RANK 0 writes it; on
+// --resume every process reads the layers it holds. Every process must save, or none (agreed
+// before step 0, as --dtype and --check-reference are).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H
