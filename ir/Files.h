@@ -49,6 +49,16 @@ llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &fo
 /// `regular` says whether it is a regular file (else a pipe).
 llvm::Error checkInputFile(llvm::StringRef path, const InputFormat &format, bool &regular);
 
+/// Open `name` inside the directory `dirFd` for reading as the checkpoint rules want it: never
+/// through a symbolic link (O_NOFOLLOW), never blocking on a pipe (O_NONBLOCK), and only a
+/// regular file of at most `format.maxBytes`; `shown` names it in messages. The descriptor is
+/// the caller's to close; its size goes to `size`.
+llvm::Expected<int> openRegularFileAt(int dirFd, llvm::StringRef name, llvm::StringRef shown,
+                                      const InputFormat &format, uint64_t &size);
+/// openRegularFileAt, then the whole file.
+llvm::Expected<std::string> readRegularFileAt(int dirFd, llvm::StringRef name,
+                                              llvm::StringRef shown, const InputFormat &format);
+
 /// Why `path` is not a regular file ("a character device", "a directory", ...), or "" if it is
 /// one; `followLinks` as stat(2) does. Also "" when the path does not exist.
 std::string specialFileKind(llvm::StringRef path);

@@ -542,6 +542,97 @@ std::vector<Case> catalogue() {
   // (Without a GPU or a CUDA build the backend itself is refused first, with the same advice.)
   add("ResumeOnTheCudaBackend", withCheckpoint, "$PIPERUN p.json --backend cuda --resume ck",
       "use --backend cpu");
+  // --- Attacks on the checkpoint directory (issue 44): nothing outside it is read or deleted,
+  // nothing inside it that piperun did not write. The case directory holds `outside` too, so the
+  // snapshot sees whether a file there was read through or emptied.
+  auto withOutside = [](const std::string &dir) {
+    fs::create_directories(dir + "/outside");
+    spit(dir + "/outside/secret.txt", "x\n");
+  };
+  add(
+      "SaveDirStepThatIsALinkOutside",
+      [=](const std::string &dir) {
+        withTinyPlan(dir);
+        withOutside(dir);
+        fs::create_directories(dir + "/D");
+        fs::create_directory_symlink("../outside", dir + "/D/step-00000000");
+      },
+      "$PIPERUN p.json --backend cpu --steps 2 --save-dir D --save-every 1",
+      "--save-dir: D/step-00000000 is a symbolic link; piperun reads and deletes only the "
+      "checkpoints it wrote there");
+  add(
+      "SaveDirStepOfTheUsersOwnFiles",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directories(dir + "/D/step-00000099");
+        spit(dir + "/D/step-00000099/important.txt", "mine\n");
+      },
+      "$PIPERUN p.json --steps 2 --save-dir D --save-every 1",
+      "--save-dir: D/step-00000099 is a directory of files piperun did not write");
+  add(
+      "ResumeAndSaveBesideALinkedOlderStep",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        withOutside(dir);
+        fs::create_directory_symlink("../outside", dir + "/ck/step-00000000");
+      },
+      "$PIPERUN p.json --steps 3 --save-every 1 --resume ck --save-dir ck",
+      "--save-dir: ck/step-00000000 is a symbolic link");
+  add(
+      "ResumeThroughALinkedStepDirectory",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::rename(dir + "/ck/step-00000001", dir + "/elsewhere");
+        fs::create_directory_symlink("../elsewhere", dir + "/ck/step-00000001");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001 is a symbolic link; piperun reads only the checkpoint "
+      "directories it wrote inside ck");
+  add(
+      "ResumeAManifestLinkedToEtcPasswd",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::remove(dir + "/ck/step-00000001/manifest.json");
+        fs::create_symlink("/etc/passwd", dir + "/ck/step-00000001/manifest.json");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001/manifest.json: is a symbolic link");
+  add(
+      "ResumeALayerFileLinkedOutside",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        withOutside(dir);
+        fs::rename(dir + "/ck/step-00000001/layer-00002.bin", dir + "/outside/layer.bin");
+        fs::create_symlink("../../outside/layer.bin", dir + "/ck/step-00000001/layer-00002.bin");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "ck/step-00000001/layer-00002.bin: is a symbolic link");
+  add(
+      "ResumeAManifestThatIsAFifo",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::remove(dir + "/ck/step-00000001/manifest.json");
+        ASSERT_EQ(::mkfifo((dir + "/ck/step-00000001/manifest.json").c_str(), 0644), 0);
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001/manifest.json: is a pipe, not an input");
+  add(
+      "ResumeAdamStepsPastAnInt",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        editJson(dir + "/ck/step-00000001/manifest.json",
+                 [](Json &j) { j["adam_steps"] = 2147483647; });
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "$.adam_steps: expected an integer in [0, 99999999], got number 2147483647");
+  add(
+      "ResumeAStepPastTheNamesOfStepDirectories",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        editJson(dir + "/ck/step-00000001/manifest.json", [](Json &j) { j["step"] = 100000000; });
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "$.step: expected an integer in [1, 99999999], got number 100000000");
   // --- Llama-style blocks ------------------------------------------------------------------
   auto llamaWith = [](std::function<void(Json &)> edit) {
     return [edit](const std::string &dir) {
