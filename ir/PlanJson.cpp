@@ -1329,7 +1329,9 @@ llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source,
       return std::move(*plan);
   }
   auto parse = [&](PlanSax &sax) {
-    return Json::sax_parse(text.begin(), text.end(), &sax) ? Parsed::Ok : Parsed::Failed;
+    return Json::sax_parse(json::NulVisible{text.begin()}, json::NulVisible{text.end()}, &sax)
+               ? Parsed::Ok
+               : Parsed::Failed;
   };
   auto plan = parseStreaming(parse, source, text.size(), where);
   if (!plan)
@@ -1411,7 +1413,8 @@ llvm::Expected<Plan> loadPlan(llvm::StringRef path) {
     std::rewind(file);
     FileChars chars(file);
     auto parse = [&](PlanSax &sax) {
-      return Json::sax_parse(FileChars::Iterator{&chars}, FileChars::Iterator{nullptr}, &sax)
+      return Json::sax_parse(json::NulVisible{FileChars::Iterator{&chars}},
+                             json::NulVisible{FileChars::Iterator{nullptr}}, &sax)
                  ? Parsed::Ok
                  : Parsed::Failed;
     };

@@ -633,6 +633,23 @@ std::vector<Case> catalogue() {
       },
       "$PIPERUN p.json --steps 1 --resume ck",
       "$.step: expected an integer in [1, 99999999], got number 100000000");
+  add(
+      "PlanFollowedByANulByteAndGarbage",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        std::ofstream(dir + "/p.json", std::ios::binary | std::ios::app)
+            << std::string("\0junk", 5);
+      },
+      "$PIPEC validate p.json", "p.json:");
+  add(
+      "ModelFollowedByANulByteAndGarbage",
+      [](const std::string &dir) {
+        withTiny(dir);
+        std::ofstream(dir + "/" + kTiny, std::ios::binary | std::ios::app)
+            << std::string("\0junk", 5);
+      },
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "malformed JSON (unexpected character)");
   // --- Llama-style blocks ------------------------------------------------------------------
   auto llamaWith = [](std::function<void(Json &)> edit) {
     return [edit](const std::string &dir) {
