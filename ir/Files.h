@@ -82,11 +82,13 @@ llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
 
 /// Write several files all or nothing: every check and every temporary first (each fsynced),
 /// then standard output, then the renames. The error names the flag of the file that failed.
+/// `inputs` are every file the call read (a command's: tools/Driver.h's commandInputs): no
+/// output may be one of them, by any path; a writer with no inputs passes {} explicitly.
 llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
-                                 llvm::ArrayRef<InputFile> inputs = {});
+                                 llvm::ArrayRef<InputFile> inputs);
 /// One file the same way; the error names the path.
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
-                                llvm::ArrayRef<InputFile> inputs = {});
+                                llvm::ArrayRef<InputFile> inputs);
 
 /// Write `text` to standard output and flush it; a failure (a full disk, a closed pipe) is an
 /// InputError "standard output: cannot write: <why>".

@@ -134,8 +134,20 @@ py::list stagesList(const Plan &plan) {
   return out;
 }
 
+/// The files a Python call read, as (argument, path) pairs, for the check of its outputs.
+using PyInputs = std::vector<std::pair<std::string, std::string>>;
+std::vector<InputFile> inputFiles(const PyInputs &inputs) {
+  std::vector<InputFile> out;
+  for (const auto &[name, path] : inputs)
+    out.push_back({name, path});
+  return out;
+}
+
 /// Re-run memory and timing on a plan, as `pipec simulate` does; the trace if asked for.
-PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePath) {
+PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePath,
+                    const PyInputs &inputs) {
+  if (tracePath)
+    check(checkOutputPath("trace", *tracePath, inputFiles(inputs)));
   PyPlan out = in;
   std::string trace;
   {
@@ -151,8 +163,7 @@ PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePat
       trace = chromeTrace(out.plan, tl);
   }
   if (tracePath) {
-    if (auto err = writeFileAtomically(*tracePath, trace))
-      raise(inputError("trace: {}", takeMessage(std::move(err))));
+    check(writeFilesAtomically({OutputFile{"trace", *tracePath, trace}}, inputFiles(inputs)));
   }
   return out;
 }
@@ -198,7 +209,7 @@ PYBIND11_MODULE(_pipec, m) {
                                                        : TorchCsvForm::ComputeOnly));
            })
       .def("save", [](const PyPlan &p, const std::string &path) {
-        check(writeFileAtomically(path, writePlanJson(p.plan)));
+        check(writeFilesAtomically({OutputFile{"path", path, writePlanJson(p.plan)}}, {}));
       });
 
   m.def(
@@ -250,14 +261,19 @@ PYBIND11_MODULE(_pipec, m) {
       "validate(plan): raises PlanError with the verifier's diagnostic if the plan is wrong");
 
   m.def("simulate", &simulatePlan, py::arg("plan"), py::arg("trace") = std::nullopt,
-        "simulate(plan, trace=None): memory and timing again, as `pipec simulate`");
+        py::arg("inputs") = PyInputs(),
+        "simulate(plan, trace=None, inputs=[]): memory and timing again, as `pipec simulate`; "
+        "the trace is never one of inputs, the (argument, path) pairs the call read");
 
   m.def(
       "write_file",
-      [](const std::string &path, const std::string &text) {
-        check(writeFileAtomically(path, text));
+      [](const std::string &flag, const std::string &path, const std::string &text,
+         const PyInputs &inputs) {
+        check(writeFilesAtomically({OutputFile{flag, path, text}}, inputFiles(inputs)));
       },
-      "write_file(path, text): a temporary file beside path, then a rename");
+      py::arg("flag"), py::arg("path"), py::arg("text"), py::arg("inputs") = PyInputs(),
+      "write_file(flag, path, text, inputs=[]): a temporary file beside path, then a rename; "
+      "never onto one of inputs, the (argument, path) pairs the call read");
 
   m.def(
       "list_schedules",

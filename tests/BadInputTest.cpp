@@ -411,6 +411,60 @@ std::vector<Case> catalogue() {
       "--show prints the grid to standard output, which -o - fills");
   add("SimulateTraceOntoThePlan", withPlan, "$PIPEC simulate p.json --trace p.json",
       "--trace: p.json is the plan input");
+  // Every writer of every command against every input of the call (issue 44): the path, a
+  // symbolic link to it, a hard link to it.
+  auto withTinyPlanAndCsv = [](const std::string &dir) {
+    withTinyPlan(dir);
+    withTiny(dir);
+    std::string cmd = "cd " + dir + " && " + runfiles() +
+                      "/tools/pipec export p.json --format torch-csv -o s.csv >/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  };
+  add("ExportOntoItsPlan", withPlan, "$PIPEC export p.json --format torch-csv -o p.json",
+      "-o: p.json is the plan input; give the output its own file");
+  add(
+      "ExportOntoASymlinkToItsPlan",
+      [](const std::string &dir) {
+        withPlan(dir);
+        fs::create_symlink("p.json", dir + "/alias.csv");
+      },
+      "$PIPEC export p.json --format torch-csv -o alias.csv",
+      "-o: alias.csv is the plan input (p.json)");
+  add(
+      "ExportOntoAHardLinkOfItsPlan",
+      [](const std::string &dir) {
+        withPlan(dir);
+        fs::create_hard_link(dir + "/p.json", dir + "/linked.csv");
+      },
+      "$PIPEC export p.json --format torch-csv -o linked.csv",
+      "-o: linked.csv is the plan input (p.json)");
+  add("ImportOntoItsCsv", withTinyPlanAndCsv, "$PIPEC import s.csv --model tiny-gpt.json -o s.csv",
+      "-o: s.csv is the schedule input");
+  add("ImportOntoItsModel", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --output tiny-gpt.json",
+      "-o: tiny-gpt.json is the --model input");
+  add("ImportTraceOntoItsCsv", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --trace s.csv",
+      "--trace: s.csv is the schedule input");
+  add("ImportTraceOntoItsModel", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --trace tiny-gpt.json",
+      "--trace: tiny-gpt.json is the --model input");
+  add("ShowSvgOntoItsPlan", withPlan, "$PIPEC show p.json --svg p.json",
+      "--svg: p.json is the plan input");
+  add("CompileSvgOntoItsModel", withUniform, kCompileUniform + " --svg uniform-8.json",
+      "--svg: uniform-8.json is the --model input");
+  add("PlanOutputOntoItsModel", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 2 --global-batch 4 -o tiny-gpt.json",
+      "-o: tiny-gpt.json is the --model input");
+  add(
+      "PlanCsvOntoItsCluster",
+      [](const std::string &dir) {
+        withTiny(dir);
+        copyExample(dir, "h100-2nodes.json");
+      },
+      "$PIPEC plan --model tiny-gpt.json --gpus 2 --global-batch 4 --cluster h100-2nodes.json "
+      "--csv h100-2nodes.json",
+      "--csv: h100-2nodes.json is the --cluster input");
   add("CompileSummaryOntoAFullDisk", withUniform, kCompileUniform,
       "standard output: cannot write: No space left on device", Stdout::Full);
   add("CompilePlanOntoAFullDisk", withUniform, kCompileUniform + " -o -",

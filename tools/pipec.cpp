@@ -159,9 +159,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
     out = args->path("--output");
   // Every output is checked before the (possibly long) compile: a file, or - for standard
   // output, and never one of the inputs.
-  std::vector<InputFile> inputs{{"--model", *args->path("--model")}};
-  if (auto c = args->path("--cluster"))
-    inputs.push_back({"--cluster", *c});
+  const std::vector<InputFile> inputs = commandInputs(*args, "");
   const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
   if (toStdout && args->has("--show"))
     return inputError("--show prints the grid to standard output, which {} - fills; write that "
@@ -170,9 +168,10 @@ llvm::Error cmdCompile(int argc, char **argv) {
   if (out)
     if (auto err = checkOutputPath("-o", *out, inputs))
       return err;
-  if (auto t = args->path("--trace"))
-    if (auto err = checkOutputPath("--trace", *t, inputs))
-      return err;
+  for (llvm::StringRef flag : {"--trace", "--svg"})
+    if (auto path = args->path(flag))
+      if (auto err = checkOutputPath(flag, *path, inputs))
+        return err;
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
@@ -267,7 +266,7 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
   if (auto err = runPipeline({"memory"}, *plan, ctx))
     return err;
-  const std::vector<InputFile> inputs{{"plan", userPath(args->positional().front())}};
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
   if (auto t = args->path("--trace"))
     if (auto err = checkOutputPath("--trace", *t, inputs))
       return err;
@@ -289,13 +288,14 @@ llvm::Error cmdSimulate(int argc, char **argv) {
 }
 
 /// `show --svg`: the figure of a verified plan over its simulated timeline, instead of the grid.
-llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven) {
+llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven,
+                    llvm::ArrayRef<InputFile> inputs) {
   if (auto err = verifyPlan(plan))
     return err;
   Timeline tl;
   if (auto err = simulateTimeline(plan, tl))
     return err;
-  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}))
+  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}, inputs))
     return err;
   fmt::print("wrote {}\n", asGiven);
   return llvm::Error::success();
@@ -305,6 +305,10 @@ llvm::Error cmdShow(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
   if (!args)
     return args.takeError();
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
+  if (auto svg = args->path("--svg"))
+    if (auto err = checkOutputPath("--svg", *svg, inputs))
+      return err;
   auto plan = loadOnePlan(*args, "show");
   if (!plan)
     return plan.takeError();
@@ -312,7 +316,7 @@ llvm::Error cmdShow(int argc, char **argv) {
   fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
              pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
   if (auto svg = args->path("--svg"))
-    return showSvg(*plan, *svg, *args->get("--svg"));
+    return showSvg(*plan, *svg, *args->get("--svg"), inputs);
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else

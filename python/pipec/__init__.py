@@ -294,6 +294,13 @@ def _keyword_flags(call: str, allowed: dict, flags: dict) -> list[str]:
     return out
 
 
+def _inputs(**given) -> list[tuple[str, str]]:
+    """The files a call reads, as (argument, path): the arguments given as paths. Its outputs
+    are checked against them (by device and inode, so links are caught) before any is written."""
+    return [(name, _path(name, value)) for name, value in given.items()
+            if isinstance(value, (str, os.PathLike))]
+
+
 def _as_plan(plan) -> Plan:
     if isinstance(plan, Plan):
         return plan
@@ -333,7 +340,8 @@ def validate(plan) -> None:
 def simulate(plan, trace=None) -> Plan:
     """Time and memory of a plan (a Plan or a path), as `pipec simulate` does; with `trace`, a
     Chrome/Perfetto trace is written there too. Returns the plan with fresh stats."""
-    return Plan(_pipec.simulate(_as_plan(plan)._h, None if trace is None else _path("trace", trace)))
+    return Plan(_pipec.simulate(_as_plan(plan)._h, None if trace is None else _path("trace", trace),
+                                _inputs(plan=plan)))
 
 
 def export_torch_csv(plan, comms: bool = False, path=None) -> str:
@@ -341,7 +349,7 @@ def export_torch_csv(plan, comms: bool = False, path=None) -> str:
     (or torch-csv-comms with comms=True) writes it; also written to `path` if given."""
     csv = _as_plan(plan)._h.torch_csv(bool(comms))
     if path is not None:
-        _pipec.write_file(_path("path", path), csv)
+        _pipec.write_file("path", _path("path", path), csv, _inputs(plan=plan))
     return csv
 
 
