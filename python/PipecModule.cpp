@@ -170,6 +170,7 @@ PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePat
 
 std::string traceOf(const PyPlan &p) {
   py::gil_scoped_release release;
+  check(verifyPlan(p.plan));
   Timeline tl;
   check(simulateTimeline(p.plan, tl));
   return chromeTrace(p.plan, tl);
@@ -205,6 +206,9 @@ PYBIND11_MODULE(_pipec, m) {
       .def("trace", &traceOf)
       .def("torch_csv",
            [](const PyPlan &p, bool comms) {
+             // As `pipec export`: a schedule leaves pipec only from a verified plan.
+             py::gil_scoped_release release;
+             check(verifyPlan(p.plan));
              return unwrap(writeTorchCsv(p.plan, comms ? TorchCsvForm::ComputeComms
                                                        : TorchCsvForm::ComputeOnly));
            })
@@ -235,6 +239,20 @@ PYBIND11_MODULE(_pipec, m) {
         return PyPlan{std::move(result.plan), report};
       },
       "import_schedule(text, source, flags): `pipec import` of text read from source");
+
+  m.def(
+      "read_text",
+      [](const std::string &path) {
+        std::string text;
+        {
+          py::gil_scoped_release release;
+          text = unwrap(readFile(path, kTextInput));
+        }
+        return py::bytes(text);
+      },
+      "read_text(path): the bytes of a schedule text file, read by the command's input rules "
+      "(a regular file or a pipe, at most 1 GiB; a device or directory is refused unread)");
+  m.attr("TEXT_INPUT_LIMIT") = kTextInput.maxBytes;
 
   m.def(
       "load_plan",

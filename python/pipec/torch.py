@@ -46,7 +46,7 @@ def stage_modules(plan, layers: Sequence[nn.Module]) -> list[nn.Module]:
 
     The modules are shared, not copied: a layer's parameters are the same tensors."""
     plan = pipec._as_plan(plan)
-    layers = list(layers)
+    layers = _modules("layers", layers)
     end = plan.stages[-1]["layers"][1]
     if len(layers) != end:
         raise ValueError(f"layers: the plan's model has {end} layers (stages cover [0, {end})) "
@@ -54,16 +54,32 @@ def stage_modules(plan, layers: Sequence[nn.Module]) -> list[nn.Module]:
     return [nn.Sequential(*layers[s["layers"][0]:s["layers"][1]]) for s in plan.stages]
 
 
+def _modules(what: str, value) -> list:
+    """`value` as a list of nn.Module (None allowed where `what` is "modules"); TypeError naming
+    the argument for anything else."""
+    if isinstance(value, (str, bytes, nn.Module)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{what}: expected a sequence of torch.nn.Module "
+                        f"(got {type(value).__name__})")
+    out = list(value)
+    for i, m in enumerate(out):
+        if not isinstance(m, nn.Module) and not (m is None and what == "modules"):
+            raise TypeError(f"{what}[{i}]: expected a torch.nn.Module (got {type(m).__name__})")
+    return out
+
+
 def local_stages(plan, rank: int) -> list[int]:
     """The stages the plan puts on pipeline rank `rank`, in stage order."""
     plan = pipec._as_plan(plan)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank: expected an int (got {type(rank).__name__})")
     return [s["stage"] for s in plan.stages if s["rank"] == rank]
 
 
 class PipelineRunner:
     """Runs training steps of the user's stage modules under a pipec plan's schedule.
 
-    plan: a pipec.Plan or the path of a plan JSON (its pp must be the group's size).
+    plan: a pipec.Plan or the path of a plan JSON (its pp must be the group's size); verified
+        first, as `pipec validate` does: pipec.PlanError before anything runs if it is wrong.
     modules: every stage's module (a sequence of plan.num_stages, where other ranks' entries may
         be None) or a mapping {stage index: module} holding at least this rank's stages.
     loss_fn: loss_fn(output, target) -> scalar, on the last stage's microbatch output; with
@@ -81,6 +97,9 @@ class PipelineRunner:
                  device: torch.device | str | None = None, comms: bool = True,
                  scale_grads: bool = True):
         self.plan = pipec._as_plan(plan)
+        # A plan file is checked before anything runs (pipec.PlanError with the diagnostic
+        # otherwise): its streams must be dependency-respecting, FIFO-matched, deadlock-free.
+        pipec.validate(self.plan)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("pipec.torch needs torch.distributed initialised in every "
                                f"process of the pipeline ({self.plan.pp} ranks), e.g. "
@@ -90,13 +109,22 @@ class PipelineRunner:
             raise ValueError(f"the plan has pp={self.plan.pp} but the process group has {size} "
                              f"ranks; run {self.plan.pp} processes, or compile with --pp {size}")
         self.rank = dist.get_rank(group)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device: {err}") from None
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable (got {type(loss_fn).__name__})")
         num_stages = self.plan.num_stages
         mine = local_stages(self.plan, self.rank)
         if isinstance(modules, Mapping):
+            for s, m in modules.items():
+                if m is not None and not isinstance(m, nn.Module):
+                    raise TypeError(f"modules[{s!r}]: expected a torch.nn.Module "
+                                    f"(got {type(m).__name__})")
             missing = [s for s in mine if modules.get(s) is None]
         else:
-            modules = list(modules)
+            modules = _modules("modules", modules)
             if len(modules) != num_stages:
                 raise ValueError(f"modules: the plan has {num_stages} stages but {len(modules)} "
                                  "modules were given (or pass a dict {stage: module})")
