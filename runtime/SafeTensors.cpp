@@ -182,6 +182,11 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
 }
 
 llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name) const {
+  return read(name, UINT64_MAX);
+}
+
+llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name,
+                                                         uint64_t most) const {
   auto it = entries.find(name);
   if (it == entries.end())
     return inputError("{}: no tensor {}", path, shortened(name));
@@ -190,8 +195,13 @@ llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name
   if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
     return inputError("{}: tensor {} is {}; initial weights are read from F32, F16, BF16 or F64",
                       path, shortened(name), t.dtype);
-  const size_t count = size_t((t.end - t.begin) / width);
-  std::vector<unsigned char> raw(t.end - t.begin);
+  const size_t count = size_t(std::min<uint64_t>((t.end - t.begin) / width, most));
+  if (auto err =
+          checkMemoryBudget(uint64_t(count) * (width + sizeof(float)),
+                            fmt::format("{}: tensor {} ({} values)", path, shortened(name), count),
+                            "use a machine with more memory"))
+    return err;
+  std::vector<unsigned char> raw(count * width);
   File f(std::fopen(path.c_str(), "rb"));
   if (!f || std::fseek(f.get(), long(dataStart + t.begin), SEEK_SET) != 0 ||
       std::fread(raw.data(), 1, raw.size(), f.get()) != raw.size())
@@ -321,12 +331,13 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
     if (!fits)
       return inputError("tensor {} has shape {}; the model needs {}{}", name, shapeText(got),
                         shapeText(want), firstRows ? " (or more rows)" : "");
-    auto values = file.read(name);
-    if (!values)
-      return values.takeError();
     size_t count = 1;
     for (int64_t d : want)
       count *= size_t(d);
+    // Only the rows the model uses are read (GPT-2's wpe holds 1,024 positions, maybe more).
+    auto values = file.read(name, count);
+    if (!values)
+      return values.takeError();
     if (values->size() < count)
       return inputError("tensor {} holds {} values; the model needs {}", name, values->size(),
                         count);

@@ -44,6 +44,9 @@ public:
   const std::map<std::string, SafeTensor> &tensors() const { return entries; }
   /// A tensor's values as float32 (F16, BF16 and F64 converted).
   llvm::Expected<std::vector<float>> read(const std::string &name) const;
+  /// Its first `most` values only (the first rows of a row-major matrix), read without touching
+  /// the rest. A read past the memory budget is an InputError naming the file and the tensor.
+  llvm::Expected<std::vector<float>> read(const std::string &name, uint64_t most) const;
 
 private:
   std::string path;
