@@ -440,9 +440,16 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
   Descriptor stepFd = openSubdirectory(dirFd.get(), name);
   if (!stepFd)
     return inputError("--save-dir: {}: cannot open: {}", stepDir, std::strerror(errno));
-  if (auto err = writeDurably(stepFd.get(), kMarkerName, join(stepDir, kMarkerName),
-                              {llvm::StringRef(kMarkerText)}))
-    return err;
+  // The marker under its own name at once (no temporary): from its creation on, even empty,
+  // the directory is recognisably piperun's, whenever the save is killed.
+  checkpointKillPoint();
+  Descriptor marker(::openat(stepFd.get(), kMarkerName,
+                             O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+  if (!marker || ::write(marker.get(), kMarkerText, sizeof kMarkerText - 1) < 0)
+    return inputError("--save-dir: {}: cannot write: {}", join(stepDir, kMarkerName),
+                      std::strerror(errno));
+  marker.reset();
+  checkpointKillPoint();
   const int numLayers = int(manifest.model.numLayers) + 2;
   manifest.layers.assign(size_t(numLayers), CheckpointManifest::Layer());
   LayerState state;

@@ -214,6 +214,10 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     // on its own; every file as its manifest says.
     EXPECT_GE(expectWhole(ck, what), 2) << what;
     expectStepWhole(ck, 2, what);
+    // And everything the killed save left is recognisably piperun's: the next run's start-up
+    // check of --save-dir accepts the directory.
+    if (llvm::Error err = pipec::checkSaveDir(ck, ck))
+      ADD_FAILURE() << what << ": " << pipec::takeMessage(std::move(err));
     if (k % 8 != 1)
       continue;
     // And, at every eighth point, they resume to the uninterrupted run's losses, and the next
