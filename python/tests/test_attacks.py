@@ -31,28 +31,28 @@ def _same_bytes_after(path, call):
     return str(err.value)
 
 
+def _alias(plan_file, alias, suffix):
+    """The plan file itself, a symbolic link to it or a hard link to it."""
+    if alias == "same":
+        return plan_file
+    target = plan_file.parent / f"{alias}{suffix}"
+    if alias == "symlink":
+        target.symlink_to(plan_file.name)
+    else:
+        os.link(plan_file, target)
+    return target
+
+
 @pytest.mark.parametrize("alias", ["same", "symlink", "hardlink"])
 def test_simulate_never_writes_its_trace_onto_its_plan(plan_file, alias):
-    target = plan_file
-    if alias == "symlink":
-        target = plan_file.parent / "alias.json"
-        target.symlink_to(plan_file.name)
-    elif alias == "hardlink":
-        target = plan_file.parent / "linked.json"
-        os.link(plan_file, target)
+    target = _alias(plan_file, alias, ".json")
     message = _same_bytes_after(plan_file, lambda: pipec.simulate(plan_file, trace=target))
     assert message.startswith(f"trace: {target} is the plan input")
 
 
 @pytest.mark.parametrize("alias", ["same", "symlink", "hardlink"])
 def test_export_torch_csv_never_writes_onto_its_plan(plan_file, alias):
-    target = plan_file
-    if alias == "symlink":
-        target = plan_file.parent / "alias.csv"
-        target.symlink_to(plan_file.name)
-    elif alias == "hardlink":
-        target = plan_file.parent / "linked.csv"
-        os.link(plan_file, target)
+    target = _alias(plan_file, alias, ".csv")
     message = _same_bytes_after(plan_file,
                                 lambda: pipec.export_torch_csv(str(plan_file), path=target))
     assert message.startswith(f"path: {target} is the plan input")
