@@ -73,6 +73,13 @@ def test_import_reads_files_only_by_the_input_rules(tmp_path):
             pipec.import_torch_csv(path, example("uniform-8.json"))
     with pytest.raises(ValueError, match="cannot hold a NUL"):
         pipec.import_torch_csv("sched.csv\0junk", example("uniform-8.json"))
+    # Every other reader of the package is the command's own C++ reader.
+    for call in [lambda: pipec.load("/dev/zero"), lambda: pipec.validate("/dev/zero"),
+                 lambda: pipec.compile("/dev/zero", "1f1b", pp=2, microbatches=2),
+                 lambda: pipec.compile(example("uniform-8.json"), "1f1b", pp=2, microbatches=2,
+                                       cluster="/dev/zero")]:
+        with pytest.raises(ValueError, match="is a character device"):
+            call()
 
 
 def test_import_takes_the_schedule_keyword(tmp_path):
