@@ -268,4 +268,52 @@ llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &mode
   return llvm::Error::success();
 }
 
+llvm::Expected<std::string> hfConfigJson(const TransformerConfig &t) {
+  using OJson = nlohmann::ordered_json;
+  const bool gpt2 = t.norm == Norm::LayerNorm && t.mlp == Mlp::Gelu &&
+                    t.position == Position::Learned && t.kvHeads() == t.numAttentionHeads && t.bias;
+  const bool llama =
+      t.norm == Norm::RmsNorm && t.mlp == Mlp::SwiGlu && t.position == Position::Rope && !t.bias;
+  OJson j;
+  if (gpt2) {
+    j = OJson{{"architectures", {"GPT2LMHeadModel"}},
+              {"model_type", "gpt2"},
+              {"vocab_size", t.vocabSize},
+              {"n_positions", t.seqLength},
+              {"n_embd", t.hiddenSize},
+              {"n_layer", t.numLayers},
+              {"n_head", t.numAttentionHeads},
+              {"n_inner", t.ffnHiddenSize},
+              {"activation_function", "gelu_new"},
+              {"layer_norm_epsilon", t.normEps},
+              {"tie_word_embeddings", t.tieEmbeddings}};
+  } else if (llama) {
+    j = OJson{{"architectures", {"LlamaForCausalLM"}},
+              {"model_type", "llama"},
+              {"vocab_size", t.vocabSize},
+              {"max_position_embeddings", t.seqLength},
+              {"hidden_size", t.hiddenSize},
+              {"intermediate_size", t.ffnHiddenSize},
+              {"num_hidden_layers", t.numLayers},
+              {"num_attention_heads", t.numAttentionHeads},
+              {"num_key_value_heads", t.kvHeads()},
+              {"head_dim", t.hiddenSize / t.numAttentionHeads},
+              {"hidden_act", "silu"},
+              {"rms_norm_eps", t.normEps},
+              // transformers 4 reads rope_theta, 5 rope_parameters.
+              {"rope_theta", t.ropeTheta},
+              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", t.ropeTheta}}},
+              {"attention_bias", false},
+              {"mlp_bias", false},
+              {"tie_word_embeddings", t.tieEmbeddings}};
+  } else {
+    return inputError("--export-hf: the model's block ({}) is neither GPT-2's nor Llama's, which "
+                      "transformers loads",
+                      t.variantText());
+  }
+  j["dtype"] = "float32";
+  j["torch_dtype"] = "float32";
+  return j.dump(2) + "\n";
+}
+
 } // namespace pipec

@@ -44,6 +44,11 @@ llvm::Expected<HfModel> loadHfConfig(llvm::StringRef path);
 llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &model,
                                 llvm::StringRef source);
 
+/// The config.json of `model` (GPT-2's block or Llama's) that transformers loads as
+/// GPT2LMHeadModel or LlamaForCausalLM, with the weights in fp32; parseHfConfig reads it back
+/// to the same model (the context being its seq_length). An InputError for another block.
+llvm::Expected<std::string> hfConfigJson(const TransformerConfig &model);
+
 } // namespace pipec
 
 #endif // PIPEC_IR_HFCONFIG_H
