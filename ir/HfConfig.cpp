@@ -4,6 +4,7 @@
 #include "ir/Error.h"
 #include "ir/Files.h"
 #include "ir/JsonRead.h"
+#include "ir/PlanJson.h"
 
 #include <fmt/format.h>
 
@@ -266,6 +267,22 @@ llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &mode
                               "window)",
                               model.seqLength));
   return llvm::Error::success();
+}
+
+llvm::Expected<std::string> hfModelSpecJson(const HfModel &hf, llvm::StringRef name,
+                                            int64_t seqLength, int64_t microbatchSize,
+                                            llvm::StringRef source) {
+  TransformerConfig t = hf.config;
+  if (seqLength > 0)
+    t.seqLength = seqLength;
+  t.microbatchSize = microbatchSize;
+  if (auto err = checkModelAgainstHf(hf, t, source))
+    return inputError("--seq-length {}: {}", t.seqLength, takeMessage(std::move(err)));
+  std::string text = modelSpecJson(name, t);
+  // The spec must parse back as pipec reads specs (the group and size rules, the limits).
+  if (auto parsed = parseModelSpec(text, source); !parsed)
+    return parsed.takeError();
+  return text;
 }
 
 llvm::Expected<std::string> hfConfigJson(const TransformerConfig &t) {

@@ -44,6 +44,14 @@ llvm::Expected<HfModel> loadHfConfig(llvm::StringRef path);
 llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &model,
                                 llvm::StringRef source);
 
+/// The pipemodel/1 spec of `hf`, named `name`, for sequences of `seqLength` tokens (0: the
+/// config's context) in microbatches of `microbatchSize`; an InputError "--seq-length T: ..." when
+/// the config's weights do not cover such a sequence (checkModelAgainstHf's rules). The text
+/// parses back (parseModelSpec) to the same model.
+llvm::Expected<std::string> hfModelSpecJson(const HfModel &hf, llvm::StringRef name,
+                                            int64_t seqLength, int64_t microbatchSize,
+                                            llvm::StringRef source);
+
 /// The config.json of `model` (GPT-2's block or Llama's) that transformers loads as
 /// GPT2LMHeadModel or LlamaForCausalLM, with the weights in fp32; parseHfConfig reads it back
 /// to the same model (the context being its seq_length). An InputError for another block.

@@ -11,8 +11,6 @@
 #include "ir/Error.h"
 #include "ir/Files.h"
 #include "ir/HfConfig.h"
-#include "ir/Model.h"
-#include "ir/PlanJson.h"
 #include "tools/Args.h"
 
 #include "llvm/Support/Path.h"
@@ -44,34 +42,27 @@ llvm::Error runSpecCommand(int argc, char **argv) {
   auto hf = loadHfConfig(*config);
   if (!hf)
     return hf.takeError();
-  TransformerConfig t = hf->config;
-  auto seq = args->integer("--seq-length", t.seqLength, 1, int64_t(1) << 24);
+  auto seq = args->integer("--seq-length", 0, 1, int64_t(1) << 24);
   if (!seq)
     return seq.takeError();
   auto batch = args->integer("--microbatch-size", 1, 1, 1 << 16);
   if (!batch)
     return batch.takeError();
-  t.seqLength = *seq;
-  t.microbatchSize = *batch;
-  // The spec must be one the config's own weights fit (learned positions, sliding window).
-  if (auto err = checkModelAgainstHf(*hf, t, *config))
-    return inputError("spec: --seq-length {}: {}", t.seqLength, takeMessage(std::move(err)));
   std::string name = args->get("--name").value_or(
       llvm::sys::path::filename(llvm::sys::path::parent_path(*config)).str());
   if (name.empty() || name == ".")
     name = hf->modelType;
-  std::string text = modelSpecJson(name, t);
-  // The spec must parse back as pipec reads specs (the tp and group rules, the limits).
-  if (auto parsed = parseModelSpec(text, "spec"); !parsed)
-    return inputError("spec: {}: {}", *config, takeMessage(parsed.takeError()));
+  auto text = hfModelSpecJson(*hf, name, *seq, *batch, *config);
+  if (!text)
+    return inputError("spec: {}", takeMessage(text.takeError()));
   if (auto out = args->path("-o")) {
     const std::vector<InputFile> inputs{{"--from-hf", *config}};
-    if (auto err = writeFilesAtomically({OutputFile{"-o", *out, text}}, inputs))
+    if (auto err = writeFilesAtomically({OutputFile{"-o", *out, *text}}, inputs))
       return err;
     fmt::print("wrote {}\n", *args->get("-o"));
     return llvm::Error::success();
   }
-  return writeStdout(text);
+  return writeStdout(*text);
 }
 
 } // namespace pipec
