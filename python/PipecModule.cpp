@@ -11,6 +11,7 @@
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 #include "ir/TorchCsv.h"
@@ -204,14 +205,17 @@ PYBIND11_MODULE(_pipec, m) {
           [](const PyPlan &p, bool computeOnly) { return formatGrid(p.plan, {}, computeOnly); },
           py::arg("compute_only") = false)
       .def("trace", &traceOf)
-      .def("torch_csv",
-           [](const PyPlan &p, bool comms) {
-             // As `pipec export`: a schedule leaves pipec only from a verified plan.
-             py::gil_scoped_release release;
-             check(verifyPlan(p.plan));
-             return unwrap(writeTorchCsv(p.plan, comms ? TorchCsvForm::ComputeComms
-                                                       : TorchCsvForm::ComputeOnly));
-           })
+      .def(
+          "torch_csv",
+          [](const PyPlan &p, bool comms, bool tiedByCaller) {
+            // As `pipec export`: a schedule leaves pipec only from a verified plan.
+            py::gil_scoped_release release;
+            check(verifyPlan(p.plan));
+            return unwrap(writeTorchCsv(
+                p.plan, comms ? TorchCsvForm::ComputeComms : TorchCsvForm::ComputeOnly,
+                tiedByCaller));
+          },
+          py::arg("comms"), py::arg("tied_by_caller") = false)
       .def("save", [](const PyPlan &p, const std::string &path) {
         check(writeFilesAtomically({OutputFile{"path", path, writePlanJson(p.plan)}}, {}));
       });
@@ -282,6 +286,17 @@ PYBIND11_MODULE(_pipec, m) {
         py::arg("inputs") = PyInputs(),
         "simulate(plan, trace=None, inputs=[]): memory and timing again, as `pipec simulate`; "
         "the trace is never one of inputs, the (argument, path) pairs the call read");
+
+  m.def(
+      "spec_from_hf",
+      [](const std::string &text, const std::string &source, const std::string &name,
+         int64_t seqLength, int64_t microbatchSize) {
+        HfModel hf = unwrap(parseHfConfig(text, source));
+        return unwrap(hfModelSpecJson(hf, name.empty() ? hf.modelType : name, seqLength,
+                                      microbatchSize, source));
+      },
+      "spec_from_hf(config_json, source, name, seq_length, microbatch_size): the pipemodel/1 "
+      "spec text of a Hugging Face config, as `pipec spec --from-hf`");
 
   m.def(
       "write_file",

@@ -8,6 +8,7 @@
 //   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
 //   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
+//   pipec spec --from-hf config.json [...]                      (tools/SpecCommand.cpp)
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -23,6 +24,7 @@
 #include "tools/Driver.h"
 #include "tools/Figure.h"
 #include "tools/PlanCommand.h"
+#include "tools/SpecCommand.h"
 
 #include <fmt/format.h>
 
@@ -63,10 +65,10 @@ commands:
 exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
 )";
 
-/// kUsage with `pipec plan`'s lines in their place.
+/// kUsage with `pipec plan`'s and `pipec spec`'s lines in their place.
 std::string usage() {
   std::string u = kUsage;
-  u.replace(u.find("%s"), 2, kPlanUsage);
+  u.replace(u.find("%s"), 2, std::string(kPlanUsage) + kSpecUsage);
   return u;
 }
 
@@ -343,7 +345,7 @@ int main(int argc, char **argv) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
     std::fputs(usage().c_str(), stdout);
     return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
-                                           "show, list-schedules, export, import, plan); "
+                                           "show, list-schedules, export, import, plan, spec); "
                                            "usage above"));
   }
   llvm::StringRef cmd = argv[1];
@@ -372,9 +374,11 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdImport(argc, argv, printSummary);
   else if (cmd == "plan")
     err = runPlanCommand(argc, argv);
+  else if (cmd == "spec")
+    err = runSpecCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
-                     "list-schedules, export, import, plan)",
+                     "list-schedules, export, import, plan, spec)",
                      cmd.str());
   return err;
 }

@@ -197,7 +197,7 @@ llvm::Error run(int argc, char **argv) {
   // Initial weights: every tensor checked against the model before anything runs.
   std::vector<std::vector<float>> initWeights;
   if (initFrom) {
-    auto loaded = loadInitialWeights(*initFrom, *cfg);
+    auto loaded = loadInitialWeights(*initFrom, *cfg, *plan->transformer);
     if (!loaded)
       return loaded.takeError();
     initWeights = std::move(*loaded);
