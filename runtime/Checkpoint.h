@@ -16,6 +16,13 @@
 // whole: a save never touches another step's directory, and older checkpoints (all but the two
 // newest) are removed only after the new manifest is committed, manifest first.
 //
+// Inside D nothing is reached through a symbolic link (openat/unlinkat with O_NOFOLLOW). A save
+// first writes the marker file written-by-piperun into its new step directory; piperun deletes
+// only step directories it recognises as its own (a pipeckpt/1 manifest of their step, or the
+// marker, or nothing in them), and in them only the files a save names. checkSaveDir refuses a
+// step-<n> entry of D that is not piperun's (a link, a file, a directory of other files) before
+// a run starts; --resume reads only regular files. Steps run 1 .. kMaxCheckpointStep.
+//
 // A layer file: the 8 bytes "PIPECKPT", then little-endian u32 version (1), u32 layer, u64 n,
 // then three arrays of n float32 (weights, first moment, second moment).
 //

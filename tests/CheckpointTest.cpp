@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <regex>
@@ -62,6 +63,10 @@ std::string compile(const std::string &dir, const std::string &flags,
 
 pipec::testing::CommandResult piperun(const std::string &args, const std::string &env = "") {
   return runCommand(env + " " + tool("piperun") + " " + args);
+}
+
+void spit(const std::string &path, const std::string &text) {
+  std::ofstream(path, std::ios::binary) << text;
 }
 
 /// Every regular file under `dir` (relative name -> bytes).
@@ -108,7 +113,7 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   EXPECT_EQ(got, want);
   // The weights and optimizer state after step 6, bit for bit, and the manifests alike.
   auto a = files(d + "/six/step-00000006"), b = files(d + "/split/step-00000006");
-  ASSERT_EQ(a.size(), 7u); // six layers and the manifest
+  ASSERT_EQ(a.size(), 8u); // six layers, the manifest and piperun's marker
   EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
 }
 
@@ -214,6 +219,10 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     // on its own; every file as its manifest says.
     EXPECT_GE(expectWhole(ck, what), 2) << what;
     expectStepWhole(ck, 2, what);
+    // And everything the killed save left is recognisably piperun's: the next run's start-up
+    // check of --save-dir accepts the directory.
+    if (llvm::Error err = pipec::checkSaveDir(ck, ck))
+      ADD_FAILURE() << what << ": " << pipec::takeMessage(std::move(err));
     if (k % 8 != 1)
       continue;
     // And, at every eighth point, they resume to the uninterrupted run's losses, and the next
@@ -436,6 +445,71 @@ TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
   expectResumeUnderAnotherLayout(
       d, compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2", model),
       compile(d, "--schedule zb-v --pp 2 --vpp 2 --microbatches 4", model));
+}
+
+/// Save `step` into `dir` in this process, with the state of the checkpoint `from` (what a run
+/// would do between the start-up checks and its next save).
+llvm::Error saveAs(const std::string &dir, const pipec::Checkpoint &from, int64_t step) {
+  pipec::CheckpointManifest m = from.manifest;
+  m.step = m.adamSteps = step;
+  return pipec::saveCheckpoint(dir, m, [&](int l, pipec::LayerState &out) {
+    return pipec::readCheckpointLayer(from, l, out);
+  });
+}
+
+TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
+  // What piperun's start-up checks refuse (tests/BadInputTest.cpp) may appear while it runs:
+  // a link named like an older step, pointing outside; a user's file in one of piperun's step
+  // directories; a directory of the user's files named like a later step.
+  const std::string d = freshDir("foreign");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string ck = d + "/ck";
+  auto r = piperun(plan + " --steps 2 --save-every 1 --save-dir " + ck);
+  ASSERT_EQ(r.code, 0) << r.err;
+  fs::create_directories(d + "/outside");
+  spit(d + "/outside/secret.txt", "x\n");
+  fs::create_directory_symlink("../outside", ck + "/step-00000000");
+  spit(ck + "/step-00000001/notes.txt", "mine\n");
+  fs::create_directories(ck + "/step-00000099");
+  spit(ck + "/step-00000099/important.txt", "mine\n");
+  auto from = pipec::openCheckpoint(ck);
+  ASSERT_TRUE(bool(from)) << pipec::takeMessage(from.takeError());
+  ASSERT_EQ(from->manifest.step, 2);
+
+  // Step 3 prunes step 1 (two are kept): its files, not the user's; nothing through the link.
+  ASSERT_FALSE(bool(saveAs(ck, *from, 3)));
+  EXPECT_EQ(slurp(d + "/outside/secret.txt"), "x\n");
+  EXPECT_TRUE(fs::is_symlink(ck + "/step-00000000"));
+  std::vector<std::string> left;
+  for (auto &e : fs::directory_iterator(ck + "/step-00000001"))
+    left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{"notes.txt"});
+  EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
+  EXPECT_EQ(expectWhole(ck, "after the save of step 3"), 3);
+  expectStepWhole(ck, 2, "step 2 after the save of step 3");
+
+  // A save onto the user's directory is refused, and leaves it as it was.
+  llvm::Error err = saveAs(ck, *from, 99);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(pipec::takeMessage(std::move(err))
+                .find("step-00000099 is a directory of files "
+                      "piperun did not write"),
+            std::string::npos);
+  EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
+  EXPECT_FALSE(fs::exists(ck + "/step-00000099/manifest.json"));
+
+  // Past the last step a directory name can hold: refused, not named so that --resume and
+  // pruning would never see it.
+  err = saveAs(ck, *from, pipec::kMaxCheckpointStep + 1);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(pipec::takeMessage(std::move(err))
+                .find("is past the last step a checkpoint can "
+                      "record (99999999)"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(ck + "/step-100000000"));
+  // The last one it can hold is named, found and resumed like any other.
+  ASSERT_FALSE(bool(saveAs(ck, *from, pipec::kMaxCheckpointStep)));
+  EXPECT_EQ(expectWhole(ck, "the last step"), pipec::kMaxCheckpointStep);
 }
 
 } // namespace

@@ -14,6 +14,7 @@
 #include "ir/Model.h"
 #include "ir/PlanJson.h"
 #include "tools/Args.h"
+#include "tools/Driver.h"
 
 #include "llvm/ADT/StringExtras.h"
 
@@ -167,7 +168,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                                  [&](llvm::raw_ostream &os) { writePlanJson(result->best, os); }});
   if (csv)
     outputs.push_back(OutputFile{"--csv", *csv, plannerCsv(*model, cluster, o, *result)});
-  if (auto err = writeFilesAtomically(outputs))
+  if (auto err = writeFilesAtomically(outputs, commandInputs(*args, "")))
     return err;
   if (args->has("--quiet"))
     return llvm::Error::success();

@@ -8,6 +8,7 @@
 //   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
 //   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
+//   pipec spec --from-hf config.json [...]                      (tools/SpecCommand.cpp)
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -23,6 +24,7 @@
 #include "tools/Driver.h"
 #include "tools/Figure.h"
 #include "tools/PlanCommand.h"
+#include "tools/SpecCommand.h"
 
 #include <fmt/format.h>
 
@@ -63,10 +65,10 @@ commands:
 exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
 )";
 
-/// kUsage with `pipec plan`'s lines in their place.
+/// kUsage with `pipec plan`'s and `pipec spec`'s lines in their place.
 std::string usage() {
   std::string u = kUsage;
-  u.replace(u.find("%s"), 2, kPlanUsage);
+  u.replace(u.find("%s"), 2, std::string(kPlanUsage) + kSpecUsage);
   return u;
 }
 
@@ -159,9 +161,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
     out = args->path("--output");
   // Every output is checked before the (possibly long) compile: a file, or - for standard
   // output, and never one of the inputs.
-  std::vector<InputFile> inputs{{"--model", *args->path("--model")}};
-  if (auto c = args->path("--cluster"))
-    inputs.push_back({"--cluster", *c});
+  const std::vector<InputFile> inputs = commandInputs(*args, "");
   const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
   if (toStdout && args->has("--show"))
     return inputError("--show prints the grid to standard output, which {} - fills; write that "
@@ -170,9 +170,10 @@ llvm::Error cmdCompile(int argc, char **argv) {
   if (out)
     if (auto err = checkOutputPath("-o", *out, inputs))
       return err;
-  if (auto t = args->path("--trace"))
-    if (auto err = checkOutputPath("--trace", *t, inputs))
-      return err;
+  for (llvm::StringRef flag : {"--trace", "--svg"})
+    if (auto path = args->path(flag))
+      if (auto err = checkOutputPath(flag, *path, inputs))
+        return err;
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
@@ -267,7 +268,7 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
   if (auto err = runPipeline({"memory"}, *plan, ctx))
     return err;
-  const std::vector<InputFile> inputs{{"plan", userPath(args->positional().front())}};
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
   if (auto t = args->path("--trace"))
     if (auto err = checkOutputPath("--trace", *t, inputs))
       return err;
@@ -289,13 +290,14 @@ llvm::Error cmdSimulate(int argc, char **argv) {
 }
 
 /// `show --svg`: the figure of a verified plan over its simulated timeline, instead of the grid.
-llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven) {
+llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven,
+                    llvm::ArrayRef<InputFile> inputs) {
   if (auto err = verifyPlan(plan))
     return err;
   Timeline tl;
   if (auto err = simulateTimeline(plan, tl))
     return err;
-  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}))
+  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}, inputs))
     return err;
   fmt::print("wrote {}\n", asGiven);
   return llvm::Error::success();
@@ -305,6 +307,10 @@ llvm::Error cmdShow(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
   if (!args)
     return args.takeError();
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
+  if (auto svg = args->path("--svg"))
+    if (auto err = checkOutputPath("--svg", *svg, inputs))
+      return err;
   auto plan = loadOnePlan(*args, "show");
   if (!plan)
     return plan.takeError();
@@ -312,7 +318,7 @@ llvm::Error cmdShow(int argc, char **argv) {
   fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
              pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
   if (auto svg = args->path("--svg"))
-    return showSvg(*plan, *svg, *args->get("--svg"));
+    return showSvg(*plan, *svg, *args->get("--svg"), inputs);
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else
@@ -339,7 +345,7 @@ int main(int argc, char **argv) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
     std::fputs(usage().c_str(), stdout);
     return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
-                                           "show, list-schedules, export, import, plan); "
+                                           "show, list-schedules, export, import, plan, spec); "
                                            "usage above"));
   }
   llvm::StringRef cmd = argv[1];
@@ -368,9 +374,11 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdImport(argc, argv, printSummary);
   else if (cmd == "plan")
     err = runPlanCommand(argc, argv);
+  else if (cmd == "spec")
+    err = runSpecCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
-                     "list-schedules, export, import, plan)",
+                     "list-schedules, export, import, plan, spec)",
                      cmd.str());
   return err;
 }

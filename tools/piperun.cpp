@@ -205,7 +205,7 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   RunOptions &o = r.options;
   // Initial weights: every tensor checked against the model before anything runs.
   if (r.initFrom) {
-    auto loaded = loadInitialWeights(*r.initFrom, cfg);
+    auto loaded = loadInitialWeights(*r.initFrom, cfg, *plan.transformer);
     if (!loaded)
       return loaded.takeError();
     initWeights = std::move(*loaded);
