@@ -1,5 +1,7 @@
 #include "runtime/Train.h"
 
+#include "runtime/HfExport.h"
+
 #include "ir/Error.h"
 
 #include <memory>
@@ -98,6 +100,33 @@ llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBack
   });
 }
 
+/// --export-hf: every layer's weights whole, gathered from the backend (every process takes
+/// part), written by the lead as a Hugging Face directory.
+llvm::Error exportWeights(const Plan &plan, const kernels::GptConfig &cfg, TrainBackend &backend,
+                          const TrainOptions &options) {
+  std::vector<std::vector<float>> layers(size_t(cfg.numLayers()));
+  LayerState state;
+  for (int l = 0; l < cfg.numLayers(); ++l) {
+    const size_t whole = kernels::layerParamCount(cfg, l, 1);
+    state.weights.assign(whole, 0.0f);
+    state.firstMoment.assign(whole, 0.0f);
+    state.secondMoment.assign(whole, 0.0f);
+    if (auto err = backend.gatherLayer(l, state))
+      return err;
+    layers[size_t(l)] = std::move(state.weights);
+  }
+  if (!backend.leads())
+    return llvm::Error::success();
+  auto files = writeHfDirectory(options.exportHfDir, cfg, *plan.transformer, layers,
+                                options.exportHfShardBytes ? options.exportHfShardBytes
+                                                           : kDefaultHfShardBytes);
+  if (!files)
+    return files.takeError();
+  if (options.onExported)
+    options.onExported(options.exportHfDir, *files);
+  return llvm::Error::success();
+}
+
 } // namespace
 
 llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cfg,
@@ -157,6 +186,9 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
     if (ref)
       result.weights = ref->compareWeights(weights, options.steps);
   }
+  if (!options.exportHfDir.empty())
+    if (auto err = exportWeights(plan, cfg, backend, options))
+      return err;
   backend.finish();
   return result;
 }

@@ -58,6 +58,12 @@ struct TrainOptions {
   int saveEvery = 0;
   /// Called with the step count and the directory of each checkpoint once it is committed.
   std::function<void(int, const std::string &)> onSaved;
+  /// `piperun --export-hf DIR` (runtime/HfExport.h): after the last step, every layer's
+  /// weights gathered whole and written as a Hugging Face directory (shards of at most
+  /// exportHfShardBytes); onExported(dir, files) then, on the lead process.
+  std::string exportHfDir;
+  uint64_t exportHfShardBytes = 0; // 0: Hugging Face's default (runtime/HfExport.h)
+  std::function<void(const std::string &, int)> onExported;
   /// The data source as a checkpoint records it: "synthetic" or "file <name> <bytes>".
   std::string dataName = "synthetic";
   /// With checkReference, called once the reference is built and holds its first weights (on

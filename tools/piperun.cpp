@@ -33,17 +33,21 @@
 // yet. --steps N is the step the job ends at: a resumed run continues to step N, and one
 // resumed at or past it says so and exits 0, so the same command line relaunched after a kill
 // finishes the job.
-// --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
-// Hugging Face's GPT-2 or Llama names, checked against the model before step 0, on every
-// backend.
+// --init-from FILE|DIR (runtime/SafeTensors.h): the initial weights from a safetensors file in
+// Hugging Face's GPT-2 or Llama names, or a Hugging Face model directory (config.json checked
+// against the model, one or several shards), checked before step 0, on every backend.
+// --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
+// directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
+#include "runtime/HfExport.h"
 #include "runtime/SafeTensors.h"
 #include "runtime/Train.h"
 #include "runtime/cpu/CpuRun.h"
@@ -77,7 +81,8 @@ const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE]
+               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE|DIR]
+               [--export-hf DIR [--export-hf-shard-size BYTES]]
 )";
 
 #ifdef PIPEC_HAS_CUDA
@@ -177,6 +182,26 @@ llvm::Expected<Request> readFlags(const Args &args) {
   if (r.saveDir)
     if (auto err = checkSaveDir(*r.saveDir, r.resumeDir.value_or("")))
       return err;
+  if (auto dir = args.path("--export-hf")) {
+    if (auto err = checkHfExportDir(*dir))
+      return err;
+    o.exportHfDir = *dir;
+    o.onExported = [](const std::string &dir, int files) {
+      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir,
+          files, files == 1 ? "" : "s");
+    };
+  }
+  auto shardBytes = args.bytes("--export-hf-shard-size");
+  if (!shardBytes)
+    return shardBytes.takeError();
+  if (args.has("--export-hf-shard-size")) {
+    if (o.exportHfDir.empty())
+      return inputError("--export-hf-shard-size needs --export-hf (where to write); try "
+                        "--export-hf model-out");
+    if (*shardBytes < 1)
+      return inputError("--export-hf-shard-size expects a positive size such as 5GB");
+    o.exportHfShardBytes = uint64_t(*shardBytes);
+  }
   r.dataPath = args.path("--data");
   return r;
 }
@@ -309,7 +334,8 @@ llvm::Error run(int argc, char **argv) {
   auto args =
       Args::parse(argc, argv, 1,
                   {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from"},
+                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
+                   "--export-hf", "--export-hf-shard-size"},
                   {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
@@ -333,6 +359,10 @@ llvm::Error run(int argc, char **argv) {
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();
+  // --export-hf writes GPT-2's or Llama's block (what transformers loads): known before step 0.
+  if (!r.options.exportHfDir.empty())
+    if (auto config = hfConfigJson(*plan->transformer); !config)
+      return config.takeError();
 #ifdef PIPEC_HAS_CUDA
   if (r.backend != "cpu")
     if (auto err = gpuRunsTheBlock(*cfg, *plan, r.backend))

@@ -242,3 +242,65 @@ def test_safetensors_the_reference_library_refuses_are_refused(tmp_path, case, e
                         str(path)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert message in r.stderr, r.stderr
+
+
+def tiny_spec(tmp_path, llama: bool, tied: bool) -> str:
+    """examples/tiny-gpt.json or tiny-llama.json in fp32, tied or not."""
+    spec = json.loads(open(__import__("conftest").example(
+        "tiny-llama.json" if llama else "tiny-gpt.json")).read())
+    spec["transformer"]["dtype"] = "fp32"
+    spec["transformer"]["tie_embeddings"] = tied
+    path = tmp_path / f"spec-{llama}-{tied}.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@pytest.mark.parametrize("llama", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_after_tp2_pp2_training_loads_in_transformers(tmp_path, llama, tied):
+    spec = tiny_spec(tmp_path, llama, tied)
+    seq = json.loads(open(spec).read())["transformer"]["seq_length"]
+    plan = tmp_path / "plan.json"
+    r = run_pipec("compile", "--quiet", "--model", spec, "--schedule", "1f1b", "--pp", "2",
+                  "--tp", "2", "--microbatches", "4", "-o", str(plan))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "trained"
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "3",
+                        "--lr", "1e-2", "--export-hf", str(out), "--export-hf-shard-size",
+                        "16KB"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"exported the weights to {out}" in r.stdout
+    assert (out / "model.safetensors.index.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(model).__name__ == ("LlamaForCausalLM" if llama else "GPT2LMHeadModel")
+    # The trained weights computed by transformers and by piperun (--init-from the export, one
+    # step on a file of exactly one sequence): the same loss.
+    tokens = torch.randint(0, model.config.vocab_size, (seq + 1,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    data = tmp_path / "tokens.bin"
+    data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
+                        "--data", str(data), "--init-from", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
+    assert got == pytest.approx(hf_loss(model, tokens), abs=2e-5)
+    # And they are the trained weights, not the initial ones.
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--steps", "1",
+                        "--data", str(data)], capture_output=True, text=True)
+    seeded = float(re.search(r"step 0 loss (\S+)", r.stdout).group(1))
+    assert abs(seeded - got) > 1e-3
+
+
+def test_export_hf_refuses_a_directory_of_files_before_training(tmp_path):
+    plan = tmp_path / "plan.json"
+    run_pipec("compile", "--quiet", "--model", tiny_spec(tmp_path, False, False), "--schedule",
+              "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--export-hf",
+                        str(busy)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "exists and is not empty" in r.stderr and "step 0" not in r.stdout
+    assert (busy / "keep.txt").read_text() == "mine"
