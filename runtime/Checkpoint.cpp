@@ -229,16 +229,18 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
   if (!llvm::sys::fs::is_directory(dir)) {
     if (std::error_code ec = llvm::sys::fs::create_directory(dir))
       return inputError("--save-dir: {}: cannot create: {}", dir, ec.message());
-    if (auto err = syncDirectory(std::string(llvm::sys::path::parent_path(dir).empty()
-                                                 ? llvm::StringRef(".")
-                                                 : llvm::sys::path::parent_path(dir))))
+    if (auto err = syncDirectory(
+            std::string(llvm::sys::path::parent_path(dir).empty()
+                            ? llvm::StringRef(".")
+                            : llvm::sys::path::parent_path(dir))))
       return err;
   }
   const std::string stepDir = join(dir, stepName(manifest.step));
   // What a save killed before its commit left of this step: never resumed, start again.
   if (llvm::sys::fs::is_directory(stepDir)) {
     if (llvm::sys::fs::exists(join(stepDir, "manifest.json")))
-      return inputError("--save-dir: {} already holds a checkpoint of step {}", dir, manifest.step);
+      return inputError("--save-dir: {} already holds a checkpoint of step {}", dir,
+                        manifest.step);
     removeCheckpointDirectory(stepDir);
   }
   checkpointKillPoint();
@@ -298,7 +300,8 @@ llvm::Expected<Checkpoint> openCheckpoint(llvm::StringRef dirRef) {
   const std::string dir = dirRef.str();
   if (!llvm::sys::fs::is_directory(dir))
     return inputError("--resume: {}: {}", shortened(dir, 200),
-                      llvm::sys::fs::exists(dir) ? "is not a directory" : "no such directory");
+                      llvm::sys::fs::exists(dir) ? "is not a directory"
+                                                 : "no such directory");
   std::map<int64_t, bool> steps = stepDirectories(dir);
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     if (!it->second)
@@ -331,8 +334,8 @@ llvm::Error checkResumable(const Checkpoint &ckpt, const Plan &plan, std::option
                       "hold transformer weights",
                       plan.model);
   if (auto diff = firstModelDifference(m.model, *plan.transformer))
-    return inputError("--resume: {} is of another model: its {} is {}, the plan's is {}", ckpt.path,
-                      diff->field, shortened(diff->a), shortened(diff->b));
+    return inputError("--resume: {} is of another model: its {} is {}, the plan's is {}",
+                      ckpt.path, diff->field, shortened(diff->a), shortened(diff->b));
   const ParallelConfig &pc = plan.parallel;
   const int64_t saved = int64_t(m.parallel.dp) * m.parallel.microbatches;
   const int64_t mine = int64_t(pc.dp) * pc.microbatches;
@@ -361,8 +364,8 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
                       path, why);
   };
   if (want.bytes != kHeaderBytes + 3 * want.count * sizeof(float))
-    return bad(
-        fmt::format("the manifest gives {} bytes for {} floats per array", want.bytes, want.count));
+    return bad(fmt::format("the manifest gives {} bytes for {} floats per array", want.bytes,
+                           want.count));
   struct stat st;
   if (::stat(path.c_str(), &st) != 0)
     return bad(std::strerror(errno));
@@ -408,8 +411,8 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
   if (!ok)
     return bad("cannot read all of it");
   if (hex(h) != want.digest)
-    return bad(
-        fmt::format("its digest is {}, the manifest says {}", hex(h), shortened(want.digest)));
+    return bad(fmt::format("its digest is {}, the manifest says {}", hex(h),
+                           shortened(want.digest)));
   return llvm::Error::success();
 }
 
