@@ -34,8 +34,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -92,8 +92,8 @@ runEveryRank(const Plan &plan, const DataSource &data, const std::string &id,
 
 TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   const Case &c = GetParam();
-  Plan plan =
-      compileOrFail(c.llama ? tinyLlama(c.tied, /*layers=*/6) : tinyGpt(c.tied, 6), c.options);
+  Plan plan = compileOrFail(c.llama ? tinyLlama(c.tied, /*layers=*/6) : tinyGpt(c.tied, 6),
+                            c.options);
   ASSERT_FALSE(verifyPlan(plan));
   const ParallelConfig &pc = plan.parallel;
   const int world = pc.pp * pc.dp * pc.tp;
@@ -587,9 +587,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bf16_zbv_seq2", options("zb-v", 2, 4, /*vpp=*/2, /*seqSplits=*/2),
                            false, kernels::DType::BF16},
                       // Llama's block, its key/value heads split over tp, across processes.
-                      Case{"llama_pp2_tp2_dp2_tied",
-                           options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2), true,
-                           kernels::DType::F32, /*llama=*/true},
+                      Case{"llama_pp2_tp2_dp2_tied", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2),
+                           true, kernels::DType::F32, /*llama=*/true},
                       Case{"llama_bf16_zbv_seq2", options("zb-v", 2, 4, /*vpp=*/2, /*seqSplits=*/2),
                            false, kernels::DType::BF16, /*llama=*/true}),
     [](const auto &info) { return std::string(info.param.name); });

@@ -14,7 +14,6 @@
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
-#include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/EmbeddingGrad.h"
 #include "runtime/cuda/StageBuffer.h"
 #include "runtime/cuda/StageKernels.h"
@@ -35,6 +34,13 @@ using kernels::GptConfig;
 using kernels::GptLayerKind;
 constexpr cu::DType kF32 = cu::DType::F32;
 constexpr cu::DType kBF16 = cu::DType::BF16;
+
+/// Propagates an llvm::Error out of the enclosing function.
+#define PIPEC_GPU_TRY(expr)                                                                        \
+  do {                                                                                             \
+    if (llvm::Error pipecGpuErr = (expr))                                                          \
+      return pipecGpuErr;                                                                          \
+  } while (false)
 
 using Floats = StreamBuffer<float>; // statistics, log-sum-exps and losses: fp32 in both modes
 
@@ -69,6 +75,7 @@ private:
   T *ptr = nullptr;
   size_t count = 0;
 };
+
 
 using namespace kernels::tensors;
 
@@ -165,8 +172,8 @@ struct GpuDev {
     return cu::layernormForward(ctx, dt, out, mean, rstd, in, w, b, n, c);
   }
   llvm::Error layernormBackwardInputAccumulate(void *dIn, const void *dOut, const void *in,
-                                               const float *mean, const float *rstd, const void *w,
-                                               int n, int c) {
+                                               const float *mean, const float *rstd,
+                                               const void *w, int n, int c) {
     return cu::layernormBackwardInputAccumulate(ctx, dt, dIn, dOut, in, mean, rstd, w, n, c);
   }
   llvm::Error layernormBackwardWeight(float *dW, float *dB, const void *dOut, const void *in,
@@ -250,7 +257,8 @@ struct GpuDev {
   }
   llvm::Error gatherQkv(void *dQkv, const void *dq, const float *dk, const float *dv, int n, int x,
                         int b, int begin, int cl, int kvl) {
-    PIPEC_QUEUE_TRY(ctx, launch::gatherQkv(dt, dQkv, dq, dk, dv, n, x, b, begin, cl, kvl, stream));
+    PIPEC_QUEUE_TRY(ctx,
+                    launch::gatherQkv(dt, dQkv, dq, dk, dv, n, x, b, begin, cl, kvl, stream));
     return llvm::Error::success();
   }
   /// Flash attention keeps a log-sum-exp per query row (B, H, x).
@@ -258,8 +266,8 @@ struct GpuDev {
     return size_t(s.batch) * size_t(s.heads) * size_t(s.queries);
   }
   static cu::AttentionShape cudaShape(const kernels::StageAttentionShape &s) {
-    return cu::AttentionShape{s.batch, s.queries, s.begin,
-                              s.heads, s.headDim, s.kvHeads == s.heads ? 0 : s.kvHeads};
+    return cu::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim,
+                              s.kvHeads == s.heads ? 0 : s.kvHeads};
   }
   llvm::Error attentionForward(void *out, float *lse, const void *q, const void *k, const void *v,
                                const kernels::StageAttentionShape &s) {
@@ -276,9 +284,9 @@ struct GpuDev {
   }
   llvm::Error embeddingForward(void *resid, int mb, int slice, const void *wte, const void *wpe,
                                int n, int x, int begin, int c, int vBegin, int vLocal) {
-    PIPEC_QUEUE_TRY(ctx,
-                    launch::embeddingForward(dt, resid, inputs.data() + tokenOffset(mb, slice), wte,
-                                             wpe, n, x, begin, c, vBegin, vLocal, stream));
+    PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(dt, resid, inputs.data() + tokenOffset(mb, slice),
+                                                  wte, wpe, n, x, begin, c, vBegin, vLocal,
+                                                  stream));
     return llvm::Error::success();
   }
   llvm::Error embeddingBackward(float *dWte, float *dWpe, const void *dEmb, int mb, int slice,
@@ -304,8 +312,8 @@ struct GpuDev {
     return cu::crossEntropyForward(ctx, dt, l.rowLoss.data(), l.lse.data(), logits.data(),
                                    targets.data() + tokenOffset(mb, slice), n, v, scale);
   }
-  llvm::Error lossShardStats(Loss &l, DeviceTensor &logits, Floats &stats, int mb, int slice, int n,
-                             int vLocal, int vBegin, int tpRank, int tp) {
+  llvm::Error lossShardStats(Loss &l, DeviceTensor &logits, Floats &stats, int mb, int slice,
+                             int n, int vLocal, int vBegin, int tpRank, int tp) {
     PIPEC_GPU_TRY(l.lse.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(l.rowLoss.allocate(mem(), size_t(n)));
     PIPEC_GPU_TRY(stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
@@ -318,8 +326,7 @@ struct GpuDev {
   }
   /// dLogits overwrite the logits in place (the op allows it).
   llvm::Error lossBackward(Loss &l, DeviceTensor &logits, DeviceTensor &dLogits, int mb, int slice,
-                           int n, int vLocal, int vBegin, int /*tp: one op for both*/,
-                           float scale) {
+                           int n, int vLocal, int vBegin, int /*tp: one op for both*/, float scale) {
     PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, logits.data(), logits.data(), l.lse.data(),
                                            targets.data() + tokenOffset(mb, slice), n, vLocal,
                                            scale, vBegin));
@@ -405,12 +412,12 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
         const int x = end - begin, rows = cfg.microbatch * x;
         std::vector<int32_t> pos(static_cast<size_t>(rows));
         for (int r = 0; r < rows; ++r)
-          pos[size_t(r)] =
-              which == kernels::RopeRows::Queries ? begin + r % x : begin + r / cfg.microbatch;
+          pos[size_t(r)] = which == kernels::RopeRows::Queries ? begin + r % x
+                                                               : begin + r / cfg.microbatch;
         d.positions.push_back(std::make_unique<Owned<int32_t>>());
         PIPEC_GPU_TRY(d.positions.back()->allocate(pos.size()));
-        PIPEC_GPU_TRY(
-            ctx.upload(d.positions.back()->data(), pos.data(), pos.size() * sizeof(int32_t)));
+        PIPEC_GPU_TRY(ctx.upload(d.positions.back()->data(), pos.data(),
+                                 pos.size() * sizeof(int32_t)));
       }
   }
   PIPEC_GPU_TRY(ctx.synchronize());
@@ -480,15 +487,14 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   std::copy(tgt.begin(), tgt.end(), host + in.size());
   std::copy(plans.begin(), plans.end(), host + in.size() + tgt.size());
   PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.inputs.data(), host, in.size() * sizeof(int32_t),
-                                             cudaMemcpyHostToDevice, m.dev.stream));
-  PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.targets.data(), host + in.size(),
-                                             tgt.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                             m.dev.stream));
+                                         cudaMemcpyHostToDevice, m.dev.stream));
+  PIPEC_QUEUE_TRY(m.dev.ctx,
+                  cudaMemcpyAsync(m.dev.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, m.dev.stream));
   if (!plans.empty())
-    PIPEC_QUEUE_TRY(m.dev.ctx,
-                    cudaMemcpyAsync(m.dev.embeddingPlans.data(), host + in.size() + tgt.size(),
-                                    plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                    m.dev.stream));
+    PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.embeddingPlans.data(), host + in.size() + tgt.size(),
+                                           plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                           m.dev.stream));
   return llvm::Error::success();
 }
 
@@ -515,9 +521,8 @@ llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
   assert(w.nextForwardPart == parts() && "loss before the last forward part");
   if (auto err = impl->finishForward(w)) // with tp > 1, the loss of the reduced statistics
     return err;
-  PIPEC_QUEUE_TRY(impl->dev.ctx,
-                  launch::accumulateSum(impl->dev.lossAcc.data(), w.head.loss.rowLoss.data(), w.n,
-                                        impl->dev.stream));
+  PIPEC_QUEUE_TRY(impl->dev.ctx, launch::accumulateSum(impl->dev.lossAcc.data(), w.head.loss.rowLoss.data(), w.n,
+                                                   impl->dev.stream));
   return llvm::Error::success();
 }
 
@@ -591,10 +596,12 @@ llvm::Error GpuStage::zeroGrads() {
 llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
   Impl &m = *impl;
   ++m.dev.adamSteps;
-  PIPEC_GPU_TRY(cu::adamUpdate(m.dev.ctx, m.dev.params.data(), m.dev.grads.data(),
-                               m.dev.adamM.data(), m.dev.adamV.data(), m.dev.params.size(), lr,
-                               beta1, beta2, eps, weightDecay, m.dev.adamSteps));
+  PIPEC_GPU_TRY(cu::adamUpdate(m.dev.ctx, m.dev.params.data(), m.dev.grads.data(), m.dev.adamM.data(),
+                               m.dev.adamV.data(), m.dev.params.size(), lr, beta1, beta2, eps, weightDecay,
+                               m.dev.adamSteps));
   return m.dev.refreshComputeParams();
 }
+
+#undef PIPEC_GPU_TRY
 
 } // namespace pipec
