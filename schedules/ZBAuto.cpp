@@ -14,9 +14,12 @@
 // clocks. It runs a grid of such variants (in-flight caps, forward and W policies), then a
 // local search over per-rank in-flight caps (and whether a filling W may delay the last
 // microbatch's input gradient), within a budget counted in scheduled ops (never
-// the clock); runs that cannot beat the best so far are cut short by a span lower bound. It
-// keeps the order of least max per-rank span (the paper's bubble), then least makespan, and
-// never one slower than 1F1B with split backward when that fits the limit. Every candidate
+// the clock); runs that cannot beat the best so far are cut short by a span lower bound. Among
+// its runs it keeps the order of least max per-rank span (the paper's bubble), then least
+// makespan. The order it returns is then the one of least step time, as `pipec compile`
+// reports it (compiler/QuickEval.h), among that run and the fixed orders that fit the limit:
+// 1F1B with split backward, ZB-H1 and ZB-H2, so zb-auto is never slower than any of them at a
+// limit they fit (tests/ZbAutoTest.cpp's sweep). Every candidate
 // respects the limit by construction (a forward starts only if its microbatch's lifetime peak
 // fits: M_B plus what its backward adds, which may keep more than M_B for W; after that I and W
 // only give back, DESIGN §6). Deterministic: no randomness, ties broken by (time, rank), then by
@@ -28,6 +31,7 @@
 #include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
+#include "compiler/QuickEval.h"
 #include "ir/CostModel.h"
 #include "ir/Error.h"
 
@@ -357,6 +361,17 @@ Score simulateOrder(const ScheduleRequest &req, const ComputeOrder &order) {
   return s;
 }
 
+/// The step time `pipec compile` reports for fixed rank orders: quickEvaluate replays what
+/// lowering adds (tp all-reduces, the dp all-reduces' tail) under the same cost model.
+double stepTimeOf(const ScheduleRequest &req, const ComputeOrder &order) {
+  QuickStats stats;
+  if (llvm::Error err = quickEvaluate(planOf(req, order), stats)) {
+    llvm::consumeError(std::move(err));
+    return kInf;
+  }
+  return stats.stepTime;
+}
+
 /// 1F1B (warm-up p-r-1) with each backward split into I and an immediate W.
 void oneFOneBSplit(int p, int m, ComputeOrder &order) {
   order.assign(size_t(p), {});
@@ -603,16 +618,61 @@ public:
         v = std::move(next);
       }
     }
-    Score chosen = best;
-    if (referenceFits && (!found || refScore.better(best))) {
-      order = std::move(reference);
-      chosen = refScore;
-      found = true;
+    // The greedy's runs were chosen by span under the compute-only timing. The order kept is
+    // the one of least step time as `pipec compile` reports it (quickEvaluate: the tp
+    // all-reduces after each op's parts and the dp all-reduces' tail included), among the
+    // greedy's best and the fixed orders of the same family that fit the limit under the
+    // memory rule: 1F1B with split backward, ZB-H1 and ZB-H2 (the policies' own emit). The
+    // greedy cannot always reach those: it reserves a microbatch's lifetime peak at its F
+    // (what keeps every order it builds within the limit), while a fixed order's peak counts
+    // the backward's extra only for the one backward running, so at a limit cut to ZB-H1's or
+    // ZB-H2's own peak the greedy holds fewer microbatches in flight; and its timing leaves
+    // the tp and dp all-reduces out. Ties keep the earlier entry (the greedy's first).
+    struct Entry {
+      ComputeOrder order;
+      Score score;
+    };
+    std::vector<Entry> entries;
+    if (found)
+      entries.push_back({std::move(order), best});
+    if (referenceFits)
+      entries.push_back({std::move(reference), refScore});
+    for (const char *fixed : {"zb-h1", "zb-h2"}) {
+      auto policy = findPolicy(fixed);
+      assert(policy && "zb-h1 and zb-h2 are registered");
+      if (!policy) {
+        llvm::consumeError(policy.takeError());
+        continue;
+      }
+      ComputeOrder o;
+      (*policy)->emit(req, o);
+      bool fits = true;
+      for (int r = 0; r < p; ++r)
+        fits &= peakActivation(req, o, size_t(r)) <= limit;
+      if (fits)
+        entries.push_back({std::move(o), Score{}});
     }
-    assert(found && "a limit of one microbatch per stage always admits a greedy order");
+    assert(!entries.empty() && "a limit of one microbatch per stage admits a greedy order");
+    size_t chosen = 0;
+    double chosenStep = kInf;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      double step = stepTimeOf(req, entries[i].order);
+      if (entries[i].score.maxSpan == kInf)
+        entries[i].score = simulateOrder(req, entries[i].order);
+      // Steps within a relative 1e-9 (summation order) tie; then the least span wins.
+      const double tie = 1e-9 * std::max(1.0, std::min(step, chosenStep));
+      if (step < chosenStep - tie ||
+          (step <= chosenStep + tie && entries[i].score.better(entries[chosen].score))) {
+        chosen = i;
+        chosenStep = step;
+      }
+    }
+    order = std::move(entries[chosen].order);
     // The greedy times its orders incrementally, as it builds them; what it chose must be
-    // what the cost model says of it, and fit the limit under the memory rule.
-    assert(!simulateOrder(req, order).better(chosen) && !chosen.better(simulateOrder(req, order)) &&
+    // what the cost model says of it, and every order kept must fit the limit under the
+    // memory rule.
+    assert((!found || chosen != 0 ||
+            (!simulateOrder(req, order).better(best) && !best.better(simulateOrder(req, order)))) &&
            "zb-auto's greedy and the cost model disagree on the chosen order's times");
     assert([&] {
       for (int r = 0; r < p; ++r)
@@ -620,7 +680,6 @@ public:
           return false;
       return true;
     }() && "zb-auto chose an order over the memory limit");
-    (void)chosen;
   }
 };
 
