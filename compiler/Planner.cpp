@@ -914,7 +914,7 @@ llvm::Expected<PlannerResult> Search::run() {
   };
   // (A fixed wave size: the candidates compiled between waves, and so the CSV's
   // peak_memory_exact, must not depend on the thread count.)
-  const size_t wave = 64;
+  const size_t wave = 32;
   for (size_t begin = 0; begin < open.size(); begin += wave) {
     size_t end = std::min(open.size(), begin + wave);
     parallelFor(end - begin, threads, [&](size_t j) { evaluate(open[begin + j], threshold); });
