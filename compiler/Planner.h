@@ -5,8 +5,9 @@
 // a node unless allowed across), pipeline size pp, data-parallel size dp = GPUs / (tp·pp),
 // microbatch size b and count m with dp·m·b = the global batch, virtual stages and sequence
 // splits where a schedule takes them, every schedule whose constraints the layout meets, and
-// activation recomputation where asked. It keeps the layouts whose worst rank's peak memory
-// fits the device, simulates each, and ranks them by step time.
+// activation recomputation where asked; pp 1 is one candidate, no pipeline (1f1b at vpp 1,
+// one slice). It keeps the layouts whose worst rank's peak memory fits the device with
+// --min-headroom left free, simulates each, and ranks them by step time.
 //
 // How (the "fast"):
 //   - no JSON, no lowering per candidate: the stage table comes from the partition pass's own
