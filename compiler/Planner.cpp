@@ -212,7 +212,7 @@ llvm::Error Search::setUp() {
   if (headroom >= limit)
     return inputError("--min-headroom {} leaves nothing of the {} memory limit; try "
                       "--min-headroom {}%",
-                      headroom, limit, kDefaultHeadroomPercent);
+                      mib(headroom), mib(limit), kDefaultHeadroomPercent);
   fit = limit - headroom;
   threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
   if (o.schedules.empty()) {

@@ -535,6 +535,12 @@ TEST(PlannerCliTest, BadInputIsOneLineAndExitTwo) {
               "--schedules: unknown schedule 'zbv'");
   expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --recompute some"),
               "--recompute: expected none, selective or full");
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --min-headroom 100%"),
+              "--min-headroom expects a percentage from 0 to below 100");
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --min-headroom abc"),
+              "--min-headroom expects 0, a percentage of the memory limit such as 5%, or a byte");
+  expectUsage(run("tools/pipec plan " + m + " --gpus 8 --global-batch 64 --min-headroom 80GiB"),
+              "--min-headroom 80.00 GiB leaves nothing of the 80.00 GiB memory limit");
   Result tooLittle = run("tools/pipec plan " + m +
                          " --gpus 8 --global-batch 64 "
                          "--memory-limit 1GiB -o " +
