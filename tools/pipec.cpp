@@ -37,39 +37,67 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
 
-const char *kUsage =
-    R"(usage: pipec <command> [flags]
-
-commands:
-  compile --model M.json --schedule NAME --pp P --microbatches N
+/// Each command's lines of the usage (every flag it takes), in `pipec --help` order.
+struct CommandUsage {
+  const char *name;
+  const char *text;
+};
+const CommandUsage kCommands[] = {
+    {"compile", R"(  compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
-          [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
+          [--memory-limit BYTES] [--microbatch-group-size G] [-o|--output plan.json]
           [--recompute none|selective|full] [--show] [--trace trace.json] [--svg figure.svg]
+          [--quiet]
                       compile, verify and simulate a plan; print its summary
-  validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
-  simulate plan.json [--trace trace.json]
+)"},
+    {"validate",
+     R"(  validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
+)"},
+    {"simulate", R"(  simulate plan.json [--trace trace.json]
                       timed simulation; optional Chrome/Perfetto trace
-  show plan.json [--compute-only] [--text] [--svg figure.svg]
+)"},
+    {"show", R"(  show plan.json [--compute-only] [--text] [--svg figure.svg]
                       the rank x step grid (or, with --text, one line per rank;
                       with --svg, the papers' figure over simulated time)
-  list-schedules      the schedules, their constraints and a line on each
-  export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
+)"},
+    {"list-schedules", R"(  list-schedules      the schedules, their constraints and a line on each
+)"},
+    {"export", R"(  export plan.json --format torch-csv|torch-csv-comms [-o|--output sched.csv]
                       the plan as PyTorch pipelining's schedule CSV (compute only, or with
                       its sends, recvs, waits and gradient reductions)
-  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
+)"},
+    {"import", R"(  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
           [--cluster C.json] [--memory-limit BYTES] [--microbatch-group-size G]
-          [--schedule NAME] [-o plan.json] [--show] [--trace trace.json]
+          [--schedule NAME] [-o|--output plan.json] [--show] [--trace trace.json] [--quiet]
                       a PyTorch schedule CSV or pipec's text form, compiled, verified and
                       simulated as pipec's own (pp, microbatches, placement inferred)
-%s
-exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
-)";
+)"},
+    {"plan", nullptr}, // kPlanUsage (tools/PlanCommand.cpp)
+    {"spec", nullptr}, // kSpecUsage (tools/SpecCommand.cpp)
+};
+const char *kExitCodes =
+    "exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input\n";
 
-/// kUsage with `pipec plan`'s and `pipec spec`'s lines in their place.
+const char *usageText(const CommandUsage &c) {
+  if (c.text)
+    return c.text;
+  return llvm::StringRef(c.name) == "plan" ? kPlanUsage : kSpecUsage;
+}
+
 std::string usage() {
-  std::string u = kUsage;
-  u.replace(u.find("%s"), 2, std::string(kPlanUsage) + kSpecUsage);
-  return u;
+  std::string u = "usage: pipec <command> [flags]   (pipec <command> --help: that command's)\n\n"
+                  "commands:\n";
+  for (const CommandUsage &c : kCommands)
+    u += usageText(c);
+  return u + "\n" + kExitCodes;
+}
+
+/// A command's own lines of the usage; null for an unknown command.
+const char *findUsage(llvm::StringRef cmd) {
+  for (const CommandUsage &c : kCommands)
+    if (cmd == c.name)
+      return usageText(c);
+  return nullptr;
 }
 
 std::string humanBytes(int64_t b) {
@@ -137,12 +165,12 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
 }
 
 llvm::Error cmdCompile(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2,
-                          {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
-                           "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg",
-                           "--recompute"},
-                          {"--show", "--quiet"}, "compile");
+  auto args =
+      Args::parse(argc, argv, 2,
+                  {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits",
+                   "--tp", "--dp", "--cluster", "--memory-limit", "--microbatch-group-size", "-o",
+                   "--output", "--trace", "--svg", "--recompute"},
+                  {"--show", "--quiet"}, "compile");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -277,8 +305,8 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
   if (auto t = args->path("--trace")) {
-    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
-                                        inputs))
+    if (auto err =
+            writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}}, inputs))
       return err;
     if (*t == "-") // the summary would corrupt the trace on standard output
       return llvm::Error::success();
@@ -349,9 +377,24 @@ int main(int argc, char **argv) {
                                            "usage above"));
   }
   llvm::StringRef cmd = argv[1];
-  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+  const bool helpCommand = cmd == "help" && argc == 3; // pipec help COMMAND
+  if (helpCommand)
+    cmd = argv[2];
+  else if (cmd == "-h" || cmd == "--help" || cmd == "help") {
     std::fputs(usage().c_str(), stdout);
     return finishTool("pipec", llvm::Error::success());
+  }
+  // --help or -h anywhere after a command: that command's usage, exit 0.
+  if (const char *text = findUsage(cmd)) {
+    bool help = helpCommand;
+    for (int i = 2; i < argc && !help; ++i)
+      help = llvm::StringRef(argv[i]) == "--help" || llvm::StringRef(argv[i]) == "-h";
+    if (help) {
+      std::string u =
+          fmt::format("usage: pipec {}\n{}", llvm::StringRef(text).ltrim(' ').str(), kExitCodes);
+      std::fputs(u.c_str(), stdout);
+      return finishTool("pipec", llvm::Error::success());
+    }
   }
   return runTool("pipec", [&] { return dispatch(cmd, argc, argv); });
 }
