@@ -398,8 +398,10 @@ bool holdsCheckpoint(llvm::StringRef dir) {
   Descriptor fd = openDirectory(dir.str());
   if (!fd)
     return false;
+  // A foreign entry, or a step whose manifest is not piperun's, is not "no checkpoint yet":
+  // openCheckpoint refuses it with its reason rather than the run starting again at step 0.
   for (const StepEntry &e : stepEntries(fd.get(), dir.str()))
-    if (e.kind == StepKind::Committed)
+    if (e.kind != StepKind::Started)
       return true;
   return false;
 }

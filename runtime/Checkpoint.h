@@ -72,7 +72,8 @@ std::string checkpointPath(llvm::StringRef dir, int64_t step);
 /// run continues from.
 llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
 
-/// Whether `dir` holds a committed checkpoint (a step directory with its manifest); false for a
+/// Whether `dir` holds a checkpoint to resume, or something in its place that openCheckpoint
+/// must refuse (a link, a foreign directory, a manifest that is not piperun's); false for a
 /// missing or empty directory, or one holding only what killed saves left.
 bool holdsCheckpoint(llvm::StringRef dir);
 

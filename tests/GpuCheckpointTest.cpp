@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 
@@ -160,3 +161,40 @@ TEST(GpuCheckpointTest, CpuAndCudaCheckpointsResumeEachOther) {
 }
 
 } // namespace
+
+// --export-hf on the GPU backends: the one driver gathers the device's layers (tp parts joined)
+// into the Hugging Face directory. With a token file of one sequence every step sees the same
+// batch, so a run from the export of a 2-step run computes, at its step 0, the loss the
+// uninterrupted run computes at step 2, bit for bit on the same arithmetic (the cuda backend
+// under tp 2 x pp 2, the nccl mode in one process).
+TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
+  const std::string d = freshDir("gpu-export");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  {
+    std::ofstream tokens(d + "/one.bin", std::ios::binary);
+    for (uint16_t t = 0; t < 17; ++t) { // seq_length 16 + 1: one window
+      uint16_t id = uint16_t((t * 7 + 3) % 64);
+      tokens.write(reinterpret_cast<const char *>(&id), 2);
+    }
+  }
+  const std::string data = " --data " + d + "/one.bin";
+  auto whole = piperun("cuda", plan, "--steps 3" + data);
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  auto exported = piperun("cuda", plan, "--steps 2 --export-hf " + d + "/hf" + data);
+  ASSERT_EQ(exported.code, 0) << exported.err;
+  EXPECT_NE(exported.out.find("exported the weights to " + d + "/hf"), std::string::npos)
+      << exported.out;
+  ASSERT_TRUE(fs::exists(d + "/hf/config.json"));
+  auto from = piperun("cuda", plan, "--steps 1 --init-from " + d + "/hf" + data);
+  ASSERT_EQ(from.code, 0) << from.err;
+  EXPECT_EQ(stepLosses(from.out).at(0), stepLosses(whole.out).at(2));
+  // The nccl mode (one process: pp 1, tp 1) exports the same way.
+  const std::string one = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  auto wholeNccl = piperun("nccl", one, "--steps 3" + data);
+  ASSERT_EQ(wholeNccl.code, 0) << wholeNccl.err;
+  auto exportedNccl = piperun("nccl", one, "--steps 2 --export-hf " + d + "/hf-nccl" + data);
+  ASSERT_EQ(exportedNccl.code, 0) << exportedNccl.err;
+  auto fromNccl = piperun("nccl", one, "--steps 1 --init-from " + d + "/hf-nccl" + data);
+  ASSERT_EQ(fromNccl.code, 0) << fromNccl.err;
+  EXPECT_EQ(stepLosses(fromNccl.out).at(0), stepLosses(wholeNccl.out).at(2));
+}

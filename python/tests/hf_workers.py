@@ -23,6 +23,11 @@ def config_of(family: str, tied: bool):
         config = transformers.GPT2Config(n_layer=6, n_embd=32, n_head=4, n_positions=T,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          **common)
+    elif family == "mistral":  # Llama's blocks under another model_type (sliding window)
+        config = transformers.MistralConfig(hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=6, num_attention_heads=4,
+                                            num_key_value_heads=2, max_position_embeddings=T,
+                                            sliding_window=T, rms_norm_eps=1e-6, **common)
     else:
         config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=6, num_attention_heads=4,

@@ -1,6 +1,7 @@
 """Hugging Face models under pipec plans in PyTorch (pipec.torch.hf_layers, model_spec,
 PipelineRunner's tied embeddings): a transformers GPT2LMHeadModel and LlamaForCausalLM
-(grouped-query attention, rotary positions), tied and untied, in eager attention (causal only
+(grouped-query attention, rotary positions), and MistralForCausalLM on three schedules, tied and
+untied, in eager attention (causal only
 through the mask hf_layers passes), trained one step under six schedules on 2 and 4 real gloo
 processes; every gradient equals the unsplit transformers model's within 1e-5 of the largest
 gradient, and the losses agree. One case trains 20 steps and its loss falls."""
@@ -26,10 +27,16 @@ FAMILIES = ("gpt2", "llama")
 
 
 def _cases():
-    return [{"id": f"{family}-{'tied' if tied else 'untied'}-{name}", "family": family,
-             "tied": tied, "schedule": name, "flags": flags}
-            for family in FAMILIES for tied in (False, True)
-            for name, flags in hf_workers.SCHEDULES]
+    cases = [{"id": f"{family}-{'tied' if tied else 'untied'}-{name}", "family": family,
+              "tied": tied, "schedule": name, "flags": flags}
+             for family in FAMILIES for tied in (False, True)
+             for name, flags in hf_workers.SCHEDULES]
+    # Mistral: Llama's decoder layers under another model class, on three schedules.
+    cases += [{"id": f"mistral-{'tied' if tied else 'untied'}-{name}", "family": "mistral",
+               "tied": tied, "schedule": name, "flags": flags}
+              for tied in (False, True) for name, flags in hf_workers.SCHEDULES
+              if name in ("1f1b", "zb-v", "dualpipe-v")]
+    return cases
 
 
 def _spawn(work, world, cases, train_steps):
