@@ -132,8 +132,8 @@ TEST(TransformerCostTest, FlashBlockKeepsWhatTheDeviceKernelsKeep) {
   int64_t s = 4096, h = 4096, heads = 32;
   EXPECT_EQ(cost.activationBytes, 20 * s * h + 16 * s + 4 * heads * s);
   EXPECT_EQ(cost.weightGradBytes, 36 * s * h + 16 * s);
-  EXPECT_EQ(cost.backwardPeakBytes, (36 * s * h + 16 * s) + 4 * s * h + 8 * s * h -
-                                        (20 * s * h + 16 * s + 4 * heads * s));
+  EXPECT_EQ(cost.backwardPeakBytes,
+            (36 * s * h + 16 * s) + 4 * s * h + 8 * s * h - (20 * s * h + 16 * s + 4 * heads * s));
   // The MLP forward's layernorm output, GELU output and partial sum: 2h + 4h elements.
   EXPECT_EQ(cost.workspaceBytes, 12 * s * h);
 }
@@ -317,11 +317,15 @@ TEST(TransformerCostTest, EfficiencyFactorsScaleGemmAttentionAndLinkTimes) {
   ModelSpec m = gpt(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   c.achievedFraction = 0.5;
-  c.attentionFraction = 0.25;
+  c.flashAttentionFraction = 0.25;
+  c.attentionFraction = 0.1; // the materialized kernels' only: never a flash kernel's
   double s = 4096, h = 4096, causal = s * (s + 1) / 2;
   SliceCost cost = m.sliceCost(c, 1, 0, 4096, 0, 1, 1);
-  EXPECT_NEAR(cost.forward, 24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.25),
-              1e-9);
+  EXPECT_NEAR(cost.forward, 24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.25), 1e-9);
+  ModelSpec materialized = m;
+  materialized.transformer->attention = Attention::Materialized;
+  EXPECT_NEAR(materialized.sliceCost(c, 1, 0, 4096, 0, 1, 1).forward,
+              24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.1), 1e-9);
   c.intraNode.efficiency = 0.5;
   EXPECT_DOUBLE_EQ(c.intraNode.bytesPerMs(), 450 * 0.5 * 1e6);
 }

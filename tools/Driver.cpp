@@ -107,6 +107,8 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   if (!limit)
     return limit.takeError();
   o.memoryLimit = *limit;
+  o.parallel.sequenceParallel = args.has("--sequence-parallel");
+  o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
   return o;
 }
 

@@ -42,7 +42,8 @@ commands:
   compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
-          [--recompute none|selective|full] [--show] [--trace trace.json] [--svg figure.svg]
+          [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
+          [--show] [--trace trace.json] [--svg figure.svg]
                       compile, verify and simulate a plan; print its summary
   validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
   simulate plan.json [--trace trace.json]
@@ -135,12 +136,12 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
 }
 
 llvm::Error cmdCompile(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2,
-                          {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
-                           "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg",
-                           "--recompute"},
-                          {"--show", "--quiet"}, "compile");
+  auto args = Args::parse(
+      argc, argv, 2,
+      {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits", "--tp", "--dp",
+       "--cluster", "--memory-limit", "--microbatch-group-size", "-o", "--output", "--trace",
+       "--svg", "--recompute"},
+      {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"}, "compile");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -276,8 +277,8 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
   if (auto t = args->path("--trace")) {
-    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
-                                        inputs))
+    if (auto err =
+            writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}}, inputs))
       return err;
     if (*t == "-") // the summary would corrupt the trace on standard output
       return llvm::Error::success();
