@@ -725,9 +725,10 @@ struct PlanReader {
           !p[1].is_number_integer() || p[0].get<int64_t>() != begin ||
           p[1].get<int64_t>() <= begin || p[1].get<int64_t>() > length)
         return r.fail(jsonPath("$.seq_slices", s),
-                      plan.transformer ? fmt::format("[{}, end) with {} < end <= seq_length {}",
-                                                     begin, begin, length)
-                                       : fmt::format("[{}, end) with end > {}", begin, begin),
+                      plan.transformer
+                          ? fmt::format("[{}, end) with {} < end <= seq_length {}", begin, begin,
+                                        length)
+                          : fmt::format("[{}, end) with end > {}", begin, begin),
                       &p);
       plan.seqSlices.emplace_back(begin, p[1].get<int64_t>());
     }

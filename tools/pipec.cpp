@@ -136,12 +136,13 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
 }
 
 llvm::Error cmdCompile(int argc, char **argv) {
-  auto args = Args::parse(
-      argc, argv, 2,
-      {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits", "--tp", "--dp",
-       "--cluster", "--memory-limit", "--microbatch-group-size", "-o", "--output", "--trace",
-       "--svg", "--recompute"},
-      {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"}, "compile");
+  auto args = Args::parse(argc, argv, 2,
+                          {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
+                           "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
+                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg",
+                           "--recompute"},
+                          {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
+                          "compile");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -277,8 +278,8 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
   if (auto t = args->path("--trace")) {
-    if (auto err =
-            writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}}, inputs))
+    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
+                                        inputs))
       return err;
     if (*t == "-") // the summary would corrupt the trace on standard output
       return llvm::Error::success();

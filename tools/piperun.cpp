@@ -272,7 +272,7 @@ llvm::Error run(int argc, char **argv) {
       say("compute type {} (--dtype)\n", computeType);
     else
       say("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
-          computeType == "bf16" ? "fp32" : "bf16");
+                 computeType == "bf16" ? "fp32" : "bf16");
   };
   // What each rank holds, allocated before step 0: its weights, gradients and optimizer state
   // (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
@@ -283,8 +283,10 @@ llvm::Error run(int argc, char **argv) {
         sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
       return sizes;
     };
-    say("weights, gradients and optimizer state MiB ({}): {}\n", whose, mib(sofar.stateBytes));
-    say("activation arena MiB ({}; sized before step 0): {}\n", whose, mib(sofar.arenaBytes));
+    say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
+               mib(sofar.stateBytes));
+    say("activation arena MiB ({}; sized before step 0): {}\n", whose,
+               mib(sofar.arenaBytes));
   };
 #endif
   if (backend == "nccl") {
@@ -312,7 +314,7 @@ llvm::Error run(int argc, char **argv) {
     if (env->rank == 0) {
       say("{}\n", ncclLine);
       say("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
-          env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
+                 env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
       printComputeType();
     }
     if (env->rank == 0)
