@@ -30,6 +30,9 @@ struct PublishedRun {
   CompileOptions options;
   int64_t globalBatch = 0, gpus = 0;
   bool fp8 = false;
+  /// The source gives the run's recomputation; where it does not, the run evidently fit in
+  /// its devices' memory: none if the plan fits without it, else full.
+  bool recomputePublished = true;
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from

@@ -11,7 +11,7 @@
 // source and overall, and the zero-bubble paper's Table 4 (Qi et al. 2024): per setting the
 // ranking of 1F1B, interleaved 1F1B, ZB-1p and ZB-2p, predicted against measured, and each
 // gain over 1F1B. --fit fits ONE set of factors per device on all of its runs together (every
-// source weighs the same) by coordinate descent and prints them as the cluster spec's fields.
+// source weighs the same; Nelder-Mead on their logarithms) and prints them.
 // --loso (implies --fit) also reports the leave-one-source-out error: for each source, the
 // factors fitted on the other sources predict it. Not a test (tests/CalibrationTest.cpp checks
 // the shipped specs); the tables go into docs/planner.md.
@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -107,43 +108,89 @@ void set(ClusterSpec &c, const Factor &f, double v) {
     c.intraNode.efficiency = c.interNode.efficiency = v;
 }
 
-/// Coordinate descent on multiplicative steps from `start`: each factor in turn moves up or
-/// down by the step while that lowers the objective; the step halves after a pass that moved
-/// nothing. `evaluations` bounds the work.
+/// Nelder-Mead on the factors' logarithms from `start` (initial simplex: each factor
+/// `spread` times larger), at most `evaluations` objective evaluations.
 ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
-                ClusterSpec start, int evaluations, double step, double &bestError) {
-  ClusterSpec best = start;
+                ClusterSpec start, int evaluations, double spread, double &bestError) {
+  constexpr size_t n = std::size(kFactors);
   // Unset factors start from a value the fit can move multiplicatively.
   for (const Factor &f : kFactors)
-    if (get(best, f) <= 0)
-      set(best, f,
-          f.field == &ClusterSpec::flashAttentionFraction ? best.achievedFraction : f.lo * 4);
-  bestError = objective(runs, which, predictAll(runs, which, best));
-  int used = 1;
-  while (used < evaluations && step > 0.01) {
-    bool moved = false;
-    for (const Factor &f : kFactors) {
-      for (double dir : {1.0, -1.0}) {
-        if (used >= evaluations)
-          break;
-        ClusterSpec c = best;
-        set(c, f, get(best, f) * (dir > 0 ? 1 + step : 1 / (1 + step)));
-        if (get(c, f) == get(best, f))
-          continue;
-        double e = objective(runs, which, predictAll(runs, which, c));
-        ++used;
-        if (e < bestError - 1e-6) {
-          bestError = e;
-          best = c;
-          moved = true;
-          break;
+    if (get(start, f) <= 0)
+      set(start, f,
+          f.field == &ClusterSpec::flashAttentionFraction ? start.achievedFraction : f.lo * 4);
+  using Point = std::array<double, n>;
+  auto specOf = [&](const Point &x) {
+    ClusterSpec c = start;
+    for (size_t i = 0; i < n; ++i)
+      set(c, kFactors[i], std::exp(x[i]));
+    return c;
+  };
+  int used = 0;
+  auto value = [&](const Point &x) {
+    ++used;
+    return objective(runs, which, predictAll(runs, which, specOf(x)));
+  };
+  std::vector<Point> simplex(n + 1);
+  std::vector<double> f(n + 1);
+  for (size_t i = 0; i < n; ++i)
+    simplex[0][i] = std::log(get(start, kFactors[i]));
+  for (size_t j = 1; j <= n; ++j) {
+    simplex[j] = simplex[0];
+    simplex[j][j - 1] += std::log(1 + spread);
+  }
+  for (size_t j = 0; j <= n; ++j)
+    f[j] = value(simplex[j]);
+  while (used < evaluations) {
+    std::vector<size_t> idx(n + 1);
+    for (size_t j = 0; j <= n; ++j)
+      idx[j] = j;
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return f[a] < f[b]; });
+    size_t best = idx[0], worst = idx[n], second = idx[n - 1];
+    Point centroid{};
+    for (size_t j = 0; j < n; ++j)
+      for (size_t i = 0; i < n; ++i)
+        centroid[i] += simplex[idx[j]][i] / double(n);
+    auto along = [&](double t) {
+      Point p;
+      for (size_t i = 0; i < n; ++i)
+        p[i] = centroid[i] + t * (simplex[worst][i] - centroid[i]);
+      return p;
+    };
+    Point r = along(-1);
+    double fr = value(r);
+    if (fr < f[best]) {
+      Point e = along(-2);
+      double fe = value(e);
+      if (fe < fr) {
+        simplex[worst] = e;
+        f[worst] = fe;
+      } else {
+        simplex[worst] = r;
+        f[worst] = fr;
+      }
+    } else if (fr < f[second]) {
+      simplex[worst] = r;
+      f[worst] = fr;
+    } else {
+      Point k = along(0.5);
+      double fk = value(k);
+      if (fk < f[worst]) {
+        simplex[worst] = k;
+        f[worst] = fk;
+      } else {
+        for (size_t j = 0; j <= n; ++j) {
+          if (j == best)
+            continue;
+          for (size_t i = 0; i < n; ++i)
+            simplex[j][i] = simplex[best][i] + 0.5 * (simplex[j][i] - simplex[best][i]);
+          f[j] = value(simplex[j]);
         }
       }
     }
-    if (!moved)
-      step /= 2;
   }
-  return best;
+  size_t best = size_t(std::min_element(f.begin(), f.end()) - f.begin());
+  bestError = f[best];
+  return specOf(simplex[best]);
 }
 
 void printFactors(const ClusterSpec &c) {
@@ -284,7 +331,7 @@ int main(int argc, char **argv) {
     fmt::print("\n## {} ({} runs, cluster spec {})\n\n", d.csvName, which.size(), path);
     if (doFit) {
       double e = 0;
-      cluster = fit(runs, which, cluster, int(*evals), 0.4, e);
+      cluster = fit(runs, which, cluster, int(*evals), 0.3, e);
       fmt::print("fitted on all sources (mean of per-source mean absolute errors {:.1f}%):\n",
                  100 * e);
       printFactors(cluster);
@@ -324,7 +371,7 @@ int main(int argc, char **argv) {
         }
       }
       double e = 0;
-      ClusterSpec c = fit(runs, train, cluster, int(*evals) / 2, 0.2, e);
+      ClusterSpec c = fit(runs, train, cluster, int(*evals) / 2, 0.1, e);
       std::vector<double> p = predictAll(runs, test, c);
       for (size_t j = 0; j < test.size(); ++j)
         loso[testPos[j]] = p[j];
