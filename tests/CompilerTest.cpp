@@ -349,8 +349,8 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
   EXPECT_NEAR(half, expected / 2 * (512 + 256) / 512 * 1024 / (1024 + 256), 1e-9);
   // Without a half dimension the rate is achieved_fraction for every shape (the old model).
   c.gemmHalfDim = 0;
-  EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight,
-              2 * n * 12 * h * h / tp / rate, 1e-9);
+  EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight, 2 * n * 12 * h * h / tp / rate,
+              1e-9);
 }
 
 TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTime) {
@@ -408,8 +408,8 @@ TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemor
   const Link &l = ClusterSpec::defaults().intraNode;
   EXPECT_NEAR(both.stages[0].tpAllReduceTime[0] - plain.stages[0].tpAllReduceTime[0],
               l.latencyUs / 1000, 1e-12);
-  EXPECT_NEAR(both.stages[0].dpAllReduceTime - plain.stages[0].dpAllReduceTime,
-              l.latencyUs / 1000, 1e-12);
+  EXPECT_NEAR(both.stages[0].dpAllReduceTime - plain.stages[0].dpAllReduceTime, l.latencyUs / 1000,
+              1e-12);
   // Both options survive the plan file, and an old plan (without them) reads as off.
   std::string text;
   llvm::raw_string_ostream os(text);
