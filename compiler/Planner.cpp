@@ -235,6 +235,8 @@ void Search::enumerate() {
       base.recompute = rec;
       base.parallel.tp = tp;
       base.parallel.pp = base.parallel.dp = 0; // not chosen yet (a row of --csv says so)
+      base.parallel.sequenceParallel = o.sequenceParallel;
+      base.parallel.distributedOptimizer = o.distributedOptimizer;
       if (model.transformer) {
         const TransformerConfig &t = *model.transformer;
         if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp ||

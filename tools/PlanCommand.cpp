@@ -29,7 +29,7 @@ const char *const kPlanUsage =
        [--schedules a,b,...] [--memory-limit BYTES] [--top K] [-o best.json]
        [--csv all.csv] [--recompute none,selective,full] [--microbatch-sizes 1,2,4]
        [--seq-splits 1,2,4,8] [--max-vpp V] [--tp 1,2,...] [--pp 1,2,...]
-       [--tp-across-nodes] [--threads T]
+       [--tp-across-nodes] [--sequence-parallel] [--distributed-optimizer] [--threads T]
                       search tp, pp, vpp, dp, microbatch size and count, seq-splits and
                       schedules for the fastest step that fits the device's memory
 )";
@@ -68,7 +68,9 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                   {"--model", "--gpus", "--global-batch", "--cluster", "--schedules",
                    "--memory-limit", "--top", "-o", "--output", "--csv", "--recompute",
                    "--microbatch-sizes", "--seq-splits", "--max-vpp", "--threads", "--tp", "--pp"},
-                  {"--tp-across-nodes", "--quiet"}, "plan");
+                  {"--tp-across-nodes", "--quiet", "--sequence-parallel",
+                   "--distributed-optimizer"},
+                  "plan");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -109,6 +111,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     return limit.takeError();
   o.memoryLimit = *limit;
   o.tpAcrossNodes = args->has("--tp-across-nodes");
+  o.sequenceParallel = args->has("--sequence-parallel");
+  o.distributedOptimizer = args->has("--distributed-optimizer");
   if (auto err = parseList(*args, "--microbatch-sizes", o.microbatchSizes))
     return err;
   if (auto err = parseList(*args, "--seq-splits", o.seqSplits))
