@@ -77,7 +77,7 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
   int settings = 0;
   for (const auto &[id, rp] : p) {
     llvm::StringRef name(id);
-    if (!name.starts_with("T4-") || !name.ends_with("-1F1B"))
+    if (!name.startswith("T4-") || !name.endswith("-1F1B"))
       continue;
     std::string stem = name.drop_back(5).str();
     ASSERT_TRUE(p.count(stem + "-ZB-2p") && p.count(stem + "-ZB-1p") && p.count(stem + "-1F1B-I"))
@@ -113,9 +113,9 @@ TEST(CalibrationTest, TheShippedSpecsStayWithinTheirInSampleErrors) {
   // margin: a change to the cost model that moves a source past its bound must refit the specs
   // and update the docs.
   std::map<std::string, double> bound = {
-      {"narayanan2021_sc21", 0.10},   {"korthikanti2022", 0.15}, {"qi2024_zerobubble", 0.10},
-      {"bigscience_bloom176b", 0.10}, {"smith2022_mtnlg", 0.50}, {"dubey2024_llama3", 0.25},
-      {"nvidia_nemo_perf_2407", 0.30}};
+      {"narayanan2021_sc21", 0.10},   {"korthikanti2022", 0.12}, {"qi2024_zerobubble", 0.08},
+      {"bigscience_bloom176b", 0.05}, {"smith2022_mtnlg", 0.47}, {"dubey2024_llama3", 0.16},
+      {"nvidia_nemo_perf_2407", 0.25}};
   for (const char *device : {"A100-80GB", "H100-SXM"}) {
     auto errors = errorsBySource(
         device, spec(device[0] == 'A' ? "examples/a100-selene.json" : "examples/h100-nemo.json"));
