@@ -370,7 +370,7 @@ void Search::evaluate(size_t index, double threshold) {
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;
-  if (llvm::Error err = seqSlicesFor(var.model, pc.seqSplits, pc.tp, plan.seqSlices)) {
+  if (llvm::Error err = seqSlicesFor(var.model, cluster, pc, plan.seqSlices)) {
     c.outcome = Outcome::Constraint;
     c.why = takeMessage(std::move(err));
     return;
@@ -624,7 +624,9 @@ llvm::Expected<PlannerResult> Search::run() {
     }
     threshold = fitting.size() >= top ? cands[fitting[top - 1]].stepTime : kInf;
   };
-  const size_t wave = std::max<size_t>(16, 8 * size_t(threads));
+  // A wave size that does not depend on the thread count: which candidates are compiled in
+  // full (the CSV's peak_memory_exact) must not change with --threads.
+  const size_t wave = 64;
   for (size_t begin = 0; begin < open.size(); begin += wave) {
     size_t end = std::min(open.size(), begin + wave);
     parallelFor(end - begin, threads, [&](size_t j) { evaluate(open[begin + j], threshold); });

@@ -34,6 +34,9 @@ struct ParallelConfig {
   /// ZeRO-1 (--distributed-optimizer): optimizer state and fp32 master weights sharded over
   /// dp, the dp all-reduce a reduce-scatter of gradients plus an all-gather of parameters.
   bool distributedOptimizer = false;
+  /// Seq1F1B's sub-sequences at equal forward FLOPs (the paper's rule, --seq-split-by flops)
+  /// instead of equal predicted F + B + W time under the cluster (the default).
+  bool seqSplitByFlops = false;
   int numStages() const { return pp * vpp; }
 };
 

@@ -457,6 +457,46 @@ TEST(OptimizerStepTest, SyncedStepWaitsForTheLastRankAndPostValidationDoesNot) {
   EXPECT_DOUBLE_EQ(plain->stats.stepTime, plain->stats.makespan);
 }
 
+TEST(TransformerCostTest, SeqSplitBalancesPredictedTimeAndFlopsOnRequest) {
+  // Under a calibrated cluster (GEMMs and attention at different fractions of peak,
+  // memory-bound kernels, fixed costs) equal forward FLOPs are not equal times. The default
+  // split makes a block's F + B + W the same for every slice within 5%; --seq-split-by flops
+  // keeps the paper's rule, whose slices are then further apart.
+  ClusterSpec c = ClusterSpec::defaults();
+  c.peakTflops = 312;
+  c.achievedFraction = 0.574;
+  c.attentionFraction = 0.5;
+  c.flashAttentionFraction = 0.307;
+  c.memoryGBps = 1734;
+  c.opOverheadUs = 10;
+  for (const char *attention : {"flash", "materialized"}) {
+    SCOPED_TRACE(attention);
+    auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 32000,
+        "seq_length": 32768, "attention": "{}"}}}})",
+                                        attention),
+                            "long.json");
+    ASSERT_TRUE(bool(m));
+    auto spread = [&](bool byFlops) {
+      CompileOptions o = options("seq1f1b", 2, 4, 1, /*seqSplits=*/4, /*tp=*/2);
+      o.parallel.seqSplitByFlops = byFlops;
+      auto plan = compilePlan(*m, c, o, /*verifyEach=*/true);
+      EXPECT_TRUE(bool(plan));
+      double lo = INFINITY, hi = 0;
+      for (auto [b, e] : plan->seqSlices) {
+        EXPECT_EQ(b % 2, 0);
+        SliceCost s = m->sliceCost(c, 1, b, e, 0, 4, 2);
+        double t = s.forward + s.backwardInput + s.backwardWeight;
+        lo = std::min(lo, t);
+        hi = std::max(hi, t);
+      }
+      return hi / lo - 1;
+    };
+    EXPECT_LE(spread(false), 0.05);
+    EXPECT_GT(spread(true), spread(false));
+  }
+}
+
 TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {
   ModelSpec m = gpt(8, 1024, 8192, 16);
   Plan plan = compileOrFail(m, options("gpipe", 2, 2, 1, /*seqSplits=*/4, /*tp=*/2));

@@ -43,7 +43,7 @@ commands:
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
           [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
-          [--show] [--trace trace.json] [--svg figure.svg]
+          [--seq-split-by time|flops] [--show] [--trace trace.json] [--svg figure.svg]
                       compile, verify and simulate a plan; print its summary
   validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
   simulate plan.json [--trace trace.json]
@@ -140,7 +140,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
                           {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
                            "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
                            "--microbatch-group-size", "-o", "--output", "--trace", "--svg",
-                           "--recompute"},
+                           "--recompute", "--seq-split-by"},
                           {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
                           "compile");
   if (!args)
