@@ -92,7 +92,7 @@ int main(int argc, char **argv) {
   }
   start = std::chrono::steady_clock::now();
   OutputFile file{"--out", out, "", [&](llvm::raw_ostream &os) { writePlanJson(*plan, os); }};
-  if (auto err = writeFilesAtomically(file))
+  if (auto err = writeFilesAtomically(file, {}))
     return fail(std::move(err));
   fmt::print("step=write instructions={} compile={:.3f}s write={:.3f}s peak_rss={:.1f}MiB\n",
              plan->numInstructions(), compile, since(start), peakRssMiB());

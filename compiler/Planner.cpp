@@ -52,9 +52,31 @@ ModelSpec modelVariant(const ModelSpec &model, int64_t microbatchSize, Recompute
   return m;
 }
 
+std::string scheduleLabel(const PlanCandidate &c) {
+  return c.parallel.pp == 1 && !c.schedule.empty() ? kNoPipelineLabel : c.schedule;
+}
+
+int64_t headroomFor(int64_t minHeadroom, int64_t limit) {
+  return minHeadroom >= 0 ? minHeadroom : limit / 100 * kDefaultHeadroomPercent;
+}
+
+int64_t limitThatFits(int64_t minHeadroom, int64_t peak) {
+  if (minHeadroom >= 0)
+    return peak + minHeadroom;
+  // The least L with L - headroomFor(L) >= peak.
+  int64_t l = int64_t(std::ceil(double(peak) * 100 / (100 - kDefaultHeadroomPercent)));
+  while (l - headroomFor(-1, l) < peak)
+    ++l;
+  while (l > peak && l - 1 - headroomFor(-1, l - 1) >= peak)
+    --l;
+  return l;
+}
+
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+/// The most microbatches per step pipec plans.
+constexpr int64_t kMostMicrobatches = int64_t(1) << 24;
 
 std::string mib(int64_t bytes) {
   double b = double(bytes);
@@ -78,6 +100,8 @@ std::vector<int> divisorsOf(int n) {
 struct ScheduleChoice {
   const SchedulePolicy *policy = nullptr;
   std::vector<int> vpps, seqSplits;
+  /// Not asked for: only the no-pipeline layout (pp 1) uses it.
+  bool noPipelineOnly = false;
 };
 
 ScheduleChoice probe(const SchedulePolicy *policy, const PlannerOptions &o) {
@@ -149,8 +173,12 @@ private:
   const ClusterSpec &cluster;
   const PlannerOptions &o;
   int64_t limit = 0;
+  /// What a plan may use: limit less the headroom it must leave.
+  int64_t fit = 0, headroom = 0;
   unsigned threads = 1;
   std::vector<ScheduleChoice> schedules;
+  /// schedules' entry for the no-pipeline layout (1f1b).
+  size_t noPipeline = 0;
   std::vector<Variant> variants; // by (recompute, microbatch size)
   std::vector<PlanCandidate> cands;
   std::vector<size_t> variantOf; // per candidate
@@ -164,7 +192,11 @@ private:
   std::vector<int> partitionFor(size_t variant, int tp, int stages);
   void evaluate(size_t index, double threshold);
   bool compile(size_t index, Plan *out);
-  llvm::Error explainNothingFits() const;
+  llvm::Error explainNothingFits();
+  llvm::Error explainNoLayout() const;
+  std::vector<int64_t> microbatchSizesFor(int64_t perReplica) const;
+  bool tpAllowed(int tp) const;
+  bool scheduleOpen(int pp, int64_t microbatches) const;
 };
 
 llvm::Error Search::setUp() {
@@ -176,6 +208,12 @@ llvm::Error Search::setUp() {
   if (o.top < 1)
     return inputError("--top must be at least 1 (got {}); try --top 5", o.top);
   limit = o.memoryLimit > 0 ? o.memoryLimit : cluster.memoryBytes;
+  headroom = headroomFor(o.minHeadroom, limit);
+  if (headroom >= limit)
+    return inputError("--min-headroom {} leaves nothing of the {} memory limit; try "
+                      "--min-headroom {}%",
+                      mib(headroom), mib(limit), kDefaultHeadroomPercent);
+  fit = limit - headroom;
   threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
   if (o.schedules.empty()) {
     for (const SchedulePolicy *p : allPolicies())
@@ -190,6 +228,25 @@ llvm::Error Search::setUp() {
         continue;
       schedules.push_back(probe(*p, o));
     }
+  }
+  // pp 1 is one layout, "no pipeline", compiled as 1f1b whatever --schedules lists: at one
+  // rank every schedule's order is a microbatch's forwards then its backwards, and virtual
+  // stages or sub-sequences would change only the label.
+  auto oneFOneB =
+      llvm::find_if(schedules, [](const ScheduleChoice &c) { return c.policy->name() == "1f1b"; });
+  if (oneFOneB == schedules.end()) {
+    auto p = findPolicy("1f1b");
+    if (!p)
+      return p.takeError();
+    ScheduleChoice c;
+    c.policy = *p;
+    c.vpps = {1};
+    c.seqSplits = {1};
+    c.noPipelineOnly = true;
+    schedules.push_back(c);
+    noPipeline = schedules.size() - 1;
+  } else {
+    noPipeline = size_t(oneFOneB - schedules.begin());
   }
   if (!model.isTransformer() && !o.recompute.empty() &&
       llvm::any_of(o.recompute, [](Recompute r) { return r != Recompute::None; }))
@@ -274,17 +331,7 @@ void Search::enumerate() {
           continue;
         }
         int64_t perReplica = o.globalBatch / dp;
-        std::vector<int64_t> sizes;
-        if (!model.isTransformer()) {
-          sizes.push_back(1);
-        } else if (!o.microbatchSizes.empty()) {
-          sizes = o.microbatchSizes;
-        } else {
-          for (int64_t b = 1; b <= std::min(perReplica, o.maxMicrobatchSize); ++b)
-            if (perReplica % b == 0)
-              sizes.push_back(b);
-        }
-        for (int64_t b : sizes) {
+        for (int64_t b : microbatchSizesFor(perReplica)) {
           layout.microbatchSize = b;
           if (perReplica % b) {
             drop(fmt::format("microbatch size {} does not divide the {} sequences per replica", b,
@@ -292,15 +339,17 @@ void Search::enumerate() {
             continue;
           }
           int64_t m = perReplica / b;
-          if (m > (1 << 24)) {
+          if (m > kMostMicrobatches) {
             drop(fmt::format("{} microbatches per step is beyond what pipec plans (2^24)", m));
             continue;
           }
           size_t variant = variantFor(b, rec);
           for (size_t si = 0; si < schedules.size(); ++si) {
             const ScheduleChoice &sc = schedules[si];
-            for (int vpp : sc.vpps)
-              for (int k : sc.seqSplits) {
+            if ((pp == 1) != (si == noPipeline) || (pp > 1 && sc.noPipelineOnly))
+              continue;
+            for (int vpp : pp == 1 ? std::vector<int>{1} : sc.vpps)
+              for (int k : pp == 1 ? std::vector<int>{1} : sc.seqSplits) {
                 PlanCandidate c = layout;
                 c.schedule = sc.policy->name().str();
                 c.parallel.vpp = vpp;
@@ -394,11 +443,11 @@ void Search::evaluate(size_t index, double threshold) {
     }
   }
   c.peakMemoryBytes = bound;
-  if (bound > limit) {
+  if (bound > fit) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
                         "one microbatch) of {}",
-                        c.worstRank, mib(bound), mib(limit));
+                        c.worstRank, mib(bound), mib(fit));
     return;
   }
 
@@ -438,13 +487,13 @@ void Search::evaluate(size_t index, double threshold) {
   request.parallel = pc;
   request.stages = plan.stages;
   if (c.schedule == "zb-auto") {
-    // zb-auto at the device's memory: what is left of it for activations on the fullest rank,
-    // less room for two receive buffers each way.
+    // zb-auto at the device's memory (less the headroom): what is left of it for activations
+    // on the fullest rank, less room for two receive buffers each way.
     int64_t buffers = 0;
     for (const StageInfo &st : plan.stages)
       for (int64_t b : st.outputBytes)
         buffers = std::max(buffers, b);
-    c.zbAutoLimit = std::max<int64_t>(0, limit - maxStatic - 4 * buffers);
+    c.zbAutoLimit = std::max<int64_t>(0, fit - maxStatic - 4 * buffers);
     request.memoryLimit = c.zbAutoLimit;
   }
   if (llvm::Error err = policy.checkRequest(request)) {
@@ -465,7 +514,7 @@ void Search::evaluate(size_t index, double threshold) {
   }
   c.simulated = true;
   c.stepTime = stats.stepTime;
-  c.bubbleRatio = stats.bubbleRatio;
+  c.bubble = stats.stepTime > 0 ? 1.0 - stats.meanBusy / stats.stepTime : 0.0;
   int64_t peak = 0;
   for (int r = 0; r < pc.pp; ++r) {
     int64_t bytes = stats.staticBytes[size_t(r)] + stats.peakActivationBytes[size_t(r)];
@@ -475,10 +524,10 @@ void Search::evaluate(size_t index, double threshold) {
     }
   }
   c.peakMemoryBytes = peak;
-  if (peak > limit) {
+  if (peak > fit) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} peaks at {} (without receive buffers) of {}", c.worstRank,
-                        mib(peak), mib(limit));
+                        mib(peak), mib(fit));
     return;
   }
   c.outcome = Outcome::Fits;
@@ -507,10 +556,15 @@ bool Search::compile(size_t index, Plan *out) {
   // quickEvaluate computes the step time the full pipeline does; the compiled plan is the
   // authority all the same.
   c.stepTime = plan->stats.stepTime;
-  c.bubbleRatio = plan->stats.bubbleRatio;
-  if (peak > limit) {
+  double busy = 0;
+  for (const RankStats &r : plan->stats.ranks)
+    busy += r.busy;
+  c.bubble = c.stepTime > 0 && !plan->stats.ranks.empty()
+                 ? 1.0 - busy / double(plan->stats.ranks.size()) / c.stepTime
+                 : 0.0;
+  if (peak > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(peak), mib(limit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(peak), mib(fit));
     return false;
   }
   if (out)
@@ -518,24 +572,296 @@ bool Search::compile(size_t index, Plan *out) {
   return true;
 }
 
-llvm::Error Search::explainNothingFits() const {
-  // Layouts exist (else run() reported bad input): all are over the memory limit.
+llvm::Error Search::explainNothingFits() {
+  // Layouts exist (else run() reported bad input): all are over the memory limit. The closest
+  // is the one of least peak as compile states it: compile, in waves, those whose known peak
+  // (a lower bound, or exact when compiled) is below the least exact peak found, least first.
+  // zb-auto is left out while any other schedule is open: its order depends on the limit, so
+  // a limit suggested from its peak at this one would not hold it.
+  bool others = llvm::any_of(cands, [](const PlanCandidate &c) {
+    return c.outcome == Outcome::Memory && c.schedule != "zb-auto";
+  });
+  std::vector<size_t> over;
+  for (size_t i = 0; i < cands.size(); ++i)
+    if (cands[i].outcome == Outcome::Memory && (!others || cands[i].schedule != "zb-auto"))
+      over.push_back(i);
+  std::stable_sort(over.begin(), over.end(), [&](size_t a, size_t b) {
+    return cands[a].peakMemoryBytes < cands[b].peakMemoryBytes;
+  });
+  const size_t kMostCompiles = 4 * std::max<size_t>(4, threads);
   const PlanCandidate *closest = nullptr;
-  for (const PlanCandidate &c : cands)
-    if (c.outcome == Outcome::Memory && (!closest || c.peakMemoryBytes < closest->peakMemoryBytes))
-      closest = &c;
+  size_t next = 0, compiles = 0;
+  while (next < over.size() && compiles < kMostCompiles &&
+         (!closest || cands[over[next]].peakMemoryBytes < closest->peakMemoryBytes)) {
+    std::vector<size_t> wave;
+    for (; next < over.size() && wave.size() < std::max(1u, threads) &&
+           compiles + wave.size() < kMostCompiles;
+         ++next)
+      if (!cands[over[next]].compiled)
+        wave.push_back(over[next]);
+    compiles += wave.size();
+    parallelFor(wave.size(), threads, [&](size_t j) { compile(wave[j], nullptr); });
+    for (size_t i : wave) {
+      const PlanCandidate &c = cands[i];
+      // (One that compiled within the limit would have been ranked: only its receive buffers
+      // differ from quickEvaluate's figures, and they only add.)
+      if (c.compiled && c.outcome == Outcome::Memory &&
+          (!closest || c.peakMemoryBytes < closest->peakMemoryBytes))
+        closest = &c;
+    }
+  }
   if (!closest)
     return finding("no layout of {} GPUs could be scheduled (every candidate failed a "
                    "schedule's constraint); see --csv for each one's reason",
                    o.gpus);
   const ParallelConfig &pc = closest->parallel;
-  return finding("no layout of {} GPUs fits in {} per GPU: the closest, {} with tp={} pp={} "
+  std::string kept = headroom > 0
+                         ? fmt::format(" with {} kept free (--min-headroom)", mib(headroom))
+                         : std::string();
+  return finding("no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
                  "vpp={} dp={} microbatch size {} seq-splits {} recompute {}, needs {} on rank "
-                 "{} ({} short); try --memory-limit {}, more GPUs, or --recompute full",
-                 o.gpus, mib(limit), closest->schedule, pc.tp, pc.pp, pc.vpp, pc.dp,
+                 "{} (as `pipec compile` states it; {} short); try --memory-limit {}, more "
+                 "GPUs, or --recompute full",
+                 o.gpus, mib(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
                  closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
                  mib(closest->peakMemoryBytes), closest->worstRank,
-                 mib(closest->peakMemoryBytes - limit), closest->peakMemoryBytes);
+                 mib(closest->peakMemoryBytes - fit),
+                 limitThatFits(o.minHeadroom, closest->peakMemoryBytes));
+}
+
+std::vector<int64_t> Search::microbatchSizesFor(int64_t perReplica) const {
+  if (!model.isTransformer())
+    return {1};
+  if (!o.microbatchSizes.empty())
+    return o.microbatchSizes;
+  std::vector<int64_t> sizes;
+  for (int64_t b = 1; b <= std::min(perReplica, o.maxMicrobatchSize); ++b)
+    if (perReplica % b == 0)
+      sizes.push_back(b);
+  return sizes;
+}
+
+bool Search::tpAllowed(int tp) const {
+  if (tp < 1 || (!model.isTransformer() && tp > 1))
+    return false;
+  if (tp > cluster.gpusPerNode && !o.tpAcrossNodes)
+    return false;
+  if (!o.tpSizes.empty() && !llvm::is_contained(o.tpSizes, tp))
+    return false;
+  if (const auto &t = model.transformer)
+    return t->numAttentionHeads % tp == 0 && t->kvHeads() % tp == 0 && t->ffnHiddenSize % tp == 0 &&
+           t->vocabSize % tp == 0;
+  return true;
+}
+
+bool Search::scheduleOpen(int pp, int64_t microbatches) const {
+  if (microbatches < 1 || microbatches > kMostMicrobatches)
+    return false;
+  if (pp == 1)
+    return true; // no pipeline: 1f1b takes any microbatch count
+  const int numLayers = int(model.layers.size());
+  for (const ScheduleChoice &sc : schedules) {
+    if (sc.noPipelineOnly)
+      continue;
+    for (int vpp : sc.vpps)
+      for (int k : sc.seqSplits) {
+        if (int64_t(pp) * vpp > numLayers)
+          continue;
+        CompileOptions co;
+        co.schedule = sc.policy->name().str();
+        co.parallel.pp = pp;
+        co.parallel.vpp = vpp;
+        co.parallel.microbatches = int(microbatches);
+        co.parallel.seqSplits = k;
+        llvm::Error err = checkCompileOptions(co);
+        if (!err)
+          err = sc.policy->check(co.parallel);
+        bool ok = !err;
+        llvm::consumeError(std::move(err));
+        if (ok)
+          return true;
+      }
+  }
+  return false;
+}
+
+/// The divisors of n (n up to 2^40: trial division to its square root), ascending.
+std::vector<int64_t> divisorsOf64(int64_t n) {
+  std::vector<int64_t> low, high;
+  for (int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) {
+      low.push_back(d);
+      if (d != n / d)
+        high.push_back(n / d);
+    }
+  low.insert(low.end(), high.rbegin(), high.rend());
+  return low;
+}
+
+/// How far a suggestion is from what was asked, as a factor (which flag to blame).
+double ratio(int64_t a, int64_t b) {
+  return double(std::max(a, b)) / double(std::max<int64_t>(1, std::min(a, b)));
+}
+
+llvm::Error Search::explainNoLayout() const {
+  // No candidate passed the structural checks. Find the flag at fault and the nearest values
+  // that pass, by arithmetic on the same rules enumerate() applies (tp, pp, dp = GPUs/(tp·pp)
+  // dividing the batch into microbatches, a schedule taking pp and their count), never by
+  // running the search again: every loop below is over divisors or a few multiples.
+  const int numLayers = int(model.layers.size());
+  const int64_t batch = o.globalBatch;
+  const int maxTp = model.isTransformer() ? std::max(1, o.gpus) : 1;
+  // tp values the model, the node and --tp allow, whatever the GPU count.
+  std::vector<int> tps;
+  for (int tp = 1; tp <= maxTp; ++tp)
+    if (tpAllowed(tp))
+      tps.push_back(tp);
+  auto ppAllowed = [&](int pp) {
+    return pp >= 1 && pp <= numLayers && (o.ppSizes.empty() || llvm::is_contained(o.ppSizes, pp));
+  };
+  // Does some microbatch size split `perReplica` into a count a schedule takes at pp?
+  auto splits = [&](int pp, int64_t perReplica) {
+    for (int64_t b : microbatchSizesFor(perReplica))
+      if (perReplica % b == 0 && scheduleOpen(pp, perReplica / b))
+        return true;
+    return false;
+  };
+  auto list = [](const std::vector<int> &v) {
+    std::string out;
+    for (int x : v)
+      out += (out.empty() ? "" : ",") + std::to_string(x);
+    return out;
+  };
+  // (tp, pp) pairs of this GPU count.
+  std::vector<std::pair<int, int>> pairs;
+  for (int tp : tps)
+    if (o.gpus % tp == 0)
+      for (int pp = 1; pp <= std::min(numLayers, o.gpus / tp); ++pp)
+        if ((o.gpus / tp) % pp == 0 && ppAllowed(pp))
+          pairs.push_back({tp, pp});
+
+  // The nearest global batch for this GPU count: a multiple of dp·b near the batch, for every
+  // (tp, pp) of it and microbatch size (a few multiples each side, for schedules that take
+  // some counts only).
+  int64_t bestBatch = 0;
+  auto offerBatch = [&](int64_t b) {
+    if (b < 1 || b > (int64_t(1) << 40))
+      return;
+    if (!bestBatch || std::abs(b - batch) < std::abs(bestBatch - batch) ||
+        (std::abs(b - batch) == std::abs(bestBatch - batch) && b < bestBatch))
+      bestBatch = b;
+  };
+  for (auto [tp, pp] : pairs) {
+    int64_t dp = o.gpus / tp / pp;
+    std::vector<int64_t> sizes = o.microbatchSizes;
+    if (sizes.empty())
+      for (int64_t b = 1; b <= (model.isTransformer() ? o.maxMicrobatchSize : 1); ++b)
+        sizes.push_back(b);
+    for (int64_t b : sizes) {
+      int64_t unit = dp * b;
+      int64_t k0 = std::clamp<int64_t>(batch / unit, 1, kMostMicrobatches);
+      for (int64_t k = std::max<int64_t>(1, k0 - 8); k <= std::min(kMostMicrobatches, k0 + 9); ++k)
+        if (scheduleOpen(pp, k))
+          offerBatch(k * unit);
+    }
+  }
+  // The nearest GPU count for this batch: tp · pp · dp with dp dividing the batch, for every
+  // tp and pp the flags allow, taking the divisors of the batch nearest the count asked.
+  int64_t bestGpus = 0;
+  std::vector<int64_t> dps = divisorsOf64(batch);
+  auto offerGpus = [&](int64_t g, int pp, int64_t dp) {
+    if (g < 1 || g > (int64_t(1) << 20) || !splits(pp, batch / dp))
+      return false;
+    if (!bestGpus || std::abs(g - o.gpus) < std::abs(bestGpus - o.gpus) ||
+        (std::abs(g - o.gpus) == std::abs(bestGpus - o.gpus) && g < bestGpus))
+      bestGpus = g;
+    return true;
+  };
+  for (int tp : tps)
+    for (int pp = 1; pp <= numLayers; ++pp) {
+      if (!ppAllowed(pp))
+        continue;
+      int64_t per = int64_t(tp) * pp;
+      auto at = std::lower_bound(dps.begin(), dps.end(), std::max<int64_t>(1, o.gpus / per));
+      // The first dp each side of the share that passes (a few tries: schedules that take
+      // only some microbatch counts).
+      int tries = 0;
+      for (auto it = at; it != dps.end() && tries < 16; ++it, ++tries)
+        if (per * *it > (int64_t(1) << 20) || offerGpus(per * *it, pp, *it))
+          break;
+      tries = 0;
+      for (auto it = at; it != dps.begin() && tries < 16; ++tries) {
+        --it;
+        if (offerGpus(per * *it, pp, *it))
+          break;
+      }
+    }
+
+  // --tp or --pp at fault: no value listed makes a layout of this GPU count.
+  const std::string orGpus = bestGpus ? fmt::format(", or --gpus {}", bestGpus) : "";
+  if (!o.tpSizes.empty() && llvm::none_of(tps, [&](int tp) { return o.gpus % tp == 0; })) {
+    // Every --tp value breaks a rule on its own: the model's divisors, the node, the GPUs.
+    std::vector<int> valid;
+    int g = o.gpus;
+    if (const auto &t = model.transformer)
+      g = std::gcd(
+          std::gcd(std::gcd(g, t->numAttentionHeads), std::gcd(t->kvHeads(), t->ffnHiddenSize)),
+          t->vocabSize);
+    else
+      g = 1;
+    for (int tp = 1; tp <= g; ++tp)
+      if (g % tp == 0 && (tp <= cluster.gpusPerNode || o.tpAcrossNodes))
+        valid.push_back(tp);
+    return inputError(
+        "--tp {}: tp must divide --gpus {}{}{}; try --tp {}", list(o.tpSizes), o.gpus,
+        model.transformer
+            ? fmt::format(", the heads ({}), the key/value groups ({}), "
+                          "ffn_hidden_size ({}) and vocab_size ({})",
+                          model.transformer->numAttentionHeads, model.transformer->kvHeads(),
+                          model.transformer->ffnHiddenSize, model.transformer->vocabSize)
+            : std::string(" (an abstract model plans tp 1 only)"),
+        o.tpAcrossNodes ? std::string()
+                        : fmt::format(" and stay within a node of {} GPUs unless "
+                                      "--tp-across-nodes",
+                                      cluster.gpusPerNode),
+        list(valid));
+  }
+  if (!o.ppSizes.empty() && pairs.empty()) {
+    std::vector<int> valid;
+    for (int tp : tps)
+      if (o.gpus % tp == 0)
+        for (int pp = 1; pp <= std::min(numLayers, o.gpus / tp); ++pp)
+          if ((o.gpus / tp) % pp == 0 && !llvm::is_contained(valid, pp))
+            valid.push_back(pp);
+    llvm::sort(valid);
+    return inputError("--pp {}: pp must divide the {} GPUs over tp ({}) and be at most the "
+                      "model's {} layers; try --pp {}{}",
+                      list(o.ppSizes), o.gpus, list(tps), numLayers, list(valid), orGpus);
+  }
+
+  bool batchFits = false;
+  for (auto [tp, pp] : pairs)
+    batchFits |= batch % (o.gpus / tp / pp) == 0 && splits(pp, batch / (o.gpus / tp / pp));
+  std::string gpusHint = bestGpus ? fmt::format("--gpus {}", bestGpus) : std::string();
+  // The batch is blamed when its nearest valid value is close (within a factor of 2) or no
+  // farther than the GPU count's: a prime GPU count asks for a batch of its own size.
+  if (!pairs.empty() && !batchFits && bestBatch &&
+      (!bestGpus || ratio(bestBatch, batch) <= std::max(2.0, ratio(bestGpus, o.gpus))))
+    return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
+                      "microbatches (at most 2^24) x microbatch size; try --global-batch {}{}",
+                      batch, o.gpus, bestBatch, bestGpus ? ", or " + gpusHint : "");
+  if (bestGpus)
+    return inputError("--gpus {}: no layout tp x pp x dp = {} fits this model, the global "
+                      "batch {} and the schedules asked for; try {}{}",
+                      o.gpus, o.gpus, batch, gpusHint,
+                      bestBatch ? fmt::format(", or --global-batch {}", bestBatch) : "");
+  if (bestBatch)
+    return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
+                      "microbatches (at most 2^24) x microbatch size; try --global-batch {}",
+                      batch, o.gpus, bestBatch);
+  return inputError("--gpus {}: no layout fits this model and --global-batch {}; see "
+                    "--csv for each candidate's reason",
+                    o.gpus, batch);
 }
 
 llvm::Expected<PlannerResult> Search::run() {
@@ -549,44 +875,8 @@ llvm::Expected<PlannerResult> Search::run() {
   for (size_t i = 0; i < cands.size(); ++i)
     if (cands[i].outcome == Outcome::Fits)
       open.push_back(i);
-  if (open.empty()) {
-    bool batchIsTheProblem = false;
-    for (const PlanCandidate &c : cands)
-      batchIsTheProblem |= llvm::StringRef(c.why).contains("global batch") ||
-                           llvm::StringRef(c.why).contains("per replica");
-    // The nearest GPU count and global batch with a layout that passes the structural checks.
-    auto layoutsExist = [&](int gpus, int64_t batch) {
-      PlannerOptions probeOptions = o;
-      probeOptions.gpus = gpus;
-      probeOptions.globalBatch = batch;
-      Search s(model, cluster, probeOptions);
-      if (llvm::Error err = s.setUp()) {
-        llvm::consumeError(std::move(err));
-        return false;
-      }
-      s.enumerate();
-      return llvm::any_of(s.cands,
-                          [](const PlanCandidate &c) { return c.outcome == Outcome::Fits; });
-    };
-    if (batchIsTheProblem) {
-      // A layout of dp replicas takes a multiple of dp: one is within gpus of any batch.
-      for (int64_t d = 1; d <= o.globalBatch + o.gpus; ++d)
-        for (int64_t b : {o.globalBatch - d, o.globalBatch + d})
-          if (b >= 1 && layoutsExist(o.gpus, b))
-            return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
-                              "microbatches x microbatch size; try --global-batch {}",
-                              o.globalBatch, o.gpus, b);
-    }
-    for (int d = 1; d <= o.gpus; ++d)
-      for (int g : {o.gpus - d, o.gpus + d})
-        if (g >= 1 && layoutsExist(g, o.globalBatch))
-          return inputError("--gpus {}: no layout tp x pp x dp = {} fits this model, the "
-                            "global batch {} and the schedules asked for; try --gpus {}",
-                            o.gpus, o.gpus, o.globalBatch, g);
-    return inputError("--gpus {}: no layout fits this model and --global-batch {}; see "
-                      "--csv for each candidate's reason",
-                      o.gpus, o.globalBatch);
-  }
+  if (open.empty())
+    return explainNoLayout();
   std::vector<double> order(cands.size(), 0);
   for (size_t i : open) {
     Variant &v = variants[variantOf[i]];
@@ -624,9 +914,9 @@ llvm::Expected<PlannerResult> Search::run() {
     }
     threshold = fitting.size() >= top ? cands[fitting[top - 1]].stepTime : kInf;
   };
-  // A wave size that does not depend on the thread count: which candidates are compiled in
-  // full (the CSV's peak_memory_exact) must not change with --threads.
-  const size_t wave = 64;
+  // (A fixed wave size: the candidates compiled between waves, and so the CSV's
+  // peak_memory_exact, must not depend on the thread count.)
+  const size_t wave = 32;
   for (size_t begin = 0; begin < open.size(); begin += wave) {
     size_t end = std::min(open.size(), begin + wave);
     parallelFor(end - begin, threads, [&](size_t j) { evaluate(open[begin + j], threshold); });
@@ -640,6 +930,7 @@ llvm::Expected<PlannerResult> Search::run() {
 
   PlannerResult result;
   result.memoryLimit = limit;
+  result.minHeadroom = headroom;
   std::sort(fitting.begin(), fitting.end(), better);
   for (size_t i = 0; i < fitting.size() && i < top; ++i) {
     cands[fitting[i]].outcome = Outcome::Ranked;
@@ -673,7 +964,7 @@ llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterS
 std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
                        const PlannerOptions &options, const PlannerResult &result) {
   std::string out = "recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,schedule,"
-                    "outcome,step_time,step_time_bound,bubble_ratio,peak_memory_bytes,"
+                    "outcome,step_time,step_time_bound,bubble,peak_memory_bytes,"
                     "peak_memory_exact,worst_rank,tokens_per_s,model_tflops_per_gpu,mfu,why\n";
   auto quote = [](llvm::StringRef s) {
     std::string q = "\"";
@@ -690,7 +981,7 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
     std::string time, bound, bubble, tokens, tflops, mfu;
     if (c.simulated) {
       time = fmt::format("{:.6g}", c.stepTime);
-      bubble = fmt::format("{:.4f}", c.bubbleRatio);
+      bubble = fmt::format("{:.4f}", c.bubble);
       if (model.transformer && c.stepTime > 0) {
         double seconds = c.stepTime / 1000;
         tokens = fmt::format("{:.6g}", double(options.globalBatch) * seq / seconds);
@@ -711,7 +1002,7 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
         c.schedule.empty() ? "" : std::to_string(c.microbatchSize),
         c.schedule.empty() ? "" : std::to_string(pc.microbatches),
         c.schedule.empty() ? "" : std::to_string(pc.seqSplits),
-        c.schedule.empty() ? "*" : c.schedule, toString(c.outcome).str(), time, bound, bubble,
+        c.schedule.empty() ? "*" : scheduleLabel(c), toString(c.outcome).str(), time, bound, bubble,
         c.peakMemoryBytes ? std::to_string(c.peakMemoryBytes) : "",
         c.peakMemoryBytes ? (c.compiled ? "yes" : "no") : "",
         c.peakMemoryBytes ? std::to_string(c.worstRank) : "", tokens, tflops, mfu, quote(c.why));

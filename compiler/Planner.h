@@ -5,8 +5,9 @@
 // a node unless allowed across), pipeline size pp, data-parallel size dp = GPUs / (tp·pp),
 // microbatch size b and count m with dp·m·b = the global batch, virtual stages and sequence
 // splits where a schedule takes them, every schedule whose constraints the layout meets, and
-// activation recomputation where asked. It keeps the layouts whose worst rank's peak memory
-// fits the device, simulates each, and ranks them by step time.
+// activation recomputation where asked; pp 1 is one candidate, no pipeline (1f1b at vpp 1,
+// one slice). It keeps the layouts whose worst rank's peak memory fits the device with
+// --min-headroom left free, simulates each, and ranks them by step time.
 //
 // How (the "fast"):
 //   - no JSON, no lowering per candidate: the stage table comes from the partition pass's own
@@ -40,6 +41,14 @@
 
 namespace pipec {
 
+/// --min-headroom's default: this percentage of the memory limit is kept free.
+constexpr int kDefaultHeadroomPercent = 5;
+
+/// The schedule column's label for a layout without pipeline parallelism (pp 1): one
+/// candidate, compiled as `1f1b` (each microbatch's forward, then its backward; what
+/// `pipec compile --pp 1 --schedule 1f1b` builds).
+constexpr const char *kNoPipelineLabel = "no-pipeline";
+
 struct PlannerOptions {
   int gpus = 0;
   /// Sequences per step (transformer models) or microbatches per step (abstract models).
@@ -48,6 +57,9 @@ struct PlannerOptions {
   std::vector<std::string> schedules;
   /// Bytes per GPU a plan may use; 0: the cluster device's memory.
   int64_t memoryLimit = 0;
+  /// Bytes of that limit every ranked plan must leave free (so that the top plan is not at the
+  /// edge); negative: kDefaultHeadroomPercent of the limit. 0 lets a plan use it all.
+  int64_t minHeadroom = -1;
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
@@ -90,9 +102,11 @@ struct PlanCandidate {
   Outcome outcome = Outcome::Divisibility;
   /// For a drop: one line saying why.
   std::string why;
-  /// Simulated (Ranked, Fits and some Memory candidates).
+  /// Simulated (Ranked, Fits and some Memory candidates). bubble: the share of the step a
+  /// rank computes nothing, averaged over ranks: 1 - mean(busy) / stepTime (so that
+  /// stepTime · (1 - bubble) is the mean rank's compute time).
   bool simulated = false;
-  double stepTime = 0, bubbleRatio = 0;
+  double stepTime = 0, bubble = 0;
   /// Lower bound of the step time (0 when not computed).
   double stepTimeBound = 0;
   /// Peak memory of the worst rank: exact (with receive buffers) when compiled, else static
@@ -109,6 +123,8 @@ struct PlannerResult {
   std::vector<PlanCandidate> candidates;
   /// The top K, best first: indices into candidates.
   std::vector<size_t> ranked;
+  /// Bytes every ranked plan leaves free of memoryLimit (--min-headroom, resolved).
+  int64_t minHeadroom = 0;
   /// The best candidate's compiled, verified plan (empty when nothing fits).
   Plan best;
   int64_t memoryLimit = 0;
@@ -118,10 +134,20 @@ struct PlannerResult {
 };
 
 /// Search. An InputError for bad input (no layout of that many GPUs, a global batch no layout
-/// divides, an unknown schedule), naming the flag and the nearest valid value; a Finding when
-/// layouts exist but none fits in memory, naming the smallest shortfall.
+/// divides, --tp or --pp values no layout can use, an unknown schedule), naming the flag at
+/// fault and the nearest valid value, found by arithmetic on the divisibility rules (never by
+/// searching again); a Finding when layouts exist but none fits in memory, naming what
+/// `pipec compile` reports for the closest and a --memory-limit under which it fits.
 llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterSpec &cluster,
                                           const PlannerOptions &options);
+
+/// The schedule as the table and the CSV show it: kNoPipelineLabel for pp 1.
+std::string scheduleLabel(const PlanCandidate &c);
+
+/// The headroom `minHeadroom` (PlannerOptions') resolves to under `limit`, and the least
+/// --memory-limit under which a plan peaking at `peak` bytes keeps it.
+int64_t headroomFor(int64_t minHeadroom, int64_t limit);
+int64_t limitThatFits(int64_t minHeadroom, int64_t peak);
 
 /// Every candidate as CSV, one row each, a header first.
 std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,

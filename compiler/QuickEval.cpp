@@ -143,6 +143,10 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
         RankSpan{me.busy, start, me.end, std::max(me.end, me.dpFree), rankOptimizerTime(plan, r)});
   }
   StepFigures f = stepFigures(plan, spans);
+  double busy = 0;
+  for (const RankSpan &s : spans)
+    busy += s.busy;
+  out.meanBusy = spans.empty() ? 0 : busy / double(spans.size());
   out.makespan = f.makespan;
   out.stepTime = f.stepTime;
   out.bubbleRatio = f.bubbleRatio;

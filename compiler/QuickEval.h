@@ -30,6 +30,8 @@ namespace pipec {
 
 struct QuickStats {
   double makespan = 0, stepTime = 0, bubbleRatio = 0;
+  /// Compute time of the mean rank (busy as summarizeTimeline counts it).
+  double meanBusy = 0;
   /// Per pipeline rank, as the memory pass computes them.
   std::vector<int64_t> peakActivationBytes, staticBytes;
 };

@@ -85,12 +85,10 @@ llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
                       shortened(format));
   CheckpointManifest m;
   int64_t sequences = 0;
-  if (auto err = r.getInt(j, "$", "step", m.step, true, 1))
+  if (auto err = r.getIntInRange(j, "$", "step", m.step, true, 1, kMaxCheckpointStep))
     return err;
-  if (auto err = r.getInt(j, "$", "adam_steps", m.adamSteps, true))
+  if (auto err = r.getIntInRange(j, "$", "adam_steps", m.adamSteps, true, 0, kMaxCheckpointStep))
     return err;
-  if (m.step > (int64_t(1) << 31) || m.adamSteps > (int64_t(1) << 31))
-    return r.fail("$.step", "a step below 2^31", &j["step"]);
   std::string seedText;
   if (auto err = r.getString(j, "$", "seed", seedText, true))
     return err;

@@ -19,6 +19,11 @@
 
 namespace pipec {
 
+/// The last step a checkpoint can record: its directory is named step-<8 digits>, and AdamW's
+/// step counter (an int) must have room for the next step. A manifest beyond it is refused, and
+/// so is a save after it.
+inline constexpr int64_t kMaxCheckpointStep = 99'999'999;
+
 struct CheckpointManifest {
   int64_t step = 0;      // optimizer steps taken: the index of the next step
   int64_t adamSteps = 0; // AdamW's step counter (its bias correction)

@@ -221,8 +221,64 @@ llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &fo
   if (!ok)
     return inputError("{}: cannot read: {}", shortened(path, 200), errnoText(readErrno));
   if (out.size() > format.maxBytes)
-    return inputError("{}: more than {} can need (at most {})", shortened(path, 200),
-                      format.name, humanBytes(format.maxBytes));
+    return inputError("{}: more than {} can need (at most {})", shortened(path, 200), format.name,
+                      humanBytes(format.maxBytes));
+  return out;
+}
+
+llvm::Expected<int> openRegularFileAt(int dirFd, llvm::StringRef name, llvm::StringRef shown,
+                                      const InputFormat &format, uint64_t &size) {
+  int fd = ::openat(dirFd, name.str().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    int code = errno;
+    struct stat st;
+    if (code == ELOOP || (::fstatat(dirFd, name.str().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                          S_ISLNK(st.st_mode)))
+      return inputError("{}: is a symbolic link, not {} (links are not followed here)",
+                        shortened(shown, 200), format.name);
+    return inputError("{}: cannot read: {}", shortened(shown, 200), errnoText(code));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    std::string kind = ::fstat(fd, &st) == 0 ? kindOf(st) : std::string("unreadable");
+    ::close(fd);
+    return inputError("{}: is {}, not {} (give a regular file)", shortened(shown, 200), kind,
+                      format.name);
+  }
+  size = uint64_t(st.st_size);
+  if (size > format.maxBytes) {
+    ::close(fd);
+    return inputError("{}: {} is more than {} can need (at most {})", shortened(shown, 200),
+                      humanBytes(size), format.name, humanBytes(format.maxBytes));
+  }
+  // A regular file never blocks; clear O_NONBLOCK for the reads that follow.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+llvm::Expected<std::string> readRegularFileAt(int dirFd, llvm::StringRef name,
+                                              llvm::StringRef shown, const InputFormat &format) {
+  uint64_t size = 0;
+  auto fd = openRegularFileAt(dirFd, name, shown, format, size);
+  if (!fd)
+    return fd.takeError();
+  if (auto err =
+          checkMemoryBudget(uint64_t(double(size) * format.memoryPerByte),
+                            fmt::format("reading {} ({})", shortened(shown, 200), humanBytes(size)),
+                            "use a machine with more memory")) {
+    ::close(*fd);
+    return err;
+  }
+  std::string out;
+  out.reserve(size_t(size));
+  bool ok = readAll(*fd, format.maxBytes, out);
+  int readErrno = errno;
+  ::close(*fd);
+  if (!ok)
+    return inputError("{}: cannot read: {}", shortened(shown, 200), errnoText(readErrno));
+  if (out.size() > format.maxBytes)
+    return inputError("{}: more than {} can need (at most {})", shortened(shown, 200), format.name,
+                      humanBytes(format.maxBytes));
   return out;
 }
 

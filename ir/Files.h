@@ -49,6 +49,16 @@ llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &fo
 /// `regular` says whether it is a regular file (else a pipe).
 llvm::Error checkInputFile(llvm::StringRef path, const InputFormat &format, bool &regular);
 
+/// Open `name` inside the directory `dirFd` for reading as the checkpoint rules want it: never
+/// through a symbolic link (O_NOFOLLOW), never blocking on a pipe (O_NONBLOCK), and only a
+/// regular file of at most `format.maxBytes`; `shown` names it in messages. The descriptor is
+/// the caller's to close; its size goes to `size`.
+llvm::Expected<int> openRegularFileAt(int dirFd, llvm::StringRef name, llvm::StringRef shown,
+                                      const InputFormat &format, uint64_t &size);
+/// openRegularFileAt, then the whole file.
+llvm::Expected<std::string> readRegularFileAt(int dirFd, llvm::StringRef name,
+                                              llvm::StringRef shown, const InputFormat &format);
+
 /// Why `path` is not a regular file ("a character device", "a directory", ...), or "" if it is
 /// one; `followLinks` as stat(2) does. Also "" when the path does not exist.
 std::string specialFileKind(llvm::StringRef path);
@@ -72,11 +82,13 @@ llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
 
 /// Write several files all or nothing: every check and every temporary first (each fsynced),
 /// then standard output, then the renames. The error names the flag of the file that failed.
+/// `inputs` are every file the call read (a command's: tools/Driver.h's commandInputs): no
+/// output may be one of them, by any path; a writer with no inputs passes {} explicitly.
 llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
-                                 llvm::ArrayRef<InputFile> inputs = {});
+                                 llvm::ArrayRef<InputFile> inputs);
 /// One file the same way; the error names the path.
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
-                                llvm::ArrayRef<InputFile> inputs = {});
+                                llvm::ArrayRef<InputFile> inputs);
 
 /// Write `text` to standard output and flush it; a failure (a full disk, a closed pipe) is an
 /// InputError "standard output: cannot write: <why>".

@@ -1,6 +1,7 @@
 #include "ir/JsonRead.h"
 
 #include "ir/Files.h"
+#include "ir/JsonScan.h"
 
 #include "llvm/ADT/STLExtras.h"
 
@@ -76,7 +77,7 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
     return inputError("{}: JSON nested {} levels deep; pipec's formats need at most {}", source,
                       depth, kMaxDepth);
   try {
-    return Json::parse(text.begin(), text.end());
+    return Json::parse(json::NulVisible{text.begin()}, json::NulVisible{text.end()});
   } catch (const Json::out_of_range &e) {
     return inputError("{}: a number is out of range ({})", source,
                       llvm::StringRef(e.what()).contains("overflow") ? "too large for a double"

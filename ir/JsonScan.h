@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,31 @@ enum class ScanResult {
   Stopped,    ///< the handler returned false
   Unsupported ///< not scanned here (a syntax error, a \u escape, a 20-digit number...)
 };
+
+/// nlohmann's lexer takes a NUL byte for the end of its input, so that a document followed by
+/// a NUL and anything at all would parse as the document alone. Every reader hands nlohmann its
+/// characters through this iterator, which shows a NUL as 0x01: a control character that no
+/// JSON text holds outside a string (nor unescaped inside one), so the parse fails at the NUL's
+/// position, as it does for any other stray byte.
+template <typename It> struct NulVisible {
+  using iterator_category = std::input_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char *;
+  using reference = char;
+  It it;
+  char operator*() const {
+    char c = *it;
+    return c == '\0' ? '\x01' : c;
+  }
+  NulVisible &operator++() {
+    ++it;
+    return *this;
+  }
+  bool operator==(const NulVisible &o) const { return it == o.it; }
+  bool operator!=(const NulVisible &o) const { return !(it == o.it); }
+};
+template <typename It> NulVisible(It) -> NulVisible<It>;
 
 /// A text held in memory.
 struct TextInput {

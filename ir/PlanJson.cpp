@@ -74,6 +74,42 @@ static void writeInstruction(llvm::raw_ostream &os, const Instruction &i) {
 }
 
 /// `value` as nlohmann's pretty printer writes it one level down (after a key at indent 1).
+/// The spec's "transformer" object (pipemodel/1): the sizes, then the block's variants only where
+/// they are not GPT-2's, so that GPT-2 plans and specs read as before.
+static OJson transformerJson(const TransformerConfig &t) {
+  OJson o{{"num_layers", t.numLayers},
+          {"hidden_size", t.hiddenSize},
+          {"num_attention_heads", t.numAttentionHeads},
+          {"ffn_hidden_size", t.ffnHiddenSize},
+          {"vocab_size", t.vocabSize},
+          {"seq_length", t.seqLength},
+          {"microbatch_size", t.microbatchSize},
+          {"dtype", t.dtype},
+          {"tie_embeddings", t.tieEmbeddings},
+          {"attention", toString(t.attention).str()},
+          {"recompute", toString(t.recompute).str()}};
+  if (t.norm != Norm::LayerNorm)
+    o["norm"] = toString(t.norm).str();
+  if (t.mlp != Mlp::Gelu)
+    o["mlp"] = toString(t.mlp).str();
+  if (t.position != Position::Learned) {
+    o["position"] = toString(t.position).str();
+    o["rope_theta"] = t.ropeTheta;
+  }
+  if (t.numQueryGroups > 0)
+    o["num_query_groups"] = t.numQueryGroups;
+  if (!t.bias)
+    o["bias"] = false;
+  if (t.normEps != 1e-5)
+    o["norm_eps"] = t.normEps;
+  return o;
+}
+
+std::string modelSpecJson(llvm::StringRef name, const TransformerConfig &t) {
+  OJson j{{"format", "pipemodel/1"}, {"name", name.str()}, {"transformer", transformerJson(t)}};
+  return j.dump(2, ' ', false, OJson::error_handler_t::replace) + "\n";
+}
+
 static void writeNested(llvm::raw_ostream &os, const OJson &value) {
   std::string text = value.dump(1, ' ', false, OJson::error_handler_t::replace);
   for (char c : text) {
@@ -114,36 +150,8 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
     j["optimizer_sync_time"] = plan.optimizerSyncTime;
   if (plan.postValidation)
     j["post_validation"] = true;
-  if (plan.transformer) {
-    const TransformerConfig &t = *plan.transformer;
-    j["transformer"] = OJson{{"num_layers", t.numLayers},
-                             {"hidden_size", t.hiddenSize},
-                             {"num_attention_heads", t.numAttentionHeads},
-                             {"ffn_hidden_size", t.ffnHiddenSize},
-                             {"vocab_size", t.vocabSize},
-                             {"seq_length", t.seqLength},
-                             {"microbatch_size", t.microbatchSize},
-                             {"dtype", t.dtype},
-                             {"tie_embeddings", t.tieEmbeddings},
-                             {"attention", toString(t.attention).str()},
-                             {"recompute", toString(t.recompute).str()}};
-    // The block's variants only where they are not GPT-2's, so that GPT-2 plans read as before.
-    OJson &o = j["transformer"];
-    if (t.norm != Norm::LayerNorm)
-      o["norm"] = toString(t.norm).str();
-    if (t.mlp != Mlp::Gelu)
-      o["mlp"] = toString(t.mlp).str();
-    if (t.position != Position::Learned) {
-      o["position"] = toString(t.position).str();
-      o["rope_theta"] = t.ropeTheta;
-    }
-    if (t.numQueryGroups > 0)
-      o["num_query_groups"] = t.numQueryGroups;
-    if (!t.bias)
-      o["bias"] = false;
-    if (t.normEps != 1e-5)
-      o["norm_eps"] = t.normEps;
-  }
+  if (plan.transformer)
+    j["transformer"] = transformerJson(*plan.transformer);
   OJson slices = OJson::array();
   for (auto [b, e] : plan.seqSlices)
     slices.push_back(OJson::array({b, e}));
@@ -725,10 +733,9 @@ struct PlanReader {
           !p[1].is_number_integer() || p[0].get<int64_t>() != begin ||
           p[1].get<int64_t>() <= begin || p[1].get<int64_t>() > length)
         return r.fail(jsonPath("$.seq_slices", s),
-                      plan.transformer
-                          ? fmt::format("[{}, end) with {} < end <= seq_length {}", begin, begin,
-                                        length)
-                          : fmt::format("[{}, end) with end > {}", begin, begin),
+                      plan.transformer ? fmt::format("[{}, end) with {} < end <= seq_length {}",
+                                                     begin, begin, length)
+                                       : fmt::format("[{}, end) with end > {}", begin, begin),
                       &p);
       plan.seqSlices.emplace_back(begin, p[1].get<int64_t>());
     }
@@ -1352,7 +1359,9 @@ llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source,
       return std::move(*plan);
   }
   auto parse = [&](PlanSax &sax) {
-    return Json::sax_parse(text.begin(), text.end(), &sax) ? Parsed::Ok : Parsed::Failed;
+    return Json::sax_parse(json::NulVisible{text.begin()}, json::NulVisible{text.end()}, &sax)
+               ? Parsed::Ok
+               : Parsed::Failed;
   };
   auto plan = parseStreaming(parse, source, text.size(), where);
   if (!plan)
@@ -1434,7 +1443,8 @@ llvm::Expected<Plan> loadPlan(llvm::StringRef path) {
     std::rewind(file);
     FileChars chars(file);
     auto parse = [&](PlanSax &sax) {
-      return Json::sax_parse(FileChars::Iterator{&chars}, FileChars::Iterator{nullptr}, &sax)
+      return Json::sax_parse(json::NulVisible{FileChars::Iterator{&chars}},
+                             json::NulVisible{FileChars::Iterator{nullptr}}, &sax)
                  ? Parsed::Ok
                  : Parsed::Failed;
     };

@@ -23,6 +23,10 @@ std::string writePlanJson(const Plan &plan);
 /// Which JSON parser reads a plan: ir/JsonScan.h's scanner, which hands anything unusual
 /// (every syntax error included) to nlohmann's, or nlohmann's alone: the reference the
 /// scanner is tested against (same plan, same error).
+/// A pipemodel/1 spec of transformer `t`, as `pipec spec` prints it (parseModelSpec reads it
+/// back to the same TransformerConfig).
+std::string modelSpecJson(llvm::StringRef name, const TransformerConfig &t);
+
 enum class JsonParser { Fast, Nlohmann };
 llvm::Expected<Plan> parsePlanJson(llvm::StringRef text, llvm::StringRef source,
                                    JsonParser parser = JsonParser::Fast);

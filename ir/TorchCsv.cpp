@@ -51,7 +51,7 @@ llvm::StringRef describe(ImportedOrder::Source source) {
 // Writing
 //===----------------------------------------------------------------------===//
 
-llvm::Error checkTorchExpressible(const Plan &plan) {
+llvm::Error checkTorchExpressible(const Plan &plan, bool tiedByCaller) {
   const ParallelConfig &pc = plan.parallel;
   if (pc.seqSplits > 1)
     return inputError("PyTorch's schedule CSV cannot express sub-sequences (this plan has "
@@ -61,7 +61,7 @@ llvm::Error checkTorchExpressible(const Plan &plan) {
     return inputError("PyTorch's schedule CSV cannot express tensor-parallel parts and their "
                       "all-reduces (this plan has --tp {}); compile with --tp 1",
                       pc.tp);
-  if (plan.tiedEmbeddings())
+  if (plan.tiedEmbeddings() && !tiedByCaller)
     return inputError("PyTorch's schedule CSV cannot express the all-reduce of tied embeddings "
                       "between the first and the last stage; set \"tie_embeddings\": false in "
                       "the model, or compile with --pp 1 --vpp 1");
@@ -150,7 +150,7 @@ residentStages(const std::vector<llvm::SmallVector<int, 2>> &actions, size_t win
 }
 
 /// One rank's row of the compute+comms form.
-std::vector<std::string> commsRow(const Plan &plan, int rank) {
+std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller) {
   const std::vector<Instruction> &stream = plan.ranks[size_t(rank)];
   std::vector<size_t> computeAt;
   std::vector<Instruction> compute;
@@ -211,6 +211,8 @@ std::vector<std::string> commsRow(const Plan &plan, int rank) {
       return;
     case OpKind::AllReduce:
       flushReduce();
+      if (i.collective == CollectiveGroup::Embedding && tiedByCaller)
+        return; // the caller sums the tied copies' gradients after the step
       assert(i.collective == CollectiveGroup::Dp && "checkTorchExpressible lets only dp through");
       reduce(i.stage);
       return;
@@ -316,13 +318,14 @@ std::vector<std::string> commsRow(const Plan &plan, int rank) {
 
 } // namespace
 
-llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form) {
-  if (auto err = checkTorchExpressible(plan))
+llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form,
+                                          bool tiedByCaller) {
+  if (auto err = checkTorchExpressible(plan, tiedByCaller))
     return err;
   std::string out;
   for (int r = 0; r < plan.numRanks(); ++r) {
     if (form == TorchCsvForm::ComputeComms) {
-      out += joinRow(commsRow(plan, r));
+      out += joinRow(commsRow(plan, r, tiedByCaller));
       continue;
     }
     std::vector<Instruction> compute;

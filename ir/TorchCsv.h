@@ -44,8 +44,9 @@ bool torchCsvFormFromString(llvm::StringRef name, TorchCsvForm &out);
 
 /// An InputError naming the feature and the flag to change when PyTorch's CSV cannot express
 /// the plan: sub-sequences (--seq-splits), tensor-parallel parts (--tp), the tied-embedding
-/// all-reduce ("tie_embeddings"). Success otherwise.
-llvm::Error checkTorchExpressible(const Plan &plan);
+/// all-reduce ("tie_embeddings", unless `tiedByCaller`: the caller sums the tied copies'
+/// gradients itself, as pipec.torch's PipelineRunner does). Success otherwise.
+llvm::Error checkTorchExpressible(const Plan &plan, bool tiedByCaller = false);
 
 /// The plan as PyTorch's CSV. Compute-only: the compute ops of each rank in stream order.
 /// Compute+comms: pipec's stream with its sends and recvs in PyTorch's spelling, plus
@@ -58,8 +59,10 @@ llvm::Error checkTorchExpressible(const Plan &plan);
 ///    resident, three looked ahead), so FSDP-wrapped stages run too;
 ///  - no optimizer step (the optimizer is the caller's).
 /// In both forms a dualpipe-v plan's F&B pairs are OVERLAP_F_B actions, paired as PyTorch's
-/// ScheduleDualPipeV pairs them. Errors as checkTorchExpressible.
-llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form);
+/// ScheduleDualPipeV pairs them. Errors as checkTorchExpressible; with `tiedByCaller` the
+/// tied-embedding all-reduce is left out (the caller sums the two copies' gradients).
+llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form,
+                                          bool tiedByCaller = false);
 
 /// Positions i in a rank's compute ops where ops i and i+1 are a dualpipe-v F&B pair.
 std::vector<bool> overlappedPairStarts(const Plan &plan, int rank,

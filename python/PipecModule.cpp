@@ -11,6 +11,7 @@
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 #include "ir/TorchCsv.h"
@@ -134,8 +135,20 @@ py::list stagesList(const Plan &plan) {
   return out;
 }
 
+/// The files a Python call read, as (argument, path) pairs, for the check of its outputs.
+using PyInputs = std::vector<std::pair<std::string, std::string>>;
+std::vector<InputFile> inputFiles(const PyInputs &inputs) {
+  std::vector<InputFile> out;
+  for (const auto &[name, path] : inputs)
+    out.push_back({name, path});
+  return out;
+}
+
 /// Re-run memory and timing on a plan, as `pipec simulate` does; the trace if asked for.
-PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePath) {
+PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePath,
+                    const PyInputs &inputs) {
+  if (tracePath)
+    check(checkOutputPath("trace", *tracePath, inputFiles(inputs)));
   PyPlan out = in;
   std::string trace;
   {
@@ -151,14 +164,14 @@ PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePat
       trace = chromeTrace(out.plan, tl);
   }
   if (tracePath) {
-    if (auto err = writeFileAtomically(*tracePath, trace))
-      raise(inputError("trace: {}", takeMessage(std::move(err))));
+    check(writeFilesAtomically({OutputFile{"trace", *tracePath, trace}}, inputFiles(inputs)));
   }
   return out;
 }
 
 std::string traceOf(const PyPlan &p) {
   py::gil_scoped_release release;
+  check(verifyPlan(p.plan));
   Timeline tl;
   check(simulateTimeline(p.plan, tl));
   return chromeTrace(p.plan, tl);
@@ -192,13 +205,19 @@ PYBIND11_MODULE(_pipec, m) {
           [](const PyPlan &p, bool computeOnly) { return formatGrid(p.plan, {}, computeOnly); },
           py::arg("compute_only") = false)
       .def("trace", &traceOf)
-      .def("torch_csv",
-           [](const PyPlan &p, bool comms) {
-             return unwrap(writeTorchCsv(p.plan, comms ? TorchCsvForm::ComputeComms
-                                                       : TorchCsvForm::ComputeOnly));
-           })
+      .def(
+          "torch_csv",
+          [](const PyPlan &p, bool comms, bool tiedByCaller) {
+            // As `pipec export`: a schedule leaves pipec only from a verified plan.
+            py::gil_scoped_release release;
+            check(verifyPlan(p.plan));
+            return unwrap(writeTorchCsv(
+                p.plan, comms ? TorchCsvForm::ComputeComms : TorchCsvForm::ComputeOnly,
+                tiedByCaller));
+          },
+          py::arg("comms"), py::arg("tied_by_caller") = false)
       .def("save", [](const PyPlan &p, const std::string &path) {
-        check(writeFileAtomically(path, writePlanJson(p.plan)));
+        check(writeFilesAtomically({OutputFile{"path", path, writePlanJson(p.plan)}}, {}));
       });
 
   m.def(
@@ -226,6 +245,20 @@ PYBIND11_MODULE(_pipec, m) {
       "import_schedule(text, source, flags): `pipec import` of text read from source");
 
   m.def(
+      "read_text",
+      [](const std::string &path) {
+        std::string text;
+        {
+          py::gil_scoped_release release;
+          text = unwrap(readFile(path, kTextInput));
+        }
+        return py::bytes(text);
+      },
+      "read_text(path): the bytes of a schedule text file, read by the command's input rules "
+      "(a regular file or a pipe, at most 1 GiB; a device or directory is refused unread)");
+  m.attr("TEXT_INPUT_LIMIT") = kTextInput.maxBytes;
+
+  m.def(
       "load_plan",
       [](const std::string &path) {
         py::gil_scoped_release release;
@@ -250,14 +283,30 @@ PYBIND11_MODULE(_pipec, m) {
       "validate(plan): raises PlanError with the verifier's diagnostic if the plan is wrong");
 
   m.def("simulate", &simulatePlan, py::arg("plan"), py::arg("trace") = std::nullopt,
-        "simulate(plan, trace=None): memory and timing again, as `pipec simulate`");
+        py::arg("inputs") = PyInputs(),
+        "simulate(plan, trace=None, inputs=[]): memory and timing again, as `pipec simulate`; "
+        "the trace is never one of inputs, the (argument, path) pairs the call read");
+
+  m.def(
+      "spec_from_hf",
+      [](const std::string &text, const std::string &source, const std::string &name,
+         int64_t seqLength, int64_t microbatchSize) {
+        HfModel hf = unwrap(parseHfConfig(text, source));
+        return unwrap(hfModelSpecJson(hf, name.empty() ? hf.modelType : name, seqLength,
+                                      microbatchSize, source));
+      },
+      "spec_from_hf(config_json, source, name, seq_length, microbatch_size): the pipemodel/1 "
+      "spec text of a Hugging Face config, as `pipec spec --from-hf`");
 
   m.def(
       "write_file",
-      [](const std::string &path, const std::string &text) {
-        check(writeFileAtomically(path, text));
+      [](const std::string &flag, const std::string &path, const std::string &text,
+         const PyInputs &inputs) {
+        check(writeFilesAtomically({OutputFile{flag, path, text}}, inputFiles(inputs)));
       },
-      "write_file(path, text): a temporary file beside path, then a rename");
+      py::arg("flag"), py::arg("path"), py::arg("text"), py::arg("inputs") = PyInputs(),
+      "write_file(flag, path, text, inputs=[]): a temporary file beside path, then a rename; "
+      "never onto one of inputs, the (argument, path) pairs the call read");
 
   m.def(
       "list_schedules",

@@ -4,21 +4,26 @@
 #include "ir/Files.h"
 #include "ir/PlanJson.h"
 
+#include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallString.h"
+#include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <dirent.h>
 #include <fcntl.h>
 #include <map>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <utility>
 
 namespace pipec {
 
@@ -51,29 +56,96 @@ std::string join(llvm::StringRef a, llvm::StringRef b) {
   return std::string(p);
 }
 
+/// A descriptor closed when it goes out of scope.
+class Descriptor {
+public:
+  explicit Descriptor(int fd = -1) : fd(fd) {}
+  Descriptor(Descriptor &&o) noexcept : fd(o.release()) {}
+  Descriptor &operator=(Descriptor &&o) noexcept {
+    if (this != &o) {
+      reset();
+      fd = o.release();
+    }
+    return *this;
+  }
+  ~Descriptor() { reset(); }
+  int get() const { return fd; }
+  explicit operator bool() const { return fd >= 0; }
+  int release() { return std::exchange(fd, -1); }
+  void reset() {
+    if (fd >= 0)
+      ::close(fd);
+    fd = -1;
+  }
+
+private:
+  int fd;
+};
+
+/// The checkpoint directory `dir` itself (the user's path: a symbolic link there is theirs to
+/// give). Everything inside it is then reached relative to this descriptor, never by a path
+/// that could follow a link.
+Descriptor openDirectory(const std::string &dir) {
+  return Descriptor(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+}
+
+/// The directory `name` inside `parent`, never through a symbolic link.
+Descriptor openSubdirectory(int parent, const std::string &name) {
+  return Descriptor(
+      ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+}
+
 /// fsync a directory so that the names created or removed in it survive a crash.
-llvm::Error syncDirectory(const std::string &dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0)
-    return inputError("--save-dir: {}: cannot open: {}", dir, std::strerror(errno));
-  int rc = ::fsync(fd);
-  int code = errno;
-  ::close(fd);
-  if (rc != 0 && code != EINVAL)
-    return inputError("--save-dir: {}: cannot sync: {}", dir, std::strerror(code));
+llvm::Error syncDirectory(int fd, const std::string &shown) {
+  if (::fsync(fd) != 0 && errno != EINVAL)
+    return inputError("--save-dir: {}: cannot sync: {}", shown, std::strerror(errno));
   return llvm::Error::success();
 }
 
-/// Write `pieces` to `path` as the rules say: a temporary beside it, each piece written (with a
-/// kill point between pieces, so that a test sees partial files), fsync, rename. The digest of
-/// the bytes goes to `digest`.
-llvm::Error writeDurably(const std::string &path, llvm::ArrayRef<llvm::StringRef> pieces,
-                         uint64_t *digest = nullptr) {
+/// The file a save writes into a new step directory first, before anything else: a step
+/// directory holding it (or nothing at all) is one piperun started, whose files it may remove.
+constexpr char kMarkerName[] = "written-by-piperun";
+constexpr char kMarkerText[] = "pipeckpt/1: a checkpoint directory written by piperun; its "
+                               "files are piperun's to replace and remove\n";
+constexpr char kManifestName[] = "manifest.json";
+
+/// Whether `name` is one a save writes inside a step directory: the marker, the manifest, a
+/// layer file, or the temporary of one of them (<name>.tmp-<6 characters>).
+bool isSavedName(llvm::StringRef name) {
+  if (size_t at = name.rfind(".tmp-"); at != llvm::StringRef::npos) {
+    llvm::StringRef suffix = name.drop_front(at + 5);
+    if (suffix.size() != 6 || !llvm::all_of(suffix, llvm::isAlnum))
+      return false;
+    name = name.take_front(at);
+  }
+  if (name == kMarkerName || name == kManifestName)
+    return true;
+  llvm::StringRef digits = name;
+  return digits.consume_front("layer-") && digits.consume_back(".bin") && digits.size() >= 5 &&
+         llvm::all_of(digits, llvm::isDigit);
+}
+
+/// Write `pieces` to `name` inside the directory `dirFd` as the rules say: a temporary beside
+/// it, each piece written (with a kill point between pieces, so that a test sees partial
+/// files), fsync, rename; nothing is opened through a symbolic link. The digest of the bytes
+/// goes to `digest`; `shown` names the file in messages.
+llvm::Error writeDurably(int dirFd, const std::string &name, const std::string &shown,
+                         llvm::ArrayRef<llvm::StringRef> pieces, uint64_t *digest = nullptr) {
   checkpointKillPoint();
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp;
   int fd = -1;
-  llvm::SmallString<256> tmp;
-  if (std::error_code ec = llvm::sys::fs::createUniqueFile(path + ".tmp-%%%%%%", fd, tmp))
-    return inputError("--save-dir: {}: cannot write: {}", path, ec.message());
+  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+    uint64_t r = fnv(&attempt, sizeof attempt,
+                     uint64_t(::getpid()) * 0x9E3779B97F4A7C15ULL + counter.fetch_add(1) +
+                         uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()));
+    tmp = fmt::format("{}.tmp-{:06x}", name, r & 0xFFFFFF);
+    fd = ::openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST)
+      break;
+  }
+  if (fd < 0)
+    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(errno));
   uint64_t h = 0xcbf29ce484222325ULL;
   int failed = 0;
   for (llvm::StringRef piece : pieces) {
@@ -101,13 +173,14 @@ llvm::Error writeDurably(const std::string &path, llvm::ArrayRef<llvm::StringRef
   if (::close(fd) != 0 && !failed && errno != EINTR)
     failed = errno;
   if (failed) {
-    llvm::sys::fs::remove(tmp);
-    return inputError("--save-dir: {}: cannot write: {}", path, std::strerror(failed));
+    ::unlinkat(dirFd, tmp.c_str(), 0);
+    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(failed));
   }
   checkpointKillPoint();
-  if (std::error_code ec = llvm::sys::fs::rename(tmp, path)) {
-    llvm::sys::fs::remove(tmp);
-    return inputError("--save-dir: {}: cannot write: {}", path, ec.message());
+  if (::renameat(dirFd, tmp.c_str(), dirFd, name.c_str()) != 0) {
+    int code = errno;
+    ::unlinkat(dirFd, tmp.c_str(), 0);
+    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(code));
   }
   checkpointKillPoint();
   if (digest)
@@ -115,12 +188,17 @@ llvm::Error writeDurably(const std::string &path, llvm::ArrayRef<llvm::StringRef
   return llvm::Error::success();
 }
 
-/// The entries of a directory (names only, no "." or ".."), sorted.
-std::vector<std::string> listDirectory(const std::string &dir) {
+/// The entries of the open directory `fd` (names only, no "." or ".."), sorted.
+std::vector<std::string> listDirectory(int fd) {
   std::vector<std::string> names;
-  DIR *d = ::opendir(dir.c_str());
-  if (!d)
+  int copy = ::dup(fd);
+  if (copy < 0)
     return names;
+  DIR *d = ::fdopendir(copy);
+  if (!d) {
+    ::close(copy);
+    return names;
+  }
   while (struct dirent *e = ::readdir(d)) {
     llvm::StringRef name(e->d_name);
     if (name != "." && name != "..")
@@ -131,37 +209,133 @@ std::vector<std::string> listDirectory(const std::string &dir) {
   return names;
 }
 
-/// step-<digits> directories of `dir`, by step: whether each holds a manifest (is committed).
-std::map<int64_t, bool> stepDirectories(const std::string &dir) {
-  std::map<int64_t, bool> steps;
-  for (const std::string &name : listDirectory(dir)) {
-    llvm::StringRef digits(name);
-    int64_t step = 0;
-    if (!digits.consume_front("step-") || digits.size() != 8 || digits.getAsInteger(10, step))
-      continue;
-    const std::string path = join(dir, name);
-    if (!llvm::sys::fs::is_directory(path))
-      continue;
-    steps[step] = llvm::sys::fs::exists(join(path, "manifest.json"));
-  }
-  return steps;
+/// The step of a name step-<8 digits>; nullopt for any other name.
+std::optional<int64_t> stepOfName(llvm::StringRef name) {
+  int64_t step = 0;
+  if (!name.consume_front("step-") || name.size() != 8 || !llvm::all_of(name, llvm::isDigit) ||
+      name.getAsInteger(10, step))
+    return std::nullopt;
+  return step;
 }
 
-/// Remove a checkpoint directory: its manifest first (from then on it is incomplete and never
-/// resumed), then everything else.
-void removeCheckpointDirectory(const std::string &path) {
-  const std::string manifest = join(path, "manifest.json");
-  if (llvm::sys::fs::exists(manifest)) {
-    checkpointKillPoint();
-    llvm::sys::fs::remove(manifest);
-    llvm::consumeError(syncDirectory(path));
+/// What a step-<n> entry of a checkpoint directory is, to piperun.
+enum class StepKind {
+  Committed, // a directory with a pipeckpt manifest of this step: a checkpoint piperun wrote
+  Started,   // a directory holding piperun's marker and no manifest, or nothing: a save that
+             // did not finish
+  Foreign,   // anything else: a symbolic link, a file, a directory of someone else's files
+};
+
+struct StepEntry {
+  int64_t step;
+  std::string name;
+  StepKind kind;
+  std::string why; // for Foreign: what it is, for a message
+};
+
+/// A lstat inside `dirFd` that does not follow a link; false when `name` is absent.
+bool statAt(int dirFd, const std::string &name, struct stat &st) {
+  return ::fstatat(dirFd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+/// Read and check the manifest of step directory `stepFd` (`shown`: its path).
+llvm::Expected<CheckpointManifest> readManifest(int stepFd, const std::string &shown,
+                                                int64_t step) {
+  const std::string path = join(shown, kManifestName);
+  auto text = readRegularFileAt(stepFd, kManifestName, path, kAnyInput);
+  if (!text)
+    return text.takeError();
+  auto manifest = parseCheckpointManifest(*text, path);
+  if (!manifest)
+    return manifest.takeError();
+  if (manifest->step != step)
+    return inputError("{}: $.step: expected {} (the directory's step), got {}", path, step,
+                      manifest->step);
+  return manifest;
+}
+
+StepEntry classifyStep(int dirFd, const std::string &dir, const std::string &name, int64_t step) {
+  StepEntry e{step, name, StepKind::Foreign, ""};
+  struct stat st;
+  if (!statAt(dirFd, name, st)) {
+    e.why = "unreadable";
+    return e;
   }
-  for (const std::string &name : listDirectory(path)) {
-    checkpointKillPoint();
-    llvm::sys::fs::remove(join(path, name));
+  if (S_ISLNK(st.st_mode)) {
+    e.why = "a symbolic link";
+    return e;
   }
+  if (!S_ISDIR(st.st_mode)) {
+    e.why = "not a directory";
+    return e;
+  }
+  Descriptor sub = openSubdirectory(dirFd, name);
+  if (!sub) {
+    e.why = fmt::format("a directory piperun cannot open ({})", std::strerror(errno));
+    return e;
+  }
+  if (statAt(sub.get(), kManifestName, st)) {
+    auto manifest = readManifest(sub.get(), join(dir, name), step);
+    if (manifest) {
+      e.kind = StepKind::Committed;
+    } else {
+      e.why = fmt::format("a directory whose manifest.json is not piperun's ({})",
+                          takeMessage(manifest.takeError()));
+    }
+    return e;
+  }
+  if (statAt(sub.get(), kMarkerName, st) && S_ISREG(st.st_mode)) {
+    e.kind = StepKind::Started;
+    return e;
+  }
+  if (listDirectory(sub.get()).empty()) {
+    e.kind = StepKind::Started;
+    return e;
+  }
+  e.why = "a directory of files piperun did not write (it has neither a pipeckpt manifest nor "
+          "piperun's marker)";
+  return e;
+}
+
+/// Every step-<8 digits> entry of the checkpoint directory `dirFd`, by step, classified.
+std::vector<StepEntry> stepEntries(int dirFd, const std::string &dir) {
+  std::vector<StepEntry> out;
+  for (const std::string &name : listDirectory(dirFd))
+    if (std::optional<int64_t> step = stepOfName(name))
+      out.push_back(classifyStep(dirFd, dir, name, *step));
+  return out; // names of 8 digits sort as their steps
+}
+
+/// Remove a step directory piperun wrote (Committed or Started): its manifest first (from then
+/// on it is incomplete and never resumed), then the layer files and temporaries a save writes,
+/// the marker last, then the directory if nothing else is left in it. Only regular files with
+/// the names a save gives are removed; nothing is followed through a symbolic link.
+void removeOwnStep(int dirFd, const std::string &name) {
+  Descriptor sub = openSubdirectory(dirFd, name);
+  if (!sub)
+    return;
+  auto removeFile = [&](const std::string &file) {
+    struct stat st;
+    if (!statAt(sub.get(), file, st) || !S_ISREG(st.st_mode))
+      return false;
+    checkpointKillPoint();
+    return ::unlinkat(sub.get(), file.c_str(), 0) == 0;
+  };
+  if (removeFile(kManifestName))
+    llvm::consumeError(syncDirectory(sub.get(), name));
+  for (const std::string &file : listDirectory(sub.get()))
+    if (file != kMarkerName && isSavedName(file))
+      removeFile(file);
+  removeFile(kMarkerName);
   checkpointKillPoint();
-  llvm::sys::fs::remove(path);
+  ::unlinkat(dirFd, name.c_str(), AT_REMOVEDIR); // fails, harmlessly, if anything is left
+}
+
+/// One line refusing a step entry piperun did not write.
+llvm::Error foreignStep(llvm::StringRef flag, const std::string &dir, const StepEntry &e) {
+  return inputError("{}: {} is {}; piperun reads and deletes only the checkpoints it wrote "
+                    "there: move it out of {}, or give another directory",
+                    flag, shortened(join(dir, e.name), 200), e.why, shortened(dir, 200));
 }
 
 bool sameDirectory(llvm::StringRef a, llvm::StringRef b) {
@@ -203,49 +377,95 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
   if (!S_ISDIR(st.st_mode))
     return inputError("--save-dir: {}: is {}, not a directory", shortened(dir, 200),
                       specialFileKind(dir).empty() ? std::string("a file") : specialFileKind(dir));
+  Descriptor fd = openDirectory(dir.str());
+  if (!fd)
+    return inputError("--save-dir: {}: cannot open: {}", shortened(dir, 200), std::strerror(errno));
+  std::vector<StepEntry> steps = stepEntries(fd.get(), dir.str());
+  for (const StepEntry &e : steps)
+    if (e.kind == StepKind::Foreign)
+      return foreignStep("--save-dir", dir.str(), e);
   if (!resumeDir.empty() && sameDirectory(dir, resumeDir))
     return llvm::Error::success();
-  std::map<int64_t, bool> steps = stepDirectories(dir.str());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it)
-    if (auto [step, committed] = *it; committed)
+    if (it->kind == StepKind::Committed)
       return inputError("--save-dir: {} already holds checkpoints (step {}); continue them "
                         "with --resume {}, or give an empty or new --save-dir",
-                        shortened(dir, 200), step, shortened(dir, 200));
+                        shortened(dir, 200), it->step, shortened(dir, 200));
   return llvm::Error::success();
+}
+
+bool holdsCheckpoint(llvm::StringRef dir) {
+  Descriptor fd = openDirectory(dir.str());
+  if (!fd)
+    return false;
+  for (const StepEntry &e : stepEntries(fd.get(), dir.str()))
+    if (e.kind == StepKind::Committed)
+      return true;
+  return false;
 }
 
 std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir, stepName(step)); }
 
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
-                           const std::function<void(int, LayerState &)> &gather) {
+                           const std::function<llvm::Error(int, LayerState &)> &gather) {
   const std::string dir = dirRef.str();
+  if (manifest.step < 0 || manifest.step > kMaxCheckpointStep)
+    return inputError("--save-dir: step {} is past the last step a checkpoint can record ({}); "
+                      "stop the run by then (--steps)",
+                      manifest.step, kMaxCheckpointStep);
   if (!llvm::sys::fs::is_directory(dir)) {
     if (std::error_code ec = llvm::sys::fs::create_directory(dir))
       return inputError("--save-dir: {}: cannot create: {}", dir, ec.message());
-    if (auto err = syncDirectory(
-            std::string(llvm::sys::path::parent_path(dir).empty()
-                            ? llvm::StringRef(".")
-                            : llvm::sys::path::parent_path(dir))))
-      return err;
+    llvm::StringRef parent = llvm::sys::path::parent_path(dir);
+    Descriptor parentFd = openDirectory(parent.empty() ? "." : parent.str());
+    if (parentFd)
+      if (auto err = syncDirectory(parentFd.get(), dir))
+        return err;
   }
-  const std::string stepDir = join(dir, stepName(manifest.step));
-  // What a save killed before its commit left of this step: never resumed, start again.
-  if (llvm::sys::fs::is_directory(stepDir)) {
-    if (llvm::sys::fs::exists(join(stepDir, "manifest.json")))
-      return inputError("--save-dir: {} already holds a checkpoint of step {}", dir,
-                        manifest.step);
-    removeCheckpointDirectory(stepDir);
+  Descriptor dirFd = openDirectory(dir);
+  if (!dirFd)
+    return inputError("--save-dir: {}: cannot open: {}", dir, std::strerror(errno));
+  const std::string name = stepName(manifest.step);
+  const std::string stepDir = join(dir, name);
+  // What a save killed before its commit left of this step: never resumed, start again. Only
+  // a step directory piperun wrote is cleared; anything else in the way is refused.
+  struct stat st;
+  if (statAt(dirFd.get(), name, st)) {
+    StepEntry e = classifyStep(dirFd.get(), dir, name, manifest.step);
+    if (e.kind == StepKind::Committed)
+      return inputError("--save-dir: {} already holds a checkpoint of step {}", dir, manifest.step);
+    if (e.kind == StepKind::Foreign)
+      return foreignStep("--save-dir", dir, e);
+    removeOwnStep(dirFd.get(), name);
+    if (statAt(dirFd.get(), name, st))
+      return inputError("--save-dir: {} still holds files piperun did not write after clearing "
+                        "what a killed save left; move them out of {}",
+                        stepDir, dir);
   }
   checkpointKillPoint();
-  if (std::error_code ec = llvm::sys::fs::create_directory(stepDir))
-    return inputError("--save-dir: {}: cannot create: {}", stepDir, ec.message());
-  if (auto err = syncDirectory(dir))
+  if (::mkdirat(dirFd.get(), name.c_str(), 0777) != 0)
+    return inputError("--save-dir: {}: cannot create: {}", stepDir, std::strerror(errno));
+  if (auto err = syncDirectory(dirFd.get(), dir))
     return err;
+  Descriptor stepFd = openSubdirectory(dirFd.get(), name);
+  if (!stepFd)
+    return inputError("--save-dir: {}: cannot open: {}", stepDir, std::strerror(errno));
+  // The marker under its own name at once (no temporary): from its creation on, even empty,
+  // the directory is recognisably piperun's, whenever the save is killed.
+  checkpointKillPoint();
+  Descriptor marker(::openat(stepFd.get(), kMarkerName,
+                             O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+  if (!marker || ::write(marker.get(), kMarkerText, sizeof kMarkerText - 1) < 0)
+    return inputError("--save-dir: {}: cannot write: {}", join(stepDir, kMarkerName),
+                      std::strerror(errno));
+  marker.reset();
+  checkpointKillPoint();
   const int numLayers = int(manifest.model.numLayers) + 2;
   manifest.layers.assign(size_t(numLayers), CheckpointManifest::Layer());
   LayerState state;
   for (int l = 0; l < numLayers; ++l) {
-    gather(l, state);
+    if (auto err = gather(l, state))
+      return err;
     const uint64_t n = state.weights.size();
     assert(state.firstMoment.size() == n && state.secondMoment.size() == n &&
            "a layer's three arrays have one length");
@@ -259,57 +479,72 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       return llvm::StringRef(reinterpret_cast<const char *>(v.data()), v.size() * sizeof(float));
     };
     uint64_t digest = 0;
-    if (auto err = writeDurably(join(stepDir, layerName(l)),
+    if (auto err = writeDurably(stepFd.get(), layerName(l), join(stepDir, layerName(l)),
                                 {llvm::StringRef(header, kHeaderBytes), bytesOf(state.weights),
                                  bytesOf(state.firstMoment), bytesOf(state.secondMoment)},
                                 &digest))
       return err;
     manifest.layers[size_t(l)] = {kHeaderBytes + 3 * n * sizeof(float), n, hex(digest)};
   }
-  if (auto err = syncDirectory(stepDir))
+  if (auto err = syncDirectory(stepFd.get(), stepDir))
     return err;
   // The commit: from the manifest's rename on, this checkpoint is whole.
-  if (auto err = writeDurably(join(stepDir, "manifest.json"), {writeCheckpointManifest(manifest)}))
+  if (auto err = writeDurably(stepFd.get(), kManifestName, join(stepDir, kManifestName),
+                              {writeCheckpointManifest(manifest)}))
     return err;
-  if (auto err = syncDirectory(stepDir))
+  if (auto err = syncDirectory(stepFd.get(), stepDir))
     return err;
-  if (auto err = syncDirectory(dir))
+  if (auto err = syncDirectory(dirFd.get(), dir))
     return err;
-  // Older checkpoints past the newest kKeep, and what killed saves left behind.
-  std::map<int64_t, bool> steps = stepDirectories(dir);
+  // Older checkpoints past the newest kKeep, and what killed saves left behind: only step
+  // directories piperun wrote; anything else is left where it is.
+  std::vector<StepEntry> steps = stepEntries(dirFd.get(), dir);
   size_t newer = 0;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (it->second && newer < kKeep) {
+    if (it->kind == StepKind::Foreign)
+      continue;
+    if (it->kind == StepKind::Committed && newer < kKeep) {
       ++newer;
       continue;
     }
-    removeCheckpointDirectory(join(dir, stepName(it->first)));
+    removeOwnStep(dirFd.get(), it->name);
   }
-  return syncDirectory(dir);
+  return syncDirectory(dirFd.get(), dir);
 }
 
 llvm::Expected<Checkpoint> openCheckpoint(llvm::StringRef dirRef) {
   const std::string dir = dirRef.str();
   if (!llvm::sys::fs::is_directory(dir))
     return inputError("--resume: {}: {}", shortened(dir, 200),
-                      llvm::sys::fs::exists(dir) ? "is not a directory"
-                                                 : "no such directory");
-  std::map<int64_t, bool> steps = stepDirectories(dir);
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (!it->second)
+                      llvm::sys::fs::exists(dir) ? "is not a directory" : "no such directory");
+  Descriptor dirFd = openDirectory(dir);
+  if (!dirFd)
+    return inputError("--resume: {}: cannot open: {}", shortened(dir, 200), std::strerror(errno));
+  std::vector<std::string> names = listDirectory(dirFd.get());
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    std::optional<int64_t> step = stepOfName(*it);
+    if (!step)
+      continue;
+    struct stat st;
+    if (!statAt(dirFd.get(), *it, st))
+      continue;
+    if (S_ISLNK(st.st_mode))
+      return inputError("--resume: {} is a symbolic link; piperun reads only the checkpoint "
+                        "directories it wrote inside {}: remove the link",
+                        shortened(join(dir, *it), 200), shortened(dir, 200));
+    if (!S_ISDIR(st.st_mode))
+      continue;
+    Descriptor stepFd = openSubdirectory(dirFd.get(), *it);
+    if (!stepFd)
+      return inputError("--resume: {}: cannot open: {}", shortened(join(dir, *it), 200),
+                        std::strerror(errno));
+    if (!statAt(stepFd.get(), kManifestName, st))
       continue; // incomplete: a save that did not finish
     Checkpoint c;
-    c.path = join(dir, stepName(it->first));
-    const std::string manifestPath = join(c.path, "manifest.json");
-    auto text = readFile(manifestPath, kAnyInput);
-    if (!text)
-      return inputError("--resume: {}", takeMessage(text.takeError()));
-    auto manifest = parseCheckpointManifest(*text, manifestPath);
+    c.path = join(dir, *it);
+    auto manifest = readManifest(stepFd.get(), c.path, *step);
     if (!manifest)
       return inputError("--resume: {}", takeMessage(manifest.takeError()));
-    if (manifest->step != it->first)
-      return inputError("--resume: {}: $.step: expected {} (the directory's step), got {}",
-                        manifestPath, it->first, manifest->step);
     c.manifest = std::move(*manifest);
     return c;
   }
@@ -326,8 +561,8 @@ llvm::Error checkResumable(const Checkpoint &ckpt, const Plan &plan, std::option
                       "hold transformer weights",
                       plan.model);
   if (auto diff = firstModelDifference(m.model, *plan.transformer))
-    return inputError("--resume: {} is of another model: its {} is {}, the plan's is {}",
-                      ckpt.path, diff->field, shortened(diff->a), shortened(diff->b));
+    return inputError("--resume: {} is of another model: its {} is {}, the plan's is {}", ckpt.path,
+                      diff->field, shortened(diff->a), shortened(diff->b));
   const ParallelConfig &pc = plan.parallel;
   const int64_t saved = int64_t(m.parallel.dp) * m.parallel.microbatches;
   const int64_t mine = int64_t(pc.dp) * pc.microbatches;
@@ -356,18 +591,29 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
                       path, why);
   };
   if (want.bytes != kHeaderBytes + 3 * want.count * sizeof(float))
-    return bad(fmt::format("the manifest gives {} bytes for {} floats per array", want.bytes,
-                           want.count));
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0)
-    return bad(std::strerror(errno));
-  if (!S_ISREG(st.st_mode))
-    return bad(fmt::format("is {}, not a file", specialFileKind(path)));
-  if (uint64_t(st.st_size) != want.bytes)
-    return bad(fmt::format("{} bytes, the manifest says {}", uint64_t(st.st_size), want.bytes));
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    return bad(std::strerror(errno));
+    return bad(
+        fmt::format("the manifest gives {} bytes for {} floats per array", want.bytes, want.count));
+  // The step directory and the file, never through a symbolic link (the path to the checkpoint
+  // directory itself is the user's).
+  Descriptor stepFd(::open(ckpt.path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!stepFd)
+    return bad(errno == ELOOP || errno == ENOTDIR
+                   ? std::string("its directory is not the one piperun wrote (a symbolic link?)")
+                   : std::string(std::strerror(errno)));
+  uint64_t size = 0;
+  auto opened = openRegularFileAt(stepFd.get(), layerName(layer), path,
+                                  InputFormat{"a checkpoint layer file", UINT64_MAX, 0}, size);
+  if (!opened) {
+    std::string why = takeMessage(opened.takeError());
+    llvm::StringRef rest(why);
+    rest.consume_front(shortened(path, 200) + ": ");
+    return bad(rest.str());
+  }
+  const int fd = *opened;
+  if (size != want.bytes) {
+    ::close(fd);
+    return bad(fmt::format("{} bytes, the manifest says {}", size, want.bytes));
+  }
   uint64_t h = 0xcbf29ce484222325ULL;
   auto readInto = [&](void *dst, size_t n) -> bool {
     char *p = static_cast<char *>(dst);
@@ -403,8 +649,8 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
   if (!ok)
     return bad("cannot read all of it");
   if (hex(h) != want.digest)
-    return bad(fmt::format("its digest is {}, the manifest says {}", hex(h),
-                           shortened(want.digest)));
+    return bad(
+        fmt::format("its digest is {}, the manifest says {}", hex(h), shortened(want.digest)));
   return llvm::Error::success();
 }
 

@@ -16,6 +16,13 @@
 // whole: a save never touches another step's directory, and older checkpoints (all but the two
 // newest) are removed only after the new manifest is committed, manifest first.
 //
+// Inside D nothing is reached through a symbolic link (openat/unlinkat with O_NOFOLLOW). A save
+// first writes the marker file written-by-piperun into its new step directory; piperun deletes
+// only step directories it recognises as its own (a pipeckpt/1 manifest of their step, or the
+// marker, or nothing in them), and in them only the files a save names. checkSaveDir refuses a
+// step-<n> entry of D that is not piperun's (a link, a file, a directory of other files) before
+// a run starts; --resume reads only regular files. Steps run 1 .. kMaxCheckpointStep.
+//
 // A layer file: the 8 bytes "PIPECKPT", then little-endian u32 version (1), u32 layer, u64 n,
 // then three arrays of n float32 (weights, first moment, second moment).
 //
@@ -51,10 +58,11 @@ std::string planHash(const Plan &plan);
 void checkpointKillPoint();
 
 /// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one
-/// layer's whole state, for every layer of `manifest.model`; the manifest's layer entries are
-/// filled here. Keeps the two newest checkpoints in `dir`.
+/// layer's whole state, for every layer of `manifest.model` in order (its error ends the save
+/// before the commit); the manifest's layer entries are filled here. Keeps the two newest
+/// checkpoints in `dir`.
 llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
-                           const std::function<void(int, LayerState &)> &gather);
+                           const std::function<llvm::Error(int, LayerState &)> &gather);
 
 /// The directory of the checkpoint after `step` steps in `dir`: dir/step-<8 digits>.
 std::string checkpointPath(llvm::StringRef dir, int64_t step);
@@ -63,6 +71,10 @@ std::string checkpointPath(llvm::StringRef dir, int64_t step);
 /// one) without committed checkpoints, unless it is `resumeDir` itself, whose newest step the
 /// run continues from.
 llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
+
+/// Whether `dir` holds a committed checkpoint (a step directory with its manifest); false for a
+/// missing or empty directory, or one holding only what killed saves left.
+bool holdsCheckpoint(llvm::StringRef dir);
 
 /// A committed checkpoint found by openCheckpoint.
 struct Checkpoint {

@@ -3,11 +3,14 @@
 #include "ir/Error.h"
 #include "ir/Files.h"
 
+#include "llvm/ADT/STLExtras.h"
+#include "llvm/ADT/SmallVector.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/MemoryBuffer.h"
 #include "llvm/Support/Path.h"
 
 #include <cstring>
+#include <optional>
 
 namespace pipec {
 
@@ -51,6 +54,120 @@ private:
   uint64_t seed;
 };
 
+/// Where a token file's ids lie: `count` ids of `width` bytes (little-endian, signed or not)
+/// from byte `offset`.
+struct TokenLayout {
+  size_t width;
+  bool isSigned;
+  size_t offset, count;
+};
+
+int64_t readId(const char *p, size_t width, bool isSigned) {
+  uint64_t u = 0;
+  std::memcpy(&u, p, width); // little-endian hosts only, as the rest of the runtime
+  if (isSigned && width < 8 && (u >> (8 * width - 1)) & 1)
+    u |= ~uint64_t(0) << (8 * width); // sign-extend
+  return int64_t(u);
+}
+
+/// llm.c's token file: a 256 x int32 header, magic 20240520, version 1 (uint16 ids) or 2
+/// (uint32), then the token count. None when `bytes` has no such header.
+std::optional<llvm::Expected<TokenLayout>> llmcLayout(llvm::StringRef path, llvm::StringRef bytes) {
+  int32_t header[256];
+  if (bytes.size() < sizeof(header))
+    return std::nullopt;
+  std::memcpy(header, bytes.data(), sizeof(header));
+  if (header[0] != 20240520)
+    return std::nullopt;
+  if (header[1] != 1 && header[1] != 2)
+    return inputError("--data: {}: llm.c header version {} (expected 1 or 2)", path.str(),
+                      header[1]);
+  if (header[2] < 0)
+    return inputError("--data: {}: llm.c header gives a negative token count {}", path.str(),
+                      header[2]);
+  TokenLayout layout{header[1] == 1 ? 2u : 4u, false, sizeof(header), size_t(header[2])};
+  if (layout.count > (bytes.size() - layout.offset) / layout.width)
+    return inputError("--data: {}: header says {} tokens but the file holds {}", path.str(),
+                      layout.count, (bytes.size() - layout.offset) / layout.width);
+  return layout;
+}
+
+constexpr llvm::StringLiteral kNpyMagic("\x93NUMPY");
+
+/// The value of `key` in a NumPy header, a Python dict literal such as
+/// {'descr': '<u2', 'fortran_order': False, 'shape': (1000,), }: the text after "'key':" up to
+/// the closing quote (strings), parenthesis (tuples) or the next comma. Empty when absent.
+llvm::StringRef npyField(llvm::StringRef header, llvm::StringRef key) {
+  size_t at = header.find(("'" + key + "'").str());
+  if (at == llvm::StringRef::npos)
+    return {};
+  llvm::StringRef rest = header.drop_front(at + key.size() + 2).ltrim();
+  if (!rest.consume_front(":"))
+    return {};
+  rest = rest.ltrim();
+  if (rest.startswith("'"))
+    return rest.drop_front().take_until([](char c) { return c == '\''; });
+  if (rest.startswith("("))
+    return rest.drop_front().take_until([](char c) { return c == ')'; });
+  return rest.take_until([](char c) { return c == ',' || c == '}'; }).rtrim();
+}
+
+/// A NumPy .npy file (format versions 1 to 3) of integer token ids in C order, any shape
+/// (flattened row by row): the header says the dtype, the order and the shape.
+llvm::Expected<TokenLayout> npyLayout(llvm::StringRef path, llvm::StringRef bytes) {
+  std::string where = fmt::format("--data: {}: NumPy file", shortened(path, 200));
+  if (bytes.size() < 10)
+    return inputError("{}: truncated header", where);
+  uint8_t major = uint8_t(bytes[6]);
+  size_t lengthBytes = major == 1 ? 2 : 4;
+  if (major < 1 || major > 3)
+    return inputError("{}: format version {} (expected 1, 2 or 3)", where, major);
+  if (bytes.size() < 8 + lengthBytes)
+    return inputError("{}: truncated header", where);
+  uint32_t length = 0;
+  std::memcpy(&length, bytes.data() + 8, lengthBytes);
+  size_t offset = 8 + lengthBytes + length;
+  if (offset > bytes.size())
+    return inputError("{}: header of {} bytes runs past the end of the file", where, length);
+  llvm::StringRef header = bytes.slice(8 + lengthBytes, offset);
+  llvm::StringRef descr = npyField(header, "descr");
+  // '<' little-endian, '|' byte-sized (no order), then i (signed) or u and the width.
+  static const struct {
+    llvm::StringLiteral name;
+    size_t width;
+    bool isSigned;
+  } kTypes[] = {{"|u1", 1, false}, {"|i1", 1, true}, {"<u2", 2, false}, {"<i2", 2, true},
+                {"<u4", 4, false}, {"<i4", 4, true}, {"<u8", 8, false}, {"<i8", 8, true}};
+  const auto *type = llvm::find_if(kTypes, [&](const auto &t) { return t.name == descr; });
+  if (type == std::end(kTypes))
+    return inputError("{}: dtype '{}' is not one of token ids (little-endian integers: uint8, "
+                      "uint16, uint32, uint64, int8 ... int64); save with "
+                      "numpy.asarray(ids, dtype=numpy.uint32)",
+                      where, shortened(descr, 20));
+  if (npyField(header, "fortran_order") != "False")
+    return inputError("{}: fortran_order {} (expected False: save a C-ordered array)", where,
+                      shortened(npyField(header, "fortran_order"), 20));
+  if (!header.contains("'shape'"))
+    return inputError("{}: header has no shape", where);
+  uint64_t count = 1;
+  llvm::SmallVector<llvm::StringRef, 4> dims;
+  npyField(header, "shape").split(dims, ',', -1, /*KeepEmpty=*/false);
+  for (llvm::StringRef dim : dims) {
+    uint64_t n = 0;
+    if (dim.trim().getAsInteger(10, n))
+      return inputError("{}: shape ({}) is not a tuple of sizes", where,
+                        shortened(npyField(header, "shape"), 40));
+    if (n != 0 && count > (uint64_t(1) << 62) / n)
+      return inputError("{}: shape ({}) is too large", where,
+                        shortened(npyField(header, "shape"), 40));
+    count *= n;
+  }
+  if (count != (bytes.size() - offset) / type->width || (bytes.size() - offset) % type->width)
+    return inputError("{}: shape ({}) needs {} bytes of data but the file has {}", where,
+                      shortened(npyField(header, "shape"), 40), count * type->width,
+                      bytes.size() - offset);
+  return TokenLayout{type->width, type->isSigned, offset, size_t(count)};
+}
 } // namespace
 
 std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed) {
@@ -74,57 +191,41 @@ tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen
                       shortened(path, 200), kind);
   uint64_t size = 0;
   if (!llvm::sys::fs::file_size(path, size))
-    if (auto err = checkMemoryBudget(size + size / (dtype == "uint32" ? 1 : 2) * 4,
-                                     fmt::format("--data: {} ({})", shortened(path, 200),
-                                                 humanBytes(size)),
-                                     "use a smaller token file"))
+    if (auto err = checkMemoryBudget(
+            size + size / (dtype == "uint32" ? 1 : 2) * 4,
+            fmt::format("--data: {} ({})", shortened(path, 200), humanBytes(size)),
+            "use a smaller token file"))
       return err;
   auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/false);
   if (!buf)
     return inputError("--data: {}: cannot read: {}", path.str(), buf.getError().message());
   llvm::StringRef bytes = (*buf)->getBuffer();
-  size_t width = dtype == "uint32" ? 4 : 2;
-  size_t offset = 0, count = 0;
-  int32_t header[256];
-  if (bytes.size() >= sizeof(header)) {
-    std::memcpy(header, bytes.data(), sizeof(header));
-    if (header[0] == 20240520) { // llm.c's token file
-      if (header[1] != 1 && header[1] != 2)
-        return inputError("--data: {}: llm.c header version {} (expected 1 or 2)", path.str(),
-                          header[1]);
-      width = header[1] == 1 ? 2 : 4;
-      offset = sizeof(header);
-      if (header[2] < 0)
-        return inputError("--data: {}: llm.c header gives a negative token count {}", path.str(),
-                          header[2]);
-      count = size_t(header[2]);
-      if (count > (bytes.size() - offset) / width)
-        return inputError("--data: {}: header says {} tokens but the file holds {}", path.str(),
-                          count, (bytes.size() - offset) / width);
-    }
-  }
-  if (offset == 0) {
-    if (bytes.size() % width != 0)
+  TokenLayout layout{dtype == "uint32" ? 4u : 2u, false, 0, 0};
+  if (bytes.startswith(kNpyMagic)) {
+    auto npy = npyLayout(path, bytes);
+    if (!npy)
+      return npy.takeError();
+    layout = *npy;
+  } else if (auto llmc = llmcLayout(path, bytes)) {
+    if (!*llmc)
+      return llmc->takeError();
+    layout = **llmc;
+  } else {
+    if (bytes.size() % layout.width != 0)
       return inputError("--data: {}: {} bytes is not a whole number of {} ids; try "
                         "--data-dtype {}",
-                        path.str(), bytes.size(), dtype.str(), width == 2 ? "uint32" : "uint16");
-    count = bytes.size() / width;
+                        path.str(), bytes.size(), dtype.str(),
+                        layout.width == 2 ? "uint32" : "uint16");
+    layout.count = bytes.size() / layout.width;
   }
-  if (count < size_t(seqLen) + 1)
+  if (layout.count < size_t(seqLen) + 1)
     return inputError("--data: {}: {} tokens, fewer than one sequence of seq_length + 1 = {}",
-                      path.str(), count, seqLen + 1);
-  std::vector<int32_t> tokens(count);
-  const char *p = bytes.data() + offset;
-  for (size_t i = 0; i < count; ++i) {
-    uint32_t v = 0;
-    if (width == 2) {
-      uint16_t s;
-      std::memcpy(&s, p + 2 * i, 2);
-      v = s;
-    } else {
-      std::memcpy(&v, p + 4 * i, 4);
-    }
-    if (v >= uint32_t(vocab))
+                      path.str(), layout.count, seqLen + 1);
+  std::vector<int32_t> tokens(layout.count);
+  const char *p = bytes.data() + layout.offset;
+  for (size_t i = 0; i < layout.count; ++i) {
+    int64_t v = readId(p + layout.width * i, layout.width, layout.isSigned);
+    if (v < 0 || v >= int64_t(vocab))
       return inputError("--data: {}: token {} at position {} is outside the model's vocab_size "
                         "{}",
                         path.str(), v, i, vocab);

@@ -5,7 +5,8 @@
 //  - synthetic: a learnable stream: a random first token, then next = (5·t + 3) mod vocab;
 //  - token file: a flat binary of token ids as llm.c and Megatron's tools write them: llm.c's
 //    .bin (a 256 x int32 header with magic 20240520; version 1 = uint16, 2 = uint32), or raw
-//    uint16 / uint32 ids; sequences are windows at seeded offsets.
+//    uint16 / uint32 ids, or a NumPy .npy array of integer ids (any integer dtype and shape, C
+//    order, flattened); sequences are windows at seeded offsets.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_DATA_H
@@ -30,7 +31,7 @@ public:
 };
 
 std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
-/// `dtype` is "uint16" or "uint32" for raw files (llm.c headers say it themselves). Every id
+/// `dtype` is "uint16" or "uint32" for raw files (llm.c and NumPy headers say it themselves). Every id
 /// must be below `vocab`; the error names the file and the first offending position.
 llvm::Expected<std::unique_ptr<DataSource>>
 tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed);

@@ -3,6 +3,11 @@
 
 #include "ir/Error.h"
 #include "ir/Files.h"
+#include "ir/HfConfig.h"
+#include "ir/JsonRead.h"
+
+#include "llvm/ADT/STLExtras.h"
+#include "llvm/Support/FileSystem.h"
 
 #include <nlohmann/json.hpp>
 
@@ -21,12 +26,12 @@ namespace pipec {
 
 namespace {
 
-using Json = nlohmann::json;
-
 /// Header of at most 100 MB (Hugging Face's own limit); tensor data up to 1 TiB.
 constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
 constexpr int kMaxHeaderDepth = 3;
 constexpr InputFormat kSafetensorsInput{"a safetensors file", uint64_t(1) << 40, 0};
+/// A sharded checkpoint's index: a weight_map of a few thousand names.
+constexpr InputFormat kSafetensorsIndexInput{"a safetensors index", uint64_t(64) << 20, 12};
 
 size_t dtypeSize(const std::string &dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64")
@@ -65,6 +70,36 @@ float halfToFloat(uint16_t h) {
     bits = sign | (exp + 127 - 15) << 23 | man << 13;
   }
   return std::bit_cast<float>(bits);
+}
+
+/// The reference library's rule: sorted by offset, the tensors' data ranges follow each other
+/// from byte 0 of the data section to its end, with nothing between or after them.
+llvm::Error checkTiling(llvm::StringRef path, const std::map<std::string, SafeTensor> &entries,
+                        uint64_t dataSize) {
+  std::vector<std::pair<const std::string *, const SafeTensor *>> byOffset;
+  for (const auto &[name, t] : entries)
+    byOffset.emplace_back(&name, &t);
+  std::sort(byOffset.begin(), byOffset.end(), [](const auto &a, const auto &b) {
+    return std::tie(a.second->begin, a.second->end) < std::tie(b.second->begin, b.second->end);
+  });
+  uint64_t next = 0;
+  const std::string *previous = nullptr;
+  for (auto [name, t] : byOffset) {
+    if (t->begin < next)
+      return inputError("{}: tensors {} and {} overlap (data [{}, {}) and [{}, {}))", path.str(),
+                        shortened(*previous), shortened(*name), entries.at(*previous).begin,
+                        entries.at(*previous).end, t->begin, t->end);
+    if (t->begin > next)
+      return inputError("{}: data bytes [{}, {}) before tensor {} belong to no tensor (the format "
+                        "packs tensors back to back)",
+                        path.str(), next, t->begin, shortened(*name));
+    next = t->end;
+    previous = name;
+  }
+  if (next != dataSize)
+    return inputError("{}: the last {} bytes of data belong to no tensor", path.str(),
+                      dataSize - next);
+  return llvm::Error::success();
 }
 
 } // namespace
@@ -124,13 +159,26 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
       }
     }
   }
-  Json j = Json::parse(header, nullptr, /*allow_exceptions=*/false);
+  // JSON keeps the last of two equal keys; the format's reference library refuses them, and so
+  // does this reader (two entries for one name could hold different data).
+  std::set<std::string> names;
+  std::string twice;
+  Json j = Json::parse(
+      header,
+      [&](int depth, Json::parse_event_t event, Json &parsed) {
+        if (event == Json::parse_event_t::key && depth == 1 && twice.empty() &&
+            !names.insert(parsed.get<std::string>()).second)
+          twice = parsed.get<std::string>();
+        return true;
+      },
+      /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     return inputError("{}: its header is not a JSON object", path.str());
+  if (!twice.empty())
+    return inputError("{}: tensor {} appears twice in the header", path.str(), shortened(twice));
   SafeTensorsFile out;
-  out.path = path.str();
-  out.dataStart = 8 + n;
-  const uint64_t dataSize = size - out.dataStart;
+  out.shards.push_back({path.str(), 8 + n});
+  const uint64_t dataSize = size - out.shards[0].dataStart;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string &name = it.key();
     if (name == "__metadata__")
@@ -178,20 +226,52 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
                         elements * width);
     out.entries.emplace(name, std::move(t));
   }
+  if (auto err = checkTiling(path, out.entries, dataSize))
+    return err;
+  return out;
+}
+
+llvm::Expected<SafeTensorsFile> SafeTensorsFile::openShards(llvm::ArrayRef<std::string> paths) {
+  SafeTensorsFile out;
+  for (const std::string &path : paths) {
+    auto shard = open(path);
+    if (!shard)
+      return shard.takeError();
+    for (auto &[name, t] : shard->entries) {
+      auto [at, added] = out.entries.emplace(name, t);
+      if (!added)
+        return inputError("{}: tensor {} is in {} too", path, shortened(name),
+                          out.pathOf(at->second));
+      at->second.shard = uint32_t(out.shards.size());
+    }
+    out.shards.push_back(shard->shards[0]);
+  }
   return out;
 }
 
 llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name) const {
+  return read(name, UINT64_MAX);
+}
+
+llvm::Expected<std::vector<float>> SafeTensorsFile::read(const std::string &name,
+                                                         uint64_t most) const {
   auto it = entries.find(name);
   if (it == entries.end())
-    return inputError("{}: no tensor {}", path, shortened(name));
+    return inputError("{}: no tensor {}", shards.empty() ? "" : shards[0].path, shortened(name));
   const SafeTensor &t = it->second;
+  const std::string &path = shards[t.shard].path;
+  const uint64_t dataStart = shards[t.shard].dataStart;
   const size_t width = dtypeSize(t.dtype);
   if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
     return inputError("{}: tensor {} is {}; initial weights are read from F32, F16, BF16 or F64",
                       path, shortened(name), t.dtype);
-  const size_t count = size_t((t.end - t.begin) / width);
-  std::vector<unsigned char> raw(t.end - t.begin);
+  const size_t count = size_t(std::min<uint64_t>((t.end - t.begin) / width, most));
+  if (auto err =
+          checkMemoryBudget(uint64_t(count) * (width + sizeof(float)),
+                            fmt::format("{}: tensor {} ({} values)", path, shortened(name), count),
+                            "use a machine with more memory"))
+    return err;
+  std::vector<unsigned char> raw(count * width);
   File f(std::fopen(path.c_str(), "rb"));
   if (!f || std::fseek(f.get(), long(dataStart + t.begin), SEEK_SET) != 0 ||
       std::fread(raw.data(), 1, raw.size(), f.get()) != raw.size())
@@ -321,12 +401,13 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
     if (!fits)
       return inputError("tensor {} has shape {}; the model needs {}{}", name, shapeText(got),
                         shapeText(want), firstRows ? " (or more rows)" : "");
-    auto values = file.read(name);
-    if (!values)
-      return values.takeError();
     size_t count = 1;
     for (int64_t d : want)
       count *= size_t(d);
+    // Only the rows the model uses are read (GPT-2's wpe holds 1,024 positions, maybe more).
+    auto values = file.read(name, count);
+    if (!values)
+      return values.takeError();
     if (values->size() < count)
       return inputError("tensor {} holds {} values; the model needs {}", name, values->size(),
                         count);
@@ -498,8 +579,81 @@ llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFil
   return layers;
 }
 
+llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
+                                                const TransformerConfig &model) {
+  auto inDir = [&](llvm::StringRef name) { return (dir + "/" + name).str(); };
+  const std::string configPath = inDir("config.json");
+  if (!llvm::sys::fs::exists(configPath))
+    return inputError("no config.json: a Hugging Face model directory holds config.json and "
+                      "model.safetensors (or its shards with model.safetensors.index.json)");
+  auto hf = loadHfConfig(configPath);
+  if (!hf)
+    return hf.takeError();
+  if (auto err = checkModelAgainstHf(*hf, model, configPath))
+    return err;
+  const std::string indexPath = inDir("model.safetensors.index.json");
+  if (!llvm::sys::fs::exists(indexPath)) {
+    if (!llvm::sys::fs::exists(inDir("model.safetensors")))
+      return inputError("neither model.safetensors nor model.safetensors.index.json is there");
+    return SafeTensorsFile::open(inDir("model.safetensors"));
+  }
+  // The index: {"metadata": {...}, "weight_map": {"tensor name": "shard file name", ...}}.
+  auto text = readFile(indexPath, kSafetensorsIndexInput);
+  if (!text)
+    return text.takeError();
+  JsonReader r(indexPath);
+  auto index = r.parse(*text);
+  if (!index)
+    return index.takeError();
+  if (auto err = r.expectObject(*index, "$"))
+    return err;
+  if (!index->contains("weight_map"))
+    return inputError("{}: $.weight_map: missing (expected an object of tensor name: shard file)",
+                      indexPath);
+  const Json &map = (*index)["weight_map"];
+  if (auto err = r.expectObject(map, "$.weight_map"))
+    return err;
+  std::map<std::string, std::string> shardOf;
+  std::vector<std::string> files;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    llvm::StringRef file;
+    if (it.value().is_string())
+      file = it.value().get_ref<const std::string &>();
+    // Shards are files of this directory, named plainly.
+    if (file.empty() || file.contains('/') || file == "." || file == "..")
+      return inputError("{}: $.weight_map[\"{}\"]: expected the name of a shard file in the "
+                        "directory, got {}",
+                        indexPath, shortened(it.key()), shortened(describeJson(it.value())));
+    shardOf[it.key()] = file.str();
+    if (llvm::find(files, file) == files.end())
+      files.push_back(file.str());
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<std::string> paths;
+  for (const std::string &f : files)
+    paths.push_back(inDir(f));
+  auto set = SafeTensorsFile::openShards(paths);
+  if (!set)
+    return set.takeError();
+  for (const auto &[name, t] : set->tensors()) {
+    auto listed = shardOf.find(name);
+    if (listed == shardOf.end())
+      return inputError("{}: tensor {} is not in {}'s weight_map", set->pathOf(t), shortened(name),
+                        indexPath);
+    if (inDir(listed->second) != set->pathOf(t))
+      return inputError("{}: $.weight_map: tensor {} is said to be in {} but is in {}", indexPath,
+                        shortened(name), listed->second, set->pathOf(t));
+  }
+  for (const auto &[name, file] : shardOf)
+    if (!set->tensors().count(name))
+      return inputError("{}: $.weight_map: tensor {} is said to be in {}, which does not hold it",
+                        indexPath, shortened(name), file);
+  return set;
+}
+
 llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
-                                                                   const kernels::GptConfig &cfg) {
+                                                                   const kernels::GptConfig &cfg,
+                                                                   const TransformerConfig &model) {
   auto fail = [&](llvm::Error err) {
     std::string msg = takeMessage(std::move(err));
     // The file's own errors already start with its path.
@@ -507,7 +661,8 @@ llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringR
       msg = msg.substr(path.size() + 2);
     return inputError("--init-from {}: {}", path.str(), msg);
   };
-  auto file = SafeTensorsFile::open(path);
+  auto file = llvm::sys::fs::is_directory(path) ? openHfDirectory(path, model)
+                                                : SafeTensorsFile::open(path);
   if (!file)
     return fail(file.takeError());
   // The model's block says which names to read: Llama's (Hugging Face's LlamaForCausalLM, with

@@ -1,6 +1,6 @@
 //===- SafeTensors.h - Initial weights from a safetensors file ---*- C++ -*-===//
 //
-// `piperun --init-from FILE` (docs/runtime.md, "Real weights in"). The safetensors format, as
+// `piperun --init-from FILE|DIR` (docs/runtime.md, "Real weights in"). The safetensors format, as
 // Hugging Face checkpoints use it: a little-endian u64 N, N bytes of JSON naming every tensor
 // ({"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, and an optional
 // "__metadata__" of strings}), then the tensors' bytes, little-endian, row-major, at those
@@ -17,8 +17,10 @@
 #ifndef PIPEC_RUNTIME_SAFETENSORS_H
 #define PIPEC_RUNTIME_SAFETENSORS_H
 
+#include "ir/Model.h"
 #include "kernels/cpu/Gpt.h"
 
+#include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
@@ -33,21 +35,35 @@ struct SafeTensor {
   std::string dtype; // F32, F16, BF16, F64 are read; others are named in the error
   std::vector<int64_t> shape;
   uint64_t begin = 0, end = 0; // byte offsets in the data section
+  uint32_t shard = 0;          // which file of a sharded checkpoint holds it
 };
 
-/// A safetensors file's header, checked: every entry's dtype, shape and offsets are well formed,
-/// its byte count equals its shape's, and it lies inside the file.
+/// A safetensors file's header, checked as the format's reference library checks it: every
+/// entry's dtype, shape and offsets are well formed, its byte count equals its shape's, no name
+/// appears twice, and the tensors' data ranges tile the data section exactly (back to back from
+/// byte 0 to the end of the file: no overlap, no gap, nothing after the last).
 class SafeTensorsFile {
 public:
   static llvm::Expected<SafeTensorsFile> open(llvm::StringRef path);
+  /// The shards of one checkpoint as one file: a name in two shards is an error.
+  static llvm::Expected<SafeTensorsFile> openShards(llvm::ArrayRef<std::string> paths);
 
   const std::map<std::string, SafeTensor> &tensors() const { return entries; }
   /// A tensor's values as float32 (F16, BF16 and F64 converted).
   llvm::Expected<std::vector<float>> read(const std::string &name) const;
+  /// Its first `most` values only (the first rows of a row-major matrix), read without touching
+  /// the rest. A read past the memory budget is an InputError naming the file and the tensor.
+  llvm::Expected<std::vector<float>> read(const std::string &name, uint64_t most) const;
+
+  /// The file that holds tensor `t`.
+  const std::string &pathOf(const SafeTensor &t) const { return shards[t.shard].path; }
 
 private:
-  std::string path;
-  uint64_t dataStart = 0;
+  struct Shard {
+    std::string path;
+    uint64_t dataStart = 0;
+  };
+  std::vector<Shard> shards;
   std::map<std::string, SafeTensor> entries;
 };
 
@@ -76,10 +92,19 @@ llvm::Expected<std::vector<std::vector<float>>> gpt2Layers(const SafeTensorsFile
 llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFile &file,
                                                             const kernels::GptConfig &cfg);
 
+/// A Hugging Face model directory's weights (docs/runtime.md): config.json, checked against
+/// `model` field by field (ir/HfConfig.h), then model.safetensors or the shards that
+/// model.safetensors.index.json's weight_map names (file names inside `dir`; every tensor in the
+/// shard the map says, every shard's tensor in the map).
+llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
+                                                const TransformerConfig &model);
+
 /// Both steps (Llama's names where the file has model.embed_tokens.weight or
-/// embed_tokens.weight, else GPT-2's), with every error starting "--init-from FILE: ".
+/// embed_tokens.weight, else GPT-2's), from a safetensors file or a Hugging Face model directory
+/// (openHfDirectory), with every error starting "--init-from PATH: ".
 llvm::Expected<std::vector<std::vector<float>>> loadInitialWeights(llvm::StringRef path,
-                                                                   const kernels::GptConfig &cfg);
+                                                                   const kernels::GptConfig &cfg,
+                                                                   const TransformerConfig &model);
 
 } // namespace pipec
 

@@ -14,11 +14,15 @@
 // clocks. It runs a grid of such variants (in-flight caps, forward and W policies), then a
 // local search over per-rank in-flight caps (and whether a filling W may delay the last
 // microbatch's input gradient), within a budget counted in scheduled ops (never
-// the clock); runs that cannot beat the best so far are cut short by a span lower bound. It
-// keeps the order of least max per-rank span (the paper's bubble), then least makespan, and
-// never one slower than 1F1B with split backward when that fits the limit. Every candidate
-// respects the limit by construction (a forward starts only if its microbatch's lifetime peak
-// fits: M_B plus what its backward adds, which may keep more than M_B for W; after that I and W
+// the clock); runs that cannot beat the best so far are cut short by a span lower bound. Among
+// its runs it keeps the order of least max per-rank span (the paper's bubble), then least
+// makespan. The order it returns is then the one of least step time, as `pipec compile`
+// reports it (compiler/QuickEval.h), among that run and the fixed orders that fit the limit:
+// 1F1B with split backward, ZB-H1 and ZB-H2, so zb-auto is never slower than any of them at a
+// limit they fit (tests/ZbAutoTest.cpp's sweep). Every candidate
+// respects the limit by construction (a forward starts only if, with it, the I's of every
+// microbatch in flight can still run one at a time before any W: M_B each, plus what an I
+// keeps beyond M_B for W, plus one backward's extra and the workspace for the I running; W's
 // only give back, DESIGN §6). Deterministic: no randomness, ties broken by (time, rank), then by
 // the order of the variants. Constraints: --vpp 1 (loop placement), --seq-splits 1, and
 // --memory-limit (bytes of activations per rank) at least one microbatch's lifetime peak on every
@@ -28,6 +32,7 @@
 #include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
+#include "compiler/QuickEval.h"
 #include "ir/CostModel.h"
 #include "ir/Error.h"
 
@@ -55,10 +60,11 @@ struct RankCosts {
   std::vector<double> f, b, w;
   /// fComm[r]: F(r)'s output to rank r+1; bComm[r]: I(r)'s input gradient to rank r-1.
   std::vector<double> fComm, bComm;
-  /// Activation bytes an F reserves (its microbatch's lifetime peak: what its backward adds
-  /// included), an I gives back and a W frees (the memory rule), and what every op of the
-  /// rank's stage holds for itself while it runs (workspace).
-  std::vector<int64_t> act, freeI, freeW, ws;
+  /// Activation bytes an F allocates, an I frees (negative where its weight-gradient inputs
+  /// outgrow the activations) and a W frees (the memory rule); what an I holds while it runs
+  /// on top (backward extra), and what every op of the rank's stage holds while it runs
+  /// (workspace).
+  std::vector<int64_t> act, freeI, freeW, extra, ws;
 };
 
 /// How the greedy chooses when a rank is free and no input gradient is waiting.
@@ -266,14 +272,26 @@ private:
     }
   }
 
+  /// Whether rank r may start a forward: with it, the I's of every microbatch in flight can
+  /// still run before any W, one at a time, within the limit (each I holds its backward extra
+  /// and the workspace while it runs, and keeps max(0, -freeI) more after it). The extra is
+  /// reserved once, for the one I that runs, not per microbatch in flight: a fixed order's
+  /// peak counts it so, and reserving it per microbatch kept the greedy below ZB-H1's and
+  /// ZB-H2's in-flight counts at their own peaks. W's only free, and run when F cannot.
+  bool forwardFits(int r) const {
+    size_t ri = size_t(r);
+    int64_t inFlight = int64_t(nf[ri] - nb[ri]) + 1;
+    int64_t growth = std::max<int64_t>(0, -c.freeI[ri]);
+    return mem[ri] + c.act[ri] + (inFlight - 1) * growth + c.extra[ri] + c.ws[ri] <= limit;
+  }
+
   /// Rank r is free at clk[r] <= t; schedule its next op if the variant wants one now.
   bool decide(int r, double t) {
     size_t ri = size_t(r);
     double now = clk[ri];
     // 1. An input gradient that has arrived: I is on every upstream rank's critical path.
     double aB = kUnknown, nextB = kInf;
-    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] &&
-        mem[ri] + c.act[ri] + c.ws[ri] <= limit) {
+    if (v.fFirst && nf[ri] < m && nf[ri] - nb[ri] < cap[ri] && forwardFits(r)) {
       double a = arrivalF(r, nf[ri]);
       if (a != kUnknown && a <= t) {
         schedule(r, OpKind::Forward, std::max(now, a));
@@ -292,7 +310,7 @@ private:
     bool fLeft = nf[ri] < m;
     double aF = fLeft ? arrivalF(r, nf[ri]) : kUnknown;
     bool fHere = fLeft && aF != kUnknown && aF <= t;
-    bool memOk = mem[ri] + c.act[ri] + c.ws[ri] <= limit;
+    bool memOk = forwardFits(r);
     bool capOk = nf[ri] - nb[ri] < cap[ri];
     if (fHere && memOk && capOk) {
       double start = std::max(now, aF);
@@ -355,6 +373,17 @@ Score simulateOrder(const ScheduleRequest &req, const ComputeOrder &order) {
     s.maxSpan = std::max(s.maxSpan, r.span);
   s.makespan = plan.stats.makespan;
   return s;
+}
+
+/// The step time `pipec compile` reports for fixed rank orders: quickEvaluate replays what
+/// lowering adds (tp all-reduces, the dp all-reduces' tail) under the same cost model.
+double stepTimeOf(const ScheduleRequest &req, const ComputeOrder &order) {
+  QuickStats stats;
+  if (llvm::Error err = quickEvaluate(planOf(req, order), stats)) {
+    llvm::consumeError(std::move(err));
+    return kInf;
+  }
+  return stats.stepTime;
 }
 
 /// 1F1B (warm-up p-r-1) with each backward split into I and an immediate W.
@@ -438,6 +467,7 @@ RankCosts rankCosts(const ScheduleRequest &req) {
   c.act.resize(p);
   c.freeI.resize(p);
   c.freeW.resize(p);
+  c.extra.resize(p);
   c.ws.resize(p);
   for (const StageInfo &st : req.stages) {
     size_t r = size_t(st.stage);
@@ -446,17 +476,13 @@ RankCosts rankCosts(const ScheduleRequest &req) {
     c.w[r] = opTime(st, OpKind::BackwardWeight, 0);
     c.fComm[r] = transferTime(st, TensorKind::Activation, 0);
     c.bComm[r] = transferTime(st, TensorKind::Gradient, 0);
-    // The greedy reserves a microbatch's lifetime peak at its F, so that neither its I (which
-    // may keep more than the F allocated, for W) nor anything after can pass the limit; the I
-    // gives back what it frees plus the reservation beyond the F's allocation.
-    int64_t allocated =
-        activationAllocatedAtStart(st, Instruction::compute(OpKind::Forward, st.stage, 0, 0));
-    c.act[r] = activationLifetimePeak(st, 0);
-    c.freeI[r] =
-        activationFreedAtEnd(st, Instruction::compute(OpKind::BackwardInput, st.stage, 0, 0)) +
-        (c.act[r] - allocated);
-    c.freeW[r] =
-        activationFreedAtEnd(st, Instruction::compute(OpKind::BackwardWeight, st.stage, 0, 0));
+    Instruction f = Instruction::compute(OpKind::Forward, st.stage, 0, 0);
+    Instruction in = Instruction::compute(OpKind::BackwardInput, st.stage, 0, 0);
+    Instruction w = Instruction::compute(OpKind::BackwardWeight, st.stage, 0, 0);
+    c.act[r] = activationAllocatedAtStart(st, f);
+    c.freeI[r] = activationFreedAtEnd(st, in) - activationAllocatedAtStart(st, in);
+    c.freeW[r] = activationFreedAtEnd(st, w) - activationAllocatedAtStart(st, w);
+    c.extra[r] = activationHeldWhileRunning(st, in) - workspaceBytes(st, 0);
     c.ws[r] = workspaceBytes(st, 0);
   }
   return c;
@@ -604,16 +630,59 @@ public:
         v = std::move(next);
       }
     }
-    Score chosen = best;
-    if (referenceFits && (!found || refScore.better(best))) {
-      order = std::move(reference);
-      chosen = refScore;
-      found = true;
+    // The greedy's runs were chosen by span under the compute-only timing. The order kept is
+    // the one of least step time as `pipec compile` reports it (quickEvaluate: the tp
+    // all-reduces after each op's parts and the dp all-reduces' tail included), among the
+    // greedy's best and the fixed orders of the same family that fit the limit under the
+    // memory rule: 1F1B with split backward, ZB-H1 and ZB-H2 (the policies' own emit). The
+    // greedy's span objective and its timing (without the tp and dp all-reduces) are not the
+    // step time, so a fixed order can still win where the greedy's best is near it. Ties keep
+    // the earlier entry (the greedy's first).
+    struct Entry {
+      ComputeOrder order;
+      Score score;
+    };
+    std::vector<Entry> entries;
+    if (found)
+      entries.push_back({std::move(order), best});
+    if (referenceFits)
+      entries.push_back({std::move(reference), refScore});
+    for (const char *fixed : {"zb-h1", "zb-h2"}) {
+      auto policy = findPolicy(fixed);
+      assert(policy && "zb-h1 and zb-h2 are registered");
+      if (!policy) {
+        llvm::consumeError(policy.takeError());
+        continue;
+      }
+      ComputeOrder o;
+      (*policy)->emit(req, o);
+      bool fits = true;
+      for (int r = 0; r < p; ++r)
+        fits &= peakActivation(req, o, size_t(r)) <= limit;
+      if (fits)
+        entries.push_back({std::move(o), Score{}});
     }
-    assert(found && "a limit of one microbatch per stage always admits a greedy order");
+    assert(!entries.empty() && "a limit of one microbatch per stage admits a greedy order");
+    size_t chosen = 0;
+    double chosenStep = kInf;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      double step = stepTimeOf(req, entries[i].order);
+      if (entries[i].score.maxSpan == kInf)
+        entries[i].score = simulateOrder(req, entries[i].order);
+      // Steps within a relative 1e-9 (summation order) tie; then the least span wins.
+      const double tie = 1e-9 * std::max(1.0, std::min(step, chosenStep));
+      if (step < chosenStep - tie ||
+          (step <= chosenStep + tie && entries[i].score.better(entries[chosen].score))) {
+        chosen = i;
+        chosenStep = step;
+      }
+    }
+    order = std::move(entries[chosen].order);
     // The greedy times its orders incrementally, as it builds them; what it chose must be
-    // what the cost model says of it, and fit the limit under the memory rule.
-    assert(!simulateOrder(req, order).better(chosen) && !chosen.better(simulateOrder(req, order)) &&
+    // what the cost model says of it, and every order kept must fit the limit under the
+    // memory rule.
+    assert((!found || chosen != 0 ||
+            (!simulateOrder(req, order).better(best) && !best.better(simulateOrder(req, order)))) &&
            "zb-auto's greedy and the cost model disagree on the chosen order's times");
     assert([&] {
       for (int r = 0; r < p; ++r)
@@ -621,7 +690,6 @@ public:
           return false;
       return true;
     }() && "zb-auto chose an order over the memory limit");
-    (void)chosen;
   }
 };
 

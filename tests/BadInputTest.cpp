@@ -411,6 +411,60 @@ std::vector<Case> catalogue() {
       "--show prints the grid to standard output, which -o - fills");
   add("SimulateTraceOntoThePlan", withPlan, "$PIPEC simulate p.json --trace p.json",
       "--trace: p.json is the plan input");
+  // Every writer of every command against every input of the call (issue 44): the path, a
+  // symbolic link to it, a hard link to it.
+  auto withTinyPlanAndCsv = [](const std::string &dir) {
+    withTinyPlan(dir);
+    withTiny(dir);
+    std::string cmd = "cd " + dir + " && " + runfiles() +
+                      "/tools/pipec export p.json --format torch-csv -o s.csv >/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  };
+  add("ExportOntoItsPlan", withPlan, "$PIPEC export p.json --format torch-csv -o p.json",
+      "-o: p.json is the plan input; give the output its own file");
+  add(
+      "ExportOntoASymlinkToItsPlan",
+      [](const std::string &dir) {
+        withPlan(dir);
+        fs::create_symlink("p.json", dir + "/alias.csv");
+      },
+      "$PIPEC export p.json --format torch-csv -o alias.csv",
+      "-o: alias.csv is the plan input (p.json)");
+  add(
+      "ExportOntoAHardLinkOfItsPlan",
+      [](const std::string &dir) {
+        withPlan(dir);
+        fs::create_hard_link(dir + "/p.json", dir + "/linked.csv");
+      },
+      "$PIPEC export p.json --format torch-csv -o linked.csv",
+      "-o: linked.csv is the plan input (p.json)");
+  add("ImportOntoItsCsv", withTinyPlanAndCsv, "$PIPEC import s.csv --model tiny-gpt.json -o s.csv",
+      "-o: s.csv is the schedule input");
+  add("ImportOntoItsModel", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --output tiny-gpt.json",
+      "-o: tiny-gpt.json is the --model input");
+  add("ImportTraceOntoItsCsv", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --trace s.csv",
+      "--trace: s.csv is the schedule input");
+  add("ImportTraceOntoItsModel", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --trace tiny-gpt.json",
+      "--trace: tiny-gpt.json is the --model input");
+  add("ShowSvgOntoItsPlan", withPlan, "$PIPEC show p.json --svg p.json",
+      "--svg: p.json is the plan input");
+  add("CompileSvgOntoItsModel", withUniform, kCompileUniform + " --svg uniform-8.json",
+      "--svg: uniform-8.json is the --model input");
+  add("PlanOutputOntoItsModel", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 2 --global-batch 4 -o tiny-gpt.json",
+      "-o: tiny-gpt.json is the --model input");
+  add(
+      "PlanCsvOntoItsCluster",
+      [](const std::string &dir) {
+        withTiny(dir);
+        copyExample(dir, "h100-2nodes.json");
+      },
+      "$PIPEC plan --model tiny-gpt.json --gpus 2 --global-batch 4 --cluster h100-2nodes.json "
+      "--csv h100-2nodes.json",
+      "--csv: h100-2nodes.json is the --cluster input");
   add("CompileSummaryOntoAFullDisk", withUniform, kCompileUniform,
       "standard output: cannot write: No space left on device", Stdout::Full);
   add("CompilePlanOntoAFullDisk", withUniform, kCompileUniform + " -o -",
@@ -497,14 +551,7 @@ std::vector<Case> catalogue() {
       "$PIPERUN p.json --save-dir ck", "--save-dir: ck: is a file, not a directory");
   add("SaveDirHoldingCheckpointsNotResumed", withCheckpoint,
       "$PIPERUN p.json --save-dir ck", "--save-dir: ck already holds checkpoints (step 1)");
-  add("ResumeFromNoDirectory", withTinyPlan, "$PIPERUN p.json --resume gone",
-      "--resume: gone: no such directory");
-  add("ResumeFromAnEmptyDirectory",
-      [](const std::string &dir) {
-        withTinyPlan(dir);
-        fs::create_directory(dir + "/ck");
-      },
-      "$PIPERUN p.json --resume ck", "--resume: ck holds no complete checkpoint");
+  // (--resume on a missing or empty directory starts at step 0: CheckpointTest.)
   add("ResumeAnotherModel",
       [](const std::string &dir) {
         withCheckpoint(dir);
@@ -531,7 +578,7 @@ std::vector<Case> catalogue() {
         f.seekp(100);
         f.put('\x55');
       },
-      "$PIPERUN p.json --resume ck", "layer-00002.bin: its digest is");
+      "$PIPERUN p.json --resume ck --steps 2", "layer-00002.bin: its digest is");
   add("ResumeAManifestOfAnotherFormat",
       [](const std::string &dir) {
         withCheckpoint(dir);
@@ -542,6 +589,114 @@ std::vector<Case> catalogue() {
   // (Without a GPU or a CUDA build the backend itself is refused first, with the same advice.)
   add("ResumeOnTheCudaBackend", withCheckpoint, "$PIPERUN p.json --backend cuda --resume ck",
       "use --backend cpu");
+  // --- Attacks on the checkpoint directory (issue 44): nothing outside it is read or deleted,
+  // nothing inside it that piperun did not write. The case directory holds `outside` too, so the
+  // snapshot sees whether a file there was read through or emptied.
+  auto withOutside = [](const std::string &dir) {
+    fs::create_directories(dir + "/outside");
+    spit(dir + "/outside/secret.txt", "x\n");
+  };
+  add(
+      "SaveDirStepThatIsALinkOutside",
+      [=](const std::string &dir) {
+        withTinyPlan(dir);
+        withOutside(dir);
+        fs::create_directories(dir + "/D");
+        fs::create_directory_symlink("../outside", dir + "/D/step-00000000");
+      },
+      "$PIPERUN p.json --backend cpu --steps 2 --save-dir D --save-every 1",
+      "--save-dir: D/step-00000000 is a symbolic link; piperun reads and deletes only the "
+      "checkpoints it wrote there");
+  add(
+      "SaveDirStepOfTheUsersOwnFiles",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directories(dir + "/D/step-00000099");
+        spit(dir + "/D/step-00000099/important.txt", "mine\n");
+      },
+      "$PIPERUN p.json --steps 2 --save-dir D --save-every 1",
+      "--save-dir: D/step-00000099 is a directory of files piperun did not write");
+  add(
+      "ResumeAndSaveBesideALinkedOlderStep",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        withOutside(dir);
+        fs::create_directory_symlink("../outside", dir + "/ck/step-00000000");
+      },
+      "$PIPERUN p.json --steps 3 --save-every 1 --resume ck --save-dir ck",
+      "--save-dir: ck/step-00000000 is a symbolic link");
+  add(
+      "ResumeThroughALinkedStepDirectory",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::rename(dir + "/ck/step-00000001", dir + "/elsewhere");
+        fs::create_directory_symlink("../elsewhere", dir + "/ck/step-00000001");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001 is a symbolic link; piperun reads only the checkpoint "
+      "directories it wrote inside ck");
+  add(
+      "ResumeAManifestLinkedToEtcPasswd",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::remove(dir + "/ck/step-00000001/manifest.json");
+        fs::create_symlink("/etc/passwd", dir + "/ck/step-00000001/manifest.json");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001/manifest.json: is a symbolic link");
+  add(
+      "ResumeALayerFileLinkedOutside",
+      [=](const std::string &dir) {
+        withCheckpoint(dir);
+        withOutside(dir);
+        fs::rename(dir + "/ck/step-00000001/layer-00002.bin", dir + "/outside/layer.bin");
+        fs::create_symlink("../../outside/layer.bin", dir + "/ck/step-00000001/layer-00002.bin");
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "ck/step-00000001/layer-00002.bin: is a symbolic link");
+  add(
+      "ResumeAManifestThatIsAFifo",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        fs::remove(dir + "/ck/step-00000001/manifest.json");
+        ASSERT_EQ(::mkfifo((dir + "/ck/step-00000001/manifest.json").c_str(), 0644), 0);
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "--resume: ck/step-00000001/manifest.json: is a pipe, not an input");
+  add(
+      "ResumeAdamStepsPastAnInt",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        editJson(dir + "/ck/step-00000001/manifest.json",
+                 [](Json &j) { j["adam_steps"] = 2147483647; });
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "$.adam_steps: expected an integer in [0, 99999999], got number 2147483647");
+  add(
+      "ResumeAStepPastTheNamesOfStepDirectories",
+      [](const std::string &dir) {
+        withCheckpoint(dir);
+        editJson(dir + "/ck/step-00000001/manifest.json", [](Json &j) { j["step"] = 100000000; });
+      },
+      "$PIPERUN p.json --steps 1 --resume ck",
+      "$.step: expected an integer in [1, 99999999], got number 100000000");
+  add(
+      "PlanFollowedByANulByteAndGarbage",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        std::ofstream(dir + "/p.json", std::ios::binary | std::ios::app)
+            << std::string("\0junk", 5);
+      },
+      "$PIPEC validate p.json", "p.json:");
+  add(
+      "ModelFollowedByANulByteAndGarbage",
+      [](const std::string &dir) {
+        withTiny(dir);
+        std::ofstream(dir + "/" + kTiny, std::ios::binary | std::ios::app)
+            << std::string("\0junk", 5);
+      },
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "malformed JSON (unexpected character)");
   // --- Llama-style blocks ------------------------------------------------------------------
   auto llamaWith = [](std::function<void(Json &)> edit) {
     return [edit](const std::string &dir) {

@@ -10,7 +10,11 @@
 //  - kills at random instants of a run that saves every step, the same;
 //  - a checkpoint saved under one layout (pp, tp, dp x microbatches, schedule) resumes under
 //    another, to the same losses within fp32 rounding, and passes --check-reference;
-//  - --save-every keeps the two newest checkpoints.
+//  - --save-every keeps the two newest checkpoints;
+//  - --steps is the step the job ends at: the same command line (--save-dir D --resume D),
+//    killed at random instants and relaunched until it exits 0, ends with the uninterrupted
+//    run's losses and final weights bit for bit; --resume on a missing or empty directory starts
+//    at step 0.
 //
 //===----------------------------------------------------------------------===//
 #include "tests/Command.h"
@@ -25,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <regex>
@@ -38,20 +43,13 @@
 namespace {
 
 namespace fs = std::filesystem;
+using pipec::testing::freshDir;
 using pipec::testing::runCommand;
 using pipec::testing::slurp;
 using pipec::testing::stepLosses;
 using pipec::testing::tmpDir;
 
 std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
-
-/// A fresh directory under the test's temporary directory.
-std::string freshDir(const std::string &name) {
-  std::string d = tmpDir() + "/" + name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
 
 std::string compile(const std::string &dir, const std::string &flags,
                     const std::string &model = "examples/tiny-gpt.json") {
@@ -65,6 +63,10 @@ std::string compile(const std::string &dir, const std::string &flags,
 
 pipec::testing::CommandResult piperun(const std::string &args, const std::string &env = "") {
   return runCommand(env + " " + tool("piperun") + " " + args);
+}
+
+void spit(const std::string &path, const std::string &text) {
+  std::ofstream(path, std::ios::binary) << text;
 }
 
 /// Every regular file under `dir` (relative name -> bytes).
@@ -85,6 +87,14 @@ std::vector<std::string> temporaries(const std::string &dir) {
   return t;
 }
 
+/// " --steps N" that runs one step after the newest committed checkpoint in `dir` (--steps is
+/// the step the job ends at).
+std::string oneMoreStep(const std::string &dir) {
+  auto ckpt = pipec::openCheckpoint(dir);
+  EXPECT_TRUE(bool(ckpt)) << (ckpt ? "" : pipec::takeMessage(ckpt.takeError()));
+  return " --steps " + std::to_string(ckpt ? ckpt->manifest.step + 1 : 1);
+}
+
 TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   const std::string d = freshDir("bitwise");
   // tp and dp too, so that shards are joined on save and cut again on resume.
@@ -93,7 +103,7 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   ASSERT_EQ(whole.code, 0) << whole.err;
   auto first = piperun(plan + " --steps 3 --save-dir " + d + "/split");
   ASSERT_EQ(first.code, 0) << first.err;
-  auto rest = piperun(plan + " --steps 3 --resume " + d + "/split --save-dir " + d + "/split");
+  auto rest = piperun(plan + " --steps 6 --resume " + d + "/split --save-dir " + d + "/split");
   ASSERT_EQ(rest.code, 0) << rest.err;
   EXPECT_NE(rest.out.find("step 3, saved by this plan"), std::string::npos) << rest.out;
   std::map<int, std::string> want = stepLosses(whole.out), got = stepLosses(first.out);
@@ -103,7 +113,7 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   EXPECT_EQ(got, want);
   // The weights and optimizer state after step 6, bit for bit, and the manifests alike.
   auto a = files(d + "/six/step-00000006"), b = files(d + "/split/step-00000006");
-  ASSERT_EQ(a.size(), 7u); // six layers and the manifest
+  ASSERT_EQ(a.size(), 8u); // six layers, the manifest and piperun's marker
   EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
 }
 
@@ -162,7 +172,7 @@ void expectStepWhole(const std::string &dir, int step, const std::string &what) 
 void expectResumable(const std::string &dir, const std::string &plan,
                      const std::map<int, std::string> &want, int previous,
                      const std::string &what) {
-  auto r = piperun(plan + " --steps 1 --resume " + dir);
+  auto r = piperun(plan + oneMoreStep(dir) + " --resume " + dir);
   ASSERT_EQ(r.code, 0) << what << ": " << r.err;
   auto got = stepLosses(r.out);
   ASSERT_EQ(got.size(), 1u) << what << ": " << r.out;
@@ -174,7 +184,7 @@ void expectResumable(const std::string &dir, const std::string &plan,
   fs::create_directories(alone);
   fs::copy(dir + "/step-0000000" + std::to_string(previous),
            alone + "/step-0000000" + std::to_string(previous), fs::copy_options::recursive);
-  r = piperun(plan + " --steps 1 --resume " + alone);
+  r = piperun(plan + oneMoreStep(alone) + " --resume " + alone);
   ASSERT_EQ(r.code, 0) << what << " (previous alone): " << r.err;
   got = stepLosses(r.out);
   ASSERT_EQ(got.size(), 1u);
@@ -198,7 +208,7 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     const std::string ck = d + "/ck";
     fs::remove_all(ck);
     fs::copy(base, ck, fs::copy_options::recursive);
-    r = piperun(plan + " --steps 1 --resume " + ck + " --save-dir " + ck,
+    r = piperun(plan + oneMoreStep(ck) + " --resume " + ck + " --save-dir " + ck,
                 "PIPEC_CHECKPOINT_KILL_AT=" + std::to_string(k));
     if (r.code == 0)
       break; // past the last point: the save finished
@@ -209,12 +219,16 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     // on its own; every file as its manifest says.
     EXPECT_GE(expectWhole(ck, what), 2) << what;
     expectStepWhole(ck, 2, what);
+    // And everything the killed save left is recognisably piperun's: the next run's start-up
+    // check of --save-dir accepts the directory.
+    if (llvm::Error err = pipec::checkSaveDir(ck, ck))
+      ADD_FAILURE() << what << ": " << pipec::takeMessage(std::move(err));
     if (k % 8 != 1)
       continue;
     // And, at every eighth point, they resume to the uninterrupted run's losses, and the next
     // save finishes and leaves no debris of the killed one.
     expectResumable(ck, plan, want, 2, what);
-    r = piperun(plan + " --steps 1 --resume " + ck + " --save-dir " + ck);
+    r = piperun(plan + oneMoreStep(ck) + " --resume " + ck + " --save-dir " + ck);
     ASSERT_EQ(r.code, 0) << "after point " << k << ": " << r.err;
     EXPECT_TRUE(temporaries(ck).empty()) << "after point " << k;
   }
@@ -236,7 +250,8 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
   for (int round = 0; round < 4; ++round) {
     pid_t pid = ::fork();
     if (pid == 0) {
-      std::string args = "--steps 30 --save-every 1 --save-dir " + ck;
+      std::string args =
+          "--steps " + std::to_string(previous + 30) + " --save-every 1 --save-dir " + ck;
       if (previous > 0) // (else ck holds no committed checkpoint, which --save-dir accepts)
         args += " --resume " + ck;
       std::string cmd = tool("piperun") + " " + plan + " " + args + " >/dev/null 2>&1";
@@ -277,7 +292,7 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
         committed = committed || e.path().filename() == "manifest.json";
     if (!committed)
       continue; // killed before its first save finished
-    auto r = piperun(plan + " --steps 1 --resume " + ck);
+    auto r = piperun(plan + oneMoreStep(ck) + " --resume " + ck);
     ASSERT_EQ(r.code, 0) << "round " << round << ": " << r.err;
     auto got = stepLosses(r.out);
     ASSERT_EQ(got.size(), 1u);
@@ -286,6 +301,109 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
     previous = got.begin()->first;
   }
   EXPECT_GT(previous, 0) << "no round got as far as a checkpoint";
+}
+
+/// Every layer file of the checkpoint of step `step` in `dir` (name -> bytes).
+std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "/step-%08d", step);
+  std::map<std::string, std::string> m;
+  for (auto &[file, bytes] : files(dir + name))
+    if (file.rfind("layer-", 0) == 0)
+      m[file] = bytes;
+  return m;
+}
+
+TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
+  // A preemptible job's launcher: the same command line, killed (SIGKILL) at a random instant
+  // and launched again until it exits 0. --steps is the step the job ends at and --resume on a
+  // directory without a checkpoint starts at step 0, so the job ends with the uninterrupted
+  // run's losses (every step's, from whichever launch printed it last) and its final weights
+  // and moments bit for bit.
+  const std::string d = freshDir("relaunch");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const int steps = 12;
+  const auto started = std::chrono::steady_clock::now();
+  auto uninterrupted =
+      piperun(plan + " --steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
+  // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
+  const int span = int(std::max<int64_t>(50, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                 std::chrono::steady_clock::now() - started)
+                                                 .count()));
+  ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
+  const auto want = stepLosses(uninterrupted.out);
+  ASSERT_EQ(want.size(), size_t(steps));
+  const std::string ck = d + "/ck", out = d + "/out.txt";
+  const std::string cmd = tool("piperun") + " " + plan + " --steps " + std::to_string(steps) +
+                          " --save-every 1 --save-dir " + ck + " --resume " + ck;
+  std::mt19937 rng(44);
+  std::map<int, std::string> got;
+  int launches = 0, killed = 0;
+  for (bool done = false; !done && launches < 200; ++launches) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      const std::string line = "exec " + cmd + " >" + out + " 2>&1";
+      ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char *>(nullptr));
+      ::_exit(127);
+    }
+    // Killed at a random instant, unless it finishes first; every eighth launch runs to its
+    // end (so the job ends however the instants fall).
+    const int delay = launches % 8 == 7 ? 1 << 30 : int(rng() % unsigned(span));
+    int status = 0;
+    for (int waited = 0; ::waitpid(pid, &status, WNOHANG) == 0; waited += 5) {
+      if (waited >= delay) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        ++killed;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const std::string printed = slurp(out);
+    for (auto [step, loss] : stepLosses(printed)) {
+      if (got.count(step)) { // a step run again (killed before its checkpoint): the same loss
+        EXPECT_EQ(got[step], loss) << "step " << step << " again, launch " << launches;
+      }
+      got[step] = loss;
+    }
+    done = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (WIFEXITED(status)) {
+      ASSERT_EQ(WEXITSTATUS(status), 0) << "launch " << launches << ":\n" << printed;
+    }
+  }
+  EXPECT_GT(killed, 0) << "no launch was killed";
+  EXPECT_EQ(got, want);
+  auto final = layerFiles(d + "/whole", steps);
+  ASSERT_EQ(final.size(), 6u);
+  EXPECT_TRUE(layerFiles(ck, steps) == final)
+      << "the relaunched job's final weights and moments differ from the uninterrupted run's";
+  // Launched once more, the finished job says so and exits 0.
+  auto again = runCommand(cmd);
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find(ck + "/step-000000" + std::to_string(steps) + " is at step " +
+                           std::to_string(steps) + ", at or past --steps " + std::to_string(steps) +
+                           ": nothing to train\n"),
+            std::string::npos)
+      << again.out;
+  EXPECT_EQ(again.out.find(" loss "), std::string::npos) << again.out;
+}
+
+TEST(CheckpointTest, ResumeFromAMissingOrEmptyDirectoryStartsAtStepZeroAndSaysSo) {
+  const std::string d = freshDir("fresh");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  auto plain = piperun(plan + " --steps 2");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  fs::create_directories(d + "/empty");
+  // What a first launch killed inside its first save leaves: a step directory without manifest.
+  fs::create_directories(d + "/killed/step-00000001");
+  for (const char *dir : {"missing", "empty", "killed"}) {
+    const std::string ck = d + "/" + dir;
+    auto r = piperun(plan + " --steps 2 --resume " + ck + " --save-dir " + ck);
+    ASSERT_EQ(r.code, 0) << dir << ": " << r.err;
+    EXPECT_EQ(r.out.rfind("--resume " + ck + ": no checkpoint yet; starting at step 0\n", 0), 0u)
+        << r.out;
+    EXPECT_EQ(stepLosses(r.out), stepLosses(plain.out)) << dir;
+  }
 }
 
 /// Six steps of `saved`, against three of it saved to a checkpoint and three more of `other`
@@ -298,7 +416,7 @@ pipec::testing::CommandResult expectResumeUnderAnotherLayout(const std::string &
   EXPECT_EQ(whole.code, 0) << whole.err;
   auto first = piperun(saved + " --steps 3 --save-dir " + d + "/ck");
   EXPECT_EQ(first.code, 0) << first.err;
-  auto rest = piperun(other + " --steps 3 --resume " + d + "/ck --check-reference");
+  auto rest = piperun(other + " --steps 6 --resume " + d + "/ck --check-reference");
   EXPECT_EQ(rest.code, 0) << rest.out << rest.err;
   auto want = stepLosses(whole.out), got = stepLosses(rest.out);
   EXPECT_EQ(got.size(), 3u) << rest.out;
@@ -327,6 +445,71 @@ TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
   expectResumeUnderAnotherLayout(
       d, compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2", model),
       compile(d, "--schedule zb-v --pp 2 --vpp 2 --microbatches 4", model));
+}
+
+/// Save `step` into `dir` in this process, with the state of the checkpoint `from` (what a run
+/// would do between the start-up checks and its next save).
+llvm::Error saveAs(const std::string &dir, const pipec::Checkpoint &from, int64_t step) {
+  pipec::CheckpointManifest m = from.manifest;
+  m.step = m.adamSteps = step;
+  return pipec::saveCheckpoint(dir, m, [&](int l, pipec::LayerState &out) {
+    return pipec::readCheckpointLayer(from, l, out);
+  });
+}
+
+TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
+  // What piperun's start-up checks refuse (tests/BadInputTest.cpp) may appear while it runs:
+  // a link named like an older step, pointing outside; a user's file in one of piperun's step
+  // directories; a directory of the user's files named like a later step.
+  const std::string d = freshDir("foreign");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string ck = d + "/ck";
+  auto r = piperun(plan + " --steps 2 --save-every 1 --save-dir " + ck);
+  ASSERT_EQ(r.code, 0) << r.err;
+  fs::create_directories(d + "/outside");
+  spit(d + "/outside/secret.txt", "x\n");
+  fs::create_directory_symlink("../outside", ck + "/step-00000000");
+  spit(ck + "/step-00000001/notes.txt", "mine\n");
+  fs::create_directories(ck + "/step-00000099");
+  spit(ck + "/step-00000099/important.txt", "mine\n");
+  auto from = pipec::openCheckpoint(ck);
+  ASSERT_TRUE(bool(from)) << pipec::takeMessage(from.takeError());
+  ASSERT_EQ(from->manifest.step, 2);
+
+  // Step 3 prunes step 1 (two are kept): its files, not the user's; nothing through the link.
+  ASSERT_FALSE(bool(saveAs(ck, *from, 3)));
+  EXPECT_EQ(slurp(d + "/outside/secret.txt"), "x\n");
+  EXPECT_TRUE(fs::is_symlink(ck + "/step-00000000"));
+  std::vector<std::string> left;
+  for (auto &e : fs::directory_iterator(ck + "/step-00000001"))
+    left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{"notes.txt"});
+  EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
+  EXPECT_EQ(expectWhole(ck, "after the save of step 3"), 3);
+  expectStepWhole(ck, 2, "step 2 after the save of step 3");
+
+  // A save onto the user's directory is refused, and leaves it as it was.
+  llvm::Error err = saveAs(ck, *from, 99);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(pipec::takeMessage(std::move(err))
+                .find("step-00000099 is a directory of files "
+                      "piperun did not write"),
+            std::string::npos);
+  EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
+  EXPECT_FALSE(fs::exists(ck + "/step-00000099/manifest.json"));
+
+  // Past the last step a directory name can hold: refused, not named so that --resume and
+  // pruning would never see it.
+  err = saveAs(ck, *from, pipec::kMaxCheckpointStep + 1);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(pipec::takeMessage(std::move(err))
+                .find("is past the last step a checkpoint can "
+                      "record (99999999)"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(ck + "/step-100000000"));
+  // The last one it can hold is named, found and resumed like any other.
+  ASSERT_FALSE(bool(saveAs(ck, *from, pipec::kMaxCheckpointStep)));
+  EXPECT_EQ(expectWhole(ck, "the last step"), pipec::kMaxCheckpointStep);
 }
 
 } // namespace

@@ -13,9 +13,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 #include <sys/stat.h>
+#include <vector>
 
 namespace {
 
@@ -428,6 +430,79 @@ TEST(PiperunTest, AnAbstractModelOrAMissingDataFileIsExitTwo) {
   Result d = piperun(plan + " --backend cpu --data /no/such/tokens.bin");
   EXPECT_EQ(d.code, 2);
   EXPECT_NE(d.err.find("--data: /no/such/tokens.bin: cannot read"), std::string::npos) << d.err;
+}
+
+} // namespace
+
+namespace {
+
+// Every command answers --help (and -h, and `pipec help COMMAND`): its usage on standard
+// output, exit 0, nothing on standard error, and every flag the command takes in it. The flag
+// lists are the commands' own parse lists as docs/commands.md states them; each is also
+// checked to be accepted (not "unknown flag").
+TEST(CliTest, EveryCommandAnswersHelpWithEveryFlag) {
+  const std::map<std::string, std::vector<std::string>> flags = {
+      {"compile",
+       {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits", "--tp", "--dp",
+        "--cluster", "--memory-limit", "--microbatch-group-size", "-o", "--output", "--trace",
+        "--svg", "--recompute", "--show", "--quiet"}},
+      {"validate", {}},
+      {"simulate", {"--trace"}},
+      {"show", {"--svg", "--compute-only", "--text"}},
+      {"list-schedules", {}},
+      {"export", {"--format", "-o", "--output"}},
+      {"import",
+       {"--model", "--vpp", "--tp", "--dp", "--cluster", "--memory-limit",
+        "--microbatch-group-size", "--schedule", "-o", "--output", "--trace", "--show", "--quiet"}},
+      {"plan",
+       {"--model",
+        "--gpus",
+        "--global-batch",
+        "--cluster",
+        "--schedules",
+        "--memory-limit",
+        "--min-headroom",
+        "--top",
+        "-o",
+        "--output",
+        "--csv",
+        "--recompute",
+        "--microbatch-sizes",
+        "--seq-splits",
+        "--max-vpp",
+        "--tp",
+        "--pp",
+        "--tp-across-nodes",
+        "--threads",
+        "--quiet"}},
+  };
+  Result all = pipec("--help");
+  EXPECT_EQ(all.code, 0) << all.err;
+  for (const auto &[cmd, list] : flags) {
+    SCOPED_TRACE(cmd);
+    EXPECT_NE(all.out.find("  " + cmd), std::string::npos) << all.out;
+    for (const std::string &form :
+         {cmd + " --help", cmd + " -h", "help " + cmd, cmd + " --model x.json --help"}) {
+      Result r = pipec(form);
+      EXPECT_EQ(r.code, 0) << form << ": " << r.out << r.err;
+      EXPECT_EQ(r.err, "") << form;
+      EXPECT_EQ(r.out.rfind("usage: pipec " + cmd, 0), 0u) << form << ": " << r.out;
+      EXPECT_NE(r.out.find("exit codes:"), std::string::npos) << r.out;
+    }
+    Result r = pipec(cmd + " --help");
+    for (const std::string &flag : list) {
+      // The flag as a word of the usage: followed by a space, ']' , '|' or '='.
+      bool found = false;
+      for (char after : std::string(" ]|="))
+        found |= r.out.find(flag + after) != std::string::npos;
+      EXPECT_TRUE(found) << flag << " missing from:\n" << r.out;
+      Result probe = pipec(cmd + " " + flag + " 1 x y");
+      EXPECT_EQ(probe.err.find("unknown flag"), std::string::npos) << flag << ": " << probe.err;
+    }
+    // A flag the command does not take is still refused.
+    Result bogus = pipec(cmd + " --bogus-flag 1");
+    EXPECT_EQ(bogus.code, 2) << bogus.err;
+  }
 }
 
 } // namespace

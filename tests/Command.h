@@ -8,6 +8,7 @@
 #define PIPEC_TESTS_COMMAND_H
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -21,6 +22,14 @@ namespace pipec::testing {
 inline std::string tmpDir() {
   const char *d = std::getenv("TEST_TMPDIR");
   return d ? d : "/tmp";
+}
+
+/// A fresh (emptied) directory `name` under tmpDir().
+inline std::string freshDir(const std::string &name) {
+  std::string d = tmpDir() + "/" + name;
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
 }
 
 /// The whole file (empty if it cannot be read).

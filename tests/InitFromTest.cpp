@@ -25,11 +25,12 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <regex>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -628,6 +629,43 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
                             "/no-such.safetensors");
   EXPECT_EQ(missing.code, 2);
   EXPECT_NE(missing.err.find("no-such.safetensors"), std::string::npos) << missing.err;
+}
+
+TEST(InitFromTest, OnlyTheRowsOfWpeTheModelUsesAreRead) {
+  // GPT-2's wpe may hold more positions than the model's seq_length; here 2^28 rows (32 GiB of
+  // F32), all but the first 16 a hole in a sparse file. Only the rows the model uses are read:
+  // the run is the seeded one, bit for bit, instead of an attempt to allocate 32 GiB.
+  const pipec::kernels::GptConfig c = tinyConfig();
+  std::map<std::string, Tensor> tensors = gpt2Tensors(c, /*seed=*/1);
+  Tensor wpe = tensors.at("wpe.weight");
+  tensors.erase("wpe.weight");
+  std::string file = safetensors(tensors); // wpe goes last, its data mostly a hole
+  uint64_t headerBytes = 0;
+  for (int i = 0; i < 8; ++i)
+    headerBytes |= uint64_t(uint8_t(file[size_t(i)])) << (8 * i);
+  std::string header = file.substr(8, size_t(headerBytes)), data = file.substr(8 + headerBytes);
+  const uint64_t rows = uint64_t(1) << 28, begin = data.size(), end = begin + rows * 32 * 4;
+  ASSERT_EQ(c.channels, 32);
+  header.pop_back(); // the closing brace
+  header += ", \"wpe.weight\": {\"dtype\": \"F32\", \"shape\": [" + std::to_string(rows) +
+            ", 32], \"data_offsets\": [" + std::to_string(begin) + ", " + std::to_string(end) +
+            "]}}";
+  for (float v : wpe.values)
+    put(data, std::bit_cast<uint32_t>(v), 4);
+  std::string bytes;
+  put(bytes, header.size(), 8);
+  const std::string path = dir() + "/sparse-wpe.safetensors";
+  writeFile(path, bytes + header + data);
+  ASSERT_EQ(::truncate(path.c_str(), off_t(8 + header.size() + end)), 0);
+
+  std::string plan = compile("examples/tiny-gpt.json", kLayouts[0]);
+  auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --seed 1");
+  auto loaded = runCommand(tool("piperun") + " " + plan +
+                           " --backend cpu --steps 2 --seed 1 --init-from " + path);
+  ASSERT_EQ(seeded.code, 0) << seeded.err;
+  ASSERT_EQ(loaded.code, 0) << loaded.err;
+  EXPECT_EQ(stepLosses(loaded.out), stepLosses(seeded.out));
+  fs::remove(path);
 }
 
 } // namespace

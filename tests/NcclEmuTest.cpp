@@ -17,6 +17,7 @@
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
 #include "kernels/cuda/emu/FakeCuda.h"
+#include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/NcclLayout.h"
@@ -31,6 +32,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <map>
 #include <optional>
@@ -486,6 +490,84 @@ TEST(NcclEmuLaunchTest, ProcessesSharingOneGpuAllFailNamingNcclHostId) {
         << message;
     EXPECT_NE(message.find("give each its own NCCL_HOSTID"), std::string::npos) << message;
   }
+}
+
+/// Every layer file of `dir`'s checkpoint of step `step` (name -> bytes).
+std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
+  std::map<std::string, std::string> m;
+  for (auto &e : std::filesystem::directory_iterator(checkpointPath(dir, step)))
+    if (e.path().filename().string().rfind("layer-", 0) == 0) {
+      std::ifstream in(e.path(), std::ios::binary);
+      m[e.path().filename().string()].assign(std::istreambuf_iterator<char>(in), {});
+    }
+  return m;
+}
+
+TEST(NcclEmuCheckpointTest, SeveralProcessesSaveAndResumeAsTheCudaBackendBitForBit) {
+  // pp 2 x tp 2 x dp 2, every rank a "process": RANK 0 gathers each layer's tp parts from the
+  // processes of replica 0 that hold it (over `world`) and writes the checkpoint; on resume each
+  // process reads the layers it holds. The nccl mode and the cuda backend compute the same
+  // arithmetic, so the checkpoints and the resumed losses are the cuda backend's bit for bit.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4),
+                            options("1f1b", /*pp=*/2, 2, 1, 1, /*tp=*/2, /*dp=*/2));
+  ASSERT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/7);
+  const std::string dir = ::testing::TempDir() + "/nccl-checkpoints";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  CudaRunOptions o;
+  o.steps = 4;
+  o.saveDir = dir + "/cuda";
+  o.saveEvery = 2;
+  auto cuda = runOnCuda(plan, *data, o);
+  ASSERT_TRUE(bool(cuda)) << takeMessage(cuda.takeError());
+  ASSERT_EQ(cuda->losses.size(), 4u);
+  // Two steps, saved by the launch.
+  o.steps = 2;
+  o.saveDir = dir + "/nccl";
+  o.saveEvery = 0;
+  auto saved = runEveryRank(plan, *data, "ckpt-save", [&](int) { return o; });
+  for (size_t r = 0; r < saved.size(); ++r)
+    ASSERT_TRUE(bool(saved[r])) << "rank " << r << ": " << takeMessage(saved[r].takeError());
+  EXPECT_EQ(saved[0]->losses, std::vector<double>(cuda->losses.begin(), cuda->losses.begin() + 2));
+  const auto want2 = layerFiles(dir + "/cuda", 2);
+  ASSERT_EQ(want2.size(), 6u);
+  EXPECT_TRUE(layerFiles(dir + "/nccl", 2) == want2) << "the launch's step-2 checkpoint";
+  // Two more, resumed by another launch from its checkpoint.
+  auto ckpt = openCheckpoint(dir + "/nccl");
+  ASSERT_TRUE(bool(ckpt)) << takeMessage(ckpt.takeError());
+  EXPECT_EQ(ckpt->manifest.adamSteps, 2u);
+  o.resume = &*ckpt;
+  auto resumed = runEveryRank(plan, *data, "ckpt-resume", [&](int) { return o; });
+  for (size_t r = 0; r < resumed.size(); ++r)
+    ASSERT_TRUE(bool(resumed[r])) << "rank " << r << ": " << takeMessage(resumed[r].takeError());
+  EXPECT_EQ(resumed[0]->losses, std::vector<double>(cuda->losses.begin() + 2, cuda->losses.end()));
+  EXPECT_TRUE(layerFiles(dir + "/nccl", 4) == layerFiles(dir + "/cuda", 4))
+      << "the resumed launch's step-4 checkpoint";
+}
+
+TEST(NcclEmuCheckpointTest, ProcessesLaunchedWithAndWithoutSaveDirAllFailNamingTheFlag) {
+  // A checkpoint gathers every layer to RANK 0: a process without --save-dir would never send
+  // its part, and RANK 0 would wait for it; every process refuses, before the first step.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 2));
+  auto data = syntheticData(32, /*seed=*/7);
+  const std::string dir = ::testing::TempDir() + "/nccl-mixed-save";
+  std::filesystem::remove_all(dir);
+  auto results = runEveryRank(plan, *data, "mixed-save", [&](int rank) {
+    CudaRunOptions o;
+    if (rank == 0)
+      o.saveDir = dir;
+    return o;
+  });
+  for (size_t r = 0; r < results.size(); ++r) {
+    ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
+    EXPECT_NE(takeMessage(results[r].takeError())
+                  .find("--save-dir: 1 of the launch's 2 processes save checkpoints, the others "
+                        "do not; pass the same --save-dir and --save-every to every process"),
+              std::string::npos)
+        << "rank " << r;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir)) << "nothing saved";
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -13,7 +13,7 @@
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Interpreter.h"
 #include "runtime/cpu/CpuRun.h"
-#include "runtime/cpu/Reference.h"
+#include "runtime/Reference.h"
 #include "runtime/cuda/NcclLayout.h"
 
 #include <fmt/format.h>

@@ -14,7 +14,7 @@
 #include "runtime/Data.h"
 #include "runtime/Runner.h"
 #include "runtime/cpu/CpuRun.h"
-#include "runtime/cpu/Reference.h"
+#include "runtime/Reference.h"
 #include "schedules/Policy.h"
 
 #include <atomic>

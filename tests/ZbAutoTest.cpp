@@ -7,7 +7,9 @@
 //     -1). At --memory-limit p·M_B our bubble must be <= ZB-1p's, at 2p·M_B <= ZB-2p's on
 //     every setting (the table rounds to 4 places: tolerance 0.00005); peaks stay under the
 //     limit; plans verify.
-// (b) A seeded sweep over small configurations with uneven costs and several limits.
+// (b) A seeded sweep over small configurations with uneven costs and several limits; a sweep
+//     over transformer sizes, pp, m, tp, dp and limits: zb-auto's step time (as compile reports
+//     it) is never above zb-h1's or zb-h2's where their own peak fits the limit.
 // (c) The diagnostics. (d) Determinism.
 //
 //===----------------------------------------------------------------------===//
@@ -169,6 +171,70 @@ TEST(ZbAutoSweepTest, UnitCostsMeetZBH1sClosedFormAndMoreMemoryNeverHurts) {
     double h1Bubble = double(p - 1) / (3.0 * m + double(p - 1));
     EXPECT_LE(h1.stats.bubbleRatio, h1Bubble + 1e-12) << "p=" << p;
   }
+}
+
+/// Compile-reported step time of zb-auto at `limit` against zb-h1's and zb-h2's wherever their
+/// own peak activation fits it: never more (up to a relative 1e-9 of summation order).
+void expectNoWorseThanZBH1AndZBH2(const ModelSpec &model, CompileOptions base,
+                                  const std::vector<double> &limitFactors, int *compared) {
+  base.schedule = "zb-h1";
+  Plan h1 = compileOrFail(model, base);
+  base.schedule = "zb-h2";
+  Plan h2 = compileOrFail(model, base);
+  const int64_t h1Peak = maxPeak(h1), h2Peak = maxPeak(h2);
+  std::vector<int64_t> limits = {h1Peak, h2Peak, (h1Peak + h2Peak) / 2};
+  for (double f : limitFactors)
+    limits.push_back(int64_t(double(h2Peak) * f));
+  for (int64_t limit : limits) {
+    CompileOptions o = base;
+    o.schedule = "zb-auto";
+    o.memoryLimit = limit;
+    auto plan = compilePlan(model, ClusterSpec::defaults(), o);
+    if (!plan) { // below one microbatch's lifetime peak: neither fixed order fits either
+      EXPECT_LT(limit, std::min(h1Peak, h2Peak)) << takeMessage(plan.takeError());
+      continue;
+    }
+    SCOPED_TRACE(testing::Message()
+                 << model.name << " pp=" << base.parallel.pp << " m=" << base.parallel.microbatches
+                 << " tp=" << base.parallel.tp << " dp=" << base.parallel.dp << " limit=" << limit
+                 << " (zb-h1 peak " << h1Peak << ", zb-h2 peak " << h2Peak << ")");
+    expectWithinLimit(*plan, limit);
+    const double step = plan->stats.stepTime;
+    for (const Plan *fixed : {&h1, &h2}) {
+      if (maxPeak(*fixed) > limit)
+        continue;
+      ++*compared;
+      EXPECT_LE(step, fixed->stats.stepTime * (1 + 1e-9)) << "against " << fixed->schedule;
+    }
+  }
+}
+
+TEST(ZbAutoSweepTest, NeverSlowerThanZBH1OrZBH2WhereTheyFit) {
+  // Transformers of two sizes (their tp all-reduces and dp all-reduces are in the step time
+  // compile reports, not in the greedy's own timing), pp 2 to 8, m = p and 3p+1, tp and dp 1
+  // or 2, and limits at zb-h1's and zb-h2's own peaks, between them, above and below.
+  int compared = 0;
+  struct Size {
+    int hidden, heads, ffn, seq;
+  };
+  for (Size sz : {Size{32, 4, 128, 64}, Size{128, 8, 512, 256}})
+    for (int pp : {2, 4, 8})
+      for (int m : {pp, 3 * pp + 1})
+        for (auto [tp, dp] : {std::pair{1, 1}, std::pair{2, 2}}) {
+          ModelSpec model = fp32Gpt(pp, sz.hidden, sz.heads, sz.ffn, sz.seq, 2);
+          expectNoWorseThanZBH1AndZBH2(model, options("zb-h1", pp, m, 1, 1, tp, dp), {0.8, 1.5},
+                                       &compared);
+        }
+  // Uneven abstract stages (seeded) with transfer times, dp 1 and 2.
+  Lcg rng{41};
+  for (int p = 2; p <= 6; ++p)
+    for (int m : {p - 1, 2 * p, 3 * p})
+      for (int dp : {1, 2}) {
+        ModelSpec model = randomModel(p, rng);
+        expectNoWorseThanZBH1AndZBH2(model, options("zb-h1", p, m, 1, 1, 1, dp), {0.7, 1.5},
+                                     &compared);
+      }
+  EXPECT_GT(compared, 100); // the comparisons did happen
 }
 
 //===----------------------------------------------------------------------===//

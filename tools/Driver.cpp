@@ -42,6 +42,16 @@ llvm::ArrayRef<llvm::StringRef> importFlags() {
   return flags;
 }
 
+std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName) {
+  std::vector<InputFile> inputs;
+  for (const std::string &p : args.positional())
+    inputs.push_back({positionalName.str(), userPath(p)});
+  for (llvm::StringRef flag : {"--model", "--cluster"})
+    if (auto path = args.path(flag))
+      inputs.push_back({flag.str(), *path});
+  return inputs;
+}
+
 llvm::Expected<ModelSpec> modelFromFlags(const Args &args) {
   if (auto text = args.get("--model-json")) {
     return parseModelSpec(*text, "model"); // errors start "model: $.field: ..."
@@ -230,6 +240,13 @@ llvm::Error cmdExport(int argc, char **argv) {
     return inputError("--format: unknown format '{}' (known: torch-csv, torch-csv-comms); try "
                       "--format torch-csv",
                       *formatName);
+  std::optional<std::string> out = args->path("-o");
+  if (!out)
+    out = args->path("--output");
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
+  if (out)
+    if (auto err = checkOutputPath("-o", *out, inputs))
+      return err;
   auto plan = loadPlan(userPath(args->positional().front()));
   if (!plan)
     return plan.takeError();
@@ -238,15 +255,12 @@ llvm::Error cmdExport(int argc, char **argv) {
   auto csv = writeTorchCsv(*plan, form);
   if (!csv)
     return csv.takeError();
-  std::optional<std::string> out = args->path("-o");
-  if (!out)
-    out = args->path("--output");
   if (!out) {
     fmt::print("{}", *csv);
     return llvm::Error::success();
   }
-  if (auto err = writeFileAtomically(*out, *csv))
-    return inputError("-o: {}", takeMessage(std::move(err)));
+  if (auto err = writeFilesAtomically({OutputFile{"-o", *out, *csv}}, inputs))
+    return err;
   fmt::print("wrote {} ({}: {} rows, one per rank)\n", *out, toString(form).str(),
              plan->numRanks());
   return llvm::Error::success();
@@ -265,6 +279,12 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
                       "sched.csv|sched.txt --model M.json [--vpp V] [-o plan.json]",
                       args->positional().size());
   std::string source = args->positional().front();
+  // Every output is checked before anything is read or compiled.
+  const std::vector<InputFile> inputs = commandInputs(*args, "schedule");
+  for (llvm::StringRef flag : {"-o", "--output", "--trace"})
+    if (auto path = args->path(flag))
+      if (auto err = checkOutputPath(flag == "--output" ? "-o" : flag, *path, inputs))
+        return err;
   auto text = readFile(userPath(source));
   if (!text)
     return text.takeError();
@@ -286,7 +306,7 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
       return err;
     outputs.push_back(OutputFile{"--trace", *t, chromeTrace(plan, tl)});
   }
-  if (auto err = writeFilesAtomically(outputs))
+  if (auto err = writeFilesAtomically(outputs, inputs))
     return err;
   if (!args->has("--quiet")) {
     fmt::print("{}", importReport(order, *result, source));

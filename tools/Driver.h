@@ -10,6 +10,7 @@
 #define PIPEC_TOOLS_DRIVER_H
 
 #include "compiler/Import.h"
+#include "ir/Files.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
 #include "tools/Args.h"
@@ -18,12 +19,19 @@
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <vector>
+
 namespace pipec {
 
 /// The valued flags compileWithFlags reads.
 llvm::ArrayRef<llvm::StringRef> compileFlags();
 /// The valued flags importWithFlags reads.
 llvm::ArrayRef<llvm::StringRef> importFlags();
+
+/// The files a pipec command reads, for the check of its outputs (ir/Files.h): its positional
+/// arguments (named `positionalName` in messages: "plan", "schedule") and the input files its
+/// flags give (--model, --cluster). Every writer of every command is handed this list.
+std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName);
 
 /// --model or --model-json (required).
 llvm::Expected<ModelSpec> modelFromFlags(const Args &args);

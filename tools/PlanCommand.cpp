@@ -14,6 +14,7 @@
 #include "ir/Model.h"
 #include "ir/PlanJson.h"
 #include "tools/Args.h"
+#include "tools/Driver.h"
 
 #include "llvm/ADT/StringExtras.h"
 
@@ -26,12 +27,14 @@ namespace pipec {
 
 const char *const kPlanUsage =
     R"(  plan --model M.json --gpus N --global-batch B [--cluster C.json]
-       [--schedules a,b,...] [--memory-limit BYTES] [--top K] [-o best.json]
-       [--csv all.csv] [--recompute none,selective,full] [--microbatch-sizes 1,2,4]
-       [--seq-splits 1,2,4,8] [--max-vpp V] [--tp 1,2,...] [--pp 1,2,...]
-       [--tp-across-nodes] [--sequence-parallel] [--distributed-optimizer] [--threads T]
+       [--schedules a,b,...] [--memory-limit BYTES] [--min-headroom BYTES|P%] [--top K]
+       [-o|--output best.json] [--csv all.csv] [--recompute none,selective,full]
+       [--microbatch-sizes 1,2,4] [--seq-splits 1,2,4,8] [--max-vpp V] [--tp 1,2,...]
+       [--pp 1,2,...] [--tp-across-nodes] [--sequence-parallel]
+       [--distributed-optimizer] [--threads T] [--quiet]
                       search tp, pp, vpp, dp, microbatch size and count, seq-splits and
-                      schedules for the fastest step that fits the device's memory
+                      schedules for the fastest step that fits the device's memory, less
+                      --min-headroom (default 5% of it; 0 to use it all)
 )";
 
 namespace {
@@ -60,17 +63,38 @@ llvm::Error parseList(const Args &args, llvm::StringRef flag, std::vector<T> &ou
   return llvm::Error::success();
 }
 
+/// --min-headroom: 0, a percentage of the memory limit ("5%") or a byte count ("4GiB").
+llvm::Expected<int64_t> headroomBytes(const Args &args, llvm::StringRef value, int64_t limit) {
+  llvm::StringRef v = value.trim();
+  double pct = 0;
+  if (v == "0")
+    return int64_t(0);
+  if (v.endswith("%")) {
+    if (v.drop_back().trim().getAsDouble(pct) || !(pct >= 0 && pct < 100))
+      return inputError("--min-headroom expects a percentage from 0 to below 100 such as 5% "
+                        "(got '{}')",
+                        value.str());
+    return int64_t(double(limit) * pct / 100);
+  }
+  auto bytes = args.bytes("--min-headroom");
+  if (!bytes)
+    return inputError("--min-headroom expects 0, a percentage of the memory limit such as 5%, "
+                      "or a byte count such as 4GiB (got '{}')",
+                      value.str());
+  return *bytes;
+}
+
 } // namespace
 
 llvm::Error runPlanCommand(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 2,
-                  {"--model", "--gpus", "--global-batch", "--cluster", "--schedules",
-                   "--memory-limit", "--top", "-o", "--output", "--csv", "--recompute",
-                   "--microbatch-sizes", "--seq-splits", "--max-vpp", "--threads", "--tp", "--pp"},
-                  {"--tp-across-nodes", "--quiet", "--sequence-parallel",
-                   "--distributed-optimizer"},
-                  "plan");
+  auto args = Args::parse(argc, argv, 2,
+                          {"--model", "--gpus", "--global-batch", "--cluster", "--schedules",
+                           "--memory-limit", "--min-headroom", "--top", "-o", "--output", "--csv",
+                           "--recompute", "--microbatch-sizes", "--seq-splits", "--max-vpp",
+                           "--threads", "--tp", "--pp"},
+                          {"--tp-across-nodes", "--quiet", "--sequence-parallel",
+                           "--distributed-optimizer"},
+                          "plan");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -113,6 +137,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   o.tpAcrossNodes = args->has("--tp-across-nodes");
   o.sequenceParallel = args->has("--sequence-parallel");
   o.distributedOptimizer = args->has("--distributed-optimizer");
+  std::optional<std::string> headroom = args->get("--min-headroom");
   if (auto err = parseList(*args, "--microbatch-sizes", o.microbatchSizes))
     return err;
   if (auto err = parseList(*args, "--seq-splits", o.seqSplits))
@@ -151,6 +176,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
       return inputError("--cluster: {}", takeMessage(loaded.takeError()));
     cluster = *loaded;
   }
+  if (headroom) {
+    auto bytes =
+        headroomBytes(*args, *headroom, o.memoryLimit ? o.memoryLimit : cluster.memoryBytes);
+    if (!bytes)
+      return bytes.takeError();
+    o.minHeadroom = *bytes;
+  }
   std::optional<std::string> out = args->path("-o");
   if (!out)
     out = args->path("--output");
@@ -171,7 +203,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                                  [&](llvm::raw_ostream &os) { writePlanJson(result->best, os); }});
   if (csv)
     outputs.push_back(OutputFile{"--csv", *csv, plannerCsv(*model, cluster, o, *result)});
-  if (auto err = writeFilesAtomically(outputs))
+  if (auto err = writeFilesAtomically(outputs, commandInputs(*args, "")))
     return err;
   if (args->has("--quiet"))
     return llvm::Error::success();
@@ -184,6 +216,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     compiled += c.compiled;
   }
   const bool transformer = model->isTransformer();
+  const std::string kept =
+      result->minHeadroom > 0 ? fmt::format(", {} kept free", gib(result->minHeadroom)) : "";
   if (transformer) {
     const TransformerConfig &t = *model->transformer;
     // Llama-style choices, where the block is not GPT-2's.
@@ -199,14 +233,15 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     if (!t.bias)
       block += ", no biases";
     fmt::print("pipec plan: {} ({} layers, hidden {}, {}, seq {}, {}{}) on {} x {} ({} per "
-               "node, {} each), global batch {} sequences\n",
+               "node, {} each{}), global batch {} sequences\n",
                model->name, t.numLayers, t.hiddenSize, heads, t.seqLength, t.dtype, block, o.gpus,
-               cluster.deviceName, cluster.gpusPerNode, gib(result->memoryLimit), o.globalBatch);
+               cluster.deviceName, cluster.gpusPerNode, gib(result->memoryLimit), kept,
+               o.globalBatch);
   } else {
-    fmt::print("pipec plan: {} ({} layers) on {} GPUs ({} per node, {} each), global batch {} "
+    fmt::print("pipec plan: {} ({} layers) on {} GPUs ({} per node, {} each{}), global batch {} "
                "microbatches\n",
                model->name, model->layers.size(), o.gpus, cluster.gpusPerNode,
-               gib(result->memoryLimit), o.globalBatch);
+               gib(result->memoryLimit), kept, o.globalBatch);
   }
   size_t total = result->candidates.size();
   fmt::print("searched {} candidates in {:.2f} s ({:.0f} candidates/s): {} simulated, {} "
@@ -235,15 +270,16 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     }
     fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:>13.3f} {:>10} "
                "{:>8} {:>6} {:>6.1f}% {:>11} {:>10}\n",
-               i + 1, c.schedule, pc.tp, pc.pp, pc.vpp, pc.dp, c.microbatchSize, pc.microbatches,
-               pc.seqSplits, toString(c.recompute).str(), c.stepTime, tokens, tflops, mfu,
-               100 * c.bubbleRatio, gib(c.peakMemoryBytes),
+               i + 1, scheduleLabel(c), pc.tp, pc.pp, pc.vpp, pc.dp, c.microbatchSize,
+               pc.microbatches, pc.seqSplits, toString(c.recompute).str(), c.stepTime, tokens,
+               tflops, mfu, 100 * c.bubble, gib(c.peakMemoryBytes),
                gib(result->memoryLimit - c.peakMemoryBytes));
   }
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print("\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
              "seq-splits {}, recompute {}{}\n",
-             best.schedule, best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp,
+             best.parallel.pp == 1 ? std::string("no pipeline (1f1b order)") : best.schedule,
+             best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp,
              best.microbatchSize, best.parallel.microbatches, best.parallel.seqSplits,
              toString(best.recompute).str(),
              best.zbAutoLimit

@@ -8,6 +8,7 @@
 //   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
 //   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
+//   pipec spec --from-hf config.json [...]                      (tools/SpecCommand.cpp)
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
@@ -23,6 +24,7 @@
 #include "tools/Driver.h"
 #include "tools/Figure.h"
 #include "tools/PlanCommand.h"
+#include "tools/SpecCommand.h"
 
 #include <fmt/format.h>
 
@@ -35,40 +37,68 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
 
-const char *kUsage =
-    R"(usage: pipec <command> [flags]
-
-commands:
-  compile --model M.json --schedule NAME --pp P --microbatches N
+/// Each command's lines of the usage (every flag it takes), in `pipec --help` order.
+struct CommandUsage {
+  const char *name;
+  const char *text;
+};
+const CommandUsage kCommands[] = {
+    {"compile", R"(  compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
-          [--memory-limit BYTES] [--microbatch-group-size G] [-o plan.json]
+          [--memory-limit BYTES] [--microbatch-group-size G] [-o|--output plan.json]
           [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
           [--seq-split-by time|flops] [--show] [--trace trace.json] [--svg figure.svg]
+          [--quiet]
                       compile, verify and simulate a plan; print its summary
-  validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
-  simulate plan.json [--trace trace.json]
+)"},
+    {"validate",
+     R"(  validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
+)"},
+    {"simulate", R"(  simulate plan.json [--trace trace.json]
                       timed simulation; optional Chrome/Perfetto trace
-  show plan.json [--compute-only] [--text] [--svg figure.svg]
+)"},
+    {"show", R"(  show plan.json [--compute-only] [--text] [--svg figure.svg]
                       the rank x step grid (or, with --text, one line per rank;
                       with --svg, the papers' figure over simulated time)
-  list-schedules      the schedules, their constraints and a line on each
-  export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
+)"},
+    {"list-schedules", R"(  list-schedules      the schedules, their constraints and a line on each
+)"},
+    {"export", R"(  export plan.json --format torch-csv|torch-csv-comms [-o|--output sched.csv]
                       the plan as PyTorch pipelining's schedule CSV (compute only, or with
                       its sends, recvs, waits and gradient reductions)
-  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
+)"},
+    {"import", R"(  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
           [--cluster C.json] [--memory-limit BYTES] [--microbatch-group-size G]
-          [--schedule NAME] [-o plan.json] [--show] [--trace trace.json]
+          [--schedule NAME] [-o|--output plan.json] [--show] [--trace trace.json] [--quiet]
                       a PyTorch schedule CSV or pipec's text form, compiled, verified and
                       simulated as pipec's own (pp, microbatches, placement inferred)
-%s
-exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input
-)";
+)"},
+    {"plan", nullptr}, // kPlanUsage (tools/PlanCommand.cpp)
+    {"spec", nullptr}, // kSpecUsage (tools/SpecCommand.cpp)
+};
+const char *kExitCodes =
+    "exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input\n";
 
-/// kUsage with `pipec plan`'s lines in their place.
+const char *usageText(const CommandUsage &c) {
+  if (c.text)
+    return c.text;
+  return llvm::StringRef(c.name) == "plan" ? kPlanUsage : kSpecUsage;
+}
+
 std::string usage() {
-  std::string u = kUsage;
-  u.replace(u.find("%s"), 2, kPlanUsage);
-  return u;
+  std::string u = "usage: pipec <command> [flags]   (pipec <command> --help: that command's)\n\n"
+                  "commands:\n";
+  for (const CommandUsage &c : kCommands)
+    u += usageText(c);
+  return u + "\n" + kExitCodes;
+}
+
+/// A command's own lines of the usage; null for an unknown command.
+const char *findUsage(llvm::StringRef cmd) {
+  for (const CommandUsage &c : kCommands)
+    if (cmd == c.name)
+      return usageText(c);
+  return nullptr;
 }
 
 std::string humanBytes(int64_t b) {
@@ -136,13 +166,13 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
 }
 
 llvm::Error cmdCompile(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2,
-                          {"--model", "--schedule", "--pp", "--vpp", "--microbatches",
-                           "--seq-splits", "--tp", "--dp", "--cluster", "--memory-limit",
-                           "--microbatch-group-size", "-o", "--output", "--trace", "--svg",
-                           "--recompute", "--seq-split-by"},
-                          {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
-                          "compile");
+  auto args =
+      Args::parse(argc, argv, 2,
+                  {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits",
+                   "--tp", "--dp", "--cluster", "--memory-limit", "--microbatch-group-size", "-o",
+                   "--output", "--trace", "--svg", "--recompute", "--seq-split-by"},
+                  {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
+                  "compile");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -161,9 +191,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
     out = args->path("--output");
   // Every output is checked before the (possibly long) compile: a file, or - for standard
   // output, and never one of the inputs.
-  std::vector<InputFile> inputs{{"--model", *args->path("--model")}};
-  if (auto c = args->path("--cluster"))
-    inputs.push_back({"--cluster", *c});
+  const std::vector<InputFile> inputs = commandInputs(*args, "");
   const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
   if (toStdout && args->has("--show"))
     return inputError("--show prints the grid to standard output, which {} - fills; write that "
@@ -172,9 +200,10 @@ llvm::Error cmdCompile(int argc, char **argv) {
   if (out)
     if (auto err = checkOutputPath("-o", *out, inputs))
       return err;
-  if (auto t = args->path("--trace"))
-    if (auto err = checkOutputPath("--trace", *t, inputs))
-      return err;
+  for (llvm::StringRef flag : {"--trace", "--svg"})
+    if (auto path = args->path(flag))
+      if (auto err = checkOutputPath(flag, *path, inputs))
+        return err;
   auto model = loadModelSpec(*args->path("--model"));
   if (!model)
     return inputError("--model: {}", takeMessage(model.takeError()));
@@ -269,7 +298,7 @@ llvm::Error cmdSimulate(int argc, char **argv) {
   ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
   if (auto err = runPipeline({"memory"}, *plan, ctx))
     return err;
-  const std::vector<InputFile> inputs{{"plan", userPath(args->positional().front())}};
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
   if (auto t = args->path("--trace"))
     if (auto err = checkOutputPath("--trace", *t, inputs))
       return err;
@@ -278,8 +307,8 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     return err;
   summarizeTimeline(*plan, tl, plan->stats);
   if (auto t = args->path("--trace")) {
-    if (auto err = writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}},
-                                        inputs))
+    if (auto err =
+            writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}}, inputs))
       return err;
     if (*t == "-") // the summary would corrupt the trace on standard output
       return llvm::Error::success();
@@ -291,13 +320,14 @@ llvm::Error cmdSimulate(int argc, char **argv) {
 }
 
 /// `show --svg`: the figure of a verified plan over its simulated timeline, instead of the grid.
-llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven) {
+llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string &asGiven,
+                    llvm::ArrayRef<InputFile> inputs) {
   if (auto err = verifyPlan(plan))
     return err;
   Timeline tl;
   if (auto err = simulateTimeline(plan, tl))
     return err;
-  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}))
+  if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}, inputs))
     return err;
   fmt::print("wrote {}\n", asGiven);
   return llvm::Error::success();
@@ -307,6 +337,10 @@ llvm::Error cmdShow(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
   if (!args)
     return args.takeError();
+  const std::vector<InputFile> inputs = commandInputs(*args, "plan");
+  if (auto svg = args->path("--svg"))
+    if (auto err = checkOutputPath("--svg", *svg, inputs))
+      return err;
   auto plan = loadOnePlan(*args, "show");
   if (!plan)
     return plan.takeError();
@@ -314,7 +348,7 @@ llvm::Error cmdShow(int argc, char **argv) {
   fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
              pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
   if (auto svg = args->path("--svg"))
-    return showSvg(*plan, *svg, *args->get("--svg"));
+    return showSvg(*plan, *svg, *args->get("--svg"), inputs);
   if (args->has("--text"))
     fmt::print("{}", formatStreams(*plan, args->has("--compute-only")));
   else
@@ -341,13 +375,28 @@ int main(int argc, char **argv) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
     std::fputs(usage().c_str(), stdout);
     return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
-                                           "show, list-schedules, export, import, plan); "
+                                           "show, list-schedules, export, import, plan, spec); "
                                            "usage above"));
   }
   llvm::StringRef cmd = argv[1];
-  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+  const bool helpCommand = cmd == "help" && argc == 3; // pipec help COMMAND
+  if (helpCommand)
+    cmd = argv[2];
+  else if (cmd == "-h" || cmd == "--help" || cmd == "help") {
     std::fputs(usage().c_str(), stdout);
     return finishTool("pipec", llvm::Error::success());
+  }
+  // --help or -h anywhere after a command: that command's usage, exit 0.
+  if (const char *text = findUsage(cmd)) {
+    bool help = helpCommand;
+    for (int i = 2; i < argc && !help; ++i)
+      help = llvm::StringRef(argv[i]) == "--help" || llvm::StringRef(argv[i]) == "-h";
+    if (help) {
+      std::string u =
+          fmt::format("usage: pipec {}\n{}", llvm::StringRef(text).ltrim(' ').str(), kExitCodes);
+      std::fputs(u.c_str(), stdout);
+      return finishTool("pipec", llvm::Error::success());
+    }
   }
   return runTool("pipec", [&] { return dispatch(cmd, argc, argv); });
 }
@@ -370,9 +419,11 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdImport(argc, argv, printSummary);
   else if (cmd == "plan")
     err = runPlanCommand(argc, argv);
+  else if (cmd == "spec")
+    err = runSpecCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "
-                     "list-schedules, export, import, plan)",
+                     "list-schedules, export, import, plan, spec)",
                      cmd.str());
   return err;
 }

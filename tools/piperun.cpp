@@ -5,7 +5,7 @@
 //           [--timeout SECONDS]
 // Prints "step N loss X" per step; with --check-reference also the single-rank reference's
 // loss, "max_abs_grad_diff=<value>" and "max_tensor_grad_diff=<value>" with the places of both
-// (runtime/cpu/Reference.h, GradCheck), and exits 1 when the first exceeds 1e-5 of the largest
+// (runtime/Reference.h, GradCheck), and exits 1 when the first exceeds 1e-5 of the largest
 // reference gradient (1e-4 on the GPU backends in fp32: another summation order; 5e-2 in bf16)
 // or the second 1e-3 of a tensor's own (0.15 in bf16). After the last step it compares the
 // weights, which took the same AdamW steps from the same gradients ("max_weight_diff=", of each
@@ -25,22 +25,31 @@
 // nothing runs on the device, nothing trains), and print, before step 0, what each rank holds
 // ("weights, gradients and optimizer state MiB ...", `pipec compile`'s static bytes) and its
 // arena ("activation arena MiB ...").
-// Checkpoints (cpu backend; runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves
-// after every --save-every N-th step and after the last, each crash-safe; --resume DIR continues
-// from DIR's newest complete checkpoint (its step numbers, seed and data position; --steps
-// counts the steps of this run), under this plan's layout, whichever it was saved under.
-// --init-from FILE (runtime/SafeTensors.h): the initial weights from a safetensors file in
-// Hugging Face's GPT-2 or Llama names, checked against the model before step 0, on every
-// backend.
+// Every backend runs under the one training driver (runtime/Train.h). Checkpoints
+// (runtime/Checkpoint.h, docs/reliability.md): --save-dir DIR saves after every --save-every
+// N-th step and after the last, each crash-safe; --resume DIR continues from DIR's newest
+// complete checkpoint (its step numbers, seed and data position), under this plan's layout and
+// backend, whichever it was saved under, or starts at step 0 (saying so) where DIR holds none
+// yet. --steps N is the step the job ends at: a resumed run continues to step N, and one
+// resumed at or past it says so and exits 0, so the same command line relaunched after a kill
+// finishes the job.
+// --init-from FILE|DIR (runtime/SafeTensors.h): the initial weights from a safetensors file in
+// Hugging Face's GPT-2 or Llama names, or a Hugging Face model directory (config.json checked
+// against the model, one or several shards), checked before step 0, on every backend.
+// --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
+// directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
+#include "runtime/HfExport.h"
 #include "runtime/SafeTensors.h"
+#include "runtime/Train.h"
 #include "runtime/cpu/CpuRun.h"
 #ifdef PIPEC_HAS_CUDA
 #include "runtime/cuda/CudaRun.h"
@@ -49,6 +58,8 @@
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
 #include "tools/KernelEnv.h"
+
+#include "llvm/Support/FileSystem.h"
 
 #include <fmt/format.h>
 
@@ -70,107 +81,134 @@ const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE]
+               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE|DIR]
+               [--export-hf DIR [--export-hf-shard-size BYTES]]
 )";
 
-llvm::Error run(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1,
-                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from"},
-                  {"--check-reference"}, /*command=*/""); // reportError names the tool
-  if (!args)
-    return args.takeError();
-  if (args->positional().size() != 1)
-    return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
-                      args->positional().size());
-  std::string backend = args->get("--backend").value_or("cpu");
 #ifdef PIPEC_HAS_CUDA
-  // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
-  // set an environment variable. Printed by RANK 0 below.
-  const std::string ncclLine = backend == "nccl" ? prepareNcclEnvironment() : "";
+using RunOptions = CudaRunOptions; // the driver's options and the GPU backends'
+#else
+using RunOptions = TrainOptions;
 #endif
-  // How the GPU backends' ops choose their kernels (the environment is read here alone).
-  kernels::cuda::KernelConfig kernelConfig;
-  if (backend == "cuda" || backend == "nccl") {
+
+/// What the flags ask for, read and checked before any file is: the driver's options (no
+/// checkpoint opened, no weights loaded yet) and the rest of the flags.
+struct Request {
+  std::string backend;
+  std::optional<std::string> computeFlag; // --dtype
+  std::string dataDtype;
+  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
+  int saveEvery = 0;
+  int endStep = 1; // --steps: the step the job ends at
+  bool seedGiven = false;
+  RunOptions options;
+};
+
+/// The flags' values (but the files they name), in the order of their checks.
+llvm::Expected<Request> readFlags(const Args &args) {
+  Request r;
+  RunOptions &o = r.options;
+  r.backend = args.get("--backend").value_or("cpu");
+  if (r.backend == "cuda" || r.backend == "nccl") {
 #ifdef PIPEC_HAS_CUDA
     if (auto devices = cudaDevices(); !devices)
-      return inputError("--backend {}: no GPU ({}); use --backend cpu", backend,
+      return inputError("--backend {}: no GPU ({}); use --backend cpu", r.backend,
                         takeMessage(devices.takeError()));
+    // How the GPU backends' ops choose their kernels (the environment is read here alone).
     auto fromEnvironment = kernelConfigFromEnvironment();
     if (!fromEnvironment)
       return fromEnvironment.takeError();
-    kernelConfig = *fromEnvironment;
+    o.kernels = *fromEnvironment;
 #else
     return inputError("--backend {}: this build has no CUDA (nvcc was not found when it was "
                       "built); use --backend cpu",
-                      backend);
+                      r.backend);
 #endif
   }
-  if (backend != "cpu" && backend != "cuda" && backend != "nccl")
-    return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu", backend);
-  const std::optional<std::string> computeFlag = args->get("--dtype");
-  if (computeFlag && *computeFlag != "fp32" && *computeFlag != "bf16")
-    return inputError("--dtype: expected fp32 or bf16 (got '{}'); try --dtype {}", *computeFlag,
-                      llvm::StringRef(*computeFlag).contains("16") ? "bf16" : "fp32");
-  if (computeFlag && *computeFlag != "fp32" && backend == "cpu")
+  if (r.backend != "cpu" && r.backend != "cuda" && r.backend != "nccl")
+    return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu",
+                      r.backend);
+  r.computeFlag = args.get("--dtype");
+  if (r.computeFlag && *r.computeFlag != "fp32" && *r.computeFlag != "bf16")
+    return inputError("--dtype: expected fp32 or bf16 (got '{}'); try --dtype {}", *r.computeFlag,
+                      llvm::StringRef(*r.computeFlag).contains("16") ? "bf16" : "fp32");
+  if (r.computeFlag && *r.computeFlag != "fp32" && r.backend == "cpu")
 #ifdef PIPEC_HAS_CUDA
     return inputError("--dtype {}: the cpu backend computes in fp32 only (it is the reference); "
                       "use --backend cuda for {}, or drop --dtype",
-                      *computeFlag, *computeFlag);
+                      *r.computeFlag, *r.computeFlag);
 #else
     return inputError("--dtype {}: the cpu backend computes in fp32 only (it is the reference, "
                       "and this build has no GPU backend); drop --dtype",
-                      *computeFlag);
+                      *r.computeFlag);
 #endif
-  auto steps = args->integer("--steps", 1, 1, 1000000);
+  auto steps = args.integer("--steps", 1, 1, 1000000);
   if (!steps)
     return steps.takeError();
-  auto seed = args->integer("--seed", 1, 0, INT64_MAX);
+  auto seed = args.integer("--seed", 1, 0, INT64_MAX);
   if (!seed)
     return seed.takeError();
-  CpuRunOptions o;
-  o.steps = int(*steps);
+  r.endStep = int(*steps);
   o.seed = uint64_t(*seed);
-  o.checkReference = args->has("--check-reference");
-  for (auto [flag, out] : {std::pair{"--lr", &o.lr}}) {
-    if (auto v = args->get(flag)) {
-      double d = 0;
-      if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || d > 10)
-        return inputError("{} expects a positive number such as 1e-3 (got '{}')", flag, *v);
-      *out = float(d);
-    }
+  r.seedGiven = args.has("--seed");
+  o.checkReference = args.has("--check-reference");
+  if (auto v = args.get("--lr")) {
+    double d = 0;
+    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || d > 10)
+      return inputError("--lr expects a positive number such as 1e-3 (got '{}')", *v);
+    o.lr = float(d);
   }
-  if (auto v = args->get("--timeout")) {
+  if (auto v = args.get("--timeout")) {
     double d = 0;
     if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0))
       return inputError("--timeout expects seconds > 0 such as 30 (got '{}')", *v);
     o.timeoutSeconds = d;
   }
-  std::string dtype = args->get("--data-dtype").value_or("uint16");
-  if (dtype != "uint16" && dtype != "uint32")
-    return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", dtype);
-
-  auto saveEvery = args->integer("--save-every", 0, 1, 1000000);
+  r.dataDtype = args.get("--data-dtype").value_or("uint16");
+  if (r.dataDtype != "uint16" && r.dataDtype != "uint32")
+    return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", r.dataDtype);
+  auto saveEvery = args.integer("--save-every", 0, 1, 1000000);
   if (!saveEvery)
     return saveEvery.takeError();
-  const std::optional<std::string> saveDir = args->path("--save-dir"),
-                                   resumeDir = args->path("--resume");
-  if (args->has("--save-every") && !saveDir)
+  r.saveEvery = int(*saveEvery);
+  r.saveDir = args.path("--save-dir");
+  r.resumeDir = args.path("--resume");
+  if (args.has("--save-every") && !r.saveDir)
     return inputError("--save-every needs --save-dir (where to save); try --save-dir ckpt");
-  if ((saveDir || resumeDir) && backend != "cpu")
-    return inputError("{}: checkpoints are saved and resumed by the cpu backend only (the {} "
-                      "backend does not yet); use --backend cpu",
-                      saveDir ? "--save-dir" : "--resume", backend);
-  const std::optional<std::string> initFrom = args->path("--init-from");
-  if (initFrom && resumeDir)
+  r.initFrom = args.path("--init-from");
+  if (r.initFrom && r.resumeDir)
     return inputError("--init-from and --resume both set the weights; give one (a resume "
                       "continues from the checkpoint's own)");
-  if (saveDir)
-    if (auto err = checkSaveDir(*saveDir, resumeDir.value_or("")))
+  if (r.saveDir)
+    if (auto err = checkSaveDir(*r.saveDir, r.resumeDir.value_or("")))
       return err;
-  const std::string planPath = userPath(args->positional().front());
-  auto plan = loadPlan(planPath);
+  if (auto dir = args.path("--export-hf")) {
+    if (auto err = checkHfExportDir(*dir))
+      return err;
+    o.exportHfDir = *dir;
+    o.onExported = [](const std::string &dir, int files) {
+      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir,
+          files, files == 1 ? "" : "s");
+    };
+  }
+  auto shardBytes = args.bytes("--export-hf-shard-size");
+  if (!shardBytes)
+    return shardBytes.takeError();
+  if (args.has("--export-hf-shard-size")) {
+    if (o.exportHfDir.empty())
+      return inputError("--export-hf-shard-size needs --export-hf (where to write); try "
+                        "--export-hf model-out");
+    if (*shardBytes < 1)
+      return inputError("--export-hf-shard-size expects a positive size such as 5GB");
+    o.exportHfShardBytes = uint64_t(*shardBytes);
+  }
+  r.dataPath = args.path("--data");
+  return r;
+}
+
+/// The plan to run: loaded, verified, and one that piperun executes on `backend`.
+llvm::Expected<Plan> readPlan(const std::string &path) {
+  auto plan = loadPlan(path);
   if (!plan)
     return plan.takeError();
   if (auto err = verifyPlan(*plan))
@@ -187,179 +225,205 @@ llvm::Error run(int argc, char **argv) {
       return inputError("the plan was compiled with {}, which piperun does not execute; compile "
                         "it without {}",
                         flag, flag);
-  auto cfg = gptConfigOf(*plan);
-  if (!cfg)
-    return cfg.takeError();
-#ifdef PIPEC_HAS_CUDA
-  if (backend != "cpu")
-    if (auto err = gpuRunsTheBlock(*cfg, *plan, backend))
-      return err;
-#endif
-  // The GPU backends' compute type: --dtype, else the model's.
-  const std::string computeType = computeFlag.value_or(plan->transformer->dtype);
-  if (backend != "cpu" && computeType != "fp32" && computeType != "bf16")
-    return inputError("the plan's model has \"dtype\": \"{}\", which --backend {} does not "
-                      "compute in; pass --dtype bf16 (or --dtype fp32)",
-                      computeType, backend);
+  return std::move(*plan);
+}
+
+/// What a run starts from and reads: --init-from's weights (into `initWeights`), the checkpoint
+/// to continue (into `resume`; its seed becomes the run's) and the data source.
+llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &plan,
+                                                       const kernels::GptConfig &cfg,
+                                                       std::vector<std::vector<float>> &initWeights,
+                                                       std::optional<Checkpoint> &resume) {
+  RunOptions &o = r.options;
   // Initial weights: every tensor checked against the model before anything runs.
-  std::vector<std::vector<float>> initWeights;
-  if (initFrom) {
-    auto loaded = loadInitialWeights(*initFrom, *cfg);
+  if (r.initFrom) {
+    auto loaded = loadInitialWeights(*r.initFrom, cfg, *plan.transformer);
     if (!loaded)
       return loaded.takeError();
     initWeights = std::move(*loaded);
     o.initWeights = &initWeights;
-    say("initial weights from {}\n", *initFrom);
+    say("initial weights from {}\n", *r.initFrom);
   }
   // A checkpoint to continue: the same model and global batch (any layout), seed and data.
-  std::optional<Checkpoint> resume;
-  std::string dataName = "synthetic";
-  if (auto path = args->path("--data"))
-    dataName = dataSourceName(*path);
-  if (resumeDir) {
-    auto opened = openCheckpoint(*resumeDir);
+  o.dataName = r.dataPath ? dataSourceName(*r.dataPath) : "synthetic";
+  // The same command line relaunched finishes the job: a --resume directory without a
+  // checkpoint yet (the first launch's, or one killed before its first save) starts at step 0.
+  if (r.resumeDir && !llvm::sys::fs::is_regular_file(*r.resumeDir) &&
+      !holdsCheckpoint(*r.resumeDir)) {
+    say("--resume {}: no checkpoint yet; starting at step 0\n", *r.resumeDir);
+  } else if (r.resumeDir) {
+    auto opened = openCheckpoint(*r.resumeDir);
     if (!opened)
       return opened.takeError();
     std::optional<uint64_t> seedFlag;
-    if (args->has("--seed"))
-      seedFlag = uint64_t(*seed);
-    if (auto err = checkResumable(*opened, *plan, seedFlag, dataName))
+    if (r.seedGiven)
+      seedFlag = o.seed;
+    if (auto err = checkResumable(*opened, plan, seedFlag, o.dataName))
       return err;
     o.seed = opened->manifest.seed;
     resume = std::move(*opened);
     o.resume = &*resume;
-    say("{}\n", describeResume(*resume, *plan));
+    say("{}\n", describeResume(*resume, plan));
   }
-  if (saveDir) {
-    o.saveDir = *saveDir;
-    o.saveEvery = int(*saveEvery);
+  if (r.saveDir) {
+    o.saveDir = *r.saveDir;
+    o.saveEvery = r.saveEvery;
     o.onSaved = [](int step, const std::string &path) {
       say("saved checkpoint after step {}: {}\n", step, path);
       std::fflush(stdout);
     };
   }
-  o.dataName = dataName;
-  std::unique_ptr<DataSource> data;
-  if (auto path = args->path("--data")) {
-    auto loaded = tokenFileData(*path, dtype, cfg->vocab, cfg->seqLen, o.seed);
-    if (!loaded)
-      return loaded.takeError();
-    data = std::move(*loaded);
-  } else {
-    data = syntheticData(cfg->vocab, o.seed);
-  }
-  auto printStep = [](int step, double loss) {
-    say("step {} loss {:.6f}\n", step, loss);
-    std::fflush(stdout);
-  };
-  // The reference check's report, the same for both backends' results.
-  // `relative`: the tolerance as a fraction of the largest reference gradient; `perTensor`: as a
-  // fraction of each tensor's own (GradCheck).
-  auto check = [&](const auto &result, double relative, double perTensor) -> llvm::Error {
-    // (With --backend nccl only RANK 0 runs the reference.)
-    if (!o.checkReference || result.referenceLosses.empty())
-      return llvm::Error::success();
-    say("reference loss (last step) {:.6f}\n", result.referenceLosses.back());
-    say("{}", referenceCheckReport(result.grads, result.weights));
-    return judgeReferenceCheck(result.grads, result.weights, relative, perTensor);
-  };
+  if (r.dataPath)
+    return tokenFileData(*r.dataPath, r.dataDtype, cfg.vocab, cfg.seqLen, o.seed);
+  return syntheticData(cfg.vocab, o.seed);
+}
+
 #ifdef PIPEC_HAS_CUDA
-  const kernels::DType computeDType =
-      computeType == "bf16" ? kernels::DType::BF16 : kernels::DType::F32;
+/// What each rank holds, allocated before step 0: its weights, gradients and optimizer state
+/// (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
+void printMemory(const CudaRunResult &sofar, const char *whose) {
+  auto mib = [](const std::vector<size_t> &all) {
+    std::string sizes;
+    for (size_t bytes : all)
+      sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
+    return sizes;
+  };
+  say("weights, gradients and optimizer state MiB ({}): {}\n", whose, mib(sofar.stateBytes));
+  say("activation arena MiB ({}; sized before step 0): {}\n", whose, mib(sofar.arenaBytes));
+}
+
+/// The GPU backend `r` asks for, its compute type chosen and its first lines printed (in the
+/// nccl mode by RANK 0 alone). `plan` keeps only this process's rank's stream in the nccl mode.
+llvm::Expected<std::unique_ptr<TrainBackend>>
+gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSource &data,
+           const std::string &ncclLine, std::optional<LaunchEnv> &env) {
+  RunOptions &o = r.options;
   // Which type the GPU run computes in, and why (a model spec without "dtype" means bf16).
+  const std::string computeType = r.computeFlag.value_or(plan.transformer->dtype);
+  o.dtype = computeType == "bf16" ? kernels::DType::BF16 : kernels::DType::F32;
   auto printComputeType = [&] {
-    if (computeFlag)
+    if (r.computeFlag)
       say("compute type {} (--dtype)\n", computeType);
     else
       say("compute type {} (the model's \"dtype\"; --dtype {} to override)\n", computeType,
-                 computeType == "bf16" ? "fp32" : "bf16");
+          computeType == "bf16" ? "fp32" : "bf16");
   };
-  // What each rank holds, allocated before step 0: its weights, gradients and optimizer state
-  // (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
-  auto printMemory = [](const CudaRunResult &sofar, const char *whose) {
-    auto mib = [](const std::vector<size_t> &all) {
-      std::string sizes;
-      for (size_t bytes : all)
-        sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
-      return sizes;
-    };
-    say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
-               mib(sofar.stateBytes));
-    say("activation arena MiB ({}; sized before step 0): {}\n", whose,
-               mib(sofar.arenaBytes));
-  };
-#endif
-  if (backend == "nccl") {
-    // Checked before anything else runs, so a misconfigured launch fails at once on every
-    // process with the variable named.
-    auto env = launchEnvOf(*plan);
-    if (!env)
-      return env.takeError();
-    // One process runs one pipeline rank. The plan was read as a stream (no document in
-    // memory, 40 bytes an instruction) and verified whole above; the process keeps only its
-    // rank's stream for the run.
-    for (int r = 0; r < plan->numRanks(); ++r)
-      if (r != env->coord.pp)
-        std::vector<Instruction>().swap(plan->ranks[size_t(r)]);
-#ifdef PIPEC_HAS_CUDA
-    CudaRunOptions co;
-    co.steps = o.steps;
-    co.seed = o.seed;
-    co.lr = o.lr;
-    co.initWeights = o.initWeights;
-    co.checkReference = o.checkReference;
-    co.timeoutSeconds = o.timeoutSeconds;
-    co.dtype = computeDType;
-    co.kernels = kernelConfig;
-    if (env->rank == 0) {
-      say("{}\n", ncclLine);
-      say("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
-                 env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
-      printComputeType();
-    }
-    if (env->rank == 0)
-      co.onArenas = [&](const CudaRunResult &sofar) {
-        printMemory(sofar, "this process's rank 0");
-      };
-    auto result = runOnNccl(*plan, *data, co, *env, printStep);
-    if (!result)
-      return result.takeError();
-    return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
-#endif
-  }
-#ifdef PIPEC_HAS_CUDA
-  if (backend == "cuda") {
-    CudaRunOptions co;
-    co.steps = o.steps;
-    co.seed = o.seed;
-    co.lr = o.lr;
-    co.initWeights = o.initWeights;
-    co.checkReference = o.checkReference;
-    co.timeoutSeconds = o.timeoutSeconds;
-    co.dtype = computeDType;
-    co.kernels = kernelConfig;
+  if (r.backend == "cuda") {
     printComputeType();
-    co.onArenas = [&](const CudaRunResult &sofar) {
+    o.onArenas = [](const CudaRunResult &sofar) {
       printMemory(sofar, "every rank, in RANK order");
     };
-    auto result = runOnCuda(*plan, *data, co, printStep);
-    if (!result)
-      return result.takeError();
-    return check(*result, cudaGradTolerance(co.dtype), cudaTensorGradTolerance(co.dtype));
+    return createCudaBackend(plan, cfg, data, o);
   }
+  // Checked before anything else runs, so a misconfigured launch fails at once on every
+  // process with the variable named.
+  auto launch = launchEnvOf(plan);
+  if (!launch)
+    return launch.takeError();
+  env = *launch;
+  // One process runs one pipeline rank. The plan was read as a stream (no document in memory,
+  // 40 bytes an instruction) and verified whole; the process keeps only its rank's stream.
+  for (int rank = 0; rank < plan.numRanks(); ++rank)
+    if (rank != env->coord.pp)
+      std::vector<Instruction>().swap(plan.ranks[size_t(rank)]);
+  if (env->rank == 0) {
+    say("{}\n", ncclLine);
+    say("launch: {} process{}, placed by {} (RANK 0 has {})\n", env->worldSize,
+        env->worldSize == 1 ? "" : "es", env->launcher->name, env->describe());
+    printComputeType();
+    o.onArenas = [](const CudaRunResult &sofar) { printMemory(sofar, "this process's rank 0"); };
+  }
+  return createNcclBackend(plan, cfg, data, o, *env);
+}
 #endif
-  auto result = runOnCpu(*plan, *data, o, printStep);
+
+llvm::Error run(int argc, char **argv) {
+  auto args =
+      Args::parse(argc, argv, 1,
+                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
+                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
+                   "--export-hf", "--export-hf-shard-size"},
+                  {"--check-reference"}, /*command=*/""); // reportError names the tool
+  if (!args)
+    return args.takeError();
+  if (args->positional().size() != 1)
+    return inputError("expected one plan file (got {}); usage: piperun plan.json --backend cpu",
+                      args->positional().size());
+  std::string ncclLine;
+#ifdef PIPEC_HAS_CUDA
+  // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
+  // set an environment variable. Printed by RANK 0.
+  if (args->get("--backend") == "nccl")
+    ncclLine = prepareNcclEnvironment();
+#endif
+  auto request = readFlags(*args);
+  if (!request)
+    return request.takeError();
+  Request &r = *request;
+  auto plan = readPlan(userPath(args->positional().front()));
+  if (!plan)
+    return plan.takeError();
+  auto cfg = gptConfigOf(*plan);
+  if (!cfg)
+    return cfg.takeError();
+  // --export-hf writes GPT-2's or Llama's block (what transformers loads): known before step 0.
+  if (!r.options.exportHfDir.empty())
+    if (auto config = hfConfigJson(*plan->transformer); !config)
+      return config.takeError();
+#ifdef PIPEC_HAS_CUDA
+  if (r.backend != "cpu")
+    if (auto err = gpuRunsTheBlock(*cfg, *plan, r.backend))
+      return err;
+#endif
+  // The GPU backends' compute type: --dtype, else the model's.
+  const std::string computeType = r.computeFlag.value_or(plan->transformer->dtype);
+  if (r.backend != "cpu" && computeType != "fp32" && computeType != "bf16")
+    return inputError("the plan's model has \"dtype\": \"{}\", which --backend {} does not "
+                      "compute in; pass --dtype bf16 (or --dtype fp32)",
+                      computeType, r.backend);
+  std::vector<std::vector<float>> initWeights;
+  std::optional<Checkpoint> resume;
+  auto data = readInputs(r, *plan, *cfg, initWeights, resume);
+  if (!data)
+    return data.takeError();
+  // --steps N: the job ends at step N, wherever it starts.
+  const int first = resume ? int(resume->manifest.step) : 0;
+  if (first >= r.endStep) {
+    say("{} is at step {}, at or past --steps {}: nothing to train\n", resume->path, first,
+        r.endStep);
+    return llvm::Error::success();
+  }
+  r.options.steps = r.endStep - first;
+  // The backend, and the tolerances of its reference check: relative to the largest reference
+  // gradient, and to each tensor's own (GradCheck).
+  std::unique_ptr<TrainBackend> backend;
+  double relative = 1e-5, perTensor = kTensorGradTolerance;
+  std::optional<LaunchEnv> env; // (the nccl mode's; the backend keeps a reference)
+  if (r.backend == "cpu") {
+    backend = createCpuBackend(*plan, *cfg, **data, r.options);
+  } else {
+#ifdef PIPEC_HAS_CUDA
+    auto gpu = gpuBackend(r, *plan, *cfg, **data, ncclLine, env);
+    if (!gpu)
+      return gpu.takeError();
+    backend = std::move(*gpu);
+    relative = cudaGradTolerance(r.options.dtype);
+    perTensor = cudaTensorGradTolerance(r.options.dtype);
+#endif
+  }
+  auto result = train(*plan, *cfg, **data, *backend, r.options, [](int step, double loss) {
+    say("step {} loss {:.6f}\n", step, loss);
+    std::fflush(stdout);
+  });
   if (!result)
     return result.takeError();
-  {
-    std::string held;
-    for (size_t bytes : result->heldBytes)
-      held += fmt::format("{}{:.2f}", held.empty() ? "" : " ", double(bytes) / (1 << 20));
-    fmt::print("activations held MiB (every rank, in RANK order; the most between kernel "
-               "calls): {}\n",
-               held);
-  }
-  return check(*result, 1e-5, kTensorGradTolerance);
+  say("{}", backend->summary());
+  // (With --backend nccl only RANK 0 runs the reference.)
+  if (!r.options.checkReference || result->referenceLosses.empty())
+    return llvm::Error::success();
+  say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
+  say("{}", referenceCheckReport(result->grads, result->weights));
+  return judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
 }
 
 } // namespace

@@ -24,21 +24,27 @@ fi
 
 # The Python side (docs/pytorch.md): a project-local virtual environment, .venv, made from
 # Debian's Python (the one //python's extension is built for) with the pinned PyTorch of
-# tools/torch-requirements.txt (a 2.49 GB download), installed only when that file changed
-# since the last install. A failure here leaves the C++ side usable; //python:python_test
-# then fails and says why.
+# tools/torch-requirements.txt (a 2.49 GB download) and the pinned Hugging Face transformers of
+# tools/hf-requirements.txt (30 MB), installed only when either file changed since the last
+# install. A failure here leaves the C++ side usable; //python:python_test then fails and says
+# why.
 venv=.venv
-requirements=tools/torch-requirements.txt
+requirements=(tools/torch-requirements.txt tools/hf-requirements.txt)
 stamp="$venv/.pipec-requirements.sha256"
-want=$(sha256sum "$requirements" | cut -d' ' -f1)
+want=$(cat "${requirements[@]}" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing the pinned PyTorch into $venv (a 2.49 GB download)" >&2
-  if { [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"; } &&
-     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
-       --require-hashes --only-binary=:all: -r "$requirements"; then
+  echo "setup: installing the pinned PyTorch and transformers into $venv (a 2.52 GB download)" >&2
+  ok=1
+  { [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"; } || ok=0
+  for r in "${requirements[@]}"; do
+    [ $ok = 1 ] && "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      --no-deps --require-hashes --only-binary=:all: -r "$r" || ok=0
+  done
+  if [ $ok = 1 ]; then
     echo "$want" >"$stamp"
   else
-    echo "setup: warning: could not install PyTorch into $venv; the Python tests will fail" >&2
+    echo "setup: warning: could not install PyTorch and transformers into $venv; the Python" \
+      "tests will fail" >&2
   fi
 fi
 # `import pipec` in .venv finds python/pipec (and, from there, the extension in bazel-bin).

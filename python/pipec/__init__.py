@@ -244,8 +244,14 @@ _IMPORT_FLAGS = {
 
 def _path(what: str, value) -> str:
     if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        return os.fsdecode(path) if isinstance(path, bytes) else path
+        try:
+            path = os.fspath(value)
+        except TypeError as err:  # an os.PathLike whose __fspath__ returns something else
+            raise ValueError(f"{what}: expected a path ({err})") from None
+        path = os.fsdecode(path) if isinstance(path, bytes) else path
+        if "\0" in path:
+            raise ValueError(f"{what}: a path cannot hold a NUL character (got {path!r})")
+        return path
     raise ValueError(f"{what}: expected a path (got {type(value).__name__})")
 
 
@@ -294,6 +300,13 @@ def _keyword_flags(call: str, allowed: dict, flags: dict) -> list[str]:
     return out
 
 
+def _inputs(**given) -> list[tuple[str, str]]:
+    """The files a call reads, as (argument, path): the arguments given as paths. Its outputs
+    are checked against them (by device and inode, so links are caught) before any is written."""
+    return [(name, _path(name, value)) for name, value in given.items()
+            if isinstance(value, (str, os.PathLike))]
+
+
 def _as_plan(plan) -> Plan:
     if isinstance(plan, Plan):
         return plan
@@ -333,7 +346,8 @@ def validate(plan) -> None:
 def simulate(plan, trace=None) -> Plan:
     """Time and memory of a plan (a Plan or a path), as `pipec simulate` does; with `trace`, a
     Chrome/Perfetto trace is written there too. Returns the plan with fresh stats."""
-    return Plan(_pipec.simulate(_as_plan(plan)._h, None if trace is None else _path("trace", trace)))
+    return Plan(_pipec.simulate(_as_plan(plan)._h, None if trace is None else _path("trace", trace),
+                                _inputs(plan=plan)))
 
 
 def export_torch_csv(plan, comms: bool = False, path=None) -> str:
@@ -341,32 +355,43 @@ def export_torch_csv(plan, comms: bool = False, path=None) -> str:
     (or torch-csv-comms with comms=True) writes it; also written to `path` if given."""
     csv = _as_plan(plan)._h.torch_csv(bool(comms))
     if path is not None:
-        _pipec.write_file(_path("path", path), csv)
+        _pipec.write_file("path", _path("path", path), csv, _inputs(plan=plan))
     return csv
 
 
-def import_torch_csv(schedule, model, **flags: Any) -> Plan:
+def import_torch_csv(source, /, model, **flags: Any) -> Plan:
     """Compile a schedule written elsewhere, as `pipec import` does: PyTorch's CSV (either form)
     or pipec's text form, given as a path, a file object, or the text itself (a string with a
     line break). pp, vpp, microbatches and the placement come from the file.
 
+    source is positional only, so that the keyword schedule= is the flag below.
     model: a pipemodel/1 dict or path. flags: vpp (checked against the file), tp, dp,
     memory_limit, microbatch_group_size, schedule (the name it must be), cluster.
     """
-    if hasattr(schedule, "read"):
-        text, source = schedule.read(), getattr(schedule, "name", "schedule")
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        source = str(source)
-    elif isinstance(schedule, str) and "\n" in schedule:
-        text, source = schedule, "schedule"
-    else:
-        source = _path("schedule", schedule)
+    limit = _pipec.TEXT_INPUT_LIMIT
+    read = getattr(source, "read", None)
+    if read is not None and not isinstance(source, (str, bytes, os.PathLike)):
+        if not callable(read):
+            raise ValueError(f"schedule: expected a path, text or a file object "
+                             f"(got {type(source).__name__} whose read is not callable)")
+        name = getattr(source, "name", "schedule")
+        name = name if isinstance(name, str) else "schedule"
         try:
-            with open(source, encoding="utf-8", errors="replace", newline="") as f:
-                text = f.read()
-        except OSError as err:
-            raise ValueError(f"{source}: cannot read: {err.strerror}") from None
+            text = read(limit + 1)  # at most the limit of a file read by path
+        except (OSError, ValueError, TypeError) as err:
+            raise ValueError(f"{name}: cannot read: {err}") from None
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", errors="replace")
+        if isinstance(text, str) and len(text) > limit:
+            raise ValueError(f"{name}: more than a schedule text can need (at most 1.00 GiB)")
+        source = name
+    elif isinstance(source, str) and "\n" in source:
+        text, source = source, "schedule"
+    else:
+        source = _path("schedule", source)
+        # The command's input rules: a regular file or a pipe, bounded; /dev/zero, a directory
+        # or a socket is refused before a byte is read.
+        text = _pipec.read_text(source).decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise ValueError(f"schedule: expected text (got {type(text).__name__})")
     args = _spec_flags("model", model, "pipemodel/1")

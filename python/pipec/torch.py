@@ -32,8 +32,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 import pipec
+from pipec.hf import hf_layers, model_spec, tied_pairs
 
-__all__ = ["PipelineRunner", "stage_modules", "local_stages"]
+__all__ = ["PipelineRunner", "hf_layers", "local_stages", "model_spec", "stage_modules",
+           "tied_pairs"]
 
 #: The PyTorch version the CSV spelling and the private APIs were checked against.
 PINNED_TORCH = "2.15.0"
@@ -46,7 +48,7 @@ def stage_modules(plan, layers: Sequence[nn.Module]) -> list[nn.Module]:
 
     The modules are shared, not copied: a layer's parameters are the same tensors."""
     plan = pipec._as_plan(plan)
-    layers = list(layers)
+    layers = _modules("layers", layers)
     end = plan.stages[-1]["layers"][1]
     if len(layers) != end:
         raise ValueError(f"layers: the plan's model has {end} layers (stages cover [0, {end})) "
@@ -54,16 +56,32 @@ def stage_modules(plan, layers: Sequence[nn.Module]) -> list[nn.Module]:
     return [nn.Sequential(*layers[s["layers"][0]:s["layers"][1]]) for s in plan.stages]
 
 
+def _modules(what: str, value) -> list:
+    """`value` as a list of nn.Module (None allowed where `what` is "modules"); TypeError naming
+    the argument for anything else."""
+    if isinstance(value, (str, bytes, nn.Module)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{what}: expected a sequence of torch.nn.Module "
+                        f"(got {type(value).__name__})")
+    out = list(value)
+    for i, m in enumerate(out):
+        if not isinstance(m, nn.Module) and not (m is None and what == "modules"):
+            raise TypeError(f"{what}[{i}]: expected a torch.nn.Module (got {type(m).__name__})")
+    return out
+
+
 def local_stages(plan, rank: int) -> list[int]:
     """The stages the plan puts on pipeline rank `rank`, in stage order."""
     plan = pipec._as_plan(plan)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank: expected an int (got {type(rank).__name__})")
     return [s["stage"] for s in plan.stages if s["rank"] == rank]
 
 
 class PipelineRunner:
     """Runs training steps of the user's stage modules under a pipec plan's schedule.
 
-    plan: a pipec.Plan or the path of a plan JSON (its pp must be the group's size).
+    plan: a pipec.Plan or the path of a plan JSON (its pp must be the group's size); verified
+        first, as `pipec validate` does: pipec.PlanError before anything runs if it is wrong.
     modules: every stage's module (a sequence of plan.num_stages, where other ranks' entries may
         be None) or a mapping {stage index: module} holding at least this rank's stages.
     loss_fn: loss_fn(output, target) -> scalar, on the last stage's microbatch output; with
@@ -81,6 +99,9 @@ class PipelineRunner:
                  device: torch.device | str | None = None, comms: bool = True,
                  scale_grads: bool = True):
         self.plan = pipec._as_plan(plan)
+        # A plan file is checked before anything runs (pipec.PlanError with the diagnostic
+        # otherwise): its streams must be dependency-respecting, FIFO-matched, deadlock-free.
+        pipec.validate(self.plan)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("pipec.torch needs torch.distributed initialised in every "
                                f"process of the pipeline ({self.plan.pp} ranks), e.g. "
@@ -90,13 +111,22 @@ class PipelineRunner:
             raise ValueError(f"the plan has pp={self.plan.pp} but the process group has {size} "
                              f"ranks; run {self.plan.pp} processes, or compile with --pp {size}")
         self.rank = dist.get_rank(group)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device: {err}") from None
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable (got {type(loss_fn).__name__})")
         num_stages = self.plan.num_stages
         mine = local_stages(self.plan, self.rank)
         if isinstance(modules, Mapping):
+            for s, m in modules.items():
+                if m is not None and not isinstance(m, nn.Module):
+                    raise TypeError(f"modules[{s!r}]: expected a torch.nn.Module "
+                                    f"(got {type(m).__name__})")
             missing = [s for s in mine if modules.get(s) is None]
         else:
-            modules = list(modules)
+            modules = _modules("modules", modules)
             if len(modules) != num_stages:
                 raise ValueError(f"modules: the plan has {num_stages} stages but {len(modules)} "
                                  "modules were given (or pass a dict {stage: module})")
@@ -105,7 +135,9 @@ class PipelineRunner:
             raise ValueError(f"modules: rank {self.rank} runs stages {mine} but has no module for "
                              f"stage {missing[0]}")
         # Checks that PyTorch can express the plan (exit 2's line as ValueError otherwise).
-        csv = self.plan.export_torch_csv(comms=comms)
+        # Tied embeddings are summed by this runner after each step (_sum_tied_gradients), so
+        # the CSV leaves their all-reduce out.
+        csv = self.plan._h.torch_csv(bool(comms), tied_by_caller=True)
         # PyTorch's runtime hands the last stage's backward the loss of the k-th forward it ran
         # as microbatch k's: the plan must run that stage's forwards in microbatch order.
         last = num_stages - 1
@@ -136,13 +168,85 @@ class PipelineRunner:
         want = {s["stage"]: s["rank"] for s in self.plan.stages}
         if placed != want:
             raise RuntimeError(f"PyTorch placed the stages as {placed}, the plan as {want}")
+        self._tie(modules, mine, group)
+
+    def _peer(self, rank: int) -> int:
+        """The global rank of pipeline rank `rank` (what send and recv take)."""
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
+    def _tie(self, modules, mine, group) -> None:
+        """Tied embeddings (pipec.torch.hf_layers marks them): the embedding's parameter on
+        the first stage's rank and the head's on the last stage's, found on every rank and
+        agreed by all (so that a half-marked pair is an error, not a hang); the head starts
+        from the embedding's value."""
+        self._group = group
+        held = tied_pairs(modules[s] for s in mine)
+        flags = torch.tensor([float("embedding" in held), float("head" in held)])
+        dist.all_reduce(flags, group=group)
+        self._tied = held
+        self._tie_ranks = (self.plan.stages[0]["rank"], self.plan.stages[-1]["rank"])
+        plan_ties = any(i["op"] == "all_reduce" and i.get("group") == "embedding"
+                        for i in self.plan.instructions(self._tie_ranks[0]))
+        if flags.sum() == 0:
+            if plan_ties:
+                raise ValueError("the plan ties the input and output embeddings, but no module "
+                                 "marks the tied pair: build the layers with "
+                                 "pipec.torch.hf_layers, or compile a model with "
+                                 "\"tie_embeddings\": false")
+            self._tied = None
+            return
+        if flags.tolist() != [1.0, 1.0]:
+            raise ValueError("modules: a tied embedding's two parameters must be on the first "
+                             "stage (the embedding) and the last (the head); found "
+                             f"{int(flags[0])} embedding and {int(flags[1])} head parameters")
+        first, last = self._tie_ranks
+        emb, head = held.get("embedding"), held.get("head")
+        with torch.no_grad():
+            if self.rank not in (first, last):
+                return
+            if first == last:
+                head.copy_(emb)
+            elif self.rank == first:
+                dist.send(emb.detach().contiguous(), dst=self._peer(last), group=group)
+            elif self.rank == last:
+                buf = torch.empty_like(head)
+                dist.recv(buf, src=self._peer(first), group=group)
+                head.copy_(buf)
+
+    def _sum_tied_gradients(self) -> None:
+        """After a step: the embedding's and the head's gradients both become their sum, as
+        one shared matrix's would be (each was scaled by the microbatch count once)."""
+        if self._tied is None:
+            return
+        first, last = self._tie_ranks
+        if self.rank not in (first, last):
+            return
+        mine = [p for p in self._tied.values()]
+        for p in mine:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if first == last:
+            total = mine[0].grad + mine[1].grad
+            for p in mine:
+                p.grad.copy_(total)
+            return
+        own = mine[0].grad
+        other = torch.empty_like(own)
+        peer = self._peer(last if self.rank == first else first)
+        ops = [dist.P2POp(dist.isend, own.contiguous(), peer, self._group),
+               dist.P2POp(dist.irecv, other, peer, self._group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        own.add_(other)
 
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One training step over plan.microbatches microbatches (the batch is split along
         dimension 0). Inputs matter on the rank of the first stage, target on the rank of the
         last (pass both everywhere if that is simpler); per-microbatch losses are appended to
         `losses` on the last stage's rank. Returns the merged output there, None elsewhere."""
-        return self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        out = self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        self._sum_tied_gradients()
+        return out
 
     @property
     def has_last_stage(self) -> bool:

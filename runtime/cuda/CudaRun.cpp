@@ -16,8 +16,6 @@
 #include "runtime/BlockingWatchdog.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
-#include "runtime/cpu/CpuRun.h"
-#include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/GpuStage.h"
@@ -42,12 +40,6 @@ namespace cu = kernels::cuda;
 double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 using kernels::GptConfig;
 using kernels::StageCompute;
-
-#define PIPEC_GPU_TRY(expr)                                                                        \
-  do {                                                                                             \
-    if (llvm::Error pipecGpuErr = (expr))                                                          \
-      return pipecGpuErr;                                                                          \
-  } while (false)
 
 /// The transport of the sizing pass: nothing moves and no peer is waited for. A rank's buffer
 /// requests do not depend on its peers (the recv buffer is the backend's, whatever fills it).
@@ -129,6 +121,55 @@ public:
     return llvm::Error::success();
   }
 
+  bool holdsLayer(int layer) const override { return stageOf(layer) != nullptr; }
+
+  llvm::Error readLayer(int layer, LayerState &part) override {
+    GpuStage *st = stageOf(layer);
+    assert(st && "readLayer of a layer the rank does not hold");
+    PIPEC_CUDA_TRY(cudaSetDevice(options.device));
+    auto [b, e] = st->layerRange(layer);
+    std::span<float> from[] = {st->params(), st->adamFirstMoment(), st->adamSecondMoment()};
+    std::vector<float> *to[] = {&part.weights, &part.firstMoment, &part.secondMoment};
+    for (int a = 0; a < 3; ++a) {
+      to[a]->resize(e - b);
+      if (e > b)
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(to[a]->data(), from[a].data() + b, (e - b) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, computeStream));
+    }
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(computeStream));
+    return llvm::Error::success();
+  }
+
+  llvm::Error writeLayer(int layer, const LayerState &whole) override {
+    GpuStage *st = stageOf(layer);
+    if (!st)
+      return llvm::Error::success();
+    PIPEC_CUDA_TRY(cudaSetDevice(options.device));
+    auto [b, e] = st->layerRange(layer);
+    std::span<float> to[] = {st->params(), st->adamFirstMoment(), st->adamSecondMoment()};
+    const std::vector<float> *from[] = {&whole.weights, &whole.firstMoment, &whole.secondMoment};
+    for (int a = 0; a < 3; ++a) {
+      if (from[a]->empty()) // weights alone (--init-from): the moments stay
+        continue;
+      std::vector<float> shard = kernels::shardLayer(cfg, layer, c.tp, plan.parallel.tp, *from[a]);
+      assert(shard.size() == e - b && "a shard fills the layer's range");
+      if (!shard.empty())
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(to[a].data() + b, shard.data(), shard.size() * sizeof(float),
+                                       cudaMemcpyHostToDevice, computeStream));
+      // (The copy reads `shard` on the host: it must finish before the vector goes.)
+      PIPEC_CUDA_TRY(cudaStreamSynchronize(computeStream));
+    }
+    return st->paramsWritten();
+  }
+
+  int adamSteps() const override {
+    return stages.empty() ? 0 : stages.begin()->second->adamSteps();
+  }
+  void setAdamSteps(int steps) override {
+    for (auto &[s, st] : stages)
+      st->setAdamSteps(steps);
+  }
+
   /// The context and the arena (empty until reserveArena()).
   llvm::Error init() {
     auto ctxOr = cu::CudaContext::create(options.device, options.kernels);
@@ -195,9 +236,9 @@ public:
       for (const StageInfo &s : plan.stages) {
         if (s.rank != c.pp)
           continue;
-        auto st = GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, plan.parallel.tp,
-                                   options.seed, slicesOf(plan), lossScaleOf(plan, cfg),
-                                   options.dtype, options.initWeights);
+        auto st =
+            GpuStage::create(*ctx, cfg, s.layerBegin, s.layerEnd, c.tp, plan.parallel.tp,
+                             options.seed, slicesOf(plan), lossScaleOf(plan, cfg), options.dtype);
         if (!st)
           return st.takeError();
         stages[s.stage] = std::move(*st);
@@ -336,6 +377,16 @@ public:
   }
 
 private:
+  /// The stage of this rank holding `layer`, or null.
+  GpuStage *stageOf(int layer) const {
+    for (auto &[s, st] : stages) {
+      const StageInfo &info = plan.stages[size_t(s)];
+      if (layer >= info.layerBegin && layer < info.layerEnd)
+        return st.get();
+    }
+    return nullptr;
+  }
+
   void markProgress() {
     if (ctx->sizing() || progressUsed == progress.size())
       return; // (the sizing pass queues nothing; the bound is init()'s count of the ops)
@@ -449,140 +500,212 @@ llvm::Error gpuRunsTheBlock(const GptConfig &cfg, const Plan &plan, llvm::String
                     plan.transformer ? plan.transformer->variantText() : "");
 }
 
+namespace {
+
+/// Layer `layer` whole from the tp parts of the ranks of dp replica 0 that hold it (`ranks`, this
+/// process's), into `whole`.
+llvm::Error gatherLocalLayer(const std::vector<CudaRankBackend *> &ranks,
+                             const std::vector<Coord> &coords, const GptConfig &cfg, int tp,
+                             int layer, LayerState &whole) {
+  LayerState part;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (coords[r].dp != 0 || !ranks[r]->holdsLayer(layer))
+      continue;
+    PIPEC_GPU_TRY(ranks[r]->readLayer(layer, part));
+    const int t = coords[r].tp;
+    kernels::unshardLayer(cfg, layer, t, tp, part.weights, whole.weights);
+    kernels::unshardLayer(cfg, layer, t, tp, part.firstMoment, whole.firstMoment);
+    kernels::unshardLayer(cfg, layer, t, tp, part.secondMoment, whole.secondMoment);
+  }
+  return llvm::Error::success();
+}
+
+/// The cuda backend as the training driver sees it: every rank a CudaBackend thread of a Runner
+/// on one GPU, over the local transport.
+class CudaTrainBackend final : public GpuTrainBackend {
+public:
+  CudaTrainBackend(const Plan &plan, const GptConfig &cfg, const DataSource &data,
+                   const CudaRunOptions &options)
+      : plan(plan), cfg(cfg), data(data), options(options) {}
+
+  llvm::Error setUp() override {
+    PIPEC_GPU_TRY(gpuRunsTheBlock(cfg, plan, "cuda"));
+    auto devices = cudaDevices();
+    if (!devices)
+      return devices.takeError();
+    if (options.device < 0 || options.device >= *devices)
+      return inputError("cuda device {} does not exist ({} visible); try 0", options.device,
+                        *devices);
+    PIPEC_CUDA_TRY(cudaSetDevice(options.device));
+    const ParallelConfig &pc = plan.parallel;
+    // The local transport sums an all-reduce's members in one kernel of at most kMaxSumOperands
+    // (LocalTransport.cpp): a larger dp or tp group is refused here, not in step 0.
+    const int most = runtime::cuda::launch::kMaxSumOperands;
+    if (pc.dp > most || pc.tp > most)
+      return inputError("--backend cuda: the plan's {} all-reduces have {} members, and the cuda "
+                        "backend (every rank on one GPU) sums at most {}; use --backend nccl "
+                        "(one GPU per rank) for this plan",
+                        pc.dp > most ? "dp" : "tp", pc.dp > most ? pc.dp : pc.tp, most);
+    const int threads = pc.pp * pc.dp * pc.tp;
+    transport = std::make_unique<LocalCudaTransport>(plan, threads);
+    std::vector<std::unique_ptr<Backend>> backends;
+    for (int t = 0; t < threads; ++t) {
+      Coord c{t / (pc.dp * pc.tp), t / pc.tp % pc.dp, t % pc.tp};
+      auto b = createDeviceTransportBackend(plan, cfg, c, data, options,
+                                            options.checkReference ? &snapshot : nullptr,
+                                            [this, t] { return transport->waitForCollectives(t); });
+      if (!b)
+        return b.takeError();
+      CudaRankBackend *raw = b->get();
+      PIPEC_GPU_TRY(transport->attach(t, static_cast<cudaStream_t>(raw->computeStreamHandle()),
+                                      [raw] { return raw->takeDeferredError(); }));
+      gpu.push_back(raw);
+      coords.push_back(c);
+      backends.push_back(std::move(*b));
+    }
+    PIPEC_GPU_TRY(allocate());
+    runner = std::make_unique<Runner>(plan, Faults{}, options.timeoutSeconds, std::move(backends),
+                                      *transport);
+    for (CudaRankBackend *b : gpu) {
+      sofar.stateBytes.push_back(b->stateBytes());
+      sofar.arenaBytes.push_back(b->arenaBytes());
+    }
+    if (options.onArenas)
+      options.onArenas(sofar);
+    return llvm::Error::success();
+  }
+
+  llvm::Expected<double> step(int s) override {
+    if (auto err = runner->step(s))
+      return err;
+    // The host has queued the whole step; the ranks' GPU work may still run for a while, but
+    // a kernel that never finishes would hold these waits forever, where no watchdog of the
+    // Runner's (it sees the host) runs. So: --timeout without any rank's compute op
+    // finishing on the GPU, and the process ends with one line.
+    BlockingWatchdog guard(
+        fmt::format("the wait for step {}'s GPU work (every rank's)", s), options.timeoutSeconds,
+        "no rank's compute op finished on the GPU in that time: a kernel that never finishes?",
+        [this] {
+          uint64_t done = 0;
+          for (CudaRankBackend *b : gpu)
+            done += b->completedWork();
+          return done;
+        });
+    double loss = 0;
+    for (CudaRankBackend *b : gpu) {
+      auto l = b->finishStep();
+      if (!l)
+        return l.takeError();
+      loss += *l;
+    }
+    return loss;
+  }
+
+  llvm::Error takeGradients(ParamSnapshot &into) override {
+    snapshot.handOver(into);
+    return llvm::Error::success();
+  }
+  llvm::Error snapshotWeights(ParamSnapshot &into) override {
+    for (CudaRankBackend *b : gpu)
+      PIPEC_GPU_TRY(b->snapshotWeights(into));
+    return llvm::Error::success();
+  }
+  bool holdsLayer(int) const override { return true; } // every rank is a thread here
+  llvm::Error scatterLayer(int layer, const LayerState &whole) override {
+    for (CudaRankBackend *b : gpu)
+      PIPEC_GPU_TRY(b->writeLayer(layer, whole));
+    return llvm::Error::success();
+  }
+  llvm::Error gatherLayer(int layer, LayerState &whole) override {
+    return gatherLocalLayer(gpu, coords, cfg, plan.parallel.tp, layer, whole);
+  }
+  int adamSteps() const override { return gpu.front()->adamSteps(); }
+  void setAdamSteps(int steps) override {
+    for (CudaRankBackend *b : gpu)
+      b->setAdamSteps(steps);
+  }
+
+  /// The memory figures so far (stateBytes and arenaBytes; arenaUsedBytes after the run).
+  CudaRunResult memory() const override {
+    CudaRunResult m = sofar;
+    for (CudaRankBackend *b : gpu)
+      m.arenaUsedBytes.push_back(b->arenaUsedBytes());
+    return m;
+  }
+
+private:
+  /// Every rank's weights, gradients and optimizer state, and then its arena: all ranks share
+  /// the GPU, so what they need together is checked against its free memory before any is
+  /// allocated (or initialised).
+  llvm::Error allocate() {
+    std::vector<size_t> state;
+    for (CudaRankBackend *b : gpu)
+      state.push_back(b->stateBytes());
+    const char *fix = "run one rank per GPU with --backend nccl (each GPU then holds its rank's "
+                      "share alone), or a smaller model";
+    PIPEC_GPU_TRY(
+        checkRanksFit(state, options.device, "weights, gradients and optimizer state", fix));
+    for (CudaRankBackend *b : gpu)
+      PIPEC_GPU_TRY(b->createStages(fix));
+    // Every rank's arena, before anything of a step reaches the device (one rank after another:
+    // the sizing pass involves no peer).
+    std::vector<size_t> need;
+    for (CudaRankBackend *b : gpu) {
+      auto bytes = b->measureArena();
+      if (!bytes)
+        return bytes.takeError();
+      need.push_back(*bytes);
+    }
+    PIPEC_GPU_TRY(
+        checkRanksFit(need, options.device, "activation memory",
+                      "use fewer microbatches in flight (a schedule with a lower peak, e.g. "
+                      "1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
+                      "GPU with --backend nccl"));
+    for (CudaRankBackend *b : gpu)
+      PIPEC_GPU_TRY(b->reserveArena());
+    return llvm::Error::success();
+  }
+
+  const Plan &plan;
+  const GptConfig &cfg;
+  const DataSource &data;
+  const CudaRunOptions &options;
+  ParamSnapshot snapshot; // with checkReference: the gradients of the step, by (stage, tp rank)
+  std::unique_ptr<LocalCudaTransport> transport; // (destroyed after the runner and its ranks)
+  std::vector<CudaRankBackend *> gpu;
+  std::vector<Coord> coords;
+  std::unique_ptr<Runner> runner;
+  CudaRunResult sofar;
+};
+
+} // namespace
+
+std::unique_ptr<TrainBackend> createCudaBackend(const Plan &plan, const GptConfig &cfg,
+                                                const DataSource &data,
+                                                const CudaRunOptions &options) {
+  return std::make_unique<CudaTrainBackend>(plan, cfg, data, options);
+}
+
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep) {
-  auto cfgOr = gptConfigOf(plan);
-  if (!cfgOr)
-    return cfgOr.takeError();
-  const GptConfig cfg = *cfgOr;
-  if (auto err = gpuRunsTheBlock(cfg, plan, "cuda"))
-    return err;
-  auto devices = cudaDevices();
-  if (!devices)
-    return devices.takeError();
-  if (options.device < 0 || options.device >= *devices)
-    return inputError("cuda device {} does not exist ({} visible); try 0", options.device,
-                      *devices);
-  PIPEC_CUDA_TRY(cudaSetDevice(options.device));
-  const ParallelConfig &pc = plan.parallel;
-  // The local transport sums an all-reduce's members in one kernel of at most kMaxSumOperands
-  // (LocalTransport.cpp): a larger dp or tp group is refused here, not in step 0.
-  const int most = runtime::cuda::launch::kMaxSumOperands;
-  if (pc.dp > most || pc.tp > most)
-    return inputError("--backend cuda: the plan's {} all-reduces have {} members, and the cuda "
-                      "backend (every rank on one GPU) sums at most {}; use --backend nccl (one "
-                      "GPU per rank) for this plan",
-                      pc.dp > most ? "dp" : "tp", pc.dp > most ? pc.dp : pc.tp, most);
-  const int threads = pc.pp * pc.dp * pc.tp;
-  LocalCudaTransport transport(plan, threads);
-  ParamSnapshot snapshot;
-  std::vector<std::unique_ptr<Backend>> backends;
-  std::vector<CudaRankBackend *> gpu;
-  for (int t = 0; t < threads; ++t) {
-    Coord c{t / (pc.dp * pc.tp), t / pc.tp % pc.dp, t % pc.tp};
-    auto b = createDeviceTransportBackend(
-        plan, cfg, c, data, options, options.checkReference ? &snapshot : nullptr,
-        [&transport, t] { return transport.waitForCollectives(t); });
-    if (!b)
-      return b.takeError();
-    CudaRankBackend *raw = b->get();
-    PIPEC_GPU_TRY(transport.attach(t, static_cast<cudaStream_t>(raw->computeStreamHandle()),
-                                   [raw] { return raw->takeDeferredError(); }));
-    gpu.push_back(raw);
-    backends.push_back(std::move(*b));
-  }
-  // Every rank's weights, gradients and optimizer state: all ranks share the GPU, so what they
-  // need together is checked against its free memory before any is allocated (or initialised).
-  std::vector<size_t> state;
-  for (CudaRankBackend *b : gpu)
-    state.push_back(b->stateBytes());
-  const char *fix = "run one rank per GPU with --backend nccl (each GPU then holds its rank's "
-                    "share alone), or a smaller model";
-  PIPEC_GPU_TRY(
-      checkRanksFit(state, options.device, "weights, gradients and optimizer state", fix));
-  for (CudaRankBackend *b : gpu)
-    PIPEC_GPU_TRY(b->createStages(fix));
-  // Every rank's arena, before anything of a step reaches the device (one rank after another:
-  // the sizing pass involves no peer). All ranks share the GPU: what they need together is
-  // checked against its free memory before any of them reserves.
-  std::vector<size_t> need;
-  for (CudaRankBackend *b : gpu) {
-    auto bytes = b->measureArena();
-    if (!bytes)
-      return bytes.takeError();
-    need.push_back(*bytes);
-  }
-  PIPEC_GPU_TRY(
-      checkRanksFit(need, options.device, "activation memory",
-                    "use fewer microbatches in flight (a schedule with a lower peak, e.g. "
-                    "1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
-                    "GPU with --backend nccl"));
-  for (CudaRankBackend *b : gpu)
-    PIPEC_GPU_TRY(b->reserveArena());
-  Runner runner(plan, Faults{}, options.timeoutSeconds, std::move(backends), transport);
-  CudaRunResult result;
-  for (CudaRankBackend *b : gpu) {
-    result.stateBytes.push_back(b->stateBytes());
-    result.arenaBytes.push_back(b->arenaBytes());
-  }
-  if (options.onArenas)
-    options.onArenas(result);
-  std::unique_ptr<ReferenceRun> ref;
-  if (options.checkReference) {
-    ref = std::make_unique<ReferenceRun>(plan, cfg, data, options.seed, options.lr);
-    if (options.initWeights)
-      loadWholeLayers(ref->stage(), cfg, 0, cfg.numLayers(), 0, 1, *options.initWeights);
-    if (options.onReferenceBuilt)
-      options.onReferenceBuilt();
-  }
-  for (int s = 0; s < options.steps; ++s) {
-    if (auto err = runner.step(s))
-      return err;
-    double loss = 0;
-    {
-      // The host has queued the whole step; the ranks' GPU work may still run for a while, but
-      // a kernel that never finishes would hold these waits forever, where no watchdog of the
-      // Runner's (it sees the host) runs. So: --timeout without any rank's compute op
-      // finishing on the GPU, and the process ends with one line.
-      BlockingWatchdog guard(
-          fmt::format("the wait for step {}'s GPU work (every rank's)", s), options.timeoutSeconds,
-          "no rank's compute op finished on the GPU in that time: a kernel that never finishes?",
-          [&gpu] {
-            uint64_t done = 0;
-            for (CudaRankBackend *b : gpu)
-              done += b->completedWork();
-            return done;
-          });
-      for (CudaRankBackend *b : gpu) {
-        auto l = b->finishStep();
-        if (!l)
-          return l.takeError();
-        loss += *l;
-      }
-    }
-    result.losses.push_back(loss);
-    if (ref) {
-      result.referenceLosses.push_back(ref->step(s));
-      ref->compare(snapshot, result.grads, s);
-      result.lastGrads = snapshot.byStageAndTp;
-      ref->adopt(snapshot); // ReferenceRun::adopt: the next step starts from the run's weights
-      ref->update();
-    }
-    if (onStep)
-      onStep(s, loss);
-  }
-  for (CudaRankBackend *b : gpu)
-    result.arenaUsedBytes.push_back(b->arenaUsedBytes());
-  if (ref) {
-    ParamSnapshot weights;
-    for (CudaRankBackend *b : gpu)
-      PIPEC_GPU_TRY(b->snapshotWeights(weights));
-    result.weights = ref->compareWeights(weights, options.steps);
-  }
-  return result;
+  auto cfg = gptConfigOf(plan);
+  if (!cfg)
+    return cfg.takeError();
+  CudaTrainBackend backend(plan, *cfg, data, options);
+  return trainOnGpu(plan, *cfg, data, backend, options, onStep);
 }
 
-#undef PIPEC_GPU_TRY
+llvm::Expected<CudaRunResult> trainOnGpu(const Plan &plan, const GptConfig &cfg,
+                                         const DataSource &data, GpuTrainBackend &backend,
+                                         const CudaRunOptions &options,
+                                         const std::function<void(int, double)> &onStep) {
+  auto trained = train(plan, cfg, data, backend, options, onStep);
+  if (!trained)
+    return trained.takeError();
+  CudaRunResult result = backend.memory();
+  static_cast<TrainResult &>(result) = std::move(*trained);
+  return result;
+}
 
 } // namespace pipec

@@ -28,7 +28,8 @@
 #include "runtime/Backend.h"
 #include "runtime/Data.h"
 #include "runtime/Interpreter.h"
-#include "runtime/cpu/Reference.h"
+#include "runtime/Reference.h"
+#include "runtime/Train.h"
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
@@ -43,42 +44,22 @@ namespace pipec {
 struct ParamSnapshot;
 struct CudaRunResult;
 
-struct CudaRunOptions {
-  int steps = 1;
-  uint64_t seed = 1;
-  float lr = 1e-3f;
-  /// Also run the CPU single-rank reference and compare every step's gradients and the last
-  /// step's weights (runtime/cpu/Reference.h: ReferenceRun::adopt, GradCheck, WeightCheck).
-  bool checkReference = false;
-  /// The watchdogs': the host's (runtime/Runner.h), and the end of a step's wait for the GPU,
-  /// which fires after this long without a compute op or p2p group or all-reduce finishing
-  /// (runOnCuda's ends the process: a kernel that never finishes; NcclTransport's aborts).
-  double timeoutSeconds = 60;
+/// The GPU backends' options: the driver's (runtime/Train.h), and the device's.
+struct CudaRunOptions : TrainOptions {
   int device = 0;
   /// The compute type (GpuStage.h, Precision): fp32, or bf16 with fp32 master weights.
   kernels::DType dtype = kernels::DType::F32;
-  /// Initial weights (`piperun --init-from`): every layer whole (tp = 1), in place of the seeded
-  /// initialisation, on every rank and in the reference. Null: the seeded initialisation.
-  const std::vector<std::vector<float>> *initWeights = nullptr;
   /// How the ops choose their kernels beyond the device and the shapes (the tools make it;
   /// every rank's CudaContext gets it).
   kernels::cuda::KernelConfig kernels;
   /// Called once the arenas are reserved, before step 0, with the result so far: its arenaBytes
-  /// and stateBytes.
+  /// and stateBytes. (The watchdog of TrainOptions::timeoutSeconds also ends a step's wait for
+  /// the GPU after that long without a compute op or p2p group or all-reduce finishing: runOnCuda's
+  /// ends the process, a kernel that never finishes; NcclTransport's aborts.)
   std::function<void(const CudaRunResult &)> onArenas;
-  /// With checkReference, called once the single-rank CPU reference is built (in the nccl mode
-  /// on RANK 0 only, just before step 0, while the others wait for it). Tests slow it down here.
-  std::function<void()> onReferenceBuilt;
 };
 
-struct CudaRunResult {
-  std::vector<double> losses;          // global mean loss per step
-  std::vector<double> referenceLosses; // with checkReference (CPU, single rank)
-  GradCheck grads;                     // with checkReference, over all steps
-  WeightCheck weights;                 // with checkReference, after the last step (RANK 0)
-  /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
-  /// rank), with checkReference.
-  std::map<std::pair<int, int>, std::vector<float>> lastGrads;
+struct CudaRunResult : TrainResult {
   /// Per rank of this process (thread order): its stages' weights, gradients and optimizer state
   /// (CudaRankBackend::stateBytes; at tp 1 without --check-reference, the plan's static_bytes of
   /// the rank plus 8 when the compute type is the model's: 16 bytes a parameter in fp32, 18 in
@@ -103,7 +84,7 @@ inline constexpr double kCudaBf16GradTolerance = 5e-2;
 inline double cudaGradTolerance(kernels::DType dtype) {
   return dtype == kernels::DType::BF16 ? kCudaBf16GradTolerance : kCudaGradTolerance;
 }
-/// The per-tensor tolerance for `dtype` (GradCheck::maxTensorDiff, runtime/cpu/Reference.h).
+/// The per-tensor tolerance for `dtype` (GradCheck::maxTensorDiff, runtime/Reference.h).
 inline double cudaTensorGradTolerance(kernels::DType dtype) {
   return dtype == kernels::DType::BF16 ? kBf16TensorGradTolerance : kTensorGradTolerance;
 }
@@ -117,7 +98,28 @@ llvm::Expected<int> cudaDevices();
 llvm::Error gpuRunsTheBlock(const kernels::GptConfig &cfg, const Plan &plan,
                             llvm::StringRef backend);
 
-/// Run `options.steps` steps of `plan` (already verified) on GPU `options.device`.
+/// A GPU backend as the training driver sees it (the cuda backend's and the nccl mode's), with
+/// its memory figures: CudaRunResult's stateBytes, arenaBytes and arenaUsedBytes of its ranks.
+class GpuTrainBackend : public TrainBackend {
+public:
+  virtual CudaRunResult memory() const = 0;
+};
+
+/// train() on `backend`, with its memory figures after the run: runOnCuda's and runOnNccl's.
+llvm::Expected<CudaRunResult> trainOnGpu(const Plan &plan, const kernels::GptConfig &cfg,
+                                         const DataSource &data, GpuTrainBackend &backend,
+                                         const CudaRunOptions &options,
+                                         const std::function<void(int, double)> &onStep);
+
+/// The cuda backend of `plan` (already verified; `cfg` is gptConfigOf(plan)) on GPU
+/// `options.device` for the training driver (runtime/Train.h); `plan`, `cfg`, `data` and
+/// `options` must outlive it.
+std::unique_ptr<TrainBackend> createCudaBackend(const Plan &plan, const kernels::GptConfig &cfg,
+                                                const DataSource &data,
+                                                const CudaRunOptions &options);
+
+/// Run `options.steps` steps of `plan` (already verified) on GPU `options.device`, with the
+/// training driver.
 llvm::Expected<CudaRunResult> runOnCuda(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options,
                                         const std::function<void(int, double)> &onStep = {});
@@ -164,6 +166,17 @@ public:
   /// `into` (ParamSnapshot::digests), and on dp replica 0 the weights themselves (the host waits
   /// for the copies).
   virtual llvm::Error snapshotWeights(ParamSnapshot &into) = 0;
+  /// Whether one of the rank's stages holds `layer`.
+  virtual bool holdsLayer(int layer) const = 0;
+  /// Between steps: the rank's tp part of layer `layer` (which it holds) into `part`, read from
+  /// the device (weights and AdamW moments, in the rank's layout)...
+  virtual llvm::Error readLayer(int layer, LayerState &part) = 0;
+  /// ... and the whole layer `whole` (tp = 1; empty moments: weights alone) cut for this rank and
+  /// written to the device, where it holds the layer.
+  virtual llvm::Error writeLayer(int layer, const LayerState &whole) = 0;
+  /// The stages' optimizer step count.
+  virtual int adamSteps() const = 0;
+  virtual void setAdamSteps(int steps) = 0;
 };
 
 /// The cuda backend of rank `c` on GPU `options.device` (its context and compute stream; the

@@ -2,7 +2,7 @@
 //
 // The owned stream and event both device backends (CudaRun, NcclRun) use: created by a checked
 // create(), destroyed with their owner; and the event-ordering of one stream after another that
-// both transports use.
+// both transports use; and PIPEC_GPU_TRY, which both backends propagate their errors with.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEHANDLES_H
@@ -13,6 +13,13 @@
 #include "llvm/Support/Error.h"
 
 #include <cuda_runtime_api.h>
+
+/// Returns from the enclosing function with the error of `expr` (an llvm::Error), if any.
+#define PIPEC_GPU_TRY(expr)                                                                        \
+  do {                                                                                             \
+    if (llvm::Error pipecGpuErr = (expr))                                                          \
+      return pipecGpuErr;                                                                          \
+  } while (false)
 
 namespace pipec::runtime_cuda {
 

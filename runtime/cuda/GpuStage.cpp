@@ -557,6 +557,15 @@ llvm::Error GpuStage::backwardWeight(int mb, int slice) { return impl->backwardW
 
 std::span<float> GpuStage::params() { return {impl->dev.params.data(), impl->dev.params.size()}; }
 std::span<float> GpuStage::grads() { return {impl->dev.grads.data(), impl->dev.grads.size()}; }
+std::span<float> GpuStage::adamFirstMoment() {
+  return {impl->dev.adamM.data(), impl->dev.adamM.size()};
+}
+std::span<float> GpuStage::adamSecondMoment() {
+  return {impl->dev.adamV.data(), impl->dev.adamV.size()};
+}
+int GpuStage::adamSteps() const { return impl->dev.adamSteps; }
+void GpuStage::setAdamSteps(int steps) { impl->dev.adamSteps = steps; }
+llvm::Error GpuStage::paramsWritten() { return impl->dev.refreshComputeParams(); }
 
 std::pair<size_t, size_t> GpuStage::layerRange(int layer) const {
   assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");

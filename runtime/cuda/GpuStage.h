@@ -100,6 +100,14 @@ public:
   /// refreshes.
   std::span<float> params();
   std::span<float> grads();
+  /// AdamW's moments (device, fp32, laid out as params()) and its step count.
+  std::span<float> adamFirstMoment();
+  std::span<float> adamSecondMoment();
+  int adamSteps() const;
+  void setAdamSteps(int steps);
+  /// After params() were written from outside (a checkpoint, --init-from): refreshes the copy
+  /// the kernels read in bf16 (nothing in fp32).
+  llvm::Error paramsWritten();
   std::pair<size_t, size_t> layerRange(int layer) const;
   std::pair<size_t, size_t> tiedEmbeddingRange() const;
   llvm::Error zeroGrads();

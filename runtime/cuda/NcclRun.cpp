@@ -5,14 +5,10 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/BlockingWatchdog.h"
-#include "runtime/cpu/CpuRun.h"
-#include "runtime/cpu/Reference.h"
 #include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
 #include "runtime/cuda/NcclTransport.h"
-
-#include "llvm/ADT/ScopeExit.h"
 
 #include <cuda_runtime_api.h>
 
@@ -272,99 +268,161 @@ std::string prepareNcclEnvironment() {
                      NCCL_PATCH, setting, loading);
 }
 
-llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
-                                        const CudaRunOptions &options, const LaunchEnv &env,
-                                        const std::function<void(int, double)> &onStep) {
-  auto cfgOr = gptConfigOf(plan);
-  if (!cfgOr)
-    return cfgOr.takeError();
-  const kernels::GptConfig cfg = *cfgOr;
-  if (auto err = gpuRunsTheBlock(cfg, plan, "nccl"))
-    return err;
-  auto device = deviceOf(env);
-  if (!device)
-    return device.takeError();
-  CudaRunOptions o = options;
-  o.device = *device;
-  PIPEC_CUDA_TRY(cudaSetDevice(o.device));
+namespace {
 
-  // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
-  // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
-  // slowly).
-  auto comms = createCommunicators(plan, env, peerArrivalLimit(o.timeoutSeconds));
-  if (!comms)
-    return comms.takeError();
-  // A failure from here on aborts this process's communicators, at the latest as the run
-  // returns: destroying a communicator finalizes it, which waits for its queued work, and a
-  // peer that failed may never complete that. (Where work may be queued, the abort comes
-  // before the return, since the buffers' cudaFree waits for the device too.) NCCL tells no
-  // peer of an abort: the peers fail through their own watchdogs, or sooner over sockets
-  // when this process exits. Where every process stops together after an agreement, with
-  // nothing queued (stopTogether), the communicators are finalized instead: that flushes this
-  // process's last sends, the agreement's, which an abort could drop before a peer has them.
-  bool completed = false;
-  auto abortUnlessCompleted = llvm::make_scope_exit([&] {
-    if (!completed)
-      (*comms)->abortAll();
-  });
-  auto stopTogether = [&completed](llvm::Error err) {
+/// The nccl mode as the training driver sees it: this process's one rank (NcclRun.h).
+class NcclTrainBackend final : public GpuTrainBackend {
+public:
+  NcclTrainBackend(const Plan &plan, const kernels::GptConfig &cfg, const DataSource &data,
+                   const CudaRunOptions &options, const LaunchEnv &env)
+      : plan(plan), cfg(cfg), data(data), o(options), env(env) {}
+
+  // A failure aborts this process's communicators, at the latest as the backend goes:
+  // destroying a communicator finalizes it, which waits for its queued work, and a peer that
+  // failed may never complete that. (Where work may be queued, the abort comes before the
+  // return, since the buffers' cudaFree waits for the device too.) NCCL tells no peer of an
+  // abort: the peers fail through their own watchdogs, or sooner over sockets when this process
+  // exits. Where every process stops together after an agreement, with nothing queued
+  // (stopTogether), the communicators are finalized instead: that flushes this process's last
+  // sends, the agreement's, which an abort could drop before a peer has them.
+  ~NcclTrainBackend() override {
+    if (comms && !completed)
+      comms->abortAll();
+  }
+
+  llvm::Error setUp() override;
+  llvm::Expected<double> step(int s) override;
+  llvm::Error takeGradients(ParamSnapshot &into) override;
+  llvm::Error referenceStepDone() override;
+  llvm::Error snapshotWeights(ParamSnapshot &into) override;
+  bool holdsLayer(int layer) const override { return backend->holdsLayer(layer); }
+  llvm::Error scatterLayer(int layer, const LayerState &whole) override {
+    return backend->writeLayer(layer, whole);
+  }
+  llvm::Error gatherLayer(int layer, LayerState &whole) override;
+  int adamSteps() const override { return backend->adamSteps(); }
+  void setAdamSteps(int steps) override { backend->setAdamSteps(steps); }
+  bool leads() const override { return env.rank == 0; }
+  void finish() override { completed = true; }
+
+  /// The memory figures of this process's rank (arenaUsedBytes after the run).
+  CudaRunResult memory() const override {
+    CudaRunResult m;
+    if (backend) {
+      m.stateBytes.push_back(backend->stateBytes());
+      m.arenaBytes.push_back(backend->arenaBytes());
+      m.arenaUsedBytes.push_back(backend->arenaUsedBytes());
+    }
+    return m;
+  }
+
+private:
+  llvm::Error stopTogether(llvm::Error err) {
     completed = true;
     return err;
-  };
+  }
+  llvm::Error stopUnlessAllCould(llvm::Error mine, llvm::Expected<float> failed, const char *what);
+  /// How many processes have a per-process launch setting or outcome (a worldSum of 0 or 1
+  /// each), waiting `timeout` seconds at most.
+  llvm::Expected<float> processesWith(bool mine, const char *what, double timeout) {
+    return worldSum(mine ? 1.0f : 0.0f, agreeSlot(), *comms, compute, timeout, what);
+  }
+  bool some(float n) const { return n != 0.0f && n != float(env.worldSize); }
+  llvm::Error agreeOnSettings();
+  llvm::Error reserveMemory();
+  llvm::Error moveLayerPart(int peer, bool send, size_t floats, int layer);
+  float *agreeSlot() { return scratch.as<float>() + 4; } // (after the loss's double)
+  bool saving() const { return !o.saveDir.empty() && env.worldSize > 1; }
+
+  const Plan &plan;
+  const kernels::GptConfig &cfg;
+  const DataSource &data;
+  CudaRunOptions o; // with the device of env.localRank
+  const LaunchEnv &env;
+  bool completed = false;
+  std::unique_ptr<NcclCommunicators> comms;
+  // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK
+  // 0's reference (float 4), the gather's connection (float 0) and the loss (a double, floats
+  // 0-1).
+  kernels::cuda::DeviceBuffer scratch;
+  runtime_cuda::OwnedStream setUpStream;
+  std::unique_ptr<NcclTransport> transport;
+  ParamSnapshot snapshot;
+  std::unique_ptr<CudaRankBackend> backend;
+  cudaStream_t compute = nullptr;
+  // --check-reference with several processes: what the others send RANK 0 after each step.
+  std::vector<GradientShard> shards;
+  std::unique_ptr<RunShared> shared;
+  // The gather's staging (the largest sender's blocks of replica 0), with dp > 1 the digests'
+  // slots, and with checkpoints on several processes the staging of one layer's tp part.
+  kernels::cuda::DeviceBuffer staging, digestSlots, layerStaging;
+  bool referenceBuilt = false;
+};
+
+llvm::Error NcclTrainBackend::stopUnlessAllCould(llvm::Error mine, llvm::Expected<float> failed,
+                                                 const char *what) {
   // After an agreement on how many processes failed a part of the launch (`failed`, this one's
   // `mine` counted in): success where none did; else this process's own error, or that some
   // could not `what`, with every process stopping together. Where the agreement's wait failed
   // (it aborted): this process's own error, which says more, or the wait's.
-  auto stopUnlessAllCould = [&](llvm::Error mine, llvm::Expected<float> failed,
-                                const char *what) -> llvm::Error {
-    if (mine) {
-      if (failed)
-        return stopTogether(std::move(mine));
-      llvm::consumeError(failed.takeError());
-      return mine;
-    }
-    if (!failed)
-      return failed.takeError();
-    if (*failed > 0)
-      return stopTogether(llvm::createStringError(
-          llvm::inconvertibleErrorCode(),
-          fmt::format("rank {}: {} of the launch's {} processes could not {}, so this one stops "
-                      "too",
-                      env.rank, int(*failed), env.worldSize, what)));
-    return llvm::Error::success();
-  };
-  // The warm-up's 5 floats, then, one after another: the agreements' and the waits for RANK 0's
-  // reference (float 4), the gather's connection (float 0) and the loss (a double, floats 0-1).
+  if (mine) {
+    if (failed)
+      return stopTogether(std::move(mine));
+    llvm::consumeError(failed.takeError());
+    return mine;
+  }
+  if (!failed)
+    return failed.takeError();
+  if (*failed > 0)
+    return stopTogether(llvm::createStringError(
+        llvm::inconvertibleErrorCode(),
+        fmt::format("rank {}: {} of the launch's {} processes could not {}, so this one stops "
+                    "too",
+                    env.rank, int(*failed), env.worldSize, what)));
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTrainBackend::setUp() {
+  PIPEC_GPU_TRY(gpuRunsTheBlock(cfg, plan, "nccl"));
+  auto device = deviceOf(env);
+  if (!device)
+    return device.takeError();
+  o.device = *device;
+  PIPEC_CUDA_TRY(cudaSetDevice(o.device));
+  // Eagerly, in the same order on every process (NcclLayout.h); a process that never joins
+  // ends this one after ten timeouts (at least 10 minutes: the launcher may start the others
+  // slowly).
+  auto made = createCommunicators(plan, env, peerArrivalLimit(o.timeoutSeconds));
+  if (!made)
+    return made.takeError();
+  comms = std::move(*made);
   // (Allocated first, with the set-up agreement's stream, so that a process whose set-up fails
   // can still take part in that agreement. If these fail, the GPU is unusable, and the peers
   // wait for this process under their arrival limit.)
-  auto scratch = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
-  if (!scratch)
-    return scratch.takeError();
-  runtime_cuda::OwnedStream setUpStream;
-  if (auto err = setUpStream.create())
-    return err;
+  auto floats = kernels::cuda::DeviceBuffer::allocate(4 * sizeof(double));
+  if (!floats)
+    return floats.takeError();
+  scratch = std::move(*floats);
+  PIPEC_GPU_TRY(setUpStream.create());
   // The process's GPU set-up: its compute stream, cuBLASLt handle and workspace, and the
   // transport's streams and events. It fails on one process alone where that process's GPU is
   // (nearly) full or faulty, so every process then learns whether all of them could, at once,
   // rather than wait for that one in the warm-up until its arrival limit.
-  NcclTransport transport(plan, env, **comms);
-  ParamSnapshot snapshot;
-  std::unique_ptr<CudaRankBackend> backend;
+  transport = std::make_unique<NcclTransport>(plan, env, *comms);
   llvm::Error setUp = [&]() -> llvm::Error {
-    auto made = createDeviceTransportBackend(
-        plan, cfg, env.coord, data, o, o.checkReference ? &snapshot : nullptr,
-        [&transport] { return transport.waitForCollectives(); });
-    if (!made)
-      return made.takeError();
-    backend = std::move(*made);
+    auto rank = createDeviceTransportBackend(plan, cfg, env.coord, data, o,
+                                             o.checkReference ? &snapshot : nullptr,
+                                             [this] { return transport->waitForCollectives(); });
+    if (!rank)
+      return rank.takeError();
+    backend = std::move(*rank);
     CudaRankBackend *b = backend.get();
     // Sends alone do not hold the compute stream; the arena waits for them at a release.
     NcclTransport::SendHold hold{[b](const void *data, size_t bytes, cudaEvent_t done) {
                                    b->readElsewhere(data, bytes, done);
                                  },
                                  [b] { b->elsewhereReadsDone(); }};
-    return transport.init(
+    return transport->init(
         static_cast<cudaStream_t>(b->computeStreamHandle()), [b] { return b->takeDeferredError(); },
         std::move(hold));
   }();
@@ -375,24 +433,53 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
   // connecting block the host call (NCCL_RUNTIME_CONNECT=1).
   const double arrivalLimit = peerArrivalLimit(o.timeoutSeconds);
   auto setUpFailures =
-      worldSum(setUp ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, setUpStream.get(),
-               arrivalLimit, fmt::format("rank {}'s set-up agreement", env.rank), arrivalLimit);
-  if (auto err = stopUnlessAllCould(std::move(setUp), std::move(setUpFailures),
-                                    "set up their GPU (each says why)"))
-    return err;
-  CudaRankBackend &b = *backend;
-  auto compute = static_cast<cudaStream_t>(b.computeStreamHandle());
-  if (auto err = transport.warmUp(scratch->as<float>(), o.timeoutSeconds,
-                                  peerArrivalLimit(o.timeoutSeconds)))
-    return err;
-  // How many processes have a per-process launch setting or outcome (a worldSum of 0 or 1
-  // each), waiting `timeout` seconds at most.
-  auto processesWith = [&](bool mine, const char *what, double timeout) {
-    return worldSum(mine ? 1.0f : 0.0f, scratch->as<float>() + 4, **comms, compute, timeout, what);
-  };
-  auto some = [&](float n) { return n != 0.0f && n != float(env.worldSize); };
-  // Every process must compute in the same type: a p2p tensor's bytes and its NCCL datatype
-  // must match its peer's. The launch line is per process, so check it here, on every process.
+      worldSum(setUp ? 1.0f : 0.0f, agreeSlot(), *comms, setUpStream.get(), arrivalLimit,
+               fmt::format("rank {}'s set-up agreement", env.rank), arrivalLimit);
+  PIPEC_GPU_TRY(stopUnlessAllCould(std::move(setUp), std::move(setUpFailures),
+                                   "set up their GPU (each says why)"));
+  compute = static_cast<cudaStream_t>(backend->computeStreamHandle());
+  PIPEC_GPU_TRY(transport->warmUp(scratch.as<float>(), o.timeoutSeconds, arrivalLimit));
+  PIPEC_GPU_TRY(agreeOnSettings());
+  // RANK 0's connections with every other process of dp replica 0 on `world`, for
+  // --check-reference's gathers and the checkpoints' (the same processes), made now, before the
+  // arena is sized: NCCL allocates a connection's buffers as it makes it (connectGather).
+  if ((o.checkReference || !o.saveDir.empty()) && env.worldSize > 1) {
+    auto blocks = gradientShards(
+        plan, [this](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
+    if (auto err =
+            connectGather(blocks, env, *comms, compute, scratch.as<float>(), o.timeoutSeconds)) {
+      comms->abortAll(); // (before the scratch's cudaFree, which would wait for the posts)
+      return err;
+    }
+    if (o.checkReference)
+      shards = std::move(blocks);
+  }
+  shared = std::make_unique<RunShared>(plan, Faults{}, *transport);
+  // Every process learns whether all of them could reserve their memory: one that could not
+  // says why, and the others say that it could not, at once, rather than wait for it in step 0
+  // until their watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often
+  // alone.) Under the arrival limit: a process with a larger stage initialises its weights for
+  // longer. (So a process that dies before it gets here holds its peers that long too, as in
+  // the warm-up.)
+  llvm::Error reserved = reserveMemory();
+  auto memoryFailures =
+      processesWith(static_cast<bool>(reserved), "the device memory's agreement", arrivalLimit);
+  PIPEC_GPU_TRY(stopUnlessAllCould(std::move(reserved), std::move(memoryFailures),
+                                   "reserve the device memory the plan needs before step 0 (each "
+                                   "says why, with the fix)"));
+  if (o.onArenas) {
+    CudaRunResult sofar;
+    sofar.stateBytes.push_back(backend->stateBytes());
+    sofar.arenaBytes.push_back(backend->arenaBytes());
+    o.onArenas(sofar);
+  }
+  return llvm::Error::success();
+}
+
+/// Every process must compute in the same type, check the reference or not, and save
+/// checkpoints or not: the launch line is per process, so this is checked on every process.
+llvm::Error NcclTrainBackend::agreeOnSettings() {
+  // A p2p tensor's bytes and its NCCL datatype must match its peer's.
   auto bf16 = processesWith(o.dtype == kernels::DType::BF16, "the compute-type agreement",
                             o.timeoutSeconds);
   if (!bf16)
@@ -412,195 +499,243 @@ llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data
         inputError("--check-reference: {} of the launch's {} processes check against the "
                    "reference, the others do not; pass it to every process or to none",
                    int(*checking), env.worldSize));
-  // --check-reference with several processes: the others' blocks of replica 0 are gathered to
-  // RANK 0 after every step, over connections made now, before the arena is sized: NCCL
-  // allocates a connection's buffers as it makes it (connectGather).
-  std::vector<GradientShard> shards;
-  if (o.checkReference && env.worldSize > 1) {
-    shards = gradientShards(
-        plan, [&cfg, &plan](int l) { return kernels::layerParamCount(cfg, l, plan.parallel.tp); });
-    if (auto err =
-            connectGather(shards, env, **comms, compute, scratch->as<float>(), o.timeoutSeconds)) {
-      (*comms)->abortAll(); // (before the scratch's cudaFree, which would wait for the posts)
-      return err;
-    }
-  }
+  // A checkpoint gathers every layer to RANK 0: all processes or none.
+  auto saving = processesWith(!o.saveDir.empty(), "the --save-dir agreement", o.timeoutSeconds);
+  if (!saving)
+    return saving.takeError();
+  if (some(*saving))
+    return stopTogether(
+        inputError("--save-dir: {} of the launch's {} processes save checkpoints, the others do "
+                   "not; pass the same --save-dir and --save-every to every process",
+                   int(*saving), env.worldSize));
+  return llvm::Error::success();
+}
 
-  RunShared shared(plan, Faults{}, transport);
-  // The device memory this process needs before step 0, all of it allocated now, after NCCL's
-  // connections: the stages' weights, gradients and optimizer state (initialised on the host,
-  // which can take a while for a large stage), the sizing pass's activation arena (every
-  // process alone: no NCCL call; CudaRun.h), and with --check-reference on several processes
-  // the gather's staging (the largest sender's blocks of replica 0's gradients) and, with
-  // dp > 1, the digests' slots (shareDigests: one per (replica, stage, tp rank)).
-  kernels::cuda::DeviceBuffer staging, digestSlots;
-  llvm::Error reserved = [&]() -> llvm::Error {
-    if (auto err = b.createStages("compile the plan with more pipeline stages (pipec compile "
-                                  "--pp) or tensor-parallel ranks (--tp), or use a GPU with more "
-                                  "memory"))
-      return err;
-    if (auto bytes = b.measureArena(); !bytes)
-      return bytes.takeError();
-    if (auto err = b.reserveArena())
-      return err;
-    if (!o.checkReference || env.worldSize == 1)
-      return llvm::Error::success();
-    std::map<int, size_t> perRank;
-    size_t largest = 0;
-    for (const GradientShard &g : shards)
-      largest = std::max(largest, perRank[g.rank] += g.floats);
-    if (largest > 0) {
-      auto buffer = kernels::cuda::DeviceBuffer::allocate(largest * sizeof(float));
-      if (!buffer)
-        return buffer.takeError();
-      staging = std::move(*buffer);
-    }
-    if (plan.parallel.dp > 1) {
-      auto buffer =
-          kernels::cuda::DeviceBuffer::allocate(size_t(plan.parallel.dp) * plan.stages.size() *
-                                                size_t(plan.parallel.tp) * sizeof(uint64_t));
-      if (!buffer)
-        return buffer.takeError();
-      digestSlots = std::move(*buffer);
-    }
+/// The device memory this process needs before step 0, all of it allocated now, after NCCL's
+/// connections: the stages' weights, gradients and optimizer state (initialised on the host,
+/// which can take a while for a large stage), the sizing pass's activation arena (every process
+/// alone: no NCCL call; CudaRun.h), with --check-reference on several processes the gather's
+/// staging (the largest sender's blocks of replica 0's gradients) and, with dp > 1, the digests'
+/// slots (shareDigests: one per (replica, stage, tp rank)), and with checkpoints on several
+/// processes the staging of the largest layer's tp part.
+llvm::Error NcclTrainBackend::reserveMemory() {
+  CudaRankBackend &b = *backend;
+  PIPEC_GPU_TRY(b.createStages("compile the plan with more pipeline stages (pipec compile "
+                               "--pp) or tensor-parallel ranks (--tp), or use a GPU with more "
+                               "memory"));
+  if (auto bytes = b.measureArena(); !bytes)
+    return bytes.takeError();
+  PIPEC_GPU_TRY(b.reserveArena());
+  auto allocate = [](kernels::cuda::DeviceBuffer &into, size_t bytes) -> llvm::Error {
+    auto buffer = kernels::cuda::DeviceBuffer::allocate(bytes);
+    if (!buffer)
+      return buffer.takeError();
+    into = std::move(*buffer);
     return llvm::Error::success();
-  }();
-  // Then every process learns whether all of them could: one that could not says why, and the
-  // others say that it could not, at once, rather than wait for it in step 0 until their
-  // watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often alone.)
-  // Under the arrival limit: a process with a larger stage initialises its weights for longer.
-  // (So a process that dies before it gets here holds its peers that long too, as in the
-  // warm-up.)
-  auto memoryFailures = processesWith(static_cast<bool>(reserved), "the device memory's agreement",
-                                      peerArrivalLimit(o.timeoutSeconds));
-  if (auto err = stopUnlessAllCould(std::move(reserved), std::move(memoryFailures),
-                                    "reserve the device memory the plan needs before step 0 (each "
-                                    "says why, with the fix)"))
+  };
+  if (saving()) {
+    size_t largest = 0;
+    for (int l = 0; l < cfg.numLayers(); ++l)
+      largest = std::max(largest, kernels::layerParamCount(cfg, l, plan.parallel.tp));
+    PIPEC_GPU_TRY(allocate(layerStaging, 3 * largest * sizeof(float)));
+  }
+  if (!o.checkReference || env.worldSize == 1)
+    return llvm::Error::success();
+  std::map<int, size_t> perRank;
+  size_t largest = 0;
+  for (const GradientShard &g : shards)
+    largest = std::max(largest, perRank[g.rank] += g.floats);
+  if (largest > 0)
+    PIPEC_GPU_TRY(allocate(staging, largest * sizeof(float)));
+  if (plan.parallel.dp > 1)
+    PIPEC_GPU_TRY(allocate(digestSlots, size_t(plan.parallel.dp) * plan.stages.size() *
+                                            size_t(plan.parallel.tp) * sizeof(uint64_t)));
+  return llvm::Error::success();
+}
+
+llvm::Expected<double> NcclTrainBackend::step(int s) {
+  CudaRankBackend &b = *backend;
+  transport->beginStep();
+  llvm::Error err = b.beginStep(s);
+  if (!err)
+    err = interpretStep(*shared, env.coord, b);
+  if (!err)
+    err = transport->waitStep(s, o.timeoutSeconds, [&b] { return b.completedWork(); });
+  if (err) {
+    comms->abortAll(); // before the buffers' cudaFree, which would wait for its kernels
     return err;
-  // --check-reference: RANK 0 runs the single-rank CPU reference, built now, and the others wait
-  // for it here under the arrival limit (ten timeouts, at least 10 minutes), not in step 0,
-  // where their step watchdog would count its time. (Not before the communicators: RANK 0's
+  }
+  auto share = b.finishStep();
+  if (!share) {
+    comms->abortAll(); // (the peers wait for this process in the loss's all-reduce)
+    return share.takeError();
+  }
+  // The global loss: every process's share summed over `world` (polled before the copy back,
+  // which into pageable memory would block past the watchdog if a peer never came).
+  double loss = *share;
+  auto *dloss = scratch.as<double>();
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
+  PIPEC_NCCL_TRY(ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, comms->world.get(), compute));
+  PIPEC_GPU_TRY(
+      waitPolling(compute, *comms, o.timeoutSeconds, fmt::format("step {}'s loss all-reduce", s)));
+  PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
+  PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
+  return loss;
+}
+
+llvm::Error NcclTrainBackend::takeGradients(ParamSnapshot &into) {
+  if (!shards.empty())
+    if (auto err = gatherSnapshot(shards, env, *comms, compute, staging.as<float>(), agreeSlot(),
+                                  o.timeoutSeconds, snapshot, "gradients")) {
+      comms->abortAll();
+      return err;
+    }
+  snapshot.handOver(into);
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTrainBackend::referenceStepDone() {
+  // The others wait here while RANK 0 builds the CPU reference (before step 0) or runs its step,
+  // not inside the next step, where their watchdog would count its time. (Every process
+  // checks, or none: agreed in setUp().) Not before the communicators: RANK 0's
   // ncclCommInitRank starts the bootstrap root, which NCCL gives the others only about a minute
-  // to reach.)
-  std::unique_ptr<ReferenceRun> ref;
-  if (o.checkReference && env.rank == 0) {
-    ref = std::make_unique<ReferenceRun>(plan, cfg, data, o.seed, o.lr);
-    if (o.initWeights)
-      loadWholeLayers(ref->stage(), cfg, 0, cfg.numLayers(), 0, 1, *o.initWeights);
-    if (o.onReferenceBuilt)
-      o.onReferenceBuilt();
+  // to reach.
+  const char *what =
+      referenceBuilt ? "the wait for RANK 0's reference step" : "the wait for RANK 0's reference";
+  referenceBuilt = true;
+  if (env.worldSize == 1)
+    return llvm::Error::success();
+  auto r = worldSum(0.0f, agreeSlot(), *comms, compute, peerArrivalLimit(o.timeoutSeconds), what);
+  return r ? llvm::Error::success() : r.takeError();
+}
+
+llvm::Error NcclTrainBackend::snapshotWeights(ParamSnapshot &weights) {
+  // The weights after the last step, gathered to RANK 0 like the gradients, and with dp > 1
+  // every replica's digests (ParamSnapshot::digests). A process that cannot read its weights
+  // still takes part in the gather's agreement, so that every process fails at once. (One whose
+  // CUDA context is broken cannot: the others' watchdog then names the wait.)
+  llvm::Error copied = backend->snapshotWeights(weights);
+  if (!shards.empty()) {
+    const std::string problem =
+        copied ? fmt::format("--check-reference: rank {} could not read its weights", env.rank)
+               : "";
+    llvm::Error gathered =
+        gatherSnapshot(shards, env, *comms, compute, staging.as<float>(), agreeSlot(),
+                       o.timeoutSeconds, weights, "weights", problem);
+    if (gathered) {
+      comms->abortAll();
+      if (copied) { // (its own error says more than the agreement's)
+        llvm::consumeError(std::move(gathered));
+        return copied;
+      }
+      return gathered;
+    }
   }
-  if (o.checkReference && env.worldSize > 1)
-    if (auto r = worldSum(0.0f, scratch->as<float>() + 4, **comms, compute,
-                          peerArrivalLimit(o.timeoutSeconds), "the wait for RANK 0's reference");
-        !r)
-      return r.takeError();
-  CudaRunResult result;
-  result.stateBytes.push_back(b.stateBytes());
-  result.arenaBytes.push_back(b.arenaBytes());
-  if (o.onArenas)
-    o.onArenas(result);
-  for (int s = 0; s < o.steps; ++s) {
-    transport.beginStep();
-    llvm::Error err = b.beginStep(s);
-    if (!err)
-      err = interpretStep(shared, env.coord, b);
-    if (!err)
-      err = transport.waitStep(s, o.timeoutSeconds, [&b] { return b.completedWork(); });
-    if (err) {
-      (*comms)->abortAll(); // before the buffers' cudaFree, which would wait for its kernels
-      return err;
-    }
-    auto share = b.finishStep();
-    if (!share) {
-      (*comms)->abortAll(); // (the peers wait for this process in the loss's all-reduce)
-      return share.takeError();
-    }
-    // The global loss: every process's share summed over `world` (polled before the copy back,
-    // which into pageable memory would block past the watchdog if a peer never came).
-    double loss = *share;
-    auto *dloss = scratch->as<double>();
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
-    PIPEC_NCCL_TRY(
-        ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, (*comms)->world.get(), compute));
-    if (auto err = waitPolling(compute, **comms, o.timeoutSeconds,
-                               fmt::format("step {}'s loss all-reduce", s)))
-      return err;
-    PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
-    PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
-    result.losses.push_back(loss);
-    float *agreeSlot = scratch->as<float>() + 4; // after the loss's double
-    if (!shards.empty())
-      if (auto err = gatherSnapshot(shards, env, **comms, compute, staging.as<float>(), agreeSlot,
-                                    o.timeoutSeconds, snapshot, "gradients")) {
-        (*comms)->abortAll();
-        return err;
-      }
-    if (ref) {
-      result.referenceLosses.push_back(ref->step(s));
-      ref->compare(snapshot, result.grads, s);
-      result.lastGrads = snapshot.byStageAndTp;
-      ref->adopt(snapshot); // ReferenceRun::adopt: the next step starts from the run's weights
-      ref->update();
-    }
-    // The others wait here while RANK 0 runs the CPU reference, not inside the next step, where
-    // their watchdog would count its time. (Every process checks, or none: agreed above.)
-    if (o.checkReference && env.worldSize > 1)
-      if (auto r = worldSum(0.0f, agreeSlot, **comms, compute, peerArrivalLimit(o.timeoutSeconds),
-                            "the wait for RANK 0's reference step");
-          !r)
-        return r.takeError();
-    if (onStep && env.rank == 0)
-      onStep(s, loss);
-  }
-  result.arenaUsedBytes.push_back(b.arenaUsedBytes());
-  // --check-reference: the weights after the last step, gathered to RANK 0 like the gradients,
-  // and with dp > 1 every replica's digests (ParamSnapshot::digests).
-  // A process that cannot read its weights still takes part in the gather's agreement, so that
-  // every process fails at once. (One whose CUDA context is broken cannot: the others' watchdog
-  // then names the wait.)
-  if (o.checkReference) {
-    ParamSnapshot weights;
-    llvm::Error copied = b.snapshotWeights(weights);
-    if (!shards.empty()) {
-      const std::string problem =
-          copied ? fmt::format("--check-reference: rank {} could not read its weights", env.rank)
-                 : "";
-      llvm::Error gathered =
-          gatherSnapshot(shards, env, **comms, compute, staging.as<float>(),
-                         scratch->as<float>() + 4, o.timeoutSeconds, weights, "weights", problem);
-      if (gathered) {
-        (*comms)->abortAll();
-        if (copied) { // (its own error says more than the agreement's)
-          llvm::consumeError(std::move(gathered));
-          return copied;
-        }
-        return gathered;
-      }
-    }
-    // Every process exchanges its digests, one that could not read its weights too (its slots
-    // stay 0: "reported none"), so that nobody waits for it alone. (With pp = tp = 1 there was
-    // no gather, and so no agreement, before this.)
-    if (env.worldSize > 1 && plan.parallel.dp > 1) {
-      if (copied)
-        weights.digests.clear();
-      if (auto err = shareDigests(plan, **comms, compute, digestSlots.as<uint64_t>(),
-                                  o.timeoutSeconds, weights)) {
-        (*comms)->abortAll();
-        if (copied) {
-          llvm::consumeError(std::move(err));
-          return copied;
-        }
-        return err;
-      }
-    }
+  // Every process exchanges its digests, one that could not read its weights too (its slots
+  // stay 0: "reported none"), so that nobody waits for it alone. (With pp = tp = 1 there was
+  // no gather, and so no agreement, before this.)
+  if (env.worldSize > 1 && plan.parallel.dp > 1) {
     if (copied)
-      return copied;
-    if (ref)
-      result.weights = ref->compareWeights(weights, o.steps);
+      weights.digests.clear();
+    if (auto err = shareDigests(plan, *comms, compute, digestSlots.as<uint64_t>(), o.timeoutSeconds,
+                                weights)) {
+      comms->abortAll();
+      if (copied) {
+        llvm::consumeError(std::move(err));
+        return copied;
+      }
+      return err;
+    }
   }
-  completed = true;
-  return result;
+  return copied;
+}
+
+/// One tp part of layer `layer` (`floats` of each of its three arrays, through layerStaging)
+/// from process `peer` to RANK 0 (`send`: this process is that peer) on `world`.
+llvm::Error NcclTrainBackend::moveLayerPart(int peer, bool send, size_t floats, int layer) {
+  float *at = layerStaging.as<float>();
+  ncclResult_t started = ncclSuccess, posted = ncclSuccess, ended = ncclSuccess;
+  {
+    BlockingWatchdog watchdog(
+        fmt::format("rank {}'s post of layer {} for a checkpoint", env.rank, layer),
+        peerArrivalLimit(o.timeoutSeconds));
+    started = ncclGroupStart();
+    if (started == ncclSuccess) {
+      posted = send ? ncclSend(at, 3 * floats, ncclFloat, 0, comms->world.get(), compute)
+                    : ncclRecv(at, 3 * floats, ncclFloat, peer, comms->world.get(), compute);
+      ended = ncclGroupEnd(); // (closed also after a failed post)
+    }
+  }
+  for (ncclResult_t r : {started, posted, ended})
+    if (r != ncclSuccess) {
+      comms->abortAll();
+      return makeNcclError(send ? "ncclSend (a layer to RANK 0 for a checkpoint)"
+                                : "ncclRecv (a layer for a checkpoint)",
+                           r, __FILE__, __LINE__);
+    }
+  return waitPolling(compute, *comms, o.timeoutSeconds,
+                     fmt::format("rank {}'s move of layer {} for a checkpoint", env.rank, layer));
+}
+
+llvm::Error NcclTrainBackend::gatherLayer(int layer, LayerState &whole) {
+  const ParallelConfig &pc = plan.parallel;
+  int pp = 0; // the pipeline rank that holds the layer
+  for (const StageInfo &st : plan.stages)
+    if (layer >= st.layerBegin && layer < st.layerEnd)
+      pp = st.rank;
+  const bool owner = env.coord.dp == 0 && env.coord.pp == pp, lead = env.rank == 0;
+  if (!owner && !lead)
+    return llvm::Error::success();
+  const size_t n = kernels::layerParamCount(cfg, layer, pc.tp);
+  LayerState part;
+  if (owner)
+    PIPEC_GPU_TRY(backend->readLayer(layer, part));
+  std::vector<float> *arrays[] = {&part.weights, &part.firstMoment, &part.secondMoment};
+  for (int t = 0; t < pc.tp; ++t) {
+    const int from = pp * pc.dp * pc.tp + t; // RANK of (pp, dp 0, tp t)
+    if (env.rank != from && !lead)
+      continue;
+    if (env.rank != from || !lead) { // a move from `from` to RANK 0 through the staging
+      const bool send = env.rank == from;
+      if (send)
+        for (int a = 0; a < 3; ++a)
+          PIPEC_CUDA_TRY(cudaMemcpyAsync(layerStaging.as<float>() + size_t(a) * n,
+                                         arrays[a]->data(), n * sizeof(float),
+                                         cudaMemcpyHostToDevice, compute));
+      PIPEC_GPU_TRY(moveLayerPart(from, send, n, layer));
+      if (send)
+        continue;
+      for (int a = 0; a < 3; ++a) {
+        arrays[a]->resize(n);
+        PIPEC_CUDA_TRY(cudaMemcpyAsync(arrays[a]->data(), layerStaging.as<float>() + size_t(a) * n,
+                                       n * sizeof(float), cudaMemcpyDeviceToHost, compute));
+      }
+      PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
+    }
+    kernels::unshardLayer(cfg, layer, t, pc.tp, part.weights, whole.weights);
+    kernels::unshardLayer(cfg, layer, t, pc.tp, part.firstMoment, whole.firstMoment);
+    kernels::unshardLayer(cfg, layer, t, pc.tp, part.secondMoment, whole.secondMoment);
+  }
+  return llvm::Error::success();
+}
+
+} // namespace
+
+std::unique_ptr<TrainBackend> createNcclBackend(const Plan &plan, const kernels::GptConfig &cfg,
+                                                const DataSource &data,
+                                                const CudaRunOptions &options,
+                                                const LaunchEnv &env) {
+  return std::make_unique<NcclTrainBackend>(plan, cfg, data, options, env);
+}
+
+llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
+                                        const CudaRunOptions &options, const LaunchEnv &env,
+                                        const std::function<void(int, double)> &onStep) {
+  auto cfg = gptConfigOf(plan);
+  if (!cfg)
+    return cfg.takeError();
+  NcclTrainBackend backend(plan, *cfg, data, options, env);
+  return trainOnGpu(plan, *cfg, data, backend, options, onStep);
 }
 
 } // namespace pipec

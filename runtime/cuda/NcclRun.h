@@ -31,6 +31,11 @@
 // process of dp replica 0 sends its gradients to RANK 0 over `world` (gradientShards in
 // NcclLayout.h), over connections made before the arena is sized, and only RANK 0's result
 // carries the comparison.
+// The training driver (runtime/Train.h) runs the steps on every process. A checkpoint gathers
+// each layer's tp parts from the processes of dp replica 0 that hold it to RANK 0 over `world`
+// (connected before the arena is sized, as the reference's gather), and RANK 0 writes it; on
+// --resume every process reads the layers it holds. Every process must save, or none (agreed
+// before step 0, as --dtype and --check-reference are).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_NCCLRUN_H
@@ -61,9 +66,17 @@ namespace pipec {
 /// setting, set the variable in the environment.)
 std::string prepareNcclEnvironment();
 
-/// Run `options.steps` steps of this process's rank of `plan` (already verified); the device
-/// is chosen from env.localRank (options.device is ignored). A launcher calls
+/// This process's rank of `plan` (already verified; `cfg` is gptConfigOf(plan)) for the training
+/// driver (runtime/Train.h); the device is chosen from env.localRank (options.device is
+/// ignored). `plan`, `cfg`, `data` and `env` must outlive it. A launcher calls
 /// prepareNcclEnvironment first (piperun does).
+std::unique_ptr<TrainBackend> createNcclBackend(const Plan &plan, const kernels::GptConfig &cfg,
+                                                const DataSource &data,
+                                                const CudaRunOptions &options,
+                                                const LaunchEnv &env);
+
+/// Run `options.steps` steps of this process's rank of `plan` (already verified) with the
+/// training driver; as createNcclBackend.
 llvm::Expected<CudaRunResult> runOnNccl(const Plan &plan, const DataSource &data,
                                         const CudaRunOptions &options, const LaunchEnv &env,
                                         const std::function<void(int, double)> &onStep = {});

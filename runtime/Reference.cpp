@@ -1,6 +1,8 @@
-#include "runtime/cpu/Reference.h"
+#include "runtime/Reference.h"
 
 #include "ir/Error.h"
+
+#include <algorithm>
 
 #include <fmt/format.h>
 
@@ -379,5 +381,128 @@ llvm::Error judgeReferenceCheck(const GradCheck &grads, const WeightCheck &weigh
 }
 
 void ReferenceRun::update() { sc.adamStep(lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay); }
+
+llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan) {
+  if (!plan.transformer)
+    return inputError("the plan's model '{}' is an abstract layer list; the cpu backend runs "
+                      "transformer models (compile one with a \"transformer\" model spec, e.g. "
+                      "examples/tiny-gpt.json)",
+                      plan.model);
+  const TransformerConfig &t = *plan.transformer;
+  if (t.hiddenSize > 4096 || t.seqLength > 8192 || t.vocabSize > 1 << 20 || t.numLayers > 256 ||
+      t.microbatchSize > 64)
+    return inputError("model '{}' is too large for the cpu reference backend (hidden {}, "
+                      "seq_length {}, vocab {}); use a small model such as "
+                      "examples/tiny-gpt.json",
+                      plan.model, t.hiddenSize, t.seqLength, t.vocabSize);
+  const ParallelConfig &pc = plan.parallel;
+  // The threads and streams are indexed by these: the plan must agree with itself.
+  if (plan.numRanks() != pc.pp || plan.numStages() != pc.numStages() || pc.tp < 1 || pc.dp < 1 ||
+      int(plan.seqSlices.size()) != pc.seqSplits)
+    return inputError("$.parallel: pp {} x vpp {} with seq_splits {} but the plan has {} rank "
+                      "streams, {} stages and {} seq_slices",
+                      pc.pp, pc.vpp, pc.seqSplits, plan.numRanks(), plan.numStages(),
+                      plan.seqSlices.size());
+  if (t.numAttentionHeads % pc.tp != 0 || t.ffnHiddenSize % pc.tp != 0)
+    return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({})",
+                      pc.tp, t.numAttentionHeads, t.ffnHiddenSize);
+  // (The plan's model passed the model reader's checks: heads divide hidden_size, groups
+  // divide heads.)
+  if (t.kvHeads() % pc.tp != 0) {
+    int64_t best = 1;
+    for (int64_t d = 1; d <= pc.tp; ++d)
+      if (t.kvHeads() % d == 0 && t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0 &&
+          t.vocabSize % d == 0)
+        best = d;
+    return inputError("--tp {} must divide num_query_groups ({}): each tp rank holds whole "
+                      "key/value heads; compile the plan with --tp {}",
+                      pc.tp, t.kvHeads(), best);
+  }
+  if (t.position == Position::Rope && (t.hiddenSize / t.numAttentionHeads) % 2 != 0) {
+    int64_t heads = 1; // the most heads up to the model's whose size is even
+    for (int64_t h = 1; h <= t.numAttentionHeads; ++h)
+      if (t.hiddenSize % h == 0 && (t.hiddenSize / h) % 2 == 0)
+        heads = h;
+    return inputError("$.transformer.position: \"rope\" turns pairs of a head's channels, so "
+                      "the head size (hidden_size / num_attention_heads = {}) must be even; "
+                      "give the model {} heads, or learned positions",
+                      t.hiddenSize / t.numAttentionHeads, heads);
+  }
+  if (t.vocabSize % pc.tp != 0)
+    return inputError("--tp {} must divide vocab_size ({}): the runtime splits the vocabulary "
+                      "across the tp ranks (vocab-parallel embedding and cross entropy); pad "
+                      "vocab_size to a multiple of {} (e.g. {}), as Megatron-LM does",
+                      pc.tp, t.vocabSize, pc.tp, (t.vocabSize + pc.tp - 1) / pc.tp * pc.tp);
+  // The threads and per-op buffers of a run must stay reasonable on one machine.
+  int64_t threads = int64_t(pc.pp) * pc.dp * pc.tp;
+  if (threads > 256)
+    return inputError("the plan needs {} threads (pp x dp x tp); the cpu backend runs at most "
+                      "256",
+                      threads);
+  if (pc.microbatches >= (1 << 20) || pc.seqSplits >= 4096)
+    return inputError("the cpu backend runs at most 2^20 microbatches and 4096 seq-splits (got "
+                      "{} and {})",
+                      pc.microbatches, pc.seqSplits);
+  kernels::GptConfig cfg;
+  cfg.vocab = int(t.vocabSize);
+  cfg.seqLen = int(t.seqLength);
+  cfg.channels = int(t.hiddenSize);
+  cfg.heads = int(t.numAttentionHeads);
+  cfg.layers = int(t.numLayers);
+  cfg.ffn = int(t.ffnHiddenSize);
+  cfg.microbatch = int(t.microbatchSize);
+  cfg.tiedEmbeddings = t.tieEmbeddings;
+  cfg.rmsnorm = t.norm == Norm::RmsNorm;
+  cfg.swiglu = t.mlp == Mlp::SwiGlu;
+  cfg.rope = t.position == Position::Rope;
+  cfg.ropeTheta = t.ropeTheta;
+  cfg.kvHeads = int(t.kvHeads());
+  cfg.bias = t.bias;
+  cfg.normEps = float(t.normEps);
+  // The stage table must describe this model (a hand-edited plan may not): all layers,
+  // the whole sequence, and with tp the kernels' reduction points.
+  if (plan.stages.empty() || plan.stages.back().layerEnd != cfg.numLayers())
+    return inputError("$.stages: the stages hold layers [0, {}) but the transformer has {} "
+                      "(embedding, {} blocks, head)",
+                      plan.stages.empty() ? 0 : plan.stages.back().layerEnd, cfg.numLayers(),
+                      cfg.layers);
+  if (plan.seqSlices.empty() || plan.seqSlices.back().second != t.seqLength)
+    return inputError("$.seq_slices: the slices end at token {} but seq_length is {}",
+                      plan.seqSlices.empty() ? 0 : plan.seqSlices.back().second, t.seqLength);
+  for (const StageInfo &s : plan.stages) {
+    int parts = 0;
+    for (int l = s.layerBegin; l < s.layerEnd; ++l)
+      parts += kernels::layerParts(cfg, l);
+    if (pc.tp > 1 && s.tpAllReduces != parts)
+      return inputError("$.stages[{}].tp_allreduces: {} but its layers have {} tensor-parallel "
+                        "reduction points",
+                        s.stage, s.tpAllReduces, parts);
+  }
+  return cfg;
+}
+
+void loadLayerState(kernels::StageCompute &stage, const kernels::GptConfig &cfg, int layer,
+                    int tpRank, int tp, const LayerState &whole) {
+  auto [b, e] = stage.layerRange(layer);
+  std::span<float> to[] = {stage.params(), stage.adamFirstMoment(), stage.adamSecondMoment()};
+  const std::vector<float> *from[] = {&whole.weights, &whole.firstMoment, &whole.secondMoment};
+  for (int a = 0; a < 3; ++a) {
+    if (from[a]->empty()) // weights alone (--init-from): the moments stay
+      continue;
+    std::vector<float> shard = kernels::shardLayer(cfg, layer, tpRank, tp, *from[a]);
+    assert(shard.size() == e - b && "a shard fills the layer's range");
+    std::copy(shard.begin(), shard.end(), to[a].begin() + long(b));
+  }
+}
+
+void storeLayerState(kernels::StageCompute &stage, const kernels::GptConfig &cfg, int layer,
+                     int tpRank, int tp, LayerState &whole) {
+  auto [b, e] = stage.layerRange(layer);
+  kernels::unshardLayer(cfg, layer, tpRank, tp, stage.params().subspan(b, e - b), whole.weights);
+  kernels::unshardLayer(cfg, layer, tpRank, tp, stage.adamFirstMoment().subspan(b, e - b),
+                        whole.firstMoment);
+  kernels::unshardLayer(cfg, layer, tpRank, tp, stage.adamSecondMoment().subspan(b, e - b),
+                        whole.secondMoment);
+}
 
 } // namespace pipec

@@ -1,16 +1,19 @@
 //===- Reference.h - What every backend's run shares with the reference -*- C++ -*-===//
 //
-// The data of a step, the loss scale, the gradient snapshot a backend takes before its
-// optimizer step, and the single-rank reference (all layers, all microbatches of every replica,
-// whole sequences, tp = 1, on the CPU kernels) that `--check-reference` compares against. The
-// cpu and cuda backends both use these, so they check against the very same thing.
+// The model a plan describes, the data of a step, the loss scale, the gradient snapshot a
+// backend takes before its optimizer step, and the single-rank reference (all layers, all
+// microbatches of every replica, whole sequences, tp = 1, on the CPU kernels of kernels/cpu)
+// that `--check-reference` compares against. Every backend uses these (no backend includes
+// another), so they all check against the very same thing; the training driver
+// (runtime/Train.h) runs the reference.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_RUNTIME_CPU_REFERENCE_H
-#define PIPEC_RUNTIME_CPU_REFERENCE_H
+#ifndef PIPEC_RUNTIME_REFERENCE_H
+#define PIPEC_RUNTIME_REFERENCE_H
 
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
+#include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
 
 #include <llvm/Support/Error.h>
@@ -28,6 +31,19 @@ namespace pipec {
 
 /// AdamW settings of every backend.
 constexpr float kAdamBeta1 = 0.9f, kAdamBeta2 = 0.95f, kAdamEps = 1e-8f, kAdamWeightDecay = 0.0f;
+
+/// The model a plan describes, for the kernels; an InputError when the plan has no
+/// transformer or its sizes do not fit the kernels.
+llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan);
+
+/// Layer `layer`'s whole (tp = 1) state `whole` cut for tp rank `tpRank` of `tp` into `stage`
+/// (which holds the layer): its weights, and its AdamW moments where `whole` has them.
+void loadLayerState(kernels::StageCompute &stage, const kernels::GptConfig &cfg, int layer,
+                    int tpRank, int tp, const LayerState &whole);
+/// The reverse: tp rank `tpRank`'s part of layer `layer` in `stage` written into its places in
+/// `whole` (sized for the whole layer).
+void storeLayerState(kernels::StageCompute &stage, const kernels::GptConfig &cfg, int layer,
+                     int tpRank, int tp, LayerState &whole);
 
 /// Tokens of one step for one dp replica: microbatch m is global microbatch
 /// (step·dp + replica)·M + m, so replicas and the reference agree on the data.
@@ -47,6 +63,11 @@ struct ParamSnapshot {
   /// With the weights: weightDigest() of every dp replica's, per (replica, stage, tp rank), so
   /// that the check can tell whether the replicas hold the same weights bit for bit.
   std::map<std::tuple<int, int, int>, uint64_t> digests;
+  /// Moves the values into `to` (TrainBackend::takeGradients), leaving none here.
+  void handOver(ParamSnapshot &to) {
+    to.byStageAndTp = std::move(byStageAndTp);
+    byStageAndTp.clear();
+  }
 };
 
 /// A 64-bit digest of `values`' bits (FNV-1a over their bytes): equal for equal bits, and for
@@ -192,4 +213,4 @@ private:
 
 } // namespace pipec
 
-#endif // PIPEC_RUNTIME_CPU_REFERENCE_H
+#endif // PIPEC_RUNTIME_REFERENCE_H

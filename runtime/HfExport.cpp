@@ -1,0 +1,237 @@
+//===- HfExport.cpp - Trained weights out as a Hugging Face directory ------===//
+#include "runtime/HfExport.h"
+
+#include "ir/Error.h"
+#include "ir/Files.h"
+#include "ir/HfConfig.h"
+
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/Path.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <unistd.h>
+
+namespace pipec {
+
+namespace {
+
+using OJson = nlohmann::ordered_json;
+using namespace kernels::tensors;
+
+/// One Hugging Face tensor: `rows` x `cols` values of role `role` of the layer. Copied as it is
+/// ([in, out], GPT-2's Conv1D, or a vector), or, where `width` > 0, an nn.Linear [out, in]
+/// taken transposed out of columns [column, column + rows) of the kernels' [cols, width] matrix.
+struct HfTensor {
+  std::string name;
+  int role;
+  int64_t rows, cols;
+  int64_t width = 0, column = 0;
+};
+
+std::vector<HfTensor> gpt2Tensors(const kernels::GptConfig &c, kernels::GptLayerKind kind,
+                                  int block) {
+  const int64_t C = c.channels, V = c.vocab, T = c.seqLen, F = c.ffn;
+  switch (kind) {
+  case kernels::GptLayerKind::Embedding:
+    return {{"transformer.wte.weight", Wte, V, C}, {"transformer.wpe.weight", Wpe, T, C}};
+  case kernels::GptLayerKind::Block: {
+    const std::string h = fmt::format("transformer.h.{}.", block);
+    return {{h + "ln_1.weight", Ln1W, 1, C},
+            {h + "ln_1.bias", Ln1B, 1, C},
+            {h + "attn.c_attn.weight", QkvW, C, 3 * C},
+            {h + "attn.c_attn.bias", QkvB, 1, 3 * C},
+            {h + "attn.c_proj.weight", AttnW, C, C},
+            {h + "attn.c_proj.bias", AttnB, 1, C},
+            {h + "ln_2.weight", Ln2W, 1, C},
+            {h + "ln_2.bias", Ln2B, 1, C},
+            {h + "mlp.c_fc.weight", FcW, C, F},
+            {h + "mlp.c_fc.bias", FcB, 1, F},
+            {h + "mlp.c_proj.weight", ProjW, F, C},
+            {h + "mlp.c_proj.bias", ProjB, 1, C}};
+  }
+  case kernels::GptLayerKind::Head: {
+    std::vector<HfTensor> out{{"transformer.ln_f.weight", LnfW, 1, C},
+                              {"transformer.ln_f.bias", LnfB, 1, C}};
+    if (!c.tiedEmbeddings) // tied: transformers takes the head from wte
+      out.push_back({"lm_head.weight", LmW, V, C});
+    return out;
+  }
+  }
+  return {};
+}
+
+std::vector<HfTensor> llamaTensors(const kernels::GptConfig &c, kernels::GptLayerKind kind,
+                                   int block) {
+  const int64_t C = c.channels, V = c.vocab, F = c.ffn;
+  const int64_t K = int64_t(c.kvHeadCount()) * (C / c.heads);
+  switch (kind) {
+  case kernels::GptLayerKind::Embedding:
+    return {{"model.embed_tokens.weight", Wte, V, C}};
+  case kernels::GptLayerKind::Block: {
+    const std::string h = fmt::format("model.layers.{}.", block);
+    // The kernels' qkv.w is [C, C + 2K] (q | k | v), fc.w [C, 2F] (gate | up), attn.w [C, C] and
+    // proj.w [F, C], all [in, out].
+    return {{h + "input_layernorm.weight", Ln1W, 1, C},
+            {h + "self_attn.q_proj.weight", QkvW, C, C, C + 2 * K, 0},
+            {h + "self_attn.k_proj.weight", QkvW, K, C, C + 2 * K, C},
+            {h + "self_attn.v_proj.weight", QkvW, K, C, C + 2 * K, C + K},
+            {h + "self_attn.o_proj.weight", AttnW, C, C, C, 0},
+            {h + "post_attention_layernorm.weight", Ln2W, 1, C},
+            {h + "mlp.gate_proj.weight", FcW, F, C, 2 * F, 0},
+            {h + "mlp.up_proj.weight", FcW, F, C, 2 * F, F},
+            {h + "mlp.down_proj.weight", ProjW, C, F, C, 0}};
+  }
+  case kernels::GptLayerKind::Head: {
+    std::vector<HfTensor> out{{"model.norm.weight", LnfW, 1, C}};
+    if (!c.tiedEmbeddings)
+      out.push_back({"lm_head.weight", LmW, V, C});
+    return out;
+  }
+  }
+  return {};
+}
+
+/// A tensor's values in Hugging Face's layout, from its layer's flat parameters.
+std::vector<float> gather(const HfTensor &t, const std::vector<float> &layer, size_t offset) {
+  std::vector<float> out(size_t(t.rows * t.cols));
+  if (t.width == 0) {
+    std::memcpy(out.data(), layer.data() + offset, out.size() * sizeof(float));
+    return out;
+  }
+  for (int64_t r = 0; r < t.rows; ++r)
+    for (int64_t c = 0; c < t.cols; ++c)
+      out[size_t(r * t.cols + c)] = layer[offset + size_t(c * t.width + t.column + r)];
+  return out;
+}
+
+struct Named {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+/// A safetensors file of fp32 tensors: the header (padded with spaces to 8 bytes, as the
+/// reference library writes it) then the tensors back to back in the header's order.
+std::string safetensorsBytes(const std::vector<const Named *> &tensors) {
+  OJson header;
+  header["__metadata__"] = {{"format", "pt"}};
+  uint64_t at = 0;
+  for (const Named *t : tensors) {
+    const uint64_t bytes = t->values.size() * sizeof(float);
+    header[t->name] = {{"dtype", "F32"}, {"shape", t->shape}, {"data_offsets", {at, at + bytes}}};
+    at += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i)
+    out[size_t(i)] = char((n >> (8 * i)) & 0xff);
+  out += text;
+  out.reserve(out.size() + at);
+  for (const Named *t : tensors) // little-endian hosts, as the rest of the runtime
+    out.append(reinterpret_cast<const char *>(t->values.data()), t->values.size() * sizeof(float));
+  return out;
+}
+
+} // namespace
+
+llvm::Error checkHfExportDir(llvm::StringRef dir) {
+  if (!llvm::sys::fs::exists(dir)) {
+    llvm::StringRef parent = llvm::sys::path::parent_path(dir);
+    if (!parent.empty() && !llvm::sys::fs::is_directory(parent))
+      return inputError("--export-hf: {}: its parent directory does not exist", dir.str());
+    return llvm::Error::success();
+  }
+  if (!llvm::sys::fs::is_directory(dir))
+    return inputError("--export-hf: {}: exists and is not a directory; give a new directory",
+                      dir.str());
+  std::error_code ec;
+  llvm::sys::fs::directory_iterator it(dir, ec);
+  if (ec)
+    return inputError("--export-hf: {}: cannot read: {}", dir.str(), ec.message());
+  if (it != llvm::sys::fs::directory_iterator())
+    return inputError("--export-hf: {}: exists and is not empty; give a new or empty directory",
+                      dir.str());
+  return llvm::Error::success();
+}
+
+llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConfig &cfg,
+                                     const TransformerConfig &model,
+                                     const std::vector<std::vector<float>> &layers,
+                                     uint64_t shardBytes) {
+  if (auto err = checkHfExportDir(dir))
+    return err;
+  auto config = hfConfigJson(model);
+  if (!config)
+    return config.takeError();
+  const bool llama = cfg.rmsnorm;
+  std::vector<Named> tensors;
+  for (int l = 0; l < cfg.numLayers(); ++l) {
+    const kernels::GptLayerKind kind = kernels::layerKind(cfg, l);
+    const auto offsets = kernels::paramRoleOffsets(cfg, l, 1);
+    for (const HfTensor &t :
+         llama ? llamaTensors(cfg, kind, l - 1) : gpt2Tensors(cfg, kind, l - 1)) {
+      std::vector<int64_t> shape{t.rows, t.cols};
+      if (t.rows == 1)
+        shape = {t.cols};
+      tensors.push_back({t.name, shape, gather(t, layers[size_t(l)], offsets[size_t(t.role)])});
+    }
+  }
+  // Shards of at most shardBytes each (a larger tensor alone), in the layers' order.
+  std::vector<std::vector<const Named *>> shards(1);
+  uint64_t inShard = 0;
+  for (const Named &t : tensors) {
+    const uint64_t bytes = t.values.size() * sizeof(float);
+    if (!shards.back().empty() && inShard + bytes > shardBytes) {
+      shards.emplace_back();
+      inShard = 0;
+    }
+    shards.back().push_back(&t);
+    inShard += bytes;
+  }
+  // Written under a temporary name beside `dir`, then renamed: the directory appears whole.
+  const std::string temp = fmt::format("{}.partial-{}", dir.str(), ::getpid());
+  llvm::sys::fs::remove_directories(temp);
+  if (std::error_code ec = llvm::sys::fs::create_directory(temp))
+    return inputError("--export-hf: {}: cannot create: {}", temp, ec.message());
+  // Every file is new, inside a directory made here: none can be one of the run's inputs.
+  auto write = [&]() -> llvm::Error {
+    if (auto err = writeFileAtomically(temp + "/config.json", *config, /*inputs=*/{}))
+      return err;
+    if (shards.size() == 1)
+      return writeFileAtomically(temp + "/model.safetensors", safetensorsBytes(shards[0]), {});
+    OJson map = OJson::object();
+    uint64_t total = 0;
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const std::string file =
+          fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size());
+      for (const Named *t : shards[k]) {
+        map[t->name] = file;
+        total += t->values.size() * sizeof(float);
+      }
+      if (auto err = writeFileAtomically(temp + "/" + file, safetensorsBytes(shards[k]), {}))
+        return err;
+    }
+    OJson index{{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+    return writeFileAtomically(temp + "/model.safetensors.index.json", index.dump(2) + "\n", {});
+  };
+  if (auto err = write()) {
+    llvm::sys::fs::remove_directories(temp);
+    return err;
+  }
+  if (llvm::sys::fs::is_directory(dir))
+    llvm::sys::fs::remove(dir); // empty, as checkHfExportDir found it
+  if (std::error_code ec = llvm::sys::fs::rename(temp, dir)) {
+    llvm::sys::fs::remove_directories(temp);
+    return inputError("--export-hf: {}: cannot rename {} into place: {}", dir.str(), temp,
+                      ec.message());
+  }
+  return int(shards.size());
+}
+
+} // namespace pipec

@@ -1,0 +1,68 @@
+//===- SpecCommand.cpp - pipec spec: a model spec from a Hugging Face config ------===//
+//
+// The pipemodel/1 spec of a Hugging Face causal LM (GPT-2, Llama, Mistral) from its
+// config.json (ir/HfConfig.h), so that pipec plans, and piperun trains, the model a checkpoint
+// directory holds. The sequence defaults to the config's context; the spec reads back to the
+// same model (parseModelSpec), and piperun --init-from DIR checks it against the same config.
+//
+//===----------------------------------------------------------------------===//
+#include "tools/SpecCommand.h"
+
+#include "ir/Error.h"
+#include "ir/Files.h"
+#include "ir/HfConfig.h"
+#include "tools/Args.h"
+
+#include "llvm/Support/Path.h"
+
+#include <fmt/format.h>
+
+namespace pipec {
+
+const char *const kSpecUsage =
+    R"(  spec --from-hf config.json [--seq-length T] [--microbatch-size B] [--name NAME]
+          [-o spec.json]
+                      the model spec of a Hugging Face GPT-2, Llama or Mistral config
+)";
+
+llvm::Error runSpecCommand(int argc, char **argv) {
+  auto args =
+      Args::parse(argc, argv, 2, {"--from-hf", "--seq-length", "--microbatch-size", "--name", "-o"},
+                  {}, "spec");
+  if (!args)
+    return args.takeError();
+  if (!args->positional().empty())
+    return inputError("spec: unexpected argument '{}'; give the config as --from-hf "
+                      "config.json",
+                      shortened(args->positional().front(), 200));
+  auto config = args->path("--from-hf");
+  if (!config)
+    return inputError("spec: --from-hf config.json is required (a Hugging Face model's "
+                      "config.json)");
+  auto hf = loadHfConfig(*config);
+  if (!hf)
+    return hf.takeError();
+  auto seq = args->integer("--seq-length", 0, 1, int64_t(1) << 24);
+  if (!seq)
+    return seq.takeError();
+  auto batch = args->integer("--microbatch-size", 1, 1, 1 << 16);
+  if (!batch)
+    return batch.takeError();
+  std::string name = args->get("--name").value_or(
+      llvm::sys::path::filename(llvm::sys::path::parent_path(*config)).str());
+  if (name.empty() || name == ".")
+    name = hf->modelType;
+  auto text = hfModelSpecJson(*hf, name, *seq, *batch, *config);
+  if (!text)
+    return inputError("spec: {}", takeMessage(text.takeError()));
+  if (auto out = args->path("-o")) {
+    const std::vector<InputFile> inputs{{"--from-hf", *config}};
+    if (auto err = writeFilesAtomically({OutputFile{"-o", *out, *text}}, inputs))
+      return err;
+    fmt::print("wrote {}\n", *args->get("-o"));
+    return llvm::Error::success();
+  }
+  return writeStdout(*text);
+}
+
+} // namespace pipec
