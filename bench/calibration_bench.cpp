@@ -1,115 +1,288 @@
-//===- calibration_bench.cpp - pipec's cost model against published throughput ------===//
+//===- calibration_bench.cpp - pipec's cost model against published training runs -----===//
 //
-// Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-// Megatron-LM" (SC'21, arXiv 2104.04473), Table 1: GPT models of 1.7B to 1T parameters trained
-// on up to 3,072 A100s of NVIDIA's Selene (DGX A100 nodes of 8 GPUs, NVLink within a node, eight
-// 200 Gb/s HDR InfiniBand adapters per node), vocabulary 51,200, sequence 2,048, with the
-// interleaved schedule and activation recomputation, and the achieved teraFLOP/s per GPU,
-// counted as the paper's Eq. (3): F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per step (which
-// counts the recomputed forward).
+// Every run of bench/data/published-runs.csv (docs/calibration-sources.md) compiled as
+// published and its predicted step time set against the measured one (bench/Calibration.h).
 //
-//   calibration_bench [--cluster examples/a100-selene.json] [--fit] [--planner]
+//   calibration_bench [--data bench/data/published-runs.csv]
+//                     [--a100 examples/a100-selene.json] [--h100 examples/h100-nemo.json]
+//                     [--fit] [--loso] [--evals N] [--device A100-80GB|H100-SXM] [--threads N]
 //
-// For every row: the published layout (tp, pp, dp = GPUs / (tp·pp), global batch) compiled by
-// the planner restricted to that tp and pp (the best microbatch size and virtual stages under
-// interleaved 1F1B, full recomputation), its predicted step time and so per-GPU teraFLOP/s
-// under Eq. (3), against the published. --fit searches the cluster's GEMM efficiency
-// (achieved_fraction) and the links' efficiency for the least mean absolute error and prints
-// them. --planner also runs the unrestricted planner on each row's GPUs and batch and prints
-// its choice against the published layout. Not a test: the table goes into docs/planner.md.
+// Without flags: each run's error under the given cluster specs, the mean absolute error per
+// source and overall, and the zero-bubble paper's Table 4 (Qi et al. 2024): per setting the
+// ranking of 1F1B, interleaved 1F1B, ZB-1p and ZB-2p, predicted against measured, and each
+// gain over 1F1B. --fit fits ONE set of factors per device on all of its runs together (every
+// source weighs the same; Nelder-Mead on their logarithms) and prints them.
+// --loso (implies --fit) also reports the leave-one-source-out error: for each source, the
+// factors fitted on the other sources predict it. Not a test (tests/CalibrationTest.cpp checks
+// the shipped specs); the tables go into docs/planner.md.
 //
 //===----------------------------------------------------------------------===//
-#include "compiler/Planner.h"
+#include "bench/Calibration.h"
 #include "ir/Error.h"
 #include "ir/Model.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
+#include <map>
+#include <set>
+#include <thread>
 
 using namespace pipec;
 
 namespace {
 
-struct Row {
-  double billions;
-  int heads, hidden, layers, tp, pp, gpus, batch;
-  double tflops; // published, per GPU
-};
+unsigned gThreads = 2;
 
-// Table 1 of Narayanan et al. (SC'21).
-const Row kTable1[] = {
-    {1.7, 24, 2304, 24, 1, 1, 32, 512, 137},
-    {3.6, 32, 3072, 30, 2, 1, 64, 512, 138},
-    {7.5, 32, 4096, 36, 4, 1, 128, 512, 142},
-    {18.4, 48, 6144, 40, 8, 1, 256, 1024, 135},
-    {39.1, 64, 8192, 48, 8, 2, 512, 1536, 138},
-    {76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140},
-    {145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148},
-    {310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155},
-    {529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163},
-    {1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163},
-};
-constexpr int kSeq = 2048, kVocab = 51200;
-
-ModelSpec modelOf(const Row &r) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt-{}b",
-      "transformer": {{"num_layers": {}, "hidden_size": {}, "num_attention_heads": {},
-      "vocab_size": {}, "seq_length": {}, "dtype": "bf16", "attention": "materialized",
-      "recompute": "full"}}}})",
-                                      r.billions, r.layers, r.hidden, r.heads, kVocab, kSeq),
-                          "table1");
-  assert(m && "a row of Table 1 is a valid model");
-  return *m;
-}
-
-/// Eq. (3): FLOPs of one step, recomputation included.
-double megatronFlops(const Row &r) {
-  double b = r.batch, s = kSeq, l = r.layers, h = r.hidden, v = kVocab;
-  return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h));
-}
-
-PlannerOptions publishedLayout(const Row &r) {
-  PlannerOptions o;
-  o.gpus = r.gpus;
-  o.globalBatch = r.batch;
-  o.tpSizes = {r.tp};
-  o.ppSizes = {r.pp};
-  o.schedules = {r.pp > 1 ? "interleaved-1f1b" : "1f1b", "1f1b"};
-  o.recompute = {Recompute::Full};
-  o.microbatchSizes = {1, 2, 4, 8};
-  o.seqSplits = {1};
-  o.top = 1;
-  o.minHeadroom = 0; // the published layout ran: no margin is asked of it
-  return o;
-}
-
-/// Predicted per-GPU teraFLOP/s of each row's published layout (0 where none fits).
-std::vector<double> predict(const ClusterSpec &cluster, std::vector<PlanCandidate> *best) {
-  std::vector<double> out;
-  for (const Row &r : kTable1) {
-    auto result = planLayouts(modelOf(r), cluster, publishedLayout(r));
-    if (!result) {
-      llvm::consumeError(result.takeError());
-      out.push_back(0);
-      if (best)
-        best->push_back(PlanCandidate{});
-      continue;
+/// Predicted seconds of every run in `which` (indices into runs); 0 where it does not compile.
+std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
+                               const std::vector<size_t> &which, const ClusterSpec &cluster) {
+  std::vector<double> out(which.size(), 0);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < which.size(); i = next++) {
+      auto s = predictSeconds(runs[which[i]], cluster);
+      if (s)
+        out[i] = *s;
+      else
+        llvm::consumeError(s.takeError());
     }
-    const PlanCandidate &c = result->candidates[result->ranked.front()];
-    out.push_back(megatronFlops(r) / (c.stepTime / 1000) / r.gpus / 1e12);
-    if (best)
-      best->push_back(c);
-  }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < gThreads; ++t)
+    pool.emplace_back(work);
+  work();
+  for (std::thread &t : pool)
+    t.join();
   return out;
 }
 
-double meanAbsError(const std::vector<double> &predicted) {
-  double sum = 0;
-  for (size_t i = 0; i < predicted.size(); ++i)
-    sum += predicted[i] > 0 ? std::abs(predicted[i] / kTable1[i].tflops - 1) : 1;
-  return sum / double(predicted.size());
+/// |error| of one prediction; a run that does not compile counts as 100%.
+double absError(const PublishedRun &run, double predicted) {
+  return predicted > 0 ? std::abs(throughputError(run.measuredSeconds, predicted)) : 1.0;
+}
+
+/// Mean over sources of each source's mean absolute error (every source weighs the same).
+double objective(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                 const std::vector<double> &predicted) {
+  std::map<std::string, std::pair<double, int>> bySource;
+  for (size_t i = 0; i < which.size(); ++i) {
+    auto &[sum, n] = bySource[runs[which[i]].source];
+    sum += absError(runs[which[i]], predicted[i]);
+    ++n;
+  }
+  double total = 0;
+  for (auto &[_, sn] : bySource)
+    total += sn.first / sn.second;
+  return bySource.empty() ? 0 : total / double(bySource.size());
+}
+
+/// The factors the fit moves, each with its bounds.
+struct Factor {
+  const char *name;
+  double ClusterSpec::*field; // or nullptr: both links' efficiency
+  double lo, hi;
+};
+const Factor kFactors[] = {
+    // The best dense GEMMs reach about 85% of an A100's or H100's peak: no fit goes past it.
+    {"achieved_fraction", &ClusterSpec::achievedFraction, 0.2, 0.85},
+    {"gemm_half_dim", &ClusterSpec::gemmHalfDim, 1, 4096},
+    {"attention_fraction", &ClusterSpec::attentionFraction, 0.02, 1.0},
+    {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.05, 0.85},
+    {"memory_GBps", &ClusterSpec::memoryGBps, 100, 4000},
+    {"op_overhead_us", &ClusterSpec::opOverheadUs, 1, 2000},
+    {"link efficiency", nullptr, 0.2, 1.0},
+};
+
+double get(const ClusterSpec &c, const Factor &f) {
+  return f.field ? c.*f.field : c.intraNode.efficiency;
+}
+void set(ClusterSpec &c, const Factor &f, double v) {
+  v = std::clamp(v, f.lo, f.hi);
+  if (f.field)
+    c.*f.field = v;
+  else
+    c.intraNode.efficiency = c.interNode.efficiency = v;
+}
+
+/// Nelder-Mead on the factors' logarithms from `start` (initial simplex: each factor
+/// `spread` times larger), at most `evaluations` objective evaluations.
+ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                ClusterSpec start, int evaluations, double spread, double &bestError) {
+  constexpr size_t n = std::size(kFactors);
+  // Unset factors start from a value the fit can move multiplicatively.
+  for (const Factor &f : kFactors)
+    if (get(start, f) <= 0)
+      set(start, f,
+          f.field == &ClusterSpec::flashAttentionFraction ? start.achievedFraction : f.lo * 4);
+  using Point = std::array<double, n>;
+  auto specOf = [&](const Point &x) {
+    ClusterSpec c = start;
+    for (size_t i = 0; i < n; ++i)
+      set(c, kFactors[i], std::exp(x[i]));
+    return c;
+  };
+  int used = 0;
+  auto value = [&](const Point &x) {
+    ++used;
+    return objective(runs, which, predictAll(runs, which, specOf(x)));
+  };
+  std::vector<Point> simplex(n + 1);
+  std::vector<double> f(n + 1);
+  for (size_t i = 0; i < n; ++i)
+    simplex[0][i] = std::log(get(start, kFactors[i]));
+  for (size_t j = 1; j <= n; ++j) {
+    simplex[j] = simplex[0];
+    simplex[j][j - 1] += std::log(1 + spread);
+  }
+  for (size_t j = 0; j <= n; ++j)
+    f[j] = value(simplex[j]);
+  while (used < evaluations) {
+    std::vector<size_t> idx(n + 1);
+    for (size_t j = 0; j <= n; ++j)
+      idx[j] = j;
+    std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return f[a] < f[b]; });
+    size_t best = idx[0], worst = idx[n], second = idx[n - 1];
+    Point centroid{};
+    for (size_t j = 0; j < n; ++j)
+      for (size_t i = 0; i < n; ++i)
+        centroid[i] += simplex[idx[j]][i] / double(n);
+    auto along = [&](double t) {
+      Point p;
+      for (size_t i = 0; i < n; ++i)
+        p[i] = centroid[i] + t * (simplex[worst][i] - centroid[i]);
+      return p;
+    };
+    Point r = along(-1);
+    double fr = value(r);
+    if (fr < f[best]) {
+      Point e = along(-2);
+      double fe = value(e);
+      if (fe < fr) {
+        simplex[worst] = e;
+        f[worst] = fe;
+      } else {
+        simplex[worst] = r;
+        f[worst] = fr;
+      }
+    } else if (fr < f[second]) {
+      simplex[worst] = r;
+      f[worst] = fr;
+    } else {
+      Point k = along(0.5);
+      double fk = value(k);
+      if (fk < f[worst]) {
+        simplex[worst] = k;
+        f[worst] = fk;
+      } else {
+        for (size_t j = 0; j <= n; ++j) {
+          if (j == best)
+            continue;
+          for (size_t i = 0; i < n; ++i)
+            simplex[j][i] = simplex[best][i] + 0.5 * (simplex[j][i] - simplex[best][i]);
+          f[j] = value(simplex[j]);
+        }
+      }
+    }
+  }
+  size_t best = size_t(std::min_element(f.begin(), f.end()) - f.begin());
+  bestError = f[best];
+  return specOf(simplex[best]);
+}
+
+void printFactors(const ClusterSpec &c) {
+  fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_dim\": {:.0f}, \"attention_fraction\": "
+             "{:.3f},\n  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
+             "\"op_overhead_us\": {:.0f}, link efficiency {:.2f}\n",
+             c.achievedFraction, c.gemmHalfDim, c.attentionFraction, c.flashAttentionFraction,
+             c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency);
+}
+
+/// Per-source mean absolute error table of `which` under `predicted`.
+void printSourceTable(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                      const std::vector<double> &predicted, const char *what) {
+  std::map<std::string, std::vector<double>> bySource;
+  for (size_t i = 0; i < which.size(); ++i)
+    bySource[runs[which[i]].source].push_back(
+        predicted[i] > 0 ? throughputError(runs[which[i]].measuredSeconds, predicted[i]) : NAN);
+  fmt::print("| source | runs | {} mean abs error | mean signed | worst |\n|---|---|---|---|---|\n",
+             what);
+  double all = 0;
+  int n = 0;
+  for (auto &[source, errs] : bySource) {
+    double abs = 0, signedSum = 0, worst = 0;
+    for (double e : errs) {
+      double a = std::isnan(e) ? 1.0 : std::abs(e);
+      abs += a;
+      signedSum += std::isnan(e) ? 0 : e;
+      worst = std::max(worst, a);
+    }
+    all += abs;
+    n += int(errs.size());
+    fmt::print("| {} | {} | {:.1f}% | {:+.1f}% | {:.1f}% |\n", source, errs.size(),
+               100 * abs / errs.size(), 100 * signedSum / errs.size(), 100 * worst);
+  }
+  fmt::print("| all | {} | {:.1f}% | | |\n\n", n, n ? 100 * all / n : 0.0);
+}
+
+/// The zero-bubble paper's Table 4: settings of four schedules each.
+void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                     const std::vector<double> &predicted) {
+  const char *names[] = {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"};
+  const char *labels[] = {"1F1B", "1F1B-I", "ZB-1p", "ZB-2p"};
+  // setting -> schedule index -> (measured, predicted) seconds
+  std::map<std::string, std::map<int, std::pair<double, double>>> settings;
+  for (size_t i = 0; i < which.size(); ++i) {
+    const PublishedRun &r = runs[which[i]];
+    if (r.source != "qi2024_zerobubble" || llvm::StringRef(r.id).substr(0, 3) != "T4-")
+      continue;
+    for (int s = 0; s < 4; ++s)
+      if (r.options.schedule == names[s])
+        settings[fmt::format("{} m={}", r.model.transformer->numLayers,
+                             r.options.parallel.microbatches)][s] = {r.measuredSeconds,
+                                                                     predicted[i]};
+  }
+  if (settings.empty())
+    return;
+  fmt::print("Zero-bubble paper, Table 4 (throughput ranking and gain over 1F1B, measured / "
+             "predicted):\n\n| layers, m | measured ranking | predicted ranking | same | ");
+  for (int s = 1; s < 4; ++s)
+    fmt::print("{} gain | ", labels[s]);
+  fmt::print("\n|---|---|---|---|---|---|---|\n");
+  int same = 0, within = 0, gains = 0;
+  double gainErr = 0;
+  for (auto &[key, m] : settings) {
+    if (m.size() != 4)
+      continue;
+    auto ranking = [&](bool pred) {
+      std::vector<int> idx = {0, 1, 2, 3};
+      std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) {
+        return (pred ? m[a].second : m[a].first) < (pred ? m[b].second : m[b].first);
+      });
+      std::string s;
+      for (int i : idx)
+        s += std::string(s.empty() ? "" : " > ") + labels[i];
+      return s;
+    };
+    std::string meas = ranking(false), pred = ranking(true);
+    same += meas == pred;
+    fmt::print("| {} | {} | {} | {} | ", key, meas, pred, meas == pred ? "yes" : "no");
+    for (int s = 1; s < 4; ++s) {
+      double gm = m[0].first / m[s].first - 1, gp = m[0].second / m[s].second - 1;
+      ++gains;
+      within += std::abs(gp - gm) <= 0.03;
+      gainErr += std::abs(gp - gm);
+      fmt::print("{:+.1f}% / {:+.1f}% | ", 100 * gm, 100 * gp);
+    }
+    fmt::print("\n");
+  }
+  fmt::print("\nrankings equal in {} of {} settings; gains within 3 points: {} of {} (mean gap "
+             "{:.1f} points)\n\n",
+             same, settings.size(), within, gains, gains ? 100 * gainErr / gains : 0.0);
 }
 
 int fail(llvm::Error err) {
@@ -120,88 +293,96 @@ int fail(llvm::Error err) {
 } // namespace
 
 int main(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 1, {"--cluster"}, {"--fit", "--planner"}, /*command=*/"");
+  auto args =
+      Args::parse(argc, argv, 1, {"--data", "--a100", "--h100", "--threads", "--evals", "--device"},
+                  {"--fit", "--loso"}, /*command=*/"");
   if (!args)
     return fail(args.takeError());
-  auto loaded = loadClusterSpec(args->path("--cluster").value_or("examples/a100-selene.json"));
-  if (!loaded)
-    return fail(loaded.takeError());
-  ClusterSpec cluster = *loaded;
-  if (args->has("--fit")) {
-    // A grid over the GEMMs' and the attention core's fractions of peak and the links'
-    // efficiency, then a finer one around the best.
-    double bestError = 1e9, bestGemm = 0, bestAttention = 0, bestLink = 0;
-    auto search = [&](double g0, double g1, double gs, double a0, double a1, double as,
-                      std::vector<double> links) {
-      for (double gemm = g0; gemm <= g1 + 1e-9; gemm += gs)
-        for (double attention = a0; attention <= a1 + 1e-9; attention += as)
-          for (double link : links) {
-            ClusterSpec c = cluster;
-            c.achievedFraction = gemm;
-            c.attentionFraction = attention;
-            c.intraNode.efficiency = c.interNode.efficiency = link;
-            double e = meanAbsError(predict(c, nullptr));
-            if (e < bestError) {
-              bestError = e;
-              bestGemm = gemm;
-              bestAttention = attention;
-              bestLink = link;
-            }
-          }
-    };
-    // (About a second of CPU per point: 162 coarse points, 27 fine ones.)
-    search(0.40, 0.80, 0.05, 0.10, 0.60, 0.10, {0.6, 0.8, 1.0});
-    search(bestGemm - 0.04, bestGemm + 0.04, 0.01, std::max(0.05, bestAttention - 0.05),
-           bestAttention + 0.05, 0.05, {bestLink});
-    fmt::print("fit: achieved_fraction {:.2f}, attention_fraction {:.2f}, link efficiency "
-               "{:.1f}: mean absolute error {:.1f}%\n",
-               bestGemm, bestAttention, bestLink, 100 * bestError);
-    cluster.achievedFraction = bestGemm;
-    cluster.attentionFraction = bestAttention;
-    cluster.intraNode.efficiency = cluster.interNode.efficiency = bestLink;
-  }
-  std::vector<PlanCandidate> chosen;
-  std::vector<double> predicted = predict(cluster, &chosen);
-  fmt::print("{} (peak {} TFLOP/s, GEMMs at {:.2f} of it, the attention core at {:.2f}, links at "
-             "{:.2f}/{:.2f} of their bandwidth)\n\n",
-             cluster.deviceName, cluster.peakTflops, cluster.achievedFraction,
-             cluster.attentionFlopsPerMs() / (cluster.peakTflops * 1e9),
-             cluster.intraNode.efficiency, cluster.interNode.efficiency);
-  fmt::print("| model | GPUs | batch | t | p | published TFLOP/s | predicted | error | "
-             "schedule, v, b (predicted best) |\n|---|---|---|---|---|---|---|---|---|\n");
-  for (size_t i = 0; i < predicted.size(); ++i) {
-    const Row &r = kTable1[i];
-    const PlanCandidate &c = chosen[i];
-    fmt::print("| {}B | {} | {} | {} | {} | {:.0f} | {:.1f} | {:+.1f}% | {}, v={}, b={} |\n",
-               r.billions, r.gpus, r.batch, r.tp, r.pp, r.tflops, predicted[i],
-               100 * (predicted[i] / r.tflops - 1), c.schedule, c.parallel.vpp, c.microbatchSize);
-  }
-  fmt::print("\nmean absolute error {:.1f}%\n", 100 * meanAbsError(predicted));
-  if (!args->has("--planner"))
-    return 0;
-  // The planner's choice against the published layout in seconds per step: Table 1's
-  // throughput is Eq. (3)'s FLOPs (recomputation included) per second, so its step time is
-  // those FLOPs over the row's GPUs at the published rate; a plan without recomputation does
-  // fewer FLOPs, so time, not FLOP/s, is what compares the layouts.
-  fmt::print("\n| model | GPUs | published t, p | published step (s) | its predicted step (s) | "
-             "planner's choice | its predicted step (s) |\n|---|---|---|---|---|---|---|\n");
-  for (size_t i = 0; i < predicted.size(); ++i) {
-    const Row &r = kTable1[i];
-    PlannerOptions o;
-    o.gpus = r.gpus;
-    o.globalBatch = r.batch;
-    o.recompute = {Recompute::None, Recompute::Full};
-    o.top = 1;
-    auto result = planLayouts(modelOf(r), cluster, o);
-    if (!result)
-      return fail(result.takeError());
-    const PlanCandidate &c = result->candidates[result->ranked.front()];
-    double published = megatronFlops(r) / (r.tflops * 1e12 * r.gpus);
-    fmt::print("| {}B | {} | t={} p={} | {:.2f} | {:.2f} | {} t={} p={} v={} dp={} b={} "
-               "recompute {} | {:.2f} |\n",
-               r.billions, r.gpus, r.tp, r.pp, published, chosen[i].stepTime / 1000, c.schedule,
-               c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp, c.microbatchSize,
-               toString(c.recompute).str(), c.stepTime / 1000);
+  auto threads = args->integer("--threads", 2, 1, 256);
+  auto evals = args->integer("--evals", 60, 1, 100000);
+  if (!threads)
+    return fail(threads.takeError());
+  if (!evals)
+    return fail(evals.takeError());
+  gThreads = unsigned(*threads);
+  std::vector<PublishedRun> runs;
+  std::vector<SkippedRow> skipped;
+  if (auto err = loadPublishedRuns(args->path("--data").value_or("bench/data/published-runs.csv"),
+                                   runs, skipped))
+    return fail(std::move(err));
+  fmt::print("{} measured runs; {} rows left out:\n", runs.size(), skipped.size());
+  for (const SkippedRow &s : skipped)
+    fmt::print("  {} {}: {}\n", s.source, s.id, s.why);
+  bool doFit = args->has("--fit") || args->has("--loso");
+  struct Device {
+    const char *csvName, *flag, *fallback;
+  } devices[] = {{"A100-80GB", "--a100", "examples/a100-selene.json"},
+                 {"H100-SXM", "--h100", "examples/h100-nemo.json"}};
+  for (const Device &d : devices) {
+    std::string path = args->path(d.flag).value_or(d.fallback);
+    auto loaded = loadClusterSpec(path);
+    if (!loaded)
+      return fail(loaded.takeError());
+    ClusterSpec cluster = *loaded;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < runs.size(); ++i)
+      if (runs[i].device == d.csvName)
+        which.push_back(i);
+    if (which.empty() || (args->has("--device") && *args->get("--device") != d.csvName))
+      continue;
+    fmt::print("\n## {} ({} runs, cluster spec {})\n\n", d.csvName, which.size(), path);
+    if (doFit) {
+      double e = 0;
+      cluster = fit(runs, which, cluster, int(*evals), 0.3, e);
+      fmt::print("fitted on all sources (mean of per-source mean absolute errors {:.1f}%):\n",
+                 100 * e);
+      printFactors(cluster);
+      fmt::print("\n");
+    }
+    std::vector<double> predicted = predictAll(runs, which, cluster);
+    fmt::print("| source | run | schedule | tp pp vpp dp | b | measured s | predicted s | error "
+               "|\n|---|---|---|---|---|---|---|---|\n");
+    for (size_t i = 0; i < which.size(); ++i) {
+      const PublishedRun &r = runs[which[i]];
+      const ParallelConfig &pc = r.options.parallel;
+      fmt::print("| {} | {} | {} | {} {} {} {} | {} | {:.3f} | {:.3f} | {:+.1f}% |\n", r.source,
+                 r.id, r.options.schedule, pc.tp, pc.pp, pc.vpp, pc.dp,
+                 r.model.transformer->microbatchSize, r.measuredSeconds, predicted[i],
+                 predicted[i] > 0 ? 100 * throughputError(r.measuredSeconds, predicted[i]) : NAN);
+    }
+    fmt::print("\n");
+    printSourceTable(runs, which, predicted, "in-sample");
+    printZeroBubble(runs, which, predicted);
+    if (!args->has("--loso"))
+      continue;
+    // Leave one source out: fit on the others (from the global fit), predict the held-out one.
+    std::set<std::string> sources;
+    for (size_t i : which)
+      sources.insert(runs[i].source);
+    if (sources.size() < 2)
+      continue;
+    std::vector<double> loso(which.size(), 0);
+    for (const std::string &held : sources) {
+      std::vector<size_t> train, test, testPos;
+      for (size_t i = 0; i < which.size(); ++i) {
+        if (runs[which[i]].source == held) {
+          test.push_back(which[i]);
+          testPos.push_back(i);
+        } else {
+          train.push_back(which[i]);
+        }
+      }
+      double e = 0;
+      ClusterSpec c = fit(runs, train, cluster, int(*evals) / 2, 0.1, e);
+      std::vector<double> p = predictAll(runs, test, c);
+      for (size_t j = 0; j < test.size(); ++j)
+        loso[testPos[j]] = p[j];
+      fmt::print("held out {}: fitted on the others to {:.1f}%:\n", held, 100 * e);
+      printFactors(c);
+    }
+    fmt::print("\n");
+    printSourceTable(runs, which, loso, "leave-one-source-out");
+    printZeroBubble(runs, which, loso);
   }
   return 0;
 }

@@ -80,16 +80,28 @@ const Link &linkBetween(const ClusterSpec &c, const ParallelConfig &pc, int a, i
   return sameNode ? c.intraNode : c.interNode;
 }
 
-double transferMs(const Link &l, double bytes) {
-  return l.latencyUs / 1000.0 + bytes / l.bytesPerMs();
+/// A message's fixed cost: its link's latency and the cluster's per-message overhead.
+double messageMs(const ClusterSpec &c, const Link &l) {
+  return (l.latencyUs + c.messageOverheadUs) / 1000.0;
 }
 
-/// Ring all-reduce over n members: 2(n-1)/n of the bytes cross each link.
-double allReduceMs(const Link &l, double bytes, int n) {
+double transferMs(const ClusterSpec &c, const Link &l, double bytes) {
+  return messageMs(c, l) + bytes / l.bytesPerMs();
+}
+
+/// Ring all-reduce over n members: 2(n-1)/n of the bytes cross each link. A reduce-scatter
+/// followed by an all-gather (sequence parallelism, the distributed optimizer) moves the same
+/// bytes in two messages.
+double allReduceMs(const ClusterSpec &c, const Link &l, double bytes, int n, int messages = 1) {
   if (n <= 1)
     return 0;
-  return l.latencyUs / 1000.0 + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
+  return messages * messageMs(c, l) + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
 }
+
+/// Bytes an Adam step reads and writes per parameter in mixed precision: the fp32 gradient
+/// (read twice: the norm, then the step), master weight, first and second moments (read and
+/// written), the bf16 weight written back.
+constexpr double kAdamBytesPerParam = 4 + 4 + 8 + 8 + 8 + 2;
 
 int blocksOf(const ModelSpec &model, const StageInfo &st) {
   int n = 0;
@@ -105,6 +117,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   const Link &tpLink = pc.tp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
   const Link &dpLink =
       int64_t(pc.tp) * pc.dp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+  int tpMessages = pc.sequenceParallel ? 2 : 1, dpMessages = pc.distributedOptimizer ? 2 : 1;
   for (int s = 0; s < numStages; ++s) {
     StageInfo &st = plan.stages[size_t(s)];
     st.activationTransferTime.assign(k, 0);
@@ -114,13 +127,13 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
       if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
         st.activationTransferTime[i] =
             model.isTransformer()
-                ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
+                ? transferMs(cluster, linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
                              double(st.outputBytes[i]))
                 : model.p2pTime;
       if (s > 0 && plan.rankOf(s - 1) != st.rank)
         st.gradientTransferTime[i] =
             model.isTransformer()
-                ? transferMs(linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
+                ? transferMs(cluster, linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
                              double(plan.stages[size_t(s - 1)].outputBytes[i]))
                 : model.p2pTime;
       if (pc.tp > 1 && st.tpAllReduces > 0) {
@@ -129,7 +142,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
           auto [b, e] = plan.seqSlices[i];
           double hidden = double(t.microbatchSize) * double(e - b) * double(t.hiddenSize) *
                           double(t.dtypeBytes());
-          st.tpAllReduceTime[i] = allReduceMs(tpLink, hidden, pc.tp);
+          st.tpAllReduceTime[i] = allReduceMs(cluster, tpLink, hidden, pc.tp, tpMessages);
           // Full recomputation repeats each block's forward, and its two reductions, in the
           // input-gradient backward.
           if (t.recompute == Recompute::Full)
@@ -140,9 +153,37 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
       }
     }
     if (pc.dp > 1)
-      st.dpAllReduceTime = model.isTransformer() ? allReduceMs(dpLink, double(st.paramBytes), pc.dp)
-                                                 : model.allReduceTime;
+      st.dpAllReduceTime =
+          model.isTransformer()
+              ? allReduceMs(cluster, dpLink, double(st.paramBytes), pc.dp, dpMessages)
+              : model.allReduceTime;
+    // The optimizer step: memory-bound, over the rank's share of the stage's parameters.
+    st.optimizerTime = 0;
+    if (model.isTransformer() && cluster.memoryBytesPerMs() > 0) {
+      double params = double(st.paramBytes) / double(model.transformer->dtypeBytes());
+      double shards = pc.distributedOptimizer ? double(pc.dp) : 1.0;
+      st.optimizerTime = params * kAdamBytesPerParam / shards / cluster.memoryBytesPerMs();
+    }
   }
+  // Before the step, the gradient norm and the finite check: two scalar all-reduces over the
+  // pipeline ranks (across nodes once the pipeline leaves one).
+  plan.optimizerSyncTime = 0;
+  if (model.isTransformer() && cluster.memoryBytesPerMs() > 0 && pc.pp > 1) {
+    const Link &ppLink = int64_t(pc.pp) * pc.tp * pc.dp <= cluster.gpusPerNode ? cluster.intraNode
+                                                                               : cluster.interNode;
+    plan.optimizerSyncTime = 2 * allReduceMs(cluster, ppLink, 8, pc.pp);
+  }
+}
+
+double stateBytesPerParamByte(const ModelSpec &model, const ParallelConfig &pc) {
+  double all = model.stateBytesPerParamByte;
+  if (!pc.distributedOptimizer || pc.dp <= 1)
+    return all;
+  // Weights and gradients stay on every dp rank (3 bytes per bf16 parameter byte, 2 in
+  // fp32); master weights and Adam's moments are sharded.
+  double kept = model.transformer && model.transformer->dtype == "fp32" ? 2.0 : 3.0;
+  kept = std::min(kept, all);
+  return kept + (all - kept) / double(pc.dp);
 }
 
 class PartitionPass final : public Pass {
@@ -201,7 +242,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
       st.tpAllReduces += pc.tp > 1 ? layer.tpAllReduces : 0;
       for (size_t i = 0; i < k; ++i) {
         auto [b, e] = plan.seqSlices[i];
-        SliceCost c = model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp);
+        SliceCost c =
+            model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp, pc.sequenceParallel);
         st.forward[i] += c.forward;
         st.backwardInput[i] += c.backwardInput;
         st.backwardWeight[i] += c.backwardWeight;
@@ -215,19 +257,26 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
     // the backward, then its gradient until the weight gradient.
     for (size_t i = 0; i < k; ++i) {
       auto [b, e] = plan.seqSlices[i];
-      int64_t residual = model.residualBytes(b, e);
+      int64_t residual = model.residualBytes(b, e, pc.sequenceParallel ? pc.tp : 1);
       st.activationBytes[i] += residual;
       st.weightGradBytes[i] += residual;
     }
     // What leaves the stage is its last layer's output.
     for (size_t i = 0; i < k; ++i) {
       auto [b, e] = plan.seqSlices[i];
-      st.outputBytes[i] =
-          model.sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k), pc.tp)
-              .outputBytes;
+      st.outputBytes[i] = model
+                              .sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k),
+                                         pc.tp, pc.sequenceParallel)
+                              .outputBytes;
     }
   }
   fillTransferTimes(plan, model, cluster);
+  plan.stateBytesPerParamByte = stateBytesPerParamByte(model, pc);
+  // Whether the schedule skips the optimizer's pipeline-wide wait is its policy's to declare.
+  if (auto policy = findPolicy(plan.schedule))
+    plan.postValidation = (*policy)->postValidation();
+  else
+    llvm::consumeError(policy.takeError());
 }
 
 std::unique_ptr<Pass> createPartitionPass() { return std::make_unique<PartitionPass>(); }

@@ -32,11 +32,17 @@ std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts);
 void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
                  llvm::ArrayRef<int> ends);
 
-/// The seq-split pass's token ranges: K equal ranges for an abstract model, the Seq1F1B
-/// FLOP-balanced ones (multiples of tp) for a transformer. An InputError when K slices do not
-/// fit the sequence.
+/// The seq-split pass's token ranges: K equal ranges for an abstract model; for a transformer,
+/// boundaries on multiples of tp where a block's predicted F + B + W time under `cluster` is
+/// the same for every slice (as far as tp's token granularity allows), or, without a cluster,
+/// the Seq1F1B paper's rule: equal forward FLOPs. An InputError when K slices do not fit the
+/// sequence.
 llvm::Error seqSlicesFor(const ModelSpec &model, int seqSplits, int tp,
-                         std::vector<std::pair<int64_t, int64_t>> &out);
+                         std::vector<std::pair<int64_t, int64_t>> &out,
+                         const ClusterSpec *cluster = nullptr, bool sequenceParallel = false);
+/// seqSlicesFor for `pc` (its seq_splits, tp, sequence parallelism and split rule).
+llvm::Error seqSlicesFor(const ModelSpec &model, const ClusterSpec &cluster,
+                         const ParallelConfig &pc, std::vector<std::pair<int64_t, int64_t>> &out);
 
 } // namespace pipec
 

@@ -292,6 +292,8 @@ void Search::enumerate() {
       base.recompute = rec;
       base.parallel.tp = tp;
       base.parallel.pp = base.parallel.dp = 0; // not chosen yet (a row of --csv says so)
+      base.parallel.sequenceParallel = o.sequenceParallel;
+      base.parallel.distributedOptimizer = o.distributedOptimizer;
       if (model.transformer) {
         const TransformerConfig &t = *model.transformer;
         if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp ||
@@ -417,7 +419,7 @@ void Search::evaluate(size_t index, double threshold) {
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;
-  if (llvm::Error err = seqSlicesFor(var.model, pc.seqSplits, pc.tp, plan.seqSlices)) {
+  if (llvm::Error err = seqSlicesFor(var.model, cluster, pc, plan.seqSlices)) {
     c.outcome = Outcome::Constraint;
     c.why = takeMessage(std::move(err));
     return;

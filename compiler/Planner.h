@@ -63,6 +63,8 @@ struct PlannerOptions {
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
+  /// Every candidate with sequence parallelism / the distributed optimizer (ZeRO-1).
+  bool sequenceParallel = false, distributedOptimizer = false;
   /// Tensor- and pipeline-parallel sizes to try; empty: every divisor that fits.
   std::vector<int> tpSizes, ppSizes;
   /// Recomputation settings to try; empty: the model's own.

@@ -136,11 +136,13 @@ llvm::Error quickEvaluate(const Plan &plan, QuickStats &out) {
 
   std::vector<RankSpan> spans;
   spans.reserve(numRanks);
-  for (const RankClock &me : rc) {
+  for (size_t r = 0; r < numRanks; ++r) {
+    const RankClock &me = rc[r];
     double start = me.any ? me.start : 0;
-    spans.push_back(RankSpan{me.busy, start, me.end, std::max(me.end, me.dpFree)});
+    spans.push_back(
+        RankSpan{me.busy, start, me.end, std::max(me.end, me.dpFree), rankOptimizerTime(plan, r)});
   }
-  StepFigures f = stepFigures(spans);
+  StepFigures f = stepFigures(plan, spans);
   double busy = 0;
   for (const RankSpan &s : spans)
     busy += s.busy;

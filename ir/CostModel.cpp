@@ -230,21 +230,33 @@ std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t 
   return out;
 }
 
-StepFigures stepFigures(const std::vector<RankSpan> &ranks) {
+double rankOptimizerTime(const Plan &plan, size_t rank) {
+  double t = 0;
+  for (const StageInfo &st : plan.stages)
+    if (st.rank == int(rank))
+      t += st.optimizerTime;
+  return t;
+}
+
+StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks) {
   double first = std::numeric_limits<double>::infinity(), last = 0, maxSpan = 0, sumBusy = 0,
-         stepEnd = 0;
+         stepEnd = 0, optimizer = 0, period = 0;
   for (const RankSpan &rs : ranks) {
     first = std::min(first, rs.start);
     last = std::max(last, rs.end);
     stepEnd = std::max(stepEnd, rs.stepEnd);
     maxSpan = std::max(maxSpan, rs.end - rs.start);
     sumBusy += rs.busy;
+    optimizer = std::max(optimizer, rs.optimizer);
+    period = std::max(period, rs.stepEnd + rs.optimizer - rs.start);
   }
   if (!std::isfinite(first))
     first = 0;
   StepFigures f;
   f.makespan = last - first;
   f.stepTime = stepEnd - first;
+  if (optimizer > 0 || plan.optimizerSyncTime > 0)
+    f.stepTime = plan.postValidation ? period : f.stepTime + plan.optimizerSyncTime + optimizer;
   double meanBusy = ranks.empty() ? 0 : sumBusy / double(ranks.size());
   f.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
   return f;
@@ -281,9 +293,9 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
     rs.end = end;
     rs.span = end - start;
     rs.stepEnd = std::max(end, dpFree);
-    spans[r] = RankSpan{busy, start, end, rs.stepEnd};
+    spans[r] = RankSpan{busy, start, end, rs.stepEnd, rankOptimizerTime(plan, r)};
   }
-  StepFigures f = stepFigures(spans);
+  StepFigures f = stepFigures(plan, spans);
   stats.simulated = true;
   stats.makespan = f.makespan;
   stats.stepTime = f.stepTime;

@@ -127,17 +127,27 @@ size_t inputsReady(const Plan &plan, const KeySpace &keys, const std::vector<dou
   return missing;
 }
 
-/// One rank's share of a step: compute time, first compute start, last compute end, and when
-/// its dp all-reduces are done (at least `end`).
+/// One rank's share of a step: compute time, first compute start, last compute end, when
+/// its dp all-reduces are done (at least `end`), and its optimizer step's time.
 struct RankSpan {
-  double busy = 0, start = 0, end = 0, stepEnd = 0;
+  double busy = 0, start = 0, end = 0, stepEnd = 0, optimizer = 0;
 };
 struct StepFigures {
   double makespan = 0, stepTime = 0, bubbleRatio = 0;
 };
+/// The optimizer step's time on pipeline rank `rank`: its stages' optimizer_time.
+double rankOptimizerTime(const Plan &plan, size_t rank);
 /// DESIGN §6's step figures from every rank's span: makespan = last end - first start,
-/// step_time = last step end - first start, bubble_ratio = 1 - mean(busy) / max(span).
-StepFigures stepFigures(const std::vector<RankSpan> &ranks);
+/// bubble_ratio = 1 - mean(busy) / max(span), and step_time, the period of steady training:
+///  - without the optimizer step timed (no optimizer_time, no sync): last step end - first
+///    start;
+///  - otherwise, without post-validation: every rank waits for the last step end, the
+///    pipeline-wide check (optimizer_sync_time), then steps; the next step starts when the
+///    slowest optimizer step ends: last step end + sync + max(optimizer) - first start;
+///  - with post-validation: each rank steps at its own step end and starts the next step's
+///    first op that long after (the timeline repeats, shifted by the period), so the period is
+///    max over ranks of (step end + optimizer - first compute start).
+StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks);
 
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),

@@ -9,6 +9,7 @@
 #include "llvm/Support/Path.h"
 #include "llvm/Support/raw_ostream.h"
 
+#include <algorithm>
 #include <cassert>
 
 namespace pipec {
@@ -140,11 +141,11 @@ bool recomputeFromString(llvm::StringRef name, Recompute &out) {
   return false;
 }
 
-int64_t ModelSpec::residualBytes(int64_t begin, int64_t end) const {
+int64_t ModelSpec::residualBytes(int64_t begin, int64_t end, int shards) const {
   if (!transformer)
     return 0;
   const TransformerConfig &t = *transformer;
-  return t.microbatchSize * (end - begin) * t.hiddenSize * t.dtypeBytes();
+  return t.microbatchSize * (end - begin) * t.hiddenSize * t.dtypeBytes() / shards;
 }
 
 double ModelSpec::modelFlopsPerMicrobatch() const {
@@ -189,8 +190,14 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
 // statistics where LayerNorm keeps 16N (the head's final norm 4N instead of 8N). These are
 // the rules the Llama kernels are to follow; until they exist nothing checks them against an
 // arena.
+/// Milliseconds of a GEMM of `flops` (on one rank) whose dimensions are m x k times k x n.
+static double gemmMs(const ClusterSpec &c, double flops, double m, double k, double n) {
+  return flops / c.gemmFlopsPerMs(std::min({m, k, n}));
+}
+
 SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, int64_t begin,
-                               int64_t end, int index, int numSlices, int tp) const {
+                               int64_t end, int index, int numSlices, int tp,
+                               bool sequenceParallel) const {
   const Layer &layer = layers[layerIndex];
   SliceCost c;
   if (!transformer) {
@@ -207,31 +214,50 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   double b = double(t.microbatchSize), h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
   double x = double(end - begin), v = double(t.vocabSize), heads = double(t.numAttentionHeads);
   double sigma = causalPositions(begin, end);
-  double gemmPerMs = cluster.gemmFlopsPerMs() * tp;
-  double attentionPerMs = cluster.attentionFlopsPerMs() * tp;
+  bool flash = t.attention == Attention::Flash;
+  double attentionPerMs = cluster.attentionFlopsPerMs(flash) * tp;
   double d = double(t.dtypeBytes());
   double n = b * x, cl = h / tp, fl = f / tp, hl = heads / tp;
+  // What sequence parallelism shards over the tp ranks: the norms, dropouts and residual adds
+  // (and the residual stream they keep); without it every tp rank repeats them whole.
+  double sp = sequenceParallel ? double(tp) : 1.0;
+  double overhead = cluster.opOverheadUs / 1000.0;
+  double memPerMs = cluster.memoryBytesPerMs();
   switch (layer.kind) {
   case LayerKind::Embedding:
     // A lookup: no FLOPs to speak of; its output is the stage's residual stream.
     c.outputBytes = int64_t(n * h * d);
     return c;
   case LayerKind::Block: {
-    double linear = b * x * blockLinearFlopsPerToken(t);
-    double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
-    c.forward = linear / gemmPerMs + attentionF / attentionPerMs;
-    c.backwardInput = linear / gemmPerMs + attentionB / attentionPerMs;
-    c.backwardWeight = linear / gemmPerMs;
-    bool flash = t.attention == Attention::Flash;
     // K and V per rank: kv heads x head size / tp (grouped-query attention shares them).
     double kl = double(t.kvHeads()) * (h / heads) / tp;
+    double mlpIn = t.mlp == Mlp::SwiGlu ? 2 : 1; // gate and up, or one up projection
+    // The block's GEMMs on one rank, each 2·n·k·out FLOPs at the efficiency of its shape (the
+    // input gradient's and weight gradient's GEMMs have the same three dimensions): QKV,
+    // the attention's output projection, the MLP's up (and gate) and down projections.
+    double linear = gemmMs(cluster, 2 * n * h * (cl + 2 * kl), n, h, cl + 2 * kl) +
+                    gemmMs(cluster, 2 * n * cl * h, n, cl, h) +
+                    mlpIn * gemmMs(cluster, 2 * n * h * fl, n, h, fl) +
+                    gemmMs(cluster, 2 * n * fl * h, n, fl, h);
+    double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
+    // Memory-bound kernels, elements per token: two norms (read and write h each), two
+    // dropout-and-residual adds (read 2h, write h each), all sharded only by sequence
+    // parallelism; the MLP's activation (read and write its input width per rank). Their
+    // backward is charged as much again (the zero-bubble authors' profile, Qi et al. 2024
+    // Table 9, has F and B within a few percent of each other and W about half of either); the
+    // weight gradient is GEMMs only.
+    double elementwise = memPerMs > 0 ? n * d * (10 * h / sp + (mlpIn + 1) * fl) / memPerMs : 0.0;
+    c.forward = linear + attentionF / attentionPerMs + elementwise + overhead;
+    c.backwardInput = linear + attentionB / attentionPerMs + elementwise + overhead;
+    c.backwardWeight = linear + overhead;
     // The MLP keeps its pre-activation (GELU) or both gate and up outputs (SwiGLU).
     double fc = t.mlp == Mlp::SwiGlu ? 2 * fl : fl;
     // Each norm keeps per token its rstd (RMSNorm) or mean and rstd (LayerNorm), in fp32.
     double stats = t.norm == Norm::RmsNorm ? 8 : 16;
     double kv = flash ? (index == 0 ? 2 * double(t.seqLength) * b * kl * d : 0) : 2 * n * kl * d;
     double probs = flash ? 4 * b * hl * x : b * hl * x * double(end) * d;
-    double kept = n * (2 * h + cl + fc) * d + stats * n;   // xIn, xMid, attOut, fcPre, statistics
+    // xIn, xMid (sharded with sequence parallelism), attOut, fcPre, statistics.
+    double kept = n * (2 * h / sp + cl + fc) * d + stats * n / sp;
     double forwardOnly = n * cl * d + probs;               // q and the attention's state
     double gradients = n * (4 * h + cl + 2 * kl + fc) * d; // output gradients of the linears
     double dkv = 2 * n * kl * 4;
@@ -246,29 +272,29 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       }
       break;
     case Recompute::Full:
-      activation = n * h * d + kv;
+      activation = n * h * d / sp + kv;
       c.backwardInput += c.forward;
       break;
     }
     c.workspaceBytes = int64_t(n * (2 * h + std::max(cl + 2 * kl, fl)) * d);
     // Full recomputation rebuilds one block's forward state at a time inside the backward.
     if (t.recompute == Recompute::Full)
-      c.workspaceBytes += int64_t(kept + forwardOnly - n * h * d);
+      c.workspaceBytes += int64_t(kept + forwardOnly - n * h * d / sp);
     double weightGrad = kept + gradients;
     c.activationBytes = int64_t(activation);
     c.weightGradBytes = int64_t(weightGrad);
     // At the end of the backward: the weight gradient's inputs, K/V (freed with slice 0) and
     // dK/dV, all on top of what the forward kept.
     c.backwardPeakBytes = std::max<int64_t>(0, int64_t(weightGrad + kv + dkv - activation));
-    c.outputBytes = int64_t(n * h * d);
+    c.outputBytes = int64_t(n * h * d / sp);
     return c;
   }
   case LayerKind::Head: {
-    double gemm = 2 * b * x * h * v;
-    c.forward = gemm / gemmPerMs;
-    c.backwardInput = gemm / gemmPerMs;
-    c.backwardWeight = gemm / gemmPerMs;
     double vl = v / tp;
+    double gemm = gemmMs(cluster, 2 * n * h * vl, n, h, vl);
+    c.forward = gemm + overhead;
+    c.backwardInput = gemm + overhead;
+    c.backwardWeight = gemm + overhead;
     // Forward: final layernorm output and its statistics, the rank's logits (the loss
     // backward overwrites them with their gradient), the log-sum-exp and loss per token (its
     // input is the stage's residual stream). Backward: the layernorm's input stays for W,
@@ -316,8 +342,9 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectObject(j, "$"))
     return err;
-  if (auto err =
-          r.onlyKeys(j, "$", {"format", "device", "gpus_per_node", "intra_node", "inter_node"}))
+  if (auto err = r.onlyKeys(
+          j, "$",
+          {"format", "device", "gpus_per_node", "intra_node", "inter_node", "message_overhead_us"}))
     return err;
   std::string format;
   if (auto err = r.getString(j, "$", "format", format, true))
@@ -328,9 +355,10 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
       return err;
-    if (auto err = r.onlyKeys(
-            *it, "$.device",
-            {"name", "peak_tflops", "achieved_fraction", "attention_fraction", "memory_bytes"}))
+    if (auto err = r.onlyKeys(*it, "$.device",
+                              {"name", "peak_tflops", "achieved_fraction", "attention_fraction",
+                               "flash_attention_fraction", "gemm_half_dim", "memory_GBps",
+                               "op_overhead_us", "memory_bytes"}))
       return err;
     if (auto err = r.getString(*it, "$.device", "name", c.deviceName, false))
       return err;
@@ -348,9 +376,24 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
     if (c.attentionFraction > 1)
       return inputError("{}: $.device.attention_fraction: expected a number in (0, 1], got {}",
                         r.name(), c.attentionFraction);
+    if (auto err = r.getNumber(*it, "$.device", "flash_attention_fraction",
+                               c.flashAttentionFraction, false, 1e-9))
+      return err;
+    if (c.flashAttentionFraction > 1)
+      return inputError("{}: $.device.flash_attention_fraction: expected a number in (0, 1], "
+                        "got {}",
+                        r.name(), c.flashAttentionFraction);
+    if (auto err = r.getNumber(*it, "$.device", "gemm_half_dim", c.gemmHalfDim, false))
+      return err;
+    if (auto err = r.getNumber(*it, "$.device", "memory_GBps", c.memoryGBps, false))
+      return err;
+    if (auto err = r.getNumber(*it, "$.device", "op_overhead_us", c.opOverheadUs, false))
+      return err;
     if (auto err = r.getInt(*it, "$.device", "memory_bytes", c.memoryBytes, false, 1))
       return err;
   }
+  if (auto err = r.getNumber(j, "$", "message_overhead_us", c.messageOverheadUs, false))
+    return err;
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;

@@ -43,9 +43,25 @@ struct ClusterSpec {
   double peakTflops = 989;
   /// Fraction of peak_tflops the GEMMs reach (the matrix multiplies of every layer).
   double achievedFraction = 0.55;
-  /// Fraction of peak_tflops the attention core reaches (QK^T, softmax, times V); 0 = the same
-  /// as achievedFraction.
+  /// Fraction of peak_tflops the materialized attention core reaches (QK^T, softmax, times V,
+  /// unfused kernels); 0 = the same as achievedFraction.
   double attentionFraction = 0;
+  /// Fraction of peak_tflops a flash (fused, tiled) attention kernel reaches; 0 = the same as
+  /// achievedFraction. attention_fraction never applies to flash attention.
+  double flashAttentionFraction = 0;
+  /// GEMM efficiency by shape: a GEMM whose smallest dimension (after tp sharding) is d reaches
+  /// achieved_fraction · d / (d + gemm_half_dim) of peak (a tile-occupancy saturation); 0 = every
+  /// GEMM reaches achieved_fraction.
+  double gemmHalfDim = 0;
+  /// Bytes per second (in GB/s) the memory-bound kernels reach (norms, dropouts, residual adds,
+  /// activations, the optimizer step); 0 = those kernels and the optimizer step are not timed.
+  double memoryGBps = 0;
+  /// Fixed cost of every layer's forward, input-gradient and weight-gradient pass (kernel
+  /// launches and framework overhead), in microseconds.
+  double opOverheadUs = 0;
+  /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
+  /// microseconds.
+  double messageOverheadUs = 0;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};
@@ -55,9 +71,16 @@ struct ClusterSpec {
   static ClusterSpec defaults() { return ClusterSpec{}; }
   /// FLOPs per millisecond of one device on GEMMs and on the attention core.
   double gemmFlopsPerMs() const { return peakTflops * 1e9 * achievedFraction; }
-  double attentionFlopsPerMs() const {
-    return peakTflops * 1e9 * (attentionFraction > 0 ? attentionFraction : achievedFraction);
+  double attentionFlopsPerMs(bool flash) const {
+    double f = flash ? flashAttentionFraction : attentionFraction;
+    return peakTflops * 1e9 * (f > 0 ? f : achievedFraction);
   }
+  /// FLOPs per millisecond of one device on a GEMM whose smallest dimension is `minDim`.
+  double gemmFlopsPerMs(double minDim) const {
+    return gemmHalfDim > 0 ? gemmFlopsPerMs() * minDim / (minDim + gemmHalfDim) : gemmFlopsPerMs();
+  }
+  /// Bytes per millisecond of the memory-bound kernels (0 = not timed).
+  double memoryBytesPerMs() const { return memoryGBps * 1e6; }
 };
 
 /// How the attention kernels treat the score matrix (DESIGN §3.1): "flash" keeps a log-sum-exp
@@ -165,14 +188,17 @@ struct ModelSpec {
   int64_t sequenceLength(int seqSplits) const;
   /// Costs of layer `layer` for slice `sliceIndex` of `numSlices`, tokens [begin, end), on one
   /// of `tp` tensor-parallel ranks.
+  /// With `sequenceParallel` the norms, dropouts and residual adds (and what they keep) are
+  /// sharded along the sequence over the tp ranks (Korthikanti et al. 2022).
   SliceCost sliceCost(const ClusterSpec &cluster, size_t layer, int64_t begin, int64_t end,
-                      int sliceIndex, int numSlices, int tp) const;
+                      int sliceIndex, int numSlices, int tp, bool sequenceParallel = false) const;
   /// Forward FLOPs of tokens [0, end) through one transformer block (for FLOP-balanced slicing).
   double blockForwardFlopsPrefix(int64_t end) const;
   /// Bytes a stage keeps per (microbatch, slice) besides its layers' own: the residual stream
   /// from the forward to the backward, then its gradient until the weight gradient (the same
-  /// size, b·x·h in the model's dtype); 0 for abstract models.
-  int64_t residualBytes(int64_t begin, int64_t end) const;
+  /// size, b·x·h in the model's dtype, over `shards` tp ranks with sequence parallelism); 0
+  /// for abstract models.
+  int64_t residualBytes(int64_t begin, int64_t end, int shards = 1) const;
   /// FLOPs of one microbatch through the model (forward, input and weight gradients, without
   /// recomputation), over the whole sequence at tp = 1: what model FLOP/s and MFU count.
   double modelFlopsPerMicrobatch() const;

@@ -27,6 +27,16 @@ struct ParallelConfig {
   int pp = 1, vpp = 1, tp = 1, dp = 1, microbatches = 1, seqSplits = 1;
   /// Interleaved schedules only; 0 = the policy's default.
   int microbatchGroupSize = 0;
+  /// Megatron's sequence parallelism (--sequence-parallel): the norms, dropouts and residual
+  /// adds sharded along the sequence over tp, each tp all-reduce a reduce-scatter plus an
+  /// all-gather (the same bytes on a ring).
+  bool sequenceParallel = false;
+  /// ZeRO-1 (--distributed-optimizer): optimizer state and fp32 master weights sharded over
+  /// dp, the dp all-reduce a reduce-scatter of gradients plus an all-gather of parameters.
+  bool distributedOptimizer = false;
+  /// Seq1F1B's sub-sequences at equal forward FLOPs (the paper's rule, --seq-split-by flops)
+  /// instead of equal predicted F + B + W time under the cluster (the default).
+  bool seqSplitByFlops = false;
   int numStages() const { return pp * vpp; }
 };
 
@@ -61,6 +71,8 @@ struct StageInfo {
   // all-reduce of its output; and the dp all-reduce of its gradients.
   llvm::SmallVector<double, 1> activationTransferTime, gradientTransferTime, tpAllReduceTime;
   double dpAllReduceTime = 0;
+  /// The optimizer step of this stage's parameters (0 where the cluster does not time it).
+  double optimizerTime = 0;
 };
 
 struct RankStats {
@@ -89,6 +101,12 @@ struct Plan {
   Placement placement = Placement::Loop;
   int gpusPerNode = 8;
   double stateBytesPerParamByte = 4;
+  /// The pipeline-wide gradient-norm and finite check before the optimizer step (two scalar
+  /// all-reduces over the pipeline ranks); 0 where the cluster does not time the step.
+  double optimizerSyncTime = 0;
+  /// The schedule validates the step after it (the zero-bubble paper's post-validation): each
+  /// rank steps as soon as its own gradients are reduced, without the pipeline-wide wait.
+  bool postValidation = false;
   /// The transformer the plan was compiled from (what a runtime builds); none for abstract models.
   std::optional<TransformerConfig> transformer;
   std::vector<std::pair<int64_t, int64_t>> seqSlices;

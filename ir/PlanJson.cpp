@@ -135,12 +135,21 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
   par["seq_splits"] = pc.seqSplits;
   if (pc.microbatchGroupSize > 0)
     par["microbatch_group_size"] = pc.microbatchGroupSize;
+  // Written only when on, so that plans without them read as before.
+  if (pc.sequenceParallel)
+    par["sequence_parallel"] = true;
+  if (pc.distributedOptimizer)
+    par["distributed_optimizer"] = true;
   j["parallel"] = par;
   j["placement"] = toString(plan.placement).str();
   // Global rank of (pp rank r, dp replica d, tp rank t) = r*dp*tp + d*tp + t (Megatron's
   // tp-dp-pp order); node = global rank / gpus_per_node.
   j["topology"] = OJson{{"order", "tp-dp-pp"}, {"gpus_per_node", plan.gpusPerNode}};
   j["state_bytes_per_param_byte"] = plan.stateBytesPerParamByte;
+  if (plan.optimizerSyncTime > 0)
+    j["optimizer_sync_time"] = plan.optimizerSyncTime;
+  if (plan.postValidation)
+    j["post_validation"] = true;
   if (plan.transformer)
     j["transformer"] = transformerJson(*plan.transformer);
   OJson slices = OJson::array();
@@ -178,6 +187,8 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
     o["tp_allreduce_time"] =
         std::vector<double>(s.tpAllReduceTime.begin(), s.tpAllReduceTime.end());
     o["dp_allreduce_time"] = s.dpAllReduceTime;
+    if (s.optimizerTime > 0)
+      o["optimizer_time"] = s.optimizerTime;
     stages.push_back(std::move(o));
   }
   j["stages"] = std::move(stages);
@@ -313,9 +324,10 @@ struct PlanReader {
     const Json &p = *it;
     if (auto err = r.expectObject(p, "$.parallel"))
       return err;
-    if (auto err = r.onlyKeys(
-            p, "$.parallel",
-            {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits", "microbatch_group_size"}))
+    if (auto err =
+            r.onlyKeys(p, "$.parallel",
+                       {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits",
+                        "microbatch_group_size", "sequence_parallel", "distributed_optimizer"}))
       return err;
     ParallelConfig &pc = plan.parallel;
     const char *path = "$.parallel";
@@ -325,6 +337,10 @@ struct PlanReader {
       if (auto err = r.getInt32(p, path, names[i], *fields[i], true, 1))
         return err;
     if (auto err = r.getInt32(p, path, "microbatch_group_size", pc.microbatchGroupSize, false))
+      return err;
+    if (auto err = r.getBool(p, path, "sequence_parallel", pc.sequenceParallel, false))
+      return err;
+    if (auto err = r.getBool(p, path, "distributed_optimizer", pc.distributedOptimizer, false))
       return err;
     // The same bounds as pipec compile's (per-op tables are sized stages x microbatches x
     // slices).
@@ -341,12 +357,12 @@ struct PlanReader {
     std::string path = jsonPath("$.stages", index);
     if (auto err = r.expectObject(o, path))
       return err;
-    if (auto err = r.onlyKeys(o, path,
-                              {"stage", "rank", "layers", "forward", "backward_input",
-                               "backward_weight", "activation_bytes", "weight_grad_bytes",
-                               "output_bytes", "backward_peak_bytes", "workspace_bytes",
-                               "param_bytes", "tp_allreduces", "activation_transfer_time",
-                               "gradient_transfer_time", "tp_allreduce_time", "dp_allreduce_time"}))
+    if (auto err = r.onlyKeys(
+            o, path,
+            {"stage", "rank", "layers", "forward", "backward_input", "backward_weight",
+             "activation_bytes", "weight_grad_bytes", "output_bytes", "backward_peak_bytes",
+             "workspace_bytes", "param_bytes", "tp_allreduces", "activation_transfer_time",
+             "gradient_transfer_time", "tp_allreduce_time", "dp_allreduce_time", "optimizer_time"}))
       return err;
     StageInfo s;
     int32_t stage = -1;
@@ -399,6 +415,8 @@ struct PlanReader {
     if (auto err = readArray(o, path, "tp_allreduce_time", s.tpAllReduceTime, false))
       return err;
     if (auto err = r.getNumber(o, path, "dp_allreduce_time", s.dpAllReduceTime, false))
+      return err;
+    if (auto err = r.getNumber(o, path, "optimizer_time", s.optimizerTime, false))
       return err;
     plan.stages.push_back(std::move(s));
     return llvm::Error::success();
@@ -653,8 +671,9 @@ struct PlanReader {
       return err;
     if (auto err = r.onlyKeys(j, "$",
                               {"format", "schedule", "model", "time_unit", "parallel", "placement",
-                               "topology", "state_bytes_per_param_byte", "transformer",
-                               "seq_slices", "stages", "ranks", "stats"}))
+                               "topology", "state_bytes_per_param_byte", "optimizer_sync_time",
+                               "post_validation", "transformer", "seq_slices", "stages", "ranks",
+                               "stats"}))
       return err;
     std::string format;
     if (auto err = r.getString(j, "$", "format", format, true))
@@ -686,6 +705,10 @@ struct PlanReader {
     }
     if (auto err =
             r.getNumber(j, "$", "state_bytes_per_param_byte", plan.stateBytesPerParamByte, false))
+      return err;
+    if (auto err = r.getNumber(j, "$", "optimizer_sync_time", plan.optimizerSyncTime, false))
+      return err;
+    if (auto err = r.getBool(j, "$", "post_validation", plan.postValidation, false))
       return err;
     if (auto it = j.find("transformer"); it != j.end()) {
       // The same object and checks as a model spec's "transformer".

@@ -41,6 +41,9 @@ public:
   /// One line: the flags it needs, e.g. "--vpp 1, --seq-splits 1".
   virtual llvm::StringRef constraints() const = 0;
   virtual Placement placement() const { return Placement::Loop; }
+  /// The schedule replaces the optimizer's pipeline-wide synchronisation by post-validation
+  /// (Qi et al., zero-bubble pipeline parallelism, §4): each rank steps on its own.
+  virtual bool postValidation() const { return false; }
   /// Reject a configuration up front: name the flag, the value and the nearest valid setting.
   virtual llvm::Error check(const ParallelConfig &config) const = 0;
   /// Reject what check() cannot see (stage costs and bytes, --memory-limit); runs on the

@@ -503,6 +503,7 @@ std::pair<int64_t, int> minimumLimit(const ScheduleRequest &req) {
 class ZBAutoPolicy final : public SchedulePolicy {
 public:
   llvm::StringRef name() const override { return "zb-auto"; }
+  bool postValidation() const override { return true; }
   llvm::StringRef summary() const override {
     return "zero bubble, searched (Qi et al. 2024, ZB-1p/ZB-2p): B split into I and W, the "
            "order of least simulated time whose activations fit --memory-limit";

@@ -28,6 +28,7 @@ namespace {
 class ZBH1Policy final : public SchedulePolicy {
 public:
   llvm::StringRef name() const override { return "zb-h1"; }
+  bool postValidation() const override { return true; }
   llvm::StringRef summary() const override {
     return "ZB-H1 (Qi et al. 2024): 1F1B order with B split into I and W, rank r delays its "
            "W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B";

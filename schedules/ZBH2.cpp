@@ -23,6 +23,7 @@ namespace {
 class ZBH2Policy final : public SchedulePolicy {
 public:
   llvm::StringRef name() const override { return "zb-h2"; }
+  bool postValidation() const override { return true; }
   llvm::StringRef summary() const override {
     return "ZB-H2 (Qi et al. 2024): B split into I and W, 2(p-r-1) warm-up forwards and 2r "
            "W's moved to the end; zero bubble when F = B = W, memory (2p-1)·M_B";

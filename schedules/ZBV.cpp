@@ -32,6 +32,7 @@ namespace {
 class ZBVPolicy final : public SchedulePolicy {
 public:
   llvm::StringRef name() const override { return "zb-v"; }
+  bool postValidation() const override { return true; }
   llvm::StringRef summary() const override {
     return "ZB-V (Qi et al. 2024, §6): V-shape placement, 2 chunks per rank, B split into I "
            "and W; zero bubble when F = B = W and m >= 2p-1, memory as 1F1B";

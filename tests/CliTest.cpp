@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -73,6 +74,28 @@ TEST(CliTest, CompileWritesAPlanAndPrintsTheSummary) {
   auto j = nlohmann::json::parse(slurp(out));
   EXPECT_EQ(j["format"], "pipeplan/1");
   EXPECT_EQ(j["ranks"].size(), 4u);
+}
+
+TEST(CliTest, SequenceParallelAndDistributedOptimizerAreRecordedAndPiperunRefusesThem) {
+  // pipec compiles them (memory and communication) and records them in the plan; piperun does
+  // not execute them yet: exit 2, one line naming the flag, before any step.
+  for (const char *flag : {"--sequence-parallel", "--distributed-optimizer"}) {
+    SCOPED_TRACE(flag);
+    std::string out = tmpDir() + "/option" + std::string(flag).substr(1) + ".json";
+    Result c = pipec(std::string("compile --model examples/tiny-gpt.json --schedule 1f1b --pp 2 "
+                                 "--microbatches 4 --tp 2 --dp 2 --quiet ") +
+                     flag + " -o " + out);
+    ASSERT_EQ(c.code, 0) << c.err;
+    auto j = nlohmann::json::parse(slurp(out));
+    std::string key = std::string(flag).substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    EXPECT_EQ(j["parallel"][key], true) << j["parallel"].dump();
+    Result r = piperun(out + " --backend cpu --steps 1");
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_EQ(lines(r.err), 1u) << r.err;
+    EXPECT_NE(r.err.find(flag), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("step 0"), std::string::npos) << r.out;
+  }
 }
 
 TEST(CliTest, IdenticalInputsGiveByteIdenticalPlans) {

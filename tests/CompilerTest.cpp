@@ -3,6 +3,7 @@
 
 #include "compiler/Semantics.h"
 #include "compiler/Verifier.h"
+#include "ir/CostModel.h"
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 
@@ -132,8 +133,8 @@ TEST(TransformerCostTest, FlashBlockKeepsWhatTheDeviceKernelsKeep) {
   int64_t s = 4096, h = 4096, heads = 32;
   EXPECT_EQ(cost.activationBytes, 20 * s * h + 16 * s + 4 * heads * s);
   EXPECT_EQ(cost.weightGradBytes, 36 * s * h + 16 * s);
-  EXPECT_EQ(cost.backwardPeakBytes, (36 * s * h + 16 * s) + 4 * s * h + 8 * s * h -
-                                        (20 * s * h + 16 * s + 4 * heads * s));
+  EXPECT_EQ(cost.backwardPeakBytes,
+            (36 * s * h + 16 * s) + 4 * s * h + 8 * s * h - (20 * s * h + 16 * s + 4 * heads * s));
   // The MLP forward's layernorm output, GELU output and partial sum: 2h + 4h elements.
   EXPECT_EQ(cost.workspaceBytes, 12 * s * h);
 }
@@ -317,13 +318,183 @@ TEST(TransformerCostTest, EfficiencyFactorsScaleGemmAttentionAndLinkTimes) {
   ModelSpec m = gpt(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   c.achievedFraction = 0.5;
-  c.attentionFraction = 0.25;
+  c.flashAttentionFraction = 0.25;
+  c.attentionFraction = 0.1; // the materialized kernels' only: never a flash kernel's
   double s = 4096, h = 4096, causal = s * (s + 1) / 2;
   SliceCost cost = m.sliceCost(c, 1, 0, 4096, 0, 1, 1);
-  EXPECT_NEAR(cost.forward, 24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.25),
-              1e-9);
+  EXPECT_NEAR(cost.forward, 24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.25), 1e-9);
+  ModelSpec materialized = m;
+  materialized.transformer->attention = Attention::Materialized;
+  EXPECT_NEAR(materialized.sliceCost(c, 1, 0, 4096, 0, 1, 1).forward,
+              24 * s * h * h / (989e9 * 0.5) + 4 * h * causal / (989e9 * 0.1), 1e-9);
   c.intraNode.efficiency = 0.5;
   EXPECT_DOUBLE_EQ(c.intraNode.bytesPerMs(), 450 * 0.5 * 1e6);
+}
+
+TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
+  // eff = achieved_fraction · d / (d + gemm_half_dim), d the GEMM's smallest dimension after tp
+  // sharding: the weight gradient (GEMMs only) is the sum of its four GEMMs at that rate.
+  ModelSpec m = gpt(4, 4096, 1024);
+  ClusterSpec c = ClusterSpec::defaults();
+  c.achievedFraction = 0.5;
+  c.gemmHalfDim = 256;
+  double n = 1024, h = 4096, tp = 2, rate = 989e9 * 0.5;
+  auto at = [&](double d) { return rate * d / (d + 256); };
+  // QKV n x h x 3h/tp, projection n x h/tp x h, MLP n x h x 4h/tp and n x 4h/tp x h.
+  double expected = 2 * n * h * 3 * h / tp / at(n) + 2 * n * h / tp * h / at(n) +
+                    2 * n * h * 4 * h / tp / at(n) + 2 * n * 4 * h / tp * h / at(n);
+  EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight, expected, 1e-9);
+  // Half the tokens: every GEMM's smallest dimension halves, so each runs at a lower rate.
+  double half = m.sliceCost(c, 1, 0, 512, 0, 2, 2).backwardWeight;
+  EXPECT_NEAR(half, expected / 2 * (512 + 256) / 512 * 1024 / (1024 + 256), 1e-9);
+  // Without a half dimension the rate is achieved_fraction for every shape (the old model).
+  c.gemmHalfDim = 0;
+  EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight, 2 * n * 12 * h * h / tp / rate,
+              1e-9);
+}
+
+TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTime) {
+  // The norms, dropouts, residual adds and activation are charged to F and B (bytes over
+  // memory_GBps), never to W; the per-op overhead to each of F, B and W.
+  ModelSpec m = gpt(4, 1024, 2048, 16);
+  ClusterSpec c = ClusterSpec::defaults();
+  SliceCost base = m.sliceCost(c, 1, 0, 2048, 0, 1, 1);
+  c.memoryGBps = 1000;
+  c.opOverheadUs = 50;
+  SliceCost with = m.sliceCost(c, 1, 0, 2048, 0, 1, 1);
+  double n = 2048, h = 1024, bytes = n * 2 * (10 * h + 2 * 4 * h); // bf16 elements, GELU
+  EXPECT_NEAR(with.forward - base.forward, bytes / 1e9 + 0.05, 1e-9);
+  EXPECT_NEAR(with.backwardInput - base.backwardInput, bytes / 1e9 + 0.05, 1e-9);
+  EXPECT_NEAR(with.backwardWeight - base.backwardWeight, 0.05, 1e-12);
+  // Sequence parallelism shards the norm/dropout part of that traffic over tp.
+  SliceCost tp2 = m.sliceCost(c, 1, 0, 2048, 0, 1, 2);
+  SliceCost sp2 = m.sliceCost(c, 1, 0, 2048, 0, 1, 2, /*sequenceParallel=*/true);
+  EXPECT_NEAR(tp2.forward - sp2.forward, n * 2 * (10 * h - 5 * h) / 1e9, 1e-9);
+}
+
+TEST(TransformerCostTest, SequenceParallelismShardsWhatTheNormsKeep) {
+  // Korthikanti et al. 2022, Table 2: per layer and token, 34h bytes without tp sharding;
+  // tensor parallelism alone leaves 10h unsharded, sequence parallelism shards those too.
+  ModelSpec m = gpt(4, 4096, 2048);
+  ClusterSpec c = ClusterSpec::defaults();
+  int64_t s = 2048, h = 4096;
+  SliceCost tp = m.sliceCost(c, 1, 0, s, 0, 1, 4), sp = m.sliceCost(c, 1, 0, s, 0, 1, 4, true);
+  // xIn and xMid (2h elements, bf16) and the two norms' statistics (16 bytes) per token.
+  EXPECT_EQ(tp.activationBytes - sp.activationBytes, s * (2 * h * 2 + 16) * 3 / 4);
+  EXPECT_EQ(sp.outputBytes * 4, tp.outputBytes);
+  EXPECT_EQ(m.residualBytes(0, s, 4) * 4, m.residualBytes(0, s));
+  // Full recomputation keeps only the block input: sharded too.
+  m.transformer->recompute = Recompute::Full;
+  EXPECT_LT(m.sliceCost(c, 1, 0, s, 0, 1, 4, true).activationBytes,
+            m.sliceCost(c, 1, 0, s, 0, 1, 4).activationBytes);
+}
+
+TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemory) {
+  ModelSpec m = gpt(8, 1024, 1024, 16);
+  CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/2, /*dp=*/4);
+  Plan plain = compileOrFail(m, o);
+  o.parallel.sequenceParallel = true;
+  o.parallel.distributedOptimizer = true;
+  Plan both = compileOrFail(m, o);
+  // ZeRO-1: 2 + 4 bytes (bf16 weight, fp32 gradient) per parameter stay, 12 are sharded over
+  // dp = 4: 9 bytes per parameter byte become 3 + 6/4.
+  EXPECT_DOUBLE_EQ(plain.stateBytesPerParamByte, 9);
+  EXPECT_DOUBLE_EQ(both.stateBytesPerParamByte, 3 + 6.0 / 4);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_LT(both.stats.ranks[r].staticBytes, plain.stats.ranks[r].staticBytes);
+    EXPECT_LT(both.stats.ranks[r].peakActivationBytes, plain.stats.ranks[r].peakActivationBytes);
+  }
+  // A reduce-scatter and an all-gather: the ring's bytes again, one more message.
+  const Link &l = ClusterSpec::defaults().intraNode;
+  EXPECT_NEAR(both.stages[0].tpAllReduceTime[0] - plain.stages[0].tpAllReduceTime[0],
+              l.latencyUs / 1000, 1e-12);
+  EXPECT_NEAR(both.stages[0].dpAllReduceTime - plain.stages[0].dpAllReduceTime, l.latencyUs / 1000,
+              1e-12);
+  // Both options survive the plan file, and an old plan (without them) reads as off.
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  writePlanJson(both, os);
+  auto back = parsePlanJson(text, "both.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_TRUE(back->parallel.sequenceParallel);
+  EXPECT_TRUE(back->parallel.distributedOptimizer);
+  std::string old;
+  llvm::raw_string_ostream os2(old);
+  writePlanJson(plain, os2);
+  EXPECT_EQ(old.find("sequence_parallel"), std::string::npos);
+}
+
+TEST(OptimizerStepTest, SyncedStepWaitsForTheLastRankAndPostValidationDoesNot) {
+  // With the optimizer timed (memory_GBps), a 1f1b step is the last rank's end plus the
+  // pipeline-wide check plus the slowest optimizer step; zb-h2 (post-validation) steps each
+  // rank at its own end, so its period is the longest of (end + optimizer - first start).
+  ModelSpec m = gpt(8, 1024, 1024, 16);
+  ClusterSpec c = ClusterSpec::defaults();
+  c.memoryGBps = 2000;
+  for (const char *schedule : {"1f1b", "zb-h2"}) {
+    SCOPED_TRACE(schedule);
+    auto plan = compilePlan(m, c, options(schedule, 4, 8), /*verifyEach=*/true);
+    ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+    double opt = 0, last = 0, period = 0;
+    for (size_t r = 0; r < 4; ++r) {
+      double o = rankOptimizerTime(*plan, r);
+      EXPECT_GT(o, 0);
+      opt = std::max(opt, o);
+      const RankStats &rs = plan->stats.ranks[r];
+      last = std::max(last, rs.stepEnd);
+      period = std::max(period, rs.stepEnd + o - rs.start);
+    }
+    EXPECT_GT(plan->optimizerSyncTime, 0);
+    EXPECT_EQ(plan->postValidation, std::string(schedule) == "zb-h2");
+    if (plan->postValidation)
+      EXPECT_DOUBLE_EQ(plan->stats.stepTime, period);
+    else
+      EXPECT_DOUBLE_EQ(plan->stats.stepTime, last + plan->optimizerSyncTime + opt);
+  }
+  // Without memory_GBps nothing is timed: the step is the makespan (no dp) as before.
+  auto plain = compilePlan(m, ClusterSpec::defaults(), options("zb-h2", 4, 8), true);
+  ASSERT_TRUE(bool(plain));
+  EXPECT_DOUBLE_EQ(plain->stats.stepTime, plain->stats.makespan);
+}
+
+TEST(TransformerCostTest, SeqSplitBalancesPredictedTimeAndFlopsOnRequest) {
+  // Under a calibrated cluster (GEMMs and attention at different fractions of peak,
+  // memory-bound kernels, fixed costs) equal forward FLOPs are not equal times. The default
+  // split makes a block's F + B + W the same for every slice within 5%; --seq-split-by flops
+  // keeps the paper's rule, whose slices are then further apart.
+  ClusterSpec c = ClusterSpec::defaults();
+  c.peakTflops = 312;
+  c.achievedFraction = 0.574;
+  c.attentionFraction = 0.5;
+  c.flashAttentionFraction = 0.307;
+  c.memoryGBps = 1734;
+  c.opOverheadUs = 10;
+  for (const char *attention : {"flash", "materialized"}) {
+    SCOPED_TRACE(attention);
+    auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 32000,
+        "seq_length": 32768, "attention": "{}"}}}})",
+                                        attention),
+                            "long.json");
+    ASSERT_TRUE(bool(m));
+    auto spread = [&](bool byFlops) {
+      CompileOptions o = options("seq1f1b", 2, 4, 1, /*seqSplits=*/4, /*tp=*/2);
+      o.parallel.seqSplitByFlops = byFlops;
+      auto plan = compilePlan(*m, c, o, /*verifyEach=*/true);
+      EXPECT_TRUE(bool(plan));
+      double lo = INFINITY, hi = 0;
+      for (auto [b, e] : plan->seqSlices) {
+        EXPECT_EQ(b % 2, 0);
+        SliceCost s = m->sliceCost(c, 1, b, e, 0, 4, 2);
+        double t = s.forward + s.backwardInput + s.backwardWeight;
+        lo = std::min(lo, t);
+        hi = std::max(hi, t);
+      }
+      return hi / lo - 1;
+    };
+    EXPECT_LE(spread(false), 0.05);
+    EXPECT_GT(spread(true), spread(false));
+  }
 }
 
 TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {

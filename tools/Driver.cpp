@@ -117,6 +117,15 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   if (!limit)
     return limit.takeError();
   o.memoryLimit = *limit;
+  o.parallel.sequenceParallel = args.has("--sequence-parallel");
+  if (auto by = args.get("--seq-split-by")) {
+    if (*by != "time" && *by != "flops")
+      return inputError("--seq-split-by: expected time or flops, got '{}'; try --seq-split-by "
+                        "flops (the Seq1F1B paper's rule)",
+                        *by);
+    o.parallel.seqSplitByFlops = *by == "flops";
+  }
+  o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
   return o;
 }
 

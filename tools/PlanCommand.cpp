@@ -30,7 +30,8 @@ const char *const kPlanUsage =
        [--schedules a,b,...] [--memory-limit BYTES] [--min-headroom BYTES|P%] [--top K]
        [-o|--output best.json] [--csv all.csv] [--recompute none,selective,full]
        [--microbatch-sizes 1,2,4] [--seq-splits 1,2,4,8] [--max-vpp V] [--tp 1,2,...]
-       [--pp 1,2,...] [--tp-across-nodes] [--threads T] [--quiet]
+       [--pp 1,2,...] [--tp-across-nodes] [--sequence-parallel]
+       [--distributed-optimizer] [--threads T] [--quiet]
                       search tp, pp, vpp, dp, microbatch size and count, seq-splits and
                       schedules for the fastest step that fits the device's memory, less
                       --min-headroom (default 5% of it; 0 to use it all)
@@ -91,7 +92,9 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                            "--memory-limit", "--min-headroom", "--top", "-o", "--output", "--csv",
                            "--recompute", "--microbatch-sizes", "--seq-splits", "--max-vpp",
                            "--threads", "--tp", "--pp"},
-                          {"--tp-across-nodes", "--quiet"}, "plan");
+                          {"--tp-across-nodes", "--quiet", "--sequence-parallel",
+                           "--distributed-optimizer"},
+                          "plan");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -132,6 +135,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     return limit.takeError();
   o.memoryLimit = *limit;
   o.tpAcrossNodes = args->has("--tp-across-nodes");
+  o.sequenceParallel = args->has("--sequence-parallel");
+  o.distributedOptimizer = args->has("--distributed-optimizer");
   std::optional<std::string> headroom = args->get("--min-headroom");
   if (auto err = parseList(*args, "--microbatch-sizes", o.microbatchSizes))
     return err;

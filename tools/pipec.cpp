@@ -46,7 +46,8 @@ const CommandUsage kCommands[] = {
     {"compile", R"(  compile --model M.json --schedule NAME --pp P --microbatches N
           [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
           [--memory-limit BYTES] [--microbatch-group-size G] [-o|--output plan.json]
-          [--recompute none|selective|full] [--show] [--trace trace.json] [--svg figure.svg]
+          [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
+          [--seq-split-by time|flops] [--show] [--trace trace.json] [--svg figure.svg]
           [--quiet]
                       compile, verify and simulate a plan; print its summary
 )"},
@@ -169,8 +170,9 @@ llvm::Error cmdCompile(int argc, char **argv) {
       Args::parse(argc, argv, 2,
                   {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits",
                    "--tp", "--dp", "--cluster", "--memory-limit", "--microbatch-group-size", "-o",
-                   "--output", "--trace", "--svg", "--recompute"},
-                  {"--show", "--quiet"}, "compile");
+                   "--output", "--trace", "--svg", "--recompute", "--seq-split-by"},
+                  {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
+                  "compile");
   if (!args)
     return args.takeError();
   if (!args->positional().empty())

@@ -218,6 +218,13 @@ llvm::Expected<Plan> readPlan(const std::string &path) {
     return inputError("the plan recomputes activations ($.transformer.recompute: \"{}\"), which "
                       "piperun does not execute; compile it with --recompute none",
                       toString(plan->transformer->recompute).str());
+  for (auto [on, flag] :
+       {std::pair{plan->parallel.sequenceParallel, "--sequence-parallel"},
+        std::pair{plan->parallel.distributedOptimizer, "--distributed-optimizer"}})
+    if (on)
+      return inputError("the plan was compiled with {}, which piperun does not execute; compile "
+                        "it without {}",
+                        flag, flag);
   return std::move(*plan);
 }
 

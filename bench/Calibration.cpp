@@ -1,0 +1,268 @@
+//===- Calibration.cpp - Published training runs predicted by the one cost model ------===//
+#include "bench/Calibration.h"
+
+#include "compiler/Pass.h"
+#include "ir/Error.h"
+#include "ir/Files.h"
+
+#include "llvm/ADT/StringMap.h"
+#include "llvm/ADT/StringRef.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+
+namespace pipec {
+
+namespace {
+
+/// Split one CSV record (RFC 4180 quoting) into fields.
+std::vector<std::string> splitCsv(llvm::StringRef line) {
+  std::vector<std::string> out(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        out.back() += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        out.back() += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      out.emplace_back();
+    } else if (c != '\r') {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+/// Preference of a metric when a run is given in several (lower is better); -1: not a run's
+/// throughput (MFU and HFU restate the same measurement).
+int metricRank(llvm::StringRef metric) {
+  if (metric == "step_time_s")
+    return 0;
+  if (metric == "tokens_per_s_per_gpu")
+    return 1;
+  if (metric == "samples_per_s_per_gpu" || metric == "samples_per_s")
+    return 2;
+  if (metric == "tflops_per_gpu")
+    return 3;
+  return -1;
+}
+
+int64_t intOr(const std::string &s, int64_t fallback) {
+  if (s.empty())
+    return fallback;
+  long long v = 0;
+  if (llvm::StringRef(s).getAsInteger(10, v))
+    return -1;
+  return v;
+}
+
+} // namespace
+
+llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &runs,
+                              std::vector<SkippedRow> &skipped) {
+  auto text = readFile(path, kAnyInput);
+  if (!text)
+    return text.takeError();
+  llvm::SmallVector<llvm::StringRef, 0> lines;
+  llvm::StringRef(*text).split(lines, '\n', -1, false);
+  if (lines.empty())
+    return inputError("{}: empty file; expected a header line", path.str());
+  std::vector<std::string> header = splitCsv(lines[0]);
+  llvm::StringMap<size_t> col;
+  for (size_t i = 0; i < header.size(); ++i)
+    col[header[i]] = i;
+  for (const char *name : {"source_id",
+                           "row_id",
+                           "num_layers",
+                           "hidden_size",
+                           "num_attention_heads",
+                           "num_query_groups",
+                           "ffn_hidden_size",
+                           "vocab_size",
+                           "seq_length",
+                           "gpu",
+                           "num_gpus",
+                           "tp",
+                           "pp",
+                           "vpp",
+                           "dp",
+                           "cp",
+                           "microbatch_size",
+                           "global_batch",
+                           "schedule",
+                           "recompute",
+                           "sequence_parallel",
+                           "distributed_optimizer",
+                           "flash_attention",
+                           "precision",
+                           "block",
+                           "metric",
+                           "value"})
+    if (!col.count(name))
+      return inputError("{}: the header has no column \"{}\"", path.str(), name);
+  // One run per (source, layout) key; the preferred metric wins.
+  std::map<std::string, std::pair<int, PublishedRun>> byKey;
+  std::vector<std::string> order;
+  for (size_t li = 1; li < lines.size(); ++li) {
+    std::vector<std::string> f = splitCsv(lines[li]);
+    if (f.size() < header.size())
+      return inputError("{}: line {}: {} fields, expected {}", path.str(), li + 1, f.size(),
+                        header.size());
+    auto at = [&](const char *name) -> const std::string & { return f[col[name]]; };
+    int rank = metricRank(at("metric"));
+    if (rank < 0)
+      continue;
+    SkippedRow skip{at("source_id"), at("row_id"), ""};
+    if (intOr(at("cp"), 1) != 1) {
+      skip.why = "context parallelism, which pipec does not model";
+      skipped.push_back(skip);
+      continue;
+    }
+    int64_t layers = intOr(at("num_layers"), -1), hidden = intOr(at("hidden_size"), -1);
+    int64_t heads = intOr(at("num_attention_heads"), -1);
+    int64_t groups = intOr(at("num_query_groups"), 0), ffn = intOr(at("ffn_hidden_size"), 0);
+    // Megatron's GPT-2 vocabulary padded (51,200) where the source does not give one.
+    int64_t vocab = intOr(at("vocab_size"), 51200), seq = intOr(at("seq_length"), -1);
+    int64_t gpus = intOr(at("num_gpus"), -1), tp = intOr(at("tp"), 1), pp = intOr(at("pp"), 1);
+    int64_t dp = intOr(at("dp"), -1), mb = intOr(at("microbatch_size"), 1);
+    int64_t batch = intOr(at("global_batch"), -1);
+    std::string schedule = at("schedule");
+    if (schedule.empty() && pp == 1)
+      schedule = "1f1b"; // no pipeline: one stage runs forward then backward
+    if (schedule.empty()) {
+      skip.why = "the schedule is not published";
+      skipped.push_back(skip);
+      continue;
+    }
+    if (schedule == "zb-1p")
+      schedule = "zb-h1";
+    else if (schedule == "zb-2p")
+      schedule = "zb-h2";
+    if (layers <= 0 || hidden <= 0 || heads <= 0 || seq <= 0 || gpus <= 0 || dp <= 0 ||
+        batch <= 0 || tp <= 0 || pp <= 0 || mb <= 0 || tp * pp * dp != gpus ||
+        batch % (dp * mb) != 0) {
+      skip.why = "its layout is incomplete or does not multiply out (tp·pp·dp = GPUs, "
+                 "dp·microbatch size divides the batch)";
+      skipped.push_back(skip);
+      continue;
+    }
+    // The transformer as published. An unpublished attention kernel is flash (what current
+    // Megatron and NeMo run) unless the run recomputes selectively, which only a materialized
+    // score matrix calls for; unpublished recomputation is settled in predictSeconds.
+    std::string recompute = at("recompute").empty() ? "none" : at("recompute");
+    std::string attention = at("flash_attention") == "false" ? "materialized" : "flash";
+    if (at("flash_attention").empty() && recompute == "selective")
+      attention = "materialized";
+    std::string extra;
+    if (ffn > 0)
+      extra += fmt::format(", \"ffn_hidden_size\": {}", ffn);
+    if (groups > 0)
+      extra += fmt::format(", \"num_query_groups\": {}", groups);
+    if (at("block") == "llama") // Llama's block: RMSNorm, SwiGLU, rotary positions, no biases
+      extra += ", \"mlp\": \"swiglu\", \"norm\": \"rmsnorm\", \"position\": \"rope\", "
+               "\"bias\": false";
+    std::string spec = fmt::format(
+        R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{"num_layers": {},
+        "hidden_size": {}, "num_attention_heads": {}, "vocab_size": {}, "seq_length": {},
+        "microbatch_size": {}, "dtype": "bf16", "attention": "{}", "recompute": "{}"{}}}}})",
+        at("row_id"), layers, hidden, heads, vocab, seq, mb, attention, recompute, extra);
+    auto model = parseModelSpec(spec, at("row_id"));
+    if (!model) {
+      skip.why = takeMessage(model.takeError());
+      skipped.push_back(skip);
+      continue;
+    }
+    PublishedRun run;
+    run.source = at("source_id");
+    run.id = at("row_id");
+    run.device = at("gpu");
+    run.model = std::move(*model);
+    run.gpus = gpus;
+    run.globalBatch = batch;
+    run.fp8 = at("precision") == "fp8";
+    run.metric = at("metric");
+    run.recomputePublished = !at("recompute").empty();
+    CompileOptions &o = run.options;
+    o.schedule = schedule;
+    o.parallel.pp = int(pp);
+    o.parallel.tp = int(tp);
+    o.parallel.dp = int(dp);
+    o.parallel.microbatches = int(batch / (dp * mb));
+    o.parallel.sequenceParallel = at("sequence_parallel") == "true";
+    o.parallel.distributedOptimizer = at("distributed_optimizer") == "true";
+    int64_t vpp = intOr(at("vpp"), 1);
+    // Interleaving without a published chunk count: the most chunks whole transformer layers
+    // allow (the zero-bubble paper's rule, "each transformer layer serves as a chunk").
+    if (schedule == "interleaved-1f1b" && at("vpp").empty())
+      vpp = std::max<int64_t>(2, layers / pp);
+    o.parallel.vpp = int(schedule == "interleaved-1f1b" ? vpp : 1);
+    double value = 0;
+    if (!llvm::to_float(at("value"), value) || value <= 0) {
+      skip.why = "no measured value";
+      skipped.push_back(skip);
+      continue;
+    }
+    const std::string &metric = run.metric;
+    if (metric == "step_time_s") {
+      run.measuredSeconds = value;
+    } else if (metric == "tokens_per_s_per_gpu") {
+      run.measuredSeconds = double(batch) * double(seq) / (value * double(gpus));
+    } else if (metric == "samples_per_s_per_gpu") {
+      run.measuredSeconds = double(batch) / (value * double(gpus));
+    } else if (metric == "samples_per_s") {
+      run.measuredSeconds = double(batch) / value;
+    } else {
+      // Megatron-LM's count (Narayanan et al. Eq. 3): 72·B·s·l·h²·(1 + s/6h + V/16lh) for the
+      // forward and backward, a third more with full recomputation's second forward.
+      double s = double(seq), l = double(layers), h = double(hidden), v = double(vocab);
+      double flops = 72 * double(batch) * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h));
+      if (recompute == "full")
+        flops *= 4.0 / 3.0;
+      run.measuredSeconds = flops / (value * 1e12 * double(gpus));
+    }
+    std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", run.source, layers, hidden,
+                                  gpus, tp, pp, dp, batch, schedule, recompute, seq);
+    auto it = byKey.find(key);
+    if (it == byKey.end()) {
+      order.push_back(key);
+      byKey.emplace(key, std::make_pair(rank, std::move(run)));
+    } else if (rank < it->second.first) {
+      it->second = std::make_pair(rank, std::move(run));
+    }
+  }
+  for (const std::string &key : order)
+    runs.push_back(std::move(byKey.at(key).second));
+  return llvm::Error::success();
+}
+
+llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
+  ClusterSpec c = cluster;
+  if (run.fp8)
+    c.peakTflops *= 2;
+  auto plan = compilePlan(run.model, c, run.options, /*verifyEach=*/false);
+  if (!plan)
+    return plan.takeError();
+  int64_t peak = 0;
+  for (const RankStats &r : plan->stats.ranks)
+    peak = std::max(peak, r.peakMemoryBytes);
+  if (!run.recomputePublished && peak > c.memoryBytes) {
+    ModelSpec full = run.model;
+    full.transformer->recompute = Recompute::Full;
+    plan = compilePlan(full, c, run.options, /*verifyEach=*/false);
+    if (!plan)
+      return plan.takeError();
+  }
+  return plan->stats.stepTime / 1000.0;
+}
+
+} // namespace pipec

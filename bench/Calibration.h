@@ -1,0 +1,63 @@
+//===- Calibration.h - Published training runs predicted by the one cost model -*- C++ -*-===//
+//
+// bench/data/published-runs.csv holds measured training throughput with the layout it was
+// measured at (docs/calibration-sources.md says where each row comes from). Each usable run is
+// compiled exactly as published (model shape, tp, pp, vpp, dp, microbatch size, global batch,
+// schedule, recomputation, sequence parallelism, distributed optimizer, attention kernel) by
+// compilePlan, the same passes and cost model `pipec compile` runs, and its predicted step
+// time is set against the measured one. calibration_bench fits a cluster spec's factors on
+// these runs and reports the leave-one-source-out error; tests/CalibrationTest.cpp checks the
+// shipped specs against them.
+//
+//===----------------------------------------------------------------------===//
+#ifndef PIPEC_BENCH_CALIBRATION_H
+#define PIPEC_BENCH_CALIBRATION_H
+
+#include "compiler/Pass.h"
+#include "ir/Model.h"
+
+#include "llvm/Support/Error.h"
+
+#include <string>
+#include <vector>
+
+namespace pipec {
+
+/// One measured run, ready to compile.
+struct PublishedRun {
+  std::string source, id, device; // device: the CSV's gpu column ("A100-80GB", "H100-SXM")
+  ModelSpec model;
+  CompileOptions options;
+  int64_t globalBatch = 0, gpus = 0;
+  bool fp8 = false;
+  /// The source gives the run's recomputation; where it does not, the run evidently fit in
+  /// its devices' memory: none if the plan fits without it, else full.
+  bool recomputePublished = true;
+  /// The measured step time in seconds (from whichever metric the source gives).
+  double measuredSeconds = 0;
+  std::string metric; // the metric it came from
+};
+
+/// A row of the file that was left out, and why (one line).
+struct SkippedRow {
+  std::string source, id, why;
+};
+
+/// Read the CSV: one PublishedRun per measured run (a run given in several metrics counts once:
+/// step time, else tokens, else samples, else TFLOP/s; MFU and HFU restate one of those).
+llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &runs,
+                              std::vector<SkippedRow> &skipped);
+
+/// The predicted step time of `run` on `cluster` in seconds. An FP8 run (pipec has no FP8
+/// model dtype) has its GEMMs at twice the device's BF16 peak, the H100's FP8 tensor-core rate.
+llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
+
+/// The throughput error of a prediction: predicted throughput / measured - 1, i.e. measured
+/// step time / predicted - 1 (positive: pipec is too optimistic).
+inline double throughputError(double measuredSeconds, double predictedSeconds) {
+  return measuredSeconds / predictedSeconds - 1;
+}
+
+} // namespace pipec
+
+#endif // PIPEC_BENCH_CALIBRATION_H
