@@ -5,11 +5,11 @@
 // over --pp ranks and --microbatches, run by the cuda backend (every rank a thread and a compute
 // stream of one GPU, the local transport, the arenas sized before step 0) in --dtype (default
 // bf16), on the synthetic token stream. Reports the mean time of the steps after the first,
-// tokens/s and the model FLOP rate: the FLOPs of a step by DESIGN §3.1's formulas (per block and
-// sub-sequence F + B + W = 3 b x (8h^2 + 4hf) + 12 b h sum(t + 1), plus the LM head's 6 b x h V)
-// over the step time, also as a fraction of the H200's dense peak (bf16: 989.5 TFLOP/s; fp32,
-// which is strict fp32 here: 66.9). All
-// ranks share one GPU, so their streams fill each other's bubbles: this measures the kernels
+// tokens/s and the model FLOP rate: the FLOPs of a step by
+// docs/contracts.md#model-spec-pipemodel1's formulas (per block and sub-sequence F + B + W = 3 b x
+// (8h^2 + 4hf) + 12 b h sum(t + 1), plus the LM head's 6 b x h V) over the step time, also as a
+// fraction of the H200's dense peak (bf16: 989.5 TFLOP/s; fp32, which is strict fp32 here: 66.9).
+// All ranks share one GPU, so their streams fill each other's bubbles: this measures the kernels
 // and the runtime, not the schedule.
 //   bazel run -c opt //bench:cuda_step_bench -- --pp 2 --microbatches 8
 // --tiny runs examples/tiny-gpt.json's sizes for two steps (the emulated device's smoke run in
@@ -42,7 +42,7 @@ struct Sizes {
 };
 
 /// FLOPs of one training step of `plan` (forward and backward of every microbatch of every dp
-/// replica), DESIGN §3.1.
+/// replica), docs/contracts.md#model-spec-pipemodel1.
 double stepFlops(const Sizes &z, const Plan &plan) {
   const double h = double(z.hidden), f = double(z.ffn), b = double(z.batch);
   double perSequence = 0; // one microbatch through every block and the head

@@ -3,8 +3,9 @@
 // Times the zb-auto policy's search alone (emit(): the greedy variants and the local search)
 // on the zero-bubble paper's largest setting, its 28.3B model at p = 32, m = 256 (Table 9
 // costs: T_F 10.402, T_B 10.248, T_W 7.698, T_comm 0.460; M_W = M_B/2), at --memory-limit
-// p·M_B and 2p·M_B, then compiles the whole plan once to print its bubble (DESIGN §6). The
-// authors' Python heuristic takes about 1.2 s here; the target is a tenth of that.
+// p·M_B and 2p·M_B, then compiles the whole plan once to print its bubble
+// (docs/contracts.md#semantics). The authors' Python heuristic takes about 1.2 s here; the target
+// is a tenth of that.
 //   bazel run -c opt //bench:zb_auto_bench [-- --pp 32 --microbatches 256 --repeat 5]
 // Not a test: the numbers go into the README.
 //

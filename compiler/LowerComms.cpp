@@ -2,7 +2,7 @@
 //
 // Establishes: every cross-rank edge has exactly one send (after its producer) and one recv
 // (before its consumer); consecutive comm ops of a rank form one group; the plan is
-// deadlock-free under NCCL's rules (DESIGN §6) and FIFO-consistent per rank pair.
+// deadlock-free under NCCL's rules (docs/contracts.md#semantics) and FIFO-consistent per rank pair.
 //
 // How: simulate the compute order to get a global order g of all compute ops (a linear
 // extension of stream order and data dependencies: by start time, then by dependency depth,

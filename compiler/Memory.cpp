@@ -1,8 +1,8 @@
 //===- Memory.cpp - Per-rank peak memory from stream order ----------------===//
 //
 // Establishes: stats.ranks[r].peak_activation_bytes, static_bytes and peak_memory_bytes
-// (DESIGN §6 memory model; it depends only on stream order, not on timing). The activation
-// rules are ir/CostModel.h's, which zb-auto's search runs too:
+// (docs/contracts.md#semantics memory model; it depends only on stream order, not on timing). The
+// activation rules are ir/CostModel.h's, which zb-auto's search runs too:
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (first part);
 //  - a backward (input-gradient or fused) holds up to backward_peak_bytes[k] more while it runs
 //    (at least weight_grad - activation bytes: what it builds for the weight gradient);

@@ -23,7 +23,7 @@ namespace pipec {
 
 class SchedulePolicy;
 
-/// What the user asked for (DESIGN §3.3).
+/// What the user asked for (docs/contracts.md#parallel-configuration).
 struct CompileOptions {
   std::string schedule = "1f1b";
   ParallelConfig parallel;

@@ -4,7 +4,8 @@
 // instruction streams (sends, recvs, tp parts and all-reduces) only to simulate them would cost
 // most of its time. quickEvaluate() takes a plan right after the schedule pass (stage table and
 // compute-only streams) and computes what the rest of the default pipeline would report for it:
-//   - timing exactly as the simulate pass on the lowered plan (DESIGN §6): the tp parts of a
+//   - timing exactly as the simulate pass on the lowered plan (docs/contracts.md#semantics): the tp
+//   parts of a
 //     forward or input-gradient op, each followed by its tp all-reduce on the compute stream
 //     (consumers on other ranks see the op's output when its last part ends), sends and recvs
 //     free, dp all-reduces serial on their own stream after each stage's last weight gradient;

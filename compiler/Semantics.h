@@ -1,4 +1,4 @@
-//===- Semantics.h - The dependency rules of DESIGN §6 ----------*- C++ -*-===//
+//===- Semantics.h - The dependency rules of docs/contracts.md#semantics ----------*- C++ -*-===//
 //
 // Moved below schedules/ (ir/Semantics.h: what a compute op needs; ir/CostModel.h: how long
 // it takes and what it allocates), so that the simulator and zb-auto share them. Kept so that

@@ -6,9 +6,9 @@
 // efficiency by shape, attention kernel, memory-bound kernels and fixed costs), so a later
 // slice, which attends to more keys, gets fewer tokens. --seq-split-by flops keeps the
 // Seq1F1B paper's computation-wise partition (arXiv 2406.03488): boundaries where the
-// cumulative forward FLOPs of a block (linear part plus causal attention, DESIGN §3.1) reach
-// i/K of the total. Boundaries are multiples of tp so that every tensor-parallel rank holds
-// whole tokens.
+// cumulative forward FLOPs of a block (linear part plus causal attention,
+// docs/contracts.md#model-spec-pipemodel1) reach i/K of the total. Boundaries are multiples of tp
+// so that every tensor-parallel rank holds whole tokens.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Partition.h"

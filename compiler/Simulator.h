@@ -1,4 +1,4 @@
-//===- Simulator.h - The timing model of DESIGN §6 --------------*- C++ -*-===//
+//===- Simulator.h - The timing model of docs/contracts.md#semantics --------------*- C++ -*-===//
 //
 // The simulate pass's model: ir/CostModel.h holds it (simulateTimeline, summarizeTimeline),
 // below schedules/ so that zb-auto's search runs the same rules. Each rank runs its compute

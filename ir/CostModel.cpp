@@ -1,4 +1,4 @@
-//===- CostModel.cpp - DESIGN §6's timing and memory rules ----------------===//
+//===- CostModel.cpp - docs/contracts.md#semantics' timing and memory rules ----------------===//
 #include "ir/CostModel.h"
 
 #include "ir/Error.h"
@@ -276,8 +276,8 @@ void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
       const Instruction &ins = plan.ranks[r][i];
       const OpTime &ot = t.ops[r][i];
       if (ins.isCompute()) {
-        // busy is compute time only (DESIGN §6); a tp all-reduce occupies the rank but is
-        // idle time for the pipeline, inside the span.
+        // busy is compute time only (docs/contracts.md#semantics); a tp all-reduce occupies the
+        // rank but is idle time for the pipeline, inside the span.
         any = true;
         busy += ot.end - ot.start;
         start = std::min(start, ot.start);

@@ -1,4 +1,5 @@
-//===- CostModel.h - DESIGN §6's timing and memory rules, in one place -*- C++ -*-===//
+//===- CostModel.h - docs/contracts.md#semantics' timing and memory rules, in one place -*- C++
+//-*-===//
 //
 // How long an op takes, when it may start, when its output reaches another rank, and what it
 // allocates and frees. The simulator (compiler/: the simulate and memory passes, comm
@@ -6,7 +7,7 @@
 // so that a schedule searched for one cost model is scored by the same one. It lives below
 // schedules/ (ir <- schedules <- compiler) for that reason.
 //
-// Timing (DESIGN §6):
+// Timing (docs/contracts.md#semantics):
 //  - each rank runs its compute ops (and tp all-reduces, which occupy it: Megatron's are
 //    synchronous) one at a time in stream order; an op starts at the later of the end of the
 //    rank's previous op and the arrival of each input (ir/Semantics.h says which inputs);
@@ -17,7 +18,7 @@
 //  - dp and embedding all-reduces run on their own stream, one after another, each after
 //    what precedes it in the stream; a dp all-reduce takes the stage's dp_allreduce_time
 //    (the tied-embedding one is not timed: one matrix between two ranks).
-// Memory (DESIGN §6, activations; it depends only on stream order):
+// Memory (docs/contracts.md#semantics, activations; it depends only on stream order):
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (its first part);
 //  - every compute op holds its stage's workspace_bytes[k] while it runs, and a backward
 //    (input-gradient or fused) also holds backward_peak_bytes[k] (at least weight_grad -
@@ -137,8 +138,8 @@ struct StepFigures {
 };
 /// The optimizer step's time on pipeline rank `rank`: its stages' optimizer_time.
 double rankOptimizerTime(const Plan &plan, size_t rank);
-/// DESIGN §6's step figures from every rank's span: makespan = last end - first start,
-/// bubble_ratio = 1 - mean(busy) / max(span), and step_time, the period of steady training:
+/// docs/contracts.md#semantics' step figures from every rank's span: makespan = last end - first
+/// start, bubble_ratio = 1 - mean(busy) / max(span), and step_time, the period of steady training:
 ///  - without the optimizer step timed (no optimizer_time, no sync): last step end - first
 ///    start;
 ///  - otherwise, without post-validation: every rank waits for the last step end, the

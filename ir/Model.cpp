@@ -38,7 +38,8 @@ static int64_t shareOf(int64_t total, int n, int index) {
 /// Forward FLOPs of one token through a block's matrices (2 per multiply-add): q and the
 /// output projection 2h² each, k and v 2h·(kv heads · head size) each, the MLP 2hf per matrix
 /// (two for GELU, three for SwiGLU). GPT-2: 8h² + 4hf. Rotary embeddings, norms and
-/// activations are a few FLOPs per element and are left out, as DESIGN §3.1 leaves them.
+/// activations are a few FLOPs per element and are left out, as
+/// docs/contracts.md#model-spec-pipemodel1 leaves them.
 static double blockLinearFlopsPerToken(const TransformerConfig &t) {
   double h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
   double kv = double(t.kvHeads()) * (h / double(t.numAttentionHeads));
@@ -154,8 +155,9 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
   const TransformerConfig &t = *transformer;
   double b = double(t.microbatchSize), s = double(t.seqLength), h = double(t.hiddenSize);
   double v = double(t.vocabSize);
-  // DESIGN §3.1 per block: F + B + W = b·(3·s·(8h² + 4hf) + 12h·Σ(t+1)) for GPT-2 (the matrices'
-  // FLOPs per token: blockLinearFlopsPerToken); head: 3 GEMMs of 2·b·s·h·v.
+  // docs/contracts.md#model-spec-pipemodel1 per block: F + B + W = b·(3·s·(8h² + 4hf) + 12h·Σ(t+1))
+  // for GPT-2 (the matrices' FLOPs per token: blockLinearFlopsPerToken); head: 3 GEMMs of
+  // 2·b·s·h·v.
   double block =
       b * (3 * s * blockLinearFlopsPerToken(t) + 12 * h * causalPositions(0, t.seqLength));
   return double(t.numLayers) * block + 3 * 2 * b * s * h * v;

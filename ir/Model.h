@@ -2,8 +2,8 @@
 //
 // The declarative inputs of the compiler. A model is either an abstract list of layers with
 // given costs, or a GPT-style transformer whose costs come from the FLOP and activation formulas
-// of DESIGN §3.1 and the cluster's device. Both become a list of Layer entries whose per-slice
-// costs are asked for with sliceCost().
+// of docs/contracts.md#model-spec-pipemodel1 and the cluster's device. Both become a list of Layer
+// entries whose per-slice costs are asked for with sliceCost().
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_IR_MODEL_H
@@ -83,10 +83,10 @@ struct ClusterSpec {
   double memoryBytesPerMs() const { return memoryGBps * 1e6; }
 };
 
-/// How the attention kernels treat the score matrix (DESIGN §3.1): "flash" keeps a log-sum-exp
-/// per row and recomputes the probabilities in the backward (the device backends' tiled
-/// kernels); "materialized" keeps the probabilities from forward to backward (the cpu
-/// backend's reference kernels).
+/// How the attention kernels treat the score matrix (docs/contracts.md#model-spec-pipemodel1):
+/// "flash" keeps a log-sum-exp per row and recomputes the probabilities in the backward (the device
+/// backends' tiled kernels); "materialized" keeps the probabilities from forward to backward (the
+/// cpu backend's reference kernels).
 enum class Attention : uint8_t { Flash, Materialized };
 /// Activation recomputation (Korthikanti et al. 2022): "selective" recomputes the attention
 /// core in the backward instead of keeping its probabilities; "full" keeps only each block's
@@ -155,8 +155,8 @@ struct TransformerConfig {
   std::string variantText() const;
 };
 
-/// Costs of one layer for one sub-sequence of one microbatch. Memory (DESIGN §6): the layer
-/// holds activationBytes from its forward to the end of its input-gradient backward,
+/// Costs of one layer for one sub-sequence of one microbatch. Memory (docs/contracts.md#semantics):
+/// the layer holds activationBytes from its forward to the end of its input-gradient backward,
 /// weightGradBytes from there to the end of its weight-gradient backward (more than
 /// activationBytes where the runtime keeps the output gradients the weight gradient needs), and
 /// while a backward runs up to backwardPeakBytes on top of activationBytes (what it builds for

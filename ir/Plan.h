@@ -22,7 +22,7 @@
 
 namespace pipec {
 
-/// Megatron-like parallel configuration (DESIGN §3.3).
+/// Megatron-like parallel configuration (docs/contracts.md#parallel-configuration).
 struct ParallelConfig {
   int pp = 1, vpp = 1, tp = 1, dp = 1, microbatches = 1, seqSplits = 1;
   /// Interleaved schedules only; 0 = the policy's default.
@@ -56,9 +56,9 @@ struct StageInfo {
   // Per-slice costs (seq_splits entries each).
   llvm::SmallVector<double, 1> forward, backwardInput, backwardWeight;
   llvm::SmallVector<int64_t, 1> activationBytes, weightGradBytes, outputBytes;
-  /// Bytes a backward of the slice holds on top of its activation_bytes while it runs (DESIGN
-  /// §6); all 0 when the model gives none (the memory pass then takes weight_grad_bytes -
-  /// activation_bytes where that is positive).
+  /// Bytes a backward of the slice holds on top of its activation_bytes while it runs
+  /// (docs/contracts.md §6); all 0 when the model gives none (the memory pass then takes
+  /// weight_grad_bytes - activation_bytes where that is positive).
   llvm::SmallVector<int64_t, 1> backwardPeakBytes;
   /// Bytes the largest op of the stage allocates for itself and frees before it ends; the
   /// memory pass adds them to the rank's bytes at every op of the stage.

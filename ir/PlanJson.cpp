@@ -25,8 +25,9 @@ using OJson = nlohmann::ordered_json;
 // Writing
 //===----------------------------------------------------------------------===//
 
-/// One instruction on one line, its fields (DESIGN §5) in a fixed order: a plan's streams are
-/// most of its file, and a line each is both the smallest pretty form and the easiest to grep.
+/// One instruction on one line, its fields (docs/contracts.md#plan-pipeplan1) in a fixed order: a
+/// plan's streams are most of its file, and a line each is both the smallest pretty form and the
+/// easiest to grep.
 static void writeInstruction(llvm::raw_ostream &os, const Instruction &i) {
   auto field = [&](llvm::StringRef key, auto value) { os << ", \"" << key << "\": " << value; };
   auto name = [](llvm::StringRef s) { return "\"" + s.str() + "\""; };

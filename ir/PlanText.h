@@ -1,6 +1,6 @@
 //===- PlanText.h - Text form of instruction streams ------------*- C++ -*-===//
 //
-// Tokens in PyTorch's spelling (DESIGN §5), one rank per line:
+// Tokens in PyTorch's spelling (docs/contracts.md#plan-pipeplan1), one rank per line:
 //   rank 1: 1RECV_F0 1F0 1SEND_F0 ...
 // Compute: <stage><F|I|W|B><mb>[.<slice>][:<part>/<parts>]   (I = backward_input, B = fused)
 // P2P (PyTorch's convention: the stage is the one that sends or receives):

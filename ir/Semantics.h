@@ -1,9 +1,9 @@
-//===- Semantics.h - The dependency rules of DESIGN §6 ----------*- C++ -*-===//
+//===- Semantics.h - The dependency rules of docs/contracts.md#semantics ----------*- C++ -*-===//
 //
 // One definition of "what a compute op needs", shared by the lowering, the verifier and the
 // cost model (ir/CostModel.h: the simulator and zb-auto) so that they cannot disagree about
 // the rules. (tests/DependencyCheckTest.cpp checks every schedule against its own reading of
-// DESIGN §6, written without this file.)
+// docs/contracts.md#semantics, written without this file.)
 //   F(s,m,k) needs F(s-1,m,k) and, when K > 1, F(s,m,k-1);
 //   B(s,m,k) (fused or input-gradient) needs F(s,m,k), B(s+1,m,k) and, when K > 1, B(s,m,k+1);
 //   W(s,m,k) needs B(s,m,k).
@@ -66,7 +66,7 @@ struct Input {
   TensorKind tensor;
 };
 
-/// Calls fn(const Input &) for every input of compute op `i` (DESIGN §6).
+/// Calls fn(const Input &) for every input of compute op `i` (docs/contracts.md#semantics).
 template <typename Fn> void forEachInput(const Plan &plan, const Instruction &i, Fn &&fn) {
   int s = i.stage, m = i.mb, k = i.slice;
   int last = plan.numStages() - 1, lastSlice = plan.numSlices() - 1;

@@ -1,6 +1,6 @@
 //===- Checkpoint.h - Training state that survives a crash ------*- C++ -*-===//
 //
-// `piperun --save-dir D [--save-every N]` and `--resume D` (DESIGN §4; docs/reliability.md).
+// `piperun --save-dir D [--save-every N]` and `--resume D` (docs/commands.md; docs/reliability.md).
 // A checkpoint is a directory D/step-<8 digits> holding
 //   layer-<5 digits>.bin  one per model layer (embedding, blocks, head): the layer's weights and
 //                         AdamW moments WHOLE, tp shards joined (kernels::unshardLayer), so that

@@ -5,16 +5,16 @@
 // NcclTransport (runtime/cuda/NcclTransport.h: one rank per process, device memory, NCCL).
 //
 // InProcessTransport: ranks are threads of one process. Point-to-point ops obey the rules the
-// verifier assumes (DESIGN §6): sends and recvs of an ordered pair of threads match in FIFO order;
-// a thread posts a group of ops at once and blocks until every op in it has met its partner (a send
-// is a rendezvous, never buffered, as NCCL's can be). A matched pair whose tensors differ
-// (identity, size or element type) is an error naming both instructions, never a silent swap.
-// Collectives are rendezvous sums over a fixed member list, added in member order so every member
-// gets the same bits. abort() wakes every waiter with an error (the watchdog uses it). How a
-// matched message and an all-reduce's operands move is an InProcessMover: host copies and fp32 sums
-// by default (the cpu backend's tensors); the one-GPU cuda backend's mover queues device copies and
-// sum kernels instead (runtime/cuda/LocalTransport.h), so the matching rules are the same code for
-// both.
+// verifier assumes (docs/contracts.md#semantics): sends and recvs of an ordered pair of threads
+// match in FIFO order; a thread posts a group of ops at once and blocks until every op in it has
+// met its partner (a send is a rendezvous, never buffered, as NCCL's can be). A matched pair whose
+// tensors differ (identity, size or element type) is an error naming both instructions, never a
+// silent swap. Collectives are rendezvous sums over a fixed member list, added in member order so
+// every member gets the same bits. abort() wakes every waiter with an error (the watchdog uses it).
+// How a matched message and an all-reduce's operands move is an InProcessMover: host copies and
+// fp32 sums by default (the cpu backend's tensors); the one-GPU cuda backend's mover queues device
+// copies and sum kernels instead (runtime/cuda/LocalTransport.h), so the matching rules are the
+// same code for both.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_TRANSPORT_H
@@ -40,7 +40,7 @@
 
 namespace pipec {
 
-/// What a p2p message carries, named by its producer (DESIGN §5).
+/// What a p2p message carries, named by its producer (docs/contracts.md#plan-pipeplan1).
 struct TensorId {
   TensorKind kind = TensorKind::Activation;
   int stage = 0, mb = 0, slice = 0;

@@ -5,14 +5,14 @@
 // gradient, free to move), the best order of a rank depends on the profiled F, B, W, transfer
 // times and the activation memory allowed. The paper's heuristic sweeps microbatch by
 // microbatch with eight greedy variants (ZB-1p at a limit of p·M_B, ZB-2p at 2p·M_B). Ours is
-// an event-driven list scheduler over the simulator's own timing and memory rules (DESIGN §6,
-// ir/CostModel.h, which also times the 1F1B reference and checks every chosen order): whenever a
-// rank is free it runs the input gradient that has arrived; else a forward if memory, the
-// variant's in-flight cap and (optionally) the next gradient's arrival allow; else a W to fill
-// the gap (eagerly, only if it fits before the next arrival, or only when memory or the
-// cool-down forces it). Lower bounds on arrivals not yet known come from the neighbours'
-// clocks. It runs a grid of such variants (in-flight caps, forward and W policies), then a
-// local search over per-rank in-flight caps (and whether a filling W may delay the last
+// an event-driven list scheduler over the simulator's own timing and memory rules
+// (docs/contracts.md#semantics, ir/CostModel.h, which also times the 1F1B reference and checks
+// every chosen order): whenever a rank is free it runs the input gradient that has arrived; else a
+// forward if memory, the variant's in-flight cap and (optionally) the next gradient's arrival
+// allow; else a W to fill the gap (eagerly, only if it fits before the next arrival, or only when
+// memory or the cool-down forces it). Lower bounds on arrivals not yet known come from the
+// neighbours' clocks. It runs a grid of such variants (in-flight caps, forward and W policies),
+// then a local search over per-rank in-flight caps (and whether a filling W may delay the last
 // microbatch's input gradient), within a budget counted in scheduled ops (never
 // the clock); runs that cannot beat the best so far are cut short by a span lower bound. Among
 // its runs it keeps the order of least max per-rank span (the paper's bubble), then least
@@ -23,8 +23,9 @@
 // respects the limit by construction (a forward starts only if, with it, the I's of every
 // microbatch in flight can still run one at a time before any W: M_B each, plus what an I
 // keeps beyond M_B for W, plus one backward's extra and the workspace for the I running; W's
-// only give back, DESIGN §6). Deterministic: no randomness, ties broken by (time, rank), then by
-// the order of the variants. Constraints: --vpp 1 (loop placement), --seq-splits 1, and
+// only give back, docs/contracts.md#semantics). Deterministic: no randomness, ties broken by (time,
+// rank), then by the order of the variants. Constraints: --vpp 1 (loop placement), --seq-splits 1,
+// and
 // --memory-limit (bytes of activations per rank) at least one microbatch's lifetime peak on every
 // stage.
 //
@@ -358,7 +359,7 @@ Plan planOf(const ScheduleRequest &req, const ComputeOrder &order) {
   return plan;
 }
 
-/// Score of fixed rank orders under DESIGN §6's timing rules (ir/CostModel.h).
+/// Score of fixed rank orders under docs/contracts.md#semantics' timing rules (ir/CostModel.h).
 Score simulateOrder(const ScheduleRequest &req, const ComputeOrder &order) {
   Plan plan = planOf(req, order);
   Timeline t;
@@ -396,7 +397,8 @@ void oneFOneBSplit(int p, int m, ComputeOrder &order) {
   }
 }
 
-/// Peak activation of rank r's order under DESIGN §6's memory rule (ir/CostModel.h).
+/// Peak activation of rank r's order under docs/contracts.md#semantics' memory rule
+/// (ir/CostModel.h).
 int64_t peakActivation(const ScheduleRequest &req, const ComputeOrder &order, size_t r) {
   int64_t cur = 0, peak = 0;
   for (const Instruction &i : order[r]) {

@@ -79,7 +79,8 @@ TEST(PartitionTest, MoreStagesThanLayersIsAnErrorWithTheFix) {
 }
 
 //===----------------------------------------------------------------------===//
-// Transformer costs: DESIGN §3.1 against the zero-bubble paper's closed forms.
+// Transformer costs: docs/contracts.md#model-spec-pipemodel1 against the zero-bubble paper's closed
+// forms.
 //===----------------------------------------------------------------------===//
 
 ModelSpec gpt(int64_t layers, int64_t h, int64_t seq, int64_t heads = 32) {
@@ -550,8 +551,8 @@ TEST(LowerCollectivesTest, TensorParallelSplitsComputeAtMegatronsReductions) {
             std::string::npos)
       << text;
   EXPECT_NE(text.find("1B0:3/4 1ALLREDUCE_TP_B0:3/4"), std::string::npos) << text;
-  // busy stays compute time (DESIGN §6); the rank spends 2 mb x (4 + 4) all-reduces x 0.25 on
-  // tp, which lengthens the step by at least that much on the first rank.
+  // busy stays compute time (docs/contracts.md#semantics); the rank spends 2 mb x (4 + 4)
+  // all-reduces x 0.25 on tp, which lengthens the step by at least that much on the first rank.
   Plan noTp = compileOrFail(m, options("1f1b", 2, 2));
   EXPECT_NEAR(plan.stats.ranks[0].busy, noTp.stats.ranks[0].busy, 1e-9);
   EXPECT_GE(plan.stats.makespan - noTp.stats.makespan, 2 * 8 * 0.25 - 1e-9);

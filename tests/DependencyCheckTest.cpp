@@ -1,14 +1,15 @@
-//===- DependencyCheckTest.cpp - Every schedule against DESIGN §6, read a second time --===//
+//===- DependencyCheckTest.cpp - Every schedule against docs/contracts.md#semantics, read a second
+//time --===//
 //
-// The verifier, the comm lowering and the simulator share one reading of DESIGN §6
-// (ir/Semantics.h, ir/CostModel.h): a wrong rule there would pass all three. This file is a
-// second reading, written from DESIGN §6 and §3 alone, without those headers, and run against
-// every registered schedule on random abstract models (random F, B, W per layer, activation and
-// weight-gradient bytes, transfer and all-reduce times) with pp, vpp, microbatches,
-// sub-sequences, tp and dp varied. For each compiled plan and the simulator's timeline it
-// checks:
+// The verifier, the comm lowering and the simulator share one reading of
+// docs/contracts.md#semantics (ir/Semantics.h, ir/CostModel.h): a wrong rule there would pass all
+// three. This file is a second reading, written from docs/contracts.md#semantics and
+// docs/contracts.md alone, without those headers, and run against every registered schedule on
+// random abstract models (random F, B, W per layer, activation and weight-gradient bytes, transfer
+// and all-reduce times) with pp, vpp, microbatches, sub-sequences, tp and dp varied. For each
+// compiled plan and the simulator's timeline it checks:
 //  - completeness and placement: every (s, m, k) has one F and one fused B or one I and one W,
-//    on the rank DESIGN §3.3's placement gives stage s;
+//    on the rank docs/contracts.md#parallel-configuration's placement gives stage s;
 //  - dependencies: F(s,m,k) after F(s-1,m,k) and F(s,m,k-1); B or I(s,m,k) after F(s,m,k),
 //    B(s+1,m,k) and B(s,m,k+1); W after its I: same-rank inputs earlier in the stream,
 //    cross-rank ones received earlier in the consumer's stream from a send placed after the
@@ -21,7 +22,8 @@
 //  - the timing model: each op starts exactly at the later of its rank's previous op's end
 //    and each input's arrival (producer's end, plus p2p_time across ranks), lasts the sum of its
 //    stage's layer costs over K (its share when split into tp parts); tp all-reduces occupy
-//    the rank for allreduce_time; busy, span, makespan and bubble ratio as DESIGN defines them;
+//    the rank for allreduce_time; busy, span, makespan and bubble ratio as docs/contracts.md
+//    defines them;
 //  - the memory model: each rank's peak activation from stream order.
 // And that this checker can fail: planted faults in a good plan are each reported.
 //
@@ -46,8 +48,9 @@
 namespace pipec::test {
 namespace {
 
-/// A compute op by DESIGN §5's identity: (stage, microbatch, slice) and which of F, B (the
-/// input-gradient backward, fused or not) or W (weight gradient; a fused backward is one too).
+/// A compute op by docs/contracts.md#plan-pipeplan1's identity: (stage, microbatch, slice) and
+/// which of F, B (the input-gradient backward, fused or not) or W (weight gradient; a fused
+/// backward is one too).
 using OpId = std::tuple<int, int, int, char>;
 
 struct Where {
@@ -104,7 +107,7 @@ private:
   int numStages() const { return plan.parallel.pp * plan.parallel.vpp; }
   int numSlices() const { return plan.parallel.seqSplits; }
 
-  /// DESIGN §3.3: loop placement s % P; V-shape s < P ? s : 2P-1-s.
+  /// docs/contracts.md#parallel-configuration: loop placement s % P; V-shape s < P ? s : 2P-1-s.
   int rankOfStage(int s) const {
     int p = plan.parallel.pp;
     if (plan.placement == Placement::VShape)
@@ -162,7 +165,7 @@ private:
            size_t(numStages()) * plan.parallel.microbatches * numSlices() * 3);
   }
 
-  /// DESIGN §6's inputs of op `id`.
+  /// docs/contracts.md#semantics' inputs of op `id`.
   std::vector<Need> needsOf(const OpId &id) const {
     auto [s, m, k, c] = id;
     std::vector<OpId> in;
@@ -435,8 +438,8 @@ private:
           continue;
         }
         if (!same(got.start, want) || !same(got.end, want + duration)) {
-          fail("rank {} step {}: simulated [{}, {}], DESIGN §6 gives [{}, {}]", r, i, got.start,
-               got.end, want, want + duration);
+          fail("rank {} step {}: simulated [{}, {}], docs/contracts.md#semantics gives [{}, {}]", r,
+               i, got.start, got.end, want, want + duration);
           return;
         }
         clock = got.end;
@@ -448,18 +451,18 @@ private:
       }
       const RankStats &rs = plan.stats.ranks[size_t(r)];
       if (!same(rs.busy, busy) || !same(rs.span, end - start))
-        fail("rank {}: busy {} span {}, DESIGN §6 gives {} and {}", r, rs.busy, rs.span, busy,
-             end - start);
+        fail("rank {}: busy {} span {}, docs/contracts.md#semantics gives {} and {}", r, rs.busy,
+             rs.span, busy, end - start);
       first = std::min(first, start);
       last = std::max(last, end);
       maxSpan = std::max(maxSpan, end - start);
       sumBusy += busy;
     }
     if (!same(plan.stats.makespan, last - first))
-      fail("makespan {}, DESIGN §6 gives {}", plan.stats.makespan, last - first);
+      fail("makespan {}, docs/contracts.md#semantics gives {}", plan.stats.makespan, last - first);
     double bubble = 1 - sumBusy / plan.numRanks() / maxSpan;
     if (!same(plan.stats.bubbleRatio, bubble))
-      fail("bubble ratio {}, DESIGN §6 gives {}", plan.stats.bubbleRatio, bubble);
+      fail("bubble ratio {}, docs/contracts.md#semantics gives {}", plan.stats.bubbleRatio, bubble);
   }
 
   void checkMemory() {
@@ -485,7 +488,7 @@ private:
       if (live != 0)
         fail("rank {} ends with {} activation bytes alive", r, live);
       if (plan.stats.ranks[size_t(r)].peakActivationBytes != peak)
-        fail("rank {}: peak activation {}, DESIGN §6 gives {}", r,
+        fail("rank {}: peak activation {}, docs/contracts.md#semantics gives {}", r,
              plan.stats.ranks[size_t(r)].peakActivationBytes, peak);
     }
   }
@@ -601,7 +604,8 @@ TEST(DependencyCheckerTest, ReportsAStartEarlierThanAnInputsArrival) {
     t.ops[1][i].start -= 0.01;
   });
   ASSERT_FALSE(problems.empty());
-  EXPECT_NE(problems[0].find("DESIGN §6 gives"), std::string::npos) << problems[0];
+  EXPECT_NE(problems[0].find("docs/contracts.md#semantics gives"), std::string::npos)
+      << problems[0];
 }
 
 TEST(DependencyCheckerTest, ReportsAMissingRecv) {

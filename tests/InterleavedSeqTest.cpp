@@ -252,7 +252,7 @@ TEST(Seq1F1BTest, RejectsChunks) {
             "seq1f1b-interleaved");
 }
 
-/// A GPT-style transformer (DESIGN §3.1) with `layers` blocks.
+/// A GPT-style transformer (docs/contracts.md#model-spec-pipemodel1) with `layers` blocks.
 ModelSpec gpt(int layers, int h, int seq, int heads) {
   std::string text = fmt::format(
       R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},

@@ -1,7 +1,7 @@
 //===- MemoryPassTest.cpp - The memory pass on its own --------------------===//
 //
-// The memory pass (compiler/Memory.cpp, DESIGN §6's memory model) gives every rank its peak
-// activation, its static bytes (weights, gradients, optimizer state) and its peak memory
+// The memory pass (compiler/Memory.cpp, docs/contracts.md#semantics' memory model) gives every rank
+// its peak activation, its static bytes (weights, gradients, optimizer state) and its peak memory
 // (static plus the peak of activations and receive buffers together), from stream order
 // alone. Here it runs alone on lowered streams:
 //  - goldens: the per-rank figures for small configurations (regenerate with

@@ -5,7 +5,7 @@
 //     pipeline does (lowered streams, simulate and memory passes), on every schedule;
 //   - the best layout `pipec plan` reports is the best found by running `pipec compile` on every
 //     candidate and reading the plans it writes (the brute force here enumerates the space from
-//     DESIGN §4's flags alone), and the plan it writes passes `pipec validate`;
+//     docs/commands.md's flags alone), and the plan it writes passes `pipec validate`;
 //   - pruning and threads change nothing: the same answer with pruning made impossible, the
 //     same CSV on one thread and on four.
 //

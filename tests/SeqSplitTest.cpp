@@ -8,10 +8,10 @@
 //    `bazel run //tests:seq_split_test -- --update`, never by hand);
 //  - a sweep: the slices cover the sequence in order, none empty, boundaries on multiples of
 //    tp; abstract slices differ by at most one token; a transformer's slices carry equal
-//    shares of DESIGN §3.1's forward FLOPs (computed here from the formula, in closed form) up
-//    to the rounding of their two boundaries, a later slice never has more than a tp's worth
-//    of tokens more than the one before it, and the split is never less balanced than equal
-//    token counts;
+//    shares of docs/contracts.md#model-spec-pipemodel1's forward FLOPs (computed here from the
+//    formula, in closed form) up to the rounding of their two boundaries, a later slice never has
+//    more than a tp's worth of tokens more than the one before it, and the split is never less
+//    balanced than equal token counts;
 //  - negative: more slices than tokens (abstract), fewer than seq-splits·tp tokens (transformer).
 //
 //===----------------------------------------------------------------------===//
@@ -100,8 +100,8 @@ TEST(SeqSplitSweep, AbstractSlicesAreEqualTokenRanges) {
     }
 }
 
-/// DESIGN §3.1: forward FLOPs of tokens [a, e) through one block, b_mb = 1:
-/// x·(8h² + 4hf) + 4h·Σ_{t=a}^{e-1}(t+1), the sum in closed form.
+/// docs/contracts.md#model-spec-pipemodel1: forward FLOPs of tokens [a, e) through one block, b_mb
+/// = 1: x·(8h² + 4hf) + 4h·Σ_{t=a}^{e-1}(t+1), the sum in closed form.
 double forwardFlops(double h, double f, int64_t a, int64_t e) {
   double x = double(e - a);
   double positions = (double(e) * double(e + 1) - double(a) * double(a + 1)) / 2;

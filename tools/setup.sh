@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what a fresh Debian 12 machine lacks to build and test pipec (DESIGN §9).
+# Installs what a fresh Debian 12 machine lacks to build and test pipec (docs/testing.md).
 # Idempotent: does nothing when every package is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

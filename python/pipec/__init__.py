@@ -66,7 +66,7 @@ PlanError = _pipec.PlanError
 
 @dataclass(frozen=True)
 class RankStats:
-    """Per-rank results of the timing and memory models (DESIGN §6)."""
+    """Per-rank results of the timing and memory models (docs/contracts.md#semantics)."""
 
     rank: int
     busy: float | None = None

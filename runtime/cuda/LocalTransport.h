@@ -1,7 +1,7 @@
 //===- LocalTransport.h - Every rank of the plan on one GPU, device to device -*- C++ -*-===//
 //
-// DESIGN §8's `local` transport: the ranks are threads of this process sharing one GPU, matched
-// by the in-process transport's rules (FIFO per ordered pair, a group posted at once and
+// docs/runtime.md's `local` transport: the ranks are threads of this process sharing one GPU,
+// matched by the in-process transport's rules (FIFO per ordered pair, a group posted at once and
 // complete only when every op met its partner, mismatches named), but the data never leaves
 // the device and the host never waits for it:
 //

@@ -1,6 +1,7 @@
 //===- NcclLayout.h - Who this process is and which communicators it makes -*- C++ -*-===//
 //
-// The CUDA-free half of the `nccl` mode (one process per GPU, DESIGN §8), so that CI tests it:
+// The CUDA-free half of the `nccl` mode (one process per GPU, docs/runtime.md), so that CI tests
+// it:
 //   - launchEnvOf reads what the launcher set, in its own variables (torchrun's RANK,
 //     WORLD_SIZE and LOCAL_RANK; srun's SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID;
 //     Open MPI's mpirun's, MVAPICH2's mpirun_rsh's, MPICH's or Intel MPI's mpiexec's;

@@ -1,7 +1,7 @@
 //===- NcclRun.h - The nccl mode: one rank of the plan per process ---*- C++ -*-===//
 //
-// DESIGN §8's `nccl` transport: a launcher starts one process per GPU with RANK, WORLD_SIZE and
-// LOCAL_RANK, or srun's or an MPI's own variables for them (NcclLayout.h); each process selects
+// docs/runtime.md's `nccl` transport: a launcher starts one process per GPU with RANK, WORLD_SIZE
+// and LOCAL_RANK, or srun's or an MPI's own variables for them (NcclLayout.h); each process selects
 // GPU LOCAL_RANK, creates its communicators
 // eagerly (Nccl.h), sets up its GPU (streams, events, cuBLASLt and its workspace) and learns
 // (an all-reduce on `world`) whether every process could, so that all stop together if one
