@@ -66,12 +66,10 @@ std::string writeCheckpointManifest(const CheckpointManifest &m) {
 llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
                                                            llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parse(text);
+  auto parsed = r.parseObject(text);
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
-  if (auto err = r.expectObject(j, "$"))
-    return err;
   if (auto err = r.onlyKeys(j, "$",
                             {"format", "step", "adam_steps", "seed", "sequences", "data",
                              "model_name", "model", "schedule", "parallel", "plan_hash",

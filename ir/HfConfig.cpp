@@ -175,12 +175,10 @@ llvm::Error named(llvm::Error err, llvm::StringRef source) {
 
 llvm::Expected<HfModel> parseHfConfig(llvm::StringRef text, llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parse(text);
+  auto parsed = r.parseObject(text);
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
-  if (auto err = r.expectObject(j, "$"))
-    return err;
   HfModel m;
   Fields f(r, j);
   if (!f.has("model_type"))

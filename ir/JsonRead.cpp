@@ -71,6 +71,15 @@ static size_t nestingDepth(llvm::StringRef text) {
   return most;
 }
 
+llvm::Expected<Json> JsonReader::parseObject(llvm::StringRef text) const {
+  auto parsed = parse(text);
+  if (!parsed)
+    return parsed.takeError();
+  if (auto err = expectObject(*parsed, "$"))
+    return err;
+  return parsed;
+}
+
 llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
   constexpr size_t kMaxDepth = 64;
   if (size_t depth = nestingDepth(text); depth > kMaxDepth)

@@ -27,6 +27,8 @@ public:
 
   /// Parse text; a syntax error names the line and column.
   llvm::Expected<Json> parse(llvm::StringRef text) const;
+  /// parse() of a document that must be a JSON object (every pipec format and config.json).
+  llvm::Expected<Json> parseObject(llvm::StringRef text) const;
 
   llvm::Error fail(llvm::StringRef path, llvm::StringRef expected, const Json *got) const;
   llvm::Error expectObject(const Json &j, llvm::StringRef path) const;

@@ -613,12 +613,10 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
 
 llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parse(text);
+  auto parsed = r.parseObject(text);
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
-  if (auto err = r.expectObject(j, "$"))
-    return err;
   if (auto err = r.onlyKeys(j, "$",
                             {"format", "name", "layers", "transformer", "p2p_time",
                              "allreduce_time", "seq_length", "state_bytes_per_param_byte"}))

@@ -26,6 +26,23 @@ def pipec_binary() -> str:
     raise FileNotFoundError("tools/pipec is not built: bazel build //tools:pipec")
 
 
+def run_ranks(fn, world: int, args: tuple, what: str = "ranks") -> None:
+    """fn(rank, *args) in `world` forked processes, failing the test on an error or after
+    600 s (a hang fails here, not at Bazel's timeout). Forked, not spawned: the ranks inherit
+    the imported torch and pipec instead of importing them again (seconds per process);
+    callers fork before starting any thread pool or process group."""
+    import time  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    ranks = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + 600
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {world} {what} did not finish within 600 s")
+
+
 def run_pipec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([pipec_binary(), *args], capture_output=True, text=True, check=False)
 

@@ -9,18 +9,15 @@ gradient, and the losses agree. One case trains 20 steps and its loss falls."""
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-import torch.multiprocessing as mp  # noqa: E402
-
 import hf_workers  # noqa: E402
 import pipec  # noqa: E402
 import pipec.torch  # noqa: E402
-from conftest import ROOT, example  # noqa: E402
+from conftest import ROOT, example, run_ranks  # noqa: E402
 
 WORLDS = (2, 4)
 FAMILIES = ("gpt2", "llama")
@@ -40,16 +37,8 @@ def _cases():
 
 
 def _spawn(work, world, cases, train_steps):
-    ranks = mp.start_processes(hf_workers.run_cases,
-                               args=(world, str(work / "rendezvous"), str(work), cases,
-                                     train_steps),
-                               nprocs=world, join=False, start_method="fork")
-    deadline = time.monotonic() + 600  # a hang fails here, not at Bazel's timeout
-    while not ranks.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the {world} ranks did not finish within 600 s")
+    run_ranks(hf_workers.run_cases,
+              world, (world, str(work / "rendezvous"), str(work), cases, train_steps))
     return {case["id"]: [torch.load(work / f"{case['id']}-rank{r}.pt") for r in range(world)]
             for case in cases}
 

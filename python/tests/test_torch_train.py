@@ -5,18 +5,16 @@ same model on the same batch within 1e-5 of the largest gradient; the losses agr
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as mp  # noqa: E402
 
 import pipec  # noqa: E402
 import pipec.torch  # noqa: E402
 import torch_gpt  # noqa: E402
 import torch_workers  # noqa: E402
-from conftest import ROOT, example  # noqa: E402
+from conftest import ROOT, example, run_ranks  # noqa: E402
 
 # Six blocks: eight layers with the embedding and the head, enough for 4 ranks x 2 chunks.
 CFG = {**torch_gpt.CONFIG, "num_layers": 6}
@@ -62,18 +60,8 @@ def runs(tmp_path_factory):
     for world in WORLDS:
         work = tmp_path_factory.mktemp(f"world{world}")
         cases = _cases(world)
-        # Forked, not spawned: the ranks inherit the imported torch and pipec instead of
-        # importing them again (seconds per process); nothing here has started a thread pool
-        # or a process group before the fork.
-        ranks = mp.start_processes(torch_workers.run_cases,
-                                   args=(world, str(work / "rendezvous"), str(work), CFG, cases),
-                                   nprocs=world, join=False, start_method="fork")
-        deadline = time.monotonic() + 600  # a hang fails here, not at Bazel's timeout
-        while not ranks.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in ranks.processes:
-                    process.kill()
-                pytest.fail(f"the {world} ranks did not finish within 600 s")
+        run_ranks(torch_workers.run_cases, world,
+                  (world, str(work / "rendezvous"), str(work), CFG, cases))
         for case in cases:
             parts = [torch.load(work / f"{case['id']}-rank{r}.pt") for r in range(world)]
             out[(world, case["id"])] = parts
