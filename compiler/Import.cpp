@@ -223,6 +223,14 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
       result.matches.push_back(p->name().str());
   if (!named && !result.matches.empty())
     plan.schedule = result.matches.front();
+  // An order that is a policy's is that policy's plan, its optimizer step included (whether it
+  // post-validates instead of waiting for the pipeline-wide check), as compile makes it.
+  if (!result.matches.empty()) {
+    if (auto policy = findPolicy(result.matches.front()))
+      plan.postValidation = (*policy)->postValidation();
+    else
+      llvm::consumeError(policy.takeError());
+  }
 
   if (auto err = runPipeline({"lower-comms", "lower-collectives", "memory", "simulate", "verify"},
                              plan, ctx))
