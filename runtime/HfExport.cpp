@@ -196,8 +196,8 @@ llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConf
   }
   // Written under a temporary name beside `dir`, then renamed: the directory appears whole.
   const std::string temp = fmt::format("{}.partial-{}", dir.str(), ::getpid());
-  llvm::sys::fs::remove_directories(temp);
-  if (std::error_code ec = llvm::sys::fs::create_directory(temp))
+  // Never a directory someone else has under that name: create_directory refuses one.
+  if (std::error_code ec = llvm::sys::fs::create_directory(temp, /*IgnoreExisting=*/false))
     return inputError("--export-hf: {}: cannot create: {}", temp, ec.message());
   // Every file is new, inside a directory made here: none can be one of the run's inputs.
   auto write = [&]() -> llvm::Error {
