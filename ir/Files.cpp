@@ -444,6 +444,17 @@ llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::String
 }
 
 std::string shortened(llvm::StringRef value, size_t most) {
+  // A control character (a newline in a tensor's name) would break the line: written escaped.
+  if (llvm::any_of(value, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; })) {
+    std::string escaped;
+    for (char c : value)
+      escaped += c == '\n'                        ? std::string("\\n")
+                 : c == '\t'                      ? std::string("\\t")
+                 : c == '\r'                      ? std::string("\\r")
+                 : uint8_t(c) < 0x20 || c == 0x7f ? fmt::format("\\x{:02x}", uint8_t(c))
+                                                  : std::string(1, c);
+    return shortened(escaped, most);
+  }
   if (value.size() <= most)
     return value.str();
   // Cut at character boundaries: never inside a UTF-8 sequence.

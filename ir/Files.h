@@ -109,7 +109,8 @@ std::string humanBytes(uint64_t bytes);
 llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::StringRef fix);
 
 /// `value` as it may appear in a one-line message: at most `most` characters, a longer one cut
-/// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz").
+/// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz"), and
+/// control characters escaped ("\n", "\x1b").
 std::string shortened(llvm::StringRef value, size_t most = 80);
 
 } // namespace pipec

@@ -149,10 +149,15 @@ llvm::Error parseLlama(const Fields &f, const Json &j, HfModel &m) {
   int64_t headDim = c.hiddenSize / c.numAttentionHeads;
   if (auto err = f.integer("head_dim", headDim, false))
     return err;
-  if (auto err = f.onlyIf("head_dim", headDim * c.numAttentionHeads == c.hiddenSize,
-                          "heads must split hidden_size evenly (head_dim = hidden_size / "
-                          "num_attention_heads)"))
-    return err;
+  // (Without head_dim, heads that do not split hidden_size are refused below, by name.) Compared
+  // by division: head_dim and the heads are each up to 2^53, their product past int64.
+  if (f.has("head_dim"))
+    if (auto err = f.onlyIf("head_dim",
+                            c.hiddenSize % c.numAttentionHeads == 0 &&
+                                headDim == c.hiddenSize / c.numAttentionHeads,
+                            "heads must split hidden_size evenly (head_dim = hidden_size / "
+                            "num_attention_heads)"))
+      return err;
   if (m.modelType == "mistral")
     if (auto err = f.integer("sliding_window", m.slidingWindow, false))
       return err;

@@ -619,8 +619,9 @@ llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
     llvm::StringRef file;
     if (it.value().is_string())
       file = it.value().get_ref<const std::string &>();
-    // Shards are files of this directory, named plainly.
-    if (file.empty() || file.contains('/') || file == "." || file == "..")
+    // Shards are files of this directory, named plainly (and printably: the name is in errors).
+    if (file.empty() || file.contains('/') || file == "." || file == ".." ||
+        llvm::any_of(file, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; }))
       return inputError("{}: $.weight_map[\"{}\"]: expected the name of a shard file in the "
                         "directory, got {}",
                         indexPath, shortened(it.key()), shortened(describeJson(it.value())));
