@@ -199,7 +199,13 @@ tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen
   auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/false);
   if (!buf)
     return inputError("--data: {}: cannot read: {}", path.str(), buf.getError().message());
-  llvm::StringRef bytes = (*buf)->getBuffer();
+  return tokenBytesData((*buf)->getBuffer(), path, dtype, vocab, seqLen, seed);
+}
+
+llvm::Expected<std::unique_ptr<DataSource>> tokenBytesData(llvm::StringRef bytes,
+                                                           llvm::StringRef path,
+                                                           llvm::StringRef dtype, int vocab,
+                                                           int seqLen, uint64_t seed) {
   TokenLayout layout{dtype == "uint32" ? 4u : 2u, false, 0, 0};
   if (bytes.startswith(kNpyMagic)) {
     auto npy = npyLayout(path, bytes);

@@ -36,6 +36,12 @@ std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
 llvm::Expected<std::unique_ptr<DataSource>>
 tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed);
 
+/// The same from the file's bytes, already read (`path` names it in errors).
+llvm::Expected<std::unique_ptr<DataSource>> tokenBytesData(llvm::StringRef bytes,
+                                                           llvm::StringRef path,
+                                                           llvm::StringRef dtype, int vocab,
+                                                           int seqLen, uint64_t seed);
+
 /// How a checkpoint records a token file: "file <name> <bytes>" (its name without the
 /// directory, and its size), so that a resume can tell another file from the same one moved.
 std::string dataSourceName(llvm::StringRef path);

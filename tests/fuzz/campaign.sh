@@ -3,17 +3,22 @@
 #   bash tests/fuzz/campaign.sh TARGET [libFuzzer flags...]
 #   e.g. bash tests/fuzz/campaign.sh plan_fuzzer -runs=2000000
 #        bash tests/fuzz/campaign.sh model_spec_fuzzer -max_total_time=3600
-# TARGET is one of tests/fuzz's: model_spec_fuzzer cluster_spec_fuzzer plan_fuzzer
-# plan_text_fuzzer torch_csv_fuzzer piperun_intake_fuzzer manifest_fuzzer. The corpus lives in
-# .fuzz/TARGET/corpus (git-ignored), seeded from examples/, tests/golden and the seed plans, and
-# grows from campaign to campaign; a crash's input goes to .fuzz/TARGET/ and fails the script.
+# TARGET is one of tests/fuzz/BUILD's pipec_fuzz_test names. The corpus lives in
+# .fuzz/TARGET/corpus (git-ignored), seeded from examples/, tests/golden, the seed plans and
+# tests/fuzz/seeds/NAME/ and regressions/NAME-* (NAME: TARGET without "_fuzzer"), and grows from
+# campaign to campaign; a crash's input goes to .fuzz/TARGET/ and fails the script.
 # Last, the whole corpus is replayed once to print its coverage: inputs, edges (cov) and
 # features (ft).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 target=${1:?usage: campaign.sh TARGET [libFuzzer flags...]}
 shift
-bazel build --config=asan "//tests/fuzz:${target}_bin" //tools:pipec >&2
+# pipec compiles the seed plans of the plan targets; the others need only their own binary.
+case "$target" in
+  plan_fuzzer | piperun_intake_fuzzer) tools=//tools:pipec ;;
+  *) tools= ;;
+esac
+bazel build --config=asan "//tests/fuzz:${target}_bin" $tools >&2
 bin="$(bazel info --config=asan bazel-bin 2>/dev/null)/tests/fuzz/${target}_bin"
 pipec="$(bazel info --config=asan bazel-bin 2>/dev/null)/tools/pipec"
 work=.fuzz/$target
@@ -32,8 +37,15 @@ case "$target" in
       "$pipec" compile --quiet --model examples/$flags -o "$work/seeds/$name.json"
     done <tests/fuzz/seed_plans.txt
     ;;
-  *) echo "campaign.sh: unknown target $target" >&2; exit 2 ;;
 esac
+short=${target%_fuzzer}
+for seed in tests/fuzz/seeds/"$short"/* tests/fuzz/regressions/"$short"-*; do
+  if [ -f "$seed" ]; then cp "$seed" "$work/seeds/"; fi
+done
+if [ -z "$(ls -A "$work/seeds")" ]; then
+  echo "campaign.sh: no seeds for $target (tests/fuzz/seeds/$short/ is empty)" >&2
+  exit 2
+fi
 "$bin" -dict=tests/fuzz/pipec.dict -timeout=20 -rss_limit_mb=2560 -print_final_stats=1 \
   -artifact_prefix="$work/" "$@" "$work/corpus" "$work/seeds"
 echo "campaign.sh: corpus coverage of $target:" >&2

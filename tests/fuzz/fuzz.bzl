@@ -5,16 +5,29 @@
 declares `name`_bin, the target linked with ReplayMain.cpp in the normal build and with
 libFuzzer's main under --config=asan (define pipec_fuzz=libfuzzer), and the test `name`, which
 runs the seeds once (normal build) or fuzzes from them for PIPEC_FUZZ_SECONDS (asan).
+
+A target's seeds are `seeds` and, always, the files of seeds/NAME/ (NAME without "_fuzzer")
+and regressions/NAME-* (the inputs its campaigns found, once fixed), which campaign.sh uses
+too: a new target is one line,
+
+    pipec_fuzz_test(name = "costs_fuzzer", src = "CostsFuzzer.cpp", deps = ["//ir"])
+
+with its seeds in seeds/costs/.
 """
 
 load("//:copts.bzl", "PIPE_COPTS")
 
 def pipec_fuzz_test(name, src, deps, seeds = [], plans = None, size = "medium"):
     """`plans`: a name prefix of tests/fuzz/seed_plans.txt ("" for all) to add as seeds."""
+    short = name[:-len("_fuzzer")] if name.endswith("_fuzzer") else name
+    seeds = seeds + native.glob(
+        ["seeds/%s/*" % short, "regressions/%s-*" % short],
+        allow_empty = True,
+    )
     native.cc_binary(
         name = name + "_bin",
         testonly = True,
-        srcs = [src, "FuzzTarget.h"] + select({
+        srcs = [src, "FuzzTarget.h", "TinyHfModels.h"] + select({
             ":libfuzzer": [],
             "//conditions:default": ["ReplayMain.cpp"],
         }),
