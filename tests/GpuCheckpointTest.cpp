@@ -8,20 +8,33 @@
 //    checkpoint saved by either resumes under the other to the uninterrupted run bit for bit;
 //  - cpu and cuda sum in other orders (the emulated device's stand-ins follow the GPU kernels'
 //    orders), so across them a resumed run matches the uninterrupted one to fp32 rounding, and
-//    the resumed run passes --check-reference against a reference loaded from the checkpoint.
+//    the resumed run passes --check-reference against a reference loaded from the checkpoint;
+//  - cuda: the same command line (--save-dir D --resume D) killed (SIGKILL) at random instants
+//    and relaunched until it exits 0 ends with the uninterrupted run's losses and final weights
+//    bit for bit;
+//  - preemption in real processes: a process of the nccl mode (and the cuda backend) sent
+//    SIGTERM (SIGUSR1) after a step's line finishes the step in flight, saves it and exits 143
+//    (138) with one line; relaunched, the job ends as the uninterrupted run bit for bit. (The
+//    agreement of several processes on the step they stop at: NcclEmuTest.cpp, whose emulated
+//    NCCL runs ranks as threads of one process.)
 //
 //===----------------------------------------------------------------------===//
 #include "tests/Command.h"
+#include "tests/Process.h"
 
 #include "ir/Error.h"
 #include "runtime/Checkpoint.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
 
 namespace {
@@ -198,3 +211,83 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   ASSERT_EQ(fromNccl.code, 0) << fromNccl.err;
   EXPECT_EQ(stepLosses(fromNccl.out).at(0), stepLosses(wholeNccl.out).at(2));
 }
+
+namespace {
+
+using pipec::testing::Child;
+
+TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
+  const std::string d = freshDir("cuda-relaunch");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const int steps = 8;
+  const auto started = std::chrono::steady_clock::now();
+  auto whole =
+      piperun("cuda", plan, "--steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
+  ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
+  // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
+  const int span = int(std::max<int64_t>(50, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                 std::chrono::steady_clock::now() - started)
+                                                 .count()));
+  const std::string ck = d + "/ck";
+  const std::string cmd = "tools/piperun_emu " + plan + " --backend cuda --dtype fp32 --steps " +
+                          std::to_string(steps) + " --save-every 1 --save-dir " + ck +
+                          " --resume " + ck;
+  int killed = 0;
+  auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 45, killed);
+  EXPECT_GT(killed, 0) << "no launch was killed";
+  EXPECT_EQ(got, stepLosses(whole.out));
+  auto want = layerFiles(d + "/whole", steps);
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_TRUE(layerFiles(ck, steps) == want)
+      << "the relaunched job's final weights and moments differ from the uninterrupted run's";
+}
+
+/// `backend` ("cuda" or "nccl", one process) sent `sig` after its first step's line: it saves
+/// the step in flight and exits 128 + `sig` with one line; relaunched to two steps past it, the
+/// job's losses and weights are the uninterrupted run's bit for bit.
+void expectPreemptedAndRelaunched(const std::string &backend, int sig, const char *name) {
+  const std::string d = freshDir("preempt-" + backend);
+  const std::string plan = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string ck = d + "/ck";
+  const std::string env =
+      backend == "nccl" ? "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " : "";
+  Child c =
+      pipec::testing::spawn(env + "tools/piperun_emu " + plan + " --backend " + backend +
+                            " --dtype fp32 --steps 1000 --save-dir " + ck + " --resume " + ck);
+  ASSERT_TRUE(pipec::testing::readUntil(c, "step 0 loss")) << c.out;
+  ::kill(c.pid, sig);
+  const int status = pipec::testing::finish(c);
+  ASSERT_TRUE(WIFEXITED(status)) << c.out;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + sig) << c.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      c.out, m,
+      std::regex(std::string("piperun: ") + name + ": stopped after step ([0-9]+), saved " + ck +
+                 "/step-([0-9]{8}) \\(relaunch with --resume " + ck +
+                 " to continue\\); exit status " + std::to_string(128 + sig) + "\n")))
+      << c.out;
+  auto losses = stepLosses(c.out);
+  ASSERT_FALSE(losses.empty());
+  EXPECT_EQ(losses.rbegin()->first, std::stoi(m[1])) << c.out;
+  const int end = std::stoi(m[2]) + 2;
+  auto rest = piperun(backend, plan,
+                      "--steps " + std::to_string(end) + " --save-dir " + ck + " --resume " + ck);
+  ASSERT_EQ(rest.code, 0) << rest.out << rest.err;
+  auto whole =
+      piperun(backend, plan, "--steps " + std::to_string(end) + " --save-dir " + d + "/whole");
+  ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
+  for (auto [step, loss] : stepLosses(rest.out))
+    losses[step] = loss;
+  EXPECT_EQ(losses, stepLosses(whole.out));
+  EXPECT_TRUE(layerFiles(ck, end) == layerFiles(d + "/whole", end));
+}
+
+TEST(GpuCheckpointTest, AnNcclProcessSentSigtermSavesTheStepInFlightAndExits143) {
+  expectPreemptedAndRelaunched("nccl", SIGTERM, "SIGTERM");
+}
+
+TEST(GpuCheckpointTest, TheCudaBackendSentSigusrOneSavesTheStepInFlightAndExits138) {
+  expectPreemptedAndRelaunched("cuda", SIGUSR1, "SIGUSR1");
+}
+
+} // namespace
