@@ -559,6 +559,7 @@ TEST(NcclEmuCheckpointTest, ProcessesSignalledAtDifferentStepsOrNotAtAllStopAfte
   auto data = syntheticData(32, /*seed=*/7);
   const std::string dir = ::testing::TempDir() + "/nccl-preempt";
   std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
   CudaRunOptions o;
   o.steps = 1;
   o.saveDir = dir + "/cuda";
