@@ -338,9 +338,7 @@ TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitF
   auto uninterrupted =
       piperun(plan + " --steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
   // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
-  const int span = int(std::max<int64_t>(50, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                 std::chrono::steady_clock::now() - started)
-                                                 .count()));
+  const int span = pipec::testing::millisecondsSince(started);
   ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
   const auto want = stepLosses(uninterrupted.out);
   ASSERT_EQ(want.size(), size_t(steps));

@@ -225,9 +225,7 @@ TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) 
       piperun("cuda", plan, "--steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
-  const int span = int(std::max<int64_t>(50, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                 std::chrono::steady_clock::now() - started)
-                                                 .count()));
+  const int span = pipec::testing::millisecondsSince(started);
   const std::string ck = d + "/ck";
   const std::string cmd = "tools/piperun_emu " + plan + " --backend cuda --dtype fp32 --steps " +
                           std::to_string(steps) + " --save-every 1 --save-dir " + ck +

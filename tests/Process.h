@@ -15,6 +15,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <map>
@@ -87,6 +88,15 @@ inline int finish(Child &c) {
   int status = 0;
   ::waitpid(c.pid, &status, 0);
   return status;
+}
+
+/// The milliseconds since `started` (at least 50): the span of a launcher's random kills, from
+/// an uninterrupted run's time on this machine, however loaded.
+inline int millisecondsSince(std::chrono::steady_clock::time_point started) {
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                  started)
+                .count();
+  return int(std::max<int64_t>(50, ms));
 }
 
 /// A preemptible job's launcher: `cmd` (its output into `out`) launched, killed (SIGKILL) at a
