@@ -314,17 +314,6 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
   EXPECT_GT(previous, 0) << "no round got as far as a checkpoint";
 }
 
-/// Every layer file of the checkpoint of step `step` in `dir` (name -> bytes).
-std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "/step-%08d", step);
-  std::map<std::string, std::string> m;
-  for (auto &[file, bytes] : files(dir + name))
-    if (file.rfind("layer-", 0) == 0)
-      m[file] = bytes;
-  return m;
-}
-
 TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
   // A preemptible job's launcher: the same command line, killed (SIGKILL) at a random instant
   // and launched again until it exits 0. --steps is the step the job ends at and --resume on a
@@ -349,9 +338,9 @@ TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitF
   auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 44, killed);
   EXPECT_GT(killed, 0) << "no launch was killed";
   EXPECT_EQ(got, want);
-  auto final = layerFiles(d + "/whole", steps);
+  auto final = pipec::testing::checkpointLayerFiles(d + "/whole", steps);
   ASSERT_EQ(final.size(), 6u);
-  EXPECT_TRUE(layerFiles(ck, steps) == final)
+  EXPECT_TRUE(pipec::testing::checkpointLayerFiles(ck, steps) == final)
       << "the relaunched job's final weights and moments differ from the uninterrupted run's";
   // Launched once more, the finished job says so and exits 0.
   auto again = runCommand(cmd);

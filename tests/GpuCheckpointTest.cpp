@@ -40,19 +40,13 @@
 namespace {
 
 namespace fs = std::filesystem;
+using pipec::testing::checkpointLayerFiles;
 using pipec::testing::CommandResult;
+using pipec::testing::compileTinyGpt;
 using pipec::testing::freshDir;
 using pipec::testing::runCommand;
 using pipec::testing::slurp;
 using pipec::testing::stepLosses;
-
-std::string compile(const std::string &dir, const std::string &flags) {
-  std::string out = dir + "/plan.json";
-  auto r = runCommand("tools/pipec compile --quiet --model examples/tiny-gpt.json " + flags +
-                      " -o " + out);
-  EXPECT_EQ(r.code, 0) << r.err;
-  return out;
-}
 
 /// piperun_emu on `plan` with `args`; `backend` "nccl" runs one process from torchrun's
 /// variables.
@@ -63,17 +57,6 @@ CommandResult piperun(const std::string &backend, const std::string &plan,
   std::string dtype = backend == "cpu" ? "" : " --dtype fp32";
   return runCommand(env + "tools/piperun_emu " + plan + " --backend " + backend + dtype + " " +
                     args);
-}
-
-/// Every layer file of the checkpoint of step `step` in `dir` (name -> bytes).
-std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "/step-%08d", step);
-  std::map<std::string, std::string> m;
-  for (auto &e : fs::directory_iterator(dir + name))
-    if (e.path().filename().string().rfind("layer-", 0) == 0)
-      m[e.path().filename().string()] = slurp(e.path().string());
-  return m;
 }
 
 /// `first` steps under `saver` with a checkpoint, then the rest of `steps` resumed under
@@ -100,28 +83,29 @@ std::map<int, std::string> saveThenResume(const std::string &saver, const std::s
 TEST(GpuCheckpointTest, CudaSaveAndResumeIsTheUninterruptedRunBitForBit) {
   const std::string d = freshDir("cuda");
   // tp and dp too, so that shards are joined on save and cut again on resume.
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2 --dp 2");
+  const std::string plan =
+      compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2 --dp 2");
   auto whole = piperun("cuda", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   auto got = saveThenResume("cuda", "cuda", plan, d + "/split", 2, 4);
   EXPECT_EQ(got, stepLosses(whole.out));
-  auto want = layerFiles(d + "/four", 4);
+  auto want = checkpointLayerFiles(d + "/four", 4);
   ASSERT_EQ(want.size(), 6u); // embedding, four blocks, head
-  EXPECT_TRUE(layerFiles(d + "/split", 4) == want)
+  EXPECT_TRUE(checkpointLayerFiles(d + "/split", 4) == want)
       << "the resumed run's step-4 weights and moments differ from the uninterrupted run's";
 }
 
 TEST(GpuCheckpointTest, NcclAndCudaCheckpointsResumeEachOtherBitForBit) {
   const std::string d = freshDir("nccl");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   auto whole = piperun("cuda", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
-  const auto want = layerFiles(d + "/four", 4);
+  const auto want = checkpointLayerFiles(d + "/four", 4);
   for (auto [saver, resumer] : {std::pair{"nccl", "cuda"}, std::pair{"cuda", "nccl"}}) {
     const std::string dir = d + "/" + saver + "-" + resumer;
     auto got = saveThenResume(saver, resumer, plan, dir, 2, 4);
     EXPECT_EQ(got, stepLosses(whole.out)) << saver << " then " << resumer;
-    EXPECT_TRUE(layerFiles(dir, 4) == want) << saver << " then " << resumer;
+    EXPECT_TRUE(checkpointLayerFiles(dir, 4) == want) << saver << " then " << resumer;
   }
 }
 
@@ -154,7 +138,7 @@ double largestWeightDifference(const std::string &a, const std::string &b) {
 
 TEST(GpuCheckpointTest, CpuAndCudaCheckpointsResumeEachOther) {
   const std::string d = freshDir("cpu-cuda");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
   auto whole = piperun("cpu", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   const auto want = stepLosses(whole.out);
@@ -182,7 +166,7 @@ TEST(GpuCheckpointTest, CpuAndCudaCheckpointsResumeEachOther) {
 // under tp 2 x pp 2, the nccl mode in one process).
 TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   const std::string d = freshDir("gpu-export");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
   {
     std::ofstream tokens(d + "/one.bin", std::ios::binary);
     for (uint16_t t = 0; t < 17; ++t) { // seq_length 16 + 1: one window
@@ -202,7 +186,7 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   ASSERT_EQ(from.code, 0) << from.err;
   EXPECT_EQ(stepLosses(from.out).at(0), stepLosses(whole.out).at(2));
   // The nccl mode (one process: pp 1, tp 1) exports the same way.
-  const std::string one = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string one = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   auto wholeNccl = piperun("nccl", one, "--steps 3" + data);
   ASSERT_EQ(wholeNccl.code, 0) << wholeNccl.err;
   auto exportedNccl = piperun("nccl", one, "--steps 2 --export-hf " + d + "/hf-nccl" + data);
@@ -218,7 +202,7 @@ using pipec::testing::Child;
 
 TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
   const std::string d = freshDir("cuda-relaunch");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
   const int steps = 8;
   const auto started = std::chrono::steady_clock::now();
   auto whole =
@@ -234,9 +218,9 @@ TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) 
   auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 45, killed);
   EXPECT_GT(killed, 0) << "no launch was killed";
   EXPECT_EQ(got, stepLosses(whole.out));
-  auto want = layerFiles(d + "/whole", steps);
+  auto want = checkpointLayerFiles(d + "/whole", steps);
   ASSERT_EQ(want.size(), 6u);
-  EXPECT_TRUE(layerFiles(ck, steps) == want)
+  EXPECT_TRUE(checkpointLayerFiles(ck, steps) == want)
       << "the relaunched job's final weights and moments differ from the uninterrupted run's";
 }
 
@@ -245,7 +229,7 @@ TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) 
 /// job's losses and weights are the uninterrupted run's bit for bit.
 void expectPreemptedAndRelaunched(const std::string &backend, int sig, const char *name) {
   const std::string d = freshDir("preempt-" + backend);
-  const std::string plan = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   const std::string ck = d + "/ck";
   const std::string env =
       backend == "nccl" ? "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " : "";
@@ -277,7 +261,7 @@ void expectPreemptedAndRelaunched(const std::string &backend, int sig, const cha
   for (auto [step, loss] : stepLosses(rest.out))
     losses[step] = loss;
   EXPECT_EQ(losses, stepLosses(whole.out));
-  EXPECT_TRUE(layerFiles(ck, end) == layerFiles(d + "/whole", end));
+  EXPECT_TRUE(checkpointLayerFiles(ck, end) == checkpointLayerFiles(d + "/whole", end));
 }
 
 TEST(GpuCheckpointTest, AnNcclProcessSentSigtermSavesTheStepInFlightAndExits143) {

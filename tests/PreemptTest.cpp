@@ -33,38 +33,18 @@
 namespace {
 
 namespace fs = std::filesystem;
+using pipec::testing::checkpointLayerFiles;
 using pipec::testing::Child;
+using pipec::testing::compileTinyGpt;
 using pipec::testing::finish;
 using pipec::testing::freshDir;
 using pipec::testing::readUntil;
 using pipec::testing::runCommand;
-using pipec::testing::slurp;
 using pipec::testing::spawn;
 using pipec::testing::stepLosses;
 
-std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
-
-std::string compile(const std::string &dir, const std::string &flags) {
-  std::string out = dir + "/plan.json";
-  auto r = runCommand(tool("pipec") + " compile --quiet --model examples/tiny-gpt.json " + flags +
-                      " -o " + out);
-  EXPECT_EQ(r.code, 0) << r.err;
-  return out;
-}
-
 std::string piperun(const std::string &plan, const std::string &args) {
-  return tool("piperun") + " " + plan + " " + args;
-}
-
-/// The files of the checkpoint of step `step` in `dir` that hold the state (name -> bytes).
-std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "/step-%08d", step);
-  std::map<std::string, std::string> m;
-  for (auto &e : fs::directory_iterator(dir + name))
-    if (e.path().filename().string().rfind("layer-", 0) == 0)
-      m[e.path().filename().string()] = slurp(e.path().string());
-  return m;
+  return "tools/piperun " + plan + " " + args;
 }
 
 /// The step-<n> names in `dir`, sorted.
@@ -89,7 +69,7 @@ int linesStartingWith(const std::string &out, const std::string &prefix) {
 
 TEST(PreemptTest, SigtermFinishesTheStepSavesExits143AndTheRelaunchFinishesTheJobBitForBit) {
   const std::string d = freshDir("sigterm");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
   const std::string ck = d + "/ck";
   // The job's command line as a launcher gives it; far more steps than run before the signal.
   Child c = spawn(piperun(plan, "--steps 1000 --save-dir " + ck + " --resume " + ck));
@@ -128,15 +108,15 @@ TEST(PreemptTest, SigtermFinishesTheStepSavesExits143AndTheRelaunchFinishesTheJo
   for (auto [step, loss] : stepLosses(rest.out))
     losses[step] = loss;
   EXPECT_EQ(losses, stepLosses(whole.out));
-  auto want = layerFiles(d + "/whole", end);
+  auto want = checkpointLayerFiles(d + "/whole", end);
   ASSERT_EQ(want.size(), 6u);
-  EXPECT_TRUE(layerFiles(ck, end) == want)
+  EXPECT_TRUE(checkpointLayerFiles(ck, end) == want)
       << "the preempted and relaunched job's weights and moments differ from the uninterrupted";
 }
 
 TEST(PreemptTest, SigusrOneWithoutSaveDirStopsSaysNothingWasSavedAndExits138) {
   const std::string d = freshDir("sigusr1");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2");
   Child c = spawn(piperun(plan, "--steps 1000"));
   ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
   ::kill(c.pid, SIGUSR1);
@@ -154,7 +134,7 @@ TEST(PreemptTest, SigusrOneWithoutSaveDirStopsSaysNothingWasSavedAndExits138) {
 
 TEST(PreemptTest, ASecondSignalEndsTheProcessAtOnce) {
   const std::string d = freshDir("second");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2");
   const std::string ck = d + "/ck";
   Child c = spawn(piperun(plan, "--steps 1000 --save-dir " + ck));
   ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
@@ -172,7 +152,7 @@ TEST(PreemptTest, ASecondSignalEndsTheProcessAtOnce) {
 
 TEST(PreemptTest, KeepLeavesTheNewestCheckpointsAndTheDefaultKeepsAll) {
   const std::string d = freshDir("keep");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2");
   auto all = runCommand(piperun(plan, "--steps 4 --save-every 1 --save-dir " + d + "/all"));
   ASSERT_EQ(all.code, 0) << all.err;
   EXPECT_EQ(stepDirs(d + "/all"), (std::vector<std::string>{"step-00000001", "step-00000002",
@@ -181,7 +161,7 @@ TEST(PreemptTest, KeepLeavesTheNewestCheckpointsAndTheDefaultKeepsAll) {
       runCommand(piperun(plan, "--steps 4 --save-every 1 --keep 1 --save-dir " + d + "/one"));
   ASSERT_EQ(one.code, 0) << one.err;
   EXPECT_EQ(stepDirs(d + "/one"), std::vector<std::string>{"step-00000004"});
-  EXPECT_TRUE(layerFiles(d + "/one", 4) == layerFiles(d + "/all", 4));
+  EXPECT_TRUE(checkpointLayerFiles(d + "/one", 4) == checkpointLayerFiles(d + "/all", 4));
   // Resumed with --keep 2, the older checkpoints of the directory count too.
   auto more = runCommand(piperun(plan, "--steps 6 --save-every 1 --keep 2 --resume " + d +
                                            "/all --save-dir " + d + "/all"));
@@ -199,11 +179,11 @@ TEST(PreemptTest, KeepLeavesTheNewestCheckpointsAndTheDefaultKeepsAll) {
 
 TEST(PreemptTest, AFullDiskInASaveExitsTwoNamingTheBytesAndLeavesThePreviousCheckpoint) {
   const std::string d = freshDir("full");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2");
   const std::string ck = d + "/ck";
   auto first = runCommand(piperun(plan, "--steps 2 --save-dir " + ck));
   ASSERT_EQ(first.code, 0) << first.err;
-  const auto before = layerFiles(ck, 2);
+  const auto before = checkpointLayerFiles(ck, 2);
   // The uninterrupted run, whose step-3 checkpoint is what the save below needs room for.
   auto whole = runCommand(piperun(plan, "--steps 4 --save-every 1 --save-dir " + d + "/whole"));
   ASSERT_EQ(whole.code, 0) << whole.err;
@@ -235,7 +215,7 @@ TEST(PreemptTest, AFullDiskInASaveExitsTwoNamingTheBytesAndLeavesThePreviousChec
   EXPECT_EQ(linesStartingWith(c.out, "piperun: "), 1) << c.out;
   // Nothing of the failed save is left; the previous checkpoint is as it was.
   EXPECT_EQ(stepDirs(ck), std::vector<std::string>{"step-00000002"});
-  EXPECT_TRUE(layerFiles(ck, 2) == before);
+  EXPECT_TRUE(checkpointLayerFiles(ck, 2) == before);
   // And it resumes, with room again, to the uninterrupted run bit for bit.
   auto rest =
       runCommand(piperun(plan, "--steps 4 --save-every 1 --resume " + ck + " --save-dir " + ck));
@@ -244,7 +224,7 @@ TEST(PreemptTest, AFullDiskInASaveExitsTwoNamingTheBytesAndLeavesThePreviousChec
   for (auto [step, loss] : stepLosses(rest.out))
     losses[step] = loss;
   EXPECT_EQ(losses, stepLosses(whole.out));
-  EXPECT_TRUE(layerFiles(ck, 4) == layerFiles(d + "/whole", 4));
+  EXPECT_TRUE(checkpointLayerFiles(ck, 4) == checkpointLayerFiles(d + "/whole", 4));
 }
 
 } // namespace

@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <string>
@@ -88,6 +90,28 @@ inline int finish(Child &c) {
   int status = 0;
   ::waitpid(c.pid, &status, 0);
   return status;
+}
+
+/// `pipec compile` of examples/tiny-gpt.json with `flags` into dir/plan.json (run from the
+/// runfiles' root, as the tests are); the plan's path.
+inline std::string compileTinyGpt(const std::string &dir, const std::string &flags) {
+  std::string out = dir + "/plan.json";
+  auto r = runCommand("tools/pipec compile --quiet --model examples/tiny-gpt.json " + flags +
+                      " -o " + out);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return out;
+}
+
+/// The layer files of the checkpoint of step `step` in `dir` (name -> bytes): its weights and
+/// AdamW moments.
+inline std::map<std::string, std::string> checkpointLayerFiles(const std::string &dir, int step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "/step-%08d", step);
+  std::map<std::string, std::string> m;
+  for (auto &e : std::filesystem::directory_iterator(dir + name))
+    if (e.path().filename().string().rfind("layer-", 0) == 0)
+      m[e.path().filename().string()] = slurp(e.path().string());
+  return m;
 }
 
 /// The milliseconds since `started` (at least 50): the span of a launcher's random kills, from
