@@ -45,7 +45,6 @@ using pipec::testing::CommandResult;
 using pipec::testing::compileTinyGpt;
 using pipec::testing::freshDir;
 using pipec::testing::runCommand;
-using pipec::testing::slurp;
 using pipec::testing::stepLosses;
 
 /// piperun_emu on `plan` with `args`; `backend` "nccl" runs one process from torchrun's
