@@ -32,7 +32,14 @@
 // backend, whichever it was saved under, or starts at step 0 (saying so) where DIR holds none
 // yet. --steps N is the step the job ends at: a resumed run continues to step N, and one
 // resumed at or past it says so and exits 0, so the same command line relaunched after a kill
-// finishes the job.
+// finishes the job. --keep K keeps the newest K checkpoints (default: all), removing older ones
+// once a newer one is committed. Each save prints "saved D/step-<8 digits> (step N, X MiB, Y s)";
+// a save that cannot write (a full disk) removes what it wrote, leaves the earlier checkpoints
+// whole and exits 2 naming the file and the bytes the checkpoint needs.
+// Preemption (docs/reliability.md): on SIGTERM or SIGUSR1 every rank finishes the step in
+// flight, they stop after the same step, save (with --save-dir), print one line and exit
+// 128 + the signal (143 for SIGTERM, 138 for SIGUSR1); a second signal ends the process at once
+// (the signal's default action).
 // --init-from FILE|DIR (runtime/SafeTensors.h): the initial weights from a safetensors file in
 // Hugging Face's GPT-2 or Llama names, or a Hugging Face model directory (config.json checked
 // against the model, one or several shards), checked before step 0, on every backend.
@@ -63,6 +70,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <optional>
@@ -81,9 +89,26 @@ const char *kUsage =
     R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE|DIR]
+               [--save-dir DIR [--save-every N] [--keep K]] [--resume DIR]
+               [--init-from FILE|DIR]
                [--export-hf DIR [--export-hf-shard-size BYTES]]
 )";
+
+/// Preemption: the first SIGTERM or SIGUSR1, for the driver to stop at after the step in flight
+/// (TrainOptions::stopSignal), and the status piperun then exits with.
+std::atomic<int> stopSignal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "set in a signal handler");
+int stopStatus = 0;
+
+/// Async-signal-safe: records the first signal; a second one takes the default action (the
+/// process ends at once, killed by it).
+void onStopSignal(int sig) {
+  int none = 0;
+  if (!stopSignal.compare_exchange_strong(none, sig)) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
 
 #ifdef PIPEC_HAS_CUDA
 using RunOptions = CudaRunOptions; // the driver's options and the GPU backends'
@@ -98,7 +123,7 @@ struct Request {
   std::optional<std::string> computeFlag; // --dtype
   std::string dataDtype;
   std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
-  int saveEvery = 0;
+  int saveEvery = 0, keep = 0;
   int endStep = 1; // --steps: the step the job ends at
   bool seedGiven = false;
   RunOptions options;
@@ -171,10 +196,15 @@ llvm::Expected<Request> readFlags(const Args &args) {
   if (!saveEvery)
     return saveEvery.takeError();
   r.saveEvery = int(*saveEvery);
+  auto keep = args.integer("--keep", 0, 1, 1000000);
+  if (!keep)
+    return keep.takeError();
+  r.keep = int(*keep);
   r.saveDir = args.path("--save-dir");
   r.resumeDir = args.path("--resume");
-  if (args.has("--save-every") && !r.saveDir)
-    return inputError("--save-every needs --save-dir (where to save); try --save-dir ckpt");
+  for (const char *flag : {"--save-every", "--keep"})
+    if (args.has(flag) && !r.saveDir)
+      return inputError("{} needs --save-dir (where to save); try --save-dir ckpt", flag);
   r.initFrom = args.path("--init-from");
   if (r.initFrom && r.resumeDir)
     return inputError("--init-from and --resume both set the weights; give one (a resume "
@@ -268,8 +298,10 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   if (r.saveDir) {
     o.saveDir = *r.saveDir;
     o.saveEvery = r.saveEvery;
-    o.onSaved = [](int step, const std::string &path) {
-      say("saved checkpoint after step {}: {}\n", step, path);
+    o.keep = size_t(r.keep);
+    o.onSaved = [](int step, const std::string &path, uint64_t bytes, double seconds) {
+      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, double(bytes) / (1 << 20),
+          seconds);
       std::fflush(stdout);
     };
   }
@@ -342,7 +374,7 @@ llvm::Error run(int argc, char **argv) {
       Args::parse(argc, argv, 1,
                   {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
                    "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
-                   "--export-hf", "--export-hf-shard-size"},
+                   "--export-hf", "--export-hf-shard-size", "--keep"},
                   {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
@@ -394,6 +426,7 @@ llvm::Error run(int argc, char **argv) {
     return llvm::Error::success();
   }
   r.options.steps = r.endStep - first;
+  r.options.stopSignal = &stopSignal;
   // The backend, and the tolerances of its reference check: relative to the largest reference
   // gradient, and to each tensor's own (GradCheck).
   std::unique_ptr<TrainBackend> backend;
@@ -417,6 +450,20 @@ llvm::Error run(int argc, char **argv) {
   });
   if (!result)
     return result.takeError();
+  if (int sig = result->stopSignal) {
+    stopStatus = 128 + sig;
+    std::string saved = "not saved (no --save-dir)";
+    if (r.saveDir)
+      saved = fmt::format("saved {} (relaunch with --resume {} to continue)",
+                          checkpointPath(*r.saveDir, result->stoppedAt), *r.saveDir);
+    if (backend->leads()) // (one line, as the process ends: on standard error)
+      std::fputs(fmt::format("piperun: {}: stopped after step {}, {}; exit status {}\n",
+                             sig == SIGTERM ? "SIGTERM" : "SIGUSR1", result->stoppedAt - 1, saved,
+                             stopStatus)
+                     .c_str(),
+                 stderr);
+    return llvm::Error::success();
+  }
   say("{}", backend->summary());
   // (With --backend nccl only RANK 0 runs the reference.)
   if (!r.options.checkReference || result->referenceLosses.empty())
@@ -443,5 +490,12 @@ int main(int argc, char **argv) {
     std::fputs(kUsage, stdout);
     return finishTool("piperun", llvm::Error::success());
   }
-  return runTool("piperun", [&] { return run(argc, argv); });
+  struct sigaction stop = {};
+  stop.sa_handler = onStopSignal;
+  stop.sa_flags = SA_RESTART;
+  sigemptyset(&stop.sa_mask);
+  for (int sig : {SIGTERM, SIGUSR1})
+    sigaction(sig, &stop, nullptr);
+  int code = runTool("piperun", [&] { return run(argc, argv); });
+  return code == 0 && stopStatus ? stopStatus : code;
 }

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -303,6 +304,7 @@ public:
   int adamSteps() const override { return backend->adamSteps(); }
   void setAdamSteps(int steps) override { backend->setAdamSteps(steps); }
   bool leads() const override { return env.rank == 0; }
+  llvm::Expected<int> agreeOnStop(int signal) override;
   void finish() override { completed = true; }
 
   /// The memory figures of this process's rank (arenaUsedBytes after the run).
@@ -581,6 +583,22 @@ llvm::Expected<double> NcclTrainBackend::step(int s) {
   PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
   PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
   return loss;
+}
+
+llvm::Expected<int> NcclTrainBackend::agreeOnStop(int signal) {
+  // The launcher may signal some processes only, or all at different instants: one that
+  // stopped alone would leave its peers waiting in the next step. (A second sum, on the step
+  // they stop at only, says which signal: SIGTERM where any process got it, else SIGUSR1.)
+  if (env.worldSize == 1)
+    return signal;
+  const char *what = "the agreement on stopping after a signal";
+  auto stopping = processesWith(signal != 0, what, o.timeoutSeconds);
+  if (!stopping || *stopping == 0)
+    return stopping ? llvm::Expected<int>(0) : stopping.takeError();
+  auto term = processesWith(signal == SIGTERM, what, o.timeoutSeconds);
+  if (!term)
+    return term.takeError();
+  return *term > 0 ? SIGTERM : SIGUSR1;
 }
 
 llvm::Error NcclTrainBackend::takeGradients(ParamSnapshot &into) {
