@@ -59,13 +59,14 @@ void check(llvm::Error err) {
     raise(std::move(err));
 }
 
-/// Parse `flags` ("--pp", "4", ...) as a pipec command would.
-Args parseFlags(const std::vector<std::string> &flags, llvm::ArrayRef<llvm::StringRef> valued,
-                llvm::StringRef command) {
+/// Parse `flags` ("--pp", "4", ...) as the pipec command `command` would, by its table (with
+/// the flags only Python gives, such as --model-json).
+Args parseFlags(const std::vector<std::string> &flags, llvm::StringRef command) {
   std::vector<char *> argv;
   for (const std::string &f : flags)
     argv.push_back(const_cast<char *>(f.c_str()));
-  return unwrap(Args::parse(int(argv.size()), argv.data(), 0, valued, {}, command));
+  return unwrap(
+      Args::parse(int(argv.size()), argv.data(), 0, *findPipecCommand(command), OptionUse::Python));
 }
 
 /// The one-line report of an import, kept with the plan it made.
@@ -223,7 +224,7 @@ PYBIND11_MODULE(_pipec, m) {
   m.def(
       "compile",
       [](const std::vector<std::string> &flags) {
-        Args args = parseFlags(flags, compileFlags(), "compile");
+        Args args = parseFlags(flags, "compile");
         py::gil_scoped_release release;
         return PyPlan{unwrap(compileWithFlags(args)), ""};
       },
@@ -233,7 +234,7 @@ PYBIND11_MODULE(_pipec, m) {
       "import_schedule",
       [](const std::string &text, const std::string &source,
          const std::vector<std::string> &flags) {
-        Args args = parseFlags(flags, importFlags(), "import");
+        Args args = parseFlags(flags, "import");
         py::gil_scoped_release release;
         ImportedOrder order;
         ImportResult result = unwrap(importWithFlags(args, text, source, nullptr, &order));
