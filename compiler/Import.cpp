@@ -3,6 +3,7 @@
 
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 
@@ -121,11 +122,11 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
     return inputError("{}: no ranks: the file has no rows", source.str());
   if (order.numStages == 0)
     return inputError("{}: no compute actions (F, I, W or B) in any row", source.str());
-  if (pp > 4096)
-    return inputError("{}: {} ranks is beyond what pipec plans (4096)", source.str(), pp);
-  if (order.numStages > 4096)
-    return inputError("{}: stage {} is beyond what pipec plans (4096 stages)", source.str(),
-                      order.numStages - 1);
+  if (pp > kMaxStages)
+    return inputError("{}: {} ranks is beyond what pipec plans ({})", source.str(), pp, kMaxStages);
+  if (order.numStages > kMaxStages)
+    return inputError("{}: stage {} is beyond what pipec plans ({} stages)", source.str(),
+                      order.numStages - 1, kMaxStages);
   if (order.numStages % pp != 0)
     return inputError("{}: stages 0..{} ({} stages) on {} ranks is not a whole number of stages "
                       "per rank (--vpp); every rank must hold the same number of stages",

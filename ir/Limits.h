@@ -39,6 +39,35 @@ inline constexpr int64_t kMaxSteps = 1000000;
 inline constexpr int64_t kMaxSpecMicrobatchSize = int64_t(1) << 16;
 /// Tokens per sequence (`pipec spec --seq-length`).
 inline constexpr int64_t kMaxSpecSeqLength = int64_t(1) << 24;
+/// The fields of a "transformer" model spec.
+inline constexpr int64_t kMaxTransformerLayers = 100000;
+inline constexpr int64_t kMaxHiddenSize = int64_t(1) << 20;
+inline constexpr int64_t kMaxAttentionHeads = int64_t(1) << 16;
+inline constexpr int64_t kMaxFfnHiddenSize = int64_t(1) << 22;
+inline constexpr int64_t kMaxVocabSize = int64_t(1) << 27;
+inline constexpr int64_t kMaxSeqLength = int64_t(1) << 27;
+inline constexpr int64_t kMaxMicrobatchSize = int64_t(1) << 20;
+/// What the cpu backend (the fp32 reference, runtime/Reference.cpp) runs: small models only.
+inline constexpr int64_t kCpuMaxHiddenSize = 4096;
+inline constexpr int64_t kCpuMaxSeqLength = 8192;
+inline constexpr int64_t kCpuMaxVocabSize = int64_t(1) << 20;
+inline constexpr int64_t kCpuMaxLayers = 256;
+inline constexpr int64_t kCpuMaxMicrobatchSize = 64;
+inline constexpr int64_t kCpuMaxThreads = 256; // pp x dp x tp, a thread each
+inline constexpr int64_t kCpuMaxMicrobatches = int64_t(1) << 20;
+inline constexpr int64_t kCpuMaxSeqSplits = 4096;
+/// The largest input files read (larger ones are refused before reading): a model spec lists
+/// at most kMaxLayers layers (a few hundred bytes each), a cluster spec is a dozen fields, a
+/// plan holds at most a few million instructions.
+inline constexpr uint64_t kMaxModelSpecBytes = uint64_t(256) << 20;
+inline constexpr uint64_t kMaxClusterSpecBytes = uint64_t(1) << 20;
+inline constexpr uint64_t kMaxHfConfigBytes = uint64_t(1) << 20;
+inline constexpr uint64_t kMaxPlanBytes = uint64_t(4) << 30;
+inline constexpr uint64_t kMaxTextBytes = uint64_t(1) << 30; // a schedule text, any other input
+inline constexpr uint64_t kMaxSafetensorsBytes = uint64_t(1) << 40;
+inline constexpr uint64_t kMaxSafetensorsIndexBytes = uint64_t(64) << 20;
+/// Elements of a safetensors tensor (and so each of its sizes).
+inline constexpr uint64_t kMaxTensorElements = uint64_t(1) << 40;
 /// A node of more GPUs than this is no node (NVLink domains hold hundreds).
 inline constexpr int64_t kMaxGpusPerNode = int64_t(1) << 16;
 /// A model of more layers than this is not one the compiler is meant for.
