@@ -54,6 +54,19 @@ llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args) {
   return ClusterSpec::defaults();
 }
 
+/// --model and --cluster (or their JSON twins), read in that order.
+static llvm::Error specsFromFlags(const Args &args, ModelSpec &model, ClusterSpec &cluster) {
+  auto m = modelFromFlags(args);
+  if (!m)
+    return m.takeError();
+  auto c = clusterFromFlags(args);
+  if (!c)
+    return c.takeError();
+  model = std::move(*m);
+  cluster = std::move(*c);
+  return llvm::Error::success();
+}
+
 #ifndef NDEBUG
 static constexpr bool kVerifyEachPass = true; // debug builds check invariants after every pass
 #else
@@ -105,28 +118,26 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut)
   auto o = compileOptionsFromFlags(args);
   if (!o)
     return o.takeError();
-  auto model = modelFromFlags(args);
-  if (!model)
-    return model.takeError();
+  ModelSpec model;
+  ClusterSpec cluster;
+  if (auto err = specsFromFlags(args, model, cluster))
+    return err;
   auto recompute = args.choice("--recompute");
   if (!recompute)
     return recompute.takeError();
   if (*recompute) {
-    if (!model->transformer)
+    if (!model.transformer)
       return inputError("--recompute: the model is an abstract layer list with given costs; "
                         "recomputation applies to a \"transformer\" model");
-    recomputeFromString(**recompute, model->transformer->recompute);
+    recomputeFromString(**recompute, model.transformer->recompute);
   }
-  auto cluster = clusterFromFlags(args);
-  if (!cluster)
-    return cluster.takeError();
-  auto plan = compilePlan(*model, *cluster, *o, kVerifyEachPass);
+  auto plan = compilePlan(model, cluster, *o, kVerifyEachPass);
   if (!plan)
     return plan.takeError();
   if (auto err = checkMemoryLimit(*plan, o->memoryLimit))
     return err;
   if (clusterOut)
-    *clusterOut = *cluster;
+    *clusterOut = cluster;
   return plan;
 }
 
@@ -152,20 +163,18 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
     return limit.takeError();
   o.memoryLimit = *limit;
   o.schedule = args.get("--schedule").value_or("");
-  auto model = modelFromFlags(args);
-  if (!model)
-    return model.takeError();
-  auto cluster = clusterFromFlags(args);
-  if (!cluster)
-    return cluster.takeError();
+  ModelSpec model;
+  ClusterSpec cluster;
+  if (auto err = specsFromFlags(args, model, cluster))
+    return err;
   auto order = parseSchedule(text, source);
   if (!order)
     return order.takeError();
-  auto result = compileImported(*model, *cluster, *order, o, source, kVerifyEachPass);
+  auto result = compileImported(model, cluster, *order, o, source, kVerifyEachPass);
   if (!result)
     return result.takeError();
   if (clusterOut)
-    *clusterOut = *cluster;
+    *clusterOut = cluster;
   if (orderOut)
     *orderOut = std::move(*order);
   return result;
@@ -259,24 +268,23 @@ llvm::Expected<PlanSearch> planWithFlags(const Args &args) {
   auto o = plannerOptionsFromFlags(args);
   if (!o)
     return o.takeError();
-  auto model = modelFromFlags(args);
-  if (!model)
-    return model.takeError();
-  auto cluster = clusterFromFlags(args);
-  if (!cluster)
-    return cluster.takeError();
+  PlanSearch search;
+  if (auto err = specsFromFlags(args, search.model, search.cluster))
+    return err;
   if (auto headroom = args.get("--min-headroom")) {
-    auto bytes =
-        headroomBytes(args, *headroom, o->memoryLimit ? o->memoryLimit : cluster->memoryBytes);
+    auto bytes = headroomBytes(args, *headroom,
+                               o->memoryLimit ? o->memoryLimit : search.cluster.memoryBytes);
     if (!bytes)
       return bytes.takeError();
     o->minHeadroom = *bytes;
   }
+  search.options = std::move(*o);
   // (The planner hands candidates back only with a result; on a finding, nothing is written.)
-  auto result = planLayouts(*model, *cluster, *o);
+  auto result = planLayouts(search.model, search.cluster, search.options);
   if (!result)
     return result.takeError();
-  return PlanSearch{std::move(*model), std::move(*cluster), std::move(*o), std::move(*result)};
+  search.result = std::move(*result);
+  return search;
 }
 
 std::string importReport(const ImportedOrder &order, const ImportResult &result,
