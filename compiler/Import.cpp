@@ -217,20 +217,21 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
                      source.str(), named->name().str(), pp, vpp, order.microbatches,
                      firstDifference(*named, plan, options.memoryLimit, order.ranks),
                      kCustomSchedule);
-    result.matches.push_back(named->name().str());
   }
+  // The policies whose order this is, the named one first; each resolved once, here.
+  std::vector<const SchedulePolicy *> matched;
+  if (named)
+    matched.push_back(named);
   for (const SchedulePolicy *p : allPolicies())
     if (p != named && policyEmits(*p, plan, options.memoryLimit, order.ranks))
-      result.matches.push_back(p->name().str());
-  if (!named && !result.matches.empty())
-    plan.schedule = result.matches.front();
+      matched.push_back(p);
+  for (const SchedulePolicy *p : matched)
+    result.matches.push_back(p->name().str());
   // An order that is a policy's is that policy's plan, its optimizer step included (whether it
   // post-validates instead of waiting for the pipeline-wide check), as compile makes it.
-  if (!result.matches.empty()) {
-    if (auto policy = findPolicy(result.matches.front()))
-      plan.postValidation = (*policy)->postValidation();
-    else
-      llvm::consumeError(policy.takeError());
+  if (!matched.empty()) {
+    plan.schedule = matched.front()->name().str();
+    plan.postValidation = matched.front()->postValidation();
   }
 
   if (auto err = runPipeline({"lower-comms", "lower-collectives", "memory", "simulate", "verify"},

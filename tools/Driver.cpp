@@ -77,8 +77,6 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
   if (!schedule)
     return schedule.takeError();
-  if (auto p = findPolicy(*schedule); !p)
-    return p.takeError();
   if (!args.has("--pp"))
     return inputError("missing --pp (pipeline ranks, required); try --pp 4");
   if (!args.has("--microbatches"))

@@ -37,7 +37,8 @@ llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args);
 
 /// The compile flags' options: --schedule, --pp and --microbatches (required), --vpp,
 /// --seq-splits, --tp, --dp, --microbatch-group-size and --memory-limit, each checked, in
-/// that order, with the CLI's one-line errors.
+/// that order, with the CLI's one-line errors. The schedule's name is resolved to its policy
+/// once, by compilePlan.
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args);
 
 /// `pipec compile`: a verified, simulated plan (the model under --recompute where given), or
