@@ -5,6 +5,7 @@
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -133,23 +134,22 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
   for (const Flag &f : flags)
     if (f.value < 1)
       return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
-  if (int64_t(pc.pp) * pc.vpp > 4096)
-    return inputError("--pp x --vpp = {} stages is beyond what pipec plans (4096); try a smaller "
+  if (int64_t(pc.pp) * pc.vpp > kMaxStages)
+    return inputError("--pp x --vpp = {} stages is beyond what pipec plans ({}); try a smaller "
                       "--pp",
-                      int64_t(pc.pp) * pc.vpp);
+                      int64_t(pc.pp) * pc.vpp, kMaxStages);
   int64_t units = int64_t(pc.microbatches) * pc.seqSplits;
-  if (units > (1 << 24))
+  if (units > kMaxUnits)
     return inputError("--microbatches x --seq-splits = {} is beyond what pipec plans (2^24)",
                       units);
   int64_t stages = int64_t(pc.pp) * pc.vpp;
-  if (stages * units > (int64_t(1) << 24))
+  if (stages * units > kMaxUnits)
     return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
                       "plans (2^24); try --microbatches {}",
-                      stages * units,
-                      std::max<int64_t>(1, ((int64_t(1) << 24) / stages) / pc.seqSplits));
-  if (int64_t(pc.tp) * pc.dp > 65536)
-    return inputError("--tp x --dp = {} is beyond what pipec plans (65536)",
-                      int64_t(pc.tp) * pc.dp);
+                      stages * units, std::max<int64_t>(1, (kMaxUnits / stages) / pc.seqSplits));
+  if (int64_t(pc.tp) * pc.dp > kMaxTpDp)
+    return inputError("--tp x --dp = {} is beyond what pipec plans ({})", int64_t(pc.tp) * pc.dp,
+                      kMaxTpDp);
   if (o.memoryLimit < 0)
     return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
   return llvm::Error::success();

@@ -6,6 +6,7 @@
 #include "compiler/QuickEval.h"
 #include "ir/CostModel.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -76,7 +77,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 /// The most microbatches per step pipec plans.
-constexpr int64_t kMostMicrobatches = int64_t(1) << 24;
+constexpr int64_t kMostMicrobatches = kMaxFlagCount;
 
 std::string mib(int64_t bytes) {
   double b = double(bytes);
@@ -745,7 +746,7 @@ llvm::Error Search::explainNoLayout() const {
   // some counts only).
   int64_t bestBatch = 0;
   auto offerBatch = [&](int64_t b) {
-    if (b < 1 || b > (int64_t(1) << 40))
+    if (b < 1 || b > kMaxGlobalBatch)
       return;
     if (!bestBatch || std::abs(b - batch) < std::abs(bestBatch - batch) ||
         (std::abs(b - batch) == std::abs(bestBatch - batch) && b < bestBatch))

@@ -561,13 +561,13 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   struct Bound {
     const char *name;
     int64_t value, most;
-  } bounds[] = {{"num_layers", c.numLayers, 100000},
-                {"hidden_size", c.hiddenSize, 1 << 20},
-                {"num_attention_heads", c.numAttentionHeads, 1 << 16},
-                {"ffn_hidden_size", c.ffnHiddenSize, 1 << 22},
-                {"vocab_size", c.vocabSize, 1 << 27},
-                {"seq_length", c.seqLength, 1 << 27},
-                {"microbatch_size", c.microbatchSize, 1 << 20}};
+  } bounds[] = {{"num_layers", c.numLayers, kMaxTransformerLayers},
+                {"hidden_size", c.hiddenSize, kMaxHiddenSize},
+                {"num_attention_heads", c.numAttentionHeads, kMaxAttentionHeads},
+                {"ffn_hidden_size", c.ffnHiddenSize, kMaxFfnHiddenSize},
+                {"vocab_size", c.vocabSize, kMaxVocabSize},
+                {"seq_length", c.seqLength, kMaxSeqLength},
+                {"microbatch_size", c.microbatchSize, kMaxMicrobatchSize}};
   for (const Bound &b : bounds)
     if (b.value > b.most)
       return inputError("{}: $.transformer.{}: expected at most {}, got {}", r.name(), b.name,

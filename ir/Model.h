@@ -10,6 +10,7 @@
 #define PIPEC_IR_MODEL_H
 
 #include "ir/Files.h"
+#include "ir/Limits.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -31,11 +32,6 @@ struct Link {
   /// Bytes per millisecond the link moves in practice.
   double bytesPerMs() const { return bandwidthGBps * efficiency * 1e6; }
 };
-
-/// Bounds of the specs' fields: a node of more GPUs than this is no node (NVLink domains hold
-/// hundreds), and a model of more layers than this is not one the compiler is meant for.
-inline constexpr int64_t kMaxGpusPerNode = 1 << 16;
-inline constexpr int64_t kMaxLayers = 1000000;
 
 /// pipecluster/1.
 struct ClusterSpec {

@@ -65,6 +65,7 @@
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
 #include "tools/KernelEnv.h"
+#include "tools/Options.h"
 
 #include "llvm/Support/FileSystem.h"
 
@@ -84,15 +85,6 @@ namespace {
 template <typename... T> void say(fmt::format_string<T...> format, T &&...args) {
   sayToStdout(fmt::format(format, std::forward<T>(args)...));
 }
-
-const char *kUsage =
-    R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
-               [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
-               [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N] [--keep K]] [--resume DIR]
-               [--init-from FILE|DIR]
-               [--export-hf DIR [--export-hf-shard-size BYTES]]
-)";
 
 /// Preemption: the first SIGTERM or SIGUSR1, for the driver to stop at after the step in flight
 /// (TrainOptions::stopSignal), and the status piperun then exits with.
@@ -150,11 +142,11 @@ llvm::Expected<Request> readFlags(const Args &args) {
                       r.backend);
 #endif
   }
-  if (r.backend != "cpu" && r.backend != "cuda" && r.backend != "nccl")
+  if (!args.isChoice("--backend", r.backend))
     return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu",
                       r.backend);
   r.computeFlag = args.get("--dtype");
-  if (r.computeFlag && *r.computeFlag != "fp32" && *r.computeFlag != "bf16")
+  if (r.computeFlag && !args.isChoice("--dtype", *r.computeFlag))
     return inputError("--dtype: expected fp32 or bf16 (got '{}'); try --dtype {}", *r.computeFlag,
                       llvm::StringRef(*r.computeFlag).contains("16") ? "bf16" : "fp32");
   if (r.computeFlag && *r.computeFlag != "fp32" && r.backend == "cpu")
@@ -167,36 +159,35 @@ llvm::Expected<Request> readFlags(const Args &args) {
                       "and this build has no GPU backend); drop --dtype",
                       *r.computeFlag);
 #endif
-  auto steps = args.integer("--steps", 1, 1, 1000000);
+  auto steps = args.integer("--steps");
   if (!steps)
     return steps.takeError();
-  auto seed = args.integer("--seed", 1, 0, INT64_MAX);
+  auto seed = args.integer("--seed");
   if (!seed)
     return seed.takeError();
   r.endStep = int(*steps);
   o.seed = uint64_t(*seed);
   r.seedGiven = args.has("--seed");
   o.checkReference = args.has("--check-reference");
-  if (auto v = args.get("--lr")) {
-    double d = 0;
-    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || d > 10)
-      return inputError("--lr expects a positive number such as 1e-3 (got '{}')", *v);
-    o.lr = float(d);
-  }
-  if (auto v = args.get("--timeout")) {
-    double d = 0;
-    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0))
-      return inputError("--timeout expects seconds > 0 such as 30 (got '{}')", *v);
-    o.timeoutSeconds = d;
-  }
-  r.dataDtype = args.get("--data-dtype").value_or("uint16");
-  if (r.dataDtype != "uint16" && r.dataDtype != "uint32")
-    return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", r.dataDtype);
-  auto saveEvery = args.integer("--save-every", 0, 1, 1000000);
+  auto lr = args.real("--lr");
+  if (!lr)
+    return lr.takeError();
+  if (*lr)
+    o.lr = float(**lr);
+  auto timeout = args.real("--timeout");
+  if (!timeout)
+    return timeout.takeError();
+  if (*timeout)
+    o.timeoutSeconds = **timeout;
+  auto dataDtype = args.choice("--data-dtype");
+  if (!dataDtype)
+    return dataDtype.takeError();
+  r.dataDtype = dataDtype->value_or("uint16");
+  auto saveEvery = args.integer("--save-every");
   if (!saveEvery)
     return saveEvery.takeError();
   r.saveEvery = int(*saveEvery);
-  auto keep = args.integer("--keep", 0, 1, 1000000);
+  auto keep = args.integer("--keep");
   if (!keep)
     return keep.takeError();
   r.keep = int(*keep);
@@ -217,8 +208,8 @@ llvm::Expected<Request> readFlags(const Args &args) {
       return err;
     o.exportHfDir = *dir;
     o.onExported = [](const std::string &dir, int files) {
-      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir,
-          files, files == 1 ? "" : "s");
+      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir, files,
+          files == 1 ? "" : "s");
     };
   }
   auto shardBytes = args.bytes("--export-hf-shard-size");
@@ -370,12 +361,7 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 #endif
 
 llvm::Error run(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1,
-                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
-                   "--export-hf", "--export-hf-shard-size", "--keep"},
-                  {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args = Args::parse(argc, argv, 1, piperunCommand()); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -482,12 +468,12 @@ int main(int argc, char **argv) {
   // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
   std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    std::fputs(kUsage, stdout);
+    std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return reportError("piperun", inputError("expected a plan file; usage above"));
   }
   llvm::StringRef first = argv[1];
   if (first == "-h" || first == "--help") {
-    std::fputs(kUsage, stdout);
+    std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return finishTool("piperun", llvm::Error::success());
   }
   struct sigaction stop = {};
