@@ -7,6 +7,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "bench/Calibration.h"
+#include "compiler/Pass.h"
 #include "ir/Error.h"
 
 #include <gtest/gtest.h>
@@ -54,6 +55,84 @@ TEST(CalibrationTest, TheDataFileHoldsEverySourceWithItsRuns) {
   // Runs with context parallelism are left out, each with its reason.
   for (const SkippedRow &s : l.skipped)
     EXPECT_FALSE(s.why.empty()) << s.id;
+}
+
+const PublishedRun &runNamed(llvm::StringRef id) {
+  for (const PublishedRun &r : published().runs)
+    if (r.id == id)
+      return r;
+  ADD_FAILURE() << "no run " << id.str();
+  return published().runs.front();
+}
+
+TEST(CalibrationTest, RunsCompileWithTheirPublishedSplit) {
+  // Qi et al. 2024: 22 layers on 8 ranks, the first and last rank holding one layer fewer (the
+  // embedding and the head take their place), and interleaved 1F1B with one layer per chunk.
+  ClusterSpec c = spec("examples/a100-selene.json");
+  auto plain = compilePlan(runNamed("T4-1.5B-m24-1F1B").model, c,
+                           runNamed("T4-1.5B-m24-1F1B").options, /*verifyEach=*/true);
+  ASSERT_TRUE(bool(plain)) << takeMessage(plain.takeError());
+  ASSERT_EQ(plain->stages.size(), 8u);
+  for (const StageInfo &st : plain->stages) {
+    EXPECT_EQ(st.layerEnd - st.layerBegin, 3) << st.stage; // embedding + 2 blocks, 3 blocks...
+    EXPECT_EQ(st.layerBegin, 3 * st.stage);
+  }
+  const PublishedRun &inter = runNamed("T4-1.5B-m24-1F1B-I");
+  EXPECT_EQ(inter.options.parallel.vpp, 3);
+  auto interleaved = compilePlan(inter.model, c, inter.options, /*verifyEach=*/true);
+  ASSERT_TRUE(bool(interleaved)) << takeMessage(interleaved.takeError());
+  ASSERT_EQ(interleaved->stages.size(), 24u);
+  for (const StageInfo &st : interleaved->stages)
+    EXPECT_EQ(st.layerEnd - st.layerBegin, 1) << st.stage;
+  // Megatron-LM's uniform split: 96 blocks over 8 x 3 stages, the embedding with the first and
+  // the head with the last (Korthikanti et al. 2022, 175B).
+  const PublishedRun &mega = runNamed("T5-175B-sel");
+  auto m = compilePlan(mega.model, c, mega.options, /*verifyEach=*/false);
+  ASSERT_TRUE(bool(m)) << takeMessage(m.takeError());
+  ASSERT_EQ(m->stages.size(), 24u);
+  EXPECT_EQ(m->stages.front().layerEnd, 5);
+  EXPECT_EQ(m->stages.back().layerBegin, 93);
+  // A split that does not fit the stages is refused with one line.
+  CompileOptions bad = runNamed("T4-1.5B-m24-1F1B").options;
+  bad.stageEnds = {3, 6, 9, 12, 15, 18, 21, 23};
+  auto refused = compilePlan(runNamed("T4-1.5B-m24-1F1B").model, c, bad, false);
+  ASSERT_FALSE(bool(refused));
+  EXPECT_NE(takeMessage(refused.takeError()).find("the last 24"), std::string::npos);
+}
+
+TEST(CalibrationTest, MegatronTransfersHoldTheSender) {
+  const PublishedRun &r = runNamed("T5-175B-full"); // tp 8, no sequence parallelism
+  ClusterSpec overlapped = spec("examples/a100-selene.json");
+  overlapped.megatronP2p = false;
+  ClusterSpec megatron = overlapped;
+  megatron.megatronP2p = true;
+  auto a = compilePlan(r.model, overlapped, r.options, false);
+  auto b = compilePlan(r.model, megatron, r.options, false);
+  ASSERT_TRUE(a && b);
+  // Stage 0 sends its activation to stage 1 on another rank: overlapped, the transfer only
+  // delays the receiver; Megatron's synchronous send is part of the forward, and without
+  // sequence parallelism each of the 8 tp ranks sends an eighth and the receivers all-gather.
+  const StageInfo &sa = a->stages[0], &sb = b->stages[0];
+  ASSERT_GT(sa.activationTransferTime[0], 0);
+  EXPECT_EQ(sb.activationTransferTime[0], 0);
+  double added = sb.forward[0] - sa.forward[0];
+  EXPECT_GT(added, 0);
+  const Link &inter = overlapped.interNode; // stage 0 and 1 are 8 x 1 GPUs apart: other nodes
+  double bytes = double(sa.outputBytes[0]);
+  double expected = (inter.latencyUs + overlapped.messageOverheadUs) / 1000 +
+                    bytes / 8 / inter.bytesPerMs() +
+                    (overlapped.intraNode.latencyUs + overlapped.messageOverheadUs) / 1000 +
+                    7.0 / 8 * bytes / overlapped.intraNode.bytesPerMs();
+  EXPECT_NEAR(added, expected, 1e-9 * expected);
+  EXPECT_GT(b->stats.stepTime, 0);
+  // The field reads and is checked.
+  auto parsed = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "megatron"})", "c.json");
+  ASSERT_TRUE(bool(parsed)) << takeMessage(parsed.takeError());
+  EXPECT_TRUE(parsed->megatronP2p);
+  auto wrong = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "sync"})", "c.json");
+  ASSERT_FALSE(bool(wrong));
+  EXPECT_EQ(takeMessage(wrong.takeError()),
+            "c.json: $.p2p: expected \"megatron\" or \"overlapped\", got \"sync\"");
 }
 
 /// Predicted step times of the runs of `device` in the file, keyed by row id.
