@@ -96,6 +96,7 @@ const Factor kFactors[] = {
     {"memory_GBps", &ClusterSpec::memoryGBps, 100, 4000},
     {"op_overhead_us", &ClusterSpec::opOverheadUs, 1, 2000},
     {"link efficiency", nullptr, 0.2, 1.0},
+    {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 2000},
 };
 
 double get(const ClusterSpec &c, const Factor &f) {
@@ -197,9 +198,10 @@ ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t>
 void printFactors(const ClusterSpec &c) {
   fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_dim\": {:.0f}, \"attention_fraction\": "
              "{:.3f},\n  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
-             "\"op_overhead_us\": {:.0f}, link efficiency {:.2f}\n",
+             "\"op_overhead_us\": {:.0f}, link efficiency {:.2f}, \"message_overhead_us\": "
+             "{:.0f}\n",
              c.achievedFraction, c.gemmHalfDim, c.attentionFraction, c.flashAttentionFraction,
-             c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency);
+             c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency, c.messageOverheadUs);
 }
 
 /// Per-source mean absolute error table of `which` under `predicted`.

@@ -28,6 +28,9 @@ struct CompileOptions {
   std::string schedule = "1f1b";
   ParallelConfig parallel;
   int64_t memoryLimit = 0; // per rank; 0 = none
+  /// A published split: each stage's end in the model's layer list (embedding and head
+  /// included); empty = the balanced partition.
+  std::vector<int> stageEnds;
 };
 
 /// Shared state of a pipeline run.

@@ -58,6 +58,11 @@ struct ClusterSpec {
   /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
   /// microseconds.
   double messageOverheadUs = 0;
+  /// Pipeline transfers as Megatron-LM makes them ("p2p": "megatron"): synchronous, holding the
+  /// sender until they arrive, and split over the tp ranks (each sends 1/tp, the receivers
+  /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
+  /// delays the receiver.
+  bool megatronP2p = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};
