@@ -1,8 +1,8 @@
-//===- Pipeline.cpp - Pass registry, the schedule/simulate/verify passes --===//
+//===- Pipeline.cpp - Pass registry, the schedule and verify passes, compilePlan ---===//
 #include "compiler/Pass.h"
 
 #include "compiler/Budget.h"
-#include "compiler/Simulator.h"
+#include "compiler/Evaluate.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
 #include "schedules/Policy.h"
@@ -10,6 +10,7 @@
 #include "llvm/ADT/STLExtras.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace pipec {
 
@@ -32,19 +33,6 @@ public:
     assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");
     plan.ranks = std::move(order);
     ctx.scheduled = true;
-    return true;
-  }
-};
-
-/// Establishes: stats hold the timing model's makespan, bubble ratio and per-rank times.
-class SimulatePass final : public Pass {
-public:
-  llvm::StringRef name() const override { return "simulate"; }
-  llvm::Expected<bool> run(Plan &plan, PassContext &) override {
-    Timeline t;
-    if (auto err = simulateTimeline(plan, t))
-      return err;
-    summarizeTimeline(plan, t, plan.stats);
     return true;
   }
 };
@@ -82,13 +70,18 @@ const Entry kPasses[] = {
 } // namespace
 
 std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePass>(); }
-std::unique_ptr<Pass> createSimulatePass() { return std::make_unique<SimulatePass>(); }
 std::unique_ptr<Pass> createVerifyPass() { return std::make_unique<VerifyPass>(); }
 
 llvm::ArrayRef<llvm::StringRef> defaultPipeline() {
-  static const llvm::StringRef names[] = {
-      "seq-split",         "partition", "schedule", "lower-comms",
-      "lower-collectives", "memory",    "simulate", "verify"};
+  // The passes that decide time and memory are evaluateOrder's (compiler/Evaluate.h), so that
+  // the planner and zb-auto score exactly what compile states.
+  static const std::vector<llvm::StringRef> names = [] {
+    std::vector<llvm::StringRef> n = {"seq-split", "partition", "schedule"};
+    llvm::ArrayRef<llvm::StringRef> scoring = scoringPipeline();
+    n.insert(n.end(), scoring.begin(), scoring.end());
+    n.push_back("verify");
+    return n;
+  }();
   return names;
 }
 
