@@ -31,11 +31,6 @@
 namespace pipec {
 namespace {
 
-struct PendingComm {
-  uint64_t round;
-  Instruction ins;
-};
-
 class LowerCommsPass final : public Pass {
 public:
   llvm::StringRef name() const override { return "lower-comms"; }
@@ -105,6 +100,8 @@ public:
       int32_t stage, mb, slice;
     };
     std::vector<Message> messages;
+    messages.reserve(numOps); // (about one cross-rank input per compute op at most, as a rule)
+    std::vector<size_t> perRank(plan.ranks.size(), 0);
     for (size_t r = 0; r < plan.ranks.size(); ++r) {
       for (const Instruction &c : plan.ranks[r]) {
         forEachInput(plan, c, [&](const Input &in) {
@@ -115,6 +112,8 @@ public:
           assert(round < numOps && "simulateTimeline ran every producer");
           messages.push_back(
               Message{round, from, int32_t(r), in.tensor, in.stage, in.mb, in.slice});
+          ++perRank[size_t(from)];
+          ++perRank[r];
         });
       }
     }
@@ -130,7 +129,10 @@ public:
       const Message &m = messages[i];
       return std::tie(m.to, m.tensor, m.stage, m.mb, m.slice);
     };
-    std::vector<std::vector<PendingComm>> comms(plan.ranks.size());
+    // Each rank's comm ops, as message indices (times 2, plus 1 for the recv end) in order.
+    std::vector<std::vector<uint32_t>> comms(plan.ranks.size());
+    for (size_t r = 0; r < plan.ranks.size(); ++r)
+      comms[r].reserve(perRank[r]);
     for (size_t b = 0, e = 0; b < byRound.size(); b = e) {
       for (e = b + 1;
            e < byRound.size() && messages[byRound[e]].round == messages[byRound[b]].round;)
@@ -140,19 +142,8 @@ public:
                   [&](uint32_t x, uint32_t y) { return tieKey(x) < tieKey(y); });
       for (size_t j = b; j < e; ++j) {
         const Message &m = messages[byRound[j]];
-        Instruction send;
-        send.op = OpKind::Send;
-        send.tensor = m.tensor;
-        send.stage = m.stage;
-        send.mb = m.mb;
-        send.slice = m.slice;
-        send.peer = m.to;
-        send.bytes = tensorBytes(plan, m.tensor, m.stage, m.slice);
-        Instruction recv = send;
-        recv.op = OpKind::Recv;
-        recv.peer = m.from;
-        comms[size_t(m.from)].push_back(PendingComm{m.round, send});
-        comms[size_t(m.to)].push_back(PendingComm{m.round, recv});
+        comms[size_t(m.from)].push_back(2 * byRound[j]);
+        comms[size_t(m.to)].push_back(2 * byRound[j] + 1);
       }
     }
     bool changed = false;
@@ -168,11 +159,19 @@ public:
       auto flush = [&](uint64_t upTo) {
         // Comm ops of rounds <= upTo, as one group when there are several.
         size_t begin = next;
-        while (next < pending.size() && pending[next].round <= upTo)
+        while (next < pending.size() && messages[pending[next] / 2].round <= upTo)
           ++next;
         bool grouped = next - begin > 1;
         for (size_t i = begin; i < next; ++i) {
-          Instruction ins = pending[i].ins;
+          const Message &m = messages[pending[i] / 2];
+          Instruction ins;
+          ins.op = pending[i] % 2 ? OpKind::Recv : OpKind::Send;
+          ins.tensor = m.tensor;
+          ins.stage = m.stage;
+          ins.mb = m.mb;
+          ins.slice = m.slice;
+          ins.peer = pending[i] % 2 ? m.from : m.to;
+          ins.bytes = tensorBytes(plan, m.tensor, m.stage, m.slice);
           ins.group = grouped ? group : kNoGroup;
           merged.push_back(ins);
         }

@@ -988,13 +988,13 @@ llvm::Expected<PlannerResult> Search::run() {
 /// Each evaluated candidate builds and drops megabytes of lowered streams and timelines, and
 /// the search evaluates hundreds. glibc's malloc gives freed memory at the top of its heap back
 /// to the system beyond a small threshold, so every candidate would fault the same pages in
-/// again (a fifth of the search's time for a 175B model); keep up to 256 MiB of it instead.
+/// again (a fifth of the search's time for a 175B model); keep up to 1 GiB of it instead.
 static void keepFreedMemory() {
 #if defined(__GLIBC__)
   static std::once_flag once;
   std::call_once(once, [] {
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
   });
 #endif
 }
