@@ -1,8 +1,9 @@
 //===- Evaluate.cpp - The passes that decide time and memory, and the simulate pass ------===//
 #include "compiler/Evaluate.h"
 
-#include "compiler/Pass.h"
 #include "ir/CostModel.h"
+
+#include <iterator>
 
 namespace pipec {
 
@@ -21,12 +22,7 @@ public:
   }
 };
 
-struct Scoring {
-  llvm::StringRef name;
-  std::unique_ptr<Pass> (*create)();
-};
-
-const Scoring kScoring[] = {
+const PassEntry kScoring[] = {
     {"lower-comms", createLowerCommsPass},
     {"lower-collectives", createLowerCollectivesPass},
     {"memory", createMemoryPass},
@@ -36,6 +32,8 @@ const Scoring kScoring[] = {
 } // namespace
 
 std::unique_ptr<Pass> createSimulatePass() { return std::make_unique<SimulatePass>(); }
+
+llvm::ArrayRef<PassEntry> scoringPasses() { return kScoring; }
 
 llvm::ArrayRef<llvm::StringRef> scoringPipeline() {
   static const llvm::StringRef names[] = {kScoring[0].name, kScoring[1].name, kScoring[2].name,
@@ -47,7 +45,7 @@ llvm::ArrayRef<llvm::StringRef> scoringPipeline() {
 llvm::Error evaluateOrder(Plan &plan) {
   PassContext ctx;
   ctx.scheduled = true;
-  for (const Scoring &s : kScoring) {
+  for (const PassEntry &s : kScoring) {
     auto changed = s.create()->run(plan, ctx);
     if (!changed)
       return changed.takeError();

@@ -18,6 +18,7 @@
 #ifndef PIPEC_COMPILER_EVALUATE_H
 #define PIPEC_COMPILER_EVALUATE_H
 
+#include "compiler/Pass.h"
 #include "ir/Plan.h"
 
 #include "llvm/ADT/ArrayRef.h"
@@ -26,7 +27,10 @@
 
 namespace pipec {
 
-/// The passes evaluateOrder runs, in order: the default pipeline's between schedule and verify.
+/// The passes evaluateOrder runs, in order: the default pipeline's between schedule and verify
+/// (compiler/Pipeline.cpp registers them from this list).
+llvm::ArrayRef<PassEntry> scoringPasses();
+/// Their names.
 llvm::ArrayRef<llvm::StringRef> scoringPipeline();
 
 /// Lower `plan` (stages and compute-only streams) and fill plan.stats as compilePlan does:

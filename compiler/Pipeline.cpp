@@ -51,21 +51,21 @@ public:
   }
 };
 
-struct Entry {
-  llvm::StringRef name;
-  std::unique_ptr<Pass> (*create)();
-};
-
-const Entry kPasses[] = {
-    {"seq-split", createSeqSplitPass},
-    {"partition", createPartitionPass},
-    {"schedule", createSchedulePass},
-    {"lower-comms", createLowerCommsPass},
-    {"lower-collectives", createLowerCollectivesPass},
-    {"memory", createMemoryPass},
-    {"simulate", createSimulatePass},
-    {"verify", createVerifyPass},
-};
+/// Every registered pass, in the default pipeline's order: the passes that decide time and
+/// memory are evaluateOrder's list (compiler/Evaluate.h), so that the planner and zb-auto score
+/// exactly what compile states.
+const std::vector<PassEntry> &registry() {
+  static const std::vector<PassEntry> all = [] {
+    std::vector<PassEntry> v = {{"seq-split", createSeqSplitPass},
+                                {"partition", createPartitionPass},
+                                {"schedule", createSchedulePass}};
+    llvm::ArrayRef<PassEntry> scoring = scoringPasses();
+    v.insert(v.end(), scoring.begin(), scoring.end());
+    v.push_back({"verify", createVerifyPass});
+    return v;
+  }();
+  return all;
+}
 
 } // namespace
 
@@ -73,20 +73,17 @@ std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePas
 std::unique_ptr<Pass> createVerifyPass() { return std::make_unique<VerifyPass>(); }
 
 llvm::ArrayRef<llvm::StringRef> defaultPipeline() {
-  // The passes that decide time and memory are evaluateOrder's (compiler/Evaluate.h), so that
-  // the planner and zb-auto score exactly what compile states.
   static const std::vector<llvm::StringRef> names = [] {
-    std::vector<llvm::StringRef> n = {"seq-split", "partition", "schedule"};
-    llvm::ArrayRef<llvm::StringRef> scoring = scoringPipeline();
-    n.insert(n.end(), scoring.begin(), scoring.end());
-    n.push_back("verify");
+    std::vector<llvm::StringRef> n;
+    for (const PassEntry &e : registry())
+      n.push_back(e.name);
     return n;
   }();
   return names;
 }
 
 llvm::Expected<std::unique_ptr<Pass>> createPass(llvm::StringRef name) {
-  for (const Entry &e : kPasses)
+  for (const PassEntry &e : registry())
     if (e.name == name)
       return e.create();
   return inputError("unknown pass '{}'", name.str());
