@@ -54,6 +54,12 @@ public:
   virtual llvm::Expected<bool> run(Plan &plan, PassContext &ctx) = 0;
 };
 
+/// A registered pass: its name and how to create it.
+struct PassEntry {
+  llvm::StringRef name;
+  std::unique_ptr<Pass> (*create)();
+};
+
 /// Names of all registered passes, in the default pipeline's order.
 llvm::ArrayRef<llvm::StringRef> defaultPipeline();
 /// Create a registered pass by name.
