@@ -19,6 +19,8 @@
 #ifndef PIPEC_RUNTIME_TRAIN_H
 #define PIPEC_RUNTIME_TRAIN_H
 
+#include "ir/Costs.h"
+#include "ir/Error.h"
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Checkpoint.h"
@@ -29,6 +31,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -69,6 +72,9 @@ struct TrainOptions {
   /// With checkReference, called once the reference is built and holds its first weights (on
   /// the lead process only). Tests slow it down here.
   std::function<void()> onReferenceBuilt;
+  /// `piperun --profile`: time every instruction (RunShared::timings) and hand back the measured
+  /// costs (TrainResult::costs) after the last step.
+  bool profile = false;
 };
 
 /// What the driver found.
@@ -80,6 +86,10 @@ struct TrainResult {
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
+  /// Each step's time on the driver's clock (backend.step()), ms.
+  std::vector<double> stepMs;
+  /// With options.profile, on the lead process (runtime/Profile.h).
+  std::optional<MeasuredCosts> costs;
 };
 
 /// One backend's ranks in this process, as the driver drives them. Calls come from one thread,
@@ -115,6 +125,13 @@ public:
   virtual void setAdamSteps(int steps) = 0;
   /// Whether this process reports the losses, runs the reference and writes checkpoints.
   virtual bool leads() const { return true; }
+  /// With options.profile, after the last step (every process calls it): the run's measured
+  /// costs on the lead process; the backend fills what they were measured on but the plan hash
+  /// and the steps.
+  virtual llvm::Error measuredCosts(MeasuredCosts &into) {
+    (void)into;
+    return inputError("--profile: this backend does not time its steps");
+  }
   /// After the last call, when the run succeeded.
   virtual void finish() {}
   /// What the backend has to say after the run (lines, each ending in a newline), or nothing.

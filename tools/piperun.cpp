@@ -82,7 +82,7 @@ const char *kUsage =
                [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
                [--lr LR] [--timeout SECONDS]
                [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE|DIR]
-               [--export-hf DIR [--export-hf-shard-size BYTES]]
+               [--export-hf DIR [--export-hf-shard-size BYTES]] [--profile costs.json]
 )";
 
 #ifdef PIPEC_HAS_CUDA
@@ -97,7 +97,7 @@ struct Request {
   std::string backend;
   std::optional<std::string> computeFlag; // --dtype
   std::string dataDtype;
-  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
+  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath, profilePath;
   int saveEvery = 0;
   int endStep = 1; // --steps: the step the job ends at
   bool seedGiven = false;
@@ -187,8 +187,8 @@ llvm::Expected<Request> readFlags(const Args &args) {
       return err;
     o.exportHfDir = *dir;
     o.onExported = [](const std::string &dir, int files) {
-      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir,
-          files, files == 1 ? "" : "s");
+      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir, files,
+          files == 1 ? "" : "s");
     };
   }
   auto shardBytes = args.bytes("--export-hf-shard-size");
@@ -203,6 +203,11 @@ llvm::Expected<Request> readFlags(const Args &args) {
     o.exportHfShardBytes = uint64_t(*shardBytes);
   }
   r.dataPath = args.path("--data");
+  r.profilePath = args.path("--profile");
+  if (r.profilePath && r.endStep < 2)
+    return inputError("--profile needs --steps 2 or more (the first step is dropped as "
+                      "warm-up); try --steps 5");
+  o.profile = r.profilePath.has_value();
   return r;
 }
 
@@ -337,13 +342,25 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 }
 #endif
 
+/// DESIGN §10's last line with --steps N (N >= 3): the measured median step (the first, a
+/// warm-up, dropped) against the plan's simulated step time.
+std::optional<std::string> stepTimeLine(const Plan &plan, const std::vector<double> &stepMs) {
+  if (stepMs.size() < 3 || !plan.stats.simulated || plan.timeUnit != "ms" ||
+      !(plan.stats.stepTime > 0))
+    return std::nullopt;
+  const Measured m = summarizeSamples({stepMs.begin() + 1, stepMs.end()});
+  const double d = m.medianMs / plan.stats.stepTime - 1;
+  return fmt::format("step time: measured median {:.2f} ms over {} steps, predicted {:.2f} ms "
+                     "({:+.1f}%)",
+                     m.medianMs, m.samples, plan.stats.stepTime, 100 * d);
+}
+
 llvm::Error run(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1,
-                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
-                   "--export-hf", "--export-hf-shard-size"},
-                  {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args = Args::parse(argc, argv, 1,
+                          {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype",
+                           "--lr", "--timeout", "--save-dir", "--save-every", "--resume",
+                           "--init-from", "--export-hf", "--export-hf-shard-size", "--profile"},
+                          {"--check-reference"}, /*command=*/""); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -360,9 +377,13 @@ llvm::Error run(int argc, char **argv) {
   if (!request)
     return request.takeError();
   Request &r = *request;
-  auto plan = readPlan(userPath(args->positional().front()));
+  const std::string planPath = userPath(args->positional().front());
+  auto plan = readPlan(planPath);
   if (!plan)
     return plan.takeError();
+  if (r.profilePath)
+    if (auto err = checkOutputPath("--profile", *r.profilePath, {{"plan", planPath}}))
+      return err;
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();
@@ -418,12 +439,23 @@ llvm::Error run(int argc, char **argv) {
   if (!result)
     return result.takeError();
   say("{}", backend->summary());
+  if (result->costs) {
+    if (auto err = writeCosts(*r.profilePath, *result->costs))
+      return err;
+    say("measured costs written to {} ({} steps after the warm-up)\n", *r.profilePath,
+        result->costs->steps - 1);
+  }
   // (With --backend nccl only RANK 0 runs the reference.)
-  if (!r.options.checkReference || result->referenceLosses.empty())
-    return llvm::Error::success();
-  say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
-  say("{}", referenceCheckReport(result->grads, result->weights));
-  return judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  llvm::Error judged = llvm::Error::success();
+  if (r.options.checkReference && !result->referenceLosses.empty()) {
+    say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
+    say("{}", referenceCheckReport(result->grads, result->weights));
+    judged = judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  }
+  if (backend->leads())
+    if (auto line = stepTimeLine(*plan, result->stepMs))
+      say("{}\n", *line);
+  return judged;
 }
 
 } // namespace
