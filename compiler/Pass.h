@@ -8,6 +8,7 @@
 #ifndef PIPEC_COMPILER_PASS_H
 #define PIPEC_COMPILER_PASS_H
 
+#include "ir/Costs.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
 
@@ -28,6 +29,11 @@ struct CompileOptions {
   std::string schedule = "1f1b";
   ParallelConfig parallel;
   int64_t memoryLimit = 0; // per rank; 0 = none
+  /// --costs (ir/Costs.h): measured times in place of the model's, from the partition pass on
+  /// (so the schedule pass, zb-auto's search included, and the simulator take them); the file's
+  /// name for messages in `costsSource`.
+  std::shared_ptr<const MeasuredCosts> costs;
+  std::string costsSource;
 };
 
 /// Shared state of a pipeline run.

@@ -29,7 +29,8 @@ llvm::ArrayRef<llvm::StringRef> compileFlags() {
                                           "--cluster",
                                           "--cluster-json",
                                           "--memory-limit",
-                                          "--microbatch-group-size"};
+                                          "--microbatch-group-size",
+                                          "--costs"};
   return flags;
 }
 
@@ -38,7 +39,7 @@ llvm::ArrayRef<llvm::StringRef> importFlags() {
       "--model",        "--model-json",   "--vpp",
       "--tp",           "--dp",           "--cluster",
       "--cluster-json", "--memory-limit", "--microbatch-group-size",
-      "--schedule"};
+      "--schedule",     "--costs"};
   return flags;
 }
 
@@ -46,7 +47,7 @@ std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positiona
   std::vector<InputFile> inputs;
   for (const std::string &p : args.positional())
     inputs.push_back({positionalName.str(), userPath(p)});
-  for (llvm::StringRef flag : {"--model", "--cluster"})
+  for (llvm::StringRef flag : {"--model", "--cluster", "--costs"})
     if (auto path = args.path(flag))
       inputs.push_back({flag.str(), *path});
   return inputs;
@@ -83,6 +84,20 @@ static constexpr bool kVerifyEachPass = true; // debug builds check invariants a
 #else
 static constexpr bool kVerifyEachPass = false;
 #endif
+
+/// --costs FILE (ir/Costs.h), read and checked; null without the flag.
+static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const MeasuredCosts> &costs,
+                                  std::string &source) {
+  auto path = args.path("--costs");
+  if (!path)
+    return llvm::Error::success();
+  auto read = readCosts(*path);
+  if (!read)
+    return inputError("--costs: {}", takeMessage(read.takeError()));
+  costs = std::make_shared<const MeasuredCosts>(std::move(*read));
+  source = "--costs " + *path;
+  return llvm::Error::success();
+}
 
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
@@ -126,6 +141,8 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
     o.parallel.seqSplitByFlops = *by == "flops";
   }
   o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   return o;
 }
 
@@ -172,6 +189,8 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
     return limit.takeError();
   o.memoryLimit = *limit;
   o.schedule = args.get("--schedule").value_or("");
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   auto model = modelFromFlags(args);
   if (!model)
     return model.takeError();

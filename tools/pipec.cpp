@@ -170,7 +170,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
       Args::parse(argc, argv, 2,
                   {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits",
                    "--tp", "--dp", "--cluster", "--memory-limit", "--microbatch-group-size", "-o",
-                   "--output", "--trace", "--svg", "--recompute", "--seq-split-by"},
+                   "--output", "--trace", "--svg", "--recompute", "--seq-split-by", "--costs"},
                   {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
                   "compile");
   if (!args)
