@@ -75,11 +75,10 @@ public:
           return err;
       } else if (auto err = execute(n)) {
         return err;
-      } else if (timings && i.isCompute()) {
-        if (auto err = backend.awaitCompute())
-          return err;
       }
       if (timings) {
+        if (auto err = backend.awaitCompute())
+          return err;
         const float ms = std::chrono::duration<float, std::milli>(Clock::now() - started).count();
         for (size_t k = n; k < end; ++k)
           (*timings)[k].push_back(ms);

@@ -46,8 +46,8 @@ struct RunShared {
   std::vector<std::atomic<size_t>> position;
   std::atomic<uint64_t> progress{0};
   /// --profile (runtime/Profile.h): per thread, per instruction of its stream, the host-clock
-  /// milliseconds it took in each step run (a compute op with its backend's work waited for,
-  /// Backend::awaitCompute; a send or recv its group's exchange). Empty: nothing is timed.
+  /// milliseconds it took in each step run, its backend's work waited for (Backend::awaitCompute;
+  /// a send or recv: its group's exchange). Empty: nothing is timed.
   std::vector<std::vector<std::vector<float>>> timings;
 
   RunShared(const Plan &plan, Faults faults);
