@@ -231,6 +231,7 @@ _COMPILE_FLAGS = {
     "dp": "--dp",
     "memory_limit": "--memory-limit",
     "microbatch_group_size": "--microbatch-group-size",
+    "costs": "--costs",
 }
 _IMPORT_FLAGS = {
     "vpp": "--vpp",
@@ -239,6 +240,7 @@ _IMPORT_FLAGS = {
     "memory_limit": "--memory-limit",
     "microbatch_group_size": "--microbatch-group-size",
     "schedule": "--schedule",
+    "costs": "--costs",
 }
 
 
@@ -294,6 +296,9 @@ def _keyword_flags(call: str, allowed: dict, flags: dict) -> list[str]:
         if value is None:
             continue
         flag = allowed[key]
+        if key == "costs":
+            out += [flag, _path("costs", value)]
+            continue
         if key == "schedule" and not isinstance(value, str):
             raise ValueError(f"--schedule: expected a schedule name (got {type(value).__name__})")
         out += [flag, _flag_value(flag, value)]
@@ -321,7 +326,8 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
 
     model: a pipemodel/1 dict or the path of one. schedule: a name from list_schedules().
     flags: vpp, seq_splits, tp, dp, memory_limit (bytes, or a string such as "80GiB"),
-    microbatch_group_size, cluster (a pipecluster/1 dict or path).
+    microbatch_group_size, cluster (a pipecluster/1 dict or path), costs (the path of measured
+    costs, pipecost/1: `piperun --profile` or pipec.torch.profile).
     """
     if not isinstance(schedule, str):
         raise ValueError(f"--schedule: expected a schedule name (got {type(schedule).__name__})")
