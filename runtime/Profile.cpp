@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 namespace pipec {
@@ -98,24 +99,23 @@ MeasuredCosts ProfileTable::costs() const {
       for (OpKind op : kComputeOps)
         if (Measured m = get(opSlot(s, op, k)); m.samples > 0)
           c.ops.push_back({s, op, k, m});
-  // Messages: per (kind, size), the smaller side's median per producer (stage, slice), and of
-  // those the median.
-  std::map<std::pair<TensorKind, int64_t>, std::vector<Measured>> bySize;
+  // Messages: per (kind, size). An exchange is a rendezvous, so an observation is the transfer
+  // plus however long a side waited for its partner: where one process timed both sides, each
+  // message's observation is its smaller side's (the side that posted last waited for the
+  // transfer alone), else each side's median stands in. Of those, the ones within twice the
+  // fastest (plus 50 us) are the transfer's; the rest waited for something else of their group.
+  std::map<std::pair<TensorKind, int64_t>, std::vector<double>> bySize;
   auto bytesOf = [&](TensorKind kind, int s, int k) {
     return plan.stages[size_t(kind == TensorKind::Activation ? s : s - 1)].outputBytes[size_t(k)];
   };
-  // Both sides timed here: per message and step, the smaller.
-  std::map<std::tuple<TensorKind, int, int>, std::vector<double>> paired;
+  std::set<std::tuple<TensorKind, int, int>> paired;
   for (const auto &[key, sides] : exchanges) {
     auto [kind, s, k, mb] = key;
-    auto &out = paired[{kind, s, k}];
-    for (size_t n = 0; n < std::min(sides[0].size(), sides[1].size()); ++n)
+    auto &out = bySize[{kind, bytesOf(kind, s, k)}];
+    for (size_t n = 0; n < std::min(sides[0].size(), sides[1].size()); ++n) {
       out.push_back(std::min(sides[0][n], sides[1][n]));
-  }
-  for (auto &[key, ms] : paired) {
-    auto [kind, s, k] = key;
-    if (!ms.empty())
-      bySize[{kind, bytesOf(kind, s, k)}].push_back(summarizeSamples(std::move(ms)));
+      paired.insert({kind, s, k});
+    }
   }
   for (int s = 0; s < int(numStages); ++s)
     for (int k = 0; k < int(numSlices); ++k)
@@ -125,16 +125,17 @@ MeasuredCosts ProfileTable::costs() const {
         if (send.samples == 0 || recv.samples == 0 || paired.count({kind, s, k}) ||
             (kind == TensorKind::Gradient && s == 0))
           continue;
-        bySize[{kind, bytesOf(kind, s, k)}].push_back(send.medianMs <= recv.medianMs ? send : recv);
+        bySize[{kind, bytesOf(kind, s, k)}].push_back(std::min(send.medianMs, recv.medianMs));
       }
-  for (auto &[key, all] : bySize) {
-    std::sort(all.begin(), all.end(),
-              [](const Measured &a, const Measured &b) { return a.medianMs < b.medianMs; });
-    Measured m = all[all.size() / 2];
-    m.samples = 0;
-    for (const Measured &one : all)
-      m.samples += one.samples;
-    c.messages.push_back({key.first, key.second, m});
+  for (auto &[key, ms] : bySize) {
+    if (ms.empty())
+      continue;
+    const double fastest = *std::min_element(ms.begin(), ms.end());
+    std::vector<double> kept;
+    for (double x : ms)
+      if (x <= 2 * fastest + 0.05)
+        kept.push_back(x);
+    c.messages.push_back({key.first, key.second, summarizeSamples(std::move(kept))});
   }
   for (int s = 0; s < int(numStages); ++s)
     for (CollectiveGroup g : kGroups)
