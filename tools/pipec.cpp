@@ -48,7 +48,7 @@ const CommandUsage kCommands[] = {
           [--memory-limit BYTES] [--microbatch-group-size G] [-o|--output plan.json]
           [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
           [--seq-split-by time|flops] [--show] [--trace trace.json] [--svg figure.svg]
-          [--quiet]
+          [--quiet] [--costs costs.json]
                       compile, verify and simulate a plan; print its summary
 )"},
     {"validate",
@@ -70,6 +70,7 @@ const CommandUsage kCommands[] = {
     {"import", R"(  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
           [--cluster C.json] [--memory-limit BYTES] [--microbatch-group-size G]
           [--schedule NAME] [-o|--output plan.json] [--show] [--trace trace.json] [--quiet]
+          [--costs costs.json]
                       a PyTorch schedule CSV or pipec's text form, compiled, verified and
                       simulated as pipec's own (pp, microbatches, placement inferred)
 )"},

@@ -38,6 +38,10 @@
 // against the model, one or several shards), checked before step 0, on every backend.
 // --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
 // directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
+// --profile FILE (runtime/Profile.h): every instruction timed, the first step dropped, and the
+// measured costs written as pipecost/1 (ir/Costs.h) for `pipec compile --costs`. With --steps N
+// (N >= 3) the last line is "step time: measured median X ms over K steps, predicted Y ms (D%)",
+// the prediction being the plan's streams as this runtime executes them (simulateExecutedStep).
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
