@@ -163,6 +163,8 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
   o.parallel.seqSplits = order.seqSplits;
   o.parallel.microbatchGroupSize = options.microbatchGroupSize;
   o.memoryLimit = options.memoryLimit;
+  o.costs = options.costs;
+  o.costsSource = options.costsSource;
   if (auto err = checkCompileOptions(model, o))
     return err;
 

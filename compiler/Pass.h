@@ -8,6 +8,7 @@
 #ifndef PIPEC_COMPILER_PASS_H
 #define PIPEC_COMPILER_PASS_H
 
+#include "ir/Costs.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
 
@@ -31,6 +32,11 @@ struct CompileOptions {
   /// A published split: each stage's end in the model's layer list (embedding and head
   /// included); empty = the balanced partition.
   std::vector<int> stageEnds;
+  /// --costs (ir/Costs.h): measured times in place of the model's, from the partition pass on
+  /// (so the schedule pass, zb-auto's search included, and the simulator take them); the file's
+  /// name for messages in `costsSource`.
+  std::shared_ptr<const MeasuredCosts> costs;
+  std::string costsSource;
 };
 
 /// Shared state of a pipeline run.

@@ -98,6 +98,10 @@ llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassC
     auto changed = (*pass)->run(plan, ctx);
     if (!changed)
       return changed.takeError();
+    // Measured costs replace the model's where they cover it, before anything uses the times.
+    if (name == "partition" && ctx.options.costs)
+      if (auto err = applyMeasuredCosts(*ctx.options.costs, ctx.options.costsSource, plan))
+        return err;
     // Invariants hold after every pass once there are streams to check.
     if (ctx.verifyEach && ctx.scheduled && name != "verify") {
       VerifyOptions opts;

@@ -150,6 +150,16 @@ double rankOptimizerTime(const Plan &plan, size_t rank);
 ///    max over ranks of (step end + optimizer - first compute start).
 StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks);
 
+/// The step as piperun executes the plan's lowered streams, under the same per-op times: every
+/// instruction in stream order, one at a time; a group of sends and recvs (or a lone one) blocks
+/// its rank until every op of it has met its partner (a send and a recv meet when both are
+/// posted; the exchange is a rendezvous) and its transfer is done; tp and dp all-reduces and the
+/// optimizer step occupy their rank; the tied-embedding all-reduce waits for both of its ranks.
+/// The step time is the last rank's end, all starting at 0. Unlike simulateTimeline, a send
+/// that waits for its receiver delays its own rank (runtime/Interpreter.h). A Finding if the
+/// exchanges cannot complete (a plan that fails verification).
+llvm::Expected<double> simulateExecutedStep(const Plan &plan);
+
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),
 /// and step_time (what the dp all-reduces add past the last compute).

@@ -11,6 +11,7 @@
 #include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
+#include "ir/Costs.h"
 #include "ir/Error.h"
 #include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
@@ -425,6 +426,17 @@ PYBIND11_MODULE(_pipec, m) {
       py::arg("flag"), py::arg("path"), py::arg("text"), py::arg("inputs") = PyInputs(),
       "write_file(flag, path, text, inputs=[]): a temporary file beside path, then a rename; "
       "never onto one of inputs, the (argument, path) pairs the call read");
+
+  m.def(
+      "write_costs",
+      [](const std::string &text, const std::string &path) {
+        // The C++ reader checks every field first: the file written is one --costs reads.
+        MeasuredCosts costs = unwrap(parseCostsJson(text, "pipec.torch.profile"));
+        check(writeCosts(path, costs));
+      },
+      py::arg("text"), py::arg("path"),
+      "write_costs(text, path): measured costs (pipecost/1 JSON text), checked by the reader "
+      "and written whole (a temporary beside path, then a rename)");
 
   m.def(
       "list_schedules",

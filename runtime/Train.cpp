@@ -156,9 +156,13 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
   const int first = options.resume ? int(options.resume->manifest.step) : 0;
   TrainResult result;
   for (int s = first; s < first + options.steps; ++s) {
+    const auto started = std::chrono::steady_clock::now();
     auto loss = backend.step(s);
     if (!loss)
       return loss.takeError();
+    result.stepMs.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+            .count());
     result.losses.push_back(*loss);
     if (options.checkReference) {
       ParamSnapshot grads;
@@ -209,6 +213,15 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
       return err;
     if (ref)
       result.weights = ref->compareWeights(weights, options.steps);
+  }
+  if (options.profile) {
+    MeasuredCosts costs;
+    if (auto err = backend.measuredCosts(costs))
+      return err;
+    costs.planHash = planHash(plan);
+    costs.steps = int(result.stepMs.size());
+    if (backend.leads())
+      result.costs = std::move(costs);
   }
   if (!options.exportHfDir.empty())
     if (auto err = exportWeights(plan, cfg, backend, options))

@@ -19,6 +19,8 @@
 #ifndef PIPEC_RUNTIME_TRAIN_H
 #define PIPEC_RUNTIME_TRAIN_H
 
+#include "ir/Costs.h"
+#include "ir/Error.h"
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Checkpoint.h"
@@ -30,6 +32,7 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +81,9 @@ struct TrainOptions {
   /// With checkReference, called once the reference is built and holds its first weights (on
   /// the lead process only). Tests slow it down here.
   std::function<void()> onReferenceBuilt;
+  /// `piperun --profile`: time every instruction (RunShared::timings) and hand back the measured
+  /// costs (TrainResult::costs) after the last step.
+  bool profile = false;
 };
 
 /// What the driver found.
@@ -93,6 +99,10 @@ struct TrainResult {
   /// the step count it stopped at (its checkpoint's, with saveDir).
   int stopSignal = 0;
   int stoppedAt = 0;
+  /// Each step's time on the driver's clock (backend.step()), ms.
+  std::vector<double> stepMs;
+  /// With options.profile, on the lead process (runtime/Profile.h).
+  std::optional<MeasuredCosts> costs;
 };
 
 /// One backend's ranks in this process, as the driver drives them. Calls come from one thread,
@@ -132,6 +142,13 @@ public:
   virtual llvm::Expected<int> agreeOnStop(int signal) { return signal; }
   /// Whether this process reports the losses, runs the reference and writes checkpoints.
   virtual bool leads() const { return true; }
+  /// With options.profile, after the last step (every process calls it): the run's measured
+  /// costs on the lead process; the backend fills what they were measured on but the plan hash
+  /// and the steps.
+  virtual llvm::Error measuredCosts(MeasuredCosts &into) {
+    (void)into;
+    return inputError("--profile: this backend does not time its steps");
+  }
   /// After the last call, when the run succeeded.
   virtual void finish() {}
   /// What the backend has to say after the run (lines, each ending in a newline), or nothing.

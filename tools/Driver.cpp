@@ -22,7 +22,7 @@ std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positiona
   std::vector<InputFile> inputs;
   for (const std::string &p : args.positional())
     inputs.push_back({positionalName.str(), userPath(p)});
-  for (llvm::StringRef flag : {"--model", "--cluster"})
+  for (llvm::StringRef flag : {"--model", "--cluster", "--costs"})
     if (auto path = args.path(flag))
       inputs.push_back({flag.str(), *path});
   return inputs;
@@ -73,6 +73,20 @@ static constexpr bool kVerifyEachPass = true; // debug builds check invariants a
 static constexpr bool kVerifyEachPass = false;
 #endif
 
+/// --costs FILE (ir/Costs.h), read and checked; null without the flag.
+static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const MeasuredCosts> &costs,
+                                  std::string &source) {
+  auto path = args.path("--costs");
+  if (!path)
+    return llvm::Error::success();
+  auto read = readCosts(*path);
+  if (!read)
+    return inputError("--costs: {}", takeMessage(read.takeError()));
+  costs = std::make_shared<const MeasuredCosts>(std::move(*read));
+  source = "--costs " + *path;
+  return llvm::Error::success();
+}
+
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
   if (!schedule)
@@ -109,6 +123,8 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
     return by.takeError();
   o.parallel.seqSplitByFlops = *by == "flops";
   o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   return o;
 }
 
@@ -161,6 +177,8 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
     return limit.takeError();
   o.memoryLimit = *limit;
   o.schedule = args.get("--schedule").value_or("");
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   ModelSpec model;
   ClusterSpec cluster;
   if (auto err = specsFromFlags(args, model, cluster))

@@ -201,7 +201,6 @@ const Option kPlan[] = {
             kMaxGlobalBatch, 1)
         .req(),
     kCluster,
-    kCosts,
     Opt("--schedules", OptionKind::StringList, "a,b,...", "the schedules to try (default: all)")
         .eg("1f1b,zb-h1"),
     bytes("--memory-limit", "memory per GPU (default: the cluster device's)"),

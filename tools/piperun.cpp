@@ -45,10 +45,15 @@
 // against the model, one or several shards), checked before step 0, on every backend.
 // --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
 // directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
+// --profile FILE (runtime/Profile.h): every instruction timed, the first step dropped, and the
+// measured costs written as pipecost/1 (ir/Costs.h) for `pipec compile --costs`. With --steps N
+// (N >= 3) the last line is "step time: measured median X ms over K steps, predicted Y ms (D%)",
+// the prediction being the plan's streams as this runtime executes them (simulateExecutedStep).
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
+#include "ir/CostModel.h"
 #include "ir/Error.h"
 #include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
@@ -114,7 +119,7 @@ struct Request {
   std::string backend;
   std::optional<std::string> computeFlag; // --dtype
   std::string dataDtype;
-  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
+  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath, profilePath;
   int saveEvery = 0, keep = 0;
   int endStep = 1; // --steps: the step the job ends at
   bool seedGiven = false;
@@ -224,6 +229,11 @@ llvm::Expected<Request> readFlags(const Args &args) {
     o.exportHfShardBytes = uint64_t(*shardBytes);
   }
   r.dataPath = args.path("--data");
+  r.profilePath = args.path("--profile");
+  if (r.profilePath && r.endStep < 2)
+    return inputError("--profile needs --steps 2 or more (the first step is dropped as "
+                      "warm-up); try --steps 5");
+  o.profile = r.profilePath.has_value();
   return r;
 }
 
@@ -360,6 +370,19 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 }
 #endif
 
+/// DESIGN §10's last line with --steps N (N >= 3): the measured median step (the first, a
+/// warm-up, dropped) against `predictedMs`, the plan simulated as piperun executes it.
+std::optional<std::string> stepTimeLine(std::optional<double> predictedMs,
+                                        const std::vector<double> &stepMs) {
+  if (stepMs.size() < 3 || !predictedMs || !(*predictedMs > 0))
+    return std::nullopt;
+  const Measured m = summarizeSamples({stepMs.begin() + 1, stepMs.end()});
+  const double d = m.medianMs / *predictedMs - 1;
+  return fmt::format("step time: measured median {:.2f} ms over {} steps, predicted {:.2f} ms "
+                     "({:+.1f}%)",
+                     m.medianMs, m.samples, *predictedMs, 100 * d);
+}
+
 llvm::Error run(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 1, piperunCommand()); // reportError names the tool
   if (!args)
@@ -378,9 +401,22 @@ llvm::Error run(int argc, char **argv) {
   if (!request)
     return request.takeError();
   Request &r = *request;
-  auto plan = readPlan(userPath(args->positional().front()));
+  const std::string planPath = userPath(args->positional().front());
+  auto plan = readPlan(planPath);
   if (!plan)
     return plan.takeError();
+  if (r.profilePath)
+    if (auto err = checkOutputPath("--profile", *r.profilePath, {{"plan", planPath}}))
+      return err;
+  // The prediction of the last line: the plan's stage times (measured ones when it was compiled
+  // with --costs) on its streams as they run here (before the nccl mode drops other ranks').
+  std::optional<double> predictedMs;
+  if (plan->timeUnit == "ms") {
+    if (auto step = simulateExecutedStep(*plan))
+      predictedMs = *step;
+    else
+      llvm::consumeError(step.takeError());
+  }
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();
@@ -451,12 +487,23 @@ llvm::Error run(int argc, char **argv) {
     return llvm::Error::success();
   }
   say("{}", backend->summary());
+  if (result->costs) {
+    if (auto err = writeCosts(*r.profilePath, *result->costs))
+      return err;
+    say("measured costs written to {} ({} steps after the warm-up)\n", *r.profilePath,
+        result->costs->steps - 1);
+  }
   // (With --backend nccl only RANK 0 runs the reference.)
-  if (!r.options.checkReference || result->referenceLosses.empty())
-    return llvm::Error::success();
-  say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
-  say("{}", referenceCheckReport(result->grads, result->weights));
-  return judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  llvm::Error judged = llvm::Error::success();
+  if (r.options.checkReference && !result->referenceLosses.empty()) {
+    say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
+    say("{}", referenceCheckReport(result->grads, result->weights));
+    judged = judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  }
+  if (backend->leads())
+    if (auto line = stepTimeLine(predictedMs, result->stepMs))
+      say("{}\n", *line);
+  return judged;
 }
 
 } // namespace
