@@ -986,11 +986,7 @@ llvm::Expected<PlannerResult> Search::run() {
 
 } // namespace
 
-/// Each evaluated candidate builds and drops megabytes of lowered streams and timelines, and
-/// the search evaluates hundreds. glibc's malloc gives freed memory at the top of its heap back
-/// to the system beyond a small threshold, so every candidate would fault the same pages in
-/// again (a fifth of the search's time for a 175B model); keep up to 1 GiB of it instead.
-static void keepFreedMemory() {
+void keepFreedMemoryForPlanning() {
 #if defined(__GLIBC__)
   static std::once_flag once;
   std::call_once(once, [] {
@@ -1002,7 +998,6 @@ static void keepFreedMemory() {
 
 llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterSpec &cluster,
                                           const PlannerOptions &options) {
-  keepFreedMemory();
   Search search(model, cluster, options);
   return search.run();
 }

@@ -137,6 +137,14 @@ struct PlannerResult {
   int64_t tokensPerStep = 0;
 };
 
+/// For a process that plans (pipec, plan_bench): each evaluated candidate builds and drops
+/// megabytes of lowered streams and timelines, and glibc's malloc returns freed memory at the top
+/// of its heap to the system past a small threshold, so every candidate faults the same pages in
+/// again (a fifth of the search's time for a 175B model). This keeps up to 1 GiB of freed memory
+/// in the process instead. Process-wide, so the library never calls it itself: the executable
+/// decides (the Python module does not).
+void keepFreedMemoryForPlanning();
+
 /// Search. An InputError for bad input (no layout of that many GPUs, a global batch no layout
 /// divides, --tp or --pp values no layout can use, an unknown schedule), naming the flag at
 /// fault and the nearest valid value, found by arithmetic on the divisibility rules (never by

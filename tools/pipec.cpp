@@ -6,6 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
+#include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
@@ -304,8 +305,10 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdExport(argc, argv);
   else if (cmd == "import")
     err = cmdImport(argc, argv, printSummary);
-  else if (cmd == "plan")
+  else if (cmd == "plan") {
+    keepFreedMemoryForPlanning(); // this process only plans (compiler/Planner.h)
     err = runPlanCommand(argc, argv);
+  }
   else if (cmd == "spec")
     err = runSpecCommand(argc, argv);
   else
