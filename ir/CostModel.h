@@ -26,7 +26,7 @@
 //  - at its end (last part) a backward_input frees activation - weight_grad bytes (so keeps
 //    weight_grad bytes for W, allocating the difference when that is larger), a
 //    backward_weight the remaining weight_grad bytes, a fused backward all of them.
-// The memory pass, zb-auto's greedy and the planner's quick evaluation all run these.
+// The memory pass (which the planner's scoring runs too) and zb-auto's greedy run these.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_IR_COSTMODEL_H
@@ -100,7 +100,7 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out);
 /// above); zero-length entries for every other instruction.
 std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t rank);
 
-/// A completion time not reached yet (simulateTimeline's and quickEvaluate's `done` tables).
+/// A completion time not reached yet (the `done` tables of simulateTimeline and its callers).
 constexpr double kNotDone = -1.0;
 
 /// When compute op `ins` of rank `rank` may start: the latest of `ready` (its rank's clock)
