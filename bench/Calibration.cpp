@@ -106,6 +106,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                            "flash_attention",
                            "precision",
                            "block",
+                           "partition",
                            "metric",
                            "value"})
     if (!col.count(name))
@@ -171,6 +172,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     if (at("block") == "llama") // Llama's block: RMSNorm, SwiGLU, rotary positions, no biases
       extra += ", \"mlp\": \"swiglu\", \"norm\": \"rmsnorm\", \"position\": \"rope\", "
                "\"bias\": false";
+    else if (at("block") == "nemotron") // Nemotron's: LayerNorm, squared ReLU, rotary, no biases
+      extra += ", \"position\": \"rope\", \"bias\": false";
     std::string spec = fmt::format(
         R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{"num_layers": {},
         "hidden_size": {}, "num_attention_heads": {}, "vocab_size": {}, "seq_length": {},
@@ -200,12 +203,33 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     o.parallel.microbatches = int(batch / (dp * mb));
     o.parallel.sequenceParallel = at("sequence_parallel") == "true";
     o.parallel.distributedOptimizer = at("distributed_optimizer") == "true";
+    // The published split of layers into stages. "megatron": the transformer blocks in equal
+    // numbers per stage, the embedding with the first, the head with the last (Megatron-LM's
+    // and NeMo's uniform split). "units": the embedding and the head count as one block each
+    // and every stage holds as many (so the first and last hold one block fewer: the
+    // zero-bubble paper's split, BLOOM's "type:transformer|embedding", Llama 3's). Empty:
+    // pipec's balanced partition.
+    const std::string &split = at("partition");
+    int64_t units = split == "units" ? layers + 2 : layers;
     int64_t vpp = intOr(at("vpp"), 1);
     // Interleaving without a published chunk count: the most chunks whole transformer layers
     // allow (the zero-bubble paper's rule, "each transformer layer serves as a chunk").
     if (schedule == "interleaved-1f1b" && at("vpp").empty())
-      vpp = std::max<int64_t>(2, layers / pp);
+      vpp = std::max<int64_t>(2, units / pp);
     o.parallel.vpp = int(schedule == "interleaved-1f1b" ? vpp : 1);
+    if (!split.empty()) {
+      int64_t stages = pp * o.parallel.vpp;
+      if ((split != "megatron" && split != "units") || units % stages != 0) {
+        skip.why = fmt::format("partition \"{}\": {} layers do not split evenly into {} stages",
+                               split, units, stages);
+        skipped.push_back(skip);
+        continue;
+      }
+      int64_t per = units / stages;
+      for (int64_t s = 1; s <= stages; ++s)
+        o.stageEnds.push_back(int(split == "units" ? per * s : 1 + per * s));
+      o.stageEnds.back() = int(layers + 2); // the head closes the last stage
+    }
     double value = 0;
     if (!llvm::to_float(at("value"), value) || value <= 0) {
       skip.why = "no measured value";

@@ -41,6 +41,7 @@ int fail(llvm::Error err) {
 } // namespace
 
 int main(int argc, char **argv) {
+  keepFreedMemoryForPlanning(); // as `pipec plan` does
   auto args = Args::parse(argc, argv, 1,
                           {"--model", "--cluster", "--gpus", "--global-batch", "--threads"}, {},
                           /*command=*/"");

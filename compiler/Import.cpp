@@ -3,6 +3,7 @@
 
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 
@@ -121,11 +122,11 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
     return inputError("{}: no ranks: the file has no rows", source.str());
   if (order.numStages == 0)
     return inputError("{}: no compute actions (F, I, W or B) in any row", source.str());
-  if (pp > 4096)
-    return inputError("{}: {} ranks is beyond what pipec plans (4096)", source.str(), pp);
-  if (order.numStages > 4096)
-    return inputError("{}: stage {} is beyond what pipec plans (4096 stages)", source.str(),
-                      order.numStages - 1);
+  if (pp > kMaxStages)
+    return inputError("{}: {} ranks is beyond what pipec plans ({})", source.str(), pp, kMaxStages);
+  if (order.numStages > kMaxStages)
+    return inputError("{}: stage {} is beyond what pipec plans ({} stages)", source.str(),
+                      order.numStages - 1, kMaxStages);
   if (order.numStages % pp != 0)
     return inputError("{}: stages 0..{} ({} stages) on {} ranks is not a whole number of stages "
                       "per rank (--vpp); every rank must hold the same number of stages",
@@ -162,6 +163,8 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
   o.parallel.seqSplits = order.seqSplits;
   o.parallel.microbatchGroupSize = options.microbatchGroupSize;
   o.memoryLimit = options.memoryLimit;
+  o.costs = options.costs;
+  o.costsSource = options.costsSource;
   if (auto err = checkCompileOptions(model, o))
     return err;
 
@@ -216,20 +219,21 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
                      source.str(), named->name().str(), pp, vpp, order.microbatches,
                      firstDifference(*named, plan, options.memoryLimit, order.ranks),
                      kCustomSchedule);
-    result.matches.push_back(named->name().str());
   }
+  // The policies whose order this is, the named one first; each resolved once, here.
+  std::vector<const SchedulePolicy *> matched;
+  if (named)
+    matched.push_back(named);
   for (const SchedulePolicy *p : allPolicies())
     if (p != named && policyEmits(*p, plan, options.memoryLimit, order.ranks))
-      result.matches.push_back(p->name().str());
-  if (!named && !result.matches.empty())
-    plan.schedule = result.matches.front();
+      matched.push_back(p);
+  for (const SchedulePolicy *p : matched)
+    result.matches.push_back(p->name().str());
   // An order that is a policy's is that policy's plan, its optimizer step included (whether it
   // post-validates instead of waiting for the pipeline-wide check), as compile makes it.
-  if (!result.matches.empty()) {
-    if (auto policy = findPolicy(result.matches.front()))
-      plan.postValidation = (*policy)->postValidation();
-    else
-      llvm::consumeError(policy.takeError());
+  if (!matched.empty()) {
+    plan.schedule = matched.front()->name().str();
+    plan.postValidation = matched.front()->postValidation();
   }
 
   if (auto err = runPipeline({"lower-comms", "lower-collectives", "memory", "simulate", "verify"},

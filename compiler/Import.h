@@ -32,6 +32,9 @@ struct ImportOptions {
   int64_t memoryLimit = 0;     // per rank; 0 = none (zb-auto is only recognised with one)
   /// The policy the order must equal (a finding if it does not); empty: recognise it.
   std::string schedule;
+  /// --costs: measured times (CompileOptions::costs).
+  std::shared_ptr<const MeasuredCosts> costs;
+  std::string costsSource;
 };
 
 struct ImportResult {

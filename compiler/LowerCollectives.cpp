@@ -23,6 +23,8 @@
 
 #include "llvm/ADT/DenseMap.h"
 
+#include <algorithm>
+
 namespace pipec {
 namespace {
 
@@ -39,8 +41,16 @@ public:
       for (size_t n = 0; n < in.size(); ++n)
         if (in[n].op == OpKind::BackwardWeight || in[n].op == OpKind::Backward)
           lastWeightGrad[in[n].stage] = n;
+      // Exactly what is emitted below, so that the stream is allocated once.
+      size_t size = in.size() + lastWeightGrad.size() + 3;
+      if (pc.tp > 1)
+        for (const Instruction &i : in) {
+          int parts = plan.stages[size_t(std::max(i.stage, 0))].tpAllReduces;
+          if (parts > 0 && i.isCompute() && i.op != OpKind::BackwardWeight)
+            size += 2 * size_t(parts) - 1; // parts and their all-reduces, for the op
+        }
       std::vector<Instruction> out;
-      out.reserve(in.size() * (pc.tp > 1 ? 3 : 1) + 8);
+      out.reserve(size);
       llvm::SmallVector<int, 4> dpDue; // stages whose dp all-reduce goes after the comms
       auto emitDp = [&]() {
         for (int s : dpDue) {

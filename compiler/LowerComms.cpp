@@ -19,21 +19,17 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 
-#include "compiler/Semantics.h"
-#include "compiler/Simulator.h"
+#include "ir/CostModel.h"
 #include "ir/Error.h"
+#include "ir/Semantics.h"
 
 #include <algorithm>
+#include <cassert>
 #include <numeric>
 #include <tuple>
 
 namespace pipec {
 namespace {
-
-struct PendingComm {
-  uint64_t round;
-  Instruction ins;
-};
 
 class LowerCommsPass final : public Pass {
 public:
@@ -48,28 +44,42 @@ public:
     Timeline timeline;
     if (auto err = simulateTimeline(plan, timeline))
       return err;
-    // Global order of all compute ops.
-    struct Ref {
+    // Global order of all compute ops: by (start, depth, rank, step). Along a rank's stream
+    // both start and depth grow (an op starts after the previous one ends and its depth is
+    // one more), so each rank is already in that order and the global order is their merge.
+    struct Head {
       double start;
       uint32_t depth;
       int32_t rank;
-      uint32_t step;
     };
-    std::vector<Ref> refs;
-    refs.reserve(plan.numInstructions());
-    for (size_t r = 0; r < plan.ranks.size(); ++r)
-      for (size_t n = 0; n < plan.ranks[r].size(); ++n)
-        refs.push_back(
-            Ref{timeline.ops[r][n].start, timeline.depth[r][n], int32_t(r), uint32_t(n)});
-    std::sort(refs.begin(), refs.end(), [](const Ref &a, const Ref &b) {
-      return std::tie(a.start, a.depth, a.rank, a.step) <
-             std::tie(b.start, b.depth, b.rank, b.step);
-    });
+    auto later = [](const Head &a, const Head &b) {
+      return std::tie(a.start, a.depth, a.rank) > std::tie(b.start, b.depth, b.rank);
+    };
     std::vector<std::vector<uint64_t>> order(plan.ranks.size());
-    for (size_t r = 0; r < plan.ranks.size(); ++r)
+    const size_t numOps = plan.numInstructions(); // compute ops only, here
+    std::vector<Head> heads;
+    for (size_t r = 0; r < plan.ranks.size(); ++r) {
       order[r].resize(plan.ranks[r].size());
-    for (size_t g = 0; g < refs.size(); ++g)
-      order[size_t(refs[g].rank)][refs[g].step] = g;
+      if (!plan.ranks[r].empty())
+        heads.push_back(Head{timeline.ops[r][0].start, timeline.depth[r][0], int32_t(r)});
+    }
+    std::make_heap(heads.begin(), heads.end(), later);
+    std::vector<size_t> next(plan.ranks.size(), 0);
+    for (uint64_t g = 0; !heads.empty(); ++g) {
+      std::pop_heap(heads.begin(), heads.end(), later);
+      size_t r = size_t(heads.back().rank);
+      size_t n = next[r]++;
+      order[r][n] = g;
+      if (n + 1 < plan.ranks[r].size()) {
+        assert(std::tie(timeline.ops[r][n].start, timeline.depth[r][n]) <
+                   std::tie(timeline.ops[r][n + 1].start, timeline.depth[r][n + 1]) &&
+               "a rank's compute ops are in (start, depth) order");
+        heads.back() = Head{timeline.ops[r][n + 1].start, timeline.depth[r][n + 1], int32_t(r)};
+        std::push_heap(heads.begin(), heads.end(), later);
+      } else {
+        heads.pop_back();
+      }
+    }
 
     // Where each op's output is produced: global index, by key.
     KeySpace keys(plan);
@@ -78,7 +88,20 @@ public:
       for (size_t n = 0; n < plan.ranks[r].size(); ++n)
         producedAt[keys.key(plan.ranks[r][n])] = order[r][n];
 
-    std::vector<std::vector<PendingComm>> comms(plan.ranks.size());
+    // One message per cross-rank input, in round order: a counting sort by round (rounds are
+    // global indices of compute ops), then by (consumer rank, tensor, stage, mb, slice) within
+    // a round (one producer's messages). Appended to the ranks in that order, each rank's comm
+    // ops come sorted by (round, op, peer, tensor, stage, mb, slice): a round's ops on a rank
+    // are all sends (its producer's rank) or all recvs from that one rank.
+    struct Message {
+      uint64_t round;
+      int32_t from, to;
+      TensorKind tensor;
+      int32_t stage, mb, slice;
+    };
+    std::vector<Message> messages;
+    messages.reserve(numOps); // (about one cross-rank input per compute op at most, as a rule)
+    std::vector<size_t> perRank(plan.ranks.size(), 0);
     for (size_t r = 0; r < plan.ranks.size(); ++r) {
       for (const Instruction &c : plan.ranks[r]) {
         forEachInput(plan, c, [&](const Input &in) {
@@ -86,35 +109,49 @@ public:
           if (from == int(r))
             return;
           uint64_t round = producedAt[keys.key(in.stage, in.mb, in.slice, in.slot)];
-          Instruction send;
-          send.op = OpKind::Send;
-          send.tensor = in.tensor;
-          send.stage = in.stage;
-          send.mb = in.mb;
-          send.slice = in.slice;
-          send.peer = int32_t(r);
-          send.bytes = tensorBytes(plan, in.tensor, in.stage, in.slice);
-          Instruction recv = send;
-          recv.op = OpKind::Recv;
-          recv.peer = from;
-          comms[size_t(from)].push_back(PendingComm{round, send});
-          comms[r].push_back(PendingComm{round, recv});
+          assert(round < numOps && "simulateTimeline ran every producer");
+          messages.push_back(
+              Message{round, from, int32_t(r), in.tensor, in.stage, in.mb, in.slice});
+          ++perRank[size_t(from)];
+          ++perRank[r];
         });
+      }
+    }
+    std::vector<uint32_t> bucket(numOps + 1, 0);
+    for (const Message &m : messages)
+      ++bucket[m.round + 1];
+    for (size_t g = 0; g < numOps; ++g)
+      bucket[g + 1] += bucket[g];
+    std::vector<uint32_t> byRound(messages.size());
+    for (size_t i = 0; i < messages.size(); ++i)
+      byRound[bucket[messages[i].round]++] = uint32_t(i);
+    auto tieKey = [&](uint32_t i) {
+      const Message &m = messages[i];
+      return std::tie(m.to, m.tensor, m.stage, m.mb, m.slice);
+    };
+    // Each rank's comm ops, as message indices (times 2, plus 1 for the recv end) in order.
+    std::vector<std::vector<uint32_t>> comms(plan.ranks.size());
+    for (size_t r = 0; r < plan.ranks.size(); ++r)
+      comms[r].reserve(perRank[r]);
+    for (size_t b = 0, e = 0; b < byRound.size(); b = e) {
+      for (e = b + 1;
+           e < byRound.size() && messages[byRound[e]].round == messages[byRound[b]].round;)
+        ++e;
+      if (e - b > 1)
+        std::sort(byRound.begin() + ptrdiff_t(b), byRound.begin() + ptrdiff_t(e),
+                  [&](uint32_t x, uint32_t y) { return tieKey(x) < tieKey(y); });
+      for (size_t j = b; j < e; ++j) {
+        const Message &m = messages[byRound[j]];
+        comms[size_t(m.from)].push_back(2 * byRound[j]);
+        comms[size_t(m.to)].push_back(2 * byRound[j] + 1);
       }
     }
     bool changed = false;
     for (size_t r = 0; r < plan.ranks.size(); ++r) {
-      auto &pending = comms[r];
+      const auto &pending = comms[r];
       if (pending.empty())
         continue;
       changed = true;
-      std::sort(pending.begin(), pending.end(), [](const PendingComm &a, const PendingComm &b) {
-        auto key = [](const PendingComm &c) {
-          return std::make_tuple(c.round, c.ins.op, c.ins.peer, c.ins.tensor, c.ins.stage, c.ins.mb,
-                                 c.ins.slice);
-        };
-        return key(a) < key(b);
-      });
       std::vector<Instruction> merged;
       merged.reserve(plan.ranks[r].size() + pending.size());
       size_t next = 0;
@@ -122,11 +159,19 @@ public:
       auto flush = [&](uint64_t upTo) {
         // Comm ops of rounds <= upTo, as one group when there are several.
         size_t begin = next;
-        while (next < pending.size() && pending[next].round <= upTo)
+        while (next < pending.size() && messages[pending[next] / 2].round <= upTo)
           ++next;
         bool grouped = next - begin > 1;
         for (size_t i = begin; i < next; ++i) {
-          Instruction ins = pending[i].ins;
+          const Message &m = messages[pending[i] / 2];
+          Instruction ins;
+          ins.op = pending[i] % 2 ? OpKind::Recv : OpKind::Send;
+          ins.tensor = m.tensor;
+          ins.stage = m.stage;
+          ins.mb = m.mb;
+          ins.slice = m.slice;
+          ins.peer = pending[i] % 2 ? m.from : m.to;
+          ins.bytes = tensorBytes(plan, m.tensor, m.stage, m.slice);
           ins.group = grouped ? group : kNoGroup;
           merged.push_back(ins);
         }

@@ -123,18 +123,27 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     st.activationTransferTime.assign(k, 0);
     st.gradientTransferTime.assign(k, 0);
     st.tpAllReduceTime.assign(k, 0);
+    // Megatron-LM's transfers (Narayanan et al. 2021, section 4.1): without sequence
+    // parallelism every tp rank holds the whole activation, sends 1/tp of it on its own link
+    // and the receiving tp ranks all-gather the rest.
+    bool scatter = cluster.megatronP2p && pc.tp > 1 && !pc.sequenceParallel;
+    auto p2pMs = [&](int to, double bytes) {
+      const Link &link = linkBetween(cluster, pc, st.rank, to);
+      if (!scatter)
+        return transferMs(cluster, link, bytes);
+      double gather =
+          messageMs(cluster, tpLink) + (pc.tp - 1.0) / pc.tp * bytes / tpLink.bytesPerMs();
+      return transferMs(cluster, link, bytes / pc.tp) + gather;
+    };
     for (size_t i = 0; i < k; ++i) {
       if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
-        st.activationTransferTime[i] =
-            model.isTransformer()
-                ? transferMs(cluster, linkBetween(cluster, pc, st.rank, plan.rankOf(s + 1)),
-                             double(st.outputBytes[i]))
-                : model.p2pTime;
+        st.activationTransferTime[i] = model.isTransformer()
+                                           ? p2pMs(plan.rankOf(s + 1), double(st.outputBytes[i]))
+                                           : model.p2pTime;
       if (s > 0 && plan.rankOf(s - 1) != st.rank)
         st.gradientTransferTime[i] =
             model.isTransformer()
-                ? transferMs(cluster, linkBetween(cluster, pc, st.rank, plan.rankOf(s - 1)),
-                             double(plan.stages[size_t(s - 1)].outputBytes[i]))
+                ? p2pMs(plan.rankOf(s - 1), double(plan.stages[size_t(s - 1)].outputBytes[i]))
                 : model.p2pTime;
       if (pc.tp > 1 && st.tpAllReduces > 0) {
         if (model.isTransformer()) {
@@ -150,6 +159,14 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
         } else {
           st.tpAllReduceTime[i] = model.allReduceTime;
         }
+      }
+      // Megatron-LM's send is synchronous: it holds the sender until the receiver has the
+      // tensor, so the transfer is part of the op that produced it and the receiver can start
+      // when that op ends.
+      if (cluster.megatronP2p && model.isTransformer()) {
+        st.forward[i] += st.activationTransferTime[i];
+        st.backwardInput[i] += st.gradientTransferTime[i];
+        st.activationTransferTime[i] = st.gradientTransferTime[i] = 0;
       }
     }
     if (pc.dp > 1)
@@ -206,6 +223,18 @@ public:
       return inputError("the model has {} layers: too many to partition exactly into {} stages "
                         "here; merge layers with \"count\" into coarser ones",
                         numLayers, numStages);
+    const std::vector<int> &given = ctx.options.stageEnds;
+    if (!given.empty()) {
+      bool valid = int(given.size()) == numStages && given.back() == numLayers;
+      for (size_t s = 0; valid && s < given.size(); ++s)
+        valid = given[s] > (s == 0 ? 0 : given[s - 1]);
+      if (!valid)
+        return inputError("the stage split gives {} stage ends for {} stages of {} layers; "
+                          "give one increasing end per stage, the last {}",
+                          given.size(), numStages, numLayers, numLayers);
+      buildStages(plan, model, cluster, given);
+      return true;
+    }
     int64_t seq = model.sequenceLength(pc.seqSplits);
     buildStages(plan, model, cluster,
                 exactPartition(layerTimes(model, cluster, seq, pc.tp), numStages));

@@ -8,6 +8,7 @@
 #ifndef PIPEC_COMPILER_PASS_H
 #define PIPEC_COMPILER_PASS_H
 
+#include "ir/Costs.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
 
@@ -28,6 +29,14 @@ struct CompileOptions {
   std::string schedule = "1f1b";
   ParallelConfig parallel;
   int64_t memoryLimit = 0; // per rank; 0 = none
+  /// A published split: each stage's end in the model's layer list (embedding and head
+  /// included); empty = the balanced partition.
+  std::vector<int> stageEnds;
+  /// --costs (ir/Costs.h): measured times in place of the model's, from the partition pass on
+  /// (so the schedule pass, zb-auto's search included, and the simulator take them); the file's
+  /// name for messages in `costsSource`.
+  std::shared_ptr<const MeasuredCosts> costs;
+  std::string costsSource;
 };
 
 /// Shared state of a pipeline run.
@@ -49,6 +58,12 @@ public:
   virtual llvm::StringRef name() const = 0;
   /// Run on `plan`; true if it changed the plan.
   virtual llvm::Expected<bool> run(Plan &plan, PassContext &ctx) = 0;
+};
+
+/// A registered pass: its name and how to create it.
+struct PassEntry {
+  llvm::StringRef name;
+  std::unique_ptr<Pass> (*create)();
 };
 
 /// Names of all registered passes, in the default pipeline's order.

@@ -1,15 +1,17 @@
-//===- Pipeline.cpp - Pass registry, the schedule/simulate/verify passes --===//
+//===- Pipeline.cpp - Pass registry, the schedule and verify passes, compilePlan ---===//
 #include "compiler/Pass.h"
 
 #include "compiler/Budget.h"
-#include "compiler/Simulator.h"
+#include "compiler/Evaluate.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace pipec {
 
@@ -36,19 +38,6 @@ public:
   }
 };
 
-/// Establishes: stats hold the timing model's makespan, bubble ratio and per-rank times.
-class SimulatePass final : public Pass {
-public:
-  llvm::StringRef name() const override { return "simulate"; }
-  llvm::Expected<bool> run(Plan &plan, PassContext &) override {
-    Timeline t;
-    if (auto err = simulateTimeline(plan, t))
-      return err;
-    summarizeTimeline(plan, t, plan.stats);
-    return true;
-  }
-};
-
 /// Checks the whole plan (comms and collectives required); changes nothing.
 class VerifyPass final : public Pass {
 public:
@@ -63,37 +52,39 @@ public:
   }
 };
 
-struct Entry {
-  llvm::StringRef name;
-  std::unique_ptr<Pass> (*create)();
-};
-
-const Entry kPasses[] = {
-    {"seq-split", createSeqSplitPass},
-    {"partition", createPartitionPass},
-    {"schedule", createSchedulePass},
-    {"lower-comms", createLowerCommsPass},
-    {"lower-collectives", createLowerCollectivesPass},
-    {"memory", createMemoryPass},
-    {"simulate", createSimulatePass},
-    {"verify", createVerifyPass},
-};
+/// Every registered pass, in the default pipeline's order: the passes that decide time and
+/// memory are evaluateOrder's list (compiler/Evaluate.h), so that the planner and zb-auto score
+/// exactly what compile states.
+const std::vector<PassEntry> &registry() {
+  static const std::vector<PassEntry> all = [] {
+    std::vector<PassEntry> v = {{"seq-split", createSeqSplitPass},
+                                {"partition", createPartitionPass},
+                                {"schedule", createSchedulePass}};
+    llvm::ArrayRef<PassEntry> scoring = scoringPasses();
+    v.insert(v.end(), scoring.begin(), scoring.end());
+    v.push_back({"verify", createVerifyPass});
+    return v;
+  }();
+  return all;
+}
 
 } // namespace
 
 std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePass>(); }
-std::unique_ptr<Pass> createSimulatePass() { return std::make_unique<SimulatePass>(); }
 std::unique_ptr<Pass> createVerifyPass() { return std::make_unique<VerifyPass>(); }
 
 llvm::ArrayRef<llvm::StringRef> defaultPipeline() {
-  static const llvm::StringRef names[] = {
-      "seq-split",         "partition", "schedule", "lower-comms",
-      "lower-collectives", "memory",    "simulate", "verify"};
+  static const std::vector<llvm::StringRef> names = [] {
+    std::vector<llvm::StringRef> n;
+    for (const PassEntry &e : registry())
+      n.push_back(e.name);
+    return n;
+  }();
   return names;
 }
 
 llvm::Expected<std::unique_ptr<Pass>> createPass(llvm::StringRef name) {
-  for (const Entry &e : kPasses)
+  for (const PassEntry &e : registry())
     if (e.name == name)
       return e.create();
   return inputError("unknown pass '{}'", name.str());
@@ -107,6 +98,10 @@ llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassC
     auto changed = (*pass)->run(plan, ctx);
     if (!changed)
       return changed.takeError();
+    // Measured costs replace the model's where they cover it, before anything uses the times.
+    if (name == "partition" && ctx.options.costs)
+      if (auto err = applyMeasuredCosts(*ctx.options.costs, ctx.options.costsSource, plan))
+        return err;
     // Invariants hold after every pass once there are streams to check.
     if (ctx.verifyEach && ctx.scheduled && name != "verify") {
       VerifyOptions opts;
@@ -133,23 +128,22 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
   for (const Flag &f : flags)
     if (f.value < 1)
       return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
-  if (int64_t(pc.pp) * pc.vpp > 4096)
-    return inputError("--pp x --vpp = {} stages is beyond what pipec plans (4096); try a smaller "
+  if (int64_t(pc.pp) * pc.vpp > kMaxStages)
+    return inputError("--pp x --vpp = {} stages is beyond what pipec plans ({}); try a smaller "
                       "--pp",
-                      int64_t(pc.pp) * pc.vpp);
+                      int64_t(pc.pp) * pc.vpp, kMaxStages);
   int64_t units = int64_t(pc.microbatches) * pc.seqSplits;
-  if (units > (1 << 24))
+  if (units > kMaxUnits)
     return inputError("--microbatches x --seq-splits = {} is beyond what pipec plans (2^24)",
                       units);
   int64_t stages = int64_t(pc.pp) * pc.vpp;
-  if (stages * units > (int64_t(1) << 24))
+  if (stages * units > kMaxUnits)
     return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
                       "plans (2^24); try --microbatches {}",
-                      stages * units,
-                      std::max<int64_t>(1, ((int64_t(1) << 24) / stages) / pc.seqSplits));
-  if (int64_t(pc.tp) * pc.dp > 65536)
-    return inputError("--tp x --dp = {} is beyond what pipec plans (65536)",
-                      int64_t(pc.tp) * pc.dp);
+                      stages * units, std::max<int64_t>(1, (kMaxUnits / stages) / pc.seqSplits));
+  if (int64_t(pc.tp) * pc.dp > kMaxTpDp)
+    return inputError("--tp x --dp = {} is beyond what pipec plans ({})", int64_t(pc.tp) * pc.dp,
+                      kMaxTpDp);
   if (o.memoryLimit < 0)
     return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
   return llvm::Error::success();

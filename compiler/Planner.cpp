@@ -1,17 +1,22 @@
 //===- Planner.cpp - pipec plan: the best layout and schedule for a cluster ----------===//
 #include "compiler/Planner.h"
 
+#include "compiler/Evaluate.h"
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
-#include "compiler/QuickEval.h"
 #include "ir/CostModel.h"
 #include "ir/Error.h"
+#include "ir/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/StringExtras.h"
 
 #include <fmt/format.h>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -76,7 +81,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 /// The most microbatches per step pipec plans.
-constexpr int64_t kMostMicrobatches = int64_t(1) << 24;
+constexpr int64_t kMostMicrobatches = kMaxFlagCount;
 
 std::string mib(int64_t bytes) {
   double b = double(bytes);
@@ -185,11 +190,17 @@ private:
   std::vector<size_t> scheduleOf;
   std::mutex partitionMu;
   std::map<std::tuple<size_t, int, int>, std::vector<int>> partitions;
+  /// seqSlicesFor's answer (the slices, or its error's message) by (variant, seq splits, tp,
+  /// split rule, sequence parallelism): the same for every pp, schedule and vpp.
+  using Slices = std::vector<std::pair<int64_t, int64_t>>;
+  std::map<std::tuple<size_t, int, int, bool, bool>, std::pair<Slices, std::string>> slicings;
 
   llvm::Error setUp();
   size_t variantFor(int64_t b, Recompute r);
   void enumerate();
   std::vector<int> partitionFor(size_t variant, int tp, int stages);
+  /// seqSlicesFor(variant's model, cluster, pc) into `out`, cached; a message on error.
+  std::string slicesFor(size_t variant, const ParallelConfig &pc, Slices &out);
   void evaluate(size_t index, double threshold);
   bool compile(size_t index, Plan *out);
   llvm::Error explainNothingFits();
@@ -400,9 +411,46 @@ std::vector<int> Search::partitionFor(size_t variant, int tp, int stages) {
   return ends;
 }
 
+std::string Search::slicesFor(size_t variant, const ParallelConfig &pc, Slices &out) {
+  auto key = std::make_tuple(variant, pc.seqSplits, pc.tp, pc.seqSplitByFlops, pc.sequenceParallel);
+  {
+    std::lock_guard<std::mutex> lock(partitionMu);
+    auto it = slicings.find(key);
+    if (it != slicings.end()) {
+      out = it->second.first;
+      return it->second.second;
+    }
+  }
+  std::string why;
+  if (llvm::Error err = seqSlicesFor(variants[variant].model, cluster, pc, out))
+    why = takeMessage(std::move(err));
+  std::lock_guard<std::mutex> lock(partitionMu);
+  slicings.emplace(key, std::make_pair(out, why));
+  return why;
+}
+
 /// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs.
 int64_t lifetimeBytes(const StageInfo &st, size_t k) {
   return activationLifetimePeak(st, int(k)) + workspaceBytes(st, int(k));
+}
+
+/// A candidate's step time, bubble and worst rank's peak memory from the stats of its
+/// evaluated or compiled plan.
+void takeFigures(PlanCandidate &c, const PlanStats &stats) {
+  c.stepTime = stats.stepTime;
+  double busy = 0;
+  int64_t peak = 0;
+  for (const RankStats &r : stats.ranks) {
+    busy += r.busy;
+    if (r.peakMemoryBytes > peak) {
+      peak = r.peakMemoryBytes;
+      c.worstRank = r.rank;
+    }
+  }
+  c.peakMemoryBytes = peak;
+  c.bubble = c.stepTime > 0 && !stats.ranks.empty()
+                 ? 1.0 - busy / double(stats.ranks.size()) / c.stepTime
+                 : 0.0;
 }
 
 void Search::evaluate(size_t index, double threshold) {
@@ -419,9 +467,9 @@ void Search::evaluate(size_t index, double threshold) {
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;
-  if (llvm::Error err = seqSlicesFor(var.model, cluster, pc, plan.seqSlices)) {
+  if (std::string why = slicesFor(variantOf[index], pc, plan.seqSlices); !why.empty()) {
     c.outcome = Outcome::Constraint;
-    c.why = takeMessage(std::move(err));
+    c.why = std::move(why);
     return;
   }
   buildStages(plan, var.model, cluster, partitionFor(variantOf[index], pc.tp, pc.numStages()));
@@ -504,8 +552,9 @@ void Search::evaluate(size_t index, double threshold) {
   ComputeOrder order;
   policy.emit(request, order);
   plan.ranks = std::move(order);
-  QuickStats stats;
-  if (llvm::Error err = quickEvaluate(plan, stats)) {
+  // Step time and memory as `pipec compile` states them: its own lowering, memory and
+  // simulate passes (verification is left to the candidates that may be ranked).
+  if (llvm::Error err = evaluateOrder(plan)) {
     // A policy's order that cannot run is a bug of the policy; report it as a constraint
     // rather than stop the search.
     c.outcome = Outcome::Constraint;
@@ -513,21 +562,11 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
   c.simulated = true;
-  c.stepTime = stats.stepTime;
-  c.bubble = stats.stepTime > 0 ? 1.0 - stats.meanBusy / stats.stepTime : 0.0;
-  int64_t peak = 0;
-  for (int r = 0; r < pc.pp; ++r) {
-    int64_t bytes = stats.staticBytes[size_t(r)] + stats.peakActivationBytes[size_t(r)];
-    if (bytes > peak) {
-      peak = bytes;
-      c.worstRank = r;
-    }
-  }
-  c.peakMemoryBytes = peak;
-  if (peak > fit) {
+  c.peakExact = true;
+  takeFigures(c, plan.stats);
+  if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} (without receive buffers) of {}", c.worstRank,
-                        mib(peak), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
     return;
   }
   c.outcome = Outcome::Fits;
@@ -546,25 +585,12 @@ bool Search::compile(size_t index, Plan *out) {
     c.why = takeMessage(plan.takeError());
     return false;
   }
-  int64_t peak = 0;
-  for (const RankStats &r : plan->stats.ranks)
-    if (r.peakMemoryBytes > peak) {
-      peak = r.peakMemoryBytes;
-      c.worstRank = r.rank;
-    }
-  c.peakMemoryBytes = peak;
-  // quickEvaluate computes the step time the full pipeline does; the compiled plan is the
-  // authority all the same.
-  c.stepTime = plan->stats.stepTime;
-  double busy = 0;
-  for (const RankStats &r : plan->stats.ranks)
-    busy += r.busy;
-  c.bubble = c.stepTime > 0 && !plan->stats.ranks.empty()
-                 ? 1.0 - busy / double(plan->stats.ranks.size()) / c.stepTime
-                 : 0.0;
-  if (peak > fit) {
+  c.peakExact = true;
+  // The same passes as evaluate()'s, so the same figures; the compiled plan is also verified.
+  takeFigures(c, plan->stats);
+  if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(peak), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
     return false;
   }
   if (out)
@@ -574,8 +600,10 @@ bool Search::compile(size_t index, Plan *out) {
 
 llvm::Error Search::explainNothingFits() {
   // Layouts exist (else run() reported bad input): all are over the memory limit. The closest
-  // is the one of least peak as compile states it: compile, in waves, those whose known peak
-  // (a lower bound, or exact when compiled) is below the least exact peak found, least first.
+  // is the one of least peak as compile states it. Every evaluated candidate's peak is that
+  // already (evaluateOrder runs compile's passes); one dropped by the memory lower bound before
+  // scheduling has only the bound. So: walk them by known peak, least first, compiling in waves
+  // the bounded ones, until the next known peak is no less than the least exact one found.
   // zb-auto is left out while any other schedule is open: its order depends on the limit, so
   // a limit suggested from its peak at this one would not hold it.
   bool others = llvm::any_of(cands, [](const PlanCandidate &c) {
@@ -593,19 +621,25 @@ llvm::Error Search::explainNothingFits() {
   size_t next = 0, compiles = 0;
   while (next < over.size() && compiles < kMostCompiles &&
          (!closest || cands[over[next]].peakMemoryBytes < closest->peakMemoryBytes)) {
+    size_t begin = next;
     std::vector<size_t> wave;
     for (; next < over.size() && wave.size() < std::max(1u, threads) &&
-           compiles + wave.size() < kMostCompiles;
-         ++next)
-      if (!cands[over[next]].compiled)
+           compiles + wave.size() < kMostCompiles &&
+           (!closest || cands[over[next]].peakMemoryBytes < closest->peakMemoryBytes);
+         ++next) {
+      const PlanCandidate &c = cands[over[next]];
+      if (!c.peakExact)
         wave.push_back(over[next]);
+      else if (!closest || c.peakMemoryBytes < closest->peakMemoryBytes)
+        closest = &c;
+    }
     compiles += wave.size();
     parallelFor(wave.size(), threads, [&](size_t j) { compile(wave[j], nullptr); });
-    for (size_t i : wave) {
-      const PlanCandidate &c = cands[i];
-      // (One that compiled within the limit would have been ranked: only its receive buffers
-      // differ from quickEvaluate's figures, and they only add.)
-      if (c.compiled && c.outcome == Outcome::Memory &&
+    for (size_t j = begin; j < next; ++j) {
+      const PlanCandidate &c = cands[over[j]];
+      // (One that compiled within the limit would have been ranked: compile's peak is at least
+      // the bound it was dropped by.)
+      if (c.peakExact && c.outcome == Outcome::Memory &&
           (!closest || c.peakMemoryBytes < closest->peakMemoryBytes))
         closest = &c;
     }
@@ -745,7 +779,7 @@ llvm::Error Search::explainNoLayout() const {
   // some counts only).
   int64_t bestBatch = 0;
   auto offerBatch = [&](int64_t b) {
-    if (b < 1 || b > (int64_t(1) << 40))
+    if (b < 1 || b > kMaxGlobalBatch)
       return;
     if (!bestBatch || std::abs(b - batch) < std::abs(bestBatch - batch) ||
         (std::abs(b - batch) == std::abs(bestBatch - batch) && b < bestBatch))
@@ -891,31 +925,17 @@ llvm::Expected<PlannerResult> Search::run() {
   std::stable_sort(open.begin(), open.end(),
                    [&](size_t a, size_t b) { return order[a] < order[b]; });
 
-  // Fitting candidates by (step time, enumeration order); compiled ones that fit are final.
+  // Fitting candidates by (step time, enumeration order). Evaluation states compile's figures
+  // (the same passes), so the search needs no compiling; the threshold for pruning is the K-th
+  // best step time found, updated between waves only.
   auto better = [&](size_t a, size_t b) {
     return std::tie(cands[a].stepTime, a) < std::tie(cands[b].stepTime, b);
   };
   std::vector<size_t> fitting;
   const size_t top = size_t(o.top);
   double threshold = kInf;
-  // Compile, in parallel, the best quick-evaluated candidates until the first K fitting ones
-  // are all compiled (a compiled one may turn out over the limit: receive buffers).
-  auto settle = [&]() {
-    for (;;) {
-      std::sort(fitting.begin(), fitting.end(), better);
-      std::vector<size_t> need;
-      for (size_t i = 0; i < fitting.size() && i < top; ++i)
-        if (!cands[fitting[i]].compiled)
-          need.push_back(fitting[i]);
-      if (need.empty())
-        break;
-      parallelFor(need.size(), threads, [&](size_t j) { compile(need[j], nullptr); });
-      llvm::erase_if(fitting, [&](size_t i) { return cands[i].outcome != Outcome::Fits; });
-    }
-    threshold = fitting.size() >= top ? cands[fitting[top - 1]].stepTime : kInf;
-  };
-  // (A fixed wave size: the candidates compiled between waves, and so the CSV's
-  // peak_memory_exact, must not depend on the thread count.)
+  // (A fixed wave size: the threshold between waves, and so what is pruned, must not depend on
+  // the thread count.)
   const size_t wave = 32;
   for (size_t begin = 0; begin < open.size(); begin += wave) {
     size_t end = std::min(open.size(), begin + wave);
@@ -923,7 +943,26 @@ llvm::Expected<PlannerResult> Search::run() {
     for (size_t j = begin; j < end; ++j)
       if (cands[open[j]].outcome == Outcome::Fits)
         fitting.push_back(open[j]);
-    settle();
+    std::sort(fitting.begin(), fitting.end(), better);
+    threshold = fitting.size() >= top ? cands[fitting[top - 1]].stepTime : kInf;
+  }
+  // The top K are compiled in full and verified, in parallel; one that fails verification (a
+  // bug, reported in its row) gives its place to the next.
+  std::map<size_t, Plan> plans;
+  for (;;) {
+    std::vector<size_t> need;
+    for (size_t i = 0; i < fitting.size() && i < top; ++i)
+      if (!cands[fitting[i]].compiled)
+        need.push_back(fitting[i]);
+    if (need.empty())
+      break;
+    std::vector<Plan> built(need.size());
+    parallelFor(need.size(), threads, [&](size_t j) { compile(need[j], &built[j]); });
+    for (size_t j = 0; j < need.size(); ++j)
+      if (cands[need[j]].outcome == Outcome::Fits)
+        plans.emplace(need[j], std::move(built[j]));
+    llvm::erase_if(fitting, [&](size_t i) { return cands[i].outcome != Outcome::Fits; });
+    std::sort(fitting.begin(), fitting.end(), better);
   }
   if (fitting.empty())
     return explainNothingFits();
@@ -931,7 +970,6 @@ llvm::Expected<PlannerResult> Search::run() {
   PlannerResult result;
   result.memoryLimit = limit;
   result.minHeadroom = headroom;
-  std::sort(fitting.begin(), fitting.end(), better);
   for (size_t i = 0; i < fitting.size() && i < top; ++i) {
     cands[fitting[i]].outcome = Outcome::Ranked;
     result.ranked.push_back(fitting[i]);
@@ -941,19 +979,22 @@ llvm::Expected<PlannerResult> Search::run() {
   }
   if (model.transformer)
     result.tokensPerStep = o.globalBatch * model.transformer->seqLength;
-  // The best plan, compiled once more to keep it (compiling is deterministic).
-  Plan best;
-  PlanCandidate keep = cands[result.ranked[0]];
-  bool ok = compile(result.ranked[0], &best);
-  cands[result.ranked[0]] = keep;
-  if (!ok)
-    return finding("the best candidate no longer compiles; this is a bug");
-  result.best = std::move(best);
+  result.best = std::move(plans.at(result.ranked[0]));
   result.candidates = std::move(cands);
   return result;
 }
 
 } // namespace
+
+void keepFreedMemoryForPlanning() {
+#if defined(__GLIBC__)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  });
+#endif
+}
 
 llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterSpec &cluster,
                                           const PlannerOptions &options) {
@@ -1004,7 +1045,7 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
         c.schedule.empty() ? "" : std::to_string(pc.seqSplits),
         c.schedule.empty() ? "*" : scheduleLabel(c), toString(c.outcome).str(), time, bound, bubble,
         c.peakMemoryBytes ? std::to_string(c.peakMemoryBytes) : "",
-        c.peakMemoryBytes ? (c.compiled ? "yes" : "no") : "",
+        c.peakMemoryBytes ? (c.peakExact ? "yes" : "no") : "",
         c.peakMemoryBytes ? std::to_string(c.worstRank) : "", tokens, tflops, mfu, quote(c.why));
   }
   return out;

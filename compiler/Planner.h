@@ -10,10 +10,11 @@
 // --min-headroom left free, simulates each, and ranks them by step time.
 //
 // How (the "fast"):
-//   - no JSON, no lowering per candidate: the stage table comes from the partition pass's own
-//     functions (compiler/Partition.h, partitions cached per model variant, tp and stage
-//     count), the order from the schedule policy, and step time and activation memory from
-//     quickEvaluate (compiler/QuickEval.h), which computes exactly what the full pipeline would;
+//   - no JSON and no verification per candidate: the stage table comes from the partition
+//     pass's own functions (compiler/Partition.h, partitions cached per model variant, tp and
+//     stage count), the order from the schedule policy, and step time and memory (receive
+//     buffers included) from evaluateOrder (compiler/Evaluate.h), which runs compile's own
+//     lowering, memory and simulate passes: the figures are compile's, not a mirror's;
 //   - bounds before scheduling: a memory lower bound (a rank's static bytes plus the most one
 //     of its microbatches holds) drops a layout that cannot fit; a step-time lower bound (the
 //     busiest rank's compute and tp all-reduces, after the pipeline fill before it) prunes a
@@ -21,8 +22,8 @@
 //   - candidates run in waves over the machine's cores, best lower bound first; the threshold
 //     for pruning changes only between waves, so what is pruned, and so the whole result, does
 //     not depend on the threads' timing;
-//   - the candidates that may enter the top K are compiled in full (compilePlan: lowering,
-//     exact memory with receive buffers, verification), and only compiled plans are ranked.
+//   - the candidates that may enter the top K are compiled in full (compilePlan, verification
+//     included), and only compiled plans are ranked.
 // Ties are broken by the order candidates are enumerated in (PlanCandidate's fields, in
 // declaration order: recompute, tp, pp, microbatch size, schedule as listed, vpp, seq splits).
 //
@@ -109,10 +110,13 @@ struct PlanCandidate {
   double stepTime = 0, bubble = 0;
   /// Lower bound of the step time (0 when not computed).
   double stepTimeBound = 0;
-  /// Peak memory of the worst rank: exact (with receive buffers) when compiled, else static
-  /// bytes plus peak activations (a lower bound).
+  /// Peak memory of the worst rank: exact (what `pipec compile` states, receive buffers
+  /// included) when peakExact, i.e. when evaluated or compiled; else, for a layout dropped
+  /// before scheduling, static bytes plus the most one microbatch holds (a lower bound).
   int64_t peakMemoryBytes = 0;
   int worstRank = 0;
+  bool peakExact = false;
+  /// Compiled in full (and verified) by compilePlan.
   bool compiled = false;
   /// The activation budget zb-auto ran under (0 for other schedules).
   int64_t zbAutoLimit = 0;
@@ -132,6 +136,14 @@ struct PlannerResult {
   std::vector<double> modelFlops; // per ranked entry
   int64_t tokensPerStep = 0;
 };
+
+/// For a process that plans (pipec, plan_bench): each evaluated candidate builds and drops
+/// megabytes of lowered streams and timelines, and glibc's malloc returns freed memory at the top
+/// of its heap to the system past a small threshold, so every candidate faults the same pages in
+/// again (a fifth of the search's time for a 175B model). This keeps up to 1 GiB of freed memory
+/// in the process instead. Process-wide, so the library never calls it itself: the executable
+/// decides (the Python module does not).
+void keepFreedMemoryForPlanning();
 
 /// Search. An InputError for bad input (no layout of that many GPUs, a global batch no layout
 /// divides, --tp or --pp values no layout can use, an unknown schedule), naming the flag at

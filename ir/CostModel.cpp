@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <tuple>
 
 namespace pipec {
 
@@ -260,6 +262,102 @@ StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks) {
   double meanBusy = ranks.empty() ? 0 : sumBusy / double(ranks.size());
   f.bubbleRatio = maxSpan > 0 ? 1.0 - meanBusy / maxSpan : 0.0;
   return f;
+}
+
+llvm::Expected<double> simulateExecutedStep(const Plan &plan) {
+  const size_t numRanks = plan.ranks.size();
+  // When each side of a message, or each rank's n-th tied-embedding all-reduce, was posted.
+  using Key = std::tuple<int, int, int, int, int>; // (kind: tensor or -1, stage, mb, slice, side)
+  std::map<Key, double> posted;
+  std::vector<size_t> pos(numRanks, 0), embeddings(numRanks, 0);
+  std::vector<double> clock(numRanks, 0);
+  std::vector<bool> groupPosted(numRanks, false);
+  const bool embeddingLocal =
+      plan.numStages() == 0 || plan.rankOf(0) == plan.rankOf(plan.numStages() - 1);
+  auto groupEnd = [&](size_t r, size_t n) {
+    const auto &stream = plan.ranks[r];
+    size_t end = n + 1;
+    if (stream[n].group != kNoGroup)
+      while (end < stream.size() && stream[end].isP2P() && stream[end].group == stream[n].group)
+        ++end;
+    return end;
+  };
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (size_t r = 0; r < numRanks; ++r) {
+      const auto &stream = plan.ranks[r];
+      while (pos[r] < stream.size()) {
+        const Instruction &i = stream[pos[r]];
+        if (i.isP2P()) {
+          const size_t end = groupEnd(r, pos[r]);
+          if (!groupPosted[r]) {
+            for (size_t n = pos[r]; n < end; ++n) {
+              const Instruction &m = stream[n];
+              posted[{int(m.tensor), m.stage, m.mb, m.slice, m.op == OpKind::Send}] = clock[r];
+            }
+            groupPosted[r] = true;
+            progress = true;
+          }
+          double done = clock[r];
+          bool all = true;
+          for (size_t n = pos[r]; n < end && all; ++n) {
+            const Instruction &m = stream[n];
+            auto partner =
+                posted.find({int(m.tensor), m.stage, m.mb, m.slice, m.op != OpKind::Send});
+            if (partner == posted.end()) {
+              all = false;
+              break;
+            }
+            done =
+                std::max(done, std::max(clock[r], partner->second) +
+                                   transferTime(plan.stages[size_t(m.stage)], m.tensor, m.slice));
+          }
+          if (!all)
+            break;
+          clock[r] = done;
+          groupPosted[r] = false;
+          pos[r] = end;
+          progress = true;
+          continue;
+        }
+        if (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Embedding &&
+            !embeddingLocal) {
+          if (!groupPosted[r]) {
+            posted[{-1, int(embeddings[r]), 0, 0, int(r)}] = clock[r];
+            groupPosted[r] = true;
+            progress = true;
+          }
+          const int other =
+              int(r) == plan.rankOf(0) ? plan.rankOf(plan.numStages() - 1) : plan.rankOf(0);
+          auto partner = posted.find({-1, int(embeddings[r]), 0, 0, other});
+          if (partner == posted.end())
+            break;
+          clock[r] = std::max(clock[r], partner->second);
+          ++embeddings[r];
+          groupPosted[r] = false;
+        } else if (i.isCompute()) {
+          clock[r] += computeTime(plan, i);
+        } else if (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp) {
+          clock[r] += tpAllReduceTime(plan, i);
+        } else if (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Dp) {
+          clock[r] += plan.stages[size_t(i.stage)].dpAllReduceTime;
+        } else if (i.op == OpKind::OptimizerStep) {
+          clock[r] += rankOptimizerTime(plan, r);
+        }
+        ++pos[r];
+        progress = true;
+      }
+    }
+  }
+  double end = 0;
+  for (size_t r = 0; r < numRanks; ++r) {
+    if (pos[r] < plan.ranks[r].size())
+      return finding("the plan's exchanges cannot complete: rank {} waits at step {} ({})", r,
+                     pos[r], formatToken(plan, plan.ranks[r][pos[r]]));
+    end = std::max(end, clock[r]);
+  }
+  return end;
 }
 
 void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {

@@ -26,7 +26,7 @@
 //  - at its end (last part) a backward_input frees activation - weight_grad bytes (so keeps
 //    weight_grad bytes for W, allocating the difference when that is larger), a
 //    backward_weight the remaining weight_grad bytes, a fused backward all of them.
-// The memory pass, zb-auto's greedy and the planner's quick evaluation all run these.
+// The memory pass (which the planner's scoring runs too) and zb-auto's greedy run these.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_IR_COSTMODEL_H
@@ -100,7 +100,7 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out);
 /// above); zero-length entries for every other instruction.
 std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t rank);
 
-/// A completion time not reached yet (simulateTimeline's and quickEvaluate's `done` tables).
+/// A completion time not reached yet (the `done` tables of simulateTimeline and its callers).
 constexpr double kNotDone = -1.0;
 
 /// When compute op `ins` of rank `rank` may start: the latest of `ready` (its rank's clock)
@@ -149,6 +149,16 @@ double rankOptimizerTime(const Plan &plan, size_t rank);
 ///    first op that long after (the timeline repeats, shifted by the period), so the period is
 ///    max over ranks of (step end + optimizer - first compute start).
 StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks);
+
+/// The step as piperun executes the plan's lowered streams, under the same per-op times: every
+/// instruction in stream order, one at a time; a group of sends and recvs (or a lone one) blocks
+/// its rank until every op of it has met its partner (a send and a recv meet when both are
+/// posted; the exchange is a rendezvous) and its transfer is done; tp and dp all-reduces and the
+/// optimizer step occupy their rank; the tied-embedding all-reduce waits for both of its ranks.
+/// The step time is the last rank's end, all starting at 0. Unlike simulateTimeline, a send
+/// that waits for its receiver delays its own rank (runtime/Interpreter.h). A Finding if the
+/// exchanges cannot complete (a plan that fails verification).
+llvm::Expected<double> simulateExecutedStep(const Plan &plan);
 
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),

@@ -15,6 +15,8 @@
 #ifndef PIPEC_IR_FILES_H
 #define PIPEC_IR_FILES_H
 
+#include "ir/Limits.h"
+
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
@@ -33,13 +35,12 @@ struct InputFormat {
   double memoryPerByte; // peak memory of reading it, per byte of the file (JSON trees: ~12)
 };
 
-/// The limits of pipec's formats. A model spec lists at most 10^6 layers (a few hundred bytes
-/// each), a cluster spec is a dozen fields, a plan holds at most a few million instructions.
-inline constexpr InputFormat kModelSpecInput{"a model spec", uint64_t(256) << 20, 12};
-inline constexpr InputFormat kClusterSpecInput{"a cluster spec", uint64_t(1) << 20, 12};
-inline constexpr InputFormat kPlanInput{"a plan", uint64_t(4) << 30, 12};
-inline constexpr InputFormat kTextInput{"a schedule text", uint64_t(1) << 30, 4};
-inline constexpr InputFormat kAnyInput{"an input", uint64_t(1) << 30, 4};
+/// The limits of pipec's formats (their sizes: ir/Limits.h).
+inline constexpr InputFormat kModelSpecInput{"a model spec", kMaxModelSpecBytes, 12};
+inline constexpr InputFormat kClusterSpecInput{"a cluster spec", kMaxClusterSpecBytes, 12};
+inline constexpr InputFormat kPlanInput{"a plan", kMaxPlanBytes, 12};
+inline constexpr InputFormat kTextInput{"a schedule text", kMaxTextBytes, 4};
+inline constexpr InputFormat kAnyInput{"an input", kMaxTextBytes, 4};
 
 /// Read a whole input file by `format`'s rules; errors name the path.
 llvm::Expected<std::string> readFile(llvm::StringRef path, const InputFormat &format = kAnyInput);

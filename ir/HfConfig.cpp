@@ -4,6 +4,7 @@
 #include "ir/Error.h"
 #include "ir/Files.h"
 #include "ir/JsonRead.h"
+#include "ir/Limits.h"
 #include "ir/PlanJson.h"
 
 #include <fmt/format.h>
@@ -15,7 +16,7 @@ namespace pipec {
 namespace {
 
 /// A config.json holds a few dozen fields; 1 MiB is plenty.
-constexpr InputFormat kHfConfigInput{"a Hugging Face config.json", uint64_t(1) << 20, 12};
+constexpr InputFormat kHfConfigInput{"a Hugging Face config.json", kMaxHfConfigBytes, 12};
 
 /// Reads config fields by their Hugging Face names: a field may be absent (then the
 /// architecture's default, as transformers has it) or null where transformers allows it.

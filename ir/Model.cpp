@@ -244,13 +244,16 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
     // Memory-bound kernels, elements per token: two norms (read and write h each), two
     // dropout-and-residual adds (read 2h, write h each), all sharded only by sequence
-    // parallelism; the MLP's activation (read and write its input width per rank). Their
-    // backward is charged as much again (the zero-bubble authors' profile, Qi et al. 2024
-    // Table 9, has F and B within a few percent of each other and W about half of either); the
-    // weight gradient is GEMMs only.
-    double elementwise = memPerMs > 0 ? n * d * (10 * h / sp + (mlpIn + 1) * fl) / memPerMs : 0.0;
-    c.forward = linear + attentionF / attentionPerMs + elementwise + overhead;
-    c.backwardInput = linear + attentionB / attentionPerMs + elementwise + overhead;
+    // parallelism; the MLP's activation (read its input width per rank, write its output).
+    // Their backward reads what the forward saved and the output's gradient and writes the
+    // input's gradient: the norms 3h each, the dropout-and-residual adds 3h each, the
+    // activation its input width twice and its output once (GELU 3Fl, SwiGLU 5Fl). The weight
+    // gradient is GEMMs only.
+    double forwardBytes = 10 * h / sp + (mlpIn + 1) * fl;
+    double backwardBytes = 12 * h / sp + (2 * mlpIn + 1) * fl;
+    double perByte = memPerMs > 0 ? n * d / memPerMs : 0.0;
+    c.forward = linear + attentionF / attentionPerMs + perByte * forwardBytes + overhead;
+    c.backwardInput = linear + attentionB / attentionPerMs + perByte * backwardBytes + overhead;
     c.backwardWeight = linear + overhead;
     // The MLP keeps its pre-activation (GELU) or both gate and up outputs (SwiGLU).
     double fc = t.mlp == Mlp::SwiGlu ? 2 * fl : fl;
@@ -344,9 +347,9 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectObject(j, "$"))
     return err;
-  if (auto err = r.onlyKeys(
-          j, "$",
-          {"format", "device", "gpus_per_node", "intra_node", "inter_node", "message_overhead_us"}))
+  if (auto err = r.onlyKeys(j, "$",
+                            {"format", "device", "gpus_per_node", "intra_node", "inter_node",
+                             "message_overhead_us", "p2p"}))
     return err;
   std::string format;
   if (auto err = r.getString(j, "$", "format", format, true))
@@ -396,6 +399,13 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   }
   if (auto err = r.getNumber(j, "$", "message_overhead_us", c.messageOverheadUs, false))
     return err;
+  std::string p2p = c.megatronP2p ? "megatron" : "overlapped";
+  if (auto err = r.getString(j, "$", "p2p", p2p, false))
+    return err;
+  if (p2p != "megatron" && p2p != "overlapped")
+    return inputError("{}: $.p2p: expected \"megatron\" or \"overlapped\", got \"{}\"", r.name(),
+                      shortened(p2p));
+  c.megatronP2p = p2p == "megatron";
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
@@ -561,13 +571,13 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   struct Bound {
     const char *name;
     int64_t value, most;
-  } bounds[] = {{"num_layers", c.numLayers, 100000},
-                {"hidden_size", c.hiddenSize, 1 << 20},
-                {"num_attention_heads", c.numAttentionHeads, 1 << 16},
-                {"ffn_hidden_size", c.ffnHiddenSize, 1 << 22},
-                {"vocab_size", c.vocabSize, 1 << 27},
-                {"seq_length", c.seqLength, 1 << 27},
-                {"microbatch_size", c.microbatchSize, 1 << 20}};
+  } bounds[] = {{"num_layers", c.numLayers, kMaxTransformerLayers},
+                {"hidden_size", c.hiddenSize, kMaxHiddenSize},
+                {"num_attention_heads", c.numAttentionHeads, kMaxAttentionHeads},
+                {"ffn_hidden_size", c.ffnHiddenSize, kMaxFfnHiddenSize},
+                {"vocab_size", c.vocabSize, kMaxVocabSize},
+                {"seq_length", c.seqLength, kMaxSeqLength},
+                {"microbatch_size", c.microbatchSize, kMaxMicrobatchSize}};
   for (const Bound &b : bounds)
     if (b.value > b.most)
       return inputError("{}: $.transformer.{}: expected at most {}, got {}", r.name(), b.name,

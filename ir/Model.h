@@ -10,6 +10,7 @@
 #define PIPEC_IR_MODEL_H
 
 #include "ir/Files.h"
+#include "ir/Limits.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -31,11 +32,6 @@ struct Link {
   /// Bytes per millisecond the link moves in practice.
   double bytesPerMs() const { return bandwidthGBps * efficiency * 1e6; }
 };
-
-/// Bounds of the specs' fields: a node of more GPUs than this is no node (NVLink domains hold
-/// hundreds), and a model of more layers than this is not one the compiler is meant for.
-inline constexpr int64_t kMaxGpusPerNode = 1 << 16;
-inline constexpr int64_t kMaxLayers = 1000000;
 
 /// pipecluster/1.
 struct ClusterSpec {
@@ -62,6 +58,11 @@ struct ClusterSpec {
   /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
   /// microseconds.
   double messageOverheadUs = 0;
+  /// Pipeline transfers as Megatron-LM makes them ("p2p": "megatron"): synchronous, holding the
+  /// sender until they arrive, and split over the tp ranks (each sends 1/tp, the receivers
+  /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
+  /// delays the receiver.
+  bool megatronP2p = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};

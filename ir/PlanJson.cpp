@@ -4,6 +4,7 @@
 #include "ir/Files.h"
 #include "ir/JsonRead.h"
 #include "ir/JsonScan.h"
+#include "ir/Limits.h"
 #include "ir/Model.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -346,8 +347,8 @@ struct PlanReader {
     // The same bounds as pipec compile's (per-op tables are sized stages x microbatches x
     // slices).
     int64_t stages = int64_t(pc.pp) * pc.vpp, units = int64_t(pc.microbatches) * pc.seqSplits;
-    if (stages > 4096 || units > (1 << 24) || stages * units > (int64_t(1) << 24) ||
-        int64_t(pc.tp) * pc.dp > 65536)
+    if (stages > kMaxStages || units > kMaxUnits || stages * units > kMaxUnits ||
+        int64_t(pc.tp) * pc.dp > kMaxTpDp)
       return inputError("{}: $.parallel: too large to be a plan (pp·vpp {}, microbatches·"
                         "seq_splits {}, their product at most 2^24; tp·dp {})",
                         r.name(), stages, units, int64_t(pc.tp) * pc.dp);

@@ -1,6 +1,7 @@
 #include "ir/TorchCsv.h"
 
 #include "ir/Error.h"
+#include "ir/Limits.h"
 
 #include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/STLExtras.h"
@@ -318,8 +319,7 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
 
 } // namespace
 
-llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form,
-                                          bool tiedByCaller) {
+llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form, bool tiedByCaller) {
   if (auto err = checkTorchExpressible(plan, tiedByCaller))
     return err;
   std::string out;
@@ -636,9 +636,9 @@ llvm::Expected<ImportedOrder> parsePipecText(llvm::StringRef text, llvm::StringR
     if (!eatNumber(digits, rank) || !digits.empty() || !line.contains(':'))
       return inputError("{}: line {}: expected 'rank N:' with a rank number, got '{}'",
                         source.str(), l + 1, lines[l].trim().str());
-    if (rank >= 4096)
-      return inputError("{}: line {}: rank {} is beyond what pipec plans (4096 ranks)",
-                        source.str(), l + 1, rank);
+    if (rank >= kMaxStages)
+      return inputError("{}: line {}: rank {} is beyond what pipec plans ({} ranks)", source.str(),
+                        l + 1, rank, kMaxStages);
     if (byRank.count(rank))
       return inputError("{}: line {}: rank {} appears twice", source.str(), l + 1, rank);
     std::vector<Instruction> &row = byRank[rank];

@@ -8,8 +8,10 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
+#include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
+#include "ir/Costs.h"
 #include "ir/Error.h"
 #include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
@@ -18,11 +20,14 @@
 #include "schedules/Policy.h"
 #include "tools/Args.h"
 #include "tools/Driver.h"
+#include "tools/Options.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -59,13 +64,14 @@ void check(llvm::Error err) {
     raise(std::move(err));
 }
 
-/// Parse `flags` ("--pp", "4", ...) as a pipec command would.
-Args parseFlags(const std::vector<std::string> &flags, llvm::ArrayRef<llvm::StringRef> valued,
-                llvm::StringRef command) {
+/// Parse `flags` ("--pp", "4", ...) as the pipec command `command` would, by its table (with
+/// the flags only Python gives, such as --model-json).
+Args parseFlags(const std::vector<std::string> &flags, llvm::StringRef command) {
   std::vector<char *> argv;
   for (const std::string &f : flags)
     argv.push_back(const_cast<char *>(f.c_str()));
-  return unwrap(Args::parse(int(argv.size()), argv.data(), 0, valued, {}, command));
+  return unwrap(
+      Args::parse(int(argv.size()), argv.data(), 0, *findPipecCommand(command), OptionUse::Python));
 }
 
 /// The one-line report of an import, kept with the plan it made.
@@ -177,6 +183,82 @@ std::string traceOf(const PyPlan &p) {
   return chromeTrace(p.plan, tl);
 }
 
+const char *kindName(OptionKind k) {
+  switch (k) {
+  case OptionKind::Switch:
+    return "switch";
+  case OptionKind::Int:
+    return "int";
+  case OptionKind::Bytes:
+    return "bytes";
+  case OptionKind::Double:
+    return "double";
+  case OptionKind::Path:
+    return "path";
+  case OptionKind::String:
+    return "string";
+  case OptionKind::Enum:
+    return "enum";
+  case OptionKind::IntList:
+    return "int_list";
+  case OptionKind::StringList:
+    return "string_list";
+  }
+  llvm_unreachable("every kind is named");
+}
+
+/// A command's table as Python reads it: the flags Python may give (not the command line's
+/// printing and outputs), each a dict.
+py::list optionsOf(const std::string &command) {
+  const Command *cmd = findPipecCommand(command);
+  if (!cmd)
+    throw py::value_error("options: unknown command '" + command + "'");
+  py::list out;
+  for (const Option &o : cmd->options) {
+    if (!o.shownIn(OptionUse::Python))
+      continue;
+    py::dict d;
+    d["name"] = o.name;
+    d["python"] = o.pythonName();
+    d["kind"] = kindName(o.kind);
+    d["value"] = o.value;
+    d["help"] = o.help;
+    d["required"] = o.required;
+    if (o.kind == OptionKind::Int) {
+      d["min"] = o.min;
+      d["max"] = o.max;
+    }
+    out.append(d);
+  }
+  return out;
+}
+
+/// One ranked layout of `pipec plan`, as its table row says it.
+py::dict rankedDict(const PlanSearch &s, size_t i) {
+  const PlannerResult &r = s.result;
+  const PlanCandidate &c = r.candidates[r.ranked[i]];
+  const ParallelConfig &pc = c.parallel;
+  py::dict d;
+  d["schedule"] = scheduleLabel(c);
+  d["tp"] = pc.tp;
+  d["pp"] = pc.pp;
+  d["vpp"] = pc.vpp;
+  d["dp"] = pc.dp;
+  d["microbatch_size"] = c.microbatchSize;
+  d["microbatches"] = pc.microbatches;
+  d["seq_splits"] = pc.seqSplits;
+  d["recompute"] = toString(c.recompute).str();
+  d["step_time"] = c.stepTime;
+  d["bubble"] = c.bubble;
+  d["peak_memory_bytes"] = c.peakMemoryBytes;
+  d["headroom_bytes"] = r.memoryLimit - c.peakMemoryBytes;
+  if (s.model.isTransformer() && i < r.modelFlops.size())
+    d["model_flops"] = r.modelFlops[i];
+  if (c.zbAutoLimit)
+    d["zb_auto_limit"] = c.zbAutoLimit;
+  return d;
+}
+
 } // namespace
 
 PYBIND11_MODULE(_pipec, m) {
@@ -223,17 +305,54 @@ PYBIND11_MODULE(_pipec, m) {
   m.def(
       "compile",
       [](const std::vector<std::string> &flags) {
-        Args args = parseFlags(flags, compileFlags(), "compile");
+        Args args = parseFlags(flags, "compile");
         py::gil_scoped_release release;
         return PyPlan{unwrap(compileWithFlags(args)), ""};
       },
       "compile(flags): `pipec compile` with CLI flags; --model-json/--cluster-json take JSON text");
 
   m.def(
+      "plan",
+      [](const std::vector<std::string> &flags) {
+        Args args = parseFlags(flags, "plan");
+        std::optional<PlanSearch> search;
+        {
+          py::gil_scoped_release release;
+          search = unwrap(planWithFlags(args));
+        }
+        const PlannerResult &r = search->result;
+        py::dict out;
+        py::list ranked;
+        for (size_t i = 0; i < r.ranked.size(); ++i)
+          ranked.append(rankedDict(*search, i));
+        out["ranked"] = ranked;
+        std::map<Outcome, size_t> count;
+        for (const PlanCandidate &c : r.candidates)
+          ++count[c.outcome];
+        py::dict dropped;
+        dropped["divisibility"] = count[Outcome::Divisibility];
+        dropped["constraint"] = count[Outcome::Constraint];
+        dropped["memory"] = count[Outcome::Memory];
+        dropped["pruned"] = count[Outcome::Pruned];
+        out["dropped"] = dropped;
+        out["searched"] = r.candidates.size();
+        out["memory_limit"] = r.memoryLimit;
+        out["min_headroom"] = r.minHeadroom;
+        out["tokens_per_step"] = r.tokensPerStep;
+        out["best"] = PyPlan{std::move(search->result.best), ""};
+        return out;
+      },
+      "plan(flags): `pipec plan` with CLI flags: the ranked layouts, what was dropped, the best "
+      "plan");
+
+  m.def("options", &optionsOf,
+        "options(command): the flags of a pipec command Python may give, from its table");
+
+  m.def(
       "import_schedule",
       [](const std::string &text, const std::string &source,
          const std::vector<std::string> &flags) {
-        Args args = parseFlags(flags, importFlags(), "import");
+        Args args = parseFlags(flags, "import");
         py::gil_scoped_release release;
         ImportedOrder order;
         ImportResult result = unwrap(importWithFlags(args, text, source, nullptr, &order));
@@ -307,6 +426,17 @@ PYBIND11_MODULE(_pipec, m) {
       py::arg("flag"), py::arg("path"), py::arg("text"), py::arg("inputs") = PyInputs(),
       "write_file(flag, path, text, inputs=[]): a temporary file beside path, then a rename; "
       "never onto one of inputs, the (argument, path) pairs the call read");
+
+  m.def(
+      "write_costs",
+      [](const std::string &text, const std::string &path) {
+        // The C++ reader checks every field first: the file written is one --costs reads.
+        MeasuredCosts costs = unwrap(parseCostsJson(text, "pipec.torch.profile"));
+        check(writeCosts(path, costs));
+      },
+      py::arg("text"), py::arg("path"),
+      "write_costs(text, path): measured costs (pipecost/1 JSON text), checked by the reader "
+      "and written whole (a temporary beside path, then a rename)");
 
   m.def(
       "list_schedules",

@@ -32,6 +32,9 @@ public:
   /// Tied embeddings whose two copies live on this one rank: sum them locally.
   virtual void sumLocalEmbeddingCopies() = 0;
   virtual llvm::Error optimizerStep() = 0;
+  /// --profile: wait until the work of the ops run so far is done, so that the host clock
+  /// times it (a GPU backend synchronises its stream; the cpu backend's work is done on return).
+  virtual llvm::Error awaitCompute() { return llvm::Error::success(); }
 };
 
 } // namespace pipec

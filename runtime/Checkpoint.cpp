@@ -32,8 +32,6 @@ namespace {
 constexpr char kMagic[8] = {'P', 'I', 'P', 'E', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8;
-/// How many committed checkpoints a save leaves: the new one and the one before it.
-constexpr size_t kKeep = 2;
 
 /// FNV-1a, 64 bits, continued from `h`.
 uint64_t fnv(const void *data, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
@@ -207,6 +205,18 @@ std::vector<std::string> listDirectory(int fd) {
   ::closedir(d);
   std::sort(names.begin(), names.end());
   return names;
+}
+
+/// The bytes a checkpoint of `m` takes (every layer's count filled in): its layer files, its
+/// manifest (a digest has a fixed width) and the marker.
+uint64_t checkpointBytes(CheckpointManifest m) {
+  uint64_t total = sizeof kMarkerText - 1;
+  for (CheckpointManifest::Layer &l : m.layers) {
+    l.bytes = kHeaderBytes + 3 * l.count * sizeof(float);
+    l.digest = hex(0);
+    total += l.bytes;
+  }
+  return total + writeCheckpointManifest(m).size();
 }
 
 /// The step of a name step-<8 digits>; nullopt for any other name.
@@ -409,7 +419,8 @@ bool holdsCheckpoint(llvm::StringRef dir) {
 std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir, stepName(step)); }
 
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
-                           const std::function<llvm::Error(int, LayerState &)> &gather) {
+                           const std::function<llvm::Error(int, LayerState &)> &gather, size_t keep,
+                           uint64_t *bytes) {
   const std::string dir = dirRef.str();
   if (manifest.step < 0 || manifest.step > kMaxCheckpointStep)
     return inputError("--save-dir: step {} is past the last step a checkpoint can record ({}); "
@@ -444,6 +455,10 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
                         "what a killed save left; move them out of {}",
                         stepDir, dir);
   }
+  // The bytes it will take, where the caller gave every layer's size (for a full disk's line).
+  const int numLayers = int(manifest.model.numLayers) + 2;
+  const uint64_t needed =
+      manifest.layers.size() == size_t(numLayers) ? checkpointBytes(manifest) : 0;
   checkpointKillPoint();
   if (::mkdirat(dirFd.get(), name.c_str(), 0777) != 0)
     return inputError("--save-dir: {}: cannot create: {}", stepDir, std::strerror(errno));
@@ -452,17 +467,29 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
   Descriptor stepFd = openSubdirectory(dirFd.get(), name);
   if (!stepFd)
     return inputError("--save-dir: {}: cannot open: {}", stepDir, std::strerror(errno));
+  // A write that fails (a full disk, a file size limit) takes back what this save wrote; the
+  // committed checkpoints were never touched.
+  auto writeFailed = [&](llvm::Error err) -> llvm::Error {
+    std::string why = takeMessage(std::move(err));
+    stepFd.reset();
+    removeOwnStep(dirFd.get(), name);
+    if (needed == 0)
+      return inputError("{}", why);
+    return inputError("{}; the checkpoint needs {:.2f} MiB ({} bytes) in {}: free that much; the "
+                      "checkpoints before it are intact",
+                      why, double(needed) / (1 << 20), needed, dir);
+  };
   // The marker under its own name at once (no temporary): from its creation on, even empty,
   // the directory is recognisably piperun's, whenever the save is killed.
   checkpointKillPoint();
   Descriptor marker(::openat(stepFd.get(), kMarkerName,
                              O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
-  if (!marker || ::write(marker.get(), kMarkerText, sizeof kMarkerText - 1) < 0)
-    return inputError("--save-dir: {}: cannot write: {}", join(stepDir, kMarkerName),
-                      std::strerror(errno));
+  if (!marker ||
+      ::write(marker.get(), kMarkerText, sizeof kMarkerText - 1) != ssize_t(sizeof kMarkerText - 1))
+    return writeFailed(inputError("--save-dir: {}: cannot write: {}", join(stepDir, kMarkerName),
+                                  std::strerror(errno ? errno : EIO)));
   marker.reset();
   checkpointKillPoint();
-  const int numLayers = int(manifest.model.numLayers) + 2;
   manifest.layers.assign(size_t(numLayers), CheckpointManifest::Layer());
   LayerState state;
   for (int l = 0; l < numLayers; ++l) {
@@ -485,27 +512,29 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
                                 {llvm::StringRef(header, kHeaderBytes), bytesOf(state.weights),
                                  bytesOf(state.firstMoment), bytesOf(state.secondMoment)},
                                 &digest))
-      return err;
+      return writeFailed(std::move(err));
     manifest.layers[size_t(l)] = {kHeaderBytes + 3 * n * sizeof(float), n, hex(digest)};
   }
   if (auto err = syncDirectory(stepFd.get(), stepDir))
-    return err;
+    return writeFailed(std::move(err));
   // The commit: from the manifest's rename on, this checkpoint is whole.
   if (auto err = writeDurably(stepFd.get(), kManifestName, join(stepDir, kManifestName),
                               {writeCheckpointManifest(manifest)}))
-    return err;
+    return writeFailed(std::move(err));
   if (auto err = syncDirectory(stepFd.get(), stepDir))
     return err;
   if (auto err = syncDirectory(dirFd.get(), dir))
     return err;
-  // Older checkpoints past the newest kKeep, and what killed saves left behind: only step
+  if (bytes)
+    *bytes = checkpointBytes(manifest);
+  // Older checkpoints past the newest `keep`, and what killed saves left behind: only step
   // directories piperun wrote; anything else is left where it is.
   std::vector<StepEntry> steps = stepEntries(dirFd.get(), dir);
   size_t newer = 0;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     if (it->kind == StepKind::Foreign)
       continue;
-    if (it->kind == StepKind::Committed && newer < kKeep) {
+    if (it->kind == StepKind::Committed && (keep == 0 || newer < keep)) {
       ++newer;
       continue;
     }

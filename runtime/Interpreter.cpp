@@ -3,6 +3,8 @@
 #include "ir/Error.h"
 #include "ir/PlanText.h"
 
+#include <chrono>
+
 namespace pipec {
 
 RunShared::RunShared(const Plan &plan, Faults faults)
@@ -17,6 +19,12 @@ RunShared::RunShared(const Plan &plan, Faults faults)
 RunShared::RunShared(const Plan &plan, Faults faults, Transport &external)
     : plan(plan), inProcess(0, {}), transport(external), faults(std::move(faults)),
       position(size_t(plan.parallel.pp * plan.parallel.dp * plan.parallel.tp)) {}
+
+void RunShared::enableTiming() {
+  timings.assign(position.size(), {});
+  for (size_t t = 0; t < timings.size(); ++t)
+    timings[t].resize(plan.ranks[size_t(coordOf(int(t)).pp)].size());
+}
 
 Coord RunShared::coordOf(int thread) const {
   const ParallelConfig &pc = plan.parallel;
@@ -50,22 +58,32 @@ public:
   }
 
   llvm::Error run() {
+    // (--profile: the instructions' times; the stream's length when they are not timed.)
+    std::vector<std::vector<float>> *timings =
+        shared.timings.empty() ? nullptr : &shared.timings[size_t(self)];
+    using Clock = std::chrono::steady_clock;
     for (size_t n = 0; n < stream.size();) {
       publish(n);
       const Instruction &i = stream[n];
+      const Clock::time_point started = timings ? Clock::now() : Clock::time_point();
+      size_t end = n + 1;
       if (i.isP2P()) {
-        size_t end = n + 1;
         if (i.group != kNoGroup)
           while (end < stream.size() && stream[end].isP2P() && stream[end].group == i.group)
             ++end;
         if (auto err = exchange(n, end))
           return err;
-        n = end;
-        continue;
-      }
-      if (auto err = execute(n))
+      } else if (auto err = execute(n)) {
         return err;
-      ++n;
+      }
+      if (timings) {
+        if (auto err = backend.awaitCompute())
+          return err;
+        const float ms = std::chrono::duration<float, std::milli>(Clock::now() - started).count();
+        for (size_t k = n; k < end; ++k)
+          (*timings)[k].push_back(ms);
+      }
+      n = end;
     }
     publish(stream.size());
     return llvm::Error::success();

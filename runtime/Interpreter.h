@@ -45,6 +45,10 @@ struct RunShared {
   /// Per thread: index of the instruction it is executing (== done before it).
   std::vector<std::atomic<size_t>> position;
   std::atomic<uint64_t> progress{0};
+  /// --profile (runtime/Profile.h): per thread, per instruction of its stream, the host-clock
+  /// milliseconds it took in each step run, its backend's work waited for (Backend::awaitCompute;
+  /// a send or recv: its group's exchange). Empty: nothing is timed.
+  std::vector<std::vector<std::vector<float>>> timings;
 
   RunShared(const Plan &plan, Faults faults);
   /// With `external` as the transport; the caller keeps it alive.
@@ -55,6 +59,8 @@ struct RunShared {
     return (c.pp * plan.parallel.dp + c.dp) * plan.parallel.tp + c.tp;
   }
   Coord coordOf(int thread) const;
+  /// Time every instruction from now on (`timings`).
+  void enableTiming();
 };
 
 /// Execute rank `c.pp`'s stream once (one training step) on `backend`.

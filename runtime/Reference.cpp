@@ -1,6 +1,7 @@
 #include "runtime/Reference.h"
 
 #include "ir/Error.h"
+#include "ir/Limits.h"
 
 #include <algorithm>
 
@@ -389,8 +390,9 @@ llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan) {
                       "examples/tiny-gpt.json)",
                       plan.model);
   const TransformerConfig &t = *plan.transformer;
-  if (t.hiddenSize > 4096 || t.seqLength > 8192 || t.vocabSize > 1 << 20 || t.numLayers > 256 ||
-      t.microbatchSize > 64)
+  if (t.hiddenSize > kCpuMaxHiddenSize || t.seqLength > kCpuMaxSeqLength ||
+      t.vocabSize > kCpuMaxVocabSize || t.numLayers > kCpuMaxLayers ||
+      t.microbatchSize > kCpuMaxMicrobatchSize)
     return inputError("model '{}' is too large for the cpu reference backend (hidden {}, "
                       "seq_length {}, vocab {}); use a small model such as "
                       "examples/tiny-gpt.json",
@@ -435,14 +437,14 @@ llvm::Expected<kernels::GptConfig> gptConfigOf(const Plan &plan) {
                       pc.tp, t.vocabSize, pc.tp, (t.vocabSize + pc.tp - 1) / pc.tp * pc.tp);
   // The threads and per-op buffers of a run must stay reasonable on one machine.
   int64_t threads = int64_t(pc.pp) * pc.dp * pc.tp;
-  if (threads > 256)
+  if (threads > kCpuMaxThreads)
     return inputError("the plan needs {} threads (pp x dp x tp); the cpu backend runs at most "
-                      "256",
-                      threads);
-  if (pc.microbatches >= (1 << 20) || pc.seqSplits >= 4096)
-    return inputError("the cpu backend runs at most 2^20 microbatches and 4096 seq-splits (got "
+                      "{}",
+                      threads, kCpuMaxThreads);
+  if (pc.microbatches >= kCpuMaxMicrobatches || pc.seqSplits >= kCpuMaxSeqSplits)
+    return inputError("the cpu backend runs at most 2^20 microbatches and {} seq-splits (got "
                       "{} and {})",
-                      pc.microbatches, pc.seqSplits);
+                      kCpuMaxSeqSplits, pc.microbatches, pc.seqSplits);
   kernels::GptConfig cfg;
   cfg.vocab = int(t.vocabSize);
   cfg.seqLen = int(t.seqLength);

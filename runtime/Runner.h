@@ -33,6 +33,8 @@ public:
   llvm::Error step(int index);
   Backend &backend(const Coord &c) { return *backends[size_t(shared.threadOf(c))]; }
   int numThreads() const { return shared.numThreads(); }
+  /// The threads' shared state (--profile: RunShared::enableTiming, timings).
+  RunShared &state() { return shared; }
 
 private:
   std::string stallReport(double seconds, int step) const;

@@ -5,6 +5,7 @@
 #include "ir/Files.h"
 #include "ir/HfConfig.h"
 #include "ir/JsonRead.h"
+#include "ir/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/FileSystem.h"
@@ -29,9 +30,9 @@ namespace {
 /// Header of at most 100 MB (Hugging Face's own limit); tensor data up to 1 TiB.
 constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
 constexpr int kMaxHeaderDepth = 3;
-constexpr InputFormat kSafetensorsInput{"a safetensors file", uint64_t(1) << 40, 0};
+constexpr InputFormat kSafetensorsInput{"a safetensors file", kMaxSafetensorsBytes, 0};
 /// A sharded checkpoint's index: a weight_map of a few thousand names.
-constexpr InputFormat kSafetensorsIndexInput{"a safetensors index", uint64_t(64) << 20, 12};
+constexpr InputFormat kSafetensorsIndexInput{"a safetensors index", kMaxSafetensorsIndexBytes, 12};
 
 size_t dtypeSize(const std::string &dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64")
@@ -200,13 +201,12 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
     SafeTensor t;
     t.dtype = dtype->get<std::string>();
     uint64_t elements = 1;
-    constexpr uint64_t kMostElements = uint64_t(1) << 40;
     for (const Json &d : *shape) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > kMostElements)
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > kMaxTensorElements)
         return bad("shape: expected sizes >= 0 (and below 2^40)");
       const uint64_t size = d.get<uint64_t>();
       t.shape.push_back(int64_t(size));
-      if (size != 0 && elements > kMostElements / size)
+      if (size != 0 && elements > kMaxTensorElements / size)
         return bad("shape: more than 2^40 elements");
       elements *= size;
     }

@@ -4,6 +4,7 @@
 
 #include "ir/Error.h"
 
+#include <chrono>
 #include <memory>
 
 namespace pipec {
@@ -70,7 +71,7 @@ llvm::Error loadFirstState(const kernels::GptConfig &cfg, TrainBackend &backend,
 /// The checkpoint after `stepsDone` steps: every layer whole, gathered from the backend (every
 /// process takes part; the lead writes).
 llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBackend &backend,
-                      const TrainOptions &options, int stepsDone) {
+                      const TrainOptions &options, int stepsDone, uint64_t &bytes) {
   if (!backend.leads()) {
     LayerState unused;
     for (int l = 0; l < cfg.numLayers(); ++l)
@@ -91,13 +92,18 @@ llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBack
   m.schedule = plan.schedule;
   m.parallel = pc;
   m.planHash = planHash(plan);
-  return saveCheckpoint(options.saveDir, m, [&](int l, LayerState &out) {
-    const size_t whole = kernels::layerParamCount(cfg, l, 1);
-    out.weights.assign(whole, 0.0f);
-    out.firstMoment.assign(whole, 0.0f);
-    out.secondMoment.assign(whole, 0.0f);
-    return backend.gatherLayer(l, out);
-  });
+  for (int l = 0; l < cfg.numLayers(); ++l) // (the sizes, for a full disk's message)
+    m.layers.push_back({0, kernels::layerParamCount(cfg, l, 1), ""});
+  return saveCheckpoint(
+      options.saveDir, m,
+      [&](int l, LayerState &out) {
+        const size_t whole = kernels::layerParamCount(cfg, l, 1);
+        out.weights.assign(whole, 0.0f);
+        out.firstMoment.assign(whole, 0.0f);
+        out.secondMoment.assign(whole, 0.0f);
+        return backend.gatherLayer(l, out);
+      },
+      options.keep, &bytes);
 }
 
 /// --export-hf: every layer's weights whole, gathered from the backend (every process takes
@@ -150,9 +156,13 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
   const int first = options.resume ? int(options.resume->manifest.step) : 0;
   TrainResult result;
   for (int s = first; s < first + options.steps; ++s) {
+    const auto started = std::chrono::steady_clock::now();
     auto loss = backend.step(s);
     if (!loss)
       return loss.takeError();
+    result.stepMs.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+            .count());
     result.losses.push_back(*loss);
     if (options.checkReference) {
       ParamSnapshot grads;
@@ -170,13 +180,31 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
     }
     if (onStep && backend.leads())
       onStep(s, *loss);
-    const bool last = s + 1 == first + options.steps;
+    // Preemption: every process stops after the same step (a signal during the last one
+    // changes nothing: the run is done).
+    int stop = 0;
+    if (options.stopSignal && s + 1 < first + options.steps) {
+      auto agreed = backend.agreeOnStop(options.stopSignal->load());
+      if (!agreed)
+        return agreed.takeError();
+      stop = *agreed;
+    }
+    const bool last = stop || s + 1 == first + options.steps;
     if (!options.saveDir.empty() &&
         (last || (options.saveEvery > 0 && (s + 1) % options.saveEvery == 0))) {
-      if (auto err = saveState(plan, cfg, backend, options, s + 1))
+      const auto started = std::chrono::steady_clock::now();
+      uint64_t bytes = 0;
+      if (auto err = saveState(plan, cfg, backend, options, s + 1, bytes))
         return err;
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
       if (options.onSaved && backend.leads())
-        options.onSaved(s + 1, checkpointPath(options.saveDir, s + 1));
+        options.onSaved(s + 1, checkpointPath(options.saveDir, s + 1), bytes, took.count());
+    }
+    if (stop) { // (no weight check, no export: the job is not done)
+      result.stopSignal = stop;
+      result.stoppedAt = s + 1;
+      backend.finish();
+      return result;
     }
   }
   if (options.checkReference && options.steps > 0) {
@@ -185,6 +213,15 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
       return err;
     if (ref)
       result.weights = ref->compareWeights(weights, options.steps);
+  }
+  if (options.profile) {
+    MeasuredCosts costs;
+    if (auto err = backend.measuredCosts(costs))
+      return err;
+    costs.planHash = planHash(plan);
+    costs.steps = int(result.stepMs.size());
+    if (backend.leads())
+      result.costs = std::move(costs);
   }
   if (!options.exportHfDir.empty())
     if (auto err = exportWeights(plan, cfg, backend, options))

@@ -19,6 +19,8 @@
 #ifndef PIPEC_RUNTIME_TRAIN_H
 #define PIPEC_RUNTIME_TRAIN_H
 
+#include "ir/Costs.h"
+#include "ir/Error.h"
 #include "ir/Plan.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Checkpoint.h"
@@ -27,8 +29,10 @@
 
 #include "llvm/Support/Error.h"
 
+#include <atomic>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,8 +60,16 @@ struct TrainOptions {
   const Checkpoint *resume = nullptr;
   std::string saveDir;
   int saveEvery = 0;
-  /// Called with the step count and the directory of each checkpoint once it is committed.
-  std::function<void(int, const std::string &)> onSaved;
+  /// How many committed checkpoints a save leaves in saveDir (the newest; 0: all of them).
+  size_t keep = 0;
+  /// Called with the step count, the directory, the bytes and the seconds of each checkpoint
+  /// once it is committed.
+  std::function<void(int, const std::string &, uint64_t, double)> onSaved;
+  /// Preemption: a signal number set asynchronously (piperun's SIGTERM and SIGUSR1 handlers),
+  /// read between steps. Once it is non-zero on any process, every process finishes the step in
+  /// flight, they agree to stop after the same step (TrainBackend::agreeOnStop), save with
+  /// saveDir, and train() returns with TrainResult::stopSignal set. Null: never stops early.
+  const std::atomic<int> *stopSignal = nullptr;
   /// `piperun --export-hf DIR` (runtime/HfExport.h): after the last step, every layer's
   /// weights gathered whole and written as a Hugging Face directory (shards of at most
   /// exportHfShardBytes); onExported(dir, files) then, on the lead process.
@@ -69,6 +81,9 @@ struct TrainOptions {
   /// With checkReference, called once the reference is built and holds its first weights (on
   /// the lead process only). Tests slow it down here.
   std::function<void()> onReferenceBuilt;
+  /// `piperun --profile`: time every instruction (RunShared::timings) and hand back the measured
+  /// costs (TrainResult::costs) after the last step.
+  bool profile = false;
 };
 
 /// What the driver found.
@@ -80,6 +95,14 @@ struct TrainResult {
   /// The gradients of the last step as the optimizer saw them (dp replica 0), per (stage, tp
   /// rank), with checkReference.
   std::map<std::pair<int, int>, std::vector<float>> lastGrads;
+  /// With TrainOptions::stopSignal: the signal the run stopped for (0: it ran every step) and
+  /// the step count it stopped at (its checkpoint's, with saveDir).
+  int stopSignal = 0;
+  int stoppedAt = 0;
+  /// Each step's time on the driver's clock (backend.step()), ms.
+  std::vector<double> stepMs;
+  /// With options.profile, on the lead process (runtime/Profile.h).
+  std::optional<MeasuredCosts> costs;
 };
 
 /// One backend's ranks in this process, as the driver drives them. Calls come from one thread,
@@ -113,8 +136,19 @@ public:
   /// The optimizer steps the ranks have taken (AdamW's bias correction counts them).
   virtual int adamSteps() const = 0;
   virtual void setAdamSteps(int steps) = 0;
+  /// With TrainOptions::stopSignal, after every step on every process: the signal this process
+  /// received (0: none) in, the signal all of them stop for out (0: go on), the same on every
+  /// process (several processes: SIGTERM where any got it, else any other's).
+  virtual llvm::Expected<int> agreeOnStop(int signal) { return signal; }
   /// Whether this process reports the losses, runs the reference and writes checkpoints.
   virtual bool leads() const { return true; }
+  /// With options.profile, after the last step (every process calls it): the run's measured
+  /// costs on the lead process; the backend fills what they were measured on but the plan hash
+  /// and the steps.
+  virtual llvm::Error measuredCosts(MeasuredCosts &into) {
+    (void)into;
+    return inputError("--profile: this backend does not time its steps");
+  }
   /// After the last call, when the run succeeded.
   virtual void finish() {}
   /// What the backend has to say after the run (lines, each ending in a newline), or nothing.

@@ -19,6 +19,7 @@
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
+#include "ir/Limits.h"
 
 #include <algorithm>
 #include <utility>
@@ -67,7 +68,7 @@ public:
       // of P; or the user picks a group size that leaves a long enough last group.
       if (m % p == 0)
         return llvm::Error::success();
-      int tryM = nearestValid(m, p, 1 << 24, [&](int x) { return x % p == 0; });
+      int tryM = nearestValid(m, p, kMaxFlagCount, [&](int x) { return x % p == 0; });
       int tryG = nearestValid(p, p, m, [&](int x) { return groupsFit(m, x, p); });
       return inputError("interleaved-1f1b needs --microbatches to be a multiple of --pp={} "
                         "(got {}) or a --microbatch-group-size whose last group is at least "
@@ -83,7 +84,8 @@ public:
           "interleaved-1f1b needs --microbatches to be a multiple of --microbatch-group-size={} "
           "or to leave a last group of at least --pp={} (got {}, last group {}); try {}, or "
           "--microbatch-group-size {}",
-          g, p, m, m % g, nearestValid(m, g, 1 << 24, [&](int x) { return groupsFit(x, g, p); }),
+          g, p, m, m % g,
+          nearestValid(m, g, kMaxFlagCount, [&](int x) { return groupsFit(x, g, p); }),
           nearestValid(g, p, m, [&](int x) { return groupsFit(m, x, p); }));
     return llvm::Error::success();
   }

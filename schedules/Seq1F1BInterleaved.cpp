@@ -19,6 +19,7 @@
 #include "schedules/Policy.h"
 
 #include "ir/Error.h"
+#include "ir/Limits.h"
 
 #include <algorithm>
 #include <utility>
@@ -72,7 +73,7 @@ public:
           "={} (got {}) or a --microbatch-group-size whose last group has at least --pp={} "
           "sub-sequences; try {}, or --microbatch-group-size {}",
           minG, m, p,
-          nearestValid(m, minG, 1 << 24, [&](int x) { return groupsFit(x, minG, k, p); }),
+          nearestValid(m, minG, kMaxFlagCount, [&](int x) { return groupsFit(x, minG, k, p); }),
           nearestValid(minG, minG, m, fitsM));
     }
     if (g > m)
@@ -85,7 +86,7 @@ public:
           "--microbatch-group-size={} or to leave a last group of at least --pp={} "
           "sub-sequences (got {}, last group {} x {}); try {}, or --microbatch-group-size {}",
           g, p, m, m % g, k,
-          nearestValid(m, g, 1 << 24, [&](int x) { return groupsFit(x, g, k, p); }),
+          nearestValid(m, g, kMaxFlagCount, [&](int x) { return groupsFit(x, g, k, p); }),
           nearestValid(g, minG, m, fitsM));
     return llvm::Error::success();
   }

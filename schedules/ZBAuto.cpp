@@ -17,9 +17,9 @@
 // the clock); runs that cannot beat the best so far are cut short by a span lower bound. Among
 // its runs it keeps the order of least max per-rank span (the paper's bubble), then least
 // makespan. The order it returns is then the one of least step time, as `pipec compile`
-// reports it (compiler/QuickEval.h), among that run and the fixed orders that fit the limit:
-// 1F1B with split backward, ZB-H1 and ZB-H2, so zb-auto is never slower than any of them at a
-// limit they fit (tests/ZbAutoTest.cpp's sweep). Every candidate
+// reports it (compiler/Evaluate.h runs compile's own passes), among that run and the fixed
+// orders that fit the limit: 1F1B with split backward, ZB-H1 and ZB-H2, so zb-auto is never
+// slower than any of them at a limit they fit (tests/ZbAutoTest.cpp's sweep). Every candidate
 // respects the limit by construction (a forward starts only if, with it, the I's of every
 // microbatch in flight can still run one at a time before any W: M_B each, plus what an I
 // keeps beyond M_B for W, plus one backward's extra and the workspace for the I running; W's
@@ -33,7 +33,7 @@
 #include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
-#include "compiler/QuickEval.h"
+#include "compiler/Evaluate.h"
 #include "ir/CostModel.h"
 #include "ir/Error.h"
 
@@ -376,15 +376,15 @@ Score simulateOrder(const ScheduleRequest &req, const ComputeOrder &order) {
   return s;
 }
 
-/// The step time `pipec compile` reports for fixed rank orders: quickEvaluate replays what
-/// lowering adds (tp all-reduces, the dp all-reduces' tail) under the same cost model.
+/// The step time `pipec compile` reports for fixed rank orders: evaluateOrder runs compile's
+/// own lowering and simulate passes (the tp all-reduces, the dp all-reduces' tail).
 double stepTimeOf(const ScheduleRequest &req, const ComputeOrder &order) {
-  QuickStats stats;
-  if (llvm::Error err = quickEvaluate(planOf(req, order), stats)) {
+  Plan plan = planOf(req, order);
+  if (llvm::Error err = evaluateOrder(plan)) {
     llvm::consumeError(std::move(err));
     return kInf;
   }
-  return stats.stepTime;
+  return plan.stats.stepTime;
 }
 
 /// 1F1B (warm-up p-r-1) with each backward split into I and an immediate W.
@@ -633,7 +633,7 @@ public:
       }
     }
     // The greedy's runs were chosen by span under the compute-only timing. The order kept is
-    // the one of least step time as `pipec compile` reports it (quickEvaluate: the tp
+    // the one of least step time as `pipec compile` reports it (evaluateOrder: the tp
     // all-reduces after each op's parts and the dp all-reduces' tail included), among the
     // greedy's best and the fixed orders of the same family that fit the limit under the
     // memory rule: 1F1B with split backward, ZB-H1 and ZB-H2 (the policies' own emit). The

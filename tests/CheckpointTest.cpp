@@ -10,7 +10,8 @@
 //  - kills at random instants of a run that saves every step, the same;
 //  - a checkpoint saved under one layout (pp, tp, dp x microbatches, schedule) resumes under
 //    another, to the same losses within fp32 rounding, and passes --check-reference;
-//  - --save-every keeps the two newest checkpoints;
+//  - --save-every with --keep 2 keeps the two newest checkpoints, and each save's line gives
+//    its size and seconds;
 //  - --steps is the step the job ends at: the same command line (--save-dir D --resume D),
 //    killed at random instants and relaunched until it exits 0, ends with the uninterrupted
 //    run's losses and final weights bit for bit; --resume on a missing or empty directory starts
@@ -18,6 +19,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "tests/Command.h"
+#include "tests/Process.h"
 
 #include "ir/Error.h"
 #include "runtime/Checkpoint.h"
@@ -117,10 +119,10 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
 }
 
-TEST(CheckpointTest, SaveEveryKeepsTheTwoNewestCheckpoints) {
+TEST(CheckpointTest, SaveEveryWithKeepTwoKeepsTheTwoNewestCheckpoints) {
   const std::string d = freshDir("every");
   const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
-  auto r = piperun(plan + " --steps 5 --save-every 2 --save-dir " + d + "/ck");
+  auto r = piperun(plan + " --steps 5 --save-every 2 --keep 2 --save-dir " + d + "/ck");
   ASSERT_EQ(r.code, 0) << r.err;
   std::vector<std::string> names;
   for (auto &e : fs::directory_iterator(d + "/ck"))
@@ -128,15 +130,24 @@ TEST(CheckpointTest, SaveEveryKeepsTheTwoNewestCheckpoints) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
   EXPECT_TRUE(temporaries(d + "/ck").empty());
-  // Each save says so once it is committed, after its step's loss.
+  // Each save says so once it is committed, after its step's loss, with its size (the sum of
+  // its files') and seconds.
+  uint64_t bytes = 0;
+  for (auto &[name, text] : files(d + "/ck/step-00000005"))
+    bytes += text.size();
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.2f MiB, ", double(bytes) / (1 << 20));
   for (int step : {2, 4, 5}) {
-    const std::string line = "saved checkpoint after step " + std::to_string(step) + ": " + d +
-                             "/ck/step-0000000" + std::to_string(step) + "\n";
+    const std::string line = "saved " + d + "/ck/step-0000000" + std::to_string(step) + " (step " +
+                             std::to_string(step) + ", " + mib;
     size_t at = r.out.find(line);
-    ASSERT_NE(at, std::string::npos) << r.out;
+    ASSERT_NE(at, std::string::npos) << line << "\n" << r.out;
+    EXPECT_TRUE(
+        std::regex_search(r.out.substr(at + line.size()), std::regex("^[0-9]+\\.[0-9]{2} s\\)\n")))
+        << r.out.substr(at);
     EXPECT_LT(r.out.find("step " + std::to_string(step - 1) + " loss"), at);
   }
-  EXPECT_EQ(r.out.find("saved checkpoint after step 3"), std::string::npos);
+  EXPECT_EQ(r.out.find("/ck/step-00000003"), std::string::npos);
 }
 
 /// Checks every layer file of the newest committed checkpoint in `dir` against its manifest
@@ -208,7 +219,7 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     const std::string ck = d + "/ck";
     fs::remove_all(ck);
     fs::copy(base, ck, fs::copy_options::recursive);
-    r = piperun(plan + oneMoreStep(ck) + " --resume " + ck + " --save-dir " + ck,
+    r = piperun(plan + oneMoreStep(ck) + " --resume " + ck + " --save-dir " + ck + " --keep 2",
                 "PIPEC_CHECKPOINT_KILL_AT=" + std::to_string(k));
     if (r.code == 0)
       break; // past the last point: the save finished
@@ -217,8 +228,12 @@ TEST(CheckpointTest, ASaveKilledAtAnyPointLeavesThePreviousCheckpointWhole) {
     const std::string what = "killed at point " + std::to_string(k);
     // Whole: the newest committed checkpoint (step 2, or 3 once its manifest is in), and step 2
     // on its own; every file as its manifest says.
-    EXPECT_GE(expectWhole(ck, what), 2) << what;
+    const int64_t newest = expectWhole(ck, what);
+    EXPECT_GE(newest, 2) << what;
     expectStepWhole(ck, 2, what);
+    // --keep 2 removes step 1 only once step 3 is committed: until then it is whole too.
+    if (newest == 2)
+      expectStepWhole(ck, 1, what);
     // And everything the killed save left is recognisably piperun's: the next run's start-up
     // check of --save-dir accepts the directory.
     if (llvm::Error err = pipec::checkSaveDir(ck, ck))
@@ -303,17 +318,6 @@ TEST(CheckpointTest, KillsAtRandomInstantsLeaveAResumableCheckpoint) {
   EXPECT_GT(previous, 0) << "no round got as far as a checkpoint";
 }
 
-/// Every layer file of the checkpoint of step `step` in `dir` (name -> bytes).
-std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "/step-%08d", step);
-  std::map<std::string, std::string> m;
-  for (auto &[file, bytes] : files(dir + name))
-    if (file.rfind("layer-", 0) == 0)
-      m[file] = bytes;
-  return m;
-}
-
 TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
   // A preemptible job's launcher: the same command line, killed (SIGKILL) at a random instant
   // and launched again until it exits 0. --steps is the step the job ends at and --resume on a
@@ -327,55 +331,20 @@ TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitF
   auto uninterrupted =
       piperun(plan + " --steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
   // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
-  const int span = int(std::max<int64_t>(50, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                 std::chrono::steady_clock::now() - started)
-                                                 .count()));
+  const int span = pipec::testing::millisecondsSince(started);
   ASSERT_EQ(uninterrupted.code, 0) << uninterrupted.err;
   const auto want = stepLosses(uninterrupted.out);
   ASSERT_EQ(want.size(), size_t(steps));
-  const std::string ck = d + "/ck", out = d + "/out.txt";
+  const std::string ck = d + "/ck";
   const std::string cmd = tool("piperun") + " " + plan + " --steps " + std::to_string(steps) +
                           " --save-every 1 --save-dir " + ck + " --resume " + ck;
-  std::mt19937 rng(44);
-  std::map<int, std::string> got;
-  int launches = 0, killed = 0;
-  for (bool done = false; !done && launches < 200; ++launches) {
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      const std::string line = "exec " + cmd + " >" + out + " 2>&1";
-      ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char *>(nullptr));
-      ::_exit(127);
-    }
-    // Killed at a random instant, unless it finishes first; every eighth launch runs to its
-    // end (so the job ends however the instants fall).
-    const int delay = launches % 8 == 7 ? 1 << 30 : int(rng() % unsigned(span));
-    int status = 0;
-    for (int waited = 0; ::waitpid(pid, &status, WNOHANG) == 0; waited += 5) {
-      if (waited >= delay) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &status, 0);
-        ++killed;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    const std::string printed = slurp(out);
-    for (auto [step, loss] : stepLosses(printed)) {
-      if (got.count(step)) { // a step run again (killed before its checkpoint): the same loss
-        EXPECT_EQ(got[step], loss) << "step " << step << " again, launch " << launches;
-      }
-      got[step] = loss;
-    }
-    done = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (WIFEXITED(status)) {
-      ASSERT_EQ(WEXITSTATUS(status), 0) << "launch " << launches << ":\n" << printed;
-    }
-  }
+  int killed = 0;
+  auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 44, killed);
   EXPECT_GT(killed, 0) << "no launch was killed";
   EXPECT_EQ(got, want);
-  auto final = layerFiles(d + "/whole", steps);
+  auto final = pipec::testing::checkpointLayerFiles(d + "/whole", steps);
   ASSERT_EQ(final.size(), 6u);
-  EXPECT_TRUE(layerFiles(ck, steps) == final)
+  EXPECT_TRUE(pipec::testing::checkpointLayerFiles(ck, steps) == final)
       << "the relaunched job's final weights and moments differ from the uninterrupted run's";
   // Launched once more, the finished job says so and exits 0.
   auto again = runCommand(cmd);
@@ -452,9 +421,10 @@ TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
 llvm::Error saveAs(const std::string &dir, const pipec::Checkpoint &from, int64_t step) {
   pipec::CheckpointManifest m = from.manifest;
   m.step = m.adamSteps = step;
-  return pipec::saveCheckpoint(dir, m, [&](int l, pipec::LayerState &out) {
-    return pipec::readCheckpointLayer(from, l, out);
-  });
+  return pipec::saveCheckpoint(
+      dir, m,
+      [&](int l, pipec::LayerState &out) { return pipec::readCheckpointLayer(from, l, out); },
+      /*keep=*/2);
 }
 
 TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {

@@ -8,38 +8,44 @@
 //    checkpoint saved by either resumes under the other to the uninterrupted run bit for bit;
 //  - cpu and cuda sum in other orders (the emulated device's stand-ins follow the GPU kernels'
 //    orders), so across them a resumed run matches the uninterrupted one to fp32 rounding, and
-//    the resumed run passes --check-reference against a reference loaded from the checkpoint.
+//    the resumed run passes --check-reference against a reference loaded from the checkpoint;
+//  - cuda: the same command line (--save-dir D --resume D) killed (SIGKILL) at random instants
+//    and relaunched until it exits 0 ends with the uninterrupted run's losses and final weights
+//    bit for bit;
+//  - preemption in real processes: a process of the nccl mode (and the cuda backend) sent
+//    SIGTERM (SIGUSR1) after a step's line finishes the step in flight, saves it and exits 143
+//    (138) with one line; relaunched, the job ends as the uninterrupted run bit for bit. (The
+//    agreement of several processes on the step they stop at: NcclEmuTest.cpp, whose emulated
+//    NCCL runs ranks as threads of one process.)
 //
 //===----------------------------------------------------------------------===//
 #include "tests/Command.h"
+#include "tests/Process.h"
 
 #include "ir/Error.h"
 #include "runtime/Checkpoint.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
 
 namespace {
 
 namespace fs = std::filesystem;
+using pipec::testing::checkpointLayerFiles;
 using pipec::testing::CommandResult;
+using pipec::testing::compileTinyGpt;
 using pipec::testing::freshDir;
 using pipec::testing::runCommand;
-using pipec::testing::slurp;
 using pipec::testing::stepLosses;
-
-std::string compile(const std::string &dir, const std::string &flags) {
-  std::string out = dir + "/plan.json";
-  auto r = runCommand("tools/pipec compile --quiet --model examples/tiny-gpt.json " + flags +
-                      " -o " + out);
-  EXPECT_EQ(r.code, 0) << r.err;
-  return out;
-}
 
 /// piperun_emu on `plan` with `args`; `backend` "nccl" runs one process from torchrun's
 /// variables.
@@ -50,17 +56,6 @@ CommandResult piperun(const std::string &backend, const std::string &plan,
   std::string dtype = backend == "cpu" ? "" : " --dtype fp32";
   return runCommand(env + "tools/piperun_emu " + plan + " --backend " + backend + dtype + " " +
                     args);
-}
-
-/// Every layer file of the checkpoint of step `step` in `dir` (name -> bytes).
-std::map<std::string, std::string> layerFiles(const std::string &dir, int step) {
-  char name[32];
-  std::snprintf(name, sizeof(name), "/step-%08d", step);
-  std::map<std::string, std::string> m;
-  for (auto &e : fs::directory_iterator(dir + name))
-    if (e.path().filename().string().rfind("layer-", 0) == 0)
-      m[e.path().filename().string()] = slurp(e.path().string());
-  return m;
 }
 
 /// `first` steps under `saver` with a checkpoint, then the rest of `steps` resumed under
@@ -87,28 +82,29 @@ std::map<int, std::string> saveThenResume(const std::string &saver, const std::s
 TEST(GpuCheckpointTest, CudaSaveAndResumeIsTheUninterruptedRunBitForBit) {
   const std::string d = freshDir("cuda");
   // tp and dp too, so that shards are joined on save and cut again on resume.
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2 --dp 2");
+  const std::string plan =
+      compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2 --dp 2");
   auto whole = piperun("cuda", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   auto got = saveThenResume("cuda", "cuda", plan, d + "/split", 2, 4);
   EXPECT_EQ(got, stepLosses(whole.out));
-  auto want = layerFiles(d + "/four", 4);
+  auto want = checkpointLayerFiles(d + "/four", 4);
   ASSERT_EQ(want.size(), 6u); // embedding, four blocks, head
-  EXPECT_TRUE(layerFiles(d + "/split", 4) == want)
+  EXPECT_TRUE(checkpointLayerFiles(d + "/split", 4) == want)
       << "the resumed run's step-4 weights and moments differ from the uninterrupted run's";
 }
 
 TEST(GpuCheckpointTest, NcclAndCudaCheckpointsResumeEachOtherBitForBit) {
   const std::string d = freshDir("nccl");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   auto whole = piperun("cuda", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
-  const auto want = layerFiles(d + "/four", 4);
+  const auto want = checkpointLayerFiles(d + "/four", 4);
   for (auto [saver, resumer] : {std::pair{"nccl", "cuda"}, std::pair{"cuda", "nccl"}}) {
     const std::string dir = d + "/" + saver + "-" + resumer;
     auto got = saveThenResume(saver, resumer, plan, dir, 2, 4);
     EXPECT_EQ(got, stepLosses(whole.out)) << saver << " then " << resumer;
-    EXPECT_TRUE(layerFiles(dir, 4) == want) << saver << " then " << resumer;
+    EXPECT_TRUE(checkpointLayerFiles(dir, 4) == want) << saver << " then " << resumer;
   }
 }
 
@@ -141,7 +137,7 @@ double largestWeightDifference(const std::string &a, const std::string &b) {
 
 TEST(GpuCheckpointTest, CpuAndCudaCheckpointsResumeEachOther) {
   const std::string d = freshDir("cpu-cuda");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
   auto whole = piperun("cpu", plan, "--steps 4 --save-dir " + d + "/four");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   const auto want = stepLosses(whole.out);
@@ -169,7 +165,7 @@ TEST(GpuCheckpointTest, CpuAndCudaCheckpointsResumeEachOther) {
 // under tp 2 x pp 2, the nccl mode in one process).
 TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   const std::string d = freshDir("gpu-export");
-  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 4 --tp 2");
   {
     std::ofstream tokens(d + "/one.bin", std::ios::binary);
     for (uint16_t t = 0; t < 17; ++t) { // seq_length 16 + 1: one window
@@ -189,7 +185,7 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   ASSERT_EQ(from.code, 0) << from.err;
   EXPECT_EQ(stepLosses(from.out).at(0), stepLosses(whole.out).at(2));
   // The nccl mode (one process: pp 1, tp 1) exports the same way.
-  const std::string one = compile(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string one = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   auto wholeNccl = piperun("nccl", one, "--steps 3" + data);
   ASSERT_EQ(wholeNccl.code, 0) << wholeNccl.err;
   auto exportedNccl = piperun("nccl", one, "--steps 2 --export-hf " + d + "/hf-nccl" + data);
@@ -198,3 +194,81 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
   ASSERT_EQ(fromNccl.code, 0) << fromNccl.err;
   EXPECT_EQ(stepLosses(fromNccl.out).at(0), stepLosses(wholeNccl.out).at(2));
 }
+
+namespace {
+
+using pipec::testing::Child;
+
+TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
+  const std::string d = freshDir("cuda-relaunch");
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
+  const int steps = 8;
+  const auto started = std::chrono::steady_clock::now();
+  auto whole =
+      piperun("cuda", plan, "--steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
+  ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
+  // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
+  const int span = pipec::testing::millisecondsSince(started);
+  const std::string ck = d + "/ck";
+  const std::string cmd = "tools/piperun_emu " + plan + " --backend cuda --dtype fp32 --steps " +
+                          std::to_string(steps) + " --save-every 1 --save-dir " + ck +
+                          " --resume " + ck;
+  int killed = 0;
+  auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 45, killed);
+  EXPECT_GT(killed, 0) << "no launch was killed";
+  EXPECT_EQ(got, stepLosses(whole.out));
+  auto want = checkpointLayerFiles(d + "/whole", steps);
+  ASSERT_EQ(want.size(), 6u);
+  EXPECT_TRUE(checkpointLayerFiles(ck, steps) == want)
+      << "the relaunched job's final weights and moments differ from the uninterrupted run's";
+}
+
+/// `backend` ("cuda" or "nccl", one process) sent `sig` after its first step's line: it saves
+/// the step in flight and exits 128 + `sig` with one line; relaunched to two steps past it, the
+/// job's losses and weights are the uninterrupted run's bit for bit.
+void expectPreemptedAndRelaunched(const std::string &backend, int sig, const char *name) {
+  const std::string d = freshDir("preempt-" + backend);
+  const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
+  const std::string ck = d + "/ck";
+  const std::string env =
+      backend == "nccl" ? "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " : "";
+  Child c =
+      pipec::testing::spawn(env + "tools/piperun_emu " + plan + " --backend " + backend +
+                            " --dtype fp32 --steps 1000 --save-dir " + ck + " --resume " + ck);
+  ASSERT_TRUE(pipec::testing::readUntil(c, "step 0 loss")) << c.out;
+  ::kill(c.pid, sig);
+  const int status = pipec::testing::finish(c);
+  ASSERT_TRUE(WIFEXITED(status)) << c.out;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + sig) << c.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      c.out, m,
+      std::regex(std::string("piperun: ") + name + ": stopped after step ([0-9]+), saved " + ck +
+                 "/step-([0-9]{8}) \\(relaunch with --resume " + ck +
+                 " to continue\\); exit status " + std::to_string(128 + sig) + "\n")))
+      << c.out;
+  auto losses = stepLosses(c.out);
+  ASSERT_FALSE(losses.empty());
+  EXPECT_EQ(losses.rbegin()->first, std::stoi(m[1])) << c.out;
+  const int end = std::stoi(m[2]) + 2;
+  auto rest = piperun(backend, plan,
+                      "--steps " + std::to_string(end) + " --save-dir " + ck + " --resume " + ck);
+  ASSERT_EQ(rest.code, 0) << rest.out << rest.err;
+  auto whole =
+      piperun(backend, plan, "--steps " + std::to_string(end) + " --save-dir " + d + "/whole");
+  ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
+  for (auto [step, loss] : stepLosses(rest.out))
+    losses[step] = loss;
+  EXPECT_EQ(losses, stepLosses(whole.out));
+  EXPECT_TRUE(checkpointLayerFiles(ck, end) == checkpointLayerFiles(d + "/whole", end));
+}
+
+TEST(GpuCheckpointTest, AnNcclProcessSentSigtermSavesTheStepInFlightAndExits143) {
+  expectPreemptedAndRelaunched("nccl", SIGTERM, "SIGTERM");
+}
+
+TEST(GpuCheckpointTest, TheCudaBackendSentSigusrOneSavesTheStepInFlightAndExits138) {
+  expectPreemptedAndRelaunched("cuda", SIGUSR1, "SIGUSR1");
+}
+
+} // namespace

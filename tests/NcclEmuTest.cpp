@@ -31,11 +31,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <string>
@@ -92,8 +93,8 @@ runEveryRank(const Plan &plan, const DataSource &data, const std::string &id,
 
 TEST_P(NcclEmuTest, EveryRankAThreadGivesTheReferenceGradientsOnRankZero) {
   const Case &c = GetParam();
-  Plan plan = compileOrFail(c.llama ? tinyLlama(c.tied, /*layers=*/6) : tinyGpt(c.tied, 6),
-                            c.options);
+  Plan plan =
+      compileOrFail(c.llama ? tinyLlama(c.tied, /*layers=*/6) : tinyGpt(c.tied, 6), c.options);
   ASSERT_FALSE(verifyPlan(plan));
   const ParallelConfig &pc = plan.parallel;
   const int world = pc.pp * pc.dp * pc.tp;
@@ -546,6 +547,49 @@ TEST(NcclEmuCheckpointTest, SeveralProcessesSaveAndResumeAsTheCudaBackendBitForB
       << "the resumed launch's step-4 checkpoint";
 }
 
+TEST(NcclEmuCheckpointTest, ProcessesSignalledAtDifferentStepsOrNotAtAllStopAfterTheSameStep) {
+  // Preemption (TrainOptions::stopSignal): a launcher may signal one process only, or each at
+  // another instant. Here one process sees its signal before step 0 ends and the others none;
+  // then two see different signals. Every process must stop after step 0 (a process that
+  // stopped alone would leave the others waiting in step 1), report the same signal (SIGTERM
+  // where any saw it), and RANK 0 must save step 1's checkpoint: the cuda backend's bit for bit.
+  Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4),
+                            options("1f1b", /*pp=*/2, 2, 1, 1, /*tp=*/1, /*dp=*/2));
+  ASSERT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/7);
+  const std::string dir = ::testing::TempDir() + "/nccl-preempt";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  CudaRunOptions o;
+  o.steps = 1;
+  o.saveDir = dir + "/cuda";
+  auto cuda = runOnCuda(plan, *data, o);
+  ASSERT_TRUE(bool(cuda)) << takeMessage(cuda.takeError());
+  o.steps = 4;
+  for (auto [signals, want] : {std::pair{std::vector<int>{0, 0, 0, SIGUSR1}, SIGUSR1},
+                               std::pair{std::vector<int>{SIGUSR1, SIGTERM, 0, 0}, SIGTERM}}) {
+    std::vector<std::atomic<int>> flags(signals.size());
+    for (size_t r = 0; r < signals.size(); ++r)
+      flags[r] = signals[r];
+    o.saveDir = fmt::format("{}/nccl-{}", dir, want);
+    auto results = runEveryRank(plan, *data, fmt::format("preempt-{}", want), [&](int rank) {
+      CudaRunOptions mine = o;
+      mine.stopSignal = &flags[size_t(rank)];
+      return mine;
+    });
+    for (size_t r = 0; r < results.size(); ++r) {
+      ASSERT_TRUE(bool(results[r])) << "rank " << r << ": " << takeMessage(results[r].takeError());
+      EXPECT_EQ(results[r]->stopSignal, want) << "rank " << r;
+      EXPECT_EQ(results[r]->stoppedAt, 1) << "rank " << r;
+    }
+    EXPECT_EQ(results[0]->losses, cuda->losses);
+    auto ckpt = openCheckpoint(o.saveDir);
+    ASSERT_TRUE(bool(ckpt)) << takeMessage(ckpt.takeError());
+    EXPECT_EQ(ckpt->manifest.step, 1);
+    EXPECT_TRUE(layerFiles(o.saveDir, 1) == layerFiles(dir + "/cuda", 1));
+  }
+}
+
 TEST(NcclEmuCheckpointTest, ProcessesLaunchedWithAndWithoutSaveDirAllFailNamingTheFlag) {
   // A checkpoint gathers every layer to RANK 0: a process without --save-dir would never send
   // its part, and RANK 0 would wait for it; every process refuses, before the first step.
@@ -587,8 +631,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"bf16_zbv_seq2", options("zb-v", 2, 4, /*vpp=*/2, /*seqSplits=*/2),
                            false, kernels::DType::BF16},
                       // Llama's block, its key/value heads split over tp, across processes.
-                      Case{"llama_pp2_tp2_dp2_tied", options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2),
-                           true, kernels::DType::F32, /*llama=*/true},
+                      Case{"llama_pp2_tp2_dp2_tied",
+                           options("1f1b", 2, 3, 1, 1, /*tp=*/2, /*dp=*/2), true,
+                           kernels::DType::F32, /*llama=*/true},
                       Case{"llama_bf16_zbv_seq2", options("zb-v", 2, 4, /*vpp=*/2, /*seqSplits=*/2),
                            false, kernels::DType::BF16, /*llama=*/true}),
     [](const auto &info) { return std::string(info.param.name); });

@@ -6,6 +6,8 @@
 // of the nccl mode) is checked end to end without a GPU.
 //
 //===----------------------------------------------------------------------===//
+#include "ir/Costs.h"
+#include "ir/Error.h"
 #include "tests/Command.h"
 
 #include <gtest/gtest.h>
@@ -108,7 +110,8 @@ TEST(PiperunEmuTest, GpuBackendsRefuseARecomputingPlanWithOneLine) {
   // pipec models recomputation; piperun's kernels do not execute it, on any backend.
   const std::string p = tmpDir() + "/recompute.json";
   Result c = run("tools/pipec compile --model examples/tiny-gpt.json --schedule 1f1b --pp 2 "
-                 "--microbatches 4 --recompute selective -o " + p + " --quiet");
+                 "--microbatches 4 --recompute selective -o " +
+                 p + " --quiet");
   ASSERT_EQ(c.code, 0) << c.out << c.err;
   for (const char *backend : {"cuda", "nccl"}) {
     Result r = run(std::string("RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 tools/piperun_emu ") + p +
@@ -329,14 +332,51 @@ TEST(PiperunEmuTest, KernelVariablesAreCheckedBeforeAnyStep) {
   EXPECT_NE(off.out.find("max_abs_grad_diff="), std::string::npos) << off.out;
   expectUsageError(run("PIPEC_ATTENTION_WGMMA=no tools/piperun_emu " + p + " --backend cuda"),
                    "PIPEC_ATTENTION_WGMMA=no: expected 0");
-  expectUsageError(run("PIPEC_ATTENTION_WGMMA_BACKWARD=1 tools/piperun_emu " + p +
-                       " --backend cuda"),
-                   "PIPEC_ATTENTION_WGMMA_BACKWARD=1: the Hopper attention backward");
+  expectUsageError(
+      run("PIPEC_ATTENTION_WGMMA_BACKWARD=1 tools/piperun_emu " + p + " --backend cuda"),
+      "PIPEC_ATTENTION_WGMMA_BACKWARD=1: the Hopper attention backward");
   expectUsageError(run("PIPEC_ATTENTION_DQ_ATOMICS=fixed RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 "
                        "tools/piperun_emu " +
                        plan("kernels1", "--schedule 1f1b --pp 1 --microbatches 2") +
                        " --backend nccl"),
                    "unset PIPEC_ATTENTION_DQ_ATOMICS");
+}
+
+} // namespace
+
+namespace {
+
+/// --profile on the GPU backends (the emulated device runs each rank's stream, which the
+/// interpreter synchronises per timed instruction): a pipecost/1 file of the run's backend,
+/// every op of the plan measured once per microbatch and step after the warm-up.
+TEST(PiperunEmuTest, ProfileWritesMeasuredCostsOnEveryGpuBackend) {
+  struct Case {
+    const char *backend, *flags, *env;
+    size_t ops; // (stage, op kind) pairs the plan runs
+  } cases[] = {{"cuda", "--schedule zb-h1 --pp 2 --microbatches 4", "", 6},
+               {"nccl", "--schedule 1f1b --pp 1 --microbatches 4",
+                "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 ", 2}};
+  for (const Case &c : cases) {
+    SCOPED_TRACE(c.backend);
+    const std::string p = plan(std::string("profile-") + c.backend, c.flags);
+    const std::string out = tmpDir() + "/costs-" + c.backend + ".json";
+    Result r = run(std::string(c.env) + "tools/piperun_emu " + p + " --backend " + c.backend +
+                   " --steps 3 --profile " + out);
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("step time: measured median "), std::string::npos) << r.out;
+    auto costs = pipec::readCosts(out);
+    ASSERT_TRUE(bool(costs)) << pipec::takeMessage(costs.takeError());
+    EXPECT_EQ(costs->backend, c.backend);
+    EXPECT_EQ(costs->dtype, "fp32");
+    EXPECT_EQ(costs->steps, 3);
+    EXPECT_EQ(costs->ops.size(), c.ops);
+    for (const pipec::MeasuredCosts::Op &op : costs->ops) {
+      EXPECT_EQ(op.time.samples, 2 * 4) << "2 steps after the warm-up, 4 microbatches";
+      EXPECT_GT(op.time.medianMs, 0);
+    }
+    for (const pipec::MeasuredCosts::Rank &rank : costs->ranks)
+      EXPECT_GT(rank.peakMemoryBytes, 0);
+  }
 }
 
 } // namespace

@@ -1,11 +1,14 @@
 #include "tools/Args.h"
 
 #include "ir/Files.h"
+#include "ir/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
+#include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/Path.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -39,8 +42,7 @@ int reportError(llvm::StringRef tool, llvm::Error err) {
   std::string msg = takeMessage(std::move(err));
   // (fputs, not fmt::print: a failing stderr must not throw from here)
   if (code == 2)
-    std::fputs(fmt::format("{}: error: {}\n", tool.str(), oneLine(std::move(msg))).c_str(),
-               stderr);
+    std::fputs(fmt::format("{}: error: {}\n", tool.str(), oneLine(std::move(msg))).c_str(), stderr);
   else
     std::fputs(fmt::format("{}: {}\n", tool.str(), msg).c_str(), stderr);
   return code;
@@ -80,12 +82,15 @@ std::string userPath(llvm::StringRef path) {
   return std::string(full);
 }
 
-llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
-                                 llvm::ArrayRef<llvm::StringRef> valued,
-                                 llvm::ArrayRef<llvm::StringRef> switches,
-                                 llvm::StringRef command) {
-  const std::string prefix = command.empty() ? std::string() : command.str() + ": ";
+llvm::Expected<Args> Args::parse(int argc, char **argv, int first, const Command &cmd,
+                                 OptionUse caller) {
+  const std::string prefix = cmd.errorPrefix();
+  auto accepted = [&](llvm::StringRef name) -> const Option * {
+    const Option *o = cmd.find(name);
+    return o && o->shownIn(caller) ? o : nullptr;
+  };
   Args a;
+  a.cmd = &cmd;
   for (int i = first; i < argc; ++i) {
     llvm::StringRef arg = argv[i];
     if (!arg.startswith("-") || arg == "-") {
@@ -94,35 +99,60 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
     }
     auto [name, value] = arg.split('=');
     bool hasValue = arg.contains('=');
-    if (llvm::is_contained(switches, name)) {
-      if (hasValue)
-        return inputError("{}{} takes no value (got '{}')", prefix, name.str(), value.str());
-      a.values[name.str()] = "1";
-      continue;
-    }
-    if (!llvm::is_contained(valued, name)) {
+    const Option *o = accepted(name);
+    if (!o) {
       std::string nearest;
       unsigned best = ~0u;
-      for (llvm::StringRef f : valued)
-        if (unsigned d = name.edit_distance(f); d < best)
-          best = d, nearest = f.str();
-      for (llvm::StringRef f : switches)
-        if (unsigned d = name.edit_distance(f); d < best)
-          best = d, nearest = f.str();
+      for (const Option &f : cmd.options)
+        for (const char *spelling : {f.name, f.alias})
+          if (spelling && f.shownIn(caller))
+            if (unsigned d = name.edit_distance(spelling); d < best)
+              best = d, nearest = spelling;
       return inputError("{}unknown flag {}{}", prefix, name.str(),
                         nearest.empty() ? std::string()
                                         : fmt::format("; did you mean {}?", nearest));
+    }
+    if (o->isSwitch()) {
+      if (hasValue)
+        return inputError("{}{} takes no value (got '{}')", prefix, name.str(), value.str());
+      a.values[o->name] = "1";
+      continue;
     }
     if (!hasValue) {
       if (i + 1 >= argc)
         return inputError("{}{} needs a value", prefix, name.str());
       value = argv[++i];
     }
-    if (a.values.count(name.str()))
+    if (a.values.count(o->name))
       return inputError("{}{} given twice", prefix, name.str());
-    a.values[name.str()] = value.str();
+    a.values[o->name] = value.str();
   }
   return a;
+}
+
+llvm::Expected<Args> Args::parse(int argc, char **argv, int first,
+                                 llvm::ArrayRef<llvm::StringRef> valued,
+                                 llvm::ArrayRef<llvm::StringRef> switches,
+                                 llvm::StringRef command) {
+  // A table made on the spot: the flags' names outlive it (the callers' literals).
+  std::vector<Option> options;
+  for (llvm::StringRef f : valued)
+    options.push_back(Option{f.data(), OptionKind::String, "VALUE", ""});
+  for (llvm::StringRef f : switches)
+    options.push_back(Option{f.data(), OptionKind::Switch, "", ""});
+  const std::string name = command.str();
+  Command cmd{"", name.c_str(), "", "", options};
+  auto a = parse(argc, argv, first, cmd);
+  if (a)
+    a->cmd = nullptr;
+  return a;
+}
+
+const Option &Args::option(llvm::StringRef flag, OptionKind kind) const {
+  const Option *o = cmd ? cmd->find(flag) : nullptr;
+  assert(o && o->kind == kind && "the flag is not in the command's table as that kind");
+  (void)kind;
+  return *o;
 }
 
 std::optional<std::string> Args::get(llvm::StringRef flag) const {
@@ -153,6 +183,83 @@ llvm::Expected<int64_t> Args::integer(llvm::StringRef flag, int64_t fallback, in
     return inputError("{} must be at least {} (got {}); try {}", flag.str(), min, out, min);
   if (out > max)
     return inputError("{} must be at most {} (got {}); try {}", flag.str(), max, out, max);
+  return out;
+}
+
+llvm::Expected<int64_t> Args::integer(llvm::StringRef flag) const {
+  const Option &o = option(flag, OptionKind::Int);
+  return integer(flag, o.fallback, o.min, o.max);
+}
+
+llvm::Expected<std::optional<double>> Args::real(llvm::StringRef flag) const {
+  const Option &o = option(flag, OptionKind::Double);
+  auto v = get(flag);
+  if (!v)
+    return std::nullopt;
+  double d = 0;
+  if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || (o.max > 0 && d > double(o.max)))
+    return inputError("{} expects a positive number{} such as {} (got '{}')", flag.str(),
+                      o.max > 0 ? fmt::format(" up to {}", o.max) : std::string(),
+                      o.example ? o.example : "1", *v);
+  return d;
+}
+
+/// An Enum option's choices: "a|b|c" split.
+static llvm::SmallVector<llvm::StringRef, 4> choicesOf(const Option &o) {
+  llvm::SmallVector<llvm::StringRef, 4> out;
+  llvm::StringRef(o.value).split(out, '|');
+  return out;
+}
+
+bool Args::isChoice(llvm::StringRef flag, llvm::StringRef value) const {
+  return llvm::is_contained(choicesOf(option(flag, OptionKind::Enum)), value);
+}
+
+llvm::Expected<std::optional<std::string>> Args::choice(llvm::StringRef flag) const {
+  const Option &o = option(flag, OptionKind::Enum);
+  auto v = get(flag);
+  if (!v || isChoice(flag, *v))
+    return v;
+  auto all = choicesOf(o);
+  std::string listed = llvm::join(all.begin(), all.end() - 1, ", ") + " or " + all.back().str();
+  return inputError("{}: expected {} (got '{}'); try {} {}", flag.str(), listed, *v, flag.str(),
+                    o.example ? llvm::StringRef(o.example) : all.front());
+}
+
+llvm::Expected<std::vector<int64_t>> Args::integers(llvm::StringRef flag) const {
+  option(flag, OptionKind::IntList);
+  std::vector<int64_t> out;
+  auto v = get(flag);
+  if (!v)
+    return out;
+  llvm::SmallVector<llvm::StringRef, 8> parts;
+  llvm::StringRef(*v).split(parts, ',', -1, false);
+  for (llvm::StringRef p : parts) {
+    int64_t x = 0;
+    if (p.trim().getAsInteger(10, x) || x < 1 || x > kMaxFlagCount)
+      return inputError("{} expects a comma-separated list of positive integers such as 1,2,4 "
+                        "(got '{}')",
+                        flag.str(), *v);
+    out.push_back(x);
+  }
+  if (out.empty())
+    return inputError("{} expects at least one value such as 1,2,4", flag.str());
+  return out;
+}
+
+llvm::Expected<std::vector<std::string>> Args::words(llvm::StringRef flag) const {
+  const Option &o = option(flag, OptionKind::StringList);
+  std::vector<std::string> out;
+  auto v = get(flag);
+  if (!v)
+    return out;
+  llvm::SmallVector<llvm::StringRef, 8> parts;
+  llvm::StringRef(*v).split(parts, ',', -1, false);
+  for (llvm::StringRef p : parts)
+    out.push_back(p.trim().str());
+  if (out.empty())
+    return inputError("{} expects a comma-separated list such as {}", flag.str(),
+                      o.example ? o.example : o.value);
   return out;
 }
 

@@ -9,6 +9,7 @@
 #define PIPEC_TOOLS_ARGS_H
 
 #include "ir/Error.h"
+#include "tools/Options.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/STLFunctionalExtras.h"
@@ -24,9 +25,13 @@ namespace pipec {
 
 class Args {
 public:
-  /// Parse argv[first..]; `valued` flags take a value, `switches` take none. Errors start with
-  /// `command: ` (a pipec subcommand, say), or with the flag where `command` is empty (for a
-  /// tool whose reportError line already names it).
+  /// Parse argv[first..] by `cmd`'s table (tools/Options.h): its flags and their second
+  /// spellings (stored under the first: "--output" is "-o"), those `caller` may give. Errors
+  /// start with cmd.errorPrefix() ("compile: "), and name the flag.
+  static llvm::Expected<Args> parse(int argc, char **argv, int first, const Command &cmd,
+                                    OptionUse caller = OptionUse::Cli);
+  /// For the benchmarks' own flags: `valued` flags take a value, `switches` take none; no
+  /// table, so integer() needs its bounds given.
   static llvm::Expected<Args> parse(int argc, char **argv, int first,
                                     llvm::ArrayRef<llvm::StringRef> valued,
                                     llvm::ArrayRef<llvm::StringRef> switches,
@@ -35,16 +40,32 @@ public:
   bool has(llvm::StringRef flag) const { return values.count(flag.str()) > 0; }
   std::optional<std::string> get(llvm::StringRef flag) const;
   llvm::Expected<std::string> required(llvm::StringRef flag) const;
+  /// An Int flag, checked against its table's bounds; its table's fallback when absent.
+  llvm::Expected<int64_t> integer(llvm::StringRef flag) const;
   /// An integer flag in [min, max]; `fallback` when absent.
   llvm::Expected<int64_t> integer(llvm::StringRef flag, int64_t fallback, int64_t min,
                                   int64_t max) const;
-  /// A byte count: 123, 80GiB, 512MiB, 1.5GB, ...
+  /// A byte count: 123, 80GiB, 512MiB, 1.5GB, ...; 0 when absent.
   llvm::Expected<int64_t> bytes(llvm::StringRef flag) const;
+  /// A Double flag: above 0 and at most its table's max (when it has one).
+  llvm::Expected<std::optional<double>> real(llvm::StringRef flag) const;
+  /// An Enum flag: one of its table's choices.
+  llvm::Expected<std::optional<std::string>> choice(llvm::StringRef flag) const;
+  /// Whether `value` is one of an Enum flag's choices.
+  bool isChoice(llvm::StringRef flag, llvm::StringRef value) const;
+  /// An IntList flag: positive integers up to kMaxFlagCount; empty when absent.
+  llvm::Expected<std::vector<int64_t>> integers(llvm::StringRef flag) const;
+  /// A StringList flag's words; empty when absent.
+  llvm::Expected<std::vector<std::string>> words(llvm::StringRef flag) const;
   /// A path flag resolved against the user's working directory.
   std::optional<std::string> path(llvm::StringRef flag) const;
   const std::vector<std::string> &positional() const { return pos; }
 
 private:
+  /// The table entry of `flag`, of the given kind (a mismatch is a bug in the caller).
+  const Option &option(llvm::StringRef flag, OptionKind kind) const;
+
+  const Command *cmd = nullptr; // null for the benchmarks' parse
   std::map<std::string, std::string> values;
   std::vector<std::string> pos;
 };

@@ -1,5 +1,6 @@
 #include "tools/Driver.h"
 
+#include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
@@ -13,40 +14,15 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <functional>
 
 namespace pipec {
-
-llvm::ArrayRef<llvm::StringRef> compileFlags() {
-  static const llvm::StringRef flags[] = {"--model",
-                                          "--model-json",
-                                          "--schedule",
-                                          "--pp",
-                                          "--vpp",
-                                          "--microbatches",
-                                          "--seq-splits",
-                                          "--tp",
-                                          "--dp",
-                                          "--cluster",
-                                          "--cluster-json",
-                                          "--memory-limit",
-                                          "--microbatch-group-size"};
-  return flags;
-}
-
-llvm::ArrayRef<llvm::StringRef> importFlags() {
-  static const llvm::StringRef flags[] = {
-      "--model",        "--model-json",   "--vpp",
-      "--tp",           "--dp",           "--cluster",
-      "--cluster-json", "--memory-limit", "--microbatch-group-size",
-      "--schedule"};
-  return flags;
-}
 
 std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName) {
   std::vector<InputFile> inputs;
   for (const std::string &p : args.positional())
     inputs.push_back({positionalName.str(), userPath(p)});
-  for (llvm::StringRef flag : {"--model", "--cluster"})
+  for (llvm::StringRef flag : {"--model", "--cluster", "--costs"})
     if (auto path = args.path(flag))
       inputs.push_back({flag.str(), *path});
   return inputs;
@@ -78,18 +54,43 @@ llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args) {
   return ClusterSpec::defaults();
 }
 
+/// --model and --cluster (or their JSON twins), read in that order.
+static llvm::Error specsFromFlags(const Args &args, ModelSpec &model, ClusterSpec &cluster) {
+  auto m = modelFromFlags(args);
+  if (!m)
+    return m.takeError();
+  auto c = clusterFromFlags(args);
+  if (!c)
+    return c.takeError();
+  model = std::move(*m);
+  cluster = std::move(*c);
+  return llvm::Error::success();
+}
+
 #ifndef NDEBUG
 static constexpr bool kVerifyEachPass = true; // debug builds check invariants after every pass
 #else
 static constexpr bool kVerifyEachPass = false;
 #endif
 
+/// --costs FILE (ir/Costs.h), read and checked; null without the flag.
+static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const MeasuredCosts> &costs,
+                                  std::string &source) {
+  auto path = args.path("--costs");
+  if (!path)
+    return llvm::Error::success();
+  auto read = readCosts(*path);
+  if (!read)
+    return inputError("--costs: {}", takeMessage(read.takeError()));
+  costs = std::make_shared<const MeasuredCosts>(std::move(*read));
+  source = "--costs " + *path;
+  return llvm::Error::success();
+}
+
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
   if (!schedule)
     return schedule.takeError();
-  if (auto p = findPolicy(*schedule); !p)
-    return p.takeError();
   if (!args.has("--pp"))
     return inputError("missing --pp (pipeline ranks, required); try --pp 4");
   if (!args.has("--microbatches"))
@@ -99,16 +100,15 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   struct IntFlag {
     const char *name;
     int *out;
-    int fallback, min;
-  } ints[] = {{"--pp", &o.parallel.pp, 1, 1},
-              {"--vpp", &o.parallel.vpp, 1, 1},
-              {"--microbatches", &o.parallel.microbatches, 1, 1},
-              {"--seq-splits", &o.parallel.seqSplits, 1, 1},
-              {"--tp", &o.parallel.tp, 1, 1},
-              {"--dp", &o.parallel.dp, 1, 1},
-              {"--microbatch-group-size", &o.parallel.microbatchGroupSize, 0, 1}};
+  } ints[] = {{"--pp", &o.parallel.pp},
+              {"--vpp", &o.parallel.vpp},
+              {"--microbatches", &o.parallel.microbatches},
+              {"--seq-splits", &o.parallel.seqSplits},
+              {"--tp", &o.parallel.tp},
+              {"--dp", &o.parallel.dp},
+              {"--microbatch-group-size", &o.parallel.microbatchGroupSize}};
   for (const IntFlag &f : ints) {
-    auto v = args.integer(f.name, f.fallback, f.min, 1 << 24);
+    auto v = args.integer(f.name);
     if (!v)
       return v.takeError();
     *f.out = int(*v);
@@ -118,14 +118,13 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
     return limit.takeError();
   o.memoryLimit = *limit;
   o.parallel.sequenceParallel = args.has("--sequence-parallel");
-  if (auto by = args.get("--seq-split-by")) {
-    if (*by != "time" && *by != "flops")
-      return inputError("--seq-split-by: expected time or flops, got '{}'; try --seq-split-by "
-                        "flops (the Seq1F1B paper's rule)",
-                        *by);
-    o.parallel.seqSplitByFlops = *by == "flops";
-  }
+  auto by = args.choice("--seq-split-by");
+  if (!by)
+    return by.takeError();
+  o.parallel.seqSplitByFlops = *by == "flops";
   o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   return o;
 }
 
@@ -133,19 +132,26 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut)
   auto o = compileOptionsFromFlags(args);
   if (!o)
     return o.takeError();
-  auto model = modelFromFlags(args);
-  if (!model)
-    return model.takeError();
-  auto cluster = clusterFromFlags(args);
-  if (!cluster)
-    return cluster.takeError();
-  auto plan = compilePlan(*model, *cluster, *o, kVerifyEachPass);
+  ModelSpec model;
+  ClusterSpec cluster;
+  if (auto err = specsFromFlags(args, model, cluster))
+    return err;
+  auto recompute = args.choice("--recompute");
+  if (!recompute)
+    return recompute.takeError();
+  if (*recompute) {
+    if (!model.transformer)
+      return inputError("--recompute: the model is an abstract layer list with given costs; "
+                        "recomputation applies to a \"transformer\" model");
+    recomputeFromString(**recompute, model.transformer->recompute);
+  }
+  auto plan = compilePlan(model, cluster, *o, kVerifyEachPass);
   if (!plan)
     return plan.takeError();
   if (auto err = checkMemoryLimit(*plan, o->memoryLimit))
     return err;
   if (clusterOut)
-    *clusterOut = *cluster;
+    *clusterOut = cluster;
   return plan;
 }
 
@@ -156,13 +162,12 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
   struct IntFlag {
     const char *name;
     int *out;
-    int fallback, min;
-  } ints[] = {{"--vpp", &o.vpp, 0, 1},
-              {"--tp", &o.tp, 1, 1},
-              {"--dp", &o.dp, 1, 1},
-              {"--microbatch-group-size", &o.microbatchGroupSize, 0, 1}};
+  } ints[] = {{"--vpp", &o.vpp},
+              {"--tp", &o.tp},
+              {"--dp", &o.dp},
+              {"--microbatch-group-size", &o.microbatchGroupSize}};
   for (const IntFlag &f : ints) {
-    auto v = args.integer(f.name, f.fallback, f.min, 1 << 24);
+    auto v = args.integer(f.name);
     if (!v)
       return v.takeError();
     *f.out = int(*v);
@@ -172,23 +177,130 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
     return limit.takeError();
   o.memoryLimit = *limit;
   o.schedule = args.get("--schedule").value_or("");
-  auto model = modelFromFlags(args);
-  if (!model)
-    return model.takeError();
-  auto cluster = clusterFromFlags(args);
-  if (!cluster)
-    return cluster.takeError();
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
+  ModelSpec model;
+  ClusterSpec cluster;
+  if (auto err = specsFromFlags(args, model, cluster))
+    return err;
   auto order = parseSchedule(text, source);
   if (!order)
     return order.takeError();
-  auto result = compileImported(*model, *cluster, *order, o, source, kVerifyEachPass);
+  auto result = compileImported(model, cluster, *order, o, source, kVerifyEachPass);
   if (!result)
     return result.takeError();
   if (clusterOut)
-    *clusterOut = *cluster;
+    *clusterOut = cluster;
   if (orderOut)
     *orderOut = std::move(*order);
   return result;
+}
+
+/// --min-headroom: 0, a percentage of the memory limit ("5%") or a byte count ("4GiB").
+static llvm::Expected<int64_t> headroomBytes(const Args &args, llvm::StringRef value,
+                                             int64_t limit) {
+  llvm::StringRef v = value.trim();
+  double pct = 0;
+  if (v == "0")
+    return int64_t(0);
+  if (v.endswith("%")) {
+    if (v.drop_back().trim().getAsDouble(pct) || !(pct >= 0 && pct < 100))
+      return inputError("--min-headroom expects a percentage from 0 to below 100 such as 5% "
+                        "(got '{}')",
+                        value.str());
+    return int64_t(double(limit) * pct / 100);
+  }
+  auto bytes = args.bytes("--min-headroom");
+  if (!bytes)
+    return inputError("--min-headroom expects 0, a percentage of the memory limit such as 5%, "
+                      "or a byte count such as 4GiB (got '{}')",
+                      value.str());
+  return *bytes;
+}
+
+llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args) {
+  if (!args.has("--model") && !args.has("--model-json"))
+    return inputError("missing --model (the model spec, required); try --model "
+                      "examples/gpt-7b-8k.json");
+  if (!args.has("--gpus"))
+    return inputError("missing --gpus (GPUs to plan for, required); try --gpus 8");
+  if (!args.has("--global-batch"))
+    return inputError("missing --global-batch (sequences per step, required); try "
+                      "--global-batch 64");
+  PlannerOptions o;
+  struct IntFlag {
+    const char *name;
+    std::function<void(int64_t)> set;
+  } ints[] = {{"--gpus", [&](int64_t v) { o.gpus = int(v); }},
+              {"--global-batch", [&](int64_t v) { o.globalBatch = v; }},
+              {"--top", [&](int64_t v) { o.top = int(v); }},
+              {"--max-vpp", [&](int64_t v) { o.maxVpp = int(v); }},
+              {"--threads", [&](int64_t v) { o.threads = unsigned(v); }}};
+  for (const IntFlag &f : ints) {
+    auto v = args.integer(f.name);
+    if (!v)
+      return v.takeError();
+    f.set(*v);
+  }
+  auto limit = args.bytes("--memory-limit");
+  if (!limit)
+    return limit.takeError();
+  o.memoryLimit = *limit;
+  o.tpAcrossNodes = args.has("--tp-across-nodes");
+  o.sequenceParallel = args.has("--sequence-parallel");
+  o.distributedOptimizer = args.has("--distributed-optimizer");
+  auto sizes = args.integers("--microbatch-sizes");
+  if (!sizes)
+    return sizes.takeError();
+  if (!sizes->empty())
+    o.microbatchSizes = std::move(*sizes);
+  for (auto [flag, out] : {std::pair{"--seq-splits", &o.seqSplits}, std::pair{"--tp", &o.tpSizes},
+                           std::pair{"--pp", &o.ppSizes}}) {
+    auto v = args.integers(flag);
+    if (!v)
+      return v.takeError();
+    if (!v->empty())
+      out->assign(v->begin(), v->end());
+  }
+  auto schedules = args.words("--schedules");
+  if (!schedules)
+    return schedules.takeError();
+  o.schedules = std::move(*schedules);
+  auto recompute = args.words("--recompute");
+  if (!recompute)
+    return recompute.takeError();
+  for (const std::string &n : *recompute) {
+    Recompute rec;
+    if (!recomputeFromString(n, rec))
+      return inputError("--recompute: expected none, selective or full, or a list of them "
+                        "(got '{}'); try --recompute none,full",
+                        n);
+    o.recompute.push_back(rec);
+  }
+  return o;
+}
+
+llvm::Expected<PlanSearch> planWithFlags(const Args &args) {
+  auto o = plannerOptionsFromFlags(args);
+  if (!o)
+    return o.takeError();
+  PlanSearch search;
+  if (auto err = specsFromFlags(args, search.model, search.cluster))
+    return err;
+  if (auto headroom = args.get("--min-headroom")) {
+    auto bytes = headroomBytes(args, *headroom,
+                               o->memoryLimit ? o->memoryLimit : search.cluster.memoryBytes);
+    if (!bytes)
+      return bytes.takeError();
+    o->minHeadroom = *bytes;
+  }
+  search.options = std::move(*o);
+  // (The planner hands candidates back only with a result; on a finding, nothing is written.)
+  auto result = planLayouts(search.model, search.cluster, search.options);
+  if (!result)
+    return result.takeError();
+  search.result = std::move(*result);
+  return search;
 }
 
 std::string importReport(const ImportedOrder &order, const ImportResult &result,
@@ -224,7 +336,7 @@ std::string importReport(const ImportedOrder &order, const ImportResult &result,
 }
 
 llvm::Error cmdExport(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {"--format", "-o", "--output"}, {}, "export");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("export"));
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -241,8 +353,6 @@ llvm::Error cmdExport(int argc, char **argv) {
                       "--format torch-csv",
                       *formatName);
   std::optional<std::string> out = args->path("-o");
-  if (!out)
-    out = args->path("--output");
   const std::vector<InputFile> inputs = commandInputs(*args, "plan");
   if (out)
     if (auto err = checkOutputPath("-o", *out, inputs))
@@ -267,11 +377,7 @@ llvm::Error cmdExport(int argc, char **argv) {
 }
 
 llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
-  llvm::SmallVector<llvm::StringRef, 16> valued(importFlags().begin(), importFlags().end());
-  valued.append({"-o", "--output", "--trace"});
-  llvm::erase_value(valued, "--model-json");
-  llvm::erase_value(valued, "--cluster-json");
-  auto args = Args::parse(argc, argv, 2, valued, {"--show", "--quiet"}, "import");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("import"));
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -281,9 +387,9 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
   std::string source = args->positional().front();
   // Every output is checked before anything is read or compiled.
   const std::vector<InputFile> inputs = commandInputs(*args, "schedule");
-  for (llvm::StringRef flag : {"-o", "--output", "--trace"})
+  for (llvm::StringRef flag : {"-o", "--trace"})
     if (auto path = args->path(flag))
-      if (auto err = checkOutputPath(flag == "--output" ? "-o" : flag, *path, inputs))
+      if (auto err = checkOutputPath(flag, *path, inputs))
         return err;
   auto text = readFile(userPath(source));
   if (!text)
@@ -295,8 +401,6 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
     return result.takeError();
   const Plan &plan = result->plan;
   std::optional<std::string> out = args->path("-o");
-  if (!out)
-    out = args->path("--output");
   std::vector<OutputFile> outputs;
   if (out)
     outputs.push_back(OutputFile{"-o", *out, writePlanJson(plan)});

@@ -10,10 +10,12 @@
 #define PIPEC_TOOLS_DRIVER_H
 
 #include "compiler/Import.h"
+#include "compiler/Planner.h"
 #include "ir/Files.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
 #include "tools/Args.h"
+#include "tools/Options.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -22,11 +24,6 @@
 #include <vector>
 
 namespace pipec {
-
-/// The valued flags compileWithFlags reads.
-llvm::ArrayRef<llvm::StringRef> compileFlags();
-/// The valued flags importWithFlags reads.
-llvm::ArrayRef<llvm::StringRef> importFlags();
 
 /// The files a pipec command reads, for the check of its outputs (ir/Files.h): its positional
 /// arguments (named `positionalName` in messages: "plan", "schedule") and the input files its
@@ -40,11 +37,12 @@ llvm::Expected<ClusterSpec> clusterFromFlags(const Args &args);
 
 /// The compile flags' options: --schedule, --pp and --microbatches (required), --vpp,
 /// --seq-splits, --tp, --dp, --microbatch-group-size and --memory-limit, each checked, in
-/// that order, with the CLI's one-line errors.
+/// that order, with the CLI's one-line errors. The schedule's name is resolved to its policy
+/// once, by compilePlan.
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args);
 
-/// `pipec compile`: a verified, simulated plan, or the CLI's error (an InputError for bad
-/// flags, a Finding for a plan over --memory-limit).
+/// `pipec compile`: a verified, simulated plan (the model under --recompute where given), or
+/// the CLI's error (an InputError for bad flags, a Finding for a plan over --memory-limit).
 llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut = nullptr);
 
 /// `pipec import`: `text` (read from `source`) compiled for --model with the other flags.
@@ -52,6 +50,22 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
                                              llvm::StringRef source,
                                              ClusterSpec *clusterOut = nullptr,
                                              ImportedOrder *orderOut = nullptr);
+
+/// `pipec plan`'s options: --gpus and --global-batch (required), --top, --max-vpp, --threads,
+/// --memory-limit, the lists to try and the switches, each checked.
+llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args);
+
+/// What `pipec plan` searched and found.
+struct PlanSearch {
+  ModelSpec model;
+  ClusterSpec cluster;
+  PlannerOptions options; // --min-headroom resolved against the memory limit
+  PlannerResult result;
+};
+
+/// `pipec plan`: the layouts for --model (or --model-json) on --gpus, ranked; a Finding when
+/// none fits in memory.
+llvm::Expected<PlanSearch> planWithFlags(const Args &args);
 
 /// One line on what import inferred and which policy the order is, e.g.
 /// "imported s.csv (PyTorch CSV, compute only): pp=4 vpp=1 microbatches=8, loop placement;

@@ -6,9 +6,6 @@
 
 namespace pipec {
 
-/// Usage lines of `pipec plan` for pipec's help text.
-extern const char *const kPlanUsage;
-
 /// pipec plan --model M.json --gpus N --global-batch B [...] (argv[1] is "plan").
 llvm::Error runPlanCommand(int argc, char **argv);
 

@@ -12,6 +12,7 @@
 #include "ir/Files.h"
 #include "ir/HfConfig.h"
 #include "tools/Args.h"
+#include "tools/Options.h"
 
 #include "llvm/Support/Path.h"
 
@@ -19,16 +20,8 @@
 
 namespace pipec {
 
-const char *const kSpecUsage =
-    R"(  spec --from-hf config.json [--seq-length T] [--microbatch-size B] [--name NAME]
-          [-o spec.json]
-                      the model spec of a Hugging Face GPT-2, Llama or Mistral config
-)";
-
 llvm::Error runSpecCommand(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 2, {"--from-hf", "--seq-length", "--microbatch-size", "--name", "-o"},
-                  {}, "spec");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("spec"));
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
@@ -42,10 +35,10 @@ llvm::Error runSpecCommand(int argc, char **argv) {
   auto hf = loadHfConfig(*config);
   if (!hf)
     return hf.takeError();
-  auto seq = args->integer("--seq-length", 0, 1, int64_t(1) << 24);
+  auto seq = args->integer("--seq-length");
   if (!seq)
     return seq.takeError();
-  auto batch = args->integer("--microbatch-size", 1, 1, 1 << 16);
+  auto batch = args->integer("--microbatch-size");
   if (!batch)
     return batch.takeError();
   std::string name = args->get("--name").value_or(

@@ -6,9 +6,6 @@
 
 namespace pipec {
 
-/// Usage lines of `pipec spec` for pipec's help text.
-extern const char *const kSpecUsage;
-
 /// pipec spec --from-hf config.json [--seq-length T] [--microbatch-size B] [--name N]
 /// [-o spec.json] (argv[1] is "spec").
 llvm::Error runSpecCommand(int argc, char **argv);

@@ -1,18 +1,12 @@
 //===- pipec.cpp - The pipeline schedule compiler CLI ---------------------===//
 //
-//   pipec compile --model M.json --schedule NAME --pp P --microbatches N [...] [-o plan.json]
-//   pipec validate plan.json
-//   pipec simulate plan.json [--trace trace.json]
-//   pipec show plan.json [--compute-only] [--text] [--svg figure.svg]
-//   pipec list-schedules
-//   pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
-//   pipec import sched.csv|sched.txt --model M.json [--vpp V] [...] [-o plan.json]
-//   pipec plan --model M.json --gpus N --global-batch B [...]   (tools/PlanCommand.cpp)
-//   pipec spec --from-hf config.json [...]                      (tools/SpecCommand.cpp)
+// compile, validate, simulate, show, list-schedules, export, import, plan (tools/PlanCommand.cpp)
+// and spec (tools/SpecCommand.cpp); their flags, usage and help are tools/Options.cpp's tables.
 // Exit codes: 0 ok, 1 a finding (the plan or schedule is wrong), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
+#include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "ir/Error.h"
@@ -23,6 +17,7 @@
 #include "tools/Args.h"
 #include "tools/Driver.h"
 #include "tools/Figure.h"
+#include "tools/Options.h"
 #include "tools/PlanCommand.h"
 #include "tools/SpecCommand.h"
 
@@ -36,70 +31,6 @@ using namespace pipec;
 static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
-
-/// Each command's lines of the usage (every flag it takes), in `pipec --help` order.
-struct CommandUsage {
-  const char *name;
-  const char *text;
-};
-const CommandUsage kCommands[] = {
-    {"compile", R"(  compile --model M.json --schedule NAME --pp P --microbatches N
-          [--vpp V] [--seq-splits K] [--tp T] [--dp D] [--cluster C.json]
-          [--memory-limit BYTES] [--microbatch-group-size G] [-o|--output plan.json]
-          [--recompute none|selective|full] [--sequence-parallel] [--distributed-optimizer]
-          [--seq-split-by time|flops] [--show] [--trace trace.json] [--svg figure.svg]
-          [--quiet]
-                      compile, verify and simulate a plan; print its summary
-)"},
-    {"validate",
-     R"(  validate plan.json  re-check a plan from disk (exit 1 with a diagnostic if wrong)
-)"},
-    {"simulate", R"(  simulate plan.json [--trace trace.json]
-                      timed simulation; optional Chrome/Perfetto trace
-)"},
-    {"show", R"(  show plan.json [--compute-only] [--text] [--svg figure.svg]
-                      the rank x step grid (or, with --text, one line per rank;
-                      with --svg, the papers' figure over simulated time)
-)"},
-    {"list-schedules", R"(  list-schedules      the schedules, their constraints and a line on each
-)"},
-    {"export", R"(  export plan.json --format torch-csv|torch-csv-comms [-o|--output sched.csv]
-                      the plan as PyTorch pipelining's schedule CSV (compute only, or with
-                      its sends, recvs, waits and gradient reductions)
-)"},
-    {"import", R"(  import sched.csv|sched.txt --model M.json [--vpp V] [--tp T] [--dp D]
-          [--cluster C.json] [--memory-limit BYTES] [--microbatch-group-size G]
-          [--schedule NAME] [-o|--output plan.json] [--show] [--trace trace.json] [--quiet]
-                      a PyTorch schedule CSV or pipec's text form, compiled, verified and
-                      simulated as pipec's own (pp, microbatches, placement inferred)
-)"},
-    {"plan", nullptr}, // kPlanUsage (tools/PlanCommand.cpp)
-    {"spec", nullptr}, // kSpecUsage (tools/SpecCommand.cpp)
-};
-const char *kExitCodes =
-    "exit codes: 0 ok, 1 the plan or schedule is wrong, 2 bad usage or input\n";
-
-const char *usageText(const CommandUsage &c) {
-  if (c.text)
-    return c.text;
-  return llvm::StringRef(c.name) == "plan" ? kPlanUsage : kSpecUsage;
-}
-
-std::string usage() {
-  std::string u = "usage: pipec <command> [flags]   (pipec <command> --help: that command's)\n\n"
-                  "commands:\n";
-  for (const CommandUsage &c : kCommands)
-    u += usageText(c);
-  return u + "\n" + kExitCodes;
-}
-
-/// A command's own lines of the usage; null for an unknown command.
-const char *findUsage(llvm::StringRef cmd) {
-  for (const CommandUsage &c : kCommands)
-    if (cmd == c.name)
-      return usageText(c);
-  return nullptr;
-}
 
 std::string humanBytes(int64_t b) {
   const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -166,29 +97,16 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
 }
 
 llvm::Error cmdCompile(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 2,
-                  {"--model", "--schedule", "--pp", "--vpp", "--microbatches", "--seq-splits",
-                   "--tp", "--dp", "--cluster", "--memory-limit", "--microbatch-group-size", "-o",
-                   "--output", "--trace", "--svg", "--recompute", "--seq-split-by"},
-                  {"--show", "--quiet", "--sequence-parallel", "--distributed-optimizer"},
-                  "compile");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("compile"));
   if (!args)
     return args.takeError();
   if (!args->positional().empty())
     return inputError("compile: unexpected argument '{}' (flags are --model, --schedule, --pp, "
                       "--microbatches, ...)",
                       args->positional().front());
-  auto modelPath = args->required("--model");
-  if (!modelPath)
-    return modelPath.takeError();
-  auto options = compileOptionsFromFlags(*args);
-  if (!options)
-    return options.takeError();
-  const CompileOptions &o = *options;
+  if (auto model = args->required("--model"); !model)
+    return model.takeError();
   std::optional<std::string> out = args->path("-o");
-  if (!out)
-    out = args->path("--output");
   // Every output is checked before the (possibly long) compile: a file, or - for standard
   // output, and never one of the inputs.
   const std::vector<InputFile> inputs = commandInputs(*args, "");
@@ -197,42 +115,14 @@ llvm::Error cmdCompile(int argc, char **argv) {
     return inputError("--show prints the grid to standard output, which {} - fills; write that "
                       "to a file, or drop --show",
                       out && *out == "-" ? "-o" : "--trace");
-  if (out)
-    if (auto err = checkOutputPath("-o", *out, inputs))
-      return err;
-  for (llvm::StringRef flag : {"--trace", "--svg"})
+  for (llvm::StringRef flag : {"-o", "--trace", "--svg"})
     if (auto path = args->path(flag))
       if (auto err = checkOutputPath(flag, *path, inputs))
         return err;
-  auto model = loadModelSpec(*args->path("--model"));
-  if (!model)
-    return inputError("--model: {}", takeMessage(model.takeError()));
-  if (auto r = args->get("--recompute")) {
-    if (!model->transformer)
-      return inputError("--recompute: the model is an abstract layer list with given costs; "
-                        "recomputation applies to a \"transformer\" model");
-    if (!recomputeFromString(*r, model->transformer->recompute))
-      return inputError("--recompute: expected none, selective or full (got '{}'); try "
-                        "--recompute full",
-                        *r);
-  }
-  ClusterSpec cluster = ClusterSpec::defaults();
-  if (auto c = args->path("--cluster")) {
-    auto loaded = loadClusterSpec(*c);
-    if (!loaded)
-      return inputError("--cluster: {}", takeMessage(loaded.takeError()));
-    cluster = *loaded;
-  }
-#ifndef NDEBUG
-  constexpr bool verifyEachPass = true; // debug builds check the invariants after every pass
-#else
-  constexpr bool verifyEachPass = false;
-#endif
-  auto plan = compilePlan(*model, cluster, o, verifyEachPass);
+  ClusterSpec cluster;
+  auto plan = compileWithFlags(*args, &cluster);
   if (!plan)
     return plan.takeError();
-  if (auto err = checkMemoryLimit(*plan, o.memoryLimit))
-    return err;
   // Outputs are written only once everything has passed, all or nothing.
   std::vector<OutputFile> outputs;
   if (out)
@@ -271,7 +161,7 @@ llvm::Expected<Plan> loadOnePlan(const Args &args, llvm::StringRef command) {
 }
 
 llvm::Error cmdValidate(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {}, {}, "validate");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("validate"));
   if (!args)
     return args.takeError();
   auto plan = loadOnePlan(*args, "validate");
@@ -286,7 +176,7 @@ llvm::Error cmdValidate(int argc, char **argv) {
 }
 
 llvm::Error cmdSimulate(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {"--trace"}, {}, "simulate");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("simulate"));
   if (!args)
     return args.takeError();
   auto plan = loadOnePlan(*args, "simulate");
@@ -334,7 +224,7 @@ llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string
 }
 
 llvm::Error cmdShow(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {"--svg"}, {"--compute-only", "--text"}, "show");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("show"));
   if (!args)
     return args.takeError();
   const std::vector<InputFile> inputs = commandInputs(*args, "plan");
@@ -357,7 +247,7 @@ llvm::Error cmdShow(int argc, char **argv) {
 }
 
 llvm::Error cmdListSchedules(int argc, char **argv) {
-  auto args = Args::parse(argc, argv, 2, {}, {}, "list-schedules");
+  auto args = Args::parse(argc, argv, 2, *findPipecCommand("list-schedules"));
   if (!args)
     return args.takeError();
   for (const SchedulePolicy *p : allPolicies())
@@ -373,7 +263,7 @@ int main(int argc, char **argv) {
   std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
-    std::fputs(usage().c_str(), stdout);
+    std::fputs(pipecHelp().c_str(), stdout);
     return reportError("pipec", inputError("expected a command (compile, validate, simulate, "
                                            "show, list-schedules, export, import, plan, spec); "
                                            "usage above"));
@@ -383,18 +273,16 @@ int main(int argc, char **argv) {
   if (helpCommand)
     cmd = argv[2];
   else if (cmd == "-h" || cmd == "--help" || cmd == "help") {
-    std::fputs(usage().c_str(), stdout);
+    std::fputs(pipecHelp().c_str(), stdout);
     return finishTool("pipec", llvm::Error::success());
   }
   // --help or -h anywhere after a command: that command's usage, exit 0.
-  if (const char *text = findUsage(cmd)) {
+  if (const Command *command = findPipecCommand(cmd)) {
     bool help = helpCommand;
     for (int i = 2; i < argc && !help; ++i)
       help = llvm::StringRef(argv[i]) == "--help" || llvm::StringRef(argv[i]) == "-h";
     if (help) {
-      std::string u =
-          fmt::format("usage: pipec {}\n{}", llvm::StringRef(text).ltrim(' ').str(), kExitCodes);
-      std::fputs(u.c_str(), stdout);
+      std::fputs(commandHelp(*command).c_str(), stdout);
       return finishTool("pipec", llvm::Error::success());
     }
   }
@@ -417,8 +305,10 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
     err = cmdExport(argc, argv);
   else if (cmd == "import")
     err = cmdImport(argc, argv, printSummary);
-  else if (cmd == "plan")
+  else if (cmd == "plan") {
+    keepFreedMemoryForPlanning(); // this process only plans (compiler/Planner.h)
     err = runPlanCommand(argc, argv);
+  }
   else if (cmd == "spec")
     err = runSpecCommand(argc, argv);
   else

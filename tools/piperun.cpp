@@ -32,16 +32,28 @@
 // backend, whichever it was saved under, or starts at step 0 (saying so) where DIR holds none
 // yet. --steps N is the step the job ends at: a resumed run continues to step N, and one
 // resumed at or past it says so and exits 0, so the same command line relaunched after a kill
-// finishes the job.
+// finishes the job. --keep K keeps the newest K checkpoints (default: all), removing older ones
+// once a newer one is committed. Each save prints "saved D/step-<8 digits> (step N, X MiB, Y s)";
+// a save that cannot write (a full disk) removes what it wrote, leaves the earlier checkpoints
+// whole and exits 2 naming the file and the bytes the checkpoint needs.
+// Preemption (docs/reliability.md): on SIGTERM or SIGUSR1 every rank finishes the step in
+// flight, they stop after the same step, save (with --save-dir), print one line and exit
+// 128 + the signal (143 for SIGTERM, 138 for SIGUSR1); a second signal ends the process at once
+// (the signal's default action).
 // --init-from FILE|DIR (runtime/SafeTensors.h): the initial weights from a safetensors file in
 // Hugging Face's GPT-2 or Llama names, or a Hugging Face model directory (config.json checked
 // against the model, one or several shards), checked before step 0, on every backend.
 // --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
 // directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
+// --profile FILE (runtime/Profile.h): every instruction timed, the first step dropped, and the
+// measured costs written as pipecost/1 (ir/Costs.h) for `pipec compile --costs`. With --steps N
+// (N >= 3) the last line is "step time: measured median X ms over K steps, predicted Y ms (D%)",
+// the prediction being the plan's streams as this runtime executes them (simulateExecutedStep).
 // Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
+#include "ir/CostModel.h"
 #include "ir/Error.h"
 #include "ir/HfConfig.h"
 #include "ir/PlanJson.h"
@@ -58,11 +70,13 @@
 #include "runtime/cuda/NcclLayout.h"
 #include "tools/Args.h"
 #include "tools/KernelEnv.h"
+#include "tools/Options.h"
 
 #include "llvm/Support/FileSystem.h"
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <optional>
@@ -77,13 +91,21 @@ template <typename... T> void say(fmt::format_string<T...> format, T &&...args) 
   sayToStdout(fmt::format(format, std::forward<T>(args)...));
 }
 
-const char *kUsage =
-    R"(usage: piperun plan.json --backend cpu|cuda|nccl [--dtype fp32|bf16] [--steps N]
-               [--check-reference] [--seed S] [--data FILE [--data-dtype uint16|uint32]]
-               [--lr LR] [--timeout SECONDS]
-               [--save-dir DIR [--save-every N]] [--resume DIR] [--init-from FILE|DIR]
-               [--export-hf DIR [--export-hf-shard-size BYTES]]
-)";
+/// Preemption: the first SIGTERM or SIGUSR1, for the driver to stop at after the step in flight
+/// (TrainOptions::stopSignal), and the status piperun then exits with.
+std::atomic<int> stopSignal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "set in a signal handler");
+int stopStatus = 0;
+
+/// Async-signal-safe: records the first signal; a second one takes the default action (the
+/// process ends at once, killed by it).
+void onStopSignal(int sig) {
+  int none = 0;
+  if (!stopSignal.compare_exchange_strong(none, sig)) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
 
 #ifdef PIPEC_HAS_CUDA
 using RunOptions = CudaRunOptions; // the driver's options and the GPU backends'
@@ -97,8 +119,8 @@ struct Request {
   std::string backend;
   std::optional<std::string> computeFlag; // --dtype
   std::string dataDtype;
-  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath;
-  int saveEvery = 0;
+  std::optional<std::string> saveDir, resumeDir, initFrom, dataPath, profilePath;
+  int saveEvery = 0, keep = 0;
   int endStep = 1; // --steps: the step the job ends at
   bool seedGiven = false;
   RunOptions options;
@@ -125,11 +147,11 @@ llvm::Expected<Request> readFlags(const Args &args) {
                       r.backend);
 #endif
   }
-  if (r.backend != "cpu" && r.backend != "cuda" && r.backend != "nccl")
+  if (!args.isChoice("--backend", r.backend))
     return inputError("--backend: unknown backend '{}' (known: cpu, cuda, nccl); try cpu",
                       r.backend);
   r.computeFlag = args.get("--dtype");
-  if (r.computeFlag && *r.computeFlag != "fp32" && *r.computeFlag != "bf16")
+  if (r.computeFlag && !args.isChoice("--dtype", *r.computeFlag))
     return inputError("--dtype: expected fp32 or bf16 (got '{}'); try --dtype {}", *r.computeFlag,
                       llvm::StringRef(*r.computeFlag).contains("16") ? "bf16" : "fp32");
   if (r.computeFlag && *r.computeFlag != "fp32" && r.backend == "cpu")
@@ -142,39 +164,43 @@ llvm::Expected<Request> readFlags(const Args &args) {
                       "and this build has no GPU backend); drop --dtype",
                       *r.computeFlag);
 #endif
-  auto steps = args.integer("--steps", 1, 1, 1000000);
+  auto steps = args.integer("--steps");
   if (!steps)
     return steps.takeError();
-  auto seed = args.integer("--seed", 1, 0, INT64_MAX);
+  auto seed = args.integer("--seed");
   if (!seed)
     return seed.takeError();
   r.endStep = int(*steps);
   o.seed = uint64_t(*seed);
   r.seedGiven = args.has("--seed");
   o.checkReference = args.has("--check-reference");
-  if (auto v = args.get("--lr")) {
-    double d = 0;
-    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0) || d > 10)
-      return inputError("--lr expects a positive number such as 1e-3 (got '{}')", *v);
-    o.lr = float(d);
-  }
-  if (auto v = args.get("--timeout")) {
-    double d = 0;
-    if (llvm::StringRef(*v).getAsDouble(d) || !(d > 0))
-      return inputError("--timeout expects seconds > 0 such as 30 (got '{}')", *v);
-    o.timeoutSeconds = d;
-  }
-  r.dataDtype = args.get("--data-dtype").value_or("uint16");
-  if (r.dataDtype != "uint16" && r.dataDtype != "uint32")
-    return inputError("--data-dtype: expected uint16 or uint32 (got '{}')", r.dataDtype);
-  auto saveEvery = args.integer("--save-every", 0, 1, 1000000);
+  auto lr = args.real("--lr");
+  if (!lr)
+    return lr.takeError();
+  if (*lr)
+    o.lr = float(**lr);
+  auto timeout = args.real("--timeout");
+  if (!timeout)
+    return timeout.takeError();
+  if (*timeout)
+    o.timeoutSeconds = **timeout;
+  auto dataDtype = args.choice("--data-dtype");
+  if (!dataDtype)
+    return dataDtype.takeError();
+  r.dataDtype = dataDtype->value_or("uint16");
+  auto saveEvery = args.integer("--save-every");
   if (!saveEvery)
     return saveEvery.takeError();
   r.saveEvery = int(*saveEvery);
+  auto keep = args.integer("--keep");
+  if (!keep)
+    return keep.takeError();
+  r.keep = int(*keep);
   r.saveDir = args.path("--save-dir");
   r.resumeDir = args.path("--resume");
-  if (args.has("--save-every") && !r.saveDir)
-    return inputError("--save-every needs --save-dir (where to save); try --save-dir ckpt");
+  for (const char *flag : {"--save-every", "--keep"})
+    if (args.has(flag) && !r.saveDir)
+      return inputError("{} needs --save-dir (where to save); try --save-dir ckpt", flag);
   r.initFrom = args.path("--init-from");
   if (r.initFrom && r.resumeDir)
     return inputError("--init-from and --resume both set the weights; give one (a resume "
@@ -187,8 +213,8 @@ llvm::Expected<Request> readFlags(const Args &args) {
       return err;
     o.exportHfDir = *dir;
     o.onExported = [](const std::string &dir, int files) {
-      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir,
-          files, files == 1 ? "" : "s");
+      say("exported the weights to {} ({} safetensors file{}, Hugging Face's layout)\n", dir, files,
+          files == 1 ? "" : "s");
     };
   }
   auto shardBytes = args.bytes("--export-hf-shard-size");
@@ -203,6 +229,11 @@ llvm::Expected<Request> readFlags(const Args &args) {
     o.exportHfShardBytes = uint64_t(*shardBytes);
   }
   r.dataPath = args.path("--data");
+  r.profilePath = args.path("--profile");
+  if (r.profilePath && r.endStep < 2)
+    return inputError("--profile needs --steps 2 or more (the first step is dropped as "
+                      "warm-up); try --steps 5");
+  o.profile = r.profilePath.has_value();
   return r;
 }
 
@@ -268,8 +299,10 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   if (r.saveDir) {
     o.saveDir = *r.saveDir;
     o.saveEvery = r.saveEvery;
-    o.onSaved = [](int step, const std::string &path) {
-      say("saved checkpoint after step {}: {}\n", step, path);
+    o.keep = size_t(r.keep);
+    o.onSaved = [](int step, const std::string &path, uint64_t bytes, double seconds) {
+      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, double(bytes) / (1 << 20),
+          seconds);
       std::fflush(stdout);
     };
   }
@@ -337,13 +370,21 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 }
 #endif
 
+/// DESIGN §10's last line with --steps N (N >= 3): the measured median step (the first, a
+/// warm-up, dropped) against `predictedMs`, the plan simulated as piperun executes it.
+std::optional<std::string> stepTimeLine(std::optional<double> predictedMs,
+                                        const std::vector<double> &stepMs) {
+  if (stepMs.size() < 3 || !predictedMs || !(*predictedMs > 0))
+    return std::nullopt;
+  const Measured m = summarizeSamples({stepMs.begin() + 1, stepMs.end()});
+  const double d = m.medianMs / *predictedMs - 1;
+  return fmt::format("step time: measured median {:.2f} ms over {} steps, predicted {:.2f} ms "
+                     "({:+.1f}%)",
+                     m.medianMs, m.samples, *predictedMs, 100 * d);
+}
+
 llvm::Error run(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1,
-                  {"--backend", "--dtype", "--steps", "--seed", "--data", "--data-dtype", "--lr",
-                   "--timeout", "--save-dir", "--save-every", "--resume", "--init-from",
-                   "--export-hf", "--export-hf-shard-size"},
-                  {"--check-reference"}, /*command=*/""); // reportError names the tool
+  auto args = Args::parse(argc, argv, 1, piperunCommand()); // reportError names the tool
   if (!args)
     return args.takeError();
   if (args->positional().size() != 1)
@@ -360,9 +401,22 @@ llvm::Error run(int argc, char **argv) {
   if (!request)
     return request.takeError();
   Request &r = *request;
-  auto plan = readPlan(userPath(args->positional().front()));
+  const std::string planPath = userPath(args->positional().front());
+  auto plan = readPlan(planPath);
   if (!plan)
     return plan.takeError();
+  if (r.profilePath)
+    if (auto err = checkOutputPath("--profile", *r.profilePath, {{"plan", planPath}}))
+      return err;
+  // The prediction of the last line: the plan's stage times (measured ones when it was compiled
+  // with --costs) on its streams as they run here (before the nccl mode drops other ranks').
+  std::optional<double> predictedMs;
+  if (plan->timeUnit == "ms") {
+    if (auto step = simulateExecutedStep(*plan))
+      predictedMs = *step;
+    else
+      llvm::consumeError(step.takeError());
+  }
   auto cfg = gptConfigOf(*plan);
   if (!cfg)
     return cfg.takeError();
@@ -394,6 +448,7 @@ llvm::Error run(int argc, char **argv) {
     return llvm::Error::success();
   }
   r.options.steps = r.endStep - first;
+  r.options.stopSignal = &stopSignal;
   // The backend, and the tolerances of its reference check: relative to the largest reference
   // gradient, and to each tensor's own (GradCheck).
   std::unique_ptr<TrainBackend> backend;
@@ -417,13 +472,38 @@ llvm::Error run(int argc, char **argv) {
   });
   if (!result)
     return result.takeError();
-  say("{}", backend->summary());
-  // (With --backend nccl only RANK 0 runs the reference.)
-  if (!r.options.checkReference || result->referenceLosses.empty())
+  if (int sig = result->stopSignal) {
+    stopStatus = 128 + sig;
+    std::string saved = "not saved (no --save-dir)";
+    if (r.saveDir)
+      saved = fmt::format("saved {} (relaunch with --resume {} to continue)",
+                          checkpointPath(*r.saveDir, result->stoppedAt), *r.saveDir);
+    if (backend->leads()) // (one line, as the process ends: on standard error)
+      std::fputs(fmt::format("piperun: {}: stopped after step {}, {}; exit status {}\n",
+                             sig == SIGTERM ? "SIGTERM" : "SIGUSR1", result->stoppedAt - 1, saved,
+                             stopStatus)
+                     .c_str(),
+                 stderr);
     return llvm::Error::success();
-  say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
-  say("{}", referenceCheckReport(result->grads, result->weights));
-  return judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  }
+  say("{}", backend->summary());
+  if (result->costs) {
+    if (auto err = writeCosts(*r.profilePath, *result->costs))
+      return err;
+    say("measured costs written to {} ({} steps after the warm-up)\n", *r.profilePath,
+        result->costs->steps - 1);
+  }
+  // (With --backend nccl only RANK 0 runs the reference.)
+  llvm::Error judged = llvm::Error::success();
+  if (r.options.checkReference && !result->referenceLosses.empty()) {
+    say("reference loss (last step) {:.6f}\n", result->referenceLosses.back());
+    say("{}", referenceCheckReport(result->grads, result->weights));
+    judged = judgeReferenceCheck(result->grads, result->weights, relative, perTensor);
+  }
+  if (backend->leads())
+    if (auto line = stepTimeLine(predictedMs, result->stepMs))
+      say("{}\n", *line);
+  return judged;
 }
 
 } // namespace
@@ -435,13 +515,20 @@ int main(int argc, char **argv) {
   // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
   std::signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
-    std::fputs(kUsage, stdout);
+    std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return reportError("piperun", inputError("expected a plan file; usage above"));
   }
   llvm::StringRef first = argv[1];
   if (first == "-h" || first == "--help") {
-    std::fputs(kUsage, stdout);
+    std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return finishTool("piperun", llvm::Error::success());
   }
-  return runTool("piperun", [&] { return run(argc, argv); });
+  struct sigaction stop = {};
+  stop.sa_handler = onStopSignal;
+  stop.sa_flags = SA_RESTART;
+  sigemptyset(&stop.sa_mask);
+  for (int sig : {SIGTERM, SIGUSR1})
+    sigaction(sig, &stop, nullptr);
+  int code = runTool("piperun", [&] { return run(argc, argv); });
+  return code == 0 && stopStatus ? stopStatus : code;
 }

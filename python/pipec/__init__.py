@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ArgumentTypeError",
     "Plan",
     "PlanError",
+    "PlanSearch",
     "RankStats",
     "Stats",
     "compile",
@@ -30,6 +32,8 @@ __all__ = [
     "import_torch_csv",
     "list_schedules",
     "load",
+    "options",
+    "plan",
     "simulate",
     "validate",
 ]
@@ -223,23 +227,10 @@ class Plan:
                 f"tp={self.tp} dp={self.dp} microbatches={self.microbatches}{bubble}>")
 
 
-# Keyword arguments and the command's flags they stand for.
-_COMPILE_FLAGS = {
-    "vpp": "--vpp",
-    "seq_splits": "--seq-splits",
-    "tp": "--tp",
-    "dp": "--dp",
-    "memory_limit": "--memory-limit",
-    "microbatch_group_size": "--microbatch-group-size",
-}
-_IMPORT_FLAGS = {
-    "vpp": "--vpp",
-    "tp": "--tp",
-    "dp": "--dp",
-    "memory_limit": "--memory-limit",
-    "microbatch_group_size": "--microbatch-group-size",
-    "schedule": "--schedule",
-}
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type, or one the call does not take; the message names it and
+    the flag it stands for. Also a ValueError, which such mistakes raised before arguments were
+    typed."""
 
 
 def _path(what: str, value) -> str:
@@ -247,56 +238,90 @@ def _path(what: str, value) -> str:
         try:
             path = os.fspath(value)
         except TypeError as err:  # an os.PathLike whose __fspath__ returns something else
-            raise ValueError(f"{what}: expected a path ({err})") from None
+            raise ArgumentTypeError(f"{what}: expected a path ({err})") from None
         path = os.fsdecode(path) if isinstance(path, bytes) else path
         if "\0" in path:
             raise ValueError(f"{what}: a path cannot hold a NUL character (got {path!r})")
         return path
-    raise ValueError(f"{what}: expected a path (got {type(value).__name__})")
+    raise ArgumentTypeError(f"{what}: expected a path (got {type(value).__name__})")
 
 
-def _flag_value(flag: str, value) -> str:
-    if isinstance(value, bool):
-        raise ValueError(f"{flag} expects an integer (got {value!r})")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-        return str(int(value))
-    if isinstance(value, str):
-        return value
-    raise ValueError(f"{flag} expects an integer (got {type(value).__name__} {value!r})")
+_TABLES: dict[str, dict[str, dict]] = {}
 
 
-def _spec_flags(kind: str, value, what: str) -> list[str]:
-    """A model or cluster given as a dict (sent as JSON text) or as a path."""
-    if isinstance(value, dict):
+def _table(command: str) -> dict[str, dict]:
+    """The keyword arguments of `command`: its option table's flags that Python may give
+    (tools/Options.cpp), by their Python names, with their kinds."""
+    if command not in _TABLES:
+        _TABLES[command] = {o["python"]: o for o in _pipec.options(command)}
+    return _TABLES[command]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong(option: dict, what: str, value) -> ArgumentTypeError:
+    return ArgumentTypeError(f"{option['python']}: {option['name']} expects {what} "
+                             f"(got {type(value).__name__} {value!r:.80})")
+
+
+def _typed(option: dict, value, table: dict) -> list[str]:
+    """The flag and value (as the command line spells them) of a typed keyword argument."""
+    kind, flag = option["kind"], option["name"]
+    twin = table.get(option["python"] + "_json")
+    if twin is not None and isinstance(value, dict):  # a model or cluster given as a dict
         try:
-            text = json.dumps(value, allow_nan=False)
+            return [twin["name"], json.dumps(value, allow_nan=False)]
         except (TypeError, ValueError, RecursionError) as err:
-            raise ValueError(f"{kind}: not JSON ({err})") from None
-        return [f"--{kind}-json", text]
-    if isinstance(value, (str, os.PathLike)):
-        return [f"--{kind}", _path(kind, value)]
-    raise ValueError(f"{kind}: expected a dict or a path to a {what} JSON file "
-                     f"(got {type(value).__name__})")
+            raise ValueError(f"{option['python']}: not JSON ({err})") from None
+    if kind == "switch":
+        if not isinstance(value, bool):
+            raise _wrong(option, "True or False", value)
+        return [flag] if value else []
+    if kind == "int":
+        if not _is_int(value):
+            raise _wrong(option, "an integer", value)
+        return [flag, str(value)]
+    if kind == "bytes":
+        if not (_is_int(value) or isinstance(value, str)):
+            raise _wrong(option, "a byte count (an int, or a str such as '80GiB')", value)
+        return [flag, str(value)]
+    if kind == "double":
+        if not (_is_int(value) or isinstance(value, float)):
+            raise _wrong(option, "a number", value)
+        return [flag, repr(value)]
+    if kind == "path":
+        if twin is not None and not isinstance(value, (str, os.PathLike)):
+            raise ArgumentTypeError(f"{option['python']}: expected a dict or a path to a JSON "
+                                    f"file (got {type(value).__name__})")
+        return [flag, _path(option["python"], value)]
+    if kind in ("string", "enum"):
+        if not isinstance(value, str):
+            choices = option["value"].replace("|", ", ")
+            raise _wrong(option, f"one of {choices}" if kind == "enum" else "a str", value)
+        return [flag, value]
+    if kind in ("int_list", "string_list"):
+        element = _is_int if kind == "int_list" else (lambda v: isinstance(v, str))
+        if not isinstance(value, (list, tuple)) or not all(element(v) for v in value):
+            raise _wrong(option, "a list of " + ("ints" if kind == "int_list" else "str"),
+                         value)
+        return [flag, ",".join(str(v) for v in value)]
+    raise AssertionError(f"{flag}: kind {kind} has no Python type")
 
 
-def _keyword_flags(call: str, allowed: dict, flags: dict) -> list[str]:
+def _flags(call: str, command: str, given: dict) -> list[str]:
+    """The command's flags for a call's arguments, each checked against its table entry's type;
+    None leaves a flag out."""
+    table = _table(command)
     out: list[str] = []
-    for key, value in flags.items():
-        if key == "cluster":
-            if value is not None:
-                out += _spec_flags("cluster", value, "pipecluster/1")
-            continue
-        if key not in allowed:
-            known = ", ".join(sorted([*allowed, "cluster"]))
-            raise ValueError(f"{call}: unknown argument {key!r} (known: {known})")
-        if value is None:
-            continue
-        flag = allowed[key]
-        if key == "schedule" and not isinstance(value, str):
-            raise ValueError(f"--schedule: expected a schedule name (got {type(value).__name__})")
-        out += [flag, _flag_value(flag, value)]
+    for key, value in given.items():
+        option = table.get(key)
+        if option is None or key.endswith("_json"):
+            known = ", ".join(sorted(k for k in table if not k.endswith("_json")))
+            raise ArgumentTypeError(f"{call}: unknown argument {key!r} (known: {known})")
+        if value is not None:
+            out += _typed(option, value, table)
     return out
 
 
@@ -312,7 +337,7 @@ def _as_plan(plan) -> Plan:
         return plan
     if isinstance(plan, (str, os.PathLike)):
         return load(plan)
-    raise ValueError(f"plan: expected a pipec.Plan or the path of a plan JSON file "
+    raise ArgumentTypeError(f"plan: expected a pipec.Plan or the path of a plan JSON file "
                      f"(got {type(plan).__name__})")
 
 
@@ -320,16 +345,55 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
     """Compile, verify and simulate a plan, as `pipec compile` does.
 
     model: a pipemodel/1 dict or the path of one. schedule: a name from list_schedules().
-    flags: vpp, seq_splits, tp, dp, memory_limit (bytes, or a string such as "80GiB"),
-    microbatch_group_size, cluster (a pipecluster/1 dict or path).
+    flags: `pipec compile`'s flags by their Python names (options("compile")): vpp, seq_splits,
+    tp, dp (int), cluster (a pipecluster/1 dict or path), memory_limit (an int of bytes, or a
+    str such as "80GiB"), microbatch_group_size (int), recompute ("none", "selective", "full"),
+    sequence_parallel, distributed_optimizer (bool), seq_split_by ("time", "flops"), costs (the path of measured costs, pipecost/1:
+    `piperun --profile` or pipec.torch.profile).
+    A wrong type raises ArgumentTypeError (a TypeError) naming the argument.
     """
-    if not isinstance(schedule, str):
-        raise ValueError(f"--schedule: expected a schedule name (got {type(schedule).__name__})")
-    args = _spec_flags("model", model, "pipemodel/1")
-    args += ["--schedule", schedule, "--pp", _flag_value("--pp", pp), "--microbatches",
-             _flag_value("--microbatches", microbatches)]
-    args += _keyword_flags("compile", _COMPILE_FLAGS, flags)
-    return Plan(_pipec.compile(args))
+    given = {"model": model, "schedule": schedule, "pp": pp, "microbatches": microbatches}
+    return Plan(_pipec.compile(_flags("compile", "compile", {**given, **flags})))
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """What pipec.plan found: the ranked layouts, best first (dicts: schedule, tp, pp, vpp, dp,
+    microbatch_size, microbatches, seq_splits, recompute, step_time, bubble,
+    peak_memory_bytes, headroom_bytes, and model_flops for a transformer), the best one
+    compiled, the count of candidates searched and of those dropped, by reason."""
+
+    best: Plan
+    ranked: tuple[dict, ...]
+    searched: int
+    dropped: dict
+    memory_limit: int
+    min_headroom: int
+    tokens_per_step: int
+
+
+def plan(model, gpus: int, global_batch: int, **flags: Any) -> PlanSearch:
+    """Search layouts and schedules for the fastest step that fits, as `pipec plan` does.
+
+    model: a pipemodel/1 dict or path. flags: `pipec plan`'s by their Python names
+    (options("plan")): cluster, schedules (list of str), memory_limit, min_headroom (str such as
+    "5%" or "4GiB"), top, recompute (list of str), microbatch_sizes, seq_splits, tp, pp (lists
+    of int), max_vpp, threads (int), tp_across_nodes, sequence_parallel,
+    distributed_optimizer (bool). Raises PlanError when no layout fits in memory.
+    """
+    given = {"model": model, "gpus": gpus, "global_batch": global_batch}
+    found = _pipec.plan(_flags("plan", "plan", {**given, **flags}))
+    return PlanSearch(best=Plan(found["best"]), ranked=tuple(found["ranked"]),
+                      searched=found["searched"], dropped=found["dropped"],
+                      memory_limit=found["memory_limit"], min_headroom=found["min_headroom"],
+                      tokens_per_step=found["tokens_per_step"])
+
+
+def options(command: str) -> list[dict]:
+    """The keyword arguments a call takes for `command` ("compile", "import", "plan"): the
+    command's option table (name, python, kind, value, help, required; min and max for an
+    int), less the command line's outputs and printing."""
+    return [dict(o) for o in _table(command).values() if not o["python"].endswith("_json")]
 
 
 def load(path) -> Plan:
@@ -394,8 +458,7 @@ def import_torch_csv(source, /, model, **flags: Any) -> Plan:
         text = _pipec.read_text(source).decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise ValueError(f"schedule: expected text (got {type(text).__name__})")
-    args = _spec_flags("model", model, "pipemodel/1")
-    args += _keyword_flags("import_torch_csv", _IMPORT_FLAGS, flags)
+    args = _flags("import_torch_csv", "import", {"model": model, **flags})
     return Plan(_pipec.import_schedule(text, source, args))
 
 

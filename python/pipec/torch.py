@@ -21,8 +21,11 @@ APIs used: ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime`` a
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import tempfile
+import time
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -34,8 +37,8 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 import pipec
 from pipec.hf import hf_layers, model_spec, tied_pairs
 
-__all__ = ["PipelineRunner", "hf_layers", "local_stages", "model_spec", "stage_modules",
-           "tied_pairs"]
+__all__ = ["PipelineRunner", "hf_layers", "local_stages", "model_spec", "profile",
+           "stage_modules", "tied_pairs"]
 
 #: The PyTorch version the CSV spelling and the private APIs were checked against.
 PINNED_TORCH = "2.15.0"
@@ -255,3 +258,138 @@ class PipelineRunner:
     @property
     def has_first_stage(self) -> bool:
         return any(st.is_first for st in self.stages)
+
+
+def _quartiles(ms: list[float]) -> tuple[float, float]:
+    """Median and interquartile range (linear interpolation, as pipecost/1's C++ side)."""
+    ms = sorted(ms)
+
+    def q(p):
+        at = p * (len(ms) - 1)
+        lo = int(at)
+        hi = min(lo + 1, len(ms) - 1)
+        return ms[lo] + (ms[hi] - ms[lo]) * (at - lo)
+
+    return q(0.5), q(0.75) - q(0.25)
+
+
+def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, group=None,
+            device: torch.device | str | None = None) -> dict | None:
+    """Measure the user's own stage modules under PyTorch and write measured costs (pipecost/1,
+    the format `piperun --profile` writes) for `pipec compile ... --costs`, so that zb-auto's
+    order (and every other schedule's timing) is fitted to this model.
+
+    Run it in every process of the pipeline's group, as PipelineRunner. Each rank times its
+    stages' forward (the last stage's with loss_fn) and backward (fused: an nn.Module's backward
+    computes input and weight gradients together; the compiler splits it in the model's ratio)
+    on one microbatch, `steps` times, the first dropped as warm-up. A stage's input is the
+    previous stage's output on `example` (the first stage's microbatch input), passed on between
+    the ranks; its backward is fed a gradient of its output's shape. Rank 0 writes `path`
+    through the C++ writer (which checks every field first) and returns the costs as a dict;
+    the other ranks return None. Messages, collectives and the optimizer are not measured here
+    (the model's times stay for those); the plan must have one sub-sequence.
+    """
+    plan = pipec._as_plan(plan)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise ValueError(f"steps: expected an integer of at least 2 (got {steps!r}); the first "
+                         "step is dropped as warm-up")
+    if plan.seq_splits != 1:
+        raise ValueError(f"the plan has seq_splits={plan.seq_splits}; pipec.torch.profile "
+                         "measures whole-sequence stages (compile with seq_splits=1)")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable (got {type(loss_fn).__name__})")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("pipec.torch.profile needs torch.distributed initialised in every "
+                           f"process of the pipeline ({plan.pp} ranks)")
+    size = dist.get_world_size(group)
+    if size != plan.pp:
+        raise ValueError(f"the plan has pp={plan.pp} but the process group has {size} ranks")
+    rank = dist.get_rank(group)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    num_stages = plan.num_stages
+    mine = local_stages(plan, rank)
+    if isinstance(modules, Mapping):
+        get = modules.get
+    else:
+        modules = _modules("modules", modules)
+        if len(modules) != num_stages:
+            raise ValueError(f"modules: the plan has {num_stages} stages but {len(modules)} "
+                             "modules were given (or pass a dict {stage: module})")
+        get = lambda s: modules[s]  # noqa: E731
+    for s in mine:
+        if get(s) is None:
+            raise ValueError(f"modules: rank {rank} runs stages {mine} but has no module for "
+                             f"stage {s}")
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def owner(s):
+        return plan.stages[s]["rank"]
+
+    measured = {}
+    x = example
+    for s in range(num_stages):
+        if s > 0 and owner(s) != owner(s - 1):
+            # The activation crosses to the next stage's rank (objects: shapes need not be known).
+            box = [x.detach().cpu() if rank == owner(s - 1) else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner(s - 1))
+                                       if group is not None else owner(s - 1), group=group)
+            x = box[0]
+        if rank != owner(s):
+            continue
+        module = get(s).to(dev)
+        inp = x.to(dev) if isinstance(x, torch.Tensor) else x
+        forward, backward = [], []
+        out = None
+        for _ in range(steps):
+            feed = inp
+            if isinstance(inp, torch.Tensor) and inp.is_floating_point():
+                feed = inp.detach().requires_grad_(True)
+            sync()
+            t0 = time.perf_counter()
+            out = module(feed)
+            last = s == num_stages - 1
+            if last:
+                out = loss_fn(out, target.to(dev) if isinstance(target, torch.Tensor) else target)
+            sync()
+            t1 = time.perf_counter()
+            if last:
+                out.backward()
+            else:
+                out.backward(torch.randn_like(out))
+            sync()
+            t2 = time.perf_counter()
+            forward.append(1e3 * (t1 - t0))
+            backward.append(1e3 * (t2 - t1))
+            module.zero_grad(set_to_none=True)
+        measured[s] = {"forward": forward[1:], "backward": backward[1:]}
+        x = out.detach() if s < num_stages - 1 else None
+    gathered = [None] * size
+    dist.all_gather_object(gathered, measured, group=group)
+    if rank != 0:
+        return None
+    stages = []
+    for s in range(num_stages):
+        times = next(g[s] for g in gathered if g and s in g)
+        ops = []
+        for op in ("forward", "backward"):
+            median, spread = _quartiles(times[op])
+            ops.append({"op": op, "slice": 0, "median_ms": median, "spread_ms": spread,
+                        "samples": len(times[op])})
+        stages.append({"stage": s, "ops": ops})
+    params = [p for s in mine for p in get(s).parameters()]
+    costs = {
+        "format": "pipecost/1",
+        "measured_on": {"backend": "torch", "dtype": str(params[0].dtype).replace("torch.", "")
+                        if params else "unknown", "device": str(dev), "plan_hash": "",
+                        "threads": size, "steps": steps},
+        "slices": 1,
+        "stages": stages,
+        "messages": [],
+        "collectives": [],
+        "ranks": [],
+    }
+    pipec._pipec.write_costs(json.dumps(costs), pipec._path("path", path))
+    return costs

@@ -140,7 +140,7 @@ def test_bad_input_raises_value_error_with_the_commands_line(uniform8):
     (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches="x"), "--microbatches expects"),
     (lambda m: pipec.compile(m, "1f1b", pp=True, microbatches=8), "--pp expects an integer"),
     (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, vp=2), "unknown argument 'vp'"),
-    (lambda m: pipec.compile(m, 7, pp=2, microbatches=8), "--schedule: expected"),
+    (lambda m: pipec.compile(m, 7, pp=2, microbatches=8), "schedule: --schedule expects a str"),
     (lambda m: pipec.compile(42, "1f1b", pp=2, microbatches=8), "model: expected a dict"),
     (lambda m: pipec.compile({"format": "pipemodel/1"}, "1f1b", pp=2, microbatches=8),
      "model: $: expected exactly one of"),
@@ -270,3 +270,124 @@ def test_whatever_python_passes_in_raises_only_value_error_or_plan_error(uniform
         except (ValueError, pipec.PlanError):
             calls += 1
     assert calls == 400
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: pipec.compile(m, "1f1b", pp="2", microbatches=8),
+     "pp: --pp expects an integer (got str '2')"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2.0, microbatches=8),
+     "pp: --pp expects an integer (got float 2.0)"),
+    (lambda m: pipec.compile(m, "1f1b", pp=True, microbatches=8),
+     "pp: --pp expects an integer (got bool True)"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, sequence_parallel=1),
+     "sequence_parallel: --sequence-parallel expects True or False (got int 1)"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, recompute=2),
+     "recompute: --recompute expects one of none, selective, full (got int 2)"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, memory_limit=1.5),
+     "memory_limit: --memory-limit expects a byte count"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, cluster=3),
+     "cluster: expected a dict or a path"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, show=True),
+     "compile: unknown argument 'show'"),
+    (lambda m: pipec.compile(m, "1f1b", pp=2, microbatches=8, model_json="{}"),
+     "compile: unknown argument 'model_json'"),
+    (lambda m: pipec.plan(m, 8, 64, tp=2), "tp: --tp expects a list of ints (got int 2)"),
+    (lambda m: pipec.plan(m, 8, 64, schedules="1f1b"), "schedules: --schedules expects a list"),
+    (lambda m: pipec.import_torch_csv("0F0,0B0\n", m, vpp="1"), "vpp: --vpp expects an integer"),
+])
+def test_a_wrong_type_is_a_type_error_naming_the_argument(uniform8, call, message):
+    with pytest.raises(TypeError) as err:
+        call(uniform8)
+    assert message in str(err.value)
+    assert isinstance(err.value, ValueError)  # what such mistakes raised before
+
+
+def test_the_keyword_arguments_are_the_commands_table():
+    # Every flag `pipec compile --help` lists is an argument, but its outputs and printing.
+    cli = run_pipec("compile", "--help").stdout
+    flags = {line.split()[0].rstrip(",") for line in cli.split("flags:\n")[1].splitlines()
+             if line.startswith("  -")}
+    python = {o["name"] for o in pipec.options("compile")}
+    assert python == flags - {"-o", "--show", "--trace", "--svg", "--quiet"}
+    kinds = {o["python"]: o["kind"] for o in pipec.options("compile")}
+    assert kinds["pp"] == "int" and kinds["sequence_parallel"] == "switch"
+    assert kinds["memory_limit"] == "bytes" and kinds["recompute"] == "enum"
+    assert kinds["model"] == "path" and kinds["costs"] == "path"
+    assert {o["python"] for o in pipec.options("plan")} >= {"gpus", "global_batch", "tp", "pp"}
+
+
+def test_compile_takes_every_flag_of_the_command_with_its_type(tmp_path):
+    gpt = example("tiny-gpt.json")
+    cases = [
+        ({"recompute": "full"}, ["--recompute", "full"]),
+        ({"recompute": "selective", "tp": 2, "sequence_parallel": True},
+         ["--recompute", "selective", "--tp", "2", "--sequence-parallel"]),
+        ({"dp": 2, "distributed_optimizer": True}, ["--dp", "2", "--distributed-optimizer"]),
+        ({"seq_splits": 2, "seq_split_by": "flops"}, ["--seq-splits", "2", "--seq-split-by",
+                                                      "flops"]),
+        ({"memory_limit": 1 << 30, "sequence_parallel": False}, ["--memory-limit", "1GiB"]),
+    ]
+    for flags, cli in cases:
+        schedule = "seq1f1b" if "seq_splits" in flags else "1f1b"
+        out = tmp_path / "plan.json"
+        r = run_pipec("compile", "--model", gpt, "--schedule", schedule, "--pp", "2",
+                      "--microbatches", "4", "-o", str(out), "--quiet", *cli)
+        assert r.returncode == 0, r.stderr
+        plan = pipec.compile(gpt, schedule, pp=2, microbatches=4, **flags)
+        assert plan.json == out.read_text(), flags
+    full = pipec.compile(gpt, "1f1b", pp=2, microbatches=4, recompute="full")
+    none = pipec.compile(gpt, "1f1b", pp=2, microbatches=4, recompute="none")
+    assert full.to_dict()["transformer"]["recompute"] == "full"
+    # Full recomputation keeps only each layer's input: less activation memory than none.
+    assert (max(r.peak_activation_bytes for r in full.stats.ranks)
+            < max(r.peak_activation_bytes for r in none.stats.ranks))
+    with pytest.raises(ValueError, match="--recompute: the model is an abstract layer list"):
+        pipec.compile(example("uniform-8.json"), "1f1b", pp=2, microbatches=4, recompute="full")
+    with pytest.raises(ValueError, match=r"--recompute: expected none, selective or full"):
+        pipec.compile(gpt, "1f1b", pp=2, microbatches=4, recompute="most")
+
+
+def _plan_rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  schedule"))
+    rows = []
+    for line in lines[header + 1:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def test_plan_ranks_the_layouts_the_command_ranks(tmp_path):
+    gpt = example("tiny-gpt.json")
+    best = tmp_path / "best.json"
+    r = run_pipec("plan", "--model", gpt, "--gpus", "4", "--global-batch", "8", "--top", "4",
+                  "--pp", "1,2", "--threads", "1", "-o", str(best))
+    assert r.returncode == 0, r.stderr
+    found = pipec.plan(gpt, 4, 8, top=4, pp=[1, 2], threads=1)
+    assert found.best.json == best.read_text()
+    rows = _plan_rows(r.stdout)
+    assert len(rows) == len(found.ranked) == 4
+    for row, layout in zip(rows, found.ranked):
+        assert row[1:10] == [layout["schedule"], *map(str, (
+            layout["tp"], layout["pp"], layout["vpp"], layout["dp"], layout["microbatch_size"],
+            layout["microbatches"], layout["seq_splits"])), layout["recompute"]]
+        assert float(row[10]) == pytest.approx(layout["step_time"], abs=5e-4)
+        # Every ranked layout uses the GPUs asked for and trains the global batch.
+        assert layout["tp"] * layout["pp"] * layout["dp"] == 4
+        assert layout["dp"] * layout["microbatch_size"] * layout["microbatches"] == 8
+    steps = [layout["step_time"] for layout in found.ranked]
+    assert steps == sorted(steps)
+    assert found.searched > len(found.ranked) and set(found.dropped) == {
+        "divisibility", "constraint", "memory", "pruned"}
+    assert all(layout["pp"] in (1, 2) for layout in found.ranked)
+
+
+def test_plan_raises_the_commands_errors(uniform8):
+    gpt = example("tiny-gpt.json")
+    cli = run_pipec("plan", "--model", gpt, "--gpus", "4", "--global-batch", "8", "--top", "0")
+    with pytest.raises(ValueError) as err:
+        pipec.plan(gpt, 4, 8, top=0)
+    assert str(err.value) == cli.stderr.removeprefix("pipec: error: ").rstrip("\n")
+    with pytest.raises(pipec.PlanError):
+        pipec.plan(gpt, 4, 8, memory_limit=1024)

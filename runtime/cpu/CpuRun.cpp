@@ -2,8 +2,11 @@
 
 #include "ir/Error.h"
 #include "ir/Files.h"
+#include "runtime/Profile.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
+
+#include "llvm/Support/Host.h"
 
 #include <algorithm>
 #include <cmath>
@@ -74,6 +77,13 @@ public:
     heldHighWater = std::max(heldHighWater, bytes);
   }
   size_t heldHighWater = 0;
+  /// The weights, gradients and AdamW moments of the rank's stages (fp32).
+  size_t stateBytes() const {
+    size_t floats = 0;
+    for (auto &[s, sc] : stages)
+      floats += 4 * sc->params().size();
+    return floats * sizeof(float);
+  }
 
   void sumLocalEmbeddingCopies() override {
     StageCompute &first = *stages.at(0), &last = *stages.at(plan.numStages() - 1);
@@ -233,6 +243,25 @@ public:
       backends.push_back(std::move(b));
     }
     runner = std::make_unique<Runner>(plan, faults, options.timeoutSeconds, std::move(backends));
+    if (options.profile)
+      runner->state().enableTiming();
+    return llvm::Error::success();
+  }
+
+  llvm::Error measuredCosts(MeasuredCosts &into) override {
+    // Each pipeline rank's dp replica 0, tp rank 0 thread speaks for it.
+    ProfileTable table(plan);
+    RunShared &shared = runner->state();
+    for (int pp = 0; pp < plan.parallel.pp; ++pp) {
+      const int t = shared.threadOf(Coord{pp, 0, 0});
+      const CpuBackend &b = *ranks[size_t(t)];
+      table.addRank(pp, shared.timings[size_t(t)], int64_t(b.heldHighWater + b.stateBytes()));
+    }
+    into = table.costs();
+    into.backend = "cpu";
+    into.dtype = "fp32";
+    into.device = fmt::format("host cpu ({})", llvm::sys::getHostCPUName().str());
+    into.threads = shared.numThreads();
     return llvm::Error::success();
   }
 

@@ -14,6 +14,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/BlockingWatchdog.h"
+#include "runtime/Profile.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
 #include "runtime/cuda/DeviceArena.h"
@@ -72,6 +73,11 @@ public:
                         c.tp)) {}
 
   void *computeStreamHandle() const override { return computeStream; }
+  /// --profile: the host clock times the rank's queued work (the emulated device runs it too).
+  llvm::Error awaitCompute() override {
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(computeStream));
+    return llvm::Error::success();
+  }
   void readElsewhere(const void *p, size_t bytes, void *done) override {
     if (arena)
       arena->readElsewhere(p, bytes, static_cast<cudaEvent_t>(done));
@@ -566,6 +572,8 @@ public:
     PIPEC_GPU_TRY(allocate());
     runner = std::make_unique<Runner>(plan, Faults{}, options.timeoutSeconds, std::move(backends),
                                       *transport);
+    if (options.profile)
+      runner->state().enableTiming();
     for (CudaRankBackend *b : gpu) {
       sofar.stateBytes.push_back(b->stateBytes());
       sofar.arenaBytes.push_back(b->arenaBytes());
@@ -618,6 +626,22 @@ public:
   }
   llvm::Error gatherLayer(int layer, LayerState &whole) override {
     return gatherLocalLayer(gpu, coords, cfg, plan.parallel.tp, layer, whole);
+  }
+  llvm::Error measuredCosts(MeasuredCosts &into) override {
+    // Each pipeline rank's dp replica 0, tp rank 0 thread speaks for it.
+    ProfileTable table(plan);
+    RunShared &shared = runner->state();
+    for (int pp = 0; pp < plan.parallel.pp; ++pp) {
+      const int t = shared.threadOf(Coord{pp, 0, 0});
+      const CudaRankBackend &b = *gpu[size_t(t)];
+      table.addRank(pp, shared.timings[size_t(t)], int64_t(b.stateBytes() + b.arenaUsedBytes()));
+    }
+    into = table.costs();
+    into.backend = "cuda";
+    into.dtype = options.dtype == kernels::DType::BF16 ? "bf16" : "fp32";
+    into.device = fmt::format("cuda device {}", options.device);
+    into.threads = shared.numThreads();
+    return llvm::Error::success();
   }
   int adamSteps() const override { return gpu.front()->adamSteps(); }
   void setAdamSteps(int steps) override {

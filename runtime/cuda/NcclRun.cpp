@@ -5,6 +5,7 @@
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/BlockingWatchdog.h"
+#include "runtime/Profile.h"
 #include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/Nccl.h"
@@ -12,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -303,7 +305,9 @@ public:
   int adamSteps() const override { return backend->adamSteps(); }
   void setAdamSteps(int steps) override { backend->setAdamSteps(steps); }
   bool leads() const override { return env.rank == 0; }
+  llvm::Expected<int> agreeOnStop(int signal) override;
   void finish() override { completed = true; }
+  llvm::Error measuredCosts(MeasuredCosts &into) override;
 
   /// The memory figures of this process's rank (arenaUsedBytes after the run).
   CudaRunResult memory() const override {
@@ -455,6 +459,8 @@ llvm::Error NcclTrainBackend::setUp() {
       shards = std::move(blocks);
   }
   shared = std::make_unique<RunShared>(plan, Faults{}, *transport);
+  if (o.profile)
+    shared->enableTiming();
   // Every process learns whether all of them could reserve their memory: one that could not
   // says why, and the others say that it could not, at once, rather than wait for it in step 0
   // until their watchdog ends them. (Rank 0 of 1f1b keeps the most microbatches, so it is often
@@ -583,6 +589,22 @@ llvm::Expected<double> NcclTrainBackend::step(int s) {
   return loss;
 }
 
+llvm::Expected<int> NcclTrainBackend::agreeOnStop(int signal) {
+  // The launcher may signal some processes only, or all at different instants: one that
+  // stopped alone would leave its peers waiting in the next step. (A second sum, on the step
+  // they stop at only, says which signal: SIGTERM where any process got it, else SIGUSR1.)
+  if (env.worldSize == 1)
+    return signal;
+  const char *what = "the agreement on stopping after a signal";
+  auto stopping = processesWith(signal != 0, what, o.timeoutSeconds);
+  if (!stopping || *stopping == 0)
+    return stopping ? llvm::Expected<int>(0) : stopping.takeError();
+  auto term = processesWith(signal == SIGTERM, what, o.timeoutSeconds);
+  if (!term)
+    return term.takeError();
+  return *term > 0 ? SIGTERM : SIGUSR1;
+}
+
 llvm::Error NcclTrainBackend::takeGradients(ParamSnapshot &into) {
   if (!shards.empty())
     if (auto err = gatherSnapshot(shards, env, *comms, compute, staging.as<float>(), agreeSlot(),
@@ -591,6 +613,35 @@ llvm::Error NcclTrainBackend::takeGradients(ParamSnapshot &into) {
       return err;
     }
   snapshot.handOver(into);
+  return llvm::Error::success();
+}
+
+llvm::Error NcclTrainBackend::measuredCosts(MeasuredCosts &into) {
+  // Each pipeline rank's dp replica 0, tp rank 0 process fills its slots of the table; the
+  // tables are summed over the world (every slot is one process's) for RANK 0.
+  ProfileTable table(plan);
+  if (env.coord.dp == 0 && env.coord.tp == 0)
+    table.addRank(env.coord.pp, shared->timings[size_t(shared->threadOf(env.coord))],
+                  int64_t(backend->stateBytes() + backend->arenaUsedBytes()));
+  std::vector<double> &v = table.values();
+  if (env.worldSize > 1) {
+    auto buffer = kernels::cuda::DeviceBuffer::allocate(v.size() * sizeof(double));
+    if (!buffer)
+      return buffer.takeError();
+    double *d = buffer->as<double>();
+    const size_t bytes = v.size() * sizeof(double);
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(d, v.data(), bytes, cudaMemcpyHostToDevice, compute));
+    PIPEC_NCCL_TRY(ncclAllReduce(d, d, v.size(), ncclDouble, ncclSum, comms->world.get(), compute));
+    PIPEC_GPU_TRY(
+        waitPolling(compute, *comms, o.timeoutSeconds, "--profile's gather of the costs"));
+    PIPEC_CUDA_TRY(cudaMemcpyAsync(v.data(), d, bytes, cudaMemcpyDeviceToHost, compute));
+    PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
+  }
+  into = table.costs();
+  into.backend = "nccl";
+  into.dtype = o.dtype == kernels::DType::BF16 ? "bf16" : "fp32";
+  into.device = fmt::format("cuda device {} of each process", o.device);
+  into.threads = env.worldSize;
   return llvm::Error::success();
 }
 
