@@ -1,6 +1,6 @@
 //===- Costs.h - Measured costs: the pipecost/1 format -----------*- C++ -*-===//
 //
-// What a profiled run measured (DESIGN §10, docs/runtime.md#measured-costs): per stage and
+// What a profiled run measured (docs/runtime.md#measured-costs---profile): per stage and
 // compute op kind (forward, backward_input, backward_weight, fused backward) and sub-sequence,
 // the median time over the steps run (the first dropped as warm-up) and its spread; per message
 // kind and size the transfer time; per collective group and stage the all-reduce time; per

@@ -370,7 +370,7 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 }
 #endif
 
-/// DESIGN §10's last line with --steps N (N >= 3): the measured median step (the first, a
+/// The last line with --steps N (N >= 3; docs/runtime.md#measured-against-predicted): the median step (the first, a
 /// warm-up, dropped) against `predictedMs`, the plan simulated as piperun executes it.
 std::optional<std::string> stepTimeLine(std::optional<double> predictedMs,
                                         const std::vector<double> &stepMs) {
