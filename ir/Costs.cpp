@@ -3,6 +3,7 @@
 
 #include "ir/Error.h"
 #include "ir/JsonRead.h"
+#include "ir/Limits.h"
 #include "ir/Semantics.h"
 
 #include <algorithm>
@@ -64,8 +65,6 @@ llvm::Expected<const Json *> getArray(const JsonReader &r, const Json &obj, llvm
       return err;
   return &*it;
 }
-
-constexpr int64_t kMaxIndex = 1 << 24; // beyond any plan pipec compiles (checkCompileOptions)
 
 } // namespace
 
@@ -143,13 +142,13 @@ llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringR
     if (auto err = r.getString(*on, "$.measured_on", key, *out, true))
       return err;
   int64_t v = 0;
-  if (auto err = r.getIntInRange(*on, "$.measured_on", "threads", v, true, 1, kMaxIndex))
+  if (auto err = r.getIntInRange(*on, "$.measured_on", "threads", v, true, 1, kMaxUnits))
     return err;
   c.threads = int(v);
   if (auto err = r.getIntInRange(*on, "$.measured_on", "steps", v, true, 1, 1000000))
     return err;
   c.steps = int(v);
-  if (auto err = r.getIntInRange(j, "$", "slices", v, true, 1, kMaxIndex))
+  if (auto err = r.getIntInRange(j, "$", "slices", v, true, 1, kMaxUnits))
     return err;
   c.numSlices = int(v);
 

@@ -25,7 +25,7 @@
 namespace pipec {
 
 /// A costs file: at most a few entries per (stage, op, slice), so 64 MiB is far beyond any.
-inline constexpr InputFormat kCostsInput{"a costs file", uint64_t(64) << 20, 12};
+inline constexpr InputFormat kCostsInput{"a costs file", kMaxCostsBytes, 12};
 
 /// A measured time: the median over its samples and the spread (the interquartile range), in
 /// milliseconds.

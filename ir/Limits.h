@@ -62,6 +62,7 @@ inline constexpr int64_t kCpuMaxSeqSplits = 4096;
 inline constexpr uint64_t kMaxModelSpecBytes = uint64_t(256) << 20;
 inline constexpr uint64_t kMaxClusterSpecBytes = uint64_t(1) << 20;
 inline constexpr uint64_t kMaxHfConfigBytes = uint64_t(1) << 20;
+inline constexpr uint64_t kMaxCostsBytes = uint64_t(64) << 20; // a pipecost/1 file
 inline constexpr uint64_t kMaxPlanBytes = uint64_t(4) << 30;
 inline constexpr uint64_t kMaxTextBytes = uint64_t(1) << 30; // a schedule text, any other input
 inline constexpr uint64_t kMaxSafetensorsBytes = uint64_t(1) << 40;
