@@ -613,8 +613,7 @@ private:
 
   /// The greedy's runs and the best of them so far, kept in `order`.
   struct Search {
-    Search(const ScheduleRequest &req, int64_t limit, double referenceMakespan,
-           ComputeOrder &order)
+    Search(const ScheduleRequest &req, int64_t limit, double referenceMakespan, ComputeOrder &order)
         : costs(rankCosts(req)), greedy(costs, req.parallel.pp, req.parallel.microbatches, limit),
           referenceMakespan(referenceMakespan),
           eps(1e-9 * std::max(1.0, referenceMakespan == kInf ? 0.0 : referenceMakespan)),

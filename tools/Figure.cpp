@@ -277,8 +277,7 @@ private:
     width = kLeft + plotWidth + kRight;
     rowsBottom = kTop + plan.numRanks() * kRowHeight;
     legendTop = rowsBottom + kAxisHeight;
-    perRow =
-        std::max(1, int((std::max(width, kLeft + kMinPlotWidth) - kLeft) / kLegendEntryWidth));
+    perRow = std::max(1, int((std::max(width, kLeft + kMinPlotWidth) - kLeft) / kLegendEntryWidth));
     int legendRows = (int(legendEntries().size()) + perRow - 1) / perRow;
     height = legendTop + legendRows * kLegendRow + 10;
   }
@@ -331,8 +330,8 @@ private:
       svg += fmt::format("<line x1=\"{0:.2f}\" y1=\"{1:.2f}\" x2=\"{0:.2f}\" y2=\"{2:.2f}\" "
                          "stroke=\"#000000\" stroke-width=\"1\"/>\n",
                          x(t), rowsBottom, rowsBottom + 5);
-      svg += fmt::format("<text x=\"{:.2f}\" y=\"{:.2f}\" text-anchor=\"middle\">{}</text>\n",
-                         x(t), rowsBottom + 16, number(t));
+      svg += fmt::format("<text x=\"{:.2f}\" y=\"{:.2f}\" text-anchor=\"middle\">{}</text>\n", x(t),
+                         rowsBottom + 16, number(t));
     }
     svg += fmt::format("<text class=\"axis-label\" x=\"{:.2f}\" y=\"{:.2f}\" font-size=\"11\" "
                        "text-anchor=\"end\">simulated time ({})</text>\n",
@@ -424,8 +423,8 @@ private:
       svg += fmt::format("<rect class=\"allreduce tp\" data-rank=\"{}\" data-step=\"{}\" "
                          "x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{}\" "
                          "fill=\"{}\"><title>{} (rank {}, step {})</title></rect>\n",
-                         r, i, x(t.start), y, (t.end - t.start) * pxPerTime, kBoxHeight, kTp,
-                         token, r, i);
+                         r, i, x(t.start), y, (t.end - t.start) * pxPerTime, kBoxHeight, kTp, token,
+                         r, i);
       return;
     }
     const OpTime &c = collectives[size_t(r)][i];
@@ -491,8 +490,7 @@ private:
   std::vector<Entry> legendEntries() const {
     std::vector<Entry> entries;
     auto box = [](const std::string &fill) {
-      return fmt::format("<rect x=\"0\" y=\"0\" width=\"14\" height=\"12\" fill=\"{}\"/>",
-                         fill);
+      return fmt::format("<rect x=\"0\" y=\"0\" width=\"14\" height=\"12\" fill=\"{}\"/>", fill);
     };
     auto lane = [](const char *fill) {
       return fmt::format("<rect x=\"0\" y=\"5\" width=\"14\" height=\"{}\" fill=\"{}\"/>",
