@@ -7,10 +7,24 @@
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
 #include <map>
 
 namespace pipec {
+
+llvm::StringRef describe(ImportedOrder::Source source) {
+  switch (source) {
+  case ImportedOrder::Source::TorchCsv:
+    return "PyTorch CSV, compute only";
+  case ImportedOrder::Source::TorchCsvComms:
+    return "PyTorch CSV with comms";
+  case ImportedOrder::Source::PipecText:
+    return "pipec text";
+  }
+  llvm_unreachable("unknown ImportedOrder::Source");
+}
 
 namespace {
 

@@ -12,17 +12,36 @@
 #define PIPEC_COMPILER_IMPORT_H
 
 #include "compiler/Pass.h"
+#include "ir/Instruction.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
-#include "ir/TorchCsv.h"
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace pipec {
+
+/// A schedule read back from a file (compiler/torch/TorchCsv.h reads PyTorch's CSV and pipec's
+/// text form): compute ops per rank, whatever else was there dropped.
+struct ImportedOrder {
+  enum class Source : uint8_t { TorchCsv, TorchCsvComms, PipecText };
+  Source source = Source::TorchCsv;
+  /// Compute ops of each rank, in order (slice set, never split into tp parts).
+  std::vector<std::vector<Instruction>> ranks;
+  int numStages = 0;          // largest stage + 1
+  int microbatches = 0;       // largest microbatch + 1
+  int seqSplits = 1;          // largest slice + 1 (pipec text only; PyTorch has no slices)
+  size_t droppedComms = 0;    // comm, wait, reduction and FSDP actions, re-derived by pipec
+  size_t overlappedPairs = 0; // OVERLAP_F_B actions, split into their F and B in order
+  size_t idleCells = 0;       // empty cells of the compute-only form
+};
+llvm::StringRef describe(ImportedOrder::Source source);
 
 /// What the file cannot say; the flags mean what they mean for `pipec compile`.
 struct ImportOptions {

@@ -12,9 +12,9 @@
 
 #include "compiler/Import.h"
 #include "compiler/Verifier.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
-#include "ir/TorchCsv.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/StringExtras.h"
