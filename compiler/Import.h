@@ -1,9 +1,10 @@
 //===- Import.h - Compile a schedule read from a file ------------*- C++ -*-===//
 //
 // `pipec import`: a compute order written by someone else (PyTorch's CSV, pipec's text form)
-// goes through the same passes as a policy's order, from the schedule pass on: seq-split and
-// partition from the model, then the imported order in place of a policy's, then lower-comms,
-// lower-collectives, memory, simulate and verify. pp, vpp, microbatches, seq-splits and the
+// goes through compile's pipeline (defaultPipeline()) with the imported order as its schedule
+// policy: seq-split and partition from the model, the schedule pass taking the imported order
+// (checked by the verifier before anything lowers it), then lower-comms, lower-collectives,
+// memory, simulate and verify. pp, vpp, microbatches, seq-splits and the
 // placement (loop or V) come from the file; the plan is named after the pipec policy whose
 // order it equals, so an exported plan imports back byte for byte.
 //
