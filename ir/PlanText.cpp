@@ -83,7 +83,8 @@ static bool eatMbTail(llvm::StringRef &s, Instruction &i, bool allowParts, bool 
   return s.empty();
 }
 
-static llvm::Error expected(llvm::StringRef why) { return inputError("{}", why.str()); }
+/// The lexer's error: what was expected (parseToken adds the rank and the token).
+static llvm::Error lexError(llvm::StringRef why) { return inputError("{}", why.str()); }
 
 llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
   Instruction i;
@@ -94,7 +95,7 @@ llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
   }
   int32_t stage = 0;
   if (!consumeNumber(s, stage))
-    return expected("expected a stage number first");
+    return lexError("expected a stage number first");
   i.stage = stage;
   if (s.consume_front("ALLREDUCE_")) {
     i.op = OpKind::AllReduce;
@@ -103,7 +104,7 @@ llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
       return i;
     }
     if (!s.consume_front("TP_") || s.empty())
-      return expected("expected ALLREDUCE_DP, ALLREDUCE_EMB or ALLREDUCE_TP_<F|I|B>");
+      return lexError("expected ALLREDUCE_DP, ALLREDUCE_EMB or ALLREDUCE_TP_<F|I|B>");
     i.collective = CollectiveGroup::Tp;
     char letter = s.front();
     s = s.drop_front();
@@ -112,7 +113,7 @@ llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
                               : OpKind::Backward;
     if ((letter != 'F' && letter != 'I' && letter != 'B') || !eatMbTail(s, i, true, false) ||
         i.part < 0)
-      return expected("expected <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<part>/<parts>");
+      return lexError("expected <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<part>/<parts>");
   } else if (bool send = s.consume_front("SEND_"); send || s.consume_front("RECV_")) {
     i.op = send ? OpKind::Send : OpKind::Recv;
     bool act;
@@ -121,15 +122,15 @@ llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
     else if (s.consume_front("B"))
       act = false;
     else
-      return expected("expected SEND_F, SEND_B, RECV_F or RECV_B");
+      return lexError("expected SEND_F, SEND_B, RECV_F or RECV_B");
     i.tensor = act ? TensorKind::Activation : TensorKind::Gradient;
     if (!eatMbTail(s, i, false, true))
-      return expected("expected <mb>[.<slice>][#<group>] after the comm kind");
+      return lexError("expected <mb>[.<slice>][#<group>] after the comm kind");
     // Back to the producer's stage (see formatToken).
     i.stage = send ? stage : (act ? stage - 1 : stage + 1);
   } else {
     if (s.empty())
-      return expected("expected an op letter after the stage");
+      return lexError("expected an op letter after the stage");
     char letter = s.front();
     s = s.drop_front();
     switch (letter) {
@@ -146,24 +147,24 @@ llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
       i.op = OpKind::Backward;
       break;
     default:
-      return expected("expected F, I, W, B, SEND_, RECV_ or ALLREDUCE_ after the stage");
+      return lexError("expected F, I, W, B, SEND_, RECV_ or ALLREDUCE_ after the stage");
     }
     if (!eatMbTail(s, i, true, false))
-      return expected("expected <mb>[.<slice>][:<part>/<parts>] after the op letter");
+      return lexError("expected <mb>[.<slice>][:<part>/<parts>] after the op letter");
   }
   if (i.part >= 0 && i.part >= i.parts)
-    return expected("part must be below parts");
+    return lexError("part must be below parts");
   return i;
 }
 
 llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringRef token) {
-  auto lexed = lexToken(token);
-  if (!lexed)
-    return inputError("rank {}: token '{}': {}", rank, token.str(), takeMessage(lexed.takeError()));
-  Instruction i = *lexed;
   auto bad = [&](const std::string &why) {
     return inputError("rank {}: token '{}': {}", rank, token.str(), why);
   };
+  auto lexed = lexToken(token);
+  if (!lexed)
+    return bad(takeMessage(lexed.takeError()));
+  Instruction i = *lexed;
   int numStages = plan.numStages();
   if (i.op == OpKind::OptimizerStep)
     return i;

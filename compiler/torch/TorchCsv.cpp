@@ -6,7 +6,6 @@
 #include "ir/Limits.h"
 #include "ir/PlanText.h"
 
-#include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/Sequence.h"
 #include "llvm/ADT/SmallVector.h"
