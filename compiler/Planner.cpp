@@ -464,6 +464,7 @@ void Search::evaluate(size_t index, double threshold) {
   plan.timeUnit = model.timeUnit().str();
   plan.parallel = pc;
   plan.placement = policy.placement();
+  plan.postValidation = policy.postValidation();
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;

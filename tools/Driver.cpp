@@ -3,10 +3,10 @@
 #include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/Error.h"
 #include "ir/PlanJson.h"
 #include "ir/PlanText.h"
-#include "ir/TorchCsv.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/StringExtras.h"

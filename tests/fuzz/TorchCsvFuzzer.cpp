@@ -10,9 +10,9 @@
 #include "tests/fuzz/FuzzTarget.h"
 
 #include "compiler/Import.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/Model.h"
 #include "ir/PlanJson.h"
-#include "ir/TorchCsv.h"
 
 using namespace pipec;
 
