@@ -34,7 +34,7 @@
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H
 #define PIPEC_RUNTIME_CUDA_GPUSTAGE_H
 
-#include "kernels/cpu/Gpt.h"
+#include "kernels/StageModel.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/Tensor.h"
 
