@@ -1,11 +1,11 @@
 //===- StageProgram.h - One pipeline stage, written once over a device -*- C++ -*-===//
 //
-// The stage of kernels/cpu/Gpt.h (its layers, parts, lazily completed tp reductions, the state
-// a (microbatch, slice) keeps between its forward, backward_input and backward_weight, and a
-// microbatch's K/V across Seq1F1B slices) as one definition over a device `Dev`. The cpu
-// backend's StageCompute (kernels/cpu/Gpt.cpp, Dev = its host loops) and the cuda backend's
-// GpuStage (runtime/cuda/GpuStage.cpp, Dev = CUDA kernels on a stream, on a GPU or the emulated
-// device) both run this code: a block variant is written here, once.
+// The stage of the model of kernels/StageModel.h (its layers, parts, lazily completed tp
+// reductions, the state a (microbatch, slice) keeps between its forward, backward_input and
+// backward_weight, and a microbatch's K/V across Seq1F1B slices) as one definition over a device
+// `Dev`. The cpu backend's StageCompute (kernels/cpu/Gpt.cpp, Dev = its host loops) and the cuda
+// backend's GpuStage (runtime/cuda/GpuStage.cpp, Dev = CUDA kernels on a stream, on a GPU or the
+// emulated device) both run this code: a block variant is written here, once.
 //
 // What a Dev provides is the concept StageDevice (kernels/StageDevice.h); both devices are
 // checked against it where they are defined. The state (the layers, parts and layout, each
@@ -50,6 +50,16 @@ public:
   /// token's loss.
   void setUp(const GptConfig &c, int begin, int end, int rank, int tpSize,
              std::vector<std::pair<int, int>> sliceRanges, float scale) {
+    checkConfig(c, tpSize);
+    assert(0 <= begin && begin < end && end <= c.numLayers() &&
+           "empty or out-of-range layer range");
+    assert(rank >= 0 && rank < tpSize && "tp rank out of range");
+    assert(!sliceRanges.empty() && sliceRanges.front().first == 0 &&
+           sliceRanges.back().second == c.seqLen && "slices must cover the sequence");
+    for (size_t s = 0; s < sliceRanges.size(); ++s)
+      assert(sliceRanges[s].first < sliceRanges[s].second &&
+             (s == 0 || sliceRanges[s - 1].second == sliceRanges[s].first) &&
+             "slices must be non-empty and contiguous");
     cfg = c;
     layerBegin = begin;
     layerEnd = end;

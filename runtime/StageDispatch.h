@@ -51,6 +51,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -213,60 +214,24 @@ private:
     const bool last = i.isLastPart();
     switch (i.op) {
     case OpKind::Forward: {
-      TensorView in;
-      if (i.stage > 0 && first == 0) {
-        auto got = inputOf(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        in = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        if (auto why = order.forwardPart(i.stage, i.mb, i.slice, part, st.parts()); !why.empty())
-          return outOfOrder(i, why);
-        auto r = stage_dispatch::lift(st.forward(i.mb, i.slice, part, in));
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-        self().afterStageCall();
-      }
-      if (i.part >= 0)
-        awaiting = i;
+      if (auto err = runParts(i, st, /*forward=*/true, first, end))
+        return err;
       // The loss: now when unsplit; after the plan's tp all_reduce of the last part otherwise
       // (the vocab-parallel head completes it from the reduced statistics).
       if (last && i.part < 0 && i.stage == plan.numStages() - 1 && c.tp == 0)
         if (auto err = self().addLoss(st, i.mb, i.slice))
           return err;
-      if (last) {
-        received.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
-        kept.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
-      }
+      if (last)
+        dropInput(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
       return llvm::Error::success();
     }
     case OpKind::BackwardInput:
     case OpKind::Backward: {
-      TensorView grad;
-      if (i.stage < plan.numStages() - 1 && first == 0) {
-        auto got = inputOf(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        grad = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        if (auto why = order.backwardPart(i.stage, i.mb, i.slice, part, st.parts());
-            !why.empty())
-          return outOfOrder(i, why);
-        auto r = stage_dispatch::lift(st.backwardInput(i.mb, i.slice, part, grad));
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-        self().afterStageCall();
-      }
-      if (i.part >= 0)
-        awaiting = i;
+      if (auto err = runParts(i, st, /*forward=*/false, first, end))
+        return err;
       if (!last)
         return llvm::Error::success();
-      received.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
-      kept.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
+      dropInput(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
       // A fused backward's weight half runs once the last part's reduction is in place: now
       // when unsplit, after the plan's tp all_reduce otherwise.
       if (i.op == OpKind::Backward && i.part < 0)
@@ -418,6 +383,43 @@ private:
   static uint64_t key(TensorKind t, int stage, int mb, int slice) {
     return (((uint64_t(stage) << 20) | uint64_t(mb)) << 12 | uint64_t(slice)) << 1 |
            uint64_t(t == TensorKind::Gradient);
+  }
+
+  /// Parts [first, end) of the forward (or the input gradient) `i` on `st`, each once OpOrder
+  /// accepts it; part 0 reads its input from the neighbouring stage (none at the pipeline's end).
+  /// A split op's part then waits for the plan's tp all_reduce.
+  llvm::Error runParts(const Instruction &i, Stage &st, bool forward, int first, int end) {
+    const TensorKind kind = forward ? TensorKind::Activation : TensorKind::Gradient;
+    const int producer = forward ? i.stage - 1 : i.stage + 1;
+    TensorView in;
+    if (first == 0 && producer >= 0 && producer < plan.numStages()) {
+      auto got = inputOf(kind, producer, i.mb, i.slice);
+      if (!got)
+        return got.takeError();
+      in = *got;
+    }
+    for (int part = first; part < end; ++part) {
+      const std::string why = forward
+                                  ? order.forwardPart(i.stage, i.mb, i.slice, part, st.parts())
+                                  : order.backwardPart(i.stage, i.mb, i.slice, part, st.parts());
+      if (!why.empty())
+        return outOfOrder(i, why);
+      auto r = forward ? stage_dispatch::lift(st.forward(i.mb, i.slice, part, in))
+                       : stage_dispatch::lift(st.backwardInput(i.mb, i.slice, part, in));
+      if (!r)
+        return r.takeError();
+      pendingReduce = *r;
+      self().afterStageCall();
+    }
+    if (i.part >= 0)
+      awaiting = i;
+    return llvm::Error::success();
+  }
+
+  /// A consumed input: what was received for it, or kept of it, is freed.
+  void dropInput(TensorKind t, int producer, int mb, int slice) {
+    received.erase(key(t, producer, mb, slice));
+    kept.erase(key(t, producer, mb, slice));
   }
 
   llvm::Error backwardWeight(Stage &st, int mb, int slice) {

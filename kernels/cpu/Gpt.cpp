@@ -361,16 +361,6 @@ struct StageCompute::Impl : StageProgram<CpuDev> {};
 StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, int tpRank, int tp,
                            uint64_t seed, std::vector<std::pair<int, int>> slices, float lossScale)
     : impl(std::make_unique<Impl>()) {
-  checkConfig(cfg, tp);
-  assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
-         "empty or out-of-range layer range");
-  assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
-  assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
-         "slices must cover the sequence");
-  for (size_t s = 0; s < slices.size(); ++s)
-    assert(slices[s].first < slices[s].second &&
-           (s == 0 || slices[s - 1].second == slices[s].first) &&
-           "slices must be non-empty and contiguous");
   CpuDev &d = impl->device();
   d.cfg = cfg;
   d.slices = slices;

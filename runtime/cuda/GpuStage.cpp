@@ -396,12 +396,6 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
                  int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
                  float lossScale, cu::DType dtype,
                  const std::vector<std::vector<float>> *initLayers) {
-  assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
-         "empty or out-of-range layer range");
-  assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
-         cfg.vocab % tp == 0 && "bad tensor-parallel split");
-  assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
-         "slices must cover the sequence");
   assert((cfg.rmsnorm || (cfg.bias && cfg.normEps == 1e-5f)) &&
          "the CUDA layernorm has GPT-2's shift and epsilon; gpuRunsTheBlock refuses the others");
   auto m = std::make_unique<Impl>(ctx);
