@@ -3,29 +3,11 @@
 // Device-neutral: every backend's stage (kernels/StageProgram.h on the host or a GPU) lays out,
 // initialises and cuts its parameters here.
 //
-// Flat parameter layout of one layer on tp rank r of tp (floats, row-major, concatenated in
-// this order; the stage's layerRange() gives where a layer starts within its parameters):
-//   embedding: wte [V/tp, C]   the vocabulary rows [r V/tp, (r+1) V/tp), wpe [T, C]
-//   block:     ln1.w [C], ln1.b [C],
-//              qkv.w [C, 3C/tp]   columns: q of local heads | k of local heads | v of local heads
-//              qkv.b [3C/tp]      (same column order),
-//              attn.w [C/tp, C]   the rows of the local heads, attn.b [C] (replicated),
-//              ln2.w [C], ln2.b [C],
-//              fc.w [C, F/tp]     columns [r F/tp, (r+1) F/tp), fc.b [F/tp],
-//              proj.w [F/tp, C]   the matching rows, proj.b [C] (replicated)
-//   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (the same rows; logits = h lm.w^T; the
-//              head's own copy of wte when embeddings are tied)
-// Llama-style variants (GptConfig) change that as StageModel.h says: grouped-query attention
-// narrows qkv's k and v blocks to the key/value heads (rank r holding heads [r KV/tp, (r+1)
-// KV/tp)); SwiGLU doubles fc into gate | up blocks, each split like fc; rope drops wpe; RMSNorm and
-// "no biases" drop the tensors they do not have. Rotary embeddings turn q and k after qkv, so
-// the K kept for later slices is rotated; the backward turns dq and the slice's complete dK
-// back before they become qkv's output gradient.
-// Linear weights are [in, out] (y = x W + b). The full (tp = 1) qkv.w is [C, 3C] with columns
-// q | k | v, head h owning columns [h hd, (h+1) hd) of each third. Row-parallel biases are
-// replicated and added once, after the reduction, so every tp rank holds the same value and
-// computes the same gradient (from the replicated output gradient): shards of gradients equal
-// shardLayer() of the tp = 1 gradients.
+// The layout is StageModel.h's. Linear weights are [in, out] (y = x W + b). The full (tp = 1) qkv.w
+// is [C, 3C] with columns q | k | v, head h owning columns [h hd, (h+1) hd) of each third.
+// Row-parallel biases are replicated and added once, after the reduction, so every tp rank holds
+// the same value and computes the same gradient (from the replicated output gradient): shards of
+// gradients equal shardLayer() of the tp = 1 gradients.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/StageModel.h"

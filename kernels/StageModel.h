@@ -14,6 +14,22 @@
 // every rank. Every tp shard is cut from the same full initialisation, so shards concatenate to
 // the single-rank weights exactly.
 //
+// Flat layout. One layer on tp rank r of tp holds, in order (row-major; linear weights are
+// [in, out], y = x W + b):
+//   embedding: wte [V/tp, C], wpe [T, C]
+//   block:     ln1.w [C], ln1.b [C], qkv.w [C, (C + 2K)/tp], qkv.b [(C + 2K)/tp],
+//              attn.w [C/tp, C], attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, G F/tp],
+//              fc.b [G F/tp], proj.w [F/tp, C], proj.b [C]
+//   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (logits = h lm.w^T)
+// K = kvHeads * C / heads (C without grouped-query attention); G = 2 with SwiGLU (fc's
+// columns gate | up, each split across tp), else 1. Absent: wpe with rope; the norms' .b
+// with RMSNorm or without biases; qkv.b, attn.b, fc.b and proj.b without biases.
+// qkv's columns are q | k | v, q holding the rank's heads [r H/tp, (r+1) H/tp) and k, v its
+// key/value heads [r KV/tp, (r+1) KV/tp); attn.w and proj.w hold the matching rows; attn.b
+// and proj.b are replicated and added once, after the tp reduction, so every rank computes
+// the same (full) gradient for them. wte and lm.w hold the vocabulary rows
+// [r V/tp, (r+1) V/tp).
+//
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_STAGEMODEL_H
 #define PIPEC_KERNELS_STAGEMODEL_H

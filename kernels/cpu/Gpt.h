@@ -25,9 +25,8 @@
 // the rank's tokens (plus wpe on tp rank 0) to sum; the head's forward part returns each row's
 // (max, sum of exp) over the rank's logits and its target's logit, from which the loss over the
 // whole vocabulary follows (Megatron's vocab-parallel cross entropy, in one reduction), and its
-// backward part the LM head's partial input gradient. Layernorms, the row-parallel biases and
-// wpe are whole on every rank. Every tp shard is cut from the same full initialisation, so
-// shards concatenate to the single-rank weights exactly.
+// backward part the LM head's partial input gradient. The layout, initialisation and shards
+// are kernels/StageModel.h's.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CPU_GPT_H
@@ -91,21 +90,8 @@ public:
   /// backward_weight of (mb, slice): accumulates weight gradients, frees the slice's state.
   void backwardWeight(int mb, int slice);
 
-  /// All parameters / gradients of the stage, layer after layer, as one flat array. One layer on
-  /// tp rank r of tp holds, in order (row-major; linear weights are [in, out], y = x W + b):
-  ///   embedding: wte [V/tp, C], wpe [T, C]
-  ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, (C + 2K)/tp], qkv.b [(C + 2K)/tp],
-  ///              attn.w [C/tp, C], attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, G F/tp],
-  ///              fc.b [G F/tp], proj.w [F/tp, C], proj.b [C]
-  ///   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (logits = h lm.w^T)
-  /// K = kvHeads * C / heads (C without grouped-query attention); G = 2 with SwiGLU (fc's
-  /// columns gate | up, each split across tp), else 1. Absent: wpe with rope; the norms' .b
-  /// with RMSNorm or without biases; qkv.b, attn.b, fc.b and proj.b without biases.
-  /// qkv's columns are q | k | v, q holding the rank's heads [r H/tp, (r+1) H/tp) and k, v its
-  /// key/value heads [r KV/tp, (r+1) KV/tp); attn.w and proj.w hold the matching rows; attn.b
-  /// and proj.b are replicated and added once, after the tp reduction, so every rank computes
-  /// the same (full) gradient for them. wte and lm.w hold the vocabulary rows
-  /// [r V/tp, (r+1) V/tp).
+  /// All parameters / gradients of the stage, layer after layer, as one flat array, each layer
+  /// laid out as kernels/StageModel.h says.
   std::span<float> params();
   std::span<float> grads();
   /// The flat range of `layer`'s parameters within params() / grads().
