@@ -196,10 +196,8 @@ private:
       return err;
     if (auto err = checkIndices(i))
       return err;
-    if (awaiting)
-      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
-                                       "followed by its all-reduce",
-                                       describePart(*awaiting)));
+    if (auto err = checkNoReductionDue(i))
+      return err;
     // Kept tensors whose sends have been exchanged since the last compute op.
     for (uint64_t k : keptSent)
       kept.erase(k);
@@ -207,7 +205,8 @@ private:
     Stage &st = *stages.find(i.stage)->second;
     // An unsplit op (tp = 1) runs every kernel part; the reductions between them are over one
     // rank, i.e. nothing. A split op runs its one part; the plan's tp all_reduce follows.
-    if (i.part >= 0 && (i.parts != st.parts() || i.part >= i.parts || i.op == OpKind::BackwardWeight))
+    if (i.part >= 0 &&
+        (i.parts != st.parts() || i.part >= i.parts || i.op == OpKind::BackwardWeight))
       return outOfOrder(i, fmt::format("names part {} of {} but stage {} has {} parts", i.part,
                                        i.parts, i.stage, st.parts()));
     const int first = std::max(i.part, 0), end = i.part < 0 ? st.parts() : i.part + 1;
@@ -437,10 +436,8 @@ private:
     if (auto err = checkIndices(i))
       return err;
     // (Reading a stage's output finishes the op and frees the buffer the reduction sums.)
-    if (awaiting)
-      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
-                                       "followed by its all-reduce",
-                                       describePart(*awaiting)));
+    if (auto err = checkNoReductionDue(i))
+      return err;
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end()) {
       keptSent.push_back(it->first);
       return Derived::viewOf(it->second);
@@ -496,27 +493,35 @@ private:
   llvm::Error checkIndices(const Instruction &i, bool onThisRank = true) const {
     const ParallelConfig &pc = plan.parallel;
     if (i.stage < 0 || i.stage >= plan.numStages())
-      return outOfOrder(i, fmt::format("stage {} is outside 0..{}", i.stage,
-                                       plan.numStages() - 1));
+      return outOfOrder(i, fmt::format("stage {} is outside 0..{}", i.stage, plan.numStages() - 1));
     if (onThisRank && !stages.count(i.stage))
       return outOfOrder(i, fmt::format("stage {} is not on rank {}", i.stage, c.pp));
     bool perOp = i.isCompute() || i.isP2P() ||
                  (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp);
-    if (perOp && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 ||
-                  i.slice >= pc.seqSplits || size_t(i.slice) >= plan.seqSlices.size()))
+    if (perOp && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 || i.slice >= pc.seqSplits ||
+                  size_t(i.slice) >= plan.seqSlices.size()))
       return outOfOrder(i, fmt::format("microbatch {} or slice {} is outside the plan's {} and {}",
                                        i.mb, i.slice, pc.microbatches, pc.seqSplits));
     return llvm::Error::success();
   }
 
+  /// Nothing but its tp all_reduce may follow a split part.
+  llvm::Error checkNoReductionDue(const Instruction &i) const {
+    if (!awaiting)
+      return llvm::Error::success();
+    return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
+                                     "followed by its all-reduce",
+                                     describePart(*awaiting)));
+  }
+
   llvm::Error outOfOrder(const Instruction &i, llvm::StringRef why) const {
-    return finding("{}: rank {} cannot run {} {}: {}", Derived::kName, c.pp,
-                   toString(i.op).str(), describeOp(i), why.str());
+    return finding("{}: rank {} cannot run {} {}: {}", Derived::kName, c.pp, toString(i.op).str(),
+                   describeOp(i), why.str());
   }
   static std::string describeOp(const Instruction &i) {
-    return i.part >= 0 ? fmt::format("({}, {}, {}) part {}/{}", i.stage, i.mb, i.slice, i.part,
-                                     i.parts)
-                       : fmt::format("({}, {}, {})", i.stage, i.mb, i.slice);
+    return i.part >= 0
+               ? fmt::format("({}, {}, {}) part {}/{}", i.stage, i.mb, i.slice, i.part, i.parts)
+               : fmt::format("({}, {}, {})", i.stage, i.mb, i.slice);
   }
   static std::string describePart(const Instruction &i) {
     return fmt::format("{} {}", toString(i.op).str(), describeOp(i));
@@ -538,8 +543,8 @@ private:
       return llvm::Error::success();
     Stage &st = *stages.find(stage)->second;
     if (!order.has(TensorKind::Gradient, stage, mb, slice, st.parts()))
-      return finding("{}: the input gradient of ({}, {}, {}) does not exist", Derived::kName,
-                     stage, mb, slice);
+      return finding("{}: the input gradient of ({}, {}, {}) does not exist", Derived::kName, stage,
+                     mb, slice);
     auto g = stage_dispatch::liftView(st.inputGrad(mb, slice));
     if (!g)
       return g.takeError();
