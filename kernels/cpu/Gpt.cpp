@@ -355,6 +355,11 @@ struct CpuDev {
 } // namespace
 
 static_assert(StageDevice<CpuDev>, "the host must provide what kernels/StageDevice.h asks");
+// And the concept is a contract: the host without one of its operations is no device.
+struct CpuDevWithoutRope : CpuDev {
+  void rope() = delete;
+};
+static_assert(!StageDevice<CpuDevWithoutRope>, "StageDevice must require every operation");
 
 struct StageCompute::Impl : StageProgram<CpuDev> {};
 
