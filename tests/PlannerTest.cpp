@@ -114,8 +114,12 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
   ModelSpec model = transformer(R"(, "tie_embeddings": true)");
   PlannerOptions o = smallSearch();
   o.top = 1000; // nothing pruned
-  o.maxVpp = 2; // (a smaller space: every candidate here is compiled twice)
+  // (A smaller space: every candidate here is compiled twice. Sequence parallelism and ZeRO-1
+  // are searched; recomputation is the model's, as in RankedPlansAreWhatCompilePlanMakesOfThem's
+  // search, which compiles the ranked ones of every setting.)
+  o.maxVpp = 2;
   o.microbatchSizes = {1, 2};
+  o.recompute = {Recompute::None};
   o.memoryLimit = 3 << 20;
   o.minHeadroom = 0;
   auto result = planLayouts(model, smallCluster(), o);
@@ -265,6 +269,26 @@ TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
   EXPECT_EQ(r->best.schedule, "1f1b");
   EXPECT_EQ(r->best.parallel.pp, 1);
   EXPECT_FALSE(bool(verifyPlan(r->best)));
+}
+
+TEST(PlannerTest, ListingOneFOneBSearchesItAtEveryPipelineSize) {
+  // 1f1b is also the no-pipeline entry; listed alone it must still be tried at pp > 1 (it was
+  // not, and `--schedules 1f1b` found no pipelined layout at all).
+  PlannerOptions o = smallSearch();
+  o.schedules = {"1f1b"};
+  o.top = 1000;
+  o.recompute = {Recompute::None};
+  o.sequenceParallel = o.distributedOptimizer = false;
+  auto r = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  std::set<int> pps;
+  for (size_t i : r->ranked) {
+    const PlanCandidate &c = r->candidates[i];
+    EXPECT_EQ(c.schedule, "1f1b");
+    EXPECT_EQ(c.parallel.vpp, 1);
+    pps.insert(c.parallel.pp);
+  }
+  EXPECT_TRUE(pps.count(1) && pps.count(2) && pps.count(4)) << pps.size();
 }
 
 TEST(PlannerTest, TheBubbleColumnIsTheIdleShareOfTheStep) {
