@@ -510,9 +510,13 @@ TEST(PlannerTest, ZeroOneBringsBloomsPublishedLayoutIn) {
   auto without = planLayouts(*model, *cluster, off);
   ASSERT_FALSE(bool(without));
   std::string msg = takeMessage(without.takeError());
-  EXPECT_NE(msg.find("sequence-parallel off distributed-optimizer off, needs 97.40 GiB"),
-            std::string::npos)
+  // (97.40 GiB when written; the cost model may move it, but not under 80 GiB.)
+  std::smatch need;
+  ASSERT_TRUE(std::regex_search(
+      msg, need,
+      std::regex("sequence-parallel off distributed-optimizer off, needs ([0-9.]+) GiB")))
       << msg;
+  EXPECT_GT(std::stod(need[1]), 80.0) << msg;
   auto r = planLayouts(*model, *cluster, o);
   ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
   ASSERT_FALSE(r->ranked.empty());

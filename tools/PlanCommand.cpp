@@ -1,9 +1,11 @@
 //===- PlanCommand.cpp - pipec plan: search layouts and schedules ---------===//
 //
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (flags: tools/Options.cpp)
-// Prints the top K layouts (compiler/Planner.h) as a table and what was dropped and why; -o
-// writes the best plan, --csv every candidate. Exit 0 with a plan, 1 when no layout fits in
-// memory (naming the smallest shortfall), 2 for bad input.
+// Prints the top K layouts (compiler/Planner.h) as a table (with the sequence-parallel and ZeRO-1
+// settings chosen, and with --costs whether measured or modelled costs scored each row), what
+// was dropped and why, and the `pipec compile` flags of the best; -o writes the best plan,
+// --csv every candidate. Exit 0 with a plan, 1 when no layout fits in memory (naming the
+// smallest shortfall), 2 for bad input.
 //
 //===----------------------------------------------------------------------===//
 #include "tools/PlanCommand.h"
