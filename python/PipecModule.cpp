@@ -248,6 +248,9 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   d["microbatches"] = pc.microbatches;
   d["seq_splits"] = pc.seqSplits;
   d["recompute"] = toString(c.recompute).str();
+  d["sequence_parallel"] = pc.sequenceParallel;
+  d["distributed_optimizer"] = pc.distributedOptimizer;
+  d["costs"] = c.measured ? "measured" : "model";
   d["step_time"] = c.stepTime;
   d["bubble"] = c.bubble;
   d["peak_memory_bytes"] = c.peakMemoryBytes;
