@@ -155,9 +155,10 @@ ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
 ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                 ClusterSpec start, int evaluations, double spread, double &bestError) {
   constexpr size_t n = std::size(kFactors);
-  // Unset factors start from a value the fit can move multiplicatively.
+  // Unset factors start from a value the fit can move multiplicatively (those no run measures
+  // stay unset).
   for (const Factor &f : kFactors)
-    if (get(start, f) <= 0)
+    if (get(start, f) <= 0 && measured(runs, which, f))
       set(start, f,
           f.field == &ClusterSpec::flashAttentionFraction ? start.achievedFraction : f.lo * 4);
   using Point = std::array<double, n>;
