@@ -174,6 +174,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                "\"bias\": false";
     else if (at("block") == "nemotron") // Nemotron's: LayerNorm, squared ReLU, rotary, no biases
       extra += ", \"position\": \"rope\", \"bias\": false";
+    if (at("precision") == "fp8") // Transformer Engine's FP8: the blocks' GEMMs only
+      extra += ", \"gemm_precision\": \"fp8\"";
     std::string spec = fmt::format(
         R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{"num_layers": {},
         "hidden_size": {}, "num_attention_heads": {}, "vocab_size": {}, "seq_length": {},
@@ -270,9 +272,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 }
 
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
-  ClusterSpec c = cluster;
-  if (run.fp8)
-    c.peakTflops *= 2;
+  const ClusterSpec &c = cluster;
   auto plan = compilePlan(run.model, c, run.options, /*verifyEach=*/false);
   if (!plan)
     return plan.takeError();

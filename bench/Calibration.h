@@ -48,8 +48,8 @@ struct SkippedRow {
 llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &runs,
                               std::vector<SkippedRow> &skipped);
 
-/// The predicted step time of `run` on `cluster` in seconds. An FP8 run (pipec has no FP8
-/// model dtype) has its GEMMs at twice the device's BF16 peak, the H100's FP8 tensor-core rate.
+/// The predicted step time of `run` on `cluster` in seconds. An FP8 run's model has
+/// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
 
 /// The throughput error of a prediction: predicted throughput / measured - 1, i.e. measured

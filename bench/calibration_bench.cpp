@@ -91,7 +91,11 @@ struct Factor {
 const Factor kFactors[] = {
     // The best dense GEMMs reach about 85% of an A100's or H100's peak: no fit goes past it.
     {"achieved_fraction", &ClusterSpec::achievedFraction, 0.2, 0.85},
-    {"gemm_half_dim", &ClusterSpec::gemmHalfDim, 1, 4096},
+    // GEMM efficiency by arithmetic intensity (gemm_half_dim, by the smallest dimension, came
+    // out with no shape dependence: every run's GEMMs are at least ~1,000 tokens deep).
+    {"gemm_half_intensity", &ClusterSpec::gemmHalfIntensity, 1, 4096},
+    // FP8 GEMMs over BF16 ones: at most the tensor cores' 2x, at least no gain.
+    {"fp8_gemm_speedup", &ClusterSpec::fp8GemmSpeedup, 1, 2},
     {"attention_fraction", &ClusterSpec::attentionFraction, 0.02, 1.0},
     {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.05, 0.85},
     {"memory_GBps", &ClusterSpec::memoryGBps, 100, 4000},
@@ -102,7 +106,6 @@ const Factor kFactors[] = {
     {"link efficiency", nullptr, 0.2, 1.0},
     {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 100},
 };
-
 
 double get(const ClusterSpec &c, const Factor &f) {
   return f.field ? c.*f.field : c.intraNode.efficiency;
@@ -119,6 +122,11 @@ void set(ClusterSpec &c, const Factor &f, double v) {
 /// where a run uses it (elsewhere no fit may move it; it keeps the spec's value).
 bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
               const Factor &f) {
+  // FP8's speedup only where both FP8 and BF16 runs are in: FP8 runs alone measure the product
+  // of achieved_fraction and the speedup, not either.
+  if (f.field == &ClusterSpec::fp8GemmSpeedup)
+    return std::any_of(which.begin(), which.end(), [&](size_t i) { return runs[i].fp8; }) &&
+           std::any_of(which.begin(), which.end(), [&](size_t i) { return !runs[i].fp8; });
   if (f.field != &ClusterSpec::attentionFraction)
     return true;
   for (size_t i : which)
@@ -129,13 +137,15 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 }
 
 /// Where the leave-one-source-out fits start: a prior that has seen no run, so that a held-out
-/// source never steers its own prediction (starting from the fit on all sources would).
+/// source never steers its own prediction (starting from the fit on all sources would). A
+/// factor the training runs do not measure keeps it: FP8's speedup, when the training runs are
+/// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale.
 ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
                          const std::vector<size_t> &which) {
-  const double prior[] = {0.5, 64, 0.3, 0.4, 1500, 10, 0.8, 5};
+  const double prior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 5};
   static_assert(std::size(prior) == std::size(kFactors));
   for (size_t i = 0; i < std::size(kFactors); ++i)
-    if (measured(runs, which, kFactors[i]))
+    if (measured(runs, which, kFactors[i]) || kFactors[i].field == &ClusterSpec::fp8GemmSpeedup)
       set(c, kFactors[i], prior[i]);
   return c;
 }
@@ -145,9 +155,10 @@ ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
 ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                 ClusterSpec start, int evaluations, double spread, double &bestError) {
   constexpr size_t n = std::size(kFactors);
-  // Unset factors start from a value the fit can move multiplicatively.
+  // Unset factors start from a value the fit can move multiplicatively (those no run measures
+  // stay unset).
   for (const Factor &f : kFactors)
-    if (get(start, f) <= 0)
+    if (get(start, f) <= 0 && measured(runs, which, f))
       set(start, f,
           f.field == &ClusterSpec::flashAttentionFraction ? start.achievedFraction : f.lo * 4);
   using Point = std::array<double, n>;
@@ -230,12 +241,14 @@ ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t>
 }
 
 void printFactors(const ClusterSpec &c) {
-  fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_dim\": {:.0f}, \"attention_fraction\": "
-             "{:.3f},\n  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
+  fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
+             "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
+             "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
              "\"op_overhead_us\": {:.0f}, link efficiency {:.2f}, \"message_overhead_us\": "
              "{:.0f}\n",
-             c.achievedFraction, c.gemmHalfDim, c.attentionFraction, c.flashAttentionFraction,
-             c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency, c.messageOverheadUs);
+             c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
+             c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency,
+             c.messageOverheadUs);
 }
 
 /// Per-source mean absolute error table of `which` under `predicted`.

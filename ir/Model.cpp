@@ -193,8 +193,9 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
 // the rules the Llama kernels are to follow; until they exist nothing checks them against an
 // arena.
 /// Milliseconds of a GEMM of `flops` (on one rank) whose dimensions are m x k times k x n.
-static double gemmMs(const ClusterSpec &c, double flops, double m, double k, double n) {
-  return flops / c.gemmFlopsPerMs(std::min({m, k, n}));
+static double gemmMs(const ClusterSpec &c, double flops, double m, double k, double n,
+                     bool fp8 = false) {
+  return flops / c.gemmFlopsPerMs(m, k, n, fp8);
 }
 
 SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, int64_t begin,
@@ -237,10 +238,11 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // The block's GEMMs on one rank, each 2·n·k·out FLOPs at the efficiency of its shape (the
     // input gradient's and weight gradient's GEMMs have the same three dimensions): QKV,
     // the attention's output projection, the MLP's up (and gate) and down projections.
-    double linear = gemmMs(cluster, 2 * n * h * (cl + 2 * kl), n, h, cl + 2 * kl) +
-                    gemmMs(cluster, 2 * n * cl * h, n, cl, h) +
-                    mlpIn * gemmMs(cluster, 2 * n * h * fl, n, h, fl) +
-                    gemmMs(cluster, 2 * n * fl * h, n, fl, h);
+    bool fp8 = t.fp8Gemms;
+    double linear = gemmMs(cluster, 2 * n * h * (cl + 2 * kl), n, h, cl + 2 * kl, fp8) +
+                    gemmMs(cluster, 2 * n * cl * h, n, cl, h, fp8) +
+                    mlpIn * gemmMs(cluster, 2 * n * h * fl, n, h, fl, fp8) +
+                    gemmMs(cluster, 2 * n * fl * h, n, fl, h, fp8);
     double attentionF = b * 4 * h * sigma, attentionB = b * 8 * h * sigma;
     // Memory-bound kernels, elements per token: two norms (read and write h each), two
     // dropout-and-residual adds (read 2h, write h each), all sharded only by sequence
@@ -360,10 +362,11 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
       return err;
-    if (auto err = r.onlyKeys(*it, "$.device",
-                              {"name", "peak_tflops", "achieved_fraction", "attention_fraction",
-                               "flash_attention_fraction", "gemm_half_dim", "memory_GBps",
-                               "op_overhead_us", "memory_bytes"}))
+    if (auto err =
+            r.onlyKeys(*it, "$.device",
+                       {"name", "peak_tflops", "achieved_fraction", "attention_fraction",
+                        "flash_attention_fraction", "gemm_half_dim", "gemm_half_intensity",
+                        "fp8_gemm_speedup", "memory_GBps", "op_overhead_us", "memory_bytes"}))
       return err;
     if (auto err = r.getString(*it, "$.device", "name", c.deviceName, false))
       return err;
@@ -390,6 +393,14 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
                         r.name(), c.flashAttentionFraction);
     if (auto err = r.getNumber(*it, "$.device", "gemm_half_dim", c.gemmHalfDim, false))
       return err;
+    if (auto err = r.getNumber(*it, "$.device", "gemm_half_intensity", c.gemmHalfIntensity, false))
+      return err;
+    if (auto err = r.getNumber(*it, "$.device", "fp8_gemm_speedup", c.fp8GemmSpeedup, false))
+      return err;
+    if (it->contains("fp8_gemm_speedup") && (c.fp8GemmSpeedup < 1 || c.fp8GemmSpeedup > 2))
+      return inputError("{}: $.device.fp8_gemm_speedup: expected a number in [1, 2] (FP8 GEMMs "
+                        "over BF16 ones), got {}",
+                        r.name(), c.fp8GemmSpeedup);
     if (auto err = r.getNumber(*it, "$.device", "memory_GBps", c.memoryGBps, false))
       return err;
     if (auto err = r.getNumber(*it, "$.device", "op_overhead_us", c.opOverheadUs, false))
@@ -481,11 +492,12 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   const char *path = "$.transformer";
   if (auto err = r.expectObject(t, path))
     return err;
-  if (auto err = r.onlyKeys(t, path,
-                            {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                             "vocab_size", "seq_length", "microbatch_size", "dtype",
-                             "tie_embeddings", "attention", "recompute", "norm", "mlp", "position",
-                             "rope_theta", "num_query_groups", "bias", "norm_eps"}))
+  if (auto err =
+          r.onlyKeys(t, path,
+                     {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "vocab_size", "seq_length", "microbatch_size", "dtype", "tie_embeddings",
+                      "attention", "recompute", "norm", "mlp", "position", "rope_theta",
+                      "num_query_groups", "bias", "norm_eps", "gemm_precision"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -520,6 +532,14 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return inputError("{}: $.transformer.recompute: expected \"none\", \"selective\" or "
                       "\"full\", got \"{}\"",
                       r.name(), recompute);
+  std::string gemmPrecision = "bf16";
+  if (auto err = r.getString(t, path, "gemm_precision", gemmPrecision, false))
+    return err;
+  if (gemmPrecision != "bf16" && gemmPrecision != "fp8")
+    return inputError("{}: $.transformer.gemm_precision: expected \"bf16\" or \"fp8\", got "
+                      "\"{}\"",
+                      r.name(), shortened(gemmPrecision));
+  c.fp8Gemms = gemmPrecision == "fp8";
   // The block's variants (Llama's: rmsnorm, swiglu, rope, num_query_groups, bias false).
   std::string norm = "layernorm", mlp = "gelu", position = "learned";
   if (auto err = r.getString(t, path, "norm", norm, false))

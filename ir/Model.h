@@ -16,6 +16,7 @@
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -49,6 +50,14 @@ struct ClusterSpec {
   /// achieved_fraction · d / (d + gemm_half_dim) of peak (a tile-occupancy saturation); 0 = every
   /// GEMM reaches achieved_fraction.
   double gemmHalfDim = 0;
+  /// GEMM efficiency by size: a GEMM of m x k times k x n reaches achieved_fraction · I / (I +
+  /// gemm_half_intensity) of peak, I = m·k·n / (m·k + k·n + m·n) its arithmetic intensity (FLOPs
+  /// per element moved, over 2); large GEMMs saturate at achieved_fraction. 0 = not applied.
+  double gemmHalfIntensity = 0;
+  /// How much faster a block's GEMMs run in FP8 (a model's "gemm_precision": "fp8") than the
+  /// same GEMMs in BF16, in [1, 2] (2: the H100's FP8 tensor-core peak over its BF16 one); 0 =
+  /// 1, no gain. Attention, the memory-bound kernels, the head and communication stay BF16.
+  double fp8GemmSpeedup = 0;
   /// Bytes per second (in GB/s) the memory-bound kernels reach (norms, dropouts, residual adds,
   /// activations, the optimizer step); 0 = those kernels and the optimizer step are not timed.
   double memoryGBps = 0;
@@ -76,9 +85,19 @@ struct ClusterSpec {
     double f = flash ? flashAttentionFraction : attentionFraction;
     return peakTflops * 1e9 * (f > 0 ? f : achievedFraction);
   }
-  /// FLOPs per millisecond of one device on a GEMM whose smallest dimension is `minDim`.
-  double gemmFlopsPerMs(double minDim) const {
-    return gemmHalfDim > 0 ? gemmFlopsPerMs() * minDim / (minDim + gemmHalfDim) : gemmFlopsPerMs();
+  /// FLOPs per millisecond of one device on a GEMM of m x k times k x n (its smallest dimension
+  /// and its arithmetic intensity set its efficiency), in FP8 when `fp8`.
+  double gemmFlopsPerMs(double m, double k, double n, bool fp8 = false) const {
+    double rate = gemmFlopsPerMs();
+    if (gemmHalfDim > 0) {
+      double d = std::min({m, k, n});
+      rate *= d / (d + gemmHalfDim);
+    }
+    if (gemmHalfIntensity > 0) {
+      double intensity = m * k * n / (m * k + k * n + m * n);
+      rate *= intensity / (intensity + gemmHalfIntensity);
+    }
+    return fp8 && fp8GemmSpeedup > 0 ? rate * fp8GemmSpeedup : rate;
   }
   /// Bytes per millisecond of the memory-bound kernels (0 = not timed).
   double memoryBytesPerMs() const { return memoryGBps * 1e6; }
@@ -133,6 +152,9 @@ struct TransformerConfig {
   bool tieEmbeddings = false;
   Attention attention = Attention::Flash;
   Recompute recompute = Recompute::None;
+  /// The blocks' GEMMs in FP8 ("gemm_precision": "fp8", Transformer Engine's recipe): they run
+  /// fp8_gemm_speedup times faster; everything else, and what is kept, stays at `dtype`.
+  bool fp8Gemms = false;
   Norm norm = Norm::LayerNorm;
   Mlp mlp = Mlp::Gelu;
   Position position = Position::Learned;

@@ -104,6 +104,8 @@ static OJson transformerJson(const TransformerConfig &t) {
     o["bias"] = false;
   if (t.normEps != 1e-5)
     o["norm_eps"] = t.normEps;
+  if (t.fp8Gemms)
+    o["gemm_precision"] = "fp8";
   return o;
 }
 

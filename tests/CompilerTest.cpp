@@ -335,6 +335,90 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
               1e-9);
 }
 
+TEST(TransformerCostTest, GemmEfficiencySaturatesWithArithmeticIntensity) {
+  // eff = achieved_fraction · I / (I + gemm_half_intensity), I = mkn / (mk + kn + mn): a
+  // 3000-cube has I = 3000³ / (3 · 3000²) = 1000, so a half intensity of 1000 halves its rate.
+  ClusterSpec c = ClusterSpec::defaults();
+  c.achievedFraction = 0.5;
+  c.gemmHalfIntensity = 1000;
+  EXPECT_NEAR(c.gemmFlopsPerMs(3000, 3000, 3000), 989e9 * 0.25, 1e-3);
+  // 1000 x 1000 x 1000: I = 1000/3, rate · (1000/3) / (1000/3 + 1000) = rate / 4.
+  EXPECT_NEAR(c.gemmFlopsPerMs(1000, 1000, 1000), 989e9 * 0.5 / 4, 1e-3);
+  // A block's weight gradient is its four GEMMs, each at its own shape's rate.
+  ModelSpec m = gpt(4, 4096, 1024);
+  double n = 1024, h = 4096, tp = 2, rate = 989e9 * 0.5;
+  auto ms = [&](double a, double b, double d) {
+    double i = a * b * d / (a * b + b * d + a * d);
+    return 2 * a * b * d / (rate * i / (i + 1000));
+  };
+  double expected =
+      ms(n, h, 3 * h / tp) + ms(n, h / tp, h) + ms(n, h, 4 * h / tp) + ms(n, 4 * h / tp, h);
+  EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight, expected, 1e-9);
+  // Larger models' GEMMs are more intense and lose less: per FLOP, h = 8192 runs faster.
+  ModelSpec big = gpt(4, 8192, 1024);
+  double perFlopSmall = expected / (2 * n * 12 * h * h / tp);
+  double perFlopBig =
+      big.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight / (2 * n * 12 * 4 * h * h / tp);
+  EXPECT_LT(perFlopBig, perFlopSmall);
+}
+
+TEST(TransformerCostTest, Fp8SpeedsUpTheBlocksGemmsOnly) {
+  // "gemm_precision": "fp8": the block's GEMMs run fp8_gemm_speedup times faster; attention,
+  // the memory-bound kernels, the per-op overhead and the head stay as they were.
+  ModelSpec bf16 = gpt(4, 2048, 2048, 16);
+  ModelSpec fp8 = bf16;
+  fp8.transformer->fp8Gemms = true;
+  ClusterSpec c = ClusterSpec::defaults();
+  c.achievedFraction = 0.5;
+  c.memoryGBps = 2000;
+  c.opOverheadUs = 20;
+  double n = 2048, h = 2048, linear = 2 * n * 12 * h * h / (989e9 * 0.5);
+  SliceCost a = bf16.sliceCost(c, 1, 0, 2048, 0, 1, 1);
+  // Without the factor an FP8 model runs at the BF16 rate.
+  SliceCost same = fp8.sliceCost(c, 1, 0, 2048, 0, 1, 1);
+  EXPECT_DOUBLE_EQ(same.forward, a.forward);
+  c.fp8GemmSpeedup = 1.6;
+  SliceCost b = fp8.sliceCost(c, 1, 0, 2048, 0, 1, 1);
+  EXPECT_NEAR(a.backwardWeight, linear + 0.02, 1e-9);
+  EXPECT_NEAR(b.backwardWeight, linear / 1.6 + 0.02, 1e-9);
+  EXPECT_NEAR(a.forward - b.forward, linear - linear / 1.6, 1e-9);
+  EXPECT_NEAR(a.backwardInput - b.backwardInput, linear - linear / 1.6, 1e-9);
+  EXPECT_EQ(b.activationBytes, a.activationBytes);
+  size_t head = bf16.layers.size() - 1;
+  EXPECT_DOUBLE_EQ(fp8.sliceCost(c, head, 0, 2048, 0, 1, 1).forward,
+                   bf16.sliceCost(c, head, 0, 2048, 0, 1, 1).forward);
+}
+
+TEST(TransformerCostTest, Fp8FieldsAreReadAndCheckedWithOneLine) {
+  auto m = parseModelSpec(R"({"format": "pipemodel/1", "transformer": {"num_layers": 2,
+      "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 16,
+      "gemm_precision": "fp8"}})",
+                          "m.json");
+  ASSERT_TRUE(bool(m)) << takeMessage(m.takeError());
+  EXPECT_TRUE(m->transformer->fp8Gemms);
+  auto bad = parseModelSpec(R"({"format": "pipemodel/1", "transformer": {"num_layers": 2,
+      "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 16,
+      "gemm_precision": "fp4"}})",
+                            "m.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_NE(takeMessage(bad.takeError()).find("$.transformer.gemm_precision: expected"),
+            std::string::npos);
+  auto c = parseClusterSpec(R"({"format": "pipecluster/1", "device": {"peak_tflops": 989,
+      "fp8_gemm_speedup": 1.4, "gemm_half_intensity": 300}})",
+                            "c.json");
+  ASSERT_TRUE(bool(c)) << takeMessage(c.takeError());
+  EXPECT_DOUBLE_EQ(c->fp8GemmSpeedup, 1.4);
+  EXPECT_DOUBLE_EQ(c->gemmHalfIntensity, 300);
+  auto over = parseClusterSpec(R"({"format": "pipecluster/1", "device": {"peak_tflops": 989,
+      "fp8_gemm_speedup": 3}})",
+                               "c.json");
+  ASSERT_FALSE(bool(over));
+  EXPECT_NE(takeMessage(over.takeError())
+                .find("$.device.fp8_gemm_speedup: expected a number in "
+                      "[1, 2]"),
+            std::string::npos);
+}
+
 TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTime) {
   // The norms, dropouts, residual adds and activation are charged to F and B (bytes over
   // memory_GBps), never to W; the per-op overhead to each of F, B and W.

@@ -797,6 +797,28 @@ TEST(PlannerCliTest, PiperunRefusesARecomputingPlanWithOneLine) {
   EXPECT_EQ(ok.code, 0) << ok.out << ok.err;
 }
 
+TEST(PlannerCliTest, PiperunRefusesAnFp8PlanWithOneLine) {
+  // "gemm_precision": "fp8" is a model field pipec times (the cluster's fp8_gemm_speedup) and
+  // the plan keeps; piperun's kernels compute in the model's dtype, so it refuses such a plan.
+  const std::string dir = testing::tmpDir();
+  const std::string model = dir + "/fp8.json", plan = dir + "/fp8-plan.json";
+  {
+    std::ofstream os(model);
+    os << R"({"format": "pipemodel/1", "name": "tiny-fp8", "transformer": {"num_layers": 4,
+        "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 32,
+        "dtype": "fp32", "gemm_precision": "fp8"}})";
+  }
+  Result c = run(fmt::format("tools/pipec compile --model {} --schedule 1f1b --pp 2 "
+                             "--microbatches 4 -o {} --quiet",
+                             model, plan));
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  EXPECT_NE(testing::slurp(plan).find("\"gemm_precision\": \"fp8\""), std::string::npos);
+  Result r = run(fmt::format("tools/piperun {} --backend cpu --steps 1", plan));
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("$.transformer.gemm_precision: \"fp8\""), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
 TEST(PlannerCliTest, BadInputIsOneLineAndExitTwo) {
   auto expectUsage = [](const Result &r, const std::string &part) {
     EXPECT_EQ(r.code, 2) << r.out << r.err;

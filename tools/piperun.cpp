@@ -249,6 +249,10 @@ llvm::Expected<Plan> readPlan(const std::string &path) {
     return inputError("the plan recomputes activations ($.transformer.recompute: \"{}\"), which "
                       "piperun does not execute; compile it with --recompute none",
                       toString(plan->transformer->recompute).str());
+  if (plan->transformer && plan->transformer->fp8Gemms)
+    return inputError("the plan's GEMMs are FP8 ($.transformer.gemm_precision: \"fp8\"), which "
+                      "piperun does not execute; compile a model with \"gemm_precision\": "
+                      "\"bf16\"");
   for (auto [on, flag] :
        {std::pair{plan->parallel.sequenceParallel, "--sequence-parallel"},
         std::pair{plan->parallel.distributedOptimizer, "--distributed-optimizer"}})
