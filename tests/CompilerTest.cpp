@@ -345,7 +345,7 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithArithmeticIntensity) {
   // 1000 x 1000 x 1000: I = 1000/3, rate · (1000/3) / (1000/3 + 1000) = rate / 4.
   EXPECT_NEAR(c.gemmFlopsPerMs(1000, 1000, 1000), 989e9 * 0.5 / 4, 1e-3);
   // A block's weight gradient is its four GEMMs, each at its own shape's rate.
-  ModelSpec m = gpt(4, 4096, 1024);
+  ModelSpec m = gptSpec(4, 4096, 1024);
   double n = 1024, h = 4096, tp = 2, rate = 989e9 * 0.5;
   auto ms = [&](double a, double b, double d) {
     double i = a * b * d / (a * b + b * d + a * d);
@@ -355,7 +355,7 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithArithmeticIntensity) {
       ms(n, h, 3 * h / tp) + ms(n, h / tp, h) + ms(n, h, 4 * h / tp) + ms(n, 4 * h / tp, h);
   EXPECT_NEAR(m.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight, expected, 1e-9);
   // Larger models' GEMMs are more intense and lose less: per FLOP, h = 8192 runs faster.
-  ModelSpec big = gpt(4, 8192, 1024);
+  ModelSpec big = gptSpec(4, 8192, 1024);
   double perFlopSmall = expected / (2 * n * 12 * h * h / tp);
   double perFlopBig =
       big.sliceCost(c, 1, 0, 1024, 0, 1, 2).backwardWeight / (2 * n * 12 * 4 * h * h / tp);
@@ -365,7 +365,7 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithArithmeticIntensity) {
 TEST(TransformerCostTest, Fp8SpeedsUpTheBlocksGemmsOnly) {
   // "gemm_precision": "fp8": the block's GEMMs run fp8_gemm_speedup times faster; attention,
   // the memory-bound kernels, the per-op overhead and the head stay as they were.
-  ModelSpec bf16 = gpt(4, 2048, 2048, 16);
+  ModelSpec bf16 = gptSpec(4, 2048, 2048, 16);
   ModelSpec fp8 = bf16;
   fp8.transformer->fp8Gemms = true;
   ClusterSpec c = ClusterSpec::defaults();
