@@ -9,7 +9,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>

@@ -19,7 +19,7 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/DenseMap.h"
 

@@ -1,7 +1,7 @@
 #include "ir/TorchCsv.h"
 
-#include "ir/Error.h"
-#include "ir/Limits.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/STLExtras.h"

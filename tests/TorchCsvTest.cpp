@@ -12,9 +12,9 @@
 
 #include "compiler/Import.h"
 #include "compiler/Verifier.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
 #include "ir/TorchCsv.h"
+#include "ir/formats/PlanJson.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/StringExtras.h"

@@ -11,8 +11,9 @@
 
 #include "compiler/Import.h"
 #include "ir/Model.h"
-#include "ir/PlanJson.h"
 #include "ir/TorchCsv.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
 
 using namespace pipec;
 
