@@ -8,6 +8,7 @@
 // Not a test: the numbers go into the README.
 //
 //===----------------------------------------------------------------------===//
+#include "bench/UniformPlan.h"
 #include "compiler/Pass.h"
 #include "ir/support/Error.h"
 #include "tools/Args.h"
@@ -34,15 +35,7 @@ int main(int argc, char **argv) {
     fmt::print(stderr, "compile_bench: {}\n", takeMessage(std::move(err)));
     return 2;
   }
-  ModelSpec model;
-  model.name = "uniform";
-  Layer l;
-  l.forward = l.backwardInput = l.backwardWeight = 1;
-  l.activationBytes = 1 << 20;
-  l.outputBytes = 1 << 16;
-  l.paramBytes = 1 << 22;
-  model.layers.assign(size_t(*pp), l);
-  model.p2pTime = 0.1;
+  ModelSpec model = bench::uniformModel(int(*pp), bench::kCompileBenchSizes);
   CompileOptions o;
   o.schedule = args->get("--schedule").value_or("1f1b");
   o.parallel.pp = int(*pp);

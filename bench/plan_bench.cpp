@@ -90,11 +90,13 @@ int main(int argc, char **argv) {
     }
     const PlanCandidate &best = result->candidates[result->ranked.front()];
     fmt::print("{:>6} {:>10} {:>8.2f} {:>8.2f} {:>12.0f} {:>9} {:>8}  {} tp={} pp={} vpp={} "
-               "dp={} mb={} m={} K={} step {:.1f} ms\n",
+               "dp={} mb={} m={} K={} recompute {} sp={} zero={} step {:.1f} ms\n",
                gpus, result->candidates.size(), wall, cpu, double(result->candidates.size()) / wall,
                simulated, compiled, best.schedule, best.parallel.tp, best.parallel.pp,
                best.parallel.vpp, best.parallel.dp, best.microbatchSize, best.parallel.microbatches,
-               best.parallel.seqSplits, best.stepTime);
+               best.parallel.seqSplits, toString(best.recompute).str(),
+               best.parallel.sequenceParallel ? "on" : "off",
+               best.parallel.distributedOptimizer ? "on" : "off", best.stepTime);
   }
   return 0;
 }

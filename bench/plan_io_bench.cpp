@@ -9,6 +9,7 @@
 // go into docs/benchmarks.md.
 //
 //===----------------------------------------------------------------------===//
+#include "bench/UniformPlan.h"
 #include "compiler/Pass.h"
 #include "compiler/Verifier.h"
 #include "ir/formats/PlanJson.h"
@@ -68,15 +69,7 @@ int main(int argc, char **argv) {
                plan->numInstructions(), read, since(start), peakRssMiB());
     return 0;
   }
-  ModelSpec model;
-  model.name = "uniform";
-  Layer l;
-  l.forward = l.backwardInput = l.backwardWeight = 1;
-  l.activationBytes = 1 << 20;
-  l.outputBytes = 1 << 16;
-  l.paramBytes = 1 << 22;
-  model.layers.assign(size_t(*pp), l);
-  model.p2pTime = 0.1;
+  ModelSpec model = bench::uniformModel(int(*pp), bench::kCompileBenchSizes);
   CompileOptions o;
   o.schedule = "1f1b";
   o.parallel.pp = int(*pp);

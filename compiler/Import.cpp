@@ -8,10 +8,25 @@
 #include "ir/support/Limits.h"
 #include "schedules/Policy.h"
 
+#include "llvm/ADT/STLExtras.h"
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
 #include <map>
 
 namespace pipec {
+
+llvm::StringRef describe(ImportedOrder::Source source) {
+  switch (source) {
+  case ImportedOrder::Source::TorchCsv:
+    return "PyTorch CSV, compute only";
+  case ImportedOrder::Source::TorchCsvComms:
+    return "PyTorch CSV with comms";
+  case ImportedOrder::Source::PipecText:
+    return "pipec text";
+  }
+  llvm_unreachable("unknown ImportedOrder::Source");
+}
 
 namespace {
 
@@ -88,6 +103,73 @@ std::string firstDifference(const SchedulePolicy &policy, const Plan &plan, int6
   }
   return "the orders are equal";
 }
+
+/// The index in allPolicies() of the first policy from `from` on, other than `skip`, whose
+/// order for the plan's configuration and stages is `ranks`; allPolicies().size() if none.
+size_t nextMatch(const Plan &plan, int64_t memoryLimit,
+                 const std::vector<std::vector<Instruction>> &ranks, size_t from,
+                 const SchedulePolicy *skip) {
+  llvm::ArrayRef<const SchedulePolicy *> all = allPolicies();
+  for (size_t k = from; k < all.size(); ++k)
+    if (all[k] != skip && policyEmits(*all[k], plan, memoryLimit, ranks))
+      return k;
+  return all.size();
+}
+
+/// The imported order as the schedule policy of compile's pipeline: it emits the order read
+/// from the file, has the verifier check it before anything lowers it, and names the plan
+/// after the registered policy that emits the same order (the named one, which it must then
+/// be), or custom.
+class ImportedOrderPolicy final : public SchedulePolicy {
+public:
+  ImportedOrderPolicy(const ImportedOrder &order, Placement placement, const SchedulePolicy *named,
+                      int64_t memoryLimit, llvm::StringRef source)
+      : order(order), place(placement), named(named), memoryLimit(memoryLimit), source(source) {}
+
+  llvm::StringRef name() const override { return named ? named->name() : kCustomSchedule; }
+  llvm::StringRef summary() const override { return "the compute order read from a file"; }
+  llvm::StringRef constraints() const override {
+    return "pp, vpp, microbatches and seq-splits from the file";
+  }
+  Placement placement() const override { return place; }
+  // compileImported checks the configuration against the file and the named policy.
+  llvm::Error check(const ParallelConfig &) const override { return llvm::Error::success(); }
+  void emit(const ScheduleRequest &, ComputeOrder &out) const override { out = order.ranks; }
+
+  llvm::Expected<const SchedulePolicy *> identify(const Plan &plan) const override {
+    // The imported order stands where a policy's would: check it as the verifier checks a
+    // policy's output (structure, completeness, same-rank dependencies) before lowering it.
+    VerifyOptions computeOnly;
+    computeOnly.requireComms = false;
+    computeOnly.requireCollectives = false;
+    if (auto err = verifyPlan(plan, computeOnly))
+      return err;
+    if (named) {
+      if (auto err = named->checkRequest({plan.parallel, plan.stages, memoryLimit}))
+        return err;
+      if (!policyEmits(*named, plan, memoryLimit, order.ranks))
+        return finding("{} is not pipec's {} for pp={} vpp={} microbatches={}: {}; drop "
+                       "--schedule to import it as a {} schedule",
+                       source, named->name().str(), plan.parallel.pp, plan.parallel.vpp,
+                       plan.parallel.microbatches,
+                       firstDifference(*named, plan, memoryLimit, order.ranks), kCustomSchedule);
+      return named;
+    }
+    // An order that is a policy's is that policy's plan, its optimizer step included (whether
+    // it post-validates instead of waiting for the pipeline-wide check), as compile makes it.
+    size_t first = nextMatch(plan, memoryLimit, order.ranks, 0, nullptr);
+    if (first < allPolicies().size())
+      return allPolicies()[first];
+    return this;
+  }
+
+private:
+  const ImportedOrder &order;
+  Placement place;
+  const SchedulePolicy *named;
+  int64_t memoryLimit;
+  std::string source;
+};
 
 } // namespace
 
@@ -173,9 +255,10 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
       return err;
   }
 
+  ImportedOrderPolicy policy(order, placement, named, options.memoryLimit, source);
   ImportResult result;
   Plan &plan = result.plan;
-  plan.schedule = o.schedule;
+  plan.schedule = policy.name().str();
   plan.model = model.name;
   plan.timeUnit = model.timeUnit().str();
   plan.parallel = o.parallel;
@@ -187,48 +270,28 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
   ctx.model = &model;
   ctx.cluster = &cluster;
   ctx.options = o;
+  ctx.policy = &policy;
   ctx.verifyEach = verifyEach;
-  if (auto err = runPipeline({"seq-split", "partition"}, plan, ctx))
-    return err;
-  // The imported order stands where a policy's would: check it as the verifier checks a
-  // policy's output (structure, completeness, same-rank dependencies) before lowering it.
-  plan.ranks = order.ranks;
-  ctx.scheduled = true;
-  VerifyOptions computeOnly;
-  computeOnly.requireComms = false;
-  computeOnly.requireCollectives = false;
-  if (auto err = verifyPlan(plan, computeOnly))
+  if (auto err = runPipeline(defaultPipeline(), plan, ctx))
     return err;
 
-  if (named) {
-    if (auto err = named->checkRequest({plan.parallel, plan.stages, options.memoryLimit}))
-      return err;
-    if (!policyEmits(*named, plan, options.memoryLimit, order.ranks))
-      return finding("{} is not pipec's {} for pp={} vpp={} microbatches={}: {}; drop "
-                     "--schedule to import it as a {} schedule",
-                     source.str(), named->name().str(), pp, vpp, order.microbatches,
-                     firstDifference(*named, plan, options.memoryLimit, order.ranks),
-                     kCustomSchedule);
+  // Every policy whose order this is, the one the plan is named after first. The schedule pass
+  // tried the policies before that one (or, with --schedule, only the named one): the rest are
+  // tried here, each once.
+  llvm::ArrayRef<const SchedulePolicy *> all = allPolicies();
+  const SchedulePolicy *first = named;
+  size_t from = 0;
+  if (!named) {
+    auto it =
+        llvm::find_if(all, [&](const SchedulePolicy *p) { return p->name() == plan.schedule; });
+    first = it == all.end() ? nullptr : *it; // none: custom, and every policy was tried
+    from = size_t(it - all.begin()) + (first ? 1 : 0);
   }
-  // The policies whose order this is, the named one first; each resolved once, here.
-  std::vector<const SchedulePolicy *> matched;
-  if (named)
-    matched.push_back(named);
-  for (const SchedulePolicy *p : allPolicies())
-    if (p != named && policyEmits(*p, plan, options.memoryLimit, order.ranks))
-      matched.push_back(p);
-  for (const SchedulePolicy *p : matched)
-    result.matches.push_back(p->name().str());
-  // An order that is a policy's is that policy's plan, its optimizer step included (whether it
-  // post-validates instead of waiting for the pipeline-wide check), as compile makes it.
-  if (!matched.empty()) {
-    plan.schedule = matched.front()->name().str();
-    plan.postValidation = matched.front()->postValidation();
-  }
-
-  if (auto err = runPipeline({"lower-comms", "lower-collectives", "memory", "simulate", "verify"},
-                             plan, ctx))
-    return err;
+  if (first)
+    result.matches.push_back(first->name().str());
+  for (size_t k = nextMatch(plan, options.memoryLimit, order.ranks, from, first); k < all.size();
+       k = nextMatch(plan, options.memoryLimit, order.ranks, k + 1, first))
+    result.matches.push_back(all[k]->name().str());
   if (auto err = checkMemoryLimit(plan, options.memoryLimit))
     return err;
   return result;

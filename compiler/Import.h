@@ -1,9 +1,10 @@
 //===- Import.h - Compile a schedule read from a file ------------*- C++ -*-===//
 //
 // `pipec import`: a compute order written by someone else (PyTorch's CSV, pipec's text form)
-// goes through the same passes as a policy's order, from the schedule pass on: seq-split and
-// partition from the model, then the imported order in place of a policy's, then lower-comms,
-// lower-collectives, memory, simulate and verify. pp, vpp, microbatches, seq-splits and the
+// goes through compile's pipeline (defaultPipeline()) with the imported order as its schedule
+// policy: seq-split and partition from the model, the schedule pass taking the imported order
+// (checked by the verifier before anything lowers it), then lower-comms, lower-collectives,
+// memory, simulate and verify. pp, vpp, microbatches, seq-splits and the
 // placement (loop or V) come from the file; the plan is named after the pipec policy whose
 // order it equals, so an exported plan imports back byte for byte.
 //
@@ -12,17 +13,36 @@
 #define PIPEC_COMPILER_IMPORT_H
 
 #include "compiler/Pass.h"
+#include "ir/Instruction.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
-#include "ir/TorchCsv.h"
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace pipec {
+
+/// A schedule read back from a file (compiler/torch/TorchCsv.h reads PyTorch's CSV and pipec's
+/// text form): compute ops per rank, whatever else was there dropped.
+struct ImportedOrder {
+  enum class Source : uint8_t { TorchCsv, TorchCsvComms, PipecText };
+  Source source = Source::TorchCsv;
+  /// Compute ops of each rank, in order (slice set, never split into tp parts).
+  std::vector<std::vector<Instruction>> ranks;
+  int numStages = 0;          // largest stage + 1
+  int microbatches = 0;       // largest microbatch + 1
+  int seqSplits = 1;          // largest slice + 1 (pipec text only; PyTorch has no slices)
+  size_t droppedComms = 0;    // comm, wait, reduction and FSDP actions, re-derived by pipec
+  size_t overlappedPairs = 0; // OVERLAP_F_B actions, split into their F and B in order
+  size_t idleCells = 0;       // empty cells of the compute-only form
+};
+llvm::StringRef describe(ImportedOrder::Source source);
 
 /// What the file cannot say; the flags mean what they mean for `pipec compile`.
 struct ImportOptions {

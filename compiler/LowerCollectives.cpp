@@ -17,8 +17,9 @@
 // same order on all its members.
 //
 //===----------------------------------------------------------------------===//
-#include "compiler/Pass.h"
+#include "compiler/LowerCollectives.h"
 
+#include "compiler/Pass.h"
 #include "ir/support/Error.h"
 
 #include "llvm/ADT/DenseMap.h"
@@ -26,6 +27,31 @@
 #include <algorithm>
 
 namespace pipec {
+
+std::vector<llvm::SmallVector<int, 2>> dpAllReducePoints(llvm::ArrayRef<Instruction> stream) {
+  // Last weight-gradient op of each stage on this rank.
+  llvm::SmallDenseMap<int, size_t, 8> lastWeightGrad;
+  for (size_t n = 0; n < stream.size(); ++n)
+    if (stream[n].op == OpKind::BackwardWeight || stream[n].op == OpKind::Backward)
+      lastWeightGrad[stream[n].stage] = n;
+  std::vector<llvm::SmallVector<int, 2>> points(stream.size() + 1);
+  llvm::SmallVector<int, 4> due; // stages whose all-reduce waits for the sends and recvs
+  for (size_t n = 0; n < stream.size(); ++n) {
+    const Instruction &i = stream[n];
+    if (!i.isP2P()) {
+      points[n].append(due.begin(), due.end());
+      due.clear();
+    }
+    if (i.isCompute()) {
+      auto it = lastWeightGrad.find(i.stage);
+      if (it != lastWeightGrad.end() && it->second == n)
+        due.push_back(i.stage);
+    }
+  }
+  points[stream.size()].append(due.begin(), due.end());
+  return points;
+}
+
 namespace {
 
 class LowerCollectivesPass final : public Pass {
@@ -36,13 +62,16 @@ public:
     const ParallelConfig &pc = plan.parallel;
     for (size_t r = 0; r < plan.ranks.size(); ++r) {
       const auto &in = plan.ranks[r];
-      // Last weight-gradient op of each stage on this rank.
-      llvm::SmallDenseMap<int, size_t, 8> lastWeightGrad;
-      for (size_t n = 0; n < in.size(); ++n)
-        if (in[n].op == OpKind::BackwardWeight || in[n].op == OpKind::Backward)
-          lastWeightGrad[in[n].stage] = n;
+      // dp all-reduces where the rule puts them (none to place with dp = 1).
+      std::vector<llvm::SmallVector<int, 2>> dpAt;
+      size_t numDp = 0;
+      if (pc.dp > 1) {
+        dpAt = dpAllReducePoints(in);
+        for (const auto &stages : dpAt)
+          numDp += stages.size();
+      }
       // Exactly what is emitted below, so that the stream is allocated once.
-      size_t size = in.size() + lastWeightGrad.size() + 3;
+      size_t size = in.size() + numDp + 3;
       if (pc.tp > 1)
         for (const Instruction &i : in) {
           int parts = plan.stages[size_t(std::max(i.stage, 0))].tpAllReduces;
@@ -51,9 +80,10 @@ public:
         }
       std::vector<Instruction> out;
       out.reserve(size);
-      llvm::SmallVector<int, 4> dpDue; // stages whose dp all-reduce goes after the comms
-      auto emitDp = [&]() {
-        for (int s : dpDue) {
+      auto emitDp = [&](size_t n) {
+        if (dpAt.empty())
+          return;
+        for (int s : dpAt[n]) {
           Instruction ar;
           ar.op = OpKind::AllReduce;
           ar.collective = CollectiveGroup::Dp;
@@ -61,12 +91,10 @@ public:
           ar.bytes = plan.stages[size_t(s)].paramBytes;
           out.push_back(ar);
         }
-        dpDue.clear();
       };
       for (size_t n = 0; n < in.size(); ++n) {
         const Instruction &i = in[n];
-        if (!i.isP2P())
-          emitDp();
+        emitDp(n);
         int parts = plan.stages[size_t(std::max(i.stage, 0))].tpAllReduces;
         bool split = pc.tp > 1 && parts > 0 && i.isCompute() && i.op != OpKind::BackwardWeight;
         if (!split) {
@@ -90,13 +118,8 @@ public:
             out.push_back(ar);
           }
         }
-        if (pc.dp > 1 && i.isCompute()) {
-          auto it = lastWeightGrad.find(i.stage);
-          if (it != lastWeightGrad.end() && it->second == n)
-            dpDue.push_back(i.stage);
-        }
       }
-      emitDp();
+      emitDp(in.size());
       if (plan.tiedEmbeddings()) {
         for (int s : {0, plan.numStages() - 1}) {
           if (plan.rankOf(s) != int(r))

@@ -1,7 +1,8 @@
 //===- Partition.cpp - Layers into stages, exactly ------------------------===//
 //
 // Establishes: P·V stages, each a contiguous non-empty layer range, placed on ranks by the
-// policy's placement, with per-slice costs, bytes and transfer times filled in.
+// plan's placement (its policy's, set by the caller that resolved the policy), with per-slice
+// costs, bytes and transfer times filled in.
 // The split minimises the largest stage time (F + B + W of its layers over the whole sequence)
 // exactly, by dynamic programming over prefix sums (the classic linear-partition recurrence);
 // among the splits that reach that optimum it takes the one with the least sum of squared stage
@@ -12,7 +13,6 @@
 
 #include "compiler/Pass.h"
 #include "ir/support/Error.h"
-#include "schedules/Policy.h"
 
 #include <algorithm>
 #include <cmath>
@@ -301,11 +301,6 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
   }
   fillTransferTimes(plan, model, cluster);
   plan.stateBytesPerParamByte = stateBytesPerParamByte(model, pc);
-  // Whether the schedule skips the optimizer's pipeline-wide wait is its policy's to declare.
-  if (auto policy = findPolicy(plan.schedule))
-    plan.postValidation = (*policy)->postValidation();
-  else
-    llvm::consumeError(policy.takeError());
 }
 
 std::unique_ptr<Pass> createPartitionPass() { return std::make_unique<PartitionPass>(); }

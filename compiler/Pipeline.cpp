@@ -18,7 +18,8 @@ namespace pipec {
 
 namespace {
 
-/// Establishes: plan.ranks holds the policy's compute order, one stream per rank.
+/// Establishes: plan.ranks holds the policy's compute order, one stream per rank; the plan's
+/// schedule name and post-validation are those of the policy the order is (Policy::identify).
 class SchedulePass final : public Pass {
 public:
   llvm::StringRef name() const override { return "schedule"; }
@@ -35,6 +36,13 @@ public:
     assert(int(order.size()) == plan.parallel.pp && "policy emitted the wrong number of ranks");
     plan.ranks = std::move(order);
     ctx.scheduled = true;
+    // The plan is named after the policy whose order it holds, and whether it skips the
+    // optimizer's pipeline-wide wait is that policy's to declare.
+    auto as = ctx.policy->identify(plan);
+    if (!as)
+      return as.takeError();
+    plan.schedule = (*as)->name().str();
+    plan.postValidation = (*as)->postValidation();
     return true;
   }
 };

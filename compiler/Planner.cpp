@@ -5,6 +5,7 @@
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
+#include "ir/MeasuredCosts.h"
 #include "ir/support/Error.h"
 #include "ir/support/Limits.h"
 #include "schedules/Policy.h"
@@ -59,6 +60,32 @@ ModelSpec modelVariant(const ModelSpec &model, int64_t microbatchSize, Recompute
 
 std::string scheduleLabel(const PlanCandidate &c) {
   return c.parallel.pp == 1 && !c.schedule.empty() ? kNoPipelineLabel : c.schedule;
+}
+
+std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options) {
+  const ParallelConfig &pc = c.parallel;
+  std::string out = fmt::format("--schedule {} --pp {}", c.schedule, pc.pp);
+  if (pc.vpp != 1)
+    out += fmt::format(" --vpp {}", pc.vpp);
+  out += fmt::format(" --microbatches {}", pc.microbatches);
+  if (pc.seqSplits != 1)
+    out += fmt::format(" --seq-splits {}", pc.seqSplits);
+  out += fmt::format(" --tp {} --dp {} --recompute {}", pc.tp, pc.dp, toString(c.recompute).str());
+  if (pc.sequenceParallel)
+    out += " --sequence-parallel";
+  if (pc.distributedOptimizer)
+    out += " --distributed-optimizer";
+  if (c.zbAutoLimit)
+    out += fmt::format(" --memory-limit {}", c.zbAutoLimit);
+  if (c.measured && !options.costsSource.empty())
+    out += " " + options.costsSource;
+  return out;
+}
+
+bool coversCandidate(const MeasuredCosts &costs, const PlanCandidate &c) {
+  const ParallelConfig &pc = c.parallel;
+  return int64_t(pc.pp) * pc.vpp == costs.numStages && pc.seqSplits == costs.numSlices &&
+         (costs.ranks.empty() || costs.ranks.size() == size_t(pc.pp));
 }
 
 int64_t headroomFor(int64_t minHeadroom, int64_t limit) {
@@ -208,7 +235,64 @@ private:
   std::vector<int64_t> microbatchSizesFor(int64_t perReplica) const;
   bool tpAllowed(int tp) const;
   bool scheduleOpen(int pp, int64_t microbatches) const;
+  /// The recomputation settings enumerated: --recompute's, else none, selective where it
+  /// changes something (materialized attention) and full; with --costs, the model's own.
+  std::vector<Recompute> recomputeSettings() const;
+  /// A switch's settings to try: the fixed one (where it applies), else off and on where it
+  /// applies (never searched with --costs: the profile was measured with one setting).
+  std::vector<bool> switchSettings(std::optional<bool> fixed, bool applies) const;
+  /// With --costs: one line (naming the flag) when the file covers no open candidate.
+  llvm::Error checkCostsCover() const;
 };
+
+std::vector<Recompute> Search::recomputeSettings() const {
+  if (!o.recompute.empty())
+    return o.recompute;
+  if (!model.transformer)
+    return {Recompute::None};
+  if (o.costs)
+    return {model.transformer->recompute};
+  if (model.transformer->attention == Attention::Flash)
+    return {Recompute::None, Recompute::Full};
+  return {Recompute::None, Recompute::Selective, Recompute::Full};
+}
+
+std::vector<bool> Search::switchSettings(std::optional<bool> fixed, bool applies) const {
+  if (!applies || !model.isTransformer())
+    return {false};
+  if (fixed)
+    return {*fixed};
+  if (o.costs)
+    return {false};
+  return {false, true};
+}
+
+llvm::Error Search::checkCostsCover() const {
+  if (!o.costs)
+    return llvm::Error::success();
+  std::vector<int64_t> stageCounts;
+  for (const PlanCandidate &c : cands) {
+    if (c.outcome != Outcome::Fits)
+      continue;
+    if (coversCandidate(*o.costs, c))
+      return llvm::Error::success();
+    int64_t n = int64_t(c.parallel.pp) * c.parallel.vpp;
+    if (!llvm::is_contained(stageCounts, n))
+      stageCounts.push_back(n);
+  }
+  llvm::sort(stageCounts);
+  std::string counts;
+  for (int64_t n : stageCounts)
+    counts += (counts.empty() ? "" : ",") + std::to_string(n);
+  const MeasuredCosts &m = *o.costs;
+  return inputError("{}: measured on {} stages with {} sub-sequences{}, and no candidate of "
+                    "this search has that layout (their pp x vpp: {}); profile a plan of a "
+                    "layout the search tries, or widen --pp, --max-vpp or --seq-splits",
+                    o.costsSource, m.numStages, m.numSlices,
+                    m.ranks.empty() ? std::string()
+                                    : fmt::format(" on {} pipeline ranks", m.ranks.size()),
+                    counts);
+}
 
 llvm::Error Search::setUp() {
   if (o.gpus < 1)
@@ -266,6 +350,25 @@ llvm::Error Search::setUp() {
   for (int k : o.seqSplits)
     if (k < 1)
       return inputError("--seq-splits must list counts of at least 1 (got {}); try 1,2,4", k);
+  if (o.costs) {
+    // The file says how many stages, sub-sequences and ranks it was measured on, not the
+    // model variant or tensor parallelism: those are the flags', one value each.
+    if (!model.isTransformer())
+      return inputError("--costs: measured costs are in ms, but the model is an abstract layer "
+                        "list (times in '{}'); use --costs with a transformer model spec",
+                        model.timeUnit().str());
+    if (o.tpSizes.size() != 1)
+      return inputError("--costs: a costs file does not record the tp it was measured at; give "
+                        "the profiled plan's as one --tp value (try --tp 1)");
+    if (o.microbatchSizes.size() != 1)
+      return inputError("--costs: a costs file does not record the microbatch size it was "
+                        "measured at; give the profiled plan's as one --microbatch-sizes value "
+                        "(try --microbatch-sizes {})",
+                        model.transformer->microbatchSize);
+    if (o.recompute.size() > 1)
+      return inputError("--costs: a costs file was measured with one recomputation setting; "
+                        "give it as one --recompute value (default: the model's own)");
+  }
   for (int64_t b : o.microbatchSizes)
     if (b < 1)
       return inputError("--microbatch-sizes must list sizes of at least 1 (got {}); try 1,2,4", b);
@@ -286,9 +389,7 @@ size_t Search::variantFor(int64_t b, Recompute r) {
 }
 
 void Search::enumerate() {
-  std::vector<Recompute> recomputes = o.recompute;
-  if (recomputes.empty())
-    recomputes.push_back(model.transformer ? model.transformer->recompute : Recompute::None);
+  const std::vector<Recompute> recomputes = recomputeSettings();
   const int n = o.gpus;
   const int numLayers = int(model.layers.size());
   for (Recompute rec : recomputes) {
@@ -303,8 +404,6 @@ void Search::enumerate() {
       base.recompute = rec;
       base.parallel.tp = tp;
       base.parallel.pp = base.parallel.dp = 0; // not chosen yet (a row of --csv says so)
-      base.parallel.sequenceParallel = o.sequenceParallel;
-      base.parallel.distributedOptimizer = o.distributedOptimizer;
       if (model.transformer) {
         const TransformerConfig &t = *model.transformer;
         if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp ||
@@ -357,7 +456,9 @@ void Search::enumerate() {
           size_t variant = variantFor(b, rec);
           for (size_t si = 0; si < schedules.size(); ++si) {
             const ScheduleChoice &sc = schedules[si];
-            if ((pp == 1) != (si == noPipeline) || (pp > 1 && sc.noPipelineOnly))
+            // pp 1: the no-pipeline entry only; pp > 1: every schedule asked for (1f1b
+            // included when listed, which is also the no-pipeline entry).
+            if (pp == 1 ? si != noPipeline : sc.noPipelineOnly)
               continue;
             for (int vpp : pp == 1 ? std::vector<int>{1} : sc.vpps)
               for (int k : pp == 1 ? std::vector<int>{1} : sc.seqSplits) {
@@ -383,9 +484,17 @@ void Search::enumerate() {
                     c.why = takeMessage(std::move(err));
                   }
                 }
-                cands.push_back(std::move(c));
-                variantOf.push_back(variant);
-                scheduleOf.push_back(si);
+                // Sequence parallelism (tp > 1) and ZeRO-1 (dp > 1), each off then on, unless
+                // fixed: the same layout, other memory and communication.
+                for (bool sp : switchSettings(o.sequenceParallel, tp > 1))
+                  for (bool zero : switchSettings(o.distributedOptimizer, dp > 1)) {
+                    PlanCandidate v = c;
+                    v.parallel.sequenceParallel = sp;
+                    v.parallel.distributedOptimizer = zero;
+                    cands.push_back(std::move(v));
+                    variantOf.push_back(variant);
+                    scheduleOf.push_back(si);
+                  }
               }
           }
         }
@@ -464,6 +573,7 @@ void Search::evaluate(size_t index, double threshold) {
   plan.timeUnit = model.timeUnit().str();
   plan.parallel = pc;
   plan.placement = policy.placement();
+  plan.postValidation = policy.postValidation();
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;
@@ -473,6 +583,16 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
   buildStages(plan, var.model, cluster, partitionFor(variantOf[index], pc.tp, pc.numStages()));
+  // Measured times where the file covers the candidate, as compile's pipeline puts them in
+  // right after its partition pass: the bounds, the order and the simulation all take them.
+  if (o.costs && coversCandidate(*o.costs, c)) {
+    if (llvm::Error err = applyMeasuredCosts(*o.costs, o.costsSource, plan)) {
+      c.outcome = Outcome::Constraint;
+      c.why = takeMessage(std::move(err));
+      return;
+    }
+    c.measured = true;
+  }
 
   // Memory lower bound: static bytes and the most one microbatch holds, on every rank.
   std::vector<int64_t> params(size_t(pc.pp), 0), most(size_t(pc.pp), 0);
@@ -578,6 +698,10 @@ bool Search::compile(size_t index, Plan *out) {
   co.schedule = c.schedule;
   co.parallel = c.parallel;
   co.memoryLimit = c.zbAutoLimit;
+  if (c.measured) {
+    co.costs = o.costs;
+    co.costsSource = o.costsSource;
+  }
   auto plan = compilePlan(variants[variantOf[index]].model, cluster, co);
   c.compiled = true;
   if (!plan) {
@@ -652,15 +776,25 @@ llvm::Error Search::explainNothingFits() {
   std::string kept = headroom > 0
                          ? fmt::format(" with {} kept free (--min-headroom)", mib(headroom))
                          : std::string();
+  // What the search has not tried yet that saves memory, as hints after the limit.
+  std::string hints = "more GPUs";
+  const std::vector<Recompute> tried = recomputeSettings();
+  if (model.transformer && !llvm::is_contained(tried, Recompute::Full))
+    hints += ", or --recompute full";
+  if (model.transformer && o.sequenceParallel == std::optional<bool>(false))
+    hints += ", or let the search try sequence parallelism (without --no-sequence-parallel)";
+  if (model.transformer && o.distributedOptimizer == std::optional<bool>(false))
+    hints += ", or let the search try ZeRO-1 (without --no-distributed-optimizer)";
   return finding("no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
-                 "vpp={} dp={} microbatch size {} seq-splits {} recompute {}, needs {} on rank "
-                 "{} (as `pipec compile` states it; {} short); try --memory-limit {}, more "
-                 "GPUs, or --recompute full",
+                 "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
+                 "{} distributed-optimizer {}, needs {} on rank {} (as `pipec compile` states "
+                 "it; {} short); try --memory-limit {}, {}",
                  o.gpus, mib(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
                  closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
+                 pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
                  mib(closest->peakMemoryBytes), closest->worstRank,
                  mib(closest->peakMemoryBytes - fit),
-                 limitThatFits(o.minHeadroom, closest->peakMemoryBytes));
+                 limitThatFits(o.minHeadroom, closest->peakMemoryBytes), hints);
 }
 
 std::vector<int64_t> Search::microbatchSizesFor(int64_t perReplica) const {
@@ -911,6 +1045,8 @@ llvm::Expected<PlannerResult> Search::run() {
       open.push_back(i);
   if (open.empty())
     return explainNoLayout();
+  if (llvm::Error err = checkCostsCover())
+    return err;
   std::vector<double> order(cands.size(), 0);
   for (size_t i : open) {
     Variant &v = variants[variantOf[i]];
@@ -1004,9 +1140,10 @@ llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterS
 
 std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
                        const PlannerOptions &options, const PlannerResult &result) {
-  std::string out = "recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,schedule,"
-                    "outcome,step_time,step_time_bound,bubble,peak_memory_bytes,"
-                    "peak_memory_exact,worst_rank,tokens_per_s,model_tflops_per_gpu,mfu,why\n";
+  std::string out = "recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,"
+                    "sequence_parallel,distributed_optimizer,schedule,outcome,step_time,"
+                    "step_time_bound,bubble,peak_memory_bytes,peak_memory_exact,worst_rank,"
+                    "tokens_per_s,model_tflops_per_gpu,mfu,costs,why\n";
   auto quote = [](llvm::StringRef s) {
     std::string q = "\"";
     for (char ch : s) {
@@ -1036,17 +1173,20 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
     }
     if (c.stepTimeBound > 0)
       bound = fmt::format("{:.6g}", c.stepTimeBound);
-    out += fmt::format(
-        "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-        toString(c.recompute).str(), pc.tp, pc.pp ? std::to_string(pc.pp) : "",
-        c.schedule.empty() ? "" : std::to_string(pc.vpp), pc.pp ? std::to_string(pc.dp) : "",
-        c.schedule.empty() ? "" : std::to_string(c.microbatchSize),
-        c.schedule.empty() ? "" : std::to_string(pc.microbatches),
-        c.schedule.empty() ? "" : std::to_string(pc.seqSplits),
-        c.schedule.empty() ? "*" : scheduleLabel(c), toString(c.outcome).str(), time, bound, bubble,
-        c.peakMemoryBytes ? std::to_string(c.peakMemoryBytes) : "",
-        c.peakMemoryBytes ? (c.peakExact ? "yes" : "no") : "",
-        c.peakMemoryBytes ? std::to_string(c.worstRank) : "", tokens, tflops, mfu, quote(c.why));
+    const bool scheduled = !c.schedule.empty();
+    auto onOff = [&](bool v) { return scheduled ? (v ? "on" : "off") : ""; };
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                       toString(c.recompute).str(), pc.tp, pc.pp ? std::to_string(pc.pp) : "",
+                       scheduled ? std::to_string(pc.vpp) : "", pc.pp ? std::to_string(pc.dp) : "",
+                       scheduled ? std::to_string(c.microbatchSize) : "",
+                       scheduled ? std::to_string(pc.microbatches) : "",
+                       scheduled ? std::to_string(pc.seqSplits) : "", onOff(pc.sequenceParallel),
+                       onOff(pc.distributedOptimizer), scheduled ? scheduleLabel(c) : "*",
+                       toString(c.outcome).str(), time, bound, bubble,
+                       c.peakMemoryBytes ? std::to_string(c.peakMemoryBytes) : "",
+                       c.peakMemoryBytes ? (c.peakExact ? "yes" : "no") : "",
+                       c.peakMemoryBytes ? std::to_string(c.worstRank) : "", tokens, tflops, mfu,
+                       c.simulated ? (c.measured ? "measured" : "model") : "", quote(c.why));
   }
   return out;
 }

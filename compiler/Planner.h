@@ -5,9 +5,11 @@
 // a node unless allowed across), pipeline size pp, data-parallel size dp = GPUs / (tp·pp),
 // microbatch size b and count m with dp·m·b = the global batch, virtual stages and sequence
 // splits where a schedule takes them, every schedule whose constraints the layout meets, and
-// activation recomputation where asked; pp 1 is one candidate, no pipeline (1f1b at vpp 1,
-// one slice). It keeps the layouts whose worst rank's peak memory fits the device with
-// --min-headroom left free, simulates each, and ranks them by step time.
+// with each of them activation recomputation (none, selective, full), sequence parallelism
+// (tp > 1) and ZeRO-1 (dp > 1), each searched unless fixed; pp 1 is one candidate, no pipeline
+// (1f1b at vpp 1, one slice). It keeps the layouts whose worst rank's peak memory fits the
+// device with --min-headroom left free, simulates each, and ranks them by step time. With
+// --costs, the measured times score the candidates the file covers (coversCandidate).
 //
 // How (the "fast"):
 //   - no JSON and no verification per candidate: the stage table comes from the partition
@@ -24,8 +26,9 @@
 //     not depend on the threads' timing;
 //   - the candidates that may enter the top K are compiled in full (compilePlan, verification
 //     included), and only compiled plans are ranked.
-// Ties are broken by the order candidates are enumerated in (PlanCandidate's fields, in
-// declaration order: recompute, tp, pp, microbatch size, schedule as listed, vpp, seq splits).
+// Ties are broken by the order candidates are enumerated in: recompute, tp, pp, microbatch
+// size, schedule as listed, vpp, seq splits, sequence parallelism (off first), ZeRO-1 (off
+// first).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_COMPILER_PLANNER_H
@@ -33,10 +36,13 @@
 
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 
 #include "llvm/Support/Error.h"
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,12 +70,19 @@ struct PlannerOptions {
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
-  /// Every candidate with sequence parallelism / the distributed optimizer (ZeRO-1).
-  bool sequenceParallel = false, distributedOptimizer = false;
+  /// Sequence parallelism and the distributed optimizer (ZeRO-1): unset, both settings are
+  /// searched where they apply (sequence parallelism with tp > 1, ZeRO-1 with dp > 1); set,
+  /// every candidate has that setting (--sequence-parallel / --no-sequence-parallel, ...).
+  std::optional<bool> sequenceParallel, distributedOptimizer;
   /// Tensor- and pipeline-parallel sizes to try; empty: every divisor that fits.
   std::vector<int> tpSizes, ppSizes;
-  /// Recomputation settings to try; empty: the model's own.
+  /// Recomputation settings to try; empty: none, selective (materialized attention only: with
+  /// flash attention it changes nothing) and full, or, with costs, the model's own.
   std::vector<Recompute> recompute;
+  /// --costs: measured times (ir/formats/Costs.h) in place of the cost model's for the candidates the
+  /// file covers (coversCandidate); `costsSource` names it in messages.
+  std::shared_ptr<const MeasuredCosts> costs;
+  std::string costsSource;
   /// Microbatch sizes to try; empty: every divisor of the per-replica batch up to
   /// maxMicrobatchSize (transformer models; an abstract model's microbatch is its unit).
   std::vector<int64_t> microbatchSizes;
@@ -120,6 +133,8 @@ struct PlanCandidate {
   bool compiled = false;
   /// The activation budget zb-auto ran under (0 for other schedules).
   int64_t zbAutoLimit = 0;
+  /// Scored with the --costs file's measured times (else the cost model's).
+  bool measured = false;
 };
 
 struct PlannerResult {
@@ -160,6 +175,16 @@ std::string scheduleLabel(const PlanCandidate &c);
 /// --memory-limit under which a plan peaking at `peak` bytes keeps it.
 int64_t headroomFor(int64_t minHeadroom, int64_t limit);
 int64_t limitThatFits(int64_t minHeadroom, int64_t peak);
+
+/// The `pipec compile` flags that build candidate `c` (less --model and --cluster): its schedule
+/// (1f1b for no-pipeline), parallel sizes, recomputation, sequence parallelism, distributed
+/// optimizer, zb-auto's --memory-limit and, where it was scored with them, --costs.
+std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options);
+
+/// Whether `costs` covers candidate `c`: its stage count (pp x vpp), sub-sequences and, where
+/// the file lists ranks, its pipeline ranks are the profiled plan's. (The tp, microbatch size,
+/// recomputation and switches, which the file does not record, are fixed by the options.)
+bool coversCandidate(const MeasuredCosts &costs, const PlanCandidate &c);
 
 /// Every candidate as CSV, one row each, a header first.
 std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,

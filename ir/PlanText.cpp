@@ -54,8 +54,7 @@ std::string formatToken(const Plan &plan, const Instruction &i) {
   return "?";
 }
 
-/// Consume a non-negative decimal integer.
-static bool eatInt(llvm::StringRef &s, int32_t &out) {
+bool consumeNumber(llvm::StringRef &s, int32_t &out) {
   size_t n = 0;
   while (n < s.size() && llvm::isDigit(s[n]))
     ++n;
@@ -70,25 +69,24 @@ static bool eatInt(llvm::StringRef &s, int32_t &out) {
 
 /// Parse "<mb>[.<slice>][:<part>/<parts>][#<group>]" into `i`; what may follow is controlled.
 static bool eatMbTail(llvm::StringRef &s, Instruction &i, bool allowParts, bool allowGroup) {
-  if (!eatInt(s, i.mb))
+  if (!consumeNumber(s, i.mb))
     return false;
   i.slice = 0;
-  if (s.consume_front(".") && !eatInt(s, i.slice))
+  if (s.consume_front(".") && !consumeNumber(s, i.slice))
     return false;
   if (allowParts && s.consume_front(":")) {
-    if (!eatInt(s, i.part) || !s.consume_front("/") || !eatInt(s, i.parts))
+    if (!consumeNumber(s, i.part) || !s.consume_front("/") || !consumeNumber(s, i.parts))
       return false;
   }
-  if (allowGroup && s.consume_front("#") && !eatInt(s, i.group))
+  if (allowGroup && s.consume_front("#") && !consumeNumber(s, i.group))
     return false;
   return s.empty();
 }
 
-static llvm::Error badToken(int rank, llvm::StringRef token, llvm::StringRef why) {
-  return inputError("rank {}: token '{}': {}", rank, token.str(), why.str());
-}
+/// The lexer's error: what was expected (parseToken adds the rank and the token).
+static llvm::Error lexError(llvm::StringRef why) { return inputError("{}", why.str()); }
 
-llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringRef token) {
+llvm::Expected<Instruction> lexToken(llvm::StringRef token) {
   Instruction i;
   llvm::StringRef s = token;
   if (s == "OPTIMIZER_STEP") {
@@ -96,34 +94,17 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
     return i;
   }
   int32_t stage = 0;
-  if (!eatInt(s, stage))
-    return badToken(rank, token, "expected a stage number first");
-  int numStages = plan.numStages();
-  auto checkRange = [&](const Instruction &ins) -> llvm::Error {
-    if (ins.stage < 0 || ins.stage >= numStages)
-      return badToken(rank, token, fmt::format("stage outside 0..{}", numStages - 1));
-    if (ins.mb >= plan.parallel.microbatches && ins.mb >= 0)
-      return badToken(rank, token,
-                      fmt::format("microbatch outside 0..{}", plan.parallel.microbatches - 1));
-    if (ins.slice >= plan.numSlices())
-      return badToken(rank, token, fmt::format("slice outside 0..{}", plan.numSlices() - 1));
-    if (ins.part >= 0 && ins.part >= ins.parts)
-      return badToken(rank, token, "part must be below parts");
-    return llvm::Error::success();
-  };
+  if (!consumeNumber(s, stage))
+    return lexError("expected a stage number first");
+  i.stage = stage;
   if (s.consume_front("ALLREDUCE_")) {
     i.op = OpKind::AllReduce;
-    i.stage = stage;
     if (s == "DP" || s == "EMB") {
       i.collective = s == "DP" ? CollectiveGroup::Dp : CollectiveGroup::Embedding;
-      if (auto err = checkRange(i))
-        return err;
-      i.bytes = i.collective == CollectiveGroup::Dp ? plan.stages[size_t(stage)].paramBytes
-                                                    : plan.tiedEmbeddingBytes();
       return i;
     }
     if (!s.consume_front("TP_") || s.empty())
-      return badToken(rank, token, "expected ALLREDUCE_DP, ALLREDUCE_EMB or ALLREDUCE_TP_<F|I|B>");
+      return lexError("expected ALLREDUCE_DP, ALLREDUCE_EMB or ALLREDUCE_TP_<F|I|B>");
     i.collective = CollectiveGroup::Tp;
     char letter = s.front();
     s = s.drop_front();
@@ -132,14 +113,8 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
                               : OpKind::Backward;
     if ((letter != 'F' && letter != 'I' && letter != 'B') || !eatMbTail(s, i, true, false) ||
         i.part < 0)
-      return badToken(rank, token, "expected <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<part>/<parts>");
-    if (auto err = checkRange(i))
-      return err;
-    i.bytes = plan.tpAllReduceBytes(stage, i.slice, i.phase, i.part);
-    return i;
-  }
-  bool send = s.consume_front("SEND_"), recv = !send && s.consume_front("RECV_");
-  if (send || recv) {
+      return lexError("expected <s>ALLREDUCE_TP_<F|I|B><mb>[.<k>]:<part>/<parts>");
+  } else if (bool send = s.consume_front("SEND_"); send || s.consume_front("RECV_")) {
     i.op = send ? OpKind::Send : OpKind::Recv;
     bool act;
     if (s.consume_front("F"))
@@ -147,50 +122,89 @@ llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringR
     else if (s.consume_front("B"))
       act = false;
     else
-      return badToken(rank, token, "expected SEND_F, SEND_B, RECV_F or RECV_B");
+      return lexError("expected SEND_F, SEND_B, RECV_F or RECV_B");
     i.tensor = act ? TensorKind::Activation : TensorKind::Gradient;
     if (!eatMbTail(s, i, false, true))
-      return badToken(rank, token, "expected <mb>[.<slice>][#<group>] after the comm kind");
+      return lexError("expected <mb>[.<slice>][#<group>] after the comm kind");
     // Back to the producer's stage (see formatToken).
     i.stage = send ? stage : (act ? stage - 1 : stage + 1);
-    if (auto err = checkRange(i))
-      return err;
+  } else {
+    if (s.empty())
+      return lexError("expected an op letter after the stage");
+    char letter = s.front();
+    s = s.drop_front();
+    switch (letter) {
+    case 'F':
+      i.op = OpKind::Forward;
+      break;
+    case 'I':
+      i.op = OpKind::BackwardInput;
+      break;
+    case 'W':
+      i.op = OpKind::BackwardWeight;
+      break;
+    case 'B':
+      i.op = OpKind::Backward;
+      break;
+    default:
+      return lexError("expected F, I, W, B, SEND_, RECV_ or ALLREDUCE_ after the stage");
+    }
+    if (!eatMbTail(s, i, true, false))
+      return lexError("expected <mb>[.<slice>][:<part>/<parts>] after the op letter");
+  }
+  if (i.part >= 0 && i.part >= i.parts)
+    return lexError("part must be below parts");
+  return i;
+}
+
+llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringRef token) {
+  auto bad = [&](const std::string &why) {
+    return inputError("rank {}: token '{}': {}", rank, token.str(), why);
+  };
+  auto lexed = lexToken(token);
+  if (!lexed)
+    return bad(takeMessage(lexed.takeError()));
+  Instruction i = *lexed;
+  int numStages = plan.numStages();
+  if (i.op == OpKind::OptimizerStep)
+    return i;
+  // Sends and recvs are checked at the producer's stage, as the plan holds them.
+  if (i.stage < 0 || i.stage >= numStages)
+    return bad(fmt::format("stage outside 0..{}", numStages - 1));
+  if (i.mb >= plan.parallel.microbatches && i.mb >= 0)
+    return bad(fmt::format("microbatch outside 0..{}", plan.parallel.microbatches - 1));
+  if (i.slice >= plan.numSlices())
+    return bad(fmt::format("slice outside 0..{}", plan.numSlices() - 1));
+  switch (i.op) {
+  case OpKind::AllReduce:
+    switch (i.collective) {
+    case CollectiveGroup::Dp:
+      i.bytes = plan.stages[size_t(i.stage)].paramBytes;
+      break;
+    case CollectiveGroup::Embedding:
+      i.bytes = plan.tiedEmbeddingBytes();
+      break;
+    case CollectiveGroup::Tp:
+      i.bytes = plan.tpAllReduceBytes(i.stage, i.slice, i.phase, i.part);
+      break;
+    }
+    return i;
+  case OpKind::Send:
+  case OpKind::Recv: {
+    bool act = i.tensor == TensorKind::Activation;
     int other = act ? i.stage + 1 : i.stage - 1;
     if (other < 0 || other >= numStages)
-      return badToken(rank, token, "names a stage that has no peer in that direction");
-    const StageInfo &producer = plan.stages[size_t(i.stage)];
+      return bad("names a stage that has no peer in that direction");
+    bool send = i.op == OpKind::Send;
     i.peer = send ? plan.rankOf(other) : plan.rankOf(i.stage);
     // The gradient of stage s is the gradient of stage s-1's output: same shape.
-    i.bytes = act ? producer.outputBytes[size_t(i.slice)]
+    i.bytes = act ? plan.stages[size_t(i.stage)].outputBytes[size_t(i.slice)]
                   : plan.stages[size_t(other)].outputBytes[size_t(i.slice)];
     return i;
   }
-  if (s.empty())
-    return badToken(rank, token, "expected an op letter after the stage");
-  char letter = s.front();
-  s = s.drop_front();
-  switch (letter) {
-  case 'F':
-    i.op = OpKind::Forward;
-    break;
-  case 'I':
-    i.op = OpKind::BackwardInput;
-    break;
-  case 'W':
-    i.op = OpKind::BackwardWeight;
-    break;
-  case 'B':
-    i.op = OpKind::Backward;
-    break;
   default:
-    return badToken(rank, token, "expected F, I, W, B, SEND_, RECV_ or ALLREDUCE_ after the stage");
+    return i;
   }
-  i.stage = stage;
-  if (!eatMbTail(s, i, true, false))
-    return badToken(rank, token, "expected <mb>[.<slice>][:<part>/<parts>] after the op letter");
-  if (auto err = checkRange(i))
-    return err;
-  return i;
 }
 
 std::string formatStreams(const Plan &plan, bool computeOnly) {
@@ -222,7 +236,7 @@ llvm::Error parseStreams(llvm::StringRef text, Plan &plan) {
     auto [num, rest] = line.split(':');
     int32_t rank = 0;
     llvm::StringRef digits = num.trim();
-    if (!eatInt(digits, rank) || !digits.empty() || size_t(rank) >= ranks.size())
+    if (!consumeNumber(digits, rank) || !digits.empty() || size_t(rank) >= ranks.size())
       return inputError("stream text: 'rank {}': expected a rank in 0..{}", num.trim().str(),
                         ranks.size() - 1);
     if (seen[size_t(rank)])

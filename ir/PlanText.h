@@ -22,12 +22,24 @@
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/Support/Error.h"
 
+#include <cstdint>
 #include <string>
 
 namespace pipec {
 
 std::string formatToken(const Plan &plan, const Instruction &ins);
-/// Parse one token as an instruction of `rank` (peers and bytes derived from the stage table).
+
+/// Consume a decimal number of at most 9 digits from the front of `s` (the text form's stage,
+/// microbatch, slice, part, group and rank numbers; PyTorch's schedule CSV spells them alike).
+bool consumeNumber(llvm::StringRef &s, int32_t &out);
+/// The text form's one lexer: one token into an instruction as the grammar above spells it (op,
+/// stage, with a send's or recv's turned back into the producer's, microbatch, slice, part and
+/// parts, group, collective and phase). Nothing is checked against a plan and peers and bytes
+/// stay unset: they need the stage table (parseToken). An InputError saying what was expected
+/// where the token breaks the grammar, or where a part is not below its parts.
+llvm::Expected<Instruction> lexToken(llvm::StringRef token);
+/// Parse one token as an instruction of `rank`: lexToken, then its stage, microbatch and slice
+/// checked against the plan and its peer and bytes derived from the stage table.
 llvm::Expected<Instruction> parseToken(const Plan &plan, int rank, llvm::StringRef token);
 
 /// All streams, one "rank N: ..." line each.

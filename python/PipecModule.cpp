@@ -11,8 +11,8 @@
 #include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/PlanText.h"
-#include "ir/TorchCsv.h"
 #include "ir/formats/Costs.h"
 #include "ir/formats/HfConfig.h"
 #include "ir/formats/PlanJson.h"
@@ -249,6 +249,9 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   d["microbatches"] = pc.microbatches;
   d["seq_splits"] = pc.seqSplits;
   d["recompute"] = toString(c.recompute).str();
+  d["sequence_parallel"] = pc.sequenceParallel;
+  d["distributed_optimizer"] = pc.distributedOptimizer;
+  d["costs"] = c.measured ? "measured" : "model";
   d["step_time"] = c.stepTime;
   d["bubble"] = c.bubble;
   d["peak_memory_bytes"] = c.peakMemoryBytes;

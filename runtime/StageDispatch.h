@@ -51,6 +51,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -195,10 +196,8 @@ private:
       return err;
     if (auto err = checkIndices(i))
       return err;
-    if (awaiting)
-      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
-                                       "followed by its all-reduce",
-                                       describePart(*awaiting)));
+    if (auto err = checkNoReductionDue(i))
+      return err;
     // Kept tensors whose sends have been exchanged since the last compute op.
     for (uint64_t k : keptSent)
       kept.erase(k);
@@ -206,67 +205,32 @@ private:
     Stage &st = *stages.find(i.stage)->second;
     // An unsplit op (tp = 1) runs every kernel part; the reductions between them are over one
     // rank, i.e. nothing. A split op runs its one part; the plan's tp all_reduce follows.
-    if (i.part >= 0 && (i.parts != st.parts() || i.part >= i.parts || i.op == OpKind::BackwardWeight))
+    if (i.part >= 0 &&
+        (i.parts != st.parts() || i.part >= i.parts || i.op == OpKind::BackwardWeight))
       return outOfOrder(i, fmt::format("names part {} of {} but stage {} has {} parts", i.part,
                                        i.parts, i.stage, st.parts()));
     const int first = std::max(i.part, 0), end = i.part < 0 ? st.parts() : i.part + 1;
     const bool last = i.isLastPart();
     switch (i.op) {
     case OpKind::Forward: {
-      TensorView in;
-      if (i.stage > 0 && first == 0) {
-        auto got = inputOf(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        in = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        if (auto why = order.forwardPart(i.stage, i.mb, i.slice, part, st.parts()); !why.empty())
-          return outOfOrder(i, why);
-        auto r = stage_dispatch::lift(st.forward(i.mb, i.slice, part, in));
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-        self().afterStageCall();
-      }
-      if (i.part >= 0)
-        awaiting = i;
+      if (auto err = runParts(i, st, /*forward=*/true, first, end))
+        return err;
       // The loss: now when unsplit; after the plan's tp all_reduce of the last part otherwise
       // (the vocab-parallel head completes it from the reduced statistics).
       if (last && i.part < 0 && i.stage == plan.numStages() - 1 && c.tp == 0)
         if (auto err = self().addLoss(st, i.mb, i.slice))
           return err;
-      if (last) {
-        received.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
-        kept.erase(key(TensorKind::Activation, i.stage - 1, i.mb, i.slice));
-      }
+      if (last)
+        dropInput(TensorKind::Activation, i.stage - 1, i.mb, i.slice);
       return llvm::Error::success();
     }
     case OpKind::BackwardInput:
     case OpKind::Backward: {
-      TensorView grad;
-      if (i.stage < plan.numStages() - 1 && first == 0) {
-        auto got = inputOf(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
-        if (!got)
-          return got.takeError();
-        grad = *got;
-      }
-      for (int part = first; part < end; ++part) {
-        if (auto why = order.backwardPart(i.stage, i.mb, i.slice, part, st.parts());
-            !why.empty())
-          return outOfOrder(i, why);
-        auto r = stage_dispatch::lift(st.backwardInput(i.mb, i.slice, part, grad));
-        if (!r)
-          return r.takeError();
-        pendingReduce = *r;
-        self().afterStageCall();
-      }
-      if (i.part >= 0)
-        awaiting = i;
+      if (auto err = runParts(i, st, /*forward=*/false, first, end))
+        return err;
       if (!last)
         return llvm::Error::success();
-      received.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
-      kept.erase(key(TensorKind::Gradient, i.stage + 1, i.mb, i.slice));
+      dropInput(TensorKind::Gradient, i.stage + 1, i.mb, i.slice);
       // A fused backward's weight half runs once the last part's reduction is in place: now
       // when unsplit, after the plan's tp all_reduce otherwise.
       if (i.op == OpKind::Backward && i.part < 0)
@@ -420,6 +384,43 @@ private:
            uint64_t(t == TensorKind::Gradient);
   }
 
+  /// Parts [first, end) of the forward (or the input gradient) `i` on `st`, each once OpOrder
+  /// accepts it; part 0 reads its input from the neighbouring stage (none at the pipeline's end).
+  /// A split op's part then waits for the plan's tp all_reduce.
+  llvm::Error runParts(const Instruction &i, Stage &st, bool forward, int first, int end) {
+    const TensorKind kind = forward ? TensorKind::Activation : TensorKind::Gradient;
+    const int producer = forward ? i.stage - 1 : i.stage + 1;
+    TensorView in;
+    if (first == 0 && producer >= 0 && producer < plan.numStages()) {
+      auto got = inputOf(kind, producer, i.mb, i.slice);
+      if (!got)
+        return got.takeError();
+      in = *got;
+    }
+    for (int part = first; part < end; ++part) {
+      const std::string why = forward
+                                  ? order.forwardPart(i.stage, i.mb, i.slice, part, st.parts())
+                                  : order.backwardPart(i.stage, i.mb, i.slice, part, st.parts());
+      if (!why.empty())
+        return outOfOrder(i, why);
+      auto r = forward ? stage_dispatch::lift(st.forward(i.mb, i.slice, part, in))
+                       : stage_dispatch::lift(st.backwardInput(i.mb, i.slice, part, in));
+      if (!r)
+        return r.takeError();
+      pendingReduce = *r;
+      self().afterStageCall();
+    }
+    if (i.part >= 0)
+      awaiting = i;
+    return llvm::Error::success();
+  }
+
+  /// A consumed input: what was received for it, or kept of it, is freed.
+  void dropInput(TensorKind t, int producer, int mb, int slice) {
+    received.erase(key(t, producer, mb, slice));
+    kept.erase(key(t, producer, mb, slice));
+  }
+
   llvm::Error backwardWeight(Stage &st, int mb, int slice) {
     if constexpr (std::is_void_v<decltype(st.backwardWeight(mb, slice))>) {
       st.backwardWeight(mb, slice);
@@ -435,10 +436,8 @@ private:
     if (auto err = checkIndices(i))
       return err;
     // (Reading a stage's output finishes the op and frees the buffer the reduction sums.)
-    if (awaiting)
-      return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
-                                       "followed by its all-reduce",
-                                       describePart(*awaiting)));
+    if (auto err = checkNoReductionDue(i))
+      return err;
     if (auto it = kept.find(key(i.tensor, i.stage, i.mb, i.slice)); it != kept.end()) {
       keptSent.push_back(it->first);
       return Derived::viewOf(it->second);
@@ -494,27 +493,35 @@ private:
   llvm::Error checkIndices(const Instruction &i, bool onThisRank = true) const {
     const ParallelConfig &pc = plan.parallel;
     if (i.stage < 0 || i.stage >= plan.numStages())
-      return outOfOrder(i, fmt::format("stage {} is outside 0..{}", i.stage,
-                                       plan.numStages() - 1));
+      return outOfOrder(i, fmt::format("stage {} is outside 0..{}", i.stage, plan.numStages() - 1));
     if (onThisRank && !stages.count(i.stage))
       return outOfOrder(i, fmt::format("stage {} is not on rank {}", i.stage, c.pp));
     bool perOp = i.isCompute() || i.isP2P() ||
                  (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp);
-    if (perOp && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 ||
-                  i.slice >= pc.seqSplits || size_t(i.slice) >= plan.seqSlices.size()))
+    if (perOp && (i.mb < 0 || i.mb >= pc.microbatches || i.slice < 0 || i.slice >= pc.seqSplits ||
+                  size_t(i.slice) >= plan.seqSlices.size()))
       return outOfOrder(i, fmt::format("microbatch {} or slice {} is outside the plan's {} and {}",
                                        i.mb, i.slice, pc.microbatches, pc.seqSplits));
     return llvm::Error::success();
   }
 
+  /// Nothing but its tp all_reduce may follow a split part.
+  llvm::Error checkNoReductionDue(const Instruction &i) const {
+    if (!awaiting)
+      return llvm::Error::success();
+    return outOfOrder(i, fmt::format("the tp all_reduce of {} has not run; every tp part is "
+                                     "followed by its all-reduce",
+                                     describePart(*awaiting)));
+  }
+
   llvm::Error outOfOrder(const Instruction &i, llvm::StringRef why) const {
-    return finding("{}: rank {} cannot run {} {}: {}", Derived::kName, c.pp,
-                   toString(i.op).str(), describeOp(i), why.str());
+    return finding("{}: rank {} cannot run {} {}: {}", Derived::kName, c.pp, toString(i.op).str(),
+                   describeOp(i), why.str());
   }
   static std::string describeOp(const Instruction &i) {
-    return i.part >= 0 ? fmt::format("({}, {}, {}) part {}/{}", i.stage, i.mb, i.slice, i.part,
-                                     i.parts)
-                       : fmt::format("({}, {}, {})", i.stage, i.mb, i.slice);
+    return i.part >= 0
+               ? fmt::format("({}, {}, {}) part {}/{}", i.stage, i.mb, i.slice, i.part, i.parts)
+               : fmt::format("({}, {}, {})", i.stage, i.mb, i.slice);
   }
   static std::string describePart(const Instruction &i) {
     return fmt::format("{} {}", toString(i.op).str(), describeOp(i));
@@ -536,8 +543,8 @@ private:
       return llvm::Error::success();
     Stage &st = *stages.find(stage)->second;
     if (!order.has(TensorKind::Gradient, stage, mb, slice, st.parts()))
-      return finding("{}: the input gradient of ({}, {}, {}) does not exist", Derived::kName,
-                     stage, mb, slice);
+      return finding("{}: the input gradient of ({}, {}, {}) does not exist", Derived::kName, stage,
+                     mb, slice);
     auto g = stage_dispatch::liftView(st.inputGrad(mb, slice));
     if (!g)
       return g.takeError();

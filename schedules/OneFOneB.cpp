@@ -43,19 +43,14 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    int p = c.pp, m = c.microbatches;
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(2 * m));
-      // Warm-up: the first backward on rank r needs microbatch 0 to reach the last stage and
-      // come back, during which rank r can run the forwards of microbatches 1..p-r-1; so it
-      // runs p-r-1 forwards before its first 1F1B pair (fewer if there are fewer microbatches).
-      // Then one forward, one (fused) backward until the forwards run out, and the backwards
-      // of the warm-up microbatches (OneFOneBLoop.h). The unit is the microbatch.
-      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/p - r - 1},
-                   [&](OpKind op, int mb) { ops.push_back(Instruction::compute(op, r, mb, 0)); });
-    }
+    // Warm-up: the first backward on rank r needs microbatch 0 to reach the last stage and
+    // come back, during which rank r can run the forwards of microbatches 1..p-r-1; so it runs
+    // p-r-1 forwards before its first 1F1B pair (fewer if there are fewer microbatches). Then
+    // one forward, one (fused) backward until the forwards run out, and the backwards of the
+    // warm-up microbatches (OneFOneBLoop.h). The unit is the microbatch.
+    order = walkEveryRank(c.pp, 1, [&](int r) {
+      return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/c.pp - r - 1};
+    });
   }
 };
 

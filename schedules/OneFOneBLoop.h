@@ -18,6 +18,7 @@
 #include "ir/Instruction.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace pipec {
 
@@ -51,6 +52,25 @@ template <typename Emit> void walkOneFOneB(const OneFOneBRank &rank, Emit &&emit
   }
   while (split && wgt < n)
     emit(OpKind::BackwardWeight, wgt++);
+}
+
+/// Every rank's stream of a one-chunk member of the family (stage r on rank r): rank r walks
+/// `rankOf(r)` (an OneFOneBRank) over the units, unit i being sub-sequence i mod K of
+/// microbatch i / K, ascending for forwards and descending (K-1 - i mod K) for backwards, since
+/// a backward needs the dK/dV of the sub-sequence after it.
+template <typename RankOf>
+std::vector<std::vector<Instruction>> walkEveryRank(int p, int k, RankOf &&rankOf) {
+  std::vector<std::vector<Instruction>> order(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    const OneFOneBRank rank = rankOf(r);
+    auto &ops = order[size_t(r)];
+    ops.reserve(size_t(rank.units) * (rank.wDelay == OneFOneBRank::kFusedBackward ? 2 : 3));
+    walkOneFOneB(rank, [&](OpKind op, int i) {
+      int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
+      ops.push_back(Instruction::compute(op, r, i / k, slice));
+    });
+  }
+  return order;
 }
 
 } // namespace pipec

@@ -51,6 +51,11 @@ public:
   virtual llvm::Error checkRequest(const ScheduleRequest &) const { return llvm::Error::success(); }
   /// Emit every rank's compute order for a configuration that passed check().
   virtual void emit(const ScheduleRequest &request, ComputeOrder &order) const = 0;
+  /// Once the schedule pass has put the emitted order into `plan` (configuration, stage table,
+  /// compute streams): the policy the plan is named after and whose post-validation it takes.
+  /// A policy's order is its own; an order that pipec did not make (an imported one,
+  /// compiler/Import.h) is checked here and named after the policy that emits the same order.
+  virtual llvm::Expected<const SchedulePolicy *> identify(const Plan &) const { return this; }
 };
 
 /// Every registered policy, in `pipec list-schedules` order.

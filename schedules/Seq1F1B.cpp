@@ -41,27 +41,17 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, m = c.microbatches, k = c.seqSplits;
-    const int total = m * k;
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(2 * total));
-      // Forward unit i is sub-sequence i mod K of microbatch i / K: ascending within a
-      // microbatch. Backward unit i is sub-sequence K-1 - (i mod K) of the same microbatch:
-      // descending, since B(s,m,k) needs the dK/dV of B(s,m,k+1).
-      auto unit = [&](OpKind op, int i) {
-        int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
-        ops.push_back(Instruction::compute(op, r, i / k, slice));
-      };
-      // Warm-up: the first backward is microbatch 0's last sub-sequence, K-1. The last rank
-      // must first run all K forwards of microbatch 0 (K-1 before its first 1F1B pair); rank r
-      // is p-1-r hops further from the loss, and covers the round trip with as many more
-      // forwards as 1F1B does: (p-r-1) + (K-1) = p-r+K-2 (fewer if there are fewer units).
-      // Then one sub-sequence forward, one sub-sequence backward; then the backwards of the
-      // warm-up units (OneFOneBLoop.h).
-      walkOneFOneB(OneFOneBRank{/*units=*/total, /*warmup=*/p - r + k - 2}, unit);
-    }
+    const int p = c.pp, k = c.seqSplits;
+    // Units are sub-sequences, forwards ascending within a microbatch and backwards descending,
+    // since B(s,m,k) needs the dK/dV of B(s,m,k+1) (OneFOneBLoop.h's walkEveryRank).
+    // Warm-up: the first backward is microbatch 0's last sub-sequence, K-1. The last rank must
+    // first run all K forwards of microbatch 0 (K-1 before its first 1F1B pair); rank r is
+    // p-1-r hops further from the loss, and covers the round trip with as many more forwards
+    // as 1F1B does: (p-r-1) + (K-1) = p-r+K-2 (fewer if there are fewer units). Then one
+    // sub-sequence forward, one sub-sequence backward; then the backwards of the warm-up units.
+    order = walkEveryRank(p, k, [&](int r) {
+      return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r + k - 2};
+    });
   }
 };
 

@@ -542,7 +542,6 @@ public:
 
   void emit(const ScheduleRequest &req, ComputeOrder &order) const override {
     int p = req.parallel.pp, m = req.parallel.microbatches;
-    RankCosts costs = rankCosts(req);
     // checkRequest() rejects a missing or too small limit; should a caller skip it, no limit
     // means "none" and a too small one the least feasible, so that emit() still succeeds.
     int64_t limit = req.memoryLimit > 0 ? req.memoryLimit : std::numeric_limits<int64_t>::max();
@@ -551,26 +550,83 @@ public:
     // The reference: 1F1B with split backward (never slower than fused 1F1B).
     ComputeOrder reference;
     oneFOneBSplit(p, m, reference);
-    bool referenceFits = true;
-    for (int r = 0; r < p; ++r)
-      referenceFits &= peakActivation(req, reference, size_t(r)) <= limit;
+    bool referenceFits = fits(req, reference, limit);
     Score refScore = referenceFits ? simulateOrder(req, reference) : Score{};
-    const double eps = 1e-9 * std::max(1.0, refScore.makespan);
 
-    Greedy greedy(costs, p, m, limit);
-    ComputeOrder candidate;
-    Score best;
-    Variant bestVariant;
-    std::vector<int> bestInFlight;
-    bool found = false;
-    // Runs one variant; keeps it if it beats the best so far (runs past it are cut short).
-    auto consider = [&](const Variant &v) {
+    Search search(req, limit, referenceFits ? refScore.makespan : kInf, order);
+    int64_t mostAct = minimumLimit(req).first;
+    bool roomy = mostAct > 0 && limit / mostAct >= int64_t(3) * p / 2;
+    for (const Variant &v : variants(p, roomy, /*wide=*/3 * int64_t(p) * m <= 4096)) {
+      if (search.found && search.greedy.work > kWorkBudget / 2)
+        break;
+      search.consider(v);
+    }
+    if (search.found)
+      search.refineCaps(p);
+
+    // The greedy's runs were chosen by span under the compute-only timing. The order kept is
+    // the one of least step time as `pipec compile` reports it (evaluateOrder: the tp
+    // all-reduces after each op's parts and the dp all-reduces' tail included), among the
+    // greedy's best and the fixed orders of the same family that fit the limit under the
+    // memory rule: 1F1B with split backward, ZB-H1 and ZB-H2 (the policies' own emit). The
+    // greedy's span objective and its timing (without the tp and dp all-reduces) are not the
+    // step time, so a fixed order can still win where the greedy's best is near it. Ties keep
+    // the earlier entry (the greedy's first).
+    std::vector<Entry> entries;
+    if (search.found)
+      entries.push_back({std::move(order), search.best});
+    if (referenceFits)
+      entries.push_back({std::move(reference), refScore});
+    for (const char *fixed : {"zb-h1", "zb-h2"}) {
+      auto policy = findPolicy(fixed);
+      assert(policy && "zb-h1 and zb-h2 are registered");
+      if (!policy) {
+        llvm::consumeError(policy.takeError());
+        continue;
+      }
+      ComputeOrder o;
+      (*policy)->emit(req, o);
+      if (fits(req, o, limit))
+        entries.push_back({std::move(o), Score{}});
+    }
+    assert(!entries.empty() && "a limit of one microbatch per stage admits a greedy order");
+    size_t chosen = leastStepTime(req, entries);
+    order = std::move(entries[chosen].order);
+    // The greedy times its orders incrementally, as it builds them; what it chose must be
+    // what the cost model says of it, and every order kept must fit the limit under the
+    // memory rule.
+    assert((!search.found || chosen != 0 ||
+            (!simulateOrder(req, order).better(search.best) &&
+             !search.best.better(simulateOrder(req, order)))) &&
+           "zb-auto's greedy and the cost model disagree on the chosen order's times");
+    assert(fits(req, order, limit) && "zb-auto chose an order over the memory limit");
+  }
+
+private:
+  /// Whether every rank's activation peak of `order` is within `limit` (the memory rule).
+  static bool fits(const ScheduleRequest &req, const ComputeOrder &order, int64_t limit) {
+    for (int r = 0; r < req.parallel.pp; ++r)
+      if (peakActivation(req, order, size_t(r)) > limit)
+        return false;
+    return true;
+  }
+
+  /// The greedy's runs and the best of them so far, kept in `order`.
+  struct Search {
+    Search(const ScheduleRequest &req, int64_t limit, double referenceMakespan, ComputeOrder &order)
+        : costs(rankCosts(req)), greedy(costs, req.parallel.pp, req.parallel.microbatches, limit),
+          referenceMakespan(referenceMakespan),
+          eps(1e-9 * std::max(1.0, referenceMakespan == kInf ? 0.0 : referenceMakespan)),
+          order(order) {}
+
+    /// Runs one variant; keeps it if it beats the best so far (runs past it are cut short).
+    bool consider(const Variant &v) {
       Score s;
       // Only a strictly shorter span can win: ties are cut short too.
       double bound = found ? best.maxSpan * (1 - 1e-12) : kInf;
       if (!greedy.run(v, candidate, s, bound))
         return false;
-      if (referenceFits && s.makespan > refScore.makespan + eps)
+      if (referenceMakespan != kInf && s.makespan > referenceMakespan + eps)
         return false;
       if (found && !s.better(best))
         return false;
@@ -580,22 +636,16 @@ public:
       bestInFlight = greedy.inFlight();
       found = true;
       return true;
-    };
-    int64_t mostAct = minimumLimit(req).first;
-    bool roomy = mostAct > 0 && limit / mostAct >= int64_t(3) * p / 2;
-    for (const Variant &v : variants(p, roomy, /*wide=*/3 * int64_t(p) * m <= 4096)) {
-      if (found && greedy.work > kWorkBudget / 2)
-        break;
-      consider(v);
     }
-    // Local search over the per-rank in-flight caps, from the best run's: a cap one lower on
-    // every rank from r on, one higher on every rank up to r, or one off on rank r alone
-    // (the good caps of the paper's settings are 2(p-r) up to a knee and one less after it).
-    // Once that converges, flip lastStrict once and, if that wins, search the caps again: only
-    // ever a strict improvement, so every setting ends at least where the caps alone left it
-    // (1.5B, m = 24 at 2p·M_B: from 0.0436 to the bound, 0.0433). It runs only while the
-    // budget lasts (not at p = 32, m = 256, whose caps spend it all).
-    if (found) {
+
+    /// Local search over the per-rank in-flight caps, from the best run's: a cap one lower on
+    /// every rank from r on, one higher on every rank up to r, or one off on rank r alone
+    /// (the good caps of the paper's settings are 2(p-r) up to a knee and one less after it).
+    /// Once that converges, flip lastStrict once and, if that wins, search the caps again:
+    /// only ever a strict improvement, so every setting ends at least where the caps alone
+    /// left it (1.5B, m = 24 at 2p·M_B: from 0.0436 to the bound, 0.0433). It runs only while
+    /// the budget lasts (not at p = 32, m = 256, whose caps spend it all).
+    void refineCaps(int p) {
       Variant v = bestVariant;
       v.rankCap = bestInFlight;
       auto move = [&](int lo, int hi, int step) {
@@ -632,46 +682,32 @@ public:
         v = std::move(next);
       }
     }
-    // The greedy's runs were chosen by span under the compute-only timing. The order kept is
-    // the one of least step time as `pipec compile` reports it (evaluateOrder: the tp
-    // all-reduces after each op's parts and the dp all-reduces' tail included), among the
-    // greedy's best and the fixed orders of the same family that fit the limit under the
-    // memory rule: 1F1B with split backward, ZB-H1 and ZB-H2 (the policies' own emit). The
-    // greedy's span objective and its timing (without the tp and dp all-reduces) are not the
-    // step time, so a fixed order can still win where the greedy's best is near it. Ties keep
-    // the earlier entry (the greedy's first).
-    struct Entry {
-      ComputeOrder order;
-      Score score;
-    };
-    std::vector<Entry> entries;
-    if (found)
-      entries.push_back({std::move(order), best});
-    if (referenceFits)
-      entries.push_back({std::move(reference), refScore});
-    for (const char *fixed : {"zb-h1", "zb-h2"}) {
-      auto policy = findPolicy(fixed);
-      assert(policy && "zb-h1 and zb-h2 are registered");
-      if (!policy) {
-        llvm::consumeError(policy.takeError());
-        continue;
-      }
-      ComputeOrder o;
-      (*policy)->emit(req, o);
-      bool fits = true;
-      for (int r = 0; r < p; ++r)
-        fits &= peakActivation(req, o, size_t(r)) <= limit;
-      if (fits)
-        entries.push_back({std::move(o), Score{}});
-    }
-    assert(!entries.empty() && "a limit of one microbatch per stage admits a greedy order");
+
+    RankCosts costs; // the greedy refers to it
+    Greedy greedy;
+    double referenceMakespan, eps;
+    ComputeOrder &order;
+    ComputeOrder candidate;
+    Score best;
+    Variant bestVariant;
+    std::vector<int> bestInFlight;
+    bool found = false;
+  };
+
+  struct Entry {
+    ComputeOrder order;
+    Score score; // maxSpan kInf: not simulated yet
+  };
+
+  /// The entry of least step time (steps within a relative 1e-9, summation order, tie; then
+  /// the least span wins, then the earlier entry).
+  static size_t leastStepTime(const ScheduleRequest &req, std::vector<Entry> &entries) {
     size_t chosen = 0;
     double chosenStep = kInf;
     for (size_t i = 0; i < entries.size(); ++i) {
       double step = stepTimeOf(req, entries[i].order);
       if (entries[i].score.maxSpan == kInf)
         entries[i].score = simulateOrder(req, entries[i].order);
-      // Steps within a relative 1e-9 (summation order) tie; then the least span wins.
       const double tie = 1e-9 * std::max(1.0, std::min(step, chosenStep));
       if (step < chosenStep - tie ||
           (step <= chosenStep + tie && entries[i].score.better(entries[chosen].score))) {
@@ -679,19 +715,7 @@ public:
         chosenStep = step;
       }
     }
-    order = std::move(entries[chosen].order);
-    // The greedy times its orders incrementally, as it builds them; what it chose must be
-    // what the cost model says of it, and every order kept must fit the limit under the
-    // memory rule.
-    assert((!found || chosen != 0 ||
-            (!simulateOrder(req, order).better(best) && !best.better(simulateOrder(req, order)))) &&
-           "zb-auto's greedy and the cost model disagree on the chosen order's times");
-    assert([&] {
-      for (int r = 0; r < p; ++r)
-        if (peakActivation(req, order, size_t(r)) > limit)
-          return false;
-      return true;
-    }() && "zb-auto chose an order over the memory limit");
+    return chosen;
   }
 };
 

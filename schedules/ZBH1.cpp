@@ -47,29 +47,22 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    const int p = c.pp, k = c.seqSplits, m = c.microbatches * k; // m counts units
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(3 * m));
-      // Unit i is sub-sequence i mod K of microbatch i / K: ascending for forwards, descending
-      // (K-1 - i mod K) for I and W, since I(k) needs the dK/dV of I(k+1).
-      auto unit = [&](OpKind op, int i) {
-        int slice = op == OpKind::Forward ? i % k : k - 1 - i % k;
-        ops.push_back(Instruction::compute(op, r, i / k, slice));
-      };
-      // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
-      // back, rank r can run the forwards of microbatches 1..p-r-1; with K sub-sequences the
-      // first I (microbatch 0's last one) also waits for K-1 more forwards.
-      // Steady state and cool-down: one F (while any is left), one I, and then a W once r I's
-      // are outstanding, i.e. W(j) right after I(j+r). Why r: after rank r's last I, that
-      // gradient still has to cross ranks r-1..0 (r·B) before rank 0 is done, time in which
-      // 1F1B's rank r idles; the r W's held back fill it. Holding them back also keeps the
-      // I's of the later ranks (the critical path of every gradient) free of W's early on, and
-      // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
-      // The r delayed W's (fewer when m <= r) close the stream (OneFOneBLoop.h).
-      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/p - r - 1 + k - 1, /*wDelay=*/r}, unit);
-    }
+    const int p = c.pp, k = c.seqSplits;
+    // Units are sub-sequences (OneFOneBLoop.h's walkEveryRank).
+    // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
+    // back, rank r can run the forwards of microbatches 1..p-r-1; with K sub-sequences the
+    // first I (microbatch 0's last one) also waits for K-1 more forwards.
+    // Steady state and cool-down: one F (while any is left), one I, and then a W once r I's
+    // are outstanding, i.e. W(j) right after I(j+r). Why r: after rank r's last I, that
+    // gradient still has to cross ranks r-1..0 (r·B) before rank 0 is done, time in which
+    // 1F1B's rank r idles; the r W's held back fill it. Holding them back also keeps the
+    // I's of the later ranks (the critical path of every gradient) free of W's early on, and
+    // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
+    // The r delayed W's (fewer when m <= r) close the stream (OneFOneBLoop.h).
+    order = walkEveryRank(p, k, [&](int r) {
+      return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r - 1 + k - 1,
+                          /*wDelay=*/r};
+    });
   }
 };
 

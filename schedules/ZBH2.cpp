@@ -46,21 +46,17 @@ public:
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;
-    int p = c.pp, m = c.microbatches;
-    order.assign(size_t(p), {});
-    for (int r = 0; r < p; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(3 * m));
-      // Warm-up (unit times, no transfer time): rank r gets F(0) at time r; I(0) leaves the
-      // last rank at p+1 and reaches rank r at 2p-1-r. The 2(p-r)-1 slots in between take
-      // forwards: 2(p-r-1) here and the first steady-state F.
-      // Steady state: F (while any is left), I, and W once 2r I's are outstanding, i.e. W(j)
-      // right after I(j+2r). Why 2r: never idle from time r, rank r must end at r+3m; its
-      // last I ends r steps before rank 0's, which ends at 3m (rank 0 has no W to postpone).
-      // The 2r steps after it are W's: the cool-down (fewer when m <= 2r; OneFOneBLoop.h).
-      walkOneFOneB(OneFOneBRank{/*units=*/m, /*warmup=*/2 * (p - r - 1), /*wDelay=*/2 * r},
-                   [&](OpKind op, int mb) { ops.push_back(Instruction::compute(op, r, mb, 0)); });
-    }
+    const int p = c.pp;
+    // Warm-up (unit times, no transfer time): rank r gets F(0) at time r; I(0) leaves the last
+    // rank at p+1 and reaches rank r at 2p-1-r. The 2(p-r)-1 slots in between take forwards:
+    // 2(p-r-1) here and the first steady-state F.
+    // Steady state: F (while any is left), I, and W once 2r I's are outstanding, i.e. W(j)
+    // right after I(j+2r). Why 2r: never idle from time r, rank r must end at r+3m; its last I
+    // ends r steps before rank 0's, which ends at 3m (rank 0 has no W to postpone). The 2r
+    // steps after it are W's: the cool-down (fewer when m <= 2r; OneFOneBLoop.h).
+    order = walkEveryRank(p, 1, [&](int r) {
+      return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/2 * (p - r - 1), /*wDelay=*/2 * r};
+    });
   }
 };
 

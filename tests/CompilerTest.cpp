@@ -84,27 +84,8 @@ TEST(PartitionTest, MoreStagesThanLayersIsAnErrorWithTheFix) {
 // forms.
 //===----------------------------------------------------------------------===//
 
-ModelSpec gpt(int64_t layers, int64_t h, int64_t seq, int64_t heads = 32) {
-  ModelSpec m;
-  m.name = "gpt";
-  TransformerConfig t;
-  t.numLayers = layers;
-  t.hiddenSize = h;
-  t.numAttentionHeads = heads;
-  t.ffnHiddenSize = 4 * h;
-  t.vocabSize = 50304;
-  t.seqLength = seq;
-  std::string text = fmt::format(
-      R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},
-      "hidden_size": {}, "num_attention_heads": {}, "vocab_size": 50304, "seq_length": {}}}}})",
-      layers, h, heads, seq);
-  auto parsed = parseModelSpec(text, "gpt.json");
-  EXPECT_TRUE(bool(parsed));
-  return parsed ? *parsed : m;
-}
-
 TEST(TransformerCostTest, BlockCostsMatchTheZeroBubblePaperWithCausalAttention) {
-  ModelSpec m = gpt(4, 4096, 4096);
+  ModelSpec m = gptSpec(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   SliceCost cost = m.sliceCost(c, /*layer=*/1, 0, 4096, 0, 1, /*tp=*/1);
   double s = 4096, h = 4096;
@@ -129,7 +110,7 @@ TEST(TransformerCostTest, BlockCostsMatchTheZeroBubblePaperWithCausalAttention) 
 // (Korthikanti et al.'s 34sh + 5·heads·s² counts Megatron's dropout masks, its layernorm and GELU
 // outputs and the materialised scores, which these kernels do not keep.)
 TEST(TransformerCostTest, FlashBlockKeepsWhatTheDeviceKernelsKeep) {
-  ModelSpec m = gpt(4, 4096, 4096);
+  ModelSpec m = gptSpec(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   SliceCost cost = m.sliceCost(c, /*layer=*/1, 0, 4096, 0, 1, /*tp=*/1);
   int64_t s = 4096, h = 4096, heads = 32;
@@ -257,7 +238,7 @@ TEST(LlamaCostTest, PlansCarryTheVariantsAndGpt2PlansDoNot) {
 }
 
 TEST(TransformerCostTest, MaterializedAttentionKeepsTheProbabilitiesOfEveryQueryAndKey) {
-  ModelSpec m = gpt(4, 4096, 4096);
+  ModelSpec m = gptSpec(4, 4096, 4096);
   m.transformer->attention = Attention::Materialized;
   ClusterSpec c = ClusterSpec::defaults();
   int64_t s = 4096, h = 4096, heads = 32;
@@ -271,7 +252,7 @@ TEST(TransformerCostTest, MaterializedAttentionKeepsTheProbabilitiesOfEveryQuery
 }
 
 TEST(TransformerCostTest, TensorParallelismShardsAllButTheResidualStreamsAndLayernormInputs) {
-  ModelSpec m = gpt(4, 4096, 4096);
+  ModelSpec m = gptSpec(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   int64_t s = 4096, h = 4096, heads = 32;
   SliceCost cost = m.sliceCost(c, /*layer=*/1, 0, s, 0, 1, /*tp=*/2);
@@ -297,7 +278,7 @@ TEST(TransformerCostTest, TheLongSequenceExampleNoLongerChargesTheScoreMatrix) {
 }
 
 TEST(TransformerCostTest, FullRecomputationKeepsTheBlockInputAndRepeatsTheForward) {
-  ModelSpec none = gpt(4, 4096, 4096);
+  ModelSpec none = gptSpec(4, 4096, 4096);
   ModelSpec full = none;
   full.transformer->recompute = Recompute::Full;
   ClusterSpec c = ClusterSpec::defaults();
@@ -317,7 +298,7 @@ TEST(TransformerCostTest, FullRecomputationKeepsTheBlockInputAndRepeatsTheForwar
 }
 
 TEST(TransformerCostTest, EfficiencyFactorsScaleGemmAttentionAndLinkTimes) {
-  ModelSpec m = gpt(4, 4096, 4096);
+  ModelSpec m = gptSpec(4, 4096, 4096);
   ClusterSpec c = ClusterSpec::defaults();
   c.achievedFraction = 0.5;
   c.flashAttentionFraction = 0.25;
@@ -336,7 +317,7 @@ TEST(TransformerCostTest, EfficiencyFactorsScaleGemmAttentionAndLinkTimes) {
 TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
   // eff = achieved_fraction · d / (d + gemm_half_dim), d the GEMM's smallest dimension after tp
   // sharding: the weight gradient (GEMMs only) is the sum of its four GEMMs at that rate.
-  ModelSpec m = gpt(4, 4096, 1024);
+  ModelSpec m = gptSpec(4, 4096, 1024);
   ClusterSpec c = ClusterSpec::defaults();
   c.achievedFraction = 0.5;
   c.gemmHalfDim = 256;
@@ -358,7 +339,7 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
 TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTime) {
   // The norms, dropouts, residual adds and activation are charged to F and B (bytes over
   // memory_GBps), never to W; the per-op overhead to each of F, B and W.
-  ModelSpec m = gpt(4, 1024, 2048, 16);
+  ModelSpec m = gptSpec(4, 1024, 2048, 16);
   ClusterSpec c = ClusterSpec::defaults();
   SliceCost base = m.sliceCost(c, 1, 0, 2048, 0, 1, 1);
   c.memoryGBps = 1000;
@@ -380,7 +361,7 @@ TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTim
 TEST(TransformerCostTest, SequenceParallelismShardsWhatTheNormsKeep) {
   // Korthikanti et al. 2022, Table 2: per layer and token, 34h bytes without tp sharding;
   // tensor parallelism alone leaves 10h unsharded, sequence parallelism shards those too.
-  ModelSpec m = gpt(4, 4096, 2048);
+  ModelSpec m = gptSpec(4, 4096, 2048);
   ClusterSpec c = ClusterSpec::defaults();
   int64_t s = 2048, h = 4096;
   SliceCost tp = m.sliceCost(c, 1, 0, s, 0, 1, 4), sp = m.sliceCost(c, 1, 0, s, 0, 1, 4, true);
@@ -395,7 +376,7 @@ TEST(TransformerCostTest, SequenceParallelismShardsWhatTheNormsKeep) {
 }
 
 TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemory) {
-  ModelSpec m = gpt(8, 1024, 1024, 16);
+  ModelSpec m = gptSpec(8, 1024, 1024, 16);
   CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/2, /*dp=*/4);
   Plan plain = compileOrFail(m, o);
   o.parallel.sequenceParallel = true;
@@ -433,7 +414,7 @@ TEST(OptimizerStepTest, SyncedStepWaitsForTheLastRankAndPostValidationDoesNot) {
   // With the optimizer timed (memory_GBps), a 1f1b step is the last rank's end plus the
   // pipeline-wide check plus the slowest optimizer step; zb-h2 (post-validation) steps each
   // rank at its own end, so its period is the longest of (end + optimizer - first start).
-  ModelSpec m = gpt(8, 1024, 1024, 16);
+  ModelSpec m = gptSpec(8, 1024, 1024, 16);
   ClusterSpec c = ClusterSpec::defaults();
   c.memoryGBps = 2000;
   for (const char *schedule : {"1f1b", "zb-h2"}) {
@@ -503,7 +484,7 @@ TEST(TransformerCostTest, SeqSplitBalancesPredictedTimeAndFlopsOnRequest) {
 }
 
 TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {
-  ModelSpec m = gpt(8, 1024, 8192, 16);
+  ModelSpec m = gptSpec(8, 1024, 8192, 16);
   Plan plan = compileOrFail(m, options("gpipe", 2, 2, 1, /*seqSplits=*/4, /*tp=*/2));
   ASSERT_EQ(plan.seqSlices.size(), 4u);
   double h = 1024, total = 0;
@@ -531,7 +512,7 @@ TEST(TransformerCostTest, SeqSplitBalancesForwardFlopsInMultiplesOfTp) {
 }
 
 TEST(TransformerCostTest, EmbeddingAndHeadAreLayersOfTheFirstAndLastStage) {
-  Plan plan = compileOrFail(gpt(6, 1024, 2048, 16), options("1f1b", 4, 8));
+  Plan plan = compileOrFail(gptSpec(6, 1024, 2048, 16), options("1f1b", 4, 8));
   EXPECT_EQ(plan.stages.front().layerBegin, 0);
   EXPECT_EQ(plan.stages.back().layerEnd, 8); // embedding + 6 blocks + head
   EXPECT_EQ(plan.timeUnit, "ms");

@@ -253,19 +253,8 @@ TEST(Seq1F1BTest, RejectsChunks) {
             "seq1f1b-interleaved");
 }
 
-/// A GPT-style transformer (docs/contracts.md#model-spec-pipemodel1) with `layers` blocks.
-ModelSpec gpt(int layers, int h, int seq, int heads) {
-  std::string text = fmt::format(
-      R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},
-      "hidden_size": {}, "num_attention_heads": {}, "vocab_size": 50304, "seq_length": {}}}}})",
-      layers, h, heads, seq);
-  auto parsed = parseModelSpec(text, "gpt.json");
-  EXPECT_TRUE(bool(parsed));
-  return parsed ? *parsed : ModelSpec{};
-}
-
 TEST(Seq1F1BTest, VerifiesOnATransformerWithFlopBalancedSlices) {
-  ModelSpec model = gpt(8, 1024, 8192, 16);
+  ModelSpec model = gptSpec(8, 1024, 8192, 16);
   Plan plan = compileOrFail(model, options("seq1f1b", 4, 4, 1, /*seqSplits=*/4, /*tp=*/2));
   ASSERT_EQ(plan.seqSlices.size(), 4u);
   // Later slices attend to more keys, so they are shorter.

@@ -90,6 +90,7 @@ TEST(PlannerTest, RankedPlansAreWhatCompilePlanMakesOfThem) {
     previous = c.stepTime;
     CompileOptions o = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
                                c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
+    o.parallel = c.parallel; // sequence parallelism and ZeRO-1 as searched
     o.memoryLimit = c.zbAutoLimit;
     auto compiled = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(),
                                 o, /*verifyEach=*/true);
@@ -114,6 +115,12 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
   ModelSpec model = transformer(R"(, "tie_embeddings": true)");
   PlannerOptions o = smallSearch();
   o.top = 1000; // nothing pruned
+  // (A smaller space: every candidate here is compiled twice. Sequence parallelism and ZeRO-1
+  // are searched; recomputation is the model's, as in RankedPlansAreWhatCompilePlanMakesOfThem's
+  // search, which compiles the ranked ones of every setting.)
+  o.maxVpp = 2;
+  o.microbatchSizes = {1, 2};
+  o.recompute = {Recompute::None};
   o.memoryLimit = 3 << 20;
   o.minHeadroom = 0;
   auto result = planLayouts(model, smallCluster(), o);
@@ -128,12 +135,16 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
       }
       continue;
     }
-    SCOPED_TRACE(fmt::format("{} tp={} pp={} vpp={} dp={} b={} m={} k={}", c.schedule,
-                             c.parallel.tp, c.parallel.pp, c.parallel.vpp, c.parallel.dp,
-                             c.microbatchSize, c.parallel.microbatches, c.parallel.seqSplits));
+    SCOPED_TRACE(fmt::format("{} tp={} pp={} vpp={} dp={} b={} m={} k={} recompute {} sp={} "
+                             "zero={}",
+                             c.schedule, c.parallel.tp, c.parallel.pp, c.parallel.vpp,
+                             c.parallel.dp, c.microbatchSize, c.parallel.microbatches,
+                             c.parallel.seqSplits, toString(c.recompute).str(),
+                             c.parallel.sequenceParallel, c.parallel.distributedOptimizer));
     EXPECT_TRUE(c.peakExact);
     CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
                                 c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
+    co.parallel = c.parallel;
     co.memoryLimit = c.zbAutoLimit;
     auto plan = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(), co);
     ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
@@ -174,6 +185,7 @@ TEST(PlannerTest, PruningAndThreadsChangeNothing) {
   ModelSpec model = transformer();
   PlannerOptions one = smallSearch();
   one.threads = 1;
+  one.recompute = {Recompute::None}; // (sequence parallelism and ZeRO-1 still searched)
   PlannerOptions four = one;
   four.threads = 4;
   auto a = planLayouts(model, smallCluster(), one);
@@ -223,6 +235,9 @@ TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
   PlannerOptions o = smallSearch();
   o.schedules = {"interleaved-1f1b", "seq1f1b-interleaved", "zb-h1"};
   o.top = 1000;
+  // (One setting of the switches: PlannerTest.SwitchesAreSearchedWhereTheyApply counts those.)
+  o.recompute = {Recompute::None};
+  o.sequenceParallel = o.distributedOptimizer = false;
   auto r = planLayouts(transformer(), smallCluster(), o);
   ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
   std::map<std::tuple<int, int64_t>, int> perLayout;
@@ -257,6 +272,26 @@ TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
   EXPECT_FALSE(bool(verifyPlan(r->best)));
 }
 
+TEST(PlannerTest, ListingOneFOneBSearchesItAtEveryPipelineSize) {
+  // 1f1b is also the no-pipeline entry; listed alone it must still be tried at pp > 1 (it was
+  // not, and `--schedules 1f1b` found no pipelined layout at all).
+  PlannerOptions o = smallSearch();
+  o.schedules = {"1f1b"};
+  o.top = 1000;
+  o.recompute = {Recompute::None};
+  o.sequenceParallel = o.distributedOptimizer = false;
+  auto r = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  std::set<int> pps;
+  for (size_t i : r->ranked) {
+    const PlanCandidate &c = r->candidates[i];
+    EXPECT_EQ(c.schedule, "1f1b");
+    EXPECT_EQ(c.parallel.vpp, 1);
+    pps.insert(c.parallel.pp);
+  }
+  EXPECT_TRUE(pps.count(1) && pps.count(2) && pps.count(4)) << pps.size();
+}
+
 TEST(PlannerTest, TheBubbleColumnIsTheIdleShareOfTheStep) {
   // bubble = 1 - mean(busy) / step time, from the compiled plan's own per-rank busy times and
   // step time: so step time x (1 - bubble) is the mean rank's compute time, for every
@@ -271,6 +306,7 @@ TEST(PlannerTest, TheBubbleColumnIsTheIdleShareOfTheStep) {
     const PlanCandidate &c = r->candidates[i];
     CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
                                 c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
+    co.parallel = c.parallel;
     co.memoryLimit = c.zbAutoLimit;
     auto plan = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(), co);
     ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
@@ -289,6 +325,8 @@ TEST(PlannerTest, TheBubbleColumnIsTheIdleShareOfTheStep) {
 TEST(PlannerTest, MinHeadroomKeepsTheRankedPlansOffTheEdge) {
   PlannerOptions o = smallSearch();
   o.top = 20;
+  o.recompute = {Recompute::None}; // (the switches add nothing here)
+  o.sequenceParallel = o.distributedOptimizer = false;
   const int64_t limit = o.memoryLimit;
   auto fitsWithin = [&](const PlannerResult &r, int64_t most) {
     for (size_t i : r.ranked)
@@ -378,6 +416,242 @@ TEST(PlannerTest, BadInputNamesTheFlagAndTheNearestValidValue) {
 }
 
 //===----------------------------------------------------------------------===//
+// Sequence parallelism, ZeRO-1 and recomputation, searched
+//===----------------------------------------------------------------------===//
+
+/// A candidate's layout without the three searched settings.
+using Layout = std::tuple<std::string, int, int, int, int, int64_t, int>;
+Layout layoutOf(const PlanCandidate &c) {
+  return {c.schedule,    c.parallel.tp,    c.parallel.pp,       c.parallel.vpp,
+          c.parallel.dp, c.microbatchSize, c.parallel.seqSplits};
+}
+
+TEST(PlannerTest, SwitchesAreSearchedWhereTheyApply) {
+  // Every layout is tried with each recomputation setting that changes something (selective
+  // only with materialized attention), sequence parallelism off and on where tp > 1 and ZeRO-1
+  // off and on where dp > 1; a fixed setting is the only one tried.
+  for (const char *attention : {"flash", "materialized"}) {
+    SCOPED_TRACE(attention);
+    ModelSpec model = transformer(fmt::format(R"(, "attention": "{}")", attention));
+    PlannerOptions o = smallSearch();
+    o.schedules = {"1f1b", "interleaved-1f1b", "zb-h1"};
+    o.top = 1;
+    auto r = planLayouts(model, smallCluster(), o);
+    ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+    std::map<Layout, std::set<std::tuple<Recompute, bool, bool>>> settings;
+    for (const PlanCandidate &c : r->candidates) {
+      if (c.schedule.empty())
+        continue;
+      EXPECT_TRUE(
+          settings[layoutOf(c)]
+              .insert({c.recompute, c.parallel.sequenceParallel, c.parallel.distributedOptimizer})
+              .second);
+    }
+    const size_t recomputes = std::string(attention) == "flash" ? 2 : 3;
+    bool sawBoth = false;
+    for (const auto &[layout, set] : settings) {
+      const int tp = std::get<1>(layout), dp = std::get<4>(layout);
+      EXPECT_EQ(set.size(), recomputes * (tp > 1 ? 2 : 1) * (dp > 1 ? 2 : 1));
+      for (const auto &[rec, sp, zero] : set) {
+        EXPECT_TRUE(!sp || tp > 1);
+        EXPECT_TRUE(!zero || dp > 1);
+        EXPECT_TRUE(std::string(attention) != "flash" || rec != Recompute::Selective);
+        sawBoth |= sp && zero;
+      }
+    }
+    EXPECT_TRUE(sawBoth);
+  }
+  // Fixed: sequence parallelism on (where tp > 1), ZeRO-1 off, full recomputation.
+  PlannerOptions o = smallSearch();
+  o.schedules = {"1f1b", "interleaved-1f1b", "zb-h1"};
+  o.top = 3;
+  o.sequenceParallel = true;
+  o.distributedOptimizer = false;
+  o.recompute = {Recompute::Full};
+  auto r = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  std::set<Layout> layouts;
+  for (const PlanCandidate &c : r->candidates) {
+    if (c.schedule.empty())
+      continue;
+    EXPECT_TRUE(layouts.insert(layoutOf(c)).second) << "one candidate per layout";
+    EXPECT_EQ(c.parallel.sequenceParallel, c.parallel.tp > 1);
+    EXPECT_FALSE(c.parallel.distributedOptimizer);
+    EXPECT_EQ(c.recompute, Recompute::Full);
+  }
+  for (size_t i : r->ranked)
+    EXPECT_EQ(r->candidates[i].parallel.sequenceParallel, r->candidates[i].parallel.tp > 1);
+}
+
+const char *kBloom = R"({"format": "pipemodel/1", "name": "bloom-176b", "transformer":
+    {"num_layers": 70, "hidden_size": 14336, "num_attention_heads": 112,
+     "ffn_hidden_size": 57344, "vocab_size": 250880, "seq_length": 2048,
+     "microbatch_size": 2, "dtype": "bf16", "attention": "materialized"}})";
+
+TEST(PlannerTest, ZeroOneBringsBloomsPublishedLayoutIn) {
+  // BLOOM-176B ran tp 4, pp 12, dp 8, microbatch size 2, full recomputation and ZeRO-1 on
+  // A100 80GB (bench/data/published-runs.csv). Without sequence parallelism and ZeRO-1 that
+  // layout needs 97.40 GiB (issue 41's figure, as compile states it); the search, free to use
+  // them, finds it within 80 GiB less the default headroom, with ZeRO-1 on.
+  auto model = parseModelSpec(kBloom, "bloom.json");
+  ASSERT_TRUE(bool(model)) << takeMessage(model.takeError());
+  auto cluster = loadClusterSpec("examples/a100-80g.json");
+  ASSERT_TRUE(bool(cluster)) << takeMessage(cluster.takeError());
+  PlannerOptions o;
+  o.gpus = 384;
+  o.globalBatch = 2048;
+  o.tpSizes = {4};
+  o.ppSizes = {12};
+  o.microbatchSizes = {2};
+  o.schedules = {"1f1b"};
+  o.recompute = {Recompute::Full};
+  o.top = 4;
+  PlannerOptions off = o;
+  off.sequenceParallel = off.distributedOptimizer = false;
+  auto without = planLayouts(*model, *cluster, off);
+  ASSERT_FALSE(bool(without));
+  std::string msg = takeMessage(without.takeError());
+  // (97.40 GiB when written; the cost model may move it, but not under 80 GiB.)
+  std::smatch need;
+  ASSERT_TRUE(std::regex_search(
+      msg, need,
+      std::regex("sequence-parallel off distributed-optimizer off, needs ([0-9.]+) GiB")))
+      << msg;
+  EXPECT_GT(std::stod(need[1]), 80.0) << msg;
+  auto r = planLayouts(*model, *cluster, o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  ASSERT_FALSE(r->ranked.empty());
+  const int64_t fit = cluster->memoryBytes - r->minHeadroom;
+  for (size_t i : r->ranked) {
+    const PlanCandidate &c = r->candidates[i];
+    EXPECT_TRUE(c.parallel.distributedOptimizer) << "without ZeRO-1 it does not fit";
+    EXPECT_LE(c.peakMemoryBytes, fit);
+    // What compile makes of the reported settings: the same step time and peak.
+    CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches);
+    co.parallel = c.parallel;
+    auto plan = compilePlan(modelVariant(*model, c.microbatchSize, c.recompute), *cluster, co);
+    ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+    EXPECT_EQ(plan->stats.stepTime, c.stepTime);
+    int64_t peak = 0;
+    for (const RankStats &rs : plan->stats.ranks)
+      peak = std::max(peak, rs.peakMemoryBytes);
+    EXPECT_EQ(peak, c.peakMemoryBytes);
+  }
+  const PlanCandidate &best = r->candidates[r->ranked[0]];
+  EXPECT_TRUE(r->best.parallel.distributedOptimizer);
+  EXPECT_EQ(r->best.parallel.sequenceParallel, best.parallel.sequenceParallel);
+  EXPECT_EQ(r->best.stats.stepTime, best.stepTime);
+  // Sequence parallelism fixed off: ZeRO-1 alone brings it in.
+  PlannerOptions noSp = o;
+  noSp.sequenceParallel = false;
+  auto z = planLayouts(*model, *cluster, noSp);
+  ASSERT_TRUE(bool(z)) << takeMessage(z.takeError());
+  for (size_t i : z->ranked) {
+    EXPECT_FALSE(z->candidates[i].parallel.sequenceParallel);
+    EXPECT_TRUE(z->candidates[i].parallel.distributedOptimizer);
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// --costs: measured times for the candidates the file covers
+//===----------------------------------------------------------------------===//
+
+/// A profile of a 2-stage, 1-slice plan whose times are nothing like the cost model's.
+MeasuredCosts twoStageProfile() {
+  MeasuredCosts m;
+  m.backend = "cpu";
+  m.dtype = "fp32";
+  m.device = "test";
+  m.planHash = "0";
+  m.threads = 1;
+  m.steps = 5;
+  m.numStages = 2;
+  m.numSlices = 1;
+  for (int s = 0; s < 2; ++s)
+    for (auto [op, ms] : {std::pair{OpKind::Forward, 3.0}, std::pair{OpKind::BackwardInput, 4.0},
+                          std::pair{OpKind::BackwardWeight, 2.5}}) {
+      MeasuredCosts::Op o;
+      o.stage = s;
+      o.op = op;
+      o.time.medianMs = ms + s;
+      o.time.samples = 16;
+      m.ops.push_back(o);
+    }
+  return m;
+}
+
+TEST(PlannerTest, MeasuredCostsScoreTheCandidatesTheyCover) {
+  ModelSpec model = transformer();
+  PlannerOptions o = smallSearch();
+  o.gpus = 4;
+  o.globalBatch = 8;
+  o.top = 1000; // every candidate simulated
+  o.tpSizes = {1};
+  o.microbatchSizes = {2};
+  o.costs = std::make_shared<const MeasuredCosts>(twoStageProfile());
+  o.costsSource = "--costs c.json";
+  auto r = planLayouts(model, smallCluster(), o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  int measured = 0, modelled = 0;
+  for (const PlanCandidate &c : r->candidates) {
+    if (!c.simulated)
+      continue;
+    SCOPED_TRACE(fmt::format("{} pp={} vpp={} k={}", c.schedule, c.parallel.pp, c.parallel.vpp,
+                             c.parallel.seqSplits));
+    // The rule: pp x vpp and seq splits are the profile's (tp and microbatch size are fixed).
+    const bool covered = c.parallel.pp * c.parallel.vpp == 2 && c.parallel.seqSplits == 1;
+    EXPECT_EQ(c.measured, covered);
+    EXPECT_FALSE(c.parallel.sequenceParallel || c.parallel.distributedOptimizer);
+    CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches);
+    co.parallel = c.parallel;
+    co.memoryLimit = c.zbAutoLimit;
+    auto modelOnly = compilePlan(modelVariant(model, 2, c.recompute), smallCluster(), co);
+    ASSERT_TRUE(bool(modelOnly)) << takeMessage(modelOnly.takeError());
+    if (!covered) {
+      ++modelled;
+      EXPECT_EQ(c.stepTime, modelOnly->stats.stepTime);
+      continue;
+    }
+    ++measured;
+    co.costs = o.costs;
+    co.costsSource = o.costsSource;
+    auto withCosts = compilePlan(modelVariant(model, 2, c.recompute), smallCluster(), co);
+    ASSERT_TRUE(bool(withCosts)) << takeMessage(withCosts.takeError());
+    EXPECT_EQ(c.stepTime, withCosts->stats.stepTime);
+    EXPECT_NE(c.stepTime, modelOnly->stats.stepTime);
+    // Each microbatch's F + B + W on the slower stage (4 + 5 + 3.5 ms) bounds the step below.
+    EXPECT_GE(c.stepTime, 12.5 * c.parallel.microbatches);
+  }
+  EXPECT_GT(measured, 0);
+  EXPECT_GT(modelled, 0);
+
+  // A file that covers no candidate, or a search whose tp or microbatch size is not pinned:
+  // bad input naming --costs.
+  MeasuredCosts three = twoStageProfile();
+  three.numStages = 3;
+  PlannerOptions none = o;
+  none.costs = std::make_shared<const MeasuredCosts>(three);
+  auto bad = planLayouts(model, smallCluster(), none);
+  ASSERT_FALSE(bool(bad));
+  std::string msg = takeMessage(bad.takeError());
+  EXPECT_EQ(msg.rfind("--costs c.json: measured on 3 stages with 1 sub-sequences, and no "
+                      "candidate",
+                      0),
+            0u)
+      << msg;
+  for (auto unpin : {+[](PlannerOptions &p) { p.tpSizes.clear(); },
+                     +[](PlannerOptions &p) {
+                       p.microbatchSizes = {1, 2};
+                     }}) {
+    PlannerOptions loose = o;
+    unpin(loose);
+    auto e = planLayouts(model, smallCluster(), loose);
+    ASSERT_FALSE(bool(e));
+    EXPECT_EQ(takeMessage(e.takeError()).rfind("--costs: a costs file does not record", 0), 0u);
+  }
+}
+
+//===----------------------------------------------------------------------===//
 // Against `pipec compile` on every candidate
 //===----------------------------------------------------------------------===//
 
@@ -388,7 +662,8 @@ Result run(const std::string &cmd) { return testing::runCommand(cmd); }
 struct Found {
   bool any = false;
   // The planner's stated tie order: recompute, tp, pp, microbatch size, schedule (as listed),
-  // vpp, seq splits.
+  // vpp, seq splits (then sequence parallelism and ZeRO-1, off first: fixed off here, and
+  // recomputation fixed to none; SwitchesAreSearchedWhereTheyApply covers the rest).
   std::tuple<double, int, int, int64_t, int, int, int> key;
   std::string schedule;
 };
@@ -462,7 +737,9 @@ TEST(PlannerCliTest, TheBestIsTheBestOfCompilingEveryCandidate) {
   std::string plan = dir + "/best.json", csv = dir + "/all.csv";
   Result r = run(fmt::format("tools/pipec plan --model {} --gpus {} --global-batch {} "
                              "--memory-limit {} --schedules {} --microbatch-sizes 1,2 "
-                             "--max-vpp 2 --seq-splits 1,2 --top 3 -o {} --csv {}",
+                             "--max-vpp 2 --seq-splits 1,2 --top 3 -o {} --csv {} "
+                             "--recompute none --no-sequence-parallel "
+                             "--no-distributed-optimizer",
                              model, gpus, batch, limit, list, plan, csv));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   auto j = nlohmann::json::parse(testing::slurp(plan));
@@ -558,7 +835,8 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
   for (const std::string headroom : {"", " --min-headroom 0", " --min-headroom 1GiB"}) {
     SCOPED_TRACE(headroom);
     const std::string base = "tools/pipec plan --model examples/gpt-7b-8k.json --gpus 8 "
-                             "--global-batch 64 --cluster examples/a100-80g.json" +
+                             "--global-batch 64 --cluster examples/a100-80g.json --schedules "
+                             "1f1b,zb-h1,seq1f1b-interleaved --max-vpp 4" +
                              headroom;
     Result oom = run(base + " --memory-limit 4GiB");
     ASSERT_EQ(oom.code, 1) << oom.out << oom.err;
@@ -566,7 +844,8 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
     ASSERT_TRUE(std::regex_search(
         oom.err, m,
         std::regex("the closest, (\\S+) with tp=(\\d+) pp=(\\d+) vpp=(\\d+) dp=(\\d+) "
-                   "microbatch size (\\d+) seq-splits (\\d+) recompute (\\w+), needs "
+                   "microbatch size (\\d+) seq-splits (\\d+) recompute (\\w+) "
+                   "sequence-parallel (on|off) distributed-optimizer (on|off), needs "
                    "([0-9.]+ GiB) on rank (\\d+) .*try --memory-limit (\\d+),")))
         << oom.err;
     std::string schedule = m[1] == kNoPipelineLabel ? "1f1b" : std::string(m[1]);
@@ -579,18 +858,113 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
     std::ofstream(model) << j.dump();
     Result c = run(fmt::format("tools/pipec compile --model {} --cluster examples/a100-80g.json "
                                "--schedule {} --pp {} --vpp {} --dp {} --tp {} --microbatches {} "
-                               "--seq-splits {}",
+                               "--seq-splits {}{}{}",
                                model, schedule, pp, std::string(m[4]), dp, tp, 64 / (dp * b),
-                               std::string(m[7])));
+                               std::string(m[7]), m[9] == "on" ? " --sequence-parallel" : "",
+                               m[10] == "on" ? " --distributed-optimizer" : ""));
     ASSERT_EQ(c.code, 0) << c.out << c.err;
-    EXPECT_NE(c.out.find(fmt::format("peak memory: rank {} with {}", std::string(m[10]),
-                                     std::string(m[9]))),
+    EXPECT_NE(c.out.find(fmt::format("peak memory: rank {} with {}", std::string(m[12]),
+                                     std::string(m[11]))),
               std::string::npos)
         << oom.err << "\n"
         << c.out;
-    Result again = run(base + " --memory-limit " + std::string(m[11]) + " --top 1");
+    Result again = run(base + " --memory-limit " + std::string(m[13]) + " --top 1");
     EXPECT_EQ(again.code, 0) << again.out << again.err;
   }
+}
+
+TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
+  // `pipec plan` prints the compile flags of its best plan; `pipec compile` with them (and the
+  // microbatch size in the model spec) writes a plan of the same step time and peaks, here for
+  // BLOOM-176B's layout, which fits only with ZeRO-1.
+  const std::string dir = testing::tmpDir();
+  const std::string model = dir + "/bloom.json", best = dir + "/bloom-best.json",
+                    again = dir + "/bloom-compiled.json", csv = dir + "/bloom.csv";
+  std::ofstream(model) << kBloom;
+  Result r = run(fmt::format("tools/pipec plan --model {} --cluster examples/a100-80g.json "
+                             "--gpus 384 --global-batch 2048 --tp 4 --pp 12 --microbatch-sizes 2 "
+                             "--schedules 1f1b --recompute full "
+                             "--top 3 -o {} --csv {}",
+                             model, best, csv));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(" recompute SP  ZeRO "), std::string::npos) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m,
+                                std::regex("\ncompile: pipec compile --model M.json (.*) "
+                                           "\\(microbatch_size 2 in M.json\\)\n")))
+      << r.out;
+  const std::string flags = m[1];
+  EXPECT_NE(flags.find("--distributed-optimizer"), std::string::npos) << flags;
+  EXPECT_NE(flags.find("--recompute full"), std::string::npos) << flags;
+  Result c = run(fmt::format("tools/pipec compile --model {} --cluster examples/a100-80g.json {} "
+                             "-o {} --quiet",
+                             model, flags, again));
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  auto a = nlohmann::json::parse(testing::slurp(best));
+  auto b = nlohmann::json::parse(testing::slurp(again));
+  EXPECT_EQ(a["stats"]["step_time"], b["stats"]["step_time"]);
+  EXPECT_EQ(a["parallel"], b["parallel"]);
+  for (size_t i = 0; i < a["stats"]["ranks"].size(); ++i)
+    EXPECT_EQ(a["stats"]["ranks"][i]["peak_memory_bytes"],
+              b["stats"]["ranks"][i]["peak_memory_bytes"]);
+  // The CSV has a column for each switch.
+  std::string table = testing::slurp(csv);
+  EXPECT_NE(table.find(",seq_splits,sequence_parallel,distributed_optimizer,schedule,"),
+            std::string::npos);
+  EXPECT_NE(table.find(",on,on,1f1b,ranked,"), std::string::npos) << table;
+  EXPECT_NE(table.find(",off,off,1f1b,memory,"), std::string::npos) << table;
+  // Contradictory switches: one line, exit 2.
+  Result both = run(fmt::format("tools/pipec plan --model {} --gpus 384 --global-batch 2048 "
+                                "--sequence-parallel --no-sequence-parallel",
+                                model));
+  EXPECT_EQ(both.code, 2) << both.err;
+  EXPECT_NE(both.err.find("--sequence-parallel and --no-sequence-parallel contradict"),
+            std::string::npos)
+      << both.err;
+}
+
+TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
+  const std::string dir = testing::tmpDir();
+  const std::string model = dir + "/costs-model.json", costs = dir + "/costs.json",
+                    three = dir + "/costs3.json", csv = dir + "/costs.csv";
+  std::ofstream(model) << R"({"format": "pipemodel/1", "name": "t", "transformer":
+      {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+       "vocab_size": 128, "seq_length": 64, "microbatch_size": 2, "dtype": "bf16"}})";
+  ASSERT_FALSE(bool(writeCosts(costs, twoStageProfile())));
+  MeasuredCosts m3 = twoStageProfile();
+  m3.numStages = 3;
+  ASSERT_FALSE(bool(writeCosts(three, m3)));
+  const std::string base = fmt::format("tools/pipec plan --model {} --gpus 4 --global-batch 8 "
+                                       "--memory-limit 64MiB --tp 1 --microbatch-sizes 2 ",
+                                       model);
+  Result r = run(base + "--top 100 --costs " + costs + " --csv " + csv);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("headroom  costs\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  measured\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  model\n"), std::string::npos) << r.out;
+  std::string table = testing::slurp(csv);
+  EXPECT_NE(table.find(",measured,"), std::string::npos);
+  EXPECT_NE(table.find(",model,"), std::string::npos);
+  // A file that covers nothing: exit 2, one line naming --costs, no output written.
+  Result bad = run(base + "--costs " + three + " -o " + dir + "/never.json");
+  EXPECT_EQ(bad.code, 2) << bad.out << bad.err;
+  EXPECT_EQ(bad.err.rfind("pipec: error: --costs " + three + ": measured on 3 stages", 0), 0u)
+      << bad.err;
+  EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+  EXPECT_FALSE(std::ifstream(dir + "/never.json").good());
+  // tp not pinned: the file does not say which it was measured at.
+  Result loose = run(fmt::format("tools/pipec plan --model {} --gpus 4 --global-batch 8 "
+                                 "--microbatch-sizes 2 --costs {}",
+                                 model, costs));
+  EXPECT_EQ(loose.code, 2) << loose.err;
+  EXPECT_NE(loose.err.find("--costs: a costs file does not record the tp"), std::string::npos)
+      << loose.err;
+  // --help lists the new flags and exits 0.
+  Result help = run("tools/pipec plan --help");
+  EXPECT_EQ(help.code, 0) << help.err;
+  for (const char *flag :
+       {"--costs", "--no-sequence-parallel", "--no-distributed-optimizer", "--min-headroom"})
+    EXPECT_NE(help.out.find(flag), std::string::npos) << flag << "\n" << help.out;
 }
 
 TEST(PlannerCliTest, HugeInputsWithoutALayoutAreOneLineNamingTheFlag) {

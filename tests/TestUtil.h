@@ -60,6 +60,19 @@ inline Plan compileOrFail(const ModelSpec &model, const CompileOptions &o) {
   return std::move(*plan);
 }
 
+/// A GPT-style transformer with the spec's defaults (docs/contracts.md#model-spec-pipemodel1)
+/// but for `layers` blocks of hidden size `h` with `heads` heads, sequences of `seq` tokens and
+/// GPT-2's padded vocabulary (50,304).
+inline ModelSpec gptSpec(int64_t layers, int64_t h, int64_t seq, int64_t heads = 32) {
+  std::string text = fmt::format(
+      R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},
+      "hidden_size": {}, "num_attention_heads": {}, "vocab_size": 50304, "seq_length": {}}}}})",
+      layers, h, heads, seq);
+  auto m = parseModelSpec(text, "gpt.json");
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? *m : ModelSpec{};
+}
+
 /// A transformer small enough for the runtimes to run in a moment (fp32, 16 hidden, 4 heads).
 inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
   std::string text = fmt::format(

@@ -12,8 +12,8 @@
 
 #include "compiler/Import.h"
 #include "compiler/Verifier.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/PlanText.h"
-#include "ir/TorchCsv.h"
 #include "ir/formats/PlanJson.h"
 #include "schedules/Policy.h"
 
@@ -166,6 +166,29 @@ TEST(TorchCsvRoundTrip, DataParallelPlansImportBackWithTheirDpFlag) {
   auto back = importText(model, csv, o);
   ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
   EXPECT_EQ(writePlanJson(back->plan), writePlanJson(plan));
+}
+
+TEST(TorchCsvRoundTrip, ImportedPlansAreNamedAndPostValidateAsThePolicyTheirOrderIs) {
+  // The plan takes its name and its optimizer step from the policy the schedule pass
+  // identifies: zero-bubble orders post-validate, an order that is no policy's does not.
+  ModelSpec model = sweepModel();
+  Plan zb = compileOrFail(model, options("zb-h1", 4, 8));
+  ASSERT_TRUE(zb.postValidation);
+  auto back = importText(model, exportOrFail(zb, TorchCsvForm::ComputeOnly), {});
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(back->plan.schedule, "zb-h1");
+  EXPECT_TRUE(back->plan.postValidation);
+  auto custom = importText(model, "0F0,0F1,0B1,0B0\r\n1F0,1B0,1F1,1B1\r\n", {});
+  ASSERT_TRUE(bool(custom)) << takeMessage(custom.takeError());
+  EXPECT_EQ(custom->plan.schedule, kCustomSchedule);
+  EXPECT_FALSE(custom->plan.postValidation);
+  // Named: the named policy's, checked against the order.
+  ImportOptions named;
+  named.schedule = "zb-h1";
+  auto again = importText(model, exportOrFail(zb, TorchCsvForm::ComputeOnly), named);
+  ASSERT_TRUE(bool(again)) << takeMessage(again.takeError());
+  EXPECT_EQ(writePlanJson(again->plan), writePlanJson(zb));
+  EXPECT_EQ(again->matches.front(), "zb-h1");
 }
 
 TEST(PipecTextRoundTrip, EveryScheduleImportsBackFromItsTextForm) {
@@ -370,6 +393,36 @@ llvm::Expected<Plan> commsRowsAsPlan(const Plan &plan, llvm::StringRef csv) {
   return out;
 }
 
+TEST(TorchCsvExport, CommsFormReducesWhereTheSamePlanWithDataParallelismDoes) {
+  // With dp > 1 the REDUCE_GRADs stand where the plan's dp all-reduces are; with dp = 1 the
+  // export asks lower-collectives' rule where they would be. Same order, same rows.
+  ModelSpec model = sweepModel();
+  size_t compared = 0;
+  for (const Config &c : sweep()) {
+    if (c.schedule == "zb-auto")
+      continue; // its search weighs memory, which dp changes
+    CompileOptions o = options(c.schedule, c.pp, c.microbatches, c.vpp);
+    Plan one = compileOrFail(model, o);
+    o.parallel.dp = 2;
+    Plan two = compileOrFail(model, o);
+    if (::testing::Test::HasFailure())
+      return;
+    ASSERT_EQ(exportOrFail(one, TorchCsvForm::ComputeOnly),
+              exportOrFail(two, TorchCsvForm::ComputeOnly))
+        << name(c);
+    std::string csv = exportOrFail(one, TorchCsvForm::ComputeComms);
+    EXPECT_EQ(csv, exportOrFail(two, TorchCsvForm::ComputeComms)) << name(c);
+    // Every stage reduced (REDUCE_GRAD and its WAIT_REDUCE_GRAD), so the rows say something.
+    size_t reductions = 0;
+    for (size_t at = csv.find("REDUCE_GRAD"); at != std::string::npos;
+         at = csv.find("REDUCE_GRAD", at + 1))
+      ++reductions;
+    EXPECT_EQ(reductions, 2u * size_t(one.numStages())) << name(c);
+    ++compared;
+  }
+  EXPECT_GT(compared, 150u);
+}
+
 TEST(TorchCsvExport, CommsFormIsDeadlockFreeWithEveryActionIssuedAlone) {
   // PyTorch posts each send and recv as its own batch: pipec's groups are gone, so the order
   // itself must be deadlock-free under NCCL's blocking rules (each op waits for its partner).
@@ -530,6 +583,65 @@ TEST(PipecTextImport, MalformedTokenIsBadInputNamingLineAndToken) {
   ASSERT_FALSE(bool(order));
   std::string msg = takeMessage(order.takeError());
   EXPECT_NE(msg.find("s.txt: line 3 (rank 1), token 2: '1Q0'"), std::string::npos) << msg;
+}
+
+TEST(PipecTextImport, ReadsExactlyTheTokensTheTextFormsLexerReads) {
+  // One grammar: a token between two compute ops is accepted by the importer exactly when
+  // PlanText's lexer reads it.
+  const char *tokens[] = {"0F1",
+                          "0F0.1",
+                          "0F0:0/2",
+                          "0F0:1/2",
+                          "0F0:2/2",
+                          "0F0:0/0",
+                          "0F0#1",
+                          "0W3",
+                          "0I0.0:1/3",
+                          "1SEND_F0",
+                          "1SEND_F0.1#4",
+                          "1RECV_B0#",
+                          "1SEND_X0",
+                          "1SEND_F0:0/2",
+                          "0ALLREDUCE_DP",
+                          "0ALLREDUCE_EMB",
+                          "0ALLREDUCE_DPX",
+                          "0ALLREDUCE_TP_F0:0/2",
+                          "0ALLREDUCE_TP_W0:0/2",
+                          "0ALLREDUCE_TP_I0",
+                          "OPTIMIZER_STEP",
+                          "0",
+                          "F0",
+                          "0f0",
+                          "0F",
+                          "0F1234567890",
+                          "0Q0"};
+  for (const char *tok : tokens) {
+    auto lexed = lexToken(tok);
+    bool lexes = bool(lexed);
+    if (!lexes)
+      llvm::consumeError(lexed.takeError());
+    auto order = parseSchedule(fmt::format("rank 0: 0F0 {} 0B0\n", tok), "s.txt");
+    EXPECT_EQ(bool(order), lexes) << tok;
+    if (!order)
+      llvm::consumeError(order.takeError());
+  }
+}
+
+TEST(TorchCsvImport, ComputeActionsAreTextFormComputeTokensWithoutSlicesOrParts) {
+  struct Case {
+    const char *cell;
+    bool accepted;
+  } cases[] = {{"0F1", true},       {"12W3", true},          {" 0I0 ", true},
+               {"00B01", true},     {"0F1.0", false},        {"0F1:0/2", false},
+               {"0F1#2", false},    {"0f1", false},          {"0F", false},
+               {"F0", false},       {"0F1234567890", false}, {"0ALLREDUCE_DP", false},
+               {"0SEND_X1", false}, {"0SEND_F0.1", false}};
+  for (const Case &c : cases) {
+    auto order = parseSchedule(fmt::format("{},0B0\r\n", c.cell), "s.csv");
+    EXPECT_EQ(bool(order), c.accepted) << c.cell;
+    if (!order)
+      llvm::consumeError(order.takeError());
+  }
 }
 
 class TorchCsvGolden : public ::testing::TestWithParam<Config> {};

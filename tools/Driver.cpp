@@ -3,8 +3,8 @@
 #include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/PlanText.h"
-#include "ir/TorchCsv.h"
 #include "ir/formats/PlanJson.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
@@ -17,6 +17,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <tuple>
 
 namespace pipec {
 
@@ -249,8 +250,19 @@ llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args) {
     return limit.takeError();
   o.memoryLimit = *limit;
   o.tpAcrossNodes = args.has("--tp-across-nodes");
-  o.sequenceParallel = args.has("--sequence-parallel");
-  o.distributedOptimizer = args.has("--distributed-optimizer");
+  // Each switch fixed on, fixed off, or (neither given) searched.
+  for (auto [on, off, out] :
+       {std::tuple{"--sequence-parallel", "--no-sequence-parallel", &o.sequenceParallel},
+        std::tuple{"--distributed-optimizer", "--no-distributed-optimizer",
+                   &o.distributedOptimizer}}) {
+    if (args.has(on) && args.has(off))
+      return inputError("{} and {} contradict each other; give one (or neither, to search both)",
+                        on, off);
+    if (args.has(on) || args.has(off))
+      *out = args.has(on);
+  }
+  if (auto err = costsFromFlags(args, o.costs, o.costsSource))
+    return err;
   auto sizes = args.integers("--microbatch-sizes");
   if (!sizes)
     return sizes.takeError();

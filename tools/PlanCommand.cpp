@@ -1,9 +1,11 @@
 //===- PlanCommand.cpp - pipec plan: search layouts and schedules ---------===//
 //
 //   pipec plan --model M.json --gpus N --global-batch B [...]   (flags: tools/Options.cpp)
-// Prints the top K layouts (compiler/Planner.h) as a table and what was dropped and why; -o
-// writes the best plan, --csv every candidate. Exit 0 with a plan, 1 when no layout fits in
-// memory (naming the smallest shortfall), 2 for bad input.
+// Prints the top K layouts (compiler/Planner.h) as a table (with the sequence-parallel and ZeRO-1
+// settings chosen, and with --costs whether measured or modelled costs scored each row), what
+// was dropped and why, and the `pipec compile` flags of the best; -o writes the best plan,
+// --csv every candidate. Exit 0 with a plan, 1 when no layout fits in memory (naming the
+// smallest shortfall), 2 for bad input.
 //
 //===----------------------------------------------------------------------===//
 #include "tools/PlanCommand.h"
@@ -108,11 +110,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
              count[Outcome::Divisibility], count[Outcome::Constraint], count[Outcome::Memory],
              count[Outcome::Pruned]);
   const char *unit = transformer ? "ms" : "unit";
-  fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:>13} {:>10} "
-             "{:>8} {:>6} {:>7} {:>11} {:>10}\n",
-             "#", "schedule", "tp", "pp", "vpp", "dp", "mb", "m", "K", "recompute",
+  // With --costs, a column says which rows the measured times scored.
+  const bool costs = o.costs != nullptr;
+  fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} {:>13} "
+             "{:>10} {:>8} {:>6} {:>7} {:>11} {:>10}{}\n",
+             "#", "schedule", "tp", "pp", "vpp", "dp", "mb", "m", "K", "recompute", "SP", "ZeRO",
              fmt::format("step ({})", unit), "tokens/s", "TFLOP/s", "MFU", "bubble", "peak memory",
-             "headroom");
+             "headroom", costs ? "  costs" : "");
   for (size_t i = 0; i < result->ranked.size(); ++i) {
     const PlanCandidate &c = result->candidates[result->ranked[i]];
     const ParallelConfig &pc = c.parallel;
@@ -124,26 +128,48 @@ llvm::Error runPlanCommand(int argc, char **argv) {
       tflops = fmt::format("{:.1f}", perGpu / 1e12);
       mfu = fmt::format("{:.1f}%", 100 * perGpu / (cluster.peakTflops * 1e12));
     }
-    fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:>13.3f} {:>10} "
-               "{:>8} {:>6} {:>6.1f}% {:>11} {:>10}\n",
+    fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} "
+               "{:>13.3f} {:>10} {:>8} {:>6} {:>6.1f}% {:>11} {:>10}{}\n",
                i + 1, scheduleLabel(c), pc.tp, pc.pp, pc.vpp, pc.dp, c.microbatchSize,
-               pc.microbatches, pc.seqSplits, toString(c.recompute).str(), c.stepTime, tokens,
-               tflops, mfu, 100 * c.bubble, gib(c.peakMemoryBytes),
-               gib(result->memoryLimit - c.peakMemoryBytes));
+               pc.microbatches, pc.seqSplits, toString(c.recompute).str(),
+               pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
+               c.stepTime, tokens, tflops, mfu, 100 * c.bubble, gib(c.peakMemoryBytes),
+               gib(result->memoryLimit - c.peakMemoryBytes),
+               costs ? (c.measured ? "  measured" : "  model") : "");
   }
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print("\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
-             "seq-splits {}, recompute {}{}\n",
+             "seq-splits {}, recompute {}, sequence parallelism {}, distributed optimizer {}{}{}\n",
              best.parallel.pp == 1 ? std::string("no pipeline (1f1b order)") : best.schedule,
              best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp,
              best.microbatchSize, best.parallel.microbatches, best.parallel.seqSplits,
-             toString(best.recompute).str(),
+             toString(best.recompute).str(), best.parallel.sequenceParallel ? "on" : "off",
+             best.parallel.distributedOptimizer ? "on" : "off",
              best.zbAutoLimit
                  ? fmt::format(" (zb-auto under {} of activations per rank)", gib(best.zbAutoLimit))
-                 : "");
-  if (best.recompute != Recompute::None)
-    fmt::print("note: piperun does not execute recomputation; the plan sizes a run, "
-               "--recompute none plans run\n");
+                 : "",
+             costs ? (best.measured ? ", scored with the measured costs" : ", scored by the model")
+                   : "");
+  // The same figures from `pipec compile` (the model spec's microbatch_size set to the plan's).
+  fmt::print("compile: pipec compile --model M.json {} (microbatch_size {} in M.json)\n",
+             compileFlags(best, o), best.microbatchSize);
+  // What piperun refuses to run (tools/piperun.cpp), and the flags that plan what it runs.
+  std::vector<std::string> notRun, flags;
+  if (best.recompute != Recompute::None) {
+    notRun.push_back("recomputation");
+    flags.push_back("--recompute none");
+  }
+  if (best.parallel.sequenceParallel) {
+    notRun.push_back("sequence parallelism");
+    flags.push_back("--no-sequence-parallel");
+  }
+  if (best.parallel.distributedOptimizer) {
+    notRun.push_back("the distributed optimizer");
+    flags.push_back("--no-distributed-optimizer");
+  }
+  if (!notRun.empty())
+    fmt::print("note: piperun does not execute {}; the plan sizes a run, {} plans run\n",
+               llvm::join(notRun, " or "), llvm::join(flags, " "));
   if (out)
     fmt::print("wrote {}\n", *out);
   if (csv)

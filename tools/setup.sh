@@ -10,6 +10,8 @@ packages=(bazel-bootstrap bazel-platforms nlohmann-json3-dev libfmt-dev llvm-14-
 packages+=(libxml2-dev librsvg2-bin)
 # Sanitizer builds and fuzz targets (--config=asan) use clang.
 packages+=(clang-14 libclang-rt-14-dev lld-14)
+# The format check (tools/check_format.sh, run by tools/test.sh).
+packages+=(clang-format-14)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

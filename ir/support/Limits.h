@@ -2,7 +2,8 @@
 //
 // Every size bound the compiler, the formats and the tools check, in one place: the flags'
 // bounds (tools/Options.cpp), the plan reader's (ir/formats/PlanJson.cpp), the pipeline's
-// (compiler/Pipeline.cpp) and the importer's (compiler/Import.cpp, ir/TorchCsv.cpp) are these.
+// (compiler/Pipeline.cpp) and the importer's (compiler/Import.cpp,
+// compiler/torch/TorchCsv.cpp) are these.
 // A bound is a sanity limit on input, far above any real run, that keeps the per-op tables
 // (stages x microbatches x slices) and the loops over them small enough to allocate.
 //

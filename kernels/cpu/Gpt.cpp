@@ -1,36 +1,8 @@
 //===- Gpt.cpp - CPU reference math of a small GPT, per pipeline stage ------===//
 //
-// The layers' layout, initialisation and sharding, and the host as the device of the stage
-// (kernels/StageProgram.h, the one definition the cuda backend runs too). The stage walks its
-// layers as a list of "parts" (one per tensor-parallel reduction point) and keeps, per
-// (microbatch, slice), the residual stream and what the backwards need. A part that returns a
-// buffer for the tp all-reduce is completed lazily: the residual add (forward) or the norm
-// backward plus residual add (backward) that consumes the reduced buffer runs at the start of
-// the next part, or in output() / inputGrad() / backwardWeight() after the last.
-//
-// Flat parameter layout of one layer on tp rank r of tp (floats, row-major, concatenated in
-// this order; `layerRange()` gives where a layer starts within the stage's params()):
-//   embedding: wte [V/tp, C]   the vocabulary rows [r V/tp, (r+1) V/tp), wpe [T, C]
-//   block:     ln1.w [C], ln1.b [C],
-//              qkv.w [C, 3C/tp]   columns: q of local heads | k of local heads | v of local heads
-//              qkv.b [3C/tp]      (same column order),
-//              attn.w [C/tp, C]   the rows of the local heads, attn.b [C] (replicated),
-//              ln2.w [C], ln2.b [C],
-//              fc.w [C, F/tp]     columns [r F/tp, (r+1) F/tp), fc.b [F/tp],
-//              proj.w [F/tp, C]   the matching rows, proj.b [C] (replicated)
-//   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (the same rows; logits = h lm.w^T; the
-//              head's own copy of wte when embeddings are tied)
-// Llama-style variants (GptConfig) change that as Gpt.h says: grouped-query attention narrows
-// qkv's k and v blocks to the key/value heads (rank r holding heads [r KV/tp, (r+1) KV/tp));
-// SwiGLU doubles fc into gate | up blocks, each split like fc; rope drops wpe; RMSNorm and
-// "no biases" drop the tensors they do not have. Rotary embeddings turn q and k after qkv, so
-// the K kept for later slices is rotated; the backward turns dq and the slice's complete dK
-// back before they become qkv's output gradient.
-// Linear weights are [in, out] (y = x W + b). The full (tp = 1) qkv.w is [C, 3C] with columns
-// q | k | v, head h owning columns [h hd, (h+1) hd) of each third. Row-parallel biases are
-// replicated and added once, after the reduction, so every tp rank holds the same value and
-// computes the same gradient (from the replicated output gradient): shards of gradients equal
-// shardLayer() of the tp = 1 gradients.
+// The host as the device of the stage (kernels/StageProgram.h, the one definition the cuda
+// backend runs too) and StageCompute, the host's facade over it. The model's layers, layout,
+// initialisation and tp shards are kernels/StageModel.h's.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cpu/Gpt.h"
@@ -40,293 +12,19 @@
 #include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
-#include <array>
 #include <cassert>
-#include <cmath>
-#include <numbers>
-#include <string>
+#include <vector>
 
 namespace pipec::kernels {
 
-namespace {
-
-enum class Shard { Replicated, Columns, Rows };
-enum class Init { Zeros, Ones, Normal };
-
-/// One parameter tensor of a layer, at its full (tp = 1) shape. A Columns tensor is cut into
-/// column blocks of widths `groups` (q, k, v; gate, up) and rank r takes the r-th tp-th of
-/// each block. `role` names the tensor for the code (the enums below) whatever the variant
-/// leaves out, and seeds its initialisation stream.
-struct TensorSpec {
-  int rows;
-  int cols;
-  Shard shard;
-  std::vector<int> groups;
-  Init init;
-  const char *name;
-  int role;
-};
-
 using namespace tensors;
-constexpr int kMostTensors = kMostRoles;
-
-/// The layer's tensors in their flat order. GPT-2's are all there and a role equals its index;
-/// a Llama-style variant leaves some out (Gpt.h) and keeps the others' order.
-std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
-  const int c = cfg.channels, v = cfg.vocab, f = cfg.ffn;
-  const int kv = cfg.kvHeadCount() * (c / cfg.heads); // width of K (and of V)
-  const bool normShift = !cfg.rmsnorm && cfg.bias;
-  std::vector<TensorSpec> out;
-  switch (layerKind(cfg, layer)) {
-  case GptLayerKind::Embedding:
-    out.push_back({v, c, Shard::Rows, {}, Init::Normal, "wte", Wte});
-    if (!cfg.rope)
-      out.push_back({cfg.seqLen, c, Shard::Replicated, {}, Init::Normal, "wpe", Wpe});
-    return out;
-  case GptLayerKind::Block: {
-    const std::vector<int> qkv{c, kv, kv};
-    const std::vector<int> fc = cfg.swiglu ? std::vector<int>{f, f} : std::vector<int>{f};
-    const int fcCols = cfg.swiglu ? 2 * f : f;
-    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "ln1.w", Ln1W});
-    if (normShift)
-      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "ln1.b", Ln1B});
-    out.push_back({c, c + 2 * kv, Shard::Columns, qkv, Init::Normal, "qkv.w", QkvW});
-    if (cfg.bias)
-      out.push_back({1, c + 2 * kv, Shard::Columns, qkv, Init::Zeros, "qkv.b", QkvB});
-    out.push_back({c, c, Shard::Rows, {}, Init::Normal, "attn.w", AttnW});
-    if (cfg.bias)
-      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "attn.b", AttnB});
-    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "ln2.w", Ln2W});
-    if (normShift)
-      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "ln2.b", Ln2B});
-    out.push_back({c, fcCols, Shard::Columns, fc, Init::Normal, "fc.w", FcW});
-    if (cfg.bias)
-      out.push_back({1, fcCols, Shard::Columns, fc, Init::Zeros, "fc.b", FcB});
-    out.push_back({f, c, Shard::Rows, {}, Init::Normal, "proj.w", ProjW});
-    if (cfg.bias)
-      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "proj.b", ProjB});
-    return out;
-  }
-  case GptLayerKind::Head:
-    out.push_back({1, c, Shard::Replicated, {}, Init::Ones, "lnf.w", LnfW});
-    if (normShift)
-      out.push_back({1, c, Shard::Replicated, {}, Init::Zeros, "lnf.b", LnfB});
-    out.push_back({v, c, Shard::Rows, {}, Init::Normal, "lm.w", LmW});
-    return out;
-  }
-  assert(false && "unknown layer kind");
-  return {};
-}
-
-
-size_t localSize(const TensorSpec &t, int tp) {
-  switch (t.shard) {
-  case Shard::Replicated:
-    return size_t(t.rows) * t.cols;
-  case Shard::Columns:
-    return size_t(t.rows) * (t.cols / tp);
-  case Shard::Rows:
-    return size_t(t.rows / tp) * t.cols;
-  }
-  assert(false && "unknown shard kind");
-  return 0;
-}
-
-/// Offsets of a layer's tensors within its flat block on one tp rank, plus the total at the end.
-std::vector<size_t> tensorOffsets(const GptConfig &cfg, int layer, int tp) {
-  std::vector<size_t> offsets{0};
-  for (const TensorSpec &t : layerTensors(cfg, layer))
-    offsets.push_back(offsets.back() + localSize(t, tp));
-  return offsets;
-}
-
-} // namespace
-
-std::array<size_t, kMostTensors> paramRoleOffsets(const GptConfig &cfg, int layer, int tp) {
-  std::array<size_t, kMostTensors> out;
-  out.fill(kAbsent);
-  size_t at = 0;
-  for (const TensorSpec &t : layerTensors(cfg, layer)) {
-    out[size_t(t.role)] = at;
-    at += localSize(t, tp);
-  }
-  return out;
-}
 
 namespace {
-
-uint64_t splitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-/// A standard normal that depends only on (seed, layer, tensor, index): Box-Muller on two
-/// uniforms hashed from the counter.
-float counterNormal(uint64_t seed, int layer, int tensor, size_t index) {
-  uint64_t h = splitMix64(seed);
-  h = splitMix64(h ^ uint64_t(layer));
-  h = splitMix64(h ^ uint64_t(tensor));
-  h = splitMix64(h ^ uint64_t(index));
-  const double u1 = double((h >> 11) + 1) * 0x1.0p-53; // (0, 1]
-  const double u2 = double(splitMix64(h) >> 11) * 0x1.0p-53;
-  return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2));
-}
-
-void checkConfig(const GptConfig &cfg, int tp) {
-  assert(tp >= 1 && "tp must be positive");
-  assert(cfg.channels % cfg.heads == 0 && "channels must be divisible by heads");
-  assert(cfg.heads % tp == 0 && "heads must be divisible by tp");
-  assert(cfg.kvHeadCount() >= 1 && cfg.heads % cfg.kvHeadCount() == 0 &&
-         "key/value heads must divide heads");
-  assert(cfg.kvHeadCount() % tp == 0 && "key/value heads must be divisible by tp");
-  assert((!cfg.rope || (cfg.channels / cfg.heads) % 2 == 0) && "rope needs an even head size");
-  assert(cfg.ffn % tp == 0 && "ffn must be divisible by tp");
-  assert(cfg.vocab % tp == 0 && "vocab must be divisible by tp");
-  (void)cfg;
-  (void)tp;
-}
 
 size_t floatBytes(const std::vector<float> &v) { return v.size() * sizeof(float); }
-
-} // namespace
-
-GptLayerKind layerKind(const GptConfig &cfg, int layer) {
-  assert(layer >= 0 && layer < cfg.numLayers() && "layer out of range");
-  if (layer == 0)
-    return GptLayerKind::Embedding;
-  if (layer == cfg.layers + 1)
-    return GptLayerKind::Head;
-  return GptLayerKind::Block;
-}
-
-int layerParts(const GptConfig &cfg, int layer) {
-  return layerKind(cfg, layer) == GptLayerKind::Block ? 2 : 1;
-}
-
-size_t layerParamCount(const GptConfig &cfg, int layer, int tp) {
-  checkConfig(cfg, tp);
-  return tensorOffsets(cfg, layer, tp).back();
-}
-
-std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed) {
-  std::vector<TensorSpec> tensors = layerTensors(cfg, layer);
-  std::vector<float> out;
-  out.reserve(layerParamCount(cfg, layer, 1));
-  const bool tiedHead = cfg.tiedEmbeddings && layerKind(cfg, layer) == GptLayerKind::Head;
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    size_t n = size_t(tensors[t].rows) * tensors[t].cols;
-    // The tied head matrix draws the embedding's wte stream, so the two start equal.
-    const int role = tensors[t].role;
-    int streamLayer = tiedHead && role == LmW ? 0 : layer;
-    int streamTensor = tiedHead && role == LmW ? int(Wte) : role;
-    for (size_t k = 0; k < n; ++k) {
-      switch (tensors[t].init) {
-      case Init::Zeros:
-        out.push_back(0.0f);
-        break;
-      case Init::Ones:
-        out.push_back(1.0f);
-        break;
-      case Init::Normal:
-        out.push_back(0.02f * counterNormal(seed, streamLayer, streamTensor, k));
-        break;
-      }
-    }
-  }
-  return out;
-}
-
-namespace {
-/// Calls `piece(fullOffset, count)` for each run of a full layer tensor that tp rank `tpRank`
-/// holds, in the order the rank stores them (so the shard is their concatenation).
-template <typename Piece>
-void forEachShardPiece(const GptConfig &cfg, int layer, int tpRank, int tp, Piece &&piece) {
-  size_t offset = 0;
-  for (const TensorSpec &t : layerTensors(cfg, layer)) {
-    switch (t.shard) {
-    case Shard::Replicated:
-      piece(offset, size_t(t.rows) * t.cols);
-      break;
-    case Shard::Columns: {
-      // Each of the column blocks (q, k, v; gate, up) is split into tp equal pieces.
-      const std::vector<int> groups = t.groups.empty() ? std::vector<int>{t.cols} : t.groups;
-      for (int r = 0; r < t.rows; ++r) {
-        int groupBegin = 0;
-        for (int width : groups) {
-          const int localCols = width / tp;
-          piece(offset + size_t(r) * t.cols + groupBegin + tpRank * localCols, size_t(localCols));
-          groupBegin += width;
-        }
-      }
-      break;
-    }
-    case Shard::Rows: {
-      const size_t localRows = t.rows / tp;
-      piece(offset + tpRank * localRows * t.cols, localRows * t.cols);
-      break;
-    }
-    }
-    offset += size_t(t.rows) * t.cols;
-  }
-}
-} // namespace
-
-std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int tp,
-                              std::span<const float> full) {
-  assert(full.size() == layerParamCount(cfg, layer, 1) && "not a full layer tensor");
-  assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
-  std::vector<float> out;
-  out.reserve(layerParamCount(cfg, layer, tp));
-  forEachShardPiece(cfg, layer, tpRank, tp, [&](size_t at, size_t n) {
-    out.insert(out.end(), full.data() + at, full.data() + at + n);
-  });
-  return out;
-}
-
-void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span<const float> shard,
-                  std::span<float> full) {
-  assert(full.size() == layerParamCount(cfg, layer, 1) && "not a full layer tensor");
-  assert(shard.size() == layerParamCount(cfg, layer, tp) && "not a shard of the layer");
-  assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
-  const float *src = shard.data();
-  forEachShardPiece(cfg, layer, tpRank, tp, [&](size_t at, size_t n) {
-    std::copy_n(src, n, full.data() + at);
-    src += n;
-  });
-}
-
-std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp) {
-  return tensorOffsets(cfg, layer, tp);
-}
-
-std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer) {
-  std::vector<bool> out;
-  for (const TensorSpec &t : layerTensors(cfg, layer))
-    out.push_back(t.shard == Shard::Replicated);
-  return out;
-}
-
-std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index) {
-  size_t begin = 0;
-  for (const TensorSpec &t : layerTensors(cfg, layer)) {
-    const size_t n = localSize(t, tp);
-    if (index < begin + n) {
-      const size_t rows = size_t(t.shard == Shard::Rows ? t.rows / tp : t.rows);
-      const size_t at = index - begin, cols = n / rows;
-      if (rows == 1)
-        return std::string(t.name) + "[" + std::to_string(at) + "]";
-      return std::string(t.name) + "[" + std::to_string(at / cols) + ", " +
-             std::to_string(at % cols) + "]";
-    }
-    begin += n;
-  }
-  return "element " + std::to_string(index) + " past the layer's " + std::to_string(begin) +
-         " parameters";
-}
-namespace {
 
 /// The host as StageProgram's device: std::vector buffers, kernels/cpu/Ops.h and LlamaOps.h
 /// loops, the parameters and the batch in host memory. Nothing fails.
@@ -348,7 +46,6 @@ struct CpuDev {
   GptConfig cfg;
   std::vector<std::pair<int, int>> slices;
   std::vector<float> params, grads, adamM, adamV;
-  int adamSteps = 0;
   std::vector<std::vector<int32_t>> batch;
 
   static llvm::Error ok() { return llvm::Error::success(); }
@@ -373,6 +70,36 @@ struct CpuDev {
   Out out(std::vector<float> &v) { return v; }
   CPtr param(size_t at) { return params.data() + at; }
   float *grad(size_t at) { return grads.data() + at; }
+  std::span<float> state(StageState which) {
+    switch (which) {
+    case StageState::Params:
+      return params;
+    case StageState::Grads:
+      return grads;
+    case StageState::AdamFirstMoment:
+      return adamM;
+    case StageState::AdamSecondMoment:
+      return adamV;
+    }
+    llvm_unreachable("unknown stage state");
+  }
+  llvm::Error allocateState(std::vector<float> initial) {
+    params = std::move(initial);
+    grads.assign(params.size(), 0.0f);
+    adamM.assign(params.size(), 0.0f);
+    adamV.assign(params.size(), 0.0f);
+    return ok();
+  }
+  llvm::Error zeroGrads() {
+    std::fill(grads.begin(), grads.end(), 0.0f);
+    return ok();
+  }
+  llvm::Error adamUpdate(float lr, float beta1, float beta2, float eps, float weightDecay,
+                         int step) {
+    ops::adamUpdate(params.data(), grads.data(), adamM.data(), adamV.data(), params.size(), lr,
+                    beta1, beta2, eps, weightDecay, step);
+    return ok();
+  }
 
   /// Token ids of a slice's rows (b, t): inputs, or with `next` the targets. Read from the
   /// step's batch when an op needs them (setBatch is called between steps, not within one).
@@ -408,8 +135,8 @@ struct CpuDev {
     ops::rmsnormForward(out, rstd, in, w, n, c, eps);
     return ok();
   }
-  llvm::Error rmsnormBackwardInputAccumulate(Ptr dIn, CPtr dOut, CPtr in, const float *rstd,
-                                             CPtr w, int n, int c) {
+  llvm::Error rmsnormBackwardInputAccumulate(Ptr dIn, CPtr dOut, CPtr in, const float *rstd, CPtr w,
+                                             int n, int c) {
     ops::rmsnormBackwardInputAccumulate(dIn, dOut, in, rstd, w, n, c);
     return ok();
   }
@@ -475,8 +202,8 @@ struct CpuDev {
       out[size_t(r)] = which == RopeRows::Queries ? begin + r % x : begin + r / cfg.microbatch;
     return out;
   }
-  llvm::Error rope(Ptr x, RopeRows which, int slice, int rows, int heads, int headDim,
-                   double theta, bool backward) {
+  llvm::Error rope(Ptr x, RopeRows which, int slice, int rows, int heads, int headDim, double theta,
+                   bool backward) {
     const std::vector<int32_t> pos = positions(which, slice, rows);
     if (backward)
       ops::ropeBackward(x, pos.data(), rows, heads, headDim, theta);
@@ -489,7 +216,9 @@ struct CpuDev {
     return rope(x, RopeRows::Keys, slice, rows, heads, headDim, theta, /*backward=*/true);
   }
   /// The host grows K/V slice by slice (reserveKv), not at slice 0.
-  llvm::Error reserveSequenceKv(std::vector<float> &, std::vector<float> &, int, int) { return ok(); }
+  llvm::Error reserveSequenceKv(std::vector<float> &, std::vector<float> &, int, int) {
+    return ok();
+  }
   /// The K/V rows [0, end) of the microbatch: grown slice by slice.
   llvm::Error reserveKv(std::vector<float> &k, std::vector<float> &v, int begin, int end, int b,
                         int width) {
@@ -592,8 +321,8 @@ struct CpuDev {
     release(logits);
     return ok();
   }
-  llvm::Error lossShardStats(Loss &, Act &logits, F32 &stats, int mb, int slice, int n,
-                             int localV, int vocabBegin, int tpRank, int tp) {
+  llvm::Error lossShardStats(Loss &, Act &logits, F32 &stats, int mb, int slice, int n, int localV,
+                             int vocabBegin, int tpRank, int tp) {
     const std::vector<int32_t> tgt = tokens(mb, slice, true);
     stats.resize(ops::crossEntropyStatsFloats(n, tp));
     ops::crossEntropyShardStats(stats.data(), logits.data(), tgt.data(), n, localV, vocabBegin,
@@ -605,8 +334,8 @@ struct CpuDev {
     l.loss = ops::crossEntropyCombine(l.lse.data(), stats.data(), n, tp, scale);
     return ok();
   }
-  llvm::Error lossBackward(Loss &l, Act &logits, Act &dLogits, int mb, int slice, int n,
-                           int localV, int vocabBegin, int tp, float scale) {
+  llvm::Error lossBackward(Loss &l, Act &logits, Act &dLogits, int mb, int slice, int n, int localV,
+                           int vocabBegin, int tp, float scale) {
     const std::vector<int32_t> tgt = tokens(mb, slice, true);
     if (tp > 1) { // from the rank's logits and the whole vocabulary's log-sum-exp
       dLogits.resize(logits.size());
@@ -625,43 +354,33 @@ struct CpuDev {
 
 } // namespace
 
+static_assert(StageDevice<CpuDev>, "the host must provide what kernels/StageDevice.h asks");
+// And the concept is a contract: the host without one of its operations is no device.
+struct CpuDevWithoutRope : CpuDev {
+  void rope() = delete;
+};
+static_assert(!StageDevice<CpuDevWithoutRope>, "StageDevice must require every operation");
+
 struct StageCompute::Impl : StageProgram<CpuDev> {};
 
 StageCompute::StageCompute(const GptConfig &cfg, int layerBegin, int layerEnd, int tpRank, int tp,
                            uint64_t seed, std::vector<std::pair<int, int>> slices, float lossScale)
     : impl(std::make_unique<Impl>()) {
-  checkConfig(cfg, tp);
-  assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
-         "empty or out-of-range layer range");
-  assert(tpRank >= 0 && tpRank < tp && "tp rank out of range");
-  assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
-         "slices must cover the sequence");
-  for (size_t s = 0; s < slices.size(); ++s)
-    assert(slices[s].first < slices[s].second &&
-           (s == 0 || slices[s - 1].second == slices[s].first) &&
-           "slices must be non-empty and contiguous");
-  Impl &m = *impl;
-  m.dev.cfg = cfg;
-  m.dev.slices = slices;
-  m.setUp(cfg, layerBegin, layerEnd, tpRank, tp, std::move(slices), lossScale);
-  for (int l = layerBegin; l < layerEnd; ++l) {
-    std::vector<float> shard = shardLayer(cfg, l, tpRank, tp, initLayerFull(cfg, l, seed));
-    m.dev.params.insert(m.dev.params.end(), shard.begin(), shard.end());
-  }
-  assert(m.dev.params.size() == m.layerOffset.back() && "the layout and the shards disagree");
-  m.dev.grads.assign(m.dev.params.size(), 0.0f);
-  m.dev.adamM.assign(m.dev.params.size(), 0.0f);
-  m.dev.adamV.assign(m.dev.params.size(), 0.0f);
+  CpuDev &d = impl->device();
+  d.cfg = cfg;
+  d.slices = slices;
+  impl->setUp(cfg, layerBegin, layerEnd, tpRank, tp, std::move(slices), lossScale);
+  llvm::cantFail(impl->initParams(seed, /*initLayers=*/nullptr));
 }
 
 StageCompute::~StageCompute() = default;
 
-int StageCompute::parts() const { return int(impl->forwardParts.size()); }
+int StageCompute::parts() const { return impl->parts(); }
 bool StageCompute::hasEmbedding() const { return impl->hasEmbedding(); }
 bool StageCompute::hasHead() const { return impl->hasHead(); }
 
 void StageCompute::setBatch(std::vector<std::vector<int32_t>> tokens) {
-  impl->dev.batch = std::move(tokens);
+  impl->device().batch = std::move(tokens);
 }
 
 std::span<float> StageCompute::forward(int mb, int slice, int part, std::span<const float> input) {
@@ -671,21 +390,12 @@ std::span<float> StageCompute::forward(int mb, int slice, int part, std::span<co
 }
 
 std::span<const float> StageCompute::output(int mb, int slice) const {
-  auto &w = impl->get(mb, slice);
-  assert(w.nextForwardPart == parts() && "output() before the last forward part");
-  // Completes the last part: the residual add of its reduced buffer.
-  llvm::cantFail(impl->finishForward(w));
-  if (hasHead())
-    return {};
-  return w.resid;
+  const std::vector<float> *out = llvm::cantFail(impl->output(mb, slice));
+  return out ? std::span<const float>(*out) : std::span<const float>();
 }
 
 double StageCompute::loss(int mb, int slice) const {
-  assert(hasHead() && "loss() on a stage without the head");
-  auto &w = impl->get(mb, slice);
-  assert(w.nextForwardPart == parts() && "loss() before the last forward part");
-  llvm::cantFail(impl->finishForward(w)); // with tp > 1, the loss of the reduced statistics
-  return w.head.loss.loss;
+  return llvm::cantFail(impl->loss(mb, slice))->loss;
 }
 
 std::span<float> StageCompute::backwardInput(int mb, int slice, int part,
@@ -696,67 +406,42 @@ std::span<float> StageCompute::backwardInput(int mb, int slice, int part,
 }
 
 std::span<const float> StageCompute::inputGrad(int mb, int slice) const {
-  auto &w = impl->get(mb, slice);
-  assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
-  // Completes the last part: norm1 backward of its reduced buffer plus the residual path.
-  llvm::cantFail(impl->finishBackward(w));
-  if (hasEmbedding())
-    return {};
-  return w.dResid;
+  const std::vector<float> *grad = llvm::cantFail(impl->inputGrad(mb, slice));
+  return grad ? std::span<const float>(*grad) : std::span<const float>();
 }
 
 void StageCompute::backwardWeight(int mb, int slice) {
   llvm::cantFail(impl->backwardWeight(mb, slice));
 }
 
-std::span<float> StageCompute::params() { return impl->dev.params; }
-std::span<float> StageCompute::grads() { return impl->dev.grads; }
+std::span<float> StageCompute::params() { return impl->state(StageState::Params); }
+std::span<float> StageCompute::grads() { return impl->state(StageState::Grads); }
+std::span<float> StageCompute::adamFirstMoment() {
+  return impl->state(StageState::AdamFirstMoment);
+}
+std::span<float> StageCompute::adamSecondMoment() {
+  return impl->state(StageState::AdamSecondMoment);
+}
 
 std::pair<size_t, size_t> StageCompute::layerRange(int layer) const {
-  assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");
-  int l = layer - impl->layerBegin;
-  return {impl->layerOffset[size_t(l)], impl->layerOffset[size_t(l + 1)]};
+  return impl->layerRange(layer);
 }
-
 std::pair<size_t, size_t> StageCompute::tiedEmbeddingRange() const {
-  const Impl &m = *impl;
-  // A stage holding both copies ties them itself (see backwardWeight): nothing to all-reduce.
-  if (!m.cfg.tiedEmbeddings || m.tiedHere())
-    return {0, 0};
-  const size_t matrix = size_t(m.localV) * size_t(m.cfg.channels); // the rank's rows
-  if (m.hasEmbedding()) {
-    size_t at = m.offsetOf(m.layerBegin, Wte);
-    return {at, at + matrix};
-  }
-  if (m.hasHead()) {
-    size_t at = m.offsetOf(m.layerEnd - 1, LmW);
-    return {at, at + matrix};
-  }
-  return {0, 0};
+  return impl->tiedEmbeddingRange();
 }
 
-void StageCompute::zeroGrads() { std::fill(impl->dev.grads.begin(), impl->dev.grads.end(), 0.0f); }
+void StageCompute::zeroGrads() { llvm::cantFail(impl->zeroGrads()); }
 
 void StageCompute::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
-  CpuDev &d = impl->dev;
-  ++d.adamSteps;
-  ops::adamUpdate(d.params.data(), d.grads.data(), d.adamM.data(), d.adamV.data(), d.params.size(),
-                  lr, beta1, beta2, eps, weightDecay, d.adamSteps);
+  llvm::cantFail(impl->adamStep(lr, beta1, beta2, eps, weightDecay));
 }
 
-std::span<float> StageCompute::adamFirstMoment() { return impl->dev.adamM; }
-std::span<float> StageCompute::adamSecondMoment() { return impl->dev.adamV; }
-int StageCompute::adamSteps() const { return impl->dev.adamSteps; }
-void StageCompute::setAdamSteps(int steps) { impl->dev.adamSteps = steps; }
+int StageCompute::adamSteps() const { return impl->adamSteps(); }
+void StageCompute::setAdamSteps(int steps) { impl->setAdamSteps(steps); }
 
 size_t StageCompute::savedBytes() const {
   size_t total = 0;
-  auto add = [&](std::vector<float> &v) { total += floatBytes(v); };
-  for (auto &[key, w] : impl->work)
-    w.forEach(add);
-  for (auto &[mb, seq] : impl->sequences)
-    for (auto &b : seq.blocks)
-      add(b.k), add(b.v), add(b.dk), add(b.dv);
+  impl->forEachSaved([&](std::vector<float> &v) { total += floatBytes(v); });
   return total;
 }
 

@@ -25,93 +25,22 @@
 // the rank's tokens (plus wpe on tp rank 0) to sum; the head's forward part returns each row's
 // (max, sum of exp) over the rank's logits and its target's logit, from which the loss over the
 // whole vocabulary follows (Megatron's vocab-parallel cross entropy, in one reduction), and its
-// backward part the LM head's partial input gradient. Layernorms, the row-parallel biases and
-// wpe are whole on every rank. Every tp shard is cut from the same full initialisation, so
-// shards concatenate to the single-rank weights exactly.
+// backward part the LM head's partial input gradient. The layout, initialisation and shards
+// are kernels/StageModel.h's.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CPU_GPT_H
 #define PIPEC_KERNELS_CPU_GPT_H
 
-#include <array>
+#include "kernels/StageModel.h"
+
 #include <cstdint>
 #include <memory>
 #include <span>
-#include <string>
 #include <utility>
 #include <vector>
 
 namespace pipec::kernels {
-
-struct GptConfig {
-  int vocab = 64;
-  int seqLen = 16;   // T: tokens per sequence
-  int channels = 32; // C
-  int heads = 4;     // H (divisible by tp)
-  int layers = 2;    // L transformer blocks
-  int ffn = 128;     // MLP hidden size (divisible by tp)
-  // (vocab divisible by tp, too)
-  int microbatch = 2; // B: sequences per microbatch
-  bool tiedEmbeddings = false;
-  // The block's variants (the model spec's "norm", "mlp", "position", "num_query_groups",
-  // "bias"); the defaults are GPT-2's, and any combination runs.
-  bool rmsnorm = false;     // RMSNorm (a scale, no shift, no mean) instead of LayerNorm
-  bool swiglu = false;      // MLP silu(x Wgate) * (x Wup) Wdown instead of gelu(x Wfc) Wproj
-  bool rope = false;        // rotary q and k (no wpe) instead of learned positions
-  double ropeTheta = 10000; // with rope
-  int kvHeads = 0;          // key/value heads (grouped-query attention); 0: one per head
-  bool bias = true;         // biases of the linear layers and LayerNorm's shift
-  float normEps = 1e-5f;    // the norms' epsilon (the spec's "norm_eps")
-  int numLayers() const { return layers + 2; } // embedding + blocks + head
-  int kvHeadCount() const { return kvHeads > 0 ? kvHeads : heads; }
-  bool isGpt2() const {
-    return !rmsnorm && !swiglu && !rope && kvHeadCount() == heads && bias && normEps == 1e-5f;
-  }
-};
-
-enum class GptLayerKind { Embedding, Block, Head };
-GptLayerKind layerKind(const GptConfig &cfg, int layer);
-/// Tensor-parallel reduction points in one forward (and in one backward_input) of a layer.
-int layerParts(const GptConfig &cfg, int layer);
-
-/// Number of floats of a layer's parameters on one tp rank.
-size_t layerParamCount(const GptConfig &cfg, int layer, int tp);
-/// The full (tp = 1) initial parameters of a layer: deterministic in (seed, layer). Biases and
-/// layernorm shifts 0, layernorm scales 1, matrices N(0, 0.02) (GPT-2's init) from a
-/// counter-based generator so the values do not depend on the order of calls. With tied
-/// embeddings the head's matrix is initialised equal to the embedding's wte.
-std::vector<float> initLayerFull(const GptConfig &cfg, int layer, uint64_t seed);
-/// The part of a full (tp = 1) layer tensor (parameters or gradients) that tp rank `tpRank`
-/// of `tp` holds. Replicated tensors are copied whole.
-std::vector<float> shardLayer(const GptConfig &cfg, int layer, int tpRank, int tp,
-                              std::span<const float> full);
-/// The reverse of shardLayer: writes tp rank `tpRank`'s part `shard` into its places in the
-/// full layer tensor `full` (the replicated tensors whole).
-void unshardLayer(const GptConfig &cfg, int layer, int tpRank, int tp, std::span<const float> shard,
-                  std::span<float> full);
-/// The name of element `index` of a layer's parameters (or gradients) on a tp rank, with its
-/// place in that rank's part of the tensor: "qkv.w[3, 17]" (row, column), "ln1.b[5]".
-std::string paramName(const GptConfig &cfg, int layer, int tp, size_t index);
-/// Where each of a layer's tensors begins within its parameters on a tp rank, and the total
-/// at the end (one more entry than the layer has tensors).
-std::vector<size_t> paramTensorOffsets(const GptConfig &cfg, int layer, int tp);
-/// The tensors of a layer by role, whatever the variant leaves out (Gpt.h's layout under
-/// StageCompute::params): a block's, the embedding's and the head's. Every backend addresses a
-/// layer's flat parameters through paramRoleOffsets, so there is one layout.
-namespace tensors {
-enum Block { Ln1W, Ln1B, QkvW, QkvB, AttnW, AttnB, Ln2W, Ln2B, FcW, FcB, ProjW, ProjB, NumBlock };
-enum Embedding { Wte, Wpe, NumEmbedding };
-enum Head { LnfW, LnfB, LmW, NumHead };
-constexpr int kMostRoles = NumBlock;
-/// paramRoleOffsets's entry for a tensor the variant does not have (a bias, wpe, a shift).
-constexpr size_t kAbsent = size_t(-1);
-} // namespace tensors
-/// Where each role's tensor begins within a layer's flat parameters on a tp rank, indexed by
-/// the layer kind's enum in `tensors` (kAbsent where the variant has none).
-std::array<size_t, tensors::kMostRoles> paramRoleOffsets(const GptConfig &cfg, int layer, int tp);
-/// For each of a layer's tensors (paramTensorOffsets's order): whether every tp rank holds all
-/// of it (layernorms, the row-parallel biases, wpe) rather than a part.
-std::vector<bool> paramTensorsReplicated(const GptConfig &cfg, int layer);
 
 /// The layers [layerBegin, layerEnd) of the model on one tensor-parallel rank: the stage of
 /// kernels/StageProgram.h on the host (runtime/cuda/GpuStage.h runs it on a GPU).
@@ -161,21 +90,8 @@ public:
   /// backward_weight of (mb, slice): accumulates weight gradients, frees the slice's state.
   void backwardWeight(int mb, int slice);
 
-  /// All parameters / gradients of the stage, layer after layer, as one flat array. One layer on
-  /// tp rank r of tp holds, in order (row-major; linear weights are [in, out], y = x W + b):
-  ///   embedding: wte [V/tp, C], wpe [T, C]
-  ///   block:     ln1.w [C], ln1.b [C], qkv.w [C, (C + 2K)/tp], qkv.b [(C + 2K)/tp],
-  ///              attn.w [C/tp, C], attn.b [C], ln2.w [C], ln2.b [C], fc.w [C, G F/tp],
-  ///              fc.b [G F/tp], proj.w [F/tp, C], proj.b [C]
-  ///   head:      lnf.w [C], lnf.b [C], lm.w [V/tp, C] (logits = h lm.w^T)
-  /// K = kvHeads * C / heads (C without grouped-query attention); G = 2 with SwiGLU (fc's
-  /// columns gate | up, each split across tp), else 1. Absent: wpe with rope; the norms' .b
-  /// with RMSNorm or without biases; qkv.b, attn.b, fc.b and proj.b without biases.
-  /// qkv's columns are q | k | v, q holding the rank's heads [r H/tp, (r+1) H/tp) and k, v its
-  /// key/value heads [r KV/tp, (r+1) KV/tp); attn.w and proj.w hold the matching rows; attn.b
-  /// and proj.b are replicated and added once, after the tp reduction, so every rank computes
-  /// the same (full) gradient for them. wte and lm.w hold the vocabulary rows
-  /// [r V/tp, (r+1) V/tp).
+  /// All parameters / gradients of the stage, layer after layer, as one flat array, each layer
+  /// laid out as kernels/StageModel.h says.
   std::span<float> params();
   std::span<float> grads();
   /// The flat range of `layer`'s parameters within params() / grads().

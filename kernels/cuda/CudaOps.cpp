@@ -1,15 +1,18 @@
 //===- CudaOps.cpp - host side of the CUDA ops: contexts, cuBLASLt matmuls ----===//
 //
-// Contexts and the matmuls; the hand-written kernels' entry points are in KernelOps.cpp. Every
+// The matmuls and their part of a context (ContextImpl.h; the rest of the context is
+// CudaContext.cpp's); the hand-written kernels' entry points are in KernelOps.cpp. Every
 // entry point validates its shape (an llvm::Error naming the argument), runs one cuBLASLt
 // matmul and passes the status through the checked funnel of CudaCheck.h. Matmuls: our tensors are
 // row-major, cuBLAS is column-major, and a row-major (r, c) matrix is the column-major (c, r) one;
 // so each row-major product Y = A B is issued as Y^T = B^T A^T with the roles of the operands
-// swapped. The derivation for each of the six products is next to it.
+// swapped. The six products are one table (kMatmuls), each row with its derivation.
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
 
+#include "kernels/Try.h"
+#include "kernels/cuda/ContextImpl.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/Launch.h"
@@ -18,7 +21,9 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <iterator>
 #include <cmath>
 #include <map>
 #include <utility>
@@ -29,104 +34,32 @@ static llvm::Error shapeError(const std::string &message) {
   return llvm::createStringError(llvm::inconvertibleErrorCode(), message);
 }
 
-llvm::Expected<int> deviceCount() {
-  int count = 0;
-  PIPEC_CUDA_TRY(cudaGetDeviceCount(&count));
-  return count;
-}
-
-//===--- Context and buffers ----------------------------------------------===//
+//===--- The matmuls' part of a context ------------------------------------===//
 
 static constexpr size_t kWorkspaceBytes = CudaContext::kWorkspaceBytes;
 
-struct CudaContext::Impl {
-  int device = 0;
-  int computeCapability = 0;
-  KernelConfig config;
-  cudaStream_t stream = nullptr;
-  bool ownsStream = false;
+/// cuBLASLt's handle, its workspace, and the heuristic's results by the matmul's shape, types
+/// and operand alignments (the query costs more than a small matmul).
+struct MatmulState {
   cublasLtHandle_t lt = nullptr;
   void *workspace = nullptr;
-  // Heuristic results by the matmul's shape, types and operand alignments: the query costs
-  // more than a small matmul.
   std::map<std::array<int, 14>, cublasLtMatmulAlgo_t> algos;
-  StreamOrderedAllocator streamOrdered;
-  DeviceAllocator *allocator = &streamOrdered;
-  bool sizing = false;
-
-  // Frees whatever was created, so that create() can return early at any step.
-  ~Impl() {
+  ~MatmulState() {
     if (workspace)
       (void)cudaFree(workspace);
     if (lt)
       (void)cublasLtDestroy(lt);
-    if (stream && ownsStream)
-      (void)cudaStreamDestroy(stream);
   }
 };
 
-CudaContext::CudaContext(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-CudaContext::~CudaContext() = default;
+void MatmulStateDeleter::operator()(MatmulState *state) const { delete state; }
 
-llvm::Expected<std::unique_ptr<CudaContext>>
-CudaContext::create(int device, const KernelConfig &config, void *stream) {
-  auto impl = std::make_unique<Impl>();
-  impl->device = device;
-  impl->config = config;
-  PIPEC_CUDA_TRY(cudaSetDevice(device));
-  auto capability = computeCapabilityOf(device);
-  if (!capability)
-    return capability.takeError();
-  impl->computeCapability = *capability;
-  if (stream) {
-    impl->stream = static_cast<cudaStream_t>(stream);
-  } else {
-    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-    impl->ownsStream = true;
-  }
-  impl->streamOrdered.stream = impl->stream;
-  PIPEC_CUBLAS_TRY(cublasLtCreate(&impl->lt));
-  PIPEC_CUDA_TRY(cudaMalloc(&impl->workspace, kWorkspaceBytes));
-  return std::unique_ptr<CudaContext>(new CudaContext(std::move(impl)));
+llvm::Expected<MatmulStatePtr> createMatmulState(cudaStream_t) {
+  MatmulStatePtr state(new MatmulState);
+  PIPEC_CUBLAS_TRY(cublasLtCreate(&state->lt));
+  PIPEC_CUDA_TRY(cudaMalloc(&state->workspace, kWorkspaceBytes));
+  return state;
 }
-
-int CudaContext::device() const { return impl_->device; }
-void *CudaContext::stream() const { return impl_->stream; }
-int CudaContext::computeCapability() const { return impl_->computeCapability; }
-const KernelConfig &CudaContext::kernelConfig() const { return impl_->config; }
-
-llvm::Error CudaContext::synchronize() {
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-
-llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this,
-                  cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-
-llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this,
-                  cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-
-llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this, cudaMemsetAsync(device, 0, bytes, impl_->stream));
-  return llvm::Error::success();
-}
-
-void CudaContext::setAllocator(DeviceAllocator *allocator) {
-  impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
-}
-
-DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
-
-void CudaContext::setSizing(bool on) { impl_->sizing = on; }
-bool CudaContext::sizing() const { return impl_->sizing; }
 
 //===--- Matmuls ----------------------------------------------------------===//
 
@@ -182,7 +115,8 @@ uint32_t alignmentOf(const void *ptr) {
 static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
   if (g.m == 0 || g.n == 0 || ctx.sizing())
     return llvm::Error::success();
-  CudaContext::Impl &impl = ctx.impl();
+  MatmulState &impl = *ctx.impl().matmul;
+  const cudaStream_t stream = static_cast<cudaStream_t>(ctx.stream());
   const cudaDataType_t abType = cudaType(g.abType);
   const cudaDataType_t cType = g.cIsF32 ? CUDA_R_32F : abType;
 
@@ -254,9 +188,9 @@ static llvm::Error runGemm(CudaContext &ctx, const Gemm &g) {
   const float alpha = 1.0f;
   PIPEC_CUBLAS_TRY(cublasLtMatmul(impl.lt, desc.handle, &alpha, g.a, aLayout.handle, g.b,
                                   bLayout.handle, &g.beta, g.c, cLayout.handle, g.c, cLayout.handle,
-                                  &cached->second, impl.workspace, kWorkspaceBytes, impl.stream));
+                                  &cached->second, impl.workspace, kWorkspaceBytes, stream));
   if (g.bias && !biasEpilogue) // D is (m, n) column-major: n rows of m, ldc apart, row-major
-    PIPEC_CUDA_TRY(launch::addRowBias(g.abType, g.c, g.bias, g.n, g.m, g.ldc, impl.stream));
+    PIPEC_CUDA_TRY(launch::addRowBias(g.abType, g.c, g.bias, g.n, g.m, g.ldc, stream));
   return llvm::Error::success();
 }
 
@@ -267,110 +201,121 @@ static llvm::Error checkMatmulShape(const char *op, int n, int i, int o) {
   return llvm::Error::success();
 }
 
-llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
-                          const void *bias, int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulForward", n, i, o))
+namespace {
+
+/// A size of the row-major product: its rows n, the input's width i, the output's width o.
+enum class Dim { N, I, O };
+
+/// One of CudaOps.h's six products as one column-major GEMM (Gemm): which stored operand is
+/// transposed, the GEMM's m, n, k and leading dimensions in terms of (n, i, o), and whether it
+/// accumulates a weight gradient (fp32 C, beta 1; nothing to add for n = 0). The operands A, B
+/// and C are given per product below.
+struct MatmulForm {
+  const char *name;
+  bool transA, transB;
+  Dim m, n, k, lda, ldb, ldc;
+  bool weightGradient;
+};
+
+enum MatmulKind {
+  Forward,
+  BackwardInput,
+  BackwardWeight,
+  TForward,
+  TBackwardInput,
+  TBackwardWeight
+};
+
+constexpr MatmulForm kMatmuls[] = {
+    // out^T (o, n) = W^T (o, i) . X^T (i, n); row-major W (i, o) is W^T with ld o.
+    // A = W, B = X, C = out.
+    {"matmulForward", false, false, Dim::O, Dim::N, Dim::I, Dim::O, Dim::I, Dim::O, false},
+    // dIn^T (i, n) = W (i, o) . dOut^T (o, n); W is stored as W^T (o, i), so op(A) = T.
+    // A = W, B = dOut, C = dIn.
+    {"matmulBackwardInput", true, false, Dim::I, Dim::N, Dim::O, Dim::O, Dim::O, Dim::I, false},
+    // dW^T (o, i) += dOut^T (o, n) . X (n, i); X is stored as X^T (i, n), so op(B) = T.
+    // A = dOut, B = X, C = dW.
+    {"matmulBackwardWeight", false, true, Dim::O, Dim::I, Dim::N, Dim::O, Dim::I, Dim::O, true},
+    // out^T (o, n) = W (o, i) . X^T (i, n); row-major W (o, i) is stored as W^T (i, o):
+    // op(A) = T. A = W, B = X, C = out.
+    {"matmulTForward", true, false, Dim::O, Dim::N, Dim::I, Dim::I, Dim::I, Dim::O, false},
+    // dIn^T (i, n) = W^T (i, o) . dOut^T (o, n); W^T is how W (o, i) is stored, with ld i.
+    // A = W, B = dOut, C = dIn.
+    {"matmulTBackwardInput", false, false, Dim::I, Dim::N, Dim::O, Dim::I, Dim::O, Dim::I, false},
+    // dW^T (i, o) += X^T (i, n) . dOut (n, o); dOut is stored as dOut^T (o, n), so op(B) = T.
+    // A = X, B = dOut, C = dW.
+    {"matmulTBackwardWeight", false, true, Dim::I, Dim::O, Dim::N, Dim::I, Dim::O, Dim::I, true},
+};
+
+/// Every operand is packed: a leading dimension is its stored matrix's rows (column-major A is
+/// stored (m, k), or (k, m) under op T; B (k, n) or (n, k); C (m, n)).
+constexpr bool packed(const MatmulForm &f) {
+  return f.lda == (f.transA ? f.k : f.m) && f.ldb == (f.transB ? f.n : f.k) && f.ldc == f.m;
+}
+static_assert(std::all_of(std::begin(kMatmuls), std::end(kMatmuls), packed),
+              "a matmul form's leading dimensions do not match its shapes");
+
+/// The product `kind` of kMatmuls: C = A . B (+ bias, which only the forward takes) in the
+/// form's terms.
+llvm::Error matmul(CudaContext &ctx, MatmulKind kind, DType dtype, void *c, const void *a,
+                   const void *b, const void *bias, int n, int i, int o) {
+  const MatmulForm &form = kMatmuls[kind];
+  if (auto err = checkMatmulShape(form.name, n, i, o))
     return err;
-  // Column-major: out^T (o, n) = W^T (o, i) . X^T (i, n); row-major W (i, o) is W^T with ld o.
+  if (form.weightGradient && n == 0)
+    return llvm::Error::success();
+  auto size = [&](Dim d) { return d == Dim::N ? n : d == Dim::I ? i : o; };
   Gemm g;
-  g.m = o, g.n = n, g.k = i;
-  g.a = w, g.lda = o;
-  g.b = in, g.ldb = i;
-  g.c = out, g.ldc = o;
+  g.transA = form.transA;
+  g.transB = form.transB;
+  g.m = size(form.m), g.n = size(form.n), g.k = size(form.k);
+  g.a = a, g.lda = size(form.lda);
+  g.b = b, g.ldb = size(form.ldb);
+  g.c = c, g.ldc = size(form.ldc);
   g.abType = dtype;
+  g.cIsF32 = form.weightGradient;
+  g.beta = form.weightGradient ? 1.0f : 0.0f;
   g.bias = bias;
   return runGemm(ctx, g);
 }
 
+} // namespace
+
+llvm::Error matmulForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
+                          const void *bias, int n, int i, int o) {
+  return matmul(ctx, Forward, dtype, out, w, in, bias, n, i, o);
+}
+
 llvm::Error matmulBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                 const void *w, int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulBackwardInput", n, i, o))
-    return err;
-  // dIn^T (i, n) = W (i, o) . dOut^T (o, n); W is stored as W^T (o, i), so op(A) = T.
-  Gemm g;
-  g.transA = true;
-  g.m = i, g.n = n, g.k = o;
-  g.a = w, g.lda = o;
-  g.b = dOut, g.ldb = o;
-  g.c = dIn, g.ldc = i;
-  g.abType = dtype;
-  return runGemm(ctx, g);
+  return matmul(ctx, BackwardInput, dtype, dIn, w, dOut, nullptr, n, i, o);
 }
 
 llvm::Error matmulBackwardWeight(CudaContext &ctx, DType dtype, float *dW, float *dBias,
                                  const void *in, const void *dOut, int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulBackwardWeight", n, i, o))
-    return err;
-  if (n == 0)
+  PIPEC_TRY(matmul(ctx, BackwardWeight, dtype, dW, dOut, in, nullptr, n, i, o));
+  if (!dBias || n == 0)
     return llvm::Error::success();
-  // dW^T (o, i) += dOut^T (o, n) . X (n, i); X is stored as X^T (i, n), so op(B) = T.
-  Gemm g;
-  g.transB = true;
-  g.m = o, g.n = i, g.k = n;
-  g.a = dOut, g.lda = o;
-  g.b = in, g.ldb = i;
-  g.c = dW, g.ldc = o;
-  g.abType = dtype;
-  g.cIsF32 = true;
-  g.beta = 1.0f;
-  if (auto err = runGemm(ctx, g))
-    return err;
-  if (dBias) {
-    ScratchBuffer partials(ctx.allocator());
-    if (auto err = partials.allocate(launch::columnSumScratchFloats(n, o, 1) * sizeof(float)))
-      return err;
-    PIPEC_QUEUE_TRY(ctx, launch::columnSumAccumulate(dtype, dBias, dOut, n, o, partials.as<float>(),
-                                                     static_cast<cudaStream_t>(ctx.stream())));
-  }
+  ScratchBuffer partials(ctx.allocator());
+  PIPEC_TRY(partials.allocate(launch::columnSumScratchFloats(n, o, 1) * sizeof(float)));
+  PIPEC_QUEUE_TRY(ctx, launch::columnSumAccumulate(dtype, dBias, dOut, n, o, partials.as<float>(),
+                                                   static_cast<cudaStream_t>(ctx.stream())));
   return llvm::Error::success();
 }
 
 llvm::Error matmulTForward(CudaContext &ctx, DType dtype, void *out, const void *in, const void *w,
                            int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulTForward", n, i, o))
-    return err;
-  // out^T (o, n) = W (o, i) . X^T (i, n); row-major W (o, i) is stored as W^T (i, o): op(A) = T.
-  Gemm g;
-  g.transA = true;
-  g.m = o, g.n = n, g.k = i;
-  g.a = w, g.lda = i;
-  g.b = in, g.ldb = i;
-  g.c = out, g.ldc = o;
-  g.abType = dtype;
-  return runGemm(ctx, g);
+  return matmul(ctx, TForward, dtype, out, w, in, nullptr, n, i, o);
 }
 
 llvm::Error matmulTBackwardInput(CudaContext &ctx, DType dtype, void *dIn, const void *dOut,
                                  const void *w, int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulTBackwardInput", n, i, o))
-    return err;
-  // dIn^T (i, n) = W^T (i, o) . dOut^T (o, n); W^T is how W (o, i) is stored, with ld i.
-  Gemm g;
-  g.m = i, g.n = n, g.k = o;
-  g.a = w, g.lda = i;
-  g.b = dOut, g.ldb = o;
-  g.c = dIn, g.ldc = i;
-  g.abType = dtype;
-  return runGemm(ctx, g);
+  return matmul(ctx, TBackwardInput, dtype, dIn, w, dOut, nullptr, n, i, o);
 }
 
 llvm::Error matmulTBackwardWeight(CudaContext &ctx, DType dtype, float *dW, const void *in,
                                   const void *dOut, int n, int i, int o) {
-  if (auto err = checkMatmulShape("matmulTBackwardWeight", n, i, o))
-    return err;
-  if (n == 0)
-    return llvm::Error::success();
-  // dW^T (i, o) += X^T (i, n) . dOut (n, o); dOut is stored as dOut^T (o, n), so op(B) = T.
-  Gemm g;
-  g.transB = true;
-  g.m = i, g.n = o, g.k = n;
-  g.a = in, g.lda = i;
-  g.b = dOut, g.ldb = o;
-  g.c = dW, g.ldc = i;
-  g.abType = dtype;
-  g.cIsF32 = true;
-  g.beta = 1.0f;
-  return runGemm(ctx, g);
+  return matmul(ctx, TBackwardWeight, dtype, dW, in, dOut, nullptr, n, i, o);
 }
 
 } // namespace pipec::kernels::cuda

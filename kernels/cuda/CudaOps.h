@@ -30,11 +30,12 @@
 // sm_90a code, and Hopper-only kernels run on a compute-capability-9.0 device alone) and the
 // context's KernelConfig; never from the environment or a process-wide setting.
 //
-// Implementations (kernels/BUILD, one per backend flavour): on a GPU, CudaOps.cpp (contexts,
-// cuBLASLt matmuls) and KernelOps.cpp (the hand-written kernels of the .cu files, through
-// Launch.h); on the emulated device (kernels/cuda/emu/README.md), emu/CudaOpsEmu.cpp (contexts,
-// matmuls on the CPU) with either emu/CpuKernelOpsEmu.cpp (CPU stand-ins for the kernels) or
-// KernelOps.cpp with the .cu files run by the kernel emulator.
+// Implementations (kernels/BUILD, one per backend flavour): contexts in CudaContext.cpp for
+// every flavour; on a GPU, CudaOps.cpp (cuBLASLt matmuls) and KernelOps.cpp (the hand-written
+// kernels of the .cu files, through Launch.h); on the emulated device
+// (kernels/cuda/emu/README.md), emu/CudaOpsEmu.cpp (matmuls on the CPU) with either
+// emu/CpuKernelOpsEmu.cpp (CPU stand-ins for the kernels) or KernelOps.cpp with the .cu files run
+// by the kernel emulator.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_KERNELS_CUDA_CUDAOPS_H

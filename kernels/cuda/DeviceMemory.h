@@ -1,8 +1,8 @@
 //===- DeviceMemory.h - The default allocator of a CUDA context --*- C++ -*-===//
 //
-// Shared by kernels/cuda/CudaOps.cpp and the emulated device's CudaOpsEmu.cpp (both implement
-// CudaOps.h's CudaContext): the stream-ordered DeviceAllocator every context starts with, the
-// ops' scratch buffers, and the device's compute capability that a context reads once.
+// Shared by every flavour's CudaContext (CudaContext.cpp, ContextImpl.h): the stream-ordered
+// DeviceAllocator every context starts with, the ops' scratch buffers, and the device's compute
+// capability that a context reads once.
 // DeviceBuffer (CudaOps.h) is implemented once, in DeviceMemory.cpp. For kernels/cuda/ and the
 // cuda backend's stages (runtime/cuda/GpuStage.cpp: the embedding backward's scratch).
 //

@@ -359,7 +359,8 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
 @dataclass(frozen=True)
 class PlanSearch:
     """What pipec.plan found: the ranked layouts, best first (dicts: schedule, tp, pp, vpp, dp,
-    microbatch_size, microbatches, seq_splits, recompute, step_time, bubble,
+    microbatch_size, microbatches, seq_splits, recompute, sequence_parallel and
+    distributed_optimizer (bool), costs ("measured" or "model"), step_time, bubble,
     peak_memory_bytes, headroom_bytes, and model_flops for a transformer), the best one
     compiled, the count of candidates searched and of those dropped, by reason."""
 
@@ -379,7 +380,9 @@ def plan(model, gpus: int, global_batch: int, **flags: Any) -> PlanSearch:
     (options("plan")): cluster, schedules (list of str), memory_limit, min_headroom (str such as
     "5%" or "4GiB"), top, recompute (list of str), microbatch_sizes, seq_splits, tp, pp (lists
     of int), max_vpp, threads (int), tp_across_nodes, sequence_parallel,
-    distributed_optimizer (bool). Raises PlanError when no layout fits in memory.
+    no_sequence_parallel, distributed_optimizer, no_distributed_optimizer (bool; neither of a
+    pair: both searched), costs (a pipecost/1 path). Raises PlanError when no layout fits in
+    memory.
     """
     given = {"model": model, "gpus": gpus, "global_batch": global_batch}
     found = _pipec.plan(_flags("plan", "plan", {**given, **flags}))

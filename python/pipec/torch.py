@@ -274,20 +274,29 @@ def _quartiles(ms: list[float]) -> tuple[float, float]:
 
 
 def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, group=None,
-            device: torch.device | str | None = None) -> dict | None:
+            device: torch.device | str | None = None,
+            optimizer: Callable[[list], torch.optim.Optimizer] | None = None) -> dict | None:
     """Measure the user's own stage modules under PyTorch and write measured costs (pipecost/1,
     the format `piperun --profile` writes) for `pipec compile ... --costs`, so that zb-auto's
     order (and every other schedule's timing) is fitted to this model.
 
     Run it in every process of the pipeline's group, as PipelineRunner. Each rank times its
-    stages' forward (the last stage's with loss_fn) and backward (fused: an nn.Module's backward
-    computes input and weight gradients together; the compiler splits it in the model's ratio)
-    on one microbatch, `steps` times, the first dropped as warm-up. A stage's input is the
-    previous stage's output on `example` (the first stage's microbatch input), passed on between
-    the ranks; its backward is fed a gradient of its output's shape. Rank 0 writes `path`
+    stages on one microbatch, `steps` times, the first dropped as warm-up: the forward (the last
+    stage's with loss_fn) and the backward. Where a stage's input is a floating-point tensor
+    (every stage after the first) the backward is measured twice, fused (input and weight
+    gradients, as `backward()` computes them) and for the input gradient alone
+    (`torch.autograd.grad` with respect to the input, which skips the weight gradients); the
+    weight gradient is their difference, so a zero-bubble schedule gets its B and W measured
+    apart. The first stage's backward stays fused (the compiler splits it in the model's ratio).
+    A stage's input is the previous stage's output on `example` (the first stage's microbatch
+    input), passed on between the ranks; each boundary between two ranks is also timed as half a
+    round trip of that tensor (the activation and gradient messages, which have its shape). With
+    `optimizer` (a callable from a list of parameters to a torch optimizer, e.g.
+    `lambda ps: torch.optim.AdamW(ps)`), each rank also times one optimizer step over its
+    stages' parameters (restored afterwards) and reports its peak memory. Rank 0 writes `path`
     through the C++ writer (which checks every field first) and returns the costs as a dict;
-    the other ranks return None. Messages, collectives and the optimizer are not measured here
-    (the model's times stay for those); the plan must have one sub-sequence.
+    the other ranks return None. Collectives are not measured here (the model's times stay for
+    them); the plan must have one sub-sequence.
     """
     plan = pipec._as_plan(plan)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
@@ -298,6 +307,9 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
                          "measures whole-sequence stages (compile with seq_splits=1)")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: expected a callable (got {type(loss_fn).__name__})")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError("optimizer: expected a callable from a list of parameters to a torch "
+                        f"optimizer (got {type(optimizer).__name__})")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pipec.torch.profile needs torch.distributed initialised in every "
                            f"process of the pipeline ({plan.pp} ranks)")
@@ -321,64 +333,112 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
             raise ValueError(f"modules: rank {rank} runs stages {mine} but has no module for "
                              f"stage {s}")
 
-    def sync():
+    def timed(fn):
+        """fn()'s result and its time in ms, the device synchronised on both sides."""
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        result = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return result, 1e3 * (time.perf_counter() - t0)
 
     def owner(s):
         return plan.stages[s]["rank"]
 
-    measured = {}
+    def global_rank(r):
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    output_bytes = [st["output_bytes"][0] for st in plan.to_dict()["stages"]]
+    measured = {"stages": {}, "messages": [], "optimizer": []}
     x = example
     for s in range(num_stages):
         if s > 0 and owner(s) != owner(s - 1):
             # The activation crosses to the next stage's rank (objects: shapes need not be known).
             box = [x.detach().cpu() if rank == owner(s - 1) else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, owner(s - 1))
-                                       if group is not None else owner(s - 1), group=group)
+            dist.broadcast_object_list(box, src=global_rank(owner(s - 1)), group=group)
             x = box[0]
+            if rank in (owner(s - 1), owner(s)) and isinstance(x, torch.Tensor):
+                measured["messages"].append(
+                    {"bytes": output_bytes[s - 1],
+                     "ms": _round_trips(x, rank == owner(s - 1),
+                                        global_rank(owner(s if rank == owner(s - 1) else s - 1)),
+                                        steps, group, dev)})
         if rank != owner(s):
             continue
         module = get(s).to(dev)
         inp = x.to(dev) if isinstance(x, torch.Tensor) else x
-        forward, backward = [], []
+        split = isinstance(inp, torch.Tensor) and inp.is_floating_point()
+        last = s == num_stages - 1
+        tgt = target.to(dev) if isinstance(target, torch.Tensor) else target
+
+        def forward(feed, module=module, last=last, tgt=tgt):
+            out = module(feed)
+            return loss_fn(out, tgt) if last else out
+
+        times = {"forward": [], "backward": [], "backward_input": []}
         out = None
         for _ in range(steps):
-            feed = inp
-            if isinstance(inp, torch.Tensor) and inp.is_floating_point():
-                feed = inp.detach().requires_grad_(True)
-            sync()
-            t0 = time.perf_counter()
-            out = module(feed)
-            last = s == num_stages - 1
-            if last:
-                out = loss_fn(out, target.to(dev) if isinstance(target, torch.Tensor) else target)
-            sync()
-            t1 = time.perf_counter()
-            if last:
-                out.backward()
-            else:
-                out.backward(torch.randn_like(out))
-            sync()
-            t2 = time.perf_counter()
-            forward.append(1e3 * (t1 - t0))
-            backward.append(1e3 * (t2 - t1))
+            feed = inp.detach().requires_grad_(True) if split else inp
+            out, ms = timed(lambda feed=feed: forward(feed))
+            times["forward"].append(ms)
+            grad = None if last else torch.randn_like(out)
+            _, ms = timed(lambda out=out, grad=grad: out.backward(grad))
+            times["backward"].append(ms)
             module.zero_grad(set_to_none=True)
-        measured[s] = {"forward": forward[1:], "backward": backward[1:]}
-        x = out.detach() if s < num_stages - 1 else None
+            if split:
+                feed = inp.detach().requires_grad_(True)
+                again = forward(feed)
+                _, ms = timed(lambda again=again, feed=feed, grad=grad:
+                              torch.autograd.grad(again, feed, grad))
+                times["backward_input"].append(ms)
+        measured["stages"][s] = {op: ms[1:] for op, ms in times.items()}
+        x = out.detach() if not last else None
+    if optimizer is not None:
+        measured["optimizer"] = _optimizer_steps(optimizer, [get(s) for s in mine], steps, timed)
+        measured["peak_memory_bytes"] = _peak_memory(dev)
     gathered = [None] * size
     dist.all_gather_object(gathered, measured, group=group)
     if rank != 0:
         return None
     stages = []
     for s in range(num_stages):
-        times = next(g[s] for g in gathered if g and s in g)
-        ops = []
-        for op in ("forward", "backward"):
-            median, spread = _quartiles(times[op])
-            ops.append({"op": op, "slice": 0, "median_ms": median, "spread_ms": spread,
-                        "samples": len(times[op])})
+        times = next(g["stages"][s] for g in gathered if s in g["stages"])
+
+        def op(name, ms, like=None):
+            median, spread = _quartiles(ms)
+            if like is not None:  # the weight gradient: the fused backward less the input's
+                median = max(like[0] - median, 0.0)
+                spread = like[1]
+            return {"op": name, "slice": 0, "median_ms": median, "spread_ms": spread,
+                    "samples": len(ms)}
+
+        ops = [op("forward", times["forward"])]
+        if times["backward_input"]:
+            ops.append(op("backward_input", times["backward_input"]))
+            ops.append(op("backward_weight", times["backward_input"],
+                          like=_quartiles(times["backward"])))
+        else:
+            ops.append(op("backward", times["backward"]))
         stages.append({"stage": s, "ops": ops})
+    # One entry per message size (both directions cross the same boundary with one shape).
+    by_bytes = {}
+    for g in gathered:
+        for m in g["messages"]:
+            by_bytes.setdefault(m["bytes"], []).extend(m["ms"])
+    messages = []
+    for nbytes, ms in sorted(by_bytes.items()):
+        median, spread = _quartiles(ms)
+        for kind in ("activation", "gradient"):
+            messages.append({"kind": kind, "bytes": nbytes, "median_ms": median,
+                             "spread_ms": spread, "samples": len(ms)})
+    ranks = []
+    if optimizer is not None:
+        for r, g in enumerate(gathered):
+            median, spread = _quartiles(g["optimizer"])
+            ranks.append({"rank": r, "optimizer": {"median_ms": median, "spread_ms": spread,
+                                                   "samples": len(g["optimizer"])},
+                          "peak_memory_bytes": g["peak_memory_bytes"]})
     params = [p for s in mine for p in get(s).parameters()]
     costs = {
         "format": "pipecost/1",
@@ -387,9 +447,59 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
                         "threads": size, "steps": steps},
         "slices": 1,
         "stages": stages,
-        "messages": [],
+        "messages": messages,
         "collectives": [],
-        "ranks": [],
+        "ranks": ranks,
     }
     pipec._pipec.write_costs(json.dumps(costs), pipec._path("path", path))
     return costs
+
+
+def _round_trips(x: torch.Tensor, first: bool, peer: int, steps: int, group, dev) -> list[float]:
+    """Half of each of `steps` round trips of `x` between this rank and `peer` (global rank), in
+    ms, the first dropped; `first` starts each trip. The tensor stays on the CPU for gloo."""
+    on = dev if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    buf = x.detach().to(on).contiguous()
+    if not buf.is_floating_point():
+        buf = buf.float()
+    ms = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if first:
+            dist.send(buf, peer, group=group)
+            dist.recv(buf, peer, group=group)
+        else:
+            dist.recv(buf, peer, group=group)
+            dist.send(buf, peer, group=group)
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
+        ms.append(1e3 * (time.perf_counter() - t0) / 2)
+    return ms[1:]
+
+
+def _optimizer_steps(make, modules, steps: int, timed) -> list[float]:
+    """`steps` optimizer steps over the modules' parameters (gradients of ones where a backward
+    left none), timed, the first dropped; the parameters and their gradients are put back."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if not params:
+        return [0.0] * (steps - 1)
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    try:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = make(params)
+        ms = [timed(opt.step)[1] for _ in range(steps)]
+    finally:
+        with torch.no_grad():
+            for p, (data, grad) in zip(params, saved):
+                p.copy_(data)
+                p.grad = grad
+    return ms[1:]
+
+
+def _peak_memory(dev) -> int:
+    """The device's peak allocated bytes (CUDA), else this process's peak resident set."""
+    if dev.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(dev))
+    import resource  # noqa: PLC0415
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

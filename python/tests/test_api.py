@@ -369,10 +369,13 @@ def test_plan_ranks_the_layouts_the_command_ranks(tmp_path):
     rows = _plan_rows(r.stdout)
     assert len(rows) == len(found.ranked) == 4
     for row, layout in zip(rows, found.ranked):
-        assert row[1:10] == [layout["schedule"], *map(str, (
+        on = {True: "on", False: "off"}
+        assert row[1:12] == [layout["schedule"], *map(str, (
             layout["tp"], layout["pp"], layout["vpp"], layout["dp"], layout["microbatch_size"],
-            layout["microbatches"], layout["seq_splits"])), layout["recompute"]]
-        assert float(row[10]) == pytest.approx(layout["step_time"], abs=5e-4)
+            layout["microbatches"], layout["seq_splits"])), layout["recompute"],
+            on[layout["sequence_parallel"]], on[layout["distributed_optimizer"]]]
+        assert float(row[12]) == pytest.approx(layout["step_time"], abs=5e-4)
+        assert layout["costs"] == "model"
         # Every ranked layout uses the GPUs asked for and trains the global batch.
         assert layout["tp"] * layout["pp"] * layout["dp"] == 4
         assert layout["dp"] * layout["microbatch_size"] * layout["microbatches"] == 8
@@ -381,6 +384,31 @@ def test_plan_ranks_the_layouts_the_command_ranks(tmp_path):
     assert found.searched > len(found.ranked) and set(found.dropped) == {
         "divisibility", "constraint", "memory", "pruned"}
     assert all(layout["pp"] in (1, 2) for layout in found.ranked)
+
+
+def test_plan_scores_the_layouts_a_costs_file_covers_with_it(tmp_path):
+    # A profile of 2 stages, 1 slice: it scores pp 2 layouts; pp 1 ones keep the cost model's.
+    gpt = example("tiny-gpt.json")
+    ops = [{"op": op, "slice": 0, "median_ms": ms + s, "spread_ms": 0.1, "samples": 8}
+           for op, ms in (("forward", 3.0), ("backward_input", 4.0), ("backward_weight", 2.0))
+           for s in range(1)]
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({
+        "format": "pipecost/1",
+        "measured_on": {"backend": "cpu", "dtype": "fp32", "device": "test", "plan_hash": "0",
+                        "threads": 1, "steps": 5},
+        "slices": 1, "stages": [{"stage": s, "ops": ops} for s in range(2)],
+        "messages": [], "collectives": [], "ranks": []}))
+    found = pipec.plan(gpt, 2, 8, tp=[1], microbatch_sizes=[2], pp=[1, 2], schedules=["1f1b"],
+                       costs=str(costs), top=2, threads=1)
+    by_pp = {layout["pp"]: layout for layout in found.ranked}
+    assert by_pp[2]["costs"] == "measured" and by_pp[1]["costs"] == "model"
+    compiled = pipec.compile(gpt, "1f1b", pp=2, microbatches=4, costs=str(costs))
+    assert by_pp[2]["step_time"] == compiled.stats.step_time
+    # 4 microbatches of 9 ms of compute on each rank bound the step from below.
+    assert by_pp[2]["step_time"] >= 36
+    with pytest.raises(ValueError, match="--costs: a costs file does not record the tp"):
+        pipec.plan(gpt, 2, 8, microbatch_sizes=[2], costs=str(costs))
 
 
 def test_plan_raises_the_commands_errors(uniform8):

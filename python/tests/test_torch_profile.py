@@ -27,16 +27,38 @@ def test_profile_feeds_the_compiler_and_reports_predicted_against_measured(tmp_p
     assert costs["format"] == "pipecost/1"
     assert costs["measured_on"]["backend"] == "torch"
     assert [s["stage"] for s in costs["stages"]] == [0, 1]
-    # The file the C++ writer wrote is the one returned, and the compiler took its times: each
-    # stage's forward is the measured median, its fused backward split into input and weight
-    # gradients summing to the measured one.
+    # The file the C++ writer wrote is the one returned, and the compiler took its times. Stage
+    # 0's input is tokens (no input gradient): its backward is fused and the compiler splits it.
+    # Stage 1's input is stage 0's output: its input gradient is measured apart (B) and the
+    # weight gradient is the fused backward less B (W), as a zero-bubble schedule runs them.
     written = json.loads((tmp_path / "costs.json").read_text())
-    for stage, measured in zip(result["stages"], written["stages"]):
-        ops = {o["op"]: o["median_ms"] for o in measured["ops"]}
-        assert stage["forward"][0] == pytest.approx(ops["forward"])
-        assert stage["backward_input"][0] + stage["backward_weight"][0] == \
-            pytest.approx(ops["backward"])
-        assert all(o["samples"] == 3 for o in measured["ops"])
+    assert written == costs
+    first, second = ({o["op"]: o for o in s["ops"]} for s in written["stages"])
+    assert set(first) == {"forward", "backward"}
+    assert set(second) == {"forward", "backward_input", "backward_weight"}
+    assert all(o["samples"] == 3 for s in written["stages"] for o in s["ops"])
+    plan0, plan1 = result["stages"]
+    assert plan0["forward"][0] == pytest.approx(first["forward"]["median_ms"])
+    assert plan0["backward_input"][0] + plan0["backward_weight"][0] == \
+        pytest.approx(first["backward"]["median_ms"])
+    assert plan1["forward"][0] == pytest.approx(second["forward"]["median_ms"])
+    assert plan1["backward_input"][0] == pytest.approx(second["backward_input"]["median_ms"])
+    assert plan1["backward_weight"][0] == pytest.approx(second["backward_weight"]["median_ms"])
+    assert second["backward_input"]["median_ms"] > 0
+    # The one boundary, measured as round trips of the tensor that crosses it: one entry per
+    # direction with the plan's size for it, and the plan's transfer times are those.
+    assert [(m["kind"], m["bytes"]) for m in written["messages"]] == \
+        [("activation", plan0["output_bytes"][0]), ("gradient", plan0["output_bytes"][0])]
+    assert all(m["samples"] == 2 * 3 and m["median_ms"] > 0 for m in written["messages"])
+    assert plan0["activation_transfer_time"][0] == \
+        pytest.approx(written["messages"][0]["median_ms"])
+    assert plan1["gradient_transfer_time"][0] == \
+        pytest.approx(written["messages"][1]["median_ms"])
+    # The optimizer: one entry per rank, and the user's parameters are as they were.
+    assert [r["rank"] for r in written["ranks"]] == [0, 1]
+    assert all(r["optimizer"]["samples"] == 3 and r["peak_memory_bytes"] > 0
+               for r in written["ranks"])
+    assert result["restored"]
     assert result["measured_ms"] > 0 and result["predicted_ms"] > 0
     with capsys.disabled():
         print(f"\npipec.torch.profile, 1f1b on 2 gloo ranks: measured median "
@@ -48,6 +70,8 @@ def test_profile_refuses_bad_arguments():
     plan = pipec.compile(torch_gpt.model_spec(torch_gpt.CONFIG), "1f1b", pp=2, microbatches=4)
     with pytest.raises(ValueError, match="steps: expected an integer of at least 2"):
         pipec.torch.profile(plan, [], None, torch_gpt.loss_fn, None, "x.json", steps=1)
+    with pytest.raises(TypeError, match="optimizer: expected a callable"):
+        pipec.torch.profile(plan, [], None, torch_gpt.loss_fn, None, "x.json", optimizer=3)
     seq = pipec.compile(torch_gpt.model_spec(torch_gpt.CONFIG), "seq1f1b", pp=2, microbatches=4,
                         seq_splits=2)
     with pytest.raises(ValueError, match="seq_splits=2"):

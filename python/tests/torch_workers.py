@@ -66,8 +66,12 @@ def profile_and_train(rank, world, init_file, out_dir, cfg, steps):
         tokens, targets = torch_gpt.batch(cfg, plan.microbatches, step=0)
         mb = tokens.shape[0] // plan.microbatches
         costs_path = os.path.join(out_dir, "costs.json")
+        before = [p.detach().clone() for m in stages if m is not None for p in m.parameters()]
         costs = pipec.torch.profile(plan, stages, tokens[:mb], torch_gpt.loss_fn, targets[:mb],
-                                    costs_path, steps=4)
+                                    costs_path, steps=4,
+                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.1))
+        after = [p.detach() for m in stages if m is not None for p in m.parameters()]
+        restored = all(torch.equal(a, b) for a, b in zip(before, after))
         dist.barrier()
         fitted = pipec.compile(spec, "1f1b", pp=world, microbatches=2 * world, costs=costs_path)
         runner = pipec.torch.PipelineRunner(fitted, stages, torch_gpt.loss_fn)
@@ -81,7 +85,8 @@ def profile_and_train(rank, world, init_file, out_dir, cfg, steps):
             times.append(1e3 * (time.perf_counter() - t0))
         if rank == 0:
             with open(os.path.join(out_dir, "result.json"), "w") as f:
-                json.dump({"costs": costs, "measured_ms": statistics.median(times[1:]),
+                json.dump({"costs": costs, "restored": restored,
+                           "measured_ms": statistics.median(times[1:]),
                            "predicted_ms": fitted.stats.step_time,
                            "stages": json.loads(fitted._h.json())["stages"]}, f)
     finally:

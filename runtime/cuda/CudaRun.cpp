@@ -95,8 +95,8 @@ public:
     llvm::Error err = [&]() -> llvm::Error {
       SizingTransport none;
       RunShared shared(plan, Faults{}, none);
-      PIPEC_GPU_TRY(beginStep(0));
-      PIPEC_GPU_TRY(interpretStep(shared, c, *this));
+      PIPEC_TRY(beginStep(0));
+      PIPEC_TRY(interpretStep(shared, c, *this));
       if (auto share = finishStep(); !share)
         return share.takeError();
       return llvm::Error::success();
@@ -281,12 +281,12 @@ public:
 
   llvm::Error beginStep(int step) override {
     PIPEC_CUDA_TRY(cudaSetDevice(options.device));
-    PIPEC_GPU_TRY(takeDeferred());
+    PIPEC_TRY(takeDeferred());
     progressUsed = progressDone = 0;
     auto batch = stepBatch(data, cfg, plan.parallel, step, c.dp);
     for (auto &[s, st] : stages) {
-      PIPEC_GPU_TRY(st->zeroGrads());
-      PIPEC_GPU_TRY(st->setBatch(batch));
+      PIPEC_TRY(st->zeroGrads());
+      PIPEC_TRY(st->setBatch(batch));
     }
     return llvm::Error::success();
   }
@@ -361,10 +361,10 @@ public:
   }
 
   llvm::Error optimizerStep() override {
-    PIPEC_GPU_TRY(takeDeferred());
+    PIPEC_TRY(takeDeferred());
     if (ctx->sizing()) // the sizing pass measures memory; it does not train
       return llvm::Error::success();
-    PIPEC_GPU_TRY(waitForCollectives());
+    PIPEC_TRY(waitForCollectives());
     // The gradients the optimizer sees, for --check-reference: a device copy now (the host must
     // not wait for the device inside the step), read back by finishStep().
     if (snapshot && c.dp == 0) {
@@ -377,7 +377,7 @@ public:
       snapshotPending = true;
     }
     for (auto &[s, st] : stages)
-      PIPEC_GPU_TRY(st->adamStep(options.lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay));
+      PIPEC_TRY(st->adamStep(options.lr, kAdamBeta1, kAdamBeta2, kAdamEps, kAdamWeightDecay));
     markProgress();
     return llvm::Error::success();
   }
@@ -517,7 +517,7 @@ llvm::Error gatherLocalLayer(const std::vector<CudaRankBackend *> &ranks,
   for (size_t r = 0; r < ranks.size(); ++r) {
     if (coords[r].dp != 0 || !ranks[r]->holdsLayer(layer))
       continue;
-    PIPEC_GPU_TRY(ranks[r]->readLayer(layer, part));
+    PIPEC_TRY(ranks[r]->readLayer(layer, part));
     const int t = coords[r].tp;
     kernels::unshardLayer(cfg, layer, t, tp, part.weights, whole.weights);
     kernels::unshardLayer(cfg, layer, t, tp, part.firstMoment, whole.firstMoment);
@@ -535,7 +535,7 @@ public:
       : plan(plan), cfg(cfg), data(data), options(options) {}
 
   llvm::Error setUp() override {
-    PIPEC_GPU_TRY(gpuRunsTheBlock(cfg, plan, "cuda"));
+    PIPEC_TRY(gpuRunsTheBlock(cfg, plan, "cuda"));
     auto devices = cudaDevices();
     if (!devices)
       return devices.takeError();
@@ -563,13 +563,13 @@ public:
       if (!b)
         return b.takeError();
       CudaRankBackend *raw = b->get();
-      PIPEC_GPU_TRY(transport->attach(t, static_cast<cudaStream_t>(raw->computeStreamHandle()),
-                                      [raw] { return raw->takeDeferredError(); }));
+      PIPEC_TRY(transport->attach(t, static_cast<cudaStream_t>(raw->computeStreamHandle()),
+                                  [raw] { return raw->takeDeferredError(); }));
       gpu.push_back(raw);
       coords.push_back(c);
       backends.push_back(std::move(*b));
     }
-    PIPEC_GPU_TRY(allocate());
+    PIPEC_TRY(allocate());
     runner = std::make_unique<Runner>(plan, Faults{}, options.timeoutSeconds, std::move(backends),
                                       *transport);
     if (options.profile)
@@ -615,13 +615,13 @@ public:
   }
   llvm::Error snapshotWeights(ParamSnapshot &into) override {
     for (CudaRankBackend *b : gpu)
-      PIPEC_GPU_TRY(b->snapshotWeights(into));
+      PIPEC_TRY(b->snapshotWeights(into));
     return llvm::Error::success();
   }
   bool holdsLayer(int) const override { return true; } // every rank is a thread here
   llvm::Error scatterLayer(int layer, const LayerState &whole) override {
     for (CudaRankBackend *b : gpu)
-      PIPEC_GPU_TRY(b->writeLayer(layer, whole));
+      PIPEC_TRY(b->writeLayer(layer, whole));
     return llvm::Error::success();
   }
   llvm::Error gatherLayer(int layer, LayerState &whole) override {
@@ -667,10 +667,9 @@ private:
       state.push_back(b->stateBytes());
     const char *fix = "run one rank per GPU with --backend nccl (each GPU then holds its rank's "
                       "share alone), or a smaller model";
-    PIPEC_GPU_TRY(
-        checkRanksFit(state, options.device, "weights, gradients and optimizer state", fix));
+    PIPEC_TRY(checkRanksFit(state, options.device, "weights, gradients and optimizer state", fix));
     for (CudaRankBackend *b : gpu)
-      PIPEC_GPU_TRY(b->createStages(fix));
+      PIPEC_TRY(b->createStages(fix));
     // Every rank's arena, before anything of a step reaches the device (one rank after another:
     // the sizing pass involves no peer).
     std::vector<size_t> need;
@@ -680,13 +679,12 @@ private:
         return bytes.takeError();
       need.push_back(*bytes);
     }
-    PIPEC_GPU_TRY(
-        checkRanksFit(need, options.device, "activation memory",
-                      "use fewer microbatches in flight (a schedule with a lower peak, e.g. "
-                      "1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
-                      "GPU with --backend nccl"));
+    PIPEC_TRY(checkRanksFit(need, options.device, "activation memory",
+                            "use fewer microbatches in flight (a schedule with a lower peak, e.g. "
+                            "1f1b instead of gpipe) or a smaller microbatch, or run one rank per "
+                            "GPU with --backend nccl"));
     for (CudaRankBackend *b : gpu)
-      PIPEC_GPU_TRY(b->reserveArena());
+      PIPEC_TRY(b->reserveArena());
     return llvm::Error::success();
   }
 

@@ -2,24 +2,18 @@
 //
 // The owned stream and event both device backends (CudaRun, NcclRun) use: created by a checked
 // create(), destroyed with their owner; and the event-ordering of one stream after another that
-// both transports use; and PIPEC_GPU_TRY, which both backends propagate their errors with.
+// both transports use. Errors propagate with PIPEC_TRY (kernels/Try.h).
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_RUNTIME_CUDA_DEVICEHANDLES_H
 #define PIPEC_RUNTIME_CUDA_DEVICEHANDLES_H
 
+#include "kernels/Try.h"
 #include "kernels/cuda/CudaCheck.h"
 
 #include "llvm/Support/Error.h"
 
 #include <cuda_runtime_api.h>
-
-/// Returns from the enclosing function with the error of `expr` (an llvm::Error), if any.
-#define PIPEC_GPU_TRY(expr)                                                                        \
-  do {                                                                                             \
-    if (llvm::Error pipecGpuErr = (expr))                                                          \
-      return pipecGpuErr;                                                                          \
-  } while (false)
 
 namespace pipec::runtime_cuda {
 

@@ -11,6 +11,7 @@
 #include "runtime/cuda/GpuStage.h"
 
 #include "kernels/StageProgram.h"
+#include "kernels/Try.h"
 #include "kernels/cpu/Ops.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
@@ -34,13 +35,6 @@ using kernels::GptConfig;
 using kernels::GptLayerKind;
 constexpr cu::DType kF32 = cu::DType::F32;
 constexpr cu::DType kBF16 = cu::DType::BF16;
-
-/// Propagates an llvm::Error out of the enclosing function.
-#define PIPEC_GPU_TRY(expr)                                                                        \
-  do {                                                                                             \
-    if (llvm::Error pipecGpuErr = (expr))                                                          \
-      return pipecGpuErr;                                                                          \
-  } while (false)
 
 using Floats = StreamBuffer<float>; // statistics, log-sum-exps and losses: fp32 in both modes
 
@@ -76,9 +70,6 @@ private:
   size_t count = 0;
 };
 
-
-using namespace kernels::tensors;
-
 /// The CUDA stream as StageProgram's device: activations in the compute type from the
 /// context's allocator (the rank's arena in the executor), fp32 statistics, the CUDA ops of
 /// kernels/cuda and the glue kernels of StageKernels.cu; the parameters, their bf16 copy and
@@ -103,13 +94,11 @@ struct GpuDev {
   GptConfig cfg;
   std::vector<std::pair<int, int>> slices;
   cu::DType dt = kF32; // the compute type (activations, the parameters the kernels read)
-  int vocabBegin = 0, localV = 0;
   Owned<float> params, grads, adamM, adamV;
   // bf16: the parameters the kernels read, rounded from the fp32 master copy `params` after
   // every optimizer step (same layout). fp32 reads `params` itself.
   Owned<uint16_t> paramsLow;
   Owned<double> lossAcc;
-  int adamSteps = 0;
   // Inputs and targets of every (mb, slice), slice rows contiguous: (mb, slice) starts at
   // tokenOffset(mb, slice). Allocated by the first setBatch (the sizing pass's), uploaded from
   // pinned host copies (inputs, targets, then the embedding backward's plans).
@@ -164,6 +153,45 @@ struct GpuDev {
       return llvm::Error::success();
     return cu::convert(ctx, kBF16, paramsLow.data(), kF32, params.data(), params.size());
   }
+  std::span<float> state(kernels::StageState which) {
+    switch (which) {
+    case kernels::StageState::Params:
+      return {params.data(), params.size()};
+    case kernels::StageState::Grads:
+      return {grads.data(), grads.size()};
+    case kernels::StageState::AdamFirstMoment:
+      return {adamM.data(), adamM.size()};
+    case kernels::StageState::AdamSecondMoment:
+      return {adamV.data(), adamV.size()};
+    }
+    llvm_unreachable("unknown stage state");
+  }
+  /// The fp32 state (and the loss's accumulator), allocated once: the parameters uploaded, the
+  /// rest zeros, and the compute copy.
+  llvm::Error allocateState(std::vector<float> host) {
+    const size_t bytes = host.size() * sizeof(float);
+    PIPEC_TRY(params.allocate(host.size()));
+    PIPEC_TRY(grads.allocate(host.size()));
+    PIPEC_TRY(adamM.allocate(host.size()));
+    PIPEC_TRY(adamV.allocate(host.size()));
+    PIPEC_TRY(lossAcc.allocate(1));
+    PIPEC_TRY(ctx.upload(params.data(), host.data(), bytes));
+    PIPEC_TRY(ctx.memsetZero(grads.data(), bytes));
+    PIPEC_TRY(ctx.memsetZero(adamM.data(), bytes));
+    PIPEC_TRY(ctx.memsetZero(adamV.data(), bytes));
+    PIPEC_TRY(ctx.memsetZero(lossAcc.data(), sizeof(double)));
+    if (dt == kBF16)
+      PIPEC_TRY(paramsLow.allocate(host.size()));
+    return refreshComputeParams();
+  }
+  llvm::Error zeroGrads() { return ctx.memsetZero(grads.data(), grads.size() * sizeof(float)); }
+  /// AdamW on the fp32 master copy, then the compute copy from it.
+  llvm::Error adamUpdate(float lr, float beta1, float beta2, float eps, float weightDecay,
+                         int step) {
+    PIPEC_TRY(cu::adamUpdate(ctx, params.data(), grads.data(), adamM.data(), adamV.data(),
+                             params.size(), lr, beta1, beta2, eps, weightDecay, step));
+    return refreshComputeParams();
+  }
 
   llvm::Error layernormForward(void *out, float *mean, float *rstd, const void *in, const void *w,
                                const void *b, int n, int c, float eps) {
@@ -172,8 +200,8 @@ struct GpuDev {
     return cu::layernormForward(ctx, dt, out, mean, rstd, in, w, b, n, c);
   }
   llvm::Error layernormBackwardInputAccumulate(void *dIn, const void *dOut, const void *in,
-                                               const float *mean, const float *rstd,
-                                               const void *w, int n, int c) {
+                                               const float *mean, const float *rstd, const void *w,
+                                               int n, int c) {
     return cu::layernormBackwardInputAccumulate(ctx, dt, dIn, dOut, in, mean, rstd, w, n, c);
   }
   llvm::Error layernormBackwardWeight(float *dW, float *dB, const void *dOut, const void *in,
@@ -244,7 +272,7 @@ struct GpuDev {
   /// attention ops read only the first a + x rows.
   llvm::Error reserveSequenceKv(DeviceTensor &k, DeviceTensor &v, int b, int width) {
     const size_t kvSize = size_t(cfg.seqLen) * size_t(b) * size_t(width);
-    PIPEC_GPU_TRY(k.allocate(mem(), kvSize, dt));
+    PIPEC_TRY(k.allocate(mem(), kvSize, dt));
     return v.allocate(mem(), kvSize, dt);
   }
   llvm::Error reserveKv(DeviceTensor &, DeviceTensor &, int, int, int, int) {
@@ -257,8 +285,7 @@ struct GpuDev {
   }
   llvm::Error gatherQkv(void *dQkv, const void *dq, const float *dk, const float *dv, int n, int x,
                         int b, int begin, int cl, int kvl) {
-    PIPEC_QUEUE_TRY(ctx,
-                    launch::gatherQkv(dt, dQkv, dq, dk, dv, n, x, b, begin, cl, kvl, stream));
+    PIPEC_QUEUE_TRY(ctx, launch::gatherQkv(dt, dQkv, dq, dk, dv, n, x, b, begin, cl, kvl, stream));
     return llvm::Error::success();
   }
   /// Flash attention keeps a log-sum-exp per query row (B, H, x).
@@ -266,8 +293,8 @@ struct GpuDev {
     return size_t(s.batch) * size_t(s.heads) * size_t(s.queries);
   }
   static cu::AttentionShape cudaShape(const kernels::StageAttentionShape &s) {
-    return cu::AttentionShape{s.batch, s.queries, s.begin, s.heads, s.headDim,
-                              s.kvHeads == s.heads ? 0 : s.kvHeads};
+    return cu::AttentionShape{s.batch, s.queries, s.begin,
+                              s.heads, s.headDim, s.kvHeads == s.heads ? 0 : s.kvHeads};
   }
   llvm::Error attentionForward(void *out, float *lse, const void *q, const void *k, const void *v,
                                const kernels::StageAttentionShape &s) {
@@ -284,9 +311,9 @@ struct GpuDev {
   }
   llvm::Error embeddingForward(void *resid, int mb, int slice, const void *wte, const void *wpe,
                                int n, int x, int begin, int c, int vBegin, int vLocal) {
-    PIPEC_QUEUE_TRY(ctx, launch::embeddingForward(dt, resid, inputs.data() + tokenOffset(mb, slice),
-                                                  wte, wpe, n, x, begin, c, vBegin, vLocal,
-                                                  stream));
+    PIPEC_QUEUE_TRY(ctx,
+                    launch::embeddingForward(dt, resid, inputs.data() + tokenOffset(mb, slice), wte,
+                                             wpe, n, x, begin, c, vBegin, vLocal, stream));
     return llvm::Error::success();
   }
   llvm::Error embeddingBackward(float *dWte, float *dWpe, const void *dEmb, int mb, int slice,
@@ -298,7 +325,7 @@ struct GpuDev {
     auto [pieces, merges] = embeddingPlanSizes[planIndex];
     // Scratch of the most slots any batch's plan can use: the same request every step.
     cu::ScratchBuffer slots(ctx.allocator());
-    PIPEC_GPU_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
+    PIPEC_TRY(slots.allocate(maxEmbeddingGradSlots(size_t(n)) * size_t(c) * sizeof(float)));
     const launch::EmbeddingGradArgs plan{at,     at + n,           pieces, at + 4 * size_t(n),
                                          merges, slots.as<float>()};
     PIPEC_QUEUE_TRY(ctx, launch::embeddingBackward(dt, dWte, dWpe, dEmb, in, plan, n, x, begin, c,
@@ -307,16 +334,16 @@ struct GpuDev {
   }
   llvm::Error lossForward(Loss &l, DeviceTensor &logits, int mb, int slice, int n, int v,
                           float scale) {
-    PIPEC_GPU_TRY(l.lse.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(l.rowLoss.allocate(mem(), size_t(n)));
+    PIPEC_TRY(l.lse.allocate(mem(), size_t(n)));
+    PIPEC_TRY(l.rowLoss.allocate(mem(), size_t(n)));
     return cu::crossEntropyForward(ctx, dt, l.rowLoss.data(), l.lse.data(), logits.data(),
                                    targets.data() + tokenOffset(mb, slice), n, v, scale);
   }
-  llvm::Error lossShardStats(Loss &l, DeviceTensor &logits, Floats &stats, int mb, int slice,
-                             int n, int vLocal, int vBegin, int tpRank, int tp) {
-    PIPEC_GPU_TRY(l.lse.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(l.rowLoss.allocate(mem(), size_t(n)));
-    PIPEC_GPU_TRY(stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
+  llvm::Error lossShardStats(Loss &l, DeviceTensor &logits, Floats &stats, int mb, int slice, int n,
+                             int vLocal, int vBegin, int tpRank, int tp) {
+    PIPEC_TRY(l.lse.allocate(mem(), size_t(n)));
+    PIPEC_TRY(l.rowLoss.allocate(mem(), size_t(n)));
+    PIPEC_TRY(stats.allocate(mem(), kernels::ops::crossEntropyStatsFloats(n, tp)));
     return cu::crossEntropyShardStats(ctx, dt, stats.data(), logits.data(),
                                       targets.data() + tokenOffset(mb, slice), n, vLocal, vBegin,
                                       tpRank, tp);
@@ -326,10 +353,11 @@ struct GpuDev {
   }
   /// dLogits overwrite the logits in place (the op allows it).
   llvm::Error lossBackward(Loss &l, DeviceTensor &logits, DeviceTensor &dLogits, int mb, int slice,
-                           int n, int vLocal, int vBegin, int /*tp: one op for both*/, float scale) {
-    PIPEC_GPU_TRY(cu::crossEntropyBackward(ctx, dt, logits.data(), logits.data(), l.lse.data(),
-                                           targets.data() + tokenOffset(mb, slice), n, vLocal,
-                                           scale, vBegin));
+                           int n, int vLocal, int vBegin, int /*tp: one op for both*/,
+                           float scale) {
+    PIPEC_TRY(cu::crossEntropyBackward(ctx, dt, logits.data(), logits.data(), l.lse.data(),
+                                       targets.data() + tokenOffset(mb, slice), n, vLocal, scale,
+                                       vBegin));
     l.lse.reset();
     dLogits = std::move(logits);
     return llvm::Error::success();
@@ -337,6 +365,9 @@ struct GpuDev {
 };
 
 } // namespace
+
+static_assert(kernels::StageDevice<GpuDev>,
+              "a CUDA stream must provide what kernels/StageDevice.h asks");
 
 struct GpuStage::Impl : kernels::StageProgram<GpuDev> {
   explicit Impl(cu::CudaContext &ctx) : kernels::StageProgram<GpuDev>(ctx) {}
@@ -365,94 +396,65 @@ GpuStage::create(cu::CudaContext &ctx, const GptConfig &cfg, int layerBegin, int
                  int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
                  float lossScale, cu::DType dtype,
                  const std::vector<std::vector<float>> *initLayers) {
-  assert(0 <= layerBegin && layerBegin < layerEnd && layerEnd <= cfg.numLayers() &&
-         "empty or out-of-range layer range");
-  assert(tpRank >= 0 && tpRank < tp && cfg.heads % tp == 0 && cfg.ffn % tp == 0 &&
-         cfg.vocab % tp == 0 && "bad tensor-parallel split");
-  assert(!slices.empty() && slices.front().first == 0 && slices.back().second == cfg.seqLen &&
-         "slices must cover the sequence");
   assert((cfg.rmsnorm || (cfg.bias && cfg.normEps == 1e-5f)) &&
          "the CUDA layernorm has GPT-2's shift and epsilon; gpuRunsTheBlock refuses the others");
   auto m = std::make_unique<Impl>(ctx);
-  GpuDev &d = m->dev;
+  GpuDev &d = m->device();
   d.cfg = cfg;
   d.slices = slices;
   d.dt = dtype;
   m->setUp(cfg, layerBegin, layerEnd, tpRank, tp, std::move(slices), lossScale);
-  d.vocabBegin = m->vocabBegin;
-  d.localV = m->localV;
-  std::vector<float> host;
-  for (int l = layerBegin; l < layerEnd; ++l) {
-    std::vector<float> shard = kernels::shardLayer(
-        cfg, l, tpRank, tp,
-        initLayers ? (*initLayers)[size_t(l)] : kernels::initLayerFull(cfg, l, seed));
-    host.insert(host.end(), shard.begin(), shard.end());
-  }
-  assert(host.size() == paramCount(cfg, layerBegin, layerEnd, tp) && "stateBytes() is wrong");
-  assert(host.size() == m->layerOffset.back() && "the layout and the shards disagree");
-  const size_t bytes = host.size() * sizeof(float);
-  PIPEC_GPU_TRY(d.params.allocate(host.size()));
-  PIPEC_GPU_TRY(d.grads.allocate(host.size()));
-  PIPEC_GPU_TRY(d.adamM.allocate(host.size()));
-  PIPEC_GPU_TRY(d.adamV.allocate(host.size()));
-  PIPEC_GPU_TRY(d.lossAcc.allocate(1));
-  PIPEC_GPU_TRY(ctx.upload(d.params.data(), host.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(d.grads.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(d.adamM.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(d.adamV.data(), bytes));
-  PIPEC_GPU_TRY(ctx.memsetZero(d.lossAcc.data(), sizeof(double)));
-  if (dtype == kBF16)
-    PIPEC_GPU_TRY(d.paramsLow.allocate(host.size()));
-  PIPEC_GPU_TRY(d.refreshComputeParams());
+  assert(m->paramCount() == paramCount(cfg, layerBegin, layerEnd, tp) && "stateBytes() is wrong");
+  PIPEC_TRY(m->initParams(seed, initLayers));
   if (cfg.rope) {
     // Each slice's row positions, (b, t) for q and (t, b) for the K/V rows.
-    for (int slice = 0; slice < int(m->slices.size()); ++slice)
+    for (int slice = 0; slice < int(d.slices.size()); ++slice)
       for (kernels::RopeRows which : {kernels::RopeRows::Queries, kernels::RopeRows::Keys}) {
-        const auto [begin, end] = m->slices[size_t(slice)];
+        const auto [begin, end] = d.slices[size_t(slice)];
         const int x = end - begin, rows = cfg.microbatch * x;
         std::vector<int32_t> pos(static_cast<size_t>(rows));
         for (int r = 0; r < rows; ++r)
-          pos[size_t(r)] = which == kernels::RopeRows::Queries ? begin + r % x
-                                                               : begin + r / cfg.microbatch;
+          pos[size_t(r)] =
+              which == kernels::RopeRows::Queries ? begin + r % x : begin + r / cfg.microbatch;
         d.positions.push_back(std::make_unique<Owned<int32_t>>());
-        PIPEC_GPU_TRY(d.positions.back()->allocate(pos.size()));
-        PIPEC_GPU_TRY(ctx.upload(d.positions.back()->data(), pos.data(),
-                                 pos.size() * sizeof(int32_t)));
+        PIPEC_TRY(d.positions.back()->allocate(pos.size()));
+        PIPEC_TRY(ctx.upload(d.positions.back()->data(), pos.data(), pos.size() * sizeof(int32_t)));
       }
   }
-  PIPEC_GPU_TRY(ctx.synchronize());
+  PIPEC_TRY(ctx.synchronize());
   return std::unique_ptr<GpuStage>(new GpuStage(std::move(m)));
 }
 
-int GpuStage::parts() const { return int(impl->forwardParts.size()); }
+int GpuStage::parts() const { return impl->parts(); }
 bool GpuStage::hasEmbedding() const { return impl->hasEmbedding(); }
 bool GpuStage::hasHead() const { return impl->hasHead(); }
 
 llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) {
   Impl &m = *impl;
+  GpuDev &d = m.device();
   if (!m.hasEmbedding() && !m.hasHead())
     return llvm::Error::success();
-  const int b = m.cfg.microbatch, t = m.cfg.seqLen;
+  const int b = d.cfg.microbatch, t = d.cfg.seqLen;
+  const auto [vocabBegin, vocabEnd] = m.vocabRows();
   std::vector<int32_t> in, tgt, plans;
   std::vector<std::pair<int, int>> planSizes;
   in.reserve(tokens.size() * size_t(b) * size_t(t));
   tgt.reserve(in.capacity());
   for (const std::vector<int32_t> &mb : tokens) {
     assert(mb.size() == size_t(b) * size_t(t + 1) && "batch has the wrong size");
-    for (auto [begin, end] : m.slices) {
+    for (auto [begin, end] : d.slices) {
       const size_t first = in.size();
       for (int s = 0; s < b; ++s)
         for (int p = begin; p < end; ++p) {
           int32_t token = mb[size_t(s) * size_t(t + 1) + size_t(p)];
-          assert(token >= 0 && token < m.cfg.vocab && "input token out of the vocabulary");
+          assert(token >= 0 && token < d.cfg.vocab && "input token out of the vocabulary");
           in.push_back(token);
           tgt.push_back(mb[size_t(s) * size_t(t + 1) + size_t(p) + 1]);
         }
-      if (m.hasEmbedding()) { // the slice's plan at its fixed place (Impl::embeddingPlans)
+      if (m.hasEmbedding()) { // the slice's plan at its fixed place (GpuDev::embeddingPlans)
         const size_t rows = in.size() - first;
-        const EmbeddingGradPlan plan =
-            planEmbeddingGrad(std::span<const int32_t>(in).subspan(first, rows), m.vocabBegin,
-                              m.vocabBegin + m.localV);
+        const EmbeddingGradPlan plan = planEmbeddingGrad(
+            std::span<const int32_t>(in).subspan(first, rows), vocabBegin, vocabEnd);
         plans.resize(maxEmbeddingGradInts(in.size()), 0);
         int32_t *at = plans.data() + maxEmbeddingGradInts(first);
         std::copy(plan.order.begin(), plan.order.end(), at);
@@ -464,144 +466,108 @@ llvm::Error GpuStage::setBatch(const std::vector<std::vector<int32_t>> &tokens) 
   }
   // Every step's batch has the same size: allocated once, by the first call, which is the sizing
   // pass's (a step allocates nothing).
-  if (!m.dev.inputs.data() && !in.empty()) {
-    if (!m.dev.ctx.sizing())
+  if (!d.inputs.data() && !in.empty()) {
+    if (!d.ctx.sizing())
       return llvm::createStringError(
           llvm::inconvertibleErrorCode(),
           "GpuStage::setBatch: the batch's device buffers are allocated in the sizing pass, "
           "before step 0 (runtime/cuda/DeviceArena.h); this call is outside it");
-    PIPEC_GPU_TRY(m.dev.inputs.allocate(in.size()));
-    PIPEC_GPU_TRY(m.dev.targets.allocate(tgt.size()));
+    PIPEC_TRY(d.inputs.allocate(in.size()));
+    PIPEC_TRY(d.targets.allocate(tgt.size()));
     if (!plans.empty())
-      PIPEC_GPU_TRY(m.dev.embeddingPlans.allocate(plans.size()));
-    PIPEC_GPU_TRY(m.dev.hostTokens.allocate(in.size() + tgt.size() + plans.size()));
+      PIPEC_TRY(d.embeddingPlans.allocate(plans.size()));
+    PIPEC_TRY(d.hostTokens.allocate(in.size() + tgt.size() + plans.size()));
   }
-  assert(m.dev.inputs.size() == in.size() && "the batch changed size between steps");
-  m.dev.embeddingPlanSizes = std::move(planSizes);
+  assert(d.inputs.size() == in.size() && "the batch changed size between steps");
+  d.embeddingPlanSizes = std::move(planSizes);
   if (in.empty())
     return llvm::Error::success();
   // The previous step's copies out of the pinned buffer have run: the runtime waits for the
   // stream at the end of every step.
-  int32_t *host = m.dev.hostTokens.data();
+  int32_t *host = d.hostTokens.data();
   std::copy(in.begin(), in.end(), host);
   std::copy(tgt.begin(), tgt.end(), host + in.size());
   std::copy(plans.begin(), plans.end(), host + in.size() + tgt.size());
-  PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.inputs.data(), host, in.size() * sizeof(int32_t),
-                                         cudaMemcpyHostToDevice, m.dev.stream));
-  PIPEC_QUEUE_TRY(m.dev.ctx,
-                  cudaMemcpyAsync(m.dev.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
-                                  cudaMemcpyHostToDevice, m.dev.stream));
+  PIPEC_QUEUE_TRY(d.ctx, cudaMemcpyAsync(d.inputs.data(), host, in.size() * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, d.stream));
+  PIPEC_QUEUE_TRY(d.ctx,
+                  cudaMemcpyAsync(d.targets.data(), host + in.size(), tgt.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, d.stream));
   if (!plans.empty())
-    PIPEC_QUEUE_TRY(m.dev.ctx, cudaMemcpyAsync(m.dev.embeddingPlans.data(), host + in.size() + tgt.size(),
+    PIPEC_QUEUE_TRY(d.ctx, cudaMemcpyAsync(d.embeddingPlans.data(), host + in.size() + tgt.size(),
                                            plans.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                           m.dev.stream));
+                                           d.stream));
   return llvm::Error::success();
 }
 
 llvm::Expected<TensorView> GpuStage::forward(int mb, int slice, int part, TensorView input) {
   TensorView result;
-  if (auto err = impl->forward(mb, slice, part, input, result))
-    return err;
+  PIPEC_TRY(impl->forward(mb, slice, part, input, result));
   return result;
 }
 
 llvm::Expected<TensorView> GpuStage::output(int mb, int slice) {
-  auto &w = impl->get(mb, slice);
-  assert(w.nextForwardPart == parts() && "output() before the last forward part");
-  if (auto err = impl->finishForward(w))
-    return err;
-  if (hasHead())
-    return TensorView();
-  return w.resid.view();
+  auto out = impl->output(mb, slice);
+  if (!out)
+    return out.takeError();
+  return *out ? (*out)->view() : TensorView();
 }
 
 llvm::Error GpuStage::accumulateLoss(int mb, int slice) {
-  assert(hasHead() && "accumulateLoss() on a stage without the head");
-  auto &w = impl->get(mb, slice);
-  assert(w.nextForwardPart == parts() && "loss before the last forward part");
-  if (auto err = impl->finishForward(w)) // with tp > 1, the loss of the reduced statistics
-    return err;
-  PIPEC_QUEUE_TRY(impl->dev.ctx, launch::accumulateSum(impl->dev.lossAcc.data(), w.head.loss.rowLoss.data(), w.n,
-                                                   impl->dev.stream));
+  auto loss = impl->loss(mb, slice);
+  if (!loss)
+    return loss.takeError();
+  GpuDev &d = impl->device();
+  PIPEC_QUEUE_TRY(d.ctx, launch::accumulateSum(d.lossAcc.data(), (*loss)->rowLoss.data(),
+                                               impl->sliceTokens(slice), d.stream));
   return llvm::Error::success();
 }
 
 llvm::Expected<double> GpuStage::takeLoss() {
+  GpuDev &d = impl->device();
   double loss = 0;
-  if (auto err = impl->dev.ctx.download(&loss, impl->dev.lossAcc.data(), sizeof(double)))
-    return err;
-  if (auto err = impl->dev.ctx.memsetZero(impl->dev.lossAcc.data(), sizeof(double)))
-    return err;
+  PIPEC_TRY(d.ctx.download(&loss, d.lossAcc.data(), sizeof(double)));
+  PIPEC_TRY(d.ctx.memsetZero(d.lossAcc.data(), sizeof(double)));
   return loss;
 }
 
 llvm::Expected<TensorView> GpuStage::backwardInput(int mb, int slice, int part,
                                                    TensorView gradOutput) {
   TensorView result;
-  if (auto err = impl->backwardInput(mb, slice, part, gradOutput, result))
-    return err;
+  PIPEC_TRY(impl->backwardInput(mb, slice, part, gradOutput, result));
   return result;
 }
 
 llvm::Expected<TensorView> GpuStage::inputGrad(int mb, int slice) {
-  auto &w = impl->get(mb, slice);
-  assert(w.nextBackwardPart == parts() && "inputGrad() before the last backward part");
-  if (auto err = impl->finishBackward(w))
-    return err;
-  if (hasEmbedding())
-    return TensorView();
-  return w.dResid.view();
+  auto grad = impl->inputGrad(mb, slice);
+  if (!grad)
+    return grad.takeError();
+  return *grad ? (*grad)->view() : TensorView();
 }
 
 llvm::Error GpuStage::backwardWeight(int mb, int slice) { return impl->backwardWeight(mb, slice); }
 
-std::span<float> GpuStage::params() { return {impl->dev.params.data(), impl->dev.params.size()}; }
-std::span<float> GpuStage::grads() { return {impl->dev.grads.data(), impl->dev.grads.size()}; }
+std::span<float> GpuStage::params() { return impl->state(kernels::StageState::Params); }
+std::span<float> GpuStage::grads() { return impl->state(kernels::StageState::Grads); }
 std::span<float> GpuStage::adamFirstMoment() {
-  return {impl->dev.adamM.data(), impl->dev.adamM.size()};
+  return impl->state(kernels::StageState::AdamFirstMoment);
 }
 std::span<float> GpuStage::adamSecondMoment() {
-  return {impl->dev.adamV.data(), impl->dev.adamV.size()};
+  return impl->state(kernels::StageState::AdamSecondMoment);
 }
-int GpuStage::adamSteps() const { return impl->dev.adamSteps; }
-void GpuStage::setAdamSteps(int steps) { impl->dev.adamSteps = steps; }
-llvm::Error GpuStage::paramsWritten() { return impl->dev.refreshComputeParams(); }
+int GpuStage::adamSteps() const { return impl->adamSteps(); }
+void GpuStage::setAdamSteps(int steps) { impl->setAdamSteps(steps); }
+llvm::Error GpuStage::paramsWritten() { return impl->device().refreshComputeParams(); }
 
-std::pair<size_t, size_t> GpuStage::layerRange(int layer) const {
-  assert(layer >= impl->layerBegin && layer < impl->layerEnd && "layer not on this stage");
-  size_t l = size_t(layer - impl->layerBegin);
-  return {impl->layerOffset[l], impl->layerOffset[l + 1]};
-}
-
+std::pair<size_t, size_t> GpuStage::layerRange(int layer) const { return impl->layerRange(layer); }
 std::pair<size_t, size_t> GpuStage::tiedEmbeddingRange() const {
-  const Impl &m = *impl;
-  if (!m.cfg.tiedEmbeddings || m.tiedHere())
-    return {0, 0};
-  const size_t matrix = size_t(m.localV) * size_t(m.cfg.channels); // the rank's rows
-  if (m.hasEmbedding()) {
-    size_t at = m.offsetOf(m.layerBegin, Wte);
-    return {at, at + matrix};
-  }
-  if (m.hasHead()) {
-    size_t at = m.offsetOf(m.layerEnd - 1, LmW);
-    return {at, at + matrix};
-  }
-  return {0, 0};
+  return impl->tiedEmbeddingRange();
 }
 
-llvm::Error GpuStage::zeroGrads() {
-  return impl->dev.ctx.memsetZero(impl->dev.grads.data(), impl->dev.grads.size() * sizeof(float));
-}
+llvm::Error GpuStage::zeroGrads() { return impl->zeroGrads(); }
 
 llvm::Error GpuStage::adamStep(float lr, float beta1, float beta2, float eps, float weightDecay) {
-  Impl &m = *impl;
-  ++m.dev.adamSteps;
-  PIPEC_GPU_TRY(cu::adamUpdate(m.dev.ctx, m.dev.params.data(), m.dev.grads.data(), m.dev.adamM.data(),
-                               m.dev.adamV.data(), m.dev.params.size(), lr, beta1, beta2, eps, weightDecay,
-                               m.dev.adamSteps));
-  return m.dev.refreshComputeParams();
+  return impl->adamStep(lr, beta1, beta2, eps, weightDecay);
 }
-
-#undef PIPEC_GPU_TRY
 
 } // namespace pipec

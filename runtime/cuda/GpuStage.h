@@ -1,12 +1,13 @@
 //===- GpuStage.h - One pipeline stage of the GPT on a GPU ------*- C++ -*-===//
 //
 // The device counterpart of kernels::StageCompute (kernels/cpu/Gpt.h): both run the one stage
-// definition, kernels/StageProgram.h, so the semantics are the same call for call: forward and backward_input run in tp parts and return the buffer the runtime
-// sums over the tp group (the reduced sum is consumed lazily by the next part, output(),
-// inputGrad() or backwardWeight()); backward_weight accumulates the weight gradients and frees
-// the slice's state; slice k of a microbatch attends to the K/V of slices 0..k and its backward
-// adds dK/dV for the earlier ones; parameters, gradients and the tied-embedding range have the
-// CPU's flat layout. Parameters are the CPU's initialisation (kernels::initLayerFull, cut by
+// definition, kernels/StageProgram.h, so the semantics are the same call for call: forward and
+// backward_input run in tp parts and return the buffer the runtime sums over the tp group (the
+// reduced sum is consumed lazily by the next part, output(), inputGrad() or backwardWeight());
+// backward_weight accumulates the weight gradients and frees the slice's state; slice k of a
+// microbatch attends to the K/V of slices 0..k and its backward adds dK/dV for the earlier ones;
+// parameters, gradients and the tied-embedding range have the CPU's flat layout
+// (kernels/StageModel.h). Parameters are the same initialisation (kernels::initLayerFull, cut by
 // kernels::shardLayer) copied to the device, so both backends start from the same bits.
 //
 // Differences from the CPU class, all forced by the device:
@@ -34,7 +35,7 @@
 #ifndef PIPEC_RUNTIME_CUDA_GPUSTAGE_H
 #define PIPEC_RUNTIME_CUDA_GPUSTAGE_H
 
-#include "kernels/cpu/Gpt.h"
+#include "kernels/StageModel.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/Tensor.h"
 
@@ -59,7 +60,7 @@ public:
          int layerEnd, int tpRank, int tp, uint64_t seed, std::vector<std::pair<int, int>> slices,
          float lossScale, kernels::cuda::DType dtype = kernels::cuda::DType::F32,
          const std::vector<std::vector<float>> *initLayers = nullptr);
-  /// The parameters create() gives these layers on each tp rank of `tp` (kernels/cpu/Gpt.h's
+  /// The parameters create() gives these layers on each tp rank of `tp` (kernels/StageModel.h's
   /// layerParamCount)...
   static size_t paramCount(const kernels::GptConfig &cfg, int layerBegin, int layerEnd, int tp);
   /// ... and the device memory it allocates for them: fp32 parameters, gradients and Adam's two

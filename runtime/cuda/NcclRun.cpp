@@ -387,7 +387,7 @@ llvm::Error NcclTrainBackend::stopUnlessAllCould(llvm::Error mine, llvm::Expecte
 }
 
 llvm::Error NcclTrainBackend::setUp() {
-  PIPEC_GPU_TRY(gpuRunsTheBlock(cfg, plan, "nccl"));
+  PIPEC_TRY(gpuRunsTheBlock(cfg, plan, "nccl"));
   auto device = deviceOf(env);
   if (!device)
     return device.takeError();
@@ -407,7 +407,7 @@ llvm::Error NcclTrainBackend::setUp() {
   if (!floats)
     return floats.takeError();
   scratch = std::move(*floats);
-  PIPEC_GPU_TRY(setUpStream.create());
+  PIPEC_TRY(setUpStream.create());
   // The process's GPU set-up: its compute stream, cuBLASLt handle and workspace, and the
   // transport's streams and events. It fails on one process alone where that process's GPU is
   // (nearly) full or faulty, so every process then learns whether all of them could, at once,
@@ -439,11 +439,11 @@ llvm::Error NcclTrainBackend::setUp() {
   auto setUpFailures =
       worldSum(setUp ? 1.0f : 0.0f, agreeSlot(), *comms, setUpStream.get(), arrivalLimit,
                fmt::format("rank {}'s set-up agreement", env.rank), arrivalLimit);
-  PIPEC_GPU_TRY(stopUnlessAllCould(std::move(setUp), std::move(setUpFailures),
-                                   "set up their GPU (each says why)"));
+  PIPEC_TRY(stopUnlessAllCould(std::move(setUp), std::move(setUpFailures),
+                               "set up their GPU (each says why)"));
   compute = static_cast<cudaStream_t>(backend->computeStreamHandle());
-  PIPEC_GPU_TRY(transport->warmUp(scratch.as<float>(), o.timeoutSeconds, arrivalLimit));
-  PIPEC_GPU_TRY(agreeOnSettings());
+  PIPEC_TRY(transport->warmUp(scratch.as<float>(), o.timeoutSeconds, arrivalLimit));
+  PIPEC_TRY(agreeOnSettings());
   // RANK 0's connections with every other process of dp replica 0 on `world`, for
   // --check-reference's gathers and the checkpoints' (the same processes), made now, before the
   // arena is sized: NCCL allocates a connection's buffers as it makes it (connectGather).
@@ -470,9 +470,9 @@ llvm::Error NcclTrainBackend::setUp() {
   llvm::Error reserved = reserveMemory();
   auto memoryFailures =
       processesWith(static_cast<bool>(reserved), "the device memory's agreement", arrivalLimit);
-  PIPEC_GPU_TRY(stopUnlessAllCould(std::move(reserved), std::move(memoryFailures),
-                                   "reserve the device memory the plan needs before step 0 (each "
-                                   "says why, with the fix)"));
+  PIPEC_TRY(stopUnlessAllCould(std::move(reserved), std::move(memoryFailures),
+                               "reserve the device memory the plan needs before step 0 (each "
+                               "says why, with the fix)"));
   if (o.onArenas) {
     CudaRunResult sofar;
     sofar.stateBytes.push_back(backend->stateBytes());
@@ -526,12 +526,12 @@ llvm::Error NcclTrainBackend::agreeOnSettings() {
 /// processes the staging of the largest layer's tp part.
 llvm::Error NcclTrainBackend::reserveMemory() {
   CudaRankBackend &b = *backend;
-  PIPEC_GPU_TRY(b.createStages("compile the plan with more pipeline stages (pipec compile "
-                               "--pp) or tensor-parallel ranks (--tp), or use a GPU with more "
-                               "memory"));
+  PIPEC_TRY(b.createStages("compile the plan with more pipeline stages (pipec compile "
+                           "--pp) or tensor-parallel ranks (--tp), or use a GPU with more "
+                           "memory"));
   if (auto bytes = b.measureArena(); !bytes)
     return bytes.takeError();
-  PIPEC_GPU_TRY(b.reserveArena());
+  PIPEC_TRY(b.reserveArena());
   auto allocate = [](kernels::cuda::DeviceBuffer &into, size_t bytes) -> llvm::Error {
     auto buffer = kernels::cuda::DeviceBuffer::allocate(bytes);
     if (!buffer)
@@ -543,7 +543,7 @@ llvm::Error NcclTrainBackend::reserveMemory() {
     size_t largest = 0;
     for (int l = 0; l < cfg.numLayers(); ++l)
       largest = std::max(largest, kernels::layerParamCount(cfg, l, plan.parallel.tp));
-    PIPEC_GPU_TRY(allocate(layerStaging, 3 * largest * sizeof(float)));
+    PIPEC_TRY(allocate(layerStaging, 3 * largest * sizeof(float)));
   }
   if (!o.checkReference || env.worldSize == 1)
     return llvm::Error::success();
@@ -552,10 +552,10 @@ llvm::Error NcclTrainBackend::reserveMemory() {
   for (const GradientShard &g : shards)
     largest = std::max(largest, perRank[g.rank] += g.floats);
   if (largest > 0)
-    PIPEC_GPU_TRY(allocate(staging, largest * sizeof(float)));
+    PIPEC_TRY(allocate(staging, largest * sizeof(float)));
   if (plan.parallel.dp > 1)
-    PIPEC_GPU_TRY(allocate(digestSlots, size_t(plan.parallel.dp) * plan.stages.size() *
-                                            size_t(plan.parallel.tp) * sizeof(uint64_t)));
+    PIPEC_TRY(allocate(digestSlots, size_t(plan.parallel.dp) * plan.stages.size() *
+                                        size_t(plan.parallel.tp) * sizeof(uint64_t)));
   return llvm::Error::success();
 }
 
@@ -582,7 +582,7 @@ llvm::Expected<double> NcclTrainBackend::step(int s) {
   auto *dloss = scratch.as<double>();
   PIPEC_CUDA_TRY(cudaMemcpyAsync(dloss, &loss, sizeof loss, cudaMemcpyHostToDevice, compute));
   PIPEC_NCCL_TRY(ncclAllReduce(dloss, dloss, 1, ncclDouble, ncclSum, comms->world.get(), compute));
-  PIPEC_GPU_TRY(
+  PIPEC_TRY(
       waitPolling(compute, *comms, o.timeoutSeconds, fmt::format("step {}'s loss all-reduce", s)));
   PIPEC_CUDA_TRY(cudaMemcpyAsync(&loss, dloss, sizeof loss, cudaMemcpyDeviceToHost, compute));
   PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
@@ -632,8 +632,7 @@ llvm::Error NcclTrainBackend::measuredCosts(MeasuredCosts &into) {
     const size_t bytes = v.size() * sizeof(double);
     PIPEC_CUDA_TRY(cudaMemcpyAsync(d, v.data(), bytes, cudaMemcpyHostToDevice, compute));
     PIPEC_NCCL_TRY(ncclAllReduce(d, d, v.size(), ncclDouble, ncclSum, comms->world.get(), compute));
-    PIPEC_GPU_TRY(
-        waitPolling(compute, *comms, o.timeoutSeconds, "--profile's gather of the costs"));
+    PIPEC_TRY(waitPolling(compute, *comms, o.timeoutSeconds, "--profile's gather of the costs"));
     PIPEC_CUDA_TRY(cudaMemcpyAsync(v.data(), d, bytes, cudaMemcpyDeviceToHost, compute));
     PIPEC_CUDA_TRY(cudaStreamSynchronize(compute));
   }
@@ -740,7 +739,7 @@ llvm::Error NcclTrainBackend::gatherLayer(int layer, LayerState &whole) {
   const size_t n = kernels::layerParamCount(cfg, layer, pc.tp);
   LayerState part;
   if (owner)
-    PIPEC_GPU_TRY(backend->readLayer(layer, part));
+    PIPEC_TRY(backend->readLayer(layer, part));
   std::vector<float> *arrays[] = {&part.weights, &part.firstMoment, &part.secondMoment};
   for (int t = 0; t < pc.tp; ++t) {
     const int from = pp * pc.dp * pc.tp + t; // RANK of (pp, dp 0, tp t)
@@ -753,7 +752,7 @@ llvm::Error NcclTrainBackend::gatherLayer(int layer, LayerState &whole) {
           PIPEC_CUDA_TRY(cudaMemcpyAsync(layerStaging.as<float>() + size_t(a) * n,
                                          arrays[a]->data(), n * sizeof(float),
                                          cudaMemcpyHostToDevice, compute));
-      PIPEC_GPU_TRY(moveLayerPart(from, send, n, layer));
+      PIPEC_TRY(moveLayerPart(from, send, n, layer));
       if (send)
         continue;
       for (int a = 0; a < 3; ++a) {

@@ -10,8 +10,8 @@
 #include "tests/fuzz/FuzzTarget.h"
 
 #include "compiler/Import.h"
+#include "compiler/torch/TorchCsv.h"
 #include "ir/Model.h"
-#include "ir/TorchCsv.h"
 #include "ir/formats/PlanJson.h"
 #include "ir/formats/SpecJson.h"
 

@@ -6,15 +6,16 @@
 // once, or on the stream's worker thread in asynchronous mode). Where the CUDA API departs
 // from the CPU one it is followed here too: attention keeps a log-sum-exp per query row and its
 // backward recomputes the probabilities from it; cross entropy keeps a log-sum-exp per row and
-// returns per-row losses. This file has the contexts and the matmuls (cuBLASLt's part; fp32, and
-// bf16 by widening); the rest of the ops come either from
-// CpuKernelOpsEmu.cpp (CPU loops, :cuda_ops_emu) or from the hand-written .cu kernels themselves
-// run by the kernel emulator (KernelEmu.h, :cuda_ops_kernel_emu).
+// returns per-row losses. This file has the matmuls (cuBLASLt's part; fp32, and bf16 by
+// widening) and their part of a context (CudaContext.cpp has the rest); the rest of the ops come
+// either from CpuKernelOpsEmu.cpp (CPU loops, :cuda_ops_emu) or from the hand-written .cu kernels
+// themselves run by the kernel emulator (KernelEmu.h, :cuda_ops_kernel_emu).
 //
 //===----------------------------------------------------------------------===//
 #include "kernels/cuda/CudaOps.h"
 
 #include "kernels/cpu/Ops.h"
+#include "kernels/cuda/ContextImpl.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/DeviceMemory.h"
 #include "kernels/cuda/emu/EmuOps.h"
@@ -36,92 +37,26 @@ namespace ops = kernels::ops;
 
 using emu_ops::run;
 
-llvm::Expected<int> deviceCount() {
-  int count = 0;
-  PIPEC_CUDA_TRY(cudaGetDeviceCount(&count));
-  return count;
-}
+//===--- The matmuls' part of a context ------------------------------------===//
 
-//===--- Context and buffers ----------------------------------------------===//
-
-struct CudaContext::Impl {
-  int device = 0;
-  int computeCapability = 0;
-  KernelConfig config;
-  cudaStream_t stream = nullptr;
-  bool ownsStream = false;
-  StreamOrderedAllocator streamOrdered;
-  DeviceAllocator *allocator = &streamOrdered;
-  bool sizing = false;
-  bool workspaceCharged = false; // cuBLASLt's, which the emulated matmuls do not need
-  ~Impl() {
-    if (workspaceCharged)
+/// The device memory the real context's cuBLASLt workspace takes (CudaOps.cpp), counted, not
+/// allocated: the emulated matmuls need none.
+struct MatmulState {
+  bool charged = false;
+  ~MatmulState() {
+    if (charged)
       emu::unchargeDeviceMemory(CudaContext::kWorkspaceBytes);
-    if (stream && ownsStream)
-      (void)cudaStreamDestroy(stream);
   }
 };
 
-CudaContext::CudaContext(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-CudaContext::~CudaContext() = default;
+void MatmulStateDeleter::operator()(MatmulState *state) const { delete state; }
 
-llvm::Expected<std::unique_ptr<CudaContext>>
-CudaContext::create(int device, const KernelConfig &config, void *stream) {
-  auto impl = std::make_unique<Impl>();
-  impl->device = device;
-  impl->config = config;
-  PIPEC_CUDA_TRY(cudaSetDevice(device));
-  auto capability = computeCapabilityOf(device);
-  if (!capability)
-    return capability.takeError();
-  impl->computeCapability = *capability;
-  if (stream) {
-    impl->stream = static_cast<cudaStream_t>(stream);
-  } else {
-    PIPEC_CUDA_TRY(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking));
-    impl->ownsStream = true;
-  }
-  impl->streamOrdered.stream = impl->stream;
-  // The device memory the real context's workspace takes (CudaOps.cpp), counted, not allocated.
-  PIPEC_CUDA_TRY(emu::chargeDeviceMemory(kWorkspaceBytes));
-  impl->workspaceCharged = true;
-  return std::unique_ptr<CudaContext>(new CudaContext(std::move(impl)));
+llvm::Expected<MatmulStatePtr> createMatmulState(cudaStream_t) {
+  MatmulStatePtr state(new MatmulState);
+  PIPEC_CUDA_TRY(emu::chargeDeviceMemory(CudaContext::kWorkspaceBytes));
+  state->charged = true;
+  return state;
 }
-
-int CudaContext::device() const { return impl_->device; }
-void *CudaContext::stream() const { return impl_->stream; }
-int CudaContext::computeCapability() const { return impl_->computeCapability; }
-const KernelConfig &CudaContext::kernelConfig() const { return impl_->config; }
-llvm::Error CudaContext::synchronize() {
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-
-// As the real ones: queued on the stream, then waited for (nothing in the sizing pass).
-llvm::Error CudaContext::upload(void *device, const void *host, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this,
-                  cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, impl_->stream));
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-llvm::Error CudaContext::download(void *host, const void *device, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this,
-                  cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, impl_->stream));
-  PIPEC_QUEUE_TRY(*this, cudaStreamSynchronize(impl_->stream));
-  return llvm::Error::success();
-}
-llvm::Error CudaContext::memsetZero(void *device, size_t bytes) {
-  PIPEC_QUEUE_TRY(*this, cudaMemsetAsync(device, 0, bytes, impl_->stream));
-  return llvm::Error::success();
-}
-
-void CudaContext::setAllocator(DeviceAllocator *allocator) {
-  impl_->allocator = allocator ? allocator : &impl_->streamOrdered;
-}
-DeviceAllocator &CudaContext::allocator() { return *impl_->allocator; }
-
-void CudaContext::setSizing(bool on) { impl_->sizing = on; }
-bool CudaContext::sizing() const { return impl_->sizing; }
 
 //===--- Matmuls ----------------------------------------------------------===//
 //

@@ -1,4 +1,4 @@
-//===- TorchCsv.h - PyTorch pipelining schedule CSV, both ways ---*- C++ -*-===//
+//===- TorchCsv.h - PyTorch pipelining schedule CSV, both ways --*- C++ -*-===//
 //
 // PyTorch's torch.distributed.pipelining (pinned: 2.15.0) keeps a schedule as a CSV with one row
 // per pipeline rank and one action per cell, which `_PipelineScheduleRuntime._load_csv` reads
@@ -16,19 +16,22 @@
 // Rows end with "\r\n", as Python's csv module writes them.
 //
 // Two forms: compute-only (PyTorch lowers it to comms itself) and compute+comms, which carries
-// pipec's own send/recv order and every action PyTorch's loader needs there.
+// pipec's own send/recv order and every action PyTorch's loader needs there. The comms form is a
+// lowering of the plan, so this package sits above the compiler and asks its rules (where
+// the dp reductions go: compiler/LowerCollectives.h) instead of restating them; the reader
+// lexes pipec's text form with the text form's own lexer (ir/PlanText.h).
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_TORCHCSV_H
-#define PIPEC_IR_TORCHCSV_H
+#ifndef PIPEC_COMPILER_TORCH_TORCHCSV_H
+#define PIPEC_COMPILER_TORCH_TORCHCSV_H
 
+#include "compiler/Import.h"
 #include "ir/Instruction.h"
 #include "ir/Plan.h"
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
-#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -53,8 +56,7 @@ llvm::Error checkTorchExpressible(const Plan &plan, bool tiedByCaller = false);
 ///  - WAIT_SEND_F right after the local backward of the same (stage, mb) (which proves the
 ///    peer has received it), WAIT_SEND_B and any other pending wait at the end of the row;
 ///  - REDUCE_GRAD, WAIT_REDUCE_GRAD of every stage where pipec's dp all-reduce of that stage
-///    is (with dp = 1: where it would be, after the stage's last weight gradient and the sends
-///    that follow it);
+///    is (with dp = 1: where lower-collectives would put it, dpAllReducePoints);
 ///  - UNSHARD/RESHARD around compute as PyTorch's own lowering places them (three stages
 ///    resident, three looked ahead), so FSDP-wrapped stages run too;
 ///  - no optimizer step (the optimizer is the caller's).
@@ -68,25 +70,10 @@ llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form,
 std::vector<bool> overlappedPairStarts(const Plan &plan, int rank,
                                        const std::vector<Instruction> &compute);
 
-/// A schedule read back from a file: compute ops per rank, whatever else was there dropped.
-struct ImportedOrder {
-  enum class Source : uint8_t { TorchCsv, TorchCsvComms, PipecText };
-  Source source = Source::TorchCsv;
-  /// Compute ops of each rank, in order (slice set, never split into tp parts).
-  std::vector<std::vector<Instruction>> ranks;
-  int numStages = 0;          // largest stage + 1
-  int microbatches = 0;       // largest microbatch + 1
-  int seqSplits = 1;          // largest slice + 1 (pipec text only; PyTorch has no slices)
-  size_t droppedComms = 0;    // comm, wait, reduction and FSDP actions, re-derived by pipec
-  size_t overlappedPairs = 0; // OVERLAP_F_B actions, split into their F and B in order
-  size_t idleCells = 0;       // empty cells of the compute-only form
-};
-llvm::StringRef describe(ImportedOrder::Source source);
-
 /// Read PyTorch's CSV (either form) or pipec's text form (`pipec show --text`, "rank N: ..."
 /// lines). A malformed cell or token is an InputError naming `source`, its row and column.
 llvm::Expected<ImportedOrder> parseSchedule(llvm::StringRef text, llvm::StringRef source);
 
 } // namespace pipec
 
-#endif // PIPEC_IR_TORCHCSV_H
+#endif // PIPEC_COMPILER_TORCH_TORCHCSV_H

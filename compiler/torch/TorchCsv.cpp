@@ -1,10 +1,13 @@
-#include "ir/TorchCsv.h"
+//===- TorchCsv.cpp - PyTorch pipelining schedule CSV, both ways ----------===//
+#include "compiler/torch/TorchCsv.h"
 
+#include "compiler/LowerCollectives.h"
+#include "ir/PlanText.h"
 #include "ir/support/Error.h"
 #include "ir/support/Limits.h"
 
-#include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/STLExtras.h"
+#include "llvm/ADT/Sequence.h"
 #include "llvm/ADT/SmallVector.h"
 #include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/ErrorHandling.h"
@@ -34,18 +37,6 @@ bool torchCsvFormFromString(llvm::StringRef name, TorchCsvForm &out) {
     }
   }
   return false;
-}
-
-llvm::StringRef describe(ImportedOrder::Source source) {
-  switch (source) {
-  case ImportedOrder::Source::TorchCsv:
-    return "PyTorch CSV, compute only";
-  case ImportedOrder::Source::TorchCsvComms:
-    return "PyTorch CSV with comms";
-  case ImportedOrder::Source::PipecText:
-    return "pipec text";
-  }
-  llvm_unreachable("unknown ImportedOrder::Source");
 }
 
 //===----------------------------------------------------------------------===//
@@ -173,16 +164,14 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
   }
   constexpr size_t kMaxActiveStages = 3; // PyTorch's default max_active_stages
   std::vector<llvm::SmallVector<int, 4>> resident = residentStages(actionStages, kMaxActiveStages);
-  // The last weight-gradient op of each stage (dp = 1 places REDUCE_GRAD after it).
-  llvm::SmallDenseMap<int, size_t, 8> lastWeightGrad;
-  for (size_t n = 0; n < stream.size(); ++n)
-    if (stream[n].op == OpKind::BackwardWeight || stream[n].op == OpKind::Backward)
-      lastWeightGrad[stream[n].stage] = n;
-  bool dpInPlan = plan.parallel.dp > 1;
+  // With dp > 1 the plan has its dp all-reduces; with dp = 1 REDUCE_GRAD goes where
+  // lower-collectives would put them.
+  std::vector<llvm::SmallVector<int, 2>> reduceAt;
+  if (plan.parallel.dp == 1)
+    reduceAt = dpAllReducePoints(stream);
 
   std::vector<std::string> cells;
   llvm::SmallVector<int, 4> active;      // unsharded stages, in the order they were fetched
-  llvm::SmallVector<int, 4> reduceDue;   // stages whose REDUCE_GRAD goes before the next non-p2p
   std::vector<std::string> pendingSends; // waits owed, in the order the sends were issued
   std::map<std::tuple<int, int>, size_t> pendingForward; // (stage, mb) of SEND_F -> index
   std::vector<bool> waited;
@@ -191,10 +180,11 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
     cells.push_back(fmt::format("{}REDUCE_GRAD", stage));
     cells.push_back(fmt::format("{}WAIT_REDUCE_GRAD", stage));
   };
-  auto flushReduce = [&]() {
-    for (int s : reduceDue)
-      reduce(s);
-    reduceDue.clear();
+  // The REDUCE_GRADs that go right before stream[n] (n = stream.size(): after the last op).
+  auto reduceBefore = [&](size_t n) {
+    if (!reduceAt.empty())
+      for (int s : reduceAt[n])
+        reduce(s);
   };
   auto nonCompute = [&](const Instruction &i) {
     switch (i.op) {
@@ -211,14 +201,12 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
       cells.push_back(p2pCell(i));
       return;
     case OpKind::AllReduce:
-      flushReduce();
       if (i.collective == CollectiveGroup::Embedding && tiedByCaller)
         return; // the caller sums the tied copies' gradients after the step
       assert(i.collective == CollectiveGroup::Dp && "checkTorchExpressible lets only dp through");
       reduce(i.stage);
       return;
     case OpKind::OptimizerStep:
-      flushReduce();
       return;
     case OpKind::Forward:
     case OpKind::BackwardInput:
@@ -247,9 +235,11 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
     size_t prev = c == 0 ? 0 : computeAt[c - 1] + 1;
     bool pair = pairStart[c];
     // Comm ops before this compute op (those after the previous one, in stream order).
-    for (size_t k = prev; k < n; ++k)
+    for (size_t k = prev; k < n; ++k) {
+      reduceBefore(k);
       nonCompute(stream[k]);
-    flushReduce(); // LowerCollectives' rule: dp reductions go before the next non-p2p op
+    }
+    reduceBefore(n);
     llvm::SmallVector<const Instruction *, 8> after;
     if (pair) {
       // Ops between the pair's F and B: the recv of the B's input goes before the pair (the
@@ -260,6 +250,9 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
       // F's output).
       const Instruction &b = compute[c + 1];
       size_t m = computeAt[c + 1];
+      // Between two compute ops only sends and recvs: nothing to reduce before them or the B.
+      assert(llvm::all_of(llvm::seq(n + 1, m + 1),
+                          [&](size_t k) { return reduceAt.empty() || reduceAt[k].empty(); }));
       for (size_t k = n + 1; k < m; ++k) {
         const Instruction &op = stream[k];
         bool feedsB = op.op == OpKind::Recv && op.tensor == TensorKind::Gradient &&
@@ -291,24 +284,18 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
       afterCompute(compute[c + 1]);
       for (const Instruction *i : after)
         nonCompute(*i);
-      for (size_t part = c; part <= c + 1; ++part)
-        if (!dpInPlan && lastWeightGrad.lookup(compute[part].stage) == computeAt[part] &&
-            compute[part].op != OpKind::Forward)
-          reduceDue.push_back(compute[part].stage);
       ++c;
       continue;
     }
     cells.push_back(computeCell(compute[c]));
     afterCompute(compute[c]);
-    const Instruction &i = compute[c];
-    if (!dpInPlan && (i.op == OpKind::BackwardWeight || i.op == OpKind::Backward) &&
-        lastWeightGrad.lookup(i.stage) == n)
-      reduceDue.push_back(i.stage);
   }
   size_t tail = computeAt.empty() ? 0 : computeAt.back() + 1;
-  for (size_t k = tail; k < stream.size(); ++k)
+  for (size_t k = tail; k < stream.size(); ++k) {
+    reduceBefore(k);
     nonCompute(stream[k]);
-  flushReduce();
+  }
+  reduceBefore(stream.size());
   for (int s : active)
     cells.push_back(fmt::format("{}RESHARD", s));
   for (size_t k = 0; k < pendingSends.size(); ++k)
@@ -353,20 +340,6 @@ llvm::Expected<std::string> writeTorchCsv(const Plan &plan, TorchCsvForm form, b
 
 namespace {
 
-/// Consume a non-negative decimal integer of at most 9 digits.
-bool eatNumber(llvm::StringRef &s, int32_t &out) {
-  size_t n = 0;
-  while (n < s.size() && llvm::isDigit(s[n]))
-    ++n;
-  if (n == 0 || n > 9)
-    return false;
-  out = 0;
-  for (size_t i = 0; i < n; ++i)
-    out = out * 10 + (s[i] - '0');
-  s = s.drop_front(n);
-  return true;
-}
-
 /// One PyTorch action: a compute op, or something pipec re-derives (comms, waits, reductions,
 /// FSDP residency), which parses to `compute = false`.
 struct TorchAction {
@@ -377,7 +350,7 @@ struct TorchAction {
 bool parseTorchAction(llvm::StringRef cell, TorchAction &out) {
   llvm::StringRef s = cell.trim();
   int32_t stage = 0;
-  if (!eatNumber(s, stage))
+  if (!consumeNumber(s, stage))
     return false;
   // PyTorch's own alternation order (_action_regex), longest names first.
   struct Kind {
@@ -397,36 +370,22 @@ bool parseTorchAction(llvm::StringRef cell, TorchAction &out) {
     if (!s.consume_front(k.name))
       continue;
     int32_t mb = 0;
-    if (k.needsMb ? !(eatNumber(s, mb) && s.empty()) : !s.empty())
+    if (k.needsMb ? !(consumeNumber(s, mb) && s.empty()) : !s.empty())
       return false;
     out.compute = false;
     return true;
   }
-  if (s.empty())
-    return false;
-  OpKind op;
-  switch (s.front()) {
-  case 'F':
-    op = OpKind::Forward;
-    break;
-  case 'I':
-    op = OpKind::BackwardInput;
-    break;
-  case 'W':
-    op = OpKind::BackwardWeight;
-    break;
-  case 'B':
-    op = OpKind::Backward;
-    break;
-  default:
+  // A compute action is a compute token of pipec's text form without slice or parts.
+  llvm::StringRef token = cell.trim();
+  auto ins = lexToken(token);
+  if (!ins) {
+    llvm::consumeError(ins.takeError());
     return false;
   }
-  s = s.drop_front();
-  int32_t mb = 0;
-  if (!eatNumber(s, mb) || !s.empty())
+  if (!ins->isCompute() || token.find_first_of(".:") != llvm::StringRef::npos)
     return false;
   out.compute = true;
-  out.ins = Instruction::compute(op, stage, mb, 0);
+  out.ins = Instruction::compute(ins->op, ins->stage, ins->mb, 0);
   return true;
 }
 
@@ -536,80 +495,6 @@ llvm::Expected<ImportedOrder> parseTorchCsv(llvm::StringRef text, llvm::StringRe
   return out;
 }
 
-/// One token of pipec's text form (PlanText.h). Compute tokens become ops (tp parts other than
-/// the first dropped, the op is whole again); everything else is syntax-checked and dropped.
-enum class TokenKind { Compute, LaterPart, Other };
-
-bool parsePipecToken(llvm::StringRef tok, TokenKind &kind, Instruction &ins) {
-  kind = TokenKind::Other;
-  if (tok == "OPTIMIZER_STEP")
-    return true;
-  llvm::StringRef s = tok;
-  int32_t stage = 0;
-  if (!eatNumber(s, stage))
-    return false;
-  auto mbTail = [](llvm::StringRef &t, int32_t &mb, int32_t &slice, int32_t &part,
-                   bool allowParts) {
-    slice = 0;
-    part = -1;
-    if (!eatNumber(t, mb))
-      return false;
-    if (t.consume_front(".") && !eatNumber(t, slice))
-      return false;
-    if (allowParts && t.consume_front(":")) {
-      int32_t parts = 0;
-      if (!eatNumber(t, part) || !t.consume_front("/") || !eatNumber(t, parts) || part >= parts)
-        return false;
-    }
-    return true;
-  };
-  int32_t mb = 0, slice = 0, part = -1;
-  if (s.consume_front("ALLREDUCE_")) {
-    if (s == "DP" || s == "EMB")
-      return true;
-    if (!s.consume_front("TP_") || s.empty() || !llvm::StringRef("FIB").contains(s.front()))
-      return false;
-    s = s.drop_front();
-    return mbTail(s, mb, slice, part, true) && part >= 0 && s.empty();
-  }
-  if (s.consume_front("SEND_") || s.consume_front("RECV_")) {
-    if (!s.consume_front("F") && !s.consume_front("B"))
-      return false;
-    if (!mbTail(s, mb, slice, part, false))
-      return false;
-    int32_t group = 0;
-    if (s.consume_front("#") && !eatNumber(s, group))
-      return false;
-    return s.empty();
-  }
-  if (s.empty())
-    return false;
-  OpKind op;
-  switch (s.front()) {
-  case 'F':
-    op = OpKind::Forward;
-    break;
-  case 'I':
-    op = OpKind::BackwardInput;
-    break;
-  case 'W':
-    op = OpKind::BackwardWeight;
-    break;
-  case 'B':
-    op = OpKind::Backward;
-    break;
-  default:
-    return false;
-  }
-  s = s.drop_front();
-  if (!mbTail(s, mb, slice, part, true) || !s.empty())
-    return false;
-  // Only the first part of an op split at tp all-reduces stands for it.
-  kind = part <= 0 ? TokenKind::Compute : TokenKind::LaterPart;
-  ins = Instruction::compute(op, stage, mb, slice);
-  return true;
-}
-
 llvm::Expected<ImportedOrder> parsePipecText(llvm::StringRef text, llvm::StringRef source) {
   ImportedOrder out;
   out.source = ImportedOrder::Source::PipecText;
@@ -633,7 +518,7 @@ llvm::Expected<ImportedOrder> parsePipecText(llvm::StringRef text, llvm::StringR
     auto [num, rest] = line.split(':');
     llvm::StringRef digits = num.trim();
     int32_t rank = 0;
-    if (!eatNumber(digits, rank) || !digits.empty() || !line.contains(':'))
+    if (!consumeNumber(digits, rank) || !digits.empty() || !line.contains(':'))
       return inputError("{}: line {}: expected 'rank N:' with a rank number, got '{}'",
                         source.str(), l + 1, lines[l].trim().str());
     if (rank >= kMaxStages)
@@ -645,19 +530,25 @@ llvm::Expected<ImportedOrder> parsePipecText(llvm::StringRef text, llvm::StringR
     llvm::SmallVector<llvm::StringRef, 64> tokens;
     llvm::SplitString(rest, tokens);
     for (size_t t = 0; t < tokens.size(); ++t) {
-      TokenKind kind = TokenKind::Other;
-      Instruction ins;
-      if (!parsePipecToken(tokens[t], kind, ins))
+      auto ins = lexToken(tokens[t]);
+      if (!ins) {
+        llvm::consumeError(ins.takeError());
         return inputError("{}: line {} (rank {}), token {}: '{}' is not a pipec token; expected "
                           "<stage><F|I|W|B><microbatch>[.<slice>] such as 0F1, or a comm token "
                           "such as 1SEND_F0 (`pipec show --text` writes them)",
                           source.str(), l + 1, rank, t + 1, tokens[t].str());
-      if (kind == TokenKind::Other)
+      }
+      // Comms and collectives are dropped (pipec derives its own); of an op split at tp
+      // all-reduces, the first part stands for the whole op.
+      if (!ins->isCompute()) {
         ++out.droppedComms;
-      if (kind != TokenKind::Compute)
         continue;
-      account(out, ins);
-      row.push_back(ins);
+      }
+      if (!ins->isFirstPart())
+        continue;
+      Instruction op = Instruction::compute(ins->op, ins->stage, ins->mb, ins->slice);
+      account(out, op);
+      row.push_back(op);
     }
   }
   int expect = 0;
@@ -680,7 +571,7 @@ bool looksLikePipecText(llvm::StringRef text) {
     if (!s.consume_front("rank "))
       continue;
     int32_t n = 0;
-    if (eatNumber(s, n) && s.trim().startswith(":"))
+    if (consumeNumber(s, n) && s.trim().startswith(":"))
       return true;
   }
   return false;
