@@ -33,8 +33,8 @@ struct CompileOptions {
   /// included); empty = the balanced partition.
   std::vector<int> stageEnds;
   /// --costs (ir/formats/Costs.h): measured times in place of the model's, from the partition
-  /// pass on (so the schedule pass, zb-auto's search included, and the simulator take them); the file's
-  /// name for messages in `costsSource`.
+  /// pass on (so the schedule pass, zb-auto's search included, and the simulator take them); the
+  /// file's name for messages in `costsSource`.
   std::shared_ptr<const MeasuredCosts> costs;
   std::string costsSource;
 };

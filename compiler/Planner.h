@@ -79,8 +79,8 @@ struct PlannerOptions {
   /// Recomputation settings to try; empty: none, selective (materialized attention only: with
   /// flash attention it changes nothing) and full, or, with costs, the model's own.
   std::vector<Recompute> recompute;
-  /// --costs: measured times (ir/formats/Costs.h) in place of the cost model's for the candidates the
-  /// file covers (coversCandidate); `costsSource` names it in messages.
+  /// --costs: measured times (ir/formats/Costs.h) in place of the cost model's for the candidates
+  /// the file covers (coversCandidate); `costsSource` names it in messages.
   std::shared_ptr<const MeasuredCosts> costs;
   std::string costsSource;
   /// Microbatch sizes to try; empty: every divisor of the per-replica batch up to

@@ -26,8 +26,8 @@
 namespace pipec {
 
 /// The files a pipec command reads, for the check of its outputs (ir/support/Files.h): its
-/// positional arguments (named `positionalName` in messages: "plan", "schedule") and the input files its
-/// flags give (--model, --cluster). Every writer of every command is handed this list.
+/// positional arguments (named `positionalName` in messages: "plan", "schedule") and the input
+/// files its flags give (--model, --cluster). Every writer of every command is handed this list.
 std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName);
 
 /// --model or --model-json (required).
