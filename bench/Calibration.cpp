@@ -2,8 +2,9 @@
 #include "bench/Calibration.h"
 
 #include "compiler/Pass.h"
-#include "ir/Error.h"
-#include "ir/Files.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 
 #include "llvm/ADT/StringMap.h"
 #include "llvm/ADT/StringRef.h"

@@ -10,7 +10,7 @@
 #ifndef PIPEC_BENCH_OVERHEADBENCH_H
 #define PIPEC_BENCH_OVERHEADBENCH_H
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/Backend.h"
 #include "runtime/cuda/DeviceHandles.h"

@@ -19,8 +19,9 @@
 //
 //===----------------------------------------------------------------------===//
 #include "bench/Calibration.h"
-#include "ir/Error.h"
 #include "ir/Model.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>

@@ -10,7 +10,7 @@
 //===----------------------------------------------------------------------===//
 #include "bench/UniformPlan.h"
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>

@@ -14,7 +14,7 @@
 //===----------------------------------------------------------------------===//
 #include "bench/OverheadBench.h"
 #include "bench/UniformPlan.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/Runner.h"
 #include "runtime/cuda/LocalTransport.h"

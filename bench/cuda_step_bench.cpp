@@ -19,7 +19,8 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cuda/CudaRun.h"
 #include "tools/Args.h"

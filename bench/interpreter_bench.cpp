@@ -8,7 +8,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "bench/UniformPlan.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "runtime/Runner.h"
 #include "tools/Args.h"
 

@@ -21,7 +21,7 @@
 //===----------------------------------------------------------------------===//
 #include "bench/OverheadBench.h"
 #include "bench/UniformPlan.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "runtime/Interpreter.h"
 #include "runtime/cuda/Nccl.h"
 #include "runtime/cuda/NcclLayout.h"

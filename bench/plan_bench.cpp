@@ -11,8 +11,9 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Planner.h"
-#include "ir/Error.h"
 #include "ir/Model.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "tools/Args.h"
 
 #include "llvm/ADT/StringExtras.h"

@@ -12,8 +12,9 @@
 #include "bench/UniformPlan.h"
 #include "compiler/Pass.h"
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 #include "tools/Args.h"
 
 #include <fmt/format.h>

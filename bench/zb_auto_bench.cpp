@@ -11,7 +11,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "schedules/Policy.h"
 #include "tools/Args.h"
 

@@ -1,7 +1,7 @@
 #include "compiler/Budget.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
+#include "ir/support/Error.h"
+#include "ir/support/Memory.h"
 
 #include <algorithm>
 

@@ -2,9 +2,10 @@
 #include "compiler/Import.h"
 
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
-#include "ir/Limits.h"
 #include "ir/PlanText.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -28,17 +29,6 @@ llvm::StringRef describe(ImportedOrder::Source source) {
 }
 
 namespace {
-
-std::string humanBytes(int64_t b) {
-  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = double(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
-}
 
 /// The rank that runs most of a stage's ops (the lowest on a tie); -1 if the stage has none.
 /// A stage that also shows up on another rank is then the verifier's finding, not a

@@ -20,7 +20,7 @@
 #include "compiler/LowerCollectives.h"
 
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/DenseMap.h"
 

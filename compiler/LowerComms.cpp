@@ -20,8 +20,8 @@
 #include "compiler/Pass.h"
 
 #include "ir/CostModel.h"
-#include "ir/Error.h"
 #include "ir/Semantics.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <cassert>

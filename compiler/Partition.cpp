@@ -12,7 +12,7 @@
 #include "compiler/Partition.h"
 
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <cmath>

@@ -8,9 +8,9 @@
 #ifndef PIPEC_COMPILER_PASS_H
 #define PIPEC_COMPILER_PASS_H
 
-#include "ir/Costs.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -32,9 +32,9 @@ struct CompileOptions {
   /// A published split: each stage's end in the model's layer list (embedding and head
   /// included); empty = the balanced partition.
   std::vector<int> stageEnds;
-  /// --costs (ir/Costs.h): measured times in place of the model's, from the partition pass on
-  /// (so the schedule pass, zb-auto's search included, and the simulator take them); the file's
-  /// name for messages in `costsSource`.
+  /// --costs (ir/formats/Costs.h): measured times in place of the model's, from the partition
+  /// pass on (so the schedule pass, zb-auto's search included, and the simulator take them); the
+  /// file's name for messages in `costsSource`.
   std::shared_ptr<const MeasuredCosts> costs;
   std::string costsSource;
 };

@@ -4,8 +4,9 @@
 #include "compiler/Budget.h"
 #include "compiler/Evaluate.h"
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
-#include "ir/Limits.h"
+#include "ir/MeasuredCosts.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"

@@ -5,8 +5,9 @@
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
-#include "ir/Error.h"
-#include "ir/Limits.h"
+#include "ir/MeasuredCosts.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/STLExtras.h"

@@ -34,9 +34,9 @@
 #ifndef PIPEC_COMPILER_PLANNER_H
 #define PIPEC_COMPILER_PLANNER_H
 
-#include "ir/Costs.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 
 #include "llvm/Support/Error.h"
 
@@ -79,8 +79,8 @@ struct PlannerOptions {
   /// Recomputation settings to try; empty: none, selective (materialized attention only: with
   /// flash attention it changes nothing) and full, or, with costs, the model's own.
   std::vector<Recompute> recompute;
-  /// --costs: measured times (ir/Costs.h) in place of the cost model's for the candidates the
-  /// file covers (coversCandidate); `costsSource` names it in messages.
+  /// --costs: measured times (ir/formats/Costs.h) in place of the cost model's for the candidates
+  /// the file covers (coversCandidate); `costsSource` names it in messages.
   std::shared_ptr<const MeasuredCosts> costs;
   std::string costsSource;
   /// Microbatch sizes to try; empty: every divisor of the per-replica batch up to

@@ -1,8 +1,8 @@
 #include "compiler/Verifier.h"
 
 #include "compiler/Semantics.h"
-#include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/DenseMap.h"
 #include "llvm/ADT/SmallVector.h"

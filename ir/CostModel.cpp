@@ -1,8 +1,8 @@
 //===- CostModel.cpp - docs/contracts.md#semantics' timing and memory rules ----------------===//
 #include "ir/CostModel.h"
 
-#include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <cmath>

@@ -9,8 +9,7 @@
 #ifndef PIPEC_IR_MODEL_H
 #define PIPEC_IR_MODEL_H
 
-#include "ir/Files.h"
-#include "ir/Limits.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -226,12 +225,6 @@ struct ModelSpec {
   /// recomputation), over the whole sequence at tp = 1: what model FLOP/s and MFU count.
   double modelFlopsPerMicrobatch() const;
 };
-
-/// Parse and check a model spec; errors name `source`, the JSON path and what was expected.
-llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef source);
-llvm::Expected<ClusterSpec> parseClusterSpec(llvm::StringRef text, llvm::StringRef source);
-llvm::Expected<ModelSpec> loadModelSpec(llvm::StringRef path);
-llvm::Expected<ClusterSpec> loadClusterSpec(llvm::StringRef path);
 
 } // namespace pipec
 

@@ -1,6 +1,6 @@
 #include "ir/PlanText.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/StringExtras.h"

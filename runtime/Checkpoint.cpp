@@ -1,8 +1,11 @@
 #include "runtime/Checkpoint.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/DurableFile.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Hash.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallString.h"
@@ -13,7 +16,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -32,16 +34,6 @@ namespace {
 constexpr char kMagic[8] = {'P', 'I', 'P', 'E', 'C', 'K', 'P', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8;
-
-/// FNV-1a, 64 bits, continued from `h`.
-uint64_t fnv(const void *data, size_t n, uint64_t h = 0xcbf29ce484222325ULL) {
-  const auto *p = static_cast<const unsigned char *>(data);
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
 
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
 
@@ -94,9 +86,9 @@ Descriptor openSubdirectory(int parent, const std::string &name) {
 }
 
 /// fsync a directory so that the names created or removed in it survive a crash.
-llvm::Error syncDirectory(int fd, const std::string &shown) {
-  if (::fsync(fd) != 0 && errno != EINVAL)
-    return inputError("--save-dir: {}: cannot sync: {}", shown, std::strerror(errno));
+llvm::Error syncSaveDirectory(int fd, const std::string &shown) {
+  if (auto err = syncDirectory(fd, shown))
+    return inputError("--save-dir: {}", takeMessage(std::move(err)));
   return llvm::Error::success();
 }
 
@@ -123,66 +115,20 @@ bool isSavedName(llvm::StringRef name) {
          llvm::all_of(digits, llvm::isDigit);
 }
 
-/// Write `pieces` to `name` inside the directory `dirFd` as the rules say: a temporary beside
-/// it, each piece written (with a kill point between pieces, so that a test sees partial
-/// files), fsync, rename; nothing is opened through a symbolic link. The digest of the bytes
-/// goes to `digest`; `shown` names the file in messages.
+/// Write `pieces` to `name` inside the directory `dirFd` durably (ir/support/DurableFile.h),
+/// with a kill point between pieces, so that a test sees partial files. The digest of the
+/// bytes goes to `digest`; `shown` names the file in messages.
 llvm::Error writeDurably(int dirFd, const std::string &name, const std::string &shown,
                          llvm::ArrayRef<llvm::StringRef> pieces, uint64_t *digest = nullptr) {
-  checkpointKillPoint();
-  static std::atomic<uint64_t> counter{0};
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    uint64_t r = fnv(&attempt, sizeof attempt,
-                     uint64_t(::getpid()) * 0x9E3779B97F4A7C15ULL + counter.fetch_add(1) +
-                         uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()));
-    tmp = fmt::format("{}.tmp-{:06x}", name, r & 0xFFFFFF);
-    fd = ::openat(dirFd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST)
-      break;
-  }
-  if (fd < 0)
-    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(errno));
-  uint64_t h = 0xcbf29ce484222325ULL;
-  int failed = 0;
-  for (llvm::StringRef piece : pieces) {
-    checkpointKillPoint();
-    const char *p = piece.data();
-    size_t left = piece.size();
-    while (left > 0 && !failed) {
-      ssize_t n = ::write(fd, p, std::min<size_t>(left, size_t(1) << 30));
-      if (n < 0 && errno == EINTR)
-        continue;
-      if (n <= 0) {
-        failed = n < 0 ? errno : EIO;
-        break;
-      }
-      h = fnv(p, size_t(n), h);
-      p += n;
-      left -= size_t(n);
+  auto writePieces = [&](llvm::raw_ostream &os) {
+    for (llvm::StringRef piece : pieces) {
+      checkpointKillPoint();
+      os << piece;
+      os.flush();
     }
-    if (failed)
-      break;
-  }
-  checkpointKillPoint();
-  if (!failed && ::fsync(fd) != 0 && errno != EINVAL)
-    failed = errno;
-  if (::close(fd) != 0 && !failed && errno != EINTR)
-    failed = errno;
-  if (failed) {
-    ::unlinkat(dirFd, tmp.c_str(), 0);
-    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(failed));
-  }
-  checkpointKillPoint();
-  if (::renameat(dirFd, tmp.c_str(), dirFd, name.c_str()) != 0) {
-    int code = errno;
-    ::unlinkat(dirFd, tmp.c_str(), 0);
-    return inputError("--save-dir: {}: cannot write: {}", shown, std::strerror(code));
-  }
-  checkpointKillPoint();
-  if (digest)
-    *digest = h;
+  };
+  if (auto err = writeDurablyAt(dirFd, name, shown, writePieces, digest, checkpointKillPoint))
+    return inputError("--save-dir: {}", takeMessage(std::move(err)));
   return llvm::Error::success();
 }
 
@@ -332,7 +278,7 @@ void removeOwnStep(int dirFd, const std::string &name) {
     return ::unlinkat(sub.get(), file.c_str(), 0) == 0;
   };
   if (removeFile(kManifestName))
-    llvm::consumeError(syncDirectory(sub.get(), name));
+    llvm::consumeError(syncSaveDirectory(sub.get(), name));
   for (const std::string &file : listDirectory(sub.get()))
     if (file != kMarkerName && isSavedName(file))
       removeFile(file);
@@ -360,7 +306,7 @@ std::string planHash(const Plan &plan) {
   Plan copy = plan;
   copy.stats = PlanStats();
   const std::string json = writePlanJson(copy);
-  return hex(fnv(json.data(), json.size()));
+  return hex(fnv1a(json));
 }
 
 void checkpointKillPoint() {
@@ -432,7 +378,7 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
     llvm::StringRef parent = llvm::sys::path::parent_path(dir);
     Descriptor parentFd = openDirectory(parent.empty() ? "." : parent.str());
     if (parentFd)
-      if (auto err = syncDirectory(parentFd.get(), dir))
+      if (auto err = syncSaveDirectory(parentFd.get(), dir))
         return err;
   }
   Descriptor dirFd = openDirectory(dir);
@@ -462,7 +408,7 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
   checkpointKillPoint();
   if (::mkdirat(dirFd.get(), name.c_str(), 0777) != 0)
     return inputError("--save-dir: {}: cannot create: {}", stepDir, std::strerror(errno));
-  if (auto err = syncDirectory(dirFd.get(), dir))
+  if (auto err = syncSaveDirectory(dirFd.get(), dir))
     return err;
   Descriptor stepFd = openSubdirectory(dirFd.get(), name);
   if (!stepFd)
@@ -477,7 +423,7 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       return inputError("{}", why);
     return inputError("{}; the checkpoint needs {:.2f} MiB ({} bytes) in {}: free that much; the "
                       "checkpoints before it are intact",
-                      why, double(needed) / (1 << 20), needed, dir);
+                      why, inMiB(needed), needed, dir);
   };
   // The marker under its own name at once (no temporary): from its creation on, even empty,
   // the directory is recognisably piperun's, whenever the save is killed.
@@ -515,15 +461,15 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       return writeFailed(std::move(err));
     manifest.layers[size_t(l)] = {kHeaderBytes + 3 * n * sizeof(float), n, hex(digest)};
   }
-  if (auto err = syncDirectory(stepFd.get(), stepDir))
+  if (auto err = syncSaveDirectory(stepFd.get(), stepDir))
     return writeFailed(std::move(err));
   // The commit: from the manifest's rename on, this checkpoint is whole.
   if (auto err = writeDurably(stepFd.get(), kManifestName, join(stepDir, kManifestName),
                               {writeCheckpointManifest(manifest)}))
     return writeFailed(std::move(err));
-  if (auto err = syncDirectory(stepFd.get(), stepDir))
+  if (auto err = syncSaveDirectory(stepFd.get(), stepDir))
     return err;
-  if (auto err = syncDirectory(dirFd.get(), dir))
+  if (auto err = syncSaveDirectory(dirFd.get(), dir))
     return err;
   if (bytes)
     *bytes = checkpointBytes(manifest);
@@ -540,7 +486,7 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
     }
     removeOwnStep(dirFd.get(), it->name);
   }
-  return syncDirectory(dirFd.get(), dir);
+  return syncSaveDirectory(dirFd.get(), dir);
 }
 
 llvm::Expected<Checkpoint> openCheckpoint(llvm::StringRef dirRef) {
@@ -645,7 +591,7 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
     ::close(fd);
     return bad(fmt::format("{} bytes, the manifest says {}", size, want.bytes));
   }
-  uint64_t h = 0xcbf29ce484222325ULL;
+  uint64_t h = kFnv1aStart;
   auto readInto = [&](void *dst, size_t n) -> bool {
     char *p = static_cast<char *>(dst);
     while (n > 0) {
@@ -654,7 +600,7 @@ llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &o
         continue;
       if (got <= 0)
         return false;
-      h = fnv(p, size_t(got), h);
+      h = fnv1a(p, size_t(got), h);
       p += got;
       n -= size_t(got);
     }

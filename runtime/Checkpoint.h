@@ -32,8 +32,8 @@
 #ifndef PIPEC_RUNTIME_CHECKPOINT_H
 #define PIPEC_RUNTIME_CHECKPOINT_H
 
-#include "ir/CheckpointJson.h"
 #include "ir/Plan.h"
+#include "ir/formats/CheckpointJson.h"
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"

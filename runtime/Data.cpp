@@ -1,7 +1,9 @@
 #include "runtime/Data.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Memory.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallVector.h"

@@ -1,9 +1,9 @@
 //===- HfExport.cpp - Trained weights out as a Hugging Face directory ------===//
 #include "runtime/HfExport.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/HfConfig.h"
+#include "ir/formats/HfConfig.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"

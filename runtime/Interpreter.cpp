@@ -1,7 +1,7 @@
 #include "runtime/Interpreter.h"
 
-#include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
 
 #include <chrono>
 

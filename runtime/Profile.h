@@ -5,7 +5,8 @@
 // that runs it) are summarised into a table of fixed layout, one slot group per (stage, op kind,
 // slice), message, collective and rank, each filled by that rank alone: so the tables of
 // several ranks add up (a sum all-reduce across processes, in the nccl mode) to the whole
-// run's, which becomes the pipecost/1 file (ir/Costs.h). The first step is dropped as warm-up.
+// run's, which becomes the pipecost/1 file (ir/formats/Costs.h). The first step is dropped as
+// warm-up.
 //  - a compute op: its parts' times summed, per microbatch and step, with the backend's work
 //    waited for (Backend::awaitCompute);
 //  - a message (per kind, producer stage and slice): the exchange is a rendezvous, so each side
@@ -18,8 +19,8 @@
 #ifndef PIPEC_RUNTIME_PROFILE_H
 #define PIPEC_RUNTIME_PROFILE_H
 
-#include "ir/Costs.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 
 #include <array>
 #include <cstdint>

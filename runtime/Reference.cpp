@@ -1,7 +1,8 @@
 #include "runtime/Reference.h"
 
-#include "ir/Error.h"
-#include "ir/Limits.h"
+#include "ir/support/Error.h"
+#include "ir/support/Hash.h"
+#include "ir/support/Limits.h"
 
 #include <algorithm>
 
@@ -203,14 +204,7 @@ WeightCheck ReferenceRun::compareWeights(const ParamSnapshot &weights, int steps
 }
 
 uint64_t weightDigest(std::span<const float> values) {
-  uint64_t h = 0xcbf29ce484222325ull; // FNV-1a, 64 bits
-  for (float v : values) {
-    unsigned char bytes[sizeof v];
-    std::memcpy(bytes, &v, sizeof v);
-    for (unsigned char b : bytes)
-      h = (h ^ b) * 0x100000001b3ull;
-  }
-  return h;
+  return fnv1a(values.data(), values.size_bytes());
 }
 
 GradDiffPlace firstTpCopyMismatch(const Plan &plan, const kernels::GptConfig &cfg,

@@ -100,9 +100,9 @@ struct GradCheck {
 /// largest reference gradient), "largest difference: <place>" (when there is one) and
 /// "max_tensor_grad_diff=...[: <place>]".
 std::string gradCheckReport(const GradCheck &check);
-/// A finding (ir/Error.h; exit 1) when `check` exceeds `relative` of its scale or `perTensor`
-/// of a tensor's own, in one line naming the tolerance and, per tensor, the tensor and where it
-/// is; success otherwise.
+/// A finding (ir/support/Error.h; exit 1) when `check` exceeds `relative` of its scale or
+/// `perTensor` of a tensor's own, in one line naming the tolerance and, per tensor, the tensor and
+/// where it is; success otherwise.
 llvm::Error judgeGradCheck(const GradCheck &check, double relative, double perTensor);
 
 /// The per-tensor tolerances of every backend's check: fp32 (observed on the emulated device:

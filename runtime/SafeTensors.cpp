@@ -1,11 +1,12 @@
 //===- SafeTensors.cpp - Initial weights from a safetensors file ------------===//
 #include "runtime/SafeTensors.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/HfConfig.h"
-#include "ir/JsonRead.h"
-#include "ir/Limits.h"
+#include "ir/formats/HfConfig.h"
+#include "ir/formats/JsonRead.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Limits.h"
+#include "ir/support/Memory.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/FileSystem.h"

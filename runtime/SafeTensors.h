@@ -93,7 +93,7 @@ llvm::Expected<std::vector<std::vector<float>>> llamaLayers(const SafeTensorsFil
                                                             const kernels::GptConfig &cfg);
 
 /// A Hugging Face model directory's weights (docs/runtime.md): config.json, checked against
-/// `model` field by field (ir/HfConfig.h), then model.safetensors or the shards that
+/// `model` field by field (ir/formats/HfConfig.h), then model.safetensors or the shards that
 /// model.safetensors.index.json's weight_map names (file names inside `dir`; every tensor in the
 /// shard the map says, every shard's tensor in the map).
 llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,

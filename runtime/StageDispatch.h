@@ -39,8 +39,8 @@
 #ifndef PIPEC_RUNTIME_STAGEDISPATCH_H
 #define PIPEC_RUNTIME_STAGEDISPATCH_H
 
-#include "ir/Error.h"
 #include "ir/Plan.h"
+#include "ir/support/Error.h"
 #include "runtime/Backend.h"
 #include "runtime/Interpreter.h"
 #include "runtime/Tensor.h"

@@ -2,7 +2,7 @@
 
 #include "runtime/HfExport.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <chrono>
 #include <memory>

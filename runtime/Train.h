@@ -19,9 +19,9 @@
 #ifndef PIPEC_RUNTIME_TRAIN_H
 #define PIPEC_RUNTIME_TRAIN_H
 
-#include "ir/Costs.h"
-#include "ir/Error.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
+#include "ir/support/Error.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"

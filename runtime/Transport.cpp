@@ -1,6 +1,6 @@
 #include "runtime/Transport.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <cstring>

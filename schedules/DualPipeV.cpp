@@ -21,7 +21,7 @@
 //===----------------------------------------------------------------------===//
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <deque>
 

@@ -11,7 +11,7 @@
 //===----------------------------------------------------------------------===//
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {

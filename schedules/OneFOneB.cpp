@@ -13,7 +13,7 @@
 #include "schedules/OneFOneBLoop.h"
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {

@@ -1,6 +1,6 @@
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/SmallVector.h"
 

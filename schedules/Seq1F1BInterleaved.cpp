@@ -18,8 +18,8 @@
 #include "schedules/InterleavedOrder.h"
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
-#include "ir/Limits.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 
 #include <algorithm>
 #include <utility>

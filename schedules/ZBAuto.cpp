@@ -35,7 +35,7 @@
 
 #include "compiler/Evaluate.h"
 #include "ir/CostModel.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <cassert>

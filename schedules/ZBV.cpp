@@ -20,7 +20,7 @@
 //===----------------------------------------------------------------------===//
 #include "schedules/Policy.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <algorithm>
 #include <array>

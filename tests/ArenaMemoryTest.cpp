@@ -13,7 +13,8 @@
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cuda/CudaRun.h"
 

@@ -8,7 +8,8 @@
 //===----------------------------------------------------------------------===//
 #include "bench/Calibration.h"
 #include "compiler/Pass.h"
-#include "ir/Error.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 
 #include <gtest/gtest.h>
 

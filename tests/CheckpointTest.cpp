@@ -21,7 +21,7 @@
 #include "tests/Command.h"
 #include "tests/Process.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "runtime/Checkpoint.h"
 
 #include <gtest/gtest.h>

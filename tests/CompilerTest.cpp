@@ -4,8 +4,9 @@
 #include "compiler/Semantics.h"
 #include "compiler/Verifier.h"
 #include "ir/CostModel.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
 
 #include <algorithm>
 #include <cmath>

@@ -19,7 +19,8 @@
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/Data.h"

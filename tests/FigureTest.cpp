@@ -18,7 +18,8 @@
 #include "tests/TestUtil.h"
 
 #include "compiler/Simulator.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
 #include "tools/Figure.h"
 
 #include <libxml/parser.h>

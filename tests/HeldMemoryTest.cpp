@@ -14,7 +14,8 @@
 
 #include "compiler/Pass.h"
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 

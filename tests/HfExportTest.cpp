@@ -7,7 +7,6 @@
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/HfExport.h"
-#include "ir/Files.h"
 #include "runtime/SafeTensors.h"
 #include "runtime/cpu/CpuRun.h"
 #include "tests/TestUtil.h"

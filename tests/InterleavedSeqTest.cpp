@@ -10,6 +10,7 @@
 #include "tests/TestUtil.h"
 
 #include "ir/Model.h"
+#include "ir/formats/SpecJson.h"
 
 #include <fmt/format.h>
 

@@ -1,8 +1,9 @@
 //===- IrTest.cpp - Specs, plan JSON and the text form --------------------===//
 #include "tests/TestUtil.h"
 
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
 
 #include <nlohmann/json.hpp>
 

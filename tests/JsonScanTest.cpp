@@ -1,7 +1,7 @@
 //===- JsonScanTest.cpp - The fast JSON scanner against nlohmann's parser ----------===//
 //
-// ir/JsonScan.h must give nlohmann::json::sax_parse's events, value for value, for every text
-// it scans, and leave to nlohmann (Unsupported) every text nlohmann refuses. Checked on the
+// ir/formats/JsonScan.h must give nlohmann::json::sax_parse's events, value for value, for every
+// text it scans, and leave to nlohmann (Unsupported) every text nlohmann refuses. Checked on the
 // JSON pipec writes (plans of every shape, the example specs), on hand-made edge cases and on
 // thousands of mutations of them; then at the level of the plan reader: the fast reader and
 // nlohmann's alone give the same plan or the same error, from a string and from a file read in
@@ -10,9 +10,8 @@
 //===----------------------------------------------------------------------===//
 #include "tests/TestUtil.h"
 
-#include "ir/Files.h"
-#include "ir/JsonScan.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/JsonScan.h"
+#include "ir/formats/PlanJson.h"
 
 #include <nlohmann/json.hpp>
 

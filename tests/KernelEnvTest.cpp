@@ -6,7 +6,7 @@
 //===----------------------------------------------------------------------===//
 #include "tools/KernelEnv.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include <gtest/gtest.h>
 

@@ -15,7 +15,7 @@
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/emu/FakeCuda.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"

@@ -9,11 +9,11 @@
 //===----------------------------------------------------------------------===//
 #include "tests/TestUtil.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Interpreter.h"
-#include "runtime/cpu/CpuRun.h"
 #include "runtime/Reference.h"
+#include "runtime/cpu/CpuRun.h"
 #include "runtime/cuda/NcclLayout.h"
 
 #include <fmt/format.h>

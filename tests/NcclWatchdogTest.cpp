@@ -18,8 +18,8 @@
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
-#include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
 #include "runtime/cuda/DeviceArena.h"
 #include "runtime/cuda/DeviceHandles.h"
 #include "runtime/cuda/NcclLayout.h"

@@ -9,7 +9,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "tools/Options.h"
-#include "ir/Limits.h"
+#include "ir/support/Limits.h"
 #include "tools/Args.h"
 
 #include <gtest/gtest.h>

@@ -6,8 +6,8 @@
 // of the nccl mode) is checked end to end without a GPU.
 //
 //===----------------------------------------------------------------------===//
-#include "ir/Costs.h"
-#include "ir/Error.h"
+#include "ir/formats/Costs.h"
+#include "ir/support/Error.h"
 #include "tests/Command.h"
 
 #include <gtest/gtest.h>

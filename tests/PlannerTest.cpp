@@ -16,6 +16,7 @@
 #include "compiler/Evaluate.h"
 #include "compiler/Planner.h"
 #include "compiler/Verifier.h"
+#include "ir/formats/SpecJson.h"
 #include "schedules/Policy.h"
 
 #include <nlohmann/json.hpp>

@@ -1,7 +1,7 @@
 //===- ProfileTest.cpp - Measured costs: pipecost/1, --profile, --costs ---===//
 //
 // The format's reader and writer (every bad field named as $.path), how a plan takes measured
-// costs (ir/Costs.h), the executed-stream simulation piperun predicts with against a closed
+// costs (ir/formats/Costs.h), the executed-stream simulation piperun predicts with against a closed
 // form, and end to end on the cpu backend: piperun --profile, pipec compile --costs, and the
 // last line within a bound the machine's noise cannot break (bench/measured_costs_bench.py
 // prints the per-schedule table).
@@ -9,8 +9,9 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
-#include "ir/Costs.h"
-#include "ir/Error.h"
+#include "ir/formats/Costs.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 #include "tests/Command.h"
 
 #include <gtest/gtest.h>

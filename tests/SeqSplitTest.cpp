@@ -15,6 +15,7 @@
 //  - negative: more slices than tokens (abstract), fewer than seq-splits·tp tokens (transformer).
 //
 //===----------------------------------------------------------------------===//
+#include "ir/formats/SpecJson.h"
 #include "tests/PassTestUtil.h"
 
 #include <algorithm>

@@ -3,9 +3,10 @@
 #define PIPEC_TESTS_TESTUTIL_H
 
 #include "compiler/Pass.h"
-#include "ir/Error.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

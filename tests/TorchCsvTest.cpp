@@ -13,8 +13,8 @@
 #include "compiler/Import.h"
 #include "compiler/Verifier.h"
 #include "compiler/torch/TorchCsv.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/StringExtras.h"

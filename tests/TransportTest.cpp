@@ -10,7 +10,7 @@
 //
 //===----------------------------------------------------------------------===//
 #include "runtime/Transport.h"
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "runtime/OffsetArena.h"
 
 #include <gtest/gtest.h>

@@ -1,7 +1,10 @@
 #include "tools/Args.h"
 
-#include "ir/Files.h"
-#include "ir/Limits.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
+#include "ir/support/Memory.h"
+#include "ir/support/Stdout.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/StringExtras.h"

@@ -8,7 +8,7 @@
 #ifndef PIPEC_TOOLS_ARGS_H
 #define PIPEC_TOOLS_ARGS_H
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "tools/Options.h"
 
 #include "llvm/ADT/ArrayRef.h"

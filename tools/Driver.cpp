@@ -4,9 +4,11 @@
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
 #include "compiler/torch/TorchCsv.h"
-#include "ir/Error.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 #include "schedules/Policy.h"
 
 #include "llvm/ADT/StringExtras.h"
@@ -74,7 +76,7 @@ static constexpr bool kVerifyEachPass = true; // debug builds check invariants a
 static constexpr bool kVerifyEachPass = false;
 #endif
 
-/// --costs FILE (ir/Costs.h), read and checked; null without the flag.
+/// --costs FILE (ir/formats/Costs.h), read and checked; null without the flag.
 static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const MeasuredCosts> &costs,
                                   std::string &source) {
   auto path = args.path("--costs");

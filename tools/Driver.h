@@ -11,9 +11,9 @@
 
 #include "compiler/Import.h"
 #include "compiler/Planner.h"
-#include "ir/Files.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/support/Files.h"
 #include "tools/Args.h"
 #include "tools/Options.h"
 
@@ -25,9 +25,9 @@
 
 namespace pipec {
 
-/// The files a pipec command reads, for the check of its outputs (ir/Files.h): its positional
-/// arguments (named `positionalName` in messages: "plan", "schedule") and the input files its
-/// flags give (--model, --cluster). Every writer of every command is handed this list.
+/// The files a pipec command reads, for the check of its outputs (ir/support/Files.h): its
+/// positional arguments (named `positionalName` in messages: "plan", "schedule") and the input
+/// files its flags give (--model, --cluster). Every writer of every command is handed this list.
 std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName);
 
 /// --model or --model-json (required).

@@ -1,7 +1,7 @@
 //===- KernelEnv.cpp - the CUDA kernels' configuration from the environment ----------===//
 #include "tools/KernelEnv.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/StringRef.h"
 

@@ -1,6 +1,6 @@
 #include "tools/Options.h"
 
-#include "ir/Limits.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallVector.h"

@@ -11,9 +11,10 @@
 #include "tools/PlanCommand.h"
 
 #include "compiler/Planner.h"
-#include "ir/Error.h"
 #include "ir/Model.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 #include "tools/Args.h"
 #include "tools/Driver.h"
 #include "tools/Options.h"

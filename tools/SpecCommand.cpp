@@ -1,16 +1,17 @@
 //===- SpecCommand.cpp - pipec spec: a model spec from a Hugging Face config ------===//
 //
 // The pipemodel/1 spec of a Hugging Face causal LM (GPT-2, Llama, Mistral) from its
-// config.json (ir/HfConfig.h), so that pipec plans, and piperun trains, the model a checkpoint
-// directory holds. The sequence defaults to the config's context; the spec reads back to the
-// same model (parseModelSpec), and piperun --init-from DIR checks it against the same config.
+// config.json (ir/formats/HfConfig.h), so that pipec plans, and piperun trains, the model a
+// checkpoint directory holds. The sequence defaults to the config's context; the spec reads back to
+// the same model (parseModelSpec), and piperun --init-from DIR checks it against the same config.
 //
 //===----------------------------------------------------------------------===//
 #include "tools/SpecCommand.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/HfConfig.h"
+#include "ir/formats/HfConfig.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Stdout.h"
 #include "tools/Args.h"
 #include "tools/Options.h"
 

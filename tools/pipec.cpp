@@ -9,10 +9,12 @@
 #include "compiler/Planner.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
-#include "ir/Error.h"
 #include "ir/Model.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
 #include "schedules/Policy.h"
 #include "tools/Args.h"
 #include "tools/Driver.h"
@@ -31,17 +33,6 @@ using namespace pipec;
 static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 
 namespace {
-
-std::string humanBytes(int64_t b) {
-  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = double(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.2f} {}", v, units[u]);
-}
 
 /// One line for exit 2, the diagnostic for exit 1.
 void printSummary(const Plan &plan, const ClusterSpec *cluster) {

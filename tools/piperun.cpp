@@ -46,17 +46,21 @@
 // --export-hf DIR (runtime/HfExport.h): after the last step, the weights as a Hugging Face
 // directory that transformers loads (sharded past --export-hf-shard-size, default 5GB).
 // --profile FILE (runtime/Profile.h): every instruction timed, the first step dropped, and the
-// measured costs written as pipecost/1 (ir/Costs.h) for `pipec compile --costs`. With --steps N
-// (N >= 3) the last line is "step time: measured median X ms over K steps, predicted Y ms (D%)",
-// the prediction being the plan's streams as this runtime executes them (simulateExecutedStep).
-// Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2 bad usage or input.
+// measured costs written as pipecost/1 (ir/formats/Costs.h) for `pipec compile --costs`. With
+// --steps N (N >= 3) the last line is "step time: measured median X ms over K steps, predicted Y ms
+// (D%)", the prediction being the plan's streams as this runtime executes them
+// (simulateExecutedStep). Exit codes: 0 ok, 1 a finding (wrong plan, gradient mismatch, stall), 2
+// bad usage or input.
 //
 //===----------------------------------------------------------------------===//
 #include "compiler/Verifier.h"
 #include "ir/CostModel.h"
-#include "ir/Error.h"
-#include "ir/HfConfig.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/HfConfig.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Stdout.h"
 #include "runtime/Checkpoint.h"
 #include "runtime/Data.h"
 #include "runtime/HfExport.h"
@@ -305,8 +309,7 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
     o.saveEvery = r.saveEvery;
     o.keep = size_t(r.keep);
     o.onSaved = [](int step, const std::string &path, uint64_t bytes, double seconds) {
-      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, double(bytes) / (1 << 20),
-          seconds);
+      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, inMiB(bytes), seconds);
       std::fflush(stdout);
     };
   }
@@ -319,14 +322,10 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
 /// What each rank holds, allocated before step 0: its weights, gradients and optimizer state
 /// (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
 void printMemory(const CudaRunResult &sofar, const char *whose) {
-  auto mib = [](const std::vector<size_t> &all) {
-    std::string sizes;
-    for (size_t bytes : all)
-      sizes += fmt::format("{}{:.2f}", sizes.empty() ? "" : " ", double(bytes) / (1 << 20));
-    return sizes;
-  };
-  say("weights, gradients and optimizer state MiB ({}): {}\n", whose, mib(sofar.stateBytes));
-  say("activation arena MiB ({}; sized before step 0): {}\n", whose, mib(sofar.arenaBytes));
+  say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
+      mibColumns(sofar.stateBytes));
+  say("activation arena MiB ({}; sized before step 0): {}\n", whose,
+      mibColumns(sofar.arenaBytes));
 }
 
 /// The GPU backend `r` asks for, its compute type chosen and its first lines printed (in the

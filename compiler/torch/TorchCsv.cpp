@@ -2,9 +2,9 @@
 #include "compiler/torch/TorchCsv.h"
 
 #include "compiler/LowerCollectives.h"
-#include "ir/Error.h"
-#include "ir/Limits.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/Sequence.h"

@@ -1,7 +1,8 @@
 #include "runtime/cpu/CpuRun.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
+#include "ir/support/Memory.h"
 #include "runtime/Profile.h"
 #include "runtime/Runner.h"
 #include "runtime/StageDispatch.h"
@@ -315,12 +316,9 @@ public:
   }
 
   std::string summary() const override {
-    std::string held;
-    for (size_t bytes : heldBytes())
-      held += fmt::format("{}{:.2f}", held.empty() ? "" : " ", double(bytes) / (1 << 20));
     return fmt::format("activations held MiB (every rank, in RANK order; the most between kernel "
                        "calls): {}\n",
-                       held);
+                       mibColumns(heldBytes()));
   }
 
 private:

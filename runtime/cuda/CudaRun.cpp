@@ -9,7 +9,8 @@
 //===----------------------------------------------------------------------===//
 #include "runtime/cuda/CudaRun.h"
 
-#include "ir/Error.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/Error.h"
 #include "kernels/cpu/Gpt.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
@@ -38,7 +39,6 @@ namespace {
 namespace cu = kernels::cuda;
 
 /// `bytes` in MiB, as the memory errors print them.
-double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 using kernels::GptConfig;
 using kernels::StageCompute;
 
@@ -193,9 +193,9 @@ public:
           fmt::format("{}: cannot set up on GPU {}: a CUDA stream, cuBLASLt and its {:.0f} MiB "
                       "workspace do not fit{} ({}); free the GPU's memory (nvidia-smi lists the "
                       "processes using it) or run on another GPU",
-                      who, options.device, mib(cu::CudaContext::kWorkspaceBytes),
+                      who, options.device, inMiB(cu::CudaContext::kWorkspaceBytes),
                       totalBytes ? fmt::format(" in the {:.1f} MiB free of its {:.1f} MiB",
-                                               mib(freeBytes), mib(totalBytes))
+                                               inMiB(freeBytes), inMiB(totalBytes))
                                  : std::string(),
                       takeMessage(std::move(err))));
     }
@@ -424,9 +424,9 @@ private:
         llvm::inconvertibleErrorCode(),
         fmt::format("{}: cannot hold the {:.1f} MiB of weights, gradients and optimizer state "
                     "its stages need ({} parameters, {}){}{}; {}",
-                    who, mib(need), paramsHere(), copies,
-                    totalBytes ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(freeBytes),
-                                             mib(totalBytes))
+                    who, inMiB(need), paramsHere(), copies,
+                    totalBytes ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", inMiB(freeBytes),
+                                             inMiB(totalBytes))
                                : std::string(),
                     cause.empty() ? std::string() : ": " + cause, fix.str()));
   }
@@ -487,13 +487,13 @@ static llvm::Error checkRanksFit(const std::vector<size_t> &need, int device, co
     return llvm::Error::success();
   std::string byRank;
   for (size_t r = 0; r < need.size(); ++r)
-    byRank += fmt::format("{}{:.1f}", r == 0 ? "" : " ", mib(need[r]));
+    byRank += fmt::format("{}{:.1f}", r == 0 ? "" : " ", inMiB(need[r]));
   return llvm::createStringError(
       llvm::inconvertibleErrorCode(),
       fmt::format("--backend cuda: the plan's {} ranks need {:.1f} MiB of {} together on GPU {} "
                   "(MiB by rank, in RANK order: {}), and {:.1f} MiB of its {:.1f} MiB are free; {}",
-                  need.size(), mib(sum), what, device, byRank, mib(freeBytes), mib(totalBytes),
-                  fix));
+                  need.size(), inMiB(sum), what, device, byRank, inMiB(freeBytes),
+                  inMiB(totalBytes), fix));
 }
 
 llvm::Error gpuRunsTheBlock(const GptConfig &cfg, const Plan &plan, llvm::StringRef backend) {

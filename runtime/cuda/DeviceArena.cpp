@@ -1,5 +1,6 @@
 #include "runtime/cuda/DeviceArena.h"
 
+#include "ir/support/Bytes.h"
 #include "kernels/cuda/CudaCheck.h"
 
 #include <fmt/format.h>
@@ -15,8 +16,6 @@
 namespace pipec {
 
 namespace {
-
-double mib(size_t bytes) { return double(bytes) / double(1 << 20); }
 
 /// Where the sizing pass's addresses start: a non-canonical address on x86-64 and AArch64, so
 /// that reading one on the host faults at once (the emulated device's kernels run on the host),
@@ -67,7 +66,7 @@ llvm::Expected<void *> DeviceArena::allocate(size_t bytes) {
                     "pass) has no room for {} more bytes ({:.1f} MiB in use): this step "
                     "allocates more than the sizing pass did, which the executor does not "
                     "expect; please report it with the plan",
-                    who, mib(reservedBytes()), bytes, mib(sizes().inUse())));
+                    who, inMiB(reservedBytes()), bytes, inMiB(sizes().inUse())));
   };
   auto at = placement.allocate(bytes + kGuardBytes);
   if (!at)
@@ -139,7 +138,7 @@ llvm::Error DeviceArena::reserve() {
         llvm::inconvertibleErrorCode(),
         fmt::format("{}: {} buffers ({:.1f} MiB) are still live after the sizing pass; the "
                     "executor frees everything of a step by its end, so this is a bug",
-                    who, placement.liveCount(), mib(placement.inUse())));
+                    who, placement.liveCount(), inMiB(placement.inUse())));
   const size_t bytes = placement.highWater();
   void *p = nullptr;
   // (On failure nothing changes: the arena is still unreserved.)
@@ -154,9 +153,10 @@ llvm::Error DeviceArena::reserve() {
                     "this rank{}: {} ({}); use fewer microbatches in flight (a schedule with a "
                     "lower peak, e.g. 1f1b instead of gpipe), more pipeline stages or a smaller "
                     "microbatch",
-                    who, mib(bytes),
-                    known ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", mib(free), mib(total))
-                          : std::string(),
+                    who, inMiB(bytes),
+                    known
+                        ? fmt::format(" ({:.1f} MiB of {:.1f} MiB free)", inMiB(free), inMiB(total))
+                        : std::string(),
                     cudaGetErrorName(status), cudaGetErrorString(status)));
   }
   placement = OffsetArena(bytes);

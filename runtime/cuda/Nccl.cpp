@@ -1,7 +1,7 @@
 //===- Nccl.cpp - NCCL status codes to llvm::Error, communicators ---------===//
 #include "runtime/cuda/Nccl.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "runtime/BlockingWatchdog.h"
 #include "runtime/cuda/CudaRun.h"
 

@@ -1,7 +1,7 @@
 //===- NcclLayout.cpp - Who this process is and which communicators it makes -===//
 #include "runtime/cuda/NcclLayout.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/StringRef.h"
 

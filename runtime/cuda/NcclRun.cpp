@@ -1,7 +1,7 @@
 //===- NcclRun.cpp - The nccl mode: one rank of the plan per process ------===//
 #include "runtime/cuda/NcclRun.h"
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "kernels/cuda/CudaOps.h"
 #include "runtime/BlockingWatchdog.h"

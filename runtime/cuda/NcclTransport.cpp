@@ -1,8 +1,8 @@
 //===- NcclTransport.cpp - The nccl mode's transport: one rank per process ---===//
 #include "runtime/cuda/NcclTransport.h"
 
-#include "ir/Error.h"
 #include "ir/PlanText.h"
+#include "ir/support/Error.h"
 #include "kernels/cuda/CudaCheck.h"
 #include "runtime/BlockingWatchdog.h"
 

@@ -8,6 +8,7 @@
 
 #include "compiler/Pass.h"
 #include "ir/Model.h"
+#include "ir/formats/SpecJson.h"
 
 #include <cmath>
 

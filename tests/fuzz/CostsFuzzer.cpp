@@ -7,7 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "tests/fuzz/FuzzTarget.h"
 
-#include "ir/Costs.h"
+#include "ir/formats/Costs.h"
 
 using namespace pipec;
 

@@ -11,8 +11,9 @@
 //===----------------------------------------------------------------------===//
 #include "tests/fuzz/FuzzTarget.h"
 
-#include "ir/HfConfig.h"
 #include "ir/Model.h"
+#include "ir/formats/HfConfig.h"
+#include "ir/formats/SpecJson.h"
 
 using namespace pipec;
 

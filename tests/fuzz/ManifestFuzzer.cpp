@@ -7,7 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "tests/fuzz/FuzzTarget.h"
 
-#include "ir/CheckpointJson.h"
+#include "ir/formats/CheckpointJson.h"
 
 using namespace pipec;
 

@@ -10,6 +10,7 @@
 #include "compiler/Pass.h"
 #include "compiler/Verifier.h"
 #include "ir/Model.h"
+#include "ir/formats/SpecJson.h"
 
 #include <cmath>
 

@@ -9,7 +9,7 @@
 #include "tests/fuzz/FuzzTarget.h"
 
 #include "compiler/Verifier.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
 

@@ -3,7 +3,7 @@
 // `pipec validate|simulate|show plan.json`: any text is refused by the reader (InputError) or
 // the verifier (Finding); a plan both accept is simulated, drawn as the grid and as text, and
 // written back: its JSON round-trips to the same bytes, its text to the same streams. Every
-// input is also read by nlohmann's parser alone, the reference for ir/JsonScan.h's scanner:
+// input is also read by nlohmann's parser alone, the reference for ir/formats/JsonScan.h's scanner:
 // the same plan or the same error.
 //
 //===----------------------------------------------------------------------===//
@@ -12,8 +12,8 @@
 #include "compiler/Pass.h"
 #include "compiler/Simulator.h"
 #include "compiler/Verifier.h"
-#include "ir/PlanJson.h"
 #include "ir/PlanText.h"
+#include "ir/formats/PlanJson.h"
 
 using namespace pipec;
 

@@ -12,6 +12,7 @@
 #include "compiler/Verifier.h"
 #include "ir/Model.h"
 #include "ir/PlanText.h"
+#include "ir/formats/SpecJson.h"
 
 #include <vector>
 

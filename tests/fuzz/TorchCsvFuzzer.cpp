@@ -12,7 +12,8 @@
 #include "compiler/Import.h"
 #include "compiler/torch/TorchCsv.h"
 #include "ir/Model.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
 
 using namespace pipec;
 

@@ -9,13 +9,15 @@
 //    command's inputs: files are compared by device and inode, so a symlink, a hard link or
 //    another spelling of an input's path is caught too;
 //  - a write error (a full disk, a closed pipe) is an InputError naming the output.
+// Outputs are replaced through ir/support/DurableFile.h; standard output through
+// ir/support/Stdout.h; the memory check of an input through ir/support/Memory.h.
 // Every refusal is an InputError (exit 2) with one line naming the flag and the file.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_FILES_H
-#define PIPEC_IR_FILES_H
+#ifndef PIPEC_IR_SUPPORT_FILES_H
+#define PIPEC_IR_SUPPORT_FILES_H
 
-#include "ir/Limits.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -35,7 +37,7 @@ struct InputFormat {
   double memoryPerByte; // peak memory of reading it, per byte of the file (JSON trees: ~12)
 };
 
-/// The limits of pipec's formats (their sizes: ir/Limits.h).
+/// The limits of pipec's formats (their sizes: ir/support/Limits.h).
 inline constexpr InputFormat kModelSpecInput{"a model spec", kMaxModelSpecBytes, 12};
 inline constexpr InputFormat kClusterSpecInput{"a cluster spec", kMaxClusterSpecBytes, 12};
 inline constexpr InputFormat kPlanInput{"a plan", kMaxPlanBytes, 12};
@@ -91,29 +93,6 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
                                 llvm::ArrayRef<InputFile> inputs);
 
-/// Write `text` to standard output and flush it; a failure (a full disk, a closed pipe) is an
-/// InputError "standard output: cannot write: <why>".
-llvm::Error writeStdout(llvm::StringRef text);
-/// Write `text` to standard output without failing: the first error (with its errno) is
-/// remembered for finishStdout(). For output that must not stop a run (piperun's losses).
-void sayToStdout(llvm::StringRef text);
-/// Flush standard output and report whether anything written to it since the start was lost.
-llvm::Error finishStdout();
-
-/// The memory this process may use: the least of the machine's physical memory, the cgroup's
-/// limit and RLIMIT_AS / RLIMIT_DATA.
-uint64_t memoryBudgetBytes();
-/// "1.50 GiB".
-std::string humanBytes(uint64_t bytes);
-/// An InputError when `bytes` is more than memoryBudgetBytes(): "<what> needs about X of
-/// memory, more than this machine's Y; <fix>".
-llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::StringRef fix);
-
-/// `value` as it may appear in a one-line message: at most `most` characters, a longer one cut
-/// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz"), and
-/// control characters escaped ("\n", "\x1b").
-std::string shortened(llvm::StringRef value, size_t most = 80);
-
 } // namespace pipec
 
-#endif // PIPEC_IR_FILES_H
+#endif // PIPEC_IR_SUPPORT_FILES_H

@@ -1,13 +1,13 @@
 //===- JsonRead.h - Checked reading of JSON inputs --------------*- C++ -*-===//
 //
 // Every getter checks presence, type and range and reports "<source>: <json path>: expected
-// ..., got ..." as an InputError. nlohmann/json stays inside ir/; no exception escapes.
+// ..., got ..." as an InputError. nlohmann/json stays inside ir/formats; no exception escapes.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_JSONREAD_H
-#define PIPEC_IR_JSONREAD_H
+#ifndef PIPEC_IR_FORMATS_JSONREAD_H
+#define PIPEC_IR_FORMATS_JSONREAD_H
 
-#include "ir/Error.h"
+#include "ir/support/Error.h"
 
 #include "llvm/ADT/ArrayRef.h"
 #include "llvm/ADT/StringRef.h"
@@ -33,6 +33,13 @@ public:
   llvm::Error fail(llvm::StringRef path, llvm::StringRef expected, const Json *got) const;
   llvm::Error expectObject(const Json &j, llvm::StringRef path) const;
   llvm::Error expectArray(const Json &j, llvm::StringRef path) const;
+  /// The top of every pipec document: an object of only the `allowed` keys whose "format" is
+  /// `format` ("pipeplan/1") exactly.
+  llvm::Error expectDocument(const Json &j, llvm::StringRef format,
+                             llvm::ArrayRef<llvm::StringRef> allowed) const;
+  /// parseObject(), then expectDocument().
+  llvm::Expected<Json> parseDocument(llvm::StringRef text, llvm::StringRef format,
+                                     llvm::ArrayRef<llvm::StringRef> allowed) const;
   /// Unknown keys are errors (they are almost always typos); the message lists the valid ones.
   llvm::Error onlyKeys(const Json &obj, llvm::StringRef path,
                        llvm::ArrayRef<llvm::StringRef> allowed) const;
@@ -66,4 +73,4 @@ std::string describeJson(const Json &j);
 
 } // namespace pipec
 
-#endif // PIPEC_IR_JSONREAD_H
+#endif // PIPEC_IR_FORMATS_JSONREAD_H

@@ -5,13 +5,15 @@
 // Bugs are asserts, never errors.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_ERROR_H
-#define PIPEC_IR_ERROR_H
+#ifndef PIPEC_IR_SUPPORT_ERROR_H
+#define PIPEC_IR_SUPPORT_ERROR_H
 
+#include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
 #include <fmt/format.h>
 
+#include <cstddef>
 #include <string>
 
 namespace pipec {
@@ -52,6 +54,11 @@ int exitCodeFor(const llvm::Error &err);
 /// The message of an error, consuming it.
 std::string takeMessage(llvm::Error err);
 
+/// `value` as it may appear in a one-line message: at most `most` characters, a longer one cut
+/// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz"), and
+/// control characters escaped ("\n", "\x1b").
+std::string shortened(llvm::StringRef value, size_t most = 80);
+
 } // namespace pipec
 
-#endif // PIPEC_IR_ERROR_H
+#endif // PIPEC_IR_SUPPORT_ERROR_H

@@ -1,11 +1,12 @@
-#include "ir/PlanJson.h"
+#include "ir/formats/PlanJson.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/JsonRead.h"
-#include "ir/JsonScan.h"
-#include "ir/Limits.h"
 #include "ir/Model.h"
+#include "ir/formats/JsonRead.h"
+#include "ir/formats/JsonScan.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/FileSystem.h"
@@ -671,20 +672,12 @@ struct PlanReader {
   }
 
   llvm::Error read(const Json &j) {
-    if (auto err = r.expectObject(j, "$"))
+    if (auto err = r.expectDocument(j, "pipeplan/1",
+                                    {"format", "schedule", "model", "time_unit", "parallel",
+                                     "placement", "topology", "state_bytes_per_param_byte",
+                                     "optimizer_sync_time", "post_validation", "transformer",
+                                     "seq_slices", "stages", "ranks", "stats"}))
       return err;
-    if (auto err = r.onlyKeys(j, "$",
-                              {"format", "schedule", "model", "time_unit", "parallel", "placement",
-                               "topology", "state_bytes_per_param_byte", "optimizer_sync_time",
-                               "post_validation", "transformer", "seq_slices", "stages", "ranks",
-                               "stats"}))
-      return err;
-    std::string format;
-    if (auto err = r.getString(j, "$", "format", format, true))
-      return err;
-    if (format != "pipeplan/1")
-      return inputError("{}: $.format: expected \"pipeplan/1\", got \"{}\"", r.name(),
-                        shortened(format));
     if (auto err = r.getString(j, "$", "schedule", plan.schedule, true))
       return err;
     if (auto err = r.getString(j, "$", "model", plan.model, false))

@@ -9,8 +9,8 @@
 // another activation) is refused with one line naming the config field.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_HFCONFIG_H
-#define PIPEC_IR_HFCONFIG_H
+#ifndef PIPEC_IR_FORMATS_HFCONFIG_H
+#define PIPEC_IR_FORMATS_HFCONFIG_H
 
 #include "ir/Model.h"
 
@@ -59,4 +59,4 @@ llvm::Expected<std::string> hfConfigJson(const TransformerConfig &model);
 
 } // namespace pipec
 
-#endif // PIPEC_IR_HFCONFIG_H
+#endif // PIPEC_IR_FORMATS_HFCONFIG_H

@@ -6,15 +6,14 @@
 // kind and size the transfer time; per collective group and stage the all-reduce time; per
 // pipeline rank the optimizer step's time and the peak memory; and what it was measured on.
 // `piperun --profile` and `pipec.torch.profile` write it; `pipec compile|plan|import --costs`
-// reads it, and applyMeasuredCosts puts its times in a plan's stage table, where the cost model
-// (ir/CostModel.h), and so every evaluator and zb-auto's search, takes them.
+// reads it, and applyMeasuredCosts (ir/MeasuredCosts.h) puts its times in a plan's stage table.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_COSTS_H
-#define PIPEC_IR_COSTS_H
+#ifndef PIPEC_IR_FORMATS_COSTS_H
+#define PIPEC_IR_FORMATS_COSTS_H
 
-#include "ir/Files.h"
 #include "ir/Plan.h"
+#include "ir/support/Files.h"
 
 #include "llvm/Support/Error.h"
 
@@ -73,20 +72,11 @@ struct MeasuredCosts {
 std::string writeCostsJson(const MeasuredCosts &costs);
 /// Parse a costs file; every bad field is an InputError naming it as `$.path`.
 llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringRef source);
-/// Read `path` by the input rules (ir/Files.h) and parse it.
+/// Read `path` by the input rules (ir/support/Files.h) and parse it.
 llvm::Expected<MeasuredCosts> readCosts(llvm::StringRef path);
 /// Write `path` whole (a temporary beside it, then a rename).
 llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs);
 
-/// Put `costs`' times in place of the model's in `plan`'s stage table (after the partition
-/// pass): each covered (stage, op, slice)'s compute time (a fused backward's splits into input
-/// and weight gradient in the model's ratio where those are not measured apart), the transfer
-/// time of each message whose kind and size were measured, the dp and tp all-reduces, and each
-/// rank's optimizer step (shared among its stages in the model's ratio). A file that does not
-/// fit the plan (stage count, sub-sequences, ranks, a time unit other than ms) is an InputError
-/// naming the field; `source` names the file.
-llvm::Error applyMeasuredCosts(const MeasuredCosts &costs, llvm::StringRef source, Plan &plan);
-
 } // namespace pipec
 
-#endif // PIPEC_IR_COSTS_H
+#endif // PIPEC_IR_FORMATS_COSTS_H

@@ -1,9 +1,10 @@
-#include "ir/CheckpointJson.h"
+#include "ir/formats/CheckpointJson.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/JsonRead.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/JsonRead.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 
 namespace pipec {
 
@@ -66,21 +67,13 @@ std::string writeCheckpointManifest(const CheckpointManifest &m) {
 llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
                                                            llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parseObject(text);
+  auto parsed =
+      r.parseDocument(text, "pipeckpt/1",
+                      {"format", "step", "adam_steps", "seed", "sequences", "data", "model_name",
+                       "model", "schedule", "parallel", "plan_hash", "layers"});
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
-  if (auto err = r.onlyKeys(j, "$",
-                            {"format", "step", "adam_steps", "seed", "sequences", "data",
-                             "model_name", "model", "schedule", "parallel", "plan_hash",
-                             "layers"}))
-    return err;
-  std::string format;
-  if (auto err = r.getString(j, "$", "format", format, true))
-    return err;
-  if (format != "pipeckpt/1")
-    return inputError("{}: $.format: expected \"pipeckpt/1\", got \"{}\"", r.name(),
-                      shortened(format));
   CheckpointManifest m;
   int64_t sequences = 0;
   if (auto err = r.getIntInRange(j, "$", "step", m.step, true, 1, kMaxCheckpointStep))
@@ -119,8 +112,8 @@ llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
     return r.fail("$.parallel", "an object", nullptr);
   if (auto err = r.expectObject(*par, "$.parallel"))
     return err;
-  if (auto err = r.onlyKeys(*par, "$.parallel",
-                            {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits"}))
+  if (auto err =
+          r.onlyKeys(*par, "$.parallel", {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits"}))
     return err;
   ParallelConfig &pc = m.parallel;
   int32_t *fields[] = {&pc.pp, &pc.vpp, &pc.tp, &pc.dp, &pc.microbatches, &pc.seqSplits};

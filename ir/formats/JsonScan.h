@@ -15,8 +15,8 @@
 // the plan fuzzer reads every input both ways and requires the same plan or the same error.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_JSONSCAN_H
-#define PIPEC_IR_JSONSCAN_H
+#ifndef PIPEC_IR_FORMATS_JSONSCAN_H
+#define PIPEC_IR_FORMATS_JSONSCAN_H
 
 #include <cmath>
 #include <concepts>
@@ -416,4 +416,4 @@ template <typename Input, typename Sax> ScanResult scanJson(Input &in, Sax &sax)
 
 } // namespace pipec::json
 
-#endif // PIPEC_IR_JSONSCAN_H
+#endif // PIPEC_IR_FORMATS_JSONSCAN_H

@@ -1,11 +1,12 @@
 //===- HfConfig.cpp - A Hugging Face config.json as pipec's transformer ------===//
-#include "ir/HfConfig.h"
+#include "ir/formats/HfConfig.h"
 
-#include "ir/Error.h"
-#include "ir/Files.h"
-#include "ir/JsonRead.h"
-#include "ir/Limits.h"
-#include "ir/PlanJson.h"
+#include "ir/formats/JsonRead.h"
+#include "ir/formats/PlanJson.h"
+#include "ir/formats/SpecJson.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Limits.h"
 
 #include <fmt/format.h>
 

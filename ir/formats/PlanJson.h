@@ -1,6 +1,6 @@
 //===- PlanJson.h - pipeplan/1 JSON read and write --------------*- C++ -*-===//
-#ifndef PIPEC_IR_PLANJSON_H
-#define PIPEC_IR_PLANJSON_H
+#ifndef PIPEC_IR_FORMATS_PLANJSON_H
+#define PIPEC_IR_FORMATS_PLANJSON_H
 
 #include "ir/Plan.h"
 
@@ -20,7 +20,7 @@ std::string writePlanJson(const Plan &plan);
 /// here and reported as InputErrors naming `source` and the JSON path; whether the streams are
 /// correct is the verifier's question. Parsed as a stream (nlohmann's SAX interface): the
 /// instructions go straight into the plan, and loadPlan never holds the file's text.
-/// Which JSON parser reads a plan: ir/JsonScan.h's scanner, which hands anything unusual
+/// Which JSON parser reads a plan: ir/formats/JsonScan.h's scanner, which hands anything unusual
 /// (every syntax error included) to nlohmann's, or nlohmann's alone: the reference the
 /// scanner is tested against (same plan, same error).
 /// A pipemodel/1 spec of transformer `t`, as `pipec spec` prints it (parseModelSpec reads it
@@ -34,4 +34,4 @@ llvm::Expected<Plan> loadPlan(llvm::StringRef path);
 
 } // namespace pipec
 
-#endif // PIPEC_IR_PLANJSON_H
+#endif // PIPEC_IR_FORMATS_PLANJSON_H

@@ -1,10 +1,10 @@
 //===- Costs.cpp - The pipecost/1 reader, writer and how a plan takes it --===//
-#include "ir/Costs.h"
+#include "ir/formats/Costs.h"
 
-#include "ir/Error.h"
-#include "ir/JsonRead.h"
-#include "ir/Limits.h"
-#include "ir/Semantics.h"
+#include "ir/formats/JsonRead.h"
+#include "ir/support/Error.h"
+#include "ir/support/Files.h"
+#include "ir/support/Limits.h"
 
 #include <algorithm>
 #include <cmath>
@@ -114,20 +114,12 @@ std::string writeCostsJson(const MeasuredCosts &c) {
 
 llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parseObject(text);
+  auto parsed = r.parseDocument(
+      text, "pipecost/1",
+      {"format", "measured_on", "slices", "stages", "messages", "collectives", "ranks"});
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
-  if (auto err = r.onlyKeys(
-          j, "$",
-          {"format", "measured_on", "slices", "stages", "messages", "collectives", "ranks"}))
-    return err;
-  std::string format;
-  if (auto err = r.getString(j, "$", "format", format, true))
-    return err;
-  if (format != "pipecost/1")
-    return inputError("{}: $.format: expected \"pipecost/1\", got \"{}\"", r.name(),
-                      shortened(format));
   MeasuredCosts c;
   auto on = j.find("measured_on");
   if (on == j.end())
@@ -279,99 +271,6 @@ llvm::Expected<MeasuredCosts> readCosts(llvm::StringRef path) {
 
 llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs) {
   return writeFileAtomically(path, writeCostsJson(costs), {});
-}
-
-llvm::Error applyMeasuredCosts(const MeasuredCosts &c, llvm::StringRef source, Plan &plan) {
-  if (plan.timeUnit != "ms")
-    return inputError("{}: measured costs are in ms, but the model's times are in '{}' (an "
-                      "abstract model); use --costs with a transformer model spec",
-                      source, plan.timeUnit);
-  if (size_t(c.numStages) != plan.stages.size())
-    return inputError("{}: $.stages: {} stages measured, the plan has {} (--pp x --vpp); "
-                      "profile a plan of this layout",
-                      source, c.numStages, plan.stages.size());
-  const size_t k = plan.seqSlices.empty() ? 1 : plan.seqSlices.size();
-  if (size_t(c.numSlices) != k)
-    return inputError("{}: $.slices: {} sub-sequences measured, the plan has {} (--seq-splits); "
-                      "profile a plan with --seq-splits {}",
-                      source, c.numSlices, k, k);
-  if (c.ranks.size() > size_t(plan.parallel.pp) ||
-      (!c.ranks.empty() && c.ranks.size() != size_t(plan.parallel.pp)))
-    return inputError("{}: $.ranks: {} pipeline ranks measured, the plan has {} (--pp)", source,
-                      c.ranks.size(), plan.parallel.pp);
-  // Compute ops.
-  std::map<std::tuple<int, OpKind, int>, double> ms;
-  for (const MeasuredCosts::Op &op : c.ops)
-    ms[{op.stage, op.op, op.slice}] = op.time.medianMs;
-  auto find = [&](int s, OpKind op, size_t slice) -> const double * {
-    auto it = ms.find({s, op, int(slice)});
-    return it == ms.end() ? nullptr : &it->second;
-  };
-  for (StageInfo &st : plan.stages)
-    for (size_t i = 0; i < k; ++i) {
-      if (const double *f = find(st.stage, OpKind::Forward, i))
-        st.forward[i] = *f;
-      const double *b = find(st.stage, OpKind::BackwardInput, i);
-      const double *w = find(st.stage, OpKind::BackwardWeight, i);
-      const double *fused = find(st.stage, OpKind::Backward, i);
-      if (b)
-        st.backwardInput[i] = *b;
-      if (w)
-        st.backwardWeight[i] = *w;
-      if (fused && !b && !w) {
-        // Split as the model splits it: the schedule may run the two apart.
-        double model = st.backwardInput[i] + st.backwardWeight[i];
-        double share = model > 0 ? st.backwardInput[i] / model : 0.5;
-        st.backwardInput[i] = *fused * share;
-        st.backwardWeight[i] = *fused * (1 - share);
-      }
-    }
-  // Messages, by kind and size (the plan's tensorBytes).
-  std::map<std::pair<TensorKind, int64_t>, double> msgs;
-  for (const MeasuredCosts::Message &m : c.messages)
-    msgs[{m.kind, m.bytes}] = m.time.medianMs;
-  const int n = plan.numStages();
-  for (StageInfo &st : plan.stages)
-    for (size_t i = 0; i < k; ++i) {
-      const int s = st.stage;
-      if (s + 1 < n && plan.rankOf(s + 1) != st.rank && i < st.activationTransferTime.size()) {
-        auto it = msgs.find(
-            {TensorKind::Activation, tensorBytes(plan, TensorKind::Activation, s, int(i))});
-        if (it != msgs.end())
-          st.activationTransferTime[i] = it->second;
-      }
-      if (s > 0 && plan.rankOf(s - 1) != st.rank && i < st.gradientTransferTime.size()) {
-        auto it =
-            msgs.find({TensorKind::Gradient, tensorBytes(plan, TensorKind::Gradient, s, int(i))});
-        if (it != msgs.end())
-          st.gradientTransferTime[i] = it->second;
-      }
-    }
-  // Collectives (the embedding all-reduce is not timed by the model).
-  for (const MeasuredCosts::Collective &m : c.collectives) {
-    StageInfo &st = plan.stages[size_t(m.stage)];
-    if (m.group == CollectiveGroup::Dp)
-      st.dpAllReduceTime = m.time.medianMs;
-    else if (m.group == CollectiveGroup::Tp)
-      std::fill(st.tpAllReduceTime.begin(), st.tpAllReduceTime.end(), m.time.medianMs);
-  }
-  // Each rank's optimizer step, shared among its stages as the model shares it.
-  for (const MeasuredCosts::Rank &rk : c.ranks) {
-    if (rk.optimizer.samples == 0)
-      continue;
-    double model = 0;
-    int count = 0;
-    for (const StageInfo &st : plan.stages)
-      if (st.rank == rk.rank) {
-        model += st.optimizerTime;
-        ++count;
-      }
-    for (StageInfo &st : plan.stages)
-      if (st.rank == rk.rank)
-        st.optimizerTime =
-            rk.optimizer.medianMs * (model > 0 ? st.optimizerTime / model : 1.0 / double(count));
-  }
-  return llvm::Error::success();
 }
 
 } // namespace pipec

@@ -1,15 +1,15 @@
 //===- Limits.h - The bounds of what pipec plans and runs -------*- C++ -*-===//
 //
 // Every size bound the compiler, the formats and the tools check, in one place: the flags'
-// bounds (tools/Options.cpp), the plan reader's (ir/PlanJson.cpp), the pipeline's
+// bounds (tools/Options.cpp), the plan reader's (ir/formats/PlanJson.cpp), the pipeline's
 // (compiler/Pipeline.cpp) and the importer's (compiler/Import.cpp,
 // compiler/torch/TorchCsv.cpp) are these.
 // A bound is a sanity limit on input, far above any real run, that keeps the per-op tables
 // (stages x microbatches x slices) and the loops over them small enough to allocate.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_LIMITS_H
-#define PIPEC_IR_LIMITS_H
+#ifndef PIPEC_IR_SUPPORT_LIMITS_H
+#define PIPEC_IR_SUPPORT_LIMITS_H
 
 #include <cstdint>
 
@@ -77,4 +77,4 @@ inline constexpr int64_t kMaxLayers = 1000000;
 
 } // namespace pipec
 
-#endif // PIPEC_IR_LIMITS_H
+#endif // PIPEC_IR_SUPPORT_LIMITS_H

@@ -1,7 +1,8 @@
-#include "ir/JsonRead.h"
+#include "ir/formats/JsonRead.h"
 
-#include "ir/Files.h"
-#include "ir/JsonScan.h"
+#include "ir/formats/JsonScan.h"
+#include "ir/support/Error.h"
+#include "ir/support/Limits.h"
 
 #include "llvm/ADT/STLExtras.h"
 
@@ -110,6 +111,31 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
   }
 }
 
+llvm::Error JsonReader::expectDocument(const Json &j, llvm::StringRef format,
+                                       llvm::ArrayRef<llvm::StringRef> allowed) const {
+  if (auto err = expectObject(j, "$"))
+    return err;
+  if (auto err = onlyKeys(j, "$", allowed))
+    return err;
+  std::string got;
+  if (auto err = getString(j, "$", "format", got, true))
+    return err;
+  if (got != format)
+    return inputError("{}: $.format: expected \"{}\", got \"{}\"", source, format.str(),
+                      shortened(got));
+  return llvm::Error::success();
+}
+
+llvm::Expected<Json> JsonReader::parseDocument(llvm::StringRef text, llvm::StringRef format,
+                                               llvm::ArrayRef<llvm::StringRef> allowed) const {
+  auto parsed = parseObject(text);
+  if (!parsed)
+    return parsed.takeError();
+  if (auto err = expectDocument(*parsed, format, allowed))
+    return err;
+  return parsed;
+}
+
 llvm::Error JsonReader::fail(llvm::StringRef path, llvm::StringRef expected,
                              const Json *got) const {
   if (!got)
@@ -198,8 +224,7 @@ llvm::Error JsonReader::getInt32(const Json &obj, llvm::StringRef path, llvm::St
 }
 
 llvm::Error JsonReader::getIntInRange(const Json &obj, llvm::StringRef path, llvm::StringRef key,
-                                      int64_t &out, bool required, int64_t min,
-                                      int64_t max) const {
+                                      int64_t &out, bool required, int64_t min, int64_t max) const {
   const Json *v = lookup(obj, key);
   std::string expected = fmt::format("an integer in [{}, {}]", min, max);
   if (!v)

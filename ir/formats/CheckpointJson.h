@@ -4,8 +4,8 @@
 // layer files): what was saved, by which run, and how to check every layer file.
 //
 //===----------------------------------------------------------------------===//
-#ifndef PIPEC_IR_CHECKPOINTJSON_H
-#define PIPEC_IR_CHECKPOINTJSON_H
+#ifndef PIPEC_IR_FORMATS_CHECKPOINTJSON_H
+#define PIPEC_IR_FORMATS_CHECKPOINTJSON_H
 
 #include "ir/Plan.h"
 
@@ -66,4 +66,4 @@ llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
 
 } // namespace pipec
 
-#endif // PIPEC_IR_CHECKPOINTJSON_H
+#endif // PIPEC_IR_FORMATS_CHECKPOINTJSON_H

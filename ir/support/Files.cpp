@@ -1,6 +1,10 @@
-#include "ir/Files.h"
+#include "ir/support/Files.h"
 
-#include "ir/Error.h"
+#include "ir/support/Bytes.h"
+#include "ir/support/DurableFile.h"
+#include "ir/support/Error.h"
+#include "ir/support/Memory.h"
+#include "ir/support/Stdout.h"
 
 #include "llvm/ADT/SmallString.h"
 #include "llvm/Support/FileSystem.h"
@@ -8,11 +12,9 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <fcntl.h>
-#include <fstream>
-#include <sys/resource.h>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -84,54 +86,7 @@ std::string canonicalDestination(llvm::StringRef path) {
   return std::string(real);
 }
 
-/// Write `contents` to a new, uniquely named temporary beside `path` and fsync it; its name goes
-/// to `tmp`. The error names `path`.
-llvm::Error writeTemporary(llvm::StringRef path, const OutputFile &file,
-                           llvm::SmallVectorImpl<char> &tmp) {
-  int fd = -1;
-  std::string model = (path + ".tmp-%%%%%%").str();
-  if (std::error_code ec = llvm::sys::fs::createUniqueFile(model, fd, tmp))
-    return inputError("{}: cannot write: {}", path.str(), ec.message());
-  if (file.write) {
-    // Streamed: the writer's buffer goes to the descriptor as it fills.
-    llvm::raw_fd_ostream os(fd, /*shouldClose=*/false);
-    file.write(os);
-    os.flush();
-    if (os.has_error()) {
-      int code = os.error().value();
-      os.clear_error();
-      ::close(fd);
-      llvm::sys::fs::remove(tmp);
-      return inputError("{}: cannot write: {}", path.str(), errnoText(code ? code : EIO));
-    }
-  }
-  llvm::StringRef contents = file.write ? llvm::StringRef() : llvm::StringRef(file.contents);
-  const char *p = contents.data();
-  size_t left = contents.size();
-  int failed = 0;
-  while (left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n <= 0) {
-      failed = n < 0 ? errno : EIO;
-      break;
-    }
-    p += n;
-    left -= size_t(n);
-  }
-  if (!failed && ::fsync(fd) != 0 && errno != EINVAL && errno != EROFS)
-    failed = errno;
-  if (::close(fd) != 0 && !failed && errno != EINTR)
-    failed = errno;
-  if (failed) {
-    llvm::sys::fs::remove(tmp);
-    return inputError("{}: cannot write: {}", path.str(), errnoText(failed));
-  }
-  return llvm::Error::success();
-}
-
-/// fsync a directory, so that renames into it survive a crash; best effort.
+/// fsync the directory of `path`, so that a rename into it survives a crash; best effort.
 void syncDirectoryOf(llvm::StringRef path) {
   llvm::SmallString<256> dir(llvm::sys::path::parent_path(path));
   if (dir.empty())
@@ -139,7 +94,7 @@ void syncDirectoryOf(llvm::StringRef path) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0)
     return;
-  ::fsync(fd);
+  llvm::consumeError(syncDirectory(fd, path));
   ::close(fd);
 }
 
@@ -177,18 +132,18 @@ llvm::Error checkInputFile(llvm::StringRef path, const InputFormat &format, bool
   if (S_ISDIR(before.st_mode))
     return inputError("{}: cannot read: is a directory", shortened(path, 200));
   if (!kind.empty() && !S_ISFIFO(before.st_mode))
-    return inputError("{}: cannot read: is {}, not {} (give a regular file)",
-                      shortened(path, 200), kind, format.name);
+    return inputError("{}: cannot read: is {}, not {} (give a regular file)", shortened(path, 200),
+                      kind, format.name);
   regular = S_ISREG(before.st_mode);
   if (regular) {
     const uint64_t size = uint64_t(before.st_size);
     if (size > format.maxBytes)
       return inputError("{}: {} is more than {} can need (at most {})", shortened(path, 200),
                         humanBytes(size), format.name, humanBytes(format.maxBytes));
-    if (auto err = checkMemoryBudget(uint64_t(double(size) * format.memoryPerByte),
-                                     fmt::format("reading {} ({})", shortened(path, 200),
-                                                 humanBytes(size)),
-                                     "use a machine with more memory"))
+    if (auto err = checkMemoryBudget(
+            uint64_t(double(size) * format.memoryPerByte),
+            fmt::format("reading {} ({})", shortened(path, 200), humanBytes(size)),
+            "use a machine with more memory"))
       return err;
   }
   return llvm::Error::success();
@@ -321,28 +276,36 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
     bool exists = f.path != "-" && idOf(f.path, mine);
     for (size_t i = 0; i < seen.size(); ++i) {
       FileId other;
-      bool same = seen[i] == canonical ||
-                  (exists && files[i].path != "-" && idOf(files[i].path, other) &&
-                   other.dev == mine.dev && other.ino == mine.ino);
+      bool same =
+          seen[i] == canonical || (exists && files[i].path != "-" && idOf(files[i].path, other) &&
+                                   other.dev == mine.dev && other.ino == mine.ino);
       if (same)
         return inputError("{}{} is also the {} output; give each output its own file",
                           prefixOf(f.flag), shortened(f.path, 200), files[i].flag);
     }
     seen.push_back(canonical);
   }
-  std::vector<llvm::SmallString<256>> temps(files.size());
+  std::vector<std::optional<DurableTemporary>> temps(files.size());
   auto cleanup = [&](size_t from) {
     for (size_t i = from; i < temps.size(); ++i)
-      if (!temps[i].empty())
-        llvm::sys::fs::remove(temps[i]);
+      if (temps[i])
+        discardTemporaryAt(AT_FDCWD, *temps[i]);
   };
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].path == "-")
       continue;
-    if (auto err = writeTemporary(files[i].path, files[i], temps[i])) {
+    const OutputFile &file = files[i];
+    auto tmp = writeTemporaryAt(AT_FDCWD, file.path, file.path, [&](llvm::raw_ostream &os) {
+      if (file.write)
+        file.write(os);
+      else
+        os << file.contents;
+    });
+    if (!tmp) {
       cleanup(0);
-      return inputError("{}{}", prefixOf(files[i].flag), takeMessage(std::move(err)));
+      return inputError("{}{}", prefixOf(file.flag), takeMessage(tmp.takeError()));
     }
+    temps[i] = std::move(*tmp);
   }
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].path != "-")
@@ -361,10 +324,11 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].path == "-")
       continue;
-    if (std::error_code ec = llvm::sys::fs::rename(temps[i], files[i].path)) {
-      cleanup(i);
-      return inputError("{}{}: cannot write: {}", prefixOf(files[i].flag),
-                        shortened(files[i].path, 200), ec.message());
+    if (auto err =
+            commitTemporaryAt(AT_FDCWD, *temps[i], files[i].path, shortened(files[i].path, 200))) {
+      temps[i].reset(); // removed by the failed commit
+      cleanup(i + 1);
+      return inputError("{}{}", prefixOf(files[i].flag), takeMessage(std::move(err)));
     }
     syncDirectoryOf(files[i].path);
   }
@@ -374,98 +338,6 @@ llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
 llvm::Error writeFileAtomically(llvm::StringRef path, llvm::StringRef contents,
                                 llvm::ArrayRef<InputFile> inputs) {
   return writeFilesAtomically({OutputFile{"", path.str(), contents.str()}}, inputs);
-}
-
-llvm::Error writeStdout(llvm::StringRef text) {
-  errno = 0;
-  size_t written = std::fwrite(text.data(), 1, text.size(), stdout);
-  int code = errno;
-  if (written == text.size() && std::fflush(stdout) == 0 && !std::ferror(stdout))
-    return llvm::Error::success();
-  if (errno != 0)
-    code = errno;
-  return inputError("standard output: cannot write: {}",
-                    code ? errnoText(code) : std::string("a write failed"));
-}
-
-/// The errno of the first failed sayToStdout (0: none).
-static int firstStdoutError = 0;
-
-void sayToStdout(llvm::StringRef text) {
-  errno = 0;
-  if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() && !firstStdoutError)
-    firstStdoutError = errno ? errno : EIO;
-}
-
-llvm::Error finishStdout() {
-  errno = 0;
-  if (std::fflush(stdout) == 0 && !std::ferror(stdout))
-    return llvm::Error::success();
-  int code = firstStdoutError ? firstStdoutError : errno;
-  return inputError("standard output: cannot write: {}",
-                    code ? errnoText(code) : std::string("a write failed"));
-}
-
-uint64_t memoryBudgetBytes() {
-  uint64_t budget = uint64_t(::sysconf(_SC_PHYS_PAGES)) * uint64_t(::sysconf(_SC_PAGESIZE));
-  // A container's limit (cgroup v2, then v1).
-  for (const char *file :
-       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(file);
-    uint64_t limit = 0;
-    if (in >> limit && limit > 0)
-      budget = std::min(budget, limit);
-  }
-  for (int resource : {RLIMIT_AS, RLIMIT_DATA}) {
-    struct rlimit rl;
-    if (::getrlimit(resource, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
-      budget = std::min<uint64_t>(budget, uint64_t(rl.rlim_cur));
-  }
-  return budget;
-}
-
-std::string humanBytes(uint64_t bytes) {
-  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double v = double(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 6) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
-}
-
-llvm::Error checkMemoryBudget(uint64_t bytes, llvm::StringRef what, llvm::StringRef fix) {
-  const uint64_t budget = memoryBudgetBytes();
-  if (bytes <= budget)
-    return llvm::Error::success();
-  return inputError("{} needs about {} of memory, more than this machine's {}{}{}", what.str(),
-                    humanBytes(bytes), humanBytes(budget), fix.empty() ? "" : "; ", fix.str());
-}
-
-std::string shortened(llvm::StringRef value, size_t most) {
-  // A control character (a newline in a tensor's name) would break the line: written escaped.
-  if (llvm::any_of(value, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; })) {
-    std::string escaped;
-    for (char c : value)
-      escaped += c == '\n'                        ? std::string("\\n")
-                 : c == '\t'                      ? std::string("\\t")
-                 : c == '\r'                      ? std::string("\\r")
-                 : uint8_t(c) < 0x20 || c == 0x7f ? fmt::format("\\x{:02x}", uint8_t(c))
-                                                  : std::string(1, c);
-    return shortened(escaped, most);
-  }
-  if (value.size() <= most)
-    return value.str();
-  // Cut at character boundaries: never inside a UTF-8 sequence.
-  auto boundary = [&](size_t at) {
-    while (at > 0 && at < value.size() && (uint8_t(value[at]) & 0xC0) == 0x80)
-      --at;
-    return at;
-  };
-  size_t head = boundary(most * 2 / 3), tail = boundary(value.size() - most / 4);
-  return fmt::format("{}...[{} more bytes]...{}", value.take_front(head).str(), tail - head,
-                     value.drop_front(tail).str());
 }
 
 } // namespace pipec
