@@ -40,6 +40,8 @@
 #include "kernels/cpu/LlamaOps.h"
 #include "kernels/cpu/Ops.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
 #include <array>
 #include <cassert>
@@ -115,7 +117,7 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
     out.push_back({v, c, Shard::Rows, {}, Init::Normal, "lm.w", LmW});
     return out;
   }
-  assert(false && "unknown layer kind");
+  llvm_unreachable("unknown layer kind");
   return {};
 }
 
@@ -129,7 +131,7 @@ size_t localSize(const TensorSpec &t, int tp) {
   case Shard::Rows:
     return size_t(t.rows / tp) * t.cols;
   }
-  assert(false && "unknown shard kind");
+  llvm_unreachable("unknown shard kind");
   return 0;
 }
 
