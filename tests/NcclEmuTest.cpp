@@ -253,20 +253,21 @@ TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingN
   // RANK 0 builds the single-rank CPU reference, which for a large model takes a while. Its
   // peers must wait for it under the arrival limit (ten timeouts, at least 10 minutes), not in
   // step 0, whose watchdog gives up after one timeout, and not in ncclCommInitRank, where NCCL
-  // gives them its socket retries only (59.5 s by default; 2 s here) to reach RANK 0's
-  // bootstrap root. RANK 0 takes 7 s. (Built before the communicators, the reference fails rank
-  // 1 in ncclCommInitRank; built after the warm-up with no wait for it, it fails rank 1 in step
-  // 0 on the asynchronous emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on
-  // the synchronous one the host waits inside the emulated NCCL's recv instead.)
-  ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "4"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "200");
+  // gives them its socket retries only (59.5 s by default; 0.3 s here) to reach RANK 0's
+  // bootstrap root. RANK 0 takes 1 s, more than both the step timeout (0.5 s) and the retry
+  // window. (Built before the communicators, the reference fails rank 1 in ncclCommInitRank;
+  // built after the warm-up with no wait for it, it fails rank 1 in step 0 on the asynchronous
+  // emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on the synchronous one
+  // the host waits inside the emulated NCCL's recv instead.)
+  ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "2"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "100");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
   auto data = syntheticData(32, /*seed=*/7);
   auto results = runEveryRank(plan, *data, "slow-reference", [](int rank) {
     CudaRunOptions o;
     o.checkReference = true;
-    o.timeoutSeconds = 3;
+    o.timeoutSeconds = 0.5;
     if (rank == 0)
-      o.onReferenceBuilt = [] { std::this_thread::sleep_for(std::chrono::seconds(7)); };
+      o.onReferenceBuilt = [] { std::this_thread::sleep_for(std::chrono::seconds(1)); };
     return o;
   });
   for (size_t r = 0; r < results.size(); ++r)
