@@ -288,10 +288,12 @@ TEST(NcclEmuLaunchTest, AProcessThatCannotReachRankZerosRootSaysWhatNcclWaitsFor
       id("NCCL_COMM_ID", "emu-no-root:1");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
   auto data = syntheticData(32, /*seed=*/7);
-  std::map<std::string, std::string> vars{
-      {"RANK", "1"},           {"WORLD_SIZE", "2"},
-      {"LOCAL_RANK", "0"},     {"NCCL_COMM_ID", "emu-no-root:1"},
-      {"NCCL_SOCKET_RETRY_CNT", "1"}, {"NCCL_SOCKET_RETRY_SLEEP_MSEC", "200"}};
+  std::map<std::string, std::string> vars{{"RANK", "1"},
+                                          {"WORLD_SIZE", "2"},
+                                          {"LOCAL_RANK", "0"},
+                                          {"NCCL_COMM_ID", "emu-no-root:1"},
+                                          {"NCCL_SOCKET_RETRY_CNT", "1"},
+                                          {"NCCL_SOCKET_RETRY_SLEEP_MSEC", "200"}};
   auto env = launchEnvOf(plan, [&](const char *name) -> const char * {
     auto it = vars.find(name);
     return it == vars.end() ? nullptr : it->second.c_str();

@@ -140,7 +140,7 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
     else
       llvm::consumeError(n.takeError());
     if (auto err = sharedGpuError(last ? last : "", env, visible,
-                                    env.hostId ? env.hostId->c_str() : nullptr))
+                                  env.hostId ? env.hostId->c_str() : nullptr))
       return err;
   }
   if (status != ncclSuccess) {
