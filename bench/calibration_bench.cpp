@@ -305,7 +305,10 @@ void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<si
   fmt::print("\n|---|---|---|---|---|---|---|\n");
   int same = 0, within = 0, gains = 0;
   double gainErr = 0;
-  for (auto &[key, m] : settings) {
+  for (auto &entry : settings) {
+    // (Not a structured binding: clang 14, --config=layering's, cannot capture one in a lambda.)
+    const auto &key = entry.first;
+    auto &m = entry.second;
     if (m.size() != 4)
       continue;
     auto ranking = [&](bool pred) {

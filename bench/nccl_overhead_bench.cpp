@@ -155,7 +155,8 @@ int main(int argc, char **argv) {
   const bool asThreads = flags->args.has("--threads");
   // Before the first CUDA or NCCL call (these may set environment variables): with every rank a
   // thread, the bootstrap id comes from NCCL_COMM_ID, as in a launch.
-  const std::string ncclLine = prepareNcclEnvironment();
+  const std::string ncclLine = prepareNcclEnvironment(
+      ::getenv, [](const char *name, const char *value) { (void)::setenv(name, value, 0); });
   if (asThreads)
     (void)::setenv("NCCL_COMM_ID", "127.0.0.1:29517", /*overwrite=*/0);
   int devices = 0;
@@ -168,7 +169,7 @@ int main(int argc, char **argv) {
     return fail(plan.takeError());
 
   if (!asThreads) { // one rank: this process's
-    auto env = launchEnvOf(*plan);
+    auto env = launchEnvOf(*plan, ::getenv);
     if (!env)
       return fail(env.takeError());
     auto device = deviceOf(*env, devices);

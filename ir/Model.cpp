@@ -311,8 +311,7 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   case LayerKind::Abstract:
     break;
   }
-  assert(false && "abstract layer in a transformer model");
-  return c;
+  llvm_unreachable("abstract layer in a transformer model");
 }
 
 } // namespace pipec

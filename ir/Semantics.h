@@ -17,7 +17,8 @@
 
 #include "ir/Plan.h"
 
-#include <cassert>
+#include "llvm/Support/ErrorHandling.h"
+
 #include <cstddef>
 
 namespace pipec {
@@ -40,8 +41,7 @@ inline Slot slotOf(OpKind op) {
   case OpKind::OptimizerStep:
     break;
   }
-  assert(false && "slotOf a non-compute op");
-  return Slot::F;
+  llvm_unreachable("slotOf a non-compute op");
 }
 
 /// Dense index of (stage, mb, slice, slot).

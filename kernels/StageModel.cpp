@@ -12,6 +12,8 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/StageModel.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
 #include <array>
 #include <cassert>
@@ -87,8 +89,7 @@ std::vector<TensorSpec> layerTensors(const GptConfig &cfg, int layer) {
     out.push_back({v, c, Shard::Rows, {}, Init::Normal, "lm.w", LmW});
     return out;
   }
-  assert(false && "unknown layer kind");
-  return {};
+  llvm_unreachable("unknown layer kind");
 }
 
 size_t localSize(const TensorSpec &t, int tp) {
@@ -100,8 +101,7 @@ size_t localSize(const TensorSpec &t, int tp) {
   case Shard::Rows:
     return size_t(t.rows / tp) * t.cols;
   }
-  assert(false && "unknown shard kind");
-  return 0;
+  llvm_unreachable("unknown shard kind");
 }
 
 /// Offsets of a layer's tensors within its flat block on one tp rank, plus the total at the end.

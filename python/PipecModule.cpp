@@ -9,7 +9,7 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 #include "compiler/Planner.h"
-#include "compiler/Simulator.h"
+#include "compiler/TraceJson.h"
 #include "compiler/Verifier.h"
 #include "compiler/torch/TorchCsv.h"
 #include "ir/PlanText.h"

@@ -309,13 +309,15 @@ std::string planHash(const Plan &plan) {
   return hex(fnv1a(json));
 }
 
+namespace {
+std::atomic<long> killAt{0};
+} // namespace
+
+void setCheckpointKillAt(long n) { killAt = n; }
+
 void checkpointKillPoint() {
-  static const long target = [] {
-    const char *v = std::getenv("PIPEC_CHECKPOINT_KILL_AT");
-    return v ? std::atol(v) : 0L;
-  }();
   static std::atomic<long> count{0};
-  if (target > 0 && count.fetch_add(1) + 1 == target)
+  if (const long target = killAt; target > 0 && count.fetch_add(1) + 1 == target)
     ::kill(::getpid(), SIGKILL);
 }
 

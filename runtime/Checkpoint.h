@@ -54,9 +54,11 @@ struct LayerState {
 /// A 64-bit hex digest of the plan's JSON (stats left out): equal plans hash equal.
 std::string planHash(const Plan &plan);
 
-/// Test hook: when PIPEC_CHECKPOINT_KILL_AT=N is set, the N-th point of this process's saves
+/// Test hook: after setCheckpointKillAt(N) with N > 0, the N-th point of this process's saves
 /// (before and after every write, fsync, rename and removal) sends SIGKILL to the process
-/// itself, so that a test can stop a save at every instant it has.
+/// itself, so that a test can stop a save at every instant it has. (piperun sets it from
+/// PIPEC_CHECKPOINT_KILL_AT; 0, the default, kills nothing.) Call it before the first save.
+void setCheckpointKillAt(long n);
 void checkpointKillPoint();
 
 /// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one

@@ -3,6 +3,8 @@
 #include "ir/PlanText.h"
 #include "ir/support/Error.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <chrono>
 
 namespace pipec {
@@ -147,8 +149,7 @@ private:
     case OpKind::Recv:
       break;
     }
-    assert(false && "p2p ops are exchanged in groups");
-    return llvm::Error::success();
+    llvm_unreachable("p2p ops are exchanged in groups");
   }
 
   llvm::Error allReduce(size_t n) {

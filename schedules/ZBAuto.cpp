@@ -37,6 +37,8 @@
 #include "ir/CostModel.h"
 #include "ir/support/Error.h"
 
+#include "llvm/Support/ErrorHandling.h"
+
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
@@ -259,8 +261,7 @@ private:
     case OpKind::Recv:
     case OpKind::AllReduce:
     case OpKind::OptimizerStep:
-      assert(false && "zb-auto schedules F, I and W only");
-      break;
+      llvm_unreachable("zb-auto schedules F, I and W only");
     }
     (*out)[ri].push_back(Instruction::compute(op, r, mb, 0));
     push(end, r);

@@ -30,7 +30,7 @@
 //===----------------------------------------------------------------------===//
 #include "tests/TestUtil.h"
 
-#include "compiler/Simulator.h"
+#include "ir/CostModel.h"
 #include "ir/PlanText.h"
 #include "schedules/Policy.h"
 

@@ -17,7 +17,7 @@
 #include "tests/Command.h"
 #include "tests/TestUtil.h"
 
-#include "compiler/Simulator.h"
+#include "ir/CostModel.h"
 #include "ir/formats/PlanJson.h"
 #include "ir/formats/SpecJson.h"
 #include "tools/Figure.h"

@@ -25,6 +25,8 @@
 #include "runtime/cuda/NcclTransport.h"
 #include "runtime/cuda/emu/FakeNccl.h"
 
+#include "llvm/ADT/ScopeExit.h"
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -183,7 +185,7 @@ struct ScopedEnv {
 
 // A group of sends alone does not hold its rank's compute stream (NcclTransport.h); a sent
 // buffer's release in the arena waits for the send instead. Here every group with a send waits
-// 20 ms in its stream before it posts (the emulated NCCL's PIPEC_EMU_SEND_DELAY_MS), so each
+// 20 ms in its stream before it posts (the emulated NCCL's setNcclSendDelayMs), so each
 // rank's compute runs ahead of its sends, and zb-h1's input gradients, released by the weight
 // gradients that follow them, are released while their sends are still pending: the release
 // must wait (on the emulated device it fills the buffer with NaN bytes in the compute stream's
@@ -193,7 +195,8 @@ TEST(NcclEmuSendHoldTest, SendsThatLagTheirRanksComputeStillCarryWhatWasSent) {
   if (!emu::asynchronous()) {
     GTEST_SKIP() << "needs asynchronous streams (nccl_runtime_test_emu_async)";
   }
-  ScopedEnv slow("PIPEC_EMU_SEND_DELAY_MS", "20");
+  emu::setNcclSendDelayMs(20);
+  auto fast = llvm::make_scope_exit([] { emu::setNcclSendDelayMs(0); });
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("zb-h1", 4, 6));
   ASSERT_FALSE(verifyPlan(plan));
   auto data = syntheticData(32, /*seed=*/7);
@@ -253,20 +256,21 @@ TEST(NcclEmuReferenceTest, ARankZeroSlowToBuildTheReferenceKeepsItsPeersWaitingN
   // RANK 0 builds the single-rank CPU reference, which for a large model takes a while. Its
   // peers must wait for it under the arrival limit (ten timeouts, at least 10 minutes), not in
   // step 0, whose watchdog gives up after one timeout, and not in ncclCommInitRank, where NCCL
-  // gives them its socket retries only (59.5 s by default; 2 s here) to reach RANK 0's
-  // bootstrap root. RANK 0 takes 7 s. (Built before the communicators, the reference fails rank
-  // 1 in ncclCommInitRank; built after the warm-up with no wait for it, it fails rank 1 in step
-  // 0 on the asynchronous emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on
-  // the synchronous one the host waits inside the emulated NCCL's recv instead.)
-  ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "4"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "200");
+  // gives them its socket retries only (59.5 s by default; 0.3 s here) to reach RANK 0's
+  // bootstrap root. RANK 0 takes 1 s, more than both the step timeout (0.5 s) and the retry
+  // window. (Built before the communicators, the reference fails rank 1 in ncclCommInitRank;
+  // built after the warm-up with no wait for it, it fails rank 1 in step 0 on the asynchronous
+  // emulated device, nccl_runtime_test_emu_async, as it would on a GPU: on the synchronous one
+  // the host waits inside the emulated NCCL's recv instead.)
+  ScopedEnv retries("NCCL_SOCKET_RETRY_CNT", "2"), sleep("NCCL_SOCKET_RETRY_SLEEP_MSEC", "100");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
   auto data = syntheticData(32, /*seed=*/7);
   auto results = runEveryRank(plan, *data, "slow-reference", [](int rank) {
     CudaRunOptions o;
     o.checkReference = true;
-    o.timeoutSeconds = 3;
+    o.timeoutSeconds = 0.5;
     if (rank == 0)
-      o.onReferenceBuilt = [] { std::this_thread::sleep_for(std::chrono::seconds(7)); };
+      o.onReferenceBuilt = [] { std::this_thread::sleep_for(std::chrono::seconds(1)); };
     return o;
   });
   for (size_t r = 0; r < results.size(); ++r)
@@ -284,8 +288,12 @@ TEST(NcclEmuLaunchTest, AProcessThatCannotReachRankZerosRootSaysWhatNcclWaitsFor
       id("NCCL_COMM_ID", "emu-no-root:1");
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/4), options("1f1b", /*pp=*/2, 2));
   auto data = syntheticData(32, /*seed=*/7);
-  std::map<std::string, std::string> vars{
-      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"NCCL_COMM_ID", "emu-no-root:1"}};
+  std::map<std::string, std::string> vars{{"RANK", "1"},
+                                          {"WORLD_SIZE", "2"},
+                                          {"LOCAL_RANK", "0"},
+                                          {"NCCL_COMM_ID", "emu-no-root:1"},
+                                          {"NCCL_SOCKET_RETRY_CNT", "1"},
+                                          {"NCCL_SOCKET_RETRY_SLEEP_MSEC", "200"}};
   auto env = launchEnvOf(plan, [&](const char *name) -> const char * {
     auto it = vars.find(name);
     return it == vars.end() ? nullptr : it->second.c_str();
@@ -473,13 +481,13 @@ TEST(NcclEmuDtypeTest, ProcessesLaunchedWithAndWithoutCheckReferenceAllFailNamin
 
 TEST(NcclEmuLaunchTest, ProcessesSharingOneGpuAllFailNamingNcclHostId) {
   // Two processes started on a one-GPU host: NCCL refuses them at ncclCommInitRank (the emulated
-  // NCCL does as the real one with PIPEC_FAKE_NCCL_ONE_GPU=1); each says so in the launcher's
+  // NCCL does as the real one after setNcclOneGpu(true)); each says so in the launcher's
   // terms, as an input error (piperun: exit 2).
   Plan plan = compileOrFail(tinyGpt(false, /*layers=*/6), options("1f1b", /*pp=*/2, 4));
   auto data = syntheticData(32, /*seed=*/7);
-  ASSERT_EQ(::setenv("PIPEC_FAKE_NCCL_ONE_GPU", "1", 1), 0);
+  emu::setNcclOneGpu(true);
   auto results = runEveryRank(plan, *data, "one-gpu", [](int) { return CudaRunOptions{}; });
-  ::unsetenv("PIPEC_FAKE_NCCL_ONE_GPU");
+  emu::setNcclOneGpu(false);
   for (size_t r = 0; r < results.size(); ++r) {
     ASSERT_FALSE(bool(results[r])) << "rank " << r << " ran";
     llvm::Error err = results[r].takeError();

@@ -215,11 +215,8 @@ TEST(PiperunEmuTest, CudaBackendAKernelThatNeverFinishesEndsTheProcessWithOneLin
   // (the emulated AdamW here, on asynchronous streams) held that wait forever. Now --timeout
   // seconds in which no rank's compute op finishes end the process with status 1 and one line.
   std::string p = plan("hang", "--schedule 1f1b --pp 2 --microbatches 2");
-  const auto start = std::chrono::steady_clock::now();
   Result r = run("env PIPEC_EMU_ASYNC=1 PIPEC_EMU_HANG_OP=adam tools/piperun_emu " + p +
                  " --backend cuda --steps 1 --timeout 0.3");
-  const double took =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("watchdog: the wait for step 0's GPU work (every rank's) blocked for 0.3 s "
                        "(no rank's compute op finished on the GPU in that time: a kernel that "
@@ -227,7 +224,6 @@ TEST(PiperunEmuTest, CudaBackendAKernelThatNeverFinishesEndsTheProcessWithOneLin
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("step 0 loss"), std::string::npos) << r.out;
-  EXPECT_LT(took, 60.0);
 }
 
 TEST(PiperunEmuTest, ALongStepThatKeepsProgressingIsNoStallInEitherGpuMode) {

@@ -243,7 +243,6 @@ TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
   InProcessTransport t(3, {}, &mover);
   std::vector<std::vector<float>> data{{1, 10}, {2, 20}, {4, 40}};
   std::vector<int> members{0, 1, 2};
-  std::mutex mu;
   std::vector<int> order;
   std::vector<std::thread> threads;
   for (int k = 0; k < 3; ++k)

@@ -1,7 +1,7 @@
 #include "tools/Driver.h"
 
 #include "compiler/Planner.h"
-#include "compiler/Simulator.h"
+#include "compiler/TraceJson.h"
 #include "compiler/Verifier.h"
 #include "compiler/torch/TorchCsv.h"
 #include "ir/PlanText.h"

@@ -7,7 +7,7 @@
 //===----------------------------------------------------------------------===//
 #include "compiler/Pass.h"
 #include "compiler/Planner.h"
-#include "compiler/Simulator.h"
+#include "compiler/TraceJson.h"
 #include "compiler/Verifier.h"
 #include "ir/Model.h"
 #include "ir/PlanText.h"

@@ -83,6 +83,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 
 using namespace pipec;
@@ -353,7 +354,7 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
   }
   // Checked before anything else runs, so a misconfigured launch fails at once on every
   // process with the variable named.
-  auto launch = launchEnvOf(plan);
+  auto launch = launchEnvOf(plan, ::getenv);
   if (!launch)
     return launch.takeError();
   env = *launch;
@@ -398,7 +399,8 @@ llvm::Error run(int argc, char **argv) {
   // Before the first CUDA or NCCL call, and so before any thread the driver may start: it may
   // set an environment variable. Printed by RANK 0.
   if (args->get("--backend") == "nccl")
-    ncclLine = prepareNcclEnvironment();
+    ncclLine = prepareNcclEnvironment(
+        ::getenv, [](const char *name, const char *value) { (void)::setenv(name, value, 0); });
 #endif
   auto request = readFlags(*args);
   if (!request)
@@ -532,6 +534,9 @@ int main(int argc, char **argv) {
   sigemptyset(&stop.sa_mask);
   for (int sig : {SIGTERM, SIGUSR1})
     sigaction(sig, &stop, nullptr);
+  // The checkpoint library's test hook (runtime/Checkpoint.h): libraries read no environment.
+  if (const char *killAt = std::getenv("PIPEC_CHECKPOINT_KILL_AT"))
+    setCheckpointKillAt(std::atol(killAt));
   int code = runTool("piperun", [&] { return run(argc, argv); });
   return code == 0 && stopStatus ? stopStatus : code;
 }

@@ -3,7 +3,9 @@
 # Prints "K skipped" and, last, "N passed, M failed" (test cases; a case that called GTEST_SKIP
 # counts as skipped, not passed). GPU tests (tag requires-gpu) run only where nvidia-smi sees a
 # GPU. --sanitizers (what .ci/run passes) also runs the sanitizer selections below, under
-# ASan + UBSan and under TSan (docs/testing.md), and counts their cases too.
+# ASan + UBSan and under TSan (docs/testing.md), and counts their cases too, and builds every
+# target under Bazel's layering_check (--config=layering): a build that fails counts as one
+# failed case.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 sanitizers=0
@@ -91,6 +93,12 @@ if [ "$sanitizers" -eq 1 ]; then
   # shellcheck disable=SC2086
   bazel test --config=tsan $tsan_targets --test_output=errors || status=1
   count "tests(set($tsan_targets))" --config=tsan
+  # Every #include of a project or library header names a target in the includer's deps. The
+  # check is in the compiles: the object files only, nothing linked.
+  if ! bazel build --config=layering --output_groups=compilation_outputs //... --keep_going; then
+    status=1
+    failed=$((failed + 1))
+  fi
 fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
   failed=1  # the build or a target failed before writing its results

@@ -6,6 +6,7 @@ through the mask hf_layers passes), trained one step under six schedules on 2 an
 processes; every gradient equals the unsplit transformers model's within 1e-5 of the largest
 gradient, and the losses agree. One case trains 20 steps and its loss falls."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -55,9 +56,11 @@ def runs(tmp_path_factory):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(family: str, tied: bool, microbatches: int):
     """The unsplit transformers model (its own causal mask and rotary positions): the mean of
-    the microbatch losses, backward, every parameter's gradient by name."""
+    the microbatch losses, backward, every parameter's gradient by name. Computed once per
+    model and microbatch count (seconds each), shared by the six schedules' cases: read only."""
     model = hf_workers.build(family, tied)
     tokens, targets = hf_workers.batch(microbatches)
     losses = [hf_workers.loss_fn(model(x).logits, y) for x, y in

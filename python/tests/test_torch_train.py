@@ -2,6 +2,7 @@
 real processes (gloo on CPU), and the gradients after a step equal a single-process run of the
 same model on the same batch within 1e-5 of the largest gradient; the losses agree."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -39,8 +40,10 @@ def _cases(world):
     return cases
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(microbatches):
-    """One process, no pipeline: the mean of the microbatch losses, backward, gradients."""
+    """One process, no pipeline: the mean of the microbatch losses, backward, gradients. Once
+    per microbatch count, shared by every schedule's case: read only."""
     layers = torch_gpt.build_layers(CFG, seed=0)
     model = torch.nn.Sequential(*layers)
     tokens, targets = torch_gpt.batch(CFG, microbatches, step=0)

@@ -139,7 +139,8 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
       visible = *n;
     else
       llvm::consumeError(n.takeError());
-    if (auto err = sharedGpuError(last ? last : "", env, visible, std::getenv("NCCL_HOSTID")))
+    if (auto err = sharedGpuError(last ? last : "", env, visible,
+                                  env.hostId ? env.hostId->c_str() : nullptr))
       return err;
   }
   if (status != ncclSuccess) {
@@ -150,25 +151,17 @@ llvm::Error initWorld(NcclComm &out, const LaunchEnv &env) {
     // Another rank than 0 that gave up connecting (NCCL's retries ran out, or the connection
     // was refused): most often RANK 0, whose ncclCommInitRank starts the bootstrap root, is not
     // up yet. Not for other failures of the call (a full /dev/shm, a peer's proxy).
-    const char *commId = std::getenv("NCCL_COMM_ID");
-    if (env.rank == 0 || !commId || status != ncclRemoteError ||
+    if (env.rank == 0 || !env.commId || status != ncclRemoteError ||
         (lastError.find("retr") == std::string::npos &&
          lastError.find("refused") == std::string::npos))
       return err;
-    auto param = [](const char *name, long fallback) {
-      const char *v = std::getenv(name);
-      return v && *v ? std::strtol(v, nullptr, 10) : fallback;
-    };
-    const long retries = param("NCCL_SOCKET_RETRY_CNT", 34);
-    const double window = 0.001 * double(param("NCCL_SOCKET_RETRY_SLEEP_MSEC", 100)) *
-                          double(retries * (retries + 1) / 2);
     return llvm::createStringError(
         llvm::inconvertibleErrorCode(),
         fmt::format("{}; RANK 0's bootstrap root at NCCL_COMM_ID={} could not be reached: NCCL "
                     "retries for {:.1f} s (NCCL_SOCKET_RETRY_CNT, NCCL_SOCKET_RETRY_SLEEP_MSEC), "
                     "so start RANK 0 at most that long after the others, or raise those, and "
                     "check that the address is RANK 0's host",
-                    takeMessage(std::move(err)), commId, window));
+                    takeMessage(std::move(err)), *env.commId, env.rootRetrySeconds));
   }
   out = NcclComm(c);
   return llvm::Error::success();

@@ -6,6 +6,7 @@
 #include "llvm/ADT/StringRef.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace pipec {
 
@@ -134,6 +135,15 @@ llvm::Expected<LaunchEnv> launchEnvOf(const Plan &plan,
   env.localRank = *local;
   env.launcher = &l;
   env.coord = Coord{*rank / (pc.dp * pc.tp), *rank / pc.tp % pc.dp, *rank % pc.tp};
+  if (const char *id = getenv("NCCL_HOSTID"))
+    env.hostId = id;
+  auto param = [&getenv](const char *name, long fallback) {
+    const char *v = getenv(name);
+    return v && *v ? std::strtol(v, nullptr, 10) : fallback;
+  };
+  const long retries = param("NCCL_SOCKET_RETRY_CNT", 34);
+  env.rootRetrySeconds = 0.001 * double(param("NCCL_SOCKET_RETRY_SLEEP_MSEC", 100)) *
+                         double(retries * (retries + 1) / 2);
   if (const char *id = getenv("NCCL_COMM_ID"); id && *id) {
     auto [host, port] = llvm::StringRef(id).rsplit(':');
     unsigned p = 0;

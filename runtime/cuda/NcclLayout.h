@@ -27,7 +27,6 @@
 
 #include "llvm/Support/Error.h"
 
-#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
@@ -64,19 +63,21 @@ struct LaunchEnv {
   int rank = 0, worldSize = 1, localRank = 0;
   Coord coord;                                     // of `rank`
   std::optional<std::string> commId;               // NCCL_COMM_ID, required when worldSize > 1
+  // NCCL's own settings (NCCL reads them itself), for the errors that explain its failures:
+  std::optional<std::string> hostId; // NCCL_HOSTID
+  /// How long a rank other than 0 retries connecting to RANK 0's bootstrap root: the k-th of
+  /// NCCL_SOCKET_RETRY_CNT (34) retries after k times NCCL_SOCKET_RETRY_SLEEP_MSEC (100 ms).
+  double rootRetrySeconds = 59.5;
   const Launcher *launcher = &launchers().front(); // whose variables rank, worldSize came from
   /// For messages, in the launcher's variables: "RANK=3 WORLD_SIZE=4 LOCAL_RANK=3".
   std::string describe() const;
 };
 
-/// Reads the launcher's variables through `getenv` (::getenv by default) and checks them
-/// against `plan`: the variables of the first of `launchers()` whose marker is set, else
+/// Reads the launcher's variables through `getenv` (the binary passes ::getenv) and checks
+/// them against `plan`: the variables of the first of `launchers()` whose marker is set, else
 /// torchrun's.
-llvm::Expected<LaunchEnv> launchEnvOf(
-    const Plan &plan,
-    const std::function<const char *(const char *)> &getenv = [](const char *name) {
-      return static_cast<const char *>(std::getenv(name));
-    });
+llvm::Expected<LaunchEnv> launchEnvOf(const Plan &plan,
+                                      const std::function<const char *(const char *)> &getenv);
 
 enum class CommKind { World, Pipeline, Tp, Dp, Embedding };
 const char *toString(CommKind k);

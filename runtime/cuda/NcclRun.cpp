@@ -239,8 +239,9 @@ llvm::Error shareDigests(const Plan &plan, NcclCommunicators &comms, cudaStream_
 
 } // namespace
 
-std::string prepareNcclEnvironment() {
-  const char *set = std::getenv("NCCL_RUNTIME_CONNECT");
+std::string prepareNcclEnvironment(const std::function<const char *(const char *)> &getenv,
+                                   const std::function<void(const char *, const char *)> &setenv) {
+  const char *set = getenv("NCCL_RUNTIME_CONNECT");
   std::string setting;
   if (set) {
     setting = fmt::format("NCCL_RUNTIME_CONNECT={} (from the environment{})", set,
@@ -248,18 +249,18 @@ std::string prepareNcclEnvironment() {
                               ? ""
                               : ": NCCL may connect inside step 0, after the arena was sized");
   } else {
-    (void)setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
+    setenv("NCCL_RUNTIME_CONNECT", "0");
     setting = "NCCL_RUNTIME_CONNECT=0 (connections made as the communicators are created)";
   }
   std::string loading;
-  if (const char *mode = std::getenv("CUDA_MODULE_LOADING")) {
+  if (const char *mode = getenv("CUDA_MODULE_LOADING")) {
     loading = fmt::format("CUDA_MODULE_LOADING={} (from the environment{})", mode,
                           std::strcmp(mode, "EAGER") == 0
                               ? ""
                               : ": a kernel's first launch in step 0 may wait for NCCL kernels "
                                 "that wait for a peer stuck the same way");
   } else {
-    (void)setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
+    setenv("CUDA_MODULE_LOADING", "EAGER");
     loading = "CUDA_MODULE_LOADING=EAGER (every kernel loaded before the first step)";
   }
   int code = 0;

@@ -46,7 +46,9 @@
 
 namespace pipec {
 
-/// Sets up the environment of the nccl mode, where the environment does not set it itself:
+/// Sets up the environment of the nccl mode, where the environment does not set it itself
+/// (`getenv` reads a variable, `setenv` sets one that is not set; the binary passes the
+/// process's, as ::getenv and ::setenv without overwriting):
 ///   - NCCL_RUNTIME_CONNECT=0: NCCL connects every algorithm's channels as a communicator is
 ///     created. NCCL 2.22 and later otherwise connect at the first collective that needs a
 ///     connection: inside step 0, where that allocates device memory after the activation arena
@@ -64,7 +66,8 @@ namespace pipec {
 /// call, whose driver may start some, and which reads CUDA_MODULE_LOADING. (NCCL's config files,
 /// /etc/nccl.conf and ~/.nccl.conf, set only what the environment does not: to override either
 /// setting, set the variable in the environment.)
-std::string prepareNcclEnvironment();
+std::string prepareNcclEnvironment(const std::function<const char *(const char *)> &getenv,
+                                   const std::function<void(const char *, const char *)> &setenv);
 
 /// This process's rank of `plan` (already verified; `cfg` is gptConfigOf(plan)) for the training
 /// driver (runtime/Train.h); the device is chosen from env.localRank (options.device is

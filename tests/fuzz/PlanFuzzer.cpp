@@ -10,7 +10,7 @@
 #include "tests/fuzz/FuzzTarget.h"
 
 #include "compiler/Pass.h"
-#include "compiler/Simulator.h"
+#include "compiler/TraceJson.h"
 #include "compiler/Verifier.h"
 #include "ir/PlanText.h"
 #include "ir/formats/PlanJson.h"

@@ -10,7 +10,7 @@
 //     bootstrap root in its call, and another rank that finds no root retries its connection
 //     for NCCL's retry window only (NCCL_SOCKET_RETRY_CNT times, sleeping k times
 //     NCCL_SOCKET_RETRY_SLEEP_MSEC before the k-th: 34 and 100 ms, 59.5 s in all, by default),
-//     then fails with ncclRemoteError as NCCL does; with PIPEC_FAKE_NCCL_ONE_GPU=1
+//     then fails with ncclRemoteError as NCCL does; after emu::setNcclOneGpu(true)
 //     fails on every rank as NCCL does for ranks sharing a GPU; ncclCommSplit is a collective of
 //     the parent that orders each color's members by (key, rank);
 //   - sends and recvs of a rank pair on one communicator match in FIFO order, with equal sizes
@@ -41,6 +41,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -113,6 +114,9 @@ struct Channel {
 
 std::mutex mu;
 std::condition_variable cv;
+// The test hooks (FakeNccl.h).
+std::atomic<bool> oneGpu{false};
+std::atomic<int> sendDelayMs{0};
 std::map<std::string, Init> inits;                         // by id
 std::map<std::tuple<Group *, int, int>, Channel> channels; // (group, src, dst)
 std::map<std::pair<Group *, long>, Rendezvous> rendezvous; // (group, sequence)
@@ -451,10 +455,9 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId,
     inits.erase(id);
   // NCCL 2.5 and later refuse two ranks on one GPU of one host: every rank fails, naming itself
   // and the first other rank on its GPU (in NCCL's words). The ranks here are threads on the one
-  // emulated device; they count as processes of their own GPUs unless PIPEC_FAKE_NCCL_ONE_GPU=1
+  // emulated device; they count as processes of their own GPUs unless setNcclOneGpu(true)
   // puts them all on it, as a launch of several processes on a one-GPU host would.
-  if (const char *oneGpu = std::getenv("PIPEC_FAKE_NCCL_ONE_GPU");
-      oneGpu && std::string(oneGpu) == "1" && nranks > 1) {
+  if (oneGpu && nranks > 1) {
     char words[128];
     std::snprintf(words, sizeof words,
                   "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx", rank,
@@ -557,14 +560,12 @@ ncclResult_t ncclGroupEnd() {
   std::shared_ptr<Group> group = ops.front().group;
   if (ncclResult_t r = connect(ops); r != ncclSuccess)
     return r;
-  // PIPEC_EMU_SEND_DELAY_MS (asynchronous streams): a group with a send waits that long in its
+  // setNcclSendDelayMs (asynchronous streams): a group with a send waits that long in its
   // stream before it posts, as a send to a slow link or a late peer does, so that the sender's
   // compute runs ahead of it (the test of a sent buffer's release, runtime/cuda/DeviceArena.h).
-  const char *delay = std::getenv("PIPEC_EMU_SEND_DELAY_MS");
-  const int delayMs =
-      delay && std::any_of(ops.begin(), ops.end(), [](const Op &op) { return op.p.send; })
-          ? std::atoi(delay)
-          : 0;
+  const int delayMs = std::any_of(ops.begin(), ops.end(), [](const Op &op) { return op.p.send; })
+                          ? sendDelayMs.load()
+                          : 0;
   return launch(stream, std::move(group), [ops = std::move(ops), delayMs] {
     if (delayMs > 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
@@ -610,6 +611,10 @@ size_t pipec::emu::ncclChannelsConnected() {
   std::lock_guard<std::mutex> lock(mu);
   return connected;
 }
+
+void pipec::emu::setNcclOneGpu(bool all) { oneGpu = all; }
+
+void pipec::emu::setNcclSendDelayMs(int ms) { sendDelayMs = ms; }
 
 size_t pipec::emu::ncclCommsAborted() {
   std::lock_guard<std::mutex> lock(mu);

@@ -1,5 +1,5 @@
-//===- Simulator.cpp - The simulated timeline as a Chrome/Perfetto trace --===//
-#include "compiler/Simulator.h"
+//===- TraceJson.cpp - A simulated timeline as a Chrome/Perfetto trace ----===//
+#include "compiler/TraceJson.h"
 
 #include "ir/PlanText.h"
 
