@@ -147,9 +147,8 @@ struct Bench {
     reportBandwidth("rmsnorm " + dtn + " " + rows + " dX +=", 4 * nc * sz + 4.0 * n, time([&] {
                       return rmsnormBackwardInputAccumulate(ctx, dt, dx, dy, x, rstd, w, n, c);
                     }));
-    reportBandwidth("rmsnorm " + dtn + " " + rows + " dW", 2 * nc * sz + 4.0 * n, time([&] {
-                      return rmsnormBackwardWeight(ctx, dt, dW, dy, x, rstd, n, c);
-                    }));
+    reportBandwidth("rmsnorm " + dtn + " " + rows + " dW", 2 * nc * sz + 4.0 * n,
+                    time([&] { return rmsnormBackwardWeight(ctx, dt, dW, dy, x, rstd, n, c); }));
     reportBandwidth("rope " + dtn + " " + rows + " fwd (in place)", 2 * nc * sz + 4.0 * n,
                     time([&] {
                       return ropeForward(ctx, dt, y, positions, n, c / headDim, headDim, 500000.0);
@@ -238,10 +237,9 @@ struct Bench {
     // Visible (query, key) pairs: query a + t sees a + t + 1 keys.
     const double pairs = double(s.queries) * s.begin + double(s.queries) * (s.queries + 1) / 2.0;
     const double fwdFlops = 4.0 * s.batch * s.heads * s.headDim * pairs; // QK^T and PV
-    const std::string shape =
-        fmt::format("{} {} (B{} x{} a{} H{} hd{}{})", name, toString(dt), s.batch, s.queries,
-                    s.begin, s.heads, s.headDim,
-                    s.kvHeadCount() != s.heads ? fmt::format(" KV{}", s.kvHeads) : "");
+    const std::string shape = fmt::format(
+        "{} {} (B{} x{} a{} H{} hd{}{})", name, toString(dt), s.batch, s.queries, s.begin, s.heads,
+        s.headDim, s.kvHeadCount() != s.heads ? fmt::format(" KV{}", s.kvHeads) : "");
     const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
     const launch::Target target{ctx.computeCapability(), ctx.kernelConfig().hopperKernels};
     const launch::AttentionKernel forwardKernel =
@@ -256,17 +254,16 @@ struct Bench {
       if (llvm::Error err = ctx.synchronize())
         die(std::move(err));
       Bench other{**noHopper, {}, once};
-      report(shape + " fwd (mma.sync)", fwdFlops, other.time([&] {
-        return attentionForward(**noHopper, dt, out, lse, q, k, v, s);
-      }));
+      report(shape + " fwd (mma.sync)", fwdFlops,
+             other.time([&] { return attentionForward(**noHopper, dt, out, lse, q, k, v, s); }));
     }
     // The backward's five products (S recomputed, dP, dV, dQ, dK): 2.5x the forward.
-    report(fmt::format("{} bwd ({})", shape,
-                       toString(launch::attentionBackwardKernel(dt, dims,
-                                                                {dq, dk, dv, dOut, out, q, k, v}))),
-           2.5 * fwdFlops, time([&] {
-             return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s);
-           }));
+    report(
+        fmt::format(
+            "{} bwd ({})", shape,
+            toString(launch::attentionBackwardKernel(dt, dims, {dq, dk, dv, dOut, out, q, k, v}))),
+        2.5 * fwdFlops,
+        time([&] { return attentionBackward(ctx, dt, dq, dk, dv, dOut, out, lse, q, k, v, s); }));
   }
 };
 
@@ -299,8 +296,9 @@ int main(int argc, char **argv) {
   if (!ctx)
     Bench::die(ctx.takeError());
   Bench bench{**ctx, {}};
-  // --tiny: every op at toy sizes, to check the bench itself runs (bench:cuda_kernel_bench_kernel_emu_test
-  // runs it on the kernel emulator in CI); its numbers mean nothing.
+  // --tiny: every op at toy sizes, to check the bench itself runs
+  // (bench:cuda_kernel_bench_kernel_emu_test runs it on the kernel emulator in CI); its numbers
+  // mean nothing.
   const int tokens = tiny ? 128 : quick ? 2048 : 8192, hidden = tiny ? 64 : 4096;
   const int heads = tiny ? 2 : 32, headDim = tiny ? 64 : 128, vocab = tiny ? 256 : 50304;
   fmt::print("cuda_kernel_bench: {} tokens, hidden {}, {} heads of {}; peak {} TFLOP/s "

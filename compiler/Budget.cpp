@@ -22,8 +22,8 @@ uint64_t add(uint64_t a, uint64_t b) {
 uint64_t instructionBound(const ModelSpec &model, const CompileOptions &options) {
   const ParallelConfig &pc = options.parallel;
   const uint64_t stages = mul(uint64_t(std::max(pc.pp, 1)), uint64_t(std::max(pc.vpp, 1)));
-  const uint64_t units = mul(uint64_t(std::max(pc.microbatches, 1)),
-                             uint64_t(std::max(pc.seqSplits, 1)));
+  const uint64_t units =
+      mul(uint64_t(std::max(pc.microbatches, 1)), uint64_t(std::max(pc.seqSplits, 1)));
   // F, I, W and 4 p2p ops per (stage, unit).
   uint64_t perUnit = mul(stages, 7);
   if (pc.tp > 1) {

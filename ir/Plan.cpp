@@ -52,8 +52,7 @@ int64_t Plan::tpAllReduceBytes(int stage, int slice, OpKind phase, int part) con
   auto partsOf = [&](int layer) { return layer == 0 || layer == head ? 1 : 2; };
   const bool forward = phase == OpKind::Forward;
   int layer = forward ? st.layerBegin : st.layerEnd - 1;
-  for (int seen = 0; layer >= st.layerBegin && layer < st.layerEnd;
-       layer += forward ? 1 : -1) {
+  for (int seen = 0; layer >= st.layerBegin && layer < st.layerEnd; layer += forward ? 1 : -1) {
     seen += partsOf(layer);
     if (part < seen)
       break;

@@ -31,8 +31,8 @@ public:
 };
 
 std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed);
-/// `dtype` is "uint16" or "uint32" for raw files (llm.c and NumPy headers say it themselves). Every id
-/// must be below `vocab`; the error names the file and the first offending position.
+/// `dtype` is "uint16" or "uint32" for raw files (llm.c and NumPy headers say it themselves). Every
+/// id must be below `vocab`; the error names the file and the first offending position.
 llvm::Expected<std::unique_ptr<DataSource>>
 tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed);
 

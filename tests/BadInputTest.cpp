@@ -133,7 +133,8 @@ struct Outcome {
 
 /// Runs `command` in `dir` through the shell with standard output as `where` says.
 Outcome runIn(const std::string &dir, const std::string &command, Stdout where) {
-  const std::string errPath = tmpDir() + "/case-stderr.txt", outPath = tmpDir() + "/case-stdout.txt";
+  const std::string errPath = tmpDir() + "/case-stderr.txt",
+                    outPath = tmpDir() + "/case-stdout.txt";
   const std::string env = "PIPEC=" + runfiles() + "/tools/pipec PIPERUN=" + runfiles() +
                           "/tools/piperun; export PIPEC PIPERUN; cd " + dir + " && ";
   const std::string script = env + "(" + command + ")";
@@ -177,7 +178,9 @@ const std::string kCompileUniform =
 
 void withUniform(const std::string &dir) { copyExample(dir, kUniform); }
 void withTiny(const std::string &dir) { copyExample(dir, kTiny); }
-void withPlan(const std::string &dir) { compileInto(dir, kUniform, "--schedule 1f1b --pp 2 --microbatches 2", "p.json"); }
+void withPlan(const std::string &dir) {
+  compileInto(dir, kUniform, "--schedule 1f1b --pp 2 --microbatches 2", "p.json");
+}
 void withTinyPlan(const std::string &dir) {
   compileInto(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 2", "p.json");
 }
@@ -231,20 +234,30 @@ std::vector<Case> catalogue() {
   std::vector<Case> c;
   auto add = [&](std::string name, std::function<void(const std::string &)> setup,
                  std::string command, std::string needle, Stdout out = Stdout::File) {
-    c.push_back(Case{std::move(name), std::move(setup), std::move(command), std::move(needle),
-                     out});
+    c.push_back(
+        Case{std::move(name), std::move(setup), std::move(command), std::move(needle), out});
   };
   // --- Flags -----------------------------------------------------------------------------
-  add("PpZero", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 0 "
-      "--microbatches 8", "--pp must be at least 1 (got 0); try 1");
-  add("PpNotANumber", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
-      "--pp four --microbatches 8", "--pp expects an integer (got 'four')");
-  add("PpAboveItsMaximum", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
-      "--pp 99999999999 --microbatches 8", "--pp must be at most 16777216");
-  add("MicrobatchesMissing", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
-      "--pp 4", "missing --microbatches");
-  add("UnknownSchedule", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1c "
-      "--pp 4 --microbatches 8", "--schedule: unknown schedule '1f1c'");
+  add("PpZero", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 0 "
+      "--microbatches 8",
+      "--pp must be at least 1 (got 0); try 1");
+  add("PpNotANumber", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp four --microbatches 8",
+      "--pp expects an integer (got 'four')");
+  add("PpAboveItsMaximum", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 99999999999 --microbatches 8",
+      "--pp must be at most 16777216");
+  add("MicrobatchesMissing", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 4",
+      "missing --microbatches");
+  add("UnknownSchedule", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1c "
+      "--pp 4 --microbatches 8",
+      "--schedule: unknown schedule '1f1c'");
   add("UnknownFlagSuggestsTheNearest", withUniform, kCompileUniform + " --ppp 4",
       "unknown flag --ppp; did you mean --pp?");
   add("FlagGivenTwice", withUniform, kCompileUniform + " --pp 2", "--pp given twice");
@@ -253,26 +266,35 @@ std::vector<Case> catalogue() {
       "--memory-limit expects a positive byte count");
   add("UnexpectedPositional", withUniform, kCompileUniform + " extra.json",
       "unexpected argument 'extra.json'");
-  add("TpNotDividingTheHeads", withTiny, "$PIPEC compile --model tiny-gpt.json --schedule 1f1b "
-      "--pp 2 --microbatches 2 --tp 3", "--tp 3 must divide num_attention_heads (4)");
-  add("MoreStagesThanLayers", withUniform, "$PIPEC compile --model uniform-8.json --schedule 1f1b "
-      "--pp 16 --microbatches 8", "every stage needs at least one layer; try --pp 8");
+  add("TpNotDividingTheHeads", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b "
+      "--pp 2 --microbatches 2 --tp 3",
+      "--tp 3 must divide num_attention_heads (4)");
+  add("MoreStagesThanLayers", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b "
+      "--pp 16 --microbatches 8",
+      "every stage needs at least one layer; try --pp 8");
   add("UnknownCommand", nullptr, "$PIPEC compiel", "unknown command 'compiel'");
   add("PipecWithoutArguments", nullptr, "$PIPEC", "expected a command");
   add("PiperunWithoutArguments", nullptr, "$PIPERUN", "expected a plan file");
   // --- Sizes: run, or refused up front with the memory they need ---------------------------
-  add("PpTimesMicrobatchesAtTheMaximum", withUniform, "$PIPEC compile --model uniform-8.json "
-      "--schedule gpipe --pp 4096 --microbatches 16777216", "beyond what pipec plans (2^24)");
+  add("PpTimesMicrobatchesAtTheMaximum", withUniform,
+      "$PIPEC compile --model uniform-8.json "
+      "--schedule gpipe --pp 4096 --microbatches 16777216",
+      "beyond what pipec plans (2^24)");
   // 4096 layers, each with its two tp reduction points: tens of TiB, past any machine.
   add("PlanLargerThanTheMachineRefusedWithItsMemory",
       modelWith([](Json &j) { j["layers"][0]["count"] = 4096; }),
       "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 8 --microbatches 2097152 "
-      "--tp 8", "instructions) needs about");
+      "--tp 8",
+      "instructions) needs about");
   add("PlanLargerThanTheMachineNamesTheFlags",
       modelWith([](Json &j) { j["layers"][0]["count"] = 4096; }),
       "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 8 --microbatches 2097152 "
-      "--tp 8", "TiB of memory, more than this machine's");
-  add("VocabularyOf2To20OnTheCpuBackendRefusedWithItsMemory",
+      "--tp 8",
+      "TiB of memory, more than this machine's");
+  add(
+      "VocabularyOf2To20OnTheCpuBackendRefusedWithItsMemory",
       [](const std::string &dir) {
         spit(dir + "/big.json",
              R"({"format": "pipemodel/1", "name": "big-vocab", "transformer": {"num_layers": 4,
@@ -284,61 +306,73 @@ std::vector<Case> catalogue() {
       "the cpu backend's run of model 'big-vocab' (vocab_size 1048576, hidden_size 4096, 4 "
       "layers; 1 rank threads) needs about");
   // --- Input files -------------------------------------------------------------------------
-  add("ModelFileMissing", nullptr, "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "
-      "--microbatches 2", "--model: gone.json: cannot read: No such file or directory");
-  add("ModelIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/m"); },
+  add("ModelFileMissing", nullptr,
+      "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "
+      "--microbatches 2",
+      "--model: gone.json: cannot read: No such file or directory");
+  add(
+      "ModelIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/m"); },
       "$PIPEC compile --model m --schedule 1f1b --pp 2 --microbatches 2",
       "--model: m: cannot read: is a directory");
-  add("ModelIsDevZero", nullptr, "$PIPEC compile --model /dev/zero --schedule 1f1b --pp 2 "
-      "--microbatches 2", "/dev/zero: cannot read: is a character device, not a model spec");
-  add("ModelIsDevUrandom", nullptr, "$PIPEC compile --model /dev/urandom --schedule 1f1b --pp 2 "
-      "--microbatches 2", "is a character device, not a model spec");
-  add("ModelLargerThanTheFormatNeeds",
+  add("ModelIsDevZero", nullptr,
+      "$PIPEC compile --model /dev/zero --schedule 1f1b --pp 2 "
+      "--microbatches 2",
+      "/dev/zero: cannot read: is a character device, not a model spec");
+  add("ModelIsDevUrandom", nullptr,
+      "$PIPEC compile --model /dev/urandom --schedule 1f1b --pp 2 "
+      "--microbatches 2",
+      "is a character device, not a model spec");
+  add(
+      "ModelLargerThanTheFormatNeeds",
       [](const std::string &dir) { sparse(dir + "/huge.json", off_t(300) << 20); },
       "$PIPEC compile --model huge.json --schedule 1f1b --pp 2 --microbatches 2",
       "huge.json: 300.00 MiB is more than a model spec can need (at most 256.00 MiB)");
-  add("ClusterLargerThanTheFormatNeeds",
+  add(
+      "ClusterLargerThanTheFormatNeeds",
       [](const std::string &dir) {
         withUniform(dir);
         sparse(dir + "/c.json", off_t(2) << 20);
       },
       "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cluster "
-      "c.json", "c.json: 2.00 MiB is more than a cluster spec can need (at most 1.00 MiB)");
-  add("ModelEmpty", [](const std::string &dir) { spit(dir + "/e.json", ""); },
+      "c.json",
+      "c.json: 2.00 MiB is more than a cluster spec can need (at most 1.00 MiB)");
+  add(
+      "ModelEmpty", [](const std::string &dir) { spit(dir + "/e.json", ""); },
       "$PIPEC compile --model e.json --schedule 1f1b --pp 2 --microbatches 2", "malformed JSON");
-  add("ModelMalformed", [](const std::string &dir) { spit(dir + "/m.json", "{\"format\": [}"); },
+  add(
+      "ModelMalformed", [](const std::string &dir) { spit(dir + "/m.json", "{\"format\": [}"); },
       "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
       "m.json:1:13: malformed JSON");
-  add("ModelNestedTooDeep",
+  add(
+      "ModelNestedTooDeep",
       [](const std::string &dir) { spit(dir + "/m.json", std::string(100, '[')); },
       "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
       "JSON nested 100 levels deep");
-  add("ModelUnknownField", modelWith([](Json &j) { j["pp"] = 4; }),
-      kCompileUniform, "$.pp: unknown field");
+  add("ModelUnknownField", modelWith([](Json &j) { j["pp"] = 4; }), kCompileUniform,
+      "$.pp: unknown field");
   add("ModelFieldNameOf50MBShortened",
       modelWith([](Json &j) { j[std::string(50u << 20, 'k')] = 1; }), kCompileUniform,
       "more bytes]");
   add("ModelValueOf50MBShortened",
       modelWith([](Json &j) { j["format"] = std::string(50u << 20, 'v'); }), kCompileUniform,
       "$.format: expected \"pipemodel/1\", got \"vvvv");
-  add("ModelNumberPastADouble",
+  add(
+      "ModelNumberPastADouble",
       [](const std::string &dir) {
         spit(dir + "/m.json", R"({"format": "pipemodel/1", "layers": [{"forward": 1e400,
             "backward_input": 1, "backward_weight": 1}]})");
       },
       "$PIPEC compile --model m.json --schedule 1f1b --pp 1 --microbatches 2",
       "a number is out of range");
-  add("ModelLayerCountOfTenMillion",
-      modelWith([](Json &j) { j["layers"][0]["count"] = 10000000; }), kCompileUniform,
-      "$.layers[0].count: expected at most 1000000");
+  add("ModelLayerCountOfTenMillion", modelWith([](Json &j) { j["layers"][0]["count"] = 10000000; }),
+      kCompileUniform, "$.layers[0].count: expected at most 1000000");
   add("ModelTpAllReducesPastItsBound",
       modelWith([](Json &j) { j["layers"][0]["tp_allreduces"] = 5000; }), kCompileUniform,
       "$.layers[0].tp_allreduces: expected at most 1000, got 5000");
   add("ModelWeightGradPastActivation",
-      modelWith([](Json &j) { j["layers"][0]["weight_grad_bytes"] = 2097152; }),
-      kCompileUniform, "weight_grad_bytes: expected at most activation_bytes");
-  add("ModelBothLayersAndTransformer",
-      tinyWith([](Json &j) { j["layers"] = Json::array(); }),
+      modelWith([](Json &j) { j["layers"][0]["weight_grad_bytes"] = 2097152; }), kCompileUniform,
+      "weight_grad_bytes: expected at most activation_bytes");
+  add("ModelBothLayersAndTransformer", tinyWith([](Json &j) { j["layers"] = Json::array(); }),
       "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
       "expected exactly one of \"layers\" (abstract model) or \"transformer\", got both");
   add("ModelDtypeUnknown", tinyWith([](Json &j) { j["transformer"]["dtype"] = "fp8"; }),
@@ -368,25 +402,29 @@ std::vector<Case> catalogue() {
   // --- Outputs -----------------------------------------------------------------------------
   add("OutputIsTheModel", withUniform, kCompileUniform + " -o uniform-8.json",
       "-o: uniform-8.json is the --model input; give the output its own file");
-  add("OutputIsAHardLinkOfTheModel",
+  add(
+      "OutputIsAHardLinkOfTheModel",
       [](const std::string &dir) {
         withUniform(dir);
         fs::create_hard_link(dir + "/uniform-8.json", dir + "/linked.json");
       },
       kCompileUniform + " -o linked.json", "-o: linked.json is the --model input");
-  add("OutputIsASymlinkToTheModel",
+  add(
+      "OutputIsASymlinkToTheModel",
       [](const std::string &dir) {
         withUniform(dir);
         fs::create_symlink("uniform-8.json", dir + "/alias.json");
       },
       kCompileUniform + " -o alias.json", "-o: alias.json is the --model input");
-  add("OutputIsTheModelSpelledAnotherWay",
+  add(
+      "OutputIsTheModelSpelledAnotherWay",
       [](const std::string &dir) {
         withUniform(dir);
         fs::create_directory(dir + "/sub");
       },
       kCompileUniform + " -o sub/../uniform-8.json", "is the --model input");
-  add("OutputIsTheCluster",
+  add(
+      "OutputIsTheCluster",
       [](const std::string &dir) {
         withUniform(dir);
         copyExample(dir, "h100-2nodes.json");
@@ -395,7 +433,8 @@ std::vector<Case> catalogue() {
       "--trace: h100-2nodes.json is the --cluster input");
   add("OutputOntoDevNull", withUniform, kCompileUniform + " -o /dev/null",
       "-o: /dev/null: is a character device; outputs go to regular files or - (standard output)");
-  add("OutputIsADirectory",
+  add(
+      "OutputIsADirectory",
       [](const std::string &dir) {
         withUniform(dir);
         fs::create_directory(dir + "/out");
@@ -484,18 +523,20 @@ std::vector<Case> catalogue() {
   // --- Plans -------------------------------------------------------------------------------
   add("PlanIsDevZero", nullptr, "$PIPEC validate /dev/zero",
       "/dev/zero: cannot read: is a character device, not a plan");
-  add("PlanIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/p"); },
+  add(
+      "PlanIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/p"); },
       "$PIPEC validate p", "p: cannot read: is a directory");
-  add("PlanLargerThanTheFormatNeeds",
+  add(
+      "PlanLargerThanTheFormatNeeds",
       [](const std::string &dir) { sparse(dir + "/p.json", off_t(5) << 30); },
       "$PIPEC validate p.json", "p.json: 5.00 GiB is more than a plan can need (at most 4.00 GiB)");
   add("PiperunPlanIsDevZero", nullptr, "$PIPERUN /dev/zero",
       "/dev/zero: cannot read: is a character device, not a plan");
-  add("PlanSeqSlicesPastTheSequence",
-      planWith([](Json &j) { j["seq_slices"][0][1] = 32; }), "$PIPEC validate p.json",
+  add("PlanSeqSlicesPastTheSequence", planWith([](Json &j) { j["seq_slices"][0][1] = 32; }),
+      "$PIPEC validate p.json",
       "$.seq_slices[0]: expected [0, end) with 0 < end <= seq_length 16, got an array");
-  add("PlanSeqSlicesShortOfTheSequence",
-      planWith([](Json &j) { j["seq_slices"][0][1] = 8; }), "$PIPEC validate p.json",
+  add("PlanSeqSlicesShortOfTheSequence", planWith([](Json &j) { j["seq_slices"][0][1] = 8; }),
+      "$PIPEC validate p.json",
       "$.seq_slices[0]: expected a last slice ending at the model's seq_length 16");
   add("PlanTopologyGpusPerNode2To32",
       planWith([](Json &j) { j["topology"]["gpus_per_node"] = int64_t(1) << 32; }),
@@ -505,27 +546,29 @@ std::vector<Case> catalogue() {
       "$PIPEC validate p.json", "$.stages[1].layers: expected [first, end) with 0 <= first < end");
   add("PlanPp2To31", planWith([](Json &j) { j["parallel"]["pp"] = int64_t(1) << 31; }),
       "$PIPEC validate p.json", "$.parallel.pp: expected an integer below 2^31");
-  add("PlanFieldNameOf50MBShortened",
-      planWith([](Json &j) { j[std::string(50u << 20, 'x')] = 0; }), "$PIPEC validate p.json",
-      "more bytes]");
+  add("PlanFieldNameOf50MBShortened", planWith([](Json &j) { j[std::string(50u << 20, 'x')] = 0; }),
+      "$PIPEC validate p.json", "more bytes]");
   add("PlanWrongFormat", planWith([](Json &j) { j["format"] = "pipeplan/9"; }),
       "$PIPEC validate p.json", "$.format: expected \"pipeplan/1\", got \"pipeplan/9\"");
   // --- piperun -----------------------------------------------------------------------------
   add("DataIsDevZero", withTinyPlan, "$PIPERUN p.json --data /dev/zero",
       "--data: /dev/zero: cannot read: is a character device, not a token file");
-  add("DataIsADirectory",
+  add(
+      "DataIsADirectory",
       [](const std::string &dir) {
         withTinyPlan(dir);
         fs::create_directory(dir + "/d");
       },
       "$PIPERUN p.json --data d", "--data: d: cannot read: is a directory");
-  add("DataOfAnOddByteCount",
+  add(
+      "DataOfAnOddByteCount",
       [](const std::string &dir) {
         withTinyPlan(dir);
         spit(dir + "/t.bin", std::string(101, '\1'));
       },
       "$PIPERUN p.json --data t.bin", "101 bytes is not a whole number of uint16 ids");
-  add("DataTokenPastTheVocabulary",
+  add(
+      "DataTokenPastTheVocabulary",
       [](const std::string &dir) {
         withTinyPlan(dir);
         spit(dir + "/t.bin", std::string(200, '\x7f'));
@@ -543,16 +586,18 @@ std::vector<Case> catalogue() {
   // --- Checkpoints -------------------------------------------------------------------------
   add("SaveEveryWithoutSaveDir", withTinyPlan, "$PIPERUN p.json --save-every 2",
       "--save-every needs --save-dir");
-  add("SaveDirIsAFile",
+  add(
+      "SaveDirIsAFile",
       [](const std::string &dir) {
         withTinyPlan(dir);
         spit(dir + "/ck", "x");
       },
       "$PIPERUN p.json --save-dir ck", "--save-dir: ck: is a file, not a directory");
-  add("SaveDirHoldingCheckpointsNotResumed", withCheckpoint,
-      "$PIPERUN p.json --save-dir ck", "--save-dir: ck already holds checkpoints (step 1)");
+  add("SaveDirHoldingCheckpointsNotResumed", withCheckpoint, "$PIPERUN p.json --save-dir ck",
+      "--save-dir: ck already holds checkpoints (step 1)");
   // (--resume on a missing or empty directory starts at step 0: CheckpointTest.)
-  add("ResumeAnotherModel",
+  add(
+      "ResumeAnotherModel",
       [](const std::string &dir) {
         withCheckpoint(dir);
         copyExample(dir, kTiny);
@@ -561,7 +606,8 @@ std::vector<Case> catalogue() {
       },
       "$PIPERUN wide.json --resume ck",
       "is of another model: its hidden_size is 32, the plan's is 64");
-  add("ResumeAnotherGlobalBatch",
+  add(
+      "ResumeAnotherGlobalBatch",
       [](const std::string &dir) {
         withCheckpoint(dir);
         compileInto(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 4", "four.json");
@@ -570,7 +616,8 @@ std::vector<Case> catalogue() {
       "was saved with 2 microbatches a step (dp 1 x microbatches 2), this plan takes 4");
   add("ResumeWithAnotherSeed", withCheckpoint, "$PIPERUN p.json --resume ck --seed 7",
       "was saved by a run with --seed 1, not 7");
-  add("ResumeADamagedLayerFile",
+  add(
+      "ResumeADamagedLayerFile",
       [](const std::string &dir) {
         withCheckpoint(dir);
         std::string layer = dir + "/ck/step-00000001/layer-00002.bin";
@@ -579,7 +626,8 @@ std::vector<Case> catalogue() {
         f.put('\x55');
       },
       "$PIPERUN p.json --resume ck --steps 2", "layer-00002.bin: its digest is");
-  add("ResumeAManifestOfAnotherFormat",
+  add(
+      "ResumeAManifestOfAnotherFormat",
       [](const std::string &dir) {
         withCheckpoint(dir);
         editJson(dir + "/ck/step-00000001/manifest.json",

@@ -1,5 +1,5 @@
 //===- DependencyCheckTest.cpp - Every schedule against docs/contracts.md#semantics, read a second
-//time --===//
+// time --===//
 //
 // The verifier, the comm lowering and the simulator share one reading of
 // docs/contracts.md#semantics (ir/Semantics.h, ir/CostModel.h): a wrong rule there would pass all

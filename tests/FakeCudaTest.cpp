@@ -11,8 +11,8 @@
 // choose their kernels by it, and a GPU older than the build's oldest code is refused.
 //
 //===----------------------------------------------------------------------===//
-#include "kernels/cuda/CudaOps.h"
 #include "kernels/cuda/emu/FakeCuda.h"
+#include "kernels/cuda/CudaOps.h"
 #include "runtime/cuda/DeviceArena.h"
 
 #include <cuda_runtime_api.h>

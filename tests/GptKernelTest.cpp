@@ -204,11 +204,14 @@ std::vector<Variant> variants() {
   GptConfig mixB = tinyConfig(); // rmsnorm, gelu, rope, multi-head, biases, a large eps
   mixB.rmsnorm = mixB.rope = true;
   mixB.ropeTheta = 500000;
-  mixB.normEps = 0.25f; // large enough that a kernel ignoring it misses the double model
+  mixB.normEps = 0.25f;  // large enough that a kernel ignoring it misses the double model
   GptConfig mqa = llama; // one key/value head (multi-query)
   mqa.kvHeads = 1;
-  return {{"Gpt2", tinyConfig()}, {"Llama", llama}, {"LayernormSwigluGqa", mixA},
-          {"RmsnormGeluRope", mixB}, {"MultiQuery", mqa}};
+  return {{"Gpt2", tinyConfig()},
+          {"Llama", llama},
+          {"LayernormSwigluGqa", mixA},
+          {"RmsnormGeluRope", mixB},
+          {"MultiQuery", mqa}};
 }
 
 class GptVariantTest : public ::testing::TestWithParam<GptConfig> {};
@@ -241,8 +244,8 @@ struct Ref {
           var += (x[r * c + k] - mean) * (x[r * c + k] - mean) / c;
       }
       for (int k = 0; k < c; ++k)
-        y[r * c + k] = (x[r * c + k] - mean) / std::sqrt(var + double(cfg.normEps)) * w[k] +
-                       (b ? b[k] : 0.0);
+        y[r * c + k] =
+            (x[r * c + k] - mean) / std::sqrt(var + double(cfg.normEps)) * w[k] + (b ? b[k] : 0.0);
     }
     return y;
   }
@@ -334,8 +337,8 @@ struct Ref {
         for (int p = 0; p < t; ++p)
           for (int k = 0; k < f; ++k) {
             const double gate = pre[p * fcw + k];
-            hidden[p * f + k] = cfg.swiglu ? gate / (1 + std::exp(-gate)) * pre[p * fcw + f + k]
-                                           : gelu(gate);
+            hidden[p * f + k] =
+                cfg.swiglu ? gate / (1 + std::exp(-gate)) * pre[p * fcw + f + k] : gelu(gate);
           }
         Mat m = linear(hidden, t, f, c, projw, projb);
         for (size_t k = 0; k < x.size(); ++k)
@@ -567,7 +570,7 @@ TEST(GptKernelTest, LlamaShardsSplitQueryAndKeyValueHeadsAndGateAndUpSeparately)
   cfg.kvHeads = 2;
   cfg.bias = false;
   const size_t c = 16;
-  EXPECT_EQ(layerParamCount(cfg, 0, 1), 16 * c);                    // wte only
+  EXPECT_EQ(layerParamCount(cfg, 0, 1), 16 * c);                       // wte only
   EXPECT_EQ(layerParamCount(cfg, cfg.numLayers() - 1, 1), c + 16 * c); // lnf.w, lm.w
   // ln1.w, qkv.w, attn.w, ln2.w, fc.w, proj.w: the published formula h(h + 2kv) + h^2 + 3hf + 2h.
   EXPECT_EQ(layerParamCount(cfg, 1, 1), c * (c + 16) + c * c + 3 * c * 32 + 2 * c);
@@ -625,13 +628,13 @@ TEST_P(GptVariantTest, TheTensorsEveryTpRankHoldsWholeAreTheReplicatedOnes) {
   const GptConfig cfg = GetParam();
   // Gpt.h's layout: a block's layernorms and its row-parallel biases are whole on every rank.
   if (cfg.isGpt2()) {
-  EXPECT_EQ(paramTensorsReplicated(cfg, 1),
-            (std::vector<bool>{true, true, false, false, false, true, true, true, false, false,
-                               false, true}));
-  // The vocabulary tables are split by rows (vocab-parallel); wpe and lnf are whole.
-  EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{false, true}));
-  EXPECT_EQ(paramTensorsReplicated(cfg, cfg.numLayers() - 1),
-            (std::vector<bool>{true, true, false}));
+    EXPECT_EQ(paramTensorsReplicated(cfg, 1),
+              (std::vector<bool>{true, true, false, false, false, true, true, true, false, false,
+                                 false, true}));
+    // The vocabulary tables are split by rows (vocab-parallel); wpe and lnf are whole.
+    EXPECT_EQ(paramTensorsReplicated(cfg, 0), (std::vector<bool>{false, true}));
+    EXPECT_EQ(paramTensorsReplicated(cfg, cfg.numLayers() - 1),
+              (std::vector<bool>{true, true, false}));
   }
   // ... and exactly the tensors whose size does not shrink with tp.
   for (int l = 0; l < cfg.numLayers(); ++l) {
@@ -859,8 +862,7 @@ TEST(GptKernelTest, SameCallsGiveBitIdenticalResults) {
   EXPECT_EQ(a.grads, b.grads);
 }
 
-INSTANTIATE_TEST_SUITE_P(Blocks, GptVariantTest,
-                         ::testing::ValuesIn([] {
+INSTANTIATE_TEST_SUITE_P(Blocks, GptVariantTest, ::testing::ValuesIn([] {
                            std::vector<GptConfig> out;
                            for (const Variant &v : variants())
                              out.push_back(v.cfg);

@@ -72,8 +72,8 @@ TEST_P(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinTenPercent) {
   for (const Case &c : kCases) {
     SCOPED_TRACE(fmt::format("{} pp={} m={} vpp={} seq_splits={} tp={} dp={}", c.schedule, c.pp,
                              c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
-    Plan plan = compileOrFail(model(), options(c.schedule, c.pp, c.microbatches, c.vpp,
-                                               c.seqSplits, c.tp, c.dp));
+    Plan plan = compileOrFail(
+        model(), options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
     ASSERT_FALSE(verifyPlan(plan));
     auto data = syntheticData(32, /*seed=*/3);
     CpuRunOptions o;

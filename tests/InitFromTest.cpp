@@ -195,8 +195,7 @@ pipec::kernels::GptConfig tinyLlamaConfig() {
 std::map<std::string, Tensor> llamaTensors(const pipec::kernels::GptConfig &c, uint64_t seed) {
   const int64_t C = c.channels, V = c.vocab, F = c.ffn, K = int64_t(c.kvHeads) * (C / c.heads);
   std::map<std::string, Tensor> out;
-  auto vec = [&](const std::vector<float> &layer, size_t &at, const std::string &name,
-                 int64_t n) {
+  auto vec = [&](const std::vector<float> &layer, size_t &at, const std::string &name, int64_t n) {
     out[name] = Tensor{"F32", {n}, {layer.begin() + long(at), layer.begin() + long(at + n)}};
     at += size_t(n);
   };
@@ -323,9 +322,9 @@ TEST(InitFromTest, ALlamaCheckpointOfTheSeededWeightsGivesTheSeededRunBitForBit)
   for (const char *layout : kLayouts) {
     std::string plan = compile("examples/tiny-llama.json", layout);
     auto seeded = runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 2 --seed 3");
-    auto loaded = runCommand(tool("piperun") + " " + plan +
-                             " --backend cpu --steps 2 --seed 3 --check-reference --init-from " +
-                             file);
+    auto loaded =
+        runCommand(tool("piperun") + " " + plan +
+                   " --backend cpu --steps 2 --seed 3 --check-reference --init-from " + file);
     ASSERT_EQ(seeded.code, 0) << seeded.err;
     ASSERT_EQ(loaded.code, 0) << layout << "\n" << loaded.out << loaded.err;
     auto want = stepLosses(seeded.out), got = stepLosses(loaded.out);
@@ -345,11 +344,16 @@ TEST(InitFromTest, ABadLlamaFileIsRefusedWithOneLineBeforeAnyStep) {
       {"missing", [](auto &t) { t.erase("model.layers.3.mlp.up_proj.weight"); },
        "missing tensor model.layers.3.mlp.up_proj.weight (shape [96, 32]) of a Llama model with "
        "4 blocks"},
-      {"extra", [](auto &t) { t["model.layers.0.self_attn.q_proj.bias"] = Tensor{"F32", {32}, std::vector<float>(32)}; },
+      {"extra",
+       [](auto &t) {
+         t["model.layers.0.self_attn.q_proj.bias"] = Tensor{"F32", {32}, std::vector<float>(32)};
+       },
        "extra tensor model.layers.0.self_attn.q_proj.bias (shape [32]) is not a parameter of a "
        "Llama model with 4 blocks"},
       {"transposed",
-       [](auto &t) { t["model.layers.1.mlp.down_proj.weight"].shape = {96, 32}; },
+       [](auto &t) {
+         t["model.layers.1.mlp.down_proj.weight"].shape = {96, 32};
+       },
        "tensor model.layers.1.mlp.down_proj.weight has shape [96, 32]; the model needs [32, 96]"},
       {"untied without a head", [](auto &t) { t.erase("lm_head.weight"); },
        "missing tensor lm_head.weight (shape [64, 32]): the model's head is untied"},
@@ -364,7 +368,8 @@ TEST(InitFromTest, ABadLlamaFileIsRefusedWithOneLineBeforeAnyStep) {
     auto r = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from " + file);
     EXPECT_EQ(r.code, 2) << b.what << "\n" << r.err;
     EXPECT_NE(r.err.find("--init-from " + file + ": " + b.message), std::string::npos)
-        << b.what << "\n" << r.err;
+        << b.what << "\n"
+        << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     EXPECT_TRUE(stepLosses(r.out).empty()) << r.out;
   }

@@ -12,9 +12,9 @@
 #include "ir/PlanText.h"
 #include "kernels/cpu/Gpt.h"
 #include "runtime/Data.h"
+#include "runtime/Reference.h"
 #include "runtime/Runner.h"
 #include "runtime/cpu/CpuRun.h"
-#include "runtime/Reference.h"
 #include "schedules/Policy.h"
 
 #include <atomic>

@@ -72,8 +72,8 @@ TEST(UntrustedPlanTest, AnExtraCopyOfATpAllReduceIsRefusedByTheVerifierAndByTheR
       size_t at = rng() % (stream.size() + 1);
       Instruction copy = stream[n];
       stream.insert(stream.begin() + long(at), copy);
-      std::string where = fmt::format("{} trial {}: copy of rank {} step {} at {}", c.name,
-                                      trial, r, n, at);
+      std::string where =
+          fmt::format("{} trial {}: copy of rank {} step {} at {}", c.name, trial, r, n, at);
       llvm::Error err = verifyPlan(bad);
       ASSERT_TRUE(bool(err)) << where;
       EXPECT_TRUE(err.isA<Finding>()) << where;
@@ -192,8 +192,8 @@ TEST(UntrustedPlanTest, MutatedPlansTrainCorrectlyWhenAcceptedAndNeverCrashTheRu
       if (ok) {
         // Accepted: it must be right (a harmless swap or move, say).
         ++accepted;
-        ASSERT_TRUE(bool(run)) << where << ": accepted but failed: "
-                               << takeMessage(run.takeError());
+        ASSERT_TRUE(bool(run)) << where
+                               << ": accepted but failed: " << takeMessage(run.takeError());
         EXPECT_LE(run->grads.maxAbsDiff, 1e-5 * run->grads.scale) << where;
         continue;
       }

@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(128)
   }
   case WgmmaLayoutCase::SharedMNMajorAMNMajorB: {
     float acc[32];
-    // As the experimental backward's dQ: A's k-rows of 64 m-values, B's k-rows of a 64-column block.
+    // As the experimental backward's dQ: A's k-rows of 64 m-values, B's k-rows of a 64-column
+    // block.
     const uint64_t aDesc = wgmmaDescriptor(aTile, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
     const uint64_t bDesc =
         wgmmaDescriptor(bTile + 64 * 64, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);

@@ -2,8 +2,8 @@
 //-*-===//
 //
 // For //tests:wgmma_layout_test (on a GPU: what the hardware makes of our shared-memory layouts
-// and descriptors) and //tests:wgmma_layout_test_kernel_emu (the kernel emulator's reading of the same).
-// Each case is one warpgroup computing D = A B through the operand forms of the attention
+// and descriptors) and //tests:wgmma_layout_test_kernel_emu (the kernel emulator's reading of the
+// same). Each case is one warpgroup computing D = A B through the operand forms of the attention
 // kernels (the forward of kernels/cuda/AttentionWgmma.cu, the experimental backward of
 // kernels/cuda/experimental/AttentionBackward.cu), with tiles of 64 rows x 128 bf16 columns in
 // its 128-byte swizzled layout (two blocks of 64 columns; row r's 16-byte chunk j at chunk

@@ -299,8 +299,7 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv) {
   else if (cmd == "plan") {
     keepFreedMemoryForPlanning(); // this process only plans (compiler/Planner.h)
     err = runPlanCommand(argc, argv);
-  }
-  else if (cmd == "spec")
+  } else if (cmd == "spec")
     err = runSpecCommand(argc, argv);
   else
     err = inputError("unknown command '{}' (commands: compile, validate, simulate, show, "

@@ -323,10 +323,8 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
 /// What each rank holds, allocated before step 0: its weights, gradients and optimizer state
 /// (`pipec compile`'s static bytes), and the arena its steps allocate from (the sizing pass).
 void printMemory(const CudaRunResult &sofar, const char *whose) {
-  say("weights, gradients and optimizer state MiB ({}): {}\n", whose,
-      mibColumns(sofar.stateBytes));
-  say("activation arena MiB ({}; sized before step 0): {}\n", whose,
-      mibColumns(sofar.arenaBytes));
+  say("weights, gradients and optimizer state MiB ({}): {}\n", whose, mibColumns(sofar.stateBytes));
+  say("activation arena MiB ({}; sized before step 0): {}\n", whose, mibColumns(sofar.arenaBytes));
 }
 
 /// The GPU backend `r` asks for, its compute type chosen and its first lines printed (in the
@@ -374,8 +372,9 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 }
 #endif
 
-/// The last line with --steps N (N >= 3; docs/runtime.md#measured-against-predicted): the median step (the first, a
-/// warm-up, dropped) against `predictedMs`, the plan simulated as piperun executes it.
+/// The last line with --steps N (N >= 3; docs/runtime.md#measured-against-predicted): the median
+/// step (the first, a warm-up, dropped) against `predictedMs`, the plan simulated as piperun
+/// executes it.
 std::optional<std::string> stepTimeLine(std::optional<double> predictedMs,
                                         const std::vector<double> &stepMs) {
   if (stepMs.size() < 3 || !predictedMs || !(*predictedMs > 0))

@@ -4,8 +4,8 @@
 # counts as skipped, not passed). GPU tests (tag requires-gpu) run only where nvidia-smi sees a
 # GPU. --sanitizers (what .ci/run passes) also runs the sanitizer selections below, under
 # ASan + UBSan and under TSan (docs/testing.md), and counts their cases too, and builds every
-# target under Bazel's layering_check (--config=layering): a build that fails counts as one
-# failed case.
+# target under Bazel's layering_check (--config=layering), one case. The clang-format check
+# (tools/check_format.sh) is one case too, always.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 sanitizers=0
@@ -85,6 +85,13 @@ count() {
 
 bazel test //... $filter --test_output=errors || status=1
 count "$query"
+# Every C++ and CUDA source as clang-format 14 writes it (tools/check_format.sh): one case.
+if bash tools/check_format.sh; then
+  passed=$((passed + 1))
+else
+  status=1
+  failed=$((failed + 1))
+fi
 if [ "$sanitizers" -eq 1 ]; then
   # shellcheck disable=SC2086
   PIPEC_FUZZ_SECONDS=${PIPEC_FUZZ_SECONDS:-10} bazel test --config=asan $asan_targets \
@@ -95,7 +102,9 @@ if [ "$sanitizers" -eq 1 ]; then
   count "tests(set($tsan_targets))" --config=tsan
   # Every #include of a project or library header names a target in the includer's deps. The
   # check is in the compiles: the object files only, nothing linked.
-  if ! bazel build --config=layering --output_groups=compilation_outputs //... --keep_going; then
+  if bazel build --config=layering --output_groups=compilation_outputs //... --keep_going; then
+    passed=$((passed + 1))
+  else
     status=1
     failed=$((failed + 1))
   fi

@@ -36,8 +36,8 @@ void matmulTBackwardInput(float *dIn, const float *dOut, const float *w, int n, 
 /// dW (o, i) += dOut^T @ in.
 void matmulTBackwardWeight(float *dW, const float *in, const float *dOut, int n, int i, int o);
 
-/// Layernorm over the last axis (eps 1e-5 unless given): out = (in - mean) * rstd * w + b, all (n, c); the
-/// per-row mean and rstd (n) are kept for the backwards. b may be null (no shift).
+/// Layernorm over the last axis (eps 1e-5 unless given): out = (in - mean) * rstd * w + b, all (n,
+/// c); the per-row mean and rstd (n) are kept for the backwards. b may be null (no shift).
 void layernormForward(float *out, float *mean, float *rstd, const float *in, const float *w,
                       const float *b, int n, int c, float eps = 1e-5f);
 /// dIn (n, c) += the gradient of in from dOut (n, c).

@@ -548,7 +548,6 @@ __global__ void __launch_bounds__(tc::kThreads)
   tc::storeRows<HD>(dv, dvAcc, 1.0f, /*accumulate=*/true, kw0, s.keys(), g, tg, keyRow);
 }
 
-
 template <int HD>
 cudaError_t launchForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
                           const Dims &s, cudaStream_t stream) {
@@ -565,10 +564,10 @@ cudaError_t launchBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut, con
   const float scale = 1.0f / std::sqrt(float(HD));
   const dim3 queryGrid(ceilDiv(s.queries, 64), unsigned(s.batch * s.heads));
   const dim3 keyGrid(ceilDiv(s.keys(), 64), unsigned(s.batch * s.heads));
-  if (cudaError_t err = launchWithSmem(
-          backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
-          tc::backwardQuerySharedBytes(HD), tc::backwardQuerySharedBytes(HD), stream, dq, dOut,
-          lse, rowDot, q, k, v, s, scale))
+  if (cudaError_t err =
+          launchWithSmem(backwardQueryTensorCoreKernel<HD>, queryGrid, tc::kThreads,
+                         tc::backwardQuerySharedBytes(HD), tc::backwardQuerySharedBytes(HD), stream,
+                         dq, dOut, lse, rowDot, q, k, v, s, scale))
     return err;
   return launchWithSmem(backwardKeyValueTensorCoreKernel<HD>, keyGrid, tc::kThreads,
                         tc::backwardKeyValueSharedBytes(HD), tc::backwardKeyValueSharedBytes(HD),
@@ -607,9 +606,8 @@ bool mmaSyncHeadDim(int headDim) {
 
 cudaError_t mmaSyncForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v,
                            const Dims &s, cudaStream_t stream) {
-  return withHeadDim(s.headDim, [&]<int HD>() {
-    return launchForward<HD>(out, lse, q, k, v, s, stream);
-  });
+  return withHeadDim(s.headDim,
+                     [&]<int HD>() { return launchForward<HD>(out, lse, q, k, v, s, stream); });
 }
 
 cudaError_t mmaSyncBackward(bf16 *dq, float *dk, float *dv, const bf16 *dOut, const float *lse,

@@ -49,14 +49,14 @@ namespace {
 
 using namespace device;
 
-constexpr int kGroups = 2;                       // warpgroups a block
-constexpr int kThreads = kGroups * 128;          // threads a block
-constexpr int kBlockQueries = kGroups * 64;      // query rows a block
-constexpr int kBlockKeys = 64;                   // keys a tile
-constexpr int kStages = 4;                       // K/V buffers
-constexpr int kAhead = 2;                        // tiles loading ahead of the one scored
-constexpr int kBarrierBytes = 64;                // the buffers' `full` and `empty` mbarriers
-constexpr uint32_t kAtomBytes = 1024;            // the swizzle's atom: 8 rows of 128 bytes
+constexpr int kGroups = 2;                         // warpgroups a block
+constexpr int kThreads = kGroups * 128;            // threads a block
+constexpr int kBlockQueries = kGroups * 64;        // query rows a block
+constexpr int kBlockKeys = 64;                     // keys a tile
+constexpr int kStages = 4;                         // K/V buffers
+constexpr int kAhead = 2;                          // tiles loading ahead of the one scored
+constexpr int kBarrierBytes = 64;                  // the buffers' `full` and `empty` mbarriers
+constexpr uint32_t kAtomBytes = 1024;              // the swizzle's atom: 8 rows of 128 bytes
 constexpr uint32_t kBlockBytes = kBlockKeys * 128; // a tile's 64 head dims of its 64 rows
 
 /// The mbarriers, the K/V buffers (64 rows of HD each, K then V) and 1024 bytes to align them.
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     o[i] = 0.0f;
   // Running row maxima of the scores times scaleLog2, and row sums of 2^(that - max).
   float rowMax[2] = {-INFINITY, -INFINITY}, rowSum[2] = {0.0f, 0.0f};
-  float sc[kBlockKeys / 2];         // the tile's scores, then its probabilities
+  float sc[kBlockKeys / 2];        // the tile's scores, then its probabilities
   uint32_t pf[kBlockKeys / 16][4]; // P of the last scored tile, as P V's A fragments
 
   // One descriptor a tile; a k-step's is that plus its byte offset in 16-byte units (the start
@@ -290,8 +290,8 @@ cudaError_t launchForward(bf16 *out, float *lse, const bf16 *q, const bf16 *k, c
                           const Dims &s, cudaStream_t stream) {
   const dim3 grid(ceilDiv(s.queries, kBlockQueries), unsigned(s.batch * s.heads));
   const size_t smem = sharedBytes(HD);
-  return launchWithSmem(forwardWgmmaKernel<HD>, grid, kThreads, smem, smem, stream, out, lse, q,
-                        k, v, s, 1.0f / std::sqrt(float(HD)));
+  return launchWithSmem(forwardWgmmaKernel<HD>, grid, kThreads, smem, smem, stream, out, lse, q, k,
+                        v, s, 1.0f / std::sqrt(float(HD)));
 }
 
 } // namespace

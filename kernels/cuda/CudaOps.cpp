@@ -23,8 +23,8 @@
 
 #include <algorithm>
 #include <array>
-#include <iterator>
 #include <cmath>
+#include <iterator>
 #include <map>
 #include <utility>
 

@@ -81,8 +81,8 @@ public:
   /// borrows `stream`, a cudaStream_t, which the context then does not destroy), a cuBLASLt
   /// handle and a 32 MiB workspace. Every op queued through the context chooses its kernels by
   /// the device and `config`.
-  static llvm::Expected<std::unique_ptr<CudaContext>>
-  create(int device, const KernelConfig &config, void *stream = nullptr);
+  static llvm::Expected<std::unique_ptr<CudaContext>> create(int device, const KernelConfig &config,
+                                                             void *stream = nullptr);
   /// The workspace's size: the device memory create() allocates.
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
   ~CudaContext();

@@ -173,8 +173,8 @@ static llvm::Error checkAttention(const char *op, const AttentionShape &s) {
     return shapeError(fmt::format("{}: batch x heads = {} is over 65535 (grid y)", op,
                                   size_t(s.batch) * s.heads));
   if (s.kvHeads < 0 || (s.kvHeads > 0 && s.heads % s.kvHeads != 0))
-    return shapeError(fmt::format("{}: kvHeads {} does not divide heads {}", op, s.kvHeads,
-                                  s.heads));
+    return shapeError(
+        fmt::format("{}: kvHeads {} does not divide heads {}", op, s.kvHeads, s.heads));
   return llvm::Error::success();
 }
 

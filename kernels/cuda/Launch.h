@@ -66,9 +66,9 @@ cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const voi
 // Llama.cu (kernels/cpu/LlamaOps.h's formulas)
 cudaError_t rmsnormForward(DType dtype, void *out, float *rstd, const void *in, const void *w,
                            int n, int c, float eps, cudaStream_t stream);
-cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
-                                           const void *in, const float *rstd, const void *w,
-                                           int n, int c, cudaStream_t stream);
+cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut, const void *in,
+                                           const float *rstd, const void *w, int n, int c,
+                                           cudaStream_t stream);
 /// dW (c) += sum over rows of dOut * in * rstd; `partials`: columnSumScratchFloats(n, c, 1)
 /// floats (cudaErrorInvalidValue if null when needed).
 cudaError_t rmsnormBackwardWeight(DType dtype, float *dW, const void *dOut, const void *in,
@@ -76,8 +76,8 @@ cudaError_t rmsnormBackwardWeight(DType dtype, float *dW, const void *dOut, cons
                                   cudaStream_t stream);
 cudaError_t swigluForward(DType dtype, void *out, const void *pre, int n, int f,
                           cudaStream_t stream);
-cudaError_t swigluBackward(DType dtype, void *dPre, const void *dOut, const void *pre, int n,
-                           int f, cudaStream_t stream);
+cudaError_t swigluBackward(DType dtype, void *dPre, const void *dOut, const void *pre, int n, int f,
+                           cudaStream_t stream);
 /// Rotary embeddings in place (`backward`: the transposed rotation); cudaErrorInvalidValue for
 /// an odd head size.
 cudaError_t rope(DType dtype, void *x, const int32_t *positions, int rows, int heads, int headDim,

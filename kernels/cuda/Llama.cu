@@ -59,8 +59,7 @@ __global__ void rmsnormForwardKernel(T *__restrict__ out, float *__restrict__ rs
 // dIn (n, c) += rstd * (w dOut - xhat * mean(w dOut xhat)), xhat = in * rstd.
 template <typename T>
 __global__ void rmsnormBackwardInputKernel(T *__restrict__ dIn, const T *__restrict__ dOut,
-                                           const T *__restrict__ in,
-                                           const float *__restrict__ rstd,
+                                           const T *__restrict__ in, const float *__restrict__ rstd,
                                            const T *__restrict__ w, int n, int c) {
   const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
@@ -154,21 +153,19 @@ cudaError_t rmsnormForward(DType dtype, void *out, float *rstd, const void *in, 
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream, rmsnormForwardKernel<T>)
-    (static_cast<T *>(out), rstd, static_cast<const T *>(in), static_cast<const T *>(w), n, c,
-     eps);
+    (static_cast<T *>(out), rstd, static_cast<const T *>(in), static_cast<const T *>(w), n, c, eps);
     return cudaGetLastError();
   });
 }
 
-cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut,
-                                           const void *in, const float *rstd, const void *w,
-                                           int n, int c, cudaStream_t stream) {
+cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *dOut, const void *in,
+                                           const float *rstd, const void *w, int n, int c,
+                                           cudaStream_t stream) {
   if (n == 0 || c == 0)
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream,
-                 rmsnormBackwardInputKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream, rmsnormBackwardInputKernel<T>)
     (static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), rstd,
      static_cast<const T *>(w), n, c);
     return cudaGetLastError();
@@ -206,8 +203,8 @@ cudaError_t swigluForward(DType dtype, void *out, const void *pre, int n, int f,
   });
 }
 
-cudaError_t swigluBackward(DType dtype, void *dPre, const void *dOut, const void *pre, int n,
-                           int f, cudaStream_t stream) {
+cudaError_t swigluBackward(DType dtype, void *dPre, const void *dOut, const void *pre, int n, int f,
+                           cudaStream_t stream) {
   if (n == 0 || f == 0)
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {

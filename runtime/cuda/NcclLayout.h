@@ -61,8 +61,8 @@ const std::vector<Launcher> &launchers();
 
 struct LaunchEnv {
   int rank = 0, worldSize = 1, localRank = 0;
-  Coord coord;                                     // of `rank`
-  std::optional<std::string> commId;               // NCCL_COMM_ID, required when worldSize > 1
+  Coord coord;                       // of `rank`
+  std::optional<std::string> commId; // NCCL_COMM_ID, required when worldSize > 1
   // NCCL's own settings (NCCL reads them itself), for the errors that explain its failures:
   std::optional<std::string> hostId; // NCCL_HOSTID
   /// How long a rank other than 0 retries connecting to RANK 0's bootstrap root: the k-th of

@@ -46,8 +46,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     ops += rank.size();
   if (ops > 4096)
     return 0; // the parse is what this target is for; keep each input fast
-  auto result = compileImported(model(), ClusterSpec::defaults(), *order, ImportOptions{},
-                                "fuzz.csv");
+  auto result =
+      compileImported(model(), ClusterSpec::defaults(), *order, ImportOptions{}, "fuzz.csv");
   if (!result) {
     fuzz::refused(result.takeError());
     return 0;
@@ -59,8 +59,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   auto again = parseSchedule(*csv, "exported.csv");
   FUZZ_CHECK(bool(again), "an exported CSV parses");
-  auto back = compileImported(model(), ClusterSpec::defaults(), *again, ImportOptions{},
-                              "exported.csv");
+  auto back =
+      compileImported(model(), ClusterSpec::defaults(), *again, ImportOptions{}, "exported.csv");
   FUZZ_CHECK(bool(back), "an exported CSV compiles");
   FUZZ_CHECK(writePlanJson(back->plan) == writePlanJson(result->plan),
              "export then import gives the same plan");

@@ -70,8 +70,8 @@ llvm::Error checkGroups(const char *op, const AttentionShape &s) {
 }
 
 ops::GroupedAttentionShape cpuShape(const AttentionShape &s) {
-  return ops::GroupedAttentionShape{s.batch,     s.queries,         s.begin,
-                                    s.heads,     s.kvHeadCount(),   s.headDim};
+  return ops::GroupedAttentionShape{s.batch, s.queries,       s.begin,
+                                    s.heads, s.kvHeadCount(), s.headDim};
 }
 
 } // namespace

@@ -41,8 +41,8 @@ llvm::Error attentionBackwardWgmma(CudaContext &ctx, DqMode mode, DType dtype, v
                     "kernels allowed (this one is {}.{}, {}), bf16 (got {}), head dimension 64 "
                     "or 128 (got {}) and 16-byte aligned tensors",
                     ctx.computeCapability() / 10, ctx.computeCapability() % 10,
-                    ctx.kernelConfig().hopperKernels ? "allowed" : "not allowed",
-                    toString(dtype), s.headDim));
+                    ctx.kernelConfig().hopperKernels ? "allowed" : "not allowed", toString(dtype),
+                    s.headDim));
   if (size_t(s.batch) * s.heads > 65535)
     return llvm::createStringError(llvm::inconvertibleErrorCode(),
                                    fmt::format("attentionBackwardWgmma: batch x heads = {} is "

@@ -770,7 +770,6 @@ cudaError_t launchWgmmaKeyValueGrad(bf16 *dq, float *dk, float *dv, const Scratc
   return cudaSuccess;
 }
 
-
 } // namespace
 
 namespace launch {
@@ -782,8 +781,8 @@ size_t scratchFloats(DqMode mode, AttentionDims s) {
 }
 
 cudaError_t attentionBackwardWgmma(DqMode mode, void *dq, float *dk, float *dv, const void *dOut,
-                                   const void *out, const float *lse, const void *q,
-                                   const void *k, const void *v, float *scratch, AttentionDims dims,
+                                   const void *out, const float *lse, const void *q, const void *k,
+                                   const void *v, float *scratch, AttentionDims dims,
                                    cudaStream_t stream) {
   const Dims s = attention::toDims(dims);
   if (s.batch == 0 || s.queries == 0 || s.heads == 0)
@@ -805,8 +804,8 @@ cudaError_t attentionBackwardWgmma(DqMode mode, void *dq, float *dk, float *dv, 
       return launchWgmmaKeyValueGrad<HD, DqMode::FloatAtomics>(dqT, dk, dv, parts, dOutT, lse, qT,
                                                                kT, vT, s, stream);
     case DqMode::FixedPoint:
-      return launchWgmmaKeyValueGrad<HD, DqMode::FixedPoint>(dqT, dk, dv, parts, dOutT, lse, qT,
-                                                             kT, vT, s, stream);
+      return launchWgmmaKeyValueGrad<HD, DqMode::FixedPoint>(dqT, dk, dv, parts, dOutT, lse, qT, kT,
+                                                             vT, s, stream);
     case DqMode::Separate:
       break;
     }

@@ -51,8 +51,7 @@ protected:
       return;
     if (ctx->computeCapability() != 90)
       GTEST_SKIP() << "the Hopper attention kernels need a compute-capability-9.0 device (this one "
-                   << ctx->computeCapability() / 10 << "." << ctx->computeCapability() % 10
-                   << ")";
+                   << ctx->computeCapability() / 10 << "." << ctx->computeCapability() % 10 << ")";
   }
 
   /// The CPU reference's gradients of q, k, v (dk, dv added to dk0, dv0).
@@ -135,12 +134,13 @@ TEST_P(AttentionBackwardWgmmaTest, MatchesCpuInEveryDqMode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, AttentionBackwardWgmmaTest,
-    ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kModes)),
-    [](const ::testing::TestParamInfo<std::tuple<Case, DqMode>> &info) {
-      return std::string(std::get<0>(info.param).name) + "_" + modeName(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionBackwardWgmmaTest,
+                         ::testing::Combine(::testing::ValuesIn(kCases),
+                                            ::testing::ValuesIn(kModes)),
+                         [](const ::testing::TestParamInfo<std::tuple<Case, DqMode>> &info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  modeName(std::get<1>(info.param));
+                         });
 
 // Seq1F1B's slices, as tests/CudaKernelTest.cpp's CudaAttentionSlicesTest: four slices' forwards,
 // then their backwards in reverse order, every one adding to the same dK/dV, against the CPU
@@ -170,10 +170,9 @@ TEST_P(AttentionBackwardSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequen
     return static_cast<char *>(b.data()) + elements * sizeOf(dt);
   };
   for (int slice = 0; slice < slices; ++slice)
-    ASSERT_OK(attentionForward(*ctx, dt, at(out, slice * sliceSize),
-                               lse.as<float>() + size_t(slice) * heads * x,
-                               at(gq, slice * sliceSize), gk.data(), gv.data(),
-                               {1, x, slice * x, heads, hd}));
+    ASSERT_OK(attentionForward(
+        *ctx, dt, at(out, slice * sliceSize), lse.as<float>() + size_t(slice) * heads * x,
+        at(gq, slice * sliceSize), gk.data(), gv.data(), {1, x, slice * x, heads, hd}));
   for (int slice = slices - 1; slice >= 0; --slice)
     ASSERT_OK(attentionBackwardWgmma(
         *ctx, mode, dt, at(dq, slice * sliceSize), dk.as<float>(), dv.as<float>(),
@@ -186,7 +185,8 @@ TEST_P(AttentionBackwardSlicesTest, SlicesAccumulateKeyGradientsOfTheWholeSequen
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, AttentionBackwardSlicesTest,
-                         ::testing::Combine(::testing::Values(64, 128), ::testing::ValuesIn(kModes)),
+                         ::testing::Combine(::testing::Values(64, 128),
+                                            ::testing::ValuesIn(kModes)),
                          [](const ::testing::TestParamInfo<std::tuple<int, DqMode>> &info) {
                            return "hd" + std::to_string(std::get<0>(info.param)) + "_" +
                                   modeName(std::get<1>(info.param));
@@ -401,8 +401,8 @@ TEST_F(GpuTest, WhereTheHopperKernelsCannotRunTheBackwardIsAnErrorNamingWhy) {
   ASSERT_TRUE(bool(err));
   const std::string message = llvm::toString(std::move(err));
   EXPECT_NE(message.find("not allowed"), std::string::npos) << message;
-  llvm::Error fp32 = attentionBackwardWgmma(*ctx, DqMode::Separate, DType::F32, p, f, f, p, p, f,
-                                            p, p, p, hd64);
+  llvm::Error fp32 =
+      attentionBackwardWgmma(*ctx, DqMode::Separate, DType::F32, p, f, f, p, p, f, p, p, p, hd64);
   ASSERT_TRUE(bool(fp32));
   EXPECT_NE(llvm::toString(std::move(fp32)).find("bf16 (got fp32)"), std::string::npos);
 }

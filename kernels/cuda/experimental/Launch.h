@@ -29,8 +29,8 @@ size_t scratchFloats(DqMode mode, AttentionDims s);
 /// aligned: dq written, dk and dv (fp32) added to; `scratch` holds scratchFloats(mode, s)
 /// floats, 16-byte aligned.
 cudaError_t attentionBackwardWgmma(DqMode mode, void *dq, float *dk, float *dv, const void *dOut,
-                                   const void *out, const float *lse, const void *q,
-                                   const void *k, const void *v, float *scratch, AttentionDims s,
+                                   const void *out, const float *lse, const void *q, const void *k,
+                                   const void *v, float *scratch, AttentionDims s,
                                    cudaStream_t stream);
 
 } // namespace pipec::kernels::cuda::experimental::launch
