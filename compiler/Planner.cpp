@@ -232,6 +232,14 @@ private:
   bool compile(size_t index, Plan *out);
   llvm::Error explainNothingFits();
   llvm::Error explainNoLayout() const;
+  // explainNoLayout's arithmetic (no search): whether --pp allows pp; whether some microbatch
+  // size splits `perReplica` into a count a schedule takes at pp; the global batch nearest
+  // --global-batch for these (tp, pp) pairs, and the GPU count nearest --gpus for these tp
+  // values (0: none).
+  bool ppAllowed(int pp) const;
+  bool splits(int pp, int64_t perReplica) const;
+  int64_t nearestBatch(const std::vector<std::pair<int, int>> &pairs) const;
+  int64_t nearestGpus(const std::vector<int> &tps) const;
   std::vector<int64_t> microbatchSizesFor(int64_t perReplica) const;
   bool tpAllowed(int tp) const;
   bool scheduleOpen(int pp, int64_t microbatches) const;
@@ -871,11 +879,88 @@ double ratio(int64_t a, int64_t b) {
   return double(std::max(a, b)) / double(std::max<int64_t>(1, std::min(a, b)));
 }
 
+bool Search::ppAllowed(int pp) const {
+  return pp >= 1 && pp <= int(model.layers.size()) &&
+         (o.ppSizes.empty() || llvm::is_contained(o.ppSizes, pp));
+}
+
+bool Search::splits(int pp, int64_t perReplica) const {
+  for (int64_t b : microbatchSizesFor(perReplica))
+    if (perReplica % b == 0 && scheduleOpen(pp, perReplica / b))
+      return true;
+  return false;
+}
+
+int64_t Search::nearestBatch(const std::vector<std::pair<int, int>> &pairs) const {
+  // A multiple of dp·b near the batch, for every (tp, pp) and microbatch size (a few multiples
+  // each side, for schedules that take some counts only).
+  const int64_t batch = o.globalBatch;
+  int64_t best = 0;
+  auto offer = [&](int64_t b) {
+    if (b < 1 || b > kMaxGlobalBatch)
+      return;
+    if (!best || std::abs(b - batch) < std::abs(best - batch) ||
+        (std::abs(b - batch) == std::abs(best - batch) && b < best))
+      best = b;
+  };
+  for (auto [tp, pp] : pairs) {
+    int64_t dp = o.gpus / tp / pp;
+    std::vector<int64_t> sizes = o.microbatchSizes;
+    if (sizes.empty())
+      for (int64_t b = 1; b <= (model.isTransformer() ? o.maxMicrobatchSize : 1); ++b)
+        sizes.push_back(b);
+    for (int64_t b : sizes) {
+      int64_t unit = dp * b;
+      int64_t k0 = std::clamp<int64_t>(batch / unit, 1, kMostMicrobatches);
+      for (int64_t k = std::max<int64_t>(1, k0 - 8); k <= std::min(kMostMicrobatches, k0 + 9); ++k)
+        if (scheduleOpen(pp, k))
+          offer(k * unit);
+    }
+  }
+  return best;
+}
+
+int64_t Search::nearestGpus(const std::vector<int> &tps) const {
+  // tp · pp · dp with dp dividing the batch, for every tp and pp the flags allow, taking the
+  // divisors of the batch nearest the count asked.
+  const int64_t batch = o.globalBatch;
+  int64_t best = 0;
+  std::vector<int64_t> dps = divisorsOf64(batch);
+  auto offer = [&](int64_t g, int pp, int64_t dp) {
+    if (g < 1 || g > (int64_t(1) << 20) || !splits(pp, batch / dp))
+      return false;
+    if (!best || std::abs(g - o.gpus) < std::abs(best - o.gpus) ||
+        (std::abs(g - o.gpus) == std::abs(best - o.gpus) && g < best))
+      best = g;
+    return true;
+  };
+  for (int tp : tps)
+    for (int pp = 1; pp <= int(model.layers.size()); ++pp) {
+      if (!ppAllowed(pp))
+        continue;
+      int64_t per = int64_t(tp) * pp;
+      auto at = std::lower_bound(dps.begin(), dps.end(), std::max<int64_t>(1, o.gpus / per));
+      // The first dp each side of the share that passes (a few tries: schedules that take
+      // only some microbatch counts).
+      int tries = 0;
+      for (auto it = at; it != dps.end() && tries < 16; ++it, ++tries)
+        if (per * *it > (int64_t(1) << 20) || offer(per * *it, pp, *it))
+          break;
+      tries = 0;
+      for (auto it = at; it != dps.begin() && tries < 16; ++tries) {
+        --it;
+        if (offer(per * *it, pp, *it))
+          break;
+      }
+    }
+  return best;
+}
+
 llvm::Error Search::explainNoLayout() const {
   // No candidate passed the structural checks. Find the flag at fault and the nearest values
   // that pass, by arithmetic on the same rules enumerate() applies (tp, pp, dp = GPUs/(tp·pp)
   // dividing the batch into microbatches, a schedule taking pp and their count), never by
-  // running the search again: every loop below is over divisors or a few multiples.
+  // running the search again: every loop is over divisors or a few multiples.
   const int numLayers = int(model.layers.size());
   const int64_t batch = o.globalBatch;
   const int maxTp = model.isTransformer() ? std::max(1, o.gpus) : 1;
@@ -884,16 +969,6 @@ llvm::Error Search::explainNoLayout() const {
   for (int tp = 1; tp <= maxTp; ++tp)
     if (tpAllowed(tp))
       tps.push_back(tp);
-  auto ppAllowed = [&](int pp) {
-    return pp >= 1 && pp <= numLayers && (o.ppSizes.empty() || llvm::is_contained(o.ppSizes, pp));
-  };
-  // Does some microbatch size split `perReplica` into a count a schedule takes at pp?
-  auto splits = [&](int pp, int64_t perReplica) {
-    for (int64_t b : microbatchSizesFor(perReplica))
-      if (perReplica % b == 0 && scheduleOpen(pp, perReplica / b))
-        return true;
-    return false;
-  };
   auto list = [](const std::vector<int> &v) {
     std::string out;
     for (int x : v)
@@ -907,63 +982,8 @@ llvm::Error Search::explainNoLayout() const {
       for (int pp = 1; pp <= std::min(numLayers, o.gpus / tp); ++pp)
         if ((o.gpus / tp) % pp == 0 && ppAllowed(pp))
           pairs.push_back({tp, pp});
-
-  // The nearest global batch for this GPU count: a multiple of dp·b near the batch, for every
-  // (tp, pp) of it and microbatch size (a few multiples each side, for schedules that take
-  // some counts only).
-  int64_t bestBatch = 0;
-  auto offerBatch = [&](int64_t b) {
-    if (b < 1 || b > kMaxGlobalBatch)
-      return;
-    if (!bestBatch || std::abs(b - batch) < std::abs(bestBatch - batch) ||
-        (std::abs(b - batch) == std::abs(bestBatch - batch) && b < bestBatch))
-      bestBatch = b;
-  };
-  for (auto [tp, pp] : pairs) {
-    int64_t dp = o.gpus / tp / pp;
-    std::vector<int64_t> sizes = o.microbatchSizes;
-    if (sizes.empty())
-      for (int64_t b = 1; b <= (model.isTransformer() ? o.maxMicrobatchSize : 1); ++b)
-        sizes.push_back(b);
-    for (int64_t b : sizes) {
-      int64_t unit = dp * b;
-      int64_t k0 = std::clamp<int64_t>(batch / unit, 1, kMostMicrobatches);
-      for (int64_t k = std::max<int64_t>(1, k0 - 8); k <= std::min(kMostMicrobatches, k0 + 9); ++k)
-        if (scheduleOpen(pp, k))
-          offerBatch(k * unit);
-    }
-  }
-  // The nearest GPU count for this batch: tp · pp · dp with dp dividing the batch, for every
-  // tp and pp the flags allow, taking the divisors of the batch nearest the count asked.
-  int64_t bestGpus = 0;
-  std::vector<int64_t> dps = divisorsOf64(batch);
-  auto offerGpus = [&](int64_t g, int pp, int64_t dp) {
-    if (g < 1 || g > (int64_t(1) << 20) || !splits(pp, batch / dp))
-      return false;
-    if (!bestGpus || std::abs(g - o.gpus) < std::abs(bestGpus - o.gpus) ||
-        (std::abs(g - o.gpus) == std::abs(bestGpus - o.gpus) && g < bestGpus))
-      bestGpus = g;
-    return true;
-  };
-  for (int tp : tps)
-    for (int pp = 1; pp <= numLayers; ++pp) {
-      if (!ppAllowed(pp))
-        continue;
-      int64_t per = int64_t(tp) * pp;
-      auto at = std::lower_bound(dps.begin(), dps.end(), std::max<int64_t>(1, o.gpus / per));
-      // The first dp each side of the share that passes (a few tries: schedules that take
-      // only some microbatch counts).
-      int tries = 0;
-      for (auto it = at; it != dps.end() && tries < 16; ++it, ++tries)
-        if (per * *it > (int64_t(1) << 20) || offerGpus(per * *it, pp, *it))
-          break;
-      tries = 0;
-      for (auto it = at; it != dps.begin() && tries < 16; ++tries) {
-        --it;
-        if (offerGpus(per * *it, pp, *it))
-          break;
-      }
-    }
+  const int64_t bestBatch = nearestBatch(pairs);
+  const int64_t bestGpus = nearestGpus(tps);
 
   // --tp or --pp at fault: no value listed makes a layout of this GPU count.
   const std::string orGpus = bestGpus ? fmt::format(", or --gpus {}", bestGpus) : "";

@@ -187,6 +187,46 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
 // statistics where LayerNorm keeps 16N (the head's final norm 4N instead of 8N). These are
 // the rules the Llama kernels are to follow; until they exist nothing checks them against an
 // arena.
+void ModelSpec::setTransformer(const TransformerConfig &c) {
+  layers.clear();
+  double dt = double(c.dtypeBytes());
+  double h = double(c.hiddenSize), f = double(c.ffnHiddenSize), v = double(c.vocabSize);
+  double kv = double(c.kvHeads()) * (h / double(c.numAttentionHeads)); // K (or V) width
+  // A norm's scale, and LayerNorm's shift where the model has biases.
+  double normParams = c.norm == Norm::LayerNorm && c.bias ? 2 * h : h;
+  Layer emb;
+  emb.name = "embedding";
+  emb.kind = LayerKind::Embedding;
+  // Word embeddings, and the position table where positions are learned.
+  emb.paramBytes =
+      int64_t(v * h * dt + (c.position == Position::Learned ? double(c.seqLength) * h * dt : 0));
+  emb.tpAllReduces = 1; // vocab-parallel lookup ends in an all-reduce
+  layers.push_back(emb);
+  Layer block;
+  block.name = "block";
+  block.kind = LayerKind::Block;
+  // QKV (h·(h + 2kv) + biases), proj (h² + bias), MLP (2hf + f + h for GELU, 3hf + 2f + h
+  // for SwiGLU, less the biases without them), two norms. GPT-2: 4h² + 4h + 2hf + f + h + 4h.
+  double mlpMatrices = c.mlp == Mlp::SwiGlu ? 3 : 2, mlpBiases = c.mlp == Mlp::SwiGlu ? 2 * f : f;
+  double blockParams = h * (h + 2 * kv) + h * h + mlpMatrices * h * f + 2 * normParams;
+  if (c.bias)
+    blockParams += (h + 2 * kv) + h + mlpBiases + h;
+  block.paramBytes = int64_t(blockParams * dt);
+  block.tpAllReduces = 2;
+  for (int64_t i = 0; i < c.numLayers; ++i)
+    layers.push_back(block);
+  Layer head;
+  head.name = "lm_head";
+  head.kind = LayerKind::Head;
+  head.paramBytes = int64_t((v * h + normParams) * dt); // output embedding + final norm
+  head.tpAllReduces = 1;
+  layers.push_back(head);
+  // Megatron mixed precision: 2 (param) + 4 (fp32 grad) + 12 (fp32 master, Adam m and v)
+  // = 18 bytes per parameter, i.e. 9 per bf16 parameter byte; 16 / 4 = 4 in fp32.
+  stateBytesPerParamByte = c.dtype == "fp32" ? 4 : 9;
+  transformer = c;
+}
+
 /// Milliseconds of a GEMM of `flops` (on one rank) whose dimensions are m x k times k x n.
 static double gemmMs(const ClusterSpec &c, double flops, double m, double k, double n,
                      bool fp8 = false) {

@@ -203,6 +203,9 @@ struct ModelSpec {
   double stateBytesPerParamByte = 4;
   std::optional<TransformerConfig> transformer;
 
+  /// Makes this the transformer `c`: its layers (the embedding, c.numLayers blocks, the head)
+  /// with their parameter bytes and the mixed-precision state per parameter byte.
+  void setTransformer(const TransformerConfig &c);
   bool isTransformer() const { return transformer.has_value(); }
   /// "ms" for transformer models (derived from FLOPs), "unit" for abstract ones.
   llvm::StringRef timeUnit() const { return isTransformer() ? "ms" : "unit"; }

@@ -263,12 +263,33 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   return d;
 }
 
-} // namespace
+/// What pipec.plan returns: the ranked layouts, what was dropped, the best plan.
+py::dict planDict(PlanSearch &search) {
+  const PlannerResult &r = search.result;
+  py::dict out;
+  py::list ranked;
+  for (size_t i = 0; i < r.ranked.size(); ++i)
+    ranked.append(rankedDict(search, i));
+  out["ranked"] = ranked;
+  std::map<Outcome, size_t> count;
+  for (const PlanCandidate &c : r.candidates)
+    ++count[c.outcome];
+  py::dict dropped;
+  dropped["divisibility"] = count[Outcome::Divisibility];
+  dropped["constraint"] = count[Outcome::Constraint];
+  dropped["memory"] = count[Outcome::Memory];
+  dropped["pruned"] = count[Outcome::Pruned];
+  out["dropped"] = dropped;
+  out["searched"] = r.candidates.size();
+  out["memory_limit"] = r.memoryLimit;
+  out["min_headroom"] = r.minHeadroom;
+  out["tokens_per_step"] = r.tokensPerStep;
+  out["best"] = PyPlan{std::move(search.result.best), ""};
+  return out;
+}
 
-PYBIND11_MODULE(_pipec, m) {
-  m.doc() = "pipec's C++ library (the pipec package wraps it; use that)";
-  py::register_exception<FindingException>(m, "PlanError");
-
+/// The Plan class: a compiled, imported or loaded plan and what can be asked of it.
+void bindPlan(py::module_ &m) {
   py::class_<PyPlan>(m, "Plan")
       .def_property_readonly("schedule", [](const PyPlan &p) { return p.plan.schedule; })
       .def_property_readonly("model", [](const PyPlan &p) { return p.plan.model; })
@@ -305,7 +326,10 @@ PYBIND11_MODULE(_pipec, m) {
       .def("save", [](const PyPlan &p, const std::string &path) {
         check(writeFilesAtomically({OutputFile{"path", path, writePlanJson(p.plan)}}, {}));
       });
+}
 
+/// The commands: compile, plan, import, and the option tables they take.
+void bindCommands(py::module_ &m) {
   m.def(
       "compile",
       [](const std::vector<std::string> &flags) {
@@ -324,27 +348,7 @@ PYBIND11_MODULE(_pipec, m) {
           py::gil_scoped_release release;
           search = unwrap(planWithFlags(args));
         }
-        const PlannerResult &r = search->result;
-        py::dict out;
-        py::list ranked;
-        for (size_t i = 0; i < r.ranked.size(); ++i)
-          ranked.append(rankedDict(*search, i));
-        out["ranked"] = ranked;
-        std::map<Outcome, size_t> count;
-        for (const PlanCandidate &c : r.candidates)
-          ++count[c.outcome];
-        py::dict dropped;
-        dropped["divisibility"] = count[Outcome::Divisibility];
-        dropped["constraint"] = count[Outcome::Constraint];
-        dropped["memory"] = count[Outcome::Memory];
-        dropped["pruned"] = count[Outcome::Pruned];
-        out["dropped"] = dropped;
-        out["searched"] = r.candidates.size();
-        out["memory_limit"] = r.memoryLimit;
-        out["min_headroom"] = r.minHeadroom;
-        out["tokens_per_step"] = r.tokensPerStep;
-        out["best"] = PyPlan{std::move(search->result.best), ""};
-        return out;
+        return planDict(*search);
       },
       "plan(flags): `pipec plan` with CLI flags: the ranked layouts, what was dropped, the best "
       "plan");
@@ -366,7 +370,10 @@ PYBIND11_MODULE(_pipec, m) {
         return PyPlan{std::move(result.plan), report};
       },
       "import_schedule(text, source, flags): `pipec import` of text read from source");
+}
 
+/// Reading, checking, simulating and writing files.
+void bindFiles(py::module_ &m) {
   m.def(
       "read_text",
       [](const std::string &path) {
@@ -457,4 +464,15 @@ PYBIND11_MODULE(_pipec, m) {
         return out;
       },
       "list_schedules(): name, summary, constraints and placement of every schedule");
+}
+
+} // namespace
+
+PYBIND11_MODULE(_pipec, m) {
+  m.doc() = "pipec's C++ library (the pipec package wraps it; use that)";
+  py::register_exception<FindingException>(m, "PlanError");
+
+  bindPlan(m);
+  bindCommands(m);
+  bindFiles(m);
 }

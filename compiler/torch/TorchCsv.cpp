@@ -141,34 +141,77 @@ residentStages(const std::vector<llvm::SmallVector<int, 2>> &actions, size_t win
   return resident;
 }
 
-/// One rank's row of the compute+comms form.
-std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller) {
-  const std::vector<Instruction> &stream = plan.ranks[size_t(rank)];
+/// One rank's row of the compute+comms form, cell by cell.
+class CommsRow {
+public:
+  CommsRow(const Plan &plan, int rank, bool tiedByCaller)
+      : stream(plan.ranks[size_t(rank)]), tiedByCaller(tiedByCaller) {
+    for (size_t n = 0; n < stream.size(); ++n)
+      if (stream[n].isCompute()) {
+        computeAt.push_back(n);
+        compute.push_back(stream[n]);
+      }
+    pairStart = overlappedPairStarts(plan, rank, compute);
+    // The compute actions (a pair is one) and where FSDP keeps stages resident before each.
+    std::vector<llvm::SmallVector<int, 2>> actionStages;
+    for (size_t c = 0; c < compute.size(); ++c) {
+      if (pairStart[c]) {
+        actionStages.push_back({compute[c].stage, compute[c + 1].stage});
+        ++c;
+      } else {
+        actionStages.push_back({compute[c].stage});
+      }
+    }
+    constexpr size_t kMaxActiveStages = 3; // PyTorch's default max_active_stages
+    resident = residentStages(actionStages, kMaxActiveStages);
+    // With dp > 1 the plan has its dp all-reduces; with dp = 1 REDUCE_GRAD goes where
+    // lower-collectives would put them.
+    if (plan.parallel.dp == 1)
+      reduceAt = dpAllReducePoints(stream);
+  }
+
+  std::vector<std::string> cellsOf() && {
+    size_t action = 0;
+    for (size_t c = 0; c < compute.size(); ++c, ++action) {
+      size_t n = computeAt[c];
+      size_t prev = c == 0 ? 0 : computeAt[c - 1] + 1;
+      // Comm ops before this compute op (those after the previous one, in stream order).
+      for (size_t k = prev; k < n; ++k) {
+        reduceBefore(k);
+        nonCompute(stream[k]);
+      }
+      reduceBefore(n);
+      if (pairStart[c]) {
+        writePair(c, action);
+        ++c;
+        continue;
+      }
+      keepResident(action);
+      cells.push_back(computeCell(compute[c]));
+      afterCompute(compute[c]);
+    }
+    size_t tail = computeAt.empty() ? 0 : computeAt.back() + 1;
+    for (size_t k = tail; k < stream.size(); ++k) {
+      reduceBefore(k);
+      nonCompute(stream[k]);
+    }
+    reduceBefore(stream.size());
+    for (int s : active)
+      cells.push_back(fmt::format("{}RESHARD", s));
+    for (size_t k = 0; k < pendingSends.size(); ++k)
+      if (!waited[k])
+        cells.push_back(pendingSends[k]);
+    return std::move(cells);
+  }
+
+private:
+  const std::vector<Instruction> &stream;
+  const bool tiedByCaller;
   std::vector<size_t> computeAt;
   std::vector<Instruction> compute;
-  for (size_t n = 0; n < stream.size(); ++n)
-    if (stream[n].isCompute()) {
-      computeAt.push_back(n);
-      compute.push_back(stream[n]);
-    }
-  std::vector<bool> pairStart = overlappedPairStarts(plan, rank, compute);
-  // The compute actions (a pair is one) and where FSDP keeps stages resident before each.
-  std::vector<llvm::SmallVector<int, 2>> actionStages;
-  for (size_t c = 0; c < compute.size(); ++c) {
-    if (pairStart[c]) {
-      actionStages.push_back({compute[c].stage, compute[c + 1].stage});
-      ++c;
-    } else {
-      actionStages.push_back({compute[c].stage});
-    }
-  }
-  constexpr size_t kMaxActiveStages = 3; // PyTorch's default max_active_stages
-  std::vector<llvm::SmallVector<int, 4>> resident = residentStages(actionStages, kMaxActiveStages);
-  // With dp > 1 the plan has its dp all-reduces; with dp = 1 REDUCE_GRAD goes where
-  // lower-collectives would put them.
+  std::vector<bool> pairStart;
+  std::vector<llvm::SmallVector<int, 4>> resident;
   std::vector<llvm::SmallVector<int, 2>> reduceAt;
-  if (plan.parallel.dp == 1)
-    reduceAt = dpAllReducePoints(stream);
 
   std::vector<std::string> cells;
   llvm::SmallVector<int, 4> active;      // unsharded stages, in the order they were fetched
@@ -176,17 +219,19 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
   std::map<std::tuple<int, int>, size_t> pendingForward; // (stage, mb) of SEND_F -> index
   std::vector<bool> waited;
 
-  auto reduce = [&](int stage) {
+  void reduce(int stage) {
     cells.push_back(fmt::format("{}REDUCE_GRAD", stage));
     cells.push_back(fmt::format("{}WAIT_REDUCE_GRAD", stage));
-  };
-  // The REDUCE_GRADs that go right before stream[n] (n = stream.size(): after the last op).
-  auto reduceBefore = [&](size_t n) {
+  }
+
+  /// The REDUCE_GRADs that go right before stream[n] (n = stream.size(): after the last op).
+  void reduceBefore(size_t n) {
     if (!reduceAt.empty())
       for (int s : reduceAt[n])
         reduce(s);
-  };
-  auto nonCompute = [&](const Instruction &i) {
+  }
+
+  void nonCompute(const Instruction &i) {
     switch (i.op) {
     case OpKind::Send: {
       cells.push_back(p2pCell(i));
@@ -215,8 +260,9 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
       break;
     }
     llvm_unreachable("compute op in nonCompute");
-  };
-  auto afterCompute = [&](const Instruction &i) {
+  }
+
+  void afterCompute(const Instruction &i) {
     if (i.op == OpKind::Backward || i.op == OpKind::BackwardInput) {
       // The local backward of (s, m) consumed the gradient the peer made from our activation,
       // so the send of that activation has completed: retire it here, as PyTorch does.
@@ -227,43 +273,10 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
         pendingForward.erase(it);
       }
     }
-  };
+  }
 
-  size_t action = 0;
-  for (size_t c = 0; c < compute.size(); ++c, ++action) {
-    size_t n = computeAt[c];
-    size_t prev = c == 0 ? 0 : computeAt[c - 1] + 1;
-    bool pair = pairStart[c];
-    // Comm ops before this compute op (those after the previous one, in stream order).
-    for (size_t k = prev; k < n; ++k) {
-      reduceBefore(k);
-      nonCompute(stream[k]);
-    }
-    reduceBefore(n);
-    llvm::SmallVector<const Instruction *, 8> after;
-    if (pair) {
-      // Ops between the pair's F and B: the recv of the B's input goes before the pair (the
-      // pair is one action), everything else (the F's sends first) after it, in pipec's order.
-      // pipec's streams list every rank's messages in one global order (LowerComms' rounds),
-      // which is what keeps them deadlock-free op by op; only the B's input moves ahead of the
-      // F's sends, as PyTorch's own ScheduleDualPipeV has it (a pair's B never waits for its
-      // F's output).
-      const Instruction &b = compute[c + 1];
-      size_t m = computeAt[c + 1];
-      // Between two compute ops only sends and recvs: nothing to reduce before them or the B.
-      assert(llvm::all_of(llvm::seq(n + 1, m + 1),
-                          [&](size_t k) { return reduceAt.empty() || reduceAt[k].empty(); }));
-      for (size_t k = n + 1; k < m; ++k) {
-        const Instruction &op = stream[k];
-        bool feedsB = op.op == OpKind::Recv && op.tensor == TensorKind::Gradient &&
-                      op.stage == b.stage + 1 && op.mb == b.mb && op.slice == b.slice;
-        if (feedsB)
-          nonCompute(op);
-        else
-          after.push_back(&op);
-      }
-    }
-    // FSDP residency before the action, as PyTorch's lowering decides it.
+  /// FSDP residency before the action, as PyTorch's lowering decides it.
+  void keepResident(size_t action) {
     const auto &keep = resident[action];
     llvm::SmallVector<int, 4> stillActive;
     for (int s : active) {
@@ -278,30 +291,42 @@ std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller)
         cells.push_back(fmt::format("{}UNSHARD", s));
         active.push_back(s);
       }
-    if (pair) {
-      cells.push_back(pairCell(compute[c], compute[c + 1]));
-      afterCompute(compute[c]);
-      afterCompute(compute[c + 1]);
-      for (const Instruction *i : after)
-        nonCompute(*i);
-      ++c;
-      continue;
+  }
+
+  /// The overlapped pair that starts at compute op c (its F, then its B at c + 1).
+  void writePair(size_t c, size_t action) {
+    // Ops between the pair's F and B: the recv of the B's input goes before the pair (the pair
+    // is one action), everything else (the F's sends first) after it, in pipec's order.
+    // pipec's streams list every rank's messages in one global order (LowerComms' rounds),
+    // which is what keeps them deadlock-free op by op; only the B's input moves ahead of the
+    // F's sends, as PyTorch's own ScheduleDualPipeV has it (a pair's B never waits for its F's
+    // output).
+    const Instruction &b = compute[c + 1];
+    size_t n = computeAt[c], m = computeAt[c + 1];
+    // Between two compute ops only sends and recvs: nothing to reduce before them or the B.
+    assert(llvm::all_of(llvm::seq(n + 1, m + 1),
+                        [&](size_t k) { return reduceAt.empty() || reduceAt[k].empty(); }));
+    llvm::SmallVector<const Instruction *, 8> after;
+    for (size_t k = n + 1; k < m; ++k) {
+      const Instruction &op = stream[k];
+      bool feedsB = op.op == OpKind::Recv && op.tensor == TensorKind::Gradient &&
+                    op.stage == b.stage + 1 && op.mb == b.mb && op.slice == b.slice;
+      if (feedsB)
+        nonCompute(op);
+      else
+        after.push_back(&op);
     }
-    cells.push_back(computeCell(compute[c]));
+    keepResident(action);
+    cells.push_back(pairCell(compute[c], b));
     afterCompute(compute[c]);
+    afterCompute(b);
+    for (const Instruction *i : after)
+      nonCompute(*i);
   }
-  size_t tail = computeAt.empty() ? 0 : computeAt.back() + 1;
-  for (size_t k = tail; k < stream.size(); ++k) {
-    reduceBefore(k);
-    nonCompute(stream[k]);
-  }
-  reduceBefore(stream.size());
-  for (int s : active)
-    cells.push_back(fmt::format("{}RESHARD", s));
-  for (size_t k = 0; k < pendingSends.size(); ++k)
-    if (!waited[k])
-      cells.push_back(pendingSends[k]);
-  return cells;
+};
+
+std::vector<std::string> commsRow(const Plan &plan, int rank, bool tiedByCaller) {
+  return CommsRow(plan, rank, tiedByCaller).cellsOf();
 }
 
 } // namespace

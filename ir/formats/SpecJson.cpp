@@ -285,42 +285,7 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     if (b.value > b.most)
       return inputError("{}: $.transformer.{}: expected at most {}, got {}", r.name(), b.name,
                         b.most, b.value);
-  double dt = double(c.dtypeBytes());
-  double h = double(c.hiddenSize), f = double(c.ffnHiddenSize), v = double(c.vocabSize);
-  double kv = double(c.kvHeads()) * (h / double(c.numAttentionHeads)); // K (or V) width
-  // A norm's scale, and LayerNorm's shift where the model has biases.
-  double normParams = c.norm == Norm::LayerNorm && c.bias ? 2 * h : h;
-  Layer emb;
-  emb.name = "embedding";
-  emb.kind = LayerKind::Embedding;
-  // Word embeddings, and the position table where positions are learned.
-  emb.paramBytes =
-      int64_t(v * h * dt + (c.position == Position::Learned ? double(c.seqLength) * h * dt : 0));
-  emb.tpAllReduces = 1; // vocab-parallel lookup ends in an all-reduce
-  m.layers.push_back(emb);
-  Layer block;
-  block.name = "block";
-  block.kind = LayerKind::Block;
-  // QKV (h·(h + 2kv) + biases), proj (h² + bias), MLP (2hf + f + h for GELU, 3hf + 2f + h
-  // for SwiGLU, less the biases without them), two norms. GPT-2: 4h² + 4h + 2hf + f + h + 4h.
-  double mlpMatrices = c.mlp == Mlp::SwiGlu ? 3 : 2, mlpBiases = c.mlp == Mlp::SwiGlu ? 2 * f : f;
-  double blockParams = h * (h + 2 * kv) + h * h + mlpMatrices * h * f + 2 * normParams;
-  if (c.bias)
-    blockParams += (h + 2 * kv) + h + mlpBiases + h;
-  block.paramBytes = int64_t(blockParams * dt);
-  block.tpAllReduces = 2;
-  for (int64_t i = 0; i < c.numLayers; ++i)
-    m.layers.push_back(block);
-  Layer head;
-  head.name = "lm_head";
-  head.kind = LayerKind::Head;
-  head.paramBytes = int64_t((v * h + normParams) * dt); // output embedding + final norm
-  head.tpAllReduces = 1;
-  m.layers.push_back(head);
-  // Megatron mixed precision: 2 (param) + 4 (fp32 grad) + 12 (fp32 master, Adam m and v)
-  // = 18 bytes per parameter, i.e. 9 per bf16 parameter byte; 16 / 4 = 4 in fp32.
-  m.stateBytesPerParamByte = c.dtype == "fp32" ? 4 : 9;
-  m.transformer = c;
+  m.setTransformer(c);
   return llvm::Error::success();
 }
 
