@@ -12,6 +12,8 @@
 //===----------------------------------------------------------------------===//
 #include "kernels/StageModel.h"
 
+#include "ir/support/Hash.h"
+
 #include "llvm/Support/ErrorHandling.h"
 
 #include <algorithm>
@@ -126,13 +128,6 @@ std::array<size_t, kMostTensors> paramRoleOffsets(const GptConfig &cfg, int laye
 }
 
 namespace {
-
-uint64_t splitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 /// A standard normal that depends only on (seed, layer, tensor, index): Box-Muller on two
 /// uniforms hashed from the counter.

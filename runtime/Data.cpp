@@ -3,6 +3,7 @@
 #include "ir/support/Bytes.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
+#include "ir/support/Hash.h"
 #include "ir/support/Memory.h"
 
 #include "llvm/ADT/STLExtras.h"
@@ -19,12 +20,7 @@ namespace pipec {
 namespace {
 
 /// SplitMix64: a counter-based generator; the same index always gives the same value.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+uint64_t mix(uint64_t x) { return splitMix64(x); }
 
 class Synthetic final : public DataSource {
 public:

@@ -35,6 +35,15 @@ TEST(Hash, PiecesContinueTheWhole) {
             fnv1a(llvm::StringRef("foobar")));
 }
 
+// SplitMix64 as its authors' reference (Vigna's splitmix64.c) generates: the state advances by
+// the golden gamma before each output, so output i of seed s is splitMix64(s + i * gamma).
+TEST(Hash, SplitMix64MatchesTheReferenceGenerator) {
+  constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ULL;
+  EXPECT_EQ(splitMix64(0), 0xe220a8397b1dcdafULL);
+  EXPECT_EQ(splitMix64(1234567), 6457827717110365317ULL);
+  EXPECT_EQ(splitMix64(1234567 + kGamma), 3203168211198807973ULL);
+}
+
 TEST(Bytes, TheUnitFollowsTheSize) {
   EXPECT_EQ(humanBytes(uint64_t(0)), "0 B");
   EXPECT_EQ(humanBytes(uint64_t(1023)), "1023 B");

@@ -3,6 +3,9 @@
 // FNV-1a, 64 bits: the digests of checkpoint files and of the plan a checkpoint or a costs
 // file was made for, and the weight digests of the reference check. Not cryptographic: it
 // tells apart files that differ by accident (a torn write, another plan), not by design.
+// SplitMix64, the mixer of the counter-based generators (initial weights, synthetic data):
+// the same counter always gives the same value, so a run's random state is its seed and its
+// position.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_IR_SUPPORT_HASH_H
@@ -28,6 +31,14 @@ inline uint64_t fnv1a(const void *data, size_t n, uint64_t hash = kFnv1aStart) {
 }
 inline uint64_t fnv1a(llvm::StringRef bytes, uint64_t hash = kFnv1aStart) {
   return fnv1a(bytes.data(), bytes.size(), hash);
+}
+
+/// SplitMix64's output function of counter `x` (Steele, Lea and Flood 2014).
+inline constexpr uint64_t splitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
 }
 
 } // namespace pipec
