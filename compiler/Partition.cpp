@@ -185,6 +185,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   // Before the step, the gradient norm and the finite check: two scalar all-reduces over the
   // pipeline ranks (across nodes once the pipeline leaves one).
   plan.optimizerSyncTime = 0;
+  plan.overlapGradReduce = model.isTransformer() && cluster.overlapGradReduce;
   if (model.isTransformer() && cluster.memoryBytesPerMs() > 0 && pc.pp > 1) {
     const Link &ppLink = int64_t(pc.pp) * pc.tp * pc.dp <= cluster.gpusPerNode ? cluster.intraNode
                                                                                : cluster.interNode;

@@ -209,12 +209,15 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
 
 std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t r) {
   std::vector<OpTime> out(plan.ranks[r].size());
-  double streamFree = 0, lastComputeEnd = 0;
+  // lastOpStart: when the compute op that ends at lastComputeEnd began (its first part).
+  double streamFree = 0, lastComputeEnd = 0, lastOpStart = 0;
   for (size_t i = 0; i < plan.ranks[r].size(); ++i) {
     const Instruction &ins = plan.ranks[r][i];
     const OpTime &ot = t.ops[r][i];
     if (ins.isCompute() || (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp)) {
       // (A tp all-reduce's reduced output is what a later dp all-reduce waits for.)
+      if (ins.isCompute() && ins.isFirstPart())
+        lastOpStart = ot.start;
       lastComputeEnd = ot.end;
       continue;
     }
@@ -224,7 +227,16 @@ std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t 
     double start = std::max(streamFree, lastComputeEnd);
     double end = start;
     if (ins.collective == CollectiveGroup::Dp) {
-      end = start + plan.stages[size_t(ins.stage)].dpAllReduceTime;
+      const StageInfo &st = plan.stages[size_t(ins.stage)];
+      end = start + st.dpAllReduceTime;
+      if (plan.overlapGradReduce) {
+        // Bucket by bucket while the stage's last backward (the op just before) produces the
+        // gradients, a layer's bucket at a time: the reduction starts with that op and ends
+        // no sooner than one layer's share after it.
+        double buckets = std::max(1, st.layerEnd - st.layerBegin);
+        start = std::max(streamFree, lastOpStart);
+        end = std::max(start + st.dpAllReduceTime, lastComputeEnd + st.dpAllReduceTime / buckets);
+      }
       streamFree = end;
     }
     out[i] = OpTime{start, end};

@@ -17,7 +17,9 @@
 //  - a compute op split at tp all-reduces takes an equal share of its time per part;
 //  - dp and embedding all-reduces run on their own stream, one after another, each after
 //    what precedes it in the stream; a dp all-reduce takes the stage's dp_allreduce_time
-//    (the tied-embedding one is not timed: one matrix between two ranks).
+//    (the tied-embedding one is not timed: one matrix between two ranks). With the plan's
+//    overlapGradReduce a dp all-reduce may start with the stage's last backward (the op
+//    before it) and ends no sooner than that op's end plus one layer's share of its time.
 // Memory (docs/contracts.md#semantics, activations; it depends only on stream order):
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (its first part);
 //  - every compute op holds its stage's workspace_bytes[k] while it runs, and a backward

@@ -71,6 +71,11 @@ struct ClusterSpec {
   /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
   /// delays the receiver.
   bool megatronP2p = false;
+  /// Gradient reduction as PyTorch DDP, Megatron-LM's --overlap-grad-reduce and NeMo make it
+  /// ("grad_reduce": "overlapped"): each stage's gradients reduce bucket by bucket while its last
+  /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"
+  /// (the default): it starts when the stage's last weight gradient is done.
+  bool overlapGradReduce = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};

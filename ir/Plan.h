@@ -107,6 +107,9 @@ struct Plan {
   /// The schedule validates the step after it (the zero-bubble paper's post-validation): each
   /// rank steps as soon as its own gradients are reduced, without the pipeline-wide wait.
   bool postValidation = false;
+  /// Each stage's dp all-reduce overlaps its last backward, bucket by bucket (the cluster's
+  /// "grad_reduce": "overlapped"; docs/contracts.md#semantics).
+  bool overlapGradReduce = false;
   /// The transformer the plan was compiled from (what a runtime builds); none for abstract models.
   std::optional<TransformerConfig> transformer;
   std::vector<std::pair<int64_t, int64_t>> seqSlices;
