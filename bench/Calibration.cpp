@@ -1,7 +1,9 @@
 //===- Calibration.cpp - Published training runs predicted by the one cost model ------===//
 #include "bench/Calibration.h"
 
+#include "compiler/Partition.h"
 #include "compiler/Pass.h"
+#include "ir/CostModel.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
@@ -272,22 +274,42 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
   return llvm::Error::success();
 }
 
-llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
+llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster) {
   const ClusterSpec &c = cluster;
-  auto plan = compilePlan(run.model, c, run.options, /*verifyEach=*/false);
+  PreparedRun p;
+  p.model = run.model;
+  auto plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
   if (!plan)
     return plan.takeError();
   int64_t peak = 0;
   for (const RankStats &r : plan->stats.ranks)
     peak = std::max(peak, r.peakMemoryBytes);
   if (!run.recomputePublished && peak > c.memoryBytes) {
-    ModelSpec full = run.model;
-    full.transformer->recompute = Recompute::Full;
-    plan = compilePlan(full, c, run.options, /*verifyEach=*/false);
+    p.model.transformer->recompute = Recompute::Full;
+    plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
     if (!plan)
       return plan.takeError();
   }
-  return plan->stats.stepTime / 1000.0;
+  p.plan = std::move(*plan);
+  for (const StageInfo &st : p.plan.stages)
+    p.stageEnds.push_back(st.layerEnd);
+  return p;
+}
+
+llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
+  auto p = prepareRun(run, cluster);
+  if (!p)
+    return p.takeError();
+  return p->plan.stats.stepTime / 1000.0;
+}
+
+llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster) {
+  buildStages(run.plan, run.model, cluster, run.stageEnds);
+  Timeline t;
+  if (auto err = simulateTimeline(run.plan, t))
+    return err;
+  summarizeTimeline(run.plan, t, run.plan.stats);
+  return run.plan.stats.stepTime / 1000.0;
 }
 
 } // namespace pipec

@@ -15,6 +15,7 @@
 
 #include "compiler/Pass.h"
 #include "ir/Model.h"
+#include "ir/Plan.h"
 
 #include "llvm/Support/Error.h"
 
@@ -51,6 +52,20 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 /// The predicted step time of `run` on `cluster` in seconds. An FP8 run's model has
 /// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
+
+/// A run compiled once, to be timed again under other clusters. A published run's instruction
+/// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
+/// the published split, and whether it must recompute depends on memory alone), so a fit can
+/// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
+/// compiling it for every candidate (calibration_bench checks that both agree).
+struct PreparedRun {
+  Plan plan;
+  ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
+  std::vector<int> stageEnds;
+};
+llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster);
+/// predictSeconds of the prepared run under `cluster`, without compiling it again.
+llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster);
 
 /// The throughput error of a prediction: predicted throughput / measured - 1, i.e. measured
 /// step time / predicted - 1 (positive: pipec is too optimistic).

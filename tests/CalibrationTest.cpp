@@ -159,6 +159,39 @@ TEST(CalibrationTest, Fp8RunsHaveFp8GemmsAndMtNlgRecomputes) {
   EXPECT_EQ(mtnlg.model.transformer->recompute, Recompute::Full);
 }
 
+TEST(CalibrationTest, ARunTimedAgainIsTheRunCompiledAgain) {
+  // calibration_bench fits by re-timing each run's compiled plan (bench/Calibration.h): under a
+  // cluster with every factor and switch changed, the re-timed step must be the step of a
+  // fresh compile, on runs of every schedule, split and interconnect kind in the file.
+  ClusterSpec a = spec("examples/a100-selene.json");
+  ClusterSpec b = a;
+  b.achievedFraction *= 0.8;
+  b.attentionFraction *= 1.5;
+  b.flashAttentionFraction *= 0.7;
+  b.memoryGBps *= 0.5;
+  b.opOverheadUs += 40;
+  b.messageOverheadUs += 30;
+  b.intraNode.efficiency *= 0.6;
+  b.interNode.efficiency *= 0.4;
+  b.overlapGradReduce = !a.overlapGradReduce;
+  int checked = 0;
+  for (const char *id :
+       {"T1-1", "T1-9", "T1-10", "T5-530B-sel", "T4-14.6B-m48-ZB-1p", "T4-28.3B-m96-1F1B-I",
+        "T12-1.5B-m2-zb-2p", "S2.4-280n-time", "log-it85376-time"}) {
+    SCOPED_TRACE(id);
+    auto prepared = prepareRun(runNamed(id), a);
+    ASSERT_TRUE(bool(prepared)) << takeMessage(prepared.takeError());
+    for (const ClusterSpec *c : {&b, &a}) {
+      auto compiled = predictSeconds(runNamed(id), *c);
+      auto retimed = retimedSeconds(*prepared, *c);
+      ASSERT_TRUE(compiled && retimed);
+      EXPECT_NEAR(*retimed, *compiled, 1e-9 * *compiled);
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 9);
+}
+
 /// Predicted step times of the runs of `device` in the file, keyed by row id.
 std::map<std::string, std::pair<const PublishedRun *, double>> predict(const char *device,
                                                                        const ClusterSpec &c) {
