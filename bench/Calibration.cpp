@@ -110,6 +110,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                            "precision",
                            "block",
                            "partition",
+                           "p2p",
                            "metric",
                            "value"})
     if (!col.count(name))
@@ -200,6 +201,15 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     run.fp8 = at("precision") == "fp8";
     run.metric = at("metric");
     run.recomputePublished = !at("recompute").empty();
+    // How the run's software makes pipeline transfers, where it differs from the cluster
+    // spec's (DeepSpeed's pipeline engine: "blocking").
+    run.p2p = at("p2p");
+    if (!run.p2p.empty() && run.p2p != "blocking" && run.p2p != "megatron" &&
+        run.p2p != "overlapped") {
+      skip.why = fmt::format("p2p \"{}\": expected blocking, megatron or overlapped", run.p2p);
+      skipped.push_back(skip);
+      continue;
+    }
     CompileOptions &o = run.options;
     o.schedule = schedule;
     o.parallel.pp = int(pp);
@@ -274,9 +284,19 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
   return llvm::Error::success();
 }
 
+ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster) {
+  ClusterSpec c = cluster;
+  if (!p2p.empty()) {
+    c.megatronP2p = p2p == "megatron";
+    c.blockingP2p = p2p == "blocking";
+  }
+  return c;
+}
+
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster) {
-  const ClusterSpec &c = cluster;
+  const ClusterSpec c = clusterFor(run.p2p, cluster);
   PreparedRun p;
+  p.p2p = run.p2p;
   p.model = run.model;
   auto plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
   if (!plan)
@@ -304,11 +324,9 @@ llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec
 }
 
 llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster) {
-  buildStages(run.plan, run.model, cluster, run.stageEnds);
-  Timeline t;
-  if (auto err = simulateTimeline(run.plan, t))
+  buildStages(run.plan, run.model, clusterFor(run.p2p, cluster), run.stageEnds);
+  if (auto err = simulateStep(run.plan))
     return err;
-  summarizeTimeline(run.plan, t, run.plan.stats);
   return run.plan.stats.stepTime / 1000.0;
 }
 

@@ -34,6 +34,9 @@ struct PublishedRun {
   /// The source gives the run's recomputation; where it does not, the run evidently fit in
   /// its devices' memory: none if the plan fits without it, else full.
   bool recomputePublished = true;
+  /// How the run's software makes pipeline transfers ("p2p" of a cluster spec), where it is
+  /// not the cluster spec's: "blocking" for DeepSpeed's pipeline engine; empty: the spec's.
+  std::string p2p;
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from
@@ -52,6 +55,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 /// The predicted step time of `run` on `cluster` in seconds. An FP8 run's model has
 /// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
+/// `cluster` with a run's own p2p mode (PublishedRun::p2p) where it has one.
+ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster);
 
 /// A run compiled once, to be timed again under other clusters. A published run's instruction
 /// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
@@ -59,6 +64,7 @@ llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec
 /// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
 /// compiling it for every candidate (calibration_bench checks that both agree).
 struct PreparedRun {
+  std::string p2p; // the run's
   Plan plan;
   ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
   std::vector<int> stageEnds;

@@ -154,7 +154,10 @@ const Factor kFactors[] = {
     // FP8 GEMMs over BF16 ones: at most the tensor cores' 2x, at least no gain.
     {"fp8_gemm_speedup", &ClusterSpec::fp8GemmSpeedup, 1, 2},
     {"attention_fraction", &ClusterSpec::attentionFraction, 0.02, 1.0},
-    {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.05, 0.85},
+    // FlashAttention-2 reaches 50-73% of an A100's peak forward and about half of it forward
+    // and backward (Dao 2023); below 0.3 a fit would be using flash attention, which only some
+    // sources run, as a knob for whatever else slows them, and predict long sequences badly.
+    {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.3, 0.85},
     {"memory_GBps", &ClusterSpec::memoryGBps, 100, 4000},
     // A fixed cost per layer and pass is launch and framework overhead: tens of microseconds
     // at most on either device. Larger values buy in-sample error by standing in for what the

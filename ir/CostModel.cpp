@@ -372,6 +372,21 @@ llvm::Expected<double> simulateExecutedStep(const Plan &plan) {
   return end;
 }
 
+llvm::Error simulateStep(Plan &plan, Timeline *timeline) {
+  Timeline own;
+  Timeline &t = timeline ? *timeline : own;
+  if (auto err = simulateTimeline(plan, t))
+    return err;
+  summarizeTimeline(plan, t, plan.stats);
+  if (!plan.blockingP2p)
+    return llvm::Error::success();
+  auto executed = simulateExecutedStep(plan);
+  if (!executed)
+    return executed.takeError();
+  plan.stats.stepTime = *executed + (plan.postValidation ? 0.0 : plan.optimizerSyncTime);
+  return llvm::Error::success();
+}
+
 void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {
   size_t numRanks = plan.ranks.size();
   stats.ranks.resize(numRanks);

@@ -162,6 +162,12 @@ StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks);
 /// exchanges cannot complete (a plan that fails verification).
 llvm::Expected<double> simulateExecutedStep(const Plan &plan);
 
+/// The simulate pass: the timeline of the plan's streams and its summary (below); with the
+/// plan's blockingP2p, step_time is the executed step (simulateExecutedStep) plus the
+/// pipeline-wide check before the optimizer where the schedule does not post-validate. The
+/// timeline goes to `timeline` when given.
+llvm::Error simulateStep(Plan &plan, Timeline *timeline = nullptr);
+
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),
 /// and step_time (what the dp all-reduces add past the last compute).

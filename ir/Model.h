@@ -71,6 +71,12 @@ struct ClusterSpec {
   /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
   /// delays the receiver.
   bool megatronP2p = false;
+  /// "p2p": "blocking": DeepSpeed's pipeline engine (and piperun): Megatron-LM's transfers, but
+  /// every send and receive also blocks its rank until its partner has posted the matching
+  /// one, so the step is the executed step of the plan's streams (simulateExecutedStep).
+  bool blockingP2p = false;
+  /// Whether a transfer holds its sender until it has arrived ("megatron" and "blocking").
+  bool synchronousP2p() const { return megatronP2p || blockingP2p; }
   /// Gradient reduction as PyTorch DDP, Megatron-LM's --overlap-grad-reduce and NeMo make it
   /// ("grad_reduce": "overlapped"): each stage's gradients reduce bucket by bucket while its last
   /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"

@@ -110,6 +110,9 @@ struct Plan {
   /// Each stage's dp all-reduce overlaps its last backward, bucket by bucket (the cluster's
   /// "grad_reduce": "overlapped"; docs/contracts.md#semantics).
   bool overlapGradReduce = false;
+  /// Every send and receive blocks its rank until its partner posts the match (the cluster's
+  /// "p2p": "blocking"): step_time is the executed step (docs/contracts.md#semantics).
+  bool blockingP2p = false;
   /// The transformer the plan was compiled from (what a runtime builds); none for abstract models.
   std::optional<TransformerConfig> transformer;
   std::vector<std::pair<int64_t, int64_t>> seqSlices;

@@ -157,6 +157,8 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
     j["post_validation"] = true;
   if (plan.overlapGradReduce)
     j["grad_reduce_overlap"] = true;
+  if (plan.blockingP2p)
+    j["p2p_blocking"] = true;
   if (plan.transformer)
     j["transformer"] = transformerJson(*plan.transformer);
   OJson slices = OJson::array();
@@ -674,11 +676,12 @@ struct PlanReader {
   }
 
   llvm::Error read(const Json &j) {
-    if (auto err = r.expectDocument(
-            j, "pipeplan/1",
-            {"format", "schedule", "model", "time_unit", "parallel", "placement", "topology",
-             "state_bytes_per_param_byte", "optimizer_sync_time", "post_validation",
-             "grad_reduce_overlap", "transformer", "seq_slices", "stages", "ranks", "stats"}))
+    if (auto err =
+            r.expectDocument(j, "pipeplan/1",
+                             {"format", "schedule", "model", "time_unit", "parallel", "placement",
+                              "topology", "state_bytes_per_param_byte", "optimizer_sync_time",
+                              "post_validation", "grad_reduce_overlap", "p2p_blocking",
+                              "transformer", "seq_slices", "stages", "ranks", "stats"}))
       return err;
     if (auto err = r.getString(j, "$", "schedule", plan.schedule, true))
       return err;
@@ -710,6 +713,8 @@ struct PlanReader {
     if (auto err = r.getBool(j, "$", "post_validation", plan.postValidation, false))
       return err;
     if (auto err = r.getBool(j, "$", "grad_reduce_overlap", plan.overlapGradReduce, false))
+      return err;
+    if (auto err = r.getBool(j, "$", "p2p_blocking", plan.blockingP2p, false))
       return err;
     if (auto it = j.find("transformer"); it != j.end()) {
       // The same object and checks as a model spec's "transformer".
