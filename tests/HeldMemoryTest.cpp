@@ -103,9 +103,12 @@ TEST_P(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinNinePercent) {
 }
 
 TEST_P(HeldMemoryTest, WeightGradientStateIsWhatTheStagesKeep) {
-  Held split = run({"zb-h1", 2, 4, 1, 1, 1, 1}, GetParam());
-  Held fused = run({"1f1b", 2, 4, 1, 1, 1, 1}, GetParam());
-  expectWeightGradState(split.predicted, split.held, fused.predicted, fused.held, 0.01);
+  for (const auto &[splitCase, fusedCase] : kWeightGradPairs) {
+    SCOPED_TRACE(splitCase.name());
+    Held split = run(splitCase, GetParam());
+    Held fused = run(fusedCase, GetParam());
+    expectWeightGradState(split.predicted, split.held, fused.predicted, fused.held, 0.01);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Blocks, HeldMemoryTest, ::testing::Values(false, true),
