@@ -11,8 +11,6 @@
 
 #include "tests/TestUtil.h"
 
-#include "ir/Plan.h"
-
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
