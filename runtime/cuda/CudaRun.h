@@ -71,7 +71,7 @@ struct CudaRunResult : TrainResult {
   std::vector<size_t> arenaUsedBytes;
   /// ... and of that, the most bytes live at once: arenaUsedBytes less the gaps first-fit
   /// placement left free below its top (runtime/OffsetArena.h). pipec's memory model predicts
-  /// live bytes; the gaps are the allocator's (cuda backend only; empty under nccl).
+  /// live bytes; the gaps are the allocator's.
   std::vector<size_t> arenaLiveBytes;
 };
 
