@@ -267,6 +267,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
     st.outputBytes.assign(k, 0);
     st.backwardPeakBytes.assign(k, 0);
     st.workspaceBytes.assign(k, 0);
+    st.sequenceKvBytes.assign(k, 0);
+    st.sequenceGradBytes = 0;
     for (int l = st.layerBegin; l < st.layerEnd; ++l) {
       const Layer &layer = model.layers[size_t(l)];
       st.paramBytes += layer.paramBytes / pc.tp;
@@ -282,6 +284,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
         st.weightGradBytes[i] += c.weightGradBytes;
         st.backwardPeakBytes[i] += c.backwardPeakBytes;
         st.workspaceBytes[i] = std::max(st.workspaceBytes[i], c.workspaceBytes);
+        st.sequenceKvBytes[i] += c.sequenceKvBytes;
+        st.sequenceGradBytes += c.sequenceGradBytes;
       }
     }
     // The stage's residual stream: its input (or the embedding's output) from the forward to

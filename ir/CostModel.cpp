@@ -51,22 +51,46 @@ double transferTime(const StageInfo &producer, TensorKind tensor, int slice) {
   return times.empty() ? 0.0 : times[size_t(slice)];
 }
 
+static bool isBackward(const Instruction &i) {
+  return i.op == OpKind::BackwardInput || i.op == OpKind::Backward;
+}
+
+/// The part of slice k's activations that its own backward leaves to slice 0's.
+static int64_t sequenceKv(const StageInfo &st, size_t k) {
+  return k > 0 && k < st.sequenceKvBytes.size() ? st.sequenceKvBytes[k] : 0;
+}
+
 int64_t activationAllocatedAtStart(const StageInfo &st, const Instruction &i) {
-  return i.op == OpKind::Forward && i.isFirstPart() ? st.activationBytes[size_t(i.slice)] : 0;
+  if (!i.isFirstPart())
+    return 0;
+  if (i.op == OpKind::Forward)
+    return st.activationBytes[size_t(i.slice)];
+  // The microbatch's first backward (its last slice's) allocates the whole sequence's dK/dV.
+  if (isBackward(i) && size_t(i.slice) + 1 == st.activationBytes.size())
+    return st.sequenceGradBytes;
+  return 0;
 }
 
 int64_t activationFreedAtEnd(const StageInfo &st, const Instruction &i) {
   if (!i.isLastPart())
     return 0;
-  int64_t a = st.activationBytes[size_t(i.slice)];
-  int64_t w = st.weightGradBytes[size_t(i.slice)];
+  size_t k = size_t(i.slice);
+  int64_t a = st.activationBytes[k];
+  int64_t w = st.weightGradBytes[k];
+  // A slice's backward keeps its sequence state for slice 0's, which frees all of it.
+  int64_t sequence = -sequenceKv(st, k);
+  if (k == 0) {
+    sequence = st.sequenceGradBytes;
+    for (size_t j = 1; j < st.activationBytes.size(); ++j)
+      sequence += sequenceKv(st, j);
+  }
   switch (i.op) {
   case OpKind::BackwardInput:
-    return a - w;
+    return a - w + sequence;
   case OpKind::BackwardWeight:
     return w;
   case OpKind::Backward:
-    return a;
+    return a + sequence;
   case OpKind::Forward:
   case OpKind::Send:
   case OpKind::Recv:
@@ -104,7 +128,9 @@ int64_t activationHeldWhileRunning(const StageInfo &st, const Instruction &i) {
 }
 
 int64_t activationLifetimePeak(const StageInfo &st, int slice) {
-  return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice));
+  // Every backward of a microbatch runs with the sequence's dK/dV allocated.
+  return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice)) +
+         st.sequenceGradBytes;
 }
 
 llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {

@@ -27,7 +27,11 @@
 //    activation bytes: what it builds for the weight gradient) at its last part;
 //  - at its end (last part) a backward_input frees activation - weight_grad bytes (so keeps
 //    weight_grad bytes for W, allocating the difference when that is larger), a
-//    backward_weight the remaining weight_grad bytes, a fused backward all of them.
+//    backward_weight the remaining weight_grad bytes, a fused backward all of them;
+//  - with sub-sequences, a microbatch's state shared by its slices: the first backward of the
+//    microbatch (slice K - 1) allocates sequence_grad_bytes (dK/dV) at its start; the backward
+//    of a slice k > 0 does not free sequence_kv_bytes[k] of its activations (K/V); the
+//    backward of slice 0, the microbatch's last, frees both.
 // The memory pass (which the planner's scoring runs too) and zb-auto's greedy run these.
 //
 //===----------------------------------------------------------------------===//

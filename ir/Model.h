@@ -195,10 +195,15 @@ struct TransformerConfig {
 /// while a backward runs up to backwardPeakBytes on top of activationBytes (what it builds for
 /// the weight gradient, dK/dV accumulators). workspaceBytes: the most one op of the layer
 /// allocates for itself and frees before it ends (a stage needs its largest layer's, once).
+/// With sub-sequences: sequenceKvBytes, the part of activationBytes kept until the
+/// microbatch's slice 0 backward ends (K/V), and sequenceGradBytes, the whole sequence's dK/dV
+/// the microbatch's backwards hold from the first (slice K - 1) to the last (slice 0); given by
+/// slice 0's cost, 0 in the others' (StageInfo's fields of the same names).
 struct SliceCost {
   double forward = 0, backwardInput = 0, backwardWeight = 0;
   int64_t activationBytes = 0, weightGradBytes = 0, outputBytes = 0;
   int64_t backwardPeakBytes = 0, workspaceBytes = 0;
+  int64_t sequenceKvBytes = 0, sequenceGradBytes = 0;
 };
 
 /// pipemodel/1.

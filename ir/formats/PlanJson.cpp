@@ -187,6 +187,11 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
           std::vector<int64_t>(s.backwardPeakBytes.begin(), s.backwardPeakBytes.end());
     if (nonzero(s.workspaceBytes))
       o["workspace_bytes"] = std::vector<int64_t>(s.workspaceBytes.begin(), s.workspaceBytes.end());
+    if (nonzero(s.sequenceKvBytes))
+      o["sequence_kv_bytes"] =
+          std::vector<int64_t>(s.sequenceKvBytes.begin(), s.sequenceKvBytes.end());
+    if (s.sequenceGradBytes > 0)
+      o["sequence_grad_bytes"] = s.sequenceGradBytes;
     o["param_bytes"] = s.paramBytes;
     o["tp_allreduces"] = s.tpAllReduces;
     o["activation_transfer_time"] =
@@ -366,12 +371,27 @@ struct PlanReader {
     std::string path = jsonPath("$.stages", index);
     if (auto err = r.expectObject(o, path))
       return err;
-    if (auto err = r.onlyKeys(
-            o, path,
-            {"stage", "rank", "layers", "forward", "backward_input", "backward_weight",
-             "activation_bytes", "weight_grad_bytes", "output_bytes", "backward_peak_bytes",
-             "workspace_bytes", "param_bytes", "tp_allreduces", "activation_transfer_time",
-             "gradient_transfer_time", "tp_allreduce_time", "dp_allreduce_time", "optimizer_time"}))
+    if (auto err = r.onlyKeys(o, path,
+                              {"stage",
+                               "rank",
+                               "layers",
+                               "forward",
+                               "backward_input",
+                               "backward_weight",
+                               "activation_bytes",
+                               "weight_grad_bytes",
+                               "output_bytes",
+                               "backward_peak_bytes",
+                               "workspace_bytes",
+                               "sequence_kv_bytes",
+                               "sequence_grad_bytes",
+                               "param_bytes",
+                               "tp_allreduces",
+                               "activation_transfer_time",
+                               "gradient_transfer_time",
+                               "tp_allreduce_time",
+                               "dp_allreduce_time",
+                               "optimizer_time"}))
       return err;
     StageInfo s;
     int32_t stage = -1;
@@ -412,6 +432,10 @@ struct PlanReader {
     if (auto err = readArray(o, path, "backward_peak_bytes", s.backwardPeakBytes, false))
       return err;
     if (auto err = readArray(o, path, "workspace_bytes", s.workspaceBytes, false))
+      return err;
+    if (auto err = readArray(o, path, "sequence_kv_bytes", s.sequenceKvBytes, false))
+      return err;
+    if (auto err = r.getInt(o, path, "sequence_grad_bytes", s.sequenceGradBytes, false))
       return err;
     if (auto err = r.getInt(o, path, "param_bytes", s.paramBytes, true))
       return err;
