@@ -3,11 +3,11 @@
     pipec_test(name = "verifier_test", srcs = ["VerifierTest.cpp"], deps = [":test_util"])
 
 is a cc_test of PIPE_COPTS linked with GoogleTest's main, of Bazel's default size (medium) unless
-`size` says otherwise. A suite with `goldens` (files of tests/golden, its data) has a main of its
-own (tests/Golden.h's goldenMain, which reads --update) and links GoogleTest alone; its argument
-is --golden_dir=tests/golden. With `needs_cuda`,
-the test is declared only where the CUDA toolkit is (//third_party/cuda), like cuda_cc_test.
-Every other attribute (data, args, shard_count, linkopts ...) is cc_test's.
+`size` says otherwise. A suite with `goldens` (files of tests/golden, its data) compares with them
+through tests/Golden.h, whose goldenMain is its main (GoogleTest without its main), and reads
+them from --golden_dir=tests/golden. With `needs_cuda`, the test is declared only where the CUDA
+toolkit is (//third_party/cuda), like cuda_cc_test. Every other attribute (data, args,
+shard_count, linkopts ...) is cc_test's.
 """
 
 load("//:copts.bzl", "PIPE_COPTS")
@@ -39,6 +39,6 @@ def pipec_test(
         args = args,
         copts = PIPE_COPTS,
         data = data,
-        deps = deps + ["@gtest//:gtest_main" if goldens == None else "@gtest"],
+        deps = deps + (["@gtest//:gtest_main"] if goldens == None else ["//tests:golden", "@gtest"]),
         **kwargs
     )
