@@ -40,12 +40,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-using pipec::testing::checkpointLayerFiles;
-using pipec::testing::CommandResult;
-using pipec::testing::compileTinyGpt;
-using pipec::testing::freshDir;
-using pipec::testing::runCommand;
-using pipec::testing::stepLosses;
+using namespace pipec::testing;
 
 /// piperun_emu on `plan` with `args`; `backend` "nccl" runs one process from torchrun's
 /// variables.
@@ -196,8 +191,6 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
 }
 
 namespace {
-
-using pipec::testing::Child;
 
 TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
   const std::string d = freshDir("cuda-relaunch");

@@ -5,6 +5,7 @@
 #include "compiler/Pass.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 
@@ -34,6 +35,21 @@ inline ModelSpec uniformModel(int layers, double f = 1, double b = 1, double w =
     m.layers.push_back(l);
   m.p2pTime = p2p;
   m.allReduceTime = p2p;
+  return m;
+}
+
+/// A profile of a `numStages`-stage, `numSlices`-slice plan, as the cpu backend in fp32 measured
+/// it (5 steps, 2 threads, plan hash "0123"), before its measurements are added.
+inline MeasuredCosts profileOf(int numStages, int numSlices) {
+  MeasuredCosts m;
+  m.backend = "cpu";
+  m.dtype = "fp32";
+  m.device = "host cpu";
+  m.planHash = "0123";
+  m.threads = 2;
+  m.steps = 5;
+  m.numStages = numStages;
+  m.numSlices = numSlices;
   return m;
 }
 
