@@ -13,7 +13,6 @@
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
-#include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
@@ -27,16 +26,6 @@
 
 namespace pipec::test {
 namespace {
-
-ModelSpec tinyGpt() {
-  auto m = parseModelSpec(
-      R"({"format": "pipemodel/1", "name": "tiny", "transformer": {"num_layers": 4,
-      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
-      "seq_length": 8, "microbatch_size": 2, "dtype": "fp32"}})",
-      "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
 
 class NcclRuntimeTest : public ::testing::Test {
 protected:

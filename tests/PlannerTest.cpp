@@ -33,14 +33,12 @@ namespace {
 using test::options;
 
 ModelSpec transformer(const std::string &extra = "", int layers = 6) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "t",
+  return test::modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "t",
       "transformer": {{"num_layers": {}, "hidden_size": 64, "num_attention_heads": 4,
       "ffn_hidden_size": 256, "vocab_size": 128, "seq_length": 64, "microbatch_size": 2,
       "dtype": "bf16"{}}}}})",
-                                      layers, extra),
-                          "t.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+                                       layers, extra),
+                           "t.json");
 }
 
 TEST(EvaluateTest, ScoresWithTheDefaultPipelinesOwnPasses) {
