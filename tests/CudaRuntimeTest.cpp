@@ -16,6 +16,7 @@
 // than fp32 (more than 1e-4 of the scale), or the run did not compute in bf16.
 //
 //===----------------------------------------------------------------------===//
+#include "tests/CudaDeviceTest.h"
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
@@ -101,16 +102,7 @@ ModelSpec tinyGptTwoHeads(int headDim, int layers, int seq) {
                      name + ".json");
 }
 
-class CudaRuntimeTest : public ::testing::Test {
-protected:
-  void SetUp() override {
-    auto devices = cudaDevices();
-    if (!devices) {
-      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
-             << takeMessage(devices.takeError());
-    }
-  }
-};
+using CudaRuntimeTest = CudaDeviceTest;
 
 TEST_F(CudaRuntimeTest, OneFOneBOnFourStagesGivesTheReferenceGradients) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),

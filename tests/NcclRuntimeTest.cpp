@@ -10,6 +10,7 @@
 // --check-reference (the gradients gathered to RANK 0; NcclLayoutTest checks what is gathered).
 //
 //===----------------------------------------------------------------------===//
+#include "tests/CudaDeviceTest.h"
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
@@ -27,14 +28,10 @@
 namespace pipec::test {
 namespace {
 
-class NcclRuntimeTest : public ::testing::Test {
+class NcclRuntimeTest : public CudaDeviceTest {
 protected:
   void SetUp() override {
-    auto devices = cudaDevices();
-    if (!devices) {
-      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
-             << takeMessage(devices.takeError());
-    }
+    ASSERT_NO_FATAL_FAILURE(CudaDeviceTest::SetUp());
     // One process bootstraps alone; an inherited NCCL_COMM_ID would make it wait for a root.
     ::unsetenv("NCCL_COMM_ID");
   }
