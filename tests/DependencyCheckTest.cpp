@@ -388,23 +388,16 @@ private:
       b += model.layers[size_t(l)].backwardInput;
       w += model.layers[size_t(l)].backwardWeight;
     }
-    double k = numSlices();
-    switch (op) {
-    case OpKind::Forward:
+    const double k = numSlices();
+    if (op == OpKind::Forward)
       return f / k;
-    case OpKind::BackwardInput:
+    if (op == OpKind::BackwardInput)
       return b / k;
-    case OpKind::BackwardWeight:
+    if (op == OpKind::BackwardWeight)
       return w / k;
-    case OpKind::Backward:
+    if (op == OpKind::Backward)
       return (b + w) / k;
-    case OpKind::Send:
-    case OpKind::Recv:
-    case OpKind::AllReduce:
-    case OpKind::OptimizerStep:
-      break;
-    }
-    return 0;
+    return 0; // sends, receives, all-reduces and the optimizer step compute no layer
   }
 
   static bool same(double a, double b) {
