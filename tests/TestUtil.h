@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 namespace pipec::test {
 
@@ -80,7 +81,7 @@ inline Plan compileOrFail(const ModelSpec &model, const CompileOptions &o) {
 inline ModelSpec modelOrFail(const std::string &json, const std::string &name) {
   auto m = parseModelSpec(json, name);
   EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+  return m ? std::move(*m) : ModelSpec{};
 }
 
 /// A GPT-style transformer with the spec's defaults (docs/contracts.md#model-spec-pipemodel1)
