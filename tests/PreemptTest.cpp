@@ -39,16 +39,6 @@ std::string piperun(const std::string &plan, const std::string &args) {
   return "tools/piperun " + plan + " " + args;
 }
 
-/// Once `c`'s first step ended, sends it `signal` and waits for it to exit: its exit status in
-/// `status` (a test failure where it printed no step or ended otherwise).
-void signalAfterStepZero(Child &c, int signal, int &status) {
-  ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
-  ::kill(c.pid, signal);
-  const int ended = finish(c);
-  ASSERT_TRUE(WIFEXITED(ended)) << c.out;
-  status = WEXITSTATUS(ended);
-}
-
 /// The step-<n> names in `dir`, sorted.
 std::vector<std::string> stepDirs(const std::string &dir) {
   std::vector<std::string> names;
