@@ -205,10 +205,18 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 /// source never steers its own prediction (starting from the fit on all sources would). A
 /// factor the training runs do not measure keeps it: FP8's speedup, when the training runs are
 /// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale.
+const double kPrior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5};
+static_assert(std::size(kPrior) == std::size(kFactors));
+
+/// How strongly the fit is held to kPrior: gPriorWeight times the sum over the factors it moves
+/// of the squared natural logarithm of (factor / prior) is added to the objective (a factor
+/// twice or half its prior costs 0.48 gPriorWeight). A factor the training runs barely pin
+/// down then stays near the prior instead of wandering to a bound.
+double gPriorWeight = 0;
+
 ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
                          const std::vector<size_t> &which) {
-  const double prior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5};
-  static_assert(std::size(prior) == std::size(kFactors));
+  const double *prior = kPrior;
   for (size_t i = 0; i < std::size(kFactors); ++i)
     if (measured(runs, which, kFactors[i]) || kFactors[i].field == &ClusterSpec::fp8GemmSpeedup)
       set(c, kFactors[i], prior[i]);
@@ -240,7 +248,13 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
   int used = 0;
   auto value = [&](const Point &x) {
     ++used;
-    return objective(runs, which, predictAll(runs, which, specOf(x)));
+    double penalty = 0;
+    for (size_t i = 0; i < n; ++i)
+      if (moves[i]) {
+        double v = std::clamp(std::exp(x[i]), kFactors[i].lo, kFactors[i].hi);
+        penalty += std::pow(std::log(v / kPrior[i]), 2);
+      }
+    return objective(runs, which, predictAll(runs, which, specOf(x))) + gPriorWeight * penalty;
   };
   std::vector<Point> simplex(n + 1);
   std::vector<double> f(n + 1);
@@ -422,10 +436,10 @@ int fail(llvm::Error err) {
 } // namespace
 
 int main(int argc, char **argv) {
-  auto args = Args::parse(
-      argc, argv, 1,
-      {"--data", "--a100", "--h100", "--threads", "--evals", "--device", "--weight-power"},
-      {"--fit", "--loso"}, /*command=*/"");
+  auto args = Args::parse(argc, argv, 1,
+                          {"--data", "--a100", "--h100", "--threads", "--evals", "--device",
+                           "--weight-power", "--prior-weight"},
+                          {"--fit", "--loso"}, /*command=*/"");
   if (!args)
     return fail(args.takeError());
   auto threads = args->integer("--threads", 2, 1, 256);
@@ -435,6 +449,10 @@ int main(int argc, char **argv) {
   if (!evals)
     return fail(evals.takeError());
   gThreads = unsigned(*threads);
+  if (auto w = args->get("--prior-weight")) {
+    if (!llvm::to_float(*w, gPriorWeight) || gPriorWeight < 0 || gPriorWeight > 1)
+      return fail(inputError("--prior-weight: expected a number in [0, 1], got {}", *w));
+  }
   if (auto w = args->get("--weight-power")) {
     if (!llvm::to_float(*w, gWeightPower) || gWeightPower < 0 || gWeightPower > 1)
       return fail(inputError("--weight-power: expected a number in [0, 1], got {}", *w));
