@@ -6,6 +6,7 @@
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
 #include "ir/MeasuredCosts.h"
+#include "ir/support/Bytes.h"
 #include "ir/support/Error.h"
 #include "ir/support/Limits.h"
 #include "schedules/Policy.h"
@@ -109,15 +110,6 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 /// The most microbatches per step pipec plans.
 constexpr int64_t kMostMicrobatches = kMaxFlagCount;
-
-std::string mib(int64_t bytes) {
-  double b = double(bytes);
-  if (std::abs(b) >= double(1 << 30))
-    return fmt::format("{:.2f} GiB", b / (1 << 30));
-  if (std::abs(b) >= double(1 << 20))
-    return fmt::format("{:.2f} MiB", b / (1 << 20));
-  return fmt::format("{:.1f} KiB", b / 1024);
-}
 
 std::vector<int> divisorsOf(int n) {
   std::vector<int> out;
@@ -321,7 +313,7 @@ llvm::Error Search::setUp() {
   if (headroom >= limit)
     return inputError("--min-headroom {} leaves nothing of the {} memory limit; try "
                       "--min-headroom {}%",
-                      mib(headroom), mib(limit), kDefaultHeadroomPercent);
+                      humanBytes(headroom), humanBytes(limit), kDefaultHeadroomPercent);
   fit = limit - headroom;
   threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
   if (o.schedules.empty()) {
@@ -693,7 +685,7 @@ void Search::evaluate(size_t index, double threshold) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
                         "one microbatch) of {}",
-                        c.worstRank, mib(bound), mib(fit));
+                        c.worstRank, humanBytes(bound), humanBytes(fit));
     return;
   }
 
@@ -767,7 +759,7 @@ void Search::evaluate(size_t index, double threshold) {
       c.outcome = Outcome::Memory;
       c.why = fmt::format("rank {} needs at least {} (its activations in this order, before "
                           "receive buffers) of {}",
-                          c.worstRank, mib(c.peakMemoryBytes), mib(fit));
+                          c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit));
       return;
     }
     plan.stats = PlanStats{};
@@ -794,7 +786,8 @@ void Search::evaluate(size_t index, double threshold) {
   takeFigures(c, plan.stats);
   if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
+                        humanBytes(fit));
     return;
   }
   c.outcome = Outcome::Fits;
@@ -822,7 +815,8 @@ bool Search::compile(size_t index, Plan *out) {
   takeFigures(c, plan->stats);
   if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
+                        humanBytes(fit));
     return false;
   }
   if (out)
@@ -882,7 +876,7 @@ llvm::Error Search::explainNothingFits() {
                    o.gpus);
   const ParallelConfig &pc = closest->parallel;
   std::string kept = headroom > 0
-                         ? fmt::format(" with {} kept free (--min-headroom)", mib(headroom))
+                         ? fmt::format(" with {} kept free (--min-headroom)", humanBytes(headroom))
                          : std::string();
   // What the search has not tried yet that saves memory, as hints after the limit.
   std::string hints = "more GPUs";
@@ -897,11 +891,11 @@ llvm::Error Search::explainNothingFits() {
                  "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
                  "{} distributed-optimizer {}, needs {} on rank {} (as `pipec compile` states "
                  "it; {} short); try --memory-limit {}, {}",
-                 o.gpus, mib(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
-                 closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
+                 o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp,
+                 pc.dp, closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
                  pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
-                 mib(closest->peakMemoryBytes), closest->worstRank,
-                 mib(closest->peakMemoryBytes - fit),
+                 humanBytes(closest->peakMemoryBytes), closest->worstRank,
+                 humanBytes(closest->peakMemoryBytes - fit),
                  limitThatFits(o.minHeadroom, closest->peakMemoryBytes), hints);
 }
 

@@ -238,7 +238,7 @@ TEST(PlannerTest, NoLayoutInMemoryIsAFindingNamingTheSmallestShortfall) {
   llvm::Error err = r.takeError();
   EXPECT_TRUE(err.isA<Finding>());
   std::string msg = takeMessage(std::move(err));
-  EXPECT_NE(msg.find("no layout of 8 GPUs fits in 64.0 KiB per GPU with 3.2 KiB kept free "
+  EXPECT_NE(msg.find("no layout of 8 GPUs fits in 64.00 KiB per GPU with 3.20 KiB kept free "
                      "(--min-headroom): the closest"),
             std::string::npos)
       << msg;
