@@ -757,8 +757,8 @@ void Search::evaluate(size_t index, double threshold) {
     takePeak(c, plan.stats);
     if (c.peakMemoryBytes > fit) {
       c.outcome = Outcome::Memory;
-      c.why = fmt::format("rank {} needs at least {} (its activations in this order, before "
-                          "receive buffers) of {}",
+      c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
+                          "its activations in this order, before receive buffers) of {}",
                           c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit));
       return;
     }
