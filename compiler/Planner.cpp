@@ -2,6 +2,7 @@
 #include "compiler/Planner.h"
 
 #include "compiler/Evaluate.h"
+#include "compiler/LowerCollectives.h"
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
@@ -582,10 +583,13 @@ void takeFigures(PlanCandidate &c, const PlanStats &stats) {
 /// (docs/contracts.md#semantics). Timing the compute-only streams with all but the last of an
 /// op's all-reduces added to the op (the last delays only the rank's next op, not the op's
 /// output) can only start every op as early or earlier, so each rank's last end is at most the
-/// lowered one's. Then as stepFigures states the step: without the optimizer step timed, the
-/// last end; without post-validation, that plus the pipeline-wide check and the slowest
-/// optimizer step; with post-validation, the period is at least the first stage's rank's (it
-/// starts at 0) end plus its optimizer step.
+/// lowered one's. With dp > 1 a rank's step also lasts until its gradient all-reduces are done:
+/// one per stage, after the stage's last weight gradient (dpAllReducePoints), one at a time on
+/// their own stream (collectiveTimes); chained from the compute-only ends they end no later.
+/// Then as stepFigures states the step: without the optimizer step timed, the last step end;
+/// without post-validation, that plus the pipeline-wide check and the slowest optimizer step;
+/// with post-validation, the period is at least the first stage's rank's (it starts at 0) step
+/// end plus its optimizer step.
 double orderTimeBound(Plan &plan) {
   const ParallelConfig &pc = plan.parallel;
   // The all-reduces folded in, undone below (the stage table stays compile's).
@@ -615,9 +619,20 @@ double orderTimeBound(Plan &plan) {
     return 0;
   }
   std::vector<double> end(plan.ranks.size(), 0);
-  for (size_t r = 0; r < plan.ranks.size(); ++r)
-    if (!t.ops[r].empty())
-      end[r] = t.ops[r].back().end;
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    const auto &stream = plan.ranks[r];
+    if (stream.empty())
+      continue;
+    end[r] = t.ops[r].back().end;
+    if (pc.dp <= 1)
+      continue;
+    std::vector<llvm::SmallVector<int, 2>> points = dpAllReducePoints(stream);
+    double free = 0;
+    for (size_t n = 1; n <= stream.size(); ++n)
+      for (int s : points[n])
+        free = std::max(free, t.ops[r][n - 1].end) + plan.stages[size_t(s)].dpAllReduceTime;
+    end[r] = std::max(end[r], free);
+  }
   double optimizer = 0;
   for (size_t r = 0; r < plan.ranks.size(); ++r)
     optimizer = std::max(optimizer, rankOptimizerTime(plan, r));
