@@ -23,8 +23,8 @@
 //     layout that cannot enter the top K found so far;
 //   - bounds of the order, before it is lowered and simulated: the memory pass on the
 //     compute-only streams (compile's peak less the receive buffers) and the compute-only
-//     timeline with all but the last tp all-reduce of each op folded in, plus the optimizer
-//     step (no op starts later than in compile's simulation);
+//     timeline with all but the last tp all-reduce of each op folded in, then the dp
+//     all-reduces and the optimizer step (no op starts later than in compile's simulation);
 //   - stage tables summed from every layer's slice costs (layerSliceCosts, compiler/Partition.h),
 //     computed once per model variant, tp, sequence parallelism and slicing;
 //   - candidates run in waves over the machine's cores, best lower bound first; the threshold
