@@ -586,10 +586,13 @@ void takeFigures(PlanCandidate &c, const PlanStats &stats) {
 /// lowered one's. With dp > 1 a rank's step also lasts until its gradient all-reduces are done:
 /// one per stage, after the stage's last weight gradient (dpAllReducePoints), one at a time on
 /// their own stream (collectiveTimes); chained from the compute-only ends they end no later.
-/// Then as stepFigures states the step: without the optimizer step timed, the last step end;
-/// without post-validation, that plus the pipeline-wide check and the slowest optimizer step;
-/// with post-validation, the period is at least the first stage's rank's (it starts at 0) step
-/// end plus its optimizer step.
+/// (Not counted where they overlap the last backward, "grad_reduce": "overlapped".) Then as
+/// stepFigures states the step: without the optimizer step timed, the last step end; without
+/// post-validation, that plus the pipeline-wide check and the slowest optimizer step; with
+/// post-validation, the period is at least the first stage's rank's (it starts at 0) step end
+/// plus its optimizer step. With blocking p2p the step is the executed one
+/// (simulateExecutedStep): each rank's clock passes every op no sooner than the timeline does,
+/// the all-reduces on it, its optimizer step last; then the check unless post-validated.
 double orderTimeBound(Plan &plan) {
   const ParallelConfig &pc = plan.parallel;
   // The all-reduces folded in, undone below (the stage table stays compile's).
@@ -624,7 +627,7 @@ double orderTimeBound(Plan &plan) {
     if (stream.empty())
       continue;
     end[r] = t.ops[r].back().end;
-    if (pc.dp <= 1)
+    if (pc.dp <= 1 || (plan.overlapGradReduce && !plan.blockingP2p))
       continue;
     std::vector<llvm::SmallVector<int, 2>> points = dpAllReducePoints(stream);
     double free = 0;
@@ -632,6 +635,12 @@ double orderTimeBound(Plan &plan) {
       for (int s : points[n])
         free = std::max(free, t.ops[r][n - 1].end) + plan.stages[size_t(s)].dpAllReduceTime;
     end[r] = std::max(end[r], free);
+  }
+  if (plan.blockingP2p) {
+    double executed = 0;
+    for (size_t r = 0; r < plan.ranks.size(); ++r)
+      executed = std::max(executed, end[r] + rankOptimizerTime(plan, r));
+    return executed + (plan.postValidation ? 0.0 : plan.optimizerSyncTime);
   }
   double optimizer = 0;
   for (size_t r = 0; r < plan.ranks.size(); ++r)

@@ -198,6 +198,43 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
   EXPECT_NE(csv.find(",yes,"), std::string::npos);
 }
 
+TEST(PlannerTest, StepTimeBoundsHoldUnderEveryP2pAndGradReduceMode) {
+  // The simulate pass times a plan differently with synchronous ("megatron") or blocking p2p
+  // (the executed step) and with gradient reduction overlapping the last backward; the
+  // order's step-time bound must stay at most compile's step time under each.
+  ModelSpec model = transformer();
+  for (int mode = 0; mode < 3; ++mode) {
+    SCOPED_TRACE(fmt::format("mode {}", mode));
+    ClusterSpec cluster = smallCluster();
+    cluster.megatronP2p = mode == 0;
+    cluster.blockingP2p = mode == 1;
+    cluster.overlapGradReduce = mode == 2;
+    PlannerOptions o = smallSearch();
+    o.top = 1000; // nothing pruned: every fitting candidate simulated
+    o.maxVpp = 2;
+    o.microbatchSizes = {2};
+    o.recompute = {Recompute::None};
+    auto result = planLayouts(model, cluster, o);
+    ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
+    int checked = 0;
+    for (const PlanCandidate &c : result->candidates) {
+      if (!c.simulated)
+        continue;
+      CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches);
+      co.parallel = c.parallel;
+      co.memoryLimit = c.zbAutoLimit;
+      auto plan = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), cluster, co);
+      ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+      EXPECT_EQ(plan->stats.stepTime, c.stepTime) << c.schedule;
+      EXPECT_LE(c.stepTimeBound, plan->stats.stepTime * (1 + 1e-9))
+          << c.schedule << " tp=" << c.parallel.tp << " pp=" << c.parallel.pp
+          << " dp=" << c.parallel.dp;
+      ++checked;
+    }
+    EXPECT_GT(checked, 10);
+  }
+}
+
 TEST(PlannerTest, PruningAndThreadsChangeNothing) {
   ModelSpec model = transformer();
   PlannerOptions one = smallSearch();
