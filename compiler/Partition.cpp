@@ -246,13 +246,34 @@ public:
 
 } // namespace
 
+std::vector<SliceCost> layerSliceCosts(const ModelSpec &model, const ClusterSpec &cluster,
+                                       const ParallelConfig &pc,
+                                       llvm::ArrayRef<std::pair<int64_t, int64_t>> slices) {
+  const size_t k = slices.size();
+  std::vector<SliceCost> costs(model.layers.size() * k);
+  for (size_t l = 0; l < model.layers.size(); ++l)
+    for (size_t i = 0; i < k; ++i)
+      costs[l * k + i] = model.sliceCost(cluster, l, slices[i].first, slices[i].second, int(i),
+                                         int(k), pc.tp, pc.sequenceParallel);
+  return costs;
+}
+
 void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
                  llvm::ArrayRef<int> ends) {
+  llvm::ArrayRef<std::pair<int64_t, int64_t>> slices(plan.seqSlices);
+  buildStages(plan, model, cluster, ends,
+              layerSliceCosts(model, cluster, plan.parallel,
+                              slices.take_front(size_t(plan.parallel.seqSplits))));
+}
+
+void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
+                 llvm::ArrayRef<int> ends, llvm::ArrayRef<SliceCost> costs) {
   const ParallelConfig &pc = plan.parallel;
   int numStages = pc.numStages();
   assert(int(ends.size()) == numStages && "one layer range end per stage");
   plan.stages.assign(size_t(numStages), StageInfo{});
   size_t k = size_t(pc.seqSplits);
+  assert(costs.size() == model.layers.size() * k && "layerSliceCosts' table for the slices");
   for (int s = 0; s < numStages; ++s) {
     StageInfo &st = plan.stages[size_t(s)];
     st.stage = s;
@@ -274,9 +295,7 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
       st.paramBytes += layer.paramBytes / pc.tp;
       st.tpAllReduces += pc.tp > 1 ? layer.tpAllReduces : 0;
       for (size_t i = 0; i < k; ++i) {
-        auto [b, e] = plan.seqSlices[i];
-        SliceCost c =
-            model.sliceCost(cluster, size_t(l), b, e, int(i), int(k), pc.tp, pc.sequenceParallel);
+        const SliceCost &c = costs[size_t(l) * k + i];
         st.forward[i] += c.forward;
         st.backwardInput[i] += c.backwardInput;
         st.backwardWeight[i] += c.backwardWeight;
@@ -297,13 +316,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
       st.weightGradBytes[i] += residual;
     }
     // What leaves the stage is its last layer's output.
-    for (size_t i = 0; i < k; ++i) {
-      auto [b, e] = plan.seqSlices[i];
-      st.outputBytes[i] = model
-                              .sliceCost(cluster, size_t(st.layerEnd - 1), b, e, int(i), int(k),
-                                         pc.tp, pc.sequenceParallel)
-                              .outputBytes;
-    }
+    for (size_t i = 0; i < k; ++i)
+      st.outputBytes[i] = costs[size_t(st.layerEnd - 1) * k + i].outputBytes;
   }
   fillTransferTimes(plan, model, cluster);
   plan.stateBytesPerParamByte = stateBytesPerParamByte(model, pc);

@@ -31,6 +31,16 @@ std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts);
 /// layers [ends[s-1], ends[s]) with their per-slice costs, bytes and transfer times.
 void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
                  llvm::ArrayRef<int> ends);
+/// The same with `costs`, layerSliceCosts' table for plan.parallel and plan.seqSlices: the
+/// stage sums do not depend on the layout past tp, sequence parallelism and the slices, so a
+/// caller that builds many stage tables (the planner) computes the table once for them all.
+void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
+                 llvm::ArrayRef<int> ends, llvm::ArrayRef<SliceCost> costs);
+/// model.sliceCost of every layer for every slice of `slices` under pc's tp and sequence
+/// parallelism: entry l * slices.size() + i is layer l's slice i.
+std::vector<SliceCost> layerSliceCosts(const ModelSpec &model, const ClusterSpec &cluster,
+                                       const ParallelConfig &pc,
+                                       llvm::ArrayRef<std::pair<int64_t, int64_t>> slices);
 
 /// The seq-split pass's token ranges: K equal ranges for an abstract model; for a transformer,
 /// boundaries on multiples of tp where a block's predicted F + B + W time under `cluster` is

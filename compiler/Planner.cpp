@@ -2,10 +2,12 @@
 #include "compiler/Planner.h"
 
 #include "compiler/Evaluate.h"
+#include "compiler/LowerCollectives.h"
 #include "compiler/Partition.h"
 #include "compiler/Pass.h"
 #include "ir/CostModel.h"
 #include "ir/MeasuredCosts.h"
+#include "ir/support/Bytes.h"
 #include "ir/support/Error.h"
 #include "ir/support/Limits.h"
 #include "schedules/Policy.h"
@@ -110,15 +112,6 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 /// The most microbatches per step pipec plans.
 constexpr int64_t kMostMicrobatches = kMaxFlagCount;
 
-std::string mib(int64_t bytes) {
-  double b = double(bytes);
-  if (std::abs(b) >= double(1 << 30))
-    return fmt::format("{:.2f} GiB", b / (1 << 30));
-  if (std::abs(b) >= double(1 << 20))
-    return fmt::format("{:.2f} MiB", b / (1 << 20));
-  return fmt::format("{:.1f} KiB", b / 1024);
-}
-
 std::vector<int> divisorsOf(int n) {
   std::vector<int> out;
   for (int d = 1; d <= n; ++d)
@@ -217,17 +210,23 @@ private:
   std::vector<size_t> scheduleOf;
   std::mutex partitionMu;
   std::map<std::tuple<size_t, int, int>, std::vector<int>> partitions;
-  /// seqSlicesFor's answer (the slices, or its error's message) by (variant, seq splits, tp,
-  /// split rule, sequence parallelism): the same for every pp, schedule and vpp.
-  using Slices = std::vector<std::pair<int64_t, int64_t>>;
-  std::map<std::tuple<size_t, int, int, bool, bool>, std::pair<Slices, std::string>> slicings;
+  /// seqSlicesFor's answer (the slices, or its error's message) and the slice costs of every
+  /// layer (layerSliceCosts) by (variant, seq splits, tp, split rule, sequence parallelism):
+  /// the same for every pp, vpp, schedule and ZeRO setting.
+  struct Slicing {
+    std::vector<std::pair<int64_t, int64_t>> slices;
+    std::string why;
+    std::vector<SliceCost> costs;
+  };
+  std::map<std::tuple<size_t, int, int, bool, bool>, Slicing> slicings;
 
   llvm::Error setUp();
   size_t variantFor(int64_t b, Recompute r);
   void enumerate();
   std::vector<int> partitionFor(size_t variant, int tp, int stages);
-  /// seqSlicesFor(variant's model, cluster, pc) into `out`, cached; a message on error.
-  std::string slicesFor(size_t variant, const ParallelConfig &pc, Slices &out);
+  /// seqSlicesFor(variant's model, cluster, pc) and its slices' costs, cached (entries stay
+  /// put: std::map).
+  const Slicing &slicingFor(size_t variant, const ParallelConfig &pc);
   void evaluate(size_t index, double threshold);
   bool compile(size_t index, Plan *out);
   llvm::Error explainNothingFits();
@@ -315,7 +314,7 @@ llvm::Error Search::setUp() {
   if (headroom >= limit)
     return inputError("--min-headroom {} leaves nothing of the {} memory limit; try "
                       "--min-headroom {}%",
-                      mib(headroom), mib(limit), kDefaultHeadroomPercent);
+                      humanBytes(headroom), humanBytes(limit), kDefaultHeadroomPercent);
   fit = limit - headroom;
   threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
   if (o.schedules.empty()) {
@@ -528,22 +527,23 @@ std::vector<int> Search::partitionFor(size_t variant, int tp, int stages) {
   return ends;
 }
 
-std::string Search::slicesFor(size_t variant, const ParallelConfig &pc, Slices &out) {
+const Search::Slicing &Search::slicingFor(size_t variant, const ParallelConfig &pc) {
   auto key = std::make_tuple(variant, pc.seqSplits, pc.tp, pc.seqSplitByFlops, pc.sequenceParallel);
   {
     std::lock_guard<std::mutex> lock(partitionMu);
     auto it = slicings.find(key);
-    if (it != slicings.end()) {
-      out = it->second.first;
-      return it->second.second;
-    }
+    if (it != slicings.end())
+      return it->second;
   }
-  std::string why;
-  if (llvm::Error err = seqSlicesFor(variants[variant].model, cluster, pc, out))
-    why = takeMessage(std::move(err));
+  Slicing s;
+  const ModelSpec &m = variants[variant].model;
+  if (llvm::Error err = seqSlicesFor(m, cluster, pc, s.slices))
+    s.why = takeMessage(std::move(err));
+  else
+    s.costs = layerSliceCosts(m, cluster, pc, s.slices);
   std::lock_guard<std::mutex> lock(partitionMu);
-  slicings.emplace(key, std::make_pair(out, why));
-  return why;
+  // (Another thread may have put the same answer in meanwhile: the first stays.)
+  return slicings.emplace(key, std::move(s)).first->second;
 }
 
 /// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs.
@@ -551,23 +551,106 @@ int64_t lifetimeBytes(const StageInfo &st, size_t k) {
   return activationLifetimePeak(st, int(k)) + workspaceBytes(st, int(k));
 }
 
-/// A candidate's step time, bubble and worst rank's peak memory from the stats of its
-/// evaluated or compiled plan.
-void takeFigures(PlanCandidate &c, const PlanStats &stats) {
-  c.stepTime = stats.stepTime;
-  double busy = 0;
+/// The worst rank's peak memory in `stats` into c's peakMemoryBytes and worstRank.
+void takePeak(PlanCandidate &c, const PlanStats &stats) {
   int64_t peak = 0;
   for (const RankStats &r : stats.ranks) {
-    busy += r.busy;
     if (r.peakMemoryBytes > peak) {
       peak = r.peakMemoryBytes;
       c.worstRank = r.rank;
     }
   }
   c.peakMemoryBytes = peak;
+}
+
+/// A candidate's step time, bubble and worst rank's peak memory from the stats of its
+/// evaluated or compiled plan.
+void takeFigures(PlanCandidate &c, const PlanStats &stats) {
+  c.stepTime = stats.stepTime;
+  double busy = 0;
+  for (const RankStats &r : stats.ranks)
+    busy += r.busy;
+  takePeak(c, stats);
   c.bubble = c.stepTime > 0 && !stats.ranks.empty()
                  ? 1.0 - busy / double(stats.ranks.size()) / c.stepTime
                  : 0.0;
+}
+
+/// A lower bound of the step time compile states for `plan`, a stage table and compute-only
+/// streams. The simulate pass times the lowered streams: the same compute ops in the same
+/// order per rank, with zero-time sends and recvs, and with tp > 1 each forward and
+/// input-gradient op split into parts, each followed by a tp all-reduce that holds the rank
+/// (docs/contracts.md#semantics). Timing the compute-only streams with all but the last of an
+/// op's all-reduces added to the op (the last delays only the rank's next op, not the op's
+/// output) can only start every op as early or earlier, so each rank's last end is at most the
+/// lowered one's. With dp > 1 a rank's step also lasts until its gradient all-reduces are done:
+/// one per stage, after the stage's last weight gradient (dpAllReducePoints), one at a time on
+/// their own stream (collectiveTimes); chained from the compute-only ends they end no later.
+/// (Not counted where they overlap the last backward, "grad_reduce": "overlapped".) Then as
+/// stepFigures states the step: without the optimizer step timed, the last step end; without
+/// post-validation, that plus the pipeline-wide check and the slowest optimizer step; with
+/// post-validation, the period is at least the first stage's rank's (it starts at 0) step end
+/// plus its optimizer step. With blocking p2p the step is the executed one
+/// (simulateExecutedStep): each rank's clock passes every op no sooner than the timeline does,
+/// the all-reduces on it, its optimizer step last; then the check unless post-validated.
+double orderTimeBound(Plan &plan) {
+  const ParallelConfig &pc = plan.parallel;
+  // The all-reduces folded in, undone below (the stage table stays compile's).
+  std::vector<std::pair<llvm::SmallVector<double, 1>, llvm::SmallVector<double, 1>>> saved;
+  if (pc.tp > 1) {
+    saved.reserve(plan.stages.size());
+    for (StageInfo &st : plan.stages) {
+      saved.emplace_back(st.forward, st.backwardInput);
+      if (st.tpAllReduces <= 1)
+        continue;
+      for (size_t k = 0; k < st.forward.size(); ++k) {
+        double held = double(st.tpAllReduces - 1) * st.tpAllReduceTime[k];
+        st.forward[k] += held;
+        st.backwardInput[k] += held;
+      }
+    }
+  }
+  Timeline t;
+  llvm::Error err = simulateTimeline(plan, t);
+  for (size_t s = 0; s < saved.size(); ++s) {
+    plan.stages[s].forward = std::move(saved[s].first);
+    plan.stages[s].backwardInput = std::move(saved[s].second);
+  }
+  if (err) {
+    // (An order that cannot run: evaluateOrder reports it.)
+    llvm::consumeError(std::move(err));
+    return 0;
+  }
+  std::vector<double> end(plan.ranks.size(), 0);
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    const auto &stream = plan.ranks[r];
+    if (stream.empty())
+      continue;
+    end[r] = t.ops[r].back().end;
+    if (pc.dp <= 1 || (plan.overlapGradReduce && !plan.blockingP2p))
+      continue;
+    std::vector<llvm::SmallVector<int, 2>> points = dpAllReducePoints(stream);
+    double free = 0;
+    for (size_t n = 1; n <= stream.size(); ++n)
+      for (int s : points[n])
+        free = std::max(free, t.ops[r][n - 1].end) + plan.stages[size_t(s)].dpAllReduceTime;
+    end[r] = std::max(end[r], free);
+  }
+  if (plan.blockingP2p) {
+    double executed = 0;
+    for (size_t r = 0; r < plan.ranks.size(); ++r)
+      executed = std::max(executed, end[r] + rankOptimizerTime(plan, r));
+    return executed + (plan.postValidation ? 0.0 : plan.optimizerSyncTime);
+  }
+  double optimizer = 0;
+  for (size_t r = 0; r < plan.ranks.size(); ++r)
+    optimizer = std::max(optimizer, rankOptimizerTime(plan, r));
+  if (optimizer <= 0 && plan.optimizerSyncTime <= 0)
+    return *std::max_element(end.begin(), end.end());
+  if (!plan.postValidation)
+    return *std::max_element(end.begin(), end.end()) + plan.optimizerSyncTime + optimizer;
+  size_t first = size_t(plan.rankOf(0));
+  return end[first] + rankOptimizerTime(plan, first);
 }
 
 void Search::evaluate(size_t index, double threshold) {
@@ -585,12 +668,15 @@ void Search::evaluate(size_t index, double threshold) {
   plan.gpusPerNode = cluster.gpusPerNode;
   plan.stateBytesPerParamByte = var.model.stateBytesPerParamByte;
   plan.transformer = var.model.transformer;
-  if (std::string why = slicesFor(variantOf[index], pc, plan.seqSlices); !why.empty()) {
+  const Slicing &slicing = slicingFor(variantOf[index], pc);
+  if (!slicing.why.empty()) {
     c.outcome = Outcome::Constraint;
-    c.why = std::move(why);
+    c.why = slicing.why;
     return;
   }
-  buildStages(plan, var.model, cluster, partitionFor(variantOf[index], pc.tp, pc.numStages()));
+  plan.seqSlices = slicing.slices;
+  buildStages(plan, var.model, cluster, partitionFor(variantOf[index], pc.tp, pc.numStages()),
+              slicing.costs);
   // Measured times where the file covers the candidate, as compile's pipeline puts them in
   // right after its partition pass: the bounds, the order and the simulation all take them.
   if (o.costs && coversCandidate(*o.costs, c)) {
@@ -623,7 +709,7 @@ void Search::evaluate(size_t index, double threshold) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
                         "one microbatch) of {}",
-                        c.worstRank, mib(bound), mib(fit));
+                        c.worstRank, humanBytes(bound), humanBytes(fit));
     return;
   }
 
@@ -680,6 +766,36 @@ void Search::evaluate(size_t index, double threshold) {
   ComputeOrder order;
   policy.emit(request, order);
   plan.ranks = std::move(order);
+  // Memory lower bound of this order: the memory pass on the compute-only streams states each
+  // rank's static bytes and activation peak as compile will (lowering adds receive buffers,
+  // and a tp part holds no more than its whole op), so an order over the limit here is over it
+  // in compile too, without lowering or simulating it.
+  {
+    PassContext ctx;
+    ctx.scheduled = true;
+    if (llvm::Expected<bool> ran = createMemoryPass()->run(plan, ctx); !ran) {
+      c.outcome = Outcome::Constraint;
+      c.why = takeMessage(ran.takeError());
+      return;
+    }
+    takePeak(c, plan.stats);
+    if (c.peakMemoryBytes > fit) {
+      c.outcome = Outcome::Memory;
+      c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
+                          "its activations in this order, before receive buffers) of {}",
+                          c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit));
+      return;
+    }
+    plan.stats = PlanStats{};
+  }
+  // Step-time lower bound of this order, raised from the layout's, checked against the K-th
+  // best before the order is lowered and simulated as compile does it.
+  c.stepTimeBound = std::max(c.stepTimeBound, orderTimeBound(plan));
+  if (c.stepTimeBound * (1 - 1e-9) > threshold) {
+    c.outcome = Outcome::Pruned;
+    c.why = "its step-time lower bound exceeds the top-K step time found";
+    return;
+  }
   // Step time and memory as `pipec compile` states them: its own lowering, memory and
   // simulate passes (verification is left to the candidates that may be ranked).
   if (llvm::Error err = evaluateOrder(plan)) {
@@ -694,7 +810,8 @@ void Search::evaluate(size_t index, double threshold) {
   takeFigures(c, plan.stats);
   if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
+                        humanBytes(fit));
     return;
   }
   c.outcome = Outcome::Fits;
@@ -722,7 +839,8 @@ bool Search::compile(size_t index, Plan *out) {
   takeFigures(c, plan->stats);
   if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
-    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, mib(c.peakMemoryBytes), mib(fit));
+    c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
+                        humanBytes(fit));
     return false;
   }
   if (out)
@@ -782,7 +900,7 @@ llvm::Error Search::explainNothingFits() {
                    o.gpus);
   const ParallelConfig &pc = closest->parallel;
   std::string kept = headroom > 0
-                         ? fmt::format(" with {} kept free (--min-headroom)", mib(headroom))
+                         ? fmt::format(" with {} kept free (--min-headroom)", humanBytes(headroom))
                          : std::string();
   // What the search has not tried yet that saves memory, as hints after the limit.
   std::string hints = "more GPUs";
@@ -797,11 +915,11 @@ llvm::Error Search::explainNothingFits() {
                  "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
                  "{} distributed-optimizer {}, needs {} on rank {} (as `pipec compile` states "
                  "it; {} short); try --memory-limit {}, {}",
-                 o.gpus, mib(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
-                 closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
+                 o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp,
+                 pc.dp, closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
                  pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
-                 mib(closest->peakMemoryBytes), closest->worstRank,
-                 mib(closest->peakMemoryBytes - fit),
+                 humanBytes(closest->peakMemoryBytes), closest->worstRank,
+                 humanBytes(closest->peakMemoryBytes - fit),
                  limitThatFits(o.minHeadroom, closest->peakMemoryBytes), hints);
 }
 

@@ -21,6 +21,12 @@
 //     of its microbatches holds) drops a layout that cannot fit; a step-time lower bound (the
 //     busiest rank's compute and tp all-reduces, after the pipeline fill before it) prunes a
 //     layout that cannot enter the top K found so far;
+//   - bounds of the order, before it is lowered and simulated: the memory pass on the
+//     compute-only streams (compile's peak less the receive buffers) and the compute-only
+//     timeline with all but the last tp all-reduce of each op folded in, then the dp
+//     all-reduces and the optimizer step (no op starts later than in compile's simulation);
+//   - stage tables summed from every layer's slice costs (layerSliceCosts, compiler/Partition.h),
+//     computed once per model variant, tp, sequence parallelism and slicing;
 //   - candidates run in waves over the machine's cores, best lower bound first; the threshold
 //     for pruning changes only between waves, so what is pruned, and so the whole result, does
 //     not depend on the threads' timing;
@@ -121,11 +127,13 @@ struct PlanCandidate {
   /// stepTime · (1 - bubble) is the mean rank's compute time).
   bool simulated = false;
   double stepTime = 0, bubble = 0;
-  /// Lower bound of the step time (0 when not computed).
+  /// Lower bound of the step time (0 when not computed): the layout's, raised by its order's
+  /// once the order is built.
   double stepTimeBound = 0;
   /// Peak memory of the worst rank: exact (what `pipec compile` states, receive buffers
-  /// included) when peakExact, i.e. when evaluated or compiled; else, for a layout dropped
-  /// before scheduling, static bytes plus the most one microbatch holds (a lower bound).
+  /// included) when peakExact, i.e. when evaluated or compiled; else a lower bound: for a
+  /// layout dropped before scheduling, static bytes plus the most one microbatch holds; for
+  /// one dropped by its order, the memory pass's peak on the compute-only streams.
   int64_t peakMemoryBytes = 0;
   int worstRank = 0;
   bool peakExact = false;

@@ -52,6 +52,11 @@ TEST(Bytes, TheUnitFollowsTheSize) {
   EXPECT_EQ(humanBytes(int64_t(-1536)), "-1.50 KiB");
   EXPECT_EQ(humanBytes(INT64_MIN), "-8.00 EiB");
   EXPECT_EQ(humanBytes(UINT64_MAX), "16.00 EiB");
+  // One unit for a column: GiB whatever the size, in humanBytes' style.
+  EXPECT_EQ(inGiB(int64_t(3) << 29), "1.50 GiB");
+  EXPECT_EQ(inGiB(int64_t(1) << 28), "0.25 GiB");
+  EXPECT_EQ(inGiB(int64_t(3) << 40), "3072.00 GiB");
+  EXPECT_EQ(inGiB(-(int64_t(3) << 29)), "-1.50 GiB");
   EXPECT_DOUBLE_EQ(inMiB(uint64_t(3) << 19), 1.5);
   EXPECT_EQ(mibColumns({uint64_t(1) << 20, uint64_t(1) << 19}), "1.00 0.50");
   EXPECT_EQ(mibColumns({}), "");

@@ -13,6 +13,7 @@
 #include "compiler/Planner.h"
 #include "ir/Model.h"
 #include "ir/formats/PlanJson.h"
+#include "ir/support/Bytes.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
 #include "tools/Args.h"
@@ -27,12 +28,6 @@
 #include <map>
 
 namespace pipec {
-
-namespace {
-
-std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1 << 30)); }
-
-} // namespace
 
 llvm::Error runPlanCommand(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, *findPipecCommand("plan"));
@@ -75,7 +70,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   }
   const bool transformer = model->isTransformer();
   const std::string kept =
-      result->minHeadroom > 0 ? fmt::format(", {} kept free", gib(result->minHeadroom)) : "";
+      result->minHeadroom > 0 ? fmt::format(", {} kept free", humanBytes(result->minHeadroom)) : "";
   if (transformer) {
     const TransformerConfig &t = *model->transformer;
     // Llama-style choices, where the block is not GPT-2's.
@@ -93,13 +88,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     fmt::print("pipec plan: {} ({} layers, hidden {}, {}, seq {}, {}{}) on {} x {} ({} per "
                "node, {} each{}), global batch {} sequences\n",
                model->name, t.numLayers, t.hiddenSize, heads, t.seqLength, t.dtype, block, o.gpus,
-               cluster.deviceName, cluster.gpusPerNode, gib(result->memoryLimit), kept,
+               cluster.deviceName, cluster.gpusPerNode, humanBytes(result->memoryLimit), kept,
                o.globalBatch);
   } else {
     fmt::print("pipec plan: {} ({} layers) on {} GPUs ({} per node, {} each{}), global batch {} "
                "microbatches\n",
                model->name, model->layers.size(), o.gpus, cluster.gpusPerNode,
-               gib(result->memoryLimit), kept, o.globalBatch);
+               humanBytes(result->memoryLimit), kept, o.globalBatch);
   }
   size_t total = result->candidates.size();
   fmt::print("searched {} candidates in {:.2f} s ({:.0f} candidates/s): {} simulated, {} "
@@ -133,23 +128,23 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                i + 1, scheduleLabel(c), pc.tp, pc.pp, pc.vpp, pc.dp, c.microbatchSize,
                pc.microbatches, pc.seqSplits, toString(c.recompute).str(),
                pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
-               c.stepTime, tokens, tflops, mfu, 100 * c.bubble, gib(c.peakMemoryBytes),
-               gib(result->memoryLimit - c.peakMemoryBytes),
+               c.stepTime, tokens, tflops, mfu, 100 * c.bubble, inGiB(c.peakMemoryBytes),
+               inGiB(result->memoryLimit - c.peakMemoryBytes),
                costs ? (c.measured ? "  measured" : "  model") : "");
   }
   const PlanCandidate &best = result->candidates[result->ranked.front()];
-  fmt::print("\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
-             "seq-splits {}, recompute {}, sequence parallelism {}, distributed optimizer {}{}{}\n",
-             best.parallel.pp == 1 ? std::string("no pipeline (1f1b order)") : best.schedule,
-             best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp,
-             best.microbatchSize, best.parallel.microbatches, best.parallel.seqSplits,
-             toString(best.recompute).str(), best.parallel.sequenceParallel ? "on" : "off",
-             best.parallel.distributedOptimizer ? "on" : "off",
-             best.zbAutoLimit
-                 ? fmt::format(" (zb-auto under {} of activations per rank)", gib(best.zbAutoLimit))
-                 : "",
-             costs ? (best.measured ? ", scored with the measured costs" : ", scored by the model")
-                   : "");
+  fmt::print(
+      "\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
+      "seq-splits {}, recompute {}, sequence parallelism {}, distributed optimizer {}{}{}\n",
+      best.parallel.pp == 1 ? std::string("no pipeline (1f1b order)") : best.schedule,
+      best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp, best.microbatchSize,
+      best.parallel.microbatches, best.parallel.seqSplits, toString(best.recompute).str(),
+      best.parallel.sequenceParallel ? "on" : "off",
+      best.parallel.distributedOptimizer ? "on" : "off",
+      best.zbAutoLimit
+          ? fmt::format(" (zb-auto under {} of activations per rank)", humanBytes(best.zbAutoLimit))
+          : "",
+      costs ? (best.measured ? ", scored with the measured costs" : ", scored by the model") : "");
   // The same figures from `pipec compile` (the model spec's microbatch_size set to the plan's).
   fmt::print("compile: pipec compile --model M.json {} (microbatch_size {} in M.json)\n",
              compileFlags(best, o), best.microbatchSize);

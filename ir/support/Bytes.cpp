@@ -4,16 +4,27 @@
 
 namespace pipec {
 
-std::string humanBytes(uint64_t bytes) {
-  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double v = double(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 6) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+namespace {
+
+const char *const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+
+/// `value` bytes / 1024^unit, two decimals, and the unit's name.
+std::string inUnit(double value, int unit) {
+  for (int u = 0; u < unit; ++u)
+    value /= 1024;
+  return fmt::format("{:.2f} {}", value, kUnits[unit]);
 }
+
+} // namespace
+
+std::string humanBytes(uint64_t bytes) {
+  int u = 0;
+  for (double v = double(bytes); v >= 1024 && u < 6; v /= 1024)
+    ++u;
+  return u == 0 ? fmt::format("{} B", bytes) : inUnit(double(bytes), u);
+}
+
+std::string inGiB(int64_t bytes) { return inUnit(double(bytes), 3); }
 
 std::string humanBytes(int64_t bytes) {
   // The magnitude as unsigned: -INT64_MIN does not fit an int64_t.

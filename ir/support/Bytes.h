@@ -1,7 +1,8 @@
 //===- Bytes.h - Byte counts as people read them ----------------*- C++ -*-===//
 //
 // Every size a message or a report prints goes through these: humanBytes where the unit
-// follows the size ("1.50 GiB"), inMiB where a column or a message is in MiB throughout.
+// follows the size ("1.50 GiB"), inGiB where a table's column is in GiB throughout, inMiB where
+// a column or a message is in MiB throughout.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_IR_SUPPORT_BYTES_H
@@ -18,6 +19,10 @@ namespace pipec {
 std::string humanBytes(uint64_t bytes);
 /// The same for a signed count ("-1.50 GiB").
 std::string humanBytes(int64_t bytes);
+
+/// `bytes` in GiB, two decimals, whatever its size ("73.84 GiB", "0.25 GiB", "-1.50 GiB"):
+/// humanBytes' style in one unit, for a column whose rows compare at a glance.
+std::string inGiB(int64_t bytes);
 
 /// `bytes` in mebibytes, for messages and columns whose unit is MiB.
 inline double inMiB(uint64_t bytes) { return double(bytes) / double(uint64_t(1) << 20); }
