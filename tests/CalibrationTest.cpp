@@ -290,8 +290,8 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
     same += order(true) == order(false);
   }
   EXPECT_EQ(settings, 12);
-  // calibration_bench: 9 of 12 (the rest swap interleaved 1F1B and ZB-1p, docs/planner.md).
-  EXPECT_GE(same, 9);
+  // calibration_bench: 10 of 12 (the rest swap interleaved 1F1B and ZB-1p, docs/planner.md).
+  EXPECT_GE(same, 10);
 }
 
 /// Mean absolute throughput error per source of the runs of `device`.
@@ -313,9 +313,9 @@ TEST(CalibrationTest, TheShippedSpecsStayWithinTheirInSampleErrors) {
   // margin: a change to the cost model that moves a source past its bound must refit the specs
   // and update the docs.
   std::map<std::string, double> bound = {
-      {"narayanan2021_sc21", 0.07},   {"korthikanti2022", 0.12}, {"qi2024_zerobubble", 0.05},
-      {"bigscience_bloom176b", 0.02}, {"smith2022_mtnlg", 0.11}, {"dubey2024_llama3", 0.04},
-      {"nvidia_nemo_perf_2407", 0.14}};
+      {"narayanan2021_sc21", 0.06},   {"korthikanti2022", 0.06}, {"qi2024_zerobubble", 0.06},
+      {"bigscience_bloom176b", 0.06}, {"smith2022_mtnlg", 0.03}, {"dubey2024_llama3", 0.04},
+      {"nvidia_nemo_perf_2407", 0.12}};
   for (const char *device : {"A100-80GB", "H100-SXM"}) {
     auto errors = errorsBySource(
         device, spec(device[0] == 'A' ? "examples/a100-selene.json" : "examples/h100-nemo.json"));
