@@ -18,6 +18,12 @@
 
 #include <cstdint>
 
+/// Runs `body` (a generic lambda taking a T* null pointer) with T = float or bf16 by `dtype`.
+#define PIPEC_DISPATCH_DTYPE(dtype, ...)                                                           \
+  ((dtype) == ::pipec::kernels::cuda::DType::F32                                                   \
+       ? (__VA_ARGS__)(static_cast<float *>(nullptr))                                              \
+       : (__VA_ARGS__)(static_cast<::pipec::kernels::cuda::device::bf16 *>(nullptr)))
+
 namespace pipec::kernels::cuda::device {
 
 using bf16 = __nv_bfloat16;
@@ -206,12 +212,22 @@ inline dim3 columnSumGrid(int n, int c) {
               unsigned((n + kColumnSumChunkRows - 1) / kColumnSumChunkRows));
 }
 
-/// After a columnSums kernel on `stream`: combineColumnSums when the rows spanned more than one
-/// chunk (`partials` then holds launch::columnSumScratchFloats(n, c, N) floats).
-template <int N>
-cudaError_t combineColumnSumsIfChunked(ColumnSumOutputs out, const float *partials, int n, int c,
-                                       cudaStream_t stream) {
-  const unsigned chunks = columnSumGrid(n, c).y;
+/// A columnSums kernel's whole launch over n rows of c columns in `dtype`: `queue(T *, grid)`
+/// queues the kernel (T the element type) on `stream` with kColumnSumThreads threads a block;
+/// then combineColumnSums when the rows span more than one chunk. `partials` holds
+/// launch::columnSumScratchFloats(n, c, N) floats (cudaErrorInvalidValue if null when needed).
+template <int N, typename Launch>
+cudaError_t launchColumnSums(DType dtype, ColumnSumOutputs out, float *partials, int n, int c,
+                             cudaStream_t stream, Launch queue) {
+  if (n == 0 || c == 0)
+    return cudaSuccess;
+  if (!partials && launch::columnSumScratchFloats(n, c, N) > 0)
+    return cudaErrorInvalidValue;
+  const dim3 grid = columnSumGrid(n, c);
+  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) { queue(tag, grid); });
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return err;
+  const unsigned chunks = grid.y;
   if (chunks == 1)
     return cudaSuccess;
   constexpr int kThreads = 256;
@@ -223,11 +239,5 @@ cudaError_t combineColumnSumsIfChunked(ColumnSumOutputs out, const float *partia
 }
 
 } // namespace pipec::kernels::cuda::device
-
-/// Runs `body` (a generic lambda taking a T* null pointer) with T = float or bf16 by `dtype`.
-#define PIPEC_DISPATCH_DTYPE(dtype, ...)                                                           \
-  ((dtype) == ::pipec::kernels::cuda::DType::F32                                                   \
-       ? (__VA_ARGS__)(static_cast<float *>(nullptr))                                              \
-       : (__VA_ARGS__)(static_cast<::pipec::kernels::cuda::device::bf16 *>(nullptr)))
 
 #endif // PIPEC_KERNELS_CUDA_DEVICE_CUH

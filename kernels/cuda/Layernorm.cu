@@ -133,20 +133,12 @@ cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void 
 cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
                                     const void *in, const float *mean, const float *rstd, int n,
                                     int c, float *partials, cudaStream_t stream) {
-  if (n == 0 || c == 0)
-    return cudaSuccess;
-  if (!partials && columnSumScratchFloats(n, c, 2) > 0)
-    return cudaErrorInvalidValue;
   const ColumnSumOutputs out{{dW, dB}};
-  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  return launchColumnSums<2>(dtype, out, partials, n, c, stream, [&](auto *tag, dim3 grid) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(columnSumGrid(n, c), kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
+    PIPEC_LAUNCH(grid, kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
     (out, partials, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
-    return cudaGetLastError();
   });
-  if (err != cudaSuccess)
-    return err;
-  return combineColumnSumsIfChunked<2>(out, partials, n, c, stream);
 }
 
 } // namespace launch

@@ -175,20 +175,12 @@ cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *d
 cudaError_t rmsnormBackwardWeight(DType dtype, float *dW, const void *dOut, const void *in,
                                   const float *rstd, int n, int c, float *partials,
                                   cudaStream_t stream) {
-  if (n == 0 || c == 0)
-    return cudaSuccess;
-  if (!partials && columnSumScratchFloats(n, c, 1) > 0)
-    return cudaErrorInvalidValue;
   const ColumnSumOutputs out{{dW, nullptr}};
-  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  return launchColumnSums<1>(dtype, out, partials, n, c, stream, [&](auto *tag, dim3 grid) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(columnSumGrid(n, c), kColumnSumThreads, 0, stream, rmsnormBackwardWeightKernel<T>)
+    PIPEC_LAUNCH(grid, kColumnSumThreads, 0, stream, rmsnormBackwardWeightKernel<T>)
     (out, partials, static_cast<const T *>(dOut), static_cast<const T *>(in), rstd, n, c);
-    return cudaGetLastError();
   });
-  if (err != cudaSuccess)
-    return err;
-  return combineColumnSumsIfChunked<1>(out, partials, n, c, stream);
 }
 
 cudaError_t swigluForward(DType dtype, void *out, const void *pre, int n, int f,
