@@ -90,6 +90,10 @@ __device__ __forceinline__ float exp2Fast(float x) {
 #endif
 }
 
+/// The bits of |x|: as unsigned integers they order as the magnitudes do, with Inf above every
+/// finite value and NaN above Inf, so their maximum keeps a NaN (fmaxf drops it).
+__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
 /// Launches `kernel` on `block` threads with `smemBytes` of dynamic shared memory, after raising
 /// its limit past the 48 KiB default to `smemLimit`: a constant of the kernel (its size at the
 /// largest head dimension), so that rank threads launching it concurrently with different sizes
@@ -109,9 +113,10 @@ cudaError_t launchWithSmem(Kernel kernel, dim3 grid, unsigned block, size_t smem
 // AttentionSimt.cu: any head dimension up to launch::kMaxHeadDim, fp32 or bf16.
 cudaError_t simtForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                         const void *v, const Dims &s, cudaStream_t stream);
-/// rowDot (B, H, x) = dOut . out per query row and head: the first kernel of every backward.
+/// rowDot (B, H, x) = dOut . out per query row and head: the first kernel of every backward;
+/// with `rowMaxAbs`, also the absBits of each row's max |dOut| there (B, H, x).
 cudaError_t rowDot(DType dtype, float *rowDot, const void *dOut, const void *out, const Dims &s,
-                   cudaStream_t stream);
+                   cudaStream_t stream, unsigned *rowMaxAbs = nullptr);
 /// dq written; dk and dv (fp32) added to; after rowDot.
 cudaError_t simtBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                          const float *lse, const float *rowDot, const void *q, const void *k,

@@ -37,39 +37,7 @@ using attention::launchWithSmem;
 using attention::load32;
 using attention::pack;
 
-/// The bits of |x|: as unsigned integers they order as the magnitudes do, with Inf above every
-/// finite value and NaN above Inf, so their maximum keeps a NaN (fmaxf drops it).
-__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-constexpr int kRowsPerBlock = 8; // the row dots: warps per block, one query row each
-
-// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP); and,
-// unless null, rowMaxAbs (B, H, x) = the bits of max |dOut| of the row (absBits; the fixed-point
-// dQ's bound). grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
-__global__ void rowDotKernel(float *__restrict__ rowDot, unsigned *__restrict__ rowMaxAbs,
-                             const bf16 *__restrict__ dOut, const bf16 *__restrict__ out, Dims s) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int t = blockIdx.x * kRowsPerBlock + warp;
-  if (t >= s.queries)
-    return;
-  const size_t row = s.qRow(b, t, h);
-  float sum = 0.0f;
-  unsigned maxAbs = 0;
-  for (int d = lane; d < s.headDim; d += kWarp) {
-    sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
-    maxAbs = max(maxAbs, absBits(toFloat(dOut[row + d])));
-  }
-  sum = warpSum(sum);
-  if (rowMaxAbs)
-    for (int offset = kWarp / 2; offset > 0; offset /= 2)
-      maxAbs = max(maxAbs, __shfl_xor_sync(kFullMask, maxAbs, offset));
-  if (lane == 0) {
-    rowDot[s.statRow(b, h, t)] = sum;
-    if (rowMaxAbs)
-      rowMaxAbs[s.statRow(b, h, t)] = maxAbs;
-  }
-}
+using attention::absBits;
 
 //===--- dQ on the forward's loop -----------------------------------------===//
 //
@@ -793,10 +761,9 @@ cudaError_t attentionBackwardWgmma(DqMode mode, void *dq, float *dk, float *dv, 
   auto *dqT = static_cast<bf16 *>(dq);
   const auto *dOutT = static_cast<const bf16 *>(dOut), *qT = static_cast<const bf16 *>(q),
              *kT = static_cast<const bf16 *>(k), *vT = static_cast<const bf16 *>(v);
-  const dim3 rowGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
-  PIPEC_LAUNCH(rowGrid, kRowsPerBlock * kWarp, 0, stream, rowDotKernel)
-  (parts.rowDot, parts.rowMaxAbs, dOutT, static_cast<const bf16 *>(out), s);
-  if (cudaError_t err = cudaGetLastError())
+  // The row dots D (and, for the fixed-point dQ, each row's max |dOut|: its bound's).
+  if (cudaError_t err =
+          attention::rowDot(DType::BF16, parts.rowDot, dOut, out, s, stream, parts.rowMaxAbs))
     return err;
   auto run = [&]<int HD>() -> cudaError_t {
     switch (mode) {
