@@ -50,6 +50,21 @@ __device__ __forceinline__ float dot(const float *__restrict__ a, const float *_
   return sum;
 }
 
+/// The kernels' dynamic shared memory: two tiles of 32 rows padded to hd + 1 floats, then sets
+/// of the 8 warps' own rows of hd floats (set i's row of warp w at warpRow(i, w)), then what
+/// follows those.
+struct SharedTiles {
+  float *tile[2];
+  float *rows;
+  int hd;
+  __device__ SharedTiles(float *smem, int headDim)
+      : tile{smem, smem + kTile * (headDim + 1)}, rows(smem + 2 * kTile * (headDim + 1)),
+        hd(headDim) {}
+  __device__ float *warpRow(int set, int warp) const {
+    return rows + (set * kRowsPerBlock + warp) * hd;
+  }
+};
+
 /// acc[r] += sum over the tile's rows l < `visible` of lane l's x times tile[l][lane + 32 r].
 __device__ __forceinline__ void addTileRows(float (&acc)[kPerLane], float x,
                                             const float *__restrict__ tile, int visible, int pitch,
@@ -88,18 +103,18 @@ struct QueryWarp {
         lastPos(s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1),
         active(t < s.queries) {}
 
-  /// For every 32-key tile up to lastPos: the block loads its K and V into `ks` and `vs` (after
+  /// For every 32-key tile up to lastPos: the block loads its K and V into the shared tiles (after
   /// a barrier: the previous tile is consumed, and what the warps wrote before the first tile is
   /// written); then, where this warp's query sees a key of it, body(j0, the keys it sees).
   template <typename T, typename Body>
-  __device__ __forceinline__ void forEachKeyTile(const Dims &s, float *ks, float *vs,
+  __device__ __forceinline__ void forEachKeyTile(const Dims &s, const SharedTiles &shared,
                                                  const T *__restrict__ k, const T *__restrict__ v,
                                                  Body body) const {
     for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
       __syncthreads();
       auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
-      loadTile(ks, k, j0, s.keys(), s.headDim, kvOffset);
-      loadTile(vs, v, j0, s.keys(), s.headDim, kvOffset);
+      loadTile(shared.tile[0], k, j0, s.keys(), s.headDim, kvOffset);
+      loadTile(shared.tile[1], v, j0, s.keys(), s.headDim, kvOffset);
       __syncthreads();
       if (active && j0 <= pos)
         body(j0, min(kTile, pos - j0 + 1));
@@ -114,20 +129,18 @@ __global__ void __launch_bounds__(kThreads)
                   const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *ks = smem;               // (32, hd + 1)
-  float *vs = ks + kTile * pitch; // (32, hd + 1)
-  float *qs = vs + kTile * pitch; // (8, hd)
+  const SharedTiles shared(smem, hd); // K, V tiles; the warps' query rows
   const QueryWarp w(s);
   const int lane = w.lane, b = w.b, h = w.h, t = w.t, pos = w.pos;
-  float *qRow = qs + w.warp * hd;
+  float *qRow = shared.warpRow(0, w.warp);
   if (w.active)
     for (int d = lane; d < hd; d += kWarp)
       qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
 
   float runMax = -INFINITY, runSum = 0.0f, acc[kPerLane] = {};
-  w.forEachKeyTile(s, ks, vs, k, v, [&](int j0, int visible) {
+  w.forEachKeyTile(s, shared, k, v, [&](int j0, int visible) {
     const int j = j0 + lane;
-    const float score = j <= pos ? dot(qRow, ks + lane * pitch, hd) * scale : -INFINITY;
+    const float score = j <= pos ? dot(qRow, shared.tile[0] + lane * pitch, hd) * scale : -INFINITY;
     const float newMax = fmaxf(runMax, warpMax(score)); // finite: key j0 <= pos is visible
     const float p = j <= pos ? expf(score - newMax) : 0.0f;
     const float correction = expf(runMax - newMax);
@@ -136,7 +149,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r = 0; r < kPerLane; ++r)
       acc[r] *= correction;
-    addTileRows(acc, p, vs, visible, pitch, hd, lane);
+    addTileRows(acc, p, shared.tile[1], visible, pitch, hd, lane);
   });
   if (!w.active)
     return;
@@ -182,13 +195,10 @@ __global__ void __launch_bounds__(kThreads)
                         Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *ks = smem;                     // (32, hd + 1)
-  float *vs = ks + kTile * pitch;       // (32, hd + 1)
-  float *qs = vs + kTile * pitch;       // (8, hd)
-  float *dos = qs + kRowsPerBlock * hd; // (8, hd)
+  const SharedTiles shared(smem, hd); // K, V tiles; the warps' query and dO rows
   const QueryWarp w(s);
   const int lane = w.lane, b = w.b, h = w.h, t = w.t, pos = w.pos;
-  float *qRow = qs + w.warp * hd, *doRow = dos + w.warp * hd;
+  float *qRow = shared.warpRow(0, w.warp), *doRow = shared.warpRow(1, w.warp);
   float rowLse = 0.0f, rowD = 0.0f;
   if (w.active) {
     for (int d = lane; d < hd; d += kWarp) {
@@ -199,14 +209,14 @@ __global__ void __launch_bounds__(kThreads)
     rowD = rowDot[s.statRow(b, h, t)];
   }
   float acc[kPerLane] = {};
-  w.forEachKeyTile(s, ks, vs, k, v, [&](int j0, int visible) {
+  w.forEachKeyTile(s, shared, k, v, [&](int j0, int visible) {
     const int j = j0 + lane;
     float ds = 0.0f;
     if (j <= pos) {
-      const float p = expf(dot(qRow, ks + lane * pitch, hd) * scale - rowLse);
-      ds = p * (dot(doRow, vs + lane * pitch, hd) - rowD) * scale;
+      const float p = expf(dot(qRow, shared.tile[0] + lane * pitch, hd) * scale - rowLse);
+      ds = p * (dot(doRow, shared.tile[1] + lane * pitch, hd) - rowD) * scale;
     }
-    addTileRows(acc, ds, ks, visible, pitch, hd, lane);
+    addTileRows(acc, ds, shared.tile[0], visible, pitch, hd, lane);
   });
   if (!w.active)
     return;
@@ -225,17 +235,15 @@ __global__ void __launch_bounds__(kThreads)
                            const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *qs = smem;                            // (32, hd + 1)
-  float *dos = qs + kTile * pitch;             // (32, hd + 1)
-  float *kRows = dos + kTile * pitch;          // (8, hd)
-  float *vRows = kRows + kRowsPerBlock * hd;   // (8, hd)
-  float *lseTile = vRows + kRowsPerBlock * hd; // (32)
-  float *dTile = lseTile + kTile;              // (32)
+  const SharedTiles shared(smem, hd);
+  float *qs = shared.tile[0], *dos = shared.tile[1];
+  float *lseTile = shared.warpRow(2, 0); // (32)
+  float *dTile = lseTile + kTile;        // (32)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int b = blockIdx.y / s.kvHeads, firstHead = (blockIdx.y % s.kvHeads) * s.group();
   const int j = blockIdx.x * kRowsPerBlock + warp;
   const bool active = j < s.keys();
-  float *kRow = kRows + warp * hd, *vRow = vRows + warp * hd;
+  float *kRow = shared.warpRow(0, warp), *vRow = shared.warpRow(1, warp);
   if (active)
     for (int d = lane; d < hd; d += kWarp) {
       kRow[d] = toFloat(k[s.kvRow(j, b, firstHead) + d]);
