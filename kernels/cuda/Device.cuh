@@ -130,6 +130,24 @@ template <int Pending> __device__ __forceinline__ void cpAsyncWait() {
 
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }
 
+// Row kernels: one warp per row of c values, kRowWarps warps (kRowThreads threads) a block, on
+// ceilDiv(n, kRowWarps) blocks for n rows.
+inline constexpr int kRowWarps = 8;
+inline constexpr int kRowThreads = kRowWarps * kWarp;
+
+/// The row a row kernel's warp owns.
+__device__ __forceinline__ int warpRow() { return blockIdx.x * kRowWarps + threadIdx.x / kWarp; }
+
+/// In a row kernel, the sum of f(x[k]) over the warp's row x of c values: each lane adds its
+/// share (k = lane, lane + 32, ...) in order, then warpSum adds the lanes'.
+template <typename T, typename F>
+__device__ __forceinline__ float rowSum(const T *__restrict__ x, int c, F f) {
+  float sum = 0.0f;
+  for (int k = int(threadIdx.x % kWarp); k < c; k += kWarp)
+    sum += f(toFloat(x[k]));
+  return warpSum(sum);
+}
+
 // Column sums in an order that the shapes alone fix, so that every launch (and every tp rank,
 // from the same inputs) gets the same bits: no atomics. Rows go in chunks of
 // kColumnSumChunkRows; a kernel launched on ColumnSumGrid blocks of kColumnSumThreads threads
