@@ -63,15 +63,11 @@ __global__ void __launch_bounds__(KeyValueTiles<HD>::kThreads, 1)
   constexpr int kBlockKeys = Tiles::kBlockKeys;
   const float scaleLog2 = scale * kLog2e;
   PIPEC_DYNAMIC_SHARED(float, smem);
-  const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
-  const int g = lane / 4, tg = lane % 4;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * Tiles::kBlockQueries;
-  const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
-  // The block's tiles cover keys [0, lastPos]; the first load while Q's fragments are read.
-  const int lastPos = s.begin + min(s.queries, m0 + Tiles::kBlockQueries) - 1;
-  Tiles tiles(smem, k, v, s, b, h, lastPos / kBlockKeys + 1);
-  const int groupFirstPos = s.begin + groupRow0;
+  const BlockRows at(s);
+  const int g = at.g, tg = at.tg, b = at.b, h = at.h, r0 = at.r0;
+  // The first tiles load while Q's fragments are read.
+  Tiles tiles(smem, k, v, s, b, h, at.lastPos / kBlockKeys + 1);
+  const int groupFirstPos = s.begin + at.groupRow0;
 
   uint32_t qf[HD / 16][4]; // Q's A fragments (rows r0 + g, r0 + g + 8)
   loadRowFragments<HD>(qf, q, s, b, h, r0 + g, tg);

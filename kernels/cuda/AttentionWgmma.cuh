@@ -53,6 +53,21 @@ __device__ __forceinline__ void loadRowFragments(uint32_t (&f)[HD / 16][4], cons
   }
 }
 
+/// A thread's place in a block of the wgmma kernels: two warpgroups of 64 query rows of head
+/// (b, h), the blocks taking their query blocks heaviest (last) first; the thread's rows are
+/// r0 + g and r0 + g + 8, at column pair tg of the fragments.
+struct BlockRows {
+  int group, warp, lane, g, tg, b, h;
+  int m0, groupRow0, r0; // the block's, the warpgroup's and the warp's first rows
+  int lastPos;           // the block's last row's position: it sees keys [0, lastPos]
+  __device__ explicit BlockRows(const Dims &s)
+      : group(threadIdx.x / 128), warp(threadIdx.x / device::kWarp % 4),
+        lane(threadIdx.x % device::kWarp), g(lane / 4), tg(lane % 4), b(blockIdx.y / s.heads),
+        h(blockIdx.y % s.heads), m0((int(gridDim.x) - 1 - int(blockIdx.x)) * 128),
+        groupRow0(m0 + 64 * group), r0(groupRow0 + 16 * warp),
+        lastPos(s.begin + min(s.queries, m0 + 128) - 1) {}
+};
+
 /// The K and V tiles of a block's (b, h) head streaming through four shared buffers: tile i
 /// loads into buffer i % 4 (K, then V kTile elements on), kAhead tiles ahead of the one scored;
 /// buffer i's `full` mbarrier completes when every thread's copies into it have landed (rows past
@@ -61,13 +76,13 @@ __device__ __forceinline__ void loadRowFragments(uint32_t (&f)[HD / 16][4], cons
 template <int HD> class KeyValueTiles {
 public:
   static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows; wgmma's n for the products");
-  static constexpr int kThreads = 256;                      // two warpgroups
-  static constexpr int kBlockQueries = 128;                 // query rows a block
-  static constexpr int kBlockKeys = 64;                     // keys a tile
-  static constexpr int kStages = 4;                         // K/V buffers
-  static constexpr int kAhead = 2;                          // tiles loading ahead of the one scored
-  static constexpr int kBarrierBytes = 64;                  // the `full` and `empty` mbarriers
-  static constexpr uint32_t kAtomBytes = 1024;              // the swizzle's atom: 8 rows of 128 bytes
+  static constexpr int kThreads = 256;         // two warpgroups
+  static constexpr int kBlockQueries = 128;    // query rows a block
+  static constexpr int kBlockKeys = 64;        // keys a tile
+  static constexpr int kStages = 4;            // K/V buffers
+  static constexpr int kAhead = 2;             // tiles loading ahead of the one scored
+  static constexpr int kBarrierBytes = 64;     // the `full` and `empty` mbarriers
+  static constexpr uint32_t kAtomBytes = 1024; // the swizzle's atom: 8 rows of 128 bytes
   static constexpr uint32_t kBlockBytes = kBlockKeys * 128; // a tile's 64 head dims of its 64 rows
   static constexpr int kTile = kBlockKeys * HD;             // the elements of a K (or V) tile
   /// The dynamic shared memory: the mbarriers, the buffers and 1024 bytes to align them.
@@ -81,7 +96,8 @@ public:
       : full(static_cast<uint64_t *>(smem)), empty(full + kStages),
         buffers(reinterpret_cast<bf16 *>(
             static_cast<char *>(smem) + kBarrierBytes +
-            (kAtomBytes - device::sharedAddress(static_cast<char *>(smem) + kBarrierBytes) % kAtomBytes) %
+            (kAtomBytes -
+             device::sharedAddress(static_cast<char *>(smem) + kBarrierBytes) % kAtomBytes) %
                 kAtomBytes)),
         k(kIn), v(vIn), keyStride(size_t(s.batch) * s.width()),
         from(s.kvRow(copy.row, b, h) + size_t(copy.chunk) * 8), keys(s.keys()), tiles(tileCount) {
@@ -107,8 +123,8 @@ public:
         device::wgmmaDescriptor(tile, 16, kAtomBytes, device::WgmmaLayout::Swizzle128);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      device::wgmmaBf16<kBlockKeys, false>(d, a[kk],
-                                           base + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16, kk > 0);
+      device::wgmmaBf16<kBlockKeys, false>(
+          d, a[kk], base + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16, kk > 0);
   }
 
   /// Issues acc += p b (wgmma m64nHDk16, 4 k-steps of 16 rows): p the fragments of packTile, b a
