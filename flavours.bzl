@@ -34,6 +34,12 @@ load("//third_party/cuda:cuda.bzl", "CUDA_ARCHS", "cuda_library")
 
 ALL_FLAVOURS = ["gpu", "emu", "kernel_emu"]
 
+# Where NCCL is, a GPU's or the emulated one (//runtime:nccl): the kernel emulator has none.
+NCCL_FLAVOURS = ["gpu", "emu"]
+
+# Where the .cu kernels themselves run: on a GPU, and on the kernel emulator.
+KERNEL_FLAVOURS = ["gpu", "kernel_emu"]
+
 _SUFFIX = {
     "gpu": "",
     "emu": "_emu",

@@ -1,7 +1,9 @@
 //===- Calibration.cpp - Published training runs predicted by the one cost model ------===//
 #include "bench/Calibration.h"
 
+#include "compiler/Partition.h"
 #include "compiler/Pass.h"
+#include "ir/CostModel.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
@@ -108,6 +110,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                            "precision",
                            "block",
                            "partition",
+                           "p2p",
                            "metric",
                            "value"})
     if (!col.count(name))
@@ -198,6 +201,15 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     run.fp8 = at("precision") == "fp8";
     run.metric = at("metric");
     run.recomputePublished = !at("recompute").empty();
+    // How the run's software makes pipeline transfers, where it differs from the cluster
+    // spec's (DeepSpeed's pipeline engine: "blocking").
+    run.p2p = at("p2p");
+    if (!run.p2p.empty() && run.p2p != "blocking" && run.p2p != "megatron" &&
+        run.p2p != "overlapped") {
+      skip.why = fmt::format("p2p \"{}\": expected blocking, megatron or overlapped", run.p2p);
+      skipped.push_back(skip);
+      continue;
+    }
     CompileOptions &o = run.options;
     o.schedule = schedule;
     o.parallel.pp = int(pp);
@@ -272,22 +284,50 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
   return llvm::Error::success();
 }
 
-llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
-  const ClusterSpec &c = cluster;
-  auto plan = compilePlan(run.model, c, run.options, /*verifyEach=*/false);
+ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster) {
+  ClusterSpec c = cluster;
+  if (!p2p.empty()) {
+    c.megatronP2p = p2p == "megatron";
+    c.blockingP2p = p2p == "blocking";
+  }
+  return c;
+}
+
+llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster) {
+  const ClusterSpec c = clusterFor(run.p2p, cluster);
+  PreparedRun p;
+  p.p2p = run.p2p;
+  p.model = run.model;
+  auto plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
   if (!plan)
     return plan.takeError();
   int64_t peak = 0;
   for (const RankStats &r : plan->stats.ranks)
     peak = std::max(peak, r.peakMemoryBytes);
   if (!run.recomputePublished && peak > c.memoryBytes) {
-    ModelSpec full = run.model;
-    full.transformer->recompute = Recompute::Full;
-    plan = compilePlan(full, c, run.options, /*verifyEach=*/false);
+    p.model.transformer->recompute = Recompute::Full;
+    plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
     if (!plan)
       return plan.takeError();
   }
-  return plan->stats.stepTime / 1000.0;
+  p.plan = std::move(*plan);
+  for (const StageInfo &st : p.plan.stages)
+    p.stageEnds.push_back(st.layerEnd);
+  return p;
+}
+
+llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
+  auto p = prepareRun(run, cluster);
+  if (!p)
+    return p.takeError();
+  return p->plan.stats.stepTime / 1000.0;
+}
+
+llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster) {
+  buildStages(run.plan, run.model, clusterFor(run.p2p, cluster), run.stageEnds);
+  if (auto err = simulateStep(run.plan))
+    return err;
+  return run.plan.stats.stepTime / 1000.0;
 }
 
 } // namespace pipec

@@ -15,6 +15,7 @@
 
 #include "compiler/Pass.h"
 #include "ir/Model.h"
+#include "ir/Plan.h"
 
 #include "llvm/Support/Error.h"
 
@@ -33,6 +34,9 @@ struct PublishedRun {
   /// The source gives the run's recomputation; where it does not, the run evidently fit in
   /// its devices' memory: none if the plan fits without it, else full.
   bool recomputePublished = true;
+  /// How the run's software makes pipeline transfers ("p2p" of a cluster spec), where it is
+  /// not the cluster spec's: "blocking" for DeepSpeed's pipeline engine; empty: the spec's.
+  std::string p2p;
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from
@@ -51,6 +55,23 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 /// The predicted step time of `run` on `cluster` in seconds. An FP8 run's model has
 /// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
+/// `cluster` with a run's own p2p mode (PublishedRun::p2p) where it has one.
+ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster);
+
+/// A run compiled once, to be timed again under other clusters. A published run's instruction
+/// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
+/// the published split, and whether it must recompute depends on memory alone), so a fit can
+/// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
+/// compiling it for every candidate (calibration_bench checks that both agree).
+struct PreparedRun {
+  std::string p2p; // the run's
+  Plan plan;
+  ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
+  std::vector<int> stageEnds;
+};
+llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster);
+/// predictSeconds of the prepared run under `cluster`, without compiling it again.
+llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster);
 
 /// The throughput error of a prediction: predicted throughput / measured - 1, i.e. measured
 /// step time / predicted - 1 (positive: pipec is too optimistic).

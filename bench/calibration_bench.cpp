@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -40,19 +41,12 @@ namespace {
 
 unsigned gThreads = 2;
 
-/// Predicted seconds of every run in `which` (indices into runs); 0 where it does not compile.
-std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
-                               const std::vector<size_t> &which, const ClusterSpec &cluster) {
-  std::vector<double> out(which.size(), 0);
+/// Runs `f(i)` for every i in [0, n) on gThreads threads.
+template <typename F> void parallelFor(size_t n, F f) {
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t i = next++; i < which.size(); i = next++) {
-      auto s = predictSeconds(runs[which[i]], cluster);
-      if (s)
-        out[i] = *s;
-      else
-        llvm::consumeError(s.takeError());
-    }
+    for (size_t i = next++; i < n; i = next++)
+      f(i);
   };
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < gThreads; ++t)
@@ -60,6 +54,59 @@ std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
   work();
   for (std::thread &t : pool)
     t.join();
+}
+
+/// Every run compiled once (by index into the runs); empty where it does not compile.
+std::vector<std::optional<PreparedRun>> gPrepared;
+
+/// Compiles the runs of `which` under `cluster` and checks that re-timing a compiled plan gives
+/// what compiling it again gives, under `cluster` and under `other` (a cluster with every
+/// factor changed): the fits below only re-time.
+llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                       const ClusterSpec &cluster, const ClusterSpec &other) {
+  gPrepared.resize(runs.size());
+  std::vector<std::string> mismatch(which.size());
+  parallelFor(which.size(), [&](size_t i) {
+    const PublishedRun &run = runs[which[i]];
+    auto p = prepareRun(run, cluster);
+    if (!p) {
+      llvm::consumeError(p.takeError());
+      return;
+    }
+    for (const ClusterSpec *c : {&cluster, &other}) {
+      auto compiled = predictSeconds(run, *c);
+      auto retimed = retimedSeconds(*p, *c);
+      if (!compiled || !retimed || std::abs(*compiled - *retimed) > 1e-9 * *compiled)
+        mismatch[i] = fmt::format("{} {}: compiled {} s, re-timed {} s", run.source, run.id,
+                                  compiled ? *compiled : NAN, retimed ? *retimed : NAN);
+      if (!compiled)
+        llvm::consumeError(compiled.takeError());
+      if (!retimed)
+        llvm::consumeError(retimed.takeError());
+    }
+    gPrepared[which[i]] = std::move(*p);
+  });
+  for (const std::string &m : mismatch)
+    if (!m.empty())
+      return inputError("re-timing a compiled run differs from compiling it: {}", m);
+  return llvm::Error::success();
+}
+
+/// Predicted seconds of every run in `which` (indices into runs); 0 where it does not compile.
+std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
+                               const std::vector<size_t> &which, const ClusterSpec &cluster) {
+  std::vector<double> out(which.size(), 0);
+  parallelFor(which.size(), [&](size_t i) {
+    std::optional<PreparedRun> &p = gPrepared[which[i]];
+    if (!p)
+      return;
+    auto s = retimedSeconds(*p, cluster);
+    if (s)
+      out[i] = *s;
+    else
+      llvm::consumeError(s.takeError());
+  });
+  (void)runs;
   return out;
 }
 
@@ -68,7 +115,12 @@ double absError(const PublishedRun &run, double predicted) {
   return predicted > 0 ? std::abs(throughputError(run.measuredSeconds, predicted)) : 1.0;
 }
 
-/// Mean over sources of each source's mean absolute error (every source weighs the same).
+/// How much a source's runs weigh in the fit against its number of runs n: 0 (every source
+/// weighs the same), 1 (every run does) or in between (a source weighs n^gWeightPower).
+double gWeightPower = 0;
+
+/// Weighted mean over sources of each source's mean absolute error (a source of n runs weighs
+/// n^gWeightPower).
 double objective(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                  const std::vector<double> &predicted) {
   std::map<std::string, std::pair<double, int>> bySource;
@@ -77,17 +129,21 @@ double objective(const std::vector<PublishedRun> &runs, const std::vector<size_t
     sum += absError(runs[which[i]], predicted[i]);
     ++n;
   }
-  double total = 0;
-  for (auto &[_, sn] : bySource)
-    total += sn.first / sn.second;
-  return bySource.empty() ? 0 : total / double(bySource.size());
+  double total = 0, weights = 0;
+  for (auto &[_, sn] : bySource) {
+    double w = std::pow(double(sn.second), gWeightPower);
+    total += w * sn.first / sn.second;
+    weights += w;
+  }
+  return weights > 0 ? total / weights : 0;
 }
 
 /// The factors the fit moves, each with its bounds.
 struct Factor {
   const char *name;
-  double ClusterSpec::*field; // or nullptr: both links' efficiency
+  double ClusterSpec::*field; // or nullptr: the efficiency of `link`
   double lo, hi;
+  Link ClusterSpec::*link = nullptr;
 };
 const Factor kFactors[] = {
     // The best dense GEMMs reach about 85% of an A100's or H100's peak: no fit goes past it.
@@ -98,29 +154,35 @@ const Factor kFactors[] = {
     // FP8 GEMMs over BF16 ones: at most the tensor cores' 2x, at least no gain.
     {"fp8_gemm_speedup", &ClusterSpec::fp8GemmSpeedup, 1, 2},
     {"attention_fraction", &ClusterSpec::attentionFraction, 0.02, 1.0},
-    {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.05, 0.85},
+    // FlashAttention-2 reaches 50-73% of an A100's peak forward and about half of it forward
+    // and backward (Dao 2023); below 0.3 a fit would be using flash attention, which only some
+    // sources run, as a knob for whatever else slows them, and predict long sequences badly.
+    {"flash_attention_fraction", &ClusterSpec::flashAttentionFraction, 0.3, 0.85},
     {"memory_GBps", &ClusterSpec::memoryGBps, 100, 4000},
     // A fixed cost per layer and pass is launch and framework overhead: tens of microseconds
     // at most on either device. Larger values buy in-sample error by standing in for what the
     // model lacks, and predict other runs badly.
     {"op_overhead_us", &ClusterSpec::opOverheadUs, 1, 100},
-    {"link efficiency", nullptr, 0.2, 1.0},
+    // NVLink's collectives (the tp all-reduces) and the network's transfers and collectives
+    // (pipeline messages, dp all-reduces) reach different fractions of their nominal bandwidth.
+    {"intra_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::intraNode},
+    {"inter_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::interNode},
     {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 100},
 };
 
 double get(const ClusterSpec &c, const Factor &f) {
-  return f.field ? c.*f.field : c.intraNode.efficiency;
+  return f.field ? c.*f.field : (c.*f.link).efficiency;
 }
 void set(ClusterSpec &c, const Factor &f, double v) {
   v = std::clamp(v, f.lo, f.hi);
   if (f.field)
     c.*f.field = v;
   else
-    c.intraNode.efficiency = c.interNode.efficiency = v;
+    (c.*f.link).efficiency = v;
 }
 
-/// Whether some run in `which` measures factor `f`: materialized attention's efficiency only
-/// where a run uses it (elsewhere no fit may move it; it keeps the spec's value).
+/// Whether some run in `which` measures factor `f`: an attention kernel's efficiency only where
+/// a run uses that kernel (elsewhere no fit may move it; it keeps the spec's value).
 bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
               const Factor &f) {
   // FP8's speedup only where both FP8 and BF16 runs are in: FP8 runs alone measure the product
@@ -128,11 +190,13 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
   if (f.field == &ClusterSpec::fp8GemmSpeedup)
     return std::any_of(which.begin(), which.end(), [&](size_t i) { return runs[i].fp8; }) &&
            std::any_of(which.begin(), which.end(), [&](size_t i) { return !runs[i].fp8; });
-  if (f.field != &ClusterSpec::attentionFraction)
+  // Each attention kernel's efficiency only where a run uses that kernel.
+  if (f.field != &ClusterSpec::attentionFraction && f.field != &ClusterSpec::flashAttentionFraction)
     return true;
+  Attention kind =
+      f.field == &ClusterSpec::attentionFraction ? Attention::Materialized : Attention::Flash;
   for (size_t i : which)
-    if (runs[i].model.transformer &&
-        runs[i].model.transformer->attention == Attention::Materialized)
+    if (runs[i].model.transformer && runs[i].model.transformer->attention == kind)
       return true;
   return false;
 }
@@ -143,7 +207,7 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 /// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale.
 ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
                          const std::vector<size_t> &which) {
-  const double prior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 5};
+  const double prior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5};
   static_assert(std::size(prior) == std::size(kFactors));
   for (size_t i = 0; i < std::size(kFactors); ++i)
     if (measured(runs, which, kFactors[i]) || kFactors[i].field == &ClusterSpec::fp8GemmSpeedup)
@@ -153,8 +217,8 @@ ClusterSpec neutralStart(ClusterSpec c, const std::vector<PublishedRun> &runs,
 
 /// Nelder-Mead on the factors' logarithms from `start` (initial simplex: each factor
 /// `spread` times larger), at most `evaluations` objective evaluations.
-ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
-                ClusterSpec start, int evaluations, double spread, double &bestError) {
+ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                       ClusterSpec start, int evaluations, double spread, double &bestError) {
   constexpr size_t n = std::size(kFactors);
   // Unset factors start from a value the fit can move multiplicatively (those no run measures
   // stay unset).
@@ -241,15 +305,27 @@ ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t>
   return specOf(simplex[best]);
 }
 
+/// Nelder-Mead restarted three times from its best point, each with a third of the budget and
+/// a simplex half as wide (a simplex that has collapsed along one factor cannot move it again).
+ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                ClusterSpec start, int evaluations, double spread, double &bestError) {
+  ClusterSpec c = start;
+  for (int round = 0; round < 3; ++round) {
+    c = nelderMead(runs, which, c, std::max(1, evaluations / 3), spread, bestError);
+    spread /= 2;
+  }
+  return c;
+}
+
 void printFactors(const ClusterSpec &c) {
   fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
              "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
              "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
-             "\"op_overhead_us\": {:.0f}, link efficiency {:.2f}, \"message_overhead_us\": "
-             "{:.0f}\n",
+             "\"op_overhead_us\": {:.0f}, \"message_overhead_us\": {:.0f},\n"
+             "  intra_node efficiency {:.2f}, inter_node efficiency {:.2f}\n",
              c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
-             c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.intraNode.efficiency,
-             c.messageOverheadUs);
+             c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.messageOverheadUs,
+             c.intraNode.efficiency, c.interNode.efficiency);
 }
 
 /// Per-source mean absolute error table of `which` under `predicted`.
@@ -346,9 +422,10 @@ int fail(llvm::Error err) {
 } // namespace
 
 int main(int argc, char **argv) {
-  auto args =
-      Args::parse(argc, argv, 1, {"--data", "--a100", "--h100", "--threads", "--evals", "--device"},
-                  {"--fit", "--loso"}, /*command=*/"");
+  auto args = Args::parse(
+      argc, argv, 1,
+      {"--data", "--a100", "--h100", "--threads", "--evals", "--device", "--weight-power"},
+      {"--fit", "--loso"}, /*command=*/"");
   if (!args)
     return fail(args.takeError());
   auto threads = args->integer("--threads", 2, 1, 256);
@@ -358,6 +435,10 @@ int main(int argc, char **argv) {
   if (!evals)
     return fail(evals.takeError());
   gThreads = unsigned(*threads);
+  if (auto w = args->get("--weight-power")) {
+    if (!llvm::to_float(*w, gWeightPower) || gWeightPower < 0 || gWeightPower > 1)
+      return fail(inputError("--weight-power: expected a number in [0, 1], got {}", *w));
+  }
   std::vector<PublishedRun> runs;
   std::vector<SkippedRow> skipped;
   if (auto err = loadPublishedRuns(args->path("--data").value_or("bench/data/published-runs.csv"),
@@ -384,6 +465,12 @@ int main(int argc, char **argv) {
     if (which.empty() || (args->has("--device") && *args->get("--device") != d.csvName))
       continue;
     fmt::print("\n## {} ({} runs, cluster spec {})\n\n", d.csvName, which.size(), path);
+    ClusterSpec other = cluster;
+    for (const Factor &f : kFactors)
+      if (get(other, f) > 0)
+        set(other, f, get(other, f) * 0.9);
+    if (auto err = prepareAll(runs, which, cluster, other))
+      return fail(std::move(err));
     if (doFit) {
       double e = 0;
       cluster = fit(runs, which, cluster, int(*evals), 0.3, e);

@@ -14,10 +14,8 @@ class SimulatePass final : public Pass {
 public:
   llvm::StringRef name() const override { return "simulate"; }
   llvm::Expected<bool> run(Plan &plan, PassContext &) override {
-    Timeline t;
-    if (auto err = simulateTimeline(plan, t))
+    if (auto err = simulateStep(plan))
       return err;
-    summarizeTimeline(plan, t, plan.stats);
     return true;
   }
 };

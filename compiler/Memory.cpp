@@ -9,6 +9,9 @@
 //  - a backward_input then keeps weight_grad bytes of the slice (it frees activation -
 //    weight_grad bytes at its end, or allocates the difference when weight_grad is larger),
 //    the backward_weight frees them at its end; a fused backward frees all;
+//  - with sub-sequences, the microbatch's first backward also allocates the sequence's dK/dV
+//    (sequence_grad_bytes) and a later slice's backward keeps its K/V (sequence_kv_bytes[k])
+//    for slice 0's backward, which frees both;
 //  - a recv buffer lives from its recv to the end of the op that consumes it;
 //  - every compute op of stage s also holds workspace_bytes[k] of its own while it runs;
 //  - static bytes: parameters of the rank's stages times state_bytes_per_param_byte (weights,

@@ -126,7 +126,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     // Megatron-LM's transfers (Narayanan et al. 2021, section 4.1): without sequence
     // parallelism every tp rank holds the whole activation, sends 1/tp of it on its own link
     // and the receiving tp ranks all-gather the rest.
-    bool scatter = cluster.megatronP2p && pc.tp > 1 && !pc.sequenceParallel;
+    bool scatter = cluster.synchronousP2p() && pc.tp > 1 && !pc.sequenceParallel;
     auto p2pMs = [&](int to, double bytes) {
       const Link &link = linkBetween(cluster, pc, st.rank, to);
       if (!scatter)
@@ -163,7 +163,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
       // Megatron-LM's send is synchronous: it holds the sender until the receiver has the
       // tensor, so the transfer is part of the op that produced it and the receiver can start
       // when that op ends.
-      if (cluster.megatronP2p && model.isTransformer()) {
+      if (cluster.synchronousP2p() && model.isTransformer()) {
         st.forward[i] += st.activationTransferTime[i];
         st.backwardInput[i] += st.gradientTransferTime[i];
         st.activationTransferTime[i] = st.gradientTransferTime[i] = 0;
@@ -185,6 +185,8 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   // Before the step, the gradient norm and the finite check: two scalar all-reduces over the
   // pipeline ranks (across nodes once the pipeline leaves one).
   plan.optimizerSyncTime = 0;
+  plan.overlapGradReduce = model.isTransformer() && cluster.overlapGradReduce;
+  plan.blockingP2p = model.isTransformer() && cluster.blockingP2p;
   if (model.isTransformer() && cluster.memoryBytesPerMs() > 0 && pc.pp > 1) {
     const Link &ppLink = int64_t(pc.pp) * pc.tp * pc.dp <= cluster.gpusPerNode ? cluster.intraNode
                                                                                : cluster.interNode;
@@ -265,6 +267,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
     st.outputBytes.assign(k, 0);
     st.backwardPeakBytes.assign(k, 0);
     st.workspaceBytes.assign(k, 0);
+    st.sequenceKvBytes.assign(k, 0);
+    st.sequenceGradBytes = 0;
     for (int l = st.layerBegin; l < st.layerEnd; ++l) {
       const Layer &layer = model.layers[size_t(l)];
       st.paramBytes += layer.paramBytes / pc.tp;
@@ -280,6 +284,8 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
         st.weightGradBytes[i] += c.weightGradBytes;
         st.backwardPeakBytes[i] += c.backwardPeakBytes;
         st.workspaceBytes[i] = std::max(st.workspaceBytes[i], c.workspaceBytes);
+        st.sequenceKvBytes[i] += c.sequenceKvBytes;
+        st.sequenceGradBytes += c.sequenceGradBytes;
       }
     }
     // The stage's residual stream: its input (or the embedding's output) from the forward to

@@ -58,17 +58,42 @@ double transferTime(const StageInfo &producer, TensorKind tensor, int slice) {
   return times.empty() ? 0.0 : times[size_t(slice)];
 }
 
+static bool isBackward(const Instruction &i) {
+  return i.op == OpKind::BackwardInput || i.op == OpKind::Backward;
+}
+
+/// The part of slice k's activations that its own backward leaves to slice 0's.
+static int64_t sequenceKv(const StageInfo &st, size_t k) {
+  return k > 0 && k < st.sequenceKvBytes.size() ? st.sequenceKvBytes[k] : 0;
+}
+
 int64_t activationAllocatedAtStart(const StageInfo &st, const Instruction &i) {
-  return i.op == OpKind::Forward && i.isFirstPart() ? st.activationBytes[size_t(i.slice)] : 0;
+  if (!i.isFirstPart())
+    return 0;
+  if (i.op == OpKind::Forward)
+    return st.activationBytes[size_t(i.slice)];
+  // The microbatch's first backward (its last slice's) allocates the whole sequence's dK/dV.
+  if (isBackward(i) && size_t(i.slice) + 1 == st.activationBytes.size())
+    return st.sequenceGradBytes;
+  return 0;
 }
 
 int64_t activationFreedAtEnd(const StageInfo &st, const Instruction &i) {
   if (!i.isLastPart())
     return 0;
-  int64_t a = st.activationBytes[size_t(i.slice)];
-  int64_t w = st.weightGradBytes[size_t(i.slice)];
-  // I frees the activations but the part W still reads; W frees that part.
-  return backwardShare(i.op, a - w, w);
+  size_t k = size_t(i.slice);
+  int64_t a = st.activationBytes[k];
+  int64_t w = st.weightGradBytes[k];
+  // A slice's backward keeps its sequence state for slice 0's, which frees all of it.
+  int64_t sequence = -sequenceKv(st, k);
+  if (k == 0) {
+    sequence = st.sequenceGradBytes;
+    for (size_t j = 1; j < st.activationBytes.size(); ++j)
+      sequence += sequenceKv(st, j);
+  }
+  // I frees the activations but the part W still reads (and the sequence state as above); W
+  // frees that part.
+  return backwardShare(i.op, a - w + sequence, w);
 }
 
 int64_t workspaceBytes(const StageInfo &st, int slice) {
@@ -98,7 +123,9 @@ int64_t activationHeldWhileRunning(const StageInfo &st, const Instruction &i) {
 }
 
 int64_t activationLifetimePeak(const StageInfo &st, int slice) {
-  return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice));
+  // Every backward of a microbatch runs with the sequence's dK/dV allocated.
+  return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice)) +
+         st.sequenceGradBytes;
 }
 
 llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
@@ -203,12 +230,15 @@ llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {
 
 std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t r) {
   std::vector<OpTime> out(plan.ranks[r].size());
-  double streamFree = 0, lastComputeEnd = 0;
+  // lastOpStart: when the compute op that ends at lastComputeEnd began (its first part).
+  double streamFree = 0, lastComputeEnd = 0, lastOpStart = 0;
   for (size_t i = 0; i < plan.ranks[r].size(); ++i) {
     const Instruction &ins = plan.ranks[r][i];
     const OpTime &ot = t.ops[r][i];
     if (ins.isCompute() || (ins.op == OpKind::AllReduce && ins.collective == CollectiveGroup::Tp)) {
       // (A tp all-reduce's reduced output is what a later dp all-reduce waits for.)
+      if (ins.isCompute() && ins.isFirstPart())
+        lastOpStart = ot.start;
       lastComputeEnd = ot.end;
       continue;
     }
@@ -218,7 +248,16 @@ std::vector<OpTime> collectiveTimes(const Plan &plan, const Timeline &t, size_t 
     double start = std::max(streamFree, lastComputeEnd);
     double end = start;
     if (ins.collective == CollectiveGroup::Dp) {
-      end = start + plan.stages[size_t(ins.stage)].dpAllReduceTime;
+      const StageInfo &st = plan.stages[size_t(ins.stage)];
+      end = start + st.dpAllReduceTime;
+      if (plan.overlapGradReduce) {
+        // Bucket by bucket while the stage's last backward (the op just before) produces the
+        // gradients, a layer's bucket at a time: the reduction starts with that op and ends
+        // no sooner than one layer's share after it.
+        double buckets = std::max(1, st.layerEnd - st.layerBegin);
+        start = std::max(streamFree, lastOpStart);
+        end = std::max(start + st.dpAllReduceTime, lastComputeEnd + st.dpAllReduceTime / buckets);
+      }
       streamFree = end;
     }
     out[i] = OpTime{start, end};
@@ -352,6 +391,21 @@ llvm::Expected<double> simulateExecutedStep(const Plan &plan) {
     end = std::max(end, clock[r]);
   }
   return end;
+}
+
+llvm::Error simulateStep(Plan &plan, Timeline *timeline) {
+  Timeline own;
+  Timeline &t = timeline ? *timeline : own;
+  if (auto err = simulateTimeline(plan, t))
+    return err;
+  summarizeTimeline(plan, t, plan.stats);
+  if (!plan.blockingP2p)
+    return llvm::Error::success();
+  auto executed = simulateExecutedStep(plan);
+  if (!executed)
+    return executed.takeError();
+  plan.stats.stepTime = *executed + (plan.postValidation ? 0.0 : plan.optimizerSyncTime);
+  return llvm::Error::success();
 }
 
 void summarizeTimeline(const Plan &plan, const Timeline &t, PlanStats &stats) {

@@ -17,7 +17,9 @@
 //  - a compute op split at tp all-reduces takes an equal share of its time per part;
 //  - dp and embedding all-reduces run on their own stream, one after another, each after
 //    what precedes it in the stream; a dp all-reduce takes the stage's dp_allreduce_time
-//    (the tied-embedding one is not timed: one matrix between two ranks).
+//    (the tied-embedding one is not timed: one matrix between two ranks). With the plan's
+//    overlapGradReduce a dp all-reduce may start with the stage's last backward (the op
+//    before it) and ends no sooner than that op's end plus one layer's share of its time.
 // Memory (docs/contracts.md#semantics, activations; it depends only on stream order):
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (its first part);
 //  - every compute op holds its stage's workspace_bytes[k] while it runs, and a backward
@@ -25,7 +27,11 @@
 //    activation bytes: what it builds for the weight gradient) at its last part;
 //  - at its end (last part) a backward_input frees activation - weight_grad bytes (so keeps
 //    weight_grad bytes for W, allocating the difference when that is larger), a
-//    backward_weight the remaining weight_grad bytes, a fused backward all of them.
+//    backward_weight the remaining weight_grad bytes, a fused backward all of them;
+//  - with sub-sequences, a microbatch's state shared by its slices: the first backward of the
+//    microbatch (slice K - 1) allocates sequence_grad_bytes (dK/dV) at its start; the backward
+//    of a slice k > 0 does not free sequence_kv_bytes[k] of its activations (K/V); the
+//    backward of slice 0, the microbatch's last, frees both.
 // The memory pass (which the planner's scoring runs too) and zb-auto's greedy run these.
 //
 //===----------------------------------------------------------------------===//
@@ -159,6 +165,12 @@ StepFigures stepFigures(const Plan &plan, const std::vector<RankSpan> &ranks);
 /// that waits for its receiver delays its own rank (runtime/Interpreter.h). A Finding if the
 /// exchanges cannot complete (a plan that fails verification).
 llvm::Expected<double> simulateExecutedStep(const Plan &plan);
+
+/// The simulate pass: the timeline of the plan's streams and its summary (below); with the
+/// plan's blockingP2p, step_time is the executed step (simulateExecutedStep) plus the
+/// pipeline-wide check before the optimizer where the schedule does not post-validate. The
+/// timeline goes to `timeline` when given.
+llvm::Error simulateStep(Plan &plan, Timeline *timeline = nullptr);
 
 /// Fill plan.stats' timing fields from a timeline: busy_r (compute time), span_r (first
 /// compute start to last compute end), makespan, bubble_ratio = 1 - mean(busy) / max(span),

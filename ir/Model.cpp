@@ -171,7 +171,10 @@ double ModelSpec::modelFlopsPerMicrobatch() const {
 //   after its backward    xIn, xMid, attOut, fcPre and the statistics stay; the output
 //                         gradients of its linears and layernorms join them: dOut, dXmid,
 //                         dLn1, dLn2 (h each), dQkv (3 Cl), dFcPre (Fl);
-//   during its backward   also the fp32 dK/dV accumulators (2·N·Cl·4 bytes);
+//   during its backward   also the fp32 dK/dV accumulators (2·N·Cl·4 bytes); with K > 1
+//                         sub-sequences, those of the whole sequence (2·b·s·Cl·4), from the
+//                         microbatch's first backward (slice K - 1) to the end of its last
+//                         (slice 0), which is also when the K/V of every slice go;
 //   workspace             the largest temporaries of one op: the MLP forward's layernorm
 //                         output, GELU output and partial sum (N·(2h + Fl)), or the attention
 //                         forward's layernorm output, QKV and partial sum (N·(2h + 3Cl)).
@@ -325,6 +328,14 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     double weightGrad = kept + gradients;
     c.activationBytes = int64_t(activation);
     c.weightGradBytes = int64_t(weightGrad);
+    // With sub-sequences a microbatch's K/V and dK/dV are its slices' together: the K/V stay
+    // until slice 0's backward, and the first backward allocates the whole sequence's dK/dV,
+    // which slice 0's frees (StageProgram's SequenceBlock). Without, dK/dV are the backward's.
+    if (numSlices > 1) {
+      c.sequenceKvBytes = int64_t(kv);
+      c.sequenceGradBytes = index == 0 ? int64_t(2 * b * double(t.seqLength) * kl * 4) : 0;
+      dkv = 0;
+    }
     // At the end of the backward: the weight gradient's inputs, K/V (freed with slice 0) and
     // dK/dV, all on top of what the forward kept.
     c.backwardPeakBytes = std::max<int64_t>(0, int64_t(weightGrad + kv + dkv - activation));

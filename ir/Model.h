@@ -71,6 +71,17 @@ struct ClusterSpec {
   /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
   /// delays the receiver.
   bool megatronP2p = false;
+  /// "p2p": "blocking": DeepSpeed's pipeline engine (and piperun): Megatron-LM's transfers, but
+  /// every send and receive also blocks its rank until its partner has posted the matching
+  /// one, so the step is the executed step of the plan's streams (simulateExecutedStep).
+  bool blockingP2p = false;
+  /// Whether a transfer holds its sender until it has arrived ("megatron" and "blocking").
+  bool synchronousP2p() const { return megatronP2p || blockingP2p; }
+  /// Gradient reduction as PyTorch DDP, Megatron-LM's --overlap-grad-reduce and NeMo make it
+  /// ("grad_reduce": "overlapped"): each stage's gradients reduce bucket by bucket while its last
+  /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"
+  /// (the default): it starts when the stage's last weight gradient is done.
+  bool overlapGradReduce = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};
@@ -184,10 +195,15 @@ struct TransformerConfig {
 /// while a backward runs up to backwardPeakBytes on top of activationBytes (what it builds for
 /// the weight gradient, dK/dV accumulators). workspaceBytes: the most one op of the layer
 /// allocates for itself and frees before it ends (a stage needs its largest layer's, once).
+/// With sub-sequences: sequenceKvBytes, the part of activationBytes kept until the
+/// microbatch's slice 0 backward ends (K/V), and sequenceGradBytes, the whole sequence's dK/dV
+/// the microbatch's backwards hold from the first (slice K - 1) to the last (slice 0); given by
+/// slice 0's cost, 0 in the others' (StageInfo's fields of the same names).
 struct SliceCost {
   double forward = 0, backwardInput = 0, backwardWeight = 0;
   int64_t activationBytes = 0, weightGradBytes = 0, outputBytes = 0;
   int64_t backwardPeakBytes = 0, workspaceBytes = 0;
+  int64_t sequenceKvBytes = 0, sequenceGradBytes = 0;
 };
 
 /// pipemodel/1.

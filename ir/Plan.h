@@ -63,6 +63,13 @@ struct StageInfo {
   /// Bytes the largest op of the stage allocates for itself and frees before it ends; the
   /// memory pass adds them to the rank's bytes at every op of the stage.
   llvm::SmallVector<int64_t, 1> workspaceBytes;
+  /// With sub-sequences (seq_splits > 1): the part of activation_bytes[k] that stays until the
+  /// microbatch's slice 0 backward ends, not its own (slice k's K and V where the runtime keeps
+  /// them in one buffer per microbatch), and the fp32 dK/dV accumulators of the whole sequence,
+  /// which the microbatch's first backward (slice seq_splits - 1) allocates at its start and its
+  /// last (slice 0) frees at its end (docs/contracts.md §6). Empty or 0 when the model gives none.
+  llvm::SmallVector<int64_t, 1> sequenceKvBytes;
+  int64_t sequenceGradBytes = 0;
   int64_t paramBytes = 0;
   /// Tensor-parallel all-reduces in one forward (and one backward_input) of this stage.
   int tpAllReduces = 0;
@@ -107,6 +114,12 @@ struct Plan {
   /// The schedule validates the step after it (the zero-bubble paper's post-validation): each
   /// rank steps as soon as its own gradients are reduced, without the pipeline-wide wait.
   bool postValidation = false;
+  /// Each stage's dp all-reduce overlaps its last backward, bucket by bucket (the cluster's
+  /// "grad_reduce": "overlapped"; docs/contracts.md#semantics).
+  bool overlapGradReduce = false;
+  /// Every send and receive blocks its rank until its partner posts the match (the cluster's
+  /// "p2p": "blocking"): step_time is the executed step (docs/contracts.md#semantics).
+  bool blockingP2p = false;
   /// The transformer the plan was compiled from (what a runtime builds); none for abstract models.
   std::optional<TransformerConfig> transformer;
   std::vector<std::pair<int64_t, int64_t>> seqSlices;

@@ -104,8 +104,7 @@ PyPlan simulatePlan(const PyPlan &in, const std::optional<std::string> &tracePat
     ctx.commsLowered = ctx.collectivesLowered = ctx.scheduled = true;
     check(runPipeline({"memory"}, out.plan, ctx));
     Timeline tl;
-    check(simulateTimeline(out.plan, tl));
-    summarizeTimeline(out.plan, tl, out.plan.stats);
+    check(simulateStep(out.plan, &tl));
     if (tracePath)
       trace = chromeTrace(out.plan, tl);
   }

@@ -25,6 +25,7 @@ std::optional<size_t> OffsetArena::allocate(size_t bytes) {
   }
   live[at] = size;
   used += size;
+  peakUsed = std::max(peakUsed, used);
   return at;
 }
 

@@ -39,6 +39,9 @@ public:
 
   size_t highWater() const { return peak; }
   size_t inUse() const { return used; }
+  /// The most bytes live at once (each rounded up to kAlign): highWater() less the gaps that
+  /// first fit left below the top at that moment.
+  size_t peakInUse() const { return peakUsed; }
   size_t liveCount() const { return live.size(); }
   size_t capacity() const { return limit; }
   bool isBounded() const { return bounded; }
@@ -49,7 +52,7 @@ public:
 private:
   size_t limit = 0;
   bool bounded = false;
-  size_t top = 0, peak = 0, used = 0;
+  size_t top = 0, peak = 0, used = 0, peakUsed = 0;
   std::map<size_t, size_t> free; // offset -> size, below `top`, never adjacent
   std::map<size_t, size_t> live; // offset -> size
 };

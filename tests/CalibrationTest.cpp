@@ -8,6 +8,8 @@
 //===----------------------------------------------------------------------===//
 #include "bench/Calibration.h"
 #include "compiler/Pass.h"
+#include "ir/CostModel.h"
+#include "ir/formats/PlanJson.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 
@@ -134,7 +136,52 @@ TEST(CalibrationTest, MegatronTransfersHoldTheSender) {
   auto wrong = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "sync"})", "c.json");
   ASSERT_FALSE(bool(wrong));
   EXPECT_EQ(takeMessage(wrong.takeError()),
-            "c.json: $.p2p: expected \"megatron\" or \"overlapped\", got \"sync\"");
+            "c.json: $.p2p: expected \"megatron\", \"blocking\" or \"overlapped\", got \"sync\"");
+}
+
+TEST(CalibrationTest, BlockingTransfersAlsoWaitForTheReceiver) {
+  // "p2p": "blocking" (DeepSpeed's pipeline engine): Megatron's synchronous transfers, and
+  // every send and receive also waits for its partner, so step_time is the executed step of
+  // the streams (the rendezvous rule piperun runs), never below the Megatron-mode step.
+  const PublishedRun &r = runNamed("S2.4-280n-time"); // MT-NLG: 1f1b, tp 8, pp 35
+  ClusterSpec megatron = spec("examples/a100-selene.json");
+  megatron.megatronP2p = true;
+  megatron.blockingP2p = false;
+  ClusterSpec blocking = megatron;
+  blocking.megatronP2p = false;
+  blocking.blockingP2p = true;
+  EXPECT_TRUE(blocking.synchronousP2p() && megatron.synchronousP2p());
+  auto a = compilePlan(r.model, megatron, r.options, false);
+  auto b = compilePlan(r.model, blocking, r.options, false);
+  ASSERT_TRUE(a && b);
+  EXPECT_FALSE(a->blockingP2p);
+  EXPECT_TRUE(b->blockingP2p);
+  // The same per-op times (the transfers inside the ops that send them) ...
+  for (size_t s = 0; s < a->stages.size(); ++s) {
+    EXPECT_DOUBLE_EQ(a->stages[s].forward[0], b->stages[s].forward[0]) << s;
+    EXPECT_DOUBLE_EQ(a->stages[s].backwardInput[0], b->stages[s].backwardInput[0]) << s;
+  }
+  // ... and the same timeline, but the step is the executed one, plus the check before the
+  // optimizer step (1f1b does not post-validate).
+  EXPECT_DOUBLE_EQ(a->stats.makespan, b->stats.makespan);
+  auto executed = simulateExecutedStep(*b);
+  ASSERT_TRUE(bool(executed)) << takeMessage(executed.takeError());
+  EXPECT_DOUBLE_EQ(b->stats.stepTime, *executed + b->optimizerSyncTime);
+  EXPECT_GT(b->stats.stepTime, a->stats.stepTime);
+  // The data file runs MT-NLG and BLOOM (DeepSpeed) blocking, Megatron-LM's runs not.
+  EXPECT_EQ(r.p2p, "blocking");
+  EXPECT_EQ(runNamed("log-it85376-time").p2p, "blocking");
+  EXPECT_EQ(runNamed("T5-530B-full").p2p, "");
+  // The spec field, and the plan file keeps it.
+  auto parsed = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "blocking"})", "c.json");
+  ASSERT_TRUE(bool(parsed)) << takeMessage(parsed.takeError());
+  EXPECT_TRUE(parsed->blockingP2p && !parsed->megatronP2p);
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  writePlanJson(*b, os);
+  auto back = parsePlanJson(text, "b.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_TRUE(back->blockingP2p);
 }
 
 TEST(CalibrationTest, Fp8RunsHaveFp8GemmsAndMtNlgRecomputes) {
@@ -157,6 +204,39 @@ TEST(CalibrationTest, Fp8RunsHaveFp8GemmsAndMtNlgRecomputes) {
   const PublishedRun &mtnlg = runNamed("S2.4-280n-time");
   EXPECT_TRUE(mtnlg.recomputePublished);
   EXPECT_EQ(mtnlg.model.transformer->recompute, Recompute::Full);
+}
+
+TEST(CalibrationTest, ARunTimedAgainIsTheRunCompiledAgain) {
+  // calibration_bench fits by re-timing each run's compiled plan (bench/Calibration.h): under a
+  // cluster with every factor and switch changed, the re-timed step must be the step of a
+  // fresh compile, on runs of every schedule, split and interconnect kind in the file.
+  ClusterSpec a = spec("examples/a100-selene.json");
+  ClusterSpec b = a;
+  b.achievedFraction *= 0.8;
+  b.attentionFraction *= 1.5;
+  b.flashAttentionFraction *= 0.7;
+  b.memoryGBps *= 0.5;
+  b.opOverheadUs += 40;
+  b.messageOverheadUs += 30;
+  b.intraNode.efficiency *= 0.6;
+  b.interNode.efficiency *= 0.4;
+  b.overlapGradReduce = !a.overlapGradReduce;
+  int checked = 0;
+  for (const char *id :
+       {"T1-1", "T1-9", "T1-10", "T5-530B-sel", "T4-14.6B-m48-ZB-1p", "T4-28.3B-m96-1F1B-I",
+        "T12-1.5B-m2-zb-2p", "S2.4-280n-time", "log-it85376-time"}) {
+    SCOPED_TRACE(id);
+    auto prepared = prepareRun(runNamed(id), a);
+    ASSERT_TRUE(bool(prepared)) << takeMessage(prepared.takeError());
+    for (const ClusterSpec *c : {&b, &a}) {
+      auto compiled = predictSeconds(runNamed(id), *c);
+      auto retimed = retimedSeconds(*prepared, *c);
+      ASSERT_TRUE(compiled && retimed);
+      EXPECT_NEAR(*retimed, *compiled, 1e-9 * *compiled);
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 9);
 }
 
 /// Predicted step times of the runs of `device` in the file, keyed by row id.

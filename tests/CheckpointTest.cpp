@@ -45,11 +45,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-using pipec::testing::freshDir;
-using pipec::testing::runCommand;
-using pipec::testing::slurp;
-using pipec::testing::stepLosses;
-using pipec::testing::tmpDir;
+using namespace pipec::testing;
 
 std::string tool(const std::string &name) { return fs::current_path().string() + "/tools/" + name; }
 

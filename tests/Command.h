@@ -7,6 +7,8 @@
 #ifndef PIPEC_TESTS_COMMAND_H
 #define PIPEC_TESTS_COMMAND_H
 
+#include <gtest/gtest.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -50,6 +52,11 @@ inline CommandResult runCommand(const std::string &cmd) {
   std::string out = tmpDir() + "/stdout.txt", err = tmpDir() + "/stderr.txt";
   int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
   return CommandResult{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+/// A test failure, showing `text`, where `text` (a command's output) does not hold `part`.
+inline void expectHas(const std::string &text, const std::string &part) {
+  EXPECT_NE(text.find(part), std::string::npos) << part << "\n  missing from:\n" << text;
 }
 
 /// piperun's losses by step, as it prints them ("step N loss X").

@@ -338,38 +338,79 @@ struct AttentionCase {
   const char *name;
 };
 
-class CudaAttentionTest : public GpuTest,
+/// An attention case on the host and the device: random inputs, the CPU reference's results
+/// and the device's buffers.
+struct AttentionTensors {
+  size_t qSize, kvSize;
+  Vec q, k, v, dOut, dk0, dv0;
+  Vec refOut, probs, refDq, refDk, refDv, refLse;
+  DeviceBuffer gq, gk, gv, gdOut, gdk, gdv, out, dq, lse;
+};
+
+class AttentionTest : public GpuTest {
+protected:
+  /// Inputs of shape `s` (key and value rows `kvWidth` wide) from seeds `seed`.. `seed` + 5,
+  /// rounded to `dt` where the op reads `dt`, on the host and uploaded; the reference's outputs
+  /// sized, its lse computed (the test computes the rest).
+  AttentionTensors tensors(const AttentionShape &s, DType dt, size_t kvWidth, uint32_t seed) {
+    AttentionTensors t;
+    t.qSize = size_t(s.batch) * s.queries * s.width();
+    t.kvSize = size_t(s.keys()) * s.batch * kvWidth;
+    t.q = quantized(randomVec(t.qSize, seed), dt);
+    t.k = quantized(randomVec(t.kvSize, seed + 1), dt);
+    t.v = quantized(randomVec(t.kvSize, seed + 2), dt);
+    t.dOut = quantized(randomVec(t.qSize, seed + 3), dt);
+    // dk and dv are fp32 accumulators in both types (CudaOps.h): what they hold is added to.
+    t.dk0 = randomVec(t.kvSize, seed + 4);
+    t.dv0 = randomVec(t.kvSize, seed + 5);
+    t.refOut = Vec(t.qSize);
+    t.probs = Vec(size_t(s.batch) * s.heads * s.queries * s.keys());
+    t.refDq = Vec(t.qSize);
+    t.refDk = t.dk0;
+    t.refDv = t.dv0;
+    t.refLse = referenceLse(t.q, t.k, s);
+    t.gq = upload(t.q, dt), t.gk = upload(t.k, dt), t.gv = upload(t.v, dt);
+    t.gdOut = upload(t.dOut, dt), t.gdk = upload(t.dk0, DType::F32);
+    t.gdv = upload(t.dv0, DType::F32);
+    t.out = allocate(t.qSize * sizeOf(dt)), t.dq = allocate(t.qSize * sizeOf(dt));
+    t.lse = allocate(t.refLse.size() * 4);
+    return t;
+  }
+
+  /// The forward and backward on the device against the reference's results.
+  void expectMatchesReference(AttentionTensors &t, const AttentionShape &s, DType dt) {
+    ASSERT_OK(attentionForward(*ctx, dt, t.out.data(), t.lse.as<float>(), t.gq.data(), t.gk.data(),
+                               t.gv.data(), s));
+    ASSERT_OK(attentionBackward(*ctx, dt, t.dq.data(), t.gdk.as<float>(), t.gdv.as<float>(),
+                                t.gdOut.data(), t.out.data(), t.lse.as<float>(), t.gq.data(),
+                                t.gk.data(), t.gv.data(), s));
+    EXPECT_CLOSE(download(t.out, t.qSize, dt), t.refOut, tolerance(dt));
+    EXPECT_CLOSE(download(t.lse, t.refLse.size(), DType::F32), t.refLse, tolerance(dt));
+    EXPECT_CLOSE(download(t.dq, t.qSize, dt), t.refDq, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(t.gdk, t.kvSize, DType::F32), t.refDk, tolerance(dt, /*longSums=*/true));
+    EXPECT_CLOSE(download(t.gdv, t.kvSize, DType::F32), t.refDv, tolerance(dt, /*longSums=*/true));
+  }
+};
+
+class CudaAttentionTest : public AttentionTest,
                           public ::testing::WithParamInterface<std::tuple<DType, AttentionCase>> {};
 
 TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   const DType dt = std::get<0>(GetParam());
   const AttentionShape s = std::get<1>(GetParam()).shape;
   cpu::AttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const size_t qSize = size_t(s.batch) * s.queries * s.width();
-  const size_t kvSize = size_t(s.keys()) * s.batch * s.width();
-  Vec q = quantized(randomVec(qSize, 40), dt), k = quantized(randomVec(kvSize, 41), dt);
-  Vec v = quantized(randomVec(kvSize, 42), dt), dOut = quantized(randomVec(qSize, 43), dt);
-  // dk and dv are fp32 accumulators in both types (CudaOps.h): what they hold is added to.
-  Vec dk0 = randomVec(kvSize, 44), dv0 = randomVec(kvSize, 45);
-  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-  Vec refDq(qSize), refDk = dk0, refDv = dv0;
-  cpu::attentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-  cpu::attentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
-                         q.data(), k.data(), v.data(), cs);
-  const Vec refLse = referenceLse(q, k, s);
-
-  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
-               gdv = upload(dv0, DType::F32);
-  DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
-  DeviceBuffer lse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
+  AttentionTensors t = tensors(s, dt, s.width(), /*seed=*/40);
+  cpu::attentionForward(t.refOut.data(), t.probs.data(), t.q.data(), t.k.data(), t.v.data(), cs);
+  cpu::attentionBackward(t.refDq.data(), t.refDk.data(), t.refDv.data(), t.dOut.data(),
+                         t.probs.data(), t.q.data(), t.k.data(), t.v.data(), cs);
   // bf16 head dimensions that are multiples of 16 (up to 128) take the tensor-core kernels.
   const bool tensorCores = dt == DType::BF16 && s.headDim % 16 == 0 && s.headDim <= 128;
   const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim};
-  const std::initializer_list<const void *> forwardTensors = {out.data(), gq.data(), gk.data(),
-                                                              gv.data()};
+  const std::initializer_list<const void *> forwardTensors = {t.out.data(), t.gq.data(),
+                                                              t.gk.data(), t.gv.data()};
   const std::initializer_list<const void *> backwardTensors = {
-      dq.data(), gdk.data(), gdv.data(), gdOut.data(), out.data(), gq.data(), gk.data(), gv.data()};
+      t.dq.data(),  t.gdk.data(), t.gdv.data(), t.gdOut.data(),
+      t.out.data(), t.gq.data(),  t.gk.data(),  t.gv.data()};
   EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims, forwardTensors), tensorCores);
   EXPECT_EQ(launch::attentionUsesTensorCores(dt, dims, backwardTensors), tensorCores);
   // The forward of head dimensions 64 and 128 runs on Hopper's wgmma on a compute-capability-9.0
@@ -388,15 +429,7 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
                                                                   : launch::AttentionKernel::Simt);
   EXPECT_EQ(launch::attentionBackwardKernel(dt, dims, backwardTensors),
             tensorCores ? launch::AttentionKernel::MmaSync : launch::AttentionKernel::Simt);
-  ASSERT_OK(
-      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
-                              out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
-  EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
-  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+  ASSERT_NO_FATAL_FAILURE(expectMatchesReference(t, s, dt));
   if (forwardKernel != launch::AttentionKernel::Wgmma)
     return;
   // The mma.sync forward, which a context without the Hopper kernels runs on this device too,
@@ -408,13 +441,13 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
                 {noHopper->computeCapability(), noHopper->kernelConfig().hopperKernels}, dt, dims,
                 forwardTensors),
             launch::AttentionKernel::MmaSync);
-  DeviceBuffer otherOut = allocate(qSize * sizeOf(dt));
-  DeviceBuffer otherLse = allocate(size_t(s.batch) * s.heads * s.queries * 4);
-  ASSERT_OK(attentionForward(*noHopper, dt, otherOut.data(), otherLse.as<float>(), gq.data(),
-                             gk.data(), gv.data(), s));
+  DeviceBuffer otherOut = allocate(t.qSize * sizeOf(dt));
+  DeviceBuffer otherLse = allocate(t.refLse.size() * 4);
+  ASSERT_OK(attentionForward(*noHopper, dt, otherOut.data(), otherLse.as<float>(), t.gq.data(),
+                             t.gk.data(), t.gv.data(), s));
   ASSERT_OK(noHopper->synchronize());
-  EXPECT_CLOSE(download(otherOut, qSize, dt), refOut, tolerance(dt));
-  EXPECT_CLOSE(download(otherLse, refLse.size(), DType::F32), refLse, tolerance(dt));
+  EXPECT_CLOSE(download(otherOut, t.qSize, dt), t.refOut, tolerance(dt));
+  EXPECT_CLOSE(download(otherLse, t.refLse.size(), DType::F32), t.refLse, tolerance(dt));
 }
 
 // Grouped-query attention (Llama's num_query_groups): query head h reads key/value head
@@ -422,7 +455,7 @@ TEST_P(CudaAttentionTest, SliceOverEarlierKeysMatchesCpu) {
 // kernels/cpu/LlamaOps.h's grouped attention, with slices over earlier keys (Seq1F1B), key
 // ranges crossing 32-key tiles, and bf16 shapes the tensor cores would take for multi-head
 // attention: grouped heads run on the SIMT kernels, forward and backward.
-class CudaGroupedAttentionTest : public GpuTest,
+class CudaGroupedAttentionTest : public AttentionTest,
                                  public ::testing::WithParamInterface<std::tuple<DType, int>> {};
 
 TEST_P(CudaGroupedAttentionTest, SliceOverEarlierKeysMatchesCpu) {
@@ -436,39 +469,20 @@ TEST_P(CudaGroupedAttentionTest, SliceOverEarlierKeysMatchesCpu) {
   SCOPED_TRACE(fmt::format("B {} x {} a {} H {} hd {} KV {}", s.batch, s.queries, s.begin, s.heads,
                            s.headDim, s.kvHeads));
   cpu::GroupedAttentionShape cs{s.batch, s.queries, s.begin, s.heads, s.kvHeads, s.headDim};
-  const int kvw = s.kvHeads * s.headDim;
-  const size_t qSize = size_t(s.batch) * s.queries * s.width();
-  const size_t kvSize = size_t(s.keys()) * s.batch * size_t(kvw);
-  Vec q = quantized(randomVec(qSize, 70), dt), k = quantized(randomVec(kvSize, 71), dt);
-  Vec v = quantized(randomVec(kvSize, 72), dt), dOut = quantized(randomVec(qSize, 73), dt);
-  Vec dk0 = randomVec(kvSize, 74), dv0 = randomVec(kvSize, 75);
-  Vec refOut(qSize), probs(size_t(s.batch) * s.heads * s.queries * s.keys());
-  Vec refDq(qSize), refDk = dk0, refDv = dv0;
-  cpu::groupedAttentionForward(refOut.data(), probs.data(), q.data(), k.data(), v.data(), cs);
-  cpu::groupedAttentionBackward(refDq.data(), refDk.data(), refDv.data(), dOut.data(), probs.data(),
-                                q.data(), k.data(), v.data(), cs);
-  const Vec refLse = referenceLse(q, k, s);
-  DeviceBuffer gq = upload(q, dt), gk = upload(k, dt), gv = upload(v, dt);
-  DeviceBuffer gdOut = upload(dOut, dt), gdk = upload(dk0, DType::F32),
-               gdv = upload(dv0, DType::F32);
-  DeviceBuffer out = allocate(qSize * sizeOf(dt)), dq = allocate(qSize * sizeOf(dt));
-  DeviceBuffer lse = allocate(refLse.size() * 4);
+  AttentionTensors t = tensors(s, dt, size_t(s.kvHeads) * s.headDim, /*seed=*/70);
+  cpu::groupedAttentionForward(t.refOut.data(), t.probs.data(), t.q.data(), t.k.data(), t.v.data(),
+                               cs);
+  cpu::groupedAttentionBackward(t.refDq.data(), t.refDk.data(), t.refDv.data(), t.dOut.data(),
+                                t.probs.data(), t.q.data(), t.k.data(), t.v.data(), cs);
   const launch::AttentionDims dims{s.batch, s.queries, s.begin, s.heads, s.headDim, s.kvHeads};
-  EXPECT_FALSE(launch::attentionUsesTensorCores(dt, dims, {out.data(), gq.data(), gk.data()}));
-  ASSERT_OK(
-      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  ASSERT_OK(attentionBackward(*ctx, dt, dq.data(), gdk.as<float>(), gdv.as<float>(), gdOut.data(),
-                              out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), s));
-  EXPECT_CLOSE(download(out, qSize, dt), refOut, tolerance(dt));
-  EXPECT_CLOSE(download(lse, refLse.size(), DType::F32), refLse, tolerance(dt));
-  EXPECT_CLOSE(download(dq, qSize, dt), refDq, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdk, kvSize, DType::F32), refDk, tolerance(dt, /*longSums=*/true));
-  EXPECT_CLOSE(download(gdv, kvSize, DType::F32), refDv, tolerance(dt, /*longSums=*/true));
+  EXPECT_FALSE(
+      launch::attentionUsesTensorCores(dt, dims, {t.out.data(), t.gq.data(), t.gk.data()}));
+  ASSERT_NO_FATAL_FAILURE(expectMatchesReference(t, s, dt));
   // A group count that does not divide the heads is a shape error, not a launch.
   AttentionShape bad = s;
   bad.kvHeads = s.heads + 1;
-  llvm::Error err =
-      attentionForward(*ctx, dt, out.data(), lse.as<float>(), gq.data(), gk.data(), gv.data(), bad);
+  llvm::Error err = attentionForward(*ctx, dt, t.out.data(), t.lse.as<float>(), t.gq.data(),
+                                     t.gk.data(), t.gv.data(), bad);
   ASSERT_TRUE(bool(err));
   EXPECT_NE(llvm::toString(std::move(err)).find("does not divide heads"), std::string::npos);
 }

@@ -16,6 +16,7 @@
 // than fp32 (more than 1e-4 of the scale), or the run did not compute in bf16.
 //
 //===----------------------------------------------------------------------===//
+#include "tests/CudaDeviceTest.h"
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
@@ -94,25 +95,14 @@ void expectCudaMatchesCpu(const Plan &plan, int steps = 2, kernels::DType dtype 
 /// unless PIPEC_EMU_COMPUTE_CAPABILITY says otherwise), mma.sync on others.
 ModelSpec tinyGptTwoHeads(int headDim, int layers, int seq) {
   const std::string name = fmt::format("tiny-hd{}", headDim);
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{
+  return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{
           "num_layers": {}, "hidden_size": {}, "num_attention_heads": 2, "ffn_hidden_size": {},
           "vocab_size": 32, "seq_length": {}, "microbatch_size": 2, "dtype": "bf16"}}}})",
-                                      name, layers, 2 * headDim, 4 * headDim, seq),
-                          name + ".json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+                                 name, layers, 2 * headDim, 4 * headDim, seq),
+                     name + ".json");
 }
 
-class CudaRuntimeTest : public ::testing::Test {
-protected:
-  void SetUp() override {
-    auto devices = cudaDevices();
-    if (!devices) {
-      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
-             << takeMessage(devices.takeError());
-    }
-  }
-};
+using CudaRuntimeTest = CudaDeviceTest;
 
 TEST_F(CudaRuntimeTest, OneFOneBOnFourStagesGivesTheReferenceGradients) {
   expectCudaMatchesCpu(compileOrFail(tinyGpt(/*tied=*/false, /*layers=*/6),

@@ -388,23 +388,16 @@ private:
       b += model.layers[size_t(l)].backwardInput;
       w += model.layers[size_t(l)].backwardWeight;
     }
-    double k = numSlices();
-    switch (op) {
-    case OpKind::Forward:
+    const double k = numSlices();
+    if (op == OpKind::Forward)
       return f / k;
-    case OpKind::BackwardInput:
+    if (op == OpKind::BackwardInput)
       return b / k;
-    case OpKind::BackwardWeight:
+    if (op == OpKind::BackwardWeight)
       return w / k;
-    case OpKind::Backward:
+    if (op == OpKind::Backward)
       return (b + w) / k;
-    case OpKind::Send:
-    case OpKind::Recv:
-    case OpKind::AllReduce:
-    case OpKind::OptimizerStep:
-      break;
-    }
-    return 0;
+    return 0; // sends, receives, all-reduces and the optimizer step compute no layer
   }
 
   static bool same(double a, double b) {
@@ -598,6 +591,15 @@ size_t indexOf(const Plan &plan, int r, OpKind op, int from = 0) {
   return SIZE_MAX;
 }
 
+/// Moves rank `r`'s first `op` to the front of its stream.
+void moveFirstToFront(Plan &plan, int r, OpKind op) {
+  auto &s = plan.ranks[size_t(r)];
+  size_t at = indexOf(plan, r, op);
+  Instruction moved = s[at];
+  s.erase(s.begin() + std::ptrdiff_t(at));
+  s.insert(s.begin(), moved);
+}
+
 TEST(DependencyCheckerTest, ReportsAStartEarlierThanAnInputsArrival) {
   auto problems = planted([](Plan &plan, Timeline &t) {
     size_t i = indexOf(plan, 1, OpKind::Forward);
@@ -629,13 +631,7 @@ TEST(DependencyCheckerTest, ReportsSendsOutOfFifoOrder) {
 }
 
 TEST(DependencyCheckerTest, ReportsASendBeforeItsProducer) {
-  auto problems = planted([](Plan &plan, Timeline &) {
-    auto &s = plan.ranks[0];
-    size_t send = indexOf(plan, 0, OpKind::Send);
-    Instruction moved = s[send];
-    s.erase(s.begin() + std::ptrdiff_t(send));
-    s.insert(s.begin(), moved);
-  });
+  auto problems = planted([](Plan &plan, Timeline &) { moveFirstToFront(plan, 0, OpKind::Send); });
   ASSERT_FALSE(problems.empty());
   EXPECT_NE(joined(problems).find("no send of its output after it"), std::string::npos)
       << joined(problems);
@@ -668,13 +664,8 @@ TEST(DependencyCheckerTest, ReportsAWrongPeakAndAWrongBubble) {
 }
 
 TEST(DependencyCheckerTest, ReportsADpAllReduceBeforeTheLastWeightGradient) {
-  auto problems = planted([](Plan &plan, Timeline &) {
-    auto &s = plan.ranks[2];
-    size_t ar = indexOf(plan, 2, OpKind::AllReduce);
-    Instruction moved = s[ar];
-    s.erase(s.begin() + std::ptrdiff_t(ar));
-    s.insert(s.begin(), moved);
-  });
+  auto problems =
+      planted([](Plan &plan, Timeline &) { moveFirstToFront(plan, 2, OpKind::AllReduce); });
   ASSERT_FALSE(problems.empty());
   EXPECT_NE(joined(problems).find("dp all-reduce"), std::string::npos) << joined(problems);
 }

@@ -40,22 +40,22 @@
 namespace {
 
 namespace fs = std::filesystem;
-using pipec::testing::checkpointLayerFiles;
-using pipec::testing::CommandResult;
-using pipec::testing::compileTinyGpt;
-using pipec::testing::freshDir;
-using pipec::testing::runCommand;
-using pipec::testing::stepLosses;
+using namespace pipec::testing;
 
-/// piperun_emu on `plan` with `args`; `backend` "nccl" runs one process from torchrun's
-/// variables.
-CommandResult piperun(const std::string &backend, const std::string &plan,
-                      const std::string &args) {
+/// The command line of piperun_emu on `plan` with `args`, in fp32 on a GPU backend; `backend`
+/// "nccl" runs one process from torchrun's variables.
+std::string piperunCommand(const std::string &backend, const std::string &plan,
+                           const std::string &args) {
   std::string env =
       backend == "nccl" ? "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " : std::string();
   std::string dtype = backend == "cpu" ? "" : " --dtype fp32";
-  return runCommand(env + "tools/piperun_emu " + plan + " --backend " + backend + dtype + " " +
-                    args);
+  return env + "tools/piperun_emu " + plan + " --backend " + backend + dtype + " " + args;
+}
+
+/// That command run.
+CommandResult piperun(const std::string &backend, const std::string &plan,
+                      const std::string &args) {
+  return runCommand(piperunCommand(backend, plan, args));
 }
 
 /// `first` steps under `saver` with a checkpoint, then the rest of `steps` resumed under
@@ -197,8 +197,6 @@ TEST(GpuCheckpointTest, AnExportFromTheGpuBackendsResumesTheirWeights) {
 
 namespace {
 
-using pipec::testing::Child;
-
 TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) {
   const std::string d = freshDir("cuda-relaunch");
   const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2 --tp 2");
@@ -208,13 +206,13 @@ TEST(GpuCheckpointTest, CudaKilledAtRandomAndRelaunchedFinishesTheJobBitForBit) 
       piperun("cuda", plan, "--steps " + std::to_string(steps) + " --save-dir " + d + "/whole");
   ASSERT_EQ(whole.code, 0) << whole.out << whole.err;
   // The kills fall anywhere in a launch: at random instants up to the whole job's time here.
-  const int span = pipec::testing::millisecondsSince(started);
+  const int span = millisecondsSince(started);
   const std::string ck = d + "/ck";
-  const std::string cmd = "tools/piperun_emu " + plan + " --backend cuda --dtype fp32 --steps " +
-                          std::to_string(steps) + " --save-every 1 --save-dir " + ck +
-                          " --resume " + ck;
+  const std::string cmd = piperunCommand(
+      "cuda", plan,
+      "--steps " + std::to_string(steps) + " --save-every 1 --save-dir " + ck + " --resume " + ck);
   int killed = 0;
-  auto got = pipec::testing::relaunchUntilDone(cmd, d + "/out.txt", span, 45, killed);
+  auto got = relaunchUntilDone(cmd, d + "/out.txt", span, 45, killed);
   EXPECT_GT(killed, 0) << "no launch was killed";
   EXPECT_EQ(got, stepLosses(whole.out));
   auto want = checkpointLayerFiles(d + "/whole", steps);
@@ -230,16 +228,11 @@ void expectPreemptedAndRelaunched(const std::string &backend, int sig, const cha
   const std::string d = freshDir("preempt-" + backend);
   const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 1 --microbatches 2");
   const std::string ck = d + "/ck";
-  const std::string env =
-      backend == "nccl" ? "env -u NCCL_COMM_ID RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " : "";
   Child c =
-      pipec::testing::spawn(env + "tools/piperun_emu " + plan + " --backend " + backend +
-                            " --dtype fp32 --steps 1000 --save-dir " + ck + " --resume " + ck);
-  ASSERT_TRUE(pipec::testing::readUntil(c, "step 0 loss")) << c.out;
-  ::kill(c.pid, sig);
-  const int status = pipec::testing::finish(c);
-  ASSERT_TRUE(WIFEXITED(status)) << c.out;
-  EXPECT_EQ(WEXITSTATUS(status), 128 + sig) << c.out;
+      spawn(piperunCommand(backend, plan, "--steps 1000 --save-dir " + ck + " --resume " + ck));
+  int status = 0;
+  ASSERT_NO_FATAL_FAILURE(signalAfterStepZero(c, sig, status));
+  EXPECT_EQ(status, 128 + sig) << c.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(
       c.out, m,

@@ -2,19 +2,19 @@
 //
 // Issue 33, item 4: the per-rank activation memory pipec predicts for a plan (the memory pass,
 // ir/CostModel.h's rule: activations, what a backward builds, workspace, and receive buffers;
-// peak_memory_bytes - static_bytes) must be within 10% of what the runtime really holds, at the
-// same precision. Here the cpu backend, which measures, after every call into a stage, the
-// bytes its stages keep (StageCompute::savedBytes) plus its received and kept p2p tensors
+// peak_memory_bytes - static_bytes) must be what the runtime really holds, at the same
+// precision. Here the cpu backend, which measures, after every call into a stage, the bytes its
+// stages keep (StageCompute::savedBytes) plus its received and kept p2p tensors
 // (CpuRunResult::heldBytes, the high-water mark per rank). Several schedules and layouts (pp,
 // vpp, seq splits, tp, dp), a GPT large enough that the activations, not the few-byte
-// bookkeeping, are what is held.
+// bookkeeping, are what is held. Issue 41, item 1: the weight-gradient state alone, as the
+// difference of zb-h1's and 1f1b's peaks.
 //
 //===----------------------------------------------------------------------===//
-#include "tests/TestUtil.h"
+#include "tests/MemoryTest.h"
 
 #include "compiler/Pass.h"
 #include "compiler/Verifier.h"
-#include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
@@ -26,93 +26,88 @@
 namespace pipec::test {
 namespace {
 
-struct Case {
-  const char *schedule;
-  int pp, microbatches, vpp, seqSplits, tp, dp;
+/// A case's predictions and what the cpu backend held, per runtime rank: `predicted` between
+/// kernel calls (see below), `full` with the ops' workspace.
+struct Held {
+  std::vector<double> predicted, full, held;
 };
 
-// Every schedule family piperun runs, pipeline and tensor parallel.
-const Case kCases[] = {
-    {"1f1b", 2, 4, 1, 1, 1, 1},
-    {"gpipe", 2, 4, 1, 1, 1, 1},
-    {"interleaved-1f1b", 2, 4, 2, 1, 1, 1},
-    {"zb-h1", 2, 4, 1, 1, 1, 1},
-    {"zb-h2", 2, 4, 1, 1, 1, 1},
-    {"seq1f1b", 2, 4, 1, 2, 1, 1},
-    {"1f1b", 4, 8, 1, 1, 1, 1},
-    {"1f1b", 2, 4, 1, 1, 2, 1},
-    {"1f1b", 2, 2, 1, 1, 1, 2},
-};
-
-/// 4 blocks of 64 channels, 4 heads, an fc of 256; 2 sequences of 64 tokens per microbatch.
-/// The cpu kernels keep the attention probabilities of every query and key (kernels/cpu/Gpt.cpp,
-/// BlockWork::probs): "attention": "materialized" is how they behave.
-/// With `llama`, the same shape with Llama's block: RMSNorm, SwiGLU (an fc of 2 x 128, so the
-/// MLP keeps about what GPT-2's does), rotary positions, 2 key/value heads, no biases.
-ModelSpec model(bool llama) {
-  const char *gpt = R"({"format": "pipemodel/1", "name": "held", "transformer": {
-      "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
-      "vocab_size": 32, "seq_length": 64, "microbatch_size": 2, "dtype": "fp32",
-      "attention": "materialized"}})";
-  const char *llamaSpec = R"({"format": "pipemodel/1", "name": "held-llama", "transformer": {
-      "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-      "ffn_hidden_size": 128, "vocab_size": 32, "seq_length": 64, "microbatch_size": 2,
-      "dtype": "fp32", "attention": "materialized", "norm": "rmsnorm", "mlp": "swiglu",
-      "position": "rope", "bias": false}})";
-  auto m = parseModelSpec(llama ? llamaSpec : gpt, "held.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+/// The cpu kernels keep the attention probabilities of every query and key
+/// (kernels/cpu/Gpt.cpp, BlockWork::probs): "attention": "materialized" is how they behave.
+Held run(const MemoryCase &c, bool llama) {
+  Held out;
+  ModelSpec m = memoryModel("fp32", "materialized", llama);
+  Plan plan = compileOrFail(m, c.compileOptions());
+  EXPECT_FALSE(verifyPlan(plan));
+  auto data = syntheticData(32, /*seed=*/3);
+  CpuRunOptions o;
+  o.steps = 1;
+  auto result = runOnCpu(plan, *data, o);
+  if (!result) {
+    ADD_FAILURE() << takeMessage(result.takeError());
+    return out;
+  }
+  // The cpu backend samples between kernel calls, so it never sees an op's own temporaries
+  // (the cost model's workspace_bytes, held only while the op runs): the prediction it is
+  // held to is the memory pass's on the same plan with those set to 0.
+  Plan between = plan;
+  for (StageInfo &st : between.stages)
+    for (int64_t &w : st.workspaceBytes)
+      w = 0;
+  ClusterSpec cluster = ClusterSpec::defaults();
+  PassContext ctx;
+  ctx.model = &m;
+  ctx.cluster = &cluster;
+  ctx.options = c.compileOptions();
+  const llvm::StringRef memory[] = {"memory"};
+  llvm::Error err = runPipeline(memory, between, ctx);
+  EXPECT_FALSE(bool(err)) << takeMessage(std::move(err));
+  // heldBytes is per process rank, ((pp·dp + dp)·tp + tp); the plan's ranks are pipeline
+  // ranks, which every dp replica and tp shard repeats.
+  EXPECT_EQ(result->heldBytes.size(), plan.stats.ranks.size() * c.replicas());
+  for (size_t g = 0; g < result->heldBytes.size(); ++g) {
+    const RankStats &rs = between.stats.ranks[g / c.replicas()];
+    const RankStats &full = plan.stats.ranks[g / c.replicas()];
+    out.predicted.push_back(double(rs.peakMemoryBytes - rs.staticBytes));
+    out.full.push_back(double(full.peakMemoryBytes - full.staticBytes));
+    out.held.push_back(double(result->heldBytes[g]));
+  }
+  return out;
 }
 
 class HeldMemoryTest : public ::testing::TestWithParam<bool> {};
 
-TEST_P(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinTenPercent) {
+TEST_P(HeldMemoryTest, CpuBackendHoldsWhatPipecPredictsWithinNinePercent) {
   const bool llama = GetParam();
-  auto model = [llama] { return test::model(llama); };
-  for (const Case &c : kCases) {
-    SCOPED_TRACE(fmt::format("{} pp={} m={} vpp={} seq_splits={} tp={} dp={}", c.schedule, c.pp,
-                             c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
-    Plan plan = compileOrFail(
-        model(), options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp));
-    ASSERT_FALSE(verifyPlan(plan));
-    auto data = syntheticData(32, /*seed=*/3);
-    CpuRunOptions o;
-    o.steps = 1;
-    auto result = runOnCpu(plan, *data, o);
-    ASSERT_TRUE(bool(result)) << takeMessage(result.takeError());
-    // The cpu backend samples between kernel calls, so it never sees an op's own temporaries
-    // (the cost model's workspace_bytes, held only while the op runs): the prediction it is
-    // held to is the memory pass's on the same plan with those set to 0.
-    Plan between = plan;
-    for (StageInfo &st : between.stages)
-      for (int64_t &w : st.workspaceBytes)
-        w = 0;
-    ModelSpec m = model();
-    ClusterSpec cluster = ClusterSpec::defaults();
-    PassContext ctx;
-    ctx.model = &m;
-    ctx.cluster = &cluster;
-    ctx.options = options(c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp);
-    const llvm::StringRef memory[] = {"memory"};
-    llvm::Error err = runPipeline(memory, between, ctx);
-    ASSERT_FALSE(bool(err)) << takeMessage(std::move(err));
-    // heldBytes is per process rank, ((pp·dp + dp)·tp + tp); the plan's ranks are pipeline
-    // ranks, which every dp replica and tp shard repeats.
-    ASSERT_EQ(result->heldBytes.size(), plan.stats.ranks.size() * size_t(c.dp * c.tp));
-    for (size_t g = 0; g < result->heldBytes.size(); ++g) {
-      const RankStats &rs = between.stats.ranks[g / size_t(c.dp * c.tp)];
-      const RankStats &full = plan.stats.ranks[g / size_t(c.dp * c.tp)];
-      double predicted = double(rs.peakMemoryBytes - rs.staticBytes);
-      double held = double(result->heldBytes[g]);
-      ASSERT_GT(held, 0) << "rank " << g;
-      EXPECT_NEAR(predicted / held, 1.0, 0.10)
-          << "rank " << g << ": pipec predicts " << predicted << " bytes between kernel calls, "
-          << "the cpu backend held " << held;
-      std::printf("%-17s pp=%d m=%d vpp=%d K=%d tp=%d dp=%d rank %zu: predicted %.0f (with "
-                  "workspace %.0f), held %.0f, ratio %.3f\n",
-                  c.schedule, c.pp, c.microbatches, c.vpp, c.seqSplits, c.tp, c.dp, g, predicted,
-                  double(full.peakMemoryBytes - full.staticBytes), held, predicted / held);
+  for (const MemoryCase &c : kMemoryCases) {
+    SCOPED_TRACE(c.name());
+    Held h = run(c, llama);
+    for (size_t g = 0; g < h.held.size(); ++g) {
+      ASSERT_GT(h.held[g], 0) << "rank " << g;
+      // The cpu backend's samples fall between a stage's parts, so it misses the last block's
+      // K/V and dK/dV that the end of a backward holds when the stage's last part is a block's
+      // (every stage but the first): the prediction is never under what is held, and up to 8%
+      // over it there (1.000 - 1.079 over these ranks).
+      EXPECT_GE(h.predicted[g] / h.held[g], 0.99)
+          << "rank " << g << ": pipec predicts " << h.predicted[g]
+          << " bytes between kernel calls, the cpu backend held " << h.held[g];
+      EXPECT_LE(h.predicted[g] / h.held[g], 1.09)
+          << "rank " << g << ": pipec predicts " << h.predicted[g]
+          << " bytes between kernel calls, the cpu backend held " << h.held[g];
+      std::printf("%-42s rank %zu: predicted %.0f (with workspace %.0f), held %.0f, ratio "
+                  "%.3f\n",
+                  c.name().c_str(), g, h.predicted[g], h.full[g], h.held[g],
+                  h.predicted[g] / h.held[g]);
     }
+  }
+}
+
+TEST_P(HeldMemoryTest, WeightGradientStateIsWhatTheStagesKeep) {
+  for (const auto &[splitCase, fusedCase] : kWeightGradPairs) {
+    SCOPED_TRACE(splitCase.name());
+    Held split = run(splitCase, GetParam());
+    Held fused = run(fusedCase, GetParam());
+    expectWeightGradState(split.predicted, split.held, fused.predicted, fused.held, 0.01);
   }
 }
 

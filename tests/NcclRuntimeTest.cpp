@@ -10,10 +10,10 @@
 // --check-reference (the gradients gathered to RANK 0; NcclLayoutTest checks what is gathered).
 //
 //===----------------------------------------------------------------------===//
+#include "tests/CudaDeviceTest.h"
 #include "tests/TestUtil.h"
 
 #include "compiler/Verifier.h"
-#include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "runtime/Data.h"
 #include "runtime/cpu/CpuRun.h"
@@ -28,24 +28,10 @@
 namespace pipec::test {
 namespace {
 
-ModelSpec tinyGpt() {
-  auto m = parseModelSpec(
-      R"({"format": "pipemodel/1", "name": "tiny", "transformer": {"num_layers": 4,
-      "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
-      "seq_length": 8, "microbatch_size": 2, "dtype": "fp32"}})",
-      "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
-}
-
-class NcclRuntimeTest : public ::testing::Test {
+class NcclRuntimeTest : public CudaDeviceTest {
 protected:
   void SetUp() override {
-    auto devices = cudaDevices();
-    if (!devices) {
-      FAIL() << "no usable CUDA device (this test is tagged requires-gpu): "
-             << takeMessage(devices.takeError());
-    }
+    ASSERT_NO_FATAL_FAILURE(CudaDeviceTest::SetUp());
     // One process bootstraps alone; an inherited NCCL_COMM_ID would make it wait for a root.
     ::unsetenv("NCCL_COMM_ID");
   }

@@ -33,14 +33,12 @@ namespace {
 using test::options;
 
 ModelSpec transformer(const std::string &extra = "", int layers = 6) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "t",
+  return test::modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "t",
       "transformer": {{"num_layers": {}, "hidden_size": 64, "num_attention_heads": 4,
       "ffn_hidden_size": 256, "vocab_size": 128, "seq_length": 64, "microbatch_size": 2,
       "dtype": "bf16"{}}}}})",
-                                      layers, extra),
-                          "t.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+                                       layers, extra),
+                           "t.json");
 }
 
 TEST(EvaluateTest, ScoresWithTheDefaultPipelinesOwnPasses) {
@@ -77,6 +75,18 @@ ClusterSpec smallCluster() {
   return c;
 }
 
+/// Candidate `c` of a search of `model` on smallCluster(), compiled as `pipec compile` compiles
+/// it: its layout, sequence parallelism, ZeRO-1, zb-auto limit, microbatch size and
+/// recomputation as searched.
+llvm::Expected<Plan> compileCandidate(const ModelSpec &model, const PlanCandidate &c,
+                                      bool verifyEach = false) {
+  CompileOptions o = options(c.schedule, c.parallel.pp, c.parallel.microbatches);
+  o.parallel = c.parallel;
+  o.memoryLimit = c.zbAutoLimit;
+  return compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(), o,
+                     verifyEach);
+}
+
 TEST(PlannerTest, RankedPlansAreWhatCompilePlanMakesOfThem) {
   ModelSpec model = transformer();
   auto result = planLayouts(model, smallCluster(), smallSearch());
@@ -88,12 +98,7 @@ TEST(PlannerTest, RankedPlansAreWhatCompilePlanMakesOfThem) {
     EXPECT_EQ(c.outcome, Outcome::Ranked);
     EXPECT_GE(c.stepTime, previous);
     previous = c.stepTime;
-    CompileOptions o = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
-                               c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
-    o.parallel = c.parallel; // sequence parallelism and ZeRO-1 as searched
-    o.memoryLimit = c.zbAutoLimit;
-    auto compiled = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(),
-                                o, /*verifyEach=*/true);
+    auto compiled = compileCandidate(model, c, /*verifyEach=*/true);
     ASSERT_TRUE(bool(compiled)) << takeMessage(compiled.takeError());
     const Plan &plan = *compiled;
     EXPECT_EQ(plan.stats.stepTime, c.stepTime);
@@ -142,11 +147,7 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
                              c.parallel.seqSplits, toString(c.recompute).str(),
                              c.parallel.sequenceParallel, c.parallel.distributedOptimizer));
     EXPECT_TRUE(c.peakExact);
-    CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
-                                c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
-    co.parallel = c.parallel;
-    co.memoryLimit = c.zbAutoLimit;
-    auto plan = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(), co);
+    auto plan = compileCandidate(model, c);
     ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
     EXPECT_EQ(plan->stats.stepTime, c.stepTime);
     int64_t peak = 0;
@@ -304,11 +305,7 @@ TEST(PlannerTest, TheBubbleColumnIsTheIdleShareOfTheStep) {
   std::set<std::string> seen;
   for (size_t i : r->ranked) {
     const PlanCandidate &c = r->candidates[i];
-    CompileOptions co = options(c.schedule, c.parallel.pp, c.parallel.microbatches, c.parallel.vpp,
-                                c.parallel.seqSplits, c.parallel.tp, c.parallel.dp);
-    co.parallel = c.parallel;
-    co.memoryLimit = c.zbAutoLimit;
-    auto plan = compilePlan(modelVariant(model, c.microbatchSize, c.recompute), smallCluster(), co);
+    auto plan = compileCandidate(model, c);
     ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
     double busy = 0;
     for (const RankStats &rs : plan->stats.ranks)
@@ -558,15 +555,7 @@ TEST(PlannerTest, ZeroOneBringsBloomsPublishedLayoutIn) {
 
 /// A profile of a 2-stage, 1-slice plan whose times are nothing like the cost model's.
 MeasuredCosts twoStageProfile() {
-  MeasuredCosts m;
-  m.backend = "cpu";
-  m.dtype = "fp32";
-  m.device = "test";
-  m.planHash = "0";
-  m.threads = 1;
-  m.steps = 5;
-  m.numStages = 2;
-  m.numSlices = 1;
+  MeasuredCosts m = test::profileOf(/*numStages=*/2, /*numSlices=*/1);
   for (int s = 0; s < 2; ++s)
     for (auto [op, ms] : {std::pair{OpKind::Forward, 3.0}, std::pair{OpKind::BackwardInput, 4.0},
                           std::pair{OpKind::BackwardWeight, 2.5}}) {

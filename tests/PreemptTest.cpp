@@ -33,15 +33,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-using pipec::testing::checkpointLayerFiles;
-using pipec::testing::Child;
-using pipec::testing::compileTinyGpt;
-using pipec::testing::finish;
-using pipec::testing::freshDir;
-using pipec::testing::readUntil;
-using pipec::testing::runCommand;
-using pipec::testing::spawn;
-using pipec::testing::stepLosses;
+using namespace pipec::testing;
 
 std::string piperun(const std::string &plan, const std::string &args) {
   return "tools/piperun " + plan + " " + args;
@@ -73,11 +65,9 @@ TEST(PreemptTest, SigtermFinishesTheStepSavesExits143AndTheRelaunchFinishesTheJo
   const std::string ck = d + "/ck";
   // The job's command line as a launcher gives it; far more steps than run before the signal.
   Child c = spawn(piperun(plan, "--steps 1000 --save-dir " + ck + " --resume " + ck));
-  ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
-  ::kill(c.pid, SIGTERM);
-  const int status = finish(c);
-  ASSERT_TRUE(WIFEXITED(status)) << c.out;
-  EXPECT_EQ(WEXITSTATUS(status), 143) << c.out;
+  int status = 0;
+  ASSERT_NO_FATAL_FAILURE(signalAfterStepZero(c, SIGTERM, status));
+  EXPECT_EQ(status, 143) << c.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(c.out, m,
                                 std::regex("piperun: SIGTERM: stopped after step ([0-9]+), saved " +
@@ -118,11 +108,9 @@ TEST(PreemptTest, SigusrOneWithoutSaveDirStopsSaysNothingWasSavedAndExits138) {
   const std::string d = freshDir("sigusr1");
   const std::string plan = compileTinyGpt(d, "--schedule 1f1b --pp 2 --microbatches 2");
   Child c = spawn(piperun(plan, "--steps 1000"));
-  ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
-  ::kill(c.pid, SIGUSR1);
-  const int status = finish(c);
-  ASSERT_TRUE(WIFEXITED(status)) << c.out;
-  EXPECT_EQ(WEXITSTATUS(status), 138) << c.out;
+  int status = 0;
+  ASSERT_NO_FATAL_FAILURE(signalAfterStepZero(c, SIGUSR1, status));
+  EXPECT_EQ(status, 138) << c.out;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(c.out, m,
                                 std::regex("piperun: SIGUSR1: stopped after step ([0-9]+), not "

@@ -92,6 +92,16 @@ inline int finish(Child &c) {
   return status;
 }
 
+/// Once `c`'s first step ended, sends it `signal` and waits for it to exit: its exit status in
+/// `status` (a test failure where it printed no step or ended otherwise).
+inline void signalAfterStepZero(Child &c, int signal, int &status) {
+  ASSERT_TRUE(readUntil(c, "step 0 loss")) << c.out;
+  ::kill(c.pid, signal);
+  const int ended = finish(c);
+  ASSERT_TRUE(WIFEXITED(ended)) << c.out;
+  status = WEXITSTATUS(ended);
+}
+
 /// `pipec compile` of examples/tiny-gpt.json with `flags` into dir/plan.json (run from the
 /// runfiles' root, as the tests are); the plan's path.
 inline std::string compileTinyGpt(const std::string &dir, const std::string &flags) {

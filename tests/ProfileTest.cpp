@@ -13,6 +13,7 @@
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 #include "tests/Command.h"
+#include "tests/TestUtil.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -29,15 +30,7 @@ using testing::slurp;
 using testing::tmpDir;
 
 MeasuredCosts sample(int64_t bytes = 4096) {
-  MeasuredCosts c;
-  c.backend = "cpu";
-  c.dtype = "fp32";
-  c.device = "host cpu";
-  c.planHash = "0123";
-  c.threads = 2;
-  c.steps = 5;
-  c.numStages = 2;
-  c.numSlices = 1;
+  MeasuredCosts c = test::profileOf(/*numStages=*/2, /*numSlices=*/1);
   for (int s = 0; s < 2; ++s) {
     c.ops.push_back({s, OpKind::Forward, 0, {1.0, 0.1, 16}});
     c.ops.push_back({s, OpKind::Backward, 0, {2.0, 0.2, 16}});

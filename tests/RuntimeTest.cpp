@@ -31,6 +31,18 @@
 namespace pipec::test {
 namespace {
 
+/// How a run of `plan` on synthetic data with `faults` planted fails, under a watchdog of
+/// `timeout` seconds: its message (a test failure where it does not fail).
+std::string failureWith(const Plan &plan, const Faults &faults, double timeout) {
+  CpuRunOptions o;
+  o.timeoutSeconds = timeout;
+  o.faults = faults;
+  auto data = syntheticData(32, 1);
+  auto result = runOnCpu(plan, *data, o);
+  EXPECT_FALSE(bool(result)) << "the run with a planted fault succeeded";
+  return result ? std::string() : takeMessage(result.takeError());
+}
+
 /// Run `steps` steps with the reference check; expect equal gradients and losses.
 void expectMatchesReference(const Plan &plan, int steps = 2) {
   ASSERT_FALSE(verifyPlan(plan));
@@ -149,13 +161,9 @@ TEST(RuntimeTest, ADroppedMessageIsReportedByTheWatchdogInScheduleTerms) {
   size_t recv = 0;
   while (!(plan.ranks[1][recv].op == OpKind::Recv && plan.ranks[1][recv].mb == 1))
     ++recv;
-  CpuRunOptions o;
-  o.timeoutSeconds = 0.3;
-  o.faults.dropSend = {0, step};
-  auto data = syntheticData(32, 1);
-  auto result = runOnCpu(plan, *data, o);
-  ASSERT_FALSE(bool(result));
-  std::string msg = takeMessage(result.takeError());
+  Faults faults;
+  faults.dropSend = {0, step};
+  std::string msg = failureWith(plan, faults, /*timeout=*/0.3);
   EXPECT_NE(msg.find("watchdog: no rank made progress for"), std::string::npos) << msg;
   // Rank 1 waits in the group that holds the recv of the lost message.
   std::string lost = formatToken(plan, plan.ranks[1][recv]);
@@ -238,13 +246,9 @@ TEST(RuntimeTest, ADroppedMessageFollowedByAnotherIsAMismatch) {
   size_t step = 0;
   while (plan.ranks[0][step].op != OpKind::Send)
     ++step;
-  CpuRunOptions o;
-  o.timeoutSeconds = 5;
-  o.faults.dropSend = {0, step};
-  auto data = syntheticData(32, 1);
-  auto result = runOnCpu(plan, *data, o);
-  ASSERT_FALSE(bool(result));
-  std::string msg = takeMessage(result.takeError());
+  Faults faults;
+  faults.dropSend = {0, step};
+  std::string msg = failureWith(plan, faults, /*timeout=*/5);
   // The next message from rank 0 meets the recv that waited for the lost one.
   EXPECT_NE(msg.find("message mismatch: rank 1 step 0 (1RECV_F0"), std::string::npos) << msg;
   EXPECT_NE(msg.find("expects activation(0,0,0)"), std::string::npos) << msg;
@@ -259,13 +263,9 @@ TEST(RuntimeTest, TwoSwappedMessagesAreCaughtNamingBothInstructions) {
     if (plan.ranks[0][n].op == OpKind::Send)
       sends.push_back(n);
   ASSERT_GE(sends.size(), 2u);
-  CpuRunOptions o;
-  o.timeoutSeconds = 5;
-  o.faults.swapSends = {0, {sends[0], sends[1]}};
-  auto data = syntheticData(32, 1);
-  auto result = runOnCpu(plan, *data, o);
-  ASSERT_FALSE(bool(result));
-  std::string msg = takeMessage(result.takeError());
+  Faults faults;
+  faults.swapSends = {0, {sends[0], sends[1]}};
+  std::string msg = failureWith(plan, faults, /*timeout=*/5);
   EXPECT_NE(msg.find("message mismatch: rank 1 step 0 (1RECV_F0#0) expects activation(0,0,0)"),
             std::string::npos)
       << msg;

@@ -27,13 +27,11 @@ namespace {
 const llvm::StringRef kSeqSplit[] = {"seq-split"};
 
 ModelSpec transformer(int64_t hidden, int64_t heads, int64_t ffn, int64_t seq, int64_t mbs = 1) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt",
+  return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt",
       "transformer": {{"num_layers": 4, "hidden_size": {}, "num_attention_heads": {},
       "ffn_hidden_size": {}, "vocab_size": 32000, "seq_length": {}, "microbatch_size": {}}}}})",
-                                      hidden, heads, ffn, seq, mbs),
-                          "gpt.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+                                 hidden, heads, ffn, seq, mbs),
+                     "gpt.json");
 }
 
 ModelSpec abstractModel(int64_t seq) {

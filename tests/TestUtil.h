@@ -5,6 +5,7 @@
 #include "compiler/Pass.h"
 #include "ir/Model.h"
 #include "ir/Plan.h"
+#include "ir/formats/Costs.h"
 #include "ir/formats/SpecJson.h"
 #include "ir/support/Error.h"
 
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 namespace pipec::test {
 
@@ -34,6 +36,21 @@ inline ModelSpec uniformModel(int layers, double f = 1, double b = 1, double w =
     m.layers.push_back(l);
   m.p2pTime = p2p;
   m.allReduceTime = p2p;
+  return m;
+}
+
+/// A profile of a `numStages`-stage, `numSlices`-slice plan, as the cpu backend in fp32 measured
+/// it (5 steps, 2 threads, plan hash "0123"), before its measurements are added.
+inline MeasuredCosts profileOf(int numStages, int numSlices) {
+  MeasuredCosts m;
+  m.backend = "cpu";
+  m.dtype = "fp32";
+  m.device = "host cpu";
+  m.planHash = "0123";
+  m.threads = 2;
+  m.steps = 5;
+  m.numStages = numStages;
+  m.numSlices = numSlices;
   return m;
 }
 
@@ -60,6 +77,13 @@ inline Plan compileOrFail(const ModelSpec &model, const CompileOptions &o) {
   return std::move(*plan);
 }
 
+/// `json`, a pipemodel/1 file named `name`, read; a test failure where it does not parse.
+inline ModelSpec modelOrFail(const std::string &json, const std::string &name) {
+  auto m = parseModelSpec(json, name);
+  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
+  return m ? std::move(*m) : ModelSpec{};
+}
+
 /// A GPT-style transformer with the spec's defaults (docs/contracts.md#model-spec-pipemodel1)
 /// but for `layers` blocks of hidden size `h` with `heads` heads, sequences of `seq` tokens and
 /// GPT-2's padded vocabulary (50,304).
@@ -68,9 +92,7 @@ inline ModelSpec gptSpec(int64_t layers, int64_t h, int64_t seq, int64_t heads =
       R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{"num_layers": {},
       "hidden_size": {}, "num_attention_heads": {}, "vocab_size": 50304, "seq_length": {}}}}})",
       layers, h, heads, seq);
-  auto m = parseModelSpec(text, "gpt.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+  return modelOrFail(text, "gpt.json");
 }
 
 /// A transformer small enough for the runtimes to run in a moment (fp32, 16 hidden, 4 heads).
@@ -80,9 +102,7 @@ inline ModelSpec tinyGpt(bool tied = false, int layers = 4, int seq = 8) {
       "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 32, "vocab_size": 32,
       "seq_length": {}, "microbatch_size": 2, "dtype": "fp32", "tie_embeddings": {}}}}})",
       layers, seq, tied ? "true" : "false");
-  auto m = parseModelSpec(text, "tiny.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+  return modelOrFail(text, "tiny.json");
 }
 
 /// tinyGpt's shape with Llama's block: RMSNorm, SwiGLU, rotary positions, 2 key/value heads
@@ -95,23 +115,19 @@ inline ModelSpec tinyLlama(bool tied = false, int layers = 4, int seq = 8) {
       "tie_embeddings": {}, "norm": "rmsnorm", "mlp": "swiglu", "position": "rope",
       "bias": false}}}})",
       layers, seq, tied ? "true" : "false");
-  auto m = parseModelSpec(text, "tiny-llama.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+  return modelOrFail(text, "tiny-llama.json");
 }
 
 /// An fp32 GPT with a vocabulary of 32, for the memory tests: `layers` blocks of `hidden`
 /// channels, `heads` heads and an fc of `ffn`, `microbatchSize` sequences of `seq` tokens.
 inline ModelSpec fp32Gpt(int layers, int hidden, int heads, int ffn, int seq, int microbatchSize) {
-  auto m = parseModelSpec(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt-{}x{}-ffn{}",
+  return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt-{}x{}-ffn{}",
       "transformer": {{"num_layers": {}, "hidden_size": {}, "num_attention_heads": {},
       "ffn_hidden_size": {}, "vocab_size": 32, "seq_length": {}, "microbatch_size": {},
       "dtype": "fp32"}}}})",
-                                      layers, hidden, ffn, layers, hidden, heads, ffn, seq,
-                                      microbatchSize),
-                          "gpt.json");
-  EXPECT_TRUE(bool(m)) << (m ? "" : takeMessage(m.takeError()));
-  return m ? *m : ModelSpec{};
+                                 layers, hidden, ffn, layers, hidden, heads, ffn, seq,
+                                 microbatchSize),
+                     "gpt.json");
 }
 
 /// A GPT whose activations dwarf its weights, for arenas larger than a device: 4 blocks of

@@ -8,6 +8,7 @@
 //   bazel run //tests:torch_csv_test -- --update
 //
 //===----------------------------------------------------------------------===//
+#include "tests/Golden.h"
 #include "tests/TestUtil.h"
 
 #include "compiler/Import.h"
@@ -19,17 +20,11 @@
 
 #include "llvm/ADT/StringExtras.h"
 
-#include <cstring>
-#include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 
 namespace pipec::test {
 namespace {
-
-std::string goldenDir = "tests/golden";
-bool update = false;
 
 struct Config {
   std::string schedule;
@@ -651,24 +646,10 @@ TEST_P(TorchCsvGolden, MatchesTheCheckedInCsv) {
   Plan plan = compileConfig(eight(), c);
   for (TorchCsvForm form : {TorchCsvForm::ComputeOnly, TorchCsvForm::ComputeComms}) {
     std::string csv = exportOrFail(plan, form);
-    std::string path =
-        fmt::format("{}/torch_{}_p{}_m{}{}.csv", goldenDir, c.schedule, c.pp, c.microbatches,
-                    form == TorchCsvForm::ComputeComms ? "_comms" : "");
-    std::replace(path.begin() + long(goldenDir.size()), path.end(), '-', '_');
-    if (update) {
-      std::ofstream(path, std::ios::binary) << csv;
-      continue;
-    }
-    std::ifstream in(path, std::ios::binary);
-    ASSERT_TRUE(in.good()) << "missing golden " << path
-                           << "; run: bazel run //tests:torch_csv_test -- --update";
-    std::stringstream ss;
-    ss << in.rdbuf();
-    EXPECT_EQ(csv, ss.str()) << "differs from " << path
-                             << "; if intended, run: bazel run //tests:torch_csv_test -- --update";
-  }
-  if (update) {
-    GTEST_SKIP() << "updated";
+    std::string file = fmt::format("torch_{}_p{}_m{}{}.csv", c.schedule, c.pp, c.microbatches,
+                                   form == TorchCsvForm::ComputeComms ? "_comms" : "");
+    std::replace(file.begin(), file.end(), '-', '_');
+    expectMatchesGoldenFile(file, csv, "torch_csv_test");
   }
 }
 
@@ -687,18 +668,4 @@ INSTANTIATE_TEST_SUITE_P(SmallConfigs, TorchCsvGolden,
 } // namespace
 } // namespace pipec::test
 
-int main(int argc, char **argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--update") == 0)
-      pipec::test::update = true;
-    else if (std::strncmp(argv[i], "--golden_dir=", 13) == 0)
-      pipec::test::goldenDir = argv[i] + 13;
-  }
-  if (pipec::test::update) {
-    // Under `bazel run`, write into the source tree.
-    if (const char *ws = std::getenv("BUILD_WORKSPACE_DIRECTORY"))
-      pipec::test::goldenDir = std::string(ws) + "/tests/golden";
-  }
-  return RUN_ALL_TESTS();
-}
+int main(int argc, char **argv) { return pipec::test::goldenMain(argc, argv); }

@@ -10,6 +10,8 @@
 #include "compiler/Verifier.h"
 #include "ir/PlanText.h"
 
+#include <vector>
+
 namespace pipec::test {
 namespace {
 
@@ -36,124 +38,94 @@ TEST(VerifierTest, AcceptsAHandWrittenGroupedExchange) {
   EXPECT_FALSE(verifyPlan(plan));
 }
 
-TEST(VerifierTest, RejectsBackwardBeforeItsForward) {
-  Plan plan = withStreams(R"(
+/// A plan broken through its streams, and what the verifier's finding says of it.
+struct Rejection {
+  const char *name;
+  const char *streams;
+  std::vector<const char *> says;
+};
+
+const Rejection kRejections[] = {
+    {"BackwardBeforeItsForward",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1B0 1F0 1SEND_B0 1F1 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 1 step 2 (1B0)"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("runs before its input 1F0"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("<-- here (rank 1)"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsAMissingRecv) {
-  Plan plan = withStreams(R"(
+    )",
+     {"rank 1 step 2 (1B0)", "runs before its input 1F0", "<-- here (rank 1)"}},
+    {"AMissingRecv",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 1 step 2 (1F1)"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("no recv of it precedes it"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("<-- here"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsFifoSwappedSends) {
-  // Rank 0 sends microbatch 1 before 0; rank 1 expects 0 first: NCCL would swap them.
-  Plan plan = withStreams(R"(
+    )",
+     {"rank 1 step 2 (1F1)", "no recv of it precedes it", "<-- here"}},
+    // Rank 0 sends microbatch 1 before 0; rank 1 expects 0 first: NCCL would swap them.
+    {"FifoSwappedSends",
+     R"(
     rank 0: 0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("FIFO mismatch between rank 0 and rank 1"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("activation(0,1,0) on the sender (rank 0 step 2: 0SEND_F1)"),
-            std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("activation(0,0,0) on the receiver (rank 1 step 0: 1RECV_F0)"),
-            std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("*0SEND_F1       1F0  <-- here (rank 0)"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("*1RECV_F0  <-- here (rank 1)"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsAnUngroupedSendSendDeadlockAndNamesTheCycle) {
-  // Both ranks send before they receive, each op on its own: NCCL hangs (nccl#479).
-  Plan plan = withStreams(R"(
+    )",
+     {"FIFO mismatch between rank 0 and rank 1",
+      "activation(0,1,0) on the sender (rank 0 step 2: 0SEND_F1)",
+      "activation(0,0,0) on the receiver (rank 1 step 0: 1RECV_F0)",
+      "*0SEND_F1       1F0  <-- here (rank 0)", "*1RECV_F0  <-- here (rank 1)"}},
+    // Both ranks send before they receive, each op on its own: NCCL hangs (nccl#479).
+    {"AnUngroupedSendSendDeadlockAndNamesTheCycle",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("cycle: rank 0 -> rank 1 -> rank 0"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("rank 0 is stuck at step 3 (0SEND_F1) ungrouped: waits for rank 1 to post "
-                     "step 4 (1RECV_F1)"),
-            std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("rank 1 is stuck at step 3 (1SEND_B0) ungrouped: waits for rank 0 to post "
-                     "step 4 (0RECV_B0)"),
-            std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("<-- here (rank 0, 1)"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsASendBeforeItsProducer) {
-  Plan plan = withStreams(R"(
+    )",
+     {"deadlock", "cycle: rank 0 -> rank 1 -> rank 0",
+      "rank 0 is stuck at step 3 (0SEND_F1) ungrouped: waits for rank 1 to post step 4 (1RECV_F1)",
+      "rank 1 is stuck at step 3 (1SEND_B0) ungrouped: waits for rank 0 to post step 4 (0RECV_B0)",
+      "<-- here (rank 0, 1)"}},
+    {"ASendBeforeItsProducer",
+     R"(
     rank 0: 0SEND_F0 0F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 0 step 0 (0SEND_F0): sends activation(0,0,0) before its producer"),
-            std::string::npos)
-      << msg;
-}
-
-TEST(VerifierTest, RejectsAMissingBackward) {
-  Plan plan = withStreams(R"(
+    )",
+     {"rank 0 step 0 (0SEND_F0): sends activation(0,0,0) before its producer"}},
+    {"AMissingBackward",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("0B1 is missing"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsAComputeOpOnTheWrongRank) {
-  Plan plan = withStreams(R"(
+    )",
+     {"0B1 is missing"}},
+    {"AComputeOpOnTheWrongRank",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 1F0 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 0 step 8 (1F0): stage 1 lives on rank 1, not here"), std::string::npos)
-      << msg;
-}
-
-TEST(VerifierTest, RejectsADuplicateForward) {
-  Plan plan = withStreams(R"(
+    )",
+     {"rank 0 step 8 (1F0): stage 1 lives on rank 1, not here"}},
+    {"ADuplicateForward",
+     R"(
     rank 0: 0F0 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("rank 0 step 1 (0F0): appears twice"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsAMissingOptimizerStep) {
-  Plan plan = withStreams(R"(
+    )",
+     {"rank 0 step 1 (0F0): appears twice"}},
+    {"AMissingOptimizerStep",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("no optimizer step"), std::string::npos) << msg;
-}
-
-TEST(VerifierTest, RejectsARecvThatNoRankSends) {
-  Plan plan = withStreams(R"(
+    )",
+     {"no optimizer step"}},
+    {"ARecvThatNoRankSends",
+     R"(
     rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 OPTIMIZER_STEP
     rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 OPTIMIZER_STEP
-  )");
-  std::string msg = errorText(verifyPlan(plan));
-  EXPECT_NE(msg.find("never sends gradient(1,1,0) that rank 0 receives at step 6"),
-            std::string::npos)
-      << msg;
+    )",
+     {"never sends gradient(1,1,0) that rank 0 receives at step 6"}},
+};
+
+class VerifierRejects : public ::testing::TestWithParam<Rejection> {};
+
+TEST_P(VerifierRejects, TheBrokenPlanAndSaysWhere) {
+  std::string msg = errorText(verifyPlan(withStreams(GetParam().streams)));
+  for (const char *text : GetParam().says)
+    EXPECT_NE(msg.find(text), std::string::npos) << text << "\n  missing from:\n" << msg;
 }
+
+INSTANTIATE_TEST_SUITE_P(Plans, VerifierRejects, ::testing::ValuesIn(kRejections),
+                         [](const auto &info) { return std::string(info.param.name); });
 
 } // namespace
 } // namespace pipec::test

@@ -50,6 +50,16 @@ protected:
   void run(WgmmaCase c) {
     runWgmmaCase(c, a.data(), b.data(), bColumns.data(), out.data(), out2.data());
   }
+  /// Runs `c`, which keeps the rules, and checks that it computed the product.
+  void expectProduct(WgmmaCase c) {
+    run(c);
+    EXPECT_EQ(out, product) << "case " << int(c);
+  }
+  /// Every accumulator in `v` still NaN: none was read before its wait.
+  static void expectUnread(const std::vector<float> &v) {
+    for (float x : v)
+      ASSERT_TRUE(std::isnan(x)) << "an accumulator read before its wait: " << x;
+  }
 
   std::vector<float> aValues = std::vector<float>(64 * 16), bValues = std::vector<float>(16 * 16);
   std::vector<uint16_t> a = std::vector<uint16_t>(64 * 16), b = std::vector<uint16_t>(16 * 16);
@@ -59,16 +69,11 @@ protected:
                      out2 = std::vector<float>(64 * 16, -1.0f);
 };
 
-TEST_F(WgmmaEmuTest, KeepingTheRulesGivesTheProduct) {
-  run(WgmmaCase::Correct);
-  EXPECT_EQ(out, product);
-}
+TEST_F(WgmmaEmuTest, KeepingTheRulesGivesTheProduct) { expectProduct(WgmmaCase::Correct); }
 
 TEST_F(WgmmaEmuTest, CopiedOperandsAreReadAfterAProxyFenceOfTheWriterOrTheReader) {
-  run(WgmmaCase::CopiedWithProxyFence);
-  EXPECT_EQ(out, product);
-  run(WgmmaCase::CopiedWithReaderFences);
-  EXPECT_EQ(out, product);
+  expectProduct(WgmmaCase::CopiedWithProxyFence);
+  expectProduct(WgmmaCase::CopiedWithReaderFences);
 }
 
 TEST_F(WgmmaEmuTest, WgmmaInFlightAccumulateIntoTheSameRegistersWithoutAWait) {
@@ -80,24 +85,20 @@ TEST_F(WgmmaEmuTest, WgmmaInFlightAccumulateIntoTheSameRegistersWithoutAWait) {
 }
 
 TEST_F(WgmmaEmuTest, AWaitForAllButTheNewestGroupLeavesThatOneInFlight) {
-  run(WgmmaCase::WaitLeavesNewestGroup);
-  EXPECT_EQ(out, product);
-  for (float x : out2)
-    ASSERT_TRUE(std::isnan(x)) << "an accumulator read before its wait: " << x;
+  expectProduct(WgmmaCase::WaitLeavesNewestGroup);
+  expectUnread(out2);
 }
 
 TEST_F(WgmmaEmuTest, AnAccumulatorReadBeforeItsWaitIsNaN) {
   run(WgmmaCase::ReadBeforeWait);
-  for (float x : out)
-    ASSERT_TRUE(std::isnan(x)) << "an accumulator read before its wait: " << x;
+  expectUnread(out);
 }
 
 TEST_F(WgmmaEmuTest, SwizzledTilesAreTheKernelsToAlign) {
   // Dynamic shared memory need not start on a 1024-byte boundary, and the 128-byte swizzle
   // XORs the shared address's bits: a tile used where the kernel did not align it is read in
   // another order than it was stored in.
-  run(WgmmaCase::SwizzledAligned);
-  EXPECT_EQ(out, product);
+  expectProduct(WgmmaCase::SwizzledAligned);
   run(WgmmaCase::SwizzledUnaligned);
   EXPECT_NE(out, product);
 }

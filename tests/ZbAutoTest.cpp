@@ -256,29 +256,23 @@ std::vector<StageInfo> stages(int p, int64_t act) {
   return out;
 }
 
-TEST(ZbAutoDiagnosticsTest, NeedsVpp1) {
-  ParallelConfig c;
-  c.pp = 4;
-  c.vpp = 2;
-  c.microbatches = 8;
-  std::string msg = errorText(policy().check(c));
-  EXPECT_NE(msg.find("zb-auto needs --vpp 1 (got 2)"), std::string::npos) << msg;
-}
-
-TEST(ZbAutoDiagnosticsTest, NeedsSeqSplits1) {
-  ParallelConfig c;
-  c.pp = 4;
-  c.microbatches = 8;
-  c.seqSplits = 2;
-  std::string msg = errorText(policy().check(c));
-  EXPECT_NE(msg.find("zb-auto needs --seq-splits 1 (got 2)"), std::string::npos) << msg;
+TEST(ZbAutoDiagnosticsTest, NeedsVpp1AndSeqSplits1) {
+  struct Case {
+    int vpp, seqSplits;
+    const char *says;
+  } cases[] = {{2, 1, "zb-auto needs --vpp 1 (got 2)"},
+               {1, 2, "zb-auto needs --seq-splits 1 (got 2)"}};
+  for (const Case &k : cases) {
+    ParallelConfig c{.pp = 4, .vpp = k.vpp, .microbatches = 8, .seqSplits = k.seqSplits};
+    std::string msg = errorText(policy().check(c));
+    EXPECT_NE(msg.find(k.says), std::string::npos) << msg;
+  }
 }
 
 TEST(ZbAutoDiagnosticsTest, NeedsAMemoryLimitAndSuggestsPTimesMB) {
   std::vector<StageInfo> st = stages(4, 1000);
   ScheduleRequest req;
-  req.parallel.pp = 4;
-  req.parallel.microbatches = 8;
+  req.parallel = {.pp = 4, .microbatches = 8};
   req.stages = st;
   std::string msg = errorText(policy().checkRequest(req));
   EXPECT_NE(msg.find("zb-auto needs --memory-limit (bytes per rank of activations); try "
@@ -290,8 +284,7 @@ TEST(ZbAutoDiagnosticsTest, NeedsAMemoryLimitAndSuggestsPTimesMB) {
 TEST(ZbAutoDiagnosticsTest, ALimitBelowOneMicrobatchNamesTheMinimum) {
   std::vector<StageInfo> st = stages(4, 1000);
   ScheduleRequest req;
-  req.parallel.pp = 4;
-  req.parallel.microbatches = 8;
+  req.parallel = {.pp = 4, .microbatches = 8};
   req.stages = st;
   req.memoryLimit = 1002;
   std::string msg = errorText(policy().checkRequest(req));

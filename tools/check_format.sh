@@ -4,13 +4,9 @@
 # exits 1; --fix rewrites them in place instead. tools/test.sh runs it as one test case.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source tools/flag.sh
 fix=0
-for arg in "$@"; do
-  case "$arg" in
-  --fix) fix=1 ;;
-  *) echo "check_format.sh: error: unknown flag '$arg' (known: --fix)" >&2; exit 2 ;;
-  esac
-done
+switch_given check_format.sh --fix "$@" && fix=1
 formatter=$(command -v clang-format-14 || command -v clang-format || true)
 if [ -z "$formatter" ]; then
   echo "check_format.sh: error: clang-format-14 not found; install it with tools/setup.sh" >&2

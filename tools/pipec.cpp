@@ -184,9 +184,8 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     if (auto err = checkOutputPath("--trace", *t, inputs))
       return err;
   Timeline tl;
-  if (auto err = simulateTimeline(*plan, tl))
+  if (auto err = simulateStep(*plan, &tl))
     return err;
-  summarizeTimeline(*plan, tl, plan->stats);
   if (auto t = args->path("--trace")) {
     if (auto err =
             writeFilesAtomically({OutputFile{"--trace", *t, chromeTrace(*plan, tl)}}, inputs))

@@ -8,13 +8,9 @@
 # (tools/check_format.sh) is one case too, always.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source tools/flag.sh
 sanitizers=0
-for arg in "$@"; do
-  case "$arg" in
-  --sanitizers) sanitizers=1 ;;
-  *) echo "test.sh: error: unknown flag '$arg' (known: --sanitizers)" >&2; exit 2 ;;
-  esac
-done
+switch_given test.sh --sanitizers "$@" && sanitizers=1
 bash tools/setup.sh || { echo "0 skipped"; echo "0 passed, 1 failed"; exit 1; }
 filter="--test_tag_filters=-requires-gpu"
 query='tests(//...) except attr(tags, "requires-gpu", tests(//...))'

@@ -156,6 +156,10 @@ static OJson headerJson(const Plan &plan) {
     j["optimizer_sync_time"] = plan.optimizerSyncTime;
   if (plan.postValidation)
     j["post_validation"] = true;
+  if (plan.overlapGradReduce)
+    j["grad_reduce_overlap"] = true;
+  if (plan.blockingP2p)
+    j["p2p_blocking"] = true;
   if (plan.transformer)
     j["transformer"] = transformerJson(*plan.transformer);
   OJson slices = OJson::array();
@@ -184,6 +188,11 @@ static OJson headerJson(const Plan &plan) {
           std::vector<int64_t>(s.backwardPeakBytes.begin(), s.backwardPeakBytes.end());
     if (nonzero(s.workspaceBytes))
       o["workspace_bytes"] = std::vector<int64_t>(s.workspaceBytes.begin(), s.workspaceBytes.end());
+    if (nonzero(s.sequenceKvBytes))
+      o["sequence_kv_bytes"] =
+          std::vector<int64_t>(s.sequenceKvBytes.begin(), s.sequenceKvBytes.end());
+    if (s.sequenceGradBytes > 0)
+      o["sequence_grad_bytes"] = s.sequenceGradBytes;
     o["param_bytes"] = s.paramBytes;
     o["tp_allreduces"] = s.tpAllReduces;
     o["activation_transfer_time"] =
@@ -370,12 +379,27 @@ struct PlanReader {
     std::string path = jsonPath("$.stages", index);
     if (auto err = r.expectObject(o, path))
       return err;
-    if (auto err = r.onlyKeys(
-            o, path,
-            {"stage", "rank", "layers", "forward", "backward_input", "backward_weight",
-             "activation_bytes", "weight_grad_bytes", "output_bytes", "backward_peak_bytes",
-             "workspace_bytes", "param_bytes", "tp_allreduces", "activation_transfer_time",
-             "gradient_transfer_time", "tp_allreduce_time", "dp_allreduce_time", "optimizer_time"}))
+    if (auto err = r.onlyKeys(o, path,
+                              {"stage",
+                               "rank",
+                               "layers",
+                               "forward",
+                               "backward_input",
+                               "backward_weight",
+                               "activation_bytes",
+                               "weight_grad_bytes",
+                               "output_bytes",
+                               "backward_peak_bytes",
+                               "workspace_bytes",
+                               "sequence_kv_bytes",
+                               "sequence_grad_bytes",
+                               "param_bytes",
+                               "tp_allreduces",
+                               "activation_transfer_time",
+                               "gradient_transfer_time",
+                               "tp_allreduce_time",
+                               "dp_allreduce_time",
+                               "optimizer_time"}))
       return err;
     StageInfo s;
     int32_t stage = -1;
@@ -416,6 +440,10 @@ struct PlanReader {
     if (auto err = readArray(o, path, "backward_peak_bytes", s.backwardPeakBytes, false))
       return err;
     if (auto err = readArray(o, path, "workspace_bytes", s.workspaceBytes, false))
+      return err;
+    if (auto err = readArray(o, path, "sequence_kv_bytes", s.sequenceKvBytes, false))
+      return err;
+    if (auto err = r.getInt(o, path, "sequence_grad_bytes", s.sequenceGradBytes, false))
       return err;
     if (auto err = r.getInt(o, path, "param_bytes", s.paramBytes, true))
       return err;
@@ -680,11 +708,12 @@ struct PlanReader {
   }
 
   llvm::Error read(const Json &j) {
-    if (auto err = r.expectDocument(j, "pipeplan/1",
-                                    {"format", "schedule", "model", "time_unit", "parallel",
-                                     "placement", "topology", "state_bytes_per_param_byte",
-                                     "optimizer_sync_time", "post_validation", "transformer",
-                                     "seq_slices", "stages", "ranks", "stats"}))
+    if (auto err =
+            r.expectDocument(j, "pipeplan/1",
+                             {"format", "schedule", "model", "time_unit", "parallel", "placement",
+                              "topology", "state_bytes_per_param_byte", "optimizer_sync_time",
+                              "post_validation", "grad_reduce_overlap", "p2p_blocking",
+                              "transformer", "seq_slices", "stages", "ranks", "stats"}))
       return err;
     if (auto err = r.getString(j, "$", "schedule", plan.schedule, true))
       return err;
@@ -714,6 +743,10 @@ struct PlanReader {
     if (auto err = r.getNumber(j, "$", "optimizer_sync_time", plan.optimizerSyncTime, false))
       return err;
     if (auto err = r.getBool(j, "$", "post_validation", plan.postValidation, false))
+      return err;
+    if (auto err = r.getBool(j, "$", "grad_reduce_overlap", plan.overlapGradReduce, false))
+      return err;
+    if (auto err = r.getBool(j, "$", "p2p_blocking", plan.blockingP2p, false))
       return err;
     if (auto it = j.find("transformer"); it != j.end()) {
       // The same object and checks as a model spec's "transformer".

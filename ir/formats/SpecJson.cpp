@@ -40,7 +40,7 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
-                                   "message_overhead_us", "p2p"}))
+                                   "message_overhead_us", "p2p", "grad_reduce"}))
     return err;
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
@@ -93,13 +93,23 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   }
   if (auto err = r.getNumber(j, "$", "message_overhead_us", c.messageOverheadUs, false))
     return err;
-  std::string p2p = c.megatronP2p ? "megatron" : "overlapped";
+  std::string p2p = c.blockingP2p ? "blocking" : c.megatronP2p ? "megatron" : "overlapped";
   if (auto err = r.getString(j, "$", "p2p", p2p, false))
     return err;
-  if (p2p != "megatron" && p2p != "overlapped")
-    return inputError("{}: $.p2p: expected \"megatron\" or \"overlapped\", got \"{}\"", r.name(),
-                      shortened(p2p));
+  if (p2p != "megatron" && p2p != "overlapped" && p2p != "blocking")
+    return inputError("{}: $.p2p: expected \"megatron\", \"blocking\" or \"overlapped\", got "
+                      "\"{}\"",
+                      r.name(), shortened(p2p));
   c.megatronP2p = p2p == "megatron";
+  c.blockingP2p = p2p == "blocking";
+  std::string gradReduce = c.overlapGradReduce ? "overlapped" : "after-backward";
+  if (auto err = r.getString(j, "$", "grad_reduce", gradReduce, false))
+    return err;
+  if (gradReduce != "overlapped" && gradReduce != "after-backward")
+    return inputError("{}: $.grad_reduce: expected \"overlapped\" or \"after-backward\", got "
+                      "\"{}\"",
+                      r.name(), shortened(gradReduce));
+  c.overlapGradReduce = gradReduce == "overlapped";
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;

@@ -112,47 +112,71 @@ def expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, wa
         assert ref == pytest.approx(want, abs=2e-5), layout
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_first_step_loss_equals_pytorchs_gpt2(tmp_path, tied):
-    weights = gpt2_weights(seed=3 if tied else 5, tied=tied)
-    checkpoint = tmp_path / "gpt2.safetensors"
+def save_checkpoint(weights: dict, tied: bool, path) -> None:
+    """`weights` as save_pretrained writes them: a tied model's one copy, the embedding's."""
     saved = dict(weights)
-    if tied:  # as save_pretrained writes a tied model: one copy, wte's
+    if tied:
         del saved["lm_head.weight"]
-    safetensors_torch.save_file(saved, str(checkpoint), metadata={"format": "pt"})
-    # A token file of exactly one sequence (T + 1 ids): every window of every step is it, so
-    # the step's mean loss is that sequence's.
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, V, (T + 1,), generator=g).tolist()
+    safetensors_torch.save_file(saved, str(path), metadata={"format": "pt"})
+
+
+def one_sequence_file(tmp_path, seed: int, vocab: int, length: int):
+    """A token file of exactly one sequence (`length` + 1 ids): every window of every step is
+    it, so the step's mean loss is that sequence's. Returns its path and its tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (length + 1,), generator=g).tolist()
     data = tmp_path / "tokens.bin"
     data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
-    want = gpt2_loss(weights, tokens, tied)
-    model = example("tiny-gpt.json")
-    if tied:
-        model = str(tmp_path / "tiny-tied.json")
-        original = open(example("tiny-gpt.json")).read()
-        text = original.replace('"dtype": "fp32"', '"dtype": "fp32", "tie_embeddings": true')
-        assert text != original, "tiny-gpt.json no longer says \"dtype\": \"fp32\""
-        open(model, "w").write(text)
-    expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want)
+    return data, tokens
 
 
-def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
-    weights = gpt2_weights(seed=1, tied=False)
-    weights["transformer.h.3.mlp.c_proj.weight"] = torch.zeros(C, F)  # transposed
+def model_variant(tmp_path, name: str, extra: str) -> str:
+    """examples/`name` with `extra` fields after its dtype (the original where `extra` is
+    empty)."""
+    if not extra:
+        return example(name)
+    original = open(example(name)).read()
+    text = original.replace('"dtype": "fp32"', '"dtype": "fp32"' + extra)
+    assert text != original, f"{name} no longer says \"dtype\": \"fp32\""
+    variant = str(tmp_path / ("variant-" + name))
+    open(variant, "w").write(text)
+    return variant
+
+
+def refused_init_from(tmp_path, model: str, weights: dict) -> str:
+    """piperun --init-from a file of `weights` for a plan of examples/`model`: refused before
+    any step with exit status 2 and one line, which it returns."""
     checkpoint = tmp_path / "bad.safetensors"
     safetensors_torch.save_file(weights, str(checkpoint))
     plan = tmp_path / "plan.json"
-    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-gpt.json"),
+    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example(model),
                     "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
                    check=True)
     r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
                         str(checkpoint)], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1
-    assert ("tensor transformer.h.3.mlp.c_proj.weight has shape [32, 128]; the model needs "
-            "[128, 32]") in r.stderr
     assert "step 0" not in r.stdout
+    return r.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_first_step_loss_equals_pytorchs_gpt2(tmp_path, tied):
+    weights = gpt2_weights(seed=3 if tied else 5, tied=tied)
+    checkpoint = tmp_path / "gpt2.safetensors"
+    save_checkpoint(weights, tied, checkpoint)
+    data, tokens = one_sequence_file(tmp_path, seed=11, vocab=V, length=T)
+    want = gpt2_loss(weights, tokens, tied)
+    model = model_variant(tmp_path, "tiny-gpt.json", ', "tie_embeddings": true' if tied else "")
+    expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want)
+
+
+def test_wrong_shape_names_the_tensor_and_both_shapes(tmp_path):
+    weights = gpt2_weights(seed=1, tied=False)
+    weights["transformer.h.3.mlp.c_proj.weight"] = torch.zeros(C, F)  # transposed
+    error = refused_init_from(tmp_path, "tiny-gpt.json", weights)
+    assert ("tensor transformer.h.3.mlp.c_proj.weight has shape [32, 128]; the model needs "
+            "[128, 32]") in error
 
 
 # A Llama checkpoint (examples/tiny-llama.json's shape): LlamaForCausalLM's tensor names, its
@@ -231,24 +255,12 @@ def llama_loss(w: dict, tokens: list, tied: bool, eps: float = 1e-5) -> float:
 def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied, eps):
     weights = llama_weights(seed=7 if tied else 9, tied=tied)
     checkpoint = tmp_path / "llama.safetensors"
-    saved = dict(weights)
-    if tied:  # tie_word_embeddings: save_pretrained writes one copy
-        del saved["lm_head.weight"]
-    safetensors_torch.save_file(saved, str(checkpoint), metadata={"format": "pt"})
-    g = torch.Generator().manual_seed(13)
-    tokens = torch.randint(0, LV, (LT + 1,), generator=g).tolist()
-    data = tmp_path / "tokens.bin"
-    data.write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens))
+    save_checkpoint(weights, tied, checkpoint)
+    data, tokens = one_sequence_file(tmp_path, seed=13, vocab=LV, length=LT)
     want = llama_loss(weights, tokens, tied, eps if eps else 1e-5)
-    model = example("tiny-llama.json")
-    if tied or eps:
-        # tie_word_embeddings, or another rms_norm_eps (large enough to move the loss)
-        model = str(tmp_path / "tiny-llama-variant.json")
-        original = open(example("tiny-llama.json")).read()
-        extra = (', "tie_embeddings": true' if tied else "") + (f', "norm_eps": {eps}' if eps else "")
-        text = original.replace('"dtype": "fp32"', '"dtype": "fp32"' + extra)
-        assert text != original, "tiny-llama.json no longer says \"dtype\": \"fp32\""
-        open(model, "w").write(text)
+    # tie_word_embeddings, or another rms_norm_eps (large enough to move the loss)
+    extra = (', "tie_embeddings": true' if tied else "") + (f', "norm_eps": {eps}' if eps else "")
+    model = model_variant(tmp_path, "tiny-llama.json", extra)
     # tp 2 splits the 2 key/value heads one per rank.
     expect_first_step_loss_on_every_layout(tmp_path, model, checkpoint, data, want)
 
@@ -256,31 +268,12 @@ def test_first_step_loss_equals_pytorchs_llama(tmp_path, tied, eps):
 def test_llama_file_with_other_key_value_heads_names_the_tensor_and_both_shapes(tmp_path):
     weights = llama_weights(seed=1, tied=False)
     weights["model.layers.2.self_attn.k_proj.weight"] = torch.zeros(LC, LC)  # 4 kv heads, not 2
-    checkpoint = tmp_path / "bad.safetensors"
-    safetensors_torch.save_file(weights, str(checkpoint))
-    plan = tmp_path / "plan.json"
-    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-llama.json"),
-                    "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
-                   check=True)
-    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
-                        str(checkpoint)], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1
+    error = refused_init_from(tmp_path, "tiny-llama.json", weights)
     assert ("tensor model.layers.2.self_attn.k_proj.weight has shape [32, 32]; the model needs "
-            "[16, 32]") in r.stderr
-    assert "step 0" not in r.stdout
+            "[16, 32]") in error
 
 
 def test_a_gpt2_file_for_a_llama_model_says_which_names_it_needs(tmp_path):
-    checkpoint = tmp_path / "gpt2.safetensors"
-    safetensors_torch.save_file(gpt2_weights(seed=2, tied=False), str(checkpoint))
-    plan = tmp_path / "plan.json"
-    subprocess.run([pipec_binary(), "compile", "--quiet", "--model", example("tiny-llama.json"),
-                    "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", str(plan)],
-                   check=True)
-    r = subprocess.run([piperun_binary(), str(plan), "--backend", "cpu", "--init-from",
-                        str(checkpoint)], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1
+    error = refused_init_from(tmp_path, "tiny-llama.json", gpt2_weights(seed=2, tied=False))
     assert ("the file has GPT-2's tensor names (wte.weight), but the model's block is Llama's"
-            in r.stderr)
+            in error)

@@ -89,6 +89,7 @@ public:
   llvm::Error takeDeferredError() override { return takeDeferred(); }
   size_t arenaBytes() const override { return arena ? arena->reservedBytes() : 0; }
   size_t arenaUsedBytes() const override { return arena ? arena->stepHighWater() : 0; }
+  size_t arenaLiveBytes() const override { return arena ? arena->stepPeakLive() : 0; }
 
   llvm::Expected<size_t> measureArena() override {
     ctx->setSizing(true);
@@ -652,8 +653,10 @@ public:
   /// The memory figures so far (stateBytes and arenaBytes; arenaUsedBytes after the run).
   CudaRunResult memory() const override {
     CudaRunResult m = sofar;
-    for (CudaRankBackend *b : gpu)
+    for (CudaRankBackend *b : gpu) {
       m.arenaUsedBytes.push_back(b->arenaUsedBytes());
+      m.arenaLiveBytes.push_back(b->arenaLiveBytes());
+    }
     return m;
   }
 

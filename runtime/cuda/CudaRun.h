@@ -67,8 +67,12 @@ struct CudaRunResult : TrainResult {
   std::vector<size_t> stateBytes;
   /// ... the activation arena the sizing pass reserved ...
   std::vector<size_t> arenaBytes;
-  /// ... and the most of it the steps used (equal, when the pass saw the steps' requests).
+  /// ... and the most of it the steps used (equal, when the pass saw the steps' requests) ...
   std::vector<size_t> arenaUsedBytes;
+  /// ... and of that, the most bytes live at once: arenaUsedBytes less the gaps first-fit
+  /// placement left free below its top (runtime/OffsetArena.h). pipec's memory model predicts
+  /// live bytes; the gaps are the allocator's.
+  std::vector<size_t> arenaLiveBytes;
 };
 
 /// The tolerance of --check-reference on the cuda backend, relative to the largest reference
@@ -160,8 +164,10 @@ public:
   virtual llvm::Error reserveArena() = 0;
   /// The bytes reserveArena() reserved.
   virtual size_t arenaBytes() const = 0;
-  /// The most of them the steps since have used at once.
+  /// The most of them the steps since have used at once...
   virtual size_t arenaUsedBytes() const = 0;
+  /// ... and the most bytes their buffers held live at once (without first fit's gaps).
+  virtual size_t arenaLiveBytes() const = 0;
   /// Between steps (after finishStep()): the digests of the stages' fp32 master weights into
   /// `into` (ParamSnapshot::digests), and on dp replica 0 the weights themselves (the host waits
   /// for the copies).

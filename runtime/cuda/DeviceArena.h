@@ -87,6 +87,9 @@ public:
   /// The highest offset the requests since reserve() reached: reservedBytes() once a step has
   /// run, when the sizing pass saw the steps' requests exactly.
   size_t stepHighWater() const { return sizes().highWater(); }
+  /// The most bytes the requests since reserve() held live at once: stepHighWater() without the
+  /// free gaps below the top (what the buffers themselves need, rounded to OffsetArena::kAlign).
+  size_t stepPeakLive() const { return sizes().peakInUse(); }
 
 private:
   cudaStream_t stream;

@@ -317,6 +317,7 @@ public:
       m.stateBytes.push_back(backend->stateBytes());
       m.arenaBytes.push_back(backend->arenaBytes());
       m.arenaUsedBytes.push_back(backend->arenaUsedBytes());
+      m.arenaLiveBytes.push_back(backend->arenaLiveBytes());
     }
     return m;
   }

@@ -270,13 +270,16 @@ struct FakeStream {
       cv.notify_all();
     }
   }
-  void push(std::function<void()> fn) {
+  /// Queues `fn`; returns how many pieces of work the stream has been given.
+  size_t push(std::function<void()> fn) {
+    size_t n;
     {
       std::lock_guard<std::mutex> lock(mu);
       work.push_back(std::move(fn));
-      ++queued;
+      n = ++queued;
     }
     cv.notify_all();
+    return n;
   }
   void drain() {
     std::unique_lock<std::mutex> lock(mu);
@@ -395,17 +398,34 @@ void enqueue(cudaStream_t stream, std::function<void()> work) {
     return;
   }
   // PIPEC_EMU_OP_DELAY_MS: every piece of work takes that much longer, as on a slow GPU (for
-  // the tests of the watchdogs' progress: a long step that keeps progressing is no stall).
+  // the tests of the watchdogs' progress: a long step that keeps progressing is no stall). At
+  // exit the process then says how many pieces its busiest stream ran, which is how long (in
+  // delays alone) the device was at least busy: a test knows the run was long without timing it.
   static const int delayMs = [] {
     const char *v = std::getenv("PIPEC_EMU_OP_DELAY_MS");
     return v ? std::atoi(v) : 0;
   }();
-  if (delayMs > 0)
-    work = [delayMs = delayMs, work = std::move(work)] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
-      work();
-    };
-  s->push(std::move(work));
+  if (delayMs <= 0) {
+    s->push(std::move(work));
+    return;
+  }
+  static std::atomic<size_t> busiest{0};
+  static const bool reported = [] {
+    std::atexit([] {
+      std::fprintf(stderr,
+                   "emulated device: the busiest stream ran %zu pieces of work, each "
+                   "PIPEC_EMU_OP_DELAY_MS=%d ms longer\n",
+                   busiest.load(), delayMs);
+    });
+    return true;
+  }();
+  (void)reported;
+  const size_t n = s->push([work = std::move(work)] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delayMs));
+    work();
+  });
+  for (size_t seen = busiest.load(); n > seen && !busiest.compare_exchange_weak(seen, n);) {
+  }
 }
 
 } // namespace pipec::emu
