@@ -23,77 +23,25 @@
 // Not a test: the numbers go into docs/benchmarks.md.
 //
 //===----------------------------------------------------------------------===//
+#include "bench/CudaBench.h"
 #include "kernels/cuda/CudaOps.h"
 #include "kernels/cuda/Launch.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <string>
-#include <vector>
 
 using namespace pipec::kernels::cuda;
 
 namespace {
 
-constexpr double kPeakBf16TFlops = 989.0; // H200 SXM, dense bf16
-constexpr double kPeakHbmTBs = 4.8;       // H200 SXM, HBM3e
+using pipec::bench::kPeakBf16TFlops;
+constexpr double kPeakHbmTBs = 4.8; // H200 SXM, HBM3e
 
-struct Bench {
-  CudaContext &ctx;
-  std::vector<DeviceBuffer> buffers;
-  bool once = false; // each op launched once, its time that one call's (for a profiler)
-
-  /// A zeroed buffer of `n` elements of `dtype` that lives as long as the bench.
-  void *buffer(size_t n, DType dtype) {
-    llvm::Expected<DeviceBuffer> b = DeviceBuffer::allocate(n * sizeOf(dtype));
-    if (!b)
-      die(b.takeError());
-    if (llvm::Error err = ctx.memsetZero(b->data(), n * sizeOf(dtype)))
-      die(std::move(err));
-    buffers.push_back(std::move(*b));
-    return buffers.back().data();
-  }
-
-  [[noreturn]] static void die(llvm::Error err) {
-    fmt::print(stderr, "cuda_kernel_bench: error: {}\n", llvm::toString(std::move(err)));
-    std::exit(1);
-  }
-
-  /// Seconds per call of `op`: 2 warm-up calls, then as many as fit in ~0.5 s (3..50).
-  double time(const std::function<llvm::Error()> &op) {
-    using Clock = std::chrono::steady_clock;
-    auto run = [&](int calls) {
-      if (llvm::Error err = ctx.synchronize())
-        die(std::move(err));
-      auto start = Clock::now();
-      for (int k = 0; k < calls; ++k)
-        if (llvm::Error err = op())
-          die(std::move(err));
-      if (llvm::Error err = ctx.synchronize())
-        die(std::move(err));
-      return std::chrono::duration<double>(Clock::now() - start).count();
-    };
-    if (once)
-      return run(1);
-    run(2);
-    double once = run(1);
-    int calls = std::max(3, std::min(50, int(0.5 / std::max(once, 1e-6))));
-    return run(calls) / calls;
-  }
-
-  void report(const std::string &name, double flops, double seconds) {
-    double tflops = flops / seconds / 1e12;
-    fmt::print("{:<80} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
-               tflops, 100.0 * tflops / kPeakBf16TFlops);
-    std::fflush(stdout);
-  }
-
+struct Bench : pipec::bench::CudaBench {
   /// The memory-bound kernels: achieved bandwidth for the bytes they must move at least.
   void reportBandwidth(const std::string &name, double bytes, double seconds) {
     double tbs = bytes / seconds / 1e12;
@@ -253,7 +201,7 @@ struct Bench {
         die(noHopper.takeError());
       if (llvm::Error err = ctx.synchronize())
         die(std::move(err));
-      Bench other{**noHopper, {}, once};
+      Bench other{{**noHopper, tool, nameWidth, once}};
       report(shape + " fwd (mma.sync)", fwdFlops,
              other.time([&] { return attentionForward(**noHopper, dt, out, lse, q, k, v, s); }));
     }
@@ -294,8 +242,8 @@ int main(int argc, char **argv) {
   llvm::Expected<std::unique_ptr<CudaContext>> ctx =
       CudaContext::create(/*device=*/0, KernelConfig{});
   if (!ctx)
-    Bench::die(ctx.takeError());
-  Bench bench{**ctx, {}};
+    pipec::bench::die("cuda_kernel_bench", ctx.takeError());
+  Bench bench{{**ctx, "cuda_kernel_bench", /*nameWidth=*/80}};
   // --tiny: every op at toy sizes, to check the bench itself runs
   // (bench:cuda_kernel_bench_kernel_emu_test runs it on the kernel emulator in CI); its numbers
   // mean nothing.

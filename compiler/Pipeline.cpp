@@ -24,10 +24,7 @@ class SchedulePass final : public Pass {
 public:
   llvm::StringRef name() const override { return "schedule"; }
   llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
-    ScheduleRequest request;
-    request.parallel = plan.parallel;
-    request.stages = plan.stages;
-    request.memoryLimit = ctx.options.memoryLimit;
+    const ScheduleRequest request{plan.parallel, plan.stages, ctx.options.memoryLimit};
     // Constraints that need the costs or the memory limit (zb-auto's --memory-limit).
     if (auto err = ctx.policy->checkRequest(request))
       return err;
@@ -52,10 +49,7 @@ class VerifyPass final : public Pass {
 public:
   llvm::StringRef name() const override { return "verify"; }
   llvm::Expected<bool> run(Plan &plan, PassContext &ctx) override {
-    VerifyOptions opts;
-    opts.requireComms = ctx.commsLowered;
-    opts.requireCollectives = ctx.collectivesLowered;
-    if (auto err = verifyPlan(plan, opts))
+    if (auto err = verifyPlan(plan, VerifyOptions{ctx.commsLowered, ctx.collectivesLowered}))
       return err;
     return false;
   }

@@ -12,17 +12,17 @@
 
 namespace pipec {
 
-double opTime(const StageInfo &st, OpKind op, int slice) {
-  size_t k = size_t(slice);
+/// What a backward op takes of a quantity that splits into an input part (I's) and a weight part
+/// (W's): a fused B both; 0 for any other op.
+template <typename T> static T backwardShare(OpKind op, T input, T weight) {
   switch (op) {
-  case OpKind::Forward:
-    return st.forward[k];
   case OpKind::BackwardInput:
-    return st.backwardInput[k];
+    return input;
   case OpKind::BackwardWeight:
-    return st.backwardWeight[k];
+    return weight;
   case OpKind::Backward:
-    return st.backwardInput[k] + st.backwardWeight[k];
+    return input + weight;
+  case OpKind::Forward:
   case OpKind::Send:
   case OpKind::Recv:
   case OpKind::AllReduce:
@@ -30,6 +30,13 @@ double opTime(const StageInfo &st, OpKind op, int slice) {
     break;
   }
   return 0;
+}
+
+double opTime(const StageInfo &st, OpKind op, int slice) {
+  size_t k = size_t(slice);
+  if (op == OpKind::Forward)
+    return st.forward[k];
+  return backwardShare(op, st.backwardInput[k], st.backwardWeight[k]);
 }
 
 double computeTime(const Plan &plan, const Instruction &i) {
@@ -84,21 +91,9 @@ int64_t activationFreedAtEnd(const StageInfo &st, const Instruction &i) {
     for (size_t j = 1; j < st.activationBytes.size(); ++j)
       sequence += sequenceKv(st, j);
   }
-  switch (i.op) {
-  case OpKind::BackwardInput:
-    return a - w + sequence;
-  case OpKind::BackwardWeight:
-    return w;
-  case OpKind::Backward:
-    return a + sequence;
-  case OpKind::Forward:
-  case OpKind::Send:
-  case OpKind::Recv:
-  case OpKind::AllReduce:
-  case OpKind::OptimizerStep:
-    break;
-  }
-  return 0;
+  // I frees the activations but the part W still reads (and the sequence state as above); W
+  // frees that part.
+  return backwardShare(i.op, a - w + sequence, w);
 }
 
 int64_t workspaceBytes(const StageInfo &st, int slice) {

@@ -81,67 +81,6 @@ struct PyPlan {
   std::string importReport;
 };
 
-py::dict rankStatsDict(const RankStats &r, const PlanStats &st) {
-  py::dict d;
-  d["rank"] = r.rank;
-  if (st.simulated) {
-    d["busy"] = r.busy;
-    d["span"] = r.span;
-    d["start"] = r.start;
-    d["end"] = r.end;
-    d["step_end"] = r.stepEnd;
-  }
-  if (st.memory) {
-    d["peak_activation_bytes"] = r.peakActivationBytes;
-    d["static_bytes"] = r.staticBytes;
-    d["peak_memory_bytes"] = r.peakMemoryBytes;
-  }
-  return d;
-}
-
-py::dict statsDict(const Plan &plan) {
-  const PlanStats &st = plan.stats;
-  py::dict d;
-  d["simulated"] = st.simulated;
-  d["memory"] = st.memory;
-  if (st.simulated) {
-    d["makespan"] = st.makespan;
-    d["bubble_ratio"] = st.bubbleRatio;
-    d["step_time"] = st.stepTime;
-  }
-  py::list ranks;
-  for (const RankStats &r : st.ranks)
-    ranks.append(rankStatsDict(r, st));
-  d["ranks"] = ranks;
-  return d;
-}
-
-py::dict parallelDict(const Plan &plan) {
-  const ParallelConfig &pc = plan.parallel;
-  py::dict d;
-  d["pp"] = pc.pp;
-  d["vpp"] = pc.vpp;
-  d["tp"] = pc.tp;
-  d["dp"] = pc.dp;
-  d["microbatches"] = pc.microbatches;
-  d["seq_splits"] = pc.seqSplits;
-  d["microbatch_group_size"] = pc.microbatchGroupSize;
-  return d;
-}
-
-py::list stagesList(const Plan &plan) {
-  py::list out;
-  for (const StageInfo &s : plan.stages) {
-    py::dict d;
-    d["stage"] = s.stage;
-    d["rank"] = s.rank;
-    d["layers"] = py::make_tuple(s.layerBegin, s.layerEnd);
-    d["param_bytes"] = s.paramBytes;
-    out.append(d);
-  }
-  return out;
-}
-
 /// The files a Python call read, as (argument, path) pairs, for the check of its outputs.
 using PyInputs = std::vector<std::pair<std::string, std::string>>;
 std::vector<InputFile> inputFiles(const PyInputs &inputs) {
@@ -295,9 +234,7 @@ void bindPlan(py::module_ &m) {
       .def_property_readonly("time_unit", [](const PyPlan &p) { return p.plan.timeUnit; })
       .def_property_readonly("placement",
                              [](const PyPlan &p) { return toString(p.plan.placement).str(); })
-      .def_property_readonly("parallel", [](const PyPlan &p) { return parallelDict(p.plan); })
-      .def_property_readonly("stages", [](const PyPlan &p) { return stagesList(p.plan); })
-      .def_property_readonly("stats", [](const PyPlan &p) { return statsDict(p.plan); })
+      .def("header_json", [](const PyPlan &p) { return planHeaderJson(p.plan); })
       .def_property_readonly("num_instructions",
                              [](const PyPlan &p) { return p.plan.numInstructions(); })
       .def_property_readonly("import_report", [](const PyPlan &p) { return p.importReport; })

@@ -28,24 +28,19 @@
 namespace pipec {
 namespace {
 
-class DualPipeVPolicy final : public SchedulePolicy {
+class DualPipeVPolicy final : public DeclaredPolicy {
 public:
-  llvm::StringRef name() const override { return "dualpipe-v"; }
-  llvm::StringRef summary() const override {
-    return "DualPipeV (DeepSeek-V3): V-shape, two chunks per rank, overlapped F&B pairs, "
-           "edge backwards split into B and W";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 2, --seq-splits 1, --microbatches >= 2 x --pp";
-  }
-  Placement placement() const override { return Placement::VShape; }
+  DualPipeVPolicy()
+      : DeclaredPolicy(
+            PolicyTraits("dualpipe-v",
+                         "DualPipeV (DeepSeek-V3): V-shape, two chunks per rank, overlapped F&B "
+                         "pairs, edge backwards split into B and W",
+                         "--vpp 2, --seq-splits 1, --microbatches >= 2 x --pp",
+                         PolicyTraits::Vpp::Two, "try --vpp 2")
+                .oneSeqSplit("try --seq-splits 1")
+                .vShape()) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 2)
-      return inputError("dualpipe-v needs --vpp 2 (got {}); try --vpp 2", c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("dualpipe-v needs --seq-splits 1 (got {}); try --seq-splits 1",
-                        c.seqSplits);
+  llvm::Error checkMore(const ParallelConfig &c) const override {
     if (c.microbatches < 2 * c.pp)
       return inputError("dualpipe-v needs --microbatches >= 2 x --pp = {} (got {}); try "
                         "--microbatches {}",

@@ -9,43 +9,24 @@
 // order (a later one attends to the K/V of the earlier ones), backwards in descending order.
 //
 //===----------------------------------------------------------------------===//
-#include "schedules/Policy.h"
-
-#include "ir/support/Error.h"
+#include "schedules/OneFOneBLoop.h"
 
 namespace pipec {
 namespace {
 
-class GPipePolicy final : public SchedulePolicy {
+class GPipePolicy final : public OneChunkPolicy {
 public:
-  llvm::StringRef name() const override { return "gpipe"; }
-  llvm::StringRef summary() const override {
-    return "GPipe (Huang et al. 2019): all forwards, then all backwards; memory m·A";
-  }
-  llvm::StringRef constraints() const override { return "--vpp 1; any --microbatches"; }
+  GPipePolicy()
+      : OneChunkPolicy(PolicyTraits(
+            "gpipe", "GPipe (Huang et al. 2019): all forwards, then all backwards; memory m·A",
+            "--vpp 1; any --microbatches", PolicyTraits::Vpp::One,
+            "for several chunks per rank use --schedule interleaved-1f1b")) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("gpipe needs --vpp 1 (got {}); for several chunks per rank use "
-                        "--schedule interleaved-1f1b",
-                        c.vpp);
-    return llvm::Error::success();
-  }
-
-  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
-    const ParallelConfig &c = request.parallel;
-    order.assign(size_t(c.pp), {});
-    for (int r = 0; r < c.pp; ++r) {
-      auto &ops = order[size_t(r)];
-      ops.reserve(size_t(2 * c.microbatches * c.seqSplits));
-      // Stage r lives on rank r (loop placement with one chunk).
-      for (int m = 0; m < c.microbatches; ++m)
-        for (int k = 0; k < c.seqSplits; ++k)
-          ops.push_back(Instruction::compute(OpKind::Forward, r, m, k));
-      for (int m = 0; m < c.microbatches; ++m)
-        for (int k = c.seqSplits - 1; k >= 0; --k)
-          ops.push_back(Instruction::compute(OpKind::Backward, r, m, k));
-    }
+  OneFOneBRank rank(const ParallelConfig &c, int) const override {
+    // The 1F1B loop with a warm-up of every unit: all forwards (sub-sequences ascending), then
+    // all backwards (descending within a microbatch).
+    const int units = c.microbatches * c.seqSplits;
+    return OneFOneBRank{units, /*warmup=*/units};
   }
 };
 

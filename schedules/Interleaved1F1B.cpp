@@ -34,27 +34,21 @@ bool groupsFit(int m, int g, int p) {
   return m % g == 0 || m % g >= p;
 }
 
-class Interleaved1F1BPolicy final : public SchedulePolicy {
+class Interleaved1F1BPolicy final : public DeclaredPolicy {
 public:
-  llvm::StringRef name() const override { return "interleaved-1f1b"; }
-  llvm::StringRef summary() const override {
-    return "interleaved 1F1B (Narayanan et al. 2021, Megatron-Core order): V chunks per rank, "
-           "microbatch groups of G through every chunk; bubble (p-1)/(v·m+p-1)";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp >= 2, --seq-splits 1; --pp <= --microbatch-group-size (default pp) <= "
-           "--microbatches, last group 0 or >= pp";
-  }
+  Interleaved1F1BPolicy()
+      : DeclaredPolicy(
+            PolicyTraits("interleaved-1f1b",
+                         "interleaved 1F1B (Narayanan et al. 2021, Megatron-Core order): V chunks "
+                         "per rank, microbatch groups of G through every chunk; bubble "
+                         "(p-1)/(v·m+p-1)",
+                         "--vpp >= 2, --seq-splits 1; --pp <= --microbatch-group-size "
+                         "(default pp) <= --microbatches, last group 0 or >= pp",
+                         PolicyTraits::Vpp::AtLeastTwo,
+                         "try --vpp 2, or --schedule 1f1b for one chunk per rank")
+                .oneSeqSplit("sub-sequences over chunks are --schedule seq1f1b-interleaved")) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp < 2)
-      return inputError("interleaved-1f1b needs --vpp >= 2 (got {}); try --vpp 2, or "
-                        "--schedule 1f1b for one chunk per rank",
-                        c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("interleaved-1f1b needs --seq-splits 1 (got {}); sub-sequences over "
-                        "chunks are --schedule seq1f1b-interleaved",
-                        c.seqSplits);
+  llvm::Error checkMore(const ParallelConfig &c) const override {
     int p = c.pp, m = c.microbatches, g = c.microbatchGroupSize;
     if (g > 0 && g < p)
       return inputError("interleaved-1f1b needs --microbatch-group-size >= --pp (got {}, pp "

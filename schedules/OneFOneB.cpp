@@ -11,46 +11,29 @@
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/OneFOneBLoop.h"
-#include "schedules/Policy.h"
-
-#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {
 
-class OneFOneBPolicy final : public SchedulePolicy {
+class OneFOneBPolicy final : public OneChunkPolicy {
 public:
-  llvm::StringRef name() const override { return "1f1b"; }
-  llvm::StringRef summary() const override {
-    return "1F1B / PipeDream-Flush (Narayanan et al. 2021): warm-up p-r-1 forwards, then one "
-           "forward one backward; memory min(p, m)·A";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 1, --seq-splits 1; any --microbatches";
-  }
+  OneFOneBPolicy()
+      : OneChunkPolicy(
+            PolicyTraits("1f1b",
+                         "1F1B / PipeDream-Flush (Narayanan et al. 2021): warm-up p-r-1 forwards, "
+                         "then one forward one backward; memory min(p, m)·A",
+                         "--vpp 1, --seq-splits 1; any --microbatches", PolicyTraits::Vpp::One,
+                         "for several chunks per rank use --schedule interleaved-1f1b")
+                .oneSeqSplit("sub-sequence pipelining is --schedule seq1f1b, or use --schedule "
+                             "gpipe")) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("1f1b needs --vpp 1 (got {}); for several chunks per rank use "
-                        "--schedule interleaved-1f1b",
-                        c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("1f1b needs --seq-splits 1 (got {}); sub-sequence pipelining is "
-                        "--schedule seq1f1b, or use --schedule gpipe",
-                        c.seqSplits);
-    return llvm::Error::success();
-  }
-
-  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
-    const ParallelConfig &c = request.parallel;
+  OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     // Warm-up: the first backward on rank r needs microbatch 0 to reach the last stage and
     // come back, during which rank r can run the forwards of microbatches 1..p-r-1; so it runs
     // p-r-1 forwards before its first 1F1B pair (fewer if there are fewer microbatches). Then
     // one forward, one (fused) backward until the forwards run out, and the backwards of the
     // warm-up microbatches (OneFOneBLoop.h). The unit is the microbatch.
-    order = walkEveryRank(c.pp, 1, [&](int r) {
-      return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/c.pp - r - 1};
-    });
+    return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/c.pp - r - 1};
   }
 };
 

@@ -16,6 +16,7 @@
 #define PIPEC_SCHEDULES_ONEFONEBLOOP_H
 
 #include "ir/Instruction.h"
+#include "schedules/Policy.h"
 
 #include <algorithm>
 #include <vector>
@@ -72,6 +73,21 @@ std::vector<std::vector<Instruction>> walkEveryRank(int p, int k, RankOf &&rankO
   }
   return order;
 }
+
+/// A one-chunk member of the family (stage r on rank r): every rank walks the loop over the
+/// units of walkEveryRank (sub-sequences; microbatches with --seq-splits 1), as rank() says.
+class OneChunkPolicy : public DeclaredPolicy {
+public:
+  using DeclaredPolicy::DeclaredPolicy;
+  void emit(const ScheduleRequest &request, ComputeOrder &order) const final {
+    const ParallelConfig &c = request.parallel;
+    order = walkEveryRank(c.pp, c.seqSplits, [&](int r) { return rank(c, r); });
+  }
+
+protected:
+  /// Rank r's walk, for a configuration that passed check().
+  virtual OneFOneBRank rank(const ParallelConfig &c, int r) const = 0;
+};
 
 } // namespace pipec
 

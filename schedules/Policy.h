@@ -58,6 +58,57 @@ public:
   virtual llvm::Expected<const SchedulePolicy *> identify(const Plan &) const { return this; }
 };
 
+/// What a policy declares as data: its name and lines, the --vpp and --seq-splits it takes
+/// (checked before anything else, each with its one-line error "NAME needs --vpp 1 (got 2);
+/// HINT"), its placement and whether it takes post-validation.
+struct PolicyTraits {
+  /// The --vpp a policy takes.
+  enum class Vpp : uint8_t { One, Two, AtLeastTwo };
+  PolicyTraits(llvm::StringRef name, llvm::StringRef summary, llvm::StringRef constraints, Vpp vpp,
+               llvm::StringRef vppHint)
+      : name(name), summary(summary), constraints(constraints), vpp(vpp), vppHint(vppHint) {}
+  /// The policy takes --seq-splits 1 only; `hint` ends the error.
+  PolicyTraits &oneSeqSplit(llvm::StringRef hint) {
+    seqSplitsHint = hint;
+    return *this;
+  }
+  PolicyTraits &postValidated() {
+    postValidation = true;
+    return *this;
+  }
+  PolicyTraits &vShape() {
+    placement = Placement::VShape;
+    return *this;
+  }
+
+  llvm::StringRef name, summary, constraints;
+  Vpp vpp;
+  llvm::StringRef vppHint;
+  llvm::StringRef seqSplitsHint; // empty: any --seq-splits
+  bool postValidation = false;
+  Placement placement = Placement::Loop;
+};
+
+/// A policy whose description, placement and first checks are its PolicyTraits; check() runs
+/// the traits' checks, then checkMore().
+class DeclaredPolicy : public SchedulePolicy {
+public:
+  explicit DeclaredPolicy(const PolicyTraits &traits) : traits(traits) {}
+  llvm::StringRef name() const final { return traits.name; }
+  llvm::StringRef summary() const final { return traits.summary; }
+  llvm::StringRef constraints() const final { return traits.constraints; }
+  Placement placement() const final { return traits.placement; }
+  bool postValidation() const final { return traits.postValidation; }
+  llvm::Error check(const ParallelConfig &config) const final;
+
+protected:
+  /// The checks beyond --vpp and --seq-splits.
+  virtual llvm::Error checkMore(const ParallelConfig &) const { return llvm::Error::success(); }
+
+private:
+  PolicyTraits traits;
+};
+
 /// Every registered policy, in `pipec list-schedules` order.
 llvm::ArrayRef<const SchedulePolicy *> allPolicies();
 /// The policy called `name`; an InputError listing the known names if there is none.

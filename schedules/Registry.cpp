@@ -35,6 +35,21 @@ static const Registry &registry() {
 
 llvm::ArrayRef<const SchedulePolicy *> allPolicies() { return registry().view; }
 
+llvm::Error DeclaredPolicy::check(const ParallelConfig &c) const {
+  using Vpp = PolicyTraits::Vpp;
+  const Vpp vpp = traits.vpp;
+  if (vpp == Vpp::One ? c.vpp != 1 : vpp == Vpp::Two ? c.vpp != 2 : c.vpp < 2)
+    return inputError("{} needs --vpp {} (got {}); {}", traits.name.str(),
+                      vpp == Vpp::One   ? "1"
+                      : vpp == Vpp::Two ? "2"
+                                        : ">= 2",
+                      c.vpp, traits.vppHint.str());
+  if (!traits.seqSplitsHint.empty() && c.seqSplits != 1)
+    return inputError("{} needs --seq-splits 1 (got {}); {}", traits.name.str(), c.seqSplits,
+                      traits.seqSplitsHint.str());
+  return checkMore(c);
+}
+
 /// Levenshtein distance, for "did you mean".
 static unsigned editDistance(llvm::StringRef a, llvm::StringRef b) { return a.edit_distance(b); }
 

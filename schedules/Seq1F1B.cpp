@@ -13,34 +13,22 @@
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/OneFOneBLoop.h"
-#include "schedules/Policy.h"
-
-#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {
 
-class Seq1F1BPolicy final : public SchedulePolicy {
+class Seq1F1BPolicy final : public OneChunkPolicy {
 public:
-  llvm::StringRef name() const override { return "seq1f1b"; }
-  llvm::StringRef summary() const override {
-    return "Seq1F1B (Sun et al. 2024): 1F1B over K sub-sequences per microbatch, forwards "
-           "ascending, backwards descending; bubble (p-1)/(K·m+p-1), memory (p+K-1) slices";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 1; any --seq-splits, any --microbatches";
-  }
+  Seq1F1BPolicy()
+      : OneChunkPolicy(
+            PolicyTraits("seq1f1b",
+                         "Seq1F1B (Sun et al. 2024): 1F1B over K sub-sequences per microbatch, "
+                         "forwards ascending, backwards descending; bubble (p-1)/(K·m+p-1), memory "
+                         "(p+K-1) slices",
+                         "--vpp 1; any --seq-splits, any --microbatches", PolicyTraits::Vpp::One,
+                         "for several chunks per rank use --schedule seq1f1b-interleaved")) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("seq1f1b needs --vpp 1 (got {}); for several chunks per rank use "
-                        "--schedule seq1f1b-interleaved",
-                        c.vpp);
-    return llvm::Error::success();
-  }
-
-  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
-    const ParallelConfig &c = request.parallel;
+  OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     const int p = c.pp, k = c.seqSplits;
     // Units are sub-sequences, forwards ascending within a microbatch and backwards descending,
     // since B(s,m,k) needs the dK/dV of B(s,m,k+1) (OneFOneBLoop.h's walkEveryRank).
@@ -49,9 +37,7 @@ public:
     // p-1-r hops further from the loss, and covers the round trip with as many more forwards
     // as 1F1B does: (p-r-1) + (K-1) = p-r+K-2 (fewer if there are fewer units). Then one
     // sub-sequence forward, one sub-sequence backward; then the backwards of the warm-up units.
-    order = walkEveryRank(p, k, [&](int r) {
-      return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r + k - 2};
-    });
+    return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r + k - 2};
   }
 };
 

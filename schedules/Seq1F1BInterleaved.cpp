@@ -37,23 +37,20 @@ bool groupsFit(int m, int g, int k, int p) {
 /// Smallest group that holds at least P units.
 int defaultGroupSize(int p, int k) { return (p + k - 1) / k; }
 
-class Seq1F1BInterleavedPolicy final : public SchedulePolicy {
+class Seq1F1BInterleavedPolicy final : public DeclaredPolicy {
 public:
-  llvm::StringRef name() const override { return "seq1f1b-interleaved"; }
-  llvm::StringRef summary() const override {
-    return "Seq1F1B-I (Sun et al. 2024): interleaved 1F1B over K sub-sequences per microbatch; "
-           "bubble (p-1)/(v·K·m+p-1)";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp >= 2; --microbatch-group-size G (microbatches, default ceil(pp/K)) with "
-           "G·K >= pp, G <= --microbatches, last group 0 or >= pp sub-sequences";
-  }
+  Seq1F1BInterleavedPolicy()
+      : DeclaredPolicy(
+            PolicyTraits("seq1f1b-interleaved",
+                         "Seq1F1B-I (Sun et al. 2024): interleaved 1F1B over K sub-sequences per "
+                         "microbatch; bubble (p-1)/(v·K·m+p-1)",
+                         "--vpp >= 2; --microbatch-group-size G (microbatches, default "
+                         "ceil(pp/K)) with G·K >= pp, G <= --microbatches, last group 0 or >= "
+                         "pp sub-sequences",
+                         PolicyTraits::Vpp::AtLeastTwo,
+                         "try --vpp 2, or --schedule seq1f1b for one chunk per rank")) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp < 2)
-      return inputError("seq1f1b-interleaved needs --vpp >= 2 (got {}); try --vpp 2, or "
-                        "--schedule seq1f1b for one chunk per rank",
-                        c.vpp);
+  llvm::Error checkMore(const ParallelConfig &c) const override {
     int p = c.pp, m = c.microbatches, k = c.seqSplits, g = c.microbatchGroupSize;
     int minG = defaultGroupSize(p, k);
     if (g > 0 && int64_t(g) * k < p)

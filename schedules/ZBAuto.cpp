@@ -503,29 +503,19 @@ std::pair<int64_t, int> minimumLimit(const ScheduleRequest &req) {
   return {most, stage};
 }
 
-class ZBAutoPolicy final : public SchedulePolicy {
+class ZBAutoPolicy final : public DeclaredPolicy {
 public:
-  llvm::StringRef name() const override { return "zb-auto"; }
-  bool postValidation() const override { return true; }
-  llvm::StringRef summary() const override {
-    return "zero bubble, searched (Qi et al. 2024, ZB-1p/ZB-2p): B split into I and W, the "
-           "order of least simulated time whose activations fit --memory-limit";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 1, --seq-splits 1, --memory-limit >= one microbatch's activations per stage";
-  }
-
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("zb-auto needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
-                        "--vpp 2",
-                        c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("zb-auto needs --seq-splits 1 (got {}); try --seq-splits 1, or "
-                        "--schedule seq1f1b",
-                        c.seqSplits);
-    return llvm::Error::success();
-  }
+  ZBAutoPolicy()
+      : DeclaredPolicy(
+            PolicyTraits("zb-auto",
+                         "zero bubble, searched (Qi et al. 2024, ZB-1p/ZB-2p): B split into I and "
+                         "W, the order of least simulated time whose activations fit "
+                         "--memory-limit",
+                         "--vpp 1, --seq-splits 1, --memory-limit >= one microbatch's "
+                         "activations per stage",
+                         PolicyTraits::Vpp::One, "try --vpp 1, or --schedule zb-v with --vpp 2")
+                .oneSeqSplit("try --seq-splits 1, or --schedule seq1f1b")
+                .postValidated()) {}
 
   llvm::Error checkRequest(const ScheduleRequest &req) const override {
     auto [least, stage] = minimumLimit(req);

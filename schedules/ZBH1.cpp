@@ -18,35 +18,22 @@
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/OneFOneBLoop.h"
-#include "schedules/Policy.h"
-
-#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {
 
-class ZBH1Policy final : public SchedulePolicy {
+class ZBH1Policy final : public OneChunkPolicy {
 public:
-  llvm::StringRef name() const override { return "zb-h1"; }
-  bool postValidation() const override { return true; }
-  llvm::StringRef summary() const override {
-    return "ZB-H1 (Qi et al. 2024): 1F1B order with B split into I and W, rank r delays its "
-           "W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 1; any --seq-splits, any --microbatches";
-  }
+  ZBH1Policy()
+      : OneChunkPolicy(
+            PolicyTraits("zb-h1",
+                         "ZB-H1 (Qi et al. 2024): 1F1B order with B split into I and W, rank r "
+                         "delays its W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B",
+                         "--vpp 1; any --seq-splits, any --microbatches", PolicyTraits::Vpp::One,
+                         "try --vpp 1, or --schedule zb-v with --vpp 2")
+                .postValidated()) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("zb-h1 needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
-                        "--vpp 2",
-                        c.vpp);
-    return llvm::Error::success();
-  }
-
-  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
-    const ParallelConfig &c = request.parallel;
+  OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     const int p = c.pp, k = c.seqSplits;
     // Units are sub-sequences (OneFOneBLoop.h's walkEveryRank).
     // Warm-up as 1F1B: while microbatch 0 travels to the last stage and its gradient comes
@@ -59,10 +46,8 @@ public:
     // I's of the later ranks (the critical path of every gradient) free of W's early on, and
     // leaves every rank with p microbatches in flight: p-r whole and r waiting for a W.
     // The r delayed W's (fewer when m <= r) close the stream (OneFOneBLoop.h).
-    order = walkEveryRank(p, k, [&](int r) {
-      return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r - 1 + k - 1,
-                          /*wDelay=*/r};
-    });
+    return OneFOneBRank{/*units=*/c.microbatches * k, /*warmup=*/p - r - 1 + k - 1,
+                        /*wDelay=*/r};
   }
 };
 

@@ -13,39 +13,24 @@
 //
 //===----------------------------------------------------------------------===//
 #include "schedules/OneFOneBLoop.h"
-#include "schedules/Policy.h"
-
-#include "ir/support/Error.h"
 
 namespace pipec {
 namespace {
 
-class ZBH2Policy final : public SchedulePolicy {
+class ZBH2Policy final : public OneChunkPolicy {
 public:
-  llvm::StringRef name() const override { return "zb-h2"; }
-  bool postValidation() const override { return true; }
-  llvm::StringRef summary() const override {
-    return "ZB-H2 (Qi et al. 2024): B split into I and W, 2(p-r-1) warm-up forwards and 2r "
-           "W's moved to the end; zero bubble when F = B = W, memory (2p-1)·M_B";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 1, --seq-splits 1; any --microbatches (zero bubble from 2p-1)";
-  }
+  ZBH2Policy()
+      : OneChunkPolicy(
+            PolicyTraits("zb-h2",
+                         "ZB-H2 (Qi et al. 2024): B split into I and W, 2(p-r-1) warm-up forwards "
+                         "and 2r W's moved to the end; zero bubble when F = B = W, memory "
+                         "(2p-1)·M_B",
+                         "--vpp 1, --seq-splits 1; any --microbatches (zero bubble from 2p-1)",
+                         PolicyTraits::Vpp::One, "try --vpp 1, or --schedule zb-v with --vpp 2")
+                .oneSeqSplit("try --seq-splits 1, or --schedule seq1f1b")
+                .postValidated()) {}
 
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 1)
-      return inputError("zb-h2 needs --vpp 1 (got {}); try --vpp 1, or --schedule zb-v with "
-                        "--vpp 2",
-                        c.vpp);
-    if (c.seqSplits != 1)
-      return inputError("zb-h2 needs --seq-splits 1 (got {}); try --seq-splits 1, or "
-                        "--schedule seq1f1b",
-                        c.seqSplits);
-    return llvm::Error::success();
-  }
-
-  void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
-    const ParallelConfig &c = request.parallel;
+  OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     const int p = c.pp;
     // Warm-up (unit times, no transfer time): rank r gets F(0) at time r; I(0) leaves the last
     // rank at p+1 and reaches rank r at 2p-1-r. The 2(p-r)-1 slots in between take forwards:
@@ -54,9 +39,7 @@ public:
     // right after I(j+2r). Why 2r: never idle from time r, rank r must end at r+3m; its last I
     // ends r steps before rank 0's, which ends at 3m (rank 0 has no W to postpone). The 2r
     // steps after it are W's: the cool-down (fewer when m <= 2r; OneFOneBLoop.h).
-    order = walkEveryRank(p, 1, [&](int r) {
-      return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/2 * (p - r - 1), /*wDelay=*/2 * r};
-    });
+    return OneFOneBRank{/*units=*/c.microbatches, /*warmup=*/2 * (p - r - 1), /*wDelay=*/2 * r};
   }
 };
 

@@ -29,24 +29,17 @@
 namespace pipec {
 namespace {
 
-class ZBVPolicy final : public SchedulePolicy {
+class ZBVPolicy final : public DeclaredPolicy {
 public:
-  llvm::StringRef name() const override { return "zb-v"; }
-  bool postValidation() const override { return true; }
-  llvm::StringRef summary() const override {
-    return "ZB-V (Qi et al. 2024, §6): V-shape placement, 2 chunks per rank, B split into I "
-           "and W; zero bubble when F = B = W and m >= 2p-1, memory as 1F1B";
-  }
-  llvm::StringRef constraints() const override {
-    return "--vpp 2; any --seq-splits, any --microbatches (zero bubble from 2p-1)";
-  }
-  Placement placement() const override { return Placement::VShape; }
-
-  llvm::Error check(const ParallelConfig &c) const override {
-    if (c.vpp != 2)
-      return inputError("zb-v needs --vpp 2 (got {}); try --vpp 2", c.vpp);
-    return llvm::Error::success();
-  }
+  ZBVPolicy()
+      : DeclaredPolicy(
+            PolicyTraits("zb-v",
+                         "ZB-V (Qi et al. 2024, §6): V-shape placement, 2 chunks per rank, B split "
+                         "into I and W; zero bubble when F = B = W and m >= 2p-1, memory as 1F1B",
+                         "--vpp 2; any --seq-splits, any --microbatches (zero bubble from 2p-1)",
+                         PolicyTraits::Vpp::Two, "try --vpp 2")
+                .postValidated()
+                .vShape()) {}
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;

@@ -17,6 +17,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <initializer_list>
 #include <tuple>
 
 namespace pipec {
@@ -90,6 +91,28 @@ static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const Measur
   return llvm::Error::success();
 }
 
+/// An integer flag and the field it sets.
+struct IntFlag {
+  const char *name;
+  int *out;
+};
+
+/// The integer flags into their fields, then --memory-limit.
+static llvm::Error intsAndLimitFromFlags(const Args &args, std::initializer_list<IntFlag> ints,
+                                         int64_t &memoryLimit) {
+  for (const IntFlag &f : ints) {
+    auto v = args.integer(f.name);
+    if (!v)
+      return v.takeError();
+    *f.out = int(*v);
+  }
+  auto limit = args.bytes("--memory-limit");
+  if (!limit)
+    return limit.takeError();
+  memoryLimit = *limit;
+  return llvm::Error::success();
+}
+
 llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   auto schedule = args.required("--schedule");
   if (!schedule)
@@ -100,26 +123,17 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
     return inputError("missing --microbatches (required); try --microbatches 8");
   CompileOptions o;
   o.schedule = *schedule;
-  struct IntFlag {
-    const char *name;
-    int *out;
-  } ints[] = {{"--pp", &o.parallel.pp},
-              {"--vpp", &o.parallel.vpp},
-              {"--microbatches", &o.parallel.microbatches},
-              {"--seq-splits", &o.parallel.seqSplits},
-              {"--tp", &o.parallel.tp},
-              {"--dp", &o.parallel.dp},
-              {"--microbatch-group-size", &o.parallel.microbatchGroupSize}};
-  for (const IntFlag &f : ints) {
-    auto v = args.integer(f.name);
-    if (!v)
-      return v.takeError();
-    *f.out = int(*v);
-  }
-  auto limit = args.bytes("--memory-limit");
-  if (!limit)
-    return limit.takeError();
-  o.memoryLimit = *limit;
+  if (auto err =
+          intsAndLimitFromFlags(args,
+                                {{"--pp", &o.parallel.pp},
+                                 {"--vpp", &o.parallel.vpp},
+                                 {"--microbatches", &o.parallel.microbatches},
+                                 {"--seq-splits", &o.parallel.seqSplits},
+                                 {"--tp", &o.parallel.tp},
+                                 {"--dp", &o.parallel.dp},
+                                 {"--microbatch-group-size", &o.parallel.microbatchGroupSize}},
+                                o.memoryLimit))
+    return err;
   o.parallel.sequenceParallel = args.has("--sequence-parallel");
   auto by = args.choice("--seq-split-by");
   if (!by)
@@ -162,23 +176,13 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
                                              llvm::StringRef source, ClusterSpec *clusterOut,
                                              ImportedOrder *orderOut) {
   ImportOptions o;
-  struct IntFlag {
-    const char *name;
-    int *out;
-  } ints[] = {{"--vpp", &o.vpp},
-              {"--tp", &o.tp},
-              {"--dp", &o.dp},
-              {"--microbatch-group-size", &o.microbatchGroupSize}};
-  for (const IntFlag &f : ints) {
-    auto v = args.integer(f.name);
-    if (!v)
-      return v.takeError();
-    *f.out = int(*v);
-  }
-  auto limit = args.bytes("--memory-limit");
-  if (!limit)
-    return limit.takeError();
-  o.memoryLimit = *limit;
+  if (auto err = intsAndLimitFromFlags(args,
+                                       {{"--vpp", &o.vpp},
+                                        {"--tp", &o.tp},
+                                        {"--dp", &o.dp},
+                                        {"--microbatch-group-size", &o.microbatchGroupSize}},
+                                       o.memoryLimit))
+    return err;
   o.schedule = args.get("--schedule").value_or("");
   if (auto err = costsFromFlags(args, o.costs, o.costsSource))
     return err;

@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <iterator>
 
 namespace pipec {
 
@@ -132,34 +134,45 @@ constexpr Opt kTrace =
     path("--trace", "trace.json", "write the simulated timeline as a Chrome/Perfetto trace").cli();
 constexpr Opt kQuiet = sw("--quiet", "print nothing on success").cli();
 
-const Option kCompile[] = {
-    kModel,
-    kModelJson,
-    text("--schedule", "NAME", "the schedule (pipec list-schedules)").req(),
-    count("--pp", "P", "pipeline ranks").req(),
-    count("--microbatches", "N", "microbatches per step").req(),
-    count("--vpp", "V", "virtual stages (model chunks) per rank"),
-    count("--seq-splits", "K", "sub-sequences per microbatch (the seq1f1b schedules)"),
-    kTp,
-    kDp,
-    kCluster,
-    kClusterJson,
-    kCosts,
-    kMemoryLimit,
-    kGroupSize,
-    path("-o", "plan.json", "write the plan (- for standard output)").aka("--output").cli(),
-    choice("--recompute", "none|selective|full", "activation recomputation (transformer models)")
-        .eg("full"),
-    kSequenceParallel,
-    kDistributedOptimizer,
-    choice("--seq-split-by", "time|flops",
-           "cut sub-sequences to equal time (default) or equal FLOPs (the Seq1F1B paper's rule)")
-        .eg("flops"),
-    kShow,
-    kTrace,
-    path("--svg", "figure.svg", "draw the schedule figure over the simulated time").cli(),
-    kQuiet,
-};
+/// A table from its parts, in order, so that a run of flags several tables list is written once.
+template <size_t... N> constexpr auto join(const Option (&...parts)[N]) {
+  std::array<Option, (N + ...)> out{};
+  size_t at = 0;
+  ((std::copy(std::begin(parts), std::end(parts), out.begin() + at), at += N), ...);
+  return out;
+}
+
+// What compile and import read after their schedule's own counts: the layout and its limits.
+constexpr Option kLayoutFlags[] = {kTp,    kDp,          kCluster,  kClusterJson,
+                                   kCosts, kMemoryLimit, kGroupSize};
+
+constexpr auto kCompile = join(
+    {
+        kModel,
+        kModelJson,
+        text("--schedule", "NAME", "the schedule (pipec list-schedules)").req(),
+        count("--pp", "P", "pipeline ranks").req(),
+        count("--microbatches", "N", "microbatches per step").req(),
+        count("--vpp", "V", "virtual stages (model chunks) per rank"),
+        count("--seq-splits", "K", "sub-sequences per microbatch (the seq1f1b schedules)"),
+    },
+    kLayoutFlags,
+    {
+        path("-o", "plan.json", "write the plan (- for standard output)").aka("--output").cli(),
+        choice("--recompute", "none|selective|full",
+               "activation recomputation (transformer models)")
+            .eg("full"),
+        kSequenceParallel,
+        kDistributedOptimizer,
+        choice(
+            "--seq-split-by", "time|flops",
+            "cut sub-sequences to equal time (default) or equal FLOPs (the Seq1F1B paper's rule)")
+            .eg("flops"),
+        kShow,
+        kTrace,
+        path("--svg", "figure.svg", "draw the schedule figure over the simulated time").cli(),
+        kQuiet,
+    });
 
 const Option kSimulate[] = {kTrace};
 
@@ -176,23 +189,20 @@ const Option kExport[] = {
     path("-o", "sched.csv", "write the CSV there (default: standard output)").aka("--output"),
 };
 
-const Option kImport[] = {
-    kModel,
-    kModelJson,
-    count("--vpp", "V", "virtual stages per rank, checked against the file's", 0),
-    kTp,
-    kDp,
-    kCluster,
-    kClusterJson,
-    kCosts,
-    kMemoryLimit,
-    kGroupSize,
-    text("--schedule", "NAME", "the schedule the order must be (else whichever it is)"),
-    path("-o", "plan.json", "write the plan").aka("--output").cli(),
-    kShow,
-    kTrace,
-    kQuiet,
-};
+constexpr auto kImport = join(
+    {
+        kModel,
+        kModelJson,
+        count("--vpp", "V", "virtual stages per rank, checked against the file's", 0),
+    },
+    kLayoutFlags,
+    {
+        text("--schedule", "NAME", "the schedule the order must be (else whichever it is)"),
+        path("-o", "plan.json", "write the plan").aka("--output").cli(),
+        kShow,
+        kTrace,
+        kQuiet,
+    });
 
 const Option kPlan[] = {
     kModel,

@@ -124,7 +124,8 @@ static void writeNested(llvm::raw_ostream &os, const OJson &value) {
   }
 }
 
-void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
+/// Every member of the plan's document but "ranks" (the instruction streams).
+static OJson headerJson(const Plan &plan) {
   OJson j;
   j["format"] = "pipeplan/1";
   j["schedule"] = plan.schedule;
@@ -236,6 +237,13 @@ void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
       stats["ranks"] = std::move(rs);
     j["stats"] = std::move(stats);
   }
+  return j;
+}
+
+std::string planHeaderJson(const Plan &plan) { return headerJson(plan).dump(); }
+
+void writePlanJson(const Plan &plan, llvm::raw_ostream &os) {
+  const OJson j = headerJson(plan);
   // The document as nlohmann prints j with "ranks" inserted before "stats" (indent 1), except
   // that each instruction takes one line; streamed: every member but the ranks from the small
   // in-memory header, the ranks written directly.

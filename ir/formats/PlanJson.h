@@ -15,6 +15,9 @@ namespace pipec {
 /// it goes: only the small header is built in memory, the instruction streams never are.
 void writePlanJson(const Plan &plan, llvm::raw_ostream &os);
 std::string writePlanJson(const Plan &plan);
+/// The same document without "ranks" (the instruction streams), on one line: what a reader of
+/// the configuration, the stage table and the stats needs.
+std::string planHeaderJson(const Plan &plan);
 
 /// Parse a plan. Types, required fields and index ranges (stage, mb, slice, peer) are checked
 /// here and reported as InputErrors naming `source` and the JSON path; whether the streams are

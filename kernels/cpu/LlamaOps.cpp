@@ -103,50 +103,73 @@ void ropeBackward(float *dx, const int32_t *positions, int rows, int heads, int 
   rotate(dx, positions, rows, heads, headDim, theta, -1.0);
 }
 
+namespace {
+
+/// One query row of grouped attention, with its offsets: in q, out, dq, dOut (B, x, heads*hd),
+/// in probs (B, heads, x, keys), and its key/value head's in k, v, dk, dv (a + x, B,
+/// kvHeads*hd).
+struct QueryRow {
+  int pos;        // the row's position: keys [0, pos] are visible (causal)
+  size_t row;     // q, out, dq, dOut
+  size_t probs;   // probs
+  size_t kvHead;  // key 0's head
+  size_t kvPitch; // from one key's row to the next
+  size_t kv(int j) const { return kvHead + size_t(j) * kvPitch; }
+};
+
+/// Calls f(QueryRow) for every query row: batch by batch, head by head, query by query; query
+/// head h reads key/value head h / (heads / kvHeads).
+template <typename F> void forEachQueryRow(const GroupedAttentionShape &s, F f) {
+  assert(s.kvHeads > 0 && s.heads % s.kvHeads == 0 && "key/value heads divide the heads");
+  const int hd = s.headDim, group = s.heads / s.kvHeads;
+  const size_t qWidth = size_t(s.heads) * hd, kvWidth = size_t(s.kvHeads) * hd;
+  for (int b = 0; b < s.batch; ++b)
+    for (int h = 0; h < s.heads; ++h)
+      for (int t = 0; t < s.queries; ++t)
+        f(QueryRow{s.begin + t, (size_t(b) * s.queries + t) * qWidth + size_t(h) * hd,
+                   ((size_t(b) * s.heads + h) * s.queries + t) * size_t(s.keys()),
+                   size_t(b) * kvWidth + size_t(h / group) * hd, size_t(s.batch) * kvWidth});
+}
+
+} // namespace
+
 void groupedAttentionForward(float *__restrict__ out, float *__restrict__ probs,
                              const float *__restrict__ q, const float *__restrict__ k,
                              const float *__restrict__ v, const GroupedAttentionShape &s) {
-  assert(s.kvHeads > 0 && s.heads % s.kvHeads == 0 && "key/value heads divide the heads");
-  const int hd = s.headDim, keys = s.keys(), group = s.heads / s.kvHeads;
-  const int qWidth = s.heads * hd, kvWidth = s.kvHeads * hd;
+  const int hd = s.headDim, keys = s.keys();
   const float scale = 1.0f / std::sqrt(float(hd));
-  for (int b = 0; b < s.batch; ++b) {
-    for (int h = 0; h < s.heads; ++h) {
-      const int g = h / group; // the key/value head this query head reads
-      for (int t = 0; t < s.queries; ++t) {
-        const int pos = s.begin + t; // keys [0, pos] are visible (causal)
-        const float *qRow = q + (size_t(b) * s.queries + t) * qWidth + h * hd;
-        float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
-        float maxScore = -INFINITY;
-        for (int j = 0; j <= pos; ++j) {
-          const float *kRow = k + (size_t(j) * s.batch + b) * kvWidth + g * hd;
-          float dot = 0.0f;
-          for (int d = 0; d < hd; ++d)
-            dot += qRow[d] * kRow[d];
-          p[j] = dot * scale;
-          maxScore = std::fmax(maxScore, p[j]);
-        }
-        float sum = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          p[j] = std::exp(p[j] - maxScore);
-          sum += p[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int j = 0; j <= pos; ++j)
-          p[j] *= inv;
-        for (int j = pos + 1; j < keys; ++j)
-          p[j] = 0.0f;
-        float *o = out + (size_t(b) * s.queries + t) * qWidth + h * hd;
-        for (int d = 0; d < hd; ++d)
-          o[d] = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const float *vRow = v + (size_t(j) * s.batch + b) * kvWidth + g * hd;
-          for (int d = 0; d < hd; ++d)
-            o[d] += p[j] * vRow[d];
-        }
-      }
+  forEachQueryRow(s, [&](const QueryRow &r) {
+    const int pos = r.pos;
+    const float *qRow = q + r.row;
+    float *p = probs + r.probs;
+    float maxScore = -INFINITY;
+    for (int j = 0; j <= pos; ++j) {
+      const float *kRow = k + r.kv(j);
+      float dot = 0.0f;
+      for (int d = 0; d < hd; ++d)
+        dot += qRow[d] * kRow[d];
+      p[j] = dot * scale;
+      maxScore = std::fmax(maxScore, p[j]);
     }
-  }
+    float sum = 0.0f;
+    for (int j = 0; j <= pos; ++j) {
+      p[j] = std::exp(p[j] - maxScore);
+      sum += p[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int j = 0; j <= pos; ++j)
+      p[j] *= inv;
+    for (int j = pos + 1; j < keys; ++j)
+      p[j] = 0.0f;
+    float *o = out + r.row;
+    for (int d = 0; d < hd; ++d)
+      o[d] = 0.0f;
+    for (int j = 0; j <= pos; ++j) {
+      const float *vRow = v + r.kv(j);
+      for (int d = 0; d < hd; ++d)
+        o[d] += p[j] * vRow[d];
+    }
+  });
 }
 
 void groupedAttentionBackward(float *__restrict__ dq, float *__restrict__ dk,
@@ -154,47 +177,40 @@ void groupedAttentionBackward(float *__restrict__ dq, float *__restrict__ dk,
                               const float *__restrict__ probs, const float *__restrict__ q,
                               const float *__restrict__ k, const float *__restrict__ v,
                               const GroupedAttentionShape &s) {
-  assert(s.kvHeads > 0 && s.heads % s.kvHeads == 0 && "key/value heads divide the heads");
-  const int hd = s.headDim, keys = s.keys(), group = s.heads / s.kvHeads;
-  const int qWidth = s.heads * hd, kvWidth = s.kvHeads * hd;
+  const int hd = s.headDim;
   const float scale = 1.0f / std::sqrt(float(hd));
-  for (int b = 0; b < s.batch; ++b) {
-    for (int h = 0; h < s.heads; ++h) {
-      const int g = h / group;
-      for (int t = 0; t < s.queries; ++t) {
-        const int pos = s.begin + t;
-        const size_t row = (size_t(b) * s.queries + t) * qWidth + h * hd;
-        const float *p = probs + ((size_t(b) * s.heads + h) * s.queries + t) * keys;
-        const float *dO = dOut + row;
-        // dP_j = dO . v_j; dv_j += p_j dO; softmax backward dS_j = p_j (dP_j - sum_i p_i dP_i).
-        float pdp = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const size_t kv = (size_t(j) * s.batch + b) * kvWidth + g * hd;
-          float dp = 0.0f;
-          for (int d = 0; d < hd; ++d) {
-            dp += dO[d] * v[kv + d];
-            dv[kv + d] += p[j] * dO[d];
-          }
-          pdp += p[j] * dp;
-        }
-        float *dqRow = dq + row;
-        const float *qRow = q + row;
-        for (int d = 0; d < hd; ++d)
-          dqRow[d] = 0.0f;
-        for (int j = 0; j <= pos; ++j) {
-          const size_t kv = (size_t(j) * s.batch + b) * kvWidth + g * hd;
-          float dp = 0.0f;
-          for (int d = 0; d < hd; ++d)
-            dp += dO[d] * v[kv + d];
-          const float dsScaled = p[j] * (dp - pdp) * scale;
-          for (int d = 0; d < hd; ++d) {
-            dqRow[d] += dsScaled * k[kv + d];
-            dk[kv + d] += dsScaled * qRow[d];
-          }
-        }
+  forEachQueryRow(s, [&](const QueryRow &r) {
+    const int pos = r.pos;
+    const size_t row = r.row;
+    const float *p = probs + r.probs;
+    const float *dO = dOut + row;
+    // dP_j = dO . v_j; dv_j += p_j dO; softmax backward dS_j = p_j (dP_j - sum_i p_i dP_i).
+    float pdp = 0.0f;
+    for (int j = 0; j <= pos; ++j) {
+      const size_t kv = r.kv(j);
+      float dp = 0.0f;
+      for (int d = 0; d < hd; ++d) {
+        dp += dO[d] * v[kv + d];
+        dv[kv + d] += p[j] * dO[d];
+      }
+      pdp += p[j] * dp;
+    }
+    float *dqRow = dq + row;
+    const float *qRow = q + row;
+    for (int d = 0; d < hd; ++d)
+      dqRow[d] = 0.0f;
+    for (int j = 0; j <= pos; ++j) {
+      const size_t kv = r.kv(j);
+      float dp = 0.0f;
+      for (int d = 0; d < hd; ++d)
+        dp += dO[d] * v[kv + d];
+      const float dsScaled = p[j] * (dp - pdp) * scale;
+      for (int d = 0; d < hd; ++d) {
+        dqRow[d] += dsScaled * k[kv + d];
+        dk[kv + d] += dsScaled * qRow[d];
       }
     }
-  }
+  });
 }
 
 } // namespace pipec::kernels::ops

@@ -19,6 +19,17 @@ namespace pipec::kernels::cuda::launch {
 
 static bool aligned16(const void *p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+/// launch(s) with the call's Dims s; nothing for an empty call, cudaErrorInvalidValue for a head
+/// dimension no kernel takes.
+template <typename Launch> static cudaError_t withDims(AttentionDims dims, Launch launch) {
+  const attention::Dims s = attention::toDims(dims);
+  if (s.batch == 0 || s.queries == 0 || s.heads == 0)
+    return cudaSuccess;
+  if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
+    return cudaErrorInvalidValue;
+  return launch(s);
+}
+
 const char *toString(AttentionKernel kernel) {
   switch (kernel) {
   case AttentionKernel::Simt:
@@ -66,46 +77,40 @@ size_t attentionBackwardScratchFloats(AttentionDims s) {
 cudaError_t attentionForward(const Target &target, DType dtype, void *out, float *lse,
                              const void *q, const void *k, const void *v, AttentionDims dims,
                              cudaStream_t stream) {
-  const attention::Dims s = attention::toDims(dims);
-  if (s.batch == 0 || s.queries == 0 || s.heads == 0)
-    return cudaSuccess;
-  if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
-    return cudaErrorInvalidValue;
-  using attention::bf16;
-  switch (attentionForwardKernel(target, dtype, dims, {out, q, k, v})) {
-  case AttentionKernel::Wgmma:
-    return attention::wgmmaForward(static_cast<bf16 *>(out), lse, static_cast<const bf16 *>(q),
-                                   static_cast<const bf16 *>(k), static_cast<const bf16 *>(v), s,
-                                   stream);
-  case AttentionKernel::MmaSync:
-    return attention::mmaSyncForward(static_cast<bf16 *>(out), lse, static_cast<const bf16 *>(q),
+  return withDims(dims, [&](const attention::Dims &s) {
+    using attention::bf16;
+    switch (attentionForwardKernel(target, dtype, dims, {out, q, k, v})) {
+    case AttentionKernel::Wgmma:
+      return attention::wgmmaForward(static_cast<bf16 *>(out), lse, static_cast<const bf16 *>(q),
                                      static_cast<const bf16 *>(k), static_cast<const bf16 *>(v), s,
                                      stream);
-  case AttentionKernel::Simt:
-    return attention::simtForward(dtype, out, lse, q, k, v, s, stream);
-  }
-  return cudaErrorInvalidValue;
+    case AttentionKernel::MmaSync:
+      return attention::mmaSyncForward(static_cast<bf16 *>(out), lse, static_cast<const bf16 *>(q),
+                                       static_cast<const bf16 *>(k), static_cast<const bf16 *>(v),
+                                       s, stream);
+    case AttentionKernel::Simt:
+      return attention::simtForward(dtype, out, lse, q, k, v, s, stream);
+    }
+    return cudaErrorInvalidValue;
+  });
 }
 
 cudaError_t attentionBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                               const void *out, const float *lse, const void *q, const void *k,
                               const void *v, float *rowDot, AttentionDims dims,
                               cudaStream_t stream) {
-  const attention::Dims s = attention::toDims(dims);
-  if (s.batch == 0 || s.queries == 0 || s.heads == 0)
-    return cudaSuccess;
-  if (s.headDim <= 0 || s.headDim > kMaxHeadDim)
-    return cudaErrorInvalidValue;
-  if (cudaError_t err = attention::rowDot(dtype, rowDot, dOut, out, s, stream))
-    return err;
-  using attention::bf16;
-  if (attentionBackwardKernel(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}) ==
-      AttentionKernel::MmaSync)
-    return attention::mmaSyncBackward(static_cast<bf16 *>(dq), dk, dv,
-                                      static_cast<const bf16 *>(dOut), lse, rowDot,
-                                      static_cast<const bf16 *>(q), static_cast<const bf16 *>(k),
-                                      static_cast<const bf16 *>(v), s, stream);
-  return attention::simtBackward(dtype, dq, dk, dv, dOut, lse, rowDot, q, k, v, s, stream);
+  return withDims(dims, [&](const attention::Dims &s) {
+    if (cudaError_t err = attention::rowDot(dtype, rowDot, dOut, out, s, stream))
+      return err;
+    using attention::bf16;
+    if (attentionBackwardKernel(dtype, dims, {dq, dk, dv, dOut, out, q, k, v}) ==
+        AttentionKernel::MmaSync)
+      return attention::mmaSyncBackward(static_cast<bf16 *>(dq), dk, dv,
+                                        static_cast<const bf16 *>(dOut), lse, rowDot,
+                                        static_cast<const bf16 *>(q), static_cast<const bf16 *>(k),
+                                        static_cast<const bf16 *>(v), s, stream);
+    return attention::simtBackward(dtype, dq, dk, dv, dOut, lse, rowDot, q, k, v, s, stream);
+  });
 }
 
 } // namespace pipec::kernels::cuda::launch

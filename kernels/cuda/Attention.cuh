@@ -90,6 +90,44 @@ __device__ __forceinline__ float exp2Fast(float x) {
 #endif
 }
 
+/// The bits of |x|: as unsigned integers they order as the magnitudes do, with Inf above every
+/// finite value and NaN above Inf, so their maximum keeps a NaN (fmaxf drops it).
+__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+/// A thread's share of an output row in the tensor cores' accumulator layout, as bf16: dims
+/// 8 dt + 2 tg + e (e = 0, 1; dt < HD / 8) of the row starting at `row` are value(dt, e).
+template <int HD, typename Value>
+__device__ __forceinline__ void storeRowPairs(bf16 *row, int tg, Value value) {
+  bf16 *dst = row + 2 * tg;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt)
+    *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
+        __floats2bfloat162_rn(value(dt, 0), value(dt, 1));
+}
+
+/// The tensor-core forwards' last step for a thread's rows t0 and t0 + 8 (row = 0, 1): the
+/// quad's row sums added up, then for the slice's rows out = O / sum as bf16 (acc(dt, row, e):
+/// O's accumulator of dims 8 dt + 2 tg + e) and, on tg 0, lse = (rowMax + log2(sum)) ln(2), the
+/// row maxima being of the scores scaled by log2(e).
+template <int HD, typename Acc>
+__device__ __forceinline__ void storeForwardRows(bf16 *out, float *lse, const Dims &s, int b, int h,
+                                                 int t0, int tg, const float (&rowMax)[2],
+                                                 float (&rowSum)[2], Acc acc) {
+#pragma unroll
+  for (int row = 0; row < 2; ++row) {
+    rowSum[row] += __shfl_xor_sync(device::kFullMask, rowSum[row], 1);
+    rowSum[row] += __shfl_xor_sync(device::kFullMask, rowSum[row], 2);
+    const int t = t0 + 8 * row;
+    if (t >= s.queries)
+      continue;
+    const float inv = 1.0f / rowSum[row];
+    storeRowPairs<HD>(out + s.qRow(b, t, h), tg,
+                      [&](int dt, int e) { return acc(dt, row, e) * inv; });
+    if (tg == 0)
+      lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * kLn2;
+  }
+}
+
 /// Launches `kernel` on `block` threads with `smemBytes` of dynamic shared memory, after raising
 /// its limit past the 48 KiB default to `smemLimit`: a constant of the kernel (its size at the
 /// largest head dimension), so that rank threads launching it concurrently with different sizes
@@ -109,9 +147,10 @@ cudaError_t launchWithSmem(Kernel kernel, dim3 grid, unsigned block, size_t smem
 // AttentionSimt.cu: any head dimension up to launch::kMaxHeadDim, fp32 or bf16.
 cudaError_t simtForward(DType dtype, void *out, float *lse, const void *q, const void *k,
                         const void *v, const Dims &s, cudaStream_t stream);
-/// rowDot (B, H, x) = dOut . out per query row and head: the first kernel of every backward.
+/// rowDot (B, H, x) = dOut . out per query row and head: the first kernel of every backward;
+/// with `rowMaxAbs`, also the absBits of each row's max |dOut| there (B, H, x).
 cudaError_t rowDot(DType dtype, float *rowDot, const void *dOut, const void *out, const Dims &s,
-                   cudaStream_t stream);
+                   cudaStream_t stream, unsigned *rowMaxAbs = nullptr);
 /// dq written; dk and dv (fp32) added to; after rowDot.
 cudaError_t simtBackward(DType dtype, void *dq, float *dk, float *dv, const void *dOut,
                          const float *lse, const float *rowDot, const void *q, const void *k,

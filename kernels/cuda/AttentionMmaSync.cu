@@ -312,22 +312,8 @@ __global__ void __launch_bounds__(tc::kThreads)
   if (!warpActive)
     return; // no barrier follows
 
-#pragma unroll
-  for (int row = 0; row < 2; ++row) {
-    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 1);
-    rowSum[row] += __shfl_xor_sync(kFullMask, rowSum[row], 2);
-    const int t = m0 + r0 + g + 8 * row;
-    if (t >= s.queries)
-      continue;
-    const float inv = 1.0f / rowSum[row];
-    bf16 *dst = out + s.qRow(b, t, h) + 2 * tg;
-#pragma unroll
-    for (int dt = 0; dt < HD / 8; ++dt)
-      *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
-          __floats2bfloat162_rn(o[dt][2 * row] * inv, o[dt][2 * row + 1] * inv);
-    if (tg == 0)
-      lse[s.statRow(b, h, t)] = (rowMax[row] + log2f(rowSum[row])) * kLn2;
-  }
+  storeForwardRows<HD>(out, lse, s, b, h, m0 + r0 + g, tg, rowMax, rowSum,
+                       [&](int dt, int row, int e) { return o[dt][2 * row + e]; });
 }
 
 //===--- Tensor-core backward (bf16) --------------------------------------===//

@@ -50,39 +50,97 @@ __device__ __forceinline__ float dot(const float *__restrict__ a, const float *_
   return sum;
 }
 
-// out (B, x, H*hd), lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd).
-// grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
+/// The kernels' dynamic shared memory: two tiles of 32 rows padded to hd + 1 floats, then sets
+/// of the 8 warps' own rows of hd floats (set i's row of warp w at warpRow(i, w)), then what
+/// follows those.
+struct SharedTiles {
+  float *tile[2];
+  float *rows;
+  int hd;
+  __device__ SharedTiles(float *smem, int headDim)
+      : tile{smem, smem + kTile * (headDim + 1)}, rows(smem + 2 * kTile * (headDim + 1)),
+        hd(headDim) {}
+  __device__ float *warpRow(int set, int warp) const {
+    return rows + (set * kRowsPerBlock + warp) * hd;
+  }
+};
+
+/// acc[r] += sum over the tile's rows l < `visible` of lane l's x times tile[l][lane + 32 r].
+__device__ __forceinline__ void addTileRows(float (&acc)[kPerLane], float x,
+                                            const float *__restrict__ tile, int visible, int pitch,
+                                            int hd, int lane) {
+  for (int l = 0; l < visible; ++l) {
+    const float xl = __shfl_sync(kFullMask, x, l);
+#pragma unroll
+    for (int r = 0; r < kPerLane; ++r) {
+      const int d = lane + r * kWarp;
+      if (d < hd)
+        acc[r] += xl * tile[l * pitch + d];
+    }
+  }
+}
+
+/// to[row + lane + 32 r] = acc[r] * factor, for the row's hd dims.
+template <typename T>
+__device__ __forceinline__ void storeRow(T *to, size_t row, const float (&acc)[kPerLane],
+                                         float factor, int hd, int lane) {
+#pragma unroll
+  for (int r = 0; r < kPerLane; ++r) {
+    const int d = lane + r * kWarp;
+    if (d < hd)
+      to[row + d] = fromFloat<T>(acc[r] * factor);
+  }
+}
+
+/// The query-row kernels' frame (forward and dQ; grid (ceil(x / 8), B*H), block 8 warps): warp
+/// w owns query t = blockIdx.x * 8 + w of head (b, h), which sees keys [0, pos].
+struct QueryWarp {
+  int warp, lane, b, h, t, pos, lastPos; // lastPos: the block's last visible key
+  bool active;                           // t is a query of the slice
+  __device__ explicit QueryWarp(const Dims &s)
+      : warp(threadIdx.x / kWarp), lane(threadIdx.x % kWarp), b(blockIdx.y / s.heads),
+        h(blockIdx.y % s.heads), t(blockIdx.x * kRowsPerBlock + warp), pos(s.begin + t),
+        lastPos(s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1),
+        active(t < s.queries) {}
+
+  /// For every 32-key tile up to lastPos: the block loads its K and V into the shared tiles (after
+  /// a barrier: the previous tile is consumed, and what the warps wrote before the first tile is
+  /// written); then, where this warp's query sees a key of it, body(j0, the keys it sees).
+  template <typename T, typename Body>
+  __device__ __forceinline__ void forEachKeyTile(const Dims &s, const SharedTiles &shared,
+                                                 const T *__restrict__ k, const T *__restrict__ v,
+                                                 Body body) const {
+    for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
+      __syncthreads();
+      auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
+      loadTile(shared.tile[0], k, j0, s.keys(), s.headDim, kvOffset);
+      loadTile(shared.tile[1], v, j0, s.keys(), s.headDim, kvOffset);
+      __syncthreads();
+      if (active && j0 <= pos)
+        body(j0, min(kTile, pos - j0 + 1));
+    }
+  }
+};
+
+// out (B, x, H*hd), lse (B, H, x) from q (B, x, H*hd), k, v (a+x, B, H*hd). Frame: QueryWarp.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     forwardKernel(T *__restrict__ out, float *__restrict__ lse, const T *__restrict__ q,
                   const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *ks = smem;               // (32, hd + 1)
-  float *vs = ks + kTile * pitch; // (32, hd + 1)
-  float *qs = vs + kTile * pitch; // (8, hd)
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int t = blockIdx.x * kRowsPerBlock + warp;
-  const bool active = t < s.queries;
-  const int pos = s.begin + t; // keys [0, pos] are visible
-  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
-  float *qRow = qs + warp * hd;
-  if (active)
+  const SharedTiles shared(smem, hd); // K, V tiles; the warps' query rows
+  const QueryWarp w(s);
+  const int lane = w.lane, b = w.b, h = w.h, t = w.t, pos = w.pos;
+  float *qRow = shared.warpRow(0, w.warp);
+  if (w.active)
     for (int d = lane; d < hd; d += kWarp)
       qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
 
   float runMax = -INFINITY, runSum = 0.0f, acc[kPerLane] = {};
-  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
-    __syncthreads(); // the previous tile is consumed (and qs written, on the first pass)
-    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
-    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
-    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
-    __syncthreads();
-    if (!active || j0 > pos)
-      continue;
+  w.forEachKeyTile(s, shared, k, v, [&](int j0, int visible) {
     const int j = j0 + lane;
-    const float score = j <= pos ? dot(qRow, ks + lane * pitch, hd) * scale : -INFINITY;
+    const float score = j <= pos ? dot(qRow, shared.tile[0] + lane * pitch, hd) * scale : -INFINITY;
     const float newMax = fmaxf(runMax, warpMax(score)); // finite: key j0 <= pos is visible
     const float p = j <= pos ? expf(score - newMax) : 0.0f;
     const float correction = expf(runMax - newMax);
@@ -91,47 +149,41 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r = 0; r < kPerLane; ++r)
       acc[r] *= correction;
-    const int visible = min(kTile, pos - j0 + 1);
-    for (int l = 0; l < visible; ++l) {
-      const float pl = __shfl_sync(kFullMask, p, l);
-#pragma unroll
-      for (int r = 0; r < kPerLane; ++r) {
-        const int d = lane + r * kWarp;
-        if (d < hd)
-          acc[r] += pl * vs[l * pitch + d];
-      }
-    }
-  }
-  if (!active)
+    addTileRows(acc, p, shared.tile[1], visible, pitch, hd, lane);
+  });
+  if (!w.active)
     return;
   const float inv = 1.0f / runSum;
-#pragma unroll
-  for (int r = 0; r < kPerLane; ++r) {
-    const int d = lane + r * kWarp;
-    if (d < hd)
-      out[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r] * inv);
-  }
+  storeRow(out, s.qRow(b, t, h), acc, inv, hd, lane);
   if (lane == 0)
     lse[s.statRow(b, h, t)] = runMax + logf(runSum);
 }
 
-// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP).
-// grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
-template <typename T>
-__global__ void rowDotKernel(float *__restrict__ rowDot, const T *__restrict__ dOut,
-                             const T *__restrict__ out, Dims s) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int t = blockIdx.x * kRowsPerBlock + warp;
-  if (t >= s.queries)
+// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP);
+// with MaxAbs also rowMaxAbs (B, H, x) = absBits of the row's max |dOut|. Frame: QueryWarp.
+template <typename T, bool MaxAbs>
+__global__ void rowDotKernel(float *__restrict__ rowDot, unsigned *__restrict__ rowMaxAbs,
+                             const T *__restrict__ dOut, const T *__restrict__ out, Dims s) {
+  const QueryWarp w(s);
+  if (!w.active)
     return;
-  const size_t row = s.qRow(b, t, h);
+  const size_t row = s.qRow(w.b, w.t, w.h);
   float sum = 0.0f;
-  for (int d = lane; d < s.headDim; d += kWarp)
+  unsigned maxAbs = 0;
+  for (int d = w.lane; d < s.headDim; d += kWarp) {
     sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
+    if constexpr (MaxAbs)
+      maxAbs = max(maxAbs, absBits(toFloat(dOut[row + d])));
+  }
   sum = warpSum(sum);
-  if (lane == 0)
-    rowDot[s.statRow(b, h, t)] = sum;
+  if constexpr (MaxAbs)
+    for (int offset = kWarp / 2; offset > 0; offset /= 2)
+      maxAbs = max(maxAbs, __shfl_xor_sync(kFullMask, maxAbs, offset));
+  if (w.lane == 0) {
+    rowDot[s.statRow(w.b, w.h, w.t)] = sum;
+    if constexpr (MaxAbs)
+      rowMaxAbs[s.statRow(w.b, w.h, w.t)] = maxAbs;
+  }
 }
 
 // dq (B, x, H*hd) = sum_j dS_j k_j, dS_j = p_j (dO . v_j - rowDot) * scale. Grid as forward.
@@ -143,19 +195,12 @@ __global__ void __launch_bounds__(kThreads)
                         Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *ks = smem;                     // (32, hd + 1)
-  float *vs = ks + kTile * pitch;       // (32, hd + 1)
-  float *qs = vs + kTile * pitch;       // (8, hd)
-  float *dos = qs + kRowsPerBlock * hd; // (8, hd)
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int t = blockIdx.x * kRowsPerBlock + warp;
-  const bool active = t < s.queries;
-  const int pos = s.begin + t;
-  const int lastPos = s.begin + min(s.queries, int(blockIdx.x + 1) * kRowsPerBlock) - 1;
-  float *qRow = qs + warp * hd, *doRow = dos + warp * hd;
+  const SharedTiles shared(smem, hd); // K, V tiles; the warps' query and dO rows
+  const QueryWarp w(s);
+  const int lane = w.lane, b = w.b, h = w.h, t = w.t, pos = w.pos;
+  float *qRow = shared.warpRow(0, w.warp), *doRow = shared.warpRow(1, w.warp);
   float rowLse = 0.0f, rowD = 0.0f;
-  if (active) {
+  if (w.active) {
     for (int d = lane; d < hd; d += kWarp) {
       qRow[d] = toFloat(q[s.qRow(b, t, h) + d]);
       doRow[d] = toFloat(dOut[s.qRow(b, t, h) + d]);
@@ -164,39 +209,18 @@ __global__ void __launch_bounds__(kThreads)
     rowD = rowDot[s.statRow(b, h, t)];
   }
   float acc[kPerLane] = {};
-  for (int j0 = 0; j0 <= lastPos; j0 += kTile) {
-    __syncthreads();
-    auto kvOffset = [&](int j) { return s.kvRow(j, b, h); };
-    loadTile(ks, k, j0, s.keys(), hd, kvOffset);
-    loadTile(vs, v, j0, s.keys(), hd, kvOffset);
-    __syncthreads();
-    if (!active || j0 > pos)
-      continue;
+  w.forEachKeyTile(s, shared, k, v, [&](int j0, int visible) {
     const int j = j0 + lane;
     float ds = 0.0f;
     if (j <= pos) {
-      const float p = expf(dot(qRow, ks + lane * pitch, hd) * scale - rowLse);
-      ds = p * (dot(doRow, vs + lane * pitch, hd) - rowD) * scale;
+      const float p = expf(dot(qRow, shared.tile[0] + lane * pitch, hd) * scale - rowLse);
+      ds = p * (dot(doRow, shared.tile[1] + lane * pitch, hd) - rowD) * scale;
     }
-    const int visible = min(kTile, pos - j0 + 1);
-    for (int l = 0; l < visible; ++l) {
-      const float dsl = __shfl_sync(kFullMask, ds, l);
-#pragma unroll
-      for (int r = 0; r < kPerLane; ++r) {
-        const int d = lane + r * kWarp;
-        if (d < hd)
-          acc[r] += dsl * ks[l * pitch + d];
-      }
-    }
-  }
-  if (!active)
+    addTileRows(acc, ds, shared.tile[0], visible, pitch, hd, lane);
+  });
+  if (!w.active)
     return;
-#pragma unroll
-  for (int r = 0; r < kPerLane; ++r) {
-    const int d = lane + r * kWarp;
-    if (d < hd)
-      dq[s.qRow(b, t, h) + d] = fromFloat<T>(acc[r]);
-  }
+  storeRow(dq, s.qRow(b, t, h), acc, 1.0f, hd, lane);
 }
 
 // dk, dv (a+x, B, KV*hd) fp32 += over the queries t that see key j (a + t >= j), of every query
@@ -211,17 +235,15 @@ __global__ void __launch_bounds__(kThreads)
                            const T *__restrict__ k, const T *__restrict__ v, Dims s, float scale) {
   PIPEC_DYNAMIC_SHARED(float, smem);
   const int hd = s.headDim, pitch = hd + 1;
-  float *qs = smem;                            // (32, hd + 1)
-  float *dos = qs + kTile * pitch;             // (32, hd + 1)
-  float *kRows = dos + kTile * pitch;          // (8, hd)
-  float *vRows = kRows + kRowsPerBlock * hd;   // (8, hd)
-  float *lseTile = vRows + kRowsPerBlock * hd; // (32)
-  float *dTile = lseTile + kTile;              // (32)
+  const SharedTiles shared(smem, hd);
+  float *qs = shared.tile[0], *dos = shared.tile[1];
+  float *lseTile = shared.warpRow(2, 0); // (32)
+  float *dTile = lseTile + kTile;        // (32)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int b = blockIdx.y / s.kvHeads, firstHead = (blockIdx.y % s.kvHeads) * s.group();
   const int j = blockIdx.x * kRowsPerBlock + warp;
   const bool active = j < s.keys();
-  float *kRow = kRows + warp * hd, *vRow = vRows + warp * hd;
+  float *kRow = shared.warpRow(0, warp), *vRow = shared.warpRow(1, warp);
   if (active)
     for (int d = lane; d < hd; d += kWarp) {
       kRow[d] = toFloat(k[s.kvRow(j, b, firstHead) + d]);
@@ -303,13 +325,16 @@ cudaError_t simtForward(DType dtype, void *out, float *lse, const void *q, const
 }
 
 cudaError_t rowDot(DType dtype, float *rowDot, const void *dOut, const void *out, const Dims &s,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, unsigned *rowMaxAbs) {
   const dim3 grid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(grid, kThreads, 0, stream, rowDotKernel<T>)
-    (rowDot, static_cast<const T *>(dOut), static_cast<const T *>(out), s);
-    return cudaGetLastError();
+    auto run = [&](auto kernel) {
+      PIPEC_LAUNCH(grid, kThreads, 0, stream, kernel)
+      (rowDot, rowMaxAbs, static_cast<const T *>(dOut), static_cast<const T *>(out), s);
+      return cudaGetLastError();
+    };
+    return rowMaxAbs ? run(rowDotKernel<T, true>) : run(rowDotKernel<T, false>);
   });
 }
 

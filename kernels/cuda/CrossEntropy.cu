@@ -9,7 +9,7 @@
 // A target outside [0, V) makes the whole-vocabulary kernel's row loss NaN (the CPU asserts; the
 // data sources reject such ids).
 // Vocab-parallel (tp > 1): a rank holds the logits of vocabulary columns [vocabBegin, + V);
-// shardStatsKernel writes the row's (max, sum) and its target's logit where this rank has it,
+// ShardStats writes the row's (max, sum) and its target's logit where this rank has it,
 // zeros elsewhere, so that the tp all-reduce's sum gathers every shard's pair, and
 // combineKernel merges the pairs into the loss. The backward takes vocabBegin (0 without tp).
 //
@@ -64,40 +64,58 @@ template <typename T> __device__ MaxSum rowMaxSum(const T *__restrict__ l, int v
   return acc;
 }
 
-// rowLoss, lse (n) from logits (n, V); grid n blocks.
-template <typename T>
+// Block `row` of a grid of n blocks takes row `row` of logits (n, V): its (max, sum of exp),
+// then thread 0 calls finish(row, the row, that pair).
+template <typename T, typename Finish>
 __global__ void __launch_bounds__(kThreads)
-    forwardKernel(float *__restrict__ rowLoss, float *__restrict__ lse,
-                  const T *__restrict__ logits, const int32_t *__restrict__ targets, int v,
-                  float scale) {
+    rowKernel(const T *__restrict__ logits, int v, Finish finish) {
   const size_t row = blockIdx.x;
   const T *l = logits + row * v;
   const MaxSum acc = rowMaxSum(l, v);
-  if (threadIdx.x != 0)
-    return;
-  const float rowLse = acc.max + logf(acc.sum);
-  const int32_t target = targets[row];
-  lse[row] = rowLse;
-  rowLoss[row] = target >= 0 && target < v ? (rowLse - toFloat(l[target])) * scale : NAN;
+  if (threadIdx.x == 0)
+    finish(row, l, acc);
 }
 
-// stats (2 parts + 1, n) from the shard's logits (n, V); grid n blocks.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    shardStatsKernel(float *__restrict__ stats, const T *__restrict__ logits,
-                     const int32_t *__restrict__ targets, int n, int v, int vocabBegin, int part,
-                     int parts) {
-  const size_t row = blockIdx.x;
-  const T *l = logits + row * v;
-  const MaxSum acc = rowMaxSum(l, v);
-  if (threadIdx.x != 0)
-    return;
-  for (int p = 0; p < parts; ++p) {
-    stats[size_t(2 * p) * n + row] = p == part ? acc.max : 0.0f;
-    stats[size_t(2 * p + 1) * n + row] = p == part ? acc.sum : 0.0f;
+// The whole vocabulary's rowLoss and lse (n).
+struct RowLoss {
+  float *rowLoss, *lse;
+  const int32_t *targets;
+  int v;
+  float scale;
+  template <typename T> __device__ void operator()(size_t row, const T *l, MaxSum acc) const {
+    const float rowLse = acc.max + logf(acc.sum);
+    const int32_t target = targets[row];
+    lse[row] = rowLse;
+    rowLoss[row] = target >= 0 && target < v ? (rowLse - toFloat(l[target])) * scale : NAN;
   }
-  const int32_t local = targets[row] - vocabBegin;
-  stats[size_t(2 * parts) * n + row] = local >= 0 && local < v ? toFloat(l[local]) : 0.0f;
+};
+
+// A shard's stats (2 parts + 1, n).
+struct ShardStats {
+  float *stats;
+  const int32_t *targets;
+  int n, v, vocabBegin, part, parts;
+  template <typename T> __device__ void operator()(size_t row, const T *l, MaxSum acc) const {
+    for (int p = 0; p < parts; ++p) {
+      stats[size_t(2 * p) * n + row] = p == part ? acc.max : 0.0f;
+      stats[size_t(2 * p + 1) * n + row] = p == part ? acc.sum : 0.0f;
+    }
+    const int32_t local = targets[row] - vocabBegin;
+    stats[size_t(2 * parts) * n + row] = local >= 0 && local < v ? toFloat(l[local]) : 0.0f;
+  }
+};
+
+template <typename Finish>
+cudaError_t launchRowKernel(DType dtype, const void *logits, int n, int v, Finish finish,
+                            cudaStream_t stream) {
+  if (n == 0)
+    return cudaSuccess;
+  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, rowKernel<T, Finish>)
+    (static_cast<const T *>(logits), v, finish);
+    return cudaGetLastError();
+  });
 }
 
 // rowLoss, lse (n) from the summed stats of `parts` shards; one thread per row.
@@ -135,27 +153,14 @@ namespace launch {
 cudaError_t crossEntropyForward(DType dtype, float *rowLoss, float *lse, const void *logits,
                                 const int32_t *targets, int n, int v, float scale,
                                 cudaStream_t stream) {
-  if (n == 0)
-    return cudaSuccess;
-  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, forwardKernel<T>)
-    (rowLoss, lse, static_cast<const T *>(logits), targets, v, scale);
-    return cudaGetLastError();
-  });
+  return launchRowKernel(dtype, logits, n, v, RowLoss{rowLoss, lse, targets, v, scale}, stream);
 }
 
 cudaError_t crossEntropyShardStats(DType dtype, float *stats, const void *logits,
                                    const int32_t *targets, int n, int v, int vocabBegin, int part,
                                    int parts, cudaStream_t stream) {
-  if (n == 0)
-    return cudaSuccess;
-  return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(unsigned(n), kThreads, 0, stream, shardStatsKernel<T>)
-    (stats, static_cast<const T *>(logits), targets, n, v, vocabBegin, part, parts);
-    return cudaGetLastError();
-  });
+  return launchRowKernel(dtype, logits, n, v,
+                         ShardStats{stats, targets, n, v, vocabBegin, part, parts}, stream);
 }
 
 cudaError_t crossEntropyCombine(float *rowLoss, float *lse, const float *stats, int n, int parts,

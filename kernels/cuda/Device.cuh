@@ -18,6 +18,12 @@
 
 #include <cstdint>
 
+/// Runs `body` (a generic lambda taking a T* null pointer) with T = float or bf16 by `dtype`.
+#define PIPEC_DISPATCH_DTYPE(dtype, ...)                                                           \
+  ((dtype) == ::pipec::kernels::cuda::DType::F32                                                   \
+       ? (__VA_ARGS__)(static_cast<float *>(nullptr))                                              \
+       : (__VA_ARGS__)(static_cast<::pipec::kernels::cuda::device::bf16 *>(nullptr)))
+
 namespace pipec::kernels::cuda::device {
 
 using bf16 = __nv_bfloat16;
@@ -124,6 +130,24 @@ template <int Pending> __device__ __forceinline__ void cpAsyncWait() {
 
 inline unsigned ceilDiv(size_t a, size_t b) { return unsigned((a + b - 1) / b); }
 
+// Row kernels: one warp per row of c values, kRowWarps warps (kRowThreads threads) a block, on
+// ceilDiv(n, kRowWarps) blocks for n rows.
+inline constexpr int kRowWarps = 8;
+inline constexpr int kRowThreads = kRowWarps * kWarp;
+
+/// The row a row kernel's warp owns.
+__device__ __forceinline__ int warpRow() { return blockIdx.x * kRowWarps + threadIdx.x / kWarp; }
+
+/// In a row kernel, the sum of f(x[k]) over the warp's row x of c values: each lane adds its
+/// share (k = lane, lane + 32, ...) in order, then warpSum adds the lanes'.
+template <typename T, typename F>
+__device__ __forceinline__ float rowSum(const T *__restrict__ x, int c, F f) {
+  float sum = 0.0f;
+  for (int k = int(threadIdx.x % kWarp); k < c; k += kWarp)
+    sum += f(toFloat(x[k]));
+  return warpSum(sum);
+}
+
 // Column sums in an order that the shapes alone fix, so that every launch (and every tp rank,
 // from the same inputs) gets the same bits: no atomics. Rows go in chunks of
 // kColumnSumChunkRows; a kernel launched on ColumnSumGrid blocks of kColumnSumThreads threads
@@ -206,12 +230,22 @@ inline dim3 columnSumGrid(int n, int c) {
               unsigned((n + kColumnSumChunkRows - 1) / kColumnSumChunkRows));
 }
 
-/// After a columnSums kernel on `stream`: combineColumnSums when the rows spanned more than one
-/// chunk (`partials` then holds launch::columnSumScratchFloats(n, c, N) floats).
-template <int N>
-cudaError_t combineColumnSumsIfChunked(ColumnSumOutputs out, const float *partials, int n, int c,
-                                       cudaStream_t stream) {
-  const unsigned chunks = columnSumGrid(n, c).y;
+/// A columnSums kernel's whole launch over n rows of c columns in `dtype`: `queue(T *, grid)`
+/// queues the kernel (T the element type) on `stream` with kColumnSumThreads threads a block;
+/// then combineColumnSums when the rows span more than one chunk. `partials` holds
+/// launch::columnSumScratchFloats(n, c, N) floats (cudaErrorInvalidValue if null when needed).
+template <int N, typename Launch>
+cudaError_t launchColumnSums(DType dtype, ColumnSumOutputs out, float *partials, int n, int c,
+                             cudaStream_t stream, Launch queue) {
+  if (n == 0 || c == 0)
+    return cudaSuccess;
+  if (!partials && launch::columnSumScratchFloats(n, c, N) > 0)
+    return cudaErrorInvalidValue;
+  const dim3 grid = columnSumGrid(n, c);
+  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) { queue(tag, grid); });
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return err;
+  const unsigned chunks = grid.y;
   if (chunks == 1)
     return cudaSuccess;
   constexpr int kThreads = 256;
@@ -223,11 +257,5 @@ cudaError_t combineColumnSumsIfChunked(ColumnSumOutputs out, const float *partia
 }
 
 } // namespace pipec::kernels::cuda::device
-
-/// Runs `body` (a generic lambda taking a T* null pointer) with T = float or bf16 by `dtype`.
-#define PIPEC_DISPATCH_DTYPE(dtype, ...)                                                           \
-  ((dtype) == ::pipec::kernels::cuda::DType::F32                                                   \
-       ? (__VA_ARGS__)(static_cast<float *>(nullptr))                                              \
-       : (__VA_ARGS__)(static_cast<::pipec::kernels::cuda::device::bf16 *>(nullptr)))
 
 #endif // PIPEC_KERNELS_CUDA_DEVICE_CUH

@@ -154,20 +154,12 @@ cudaError_t adamUpdate(float *params, const float *grads, float *m, float *v, si
 
 cudaError_t columnSumAccumulate(DType dtype, float *dBias, const void *dOut, int n, int o,
                                 float *partials, cudaStream_t stream) {
-  if (n == 0 || o == 0)
-    return cudaSuccess;
-  if (!partials && columnSumScratchFloats(n, o, 1) > 0)
-    return cudaErrorInvalidValue;
   const ColumnSumOutputs out{{dBias, nullptr}};
-  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  return launchColumnSums<1>(dtype, out, partials, n, o, stream, [&](auto *tag, dim3 grid) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(columnSumGrid(n, o), kColumnSumThreads, 0, stream, columnSumKernel<T>)
+    PIPEC_LAUNCH(grid, kColumnSumThreads, 0, stream, columnSumKernel<T>)
     (out, partials, static_cast<const T *>(dOut), n, o);
-    return cudaGetLastError();
   });
-  if (err != cudaSuccess)
-    return err;
-  return combineColumnSumsIfChunked<1>(out, partials, n, o, stream);
 }
 
 cudaError_t addRowBias(DType dtype, void *out, const void *bias, int n, int o, int ld,

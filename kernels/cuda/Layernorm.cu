@@ -20,29 +20,22 @@ namespace {
 using namespace device;
 
 constexpr float kEps = 1e-5f;
-constexpr int kWarpsPerBlock = 8;
-constexpr int kThreads = kWarpsPerBlock * kWarp;
 
 // out (n, c) = (in - mean) * rstd * w + b; mean, rstd (n).
 template <typename T>
 __global__ void forwardKernel(T *__restrict__ out, float *__restrict__ mean,
                               float *__restrict__ rstd, const T *__restrict__ in,
                               const T *__restrict__ w, const T *__restrict__ b, int n, int c) {
-  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
+  const int row = warpRow(), lane = threadIdx.x % kWarp;
   if (row >= n)
     return;
   const T *x = in + size_t(row) * c;
-  float sum = 0.0f;
-  for (int k = lane; k < c; k += kWarp)
-    sum += toFloat(x[k]);
-  const float m = warpSum(sum) / c;
-  float var = 0.0f;
-  for (int k = lane; k < c; k += kWarp) {
-    float d = toFloat(x[k]) - m;
-    var += d * d;
-  }
-  const float s = 1.0f / sqrtf(warpSum(var) / c + kEps);
+  const float m = rowSum(x, c, [](float v) { return v; }) / c;
+  const float var = rowSum(x, c, [&](float v) {
+    const float d = v - m;
+    return d * d;
+  });
+  const float s = 1.0f / sqrtf(var / c + kEps);
   T *y = out + size_t(row) * c;
   for (int k = lane; k < c; k += kWarp)
     y[k] = fromFloat<T>((toFloat(x[k]) - m) * s * toFloat(w[k]) + toFloat(b[k]));
@@ -58,8 +51,7 @@ __global__ void backwardInputKernel(T *__restrict__ dIn, const T *__restrict__ d
                                     const T *__restrict__ in, const float *__restrict__ mean,
                                     const float *__restrict__ rstd, const T *__restrict__ w, int n,
                                     int c) {
-  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
+  const int row = warpRow(), lane = threadIdx.x % kWarp;
   if (row >= n)
     return;
   const T *x = in + size_t(row) * c;
@@ -109,7 +101,7 @@ cudaError_t layernormForward(DType dtype, void *out, float *mean, float *rstd, c
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream, forwardKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(n, kRowWarps), kRowThreads, 0, stream, forwardKernel<T>)
     (static_cast<T *>(out), mean, rstd, static_cast<const T *>(in), static_cast<const T *>(w),
      static_cast<const T *>(b), n, c);
     return cudaGetLastError();
@@ -123,7 +115,7 @@ cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void 
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kThreads, 0, stream, backwardInputKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(n, kRowWarps), kRowThreads, 0, stream, backwardInputKernel<T>)
     (static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd,
      static_cast<const T *>(w), n, c);
     return cudaGetLastError();
@@ -133,20 +125,12 @@ cudaError_t layernormBackwardInputAccumulate(DType dtype, void *dIn, const void 
 cudaError_t layernormBackwardWeight(DType dtype, float *dW, float *dB, const void *dOut,
                                     const void *in, const float *mean, const float *rstd, int n,
                                     int c, float *partials, cudaStream_t stream) {
-  if (n == 0 || c == 0)
-    return cudaSuccess;
-  if (!partials && columnSumScratchFloats(n, c, 2) > 0)
-    return cudaErrorInvalidValue;
   const ColumnSumOutputs out{{dW, dB}};
-  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  return launchColumnSums<2>(dtype, out, partials, n, c, stream, [&](auto *tag, dim3 grid) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(columnSumGrid(n, c), kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
+    PIPEC_LAUNCH(grid, kColumnSumThreads, 0, stream, backwardWeightKernel<T>)
     (out, partials, static_cast<const T *>(dOut), static_cast<const T *>(in), mean, rstd, n, c);
-    return cudaGetLastError();
   });
-  if (err != cudaSuccess)
-    return err;
-  return combineColumnSumsIfChunked<2>(out, partials, n, c, stream);
 }
 
 } // namespace launch

@@ -23,8 +23,6 @@ namespace {
 
 using namespace device;
 
-constexpr int kWarpsPerBlock = 8;
-constexpr int kRowThreads = kWarpsPerBlock * kWarp;
 constexpr int kThreads = 256;
 constexpr unsigned kMaxBlocks = 65535u * 8u;
 
@@ -38,17 +36,11 @@ template <typename T>
 __global__ void rmsnormForwardKernel(T *__restrict__ out, float *__restrict__ rstd,
                                      const T *__restrict__ in, const T *__restrict__ w, int n,
                                      int c, float eps) {
-  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
+  const int row = warpRow(), lane = threadIdx.x % kWarp;
   if (row >= n)
     return;
   const T *x = in + size_t(row) * c;
-  float sumSq = 0.0f;
-  for (int k = lane; k < c; k += kWarp) {
-    const float v = toFloat(x[k]);
-    sumSq += v * v;
-  }
-  const float s = 1.0f / sqrtf(warpSum(sumSq) / c + eps);
+  const float s = 1.0f / sqrtf(rowSum(x, c, [](float v) { return v * v; }) / c + eps);
   T *y = out + size_t(row) * c;
   for (int k = lane; k < c; k += kWarp)
     y[k] = fromFloat<T>(toFloat(x[k]) * s * toFloat(w[k]));
@@ -61,8 +53,7 @@ template <typename T>
 __global__ void rmsnormBackwardInputKernel(T *__restrict__ dIn, const T *__restrict__ dOut,
                                            const T *__restrict__ in, const float *__restrict__ rstd,
                                            const T *__restrict__ w, int n, int c) {
-  const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
-  const int lane = threadIdx.x % kWarp;
+  const int row = warpRow(), lane = threadIdx.x % kWarp;
   if (row >= n)
     return;
   const T *x = in + size_t(row) * c;
@@ -152,7 +143,7 @@ cudaError_t rmsnormForward(DType dtype, void *out, float *rstd, const void *in, 
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream, rmsnormForwardKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(n, kRowWarps), kRowThreads, 0, stream, rmsnormForwardKernel<T>)
     (static_cast<T *>(out), rstd, static_cast<const T *>(in), static_cast<const T *>(w), n, c, eps);
     return cudaGetLastError();
   });
@@ -165,7 +156,7 @@ cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *d
     return cudaSuccess;
   return PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(ceilDiv(n, kWarpsPerBlock), kRowThreads, 0, stream, rmsnormBackwardInputKernel<T>)
+    PIPEC_LAUNCH(ceilDiv(n, kRowWarps), kRowThreads, 0, stream, rmsnormBackwardInputKernel<T>)
     (static_cast<T *>(dIn), static_cast<const T *>(dOut), static_cast<const T *>(in), rstd,
      static_cast<const T *>(w), n, c);
     return cudaGetLastError();
@@ -175,20 +166,12 @@ cudaError_t rmsnormBackwardInputAccumulate(DType dtype, void *dIn, const void *d
 cudaError_t rmsnormBackwardWeight(DType dtype, float *dW, const void *dOut, const void *in,
                                   const float *rstd, int n, int c, float *partials,
                                   cudaStream_t stream) {
-  if (n == 0 || c == 0)
-    return cudaSuccess;
-  if (!partials && columnSumScratchFloats(n, c, 1) > 0)
-    return cudaErrorInvalidValue;
   const ColumnSumOutputs out{{dW, nullptr}};
-  const cudaError_t err = PIPEC_DISPATCH_DTYPE(dtype, [&](auto *tag) {
+  return launchColumnSums<1>(dtype, out, partials, n, c, stream, [&](auto *tag, dim3 grid) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    PIPEC_LAUNCH(columnSumGrid(n, c), kColumnSumThreads, 0, stream, rmsnormBackwardWeightKernel<T>)
+    PIPEC_LAUNCH(grid, kColumnSumThreads, 0, stream, rmsnormBackwardWeightKernel<T>)
     (out, partials, static_cast<const T *>(dOut), static_cast<const T *>(in), rstd, n, c);
-    return cudaGetLastError();
   });
-  if (err != cudaSuccess)
-    return err;
-  return combineColumnSumsIfChunked<1>(out, partials, n, c, stream);
 }
 
 cudaError_t swigluForward(DType dtype, void *out, const void *pre, int n, int f,

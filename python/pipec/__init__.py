@@ -100,6 +100,7 @@ class Plan:
     def __init__(self, handle):
         self._h = handle
         self._dict = None
+        self._header = None
 
     # Identity and configuration.
     @property
@@ -119,9 +120,18 @@ class Plan:
     def time_unit(self) -> str:
         return self._h.time_unit
 
+    def _head(self) -> dict:
+        """The plan's JSON but its instruction streams, read once."""
+        if self._header is None:
+            self._header = json.loads(self._h.header_json())
+        return self._header
+
     @property
     def parallel(self) -> dict:
-        return self._h.parallel
+        """pp, vpp, tp, dp, microbatches, seq_splits, microbatch_group_size (0: the default)."""
+        p = self._head()["parallel"]
+        return {key: p.get(key, 0) for key in ("pp", "vpp", "tp", "dp", "microbatches",
+                                               "seq_splits", "microbatch_group_size")}
 
     @property
     def pp(self) -> int:
@@ -154,17 +164,18 @@ class Plan:
     @property
     def stages(self) -> list[dict]:
         """One dict per stage: stage, rank, layers (begin, end) and param_bytes."""
-        return self._h.stages
+        return [{"stage": s["stage"], "rank": s["rank"], "layers": tuple(s["layers"]),
+                 "param_bytes": s["param_bytes"]} for s in self._head()["stages"]]
 
     # Results.
     @property
     def stats(self) -> Stats:
-        s = self._h.stats
+        s = self._head().get("stats", {})
         return Stats(
             makespan=s.get("makespan"),
             bubble_ratio=s.get("bubble_ratio"),
             step_time=s.get("step_time"),
-            ranks=tuple(RankStats(**r) for r in s["ranks"]),
+            ranks=tuple(RankStats(**r) for r in s.get("ranks", ())),
         )
 
     @property

@@ -26,6 +26,15 @@ constexpr int kThreads = 256;
 
 unsigned blocksFor(size_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
+/// Runs `launch(T *, blocks)` with T the compute type, which queues a kernel of one thread per
+/// element over `total` elements on `blocks` blocks of kThreads; nothing when there are none.
+template <typename Launch> cudaError_t launchPerElement(DType dtype, size_t total, Launch launch) {
+  if (total == 0)
+    return cudaSuccess;
+  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) { launch(type, blocksFor(total)); });
+  return cudaGetLastError();
+}
+
 template <typename T>
 __global__ void embeddingForwardKernel(T *__restrict__ resid, const int32_t *__restrict__ inputs,
                                        const T *__restrict__ wte, const T *__restrict__ wpe, int n,
@@ -186,16 +195,12 @@ __global__ void accumulateSumKernel(double *__restrict__ acc, const float *__res
 cudaError_t embeddingForward(DType dtype, void *resid, const int32_t *inputs, const void *wte,
                              const void *wpe, int n, int x, int begin, int c, int vocabBegin,
                              int localVocab, cudaStream_t stream) {
-  size_t total = size_t(n) * c;
-  if (total == 0)
-    return cudaSuccess;
-  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
+  return launchPerElement(dtype, size_t(n) * c, [&](auto *type, unsigned blocks) {
     using T = std::remove_pointer_t<decltype(type)>;
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, embeddingForwardKernel<T>)
+    PIPEC_LAUNCH(blocks, kThreads, 0, stream, embeddingForwardKernel<T>)
     (static_cast<T *>(resid), inputs, static_cast<const T *>(wte), static_cast<const T *>(wpe), n,
      x, begin, c, vocabBegin, localVocab);
   });
-  return cudaGetLastError();
 }
 
 cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void *dEmb,
@@ -225,42 +230,32 @@ cudaError_t embeddingBackward(DType dtype, float *dWte, float *dWpe, const void 
 
 cudaError_t residualAdd(DType dtype, void *resid, const void *branch, const void *bias, int n,
                         int c, cudaStream_t stream) {
-  size_t total = size_t(n) * c;
-  if (total == 0)
-    return cudaSuccess;
-  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
+  return launchPerElement(dtype, size_t(n) * c, [&](auto *type, unsigned blocks) {
     using T = std::remove_pointer_t<decltype(type)>;
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, residualAddKernel<T>)
+    PIPEC_LAUNCH(blocks, kThreads, 0, stream, residualAddKernel<T>)
     (static_cast<T *>(resid), static_cast<const T *>(branch), static_cast<const T *>(bias), n, c);
   });
-  return cudaGetLastError();
 }
 
 cudaError_t splitQkv(DType dtype, void *q, void *k, void *v, const void *qkv, int n, int x,
                      int batch, int begin, int cl, int kvl, cudaStream_t stream) {
-  size_t total = size_t(n) * size_t(cl + 2 * kvl);
-  if (total == 0)
-    return cudaSuccess;
-  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, splitQkvKernel<T>)
-    (static_cast<T *>(q), static_cast<T *>(k), static_cast<T *>(v), static_cast<const T *>(qkv), n,
-     x, batch, begin, cl, kvl);
-  });
-  return cudaGetLastError();
+  return launchPerElement(dtype, size_t(n) * size_t(cl + 2 * kvl),
+                          [&](auto *type, unsigned blocks) {
+                            using T = std::remove_pointer_t<decltype(type)>;
+                            PIPEC_LAUNCH(blocks, kThreads, 0, stream, splitQkvKernel<T>)
+                            (static_cast<T *>(q), static_cast<T *>(k), static_cast<T *>(v),
+                             static_cast<const T *>(qkv), n, x, batch, begin, cl, kvl);
+                          });
 }
 
 cudaError_t gatherQkv(DType dtype, void *dQkv, const void *dq, const float *dk, const float *dv,
                       int n, int x, int batch, int begin, int cl, int kvl, cudaStream_t stream) {
-  size_t total = size_t(n) * size_t(cl + 2 * kvl);
-  if (total == 0)
-    return cudaSuccess;
-  PIPEC_DISPATCH_DTYPE(dtype, [&](auto *type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    PIPEC_LAUNCH(blocksFor(total), kThreads, 0, stream, gatherQkvKernel<T>)
-    (static_cast<T *>(dQkv), static_cast<const T *>(dq), dk, dv, n, x, batch, begin, cl, kvl);
-  });
-  return cudaGetLastError();
+  return launchPerElement(
+      dtype, size_t(n) * size_t(cl + 2 * kvl), [&](auto *type, unsigned blocks) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        PIPEC_LAUNCH(blocks, kThreads, 0, stream, gatherQkvKernel<T>)
+        (static_cast<T *>(dQkv), static_cast<const T *>(dq), dk, dv, n, x, batch, begin, cl, kvl);
+      });
 }
 
 cudaError_t sumPair(float *a, float *b, size_t n, cudaStream_t stream) {

@@ -18,8 +18,7 @@
 //     (backwardKeyValueWgmmaKernel), and with atomics also dQ.
 //
 //===----------------------------------------------------------------------===//
-#include "kernels/cuda/Attention.cuh"
-#include "kernels/cuda/Wgmma.cuh"
+#include "kernels/cuda/AttentionWgmma.cuh"
 #include "kernels/cuda/experimental/Launch.h"
 
 #include <algorithm>
@@ -31,45 +30,17 @@ namespace {
 using namespace device;
 using attention::Dims;
 using attention::exp2Fast;
+using attention::KeyValueTiles;
 using attention::kLn2;
 using attention::kLog2e;
 using attention::launchWithSmem;
-using attention::load32;
+using attention::loadRowFragments;
 using attention::pack;
+using attention::storeRowPairs;
+using attention::SwizzledCopy;
 
-/// The bits of |x|: as unsigned integers they order as the magnitudes do, with Inf above every
-/// finite value and NaN above Inf, so their maximum keeps a NaN (fmaxf drops it).
-__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
-
-constexpr int kRowsPerBlock = 8; // the row dots: warps per block, one query row each
-
-// rowDot (B, H, x) = dOut . out per query row and head (the softmax backward's sum p dP); and,
-// unless null, rowMaxAbs (B, H, x) = the bits of max |dOut| of the row (absBits; the fixed-point
-// dQ's bound). grid (ceil(x / 8), B*H); block 8 warps, warp w: query t = blockIdx.x * 8 + w.
-__global__ void rowDotKernel(float *__restrict__ rowDot, unsigned *__restrict__ rowMaxAbs,
-                             const bf16 *__restrict__ dOut, const bf16 *__restrict__ out, Dims s) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int t = blockIdx.x * kRowsPerBlock + warp;
-  if (t >= s.queries)
-    return;
-  const size_t row = s.qRow(b, t, h);
-  float sum = 0.0f;
-  unsigned maxAbs = 0;
-  for (int d = lane; d < s.headDim; d += kWarp) {
-    sum += toFloat(dOut[row + d]) * toFloat(out[row + d]);
-    maxAbs = max(maxAbs, absBits(toFloat(dOut[row + d])));
-  }
-  sum = warpSum(sum);
-  if (rowMaxAbs)
-    for (int offset = kWarp / 2; offset > 0; offset /= 2)
-      maxAbs = max(maxAbs, __shfl_xor_sync(kFullMask, maxAbs, offset));
-  if (lane == 0) {
-    rowDot[s.statRow(b, h, t)] = sum;
-    if (rowMaxAbs)
-      rowMaxAbs[s.statRow(b, h, t)] = maxAbs;
-  }
-}
+using attention::absBits;
+using attention::BlockRows;
 
 //===--- dQ on the forward's loop -----------------------------------------===//
 //
@@ -80,100 +51,32 @@ __global__ void rowDotKernel(float *__restrict__ rowDot, unsigned *__restrict__ 
 // dQ += dS K (K read MN-major, as V is for the forward's P V), overlapped with the next tile's S
 // and dP; dq is written, times `scale`.
 
-constexpr int kBlockKeys = 64;
-constexpr int kStages = 4, kAhead = 2, kBarrierBytes = 64;
-
-constexpr size_t queryGradSharedBytes(int hd) {
-  return sizeof(bf16) * size_t(2 * kStages * kBlockKeys) * hd + 1024 + kBarrierBytes;
-}
-
 // dq (B, x, H*hd) bf16 from lse, rowDot (B, H, x), q, dOut (B, x, H*hd), k, v (a+x, B, H*hd), all
 // bf16, 16-byte aligned. grid (ceil(x / 128), B*H), block 256; HD 64 or 128.
 template <int HD>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(KeyValueTiles<HD>::kThreads, 1)
     queryGradWgmmaKernel(bf16 *__restrict__ dq, const float *__restrict__ lse,
                          const bf16 *__restrict__ q, const bf16 *__restrict__ k,
                          const bf16 *__restrict__ v, const bf16 *__restrict__ dOut,
                          const float *__restrict__ rowDot, Dims s, float scale) {
-  static_assert(HD == 64 || HD == 128, "whole 128-byte swizzle rows; wgmma's n for dS K");
+  using Tiles = KeyValueTiles<HD>;
+  constexpr int kBlockKeys = Tiles::kBlockKeys;
   const float scaleLog2 = scale * kLog2e;
-  constexpr int kThreads = 256, kBlockQueries = 128;
-  constexpr int kTile = kBlockKeys * HD;
-  constexpr uint32_t kAtomBytes = 1024, kBlockBytes = kBlockKeys * 128; // 8 rows; 64 dims
   PIPEC_DYNAMIC_SHARED(float, smem);
-  // Buffer i's `full` and `empty` mbarriers first.
-  uint64_t *full = reinterpret_cast<uint64_t *>(smem), *empty = full + kStages;
-  static_assert(2 * kStages * sizeof(uint64_t) <= kBarrierBytes, "room for the mbarriers");
-  char *buffers = reinterpret_cast<char *>(smem) + kBarrierBytes;
-  // Stage i: K at 2 i kTile, V kTile on; aligned to the swizzle's atom.
-  bf16 *kvBuf = reinterpret_cast<bf16 *>(
-      buffers + (kAtomBytes - sharedAddress(buffers) % kAtomBytes) % kAtomBytes);
-  const int group = threadIdx.x / 128, warp = threadIdx.x / kWarp % 4, lane = threadIdx.x % kWarp;
-  const int g = lane / 4, tg = lane % 4;
-  const int b = blockIdx.y / s.heads, h = blockIdx.y % s.heads;
-  const int m0 = (int(gridDim.x) - 1 - int(blockIdx.x)) * kBlockQueries;
-  const int groupRow0 = m0 + 64 * group, r0 = groupRow0 + 16 * warp; // first rows
-  // A thread copies the same chunk of rows r, r + R, r + 2 R, ... of every tile (R = kThreads /
-  // (HD / 8), a multiple of 8, so the chunk's swizzled place is the same in each).
-  constexpr int kChunks = HD / 8, kRowStep = kThreads / kChunks;
-  constexpr int kCopies = kBlockKeys / kRowStep; // a thread's copies of K (and of V) a tile
-  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockKeys % kRowStep == 0,
-                "every thread copies one chunk of every R-th row");
-  const int copyRow = int(threadIdx.x) / kChunks, copyChunk = int(threadIdx.x) % kChunks;
-  const int copyShared =
-      copyChunk / 8 * (kBlockKeys * 64) + copyRow * 64 + ((copyChunk % 8) ^ (copyRow % 8)) * 8;
-  const size_t keyStride = size_t(s.batch) * s.width(); // from one position's row to the next
-  const size_t copyGlobal = s.kvRow(copyRow, b, h) + size_t(copyChunk) * 8;
-  // This thread's share of tile `tile`'s copies, tracked by the buffer's `full` mbarrier.
-  auto loadTile = [&](int tile) {
-    const int stage = tile % kStages;
-    bf16 *to = kvBuf + stage * 2 * kTile + copyShared;
-    const size_t from = copyGlobal + size_t(tile) * kBlockKeys * keyStride;
-    const int rowsLeft = s.keys() - tile * kBlockKeys - copyRow; // rows of this thread's in range
-#pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      bf16 *kTo = to + c * kRowStep * 64, *vTo = kTo + kTile;
-      const size_t at = from + size_t(c) * kRowStep * keyStride;
-      if (c * kRowStep < rowsLeft) {
-        cpAsync16(kTo, k + at);
-        cpAsync16(vTo, v + at);
-      } else {
-        cpAsync16Zero(kTo, k);
-        cpAsync16Zero(vTo, v);
-      }
-    }
-    cpAsyncMbarrierArrive(&full[stage]);
-  };
-
-  // The block's tiles cover keys [0, lastPos].
-  const int lastPos = s.begin + min(s.queries, m0 + kBlockQueries) - 1;
-  const int tiles = lastPos / kBlockKeys + 1;
-  const int groupFirstPos = s.begin + groupRow0;
-
-  if (threadIdx.x == 0)
-    for (int i = 0; i < kStages; ++i) {
-      mbarrierInit(&full[i], kThreads);  // every thread, as its copies land
-      mbarrierInit(&empty[i], kThreads); // every thread, done with the buffer
-    }
-  __syncthreads();
+  const BlockRows at(s);
+  const int g = at.g, tg = at.tg, b = at.b, h = at.h, r0 = at.r0;
   // The first tiles load while the fragments are read.
-  for (int t = 0; t < kAhead && t < tiles; ++t)
-    loadTile(t);
+  Tiles tiles(smem, k, v, s, b, h, at.lastPos / kBlockKeys + 1);
+  const int groupFirstPos = s.begin + at.groupRow0;
 
   // Q's and dO's A fragments (rows r0 + g, r0 + g + 8), with the rows' statistics.
   uint32_t qf[HD / 16][4], dof[HD / 16][4];
+  loadRowFragments<HD>(qf, q, s, b, h, r0 + g, tg);
+  loadRowFragments<HD>(dof, dOut, s, b, h, r0 + g, tg);
   float lse2[2] = {0.0f, 0.0f}, dRow[2] = {0.0f, 0.0f}; // lse log2(e) and D of the rows
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = r0 + g + 8 * half;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const size_t at = s.qRow(b, t, h) + kk * 16 + 8 * c + 2 * tg;
-        qf[kk][half + 2 * c] = t < s.queries ? load32(q + at) : 0u;
-        dof[kk][half + 2 * c] = t < s.queries ? load32(dOut + at) : 0u;
-      }
     if (t < s.queries) {
       lse2[half] = lse[s.statRow(b, h, t)] * kLog2e;
       dRow[half] = rowDot[s.statRow(b, h, t)];
@@ -189,40 +92,20 @@ __global__ void __launch_bounds__(256, 1)
   float dp[kBlockKeys / 2];        // the tile's dP
   uint32_t pf[kBlockKeys / 16][4]; // dS of the last tile, as dS K's A fragments
 
-  // One descriptor a tile; a k-step's is that plus its byte offset in 16-byte units.
-  auto issueScores = [&](const bf16 *ks) {
-    const uint64_t base = wgmmaDescriptor(ks, 16, kAtomBytes, WgmmaLayout::Swizzle128);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmmaBf16<kBlockKeys, false>(sc, qf[kk], base + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16,
-                                   kk > 0);
-    // dP = dO V^T, V read K-major as K is.
-    const uint64_t vBase = wgmmaDescriptor(ks + kTile, 16, kAtomBytes, WgmmaLayout::Swizzle128);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      wgmmaBf16<kBlockKeys, false>(dp, dof[kk], vBase + (kk / 4 * kBlockBytes + kk % 4 * 32) / 16,
-                                   kk > 0);
+  auto issueScores = [&](int it) { // S = Q K^T and dP = dO V^T (V read K-major as K is)
+    Tiles::issueRowsTimesTile(sc, qf, tiles.keysOf(it));
+    Tiles::issueRowsTimesTile(dp, dof, tiles.valuesOf(it));
     wgmmaCommit();
   };
-  // dQ' += dS K, K read MN-major.
-  auto issueDq = [&](const bf16 *ks) {
-    const uint64_t base = wgmmaDescriptor(ks, kBlockBytes, kAtomBytes, WgmmaLayout::Swizzle128);
-#pragma unroll
-    for (int ks2 = 0; ks2 < kBlockKeys / 16; ++ks2)
-      wgmmaBf16<HD, true>(o, pf[ks2], base + ks2 * 2 * kAtomBytes / 16, true);
+  auto issueDq = [&](int it) { // dQ' += dS K, K read MN-major
+    Tiles::issueTileProduct(o, pf, tiles.keysOf(it));
     wgmmaCommit();
   };
-  // dS of the tile at key j0 from its scores and dP (masked), into sc.
-  auto scoresToDs = [&](int j0) {
-    if (j0 + kBlockKeys - 1 > groupFirstPos) { // some key is past some row's position
-      // Key j0 + 8 n + 2 t + e of element 4 n + 2 row + e is visible while below the row's
-      // limit (relative to the lane's first key of the tile).
-      const int limit[2] = {pos[0] - j0 - 2 * tg, pos[1] - j0 - 2 * tg};
-#pragma unroll
-      for (int i = 0; i < kBlockKeys / 2; ++i)
-        if ((i >> 2) * 8 + (i & 1) > limit[(i >> 1) & 1])
-          sc[i] = -INFINITY;
-    }
+  // dS of tile it from its scores and dP (masked), into sc.
+  auto scoresToDs = [&](int it) {
+    wgmmaFenceRegisters(sc);
+    wgmmaFenceRegisters(dp);
+    Tiles::maskCausal(sc, it * kBlockKeys, groupFirstPos, pos, tg);
 #pragma unroll
     for (int i = 0; i < kBlockKeys / 2; ++i) {
       const int row = (i >> 1) & 1;
@@ -230,67 +113,16 @@ __global__ void __launch_bounds__(256, 1)
       sc[i] = p * (dp[i] - dRow[row]);
     }
   };
-  // dS as the A fragments of k-step ks (keys [16 ks, 16 ks + 16)): the accumulators of n-tiles
-  // 2 ks and 2 ks + 1 (once the previous tile's dS K, which reads them, has completed).
-  auto packDs = [&] {
-#pragma unroll
-    for (int ks2 = 0; ks2 < kBlockKeys / 16; ++ks2)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        pf[ks2][r] = pack(sc[8 * ks2 + 2 * r], sc[8 * ks2 + 2 * r + 1]);
-  };
-
-  // Every warpgroup runs every tile of the block, so no wgmma sits on a path that differs
-  // between threads: a warpgroup's rows that precede a tile have all its keys masked, and rows
-  // past the slice compute on zero queries.
-  auto landed = [&](int it) { // tile it in shared memory for wgmma; tile it + kAhead loading
-    mbarrierWait(&full[it % kStages], (it / kStages) & 1); // every thread's copies landed
-    fenceProxyAsyncShared(); // ... and the generic proxy's writes are seen by wgmma
-    const int next = it + kAhead;
-    if (next < tiles) {
-      if (next >= kStages) // its buffer's last tile, next - kStages, is read no more
-        mbarrierWait(&empty[next % kStages], (next / kStages - 1) & 1);
-      loadTile(next);
-    }
-  };
-  auto buffer = [&](int it) { return kvBuf + (it % kStages) * 2 * kTile; };
-  // Tile 0's S and dP alone; then tile i's with tile i - 1's dS K; then the last tile's dS K.
-  landed(0);
-  wgmmaFence();
-  issueScores(buffer(0));
-  wgmmaWait<0>();
-  wgmmaFenceRegisters(sc);
-  wgmmaFenceRegisters(dp);
-  scoresToDs(0);
-  packDs();
-  for (int it = 1; it < tiles; ++it) {
-    landed(it);
-    wgmmaFence();
-    issueScores(buffer(it));
-    issueDq(buffer(it - 1));
-    wgmmaWait<1>(); // S and dP; dS K may still run
-    wgmmaFenceRegisters(sc);
-    wgmmaFenceRegisters(dp);
-    scoresToDs(it * kBlockKeys);
-    wgmmaWait<0>();
-    wgmmaFenceRegisters(o);
-    mbarrierArrive(&empty[(it - 1) % kStages]); // tile it - 1 is read no more
-    packDs();
-  }
-  wgmmaFence();
-  issueDq(buffer(tiles - 1));
-  wgmmaWait<0>();
-  wgmmaFenceRegisters(o);
+  // dS as dS K's A fragments (once the previous tile's dS K, which reads them, has completed).
+  auto packDs = [&](int) { Tiles::packTile(pf, sc); };
+  // Tile i's S and dP with tile i - 1's dS K.
+  tiles.overlap(o, issueScores, scoresToDs, packDs, issueDq);
 #pragma unroll
   for (int row = 0; row < 2; ++row) {
     const int t = r0 + g + 8 * row;
-    if (t >= s.queries)
-      continue;
-    bf16 *dst = dq + s.qRow(b, t, h) + 2 * tg;
-#pragma unroll
-    for (int dt = 0; dt < HD / 8; ++dt)
-      *reinterpret_cast<__nv_bfloat162 *>(dst + dt * 8) =
-          __floats2bfloat162_rn(o[4 * dt + 2 * row] * scale, o[4 * dt + 2 * row + 1] * scale);
+    if (t < s.queries)
+      storeRowPairs<HD>(dq + s.qRow(b, t, h), tg,
+                        [&](int dt, int e) { return o[4 * dt + 2 * row + e] * scale; });
   }
 }
 
@@ -450,19 +282,17 @@ __global__ void __launch_bounds__(256, 1)
   const float scaleLog2 = scale * kLog2e;
 
   // A thread copies one chunk of every 16th (HD 128) or 32nd (HD 64) row of a 64-row tile.
-  constexpr int kChunks = HD / 8, kRowStep = kThreads / kChunks, kCopies = 64 / kRowStep;
-  const int copyRow = int(threadIdx.x) / kChunks, copyChunk = int(threadIdx.x) % kChunks;
-  const int copyShared =
-      copyChunk / 8 * (64 * 64) + copyRow * 64 + ((copyChunk % 8) ^ (copyRow % 8)) * 8;
+  using Copy = SwizzledCopy<HD, kThreads>;
+  const Copy copy;
   // Rows [row0, row0 + 64) (those from `rows` on as zeros), `stride` elements apart from
   // `first` (row row0's head), into the swizzled tile `to`.
   auto copyTile = [&](bf16 *to, const bf16 *first, size_t stride, int row0, int rows) {
 #pragma unroll
-    for (int c = 0; c < kCopies; ++c) {
-      const int r = copyRow + c * kRowStep;
-      bf16 *at = to + copyShared + c * kRowStep * 64;
+    for (int c = 0; c < Copy::kCopies; ++c) {
+      const int r = copy.row + c * Copy::kRowStep;
+      bf16 *at = to + copy.shared + c * Copy::kRowStep * 64;
       if (row0 + r < rows)
-        cpAsync16(at, first + size_t(r) * stride + copyChunk * 8);
+        cpAsync16(at, first + size_t(r) * stride + copy.chunk * 8);
       else
         *reinterpret_cast<uint4 *>(at) = make_uint4(0, 0, 0, 0);
     }
@@ -715,10 +545,11 @@ template <int HD>
 cudaError_t launchWgmmaQueryGrad(bf16 *dq, const float *lse, const float *rowDot, const bf16 *q,
                                  const bf16 *k, const bf16 *v, const bf16 *dOut, const Dims &s,
                                  cudaStream_t stream) {
-  const dim3 grid(ceilDiv(s.queries, 128), unsigned(s.batch * s.heads));
-  const size_t smem = queryGradSharedBytes(HD);
-  return launchWithSmem(queryGradWgmmaKernel<HD>, grid, 256, smem, smem, stream, dq, lse, q, k, v,
-                        dOut, rowDot, s, 1.0f / std::sqrt(float(HD)));
+  using Tiles = KeyValueTiles<HD>;
+  const dim3 grid(ceilDiv(s.queries, Tiles::kBlockQueries), unsigned(s.batch * s.heads));
+  return launchWithSmem(queryGradWgmmaKernel<HD>, grid, Tiles::kThreads, Tiles::kSharedBytes,
+                        Tiles::kSharedBytes, stream, dq, lse, q, k, v, dOut, rowDot, s,
+                        1.0f / std::sqrt(float(HD)));
 }
 
 /// The Hopper dK/dV kernel; in the float and fixed modes dQ too: into the scratch's fp32 or
@@ -793,10 +624,9 @@ cudaError_t attentionBackwardWgmma(DqMode mode, void *dq, float *dk, float *dv, 
   auto *dqT = static_cast<bf16 *>(dq);
   const auto *dOutT = static_cast<const bf16 *>(dOut), *qT = static_cast<const bf16 *>(q),
              *kT = static_cast<const bf16 *>(k), *vT = static_cast<const bf16 *>(v);
-  const dim3 rowGrid(ceilDiv(s.queries, kRowsPerBlock), unsigned(s.batch * s.heads));
-  PIPEC_LAUNCH(rowGrid, kRowsPerBlock * kWarp, 0, stream, rowDotKernel)
-  (parts.rowDot, parts.rowMaxAbs, dOutT, static_cast<const bf16 *>(out), s);
-  if (cudaError_t err = cudaGetLastError())
+  // The row dots D (and, for the fixed-point dQ, each row's max |dOut|: its bound's).
+  if (cudaError_t err =
+          attention::rowDot(DType::BF16, parts.rowDot, dOut, out, s, stream, parts.rowMaxAbs))
     return err;
   auto run = [&]<int HD>() -> cudaError_t {
     switch (mode) {

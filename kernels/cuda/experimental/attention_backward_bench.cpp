@@ -13,75 +13,24 @@
 // Not a test: the numbers decide whether the kernels move into the main line (docs/gpu.md).
 //
 //===----------------------------------------------------------------------===//
+#include "bench/CudaBench.h"
 #include "kernels/cuda/CudaOps.h"
 #include "kernels/cuda/experimental/AttentionBackward.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <string>
-#include <vector>
 
 using namespace pipec::kernels::cuda;
 
 namespace {
 
-constexpr double kPeakBf16TFlops = 989.0; // H200 SXM, dense bf16
+using pipec::bench::kPeakBf16TFlops;
 
-[[noreturn]] void die(llvm::Error err) {
-  fmt::print(stderr, "attention_backward_bench: error: {}\n", llvm::toString(std::move(err)));
-  std::exit(1);
-}
-
-struct Bench {
-  CudaContext &ctx;
-  bool once = false;
-  std::vector<DeviceBuffer> buffers;
-
-  void *buffer(size_t n, DType dtype) {
-    llvm::Expected<DeviceBuffer> b = DeviceBuffer::allocate(n * sizeOf(dtype));
-    if (!b)
-      die(b.takeError());
-    if (llvm::Error err = ctx.memsetZero(b->data(), n * sizeOf(dtype)))
-      die(std::move(err));
-    buffers.push_back(std::move(*b));
-    return buffers.back().data();
-  }
-
-  /// Seconds per call of `op`: 2 warm-up calls, then as many as fit in ~0.5 s (3..50).
-  double time(const std::function<llvm::Error()> &op) {
-    using Clock = std::chrono::steady_clock;
-    auto run = [&](int calls) {
-      if (llvm::Error err = ctx.synchronize())
-        die(std::move(err));
-      auto start = Clock::now();
-      for (int k = 0; k < calls; ++k)
-        if (llvm::Error err = op())
-          die(std::move(err));
-      if (llvm::Error err = ctx.synchronize())
-        die(std::move(err));
-      return std::chrono::duration<double>(Clock::now() - start).count();
-    };
-    if (once)
-      return run(1);
-    run(2);
-    const double one = run(1);
-    const int calls = std::max(3, std::min(50, int(0.5 / std::max(one, 1e-6))));
-    return run(calls) / calls;
-  }
-
-  void report(const std::string &name, double flops, double seconds) {
-    const double tflops = flops / seconds / 1e12;
-    fmt::print("{:<90} {:>10.3f} ms {:>9.1f} TFLOP/s {:>6.1f}% of peak\n", name, seconds * 1e3,
-               tflops, 100.0 * tflops / kPeakBf16TFlops);
-    std::fflush(stdout);
-  }
-
+struct Bench : pipec::bench::CudaBench {
   void attention(const std::string &name, AttentionShape s) {
     const DType dt = DType::BF16;
     const size_t qSize = size_t(s.batch) * s.queries * s.width();
@@ -138,9 +87,9 @@ int main(int argc, char **argv) {
   }
   auto ctx = CudaContext::create(/*device=*/0, KernelConfig{});
   if (!ctx)
-    die(ctx.takeError());
+    pipec::bench::die("attention_backward_bench", ctx.takeError());
   // --tiny checks that the benchmark runs (its times mean nothing): each op launched once.
-  Bench bench{**ctx, once || tiny, {}};
+  Bench bench{{**ctx, "attention_backward_bench", /*nameWidth=*/90, once || tiny}};
   const int tokens = tiny ? 128 : 8192, heads = tiny ? 2 : 32, headDim = tiny ? 64 : 128;
   fmt::print("attention_backward_bench: {} tokens, {} heads of {}; peak {} TFLOP/s (H200 dense "
              "bf16)\n",
