@@ -331,6 +331,18 @@ llvm::Error Search::setUp() {
       schedules.push_back(probe(*p, o));
     }
   }
+  // Seq1F1B with one sub-sequence is its plain schedule (seq1f1b: 1f1b, seq1f1b-interleaved:
+  // interleaved-1f1b), the same order under another label: where both are searched, K = 1 is
+  // left to the plain one.
+  for (ScheduleChoice &c : schedules) {
+    llvm::StringRef name = c.policy->name();
+    if (!name.consume_front("seq1f1b"))
+      continue;
+    std::string plain = name.empty() ? "1f1b" : name.drop_front().str() + "-1f1b";
+    if (llvm::any_of(schedules, [&](const ScheduleChoice &d) { return d.policy->name() == plain; }))
+      llvm::erase_value(c.seqSplits, 1);
+  }
+  llvm::erase_if(schedules, [](const ScheduleChoice &c) { return c.seqSplits.empty(); });
   // pp 1 is one layout, "no pipeline", compiled as 1f1b whatever --schedules lists: at one
   // rank every schedule's order is a microbatch's forwards then its backwards, and virtual
   // stages or sub-sequences would change only the label.
@@ -551,6 +563,58 @@ int64_t lifetimeBytes(const StageInfo &st, size_t k) {
   return activationLifetimePeak(st, int(k)) + workspaceBytes(st, int(k));
 }
 
+/// The layout's memory lower bound: on every rank its static bytes (weights, gradients,
+/// optimizer state) and the most one microbatch holds; the worst rank's into c's
+/// peakMemoryBytes and worstRank. Returns the largest static bytes of a rank.
+int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c) {
+  const ParallelConfig &pc = plan.parallel;
+  std::vector<int64_t> params(size_t(pc.pp), 0), most(size_t(pc.pp), 0);
+  for (const StageInfo &st : plan.stages) {
+    params[size_t(st.rank)] += st.paramBytes;
+    for (size_t k = 0; k < size_t(pc.seqSplits); ++k)
+      most[size_t(st.rank)] = std::max(most[size_t(st.rank)], lifetimeBytes(st, k));
+  }
+  int64_t maxStatic = 0, bound = 0;
+  for (int r = 0; r < pc.pp; ++r) {
+    int64_t stat = int64_t(double(params[size_t(r)]) * plan.stateBytesPerParamByte);
+    maxStatic = std::max(maxStatic, stat);
+    if (stat + most[size_t(r)] > bound) {
+      bound = stat + most[size_t(r)];
+      c.worstRank = r;
+    }
+  }
+  c.peakMemoryBytes = bound;
+  return maxStatic;
+}
+
+/// The layout's step-time lower bound: the busiest rank's compute and tp all-reduces, after
+/// the forwards of the stages before its first one (the first microbatch must pass them).
+double layoutTimeBound(const Plan &plan) {
+  const ParallelConfig &pc = plan.parallel;
+  std::vector<double> occupied(size_t(pc.pp), 0), trailing(size_t(pc.pp), 0);
+  std::vector<int> firstStage(size_t(pc.pp), INT32_MAX);
+  for (const StageInfo &st : plan.stages) {
+    size_t r = size_t(st.rank);
+    firstStage[r] = std::min(firstStage[r], st.stage);
+    int parts = pc.tp > 1 ? st.tpAllReduces : 0;
+    for (size_t k = 0; k < size_t(pc.seqSplits); ++k) {
+      double ar = parts > 0 ? st.tpAllReduceTime[k] : 0;
+      occupied[r] += double(pc.microbatches) * (st.forward[k] + st.backwardInput[k] +
+                                                st.backwardWeight[k] + 2.0 * parts * ar);
+      trailing[r] = std::max(trailing[r], ar);
+    }
+  }
+  double bound = 0;
+  for (int r = 0; r < pc.pp; ++r) {
+    double fill = 0;
+    for (int s = 0; s < firstStage[size_t(r)]; ++s)
+      fill += *std::min_element(plan.stages[size_t(s)].forward.begin(),
+                                plan.stages[size_t(s)].forward.end());
+    bound = std::max(bound, fill + occupied[size_t(r)] - trailing[size_t(r)]);
+  }
+  return bound;
+}
+
 /// The worst rank's peak memory in `stats` into c's peakMemoryBytes and worstRank.
 void takePeak(PlanCandidate &c, const PlanStats &stats) {
   int64_t peak = 0;
@@ -688,23 +752,8 @@ void Search::evaluate(size_t index, double threshold) {
     c.measured = true;
   }
 
-  // Memory lower bound: static bytes and the most one microbatch holds, on every rank.
-  std::vector<int64_t> params(size_t(pc.pp), 0), most(size_t(pc.pp), 0);
-  for (const StageInfo &st : plan.stages) {
-    params[size_t(st.rank)] += st.paramBytes;
-    for (size_t k = 0; k < size_t(pc.seqSplits); ++k)
-      most[size_t(st.rank)] = std::max(most[size_t(st.rank)], lifetimeBytes(st, k));
-  }
-  int64_t maxStatic = 0, bound = 0;
-  for (int r = 0; r < pc.pp; ++r) {
-    int64_t stat = int64_t(double(params[size_t(r)]) * plan.stateBytesPerParamByte);
-    maxStatic = std::max(maxStatic, stat);
-    if (stat + most[size_t(r)] > bound) {
-      bound = stat + most[size_t(r)];
-      c.worstRank = r;
-    }
-  }
-  c.peakMemoryBytes = bound;
+  int64_t maxStatic = layoutMemoryBound(plan, c);
+  int64_t bound = c.peakMemoryBytes;
   if (bound > fit) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
@@ -713,31 +762,7 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
 
-  // Step-time lower bound: the busiest rank's compute and tp all-reduces, after the forwards
-  // of the stages before its first one (the first microbatch must pass them).
-  double timeBound = 0;
-  {
-    std::vector<double> occupied(size_t(pc.pp), 0), trailing(size_t(pc.pp), 0);
-    std::vector<int> firstStage(size_t(pc.pp), INT32_MAX);
-    for (const StageInfo &st : plan.stages) {
-      size_t r = size_t(st.rank);
-      firstStage[r] = std::min(firstStage[r], st.stage);
-      int parts = pc.tp > 1 ? st.tpAllReduces : 0;
-      for (size_t k = 0; k < size_t(pc.seqSplits); ++k) {
-        double ar = parts > 0 ? st.tpAllReduceTime[k] : 0;
-        occupied[r] += double(pc.microbatches) * (st.forward[k] + st.backwardInput[k] +
-                                                  st.backwardWeight[k] + 2.0 * parts * ar);
-        trailing[r] = std::max(trailing[r], ar);
-      }
-    }
-    for (int r = 0; r < pc.pp; ++r) {
-      double fill = 0;
-      for (int s = 0; s < firstStage[size_t(r)]; ++s)
-        fill += *std::min_element(plan.stages[size_t(s)].forward.begin(),
-                                  plan.stages[size_t(s)].forward.end());
-      timeBound = std::max(timeBound, fill + occupied[size_t(r)] - trailing[size_t(r)]);
-    }
-  }
+  double timeBound = layoutTimeBound(plan);
   c.stepTimeBound = timeBound;
   if (timeBound * (1 - 1e-9) > threshold) {
     c.outcome = Outcome::Pruned;

@@ -326,6 +326,36 @@ TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
   EXPECT_FALSE(bool(verifyPlan(r->best)));
 }
 
+TEST(PlannerTest, OneSubSequenceIsLeftToThePlainSchedule) {
+  // seq1f1b-interleaved with K = 1 is interleaved-1f1b's order under another label: searched
+  // together, K = 1 appears once, as interleaved-1f1b; asked for alone, seq1f1b-interleaved
+  // keeps it.
+  PlannerOptions o = smallSearch();
+  o.schedules = {"interleaved-1f1b", "seq1f1b-interleaved"};
+  o.seqSplits = {1, 2};
+  o.top = 1000;
+  o.recompute = {Recompute::None};
+  o.sequenceParallel = o.distributedOptimizer = false;
+  auto both = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_TRUE(bool(both)) << takeMessage(both.takeError());
+  size_t plain = 0, sliced = 0;
+  for (const PlanCandidate &c : both->candidates) {
+    if (c.schedule == "seq1f1b-interleaved") {
+      EXPECT_EQ(c.parallel.seqSplits, 2);
+      ++sliced;
+    }
+    plain += c.schedule == "interleaved-1f1b" && c.parallel.pp > 1;
+  }
+  EXPECT_GT(plain, 0u);
+  EXPECT_GT(sliced, 0u);
+  o.schedules = {"seq1f1b-interleaved"};
+  auto alone = planLayouts(transformer(), smallCluster(), o);
+  ASSERT_TRUE(bool(alone)) << takeMessage(alone.takeError());
+  EXPECT_TRUE(llvm::any_of(alone->candidates, [](const PlanCandidate &c) {
+    return c.schedule == "seq1f1b-interleaved" && c.parallel.seqSplits == 1 && c.parallel.pp > 1;
+  }));
+}
+
 TEST(PlannerTest, ListingOneFOneBSearchesItAtEveryPipelineSize) {
   // 1f1b is also the no-pipeline entry; listed alone it must still be tried at pp > 1 (it was
   // not, and `--schedules 1f1b` found no pipelined layout at all).
