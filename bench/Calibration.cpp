@@ -203,12 +203,14 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     run.recomputePublished = !at("recompute").empty();
     // How the run's software makes pipeline transfers, where it differs from the cluster
     // spec's (DeepSpeed's pipeline engine: "blocking").
-    run.p2p = at("p2p");
-    if (!run.p2p.empty() && run.p2p != "blocking" && run.p2p != "megatron" &&
-        run.p2p != "overlapped") {
-      skip.why = fmt::format("p2p \"{}\": expected blocking, megatron or overlapped", run.p2p);
-      skipped.push_back(skip);
-      continue;
+    if (!at("p2p").empty()) {
+      P2p mode;
+      if (!p2pFromString(at("p2p"), mode)) {
+        skip.why = fmt::format("p2p \"{}\": expected blocking, megatron or overlapped", at("p2p"));
+        skipped.push_back(skip);
+        continue;
+      }
+      run.p2p = mode;
     }
     CompileOptions &o = run.options;
     o.schedule = schedule;
@@ -284,12 +286,9 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
   return llvm::Error::success();
 }
 
-ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster) {
+ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster) {
   ClusterSpec c = cluster;
-  if (!p2p.empty()) {
-    c.megatronP2p = p2p == "megatron";
-    c.blockingP2p = p2p == "blocking";
-  }
+  c.p2p = p2p.value_or(c.p2p);
   return c;
 }
 

@@ -19,6 +19,7 @@
 
 #include "llvm/Support/Error.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,7 @@ struct PublishedRun {
   bool recomputePublished = true;
   /// How the run's software makes pipeline transfers ("p2p" of a cluster spec), where it is
   /// not the cluster spec's: "blocking" for DeepSpeed's pipeline engine; empty: the spec's.
-  std::string p2p;
+  std::optional<P2p> p2p;
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from
@@ -56,7 +57,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 /// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
 /// `cluster` with a run's own p2p mode (PublishedRun::p2p) where it has one.
-ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster);
+ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster);
 
 /// A run compiled once, to be timed again under other clusters. A published run's instruction
 /// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
@@ -64,7 +65,7 @@ ClusterSpec clusterFor(llvm::StringRef p2p, const ClusterSpec &cluster);
 /// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
 /// compiling it for every candidate (calibration_bench checks that both agree).
 struct PreparedRun {
-  std::string p2p; // the run's
+  std::optional<P2p> p2p; // the run's
   Plan plan;
   ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
   std::vector<int> stageEnds;

@@ -73,14 +73,17 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
       llvm::consumeError(p.takeError());
       return;
     }
-    for (const ClusterSpec *c : {&cluster, &other}) {
-      auto compiled = predictSeconds(run, *c);
-      auto retimed = retimedSeconds(*p, *c);
-      if (!compiled || !retimed || std::abs(*compiled - *retimed) > 1e-9 * *compiled)
+    // Under `cluster` the prepared plan is itself the compile to match.
+    llvm::Expected<double> compiled[] = {p->plan.stats.stepTime / 1000.0,
+                                         predictSeconds(run, other)};
+    const ClusterSpec *clusters[] = {&cluster, &other};
+    for (int c = 0; c < 2; ++c) {
+      auto retimed = retimedSeconds(*p, *clusters[c]);
+      if (!compiled[c] || !retimed || std::abs(*compiled[c] - *retimed) > 1e-9 * *compiled[c])
         mismatch[i] = fmt::format("{} {}: compiled {} s, re-timed {} s", run.source, run.id,
-                                  compiled ? *compiled : NAN, retimed ? *retimed : NAN);
-      if (!compiled)
-        llvm::consumeError(compiled.takeError());
+                                  compiled[c] ? *compiled[c] : NAN, retimed ? *retimed : NAN);
+      if (!compiled[c])
+        llvm::consumeError(compiled[c].takeError());
       if (!retimed)
         llvm::consumeError(retimed.takeError());
     }
@@ -93,8 +96,7 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
 }
 
 /// Predicted seconds of every run in `which` (indices into runs); 0 where it does not compile.
-std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
-                               const std::vector<size_t> &which, const ClusterSpec &cluster) {
+std::vector<double> predictAll(const std::vector<size_t> &which, const ClusterSpec &cluster) {
   std::vector<double> out(which.size(), 0);
   parallelFor(which.size(), [&](size_t i) {
     std::optional<PreparedRun> &p = gPrepared[which[i]];
@@ -106,7 +108,6 @@ std::vector<double> predictAll(const std::vector<PublishedRun> &runs,
     else
       llvm::consumeError(s.takeError());
   });
-  (void)runs;
   return out;
 }
 
@@ -216,11 +217,10 @@ static_assert(std::size(kPrior) == std::size(kFactors));
 double gPriorWeight = 0;
 
 ClusterSpec neutralStart(ClusterSpec c) {
-  const double *prior = kPrior;
   // Every factor, measured or not: one the training runs do not measure must not keep the
   // spec's value either, which a fit on every source (the held-out one too) set.
   for (size_t i = 0; i < std::size(kFactors); ++i)
-    set(c, kFactors[i], prior[i]);
+    set(c, kFactors[i], kPrior[i]);
   return c;
 }
 
@@ -255,7 +255,7 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
         double v = std::clamp(std::exp(x[i]), kFactors[i].lo, kFactors[i].hi);
         penalty += std::pow(std::log(v / kPrior[i]), 2);
       }
-    return objective(runs, which, predictAll(runs, which, specOf(x))) + gPriorWeight * penalty;
+    return objective(runs, which, predictAll(which, specOf(x))) + gPriorWeight * penalty;
   };
   std::vector<Point> simplex(n + 1);
   std::vector<double> f(n + 1);
@@ -498,7 +498,7 @@ int main(int argc, char **argv) {
       printFactors(cluster);
       fmt::print("\n");
     }
-    std::vector<double> predicted = predictAll(runs, which, cluster);
+    std::vector<double> predicted = predictAll(which, cluster);
     fmt::print("| source | run | schedule | tp pp vpp dp | b | measured s | predicted s | error "
                "|\n|---|---|---|---|---|---|---|---|\n");
     for (size_t i = 0; i < which.size(); ++i) {
@@ -534,7 +534,7 @@ int main(int argc, char **argv) {
       }
       double e = 0;
       ClusterSpec c = fit(runs, train, neutralStart(cluster), int(*evals), 0.3, e);
-      std::vector<double> p = predictAll(runs, test, c);
+      std::vector<double> p = predictAll(test, c);
       for (size_t j = 0; j < test.size(); ++j)
         loso[testPos[j]] = p[j];
       fmt::print("held out {}: fitted on the others to {:.1f}%:\n", held, 100 * e);

@@ -186,7 +186,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   // pipeline ranks (across nodes once the pipeline leaves one).
   plan.optimizerSyncTime = 0;
   plan.overlapGradReduce = model.isTransformer() && cluster.overlapGradReduce;
-  plan.blockingP2p = model.isTransformer() && cluster.blockingP2p;
+  plan.blockingP2p = model.isTransformer() && cluster.p2p == P2p::Blocking;
   if (model.isTransformer() && cluster.memoryBytesPerMs() > 0 && pc.pp > 1) {
     const Link &ppLink = int64_t(pc.pp) * pc.tp * pc.dp <= cluster.gpusPerNode ? cluster.intraNode
                                                                                : cluster.interNode;

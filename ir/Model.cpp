@@ -75,6 +75,27 @@ llvm::StringRef toString(Norm n) { return n == Norm::RmsNorm ? "rmsnorm" : "laye
 llvm::StringRef toString(Mlp m) { return m == Mlp::SwiGlu ? "swiglu" : "gelu"; }
 llvm::StringRef toString(Position p) { return p == Position::Rope ? "rope" : "learned"; }
 
+llvm::StringRef toString(P2p p) {
+  switch (p) {
+  case P2p::Overlapped:
+    return "overlapped";
+  case P2p::Megatron:
+    return "megatron";
+  case P2p::Blocking:
+    return "blocking";
+  }
+  llvm_unreachable("unknown p2p mode");
+}
+
+bool p2pFromString(llvm::StringRef name, P2p &out) {
+  for (P2p p : {P2p::Overlapped, P2p::Megatron, P2p::Blocking})
+    if (toString(p) == name) {
+      out = p;
+      return true;
+    }
+  return false;
+}
+
 bool normFromString(llvm::StringRef name, Norm &out) {
   for (Norm n : {Norm::LayerNorm, Norm::RmsNorm})
     if (toString(n) == name) {

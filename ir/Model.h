@@ -33,6 +33,16 @@ struct Link {
   double bytesPerMs() const { return bandwidthGBps * efficiency * 1e6; }
 };
 
+/// How pipeline transfers run (a cluster's "p2p"): "overlapped" (one asynchronous message per
+/// tp rank that only delays the receiver); "megatron" (Megatron-LM's: synchronous, holding the
+/// sender until they arrive, and split over the tp ranks, each sending 1/tp and the receivers
+/// all-gathering); "blocking" (DeepSpeed's pipeline engine, and piperun: Megatron-LM's
+/// transfers, and every send and receive also blocks its rank until its partner has posted the
+/// match, so the step is the executed step of the plan's streams, simulateExecutedStep).
+enum class P2p : uint8_t { Overlapped, Megatron, Blocking };
+llvm::StringRef toString(P2p p);
+bool p2pFromString(llvm::StringRef name, P2p &out);
+
 /// pipecluster/1.
 struct ClusterSpec {
   std::string deviceName = "H100-SXM";
@@ -66,17 +76,9 @@ struct ClusterSpec {
   /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
   /// microseconds.
   double messageOverheadUs = 0;
-  /// Pipeline transfers as Megatron-LM makes them ("p2p": "megatron"): synchronous, holding the
-  /// sender until they arrive, and split over the tp ranks (each sends 1/tp, the receivers
-  /// all-gather); "overlapped" (the default): one asynchronous message per tp rank that only
-  /// delays the receiver.
-  bool megatronP2p = false;
-  /// "p2p": "blocking": DeepSpeed's pipeline engine (and piperun): Megatron-LM's transfers, but
-  /// every send and receive also blocks its rank until its partner has posted the matching
-  /// one, so the step is the executed step of the plan's streams (simulateExecutedStep).
-  bool blockingP2p = false;
+  P2p p2p = P2p::Overlapped;
   /// Whether a transfer holds its sender until it has arrived ("megatron" and "blocking").
-  bool synchronousP2p() const { return megatronP2p || blockingP2p; }
+  bool synchronousP2p() const { return p2p != P2p::Overlapped; }
   /// Gradient reduction as PyTorch DDP, Megatron-LM's --overlap-grad-reduce and NeMo make it
   /// ("grad_reduce": "overlapped"): each stage's gradients reduce bucket by bucket while its last
   /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"

@@ -107,9 +107,9 @@ TEST(CalibrationTest, RunsCompileWithTheirPublishedSplit) {
 TEST(CalibrationTest, MegatronTransfersHoldTheSender) {
   const PublishedRun &r = runNamed("T5-175B-full"); // tp 8, no sequence parallelism
   ClusterSpec overlapped = spec("examples/a100-selene.json");
-  overlapped.megatronP2p = false;
+  overlapped.p2p = P2p::Overlapped;
   ClusterSpec megatron = overlapped;
-  megatron.megatronP2p = true;
+  megatron.p2p = P2p::Megatron;
   auto a = compilePlan(r.model, overlapped, r.options, false);
   auto b = compilePlan(r.model, megatron, r.options, false);
   ASSERT_TRUE(a && b);
@@ -132,7 +132,7 @@ TEST(CalibrationTest, MegatronTransfersHoldTheSender) {
   // The field reads and is checked.
   auto parsed = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "megatron"})", "c.json");
   ASSERT_TRUE(bool(parsed)) << takeMessage(parsed.takeError());
-  EXPECT_TRUE(parsed->megatronP2p);
+  EXPECT_EQ(parsed->p2p, P2p::Megatron);
   auto wrong = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "sync"})", "c.json");
   ASSERT_FALSE(bool(wrong));
   EXPECT_EQ(takeMessage(wrong.takeError()),
@@ -145,11 +145,9 @@ TEST(CalibrationTest, BlockingTransfersAlsoWaitForTheReceiver) {
   // the streams (the rendezvous rule piperun runs), never below the Megatron-mode step.
   const PublishedRun &r = runNamed("S2.4-280n-time"); // MT-NLG: 1f1b, tp 8, pp 35
   ClusterSpec megatron = spec("examples/a100-selene.json");
-  megatron.megatronP2p = true;
-  megatron.blockingP2p = false;
+  megatron.p2p = P2p::Megatron;
   ClusterSpec blocking = megatron;
-  blocking.megatronP2p = false;
-  blocking.blockingP2p = true;
+  blocking.p2p = P2p::Blocking;
   EXPECT_TRUE(blocking.synchronousP2p() && megatron.synchronousP2p());
   auto a = compilePlan(r.model, megatron, r.options, false);
   auto b = compilePlan(r.model, blocking, r.options, false);
@@ -169,13 +167,13 @@ TEST(CalibrationTest, BlockingTransfersAlsoWaitForTheReceiver) {
   EXPECT_DOUBLE_EQ(b->stats.stepTime, *executed + b->optimizerSyncTime);
   EXPECT_GT(b->stats.stepTime, a->stats.stepTime);
   // The data file runs MT-NLG and BLOOM (DeepSpeed) blocking, Megatron-LM's runs not.
-  EXPECT_EQ(r.p2p, "blocking");
-  EXPECT_EQ(runNamed("log-it85376-time").p2p, "blocking");
-  EXPECT_EQ(runNamed("T5-530B-full").p2p, "");
+  EXPECT_EQ(r.p2p, P2p::Blocking);
+  EXPECT_EQ(runNamed("log-it85376-time").p2p, P2p::Blocking);
+  EXPECT_FALSE(runNamed("T5-530B-full").p2p.has_value());
   // The spec field, and the plan file keeps it.
   auto parsed = parseClusterSpec(R"({"format": "pipecluster/1", "p2p": "blocking"})", "c.json");
   ASSERT_TRUE(bool(parsed)) << takeMessage(parsed.takeError());
-  EXPECT_TRUE(parsed->blockingP2p && !parsed->megatronP2p);
+  EXPECT_EQ(parsed->p2p, P2p::Blocking);
   std::string text;
   llvm::raw_string_ostream os(text);
   writePlanJson(*b, os);

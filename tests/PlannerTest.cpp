@@ -206,8 +206,7 @@ TEST(PlannerTest, StepTimeBoundsHoldUnderEveryP2pAndGradReduceMode) {
   for (int mode = 0; mode < 3; ++mode) {
     SCOPED_TRACE(fmt::format("mode {}", mode));
     ClusterSpec cluster = smallCluster();
-    cluster.megatronP2p = mode == 0;
-    cluster.blockingP2p = mode == 1;
+    cluster.p2p = mode == 0 ? P2p::Megatron : mode == 1 ? P2p::Blocking : P2p::Overlapped;
     cluster.overlapGradReduce = mode == 2;
     PlannerOptions o = smallSearch();
     o.top = 1000; // nothing pruned: every fitting candidate simulated

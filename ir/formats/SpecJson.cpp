@@ -93,15 +93,13 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   }
   if (auto err = r.getNumber(j, "$", "message_overhead_us", c.messageOverheadUs, false))
     return err;
-  std::string p2p = c.blockingP2p ? "blocking" : c.megatronP2p ? "megatron" : "overlapped";
+  std::string p2p = toString(c.p2p).str();
   if (auto err = r.getString(j, "$", "p2p", p2p, false))
     return err;
-  if (p2p != "megatron" && p2p != "overlapped" && p2p != "blocking")
+  if (!p2pFromString(p2p, c.p2p))
     return inputError("{}: $.p2p: expected \"megatron\", \"blocking\" or \"overlapped\", got "
                       "\"{}\"",
                       r.name(), shortened(p2p));
-  c.megatronP2p = p2p == "megatron";
-  c.blockingP2p = p2p == "blocking";
   std::string gradReduce = c.overlapGradReduce ? "overlapped" : "after-backward";
   if (auto err = r.getString(j, "$", "grad_reduce", gradReduce, false))
     return err;
