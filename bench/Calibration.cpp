@@ -149,10 +149,13 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       skipped.push_back(skip);
       continue;
     }
-    if (schedule == "zb-1p")
-      schedule = "zb-h1";
-    else if (schedule == "zb-2p")
-      schedule = "zb-h2";
+    // The zero-bubble paper's ZB-1p and ZB-2p are its automatic scheduler's orders under an
+    // activation limit of p·M_B and 2p·M_B (Qi et al. 2024, §3): zb-auto at that limit
+    // (prepareRun sets it from the compiled stages).
+    std::string published = schedule;
+    int searchedLimit = schedule == "zb-1p" ? 1 : schedule == "zb-2p" ? 2 : 0;
+    if (searchedLimit > 0)
+      schedule = "zb-auto";
     if (layers <= 0 || hidden <= 0 || heads <= 0 || seq <= 0 || gpus <= 0 || dp <= 0 ||
         batch <= 0 || tp <= 0 || pp <= 0 || mb <= 0 || tp * pp * dp != gpus ||
         batch % (dp * mb) != 0) {
@@ -200,6 +203,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     run.globalBatch = batch;
     run.fp8 = at("precision") == "fp8";
     run.metric = at("metric");
+    run.publishedSchedule = published;
+    run.searchedLimit = searchedLimit;
     run.recomputePublished = !at("recompute").empty();
     // How the run's software makes pipeline transfers, where it differs from the cluster
     // spec's (DeepSpeed's pipeline engine: "blocking").
@@ -272,7 +277,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       run.measuredSeconds = flops / (value * 1e12 * double(gpus));
     }
     std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", run.source, layers, hidden,
-                                  gpus, tp, pp, dp, batch, schedule, recompute, seq);
+                                  gpus, tp, pp, dp, batch, published, recompute, seq);
     auto it = byKey.find(key);
     if (it == byKey.end()) {
       order.push_back(key);
@@ -292,12 +297,32 @@ ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster) {
   return c;
 }
 
+/// Compiles `run` as published with `model`; a searched run (zb-auto) at its limit of
+/// searchedLimit·p·M_B, M_B being one microbatch's activations on the stage that holds the most
+/// (zb-auto's own least limit), read off the stages of the same run compiled as ZB-H1.
+static llvm::Expected<Plan> compileAsPublished(const PublishedRun &run, const ModelSpec &model,
+                                               const ClusterSpec &c) {
+  if (run.searchedLimit == 0)
+    return compilePlan(model, c, run.options, /*verifyEach=*/false);
+  CompileOptions fixed = run.options;
+  fixed.schedule = "zb-h1";
+  auto stages = compilePlan(model, c, fixed, /*verifyEach=*/false);
+  if (!stages)
+    return stages.takeError();
+  int64_t mb = 0;
+  for (const StageInfo &st : stages->stages)
+    mb = std::max(mb, activationLifetimePeak(st, 0) + workspaceBytes(st, 0));
+  CompileOptions searched = run.options;
+  searched.memoryLimit = int64_t(run.searchedLimit) * run.options.parallel.pp * mb;
+  return compilePlan(model, c, searched, /*verifyEach=*/false);
+}
+
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster) {
   const ClusterSpec c = clusterFor(run.p2p, cluster);
   PreparedRun p;
   p.p2p = run.p2p;
   p.model = run.model;
-  auto plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
+  auto plan = compileAsPublished(run, p.model, c);
   if (!plan)
     return plan.takeError();
   int64_t peak = 0;
@@ -305,7 +330,7 @@ llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpe
     peak = std::max(peak, r.peakMemoryBytes);
   if (!run.recomputePublished && peak > c.memoryBytes) {
     p.model.transformer->recompute = Recompute::Full;
-    plan = compilePlan(p.model, c, run.options, /*verifyEach=*/false);
+    plan = compileAsPublished(run, p.model, c);
     if (!plan)
       return plan.takeError();
   }

@@ -38,6 +38,13 @@ struct PublishedRun {
   /// How the run's software makes pipeline transfers ("p2p" of a cluster spec), where it is
   /// not the cluster spec's: "blocking" for DeepSpeed's pipeline engine; empty: the spec's.
   std::optional<P2p> p2p;
+  /// The schedule as the source names it ("zb-1p", "interleaved-1f1b", ...).
+  std::string publishedSchedule;
+  /// k > 0 for a schedule the source searched under an activation limit of k·p·M_B (the
+  /// zero-bubble paper's ZB-1p, k = 1, and ZB-2p, k = 2): compiled as zb-auto at that limit.
+  /// Its order depends on the cluster's costs, so re-timing it under other factors is not
+  /// compiling it again (prepareRun searches again).
+  int searchedLimit = 0;
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from
@@ -63,7 +70,9 @@ ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster);
 /// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
 /// the published split, and whether it must recompute depends on memory alone), so a fit can
 /// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
-/// compiling it for every candidate (calibration_bench checks that both agree).
+/// compiling it for every candidate (calibration_bench checks that both agree). A searched run
+/// (PublishedRun::searchedLimit) is the exception: re-timed, it keeps the order searched under
+/// the cluster it was prepared with, so calibration_bench prepares it again after each fit.
 struct PreparedRun {
   std::optional<P2p> p2p; // the run's
   Plan plan;

@@ -73,11 +73,12 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
       llvm::consumeError(p.takeError());
       return;
     }
-    // Under `cluster` the prepared plan is itself the compile to match.
+    // Under `cluster` the prepared plan is itself the compile to match. (A searched run
+    // compiled under `other` searches again, so it is only checked under `cluster`.)
     llvm::Expected<double> compiled[] = {p->plan.stats.stepTime / 1000.0,
                                          predictSeconds(run, other)};
     const ClusterSpec *clusters[] = {&cluster, &other};
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < (run.searchedLimit > 0 ? 1 : 2); ++c) {
       auto retimed = retimedSeconds(*p, *clusters[c]);
       if (!compiled[c] || !retimed || std::abs(*compiled[c] - *retimed) > 1e-9 * *compiled[c])
         mismatch[i] = fmt::format("{} {}: compiled {} s, re-timed {} s", run.source, run.id,
@@ -93,6 +94,25 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
     if (!m.empty())
       return inputError("re-timing a compiled run differs from compiling it: {}", m);
   return llvm::Error::success();
+}
+
+/// Searches the searched runs of `which` (PublishedRun::searchedLimit) again under `cluster`, so
+/// that re-timing them under `cluster` is compiling them under it.
+void researchAll(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                 const ClusterSpec &cluster) {
+  std::vector<size_t> searched;
+  for (size_t i : which)
+    if (runs[i].searchedLimit > 0)
+      searched.push_back(i);
+  parallelFor(searched.size(), [&](size_t j) {
+    auto p = prepareRun(runs[searched[j]], cluster);
+    if (p)
+      gPrepared[searched[j]] = std::move(*p);
+    else {
+      llvm::consumeError(p.takeError());
+      gPrepared[searched[j]].reset();
+    }
+  });
 }
 
 /// Predicted seconds of every run in `which` (indices into runs); 0 where it does not compile.
@@ -322,13 +342,19 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
 
 /// Nelder-Mead restarted three times from its best point, each with a third of the budget and
 /// a simplex half as wide (a simplex that has collapsed along one factor cannot move it again).
+/// The searched runs' orders are those of the cluster they were last prepared under: they are
+/// searched under `start` first and again after each restart, so that the fit ends on the
+/// orders zb-auto gives under its own factors.
 ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                 ClusterSpec start, int evaluations, double spread, double &bestError) {
   ClusterSpec c = start;
+  researchAll(runs, which, c);
   for (int round = 0; round < 3; ++round) {
     c = nelderMead(runs, which, c, std::max(1, evaluations / 3), spread, bestError);
+    researchAll(runs, which, c);
     spread /= 2;
   }
+  bestError = objective(runs, which, predictAll(which, c));
   return c;
 }
 
@@ -373,7 +399,7 @@ void printSourceTable(const std::vector<PublishedRun> &runs, const std::vector<s
 /// The zero-bubble paper's Table 4: settings of four schedules each.
 void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                      const std::vector<double> &predicted) {
-  const char *names[] = {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"};
+  const char *names[] = {"1f1b", "interleaved-1f1b", "zb-1p", "zb-2p"};
   const char *labels[] = {"1F1B", "1F1B-I", "ZB-1p", "ZB-2p"};
   // setting -> schedule index -> (measured, predicted) seconds
   std::map<std::string, std::map<int, std::pair<double, double>>> settings;
@@ -382,7 +408,7 @@ void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<si
     if (r.source != "qi2024_zerobubble" || llvm::StringRef(r.id).substr(0, 3) != "T4-")
       continue;
     for (int s = 0; s < 4; ++s)
-      if (r.options.schedule == names[s])
+      if (r.publishedSchedule == names[s])
         settings[fmt::format("{} m={}", r.model.transformer->numLayers,
                              r.options.parallel.microbatches)][s] = {r.measuredSeconds,
                                                                      predicted[i]};
@@ -505,8 +531,11 @@ int main(int argc, char **argv) {
       const PublishedRun &r = runs[which[i]];
       const ParallelConfig &pc = r.options.parallel;
       fmt::print("| {} | {} | {} | {} {} {} {} | {} | {:.3f} | {:.3f} | {:+.1f}% |\n", r.source,
-                 r.id, r.options.schedule, pc.tp, pc.pp, pc.vpp, pc.dp,
-                 r.model.transformer->microbatchSize, r.measuredSeconds, predicted[i],
+                 r.id,
+                 r.searchedLimit > 0 ? fmt::format("zb-auto at {}p·M_B", r.searchedLimit)
+                                     : r.options.schedule,
+                 pc.tp, pc.pp, pc.vpp, pc.dp, r.model.transformer->microbatchSize,
+                 r.measuredSeconds, predicted[i],
                  predicted[i] > 0 ? 100 * throughputError(r.measuredSeconds, predicted[i]) : NAN);
     }
     fmt::print("\n");
@@ -534,6 +563,7 @@ int main(int argc, char **argv) {
       }
       double e = 0;
       ClusterSpec c = fit(runs, train, neutralStart(cluster), int(*evals), 0.3, e);
+      researchAll(runs, test, c);
       std::vector<double> p = predictAll(test, c);
       for (size_t j = 0; j < test.size(); ++j)
         loso[testPos[j]] = p[j];

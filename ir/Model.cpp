@@ -366,8 +366,16 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   case LayerKind::Head: {
     double vl = v / tp;
     double gemm = gemmMs(cluster, 2 * n * h * vl, n, h, vl);
-    c.forward = gemm + overhead;
-    c.backwardInput = gemm + overhead;
+    // The loss over the rank's logits, unfused as Megatron-LM's vocab-parallel cross entropy
+    // runs it, in bytes per logit: forward widens the logits to fp32 (read d, write 4; none in
+    // fp32), takes the row maximum (read 4), subtracts it (8), exponentiates (8), sums (read
+    // 4) and normalises (8); backward scales the kept softmax by the loss gradient (8) and
+    // narrows it back to d (read 4, write d).
+    double widen = d < 4 ? d + 4 : 0;
+    double lossForwardBytes = widen + 32, lossBackwardBytes = 8 + (d < 4 ? 4 + d : 0);
+    double perLogit = memPerMs > 0 ? n * vl / memPerMs : 0.0;
+    c.forward = gemm + perLogit * lossForwardBytes + overhead;
+    c.backwardInput = gemm + perLogit * lossBackwardBytes + overhead;
     c.backwardWeight = gemm + overhead;
     // Forward: final layernorm output and its statistics, the rank's logits (the loss
     // backward overwrites them with their gradient), the log-sum-exp and loss per token (its

@@ -221,8 +221,8 @@ TEST(CalibrationTest, ARunTimedAgainIsTheRunCompiledAgain) {
   b.overlapGradReduce = !a.overlapGradReduce;
   int checked = 0;
   for (const char *id :
-       {"T1-1", "T1-9", "T1-10", "T5-530B-sel", "T4-14.6B-m48-ZB-1p", "T4-28.3B-m96-1F1B-I",
-        "T12-1.5B-m2-zb-2p", "S2.4-280n-time", "log-it85376-time"}) {
+       {"T1-1", "T1-9", "T1-10", "T5-530B-sel", "T4-14.6B-m48-1F1B", "T4-28.3B-m96-1F1B-I",
+        "T12-1.5B-m2-1f1b", "S2.4-280n-time", "log-it85376-time"}) {
     SCOPED_TRACE(id);
     auto prepared = prepareRun(runNamed(id), a);
     ASSERT_TRUE(bool(prepared)) << takeMessage(prepared.takeError());
@@ -235,6 +235,48 @@ TEST(CalibrationTest, ARunTimedAgainIsTheRunCompiledAgain) {
     ++checked;
   }
   EXPECT_EQ(checked, 9);
+}
+
+TEST(CalibrationTest, ThePapersSearchedSchedulesAreZbAutoUnderTheirLimits) {
+  // Qi et al. 2024, §3: ZB-1p and ZB-2p are the automatic scheduler's orders under an
+  // activation limit of p·M_B and 2p·M_B, M_B one microbatch's activations. Each compiles as
+  // zb-auto at that limit (M_B recomputed here from the stages: the largest stage's
+  // activations of one microbatch over its lifetime, with its workspace); its activations stay
+  // within it, and it is never slower than the hand-made ZB-H1 or ZB-H2 where that fits too.
+  ClusterSpec c = spec("examples/a100-selene.json");
+  int handFits = 0;
+  for (const char *id : {"T4-1.5B-m24-ZB-1p", "T4-6.2B-m32-ZB-2p", "T12-14.6B-m8-zb-2p"}) {
+    SCOPED_TRACE(id);
+    const PublishedRun &r = runNamed(id);
+    ASSERT_EQ(r.options.schedule, "zb-auto");
+    int k = llvm::StringRef(id).lower().find("zb-1p") != std::string::npos ? 1 : 2;
+    EXPECT_EQ(r.searchedLimit, k);
+    auto prepared = prepareRun(r, c);
+    ASSERT_TRUE(bool(prepared)) << takeMessage(prepared.takeError());
+    int64_t mb = 0;
+    for (const StageInfo &st : prepared->plan.stages)
+      mb = std::max(mb, activationLifetimePeak(st, 0) + workspaceBytes(st, 0));
+    int64_t limit = int64_t(k) * r.options.parallel.pp * mb;
+    for (const RankStats &rs : prepared->plan.stats.ranks)
+      EXPECT_LE(rs.peakActivationBytes, limit);
+    CompileOptions fixed = r.options;
+    fixed.schedule = k == 1 ? "zb-h1" : "zb-h2";
+    auto hand = compilePlan(r.model, c, fixed, /*verifyEach=*/false);
+    ASSERT_TRUE(bool(hand)) << takeMessage(hand.takeError());
+    int64_t handPeak = 0;
+    for (const RankStats &rs : hand->stats.ranks)
+      handPeak = std::max(handPeak, rs.peakActivationBytes);
+    if (handPeak <= limit) {
+      EXPECT_LE(prepared->plan.stats.stepTime, hand->stats.stepTime * (1 + 1e-9));
+      ++handFits;
+    }
+    // Re-timed under the cluster it was searched under, it is the compiled run.
+    auto compiled = predictSeconds(r, c);
+    auto retimed = retimedSeconds(*prepared, c);
+    ASSERT_TRUE(compiled && retimed);
+    EXPECT_NEAR(*retimed, *compiled, 1e-9 * *compiled);
+  }
+  EXPECT_GT(handFits, 0); // the comparison with the hand-made orders happened
 }
 
 /// Predicted step times of the runs of `device` in the file, keyed by row id.
@@ -311,8 +353,8 @@ TEST(CalibrationTest, TheShippedSpecsStayWithinTheirInSampleErrors) {
   // margin: a change to the cost model that moves a source past its bound must refit the specs
   // and update the docs.
   std::map<std::string, double> bound = {
-      {"narayanan2021_sc21", 0.06},   {"korthikanti2022", 0.06}, {"qi2024_zerobubble", 0.06},
-      {"bigscience_bloom176b", 0.06}, {"smith2022_mtnlg", 0.03}, {"dubey2024_llama3", 0.04},
+      {"narayanan2021_sc21", 0.05},   {"korthikanti2022", 0.04}, {"qi2024_zerobubble", 0.03},
+      {"bigscience_bloom176b", 0.05}, {"smith2022_mtnlg", 0.03}, {"dubey2024_llama3", 0.04},
       {"nvidia_nemo_perf_2407", 0.12}};
   for (const char *device : {"A100-80GB", "H100-SXM"}) {
     auto errors = errorsBySource(

@@ -442,6 +442,36 @@ TEST(TransformerCostTest, MemoryBoundKernelsAndFixedCostsAreNotWeightGradientTim
   EXPECT_NEAR(tp2.forward - sp2.forward, n * 2 * (10 * h - 5 * h) / 1e9, 1e-9);
 }
 
+TEST(TransformerCostTest, TheLossIsMemoryBoundWorkOfTheHeadsForwardAndInputGradient) {
+  // Megatron-LM's vocab-parallel cross entropy, counted kernel by kernel over the rank's bf16
+  // logits (n tokens x V/tp): widen to fp32 (read 2, write 4), row max (read 4), subtract it
+  // (read 4, write 4), exp (read 4, write 4), row sum (read 4), normalise (read 4, write 4) =
+  // 38 bytes per logit forward; backward: scale by the loss gradient (read 4, write 4) and
+  // narrow to bf16 (read 4, write 2) = 14. The head's weight gradient is a GEMM only.
+  ModelSpec m = gptSpec(4, 1024, 2048, 16);
+  ClusterSpec c = ClusterSpec::defaults();
+  size_t head = m.layers.size() - 1;
+  double n = 2048, v = 50304;
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE(tp);
+    c.memoryGBps = 0;
+    SliceCost base = m.sliceCost(c, head, 0, 2048, 0, 1, tp);
+    c.memoryGBps = 1000; // 1e9 bytes per millisecond
+    SliceCost with = m.sliceCost(c, head, 0, 2048, 0, 1, tp);
+    EXPECT_NEAR(with.forward - base.forward, n * v / tp * 38 / 1e9, 1e-9);
+    EXPECT_NEAR(with.backwardInput - base.backwardInput, n * v / tp * 14 / 1e9, 1e-9);
+    EXPECT_DOUBLE_EQ(with.backwardWeight, base.backwardWeight);
+  }
+  // In fp32 nothing is widened or narrowed: 32 and 8 bytes per logit.
+  m.transformer->dtype = "fp32";
+  c.memoryGBps = 0;
+  SliceCost base = m.sliceCost(c, head, 0, 2048, 0, 1, 1);
+  c.memoryGBps = 1000;
+  SliceCost with = m.sliceCost(c, head, 0, 2048, 0, 1, 1);
+  EXPECT_NEAR(with.forward - base.forward, n * v * 32 / 1e9, 1e-9);
+  EXPECT_NEAR(with.backwardInput - base.backwardInput, n * v * 8 / 1e9, 1e-9);
+}
+
 TEST(TransformerCostTest, SequenceParallelismShardsWhatTheNormsKeep) {
   // Korthikanti et al. 2022, Table 2: per layer and token, 34h bytes without tp sharding;
   // tensor parallelism alone leaves 10h unsharded, sequence parallelism shards those too.
