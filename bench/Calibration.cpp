@@ -111,6 +111,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                            "block",
                            "partition",
                            "p2p",
+                           "grad_reduce",
                            "metric",
                            "value"})
     if (!col.count(name))
@@ -217,6 +218,17 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       }
       run.p2p = mode;
     }
+    // When its software reduces the dp gradients, where that is not the cluster spec's:
+    // "after-backward" for Megatron-LM's local DDP, "overlapped" for PyTorch DDP.
+    if (!at("grad_reduce").empty()) {
+      if (at("grad_reduce") != "overlapped" && at("grad_reduce") != "after-backward") {
+        skip.why = fmt::format("grad_reduce \"{}\": expected overlapped or after-backward",
+                               at("grad_reduce"));
+        skipped.push_back(skip);
+        continue;
+      }
+      run.overlapGradReduce = at("grad_reduce") == "overlapped";
+    }
     CompileOptions &o = run.options;
     o.schedule = schedule;
     o.parallel.pp = int(pp);
@@ -291,9 +303,10 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
   return llvm::Error::success();
 }
 
-ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster) {
+ClusterSpec clusterFor(const RunSoftware &run, const ClusterSpec &cluster) {
   ClusterSpec c = cluster;
-  c.p2p = p2p.value_or(c.p2p);
+  c.p2p = run.p2p.value_or(c.p2p);
+  c.overlapGradReduce = run.overlapGradReduce.value_or(c.overlapGradReduce);
   return c;
 }
 
@@ -318,9 +331,9 @@ static llvm::Expected<Plan> compileAsPublished(const PublishedRun &run, const Mo
 }
 
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster) {
-  const ClusterSpec c = clusterFor(run.p2p, cluster);
+  const ClusterSpec c = clusterFor(run, cluster);
   PreparedRun p;
-  p.p2p = run.p2p;
+  static_cast<RunSoftware &>(p) = run;
   p.model = run.model;
   auto plan = compileAsPublished(run, p.model, c);
   if (!plan)
@@ -348,7 +361,7 @@ llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec
 }
 
 llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster) {
-  buildStages(run.plan, run.model, clusterFor(run.p2p, cluster), run.stageEnds);
+  buildStages(run.plan, run.model, clusterFor(run, cluster), run.stageEnds);
   if (auto err = simulateStep(run.plan))
     return err;
   return run.plan.stats.stepTime / 1000.0;

@@ -25,8 +25,19 @@
 
 namespace pipec {
 
+/// What a run's software does that a cluster spec states for all its runs, where the run's
+/// differs from the spec's (empty: the spec's).
+struct RunSoftware {
+  /// How it makes pipeline transfers ("p2p" of a cluster spec): "blocking" for DeepSpeed's
+  /// pipeline engine.
+  std::optional<P2p> p2p;
+  /// When it reduces the dp gradients ("grad_reduce"): after the backward for Megatron-LM's
+  /// local DDP (false), during it for PyTorch DDP (true).
+  std::optional<bool> overlapGradReduce;
+};
+
 /// One measured run, ready to compile.
-struct PublishedRun {
+struct PublishedRun : RunSoftware {
   std::string source, id, device; // device: the CSV's gpu column ("A100-80GB", "H100-SXM")
   ModelSpec model;
   CompileOptions options;
@@ -35,9 +46,6 @@ struct PublishedRun {
   /// The source gives the run's recomputation; where it does not, the run evidently fit in
   /// its devices' memory: none if the plan fits without it, else full.
   bool recomputePublished = true;
-  /// How the run's software makes pipeline transfers ("p2p" of a cluster spec), where it is
-  /// not the cluster spec's: "blocking" for DeepSpeed's pipeline engine; empty: the spec's.
-  std::optional<P2p> p2p;
   /// The schedule as the source names it ("zb-1p", "interleaved-1f1b", ...).
   std::string publishedSchedule;
   /// k > 0 for a schedule the source searched under an activation limit of k·p·M_B (the
@@ -63,8 +71,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
 /// The predicted step time of `run` on `cluster` in seconds. An FP8 run's model has
 /// "gemm_precision": "fp8": its blocks' GEMMs run the cluster's fp8_gemm_speedup faster.
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster);
-/// `cluster` with a run's own p2p mode (PublishedRun::p2p) where it has one.
-ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster);
+/// `cluster` with a run's own transfer mode and gradient reduction where it has them.
+ClusterSpec clusterFor(const RunSoftware &run, const ClusterSpec &cluster);
 
 /// A run compiled once, to be timed again under other clusters. A published run's instruction
 /// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
@@ -73,8 +81,7 @@ ClusterSpec clusterFor(std::optional<P2p> p2p, const ClusterSpec &cluster);
 /// compiling it for every candidate (calibration_bench checks that both agree). A searched run
 /// (PublishedRun::searchedLimit) is the exception: re-timed, it keeps the order searched under
 /// the cluster it was prepared with, so calibration_bench prepares it again after each fit.
-struct PreparedRun {
-  std::optional<P2p> p2p; // the run's
+struct PreparedRun : RunSoftware { // the run's
   Plan plan;
   ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
   std::vector<int> stageEnds;
