@@ -353,6 +353,10 @@ llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpe
   return p;
 }
 
+bool reordersWithCosts(const PublishedRun &run, const ClusterSpec &cluster) {
+  return run.searchedLimit > 0 || clusterFor(run, cluster).p2p == P2p::Blocking;
+}
+
 llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec &cluster) {
   auto p = prepareRun(run, cluster);
   if (!p)

@@ -74,19 +74,24 @@ llvm::Expected<double> predictSeconds(const PublishedRun &run, const ClusterSpec
 /// `cluster` with a run's own transfer mode and gradient reduction where it has them.
 ClusterSpec clusterFor(const RunSoftware &run, const ClusterSpec &cluster);
 
-/// A run compiled once, to be timed again under other clusters. A published run's instruction
-/// streams do not depend on the cluster's factors (its schedule is a fixed order, its stages
+/// A run compiled once, to be timed again under other clusters. A published run's compute
+/// order does not depend on the cluster's factors (its schedule is a fixed order, its stages
 /// the published split, and whether it must recompute depends on memory alone), so a fit can
 /// re-run the partition pass's costs and the simulate pass on the compiled plan instead of
-/// compiling it for every candidate (calibration_bench checks that both agree). A searched run
-/// (PublishedRun::searchedLimit) is the exception: re-timed, it keeps the order searched under
-/// the cluster it was prepared with, so calibration_bench prepares it again after each fit.
+/// compiling it for every candidate (calibration_bench checks that both agree). Two kinds of
+/// run are exceptions (reordersWithCosts): a searched run (PublishedRun::searchedLimit), whose
+/// order zb-auto searches under the costs, and a run with blocking transfers, whose step is the
+/// executed step and so depends on where the comms pass put each receive, which it places by
+/// the simulated compute timeline. Re-timed, they keep the order of the cluster they were
+/// prepared under, so calibration_bench prepares them again after each fit.
 struct PreparedRun : RunSoftware { // the run's
   Plan plan;
   ModelSpec model; // as compiled: the run's, or its full-recomputation fallback
   std::vector<int> stageEnds;
 };
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster);
+/// Whether compiling `run` under another cluster may give other instruction streams (above).
+bool reordersWithCosts(const PublishedRun &run, const ClusterSpec &cluster);
 /// predictSeconds of the prepared run under `cluster`, without compiling it again.
 llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &cluster);
 

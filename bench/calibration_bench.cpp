@@ -73,12 +73,13 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
       llvm::consumeError(p.takeError());
       return;
     }
-    // Under `cluster` the prepared plan is itself the compile to match. (A searched run
-    // compiled under `other` searches again, so it is only checked under `cluster`.)
+    // Under `cluster` the prepared plan is itself the compile to match. (A run whose order
+    // depends on the costs, compiled under `other`, is ordered again, so it is only checked
+    // under `cluster`.)
     llvm::Expected<double> compiled[] = {p->plan.stats.stepTime / 1000.0,
                                          predictSeconds(run, other)};
     const ClusterSpec *clusters[] = {&cluster, &other};
-    for (int c = 0; c < (run.searchedLimit > 0 ? 1 : 2); ++c) {
+    for (int c = 0; c < (reordersWithCosts(run, cluster) ? 1 : 2); ++c) {
       auto retimed = retimedSeconds(*p, *clusters[c]);
       if (!compiled[c] || !retimed || std::abs(*compiled[c] - *retimed) > 1e-9 * *compiled[c])
         mismatch[i] = fmt::format("{} {}: compiled {} s, re-timed {} s", run.source, run.id,
@@ -96,13 +97,13 @@ llvm::Error prepareAll(const std::vector<PublishedRun> &runs, const std::vector<
   return llvm::Error::success();
 }
 
-/// Searches the searched runs of `which` (PublishedRun::searchedLimit) again under `cluster`, so
-/// that re-timing them under `cluster` is compiling them under it.
+/// Compiles the runs of `which` whose order depends on the costs (reordersWithCosts) again
+/// under `cluster`, so that re-timing them under `cluster` is compiling them under it.
 void researchAll(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                  const ClusterSpec &cluster) {
   std::vector<size_t> searched;
   for (size_t i : which)
-    if (runs[i].searchedLimit > 0)
+    if (reordersWithCosts(runs[i], cluster))
       searched.push_back(i);
   parallelFor(searched.size(), [&](size_t j) {
     auto p = prepareRun(runs[searched[j]], cluster);
@@ -342,9 +343,9 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
 
 /// Nelder-Mead restarted three times from its best point, each with a third of the budget and
 /// a simplex half as wide (a simplex that has collapsed along one factor cannot move it again).
-/// The searched runs' orders are those of the cluster they were last prepared under: they are
-/// searched under `start` first and again after each restart, so that the fit ends on the
-/// orders zb-auto gives under its own factors.
+/// The orders of the runs that reorder with the costs are those of the cluster they were last
+/// prepared under: they are compiled under `start` first and again after each restart, so that
+/// the fit ends on the orders its own factors give.
 ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                 ClusterSpec start, int evaluations, double spread, double &bestError) {
   ClusterSpec c = start;
