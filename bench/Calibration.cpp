@@ -288,8 +288,9 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
         flops *= 4.0 / 3.0;
       run.measuredSeconds = flops / (value * 1e12 * double(gpus));
     }
-    std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", run.source, layers, hidden,
-                                  gpus, tp, pp, dp, batch, published, recompute, seq);
+    std::string key =
+        fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", run.source, layers, hidden, gpus, tp, pp,
+                    dp, batch, published, recompute, seq, at("precision"));
     auto it = byKey.find(key);
     if (it == byKey.end()) {
       order.push_back(key);
