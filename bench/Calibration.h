@@ -49,7 +49,8 @@ struct PublishedRun : RunSoftware {
   /// The schedule as the source names it ("zb-1p", "interleaved-1f1b", ...).
   std::string publishedSchedule;
   /// k > 0 for a schedule the source searched under an activation limit of k·p·M_B (the
-  /// zero-bubble paper's ZB-1p, k = 1, and ZB-2p, k = 2): compiled as zb-auto at that limit.
+  /// zero-bubble paper's ZB-1p, k = 1, and ZB-2p, k = 2): compiled as zb-auto at k times the
+  /// activation peak of the run compiled as ZB-H1 (p·M_B: 1F1B's peak, which ZB-H1 keeps).
   /// Its order depends on the cluster's costs, so re-timing it under other factors is not
   /// compiling it again (prepareRun searches again).
   int searchedLimit = 0;
@@ -90,6 +91,8 @@ struct PreparedRun : RunSoftware { // the run's
   std::vector<int> stageEnds;
 };
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster);
+/// The largest per-rank activation peak of a compiled plan.
+int64_t planPeakActivationBytes(const Plan &plan);
 /// Whether compiling `run` under another cluster may give other instruction streams (above).
 bool reordersWithCosts(const PublishedRun &run, const ClusterSpec &cluster);
 /// predictSeconds of the prepared run under `cluster`, without compiling it again.

@@ -462,6 +462,14 @@ TEST(TransformerCostTest, TheLossIsMemoryBoundWorkOfTheHeadsForwardAndInputGradi
     EXPECT_NEAR(with.backwardInput - base.backwardInput, n * v / tp * 14 / 1e9, 1e-9);
     EXPECT_DOUBLE_EQ(with.backwardWeight, base.backwardWeight);
   }
+  // Every token of the microbatch has its logits: twice the tokens, twice the bytes.
+  ModelSpec two = m;
+  two.transformer->microbatchSize = 2;
+  c.memoryGBps = 0;
+  SliceCost twoBase = two.sliceCost(c, head, 0, 2048, 0, 1, 1);
+  c.memoryGBps = 1000;
+  SliceCost twoWith = two.sliceCost(c, head, 0, 2048, 0, 1, 1);
+  EXPECT_NEAR(twoWith.forward - twoBase.forward, 2 * n * v * 38 / 1e9, 1e-9);
   // In fp32 nothing is widened or narrowed: 32 and 8 bytes per logit.
   m.transformer->dtype = "fp32";
   c.memoryGBps = 0;
