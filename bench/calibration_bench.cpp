@@ -465,7 +465,30 @@ int fail(llvm::Error err) {
 
 } // namespace
 
+const char kUsage[] =
+    R"(usage: calibration_bench [--data bench/data/published-runs.csv]
+                         [--a100 examples/a100-selene.json] [--h100 examples/h100-nemo.json]
+                         [--device A100-80GB|H100-SXM] [--fit] [--loso] [--evals N]
+                         [--prior-weight W] [--weight-power P] [--threads N]
+
+Every published run of the data file compiled as published and its predicted step time set
+against the measured one, per device, with the cluster spec given (or shipped).
+  --fit            fit one set of factors per device on all of its sources, then report
+  --loso           also fit on all sources but one and predict the one left out, each in turn
+  --evals N        objective evaluations per fit (default 60; the docs' figures use 600)
+  --prior-weight W pull of the fit towards calibration_bench's neutral prior (docs: 0.003)
+  --weight-power P a source of n runs weighs n^P in the fit (default 0: every source the same)
+  --device NAME    only that device's runs
+  --threads N      threads that compile and time runs (default 2)
+The tables and how to read them: docs/planner.md, "Calibration out of sample".
+)";
+
 int main(int argc, char **argv) {
+  for (int i = 1; i < argc; ++i)
+    if (llvm::StringRef(argv[i]) == "--help" || llvm::StringRef(argv[i]) == "-h") {
+      fmt::print("{}", kUsage);
+      return 0;
+    }
   auto args = Args::parse(argc, argv, 1,
                           {"--data", "--a100", "--h100", "--threads", "--evals", "--device",
                            "--weight-power", "--prior-weight"},
