@@ -98,6 +98,13 @@ double allReduceMs(const ClusterSpec &c, const Link &l, double bytes, int n, int
   return messages * messageMs(c, l) + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
 }
 
+/// A ring reduce-scatter (or all-gather) of `bytes` over n ranks: half an all-reduce's traffic.
+static double reduceScatterMs(const ClusterSpec &c, const Link &l, double bytes, int n) {
+  if (n <= 1)
+    return 0;
+  return messageMs(c, l) + (n - 1.0) / n * bytes / l.bytesPerMs();
+}
+
 /// Bytes an Adam step reads and writes per parameter in mixed precision: the fp32 gradient
 /// (read twice: the norm, then the step), master weight, first and second moments (read and
 /// written), the bf16 weight written back.
@@ -169,11 +176,14 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
         st.activationTransferTime[i] = st.gradientTransferTime[i] = 0;
       }
     }
+    // ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters; with the
+    // all-gather overlapped with the next step's forward only the reduce-scatter is exposed.
     if (pc.dp > 1)
       st.dpAllReduceTime =
-          model.isTransformer()
-              ? allReduceMs(cluster, dpLink, double(st.paramBytes), pc.dp, dpMessages)
-              : model.allReduceTime;
+          !model.isTransformer() ? model.allReduceTime
+          : pc.distributedOptimizer && cluster.overlapParamGather
+              ? reduceScatterMs(cluster, dpLink, double(st.paramBytes), pc.dp)
+              : allReduceMs(cluster, dpLink, double(st.paramBytes), pc.dp, dpMessages);
     // The optimizer step: memory-bound, over the rank's share of the stage's parameters.
     st.optimizerTime = 0;
     if (model.isTransformer() && cluster.memoryBytesPerMs() > 0) {

@@ -84,6 +84,12 @@ struct ClusterSpec {
   /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"
   /// (the default): it starts when the stage's last weight gradient is done.
   bool overlapGradReduce = false;
+  /// The distributed optimizer's all-gather of the updated parameters as NeMo's
+  /// overlap_param_sync and Megatron-LM's --overlap-param-gather run it ("param_gather":
+  /// "overlapped"): bucket by bucket during the next step's forward, so a stage's dp collective
+  /// exposes only its reduce-scatter; "after-step" (the default): the all-gather follows the
+  /// reduce-scatter. Without --distributed-optimizer it changes nothing.
+  bool overlapParamGather = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};

@@ -497,6 +497,40 @@ TEST(TransformerCostTest, SequenceParallelismShardsWhatTheNormsKeep) {
             m.sliceCost(c, 1, 0, s, 0, 1, 4).activationBytes);
 }
 
+TEST(ParallelOptionsTest, AnOverlappedParameterGatherLeavesTheReduceScatterExposed) {
+  // "param_gather": "overlapped" (NeMo's overlap_param_sync): with the distributed optimizer a
+  // stage's dp collective is its reduce-scatter only, one message and (n-1)/n of the stage's
+  // parameter bytes over the link, where reduce-scatter plus all-gather is two messages and
+  // twice the bytes. Without the distributed optimizer the all-reduce stays whole.
+  ModelSpec m = gptSpec(8, 1024, 1024, 16);
+  CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/1, /*dp=*/4);
+  o.parallel.distributedOptimizer = true;
+  ClusterSpec c = ClusterSpec::defaults();
+  auto after = compilePlan(m, c, o, /*verifyEach=*/true);
+  c.overlapParamGather = true;
+  auto overlapped = compilePlan(m, c, o, /*verifyEach=*/true);
+  ASSERT_TRUE(after && overlapped);
+  const Link &l = c.intraNode; // tp 1 x dp 4 ranks share a node
+  double bytes = double(after->stages[0].paramBytes), message = l.latencyUs / 1000;
+  double ring = 3.0 / 4 * bytes / l.bytesPerMs();
+  EXPECT_NEAR(after->stages[0].dpAllReduceTime, 2 * message + 2 * ring, 1e-9);
+  EXPECT_NEAR(overlapped->stages[0].dpAllReduceTime, message + ring, 1e-9);
+  EXPECT_LT(overlapped->stats.stepTime, after->stats.stepTime);
+  o.parallel.distributedOptimizer = false;
+  auto plain = compilePlan(m, c, o, /*verifyEach=*/true);
+  ASSERT_TRUE(bool(plain));
+  EXPECT_NEAR(plain->stages[0].dpAllReduceTime, message + 2 * ring, 1e-9);
+  // The spec field, and a wrong value refused with one line naming it.
+  auto parsed =
+      parseClusterSpec(R"({"format": "pipecluster/1", "param_gather": "overlapped"})", "c.json");
+  ASSERT_TRUE(bool(parsed)) << takeMessage(parsed.takeError());
+  EXPECT_TRUE(parsed->overlapParamGather);
+  auto bad = parseClusterSpec(R"({"format": "pipecluster/1", "param_gather": "early"})", "c.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_EQ(takeMessage(bad.takeError()),
+            "c.json: $.param_gather: expected \"overlapped\" or \"after-step\", got \"early\"");
+}
+
 TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemory) {
   ModelSpec m = gptSpec(8, 1024, 1024, 16);
   CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/2, /*dp=*/4);

@@ -40,7 +40,7 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
-                                   "message_overhead_us", "p2p", "grad_reduce"}))
+                                   "message_overhead_us", "p2p", "grad_reduce", "param_gather"}))
     return err;
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
@@ -108,6 +108,14 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
                       "\"{}\"",
                       r.name(), shortened(gradReduce));
   c.overlapGradReduce = gradReduce == "overlapped";
+  std::string paramGather = c.overlapParamGather ? "overlapped" : "after-step";
+  if (auto err = r.getString(j, "$", "param_gather", paramGather, false))
+    return err;
+  if (paramGather != "overlapped" && paramGather != "after-step")
+    return inputError("{}: $.param_gather: expected \"overlapped\" or \"after-step\", got "
+                      "\"{}\"",
+                      r.name(), shortened(paramGather));
+  c.overlapParamGather = paramGather == "overlapped";
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
