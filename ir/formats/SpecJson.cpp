@@ -37,6 +37,20 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
   return llvm::Error::success();
 }
 
+/// A top-level switch of the cluster spec spelled "overlapped" (true) or `otherwise` (false);
+/// absent, `out` keeps its value.
+static llvm::Error getOverlapped(const JsonReader &r, const Json &j, const char *field,
+                                 const char *otherwise, bool &out) {
+  std::string value = out ? "overlapped" : otherwise;
+  if (auto err = r.getString(j, "$", field, value, false))
+    return err;
+  if (value != "overlapped" && value != otherwise)
+    return inputError("{}: $.{}: expected \"overlapped\" or \"{}\", got \"{}\"", r.name(), field,
+                      otherwise, shortened(value));
+  out = value == "overlapped";
+  return llvm::Error::success();
+}
+
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
@@ -100,22 +114,10 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
     return inputError("{}: $.p2p: expected \"megatron\", \"blocking\" or \"overlapped\", got "
                       "\"{}\"",
                       r.name(), shortened(p2p));
-  std::string gradReduce = c.overlapGradReduce ? "overlapped" : "after-backward";
-  if (auto err = r.getString(j, "$", "grad_reduce", gradReduce, false))
+  if (auto err = getOverlapped(r, j, "grad_reduce", "after-backward", c.overlapGradReduce))
     return err;
-  if (gradReduce != "overlapped" && gradReduce != "after-backward")
-    return inputError("{}: $.grad_reduce: expected \"overlapped\" or \"after-backward\", got "
-                      "\"{}\"",
-                      r.name(), shortened(gradReduce));
-  c.overlapGradReduce = gradReduce == "overlapped";
-  std::string paramGather = c.overlapParamGather ? "overlapped" : "after-step";
-  if (auto err = r.getString(j, "$", "param_gather", paramGather, false))
+  if (auto err = getOverlapped(r, j, "param_gather", "after-step", c.overlapParamGather))
     return err;
-  if (paramGather != "overlapped" && paramGather != "after-step")
-    return inputError("{}: $.param_gather: expected \"overlapped\" or \"after-step\", got "
-                      "\"{}\"",
-                      r.name(), shortened(paramGather));
-  c.overlapParamGather = paramGather == "overlapped";
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
