@@ -326,7 +326,7 @@ static llvm::Expected<Plan> compileAsPublished(const PublishedRun &run, const Mo
     return inputError("{}: ZB-H1, whose peak sets its limit: {}", run.id,
                       takeMessage(hand.takeError()));
   CompileOptions searched = run.options;
-  searched.memoryLimit = int64_t(run.searchedLimit) * planPeakActivationBytes(*hand);
+  searched.memoryLimit = int64_t(run.searchedLimit) * hand->stats.maxPeakActivationBytes();
   return compilePlan(model, c, searched, /*verifyEach=*/false);
 }
 
@@ -338,10 +338,7 @@ llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpe
   auto plan = compileAsPublished(run, p.model, c);
   if (!plan)
     return plan.takeError();
-  int64_t peak = 0;
-  for (const RankStats &r : plan->stats.ranks)
-    peak = std::max(peak, r.peakMemoryBytes);
-  if (!run.recomputePublished && peak > c.memoryBytes) {
+  if (!run.recomputePublished && plan->stats.maxPeakMemoryBytes() > c.memoryBytes) {
     p.model.transformer->recompute = Recompute::Full;
     plan = compileAsPublished(run, p.model, c);
     if (!plan)
@@ -351,13 +348,6 @@ llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpe
   for (const StageInfo &st : p.plan.stages)
     p.stageEnds.push_back(st.layerEnd);
   return p;
-}
-
-int64_t planPeakActivationBytes(const Plan &plan) {
-  int64_t peak = 0;
-  for (const RankStats &r : plan.stats.ranks)
-    peak = std::max(peak, r.peakActivationBytes);
-  return peak;
 }
 
 bool reordersWithCosts(const PublishedRun &run, const ClusterSpec &cluster) {

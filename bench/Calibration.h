@@ -91,8 +91,6 @@ struct PreparedRun : RunSoftware { // the run's
   std::vector<int> stageEnds;
 };
 llvm::Expected<PreparedRun> prepareRun(const PublishedRun &run, const ClusterSpec &cluster);
-/// The largest per-rank activation peak of a compiled plan.
-int64_t planPeakActivationBytes(const Plan &plan);
 /// Whether compiling `run` under another cluster may give other instruction streams (above).
 bool reordersWithCosts(const PublishedRun &run, const ClusterSpec &cluster);
 /// predictSeconds of the prepared run under `cluster`, without compiling it again.

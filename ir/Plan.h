@@ -14,6 +14,7 @@
 #include "llvm/ADT/SmallVector.h"
 #include "llvm/ADT/StringRef.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -98,6 +99,17 @@ struct PlanStats {
   double makespan = 0, bubbleRatio = 0;
   double stepTime = 0; // makespan plus what dp all-reduces add past the last compute
   std::vector<RankStats> ranks;
+  /// The largest of the ranks' activation peaks, and of their whole-memory peaks.
+  int64_t maxPeakActivationBytes() const { return maxOver(&RankStats::peakActivationBytes); }
+  int64_t maxPeakMemoryBytes() const { return maxOver(&RankStats::peakMemoryBytes); }
+
+private:
+  int64_t maxOver(int64_t RankStats::*field) const {
+    int64_t most = 0;
+    for (const RankStats &r : ranks)
+      most = std::max(most, r.*field);
+    return most;
+  }
 };
 
 struct Plan {

@@ -291,19 +291,13 @@ TEST(CalibrationTest, ThePapersSearchedSchedulesAreZbAutoUnderTheirLimits) {
     h1.schedule = "zb-h1";
     auto zbh1 = compilePlan(r.model, c, h1, /*verifyEach=*/false);
     ASSERT_TRUE(bool(zbh1)) << takeMessage(zbh1.takeError());
-    int64_t h1Peak = 0;
-    for (const RankStats &rs : zbh1->stats.ranks)
-      h1Peak = std::max(h1Peak, rs.peakActivationBytes);
-    int64_t limit = int64_t(k) * h1Peak;
-    for (const RankStats &rs : prepared->plan.stats.ranks)
-      EXPECT_LE(rs.peakActivationBytes, limit);
+    int64_t limit = int64_t(k) * zbh1->stats.maxPeakActivationBytes();
+    EXPECT_LE(prepared->plan.stats.maxPeakActivationBytes(), limit);
     CompileOptions fixed = r.options;
     fixed.schedule = k == 1 ? "zb-h1" : "zb-h2";
     auto hand = compilePlan(r.model, c, fixed, /*verifyEach=*/false);
     ASSERT_TRUE(bool(hand)) << takeMessage(hand.takeError());
-    int64_t handPeak = 0;
-    for (const RankStats &rs : hand->stats.ranks)
-      handPeak = std::max(handPeak, rs.peakActivationBytes);
+    int64_t handPeak = hand->stats.maxPeakActivationBytes();
     if (k == 1) {
       EXPECT_EQ(handPeak, limit);
     }
@@ -344,11 +338,7 @@ TEST(CalibrationTest, TheZeroBubbleRunsHoldThePapersMemoryRatios) {
   auto peak = [&](const std::string &id) {
     auto p = prepareRun(runNamed(id), c);
     EXPECT_TRUE(bool(p)) << id << ": " << (p ? "" : takeMessage(p.takeError()));
-    int64_t most = 0;
-    if (p)
-      for (const RankStats &rs : p->plan.stats.ranks)
-        most = std::max(most, rs.peakMemoryBytes);
-    return double(most);
+    return p ? double(p->plan.stats.maxPeakMemoryBytes()) : 0.0;
   };
   for (const Setting &s : settings) {
     SCOPED_TRACE(s.stem);

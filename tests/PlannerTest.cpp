@@ -102,9 +102,7 @@ TEST(PlannerTest, RankedPlansAreWhatCompilePlanMakesOfThem) {
     ASSERT_TRUE(bool(compiled)) << takeMessage(compiled.takeError());
     const Plan &plan = *compiled;
     EXPECT_EQ(plan.stats.stepTime, c.stepTime);
-    int64_t peak = 0;
-    for (const RankStats &r : plan.stats.ranks)
-      peak = std::max(peak, r.peakMemoryBytes);
+    int64_t peak = plan.stats.maxPeakMemoryBytes();
     EXPECT_EQ(peak, c.peakMemoryBytes);
     EXPECT_LE(peak, int64_t(24) << 20);
     EXPECT_EQ(c.parallel.tp * c.parallel.pp * c.parallel.dp, 8);
@@ -158,9 +156,7 @@ TEST(PlannerTest, EveryEvaluatedCandidateStatesWhatCompileStates) {
       ++orderBounded;
       EXPECT_EQ(c.outcome, Outcome::Memory);
       EXPECT_FALSE(c.simulated);
-      int64_t peak = 0;
-      for (const RankStats &r : plan->stats.ranks)
-        peak = std::max(peak, r.peakMemoryBytes);
+      int64_t peak = plan->stats.maxPeakMemoryBytes();
       EXPECT_GE(peak, c.peakMemoryBytes);
       EXPECT_GT(c.peakMemoryBytes, o.memoryLimit);
       continue;
@@ -611,9 +607,7 @@ TEST(PlannerTest, ZeroOneBringsBloomsPublishedLayoutIn) {
     auto plan = compilePlan(modelVariant(*model, c.microbatchSize, c.recompute), *cluster, co);
     ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
     EXPECT_EQ(plan->stats.stepTime, c.stepTime);
-    int64_t peak = 0;
-    for (const RankStats &rs : plan->stats.ranks)
-      peak = std::max(peak, rs.peakMemoryBytes);
+    int64_t peak = plan->stats.maxPeakMemoryBytes();
     EXPECT_EQ(peak, c.peakMemoryBytes);
   }
   const PlanCandidate &best = r->candidates[r->ranked[0]];

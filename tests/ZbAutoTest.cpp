@@ -59,12 +59,7 @@ CompileOptions zbAuto(int p, int m, int64_t limit) {
   return o;
 }
 
-int64_t maxPeak(const Plan &plan) {
-  int64_t peak = 0;
-  for (const RankStats &r : plan.stats.ranks)
-    peak = std::max(peak, r.peakActivationBytes);
-  return peak;
-}
+int64_t maxPeak(const Plan &plan) { return plan.stats.maxPeakActivationBytes(); }
 
 void expectWithinLimit(const Plan &plan, int64_t limit) {
   for (const RankStats &r : plan.stats.ranks)

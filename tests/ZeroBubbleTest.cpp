@@ -162,9 +162,7 @@ TEST(ZeroBubbleSweep, ZBVHasNoBubbleAndOneFOneBMemory) {
         EXPECT_GT(plan.stats.bubbleRatio, 0.0) << "below 2p-1 the warm-up cannot fill";
       }
       Plan ref = compileOrFail(model, options("1f1b", p, m));
-      int64_t refPeak = 0;
-      for (const RankStats &rs : ref.stats.ranks)
-        refPeak = std::max(refPeak, rs.peakActivationBytes);
+      int64_t refPeak = ref.stats.maxPeakActivationBytes();
       for (int r = 0; r < p; ++r) {
         // Before its first I (I1(0)), rank r has run min(2p-1-r, m) chunk-0 and min(r+1, m)
         // chunk-1 forwards; afterwards every F is followed by its I and W before the next F.
