@@ -51,7 +51,7 @@ std::vector<std::string> splitCsv(llvm::StringRef line) {
 int metricRank(llvm::StringRef metric) {
   if (metric == "step_time_s")
     return 0;
-  if (metric == "tokens_per_s_per_gpu")
+  if (metric == "tokens_per_s_per_gpu" || metric == "tokens_per_s")
     return 1;
   if (metric == "samples_per_s_per_gpu" || metric == "samples_per_s")
     return 2;
@@ -98,6 +98,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
                            "tp",
                            "pp",
                            "vpp",
+                           "seq_splits",
                            "dp",
                            "cp",
                            "microbatch_size",
@@ -248,9 +249,21 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     int64_t vpp = intOr(at("vpp"), 1);
     // Interleaving without a published chunk count: the most chunks whole transformer layers
     // allow (the zero-bubble paper's rule, "each transformer layer serves as a chunk").
-    if (schedule == "interleaved-1f1b" && at("vpp").empty())
+    bool interleaved = schedule == "interleaved-1f1b" || schedule == "seq1f1b-interleaved";
+    if (interleaved && at("vpp").empty())
       vpp = std::max<int64_t>(2, units / pp);
-    o.parallel.vpp = int(schedule == "interleaved-1f1b" ? vpp : 1);
+    o.parallel.vpp = int(interleaved ? vpp : 1);
+    // Seq1F1B's sub-sequences, cut as its authors' software cuts them: at equal FLOPs.
+    if (schedule == "seq1f1b" || schedule == "seq1f1b-interleaved") {
+      int64_t splits = intOr(at("seq_splits"), 1);
+      if (splits < 1 || splits > seq) {
+        skip.why = fmt::format("seq_splits \"{}\": expected 1 to seq_length", at("seq_splits"));
+        skipped.push_back(skip);
+        continue;
+      }
+      o.parallel.seqSplits = int(splits);
+      o.parallel.seqSplitByFlops = true;
+    }
     if (!split.empty()) {
       int64_t stages = pp * o.parallel.vpp;
       if ((split != "megatron" && split != "units") || units % stages != 0) {
@@ -273,6 +286,8 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     const std::string &metric = run.metric;
     if (metric == "step_time_s") {
       run.measuredSeconds = value;
+    } else if (metric == "tokens_per_s") {
+      run.measuredSeconds = double(batch) * double(seq) / value;
     } else if (metric == "tokens_per_s_per_gpu") {
       run.measuredSeconds = double(batch) * double(seq) / (value * double(gpus));
     } else if (metric == "samples_per_s_per_gpu") {
