@@ -372,18 +372,22 @@ void printFactors(const ClusterSpec &c) {
              c.intraNode.efficiency, c.interNode.efficiency);
 }
 
-/// Per-source mean absolute error table of `which` under `predicted`.
-void printSourceTable(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
-                      const std::vector<double> &predicted, const char *what) {
-  std::map<std::string, std::vector<double>> bySource;
-  for (size_t i = 0; i < which.size(); ++i)
-    bySource[runs[which[i]].source].push_back(
-        predicted[i] > 0 ? throughputError(runs[which[i]].measuredSeconds, predicted[i]) : NAN);
-  fmt::print("| source | runs | {} mean abs error | mean signed | worst |\n|---|---|---|---|---|\n",
-             what);
+/// Mean absolute error table of `which` under `predicted`, one line per source, or per
+/// schedule as published (`bySchedule`: how well each schedule's runs are predicted, over
+/// every source that ran it).
+void printErrorTable(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                     const std::vector<double> &predicted, const char *what, bool bySchedule) {
+  std::map<std::string, std::vector<double>> byKey;
+  for (size_t i = 0; i < which.size(); ++i) {
+    const PublishedRun &r = runs[which[i]];
+    byKey[bySchedule ? r.publishedSchedule : r.source].push_back(
+        predicted[i] > 0 ? throughputError(r.measuredSeconds, predicted[i]) : NAN);
+  }
+  fmt::print("| {} | runs | {} mean abs error | mean signed | worst |\n|---|---|---|---|---|\n",
+             bySchedule ? "schedule" : "source", what);
   double all = 0;
   int n = 0;
-  for (auto &[source, errs] : bySource) {
+  for (auto &[source, errs] : byKey) {
     double abs = 0, signedSum = 0, worst = 0;
     for (double e : errs) {
       double a = std::isnan(e) ? 1.0 : std::abs(e);
@@ -565,7 +569,8 @@ int main(int argc, char **argv) {
                  predicted[i] > 0 ? 100 * throughputError(r.measuredSeconds, predicted[i]) : NAN);
     }
     fmt::print("\n");
-    printSourceTable(runs, which, predicted, "in-sample");
+    printErrorTable(runs, which, predicted, "in-sample", false);
+    printErrorTable(runs, which, predicted, "in-sample", true);
     printZeroBubble(runs, which, predicted);
     if (!args->has("--loso"))
       continue;
@@ -597,7 +602,8 @@ int main(int argc, char **argv) {
       printFactors(c);
     }
     fmt::print("\n");
-    printSourceTable(runs, which, loso, "leave-one-source-out");
+    printErrorTable(runs, which, loso, "leave-one-source-out", false);
+    printErrorTable(runs, which, loso, "leave-one-source-out", true);
     printZeroBubble(runs, which, loso);
   }
   return 0;
