@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pipec {
@@ -94,6 +95,12 @@ struct ClusterSpec {
   int gpusPerNode = 8;
   Link intraNode{450, 3};
   Link interNode{50, 8};
+  /// The spec's "calibration" record (calibration_bench writes it): which published runs its
+  /// factors were checked against, and by schedule the mean absolute throughput error of those
+  /// runs predicted by factors fitted without their source (leave-one-source-out). Timing
+  /// never reads it; `pipec plan` reports it beside the plans it ranks. Empty: never checked.
+  std::string calibrationRuns;
+  std::vector<std::pair<std::string, double>> heldOutErrorBySchedule;
 
   /// The embedded default (an H100 SXM node with 8 GPUs).
   static ClusterSpec defaults() { return ClusterSpec{}; }

@@ -531,6 +531,59 @@ TEST(ParallelOptionsTest, AnOverlappedParameterGatherLeavesTheReduceScatterExpos
             "c.json: $.param_gather: expected \"overlapped\" or \"after-step\", got \"early\"");
 }
 
+TEST(ClusterSpecTest, TheCalibrationRecordIsReadAndCheckedAndChangesNoTime) {
+  // The optional "calibration" record (calibration_bench writes it): read in file order, each
+  // bad part refused with one line naming it, and no effect on any time.
+  auto spec = [](const std::string &calibration) {
+    return parseClusterSpec(R"({"format": "pipecluster/1", "calibration": )" + calibration + "}",
+                            "c.json");
+  };
+  auto ok = spec(R"({"runs": "106 runs", "held_out_error": {"zb-auto": 0.159, "1f1b": 0.1}})");
+  ASSERT_TRUE(bool(ok)) << takeMessage(ok.takeError());
+  EXPECT_EQ(ok->calibrationRuns, "106 runs");
+  ASSERT_EQ(ok->heldOutErrorBySchedule.size(), 2u);
+  EXPECT_EQ(ok->heldOutErrorBySchedule[0].first, "1f1b"); // nlohmann orders keys
+  EXPECT_DOUBLE_EQ(ok->heldOutErrorBySchedule[0].second, 0.1);
+  EXPECT_EQ(ok->heldOutErrorBySchedule[1].first, "zb-auto");
+  auto message = [&](const std::string &calibration) {
+    auto c = spec(calibration);
+    return c ? std::string("accepted") : takeMessage(c.takeError());
+  };
+  EXPECT_EQ(message(R"({"held_out": {}})"),
+            "c.json: $.calibration.held_out: unknown field (valid fields: runs, held_out_error)");
+  EXPECT_EQ(message(R"({"held_out_error": {"1f1b": -0.1}})")
+                .rfind("c.json: $.calibration.held_out_error.1f1b: ", 0),
+            0u)
+      << message(R"({"held_out_error": {"1f1b": -0.1}})");
+  EXPECT_EQ(message(R"({"held_out_error": {"1f1b": 11}})"),
+            "c.json: $.calibration.held_out_error.1f1b: expected a fraction in [0, 10] (0.05 is "
+            "5%), got 11");
+  EXPECT_EQ(message(R"({"held_out_error": {"1F1B": 0.1}})"),
+            "c.json: $.calibration.held_out_error: expected schedule names (lower-case letters, "
+            "digits and '-', at most 64 characters), got \"1F1B\"");
+  EXPECT_EQ(message(R"({"held_out_error": [0.1]})")
+                .rfind("c.json: $.calibration.held_out_error: expected an object", 0),
+            0u)
+      << message(R"({"held_out_error": [0.1]})");
+  std::string many = "{\"held_out_error\": {";
+  for (int i = 0; i < 65; ++i)
+    many += fmt::format("{}\"s{}\": 0.1", i ? ", " : "", i);
+  EXPECT_EQ(message(many + "}}"),
+            "c.json: $.calibration.held_out_error: expected at most 64 schedules, got 65");
+  // Timing never reads it.
+  ClusterSpec plain = ClusterSpec::defaults(), recorded = plain;
+  recorded.heldOutErrorBySchedule = ok->heldOutErrorBySchedule;
+  ModelSpec m = gptSpec(4, 256, 64, 4);
+  CompileOptions o;
+  o.schedule = "1f1b";
+  o.parallel.pp = 2;
+  o.parallel.microbatches = 4;
+  auto a = compilePlan(m, plain, o, /*verifyEach=*/false);
+  auto b = compilePlan(m, recorded, o, /*verifyEach=*/false);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->stats.stepTime, b->stats.stepTime);
+}
+
 TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemory) {
   ModelSpec m = gptSpec(8, 1024, 1024, 16);
   CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/2, /*dp=*/4);

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace pipec {
 
 //===----------------------------------------------------------------------===//
@@ -51,10 +53,58 @@ static llvm::Error getOverlapped(const JsonReader &r, const Json &j, const char 
   return llvm::Error::success();
 }
 
+/// The cluster spec's optional "calibration" record: {"runs": "...", "held_out_error":
+/// {"<schedule>": fraction, ...}}, at most kMaxCalibrationSchedules schedules, each name a
+/// schedule's spelling (lower-case letters, digits, '-'), each error in [0, 10].
+static llvm::Error parseCalibration(const JsonReader &r, const Json &j, ClusterSpec &c) {
+  constexpr size_t kMaxCalibrationSchedules = 64, kMaxScheduleName = 64;
+  auto it = j.find("calibration");
+  if (it == j.end())
+    return llvm::Error::success();
+  if (auto err = r.expectObject(*it, "$.calibration"))
+    return err;
+  if (auto err = r.onlyKeys(*it, "$.calibration", {"runs", "held_out_error"}))
+    return err;
+  if (auto err = r.getString(*it, "$.calibration", "runs", c.calibrationRuns, false))
+    return err;
+  auto e = it->find("held_out_error");
+  if (e == it->end())
+    return llvm::Error::success();
+  const char *path = "$.calibration.held_out_error";
+  if (auto err = r.expectObject(*e, path))
+    return err;
+  if (e->size() > kMaxCalibrationSchedules)
+    return inputError("{}: {}: expected at most {} schedules, got {}", r.name(), path,
+                      kMaxCalibrationSchedules, e->size());
+  c.heldOutErrorBySchedule.clear();
+  for (auto item = e->begin(); item != e->end(); ++item) {
+    const std::string &name = item.key();
+    bool spelled = !name.empty() && name.size() <= kMaxScheduleName &&
+                   std::all_of(name.begin(), name.end(), [](char ch) {
+                     return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '-';
+                   });
+    if (!spelled)
+      return inputError("{}: {}: expected schedule names (lower-case letters, digits and '-', "
+                        "at most {} characters), got \"{}\"",
+                        r.name(), path, kMaxScheduleName, shortened(name));
+    double v = -1;
+    if (auto err = r.getNumber(*e, path, name, v, true))
+      return err;
+    if (v > 10)
+      return inputError("{}: {}: expected a fraction in [0, 10] (0.05 is 5%), got {}", r.name(),
+                        jsonPath(path, name), v);
+    c.heldOutErrorBySchedule.emplace_back(name, v);
+  }
+  return llvm::Error::success();
+}
+
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
-                                   "message_overhead_us", "p2p", "grad_reduce", "param_gather"}))
+                                   "message_overhead_us", "p2p", "grad_reduce", "param_gather",
+                                   "calibration"}))
+    return err;
+  if (auto err = parseCalibration(r, j, c))
     return err;
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
