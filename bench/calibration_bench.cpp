@@ -24,6 +24,8 @@
 #include "ir/support/Error.h"
 #include "tools/Args.h"
 
+#include "llvm/ADT/StringExtras.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -403,6 +405,28 @@ void printErrorTable(const std::vector<PublishedRun> &runs, const std::vector<si
   fmt::print("| all | {} | {:.1f}% | | |\n\n", n, n ? 100 * all / n : 0.0);
 }
 
+/// The cluster spec's "calibration" record (docs/contracts.md#cluster-spec-pipecluster1) from
+/// the leave-one-source-out predictions: by schedule as pipec compiles it (the zero-bubble
+/// paper's ZB-1p and ZB-2p are zb-auto), the mean absolute throughput error.
+void printCalibrationRecord(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                            const std::vector<double> &loso, size_t sources,
+                            const std::string &device) {
+  std::map<std::string, std::pair<double, int>> bySchedule;
+  for (size_t i = 0; i < which.size(); ++i) {
+    const PublishedRun &r = runs[which[i]];
+    auto &[sum, n] = bySchedule[r.options.schedule];
+    sum += loso[i] > 0 ? std::abs(throughputError(r.measuredSeconds, loso[i])) : 1.0;
+    ++n;
+  }
+  std::vector<std::string> entries;
+  for (const auto &[name, sn] : bySchedule)
+    entries.push_back(fmt::format("\"{}\": {:.3f}", name, sn.first / sn.second));
+  fmt::print("the spec's calibration record (held out by schedule):\n  \"calibration\": "
+             "{{\"runs\": \"{} published {} runs from {} sources "
+             "(bench/data/published-runs.csv)\", \"held_out_error\": {{{}}}}}\n\n",
+             which.size(), device, sources, llvm::join(entries, ", "));
+}
+
 /// The zero-bubble paper's Table 4: settings of four schedules each.
 void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                      const std::vector<double> &predicted) {
@@ -605,6 +629,7 @@ int main(int argc, char **argv) {
     printErrorTable(runs, which, loso, "leave-one-source-out", false);
     printErrorTable(runs, which, loso, "leave-one-source-out", true);
     printZeroBubble(runs, which, loso);
+    printCalibrationRecord(runs, which, loso, sources.size(), d.csvName);
   }
   return 0;
 }

@@ -19,12 +19,15 @@
 #include "ir/formats/SpecJson.h"
 #include "schedules/Policy.h"
 
+#include "llvm/ADT/StringExtras.h"
+
 #include <nlohmann/json.hpp>
 
 #include <fstream>
 #include <map>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <tuple>
 
 namespace pipec {
@@ -861,6 +864,70 @@ TEST(PlannerCliTest, PiperunRefusesARecomputingPlanWithOneLine) {
             0);
   Result ok = run("tools/piperun " + plan + " --backend cpu --steps 1");
   EXPECT_EQ(ok.code, 0) << ok.out << ok.err;
+}
+
+TEST(PlannerCliTest, TheClusterSpecsCalibrationRecordIsReportedBesideThePlans) {
+  // A cluster spec's "calibration" record: after the table, one line gives, for each schedule
+  // among the ranked plans in rank order, the record's held-out error, names the schedules it
+  // has none for, and how far the ranked plans' step times (the table's own) spread.
+  const std::string dir = testing::tmpDir();
+  const std::string cluster = dir + "/calibrated.json";
+  {
+    std::ofstream os(cluster);
+    os << R"({"format": "pipecluster/1", "calibration": {"runs": "two made-up runs",
+        "held_out_error": {"1f1b": 0.05, "zb-h1": 0.125}}})";
+  }
+  const std::string flags = "--model examples/gpt-7b-8k.json --gpus 8 --global-batch 16 "
+                            "--schedules 1f1b,zb-h1,gpipe --top 6 --pp 2,4";
+  Result r = run("tools/pipec plan " + flags + " --cluster " + cluster);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  // The ranked rows: schedule and step time, in rank order.
+  std::vector<std::pair<std::string, double>> rows;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line);
+    int rank = 0;
+    std::string schedule, skip;
+    if (!(fields >> rank >> schedule) || rank != int(rows.size()) + 1)
+      continue;
+    for (int i = 0; i < 10; ++i)
+      fields >> skip;
+    double step = 0;
+    ASSERT_TRUE(bool(fields >> step)) << line;
+    rows.emplace_back(schedule, step);
+  }
+  ASSERT_GE(rows.size(), 2u) << r.out;
+  std::vector<std::string> order;
+  for (const auto &[schedule, _] : rows)
+    if (std::find(order.begin(), order.end(), schedule) == order.end())
+      order.push_back(schedule);
+  std::vector<std::string> checked, unchecked;
+  for (const std::string &s : order) {
+    if (s == "1f1b")
+      checked.push_back("1f1b 5.0%");
+    else if (s == "zb-h1")
+      checked.push_back("zb-h1 12.5%");
+    else
+      unchecked.push_back(s);
+  }
+  std::string expected = "calibration: ";
+  if (!checked.empty())
+    expected += "mean error on published runs, held out: " + llvm::join(checked, ", ");
+  if (!unchecked.empty())
+    expected += (checked.empty() ? "" : "; ") + llvm::join(unchecked, ", ") + ": no published runs";
+  expected += fmt::format("; the {} plans above are within {:.1f}% of the first", rows.size(),
+                          100 * (rows.back().second / rows.front().second - 1));
+  EXPECT_NE(r.out.find(expected + " (docs/planner.md#calibration-out-of-sample)\n"),
+            std::string::npos)
+      << expected << "\n"
+      << r.out;
+  // The shipped A100 spec carries one; a spec without a record prints no such line.
+  Result shipped = run("tools/pipec plan " + flags + " --cluster examples/a100-selene.json");
+  ASSERT_EQ(shipped.code, 0) << shipped.out << shipped.err;
+  EXPECT_NE(shipped.out.find("\ncalibration: "), std::string::npos) << shipped.out;
+  Result bare = run("tools/pipec plan " + flags + " --cluster examples/a100-80g.json");
+  ASSERT_EQ(bare.code, 0) << bare.out << bare.err;
+  EXPECT_EQ(bare.out.find("calibration:"), std::string::npos) << bare.out;
 }
 
 TEST(PlannerCliTest, PiperunRefusesAnFp8PlanWithOneLine) {

@@ -29,6 +29,39 @@
 
 namespace pipec {
 
+/// What the cluster spec's calibration record says of the ranked plans' schedules: each
+/// schedule's held-out error against published runs, in rank order, and how far apart the
+/// ranked plans' step times are; "" when the spec carries no record.
+static std::string calibrationLine(const ClusterSpec &cluster, const PlannerResult &result) {
+  if (cluster.heldOutErrorBySchedule.empty() || result.ranked.empty())
+    return "";
+  std::vector<std::string> checked, unchecked, seen;
+  for (size_t i : result.ranked) {
+    const std::string &name = result.candidates[i].schedule;
+    if (llvm::is_contained(seen, name))
+      continue;
+    seen.push_back(name);
+    auto it = llvm::find_if(cluster.heldOutErrorBySchedule,
+                            [&](const auto &entry) { return entry.first == name; });
+    if (it == cluster.heldOutErrorBySchedule.end())
+      unchecked.push_back(name);
+    else
+      checked.push_back(fmt::format("{} {:.1f}%", name, 100 * it->second));
+  }
+  std::string line = "calibration: ";
+  if (!checked.empty())
+    line += fmt::format("mean error on published runs, held out: {}", llvm::join(checked, ", "));
+  if (!unchecked.empty())
+    line += fmt::format("{}{}: no published runs", checked.empty() ? "" : "; ",
+                        llvm::join(unchecked, ", "));
+  double first = result.candidates[result.ranked.front()].stepTime;
+  double last = result.candidates[result.ranked.back()].stepTime;
+  if (result.ranked.size() > 1 && first > 0)
+    line += fmt::format("; the {} plans above are within {:.1f}% of the first",
+                        result.ranked.size(), 100 * (last / first - 1));
+  return line + " (docs/planner.md#calibration-out-of-sample)\n";
+}
+
 llvm::Error runPlanCommand(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, *findPipecCommand("plan"));
   if (!args)
@@ -132,6 +165,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                inGiB(result->memoryLimit - c.peakMemoryBytes),
                costs ? (c.measured ? "  measured" : "  model") : "");
   }
+  fmt::print("{}", calibrationLine(cluster, *result));
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print(
       "\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
