@@ -101,6 +101,14 @@ struct ClusterSpec {
   /// never reads it; `pipec plan` reports it beside the plans it ranks. Empty: never checked.
   std::string calibrationRuns;
   std::vector<std::pair<std::string, double>> heldOutErrorBySchedule;
+  /// The record's held-out error of `schedule`'s published runs; none when it has no record of
+  /// that schedule.
+  std::optional<double> heldOutError(llvm::StringRef schedule) const {
+    for (const auto &[name, error] : heldOutErrorBySchedule)
+      if (name == schedule)
+        return error;
+    return std::nullopt;
+  }
 
   /// The embedded default (an H100 SXM node with 8 GPUs).
   static ClusterSpec defaults() { return ClusterSpec{}; }

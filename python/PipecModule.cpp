@@ -198,6 +198,11 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
     d["model_flops"] = r.modelFlops[i];
   if (c.zbAutoLimit)
     d["zb_auto_limit"] = c.zbAutoLimit;
+  // The cluster spec's calibration record for this schedule (pipec plan's "calibration:" line).
+  if (auto error = s.cluster.heldOutError(c.schedule))
+    d["held_out_error"] = *error;
+  else
+    d["held_out_error"] = py::none();
   return d;
 }
 

@@ -41,12 +41,10 @@ static std::string calibrationLine(const ClusterSpec &cluster, const PlannerResu
     if (llvm::is_contained(seen, name))
       continue;
     seen.push_back(name);
-    auto it = llvm::find_if(cluster.heldOutErrorBySchedule,
-                            [&](const auto &entry) { return entry.first == name; });
-    if (it == cluster.heldOutErrorBySchedule.end())
-      unchecked.push_back(name);
+    if (auto error = cluster.heldOutError(name))
+      checked.push_back(fmt::format("{} {:.1f}%", name, 100 * *error));
     else
-      checked.push_back(fmt::format("{} {:.1f}%", name, 100 * it->second));
+      unchecked.push_back(name);
   }
   std::string line = "calibration: ";
   if (!checked.empty())

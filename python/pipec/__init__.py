@@ -372,8 +372,10 @@ class PlanSearch:
     """What pipec.plan found: the ranked layouts, best first (dicts: schedule, tp, pp, vpp, dp,
     microbatch_size, microbatches, seq_splits, recompute, sequence_parallel and
     distributed_optimizer (bool), costs ("measured" or "model"), step_time, bubble,
-    peak_memory_bytes, headroom_bytes, and model_flops for a transformer), the best one
-    compiled, the count of candidates searched and of those dropped, by reason."""
+    peak_memory_bytes, headroom_bytes, model_flops for a transformer, and held_out_error: the
+    cluster spec's calibration record for that schedule, the mean error of its published runs
+    predicted held out, as a fraction, or None without one), the best one compiled, the count
+    of candidates searched and of those dropped, by reason."""
 
     best: Plan
     ranked: tuple[dict, ...]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import random
 
 import pytest
@@ -384,6 +385,21 @@ def test_plan_ranks_the_layouts_the_command_ranks(tmp_path):
     assert found.searched > len(found.ranked) and set(found.dropped) == {
         "divisibility", "constraint", "memory", "pruned"}
     assert all(layout["pp"] in (1, 2) for layout in found.ranked)
+
+
+def test_plan_gives_each_layout_its_schedules_calibration_record():
+    # The shipped A100 spec's record (examples/a100-selene.json) against each ranked schedule,
+    # as `pipec plan` prints it; an uncalibrated spec has none.
+    gpt = example("gpt-7b-8k.json")
+    spec = json.loads(pathlib.Path(example("a100-selene.json")).read_text())
+    record = spec["calibration"]["held_out_error"]
+    found = pipec.plan(gpt, 8, 16, top=6, pp=[2, 4], threads=1,
+                       cluster=example("a100-selene.json"))
+    assert found.ranked
+    for layout in found.ranked:
+        assert layout["held_out_error"] == record.get(layout["schedule"]), layout
+    bare = pipec.plan(gpt, 8, 16, top=3, pp=[2, 4], threads=1, cluster=example("a100-80g.json"))
+    assert all(layout["held_out_error"] is None for layout in bare.ranked)
 
 
 def test_plan_scores_the_layouts_a_costs_file_covers_with_it(tmp_path):
