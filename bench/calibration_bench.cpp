@@ -141,6 +141,21 @@ double absError(const PublishedRun &run, double predicted) {
   return predicted > 0 ? std::abs(throughputError(run.measuredSeconds, predicted)) : 1.0;
 }
 
+/// Sum of |error| (absError) and count of `which`'s runs under `predicted`, grouped by
+/// `key(run)`: by source for the fit's objective, by schedule for the spec's record.
+template <typename Key>
+std::map<std::string, std::pair<double, int>>
+absErrorsBy(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+            const std::vector<double> &predicted, Key key) {
+  std::map<std::string, std::pair<double, int>> out;
+  for (size_t i = 0; i < which.size(); ++i) {
+    auto &[sum, n] = out[key(runs[which[i]])];
+    sum += absError(runs[which[i]], predicted[i]);
+    ++n;
+  }
+  return out;
+}
+
 /// How much a source's runs weigh in the fit against its number of runs n: 0 (every source
 /// weighs the same), 1 (every run does) or in between (a source weighs n^gWeightPower).
 double gWeightPower = 0;
@@ -149,12 +164,8 @@ double gWeightPower = 0;
 /// n^gWeightPower).
 double objective(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                  const std::vector<double> &predicted) {
-  std::map<std::string, std::pair<double, int>> bySource;
-  for (size_t i = 0; i < which.size(); ++i) {
-    auto &[sum, n] = bySource[runs[which[i]].source];
-    sum += absError(runs[which[i]], predicted[i]);
-    ++n;
-  }
+  auto bySource =
+      absErrorsBy(runs, which, predicted, [](const PublishedRun &r) { return r.source; });
   double total = 0, weights = 0;
   for (auto &[_, sn] : bySource) {
     double w = std::pow(double(sn.second), gWeightPower);
@@ -411,15 +422,9 @@ void printErrorTable(const std::vector<PublishedRun> &runs, const std::vector<si
 void printCalibrationRecord(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                             const std::vector<double> &loso, size_t sources,
                             const std::string &device) {
-  std::map<std::string, std::pair<double, int>> bySchedule;
-  for (size_t i = 0; i < which.size(); ++i) {
-    const PublishedRun &r = runs[which[i]];
-    auto &[sum, n] = bySchedule[r.options.schedule];
-    sum += loso[i] > 0 ? std::abs(throughputError(r.measuredSeconds, loso[i])) : 1.0;
-    ++n;
-  }
   std::vector<std::string> entries;
-  for (const auto &[name, sn] : bySchedule)
+  for (const auto &[name, sn] :
+       absErrorsBy(runs, which, loso, [](const PublishedRun &r) { return r.options.schedule; }))
     entries.push_back(fmt::format("\"{}\": {:.3f}", name, sn.first / sn.second));
   fmt::print("the spec's calibration record (held out by schedule):\n  \"calibration\": "
              "{{\"runs\": \"{} published {} runs from {} sources "
