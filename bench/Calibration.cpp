@@ -55,7 +55,7 @@ int metricRank(llvm::StringRef metric) {
     return 1;
   if (metric == "samples_per_s_per_gpu" || metric == "samples_per_s")
     return 2;
-  if (metric == "tflops_per_gpu")
+  if (metric == "tflops_per_gpu" || metric == "nemo_tflops_per_gpu")
     return 3;
   return -1;
 }
@@ -294,6 +294,21 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       run.measuredSeconds = double(batch) / (value * double(gpus));
     } else if (metric == "samples_per_s") {
       run.measuredSeconds = double(batch) / value;
+    } else if (metric == "nemo_tflops_per_gpu") {
+      // NeMo's performance tables count a Llama model's FLOPs per token as
+      // l·h²·(12 + 12·g/a + 18·f/h + 12·s/h + 6·V/(l·h)) (nemo/utils/flops_formulas.py, its
+      // llama2 and llama3 entries): the attention term is the whole s x s score matrix.
+      if (at("block") != "llama") {
+        skip.why = fmt::format("metric nemo_tflops_per_gpu: NeMo's FLOP count of a \"{}\" "
+                               "block is not implemented (only llama)",
+                               at("block"));
+        skipped.push_back(skip);
+        continue;
+      }
+      double s = double(seq), l = double(layers), h = double(hidden), v = double(vocab);
+      double g = double(groups > 0 ? groups : heads), a = double(heads), fh = double(ffn);
+      double perToken = l * h * h * (12 + 12 * g / a + 18 * fh / h + 12 * s / h + 6 * v / (l * h));
+      run.measuredSeconds = perToken * double(batch) * s / (value * 1e12 * double(gpus));
     } else {
       // Megatron-LM's count (Narayanan et al. Eq. 3): 72·B·s·l·h²·(1 + s/6h + V/16lh) for the
       // forward and backward, a third more with full recomputation's second forward.
