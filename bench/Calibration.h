@@ -17,7 +17,10 @@
 #include "ir/Model.h"
 #include "ir/Plan.h"
 
+#include "llvm/ADT/ArrayRef.h"
 #include "llvm/Support/Error.h"
+
+#include <cassert>
 
 #include <optional>
 #include <string>
@@ -100,6 +103,19 @@ llvm::Expected<double> retimedSeconds(PreparedRun &run, const ClusterSpec &clust
 /// step time / predicted - 1 (positive: pipec is too optimistic).
 inline double throughputError(double measuredSeconds, double predictedSeconds) {
   return measuredSeconds / predictedSeconds - 1;
+}
+
+/// Whether `predicted` step times rank schedules as `measured` ones do: every pair the
+/// measurement orders strictly, the prediction orders the same way. A tie in the published
+/// numbers (two schedules at the same throughput to the digits printed) orders nothing, so
+/// either predicted order agrees with it.
+inline bool sameRanking(llvm::ArrayRef<double> measured, llvm::ArrayRef<double> predicted) {
+  assert(measured.size() == predicted.size() && "one prediction per measurement");
+  for (size_t a = 0; a < measured.size(); ++a)
+    for (size_t b = 0; b < measured.size(); ++b)
+      if (measured[a] < measured[b] && !(predicted[a] < predicted[b]))
+        return false;
+  return true;
 }
 
 } // namespace pipec

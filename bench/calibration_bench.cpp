@@ -464,19 +464,24 @@ void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<si
     auto &m = entry.second;
     if (m.size() != 4)
       continue;
-    auto ranking = [&](bool pred) {
+    std::vector<double> measuredS, predictedS;
+    for (int s = 0; s < 4; ++s) {
+      measuredS.push_back(m[s].first);
+      predictedS.push_back(m[s].second);
+    }
+    // Fastest first; "=" where the published numbers tie.
+    auto ranking = [&](const std::vector<double> &t) {
       std::vector<int> idx = {0, 1, 2, 3};
-      std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) {
-        return (pred ? m[a].second : m[a].first) < (pred ? m[b].second : m[b].first);
-      });
-      std::string s;
-      for (int i : idx)
-        s += std::string(s.empty() ? "" : " > ") + labels[i];
+      std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return t[a] < t[b]; });
+      std::string s = labels[idx[0]];
+      for (size_t k = 1; k < idx.size(); ++k)
+        s += std::string(t[idx[k]] == t[idx[k - 1]] ? " = " : " > ") + labels[idx[k]];
       return s;
     };
-    std::string meas = ranking(false), pred = ranking(true);
-    same += meas == pred;
-    fmt::print("| {} | {} | {} | {} | ", key, meas, pred, meas == pred ? "yes" : "no");
+    bool agrees = sameRanking(measuredS, predictedS);
+    same += agrees;
+    fmt::print("| {} | {} | {} | {} | ", key, ranking(measuredS), ranking(predictedS),
+               agrees ? "yes" : "no");
     for (int s = 1; s < 4; ++s) {
       double gm = m[0].first / m[s].first - 1, gp = m[0].second / m[s].second - 1;
       ++gains;
