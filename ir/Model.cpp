@@ -313,8 +313,24 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     double forwardBytes = 10 * h / sp + (mlpIn + 1) * fl;
     double backwardBytes = 12 * h / sp + (2 * mlpIn + 1) * fl;
     double perByte = memPerMs > 0 ? n * d / memPerMs : 0.0;
-    c.forward = linear + attentionF / attentionPerMs + perByte * forwardBytes + overhead;
-    c.backwardInput = linear + attentionB / attentionPerMs + perByte * backwardBytes + overhead;
+    // A materialized attention core also passes over its score matrix (b·Hl·x·e elements
+    // per rank: the slice's x queries against the e keys up to its end) in memory-bound
+    // kernels, as Megatron-LM's unfused path runs them, d bytes an element unless noted:
+    // forward, the QKᵀ GEMM writes the scores, the fused scale-mask-softmax reads them and
+    // writes the probabilities, dropout reads those and writes its output and a 1-byte mask
+    // (5d + 1); backward, the PV GEMM's gradient writes dP, dropout's backward reads it and
+    // the mask and writes its gradient, softmax's backward reads that and the probabilities
+    // and writes dS (6d + 1). Their FLOPs stay at attention_fraction (the score GEMMs); with
+    // flash attention the scores never reach memory.
+    double scoreF = 0, scoreB = 0;
+    if (!flash && memPerMs > 0) {
+      double scores = b * hl * x * double(end);
+      scoreF = scores * (5 * d + 1) / memPerMs;
+      scoreB = scores * (6 * d + 1) / memPerMs;
+    }
+    c.forward = linear + attentionF / attentionPerMs + scoreF + perByte * forwardBytes + overhead;
+    c.backwardInput =
+        linear + attentionB / attentionPerMs + scoreB + perByte * backwardBytes + overhead;
     c.backwardWeight = linear + overhead;
     // The MLP keeps its pre-activation (GELU) or both gate and up outputs (SwiGLU).
     double fc = t.mlp == Mlp::SwiGlu ? 2 * fl : fl;
@@ -334,7 +350,7 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     case Recompute::Selective:
       if (!flash) {
         activation -= probs;
-        c.backwardInput += attentionF / attentionPerMs;
+        c.backwardInput += attentionF / attentionPerMs + scoreF;
       }
       break;
     case Recompute::Full:

@@ -50,8 +50,9 @@ struct ClusterSpec {
   double peakTflops = 989;
   /// Fraction of peak_tflops the GEMMs reach (the matrix multiplies of every layer).
   double achievedFraction = 0.55;
-  /// Fraction of peak_tflops the materialized attention core reaches (QK^T, softmax, times V,
-  /// unfused kernels); 0 = the same as achievedFraction.
+  /// Fraction of peak_tflops the materialized attention core's FLOPs reach (its QK^T and
+  /// times-V GEMMs as separate kernels; its passes over the score matrix are memory-bound,
+  /// timed at memory_GBps, ModelSpec::sliceCost); 0 = the same as achievedFraction.
   double attentionFraction = 0;
   /// Fraction of peak_tflops a flash (fused, tiled) attention kernel reaches; 0 = the same as
   /// achievedFraction. attention_fraction never applies to flash attention.

@@ -314,6 +314,33 @@ TEST(TransformerCostTest, EfficiencyFactorsScaleGemmAttentionAndLinkTimes) {
   EXPECT_DOUBLE_EQ(c.intraNode.bytesPerMs(), 450 * 0.5 * 1e6);
 }
 
+TEST(TransformerCostTest, MaterializedAttentionPassesOverItsScoresAtTheMemoryRate) {
+  // Megatron-LM's unfused attention writes the b·(heads/tp)·x·e score matrix and passes over
+  // it in softmax and dropout: 5·d + 1 bytes per element forward (d = 2 in bf16), 6·d + 1
+  // backward, at memory_GBps. With both kernels at one fraction of peak, that is all a
+  // materialized core costs beyond a flash one (whose scores never reach memory).
+  ModelSpec flash = gptSpec(4, 4096, 4096);
+  ModelSpec materialized = flash;
+  materialized.transformer->attention = Attention::Materialized;
+  ClusterSpec c = ClusterSpec::defaults();
+  c.attentionFraction = c.flashAttentionFraction = 0.3;
+  c.memoryGBps = 1000; // 1e9 bytes per ms
+  const int tp = 2;
+  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 4096}, {3072, 4096}}) {
+    SCOPED_TRACE(begin);
+    double scores = 1.0 * (32 / tp) * double(end - begin) * double(end);
+    SliceCost f = flash.sliceCost(c, 1, begin, end, 0, 1, tp);
+    SliceCost m = materialized.sliceCost(c, 1, begin, end, 0, 1, tp);
+    EXPECT_NEAR(m.forward - f.forward, scores * 11 / 1e9, 1e-9);
+    EXPECT_NEAR(m.backwardInput - f.backwardInput, scores * 13 / 1e9, 1e-9);
+    EXPECT_DOUBLE_EQ(m.backwardWeight, f.backwardWeight);
+  }
+  // Without a memory rate the passes are not timed (older cluster files predict as before).
+  c.memoryGBps = 0;
+  EXPECT_DOUBLE_EQ(materialized.sliceCost(c, 1, 0, 4096, 0, 1, tp).forward,
+                   flash.sliceCost(c, 1, 0, 4096, 0, 1, tp).forward);
+}
+
 TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
   // eff = achieved_fraction · d / (d + gemm_half_dim), d the GEMM's smallest dimension after tp
   // sharding: the weight gradient (GEMMs only) is the sum of its four GEMMs at that rate.
