@@ -298,6 +298,12 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       // NeMo's performance tables count a Llama model's FLOPs per token as
       // l·h²·(12 + 12·g/a + 18·f/h + 12·s/h + 6·V/(l·h)) (nemo/utils/flops_formulas.py, its
       // llama2 and llama3 entries): the attention term is the whole s x s score matrix.
+      if (ffn <= 0 || at("vocab_size").empty()) {
+        skip.why = "metric nemo_tflops_per_gpu: NeMo's FLOP count needs ffn_hidden_size and "
+                   "vocab_size";
+        skipped.push_back(skip);
+        continue;
+      }
       if (at("block") != "llama") {
         skip.why = fmt::format("metric nemo_tflops_per_gpu: NeMo's FLOP count of a \"{}\" "
                                "block is not implemented (only llama)",

@@ -70,7 +70,8 @@ struct ClusterSpec {
   /// 1, no gain. Attention, the memory-bound kernels, the head and communication stay BF16.
   double fp8GemmSpeedup = 0;
   /// Bytes per second (in GB/s) the memory-bound kernels reach (norms, dropouts, residual adds,
-  /// activations, the optimizer step); 0 = those kernels and the optimizer step are not timed.
+  /// activations, a materialized attention core's score-matrix passes, the optimizer step); 0 =
+  /// those kernels and the optimizer step are not timed.
   double memoryGBps = 0;
   /// Fixed cost of every layer's forward, input-gradient and weight-gradient pass (kernel
   /// launches and framework overhead), in microseconds.

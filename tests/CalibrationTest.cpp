@@ -59,7 +59,7 @@ TEST(CalibrationTest, TheDataFileHoldsEverySourceWithItsRuns) {
     ++bySource[r.source];
     EXPECT_GT(r.measuredSeconds, 0) << r.id;
   }
-  // Six A100 sources and three H100 ones, each with runs that compile as published.
+  // Six A100 sources and four H100 ones, each with runs that compile as published.
   for (const char *s :
        {"narayanan2021_sc21", "korthikanti2022", "qi2024_zerobubble", "smith2022_mtnlg",
         "bigscience_bloom176b", "sun2024_seq1f1b", "dubey2024_llama3", "nvidia_nemo_perf_2407",
@@ -388,10 +388,12 @@ TEST(CalibrationTest, TheSeq1F1BTablesOutOfMemoryCellsAreOutOfMemory) {
 }
 
 TEST(CalibrationTest, NeMosFlopCountTurnsItsTflopsIntoItsOwnTokensPerSecond) {
-  // NeMo's 24.07 summary publishes one LLAMA2-7B run (8 H100s, 4K tokens, batch 128) both as
-  // 16,847 tokens/s/GPU and as 776 model TFLOP/s/GPU. Under two source ids (one run per source
-  // and layout is kept), each metric must give the same step time; a GPT block, whose count
-  // NeMo writes differently, is left out with its reason.
+  // NeMo's 24.07 summary publishes its LLAMA2-7B run (8 H100s, 4K tokens, batch 128) both as
+  // 16,847 tokens/s/GPU and as 776 model TFLOP/s/GPU, and its LLAMA3-8B run (8K tokens,
+  // grouped-query attention: 8 key/value groups for 32 heads) as 12,036 and 697. Under two
+  // source ids (one run per source and layout is kept), each metric must give the same step
+  // time; a GPT block, whose count NeMo writes differently, and a row without an MLP width are
+  // left out with their reasons.
   std::string path = ::testing::TempDir() + "/nemo-flops.csv";
   {
     std::ifstream in("bench/data/published-runs.csv");
@@ -400,19 +402,29 @@ TEST(CalibrationTest, NeMosFlopCountTurnsItsTflopsIntoItsOwnTokensPerSecond) {
     std::ofstream out(path);
     const char *row = ",LLAMA2-7B,32,4096,32,,11008,32000,4096,H100-SXM,8,1,1,,,8,1,1,128,,,,"
                       "true,,fp8,";
+    const char *llama3 = ",LLAMA3-8B,32,4096,32,8,14336,128000,8192,H100-SXM,8,1,1,,,8,1,1,128,,,,"
+                         "true,,fp8,";
+    const char *noFfn = ",LLAMA2-7B,32,4096,32,,,32000,4096,H100-SXM,8,1,1,,,8,1,1,128,,,,"
+                        "true,,fp8,";
     out << header << "\n"
         << "tok,r" << row << "llama,megatron,,,tokens_per_s_per_gpu,16847,x,\n"
         << "flops,r" << row << "llama,megatron,,,nemo_tflops_per_gpu,776,x,\n"
-        << "gpt,r" << row << "gpt,megatron,,,nemo_tflops_per_gpu,776,x,\n";
+        << "tok3,r" << llama3 << "llama,megatron,,,tokens_per_s_per_gpu,12036,x,\n"
+        << "flops3,r" << llama3 << "llama,megatron,,,nemo_tflops_per_gpu,697,x,\n"
+        << "gpt,r" << row << "gpt,megatron,,,nemo_tflops_per_gpu,776,x,\n"
+        << "noffn,r" << noFfn << "llama,megatron,,,nemo_tflops_per_gpu,776,x,\n";
   }
   std::vector<PublishedRun> runs;
   std::vector<SkippedRow> skipped;
   if (auto err = loadPublishedRuns(path, runs, skipped))
     FAIL() << takeMessage(std::move(err));
-  ASSERT_EQ(runs.size(), 2u);
+  ASSERT_EQ(runs.size(), 4u);
   EXPECT_NEAR(runs[1].measuredSeconds / runs[0].measuredSeconds, 1.0, 0.005);
-  ASSERT_EQ(skipped.size(), 1u);
-  EXPECT_NE(skipped[0].why.find("nemo_tflops_per_gpu"), std::string::npos) << skipped[0].why;
+  EXPECT_NEAR(runs[3].measuredSeconds / runs[2].measuredSeconds, 1.0, 0.005);
+  ASSERT_EQ(skipped.size(), 2u);
+  for (const SkippedRow &s : skipped)
+    EXPECT_NE(s.why.find("nemo_tflops_per_gpu"), std::string::npos) << s.why;
+  EXPECT_NE(skipped[1].why.find("ffn_hidden_size"), std::string::npos) << skipped[1].why;
 }
 
 /// Predicted step times of the runs of `device` in the file, keyed by row id.

@@ -335,6 +335,26 @@ TEST(TransformerCostTest, MaterializedAttentionPassesOverItsScoresAtTheMemoryRat
     EXPECT_NEAR(m.backwardInput - f.backwardInput, scores * 13 / 1e9, 1e-9);
     EXPECT_DOUBLE_EQ(m.backwardWeight, f.backwardWeight);
   }
+  // Selective recomputation runs the core's forward again inside the backward: its score GEMMs
+  // and its forward passes over the scores. With microbatch size 2 in fp32 (d = 4): 21 bytes
+  // an element forward, 25 backward, twice the elements.
+  auto spec = [](const char *attention, const char *recompute) {
+    return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 4, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 50304,
+        "seq_length": 4096, "microbatch_size": 2, "dtype": "fp32", "attention": "{}",
+        "recompute": "{}"}}}})",
+                                   attention, recompute),
+                       "m.json");
+  };
+  double scores = 2.0 * (32 / tp) * 4096 * 4096;
+  SliceCost f = spec("flash", "none").sliceCost(c, 1, 0, 4096, 0, 1, tp);
+  SliceCost m = spec("materialized", "none").sliceCost(c, 1, 0, 4096, 0, 1, tp);
+  EXPECT_NEAR(m.forward - f.forward, scores * 21 / 1e9, 1e-9);
+  EXPECT_NEAR(m.backwardInput - f.backwardInput, scores * 25 / 1e9, 1e-9);
+  SliceCost sel = spec("materialized", "selective").sliceCost(c, 1, 0, 4096, 0, 1, tp);
+  double causal = 4096.0 * 4097 / 2, attentionF = 2 * 4 * 4096 * causal;
+  EXPECT_NEAR(sel.backwardInput - m.backwardInput,
+              attentionF / (c.peakTflops * 1e9 * 0.3 * tp) + scores * 21 / 1e9, 1e-9);
   // Without a memory rate the passes are not timed (older cluster files predict as before).
   c.memoryGBps = 0;
   EXPECT_DOUBLE_EQ(materialized.sliceCost(c, 1, 0, 4096, 0, 1, tp).forward,
