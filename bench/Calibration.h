@@ -21,7 +21,6 @@
 #include "llvm/Support/Error.h"
 
 #include <cassert>
-
 #include <optional>
 #include <string>
 #include <vector>
