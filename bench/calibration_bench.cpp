@@ -29,7 +29,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -205,6 +204,7 @@ const Factor kFactors[] = {
     {"intra_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::intraNode},
     {"inter_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::interNode},
     {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 100},
+    {"p2p_sync_us", &ClusterSpec::p2pSyncUs, 1, 1000},
 };
 
 double get(const ClusterSpec &c, const Factor &f) {
@@ -218,10 +218,16 @@ void set(ClusterSpec &c, const Factor &f, double v) {
     (c.*f.link).efficiency = v;
 }
 
-/// Whether some run in `which` measures factor `f`: an attention kernel's efficiency only where
-/// a run uses that kernel (elsewhere no fit may move it; it keeps the spec's value).
+/// Whether some run in `which` measures factor `f` under `cluster`: an attention kernel's
+/// efficiency only where a run uses that kernel, the device synchronisation of Megatron-LM's
+/// transfers only where a run makes them (elsewhere no fit may move it; it keeps the spec's
+/// value).
 bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
-              const Factor &f) {
+              const ClusterSpec &cluster, const Factor &f) {
+  if (f.field == &ClusterSpec::p2pSyncUs)
+    return std::any_of(which.begin(), which.end(), [&](size_t i) {
+      return clusterFor(runs[i], cluster).p2p == P2p::Megatron && runs[i].options.parallel.pp > 1;
+    });
   // FP8's speedup only where both FP8 and BF16 runs are in: FP8 runs alone measure the product
   // of achieved_fraction and the speedup, not either.
   if (f.field == &ClusterSpec::fp8GemmSpeedup)
@@ -243,7 +249,7 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 /// factor the training runs do not measure keeps it: FP8's speedup, when the training runs are
 /// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale;
 /// flash attention's efficiency, when no training run uses it, 0.4.
-const double kPrior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5};
+const double kPrior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5, 100};
 static_assert(std::size(kPrior) == std::size(kFactors));
 
 /// How strongly the fit is held to kPrior: gPriorWeight times the sum over the factors it moves
@@ -260,61 +266,62 @@ ClusterSpec neutralStart(ClusterSpec c) {
   return c;
 }
 
-/// Nelder-Mead on the factors' logarithms from `start` (initial simplex: each factor
-/// `spread` times larger), at most `evaluations` objective evaluations.
+/// Nelder-Mead on the logarithms of the factors the runs measure, from `start` (initial simplex:
+/// each factor `spread` times larger), at most `evaluations` objective evaluations. A factor no
+/// run measures is not a dimension of the simplex: it keeps its value.
 ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                        ClusterSpec start, int evaluations, double spread, double &bestError) {
-  constexpr size_t n = std::size(kFactors);
   // Unset factors start from a value the fit can move multiplicatively (those no run measures
   // stay unset).
   for (const Factor &f : kFactors)
-    if (get(start, f) <= 0 && measured(runs, which, f))
+    if (get(start, f) <= 0 && measured(runs, which, start, f))
       set(start, f,
           f.field == &ClusterSpec::flashAttentionFraction ? start.achievedFraction : f.lo * 4);
-  using Point = std::array<double, n>;
-  bool moves[n];
-  for (size_t i = 0; i < n; ++i)
-    moves[i] = measured(runs, which, kFactors[i]);
+  std::vector<size_t> dims; // the factors (indices into kFactors) the fit moves
+  for (size_t i = 0; i < std::size(kFactors); ++i)
+    if (measured(runs, which, start, kFactors[i]))
+      dims.push_back(i);
+  const size_t n = dims.size();
+  using Point = std::vector<double>;
   auto specOf = [&](const Point &x) {
     ClusterSpec c = start;
-    for (size_t i = 0; i < n; ++i)
-      if (moves[i])
-        set(c, kFactors[i], std::exp(x[i]));
+    for (size_t d = 0; d < n; ++d)
+      set(c, kFactors[dims[d]], std::exp(x[d]));
     return c;
   };
   int used = 0;
   auto value = [&](const Point &x) {
     ++used;
     double penalty = 0;
-    for (size_t i = 0; i < n; ++i)
-      if (moves[i]) {
-        double v = std::clamp(std::exp(x[i]), kFactors[i].lo, kFactors[i].hi);
-        penalty += std::pow(std::log(v / kPrior[i]), 2);
-      }
+    for (size_t d = 0; d < n; ++d) {
+      const Factor &f = kFactors[dims[d]];
+      double v = std::clamp(std::exp(x[d]), f.lo, f.hi);
+      penalty += std::pow(std::log(v / kPrior[dims[d]]), 2);
+    }
     return objective(runs, which, predictAll(which, specOf(x))) + gPriorWeight * penalty;
   };
-  std::vector<Point> simplex(n + 1);
+  std::vector<Point> simplex(n + 1, Point(n));
   std::vector<double> f(n + 1);
-  for (size_t i = 0; i < n; ++i)
-    simplex[0][i] = std::log(get(start, kFactors[i]));
+  for (size_t d = 0; d < n; ++d)
+    simplex[0][d] = std::log(get(start, kFactors[dims[d]]));
   for (size_t j = 1; j <= n; ++j) {
     simplex[j] = simplex[0];
     simplex[j][j - 1] += std::log(1 + spread);
   }
   for (size_t j = 0; j <= n; ++j)
     f[j] = value(simplex[j]);
-  while (used < evaluations) {
+  while (n > 0 && used < evaluations) {
     std::vector<size_t> idx(n + 1);
     for (size_t j = 0; j <= n; ++j)
       idx[j] = j;
     std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return f[a] < f[b]; });
     size_t best = idx[0], worst = idx[n], second = idx[n - 1];
-    Point centroid{};
+    Point centroid(n);
     for (size_t j = 0; j < n; ++j)
       for (size_t i = 0; i < n; ++i)
         centroid[i] += simplex[idx[j]][i] / double(n);
     auto along = [&](double t) {
-      Point p;
+      Point p(n);
       for (size_t i = 0; i < n; ++i)
         p[i] = centroid[i] + t * (simplex[worst][i] - centroid[i]);
       return p;
@@ -375,14 +382,15 @@ ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t>
 }
 
 void printFactors(const ClusterSpec &c) {
-  fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
-             "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
-             "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
-             "\"op_overhead_us\": {:.0f}, \"message_overhead_us\": {:.0f},\n"
-             "  intra_node efficiency {:.2f}, inter_node efficiency {:.2f}\n",
-             c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
-             c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.messageOverheadUs,
-             c.intraNode.efficiency, c.interNode.efficiency);
+  fmt::print(
+      "  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
+      "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
+      "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
+      "\"op_overhead_us\": {:.0f}, \"message_overhead_us\": {:.0f},\n"
+      "  \"p2p_sync_us\": {:.0f}, intra_node efficiency {:.2f}, inter_node efficiency {:.2f}\n",
+      c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
+      c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.messageOverheadUs, c.p2pSyncUs,
+      c.intraNode.efficiency, c.interNode.efficiency);
 }
 
 /// Mean absolute error table of `which` under `predicted`, one line per source, or per

@@ -134,13 +134,15 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     // parallelism every tp rank holds the whole activation, sends 1/tp of it on its own link
     // and the receiving tp ranks all-gather the rest.
     bool scatter = cluster.synchronousP2p() && pc.tp > 1 && !pc.sequenceParallel;
+    // Megatron-LM synchronises the device after each batch of transfers (batch_p2p_sync).
+    double sync = cluster.p2p == P2p::Megatron ? cluster.p2pSyncUs / 1000.0 : 0.0;
     auto p2pMs = [&](int to, double bytes) {
       const Link &link = linkBetween(cluster, pc, st.rank, to);
       if (!scatter)
-        return transferMs(cluster, link, bytes);
+        return sync + transferMs(cluster, link, bytes);
       double gather =
           messageMs(cluster, tpLink) + (pc.tp - 1.0) / pc.tp * bytes / tpLink.bytesPerMs();
-      return transferMs(cluster, link, bytes / pc.tp) + gather;
+      return sync + transferMs(cluster, link, bytes / pc.tp) + gather;
     };
     for (size_t i = 0; i < k; ++i) {
       if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)

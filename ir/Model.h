@@ -79,6 +79,12 @@ struct ClusterSpec {
   /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
   /// microseconds.
   double messageOverheadUs = 0;
+  /// What a Megatron-LM pipeline transfer ("megatron" p2p) costs on top of
+  /// message_overhead_us, in microseconds: Megatron-LM synchronises the device after every batch
+  /// of sends and receives (its batch_p2p_sync), so the GPU idles until the host launches the
+  /// next pass. Collectives, "overlapped" transfers and DeepSpeed's ("blocking": plain NCCL
+  /// sends and receives, no device synchronisation) do not pay it.
+  double p2pSyncUs = 0;
   P2p p2p = P2p::Overlapped;
   /// Whether a transfer holds its sender until it has arrived ("megatron" and "blocking").
   bool synchronousP2p() const { return p2p != P2p::Overlapped; }

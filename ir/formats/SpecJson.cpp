@@ -101,8 +101,8 @@ static llvm::Error parseCalibration(const JsonReader &r, const Json &j, ClusterS
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
-                                   "message_overhead_us", "p2p", "grad_reduce", "param_gather",
-                                   "calibration"}))
+                                   "message_overhead_us", "p2p_sync_us", "p2p", "grad_reduce",
+                                   "param_gather", "calibration"}))
     return err;
   if (auto err = parseCalibration(r, j, c))
     return err;
@@ -156,6 +156,8 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
       return err;
   }
   if (auto err = r.getNumber(j, "$", "message_overhead_us", c.messageOverheadUs, false))
+    return err;
+  if (auto err = r.getNumber(j, "$", "p2p_sync_us", c.p2pSyncUs, false))
     return err;
   std::string p2p = toString(c.p2p).str();
   if (auto err = r.getString(j, "$", "p2p", p2p, false))
