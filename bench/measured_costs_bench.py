@@ -10,12 +10,17 @@ the numbers go into docs/benchmarks.md:
     python3 bench/measured_costs_bench.py --bin bazel-bin/tools
 
 The machine's other work slows the rank threads unevenly: on a shared machine the numbers are
-noisy, and the profile and the run must see the same load for the prediction to hold.
+noisy, and the profile and the run must see the same load for the prediction to hold. With
+`--repeats R` (default 3) each schedule is profiled R times in separate processes, every
+measured time of the profiles replaced by its median over the R (so one profiling run slowed
+as a whole does not carry into the plan), and the fitted plan run R times: its measured step is
+the median of the R runs' medians.
 """
 
 import argparse
 import json
 import os
+import statistics
 import re
 import subprocess
 import sys
@@ -46,13 +51,33 @@ def run(cmd):
     return out.strip().splitlines()
 
 
+def merge_profiles(profiles):
+    """One pipecost/1 document whose every measured time is the median of the profiles' (they
+    are of one plan, so their entries line up)."""
+    def merge(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: (statistics.median(v[k] for v in values) if k == "median_ms"
+                        else merge([v[k] for v in values])) for k in first}
+        if isinstance(first, list):
+            if any(len(v) != len(first) for v in values):
+                sys.exit("the profiles of one plan differ in shape")
+            return [merge(list(items)) for items in zip(*values)]
+        return first
+    return merge(profiles)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bin", default="bazel-bin/tools", help="where pipec and piperun are")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedules", default=",".join(s for s, _ in SCHEDULES))
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="profiles merged, and fitted runs, per schedule (medians)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats: expected 1 or more")
     pipec, piperun = (os.path.join(args.bin, t) for t in ("pipec", "piperun"))
     wanted = args.schedules.split(",")
     print(f"{'schedule':<18} {'measured ms':>12} {'predicted ms':>13} {'error':>8}")
@@ -69,14 +94,26 @@ def main():
             plan, costs, fitted = (os.path.join(tmp, f"{name}.{x}.json")
                                    for x in ("plan", "costs", "fitted"))
             run(base + ["-o", plan])
-            run([piperun, plan, "--backend", "cpu", "--steps", str(args.steps),
-                 "--profile", costs])
+            profiles = []
+            for r in range(args.repeats):
+                one = os.path.join(tmp, f"{name}.costs{r}.json")
+                run([piperun, plan, "--backend", "cpu", "--steps", str(args.steps),
+                     "--profile", one])
+                with open(one) as f:
+                    profiles.append(json.load(f))
+            with open(costs, "w") as f:
+                json.dump(merge_profiles(profiles), f)
             run(base + ["--costs", costs, "-o", fitted])
-            last = run([piperun, fitted, "--backend", "cpu", "--steps", str(args.steps)])[-1]
-            m = LINE.match(last)
-            if not m:
-                sys.exit(f"{name}: unexpected last line: {last}")
-            measured, predicted, d = float(m[1]), float(m[3]), float(m[4])
+            steps, predicted = [], None
+            for _ in range(args.repeats):
+                last = run([piperun, fitted, "--backend", "cpu", "--steps", str(args.steps)])[-1]
+                m = LINE.match(last)
+                if not m:
+                    sys.exit(f"{name}: unexpected last line: {last}")
+                steps.append(float(m[1]))
+                predicted = float(m[3])
+            measured = statistics.median(steps)
+            d = (measured / predicted - 1) * 100
             worst = max(worst, abs(d))
             print(f"{name:<18} {measured:>12.1f} {predicted:>13.1f} {d:>+7.1f}%", flush=True)
     print(f"largest error {worst:.1f}%")
