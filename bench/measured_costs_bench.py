@@ -54,9 +54,14 @@ def run(cmd):
 def merge_profiles(profiles):
     """One pipecost/1 document whose every measured time is the median of the profiles' (they
     are of one plan, so their entries line up)."""
+    keys = ("stage", "op", "slice", "kind", "bytes", "group", "rank")
+
     def merge(values):
         first = values[0]
         if isinstance(first, dict):
+            for k in keys:
+                if k in first and any(v.get(k) != first[k] for v in values):
+                    sys.exit(f"the profiles of one plan differ in {k!r}")
             return {k: (statistics.median(v[k] for v in values) if k == "median_ms"
                         else merge([v[k] for v in values])) for k in first}
         if isinstance(first, list):
