@@ -20,8 +20,8 @@ the median of the R runs' medians.
 import argparse
 import json
 import os
-import statistics
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
