@@ -99,6 +99,14 @@ struct ClusterSpec {
   /// exposes only its reduce-scatter; "after-step" (the default): the all-gather follows the
   /// reduce-scatter. Without --distributed-optimizer it changes nothing.
   bool overlapParamGather = false;
+  /// The memory-bound passes Megatron-LM's own layers (megatron/model, later megatron/legacy,
+  /// and Megatron-DeepSpeed: Megatron-LM without Transformer Engine) make around the attention
+  /// ("block_kernels": "megatron-legacy"): the QKV projection's bias added by a kernel of its
+  /// own and, in the backward, summed by one; the attention's output copied into [s, b, h]
+  /// order; the Q, K and V gradients concatenated into the projection's; with flash attention
+  /// also Q, K and V copied into [b, s, ...] order and their gradients back (ModelSpec::
+  /// sliceCost). "fused" (the default): none of them, as Transformer Engine's layers run.
+  bool megatronLegacyKernels = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};

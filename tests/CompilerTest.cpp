@@ -361,6 +361,77 @@ TEST(TransformerCostTest, MaterializedAttentionPassesOverItsScoresAtTheMemoryRat
                    flash.sliceCost(c, 1, 0, 4096, 0, 1, tp).forward);
 }
 
+TEST(TransformerCostTest, MegatronLegacyKernelsPassOverTheAttentionsInputsAndOutput) {
+  // "block_kernels": "megatron-legacy", counted kernel by kernel in Megatron-LM's own layers,
+  // per token and tp rank, bf16 (2 bytes an element). Forward: the QKV linear adds its bias
+  // with a kernel of its own (read and write the q|k|v output, qkv = h/tp + 2·kv/tp wide) and
+  // the core attention's output is made contiguous in [s, b, h] order (read, write h/tp).
+  // Backward: the bias gradient is a sum over the tokens (read qkv), the copy's gradient
+  // (read, write h/tp) and the split's gradient, the three gradients concatenated (read, write
+  // qkv). The flash path first copies q, k and v into [b, s, ...] order (read, write qkv), and
+  // its backward copies their gradients back. The weight gradient is GEMMs only.
+  const int64_t s = 2048;
+  const int tp = 2;
+  ClusterSpec c = ClusterSpec::defaults();
+  c.memoryGBps = 1000; // 1e9 bytes per millisecond
+  auto model = [&](const char *attention, const char *extra) {
+    return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 4, "hidden_size": 4096, "num_attention_heads": 32, "vocab_size": 50304,
+        "seq_length": {}, "attention": "{}"{}}}}})",
+                                   s, attention, extra),
+                       "m.json");
+  };
+  struct Case {
+    const char *attention, *extra;
+    double qkv, forward, backward; // qkv width per rank; elements per token
+  };
+  const double h = 4096.0 / tp;
+  const Case cases[] = {
+      {"materialized", "", 3 * h, 2 * 3 * h + 2 * h, 3 * h + 2 * h + 2 * 3 * h},
+      {"flash", "", 3 * h, 2 * 3 * h + 2 * h + 2 * 3 * h, 3 * h + 2 * h + 4 * 3 * h},
+      // No bias (Llama-style), grouped-query attention: K and V 8 of 32 heads wide.
+      {"flash", R"(, "bias": false, "num_query_groups": 8)", 1.5 * h, 2 * h + 2 * 1.5 * h,
+       2 * h + 4 * 1.5 * h},
+  };
+  for (const Case &k : cases) {
+    SCOPED_TRACE(std::string(k.attention) + k.extra);
+    ModelSpec m = model(k.attention, k.extra);
+    c.megatronLegacyKernels = false;
+    SliceCost fused = m.sliceCost(c, 1, 0, s, 0, 1, tp);
+    c.megatronLegacyKernels = true;
+    SliceCost legacy = m.sliceCost(c, 1, 0, s, 0, 1, tp);
+    EXPECT_NEAR(legacy.forward - fused.forward, s * k.forward * 2 / 1e9, 1e-9);
+    EXPECT_NEAR(legacy.backwardInput - fused.backwardInput, s * k.backward * 2 / 1e9, 1e-9);
+    EXPECT_DOUBLE_EQ(legacy.backwardWeight, fused.backwardWeight);
+    EXPECT_EQ(legacy.activationBytes, fused.activationBytes);
+  }
+  // The head, the embedding and abstract layers never pay it; without a memory rate nothing
+  // memory-bound is timed.
+  ModelSpec m = model("materialized", "");
+  size_t head = m.layers.size() - 1;
+  c.megatronLegacyKernels = false;
+  double headFused = m.sliceCost(c, head, 0, s, 0, 1, tp).forward;
+  c.megatronLegacyKernels = true;
+  EXPECT_DOUBLE_EQ(m.sliceCost(c, head, 0, s, 0, 1, tp).forward, headFused);
+  c.memoryGBps = 0;
+  double untimed = m.sliceCost(c, 1, 0, s, 0, 1, tp).forward;
+  c.megatronLegacyKernels = false;
+  EXPECT_DOUBLE_EQ(m.sliceCost(c, 1, 0, s, 0, 1, tp).forward, untimed);
+  // The spec's field: "fused" by default, "megatron-legacy" read, anything else refused with
+  // its path.
+  auto fusedSpec = parseClusterSpec(R"({"format": "pipecluster/1"})", "c.json");
+  ASSERT_TRUE(bool(fusedSpec));
+  EXPECT_FALSE(fusedSpec->megatronLegacyKernels);
+  auto legacySpec = parseClusterSpec(
+      R"({"format": "pipecluster/1", "block_kernels": "megatron-legacy"})", "c.json");
+  ASSERT_TRUE(bool(legacySpec));
+  EXPECT_TRUE(legacySpec->megatronLegacyKernels);
+  auto bad = parseClusterSpec(R"({"format": "pipecluster/1", "block_kernels": "apex"})", "c.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_EQ(takeMessage(bad.takeError()),
+            "c.json: $.block_kernels: expected \"megatron-legacy\" or \"fused\", got \"apex\"");
+}
+
 TEST(TransformerCostTest, GemmEfficiencySaturatesWithTheSmallestDimension) {
   // eff = achieved_fraction · d / (d + gemm_half_dim), d the GEMM's smallest dimension after tp
   // sharding: the weight gradient (GEMMs only) is the sum of its four GEMMs at that rate.

@@ -39,17 +39,17 @@ static llvm::Error parseLink(const JsonReader &r, const Json &obj, llvm::StringR
   return llvm::Error::success();
 }
 
-/// A top-level switch of the cluster spec spelled "overlapped" (true) or `otherwise` (false);
-/// absent, `out` keeps its value.
-static llvm::Error getOverlapped(const JsonReader &r, const Json &j, const char *field,
-                                 const char *otherwise, bool &out) {
-  std::string value = out ? "overlapped" : otherwise;
+/// A top-level switch of the cluster spec spelled `on` (true) or `off` (false); absent, `out`
+/// keeps its value.
+static llvm::Error getSwitch(const JsonReader &r, const Json &j, const char *field, const char *on,
+                             const char *off, bool &out) {
+  std::string value = out ? on : off;
   if (auto err = r.getString(j, "$", field, value, false))
     return err;
-  if (value != "overlapped" && value != otherwise)
-    return inputError("{}: $.{}: expected \"overlapped\" or \"{}\", got \"{}\"", r.name(), field,
-                      otherwise, shortened(value));
-  out = value == "overlapped";
+  if (value != on && value != off)
+    return inputError("{}: $.{}: expected \"{}\" or \"{}\", got \"{}\"", r.name(), field, on, off,
+                      shortened(value));
+  out = value == on;
   return llvm::Error::success();
 }
 
@@ -102,7 +102,7 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto err = r.expectDocument(j, "pipecluster/1",
                                   {"format", "device", "gpus_per_node", "intra_node", "inter_node",
                                    "message_overhead_us", "p2p_sync_us", "p2p", "grad_reduce",
-                                   "param_gather", "calibration"}))
+                                   "param_gather", "block_kernels", "calibration"}))
     return err;
   if (auto err = parseCalibration(r, j, c))
     return err;
@@ -166,9 +166,13 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
     return inputError("{}: $.p2p: expected \"megatron\", \"blocking\" or \"overlapped\", got "
                       "\"{}\"",
                       r.name(), shortened(p2p));
-  if (auto err = getOverlapped(r, j, "grad_reduce", "after-backward", c.overlapGradReduce))
+  if (auto err =
+          getSwitch(r, j, "grad_reduce", "overlapped", "after-backward", c.overlapGradReduce))
     return err;
-  if (auto err = getOverlapped(r, j, "param_gather", "after-step", c.overlapParamGather))
+  if (auto err = getSwitch(r, j, "param_gather", "overlapped", "after-step", c.overlapParamGather))
+    return err;
+  if (auto err =
+          getSwitch(r, j, "block_kernels", "megatron-legacy", "fused", c.megatronLegacyKernels))
     return err;
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
