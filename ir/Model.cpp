@@ -313,16 +313,19 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     double forwardBytes = 10 * h / sp + (mlpIn + 1) * fl;
     double backwardBytes = 12 * h / sp + (2 * mlpIn + 1) * fl;
     if (cluster.megatronLegacyKernels) {
-      // Megatron-LM's own layers, around the attention (its ColumnParallelLinear and attention
-      // modules): forward, the QKV projection's bias added by a kernel of its own (read and
-      // write its output, qkv wide per rank) and the attention's output copied from [b·heads,
-      // s, d] into [s, b, h] order (read, write); backward, the bias gradient summed over the
-      // tokens (read), that copy's gradient (read, write) and the Q, K and V gradients
-      // concatenated into the projection's (read, write). Its flash-attention path also copies
-      // Q, K and V into [b, s, ...] order first, and their gradients back.
+      // Megatron-LM's own layers (its ColumnParallelLinear and attention modules). Forward: the
+      // QKV projection's bias added by a kernel of its own (read and write its output, qkv
+      // wide per rank; the other biases go into the fused bias-GELU and bias-dropout-add
+      // kernels, SwiGLU's up projection's into an add of its own) and the attention's output
+      // copied from [b·heads, s, d] into [s, b, h] order (read, write). Backward: every bias
+      // gradient summed over the tokens by a kernel of its own (read the QKV, up-projection and
+      // both residual-branch gradients), that copy's gradient (read, write) and the Q, K and V
+      // gradients concatenated into the projection's (read, write). Its flash-attention path
+      // also copies Q, K and V into [b, s, ...] order first, and their gradients back.
       double qkv = cl + 2 * kl, bias = t.bias ? 1 : 0, flashCopies = flash ? 2 * qkv : 0;
-      forwardBytes += bias * 2 * qkv + 2 * cl + flashCopies;
-      backwardBytes += bias * qkv + 2 * cl + 2 * qkv + flashCopies;
+      double upBias = t.mlp == Mlp::SwiGlu ? 2 * mlpIn * fl : 0;
+      forwardBytes += bias * (2 * qkv + upBias) + 2 * cl + flashCopies;
+      backwardBytes += bias * (qkv + mlpIn * fl + 2 * h / sp) + 2 * cl + 2 * qkv + flashCopies;
     }
     double perByte = memPerMs > 0 ? n * d / memPerMs : 0.0;
     // A materialized attention core also passes over its score matrix (b·Hl·x·e elements

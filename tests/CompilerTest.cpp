@@ -366,10 +366,12 @@ TEST(TransformerCostTest, MegatronLegacyKernelsPassOverTheAttentionsInputsAndOut
   // per token and tp rank, bf16 (2 bytes an element). Forward: the QKV linear adds its bias
   // with a kernel of its own (read and write the q|k|v output, qkv = h/tp + 2·kv/tp wide) and
   // the core attention's output is made contiguous in [s, b, h] order (read, write h/tp).
-  // Backward: the bias gradient is a sum over the tokens (read qkv), the copy's gradient
-  // (read, write h/tp) and the split's gradient, the three gradients concatenated (read, write
-  // qkv). The flash path first copies q, k and v into [b, s, ...] order (read, write qkv), and
-  // its backward copies their gradients back. The weight gradient is GEMMs only.
+  // Backward: autograd sums each bias's gradient over the tokens (read qkv for QKV, f/tp for
+  // the MLP's up projection, h twice for the two biases the bias-dropout-add kernels add), the
+  // copy's gradient (read, write h/tp) and the split's gradient, the three gradients
+  // concatenated (read, write qkv). The flash path first copies q, k and v into [b, s, ...]
+  // order (read, write qkv), and its backward copies their gradients back. The weight
+  // gradient is GEMMs only.
   const int64_t s = 2048;
   const int tp = 2;
   ClusterSpec c = ClusterSpec::defaults();
@@ -383,15 +385,20 @@ TEST(TransformerCostTest, MegatronLegacyKernelsPassOverTheAttentionsInputsAndOut
   };
   struct Case {
     const char *attention, *extra;
-    double qkv, forward, backward; // qkv width per rank; elements per token
+    double forward, backward; // elements per token and rank
   };
-  const double h = 4096.0 / tp;
+  const double h = 4096.0 / tp, f = 4 * 4096.0 / tp, biasSums = 3 * h + f + 2 * 4096.0;
   const Case cases[] = {
-      {"materialized", "", 3 * h, 2 * 3 * h + 2 * h, 3 * h + 2 * h + 2 * 3 * h},
-      {"flash", "", 3 * h, 2 * 3 * h + 2 * h + 2 * 3 * h, 3 * h + 2 * h + 4 * 3 * h},
+      {"materialized", "", 2 * 3 * h + 2 * h, biasSums + 2 * h + 2 * 3 * h},
+      {"flash", "", 2 * 3 * h + 2 * h + 2 * 3 * h, biasSums + 2 * h + 4 * 3 * h},
       // No bias (Llama-style), grouped-query attention: K and V 8 of 32 heads wide.
-      {"flash", R"(, "bias": false, "num_query_groups": 8)", 1.5 * h, 2 * h + 2 * 1.5 * h,
+      {"flash", R"(, "bias": false, "num_query_groups": 8)", 2 * h + 2 * 1.5 * h,
        2 * h + 4 * 1.5 * h},
+      // SwiGLU with biases (ffn 8192, 4096 per rank): the gate's and up projection's biases
+      // are added by a kernel of their own (read, write 2·4096) and summed (read 2·4096).
+      {"flash", R"(, "mlp": "swiglu", "ffn_hidden_size": 8192)",
+       2 * 3 * h + 2 * 2 * 4096 + 2 * h + 2 * 3 * h,
+       3 * h + 2 * 4096 + 2 * 4096.0 + 2 * h + 4 * 3 * h},
   };
   for (const Case &k : cases) {
     SCOPED_TRACE(std::string(k.attention) + k.extra);
