@@ -100,12 +100,13 @@ struct ClusterSpec {
   /// reduce-scatter. Without --distributed-optimizer it changes nothing.
   bool overlapParamGather = false;
   /// The memory-bound passes Megatron-LM's own layers (megatron/model, later megatron/legacy,
-  /// and Megatron-DeepSpeed: Megatron-LM without Transformer Engine) make around the attention
-  /// ("block_kernels": "megatron-legacy"): the QKV projection's bias added by a kernel of its
-  /// own and, in the backward, summed by one; the attention's output copied into [s, b, h]
-  /// order; the Q, K and V gradients concatenated into the projection's; with flash attention
-  /// also Q, K and V copied into [b, s, ...] order and their gradients back (ModelSpec::
-  /// sliceCost). "fused" (the default): none of them, as Transformer Engine's layers run.
+  /// and Megatron-DeepSpeed: Megatron-LM without Transformer Engine) make besides their GEMMs
+  /// and fused kernels ("block_kernels": "megatron-legacy"): the QKV projection's bias (and
+  /// SwiGLU's gate and up biases) added by a kernel of its own; every bias gradient summed over
+  /// the tokens by a reduction of its own; the attention's output copied into [s, b, h] order;
+  /// the Q, K and V gradients concatenated into the projection's; with flash attention also Q,
+  /// K and V copied into [b, s, ...] order and their gradients back (ModelSpec::sliceCost).
+  /// "fused" (the default): none of them, as Transformer Engine's layers run.
   bool megatronLegacyKernels = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
