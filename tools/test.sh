@@ -30,11 +30,12 @@ passed=0
 failed=0
 skipped=0
 status=0
+failures="" # one line per failed case or target, printed before the totals
 # count QUERY [CONFIG]: adds the cases of the targets QUERY names, as the last run of CONFIG
 # left them, to passed, failed and skipped.
 count() {
   local query=$1 config=${2:-} targets testlogs target dir newest n xml head tests fails errors
-  local disabled skips bad
+  local disabled skips bad name
   # Count test cases from the JUnit XML of each target this run tested (not stale ones of targets
   # the filter skipped); a target with no XML counts as one failure.
   targets=$(bazel query "$query" 2>/dev/null)
@@ -52,8 +53,11 @@ count() {
   while IFS= read -r target; do
     [ -n "$target" ] || continue
     xml=$target
+    name=${xml#"$testlogs"/}
+    name=${config:+${config#--config=} }${name%/test.xml}
     if [ ! -f "$xml" ]; then
       failed=$((failed + 1))
+      failures+="FAILED $name: no results (it did not build, or it crashed before writing them)"$'\n'
       continue
     fi
     head=$(grep -m1 -o '<testsuites[^>]*>' "$xml" || true)
@@ -67,12 +71,26 @@ count() {
     disabled=$(sed -n 's/.* disabled="\([0-9]*\)".*/\1/p' <<<"$head")
     if [ -z "$tests" ]; then
       failed=$((failed + 1))
+      failures+="FAILED $name: unreadable results"$'\n'
       continue
     fi
     # GoogleTest gives skipped cases per suite only (<testsuite ... skipped="K">).
     skips=$(grep -o '<testsuite [^>]*>' "$xml" | sed -n 's/.* skipped="\([0-9]*\)".*/\1/p' |
             awk '{ s += $1 } END { print s + 0 }')
     bad=$(( ${fails:-0} + ${errors:-0} ))
+    if [ "$bad" -gt 0 ]; then
+      # The failed cases by name (GoogleTest's Suite.Case; Bazel's own XML names the target),
+      # with the start of their message: the log above has the rest.
+      failures+=$(awk -v t="$name" '
+        /<testcase / { c = ""; n = ""
+          if (match($0, / classname="[^"]*"/)) c = substr($0, RSTART + 12, RLENGTH - 13) "."
+          if (match($0, / name="[^"]*"/)) n = substr($0, RSTART + 7, RLENGTH - 8) }
+        /<failure|<error/ { m = ""
+          if (match($0, / message="[^"]*"/)) m = substr($0, RSTART + 10, RLENGTH - 11)
+          gsub(/&#x0A;/, " | ", m); gsub(/&quot;/, "\"", m); gsub(/&apos;/, "'"'"'", m)
+          gsub(/&lt;/, "<", m); gsub(/&gt;/, ">", m); gsub(/&amp;/, "\\&", m)
+          print "FAILED " t ": " c n (m == "" ? "" : ": " substr(m, 1, 160)) }' "$xml")$'\n'
+    fi
     passed=$((passed + tests - bad - ${disabled:-0} - skips))
     failed=$((failed + bad))
     skipped=$((skipped + skips))
@@ -87,6 +105,7 @@ if bash tools/check_format.sh; then
 else
   status=1
   failed=$((failed + 1))
+  failures+="FAILED clang-format: bash tools/check_format.sh --fix rewrites the files it names"$'\n'
 fi
 if [ "$sanitizers" -eq 1 ]; then
   # shellcheck disable=SC2086
@@ -103,11 +122,14 @@ if [ "$sanitizers" -eq 1 ]; then
   else
     status=1
     failed=$((failed + 1))
+    failures+="FAILED layering_check: an #include without its target in deps (see above)"$'\n'
   fi
 fi
 if [ "$status" -ne 0 ] && [ "$failed" -eq 0 ]; then
   failed=1  # the build or a target failed before writing its results
+  failures+="FAILED bazel: the build or a test target failed before writing its results"$'\n'
 fi
+printf '%s' "$failures"
 echo "${skipped} skipped"
 echo "${passed} passed, ${failed} failed"
 [ "$status" -eq 0 ] && [ "$failed" -eq 0 ]
