@@ -46,7 +46,9 @@ std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts) {
         double c = range(j, l);
         if (c > limit + slack || sq[s - 1][j] == inf)
           continue;
-        double v = sq[s - 1][j] + c * c;
+        // (In units of the limit: a square of times near the largest double would overflow.)
+        const double x = limit > 0 ? c / limit : c;
+        double v = sq[s - 1][j] + x * x;
         if (v < sq[s][l] * (1 - 1e-12) || sq[s][l] == inf) {
           sq[s][l] = v;
           cut[s][l] = j;
@@ -237,6 +239,19 @@ public:
       return inputError("the model has {} layers: too many to partition exactly into {} stages "
                         "here; merge layers with \"count\" into coarser ones",
                         numLayers, numStages);
+    // Rates the cluster spec accepts one by one can still give a layer a time past what a
+    // double holds (a memory rate of 1e-300 GB/s): refused here, before a split of infinities.
+    int64_t seq = model.sequenceLength(pc.seqSplits);
+    std::vector<double> times = layerTimes(model, cluster, seq, pc.tp);
+    double total = 0;
+    for (size_t l = 0; l < times.size(); ++l) {
+      total += times[l];
+      if (!std::isfinite(total))
+        return inputError("layer {} (\"{}\") brings the model's time to {} ms, past what "
+                          "pipec can add up: the --cluster's rates ($.device.peak_tflops, "
+                          "memory_GBps) are too small or the --model's layer times too large",
+                          l, model.layers[l].name, total);
+    }
     const std::vector<int> &given = ctx.options.stageEnds;
     if (!given.empty()) {
       bool valid = int(given.size()) == numStages && given.back() == numLayers;
@@ -249,9 +264,7 @@ public:
       buildStages(plan, model, cluster, given);
       return true;
     }
-    int64_t seq = model.sequenceLength(pc.seqSplits);
-    buildStages(plan, model, cluster,
-                exactPartition(layerTimes(model, cluster, seq, pc.tp), numStages));
+    buildStages(plan, model, cluster, exactPartition(times, numStages));
     return true;
   }
 };

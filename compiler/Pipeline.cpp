@@ -12,6 +12,7 @@
 #include "llvm/ADT/STLExtras.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace pipec {
@@ -209,6 +210,13 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
   plan.transformer = model.transformer;
   if (auto err = runPipeline(defaultPipeline(), plan, ctx))
     return err;
+  // Every layer's time is finite (the partition pass); a step of them, with the messages'
+  // times, can still not be.
+  if (!std::isfinite(plan.stats.makespan))
+    return inputError("the step takes {} ms, past what pipec can add up: the --cluster's rates "
+                      "($.device.peak_tflops, memory_GBps, the links' bandwidth_GBps) are too "
+                      "small or the --model's costs too large",
+                      plan.stats.makespan);
   return plan;
 }
 

@@ -397,6 +397,22 @@ std::vector<Case> catalogue() {
   add("ClusterAchievedFractionAboveOne",
       clusterWith([](Json &j) { j["device"]["achieved_fraction"] = 2; }), kClusterCompile,
       "achieved_fraction: expected a number in (0, 1], got 2");
+  // Rates each in range that still take a time past the largest double: refused, not an
+  // assertion in the stage split (a layer's time) nor a plan of infinities (a step's).
+  auto slowMemory = [](const char *gbps) {
+    return [gbps](const std::string &dir) {
+      copyExample(dir, kTiny);
+      spit(dir + "/c.json", std::string(R"({"format": "pipecluster/1", "device": )"
+                                        R"({"peak_tflops": 1e-9, "memory_GBps": )") +
+                                gbps + "}}");
+    };
+  };
+  const std::string tinyOnC = "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 "
+                              "--tp 2 --microbatches 8 --cluster c.json";
+  add("ClusterRatesPastADoubleInALayer", slowMemory("1e-310"), tinyOnC,
+      "(\"block\") brings the model's time to inf ms, past what pipec can add up");
+  add("ClusterRatesPastADoubleInAStep", slowMemory("1e-308"), tinyOnC,
+      "the step takes inf ms, past what pipec can add up");
   add("ClusterWrongFormat", clusterWith([](Json &j) { j["format"] = "pipemodel/1"; }),
       kClusterCompile, "$.format: expected \"pipecluster/1\", got \"pipemodel/1\"");
   // --- Outputs -----------------------------------------------------------------------------
