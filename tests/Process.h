@@ -135,7 +135,10 @@ inline int millisecondsSince(std::chrono::steady_clock::time_point started) {
 
 /// A preemptible job's launcher: `cmd` (its output into `out`) launched, killed (SIGKILL) at a
 /// random instant up to `spanMs` after its start, and launched again until it exits 0; every
-/// eighth launch runs to its end (so that the job ends however the instants fall). Returns the
+/// eighth launch runs to its end (so that the job ends however the instants fall). The first
+/// launch is killed by progress, not time: once it has printed its first or second step's loss
+/// (the seed picks which), so that at least one launch is killed mid-job however the machine's
+/// load changes between the uninterrupted run that measured `spanMs` and this one. Returns the
 /// losses by step, each from the last launch that printed it (a step printed by two launches
 /// must have the same loss), and counts the kills into `killed`.
 inline std::map<int, std::string> relaunchUntilDone(const std::string &cmd, const std::string &out,
@@ -152,9 +155,10 @@ inline std::map<int, std::string> relaunchUntilDone(const std::string &cmd, cons
       ::_exit(127);
     }
     const int delay = launches % 8 == 7 ? 1 << 30 : int(rng() % unsigned(spanMs));
+    const size_t printedSteps = launches == 0 ? 1 + rng() % 2 : 0;
     int status = 0;
     for (int waited = 0; ::waitpid(pid, &status, WNOHANG) == 0; waited += 5) {
-      if (waited >= delay) {
+      if (launches == 0 ? stepLosses(slurp(out)).size() >= printedSteps : waited >= delay) {
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &status, 0);
         ++killed;
