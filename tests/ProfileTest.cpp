@@ -255,36 +255,46 @@ TEST(ProfileCli, PredictsTheMeasuredStepWithinALooseBound) {
                              " --pp 2 --microbatches 4 --schedule " + schedule;
     auto r = runCommand(base + " -o " + d + "/plan.json");
     ASSERT_EQ(r.code, 0) << r.err;
-    r = runCommand("tools/piperun " + d + "/plan.json --steps 4 --profile " + d + "/costs.json");
-    ASSERT_EQ(r.code, 0) << r.err;
-    auto costs = readCosts(d + "/costs.json");
-    ASSERT_TRUE(bool(costs)) << takeMessage(costs.takeError());
-    EXPECT_EQ(costs->backend, "cpu");
-    EXPECT_EQ(costs->steps, 4);
-    EXPECT_EQ(costs->numStages, 2);
-    EXPECT_EQ(costs->ranks.size(), 2u);
-    // 3 steps after the warm-up, 4 microbatches each: 12 samples of every op.
-    for (const MeasuredCosts::Op &op : costs->ops) {
-      EXPECT_EQ(op.time.samples, 12);
-      EXPECT_GT(op.time.medianMs, 0);
-    }
-    EXPECT_EQ(costs->ops.size(), std::string(schedule) == "1f1b" ? 4u : 6u);
-    r = runCommand(base + " --costs " + d + "/costs.json -o " + d + "/fitted.json");
-    ASSERT_EQ(r.code, 0) << r.err;
-    r = runCommand("tools/piperun " + d + "/fitted.json --steps 5");
-    ASSERT_EQ(r.code, 0) << r.err;
-    std::smatch got;
-    ASSERT_TRUE(std::regex_search(r.out, got, kLastLine)) << r.out;
-    EXPECT_EQ(got[2], "4");
-    const double measured = std::stod(got[1]), predicted = std::stod(got[3]);
-    EXPECT_NEAR(std::stod(got[4]), 100 * (measured / predicted - 1), 0.051);
     // Within a factor of 3 either way: on a machine whose cores the ranks share with other work,
     // ops slow down when both ranks compute at once and the prediction came out 25-40% low, and
-    // under a heavier load once 2.2x
-    // (docs/benchmarks.md#measured-against-predicted-cpu); a unit slip, a message read as
-    // its wait, or a lost stage would be far outside.
-    EXPECT_LT(measured / predicted, 3.0) << r.out;
-    EXPECT_GT(measured / predicted, 1.0 / 3) << r.out;
+    // under a heavier load once 2.2x (docs/benchmarks.md#measured-against-predicted-cpu); a
+    // unit slip, a message read as its wait, or a lost stage would be far outside. The load
+    // can also change between the profiling run and the measured one (other tests start and
+    // end): a second profile and run are taken when the first pair is outside the bound, and
+    // the bound must hold for one of the two pairs. A real slip puts both outside.
+    std::string attempts;
+    double ratio = 0;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      r = runCommand("tools/piperun " + d + "/plan.json --steps 4 --profile " + d + "/costs.json");
+      ASSERT_EQ(r.code, 0) << r.err;
+      auto costs = readCosts(d + "/costs.json");
+      ASSERT_TRUE(bool(costs)) << takeMessage(costs.takeError());
+      EXPECT_EQ(costs->backend, "cpu");
+      EXPECT_EQ(costs->steps, 4);
+      EXPECT_EQ(costs->numStages, 2);
+      EXPECT_EQ(costs->ranks.size(), 2u);
+      // 3 steps after the warm-up, 4 microbatches each: 12 samples of every op.
+      for (const MeasuredCosts::Op &op : costs->ops) {
+        EXPECT_EQ(op.time.samples, 12);
+        EXPECT_GT(op.time.medianMs, 0);
+      }
+      EXPECT_EQ(costs->ops.size(), std::string(schedule) == "1f1b" ? 4u : 6u);
+      r = runCommand(base + " --costs " + d + "/costs.json -o " + d + "/fitted.json");
+      ASSERT_EQ(r.code, 0) << r.err;
+      r = runCommand("tools/piperun " + d + "/fitted.json --steps 5");
+      ASSERT_EQ(r.code, 0) << r.err;
+      std::smatch got;
+      ASSERT_TRUE(std::regex_search(r.out, got, kLastLine)) << r.out;
+      EXPECT_EQ(got[2], "4");
+      const double measured = std::stod(got[1]), predicted = std::stod(got[3]);
+      EXPECT_NEAR(std::stod(got[4]), 100 * (measured / predicted - 1), 0.051);
+      ratio = measured / predicted;
+      attempts += "attempt " + std::to_string(attempt) + ": " + got.str(0) + "\n";
+      if (ratio < 3.0 && ratio > 1.0 / 3)
+        break;
+    }
+    EXPECT_LT(ratio, 3.0) << attempts;
+    EXPECT_GT(ratio, 1.0 / 3) << attempts;
   }
 }
 
