@@ -919,10 +919,22 @@ llvm::Error Search::explainNothingFits() {
         closest = &c;
     }
   }
-  if (!closest)
-    return finding("no layout of {} GPUs could be scheduled (every candidate failed a "
-                   "schedule's constraint); see --csv for each one's reason",
-                   o.gpus);
+  if (!closest) {
+    // No candidate's reasons are written anywhere (--csv needs a result): the commonest one.
+    std::map<std::string, size_t> whys;
+    for (const PlanCandidate &c : cands)
+      if (c.outcome == Outcome::Constraint)
+        ++whys[c.why];
+    auto commonest = std::max_element(
+        whys.begin(), whys.end(), [](const auto &a, const auto &b) { return a.second < b.second; });
+    if (commonest == whys.end())
+      return finding("no layout of {} GPUs could be scheduled (every candidate failed a "
+                     "schedule's constraint)",
+                     o.gpus);
+    return finding("no layout of {} GPUs could be scheduled; {} of the {} candidates failed "
+                   "with: {}",
+                   o.gpus, commonest->second, cands.size(), commonest->first);
+  }
   const ParallelConfig &pc = closest->parallel;
   std::string kept = headroom > 0
                          ? fmt::format(" with {} kept free (--min-headroom)", humanBytes(headroom))

@@ -281,6 +281,24 @@ TEST(PlannerTest, NoLayoutInMemoryIsAFindingNamingTheSmallestShortfall) {
   EXPECT_NE(msg.find("short); try --memory-limit"), std::string::npos) << msg;
 }
 
+TEST(PlannerTest, NoLayoutThatCompilesIsAFindingWithTheCommonestReason) {
+  // A memory rate that each field's range allows but that takes a layer's time past the
+  // largest double: no candidate compiles, and the finding says why (no --csv is written
+  // without a result, so the reasons have nowhere else to go).
+  ClusterSpec c = smallCluster();
+  c.memoryGBps = 1e-310;
+  auto r = planLayouts(transformer(), c, smallSearch());
+  ASSERT_FALSE(bool(r));
+  llvm::Error err = r.takeError();
+  EXPECT_TRUE(err.isA<Finding>());
+  std::string msg = takeMessage(std::move(err));
+  EXPECT_EQ(msg.rfind("no layout of 8 GPUs could be scheduled; ", 0), 0u) << msg;
+  EXPECT_NE(msg.find(" candidates failed with: layer "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("brings the model's time to inf ms, past what pipec can add up"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
   // pp 1: one candidate per (recompute, tp, microbatch size), 1f1b at vpp 1 and one sequence
   // slice, shown as no-pipeline, whatever --schedules lists; pp > 1 keeps every schedule.
