@@ -397,22 +397,12 @@ std::vector<Case> catalogue() {
   add("ClusterAchievedFractionAboveOne",
       clusterWith([](Json &j) { j["device"]["achieved_fraction"] = 2; }), kClusterCompile,
       "achieved_fraction: expected a number in (0, 1], got 2");
-  // Rates each in range that still take a time past the largest double: refused, not an
-  // assertion in the stage split (a layer's time) nor a plan of infinities (a step's).
-  auto slowMemory = [](const char *gbps) {
-    return [gbps](const std::string &dir) {
-      copyExample(dir, kTiny);
-      spit(dir + "/c.json", std::string(R"({"format": "pipecluster/1", "device": )"
-                                        R"({"peak_tflops": 1e-9, "memory_GBps": )") +
-                                gbps + "}}");
-    };
-  };
-  const std::string tinyOnC = "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 "
-                              "--tp 2 --microbatches 8 --cluster c.json";
-  add("ClusterRatesPastADoubleInALayer", slowMemory("1e-310"), tinyOnC,
-      "(\"block\") brings the model's time to inf ms, past what pipec can add up");
-  add("ClusterRatesPastADoubleInAStep", slowMemory("1e-308"), tinyOnC,
-      "the step takes inf ms, past what pipec can add up");
+  // A memory rate below the other rates' floor (1e-9) would take a kernel's time past the
+  // largest double: refused where it is read.
+  add("ClusterMemoryRateBelowItsFloor",
+      clusterWith([](Json &j) { j["device"]["memory_GBps"] = 1e-310; }), kClusterCompile,
+      "h100-2nodes.json: $.device.memory_GBps: expected 0 (memory-bound kernels not timed) or a "
+      "number in [1e-9, 1e15], got 1e-310");
   add("ClusterWrongFormat", clusterWith([](Json &j) { j["format"] = "pipemodel/1"; }),
       kClusterCompile, "$.format: expected \"pipecluster/1\", got \"pipemodel/1\"");
   // --- Outputs -----------------------------------------------------------------------------

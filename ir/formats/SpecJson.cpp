@@ -150,6 +150,11 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
                         r.name(), c.fp8GemmSpeedup);
     if (auto err = r.getNumber(*it, "$.device", "memory_GBps", c.memoryGBps, false))
       return err;
+    // (As the other rates' floors: below it a memory-bound kernel's time overflows a double.)
+    if (c.memoryGBps > 0 && c.memoryGBps < 1e-9)
+      return inputError("{}: $.device.memory_GBps: expected 0 (memory-bound kernels not timed) "
+                        "or a number in [1e-9, 1e15], got {}",
+                        r.name(), c.memoryGBps);
     if (auto err = r.getNumber(*it, "$.device", "op_overhead_us", c.opOverheadUs, false))
       return err;
     if (auto err = r.getInt(*it, "$.device", "memory_bytes", c.memoryBytes, false, 1))
