@@ -73,6 +73,19 @@ std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluste
   return whole;
 }
 
+llvm::Error checkLayerTimesAddUp(const ModelSpec &model, llvm::ArrayRef<double> times) {
+  double total = 0;
+  for (size_t l = 0; l < times.size(); ++l) {
+    total += times[l];
+    if (!std::isfinite(total))
+      return inputError("layer {} (\"{}\") brings the model's time to {} ms, past what pipec "
+                        "can add up: the --cluster's rates are too small for this model (raise "
+                        "$.device.memory_GBps or peak_tflops)",
+                        l, model.layers[l].name, total);
+  }
+  return llvm::Error::success();
+}
+
 namespace {
 
 /// Which link joins two pipeline ranks (Megatron's tp-dp-pp order of global ranks).
@@ -239,19 +252,10 @@ public:
       return inputError("the model has {} layers: too many to partition exactly into {} stages "
                         "here; merge layers with \"count\" into coarser ones",
                         numLayers, numStages);
-    // Rates the cluster spec accepts one by one can still give a layer a time past what a
-    // double holds (a memory rate of 1e-300 GB/s): refused here, before a split of infinities.
     int64_t seq = model.sequenceLength(pc.seqSplits);
     std::vector<double> times = layerTimes(model, cluster, seq, pc.tp);
-    double total = 0;
-    for (size_t l = 0; l < times.size(); ++l) {
-      total += times[l];
-      if (!std::isfinite(total))
-        return inputError("layer {} (\"{}\") brings the model's time to {} ms, past what "
-                          "pipec can add up: the --cluster's rates ($.device.peak_tflops, "
-                          "memory_GBps) are too small or the --model's layer times too large",
-                          l, model.layers[l].name, total);
-    }
+    if (auto err = checkLayerTimesAddUp(model, times))
+      return err;
     const std::vector<int> &given = ctx.options.stageEnds;
     if (!given.empty()) {
       bool valid = int(given.size()) == numStages && given.back() == numLayers;

@@ -12,6 +12,7 @@
 #include "ir/Plan.h"
 
 #include "llvm/ADT/ArrayRef.h"
+#include "llvm/Support/Error.h"
 
 #include <cstdint>
 #include <vector>
@@ -22,6 +23,10 @@ namespace pipec {
 /// partition balances.
 std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluster, int64_t seq,
                                int tp);
+
+/// An InputError when `times` (layerTimes of `model`) do not add up to a finite number: rates
+/// too small for the model, which would split and simulate infinities.
+llvm::Error checkLayerTimesAddUp(const ModelSpec &model, llvm::ArrayRef<double> times);
 
 /// Split `cost` into `parts` contiguous non-empty ranges of least maximum sum (then least sum of
 /// squares, then earliest cuts); returns the end of each range. Needs parts <= cost.size().

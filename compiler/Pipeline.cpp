@@ -115,6 +115,14 @@ llvm::Error runPipeline(llvm::ArrayRef<llvm::StringRef> names, Plan &plan, PassC
         return finding("after pass {}: {}", name.str(), takeMessage(std::move(err)));
     }
   }
+  // Every layer's time is finite (the partition pass); a step of them, with its transfers,
+  // all-reduces and optimizer, can still not be (compile and import alike).
+  for (double t : {plan.stats.makespan, plan.stats.stepTime})
+    if (!std::isfinite(t))
+      return inputError("the step takes {} ms, past what pipec can add up: the --cluster's "
+                        "rates are too small for this model (raise $.device.memory_GBps or "
+                        "peak_tflops)",
+                        t);
   return llvm::Error::success();
 }
 
@@ -210,13 +218,6 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
   plan.transformer = model.transformer;
   if (auto err = runPipeline(defaultPipeline(), plan, ctx))
     return err;
-  // Every layer's time is finite (the partition pass); a step of them, with the messages'
-  // times, can still not be.
-  if (!std::isfinite(plan.stats.makespan))
-    return inputError("the step takes {} ms, past what pipec can add up: the --cluster's rates "
-                      "($.device.peak_tflops, memory_GBps, the links' bandwidth_GBps) are too "
-                      "small or the --model's costs too large",
-                      plan.stats.makespan);
   return plan;
 }
 

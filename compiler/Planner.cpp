@@ -920,20 +920,27 @@ llvm::Error Search::explainNothingFits() {
     }
   }
   if (!closest) {
-    // No candidate's reasons are written anywhere (--csv needs a result): the commonest one.
+    // No candidate's reasons are written anywhere (--csv needs a result): the commonest one,
+    // among the candidates that were compiled if any were (a schedule's check of the flags
+    // refuses many before they are, in the same words).
     std::map<std::string, size_t> whys;
+    bool anyCompiled = llvm::any_of(cands, [](const PlanCandidate &c) {
+      return c.outcome == Outcome::Constraint && c.compiled;
+    });
+    size_t failed = 0;
     for (const PlanCandidate &c : cands)
-      if (c.outcome == Outcome::Constraint)
+      if (c.outcome == Outcome::Constraint && (c.compiled || !anyCompiled)) {
         ++whys[c.why];
+        ++failed;
+      }
     auto commonest = std::max_element(
         whys.begin(), whys.end(), [](const auto &a, const auto &b) { return a.second < b.second; });
     if (commonest == whys.end())
-      return finding("no layout of {} GPUs could be scheduled (every candidate failed a "
-                     "schedule's constraint)",
-                     o.gpus);
-    return finding("no layout of {} GPUs could be scheduled; {} of the {} candidates failed "
+      return finding("no layout of {} GPUs could be scheduled", o.gpus);
+    return finding("no layout of {} GPUs could be scheduled; {} of the {} {}candidates failed "
                    "with: {}",
-                   o.gpus, commonest->second, cands.size(), commonest->first);
+                   o.gpus, commonest->second, failed, anyCompiled ? "compiled " : "",
+                   commonest->first);
   }
   const ParallelConfig &pc = closest->parallel;
   std::string kept = headroom > 0
@@ -1229,6 +1236,9 @@ llvm::Expected<PlannerResult> Search::run() {
     auto it = v.timeByTp.find(pc.tp);
     if (it == v.timeByTp.end()) {
       std::vector<double> t = layerTimes(v.model, cluster, v.model.sequenceLength(1), pc.tp);
+      // What compile refuses the search refuses, before it evaluates infinities.
+      if (llvm::Error err = checkLayerTimesAddUp(v.model, t))
+        return err;
       it = v.timeByTp.emplace(pc.tp, std::accumulate(t.begin(), t.end(), 0.0)).first;
     }
     order[i] = it->second * double(pc.microbatches) / double(pc.pp);

@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -281,22 +282,47 @@ TEST(PlannerTest, NoLayoutInMemoryIsAFindingNamingTheSmallestShortfall) {
   EXPECT_NE(msg.find("short); try --memory-limit"), std::string::npos) << msg;
 }
 
-TEST(PlannerTest, NoLayoutThatCompilesIsAFindingWithTheCommonestReason) {
-  // A memory rate that each field's range allows but that takes a layer's time past the
-  // largest double: no candidate compiles, and the finding says why (no --csv is written
-  // without a result, so the reasons have nowhere else to go).
+TEST(PlannerTest, RatesThatOverflowATimeAreRefusedByCompileAndTheSearchAlike) {
+  // The spec reader keeps every rate at 1e-9 or more, where times stay finite; a ClusterSpec
+  // built in code has no such floor. A layer's time past the largest double is refused by
+  // compile's partition and by the search before it evaluates anything; a step past it (the
+  // layers finite, their sum over the microbatches not) by compile after its passes.
   ClusterSpec c = smallCluster();
   c.memoryGBps = 1e-310;
-  auto r = planLayouts(transformer(), c, smallSearch());
-  ASSERT_FALSE(bool(r));
-  llvm::Error err = r.takeError();
-  EXPECT_TRUE(err.isA<Finding>());
+  auto plan = compilePlan(transformer(), c, options("1f1b", 2, 8));
+  ASSERT_FALSE(bool(plan));
+  llvm::Error err = plan.takeError();
+  EXPECT_TRUE(err.isA<InputError>());
   std::string msg = takeMessage(std::move(err));
-  EXPECT_EQ(msg.rfind("no layout of 8 GPUs could be scheduled; ", 0), 0u) << msg;
-  EXPECT_NE(msg.find(" candidates failed with: layer "), std::string::npos) << msg;
-  EXPECT_NE(msg.find("brings the model's time to inf ms, past what pipec can add up"),
+  EXPECT_NE(msg.find("(\"block\") brings the model's time to inf ms, past what pipec can add "
+                     "up: the --cluster's rates are too small for this model"),
             std::string::npos)
       << msg;
+  auto search = planLayouts(transformer(), c, smallSearch());
+  ASSERT_FALSE(bool(search));
+  err = search.takeError();
+  EXPECT_TRUE(err.isA<InputError>());
+  EXPECT_NE(takeMessage(std::move(err)).find("brings the model's time to inf ms"),
+            std::string::npos);
+  // From there up, in steps of 1.5x: every rate gives a plan with a finite step or one of
+  // the two refusals, and some rate gives the step's (finite layers, an infinite step).
+  bool stepRefused = false;
+  for (double gbps = 1e-310; gbps < 1e-290; gbps *= 1.5) {
+    c.memoryGBps = gbps;
+    plan = compilePlan(transformer(), c, options("1f1b", 2, 8));
+    if (plan) {
+      EXPECT_TRUE(std::isfinite(plan->stats.stepTime)) << gbps;
+      continue;
+    }
+    err = plan.takeError();
+    EXPECT_TRUE(err.isA<InputError>()) << gbps;
+    msg = takeMessage(std::move(err));
+    stepRefused = stepRefused || msg.rfind("the step takes inf ms, past what pipec can", 0) == 0;
+    EXPECT_TRUE(msg.find("brings the model's time to inf ms") != std::string::npos ||
+                msg.rfind("the step takes inf ms", 0) == 0)
+        << gbps << ": " << msg;
+  }
+  EXPECT_TRUE(stepRefused) << "no rate gave finite layers and an infinite step";
 }
 
 TEST(PlannerTest, NoPipelineIsOneCandidatePerLayout) {
