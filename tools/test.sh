@@ -35,7 +35,7 @@ failures="" # one line per failed case or target, printed before the totals
 # left them, to passed, failed and skipped.
 count() {
   local query=$1 config=${2:-} targets testlogs target dir newest n xml head tests fails errors
-  local disabled skips bad name
+  local disabled skips bad name path shard lines
   # Count test cases from the JUnit XML of each target this run tested (not stale ones of targets
   # the filter skipped); a target with no XML counts as one failure.
   targets=$(bazel query "$query" 2>/dev/null)
@@ -53,8 +53,12 @@ count() {
   while IFS= read -r target; do
     [ -n "$target" ] || continue
     xml=$target
-    name=${xml#"$testlogs"/}
-    name=${config:+${config#--config=} }${name%/test.xml}
+    # The target's label (and shard) for the FAILED lines.
+    path=${xml#"$testlogs"/}
+    path=${path%/test.xml}
+    shard=""
+    case "$path" in */shard_*_of_*) shard=" (${path##*/})" && path=${path%/*} ;; esac
+    name="${config:+${config#--config=} }//${path%/*}:${path##*/}$shard"
     if [ ! -f "$xml" ]; then
       failed=$((failed + 1))
       failures+="FAILED $name: no results (it did not build, or it crashed before writing them)"$'\n'
@@ -79,17 +83,24 @@ count() {
             awk '{ s += $1 } END { print s + 0 }')
     bad=$(( ${fails:-0} + ${errors:-0} ))
     if [ "$bad" -gt 0 ]; then
-      # The failed cases by name (GoogleTest's Suite.Case; Bazel's own XML names the target),
-      # with the start of their message: the log above has the rest.
-      failures+=$(awk -v t="$name" '
-        /<testcase / { c = ""; n = ""
-          if (match($0, / classname="[^"]*"/)) c = substr($0, RSTART + 12, RLENGTH - 13) "."
-          if (match($0, / name="[^"]*"/)) n = substr($0, RSTART + 7, RLENGTH - 8) }
-        /<failure|<error/ { m = ""
-          if (match($0, / message="[^"]*"/)) m = substr($0, RSTART + 10, RLENGTH - 11)
-          gsub(/&#x0A;/, " | ", m); gsub(/&quot;/, "\"", m); gsub(/&apos;/, "'"'"'", m)
+      # The failed cases by name (GoogleTest's Suite.Case, pytest's module.Class.test; Bazel's
+      # own XML names only the target), one line each with the start of its first message: the
+      # log above has the rest. Read tag by tag (pytest writes its XML on one line).
+      lines=$(awk -v t="$name" -v target="$path" 'BEGIN { RS = "<" }
+        /^testcase[ \t\n]/ { c = ""; n = ""; printed = 0
+          if (match($0, /[ \t\n]classname="[^"]*"/)) c = substr($0, RSTART + 12, RLENGTH - 13) "."
+          if (match($0, /[ \t\n]name="[^"]*"/)) n = substr($0, RSTART + 7, RLENGTH - 8)
+          if (c == "" && n == target) n = "" }
+        /^(failure|error)[ \t\n\/>]/ && !printed { printed = 1; m = ""
+          if (match($0, /[ \t\n]message="[^"]*"/)) m = substr($0, RSTART + 10, RLENGTH - 11)
+          gsub(/&#x0A;|&#10;|&#x0D;|&#13;|&#x09;|&#9;/, " | ", m)
+          gsub(/&quot;/, "\"", m); gsub(/&apos;/, "'"'"'", m)
           gsub(/&lt;/, "<", m); gsub(/&gt;/, ">", m); gsub(/&amp;/, "\\&", m)
-          print "FAILED " t ": " c n (m == "" ? "" : ": " substr(m, 1, 160)) }' "$xml")$'\n'
+          what = c n; sep = (what != "" && m != "") ? ": " : ""
+          print "FAILED " t (what m != "" ? ": " : "") what sep substr(m, 1, 160) }' "$xml")
+      if [ -n "$lines" ]; then
+        failures+="$lines"$'\n'
+      fi
     fi
     passed=$((passed + tests - bad - ${disabled:-0} - skips))
     failed=$((failed + bad))
