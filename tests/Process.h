@@ -158,7 +158,11 @@ inline std::map<int, std::string> relaunchUntilDone(const std::string &cmd, cons
     const size_t printedSteps = launches == 0 ? 1 + rng() % 2 : 0;
     int status = 0;
     for (int waited = 0; ::waitpid(pid, &status, WNOHANG) == 0; waited += 5) {
-      if (launches == 0 ? stepLosses(slurp(out)).size() >= printedSteps : waited >= delay) {
+      // (A first launch that prints nothing is killed after ten spans, not waited for.)
+      const bool due = launches == 0
+                           ? stepLosses(slurp(out)).size() >= printedSteps || waited >= 10 * spanMs
+                           : waited >= delay;
+      if (due) {
         ::kill(pid, SIGKILL);
         ::waitpid(pid, &status, 0);
         ++killed;

@@ -249,7 +249,9 @@ TEST(MoverTest, AllReducesAreSummedByTheMoverWhichLearnsWhoCameLast) {
   RecordingMover mover;
   InProcessTransport t(3, {}, &mover);
   std::vector<std::vector<float>> data{{1, 10}, {2, 20}, {4, 40}};
-  std::vector<int> members{0, 1, 2};
+  // Listed out of order, so that a member's index in the list is not its number: the mover
+  // must be told the number.
+  std::vector<int> members{2, 0, 1};
   std::vector<std::thread> threads;
   for (int k = 0; k < 3; ++k)
     threads.emplace_back([&, k] {
