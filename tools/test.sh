@@ -11,7 +11,12 @@ cd "$(dirname "$0")/.."
 source tools/flag.sh
 sanitizers=0
 switch_given test.sh --sanitizers "$@" && sanitizers=1
-bash tools/setup.sh || { echo "0 skipped"; echo "0 passed, 1 failed"; exit 1; }
+bash tools/setup.sh || {
+  echo "FAILED setup: bash tools/setup.sh failed (its output is above)"
+  echo "0 skipped"
+  echo "0 passed, 1 failed"
+  exit 1
+}
 filter="--test_tag_filters=-requires-gpu"
 query='tests(//...) except attr(tags, "requires-gpu", tests(//...))'
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
