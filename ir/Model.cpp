@@ -287,8 +287,11 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   double memPerMs = cluster.memoryBytesPerMs();
   switch (layer.kind) {
   case LayerKind::Embedding:
-    // A lookup: no FLOPs to speak of; its output is the stage's residual stream.
+    // A lookup: no FLOPs to speak of; its output is the stage's residual stream. Megatron-LM
+    // drops out of it with the hidden dropout and keeps the mask (a byte an element).
     c.outputBytes = int64_t(n * h * d);
+    if (cluster.megatronActivations && t.hiddenDropout > 0)
+      c.activationBytes = int64_t(n * h / sp);
     return c;
   case LayerKind::Block: {
     // K and V per rank: kv heads x head size / tp (grouped-query attention shares them).
@@ -358,13 +361,27 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     double forwardOnly = n * cl * d + probs;               // q and the attention's state
     double gradients = n * (4 * h + cl + 2 * kl + fc) * d; // output gradients of the linears
     double dkv = 2 * n * kl * 4;
-    double activation = kept + forwardOnly + kv;
+    // What Megatron-LM's and Transformer Engine's layers keep besides (Korthikanti et al. 2022,
+    // section 4.1): the two norms' outputs (the QKV and up projections' inputs, sharded with
+    // sequence parallelism as the projections keep them) and the MLP activation's output (the
+    // down projection's input), all inputs of the weight gradient; with hidden dropout its two
+    // masks (a byte an element); with attention dropout on a materialized core its output and
+    // mask beside the probabilities (d + 1 bytes a score). piperun recomputes the first two
+    // from what it keeps and runs no dropout.
+    double frameworkInputs = 0, frameworkOther = 0, frameworkScores = 0;
+    if (cluster.megatronActivations) {
+      frameworkInputs = n * (2 * h / sp + fl) * d;
+      frameworkOther = t.hiddenDropout > 0 ? 2 * n * h / sp : 0;
+      frameworkScores = !flash && t.attentionDropout > 0 ? b * hl * x * double(end) * (d + 1) : 0;
+    }
+    double activation =
+        kept + forwardOnly + kv + frameworkInputs + frameworkOther + frameworkScores;
     switch (t.recompute) {
     case Recompute::None:
       break;
     case Recompute::Selective:
       if (!flash) {
-        activation -= probs;
+        activation -= probs + frameworkScores;
         c.backwardInput += attentionF / attentionPerMs + scoreF;
       }
       break;
@@ -376,8 +393,14 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     c.workspaceBytes = int64_t(n * (2 * h + std::max(cl + 2 * kl, fl)) * d);
     // Full recomputation rebuilds one block's forward state at a time inside the backward.
     if (t.recompute == Recompute::Full)
-      c.workspaceBytes += int64_t(kept + forwardOnly - n * h * d / sp);
-    double weightGrad = kept + gradients;
+      c.workspaceBytes += int64_t(kept + forwardOnly + frameworkInputs + frameworkOther +
+                                  frameworkScores - n * h * d / sp);
+    // What the weight gradient needs besides the output gradients: the linears' inputs. piperun
+    // recomputes the norms' outputs and the activation's output from what it keeps; Megatron-LM
+    // keeps those inputs themselves (the norms' outputs, the attention's output, the activation's
+    // output) and nothing else of the block: the zero-bubble paper's M_W (its Table 1).
+    double weightGrad =
+        cluster.megatronActivations ? n * (2 * h / sp + cl + fl) * d + gradients : kept + gradients;
     c.activationBytes = int64_t(activation);
     c.weightGradBytes = int64_t(weightGrad);
     // With sub-sequences a microbatch's K/V and dK/dV are its slices' together: the K/V stay
@@ -413,8 +436,11 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // input is the stage's residual stream). Backward: the layernorm's input stays for W,
     // the logits' gradient and dLnfOut join, the log-sum-exp goes.
     double stats = t.norm == Norm::RmsNorm ? 4 : 8; // the final norm's, per token
-    c.activationBytes = int64_t(n * (h + vl) * d + (stats + 8) * n);
-    c.weightGradBytes = int64_t(n * (3 * h + vl) * d + (stats + 4) * n);
+    // Megatron-LM's vocab-parallel cross entropy keeps its softmax in fp32 where piperun keeps
+    // the logits at d bytes ("kept_activations": "megatron").
+    double logitBytes = cluster.megatronActivations ? std::max(d, 4.0) : d;
+    c.activationBytes = int64_t(n * h * d + n * vl * logitBytes + (stats + 8) * n);
+    c.weightGradBytes = int64_t(n * 3 * h * d + n * vl * logitBytes + (stats + 4) * n);
     c.backwardPeakBytes = c.weightGradBytes - c.activationBytes;
     c.outputBytes = 0;
     return c;

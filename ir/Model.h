@@ -108,6 +108,13 @@ struct ClusterSpec {
   /// K and V copied into [b, s, ...] order and their gradients back (ModelSpec::sliceCost).
   /// "fused" (the default): none of them, as Transformer Engine's layers run.
   bool megatronLegacyKernels = false;
+  /// What the training software keeps for the backward ("kept_activations"): "piperun" (the
+  /// default) as piperun's blocks keep it, recomputing the norms' outputs and the MLP
+  /// activation's output in the backward, with no dropout; "megatron" as Megatron-LM's and
+  /// Transformer Engine's layers keep it (Korthikanti et al. 2022): those outputs too, the
+  /// dropouts' masks where the model has dropout, the attention dropout's output beside the
+  /// probabilities of a materialized core, and the loss's fp32 softmax (ModelSpec::sliceCost).
+  bool megatronActivations = false;
   int64_t memoryBytes = 85899345920;
   int gpusPerNode = 8;
   Link intraNode{450, 3};
@@ -217,6 +224,10 @@ struct TransformerConfig {
   /// The norms' epsilon (LayerNorm's added to the variance, RMSNorm's to the mean square):
   /// Hugging Face's layer_norm_epsilon / rms_norm_eps (GPT-2 and Llama 3: 1e-5, Llama 2: 1e-6).
   double normEps = 1e-5;
+  /// Dropout probabilities (Megatron-LM's --attention-dropout and --hidden-dropout): on the
+  /// attention's probabilities, and on the embeddings' and each residual branch's output. They
+  /// change what a "megatron" cluster keeps (masks); piperun runs no dropout and refuses them.
+  double attentionDropout = 0, hiddenDropout = 0;
   int64_t dtypeBytes() const { return dtype == "fp32" ? 4 : 2; }
   int64_t kvHeads() const { return numQueryGroups > 0 ? numQueryGroups : numAttentionHeads; }
   /// GPT-2's block in every choice (what the runtime's kernels implement today).

@@ -305,6 +305,17 @@ std::vector<Case> catalogue() {
       "$PIPERUN p.json --backend cpu",
       "the cpu backend's run of model 'big-vocab' (vocab_size 1048576, hidden_size 4096, 4 "
       "layers; 1 rank threads) needs about");
+  // A model with dropout compiles (its memory under a "megatron" cluster counts the masks);
+  // piperun runs no dropout and refuses the plan rather than train without it.
+  add(
+      "PiperunRefusesDropout",
+      [](const std::string &dir) {
+        tinyWith([](Json &j) { j["transformer"]["hidden_dropout"] = 0.1; })(dir);
+        compileLocal(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 2", "p.json");
+      },
+      "$PIPERUN p.json --backend cpu",
+      "the plan's model has dropout ($.transformer.hidden_dropout: 0.1), which piperun does not "
+      "execute; compile a model without it");
   // --- Input files -------------------------------------------------------------------------
   add("ModelFileMissing", nullptr,
       "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "

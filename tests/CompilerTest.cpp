@@ -361,6 +361,87 @@ TEST(TransformerCostTest, MaterializedAttentionPassesOverItsScoresAtTheMemoryRat
                    flash.sliceCost(c, 1, 0, 4096, 0, 1, tp).forward);
 }
 
+TEST(TransformerCostTest, MegatronActivationsAreKorthikantisCount) {
+  // "kept_activations": "megatron": a block's activations are what Korthikanti et al. (2022,
+  // section 4.1 and Table 2) count for Megatron-LM in 16-bit training, GPT's block with
+  // dropout, a materialized attention core and MLP width 4h: s·b·h·(34 + 5·a·s/h) bytes
+  // without tensor parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t)) with t ranks, and
+  // s·b·h/t·(34 + 5·a·s/h) with sequence parallelism; selective recomputation drops the
+  // 5·a·s/h part, full keeps the block's input (2·s·b·h/t with sequence parallelism). pipec
+  // also counts what their count leaves out: the norms' statistics (fp32 mean and rstd, 16
+  // bytes a token per rank) and, without dropout, no masks (2·s·b·h/t bytes less) and only
+  // the probabilities of the attention core (2·a·s²·b / t). piperun's own accounting
+  // ("piperun") keeps 10·s·b·h/t (norm outputs, MLP output) less still, and no dropout.
+  const double s = 1024, b = 4, h = 2048, a = 16;
+  auto model = [&](const char *extra) {
+    return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 2, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 50304,
+        "seq_length": 1024, "microbatch_size": 4, "attention": "materialized"{}}}}})",
+                                   extra),
+                       "m.json");
+  };
+  ClusterSpec megatron = ClusterSpec::defaults(), piperun = megatron;
+  megatron.megatronActivations = true;
+  const char *dropout = R"(, "attention_dropout": 0.1, "hidden_dropout": 0.1)";
+  const double sbh = s * b * h;
+  struct Case {
+    const char *recompute;
+    int tp;
+    bool sp, dropout, megatron;
+    double expected; // bytes, Korthikanti's count (or its variant above)
+  };
+  const double stats = 16 * s * b; // the two norms' fp32 mean and rstd per token
+  const Case cases[] = {
+      {"none", 1, false, true, true, sbh * (34 + 5 * a * s / h) + stats},
+      {"none", 2, false, true, true, sbh * (10 + 24 / 2.0 + 5 * a * s / (h * 2)) + stats},
+      {"none", 4, false, true, true, sbh * (10 + 24 / 4.0 + 5 * a * s / (h * 4)) + stats},
+      {"none", 4, true, true, true, sbh / 4 * (34 + 5 * a * s / h) + stats / 4},
+      {"selective", 4, true, true, true, sbh / 4 * 34 + stats / 4},
+      // (pipec keeps K and V beside the input, 4·s·b·h/t, which later sub-sequences read.)
+      {"full", 4, true, true, true, 2 * sbh / 4 + 4 * sbh / 4},
+      // Without dropout: no masks, the probabilities alone.
+      {"none", 1, false, false, true, sbh * 32 + 2 * a * s * s * b + stats},
+      // piperun's accounting: norm outputs and the MLP's output recomputed, no dropout.
+      {"none", 1, false, false, false, sbh * 20 + 2 * a * s * s * b + stats},
+  };
+  for (const Case &k : cases) {
+    SCOPED_TRACE(fmt::format("{} tp {} sp {} dropout {} megatron {}", k.recompute, k.tp, k.sp,
+                             k.dropout, k.megatron));
+    ModelSpec m = model(
+        fmt::format(R"(, "recompute": "{}"{})", k.recompute, k.dropout ? dropout : "").c_str());
+    SliceCost c = m.sliceCost(k.megatron ? megatron : piperun, 1, 0, 1024, 0, 1, k.tp, k.sp);
+    EXPECT_NEAR(double(c.activationBytes), k.expected, 2.0) << c.activationBytes;
+  }
+  // The loss keeps its softmax in fp32 (4 bytes a logit) where piperun keeps bf16 logits.
+  ModelSpec m = model(dropout);
+  const size_t head = m.layers.size() - 1;
+  const double vocab = 50304;
+  EXPECT_NEAR(double(m.sliceCost(megatron, head, 0, 1024, 0, 1, 1).activationBytes -
+                     m.sliceCost(piperun, head, 0, 1024, 0, 1, 1).activationBytes),
+              s * b * vocab * 2, 2.0);
+  // The embedding's dropout keeps its mask, a byte an element; piperun keeps nothing.
+  EXPECT_EQ(m.sliceCost(megatron, 0, 0, 1024, 0, 1, 1).activationBytes, int64_t(s * b * h));
+  EXPECT_EQ(m.sliceCost(piperun, 0, 0, 1024, 0, 1, 1).activationBytes, 0);
+  // Read from the cluster spec; anything else refused naming the field.
+  auto spec =
+      parseClusterSpec(R"({"format": "pipecluster/1", "kept_activations": "megatron"})", "c.json");
+  ASSERT_TRUE(bool(spec)) << takeMessage(spec.takeError());
+  EXPECT_TRUE(spec->megatronActivations);
+  auto bad =
+      parseClusterSpec(R"({"format": "pipecluster/1", "kept_activations": "torch"})", "c.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_EQ(takeMessage(bad.takeError()),
+            "c.json: $.kept_activations: expected \"megatron\" or \"piperun\", got \"torch\"");
+  auto badDropout = parseModelSpec(
+      R"({"format": "pipemodel/1", "transformer": {"num_layers": 2, "hidden_size": 64,
+          "num_attention_heads": 4, "vocab_size": 64, "seq_length": 16,
+          "hidden_dropout": 1}})",
+      "m.json");
+  ASSERT_FALSE(bool(badDropout));
+  EXPECT_EQ(takeMessage(badDropout.takeError()),
+            "m.json: $.transformer.hidden_dropout: expected a probability in [0, 1), got 1");
+}
+
 TEST(TransformerCostTest, MegatronLegacyKernelsPassOverTheAttentionsInputsAndOutput) {
   // "block_kernels": "megatron-legacy", counted kernel by kernel in Megatron-LM's own layers,
   // per token and tp rank, bf16 (2 bytes an element). Forward: the QKV linear adds its bias

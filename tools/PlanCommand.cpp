@@ -197,6 +197,15 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   if (!notRun.empty())
     fmt::print("note: piperun does not execute {}; the plan sizes a run, {} plans run\n",
                llvm::join(notRun, " or "), llvm::join(flags, " "));
+  if (model->transformer &&
+      (model->transformer->attentionDropout > 0 || model->transformer->hiddenDropout > 0))
+    fmt::print("note: piperun does not execute dropout; the plan sizes a run, a model without "
+               "it plans one that runs\n");
+  // The memory column is what the cluster spec says the software keeps (docs/planner.md).
+  if (model->transformer && !cluster.megatronActivations)
+    fmt::print("note: peak memory as piperun keeps activations; a Megatron-LM or Transformer "
+               "Engine job keeps more (\"kept_activations\": \"megatron\" in the cluster spec "
+               "counts it)\n");
   if (out)
     fmt::print("wrote {}\n", *out);
   if (csv)

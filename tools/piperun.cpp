@@ -258,6 +258,13 @@ llvm::Expected<Plan> readPlan(const std::string &path) {
     return inputError("the plan's GEMMs are FP8 ($.transformer.gemm_precision: \"fp8\"), which "
                       "piperun does not execute; compile a model with \"gemm_precision\": "
                       "\"bf16\"");
+  if (plan->transformer)
+    for (auto [key, p] : {std::pair{"attention_dropout", plan->transformer->attentionDropout},
+                          std::pair{"hidden_dropout", plan->transformer->hiddenDropout}})
+      if (p > 0)
+        return inputError("the plan's model has dropout ($.transformer.{}: {}), which piperun "
+                          "does not execute; compile a model without it",
+                          key, p);
   for (auto [on, flag] :
        {std::pair{plan->parallel.sequenceParallel, "--sequence-parallel"},
         std::pair{plan->parallel.distributedOptimizer, "--distributed-optimizer"}})

@@ -107,6 +107,10 @@ static OJson transformerJson(const TransformerConfig &t) {
     o["norm_eps"] = t.normEps;
   if (t.fp8Gemms)
     o["gemm_precision"] = "fp8";
+  if (t.attentionDropout > 0)
+    o["attention_dropout"] = t.attentionDropout;
+  if (t.hiddenDropout > 0)
+    o["hidden_dropout"] = t.hiddenDropout;
   return o;
 }
 

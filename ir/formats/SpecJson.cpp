@@ -99,10 +99,11 @@ static llvm::Error parseCalibration(const JsonReader &r, const Json &j, ClusterS
 }
 
 static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec &c) {
-  if (auto err = r.expectDocument(j, "pipecluster/1",
-                                  {"format", "device", "gpus_per_node", "intra_node", "inter_node",
-                                   "message_overhead_us", "p2p_sync_us", "p2p", "grad_reduce",
-                                   "param_gather", "block_kernels", "calibration"}))
+  if (auto err =
+          r.expectDocument(j, "pipecluster/1",
+                           {"format", "device", "gpus_per_node", "intra_node", "inter_node",
+                            "message_overhead_us", "p2p_sync_us", "p2p", "grad_reduce",
+                            "param_gather", "block_kernels", "kept_activations", "calibration"}))
     return err;
   if (auto err = parseCalibration(r, j, c))
     return err;
@@ -179,6 +180,8 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto err =
           getSwitch(r, j, "block_kernels", "megatron-legacy", "fused", c.megatronLegacyKernels))
     return err;
+  if (auto err = getSwitch(r, j, "kept_activations", "megatron", "piperun", c.megatronActivations))
+    return err;
   int64_t gpn = c.gpusPerNode;
   if (auto err = r.getIntInRange(j, "$", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
     return err;
@@ -254,12 +257,28 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
   const char *path = "$.transformer";
   if (auto err = r.expectObject(t, path))
     return err;
-  if (auto err =
-          r.onlyKeys(t, path,
-                     {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                      "vocab_size", "seq_length", "microbatch_size", "dtype", "tie_embeddings",
-                      "attention", "recompute", "norm", "mlp", "position", "rope_theta",
-                      "num_query_groups", "bias", "norm_eps", "gemm_precision"}))
+  if (auto err = r.onlyKeys(t, path,
+                            {"num_layers",
+                             "hidden_size",
+                             "num_attention_heads",
+                             "ffn_hidden_size",
+                             "vocab_size",
+                             "seq_length",
+                             "microbatch_size",
+                             "dtype",
+                             "tie_embeddings",
+                             "attention",
+                             "recompute",
+                             "norm",
+                             "mlp",
+                             "position",
+                             "rope_theta",
+                             "num_query_groups",
+                             "bias",
+                             "norm_eps",
+                             "gemm_precision",
+                             "attention_dropout",
+                             "hidden_dropout"}))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -332,6 +351,14 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return err;
   if (auto err = r.getNumber(t, path, "norm_eps", c.normEps, false, 1e-12))
     return err;
+  for (auto [key, p] : {std::pair{"attention_dropout", &c.attentionDropout},
+                        std::pair{"hidden_dropout", &c.hiddenDropout}}) {
+    if (auto err = r.getNumber(t, path, key, *p, false))
+      return err;
+    if (*p >= 1)
+      return inputError("{}: $.transformer.{}: expected a probability in [0, 1), got {}", r.name(),
+                        key, *p);
+  }
   if (c.normEps > 0.1)
     return inputError("{}: $.transformer.norm_eps: expected at most 0.1 (checkpoints use 1e-5 or "
                       "1e-6), got {}",
