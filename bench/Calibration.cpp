@@ -185,6 +185,28 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
       extra += ", \"position\": \"rope\", \"bias\": false";
     if (at("precision") == "fp8") // Transformer Engine's FP8: the blocks' GEMMs only
       extra += ", \"gemm_precision\": \"fp8\"";
+    // Optional columns: the dropout probability (attention and hidden alike, as Megatron-LM's
+    // defaults set them; empty: none published, taken as none) and the measured peak memory.
+    auto optional = [&](const char *name) -> std::string {
+      return col.count(name) ? f[col[name]] : std::string();
+    };
+    double dropout = 0, peakGB = 0;
+    if (!optional("dropout").empty() &&
+        (!llvm::to_float(optional("dropout"), dropout) || dropout < 0 || dropout >= 1)) {
+      skip.why =
+          fmt::format("dropout \"{}\": expected a probability in [0, 1)", optional("dropout"));
+      skipped.push_back(skip);
+      continue;
+    }
+    if (!optional("peak_memory_gb").empty() &&
+        (!llvm::to_float(optional("peak_memory_gb"), peakGB) || peakGB <= 0)) {
+      skip.why = fmt::format("peak_memory_gb \"{}\": expected a positive number",
+                             optional("peak_memory_gb"));
+      skipped.push_back(skip);
+      continue;
+    }
+    if (dropout > 0)
+      extra += fmt::format(", \"attention_dropout\": {}, \"hidden_dropout\": {}", dropout, dropout);
     std::string spec = fmt::format(
         R"({{"format": "pipemodel/1", "name": "{}", "transformer": {{"num_layers": {},
         "hidden_size": {}, "num_attention_heads": {}, "vocab_size": {}, "seq_length": {},
@@ -208,6 +230,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     run.publishedSchedule = published;
     run.searchedLimit = searchedLimit;
     run.recomputePublished = !at("recompute").empty();
+    run.measuredPeakBytes = peakGB * 1e9;
     // How the run's software makes pipeline transfers, where it differs from the cluster
     // spec's (DeepSpeed's pipeline engine: "blocking").
     if (!at("p2p").empty()) {

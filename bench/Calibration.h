@@ -59,6 +59,8 @@ struct PublishedRun : RunSoftware {
   /// The measured step time in seconds (from whichever metric the source gives).
   double measuredSeconds = 0;
   std::string metric; // the metric it came from
+  /// The peak memory per GPU the source reports, in bytes (0: none given).
+  double measuredPeakBytes = 0;
 };
 
 /// A row of the file that was left out, and why (one line).

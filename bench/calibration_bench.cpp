@@ -440,6 +440,36 @@ void printCalibrationRecord(const std::vector<PublishedRun> &runs, const std::ve
              which.size(), device, sources, llvm::join(entries, ", "));
 }
 
+/// The peak memory per GPU of the runs whose source reports it, against the compiled plan's
+/// (its busiest rank's), under the cluster the runs were prepared with.
+void printPeakMemory(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which) {
+  std::vector<std::string> rows;
+  double sumAbs = 0, sumSigned = 0, worst = 0;
+  for (size_t i : which) {
+    const PublishedRun &run = runs[i];
+    if (run.measuredPeakBytes <= 0 || !gPrepared[i])
+      continue;
+    double predicted = double(gPrepared[i]->plan.stats.maxPeakMemoryBytes());
+    double error = predicted / run.measuredPeakBytes - 1;
+    sumAbs += std::abs(error);
+    sumSigned += error;
+    worst = std::max(worst, std::abs(error));
+    rows.push_back(fmt::format("| {} | {} | {:.0f} | {:.1f} | {:+.1f}% |", run.source, run.id,
+                               run.measuredPeakBytes / 1e9, predicted / 1e9, 100 * error));
+  }
+  if (rows.empty())
+    return;
+  fmt::print("Peak memory per GPU, where the source reports it (GB; error = predicted / "
+             "measured - 1):\n\n| source | run | measured | predicted | error |\n|---|---|---|---|"
+             "---|\n");
+  for (const std::string &r : rows)
+    fmt::print("{}\n", r);
+  fmt::print("\npeak memory over {} runs: mean absolute error {:.1f}%, mean signed {:+.1f}%, "
+             "worst {:.1f}%\n\n",
+             rows.size(), 100 * sumAbs / double(rows.size()), 100 * sumSigned / double(rows.size()),
+             100 * worst);
+}
+
 /// The zero-bubble paper's Table 4: settings of four schedules each.
 void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                      const std::vector<double> &predicted) {
@@ -614,6 +644,7 @@ int main(int argc, char **argv) {
     printErrorTable(runs, which, predicted, "in-sample", false);
     printErrorTable(runs, which, predicted, "in-sample", true);
     printZeroBubble(runs, which, predicted);
+    printPeakMemory(runs, which);
     if (!args->has("--loso"))
       continue;
     // Leave one source out: fit on the others, from the neutral start with the global fit's
