@@ -386,7 +386,9 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       }
       break;
     case Recompute::Full:
-      activation = n * h * d / sp + kv;
+      // (Megatron-LM keeps the block's input alone; piperun also K and V, which later
+      // sub-sequences read.)
+      activation = n * h * d / sp + (cluster.megatronActivations && numSlices == 1 ? 0 : kv);
       c.backwardInput += c.forward;
       break;
     }
@@ -399,8 +401,11 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // recomputes the norms' outputs and the activation's output from what it keeps; Megatron-LM
     // keeps those inputs themselves (the norms' outputs, the attention's output, the activation's
     // output) and nothing else of the block: the zero-bubble paper's M_W (its Table 1).
-    double weightGrad =
-        cluster.megatronActivations ? n * (2 * h / sp + cl + fl) * d + gradients : kept + gradients;
+    // (Of the output gradients W reads the four linears': QKV's, the two h wide ones of the
+    // projection and the down projection, the up projection's; not the norms' outputs'.)
+    double weightGrad = cluster.megatronActivations
+                            ? n * (2 * h / sp + cl + fl) * d + n * (2 * h + cl + 2 * kl + fc) * d
+                            : kept + gradients;
     c.activationBytes = int64_t(activation);
     c.weightGradBytes = int64_t(weightGrad);
     // With sub-sequences a microbatch's K/V and dK/dV are its slices' together: the K/V stay

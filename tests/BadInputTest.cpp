@@ -315,7 +315,15 @@ std::vector<Case> catalogue() {
       },
       "$PIPERUN p.json --backend cpu",
       "the plan's model has dropout ($.transformer.hidden_dropout: 0.1), which piperun does not "
-      "execute; compile a model without it");
+      "execute; compile a model with \"hidden_dropout\": 0");
+  add("ModelDropoutNegative",
+      tinyWith([](Json &j) { j["transformer"]["attention_dropout"] = -0.1; }),
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",
+      "$.transformer.attention_dropout: expected a probability in [0, 1), got -0.1");
+  add("ClusterKeptActivationsUnknown",
+      clusterWith([](Json &j) { j["kept_activations"] = "deepspeed"; }), kClusterCompile,
+      "h100-2nodes.json: $.kept_activations: expected \"megatron\" or \"piperun\", got "
+      "\"deepspeed\"");
   // --- Input files -------------------------------------------------------------------------
   add("ModelFileMissing", nullptr,
       "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "

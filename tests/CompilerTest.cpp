@@ -397,8 +397,7 @@ TEST(TransformerCostTest, MegatronActivationsAreKorthikantisCount) {
       {"none", 4, false, true, true, sbh * (10 + 24 / 4.0 + 5 * a * s / (h * 4)) + stats},
       {"none", 4, true, true, true, sbh / 4 * (34 + 5 * a * s / h) + stats / 4},
       {"selective", 4, true, true, true, sbh / 4 * 34 + stats / 4},
-      // (pipec keeps K and V beside the input, 4·s·b·h/t, which later sub-sequences read.)
-      {"full", 4, true, true, true, 2 * sbh / 4 + 4 * sbh / 4},
+      {"full", 4, true, true, true, 2 * sbh / 4},
       // Without dropout: no masks, the probabilities alone.
       {"none", 1, false, false, true, sbh * 32 + 2 * a * s * s * b + stats},
       // piperun's accounting: norm outputs and the MLP's output recomputed, no dropout.
@@ -412,6 +411,11 @@ TEST(TransformerCostTest, MegatronActivationsAreKorthikantisCount) {
     SliceCost c = m.sliceCost(k.megatron ? megatron : piperun, 1, 0, 1024, 0, 1, k.tp, k.sp);
     EXPECT_NEAR(double(c.activationBytes), k.expected, 2.0) << c.activationBytes;
   }
+  // What waits for the weight gradient is the zero-bubble paper's M_W (Qi et al. 2024, Table
+  // 1): the linears' inputs and output gradients, 32·s·b·h bytes a block without tensor
+  // parallelism.
+  EXPECT_NEAR(double(model(dropout).sliceCost(megatron, 1, 0, 1024, 0, 1, 1).weightGradBytes),
+              32 * sbh, 2.0);
   // The loss keeps its softmax in fp32 (4 bytes a logit) where piperun keeps bf16 logits.
   ModelSpec m = model(dropout);
   const size_t head = m.layers.size() - 1;

@@ -263,8 +263,8 @@ llvm::Expected<Plan> readPlan(const std::string &path) {
                           std::pair{"hidden_dropout", plan->transformer->hiddenDropout}})
       if (p > 0)
         return inputError("the plan's model has dropout ($.transformer.{}: {}), which piperun "
-                          "does not execute; compile a model without it",
-                          key, p);
+                          "does not execute; compile a model with \"{}\": 0",
+                          key, p, key);
   for (auto [on, flag] :
        {std::pair{plan->parallel.sequenceParallel, "--sequence-parallel"},
         std::pair{plan->parallel.distributedOptimizer, "--distributed-optimizer"}})

@@ -353,9 +353,9 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
     return err;
   for (auto [key, p] : {std::pair{"attention_dropout", &c.attentionDropout},
                         std::pair{"hidden_dropout", &c.hiddenDropout}}) {
-    if (auto err = r.getNumber(t, path, key, *p, false))
+    if (auto err = r.getNumber(t, path, key, *p, false, -1e15))
       return err;
-    if (*p >= 1)
+    if (*p < 0 || *p >= 1)
       return inputError("{}: $.transformer.{}: expected a probability in [0, 1), got {}", r.name(),
                         key, *p);
   }
