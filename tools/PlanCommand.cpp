@@ -26,6 +26,8 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
+#include <string>
 
 namespace pipec {
 
@@ -178,8 +180,12 @@ llvm::Error runPlanCommand(int argc, char **argv) {
           : "",
       costs ? (best.measured ? ", scored with the measured costs" : ", scored by the model") : "");
   // The same figures from `pipec compile` (the model spec's microbatch_size set to the plan's).
-  fmt::print("compile: pipec compile --model M.json {} (microbatch_size {} in M.json)\n",
-             compileFlags(best, o), best.microbatchSize);
+  // (With the search's --cluster: compiled on the default cluster the plan's costs and memory
+  // would be another cluster's.)
+  std::optional<std::string> clusterPath = args->path("--cluster");
+  fmt::print("compile: pipec compile --model M.json {}{} (microbatch_size {} in M.json)\n",
+             clusterPath ? "--cluster " + *clusterPath + " " : std::string(), compileFlags(best, o),
+             best.microbatchSize);
   // What piperun refuses to run (tools/piperun.cpp), and the flags that plan what it runs.
   std::vector<std::string> notRun, flags;
   if (best.recompute != Recompute::None) {
