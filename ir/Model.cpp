@@ -374,8 +374,8 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       frameworkOther = t.hiddenDropout > 0 ? 2 * n * h / sp : 0;
       frameworkScores = !flash && t.attentionDropout > 0 ? b * hl * x * double(end) * (d + 1) : 0;
     }
-    double activation =
-        kept + forwardOnly + kv + frameworkInputs + frameworkOther + frameworkScores;
+    const double framework = frameworkInputs + frameworkOther + frameworkScores;
+    double activation = kept + forwardOnly + kv + framework;
     switch (t.recompute) {
     case Recompute::None:
       break;
@@ -395,8 +395,7 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     c.workspaceBytes = int64_t(n * (2 * h + std::max(cl + 2 * kl, fl)) * d);
     // Full recomputation rebuilds one block's forward state at a time inside the backward.
     if (t.recompute == Recompute::Full)
-      c.workspaceBytes += int64_t(kept + forwardOnly + frameworkInputs + frameworkOther +
-                                  frameworkScores - n * h * d / sp);
+      c.workspaceBytes += int64_t(kept + forwardOnly + framework - n * h * d / sp);
     // What the weight gradient needs besides the output gradients: the linears' inputs. piperun
     // recomputes the norms' outputs and the activation's output from what it keeps; Megatron-LM
     // keeps those inputs themselves (the norms' outputs, the attention's output, the activation's
