@@ -370,22 +370,28 @@ ClusterSpec clusterFor(const RunSoftware &run, const ClusterSpec &cluster) {
   return c;
 }
 
-/// Compiles `run` as published with `model`; a searched run (zb-auto) under an activation
-/// limit of searchedLimit times the peak of the hand-made ZB-H1 of the same run. The paper's
-/// ZB-1p limit, p·M_B, is 1F1B's peak, which ZB-H1 keeps (Qi et al. 2024, §2.2 and §3; its
-/// Table 4 measures ZB-1p within 2 GB of 1F1B's peak memory), and ZB-2p's is twice it.
+/// Compiles `run` as published with `model`; a searched run (zb-auto) under the zero-bubble
+/// authors' own limit: searchedLimit · p · M_B, M_B the larger of the activations one
+/// microbatch's forward leaves on the first two stages. Their runtime profiles each stage's
+/// forward memory (f_mem) and hands its scheduler `--zero-bubble-max-pending-backward` times
+/// max(f_mem[:2]) as every rank's limit (megatron/core/pipeline_parallel/zb_schedules.py in
+/// sail-sg/zero-bubble-pipeline-parallelism); their launch script passes p for ZB-1p and 2p
+/// for ZB-2p (Qi et al. 2024, §3).
 static llvm::Expected<Plan> compileAsPublished(const PublishedRun &run, const ModelSpec &model,
                                                const ClusterSpec &c) {
   if (run.searchedLimit == 0)
     return compilePlan(model, c, run.options, /*verifyEach=*/false);
   CompileOptions fixed = run.options;
-  fixed.schedule = "zb-h1";
-  auto hand = compilePlan(model, c, fixed, /*verifyEach=*/false);
-  if (!hand)
-    return inputError("{}: ZB-H1, whose peak sets its limit: {}", run.id,
-                      takeMessage(hand.takeError()));
+  fixed.schedule = "1f1b";
+  auto stages = compilePlan(model, c, fixed, /*verifyEach=*/false);
+  if (!stages)
+    return inputError("{}: 1F1B, whose stages set its limit: {}", run.id,
+                      takeMessage(stages.takeError()));
+  int64_t perMicrobatch = 0;
+  for (size_t s = 0; s < std::min<size_t>(2, stages->stages.size()); ++s)
+    perMicrobatch = std::max(perMicrobatch, stages->stages[s].activationBytes[0]);
   CompileOptions searched = run.options;
-  searched.memoryLimit = int64_t(run.searchedLimit) * hand->stats.maxPeakActivationBytes();
+  searched.memoryLimit = int64_t(run.searchedLimit) * stages->parallel.pp * perMicrobatch;
   return compilePlan(model, c, searched, /*verifyEach=*/false);
 }
 

@@ -51,8 +51,9 @@ struct PublishedRun : RunSoftware {
   /// The schedule as the source names it ("zb-1p", "interleaved-1f1b", ...).
   std::string publishedSchedule;
   /// k > 0 for a schedule the source searched under an activation limit of k·p·M_B (the
-  /// zero-bubble paper's ZB-1p, k = 1, and ZB-2p, k = 2): compiled as zb-auto at k times the
-  /// activation peak of the run compiled as ZB-H1 (p·M_B: 1F1B's peak, which ZB-H1 keeps).
+  /// zero-bubble paper's ZB-1p, k = 1, and ZB-2p, k = 2): compiled as zb-auto at the limit
+  /// the authors' runtime sets, k · p · M_B, M_B the larger of the activations one
+  /// microbatch's forward leaves on the first two stages.
   /// Its order depends on the cluster's costs, so re-timing it under other factors is not
   /// compiling it again (prepareRun searches again).
   int searchedLimit = 0;

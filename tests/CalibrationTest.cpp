@@ -330,10 +330,11 @@ TEST(CalibrationTest, ARunTimedAgainIsTheRunCompiledAgain) {
 
 TEST(CalibrationTest, ThePapersSearchedSchedulesAreZbAutoUnderTheirLimits) {
   // Qi et al. 2024, §3: ZB-1p and ZB-2p are the automatic scheduler's orders under an
-  // activation limit of p·M_B (1F1B's peak, which the hand-made ZB-H1 keeps) and 2p·M_B. Each
-  // compiles as zb-auto at k times ZB-H1's activation peak, recomputed here from a ZB-H1
-  // compile of the same run; its activations stay within it, and it is never slower than
-  // ZB-H1 (which fits k = 1 by construction) or ZB-H2 where that fits k = 2.
+  // activation limit of p·M_B and 2p·M_B. The authors' runtime sets it as
+  // --zero-bubble-max-pending-backward (p or 2p) times the larger forward memory of the first
+  // two stages. Each compiles as zb-auto at that limit, recomputed here from the stages of a
+  // 1F1B compile of the same run; its activations stay within it, and it is never slower than
+  // ZB-H1 or ZB-H2 where their own peak fits the limit.
   ClusterSpec c = spec("examples/a100-selene.json");
   int handFits = 0;
   for (const char *id :
@@ -345,21 +346,24 @@ TEST(CalibrationTest, ThePapersSearchedSchedulesAreZbAutoUnderTheirLimits) {
     EXPECT_EQ(r.searchedLimit, k);
     auto prepared = prepareRun(r, c);
     ASSERT_TRUE(bool(prepared)) << takeMessage(prepared.takeError());
-    CompileOptions h1 = r.options;
-    h1.schedule = "zb-h1";
-    auto zbh1 = compilePlan(r.model, c, h1, /*verifyEach=*/false);
-    ASSERT_TRUE(bool(zbh1)) << takeMessage(zbh1.takeError());
-    int64_t limit = int64_t(k) * zbh1->stats.maxPeakActivationBytes();
+    CompileOptions oneF = r.options;
+    oneF.schedule = "1f1b";
+    auto ref = compilePlan(r.model, c, oneF, /*verifyEach=*/false);
+    ASSERT_TRUE(bool(ref)) << takeMessage(ref.takeError());
+    int64_t perMicrobatch =
+        std::max(ref->stages[0].activationBytes[0], ref->stages[1].activationBytes[0]);
+    int64_t limit = int64_t(k) * ref->parallel.pp * perMicrobatch;
     EXPECT_LE(prepared->plan.stats.maxPeakActivationBytes(), limit);
+    // The limit is the paper's p·M_B: within a microbatch of 1F1B's own peak.
+    if (k == 1) {
+      EXPECT_NEAR(double(limit), double(ref->stats.maxPeakActivationBytes()),
+                  double(perMicrobatch));
+    }
     CompileOptions fixed = r.options;
     fixed.schedule = k == 1 ? "zb-h1" : "zb-h2";
     auto hand = compilePlan(r.model, c, fixed, /*verifyEach=*/false);
     ASSERT_TRUE(bool(hand)) << takeMessage(hand.takeError());
-    int64_t handPeak = hand->stats.maxPeakActivationBytes();
-    if (k == 1) {
-      EXPECT_EQ(handPeak, limit);
-    }
-    if (handPeak <= limit) {
+    if (hand->stats.maxPeakActivationBytes() <= limit) {
       EXPECT_LE(prepared->plan.stats.stepTime, hand->stats.stepTime * (1 + 1e-9));
       ++handFits;
     }
@@ -384,7 +388,10 @@ TEST(CalibrationTest, TheZeroBubbleRunsHoldThePapersMemoryRatios) {
   // interleaved 1F1B, ZB-1p. The rows compile without recomputation (docs/calibration-
   // sources.md: with selective recomputation, which drops the attention scores, pipec's
   // ZB-1p/1F1B ratio would be 1.17-1.49); pipec's peaks, divided by 1F1B's, against the
-  // measured ratios.
+  // measured ratios, with the activations Megatron-LM keeps ("kept_activations": "megatron"),
+  // which the authors' runtime measures when it sets ZB-1p's limit. Under piperun's own
+  // accounting the weight gradient holds a larger share of a microbatch, and ZB-1p searched
+  // at the authors' limit stays at 1F1B's peak on the 6.2B model (measured: 8% above it).
   struct Setting {
     const char *stem;
     double oneF, inter, zb1;
@@ -393,6 +400,7 @@ TEST(CalibrationTest, TheZeroBubbleRunsHoldThePapersMemoryRatios) {
                   {"T4-14.6B-m48", 32, 39, 33},
                   {"T4-28.3B-m96", 43, 58, 44}};
   ClusterSpec c = spec("examples/a100-selene.json");
+  c.megatronActivations = true;
   auto peak = [&](const std::string &id) {
     auto p = prepareRun(runNamed(id), c);
     EXPECT_TRUE(bool(p)) << id << ": " << (p ? "" : takeMessage(p.takeError()));
@@ -405,7 +413,7 @@ TEST(CalibrationTest, TheZeroBubbleRunsHoldThePapersMemoryRatios) {
     double oneF = peak(stem + "-1F1B");
     ASSERT_GT(oneF, 0);
     EXPECT_NEAR(peak(stem + "-ZB-1p") / oneF, s.zb1 / s.oneF, 0.05);
-    EXPECT_NEAR(peak(stem + "-1F1B-I") / oneF, s.inter / s.oneF, 0.12);
+    EXPECT_NEAR(peak(stem + "-1F1B-I") / oneF, s.inter / s.oneF, 0.05);
   }
 }
 
@@ -414,8 +422,8 @@ TEST(CalibrationTest, MegatronActivationsPredictThePapersPeakMemory) {
   // microbatch counts, four schedules; bench/data/published-runs.csv's peak_memory_gb), which
   // no fit sees: nothing in the memory model is fitted. Megatron-LM ran them with its default
   // dropout (0.1). Under "kept_activations": "megatron" (Korthikanti et al.'s count) each
-  // published peak is predicted within 10% (calibration_bench: 3.7% on average, 8.4% at
-  // worst, 39 of the 48 high); under piperun's own accounting, which recomputes the
+  // published peak is predicted within 10% (calibration_bench: 5.0% on average, 8.5% at
+  // worst, 45 of the 48 high); under piperun's own accounting, which recomputes the
   // norms' and the activation's outputs and has no dropout, they come out a third low.
   ClusterSpec piperun = spec("examples/a100-selene.json"), megatron = piperun;
   piperun.megatronActivations = false;
@@ -542,7 +550,9 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
   // Qi et al. 2024, Table 4: at every one of the 12 settings ZB-2p is the fastest of 1F1B,
   // interleaved 1F1B, ZB-1p and ZB-2p, and ZB-1p beats 1F1B.
   auto p = predict("A100-80GB", spec("examples/a100-selene.json"));
-  int settings = 0, same = 0;
+  int settings = 0, same = 0, zbGainsClose = 0;
+  // Throughput gain over 1F1B, in points.
+  auto gain = [](double oneF, double x) { return 100 * (oneF / x - 1); };
   for (const auto &[id, rp] : p) {
     llvm::StringRef name(id);
     if (!name.startswith("T4-") || !name.endswith("-1F1B"))
@@ -565,12 +575,20 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
       predicted.push_back(p[stem + suffix].second);
     }
     same += sameRanking(measured, predicted);
+    // The zero-bubble schedules' gains over 1F1B within 3 points of the measured ones (the
+    // issue's bound), each of ZB-1p and ZB-2p.
+    for (int k : {2, 3})
+      zbGainsClose += std::abs(gain(measured[0], measured[size_t(k)]) -
+                               gain(predicted[0], predicted[size_t(k)])) <= 3.0;
   }
   EXPECT_EQ(settings, 12);
-  // calibration_bench: 12 of 12 since Megatron-LM's device synchronisation after each transfer
-  // is timed (p2p_sync_us); without it interleaved 1F1B's gain came out 2-3 points too large
-  // and put it ahead of ZB-1p at 22 and 30 layers with 64 microbatches (docs/planner.md).
-  EXPECT_EQ(same, 12);
+  EXPECT_EQ(zbGainsClose, 24);
+  // calibration_bench: 11 of 12. The miss is 30 layers at 64 microbatches, where the paper
+  // measures ZB-1p 0.2 points ahead of interleaved 1F1B and pipec, whose interleaved gains are
+  // 1-5 points too large, puts interleaved 1F1B 0.5 points ahead (docs/planner.md). Before
+  // ZB-1p was searched under the authors' own limit (k·p times the first two stages' forward
+  // memory) it was 12, with ZB-1p's gains up to 4.8 points too large.
+  EXPECT_GE(same, 11);
 }
 
 /// Mean absolute throughput error per source of the runs of `device`.
