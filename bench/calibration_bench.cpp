@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -248,13 +249,26 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 /// source never steers its own prediction (starting from the fit on all sources would). A
 /// factor the training runs do not measure keeps it: FP8's speedup, when the training runs are
 /// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale;
-/// flash attention's efficiency, when no training run uses it, 0.4.
-const double kPrior[] = {0.5, 64, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5, 100};
+/// flash attention's efficiency, when no training run uses it, 0.4. GEMM efficiency's half
+/// intensity (the 0) is the device's ridge point, set per device in main (ridgePoint below).
+const double kPrior[] = {0.5, 0, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5, 100};
 static_assert(std::size(kPrior) == std::size(kFactors));
+constexpr size_t kHalfIntensity = 1; // gemm_half_intensity's index in kFactors and kPrior
+std::array<double, std::size(kPrior)> gPrior = std::to_array(kPrior);
 
-/// How strongly the fit is held to kPrior: gPriorWeight times the sum over the factors it moves
-/// of the squared natural logarithm of (factor / prior) is added to the objective (a factor
-/// twice or half its prior costs 0.48 gPriorWeight). A factor the training runs barely pin
+/// The prior of gemm_half_intensity: the device's ridge point, its datasheet peak over its
+/// datasheet memory bandwidth in FLOPs per byte. A GEMM's intensity I (ModelSpec: m·k·n / (m·k +
+/// k·n + m·n)) is its FLOPs per byte of operands and result in 16-bit types, so a GEMM that
+/// pays its FLOPs at the peak plus its bytes at the bandwidth (the smooth roofline) runs at
+/// I / (I + ridge point) of peak: gemm_half_intensity = the ridge point. The fit moves it from
+/// there; no training run sets it.
+double ridgePoint(const ClusterSpec &c, double datasheetGBps) {
+  return c.peakTflops * 1e3 / datasheetGBps;
+}
+
+/// How strongly the fit is held to the prior (gPrior): gPriorWeight times the sum over the factors
+/// it moves of the squared natural logarithm of (factor / prior) is added to the objective (a
+/// factor twice or half its prior costs 0.48 gPriorWeight). A factor the training runs barely pin
 /// down then stays near the prior instead of wandering to a bound.
 double gPriorWeight = 0;
 
@@ -262,7 +276,7 @@ ClusterSpec neutralStart(ClusterSpec c) {
   // Every factor, measured or not: one the training runs do not measure must not keep the
   // spec's value either, which a fit on every source (the held-out one too) set.
   for (size_t i = 0; i < std::size(kFactors); ++i)
-    set(c, kFactors[i], kPrior[i]);
+    set(c, kFactors[i], gPrior[i]);
   return c;
 }
 
@@ -296,7 +310,7 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
     for (size_t d = 0; d < n; ++d) {
       const Factor &f = kFactors[dims[d]];
       double v = std::clamp(std::exp(x[d]), f.lo, f.hi);
-      penalty += std::pow(std::log(v / kPrior[dims[d]]), 2);
+      penalty += std::pow(std::log(v / gPrior[dims[d]]), 2);
     }
     return objective(runs, which, predictAll(which, specOf(x))) + gPriorWeight * penalty;
   };
@@ -576,8 +590,9 @@ Every published run of the data file compiled as published and its predicted ste
 against the measured one, per device, with the cluster spec given (or shipped).
   --fit            fit one set of factors per device on all of its sources, then report
   --loso           also fit on all sources but one and predict the one left out, each in turn
-  --evals N        objective evaluations per fit (default 60; the docs' figures use 600)
-  --prior-weight W pull of the fit towards calibration_bench's neutral prior (docs: 0.003)
+  --evals N        objective evaluations per fit (default 60; the docs' figures use 2000)
+  --prior-weight W pull of the fit towards calibration_bench's neutral prior, GEMMs' half
+                   intensity at the device's datasheet ridge point (docs: 0.003)
   --weight-power P a source of n runs weighs n^P in the fit (default 0: every source the same)
   --device NAME    only that device's runs
   --threads N      threads that compile and time runs (default 2)
@@ -620,16 +635,20 @@ int main(int argc, char **argv) {
   for (const SkippedRow &s : skipped)
     fmt::print("  {} {}: {}\n", s.source, s.id, s.why);
   bool doFit = args->has("--fit") || args->has("--loso");
+  // The datasheets' memory bandwidths (NVIDIA A100 80GB SXM: 2,039 GB/s; H100 SXM: 3.35 TB/s)
+  // give each device's prior for gemm_half_intensity (ridgePoint).
   struct Device {
     const char *csvName, *flag, *fallback;
-  } devices[] = {{"A100-80GB", "--a100", "examples/a100-selene.json"},
-                 {"H100-SXM", "--h100", "examples/h100-nemo.json"}};
+    double datasheetGBps;
+  } devices[] = {{"A100-80GB", "--a100", "examples/a100-selene.json", 2039},
+                 {"H100-SXM", "--h100", "examples/h100-nemo.json", 3350}};
   for (const Device &d : devices) {
     std::string path = args->path(d.flag).value_or(d.fallback);
     auto loaded = loadClusterSpec(path);
     if (!loaded)
       return fail(loaded.takeError());
     ClusterSpec cluster = *loaded;
+    gPrior[kHalfIntensity] = ridgePoint(cluster, d.datasheetGBps);
     std::vector<size_t> which;
     for (size_t i = 0; i < runs.size(); ++i)
       if (runs[i].device == d.csvName)
