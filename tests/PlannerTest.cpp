@@ -18,12 +18,14 @@
 #include "compiler/Verifier.h"
 #include "ir/formats/SpecJson.h"
 #include "schedules/Policy.h"
+#include "tools/Args.h"
 
 #include "llvm/ADT/StringExtras.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -1069,6 +1071,43 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
     Result again = run(base + " --memory-limit " + std::string(m[13]) + " --top 1");
     EXPECT_EQ(again.code, 0) << again.out << again.err;
   }
+}
+
+TEST(PlannerCliTest, TheCompileLinePastesIntoAShellWithAnAwkwardClusterPath) {
+  // A --cluster path with a space, a quote and a `$` is printed as one shell word: the compile
+  // line, pasted into sh, reads the same spec and writes the plan `pipec plan` wrote.
+  const std::string dir = testing::tmpDir() + "/it's a $HOME dir";
+  std::filesystem::create_directories(dir);
+  const std::string model = dir + "/bloom.json", cluster = dir + "/my cluster.json",
+                    best = testing::tmpDir() + "/awkward-best.json",
+                    again = testing::tmpDir() + "/awkward-again.json";
+  std::ofstream(model) << kBloom;
+  std::filesystem::copy_file("examples/a100-80g.json", cluster,
+                             std::filesystem::copy_options::overwrite_existing);
+  Result r = run(fmt::format("tools/pipec plan --model {} --cluster {} --gpus 384 "
+                             "--global-batch 2048 --tp 4 --pp 12 --microbatch-sizes 2 "
+                             "--schedules 1f1b --recompute full --top 1 -o {}",
+                             shellWord(model), shellWord(cluster), best));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m,
+                                std::regex("\ncompile: pipec compile --model M.json (.*) "
+                                           "\\(microbatch_size 2 in M.json\\)\n")))
+      << r.out;
+  const std::string flags = m[1];
+  EXPECT_EQ(flags.rfind("--cluster " + shellWord(cluster) + " ", 0), 0u) << flags;
+  Result c = run(fmt::format("tools/pipec compile --model {} {} -o {} --quiet", shellWord(model),
+                             flags, again));
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  auto a = nlohmann::json::parse(testing::slurp(best));
+  auto b = nlohmann::json::parse(testing::slurp(again));
+  EXPECT_EQ(a["stats"]["step_time"], b["stats"]["step_time"]);
+  EXPECT_EQ(a["parallel"], b["parallel"]);
+  // The quoting itself: plain words stay as they are; anything else is one quoted word.
+  EXPECT_EQ(shellWord("examples/a100-selene.json"), "examples/a100-selene.json");
+  EXPECT_EQ(shellWord("my cluster.json"), "'my cluster.json'");
+  EXPECT_EQ(shellWord("it's"), "'it'\\''s'");
+  EXPECT_EQ(shellWord(""), "''");
 }
 
 TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {

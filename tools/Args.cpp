@@ -85,6 +85,16 @@ std::string userPath(llvm::StringRef path) {
   return std::string(full);
 }
 
+std::string shellWord(llvm::StringRef word) {
+  auto plain = [](char c) { return llvm::isAlnum(c) || llvm::StringRef("_./:=,+@%-").contains(c); };
+  if (!word.empty() && llvm::all_of(word, plain))
+    return word.str();
+  std::string out = "'";
+  for (char c : word)
+    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
 llvm::Expected<Args> Args::parse(int argc, char **argv, int first, const Command &cmd,
                                  OptionUse caller) {
   const std::string prefix = cmd.errorPrefix();

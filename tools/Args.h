@@ -85,6 +85,11 @@ int finishTool(llvm::StringRef tool, llvm::Error err);
 /// Resolve a relative path against BUILD_WORKING_DIRECTORY when run under `bazel run`.
 std::string userPath(llvm::StringRef path);
 
+/// `word` as one word of a POSIX shell command line: unchanged when it is made of letters,
+/// digits and `_./:=,+@%-` only, else in single quotes (a quote inside as '\''), so that a
+/// command the tools print for the user to paste keeps a path with spaces or `$` whole.
+std::string shellWord(llvm::StringRef word);
+
 } // namespace pipec
 
 #endif // PIPEC_TOOLS_ARGS_H

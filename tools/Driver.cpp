@@ -87,7 +87,7 @@ static llvm::Error costsFromFlags(const Args &args, std::shared_ptr<const Measur
   if (!read)
     return inputError("--costs: {}", takeMessage(read.takeError()));
   costs = std::make_shared<const MeasuredCosts>(std::move(*read));
-  source = "--costs " + *path;
+  source = "--costs " + shellWord(*path);
   return llvm::Error::success();
 }
 

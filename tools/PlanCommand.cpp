@@ -184,8 +184,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   // would be another cluster's.)
   std::optional<std::string> clusterPath = args->path("--cluster");
   fmt::print("compile: pipec compile --model M.json {}{} (microbatch_size {} in M.json)\n",
-             clusterPath ? "--cluster " + *clusterPath + " " : std::string(), compileFlags(best, o),
-             best.microbatchSize);
+             clusterPath ? "--cluster " + shellWord(*clusterPath) + " " : std::string(),
+             compileFlags(best, o), best.microbatchSize);
   // What piperun refuses to run (tools/piperun.cpp), and the flags that plan what it runs.
   std::vector<std::string> notRun, flags;
   if (best.recompute != Recompute::None) {
