@@ -1073,56 +1073,26 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
   }
 }
 
-TEST(PlannerCliTest, TheCompileLinePastesIntoAShellWithAnAwkwardClusterPath) {
-  // A --cluster path with a space, a quote and a `$` is printed as one shell word: the compile
-  // line, pasted into sh, reads the same spec and writes the plan `pipec plan` wrote.
-  const std::string dir = testing::tmpDir() + "/it's a $HOME dir";
-  std::filesystem::create_directories(dir);
-  const std::string model = dir + "/bloom.json", cluster = dir + "/my cluster.json",
-                    best = testing::tmpDir() + "/awkward-best.json",
-                    again = testing::tmpDir() + "/awkward-again.json";
-  std::ofstream(model) << kBloom;
-  std::filesystem::copy_file("examples/a100-80g.json", cluster,
-                             std::filesystem::copy_options::overwrite_existing);
-  Result r = run(fmt::format("tools/pipec plan --model {} --cluster {} --gpus 384 "
-                             "--global-batch 2048 --tp 4 --pp 12 --microbatch-sizes 2 "
-                             "--schedules 1f1b --recompute full --top 1 -o {}",
-                             shellWord(model), shellWord(cluster), best));
-  ASSERT_EQ(r.code, 0) << r.out << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m,
-                                std::regex("\ncompile: pipec compile --model M.json (.*) "
-                                           "\\(microbatch_size 2 in M.json\\)\n")))
-      << r.out;
-  const std::string flags = m[1];
-  EXPECT_EQ(flags.rfind("--cluster " + shellWord(cluster) + " ", 0), 0u) << flags;
-  Result c = run(fmt::format("tools/pipec compile --model {} {} -o {} --quiet", shellWord(model),
-                             flags, again));
-  ASSERT_EQ(c.code, 0) << c.out << c.err;
-  auto a = nlohmann::json::parse(testing::slurp(best));
-  auto b = nlohmann::json::parse(testing::slurp(again));
-  EXPECT_EQ(a["stats"]["step_time"], b["stats"]["step_time"]);
-  EXPECT_EQ(a["parallel"], b["parallel"]);
-  // The quoting itself: plain words stay as they are; anything else is one quoted word.
-  EXPECT_EQ(shellWord("examples/a100-selene.json"), "examples/a100-selene.json");
-  EXPECT_EQ(shellWord("my cluster.json"), "'my cluster.json'");
-  EXPECT_EQ(shellWord("it's"), "'it'\\''s'");
-  EXPECT_EQ(shellWord(""), "''");
-}
-
 TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
   // `pipec plan` prints the compile flags of its best plan; `pipec compile` with them (and the
   // microbatch size in the model spec) writes a plan of the same step time and peaks, here for
-  // BLOOM-176B's layout, which fits only with ZeRO-1.
-  const std::string dir = testing::tmpDir();
+  // BLOOM-176B's layout, which fits only with ZeRO-1. The files sit in a directory whose name
+  // a shell would split and expand (a space, a quote, a `$`): the line quotes the --cluster
+  // path as one word, so that pasted into sh it reads the same spec.
+  const std::string dir = testing::tmpDir() + "/it's a $HOME dir";
+  std::filesystem::create_directories(dir);
   const std::string model = dir + "/bloom.json", best = dir + "/bloom-best.json",
-                    again = dir + "/bloom-compiled.json", csv = dir + "/bloom.csv";
+                    again = dir + "/bloom-compiled.json", csv = dir + "/bloom.csv",
+                    cluster = dir + "/my cluster.json";
   std::ofstream(model) << kBloom;
-  Result r = run(fmt::format("tools/pipec plan --model {} --cluster examples/a100-80g.json "
-                             "--gpus 384 --global-batch 2048 --tp 4 --pp 12 --microbatch-sizes 2 "
-                             "--schedules 1f1b --recompute full "
-                             "--top 3 -o {} --csv {}",
-                             model, best, csv));
+  std::filesystem::copy_file("examples/a100-80g.json", cluster,
+                             std::filesystem::copy_options::overwrite_existing);
+  Result r =
+      run(fmt::format("tools/pipec plan --model {} --cluster {} "
+                      "--gpus 384 --global-batch 2048 --tp 4 --pp 12 --microbatch-sizes 2 "
+                      "--schedules 1f1b --recompute full "
+                      "--top 3 -o {} --csv {}",
+                      shellWord(model), shellWord(cluster), shellWord(best), shellWord(csv)));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find(" recompute SP  ZeRO "), std::string::npos) << r.out;
   std::smatch m;
@@ -1132,11 +1102,11 @@ TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
       << r.out;
   const std::string flags = m[1];
   // The search's cluster is part of the line: without it compile would cost another cluster.
-  EXPECT_EQ(flags.rfind("--cluster examples/a100-80g.json ", 0), 0u) << flags;
+  EXPECT_EQ(flags.rfind("--cluster " + shellWord(cluster) + " ", 0), 0u) << flags;
   EXPECT_NE(flags.find("--distributed-optimizer"), std::string::npos) << flags;
   EXPECT_NE(flags.find("--recompute full"), std::string::npos) << flags;
-  Result c =
-      run(fmt::format("tools/pipec compile --model {} {} -o {} --quiet", model, flags, again));
+  Result c = run(fmt::format("tools/pipec compile --model {} {} -o {} --quiet", shellWord(model),
+                             flags, shellWord(again)));
   ASSERT_EQ(c.code, 0) << c.out << c.err;
   auto a = nlohmann::json::parse(testing::slurp(best));
   auto b = nlohmann::json::parse(testing::slurp(again));
@@ -1154,11 +1124,15 @@ TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
   // Contradictory switches: one line, exit 2.
   Result both = run(fmt::format("tools/pipec plan --model {} --gpus 384 --global-batch 2048 "
                                 "--sequence-parallel --no-sequence-parallel",
-                                model));
+                                shellWord(model)));
   EXPECT_EQ(both.code, 2) << both.err;
   EXPECT_NE(both.err.find("--sequence-parallel and --no-sequence-parallel contradict"),
             std::string::npos)
       << both.err;
+  // The quoting itself: a plain word stays as it is; anything else is one quoted word.
+  EXPECT_EQ(shellWord("examples/a100-selene.json"), "examples/a100-selene.json");
+  EXPECT_EQ(shellWord("it's"), "'it'\\''s'");
+  EXPECT_EQ(shellWord(""), "''");
 }
 
 TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
