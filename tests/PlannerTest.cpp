@@ -1137,7 +1137,8 @@ TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
 
 TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   const std::string dir = testing::tmpDir();
-  const std::string model = dir + "/costs-model.json", costs = dir + "/costs.json",
+  // The costs file's name has a space: the compile line quotes it (shellWord).
+  const std::string model = dir + "/costs-model.json", costs = dir + "/my costs.json",
                     three = dir + "/costs3.json", csv = dir + "/costs.csv";
   std::ofstream(model) << R"({"format": "pipemodel/1", "name": "t", "transformer":
       {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
@@ -1149,10 +1150,17 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   const std::string base = fmt::format("tools/pipec plan --model {} --gpus 4 --global-batch 8 "
                                        "--memory-limit 64MiB --tp 1 --microbatch-sizes 2 ",
                                        model);
-  Result r = run(base + "--top 100 --costs " + costs + " --csv " + csv);
+  Result r = run(base + "--top 100 --costs " + shellWord(costs) + " --csv " + csv);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("headroom  costs\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  measured\n"), std::string::npos) << r.out;
+  // A measured best: the compile line names the costs file as one shell word.
+  Result measured = run(base + "--pp 2 --schedules 1f1b --seq-splits 1 --top 1 --costs " +
+                        shellWord(costs) + " -o " + dir + "/measured.json");
+  ASSERT_EQ(measured.code, 0) << measured.out << measured.err;
+  EXPECT_NE(measured.out.find(" --costs '" + costs + "' (microbatch_size 2 in M.json)\n"),
+            std::string::npos)
+      << measured.out;
   EXPECT_NE(r.out.find("  model\n"), std::string::npos) << r.out;
   std::string table = testing::slurp(csv);
   EXPECT_NE(table.find(",measured,"), std::string::npos);
@@ -1167,7 +1175,7 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   // tp not pinned: the file does not say which it was measured at.
   Result loose = run(fmt::format("tools/pipec plan --model {} --gpus 4 --global-batch 8 "
                                  "--microbatch-sizes 2 --costs {}",
-                                 model, costs));
+                                 model, shellWord(costs)));
   EXPECT_EQ(loose.code, 2) << loose.err;
   EXPECT_NE(loose.err.find("--costs: a costs file does not record the tp"), std::string::npos)
       << loose.err;
