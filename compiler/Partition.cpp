@@ -336,6 +336,11 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
         st.sequenceGradBytes += c.sequenceGradBytes;
       }
     }
+    // The variability of the stage's passes (ClusterSpec::passJitterUs), on their own times.
+    if (cluster.passJitterUs > 0 && model.isTransformer())
+      for (size_t i = 0; i < k; ++i)
+        for (double *t : {&st.forward[i], &st.backwardInput[i], &st.backwardWeight[i]})
+          *t += cluster.passJitterUs / 1000 * std::sqrt(*t);
     // The stage's residual stream: its input (or the embedding's output) from the forward to
     // the backward, then its gradient until the weight gradient.
     for (size_t i = 0; i < k; ++i) {

@@ -588,6 +588,52 @@ TEST(TransformerCostTest, GemmEfficiencySaturatesWithArithmeticIntensity) {
   EXPECT_LT(perFlopBig, perFlopSmall);
 }
 
+TEST(TransformerCostTest, APassPaysItsVariabilityByTheSquareRootOfItsTime) {
+  // "pass_jitter_us": J: every stage's forward, input-gradient and weight-gradient pass of
+  // model time t (ms) takes J/1000 · sqrt(t) ms more, before its transfers; so eight short
+  // passes pay twice what two passes four times as long pay for the same total.
+  ModelSpec m = gptSpec(8, 1024, 1024, 16);
+  CompileOptions o = options("1f1b", 2, 4);
+  ClusterSpec c = ClusterSpec::defaults();
+  auto base = compilePlan(m, c, o, /*verifyEach=*/true);
+  c.passJitterUs = 250;
+  auto jittered = compilePlan(m, c, o, /*verifyEach=*/true);
+  ASSERT_TRUE(base && jittered);
+  for (size_t s = 0; s < base->stages.size(); ++s) {
+    const StageInfo &a = base->stages[s], &b = jittered->stages[s];
+    EXPECT_NEAR(b.forward[0], a.forward[0] + 0.25 * std::sqrt(a.forward[0]), 1e-12);
+    EXPECT_NEAR(b.backwardInput[0], a.backwardInput[0] + 0.25 * std::sqrt(a.backwardInput[0]),
+                1e-12);
+    EXPECT_NEAR(b.backwardWeight[0], a.backwardWeight[0] + 0.25 * std::sqrt(a.backwardWeight[0]),
+                1e-12);
+  }
+  EXPECT_GT(jittered->stats.stepTime, base->stats.stepTime);
+  // Interleaving (the same layers in passes half as long) pays sqrt(2) times as much per layer.
+  CompileOptions io = options("interleaved-1f1b", 2, 4, /*vpp=*/2);
+  c.passJitterUs = 0;
+  auto ib = compilePlan(m, c, io, /*verifyEach=*/true);
+  c.passJitterUs = 250;
+  auto ij = compilePlan(m, c, io, /*verifyEach=*/true);
+  ASSERT_TRUE(ib && ij);
+  double added = 0, addedOne = 0;
+  for (size_t s = 0; s < ib->stages.size(); ++s)
+    added += ij->stages[s].forward[0] - ib->stages[s].forward[0];
+  for (size_t s = 0; s < base->stages.size(); ++s)
+    addedOne += jittered->stages[s].forward[0] - base->stages[s].forward[0];
+  EXPECT_GT(added, 1.3 * addedOne);
+  // The spec field; a negative value is refused with one line naming it.
+  auto parsed = parseClusterSpec(
+      R"({"format": "pipecluster/1", "device": {"peak_tflops": 312, "pass_jitter_us": 150}})",
+      "c.json");
+  ASSERT_TRUE(bool(parsed)) << llvm::toString(parsed.takeError());
+  EXPECT_DOUBLE_EQ(parsed->passJitterUs, 150);
+  auto bad = parseClusterSpec(
+      R"({"format": "pipecluster/1", "device": {"peak_tflops": 312, "pass_jitter_us": -1}})",
+      "c.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_NE(llvm::toString(bad.takeError()).find("$.device.pass_jitter_us"), std::string::npos);
+}
+
 TEST(TransformerCostTest, Fp8SpeedsUpTheBlocksGemmsOnly) {
   // "gemm_precision": "fp8": the block's GEMMs run fp8_gemm_speedup times faster; attention,
   // the memory-bound kernels, the per-op overhead and the head stay as they were.

@@ -110,11 +110,11 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
   if (auto it = j.find("device"); it != j.end()) {
     if (auto err = r.expectObject(*it, "$.device"))
       return err;
-    if (auto err =
-            r.onlyKeys(*it, "$.device",
-                       {"name", "peak_tflops", "achieved_fraction", "attention_fraction",
-                        "flash_attention_fraction", "gemm_half_dim", "gemm_half_intensity",
-                        "fp8_gemm_speedup", "memory_GBps", "op_overhead_us", "memory_bytes"}))
+    if (auto err = r.onlyKeys(*it, "$.device",
+                              {"name", "peak_tflops", "achieved_fraction", "attention_fraction",
+                               "flash_attention_fraction", "gemm_half_dim", "gemm_half_intensity",
+                               "fp8_gemm_speedup", "memory_GBps", "op_overhead_us",
+                               "pass_jitter_us", "memory_bytes"}))
       return err;
     if (auto err = r.getString(*it, "$.device", "name", c.deviceName, false))
       return err;
@@ -157,6 +157,8 @@ static llvm::Error parseCluster(const JsonReader &r, const Json &j, ClusterSpec 
                         "or a number in [1e-9, 1e15], got {}",
                         r.name(), c.memoryGBps);
     if (auto err = r.getNumber(*it, "$.device", "op_overhead_us", c.opOverheadUs, false))
+      return err;
+    if (auto err = r.getNumber(*it, "$.device", "pass_jitter_us", c.passJitterUs, false))
       return err;
     if (auto err = r.getInt(*it, "$.device", "memory_bytes", c.memoryBytes, false, 1))
       return err;
