@@ -206,6 +206,8 @@ const Factor kFactors[] = {
     {"inter_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::interNode},
     {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 100},
     {"p2p_sync_us", &ClusterSpec::p2pSyncUs, 1, 1000},
+    // The variability of a pass's time, as waiting neighbours pay it (ClusterSpec::passJitterUs).
+    {"pass_jitter_us", &ClusterSpec::passJitterUs, 1, 1000},
 };
 
 double get(const ClusterSpec &c, const Factor &f) {
@@ -249,9 +251,10 @@ bool measured(const std::vector<PublishedRun> &runs, const std::vector<size_t> &
 /// source never steers its own prediction (starting from the fit on all sources would). A
 /// factor the training runs do not measure keeps it: FP8's speedup, when the training runs are
 /// all FP8 or all BF16, stays at sqrt(2), the middle of [1, 2] on the fit's logarithmic scale;
-/// flash attention's efficiency, when no training run uses it, 0.4. GEMM efficiency's half
+/// flash attention's efficiency, when no training run uses it, 0.4. A pass's variability
+/// starts at 100 µs for a 1-ms pass (a tenth of it). GEMM efficiency's half
 /// intensity (the 0) is the device's ridge point, set per device in main (ridgePoint below).
-const double kPrior[] = {0.5, 0, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5, 100};
+const double kPrior[] = {0.5, 0, std::sqrt(2.0), 0.3, 0.4, 1500, 10, 0.8, 0.8, 5, 100, 100};
 static_assert(std::size(kPrior) == std::size(kFactors));
 constexpr size_t kHalfIntensity = 1; // gemm_half_intensity's index in kFactors and kPrior
 std::array<double, std::size(kPrior)> gPrior = std::to_array(kPrior);
@@ -310,7 +313,10 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
     for (size_t d = 0; d < n; ++d) {
       const Factor &f = kFactors[dims[d]];
       double v = std::clamp(std::exp(x[d]), f.lo, f.hi);
-      penalty += std::pow(std::log(v / gPrior[dims[d]]), 2);
+      // Not pass_jitter_us: its neutral value is none (the bound), which a pull towards a
+      // positive prior would keep the fit from reaching.
+      if (f.field != &ClusterSpec::passJitterUs)
+        penalty += std::pow(std::log(v / gPrior[dims[d]]), 2);
     }
     return objective(runs, which, predictAll(which, specOf(x))) + gPriorWeight * penalty;
   };
@@ -396,15 +402,15 @@ ClusterSpec fit(const std::vector<PublishedRun> &runs, const std::vector<size_t>
 }
 
 void printFactors(const ClusterSpec &c) {
-  fmt::print(
-      "  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
-      "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
-      "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
-      "\"op_overhead_us\": {:.0f}, \"message_overhead_us\": {:.0f},\n"
-      "  \"p2p_sync_us\": {:.0f}, intra_node efficiency {:.2f}, inter_node efficiency {:.2f}\n",
-      c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
-      c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.messageOverheadUs, c.p2pSyncUs,
-      c.intraNode.efficiency, c.interNode.efficiency);
+  fmt::print("  \"achieved_fraction\": {:.3f}, \"gemm_half_intensity\": {:.0f}, "
+             "\"fp8_gemm_speedup\": {:.3f}, \"attention_fraction\": {:.3f},\n"
+             "  \"flash_attention_fraction\": {:.3f}, \"memory_GBps\": {:.0f}, "
+             "\"op_overhead_us\": {:.0f}, \"message_overhead_us\": {:.0f},\n"
+             "  \"p2p_sync_us\": {:.0f}, \"pass_jitter_us\": {:.0f}, intra_node efficiency {:.2f}, "
+             "inter_node efficiency {:.2f}\n",
+             c.achievedFraction, c.gemmHalfIntensity, c.fp8GemmSpeedup, c.attentionFraction,
+             c.flashAttentionFraction, c.memoryGBps, c.opOverheadUs, c.messageOverheadUs,
+             c.p2pSyncUs, c.passJitterUs, c.intraNode.efficiency, c.interNode.efficiency);
 }
 
 /// Mean absolute error table of `which` under `predicted`, one line per source, or per
