@@ -550,7 +550,7 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
   // Qi et al. 2024, Table 4: at every one of the 12 settings ZB-2p is the fastest of 1F1B,
   // interleaved 1F1B, ZB-1p and ZB-2p, and ZB-1p beats 1F1B.
   auto p = predict("A100-80GB", spec("examples/a100-selene.json"));
-  int settings = 0, same = 0, zbGainsClose = 0;
+  int settings = 0, same = 0, zbGainsClose = 0, interleavedGainsClose = 0;
   // Throughput gain over 1F1B, in points.
   auto gain = [](double oneF, double x) { return 100 * (oneF / x - 1); };
   for (const auto &[id, rp] : p) {
@@ -580,14 +580,17 @@ TEST(CalibrationTest, TheA100SpecRanksTheZeroBubbleSchedulesAsMeasured) {
     for (int k : {2, 3})
       zbGainsClose += std::abs(gain(measured[0], measured[size_t(k)]) -
                                gain(predicted[0], predicted[size_t(k)])) <= 3.0;
+    // And interleaved 1F1B's, which the pass variability (pass_jitter_us) brought within 3.
+    interleavedGainsClose +=
+        std::abs(gain(measured[0], measured[1]) - gain(predicted[0], predicted[1])) <= 3.0;
   }
   EXPECT_EQ(settings, 12);
   EXPECT_EQ(zbGainsClose, 24);
-  // calibration_bench: 11 of 12. The miss is 30 layers at 64 microbatches, where the paper
-  // measures ZB-1p 0.2 points ahead of interleaved 1F1B and pipec, whose interleaved gains are
-  // 1-5 points too large, puts interleaved 1F1B 0.5 points ahead (docs/planner.md). Before
-  // ZB-1p was searched under the authors' own limit (k·p times the first two stages' forward
-  // memory) it was 12, with ZB-1p's gains up to 4.8 points too large.
+  EXPECT_EQ(interleavedGainsClose, 12);
+  // calibration_bench: 11 of 12. The miss is 22 layers at 24 microbatches, where the paper
+  // measures interleaved 1F1B 1.7 points ahead of ZB-1p and pipec, whose ZB-1p gain there is 3
+  // points too large, puts ZB-1p 0.9 ahead (docs/planner.md). Before the pass variability
+  // term it was 30 layers at 64 microbatches, the other way round.
   EXPECT_GE(same, 11);
 }
 
