@@ -76,13 +76,16 @@ struct ClusterSpec {
   /// Fixed cost of every layer's forward, input-gradient and weight-gradient pass (kernel
   /// launches and framework overhead), in microseconds.
   double opOverheadUs = 0;
-  /// What the variability of a pass's time costs a pipeline whose ranks wait on each other
+  /// What the variability of a pass's time costs a pipeline whose ranks wait on each other, a
+  /// fitted term (calibration_bench; docs/planner.md, eleventh round), not a measured spread
   /// (docs/contracts.md): each stage's forward, input-gradient and weight-gradient pass of
   /// mean time t (the model's, before its transfers) takes pass_jitter_us · sqrt(t / 1 ms)
   /// microseconds more. A pass's spread grows with the square root of its length (its layers'
   /// and kernels' variations add up), and a neighbour waiting on it loses about that spread, so
   /// many short passes (interleaving, sub-sequences, split backwards) lose more than a few long
-  /// ones of the same total. 0 = not charged; measured costs (--costs) never pay it.
+  /// ones of the same total. 0 = not charged. A measured pass (--costs) replaces the modelled
+  /// time, this term included; a pass the costs file does not cover keeps it. The stage
+  /// partition and Seq1F1B's time-balanced cuts balance the model's times without it.
   double passJitterUs = 0;
   /// Fixed cost of every message (transfer or collective) on top of its link's latency, in
   /// microseconds.
