@@ -181,6 +181,9 @@ struct Factor {
   double ClusterSpec::*field; // or nullptr: the efficiency of `link`
   double lo, hi;
   Link ClusterSpec::*link = nullptr;
+  /// Whether the fit is pulled towards the factor's prior (gPriorWeight). Not for a factor
+  /// whose neutral value is none (its lower bound), which the pull would keep it from reaching.
+  bool pulled = true;
 };
 const Factor kFactors[] = {
     // The best dense GEMMs reach about 85% of an A100's or H100's peak: no fit goes past it.
@@ -206,8 +209,9 @@ const Factor kFactors[] = {
     {"inter_node efficiency", nullptr, 0.2, 1.0, &ClusterSpec::interNode},
     {"message_overhead_us", &ClusterSpec::messageOverheadUs, 1, 100},
     {"p2p_sync_us", &ClusterSpec::p2pSyncUs, 1, 1000},
-    // The variability of a pass's time, as waiting neighbours pay it (ClusterSpec::passJitterUs).
-    {"pass_jitter_us", &ClusterSpec::passJitterUs, 1, 1000},
+    // The variability of a pass's time, as waiting neighbours pay it (ClusterSpec::passJitterUs):
+    // none is its neutral value, so no pull towards the prior.
+    {"pass_jitter_us", &ClusterSpec::passJitterUs, 1, 1000, nullptr, /*pulled=*/false},
 };
 
 double get(const ClusterSpec &c, const Factor &f) {
@@ -313,9 +317,7 @@ ClusterSpec nelderMead(const std::vector<PublishedRun> &runs, const std::vector<
     for (size_t d = 0; d < n; ++d) {
       const Factor &f = kFactors[dims[d]];
       double v = std::clamp(std::exp(x[d]), f.lo, f.hi);
-      // Not pass_jitter_us: its neutral value is none (the bound), which a pull towards a
-      // positive prior would keep the fit from reaching.
-      if (f.field != &ClusterSpec::passJitterUs)
+      if (f.pulled)
         penalty += std::pow(std::log(v / gPrior[dims[d]]), 2);
     }
     return objective(runs, which, predictAll(which, specOf(x))) + gPriorWeight * penalty;
