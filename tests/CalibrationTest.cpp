@@ -422,7 +422,7 @@ TEST(CalibrationTest, MegatronActivationsPredictThePapersPeakMemory) {
   // microbatch counts, four schedules; bench/data/published-runs.csv's peak_memory_gb), which
   // no fit sees: nothing in the memory model is fitted. Megatron-LM ran them with its default
   // dropout (0.1). Under "kept_activations": "megatron" (Korthikanti et al.'s count) each
-  // published peak is predicted within 10% (calibration_bench: 5.0% on average, 8.5% at
+  // published peak is predicted within 10% (calibration_bench: 4.8% on average, 8.5% at
   // worst, 45 of the 48 high); under piperun's own accounting, which recomputes the
   // norms' and the activation's outputs and has no dropout, they come out a third low.
   ClusterSpec piperun = spec("examples/a100-selene.json"), megatron = piperun;
