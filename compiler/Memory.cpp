@@ -5,7 +5,8 @@
 // activation rules are ir/CostModel.h's, which zb-auto's search runs too:
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (first part);
 //  - a backward (input-gradient or fused) holds up to backward_peak_bytes[k] more while it runs
-//    (at least weight_grad - activation bytes: what it builds for the weight gradient);
+//    (at least weight_grad - activation bytes: what it builds for the weight gradient); a fused
+//    one fused_backward_peak_bytes[k] instead where the stage has them;
 //  - a backward_input then keeps weight_grad bytes of the slice (it frees activation -
 //    weight_grad bytes at its end, or allocates the difference when weight_grad is larger),
 //    the backward_weight frees them at its end; a fused backward frees all;

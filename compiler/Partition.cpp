@@ -316,6 +316,9 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
     st.weightGradBytes.assign(k, 0);
     st.outputBytes.assign(k, 0);
     st.backwardPeakBytes.assign(k, 0);
+    st.fusedBackwardPeakBytes.clear();
+    if (cluster.megatronActivations && model.isTransformer())
+      st.fusedBackwardPeakBytes.assign(k, 0);
     st.workspaceBytes.assign(k, 0);
     st.sequenceKvBytes.assign(k, 0);
     st.sequenceGradBytes = 0;
@@ -331,6 +334,10 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
         st.activationBytes[i] += c.activationBytes;
         st.weightGradBytes[i] += c.weightGradBytes;
         st.backwardPeakBytes[i] += c.backwardPeakBytes;
+        if (!st.fusedBackwardPeakBytes.empty())
+          st.fusedBackwardPeakBytes[i] =
+              std::max({st.fusedBackwardPeakBytes[i], c.backwardPeakBytes,
+                        c.weightGradBytes - c.activationBytes});
         st.workspaceBytes[i] = std::max(st.workspaceBytes[i], c.workspaceBytes);
         st.sequenceKvBytes[i] += c.sequenceKvBytes;
         st.sequenceGradBytes += c.sequenceGradBytes;

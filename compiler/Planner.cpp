@@ -558,9 +558,11 @@ const Search::Slicing &Search::slicingFor(size_t variant, const ParallelConfig &
   return slicings.emplace(key, std::move(s)).first->second;
 }
 
-/// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs.
+/// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs, of
+/// a split or a fused backward whichever holds less (a bound for every schedule).
 int64_t lifetimeBytes(const StageInfo &st, size_t k) {
-  return activationLifetimePeak(st, int(k)) + workspaceBytes(st, int(k));
+  return std::min(activationLifetimePeak(st, int(k)), activationLifetimePeak(st, int(k), true)) +
+         workspaceBytes(st, int(k));
 }
 
 /// The layout's memory lower bound: on every rank its static bytes (weights, gradients,

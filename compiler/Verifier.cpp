@@ -117,7 +117,8 @@ private:
       if (s.forward.size() != k || s.backwardInput.size() != k || s.backwardWeight.size() != k ||
           s.activationBytes.size() != k || s.weightGradBytes.size() != k ||
           s.outputBytes.size() != k || s.activationTransferTime.size() != k ||
-          s.gradientTransferTime.size() != k || s.tpAllReduceTime.size() != k)
+          s.gradientTransferTime.size() != k || s.tpAllReduceTime.size() != k ||
+          (!s.fusedBackwardPeakBytes.empty() && s.fusedBackwardPeakBytes.size() != k))
         return finding("stage {}: per-slice arrays must have seq_splits = {} entries", s.stage, k);
       if (plan.transformer && pc.tp > 1) {
         // The kernels reduce once per embedding and head and twice per block.

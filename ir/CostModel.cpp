@@ -103,8 +103,11 @@ int64_t workspaceBytes(const StageInfo &st, int slice) {
   return k < st.workspaceBytes.size() ? st.workspaceBytes[k] : 0;
 }
 
-/// What a backward of slice k holds at its end beyond the slice's activations.
-static int64_t backwardExtra(const StageInfo &st, size_t k) {
+/// What a backward of slice k holds at its end beyond the slice's activations: an
+/// input-gradient one, or a fused one (which may hold less: fused_backward_peak_bytes).
+static int64_t backwardExtra(const StageInfo &st, size_t k, bool fused) {
+  if (fused && k < st.fusedBackwardPeakBytes.size())
+    return st.fusedBackwardPeakBytes[k];
   // (A request's stage table may leave weight_grad_bytes out: then it is 0.)
   int64_t w = k < st.weightGradBytes.size() ? st.weightGradBytes[k] : 0;
   int64_t extra = std::max<int64_t>(w - st.activationBytes[k], 0);
@@ -118,14 +121,14 @@ int64_t activationHeldWhileRunning(const StageInfo &st, const Instruction &i) {
     return 0;
   int64_t held = workspaceBytes(st, i.slice);
   if (i.isLastPart() && (i.op == OpKind::BackwardInput || i.op == OpKind::Backward))
-    held += backwardExtra(st, size_t(i.slice));
+    held += backwardExtra(st, size_t(i.slice), i.op == OpKind::Backward);
   return held;
 }
 
-int64_t activationLifetimePeak(const StageInfo &st, int slice) {
+int64_t activationLifetimePeak(const StageInfo &st, int slice, bool fusedBackward) {
   // Every backward of a microbatch runs with the sequence's dK/dV allocated.
-  return st.activationBytes[size_t(slice)] + backwardExtra(st, size_t(slice)) +
-         st.sequenceGradBytes;
+  size_t k = size_t(slice);
+  return st.activationBytes[k] + backwardExtra(st, k, fusedBackward) + st.sequenceGradBytes;
 }
 
 llvm::Error simulateTimeline(const Plan &plan, Timeline &out) {

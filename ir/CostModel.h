@@ -73,11 +73,13 @@ int64_t activationFreedAtEnd(const StageInfo &stage, const Instruction &i);
 /// Bytes op `i` holds while it runs on top of the running total (after what it allocated at
 /// its start): its stage's workspace_bytes on every part, and on the last part of a backward
 /// (input-gradient or fused) what it builds before it frees: backward_peak_bytes, at least
-/// weight_grad - activation bytes.
+/// weight_grad - activation bytes (a fused one fused_backward_peak_bytes where the stage has
+/// them).
 int64_t activationHeldWhileRunning(const StageInfo &stage, const Instruction &i);
 /// The most one microbatch of slice `slice` holds at once, workspace aside: its activations
-/// plus what its backward adds while it runs (which covers what it keeps for W after it).
-int64_t activationLifetimePeak(const StageInfo &stage, int slice);
+/// plus what its backward adds while it runs (which covers what it keeps for W after it): an
+/// input-gradient backward's, or with `fusedBackward` a fused one's.
+int64_t activationLifetimePeak(const StageInfo &stage, int slice, bool fusedBackward = false);
 /// The workspace every compute op of slice `slice` of `stage` holds while it runs.
 int64_t workspaceBytes(const StageInfo &stage, int slice);
 

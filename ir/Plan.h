@@ -61,6 +61,12 @@ struct StageInfo {
   /// (docs/contracts.md §6); all 0 when the model gives none (the memory pass then takes
   /// weight_grad_bytes - activation_bytes where that is positive).
   llvm::SmallVector<int64_t, 1> backwardPeakBytes;
+  /// What a fused backward of the slice holds on top of its activation_bytes instead, where
+  /// the training software computes each layer's weight gradient right after its input
+  /// gradient (Megatron-LM; the cluster's "kept_activations": "megatron"): the most one layer
+  /// builds. Empty: backward_peak_bytes, as piperun's stages (the whole stage's input gradient,
+  /// then its weight gradient) hold it.
+  llvm::SmallVector<int64_t, 1> fusedBackwardPeakBytes;
   /// Bytes the largest op of the stage allocates for itself and frees before it ends; the
   /// memory pass adds them to the rank's bytes at every op of the stage.
   llvm::SmallVector<int64_t, 1> workspaceBytes;

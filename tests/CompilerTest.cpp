@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 
 namespace pipec::test {
@@ -444,6 +445,62 @@ TEST(TransformerCostTest, MegatronActivationsAreKorthikantisCount) {
   ASSERT_FALSE(bool(badDropout));
   EXPECT_EQ(takeMessage(badDropout.takeError()),
             "m.json: $.transformer.hidden_dropout: expected a probability in [0, 1), got 1");
+}
+
+TEST(TransformerCostTest, MegatronsFusedBackwardHoldsOneLayersWeightGradientStateAtATime) {
+  // Megatron-LM's fused backward runs autograd through the stage, which computes each layer's
+  // weight gradient right after its input gradient and frees what the layer kept: under
+  // "kept_activations": "megatron" a fused backward holds, on top of the stage's activations,
+  // the most any one layer builds, not the sum over the stage's layers (what piperun's stages,
+  // and an input-gradient backward that leaves W for later, hold).
+  ModelSpec m = modelOrFail(R"({"format": "pipemodel/1", "transformer": {"num_layers": 8,
+      "hidden_size": 1024, "num_attention_heads": 16, "vocab_size": 50304,
+      "seq_length": 2048, "attention": "flash"}})",
+                            "m.json");
+  ClusterSpec c = ClusterSpec::defaults();
+  c.megatronActivations = true;
+  auto plan = compilePlan(m, c, options("1f1b", 2, 4), /*verifyEach=*/true);
+  ASSERT_TRUE(bool(plan)) << takeMessage(plan.takeError());
+  for (const StageInfo &st : plan->stages) {
+    int64_t most = 0, sum = 0;
+    for (int l = st.layerBegin; l < st.layerEnd; ++l) {
+      SliceCost lc = m.sliceCost(c, size_t(l), 0, 2048, 0, 1, 1);
+      most = std::max({most, lc.backwardPeakBytes, lc.weightGradBytes - lc.activationBytes});
+      sum += lc.backwardPeakBytes;
+    }
+    ASSERT_EQ(st.fusedBackwardPeakBytes.size(), 1u);
+    EXPECT_EQ(st.fusedBackwardPeakBytes[0], most);
+    EXPECT_EQ(st.backwardPeakBytes[0], sum);
+    EXPECT_LT(most, sum / 2) << "the stage's layers each build some";
+  }
+  // Rank 0 (F0 F1 B0 F2 B1 ...) peaks in its first backward: two microbatches' activations,
+  // the workspace and one layer's state.
+  const StageInfo &s0 = plan->stages[0];
+  EXPECT_EQ(plan->stats.ranks[0].peakActivationBytes,
+            2 * s0.activationBytes[0] + s0.workspaceBytes[0] + s0.fusedBackwardPeakBytes[0]);
+  // An input-gradient backward still builds the whole stage's state for its W.
+  Instruction in = Instruction::compute(OpKind::BackwardInput, 0, 0, 0);
+  EXPECT_EQ(activationHeldWhileRunning(s0, in), s0.workspaceBytes[0] + s0.backwardPeakBytes[0]);
+  // The plan file keeps the field; a wrong length is refused with its path.
+  auto back = parsePlanJson(writePlanJson(*plan), "p.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(back->stages[1].fusedBackwardPeakBytes, plan->stages[1].fusedBackwardPeakBytes);
+  EXPECT_EQ(back->stats.ranks[0].peakMemoryBytes, plan->stats.ranks[0].peakMemoryBytes);
+  std::string text = writePlanJson(*plan);
+  size_t at = text.find("\"fused_backward_peak_bytes\": [");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at + std::strlen("\"fused_backward_peak_bytes\": ["), "0,");
+  auto bad = parsePlanJson(text, "p.json");
+  ASSERT_FALSE(bool(bad));
+  EXPECT_NE(takeMessage(bad.takeError())
+                .find("$.stages[0].fused_backward_peak_bytes: expected "
+                      "an array of 1 numbers"),
+            std::string::npos);
+  // piperun's stages hold the whole stage's state: no such field.
+  c.megatronActivations = false;
+  auto own = compilePlan(m, c, options("1f1b", 2, 4), /*verifyEach=*/true);
+  ASSERT_TRUE(bool(own)) << takeMessage(own.takeError());
+  EXPECT_TRUE(own->stages[0].fusedBackwardPeakBytes.empty());
 }
 
 TEST(TransformerCostTest, MegatronLegacyKernelsPassOverTheAttentionsInputsAndOutput) {

@@ -190,6 +190,9 @@ static OJson headerJson(const Plan &plan) {
     if (nonzero(s.backwardPeakBytes))
       o["backward_peak_bytes"] =
           std::vector<int64_t>(s.backwardPeakBytes.begin(), s.backwardPeakBytes.end());
+    if (!s.fusedBackwardPeakBytes.empty())
+      o["fused_backward_peak_bytes"] =
+          std::vector<int64_t>(s.fusedBackwardPeakBytes.begin(), s.fusedBackwardPeakBytes.end());
     if (nonzero(s.workspaceBytes))
       o["workspace_bytes"] = std::vector<int64_t>(s.workspaceBytes.begin(), s.workspaceBytes.end());
     if (nonzero(s.sequenceKvBytes))
@@ -394,6 +397,7 @@ struct PlanReader {
                                "weight_grad_bytes",
                                "output_bytes",
                                "backward_peak_bytes",
+                               "fused_backward_peak_bytes",
                                "workspace_bytes",
                                "sequence_kv_bytes",
                                "sequence_grad_bytes",
@@ -443,6 +447,10 @@ struct PlanReader {
       return err;
     if (auto err = readArray(o, path, "backward_peak_bytes", s.backwardPeakBytes, false))
       return err;
+    if (o.contains("fused_backward_peak_bytes"))
+      if (auto err =
+              readArray(o, path, "fused_backward_peak_bytes", s.fusedBackwardPeakBytes, true))
+        return err;
     if (auto err = readArray(o, path, "workspace_bytes", s.workspaceBytes, false))
       return err;
     if (auto err = readArray(o, path, "sequence_kv_bytes", s.sequenceKvBytes, false))
