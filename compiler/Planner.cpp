@@ -558,23 +558,26 @@ const Search::Slicing &Search::slicingFor(size_t variant, const ParallelConfig &
   return slicings.emplace(key, std::move(s)).first->second;
 }
 
-/// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs, of
-/// a split or a fused backward whichever holds less (a bound for every schedule).
-int64_t lifetimeBytes(const StageInfo &st, size_t k) {
-  return std::min(activationLifetimePeak(st, int(k)), activationLifetimePeak(st, int(k), true)) +
-         workspaceBytes(st, int(k));
+/// Bytes the largest op of a microbatch of `st` holds on its rank while its backward runs: a
+/// split backward's where the schedule splits every backward, else the smaller of a split and a
+/// fused one's (a bound whichever the schedule runs).
+int64_t lifetimeBytes(const StageInfo &st, size_t k, bool splitOnly) {
+  int64_t split = activationLifetimePeak(st, int(k));
+  int64_t held = splitOnly ? split : std::min(split, activationLifetimePeak(st, int(k), true));
+  return held + workspaceBytes(st, int(k));
 }
 
 /// The layout's memory lower bound: on every rank its static bytes (weights, gradients,
 /// optimizer state) and the most one microbatch holds; the worst rank's into c's
-/// peakMemoryBytes and worstRank. Returns the largest static bytes of a rank.
-int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c) {
+/// peakMemoryBytes and worstRank (`splitOnly`: the schedule splits every backward). Returns the
+/// largest static bytes of a rank.
+int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c, bool splitOnly) {
   const ParallelConfig &pc = plan.parallel;
   std::vector<int64_t> params(size_t(pc.pp), 0), most(size_t(pc.pp), 0);
   for (const StageInfo &st : plan.stages) {
     params[size_t(st.rank)] += st.paramBytes;
     for (size_t k = 0; k < size_t(pc.seqSplits); ++k)
-      most[size_t(st.rank)] = std::max(most[size_t(st.rank)], lifetimeBytes(st, k));
+      most[size_t(st.rank)] = std::max(most[size_t(st.rank)], lifetimeBytes(st, k, splitOnly));
   }
   int64_t maxStatic = 0, bound = 0;
   for (int r = 0; r < pc.pp; ++r) {
@@ -754,7 +757,7 @@ void Search::evaluate(size_t index, double threshold) {
     c.measured = true;
   }
 
-  int64_t maxStatic = layoutMemoryBound(plan, c);
+  int64_t maxStatic = layoutMemoryBound(plan, c, policy.splitsEveryBackward());
   int64_t bound = c.peakMemoryBytes;
   if (bound > fit) {
     c.outcome = Outcome::Memory;

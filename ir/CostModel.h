@@ -24,7 +24,8 @@
 //  - F(s,m,k) allocates activation_bytes[k] of stage s at its start (its first part);
 //  - every compute op holds its stage's workspace_bytes[k] while it runs, and a backward
 //    (input-gradient or fused) also holds backward_peak_bytes[k] (at least weight_grad -
-//    activation bytes: what it builds for the weight gradient) at its last part;
+//    activation bytes: what it builds for the weight gradient) at its last part, a fused one
+//    fused_backward_peak_bytes[k] instead where the stage has them;
 //  - at its end (last part) a backward_input frees activation - weight_grad bytes (so keeps
 //    weight_grad bytes for W, allocating the difference when that is larger), a
 //    backward_weight the remaining weight_grad bytes, a fused backward all of them;

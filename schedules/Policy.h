@@ -44,6 +44,9 @@ public:
   /// The schedule replaces the optimizer's pipeline-wide synchronisation by post-validation
   /// (Qi et al., zero-bubble pipeline parallelism, §4): each rank steps on its own.
   virtual bool postValidation() const { return false; }
+  /// Every backward the schedule emits is split into backward_input and backward_weight (none
+  /// fused): memory bounds may take the split form's (ir/CostModel.h's activationLifetimePeak).
+  virtual bool splitsEveryBackward() const { return false; }
   /// Reject a configuration up front: name the flag, the value and the nearest valid setting.
   virtual llvm::Error check(const ParallelConfig &config) const = 0;
   /// Reject what check() cannot see (stage costs and bytes, --memory-limit); runs on the
@@ -80,12 +83,17 @@ struct PolicyTraits {
     placement = Placement::VShape;
     return *this;
   }
+  PolicyTraits &splitBackwards() {
+    splitBackward = true;
+    return *this;
+  }
 
   llvm::StringRef name, summary, constraints;
   Vpp vpp;
   llvm::StringRef vppHint;
   llvm::StringRef seqSplitsHint; // empty: any --seq-splits
   bool postValidation = false;
+  bool splitBackward = false;
   Placement placement = Placement::Loop;
 };
 
@@ -99,6 +107,7 @@ public:
   llvm::StringRef constraints() const final { return traits.constraints; }
   Placement placement() const final { return traits.placement; }
   bool postValidation() const final { return traits.postValidation; }
+  bool splitsEveryBackward() const final { return traits.splitBackward; }
   llvm::Error check(const ParallelConfig &config) const final;
 
 protected:

@@ -515,7 +515,8 @@ public:
                          "activations per stage",
                          PolicyTraits::Vpp::One, "try --vpp 1, or --schedule zb-v with --vpp 2")
                 .oneSeqSplit("try --seq-splits 1, or --schedule seq1f1b")
-                .postValidated()) {}
+                .postValidated()
+                .splitBackwards()) {}
 
   llvm::Error checkRequest(const ScheduleRequest &req) const override {
     auto [least, stage] = minimumLimit(req);

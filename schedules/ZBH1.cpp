@@ -31,7 +31,8 @@ public:
                          "delays its W's by r microbatches; bubble (p-1)(F+B-W), memory as 1F1B",
                          "--vpp 1; any --seq-splits, any --microbatches", PolicyTraits::Vpp::One,
                          "try --vpp 1, or --schedule zb-v with --vpp 2")
-                .postValidated()) {}
+                .postValidated()
+                .splitBackwards()) {}
 
   OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     const int p = c.pp, k = c.seqSplits;

@@ -28,7 +28,8 @@ public:
                          "--vpp 1, --seq-splits 1; any --microbatches (zero bubble from 2p-1)",
                          PolicyTraits::Vpp::One, "try --vpp 1, or --schedule zb-v with --vpp 2")
                 .oneSeqSplit("try --seq-splits 1, or --schedule seq1f1b")
-                .postValidated()) {}
+                .postValidated()
+                .splitBackwards()) {}
 
   OneFOneBRank rank(const ParallelConfig &c, int r) const override {
     const int p = c.pp;

@@ -39,7 +39,8 @@ public:
                          "--vpp 2; any --seq-splits, any --microbatches (zero bubble from 2p-1)",
                          PolicyTraits::Vpp::Two, "try --vpp 2")
                 .postValidated()
-                .vShape()) {}
+                .vShape()
+                .splitBackwards()) {}
 
   void emit(const ScheduleRequest &request, ComputeOrder &order) const override {
     const ParallelConfig &c = request.parallel;

@@ -162,6 +162,25 @@ TEST_P(LowerCommsSweep, AddsExactlyTheCrossRankEdgesAroundAnUnchangedComputeOrde
   }
 }
 
+TEST_P(LowerCommsSweep, SplitsEveryBackwardExactlyWhereThePolicyDeclaresIt) {
+  // The planner bounds a schedule's memory by a split backward's where the policy declares
+  // that it splits every backward (a fused one may hold less): the declaration against what
+  // the schedule emits over the sweep.
+  const SchedulePolicy &policy = *GetParam();
+  int fused = 0;
+  for (const CompileOptions &o : sweepConfigs(policy)) {
+    PassRun run(uniformModel(o.parallel.pp * o.parallel.vpp, 1, 1, 1, 1 << 20, 1 << 19, 0.25), o);
+    run.runOrFail(kUpToSchedule);
+    for (const auto &stream : run.plan.ranks)
+      for (const Instruction &i : stream)
+        fused += i.op == OpKind::Backward;
+  }
+  if (policy.splitsEveryBackward())
+    EXPECT_EQ(fused, 0) << policy.name().str();
+  else
+    EXPECT_GT(fused, 0) << policy.name().str();
+}
+
 INSTANTIATE_TEST_SUITE_P(EverySchedule, LowerCommsSweep, ::testing::ValuesIn(allPolicies()),
                          [](const auto &info) {
                            std::string n = info.param->name().str();
