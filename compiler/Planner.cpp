@@ -570,8 +570,8 @@ int64_t lifetimeBytes(const StageInfo &st, size_t k, bool splitOnly) {
 /// The layout's memory lower bound: on every rank its static bytes (weights, gradients,
 /// optimizer state) and the most one microbatch holds; the worst rank's into c's
 /// peakMemoryBytes and worstRank (`splitOnly`: the schedule splits every backward). Returns the
-/// largest static bytes of a rank.
-int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c, bool splitOnly) {
+/// largest static bytes of a rank, and that rank in `fullest`.
+int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c, bool splitOnly, int &fullest) {
   const ParallelConfig &pc = plan.parallel;
   std::vector<int64_t> params(size_t(pc.pp), 0), most(size_t(pc.pp), 0);
   for (const StageInfo &st : plan.stages) {
@@ -582,7 +582,10 @@ int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c, bool splitOnly) {
   int64_t maxStatic = 0, bound = 0;
   for (int r = 0; r < pc.pp; ++r) {
     int64_t stat = int64_t(double(params[size_t(r)]) * plan.stateBytesPerParamByte);
-    maxStatic = std::max(maxStatic, stat);
+    if (stat > maxStatic || r == 0) {
+      maxStatic = stat;
+      fullest = r;
+    }
     if (stat + most[size_t(r)] > bound) {
       bound = stat + most[size_t(r)];
       c.worstRank = r;
@@ -757,7 +760,37 @@ void Search::evaluate(size_t index, double threshold) {
     c.measured = true;
   }
 
-  int64_t maxStatic = layoutMemoryBound(plan, c, policy.splitsEveryBackward());
+  int fullest = 0;
+  int64_t maxStatic = layoutMemoryBound(plan, c, policy.splitsEveryBackward(), fullest);
+  ScheduleRequest request;
+  request.parallel = pc;
+  request.stages = plan.stages;
+  if (c.schedule == "zb-auto") {
+    // zb-auto schedules under one activation limit for every rank: the device's memory (less
+    // the headroom) less the fullest rank's static bytes and room for two receive buffers each
+    // way. The layout needs at least the memory that gives that limit one microbatch of its
+    // heaviest stage (which is also at least every rank's static bytes and one microbatch).
+    int64_t buffers = 0;
+    for (const StageInfo &st : plan.stages)
+      for (int64_t b : st.outputBytes)
+        buffers = std::max(buffers, b);
+    const int64_t least = policy.leastMemoryLimit(request);
+    const int64_t need = maxStatic + 4 * buffers + least;
+    if (need > fit) {
+      c.outcome = Outcome::Memory;
+      c.peakMemoryBytes = std::max(c.peakMemoryBytes, need);
+      c.worstRank = fullest;
+      c.why = fmt::format("zb-auto needs at least {} per GPU of {}: its one activation limit for "
+                          "every rank must hold one microbatch of its heaviest stage ({}) beside "
+                          "rank {}'s weights, gradients and optimizer state ({}) and four "
+                          "receive buffers ({})",
+                          humanBytes(need), humanBytes(fit), humanBytes(least), fullest,
+                          humanBytes(maxStatic), humanBytes(4 * buffers));
+      return;
+    }
+    c.zbAutoLimit = fit - maxStatic - 4 * buffers;
+    request.memoryLimit = c.zbAutoLimit;
+  }
   int64_t bound = c.peakMemoryBytes;
   if (bound > fit) {
     c.outcome = Outcome::Memory;
@@ -775,19 +808,6 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
 
-  ScheduleRequest request;
-  request.parallel = pc;
-  request.stages = plan.stages;
-  if (c.schedule == "zb-auto") {
-    // zb-auto at the device's memory (less the headroom): what is left of it for activations
-    // on the fullest rank, less room for two receive buffers each way.
-    int64_t buffers = 0;
-    for (const StageInfo &st : plan.stages)
-      for (int64_t b : st.outputBytes)
-        buffers = std::max(buffers, b);
-    c.zbAutoLimit = std::max<int64_t>(0, fit - maxStatic - 4 * buffers);
-    request.memoryLimit = c.zbAutoLimit;
-  }
   if (llvm::Error err = policy.checkRequest(request)) {
     c.outcome = Outcome::Constraint;
     c.why = takeMessage(std::move(err));
@@ -884,14 +904,21 @@ llvm::Error Search::explainNothingFits() {
   // already (evaluateOrder runs compile's passes); one dropped by the memory lower bound before
   // scheduling has only the bound. So: walk them by known peak, least first, compiling in waves
   // the bounded ones, until the next known peak is no less than the least exact one found.
-  // zb-auto is left out while any other schedule is open: its order depends on the limit, so
-  // a limit suggested from its peak at this one would not hold it.
-  bool others = llvm::any_of(cands, [](const PlanCandidate &c) {
-    return c.outcome == Outcome::Memory && c.schedule != "zb-auto";
+  // A zb-auto layout dropped before it was scheduled states the memory that gives its one
+  // activation limit a microbatch of the heaviest stage (evaluate()): what the search needs to
+  // schedule it, known without compiling. One zb-auto scheduled and still over has a compiled
+  // peak, but its order depends on the limit, so a limit suggested from that peak would not
+  // hold it: such layouts are left out while any other is open.
+  auto zbAutoNeed = [](const PlanCandidate &c) {
+    return c.schedule == "zb-auto" && !c.peakExact && c.zbAutoLimit == 0;
+  };
+  bool others = llvm::any_of(cands, [&](const PlanCandidate &c) {
+    return c.outcome == Outcome::Memory && (c.schedule != "zb-auto" || zbAutoNeed(c));
   });
   std::vector<size_t> over;
   for (size_t i = 0; i < cands.size(); ++i)
-    if (cands[i].outcome == Outcome::Memory && (!others || cands[i].schedule != "zb-auto"))
+    if (cands[i].outcome == Outcome::Memory &&
+        (!others || cands[i].schedule != "zb-auto" || zbAutoNeed(cands[i])))
       over.push_back(i);
   std::stable_sort(over.begin(), over.end(), [&](size_t a, size_t b) {
     return cands[a].peakMemoryBytes < cands[b].peakMemoryBytes;
@@ -908,7 +935,7 @@ llvm::Error Search::explainNothingFits() {
            (!closest || cands[over[next]].peakMemoryBytes < closest->peakMemoryBytes);
          ++next) {
       const PlanCandidate &c = cands[over[next]];
-      if (!c.peakExact)
+      if (!c.peakExact && !zbAutoNeed(c))
         wave.push_back(over[next]);
       else if (!closest || c.peakMemoryBytes < closest->peakMemoryBytes)
         closest = &c;
@@ -962,12 +989,15 @@ llvm::Error Search::explainNothingFits() {
     hints += ", or let the search try ZeRO-1 (without --no-distributed-optimizer)";
   return finding("no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
                  "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
-                 "{} distributed-optimizer {}, needs {} on rank {} (as `pipec compile` states "
-                 "it; {} short); try --memory-limit {}, {}",
+                 "{} distributed-optimizer {}, needs {} on rank {} ({}; {} short); try "
+                 "--memory-limit {}, {}",
                  o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp,
                  pc.dp, closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
                  pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
                  humanBytes(closest->peakMemoryBytes), closest->worstRank,
+                 zbAutoNeed(*closest) ? "for zb-auto's one activation limit for every rank to "
+                                        "hold one microbatch of the heaviest stage"
+                                      : "as `pipec compile` states it",
                  humanBytes(closest->peakMemoryBytes - fit),
                  limitThatFits(o.minHeadroom, closest->peakMemoryBytes), hints);
 }

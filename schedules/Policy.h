@@ -52,6 +52,9 @@ public:
   /// Reject what check() cannot see (stage costs and bytes, --memory-limit); runs on the
   /// partitioned stages, before emit(). Most policies need nothing here.
   virtual llvm::Error checkRequest(const ScheduleRequest &) const { return llvm::Error::success(); }
+  /// The least --memory-limit (activation bytes per rank) the policy schedules under, for a
+  /// policy that takes one (checkRequest() refuses less); 0 for the others.
+  virtual int64_t leastMemoryLimit(const ScheduleRequest &) const { return 0; }
   /// Emit every rank's compute order for a configuration that passed check().
   virtual void emit(const ScheduleRequest &request, ComputeOrder &order) const = 0;
   /// Once the schedule pass has put the emitted order into `plan` (configuration, stage table,

@@ -518,6 +518,10 @@ public:
                 .postValidated()
                 .splitBackwards()) {}
 
+  int64_t leastMemoryLimit(const ScheduleRequest &req) const override {
+    return minimumLimit(req).first;
+  }
+
   llvm::Error checkRequest(const ScheduleRequest &req) const override {
     auto [least, stage] = minimumLimit(req);
     int64_t suggestion = int64_t(req.parallel.pp) * least;

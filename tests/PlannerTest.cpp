@@ -303,6 +303,68 @@ TEST(PlannerTest, NoLayoutInMemoryIsAFindingNamingTheSmallestShortfall) {
   EXPECT_NE(msg.find("short); try --memory-limit"), std::string::npos) << msg;
 }
 
+TEST(PlannerTest, ZbAutoAloneStatesTheMemoryItsOneLimitNeedsAndTheSuggestedLimitRanksIt) {
+  // zb-auto schedules under one activation limit for every rank (the memory less the fullest
+  // rank's static bytes and receive buffers). A layout whose limit would not hold one
+  // microbatch of its heaviest stage is a memory drop stating the memory that would, never a
+  // schedule constraint asking for --memory-limit (a flag that means the device's memory
+  // here); alone, the search names the closest such layout, and the limit it suggests ranks a
+  // plan while one byte less does not.
+  ModelSpec model = transformer();
+  PlannerOptions o = smallSearch();
+  o.schedules = {"zb-auto"};
+  o.minHeadroom = 0;
+  int findings = 0, ranked = 0, needDrops = 0, tight = 0;
+  for (int64_t limit = 256 << 10; limit <= (24 << 20); limit = limit * 5 / 4) {
+    SCOPED_TRACE(limit);
+    o.memoryLimit = limit;
+    auto r = planLayouts(model, smallCluster(), o);
+    if (!r) {
+      llvm::Error err = r.takeError();
+      ASSERT_TRUE(err.isA<Finding>());
+      std::string msg = takeMessage(std::move(err));
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(msg, m, std::regex("try --memory-limit (\\d+),"))) << msg;
+      ++findings;
+      PlannerOptions again = o;
+      again.memoryLimit = std::stoll(m[1]);
+      ASSERT_GT(again.memoryLimit, limit) << msg;
+      auto ok = planLayouts(model, smallCluster(), again);
+      ASSERT_TRUE(bool(ok)) << msg << "\n" << takeMessage(ok.takeError());
+      if (msg.find("for zb-auto's one activation limit") != std::string::npos) {
+        ++tight;
+        again.memoryLimit -= 1;
+        auto less = planLayouts(model, smallCluster(), again);
+        EXPECT_FALSE(bool(less)) << msg;
+        if (!less)
+          llvm::consumeError(less.takeError());
+      }
+      continue;
+    }
+    ranked += int(r->ranked.size());
+    for (const PlanCandidate &c : r->candidates) {
+      if (c.schedule != "zb-auto")
+        continue; // pp 1: the no-pipeline candidate, compiled as 1f1b
+      if (c.outcome == Outcome::Constraint) {
+        EXPECT_EQ(c.why.find("--memory-limit"), std::string::npos) << c.why;
+      }
+      if (c.outcome == Outcome::Memory && !c.peakExact && c.zbAutoLimit == 0) {
+        EXPECT_NE(c.why.find("zb-auto needs at least"), std::string::npos) << c.why;
+        EXPECT_GT(c.peakMemoryBytes, limit) << c.why;
+        ++needDrops;
+      }
+      if (c.outcome == Outcome::Ranked || c.outcome == Outcome::Fits) {
+        EXPECT_GT(c.zbAutoLimit, 0);
+        EXPECT_LE(c.peakMemoryBytes, limit);
+      }
+    }
+  }
+  EXPECT_GT(findings, 0);
+  EXPECT_GT(tight, 0);
+  EXPECT_GT(ranked, 0);
+  EXPECT_GT(needDrops, 0);
+}
+
 TEST(PlannerTest, RatesThatOverflowATimeAreRefusedByCompileAndTheSearchAlike) {
   // The spec reader keeps every rate at 1e-9 or more, where times stay finite; a ClusterSpec
   // built in code has no such floor. A layer's time past the largest double is refused by
