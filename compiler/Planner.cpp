@@ -90,19 +90,26 @@ bool coversCandidate(const MeasuredCosts &costs, const PlanCandidate &c) {
          (costs.ranks.empty() || costs.ranks.size() == size_t(pc.pp));
 }
 
-int64_t headroomFor(int64_t minHeadroom, int64_t limit) {
-  return minHeadroom >= 0 ? minHeadroom : limit / 100 * kDefaultHeadroomPercent;
+int64_t headroomFor(int64_t minHeadroom, double percent, int64_t limit) {
+  if (minHeadroom >= 0)
+    return minHeadroom;
+  if (percent == std::floor(percent))
+    return limit / 100 * int64_t(percent);
+  return int64_t(double(limit) * percent / 100);
 }
 
-int64_t limitThatFits(int64_t minHeadroom, int64_t peak) {
+int64_t limitThatFits(int64_t minHeadroom, double percent, int64_t peak) {
   if (minHeadroom >= 0)
     return peak + minHeadroom;
-  // The least L with L - headroomFor(L) >= peak.
-  int64_t l = int64_t(std::ceil(double(peak) * 100 / (100 - kDefaultHeadroomPercent)));
-  while (l - headroomFor(-1, l) < peak)
+  // The least L with L - headroomFor(L) >= peak, near where the percentage puts it (the
+  // integer rounding makes L - headroomFor(L) step unevenly: L is the least of the ones near).
+  auto fits = [&](int64_t l) { return l - headroomFor(-1, percent, l) >= peak; };
+  int64_t l = int64_t(std::ceil(double(peak) * 100 / (100 - percent)));
+  while (!fits(l))
     ++l;
-  while (l > peak && l - 1 - headroomFor(-1, l - 1) >= peak)
-    --l;
+  for (int64_t k = l - 1; k >= peak && k >= l - 200; --k)
+    if (fits(k))
+      l = k;
   return l;
 }
 
@@ -310,7 +317,7 @@ llvm::Error Search::setUp() {
   if (o.top < 1)
     return inputError("--top must be at least 1 (got {}); try --top 5", o.top);
   limit = o.memoryLimit > 0 ? o.memoryLimit : cluster.memoryBytes;
-  headroom = headroomFor(o.minHeadroom, limit);
+  headroom = headroomFor(o.minHeadroom, o.minHeadroomPercent, limit);
   if (headroom >= limit)
     return inputError("--min-headroom {} leaves nothing of the {} memory limit; try "
                       "--min-headroom {}%",
@@ -765,31 +772,36 @@ void Search::evaluate(size_t index, double threshold) {
   ScheduleRequest request;
   request.parallel = pc;
   request.stages = plan.stages;
-  if (c.schedule == "zb-auto") {
-    // zb-auto schedules under one activation limit for every rank: the device's memory (less
-    // the headroom) less the fullest rank's static bytes and room for two receive buffers each
-    // way. The layout needs at least the memory that gives that limit one microbatch of its
-    // heaviest stage (which is also at least every rank's static bytes and one microbatch).
+  const bool zbAuto = c.schedule == "zb-auto";
+  if (zbAuto) {
+    // zb-auto schedules under one activation limit, the same for every rank: the device's
+    // memory (less the headroom) less the fullest rank's static bytes and room for two receive
+    // buffers each way. The layout needs at least the memory that gives that limit one
+    // microbatch of its heaviest stage (which is also at least every rank's static bytes and
+    // one microbatch): that need is its bound.
     int64_t buffers = 0;
     for (const StageInfo &st : plan.stages)
       for (int64_t b : st.outputBytes)
         buffers = std::max(buffers, b);
-    const int64_t least = policy.leastMemoryLimit(request);
-    const int64_t need = maxStatic + 4 * buffers + least;
+    c.zbAutoLeast = std::max<int64_t>(1, policy.leastMemoryLimit(request));
+    const int64_t need = maxStatic + 4 * buffers + c.zbAutoLeast;
     if (need > fit) {
       c.outcome = Outcome::Memory;
+      c.why = c.peakMemoryBytes > fit
+                  ? fmt::format("rank {} needs at least {} (weights, gradients and optimizer "
+                                "state and one microbatch) of {}",
+                                c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit))
+                  : fmt::format("zb-auto needs at least {} per GPU of {}: its activation limit, "
+                                "the same on every rank, must hold one microbatch of the "
+                                "heaviest stage ({}) beside rank {}'s weights, gradients and "
+                                "optimizer state ({}) and four receive buffers ({})",
+                                humanBytes(need), humanBytes(fit), humanBytes(c.zbAutoLeast),
+                                fullest, humanBytes(maxStatic), humanBytes(4 * buffers));
       c.peakMemoryBytes = std::max(c.peakMemoryBytes, need);
-      c.worstRank = fullest;
-      c.why = fmt::format("zb-auto needs at least {} per GPU of {}: its one activation limit for "
-                          "every rank must hold one microbatch of its heaviest stage ({}) beside "
-                          "rank {}'s weights, gradients and optimizer state ({}) and four "
-                          "receive buffers ({})",
-                          humanBytes(need), humanBytes(fit), humanBytes(least), fullest,
-                          humanBytes(maxStatic), humanBytes(4 * buffers));
+      c.worstRank = c.peakMemoryBytes == need ? fullest : c.worstRank;
       return;
     }
     c.zbAutoLimit = fit - maxStatic - 4 * buffers;
-    request.memoryLimit = c.zbAutoLimit;
   }
   int64_t bound = c.peakMemoryBytes;
   if (bound > fit) {
@@ -808,63 +820,79 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
 
-  if (llvm::Error err = policy.checkRequest(request)) {
-    c.outcome = Outcome::Constraint;
-    c.why = takeMessage(std::move(err));
-    return;
-  }
-  ComputeOrder order;
-  policy.emit(request, order);
-  plan.ranks = std::move(order);
-  // Memory lower bound of this order: the memory pass on the compute-only streams states each
-  // rank's static bytes and activation peak as compile will (lowering adds receive buffers,
-  // and a tp part holds no more than its whole op), so an order over the limit here is over it
-  // in compile too, without lowering or simulating it.
-  {
-    PassContext ctx;
-    ctx.scheduled = true;
-    if (llvm::Expected<bool> ran = createMemoryPass()->run(plan, ctx); !ran) {
+  // zb-auto's limit leaves room for four receive buffers; lowering can hold more on a rank
+  // whose neighbour runs ahead. An order over the memory is scheduled again under a limit
+  // lowered by the excess, and last under the least limit, whose order is the one a suggested
+  // --memory-limit is read from (explainNothingFits).
+  for (int attempt = 0;; ++attempt) {
+    c.simulated = c.peakExact = false;
+    request.memoryLimit = c.zbAutoLimit;
+    if (llvm::Error err = policy.checkRequest(request)) {
       c.outcome = Outcome::Constraint;
-      c.why = takeMessage(ran.takeError());
+      c.why = takeMessage(std::move(err));
       return;
     }
-    takePeak(c, plan.stats);
-    if (c.peakMemoryBytes > fit) {
-      c.outcome = Outcome::Memory;
-      c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state and "
-                          "its activations in this order, before receive buffers) of {}",
-                          c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit));
-      return;
-    }
+    ComputeOrder order;
+    policy.emit(request, order);
+    plan.ranks = std::move(order);
     plan.stats = PlanStats{};
-  }
-  // Step-time lower bound of this order, raised from the layout's, checked against the K-th
-  // best before the order is lowered and simulated as compile does it.
-  c.stepTimeBound = std::max(c.stepTimeBound, orderTimeBound(plan));
-  if (c.stepTimeBound * (1 - 1e-9) > threshold) {
-    c.outcome = Outcome::Pruned;
-    c.why = "its step-time lower bound exceeds the top-K step time found";
-    return;
-  }
-  // Step time and memory as `pipec compile` states them: its own lowering, memory and
-  // simulate passes (verification is left to the candidates that may be ranked).
-  if (llvm::Error err = evaluateOrder(plan)) {
-    // A policy's order that cannot run is a bug of the policy; report it as a constraint
-    // rather than stop the search.
-    c.outcome = Outcome::Constraint;
-    c.why = takeMessage(std::move(err));
-    return;
-  }
-  c.simulated = true;
-  c.peakExact = true;
-  takeFigures(c, plan.stats);
-  if (c.peakMemoryBytes > fit) {
+    // Memory lower bound of this order: the memory pass on the compute-only streams states
+    // each rank's static bytes and activation peak as compile will (lowering adds receive
+    // buffers, and a tp part holds no more than its whole op), so an order over the limit here
+    // is over it in compile too, without lowering or simulating it.
+    {
+      PassContext ctx;
+      ctx.scheduled = true;
+      if (llvm::Expected<bool> ran = createMemoryPass()->run(plan, ctx); !ran) {
+        c.outcome = Outcome::Constraint;
+        c.why = takeMessage(ran.takeError());
+        return;
+      }
+      takePeak(c, plan.stats);
+      if (c.peakMemoryBytes > fit) {
+        c.outcome = Outcome::Memory;
+        c.why = fmt::format("rank {} needs at least {} (weights, gradients and optimizer state "
+                            "and its activations in this order, before receive buffers) of {}",
+                            c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit));
+        return;
+      }
+      plan.stats = PlanStats{};
+    }
+    // Step-time lower bound of this order, raised from the layout's, checked against the K-th
+    // best before the order is lowered and simulated as compile does it.
+    c.stepTimeBound = std::max(timeBound, orderTimeBound(plan));
+    if (c.stepTimeBound * (1 - 1e-9) > threshold) {
+      c.outcome = Outcome::Pruned;
+      c.why = "its step-time lower bound exceeds the top-K step time found";
+      return;
+    }
+    // Step time and memory as `pipec compile` states them: its own lowering, memory and
+    // simulate passes (verification is left to the candidates that may be ranked).
+    if (llvm::Error err = evaluateOrder(plan)) {
+      // A policy's order that cannot run is a bug of the policy; report it as a constraint
+      // rather than stop the search.
+      c.outcome = Outcome::Constraint;
+      c.why = takeMessage(std::move(err));
+      return;
+    }
+    c.simulated = true;
+    c.peakExact = true;
+    takeFigures(c, plan.stats);
+    if (c.peakMemoryBytes <= fit) {
+      c.outcome = Outcome::Fits;
+      return;
+    }
+    if (zbAuto && c.zbAutoLimit > c.zbAutoLeast) {
+      c.zbAutoLimit = attempt == 0
+                          ? std::max(c.zbAutoLeast, c.zbAutoLimit - (c.peakMemoryBytes - fit))
+                          : c.zbAutoLeast;
+      continue;
+    }
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
                         humanBytes(fit));
     return;
   }
-  c.outcome = Outcome::Fits;
 }
 
 bool Search::compile(size_t index, Plan *out) {
@@ -872,7 +900,11 @@ bool Search::compile(size_t index, Plan *out) {
   CompileOptions co;
   co.schedule = c.schedule;
   co.parallel = c.parallel;
-  co.memoryLimit = c.zbAutoLimit;
+  // A zb-auto layout dropped by its need (zbAutoLimit unset) at the least limit it takes: what
+  // it needs is the larger of that need and this order's peak.
+  const bool atLeast = c.schedule == "zb-auto" && c.zbAutoLimit == 0;
+  const int64_t need = atLeast ? c.peakMemoryBytes : 0;
+  co.memoryLimit = atLeast ? c.zbAutoLeast : c.zbAutoLimit;
   if (c.measured) {
     co.costs = o.costs;
     co.costsSource = o.costsSource;
@@ -886,7 +918,15 @@ bool Search::compile(size_t index, Plan *out) {
   }
   c.peakExact = true;
   // The same passes as evaluate()'s, so the same figures; the compiled plan is also verified.
+  const int needRank = c.worstRank;
   takeFigures(c, plan->stats);
+  if (atLeast && need > c.peakMemoryBytes) {
+    // The search's need, not the peak compile states (the reason stays the need's).
+    c.peakMemoryBytes = need;
+    c.worstRank = needRank;
+    c.peakExact = false;
+    return false;
+  }
   if (c.peakMemoryBytes > fit) {
     c.outcome = Outcome::Memory;
     c.why = fmt::format("rank {} peaks at {} of {}", c.worstRank, humanBytes(c.peakMemoryBytes),
@@ -904,21 +944,15 @@ llvm::Error Search::explainNothingFits() {
   // already (evaluateOrder runs compile's passes); one dropped by the memory lower bound before
   // scheduling has only the bound. So: walk them by known peak, least first, compiling in waves
   // the bounded ones, until the next known peak is no less than the least exact one found.
-  // A zb-auto layout dropped before it was scheduled states the memory that gives its one
-  // activation limit a microbatch of the heaviest stage (evaluate()): what the search needs to
-  // schedule it, known without compiling. One zb-auto scheduled and still over has a compiled
-  // peak, but its order depends on the limit, so a limit suggested from that peak would not
-  // hold it: such layouts are left out while any other is open.
-  auto zbAutoNeed = [](const PlanCandidate &c) {
-    return c.schedule == "zb-auto" && !c.peakExact && c.zbAutoLimit == 0;
-  };
-  bool others = llvm::any_of(cands, [&](const PlanCandidate &c) {
-    return c.outcome == Outcome::Memory && (c.schedule != "zb-auto" || zbAutoNeed(c));
-  });
+  // A zb-auto layout dropped by its need (the memory that gives its activation limit one
+  // microbatch of the heaviest stage, evaluate()) is compiled at that least limit, and what it
+  // needs is the larger of the two: at that memory the search schedules it, going down to the
+  // least limit if a larger one's order is over (evaluate()). One scheduled and still over went
+  // down to the least limit already.
+  auto known = [](const PlanCandidate &c) { return c.peakExact || c.compiled; };
   std::vector<size_t> over;
   for (size_t i = 0; i < cands.size(); ++i)
-    if (cands[i].outcome == Outcome::Memory &&
-        (!others || cands[i].schedule != "zb-auto" || zbAutoNeed(cands[i])))
+    if (cands[i].outcome == Outcome::Memory)
       over.push_back(i);
   std::stable_sort(over.begin(), over.end(), [&](size_t a, size_t b) {
     return cands[a].peakMemoryBytes < cands[b].peakMemoryBytes;
@@ -935,7 +969,7 @@ llvm::Error Search::explainNothingFits() {
            (!closest || cands[over[next]].peakMemoryBytes < closest->peakMemoryBytes);
          ++next) {
       const PlanCandidate &c = cands[over[next]];
-      if (!c.peakExact && !zbAutoNeed(c))
+      if (!known(c))
         wave.push_back(over[next]);
       else if (!closest || c.peakMemoryBytes < closest->peakMemoryBytes)
         closest = &c;
@@ -946,7 +980,7 @@ llvm::Error Search::explainNothingFits() {
       const PlanCandidate &c = cands[over[j]];
       // (One that compiled within the limit would have been ranked: compile's peak is at least
       // the bound it was dropped by.)
-      if (c.peakExact && c.outcome == Outcome::Memory &&
+      if (known(c) && c.outcome == Outcome::Memory &&
           (!closest || c.peakMemoryBytes < closest->peakMemoryBytes))
         closest = &c;
     }
@@ -995,11 +1029,13 @@ llvm::Error Search::explainNothingFits() {
                  pc.dp, closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
                  pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
                  humanBytes(closest->peakMemoryBytes), closest->worstRank,
-                 zbAutoNeed(*closest) ? "for zb-auto's one activation limit for every rank to "
-                                        "hold one microbatch of the heaviest stage"
-                                      : "as `pipec compile` states it",
+                 closest->peakExact ? "as `pipec compile` states it"
+                                    : "for zb-auto to schedule it: its activation limit, the "
+                                      "same on every rank, must hold one microbatch of the "
+                                      "heaviest stage",
                  humanBytes(closest->peakMemoryBytes - fit),
-                 limitThatFits(o.minHeadroom, closest->peakMemoryBytes), hints);
+                 limitThatFits(o.minHeadroom, o.minHeadroomPercent, closest->peakMemoryBytes),
+                 hints);
 }
 
 std::vector<int64_t> Search::microbatchSizesFor(int64_t perReplica) const {

@@ -73,6 +73,8 @@ struct PlannerOptions {
   /// Bytes of that limit every ranked plan must leave free (so that the top plan is not at the
   /// edge); negative: kDefaultHeadroomPercent of the limit. 0 lets a plan use it all.
   int64_t minHeadroom = -1;
+  /// The percentage of the limit kept free where minHeadroom is negative (--min-headroom P%).
+  double minHeadroomPercent = kDefaultHeadroomPercent;
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
@@ -139,8 +141,11 @@ struct PlanCandidate {
   bool peakExact = false;
   /// Compiled in full (and verified) by compilePlan.
   bool compiled = false;
-  /// The activation budget zb-auto ran under (0 for other schedules).
+  /// The activation budget zb-auto ran under (0 for other schedules, and for a zb-auto layout
+  /// dropped before it was scheduled).
   int64_t zbAutoLimit = 0;
+  /// zb-auto: the least activation budget it takes (one microbatch of the heaviest stage).
+  int64_t zbAutoLeast = 0;
   /// Scored with the --costs file's measured times (else the cost model's).
   bool measured = false;
 };
@@ -179,10 +184,11 @@ llvm::Expected<PlannerResult> planLayouts(const ModelSpec &model, const ClusterS
 /// The schedule as the table and the CSV show it: kNoPipelineLabel for pp 1.
 std::string scheduleLabel(const PlanCandidate &c);
 
-/// The headroom `minHeadroom` (PlannerOptions') resolves to under `limit`, and the least
-/// --memory-limit under which a plan peaking at `peak` bytes keeps it.
-int64_t headroomFor(int64_t minHeadroom, int64_t limit);
-int64_t limitThatFits(int64_t minHeadroom, int64_t peak);
+/// The headroom PlannerOptions' `minHeadroom` (or, where it is negative, `percent` of the
+/// limit) resolves to under `limit`, and the least --memory-limit under which a plan peaking at
+/// `peak` bytes keeps it.
+int64_t headroomFor(int64_t minHeadroom, double percent, int64_t limit);
+int64_t limitThatFits(int64_t minHeadroom, double percent, int64_t peak);
 
 /// The `pipec compile` flags that build candidate `c` (less --model and --cluster): its schedule
 /// (1f1b for no-pipeline), parallel sizes, recomputation, sequence parallelism, distributed

@@ -203,26 +203,32 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
   return result;
 }
 
-/// --min-headroom: 0, a percentage of the memory limit ("5%") or a byte count ("4GiB").
-static llvm::Expected<int64_t> headroomBytes(const Args &args, llvm::StringRef value,
-                                             int64_t limit) {
+/// --min-headroom: 0, a percentage of the memory limit ("5%", which the planner takes of
+/// whatever limit it plans for, so that a limit it suggests keeps the same share) or a byte
+/// count ("4GiB").
+static llvm::Error minHeadroomFromFlag(const Args &args, llvm::StringRef value, PlannerOptions &o) {
   llvm::StringRef v = value.trim();
   double pct = 0;
-  if (v == "0")
-    return int64_t(0);
+  if (v == "0") {
+    o.minHeadroom = 0;
+    return llvm::Error::success();
+  }
   if (v.endswith("%")) {
     if (v.drop_back().trim().getAsDouble(pct) || !(pct >= 0 && pct < 100))
       return inputError("--min-headroom expects a percentage from 0 to below 100 such as 5% "
                         "(got '{}')",
                         value.str());
-    return int64_t(double(limit) * pct / 100);
+    o.minHeadroom = -1;
+    o.minHeadroomPercent = pct;
+    return llvm::Error::success();
   }
   auto bytes = args.bytes("--min-headroom");
   if (!bytes)
     return inputError("--min-headroom expects 0, a percentage of the memory limit such as 5%, "
                       "or a byte count such as 4GiB (got '{}')",
                       value.str());
-  return *bytes;
+  o.minHeadroom = *bytes;
+  return llvm::Error::success();
 }
 
 llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args) {
@@ -305,13 +311,9 @@ llvm::Expected<PlanSearch> planWithFlags(const Args &args) {
   PlanSearch search;
   if (auto err = specsFromFlags(args, search.model, search.cluster))
     return err;
-  if (auto headroom = args.get("--min-headroom")) {
-    auto bytes = headroomBytes(args, *headroom,
-                               o->memoryLimit ? o->memoryLimit : search.cluster.memoryBytes);
-    if (!bytes)
-      return bytes.takeError();
-    o->minHeadroom = *bytes;
-  }
+  if (auto headroom = args.get("--min-headroom"))
+    if (auto err = minHeadroomFromFlag(args, *headroom, *o))
+      return err;
   search.options = std::move(*o);
   // (The planner hands candidates back only with a result; on a finding, nothing is written.)
   auto result = planLayouts(search.model, search.cluster, search.options);
