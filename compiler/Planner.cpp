@@ -107,7 +107,8 @@ int64_t limitThatFits(int64_t minHeadroom, double percent, int64_t peak) {
   int64_t l = int64_t(std::ceil(double(peak) * 100 / (100 - percent)));
   while (!fits(l))
     ++l;
-  for (int64_t k = l - 1; k >= peak && k >= l - 200; --k)
+  const int64_t near = 200 + int64_t(200 * percent / (100 - percent));
+  for (int64_t k = l - 1; k >= peak && k >= l - near; --k)
     if (fits(k))
       l = k;
   return l;
@@ -787,18 +788,15 @@ void Search::evaluate(size_t index, double threshold) {
     const int64_t need = maxStatic + 4 * buffers + c.zbAutoLeast;
     if (need > fit) {
       c.outcome = Outcome::Memory;
-      c.why = c.peakMemoryBytes > fit
-                  ? fmt::format("rank {} needs at least {} (weights, gradients and optimizer "
-                                "state and one microbatch) of {}",
-                                c.worstRank, humanBytes(c.peakMemoryBytes), humanBytes(fit))
-                  : fmt::format("zb-auto needs at least {} per GPU of {}: its activation limit, "
-                                "the same on every rank, must hold one microbatch of the "
-                                "heaviest stage ({}) beside rank {}'s weights, gradients and "
-                                "optimizer state ({}) and four receive buffers ({})",
-                                humanBytes(need), humanBytes(fit), humanBytes(c.zbAutoLeast),
-                                fullest, humanBytes(maxStatic), humanBytes(4 * buffers));
-      c.peakMemoryBytes = std::max(c.peakMemoryBytes, need);
-      c.worstRank = c.peakMemoryBytes == need ? fullest : c.worstRank;
+      // (need is at least every rank's static bytes and one microbatch: the layout's bound.)
+      c.peakMemoryBytes = need;
+      c.worstRank = fullest;
+      c.why = fmt::format("zb-auto needs at least {} per GPU of {}: its activation limit, the "
+                          "same on every rank, must hold one microbatch of the heaviest stage "
+                          "({}) beside rank {}'s weights, gradients and optimizer state ({}) and "
+                          "four receive buffers ({})",
+                          humanBytes(need), humanBytes(fit), humanBytes(c.zbAutoLeast), fullest,
+                          humanBytes(maxStatic), humanBytes(4 * buffers));
       return;
     }
     c.zbAutoLimit = fit - maxStatic - 4 * buffers;
@@ -822,8 +820,10 @@ void Search::evaluate(size_t index, double threshold) {
 
   // zb-auto's limit leaves room for four receive buffers; lowering can hold more on a rank
   // whose neighbour runs ahead. An order over the memory is scheduled again under a limit
-  // lowered by the excess, and last under the least limit, whose order is the one a suggested
-  // --memory-limit is read from (explainNothingFits).
+  // lowered by the excess (by an eighth of what is left above the least at the least), a few
+  // times, and last under the least limit, whose order is the one a suggested --memory-limit
+  // is read from (explainNothingFits).
+  constexpr int kZbAutoAttempts = 5;
   for (int attempt = 0;; ++attempt) {
     c.simulated = c.peakExact = false;
     request.memoryLimit = c.zbAutoLimit;
@@ -883,9 +883,10 @@ void Search::evaluate(size_t index, double threshold) {
       return;
     }
     if (zbAuto && c.zbAutoLimit > c.zbAutoLeast) {
-      c.zbAutoLimit = attempt == 0
-                          ? std::max(c.zbAutoLeast, c.zbAutoLimit - (c.peakMemoryBytes - fit))
-                          : c.zbAutoLeast;
+      const int64_t above = c.zbAutoLimit - c.zbAutoLeast;
+      const int64_t lower = std::max(c.peakMemoryBytes - fit, above / 8);
+      c.zbAutoLimit = attempt + 2 < kZbAutoAttempts ? std::max(c.zbAutoLeast, c.zbAutoLimit - lower)
+                                                    : c.zbAutoLeast;
       continue;
     }
     c.outcome = Outcome::Memory;
@@ -1021,21 +1022,25 @@ llvm::Error Search::explainNothingFits() {
     hints += ", or let the search try sequence parallelism (without --no-sequence-parallel)";
   if (model.transformer && o.distributedOptimizer == std::optional<bool>(false))
     hints += ", or let the search try ZeRO-1 (without --no-distributed-optimizer)";
-  return finding("no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
-                 "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
-                 "{} distributed-optimizer {}, needs {} on rank {} ({}; {} short); try "
-                 "--memory-limit {}, {}",
-                 o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp,
-                 pc.dp, closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
-                 pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
-                 humanBytes(closest->peakMemoryBytes), closest->worstRank,
-                 closest->peakExact ? "as `pipec compile` states it"
-                                    : "for zb-auto to schedule it: its activation limit, the "
-                                      "same on every rank, must hold one microbatch of the "
-                                      "heaviest stage",
-                 humanBytes(closest->peakMemoryBytes - fit),
-                 limitThatFits(o.minHeadroom, o.minHeadroomPercent, closest->peakMemoryBytes),
-                 hints);
+  return finding(
+      "no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
+      "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
+      "{} distributed-optimizer {}, needs {} on rank {} ({}; {} short); try "
+      "--memory-limit {}, {}",
+      o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
+      closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
+      pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
+      humanBytes(closest->peakMemoryBytes), closest->worstRank,
+      !closest->peakExact
+          ? std::string("for zb-auto to schedule it: its activation limit, the same "
+                        "on every rank, must hold one microbatch of the heaviest "
+                        "stage")
+      : closest->schedule == "zb-auto"
+          ? fmt::format("as `pipec compile` states it with zb-auto's --memory-limit {}",
+                        closest->zbAutoLimit ? closest->zbAutoLimit : closest->zbAutoLeast)
+          : std::string("as `pipec compile` states it"),
+      humanBytes(closest->peakMemoryBytes - fit),
+      limitThatFits(o.minHeadroom, o.minHeadroomPercent, closest->peakMemoryBytes), hints);
 }
 
 std::vector<int64_t> Search::microbatchSizesFor(int64_t perReplica) const {

@@ -1180,6 +1180,29 @@ TEST(PlannerCliTest, OutOfMemoryStatesWhatCompileStatesAndTheSuggestedLimitWorks
   }
 }
 
+TEST(PlannerCliTest, TheCompileLineOfAnAbstractModelRuns) {
+  // The compile line names --recompute none for every plan; an abstract model (given costs)
+  // runs no recomputation, so compile takes `none` and refuses the others with one line. The
+  // line names no microbatch_size for such a model (it has none).
+  Result r = run("tools/pipec plan --model examples/uniform-8.json --gpus 8 --global-batch 16 "
+                 "--pp 2 --top 1");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m,
+                                std::regex("\ncompile: pipec compile --model M.json "
+                                           "(.*--recompute none)\n")))
+      << r.out;
+  Result c = run("tools/pipec compile --model examples/uniform-8.json " + std::string(m[1]));
+  EXPECT_EQ(c.code, 0) << c.out << c.err;
+  Result full = run("tools/pipec compile --model examples/uniform-8.json --schedule 1f1b --pp 2 "
+                    "--microbatches 4 --recompute full");
+  EXPECT_EQ(full.code, 2) << full.out << full.err;
+  EXPECT_NE(full.err.find("--recompute: the model is an abstract layer list with given costs"),
+            std::string::npos)
+      << full.err;
+  EXPECT_EQ(r.out.find("microbatch_size"), std::string::npos) << r.out;
+}
+
 TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
   // `pipec plan` prints the compile flags of its best plan; `pipec compile` with them (and the
   // microbatch size in the model spec) writes a plan of the same step time and peaks, here for

@@ -157,10 +157,13 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut)
   if (!recompute)
     return recompute.takeError();
   if (*recompute) {
-    if (!model.transformer)
+    // (`none` is what an abstract model runs anyway, as `pipec plan` takes it, so the compile
+    // line it prints for one works.)
+    if (!model.transformer && **recompute != "none")
       return inputError("--recompute: the model is an abstract layer list with given costs; "
                         "recomputation applies to a \"transformer\" model");
-    recomputeFromString(**recompute, model.transformer->recompute);
+    if (model.transformer)
+      recomputeFromString(**recompute, model.transformer->recompute);
   }
   auto plan = compilePlan(model, cluster, *o, kVerifyEachPass);
   if (!plan)

@@ -183,9 +183,12 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   // (With the search's --cluster: compiled on the default cluster the plan's costs and memory
   // would be another cluster's.)
   std::optional<std::string> clusterPath = args->path("--cluster");
-  fmt::print("compile: pipec compile --model M.json {}{} (microbatch_size {} in M.json)\n",
+  fmt::print("compile: pipec compile --model M.json {}{}{}\n",
              clusterPath ? "--cluster " + shellWord(*clusterPath) + " " : std::string(),
-             compileFlags(best, o), best.microbatchSize);
+             compileFlags(best, o),
+             model->isTransformer()
+                 ? fmt::format(" (microbatch_size {} in M.json)", best.microbatchSize)
+                 : std::string());
   // What piperun refuses to run (tools/piperun.cpp), and the flags that plan what it runs.
   std::vector<std::string> notRun, flags;
   if (best.recompute != Recompute::None) {
