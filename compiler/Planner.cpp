@@ -604,7 +604,8 @@ int64_t layoutMemoryBound(const Plan &plan, PlanCandidate &c, bool splitOnly, in
 }
 
 /// The layout's step-time lower bound: the busiest rank's compute and tp all-reduces, after
-/// the forwards of the stages before its first one (the first microbatch must pass them).
+/// the forwards of the stages before its first one (the first microbatch must pass them; not
+/// under post-validation, whose step is each rank's own period).
 double layoutTimeBound(const Plan &plan) {
   const ParallelConfig &pc = plan.parallel;
   std::vector<double> occupied(size_t(pc.pp), 0), trailing(size_t(pc.pp), 0);
@@ -620,10 +621,12 @@ double layoutTimeBound(const Plan &plan) {
       trailing[r] = std::max(trailing[r], ar);
     }
   }
+  // Under post-validation the step is the longest rank's own period, from its first op
+  // (ir/CostModel.cpp's stepFigures): the fill before a rank's first stage is not in it.
   double bound = 0;
   for (int r = 0; r < pc.pp; ++r) {
     double fill = 0;
-    for (int s = 0; s < firstStage[size_t(r)]; ++s)
+    for (int s = 0; !plan.postValidation && s < firstStage[size_t(r)]; ++s)
       fill += *std::min_element(plan.stages[size_t(s)].forward.begin(),
                                 plan.stages[size_t(s)].forward.end());
     bound = std::max(bound, fill + occupied[size_t(r)] - trailing[size_t(r)]);
