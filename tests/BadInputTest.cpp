@@ -728,6 +728,62 @@ std::vector<Case> catalogue() {
       // --steps 2: a step to train, so the layers are read (at step 1 there is nothing to do).
       "$PIPERUN p.json --steps 2 --resume ck",
       "ck/step-00000001/layer-00002.bin: is a symbolic link");
+  // piperun's --profile against every file it reads and every directory it reads or writes,
+  // and --save-dir against --export-hf: each checked before anything is read or trained (a
+  // costs file written at the end used to overwrite the token data, the weights or a
+  // checkpoint's manifest, exit 0; onto --save-dir's name it failed after the save).
+  auto withHfExport = [](const std::string &dir) {
+    withTinyPlan(dir);
+    std::string cmd = "cd " + dir + " && " + runfiles() +
+                      "/tools/piperun p.json --steps 1 --export-hf hf >/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  };
+  add(
+      "ProfileOntoItsTokenData",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        spit(dir + "/t.bin", std::string(400, '\0'));
+      },
+      "$PIPERUN p.json --steps 3 --data t.bin --profile t.bin",
+      "--profile: t.bin is the --data input; give the output its own file");
+  add("ProfileOntoTheWeightsItStartsFrom", withHfExport,
+      "$PIPERUN p.json --steps 3 --init-from hf/model.safetensors --profile "
+      "hf/model.safetensors",
+      "--profile: hf/model.safetensors is the --init-from input");
+  add("ProfileIntoTheModelDirectoryItStartsFrom", withHfExport,
+      "$PIPERUN p.json --steps 3 --init-from hf --profile hf/config.json",
+      "--profile: hf/config.json is inside the --init-from directory hf");
+  add("ProfileOntoTheManifestItResumes", withCheckpoint,
+      "$PIPERUN p.json --steps 3 --resume ck --profile ck/step-00000001/manifest.json",
+      "--profile: ck/step-00000001/manifest.json is inside the --resume directory ck");
+  add(
+      "ProfileIntoTheSaveDirectory",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directory(dir + "/ck");
+      },
+      "$PIPERUN p.json --steps 3 --save-dir ck --profile ck/costs.json",
+      "--profile: ck/costs.json is inside the --save-dir directory ck");
+  add("ProfileOnTheSaveDirectorysName", withTinyPlan,
+      "$PIPERUN p.json --steps 3 --save-dir c.json --profile c.json",
+      "--profile: c.json is the --save-dir directory; give it a path of its own");
+  add("ProfileOnTheExportsName", withTinyPlan,
+      "$PIPERUN p.json --steps 3 --export-hf c.json --profile c.json",
+      "--profile: c.json is the --export-hf directory");
+  add("ExportOntoTheSaveDirectory", withTinyPlan,
+      "$PIPERUN p.json --steps 2 --save-dir ck --export-hf ck",
+      "--export-hf: ck is the --save-dir directory");
+  add("ExportIntoTheSaveDirectory", withCheckpoint,
+      "$PIPERUN p.json --steps 2 --resume ck --save-dir ck --export-hf ck/hf",
+      "--export-hf: ck/hf is inside the --save-dir directory ck");
+  add(
+      "SaveDirectoryInsideTheExport",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directory(dir + "/e");
+      },
+      "$PIPERUN p.json --steps 2 --save-dir e/ck --export-hf e",
+      "--save-dir: e/ck is inside the --export-hf directory e");
   add(
       "ResumeAManifestThatIsAFifo",
       [](const std::string &dir) {
@@ -870,6 +926,21 @@ TEST(Usage, WithoutArgumentsGoesToStandardOutput) {
   o = runIn(dir, "$PIPERUN", Stdout::File);
   EXPECT_EQ(o.code, 2);
   EXPECT_NE(o.out.find("usage: piperun plan.json"), std::string::npos) << o.out;
+}
+
+// piperun answers --help or -h wherever it stands, as pipec's commands do, even among flags it
+// would refuse: the usage, exit 0, nothing on standard error.
+TEST(Usage, PiperunAnswersHelpAnywhere) {
+  const std::string dir = tmpDir() + "/usage-piperun";
+  fs::create_directories(dir);
+  for (const char *line : {"$PIPERUN --help", "$PIPERUN -h", "$PIPERUN p.json --help",
+                           "$PIPERUN p.json --steps 3 -h", "$PIPERUN --bogus 1 --help"}) {
+    SCOPED_TRACE(line);
+    Outcome o = runIn(dir, line, Stdout::File);
+    EXPECT_EQ(o.code, 0) << o.err;
+    EXPECT_EQ(o.err, "");
+    EXPECT_EQ(o.out.rfind("usage: piperun plan.json", 0), 0u) << o.out;
+  }
 }
 
 TEST(Outputs, StandardOutputTakesThePlanAlone) {

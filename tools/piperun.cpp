@@ -222,6 +222,16 @@ llvm::Expected<Request> readFlags(const Args &args) {
           files == 1 ? "" : "s");
     };
   }
+  // The export and the checkpoints each need a directory of their own: found at the end of the
+  // run, a clash would cost the whole run.
+  if (r.saveDir && !o.exportHfDir.empty()) {
+    if (auto err =
+            checkOutsideDirectories("--export-hf", o.exportHfDir, {{"--save-dir", *r.saveDir}}))
+      return err;
+    if (auto err =
+            checkOutsideDirectories("--save-dir", *r.saveDir, {{"--export-hf", o.exportHfDir}}))
+      return err;
+  }
   auto shardBytes = args.bytes("--export-hf-shard-size");
   if (!shardBytes)
     return shardBytes.takeError();
@@ -240,6 +250,27 @@ llvm::Expected<Request> readFlags(const Args &args) {
                       "warm-up); try --steps 5");
   o.profile = r.profilePath.has_value();
   return r;
+}
+
+/// --profile's file, before anything is read but the plan: not one of the files piperun reads
+/// (the plan, --data, --init-from FILE), nor inside a directory it reads or writes (--init-from
+/// DIR, --resume, --save-dir, --export-hf), which a costs file would overwrite or corrupt.
+llvm::Error checkProfilePath(const Request &r, const std::string &planPath) {
+  std::vector<InputFile> files{{"plan", planPath}}, dirs;
+  if (r.dataPath)
+    files.push_back({"--data", *r.dataPath});
+  if (r.initFrom)
+    (llvm::sys::fs::is_directory(*r.initFrom) ? dirs : files)
+        .push_back({"--init-from", *r.initFrom});
+  if (r.resumeDir)
+    dirs.push_back({"--resume", *r.resumeDir});
+  if (r.saveDir)
+    dirs.push_back({"--save-dir", *r.saveDir});
+  if (!r.options.exportHfDir.empty())
+    dirs.push_back({"--export-hf", r.options.exportHfDir});
+  if (auto err = checkOutputPath("--profile", *r.profilePath, files))
+    return err;
+  return checkOutsideDirectories("--profile", *r.profilePath, dirs);
 }
 
 /// The plan to run: loaded, verified, and one that piperun executes on `backend`.
@@ -417,7 +448,7 @@ llvm::Error run(int argc, char **argv) {
   if (!plan)
     return plan.takeError();
   if (r.profilePath)
-    if (auto err = checkOutputPath("--profile", *r.profilePath, {{"plan", planPath}}))
+    if (auto err = checkProfilePath(r, planPath))
       return err;
   // The prediction of the last line: the plan's stage times (measured ones when it was compiled
   // with --costs) on its streams as they run here (before the nccl mode drops other ranks').
@@ -529,11 +560,12 @@ int main(int argc, char **argv) {
     std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return reportError("piperun", inputError("expected a plan file; usage above"));
   }
-  llvm::StringRef first = argv[1];
-  if (first == "-h" || first == "--help") {
-    std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
-    return finishTool("piperun", llvm::Error::success());
-  }
+  // --help or -h anywhere (as pipec's commands take it): the usage, exit 0.
+  for (int i = 1; i < argc; ++i)
+    if (llvm::StringRef(argv[i]) == "-h" || llvm::StringRef(argv[i]) == "--help") {
+      std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
+      return finishTool("piperun", llvm::Error::success());
+    }
   struct sigaction stop = {};
   stop.sa_handler = onStopSignal;
   stop.sa_flags = SA_RESTART;

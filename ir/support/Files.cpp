@@ -264,6 +264,27 @@ llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
   return llvm::Error::success();
 }
 
+llvm::Error checkOutsideDirectories(llvm::StringRef flag, llvm::StringRef path,
+                                    llvm::ArrayRef<InputFile> dirs) {
+  if (path == "-")
+    return llvm::Error::success();
+  const std::string file = canonicalDestination(path);
+  for (const InputFile &d : dirs) {
+    llvm::SmallString<256> real;
+    std::string dir =
+        llvm::sys::fs::real_path(d.path, real) ? canonicalDestination(d.path) : std::string(real);
+    if (file == dir)
+      return inputError("{}{} is the {} directory; give it a path of its own", prefixOf(flag),
+                        shortened(path, 200), d.flag);
+    if (!dir.empty() && dir.back() != '/')
+      dir += '/';
+    if (llvm::StringRef(file).startswith(dir))
+      return inputError("{}{} is inside the {} directory {}; give it a path outside it",
+                        prefixOf(flag), shortened(path, 200), d.flag, shortened(d.path, 200));
+  }
+  return llvm::Error::success();
+}
+
 llvm::Error writeFilesAtomically(llvm::ArrayRef<OutputFile> files,
                                  llvm::ArrayRef<InputFile> inputs) {
   // Check every destination first, so that one bad path writes nothing at all.

@@ -83,6 +83,13 @@ struct OutputFile {
 llvm::Error checkOutputPath(llvm::StringRef flag, llvm::StringRef path,
                             llvm::ArrayRef<InputFile> inputs);
 
+/// The check an output (a file, or a directory written as a whole) passes against the
+/// directories a call reads or writes as a whole (piperun's --resume, --save-dir, --export-hf,
+/// --init-from DIR): it is none of them and inside none of them, by its real parent directory. Each
+/// of `dirs` is a flag and its directory, which may not exist yet.
+llvm::Error checkOutsideDirectories(llvm::StringRef flag, llvm::StringRef path,
+                                    llvm::ArrayRef<InputFile> dirs);
+
 /// Write several files all or nothing: every check and every temporary first (each fsynced),
 /// then standard output, then the renames. The error names the flag of the file that failed.
 /// `inputs` are every file the call read (a command's: tools/Driver.h's commandInputs): no
