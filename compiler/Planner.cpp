@@ -214,6 +214,9 @@ private:
   size_t noPipeline = 0;
   std::vector<Variant> variants; // by (recompute, microbatch size)
   std::vector<PlanCandidate> cands;
+  /// With --costs: the candidates the file covers by layout but refused (another model's
+  /// profile, or a switch its times would cancel), by index (each written by its own evaluation).
+  std::vector<char> refusedByCosts;
   std::vector<size_t> variantOf; // per candidate
   std::vector<size_t> scheduleOf;
   std::mutex partitionMu;
@@ -766,6 +769,7 @@ void Search::evaluate(size_t index, double threshold) {
     if (llvm::Error err = applyMeasuredCosts(*o.costs, o.costsSource, plan)) {
       c.outcome = Outcome::Constraint;
       c.why = takeMessage(std::move(err));
+      refusedByCosts[index] = 1;
       return;
     }
     c.measured = true;
@@ -1337,6 +1341,7 @@ llvm::Expected<PlannerResult> Search::run() {
   // (A fixed wave size: the threshold between waves, and so what is pruned, must not depend on
   // the thread count.)
   const size_t wave = 32;
+  refusedByCosts.assign(cands.size(), 0);
   for (size_t begin = 0; begin < open.size(); begin += wave) {
     size_t end = std::min(open.size(), begin + wave);
     parallelFor(end - begin, threads, [&](size_t j) { evaluate(open[begin + j], threshold); });
@@ -1346,6 +1351,12 @@ llvm::Expected<PlannerResult> Search::run() {
     std::sort(fitting.begin(), fitting.end(), better);
     threshold = fitting.size() >= top ? cands[fitting[top - 1]].stepTime : kInf;
   }
+  // A file that fits no candidate it covers (a profile of another model, say) scores nothing:
+  // its one line, as compile states it, rather than a table scored by the model alone.
+  if (o.costs && llvm::none_of(cands, [](const PlanCandidate &c) { return c.measured; }))
+    for (size_t i : open)
+      if (refusedByCosts[i])
+        return inputError("{}", cands[i].why);
   // The top K are compiled in full and verified, in parallel; one that fails verification (a
   // bug, reported in its row) gives its place to the next.
   std::map<size_t, Plan> plans;

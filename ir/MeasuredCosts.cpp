@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 namespace pipec {
@@ -27,6 +28,41 @@ llvm::Error applyMeasuredCosts(const MeasuredCosts &c, llvm::StringRef source, P
       (!c.ranks.empty() && c.ranks.size() != size_t(plan.parallel.pp)))
     return inputError("{}: $.ranks: {} pipeline ranks measured, the plan has {} (--pp)", source,
                       c.ranks.size(), plan.parallel.pp);
+  // Measured without sequence parallelism or ZeRO-1 (piperun runs neither): in their place the
+  // times would silently undo the flag's effect on the step.
+  if (plan.parallel.sequenceParallel)
+    return inputError("{}: the profile's layers ran without sequence parallelism (piperun does "
+                      "not run it), so its times would cancel --sequence-parallel's; drop one of "
+                      "the two",
+                      source);
+  if (plan.parallel.distributedOptimizer)
+    return inputError("{}: the profile's optimizer step updated every weight on every replica "
+                      "(piperun does not shard it), so its time would cancel "
+                      "--distributed-optimizer's; drop one of the two",
+                      source);
+  // A profile of another model, microbatch size, sequence length or --tp: the file records the
+  // plan's own message sizes, and none of a kind is one this plan sends.
+  const int n = plan.numStages();
+  for (TensorKind kind : {TensorKind::Activation, TensorKind::Gradient}) {
+    std::set<int64_t> measured, sent;
+    for (const MeasuredCosts::Message &m : c.messages)
+      if (m.kind == kind)
+        measured.insert(m.bytes);
+    for (const StageInfo &st : plan.stages)
+      for (size_t i = 0; i < k; ++i) {
+        const int s = st.stage, to = kind == TensorKind::Activation ? s + 1 : s - 1;
+        if (to >= 0 && to < n && plan.rankOf(to) != st.rank)
+          sent.insert(tensorBytes(plan, kind, s, int(i)));
+      }
+    if (measured.empty() || sent.empty() ||
+        std::any_of(measured.begin(), measured.end(), [&](int64_t b) { return sent.count(b); }))
+      continue;
+    return inputError(
+        "{}: $.messages: the profile's {} messages are of {} bytes, this plan's of "
+        "{}: it was measured on another model, microbatch size or sequence length (or "
+        "with sequence parallelism); profile a plan of this model and layout",
+        source, toString(kind).str(), *measured.begin(), *sent.begin());
+  }
   // Compute ops.
   std::map<std::tuple<int, OpKind, int>, double> ms;
   for (const MeasuredCosts::Op &op : c.ops)
@@ -58,7 +94,6 @@ llvm::Error applyMeasuredCosts(const MeasuredCosts &c, llvm::StringRef source, P
   std::map<std::pair<TensorKind, int64_t>, double> msgs;
   for (const MeasuredCosts::Message &m : c.messages)
     msgs[{m.kind, m.bytes}] = m.time.medianMs;
-  const int n = plan.numStages();
   for (StageInfo &st : plan.stages)
     for (size_t i = 0; i < k; ++i) {
       const int s = st.stage;

@@ -1322,6 +1322,11 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
             std::string::npos)
       << measured.out;
   EXPECT_NE(r.out.find("  model\n"), std::string::npos) << r.out;
+  // Measured times beside the model's: a note says they are two machines' unless --cluster
+  // describes the profiled one; a table scored by the file alone has no such note.
+  const std::string mixed = "note: the measured rows were timed on ";
+  EXPECT_NE(r.out.find(mixed), std::string::npos) << r.out;
+  EXPECT_EQ(measured.out.find(mixed), std::string::npos) << measured.out;
   std::string table = testing::slurp(csv);
   EXPECT_NE(table.find(",measured,"), std::string::npos);
   EXPECT_NE(table.find(",model,"), std::string::npos);

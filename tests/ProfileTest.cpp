@@ -18,7 +18,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 
@@ -328,6 +330,50 @@ TEST(ProfileCli, BadUseExitsTwoNamingTheFlagOrField) {
   r = runCommand("tools/piperun " + d + "/p.json --steps 2");
   EXPECT_EQ(r.code, 0);
   EXPECT_EQ(r.out.find("step time:"), std::string::npos);
+}
+
+// A profile states its plan's message sizes: one of another model (or microbatch size, or
+// sequence length) sends none of them and is refused, as is a switch whose effect the measured
+// times would cancel (piperun runs neither sequence parallelism nor ZeRO-1). Before, each was
+// accepted: the other model's step predicted from the tiny model's times, the switches' savings
+// silently gone.
+TEST(ProfileCli, AProfileOfAnotherModelOrOfASwitchItWouldCancelIsRefused) {
+  const std::string m = modelFile(), d = tmpDir() + "/other-model";
+  std::filesystem::create_directories(d);
+  const std::string base = " --pp 2 --microbatches 4 --schedule 1f1b";
+  auto r = runCommand("tools/pipec compile --quiet --model " + m + base + " -o " + d + "/p.json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = runCommand("tools/piperun " + d + "/p.json --steps 3 --profile " + d + "/c.json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string costs = " --costs " + d + "/c.json -o " + d + "/q.json";
+  r = runCommand("tools/pipec compile --quiet --model " + m + base + costs);
+  EXPECT_EQ(r.code, 0) << r.err; // the profiled model itself
+  auto wider = nlohmann::json::parse(slurp(m));
+  wider["transformer"]["hidden_size"] = 128;
+  std::ofstream(d + "/wider.json") << wider.dump();
+  const std::string widerModel = " --model " + d + "/wider.json";
+  for (const std::string &cmd :
+       {"tools/pipec compile --quiet" + widerModel + base + costs,
+        "tools/pipec plan" + widerModel +
+            " --gpus 2 --global-batch 8 --tp 1 --microbatch-sizes 2 --pp 2 --costs " + d +
+            "/c.json -o " + d + "/q.json"}) {
+    SCOPED_TRACE(cmd);
+    r = runCommand(cmd);
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_EQ(r.err.rfind("pipec: error: --costs " + d +
+                              "/c.json: $.messages: the profile's activation messages are of ",
+                          0),
+              0u)
+        << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  for (auto [flags, named] :
+       {std::pair{" --tp 2 --sequence-parallel", "cancel --sequence-parallel's"},
+        std::pair{" --dp 2 --distributed-optimizer", "cancel --distributed-optimizer's"}}) {
+    r = runCommand("tools/pipec compile --quiet --model " + m + base + flags + costs);
+    EXPECT_EQ(r.code, 2) << flags;
+    EXPECT_NE(r.err.find(named), std::string::npos) << r.err;
+  }
 }
 
 } // namespace

@@ -165,6 +165,19 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                inGiB(result->memoryLimit - c.peakMemoryBytes),
                costs ? (c.measured ? "  measured" : "  model") : "");
   }
+  // Measured candidates and model rows rank one machine's times against another's where the
+  // profile was not taken on the cluster spec's device (a cpu profile never is).
+  if (costs) {
+    bool measured =
+             llvm::any_of(result->candidates, [](const PlanCandidate &c) { return c.measured; }),
+         modelled = llvm::any_of(result->ranked,
+                                 [&](size_t i) { return !result->candidates[i].measured; });
+    if (measured && modelled)
+      fmt::print("note: the measured rows were timed on {} (--costs), the model rows are the "
+                 "cost model's for {}: they rank one machine against another unless --cluster "
+                 "describes the profiled one; profile each layout to compare them\n",
+                 o.costs->device.empty() ? o.costs->backend : o.costs->device, cluster.deviceName);
+  }
   fmt::print("{}", calibrationLine(cluster, *result));
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print(
