@@ -193,9 +193,15 @@ llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &op
 }
 
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
-                                 const CompileOptions &options, bool verifyEach) {
-  if (auto err = checkCompileOptions(model, options))
+                                 const CompileOptions &given, bool verifyEach) {
+  if (auto err = checkCompileOptions(model, given))
     return err;
+  // As Megatron-LM does: sequence parallelism with one tp rank (or no transformer to split)
+  // and ZeRO-1 with one replica change nothing, and the plan records them off, so that piperun,
+  // which runs neither switch, runs it.
+  CompileOptions options = given;
+  options.parallel.sequenceParallel &= options.parallel.tp > 1 && model.isTransformer();
+  options.parallel.distributedOptimizer &= options.parallel.dp > 1;
   auto policy = findPolicy(options.schedule);
   if (!policy)
     return policy.takeError();

@@ -98,6 +98,25 @@ TEST(CliTest, SequenceParallelAndDistributedOptimizerAreRecordedAndPiperunRefuse
   }
 }
 
+TEST(CliTest, ASwitchThatChangesNothingIsRecordedOffAndPiperunRunsThePlan) {
+  // Sequence parallelism with one tp rank and ZeRO-1 with one replica change nothing (Megatron-LM
+  // turns them off the same way): the plan is byte for byte the one without the switch, and
+  // piperun runs it (it refused such a plan when the switch was recorded on).
+  const std::string base = "compile --model examples/tiny-gpt.json --schedule 1f1b --pp 2 "
+                           "--microbatches 4 --tp 1 --dp 1 --quiet -o ";
+  const std::string plain = tmpDir() + "/no-switch.json";
+  ASSERT_EQ(pipec(base + plain).code, 0);
+  for (const char *flag : {"--sequence-parallel", "--distributed-optimizer"}) {
+    SCOPED_TRACE(flag);
+    std::string out = tmpDir() + "/no-op" + std::string(flag).substr(1) + ".json";
+    Result c = pipec(base + out + " " + flag);
+    ASSERT_EQ(c.code, 0) << c.err;
+    EXPECT_EQ(slurp(out), slurp(plain));
+    Result r = piperun(out + " --backend cpu --steps 1");
+    EXPECT_EQ(r.code, 0) << r.out << r.err;
+  }
+}
+
 TEST(CliTest, IdenticalInputsGiveByteIdenticalPlans) {
   std::string a = tmpDir() + "/a.json", b = tmpDir() + "/b.json";
   ASSERT_EQ(pipec(compileArgs("--tp 2 --dp 2 -o " + a)).code, 0);
