@@ -88,6 +88,19 @@ TEST(CostsFormat, EveryBadFieldIsNamed) {
   j = good;
   j["stages"][0]["ops"][1]["op"] = "forward";
   expectBad(j, "$.stages[0].ops[1]");
+  // A backward measured both fused and split (the fused time would be dropped).
+  j = good;
+  j["stages"][1]["ops"].push_back({{"op", "backward_input"},
+                                   {"slice", 0},
+                                   {"median_ms", 1.0},
+                                   {"spread_ms", 0.0},
+                                   {"samples", 4}});
+  expectBad(j, "$.stages[1].ops[2]: a backward_input of slice 0 beside its fused backward");
+  j = good;
+  j["stages"][0]["ops"][1]["op"] = "backward_weight";
+  j["stages"][0]["ops"].push_back(
+      {{"op", "backward"}, {"slice", 0}, {"median_ms", 1.0}, {"spread_ms", 0.0}, {"samples", 4}});
+  expectBad(j, "$.stages[0].ops[2]: a backward of slice 0 beside its split backward");
   j = good;
   j["stages"][1]["stage"] = 0;
   expectBad(j, "$.stages[1].stage");

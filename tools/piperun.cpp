@@ -532,8 +532,9 @@ llvm::Error run(int argc, char **argv) {
   if (result->costs) {
     if (auto err = writeCosts(*r.profilePath, *result->costs))
       return err;
-    say("measured costs written to {} ({} steps after the warm-up)\n", *r.profilePath,
-        result->costs->steps - 1);
+    const int timed = result->costs->steps - 1;
+    say("measured costs written to {} ({} step{} after the warm-up)\n", *r.profilePath, timed,
+        timed == 1 ? "" : "s");
   }
   // (With --backend nccl only RANK 0 runs the reference.)
   llvm::Error judged = llvm::Error::success();

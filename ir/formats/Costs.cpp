@@ -182,6 +182,18 @@ llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringR
       if (seen[{op.stage, op.op, op.slice}])
         return inputError("{}: {}: a second {} of slice {} (one entry each)", r.name(), at, name,
                           op.slice);
+      // A backward ran fused or split, not both: the fused time would be silently dropped.
+      if (op.op != OpKind::Forward) {
+        const bool fused = op.op == OpKind::Backward;
+        const bool other = fused ? seen[{op.stage, OpKind::BackwardInput, op.slice}] ||
+                                       seen[{op.stage, OpKind::BackwardWeight, op.slice}]
+                                 : seen[{op.stage, OpKind::Backward, op.slice}];
+        if (other)
+          return inputError("{}: {}: a {} of slice {} beside its {}: a stage's backward is "
+                            "measured fused or split into input and weight gradients, not both",
+                            r.name(), at, name, op.slice,
+                            fused ? "split backward" : "fused backward");
+      }
       seen[{op.stage, op.op, op.slice}] = true;
       c.ops.push_back(op);
     }
