@@ -576,6 +576,15 @@ std::vector<Case> catalogue() {
   add("PlanWrongFormat", planWith([](Json &j) { j["format"] = "pipeplan/9"; }),
       "$PIPEC validate p.json", "$.format: expected \"pipeplan/1\", got \"pipeplan/9\"");
   // --- piperun -----------------------------------------------------------------------------
+  // An empty path is named as one (it read ": cannot read: No such file or directory").
+  add("ModelPathEmpty", nullptr,
+      "$PIPEC compile --model \"\" --schedule 1f1b --pp 2 --microbatches 2",
+      "--model: expected the path of a model spec, got an empty one");
+  add("CostsPathEmpty", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --costs \"\"",
+      "--costs: expected the path of");
+  add("PiperunPlanPathEmpty", nullptr, "$PIPERUN \"\"",
+      "expected the path of a plan, got an empty one");
   add("DataIsDevZero", withTinyPlan, "$PIPERUN p.json --data /dev/zero",
       "--data: /dev/zero: cannot read: is a character device, not a token file");
   add(

@@ -123,6 +123,8 @@ std::string specialFileKind(llvm::StringRef path) {
 }
 
 llvm::Error checkInputFile(llvm::StringRef path, const InputFormat &format, bool &regular) {
+  if (path.empty())
+    return inputError("expected the path of {}, got an empty one", format.name);
   struct stat before;
   if (::stat(path.str().c_str(), &before) != 0)
     return inputError("{}: cannot read: {}", shortened(path, 200), errnoText(errno));
