@@ -577,6 +577,22 @@ std::vector<Case> catalogue() {
       "$PIPEC validate p.json", "$.format: expected \"pipeplan/1\", got \"pipeplan/9\"");
   // --- piperun -----------------------------------------------------------------------------
   // An empty path is named as one (it read ": cannot read: No such file or directory").
+  // Another of pipec's files given to the wrong flag is named by its format, not by the
+  // first field the expected format lacks.
+  add(
+      "ClusterSpecGivenAsTheModel",
+      [](const std::string &dir) { copyExample(dir, "h100-2nodes.json"); },
+      "$PIPEC compile --model h100-2nodes.json --schedule 1f1b --pp 2 --microbatches 2",
+      "--model: h100-2nodes.json: $.format: expected \"pipemodel/1\", got \"pipecluster/1\" (a "
+      "cluster spec)");
+  add(
+      "PlanGivenAsTheCosts",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        withTiny(dir);
+      },
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --costs p.json",
+      "--costs: p.json: $.format: expected \"pipecost/1\", got \"pipeplan/1\" (a plan)");
   add("ModelPathEmpty", nullptr,
       "$PIPEC compile --model \"\" --schedule 1f1b --pp 2 --microbatches 2",
       "--model: expected the path of a model spec, got an empty one");

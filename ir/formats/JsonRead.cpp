@@ -115,6 +115,23 @@ llvm::Error JsonReader::expectDocument(const Json &j, llvm::StringRef format,
                                        llvm::ArrayRef<llvm::StringRef> allowed) const {
   if (auto err = expectObject(j, "$"))
     return err;
+  // The format before the fields: a document of another of pipec's formats (a cluster spec
+  // given as --model, a costs file as a plan) is named as what it is, not by a field this
+  // format lacks.
+  if (auto it = j.find("format"); it != j.end() && it->is_string()) {
+    const std::string got = it->get<std::string>();
+    static const std::pair<llvm::StringRef, llvm::StringRef> kKnown[] = {
+        {"pipemodel/1", "a model spec"},
+        {"pipecluster/1", "a cluster spec"},
+        {"pipeplan/1", "a plan"},
+        {"pipecost/1", "a costs file"},
+        {"pipeckpt/1", "a checkpoint manifest"}};
+    if (got != format)
+      for (const auto &[name, what] : kKnown)
+        if (got == name)
+          return inputError("{}: $.format: expected \"{}\", got \"{}\" ({})", source, format.str(),
+                            got, what.str());
+  }
   if (auto err = onlyKeys(j, "$", allowed))
     return err;
   std::string got;
