@@ -83,6 +83,9 @@ TEST(CostsFormat, EveryBadFieldIsNamed) {
   j["stages"][1]["ops"][1]["median_ms"] = -1;
   expectBad(j, "$.stages[1].ops[1].median_ms");
   j = good;
+  j["stages"][1]["ops"][0]["median_ms"] = 0;
+  expectBad(j, "$.stages[1].ops[0].median_ms: expected a positive number of milliseconds");
+  j = good;
   j["stages"][0]["ops"][0]["slice"] = 1;
   expectBad(j, "$.stages[0].ops[0].slice");
   j = good;

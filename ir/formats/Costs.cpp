@@ -179,6 +179,12 @@ llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringR
       op.slice = int(v);
       if (auto err = getTime(r, o, at, op.time))
         return err;
+      // A timed pass takes time: zeros would give a plan of no time (infinite tokens/s).
+      if (!(op.time.medianMs > 0))
+        return r.fail(jsonPath(at, "median_ms"),
+                      "a positive number of milliseconds (a timed "
+                      "pass takes time)",
+                      &o["median_ms"]);
       if (seen[{op.stage, op.op, op.slice}])
         return inputError("{}: {}: a second {} of slice {} (one entry each)", r.name(), at, name,
                           op.slice);
