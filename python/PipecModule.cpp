@@ -380,15 +380,25 @@ void bindFiles(py::module_ &m) {
       "never onto one of inputs, the (argument, path) pairs the call read");
 
   m.def(
+      "check_output",
+      [](const std::string &flag, const std::string &path, const PyInputs &inputs) {
+        check(checkOutputPath(flag, path, inputFiles(inputs)));
+      },
+      py::arg("flag"), py::arg("path"), py::arg("inputs") = PyInputs(),
+      "check_output(flag, path, inputs=[]): the checks write_file makes before it writes (a "
+      "regular file or a new name in an existing directory, none of inputs), made up front");
+
+  m.def(
       "write_costs",
-      [](const std::string &text, const std::string &path) {
+      [](const std::string &text, const std::string &path, const PyInputs &inputs) {
         // The C++ reader checks every field first: the file written is one --costs reads.
         MeasuredCosts costs = unwrap(parseCostsJson(text, "pipec.torch.profile"));
-        check(writeCosts(path, costs));
+        check(writeCosts(path, costs, inputFiles(inputs)));
       },
-      py::arg("text"), py::arg("path"),
-      "write_costs(text, path): measured costs (pipecost/1 JSON text), checked by the reader "
-      "and written whole (a temporary beside path, then a rename)");
+      py::arg("text"), py::arg("path"), py::arg("inputs") = PyInputs(),
+      "write_costs(text, path, inputs=[]): measured costs (pipecost/1 JSON text), checked by the "
+      "reader and written whole (a temporary beside path, then a rename); never onto one of "
+      "inputs, the (argument, path) pairs the call read");
 
   m.def(
       "list_schedules",

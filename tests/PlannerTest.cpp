@@ -1303,10 +1303,10 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   std::ofstream(model) << R"({"format": "pipemodel/1", "name": "t", "transformer":
       {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
        "vocab_size": 128, "seq_length": 64, "microbatch_size": 2, "dtype": "bf16"}})";
-  ASSERT_FALSE(bool(writeCosts(costs, twoStageProfile())));
+  ASSERT_FALSE(bool(writeCosts(costs, twoStageProfile(), {})));
   MeasuredCosts m3 = twoStageProfile();
   m3.numStages = 3;
-  ASSERT_FALSE(bool(writeCosts(three, m3)));
+  ASSERT_FALSE(bool(writeCosts(three, m3, {})));
   const std::string base = fmt::format("tools/pipec plan --model {} --gpus 4 --global-batch 8 "
                                        "--memory-limit 64MiB --tp 1 --microbatch-sizes 2 ",
                                        model);

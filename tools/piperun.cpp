@@ -252,23 +252,31 @@ llvm::Expected<Request> readFlags(const Args &args) {
   return r;
 }
 
-/// --profile's file, before anything is read but the plan: not one of the files piperun reads
-/// (the plan, --data, --init-from FILE), nor inside a directory it reads or writes (--init-from
-/// DIR, --resume, --save-dir, --export-hf), which a costs file would overwrite or corrupt.
-llvm::Error checkProfilePath(const Request &r, const std::string &planPath) {
-  std::vector<InputFile> files{{"plan", planPath}}, dirs;
+/// The files piperun reads (the plan, --data, --init-from FILE): what --profile's writer is
+/// checked against.
+std::vector<InputFile> inputFilesOf(const Request &r, const std::string &planPath) {
+  std::vector<InputFile> files{{"plan", planPath}};
   if (r.dataPath)
     files.push_back({"--data", *r.dataPath});
-  if (r.initFrom)
-    (llvm::sys::fs::is_directory(*r.initFrom) ? dirs : files)
-        .push_back({"--init-from", *r.initFrom});
+  if (r.initFrom && !llvm::sys::fs::is_directory(*r.initFrom))
+    files.push_back({"--init-from", *r.initFrom});
+  return files;
+}
+
+/// --profile's file, before anything is read but the plan: not one of the files piperun reads,
+/// nor inside a directory it reads or writes (--init-from DIR, --resume, --save-dir,
+/// --export-hf), which a costs file would overwrite or corrupt.
+llvm::Error checkProfilePath(const Request &r, const std::string &planPath) {
+  std::vector<InputFile> dirs;
+  if (r.initFrom && llvm::sys::fs::is_directory(*r.initFrom))
+    dirs.push_back({"--init-from", *r.initFrom});
   if (r.resumeDir)
     dirs.push_back({"--resume", *r.resumeDir});
   if (r.saveDir)
     dirs.push_back({"--save-dir", *r.saveDir});
   if (!r.options.exportHfDir.empty())
     dirs.push_back({"--export-hf", r.options.exportHfDir});
-  if (auto err = checkOutputPath("--profile", *r.profilePath, files))
+  if (auto err = checkOutputPath("--profile", *r.profilePath, inputFilesOf(r, planPath)))
     return err;
   return checkOutsideDirectories("--profile", *r.profilePath, dirs);
 }
@@ -530,7 +538,7 @@ llvm::Error run(int argc, char **argv) {
   }
   say("{}", backend->summary());
   if (result->costs) {
-    if (auto err = writeCosts(*r.profilePath, *result->costs))
+    if (auto err = writeCosts(*r.profilePath, *result->costs, inputFilesOf(r, planPath)))
       return err;
     const int timed = result->costs->steps - 1;
     say("measured costs written to {} ({} step{} after the warm-up)\n", *r.profilePath, timed,

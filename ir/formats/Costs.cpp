@@ -287,8 +287,9 @@ llvm::Expected<MeasuredCosts> readCosts(llvm::StringRef path) {
   return parseCostsJson(*text, path);
 }
 
-llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs) {
-  return writeFileAtomically(path, writeCostsJson(costs), {});
+llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs,
+                       llvm::ArrayRef<InputFile> inputs) {
+  return writeFileAtomically(path, writeCostsJson(costs), inputs);
 }
 
 } // namespace pipec

@@ -74,8 +74,9 @@ std::string writeCostsJson(const MeasuredCosts &costs);
 llvm::Expected<MeasuredCosts> parseCostsJson(llvm::StringRef text, llvm::StringRef source);
 /// Read `path` by the input rules (ir/support/Files.h) and parse it.
 llvm::Expected<MeasuredCosts> readCosts(llvm::StringRef path);
-/// Write `path` whole (a temporary beside it, then a rename).
-llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs);
+/// Write `path` whole (a temporary beside it, then a rename), never onto one of `inputs`.
+llvm::Error writeCosts(llvm::StringRef path, const MeasuredCosts &costs,
+                       llvm::ArrayRef<InputFile> inputs);
 
 } // namespace pipec
 

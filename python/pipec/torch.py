@@ -298,6 +298,7 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
     the other ranks return None. Collectives are not measured here (the model's times stay for
     them); the plan must have one sub-sequence.
     """
+    inputs = pipec._inputs(plan=plan)  # a plan given by its path: never overwritten
     plan = pipec._as_plan(plan)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise ValueError(f"steps: expected an integer of at least 2 (got {steps!r}); the first "
@@ -310,6 +311,8 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
     if optimizer is not None and not callable(optimizer):
         raise TypeError("optimizer: expected a callable from a list of parameters to a torch "
                         f"optimizer (got {type(optimizer).__name__})")
+    # Where the costs go, before anything is measured: never onto the plan file it was given.
+    pipec._pipec.check_output("path", pipec._path("path", path), inputs)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pipec.torch.profile needs torch.distributed initialised in every "
                            f"process of the pipeline ({plan.pp} ranks)")
@@ -451,7 +454,7 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
         "collectives": [],
         "ranks": ranks,
     }
-    pipec._pipec.write_costs(json.dumps(costs), pipec._path("path", path))
+    pipec._pipec.write_costs(json.dumps(costs), pipec._path("path", path), inputs)
     return costs
 
 

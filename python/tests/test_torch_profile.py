@@ -76,3 +76,17 @@ def test_profile_refuses_bad_arguments():
                         seq_splits=2)
     with pytest.raises(ValueError, match="seq_splits=2"):
         pipec.torch.profile(seq, [], None, torch_gpt.loss_fn, None, "x.json")
+
+
+def test_profile_never_writes_onto_its_plan(tmp_path):
+    # The plan given by its path (or a link to it) is one of the call's inputs: refused before
+    # anything is measured, the plan unchanged.
+    plan_file = tmp_path / "p.json"
+    pipec.compile(torch_gpt.model_spec(torch_gpt.CONFIG), "1f1b", pp=2, microbatches=4).save(
+        str(plan_file))
+    before = plan_file.read_bytes()
+    (tmp_path / "alias.json").symlink_to("p.json")
+    for target in (plan_file, tmp_path / "alias.json"):
+        with pytest.raises(ValueError, match=f"path: {target} is the plan input"):
+            pipec.torch.profile(str(plan_file), [], None, torch_gpt.loss_fn, None, str(target))
+    assert plan_file.read_bytes() == before
