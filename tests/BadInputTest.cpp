@@ -978,6 +978,41 @@ TEST(Outputs, StandardOutputTakesThePlanAlone) {
   EXPECT_EQ(plan["format"], "pipeplan/1");
 }
 
+// Every command that writes a file to standard output (-) writes it alone there: no summary,
+// header or "wrote -" line around it (export's CSV did not import back, show's SVG was not XML).
+TEST(Outputs, StandardOutputTakesEachCommandsFileAlone) {
+  const std::string dir = tmpDir() + "/stdout-alone";
+  fs::create_directories(dir);
+  withUniform(dir);
+  withTiny(dir);
+  ASSERT_EQ(runIn(dir, kCompileUniform + " --quiet -o p.json", Stdout::File).code, 0);
+  ASSERT_EQ(runIn(dir, "$PIPEC export p.json --format torch-csv -o s.csv", Stdout::File).code, 0);
+  const std::string plan = "$PIPEC plan --model tiny-gpt.json --gpus 2 --global-batch 8 ";
+  for (auto [command, first, last] : {
+           std::tuple{std::string("$PIPEC export p.json --format torch-csv -o -"), "0F0", "\n"},
+           std::tuple{std::string("$PIPEC show p.json --svg -"), "<?xml", "</svg>\n"},
+           std::tuple{kCompileUniform + " --svg -", "<?xml", "</svg>\n"},
+           std::tuple{std::string("$PIPEC import s.csv --model uniform-8.json -o -"), "{", "}\n"},
+           std::tuple{std::string("$PIPEC import s.csv --model uniform-8.json --trace -"), "{",
+                      "}\n"},
+           std::tuple{plan + "-o -", "{", "}\n"},
+           std::tuple{plan + "--csv -", "recompute,tp,pp,", "\n"},
+       }) {
+    SCOPED_TRACE(command);
+    Outcome o = runIn(dir, command, Stdout::File);
+    ASSERT_EQ(o.code, 0) << o.err;
+    EXPECT_EQ(o.out.rfind(first, 0), 0u) << o.out.substr(0, 200);
+    ASSERT_GE(o.out.size(), std::string(last).size());
+    EXPECT_EQ(o.out.substr(o.out.size() - std::string(last).size()), last);
+    EXPECT_EQ(o.out.find("wrote "), std::string::npos) << o.out.substr(o.out.size() - 200);
+  }
+  // The exported CSV on standard output imports back.
+  ASSERT_EQ(
+      runIn(dir, "$PIPEC export p.json --format torch-csv -o - > again.csv", Stdout::File).code, 0);
+  Outcome back = runIn(dir, "$PIPEC import again.csv --model uniform-8.json --quiet", Stdout::File);
+  EXPECT_EQ(back.code, 0) << back.err;
+}
+
 TEST(Outputs, ARegularFileIsReplacedWholeAndTheModelIsUntouched) {
   const std::string dir = tmpDir() + "/replace";
   fs::create_directories(dir);

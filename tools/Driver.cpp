@@ -32,6 +32,13 @@ std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positiona
   return inputs;
 }
 
+bool writesStandardOutput(const Args &args, std::initializer_list<llvm::StringRef> flags) {
+  for (llvm::StringRef flag : flags)
+    if (args.get(flag) == "-")
+      return true;
+  return false;
+}
+
 llvm::Expected<ModelSpec> modelFromFlags(const Args &args) {
   if (auto text = args.get("--model-json")) {
     return parseModelSpec(*text, "model"); // errors start "model: $.field: ..."
@@ -394,8 +401,9 @@ llvm::Error cmdExport(int argc, char **argv) {
   }
   if (auto err = writeFilesAtomically({OutputFile{"-o", *out, *csv}}, inputs))
     return err;
-  fmt::print("wrote {} ({}: {} rows, one per rank)\n", *out, toString(form).str(),
-             plan->numRanks());
+  if (*out != "-") // (the CSV alone on standard output)
+    fmt::print("wrote {} ({}: {} rows, one per rank)\n", *out, toString(form).str(),
+               plan->numRanks());
   return llvm::Error::success();
 }
 
@@ -410,6 +418,11 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
   std::string source = args->positional().front();
   // Every output is checked before anything is read or compiled.
   const std::vector<InputFile> inputs = commandInputs(*args, "schedule");
+  const bool toStdout = writesStandardOutput(*args, {"-o", "--trace"});
+  if (toStdout && args->has("--show"))
+    return inputError("--show prints the grid to standard output, which {} - fills; write that "
+                      "to a file, or drop --show",
+                      args->get("-o") == "-" ? "-o" : "--trace");
   for (llvm::StringRef flag : {"-o", "--trace"})
     if (auto path = args->path(flag))
       if (auto err = checkOutputPath(flag, *path, inputs))
@@ -435,6 +448,8 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
   }
   if (auto err = writeFilesAtomically(outputs, inputs))
     return err;
+  if (toStdout) // the report would corrupt the file on standard output
+    return llvm::Error::success();
   if (!args->has("--quiet")) {
     fmt::print("{}", importReport(order, *result, source));
     printSummary(plan, &cluster);

@@ -30,6 +30,10 @@ namespace pipec {
 /// files its flags give (--model, --cluster). Every writer of every command is handed this list.
 std::vector<InputFile> commandInputs(const Args &args, llvm::StringRef positionalName);
 
+/// Whether one of `flags` names standard output ("-"): the command then prints nothing else
+/// there, since its summary and "wrote" lines would corrupt that file.
+bool writesStandardOutput(const Args &args, std::initializer_list<llvm::StringRef> flags);
+
 /// --model or --model-json (required).
 llvm::Expected<ModelSpec> modelFromFlags(const Args &args);
 /// --cluster or --cluster-json; the embedded default when neither is given.

@@ -91,7 +91,8 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     outputs.push_back(OutputFile{"--csv", *csv, plannerCsv(*model, cluster, o, *result)});
   if (auto err = writeFilesAtomically(outputs, commandInputs(*args, "")))
     return err;
-  if (args->has("--quiet"))
+  // (The table would corrupt a file on standard output.)
+  if (args->has("--quiet") || writesStandardOutput(*args, {"-o", "--csv"}))
     return llvm::Error::success();
 
   std::map<Outcome, size_t> count;

@@ -53,7 +53,8 @@ llvm::Error runSpecCommand(int argc, char **argv) {
     const std::vector<InputFile> inputs{{"--from-hf", *config}};
     if (auto err = writeFilesAtomically({OutputFile{"-o", *out, *text}}, inputs))
       return err;
-    fmt::print("wrote {}\n", *args->get("-o"));
+    if (*out != "-") // (the spec alone on standard output)
+      fmt::print("wrote {}\n", *args->get("-o"));
     return llvm::Error::success();
   }
   return writeStdout(*text);

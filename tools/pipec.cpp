@@ -101,11 +101,13 @@ llvm::Error cmdCompile(int argc, char **argv) {
   // Every output is checked before the (possibly long) compile: a file, or - for standard
   // output, and never one of the inputs.
   const std::vector<InputFile> inputs = commandInputs(*args, "");
-  const bool toStdout = (out && *out == "-") || args->get("--trace") == "-";
+  const bool toStdout = writesStandardOutput(*args, {"-o", "--trace", "--svg"});
   if (toStdout && args->has("--show"))
     return inputError("--show prints the grid to standard output, which {} - fills; write that "
                       "to a file, or drop --show",
-                      out && *out == "-" ? "-o" : "--trace");
+                      out && *out == "-"            ? "-o"
+                      : args->get("--trace") == "-" ? "--trace"
+                                                    : "--svg");
   for (llvm::StringRef flag : {"-o", "--trace", "--svg"})
     if (auto path = args->path(flag))
       if (auto err = checkOutputPath(flag, *path, inputs))
@@ -209,7 +211,8 @@ llvm::Error showSvg(const Plan &plan, const std::string &path, const std::string
     return err;
   if (auto err = writeFilesAtomically({OutputFile{"--svg", path, scheduleSvg(plan, tl)}}, inputs))
     return err;
-  fmt::print("wrote {}\n", asGiven);
+  if (path != "-") // (the figure alone on standard output)
+    fmt::print("wrote {}\n", asGiven);
   return llvm::Error::success();
 }
 
@@ -225,8 +228,9 @@ llvm::Error cmdShow(int argc, char **argv) {
   if (!plan)
     return plan.takeError();
   const ParallelConfig &pc = plan->parallel;
-  fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule, plan->model,
-             pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
+  if (!writesStandardOutput(*args, {"--svg"}))
+    fmt::print("{} on {}: pp={} vpp={} microbatches={} seq-splits={}\n", plan->schedule,
+               plan->model, pc.pp, pc.vpp, pc.microbatches, pc.seqSplits);
   if (auto svg = args->path("--svg"))
     return showSvg(*plan, *svg, *args->get("--svg"), inputs);
   if (args->has("--text"))
