@@ -47,7 +47,7 @@ struct FindingException : std::runtime_error {
 /// verifier's diagnostic, bad input as ValueError with the CLI's one line.
 [[noreturn]] void raise(llvm::Error err) {
   bool isFinding = exitCodeFor(err) == 1;
-  std::string msg = takeMessage(std::move(err));
+  std::string msg = printableMessage(takeMessage(std::move(err)));
   if (isFinding)
     throw FindingException(msg);
   std::replace(msg.begin(), msg.end(), '\n', ' ');

@@ -593,6 +593,17 @@ std::vector<Case> catalogue() {
       },
       "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --costs p.json",
       "--costs: p.json: $.format: expected \"pipecost/1\", got \"pipeplan/1\" (a plan)");
+  // A control character from an input is escaped in the message: a NUL cut the line there (no
+  // closing quote, no newline), an ESC drove the terminal.
+  add(
+      "ImportCellWithANulAndAnEscape",
+      [](const std::string &dir) {
+        withUniform(dir);
+        static constexpr char kCells[] = "0F0,0B0\0x\x1b[31m\n";
+        spit(dir + "/s.csv", std::string(kCells, sizeof kCells - 1));
+      },
+      "$PIPEC import s.csv --model uniform-8.json",
+      "s.csv: row 1 (rank 0), column 2: '0B0\\x00x\\x1b[31m' is not a PyTorch action");
   add("ModelPathEmpty", nullptr,
       "$PIPEC compile --model \"\" --schedule 1f1b --pp 2 --microbatches 2",
       "--model: expected the path of a model spec, got an empty one");

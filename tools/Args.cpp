@@ -45,9 +45,11 @@ int reportError(llvm::StringRef tool, llvm::Error err) {
   std::string msg = takeMessage(std::move(err));
   // (fputs, not fmt::print: a failing stderr must not throw from here)
   if (code == 2)
-    std::fputs(fmt::format("{}: error: {}\n", tool.str(), oneLine(std::move(msg))).c_str(), stderr);
+    std::fputs(fmt::format("{}: error: {}\n", tool.str(), printableMessage(oneLine(std::move(msg))))
+                   .c_str(),
+               stderr);
   else
-    std::fputs(fmt::format("{}: {}\n", tool.str(), msg).c_str(), stderr);
+    std::fputs(fmt::format("{}: {}\n", tool.str(), printableMessage(msg)).c_str(), stderr);
   return code;
 }
 

@@ -44,4 +44,14 @@ std::string shortened(llvm::StringRef value, size_t most) {
                      value.drop_front(tail).str());
 }
 
+std::string printableMessage(llvm::StringRef message) {
+  std::string out;
+  out.reserve(message.size());
+  for (char c : message)
+    out += (uint8_t(c) < 0x20 && c != '\n' && c != '\t') || c == 0x7f
+               ? fmt::format("\\x{:02x}", uint8_t(c))
+               : std::string(1, c);
+  return out;
+}
+
 } // namespace pipec

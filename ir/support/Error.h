@@ -59,6 +59,11 @@ std::string takeMessage(llvm::Error err);
 /// control characters escaped ("\n", "\x1b").
 std::string shortened(llvm::StringRef value, size_t most = 80);
 
+/// A message as it is printed or raised: every control character but the newline and the tab
+/// written as \xNN, since a NUL from an input (a CSV cell) would end the message there and an
+/// ESC would drive the terminal.
+std::string printableMessage(llvm::StringRef message);
+
 } // namespace pipec
 
 #endif // PIPEC_IR_SUPPORT_ERROR_H

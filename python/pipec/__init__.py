@@ -97,10 +97,12 @@ class Stats:
 class Plan:
     """A compiled, verified and simulated plan (pipeplan/1)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, sources=()):
         self._h = handle
         self._dict = None
         self._header = None
+        # The files it was made from, as (argument, path): its writers never write onto them.
+        self._sources = tuple(sources)
 
     # Identity and configuration.
     @property
@@ -208,7 +210,7 @@ class Plan:
 
     def grid(self, compute_only: bool = False) -> str:
         """The rank x step grid `pipec show` prints."""
-        return self._h.grid(bool(compute_only))
+        return self._h.grid(_switch("compute_only", compute_only))
 
     def to_dict(self) -> dict:
         if self._dict is None:
@@ -220,8 +222,11 @@ class Plan:
         return self._h.trace()
 
     def save(self, path) -> None:
-        """Write the plan's JSON (atomically: a temporary file, then a rename)."""
-        self._h.save(_path("path", path))
+        """Write the plan's JSON (atomically: a temporary file, then a rename), never onto a
+        file it was made from (its model, cluster, costs or plan file)."""
+        path = _path("path", path)
+        _pipec.check_output("path", path, list(self._sources))
+        self._h.save(path)
 
     def export_torch_csv(self, comms: bool = False, path=None) -> str:
         return export_torch_csv(self, comms=comms, path=path)
@@ -277,6 +282,18 @@ def _wrong(option: dict, what: str, value) -> ArgumentTypeError:
                              f"(got {type(value).__name__} {value!r:.80})")
 
 
+def _text(option: dict, value: str) -> str:
+    """A str argument as the command line takes it: a NUL would end it there (the rest
+    silently dropped), and a lone surrogate cannot be encoded."""
+    if "\0" in value:
+        raise ValueError(f"{option['python']}: cannot hold a NUL character (got {value!r})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{option['python']}: not valid text (got {value!r})") from None
+    return value
+
+
 def _typed(option: dict, value, table: dict) -> list[str]:
     """The flag and value (as the command line spells them) of a typed keyword argument."""
     kind, flag = option["kind"], option["name"]
@@ -297,7 +314,7 @@ def _typed(option: dict, value, table: dict) -> list[str]:
     if kind == "bytes":
         if not (_is_int(value) or isinstance(value, str)):
             raise _wrong(option, "a byte count (an int, or a str such as '80GiB')", value)
-        return [flag, str(value)]
+        return [flag, _text(option, str(value))]
     if kind == "double":
         if not (_is_int(value) or isinstance(value, float)):
             raise _wrong(option, "a number", value)
@@ -311,13 +328,18 @@ def _typed(option: dict, value, table: dict) -> list[str]:
         if not isinstance(value, str):
             choices = option["value"].replace("|", ", ")
             raise _wrong(option, f"one of {choices}" if kind == "enum" else "a str", value)
-        return [flag, value]
+        return [flag, _text(option, value)]
     if kind in ("int_list", "string_list"):
         element = _is_int if kind == "int_list" else (lambda v: isinstance(v, str))
         if not isinstance(value, (list, tuple)) or not all(element(v) for v in value):
             raise _wrong(option, "a list of " + ("ints" if kind == "int_list" else "str"),
                          value)
-        return [flag, ",".join(str(v) for v in value)]
+        # The command line joins the list with commas: an element holding one would be two.
+        for v in value:
+            if kind == "string_list" and "," in v:
+                raise ValueError(f"{option['python']}: an element cannot hold a comma "
+                                 f"(got {v!r}); give each as its own element")
+        return [flag, ",".join(_text(option, str(v)) for v in value)]
     raise AssertionError(f"{flag}: kind {kind} has no Python type")
 
 
@@ -337,10 +359,23 @@ def _flags(call: str, command: str, given: dict) -> list[str]:
 
 
 def _inputs(**given) -> list[tuple[str, str]]:
-    """The files a call reads, as (argument, path): the arguments given as paths. Its outputs
-    are checked against them (by device and inode, so links are caught) before any is written."""
-    return [(name, _path(name, value)) for name, value in given.items()
-            if isinstance(value, (str, os.PathLike))]
+    """The files a call reads, as (argument, path): the arguments given as paths, and the files
+    a Plan among them was made from. Its outputs are checked against them (by device and inode,
+    so links are caught) before any is written."""
+    out = []
+    for name, value in given.items():
+        if isinstance(value, (str, os.PathLike)):
+            out.append((name, _path(name, value)))
+        elif isinstance(value, Plan):
+            out += value._sources
+    return out
+
+
+def _switch(what: str, value) -> bool:
+    """A True/False argument: a truthy str such as "no" is not taken for True."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{what}: expected True or False (got {type(value).__name__})")
+    return value
 
 
 def _as_plan(plan) -> Plan:
@@ -364,7 +399,8 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
     A wrong type raises ArgumentTypeError (a TypeError) naming the argument.
     """
     given = {"model": model, "schedule": schedule, "pp": pp, "microbatches": microbatches}
-    return Plan(_pipec.compile(_flags("compile", "compile", {**given, **flags})))
+    return Plan(_pipec.compile(_flags("compile", "compile", {**given, **flags})),
+                _inputs(model=model, cluster=flags.get("cluster"), costs=flags.get("costs")))
 
 
 @dataclass(frozen=True)
@@ -399,7 +435,8 @@ def plan(model, gpus: int, global_batch: int, **flags: Any) -> PlanSearch:
     """
     given = {"model": model, "gpus": gpus, "global_batch": global_batch}
     found = _pipec.plan(_flags("plan", "plan", {**given, **flags}))
-    return PlanSearch(best=Plan(found["best"]), ranked=tuple(found["ranked"]),
+    sources = _inputs(model=model, cluster=flags.get("cluster"), costs=flags.get("costs"))
+    return PlanSearch(best=Plan(found["best"], sources), ranked=tuple(found["ranked"]),
                       searched=found["searched"], dropped=found["dropped"],
                       memory_limit=found["memory_limit"], min_headroom=found["min_headroom"],
                       tokens_per_step=found["tokens_per_step"])
@@ -414,7 +451,8 @@ def options(command: str) -> list[dict]:
 
 def load(path) -> Plan:
     """A plan from a pipeplan/1 file (validate() checks its streams)."""
-    return Plan(_pipec.load_plan(_path("path", path)))
+    path = _path("path", path)
+    return Plan(_pipec.load_plan(path), [("plan", path)])
 
 
 def validate(plan) -> None:
@@ -426,14 +464,17 @@ def validate(plan) -> None:
 def simulate(plan, trace=None) -> Plan:
     """Time and memory of a plan (a Plan or a path), as `pipec simulate` does; with `trace`, a
     Chrome/Perfetto trace is written there too. Returns the plan with fresh stats."""
-    return Plan(_pipec.simulate(_as_plan(plan)._h, None if trace is None else _path("trace", trace),
-                                _inputs(plan=plan)))
+    given = _as_plan(plan)
+    inputs = _inputs(plan=plan)
+    return Plan(_pipec.simulate(given._h, None if trace is None else _path("trace", trace),
+                                inputs), inputs)
 
 
 def export_torch_csv(plan, comms: bool = False, path=None) -> str:
     """The plan as PyTorch pipelining's schedule CSV, as `pipec export --format torch-csv`
     (or torch-csv-comms with comms=True) writes it; also written to `path` if given."""
-    csv = _as_plan(plan)._h.torch_csv(bool(comms))
+    given = _as_plan(plan)
+    csv = given._h.torch_csv(_switch("comms", comms))
     if path is not None:
         _pipec.write_file("path", _path("path", path), csv, _inputs(plan=plan))
     return csv
@@ -449,6 +490,7 @@ def import_torch_csv(source, /, model, **flags: Any) -> Plan:
     memory_limit, microbatch_group_size, schedule (the name it must be), cluster.
     """
     limit = _pipec.TEXT_INPUT_LIMIT
+    from_path = False
     read = getattr(source, "read", None)
     if read is not None and not isinstance(source, (str, bytes, os.PathLike)):
         if not callable(read):
@@ -469,13 +511,21 @@ def import_torch_csv(source, /, model, **flags: Any) -> Plan:
         text, source = source, "schedule"
     else:
         source = _path("schedule", source)
+        from_path = True
         # The command's input rules: a regular file or a pipe, bounded; /dev/zero, a directory
         # or a socket is refused before a byte is read.
         text = _pipec.read_text(source).decode("utf-8", errors="replace")
     if not isinstance(text, str):
         raise ValueError(f"schedule: expected text (got {type(text).__name__})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("schedule: not valid text (it holds a lone surrogate)") from None
     args = _flags("import_torch_csv", "import", {"model": model, **flags})
-    return Plan(_pipec.import_schedule(text, source, args))
+    sources = _inputs(model=model, cluster=flags.get("cluster"))
+    if from_path:
+        sources.append(("schedule", source))
+    return Plan(_pipec.import_schedule(text, source, args), sources)
 
 
 def list_schedules() -> list[dict]:

@@ -189,3 +189,53 @@ def test_wrong_types_raise_only_value_error_or_plan_error(plan_file, tmp_path):
                     pass
     finally:
         os.chdir(cwd)
+
+
+def test_a_plan_never_writes_onto_a_file_it_was_made_from(plan_file, tmp_path):
+    # A Plan remembers the files it came from: loaded from a path, its writers never replace
+    # that file (nor its model, cluster or costs file); the same holds through a symlink.
+    loaded = pipec.load(plan_file)
+    alias = tmp_path / "alias.json"
+    alias.symlink_to(plan_file.name)
+    for target in (plan_file, alias):
+        message = _same_bytes_after(plan_file,
+                                    lambda: loaded.export_torch_csv(path=target))
+        assert message.startswith(f"path: {target} is the plan input")
+        message = _same_bytes_after(plan_file, lambda: pipec.simulate(loaded, trace=target))
+        assert message.startswith(f"trace: {target} is the plan input")
+        message = _same_bytes_after(plan_file, lambda: loaded.save(target))
+        assert message.startswith(f"path: {target} is the plan input")
+    model = tmp_path / "model.json"
+    model.write_bytes(open(example("uniform-8.json"), "rb").read())
+    compiled = pipec.compile(model, "1f1b", pp=2, microbatches=2)
+    message = _same_bytes_after(model, lambda: compiled.save(model))
+    assert message.startswith(f"path: {model} is the model input")
+    # Written elsewhere, as before.
+    compiled.save(tmp_path / "elsewhere.json")
+    assert pipec.load(tmp_path / "elsewhere.json").json == compiled.json
+
+
+def test_str_arguments_are_taken_whole_or_refused():
+    # A NUL ended the command-line value there (the rest silently dropped); a comma inside a
+    # list element made two; a lone surrogate was pybind's generic TypeError; a truthy str
+    # such as "no" was taken for True.
+    model = example("uniform-8.json")
+    for call, message in [
+            (lambda: pipec.compile(model, "1f1b\0garbage", pp=2, microbatches=2),
+             "schedule: cannot hold a NUL"),
+            (lambda: pipec.compile(model, "1f1b", pp=2, microbatches=2, memory_limit="1GiB\0zz"),
+             "memory_limit: cannot hold a NUL"),
+            (lambda: pipec.compile(model, "1f1b\udcff", pp=2, microbatches=2),
+             "schedule: not valid text"),
+            (lambda: pipec.plan(model, 2, 8, schedules=["1f1b,zb-v"]),
+             "schedules: an element cannot hold a comma"),
+            (lambda: pipec.plan(model, 2, 8, schedules=["1f1b\0zz"]),
+             "schedules: cannot hold a NUL"),
+            (lambda: pipec.import_torch_csv("0F0,0B0\udcff\n", model), "not valid text")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    plan = pipec.compile(model, "1f1b", pp=2, microbatches=2)
+    for call, what in [(lambda: plan.export_torch_csv(comms="no"), "comms"),
+                       (lambda: plan.grid(compute_only=1), "compute_only")]:
+        with pytest.raises(TypeError, match=f"{what}: expected True or False"):
+            call()
