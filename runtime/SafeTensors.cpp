@@ -587,6 +587,12 @@ llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
   if (!llvm::sys::fs::exists(configPath))
     return inputError("no config.json: a Hugging Face model directory holds config.json and "
                       "model.safetensors (or its shards with model.safetensors.index.json)");
+  // A directory's files are files (a symbolic link to one, as a hub snapshot holds, included):
+  // a pipe there would wait for a writer that never comes.
+  for (const std::string &path : {configPath, inDir("model.safetensors.index.json")})
+    if (std::string kind = specialFileKind(path); !kind.empty())
+      return inputError("{}: is {}, not a file of a model directory (give a regular file)", path,
+                        kind);
   auto hf = loadHfConfig(configPath);
   if (!hf)
     return hf.takeError();

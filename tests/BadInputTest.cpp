@@ -610,6 +610,24 @@ std::vector<Case> catalogue() {
   add("CostsPathEmpty", withTiny,
       "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --costs \"\"",
       "--costs: expected the path of");
+  // An empty --export-hf skipped the export (exit 0) and an empty --resume started afresh.
+  add("ExportHfEmpty", withTinyPlan, "$PIPERUN p.json --steps 2 --export-hf \"\"",
+      "--export-hf: expected a path, got an empty one");
+  add("ResumeEmpty", withTinyPlan, "$PIPERUN p.json --steps 2 --resume \"\"",
+      "--resume: expected a path, got an empty one");
+  // A pipe in a model directory: its open waited for a writer forever.
+  add(
+      "InitFromADirectoryWhoseConfigIsAPipe",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        std::string cmd = "cd " + dir + " && " + runfiles() +
+                          "/tools/piperun p.json --steps 1 --export-hf hf >/dev/null";
+        ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+        fs::remove(dir + "/hf/config.json");
+        ASSERT_EQ(::mkfifo((dir + "/hf/config.json").c_str(), 0644), 0);
+      },
+      "$PIPERUN p.json --steps 1 --init-from hf",
+      "hf/config.json: is a pipe, not a file of a model directory");
   add("PiperunPlanPathEmpty", nullptr, "$PIPERUN \"\"",
       "expected the path of a plan, got an empty one");
   add("DataIsDevZero", withTinyPlan, "$PIPERUN p.json --data /dev/zero",

@@ -201,6 +201,12 @@ llvm::Expected<Request> readFlags(const Args &args) {
   if (!keep)
     return keep.takeError();
   r.keep = int(*keep);
+  // An empty path names nothing: an empty --export-hf skipped the export, and an empty
+  // --resume started afresh.
+  for (const char *flag :
+       {"--save-dir", "--resume", "--export-hf", "--init-from", "--data", "--profile"})
+    if (args.get(flag) == "")
+      return inputError("{}: expected a path, got an empty one", flag);
   r.saveDir = args.path("--save-dir");
   r.resumeDir = args.path("--resume");
   for (const char *flag : {"--save-every", "--keep"})
