@@ -370,6 +370,19 @@ void bindFiles(py::module_ &m) {
       "spec text of a Hugging Face config, as `pipec spec --from-hf`");
 
   m.def(
+      "spec_from_hf_file",
+      [](const std::string &path, const std::string &name, int64_t seqLength,
+         int64_t microbatchSize) {
+        // The command's reader: a regular file (or a pipe) of at most a config's size, a
+        // directory or device refused unread.
+        HfModel hf = unwrap(loadHfConfig(path));
+        return unwrap(hfModelSpecJson(hf, name.empty() ? hfDefaultName(hf, path) : name, seqLength,
+                                      microbatchSize, path));
+      },
+      "spec_from_hf_file(path, name, seq_length, microbatch_size): spec_from_hf of a "
+      "config.json read by `pipec spec --from-hf`'s input rules");
+
+  m.def(
       "write_file",
       [](const std::string &flag, const std::string &path, const std::string &text,
          const PyInputs &inputs) {

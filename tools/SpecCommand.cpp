@@ -42,10 +42,10 @@ llvm::Error runSpecCommand(int argc, char **argv) {
   auto batch = args->integer("--microbatch-size");
   if (!batch)
     return batch.takeError();
-  std::string name = args->get("--name").value_or(
-      llvm::sys::path::filename(llvm::sys::path::parent_path(*config)).str());
-  if (name.empty() || name == ".")
-    name = hf->modelType;
+  if (args->get("--name") == "")
+    return inputError("--name: expected a name, got an empty one (leave --name out for the "
+                      "config's directory name)");
+  std::string name = args->get("--name").value_or(hfDefaultName(*hf, *config));
   auto text = hfModelSpecJson(*hf, name, *seq, *batch, *config);
   if (!text)
     return inputError("spec: {}", takeMessage(text.takeError()));

@@ -8,6 +8,9 @@
 #include "ir/support/Files.h"
 #include "ir/support/Limits.h"
 
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/Path.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -217,6 +220,15 @@ llvm::Expected<HfModel> loadHfConfig(llvm::StringRef path) {
   if (!text)
     return text.takeError();
   return parseHfConfig(*text, path);
+}
+
+std::string hfDefaultName(const HfModel &hf, llvm::StringRef path) {
+  llvm::SmallString<256> dir(llvm::sys::path::parent_path(path)), real;
+  if (dir.empty())
+    dir = ".";
+  std::string name = llvm::sys::fs::real_path(dir, real) ? llvm::sys::path::filename(dir).str()
+                                                         : llvm::sys::path::filename(real).str();
+  return name.empty() || name == "." || name == "/" ? hf.modelType : name;
 }
 
 llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &model,

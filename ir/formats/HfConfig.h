@@ -36,6 +36,10 @@ struct HfModel {
 llvm::Expected<HfModel> parseHfConfig(llvm::StringRef text, llvm::StringRef source);
 /// Read and parse a config.json file through the project's input rules.
 llvm::Expected<HfModel> loadHfConfig(llvm::StringRef path);
+/// The name a spec of the config at `path` takes when none is given: the name of the directory
+/// holding it (resolved, so `config.json` in the current directory names that directory), else
+/// the config's model_type.
+std::string hfDefaultName(const HfModel &hf, llvm::StringRef path);
 
 /// The plan's model against the config, field by field: the first that differs is an
 /// InputError "<source>: <hf field> is <value> but the model spec's <spec field> is <value>".

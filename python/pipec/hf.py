@@ -23,6 +23,7 @@ The layers share the model's parameters (no copy), except the head's tied copy.
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from torch import nn
@@ -40,21 +41,31 @@ def model_spec(config, *, seq_length: int | None = None, microbatch_size: int = 
     """The pipemodel/1 spec (a dict) of a Hugging Face config (a ``PretrainedConfig``, a dict,
     or the path of a config.json), as ``pipec spec --from-hf``: the sequence defaults to the
     config's context. Raises ValueError naming the config field pipec cannot run."""
+    path = None
     if isinstance(config, dict):
         text, source = json.dumps(config), "config"
     elif hasattr(config, "to_json_string"):
         text, source = config.to_json_string(use_diff=False), "config"
-    elif isinstance(config, str):
-        with open(config, encoding="utf-8") as f:
-            text, source = f.read(1 << 20), config
+    elif isinstance(config, (str, os.PathLike)):
+        path = pipec._path("config", config)
     else:
         raise TypeError(f"config: expected a transformers config, a dict or a path "
                         f"(got {type(config).__name__})")
-    if seq_length is not None and (not isinstance(seq_length, int) or seq_length < 1):
-        raise ValueError(f"--seq-length: expected a positive integer (got {seq_length!r})")
-    if not isinstance(microbatch_size, int) or microbatch_size < 1:
-        raise ValueError(f"--microbatch-size: expected a positive integer (got {microbatch_size!r})")
-    spec = pipec._pipec.spec_from_hf(text, source, name or "", seq_length or 0, microbatch_size)
+    # The bounds of `pipec spec`'s own flags.
+    table = pipec._table("spec")
+    for flag, value in (("seq_length", seq_length), ("microbatch_size", microbatch_size)):
+        if value is None and flag == "seq_length":
+            continue
+        most = table[flag]["max"]
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+            raise ValueError(f"{flag}: expected an integer in [1, {most}] (got {value!r})")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name: expected a str (got {type(name).__name__})")
+    name = pipec._text(table["name"], name or "")
+    if path is not None:
+        spec = pipec._pipec.spec_from_hf_file(path, name, seq_length or 0, microbatch_size)
+    else:
+        spec = pipec._pipec.spec_from_hf(text, source, name, seq_length or 0, microbatch_size)
     return json.loads(spec)
 
 

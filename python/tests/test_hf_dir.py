@@ -304,3 +304,20 @@ def test_export_hf_refuses_a_directory_of_files_before_training(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "exists and is not empty" in r.stderr and "step 0" not in r.stdout
     assert (busy / "keep.txt").read_text() == "mine"
+
+
+def test_spec_names_the_model_by_its_directory_even_from_inside_it(tmp_path):
+    # `pipec spec --from-hf config.json` run in the config's directory named the model by its
+    # model_type ("llama"), not the directory as docs/commands.md says; --name "" was ignored.
+    folder = tmp_path / "tiny-llama-dir"
+    folder.mkdir()
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, vocab_size=V).to_json_file(folder / "config.json")
+    for cwd, path in [(tmp_path, str(folder / "config.json")), (folder, "config.json")]:
+        r = subprocess.run([pipec_binary(), "spec", "--from-hf", path], capture_output=True,
+                           text=True, check=False, cwd=cwd)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["name"] == "tiny-llama-dir"
+    r = run_pipec("spec", "--from-hf", str(folder / "config.json"), "--name", "")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--name: expected a name, got an empty one" in r.stderr

@@ -115,6 +115,30 @@ def test_model_spec_matches_what_hf_layers_cuts():
         pipec.torch.hf_layers(torch.nn.Linear(2, 2))
 
 
+def test_model_spec_reads_a_config_file_by_the_input_rules(tmp_path):
+    # A path goes through `pipec spec --from-hf`'s reader (it was Python's open(): a directory
+    # raised IsADirectoryError, /dev/zero was read, a long file cut and called malformed), and
+    # the numbers take the command's bounds (pybind's generic TypeError past 64 bits).
+    config = hf_workers.build("llama", tied=True).config.to_dict()
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(__import__("json").dumps(config))
+    spec = pipec.torch.model_spec(folder / "config.json", seq_length=16)
+    assert spec["name"] == "my-llama"  # the directory's name, as `pipec spec` gives it
+    assert spec == pipec.torch.model_spec(str(folder / "config.json"), seq_length=16)
+    for path, message in [(tmp_path, "is a directory"), ("/dev/zero", "a character device"),
+                          (tmp_path / "missing.json", "cannot read")]:
+        with pytest.raises(ValueError, match=message):
+            pipec.torch.model_spec(path)
+    for flags, message in [({"microbatch_size": 100000}, r"microbatch_size: expected an integer"),
+                           ({"seq_length": 2**70}, r"seq_length: expected an integer"),
+                           ({"name": "a\0b"}, "name: cannot hold a NUL")]:
+        with pytest.raises(ValueError, match=message):
+            pipec.torch.model_spec(config, **flags)
+    with pytest.raises(TypeError, match="name: expected a str"):
+        pipec.torch.model_spec(config, name=5)
+
+
 def test_the_example_trains_a_hugging_face_llama_from_its_config():
     r = subprocess.run([sys.executable, example("hf_llama.py"), "--pp", "2", "--steps", "6"],
                        capture_output=True, text=True, check=False, cwd=ROOT, timeout=600)
