@@ -573,6 +573,12 @@ std::vector<Case> catalogue() {
       "$PIPEC validate p.json", "$.parallel.pp: expected an integer below 2^31");
   add("PlanFieldNameOf50MBShortened", planWith([](Json &j) { j[std::string(50u << 20, 'x')] = 0; }),
       "$PIPEC validate p.json", "more bytes]");
+  // Names are printed in summaries, grids and the text form: a newline in one made `show
+  // --text` output that `import` refused.
+  add("ModelNameWithANewline", modelWith([](Json &j) { j["name"] = "a\nb"; }), kCompileUniform,
+      "$.name: expected a name without control characters");
+  add("PlanScheduleWithAnEscape", planWith([](Json &j) { j["schedule"] = "1f1b\x1b[2J"; }),
+      "$PIPEC validate p.json", "$.schedule: expected a name without control characters");
   add("PlanWrongFormat", planWith([](Json &j) { j["format"] = "pipeplan/9"; }),
       "$PIPEC validate p.json", "$.format: expected \"pipeplan/1\", got \"pipeplan/9\"");
   // --- piperun -----------------------------------------------------------------------------

@@ -267,6 +267,18 @@ llvm::Error JsonReader::getString(const Json &obj, llvm::StringRef path, llvm::S
   return llvm::Error::success();
 }
 
+llvm::Error JsonReader::getName(const Json &obj, llvm::StringRef path, llvm::StringRef key,
+                                std::string &out, bool required) const {
+  std::string got;
+  if (auto err = getString(obj, path, key, got, required))
+    return err;
+  if (llvm::any_of(got, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; }))
+    return fail(jsonPath(path, key), "a name without control characters", lookup(obj, key));
+  if (lookup(obj, key))
+    out = std::move(got);
+  return llvm::Error::success();
+}
+
 llvm::Error JsonReader::getBool(const Json &obj, llvm::StringRef path, llvm::StringRef key,
                                 bool &out, bool required) const {
   const Json *v = lookup(obj, key);

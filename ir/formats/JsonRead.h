@@ -56,6 +56,10 @@ public:
                             int64_t &out, bool required, int64_t min, int64_t max) const;
   llvm::Error getString(const Json &obj, llvm::StringRef path, llvm::StringRef key,
                         std::string &out, bool required) const;
+  /// A string that names something (a model, a schedule): printed in summaries, grids and the
+  /// text form, so without control characters (a newline would split a line a reader parses).
+  llvm::Error getName(const Json &obj, llvm::StringRef path, llvm::StringRef key, std::string &out,
+                      bool required) const;
   llvm::Error getBool(const Json &obj, llvm::StringRef path, llvm::StringRef key, bool &out,
                       bool required) const;
 

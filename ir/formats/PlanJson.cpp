@@ -727,9 +727,9 @@ struct PlanReader {
                               "post_validation", "grad_reduce_overlap", "p2p_blocking",
                               "transformer", "seq_slices", "stages", "ranks", "stats"}))
       return err;
-    if (auto err = r.getString(j, "$", "schedule", plan.schedule, true))
+    if (auto err = r.getName(j, "$", "schedule", plan.schedule, true))
       return err;
-    if (auto err = r.getString(j, "$", "model", plan.model, false))
+    if (auto err = r.getName(j, "$", "model", plan.model, false))
       return err;
     if (auto err = r.getString(j, "$", "time_unit", plan.timeUnit, false))
       return err;

@@ -407,7 +407,7 @@ llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef s
   const Json &j = *parsed;
   ModelSpec m;
   m.name = llvm::sys::path::stem(source).str();
-  if (auto err = r.getString(j, "$", "name", m.name, false))
+  if (auto err = r.getName(j, "$", "name", m.name, false))
     return err;
   bool hasLayers = j.contains("layers"), hasTransformer = j.contains("transformer");
   if (hasLayers == hasTransformer)
