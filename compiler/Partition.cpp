@@ -242,12 +242,8 @@ public:
     const ParallelConfig &pc = plan.parallel;
     int numStages = pc.numStages();
     int numLayers = int(model.layers.size());
-    if (numLayers < numStages) {
-      int pp = std::max(1, numLayers / pc.vpp);
-      return inputError("--pp {} x --vpp {} = {} stages but the model has {} layers; every "
-                        "stage needs at least one layer; try --pp {}",
-                        pc.pp, pc.vpp, numStages, numLayers, pp);
-    }
+    if (auto err = checkStageCount(model, pc))
+      return err;
     if (double(numStages) * numLayers * numLayers > 4e9)
       return inputError("the model has {} layers: too many to partition exactly into {} stages "
                         "here; merge layers with \"count\" into coarser ones",

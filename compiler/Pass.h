@@ -90,6 +90,10 @@ llvm::Error checkCompileOptions(const CompileOptions &options);
 /// transformer's heads and MLP width.
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options);
 
+/// Every stage (--pp x --vpp) holds at least one of the model's layers; an InputError naming
+/// the flag to change and a value that fits.
+llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc);
+
 /// Check the options, select the policy, and run the whole default pipeline.
 llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &cluster,
                                  const CompileOptions &options, bool verifyEach = false);

@@ -140,10 +140,17 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
   for (const Flag &f : flags)
     if (f.value < 1)
       return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
-  if (int64_t(pc.pp) * pc.vpp > kMaxStages)
-    return inputError("--pp x --vpp = {} stages is beyond what pipec plans ({}); try a smaller "
-                      "--pp",
-                      int64_t(pc.pp) * pc.vpp, kMaxStages);
+  if (int64_t(pc.pp) * pc.vpp > kMaxStages) {
+    // The flag at fault is the one past what its partner leaves room for.
+    if (pc.vpp > 1 && pc.pp <= kMaxStages)
+      return inputError("--pp {} x --vpp {} = {} stages is beyond what pipec plans ({}); try "
+                        "--vpp {}",
+                        pc.pp, pc.vpp, int64_t(pc.pp) * pc.vpp, kMaxStages, kMaxStages / pc.pp);
+    return inputError("--pp {} x --vpp {} = {} stages is beyond what pipec plans ({}); try --pp "
+                      "{}",
+                      pc.pp, pc.vpp, int64_t(pc.pp) * pc.vpp, kMaxStages,
+                      std::max<int64_t>(1, kMaxStages / pc.vpp));
+  }
   int64_t units = int64_t(pc.microbatches) * pc.seqSplits;
   if (units > kMaxUnits)
     return inputError("--microbatches x --seq-splits = {} is beyond what pipec plans (2^24)",
@@ -161,33 +168,52 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
   return llvm::Error::success();
 }
 
+llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc) {
+  const int64_t stages = int64_t(pc.pp) * pc.vpp, layers = int64_t(model.layers.size());
+  if (stages <= layers)
+    return llvm::Error::success();
+  // The flag to change: --vpp where the ranks leave room for two chunks each (what the
+  // interleaved schedules need), else --pp, unless --vpp alone is past the layers.
+  std::string fix;
+  if (pc.vpp > 1 && layers / pc.pp >= 2)
+    fix = fmt::format("--vpp {}{}", layers / pc.pp,
+                      layers / pc.vpp >= 1 ? fmt::format(" or --pp {}", layers / pc.vpp)
+                                           : std::string());
+  else if (layers / pc.vpp >= 1)
+    fix = fmt::format("--pp {}", layers / pc.vpp);
+  else
+    fix = fmt::format("--vpp {}", std::max<int64_t>(1, layers / pc.pp));
+  return inputError("--pp {} x --vpp {} = {} stages but the model has {} layers; every stage "
+                    "needs at least one layer; try {}",
+                    pc.pp, pc.vpp, stages, layers, fix);
+}
+
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options) {
+  // The layers bound the stages more tightly than what pipec plans: named first.
+  if (options.parallel.pp >= 1 && options.parallel.vpp >= 1)
+    if (auto err = checkStageCount(model, options.parallel))
+      return err;
   if (auto err = checkCompileOptions(options))
     return err;
   if (auto err = checkCompileBudget(model, options)) // before anything is allocated
     return err;
   if (model.transformer) {
-    // Megatron splits heads and the MLP's hidden size across tp ranks.
+    // Megatron splits heads, key/value groups and the MLP's hidden size across tp ranks: the
+    // suggestion divides all three.
     const TransformerConfig &t = *model.transformer;
     int tp = options.parallel.tp;
-    if (t.numAttentionHeads % tp != 0 || t.ffnHiddenSize % tp != 0) {
-      int64_t best = 1;
-      for (int64_t d = 1; d <= tp; ++d)
-        if (t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0)
-          best = d;
+    int64_t best = 1;
+    for (int64_t d = 1; d <= tp; ++d)
+      if (t.kvHeads() % d == 0 && t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0)
+        best = d;
+    if (t.numAttentionHeads % tp != 0 || t.ffnHiddenSize % tp != 0)
       return inputError("--tp {} must divide num_attention_heads ({}) and ffn_hidden_size ({}); "
                         "try --tp {}",
                         tp, t.numAttentionHeads, t.ffnHiddenSize, best);
-    }
-    if (t.kvHeads() % tp != 0) {
-      int64_t best = 1;
-      for (int64_t d = 1; d <= tp; ++d)
-        if (t.kvHeads() % d == 0 && t.numAttentionHeads % d == 0 && t.ffnHiddenSize % d == 0)
-          best = d;
+    if (t.kvHeads() % tp != 0)
       return inputError("--tp {} must divide num_query_groups ({}): each tp rank holds whole "
                         "key/value groups; try --tp {}",
                         tp, t.kvHeads(), best);
-    }
   }
   return llvm::Error::success();
 }

@@ -278,7 +278,8 @@ std::vector<Case> catalogue() {
   add("PipecWithoutArguments", nullptr, "$PIPEC", "expected a command");
   add("PiperunWithoutArguments", nullptr, "$PIPERUN", "expected a plan file");
   // --- Sizes: run, or refused up front with the memory they need ---------------------------
-  add("PpTimesMicrobatchesAtTheMaximum", withUniform,
+  // (4096 layers: the stage count holds them, and the units' bound is what is reached.)
+  add("PpTimesMicrobatchesAtTheMaximum", modelWith([](Json &j) { j["layers"][0]["count"] = 4096; }),
       "$PIPEC compile --model uniform-8.json "
       "--schedule gpipe --pp 4096 --microbatches 16777216",
       "beyond what pipec plans (2^24)");

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <sys/stat.h>
@@ -156,6 +157,37 @@ TEST(CliTest, MoreStagesThanLayersIsExitTwo) {
                      " --schedule 1f1b --pp 16 --microbatches 8",
                  "16 stages but the model has 8 layers; every stage needs at least one layer; "
                  "try --pp 8");
+}
+
+// A suggested fix, applied as written, compiles (a helper's sweep found loops: "try --pp 1" for
+// a --vpp past the layers, "try --tp 4" where the key/value groups need 2, a schedule's fix
+// that ran into the layer count, a bound's fix that ran into the next bound).
+TEST(CliTest, AFlagsSuggestedFixAppliedAsWrittenCompiles) {
+  const std::regex fixRe(R"(; try (--[a-z-]+) (\S+?)(?: or .*)?\n$)");
+  for (std::string line :
+       {"--model examples/tiny-gpt.json --schedule interleaved-1f1b --pp 2 --vpp 9 "
+        "--microbatches 4",
+        "--model examples/tiny-gpt.json --schedule 1f1b --pp 4 --vpp 100000 --microbatches 4",
+        "--model examples/tiny-gpt.json --schedule interleaved-1f1b --pp 4 --vpp 2 "
+        "--microbatches 6",
+        "--model examples/tiny-llama.json --schedule 1f1b --pp 2 --microbatches 4 --tp 8",
+        "--model examples/tiny-gpt.json --schedule 1f1b --pp 9 --microbatches 9"}) {
+    SCOPED_TRACE(line);
+    Result r = pipec("compile --quiet " + line);
+    std::string history;
+    for (int fixes = 0; r.code == 2 && fixes < 3; ++fixes) {
+      std::smatch fix;
+      ASSERT_TRUE(std::regex_search(r.err, fix, fixRe)) << history << r.err;
+      history += r.err;
+      // The flag's value replaced (the first fix names a flag the line has).
+      const std::regex flagValue(fix[1].str() + " \\S+");
+      ASSERT_TRUE(std::regex_search(line, flagValue)) << history;
+      line = std::regex_replace(line, flagValue, fix[1].str() + " " + fix[2].str());
+      r = pipec("compile --quiet " + line);
+    }
+    EXPECT_EQ(r.code, 0) << history << r.err;
+    EXPECT_LE(std::count(history.begin(), history.end(), '\n'), 1) << history;
+  }
 }
 
 TEST(CliTest, UnknownScheduleIsExitTwoAndSuggestsTheNearest) {
