@@ -1172,7 +1172,7 @@ int64_t Search::nearestGpus(const std::vector<int> &tps) const {
   int64_t best = 0;
   std::vector<int64_t> dps = divisorsOf64(batch);
   auto offer = [&](int64_t g, int pp, int64_t dp) {
-    if (g < 1 || g > (int64_t(1) << 20) || !splits(pp, batch / dp))
+    if (g < 1 || g > (int64_t(1) << 20) || g / pp > kMaxTpDp || !splits(pp, batch / dp))
       return false;
     if (!best || std::abs(g - o.gpus) < std::abs(best - o.gpus) ||
         (std::abs(g - o.gpus) == std::abs(best - o.gpus) && g < best))
@@ -1220,12 +1220,13 @@ llvm::Error Search::explainNoLayout() const {
       out += (out.empty() ? "" : ",") + std::to_string(x);
     return out;
   };
-  // (tp, pp) pairs of this GPU count.
+  // (tp, pp) pairs of this GPU count (tp x dp within what compile plans, as enumerate()'s
+  // candidates are: a prime GPU count's dp past it is no layout, whatever the batch).
   std::vector<std::pair<int, int>> pairs;
   for (int tp : tps)
     if (o.gpus % tp == 0)
       for (int pp = 1; pp <= std::min(numLayers, o.gpus / tp); ++pp)
-        if ((o.gpus / tp) % pp == 0 && ppAllowed(pp))
+        if ((o.gpus / tp) % pp == 0 && ppAllowed(pp) && o.gpus / pp <= kMaxTpDp)
           pairs.push_back({tp, pp});
   const int64_t bestBatch = nearestBatch(pairs);
   const int64_t bestGpus = nearestGpus(tps);

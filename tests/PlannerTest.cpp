@@ -666,6 +666,14 @@ TEST(PlannerTest, BadInputNamesTheFlagAndTheNearestValidValue) {
   ASSERT_FALSE(bool(r));
   msg = takeMessage(r.takeError());
   EXPECT_EQ(msg.rfind("--gpus 1048573: no layout", 0), 0u) << msg;
+  // Not the batch of its own size: tp x dp = 1048573 is past what compile plans (65536), so
+  // that batch was a suggestion that answered with itself. The GPU count suggested plans.
+  EXPECT_EQ(msg.find("--global-batch"), std::string::npos) << msg;
+  std::smatch gpus;
+  ASSERT_TRUE(std::regex_search(msg, gpus, std::regex("try --gpus (\\d+)$"))) << msg;
+  o.gpus = std::stoi(gpus[1]);
+  r = planLayouts(transformer("", 2), smallCluster(), o);
+  EXPECT_TRUE(bool(r)) << (r ? "" : takeMessage(r.takeError()));
   o = smallSearch();
   o.schedules = {"1f1b", "zb-h3"};
   r = planLayouts(transformer(), smallCluster(), o);
