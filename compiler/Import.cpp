@@ -251,8 +251,18 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
                         "--schedule to have the order recognised",
                         options.schedule, toString(named->placement()).str(), source.str(),
                         toString(placement).str());
-    if (auto err = named->check(o.parallel))
-      return err;
+    // The layout is the file's, not flags import takes: the schedule's own fix ("try --vpp
+    // 2", "try --seq-splits 1") would not apply, so the way out named is the file's.
+    if (auto err = named->check(o.parallel)) {
+      std::string why = takeMessage(std::move(err));
+      if (size_t at = why.find("; try "); at != std::string::npos)
+        why.resize(at);
+      return inputError("--schedule {}: {} ({}'s layout: pp {}, {} chunk{} per rank, {} "
+                        "microbatches, {} sub-sequence{}); drop --schedule to have the order "
+                        "recognised",
+                        options.schedule, why, source.str(), pp, vpp, vpp == 1 ? "" : "s",
+                        order.microbatches, order.seqSplits, order.seqSplits == 1 ? "" : "s");
+    }
   }
 
   ImportedOrderPolicy policy(order, placement, named, options.memoryLimit, source);

@@ -503,6 +503,13 @@ std::vector<Case> catalogue() {
       },
       "$PIPEC export p.json --format torch-csv -o linked.csv",
       "-o: linked.csv is the plan input (p.json)");
+  // A --schedule the file's layout does not take: the way out is the file's (its fix "try --vpp
+  // 2, or --schedule 1f1b" led to "--vpp 2 disagrees with s.csv; try --vpp 1", and back).
+  add("ImportScheduleTheFilesLayoutDoesNotTake", withTinyPlanAndCsv,
+      "$PIPEC import s.csv --model tiny-gpt.json --schedule interleaved-1f1b",
+      "--schedule interleaved-1f1b: interleaved-1f1b needs --vpp >= 2 (got 1) (s.csv's layout: "
+      "pp 2, 1 chunk per rank, 2 microbatches, 1 sub-sequence); drop --schedule to have the "
+      "order recognised");
   add("ImportOntoItsCsv", withTinyPlanAndCsv, "$PIPEC import s.csv --model tiny-gpt.json -o s.csv",
       "-o: s.csv is the schedule input");
   add("ImportOntoItsModel", withTinyPlanAndCsv,
