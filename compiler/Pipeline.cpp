@@ -139,7 +139,7 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
                {"--seq-splits", pc.seqSplits}};
   for (const Flag &f : flags)
     if (f.value < 1)
-      return inputError("{} must be at least 1 (got {}); try 1", f.name, f.value);
+      return inputError("{} must be at least 1 (got {}); try {} 1", f.name, f.value, f.name);
   if (int64_t(pc.pp) * pc.vpp > kMaxStages) {
     // The flag at fault is the one past what its partner leaves room for.
     if (pc.vpp > 1 && pc.pp <= kMaxStages)
@@ -161,8 +161,9 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
                       "plans (2^24); try --microbatches {}",
                       stages * units, std::max<int64_t>(1, (kMaxUnits / stages) / pc.seqSplits));
   if (int64_t(pc.tp) * pc.dp > kMaxTpDp)
-    return inputError("--tp x --dp = {} is beyond what pipec plans ({})", int64_t(pc.tp) * pc.dp,
-                      kMaxTpDp);
+    return inputError("--tp {} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}", pc.tp,
+                      pc.dp, int64_t(pc.tp) * pc.dp, kMaxTpDp,
+                      std::max<int64_t>(1, kMaxTpDp / pc.tp));
   if (o.memoryLimit < 0)
     return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
   return llvm::Error::success();

@@ -241,7 +241,7 @@ std::vector<Case> catalogue() {
   add("PpZero", withUniform,
       "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 0 "
       "--microbatches 8",
-      "--pp must be at least 1 (got 0); try 1");
+      "--pp must be at least 1 (got 0); try --pp 1");
   add("PpNotANumber", withUniform,
       "$PIPEC compile --model uniform-8.json --schedule 1f1b "
       "--pp four --microbatches 8",

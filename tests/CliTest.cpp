@@ -149,7 +149,7 @@ TEST(CliTest, StringWhereANumberBelongsNamesTheField) {
 TEST(CliTest, ZeroPipelineRanksIsExitTwo) {
   expectBadInput(std::string("compile --model ") + kModel +
                      " --schedule 1f1b --pp 0 --microbatches 8",
-                 "--pp must be at least 1 (got 0); try 1");
+                 "--pp must be at least 1 (got 0); try --pp 1");
 }
 
 TEST(CliTest, MoreStagesThanLayersIsExitTwo) {
@@ -171,7 +171,10 @@ TEST(CliTest, AFlagsSuggestedFixAppliedAsWrittenCompiles) {
         "--model examples/tiny-gpt.json --schedule interleaved-1f1b --pp 4 --vpp 2 "
         "--microbatches 6",
         "--model examples/tiny-llama.json --schedule 1f1b --pp 2 --microbatches 4 --tp 8",
-        "--model examples/tiny-gpt.json --schedule 1f1b --pp 9 --microbatches 9"}) {
+        "--model examples/tiny-gpt.json --schedule 1f1b --pp 9 --microbatches 9",
+        "--model examples/tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 4 --dp 1000000000",
+        "--model examples/tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 4 --tp 2 --dp "
+        "65536"}) {
     SCOPED_TRACE(line);
     Result r = pipec("compile --quiet " + line);
     std::string history;

@@ -109,7 +109,7 @@ TEST(OptionsTest, TheParserChecksEachKindFromTheTable) {
   auto big = parseCompile({"--pp", std::to_string(kMaxFlagCount + 1)});
   ASSERT_TRUE(bool(big));
   EXPECT_EQ(errorOf(big->integer("--pp").takeError()),
-            "--pp must be at most 16777216 (got 16777217); try 16777216");
+            "--pp must be at most 16777216 (got 16777217); try --pp 16777216");
   auto bad = parseCompile({"--recompute", "most"});
   ASSERT_TRUE(bool(bad));
   EXPECT_EQ(errorOf(bad->choice("--recompute").takeError()),

@@ -192,12 +192,14 @@ llvm::Expected<int64_t> Args::integer(llvm::StringRef flag, int64_t fallback, in
   llvm::StringRef s(*v);
   int64_t out = 0;
   if (s.getAsInteger(10, out))
-    return inputError("{} expects an integer (got '{}'); try {}", flag.str(), *v,
+    return inputError("{} expects an integer (got '{}'); try {} {}", flag.str(), *v, flag.str(),
                       std::max(min, fallback));
   if (out < min)
-    return inputError("{} must be at least {} (got {}); try {}", flag.str(), min, out, min);
+    return inputError("{} must be at least {} (got {}); try {} {}", flag.str(), min, out,
+                      flag.str(), min);
   if (out > max)
-    return inputError("{} must be at most {} (got {}); try {}", flag.str(), max, out, max);
+    return inputError("{} must be at most {} (got {}); try {} {}", flag.str(), max, out, flag.str(),
+                      max);
   return out;
 }
 

@@ -123,8 +123,9 @@ constexpr Opt kMemoryLimit =
     bytes("--memory-limit", "every rank's peak memory at most this (80GiB, 512MiB, ...)");
 constexpr Opt kGroupSize =
     count("--microbatch-group-size", "G", "microbatches per group of an interleaved schedule", 0);
-constexpr Opt kTp = count("--tp", "T", "tensor-parallel ranks per stage");
-constexpr Opt kDp = count("--dp", "D", "data-parallel replicas");
+// (At most what tp x dp may reach: a larger one's suggested bound would be refused next.)
+constexpr Opt kTp = integer("--tp", "T", "tensor-parallel ranks per stage", 1, kMaxTpDp, 1);
+constexpr Opt kDp = integer("--dp", "D", "data-parallel replicas", 1, kMaxTpDp, 1);
 constexpr Opt kSequenceParallel =
     sw("--sequence-parallel", "Megatron's sequence parallelism (with --tp)");
 constexpr Opt kDistributedOptimizer =
