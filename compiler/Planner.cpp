@@ -340,6 +340,16 @@ llvm::Error Search::setUp() {
       if (llvm::any_of(schedules, [&](const ScheduleChoice &c) { return c.policy == *p; }))
         continue;
       schedules.push_back(probe(*p, o));
+      // A schedule asked for by name that --max-vpp leaves no chunk count: named, with the
+      // least --max-vpp that gives it one (else the search found nothing and said --gpus).
+      if (schedules.back().vpps.empty()) {
+        PlannerOptions wider = o;
+        wider.maxVpp = 64;
+        const std::vector<int> takes = probe(*p, wider).vpps;
+        return inputError("--max-vpp {}: {} needs more chunks per rank{}", o.maxVpp, name,
+                          takes.empty() ? std::string()
+                                        : fmt::format("; try --max-vpp {}", takes.front()));
+      }
     }
   }
   // Seq1F1B with one sub-sequence is its plain schedule (seq1f1b: 1f1b, seq1f1b-interleaved:
@@ -1293,9 +1303,19 @@ llvm::Error Search::explainNoLayout() const {
     return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
                       "microbatches (at most 2^24) x microbatch size; try --global-batch {}",
                       batch, o.gpus, bestBatch);
-  return inputError("--gpus {}: no layout fits this model and --global-batch {}; see "
-                    "--csv for each candidate's reason",
-                    o.gpus, batch);
+  // Layouts of this count and batch exist, but the flags' schedules and sizes drop each: the
+  // commonest reason names the rule (the CSV is not written on an error).
+  std::map<std::string, size_t> reasons;
+  for (const PlanCandidate &c : cands)
+    if (!c.why.empty())
+      ++reasons[c.why];
+  auto commonest = std::max_element(reasons.begin(), reasons.end(),
+                                    [](auto &a, auto &b) { return a.second < b.second; });
+  if (commonest == reasons.end())
+    return inputError("--gpus {}: no layout fits this model and --global-batch {}", o.gpus, batch);
+  return inputError("--gpus {}: no layout fits this model and --global-batch {} under the flags "
+                    "given: all {} candidates break a rule, {} of them this one: {}",
+                    o.gpus, batch, cands.size(), commonest->second, commonest->first);
 }
 
 llvm::Expected<PlannerResult> Search::run() {

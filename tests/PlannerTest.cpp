@@ -1383,5 +1383,24 @@ TEST(PlannerCliTest, HugeInputsWithoutALayoutAreOneLineNamingTheFlag) {
   }
 }
 
+TEST(PlannerCliTest, NoLayoutUnderTheFlagsGivenNamesTheRuleOrTheFlag) {
+  // Both said "--gpus N: no layout fits ...; see --csv for each candidate's reason", though the
+  // GPU count was fine and no CSV is written on an error (a helper's sweep).
+  const std::string m = "tools/pipec plan --model examples/tiny-gpt.json --threads 1 ";
+  Result r = run(m + "--gpus 4 --global-batch 4 --pp 4 --schedules zb-v");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("candidates break a rule, 24 of them this one: pp 4 x vpp 2 stages exceed "
+                       "the model's 6 layers"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("--csv"), std::string::npos) << r.err;
+  r = run(m + "--gpus 2 --global-batch 8 --pp 2 --schedules interleaved-1f1b --max-vpp 1");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_EQ(r.err, "pipec: error: --max-vpp 1: interleaved-1f1b needs more chunks per rank; try "
+                   "--max-vpp 2\n");
+  r = run(m + "--gpus 2 --global-batch 8 --pp 2 --schedules interleaved-1f1b --max-vpp 2");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
 } // namespace
 } // namespace pipec
