@@ -305,7 +305,8 @@ llvm::Error Search::checkCostsCover() const {
   const MeasuredCosts &m = *o.costs;
   return inputError("{}: measured on {} stages with {} sub-sequences{}, and no candidate of "
                     "this search has that layout (their pp x vpp: {}); profile a plan of a "
-                    "layout the search tries, or widen --pp, --max-vpp or --seq-splits",
+                    "layout the search tries, or let it try the file's: its pp divides the GPUs "
+                    "over --tp, and --pp, --max-vpp and --seq-splits allow it",
                     o.costsSource, m.numStages, m.numSlices,
                     m.ranks.empty() ? std::string()
                                     : fmt::format(" on {} pipeline ranks", m.ranks.size()),
