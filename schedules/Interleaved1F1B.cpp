@@ -50,20 +50,29 @@ public:
 
   llvm::Error checkMore(const ParallelConfig &c) const override {
     int p = c.pp, m = c.microbatches, g = c.microbatchGroupSize;
-    if (g > 0 && g < p)
+    // Each suggestion satisfies every rule below too (the last group's included), so that,
+    // applied, it compiles.
+    auto fitsM = [&](int x) { return groupsFit(m, x, p); };
+    if (g > 0 && g < p) {
+      int tryG = m >= p ? nearestValid(p, p, m, fitsM) : p;
       return inputError("interleaved-1f1b needs --microbatch-group-size >= --pp (got {}, pp "
-                        "{}); a smaller group leaves bubbles; try {}",
-                        g, p, p);
-    if (m < p)
-      return inputError("interleaved-1f1b needs --microbatches >= --pp (got {}, pp {}); try {}", m,
-                        p, p);
+                        "{}); a smaller group leaves bubbles; try --microbatch-group-size {}",
+                        g, p, tryG < 0 ? p : tryG);
+    }
+    if (m < p) {
+      int tryM =
+          g > 0 ? nearestValid(p, p, kMaxFlagCount, [&](int x) { return groupsFit(x, g, p); }) : p;
+      return inputError("interleaved-1f1b needs --microbatches >= --pp (got {}, pp {}); try "
+                        "--microbatches {}",
+                        m, p, tryM);
+    }
     if (g <= 0) {
       // Default G = P: the last group is m mod P, which is 0 or < P, so m must be a multiple
       // of P; or the user picks a group size that leaves a long enough last group.
       if (m % p == 0)
         return llvm::Error::success();
       int tryM = nearestValid(m, p, kMaxFlagCount, [&](int x) { return x % p == 0; });
-      int tryG = nearestValid(p, p, m, [&](int x) { return groupsFit(m, x, p); });
+      int tryG = nearestValid(p, p, m, fitsM);
       return inputError("interleaved-1f1b needs --microbatches to be a multiple of --pp={} "
                         "(got {}) or a --microbatch-group-size whose last group is at least "
                         "--pp; try {}, or --microbatch-group-size {}",
@@ -72,7 +81,7 @@ public:
     if (g > m)
       return inputError("interleaved-1f1b needs --microbatch-group-size <= --microbatches (got "
                         "{}, microbatches {}); try --microbatch-group-size {}",
-                        g, m, nearestValid(g, p, m, [&](int x) { return groupsFit(m, x, p); }));
+                        g, m, nearestValid(g, p, m, fitsM));
     if (!groupsFit(m, g, p))
       return inputError(
           "interleaved-1f1b needs --microbatches to be a multiple of --microbatch-group-size={} "
@@ -80,7 +89,7 @@ public:
           "--microbatch-group-size {}",
           g, p, m, m % g,
           nearestValid(m, g, kMaxFlagCount, [&](int x) { return groupsFit(x, g, p); }),
-          nearestValid(g, p, m, [&](int x) { return groupsFit(m, x, p); }));
+          nearestValid(g, p, m, fitsM));
     return llvm::Error::success();
   }
 

@@ -53,15 +53,24 @@ public:
   llvm::Error checkMore(const ParallelConfig &c) const override {
     int p = c.pp, m = c.microbatches, k = c.seqSplits, g = c.microbatchGroupSize;
     int minG = defaultGroupSize(p, k);
-    if (g > 0 && int64_t(g) * k < p)
+    // Each suggestion satisfies every rule below too (the last group's included), so that,
+    // applied, it compiles.
+    auto fitsM = [&](int x) { return groupsFit(m, x, k, p); };
+    if (g > 0 && int64_t(g) * k < p) {
+      int tryG = m >= minG ? nearestValid(minG, minG, m, fitsM) : minG;
       return inputError("seq1f1b-interleaved needs --microbatch-group-size x --seq-splits >= "
-                        "--pp (got {} x {}, pp {}); a smaller group leaves bubbles; try {}",
-                        g, k, p, minG);
-    if (m < minG)
+                        "--pp (got {} x {}, pp {}); a smaller group leaves bubbles; try "
+                        "--microbatch-group-size {}",
+                        g, k, p, tryG < 0 ? minG : tryG);
+    }
+    if (m < minG) {
+      int tryM = g > 0 ? nearestValid(minG, minG, kMaxFlagCount,
+                                      [&](int x) { return groupsFit(x, g, k, p); })
+                       : minG;
       return inputError("seq1f1b-interleaved needs --microbatches x --seq-splits >= --pp (got {} "
                         "x {}, pp {}); try --microbatches {}",
-                        m, k, p, minG);
-    auto fitsM = [&](int x) { return groupsFit(m, x, k, p); };
+                        m, k, p, tryM);
+    }
     if (g <= 0) {
       if (groupsFit(m, minG, k, p))
         return llvm::Error::success();

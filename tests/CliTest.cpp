@@ -174,7 +174,13 @@ TEST(CliTest, AFlagsSuggestedFixAppliedAsWrittenCompiles) {
         "--model examples/tiny-gpt.json --schedule 1f1b --pp 9 --microbatches 9",
         "--model examples/tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 4 --dp 1000000000",
         "--model examples/tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 4 --tp 2 --dp "
-        "65536"}) {
+        "65536",
+        "--model examples/uniform-8.json --schedule interleaved-1f1b --pp 4 --vpp 2 "
+        "--microbatches 5 --microbatch-group-size 1",
+        "--model examples/uniform-8.json --schedule seq1f1b-interleaved --pp 4 --vpp 2 "
+        "--seq-splits 3 --microbatches 3 --microbatch-group-size 1",
+        "--model examples/uniform-8.json --schedule interleaved-1f1b --pp 4 --vpp 2 "
+        "--microbatches 3 --microbatch-group-size 5"}) {
     SCOPED_TRACE(line);
     Result r = pipec("compile --quiet " + line);
     std::string history;

@@ -153,12 +153,19 @@ TEST(Interleaved1F1BTest, RejectsAGroupSmallerThanThePipeline) {
   // Megatron-LM#1829: G < p used to be accepted silently, with large bubbles.
   EXPECT_EQ(compileError(unitStages(8), withGroup(options("interleaved-1f1b", 4, 8, 2), 2)),
             "interleaved-1f1b needs --microbatch-group-size >= --pp (got 2, pp 4); a smaller "
-            "group leaves bubbles; try 4");
+            "group leaves bubbles; try --microbatch-group-size 4");
+  // The suggested group leaves a long enough last group too (5 = 4 + 1 would not).
+  EXPECT_EQ(compileError(unitStages(8), withGroup(options("interleaved-1f1b", 4, 5, 2), 1)),
+            "interleaved-1f1b needs --microbatch-group-size >= --pp (got 1, pp 4); a smaller "
+            "group leaves bubbles; try --microbatch-group-size 5");
 }
 
 TEST(Interleaved1F1BTest, RejectsFewerMicrobatchesThanRanks) {
   EXPECT_EQ(compileError(unitStages(8), options("interleaved-1f1b", 4, 3, 2)),
-            "interleaved-1f1b needs --microbatches >= --pp (got 3, pp 4); try 4");
+            "interleaved-1f1b needs --microbatches >= --pp (got 3, pp 4); try --microbatches 4");
+  // With a group of 5, at least 5 microbatches.
+  EXPECT_EQ(compileError(unitStages(8), withGroup(options("interleaved-1f1b", 4, 3, 2), 5)),
+            "interleaved-1f1b needs --microbatches >= --pp (got 3, pp 4); try --microbatches 5");
 }
 
 TEST(Interleaved1F1BTest, RejectsMicrobatchesNotAMultipleOfTheDefaultGroup) {
@@ -328,7 +335,7 @@ TEST(Seq1F1BInterleavedTest, RejectsAGroupOfFewerSubSequencesThanRanks) {
   EXPECT_EQ(
       compileError(unitStages(16), withGroup(options("seq1f1b-interleaved", 8, 8, 2, 2), 2)),
       "seq1f1b-interleaved needs --microbatch-group-size x --seq-splits >= --pp (got 2 x 2, pp "
-      "8); a smaller group leaves bubbles; try 4");
+      "8); a smaller group leaves bubbles; try --microbatch-group-size 4");
 }
 
 TEST(Seq1F1BInterleavedTest, RejectsTooFewSubSequences) {
