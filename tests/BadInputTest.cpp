@@ -618,6 +618,20 @@ std::vector<Case> catalogue() {
       },
       "$PIPEC import s.csv --model uniform-8.json",
       "s.csv: row 1 (rank 0), column 2: '0B0\\x00x\\x1b[31m' is not a PyTorch action");
+  // Accepted silently before (a helper's sweep): a typo'd list, a fractional byte count, an
+  // argument to a command that takes none, a data type with no data.
+  add("PlanTpListWithAnEmptyEntry", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 8 --global-batch 8 --tp 2,,4",
+      "--tp expects a comma-separated list of positive integers such as 1,2,4 (got '2,,4')");
+  add("PlanSchedulesWithAnEmptyEntry", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 8 --global-batch 8 --schedules 1f1b,",
+      "--schedules: an empty entry in '1f1b,'");
+  add("MemoryLimitAFractionOfAByte", withUniform, kCompileUniform + " --memory-limit 1.5",
+      "--memory-limit expects a positive byte count such as 85899345920 or 80GiB (got '1.5')");
+  add("ListSchedulesWithAnArgument", nullptr, "$PIPEC list-schedules x",
+      "list-schedules: unexpected argument 'x'");
+  add("DataDtypeWithoutData", withTinyPlan, "$PIPERUN p.json --data-dtype uint32",
+      "--data-dtype needs --data");
   add("ModelPathEmpty", nullptr,
       "$PIPEC compile --model \"\" --schedule 1f1b --pp 2 --microbatches 2",
       "--model: expected the path of a model spec, got an empty one");

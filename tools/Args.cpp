@@ -250,7 +250,8 @@ llvm::Expected<std::vector<int64_t>> Args::integers(llvm::StringRef flag) const 
   if (!v)
     return out;
   llvm::SmallVector<llvm::StringRef, 8> parts;
-  llvm::StringRef(*v).split(parts, ',', -1, false);
+  // (Empty parts kept: "2,,4" is a typo, refused, not the list 2,4.)
+  llvm::StringRef(*v).split(parts, ',', -1, true);
   for (llvm::StringRef p : parts) {
     int64_t x = 0;
     if (p.trim().getAsInteger(10, x) || x < 1 || x > kMaxFlagCount)
@@ -271,9 +272,13 @@ llvm::Expected<std::vector<std::string>> Args::words(llvm::StringRef flag) const
   if (!v)
     return out;
   llvm::SmallVector<llvm::StringRef, 8> parts;
-  llvm::StringRef(*v).split(parts, ',', -1, false);
-  for (llvm::StringRef p : parts)
+  llvm::StringRef(*v).split(parts, ',', -1, true);
+  for (llvm::StringRef p : parts) {
+    if (p.trim().empty())
+      return inputError("{}: an empty entry in '{}'; expected a comma-separated list such as {}",
+                        flag.str(), *v, o.example ? o.example : o.value);
     out.push_back(p.trim().str());
+  }
   if (out.empty())
     return inputError("{} expects a comma-separated list such as {}", flag.str(),
                       o.example ? o.example : o.value);
@@ -308,6 +313,8 @@ llvm::Expected<int64_t> Args::bytes(llvm::StringRef flag) const {
   for (const Unit &u : units)
     if (unit.equals_insensitive(u.name))
       factor = u.factor;
+  // A count of bytes is whole: "1.5" is a slip (a unit left out?), not 2 bytes.
+  bad |= factor == 1 && value != std::floor(value);
   if (bad || factor < 0 || value * factor < 1 || value * factor > 9e18)
     return inputError("{} expects a positive byte count such as 85899345920 or 80GiB (got "
                       "'{}')",

@@ -244,6 +244,10 @@ llvm::Error cmdListSchedules(int argc, char **argv) {
   auto args = Args::parse(argc, argv, 2, *findPipecCommand("list-schedules"));
   if (!args)
     return args.takeError();
+  if (!args->positional().empty())
+    return inputError("list-schedules: unexpected argument '{}' (it takes none; usage: pipec "
+                      "list-schedules)",
+                      args->positional().front());
   for (const SchedulePolicy *p : allPolicies())
     fmt::print("{:<20} {}\n{:<20} constraints: {}\n", p->name().str(), p->summary().str(), "",
                p->constraints().str());

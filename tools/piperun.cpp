@@ -212,6 +212,9 @@ llvm::Expected<Request> readFlags(const Args &args) {
   for (const char *flag : {"--save-every", "--keep"})
     if (args.has(flag) && !r.saveDir)
       return inputError("{} needs --save-dir (where to save); try --save-dir ckpt", flag);
+  if (args.has("--data-dtype") && !args.has("--data"))
+    return inputError("--data-dtype needs --data (the token file it describes); try --data "
+                      "tokens.bin, or drop --data-dtype");
   r.initFrom = args.path("--init-from");
   if (r.initFrom && r.resumeDir)
     return inputError("--init-from and --resume both set the weights; give one (a resume "
