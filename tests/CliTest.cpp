@@ -461,7 +461,7 @@ TEST(PiperunTest, AnUnknownFlagIsOneLineThatNamesTheToolOnce) {
   EXPECT_EQ(r.err, "piperun: error: unknown flag --stepz; did you mean --steps?\n");
   Result twice = piperun(plan + " --backend cpu --steps 1 --steps 2");
   EXPECT_EQ(twice.code, 2);
-  EXPECT_EQ(twice.err, "piperun: error: --steps given twice\n");
+  EXPECT_EQ(twice.err, "piperun: error: --steps given twice ('1' and '2'); give it once\n");
 }
 
 TEST(PiperunTest, TheCpuBackendRefusesBf16InOneLine) {

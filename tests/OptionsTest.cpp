@@ -117,7 +117,7 @@ TEST(OptionsTest, TheParserChecksEachKindFromTheTable) {
   EXPECT_EQ(errorOf(parseCompile({"--show=1"}).takeError()),
             "compile: --show takes no value (got '1')");
   EXPECT_EQ(errorOf(parseCompile({"-o", "a", "--output", "b"}).takeError()),
-            "compile: --output given twice");
+            "compile: --output given twice ('a' and 'b'); give it once");
 }
 
 TEST(OptionsTest, PythonOnlyFlagsAreNotTheCommandLines) {

@@ -135,11 +135,13 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first, const Command
     }
     if (!hasValue) {
       if (i + 1 >= argc)
-        return inputError("{}{} needs a value", prefix, name.str());
+        return inputError("{}{} needs a value; give it as {} {}", prefix, name.str(), name.str(),
+                          o->example ? o->example : o->value);
       value = argv[++i];
     }
     if (a.values.count(o->name))
-      return inputError("{}{} given twice", prefix, name.str());
+      return inputError("{}{} given twice ('{}' and '{}'); give it once", prefix, name.str(),
+                        shortened(a.values[o->name], 40), shortened(value, 40));
     a.values[o->name] = value.str();
   }
   return a;
