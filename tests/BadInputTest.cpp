@@ -226,6 +226,14 @@ void withCheckpoint(const std::string &dir) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 
+/// tiny-gpt's plan p.json and, in dir/hf, its weights after one step in Hugging Face's layout.
+void withHfExport(const std::string &dir) {
+  withTinyPlan(dir);
+  std::string cmd = "cd " + dir + " && " + runfiles() +
+                    "/tools/piperun p.json --steps 1 --export-hf hf >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
 const std::string kClusterCompile =
     "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cluster "
     "h100-2nodes.json";
@@ -647,10 +655,7 @@ std::vector<Case> catalogue() {
   add(
       "InitFromADirectoryWhoseConfigIsAPipe",
       [](const std::string &dir) {
-        withTinyPlan(dir);
-        std::string cmd = "cd " + dir + " && " + runfiles() +
-                          "/tools/piperun p.json --steps 1 --export-hf hf >/dev/null";
-        ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+        withHfExport(dir);
         fs::remove(dir + "/hf/config.json");
         ASSERT_EQ(::mkfifo((dir + "/hf/config.json").c_str(), 0644), 0);
       },
@@ -814,12 +819,6 @@ std::vector<Case> catalogue() {
   // and --save-dir against --export-hf: each checked before anything is read or trained (a
   // costs file written at the end used to overwrite the token data, the weights or a
   // checkpoint's manifest, exit 0; onto --save-dir's name it failed after the save).
-  auto withHfExport = [](const std::string &dir) {
-    withTinyPlan(dir);
-    std::string cmd = "cd " + dir + " && " + runfiles() +
-                      "/tools/piperun p.json --steps 1 --export-hf hf >/dev/null";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  };
   add(
       "ProfileOntoItsTokenData",
       [](const std::string &dir) {
