@@ -640,6 +640,11 @@ std::vector<Case> catalogue() {
       "list-schedules: unexpected argument 'x'");
   add("DataDtypeWithoutData", withTinyPlan, "$PIPERUN p.json --data-dtype uint32",
       "--data-dtype needs --data");
+  // A resumed job trains fewer steps than --steps: its costs file held no samples (exit 0),
+  // which --costs then refused.
+  add("ProfileOfAResumeWithOneStepToTrain", withCheckpoint,
+      "$PIPERUN p.json --steps 2 --resume ck --profile c.json",
+      "--profile needs 2 or more steps to train, and ck/step-00000001 is at step 1 of --steps 2");
   add("ModelPathEmpty", nullptr,
       "$PIPEC compile --model \"\" --schedule 1f1b --pp 2 --microbatches 2",
       "--model: expected the path of a model spec, got an empty one");

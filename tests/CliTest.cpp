@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -361,6 +362,34 @@ std::string tinyPlan(const std::string &name, const std::string &flags) {
   Result r = pipec("compile --model examples/tiny-gpt.json " + flags + " --quiet -o " + plan);
   EXPECT_EQ(r.code, 0) << r.err;
   return plan;
+}
+
+// A job killed after its last save but before its --export-hf: the relaunch of the same command
+// line said "nothing to train" and exited 0 with no export (a helper's probe). It now exports
+// the checkpoint's weights, byte for byte the uninterrupted run's export.
+TEST(CliTest, ARelaunchOfAFinishedJobExportsItsWeights) {
+  const std::string plan = tinyPlan("finished", "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string d = tmpDir() + "/finished-job";
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  Result whole = piperun(plan + " --steps 3 --export-hf " + d + "/whole");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  // The launch that saved step 3 and was killed before exporting.
+  Result saved = piperun(plan + " --steps 3 --save-dir " + d + "/ck");
+  ASSERT_EQ(saved.code, 0) << saved.err;
+  const std::string line =
+      plan + " --steps 3 --save-dir " + d + "/ck --resume " + d + "/ck --export-hf " + d + "/hf";
+  Result relaunch = piperun(line);
+  ASSERT_EQ(relaunch.code, 0) << relaunch.err;
+  EXPECT_NE(relaunch.out.find("at or past --steps 3: nothing to train; exporting its weights"),
+            std::string::npos)
+      << relaunch.out;
+  EXPECT_EQ(slurp(d + "/hf/model.safetensors"), slurp(d + "/whole/model.safetensors"));
+  EXPECT_EQ(slurp(d + "/hf/config.json"), slurp(d + "/whole/config.json"));
+  // Without --export-hf there is nothing to do, as before.
+  Result again = piperun(plan + " --steps 3 --resume " + d + "/ck");
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("nothing to train\n"), std::string::npos) << again.out;
 }
 
 TEST(PiperunTest, RunsStepsAndPrintsTheirLoss) {

@@ -2,10 +2,10 @@
 //
 // For the tests of long jobs (CheckpointTest.cpp, PreemptTest.cpp, GpuCheckpointTest.cpp): a
 // command started in its own process with its output read as it comes (so that a test acts on
-// a line, never after a delay), optionally under a file size limit (RLIMIT_FSIZE, with SIGXFSZ
-// ignored so that a write past it fails with EFBIG, as on a full disk); and a preemptible job's
-// launcher, which kills the same command line at random instants and launches it again until it
-// exits 0.
+// a line, never after a delay), optionally under a file size limit (RLIMIT_FSIZE, SIGXFSZ at
+// its default: piperun ignores it, so a write past it fails with EFBIG, as on a full disk); and a
+// preemptible job's launcher, which kills the same command line at random instants and launches it
+// again until it exits 0.
 //
 //===----------------------------------------------------------------------===//
 #ifndef PIPEC_TESTS_PROCESS_H
@@ -38,7 +38,7 @@ struct Child {
   std::string out; // what it printed so far
 };
 
-/// Starts `cmd`; with `fileSizeLimit`, under that RLIMIT_FSIZE and with SIGXFSZ ignored.
+/// Starts `cmd`; with `fileSizeLimit`, under that RLIMIT_FSIZE (SIGXFSZ at its default).
 inline Child spawn(const std::string &cmd, rlim_t fileSizeLimit = RLIM_INFINITY) {
   int fds[2];
   Child c;
@@ -53,7 +53,8 @@ inline Child spawn(const std::string &cmd, rlim_t fileSizeLimit = RLIM_INFINITY)
     if (fileSizeLimit != RLIM_INFINITY) {
       struct rlimit limit = {fileSizeLimit, fileSizeLimit};
       ::setrlimit(RLIMIT_FSIZE, &limit);
-      ::signal(SIGXFSZ, SIG_IGN);
+      // (SIGXFSZ left at its default, as a job under `ulimit -f` has it: the tools ignore it
+      // themselves, so that a write past the limit is an error, not a kill.)
     }
     const std::string line = "exec " + cmd;
     ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char *>(nullptr));

@@ -259,6 +259,10 @@ llvm::Error cmdListSchedules(int argc, char **argv) {
 int main(int argc, char **argv) {
   // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
   std::signal(SIGPIPE, SIG_IGN);
+  // Past a file size limit (`ulimit -f`, which Slurm passes on to jobs), a write fails with
+  // EFBIG, reported as a full disk is (exit 2 with the line), instead of SIGXFSZ killing the
+  // process mid-save.
+  std::signal(SIGXFSZ, SIG_IGN);
   if (argc < 2) {
     // Asking for nothing shows what there is; a script still sees exit 2 and its one line.
     std::fputs(pipecHelp().c_str(), stdout);

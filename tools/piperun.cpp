@@ -502,11 +502,23 @@ llvm::Error run(int argc, char **argv) {
   // --steps N: the job ends at step N, wherever it starts.
   const int first = resume ? int(resume->manifest.step) : 0;
   if (first >= r.endStep) {
-    say("{} is at step {}, at or past --steps {}: nothing to train\n", resume->path, first,
-        r.endStep);
-    return llvm::Error::success();
+    // A job killed after its last save but before its export: the relaunch exports the
+    // checkpoint's weights (the same command line finishes the job).
+    const bool exporting = !r.options.exportHfDir.empty();
+    say("{} is at step {}, at or past --steps {}: nothing to train{}\n", resume->path, first,
+        r.endStep, exporting ? "; exporting its weights" : "");
+    if (!exporting)
+      return llvm::Error::success();
+    r.profilePath.reset(); // (nothing is timed)
+    r.options.profile = false;
   }
-  r.options.steps = r.endStep - first;
+  r.options.steps = std::max(0, r.endStep - first);
+  // --profile times the steps this launch trains, the first dropped: a resumed job may train
+  // fewer than --steps (its costs file would hold no samples, which --costs refuses).
+  if (r.profilePath && r.options.steps < 2)
+    return inputError("--profile needs 2 or more steps to train, and {} is at step {} of "
+                      "--steps {} (the first is dropped as warm-up); try --steps {}",
+                      resume->path, first, r.endStep, first + 5);
   r.options.stopSignal = &stopSignal;
   // The backend, and the tolerances of its reference check: relative to the largest reference
   // gradient, and to each tensor's own (GradCheck).
@@ -574,6 +586,10 @@ int main(int argc, char **argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   // A closed pipe on standard output is a write error (exit 2 with its line), not a signal.
   std::signal(SIGPIPE, SIG_IGN);
+  // Past a file size limit (`ulimit -f`, which Slurm passes on to jobs), a write fails with
+  // EFBIG, reported as a full disk is (exit 2 with the line), instead of SIGXFSZ killing the
+  // process mid-save.
+  std::signal(SIGXFSZ, SIG_IGN);
   if (argc < 2) {
     std::fputs(commandHelp(piperunCommand()).c_str(), stdout);
     return reportError("piperun", inputError("expected a plan file; usage above"));
