@@ -40,8 +40,8 @@ llvm::Error applyMeasuredCosts(const MeasuredCosts &c, llvm::StringRef source, P
                       "(piperun does not shard it), so its time would cancel "
                       "--distributed-optimizer's; drop one of the two",
                       source);
-  // A profile of another model, microbatch size, sequence length or --tp: the file records the
-  // plan's own message sizes, and none of a kind is one this plan sends.
+  // A profile of another model, microbatch size or sequence length: the file records the plan's
+  // own message sizes, and none of a kind is one this plan sends.
   const int n = plan.numStages();
   for (TensorKind kind : {TensorKind::Activation, TensorKind::Gradient}) {
     std::set<int64_t> measured, sent;

@@ -628,7 +628,7 @@ llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
       file = it.value().get_ref<const std::string &>();
     // Shards are files of this directory, named plainly (and printably: the name is in errors).
     if (file.empty() || file.contains('/') || file == "." || file == ".." ||
-        llvm::any_of(file, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; }))
+        hasControlCharacter(file))
       return inputError("{}: $.weight_map[\"{}\"]: expected the name of a shard file in the "
                         "directory, got {}",
                         indexPath, shortened(it.key()), shortened(describeJson(it.value())));

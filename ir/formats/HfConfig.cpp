@@ -289,7 +289,7 @@ llvm::Error checkModelAgainstHf(const HfModel &hf, const TransformerConfig &mode
 llvm::Expected<std::string> hfModelSpecJson(const HfModel &hf, llvm::StringRef name,
                                             int64_t seqLength, int64_t microbatchSize,
                                             llvm::StringRef source) {
-  if (llvm::any_of(name, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; }))
+  if (hasControlCharacter(name))
     return inputError("--name: expected a name without control characters, got '{}'",
                       shortened(name));
   TransformerConfig t = hf.config;

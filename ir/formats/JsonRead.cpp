@@ -272,7 +272,7 @@ llvm::Error JsonReader::getName(const Json &obj, llvm::StringRef path, llvm::Str
   std::string got;
   if (auto err = getString(obj, path, key, got, required))
     return err;
-  if (llvm::any_of(got, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; }))
+  if (hasControlCharacter(got))
     return fail(jsonPath(path, key), "a name without control characters", lookup(obj, key));
   if (lookup(obj, key))
     out = std::move(got);

@@ -21,14 +21,14 @@ std::string takeMessage(llvm::Error err) { return llvm::toString(std::move(err))
 
 std::string shortened(llvm::StringRef value, size_t most) {
   // A control character (a newline in a tensor's name) would break the line: written escaped.
-  if (llvm::any_of(value, [](char c) { return uint8_t(c) < 0x20 || c == 0x7f; })) {
+  if (hasControlCharacter(value)) {
     std::string escaped;
     for (char c : value)
-      escaped += c == '\n'                        ? std::string("\\n")
-                 : c == '\t'                      ? std::string("\\t")
-                 : c == '\r'                      ? std::string("\\r")
-                 : uint8_t(c) < 0x20 || c == 0x7f ? fmt::format("\\x{:02x}", uint8_t(c))
-                                                  : std::string(1, c);
+      escaped += c == '\n'               ? std::string("\\n")
+                 : c == '\t'             ? std::string("\\t")
+                 : c == '\r'             ? std::string("\\r")
+                 : isControlCharacter(c) ? fmt::format("\\x{:02x}", uint8_t(c))
+                                         : std::string(1, c);
     return shortened(escaped, most);
   }
   if (value.size() <= most)
@@ -48,9 +48,8 @@ std::string printableMessage(llvm::StringRef message) {
   std::string out;
   out.reserve(message.size());
   for (char c : message)
-    out += (uint8_t(c) < 0x20 && c != '\n' && c != '\t') || c == 0x7f
-               ? fmt::format("\\x{:02x}", uint8_t(c))
-               : std::string(1, c);
+    out += isControlCharacter(c) && c != '\n' && c != '\t' ? fmt::format("\\x{:02x}", uint8_t(c))
+                                                           : std::string(1, c);
   return out;
 }
 

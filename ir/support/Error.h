@@ -8,12 +8,14 @@
 #ifndef PIPEC_IR_SUPPORT_ERROR_H
 #define PIPEC_IR_SUPPORT_ERROR_H
 
+#include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
 #include <fmt/format.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace pipec {
@@ -58,6 +60,13 @@ std::string takeMessage(llvm::Error err);
 /// in the middle with the number of bytes left out ("abc...[49999990 more bytes]...xyz"), and
 /// control characters escaped ("\n", "\x1b").
 std::string shortened(llvm::StringRef value, size_t most = 80);
+
+/// A control character (C0 or DEL): never printed raw in a message, nor allowed in a name.
+inline bool isControlCharacter(char c) { return uint8_t(c) < 0x20 || c == 0x7f; }
+/// Whether `text` holds one.
+inline bool hasControlCharacter(llvm::StringRef text) {
+  return llvm::any_of(text, isControlCharacter);
+}
 
 /// A message as it is printed or raised: every control character but the newline and the tab
 /// written as \xNN, since a NUL from an input (a CSV cell) would end the message there and an
