@@ -143,6 +143,7 @@ std::vector<std::string> listDirectory(int fd) {
     ::close(copy);
     return names;
   }
+  ::rewinddir(d); // (the copy shares the offset an earlier listing of `fd` left at the end)
   while (struct dirent *e = ::readdir(d)) {
     llvm::StringRef name(e->d_name);
     if (name != "." && name != "..")
@@ -262,14 +263,28 @@ std::vector<StepEntry> stepEntries(int dirFd, const std::string &dir) {
   return out; // names of 8 digits sort as their steps
 }
 
+/// The first entry of step directory `sub` that a save does not write (a user's file, a
+/// subdirectory, a link), or nothing.
+std::optional<std::string> foreignEntry(int sub) {
+  for (const std::string &file : listDirectory(sub)) {
+    struct stat st;
+    if (!isSavedName(file) || !statAt(sub, file, st) || !S_ISREG(st.st_mode))
+      return file;
+  }
+  return std::nullopt;
+}
+
 /// Remove a step directory piperun wrote (Committed or Started): its manifest first (from then
 /// on it is incomplete and never resumed), then the layer files and temporaries a save writes,
-/// the marker last, then the directory if nothing else is left in it. Only regular files with
-/// the names a save gives are removed; nothing is followed through a symbolic link.
-void removeOwnStep(int dirFd, const std::string &name) {
+/// the marker last, then the directory. A step directory that also holds anything a save does
+/// not write is left whole (a checkpoint stays resumable, a marker keeps it piperun's), and the
+/// first such entry is returned; nothing is followed through a symbolic link.
+std::optional<std::string> removeOwnStep(int dirFd, const std::string &name) {
   Descriptor sub = openSubdirectory(dirFd, name);
   if (!sub)
-    return;
+    return std::nullopt;
+  if (std::optional<std::string> foreign = foreignEntry(sub.get()))
+    return foreign;
   auto removeFile = [&](const std::string &file) {
     struct stat st;
     if (!statAt(sub.get(), file, st) || !S_ISREG(st.st_mode))
@@ -285,6 +300,7 @@ void removeOwnStep(int dirFd, const std::string &name) {
   removeFile(kMarkerName);
   checkpointKillPoint();
   ::unlinkat(dirFd, name.c_str(), AT_REMOVEDIR); // fails, harmlessly, if anything is left
+  return std::nullopt;
 }
 
 /// One line refusing a step entry piperun did not write.
@@ -368,7 +384,7 @@ std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir,
 
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
                            const std::function<llvm::Error(int, LayerState &)> &gather, size_t keep,
-                           uint64_t *bytes) {
+                           SavedCheckpoint *out) {
   const std::string dir = dirRef.str();
   if (manifest.step < 0 || manifest.step > kMaxCheckpointStep)
     return inputError("--save-dir: step {} is past the last step a checkpoint can record ({}); "
@@ -397,11 +413,14 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       return inputError("--save-dir: {} already holds a checkpoint of step {}", dir, manifest.step);
     if (e.kind == StepKind::Foreign)
       return foreignStep("--save-dir", dir, e);
-    removeOwnStep(dirFd.get(), name);
+    if (std::optional<std::string> foreign = removeOwnStep(dirFd.get(), name))
+      return inputError("--save-dir: {} holds what a killed save left and {}, which piperun did "
+                        "not write; move {} out of {}",
+                        shortened(stepDir, 200), shortened(*foreign, 100), shortened(*foreign, 100),
+                        shortened(dir, 200));
     if (statAt(dirFd.get(), name, st))
-      return inputError("--save-dir: {} still holds files piperun did not write after clearing "
-                        "what a killed save left; move them out of {}",
-                        stepDir, dir);
+      return inputError("--save-dir: {}: cannot clear what a killed save left there; remove it",
+                        shortened(stepDir, 200));
   }
   // The bytes it will take, where the caller gave every layer's size (for a full disk's line).
   const int numLayers = int(manifest.model.numLayers) + 2;
@@ -473,8 +492,8 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
     return err;
   if (auto err = syncSaveDirectory(dirFd.get(), dir))
     return err;
-  if (bytes)
-    *bytes = checkpointBytes(manifest);
+  if (out)
+    out->bytes = checkpointBytes(manifest);
   // Older checkpoints past the newest `keep`, and what killed saves left behind: only step
   // directories piperun wrote; anything else is left where it is.
   std::vector<StepEntry> steps = stepEntries(dirFd.get(), dir);
@@ -486,7 +505,9 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       ++newer;
       continue;
     }
-    removeOwnStep(dirFd.get(), it->name);
+    if (std::optional<std::string> foreign = removeOwnStep(dirFd.get(), it->name); foreign && out)
+      out->keptWhole.push_back(fmt::format("{} (it holds {}, which piperun did not write)",
+                                           join(dir, it->name), shortened(*foreign, 100)));
   }
   return syncSaveDirectory(dirFd.get(), dir);
 }

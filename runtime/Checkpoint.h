@@ -15,8 +15,9 @@
 // incomplete and is ignored. Killing the process at any instant leaves the previous checkpoint
 // whole: a save never touches another step's directory, and older checkpoints (past the newest
 // --keep K; by default none) are removed only after the new manifest is committed, manifest
-// first. A write that fails (a full disk) removes the new step's directory and names the bytes
-// the checkpoint needs; the committed ones are untouched.
+// first; a step directory that also holds a file piperun did not write is left whole, so that it
+// stays resumable and recognisably piperun's. A write that fails (a full disk) removes the new
+// step's directory and names the bytes the checkpoint needs; the committed ones are untouched.
 //
 // Inside D nothing is reached through a symbolic link (openat/unlinkat with O_NOFOLLOW). A save
 // first writes the marker file written-by-piperun into its new step directory; piperun deletes
@@ -61,16 +62,23 @@ std::string planHash(const Plan &plan);
 void setCheckpointKillAt(long n);
 void checkpointKillPoint();
 
+/// What a save reports: the checkpoint's size, and the older step directories --keep would
+/// have removed but left whole because they also hold files piperun did not write.
+struct SavedCheckpoint {
+  uint64_t bytes = 0;
+  std::vector<std::string> keptWhole; // "D/step-<n> (it holds NAME, which piperun did not write)"
+};
+
 /// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one
 /// layer's whole state, for every layer of `manifest.model` in order (its error ends the save
 /// before the commit); the manifest's layer entries are filled here (where the caller gives
 /// every layer's `count` beforehand, a failed write, such as a full disk, says how many bytes
 /// the checkpoint needs). A write that fails removes what the save wrote. Once the new
-/// checkpoint is committed, keeps the newest `keep` committed checkpoints in `dir` (0: all) and
-/// sets `bytes` to its size.
+/// checkpoint is committed, keeps the newest `keep` committed checkpoints in `dir` (0: all; a
+/// step directory holding anything else is never removed) and fills `out`.
 llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
                            const std::function<llvm::Error(int, LayerState &)> &gather,
-                           size_t keep = 0, uint64_t *bytes = nullptr);
+                           size_t keep = 0, SavedCheckpoint *out = nullptr);
 
 /// The directory of the checkpoint after `step` steps in `dir`: dir/step-<8 digits>.
 std::string checkpointPath(llvm::StringRef dir, int64_t step);

@@ -71,7 +71,7 @@ llvm::Error loadFirstState(const kernels::GptConfig &cfg, TrainBackend &backend,
 /// The checkpoint after `stepsDone` steps: every layer whole, gathered from the backend (every
 /// process takes part; the lead writes).
 llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBackend &backend,
-                      const TrainOptions &options, int stepsDone, uint64_t &bytes) {
+                      const TrainOptions &options, int stepsDone, SavedCheckpoint &saved) {
   if (!backend.leads()) {
     LayerState unused;
     for (int l = 0; l < cfg.numLayers(); ++l)
@@ -103,7 +103,7 @@ llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBack
         out.secondMoment.assign(whole, 0.0f);
         return backend.gatherLayer(l, out);
       },
-      options.keep, &bytes);
+      options.keep, &saved);
 }
 
 /// --export-hf: every layer's weights whole, gathered from the backend (every process takes
@@ -193,12 +193,12 @@ llvm::Expected<TrainResult> train(const Plan &plan, const kernels::GptConfig &cf
     if (!options.saveDir.empty() &&
         (last || (options.saveEvery > 0 && (s + 1) % options.saveEvery == 0))) {
       const auto started = std::chrono::steady_clock::now();
-      uint64_t bytes = 0;
-      if (auto err = saveState(plan, cfg, backend, options, s + 1, bytes))
+      SavedCheckpoint saved;
+      if (auto err = saveState(plan, cfg, backend, options, s + 1, saved))
         return err;
       const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
       if (options.onSaved && backend.leads())
-        options.onSaved(s + 1, checkpointPath(options.saveDir, s + 1), bytes, took.count());
+        options.onSaved(s + 1, checkpointPath(options.saveDir, s + 1), saved, took.count());
     }
     if (stop) { // (no weight check, no export: the job is not done)
       result.stopSignal = stop;

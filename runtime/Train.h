@@ -62,9 +62,9 @@ struct TrainOptions {
   int saveEvery = 0;
   /// How many committed checkpoints a save leaves in saveDir (the newest; 0: all of them).
   size_t keep = 0;
-  /// Called with the step count, the directory, the bytes and the seconds of each checkpoint
-  /// once it is committed.
-  std::function<void(int, const std::string &, uint64_t, double)> onSaved;
+  /// Called with the step count, the directory, the save's report (its bytes, older steps kept
+  /// whole) and the seconds of each checkpoint once it is committed.
+  std::function<void(int, const std::string &, const SavedCheckpoint &, double)> onSaved;
   /// Preemption: a signal number set asynchronously (piperun's SIGTERM and SIGUSR1 handlers),
   /// read between steps. Once it is non-zero on any process, every process finishes the step in
   /// flight, they agree to stop after the same step (TrainBackend::agreeOnStop), save with

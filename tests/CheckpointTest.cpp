@@ -414,13 +414,14 @@ TEST(CheckpointTest, ALlamaCheckpointResumesUnderAnotherLayout) {
 
 /// Save `step` into `dir` in this process, with the state of the checkpoint `from` (what a run
 /// would do between the start-up checks and its next save).
-llvm::Error saveAs(const std::string &dir, const pipec::Checkpoint &from, int64_t step) {
+llvm::Error saveAs(const std::string &dir, const pipec::Checkpoint &from, int64_t step,
+                   pipec::SavedCheckpoint *saved = nullptr) {
   pipec::CheckpointManifest m = from.manifest;
   m.step = m.adamSteps = step;
   return pipec::saveCheckpoint(
       dir, m,
       [&](int l, pipec::LayerState &out) { return pipec::readCheckpointLayer(from, l, out); },
-      /*keep=*/2);
+      /*keep=*/2, saved);
 }
 
 TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
@@ -442,17 +443,39 @@ TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
   ASSERT_TRUE(bool(from)) << pipec::takeMessage(from.takeError());
   ASSERT_EQ(from->manifest.step, 2);
 
-  // Step 3 prunes step 1 (two are kept): its files, not the user's; nothing through the link.
-  ASSERT_FALSE(bool(saveAs(ck, *from, 3)));
+  // Step 3 would prune step 1 (two are kept), but the user's file is in it: it is left whole,
+  // still a checkpoint (not half of one, which the next run's checks would refuse), and the
+  // save says so; nothing is reached through the link.
+  pipec::SavedCheckpoint saved;
+  ASSERT_FALSE(bool(saveAs(ck, *from, 3, &saved)));
   EXPECT_EQ(slurp(d + "/outside/secret.txt"), "x\n");
   EXPECT_TRUE(fs::is_symlink(ck + "/step-00000000"));
-  std::vector<std::string> left;
-  for (auto &e : fs::directory_iterator(ck + "/step-00000001"))
-    left.push_back(e.path().filename().string());
-  EXPECT_EQ(left, std::vector<std::string>{"notes.txt"});
+  EXPECT_EQ(slurp(ck + "/step-00000001/notes.txt"), "mine\n");
+  expectStepWhole(ck, 1, "step 1, which holds the user's file");
+  ASSERT_EQ(saved.keptWhole.size(), 1u);
+  EXPECT_EQ(saved.keptWhole[0],
+            ck + "/step-00000001 (it holds notes.txt, which piperun did not write)");
   EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
   EXPECT_EQ(expectWhole(ck, "after the save of step 3"), 3);
   expectStepWhole(ck, 2, "step 2 after the save of step 3");
+  // A relaunch (--resume ck --save-dir ck) still passes its start-up check on step 1.
+  fs::remove_all(ck + "/step-00000099");
+  fs::remove(ck + "/step-00000000");
+  llvm::Error relaunch = pipec::checkSaveDir(ck, ck);
+  EXPECT_FALSE(bool(relaunch)) << pipec::takeMessage(std::move(relaunch));
+  fs::create_directory_symlink("../outside", ck + "/step-00000000");
+  fs::create_directories(ck + "/step-00000099");
+  spit(ck + "/step-00000099/important.txt", "mine\n");
+  // Once the file is moved out, the next save prunes step 1 (and step 2) whole.
+  fs::remove(ck + "/step-00000001/notes.txt");
+  saved = {};
+  ASSERT_FALSE(bool(saveAs(ck, *from, 4, &saved)));
+  EXPECT_TRUE(saved.keptWhole.empty());
+  EXPECT_FALSE(fs::exists(ck + "/step-00000001"));
+  EXPECT_FALSE(fs::exists(ck + "/step-00000002"));
+  expectStepWhole(ck, 3, "step 3 after the save of step 4");
+  from = pipec::openCheckpoint(ck); // (step 2, which the saves below read, is gone)
+  ASSERT_TRUE(bool(from)) << pipec::takeMessage(from.takeError());
 
   // A save onto the user's directory is refused, and leaves it as it was.
   llvm::Error err = saveAs(ck, *from, 99);
@@ -474,7 +497,8 @@ TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
             std::string::npos);
   EXPECT_FALSE(fs::exists(ck + "/step-100000000"));
   // The last one it can hold is named, found and resumed like any other.
-  ASSERT_FALSE(bool(saveAs(ck, *from, pipec::kMaxCheckpointStep)));
+  err = saveAs(ck, *from, pipec::kMaxCheckpointStep);
+  ASSERT_FALSE(bool(err)) << pipec::takeMessage(std::move(err));
   EXPECT_EQ(expectWhole(ck, "the last step"), pipec::kMaxCheckpointStep);
 }
 

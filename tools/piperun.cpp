@@ -364,8 +364,12 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
     o.saveDir = *r.saveDir;
     o.saveEvery = r.saveEvery;
     o.keep = size_t(r.keep);
-    o.onSaved = [](int step, const std::string &path, uint64_t bytes, double seconds) {
-      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, inMiB(bytes), seconds);
+    o.onSaved = [keep = r.keep](int step, const std::string &path, const SavedCheckpoint &saved,
+                                double seconds) {
+      say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, inMiB(saved.bytes), seconds);
+      for (const std::string &kept : saved.keptWhole)
+        say("note: --keep {} left {} whole: move that file out and the next save removes it\n",
+            keep, kept);
       std::fflush(stdout);
     };
   }
