@@ -5,6 +5,8 @@
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
 
+#include "llvm/ADT/STLExtras.h"
+#include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"
 
@@ -12,8 +14,13 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <csignal>
 #include <cstring>
+#include <string>
+#include <sys/stat.h>
 #include <unistd.h>
+#include <vector>
 
 namespace pipec {
 
@@ -160,6 +167,70 @@ llvm::Error checkHfExportDir(llvm::StringRef dir) {
   return llvm::Error::success();
 }
 
+namespace {
+
+/// Whether `name` is one an export writes: config.json, model.safetensors,
+/// model-<5 digits>-of-<5 digits>.safetensors, model.safetensors.index.json, or the temporary of
+/// one of them (<name>.tmp-<6 hex digits>, ir/support/DurableFile.h).
+bool isExportedName(llvm::StringRef name) {
+  if (size_t at = name.rfind(".tmp-"); at != llvm::StringRef::npos) {
+    llvm::StringRef suffix = name.drop_front(at + 5);
+    if (suffix.size() != 6 || !llvm::all_of(suffix, llvm::isHexDigit))
+      return false;
+    name = name.take_front(at);
+  }
+  if (name == "config.json" || name == "model.safetensors" ||
+      name == "model.safetensors.index.json")
+    return true;
+  llvm::StringRef digits = name;
+  if (!digits.consume_front("model-") || !digits.consume_back(".safetensors") ||
+      digits.size() != 14 || digits.substr(5, 4) != "-of-")
+    return false;
+  return llvm::all_of(digits.take_front(5), llvm::isDigit) &&
+         llvm::all_of(digits.drop_front(9), llvm::isDigit);
+}
+
+/// Remove what exports to `dir` killed before their rename left beside it: DIR.partial-<pid>
+/// directories (never links) of a process that no longer runs on this machine, holding only
+/// regular files an export writes. Anything else under such a name stays where it is.
+void removeKilledExports(llvm::StringRef dir) {
+  llvm::StringRef parent = llvm::sys::path::parent_path(dir);
+  const std::string prefix = (llvm::sys::path::filename(dir) + ".partial-").str();
+  std::error_code ec;
+  std::vector<std::string> leftovers;
+  for (llvm::sys::fs::directory_iterator it(parent.empty() ? "." : parent, ec), end;
+       !ec && it != end; it.increment(ec)) {
+    llvm::StringRef name = llvm::sys::path::filename(it->path());
+    if (!name.consume_front(prefix) || name.empty() || name.size() > 9 ||
+        !llvm::all_of(name, llvm::isDigit))
+      continue;
+    const pid_t pid = pid_t(std::stol(name.str()));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH)
+      continue; // (a live export's, or one this process cannot tell)
+    leftovers.push_back(it->path());
+  }
+  for (const std::string &leftover : leftovers) {
+    struct stat st;
+    if (::lstat(leftover.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      continue;
+    std::vector<std::string> files;
+    bool own = true;
+    for (llvm::sys::fs::directory_iterator it(leftover, ec), end; own && !ec && it != end;
+         it.increment(ec)) {
+      own = isExportedName(llvm::sys::path::filename(it->path())) &&
+            ::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode);
+      files.push_back(it->path());
+    }
+    if (!own || ec)
+      continue;
+    for (const std::string &file : files)
+      ::unlink(file.c_str());
+    ::rmdir(leftover.c_str());
+  }
+}
+
+} // namespace
+
 llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConfig &cfg,
                                      const TransformerConfig &model,
                                      const std::vector<std::vector<float>> &layers,
@@ -195,6 +266,8 @@ llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConf
     inShard += bytes;
   }
   // Written under a temporary name beside `dir`, then renamed: the directory appears whole.
+  // (What a killed export left under such a name goes first.)
+  removeKilledExports(dir);
   const std::string temp = fmt::format("{}.partial-{}", dir.str(), ::getpid());
   // Never a directory someone else has under that name: create_directory refuses one.
   if (std::error_code ec = llvm::sys::fs::create_directory(temp, /*IgnoreExisting=*/false))

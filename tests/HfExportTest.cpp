@@ -17,6 +17,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <sys/wait.h>
+#include <unistd.h>
 
 using namespace pipec;
 using namespace pipec::test;
@@ -97,6 +99,52 @@ TEST(HfExportTest, ADirectoryThatHoldsFilesIsRefusedAndLeftAlone) {
   EXPECT_NE(errorText(files.takeError()).find("exists and is not empty"), std::string::npos);
   EXPECT_TRUE(llvm::sys::fs::exists(dir + "/keep.txt"));
   EXPECT_FALSE(llvm::sys::fs::exists(dir + "/config.json"));
+}
+
+/// The pid of a process that has ended (forked, exited and reaped here).
+pid_t deadPid() {
+  pid_t pid = ::fork();
+  if (pid == 0)
+    ::_exit(0);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return pid;
+}
+
+TEST(HfExportTest, WhatAKilledExportLeftIsRemovedAndNothingElse) {
+  // An export killed before its rename leaves DIR.partial-<pid>. The next export to DIR removes
+  // such a directory when its process is gone and it holds only what an export writes; a live
+  // process's, one holding a user's file, and a link (into a directory of exported names) stay.
+  const std::string dir = tempDir("hf-relaunch");
+  auto partial = [&](pid_t pid) { return dir + ".partial-" + std::to_string(pid); };
+  const pid_t killed = deadPid(), mixed = deadPid(), linked = deadPid();
+  for (const std::string &d : {partial(killed), partial(mixed), partial(::getppid())}) {
+    llvm::sys::fs::remove_directories(d);
+    ASSERT_FALSE(llvm::sys::fs::create_directory(d));
+    std::ofstream(d + "/config.json") << "{}";
+    std::ofstream(d + "/model-00001-of-00003.safetensors") << "x";
+    std::ofstream(d + "/model-00002-of-00003.safetensors.tmp-0a1b2c") << "x";
+  }
+  std::ofstream(partial(mixed) + "/notes.txt") << "mine";
+  const std::string outside = tempDir("hf-outside");
+  ASSERT_FALSE(llvm::sys::fs::create_directory(outside));
+  std::ofstream(outside + "/config.json") << "mine";
+  llvm::sys::fs::remove(partial(linked));
+  ASSERT_FALSE(llvm::sys::fs::create_link(outside, partial(linked)));
+
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg));
+  auto files = writeHfDirectory(dir, *cfg, *plan.transformer, layersOf(*cfg));
+  ASSERT_TRUE(bool(files)) << errorText(files.takeError());
+  EXPECT_TRUE(llvm::sys::fs::exists(dir + "/model.safetensors"));
+  EXPECT_FALSE(llvm::sys::fs::exists(partial(killed)));
+  EXPECT_TRUE(llvm::sys::fs::exists(partial(mixed) + "/notes.txt"));
+  EXPECT_TRUE(llvm::sys::fs::exists(partial(mixed) + "/config.json"));
+  EXPECT_TRUE(llvm::sys::fs::exists(partial(::getppid()) + "/config.json"));
+  EXPECT_TRUE(llvm::sys::fs::exists(outside + "/config.json"));
+  EXPECT_TRUE(llvm::sys::fs::is_symlink_file(partial(linked)));
+  EXPECT_FALSE(llvm::sys::fs::exists(dir + ".partial-" + std::to_string(::getpid())));
 }
 
 TEST(HfExportTest, ABlockTransformersCannotLoadIsRefused) {
