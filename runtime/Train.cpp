@@ -87,6 +87,7 @@ llvm::Error saveState(const Plan &plan, const kernels::GptConfig &cfg, TrainBack
   m.sequences =
       uint64_t(stepsDone) * uint64_t(pc.dp) * uint64_t(pc.microbatches) * uint64_t(cfg.microbatch);
   m.data = options.dataName;
+  m.lr = options.lr;
   m.modelName = plan.model;
   m.model = *plan.transformer;
   m.schedule = plan.schedule;

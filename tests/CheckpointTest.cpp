@@ -115,6 +115,45 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
 }
 
+TEST(CheckpointTest, AResumeGoesOnWithTheSavedLearningRateUnlessLrSetsAnother) {
+  // The same job relaunched without its --lr (a wrapper that drops it, a hand-typed resume)
+  // still finishes as the uninterrupted run; another --lr is taken, from the resumed step on,
+  // and said. Losses of a 4-step run at lr 0.01 differ from the default 1e-3's from step 1 on.
+  const std::string d = freshDir("lr");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  auto whole = piperun(plan + " --steps 4 --lr 0.01");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  auto defaults = piperun(plan + " --steps 4");
+  ASSERT_EQ(defaults.code, 0) << defaults.err;
+  ASSERT_NE(stepLosses(whole.out)[3], stepLosses(defaults.out)[3]);
+  const std::string ck = d + "/ck";
+  auto first = piperun(plan + " --steps 2 --lr 0.01 --save-dir " + ck);
+  ASSERT_EQ(first.code, 0) << first.err;
+  EXPECT_NE(slurp(ck + "/step-00000002/manifest.json").find("\"lr\": 0.01,"), std::string::npos);
+  auto rest = piperun(plan + " --steps 4 --resume " + ck);
+  ASSERT_EQ(rest.code, 0) << rest.err;
+  std::map<int, std::string> got = stepLosses(first.out);
+  for (auto [step, loss] : stepLosses(rest.out))
+    got[step] = loss;
+  EXPECT_EQ(got, stepLosses(whole.out));
+  EXPECT_EQ(rest.out.find("note: --lr"), std::string::npos) << rest.out;
+  auto other = piperun(plan + " --steps 4 --lr 0.002 --resume " + ck);
+  ASSERT_EQ(other.code, 0) << other.err;
+  EXPECT_NE(other.out.find("note: --lr 0.002 from step 2 on; the checkpoint's run trained with "
+                           "--lr 0.01\n"),
+            std::string::npos)
+      << other.out;
+  EXPECT_NE(stepLosses(other.out)[3], stepLosses(whole.out)[3]);
+  // A manifest's lr outside what --lr takes is refused, naming the field.
+  std::string manifest = slurp(ck + "/step-00000002/manifest.json");
+  manifest.replace(manifest.find("\"lr\": 0.01"), 10, "\"lr\": 0");
+  spit(ck + "/step-00000002/manifest.json", manifest);
+  auto bad = piperun(plan + " --steps 4 --resume " + ck);
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("$.lr: expected a learning rate in (0, 10]"), std::string::npos)
+      << bad.err;
+}
+
 TEST(CheckpointTest, SaveEveryWithKeepTwoKeepsTheTwoNewestCheckpoints) {
   const std::string d = freshDir("every");
   const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");

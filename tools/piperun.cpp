@@ -127,7 +127,7 @@ struct Request {
   std::optional<std::string> saveDir, resumeDir, initFrom, dataPath, profilePath;
   int saveEvery = 0, keep = 0;
   int endStep = 1; // --steps: the step the job ends at
-  bool seedGiven = false;
+  bool seedGiven = false, lrGiven = false;
   RunOptions options;
 };
 
@@ -184,6 +184,7 @@ llvm::Expected<Request> readFlags(const Args &args) {
     return lr.takeError();
   if (*lr)
     o.lr = float(**lr);
+  r.lrGiven = bool(*lr);
   auto timeout = args.real("--timeout");
   if (!timeout)
     return timeout.takeError();
@@ -356,6 +357,12 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
     if (auto err = checkResumable(*opened, plan, seedFlag, o.dataName))
       return err;
     o.seed = opened->manifest.seed;
+    // The learning rate goes on as saved, unless --lr sets another from here on (said).
+    if (std::optional<float> saved = opened->manifest.lr; saved && !r.lrGiven)
+      o.lr = *saved;
+    else if (saved && *saved != o.lr)
+      say("note: --lr {} from step {} on; the checkpoint's run trained with --lr {}\n", o.lr,
+          opened->manifest.step, *saved);
     resume = std::move(*opened);
     o.resume = &*resume;
     say("{}\n", describeResume(*resume, plan));

@@ -6,6 +6,10 @@
 #include "ir/support/Error.h"
 #include "ir/support/Limits.h"
 
+#include <fmt/format.h>
+
+#include <string>
+
 namespace pipec {
 
 using OJson = nlohmann::ordered_json;
@@ -43,6 +47,9 @@ std::string writeCheckpointManifest(const CheckpointManifest &m) {
   j["seed"] = std::to_string(m.seed); // decimal: any uint64 (JSON numbers stop at 2^53 here)
   j["sequences"] = m.sequences;
   j["data"] = m.data;
+  if (m.lr)
+    j["lr"] = std::stod(fmt::format("{}", *m.lr)); // (the float's shortest decimal: reads back
+                                                   //  to the same float)
   j["model_name"] = m.modelName;
   j["model"] = transformerJson(m.model);
   j["schedule"] = m.schedule;
@@ -69,8 +76,8 @@ llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
   JsonReader r(source);
   auto parsed =
       r.parseDocument(text, "pipeckpt/1",
-                      {"format", "step", "adam_steps", "seed", "sequences", "data", "model_name",
-                       "model", "schedule", "parallel", "plan_hash", "layers"});
+                      {"format", "step", "adam_steps", "seed", "sequences", "data", "lr",
+                       "model_name", "model", "schedule", "parallel", "plan_hash", "layers"});
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
@@ -90,6 +97,15 @@ llvm::Expected<CheckpointManifest> parseCheckpointManifest(llvm::StringRef text,
   m.sequences = uint64_t(sequences);
   if (auto err = r.getString(j, "$", "data", m.data, true))
     return err;
+  if (j.contains("lr")) {
+    // What --lr takes: (0, 10], and a float.
+    double lr = 0;
+    if (auto err = r.getNumber(j, "$", "lr", lr, true))
+      return err;
+    if (!(float(lr) > 0 && lr <= 10))
+      return r.fail("$.lr", "a learning rate in (0, 10]", &j["lr"]);
+    m.lr = float(lr);
+  }
   if (auto err = r.getString(j, "$", "model_name", m.modelName, true))
     return err;
   if (auto err = r.getString(j, "$", "schedule", m.schedule, true))

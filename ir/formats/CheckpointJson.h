@@ -33,6 +33,9 @@ struct CheckpointManifest {
   uint64_t sequences = 0;
   /// "synthetic", or "file <name> <bytes>" for --data.
   std::string data = "synthetic";
+  /// piperun --lr: AdamW's learning rate the run trained with (a resume without --lr goes on
+  /// with it). Absent from manifests written before it was recorded.
+  std::optional<float> lr;
   std::string modelName;
   TransformerConfig model;
   // The layout it was saved under (any layout of the same model and global batch resumes it)
