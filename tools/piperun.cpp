@@ -440,16 +440,27 @@ gpuBackend(Request &r, Plan &plan, const kernels::GptConfig &cfg, const DataSour
 
 /// The last line with --steps N (N >= 3; docs/runtime.md#measured-against-predicted): the median
 /// step (the first, a warm-up, dropped) against `predictedMs`, the plan simulated as piperun
-/// executes it.
+/// executes it. Off by more than 5x either way (farther than a loaded machine's noise takes a
+/// profiled plan), a note before it says how to predict this machine: the plan's stage times are
+/// then another device's (the cluster it was compiled for).
 std::optional<std::string> stepTimeLine(std::optional<double> predictedMs,
                                         const std::vector<double> &stepMs) {
   if (stepMs.size() < 3 || !predictedMs || !(*predictedMs > 0))
     return std::nullopt;
   const Measured m = summarizeSamples({stepMs.begin() + 1, stepMs.end()});
-  const double d = m.medianMs / *predictedMs - 1;
-  return fmt::format("step time: measured median {:.2f} ms over {} steps, predicted {:.2f} ms "
+  const double ratio = m.medianMs / *predictedMs;
+  std::string note;
+  if (ratio > 5 || ratio < 0.2) {
+    const double times = ratio > 1 ? ratio : 1 / ratio;
+    note = fmt::format("note: the step ran {:.{}f}x {} than the plan's stage times predict: they "
+                       "are not this machine's (the cluster's it was compiled for, or another "
+                       "profile's); to predict this machine, run with --profile costs.json and "
+                       "compile with --costs costs.json\n",
+                       times, times < 10 ? 1 : 0, ratio > 1 ? "slower" : "faster");
+  }
+  return fmt::format("{}step time: measured median {:.2f} ms over {} steps, predicted {:.2f} ms "
                      "({:+.1f}%)",
-                     m.medianMs, m.samples, *predictedMs, 100 * d);
+                     note, m.medianMs, m.samples, *predictedMs, 100 * (ratio - 1));
 }
 
 llvm::Error run(int argc, char **argv) {
