@@ -173,15 +173,20 @@ private:
 
 } // namespace
 
-llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit) {
+llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit, bool imported) {
   if (memoryLimit <= 0)
     return llvm::Error::success();
+  // The fix names what the command can change: an imported order's stages and microbatches
+  // are the file's.
+  const char *fix = imported ? "the order is the file's: give a larger --memory-limit or --tp, "
+                               "or import an order with more stages or fewer microbatches in "
+                               "flight (1f1b holds min(p, m))"
+                             : "raise --pp, lower --microbatches for gpipe, or use a schedule "
+                               "that bounds memory (1f1b holds min(p, m) microbatches)";
   for (const RankStats &r : plan.stats.ranks)
     if (r.peakActivationBytes > memoryLimit)
-      return finding("rank {} holds {} of activations at its peak, over --memory-limit {}; "
-                     "raise --pp, lower --microbatches for gpipe, or use a schedule that "
-                     "bounds memory (1f1b holds min(p, m) microbatches)",
-                     r.rank, humanBytes(r.peakActivationBytes), humanBytes(memoryLimit));
+      return finding("rank {} holds {} of activations at its peak, over --memory-limit {}; {}",
+                     r.rank, humanBytes(r.peakActivationBytes), humanBytes(memoryLimit), fix);
   return llvm::Error::success();
 }
 
@@ -302,7 +307,7 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
   for (size_t k = nextMatch(plan, options.memoryLimit, order.ranks, from, first); k < all.size();
        k = nextMatch(plan, options.memoryLimit, order.ranks, k + 1, first))
     result.matches.push_back(all[k]->name().str());
-  if (auto err = checkMemoryLimit(plan, options.memoryLimit))
+  if (auto err = checkMemoryLimit(plan, options.memoryLimit, /*imported=*/true))
     return err;
   return result;
 }

@@ -76,8 +76,9 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
                                              const ImportOptions &options, llvm::StringRef source,
                                              bool verifyEach = false);
 
-/// The Finding `pipec compile` reports when a rank's peak activations exceed --memory-limit.
-llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit);
+/// The Finding `pipec compile` (or, `imported`, `pipec import`) reports when a rank's peak
+/// activations exceed --memory-limit, with the fix that command's flags make.
+llvm::Error checkMemoryLimit(const Plan &plan, int64_t memoryLimit, bool imported = false);
 
 } // namespace pipec
 

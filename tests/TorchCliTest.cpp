@@ -140,6 +140,11 @@ TEST(TorchCli, ImportFlagsAreCheckedAsCompilesAre) {
               "cannot read", out);
   expectError("import " + csv + " --model examples/uniform-8.json --memory-limit 1MiB", 1,
               "over --memory-limit", out);
+  // The fix it names is one import can make (its stages and microbatches are the file's).
+  expectError("import " + csv + " --model examples/uniform-8.json --memory-limit 1MiB", 1,
+              "over --memory-limit 1.00 MiB; the order is the file's: give a larger "
+              "--memory-limit or --tp, or import an order with more stages",
+              out);
 }
 
 TEST(TorchCli, ImportReadsPipecsOwnTextForm) {
