@@ -138,6 +138,12 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
   std::string header(size_t(n), '\0');
   if (std::fread(header.data(), 1, header.size(), f.get()) != header.size())
     return inputError("{}: cannot read its header", path.str());
+  // (The JSON parser would stop at a NUL and take the rest, padding or not, as read; the
+  // format pads a header with spaces, and its reference library refuses anything else.)
+  if (size_t nul = header.find('\0'); nul != std::string::npos)
+    return inputError("{}: its header holds a NUL byte at offset {} (the format pads a header "
+                      "with spaces)",
+                      path.str(), 8 + nul);
   // The format nests three levels ({name: {"shape": [...]}}); a deeper header is refused before
   // it is built into a tree (a 100 MB run of brackets would take gigabytes).
   {
@@ -183,8 +189,16 @@ llvm::Expected<SafeTensorsFile> SafeTensorsFile::open(llvm::StringRef path) {
   const uint64_t dataSize = size - out.shards[0].dataStart;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string &name = it.key();
-    if (name == "__metadata__")
+    if (name == "__metadata__") {
+      // The format's free-form part: strings only (the reference library refuses anything else).
+      const Json &meta = it.value();
+      if (!meta.is_object() ||
+          !std::all_of(meta.begin(), meta.end(), [](const Json &v) { return v.is_string(); }))
+        return inputError("{}: __metadata__: expected an object of strings such as "
+                          "{{\"format\": \"pt\"}}",
+                          path.str());
       continue;
+    }
     const Json &e = it.value();
     auto bad = [&](const char *what) {
       return inputError("{}: tensor {}: {}", path.str(), shortened(name), what);

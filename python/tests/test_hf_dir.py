@@ -211,7 +211,9 @@ def shift(header: str, name: str, begin: int, end: int) -> str:
 
 
 # Two entries of one name: the reference library (safetensors 0.8) keeps the last one silently;
-# piperun refuses the file, since the two may describe different data.
+# piperun refuses the file, since the two may describe different data. Every other case the
+# reference library refuses too (a header padded with NULs rather than spaces, metadata that is
+# not strings among them).
 @pytest.mark.parametrize("case, edit, message", [
     ("duplicate", lambda h, d: (h.replace('"a":', '"b": {"dtype": "F32", "shape": [4], '
                                           '"data_offsets": [0, 16]}, "a":', 1), d),
@@ -220,6 +222,9 @@ def shift(header: str, name: str, begin: int, end: int) -> str:
     ("gap", lambda h, d: (shift(shift(h, "b", 20, 36), "a", 0, 16), d + b"\0" * 4),
      "data bytes [16, 20) before tensor b belong to no tensor"),
     ("trailing", lambda h, d: (h, d + b"\0" * 8), "the last 8 bytes of data belong to no tensor"),
+    ("nul-padding", lambda h, d: (h + "\0" * 4, d), "its header holds a NUL byte at offset"),
+    ("metadata", lambda h, d: (json.dumps(dict(json.loads(h), __metadata__={"format": 1})), d),
+     "__metadata__: expected an object of strings"),
 ])
 def test_safetensors_the_reference_library_refuses_are_refused(tmp_path, case, edit, message):
     st = pytest.importorskip("safetensors")
