@@ -623,6 +623,7 @@ llvm::Expected<SafeTensorsFile> openHfDirectory(llvm::StringRef dir,
   if (!text)
     return text.takeError();
   JsonReader r(indexPath);
+  r.keepingLastDuplicate(); // (as transformers' json.load does)
   auto index = r.parse(*text);
   if (!index)
     return index.takeError();

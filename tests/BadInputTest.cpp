@@ -371,6 +371,28 @@ std::vector<Case> catalogue() {
       "ModelMalformed", [](const std::string &dir) { spit(dir + "/m.json", "{\"format\": [}"); },
       "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
       "m.json:1:13: malformed JSON");
+  // A key given twice: JSON parsers keep one silently; pipec names it (its path).
+  add(
+      "ModelKeyGivenTwice",
+      [](const std::string &dir) {
+        spit(dir + "/m.json", "{\"format\": \"pipemodel/1\", \"name\": \"u\", \"layers\": "
+                              "[{\"forward\": 1, \"backward\": 2}, {\"forward\": 1, "
+                              "\"backward\": 2, \"forward\": 3}]}");
+      },
+      "$PIPEC compile --model m.json --schedule 1f1b --pp 2 --microbatches 2",
+      "m.json: $.layers[1].forward: given twice in one object (say it once)");
+  add(
+      "ClusterKeyGivenTwice",
+      [](const std::string &dir) {
+        withUniform(dir);
+        copyExample(dir, "h100-2nodes.json");
+        std::string text = slurp(dir + "/h100-2nodes.json");
+        text.replace(text.rfind('}'), 1, ", \"format\": \"pipecluster/1\"}");
+        spit(dir + "/c.json", text);
+      },
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cluster "
+      "c.json",
+      "c.json: $.format: given twice in one object (say it once)");
   add(
       "ModelNestedTooDeep",
       [](const std::string &dir) { spit(dir + "/m.json", std::string(100, '[')); },

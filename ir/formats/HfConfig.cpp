@@ -185,6 +185,7 @@ llvm::Error named(llvm::Error err, llvm::StringRef source) {
 
 llvm::Expected<HfModel> parseHfConfig(llvm::StringRef text, llvm::StringRef source) {
   JsonReader r(source);
+  r.keepingLastDuplicate(); // (as transformers' json.load does)
   auto parsed = r.parseObject(text);
   if (!parsed)
     return parsed.takeError();

@@ -6,8 +6,14 @@
 
 #include "llvm/ADT/STLExtras.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
 
 namespace pipec {
 
@@ -86,8 +92,57 @@ llvm::Expected<Json> JsonReader::parse(llvm::StringRef text) const {
   if (size_t depth = nestingDepth(text); depth > kMaxDepth)
     return inputError("{}: JSON nested {} levels deep; pipec's formats need at most {}", source,
                       depth, kMaxDepth);
+  // A key given twice in one object: JSON parsers keep one of the two silently (nlohmann and
+  // Python the last), so a hand-edited spec's earlier value would be ignored without a word.
+  // Refused, naming the key's path, unless the reader follows Python's rule (config.json).
+  struct Frame {
+    bool array = false;
+    size_t index = 0; // an array's element being read
+    std::string key;  // an object's member being read
+    std::set<std::string, std::less<>> keys;
+  };
+  std::vector<Frame> frames;
+  std::string twice;
+  auto pathOf = [&](llvm::StringRef key) {
+    std::string path = "$";
+    for (size_t i = 0; i + 1 < frames.size(); ++i)
+      path += frames[i].array ? fmt::format("[{}]", frames[i].index) : "." + frames[i].key;
+    return path + "." + key.str();
+  };
+  auto endElement = [&] {
+    if (!frames.empty() && frames.back().array)
+      ++frames.back().index;
+  };
+  Json::parser_callback_t watch = [&](int, Json::parse_event_t event, Json &parsed) {
+    switch (event) {
+    case Json::parse_event_t::object_start:
+    case Json::parse_event_t::array_start:
+      frames.push_back(Frame{event == Json::parse_event_t::array_start, 0, {}, {}});
+      break;
+    case Json::parse_event_t::key: {
+      Frame &f = frames.back();
+      f.key = parsed.get<std::string>();
+      if (!f.keys.insert(f.key).second && twice.empty() && !keepLastDuplicate)
+        twice = pathOf(f.key);
+      break;
+    }
+    case Json::parse_event_t::object_end:
+    case Json::parse_event_t::array_end:
+      frames.pop_back();
+      endElement();
+      break;
+    case Json::parse_event_t::value:
+      endElement();
+      break;
+    }
+    return true;
+  };
   try {
-    return Json::parse(json::NulVisible{text.begin()}, json::NulVisible{text.end()});
+    Json j = Json::parse(json::NulVisible{text.begin()}, json::NulVisible{text.end()}, watch);
+    if (!twice.empty())
+      return inputError("{}: {}: given twice in one object (say it once)", source,
+                        shortened(twice, 200));
+    return j;
   } catch (const Json::out_of_range &e) {
     return inputError("{}: a number is out of range ({})", source,
                       llvm::StringRef(e.what()).contains("overflow") ? "too large for a double"

@@ -25,8 +25,15 @@ class JsonReader {
 public:
   explicit JsonReader(llvm::StringRef source) : source(source.str()) {}
 
-  /// Parse text; a syntax error names the line and column.
+  /// Parse text; a syntax error names the line and column, and a key given twice in one object
+  /// its path (unless keepingLastDuplicate()).
   llvm::Expected<Json> parse(llvm::StringRef text) const;
+  /// Take the last of a key given twice, as Python's json does: for the files transformers
+  /// reads (config.json, a safetensors index), which must mean to pipec what they mean to it.
+  JsonReader &keepingLastDuplicate() {
+    keepLastDuplicate = true;
+    return *this;
+  }
   /// parse() of a document that must be a JSON object (every pipec format and config.json).
   llvm::Expected<Json> parseObject(llvm::StringRef text) const;
 
@@ -67,6 +74,7 @@ public:
 
 private:
   std::string source;
+  bool keepLastDuplicate = false;
 };
 
 /// "$.a" + "b" -> "$.a.b"; "$.a" + 3 -> "$.a[3]".

@@ -190,6 +190,21 @@ def test_spec_from_hf_refuses_what_the_kernels_do_not_compute(tmp_path):
     assert r.returncode == 2 and "model_type: \"qwen2\" is not one pipec runs" in r.stderr
 
 
+def test_a_config_key_given_twice_means_to_pipec_what_it_means_to_transformers(tmp_path):
+    # pipec's own formats refuse a key given twice; config.json is read as transformers reads
+    # it (Python's json keeps the last), so both build the same model from it.
+    path = tmp_path / "config.json"
+    transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32,
+                            vocab_size=V).to_json_file(path)
+    text = path.read_text()
+    assert text.count('"n_layer": 4') == 1
+    path.write_text(text.replace('"n_layer": 4', '"n_layer": 3, "n_layer": 6'))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).n_layer == 6
+    r = run_pipec("spec", "--from-hf", str(path))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["transformer"]["num_layers"] == 6, r.stdout
+
+
 def rewrite(path, edit):
     """Rewrite a safetensors file: `edit(header_text, data) -> (header_text, data)`."""
     raw = path.read_bytes()
