@@ -102,12 +102,7 @@ constexpr char kManifestName[] = "manifest.json";
 /// Whether `name` is one a save writes inside a step directory: the marker, the manifest, a
 /// layer file, or the temporary of one of them (<name>.tmp-<6 characters>).
 bool isSavedName(llvm::StringRef name) {
-  if (size_t at = name.rfind(".tmp-"); at != llvm::StringRef::npos) {
-    llvm::StringRef suffix = name.drop_front(at + 5);
-    if (suffix.size() != 6 || !llvm::all_of(suffix, llvm::isAlnum))
-      return false;
-    name = name.take_front(at);
-  }
+  name = temporaryTarget(name);
   if (name == kMarkerName || name == kManifestName)
     return true;
   llvm::StringRef digits = name;

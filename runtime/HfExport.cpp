@@ -2,6 +2,7 @@
 #include "runtime/HfExport.h"
 
 #include "ir/formats/HfConfig.h"
+#include "ir/support/DurableFile.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
 
@@ -173,12 +174,7 @@ namespace {
 /// model-<5 digits>-of-<5 digits>.safetensors, model.safetensors.index.json, or the temporary of
 /// one of them (<name>.tmp-<6 hex digits>, ir/support/DurableFile.h).
 bool isExportedName(llvm::StringRef name) {
-  if (size_t at = name.rfind(".tmp-"); at != llvm::StringRef::npos) {
-    llvm::StringRef suffix = name.drop_front(at + 5);
-    if (suffix.size() != 6 || !llvm::all_of(suffix, llvm::isHexDigit))
-      return false;
-    name = name.take_front(at);
-  }
+  name = temporaryTarget(name);
   if (name == "config.json" || name == "model.safetensors" ||
       name == "model.safetensors.index.json")
     return true;

@@ -3,6 +3,9 @@
 #include "ir/support/Error.h"
 #include "ir/support/Hash.h"
 
+#include "llvm/ADT/STLExtras.h"
+#include "llvm/ADT/StringExtras.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -57,6 +60,16 @@ llvm::Error cannotWrite(llvm::StringRef shown, int code) {
 }
 
 } // namespace
+
+llvm::StringRef temporaryTarget(llvm::StringRef name) {
+  const size_t at = name.rfind(".tmp-");
+  if (at == llvm::StringRef::npos)
+    return name;
+  llvm::StringRef suffix = name.drop_front(at + 5);
+  if (suffix.size() != 6 || !llvm::all_of(suffix, llvm::isHexDigit))
+    return name;
+  return name.take_front(at);
+}
 
 llvm::Expected<DurableTemporary>
 writeTemporaryAt(int dirFd, llvm::StringRef name, llvm::StringRef shown,

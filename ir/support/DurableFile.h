@@ -47,6 +47,10 @@ llvm::Error writeDurablyAt(int dirFd, llvm::StringRef name, llvm::StringRef show
                            llvm::function_ref<void(llvm::raw_ostream &)> write,
                            uint64_t *digest = nullptr, KillPoint kill = nullptr);
 
+/// The name whose temporary `name` is (<target>.tmp-<6 hex digits>, as writeTemporaryAt names
+/// them), or `name` itself when it is not one: how a cleaner tells a killed write's leftovers.
+llvm::StringRef temporaryTarget(llvm::StringRef name);
+
 /// fsync the open directory `dirFd`, so that the names created, renamed or removed in it
 /// survive a crash; the error names `shown`.
 llvm::Error syncDirectory(int dirFd, llvm::StringRef shown);
