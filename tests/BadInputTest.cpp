@@ -338,6 +338,11 @@ std::vector<Case> catalogue() {
       "$PIPEC compile --model gone.json --schedule 1f1b --pp 2 "
       "--microbatches 2",
       "--model: gone.json: cannot read: No such file or directory");
+  add("SpecFromHfMissing", nullptr, "$PIPEC spec --from-hf gone.json",
+      "--from-hf: gone.json: cannot read: No such file or directory");
+  add(
+      "SpecFromHfMalformed", [](const std::string &dir) { spit(dir + "/config.json", "{\"a\""); },
+      "$PIPEC spec --from-hf config.json", "--from-hf: config.json:1:5: malformed JSON");
   add(
       "ModelIsADirectory", [](const std::string &dir) { fs::create_directory(dir + "/m"); },
       "$PIPEC compile --model m --schedule 1f1b --pp 2 --microbatches 2",

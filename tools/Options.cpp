@@ -120,7 +120,7 @@ constexpr Opt kClusterJson =
 constexpr Opt kCosts =
     path("--costs", "FILE", "measured op costs (piperun --profile) in place of the cost model's");
 constexpr Opt kMemoryLimit =
-    bytes("--memory-limit", "every rank's peak memory at most this (80GiB, 512MiB, ...)");
+    bytes("--memory-limit", "every rank's peak activations at most this (80GiB, 512MiB, ...)");
 constexpr Opt kGroupSize =
     count("--microbatch-group-size", "G", "microbatches per group of an interleaved schedule", 0);
 // (At most what tp x dp may reach: a larger one's suggested bound would be refused next.)

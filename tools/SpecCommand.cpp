@@ -34,8 +34,8 @@ llvm::Error runSpecCommand(int argc, char **argv) {
     return inputError("spec: --from-hf config.json is required (a Hugging Face model's "
                       "config.json)");
   auto hf = loadHfConfig(*config);
-  if (!hf)
-    return hf.takeError();
+  if (!hf) // (named as --model's and --cluster's errors are)
+    return inputError("--from-hf: {}", takeMessage(hf.takeError()));
   auto seq = args->integer("--seq-length");
   if (!seq)
     return seq.takeError();
