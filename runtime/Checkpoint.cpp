@@ -1,5 +1,7 @@
 #include "runtime/Checkpoint.h"
 
+#include "runtime/Data.h"
+
 #include "ir/formats/PlanJson.h"
 #include "ir/support/Bytes.h"
 #include "ir/support/DurableFile.h"
@@ -571,10 +573,7 @@ llvm::Error checkResumable(const Checkpoint &ckpt, const Plan &plan, std::option
     return inputError("--resume: {} was saved by a run with --seed {}, not {}; drop --seed (the "
                       "checkpoint's is used) or give --seed {}",
                       ckpt.path, m.seed, *seed, m.seed);
-  if (data != m.data)
-    return inputError("--resume: {} was trained on {}, this run reads {}; give the same --data",
-                      ckpt.path, shortened(m.data, 200), shortened(data, 200));
-  return llvm::Error::success();
+  return checkSameData(m.data, data, ckpt.path);
 }
 
 llvm::Error readCheckpointLayer(const Checkpoint &ckpt, int layer, LayerState &out) {

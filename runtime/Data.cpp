@@ -8,6 +8,7 @@
 
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallVector.h"
+#include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/MemoryBuffer.h"
 #include "llvm/Support/Path.h"
@@ -172,14 +173,43 @@ std::unique_ptr<DataSource> syntheticData(int vocab, uint64_t seed) {
   return std::make_unique<Synthetic>(vocab, seed);
 }
 
-std::string dataSourceName(llvm::StringRef path) {
-  uint64_t bytes = 0;
-  llvm::sys::fs::file_size(path, bytes);
-  return fmt::format("file {} {}", llvm::sys::path::filename(path).str(), bytes);
+std::string dataSourceName(llvm::StringRef path, llvm::StringRef bytes) {
+  return fmt::format("file {} {} {:016x}", llvm::sys::path::filename(path).str(), bytes.size(),
+                     fnv1a(bytes));
 }
 
-llvm::Expected<std::unique_ptr<DataSource>>
-tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed) {
+llvm::Error checkSameData(llvm::StringRef saved, llvm::StringRef reads, llvm::StringRef where) {
+  if (saved == reads)
+    return llvm::Error::success();
+  // "file <name> <bytes> <digest>": the same bytes under another name or directory are the
+  // same data (a shard moved to a faster disk); a manifest written before the digest was
+  // recorded ("file <name> <bytes>") is compared by name and size.
+  llvm::SmallVector<llvm::StringRef, 4> a, b;
+  saved.split(a, ' ');
+  reads.split(b, ' ');
+  if (a.size() == 4 && b.size() == 4 && a[0] == "file" && b[0] == "file" && a[2] == b[2] &&
+      a[3] == b[3])
+    return llvm::Error::success();
+  if (a.size() == 3 && b.size() == 4 && a[0] == "file" && b[0] == "file" && a[1] == b[1] &&
+      a[2] == b[2])
+    return llvm::Error::success();
+  auto describe = [](llvm::ArrayRef<llvm::StringRef> f) {
+    if (f.size() == 1 && f[0] == "synthetic")
+      return std::string("synthetic tokens (no --data)");
+    if (f.size() < 3 || f[0] != "file")
+      return shortened(llvm::join(f, " "), 200);
+    return fmt::format("the token file {} ({} bytes{})", shortened(f[1], 200), f[2],
+                       f.size() == 4 ? fmt::format(", digest {}", f[3]) : std::string());
+  };
+  const bool sameSize =
+      a.size() >= 3 && b.size() >= 3 && a[0] == "file" && b[0] == "file" && a[2] == b[2];
+  return inputError("--resume: {} was trained on {}, this run reads {}{}; give the same --data",
+                    where.str(), describe(a), describe(b),
+                    sameSize && a.size() == 4 ? " (the same size, other bytes)" : "");
+}
+
+llvm::Expected<std::unique_ptr<llvm::MemoryBuffer>> readTokenFile(llvm::StringRef path,
+                                                                  llvm::StringRef dtype) {
   // Sequences are windows at random offsets: the file must be a regular one (not /dev/zero,
   // not a pipe), and its ids (4 bytes each once read) must fit in memory.
   if (llvm::sys::fs::is_directory(path))
@@ -197,6 +227,14 @@ tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen
   auto buf = llvm::MemoryBuffer::getFile(path, /*IsText=*/false);
   if (!buf)
     return inputError("--data: {}: cannot read: {}", path.str(), buf.getError().message());
+  return std::move(*buf);
+}
+
+llvm::Expected<std::unique_ptr<DataSource>>
+tokenFileData(llvm::StringRef path, llvm::StringRef dtype, int vocab, int seqLen, uint64_t seed) {
+  auto buf = readTokenFile(path, dtype);
+  if (!buf)
+    return buf.takeError();
   return tokenBytesData((*buf)->getBuffer(), path, dtype, vocab, seqLen, seed);
 }
 

@@ -14,6 +14,7 @@
 
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
+#include "llvm/Support/MemoryBuffer.h"
 
 #include <cstdint>
 #include <memory>
@@ -42,9 +43,19 @@ llvm::Expected<std::unique_ptr<DataSource>> tokenBytesData(llvm::StringRef bytes
                                                            llvm::StringRef dtype, int vocab,
                                                            int seqLen, uint64_t seed);
 
-/// How a checkpoint records a token file: "file <name> <bytes>" (its name without the
-/// directory, and its size), so that a resume can tell another file from the same one moved.
-std::string dataSourceName(llvm::StringRef path);
+/// The token file's bytes, read whole after the checks tokenFileData makes (a regular file
+/// that fits the memory budget).
+llvm::Expected<std::unique_ptr<llvm::MemoryBuffer>> readTokenFile(llvm::StringRef path,
+                                                                  llvm::StringRef dtype);
+
+/// How a checkpoint records a token file: "file <name> <size> <digest>" (its name without the
+/// directory, its size in bytes and the FNV-1a digest of its bytes, 16 hex digits).
+std::string dataSourceName(llvm::StringRef path, llvm::StringRef bytes);
+
+/// An InputError unless a run reading `reads` continues the data a checkpoint (`where`) was
+/// trained on, `saved` ("synthetic", or dataSourceName's): the same bytes, whatever the file is
+/// called now (a manifest without a digest: the same name and size).
+llvm::Error checkSameData(llvm::StringRef saved, llvm::StringRef reads, llvm::StringRef where);
 
 /// The `batch` sequences of microbatch `index` (global), each seqLen + 1 ids, back to back.
 std::vector<int32_t> microbatchTokens(const DataSource &data, uint64_t index, int batch,

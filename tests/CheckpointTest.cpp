@@ -154,6 +154,49 @@ TEST(CheckpointTest, AResumeGoesOnWithTheSavedLearningRateUnlessLrSetsAnother) {
       << bad.err;
 }
 
+/// `n` uint16 token ids below 64 (tiny-gpt's vocabulary) from seed `seed`.
+std::string tokenBytes(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string bytes;
+  for (int i = 0; i < n; ++i) {
+    const uint16_t id = uint16_t(rng() % 64);
+    bytes.append(reinterpret_cast<const char *>(&id), 2);
+  }
+  return bytes;
+}
+
+TEST(CheckpointTest, AResumeNeedsTheSameTokensWhateverTheFileIsCalled) {
+  // A checkpoint records its token file's name, size and digest. Another file of the same name
+  // and size (a re-tokenised shard) is refused; the same bytes moved or renamed go on.
+  const std::string d = freshDir("data");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  spit(d + "/tok.u16", tokenBytes(5000, 1));
+  const std::string ck = d + "/ck";
+  auto first = piperun(plan + " --steps 2 --data " + d + "/tok.u16 --save-dir " + ck);
+  ASSERT_EQ(first.code, 0) << first.err;
+  auto whole = piperun(plan + " --steps 3 --data " + d + "/tok.u16");
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  fs::create_directories(d + "/elsewhere");
+  fs::copy_file(d + "/tok.u16", d + "/elsewhere/renamed.u16");
+  auto moved =
+      piperun(plan + " --steps 3 --resume " + ck + " --data " + d + "/elsewhere/renamed.u16");
+  ASSERT_EQ(moved.code, 0) << moved.err;
+  EXPECT_EQ(stepLosses(moved.out)[2], stepLosses(whole.out)[2]);
+  spit(d + "/tok.u16", tokenBytes(5000, 2));
+  auto other = piperun(plan + " --steps 3 --resume " + ck + " --data " + d + "/tok.u16");
+  EXPECT_EQ(other.code, 2);
+  EXPECT_TRUE(std::regex_search(
+      other.err, std::regex("was trained on the token file tok\\.u16 \\(10000 bytes, digest "
+                            "[0-9a-f]{16}\\), this run reads the token file tok\\.u16 \\(10000 "
+                            "bytes, digest [0-9a-f]{16}\\) \\(the same size, other bytes\\); "
+                            "give the same --data\n$")))
+      << other.err;
+  auto none = piperun(plan + " --steps 3 --resume " + ck);
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.err.find("this run reads synthetic tokens (no --data)"), std::string::npos)
+      << none.err;
+}
+
 TEST(CheckpointTest, SaveEveryWithKeepTwoKeepsTheTwoNewestCheckpoints) {
   const std::string d = freshDir("every");
   const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");

@@ -340,8 +340,17 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
     o.initWeights = &initWeights;
     say("initial weights from {}\n", *r.initFrom);
   }
-  // A checkpoint to continue: the same model and global batch (any layout), seed and data.
-  o.dataName = r.dataPath ? dataSourceName(*r.dataPath) : "synthetic";
+  // A checkpoint to continue: the same model and global batch (any layout), seed and data
+  // (the token file's bytes, read here).
+  std::unique_ptr<llvm::MemoryBuffer> tokens;
+  o.dataName = "synthetic";
+  if (r.dataPath) {
+    auto read = readTokenFile(*r.dataPath, r.dataDtype);
+    if (!read)
+      return read.takeError();
+    tokens = std::move(*read);
+    o.dataName = dataSourceName(*r.dataPath, tokens->getBuffer());
+  }
   // The same command line relaunched finishes the job: a --resume directory without a
   // checkpoint yet (the first launch's, or one killed before its first save) starts at step 0.
   if (r.resumeDir && !llvm::sys::fs::is_regular_file(*r.resumeDir) &&
@@ -380,8 +389,9 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
       std::fflush(stdout);
     };
   }
-  if (r.dataPath)
-    return tokenFileData(*r.dataPath, r.dataDtype, cfg.vocab, cfg.seqLen, o.seed);
+  if (tokens)
+    return tokenBytesData(tokens->getBuffer(), *r.dataPath, r.dataDtype, cfg.vocab, cfg.seqLen,
+                          o.seed);
   return syntheticData(cfg.vocab, o.seed);
 }
 

@@ -31,7 +31,7 @@ struct CheckpointManifest {
   /// Sequences of the data stream consumed: step · dp · microbatches · microbatch_size. With
   /// the seed it is the whole RNG state: data and weights come from counter-based generators.
   uint64_t sequences = 0;
-  /// "synthetic", or "file <name> <bytes>" for --data.
+  /// "synthetic", or "file <name> <bytes> <digest>" for --data (runtime/Data.h dataSourceName).
   std::string data = "synthetic";
   /// piperun --lr: AdamW's learning rate the run trained with (a resume without --lr goes on
   /// with it). Absent from manifests written before it was recorded.
