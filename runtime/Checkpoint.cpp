@@ -365,13 +365,31 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
   return llvm::Error::success();
 }
 
-bool holdsCheckpoint(llvm::StringRef dir) {
-  Descriptor fd = openDirectory(dir.str());
+llvm::Expected<bool> holdsCheckpoint(llvm::StringRef dirRef) {
+  const std::string dir = dirRef.str(), shown = shortened(dir, 200);
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT) // (a first launch: --save-dir makes it)
+      return false;
+    return inputError("--resume: {}: {}", shown, std::strerror(errno));
+  }
+  // A mistyped path must not start the job again at step 0: only a directory, or nothing.
+  if (S_ISLNK(st.st_mode) && ::stat(dir.c_str(), &st) != 0)
+    return inputError("--resume: {} is a symbolic link to nothing ({}); give the checkpoint "
+                      "directory",
+                      shown, std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) {
+    std::string kind = specialFileKind(dir);
+    return inputError("--resume: {} is {}, not a directory; give the checkpoint directory (the "
+                      "--save-dir of the run to continue)",
+                      shown, kind.empty() ? "a file" : kind);
+  }
+  Descriptor fd = openDirectory(dir);
   if (!fd)
-    return false;
+    return inputError("--resume: {}: cannot open: {}", shown, std::strerror(errno));
   // A foreign entry, or a step whose manifest is not piperun's, is not "no checkpoint yet":
   // openCheckpoint refuses it with its reason rather than the run starting again at step 0.
-  for (const StepEntry &e : stepEntries(fd.get(), dir.str()))
+  for (const StepEntry &e : stepEntries(fd.get(), dir))
     if (e.kind != StepKind::Started)
       return true;
   return false;

@@ -90,8 +90,9 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
 
 /// Whether `dir` holds a checkpoint to resume, or something in its place that openCheckpoint
 /// must refuse (a link, a foreign directory, a manifest that is not piperun's); false for a
-/// missing or empty directory, or one holding only what killed saves left.
-bool holdsCheckpoint(llvm::StringRef dir);
+/// missing or empty directory, or one holding only what killed saves left. Anything else named
+/// `dir` (a file, a pipe, a device, a link to nothing, a path through a file) is an InputError.
+llvm::Expected<bool> holdsCheckpoint(llvm::StringRef dir);
 
 /// A committed checkpoint found by openCheckpoint.
 struct Checkpoint {

@@ -37,6 +37,7 @@
 #include <regex>
 #include <signal.h>
 #include <string>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -450,6 +451,23 @@ TEST(CheckpointTest, ResumeFromAMissingOrEmptyDirectoryStartsAtStepZeroAndSaysSo
     EXPECT_EQ(r.out.rfind("--resume " + ck + ": no checkpoint yet; starting at step 0\n", 0), 0u)
         << r.out;
     EXPECT_EQ(stepLosses(r.out), stepLosses(plain.out)) << dir;
+  }
+  // Anything else of that name is a mistyped path, not a first launch: refused, not step 0.
+  spit(d + "/afile", "x");
+  ::mkfifo((d + "/fifo").c_str(), 0644);
+  fs::create_symlink(d + "/nothing", d + "/dangling");
+  const std::pair<std::string, std::string> refused[] = {
+      {d + "/afile", "afile is a file, not a directory"},
+      {d + "/fifo", "fifo is a pipe, not a directory"},
+      {"/dev/null", "/dev/null is a character device, not a directory"},
+      {d + "/dangling", "dangling is a symbolic link to nothing"},
+      {d + "/afile/sub", "afile/sub: Not a directory"}};
+  for (const auto &[path, message] : refused) {
+    auto r = piperun(plan + " --steps 2 --resume " + path);
+    EXPECT_EQ(r.code, 2) << path;
+    EXPECT_NE(r.err.find("--resume: "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("step 0"), std::string::npos) << r.out;
   }
 }
 

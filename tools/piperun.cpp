@@ -353,8 +353,10 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   }
   // The same command line relaunched finishes the job: a --resume directory without a
   // checkpoint yet (the first launch's, or one killed before its first save) starts at step 0.
-  if (r.resumeDir && !llvm::sys::fs::is_regular_file(*r.resumeDir) &&
-      !holdsCheckpoint(*r.resumeDir)) {
+  llvm::Expected<bool> holds = r.resumeDir ? holdsCheckpoint(*r.resumeDir) : false;
+  if (!holds)
+    return holds.takeError();
+  if (r.resumeDir && !*holds) {
     say("--resume {}: no checkpoint yet; starting at step 0\n", *r.resumeDir);
   } else if (r.resumeDir) {
     auto opened = openCheckpoint(*r.resumeDir);
