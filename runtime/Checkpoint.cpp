@@ -339,11 +339,15 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
     return inputError("--save-dir: expected a directory, got an empty path");
   struct stat st;
   if (::stat(dir.str().c_str(), &st) != 0) {
+    if (::lstat(dir.str().c_str(), &st) == 0)
+      return inputError("--save-dir: {} is a symbolic link to nothing; give a directory, or a "
+                        "new name in one",
+                        shortened(dir, 200));
     llvm::StringRef parent = llvm::sys::path::parent_path(dir);
     if (!parent.empty() && !llvm::sys::fs::is_directory(parent))
       return inputError("--save-dir: {}: no directory {} to create it in", shortened(dir, 200),
                         shortened(parent, 200));
-    return llvm::Error::success();
+    return checkCanWriteIn("--save-dir", dir); // (in the parent, where the run makes it)
   }
   if (!S_ISDIR(st.st_mode))
     return inputError("--save-dir: {}: is {}, not a directory", shortened(dir, 200),
@@ -355,14 +359,13 @@ llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir) {
   for (const StepEntry &e : steps)
     if (e.kind == StepKind::Foreign)
       return foreignStep("--save-dir", dir.str(), e);
-  if (!resumeDir.empty() && sameDirectory(dir, resumeDir))
-    return llvm::Error::success();
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it)
-    if (it->kind == StepKind::Committed)
-      return inputError("--save-dir: {} already holds checkpoints (step {}); continue them "
-                        "with --resume {}, or give an empty or new --save-dir",
-                        shortened(dir, 200), it->step, shortened(dir, 200));
-  return llvm::Error::success();
+  if (resumeDir.empty() || !sameDirectory(dir, resumeDir))
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it)
+      if (it->kind == StepKind::Committed)
+        return inputError("--save-dir: {} already holds checkpoints (step {}); continue them "
+                          "with --resume {}, or give an empty or new --save-dir",
+                          shortened(dir, 200), it->step, shortened(dir, 200));
+  return checkCanWriteIn("--save-dir", dir);
 }
 
 llvm::Expected<bool> holdsCheckpoint(llvm::StringRef dirRef) {

@@ -2,6 +2,7 @@
 #include "runtime/HfExport.h"
 
 #include "ir/formats/HfConfig.h"
+#include "ir/support/Bytes.h"
 #include "ir/support/DurableFile.h"
 #include "ir/support/Error.h"
 #include "ir/support/Files.h"
@@ -149,15 +150,28 @@ std::string safetensorsBytes(const std::vector<const Named *> &tensors) {
 } // namespace
 
 llvm::Error checkHfExportDir(llvm::StringRef dir) {
+  // The export is written beside `dir` (DIR.partial-<pid>) and renamed onto it: what can be
+  // known before the run of whether that rename will work is checked here.
+  llvm::StringRef parentRef = llvm::sys::path::parent_path(dir);
+  const std::string parent = parentRef.empty() ? std::string(".") : parentRef.str();
+  struct stat st, up;
+  if (::lstat(dir.str().c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    return inputError("--export-hf: {} is a symbolic link; give the directory itself (the "
+                      "export is renamed into place, which would replace the link)",
+                      dir.str());
   if (!llvm::sys::fs::exists(dir)) {
-    llvm::StringRef parent = llvm::sys::path::parent_path(dir);
-    if (!parent.empty() && !llvm::sys::fs::is_directory(parent))
+    if (!llvm::sys::fs::is_directory(parent))
       return inputError("--export-hf: {}: its parent directory does not exist", dir.str());
-    return llvm::Error::success();
+    return checkCanWriteIn("--export-hf", parent);
   }
   if (!llvm::sys::fs::is_directory(dir))
     return inputError("--export-hf: {}: exists and is not a directory; give a new directory",
                       dir.str());
+  if (::stat(dir.str().c_str(), &st) == 0 && ::stat(parent.c_str(), &up) == 0 &&
+      st.st_dev != up.st_dev)
+    return inputError("--export-hf: {} is a mount point; the export is renamed into place, which "
+                      "a mount point cannot take: give a new directory inside it, such as {}/hf",
+                      dir.str(), dir.str());
   std::error_code ec;
   llvm::sys::fs::directory_iterator it(dir, ec);
   if (ec)
@@ -165,7 +179,7 @@ llvm::Error checkHfExportDir(llvm::StringRef dir) {
   if (it != llvm::sys::fs::directory_iterator())
     return inputError("--export-hf: {}: exists and is not empty; give a new or empty directory",
                       dir.str());
-  return llvm::Error::success();
+  return checkCanWriteIn("--export-hf", parent);
 }
 
 namespace {
@@ -266,8 +280,13 @@ llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConf
   removeKilledExports(dir);
   const std::string temp = fmt::format("{}.partial-{}", dir.str(), ::getpid());
   // Never a directory someone else has under that name: create_directory refuses one.
-  if (std::error_code ec = llvm::sys::fs::create_directory(temp, /*IgnoreExisting=*/false))
+  // As mkdir(1) makes one (0777 less the umask), or with the mode of the empty directory it
+  // replaces.
+  if (std::error_code ec =
+          llvm::sys::fs::create_directory(temp, /*IgnoreExisting=*/false, llvm::sys::fs::all_all))
     return inputError("--export-hf: {}: cannot create: {}", temp, ec.message());
+  if (struct stat st; ::stat(dir.str().c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    ::chmod(temp.c_str(), st.st_mode & 07777);
   // Every file is new, inside a directory made here: none can be one of the run's inputs.
   auto write = [&]() -> llvm::Error {
     if (auto err = writeFileAtomically(temp + "/config.json", *config, /*inputs=*/{}))
@@ -291,7 +310,11 @@ llvm::Expected<int> writeHfDirectory(llvm::StringRef dir, const kernels::GptConf
   };
   if (auto err = write()) {
     llvm::sys::fs::remove_directories(temp);
-    return err;
+    uint64_t needed = config->size();
+    for (const Named &t : tensors)
+      needed += t.values.size() * sizeof(float);
+    return inputError("--export-hf: {}; the export needs about {} beside {}: free that much",
+                      takeMessage(std::move(err)), humanBytes(needed), dir.str());
   }
   if (llvm::sys::fs::is_directory(dir))
     llvm::sys::fs::remove(dir); // empty, as checkHfExportDir found it

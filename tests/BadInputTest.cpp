@@ -681,6 +681,19 @@ std::vector<Case> catalogue() {
   // An empty --export-hf skipped the export (exit 0) and an empty --resume started afresh.
   add("ExportHfEmpty", withTinyPlan, "$PIPERUN p.json --steps 2 --export-hf \"\"",
       "--export-hf: expected a path, got an empty one");
+  // A full disk (a file size limit of 100 blocks) while the export is written: named as a
+  // checkpoint's is, with the space it needs, and nothing of it left.
+  add("ExportHfFullDisk", withTinyPlan, "ulimit -f 100; $PIPERUN p.json --steps 1 --export-hf hf",
+      "cannot write: File too large; the export needs about 217.07 KiB beside hf: free that much");
+  add(
+      "ExportHfThroughALink",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_directory(dir + "/real");
+        fs::create_directory_symlink("real", dir + "/hf");
+      },
+      "$PIPERUN p.json --steps 1 --export-hf hf",
+      "--export-hf: hf is a symbolic link; give the directory itself");
   add("ResumeEmpty", withTinyPlan, "$PIPERUN p.json --steps 2 --resume \"\"",
       "--resume: expected a path, got an empty one");
   // A pipe in a model directory: its open waited for a writer forever.
@@ -737,6 +750,15 @@ std::vector<Case> catalogue() {
         spit(dir + "/ck", "x");
       },
       "$PIPERUN p.json --save-dir ck", "--save-dir: ck: is a file, not a directory");
+  // Found before step 0, not at the first save after hours of training.
+  add(
+      "SaveDirIsALinkToNothing",
+      [](const std::string &dir) {
+        withTinyPlan(dir);
+        fs::create_symlink("gone", dir + "/ck");
+      },
+      "$PIPERUN p.json --steps 2 --save-dir ck",
+      "--save-dir: ck is a symbolic link to nothing; give a directory, or a new name in one");
   add("SaveDirHoldingCheckpointsNotResumed", withCheckpoint, "$PIPERUN p.json --save-dir ck",
       "--save-dir: ck already holds checkpoints (step 1)");
   // (--resume on a missing or empty directory starts at step 0: CheckpointTest.)

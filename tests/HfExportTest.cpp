@@ -17,6 +17,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -145,6 +146,36 @@ TEST(HfExportTest, WhatAKilledExportLeftIsRemovedAndNothingElse) {
   EXPECT_TRUE(llvm::sys::fs::exists(outside + "/config.json"));
   EXPECT_TRUE(llvm::sys::fs::is_symlink_file(partial(linked)));
   EXPECT_FALSE(llvm::sys::fs::exists(dir + ".partial-" + std::to_string(::getpid())));
+}
+
+TEST(HfExportTest, ALinkIsRefusedBeforeTheRunAndAnEmptyDirectoryKeepsItsMode) {
+  // The export is renamed into place: through a link it would replace the link (a link to an
+  // empty directory left that directory empty), so a link is refused up front, dangling or not.
+  const std::string target = tempDir("hf-target"), link = tempDir("hf-link");
+  ASSERT_FALSE(llvm::sys::fs::create_directory(target));
+  llvm::sys::fs::remove(link);
+  ASSERT_FALSE(llvm::sys::fs::create_link(target, link));
+  llvm::Error err = checkHfExportDir(link);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(errorText(std::move(err)).find("is a symbolic link; give the directory itself"),
+            std::string::npos);
+  llvm::sys::fs::remove(target);
+  err = checkHfExportDir(link);
+  ASSERT_TRUE(bool(err));
+  EXPECT_NE(errorText(std::move(err)).find("is a symbolic link"), std::string::npos);
+  // An empty directory given keeps its mode (it came out 0750 whatever it was).
+  const std::string dir = tempDir("hf-mode");
+  ASSERT_FALSE(llvm::sys::fs::create_directory(dir));
+  ASSERT_EQ(::chmod(dir.c_str(), 0751), 0);
+  Plan plan = compileOrFail(tinyGpt(), options("1f1b", 2, 2));
+  auto cfg = gptConfigOf(plan);
+  ASSERT_TRUE(bool(cfg));
+  auto files = writeHfDirectory(dir, *cfg, *plan.transformer, layersOf(*cfg));
+  ASSERT_TRUE(bool(files)) << errorText(files.takeError());
+  struct stat st;
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0751u);
+  EXPECT_TRUE(llvm::sys::fs::exists(dir + "/config.json"));
 }
 
 TEST(HfExportTest, ABlockTransformersCannotLoadIsRefused) {

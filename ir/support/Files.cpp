@@ -122,6 +122,23 @@ std::string specialFileKind(llvm::StringRef path) {
   return kindOf(st);
 }
 
+llvm::Error checkCanWriteIn(llvm::StringRef flag, llvm::StringRef dirRef) {
+  std::string dir = dirRef.str();
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    llvm::StringRef parent = llvm::sys::path::parent_path(dirRef);
+    dir = parent.empty() ? std::string(".") : parent.str();
+  }
+  const std::string probe = fmt::format("{}/.piperun-write-test-{}", dir, ::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return inputError("{}: {}: cannot write there: {}", flag.str(), shortened(dir, 200),
+                      errnoText(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return llvm::Error::success();
+}
+
 llvm::Error checkInputFile(llvm::StringRef path, const InputFormat &format, bool &regular) {
   if (path.empty())
     return inputError("expected the path of {}, got an empty one", format.name);

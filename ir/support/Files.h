@@ -66,6 +66,12 @@ llvm::Expected<std::string> readRegularFileAt(int dirFd, llvm::StringRef name,
 /// one; `followLinks` as stat(2) does. Also "" when the path does not exist.
 std::string specialFileKind(llvm::StringRef path);
 
+/// Before a long run writes into the directory `dir` (`flag`'s): that a file can be made there
+/// now (made and removed at once), so that a permission, a read-only mount or a full quota of
+/// entries is found before the run rather than at its first save. A missing `dir` is probed
+/// in its parent, where it will be made.
+llvm::Error checkCanWriteIn(llvm::StringRef flag, llvm::StringRef dir);
+
 /// A file a command reads, for the alias check of its outputs.
 struct InputFile {
   std::string flag, path;
