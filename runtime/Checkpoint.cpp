@@ -274,20 +274,30 @@ std::optional<std::string> foreignEntry(int sub) {
 /// Remove a step directory piperun wrote (Committed or Started): its manifest first (from then
 /// on it is incomplete and never resumed), then the layer files and temporaries a save writes,
 /// the marker last, then the directory. A step directory that also holds anything a save does
-/// not write is left whole (a checkpoint stays resumable, a marker keeps it piperun's), and the
-/// first such entry is returned; nothing is followed through a symbolic link.
+/// not write is left whole (a checkpoint stays resumable, a marker keeps it piperun's); nothing
+/// is followed through a symbolic link. Returns why the directory is still there, if it is:
+/// "it holds NAME, which piperun did not write; ..." or "removing it failed (WHY); ...".
 std::optional<std::string> removeOwnStep(int dirFd, const std::string &name) {
+  auto failed = [](int error) {
+    return fmt::format("removing it failed ({}); the next save tries again", std::strerror(error));
+  };
   Descriptor sub = openSubdirectory(dirFd, name);
   if (!sub)
-    return std::nullopt;
+    return errno == ENOENT ? std::nullopt : std::optional(failed(errno));
   if (std::optional<std::string> foreign = foreignEntry(sub.get()))
-    return foreign;
+    return fmt::format("it holds {}, which piperun did not write; move that out and the next "
+                       "save removes the step",
+                       shortened(*foreign, 100));
+  int firstError = 0;
   auto removeFile = [&](const std::string &file) {
     struct stat st;
     if (!statAt(sub.get(), file, st) || !S_ISREG(st.st_mode))
       return false;
     checkpointKillPoint();
-    return ::unlinkat(sub.get(), file.c_str(), 0) == 0;
+    if (::unlinkat(sub.get(), file.c_str(), 0) == 0)
+      return true;
+    firstError = firstError ? firstError : errno;
+    return false;
   };
   if (removeFile(kManifestName))
     llvm::consumeError(syncSaveDirectory(sub.get(), name));
@@ -296,8 +306,28 @@ std::optional<std::string> removeOwnStep(int dirFd, const std::string &name) {
       removeFile(file);
   removeFile(kMarkerName);
   checkpointKillPoint();
-  ::unlinkat(dirFd, name.c_str(), AT_REMOVEDIR); // fails, harmlessly, if anything is left
-  return std::nullopt;
+  if (::unlinkat(dirFd, name.c_str(), AT_REMOVEDIR) == 0 || errno == ENOENT)
+    return std::nullopt;
+  return failed(firstError ? firstError : errno);
+}
+
+/// Past the newest `keep` committed checkpoints of `dir` (0: all are kept), and whatever killed
+/// saves or prunes left: only step directories piperun wrote; anything else is left where it
+/// is. Each directory that stays is described in `notRemoved`.
+void pruneSteps(int dirFd, const std::string &dir, size_t keep,
+                std::vector<std::string> &notRemoved) {
+  std::vector<StepEntry> steps = stepEntries(dirFd, dir);
+  size_t newer = 0;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    if (it->kind == StepKind::Foreign)
+      continue;
+    if (it->kind == StepKind::Committed && (keep == 0 || newer < keep)) {
+      ++newer;
+      continue;
+    }
+    if (std::optional<std::string> why = removeOwnStep(dirFd, it->name))
+      notRemoved.push_back(fmt::format("{}: {}", join(dir, it->name), *why));
+  }
 }
 
 /// One line refusing a step entry piperun did not write.
@@ -431,14 +461,9 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
       return inputError("--save-dir: {} already holds a checkpoint of step {}", dir, manifest.step);
     if (e.kind == StepKind::Foreign)
       return foreignStep("--save-dir", dir, e);
-    if (std::optional<std::string> foreign = removeOwnStep(dirFd.get(), name))
-      return inputError("--save-dir: {} holds what a killed save left and {}, which piperun did "
-                        "not write; move {} out of {}",
-                        shortened(stepDir, 200), shortened(*foreign, 100), shortened(*foreign, 100),
-                        shortened(dir, 200));
-    if (statAt(dirFd.get(), name, st))
-      return inputError("--save-dir: {}: cannot clear what a killed save left there; remove it",
-                        shortened(stepDir, 200));
+    if (std::optional<std::string> why = removeOwnStep(dirFd.get(), name))
+      return inputError("--save-dir: {} holds what a killed save left, and {}",
+                        shortened(stepDir, 200), *why);
   }
   // The bytes it will take, where the caller gave every layer's size (for a full disk's line).
   const int numLayers = int(manifest.model.numLayers) + 2;
@@ -512,22 +537,22 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
     return err;
   if (out)
     out->bytes = checkpointBytes(manifest);
-  // Older checkpoints past the newest `keep`, and what killed saves left behind: only step
-  // directories piperun wrote; anything else is left where it is.
-  std::vector<StepEntry> steps = stepEntries(dirFd.get(), dir);
-  size_t newer = 0;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (it->kind == StepKind::Foreign)
-      continue;
-    if (it->kind == StepKind::Committed && (keep == 0 || newer < keep)) {
-      ++newer;
-      continue;
-    }
-    if (std::optional<std::string> foreign = removeOwnStep(dirFd.get(), it->name); foreign && out)
-      out->keptWhole.push_back(fmt::format("{} (it holds {}, which piperun did not write)",
-                                           join(dir, it->name), shortened(*foreign, 100)));
-  }
+  std::vector<std::string> notRemoved;
+  pruneSteps(dirFd.get(), dir, keep, notRemoved);
+  if (out)
+    out->notRemoved = std::move(notRemoved);
   return syncSaveDirectory(dirFd.get(), dir);
+}
+
+llvm::Expected<std::vector<std::string>> pruneCheckpoints(llvm::StringRef dir, size_t keep) {
+  Descriptor dirFd = openDirectory(dir.str());
+  if (!dirFd)
+    return inputError("--save-dir: {}: cannot open: {}", shortened(dir, 200), std::strerror(errno));
+  std::vector<std::string> notRemoved;
+  pruneSteps(dirFd.get(), dir.str(), keep, notRemoved);
+  if (auto err = syncSaveDirectory(dirFd.get(), dir.str()))
+    return err;
+  return notRemoved;
 }
 
 llvm::Expected<Checkpoint> openCheckpoint(llvm::StringRef dirRef) {

@@ -63,10 +63,11 @@ void setCheckpointKillAt(long n);
 void checkpointKillPoint();
 
 /// What a save reports: the checkpoint's size, and the older step directories --keep would
-/// have removed but left whole because they also hold files piperun did not write.
+/// have removed but did not: "D/step-<n>: it holds NAME, which piperun did not write; ..." (left
+/// whole) or "D/step-<n>: removing it failed (WHY); ...".
 struct SavedCheckpoint {
   uint64_t bytes = 0;
-  std::vector<std::string> keptWhole; // "D/step-<n> (it holds NAME, which piperun did not write)"
+  std::vector<std::string> notRemoved;
 };
 
 /// Save the state after `manifest.step` steps into D/step-<step>: `gather(layer, out)` fills one
@@ -79,6 +80,12 @@ struct SavedCheckpoint {
 llvm::Error saveCheckpoint(llvm::StringRef dir, CheckpointManifest manifest,
                            const std::function<llvm::Error(int, LayerState &)> &gather,
                            size_t keep = 0, SavedCheckpoint *out = nullptr);
+
+/// What a save does after its commit, alone: keep the newest `keep` committed checkpoints of
+/// `dir` (0: all) and remove what killed saves or prunes left there (for a finished job's
+/// relaunch, which saves nothing). Returns the step directories that stay, described as
+/// SavedCheckpoint::notRemoved.
+llvm::Expected<std::vector<std::string>> pruneCheckpoints(llvm::StringRef dir, size_t keep);
 
 /// The directory of the checkpoint after `step` steps in `dir`: dir/step-<8 digits>.
 std::string checkpointPath(llvm::StringRef dir, int64_t step);

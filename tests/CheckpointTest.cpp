@@ -436,6 +436,29 @@ TEST(CheckpointTest, TheSameCommandKilledAtRandomAndRelaunchedFinishesTheJobBitF
   EXPECT_EQ(again.out.find(" loss "), std::string::npos) << again.out;
 }
 
+TEST(CheckpointTest, AFinishedJobsRelaunchPrunesWhatTheLastPruneLeft) {
+  // A kill during the last save's pruning leaves an older step half removed (no manifest) or
+  // whole; the job is done, so its relaunch saves nothing, but it still prunes (and --profile
+  // says it times nothing).
+  const std::string d = freshDir("finished");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string ck = d + "/ck";
+  auto r = piperun(plan + " --steps 3 --save-every 1 --save-dir " + ck);
+  ASSERT_EQ(r.code, 0) << r.err;
+  fs::remove(ck + "/step-00000001/manifest.json"); // (as a prune killed after its first removal)
+  auto again = piperun(plan + " --steps 3 --save-every 1 --keep 1 --resume " + ck + " --save-dir " +
+                       ck + " --profile " + d + "/costs.json");
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(
+      again.out.find("nothing to train; nothing to time, so " + d + "/costs.json is not written\n"),
+      std::string::npos)
+      << again.out;
+  EXPECT_FALSE(fs::exists(d + "/costs.json"));
+  EXPECT_FALSE(fs::exists(ck + "/step-00000001"));
+  EXPECT_FALSE(fs::exists(ck + "/step-00000002"));
+  EXPECT_EQ(expectWhole(ck, "the finished job's checkpoint"), 3);
+}
+
 TEST(CheckpointTest, ResumeFromAMissingOrEmptyDirectoryStartsAtStepZeroAndSaysSo) {
   const std::string d = freshDir("fresh");
   const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
@@ -552,9 +575,9 @@ TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
   EXPECT_TRUE(fs::is_symlink(ck + "/step-00000000"));
   EXPECT_EQ(slurp(ck + "/step-00000001/notes.txt"), "mine\n");
   expectStepWhole(ck, 1, "step 1, which holds the user's file");
-  ASSERT_EQ(saved.keptWhole.size(), 1u);
-  EXPECT_EQ(saved.keptWhole[0],
-            ck + "/step-00000001 (it holds notes.txt, which piperun did not write)");
+  ASSERT_EQ(saved.notRemoved.size(), 1u);
+  EXPECT_EQ(saved.notRemoved[0], ck + "/step-00000001: it holds notes.txt, which piperun did not "
+                                      "write; move that out and the next save removes the step");
   EXPECT_EQ(slurp(ck + "/step-00000099/important.txt"), "mine\n");
   EXPECT_EQ(expectWhole(ck, "after the save of step 3"), 3);
   expectStepWhole(ck, 2, "step 2 after the save of step 3");
@@ -570,7 +593,7 @@ TEST(CheckpointTest, ASaveRemovesOnlyWhatPiperunWroteAndFollowsNoLink) {
   fs::remove(ck + "/step-00000001/notes.txt");
   saved = {};
   ASSERT_FALSE(bool(saveAs(ck, *from, 4, &saved)));
-  EXPECT_TRUE(saved.keptWhole.empty());
+  EXPECT_TRUE(saved.notRemoved.empty());
   EXPECT_FALSE(fs::exists(ck + "/step-00000001"));
   EXPECT_FALSE(fs::exists(ck + "/step-00000002"));
   expectStepWhole(ck, 3, "step 3 after the save of step 4");

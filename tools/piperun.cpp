@@ -385,9 +385,8 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
     o.onSaved = [keep = r.keep](int step, const std::string &path, const SavedCheckpoint &saved,
                                 double seconds) {
       say("saved {} (step {}, {:.2f} MiB, {:.2f} s)\n", path, step, inMiB(saved.bytes), seconds);
-      for (const std::string &kept : saved.keptWhole)
-        say("note: --keep {} left {} whole: move that file out and the next save removes it\n",
-            keep, kept);
+      for (const std::string &left : saved.notRemoved)
+        say("note: --keep {} left {}\n", keep, left);
       std::fflush(stdout);
     };
   }
@@ -539,8 +538,18 @@ llvm::Error run(int argc, char **argv) {
     // A job killed after its last save but before its export: the relaunch exports the
     // checkpoint's weights (the same command line finishes the job).
     const bool exporting = !r.options.exportHfDir.empty();
-    say("{} is at step {}, at or past --steps {}: nothing to train{}\n", resume->path, first,
-        r.endStep, exporting ? "; exporting its weights" : "");
+    say("{} is at step {}, at or past --steps {}: nothing to train{}{}\n", resume->path, first,
+        r.endStep, exporting ? "; exporting its weights" : "",
+        r.profilePath ? fmt::format("; nothing to time, so {} is not written", *r.profilePath)
+                      : std::string());
+    // What a kill during the last save's pruning left: the finished job's relaunch prunes.
+    if (r.saveDir && llvm::sys::fs::is_directory(*r.saveDir)) {
+      auto left = pruneCheckpoints(*r.saveDir, size_t(r.keep));
+      if (!left)
+        return left.takeError();
+      for (const std::string &step : *left)
+        say("note: --keep {} left {}\n", r.keep, step);
+    }
     if (!exporting)
       return llvm::Error::success();
     r.profilePath.reset(); // (nothing is timed)
