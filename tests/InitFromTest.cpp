@@ -273,6 +273,38 @@ TEST(InitFromTest, TheSeededWeightsInAFileGiveTheSeededRunBitForBit) {
   }
 }
 
+TEST(InitFromTest, AFineTunesRequeuedCommandLineStartsFromTheFileThenFromItsCheckpoint) {
+  // `--init-from F --resume D --save-dir D`, launched again after a preemption: the first
+  // launch (D empty) starts from F, every later one from D's checkpoint (F is not read), and the
+  // job ends as the uninterrupted fine-tune, bit for bit.
+  const std::string file = dir() + "/base.safetensors";
+  writeFile(file, safetensors(gpt2Tensors(tinyConfig(), /*seed=*/7)));
+  const std::string plan =
+      compile("examples/tiny-gpt.json", "--schedule 1f1b --pp 2 --microbatches 4");
+  const std::string ck = dir() + "/finetune";
+  std::filesystem::remove_all(ck);
+  auto whole =
+      runCommand(tool("piperun") + " " + plan + " --backend cpu --steps 4 --init-from " + file);
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  const std::string job = tool("piperun") + " " + plan + " --backend cpu --init-from " + file +
+                          " --resume " + ck + " --save-dir " + ck;
+  auto first = runCommand(job + " --steps 2");
+  ASSERT_EQ(first.code, 0) << first.err;
+  EXPECT_NE(first.out.find("initial weights from " + file), std::string::npos) << first.out;
+  auto requeued = runCommand(job + " --steps 4");
+  ASSERT_EQ(requeued.code, 0) << requeued.err;
+  EXPECT_NE(requeued.out.find("--init-from " + file +
+                              ": not read; the job continues from its "
+                              "checkpoint in " +
+                              ck + "\n"),
+            std::string::npos)
+      << requeued.out;
+  auto got = stepLosses(first.out);
+  for (auto [step, loss] : stepLosses(requeued.out))
+    got[step] = loss;
+  EXPECT_EQ(got, stepLosses(whole.out));
+}
+
 TEST(InitFromTest, OneFileGivesOneFirstLossOnEveryLayoutAndTheReferences) {
   // Weights of another seed, the matrices in half precision types as checkpoints store them,
   // GPT2LMHeadModel's names, GPT-2's 1,024-position wpe (here 40), its mask buffers.
@@ -625,11 +657,6 @@ TEST(InitFromTest, BadFilesAreRefusedWithOneLineBeforeAnyStep) {
               std::string::npos)
         << r.err;
   }
-  // The flag's own conflicts.
-  auto both = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from x --resume y");
-  EXPECT_EQ(both.code, 2);
-  EXPECT_NE(both.err.find("--init-from and --resume both set the weights"), std::string::npos)
-      << both.err;
   auto missing = runCommand(tool("piperun") + " " + plan + " --backend cpu --init-from " + dir() +
                             "/no-such.safetensors");
   EXPECT_EQ(missing.code, 2);

@@ -216,10 +216,9 @@ llvm::Expected<Request> readFlags(const Args &args) {
   if (args.has("--data-dtype") && !args.has("--data"))
     return inputError("--data-dtype needs --data (the token file it describes); try --data "
                       "tokens.bin, or drop --data-dtype");
+  // With --resume too, --init-from is where a job starts that has no checkpoint yet (a
+  // fine-tune's requeued command line): readInputs reads one or the other.
   r.initFrom = args.path("--init-from");
-  if (r.initFrom && r.resumeDir)
-    return inputError("--init-from and --resume both set the weights; give one (a resume "
-                      "continues from the checkpoint's own)");
   if (r.saveDir)
     if (auto err = checkSaveDir(*r.saveDir, r.resumeDir.value_or("")))
       return err;
@@ -331,8 +330,15 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
                                                        std::vector<std::vector<float>> &initWeights,
                                                        std::optional<Checkpoint> &resume) {
   RunOptions &o = r.options;
-  // Initial weights: every tensor checked against the model before anything runs.
-  if (r.initFrom) {
+  llvm::Expected<bool> holds = r.resumeDir ? holdsCheckpoint(*r.resumeDir) : false;
+  if (!holds)
+    return holds.takeError();
+  // Initial weights: every tensor checked against the model before anything runs; not read
+  // where the job continues from its own checkpoint.
+  if (r.initFrom && *holds)
+    say("--init-from {}: not read; the job continues from its checkpoint in {}\n", *r.initFrom,
+        *r.resumeDir);
+  else if (r.initFrom) {
     auto loaded = loadInitialWeights(*r.initFrom, cfg, *plan.transformer);
     if (!loaded)
       return loaded.takeError();
@@ -353,9 +359,6 @@ llvm::Expected<std::unique_ptr<DataSource>> readInputs(Request &r, const Plan &p
   }
   // The same command line relaunched finishes the job: a --resume directory without a
   // checkpoint yet (the first launch's, or one killed before its first save) starts at step 0.
-  llvm::Expected<bool> holds = r.resumeDir ? holdsCheckpoint(*r.resumeDir) : false;
-  if (!holds)
-    return holds.takeError();
   if (r.resumeDir && !*holds) {
     say("--resume {}: no checkpoint yet; starting at step 0\n", *r.resumeDir);
   } else if (r.resumeDir) {
