@@ -411,7 +411,9 @@ def profile(plan, modules, example, loss_fn, target, path, *, steps: int = 5, gr
         def op(name, ms, like=None):
             median, spread = _quartiles(ms)
             if like is not None:  # the weight gradient: the fused backward less the input's
-                median = max(like[0] - median, 0.0)
+                # (at least the clock's microsecond: where noise makes the input's backward the
+                # longer, a timed pass of 0 ms is not a cost, and the costs reader refuses it)
+                median = max(like[0] - median, 1e-3)
                 spread = like[1]
             return {"op": name, "slice": 0, "median_ms": median, "spread_ms": spread,
                     "samples": len(ms)}
