@@ -1,6 +1,8 @@
 //===- Planner.cpp - pipec plan: the best layout and schedule for a cluster ----------===//
 #include "compiler/Planner.h"
 
+#include "compiler/Budget.h"
+
 #include "compiler/Evaluate.h"
 #include "compiler/LowerCollectives.h"
 #include "compiler/Partition.h"
@@ -836,6 +838,24 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
 
+  // Before its order, which grows with the microbatches, is built: a search orders and
+  // simulates many candidates, so each is held to kPlannerMaxInstructions; a larger one that
+  // the bounds above kept is named, not simulated.
+  {
+    CompileOptions sized;
+    sized.parallel = pc;
+    if (const uint64_t n = instructionBound(var.model, sized); n > kPlannerMaxInstructions) {
+      c.outcome = Outcome::Constraint;
+      c.tooLarge = true;
+      c.why = fmt::format("--pp {} --vpp {} with {} microbatches and --seq-splits {} makes up "
+                          "to {} instructions, more than the {} the planner simulates per "
+                          "candidate; larger --microbatch-sizes, fewer --seq-splits or a smaller "
+                          "--global-batch make fewer (pipec compile takes it alone)",
+                          pc.pp, pc.vpp, pc.microbatches, pc.seqSplits, n, kPlannerMaxInstructions);
+      return;
+    }
+  }
+
   // zb-auto's limit leaves room for four receive buffers; lowering can hold more on a rank
   // whose neighbour runs ahead. An order over the memory is scheduled again under a limit
   // lowered by the excess (by an eighth of what is left above the least at the least), a few
@@ -1005,6 +1025,15 @@ llvm::Error Search::explainNothingFits() {
     }
   }
   if (!closest) {
+    // Candidates too large to simulate first: they may well have fitted, and the fix (fewer,
+    // larger microbatches) differs from every other reason's.
+    auto large = llvm::find_if(cands, [](const PlanCandidate &c) { return c.tooLarge; });
+    if (large != cands.end())
+      return finding("no layout of {} GPUs could be scheduled: {} candidates were not simulated, "
+                     "such as {}",
+                     o.gpus,
+                     llvm::count_if(cands, [](const PlanCandidate &c) { return c.tooLarge; }),
+                     large->why);
     // No candidate's reasons are written anywhere (--csv needs a result): the commonest one,
     // among the candidates that were compiled if any were (a schedule's check of the flags
     // refuses many before they are, in the same words).

@@ -54,6 +54,11 @@
 
 namespace pipec {
 
+/// The most instructions (compiler/Budget.h's instructionBound) of a candidate the planner
+/// orders and simulates; a larger one (tens of thousands of microbatches) is dropped with its
+/// reason, and `pipec compile` still builds it alone.
+constexpr uint64_t kPlannerMaxInstructions = uint64_t(1) << 22;
+
 /// --min-headroom's default: this percentage of the memory limit is kept free.
 constexpr int kDefaultHeadroomPercent = 5;
 
@@ -148,6 +153,8 @@ struct PlanCandidate {
   int64_t zbAutoLeast = 0;
   /// Scored with the --costs file's measured times (else the cost model's).
   bool measured = false;
+  /// Dropped (Constraint) for having more than kPlannerMaxInstructions.
+  bool tooLarge = false;
 };
 
 struct PlannerResult {

@@ -1383,6 +1383,31 @@ TEST(PlannerCliTest, HugeInputsWithoutALayoutAreOneLineNamingTheFlag) {
   }
 }
 
+TEST(PlannerCliTest, CandidatesTooLargeToSimulateAreNamedNotSimulated) {
+  // A prime global batch on 12 GPUs leaves 65,537 microbatches of one sequence: each candidate's
+  // order would hold millions of instructions (the search took 70 s and 6.7 GB for a plan no
+  // one runs). Such candidates are dropped with their size, at once.
+  Result r = run("tools/pipec plan --model examples/llama3-8b.json --gpus 12 --global-batch 65537");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("no layout of 12 GPUs could be scheduled: "), std::string::npos) << r.err;
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex("candidates were not simulated, such as --pp [0-9]+ --vpp 1 with 65537 "
+                        "microbatches and --seq-splits [0-9]+ makes up to [0-9]+ instructions, "
+                        "more than the 4194304 the planner simulates per candidate; larger "
+                        "--microbatch-sizes, fewer --seq-splits or a smaller --global-batch")))
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  // Beside candidates that are simulated, the dropped ones are said in a note under the table.
+  r = run("tools/pipec plan --model examples/uniform-8.json --gpus 8 --global-batch 4096 --pp 8 "
+          "--schedules zb-h1 --seq-splits 1,32");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("note: 1 candidate with more than 4194304 instructions (that many "
+                       "microbatches and sub-sequences) was not simulated"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  1  zb-h1 "), std::string::npos) << r.out;
+}
+
 TEST(PlannerCliTest, NoLayoutUnderTheFlagsGivenNamesTheRuleOrTheFlag) {
   // Both said "--gpus N: no layout fits ...; see --csv for each candidate's reason", though the
   // GPU count was fine and no CSV is written on an error (a helper's sweep).

@@ -179,6 +179,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                  "describes the profiled one; profile each layout to compare them\n",
                  o.costs->device.empty() ? o.costs->backend : o.costs->device, cluster.deviceName);
   }
+  // Candidates too large to simulate were not ranked: the table may miss a better one.
+  if (size_t large = size_t(
+          llvm::count_if(result->candidates, [](const PlanCandidate &c) { return c.tooLarge; })))
+    fmt::print("note: {} candidate{} with more than {} instructions (that many microbatches "
+               "and sub-sequences) {} not simulated; larger --microbatch-sizes, fewer --seq-splits "
+               "or a smaller --global-batch bring them in\n",
+               large, large == 1 ? "" : "s", kPlannerMaxInstructions, large == 1 ? "was" : "were");
   fmt::print("{}", calibrationLine(cluster, *result));
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print(
