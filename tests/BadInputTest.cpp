@@ -254,6 +254,10 @@ std::vector<Case> catalogue() {
       "$PIPEC compile --model uniform-8.json --schedule 1f1b "
       "--pp four --microbatches 8",
       "--pp expects an integer (got 'four')");
+  // Digits past 2^63: an integer, too large for the flag (not "expects an integer").
+  add("GpusPastInt64", withUniform,
+      "$PIPEC plan --model uniform-8.json --gpus 18446744073709551617 --global-batch 8",
+      "--gpus must be at most 1048576 (got 18446744073709551617); try --gpus 1048576");
   add("PpAboveItsMaximum", withUniform,
       "$PIPEC compile --model uniform-8.json --schedule 1f1b "
       "--pp 99999999999 --microbatches 8",

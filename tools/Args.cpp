@@ -193,9 +193,18 @@ llvm::Expected<int64_t> Args::integer(llvm::StringRef flag, int64_t fallback, in
     return fallback;
   llvm::StringRef s(*v);
   int64_t out = 0;
-  if (s.getAsInteger(10, out))
+  if (s.getAsInteger(10, out)) {
+    // Digits past int64's range: an integer, only too large (or too small) for the flag.
+    llvm::StringRef digits = s;
+    const bool negative = digits.consume_front("-");
+    if (!digits.empty() && llvm::all_of(digits, llvm::isDigit))
+      return negative ? inputError("{} must be at least {} (got {}); try {} {}", flag.str(), min,
+                                   shortened(s, 40), flag.str(), min)
+                      : inputError("{} must be at most {} (got {}); try {} {}", flag.str(), max,
+                                   shortened(s, 40), flag.str(), max);
     return inputError("{} expects an integer (got '{}'); try {} {}", flag.str(), *v, flag.str(),
                       std::max(min, fallback));
+  }
   if (out < min)
     return inputError("{} must be at least {} (got {}); try {} {}", flag.str(), min, out,
                       flag.str(), min);
