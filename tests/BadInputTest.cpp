@@ -254,6 +254,10 @@ std::vector<Case> catalogue() {
       "$PIPEC compile --model uniform-8.json --schedule 1f1b "
       "--pp four --microbatches 8",
       "--pp expects an integer (got 'four')");
+  // plan's outputs are checked before its search (which would fail here, naming --gpus).
+  add("PlanOutputInAMissingDirectory", withUniform,
+      "$PIPEC plan --model uniform-8.json --gpus 1048573 --global-batch 64 -o gone/best.json",
+      "-o: gone/best.json: cannot write: no directory gone");
   // Digits past 2^63: an integer, too large for the flag (not "expects an integer").
   add("GpusPastInt64", withUniform,
       "$PIPEC plan --model uniform-8.json --gpus 18446744073709551617 --global-batch 8",

@@ -70,6 +70,12 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     return inputError("plan: unexpected argument '{}' (flags are --model, --gpus, "
                       "--global-batch, ...)",
                       args->positional().front());
+  // Every output is checked before the search (which may take seconds): a path that cannot be
+  // written, or one of the inputs, is refused at once.
+  for (llvm::StringRef flag : {"-o", "--csv"})
+    if (auto path = args->path(flag))
+      if (auto err = checkOutputPath(flag, *path, commandInputs(*args, "")))
+        return err;
   auto started = std::chrono::steady_clock::now();
   auto search = planWithFlags(*args);
   double seconds =
