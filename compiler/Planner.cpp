@@ -1063,7 +1063,10 @@ llvm::Error Search::explainNothingFits() {
   // What the search has not tried yet that saves memory, as hints after the limit.
   std::string hints = "more GPUs";
   const std::vector<Recompute> tried = recomputeSettings();
-  if (model.transformer && !llvm::is_contained(tried, Recompute::Full))
+  // (Not where zb-auto's least need decides: one microbatch of the heaviest stage, whose
+  // deferred W keeps its GEMMs' inputs and output gradients however the forward is recomputed.)
+  const bool zbAutoLeast = closest->schedule == "zb-auto" && !closest->peakExact;
+  if (model.transformer && !llvm::is_contained(tried, Recompute::Full) && !zbAutoLeast)
     hints += ", or --recompute full";
   if (model.transformer && o.sequenceParallel == std::optional<bool>(false))
     hints += ", or let the search try sequence parallelism (without --no-sequence-parallel)";

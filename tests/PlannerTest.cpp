@@ -1383,6 +1383,22 @@ TEST(PlannerCliTest, HugeInputsWithoutALayoutAreOneLineNamingTheFlag) {
   }
 }
 
+TEST(PlannerCliTest, OutOfMemoryHintsAreOnesThatCanHelp) {
+  // zb-auto's least need is one microbatch of the heaviest stage with its deferred W's state,
+  // which full recomputation does not lower (27.29 GiB here became 27.61): no hint of it. For
+  // 1F1B, which holds several microbatches, it lowers the need, and is hinted.
+  const std::string base = "tools/pipec plan --model examples/llama3-8b.json --gpus 8 "
+                           "--global-batch 64 --cluster examples/h100-nemo.json --memory-limit "
+                           "12GiB --recompute none --schedules ";
+  Result zb = run(base + "zb-auto");
+  EXPECT_EQ(zb.code, 1) << zb.err;
+  EXPECT_NE(zb.err.find("for zb-auto to schedule it"), std::string::npos) << zb.err;
+  EXPECT_EQ(zb.err.find("--recompute full"), std::string::npos) << zb.err;
+  Result plain = run(base + "1f1b");
+  EXPECT_EQ(plain.code, 1) << plain.err;
+  EXPECT_NE(plain.err.find(", or --recompute full"), std::string::npos) << plain.err;
+}
+
 TEST(PlannerCliTest, CandidatesTooLargeToSimulateAreNamedNotSimulated) {
   // A prime global batch on 12 GPUs leaves 65,537 microbatches of one sequence: each candidate's
   // order would hold millions of instructions (the search took 70 s and 6.7 GB for a plan no
