@@ -1311,9 +1311,13 @@ llvm::Error Search::explainNoLayout() const {
           if ((o.gpus / tp) % pp == 0 && !llvm::is_contained(valid, pp))
             valid.push_back(pp);
     llvm::sort(valid);
+    std::vector<int> dividing; // (the tp values that divide the GPUs at all)
+    for (int tp : tps)
+      if (o.gpus % tp == 0)
+        dividing.push_back(tp);
     return inputError("--pp {}: pp must divide the {} GPUs over tp ({}) and be at most the "
                       "model's {} layers; try --pp {}{}",
-                      list(o.ppSizes), o.gpus, list(tps), numLayers, list(valid), orGpus);
+                      list(o.ppSizes), o.gpus, list(dividing), numLayers, list(valid), orGpus);
   }
 
   bool batchFits = false;
@@ -1322,11 +1326,19 @@ llvm::Error Search::explainNoLayout() const {
   std::string gpusHint = bestGpus ? fmt::format("--gpus {}", bestGpus) : std::string();
   // The batch is blamed when its nearest valid value is close (within a factor of 2) or no
   // farther than the GPU count's: a prime GPU count asks for a batch of its own size.
+  // Where --microbatch-sizes narrows the sizes, the rule says so (it may be the flag at fault).
+  std::string sizes;
+  if (!o.microbatchSizes.empty()) {
+    sizes = " (--microbatch-sizes ";
+    for (size_t i = 0; i < o.microbatchSizes.size(); ++i)
+      sizes += (i ? "," : "") + std::to_string(o.microbatchSizes[i]);
+    sizes += ")";
+  }
   if (!pairs.empty() && !batchFits && bestBatch &&
       (!bestGpus || ratio(bestBatch, batch) <= std::max(2.0, ratio(bestGpus, o.gpus))))
     return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
-                      "microbatches (at most 2^24) x microbatch size; try --global-batch {}{}",
-                      batch, o.gpus, bestBatch, bestGpus ? ", or " + gpusHint : "");
+                      "microbatches (at most 2^24) x microbatch size{}; try --global-batch {}{}",
+                      batch, o.gpus, sizes, bestBatch, bestGpus ? ", or " + gpusHint : "");
   if (bestGpus)
     return inputError("--gpus {}: no layout tp x pp x dp = {} fits this model, the global "
                       "batch {} and the schedules asked for; try {}{}",
@@ -1334,8 +1346,8 @@ llvm::Error Search::explainNoLayout() const {
                       bestBatch ? fmt::format(", or --global-batch {}", bestBatch) : "");
   if (bestBatch)
     return inputError("--global-batch {}: no layout of {} GPUs divides it into dp x "
-                      "microbatches (at most 2^24) x microbatch size; try --global-batch {}",
-                      batch, o.gpus, bestBatch);
+                      "microbatches (at most 2^24) x microbatch size{}; try --global-batch {}",
+                      batch, o.gpus, sizes, bestBatch);
   // Layouts of this count and batch exist, but the flags' schedules and sizes drop each: the
   // commonest reason names the rule (the CSV is not written on an error).
   std::map<std::string, size_t> reasons;

@@ -254,6 +254,10 @@ std::vector<Case> catalogue() {
       "$PIPEC compile --model uniform-8.json --schedule 1f1b "
       "--pp four --microbatches 8",
       "--pp expects an integer (got 'four')");
+  // The rule names what narrows it: --microbatch-sizes, the tp values that divide the GPUs.
+  add("PlanBatchUnderMicrobatchSizes", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 16 --global-batch 64 --microbatch-sizes 3",
+      "(--microbatch-sizes 3); try --global-batch");
   // plan's outputs are checked before its search (which would fail here, naming --gpus).
   add("PlanOutputInAMissingDirectory", withUniform,
       "$PIPEC plan --model uniform-8.json --gpus 1048573 --global-batch 64 -o gone/best.json",
