@@ -72,9 +72,10 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                       args->positional().front());
   // Every output is checked before the search (which may take seconds): a path that cannot be
   // written, or one of the inputs, is refused at once.
+  const std::vector<InputFile> inputs = commandInputs(*args, "");
   for (llvm::StringRef flag : {"-o", "--csv"})
     if (auto path = args->path(flag))
-      if (auto err = checkOutputPath(flag, *path, commandInputs(*args, "")))
+      if (auto err = checkOutputPath(flag, *path, inputs))
         return err;
   auto started = std::chrono::steady_clock::now();
   auto search = planWithFlags(*args);
@@ -95,7 +96,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                                  [&](llvm::raw_ostream &os) { writePlanJson(result->best, os); }});
   if (csv)
     outputs.push_back(OutputFile{"--csv", *csv, plannerCsv(*model, cluster, o, *result)});
-  if (auto err = writeFilesAtomically(outputs, commandInputs(*args, "")))
+  if (auto err = writeFilesAtomically(outputs, inputs))
     return err;
   // (The table would corrupt a file on standard output.)
   if (args->has("--quiet") || writesStandardOutput(*args, {"-o", "--csv"}))
