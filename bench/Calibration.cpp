@@ -130,11 +130,6 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     if (rank < 0)
       continue;
     SkippedRow skip{at("source_id"), at("row_id"), ""};
-    if (intOr(at("cp"), 1) != 1) {
-      skip.why = "context parallelism, which pipec does not model";
-      skipped.push_back(skip);
-      continue;
-    }
     int64_t layers = intOr(at("num_layers"), -1), hidden = intOr(at("hidden_size"), -1);
     int64_t heads = intOr(at("num_attention_heads"), -1);
     int64_t groups = intOr(at("num_query_groups"), 0), ffn = intOr(at("ffn_hidden_size"), 0);
@@ -142,6 +137,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     int64_t vocab = intOr(at("vocab_size"), 51200), seq = intOr(at("seq_length"), -1);
     int64_t gpus = intOr(at("num_gpus"), -1), tp = intOr(at("tp"), 1), pp = intOr(at("pp"), 1);
     int64_t dp = intOr(at("dp"), -1), mb = intOr(at("microbatch_size"), 1);
+    int64_t cp = intOr(at("cp"), 1);
     int64_t batch = intOr(at("global_batch"), -1);
     std::string schedule = at("schedule");
     if (schedule.empty() && pp == 1)
@@ -159,9 +155,9 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     if (searchedLimit > 0)
       schedule = "zb-auto";
     if (layers <= 0 || hidden <= 0 || heads <= 0 || seq <= 0 || gpus <= 0 || dp <= 0 ||
-        batch <= 0 || tp <= 0 || pp <= 0 || mb <= 0 || tp * pp * dp != gpus ||
+        batch <= 0 || tp <= 0 || pp <= 0 || mb <= 0 || cp <= 0 || tp * pp * dp * cp != gpus ||
         batch % (dp * mb) != 0) {
-      skip.why = "its layout is incomplete or does not multiply out (tp·pp·dp = GPUs, "
+      skip.why = "its layout is incomplete or does not multiply out (tp·cp·pp·dp = GPUs, "
                  "dp·microbatch size divides the batch)";
       skipped.push_back(skip);
       continue;
@@ -258,6 +254,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
     o.parallel.pp = int(pp);
     o.parallel.tp = int(tp);
     o.parallel.dp = int(dp);
+    o.parallel.cp = int(cp);
     o.parallel.microbatches = int(batch / (dp * mb));
     o.parallel.sequenceParallel = at("sequence_parallel") == "true";
     o.parallel.distributedOptimizer = at("distributed_optimizer") == "true";

@@ -65,7 +65,7 @@ public:
       // dp all-reduces where the rule puts them (none to place with dp = 1).
       std::vector<llvm::SmallVector<int, 2>> dpAt;
       size_t numDp = 0;
-      if (pc.dp > 1) {
+      if (pc.gradReduceRanks() > 1) {
         dpAt = dpAllReducePoints(in);
         for (const auto &stages : dpAt)
           numDp += stages.size();

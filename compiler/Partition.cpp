@@ -64,10 +64,10 @@ std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts) {
 }
 
 std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluster, int64_t seq,
-                               int tp) {
+                               int tp, int cp) {
   std::vector<double> whole(model.layers.size());
   for (size_t l = 0; l < model.layers.size(); ++l) {
-    SliceCost c = model.sliceCost(cluster, l, 0, seq, 0, 1, tp);
+    SliceCost c = model.sliceCost(cluster, l, 0, seq, 0, 1, tp, false, cp);
     whole[l] = c.forward + c.backwardInput + c.backwardWeight;
   }
   return whole;
@@ -88,20 +88,11 @@ llvm::Error checkLayerTimesAddUp(const ModelSpec &model, llvm::ArrayRef<double> 
 
 namespace {
 
-/// Which link joins two pipeline ranks (Megatron's tp-dp-pp order of global ranks).
+/// Which link joins two pipeline ranks (Megatron's tp-cp-dp-pp order of global ranks).
 const Link &linkBetween(const ClusterSpec &c, const ParallelConfig &pc, int a, int b) {
-  int64_t stride = int64_t(pc.dp) * pc.tp;
+  int64_t stride = int64_t(pc.dp) * pc.tp * pc.cp;
   bool sameNode = (int64_t(a) * stride) / c.gpusPerNode == (int64_t(b) * stride) / c.gpusPerNode;
   return sameNode ? c.intraNode : c.interNode;
-}
-
-/// A message's fixed cost: its link's latency and the cluster's per-message overhead.
-double messageMs(const ClusterSpec &c, const Link &l) {
-  return (l.latencyUs + c.messageOverheadUs) / 1000.0;
-}
-
-double transferMs(const ClusterSpec &c, const Link &l, double bytes) {
-  return messageMs(c, l) + bytes / l.bytesPerMs();
 }
 
 /// Ring all-reduce over n members: 2(n-1)/n of the bytes cross each link. A reduce-scatter
@@ -110,14 +101,14 @@ double transferMs(const ClusterSpec &c, const Link &l, double bytes) {
 double allReduceMs(const ClusterSpec &c, const Link &l, double bytes, int n, int messages = 1) {
   if (n <= 1)
     return 0;
-  return messages * messageMs(c, l) + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
+  return messages * c.messageMs(l) + 2.0 * (n - 1) / n * bytes / l.bytesPerMs();
 }
 
 /// A ring reduce-scatter (or all-gather) of `bytes` over n ranks: half an all-reduce's traffic.
 static double reduceScatterMs(const ClusterSpec &c, const Link &l, double bytes, int n) {
   if (n <= 1)
     return 0;
-  return messageMs(c, l) + (n - 1.0) / n * bytes / l.bytesPerMs();
+  return c.messageMs(l) + (n - 1.0) / n * bytes / l.bytesPerMs();
 }
 
 /// Bytes an Adam step reads and writes per parameter in mixed precision: the fp32 gradient
@@ -136,9 +127,11 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   const ParallelConfig &pc = plan.parallel;
   size_t k = size_t(pc.seqSplits);
   int numStages = plan.numStages();
-  const Link &tpLink = pc.tp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
-  const Link &dpLink =
-      int64_t(pc.tp) * pc.dp <= cluster.gpusPerNode ? cluster.intraNode : cluster.interNode;
+  const Link &tpLink = cluster.groupLink(1, pc.tp);
+  // The gradients reduce over the dp replicas and, with context parallelism, the cp ranks that
+  // share each sequence: dp·cp ranks tp apart.
+  const int dpGroup = pc.dp * pc.cp;
+  const Link &dpLink = cluster.groupLink(pc.tp, dpGroup);
   int tpMessages = pc.sequenceParallel ? 2 : 1, dpMessages = pc.distributedOptimizer ? 2 : 1;
   for (int s = 0; s < numStages; ++s) {
     StageInfo &st = plan.stages[size_t(s)];
@@ -154,10 +147,10 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     auto p2pMs = [&](int to, double bytes) {
       const Link &link = linkBetween(cluster, pc, st.rank, to);
       if (!scatter)
-        return sync + transferMs(cluster, link, bytes);
+        return sync + cluster.transferMs(link, bytes);
       double gather =
-          messageMs(cluster, tpLink) + (pc.tp - 1.0) / pc.tp * bytes / tpLink.bytesPerMs();
-      return sync + transferMs(cluster, link, bytes / pc.tp) + gather;
+          cluster.messageMs(tpLink) + (pc.tp - 1.0) / pc.tp * bytes / tpLink.bytesPerMs();
+      return sync + cluster.transferMs(link, bytes / pc.tp) + gather;
     };
     for (size_t i = 0; i < k; ++i) {
       if (s + 1 < numStages && plan.rankOf(s + 1) != st.rank)
@@ -173,7 +166,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
         if (model.isTransformer()) {
           const TransformerConfig &t = *model.transformer;
           auto [b, e] = plan.seqSlices[i];
-          double hidden = double(t.microbatchSize) * double(e - b) * double(t.hiddenSize) *
+          double hidden = double(t.microbatchSize) * double(e - b) / pc.cp * double(t.hiddenSize) *
                           double(t.dtypeBytes());
           st.tpAllReduceTime[i] = allReduceMs(cluster, tpLink, hidden, pc.tp, tpMessages);
           // Full recomputation repeats each block's forward, and its two reductions, in the
@@ -195,17 +188,17 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     }
     // ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters; with the
     // all-gather overlapped with the next step's forward only the reduce-scatter is exposed.
-    if (pc.dp > 1)
+    if (dpGroup > 1)
       st.dpAllReduceTime =
           !model.isTransformer() ? model.allReduceTime
           : pc.distributedOptimizer && cluster.overlapParamGather
-              ? reduceScatterMs(cluster, dpLink, double(st.paramBytes), pc.dp)
-              : allReduceMs(cluster, dpLink, double(st.paramBytes), pc.dp, dpMessages);
+              ? reduceScatterMs(cluster, dpLink, double(st.paramBytes), dpGroup)
+              : allReduceMs(cluster, dpLink, double(st.paramBytes), dpGroup, dpMessages);
     // The optimizer step: memory-bound, over the rank's share of the stage's parameters.
     st.optimizerTime = 0;
     if (model.isTransformer() && cluster.memoryBytesPerMs() > 0) {
       double params = double(st.paramBytes) / double(model.transformer->dtypeBytes());
-      double shards = pc.distributedOptimizer ? double(pc.dp) : 1.0;
+      double shards = pc.distributedOptimizer ? double(pc.dp) * pc.cp : 1.0;
       st.optimizerTime = params * kAdamBytesPerParam / shards / cluster.memoryBytesPerMs();
     }
   }
@@ -215,21 +208,20 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   plan.overlapGradReduce = model.isTransformer() && cluster.overlapGradReduce;
   plan.blockingP2p = model.isTransformer() && cluster.p2p == P2p::Blocking;
   if (model.isTransformer() && cluster.memoryBytesPerMs() > 0 && pc.pp > 1) {
-    const Link &ppLink = int64_t(pc.pp) * pc.tp * pc.dp <= cluster.gpusPerNode ? cluster.intraNode
-                                                                               : cluster.interNode;
+    const Link &ppLink = cluster.groupLink(int64_t(pc.tp) * pc.cp * pc.dp, pc.pp);
     plan.optimizerSyncTime = 2 * allReduceMs(cluster, ppLink, 8, pc.pp);
   }
 }
 
 double stateBytesPerParamByte(const ModelSpec &model, const ParallelConfig &pc) {
   double all = model.stateBytesPerParamByte;
-  if (!pc.distributedOptimizer || pc.dp <= 1)
+  if (!pc.distributedOptimizer || pc.dp * pc.cp <= 1)
     return all;
   // Weights and gradients stay on every dp rank (3 bytes per bf16 parameter byte, 2 in
   // fp32); master weights and Adam's moments are sharded.
   double kept = model.transformer && model.transformer->dtype == "fp32" ? 2.0 : 3.0;
   kept = std::min(kept, all);
-  return kept + (all - kept) / double(pc.dp);
+  return kept + (all - kept) / (double(pc.dp) * pc.cp);
 }
 
 class PartitionPass final : public Pass {
@@ -249,7 +241,7 @@ public:
                         "here; merge layers with \"count\" into coarser ones",
                         numLayers, numStages);
     int64_t seq = model.sequenceLength(pc.seqSplits);
-    std::vector<double> times = layerTimes(model, cluster, seq, pc.tp);
+    std::vector<double> times = layerTimes(model, cluster, seq, pc.tp, pc.cp);
     if (auto err = checkLayerTimesAddUp(model, times))
       return err;
     const std::vector<int> &given = ctx.options.stageEnds;
@@ -279,7 +271,7 @@ std::vector<SliceCost> layerSliceCosts(const ModelSpec &model, const ClusterSpec
   for (size_t l = 0; l < model.layers.size(); ++l)
     for (size_t i = 0; i < k; ++i)
       costs[l * k + i] = model.sliceCost(cluster, l, slices[i].first, slices[i].second, int(i),
-                                         int(k), pc.tp, pc.sequenceParallel);
+                                         int(k), pc.tp, pc.sequenceParallel, pc.cp);
   return costs;
 }
 
@@ -348,7 +340,7 @@ void buildStages(Plan &plan, const ModelSpec &model, const ClusterSpec &cluster,
     // the backward, then its gradient until the weight gradient.
     for (size_t i = 0; i < k; ++i) {
       auto [b, e] = plan.seqSlices[i];
-      int64_t residual = model.residualBytes(b, e, pc.sequenceParallel ? pc.tp : 1);
+      int64_t residual = model.residualBytes(b, e, (pc.sequenceParallel ? pc.tp : 1) * pc.cp);
       st.activationBytes[i] += residual;
       st.weightGradBytes[i] += residual;
     }

@@ -19,10 +19,10 @@
 
 namespace pipec {
 
-/// Whole-sequence time (F + B + W) of every layer of `model` on one of `tp` ranks: what the
-/// partition balances.
+/// Whole-sequence time (F + B + W) of every layer of `model` on one of `tp` ranks (of `cp`
+/// context-parallel ones): what the partition balances.
 std::vector<double> layerTimes(const ModelSpec &model, const ClusterSpec &cluster, int64_t seq,
-                               int tp);
+                               int tp, int cp = 1);
 
 /// An InputError when `times` (layerTimes of `model`) do not add up to a finite number: rates
 /// too small for the model, which would split and simulate infinities.

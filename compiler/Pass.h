@@ -90,6 +90,10 @@ llvm::Error checkCompileOptions(const CompileOptions &options);
 /// transformer's heads and MLP width.
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options);
 
+/// --cp against the model: a transformer, one slice per microbatch (no --seq-splits), and a
+/// sequence that cuts into 2·cp chunks; an InputError naming the flag otherwise.
+llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc);
+
 /// Every stage (--pp x --vpp) holds at least one of the model's layers; an InputError naming
 /// the flag to change and a value that fits.
 llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc);

@@ -135,6 +135,7 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
                {"--vpp", pc.vpp},
                {"--tp", pc.tp},
                {"--dp", pc.dp},
+               {"--cp", pc.cp},
                {"--microbatches", pc.microbatches},
                {"--seq-splits", pc.seqSplits}};
   for (const Flag &f : flags)
@@ -160,6 +161,11 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
     return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
                       "plans (2^24); try --microbatches {}",
                       stages * units, std::max<int64_t>(1, (kMaxUnits / stages) / pc.seqSplits));
+  if (pc.cp > 1 && int64_t(pc.tp) * pc.cp * pc.dp > kMaxTpDp)
+    return inputError(
+        "--tp {} x --cp {} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}", pc.tp,
+        pc.cp, pc.dp, int64_t(pc.tp) * pc.cp * pc.dp, kMaxTpDp,
+        std::max<int64_t>(1, kMaxTpDp / (int64_t(pc.tp) * pc.cp)));
   if (int64_t(pc.tp) * pc.dp > kMaxTpDp)
     return inputError("--tp {} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}", pc.tp,
                       pc.dp, int64_t(pc.tp) * pc.dp, kMaxTpDp,
@@ -189,6 +195,30 @@ llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc) {
                     pc.pp, pc.vpp, stages, layers, fix);
 }
 
+llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc) {
+  if (pc.cp <= 1)
+    return llvm::Error::success();
+  if (!model.transformer)
+    return inputError("--cp {} needs a transformer model: an abstract model's layers have no "
+                      "sequence to share; drop --cp",
+                      pc.cp);
+  if (pc.seqSplits > 1)
+    return inputError("--cp {} and --seq-splits {} both cut the sequence; give one of them", pc.cp,
+                      pc.seqSplits);
+  // Megatron-LM cuts each sequence into 2·cp chunks, two per rank, for causal balance.
+  int64_t seq = model.transformer->seqLength;
+  if (seq % (2 * int64_t(pc.cp)) != 0) {
+    int64_t best = 1;
+    for (int64_t c = 1; c <= pc.cp; ++c)
+      if (seq % (2 * c) == 0)
+        best = c;
+    return inputError("--cp {} needs seq_length ({}) to be a multiple of 2 x {} (each rank holds "
+                      "two of its 2 x cp chunks); try --cp {}",
+                      pc.cp, seq, pc.cp, best);
+  }
+  return llvm::Error::success();
+}
+
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options) {
   // The layers bound the stages more tightly than what pipec plans: named first.
   if (options.parallel.pp >= 1 && options.parallel.vpp >= 1)
@@ -197,6 +227,8 @@ llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &op
   if (auto err = checkCompileOptions(options))
     return err;
   if (auto err = checkCompileBudget(model, options)) // before anything is allocated
+    return err;
+  if (auto err = checkContextParallel(model, options.parallel))
     return err;
   if (model.transformer) {
     // Megatron splits heads, key/value groups and the MLP's hidden size across tp ranks: the
@@ -228,7 +260,7 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
   // which runs neither switch, runs it.
   CompileOptions options = given;
   options.parallel.sequenceParallel &= options.parallel.tp > 1 && model.isTransformer();
-  options.parallel.distributedOptimizer &= options.parallel.dp > 1;
+  options.parallel.distributedOptimizer &= options.parallel.dp * options.parallel.cp > 1;
   auto policy = findPolicy(options.schedule);
   if (!policy)
     return policy.takeError();

@@ -74,7 +74,10 @@ std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options) 
   out += fmt::format(" --microbatches {}", pc.microbatches);
   if (pc.seqSplits != 1)
     out += fmt::format(" --seq-splits {}", pc.seqSplits);
-  out += fmt::format(" --tp {} --dp {} --recompute {}", pc.tp, pc.dp, toString(c.recompute).str());
+  out += fmt::format(" --tp {}", pc.tp);
+  if (pc.cp > 1)
+    out += fmt::format(" --cp {}", pc.cp);
+  out += fmt::format(" --dp {} --recompute {}", pc.dp, toString(c.recompute).str());
   if (pc.sequenceParallel)
     out += " --sequence-parallel";
   if (pc.distributedOptimizer)
@@ -193,7 +196,7 @@ struct Variant {
   ModelSpec model;
   double flopsPerMicrobatch = 0;
   /// Whole-sequence F + B + W of one microbatch through every layer, by tp (for ordering).
-  std::map<int, double> timeByTp;
+  std::map<std::pair<int, int>, double> timeByTp; // by (tp, cp)
 };
 
 class Search {
@@ -222,7 +225,7 @@ private:
   std::vector<size_t> variantOf; // per candidate
   std::vector<size_t> scheduleOf;
   std::mutex partitionMu;
-  std::map<std::tuple<size_t, int, int>, std::vector<int>> partitions;
+  std::map<std::tuple<size_t, int, int, int>, std::vector<int>> partitions;
   /// seqSlicesFor's answer (the slices, or its error's message) and the slice costs of every
   /// layer (layerSliceCosts) by (variant, seq splits, tp, split rule, sequence parallelism):
   /// the same for every pp, vpp, schedule and ZeRO setting.
@@ -231,12 +234,12 @@ private:
     std::string why;
     std::vector<SliceCost> costs;
   };
-  std::map<std::tuple<size_t, int, int, bool, bool>, Slicing> slicings;
+  std::map<std::tuple<size_t, int, int, bool, bool, int>, Slicing> slicings;
 
   llvm::Error setUp();
   size_t variantFor(int64_t b, Recompute r);
   void enumerate();
-  std::vector<int> partitionFor(size_t variant, int tp, int stages);
+  std::vector<int> partitionFor(size_t variant, int tp, int cp, int stages);
   /// seqSlicesFor(variant's model, cluster, pc) and its slices' costs, cached (entries stay
   /// put: std::map).
   const Slicing &slicingFor(size_t variant, const ParallelConfig &pc);
@@ -393,6 +396,14 @@ llvm::Error Search::setUp() {
   for (int k : o.seqSplits)
     if (k < 1)
       return inputError("--seq-splits must list counts of at least 1 (got {}); try 1,2,4", k);
+  for (int cp : o.cpSizes) {
+    if (cp < 1 || cp > kMaxTpDp)
+      return inputError("--cp must list sizes from 1 to {} (got {}); try --cp 1,2", kMaxTpDp, cp);
+    ParallelConfig pc;
+    pc.cp = cp;
+    if (llvm::Error err = checkContextParallel(model, pc))
+      return err;
+  }
   if (o.costs) {
     // The file says how many stages, sub-sequences and ranks it was measured on, not the
     // model variant or tensor parallelism: those are the flags', one value each.
@@ -461,84 +472,90 @@ void Search::enumerate() {
           continue;
         }
       }
-      for (int pp : divisorsOf(n / tp)) {
-        if (!o.ppSizes.empty() && !llvm::is_contained(o.ppSizes, pp))
-          continue;
-        int dp = n / tp / pp;
-        PlanCandidate layout = base;
-        layout.parallel.pp = pp;
-        layout.parallel.dp = dp;
-        auto drop = [&](std::string why) {
-          layout.outcome = Outcome::Divisibility;
-          layout.why = std::move(why);
-          cands.push_back(layout);
-          variantOf.push_back(SIZE_MAX);
-          scheduleOf.push_back(SIZE_MAX);
-        };
-        if (pp > numLayers) {
-          drop(fmt::format("pp {} exceeds the model's {} layers", pp, numLayers));
-          continue;
-        }
-        if (o.globalBatch % dp) {
-          drop(fmt::format("dp {} does not divide the global batch {}", dp, o.globalBatch));
-          continue;
-        }
-        int64_t perReplica = o.globalBatch / dp;
-        for (int64_t b : microbatchSizesFor(perReplica)) {
-          layout.microbatchSize = b;
-          if (perReplica % b) {
-            drop(fmt::format("microbatch size {} does not divide the {} sequences per replica", b,
-                             perReplica));
+      for (int cp : o.cpSizes) {
+        if ((n / tp) % cp)
+          continue; // (a --cp value that does not divide the GPUs left over tp)
+        for (int pp : divisorsOf(n / tp / cp)) {
+          if (!o.ppSizes.empty() && !llvm::is_contained(o.ppSizes, pp))
+            continue;
+          int dp = n / tp / cp / pp;
+          PlanCandidate layout = base;
+          layout.parallel.cp = cp;
+          layout.parallel.pp = pp;
+          layout.parallel.dp = dp;
+          auto drop = [&](std::string why) {
+            layout.outcome = Outcome::Divisibility;
+            layout.why = std::move(why);
+            cands.push_back(layout);
+            variantOf.push_back(SIZE_MAX);
+            scheduleOf.push_back(SIZE_MAX);
+          };
+          if (pp > numLayers) {
+            drop(fmt::format("pp {} exceeds the model's {} layers", pp, numLayers));
             continue;
           }
-          int64_t m = perReplica / b;
-          if (m > kMostMicrobatches) {
-            drop(fmt::format("{} microbatches per step is beyond what pipec plans (2^24)", m));
+          if (o.globalBatch % dp) {
+            drop(fmt::format("dp {} does not divide the global batch {}", dp, o.globalBatch));
             continue;
           }
-          size_t variant = variantFor(b, rec);
-          for (size_t si = 0; si < schedules.size(); ++si) {
-            const ScheduleChoice &sc = schedules[si];
-            // pp 1: the no-pipeline entry only; pp > 1: every schedule asked for (1f1b
-            // included when listed, which is also the no-pipeline entry).
-            if (pp == 1 ? si != noPipeline : sc.noPipelineOnly)
+          int64_t perReplica = o.globalBatch / dp;
+          for (int64_t b : microbatchSizesFor(perReplica)) {
+            layout.microbatchSize = b;
+            if (perReplica % b) {
+              drop(fmt::format("microbatch size {} does not divide the {} sequences per replica", b,
+                               perReplica));
               continue;
-            for (int vpp : pp == 1 ? std::vector<int>{1} : sc.vpps)
-              for (int k : pp == 1 ? std::vector<int>{1} : sc.seqSplits) {
-                PlanCandidate c = layout;
-                c.schedule = sc.policy->name().str();
-                c.parallel.vpp = vpp;
-                c.parallel.microbatches = int(m);
-                c.parallel.seqSplits = k;
-                c.outcome = Outcome::Fits; // until evaluated
-                if (int64_t(pp) * vpp > numLayers) {
-                  c.outcome = Outcome::Divisibility;
-                  c.why = fmt::format("pp {} x vpp {} stages exceed the model's {} layers", pp, vpp,
-                                      numLayers);
-                } else {
-                  CompileOptions co;
-                  co.schedule = c.schedule;
-                  co.parallel = c.parallel;
-                  llvm::Error err = checkCompileOptions(co);
-                  if (!err)
-                    err = sc.policy->check(c.parallel);
-                  if (err) {
-                    c.outcome = Outcome::Constraint;
-                    c.why = takeMessage(std::move(err));
+            }
+            int64_t m = perReplica / b;
+            if (m > kMostMicrobatches) {
+              drop(fmt::format("{} microbatches per step is beyond what pipec plans (2^24)", m));
+              continue;
+            }
+            size_t variant = variantFor(b, rec);
+            for (size_t si = 0; si < schedules.size(); ++si) {
+              const ScheduleChoice &sc = schedules[si];
+              // pp 1: the no-pipeline entry only; pp > 1: every schedule asked for (1f1b
+              // included when listed, which is also the no-pipeline entry).
+              if (pp == 1 ? si != noPipeline : sc.noPipelineOnly)
+                continue;
+              for (int vpp : pp == 1 ? std::vector<int>{1} : sc.vpps)
+                // (Context parallelism cuts the sequence itself: one slice.)
+                for (int k : pp == 1 || cp > 1 ? std::vector<int>{1} : sc.seqSplits) {
+                  PlanCandidate c = layout;
+                  c.schedule = sc.policy->name().str();
+                  c.parallel.vpp = vpp;
+                  c.parallel.microbatches = int(m);
+                  c.parallel.seqSplits = k;
+                  c.outcome = Outcome::Fits; // until evaluated
+                  if (int64_t(pp) * vpp > numLayers) {
+                    c.outcome = Outcome::Divisibility;
+                    c.why = fmt::format("pp {} x vpp {} stages exceed the model's {} layers", pp,
+                                        vpp, numLayers);
+                  } else {
+                    CompileOptions co;
+                    co.schedule = c.schedule;
+                    co.parallel = c.parallel;
+                    llvm::Error err = checkCompileOptions(co);
+                    if (!err)
+                      err = sc.policy->check(c.parallel);
+                    if (err) {
+                      c.outcome = Outcome::Constraint;
+                      c.why = takeMessage(std::move(err));
+                    }
                   }
+                  // Sequence parallelism (tp > 1) and ZeRO-1 (dp > 1), each off then on, unless
+                  // fixed: the same layout, other memory and communication.
+                  for (bool sp : switchSettings(o.sequenceParallel, tp > 1))
+                    for (bool zero : switchSettings(o.distributedOptimizer, dp * cp > 1)) {
+                      PlanCandidate v = c;
+                      v.parallel.sequenceParallel = sp;
+                      v.parallel.distributedOptimizer = zero;
+                      cands.push_back(std::move(v));
+                      variantOf.push_back(variant);
+                      scheduleOf.push_back(si);
+                    }
                 }
-                // Sequence parallelism (tp > 1) and ZeRO-1 (dp > 1), each off then on, unless
-                // fixed: the same layout, other memory and communication.
-                for (bool sp : switchSettings(o.sequenceParallel, tp > 1))
-                  for (bool zero : switchSettings(o.distributedOptimizer, dp > 1)) {
-                    PlanCandidate v = c;
-                    v.parallel.sequenceParallel = sp;
-                    v.parallel.distributedOptimizer = zero;
-                    cands.push_back(std::move(v));
-                    variantOf.push_back(variant);
-                    scheduleOf.push_back(si);
-                  }
-              }
+            }
           }
         }
       }
@@ -546,8 +563,8 @@ void Search::enumerate() {
   }
 }
 
-std::vector<int> Search::partitionFor(size_t variant, int tp, int stages) {
-  auto key = std::make_tuple(variant, tp, stages);
+std::vector<int> Search::partitionFor(size_t variant, int tp, int cp, int stages) {
+  auto key = std::make_tuple(variant, tp, cp, stages);
   {
     std::lock_guard<std::mutex> lock(partitionMu);
     auto it = partitions.find(key);
@@ -557,14 +574,16 @@ std::vector<int> Search::partitionFor(size_t variant, int tp, int stages) {
   const ModelSpec &m = variants[variant].model;
   // The partition pass's input: whole-sequence costs of every layer (its seq_splits only
   // matter to an abstract model without a seq_length, whose costs do not depend on it).
-  std::vector<int> ends = exactPartition(layerTimes(m, cluster, m.sequenceLength(1), tp), stages);
+  std::vector<int> ends =
+      exactPartition(layerTimes(m, cluster, m.sequenceLength(1), tp, cp), stages);
   std::lock_guard<std::mutex> lock(partitionMu);
   partitions.emplace(key, ends);
   return ends;
 }
 
 const Search::Slicing &Search::slicingFor(size_t variant, const ParallelConfig &pc) {
-  auto key = std::make_tuple(variant, pc.seqSplits, pc.tp, pc.seqSplitByFlops, pc.sequenceParallel);
+  auto key =
+      std::make_tuple(variant, pc.seqSplits, pc.tp, pc.seqSplitByFlops, pc.sequenceParallel, pc.cp);
   {
     std::lock_guard<std::mutex> lock(partitionMu);
     auto it = slicings.find(key);
@@ -726,7 +745,7 @@ double orderTimeBound(Plan &plan) {
     if (stream.empty())
       continue;
     end[r] = t.ops[r].back().end;
-    if (pc.dp <= 1 || (plan.overlapGradReduce && !plan.blockingP2p))
+    if (pc.gradReduceRanks() <= 1 || (plan.overlapGradReduce && !plan.blockingP2p))
       continue;
     std::vector<llvm::SmallVector<int, 2>> points = dpAllReducePoints(stream);
     double free = 0;
@@ -774,8 +793,8 @@ void Search::evaluate(size_t index, double threshold) {
     return;
   }
   plan.seqSlices = slicing.slices;
-  buildStages(plan, var.model, cluster, partitionFor(variantOf[index], pc.tp, pc.numStages()),
-              slicing.costs);
+  buildStages(plan, var.model, cluster,
+              partitionFor(variantOf[index], pc.tp, pc.cp, pc.numStages()), slicing.costs);
   // Measured times where the file covers the candidate, as compile's pipeline puts them in
   // right after its partition pass: the bounds, the order and the simulation all take them.
   if (o.costs && coversCandidate(*o.costs, c)) {
@@ -1245,6 +1264,17 @@ int64_t Search::nearestGpus(const std::vector<int> &tps) const {
 }
 
 llvm::Error Search::explainNoLayout() const {
+  // With context parallelism the rules below (GPUs = tp x pp x dp) do not hold; say what does.
+  if (llvm::any_of(o.cpSizes, [](int cp) { return cp > 1; })) {
+    std::string cps;
+    for (int cp : o.cpSizes)
+      cps += (cps.empty() ? "" : ",") + std::to_string(cp);
+    return inputError("--cp {}: no layout tp x cp x pp x dp = {} GPUs fits this model, the global "
+                      "batch {} and the schedules asked for (cp must divide the GPUs left over "
+                      "tp, dp = GPUs / (tp x cp x pp) the batch); try --cp 1 for the nearest "
+                      "layouts without context parallelism",
+                      cps, o.gpus, o.globalBatch);
+  }
   // No candidate passed the structural checks. Find the flag at fault and the nearest values
   // that pass, by arithmetic on the same rules enumerate() applies (tp, pp, dp = GPUs/(tp·pp)
   // dividing the batch into microbatches, a schedule taking pp and their count), never by
@@ -1382,13 +1412,14 @@ llvm::Expected<PlannerResult> Search::run() {
   for (size_t i : open) {
     Variant &v = variants[variantOf[i]];
     const ParallelConfig &pc = cands[i].parallel;
-    auto it = v.timeByTp.find(pc.tp);
+    auto it = v.timeByTp.find({pc.tp, pc.cp});
     if (it == v.timeByTp.end()) {
-      std::vector<double> t = layerTimes(v.model, cluster, v.model.sequenceLength(1), pc.tp);
+      std::vector<double> t = layerTimes(v.model, cluster, v.model.sequenceLength(1), pc.tp, pc.cp);
       // What compile refuses the search refuses, before it evaluates infinities.
       if (llvm::Error err = checkLayerTimesAddUp(v.model, t))
         return err;
-      it = v.timeByTp.emplace(pc.tp, std::accumulate(t.begin(), t.end(), 0.0)).first;
+      it = v.timeByTp.emplace(std::pair{pc.tp, pc.cp}, std::accumulate(t.begin(), t.end(), 0.0))
+               .first;
     }
     order[i] = it->second * double(pc.microbatches) / double(pc.pp);
   }
@@ -1484,7 +1515,7 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
   std::string out = "recompute,tp,pp,vpp,dp,microbatch_size,microbatches,seq_splits,"
                     "sequence_parallel,distributed_optimizer,schedule,outcome,step_time,"
                     "step_time_bound,bubble,peak_memory_bytes,peak_memory_exact,worst_rank,"
-                    "tokens_per_s,model_tflops_per_gpu,mfu,costs,why\n";
+                    "tokens_per_s,model_tflops_per_gpu,mfu,costs,why,cp\n";
   auto quote = [](llvm::StringRef s) {
     std::string q = "\"";
     for (char ch : s) {
@@ -1516,7 +1547,7 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
       bound = fmt::format("{:.6g}", c.stepTimeBound);
     const bool scheduled = !c.schedule.empty();
     auto onOff = [&](bool v) { return scheduled ? (v ? "on" : "off") : ""; };
-    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+    out += fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
                        toString(c.recompute).str(), pc.tp, pc.pp ? std::to_string(pc.pp) : "",
                        scheduled ? std::to_string(pc.vpp) : "", pc.pp ? std::to_string(pc.dp) : "",
                        scheduled ? std::to_string(c.microbatchSize) : "",
@@ -1527,7 +1558,8 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
                        c.peakMemoryBytes ? std::to_string(c.peakMemoryBytes) : "",
                        c.peakMemoryBytes ? (c.peakExact ? "yes" : "no") : "",
                        c.peakMemoryBytes ? std::to_string(c.worstRank) : "", tokens, tflops, mfu,
-                       c.simulated ? (c.measured ? "measured" : "model") : "", quote(c.why));
+                       c.simulated ? (c.measured ? "measured" : "model") : "", quote(c.why),
+                       pc.pp ? std::to_string(pc.cp) : "");
   }
   return out;
 }

@@ -89,6 +89,9 @@ struct PlannerOptions {
   std::optional<bool> sequenceParallel, distributedOptimizer;
   /// Tensor- and pipeline-parallel sizes to try; empty: every divisor that fits.
   std::vector<int> tpSizes, ppSizes;
+  /// Context-parallel sizes to try (--cp; transformer models, without sub-sequences): each
+  /// divides the GPUs left over tp. Not searched unless listed.
+  std::vector<int> cpSizes = {1};
   /// Recomputation settings to try; empty: none, selective (materialized attention only: with
   /// flash attention it changes nothing) and full, or, with costs, the model's own.
   std::vector<Recompute> recompute;

@@ -221,7 +221,7 @@ private:
           int64_t want = plan.tpAllReduceBytes(i.stage, i.slice, i.phase, i.part);
           if (i.bytes != want)
             return failAt(r, n, "carries {} bytes but this reduction sums {}", i.bytes, want);
-        } else if (i.collective == CollectiveGroup::Dp && pc.dp == 1) {
+        } else if (i.collective == CollectiveGroup::Dp && pc.gradReduceRanks() == 1) {
           return failAt(r, n, "dp all-reduce in a plan with dp = 1");
         } else if (i.collective == CollectiveGroup::Embedding) {
           int last = numStages - 1;
@@ -666,13 +666,13 @@ private:
                           "embeddings are tied but stage {}'s copy is never "
                           "all-reduced with the other",
                           s);
-      if (pc.dp > 1)
+      if (pc.gradReduceRanks() > 1)
         for (const StageInfo &s : plan.stages)
           if (s.rank == r && !dpStep.count(s.stage))
             return failAt(r, optimizer,
-                          "dp = {} but stage {}'s gradients are never "
+                          "dp x cp = {} but stage {}'s gradients are never "
                           "all-reduced",
-                          pc.dp, s.stage);
+                          pc.gradReduceRanks(), s.stage);
     }
     return llvm::Error::success();
   }

@@ -35,6 +35,10 @@ llvm::Error applyMeasuredCosts(const MeasuredCosts &c, llvm::StringRef source, P
                       "not run it), so its times would cancel --sequence-parallel's; drop one of "
                       "the two",
                       source);
+  if (plan.parallel.cp > 1)
+    return inputError("{}: the profile's layers each ran a whole sequence (piperun does not run "
+                      "context parallelism), so its times would cancel --cp's; drop one of the two",
+                      source);
   if (plan.parallel.distributedOptimizer)
     return inputError("{}: the profile's optimizer step updated every weight on every replica "
                       "(piperun does not shard it), so its time would cancel "

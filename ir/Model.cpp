@@ -258,8 +258,8 @@ static double gemmMs(const ClusterSpec &c, double flops, double m, double k, dou
 }
 
 SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, int64_t begin,
-                               int64_t end, int index, int numSlices, int tp,
-                               bool sequenceParallel) const {
+                               int64_t end, int index, int numSlices, int tp, bool sequenceParallel,
+                               int cp) const {
   const Layer &layer = layers[layerIndex];
   SliceCost c;
   if (!transformer) {
@@ -274,8 +274,11 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
   }
   const TransformerConfig &t = *transformer;
   double b = double(t.microbatchSize), h = double(t.hiddenSize), f = double(t.ffnHiddenSize);
-  double x = double(end - begin), v = double(t.vocabSize), heads = double(t.numAttentionHeads);
-  double sigma = causalPositions(begin, end);
+  // With context parallelism a rank holds x/cp of the slice's tokens and, its chunks
+  // load-balanced (Megatron-LM pairs chunk r with chunk 2cp - 1 - r), 1/cp of its causal
+  // attention's positions.
+  double x = double(end - begin) / cp, v = double(t.vocabSize), heads = double(t.numAttentionHeads);
+  double sigma = causalPositions(begin, end) / cp;
   bool flash = t.attention == Attention::Flash;
   double attentionPerMs = cluster.attentionFlopsPerMs(flash) * tp;
   double d = double(t.dtypeBytes());
@@ -346,15 +349,29 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       scoreF = scores * (5 * d + 1) / memPerMs;
       scoreB = scores * (6 * d + 1) / memPerMs;
     }
-    c.forward = linear + attentionF / attentionPerMs + scoreF + perByte * forwardBytes + overhead;
+    // Context parallelism's ring: cp - 1 times a rank passes on the K and V chunk it holds
+    // (b·x·2Kl elements) while it computes attention against the one it has, and in the
+    // backward passes on K, V and their gradients' partial sums (twice the bytes); what a
+    // message takes beyond its step of attention is exposed. The ring's ranks are tp apart.
+    double ringF = 0, ringB = 0;
+    if (cp > 1) {
+      const Link &link = cluster.groupLink(tp, cp);
+      double chunk = 2 * n * kl * d, steps = cp - 1.0;
+      double stepF = attentionF / attentionPerMs / cp, stepB = attentionB / attentionPerMs / cp;
+      ringF = steps * std::max(0.0, cluster.transferMs(link, chunk) - stepF);
+      ringB = steps * std::max(0.0, cluster.transferMs(link, 2 * chunk) - stepB);
+    }
+    c.forward =
+        linear + attentionF / attentionPerMs + scoreF + perByte * forwardBytes + overhead + ringF;
     c.backwardInput =
-        linear + attentionB / attentionPerMs + scoreB + perByte * backwardBytes + overhead;
+        linear + attentionB / attentionPerMs + scoreB + perByte * backwardBytes + overhead + ringB;
     c.backwardWeight = linear + overhead;
     // The MLP keeps its pre-activation (GELU) or both gate and up outputs (SwiGLU).
     double fc = t.mlp == Mlp::SwiGlu ? 2 * fl : fl;
     // Each norm keeps per token its rstd (RMSNorm) or mean and rstd (LayerNorm), in fp32.
     double stats = t.norm == Norm::RmsNorm ? 8 : 16;
-    double kv = flash ? (index == 0 ? 2 * double(t.seqLength) * b * kl * d : 0) : 2 * n * kl * d;
+    double kv =
+        flash ? (index == 0 ? 2 * double(t.seqLength) / cp * b * kl * d : 0) : 2 * n * kl * d;
     double probs = flash ? 4 * b * hl * x : b * hl * x * double(end) * d;
     // xIn, xMid (sharded with sequence parallelism), attOut, fcPre, statistics.
     double kept = n * (2 * h / sp + cl + fc) * d + stats * n / sp;
@@ -393,6 +410,9 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       break;
     }
     c.workspaceBytes = int64_t(n * (2 * h + std::max(cl + 2 * kl, fl)) * d);
+    // The ring's receive buffers: the K/V chunk in flight and, in the backward, its gradient.
+    if (cp > 1)
+      c.workspaceBytes += int64_t(2 * (2 * n * kl * d));
     // Full recomputation rebuilds one block's forward state at a time inside the backward.
     if (t.recompute == Recompute::Full)
       c.workspaceBytes += int64_t(kept + forwardOnly + framework - n * h * d / sp);

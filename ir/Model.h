@@ -99,6 +99,17 @@ struct ClusterSpec {
   P2p p2p = P2p::Overlapped;
   /// Whether a transfer holds its sender until it has arrived ("megatron" and "blocking").
   bool synchronousP2p() const { return p2p != P2p::Overlapped; }
+  /// A message's fixed cost on `l`: its latency and message_overhead_us, in ms.
+  double messageMs(const Link &l) const { return (l.latencyUs + messageOverheadUs) / 1000.0; }
+  /// One message of `bytes` over `l`, in ms.
+  double transferMs(const Link &l, double bytes) const {
+    return messageMs(l) + bytes / l.bytesPerMs();
+  }
+  /// The link a group of `members` ranks `stride` global ranks apart spans (Megatron-LM's order
+  /// of global ranks: tp fastest, then cp, dp, pp): within a node while the group does.
+  const Link &groupLink(int64_t stride, int64_t members) const {
+    return stride * members <= gpusPerNode ? intraNode : interNode;
+  }
   /// Gradient reduction as PyTorch DDP, Megatron-LM's --overlap-grad-reduce and NeMo make it
   /// ("grad_reduce": "overlapped"): each stage's gradients reduce bucket by bucket while its last
   /// backward produces them, so the dp all-reduce may start with that backward; "after-backward"
@@ -293,8 +304,12 @@ struct ModelSpec {
   /// of `tp` tensor-parallel ranks.
   /// With `sequenceParallel` the norms, dropouts and residual adds (and what they keep) are
   /// sharded along the sequence over the tp ranks (Korthikanti et al. 2022).
+  /// With `cp` > 1 (context parallelism, one slice only) each of cp ranks holds 1/cp of the
+  /// tokens, load-balanced for causal attention, and the keys and values go round the cp ranks
+  /// in a ring (Megatron-LM's and Transformer Engine's point-to-point context parallelism).
   SliceCost sliceCost(const ClusterSpec &cluster, size_t layer, int64_t begin, int64_t end,
-                      int sliceIndex, int numSlices, int tp, bool sequenceParallel = false) const;
+                      int sliceIndex, int numSlices, int tp, bool sequenceParallel = false,
+                      int cp = 1) const;
   /// Forward FLOPs of tokens [0, end) through one transformer block (for FLOP-balanced slicing).
   double blockForwardFlopsPrefix(int64_t end) const;
   /// Bytes a stage keeps per (microbatch, slice) besides its layers' own: the residual stream

@@ -26,6 +26,10 @@ namespace pipec {
 /// Megatron-like parallel configuration (docs/contracts.md#parallel-configuration).
 struct ParallelConfig {
   int pp = 1, vpp = 1, tp = 1, dp = 1, microbatches = 1, seqSplits = 1;
+  /// Context parallelism (--cp): ranks that share each sequence, 1/cp of its tokens each,
+  /// passing keys and values round a ring for attention (transformer models, one slice). The
+  /// GPUs are tp·cp·pp·dp; the gradients reduce over dp·cp ranks.
+  int cp = 1;
   /// Interleaved schedules only; 0 = the policy's default.
   int microbatchGroupSize = 0;
   /// Megatron's sequence parallelism (--sequence-parallel): the norms, dropouts and residual
@@ -39,6 +43,8 @@ struct ParallelConfig {
   /// instead of equal predicted F + B + W time under the cluster (the default).
   bool seqSplitByFlops = false;
   int numStages() const { return pp * vpp; }
+  /// Ranks each stage's gradients are reduced over: the dp replicas and the cp ranks.
+  int gradReduceRanks() const { return dp * cp; }
 };
 
 /// Stage-to-rank maps a schedule may choose.

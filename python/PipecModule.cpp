@@ -183,6 +183,7 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   d["pp"] = pc.pp;
   d["vpp"] = pc.vpp;
   d["dp"] = pc.dp;
+  d["cp"] = pc.cp;
   d["microbatch_size"] = c.microbatchSize;
   d["microbatches"] = pc.microbatches;
   d["seq_splits"] = pc.seqSplits;

@@ -337,6 +337,41 @@ std::vector<Case> catalogue() {
       "$PIPERUN p.json --backend cpu",
       "the plan's model has dropout ($.transformer.hidden_dropout: 0.1), which piperun does not "
       "execute; compile a model with \"hidden_dropout\": 0");
+  // Context parallelism: compiled and sized, not executed; its rules named with the flag.
+  add(
+      "PiperunRefusesContextParallelism",
+      [](const std::string &dir) {
+        copyExample(dir, kTiny);
+        compileLocal(dir, kTiny, "--schedule 1f1b --pp 2 --microbatches 2 --cp 2", "p.json");
+      },
+      "$PIPERUN p.json --backend cpu",
+      "the plan was compiled with --cp 2 ($.parallel.cp), which piperun does not execute; "
+      "compile it without --cp");
+  add("CpNotCuttingTheSequence", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --cp 3",
+      "--cp 3 needs seq_length (16) to be a multiple of 2 x 3 (each rank holds two of its 2 x cp "
+      "chunks); try --cp 2");
+  add("CpWithSeqSplits", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule seq1f1b --pp 2 --microbatches 2 "
+      "--seq-splits 2 --cp 2",
+      "--cp 2 and --seq-splits 2 both cut the sequence; give one of them");
+  add("CpOnAnAbstractModel", withUniform,
+      "$PIPEC compile --model uniform-8.json --schedule 1f1b --pp 2 --microbatches 2 --cp 2",
+      "--cp 2 needs a transformer model");
+  add("CpZero", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --cp 0",
+      "--cp must be at least 1");
+  add("PlanCpNotCuttingTheSequence", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 8 --global-batch 16 --cp 1,3",
+      "--cp 3 needs seq_length (16)");
+  add("PlanCpWithNoLayout", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 7 --global-batch 16 --cp 2",
+      "--cp 2: no layout tp x cp x pp x dp = 7 GPUs");
+  add("PlanFileCpWithSeqSplits", planWith([](Json &j) {
+        j["parallel"]["cp"] = 2;
+        j["parallel"]["seq_splits"] = 2;
+      }),
+      "$PIPERUN p.json --backend cpu", "cp 2 with seq_splits 2: a plan cuts the sequence one way");
   add("ModelDropoutNegative",
       tinyWith([](Json &j) { j["transformer"]["attention_dropout"] = -0.1; }),
       "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2",

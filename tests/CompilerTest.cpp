@@ -947,6 +947,108 @@ TEST(ParallelOptionsTest, SequenceParallelAndDistributedOptimizerInPlansAndMemor
   EXPECT_EQ(old.find("sequence_parallel"), std::string::npos);
 }
 
+/// A GPT block of width 1024 (16 heads of 64), flash attention, at sequence `seq`.
+ModelSpec cpSpec(int64_t seq) {
+  return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "name": "gpt", "transformer": {{
+      "num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "vocab_size": 50304,
+      "seq_length": {}, "attention": "flash"}}}})",
+                                 seq),
+                     "gpt.json");
+}
+
+TEST(ContextParallelTest, ARankKeepsWhatHalfTheSequenceKeepsAndComputesHalfItsAttention) {
+  // cp 2 at sequence s: a rank holds s/2 of the tokens (two of the four chunks), so it keeps
+  // what the block keeps at sequence s/2 (its own K and V included) and runs the same GEMMs;
+  // its attention is half of the whole causal sequence's, b·4h·s(s+1)/4 FLOPs forward (twice
+  // that backward), where the s/2 sequence alone has b·4h·(s/2)(s/2 + 1)/2. A link fast
+  // enough hides the ring behind the attention.
+  const double s = 4096, h = 1024;
+  ModelSpec whole = cpSpec(4096), half = cpSpec(2048);
+  ClusterSpec c = ClusterSpec::defaults();
+  c.intraNode.bandwidthGBps = 1e9;
+  SliceCost a = whole.sliceCost(c, 1, 0, 4096, 0, 1, /*tp=*/1, false, /*cp=*/2);
+  SliceCost b = half.sliceCost(c, 1, 0, 2048, 0, 1, /*tp=*/1);
+  EXPECT_EQ(a.activationBytes, b.activationBytes);
+  EXPECT_EQ(a.weightGradBytes, b.weightGradBytes);
+  EXPECT_EQ(a.outputBytes, b.outputBytes);
+  // The ring's receive buffers on top: a K/V chunk (2 · s/2 · h · 2 bytes) and its gradient.
+  EXPECT_EQ(a.workspaceBytes - b.workspaceBytes, int64_t(2 * (2 * s / 2 * h * 2)));
+  double extra = 4 * h * (s * (s + 1) / 4 - s / 2 * (s / 2 + 1) / 2) / c.attentionFlopsPerMs(true);
+  double latency = (c.intraNode.latencyUs + c.messageOverheadUs) / 1000;
+  EXPECT_GT(extra, latency); // so that the ring's steps hide their messages
+  EXPECT_NEAR(a.forward - b.forward, extra, 1e-9);
+  EXPECT_NEAR(a.backwardInput - b.backwardInput, 2 * extra, 1e-9);
+  EXPECT_DOUBLE_EQ(a.backwardWeight, b.backwardWeight);
+  // The embedding's output and the head's logits: the rank's tokens only.
+  EXPECT_EQ(whole.sliceCost(c, 0, 0, 4096, 0, 1, 1, false, 2).outputBytes,
+            half.sliceCost(c, 0, 0, 2048, 0, 1, 1).outputBytes);
+  size_t head = whole.layers.size() - 1;
+  EXPECT_EQ(whole.sliceCost(c, head, 0, 4096, 0, 1, 1, false, 2).activationBytes,
+            half.sliceCost(c, head, 0, 2048, 0, 1, 1).activationBytes);
+}
+
+TEST(ContextParallelTest, TheRingExposesWhatItsMessagesTakeBeyondTheAttention) {
+  // On a slow link each of the cp - 1 ring steps waits for its message: forward the K/V chunk
+  // of the rank's b·s/cp tokens (2 · s/cp · h · 2 bytes), backward that and its gradient.
+  // cp 4 of tp 1 share a node: the intra-node link, 1 GB/s.
+  const double s = 4096, h = 1024, cp = 4;
+  ModelSpec m = cpSpec(4096);
+  ClusterSpec fast = ClusterSpec::defaults(), slow = fast;
+  fast.intraNode.bandwidthGBps = 1e9;
+  slow.intraNode.bandwidthGBps = 1;
+  SliceCost f = m.sliceCost(fast, 1, 0, 4096, 0, 1, 1, false, 4);
+  SliceCost w = m.sliceCost(slow, 1, 0, 4096, 0, 1, 1, false, 4);
+  double chunk = 2 * s / cp * h * 2;
+  double message = (slow.intraNode.latencyUs + slow.messageOverheadUs) / 1000;
+  double stepF = 4 * h * s * (s + 1) / 2 / cp / fast.attentionFlopsPerMs(true) / cp;
+  auto send = [&](double bytes) { return message + bytes / slow.intraNode.bytesPerMs(); };
+  EXPECT_NEAR(w.forward - f.forward, (cp - 1) * (send(chunk) - stepF), 1e-9);
+  EXPECT_NEAR(w.backwardInput - f.backwardInput, (cp - 1) * (send(2 * chunk) - 2 * stepF), 1e-9);
+  EXPECT_DOUBLE_EQ(w.backwardWeight, f.backwardWeight);
+}
+
+TEST(ContextParallelTest, PlansReduceGradientsOverTheCpRanksAndSayCpInTheirFile) {
+  // pp 2, tp 2, cp 2, dp 1: every stage's gradients are all-reduced over the 2 cp ranks (a
+  // dp all-reduce with dp 1), 2 ranks tp apart in one node; ZeRO-1 shards over dp x cp = 2.
+  ModelSpec m = cpSpec(4096);
+  CompileOptions o = options("1f1b", 2, 4, 1, 1, /*tp=*/2, /*dp=*/1);
+  o.parallel.cp = 2;
+  o.parallel.distributedOptimizer = true;
+  Plan p = compileOrFail(m, o);
+  EXPECT_TRUE(p.parallel.distributedOptimizer);
+  EXPECT_DOUBLE_EQ(p.stateBytesPerParamByte, 3 + 6.0 / 2);
+  const Link &l = ClusterSpec::defaults().intraNode;
+  double bytes = double(p.stages[0].paramBytes), message = l.latencyUs / 1000;
+  EXPECT_NEAR(p.stages[0].dpAllReduceTime, 2 * message + 2 * (1.0 / 2) * bytes / l.bytesPerMs(),
+              1e-9);
+  size_t dpReduces = 0;
+  for (const auto &stream : p.ranks)
+    for (const Instruction &i : stream)
+      dpReduces += i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Dp;
+  EXPECT_EQ(dpReduces, p.stages.size());
+  // The tp all-reduce carries the rank's tokens: half the sequence.
+  CompileOptions noCp = o;
+  noCp.parallel.cp = 1;
+  noCp.parallel.dp = 2;
+  Plan q = compileOrFail(m, noCp);
+  EXPECT_NEAR(p.stages[0].tpAllReduceTime[0] - message,
+              (q.stages[0].tpAllReduceTime[0] - message) / 2, 1e-9);
+  // The plan file says cp and the rank order; an old plan reads as cp 1.
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  writePlanJson(p, os);
+  EXPECT_NE(text.find(R"("cp": 2)"), std::string::npos) << text.substr(0, 400);
+  EXPECT_NE(text.find("tp-cp-dp-pp"), std::string::npos);
+  auto back = parsePlanJson(text, "cp.json");
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(back->parallel.cp, 2);
+  std::string old;
+  llvm::raw_string_ostream os2(old);
+  writePlanJson(q, os2);
+  EXPECT_EQ(old.find(R"("cp")"), std::string::npos);
+  EXPECT_NE(old.find("tp-dp-pp"), std::string::npos);
+}
+
 TEST(OptimizerStepTest, SyncedStepWaitsForTheLastRankAndPostValidationDoesNot) {
   // With the optimizer timed (memory_GBps), a 1f1b step is the last rank's end plus the
   // pipeline-wide check plus the slowest optimizer step; zb-h2 (post-validation) steps each

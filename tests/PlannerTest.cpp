@@ -751,6 +751,55 @@ TEST(PlannerTest, SwitchesAreSearchedWhereTheyApply) {
     EXPECT_EQ(r->candidates[i].parallel.sequenceParallel, r->candidates[i].parallel.tp > 1);
 }
 
+TEST(PlannerTest, ContextParallelSizesAreSearchedWhereListedAndCompileAsRanked) {
+  // --cp 1,2: every layout is tp x cp x pp x dp = the GPUs, with cp 2 only without
+  // sub-sequences, and every simulated candidate, cp 2 ones included, states what compile
+  // states of it.
+  ModelSpec model = transformer(R"(, "attention": "flash")");
+  PlannerOptions o = smallSearch();
+  o.cpSizes = {1, 2};
+  o.top = 40;
+  auto r = planLayouts(model, smallCluster(), o);
+  ASSERT_TRUE(bool(r)) << takeMessage(r.takeError());
+  std::set<int> cps, simulated;
+  for (const PlanCandidate &c : r->candidates) {
+    if (c.schedule.empty())
+      continue;
+    cps.insert(c.parallel.cp);
+    EXPECT_EQ(c.parallel.tp * c.parallel.cp * c.parallel.pp * c.parallel.dp, 8);
+    EXPECT_TRUE(c.parallel.cp == 1 || c.parallel.seqSplits == 1);
+    if (!c.simulated)
+      continue;
+    simulated.insert(c.parallel.cp);
+    auto compiled = compileCandidate(model, c);
+    ASSERT_TRUE(bool(compiled)) << takeMessage(compiled.takeError());
+    EXPECT_EQ(compiled->stats.stepTime, c.stepTime);
+    EXPECT_EQ(compiled->stats.maxPeakMemoryBytes(), c.peakMemoryBytes);
+  }
+  EXPECT_EQ(cps, (std::set<int>{1, 2}));
+  EXPECT_TRUE(simulated.count(1));
+  // cp 2 alone (slower here, so pruned above): its ranked plans are compile's.
+  o.cpSizes = {2};
+  o.top = 5;
+  auto two = planLayouts(model, smallCluster(), o);
+  ASSERT_TRUE(bool(two)) << takeMessage(two.takeError());
+  for (size_t i : two->ranked) {
+    const PlanCandidate &c = two->candidates[i];
+    EXPECT_EQ(c.parallel.cp, 2);
+    auto compiled = compileCandidate(model, c, /*verifyEach=*/true);
+    ASSERT_TRUE(bool(compiled)) << takeMessage(compiled.takeError());
+    EXPECT_EQ(compiled->stats.stepTime, c.stepTime);
+    EXPECT_EQ(compiled->stats.maxPeakMemoryBytes(), c.peakMemoryBytes);
+  }
+  EXPECT_EQ(two->ranked.size(), 5u);
+  // Not listed, not searched.
+  o.cpSizes = {1};
+  auto plain = planLayouts(model, smallCluster(), o);
+  ASSERT_TRUE(bool(plain)) << takeMessage(plain.takeError());
+  for (const PlanCandidate &c : plain->candidates)
+    EXPECT_EQ(c.parallel.cp, 1);
+}
+
 const char *kBloom = R"({"format": "pipemodel/1", "name": "bloom-176b", "transformer":
     {"num_layers": 70, "hidden_size": 14336, "num_attention_heads": 112,
      "ffn_hidden_size": 57344, "vocab_size": 250880, "seq_length": 2048,

@@ -138,6 +138,7 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
                                  {"--seq-splits", &o.parallel.seqSplits},
                                  {"--tp", &o.parallel.tp},
                                  {"--dp", &o.parallel.dp},
+                                 {"--cp", &o.parallel.cp},
                                  {"--microbatch-group-size", &o.parallel.microbatchGroupSize}},
                                 o.memoryLimit))
     return err;
@@ -289,7 +290,7 @@ llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args) {
   if (!sizes->empty())
     o.microbatchSizes = std::move(*sizes);
   for (auto [flag, out] : {std::pair{"--seq-splits", &o.seqSplits}, std::pair{"--tp", &o.tpSizes},
-                           std::pair{"--pp", &o.ppSizes}}) {
+                           std::pair{"--pp", &o.ppSizes}, std::pair{"--cp", &o.cpSizes}}) {
     auto v = args.integers(flag);
     if (!v)
       return v.takeError();

@@ -303,6 +303,8 @@ private:
       config += fmt::format(" seq-splits={}", pc.seqSplits);
     if (pc.tp > 1)
       config += fmt::format(" tp={}", pc.tp);
+    if (pc.cp > 1)
+      config += fmt::format(" cp={}", pc.cp);
     if (pc.dp > 1)
       config += fmt::format(" dp={}", pc.dp);
     svg += fmt::format("<text class=\"title\" x=\"{}\" y=\"20\" font-size=\"15\" "

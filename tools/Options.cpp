@@ -126,6 +126,9 @@ constexpr Opt kGroupSize =
 // (At most what tp x dp may reach: a larger one's suggested bound would be refused next.)
 constexpr Opt kTp = integer("--tp", "T", "tensor-parallel ranks per stage", 1, kMaxTpDp, 1);
 constexpr Opt kDp = integer("--dp", "D", "data-parallel replicas", 1, kMaxTpDp, 1);
+constexpr Opt kCp =
+    integer("--cp", "C", "context-parallel ranks sharing each sequence (transformer models)", 1,
+            kMaxTpDp, 1);
 constexpr Opt kSequenceParallel =
     sw("--sequence-parallel", "Megatron's sequence parallelism (with --tp)");
 constexpr Opt kDistributedOptimizer =
@@ -157,7 +160,7 @@ constexpr auto kCompile = join(
         count("--vpp", "V", "virtual stages (model chunks) per rank"),
         count("--seq-splits", "K", "sub-sequences per microbatch (the seq1f1b schedules)"),
     },
-    kLayoutFlags,
+    kLayoutFlags, {kCp},
     {
         path("-o", "plan.json", "write the plan (- for standard output)").aka("--output").cli(),
         choice("--recompute", "none|selective|full",
@@ -229,6 +232,8 @@ const Option kPlan[] = {
             8),
     Opt("--tp", OptionKind::IntList, "1,2,...", "tensor-parallel sizes to try (default: all)"),
     Opt("--pp", OptionKind::IntList, "1,2,...", "pipeline sizes to try (default: all)"),
+    Opt("--cp", OptionKind::IntList, "1,2,...",
+        "context-parallel sizes to try (default 1: none; transformer models)"),
     sw("--tp-across-nodes", "let tp exceed a node's GPUs"),
     sw("--sequence-parallel", "every candidate with sequence parallelism (default: both tried)"),
     sw("--no-sequence-parallel", "no candidate with sequence parallelism"),

@@ -148,11 +148,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   const char *unit = transformer ? "ms" : "unit";
   // With --costs, a column says which rows the measured times scored.
   const bool costs = o.costs != nullptr;
-  fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} {:>13} "
+  // A cp column where --cp searched context parallelism.
+  const bool cpColumn = llvm::any_of(o.cpSizes, [](int cp) { return cp > 1; });
+  fmt::print("{:>3}  {:<19} {:>3}{} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} {:>13} "
              "{:>10} {:>8} {:>6} {:>7} {:>11} {:>10}{}\n",
-             "#", "schedule", "tp", "pp", "vpp", "dp", "mb", "m", "K", "recompute", "SP", "ZeRO",
-             fmt::format("step ({})", unit), "tokens/s", "TFLOP/s", "MFU", "bubble", "peak memory",
-             "headroom", costs ? "  costs" : "");
+             "#", "schedule", "tp", cpColumn ? fmt::format(" {:>3}", "cp") : "", "pp", "vpp", "dp",
+             "mb", "m", "K", "recompute", "SP", "ZeRO", fmt::format("step ({})", unit), "tokens/s",
+             "TFLOP/s", "MFU", "bubble", "peak memory", "headroom", costs ? "  costs" : "");
   for (size_t i = 0; i < result->ranked.size(); ++i) {
     const PlanCandidate &c = result->candidates[result->ranked[i]];
     const ParallelConfig &pc = c.parallel;
@@ -164,12 +166,13 @@ llvm::Error runPlanCommand(int argc, char **argv) {
       tflops = fmt::format("{:.1f}", perGpu / 1e12);
       mfu = fmt::format("{:.1f}%", 100 * perGpu / (cluster.peakTflops * 1e12));
     }
-    fmt::print("{:>3}  {:<19} {:>3} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} "
+    fmt::print("{:>3}  {:<19} {:>3}{} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} "
                "{:>13.3f} {:>10} {:>8} {:>6} {:>6.1f}% {:>11} {:>10}{}\n",
-               i + 1, scheduleLabel(c), pc.tp, pc.pp, pc.vpp, pc.dp, c.microbatchSize,
-               pc.microbatches, pc.seqSplits, toString(c.recompute).str(),
-               pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
-               c.stepTime, tokens, tflops, mfu, 100 * c.bubble, inGiB(c.peakMemoryBytes),
+               i + 1, scheduleLabel(c), pc.tp, cpColumn ? fmt::format(" {:>3}", pc.cp) : "", pc.pp,
+               pc.vpp, pc.dp, c.microbatchSize, pc.microbatches, pc.seqSplits,
+               toString(c.recompute).str(), pc.sequenceParallel ? "on" : "off",
+               pc.distributedOptimizer ? "on" : "off", c.stepTime, tokens, tflops, mfu,
+               100 * c.bubble, inGiB(c.peakMemoryBytes),
                inGiB(result->memoryLimit - c.peakMemoryBytes),
                costs ? (c.measured ? "  measured" : "  model") : "");
   }
@@ -196,10 +199,12 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   fmt::print("{}", calibrationLine(cluster, *result));
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print(
-      "\nbest: {} with tp={} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
+      "\nbest: {} with tp={}{} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
       "seq-splits {}, recompute {}, sequence parallelism {}, distributed optimizer {}{}{}\n",
       best.parallel.pp == 1 ? std::string("no pipeline (1f1b order)") : best.schedule,
-      best.parallel.tp, best.parallel.pp, best.parallel.vpp, best.parallel.dp, best.microbatchSize,
+      best.parallel.tp,
+      best.parallel.cp > 1 ? fmt::format(" cp={}", best.parallel.cp) : std::string(),
+      best.parallel.pp, best.parallel.vpp, best.parallel.dp, best.microbatchSize,
       best.parallel.microbatches, best.parallel.seqSplits, toString(best.recompute).str(),
       best.parallel.sequenceParallel ? "on" : "off",
       best.parallel.distributedOptimizer ? "on" : "off",
@@ -230,6 +235,10 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   if (best.parallel.distributedOptimizer) {
     notRun.push_back("the distributed optimizer");
     flags.push_back("--no-distributed-optimizer");
+  }
+  if (best.parallel.cp > 1) {
+    notRun.push_back("context parallelism");
+    flags.push_back("--cp 1");
   }
   if (!notRun.empty())
     fmt::print("note: piperun does not execute {}; the plan sizes a run, {} plans run\n",

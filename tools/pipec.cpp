@@ -37,9 +37,10 @@ namespace {
 /// One line for exit 2, the diagnostic for exit 1.
 void printSummary(const Plan &plan, const ClusterSpec *cluster) {
   const ParallelConfig &pc = plan.parallel;
-  fmt::print("plan: {} on {}: pp={} vpp={} tp={} dp={} microbatches={} seq-splits={} ({} "
+  fmt::print("plan: {} on {}: pp={} vpp={} tp={}{} dp={} microbatches={} seq-splits={} ({} "
              "placement)\n",
-             plan.schedule, plan.model, pc.pp, pc.vpp, pc.tp, pc.dp, pc.microbatches, pc.seqSplits,
+             plan.schedule, plan.model, pc.pp, pc.vpp, pc.tp,
+             pc.cp > 1 ? fmt::format(" cp={}", pc.cp) : "", pc.dp, pc.microbatches, pc.seqSplits,
              toString(plan.placement).str());
   std::string stages;
   for (const StageInfo &s : plan.stages) {

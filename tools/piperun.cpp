@@ -320,6 +320,10 @@ llvm::Expected<Plan> readPlan(const std::string &path) {
       return inputError("the plan was compiled with {}, which piperun does not execute; compile "
                         "it without {}",
                         flag, flag);
+  if (plan->parallel.cp > 1)
+    return inputError("the plan was compiled with --cp {} ($.parallel.cp), which piperun does not "
+                      "execute; compile it without --cp",
+                      plan->parallel.cp);
   return std::move(*plan);
 }
 

@@ -166,7 +166,7 @@ public:
     resident = residentStages(actionStages, kMaxActiveStages);
     // With dp > 1 the plan has its dp all-reduces; with dp = 1 REDUCE_GRAD goes where
     // lower-collectives would put them.
-    if (plan.parallel.dp == 1)
+    if (plan.parallel.gradReduceRanks() == 1)
       reduceAt = dpAllReducePoints(stream);
   }
 

@@ -143,6 +143,8 @@ static OJson headerJson(const Plan &plan) {
   par["dp"] = pc.dp;
   par["microbatches"] = pc.microbatches;
   par["seq_splits"] = pc.seqSplits;
+  if (pc.cp > 1) // written only where used, so that other plans read as before
+    par["cp"] = pc.cp;
   if (pc.microbatchGroupSize > 0)
     par["microbatch_group_size"] = pc.microbatchGroupSize;
   // Written only when on, so that plans without them read as before.
@@ -152,9 +154,10 @@ static OJson headerJson(const Plan &plan) {
     par["distributed_optimizer"] = true;
   j["parallel"] = par;
   j["placement"] = toString(plan.placement).str();
-  // Global rank of (pp rank r, dp replica d, tp rank t) = r*dp*tp + d*tp + t (Megatron's
-  // tp-dp-pp order); node = global rank / gpus_per_node.
-  j["topology"] = OJson{{"order", "tp-dp-pp"}, {"gpus_per_node", plan.gpusPerNode}};
+  // Global rank of (pp rank r, dp replica d, cp rank c, tp rank t) = ((r*dp + d)*cp + c)*tp + t
+  // (Megatron's tp-cp-dp-pp order; tp-dp-pp without cp); node = global rank / gpus_per_node.
+  j["topology"] =
+      OJson{{"order", pc.cp > 1 ? "tp-cp-dp-pp" : "tp-dp-pp"}, {"gpus_per_node", plan.gpusPerNode}};
   j["state_bytes_per_param_byte"] = plan.stateBytesPerParamByte;
   if (plan.optimizerSyncTime > 0)
     j["optimizer_sync_time"] = plan.optimizerSyncTime;
@@ -355,7 +358,7 @@ struct PlanReader {
       return err;
     if (auto err =
             r.onlyKeys(p, "$.parallel",
-                       {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits",
+                       {"pp", "vpp", "tp", "dp", "microbatches", "seq_splits", "cp",
                         "microbatch_group_size", "sequence_parallel", "distributed_optimizer"}))
       return err;
     ParallelConfig &pc = plan.parallel;
@@ -367,6 +370,12 @@ struct PlanReader {
         return err;
     if (auto err = r.getInt32(p, path, "microbatch_group_size", pc.microbatchGroupSize, false))
       return err;
+    if (auto err = r.getInt32(p, path, "cp", pc.cp, false, 1))
+      return err;
+    if (pc.cp > 1 && pc.seqSplits > 1)
+      return inputError("{}: $.parallel: cp {} with seq_splits {}: a plan cuts the sequence one "
+                        "way, not both",
+                        r.name(), pc.cp, pc.seqSplits);
     if (auto err = r.getBool(p, path, "sequence_parallel", pc.sequenceParallel, false))
       return err;
     if (auto err = r.getBool(p, path, "distributed_optimizer", pc.distributedOptimizer, false))
@@ -375,10 +384,10 @@ struct PlanReader {
     // slices).
     int64_t stages = int64_t(pc.pp) * pc.vpp, units = int64_t(pc.microbatches) * pc.seqSplits;
     if (stages > kMaxStages || units > kMaxUnits || stages * units > kMaxUnits ||
-        int64_t(pc.tp) * pc.dp > kMaxTpDp)
+        int64_t(pc.tp) * pc.dp * pc.cp > kMaxTpDp)
       return inputError("{}: $.parallel: too large to be a plan (pp·vpp {}, microbatches·"
-                        "seq_splits {}, their product at most 2^24; tp·dp {})",
-                        r.name(), stages, units, int64_t(pc.tp) * pc.dp);
+                        "seq_splits {}, their product at most 2^24; tp·cp·dp {})",
+                        r.name(), stages, units, int64_t(pc.tp) * pc.dp * pc.cp);
     return llvm::Error::success();
   }
 

@@ -392,7 +392,7 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
 
     model: a pipemodel/1 dict or the path of one. schedule: a name from list_schedules().
     flags: `pipec compile`'s flags by their Python names (options("compile")): vpp, seq_splits,
-    tp, dp (int), cluster (a pipecluster/1 dict or path), memory_limit (an int of bytes, or a
+    tp, dp, cp (int), cluster (a pipecluster/1 dict or path), memory_limit (an int of bytes, or a
     str such as "80GiB"), microbatch_group_size (int), recompute ("none", "selective", "full"),
     sequence_parallel, distributed_optimizer (bool), seq_split_by ("time", "flops"), costs (the path of measured costs, pipecost/1:
     `piperun --profile` or pipec.torch.profile).
@@ -406,7 +406,7 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
 @dataclass(frozen=True)
 class PlanSearch:
     """What pipec.plan found: the ranked layouts, best first (dicts: schedule, tp, pp, vpp, dp,
-    microbatch_size, microbatches, seq_splits, recompute, sequence_parallel and
+    cp, microbatch_size, microbatches, seq_splits, recompute, sequence_parallel and
     distributed_optimizer (bool), costs ("measured" or "model"), step_time, bubble,
     peak_memory_bytes, headroom_bytes, model_flops for a transformer, and held_out_error: the
     cluster spec's calibration record for that schedule, the mean error of its published runs
@@ -427,8 +427,8 @@ def plan(model, gpus: int, global_batch: int, **flags: Any) -> PlanSearch:
 
     model: a pipemodel/1 dict or path. flags: `pipec plan`'s by their Python names
     (options("plan")): cluster, schedules (list of str), memory_limit, min_headroom (str such as
-    "5%" or "4GiB"), top, recompute (list of str), microbatch_sizes, seq_splits, tp, pp (lists
-    of int), max_vpp, threads (int), tp_across_nodes, sequence_parallel,
+    "5%" or "4GiB"), top, recompute (list of str), microbatch_sizes, seq_splits, tp, pp, cp
+    (lists of int; cp defaults to [1]), max_vpp, threads (int), tp_across_nodes, sequence_parallel,
     no_sequence_parallel, distributed_optimizer, no_distributed_optimizer (bool; neither of a
     pair: both searched), costs (a pipecost/1 path). Raises PlanError when no layout fits in
     memory.

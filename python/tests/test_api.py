@@ -324,6 +324,7 @@ def test_compile_takes_every_flag_of_the_command_with_its_type(tmp_path):
         ({"recompute": "selective", "tp": 2, "sequence_parallel": True},
          ["--recompute", "selective", "--tp", "2", "--sequence-parallel"]),
         ({"dp": 2, "distributed_optimizer": True}, ["--dp", "2", "--distributed-optimizer"]),
+        ({"cp": 2, "tp": 2}, ["--cp", "2", "--tp", "2"]),
         ({"seq_splits": 2, "seq_split_by": "flops"}, ["--seq-splits", "2", "--seq-split-by",
                                                       "flops"]),
         ({"memory_limit": 1 << 30, "sequence_parallel": False}, ["--memory-limit", "1GiB"]),
@@ -385,6 +386,17 @@ def test_plan_ranks_the_layouts_the_command_ranks(tmp_path):
     assert found.searched > len(found.ranked) and set(found.dropped) == {
         "divisibility", "constraint", "memory", "pruned"}
     assert all(layout["pp"] in (1, 2) for layout in found.ranked)
+    assert all(layout["cp"] == 1 for layout in found.ranked)
+    # Context parallelism where listed: the table gains a cp column, the same as the dicts'.
+    r = run_pipec("plan", "--model", gpt, "--gpus", "4", "--global-batch", "8", "--top", "3",
+                  "--cp", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    found = pipec.plan(gpt, 4, 8, top=3, cp=[2], threads=1)
+    for row, layout in zip(_plan_rows(r.stdout), found.ranked):
+        assert row[1:6] == [layout["schedule"], *map(str, (
+            layout["tp"], layout["cp"], layout["pp"], layout["vpp"]))]
+        assert layout["cp"] == 2
+        assert layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"] == 4
 
 
 def test_plan_gives_each_layout_its_schedules_calibration_record():
