@@ -66,8 +66,9 @@ TEST(CalibrationTest, TheDataFileHoldsEverySourceWithItsRuns) {
         "nvidia_dgxc_benchmarking", "nvidia_nemo_longseq_2403"})
     EXPECT_GT(bySource[s], 0) << s;
   // NeMo's long-sequence table: the three lengths (4K, 8K, 16K) it ran without context
-  // parallelism.
-  EXPECT_EQ(bySource["nvidia_nemo_longseq_2403"], 3);
+  // parallelism and the six (32K to 1M) it ran with it.
+  EXPECT_EQ(bySource["nvidia_nemo_longseq_2403"], 9);
+  EXPECT_EQ(runNamed("LS-1024K-1024gpu-cp32").options.parallel.cp, 32);
   EXPECT_EQ(bySource["qi2024_zerobubble"], 66);
   // The Seq1F1B table's 20 cells that ran, less one whose two metrics disagree (left out).
   EXPECT_EQ(bySource["sun2024_seq1f1b"], 19);
@@ -626,7 +627,9 @@ TEST(CalibrationTest, TheShippedSpecsStayWithinTheirInSampleErrors) {
       {"qi2024_zerobubble", 0.04},        {"bigscience_bloom176b", 0.05},
       {"smith2022_mtnlg", 0.03},          {"sun2024_seq1f1b", 0.10},
       {"dubey2024_llama3", 0.04},         {"nvidia_nemo_perf_2407", 0.07},
-      {"nvidia_dgxc_benchmarking", 0.04}, {"nvidia_nemo_longseq_2403", 0.03}};
+      {"nvidia_dgxc_benchmarking", 0.04}, {"nvidia_nemo_longseq_2403", 0.04}};
+  // (NeMo's long-sequence source: 0.7% over its three runs without context parallelism, 3.7%
+  // with its six context-parallel runs at 32K to 1M tokens, which pipec predicts 0-9% too fast.)
   for (const char *device : {"A100-80GB", "H100-SXM"}) {
     auto errors = errorsBySource(
         device, spec(device[0] == 'A' ? "examples/a100-selene.json" : "examples/h100-nemo.json"));
