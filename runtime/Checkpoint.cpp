@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <map>
 #include <optional>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <utility>
@@ -430,6 +431,36 @@ llvm::Expected<bool> holdsCheckpoint(llvm::StringRef dirRef) {
 
 std::string checkpointPath(llvm::StringRef dir, int64_t step) { return join(dir, stepName(step)); }
 
+/// --save-dir `dir` made where it does not exist yet, its name made durable in its parent.
+llvm::Error makeSaveDir(const std::string &dir) {
+  if (llvm::sys::fs::is_directory(dir))
+    return llvm::Error::success();
+  if (std::error_code ec = llvm::sys::fs::create_directory(dir))
+    return inputError("--save-dir: {}: cannot create: {}", dir, ec.message());
+  llvm::StringRef parent = llvm::sys::path::parent_path(dir);
+  Descriptor parentFd = openDirectory(parent.empty() ? "." : parent.str());
+  if (parentFd)
+    return syncSaveDirectory(parentFd.get(), dir);
+  return llvm::Error::success();
+}
+
+llvm::Expected<int> lockSaveDir(llvm::StringRef dirRef) {
+  const std::string dir = dirRef.str();
+  if (auto err = makeSaveDir(dir))
+    return err;
+  Descriptor fd = openDirectory(dir);
+  if (!fd)
+    return inputError("--save-dir: {}: cannot open: {}", shortened(dir, 200), std::strerror(errno));
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK)
+      return inputError("--save-dir: {} is in use by another process (a piperun still saving "
+                        "there?); wait for it to end, or give another --save-dir",
+                        shortened(dir, 200));
+    return inputError("--save-dir: {}: cannot lock: {}", shortened(dir, 200), std::strerror(errno));
+  }
+  return fd.release();
+}
+
 llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
                            const std::function<llvm::Error(int, LayerState &)> &gather, size_t keep,
                            SavedCheckpoint *out) {
@@ -438,15 +469,8 @@ llvm::Error saveCheckpoint(llvm::StringRef dirRef, CheckpointManifest manifest,
     return inputError("--save-dir: step {} is past the last step a checkpoint can record ({}); "
                       "stop the run by then (--steps)",
                       manifest.step, kMaxCheckpointStep);
-  if (!llvm::sys::fs::is_directory(dir)) {
-    if (std::error_code ec = llvm::sys::fs::create_directory(dir))
-      return inputError("--save-dir: {}: cannot create: {}", dir, ec.message());
-    llvm::StringRef parent = llvm::sys::path::parent_path(dir);
-    Descriptor parentFd = openDirectory(parent.empty() ? "." : parent.str());
-    if (parentFd)
-      if (auto err = syncSaveDirectory(parentFd.get(), dir))
-        return err;
-  }
+  if (auto err = makeSaveDir(dir))
+    return err;
   Descriptor dirFd = openDirectory(dir);
   if (!dirFd)
     return inputError("--save-dir: {}: cannot open: {}", dir, std::strerror(errno));

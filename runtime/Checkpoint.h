@@ -95,6 +95,13 @@ std::string checkpointPath(llvm::StringRef dir, int64_t step);
 /// run continues from.
 llvm::Error checkSaveDir(llvm::StringRef dir, llvm::StringRef resumeDir);
 
+/// An exclusive lock (flock) on --save-dir `dir`, held while the returned descriptor stays open
+/// (piperun keeps it for its life; the kernel drops it when the process ends, however it ends):
+/// taken before the first step, so that two runs never save into one directory. Makes `dir`
+/// where it does not exist yet, as the first save would. Another process holding it is an
+/// InputError naming the flag.
+llvm::Expected<int> lockSaveDir(llvm::StringRef dir);
+
 /// Whether `dir` holds a checkpoint to resume, or something in its place that openCheckpoint
 /// must refuse (a link, a foreign directory, a manifest that is not piperun's); false for a
 /// missing or empty directory, or one holding only what killed saves left. Anything else named

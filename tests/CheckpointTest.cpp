@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -37,6 +38,7 @@
 #include <regex>
 #include <signal.h>
 #include <string>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <thread>
@@ -114,6 +116,35 @@ TEST(CheckpointTest, ThreeStepsAResumeAndThreeMoreAreTheSixStepRunBitForBit) {
   auto a = files(d + "/six/step-00000006"), b = files(d + "/split/step-00000006");
   ASSERT_EQ(a.size(), 8u); // six layers, the manifest and piperun's marker
   EXPECT_TRUE(a == b) << "the resumed run's step-6 checkpoint differs from the uninterrupted one";
+}
+
+TEST(CheckpointTest, ASaveDirAnotherProcessHoldsIsRefusedBeforeTheFirstStep) {
+  // Two launches of one job at once (a requeue while the old one is still dying) would
+  // interleave their checkpoints: the second is refused, exit 2 and one line, having written
+  // nothing, for as long as the other holds the directory's lock; once it is gone, it runs.
+  const std::string d = freshDir("lock");
+  const std::string plan = compile(d, "--schedule 1f1b --pp 2 --microbatches 2");
+  const std::string save = d + "/ck";
+  fs::create_directory(save);
+  int fd = ::open(save.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  auto held = piperun(plan + " --steps 2 --save-dir " + save);
+  EXPECT_EQ(held.code, 2) << held.out << held.err;
+  EXPECT_EQ(held.err, "piperun: error: --save-dir: " + save +
+                          " is in use by another process (a piperun still saving there?); wait "
+                          "for it to end, or give another --save-dir\n");
+  EXPECT_TRUE(fs::is_empty(save));
+  // A resume of the same directory alike.
+  auto resumed = piperun(plan + " --steps 2 --resume " + save + " --save-dir " + save);
+  EXPECT_EQ(resumed.code, 2) << resumed.err;
+  ::close(fd);
+  auto free = piperun(plan + " --steps 2 --resume " + save + " --save-dir " + save);
+  EXPECT_EQ(free.code, 0) << free.err;
+  EXPECT_TRUE(fs::is_directory(save + "/step-00000002"));
+  // The lock ends with the process: the next launch finds the job done.
+  auto again = piperun(plan + " --steps 2 --resume " + save + " --save-dir " + save);
+  EXPECT_EQ(again.code, 0) << again.err;
 }
 
 TEST(CheckpointTest, AResumeGoesOnWithTheSavedLearningRateUnlessLrSetsAnother) {

@@ -587,6 +587,11 @@ llvm::Error run(int argc, char **argv) {
     perTensor = cudaTensorGradTolerance(r.options.dtype);
 #endif
   }
+  // One run saves into a directory at a time: the lead (the process that writes) locks it for
+  // its life before the first step; a second launch is refused here, before it trains.
+  if (r.saveDir && backend->leads())
+    if (auto lock = lockSaveDir(*r.saveDir); !lock) // (its descriptor is never closed)
+      return lock.takeError();
   auto result = train(*plan, *cfg, **data, *backend, r.options, [](int step, double loss) {
     say("step {} loss {:.6f}\n", step, loss);
     std::fflush(stdout);
