@@ -1092,11 +1092,12 @@ llvm::Error Search::explainNothingFits() {
   if (model.transformer && o.distributedOptimizer == std::optional<bool>(false))
     hints += ", or let the search try ZeRO-1 (without --no-distributed-optimizer)";
   return finding(
-      "no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={} pp={} "
+      "no layout of {} GPUs fits in {} per GPU{}: the closest, {} with tp={}{} pp={} "
       "vpp={} dp={} microbatch size {} seq-splits {} recompute {} sequence-parallel "
       "{} distributed-optimizer {}, needs {} on rank {} ({}; {} short); try "
       "--memory-limit {}, {}",
-      o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp, pc.pp, pc.vpp, pc.dp,
+      o.gpus, humanBytes(limit), kept, scheduleLabel(*closest), pc.tp,
+      pc.cp > 1 ? fmt::format(" cp={}", pc.cp) : std::string(), pc.pp, pc.vpp, pc.dp,
       closest->microbatchSize, pc.seqSplits, toString(closest->recompute).str(),
       pc.sequenceParallel ? "on" : "off", pc.distributedOptimizer ? "on" : "off",
       humanBytes(closest->peakMemoryBytes), closest->worstRank,
