@@ -1446,6 +1446,12 @@ TEST(PlannerCliTest, OutOfMemoryHintsAreOnesThatCanHelp) {
   Result plain = run(base + "1f1b");
   EXPECT_EQ(plain.code, 1) << plain.err;
   EXPECT_NE(plain.err.find(", or --recompute full"), std::string::npos) << plain.err;
+  // The closest layout is named with its cp where the search had only context-parallel ones.
+  Result cp = run(base + "1f1b --cp 2");
+  EXPECT_EQ(cp.code, 1) << cp.err;
+  EXPECT_TRUE(std::regex_search(cp.err, std::regex("the closest, [a-z0-9-]+ with tp=[0-9]+ cp=2 "
+                                                   "pp=[0-9]+ ")))
+      << cp.err;
 }
 
 TEST(PlannerCliTest, CandidatesTooLargeToSimulateAreNamedNotSimulated) {
