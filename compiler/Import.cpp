@@ -236,6 +236,7 @@ llvm::Expected<ImportResult> compileImported(const ModelSpec &model, const Clust
   o.parallel.vpp = vpp;
   o.parallel.tp = options.tp;
   o.parallel.dp = options.dp;
+  o.parallel.cp = options.cp;
   o.parallel.microbatches = order.microbatches;
   o.parallel.seqSplits = order.seqSplits;
   o.parallel.microbatchGroupSize = options.microbatchGroupSize;

@@ -47,7 +47,7 @@ llvm::StringRef describe(ImportedOrder::Source source);
 /// What the file cannot say; the flags mean what they mean for `pipec compile`.
 struct ImportOptions {
   int vpp = 0; // 0: inferred from the file; otherwise checked against it
-  int tp = 1, dp = 1;
+  int tp = 1, dp = 1, cp = 1;
   int microbatchGroupSize = 0; // interleaved policies; 0: the policy's default
   int64_t memoryLimit = 0;     // per rank; 0 = none (zb-auto is only recognised with one)
   /// The policy the order must equal (a finding if it does not); empty: recognise it.

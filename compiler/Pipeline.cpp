@@ -196,26 +196,13 @@ llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc) {
 }
 
 llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc) {
-  if (pc.cp <= 1)
-    return llvm::Error::success();
-  if (!model.transformer)
-    return inputError("--cp {} needs a transformer model: an abstract model's layers have no "
-                      "sequence to share; drop --cp",
-                      pc.cp);
-  if (pc.seqSplits > 1)
+  if (pc.cp > 1 && pc.seqSplits > 1)
     return inputError("--cp {} and --seq-splits {} both cut the sequence; give one of them", pc.cp,
                       pc.seqSplits);
-  // Megatron-LM cuts each sequence into 2·cp chunks, two per rank, for causal balance.
-  int64_t seq = model.transformer->seqLength;
-  if (seq % (2 * int64_t(pc.cp)) != 0) {
-    int64_t best = 1;
-    for (int64_t c = 1; c <= pc.cp; ++c)
-      if (seq % (2 * c) == 0)
-        best = c;
-    return inputError("--cp {} needs seq_length ({}) to be a multiple of 2 x {} (each rank holds "
-                      "two of its 2 x cp chunks); try --cp {}",
-                      pc.cp, seq, pc.cp, best);
-  }
+  int fits = 1;
+  if (std::optional<std::string> why = contextParallelProblem(model.transformer, pc, fits))
+    return inputError("--cp {} {}; {}", pc.cp, *why,
+                      model.transformer ? fmt::format("try --cp {}", fits) : "drop --cp");
   return llvm::Error::success();
 }
 

@@ -444,6 +444,10 @@ size_t Search::variantFor(int64_t b, Recompute r) {
 
 void Search::enumerate() {
   const std::vector<Recompute> recomputes = recomputeSettings();
+  // --cp's sizes, each once, ascending.
+  std::vector<int> cps = o.cpSizes;
+  llvm::sort(cps);
+  cps.erase(std::unique(cps.begin(), cps.end()), cps.end());
   const int n = o.gpus;
   const int numLayers = int(model.layers.size());
   for (Recompute rec : recomputes) {
@@ -472,9 +476,16 @@ void Search::enumerate() {
           continue;
         }
       }
-      for (int cp : o.cpSizes) {
-        if ((n / tp) % cp)
-          continue; // (a --cp value that does not divide the GPUs left over tp)
+      for (int cp : cps) {
+        if ((n / tp) % cp) {
+          PlanCandidate c = base;
+          c.parallel.cp = cp;
+          c.why = fmt::format("cp {} does not divide the {} GPUs left over tp {}", cp, n / tp, tp);
+          cands.push_back(c);
+          variantOf.push_back(SIZE_MAX);
+          scheduleOf.push_back(SIZE_MAX);
+          continue;
+        }
         for (int pp : divisorsOf(n / tp / cp)) {
           if (!o.ppSizes.empty() && !llvm::is_contained(o.ppSizes, pp))
             continue;
@@ -518,6 +529,10 @@ void Search::enumerate() {
               // included when listed, which is also the no-pipeline entry).
               if (pp == 1 ? si != noPipeline : sc.noPipelineOnly)
                 continue;
+              // With cp > 1 no sub-sequences: a schedule tried only with them (the Seq1F1B
+              // family, whose one-slice order is its plain schedule's) is not a candidate.
+              if (cp > 1 && pp > 1 && !llvm::is_contained(sc.seqSplits, 1))
+                continue;
               for (int vpp : pp == 1 ? std::vector<int>{1} : sc.vpps)
                 // (Context parallelism cuts the sequence itself: one slice.)
                 for (int k : pp == 1 || cp > 1 ? std::vector<int>{1} : sc.seqSplits) {
@@ -550,6 +565,14 @@ void Search::enumerate() {
                       PlanCandidate v = c;
                       v.parallel.sequenceParallel = sp;
                       v.parallel.distributedOptimizer = zero;
+                      // Sequence parallelism splits each cp rank's tokens over tp.
+                      int fits = 1;
+                      if (v.outcome == Outcome::Fits && cp > 1)
+                        if (std::optional<std::string> why =
+                                contextParallelProblem(model.transformer, v.parallel, fits)) {
+                          v.outcome = Outcome::Constraint;
+                          v.why = fmt::format("cp {} {}", cp, *why);
+                        }
                       cands.push_back(std::move(v));
                       variantOf.push_back(variant);
                       scheduleOf.push_back(si);
@@ -1265,8 +1288,9 @@ int64_t Search::nearestGpus(const std::vector<int> &tps) const {
 }
 
 llvm::Error Search::explainNoLayout() const {
-  // With context parallelism the rules below (GPUs = tp x pp x dp) do not hold; say what does.
-  if (llvm::any_of(o.cpSizes, [](int cp) { return cp > 1; })) {
+  // The rules below are those of layouts without context parallelism (GPUs = tp x pp x dp):
+  // where --cp leaves none of those, say what holds instead.
+  if (!llvm::is_contained(o.cpSizes, 1)) {
     std::string cps;
     for (int cp : o.cpSizes)
       cps += (cps.empty() ? "" : ",") + std::to_string(cp);

@@ -2,6 +2,10 @@
 
 #include "llvm/Support/ErrorHandling.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
+
 namespace pipec {
 
 llvm::StringRef toString(Placement p) {
@@ -46,7 +50,9 @@ int64_t Plan::tpAllReduceBytes(int stage, int slice, OpKind phase, int part) con
     return st.outputBytes[size_t(slice)];
   const TransformerConfig &t = *transformer;
   auto [begin, end] = seqSlices[size_t(slice)];
-  const int64_t tokens = t.microbatchSize * (end - begin);
+  // (A rank of cp context-parallel ones holds 1/cp of the tokens: a plan with cp > 1 has one
+  // slice, the whole sequence, a multiple of 2·cp.)
+  const int64_t tokens = t.microbatchSize * (end - begin) / std::max(1, parallel.cp);
   // Layer l of the compiled model: 0 the embedding, 1..numLayers the blocks, then the head.
   const int head = int(t.numLayers) + 1;
   auto partsOf = [&](int layer) { return layer == 0 || layer == head ? 1 : 2; };
@@ -62,6 +68,31 @@ int64_t Plan::tpAllReduceBytes(int stage, int slice, OpKind phase, int part) con
   if (layer == 0 && !forward)
     return 0;
   return tokens * t.hiddenSize * t.dtypeBytes();
+}
+
+std::optional<std::string> contextParallelProblem(const std::optional<TransformerConfig> &t,
+                                                  const ParallelConfig &pc, int &fits) {
+  fits = 1;
+  if (pc.cp <= 1)
+    return std::nullopt;
+  if (!t)
+    return std::string("needs a transformer model: an abstract model's layers have no sequence "
+                       "to share");
+  const int64_t seq = t->seqLength;
+  const bool split = pc.sequenceParallel && pc.tp > 1;
+  auto passes = [&](int64_t c) { return seq % (2 * c) == 0 && (!split || (seq / c) % pc.tp == 0); };
+  for (int c = 1; c <= pc.cp && c <= seq; ++c)
+    if (passes(c))
+      fits = c;
+  if (seq % (2 * int64_t(pc.cp)) != 0)
+    return fmt::format("needs seq_length ({}) to be a multiple of 2 x {} (each rank holds two of "
+                       "its 2 x cp chunks)",
+                       seq, pc.cp);
+  if (!passes(pc.cp))
+    return fmt::format("with sequence parallelism needs each rank's {} tokens to split into tp "
+                       "{} parts",
+                       seq / pc.cp, pc.tp);
+  return std::nullopt;
 }
 
 size_t Plan::numInstructions() const {

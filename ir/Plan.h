@@ -47,6 +47,14 @@ struct ParallelConfig {
   int gradReduceRanks() const { return dp * cp; }
 };
 
+/// Why `pc`'s context parallelism cannot share the sequences of `t` (none where it can, or where
+/// cp is 1), worded to follow "cp N": no transformer, no sequence; a sequence that does not
+/// cut into 2·cp chunks, two per rank (Megatron-LM's causal balance); with sequence parallelism
+/// over tp > 1, a rank's tokens that do not split into tp parts. `fits` gets the largest cp up
+/// to pc.cp that passes (1 at least).
+std::optional<std::string> contextParallelProblem(const std::optional<TransformerConfig> &t,
+                                                  const ParallelConfig &pc, int &fits);
+
 /// Stage-to-rank maps a schedule may choose.
 enum class Placement : uint8_t {
   Loop,   // stage s on rank s % P

@@ -367,6 +367,26 @@ std::vector<Case> catalogue() {
   add("PlanCpWithNoLayout", withTiny,
       "$PIPEC plan --model tiny-gpt.json --gpus 7 --global-batch 16 --cp 2",
       "--cp 2: no layout tp x cp x pp x dp = 7 GPUs");
+  // Every reader of a plan holds it to compile's rules: validate, simulate and piperun alike.
+  add("PlanFileCpNotCuttingTheSequence", planWith([](Json &j) { j["parallel"]["cp"] = 3; }),
+      "$PIPEC validate p.json",
+      "p.json: $.parallel.cp: cp 3 needs seq_length (16) to be a multiple of 2 x 3");
+  add(
+      "PlanFileCpOnAnAbstractModel",
+      [](const std::string &dir) {
+        withPlan(dir);
+        editJson(dir + "/p.json", [](Json &j) { j["parallel"]["cp"] = 2; });
+      },
+      "$PIPEC simulate p.json", "p.json: $.parallel.cp: cp 2 needs a transformer model");
+  add("CpWithSequenceParallelismTooFewTokens", withTiny,
+      "$PIPEC compile --model tiny-gpt.json --schedule 1f1b --pp 2 --microbatches 2 --cp 8 --tp 4 "
+      "--sequence-parallel",
+      "--cp 8 with sequence parallelism needs each rank's 2 tokens to split into tp 4 parts; try "
+      "--cp 4");
+  // With cp 1 among the sizes, the nearest layout without context parallelism is named.
+  add("PlanCpListWithOneNamesTheBatch", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 7 --global-batch 32 --pp 1 --cp 1,2",
+      "--global-batch 32: no layout of 7 GPUs");
   add("PlanFileCpWithSeqSplits", planWith([](Json &j) {
         j["parallel"]["cp"] = 2;
         j["parallel"]["seq_splits"] = 2;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <set>
 
 namespace pipec::test {
 namespace {
@@ -1033,6 +1034,18 @@ TEST(ContextParallelTest, PlansReduceGradientsOverTheCpRanksAndSayCpInTheirFile)
   Plan q = compileOrFail(m, noCp);
   EXPECT_NEAR(p.stages[0].tpAllReduceTime[0] - message,
               (q.stages[0].tpAllReduceTime[0] - message) / 2, 1e-9);
+  // and so do its instructions' bytes, which the verifier checks against the same rule.
+  // (The two plans' stages may hold other layers: their partitions balance other times.)
+  auto tpBytes = [](const Plan &plan, int64_t times) {
+    std::set<int64_t> b;
+    for (const auto &stream : plan.ranks)
+      for (const Instruction &i : stream)
+        if (i.op == OpKind::AllReduce && i.collective == CollectiveGroup::Tp)
+          b.insert(times * i.bytes);
+    return b;
+  };
+  EXPECT_EQ(tpBytes(p, 2), tpBytes(q, 1));
+  EXPECT_FALSE(tpBytes(p, 1).empty());
   // The plan file says cp and the rank order; an old plan reads as cp 1.
   std::string text;
   llvm::raw_string_ostream os(text);

@@ -778,6 +778,24 @@ TEST(PlannerTest, ContextParallelSizesAreSearchedWhereListedAndCompileAsRanked) 
   }
   EXPECT_EQ(cps, (std::set<int>{1, 2}));
   EXPECT_TRUE(simulated.count(1));
+  // No cp 2 candidate of a schedule that is only tried with sub-sequences (its one-slice order
+  // is its plain schedule's), and a size listed twice is searched once.
+  for (const PlanCandidate &c : r->candidates)
+    EXPECT_FALSE(c.parallel.cp > 1 && c.schedule.rfind("seq1f1b", 0) == 0) << c.schedule;
+  PlannerOptions twice = o;
+  twice.cpSizes = {2, 1, 2};
+  auto again = planLayouts(model, smallCluster(), twice);
+  ASSERT_TRUE(bool(again)) << takeMessage(again.takeError());
+  EXPECT_EQ(again->candidates.size(), r->candidates.size());
+  // A size that does not divide what tp leaves is a row that says so.
+  PlannerOptions eight = o;
+  eight.cpSizes = {1, 16};
+  auto wide = planLayouts(model, smallCluster(), eight);
+  ASSERT_TRUE(bool(wide)) << takeMessage(wide.takeError());
+  EXPECT_TRUE(llvm::any_of(wide->candidates, [](const PlanCandidate &c) {
+    return c.parallel.cp == 16 && c.outcome == Outcome::Divisibility &&
+           c.why == "cp 16 does not divide the 8 GPUs left over tp 1";
+  }));
   // cp 2 alone (slower here, so pruned above): its ranked plans are compile's.
   o.cpSizes = {2};
   o.top = 5;

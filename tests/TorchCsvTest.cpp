@@ -163,6 +163,21 @@ TEST(TorchCsvRoundTrip, DataParallelPlansImportBackWithTheirDpFlag) {
   EXPECT_EQ(writePlanJson(back->plan), writePlanJson(plan));
 }
 
+TEST(TorchCsvRoundTrip, ContextParallelPlansImportBackWithTheirCpFlag) {
+  // Context parallelism changes what a stage computes, not the order: --cp gives the plan back
+  // byte for byte (its gradient reductions over the cp ranks at dp 1 included).
+  ModelSpec model = tinyGpt(/*tied=*/false, /*layers=*/6);
+  CompileOptions co = options("zb-h1", 2, 4);
+  co.parallel.cp = 2;
+  Plan plan = compileOrFail(model, co);
+  std::string csv = exportOrFail(plan, TorchCsvForm::ComputeComms);
+  ImportOptions o;
+  o.cp = 2;
+  auto back = importText(model, csv, o);
+  ASSERT_TRUE(bool(back)) << takeMessage(back.takeError());
+  EXPECT_EQ(writePlanJson(back->plan), writePlanJson(plan));
+}
+
 TEST(TorchCsvRoundTrip, ImportedPlansAreNamedAndPostValidateAsThePolicyTheirOrderIs) {
   // The plan takes its name and its optimizer step from the policy the schedule pass
   // identifies: zero-bubble orders post-validate, an order that is no policy's does not.

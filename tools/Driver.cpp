@@ -191,6 +191,7 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
                                        {{"--vpp", &o.vpp},
                                         {"--tp", &o.tp},
                                         {"--dp", &o.dp},
+                                        {"--cp", &o.cp},
                                         {"--microbatch-group-size", &o.microbatchGroupSize}},
                                        o.memoryLimit))
     return err;

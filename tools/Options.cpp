@@ -132,7 +132,7 @@ constexpr Opt kCp =
 constexpr Opt kSequenceParallel =
     sw("--sequence-parallel", "Megatron's sequence parallelism (with --tp)");
 constexpr Opt kDistributedOptimizer =
-    sw("--distributed-optimizer", "ZeRO-1: the optimizer state sharded over --dp");
+    sw("--distributed-optimizer", "ZeRO-1: the optimizer state sharded over --dp (x --cp)");
 constexpr Opt kShow = sw("--show", "print the rank x step grid after the summary").cli();
 constexpr Opt kTrace =
     path("--trace", "trace.json", "write the simulated timeline as a Chrome/Perfetto trace").cli();
@@ -147,8 +147,8 @@ template <size_t... N> constexpr auto join(const Option (&...parts)[N]) {
 }
 
 // What compile and import read after their schedule's own counts: the layout and its limits.
-constexpr Option kLayoutFlags[] = {kTp,    kDp,          kCluster,  kClusterJson,
-                                   kCosts, kMemoryLimit, kGroupSize};
+constexpr Option kLayoutFlags[] = {kTp,          kDp,    kCp,          kCluster,
+                                   kClusterJson, kCosts, kMemoryLimit, kGroupSize};
 
 constexpr auto kCompile = join(
     {
@@ -160,7 +160,7 @@ constexpr auto kCompile = join(
         count("--vpp", "V", "virtual stages (model chunks) per rank"),
         count("--seq-splits", "K", "sub-sequences per microbatch (the seq1f1b schedules)"),
     },
-    kLayoutFlags, {kCp},
+    kLayoutFlags,
     {
         path("-o", "plan.json", "write the plan (- for standard output)").aka("--output").cli(),
         choice("--recompute", "none|selective|full",

@@ -777,6 +777,10 @@ struct PlanReader {
         return model.takeError();
       plan.transformer = model->transformer;
     }
+    int fits = 1;
+    if (std::optional<std::string> why =
+            contextParallelProblem(plan.transformer, plan.parallel, fits))
+      return inputError("{}: $.parallel.cp: cp {} {}", r.name(), plan.parallel.cp, *why);
     auto slices = j.find("seq_slices");
     size_t k = size_t(plan.parallel.seqSplits);
     if (slices == j.end() || !slices->is_array() || slices->size() != k)

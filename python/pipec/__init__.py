@@ -130,10 +130,13 @@ class Plan:
 
     @property
     def parallel(self) -> dict:
-        """pp, vpp, tp, dp, microbatches, seq_splits, microbatch_group_size (0: the default)."""
+        """pp, vpp, tp, dp, cp (context parallelism; 1: none), microbatches, seq_splits,
+        microbatch_group_size (0: the default)."""
         p = self._head()["parallel"]
-        return {key: p.get(key, 0) for key in ("pp", "vpp", "tp", "dp", "microbatches",
-                                               "seq_splits", "microbatch_group_size")}
+        out = {key: p.get(key, 0) for key in ("pp", "vpp", "tp", "dp", "microbatches",
+                                              "seq_splits", "microbatch_group_size")}
+        out["cp"] = p.get("cp", 1)
+        return out
 
     @property
     def pp(self) -> int:
@@ -150,6 +153,10 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.parallel["dp"]
+
+    @property
+    def cp(self) -> int:
+        return self.parallel["cp"]
 
     @property
     def microbatches(self) -> int:
@@ -239,8 +246,9 @@ class Plan:
     def __repr__(self) -> str:
         st = self.stats
         bubble = "" if st.bubble_ratio is None else f", bubble ratio {st.bubble_ratio:.4f}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"<pipec.Plan {self.schedule} on {self.model}: pp={self.pp} vpp={self.vpp} "
-                f"tp={self.tp} dp={self.dp} microbatches={self.microbatches}{bubble}>")
+                f"tp={self.tp}{cp} dp={self.dp} microbatches={self.microbatches}{bubble}>")
 
 
 class ArgumentTypeError(TypeError, ValueError):

@@ -303,6 +303,14 @@ def test_a_wrong_type_is_a_type_error_naming_the_argument(uniform8, call, messag
     assert isinstance(err.value, ValueError)  # what such mistakes raised before
 
 
+def test_a_context_parallel_plan_says_its_cp():
+    plan = pipec.compile(example("tiny-gpt.json"), "1f1b", pp=2, microbatches=4, cp=2)
+    assert plan.cp == 2 and plan.parallel["cp"] == 2
+    assert " cp=2 " in repr(plan)
+    plain = pipec.compile(example("tiny-gpt.json"), "1f1b", pp=2, microbatches=4)
+    assert plain.cp == 1 and "cp=" not in repr(plain)
+
+
 def test_the_keyword_arguments_are_the_commands_table():
     # Every flag `pipec compile --help` lists is an argument, but its outputs and printing.
     cli = run_pipec("compile", "--help").stdout
