@@ -360,6 +360,17 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
       double stepF = attentionF / attentionPerMs / cp, stepB = attentionB / attentionPerMs / cp;
       ringF = steps * std::max(0.0, cluster.transferMs(link, chunk) - stepF);
       ringB = steps * std::max(0.0, cluster.transferMs(link, 2 * chunk) - stepB);
+      // The ring's memory-bound passes besides the attention, on the rank that sets its pace
+      // (the last, which runs every step on all its queries against half a chunk), elements
+      // per token, each read and written once (Transformer Engine's point-to-point context
+      // parallelism): forward, K and V copied into the send buffer (4Kl), each later step's
+      // half chunk made contiguous (2Kl), the output zeroed (Cl) and every step's partial
+      // output merged into it by its log-sum-exp (read both, write: 3Cl); backward, the same
+      // copies, and every step's dQ and half-chunk dK/dV added to their sums (3Cl + 3Kl).
+      if (flash) {
+        ringF += perByte * (4 * kl + steps * 2 * kl + cl + cp * 3 * cl);
+        ringB += perByte * (4 * kl + steps * 2 * kl + cp * 3 * (cl + kl));
+      }
     }
     c.forward =
         linear + attentionF / attentionPerMs + scoreF + perByte * forwardBytes + overhead + ringF;

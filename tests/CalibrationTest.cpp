@@ -627,9 +627,10 @@ TEST(CalibrationTest, TheShippedSpecsStayWithinTheirInSampleErrors) {
       {"qi2024_zerobubble", 0.04},        {"bigscience_bloom176b", 0.05},
       {"smith2022_mtnlg", 0.03},          {"sun2024_seq1f1b", 0.10},
       {"dubey2024_llama3", 0.04},         {"nvidia_nemo_perf_2407", 0.07},
-      {"nvidia_dgxc_benchmarking", 0.04}, {"nvidia_nemo_longseq_2403", 0.04}};
-  // (NeMo's long-sequence source: 0.7% over its three runs without context parallelism, 3.7%
-  // with its six context-parallel runs at 32K to 1M tokens, which pipec predicts 0-9% too fast.)
+      {"nvidia_dgxc_benchmarking", 0.04}, {"nvidia_nemo_longseq_2403", 0.03}};
+  // (NeMo's long-sequence source: 0.7% over its three runs without context parallelism, 2.4%
+  // with its six context-parallel runs at 32K to 1M tokens, which pipec predicts 2% too slow to
+  // 6% too fast.)
   for (const char *device : {"A100-80GB", "H100-SXM"}) {
     auto errors = errorsBySource(
         device, spec(device[0] == 'A' ? "examples/a100-selene.json" : "examples/h100-nemo.json"));

@@ -1008,6 +1008,34 @@ TEST(ContextParallelTest, TheRingExposesWhatItsMessagesTakeBeyondTheAttention) {
   EXPECT_DOUBLE_EQ(w.backwardWeight, f.backwardWeight);
 }
 
+TEST(ContextParallelTest, TheRingsMemoryPassesAreTheCopiesAndMergesEachStepMakes) {
+  // With a memory rate the ring also pays its memory-bound passes on the rank that sets its
+  // pace, at that rate: per token, forward 4Kl + (cp-1)·2Kl + Cl + cp·3Cl elements (K/V into
+  // the send buffer, each later half chunk made contiguous, the output zeroed, every step's
+  // partial output merged), backward 4Kl + (cp-1)·2Kl + cp·3(Cl + Kl) (the same copies, dQ and
+  // the half-chunk dK/dV summed). A GPT of width 1024 at tp 1: Cl = Kl = 1024, 2 bytes each;
+  // cp 4 of 4096 tokens, 1024 a rank. Without context parallelism there are none.
+  const double cp = 4, n = 4096 / cp, w = 1024, d = 2;
+  ModelSpec m = cpSpec(4096);
+  ClusterSpec c = ClusterSpec::defaults();
+  c.intraNode.bandwidthGBps = 1e9;
+  ClusterSpec mem = c;
+  mem.memoryGBps = 1000;
+  double perElement = d / mem.memoryBytesPerMs();
+  SliceCost without = m.sliceCost(c, 1, 0, 4096, 0, 1, 1, false, 4);
+  SliceCost with = m.sliceCost(mem, 1, 0, 4096, 0, 1, 1, false, 4);
+  // (The block's other memory-bound passes are the same at cp 1 and cp 4 of the rank's tokens.)
+  SliceCost plain = cpSpec(1024).sliceCost(c, 1, 0, 1024, 0, 1, 1);
+  SliceCost plainMem = cpSpec(1024).sliceCost(mem, 1, 0, 1024, 0, 1, 1);
+  double others = plainMem.forward - plain.forward,
+         othersB = plainMem.backwardInput - plain.backwardInput;
+  EXPECT_NEAR(with.forward - without.forward - others,
+              n * perElement * (4 * w + (cp - 1) * 2 * w + w + cp * 3 * w), 1e-9);
+  EXPECT_NEAR(with.backwardInput - without.backwardInput - othersB,
+              n * perElement * (4 * w + (cp - 1) * 2 * w + cp * 3 * (w + w)), 1e-9);
+  EXPECT_DOUBLE_EQ(with.backwardWeight, without.backwardWeight);
+}
+
 TEST(ContextParallelTest, PlansReduceGradientsOverTheCpRanksAndSayCpInTheirFile) {
   // pp 2, tp 2, cp 2, dp 1: every stage's gradients are all-reduced over the 2 cp ranks (a
   // dp all-reduce with dp 1), 2 ranks tp apart in one node; ZeRO-1 shards over dp x cp = 2.
