@@ -130,7 +130,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
   const Link &tpLink = cluster.groupLink(1, pc.tp);
   // The gradients reduce over the dp replicas and, with context parallelism, the cp ranks that
   // share each sequence: dp·cp ranks tp apart.
-  const int dpGroup = pc.dp * pc.cp;
+  const int dpGroup = pc.gradReduceRanks();
   const Link &dpLink = cluster.groupLink(pc.tp, dpGroup);
   int tpMessages = pc.sequenceParallel ? 2 : 1, dpMessages = pc.distributedOptimizer ? 2 : 1;
   for (int s = 0; s < numStages; ++s) {
@@ -198,7 +198,7 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
     st.optimizerTime = 0;
     if (model.isTransformer() && cluster.memoryBytesPerMs() > 0) {
       double params = double(st.paramBytes) / double(model.transformer->dtypeBytes());
-      double shards = pc.distributedOptimizer ? double(pc.dp) * pc.cp : 1.0;
+      double shards = pc.distributedOptimizer ? double(pc.gradReduceRanks()) : 1.0;
       st.optimizerTime = params * kAdamBytesPerParam / shards / cluster.memoryBytesPerMs();
     }
   }
@@ -215,13 +215,13 @@ void fillTransferTimes(Plan &plan, const ModelSpec &model, const ClusterSpec &cl
 
 double stateBytesPerParamByte(const ModelSpec &model, const ParallelConfig &pc) {
   double all = model.stateBytesPerParamByte;
-  if (!pc.distributedOptimizer || pc.dp * pc.cp <= 1)
+  if (!pc.distributedOptimizer || pc.gradReduceRanks() <= 1)
     return all;
   // Weights and gradients stay on every dp rank (3 bytes per bf16 parameter byte, 2 in
   // fp32); master weights and Adam's moments are sharded.
   double kept = model.transformer && model.transformer->dtype == "fp32" ? 2.0 : 3.0;
   kept = std::min(kept, all);
-  return kept + (all - kept) / (double(pc.dp) * pc.cp);
+  return kept + (all - kept) / double(pc.gradReduceRanks());
 }
 
 class PartitionPass final : public Pass {

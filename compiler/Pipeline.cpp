@@ -161,15 +161,12 @@ llvm::Error checkCompileOptions(const CompileOptions &o) {
     return inputError("--pp x --vpp x --microbatches x --seq-splits = {} is beyond what pipec "
                       "plans (2^24); try --microbatches {}",
                       stages * units, std::max<int64_t>(1, (kMaxUnits / stages) / pc.seqSplits));
-  if (pc.cp > 1 && int64_t(pc.tp) * pc.cp * pc.dp > kMaxTpDp)
-    return inputError(
-        "--tp {} x --cp {} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}", pc.tp,
-        pc.cp, pc.dp, int64_t(pc.tp) * pc.cp * pc.dp, kMaxTpDp,
-        std::max<int64_t>(1, kMaxTpDp / (int64_t(pc.tp) * pc.cp)));
-  if (int64_t(pc.tp) * pc.dp > kMaxTpDp)
-    return inputError("--tp {} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}", pc.tp,
-                      pc.dp, int64_t(pc.tp) * pc.dp, kMaxTpDp,
-                      std::max<int64_t>(1, kMaxTpDp / pc.tp));
+  // The ranks of one pipeline stage: tp x dp, and cp where it is used.
+  const int64_t perDp = int64_t(pc.tp) * pc.cp;
+  if (perDp * pc.dp > kMaxTpDp)
+    return inputError("--tp {}{} x --dp {} = {} is beyond what pipec plans ({}); try --dp {}",
+                      pc.tp, pc.cp > 1 ? fmt::format(" x --cp {}", pc.cp) : std::string(), pc.dp,
+                      perDp * pc.dp, kMaxTpDp, std::max<int64_t>(1, kMaxTpDp / perDp));
   if (o.memoryLimit < 0)
     return inputError("--memory-limit must be a positive byte count (got {})", o.memoryLimit);
   return llvm::Error::success();
@@ -247,7 +244,7 @@ llvm::Expected<Plan> compilePlan(const ModelSpec &model, const ClusterSpec &clus
   // which runs neither switch, runs it.
   CompileOptions options = given;
   options.parallel.sequenceParallel &= options.parallel.tp > 1 && model.isTransformer();
-  options.parallel.distributedOptimizer &= options.parallel.dp * options.parallel.cp > 1;
+  options.parallel.distributedOptimizer &= options.parallel.gradReduceRanks() > 1;
   auto policy = findPolicy(options.schedule);
   if (!policy)
     return policy.takeError();

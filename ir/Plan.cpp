@@ -81,6 +81,9 @@ std::optional<std::string> contextParallelProblem(const std::optional<Transforme
   const int64_t seq = t->seqLength;
   const bool split = pc.sequenceParallel && pc.tp > 1;
   auto passes = [&](int64_t c) { return seq % (2 * c) == 0 && (!split || (seq / c) % pc.tp == 0); };
+  if (passes(pc.cp))
+    return std::nullopt;
+  // (Only a refusal looks for the size to suggest.)
   for (int c = 1; c <= pc.cp && c <= seq; ++c)
     if (passes(c))
       fits = c;
@@ -88,11 +91,9 @@ std::optional<std::string> contextParallelProblem(const std::optional<Transforme
     return fmt::format("needs seq_length ({}) to be a multiple of 2 x {} (each rank holds two of "
                        "its 2 x cp chunks)",
                        seq, pc.cp);
-  if (!passes(pc.cp))
-    return fmt::format("with sequence parallelism needs each rank's {} tokens to split into tp "
-                       "{} parts",
-                       seq / pc.cp, pc.tp);
-  return std::nullopt;
+  return fmt::format("with sequence parallelism needs each rank's {} tokens to split into tp {} "
+                     "parts",
+                     seq / pc.cp, pc.tp);
 }
 
 size_t Plan::numInstructions() const {
