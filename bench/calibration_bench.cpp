@@ -517,6 +517,35 @@ void printPeakMemory(const std::vector<PublishedRun> &runs, const std::vector<si
   fmt::print("\n");
 }
 
+/// Every run ran on its device: under each "kept_activations" rule, the published layouts
+/// whose compiled peak (as calibration compiles them) exceeds the spec's device memory.
+void printOverMemory(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
+                     const ClusterSpec &cluster) {
+  fmt::print("Published layouts within the device's {:.2f} GiB as compiled:\n",
+             double(cluster.memoryBytes) / 1073741824.0);
+  for (bool megatron : {false, true}) {
+    ClusterSpec c = cluster;
+    c.megatronActivations = megatron;
+    std::vector<double> peak(which.size(), NAN);
+    parallelFor(which.size(), [&](size_t k) {
+      auto p = prepareRun(runs[which[k]], c);
+      if (p)
+        peak[k] = double(p->plan.stats.maxPeakMemoryBytes());
+      else
+        llvm::consumeError(p.takeError());
+    });
+    std::vector<std::string> over;
+    for (size_t k = 0; k < which.size(); ++k)
+      if (!(peak[k] <= double(clusterFor(runs[which[k]], c).memoryBytes)))
+        over.push_back(fmt::format("{} ({:.1f} GiB)", runs[which[k]].id, peak[k] / 1073741824.0));
+    fmt::print(
+        "  \"kept_activations\": \"{}\"{}: {} of {}{}{}\n", megatron ? "megatron" : "piperun",
+        megatron == cluster.megatronActivations ? " (the spec's)" : "", which.size() - over.size(),
+        which.size(), over.empty() ? "" : "; over: ", llvm::join(over, ", "));
+  }
+  fmt::print("\n");
+}
+
 /// The zero-bubble paper's Table 4: settings of four schedules each.
 void printZeroBubble(const std::vector<PublishedRun> &runs, const std::vector<size_t> &which,
                      const std::vector<double> &predicted) {
@@ -697,6 +726,7 @@ int main(int argc, char **argv) {
     printErrorTable(runs, which, predicted, "in-sample", true);
     printZeroBubble(runs, which, predicted);
     printPeakMemory(runs, which, cluster);
+    printOverMemory(runs, which, cluster);
     if (!args->has("--loso"))
       continue;
     // Leave one source out: fit on the others, from the neutral start with the global fit's

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <set>
 
 namespace pipec {
 namespace {
@@ -489,6 +490,48 @@ TEST(CalibrationTest, TheSeq1F1BTablesOutOfMemoryCellsAreOutOfMemory) {
     ASSERT_TRUE(bool(plan)) << id << ": " << takeMessage(plan.takeError());
     EXPECT_GT(plan->stats.maxPeakMemoryBytes(), c.memoryBytes) << id << " at 131072 tokens";
   }
+}
+
+/// The ids of `device`'s published runs whose layout, compiled as calibration compiles it
+/// under `c`, needs more than the device's memory.
+std::set<std::string> overDeviceMemory(const char *device, const ClusterSpec &c) {
+  std::set<std::string> over;
+  for (const PublishedRun &r : published().runs) {
+    if (r.device != device)
+      continue;
+    auto p = prepareRun(r, c);
+    EXPECT_TRUE(bool(p)) << r.id << ": " << takeMessage(p.takeError());
+    if (p && p->plan.stats.maxPeakMemoryBytes() > clusterFor(r, c).memoryBytes)
+      over.insert(r.id);
+  }
+  return over;
+}
+
+TEST(CalibrationTest, PublishedLayoutsFitTheirDevicesUnderTheirSoftwaresRule) {
+  // Every published run ran, so its layout fit its 80 GB device. The H100 spec counts memory
+  // as NeMo's Megatron-core and Transformer Engine layers keep it ("kept_activations":
+  // "megatron"): 38 of its 43 runs fit. The five that do not are known gaps
+  // (docs/planner.md, "Memory of Megatron-LM's own layers"): Llama 3 405B (its tensor-parallel
+  // activations and Meta's memory optimizations are not published) and Nemotron-4 340B at dp 2
+  // (its recipe's gradients in BF16, which pipec keeps in FP32). Under piperun's rule, which
+  // keeps a fused backward's weight-gradient state for the whole stage, 14 did not fit.
+  ClusterSpec h100 = spec("examples/h100-nemo.json");
+  EXPECT_TRUE(h100.megatronActivations);
+  EXPECT_EQ(overDeviceMemory("H100-SXM", h100),
+            (std::set<std::string>{"T4-1-tflops", "T4-2-tflops", "NEMOTRON-340B-128gpu-tok",
+                                   "NEMOTRON4-340B-bf16-128gpu", "NEMOTRON4-340B-fp8-128gpu"}));
+  ClusterSpec piperunH100 = h100;
+  piperunH100.megatronActivations = false;
+  EXPECT_EQ(overDeviceMemory("H100-SXM", piperunH100).size(), 14u);
+  // Every A100 source ran Megatron-LM's layers (or DeepSpeed's copy of them): under its rule all
+  // 106 layouts fit; under piperun's, which the A100 spec keeps (docs/planner.md), Narayanan et
+  // al.'s four smallest and Korthikanti et al.'s 22B with full recomputation do not.
+  ClusterSpec a100 = spec("examples/a100-selene.json");
+  EXPECT_FALSE(a100.megatronActivations);
+  EXPECT_EQ(overDeviceMemory("A100-80GB", a100),
+            (std::set<std::string>{"T1-1", "T1-2", "T1-3", "T1-4", "T5-22B-full"}));
+  a100.megatronActivations = true;
+  EXPECT_EQ(overDeviceMemory("A100-80GB", a100), std::set<std::string>{});
 }
 
 TEST(CalibrationTest, NeMosFlopCountTurnsItsTflopsIntoItsOwnTokensPerSecond) {

@@ -249,9 +249,12 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                "it plans one that runs\n");
   // The memory column is what the cluster spec says the software keeps (docs/planner.md).
   if (model->transformer && !cluster.megatronActivations)
-    fmt::print("note: peak memory as piperun keeps activations; a Megatron-LM or Transformer "
-               "Engine job keeps more (\"kept_activations\": \"megatron\" in the cluster spec "
-               "counts it)\n");
+    fmt::print("note: peak memory as piperun keeps activations; for a Megatron-LM or NeMo job "
+               "add \"kept_activations\": \"megatron\" to the cluster spec\n");
+  else if (model->transformer)
+    fmt::print("note: peak memory as Megatron-LM and Transformer Engine keep activations (the "
+               "cluster spec's \"kept_activations\"); piperun keeps them otherwise, "
+               "\"kept_activations\": \"piperun\" sizes a piperun job\n");
   if (out)
     fmt::print("wrote {}\n", *out);
   if (csv)
