@@ -1178,13 +1178,30 @@ TEST(PlannerCliTest, TheClusterSpecsCalibrationRecordIsReportedBesideThePlans) {
             std::string::npos)
       << expected << "\n"
       << r.out;
-  // The shipped A100 spec carries one; a spec without a record prints no such line.
+  // The shipped A100 spec carries one. A spec without a record, and the embedded default, say
+  // that the step times rest on unchecked factors and name the calibrated specs.
   Result shipped = run("tools/pipec plan " + flags + " --cluster examples/a100-selene.json");
   ASSERT_EQ(shipped.code, 0) << shipped.out << shipped.err;
   EXPECT_NE(shipped.out.find("\ncalibration: "), std::string::npos) << shipped.out;
+  EXPECT_EQ(shipped.out.find("\ncalibration: none"), std::string::npos) << shipped.out;
+  const std::string none = "\ncalibration: none: ";
+  const std::string named = " carries no calibration record, so these step times rest on "
+                            "factors no published run has checked; --cluster "
+                            "examples/a100-selene.json or examples/h100-nemo.json are fitted to "
+                            "published runs (docs/planner.md#calibration-out-of-sample)\n";
   Result bare = run("tools/pipec plan " + flags + " --cluster examples/a100-80g.json");
   ASSERT_EQ(bare.code, 0) << bare.out << bare.err;
-  EXPECT_EQ(bare.out.find("calibration:"), std::string::npos) << bare.out;
+  EXPECT_NE(bare.out.find(none + "the cluster spec" + named), std::string::npos) << bare.out;
+  Result embedded = run("tools/pipec plan " + flags);
+  ASSERT_EQ(embedded.code, 0) << embedded.out << embedded.err;
+  EXPECT_NE(embedded.out.find(none + "the embedded default cluster (no --cluster)" + named),
+            std::string::npos)
+      << embedded.out;
+  // An abstract model's costs are its own, not a cluster's: no line.
+  Result abstract = run("tools/pipec plan --model examples/uniform-8.json --gpus 8 "
+                        "--global-batch 16 --top 1");
+  ASSERT_EQ(abstract.code, 0) << abstract.out << abstract.err;
+  EXPECT_EQ(abstract.out.find("calibration:"), std::string::npos) << abstract.out;
 }
 
 TEST(PlannerCliTest, PiperunRefusesAnFp8PlanWithOneLine) {
@@ -1396,6 +1413,10 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   EXPECT_NE(measured.out.find(" --costs '" + costs + "' (microbatch_size 2 in M.json)\n"),
             std::string::npos)
       << measured.out;
+  // Plans timed from the profile alone rest on no cluster's factors: no calibration line;
+  // with model rows among them, the line says those rest on unchecked ones.
+  EXPECT_EQ(measured.out.find("calibration:"), std::string::npos) << measured.out;
+  EXPECT_NE(r.out.find("\ncalibration: none: "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  model\n"), std::string::npos) << r.out;
   // Measured times beside the model's: a note says they are two machines' unless --cluster
   // describes the profiled one; a table scored by the file alone has no such note.

@@ -33,10 +33,23 @@ namespace pipec {
 
 /// What the cluster spec's calibration record says of the ranked plans' schedules: each
 /// schedule's held-out error against published runs, in rank order, and how far apart the
-/// ranked plans' step times are; "" when the spec carries no record.
-static std::string calibrationLine(const ClusterSpec &cluster, const PlannerResult &result) {
-  if (cluster.heldOutErrorBySchedule.empty() || result.ranked.empty())
+/// ranked plans' step times are. A transformer model's plans on a spec without a record (the
+/// embedded default among them) are said to rest on unchecked factors, unless measured costs
+/// (`measuredOnly`: every ranked plan timed from --costs) replaced the model.
+static std::string calibrationLine(const ClusterSpec &cluster, const PlannerResult &result,
+                                   bool transformer, bool measuredOnly, bool defaultCluster) {
+  if (result.ranked.empty())
     return "";
+  if (cluster.heldOutErrorBySchedule.empty()) {
+    if (!transformer || measuredOnly)
+      return "";
+    return fmt::format("calibration: none: {} carries no calibration record, so these step "
+                       "times rest on factors no published run has checked; "
+                       "--cluster examples/a100-selene.json or examples/h100-nemo.json are "
+                       "fitted to published runs (docs/planner.md#calibration-out-of-sample)\n",
+                       defaultCluster ? "the embedded default cluster (no --cluster)"
+                                      : "the cluster spec");
+  }
   std::vector<std::string> checked, unchecked, seen;
   for (size_t i : result.ranked) {
     const std::string &name = result.candidates[i].schedule;
@@ -196,7 +209,10 @@ llvm::Error runPlanCommand(int argc, char **argv) {
                "and sub-sequences) {} not simulated; larger --microbatch-sizes, fewer --seq-splits "
                "or a smaller --global-batch bring them in\n",
                large, large == 1 ? "" : "s", kPlannerMaxInstructions, large == 1 ? "was" : "were");
-  fmt::print("{}", calibrationLine(cluster, *result));
+  bool measuredOnly =
+      llvm::all_of(result->ranked, [&](size_t i) { return result->candidates[i].measured; });
+  fmt::print("{}", calibrationLine(cluster, *result, bool(model->transformer), measuredOnly,
+                                   !args->path("--cluster")));
   const PlanCandidate &best = result->candidates[result->ranked.front()];
   fmt::print(
       "\nbest: {} with tp={}{} pp={} vpp={} dp={}, microbatch size {}, {} microbatches, "
