@@ -78,6 +78,32 @@ TEST(CliTest, CompileWritesAPlanAndPrintsTheSummary) {
   EXPECT_EQ(j["ranks"].size(), 4u);
 }
 
+TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
+  // The embedded default cluster and a spec without a calibration record time a transformer
+  // with factors no published run has checked: compile says so under the summary and names the
+  // calibrated specs. A calibrated spec, an abstract model (its own costs) and --quiet: no note.
+  const std::string llama = "compile --model examples/llama3-8b.json --schedule 1f1b --pp 4 "
+                            "--microbatches 8 ";
+  const std::string note = " carries no calibration record: these times rest on factors no "
+                           "published run has checked; --cluster examples/a100-selene.json or "
+                           "examples/h100-nemo.json are fitted to published runs "
+                           "(docs/planner.md)\n";
+  Result embedded = pipec(llama);
+  ASSERT_EQ(embedded.code, 0) << embedded.err;
+  EXPECT_NE(embedded.out.find("\nnote: the embedded default cluster (no --cluster)" + note),
+            std::string::npos)
+      << embedded.out;
+  Result bare = pipec(llama + "--cluster examples/a100-80g.json");
+  ASSERT_EQ(bare.code, 0) << bare.err;
+  EXPECT_NE(bare.out.find("\nnote: the cluster spec" + note), std::string::npos) << bare.out;
+  for (const std::string &args :
+       {llama + "--cluster examples/h100-nemo.json", compileArgs(""), llama + "--quiet"}) {
+    Result r = pipec(args);
+    ASSERT_EQ(r.code, 0) << args << ": " << r.err;
+    EXPECT_EQ(r.out.find("calibration record"), std::string::npos) << args << ": " << r.out;
+  }
+}
+
 TEST(CliTest, SequenceParallelAndDistributedOptimizerAreRecordedAndPiperunRefusesThem) {
   // pipec compiles them (memory and communication) and records them in the plan; piperun does
   // not execute them yet: exit 2, one line naming the flag, before any step.
