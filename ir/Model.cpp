@@ -396,9 +396,14 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // masks (a byte an element); with attention dropout on a materialized core its output and
     // mask beside the probabilities (d + 1 bytes a score). piperun recomputes the first two
     // from what it keeps and runs no dropout.
+    // Transformer Engine's FP8 linears keep their input's FP8 cast for the weight gradient, a
+    // byte an element (its 1.x linear.py, layernorm_linear.py, layernorm_mlp.py): the norms' and
+    // the activation's outputs are kept so, and the attention's output, which the attention
+    // keeps at d bytes, is kept a second time so by the output projection.
+    const double inputBytes = t.fp8Gemms ? 1.0 : d;
     double frameworkInputs = 0, frameworkOther = 0, frameworkScores = 0;
     if (cluster.megatronActivations) {
-      frameworkInputs = n * (2 * h / sp + fl) * d;
+      frameworkInputs = n * (2 * h / sp + fl) * inputBytes + (t.fp8Gemms ? n * cl : 0.0);
       frameworkOther = t.hiddenDropout > 0 ? 2 * n * h / sp : 0;
       frameworkScores = !flash && t.attentionDropout > 0 ? b * hl * x * double(end) * (d + 1) : 0;
     }
@@ -433,9 +438,9 @@ SliceCost ModelSpec::sliceCost(const ClusterSpec &cluster, size_t layerIndex, in
     // output) and nothing else of the block: the zero-bubble paper's M_W (its Table 1).
     // (Of the output gradients W reads the four linears': QKV's, the two h wide ones of the
     // projection and the down projection, the up projection's; not the norms' outputs'.)
-    double weightGrad = cluster.megatronActivations
-                            ? n * (2 * h / sp + cl + fl) * d + n * (2 * h + cl + 2 * kl + fc) * d
-                            : kept + gradients;
+    double weightGrad = cluster.megatronActivations ? n * (2 * h / sp + cl + fl) * inputBytes +
+                                                          n * (2 * h + cl + 2 * kl + fc) * d
+                                                    : kept + gradients;
     c.activationBytes = int64_t(activation);
     c.weightGradBytes = int64_t(weightGrad);
     // With sub-sequences a microbatch's K/V and dK/dV are its slices' together: the K/V stay

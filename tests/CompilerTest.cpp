@@ -448,6 +448,47 @@ TEST(TransformerCostTest, MegatronActivationsAreKorthikantisCount) {
             "m.json: $.transformer.hidden_dropout: expected a probability in [0, 1), got 1");
 }
 
+TEST(TransformerCostTest, Fp8LinearsKeepTheirInputsAtAByteUnderMegatronsRule) {
+  // Transformer Engine's FP8 linears keep the FP8 cast of their input for the weight gradient
+  // (its 1.x linear.py and layernorm_linear.py / layernorm_mlp.py): the QKV and up projections'
+  // inputs (the norms' outputs, h each) and the down projection's (the activation's output,
+  // 4h) at a byte an element instead of 2, and the output projection's (the attention's
+  // output, h), which the attention also keeps in BF16, once more at a byte. Without tensor
+  // parallelism that is 5 bytes a token and hidden unit fewer (Korthikanti et al.'s 34·s·b·h
+  // less 5·s·b·h), and the zero-bubble paper's M_W, 32·s·b·h, becomes 25·s·b·h. Under
+  // piperun's rule, which keeps no such inputs, FP8 changes nothing.
+  const double s = 1024, b = 4, h = 2048, sbh = s * b * h;
+  auto model = [&](const char *precision) {
+    return modelOrFail(fmt::format(R"({{"format": "pipemodel/1", "transformer": {{
+        "num_layers": 2, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 50304,
+        "seq_length": 1024, "microbatch_size": 4, "attention_dropout": 0.1,
+        "hidden_dropout": 0.1, "gemm_precision": "{}"}}}})",
+                                   precision),
+                       "m.json");
+  };
+  ClusterSpec megatron = ClusterSpec::defaults(), piperun = megatron;
+  megatron.megatronActivations = true;
+  ModelSpec bf16 = model("bf16"), fp8 = model("fp8");
+  for (int tp : {1, 4})
+    for (bool sp : {false, true}) {
+      SCOPED_TRACE(fmt::format("tp {} sp {}", tp, sp));
+      double spDiv = sp ? tp : 1;
+      SliceCost a = bf16.sliceCost(megatron, 1, 0, 1024, 0, 1, tp, sp);
+      SliceCost e = fp8.sliceCost(megatron, 1, 0, 1024, 0, 1, tp, sp);
+      // Bytes a token saved: the three inputs a byte each (2h/sp + 4h/tp), less the attention
+      // output's second copy (h/tp).
+      double saved = s * b * (2 * h / spDiv + 4 * h / tp - h / tp);
+      EXPECT_NEAR(double(a.activationBytes - e.activationBytes), saved, 2.0);
+      // The weight gradient's inputs (2h/sp + h/tp + 4h/tp) at a byte.
+      EXPECT_NEAR(double(a.weightGradBytes - e.weightGradBytes),
+                  s * b * (2 * h / spDiv + 5 * h / tp), 2.0);
+      EXPECT_EQ(fp8.sliceCost(piperun, 1, 0, 1024, 0, 1, tp, sp).activationBytes,
+                bf16.sliceCost(piperun, 1, 0, 1024, 0, 1, tp, sp).activationBytes);
+    }
+  EXPECT_NEAR(double(bf16.sliceCost(megatron, 1, 0, 1024, 0, 1, 1).weightGradBytes), 32 * sbh, 2.0);
+  EXPECT_NEAR(double(fp8.sliceCost(megatron, 1, 0, 1024, 0, 1, 1).weightGradBytes), 25 * sbh, 2.0);
+}
+
 TEST(TransformerCostTest, MegatronsFusedBackwardHoldsOneLayersWeightGradientStateAtATime) {
   // Megatron-LM's fused backward runs autograd through the stage, which computes each layer's
   // weight gradient right after its input gradient and frees what the layer kept: under
