@@ -104,6 +104,37 @@ TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
   }
 }
 
+TEST(CliTest, ALayoutOverTheDeviceIsWarnedAboutUnderTheClustersMemoryRule) {
+  // Narayanan et al.'s 1.7B layout (Table 1: no pipeline, dp 32, microbatch 16, full
+  // recomputation) ran on 80 GB A100s. Under piperun's rule its fused backward keeps the whole
+  // stage's weight-gradient state, past the device: the warning names the rank and the rule's
+  // alternative. Under Megatron-LM's ("kept_activations": "megatron") it fits: no warning.
+  const std::string dir = tmpDir();
+  const std::string model = dir + "/gpt-1.7b.json", megatron = dir + "/megatron.json";
+  spit(model, R"({"format": "pipemodel/1", "name": "gpt-1.7b", "transformer": {
+      "num_layers": 24, "hidden_size": 2304, "num_attention_heads": 24, "ffn_hidden_size": 9216,
+      "vocab_size": 51200, "seq_length": 2048, "microbatch_size": 16, "dtype": "bf16",
+      "attention": "materialized"}})");
+  std::string spec = slurp("examples/a100-selene.json");
+  spec.insert(spec.find("\"block_kernels\""), "\"kept_activations\": \"megatron\", ");
+  spit(megatron, spec);
+  const std::string args = "compile --model " + model +
+                           " --schedule 1f1b --pp 1 --microbatches 1 --dp 32 --recompute full "
+                           "--cluster ";
+  Result over = pipec(args + "examples/a100-selene.json");
+  ASSERT_EQ(over.code, 0) << over.err;
+  EXPECT_TRUE(std::regex_search(
+      over.out, std::regex("\nwarning: rank 0 needs [0-9.]+ GiB but the cluster's "
+                           "A100-SXM4-80GB has 80.00 GiB; raise --pp or --tp, or pick a schedule "
+                           "with less memory \\(counted as piperun keeps activations; for a "
+                           "Megatron-LM or NeMo job add \"kept_activations\": \"megatron\" to "
+                           "the cluster spec\\)\n")))
+      << over.out;
+  Result fits = pipec(args + megatron);
+  ASSERT_EQ(fits.code, 0) << fits.err;
+  EXPECT_EQ(fits.out.find("warning:"), std::string::npos) << fits.out;
+}
+
 TEST(CliTest, SequenceParallelAndDistributedOptimizerAreRecordedAndPiperunRefusesThem) {
   // pipec compiles them (memory and communication) and records them in the plan; piperun does
   // not execute them yet: exit 2, one line naming the flag, before any step.

@@ -79,10 +79,14 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
     fmt::print("peak memory: rank {} with {} (weights, grads and optimizer state {})\n",
                worst->rank, humanBytes(worst->peakMemoryBytes), humanBytes(worst->staticBytes));
   if (worst && cluster && plan.timeUnit == "ms" && worst->peakMemoryBytes > cluster->memoryBytes)
-    fmt::print("warning: rank {} needs {} but a {} has {}; raise --pp or --tp, or pick a "
-               "schedule with less memory\n",
+    fmt::print("warning: rank {} needs {} but the cluster's {} has {}; raise --pp or --tp, or "
+               "pick a schedule with less memory{}\n",
                worst->rank, humanBytes(worst->peakMemoryBytes), cluster->deviceName,
-               humanBytes(cluster->memoryBytes));
+               humanBytes(cluster->memoryBytes),
+               cluster->megatronActivations
+                   ? ""
+                   : " (counted as piperun keeps activations; for a Megatron-LM or NeMo job add "
+                     "\"kept_activations\": \"megatron\" to the cluster spec)");
   fmt::print("instructions: {} ({} compute, {} send/recv, {} collective); verified: "
              "dependencies hold, FIFO-matched, deadlock-free\n",
              compute + p2p + coll, compute, p2p, coll);

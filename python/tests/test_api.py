@@ -362,7 +362,9 @@ def _plan_rows(stdout: str) -> list[list[str]]:
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  schedule"))
     rows = []
     for line in lines[header + 1:]:
-        if not line.strip():
+        # The table ends at the first line that is not a ranked row (a blank line, or the
+        # calibration line right under it).
+        if not line.split() or not line.split()[0].isdigit():
             break
         rows.append(line.split())
     return rows
