@@ -80,8 +80,9 @@ TEST(CliTest, CompileWritesAPlanAndPrintsTheSummary) {
 
 TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
   // The embedded default cluster and a spec without a calibration record time a transformer
-  // with factors no published run has checked: compile says so under the summary and names the
-  // calibrated specs. A calibrated spec, an abstract model (its own costs) and --quiet: no note.
+  // with factors no published run has checked: compile and import say so under the summary and
+  // name the calibrated specs. A calibrated spec, an abstract model (its own costs) and --quiet: no
+  // note.
   const std::string llama = "compile --model examples/llama3-8b.json --schedule 1f1b --pp 4 "
                             "--microbatches 8 ";
   const std::string note = " carries no calibration record: these times rest on factors no "
@@ -102,6 +103,19 @@ TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
     ASSERT_EQ(r.code, 0) << args << ": " << r.err;
     EXPECT_EQ(r.out.find("calibration record"), std::string::npos) << args << ": " << r.out;
   }
+  // import times an order the same way: the same note, the same exceptions.
+  const std::string dir = tmpDir(), plan = dir + "/llama.json", csv = dir + "/llama.csv";
+  ASSERT_EQ(pipec(llama + "--quiet -o " + plan).code, 0);
+  ASSERT_EQ(pipec("export " + plan + " --format torch-csv -o " + csv).code, 0);
+  const std::string import = "import " + csv + " --model examples/llama3-8b.json ";
+  Result imported = pipec(import);
+  ASSERT_EQ(imported.code, 0) << imported.err;
+  EXPECT_NE(imported.out.find("\nnote: the embedded default cluster (no --cluster)" + note),
+            std::string::npos)
+      << imported.out;
+  Result calibrated = pipec(import + "--cluster examples/h100-nemo.json");
+  ASSERT_EQ(calibrated.code, 0) << calibrated.err;
+  EXPECT_EQ(calibrated.out.find("calibration record"), std::string::npos) << calibrated.out;
 }
 
 TEST(CliTest, ALayoutOverTheDeviceIsWarnedAboutUnderTheClustersMemoryRule) {

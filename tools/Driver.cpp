@@ -409,6 +409,18 @@ llvm::Error cmdExport(int argc, char **argv) {
   return llvm::Error::success();
 }
 
+void printCalibrationNote(const Args &args, const Plan &plan, const ClusterSpec &cluster) {
+  // A transformer's times ("ms"; an abstract model's are its own units) from a cluster spec no
+  // published run has checked.
+  if (plan.timeUnit != "ms" || args.has("--costs") || !cluster.heldOutErrorBySchedule.empty())
+    return;
+  fmt::print("note: {} carries no calibration record: these times rest on factors no published "
+             "run has checked; --cluster examples/a100-selene.json or examples/h100-nemo.json "
+             "are fitted to published runs (docs/planner.md)\n",
+             args.has("--cluster") ? "the cluster spec"
+                                   : "the embedded default cluster (no --cluster)");
+}
+
 llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
   auto args = Args::parse(argc, argv, 2, *findPipecCommand("import"));
   if (!args)
@@ -455,6 +467,7 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
   if (!args->has("--quiet")) {
     fmt::print("{}", importReport(order, *result, source));
     printSummary(plan, &cluster);
+    printCalibrationNote(*args, plan, cluster);
   }
   if (args->has("--show"))
     fmt::print("\n{}", formatGrid(plan));

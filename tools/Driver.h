@@ -77,6 +77,11 @@ llvm::Expected<PlanSearch> planWithFlags(const Args &args);
 std::string importReport(const ImportedOrder &order, const ImportResult &result,
                          llvm::StringRef source);
 
+/// Under the summary of compile and import: a transformer plan timed (not from --costs) on a
+/// cluster spec without a calibration record, the embedded default among them, says so in one
+/// note naming the calibrated specs.
+void printCalibrationNote(const Args &args, const Plan &plan, const ClusterSpec &cluster);
+
 /// The summary `pipec compile` prints (pipec.cpp's printSummary), passed in so that export
 /// and import live outside pipec.cpp.
 using SummaryPrinter = void (*)(const Plan &, const ClusterSpec *);

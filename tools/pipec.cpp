@@ -141,13 +141,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
     return llvm::Error::success();
   if (!args->has("--quiet")) {
     printSummary(*plan, &cluster);
-    // A transformer's times from a cluster spec no published run has checked.
-    if (plan->timeUnit == "ms" && !args->has("--costs") && cluster.heldOutErrorBySchedule.empty())
-      fmt::print("note: {} carries no calibration record: these times rest on factors no "
-                 "published run has checked; --cluster examples/a100-selene.json or "
-                 "examples/h100-nemo.json are fitted to published runs (docs/planner.md)\n",
-                 args->has("--cluster") ? "the cluster spec"
-                                        : "the embedded default cluster (no --cluster)");
+    printCalibrationNote(*args, *plan, cluster);
   }
   if (args->has("--show"))
     fmt::print("\n{}", formatGrid(*plan));
