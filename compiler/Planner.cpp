@@ -464,12 +464,12 @@ void Search::enumerate() {
       base.parallel.pp = base.parallel.dp = 0; // not chosen yet (a row of --csv says so)
       if (model.transformer) {
         const TransformerConfig &t = *model.transformer;
-        if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp ||
-            t.vocabSize % tp) {
-          base.why =
-              fmt::format("tp {} must divide the heads ({}), the key/value groups ({}), "
-                          "ffn_hidden_size ({}) and vocab_size ({})",
-                          tp, t.numAttentionHeads, t.kvHeads(), t.ffnHiddenSize, t.vocabSize);
+        // (The vocabulary need not divide: Megatron-LM pads it to a multiple of 128 x tp, and
+        // the cost model splits it as it is; piperun, which does not pad, says so itself.)
+        if (t.numAttentionHeads % tp || t.kvHeads() % tp || t.ffnHiddenSize % tp) {
+          base.why = fmt::format("tp {} must divide the heads ({}), the key/value groups ({}) and "
+                                 "ffn_hidden_size ({})",
+                                 tp, t.numAttentionHeads, t.kvHeads(), t.ffnHiddenSize);
           cands.push_back(base);
           variantOf.push_back(SIZE_MAX);
           scheduleOf.push_back(SIZE_MAX);
@@ -1156,8 +1156,7 @@ bool Search::tpAllowed(int tp) const {
   if (!o.tpSizes.empty() && !llvm::is_contained(o.tpSizes, tp))
     return false;
   if (const auto &t = model.transformer)
-    return t->numAttentionHeads % tp == 0 && t->kvHeads() % tp == 0 && t->ffnHiddenSize % tp == 0 &&
-           t->vocabSize % tp == 0;
+    return t->numAttentionHeads % tp == 0 && t->kvHeads() % tp == 0 && t->ffnHiddenSize % tp == 0;
   return true;
 }
 
@@ -1336,27 +1335,25 @@ llvm::Error Search::explainNoLayout() const {
     std::vector<int> valid;
     int g = o.gpus;
     if (const auto &t = model.transformer)
-      g = std::gcd(
-          std::gcd(std::gcd(g, t->numAttentionHeads), std::gcd(t->kvHeads(), t->ffnHiddenSize)),
-          t->vocabSize);
+      g = std::gcd(std::gcd(g, t->numAttentionHeads), std::gcd(t->kvHeads(), t->ffnHiddenSize));
     else
       g = 1;
     for (int tp = 1; tp <= g; ++tp)
       if (g % tp == 0 && (tp <= cluster.gpusPerNode || o.tpAcrossNodes))
         valid.push_back(tp);
-    return inputError(
-        "--tp {}: tp must divide --gpus {}{}{}; try --tp {}", list(o.tpSizes), o.gpus,
-        model.transformer
-            ? fmt::format(", the heads ({}), the key/value groups ({}), "
-                          "ffn_hidden_size ({}) and vocab_size ({})",
-                          model.transformer->numAttentionHeads, model.transformer->kvHeads(),
-                          model.transformer->ffnHiddenSize, model.transformer->vocabSize)
-            : std::string(" (an abstract model plans tp 1 only)"),
-        o.tpAcrossNodes ? std::string()
-                        : fmt::format(" and stay within a node of {} GPUs unless "
-                                      "--tp-across-nodes",
-                                      cluster.gpusPerNode),
-        list(valid));
+    return inputError("--tp {}: tp must divide --gpus {}{}{}; try --tp {}", list(o.tpSizes), o.gpus,
+                      model.transformer
+                          ? fmt::format(", the heads ({}), the key/value groups ({}) and "
+                                        "ffn_hidden_size ({})",
+                                        model.transformer->numAttentionHeads,
+                                        model.transformer->kvHeads(),
+                                        model.transformer->ffnHiddenSize)
+                          : std::string(" (an abstract model plans tp 1 only)"),
+                      o.tpAcrossNodes ? std::string()
+                                      : fmt::format(" and stay within a node of {} GPUs unless "
+                                                    "--tp-across-nodes",
+                                                    cluster.gpusPerNode),
+                      list(valid));
   }
   if (!o.ppSizes.empty() && pairs.empty()) {
     std::vector<int> valid;

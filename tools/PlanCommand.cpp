@@ -259,6 +259,14 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   if (!notRun.empty())
     fmt::print("note: piperun does not execute {}; the plan sizes a run, {} plans run\n",
                llvm::join(notRun, " or "), llvm::join(flags, " "));
+  // The planner splits a vocabulary tp does not divide as Megatron-LM does once it has padded
+  // it; piperun does not pad (it refuses such a plan, naming the padded size).
+  if (model->transformer && model->transformer->vocabSize % best.parallel.tp != 0) {
+    const int64_t multiple = 128 * int64_t(best.parallel.tp), v = model->transformer->vocabSize;
+    fmt::print("note: tp {} does not divide vocab_size {}: Megatron-LM pads it (to {}, a "
+               "multiple of 128 x tp); piperun needs it padded in M.json\n",
+               best.parallel.tp, v, (v + multiple - 1) / multiple * multiple);
+  }
   if (model->transformer &&
       (model->transformer->attentionDropout > 0 || model->transformer->hiddenDropout > 0))
     fmt::print("note: piperun does not execute dropout; the plan sizes a run, a model without "
