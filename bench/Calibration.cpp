@@ -292,10 +292,7 @@ llvm::Error loadPublishedRuns(llvm::StringRef path, std::vector<PublishedRun> &r
         skipped.push_back(skip);
         continue;
       }
-      int64_t per = units / stages;
-      for (int64_t s = 1; s <= stages; ++s)
-        o.stageEnds.push_back(int(split == "units" ? per * s : 1 + per * s));
-      o.stageEnds.back() = int(layers + 2); // the head closes the last stage
+      o.stageEnds = *evenStageEnds(run.model, int(stages), split == "units");
     }
     double value = 0;
     if (!llvm::to_float(at("value"), value) || value <= 0) {

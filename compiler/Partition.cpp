@@ -244,7 +244,19 @@ public:
     std::vector<double> times = layerTimes(model, cluster, seq, pc.tp, pc.cp);
     if (auto err = checkLayerTimesAddUp(model, times))
       return err;
-    const std::vector<int> &given = ctx.options.stageEnds;
+    std::vector<int> given = ctx.options.stageEnds;
+    if (given.empty() && ctx.options.evenPartition) {
+      auto even = evenStageEnds(model, numStages);
+      if (!even) {
+        int64_t units = model.isTransformer() ? numLayers - 2 : numLayers;
+        return inputError("--partition even: the model's {} {} do not split evenly into {} "
+                          "stages (--pp {} x --vpp {}); try --partition balanced, or a --pp and "
+                          "--vpp whose product divides {}",
+                          units, model.isTransformer() ? "blocks" : "layers", numStages, pc.pp,
+                          pc.vpp, units);
+      }
+      given = *even;
+    }
     if (!given.empty()) {
       bool valid = int(given.size()) == numStages && given.back() == numLayers;
       for (size_t s = 0; valid && s < given.size(); ++s)
@@ -262,6 +274,21 @@ public:
 };
 
 } // namespace
+
+std::optional<std::vector<int>> evenStageEnds(const ModelSpec &model, int stages, bool unitsRule) {
+  const int64_t layers = int64_t(model.layers.size());
+  // A transformer's layer list is the embedding, its blocks and the head.
+  const bool transformer = model.isTransformer();
+  const int64_t units = !transformer ? layers : unitsRule ? layers : layers - 2;
+  if (stages < 1 || units < stages || units % stages != 0)
+    return std::nullopt;
+  const int64_t per = units / stages, offset = transformer && !unitsRule ? 1 : 0;
+  std::vector<int> ends;
+  for (int64_t s = 1; s <= stages; ++s)
+    ends.push_back(int(offset + per * s));
+  ends.back() = int(layers); // the head closes the last stage
+  return ends;
+}
 
 std::vector<SliceCost> layerSliceCosts(const ModelSpec &model, const ClusterSpec &cluster,
                                        const ParallelConfig &pc,

@@ -15,6 +15,7 @@
 #include "llvm/Support/Error.h"
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace pipec {
@@ -31,6 +32,14 @@ llvm::Error checkLayerTimesAddUp(const ModelSpec &model, llvm::ArrayRef<double> 
 /// Split `cost` into `parts` contiguous non-empty ranges of least maximum sum (then least sum of
 /// squares, then earliest cuts); returns the end of each range. Needs parts <= cost.size().
 std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts);
+
+/// The even split Megatron-LM and NeMo make by default (`--partition even`): the same number of
+/// transformer blocks in every stage, the embedding with the first and the head with the last;
+/// with `unitsRule`, the embedding and the head count as a block each (the zero-bubble paper's,
+/// BLOOM's and Llama 3's split). An abstract model's layers split evenly. Each stage's end in
+/// `model`'s layer list; none when the blocks (units) do not divide into `stages`.
+std::optional<std::vector<int>> evenStageEnds(const ModelSpec &model, int stages,
+                                              bool unitsRule = false);
 
 /// Fill plan.stages for plan.parallel, plan.placement and plan.seqSlices: stage s holds the
 /// layers [ends[s-1], ends[s]) with their per-slice costs, bytes and transfer times.

@@ -32,6 +32,9 @@ struct CompileOptions {
   /// A published split: each stage's end in the model's layer list (embedding and head
   /// included); empty = the balanced partition.
   std::vector<int> stageEnds;
+  /// --partition even: Megatron-LM's default split (evenStageEnds, compiler/Partition.h) where
+  /// no stageEnds are given; false = the balanced partition.
+  bool evenPartition = false;
   /// --costs (ir/formats/Costs.h): measured times in place of the model's, from the partition
   /// pass on (so the schedule pass, zb-auto's search included, and the simulator take them); the
   /// file's name for messages in `costsSource`.

@@ -84,6 +84,8 @@ std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options) 
     out += " --distributed-optimizer";
   if (c.zbAutoLimit)
     out += fmt::format(" --memory-limit {}", c.zbAutoLimit);
+  if (options.evenPartition)
+    out += " --partition even";
   if (c.measured && !options.costsSource.empty())
     out += " " + options.costsSource;
   return out;
@@ -546,6 +548,12 @@ void Search::enumerate() {
                     c.outcome = Outcome::Divisibility;
                     c.why = fmt::format("pp {} x vpp {} stages exceed the model's {} layers", pp,
                                         vpp, numLayers);
+                  } else if (o.evenPartition && !evenStageEnds(model, pp * vpp)) {
+                    c.outcome = Outcome::Divisibility;
+                    c.why = fmt::format("--partition even: pp {} x vpp {} stages do not divide "
+                                        "the model's {} {}",
+                                        pp, vpp, model.isTransformer() ? numLayers - 2 : numLayers,
+                                        model.isTransformer() ? "blocks" : "layers");
                   } else {
                     CompileOptions co;
                     co.schedule = c.schedule;
@@ -596,9 +604,11 @@ std::vector<int> Search::partitionFor(size_t variant, int tp, int cp, int stages
   }
   const ModelSpec &m = variants[variant].model;
   // The partition pass's input: whole-sequence costs of every layer (its seq_splits only
-  // matter to an abstract model without a seq_length, whose costs do not depend on it).
+  // matter to an abstract model without a seq_length, whose costs do not depend on it). With
+  // --partition even, the pass's even split (candidates it cannot make were dropped).
   std::vector<int> ends =
-      exactPartition(layerTimes(m, cluster, m.sequenceLength(1), tp, cp), stages);
+      o.evenPartition ? *evenStageEnds(m, stages)
+                      : exactPartition(layerTimes(m, cluster, m.sequenceLength(1), tp, cp), stages);
   std::lock_guard<std::mutex> lock(partitionMu);
   partitions.emplace(key, ends);
   return ends;
@@ -981,6 +991,7 @@ bool Search::compile(size_t index, Plan *out) {
   CompileOptions co;
   co.schedule = c.schedule;
   co.parallel = c.parallel;
+  co.evenPartition = o.evenPartition;
   // A zb-auto layout dropped by its need (zbAutoLimit unset) at the least limit it takes: what
   // it needs is the larger of that need and this order's peak.
   const bool atLeast = c.schedule == "zb-auto" && c.zbAutoLimit == 0;

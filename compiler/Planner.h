@@ -83,6 +83,10 @@ struct PlannerOptions {
   int top = 5;
   /// Let tp exceed a node's GPUs (tensor-parallel all-reduces then cross the inter-node links).
   bool tpAcrossNodes = false;
+  /// --partition even: every candidate split as Megatron-LM splits layers by default (the same
+  /// blocks in every stage; evenStageEnds), layouts whose stages do not divide the blocks
+  /// dropped for divisibility; false: pipec's balanced partition.
+  bool evenPartition = false;
   /// Sequence parallelism and the distributed optimizer (ZeRO-1): unset, both settings are
   /// searched where they apply (sequence parallelism with tp > 1, ZeRO-1 with dp > 1); set,
   /// every candidate has that setting (--sequence-parallel / --no-sequence-parallel, ...).

@@ -126,6 +126,29 @@ TEST(CalibrationTest, RunsCompileWithTheirPublishedSplit) {
   EXPECT_NE(takeMessage(refused.takeError()).find("the last 24"), std::string::npos);
 }
 
+TEST(CalibrationTest, PartitionEvenIsTheMegatronSplitOfThePublishedRuns) {
+  // compile's --partition even (CompileOptions::evenPartition) is the split calibration gives
+  // the runs whose software splits blocks evenly: the same stages and the same step.
+  ClusterSpec h100 = spec("examples/h100-nemo.json");
+  for (const char *id :
+       {"LLAMA2-70B-64gpu-tok", "NEMOTRON-22B-64gpu-tok", "GPT3-175B-bf16-128gpu"}) {
+    SCOPED_TRACE(id);
+    const PublishedRun &r = runNamed(id);
+    ASSERT_FALSE(r.options.stageEnds.empty());
+    CompileOptions even = r.options;
+    even.stageEnds.clear();
+    even.evenPartition = true;
+    const ClusterSpec c = clusterFor(r, h100);
+    auto published = compilePlan(r.model, c, r.options, false);
+    auto plan = compilePlan(r.model, c, even, false);
+    ASSERT_TRUE(published && plan);
+    ASSERT_EQ(plan->stages.size(), published->stages.size());
+    for (size_t s = 0; s < plan->stages.size(); ++s)
+      EXPECT_EQ(plan->stages[s].layerEnd, published->stages[s].layerEnd);
+    EXPECT_DOUBLE_EQ(plan->stats.stepTime, published->stats.stepTime);
+  }
+}
+
 TEST(CalibrationTest, MegatronTransfersHoldTheSender) {
   const PublishedRun &r = runNamed("T5-175B-full"); // tp 8, no sequence parallelism
   ClusterSpec overlapped = spec("examples/a100-selene.json");

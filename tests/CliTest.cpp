@@ -149,6 +149,36 @@ TEST(CliTest, ALayoutOverTheDeviceIsWarnedAboutUnderTheClustersMemoryRule) {
   EXPECT_EQ(fits.out.find("warning:"), std::string::npos) << fits.out;
 }
 
+TEST(CliTest, PartitionEvenSplitsTheBlocksAsMegatronDoes) {
+  // Llama 3 8B's 32 blocks on 4 stages: 8 each, the embedding (layer 0) with the first and
+  // the head (layer 33) with the last, as Megatron-LM splits them by default; pipec's own
+  // partition balances times instead (the head weighs more than a block).
+  const std::string llama = "compile --model examples/llama3-8b.json --schedule 1f1b "
+                            "--microbatches 8 ";
+  Result even = pipec(llama + "--pp 4 --partition even");
+  ASSERT_EQ(even.code, 0) << even.err;
+  EXPECT_NE(even.out.find("stages (layers, rank): 0:[0,9)@r0 1:[9,17)@r1 2:[17,25)@r2 "
+                          "3:[25,34)@r3\n"),
+            std::string::npos)
+      << even.out;
+  Result balanced = pipec(llama + "--pp 4");
+  ASSERT_EQ(balanced.code, 0) << balanced.err;
+  EXPECT_EQ(balanced.out.find("3:[25,34)@r3"), std::string::npos) << balanced.out;
+  // Interleaved: 32 blocks in 8 chunks of 4.
+  Result chunks = pipec("compile --model examples/llama3-8b.json --schedule interleaved-1f1b "
+                        "--pp 4 --vpp 2 --microbatches 8 --partition even");
+  ASSERT_EQ(chunks.code, 0) << chunks.err;
+  EXPECT_NE(chunks.out.find("0:[0,5)@r0 1:[5,9)@r1"), std::string::npos) << chunks.out;
+  EXPECT_NE(chunks.out.find("7:[29,34)@r3"), std::string::npos) << chunks.out;
+  // Stages that do not divide the blocks, and a value that is no rule: one line each.
+  expectBadInput(llama + "--pp 3 --partition even",
+                 "--partition even: the model's 32 blocks do not split evenly into 3 stages "
+                 "(--pp 3 x --vpp 1); try --partition balanced, or a --pp and --vpp whose "
+                 "product divides 32");
+  expectBadInput(llama + "--pp 4 --partition megatron",
+                 "--partition: expected balanced or even (got 'megatron'); try --partition even");
+}
+
 TEST(CliTest, SequenceParallelAndDistributedOptimizerAreRecordedAndPiperunRefusesThem) {
   // pipec compiles them (memory and communication) and records them in the plan; piperun does
   // not execute them yet: exit 2, one line naming the flag, before any step.

@@ -1503,6 +1503,42 @@ TEST(PlannerCliTest, AVocabularyTpDoesNotDivideIsPaddedAsMegatronPadsIt) {
   EXPECT_EQ(padded.out.find("does not divide vocab_size"), std::string::npos) << padded.out;
 }
 
+TEST(PlannerCliTest, PartitionEvenPlansWithMegatronsSplitOnly) {
+  // --partition even: every candidate split as Megatron-LM splits by default, layouts whose
+  // stages do not divide the blocks dropped for divisibility with the reason, and the best's
+  // compile line carries the flag, so compiling it gives the plan written.
+  const std::string dir = testing::tmpDir();
+  const std::string best = dir + "/even.json", csv = dir + "/even.csv", again = dir + "/again.json";
+  Result r = run("tools/pipec plan --model examples/llama3-8b.json --gpus 8 --global-batch 32 "
+                 "--cluster examples/h100-nemo.json --pp 2,4 --max-vpp 3 --partition even --top 1 "
+                 "-o " +
+                 best + " --csv " + csv);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  auto plan = nlohmann::json::parse(testing::slurp(best));
+  const int stages = int(plan["stages"].size());
+  ASSERT_GT(stages, 1);
+  EXPECT_EQ(32 % stages, 0);
+  for (const auto &st : plan["stages"]) {
+    int blocks = st["layers"][1].get<int>() - st["layers"][0].get<int>();
+    blocks -= st["layers"][0] == 0 ? 1 : 0;  // the embedding
+    blocks -= st["layers"][1] == 34 ? 1 : 0; // the head
+    EXPECT_EQ(blocks, 32 / stages) << st.dump();
+  }
+  EXPECT_NE(testing::slurp(csv).find("--partition even: pp 2 x vpp 3 stages do not divide the "
+                                     "model's 32 blocks"),
+            std::string::npos);
+  std::smatch line;
+  ASSERT_TRUE(std::regex_search(r.out, line,
+                                std::regex("compile: pipec compile --model M.json "
+                                           "(.*--partition even) \\(")))
+      << r.out;
+  Result c = run("tools/pipec compile --model examples/llama3-8b.json " + line[1].str() +
+                 " --quiet -o " + again);
+  ASSERT_EQ(c.code, 0) << c.err;
+  auto compiled = nlohmann::json::parse(testing::slurp(again));
+  EXPECT_EQ(compiled["stages"], plan["stages"]);
+}
+
 TEST(PlannerCliTest, OutOfMemoryHintsAreOnesThatCanHelp) {
   // zb-auto's least need is one microbatch of the heaviest stage with its deferred W's state,
   // which full recomputation does not lower (27.29 GiB here became 27.61): no hint of it. For

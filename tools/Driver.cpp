@@ -147,6 +147,10 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   if (!by)
     return by.takeError();
   o.parallel.seqSplitByFlops = *by == "flops";
+  auto partition = args.choice("--partition");
+  if (!partition)
+    return partition.takeError();
+  o.evenPartition = *partition == "even";
   o.parallel.distributedOptimizer = args.has("--distributed-optimizer");
   if (auto err = costsFromFlags(args, o.costs, o.costsSource))
     return err;
@@ -272,6 +276,10 @@ llvm::Expected<PlannerOptions> plannerOptionsFromFlags(const Args &args) {
     return limit.takeError();
   o.memoryLimit = *limit;
   o.tpAcrossNodes = args.has("--tp-across-nodes");
+  auto partition = args.choice("--partition");
+  if (!partition)
+    return partition.takeError();
+  o.evenPartition = *partition == "even";
   // Each switch fixed on, fixed off, or (neither given) searched.
   for (auto [on, off, out] :
        {std::tuple{"--sequence-parallel", "--no-sequence-parallel", &o.sequenceParallel},

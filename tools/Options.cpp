@@ -110,6 +110,11 @@ constexpr Opt real(const char *name, const char *value, const char *help, int64_
 }
 
 // The flags several commands share, worded once.
+constexpr Opt kPartition =
+    choice("--partition", "balanced|even",
+           "layers into stages: balanced by time (default) or the same blocks in every stage, "
+           "as Megatron-LM splits them")
+        .eg("even");
 constexpr Opt kModel =
     path("--model", "M.json", "the model: a pipemodel/1 JSON file (docs/contracts.md)").req();
 constexpr Opt kModelJson = text("--model-json", "JSON", "the model as pipemodel/1 JSON text").py();
@@ -172,6 +177,7 @@ constexpr auto kCompile = join(
             "--seq-split-by", "time|flops",
             "cut sub-sequences to equal time (default) or equal FLOPs (the Seq1F1B paper's rule)")
             .eg("flops"),
+        kPartition,
         kShow,
         kTrace,
         path("--svg", "figure.svg", "draw the schedule figure over the simulated time").cli(),
@@ -239,6 +245,7 @@ const Option kPlan[] = {
     sw("--no-sequence-parallel", "no candidate with sequence parallelism"),
     sw("--distributed-optimizer", "every candidate with ZeRO-1 (default: both tried)"),
     sw("--no-distributed-optimizer", "no candidate with ZeRO-1"),
+    kPartition,
     kCosts,
     integer("--threads", "T", "worker threads (default: the machine's cores)", 1, kMaxThreads, 0),
     kQuiet,
