@@ -89,33 +89,28 @@ TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
                            "published run has checked; --cluster examples/a100-selene.json or "
                            "examples/h100-nemo.json are fitted to published runs "
                            "(docs/planner.md)\n";
-  Result embedded = pipec(llama);
-  ASSERT_EQ(embedded.code, 0) << embedded.err;
-  EXPECT_NE(embedded.out.find("\nnote: the embedded default cluster (no --cluster)" + note),
-            std::string::npos)
-      << embedded.out;
-  Result bare = pipec(llama + "--cluster examples/a100-80g.json");
-  ASSERT_EQ(bare.code, 0) << bare.err;
-  EXPECT_NE(bare.out.find("\nnote: the cluster spec" + note), std::string::npos) << bare.out;
-  for (const std::string &args :
-       {llama + "--cluster examples/h100-nemo.json", compileArgs(""), llama + "--quiet"}) {
+  // `args` prints the note naming `who`, or (who empty) none.
+  auto expectNote = [&](const std::string &args, const std::string &who) {
     Result r = pipec(args);
     ASSERT_EQ(r.code, 0) << args << ": " << r.err;
-    EXPECT_EQ(r.out.find("calibration record"), std::string::npos) << args << ": " << r.out;
-  }
+    if (who.empty())
+      EXPECT_EQ(r.out.find("calibration record"), std::string::npos) << args << ": " << r.out;
+    else
+      EXPECT_NE(r.out.find("\nnote: " + who + note), std::string::npos) << args << ": " << r.out;
+  };
+  const std::string embedded = "the embedded default cluster (no --cluster)";
+  expectNote(llama, embedded);
+  expectNote(llama + "--cluster examples/a100-80g.json", "the cluster spec");
+  for (const std::string &args :
+       {llama + "--cluster examples/h100-nemo.json", compileArgs(""), llama + "--quiet"})
+    expectNote(args, "");
   // import times an order the same way: the same note, the same exceptions.
   const std::string dir = tmpDir(), plan = dir + "/llama.json", csv = dir + "/llama.csv";
   ASSERT_EQ(pipec(llama + "--quiet -o " + plan).code, 0);
   ASSERT_EQ(pipec("export " + plan + " --format torch-csv -o " + csv).code, 0);
   const std::string import = "import " + csv + " --model examples/llama3-8b.json ";
-  Result imported = pipec(import);
-  ASSERT_EQ(imported.code, 0) << imported.err;
-  EXPECT_NE(imported.out.find("\nnote: the embedded default cluster (no --cluster)" + note),
-            std::string::npos)
-      << imported.out;
-  Result calibrated = pipec(import + "--cluster examples/h100-nemo.json");
-  ASSERT_EQ(calibrated.code, 0) << calibrated.err;
-  EXPECT_EQ(calibrated.out.find("calibration record"), std::string::npos) << calibrated.out;
+  expectNote(import, embedded);
+  expectNote(import + "--cluster examples/h100-nemo.json", "");
 }
 
 TEST(CliTest, ALayoutOverTheDeviceIsWarnedAboutUnderTheClustersMemoryRule) {
