@@ -1310,6 +1310,23 @@ llvm::Error Search::explainNoLayout() const {
                       "layouts without context parallelism",
                       cps, o.gpus, o.globalBatch);
   }
+  // Layouts passed every rule but --partition even's: that flag is at fault; the pipeline
+  // sizes of this GPU count whose stages can divide the blocks are the fix besides dropping it.
+  if (o.evenPartition && llvm::any_of(cands, [](const PlanCandidate &c) {
+        return llvm::StringRef(c.why).startswith("--partition even");
+      })) {
+    const bool transformer = model.isTransformer();
+    const int64_t units = int64_t(model.layers.size()) - (transformer ? 2 : 0);
+    std::string pps;
+    for (int pp = 1; pp <= o.gpus && pp <= units; ++pp)
+      if (o.gpus % pp == 0 && units % pp == 0)
+        pps += (pps.empty() ? "" : ",") + std::to_string(pp);
+    return inputError("--partition even: no layout of {} GPUs{} has stages (pp x vpp) that "
+                      "divide the model's {} {}; try --partition balanced{}",
+                      o.gpus, o.ppSizes.empty() ? std::string() : " at the --pp sizes given", units,
+                      transformer ? "blocks" : "layers",
+                      pps.empty() ? std::string() : ", or --pp " + pps);
+  }
   // No candidate passed the structural checks. Find the flag at fault and the nearest values
   // that pass, by arithmetic on the same rules enumerate() applies (tp, pp, dp = GPUs/(tp·pp)
   // dividing the batch into microbatches, a schedule taking pp and their count), never by

@@ -1537,6 +1537,13 @@ TEST(PlannerCliTest, PartitionEvenPlansWithMegatronsSplitOnly) {
   ASSERT_EQ(c.code, 0) << c.err;
   auto compiled = nlohmann::json::parse(testing::slurp(again));
   EXPECT_EQ(compiled["stages"], plan["stages"]);
+  // Where the split alone leaves no layout, the one line blames it and names what divides.
+  Result none = run("tools/pipec plan --model examples/llama3-8b.json --gpus 6 --global-batch 36 "
+                    "--pp 3 --partition even");
+  EXPECT_EQ(none.code, 2) << none.out << none.err;
+  EXPECT_EQ(none.err, "pipec: error: --partition even: no layout of 6 GPUs at the --pp sizes "
+                      "given has stages (pp x vpp) that divide the model's 32 blocks; try "
+                      "--partition balanced, or --pp 1,2\n");
 }
 
 TEST(PlannerCliTest, OutOfMemoryHintsAreOnesThatCanHelp) {
