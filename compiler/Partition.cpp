@@ -248,7 +248,7 @@ public:
     if (given.empty() && ctx.options.evenPartition) {
       auto even = evenStageEnds(model, numStages);
       if (!even) {
-        int64_t units = model.isTransformer() ? numLayers - 2 : numLayers;
+        const int64_t units = evenSplitUnits(model);
         return inputError("--partition even: the model's {} {} do not split evenly into {} "
                           "stages (--pp {} x --vpp {}); try --partition balanced, or a --pp and "
                           "--vpp whose product divides {}",
@@ -275,11 +275,15 @@ public:
 
 } // namespace
 
+int64_t evenSplitUnits(const ModelSpec &model) {
+  // A transformer's layer list is the embedding, its blocks and the head.
+  return int64_t(model.layers.size()) - (model.isTransformer() ? 2 : 0);
+}
+
 std::optional<std::vector<int>> evenStageEnds(const ModelSpec &model, int stages, bool unitsRule) {
   const int64_t layers = int64_t(model.layers.size());
-  // A transformer's layer list is the embedding, its blocks and the head.
   const bool transformer = model.isTransformer();
-  const int64_t units = !transformer ? layers : unitsRule ? layers : layers - 2;
+  const int64_t units = unitsRule ? layers : evenSplitUnits(model);
   if (stages < 1 || units < stages || units % stages != 0)
     return std::nullopt;
   const int64_t per = units / stages, offset = transformer && !unitsRule ? 1 : 0;

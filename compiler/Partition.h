@@ -33,6 +33,10 @@ llvm::Error checkLayerTimesAddUp(const ModelSpec &model, llvm::ArrayRef<double> 
 /// squares, then earliest cuts); returns the end of each range. Needs parts <= cost.size().
 std::vector<int> exactPartition(llvm::ArrayRef<double> cost, int parts);
 
+/// What --partition even divides among the stages: a transformer's blocks (its layer list less
+/// the embedding and the head), an abstract model's layers.
+int64_t evenSplitUnits(const ModelSpec &model);
+
 /// The even split Megatron-LM and NeMo make by default (`--partition even`): the same number of
 /// transformer blocks in every stage, the embedding with the first and the head with the last;
 /// with `unitsRule`, the embedding and the head count as a block each (the zero-bubble paper's,

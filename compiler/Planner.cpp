@@ -548,11 +548,11 @@ void Search::enumerate() {
                     c.outcome = Outcome::Divisibility;
                     c.why = fmt::format("pp {} x vpp {} stages exceed the model's {} layers", pp,
                                         vpp, numLayers);
-                  } else if (o.evenPartition && !evenStageEnds(model, pp * vpp)) {
+                  } else if (o.evenPartition && evenSplitUnits(model) % (pp * vpp) != 0) {
                     c.outcome = Outcome::Divisibility;
                     c.why = fmt::format("--partition even: pp {} x vpp {} stages do not divide "
                                         "the model's {} {}",
-                                        pp, vpp, model.isTransformer() ? numLayers - 2 : numLayers,
+                                        pp, vpp, evenSplitUnits(model),
                                         model.isTransformer() ? "blocks" : "layers");
                   } else {
                     CompileOptions co;
@@ -1316,7 +1316,7 @@ llvm::Error Search::explainNoLayout() const {
         return llvm::StringRef(c.why).startswith("--partition even");
       })) {
     const bool transformer = model.isTransformer();
-    const int64_t units = int64_t(model.layers.size()) - (transformer ? 2 : 0);
+    const int64_t units = evenSplitUnits(model);
     std::string pps;
     for (int pp = 1; pp <= o.gpus && pp <= units; ++pp)
       if (o.gpus % pp == 0 && units % pp == 0)
