@@ -364,6 +364,11 @@ std::vector<Case> catalogue() {
   add("PlanCpNotCuttingTheSequence", withTiny,
       "$PIPEC plan --model tiny-gpt.json --gpus 8 --global-batch 16 --cp 1,3",
       "--cp 3 needs seq_length (16)");
+  // The suggestion divides --gpus as well as the sequence (8 would, then fail on 4 GPUs).
+  add("PlanCpSuggestionDividesTheGpus", withTiny,
+      "$PIPEC plan --model tiny-gpt.json --gpus 4 --global-batch 16 --cp 16",
+      "--cp 16 needs seq_length (16) to be a multiple of 2 x 16 (each rank holds two of its 2 x "
+      "cp chunks); try --cp 4");
   add("PlanCpWithNoLayout", withTiny,
       "$PIPEC plan --model tiny-gpt.json --gpus 7 --global-batch 16 --cp 2",
       "--cp 2: no layout tp x cp x pp x dp = 7 GPUs");
@@ -676,6 +681,14 @@ std::vector<Case> catalogue() {
   add("PlanTopologyGpusPerNode2To32",
       planWith([](Json &j) { j["topology"]["gpus_per_node"] = int64_t(1) << 32; }),
       "$PIPEC validate p.json", "$.topology.gpus_per_node: expected an integer in [1, 65536]");
+  // The rank order is derived from the parallel sizes: another one is refused, not ignored.
+  add("PlanTopologyOrderNotPipecs", planWith([](Json &j) { j["topology"]["order"] = "pp-dp-tp"; }),
+      "$PIPERUN p.json",
+      "$.topology.order: expected \"tp-dp-pp\" (pipec's rank order for this plan's $.parallel), "
+      "got string \"pp-dp-tp\"");
+  add("PlanTopologyUnknownField", planWith([](Json &j) { j["topology"]["ordr"] = "tp-dp-pp"; }),
+      "$PIPEC validate p.json",
+      "$.topology.ordr: unknown field (valid fields: order, gpus_per_node)");
   add("PlanStageLayersPastAnyModel",
       planWith([](Json &j) { j["stages"][1]["layers"][1] = int64_t(1) << 40; }),
       "$PIPEC validate p.json", "$.stages[1].layers: expected [first, end) with 0 <= first < end");

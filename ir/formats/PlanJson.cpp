@@ -129,6 +129,11 @@ static void writeNested(llvm::raw_ostream &os, const OJson &value) {
 }
 
 /// Every member of the plan's document but "ranks" (the instruction streams).
+/// The plan's rank order, tp fastest (docs/contracts.md): "topology.order".
+static const char *rankOrder(const ParallelConfig &pc) {
+  return pc.cp > 1 ? "tp-cp-dp-pp" : "tp-dp-pp";
+}
+
 static OJson headerJson(const Plan &plan) {
   OJson j;
   j["format"] = "pipeplan/1";
@@ -156,8 +161,7 @@ static OJson headerJson(const Plan &plan) {
   j["placement"] = toString(plan.placement).str();
   // Global rank of (pp rank r, dp replica d, cp rank c, tp rank t) = ((r*dp + d)*cp + c)*tp + t
   // (Megatron's tp-cp-dp-pp order; tp-dp-pp without cp); node = global rank / gpus_per_node.
-  j["topology"] =
-      OJson{{"order", pc.cp > 1 ? "tp-cp-dp-pp" : "tp-dp-pp"}, {"gpus_per_node", plan.gpusPerNode}};
+  j["topology"] = OJson{{"order", rankOrder(pc)}, {"gpus_per_node", plan.gpusPerNode}};
   j["state_bytes_per_param_byte"] = plan.stateBytesPerParamByte;
   if (plan.optimizerSyncTime > 0)
     j["optimizer_sync_time"] = plan.optimizerSyncTime;
@@ -752,6 +756,8 @@ struct PlanReader {
     if (auto it = j.find("topology"); it != j.end()) {
       if (auto err = r.expectObject(*it, "$.topology"))
         return err;
+      if (auto err = r.onlyKeys(*it, "$.topology", {"order", "gpus_per_node"}))
+        return err;
       int64_t gpn = plan.gpusPerNode;
       if (auto err =
               r.getIntInRange(*it, "$.topology", "gpus_per_node", gpn, false, 1, kMaxGpusPerNode))
@@ -781,6 +787,18 @@ struct PlanReader {
     if (std::optional<std::string> why =
             contextParallelProblem(plan.transformer, plan.parallel, fits))
       return inputError("{}: $.parallel.cp: cp {} {}", r.name(), plan.parallel.cp, *why);
+    // The rank order is derived from the parallel sizes, written for readers: a plan that says
+    // another order would still be placed as this one, so it is refused rather than ignored.
+    if (auto it = j.find("topology"); it != j.end()) {
+      std::string order = rankOrder(plan.parallel);
+      if (auto err = r.getString(*it, "$.topology", "order", order, false))
+        return err;
+      if (order != rankOrder(plan.parallel))
+        return r.fail("$.topology.order",
+                      fmt::format("\"{}\" (pipec's rank order for this plan's $.parallel)",
+                                  rankOrder(plan.parallel)),
+                      &(*it)["order"]);
+    }
     auto slices = j.find("seq_slices");
     size_t k = size_t(plan.parallel.seqSplits);
     if (slices == j.end() || !slices->is_array() || slices->size() != k)
