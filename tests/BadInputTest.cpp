@@ -282,6 +282,11 @@ std::vector<Case> catalogue() {
       "unknown flag --ppp; did you mean --pp?");
   add("FlagGivenTwice", withUniform, kCompileUniform + " --pp 2", "--pp given twice");
   add("FlagWithoutItsValue", withUniform, kCompileUniform + " --tp", "--tp needs a value");
+  // Not "unexpected argument 'x.json'": the next flag is not taken for the missing value.
+  add("FlagWithoutItsValueBeforeAnotherFlag", withUniform, kCompileUniform + " --tp -o x.json",
+      "compile: --tp needs a value; give it as --tp T");
+  add("PiperunFlagWithoutItsValueBeforeAnotherFlag", nullptr,
+      "$PIPERUN p.json --steps --backend cpu", "--steps needs a value; give it as --steps N");
   add("MemoryLimitNotABytes", withUniform, kCompileUniform + " --memory-limit lots",
       "--memory-limit expects a positive byte count");
   add("UnexpectedPositional", withUniform, kCompileUniform + " extra.json",

@@ -134,7 +134,11 @@ llvm::Expected<Args> Args::parse(int argc, char **argv, int first, const Command
       continue;
     }
     if (!hasValue) {
-      if (i + 1 >= argc)
+      // The value left out and the next flag taken for it would be reported as the flag after
+      // it being "unexpected" ('--schedule --pp 3' as '3'): a word that is one of this
+      // command's flags is never a value.
+      llvm::StringRef next = i + 1 < argc ? llvm::StringRef(argv[i + 1]) : llvm::StringRef();
+      if (i + 1 >= argc || (next.startswith("-") && accepted(next.split('=').first)))
         return inputError("{}{} needs a value; give it as {} {}", prefix, name.str(), name.str(),
                           o->example ? o->example : o->value);
       value = argv[++i];
