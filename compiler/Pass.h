@@ -16,6 +16,7 @@
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,8 +95,10 @@ llvm::Error checkCompileOptions(const CompileOptions &options);
 llvm::Error checkCompileOptions(const ModelSpec &model, const CompileOptions &options);
 
 /// --cp against the model: a transformer, one slice per microbatch (no --seq-splits), and a
-/// sequence that cuts into 2·cp chunks; an InputError naming the flag otherwise.
-llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc);
+/// sequence that cuts into 2·cp chunks; an InputError naming the flag otherwise, whose
+/// suggested size also divides `gpus` where that is given (> 0).
+llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc,
+                                 int64_t gpus = 0);
 
 /// Every stage (--pp x --vpp) holds at least one of the model's layers; an InputError naming
 /// the flag to change and a value that fits.

@@ -192,12 +192,12 @@ llvm::Error checkStageCount(const ModelSpec &model, const ParallelConfig &pc) {
                     pc.pp, pc.vpp, stages, layers, fix);
 }
 
-llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc) {
+llvm::Error checkContextParallel(const ModelSpec &model, const ParallelConfig &pc, int64_t gpus) {
   if (pc.cp > 1 && pc.seqSplits > 1)
     return inputError("--cp {} and --seq-splits {} both cut the sequence; give one of them", pc.cp,
                       pc.seqSplits);
   int fits = 1;
-  if (std::optional<std::string> why = contextParallelProblem(model.transformer, pc, fits))
+  if (std::optional<std::string> why = contextParallelProblem(model.transformer, pc, fits, gpus))
     return inputError("--cp {} {}; {}", pc.cp, *why,
                       model.transformer ? fmt::format("try --cp {}", fits) : "drop --cp");
   return llvm::Error::success();

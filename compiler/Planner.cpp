@@ -403,21 +403,9 @@ llvm::Error Search::setUp() {
       return inputError("--cp must list sizes from 1 to {} (got {}); try --cp 1,2", kMaxTpDp, cp);
     ParallelConfig pc;
     pc.cp = cp;
-    int fits = 1;
-    if (std::optional<std::string> why = contextParallelProblem(model.transformer, pc, fits)) {
-      if (!model.transformer)
-        return inputError("--cp {} {}; drop --cp", cp, *why);
-      // The suggestion must also divide --gpus, or it fails again with another suggestion:
-      // the largest size that does both (1 always does).
-      int suggest = 1;
-      for (int c = std::min(cp, o.gpus); c > 1 && suggest == 1; --c) {
-        int unused = 1;
-        pc.cp = c;
-        if (o.gpus % c == 0 && !contextParallelProblem(model.transformer, pc, unused))
-          suggest = c;
-      }
-      return inputError("--cp {} {}; try --cp {}", cp, *why, suggest);
-    }
+    // The suggestion also divides --gpus, or it would fail again with another suggestion.
+    if (llvm::Error err = checkContextParallel(model, pc, o.gpus))
+      return err;
   }
   if (o.costs) {
     // The file says how many stages, sub-sequences and ranks it was measured on, not the

@@ -71,7 +71,8 @@ int64_t Plan::tpAllReduceBytes(int stage, int slice, OpKind phase, int part) con
 }
 
 std::optional<std::string> contextParallelProblem(const std::optional<TransformerConfig> &t,
-                                                  const ParallelConfig &pc, int &fits) {
+                                                  const ParallelConfig &pc, int &fits,
+                                                  int64_t divides) {
   fits = 1;
   if (pc.cp <= 1)
     return std::nullopt;
@@ -85,7 +86,7 @@ std::optional<std::string> contextParallelProblem(const std::optional<Transforme
     return std::nullopt;
   // (Only a refusal looks for the size to suggest.)
   for (int c = 1; c <= pc.cp && c <= seq; ++c)
-    if (passes(c))
+    if (passes(c) && (divides <= 0 || divides % c == 0))
       fits = c;
   if (seq % (2 * int64_t(pc.cp)) != 0)
     return fmt::format("needs seq_length ({}) to be a multiple of 2 x {} (each rank holds two of "

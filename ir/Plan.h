@@ -51,9 +51,11 @@ struct ParallelConfig {
 /// cp is 1), worded to follow "cp N": no transformer, no sequence; a sequence that does not
 /// cut into 2·cp chunks, two per rank (Megatron-LM's causal balance); with sequence parallelism
 /// over tp > 1, a rank's tokens that do not split into tp parts. `fits` gets the largest cp up
-/// to pc.cp that passes (1 at least).
+/// to pc.cp that passes (1 at least) and, where `divides` > 0, divides it (a suggestion that
+/// must also divide a GPU count).
 std::optional<std::string> contextParallelProblem(const std::optional<TransformerConfig> &t,
-                                                  const ParallelConfig &pc, int &fits);
+                                                  const ParallelConfig &pc, int &fits,
+                                                  int64_t divides = 0);
 
 /// Stage-to-rank maps a schedule may choose.
 enum class Placement : uint8_t {

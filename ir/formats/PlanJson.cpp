@@ -128,12 +128,12 @@ static void writeNested(llvm::raw_ostream &os, const OJson &value) {
   }
 }
 
-/// Every member of the plan's document but "ranks" (the instruction streams).
 /// The plan's rank order, tp fastest (docs/contracts.md): "topology.order".
 static const char *rankOrder(const ParallelConfig &pc) {
   return pc.cp > 1 ? "tp-cp-dp-pp" : "tp-dp-pp";
 }
 
+/// Every member of the plan's document but "ranks" (the instruction streams).
 static OJson headerJson(const Plan &plan) {
   OJson j;
   j["format"] = "pipeplan/1";
