@@ -85,10 +85,11 @@ TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
   // note.
   const std::string llama = "compile --model examples/llama3-8b.json --schedule 1f1b --pp 4 "
                             "--microbatches 8 ";
-  const std::string note = " carries no calibration record: these times rest on factors no "
-                           "published run has checked; --cluster examples/a100-selene.json or "
-                           "examples/h100-nemo.json are fitted to published runs "
-                           "(docs/planner.md)\n";
+  // The same sentence as plan's "calibration: none:" line (PlannerTest).
+  const std::string note = " carries no calibration record, so these step times rest on factors "
+                           "no published run has checked; --cluster examples/a100-selene.json "
+                           "or examples/h100-nemo.json are fitted to published runs "
+                           "(docs/planner.md#calibration-out-of-sample)\n";
   // `args` prints the note naming `who`, or (who empty) none.
   auto expectNote = [&](const std::string &args, const std::string &who) {
     Result r = pipec(args);

@@ -417,16 +417,21 @@ llvm::Error cmdExport(int argc, char **argv) {
   return llvm::Error::success();
 }
 
+std::string uncalibratedClusterSentence(bool defaultCluster) {
+  return fmt::format("{} carries no calibration record, so these step times rest on factors no "
+                     "published run has checked; --cluster examples/a100-selene.json or "
+                     "examples/h100-nemo.json are fitted to published runs "
+                     "(docs/planner.md#calibration-out-of-sample)",
+                     defaultCluster ? "the embedded default cluster (no --cluster)"
+                                    : "the cluster spec");
+}
+
 void printCalibrationNote(const Args &args, const Plan &plan, const ClusterSpec &cluster) {
   // A transformer's times ("ms"; an abstract model's are its own units) from a cluster spec no
   // published run has checked.
   if (plan.timeUnit != "ms" || args.has("--costs") || !cluster.heldOutErrorBySchedule.empty())
     return;
-  fmt::print("note: {} carries no calibration record: these times rest on factors no published "
-             "run has checked; --cluster examples/a100-selene.json or examples/h100-nemo.json "
-             "are fitted to published runs (docs/planner.md)\n",
-             args.has("--cluster") ? "the cluster spec"
-                                   : "the embedded default cluster (no --cluster)");
+  fmt::print("note: {}\n", uncalibratedClusterSentence(!args.has("--cluster")));
 }
 
 llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {

@@ -21,6 +21,7 @@
 #include "llvm/ADT/StringRef.h"
 #include "llvm/Support/Error.h"
 
+#include <string>
 #include <vector>
 
 namespace pipec {
@@ -77,9 +78,16 @@ llvm::Expected<PlanSearch> planWithFlags(const Args &args);
 std::string importReport(const ImportedOrder &order, const ImportResult &result,
                          llvm::StringRef source);
 
+/// The one sentence compile, import and plan print of a transformer timed (not from --costs)
+/// on a cluster spec without a calibration record: "the cluster spec carries no calibration
+/// record, so these step times rest on factors no published run has checked; --cluster ...
+/// (docs/planner.md#calibration-out-of-sample)", naming the embedded default when
+/// `defaultCluster` (no --cluster given). No newline.
+std::string uncalibratedClusterSentence(bool defaultCluster);
+
 /// Under the summary of compile and import: a transformer plan timed (not from --costs) on a
 /// cluster spec without a calibration record, the embedded default among them, says so in one
-/// note naming the calibrated specs.
+/// note ("note: " and uncalibratedClusterSentence).
 void printCalibrationNote(const Args &args, const Plan &plan, const ClusterSpec &cluster);
 
 /// The summary `pipec compile` prints (pipec.cpp's printSummary), passed in so that export

@@ -43,12 +43,7 @@ static std::string calibrationLine(const ClusterSpec &cluster, const PlannerResu
   if (cluster.heldOutErrorBySchedule.empty()) {
     if (!transformer || measuredOnly)
       return "";
-    return fmt::format("calibration: none: {} carries no calibration record, so these step "
-                       "times rest on factors no published run has checked; "
-                       "--cluster examples/a100-selene.json or examples/h100-nemo.json are "
-                       "fitted to published runs (docs/planner.md#calibration-out-of-sample)\n",
-                       defaultCluster ? "the embedded default cluster (no --cluster)"
-                                      : "the cluster spec");
+    return "calibration: none: " + uncalibratedClusterSentence(defaultCluster) + "\n";
   }
   std::vector<std::string> checked, unchecked, seen;
   for (size_t i : result.ranked) {
