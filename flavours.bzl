@@ -185,10 +185,26 @@ def cuda_test(
         tags = [],
         **kwargs):
     """A cc_test in each of `flavours` (and an "_async" variant of those in `async_flavours`).
-    `args`, `size` and `shard_count` may be given by flavour (a dict)."""
+    `args`, `size` and `shard_count` may be given by flavour (a dict).
+
+    Each flavour's sources are compiled once, into the testonly library NAME_FLAVOUR_lib
+    (`name` + the flavour's suffix + "_lib", alwayslink), which that flavour's test and its
+    "_async" variant link: the two differ only in their environment. Another declaration that
+    runs the same sources in the same flavour with other args or env links that library too
+    (`srcs = []`, `deps = [":NAME_FLAVOUR_lib"]`) instead of compiling them again."""
     if not HAS_CUDA:
         return
     for flavour in flavours:
+        library = flavoured(name, flavour) + "_lib"
+        native.cc_library(
+            name = library,
+            testonly = True,
+            srcs = srcs + flavour_srcs.get(flavour, []),
+            copts = PIPE_COPTS,
+            local_defines = _DEFINES[flavour],
+            alwayslink = True,
+            deps = _deps(flavour, deps, flavoured_deps, flavour_deps),
+        )
         modes = [("", {})]
         if flavour in async_flavours:
             modes.append(("_async", {"PIPEC_EMU_ASYNC": "1"}))
@@ -199,15 +215,12 @@ def cuda_test(
             test_env.update(mode_env)
             native.cc_test(
                 name = flavoured(name, flavour) + mode,
-                srcs = srcs + flavour_srcs.get(flavour, []),
                 args = _pick(args, flavour) or [],
-                copts = PIPE_COPTS,
                 env = test_env,
-                local_defines = _DEFINES[flavour],
                 shard_count = _pick(shard_count, flavour),
                 size = _pick(size, flavour) or "small",
                 tags = tags + (["requires-gpu"] if flavour == "gpu" else []),
-                deps = _deps(flavour, deps, flavoured_deps, flavour_deps),
+                deps = [":" + library],
                 **kwargs
             )
 

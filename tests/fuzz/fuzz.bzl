@@ -2,7 +2,8 @@
 
     pipec_fuzz_test(name = "plan_fuzzer", src = "PlanFuzzer.cpp", deps = [...], seeds = [...])
 
-declares `name`_bin, the target linked with ReplayMain.cpp in the normal build and with
+declares `name`_bin, the target linked with ReplayMain.cpp (//tests/fuzz:replay_main, compiled
+once for all of them) in the normal build and with
 libFuzzer's main under --config=asan (define pipec_fuzz=libfuzzer), and the test `name`, which
 runs the seeds once (normal build) or fuzzes from them for PIPEC_FUZZ_SECONDS (asan).
 
@@ -27,16 +28,16 @@ def pipec_fuzz_test(name, src, deps, seeds = [], plans = None, size = "medium"):
     native.cc_binary(
         name = name + "_bin",
         testonly = True,
-        srcs = [src, "FuzzTarget.h", "TinyHfModels.h"] + select({
-            ":libfuzzer": [],
-            "//conditions:default": ["ReplayMain.cpp"],
-        }),
+        srcs = [src, "FuzzTarget.h", "TinyHfModels.h"],
         copts = PIPE_COPTS,
         linkopts = select({
             ":libfuzzer": ["-fsanitize=fuzzer"],
             "//conditions:default": [],
         }),
-        deps = deps + ["@llvm//:support"],
+        deps = deps + ["@llvm//:support"] + select({
+            ":libfuzzer": [],
+            "//conditions:default": ["//tests/fuzz:replay_main"],
+        }),
     )
     native.sh_test(
         name = name,
