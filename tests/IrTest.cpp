@@ -233,6 +233,39 @@ TEST(ModelSpecTest, UnknownFieldsAreRejectedWithTheValidOnes) {
       << msg;
 }
 
+TEST(ModelSpecTest, ATransformersFieldsOutOfPlaceSayWhereTheyGo) {
+  // Written flat, as a Megatron-LM argument list or a config.json would have them: the error
+  // says they go under "transformer", not only that the top level has no such field.
+  auto flat = parseModelSpec(R"({"format": "pipemodel/1", "num_layers": 32, "hidden_size": 4096,
+    "num_attention_heads": 32, "vocab_size": 32000, "seq_length": 4096})",
+                             "m.json");
+  EXPECT_EQ(errorText(flat.takeError()),
+            "m.json: $.hidden_size: a transformer's field at the top level; a transformer "
+            "model's fields go under \"transformer\" ({\"format\": \"pipemodel/1\", "
+            "\"transformer\": {\"num_layers\": ...}}, as in examples/llama3-8b.json; pipec "
+            "spec --from-hf config.json writes one)");
+  // A config.json's names, at the top level too, and under "transformer".
+  auto hfTop = parseModelSpec(R"({"num_hidden_layers": 32})", "m.json");
+  EXPECT_NE(errorText(hfTop.takeError()).find("$.num_hidden_layers: a transformer's field"),
+            std::string::npos);
+  auto hf = parseModelSpec(R"({"format": "pipemodel/1", "transformer": {"num_layers": 2,
+    "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "seq_length": 16,
+    "num_key_value_heads": 2}})",
+                           "m.json");
+  EXPECT_EQ(errorText(hf.takeError()),
+            "m.json: $.transformer.num_key_value_heads: a Hugging Face config's name; pipec's "
+            "field is \"num_query_groups\" (pipec spec --from-hf config.json writes the whole "
+            "spec)");
+  // An abstract model's seq_length is its own; another format is named as what it is.
+  auto abstract = parseModelSpec(R"({"format": "pipemodel/1", "seq_length": 8,
+    "layers": [{"forward": 1, "backward_input": 1, "backward_weight": 1}]})",
+                                 "m.json");
+  EXPECT_TRUE(static_cast<bool>(abstract)) << errorText(abstract.takeError());
+  auto cluster = parseModelSpec(R"({"format": "pipecluster/1", "hidden_size": 1})", "c.json");
+  EXPECT_EQ(errorText(cluster.takeError()),
+            "c.json: $.format: expected \"pipemodel/1\", got \"pipecluster/1\" (a cluster spec)");
+}
+
 TEST(ModelSpecTest, MissingFileNamesThePath) {
   auto m = loadModelSpec("/nonexistent/model.json");
   EXPECT_EQ(errorText(m.takeError()),

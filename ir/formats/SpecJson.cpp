@@ -5,11 +5,13 @@
 #include "ir/support/Files.h"
 #include "ir/support/Limits.h"
 
+#include "llvm/ADT/STLExtras.h"
 #include "llvm/Support/Path.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace pipec {
 
@@ -254,33 +256,65 @@ static llvm::Error parseAbstractLayers(const JsonReader &r, const Json &j, Model
   return r.getInt(j, "$", "seq_length", m.seqLength, false, 1);
 }
 
+/// The fields of a model spec's "transformer" object.
+static constexpr llvm::StringRef kTransformerFields[] = {"num_layers",
+                                                         "hidden_size",
+                                                         "num_attention_heads",
+                                                         "ffn_hidden_size",
+                                                         "vocab_size",
+                                                         "seq_length",
+                                                         "microbatch_size",
+                                                         "dtype",
+                                                         "tie_embeddings",
+                                                         "attention",
+                                                         "recompute",
+                                                         "norm",
+                                                         "mlp",
+                                                         "position",
+                                                         "rope_theta",
+                                                         "num_query_groups",
+                                                         "bias",
+                                                         "norm_eps",
+                                                         "gemm_precision",
+                                                         "attention_dropout",
+                                                         "hidden_dropout"};
+
+/// Hugging Face config.json names (Llama's and GPT-2's) of transformer fields, with pipec's.
+static constexpr std::pair<llvm::StringRef, llvm::StringRef> kHfFieldNames[] = {
+    {"num_hidden_layers", "num_layers"},
+    {"n_layer", "num_layers"},
+    {"n_embd", "hidden_size"},
+    {"num_heads", "num_attention_heads"},
+    {"n_head", "num_attention_heads"},
+    {"intermediate_size", "ffn_hidden_size"},
+    {"n_inner", "ffn_hidden_size"},
+    {"num_key_value_heads", "num_query_groups"},
+    {"max_position_embeddings", "seq_length"},
+    {"n_positions", "seq_length"},
+    {"tie_word_embeddings", "tie_embeddings"},
+    {"torch_dtype", "dtype"},
+    {"rms_norm_eps", "norm_eps"},
+    {"layer_norm_epsilon", "norm_eps"}};
+
+/// pipec's name of a transformer field `key` spelled as a Hugging Face config spells it, or "".
+static llvm::StringRef pipecFieldOf(llvm::StringRef key) {
+  for (const auto &[hf, ours] : kHfFieldNames)
+    if (key == hf)
+      return ours;
+  return "";
+}
+
 static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpec &m) {
   const Json &t = j["transformer"];
   const char *path = "$.transformer";
   if (auto err = r.expectObject(t, path))
     return err;
-  if (auto err = r.onlyKeys(t, path,
-                            {"num_layers",
-                             "hidden_size",
-                             "num_attention_heads",
-                             "ffn_hidden_size",
-                             "vocab_size",
-                             "seq_length",
-                             "microbatch_size",
-                             "dtype",
-                             "tie_embeddings",
-                             "attention",
-                             "recompute",
-                             "norm",
-                             "mlp",
-                             "position",
-                             "rope_theta",
-                             "num_query_groups",
-                             "bias",
-                             "norm_eps",
-                             "gemm_precision",
-                             "attention_dropout",
-                             "hidden_dropout"}))
+  for (auto it = t.begin(); it != t.end(); ++it)
+    if (llvm::StringRef ours = pipecFieldOf(it.key()); !ours.empty())
+      return inputError("{}: $.transformer.{}: a Hugging Face config's name; pipec's field is "
+                        "\"{}\" (pipec spec --from-hf config.json writes the whole spec)",
+                        r.name(), it.key(), ours.str());
+  if (auto err = r.onlyKeys(t, path, kTransformerFields))
     return err;
   TransformerConfig c;
   if (auto err = r.getInt(t, path, "num_layers", c.numLayers, true, 1))
@@ -399,12 +433,27 @@ static llvm::Error parseTransformer(const JsonReader &r, const Json &j, ModelSpe
 
 llvm::Expected<ModelSpec> parseModelSpec(llvm::StringRef text, llvm::StringRef source) {
   JsonReader r(source);
-  auto parsed = r.parseDocument(text, "pipemodel/1",
-                                {"format", "name", "layers", "transformer", "p2p_time",
-                                 "allreduce_time", "seq_length", "state_bytes_per_param_byte"});
+  auto parsed = r.parseObject(text);
   if (!parsed)
     return parsed.takeError();
   const Json &j = *parsed;
+  // A transformer's fields written at the top level (or a config.json's): say where they go,
+  // before the list of the top level's own fields would.
+  auto format = j.find("format");
+  bool ours = format == j.end() || (format->is_string() && *format == "pipemodel/1");
+  if (ours && !j.contains("layers") && !j.contains("transformer"))
+    for (auto it = j.begin(); it != j.end(); ++it)
+      if (it.key() != "seq_length" &&
+          (llvm::is_contained(kTransformerFields, it.key()) || !pipecFieldOf(it.key()).empty()))
+        return inputError("{}: $.{}: a transformer's field at the top level; a transformer "
+                          "model's fields go under \"transformer\" ({{\"format\": "
+                          "\"pipemodel/1\", \"transformer\": {{\"num_layers\": ...}}}}, as in "
+                          "examples/llama3-8b.json; pipec spec --from-hf config.json writes one)",
+                          source.str(), it.key());
+  if (auto err = r.expectDocument(j, "pipemodel/1",
+                                  {"format", "name", "layers", "transformer", "p2p_time",
+                                   "allreduce_time", "seq_length", "state_bytes_per_param_byte"}))
+    return err;
   ModelSpec m;
   m.name = llvm::sys::path::stem(source).str();
   if (auto err = r.getName(j, "$", "name", m.name, false))
