@@ -1576,22 +1576,17 @@ std::string plannerCsv(const ModelSpec &model, const ClusterSpec &cluster,
     }
     return q + "\"";
   };
-  double seq = model.transformer ? double(model.transformer->seqLength) : 0;
   for (const PlanCandidate &c : result.candidates) {
     const ParallelConfig &pc = c.parallel;
     std::string time, bound, bubble, tokens, tflops, mfu;
     if (c.simulated) {
       time = fmt::format("{:.6g}", c.stepTime);
       bubble = fmt::format("{:.4f}", c.bubble);
-      if (model.transformer && c.stepTime > 0) {
-        double seconds = c.stepTime / 1000;
-        tokens = fmt::format("{:.6g}", double(options.globalBatch) * seq / seconds);
-        double flops =
-            modelVariant(model, c.microbatchSize, c.recompute).modelFlopsPerMicrobatch() *
-            pc.microbatches * pc.dp;
-        double perGpu = flops / seconds / options.gpus;
-        tflops = fmt::format("{:.4g}", perGpu / 1e12);
-        mfu = fmt::format("{:.4f}", perGpu / (cluster.peakTflops * 1e12));
+      if (auto th = stepThroughput(modelVariant(model, c.microbatchSize, c.recompute), pc,
+                                   c.stepTime, cluster.peakTflops)) {
+        tokens = fmt::format("{:.6g}", th->tokensPerSecond);
+        tflops = fmt::format("{:.4g}", th->tflopsPerGpu);
+        mfu = fmt::format("{:.4f}", th->mfu);
       }
     }
     if (c.stepTimeBound > 0)

@@ -70,6 +70,22 @@ int64_t Plan::tpAllReduceBytes(int stage, int slice, OpKind phase, int part) con
   return tokens * t.hiddenSize * t.dtypeBytes();
 }
 
+std::optional<StepThroughput> stepThroughput(const ModelSpec &model, const ParallelConfig &pc,
+                                             double stepMs, double peakTflops) {
+  if (!model.transformer || !(stepMs > 0))
+    return std::nullopt;
+  const TransformerConfig &t = *model.transformer;
+  double seconds = stepMs / 1000, sequences = double(pc.microbatches) * pc.dp * t.microbatchSize;
+  double gpus = double(pc.tp) * pc.cp * pc.pp * pc.dp;
+  StepThroughput out;
+  out.tokensPerSecond = sequences * double(t.seqLength) / seconds;
+  out.tokensPerSecondPerGpu = out.tokensPerSecond / gpus;
+  double perGpu = model.modelFlopsPerMicrobatch() * pc.microbatches * pc.dp / seconds / gpus;
+  out.tflopsPerGpu = perGpu / 1e12;
+  out.mfu = peakTflops > 0 ? perGpu / (peakTflops * 1e12) : 0;
+  return out;
+}
+
 std::optional<std::string> contextParallelProblem(const std::optional<TransformerConfig> &t,
                                                   const ParallelConfig &pc, int &fits,
                                                   int64_t divides) {

@@ -57,6 +57,20 @@ std::optional<std::string> contextParallelProblem(const std::optional<Transforme
                                                   const ParallelConfig &pc, int &fits,
                                                   int64_t divides = 0);
 
+/// A training step's throughput, as published runs report it: tokens per second over all the
+/// GPUs and per GPU, model FLOP/s per GPU (Model::modelFlopsPerMicrobatch: no recomputation
+/// counted) and that as a fraction of the device's peak (MFU).
+struct StepThroughput {
+  double tokensPerSecond = 0, tokensPerSecondPerGpu = 0, tflopsPerGpu = 0, mfu = 0;
+};
+
+/// The throughput of a step of `stepMs` milliseconds that runs pc.microbatches microbatches of
+/// `model` (its microbatch size and sequence length) on each of pc.dp replicas, on
+/// tp·cp·pp·dp GPUs of `peakTflops` each (mfu 0 where that is 0); nullopt for an abstract
+/// model or a step of no time.
+std::optional<StepThroughput> stepThroughput(const ModelSpec &model, const ParallelConfig &pc,
+                                             double stepMs, double peakTflops);
+
 /// Stage-to-rank maps a schedule may choose.
 enum class Placement : uint8_t {
   Loop,   // stage s on rank s % P

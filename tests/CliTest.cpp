@@ -78,6 +78,39 @@ TEST(CliTest, CompileWritesAPlanAndPrintsTheSummary) {
   EXPECT_EQ(j["ranks"].size(), 4u);
 }
 
+TEST(CliTest, ATransformersSummaryGivesThroughputAsPublishedRunsDo) {
+  // GPT-3 175B at tp 4, pp 8 (6 virtual stages), dp 16 on the H100 spec: tokens/s from the
+  // printed step time, and model FLOP/s per GPU from the closed form of contracts.md (per
+  // microbatch of b sequences of s tokens: each block 3·b·s·(8h² + 4hf) for its matrices plus
+  // 12·h·b·Σ(t+1) for causal attention, the head 3·2·b·s·h·v), not from pipec's own count.
+  Result r = pipec("compile --model examples/gpt3-175b.json --cluster examples/h100-nemo.json "
+                   "--schedule interleaved-1f1b --pp 8 --vpp 6 --tp 4 --dp 16 --microbatches 128 "
+                   "--sequence-parallel --distributed-optimizer");
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::smatch step, th;
+  ASSERT_TRUE(std::regex_search(r.out, step, std::regex("step time ([0-9.]+) ms\n"))) << r.out;
+  ASSERT_TRUE(std::regex_search(
+      r.out, th,
+      std::regex("\nthroughput: ([0-9]+) tokens/s \\(([0-9]+) per GPU\\), ([0-9.]+) TFLOP/s per "
+                 "GPU of model FLOPs, MFU ([0-9.]+)% of the H100-SXM5-80GB's 989 TFLOP/s\n")))
+      << r.out;
+  const double seconds = std::stod(step[1]) / 1000, gpus = 4 * 8 * 16;
+  const double l = 96, h = 12288, f = 49152, v = 51200, s = 2048, b = 1, m = 128, dp = 16;
+  const double tokens = m * dp * b * s / seconds;
+  EXPECT_NEAR(std::stod(th[1]), tokens, 1);
+  EXPECT_NEAR(std::stod(th[2]), tokens / gpus, 1);
+  const double perMicrobatch =
+      l * (3 * b * s * (8 * h * h + 4 * h * f) + 12 * h * b * s * (s + 1) / 2) +
+      3 * 2 * b * s * h * v;
+  const double tflops = perMicrobatch * m * dp / seconds / gpus / 1e12;
+  EXPECT_NEAR(std::stod(th[3]), tflops, 0.06);
+  EXPECT_NEAR(std::stod(th[4]), 100 * tflops / 989, 0.06);
+  // An abstract model's times are its own units: no line.
+  Result abstract = pipec(compileArgs(""));
+  ASSERT_EQ(abstract.code, 0) << abstract.err;
+  EXPECT_EQ(abstract.out.find("throughput:"), std::string::npos) << abstract.out;
+}
+
 TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
   // The embedded default cluster and a spec without a calibration record time a transformer
   // with factors no published run has checked: compile and import say so under the summary and

@@ -157,7 +157,8 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   return o;
 }
 
-llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut) {
+llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut,
+                                      ModelSpec *modelOut) {
   auto o = compileOptionsFromFlags(args);
   if (!o)
     return o.takeError();
@@ -184,12 +185,14 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut)
     return err;
   if (clusterOut)
     *clusterOut = cluster;
+  if (modelOut)
+    *modelOut = std::move(model);
   return plan;
 }
 
 llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef text,
                                              llvm::StringRef source, ClusterSpec *clusterOut,
-                                             ImportedOrder *orderOut) {
+                                             ImportedOrder *orderOut, ModelSpec *modelOut) {
   ImportOptions o;
   if (auto err = intsAndLimitFromFlags(args,
                                        {{"--vpp", &o.vpp},
@@ -216,6 +219,8 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
     *clusterOut = cluster;
   if (orderOut)
     *orderOut = std::move(*order);
+  if (modelOut)
+    *modelOut = std::move(model);
   return result;
 }
 
@@ -459,7 +464,8 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
     return text.takeError();
   ClusterSpec cluster;
   ImportedOrder order;
-  auto result = importWithFlags(*args, *text, source, &cluster, &order);
+  ModelSpec model;
+  auto result = importWithFlags(*args, *text, source, &cluster, &order, &model);
   if (!result)
     return result.takeError();
   const Plan &plan = result->plan;
@@ -479,7 +485,7 @@ llvm::Error cmdImport(int argc, char **argv, SummaryPrinter printSummary) {
     return llvm::Error::success();
   if (!args->has("--quiet")) {
     fmt::print("{}", importReport(order, *result, source));
-    printSummary(plan, &cluster);
+    printSummary(plan, &cluster, &model);
     printCalibrationNote(*args, plan, cluster);
   }
   if (args->has("--show"))

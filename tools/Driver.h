@@ -48,13 +48,15 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args);
 
 /// `pipec compile`: a verified, simulated plan (the model under --recompute where given), or
 /// the CLI's error (an InputError for bad flags, a Finding for a plan over --memory-limit).
-llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut = nullptr);
+llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut = nullptr,
+                                      ModelSpec *modelOut = nullptr);
 
 /// `pipec import`: `text` (read from `source`) compiled for --model with the other flags.
 llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef text,
                                              llvm::StringRef source,
                                              ClusterSpec *clusterOut = nullptr,
-                                             ImportedOrder *orderOut = nullptr);
+                                             ImportedOrder *orderOut = nullptr,
+                                             ModelSpec *modelOut = nullptr);
 
 /// `pipec plan`'s options: --gpus and --global-batch (required), --top, --max-vpp, --threads,
 /// --memory-limit, the lists to try and the switches, each checked.
@@ -92,7 +94,7 @@ void printCalibrationNote(const Args &args, const Plan &plan, const ClusterSpec 
 
 /// The summary `pipec compile` prints (pipec.cpp's printSummary), passed in so that export
 /// and import live outside pipec.cpp.
-using SummaryPrinter = void (*)(const Plan &, const ClusterSpec *);
+using SummaryPrinter = void (*)(const Plan &, const ClusterSpec *, const ModelSpec *);
 
 /// pipec export plan.json --format torch-csv|torch-csv-comms [-o sched.csv]
 llvm::Error cmdExport(int argc, char **argv);

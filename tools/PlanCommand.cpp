@@ -167,12 +167,11 @@ llvm::Error runPlanCommand(int argc, char **argv) {
     const PlanCandidate &c = result->candidates[result->ranked[i]];
     const ParallelConfig &pc = c.parallel;
     std::string tokens = "-", tflops = "-", mfu = "-";
-    if (transformer) {
-      double s = c.stepTime / 1000;
-      tokens = fmt::format("{:.0f}", double(result->tokensPerStep) / s);
-      double perGpu = result->modelFlops[i] / s / o.gpus;
-      tflops = fmt::format("{:.1f}", perGpu / 1e12);
-      mfu = fmt::format("{:.1f}%", 100 * perGpu / (cluster.peakTflops * 1e12));
+    if (auto th = stepThroughput(modelVariant(*model, c.microbatchSize, c.recompute), pc,
+                                 c.stepTime, cluster.peakTflops)) {
+      tokens = fmt::format("{:.0f}", th->tokensPerSecond);
+      tflops = fmt::format("{:.1f}", th->tflopsPerGpu);
+      mfu = fmt::format("{:.1f}%", 100 * th->mfu);
     }
     fmt::print("{:>3}  {:<19} {:>3}{} {:>3} {:>3} {:>4} {:>3} {:>5} {:>2}  {:<9} {:<3} {:<4} "
                "{:>13.3f} {:>10} {:>8} {:>6} {:>6.1f}% {:>11} {:>10}{}\n",

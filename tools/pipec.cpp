@@ -35,7 +35,7 @@ static llvm::Error dispatch(llvm::StringRef cmd, int argc, char **argv);
 namespace {
 
 /// One line for exit 2, the diagnostic for exit 1.
-void printSummary(const Plan &plan, const ClusterSpec *cluster) {
+void printSummary(const Plan &plan, const ClusterSpec *cluster, const ModelSpec *model) {
   const ParallelConfig &pc = plan.parallel;
   fmt::print("plan: {} on {}: pp={} vpp={} tp={}{} dp={} microbatches={} seq-splits={} ({} "
              "placement)\n",
@@ -75,6 +75,14 @@ void printSummary(const Plan &plan, const ClusterSpec *cluster) {
       worst = &r;
   fmt::print("\nmakespan {:.4f} {}, bubble ratio {:.4f}, step time {:.4f} {}\n", st.makespan,
              plan.timeUnit, st.bubbleRatio, st.stepTime, plan.timeUnit);
+  // As published runs report a step: tokens per second, model FLOP/s per GPU and MFU (what
+  // pipec plan's columns show).
+  if (model && cluster && plan.timeUnit == "ms")
+    if (auto th = stepThroughput(*model, plan.parallel, st.stepTime, cluster->peakTflops))
+      fmt::print("throughput: {:.0f} tokens/s ({:.0f} per GPU), {:.1f} TFLOP/s per GPU of model "
+                 "FLOPs, MFU {:.1f}% of the {}'s {:.0f} TFLOP/s\n",
+                 th->tokensPerSecond, th->tokensPerSecondPerGpu, th->tflopsPerGpu, 100 * th->mfu,
+                 cluster->deviceName, cluster->peakTflops);
   if (worst)
     fmt::print("peak memory: rank {} with {} (weights, grads and optimizer state {})\n",
                worst->rank, humanBytes(worst->peakMemoryBytes), humanBytes(worst->staticBytes));
@@ -118,7 +126,8 @@ llvm::Error cmdCompile(int argc, char **argv) {
       if (auto err = checkOutputPath(flag, *path, inputs))
         return err;
   ClusterSpec cluster;
-  auto plan = compileWithFlags(*args, &cluster);
+  ModelSpec model;
+  auto plan = compileWithFlags(*args, &cluster, &model);
   if (!plan)
     return plan.takeError();
   // Outputs are written only once everything has passed, all or nothing.
@@ -140,7 +149,7 @@ llvm::Error cmdCompile(int argc, char **argv) {
   if (toStdout) // the summary would corrupt the file on standard output
     return llvm::Error::success();
   if (!args->has("--quiet")) {
-    printSummary(*plan, &cluster);
+    printSummary(*plan, &cluster, &model);
     printCalibrationNote(*args, *plan, cluster);
   }
   if (args->has("--show"))
@@ -202,7 +211,7 @@ llvm::Error cmdSimulate(int argc, char **argv) {
     if (*t == "-") // the summary would corrupt the trace on standard output
       return llvm::Error::success();
   }
-  printSummary(*plan, nullptr);
+  printSummary(*plan, nullptr, nullptr);
   if (auto t = args->get("--trace"))
     fmt::print("wrote {}\n", *t);
   return llvm::Error::success();
