@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -79,6 +80,10 @@ Args parseFlags(const std::vector<std::string> &flags, llvm::StringRef command) 
 struct PyPlan {
   Plan plan;
   std::string importReport;
+  /// What compile, import and plan compiled it from (none for a plan read from JSON): the
+  /// model, as that plan's microbatches ran it, and the device's peak, for its throughput.
+  std::shared_ptr<const ModelSpec> modelSpec;
+  double peakTflops = 0;
 };
 
 /// The files a Python call read, as (argument, path) pairs, for the check of its outputs.
@@ -228,7 +233,14 @@ py::dict planDict(PlanSearch &search) {
   out["memory_limit"] = r.memoryLimit;
   out["min_headroom"] = r.minHeadroom;
   out["tokens_per_step"] = r.tokensPerStep;
-  out["best"] = PyPlan{std::move(search.result.best), ""};
+  std::shared_ptr<const ModelSpec> bestModel;
+  if (!r.ranked.empty()) {
+    const PlanCandidate &best = r.candidates[r.ranked.front()];
+    bestModel = std::make_shared<const ModelSpec>(
+        modelVariant(search.model, best.microbatchSize, best.recompute));
+  }
+  out["best"] =
+      PyPlan{std::move(search.result.best), "", std::move(bestModel), search.cluster.peakTflops};
   return out;
 }
 
@@ -244,6 +256,21 @@ void bindPlan(py::module_ &m) {
       .def_property_readonly("num_instructions",
                              [](const PyPlan &p) { return p.plan.numInstructions(); })
       .def_property_readonly("import_report", [](const PyPlan &p) { return p.importReport; })
+      .def_property_readonly("throughput",
+                             [](const PyPlan &p) -> py::object {
+                               if (!p.modelSpec || p.plan.timeUnit != "ms")
+                                 return py::none();
+                               auto th = stepThroughput(*p.modelSpec, p.plan.parallel,
+                                                        p.plan.stats.stepTime, p.peakTflops);
+                               if (!th)
+                                 return py::none();
+                               py::dict d;
+                               d["tokens_per_second"] = th->tokensPerSecond;
+                               d["tokens_per_second_per_gpu"] = th->tokensPerSecondPerGpu;
+                               d["tflops_per_gpu"] = th->tflopsPerGpu;
+                               d["mfu"] = th->mfu;
+                               return d;
+                             })
       .def("json", [](const PyPlan &p) { return writePlanJson(p.plan); })
       .def(
           "text",
@@ -277,7 +304,10 @@ void bindCommands(py::module_ &m) {
       [](const std::vector<std::string> &flags) {
         Args args = parseFlags(flags, "compile");
         py::gil_scoped_release release;
-        return PyPlan{unwrap(compileWithFlags(args)), ""};
+        ClusterSpec cluster;
+        auto model = std::make_shared<ModelSpec>();
+        Plan plan = unwrap(compileWithFlags(args, &cluster, model.get()));
+        return PyPlan{std::move(plan), "", std::move(model), cluster.peakTflops};
       },
       "compile(flags): `pipec compile` with CLI flags; --model-json/--cluster-json take JSON text");
 
@@ -305,11 +335,14 @@ void bindCommands(py::module_ &m) {
         Args args = parseFlags(flags, "import");
         py::gil_scoped_release release;
         ImportedOrder order;
-        ImportResult result = unwrap(importWithFlags(args, text, source, nullptr, &order));
+        ClusterSpec cluster;
+        auto model = std::make_shared<ModelSpec>();
+        ImportResult result =
+            unwrap(importWithFlags(args, text, source, &cluster, &order, model.get()));
         std::string report = importReport(order, result, source);
         if (!report.empty() && report.back() == '\n')
           report.pop_back();
-        return PyPlan{std::move(result.plan), report};
+        return PyPlan{std::move(result.plan), report, std::move(model), cluster.peakTflops};
       },
       "import_schedule(text, source, flags): `pipec import` of text read from source");
 }
@@ -334,7 +367,7 @@ void bindFiles(py::module_ &m) {
       "load_plan",
       [](const std::string &path) {
         py::gil_scoped_release release;
-        return PyPlan{unwrap(loadPlan(path)), ""};
+        return PyPlan{unwrap(loadPlan(path)), "", nullptr, 0};
       },
       "load_plan(path): a pipeplan/1 file (its streams are checked by validate, not here)");
 
@@ -342,7 +375,7 @@ void bindFiles(py::module_ &m) {
       "parse_plan",
       [](const std::string &text, const std::string &source) {
         py::gil_scoped_release release;
-        return PyPlan{unwrap(parsePlanJson(text, source)), ""};
+        return PyPlan{unwrap(parsePlanJson(text, source)), "", nullptr, 0};
       },
       "parse_plan(text, source): pipeplan/1 JSON text");
 

@@ -243,6 +243,16 @@ class Plan:
         """For a plan made by import_torch_csv: what was inferred and which schedule it is."""
         return self._h.import_report
 
+    @property
+    def throughput(self) -> dict | None:
+        """The step as published runs report it, for a transformer plan that compile,
+        import_torch_csv or plan made (what `pipec compile` prints on its throughput: line):
+        tokens_per_second (every microbatch of every replica), tokens_per_second_per_gpu,
+        tflops_per_gpu (model FLOPs: forward and both backward passes, no recomputation) and
+        mfu (a fraction of the cluster device's peak). None for an abstract model's plan and
+        for one read from JSON (load, loads), which does not carry its model."""
+        return self._h.throughput
+
     def __repr__(self) -> str:
         st = self.stats
         bubble = "" if st.bubble_ratio is None else f", bubble ratio {st.bubble_ratio:.4f}"

@@ -55,6 +55,46 @@ def test_compile_gives_the_commands_plan_byte_for_byte(args, tmp_path):
     assert plan.json == out.read_text()
 
 
+def test_throughput_is_the_commands_line_and_the_closed_form(uniform8, tmp_path):
+    # GPT-3 175B at tp 4, pp 8 (6 virtual stages), dp 16 on the H100 spec: the numbers of
+    # `pipec compile`'s throughput: line, and tokens/s and model FLOP/s from the step time by the
+    # closed form of contracts.md (matrices 3·b·s·(8h² + 4hf) per block, causal attention
+    # 12·h·b·Σ(t+1), the head 3·2·b·s·h·v).
+    flags = {"vpp": 6, "tp": 4, "dp": 16, "cluster": example("h100-nemo.json"),
+             "sequence_parallel": True, "distributed_optimizer": True}
+    plan = pipec.compile(example("gpt3-175b.json"), "interleaved-1f1b", pp=8, microbatches=128,
+                         **flags)
+    th = plan.throughput
+    seconds, gpus = plan.stats.step_time / 1000, 4 * 8 * 16
+    l, h, f, v, s, b, m, dp = 96, 12288, 49152, 51200, 2048, 1, 128, 16
+    assert th["tokens_per_second"] == pytest.approx(m * dp * b * s / seconds)
+    assert th["tokens_per_second_per_gpu"] == pytest.approx(m * dp * b * s / seconds / gpus)
+    per_microbatch = (l * (3 * b * s * (8 * h * h + 4 * h * f) + 12 * h * b * s * (s + 1) / 2)
+                      + 3 * 2 * b * s * h * v)
+    tflops = per_microbatch * m * dp / seconds / gpus / 1e12
+    assert th["tflops_per_gpu"] == pytest.approx(tflops)
+    assert th["mfu"] == pytest.approx(tflops / 989)
+    r = run_pipec("compile", "--model", example("gpt3-175b.json"), "--schedule",
+                  "interleaved-1f1b", "--pp", "8", "--microbatches", "128", "--vpp", "6", "--tp",
+                  "4", "--dp", "16", "--cluster", example("h100-nemo.json"),
+                  "--sequence-parallel", "--distributed-optimizer")
+    assert r.returncode == 0, r.stderr
+    assert (f"throughput: {th['tokens_per_second']:.0f} tokens/s "
+            f"({th['tokens_per_second_per_gpu']:.0f} per GPU), {th['tflops_per_gpu']:.1f} TFLOP/s "
+            f"per GPU of model FLOPs, MFU {100 * th['mfu']:.1f}%") in r.stdout
+    # Re-simulated, the same; an abstract model's plan and one read from JSON have none.
+    assert pipec.simulate(plan).throughput == th
+    saved = tmp_path / "plan.json"
+    plan.save(str(saved))
+    assert pipec.load(str(saved)).throughput is None
+    assert pipec.compile(uniform8, "1f1b", pp=4, microbatches=8).throughput is None
+    best = pipec.plan(example("gpt3-175b.json"), 512, 2048, cluster=example("h100-nemo.json"),
+                      tp=[4], pp=[8], schedules=["1f1b"], microbatch_sizes=[1], top=1, threads=1)
+    row = best.ranked[0]
+    assert best.best.throughput["tokens_per_second"] == pytest.approx(
+        2048 * 2048 / (row["step_time"] / 1000))
+
+
 def test_a_llama_model_carries_its_block_into_the_plan():
     plan = pipec.compile(example("llama3-8b.json"), "1f1b", pp=4, microbatches=8, tp=8)
     block = plan.to_dict()["transformer"]
