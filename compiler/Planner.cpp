@@ -66,7 +66,7 @@ std::string scheduleLabel(const PlanCandidate &c) {
   return c.parallel.pp == 1 && !c.schedule.empty() ? kNoPipelineLabel : c.schedule;
 }
 
-std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options) {
+std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options, bool transformer) {
   const ParallelConfig &pc = c.parallel;
   std::string out = fmt::format("--schedule {} --pp {}", c.schedule, pc.pp);
   if (pc.vpp != 1)
@@ -78,6 +78,8 @@ std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options) 
   if (pc.cp > 1)
     out += fmt::format(" --cp {}", pc.cp);
   out += fmt::format(" --dp {} --recompute {}", pc.dp, toString(c.recompute).str());
+  if (transformer)
+    out += fmt::format(" --microbatch-size {}", c.microbatchSize);
   if (pc.sequenceParallel)
     out += " --sequence-parallel";
   if (pc.distributedOptimizer)

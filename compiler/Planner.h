@@ -205,9 +205,10 @@ int64_t headroomFor(int64_t minHeadroom, double percent, int64_t limit);
 int64_t limitThatFits(int64_t minHeadroom, double percent, int64_t peak);
 
 /// The `pipec compile` flags that build candidate `c` (less --model and --cluster): its schedule
-/// (1f1b for no-pipeline), parallel sizes, recomputation, sequence parallelism, distributed
-/// optimizer, zb-auto's --memory-limit and, where it was scored with them, --costs.
-std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options);
+/// (1f1b for no-pipeline), parallel sizes, recomputation, a `transformer`'s microbatch size,
+/// sequence parallelism, distributed optimizer, zb-auto's --memory-limit and, where it was
+/// scored with them, --costs.
+std::string compileFlags(const PlanCandidate &c, const PlannerOptions &options, bool transformer);
 
 /// Whether `costs` covers candidate `c`: its stage count (pp x vpp), sub-sequences and, where
 /// the file lists ranks, its pipeline ranks are the profiled plan's. (The tp, microbatch size,

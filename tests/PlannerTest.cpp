@@ -1311,8 +1311,8 @@ TEST(PlannerCliTest, TheCompileLineOfAnAbstractModelRuns) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.out, m,
-                                std::regex("\ncompile: pipec compile --model M.json "
-                                           "(.*--recompute none)\n")))
+                                std::regex("\ncompile: pipec compile --model "
+                                           "examples/uniform-8.json (.*--recompute none)\n")))
       << r.out;
   Result c = run("tools/pipec compile --model examples/uniform-8.json " + std::string(m[1]));
   EXPECT_EQ(c.code, 0) << c.out << c.err;
@@ -1323,20 +1323,33 @@ TEST(PlannerCliTest, TheCompileLineOfAnAbstractModelRuns) {
             std::string::npos)
       << full.err;
   EXPECT_EQ(r.out.find("microbatch_size"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("--microbatch-size"), std::string::npos) << r.out;
+  // And compile refuses one for such a model, with one line.
+  Result size = run("tools/pipec compile --model examples/uniform-8.json --schedule 1f1b --pp 2 "
+                    "--microbatches 4 --microbatch-size 2");
+  EXPECT_EQ(size.code, 2) << size.out << size.err;
+  EXPECT_NE(size.err.find("--microbatch-size: the model is an abstract layer list"),
+            std::string::npos)
+      << size.err;
 }
 
 TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
-  // `pipec plan` prints the compile flags of its best plan; `pipec compile` with them (and the
-  // microbatch size in the model spec) writes a plan of the same step time and peaks, here for
-  // BLOOM-176B's layout, which fits only with ZeRO-1. The files sit in a directory whose name
-  // a shell would split and expand (a space, a quote, a `$`): the line quotes the --cluster
-  // path as one word, so that pasted into sh it reads the same spec.
+  // `pipec plan` prints the compile command of its best plan; run as printed, it writes a plan
+  // of the same step time and peaks, here for BLOOM-176B's layout, which fits only with ZeRO-1.
+  // The model spec says microbatch size 1 and the search takes 2: the line's --microbatch-size
+  // carries it. The files sit in a directory whose name a shell would split and expand (a
+  // space, a quote, a `$`): the line quotes the --model and --cluster paths as one word each,
+  // so that pasted into sh it reads the same specs.
   const std::string dir = testing::tmpDir() + "/it's a $HOME dir";
   std::filesystem::create_directories(dir);
   const std::string model = dir + "/bloom.json", best = dir + "/bloom-best.json",
                     again = dir + "/bloom-compiled.json", csv = dir + "/bloom.csv",
                     cluster = dir + "/my cluster.json";
-  std::ofstream(model) << kBloom;
+  std::string bloom = kBloom;
+  const std::string two = "\"microbatch_size\": 2";
+  ASSERT_NE(bloom.find(two), std::string::npos);
+  bloom.replace(bloom.find(two), two.size(), "\"microbatch_size\": 1");
+  std::ofstream(model) << bloom;
   std::filesystem::copy_file("examples/a100-80g.json", cluster,
                              std::filesystem::copy_options::overwrite_existing);
   Result r =
@@ -1348,15 +1361,15 @@ TEST(PlannerCliTest, TheReportedCompileFlagsReproduceTheBestPlan) {
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find(" recompute SP  ZeRO "), std::string::npos) << r.out;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m,
-                                std::regex("\ncompile: pipec compile --model M.json (.*) "
-                                           "\\(microbatch_size 2 in M.json\\)\n")))
-      << r.out;
-  const std::string flags = m[1];
+  const std::string head = "\ncompile: pipec compile --model " + shellWord(model) + " ";
+  const size_t at = r.out.find(head);
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string flags =
+      r.out.substr(at + head.size(), r.out.find('\n', at + 1) - at - head.size());
   // The search's cluster is part of the line: without it compile would cost another cluster.
   EXPECT_EQ(flags.rfind("--cluster " + shellWord(cluster) + " ", 0), 0u) << flags;
   EXPECT_NE(flags.find("--distributed-optimizer"), std::string::npos) << flags;
-  EXPECT_NE(flags.find("--recompute full"), std::string::npos) << flags;
+  EXPECT_NE(flags.find("--recompute full --microbatch-size 2"), std::string::npos) << flags;
   Result c = run(fmt::format("tools/pipec compile --model {} {} -o {} --quiet", shellWord(model),
                              flags, shellWord(again)));
   ASSERT_EQ(c.code, 0) << c.out << c.err;
@@ -1410,9 +1423,8 @@ TEST(PlannerCliTest, PlanTakesACostsFileAndSaysWhichRowsItScored) {
   Result measured = run(base + "--pp 2 --schedules 1f1b --seq-splits 1 --top 1 --costs " +
                         shellWord(costs) + " -o " + dir + "/measured.json");
   ASSERT_EQ(measured.code, 0) << measured.out << measured.err;
-  EXPECT_NE(measured.out.find(" --costs '" + costs + "' (microbatch_size 2 in M.json)\n"),
-            std::string::npos)
-      << measured.out;
+  EXPECT_NE(measured.out.find(" --microbatch-size 2 "), std::string::npos) << measured.out;
+  EXPECT_NE(measured.out.find(" --costs '" + costs + "'\n"), std::string::npos) << measured.out;
   // Plans timed from the profile alone rest on no cluster's factors: no calibration line;
   // with model rows among them, the line says those rest on unchecked ones.
   EXPECT_EQ(measured.out.find("calibration:"), std::string::npos) << measured.out;
@@ -1485,9 +1497,10 @@ TEST(PlannerCliTest, AVocabularyTpDoesNotDivideIsPaddedAsMegatronPadsIt) {
   Result r = run("tools/pipec plan --model " + model +
                  " --gpus 8 --global-batch 16 --tp 4 --top 1 -o " + best + " --csv " + csv);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("\nnote: tp 4 does not divide vocab_size 50257: Megatron-LM pads it (to "
-                       "50688, a multiple of 128 x tp); piperun needs it padded in M.json\n"),
-            std::string::npos)
+  EXPECT_NE(
+      r.out.find("\nnote: tp 4 does not divide vocab_size 50257: Megatron-LM pads it (to "
+                 "50688, a multiple of 128 x tp); piperun needs it padded in the model spec\n"),
+      std::string::npos)
       << r.out;
   EXPECT_EQ(testing::slurp(csv).find("vocab"), std::string::npos);
   auto plan = nlohmann::json::parse(testing::slurp(best));
@@ -1529,8 +1542,8 @@ TEST(PlannerCliTest, PartitionEvenPlansWithMegatronsSplitOnly) {
             std::string::npos);
   std::smatch line;
   ASSERT_TRUE(std::regex_search(r.out, line,
-                                std::regex("compile: pipec compile --model M.json "
-                                           "(.*--partition even) \\(")))
+                                std::regex("compile: pipec compile --model "
+                                           "examples/llama3-8b.json (.*--partition even)\n")))
       << r.out;
   Result c = run("tools/pipec compile --model examples/llama3-8b.json " + line[1].str() +
                  " --quiet -o " + again);

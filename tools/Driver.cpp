@@ -178,6 +178,16 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut,
     if (model.transformer)
       recomputeFromString(**recompute, model.transformer->recompute);
   }
+  if (args.has("--microbatch-size")) {
+    auto size = args.integer("--microbatch-size");
+    if (!size)
+      return size.takeError();
+    if (!model.transformer)
+      return inputError("--microbatch-size: the model is an abstract layer list with given "
+                        "costs; the microbatch size applies to a \"transformer\" model (its "
+                        "costs are per microbatch already)");
+    model.transformer->microbatchSize = *size;
+  }
   auto plan = compilePlan(model, cluster, *o, kVerifyEachPass);
   if (!plan)
     return plan.takeError();

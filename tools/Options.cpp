@@ -171,6 +171,11 @@ constexpr auto kCompile = join(
         choice("--recompute", "none|selective|full",
                "activation recomputation (transformer models)")
             .eg("full"),
+        integer("--microbatch-size", "B",
+                "sequences per microbatch (transformer models; default: the model spec's "
+                "microbatch_size)",
+                1, kMaxMicrobatchSize, 0)
+            .eg("2"),
         kSequenceParallel,
         kDistributedOptimizer,
         choice(

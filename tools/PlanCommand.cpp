@@ -222,16 +222,15 @@ llvm::Error runPlanCommand(int argc, char **argv) {
           ? fmt::format(" (zb-auto under {} of activations per rank)", humanBytes(best.zbAutoLimit))
           : "",
       costs ? (best.measured ? ", scored with the measured costs" : ", scored by the model") : "");
-  // The same figures from `pipec compile` (the model spec's microbatch_size set to the plan's).
-  // (With the search's --cluster: compiled on the default cluster the plan's costs and memory
-  // would be another cluster's.)
+  // The same figures from `pipec compile`, a line to paste into a shell. (With the search's
+  // --cluster: compiled on the default cluster the plan's costs and memory would be another
+  // cluster's.)
+  std::optional<std::string> modelPath = args->path("--model");
   std::optional<std::string> clusterPath = args->path("--cluster");
-  fmt::print("compile: pipec compile --model M.json {}{}{}\n",
+  fmt::print("compile: pipec compile --model {} {}{}\n",
+             modelPath ? shellWord(*modelPath) : std::string("M.json"),
              clusterPath ? "--cluster " + shellWord(*clusterPath) + " " : std::string(),
-             compileFlags(best, o),
-             model->isTransformer()
-                 ? fmt::format(" (microbatch_size {} in M.json)", best.microbatchSize)
-                 : std::string());
+             compileFlags(best, o, model->isTransformer()));
   // What piperun refuses to run (tools/piperun.cpp), and the flags that plan what it runs.
   std::vector<std::string> notRun, flags;
   if (best.recompute != Recompute::None) {
@@ -258,7 +257,7 @@ llvm::Error runPlanCommand(int argc, char **argv) {
   if (model->transformer && model->transformer->vocabSize % best.parallel.tp != 0) {
     const int64_t multiple = 128 * int64_t(best.parallel.tp), v = model->transformer->vocabSize;
     fmt::print("note: tp {} does not divide vocab_size {}: Megatron-LM pads it (to {}, a "
-               "multiple of 128 x tp); piperun needs it padded in M.json\n",
+               "multiple of 128 x tp); piperun needs it padded in the model spec\n",
                best.parallel.tp, v, (v + multiple - 1) / multiple * multiple);
   }
   if (model->transformer &&

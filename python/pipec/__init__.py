@@ -412,6 +412,7 @@ def compile(model, schedule: str, pp: int, microbatches: int, **flags: Any) -> P
     flags: `pipec compile`'s flags by their Python names (options("compile")): vpp, seq_splits,
     tp, dp, cp (int), cluster (a pipecluster/1 dict or path), memory_limit (an int of bytes, or a
     str such as "80GiB"), microbatch_group_size (int), recompute ("none", "selective", "full"),
+    microbatch_size (int; overrides the transformer spec's),
     sequence_parallel, distributed_optimizer (bool), seq_split_by ("time", "flops"), costs (the path of measured costs, pipecost/1:
     `piperun --profile` or pipec.torch.profile).
     A wrong type raises ArgumentTypeError (a TypeError) naming the argument.

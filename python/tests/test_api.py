@@ -82,6 +82,11 @@ def test_throughput_is_the_commands_line_and_the_closed_form(uniform8, tmp_path)
     assert (f"throughput: {th['tokens_per_second']:.0f} tokens/s "
             f"({th['tokens_per_second_per_gpu']:.0f} per GPU), {th['tflops_per_gpu']:.1f} TFLOP/s "
             f"per GPU of model FLOPs, MFU {100 * th['mfu']:.1f}%") in r.stdout
+    # --microbatch-size (microbatch_size=) overrides the spec's 1: twice the tokens a step.
+    two = pipec.compile(example("gpt3-175b.json"), "interleaved-1f1b", pp=8, microbatches=128,
+                        microbatch_size=2, **flags)
+    assert two.throughput["tokens_per_second"] * two.stats.step_time / 1000 == pytest.approx(
+        m * dp * 2 * s)
     # Re-simulated, the same; an abstract model's plan and one read from JSON have none.
     assert pipec.simulate(plan).throughput == th
     saved = tmp_path / "plan.json"
