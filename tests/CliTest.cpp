@@ -111,6 +111,42 @@ TEST(CliTest, ATransformersSummaryGivesThroughputAsPublishedRunsDo) {
   EXPECT_EQ(abstract.out.find("throughput:"), std::string::npos) << abstract.out;
 }
 
+TEST(CliTest, MicrobatchSizeOverridesTheSpecInCompileAndImport) {
+  // tiny-gpt's spec says microbatch size 2. --microbatch-size 4 gives the plan of a spec that
+  // says 4 (the same step time, twice the tokens of a step), in compile and in import of the
+  // same order; an abstract model's costs are per microbatch: exit 2, one line, no file.
+  const std::string dir = tmpDir(), four = dir + "/tiny-gpt-4.json", plan = dir + "/t.json",
+                    csv = dir + "/t.csv";
+  std::string spec = slurp("examples/tiny-gpt.json");
+  const std::string two = "\"microbatch_size\": 2";
+  ASSERT_NE(spec.find(two), std::string::npos);
+  spec.replace(spec.find(two), two.size(), "\"microbatch_size\": 4");
+  spit(four, spec);
+  const std::string layout = " --schedule 1f1b --pp 2 --microbatches 4 ";
+  auto stepLine = [](const std::string &out) {
+    size_t at = out.find("\nmakespan ");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at + 1) - at);
+  };
+  Result fromSpec = pipec("compile --model " + four + layout + "-o " + plan);
+  ASSERT_EQ(fromSpec.code, 0) << fromSpec.err;
+  Result flag = pipec("compile --model examples/tiny-gpt.json" + layout + "--microbatch-size 4");
+  ASSERT_EQ(flag.code, 0) << flag.err;
+  EXPECT_EQ(stepLine(flag.out), stepLine(fromSpec.out)) << flag.out;
+  Result spec2 = pipec("compile --model examples/tiny-gpt.json" + layout);
+  ASSERT_EQ(spec2.code, 0) << spec2.err;
+  EXPECT_NE(stepLine(spec2.out), stepLine(fromSpec.out)) << spec2.out;
+  ASSERT_EQ(pipec("export " + plan + " --format torch-csv -o " + csv).code, 0);
+  Result imported = pipec("import " + csv + " --model examples/tiny-gpt.json --microbatch-size 4");
+  ASSERT_EQ(imported.code, 0) << imported.err;
+  EXPECT_EQ(stepLine(imported.out), stepLine(fromSpec.out)) << imported.out;
+  expectBadInput("compile --model examples/uniform-8.json" + layout + "--microbatch-size 4",
+                 "--microbatch-size: the model is an abstract layer list with given costs");
+  expectBadInput("import " + csv + " --model examples/uniform-8.json --microbatch-size 4",
+                 "--microbatch-size: the model is an abstract layer list with given costs");
+  expectBadInput("compile --model examples/tiny-gpt.json" + layout + "--microbatch-size 0",
+                 "--microbatch-size");
+}
+
 TEST(CliTest, ATransformersTimesOnAnUncalibratedClusterSaySo) {
   // The embedded default cluster and a spec without a calibration record time a transformer
   // with factors no published run has checked: compile and import say so under the summary and

@@ -157,6 +157,22 @@ llvm::Expected<CompileOptions> compileOptionsFromFlags(const Args &args) {
   return o;
 }
 
+/// --microbatch-size (compile, import): the transformer spec's microbatch_size overridden, as
+/// --recompute overrides its recompute; an abstract model's costs are per microbatch already.
+static llvm::Error microbatchSizeFromFlags(const Args &args, ModelSpec &model) {
+  if (!args.has("--microbatch-size"))
+    return llvm::Error::success();
+  auto size = args.integer("--microbatch-size");
+  if (!size)
+    return size.takeError();
+  if (!model.transformer)
+    return inputError("--microbatch-size: the model is an abstract layer list with given costs; "
+                      "the microbatch size applies to a \"transformer\" model (its costs are per "
+                      "microbatch already)");
+  model.transformer->microbatchSize = *size;
+  return llvm::Error::success();
+}
+
 llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut,
                                       ModelSpec *modelOut) {
   auto o = compileOptionsFromFlags(args);
@@ -178,16 +194,8 @@ llvm::Expected<Plan> compileWithFlags(const Args &args, ClusterSpec *clusterOut,
     if (model.transformer)
       recomputeFromString(**recompute, model.transformer->recompute);
   }
-  if (args.has("--microbatch-size")) {
-    auto size = args.integer("--microbatch-size");
-    if (!size)
-      return size.takeError();
-    if (!model.transformer)
-      return inputError("--microbatch-size: the model is an abstract layer list with given "
-                        "costs; the microbatch size applies to a \"transformer\" model (its "
-                        "costs are per microbatch already)");
-    model.transformer->microbatchSize = *size;
-  }
+  if (auto err = microbatchSizeFromFlags(args, model))
+    return err;
   auto plan = compilePlan(model, cluster, *o, kVerifyEachPass);
   if (!plan)
     return plan.takeError();
@@ -218,6 +226,8 @@ llvm::Expected<ImportResult> importWithFlags(const Args &args, llvm::StringRef t
   ModelSpec model;
   ClusterSpec cluster;
   if (auto err = specsFromFlags(args, model, cluster))
+    return err;
+  if (auto err = microbatchSizeFromFlags(args, model))
     return err;
   auto order = parseSchedule(text, source);
   if (!order)

@@ -138,6 +138,12 @@ constexpr Opt kSequenceParallel =
     sw("--sequence-parallel", "Megatron's sequence parallelism (with --tp)");
 constexpr Opt kDistributedOptimizer =
     sw("--distributed-optimizer", "ZeRO-1: the optimizer state sharded over --dp (x --cp)");
+constexpr Opt kMicrobatchSize =
+    integer("--microbatch-size", "B",
+            "sequences per microbatch (transformer models; default: the model spec's "
+            "microbatch_size)",
+            1, kMaxMicrobatchSize, 0)
+        .eg("2");
 constexpr Opt kShow = sw("--show", "print the rank x step grid after the summary").cli();
 constexpr Opt kTrace =
     path("--trace", "trace.json", "write the simulated timeline as a Chrome/Perfetto trace").cli();
@@ -171,11 +177,7 @@ constexpr auto kCompile = join(
         choice("--recompute", "none|selective|full",
                "activation recomputation (transformer models)")
             .eg("full"),
-        integer("--microbatch-size", "B",
-                "sequences per microbatch (transformer models; default: the model spec's "
-                "microbatch_size)",
-                1, kMaxMicrobatchSize, 0)
-            .eg("2"),
+        kMicrobatchSize,
         kSequenceParallel,
         kDistributedOptimizer,
         choice(
@@ -213,6 +215,7 @@ constexpr auto kImport = join(
     kLayoutFlags,
     {
         text("--schedule", "NAME", "the schedule the order must be (else whichever it is)"),
+        kMicrobatchSize,
         path("-o", "plan.json", "write the plan").aka("--output").cli(),
         kShow,
         kTrace,
