@@ -177,6 +177,18 @@ py::list optionsOf(const std::string &command) {
   return out;
 }
 
+/// A step's throughput (Plan.throughput, a ranked layout's "throughput"), or None.
+py::object throughputDict(const std::optional<StepThroughput> &th) {
+  if (!th)
+    return py::none();
+  py::dict d;
+  d["tokens_per_second"] = th->tokensPerSecond;
+  d["tokens_per_second_per_gpu"] = th->tokensPerSecondPerGpu;
+  d["tflops_per_gpu"] = th->tflopsPerGpu;
+  d["mfu"] = th->mfu;
+  return d;
+}
+
 /// One ranked layout of `pipec plan`, as its table row says it.
 py::dict rankedDict(const PlanSearch &s, size_t i) {
   const PlannerResult &r = s.result;
@@ -202,6 +214,9 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   d["headroom_bytes"] = r.memoryLimit - c.peakMemoryBytes;
   if (s.model.isTransformer() && i < r.modelFlops.size())
     d["model_flops"] = r.modelFlops[i];
+  // The table's tokens/s, TFLOP/s and MFU columns.
+  d["throughput"] = throughputDict(stepThroughput(
+      modelVariant(s.model, c.microbatchSize, c.recompute), pc, c.stepTime, s.cluster.peakTflops));
   if (c.zbAutoLimit)
     d["zb_auto_limit"] = c.zbAutoLimit;
   // The cluster spec's calibration record for this schedule (pipec plan's "calibration:" line).
@@ -260,16 +275,9 @@ void bindPlan(py::module_ &m) {
                              [](const PyPlan &p) -> py::object {
                                if (!p.modelSpec || p.plan.timeUnit != "ms")
                                  return py::none();
-                               auto th = stepThroughput(*p.modelSpec, p.plan.parallel,
-                                                        p.plan.stats.stepTime, p.peakTflops);
-                               if (!th)
-                                 return py::none();
-                               py::dict d;
-                               d["tokens_per_second"] = th->tokensPerSecond;
-                               d["tokens_per_second_per_gpu"] = th->tokensPerSecondPerGpu;
-                               d["tflops_per_gpu"] = th->tflopsPerGpu;
-                               d["mfu"] = th->mfu;
-                               return d;
+                               return throughputDict(stepThroughput(*p.modelSpec, p.plan.parallel,
+                                                                    p.plan.stats.stepTime,
+                                                                    p.peakTflops));
                              })
       .def("json", [](const PyPlan &p) { return writePlanJson(p.plan); })
       .def(

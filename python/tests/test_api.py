@@ -98,6 +98,8 @@ def test_throughput_is_the_commands_line_and_the_closed_form(uniform8, tmp_path)
     row = best.ranked[0]
     assert best.best.throughput["tokens_per_second"] == pytest.approx(
         2048 * 2048 / (row["step_time"] / 1000))
+    assert row["throughput"] == best.best.throughput
+    assert pipec.plan(uniform8, 8, 16, top=1).ranked[0]["throughput"] is None
 
 
 def test_a_llama_model_carries_its_block_into_the_plan():
