@@ -198,7 +198,6 @@ struct Variant {
   int64_t microbatchSize;
   Recompute recompute;
   ModelSpec model;
-  double flopsPerMicrobatch = 0;
   /// Whole-sequence F + B + W of one microbatch through every layer, by tp (for ordering).
   std::map<std::pair<int, int>, double> timeByTp; // by (tp, cp)
 };
@@ -442,7 +441,6 @@ size_t Search::variantFor(int64_t b, Recompute r) {
   v.microbatchSize = b;
   v.recompute = r;
   v.model = modelVariant(model, b, r);
-  v.flopsPerMicrobatch = v.model.modelFlopsPerMicrobatch();
   variants.push_back(std::move(v));
   return variants.size() - 1;
 }
@@ -1534,9 +1532,6 @@ llvm::Expected<PlannerResult> Search::run() {
   for (size_t i = 0; i < fitting.size() && i < top; ++i) {
     cands[fitting[i]].outcome = Outcome::Ranked;
     result.ranked.push_back(fitting[i]);
-    const Variant &v = variants[variantOf[fitting[i]]];
-    const ParallelConfig &pc = cands[fitting[i]].parallel;
-    result.modelFlops.push_back(v.flopsPerMicrobatch * pc.microbatches * pc.dp);
   }
   if (model.transformer)
     result.tokensPerStep = o.globalBatch * model.transformer->seqLength;

@@ -174,8 +174,8 @@ struct PlannerResult {
   /// The best candidate's compiled, verified plan (empty when nothing fits).
   Plan best;
   int64_t memoryLimit = 0;
-  /// Model FLOPs of one step (no recomputation) and the tokens it trains; 0 for abstract models.
-  std::vector<double> modelFlops; // per ranked entry
+  /// The tokens one step trains; 0 for abstract models. (A ranked entry's model FLOPs and
+  /// throughput: stepThroughput.)
   int64_t tokensPerStep = 0;
 };
 

@@ -80,7 +80,8 @@ std::optional<StepThroughput> stepThroughput(const ModelSpec &model, const Paral
   StepThroughput out;
   out.tokensPerSecond = sequences * double(t.seqLength) / seconds;
   out.tokensPerSecondPerGpu = out.tokensPerSecond / gpus;
-  double perGpu = model.modelFlopsPerMicrobatch() * pc.microbatches * pc.dp / seconds / gpus;
+  out.modelFlops = model.modelFlopsPerMicrobatch() * pc.microbatches * pc.dp;
+  double perGpu = out.modelFlops / seconds / gpus;
   out.tflopsPerGpu = perGpu / 1e12;
   out.mfu = peakTflops > 0 ? perGpu / (peakTflops * 1e12) : 0;
   return out;

@@ -59,9 +59,10 @@ std::optional<std::string> contextParallelProblem(const std::optional<Transforme
 
 /// A training step's throughput, as published runs report it: tokens per second over all the
 /// GPUs and per GPU, model FLOP/s per GPU (Model::modelFlopsPerMicrobatch: no recomputation
-/// counted) and that as a fraction of the device's peak (MFU).
+/// counted) and that as a fraction of the device's peak (MFU); and the step's model FLOPs.
 struct StepThroughput {
   double tokensPerSecond = 0, tokensPerSecondPerGpu = 0, tflopsPerGpu = 0, mfu = 0;
+  double modelFlops = 0;
 };
 
 /// The throughput of a step of `stepMs` milliseconds that runs pc.microbatches microbatches of

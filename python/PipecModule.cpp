@@ -212,11 +212,12 @@ py::dict rankedDict(const PlanSearch &s, size_t i) {
   d["bubble"] = c.bubble;
   d["peak_memory_bytes"] = c.peakMemoryBytes;
   d["headroom_bytes"] = r.memoryLimit - c.peakMemoryBytes;
-  if (s.model.isTransformer() && i < r.modelFlops.size())
-    d["model_flops"] = r.modelFlops[i];
-  // The table's tokens/s, TFLOP/s and MFU columns.
-  d["throughput"] = throughputDict(stepThroughput(
-      modelVariant(s.model, c.microbatchSize, c.recompute), pc, c.stepTime, s.cluster.peakTflops));
+  // The table's tokens/s, TFLOP/s and MFU columns, and the step's model FLOPs.
+  auto th = stepThroughput(modelVariant(s.model, c.microbatchSize, c.recompute), pc, c.stepTime,
+                           s.cluster.peakTflops);
+  if (th)
+    d["model_flops"] = th->modelFlops;
+  d["throughput"] = throughputDict(th);
   if (c.zbAutoLimit)
     d["zb_auto_limit"] = c.zbAutoLimit;
   // The cluster spec's calibration record for this schedule (pipec plan's "calibration:" line).
